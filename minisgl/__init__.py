@@ -1,0 +1,15 @@
+"""minisgl: a small, tensor-parallel LLM serving engine.
+
+`from minisgl import LLM, SamplingParams` is the offline API; `./serve` starts the service.
+"""
+
+from minisgl.core import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str) -> object:
+    if name == "LLM":  # imported on first use: the offline API pulls in torch models and tokenizers
+        from minisgl.llm import LLM
+        return LLM
+    raise AttributeError(f"module 'minisgl' has no attribute {name!r}")

@@ -1,0 +1,36 @@
+"""The attention backend interface.
+
+A backend is built once per engine with the KV pool and the page table. Per batch, `prepare`
+turns the batch's lengths into whatever metadata its kernels need (kept in `batch.attn_meta`);
+per layer, `forward` stores the new tokens' K/V into their slots and attends over the request's
+whole sequence (cached prefix plus new tokens, causally).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from minisgl.core import Batch
+from minisgl.kvcache import KVPool
+
+
+class AttentionBackend(ABC):
+    def __init__(self, pool: KVPool, page_table: torch.Tensor, num_heads: int,
+                 num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.pool = pool
+        self.page_table = page_table  # [rows, max_context] int32 slot ids, written by the scheduler
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    @abstractmethod
+    def prepare(self, batch: Batch) -> None:
+        """Build `batch.attn_meta` from batch.reqs / prefix_lens / extend_lens (device tensors)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                batch: Batch) -> torch.Tensor:
+        """q [T, heads, d], k/v [T, kv_heads, d] for the batch's T new tokens -> [T, heads * d]."""

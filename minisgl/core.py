@@ -1,0 +1,155 @@
+"""The nouns every layer shares: sampling parameters, requests and batches.
+
+`SamplingParams` crosses process boundaries (it is inside `message.UserMsg`); `Req` and `Batch`
+live inside one scheduler rank. Every field of a `Req` that shapes a batch is a pure function of the
+messages the rank received, so all ranks hold identical `Req` objects (the lockstep invariant of
+ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    `temperature == 0` (or `top_k == 1`) means greedy. `top_k <= 0` and `top_p == 1` and
+    `min_p == 0` disable those filters. `seed` makes random sampling reproducible; without it the
+    request's uid seeds the noise (still identical on every rank).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    ignore_eos: bool = False
+    stop_token_ids: Tuple[int, ...] = ()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending value; called at every entry point."""
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
+            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for tok in self.stop_token_ids:
+            if not isinstance(tok, int) or tok < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {tok!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an EOS id, a stop token id, or (detokenizer side) a stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # the client went away or the request was cancelled
+
+
+@dataclass(eq=False)
+class Req:
+    """One request inside a scheduler rank.
+
+    `cached_len` tokens of `token_ids` have KV in the pool. `pages` are the KV pages backing
+    the sequence in order; the first `num_prefix_pages` belong to the prefix cache (locked through
+    `cache_handle`), the rest to this request. The request owns page-table row `table_row` from
+    admission until the scheduler retires it (exactly once, on finish or abort).
+    """
+
+    uid: int
+    token_ids: List[int]  # prompt followed by every generated token
+    prompt_len: int
+    params: SamplingParams
+    eos_ids: Tuple[int, ...]
+    table_row: int = -1
+    cached_len: int = 0
+    pages: List[int] = field(default_factory=list)
+    num_prefix_pages: int = 0
+    cache_handle: object = None  # the cache manager's lock on the matched prefix
+    prefix_hit: int = 0  # prompt tokens taken from the prefix cache
+    reserved_pages: int = 0  # pages admission set aside for the whole request
+    finish_reason: Optional[FinishReason] = None
+
+    @property
+    def output_len(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def max_total_len(self) -> int:
+        return self.prompt_len + self.params.max_tokens
+
+    @property
+    def remaining_prefill(self) -> int:
+        """Tokens whose KV still has to be computed before the request can decode."""
+        return len(self.token_ids) - self.cached_len
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.cached_len < self.prompt_len
+
+    def append_token(self, token: int) -> Optional[FinishReason]:
+        """Record a sampled token and return why the request finished, if it did."""
+        self.token_ids.append(token)
+        stop_ids = self.params.stop_token_ids if self.params.ignore_eos else (
+            self.eos_ids + self.params.stop_token_ids)
+        if token in stop_ids:
+            self.finish_reason = FinishReason.STOP
+        elif self.output_len >= self.params.max_tokens:
+            self.finish_reason = FinishReason.LENGTH
+        return self.finish_reason
+
+
+class Phase(str, enum.Enum):
+    PREFILL = "prefill"  # extend: new prompt tokens (possibly a chunk) after a cached prefix
+    DECODE = "decode"  # one new token per request
+
+
+@dataclass(eq=False)
+class Batch:
+    """One forward pass: requests in a fixed order (by uid for decode) and the tensors built for it.
+
+    `extend_lens[i]` new tokens of `reqs[i]` are computed, starting at position `prefix_lens[i]`.
+    A request whose `sample[i]` is False is a partial prefill chunk: its logits are not sampled.
+    """
+
+    phase: Phase
+    reqs: List[Req]
+    prefix_lens: List[int]
+    extend_lens: List[int]
+    sample: List[bool]
+    # Filled by the engine when the batch is prepared for a forward pass.
+    input_ids: Optional[torch.Tensor] = None
+    positions: Optional[torch.Tensor] = None
+    out_slots: Optional[torch.Tensor] = None
+    attn_meta: object = None
+
+    @property
+    def size(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    @property
+    def seq_lens(self) -> List[int]:
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]

@@ -1,0 +1,50 @@
+"""What one rank's engine is built from (identical on every rank except `tp_info.rank`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from minisgl.distributed import DistributedInfo
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    tp_info: DistributedInfo
+    device: str = "cpu"  # "cpu" or "cuda" (rank r uses cuda:r)
+    dtype: torch.dtype = torch.float32
+    page_size: int = 16
+    max_running_requests: int = 256
+    max_kv_tokens: Optional[int] = None  # KV pool capacity; None: CPU 16384, GPU mem_fraction
+    mem_fraction: float = 0.85  # of the GPU memory free after weights, for the KV pool
+    load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights)
+    attention_backend: str = "auto"  # "auto", "torch" or "triton"
+    seed: int = 0
+    dist_init_method: str = "tcp://127.0.0.1:29500"
+    dist_timeout_s: float = 60.0
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if not 0 < self.mem_fraction < 1:
+            raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "cuda":
+            return torch.device("cuda", self.tp_info.rank)
+        return torch.device(self.device)
+
+    @property
+    def backend_name(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.device == "cuda" else "torch"

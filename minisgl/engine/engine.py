@@ -1,0 +1,118 @@
+"""One rank's forward pass: the model shard, the KV pool, the page table, attention and sampling.
+
+The scheduler decides what runs and writes slot ids into `page_table`; the engine turns a `Batch`
+into tensors, runs the model and returns the sampled tokens. Every rank holds an identical page
+table and an equally sized KV pool (the page count is the minimum over ranks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator, List
+
+import torch
+
+from minisgl.attention import AttentionBackend, make_backend
+from minisgl.core import Batch
+from minisgl.distributed import ProcessGroups, min_over_ranks
+from minisgl.engine.config import EngineConfig
+from minisgl.engine.sampler import make_sampling_tensors, sample
+from minisgl.kvcache import KVPool
+from minisgl.models import CausalLM, ModelConfig, model_class
+from minisgl.models.weights import init_dummy, iter_checkpoint
+
+logger = logging.getLogger(__name__)
+_CPU_DEFAULT_KV_TOKENS = 16384
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, groups: ProcessGroups) -> None:
+        self.cfg = cfg
+        self.device = cfg.torch_device
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.model_cfg = ModelConfig.from_dir(cfg.model_path)
+        self.model = self._load_model(groups)
+        self.max_context = self.model_cfg.max_context
+        self.num_pages = min_over_ranks(self._pages_that_fit(), groups.cpu_group)
+        local_kv_heads = self.model.model.layers[0].self_attn.qkv_proj.num_local_kv_heads
+        local_heads = self.model.model.layers[0].self_attn.qkv_proj.num_local_heads
+        self.pool = KVPool(self.model_cfg.num_layers, self.num_pages, cfg.page_size,
+                           local_kv_heads, self.model_cfg.head_dim, cfg.dtype, self.device)
+        # One spare row, so a row index never needs bounds checks in kernels.
+        self.page_table = torch.zeros((cfg.max_running_requests + 1, self.max_context),
+                                      dtype=torch.int32, device=self.device)
+        self.backend: AttentionBackend = make_backend(
+            cfg.backend_name, pool=self.pool, page_table=self.page_table, num_heads=local_heads,
+            num_kv_heads=local_kv_heads, head_dim=self.model_cfg.head_dim,
+            scale=self.model_cfg.head_dim ** -0.5)
+        logger.info("rank %d: engine ready: %d KV pages of %d tokens, backend %s",
+                    cfg.tp_info.rank, self.num_pages, cfg.page_size, cfg.backend_name)
+
+    def _load_model(self, groups: ProcessGroups) -> CausalLM:
+        cls = model_class(self.model_cfg.architecture)
+        with torch.device(self.device), _default_dtype(self.cfg.dtype):
+            model = cls(self.model_cfg, self.cfg.tp_info, groups.comm)
+        if self.cfg.load_format == "dummy":
+            init_dummy(model, self.cfg.seed)
+        else:
+            show = self.cfg.show_progress and self.cfg.tp_info.is_primary
+            model.load_weights(iter_checkpoint(self.cfg.model_path, show))
+        return model.eval()
+
+    def _pages_that_fit(self) -> int:
+        m = self.model_cfg
+        kv_heads = self.model.model.layers[0].self_attn.qkv_proj.num_local_kv_heads
+        per_page = KVPool.bytes_per_page(m.num_layers, self.cfg.page_size, kv_heads, m.head_dim,
+                                         self.cfg.dtype)
+        if self.cfg.max_kv_tokens is not None:
+            return -(-self.cfg.max_kv_tokens // self.cfg.page_size)
+        if self.device.type != "cuda":
+            return _CPU_DEFAULT_KV_TOKENS // self.cfg.page_size
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(free * self.cfg.mem_fraction) // per_page
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch) -> List[int]:
+        """Run the batch; return one sampled token per request (-1 where `sample` is False).
+
+        The scheduler has written the batch's slots into `page_table` and set `batch.out_slots`.
+        """
+        self._prepare(batch)
+        sampled = [i for i, s in enumerate(batch.sample) if s]
+        if not sampled:
+            self.model(batch.input_ids, batch.positions, batch, self.backend,
+                       torch.empty(0, dtype=torch.int64, device=self.device))
+            return [-1] * batch.size
+        ends = torch.tensor(batch.extend_lens, device=self.device).cumsum(0) - 1
+        rows = ends[torch.tensor(sampled, device=self.device)]
+        logits = self.model(batch.input_ids, batch.positions, batch, self.backend, rows)
+        tensors = make_sampling_tensors([batch.reqs[i] for i in sampled], self.cfg.seed,
+                                        self.device)
+        tokens = sample(logits, tensors).tolist()
+        out = [-1] * batch.size
+        for i, tok in zip(sampled, tokens):
+            out[i] = tok
+        return out
+
+    def _prepare(self, batch: Batch) -> None:
+        ids: List[int] = []
+        positions: List[int] = []
+        for req, prefix, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            ids.extend(req.token_ids[prefix:prefix + ext])
+            positions.extend(range(prefix, prefix + ext))
+        dev = self.device
+        batch.input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        batch.positions = torch.tensor(positions, dtype=torch.int64, device=dev)
+        self.backend.prepare(batch)

@@ -1,0 +1,100 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, with counter-based noise.
+
+Random sampling is Gumbel-max with noise from a hash of (seed, step, token id), computed with
+integer tensor ops. So the token depends only on the logits, the request's seed and how many
+tokens it has generated: identical on every rank, on any device, in any batch composition, with
+no generator state to keep in step. A request without a seed uses its uid mixed with the engine's
+seed.
+"""
+
+from __future__ import annotations
+
+from typing import List, NamedTuple
+
+import torch
+
+from minisgl.core import Req
+
+_MASK32 = 0xFFFFFFFF
+# Odd multipliers below 2**31 keep every product of a 32-bit value inside int64 (no overflow).
+_MUL = (0x7FEB352D, 0x2C1B3C6D, 0x297A2D39)
+
+
+class SamplingTensors(NamedTuple):
+    temperature: torch.Tensor  # [B] float32, 1 for greedy rows (unused there)
+    top_k: torch.Tensor  # [B] int64, <= 0 disables
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    seed: torch.Tensor  # [B] int64 in [0, 2**32)
+    step: torch.Tensor  # [B] int64: tokens generated so far
+    greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    any_filter: bool
+
+
+def request_seed(req: Req, engine_seed: int) -> int:
+    seed = req.params.seed if req.params.seed is not None else (engine_seed << 32) ^ (req.uid + 1)
+    seed &= (1 << 64) - 1
+    return (seed ^ (seed >> 32)) & _MASK32
+
+
+def make_sampling_tensors(reqs: List[Req], engine_seed: int, device: torch.device
+                          ) -> SamplingTensors:
+    ps = [r.params for r in reqs]
+    greedy = [p.is_greedy for p in ps]
+    def t(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+    return SamplingTensors(
+        temperature=t([1.0 if g else p.temperature for p, g in zip(ps, greedy)], torch.float32),
+        top_k=t([p.top_k for p in ps], torch.int64),
+        top_p=t([p.top_p for p in ps], torch.float32),
+        min_p=t([p.min_p for p in ps], torch.float32),
+        seed=t([request_seed(r, engine_seed) for r in reqs], torch.int64),
+        step=t([r.output_len for r in reqs], torch.int64),
+        greedy=t(greedy, torch.bool),
+        all_greedy=all(greedy),
+        any_filter=any(not g and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0)
+                       for p, g in zip(ps, greedy)),
+    )
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    for mul in _MUL:
+        x = x ^ (x >> 16)
+        x = (x * mul) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] float32 in (0, 1), a pure function of (seed, step, column)."""
+    col = torch.arange(vocab, device=seed.device, dtype=torch.int64)
+    row = _mix32((seed * 0x9E3779B) & _MASK32 ^ _mix32(step & _MASK32))
+    x = _mix32((row.unsqueeze(1) + col.unsqueeze(0) * 0x3C6EF35) & _MASK32)
+    return ((x >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+
+
+def _filter(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
+    """Set to -inf every logit outside the top-k / top-p / min-p sets (rows scaled already)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+    drop = (s.top_k.unsqueeze(1) > 0) & (rank >= s.top_k.unsqueeze(1))
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+    drop |= before > s.top_p.unsqueeze(1)
+    drop |= probs < s.min_p.unsqueeze(1) * probs[:, :1]
+    drop[:, 0] = False  # the most likely token always stays
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
+    """logits [B, vocab] float32 -> token ids [B] int64."""
+    greedy_tokens = logits.argmax(dim=-1)
+    if s.all_greedy:
+        return greedy_tokens
+    scaled = logits / s.temperature.unsqueeze(1)
+    if s.any_filter:
+        scaled = _filter(scaled, s)
+    gumbel = -torch.log(-torch.log(uniform_noise(s.seed, s.step, logits.shape[-1])))
+    sampled = (scaled + gumbel).argmax(dim=-1)
+    return torch.where(s.greedy, greedy_tokens, sampled)

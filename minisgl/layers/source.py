@@ -1,0 +1,29 @@
+"""Where a parameter's values come from while loading: a sliceable view of one checkpoint tensor.
+
+Layers ask a `TensorSource` for just their own slice, so no rank ever materializes a full
+unsharded weight (the safetensors source reads slices from disk; the dummy source makes random
+values of the slice's shape).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol, Tuple
+
+import torch
+
+
+class TensorSource(Protocol):
+    @property
+    def shape(self) -> Tuple[int, ...]: ...
+
+    def read(self, dim: Optional[int] = None, start: int = 0, stop: int = 0) -> torch.Tensor:
+        """The slice [start, stop) along `dim`, or the whole tensor when `dim` is None."""
+        ...
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    """Copy a loaded slice into (part of) a parameter, checking shapes with a clear message."""
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"shape mismatch loading {what}: checkpoint slice {tuple(src.shape)}, "
+                         f"parameter {tuple(dst.shape)}")
+    dst.copy_(src.to(dtype=dst.dtype))

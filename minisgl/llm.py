@@ -1,0 +1,281 @@
+"""The offline API: `LLM(...).generate(prompts, params)` and `.chat(messages, params)`.
+
+With tp=1 the scheduler and engine run in this process behind in-process queues; with tp>1 one
+process per rank is spawned and this process plays tokenizer and detokenizer over ZMQ, exactly as
+the service does. Bad input raises ValueError naming the values before anything is submitted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+import zmq
+from tqdm import tqdm
+
+from minisgl.core import SamplingParams
+from minisgl.distributed import DistributedInfo, ProcessGroups
+from minisgl.distributed.comm import Communicator
+from minisgl.engine import Engine, EngineConfig
+from minisgl.message import BatchTokenOut, ShutdownMsg, TokenOut, UserMsg
+from minisgl.message.queue import PullQueue, PushQueue
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.io import LocalIO
+from minisgl.scheduler.main import run_rank
+from minisgl.scheduler.scheduler import Scheduler
+from minisgl.tokenizer.text import load_tokenizer, resolve_model_path
+from minisgl.utils import free_port, resolve_device, resolve_dtype
+
+logger = logging.getLogger(__name__)
+Prompt = Union[str, List[int]]
+
+
+@dataclass(frozen=True)
+class GenerateOutput:
+    text: str
+    token_ids: List[int]
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
+class _InProcess:
+    """tp=1: drive the scheduler directly, one step per poll."""
+
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        info = cfg.engine.tp_info
+        self.engine = Engine(cfg.engine, ProcessGroups(Communicator(info), None))
+        self.io = LocalIO()
+        self.scheduler = Scheduler(cfg, self.engine, self.io)
+        self.num_pages, self.max_context = self.engine.num_pages, self.engine.max_context
+
+    def submit(self, msg: Any) -> None:
+        self.io.inbox.append(msg)
+
+    def poll(self) -> List[TokenOut]:
+        s = self.scheduler
+        for msg in s.io.receive(blocking=False, on_idle=s.check_idle):
+            s.handle(msg)
+        s.step()
+        if not s.has_work:
+            s.check_idle()
+        outs, self.io.outbox = self.io.outbox, []
+        return outs
+
+    def close(self) -> None:
+        pass
+
+
+class _RankProcesses:
+    """tp>1: one spawned process per rank; rank 0 talks to us over ZMQ."""
+
+    def __init__(self, cfg: SchedulerConfig, tp: int, log_level: str) -> None:
+        self.run_dir = tempfile.mkdtemp(prefix="minisgl-llm-")
+        addr = lambda name: f"ipc://{self.run_dir}/{name}"  # noqa: E731
+        port = free_port()
+        self.ctx = zmq.Context()
+        self.results = PullQueue(self.ctx, addr("detokenizer"), bind=True)
+        mp_ctx = mp.get_context("spawn")
+        self.procs: List[Any] = []
+        pipes = []
+        for rank in range(tp):
+            rank_cfg = SchedulerConfig(
+                engine=EngineConfig(**{**cfg.engine.__dict__,
+                                       "tp_info": DistributedInfo(rank, tp),
+                                       "dist_init_method": f"tcp://127.0.0.1:{port}"}),
+                max_prefill_tokens=cfg.max_prefill_tokens, cache=cfg.cache,
+                backend_addr=addr("backend"), detokenizer_addr=addr("detokenizer"),
+                broadcast_addr=addr("broadcast"))
+            recv, send = mp_ctx.Pipe(duplex=False)
+            p = mp_ctx.Process(target=run_rank, args=(rank_cfg, send, log_level), daemon=True,
+                               name=f"minisgl-rank{rank}")
+            p.start()
+            self.procs.append(p)
+            pipes.append(recv)
+        self.requests = PushQueue(self.ctx, addr("backend"), bind=False)
+        infos = [self._wait_ready(pipe) for pipe in pipes]
+        self.num_pages, self.max_context = infos[0]["num_pages"], infos[0]["max_context"]
+
+    def _wait_ready(self, pipe: Any) -> Dict[str, int]:
+        while not pipe.poll(0.5):
+            self.check_alive()
+        status, rank, info = pipe.recv()
+        if status != "ready":
+            self.close()
+            raise RuntimeError(f"scheduler rank {rank} failed to start: {info}")
+        return info
+
+    def check_alive(self) -> None:
+        dead = [p for p in self.procs if not p.is_alive()]
+        if dead:
+            self.close()
+            raise RuntimeError(f"scheduler rank process {dead[0].name} died "
+                               f"(exit code {dead[0].exitcode}); stopped the other ranks")
+
+    def submit(self, msg: Any) -> None:
+        self.requests.put(msg)
+
+    def poll(self) -> List[TokenOut]:
+        try:
+            batch: BatchTokenOut = self.results.get(timeout_ms=500)
+        except TimeoutError:
+            self.check_alive()
+            return []
+        return list(batch.items)
+
+    def close(self) -> None:
+        if any(p.is_alive() for p in self.procs):
+            try:
+                self.requests.put(ShutdownMsg())
+            except zmq.ZMQError:
+                pass
+        for p in self.procs:
+            p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self.procs = []
+        self.results.close()
+        self.requests.close()
+        self.ctx.term()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+class LLM:
+    """Offline generation. `model=None` uses the bundled default model (SmolLM2-135M-Instruct)."""
+
+    def __init__(self, model: Optional[str] = None, *, device: str = "auto",
+                 dtype: Optional[str] = None, tp: int = 1, page_size: int = 16,
+                 max_prefill_tokens: int = 8192, max_running_requests: int = 256,
+                 max_kv_tokens: Optional[int] = None, cache: str = "radix",
+                 load_format: str = "auto", seed: int = 0, attention_backend: str = "auto",
+                 show_progress: bool = True, log_level: str = "WARNING") -> None:
+        if tp < 1:
+            raise ValueError(f"tp must be >= 1, got {tp}")
+        self.model_path = resolve_model_path(model)
+        self.tokenizer = load_tokenizer(self.model_path)
+        dev = resolve_device(device)
+        engine_cfg = EngineConfig(
+            model_path=str(self.model_path), tp_info=DistributedInfo(0, tp), device=dev,
+            dtype=resolve_dtype(dtype, dev), page_size=page_size,
+            max_running_requests=max_running_requests, max_kv_tokens=max_kv_tokens,
+            load_format=load_format, attention_backend=attention_backend, seed=seed,
+            show_progress=show_progress)
+        cfg = SchedulerConfig(engine=engine_cfg, max_prefill_tokens=max_prefill_tokens,
+                              cache=cache)
+        self.show_progress = show_progress
+        self._backend = _InProcess(cfg) if tp == 1 else _RankProcesses(cfg, tp, log_level)
+        self._uids = itertools.count()
+        self._finalizer = weakref.finalize(self, self._backend.close)
+
+    @property
+    def max_context(self) -> int:
+        return self._backend.max_context
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- public API ------------------------------------------------------------------------------
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 params: Union[None, SamplingParams, Sequence[SamplingParams]] = None
+                 ) -> List[GenerateOutput]:
+        """One output per prompt, in order. `params`: one for all, or one per prompt."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        ids = [self._encode(p) for p in prompts]  # type: ignore[union-attr]
+        return self._run(ids, self._per_prompt(params, len(ids)))
+
+    def chat(self, messages: Union[List[Dict[str, str]], List[List[Dict[str, str]]]],
+             params: Union[None, SamplingParams, Sequence[SamplingParams]] = None
+             ) -> List[GenerateOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        ids = [self._chat_ids(c) for c in convs]  # type: ignore[arg-type]
+        return self._run(ids, self._per_prompt(params, len(ids)))
+
+    # --- internals ---------------------------------------------------------------------------------
+    def _encode(self, prompt: Prompt) -> List[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("a token-id prompt must be a list of integers")
+        return list(prompt)
+
+    def _chat_ids(self, conversation: List[Dict[str, str]]) -> List[int]:
+        if not conversation:
+            raise ValueError("a chat needs at least one message")
+        out = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                                 tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    @staticmethod
+    def _per_prompt(params: Union[None, SamplingParams, Sequence[SamplingParams]], n: int
+                    ) -> List[SamplingParams]:
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        return list(params)
+
+    def _check(self, i: int, ids: List[int], p: SamplingParams) -> None:
+        p.validate()
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        total = len(ids) + p.max_tokens
+        if total > self.max_context:
+            raise ValueError(f"prompt {i}: {len(ids)} prompt tokens plus max_tokens "
+                             f"{p.max_tokens} = {total} exceeds the context length "
+                             f"{self.max_context}")
+        vocab = len(self.tokenizer)
+        bad = [t for t in ids if not 0 <= t < max(vocab, 1)]
+        if bad:
+            raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {vocab})")
+
+    def _run(self, prompts: List[List[int]], params: List[SamplingParams]
+             ) -> List[GenerateOutput]:
+        for i, (ids, p) in enumerate(zip(prompts, params)):
+            self._check(i, ids, p)
+        uids = [next(self._uids) for _ in prompts]
+        slot = {uid: i for i, uid in enumerate(uids)}
+        tokens: List[List[int]] = [[] for _ in prompts]
+        done: List[Optional[TokenOut]] = [None] * len(prompts)
+        for uid, ids, p in zip(uids, prompts, params):
+            self._backend.submit(UserMsg(uid, ids, p))
+        bar = tqdm(total=len(prompts), desc="generating", unit="req",
+                   disable=not self.show_progress or len(prompts) < 8)
+        left = len(prompts)
+        while left:
+            for out in self._backend.poll():
+                i = slot[out.uid]
+                if out.error:
+                    raise ValueError(f"prompt {i} rejected: {out.error}")
+                if out.token >= 0:
+                    tokens[i].append(out.token)
+                if out.finish_reason is not None:
+                    done[i] = out
+                    left -= 1
+                    bar.update(1)
+        bar.close()
+        return [GenerateOutput(self.tokenizer.decode(t, skip_special_tokens=True), t,
+                               d.finish_reason or "", d.prompt_tokens, d.cached_tokens)
+                for t, d in zip(tokens, done) if d is not None]

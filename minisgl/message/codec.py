@@ -1,0 +1,85 @@
+"""msgpack encoding of the messages in `types`, behind a type tag.
+
+Wire format: a msgpack map `{"t": <type name>, "f": {field: value}}`. Lists of token ids are
+packed as little-endian int32 bytes (`ExtType` 1), four bytes a token instead of up to nine.
+`decode(encode(m)) == m` for every message type (tested).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from array import array
+from typing import Any, Dict, Type
+
+import msgpack
+
+from minisgl.core import SamplingParams
+from minisgl.message import types as T
+
+_TOKEN_FIELDS = frozenset({"input_ids", "token_ids"})
+_INT32_EXT = 1
+
+_TYPES: Dict[str, Type[Any]] = {
+    cls.__name__: cls
+    for cls in (T.TokenizeRequest, T.AbortRequest, T.UserMsg, T.AbortMsg, T.ShutdownMsg,
+                T.TokenOut, T.BatchTokenOut, T.SchedulerStats, T.ReplyChunk, SamplingParams)
+}
+
+
+def _pack_ids(ids: Any) -> msgpack.ExtType:
+    buf = array("i", ids)
+    if buf.itemsize != 4:  # pragma: no cover - every supported platform has 4-byte int
+        raise RuntimeError("array('i') is not 32-bit on this platform")
+    return msgpack.ExtType(_INT32_EXT, buf.tobytes())
+
+
+def _to_wire(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if f.name in _TOKEN_FIELDS and value is not None:
+                fields[f.name] = _pack_ids(value)
+            else:
+                fields[f.name] = _to_wire(value)
+        return {"t": type(obj).__name__, "f": fields}
+    if isinstance(obj, (list, tuple)):
+        return [_to_wire(x) for x in obj]
+    return obj
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code != _INT32_EXT:
+        raise ValueError(f"unknown msgpack extension type {code}")
+    return array("i", data).tolist()
+
+
+def _from_wire(obj: Any) -> Any:
+    if isinstance(obj, dict) and "t" in obj and "f" in obj:
+        cls = _TYPES.get(obj["t"])
+        if cls is None:
+            raise ValueError(f"unknown message type {obj['t']!r}")
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name in obj["f"]:
+                kwargs[f.name] = _from_wire(obj["f"][f.name])
+        _restore_tuples(cls, kwargs)
+        return cls(**kwargs)
+    if isinstance(obj, list):
+        return [_from_wire(x) for x in obj]
+    return obj
+
+
+def _restore_tuples(cls: Type[Any], kwargs: Dict[str, Any]) -> None:
+    """msgpack has no tuple: give tuple-typed fields back their type so equality holds."""
+    for f in dataclasses.fields(cls):
+        if f.name in kwargs and isinstance(kwargs[f.name], list) and "Tuple" in str(f.type):
+            kwargs[f.name] = tuple(kwargs[f.name])
+
+
+def encode(msg: Any) -> bytes:
+    return msgpack.packb(_to_wire(msg), use_bin_type=True)
+
+
+def decode(data: bytes) -> Any:
+    return _from_wire(msgpack.unpackb(data, raw=False, ext_hook=_ext_hook, strict_map_key=False))

@@ -1,0 +1,101 @@
+"""Every message that crosses a process boundary, as plain frozen dataclasses.
+
+Flow: API server -> tokenizer (`TokenizeRequest`, `AbortRequest`) -> scheduler rank 0 (`UserMsg`,
+`AbortMsg`) -> detokenizer (`TokenOut`, `BatchTokenOut`) -> API server (`ReplyChunk`).
+Rank 0 forwards the raw bytes of backend messages verbatim to the other ranks, so a backend
+message must decode to the same object on every rank (no process-local state inside).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+from minisgl.core import SamplingParams
+
+
+# --- API server -> tokenizer -------------------------------------------------------------------
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """Exactly one of `text`, `messages` (chat, JSON-like dicts) or `input_ids` is set."""
+
+    uid: int
+    params: SamplingParams
+    text: Optional[str] = None
+    messages: Optional[List[dict]] = None
+    input_ids: Optional[List[int]] = None
+    stop: Tuple[str, ...] = ()  # stop strings, matched by the detokenizer
+    skip_special_tokens: bool = True
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    uid: int
+
+
+# --- tokenizer -> scheduler (the "backend" messages rank 0 forwards to other ranks) -----------
+@dataclass(frozen=True)
+class UserMsg:
+    uid: int
+    input_ids: List[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class AbortMsg:
+    uid: int
+
+
+@dataclass(frozen=True)
+class ShutdownMsg:
+    """Ends every rank's loop at the same step (rank 0 forwards it like any other message)."""
+
+
+# --- scheduler rank 0 -> detokenizer ------------------------------------------------------------
+@dataclass(frozen=True)
+class TokenOut:
+    """One step's result for one request. `error` set means the request was rejected."""
+
+    uid: int
+    token: int = -1
+    finish_reason: Optional[str] = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Rank 0's counters after a step, for /metrics (gauges and monotonic totals)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_pages_used: int = 0
+    kv_pages_total: int = 0
+    kv_pages_cached: int = 0
+    prompt_tokens_total: int = 0
+    generated_tokens_total: int = 0
+    cached_tokens_total: int = 0
+    prefilled_tokens_total: int = 0
+
+
+@dataclass(frozen=True)
+class BatchTokenOut:
+    items: List[TokenOut]
+    stats: Optional[SchedulerStats] = None
+
+
+# --- tokenizer / detokenizer -> API server --------------------------------------------------------
+@dataclass(frozen=True)
+class ReplyChunk:
+    """Incremental output of one request; `text` is the new text since the previous chunk."""
+
+    uid: int
+    text: str = ""
+    token_ids: List[int] = ()  # type: ignore[assignment]
+    finish_reason: Optional[str] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: Optional[str] = None
+    error_status: int = 400

@@ -1,0 +1,161 @@
+"""The decoder shared by every supported family (Llama, Mistral, Qwen2, Qwen3).
+
+Families differ only in small traits (QKV bias, per-head q/k RMSNorm), given by their model
+classes. Tensor parallelism lives in the layers: attention heads and MLP columns are split over
+ranks, and the row-parallel projections all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple, Optional, Set, Tuple
+
+import torch
+from torch import nn
+
+from minisgl.attention import AttentionBackend
+from minisgl.core import Batch
+from minisgl.distributed import Communicator, DistributedInfo
+from minisgl.layers.activation import silu_and_mul
+from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from minisgl.layers.norm import RMSNorm
+from minisgl.layers.rotary import RotaryEmbedding
+from minisgl.layers.source import TensorSource
+from minisgl.models.config import ModelConfig
+
+class Traits(NamedTuple):
+    """What differs between families."""
+
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+
+
+# checkpoint module name -> (our fused module, shard index)
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, traits: "Traits", rotary: RotaryEmbedding,
+                 info: DistributedInfo, comm: Communicator) -> None:
+        super().__init__()
+        self.layer = layer
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                                          cfg.num_kv_heads, traits.qkv_bias, info)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
+                                        traits.o_bias, info, comm)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if traits.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if traits.qk_norm else None
+        self.rotary = rotary
+        self.head_dim = cfg.head_dim
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: Batch,
+                backend: AttentionBackend) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.split_sizes, dim=-1)
+        q = q.view(q.shape[0], -1, self.head_dim)
+        k = k.view(k.shape[0], -1, self.head_dim)
+        v = v.view(v.shape[0], -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(backend.forward(q, k, v.contiguous(), self.layer, batch))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, info: DistributedInfo, comm: Communicator) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias,
+                                                 info)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, info, comm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, traits: "Traits", rotary: RotaryEmbedding,
+                 info: DistributedInfo, comm: Communicator) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer, traits, rotary, info, comm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, info, comm)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor,
+                batch: Batch, backend: AttentionBackend) -> Tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, batch, backend)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, traits: "Traits", info: DistributedInfo,
+                 comm: Communicator) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, info, comm)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, traits, rotary, info, comm)
+            for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
+                backend: AttentionBackend) -> torch.Tensor:
+        x, residual = self.embed_tokens(ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, batch, backend)
+        return self.norm(x, residual)[0]
+
+
+class CausalLM(nn.Module):
+    """Base of every model class: the decoder plus the LM head, and checkpoint loading.
+
+    Subclasses override `traits` with their family's differences.
+    """
+
+    @classmethod
+    def traits(cls, cfg: ModelConfig) -> "Traits":
+        return Traits(qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=False)
+
+    def __init__(self, cfg: ModelConfig, info: DistributedInfo, comm: Communicator) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = DecoderModel(cfg, self.traits(cfg), info, comm)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, info, comm, tied_to=tied)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
+                backend: AttentionBackend, logit_rows: torch.Tensor) -> torch.Tensor:
+        """Logits [len(logit_rows), vocab] (float32) for the chosen token rows only."""
+        hidden = self.model(ids, positions, batch, backend)
+        return self.lm_head(hidden[logit_rows]).float()
+
+    def load_weights(self, tensors: Iterable[Tuple[str, TensorSource]]) -> None:
+        """Load every parameter from (checkpoint name, source) pairs; raise naming any missing."""
+        loaded: Set[str] = set()
+        for name, src in tensors:
+            target = self._target(name)
+            if target is None:
+                continue
+            module_name, param, shard = target
+            self.get_submodule(module_name).load(param, src, shard)  # type: ignore[operator]
+            loaded.add(f"{module_name}.{param}")
+        expected = {n for n, _ in self.named_parameters()}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:4]}")
+
+    def _target(self, name: str) -> Optional[Tuple[str, str, int]]:
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+            return None
+        *path, param = name.split(".")
+        shard = 0
+        if path and path[-1] in _FUSED:
+            path[-1], shard = _FUSED[path[-1]]
+        return ".".join(path), param, shard

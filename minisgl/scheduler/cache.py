@@ -1,0 +1,73 @@
+"""The scheduler's view of KV pages: the free list plus the prefix-cache manager.
+
+Pages live in exactly one place: the free list, a live request's own pages (`Req.pages` after
+its `num_prefix_pages`), or the cache manager (shared prefixes, locked while a request uses them).
+`check` verifies free + in use + cached = total; every rank makes the same calls in the same
+order, so every rank's pages are identical.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Deque, List, Sequence
+
+from minisgl.core import Req
+from minisgl.kvcache import CacheManager, PrefixMatch
+
+logger = logging.getLogger(__name__)
+
+
+class PageCache:
+    def __init__(self, num_pages: int, page_size: int, manager: CacheManager) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.manager = manager
+        self._free: Deque[int] = deque(range(num_pages))
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def available_pages(self) -> int:
+        """Pages an allocation can get: free ones plus unlocked cached ones (evicted on demand)."""
+        return len(self._free) + self.manager.stats().evictable_pages
+
+    def match(self, token_ids: Sequence[int]) -> PrefixMatch:
+        # The last prompt token must be computed to get logits, so never match all of them.
+        return self.manager.match_prefix(token_ids[: len(token_ids) - 1])
+
+    def allocate(self, n: int) -> List[int]:
+        if n > len(self._free):
+            self._free.extend(self.manager.evict(n - len(self._free)))
+        if n > len(self._free):
+            raise RuntimeError(f"KV pool exhausted: need {n} pages, {len(self._free)} free "
+                               f"(admission should have reserved them)")
+        return [self._free.popleft() for _ in range(n)]
+
+    def release(self, pages: Sequence[int]) -> None:
+        self._free.extend(pages)
+
+    def retire(self, req: Req) -> None:
+        """Give a finished or aborted request's pages back: full pages with computed KV go to the
+        prefix cache (which returns duplicates to free), the rest to the free list; then unlock
+        the prefix it matched. Call exactly once per admitted request."""
+        full = req.cached_len // self.page_size
+        keep = req.token_ids[: full * self.page_size]
+        self.release(self.manager.insert(keep, req.pages[:full]))
+        self.release(req.pages[full:])
+        self.manager.unlock(req.cache_handle)
+        req.pages, req.num_prefix_pages, req.cache_handle = [], 0, None
+
+    def check(self, live: Sequence[Req]) -> None:
+        """Raise when free + in use + cached differs from the total: a page leaked or doubled."""
+        in_use = sum(len(r.pages) - r.num_prefix_pages for r in live)
+        cached = self.manager.stats().cached_pages
+        if len(self._free) + in_use + cached != self.num_pages:
+            msg = (f"KV page accounting mismatch: free {len(self._free)} + in use {in_use} + "
+                   f"cached {cached} != total {self.num_pages}")
+            logger.error(msg)
+            raise RuntimeError(msg)
+        if len(set(self._free)) != len(self._free):
+            raise RuntimeError("KV page accounting: a page is on the free list twice")

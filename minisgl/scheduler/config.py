@@ -1,0 +1,26 @@
+"""The scheduler's configuration: the engine's plus batching limits and IO addresses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from minisgl.engine import EngineConfig
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    engine: EngineConfig
+    max_prefill_tokens: int = 8192  # per-step token budget of a prefill batch (chunk size)
+    cache: str = "radix"  # "radix" or "naive"
+    # ZMQ addresses; None in offline single-rank mode (in-process IO).
+    backend_addr: Optional[str] = None  # tokenizer -> rank 0 (PULL, rank 0 binds)
+    detokenizer_addr: Optional[str] = None  # rank 0 -> detokenizer (PUSH, rank 0 connects)
+    broadcast_addr: Optional[str] = None  # rank 0 -> other ranks (XPUB/SUB, rank 0 binds)
+    subscriber_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.cache not in ("radix", "naive"):
+            raise ValueError(f"cache must be 'radix' or 'naive', got {self.cache!r}")

@@ -1,0 +1,88 @@
+"""Admission and chunked prefill.
+
+Waiting requests are admitted in arrival order (no overtaking, so none starves). Admission
+reserves KV pages for the request's whole life (uncached prompt + max_tokens), so a running
+request never runs out of pages; pages themselves are allocated as chunks and decode steps need
+them. A prefill batch takes up to `max_prefill_tokens` new tokens; the last request may get only a
+chunk, and it stays at the head of the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Deque, List, Optional
+
+from minisgl.core import Batch, Phase, Req
+from minisgl.scheduler.cache import PageCache
+from minisgl.scheduler.table import TableRows
+
+
+class PrefillManager:
+    def __init__(self, cache: PageCache, rows: TableRows, max_prefill_tokens: int,
+                 max_running: int) -> None:
+        self.cache = cache
+        self.rows = rows
+        self.budget = max_prefill_tokens
+        self.max_running = max_running
+        self.waiting: Deque[Req] = deque()  # not yet admitted
+        self.prefilling: Deque[Req] = deque()  # admitted, prompt not fully computed
+        self.outstanding_pages = 0  # reserved by admitted requests but not yet allocated
+
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.prefilling)
+
+    def pages_for(self, req: Req) -> int:
+        return -(-req.max_total_len // self.cache.page_size)
+
+    def schedule(self, num_running: int, grow: Callable[[Req, int], None]) -> Optional[Batch]:
+        """Build the next prefill batch, or None. `grow(req, new_len)` allocates pages."""
+        self._admit(num_running)
+        reqs: List[Req] = []
+        prefix, extend, sample = [], [], []
+        left = self.budget
+        for req in self.prefilling:
+            if left == 0:
+                break
+            n = min(req.prompt_len - req.cached_len, left)
+            grow(req, req.cached_len + n)
+            reqs.append(req)
+            prefix.append(req.cached_len)
+            extend.append(n)
+            sample.append(req.cached_len + n == req.prompt_len)
+            left -= n
+        if not reqs:
+            return None
+        return Batch(Phase.PREFILL, reqs, prefix, extend, sample)
+
+    def _admit(self, num_running: int) -> None:
+        while self.waiting and num_running + len(self.prefilling) < self.max_running:
+            req = self.waiting[0]
+            match = self.cache.match(req.token_ids)
+            self.cache.manager.lock(match.handle)
+            need = self.pages_for(req) - len(match.pages)
+            if need > self.cache.available_pages - self.outstanding_pages:
+                self.cache.manager.unlock(match.handle)
+                return
+            self.waiting.popleft()
+            req.table_row = self.rows.allocate()
+            req.cache_handle = match.handle
+            req.pages = list(match.pages)
+            req.num_prefix_pages = len(match.pages)
+            req.cached_len = req.prefix_hit = len(match.pages) * self.cache.page_size
+            req.reserved_pages = need
+            self.outstanding_pages += need
+            self.prefilling.append(req)
+
+    def remove(self, req: Req) -> bool:
+        """Drop an aborted request; True if it had been admitted (so it holds resources)."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+            return False
+        if req in self.prefilling:
+            self.prefilling.remove(req)
+            return True
+        return False

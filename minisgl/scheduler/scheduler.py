@@ -1,0 +1,205 @@
+"""One rank's scheduler: messages in, batches through the engine, tokens out.
+
+Every rank runs this same loop on the same messages (see io.py), so every decision below must be
+a pure function of those messages: no clocks, no unordered iteration, no per-rank readings.
+Resources of a request (page-table row, pages, prefix lock) are taken at admission and released
+exactly once, by `_retire`, on finish or abort.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional
+
+import torch
+
+from minisgl.core import Batch, FinishReason, Phase, Req
+from minisgl.engine import Engine
+from minisgl.kvcache import make_cache_manager
+from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
+from minisgl.scheduler.cache import PageCache
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.decode import DecodeManager
+from minisgl.scheduler.io import SchedulerIO
+from minisgl.scheduler.prefill import PrefillManager
+from minisgl.scheduler.table import TableRows
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, engine: Engine, io: SchedulerIO) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.io = io
+        self.rank = cfg.engine.tp_info.rank
+        page_size = cfg.engine.page_size
+        self.cache = PageCache(engine.num_pages, page_size, make_cache_manager(cfg.cache, page_size))
+        self.rows = TableRows(cfg.engine.max_running_requests)
+        self.prefill = PrefillManager(self.cache, self.rows, cfg.max_prefill_tokens,
+                                      cfg.engine.max_running_requests)
+        self.decode = DecodeManager()
+        self.reqs: Dict[int, Req] = {}  # every live request by uid
+        self.stopped = False
+        self.totals = {"prompt": 0, "generated": 0, "cached": 0, "prefilled": 0}
+
+    # --- the loop ------------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.reqs)
+
+    def run_forever(self) -> None:
+        while not self.stopped:
+            for msg in self.io.receive(blocking=not self.has_work, on_idle=self.check_idle):
+                self.handle(msg)
+            if not self.stopped:
+                self.step()
+        logger.info("rank %d: scheduler stopped", self.rank)
+
+    def step(self) -> bool:
+        """Run one batch if there is one; return whether anything ran."""
+        batch = self.schedule()
+        if batch is None:
+            return False
+        tokens = self.engine.forward(batch)
+        self.io.send(self.process(batch, tokens), self.stats())
+        return True
+
+    def check_idle(self) -> None:
+        """Called before blocking for input: every page must be accounted for."""
+        self.cache.check(list(self.reqs.values()))
+
+    # --- input ---------------------------------------------------------------------------------
+    def handle(self, msg: object) -> None:
+        if isinstance(msg, UserMsg):
+            self._add(msg)
+        elif isinstance(msg, AbortMsg):
+            self.abort(msg.uid)
+        elif isinstance(msg, ShutdownMsg):
+            self.stopped = True
+        else:
+            logger.error("rank %d: ignoring unknown message %r", self.rank, type(msg).__name__)
+
+    def validate(self, msg: UserMsg) -> Optional[str]:
+        """Why the request cannot be served, or None. The same limits the API checks first."""
+        try:
+            msg.params.validate()
+        except ValueError as e:
+            return str(e)
+        n, ctx = len(msg.input_ids), self.engine.max_context
+        if n == 0:
+            return "the prompt is empty"
+        if msg.uid in self.reqs:
+            return f"duplicate request id {msg.uid}"
+        vocab = self.engine.model_cfg.vocab_size
+        bad = [t for t in msg.input_ids if not 0 <= t < vocab]
+        if bad:
+            return f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
+        if n + msg.params.max_tokens > ctx:
+            return (f"prompt ({n} tokens) plus max_tokens ({msg.params.max_tokens}) is "
+                    f"{n + msg.params.max_tokens} tokens, more than the context length ({ctx})")
+        pages = -(-(n + msg.params.max_tokens) // self.cache.page_size)
+        if pages > self.cache.num_pages:
+            return (f"prompt ({n} tokens) plus max_tokens ({msg.params.max_tokens}) needs "
+                    f"{pages} KV pages, more than the pool holds ({self.cache.num_pages})")
+        return None
+
+    def _add(self, msg: UserMsg) -> None:
+        error = self.validate(msg)
+        if error is not None:
+            self.io.send([TokenOut(msg.uid, error=error)], None)
+            return
+        req = Req(msg.uid, list(msg.input_ids), len(msg.input_ids), msg.params,
+                  self.engine.model_cfg.eos_token_ids)
+        self.reqs[req.uid] = req
+        self.prefill.add(req)
+        self.totals["prompt"] += req.prompt_len
+
+    def abort(self, uid: int) -> None:
+        req = self.reqs.get(uid)
+        if req is None:
+            return  # already finished: nothing to free
+        admitted = self.prefill.remove(req) or self.decode.remove(req)
+        req.finish_reason = FinishReason.ABORT
+        self._retire(req, admitted)
+        self.io.send([TokenOut(uid, finish_reason=FinishReason.ABORT.value,
+                               prompt_tokens=req.prompt_len)], self.stats())
+
+    # --- batches -------------------------------------------------------------------------------
+    def schedule(self) -> Optional[Batch]:
+        """Prefill first (new requests get their first token soon), else decode everyone."""
+        batch = self.prefill.schedule(len(self.decode.running), self._grow)
+        if batch is None:
+            batch = self.decode.schedule()
+            if batch is None:
+                return None
+            for req in batch.reqs:
+                self._grow(req, len(req.token_ids))
+        self._write_slots(batch)
+        return batch
+
+    def _grow(self, req: Req, new_len: int) -> None:
+        """Allocate the pages `req` needs to hold `new_len` tokens (reserved at admission)."""
+        missing = -(-new_len // self.cache.page_size) - len(req.pages)
+        if missing > 0:
+            req.pages.extend(self.cache.allocate(missing))
+            self.prefill.outstanding_pages -= missing
+
+    def _write_slots(self, batch: Batch) -> None:
+        """Map the batch's new tokens to KV slots in the page table; set `batch.out_slots`."""
+        ps = self.cache.page_size
+        rows: List[int] = []
+        cols: List[int] = []
+        slots: List[int] = []
+        for req, start, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            rows.extend([req.table_row] * n)
+            cols.extend(range(start, start + n))
+            pages = req.pages
+            slots.extend(pages[p // ps] * ps + p % ps for p in range(start, start + n))
+        dev = self.engine.device
+        slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
+        self.engine.page_table[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = (
+            slot_t.to(torch.int32))
+        batch.out_slots = slot_t
+
+    def process(self, batch: Batch, tokens: List[int]) -> List[TokenOut]:
+        out: List[TokenOut] = []
+        for req, ext, sample, tok in zip(batch.reqs, batch.extend_lens, batch.sample, tokens):
+            req.cached_len += ext
+            if batch.phase is Phase.PREFILL:
+                self.totals["prefilled"] += ext
+            if not sample:
+                continue
+            if batch.phase is Phase.PREFILL:
+                self.prefill.prefilling.remove(req)
+                self.decode.add(req)
+                self.totals["cached"] += req.prefix_hit
+            reason = req.append_token(tok)
+            self.totals["generated"] += 1
+            out.append(TokenOut(req.uid, tok, reason.value if reason else None, req.prompt_len,
+                                req.prefix_hit))
+            if reason is not None:
+                self.decode.remove(req)
+                self._retire(req, admitted=True)
+        return out
+
+    def _retire(self, req: Req, admitted: bool) -> None:
+        del self.reqs[req.uid]
+        if not admitted:
+            return
+        self.prefill.outstanding_pages -= req.reserved_pages - (len(req.pages) -
+                                                                req.num_prefix_pages)
+        self.cache.retire(req)
+        self.rows.free(req.table_row)
+        req.table_row = -1
+
+    def stats(self) -> SchedulerStats:
+        cache = self.cache.manager.stats()
+        return SchedulerStats(
+            running=len(self.decode.running), waiting=self.prefill.num_waiting,
+            kv_pages_used=self.cache.num_pages - self.cache.free_pages - cache.cached_pages,
+            kv_pages_total=self.cache.num_pages, kv_pages_cached=cache.cached_pages,
+            prompt_tokens_total=self.totals["prompt"],
+            generated_tokens_total=self.totals["generated"],
+            cached_tokens_total=self.totals["cached"],
+            prefilled_tokens_total=self.totals["prefilled"])

@@ -1,0 +1,36 @@
+"""Small helpers shared by the launcher and the offline API (no state)."""
+
+from __future__ import annotations
+
+import socket
+from typing import Optional
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(dtype: Optional[str], device: str) -> torch.dtype:
+    """None/"auto": float32 on CPU (exact comparison with the reference), bfloat16 on GPU."""
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,43 @@
+"""Random-weight tiny Hugging Face checkpoints of every supported family, built on demand."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Dict
+
+import torch
+
+BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=1)
+
+FAMILIES: Dict[str, dict] = {
+    "llama": dict(arch="LlamaConfig", tie_word_embeddings=True),
+    "llama3": dict(arch="LlamaConfig", tie_word_embeddings=False, rope_theta=500000.0,
+                   rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                     high_freq_factor=4.0, original_max_position_embeddings=64)),
+    "mistral": dict(arch="MistralConfig", tie_word_embeddings=False, sliding_window=None),
+    "qwen2": dict(arch="Qwen2Config", tie_word_embeddings=True),
+    "qwen3": dict(arch="Qwen3Config", tie_word_embeddings=False, head_dim=32),
+}
+
+
+def build_tiny(family: str, out: Path, tokenizer_dir: Path, seed: int = 0, **overrides: object
+               ) -> Path:
+    """Save a random tiny model of `family` with the default model's tokenizer into `out`."""
+    import transformers
+    spec = dict(FAMILIES[family])
+    config_cls = getattr(transformers, spec.pop("arch"))
+    config = config_cls(**{**BASE, **spec, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():  # larger than default init, so logits are well separated
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
+            shutil.copy(f, out / f.name)
+    return out
