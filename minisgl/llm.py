@@ -28,6 +28,7 @@ from minisgl.distributed.comm import Communicator
 from minisgl.engine import Engine, EngineConfig
 from minisgl.message import BatchTokenOut, ShutdownMsg, TokenOut, UserMsg
 from minisgl.message.queue import PullQueue, PushQueue
+from minisgl.models import ModelConfig
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.io import LocalIO
 from minisgl.scheduler.main import run_rank
@@ -164,6 +165,7 @@ class LLM:
             raise ValueError(f"tp must be >= 1, got {tp}")
         self.model_path = resolve_model_path(model)
         self.tokenizer = load_tokenizer(self.model_path)
+        self.model_config = ModelConfig.from_dir(self.model_path)
         dev = resolve_device(device)
         engine_cfg = EngineConfig(
             model_path=str(self.model_path), tp_info=DistributedInfo(0, tp), device=dev,
@@ -181,6 +183,10 @@ class LLM:
     @property
     def max_context(self) -> int:
         return self._backend.max_context
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
 
     def close(self) -> None:
         self._finalizer()
@@ -211,9 +217,14 @@ class LLM:
         return self._run(ids, self._per_prompt(params, len(ids)))
 
     # --- internals ---------------------------------------------------------------------------------
+    def _need_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_path} has no tokenizer: pass token-id prompts")
+        return self.tokenizer
+
     def _encode(self, prompt: Prompt) -> List[int]:
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            return list(self._need_tokenizer().encode(prompt, add_special_tokens=False))
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValueError("a token-id prompt must be a list of integers")
         return list(prompt)
@@ -221,7 +232,7 @@ class LLM:
     def _chat_ids(self, conversation: List[Dict[str, str]]) -> List[int]:
         if not conversation:
             raise ValueError("a chat needs at least one message")
-        out = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+        out = self._need_tokenizer().apply_chat_template(conversation, add_generation_prompt=True,
                                                  tokenize=True)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
@@ -245,8 +256,8 @@ class LLM:
             raise ValueError(f"prompt {i}: {len(ids)} prompt tokens plus max_tokens "
                              f"{p.max_tokens} = {total} exceeds the context length "
                              f"{self.max_context}")
-        vocab = len(self.tokenizer)
-        bad = [t for t in ids if not 0 <= t < max(vocab, 1)]
+        vocab = self.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary "
                              f"[0, {vocab})")
@@ -276,6 +287,8 @@ class LLM:
                     left -= 1
                     bar.update(1)
         bar.close()
-        return [GenerateOutput(self.tokenizer.decode(t, skip_special_tokens=True), t,
+        decode = (lambda t: "") if self.tokenizer is None else (  # noqa: E731
+            lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
+        return [GenerateOutput(decode(t), t,
                                d.finish_reason or "", d.prompt_tokens, d.cached_tokens)
                 for t, d in zip(tokens, done) if d is not None]

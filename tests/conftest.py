@@ -1,0 +1,45 @@
+"""Shared fixtures: the default model, random tiny models of every family, the gpu marker."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import build_tiny  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from minisgl.models.default_model import default_model_path
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path
+               ) -> Callable[..., Path]:
+    """tiny_model("qwen3") -> a saved random-weight HF checkpoint of that family (cached)."""
+    cache: dict = {}
+
+    def make(family: str, **overrides: object) -> Path:
+        key = (family, tuple(sorted(overrides.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"tiny-{family}")
+            cache[key] = build_tiny(family, out, default_model_dir, **overrides)
+        return cache[key]
+
+    return make
