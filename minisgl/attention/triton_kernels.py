@@ -1,0 +1,249 @@
+"""Triton kernels for attention over the paged KV pool, and their launchers.
+
+Every kernel reads K/V token by token through the page table (`page_table[row, pos]` is the slot
+of token `pos`), so any page size works and no gather copy is made. Softmax runs in float32 in
+base 2 (the scale is pre-multiplied by log2(e)); outputs are cast back to the query's dtype.
+
+- Decode (one new token per request), flash-decoding: `_decode_split_kernel` runs one program per
+  (request, KV head, KV split) over all query heads that share the KV head (GQA: K/V are read once
+  per group) and writes a normalised partial output plus its log-sum-exp; `_decode_reduce_kernel`
+  merges the splits. The split length is derived from each request's own length inside the
+  kernel, so the grid depends only on (batch size, num_splits), never on the lengths.
+- Extend (prefill chunks after a cached prefix): `_extend_kernel` runs one program per (request,
+  query head, block of new tokens) and attends causally over the prefix and the new tokens, all
+  read from the pool (the new K/V must be stored first).
+
+This module imports triton; nothing else in the package may, so CPU installs without triton work.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+# A finite "minus infinity": masked scores use it so that no row ever computes inf - inf (NaN);
+# any garbage it lets into a row is erased (alpha = 0) by the first real score.
+_NEG = tl.constexpr(-1.0e30)
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+@triton.jit
+def _decode_split_kernel(
+        q_ptr, k_ptr, v_ptr, page_table_ptr, rows_ptr, seq_lens_ptr, o_part_ptr, lse_part_ptr,
+        scale_log2, num_splits, head_dim,
+        stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
+        stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+        GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    """Program (b, kv_head, split): partial attention of the GROUP query heads of `kv_head`."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    # A padded entry (seq_len 0) reads token 0 of its row instead of dividing by zero.
+    seq_len = tl.maximum(tl.load(seq_lens_ptr + b), 1)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + offs_h
+    mask_h = offs_h < GROUP
+    mask_d = offs_d < head_dim
+    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], _NEG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    pt_row = page_table_ptr + row * stride_pt
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        mask_n = pos < end
+        slots = tl.load(pt_row + pos, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [D, N]
+        if IEEE:
+            qk = tl.dot(q, k, input_precision="ieee")
+        else:
+            qk = tl.dot(q, k)
+        qk = tl.where(mask_n[None, :], qk * scale_log2, _NEG)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [N, D]
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    # An empty split (zero iterations) writes finite junk that the reduce kernel masks out.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = m_i + tl.log2(l_safe)
+    o_ptrs = (o_part_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
+              + offs_d[None, :])
+    tl.store(o_ptrs, o, mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(lse_part_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+        o_part_ptr, lse_part_ptr, out_ptr, seq_lens_ptr, num_splits, head_dim,
+        stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
+        BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (b, head): merge the non-empty splits by their log-sum-exp weights."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.maximum(tl.load(seq_lens_ptr + b), 1)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    num_valid = tl.cdiv(seq_len, split_len)  # same arithmetic as the split kernel
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < num_valid
+    mask_d = offs_d < head_dim
+    lse = tl.load(lse_part_ptr + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=_NEG)
+    w = tl.where(mask_s, tl.exp2(lse - tl.max(lse, 0)), 0.0)
+    o = tl.load(o_part_ptr + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os
+                + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + b * stride_out_t + h * stride_out_h + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+@triton.jit
+def _extend_kernel(
+        q_ptr, k_ptr, v_ptr, o_ptr, page_table_ptr, rows_ptr, prefix_lens_ptr, extend_lens_ptr,
+        q_starts_ptr, scale_log2, head_dim,
+        stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
+        stride_ot, stride_oh,
+        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    """Program (b, head, m_block): new tokens [m_block*BLOCK_M, +BLOCK_M) of request b, causal."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    m0 = tl.program_id(2) * BLOCK_M
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    prefix = tl.load(prefix_lens_ptr + b)
+    ext = tl.load(extend_lens_ptr + b)
+    q_start = tl.load(q_starts_ptr + b).to(tl.int64)
+    kvh = h // GROUP
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < ext
+    mask_d = offs_d < head_dim
+    q_pos = prefix + offs_m
+    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+
+    # Keys up to the last query of this block; a block past the request's end runs no iteration.
+    hi = tl.minimum(prefix + ext, prefix + m0 + BLOCK_M)
+    hi = tl.where(m0 < ext, hi, 0)
+    m_i = tl.full([BLOCK_M], _NEG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    pt_row = page_table_ptr + row * stride_pt
+    for n0 in range(0, hi, BLOCK_N):
+        pos = n0 + offs_n
+        mask_n = pos < hi
+        slots = tl.load(pt_row + pos, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [D, N]
+        if IEEE:
+            qk = tl.dot(q, k, input_precision="ieee")
+        else:
+            qk = tl.dot(q, k)
+        causal = mask_n[None, :] & (pos[None, :] <= q_pos[:, None])
+        qk = tl.where(causal, qk * scale_log2, _NEG)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [N, D]
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     page_table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
+                     o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
+                     scale: float) -> None:
+    """One query token per request.
+
+    q/out [B, heads, d] (last dim contiguous); k/v_cache [slots, kv_heads, d] (one layer);
+    page_table [rows, ctx] int32; rows/seq_lens [B] int32 (seq_len counts the new token, whose
+    K/V must already be in the pool); o_part [B, heads, S, d] and lse_part [B, heads, S] float32
+    scratch, where S = num_splits.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    num_splits = o_part.shape[2]
+    block_d = _block_d(head_dim)
+    block_n = 64 if q.element_size() < 4 else 32
+    ieee = q.dtype == torch.float32
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, page_table, rows, seq_lens, o_part, lse_part,
+        scale * _LOG2E, num_splits, head_dim,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        BLOCK_D=block_d, IEEE=ieee, num_warps=4, num_stages=2)
+    _decode_reduce_kernel[(batch, num_heads)](
+        o_part, lse_part, out, seq_lens, num_splits, head_dim,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=4)
+
+
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     page_table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
+                     extend_lens: torch.Tensor, q_starts: torch.Tensor, max_extend: int,
+                     out: torch.Tensor, scale: float) -> None:
+    """New tokens attend causally to their request's cached prefix and to each other.
+
+    q/out [T, heads, d] (last dim contiguous), request i's tokens at rows
+    [q_starts[i], q_starts[i] + extend_lens[i]); all K/V (prefix and new) are read from the pool
+    through page_table[rows[i], :prefix_lens[i] + extend_lens[i]]; the int32 per-request tensors
+    are on q's device; `max_extend` bounds extend_lens (it sizes the grid).
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    batch = rows.shape[0]
+    if batch == 0 or max_extend == 0:
+        return
+    group = num_heads // k_cache.shape[1]
+    # Smaller tiles in float32: twice the bytes per element, and no tensor-core fp32 path.
+    block = 64 if q.element_size() < 4 else 32
+    grid = (batch, num_heads, triton.cdiv(max_extend, block))
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out, page_table, rows, prefix_lens, extend_lens, q_starts,
+        scale * _LOG2E, head_dim,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), page_table.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_M=block, BLOCK_N=block, BLOCK_D=_block_d(head_dim),
+        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)

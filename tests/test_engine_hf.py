@@ -1,0 +1,70 @@
+"""Greedy tokens equal Hugging Face transformers' (float32, CPU), across page sizes, chunking and
+concurrency, on the default model and on random tiny models of every family."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, List
+
+import pytest
+
+from hf_reference import hf_greedy, mixed_prompts
+from minisgl import LLM, SamplingParams
+from tiny_models import FAMILIES
+
+GREEDY32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+TEXTS = [
+    "Hi",
+    "The quick brown fox jumps over the lazy dog. Then it",
+    "Write a short poem about the sea, the wind and the sky, in three stanzas:",
+    " ".join(f"Item {i}: the number {i * 7} is {'even' if i % 2 == 0 else 'odd'}."
+             for i in range(40)) + " Summarize the list:",
+]
+
+
+@pytest.fixture(scope="module")
+def default_prompts(default_model_dir: Path) -> List[List[int]]:
+    from minisgl.tokenizer.text import load_tokenizer
+    tok = load_tokenizer(default_model_dir)
+    prompts = [tok.encode(t, add_special_tokens=False) for t in TEXTS]
+    assert len(prompts[-1]) > 300, len(prompts[-1])
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def default_reference(default_model_dir: Path, default_prompts: List[List[int]]
+                      ) -> List[List[int]]:
+    return hf_greedy(default_model_dir, default_prompts, 32)
+
+
+@pytest.mark.parametrize("page_size,chunk", [(1, 8192), (16, 16), (16, 8192)])
+def test_default_model_matches_hf(default_model_dir: Path, default_prompts: List[List[int]],
+                                  default_reference: List[List[int]], page_size: int,
+                                  chunk: int) -> None:
+    with LLM(str(default_model_dir), page_size=page_size, max_prefill_tokens=chunk,
+             max_kv_tokens=4096, show_progress=False) as llm:
+        outs = llm.generate(default_prompts, GREEDY32)
+    assert [o.token_ids for o in outs] == default_reference
+    assert all(o.finish_reason == "length" for o in outs)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_tiny_families_match_hf(tiny_model: Callable[..., Path], family: str) -> None:
+    path = tiny_model(family)
+    prompts = mixed_prompts(4, seed=1)
+    with LLM(str(path), page_size=4, max_kv_tokens=2048, show_progress=False) as llm:
+        outs = llm.generate(prompts, GREEDY32)
+    assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 32)
+
+
+@pytest.mark.parametrize("max_running,page_size,chunk", [(1, 16, 8192), (16, 1, 16),
+                                                         (16, 16, 8192)])
+def test_concurrency_does_not_change_tokens(tiny_model: Callable[..., Path], max_running: int,
+                                            page_size: int, chunk: int) -> None:
+    path = tiny_model("qwen3")
+    prompts = mixed_prompts(16, seed=2)
+    with LLM(str(path), page_size=page_size, max_prefill_tokens=chunk,
+             max_running_requests=max_running, max_kv_tokens=8192, show_progress=False) as llm:
+        outs = llm.generate(prompts, GREEDY32)
+    assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 32)

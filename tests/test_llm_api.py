@@ -1,0 +1,117 @@
+"""The offline API on the default model: chat, sampling semantics, finish reasons, bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from minisgl import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_dir: Path) -> Iterator[LLM]:
+    with LLM(str(default_model_dir), max_kv_tokens=4096, page_size=16,
+             show_progress=False) as engine:
+        yield engine
+
+
+def _pages_balanced(llm: LLM) -> None:
+    s = llm._backend.scheduler  # type: ignore[attr-defined]
+    s.check_idle()
+    assert not s.reqs and s.rows.available == s.rows.num_rows
+    assert s.prefill.outstanding_pages == 0
+
+
+def test_chat_answers_paris(llm: LLM) -> None:
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(max_tokens=40, temperature=0))[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"  # the model ends its turn with an EOS id
+    _pages_balanced(llm)
+
+
+def test_generate_accepts_text_and_ids(llm: LLM) -> None:
+    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    by_text = llm.generate("The capital of France is", p)[0]
+    ids = llm.tokenizer.encode("The capital of France is", add_special_tokens=False)
+    by_ids = llm.generate([ids], p)[0]
+    assert by_text.token_ids == by_ids.token_ids and len(by_ids.token_ids) == 8
+    assert by_text.text == llm.tokenizer.decode(by_text.token_ids, skip_special_tokens=True)
+    assert by_text.prompt_tokens == len(ids)
+
+
+def test_seeded_sampling(llm: LLM) -> None:
+    prompt = "Tell me a story about a dragon."
+    p = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+    a, b = llm.generate([prompt, prompt], p)
+    assert a.token_ids == b.token_ids  # same seed, same text, even in one batch
+    other = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=1.0, seed=99,
+                                                ignore_eos=True))[0]
+    assert other.token_ids != a.token_ids
+    unseeded = llm.generate([prompt] * 2, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert unseeded[0].token_ids != unseeded[1].token_ids  # per-request noise without a seed
+
+
+def test_greedy_equivalents(llm: LLM) -> None:
+    prompt = "List three colors:"
+    greedy = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    topk1 = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0.8, top_k=1,
+                                                seed=5, ignore_eos=True))
+    tiny_p = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0.7, top_p=1e-6,
+                                                 seed=6, ignore_eos=True))
+    min_p1 = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=1.0, min_p=1.0,
+                                                 seed=7, ignore_eos=True))
+    assert greedy[0].token_ids == topk1[0].token_ids == tiny_p[0].token_ids
+    assert greedy[0].token_ids == min_p1[0].token_ids
+
+
+def test_finish_reasons_and_stop_ids(llm: LLM) -> None:
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ref = llm.generate("Count: 1, 2, 3,", greedy)[0].token_ids
+    stop_at = ref[5]
+    out = llm.generate("Count: 1, 2, 3,", SamplingParams(
+        max_tokens=12, temperature=0, stop_token_ids=(stop_at,)))[0]
+    assert out.finish_reason == "stop" and out.token_ids == ref[:ref.index(stop_at) + 1]
+    one = llm.generate("Count: 1, 2, 3,", SamplingParams(max_tokens=1, temperature=0))[0]
+    assert one.finish_reason in ("length", "stop") and len(one.token_ids) == 1
+    _pages_balanced(llm)
+
+
+def test_per_prompt_params(llm: LLM) -> None:
+    outs = llm.generate(["a", "b"], [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                                     SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)])
+    assert [len(o.token_ids) for o in outs] == [3, 5]
+    with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
+        llm.generate(["a", "b", "c"], [SamplingParams(), SamplingParams()])
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ("", SamplingParams(max_tokens=4), "prompt 1 is empty"),
+    ([], SamplingParams(max_tokens=4), "prompt 1 is empty"),
+    ("hi", SamplingParams(max_tokens=-3), "max_tokens must be at least 1, got -3"),
+    ("hi", SamplingParams(max_tokens=0), "got 0"),
+    ("hi", SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
+    ("hi", SamplingParams(top_p=0.0), "got 0.0"),
+    ("hi", SamplingParams(temperature=-1.0), "temperature must be .* got -1.0"),
+    ("hi", SamplingParams(min_p=2.0), "min_p must be in"),
+    ("hi", SamplingParams(max_tokens=9000), r"prompt tokens plus max_tokens 9000 = \d+ exceeds "
+                                            r"the context length 8192"),
+    ([10, 99999999], SamplingParams(max_tokens=4), "prompt 1: token id 99999999 is outside"),
+])
+def test_bad_input_raises_and_leaks_nothing(llm: LLM, prompt: object, params: SamplingParams,
+                                            match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["fine prompt", prompt], params)  # type: ignore[list-item]
+    _pages_balanced(llm)
+    assert llm.generate("still works", SamplingParams(max_tokens=2, temperature=0))[0].token_ids
+
+
+def test_request_bigger_than_pool_is_rejected(default_model_dir: Path) -> None:
+    with LLM(str(default_model_dir), max_kv_tokens=64, page_size=16,
+             show_progress=False) as small:
+        with pytest.raises(ValueError, match="needs 5 KV pages, more than the pool holds \\(4\\)"):
+            small.generate([[5] * 10], SamplingParams(max_tokens=60))
+        assert small.generate([[5] * 10], SamplingParams(max_tokens=4))
+        _pages_balanced(small)
