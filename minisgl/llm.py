@@ -28,6 +28,7 @@ from minisgl.distributed.comm import Communicator
 from minisgl.engine import Engine, EngineConfig
 from minisgl.message import BatchTokenOut, ShutdownMsg, TokenOut, UserMsg
 from minisgl.message.queue import PullQueue, PushQueue
+from minisgl.layers.linear import check_head_split
 from minisgl.models import ModelConfig
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.io import LocalIO
@@ -94,6 +95,7 @@ class _RankProcesses:
                                        "tp_info": DistributedInfo(rank, tp),
                                        "dist_init_method": f"tcp://127.0.0.1:{port}"}),
                 max_prefill_tokens=cfg.max_prefill_tokens, cache=cfg.cache,
+                check_lockstep=cfg.check_lockstep,
                 backend_addr=addr("backend"), detokenizer_addr=addr("detokenizer"),
                 broadcast_addr=addr("broadcast"))
             recv, send = mp_ctx.Pipe(duplex=False)
@@ -160,12 +162,14 @@ class LLM:
                  max_prefill_tokens: int = 8192, max_running_requests: int = 256,
                  max_kv_tokens: Optional[int] = None, cache: str = "radix",
                  load_format: str = "auto", seed: int = 0, attention_backend: str = "auto",
-                 show_progress: bool = True, log_level: str = "WARNING") -> None:
+                 show_progress: bool = True, log_level: str = "WARNING",
+                 check_lockstep: bool = False) -> None:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
         self.model_path = resolve_model_path(model)
         self.tokenizer = load_tokenizer(self.model_path)
         self.model_config = ModelConfig.from_dir(self.model_path)
+        check_head_split(self.model_config.num_heads, self.model_config.num_kv_heads, tp)
         dev = resolve_device(device)
         engine_cfg = EngineConfig(
             model_path=str(self.model_path), tp_info=DistributedInfo(0, tp), device=dev,
@@ -174,7 +178,7 @@ class LLM:
             load_format=load_format, attention_backend=attention_backend, seed=seed,
             show_progress=show_progress)
         cfg = SchedulerConfig(engine=engine_cfg, max_prefill_tokens=max_prefill_tokens,
-                              cache=cache)
+                              cache=cache, check_lockstep=check_lockstep)
         self.show_progress = show_progress
         self._backend = _InProcess(cfg) if tp == 1 else _RankProcesses(cfg, tp, log_level)
         self._uids = itertools.count()

@@ -32,6 +32,21 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def _f32_dot(q: torch.Tensor) -> bool:
+    """Whether dots run on float32 operands: always for float32 (exact, no tf32), and on the
+    CPU interpreter, whose bf16 tl.dot is wrong (triton 3.9 multiplies the raw bit patterns)."""
+    return q.dtype == torch.float32 or q.device.type != "cuda"
+
+
+@triton.jit
+def _dot(a, b, F32_DOT: tl.constexpr):
+    """a @ b with a float32 result; F32_DOT: upcast the operands and use IEEE float32."""
+    if F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
 @triton.jit
 def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, page_table_ptr, rows_ptr, seq_lens_ptr, o_part_ptr, lse_part_ptr,
@@ -39,7 +54,7 @@ def _decode_split_kernel(
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+        BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr):
     """Program (b, kv_head, split): partial attention of the GROUP query heads of `kv_head`."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -70,10 +85,7 @@ def _decode_split_kernel(
         slots = tl.load(pt_row + pos, mask=mask_n, other=0).to(tl.int64)
         k = tl.load(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
                     mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [D, N]
-        if IEEE:
-            qk = tl.dot(q, k, input_precision="ieee")
-        else:
-            qk = tl.dot(q, k)
+        qk = _dot(q, k, F32_DOT)
         qk = tl.where(mask_n[None, :], qk * scale_log2, _NEG)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -81,10 +93,7 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [N, D]
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
+        pv = _dot(p.to(v.dtype), v, F32_DOT)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
@@ -129,7 +138,7 @@ def _extend_kernel(
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
         stride_ot, stride_oh,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+        BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr):
     """Program (b, head, m_block): new tokens [m_block*BLOCK_M, +BLOCK_M) of request b, causal."""
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -162,10 +171,7 @@ def _extend_kernel(
         slots = tl.load(pt_row + pos, mask=mask_n, other=0).to(tl.int64)
         k = tl.load(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
                     mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [D, N]
-        if IEEE:
-            qk = tl.dot(q, k, input_precision="ieee")
-        else:
-            qk = tl.dot(q, k)
+        qk = _dot(q, k, F32_DOT)
         causal = mask_n[None, :] & (pos[None, :] <= q_pos[:, None])
         qk = tl.where(causal, qk * scale_log2, _NEG)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -174,10 +180,7 @@ def _extend_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [N, D]
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
+        pv = _dot(p.to(v.dtype), v, F32_DOT)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
@@ -203,7 +206,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_splits = o_part.shape[2]
     block_d = _block_d(head_dim)
     block_n = 64 if q.element_size() < 4 else 32
-    ieee = q.dtype == torch.float32
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, rows, seq_lens, o_part, lse_part,
         scale * _LOG2E, num_splits, head_dim,
@@ -212,7 +214,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_D=block_d, IEEE=ieee, num_warps=4, num_stages=2)
+        BLOCK_D=block_d, F32_DOT=_f32_dot(q), num_warps=4, num_stages=2)
     _decode_reduce_kernel[(batch, num_heads)](
         o_part, lse_part, out, seq_lens, num_splits, head_dim,
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
@@ -246,4 +248,4 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), page_table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=block, BLOCK_N=block, BLOCK_D=_block_d(head_dim),
-        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+        F32_DOT=_f32_dot(q), num_warps=4, num_stages=2)

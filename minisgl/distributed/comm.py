@@ -8,7 +8,9 @@ error instead of a hang.
 from __future__ import annotations
 
 import datetime
-from typing import NamedTuple, Optional
+import zlib
+from array import array
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,3 +71,22 @@ def min_over_ranks(value: int, cpu_group: Optional[dist.ProcessGroup]) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=cpu_group)
     return int(t.item())
+
+
+def check_same_across_ranks(values: Sequence[int], cpu_group: Optional[dist.ProcessGroup],
+                            what: str) -> None:
+    """Raise on every rank when `values` differ between ranks (every rank must call it).
+
+    A debugging guard for the lockstep invariant: ranks exchange a length and a CRC32, not the
+    values themselves.
+    """
+    if cpu_group is None:
+        return
+    digest = torch.tensor([len(values), zlib.crc32(array("q", values).tobytes())],
+                          dtype=torch.int64)
+    size = dist.get_world_size(cpu_group)
+    gathered = [torch.empty_like(digest) for _ in range(size)]
+    dist.all_gather(gathered, digest, group=cpu_group)
+    if any(not torch.equal(g, gathered[0]) for g in gathered):
+        raise RuntimeError(f"ranks diverged on {what}: (length, crc32) per rank = "
+                           f"{[tuple(g.tolist()) for g in gathered]}")

@@ -54,6 +54,7 @@ class PubQueue:
     def __init__(self, ctx: zmq.Context, addr: str) -> None:
         self.sock = ctx.socket(zmq.XPUB)
         self.sock.setsockopt(zmq.SNDHWM, 0)  # never drop: other ranks must see every message
+        self.sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every rank's (identical) subscription
         self.sock.bind(addr)
 
     def wait_for_subscribers(self, n: int, timeout_s: float) -> None:

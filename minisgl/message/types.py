@@ -99,3 +99,29 @@ class ReplyChunk:
     cached_tokens: int = 0
     error: Optional[str] = None
     error_status: int = 400
+
+
+# --- server-side additions (issue 4) --------------------------------------------------------------
+@dataclass(frozen=True)
+class DetokenizeInit:
+    """Tokenizer -> detokenizer, sent before the request's `UserMsg` goes to rank 0.
+
+    Tells the detokenizer how to render request `uid`: the last few prompt tokens give the
+    incremental decode its left context (spacing of the first output token), `stop` strings end
+    the request early (the detokenizer then sends rank 0 an `AbortMsg` so its KV pages are freed).
+    The detokenizer keeps this state until rank 0's final `TokenOut` for the uid, then frees it.
+    """
+
+    uid: int
+    prompt_tail: List[int]
+    stop: Tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+
+
+@dataclass(frozen=True)
+class ReplyBatch:
+    """Detokenizer (or tokenizer, for rejections) -> API server: one scheduler step's replies,
+    with rank 0's counters for /metrics when the step carried them."""
+
+    chunks: List[ReplyChunk]
+    stats: Optional[SchedulerStats] = None

@@ -12,8 +12,10 @@ import logging
 from typing import Dict, List, Optional
 
 import torch
+from torch.distributed import ProcessGroup
 
 from minisgl.core import Batch, FinishReason, Phase, Req
+from minisgl.distributed import check_same_across_ranks
 from minisgl.engine import Engine
 from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
@@ -28,8 +30,10 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, engine: Engine, io: SchedulerIO) -> None:
+    def __init__(self, cfg: SchedulerConfig, engine: Engine, io: SchedulerIO,
+                 cpu_group: Optional[ProcessGroup] = None) -> None:
         self.cfg = cfg
+        self.cpu_group = cpu_group
         self.engine = engine
         self.io = io
         self.rank = cfg.engine.tp_info.rank
@@ -62,6 +66,10 @@ class Scheduler:
         if batch is None:
             return False
         tokens = self.engine.forward(batch)
+        if self.cfg.check_lockstep:
+            uids = [r.uid for r in batch.reqs]
+            slots = batch.out_slots.tolist() if batch.out_slots is not None else []
+            check_same_across_ranks(uids + slots + tokens, self.cpu_group, "batch and tokens")
         self.io.send(self.process(batch, tokens), self.stats())
         return True
 

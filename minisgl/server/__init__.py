@@ -1,1 +1,2 @@
-"""server"""
+"""The serving daemon: configuration (args), process tree (launch, proc), HTTP API (api, protocol,
+backend, metrics) and the terminal chat (shell). Entry point: `minisgl.server.launch.main`."""

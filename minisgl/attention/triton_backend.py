@@ -1,0 +1,98 @@
+"""Attention over the paged KV with Triton kernels (the fast path on GPUs).
+
+`prepare` turns the batch's lengths into int32 device tensors with one host-to-device copy per
+batch (shared by every layer); `forward` stores the new K/V with `index_copy_` and launches the
+decode kernels (flash-decoding, GQA-grouped) for a DECODE batch or the causal extend kernel for a
+PREFILL batch. The kernels read K/V slot by slot through the page table, so any page size works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from minisgl.attention.base import AttentionBackend
+from minisgl.attention.triton_kernels import decode_attention, extend_attention
+from minisgl.core import Batch, Phase
+from minisgl.kvcache import KVPool
+
+
+@dataclass(frozen=True)
+class TritonMeta:
+    """Per-batch kernel inputs; the int32 tensors are [batch] and live on the pool's device."""
+
+    decode: bool
+    rows: torch.Tensor  # page-table row of each request
+    prefix_lens: torch.Tensor  # tokens already in the pool before this batch
+    extend_lens: torch.Tensor  # new tokens of this batch
+    seq_lens: torch.Tensor  # prefix + new
+    q_starts: torch.Tensor  # first row of each request's tokens in q
+    max_extend: int
+    o_part: Optional[torch.Tensor]  # decode scratch [batch, heads, splits, d] float32
+    lse_part: Optional[torch.Tensor]  # decode scratch [batch, heads, splits] float32
+
+
+class TritonBackend(AttentionBackend):
+    # Flash-decoding split policy: a split covers at least this many tokens (shorter ones cost
+    # more in the reduce than they gain in parallelism), and there are at most this many.
+    min_split_tokens: int = 256
+    max_splits: int = 32
+
+    def __init__(self, pool: KVPool, page_table: torch.Tensor, num_heads: int,
+                 num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__(pool, page_table, num_heads, num_kv_heads, head_dim, scale)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
+                             f"{num_kv_heads}")
+        self.device = page_table.device
+        # Read once: the decode split count aims to fill the GPU's multiprocessors.
+        self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                        if self.device.type == "cuda" else 8)
+
+    def num_splits(self, batch_size: int, max_seq_len: int) -> int:
+        """KV splits per (request, KV head): about two waves of programs, none too short."""
+        programs = max(1, batch_size * self.num_kv_heads)
+        want = -(-2 * self.num_sms // programs)
+        by_len = -(-max_seq_len // self.min_split_tokens)
+        return max(1, min(want, by_len, self.max_splits))
+
+    def prepare(self, batch: Batch) -> None:
+        rows = [r.table_row for r in batch.reqs]
+        starts: List[int] = []
+        start = 0
+        for ext in batch.extend_lens:
+            starts.append(start)
+            start += ext
+        seq_lens = batch.seq_lens
+        host = torch.tensor([rows, batch.prefix_lens, batch.extend_lens, seq_lens, starts],
+                            dtype=torch.int32).reshape(5, -1)
+        dev = host.to(self.device, non_blocking=True)  # one copy for the whole batch
+        decode = batch.phase is Phase.DECODE
+        o_part = lse_part = None
+        if decode:
+            splits = self.num_splits(batch.size, max(seq_lens, default=1))
+            o_part = torch.empty((batch.size, self.num_heads, splits, self.head_dim),
+                                 dtype=torch.float32, device=self.device)
+            lse_part = torch.empty((batch.size, self.num_heads, splits), dtype=torch.float32,
+                                   device=self.device)
+        batch.attn_meta = TritonMeta(decode, dev[0], dev[1], dev[2], dev[3], dev[4],
+                                     max(batch.extend_lens, default=0), o_part, lse_part)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                batch: Batch) -> torch.Tensor:
+        self.pool.store(layer, batch.out_slots, k, v)
+        meta: TritonMeta = batch.attn_meta  # type: ignore[assignment]
+        if q.stride(-1) != 1:
+            q = q.contiguous()  # the kernels index the head dimension densely
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        if meta.decode:
+            assert meta.o_part is not None and meta.lse_part is not None
+            decode_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens,
+                             meta.o_part, meta.lse_part, out, self.scale)
+        else:
+            extend_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.prefix_lens,
+                             meta.extend_lens, meta.q_starts, meta.max_extend, out, self.scale)
+        return out.reshape(q.shape[0], -1)

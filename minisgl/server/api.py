@@ -1,0 +1,364 @@
+"""The HTTP front end: an OpenAI-compatible API on FastAPI, served by uvicorn on uvloop.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /generate (token ids in and out),
+GET /v1/models, GET /health (200 only while the launcher reports every process up), GET /metrics.
+
+A request's uids are released (unfinished ones aborted, so their KV pages are freed) when the
+handler ends for any reason: response sent, error, or the client gone. Non-streaming handlers
+poll for a disconnect while they wait; streaming responses watch for it concurrently.
+All app state is built in `create_app`; nothing is global.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from minisgl.message.types import ReplyChunk
+from minisgl.server.backend import Backend, RequestStream
+from minisgl.server.metrics import Metrics
+from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, GenerateRequest,
+                                     Job, chat_job, completion_job, generate_job, parse_body)
+
+logger = logging.getLogger("minisgl.api")
+_DISCONNECT_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    model_name: str
+    max_context: int
+    max_n: int
+    tokenizer_addr: str  # PUSH: requests and aborts to the tokenizer
+    api_addr: str  # PULL, bound here: replies from the detokenizer and tokenizer
+    health_file: str  # exists while the launcher sees every process of the service up
+
+
+class ClientGone(Exception):
+    pass
+
+
+@dataclass
+class Choice:
+    """What one choice (one uid) produced so far."""
+
+    text: List[str] = field(default_factory=list)
+    token_ids: List[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, chunk: ReplyChunk) -> None:
+        self.text.append(chunk.text)
+        self.token_ids.extend(chunk.token_ids)
+        self.finish_reason = chunk.finish_reason or self.finish_reason
+        self.prompt_tokens = max(self.prompt_tokens, chunk.prompt_tokens)
+        self.completion_tokens = max(self.completion_tokens, chunk.completion_tokens)
+        self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
+
+
+def usage(choices: List[Choice], n: int) -> Dict[str, Any]:
+    """OpenAI usage: prompt tokens once per prompt (the first of its n choices)."""
+    firsts = choices[::n]
+    prompt = sum(c.prompt_tokens for c in firsts)
+    completion = sum(c.completion_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in firsts)}}
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A streamed response that always runs `on_close` (synchronously) when it ends, however it
+    ends, and stops streaming as soon as the client disconnects."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):
+                        await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                async def watch() -> None:
+                    await self.listen_for_disconnect(receive)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                tg.start_soon(watch)
+        finally:
+            self.on_close()
+
+
+# --- response bodies -------------------------------------------------------------------------------
+class Formatter:
+    """Builds one endpoint's response objects (chat, completion or native generate)."""
+
+    def __init__(self, kind: str, model: str, job: Job) -> None:
+        self.kind, self.model, self.job = kind, model, job
+        prefix = {"chat": "chatcmpl", "completion": "cmpl", "generate": "gen"}[kind]
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: List[Any]) -> Dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def full(self, choices: List[Choice]) -> Dict[str, Any]:
+        u = usage(choices, self.job.n)
+        if self.kind == "generate":
+            c = choices[0]
+            return {"id": self.id, "text": "".join(c.text), "token_ids": c.token_ids,
+                    "finish_reason": c.finish_reason, "usage": u}
+        if self.kind == "chat":
+            items = [{"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
+                      "logprobs": None, "finish_reason": c.finish_reason}
+                     for i, c in enumerate(choices)]
+            return {**self._envelope("chat.completion", items), "usage": u}
+        items = [{"index": i, "text": "".join(c.text), "logprobs": None,
+                  "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
+        return {**self._envelope("text_completion", items), "usage": u}
+
+    def opening(self, index: int) -> Iterator[str]:
+        if self.kind == "chat":
+            yield sse(self._envelope("chat.completion.chunk", [{
+                "index": index, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}]))
+
+    def delta(self, index: int, chunk: ReplyChunk) -> Iterator[str]:
+        if self.kind == "generate":
+            yield sse({"id": self.id, "text": chunk.text, "token_ids": list(chunk.token_ids),
+                       "finish_reason": chunk.finish_reason})
+            return
+        if chunk.text:
+            yield self._choice_chunk(index, chunk.text, None)
+        if chunk.finish_reason is not None:
+            yield self._choice_chunk(index, None, chunk.finish_reason)
+
+    def _choice_chunk(self, index: int, text: Optional[str], reason: Optional[str]) -> str:
+        if self.kind == "chat":
+            delta = {} if text is None else {"content": text}
+            return sse(self._envelope("chat.completion.chunk", [{
+                "index": index, "delta": delta, "logprobs": None, "finish_reason": reason}]))
+        return sse(self._envelope("text_completion", [{
+            "index": index, "text": text or "", "logprobs": None, "finish_reason": reason}]))
+
+    def closing(self, choices: List[Choice]) -> Iterator[str]:
+        if self.job.include_usage and self.kind != "generate":
+            obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+            yield sse({**self._envelope(obj, []), "usage": usage(choices, self.job.n)})
+        yield "data: [DONE]\n\n"
+
+
+# --- running a job -----------------------------------------------------------------------------------
+async def next_chunk(stream: RequestStream, request: Request) -> ReplyChunk:
+    """The stream's next chunk; ClientGone if the client disconnects first."""
+    while True:
+        chunk = await stream.get(timeout=_DISCONNECT_POLL_S)
+        if chunk is not None:
+            return chunk
+        if await request.is_disconnected():
+            raise ClientGone()
+
+
+def _check(chunk: ReplyChunk) -> None:
+    if chunk.error is not None:
+        raise ApiError(chunk.error_status, chunk.error)
+
+
+async def run_job(request: Request, backend: Backend, fmt: Formatter) -> Response:
+    stream = backend.submit(fmt.job)
+    choices = [Choice() for _ in stream.uids]
+    try:
+        if fmt.job.stream:  # wait for every choice's first reply: errors still get a 4xx
+            first: List[ReplyChunk] = []
+            while len({c.uid for c in first}) < len(stream.uids):
+                first.append(await next_chunk(stream, request))
+                _check(first[-1])
+            return SSEResponse(_events(stream, fmt, choices, first),
+                               on_close=lambda: backend.release(stream))
+        while stream.unfinished or not stream.queue.empty():
+            chunk = await next_chunk(stream, request)
+            _check(chunk)
+            choices[stream.index[chunk.uid]].add(chunk)
+        return JSONResponse(fmt.full(choices))
+    except ClientGone:
+        backend.release(stream)
+        return Response(status_code=499)
+    except BaseException:
+        backend.release(stream)
+        raise
+
+
+async def _events(stream: RequestStream, fmt: Formatter, choices: List[Choice],
+                  first: List[ReplyChunk]) -> AsyncIterator[str]:
+    for i in range(len(choices)):
+        for line in fmt.opening(i):
+            yield line
+    buffered = list(first)
+    while buffered or stream.unfinished or not stream.queue.empty():
+        chunk = buffered.pop(0) if buffered else await stream.queue.get()
+        i = stream.index[chunk.uid]
+        choices[i].add(chunk)
+        for line in fmt.delta(i, chunk):
+            yield line
+    for line in fmt.closing(choices):
+        yield line
+
+
+# --- the app ------------------------------------------------------------------------------------------
+def _error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return _error_response(exc)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        msg = f"{exc.detail}: {request.method} {request.url.path}"
+        return _error_response(ApiError(exc.status_code, msg, kind=kind))
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        logger.exception("internal error in %s %s", request.method, request.url.path)
+        return _error_response(ApiError(500, f"internal server error: {type(exc).__name__}",
+                                        kind="server_error"))
+
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, internal_error)
+
+
+def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> FastAPI:
+    """The app and all its state. `is_healthy` says whether every process of the service is up."""
+    metrics = Metrics()
+    backend = Backend(cfg.tokenizer_addr, cfg.api_addr, metrics)
+    started = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(backend.serve_replies())
+        yield
+        task.cancel()
+        backend.close()
+
+    app = FastAPI(title="minisgl", lifespan=lifespan, docs_url=None, redoc_url=None)
+    _install_error_handlers(app)
+
+    def check_model(name: Optional[str]) -> None:
+        if name is not None and name != cfg.model_name:
+            raise ApiError(404, f"The model `{name}` does not exist. This server serves "
+                                f"`{cfg.model_name}`.", "model", "model_not_found")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = parse_body(await request.body(), ChatRequest)
+        check_model(body.model)
+        fmt = Formatter("chat", cfg.model_name, chat_job(body, cfg.max_n))
+        return await run_job(request, backend, fmt)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = parse_body(await request.body(), CompletionRequest)
+        check_model(body.model)
+        fmt = Formatter("completion", cfg.model_name, completion_job(body, cfg.max_n))
+        return await run_job(request, backend, fmt)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        body = parse_body(await request.body(), GenerateRequest)
+        return await run_job(request, backend, Formatter("generate", cfg.model_name,
+                                                         generate_job(body)))
+
+    def model_card() -> Dict[str, Any]:
+        return {"id": cfg.model_name, "object": "model", "created": started,
+                "owned_by": "minisgl", "max_model_len": cfg.max_context}
+
+    @app.get("/v1/models")
+    async def models() -> Dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> Dict[str, Any]:
+        check_model(name)
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if is_healthy():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return PlainTextResponse(metrics.render(),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def serve_forever(cfg: ApiConfig, sock: Any, is_healthy: Callable[[], bool],
+                  on_listening: Callable[[], None], log_level: str) -> None:
+    """Serve on the already bound socket `sock` until the process is terminated; call
+    `on_listening` once uvicorn accepts connections. Signals are left to the launcher."""
+    import uvicorn
+    import uvloop
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield  # SIGTERM keeps its default action; SIGINT is ignored by every child
+
+    config = uvicorn.Config(create_app(cfg, is_healthy), log_config=None, access_log=False,
+                            lifespan="on", log_level=log_level.lower(),
+                            timeout_graceful_shutdown=1)
+    server = _Server(config)
+
+    async def main() -> None:
+        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.02)
+        if server.started:
+            on_listening()
+        await serving
+
+    uvloop.run(main())
+    if not server.started:
+        raise RuntimeError("the HTTP server failed to start")
+
+
+def run_api(cfg: ApiConfig, sock: Any, log_level: str, conn: Any) -> None:
+    """Process entry: serve; report ("ready", "api", {}) once listening or ("error", ...)."""
+    try:
+        serve_forever(cfg, sock, lambda: os.path.exists(cfg.health_file),
+                      lambda: conn.send(("ready", "api", {})), log_level)
+    except Exception as e:
+        logger.debug("start-up failed", exc_info=True)
+        with contextlib.suppress(Exception):
+            conn.send(("error", "api", f"{type(e).__name__}: {e}"))
+        sys.exit(1)

@@ -1,0 +1,132 @@
+"""The API server's link to the tokenizer and detokenizer processes.
+
+`Backend.submit(job)` gives every choice of the job a fresh uid, sends one `TokenizeRequest` per
+choice to the tokenizer and returns a `RequestStream` on which the replies arrive, in order, per
+uid. The caller owns the stream and must `release` it when done (in a `finally`): release sends an
+`AbortRequest` for every uid that has not finished (client gone, error in a sibling choice), which
+frees the request's KV pages in the scheduler. Sends are synchronous and never await, so release
+is safe inside cancelled tasks.
+
+`serve_replies` (one task per app) reads `ReplyBatch`es from the detokenizer and tokenizer,
+updates the metrics (time to first token, inter-token latency, scheduler stats) and routes chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set
+
+import zmq
+import zmq.asyncio
+
+from minisgl.message.codec import decode, encode
+from minisgl.message.types import AbortRequest, ReplyBatch, ReplyChunk, TokenizeRequest
+from minisgl.server.metrics import Metrics
+from minisgl.server.protocol import ApiError, Job
+
+logger = logging.getLogger("minisgl.api")
+
+
+@dataclass(eq=False)
+class RequestStream:
+    uids: List[int]
+    created: float = field(default_factory=time.perf_counter)
+    queue: "asyncio.Queue[ReplyChunk]" = field(default_factory=asyncio.Queue)
+    unfinished: Set[int] = field(default_factory=set)
+    last_token_at: Dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.unfinished = set(self.uids)
+        self.index = {uid: i for i, uid in enumerate(self.uids)}
+
+    async def get(self, timeout: Optional[float] = None) -> Optional[ReplyChunk]:
+        """The next chunk of any of the uids; None after `timeout` seconds without one."""
+        try:
+            return await asyncio.wait_for(self.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
+
+
+class Backend:
+    def __init__(self, tokenizer_addr: str, api_addr: str, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self._ctx = zmq.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.connect(tokenizer_addr)
+        self._actx = zmq.asyncio.Context()
+        self._pull = self._actx.socket(zmq.PULL)
+        self._pull.bind(api_addr)
+        self._uids = itertools.count()
+        self._streams: Dict[int, RequestStream] = {}
+
+    def _send(self, msg: object) -> None:
+        try:
+            self._push.send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            raise ApiError(503, "the server is overloaded (tokenizer queue full)",
+                           kind="server_error") from None
+
+    def submit(self, job: Job) -> RequestStream:
+        stream = RequestStream([next(self._uids) for _ in range(len(job.prompts) * job.n)])
+        for uid in stream.uids:
+            self._streams[uid] = stream
+        try:
+            for k, uid in enumerate(stream.uids):
+                p = job.prompts[k // job.n]
+                self._send(TokenizeRequest(uid, job.choice_params(k % job.n), p.text,
+                                           p.messages, p.input_ids, job.stop,
+                                           job.skip_special_tokens))
+        except ApiError:
+            self.release(stream)
+            raise
+        return stream
+
+    def release(self, stream: RequestStream) -> None:
+        """Abort the stream's unfinished uids and forget the stream (idempotent)."""
+        for uid in sorted(stream.unfinished):
+            try:
+                self._push.send(encode(AbortRequest(uid)), zmq.NOBLOCK)
+            except zmq.Again:
+                logger.error("could not send the abort of request %d (queue full)", uid)
+            self.metrics.count_finished("abort")
+        stream.unfinished.clear()
+        for uid in stream.uids:
+            self._streams.pop(uid, None)
+
+    async def serve_replies(self) -> None:
+        while True:
+            msg = decode(await self._pull.recv())
+            if not isinstance(msg, ReplyBatch):
+                logger.error("ignoring unexpected message %s", type(msg).__name__)
+                continue
+            self.metrics.update(msg.stats)
+            now = time.perf_counter()
+            for chunk in msg.chunks:
+                self._route(chunk, now)
+
+    def _route(self, chunk: ReplyChunk, now: float) -> None:
+        stream = self._streams.get(chunk.uid)
+        if stream is None:
+            return  # released already (client gone): drop
+        if chunk.token_ids:
+            last = stream.last_token_at.get(chunk.uid)
+            if last is None:
+                self.metrics.ttft.observe(now - stream.created)
+            else:
+                self.metrics.itl.observe((now - last) / len(chunk.token_ids))
+            stream.last_token_at[chunk.uid] = now
+        if chunk.error is not None or chunk.finish_reason is not None:
+            stream.unfinished.discard(chunk.uid)
+            del self._streams[chunk.uid]
+            self.metrics.count_finished("error" if chunk.error else chunk.finish_reason or "")
+        stream.queue.put_nowait(chunk)
+
+    def close(self) -> None:
+        self._push.close(linger=0)
+        self._pull.close(linger=0)
+        self._ctx.term()
+        self._actx.term()

@@ -1,0 +1,93 @@
+"""Prometheus metrics of the API server, rendered in the text exposition format (version 0.0.4).
+
+Scheduler gauges and counters are copied from rank 0's latest `SchedulerStats` (forwarded by the
+detokenizer); latency histograms are measured here, when replies arrive at the API server.
+One `Metrics` object per app (built in the app factory); not thread-safe (event-loop only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from minisgl.message.types import SchedulerStats
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+# SchedulerStats field -> (metric name, type, help)
+_SCHEDULER_METRICS: Dict[str, Tuple[str, str, str]] = {
+    "running": ("minisgl_num_requests_running", "gauge", "Requests in the decode batch."),
+    "waiting": ("minisgl_num_requests_waiting", "gauge",
+                "Requests waiting for admission or still prefilling."),
+    "kv_pages_used": ("minisgl_kv_pages_used", "gauge",
+                      "KV pages held by live requests (not counting the prefix cache)."),
+    "kv_pages_total": ("minisgl_kv_pages_total", "gauge", "KV pages in the pool."),
+    "kv_pages_cached": ("minisgl_kv_pages_cached", "gauge", "KV pages held by the prefix cache."),
+    "prompt_tokens_total": ("minisgl_prompt_tokens_total", "counter",
+                            "Prompt tokens of admitted requests."),
+    "generated_tokens_total": ("minisgl_generation_tokens_total", "counter",
+                               "Tokens generated."),
+    "cached_tokens_total": ("minisgl_cached_prompt_tokens_total", "counter",
+                            "Prompt tokens served from the prefix cache."),
+    "prefilled_tokens_total": ("minisgl_prefill_tokens_total", "counter",
+                               "Prompt tokens computed in prefill batches."),
+}
+
+
+@dataclass
+class Histogram:
+    name: str
+    help: str
+    buckets: Sequence[float]
+    counts: List[int] = field(default_factory=list)
+    total: float = 0.0
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        self.total += value
+        self.n += 1
+        for i, upper in enumerate(self.buckets):
+            if value <= upper:
+                self.counts[i] += 1
+
+    def render(self) -> List[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        for upper, count in zip(self.buckets, self.counts):
+            lines.append(f'{self.name}_bucket{{le="{upper}"}} {count}')
+        lines += [f'{self.name}_bucket{{le="+Inf"}} {self.n}', f"{self.name}_sum {self.total}",
+                  f"{self.name}_count {self.n}"]
+        return lines
+
+
+@dataclass
+class Metrics:
+    scheduler: SchedulerStats = field(default_factory=SchedulerStats)
+    ttft: Histogram = field(default_factory=lambda: Histogram(
+        "minisgl_time_to_first_token_seconds",
+        "Time from a request's arrival to its first output token.", _TTFT_BUCKETS))
+    itl: Histogram = field(default_factory=lambda: Histogram(
+        "minisgl_inter_token_latency_seconds",
+        "Time between consecutive output tokens of a request.", _ITL_BUCKETS))
+    finished: Dict[str, int] = field(default_factory=dict)  # by finish reason (and "error")
+
+    def update(self, stats: Optional[SchedulerStats]) -> None:
+        if stats is not None:
+            self.scheduler = stats
+
+    def count_finished(self, reason: str) -> None:
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+
+    def render(self) -> str:
+        lines: List[str] = []
+        for attr, (name, kind, help_text) in _SCHEDULER_METRICS.items():
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}",
+                      f"{name} {getattr(self.scheduler, attr, 0)}"]
+        name = "minisgl_requests_finished_total"
+        lines += [f"# HELP {name} Requests finished, by reason.", f"# TYPE {name} counter"]
+        lines += [f'{name}{{reason="{r}"}} {c}' for r, c in sorted(self.finished.items())]
+        lines += self.ttft.render() + self.itl.render()
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,135 @@
+"""Child processes of the launcher: spawning, the ready handshake, and stopping.
+
+Every child runs `child_main`, which ignores SIGINT (a terminal's Ctrl-C reaches the whole process
+group; only the launcher acts on it), tags its log lines, exits when the launcher disappears (no
+orphans even after `kill -9` of the launcher), then runs its entry function. An entry function
+takes `conn` (its end of a duplex pipe to the launcher) as its last argument and sends exactly one
+of `("ready", name, info)` or `("error", name, message)` on it; the launcher may send it start-up
+data on the same pipe afterwards (the tokenizer gets the KV capacity the ranks reported).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+
+logger = logging.getLogger("minisgl.launcher")
+_SPAWN = mp.get_context("spawn")
+
+
+class StartupError(Exception):
+    """A child failed to start (its one-line reason is the message)."""
+
+
+def setup_logging(tag: str, level: str) -> None:
+    """One line per record, tagged with the process (same format as the scheduler ranks)."""
+    logging.basicConfig(level=level.upper(), force=True, stream=sys.stderr,
+                        format=f"%(asctime)s [{tag}] %(levelname)s %(name)s: %(message)s")
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(3)
+        time.sleep(0.5)
+
+
+def child_main(name: str, log_level: str, parent_pid: int, target: Callable[..., None],
+               args: Tuple[Any, ...]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    setup_logging(name, log_level)
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    target(*args)
+
+
+@dataclass
+class Child:
+    name: str
+    process: Any  # multiprocessing.Process
+    conn: Any  # the launcher's end of the pipe to the child
+    info: Optional[Dict[str, Any]] = None  # set once the child reported ready
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def describe_death(self) -> str:
+        code = self.process.exitcode
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else \
+            f"exited with code {code}"
+        return f"{self.name} (pid {self.process.pid}) {how}"
+
+
+def spawn(name: str, target: Callable[..., None], args: Sequence[Any], log_level: str) -> Child:
+    """Start `target(*args, conn)` in a fresh (spawned) process named `name`."""
+    ours, theirs = _SPAWN.Pipe(duplex=True)
+    proc = _SPAWN.Process(target=child_main, name=f"minisgl-{name}", daemon=True,
+                          args=(name, log_level, os.getpid(), target, (*args, theirs)))
+    proc.start()
+    theirs.close()
+    return Child(name, proc, ours)
+
+
+def wait_ready(children: List[Child], should_stop: Callable[[], bool],
+               on_progress: Callable[[], None] = lambda: None) -> None:
+    """Block until every child reported ready. StartupError when one reports an error or dies
+    first, or when `should_stop()` turns true (a signal during start-up). `on_progress` runs
+    after each child's report."""
+    while True:
+        waiting = [c for c in children if c.info is None]
+        if not waiting:
+            return
+        if should_stop():
+            raise StartupError("interrupted during start-up")
+        handles = [c.conn for c in waiting] + [c.process.sentinel for c in waiting]
+        mpc.wait(handles, timeout=0.2)
+        for child in waiting:
+            _poll_ready(child)
+            if child.info is not None:
+                on_progress()
+
+
+def _poll_ready(child: Child) -> None:
+    try:
+        if child.conn.poll():
+            status, _, info = child.conn.recv()
+            if status != "ready":
+                raise StartupError(f"{child.name} failed to start: {info}")
+            child.info = info
+            return
+    except (EOFError, OSError):
+        pass
+    if not child.alive:
+        raise StartupError(f"{child.describe_death()} during start-up")
+
+
+def stop_children(children: List[Child], first_wait_s: float) -> None:
+    """Wait up to `first_wait_s` for the children to exit by themselves, then SIGTERM the rest,
+    then SIGKILL whatever is left after 2 s more. Every child is reaped."""
+    _join_all(children, first_wait_s)
+    for c in children:
+        if c.alive:
+            c.process.terminate()
+    _join_all(children, 2.0)
+    for c in children:
+        if c.alive:
+            logger.warning("%s did not stop; killing it", c.name)
+            c.process.kill()
+    _join_all(children, 2.0)
+    for c in children:
+        c.conn.close()
+
+
+def _join_all(children: List[Child], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for c in children:
+        c.process.join(max(0.0, deadline - time.monotonic()))

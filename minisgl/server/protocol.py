@@ -1,0 +1,244 @@
+"""Request bodies of the HTTP API: parsing, validation, and conversion into a `Job`.
+
+Every invalid request raises `ApiError` with an HTTP status and an OpenAI-style error body
+(`{"error": {"message", "type", "param", "code"}}`); nothing here touches the backend.
+Unknown OpenAI fields (user, presence_penalty, ...) are accepted and ignored; features this server
+does not implement (logprobs, echo) are rejected rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from minisgl.core import SamplingParams
+from minisgl.tokenizer.tokenize_worker import MAX_TOKENS_AUTO
+
+MAX_STOP_STRINGS = 16
+MAX_PROMPTS = 64
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 code: Optional[str] = None, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = (status, message, param,
+                                                                      code, kind)
+
+    def body(self) -> Dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+# --- request bodies ------------------------------------------------------------------------------
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    ignore_eos: bool = False
+    stop: Union[None, str, List[str]] = None
+    stop_token_ids: Optional[List[int]] = None
+    skip_special_tokens: bool = True
+
+
+class _OpenAI(_Sampling):
+    model: Optional[str] = None
+    max_completion_tokens: Optional[int] = None
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    logprobs: Union[None, bool, int] = None
+
+
+class TextPart(_Body):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: Union[None, str, List[TextPart]] = None
+
+
+class ChatRequest(_OpenAI):
+    messages: List[ChatMessage]
+
+
+class CompletionRequest(_OpenAI):
+    prompt: Union[str, List[str], List[int], List[List[int]]]
+    echo: bool = False
+
+
+class GenerateRequest(_Body):
+    input_ids: Optional[List[int]] = None
+    text: Optional[str] = None
+    sampling_params: _Sampling = _Sampling()
+    stream: bool = False
+
+
+# --- the parsed job -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Prompt:
+    """Exactly one field is set."""
+
+    text: Optional[str] = None
+    messages: Optional[List[Dict[str, str]]] = None
+    input_ids: Optional[List[int]] = None
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one HTTP request asks for: `n` choices for each prompt, choice i of prompt p at
+    index p * n + i."""
+
+    prompts: List[Prompt]
+    params: SamplingParams  # max_tokens may be MAX_TOKENS_AUTO (filled in by the tokenizer)
+    n: int
+    stop: Tuple[str, ...]
+    skip_special_tokens: bool
+    stream: bool
+    include_usage: bool
+
+    def choice_params(self, i: int) -> SamplingParams:
+        """Choice i of a prompt: the request's seed shifted by i, so choices differ."""
+        if self.params.seed is None or i == 0:
+            return self.params
+        return dataclasses.replace(self.params, seed=self.params.seed + i)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_body(raw: bytes, model: Type[M]) -> M:
+    """Decode, parse and schema-check a JSON body; ApiError(400) naming the problem."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        param = str(err["loc"][0]) if err["loc"] else None
+        raise ApiError(400, f"{loc or 'body'}: {err['msg']}", param) from None
+
+
+def _stop_strings(stop: Union[None, str, List[str]]) -> Tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}",
+                       "stop")
+    if any(not s for s in stops):
+        raise ApiError(400, "stop: stop strings must not be empty", "stop")
+    return tuple(stops)
+
+
+def _sampling(body: _Sampling, max_tokens: Optional[int]) -> SamplingParams:
+    params = SamplingParams(
+        max_tokens=max_tokens if max_tokens is not None else 1,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=-1 if body.top_k is None else body.top_k,
+        min_p=0.0 if body.min_p is None else body.min_p,
+        seed=body.seed, ignore_eos=body.ignore_eos,
+        stop_token_ids=tuple(body.stop_token_ids or ()))
+    try:
+        params.validate()
+    except ValueError as e:
+        raise ApiError(400, str(e), str(e).split(" ", 1)[0]) from None
+    if max_tokens is None:
+        params = dataclasses.replace(params, max_tokens=MAX_TOKENS_AUTO)
+    return params
+
+
+def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: int) -> Job:
+    if isinstance(body, GenerateRequest):
+        sampling, n, stream, include_usage = body.sampling_params, 1, body.stream, False
+        max_tokens = sampling.max_tokens
+    else:
+        sampling, n, stream = body, body.n, body.stream
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
+            else body.max_tokens
+        if body.logprobs:
+            raise ApiError(400, "logprobs are not supported by this server", "logprobs")
+        if not 1 <= n <= max_n:
+            raise ApiError(400, f"n must be between 1 and {max_n}, got {n}", "n")
+    return Job(prompts, _sampling(sampling, max_tokens), n, _stop_strings(sampling.stop),
+               sampling.skip_special_tokens, stream, include_usage)
+
+
+def _message_text(i: int, msg: ChatMessage) -> str:
+    if msg.role not in _ROLES:
+        raise ApiError(400, f"messages.{i}.role: unknown role {msg.role!r}; expected one of "
+                            f"{', '.join(_ROLES)}", f"messages.{i}.role")
+    if msg.content is None or isinstance(msg.content, str):
+        return msg.content or ""
+    parts = []
+    for j, part in enumerate(msg.content):
+        if part.type != "text" or part.text is None:
+            raise ApiError(400, f"messages.{i}.content.{j}: only text content parts are "
+                                f"supported, got type {part.type!r}", f"messages.{i}.content")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def chat_job(body: ChatRequest, max_n: int) -> Job:
+    if not body.messages:
+        raise ApiError(400, "messages: must be a non-empty list", "messages")
+    messages = [{"role": m.role, "content": _message_text(i, m)}
+                for i, m in enumerate(body.messages)]
+    return _job(body, [Prompt(messages=messages)], max_n)
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) for t in x)
+
+
+def completion_job(body: CompletionRequest, max_n: int) -> Job:
+    if body.echo:
+        raise ApiError(400, "echo is not supported by this server", "echo")
+    raw: Sequence[Any] = body.prompt
+    if isinstance(raw, str) or (_is_ids(raw) and raw):
+        raw = [raw]
+    if not raw:
+        raise ApiError(400, "prompt: must not be empty", "prompt")
+    if len(raw) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts, got {len(raw)}", "prompt")
+    prompts = [Prompt(text=p) if isinstance(p, str) else Prompt(input_ids=list(p)) for p in raw]
+    if any(p.input_ids is not None and not p.input_ids or p.text == "" for p in prompts):
+        raise ApiError(400, "prompt: must not be empty", "prompt")
+    return _job(body, prompts, max_n)
+
+
+def generate_job(body: GenerateRequest) -> Job:
+    if (body.input_ids is None) == (body.text is None):
+        raise ApiError(400, "exactly one of input_ids and text must be given", "input_ids")
+    if body.input_ids is not None and not body.input_ids or body.text == "":
+        raise ApiError(400, "the prompt must not be empty", "input_ids")
+    prompt = Prompt(input_ids=body.input_ids) if body.input_ids is not None else Prompt(
+        text=body.text)
+    return _job(body, [prompt], 1)

@@ -1,0 +1,142 @@
+"""The detokenizer process: rank 0's token ids in, text replies out to the API server.
+
+Per-request state (`_Request`) is created by the tokenizer's `DetokenizeInit` and freed when rank
+0's final `TokenOut` for the uid arrives (finish, abort or rejection): exactly one final `TokenOut`
+comes per request that reached the scheduler. When a stop string ends a request, the reply to the
+API is final at once, rank 0 gets an `AbortMsg` (its KV pages are freed), and later tokens of the
+uid are dropped until that final `TokenOut`.
+
+`TokenOut`s that overtake their `DetokenizeInit` (they travel different sockets) wait in
+`pending` until it arrives.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+import zmq
+
+from minisgl.core import FinishReason
+from minisgl.message.codec import decode
+from minisgl.message.queue import PushQueue
+from minisgl.message.types import (AbortMsg, BatchTokenOut, DetokenizeInit, ReplyBatch,
+                                   ReplyChunk, TokenOut)
+from minisgl.tokenizer.incremental import IncrementalDecoder, StopMatcher
+from minisgl.tokenizer.text import load_tokenizer
+
+logger = logging.getLogger("minisgl.detokenizer")
+
+
+@dataclass(frozen=True)
+class DetokenizerConfig:
+    model_path: str
+    detokenizer_addr: str  # PULL, bound here: rank 0's BatchTokenOut, the tokenizer's inits
+    backend_addr: str  # PUSH to rank 0: aborts of requests ended by a stop string
+    api_addr: str  # PUSH to the API server: ReplyBatch
+
+
+@dataclass
+class _Request:
+    decoder: IncrementalDecoder
+    matcher: StopMatcher
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    stopped: bool = False  # ended by a stop string; waiting for rank 0's final TokenOut
+
+
+class Rendered(NamedTuple):
+    chunks: List[ReplyChunk]
+    aborts: List[int]  # uids rank 0 must stop (ended here by a stop string)
+
+
+@dataclass
+class Detokenizer:
+    """The detokenizer's logic without sockets (unit-testable)."""
+
+    tokenizer: Any
+    requests: Dict[int, _Request] = field(default_factory=dict)
+    pending: Dict[int, List[TokenOut]] = field(default_factory=dict)
+
+    def init(self, msg: DetokenizeInit) -> Rendered:
+        self.requests[msg.uid] = _Request(
+            IncrementalDecoder(self.tokenizer, msg.prompt_tail, msg.skip_special_tokens),
+            StopMatcher(msg.stop))
+        return self.render(self.pending.pop(msg.uid, []))
+
+    def render(self, outs: List[TokenOut]) -> Rendered:
+        chunks: List[ReplyChunk] = []
+        aborts: List[int] = []
+        for out in outs:
+            if out.uid not in self.requests:
+                self.pending.setdefault(out.uid, []).append(out)
+                continue
+            chunk, abort = self._one(out)
+            if chunk is not None:
+                chunks.append(chunk)
+            if abort:
+                aborts.append(out.uid)
+        return Rendered(chunks, aborts)
+
+    def _one(self, out: TokenOut) -> Tuple[Optional[ReplyChunk], bool]:
+        if out.error is not None:  # rejected by the scheduler: nothing was generated
+            del self.requests[out.uid]
+            return ReplyChunk(out.uid, error=out.error, error_status=400,
+                              prompt_tokens=out.prompt_tokens), False
+        req = self.requests[out.uid]
+        if out.finish_reason is not None:
+            del self.requests[out.uid]  # rank 0 is done with it: free the state
+        if req.stopped:
+            return None, False
+        req.cached_tokens = max(req.cached_tokens, out.cached_tokens)
+        text, ids = "", []
+        if out.token >= 0:
+            req.completion_tokens += 1
+            ids = [out.token]
+            if out.finish_reason != FinishReason.STOP.value:  # a stop token is not rendered
+                text = req.decoder.push(out.token)
+        if out.finish_reason is not None:
+            text += req.decoder.flush()
+        text, stopped = req.matcher.feed(text)
+        reason = out.finish_reason
+        if stopped:
+            req.stopped, reason = True, FinishReason.STOP.value
+        elif reason is not None:
+            text += req.matcher.flush()
+        chunk = ReplyChunk(out.uid, text, ids, reason, out.prompt_tokens, req.completion_tokens,
+                           req.cached_tokens)
+        return chunk, stopped and out.finish_reason is None
+
+
+def run_detokenizer(cfg: DetokenizerConfig, conn: Any) -> None:
+    """Process entry: load the tokenizer, bind, report ("ready", "detokenizer", {}), loop forever
+    (the launcher ends the process)."""
+    try:
+        state = Detokenizer(load_tokenizer(Path(cfg.model_path)))  # type: ignore[arg-type]
+        ctx = zmq.Context()
+        inbox = ctx.socket(zmq.PULL)
+        inbox.bind(cfg.detokenizer_addr)
+        to_api = PushQueue(ctx, cfg.api_addr, bind=False)
+        to_backend = PushQueue(ctx, cfg.backend_addr, bind=False)
+    except Exception as e:
+        logger.debug("start-up failed", exc_info=True)
+        conn.send(("error", "detokenizer", f"{type(e).__name__}: {e}"))
+        sys.exit(1)
+    conn.send(("ready", "detokenizer", {}))
+    while True:
+        msg = decode(inbox.recv())
+        if isinstance(msg, BatchTokenOut):
+            rendered = state.render(list(msg.items))
+            stats = msg.stats
+        elif isinstance(msg, DetokenizeInit):
+            rendered, stats = state.init(msg), None
+        else:
+            logger.error("ignoring unexpected message %s", type(msg).__name__)
+            continue
+        for uid in rendered.aborts:
+            to_backend.put(AbortMsg(uid))
+        if rendered.chunks or stats is not None:
+            to_api.put(ReplyBatch(rendered.chunks, stats))

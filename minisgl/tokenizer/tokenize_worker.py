@@ -1,0 +1,134 @@
+"""The tokenizer process: the API server's requests in, token ids out to scheduler rank 0.
+
+For each `TokenizeRequest` it builds the prompt's ids (text, chat messages through the model's
+chat template, or ids as given), checks them against the context length and the KV pool, and
+then sends, in this order, a `DetokenizeInit` to the detokenizer and a `UserMsg` to rank 0. A
+request that fails the checks goes back to the API server as an error `ReplyChunk` (status 400)
+and never reaches the scheduler. `AbortRequest` becomes an `AbortMsg` to rank 0.
+
+`params.max_tokens == MAX_TOKENS_AUTO` means "as many as fit": the rest of the context (and of
+the KV pool, which must hold the whole request).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, List, NamedTuple, Optional
+
+import zmq
+
+from minisgl.core import SamplingParams
+from minisgl.message.queue import PullQueue, PushQueue
+from minisgl.message.types import (AbortMsg, AbortRequest, DetokenizeInit, ReplyBatch,
+                                   ReplyChunk, TokenizeRequest, UserMsg)
+from minisgl.tokenizer.incremental import PROMPT_CONTEXT_TOKENS
+from minisgl.tokenizer.text import load_tokenizer
+
+logger = logging.getLogger("minisgl.tokenizer")
+MAX_TOKENS_AUTO = 0
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    model_path: str
+    tokenizer_addr: str  # PULL, bound here: TokenizeRequest / AbortRequest from the API server
+    backend_addr: str  # PUSH to rank 0
+    detokenizer_addr: str  # PUSH to the detokenizer
+    api_addr: str  # PUSH to the API server (rejections)
+
+
+class Prepared(NamedTuple):
+    input_ids: List[int]
+    params: Optional[SamplingParams]  # None when rejected
+    error: Optional[str]
+
+
+class Tokenizer:
+    """The tokenizer's logic without sockets (unit-testable)."""
+
+    def __init__(self, tokenizer: Any, max_context: int, kv_capacity: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_context = max_context
+        self.kv_capacity = kv_capacity
+        self.vocab = len(tokenizer)
+
+    def encode(self, req: TokenizeRequest) -> List[int]:
+        if req.input_ids is not None:
+            return list(req.input_ids)
+        if req.messages is not None:
+            out = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
+                                                     tokenize=True)
+            return list(out["input_ids"] if hasattr(out, "keys") else out)
+        return list(self.tokenizer.encode(req.text or "", add_special_tokens=False))
+
+    def prepare(self, req: TokenizeRequest) -> Prepared:
+        try:
+            ids = self.encode(req)
+        except Exception as e:  # a chat template may reject a conversation (roles, content)
+            return Prepared([], None, f"cannot apply the chat template: {e}")
+        n, m = len(ids), req.params.max_tokens
+        limit = min(self.max_context, self.kv_capacity)
+        if n == 0:
+            return Prepared(ids, None, "the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab]
+        if bad:
+            return Prepared(ids, None, f"token id {bad[0]} is outside the vocabulary "
+                                       f"[0, {self.vocab})")
+        if m == MAX_TOKENS_AUTO:
+            if n >= limit:
+                return Prepared(ids, None, f"the prompt has {n} tokens, which leaves no room "
+                                           f"for output in the context length of {limit} tokens")
+            m = limit - n
+        if n + m > self.max_context:
+            return Prepared(ids, None, (
+                f"This model's maximum context length is {self.max_context} tokens. However, "
+                f"you requested {n + m} tokens ({n} in the prompt, {m} in the completion). "
+                f"Please reduce the length of the prompt or of max_tokens."))
+        if n + m > self.kv_capacity:
+            return Prepared(ids, None, (
+                f"the request needs {n + m} tokens ({n} in the prompt, {m} in the completion) "
+                f"but the KV cache holds only {self.kv_capacity} tokens"))
+        return Prepared(ids, dataclasses.replace(req.params, max_tokens=m), None)
+
+
+def run_tokenizer(cfg: TokenizerConfig, conn: Any) -> None:
+    """Process entry: load the tokenizer, bind, report ("ready", "tokenizer", {}), then take
+    ("limits", {"max_context", "kv_capacity"}) from the launcher (sent once every rank is ready;
+    requests wait in the socket until then) and serve forever (the launcher ends the process)."""
+    try:
+        tokenizer = load_tokenizer(Path(cfg.model_path))  # type: ignore[arg-type]
+        ctx = zmq.Context()
+        inbox = PullQueue(ctx, cfg.tokenizer_addr, bind=True)
+        to_backend = PushQueue(ctx, cfg.backend_addr, bind=False)
+        to_detok = PushQueue(ctx, cfg.detokenizer_addr, bind=False)
+        to_api = PushQueue(ctx, cfg.api_addr, bind=False)
+    except Exception as e:
+        logger.debug("start-up failed", exc_info=True)
+        conn.send(("error", "tokenizer", f"{type(e).__name__}: {e}"))
+        sys.exit(1)
+    conn.send(("ready", "tokenizer", {}))
+    try:
+        _, limits = conn.recv()
+    except EOFError:  # the launcher is gone
+        sys.exit(1)
+    logic = Tokenizer(tokenizer, int(limits["max_context"]), int(limits["kv_capacity"]))
+    while True:
+        msg = inbox.get()
+        if isinstance(msg, AbortRequest):
+            to_backend.put(AbortMsg(msg.uid))
+        elif isinstance(msg, TokenizeRequest):
+            prep = logic.prepare(msg)
+            if prep.params is None:
+                to_api.put(ReplyBatch([ReplyChunk(msg.uid, "", [], error=prep.error,
+                                                  error_status=400,
+                                                  prompt_tokens=len(prep.input_ids))]))
+                continue
+            to_detok.put(DetokenizeInit(msg.uid, prep.input_ids[-PROMPT_CONTEXT_TOKENS:],
+                                        tuple(msg.stop), msg.skip_special_tokens))
+            to_backend.put(UserMsg(msg.uid, prep.input_ids, prep.params))
+        else:
+            logger.error("ignoring unexpected message %s", type(msg).__name__)

@@ -1,0 +1,260 @@
+#!/usr/bin/env python3
+"""Offline throughput: the standard workload through `minisgl.LLM`, optionally against HF.
+
+Standard workload: 256 requests, input and output lengths uniform in [100, 1024], seed 0, random
+token ids, ignore_eos, greedy; dummy weights of a configs/models shape. `--shared-prefix N`
+prepends one common N-token prefix to every prompt (compare `--cache radix` with `--cache naive`;
+the untimed warm-up runs the prefix once, so the timed requests can find it cached).
+`--peer hf` then runs Hugging Face transformers' continuous batching on the same shape (random
+weights) and the same requests, and prints the throughput ratio.
+
+Prints output and total tokens/s, then one line of JSON per engine (prefixed "RESULT ").
+
+    PYTHONPATH=. python scripts/bench_offline.py --model configs/models/qwen3-0.6b
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from minisgl import LLM, SamplingParams
+from minisgl.models import ModelConfig
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: List[List[int]]
+    output_lens: List[int]
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+@dataclass(frozen=True)
+class Result:
+    engine: str
+    seconds: float
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def total_tok_s(self) -> float:
+        return (self.input_tokens + self.output_tokens) / self.seconds
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="configs/models/llama-3.1-8b")
+    p.add_argument("--load-format", default="dummy", choices=["dummy", "auto"])
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--min-len", type=int, default=100, help="input and output length minimum")
+    p.add_argument("--max-len", type=int, default=1024, help="input and output length maximum")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                   help="every prompt starts with the same N random tokens")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--max-prefill-tokens", type=int, default=8192)
+    p.add_argument("--max-kv-tokens", type=int, default=None)
+    p.add_argument("--cache", default="radix", choices=["radix", "naive"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the untimed warm-up (kernel compilation, allocator)")
+    p.add_argument("--peer", choices=["hf"], default=None)
+    p.add_argument("--peer-attn", default="sdpa",
+                   help="attn_implementation for the HF peer (e.g. sdpa, paged|sdpa, "
+                        "flash_attention_2)")
+    return p.parse_args(argv)
+
+
+def make_workload(n: int, min_len: int, max_len: int, vocab: int, seed: int,
+                  shared_prefix: int = 0) -> Workload:
+    """Random prompts (after an optional shared prefix) and output lengths, all seeded."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(vocab) for _ in range(shared_prefix)]
+    prompts, outs = [], []
+    for _ in range(n):
+        in_len = rng.randint(min_len, max_len)
+        prompts.append(prefix + [rng.randrange(vocab) for _ in range(in_len)])
+        outs.append(rng.randint(min_len, max_len))
+    return Workload(prompts, outs)
+
+
+def warmup_workload(vocab: int, seed: int, work: Workload, shared_prefix: int) -> Workload:
+    """A few short requests of other tokens (compiles kernels, sizes the allocator) and, with a
+    shared prefix, one request made of that prefix: the timed run then measures the steady state
+    of a server that has seen the prefix before (the cache inserts a request's KV when it ends)."""
+    warm = make_workload(8, 16, 300, vocab, seed + 1_000_003)
+    if shared_prefix:
+        warm.prompts.append(work.prompts[0][:shared_prefix])
+        warm.output_lens.append(1)
+    return warm
+
+
+def run_minisgl(args: argparse.Namespace, work: Workload, warm: Optional[Workload]) -> Result:
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, tp=args.tp,
+              page_size=args.page_size, max_prefill_tokens=args.max_prefill_tokens,
+              max_running_requests=args.max_running_requests, max_kv_tokens=args.max_kv_tokens,
+              cache=args.cache, load_format=args.load_format, seed=args.seed,
+              attention_backend=args.attention_backend, show_progress=False)
+    try:
+        def params(lens: List[int]) -> List[SamplingParams]:
+            return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lens]
+        if warm is not None:
+            llm.generate(warm.prompts, params(warm.output_lens))
+        _sync()
+        t0 = time.perf_counter()
+        outs = llm.generate(work.prompts, params(work.output_lens))
+        _sync()
+        seconds = time.perf_counter() - t0
+    finally:
+        llm.close()
+    out_tokens = sum(len(o.token_ids) for o in outs)
+    if out_tokens != sum(work.output_lens):
+        raise RuntimeError(f"generated {out_tokens} tokens, expected {sum(work.output_lens)}")
+    return Result("minisgl", seconds, work.input_tokens, out_tokens,
+                  sum(o.cached_tokens for o in outs))
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# --- the Hugging Face peer -----------------------------------------------------------------------
+def load_hf_model(args: argparse.Namespace) -> Any:
+    """The same shape with random weights (or the checkpoint, with --load-format auto)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    dtype = {None: torch.bfloat16 if device == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    if args.load_format == "auto":
+        return AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=dtype, attn_implementation=args.peer_attn).to(device).eval()
+    cfg = AutoConfig.from_pretrained(args.model)
+    torch.manual_seed(args.seed)
+    with torch.device(device):  # initialise on the device: an 8B model's CPU init takes minutes
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype,
+                                                 attn_implementation=args.peer_attn)
+    return model.eval()
+
+
+def start_hf_manager(model: Any, max_new_tokens: int) -> Optional[Any]:
+    """A started continuous-batching manager (greedy, no EOS), or None where the installed
+    transformers has no per-request max_new_tokens (then `generate_batch` is the fallback)."""
+    from transformers import GenerationConfig
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None,
+                           pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=gen)
+    if "max_new_tokens" not in inspect.signature(manager.add_request).parameters:
+        return None
+    manager.start()  # cache allocation and graph capture happen here, outside the timing
+    return manager
+
+
+def hf_generate(model: Any, manager: Optional[Any], work: Workload, tag: str) -> int:
+    """Generate every request with its own max_new_tokens; return the generated token count.
+    Without a manager: `generate_batch` with one length for all (the mean), setup included."""
+    if manager is None:
+        from transformers import GenerationConfig
+        mean = round(sum(work.output_lens) / len(work.output_lens))
+        gen = GenerationConfig(do_sample=False, max_new_tokens=mean, eos_token_id=None,
+                               pad_token_id=0)
+        outs = model.generate_batch(inputs=work.prompts, generation_config=gen)
+        return sum(len(o.generated_tokens) for o in outs.values())
+    for i, (p, n) in enumerate(zip(work.prompts, work.output_lens)):
+        manager.add_request(input_ids=p, request_id=f"{tag}{i}", max_new_tokens=n)
+    done: Dict[str, int] = {}
+    while len(done) < len(work.prompts):
+        out = manager.get_result(timeout=1)
+        if out is None:
+            if not manager.is_running():
+                raise RuntimeError("the HF continuous-batching thread stopped")
+            continue
+        if out.is_finished():
+            done[out.request_id] = len(out.generated_tokens)
+    return sum(done.values())
+
+
+def run_hf(args: argparse.Namespace, work: Workload, warm: Optional[Workload]) -> Result:
+    model = load_hf_model(args)
+    manager = start_hf_manager(model, max(work.output_lens))
+    print("hf: " + ("continuous batching manager, per-request max_new_tokens" if manager else
+                    "generate_batch with the mean output length for all (setup timed too)"))
+    try:
+        if warm is not None:
+            hf_generate(model, manager, warm, "warm")
+        _sync()
+        t0 = time.perf_counter()
+        out_tokens = hf_generate(model, manager, work, "run")
+        _sync()
+        seconds = time.perf_counter() - t0
+    finally:
+        if manager is not None:
+            manager.stop(block=True)
+        del model, manager
+        _free_device_memory()
+    if out_tokens != sum(work.output_lens):
+        print(f"hf: generated {out_tokens} tokens, the workload asked for "
+              f"{sum(work.output_lens)}")
+    return Result("hf", seconds, work.input_tokens, out_tokens, 0)
+
+
+# --- report ----------------------------------------------------------------------------------------
+def report(args: argparse.Namespace, r: Result) -> None:
+    print(f"[{r.engine}] {args.num_prompts} requests in {r.seconds:.2f} s: "
+          f"output {r.output_tok_s:,.0f} tok/s, total {r.total_tok_s:,.0f} tok/s "
+          f"(input {r.input_tokens}, output {r.output_tokens}, cached {r.cached_tokens})")
+    summary = {**asdict(r), "output_tok_s": round(r.output_tok_s, 1),
+               "total_tok_s": round(r.total_tok_s, 1), "model": args.model,
+               "num_prompts": args.num_prompts, "min_len": args.min_len, "max_len": args.max_len,
+               "shared_prefix": args.shared_prefix, "tp": args.tp, "page_size": args.page_size,
+               "cache": args.cache, "attention_backend": args.attention_backend,
+               "max_running_requests": args.max_running_requests,
+               "max_prefill_tokens": args.max_prefill_tokens, "seed": args.seed,
+               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    print("RESULT " + json.dumps(summary))
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = parse_args(argv)
+    vocab = ModelConfig.from_dir(args.model).vocab_size
+    work = make_workload(args.num_prompts, args.min_len, args.max_len, vocab, args.seed,
+                         args.shared_prefix)
+    warm = None if args.no_warmup else warmup_workload(vocab, args.seed, work,
+                                                      args.shared_prefix)
+    ours = run_minisgl(args, work, warm)
+    report(args, ours)
+    if args.peer == "hf":
+        _free_device_memory()
+        peer = run_hf(args, work, warm)
+        report(args, peer)
+        print(f"minisgl / hf: output tok/s ratio {ours.output_tok_s / peer.output_tok_s:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+"""The OpenAI-compatible API of a real `serve` process (default model, tp=1, CPU), through real
+HTTP with the official `openai` client. One server for the whole module."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator, List
+
+import httpx
+import openai
+import pytest
+
+from server_helpers import CPU_ARGS, Server
+
+from minisgl import LLM, SamplingParams
+
+PARIS = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[Server]:
+    srv = Server.start([*CPU_ARGS, "--max-n", "4"], tmp_path_factory.mktemp("api-server"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_dir: Path) -> Iterator[LLM]:
+    with LLM(None, max_kv_tokens=8192, show_progress=False) as offline:
+        yield offline
+
+
+def _post(server: Server, path: str, body: object) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=120)
+
+
+# --- acceptance: Paris, equal to the offline LLM -------------------------------------------------------
+def test_chat_paris_matches_offline_llm(client: openai.OpenAI, model: str, llm: LLM,
+                                        server: Server) -> None:
+    ref = llm.chat(PARIS, SamplingParams(temperature=0, max_tokens=24))[0]
+    assert "Paris" in ref.text
+    resp = client.chat.completions.create(model=model, messages=PARIS, temperature=0,
+                                          max_tokens=24)
+    assert resp.choices[0].message.content == ref.text
+    assert resp.choices[0].finish_reason == ref.finish_reason
+    assert resp.usage.completion_tokens == len(ref.token_ids)
+    assert resp.usage.prompt_tokens == ref.prompt_tokens
+    assert resp.usage.total_tokens == ref.prompt_tokens + len(ref.token_ids)
+
+    stream = client.chat.completions.create(model=model, messages=PARIS, temperature=0,
+                                            max_tokens=24, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and
+              c.choices[0].finish_reason]
+    assert finals == [ref.finish_reason]
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # same prompt again
+
+    # the exact token ids, through the native endpoint
+    ids = llm._chat_ids(PARIS)
+    gen = _post(server, "/generate", {"input_ids": ids,
+                                      "sampling_params": {"temperature": 0, "max_tokens": 24}})
+    assert gen.status_code == 200
+    assert gen.json()["token_ids"] == ref.token_ids
+    assert gen.json()["text"] == ref.text
+
+
+def test_default_max_tokens_fills_the_context(client: openai.OpenAI, model: str) -> None:
+    resp = client.chat.completions.create(model=model, messages=PARIS, temperature=0)
+    assert "Paris" in resp.choices[0].message.content
+    assert resp.choices[0].finish_reason == "stop"
+
+
+def test_completions_match_offline_llm(client: openai.OpenAI, model: str, llm: LLM) -> None:
+    prompts = ["The capital of France is", "Once upon a time"]
+    refs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
+    resp = client.completions.create(model=model, prompt=prompts, temperature=0, max_tokens=8)
+    assert [c.index for c in resp.choices] == [0, 1]
+    assert [c.text for c in resp.choices] == [r.text for r in refs]
+    assert resp.usage.completion_tokens == sum(len(r.token_ids) for r in refs)
+    stream = client.completions.create(model=model, prompt=prompts[0], temperature=0,
+                                       max_tokens=8, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == refs[0].text
+
+
+def test_generate_stream_returns_token_ids(server: Server, llm: LLM) -> None:
+    ref = llm.generate("Hello, my name is", SamplingParams(temperature=0, max_tokens=6))[0]
+    body = {"text": "Hello, my name is", "stream": True,
+            "sampling_params": {"temperature": 0, "max_tokens": 6}}
+    ids: List[int] = []
+    text = ""
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                ids += event["token_ids"]
+                text += event["text"]
+    assert ids == ref.token_ids
+    assert text == ref.text
+
+
+# --- stop strings, n, seeds, cached tokens ---------------------------------------------------------------
+@pytest.mark.parametrize("stop", ["s Par", "apit", "France is"])
+def test_stop_strings_across_tokens_are_trimmed(client: openai.OpenAI, model: str,
+                                                server: Server, stop: str) -> None:
+    full = "The capital of France is Paris."
+    before = server.metrics()["minisgl_generation_tokens_total"]
+    resp = client.chat.completions.create(model=model, messages=PARIS, temperature=0,
+                                          max_tokens=300, stop=[stop, "never-seen"],
+                                          extra_body={"ignore_eos": True})
+    want = full[:full.index(stop)]
+    assert resp.choices[0].message.content == want
+    assert resp.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(model=model, messages=PARIS, temperature=0,
+                                            max_tokens=300, stop=stop, stream=True,
+                                            extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == want
+    # the scheduler was told to stop: nothing runs, far fewer than 2 x 300 tokens generated
+    m = server.wait_metrics(lambda m: m["minisgl_num_requests_running"] == 0)
+    assert m["minisgl_num_requests_running"] == 0
+    assert m["minisgl_kv_pages_used"] == 0
+    assert m["minisgl_generation_tokens_total"] - before < 100
+
+
+def test_n_choices_seed_and_usage(client: openai.OpenAI, model: str) -> None:
+    kw = dict(model=model, messages=PARIS, temperature=1.0, max_tokens=8, n=3, seed=7)
+    a = client.chat.completions.create(**kw)
+    b = client.chat.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert len({c.message.content for c in a.choices}) > 1  # choices get different seeds
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens < 60  # counted once, not 3 times
+    assert a.usage.completion_tokens <= 24
+    streamed = client.chat.completions.create(**kw, stream=True)
+    texts = ["", "", ""]
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [c.message.content for c in a.choices]
+
+
+def test_cached_tokens_reported(client: openai.OpenAI, model: str) -> None:
+    prompt = "Tell me a story about a dragon. " * 8
+    client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 32
+
+
+# --- models, health, metrics ----------------------------------------------------------------------------
+def test_models_health_metrics(client: openai.OpenAI, server: Server, model: str) -> None:
+    assert model == "SmolLM2-135M-Instruct"
+    assert client.models.retrieve(model).id == model
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("minisgl_num_requests_running", "minisgl_num_requests_waiting",
+                 "minisgl_kv_pages_used", "minisgl_kv_pages_total", "minisgl_kv_pages_cached",
+                 "minisgl_prompt_tokens_total", "minisgl_generation_tokens_total",
+                 "minisgl_cached_prompt_tokens_total",
+                 "minisgl_time_to_first_token_seconds_bucket",
+                 "minisgl_inter_token_latency_seconds_count"):
+        assert f"\n{name}" in text
+    m = server.metrics()
+    assert m["minisgl_kv_pages_total"] == 512
+    assert m["minisgl_time_to_first_token_seconds_count"] >= 1
+
+
+# --- disconnects free the KV pages ---------------------------------------------------------------------
+def _long_body(model: str, stream: bool) -> dict:
+    return {"model": model, "messages": PARIS, "max_tokens": 4000, "ignore_eos": True,
+            "temperature": 0, "stream": stream}
+
+
+def test_client_disconnect_mid_stream_aborts(server: Server, model: str) -> None:
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60,
+                      json=_long_body(model, True)) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(8):
+            next(lines)
+        busy = server.metrics()
+        assert busy["minisgl_kv_pages_used"] > 0 and busy["minisgl_num_requests_running"] == 1
+    m = server.wait_metrics(lambda m: m["minisgl_kv_pages_used"] == 0)
+    assert m["minisgl_kv_pages_used"] == 0 and m["minisgl_num_requests_running"] == 0
+    assert m['minisgl_requests_finished_total{reason="abort"}'] >= 1
+
+
+def test_client_disconnect_while_waiting_aborts(server: Server, model: str) -> None:
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", json=_long_body(model, False),
+                   timeout=2.0)
+    m = server.wait_metrics(lambda m: m["minisgl_kv_pages_used"] == 0)
+    assert m["minisgl_kv_pages_used"] == 0 and m["minisgl_num_requests_running"] == 0
+
+
+# --- bad input ------------------------------------------------------------------------------------------
+def _chat(**fields: object) -> dict:
+    return {"model": "SmolLM2-135M-Instruct", "messages": PARIS, "max_tokens": 4, **fields}
+
+
+BAD_REQUESTS = [
+    ("malformed json", "/v1/chat/completions", b'{"model": "x", "messages": [', 400),
+    ("body not an object", "/v1/chat/completions", b"[1, 2, 3]", 400),
+    ("invalid utf-8", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400),
+    ("missing messages", "/v1/chat/completions", {"model": "SmolLM2-135M-Instruct"}, 400),
+    ("empty messages", "/v1/chat/completions", _chat(messages=[]), 400),
+    ("messages not a list", "/v1/chat/completions", _chat(messages="hi"), 400),
+    ("content wrong type", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": 42}]), 400),
+    ("unknown role", "/v1/chat/completions",
+     _chat(messages=[{"role": "wizard", "content": "hi"}]), 400),
+    ("negative max_tokens", "/v1/chat/completions", _chat(max_tokens=-5), 400),
+    ("zero max_completion_tokens", "/v1/chat/completions", _chat(max_completion_tokens=0), 400),
+    ("max_tokens a string", "/v1/chat/completions", _chat(max_tokens="ten"), 400),
+    ("negative temperature", "/v1/chat/completions", _chat(temperature=-0.5), 400),
+    ("top_p above 1", "/v1/chat/completions", _chat(top_p=1.5), 400),
+    ("min_p above 1", "/v1/chat/completions", _chat(min_p=2.0), 400),
+    ("top_k not an int", "/v1/chat/completions", _chat(top_k=2.5), 400),
+    ("stream not a bool", "/v1/chat/completions", _chat(stream="yes"), 400),
+    ("empty stop string", "/v1/chat/completions", _chat(stop=[""]), 400),
+    ("negative stop token id", "/v1/chat/completions", _chat(stop_token_ids=[-1]), 400),
+    ("n over the limit", "/v1/chat/completions", _chat(n=5), 400),
+    ("n zero", "/v1/chat/completions", _chat(n=0), 400),
+    ("logprobs", "/v1/chat/completions", _chat(logprobs=True), 400),
+    ("unknown model", "/v1/chat/completions", _chat(model="gpt-17"), 404),
+    ("prompt beyond the context", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": "hello " * 9000}]), 400),
+    ("prompt plus max_tokens beyond the context", "/v1/chat/completions",
+     _chat(max_tokens=8190), 400),
+    ("empty completion prompt", "/v1/completions",
+     {"model": "SmolLM2-135M-Instruct", "prompt": ""}, 400),
+    ("token id outside the vocabulary", "/v1/completions",
+     {"model": "SmolLM2-135M-Instruct", "prompt": [1, 2, 10 ** 9]}, 400),
+    ("mixed prompt list", "/v1/completions",
+     {"model": "SmolLM2-135M-Instruct", "prompt": ["a", 1]}, 400),
+    ("generate with text and ids", "/generate", {"text": "a", "input_ids": [1]}, 400),
+    ("generate without a prompt", "/generate", {"sampling_params": {}}, 400),
+    ("unknown route", "/v1/embeddings", {"input": "x"}, 404),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_input_gets_an_openai_error(server: Server, name: str, path: str, body: object,
+                                        status: int) -> None:
+    url = f"{server.url}{path}"
+    if isinstance(body, bytes):
+        r = httpx.post(url, content=body, headers={"Content-Type": "application/json"},
+                       timeout=60)
+    else:
+        r = httpx.post(url, json=body, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and set(error) == {"message", "type", "param", "code"}
+    if "beyond the context" in name:
+        assert "8192" in error["message"]  # names the lengths
+
+
+def test_errors_through_the_openai_client_then_service_still_works(
+        client: openai.OpenAI, model: str, server: Server) -> None:
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.chat.completions.create(model=model, max_tokens=10,
+                                       messages=[{"role": "user", "content": "hi " * 9000}])
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.chat.completions.create(model=model, messages=PARIS, max_tokens=10,
+                                       stream=True, extra_body={"max_tokens": 9000})
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=PARIS)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=PARIS, temperature=-1)
+    ok = client.chat.completions.create(model=model, messages=PARIS, temperature=0, max_tokens=8)
+    assert "Paris" in ok.choices[0].message.content
+    r = httpx.get(f"{server.url}/v1/chat/completions", timeout=10)
+    assert r.status_code == 405 and r.json()["error"]["message"]
+
+
+# --- the interactive shell, driven through its functions ---------------------------------------------
+def test_shell_chats_with_history_and_reset(server: Server, model: str) -> None:
+    from minisgl.server.shell import run_shell
+    lines = iter(["What is the capital of France?", "/reset", "/temperature x", "/exit"])
+    out: List[str] = []
+    run_shell(server.url, model, read=lambda prompt: next(lines), write=out.append)
+    text = "".join(out)
+    assert "Paris" in text and "(conversation cleared)" in text and "usage:" in text

@@ -1,0 +1,131 @@
+"""Tensor parallelism on CPU (gloo): same greedy tokens as tp=1 and Hugging Face, ranks in
+lockstep, sharded loading, clear start-up errors, and a dead rank ending the others."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Callable, List
+
+import pytest
+import torch
+
+from hf_reference import hf_greedy, mixed_prompts
+from minisgl import LLM, SamplingParams
+from minisgl.distributed import Communicator, DistributedInfo
+from minisgl.models import ModelConfig, model_class
+from minisgl.models.weights import iter_checkpoint
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _generate(path: Path, tp: int, prompts: List[List[int]], params: SamplingParams
+              ) -> List[List[int]]:
+    with LLM(str(path), tp=tp, page_size=4, max_kv_tokens=4096, show_progress=False,
+             check_lockstep=tp > 1) as llm:
+        return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("model,tp", [("default", 3), ("qwen3", 2), ("qwen3", 4)])
+def test_tp_greedy_matches_tp1_and_hf(model: str, tp: int, default_model_dir: Path,
+                                      tiny_model: Callable[..., Path]) -> None:
+    path = default_model_dir if model == "default" else tiny_model("qwen3")
+    prompts = mixed_prompts(8, seed=4, lengths=(2, 9, 40, 75))
+    ref = hf_greedy(path, prompts, GREEDY.max_tokens)
+    assert _generate(path, 1, prompts, GREEDY) == ref
+    assert _generate(path, tp, prompts, GREEDY) == ref
+
+
+def test_tp_seeded_sampling_ranks_agree(tiny_model: Callable[..., Path]) -> None:
+    """check_lockstep makes every rank compare its batch uids, KV slots and sampled tokens each
+    step; a divergence would raise on the ranks and end generate() with an error."""
+    prompts = mixed_prompts(6, seed=5)
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
+    a = _generate(tiny_model("qwen3"), 2, prompts, params)
+    b = _generate(tiny_model("qwen3"), 2, prompts, params)
+    assert a == b and len({tuple(x) for x in a}) > 1
+
+
+def _diverge(rank: int, port: int, out: "mp.Queue[str]") -> None:
+    import torch.distributed as dist
+    from minisgl.distributed import check_same_across_ranks
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    check_same_across_ranks([1, 2, 3], dist.group.WORLD, "same")
+    try:
+        check_same_across_ranks([1, 2, 3 + rank], dist.group.WORLD, "tokens")
+        out.put("no error")
+    except RuntimeError as e:
+        out.put(str(e))
+
+
+def test_lockstep_check_detects_divergence() -> None:
+    from minisgl.utils import free_port
+    ctx = mp.get_context("spawn")
+    out: "mp.Queue[str]" = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_diverge, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    msgs = [out.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    assert all(m.startswith("ranks diverged on tokens") for m in msgs), msgs
+
+
+class _RecordingSource:
+    def __init__(self, inner: object, log: list) -> None:
+        self.inner, self.log = inner, log
+
+    @property
+    def shape(self) -> tuple:
+        return self.inner.shape  # type: ignore[attr-defined]
+
+    def read(self, dim: object = None, start: int = 0, stop: int = 0) -> torch.Tensor:
+        t = self.inner.read(dim, start, stop)  # type: ignore[attr-defined]
+        self.log.append((self.inner.name, tuple(self.shape), tuple(t.shape)))  # type: ignore
+        return t
+
+
+@pytest.mark.parametrize("tp", [3])
+def test_sharded_loading_reads_only_slices(default_model_dir: Path, tp: int) -> None:
+    cfg = ModelConfig.from_dir(default_model_dir)
+    total = sum(torch.Size(s.shape).numel() for _, s in iter_checkpoint(default_model_dir, False))
+    for rank in range(tp):
+        info = DistributedInfo(rank, tp)
+        model = model_class(cfg.architecture)(cfg, info, Communicator(info))
+        reads: list = []
+        model.load_weights((n, _RecordingSource(s, reads))
+                           for n, s in iter_checkpoint(default_model_dir, False))
+        for name, full, got in reads:
+            if len(full) == 2:  # every matrix is split: no rank reads a whole one
+                assert torch.Size(got).numel() * tp <= torch.Size(full).numel() * 1.01, name
+        params = sum(p.numel() for p in model.parameters())
+        replicated = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+        assert abs((params - replicated) * tp - (total - replicated)) <= 0.01 * total
+
+
+def test_heads_not_divisible_fail_at_start(default_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="cannot split 9 attention heads over tp=2"):
+        LLM(str(default_model_dir), tp=2)
+    from minisgl.layers.linear import check_head_split
+    check_head_split(36, 3, 9)  # more ranks than KV heads: each KV head is replicated
+    with pytest.raises(ValueError, match="cannot split 3 KV heads over tp=2"):
+        check_head_split(36, 3, 2)
+
+
+def test_killed_rank_ends_the_others(tiny_model: Callable[..., Path]) -> None:
+    llm = LLM(str(tiny_model("qwen3")), tp=2, max_kv_tokens=1024, show_progress=False)
+    procs = llm._backend.procs  # type: ignore[attr-defined]
+    assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
+    os.kill(procs[1].pid, signal.SIGKILL)
+    start = time.monotonic()
+    procs[0].join(timeout=30)  # rank 0's watchdog sees its peer gone
+    assert not procs[0].is_alive() and procs[0].exitcode != 0
+    assert time.monotonic() - start < 30
+    with pytest.raises(RuntimeError, match="died"):
+        llm.generate([[5, 6, 7]], GREEDY)
+    llm.close()
