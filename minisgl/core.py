@@ -86,7 +86,8 @@ class Req:
     num_prefix_pages: int = 0
     cache_handle: object = None  # the cache manager's lock on the matched prefix
     prefix_hit: int = 0  # prompt tokens taken from the prefix cache
-    reserved_pages: int = 0  # pages admission set aside for the whole request
+    reserved_pages: int = 0  # own pages admission set aside for the whole request
+    allocated_pages: int = 0  # own pages allocated so far (<= reserved_pages)
     finish_reason: Optional[FinishReason] = None
 
     @property

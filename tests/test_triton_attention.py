@@ -203,3 +203,26 @@ def test_extend_gpu(dtype: torch.dtype, page_size: int, heads: int, kv_heads: in
     extend = [1024, 1] + [rng.randint(1, 600) for _ in range(10)]
     run_and_compare(dtype, "cuda", page_size, heads, kv_heads, 128, prefix, extend,
                     Phase.PREFILL, seed=heads)
+
+
+# --- end to end: the engine with each backend ----------------------------------------------------
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_engine_greedy_matches_torch_backend(tiny_model, page_size: int) -> None:
+    """Greedy float32 generation is identical with either backend: chunked prefill (a budget of
+    24 tokens), a prompt that shares a cached prefix with an earlier one, and decode."""
+    from minisgl import LLM, SamplingParams
+
+    model = tiny_model("qwen3")
+    rng = random.Random(page_size)
+    shared = [rng.randrange(1000) for _ in range(20)]
+    prompts = [shared + [rng.randrange(1000) for _ in range(n)] for n in (3, 11, 30)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for backend in ("torch", "triton"):
+        with LLM(str(model), dtype="float32", page_size=page_size, max_prefill_tokens=24,
+                 attention_backend=backend, show_progress=False) as llm:
+            first = llm.generate(prompts[:1], params)  # puts the shared prefix in the cache
+            rest = llm.generate(prompts[1:], params)
+        outputs[backend] = [o.token_ids for o in first + rest]
+        assert rest[0].cached_tokens > 0  # the extend kernel read a cached prefix
+    assert outputs["triton"] == outputs["torch"]

@@ -27,6 +27,8 @@ class CacheStats(NamedTuple):
 
 
 class CacheManager(ABC):
+    shares_prefixes = True  # False: nothing is ever matched (the naive manager)
+
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
 

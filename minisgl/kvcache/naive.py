@@ -8,6 +8,8 @@ from minisgl.kvcache.base import CacheManager, CacheStats, PrefixMatch
 
 
 class NaiveCacheManager(CacheManager):
+    shares_prefixes = False
+
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
         return PrefixMatch(None, [])
 

@@ -24,6 +24,7 @@ class PageCache:
         self.page_size = page_size
         self.manager = manager
         self._free: Deque[int] = deque(range(num_pages))
+        self.evicted_pages = 0  # total over the cache's life, for metrics and tests
 
     @property
     def free_pages(self) -> int:
@@ -40,7 +41,9 @@ class PageCache:
 
     def allocate(self, n: int) -> List[int]:
         if n > len(self._free):
-            self._free.extend(self.manager.evict(n - len(self._free)))
+            evicted = self.manager.evict(n - len(self._free))
+            self.evicted_pages += len(evicted)
+            self._free.extend(evicted)
         if n > len(self._free):
             raise RuntimeError(f"KV pool exhausted: need {n} pages, {len(self._free)} free "
                                f"(admission should have reserved them)")
@@ -59,6 +62,28 @@ class PageCache:
         self.release(req.pages[full:])
         self.manager.unlock(req.cache_handle)
         req.pages, req.num_prefix_pages, req.cache_handle = [], 0, None
+
+    def share_prefix(self, req: Req) -> List[int]:
+        """Hand the request's full pages with computed KV to the prefix cache while it runs (a
+        long prompt's finished chunks), and lock them through a new handle. Where the cache
+        already held those tokens under other pages, the request switches to the cache's pages
+        and its own copies are freed; returns the indices of the pages that changed, whose
+        page-table slots the caller must rewrite."""
+        full = req.cached_len // self.page_size
+        if not self.manager.shares_prefixes or full <= req.num_prefix_pages:
+            return []
+        tokens = req.token_ids[: full * self.page_size]
+        duplicates = self.manager.insert(tokens, req.pages[:full])
+        match = self.manager.match_prefix(tokens)
+        self.manager.lock(match.handle)
+        self.manager.unlock(req.cache_handle)
+        changed = [i for i in range(full) if req.pages[i] != match.pages[i]]
+        if sorted(req.pages[i] for i in changed) != sorted(duplicates):
+            raise RuntimeError("prefix cache returned duplicates that are not the switched pages")
+        self.release(duplicates)
+        req.pages[:full] = match.pages
+        req.cache_handle, req.num_prefix_pages = match.handle, full
+        return changed
 
     def check(self, live: Sequence[Req]) -> None:
         """Raise when free + in use + cached differs from the total: a page leaked or doubled."""

@@ -38,9 +38,11 @@ class PrefillManager:
     def pages_for(self, req: Req) -> int:
         return -(-req.max_total_len // self.cache.page_size)
 
-    def schedule(self, num_running: int, grow: Callable[[Req, int], None]) -> Optional[Batch]:
-        """Build the next prefill batch, or None. `grow(req, new_len)` allocates pages."""
-        self._admit(num_running)
+    def schedule(self, num_running: int, grow: Callable[[Req, int], None],
+                 admitted: Callable[[Req], None]) -> Optional[Batch]:
+        """Build the next prefill batch, or None. `grow(req, new_len)` allocates pages;
+        `admitted(req)` maps a newly admitted request's cached prefix into the page table."""
+        self._admit(num_running, admitted)
         reqs: List[Req] = []
         prefix, extend, sample = [], [], []
         left = self.budget
@@ -58,7 +60,7 @@ class PrefillManager:
             return None
         return Batch(Phase.PREFILL, reqs, prefix, extend, sample)
 
-    def _admit(self, num_running: int) -> None:
+    def _admit(self, num_running: int, admitted: Callable[[Req], None]) -> None:
         while self.waiting and num_running + len(self.prefilling) < self.max_running:
             req = self.waiting[0]
             match = self.cache.match(req.token_ids)
@@ -76,6 +78,7 @@ class PrefillManager:
             req.reserved_pages = need
             self.outstanding_pages += need
             self.prefilling.append(req)
+            admitted(req)
 
     def remove(self, req: Req) -> bool:
         """Drop an aborted request; True if it had been admitted (so it holds resources)."""

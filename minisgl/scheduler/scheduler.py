@@ -136,7 +136,9 @@ class Scheduler:
     # --- batches -------------------------------------------------------------------------------
     def schedule(self) -> Optional[Batch]:
         """Prefill first (new requests get their first token soon), else decode everyone."""
-        batch = self.prefill.schedule(len(self.decode.running), self._grow)
+        batch = self.prefill.schedule(len(self.decode.running), self._grow,
+                                      lambda req: self._rewrite_pages(
+                                          req, list(range(req.num_prefix_pages))))
         if batch is None:
             batch = self.decode.schedule()
             if batch is None:
@@ -151,6 +153,7 @@ class Scheduler:
         missing = -(-new_len // self.cache.page_size) - len(req.pages)
         if missing > 0:
             req.pages.extend(self.cache.allocate(missing))
+            req.allocated_pages += missing
             self.prefill.outstanding_pages -= missing
 
     def _write_slots(self, batch: Batch) -> None:
@@ -170,13 +173,21 @@ class Scheduler:
             slot_t.to(torch.int32))
         batch.out_slots = slot_t
 
+    def _rewrite_pages(self, req: Req, page_indices: List[int]) -> None:
+        """Point the page table at `req.pages[i]` for each listed page index."""
+        ps, dev = self.cache.page_size, self.engine.device
+        for i in page_indices:
+            slots = torch.arange(ps, dtype=torch.int32) + req.pages[i] * ps
+            self.engine.page_table[req.table_row, i * ps:(i + 1) * ps] = slots.to(dev)
+
     def process(self, batch: Batch, tokens: List[int]) -> List[TokenOut]:
         out: List[TokenOut] = []
         for req, ext, sample, tok in zip(batch.reqs, batch.extend_lens, batch.sample, tokens):
             req.cached_len += ext
             if batch.phase is Phase.PREFILL:
                 self.totals["prefilled"] += ext
-            if not sample:
+            if not sample:  # a chunk of a long prompt: share its finished pages already
+                self._rewrite_pages(req, self.cache.share_prefix(req))
                 continue
             if batch.phase is Phase.PREFILL:
                 self.prefill.prefilling.remove(req)
@@ -195,8 +206,7 @@ class Scheduler:
         del self.reqs[req.uid]
         if not admitted:
             return
-        self.prefill.outstanding_pages -= req.reserved_pages - (len(req.pages) -
-                                                                req.num_prefix_pages)
+        self.prefill.outstanding_pages -= req.reserved_pages - req.allocated_pages
         self.cache.retire(req)
         self.rows.free(req.table_row)
         req.table_row = -1

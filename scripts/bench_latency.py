@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""Decode step latency against the memory roofline.
+
+For each batch size (default 1, 64, 256) every request holds a fixed context (default 512 tokens
+of random K/V) and the engine runs full decode steps (`Engine.forward`: inputs, model, sampling)
+on dummy weights. The roofline of one step is the bytes it must read from device memory, this
+rank's weights plus the batch's KV, over the device-to-device copy bandwidth measured in the same
+run (a large copy; bytes read + written over the time, with CUDA events). Prints a table and one
+line of JSON (prefixed "RESULT ").
+
+    PYTHONPATH=. python scripts/bench_latency.py --model configs/models/llama-3.1-8b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, List, Optional
+
+import torch
+
+from minisgl.core import Batch, Phase, Req, SamplingParams
+from minisgl.distributed import DistributedInfo, destroy_process_groups, init_process_groups
+from minisgl.engine import Engine, EngineConfig
+from minisgl.utils import free_port, resolve_device, resolve_dtype
+
+
+@dataclass(frozen=True)
+class Row:
+    batch: int
+    context: int
+    step_ms: float  # median wall time of one decode step
+    roofline_ms: float
+    weight_gb: float  # this rank's weights read per step
+    kv_gb: float  # this rank's KV read per step
+
+    @property
+    def efficiency(self) -> float:
+        return self.roofline_ms / self.step_ms
+
+    @property
+    def tok_s(self) -> float:
+        return self.batch / self.step_ms * 1e3
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="configs/models/llama-3.1-8b")
+    p.add_argument("--batch-sizes", default="1,64,256")
+    p.add_argument("--context", type=int, default=512, help="tokens already in each request")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--copy-mib", type=int, default=None,
+                   help="size of the bandwidth probe (default 4096 on CUDA, 256 on CPU)")
+    return p.parse_args(argv)
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> float:
+    """Bytes per second of a device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()  # not zeros
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        for _ in range(repeats):
+            dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize(device)
+        seconds = start.elapsed_time(end) / 1e3
+    else:
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            dst.copy_(src)
+        seconds = time.perf_counter() - t0
+    return 2 * src.numel() * 4 * repeats / seconds
+
+
+def weight_bytes_read(engine: Engine) -> int:
+    """Bytes of this rank's parameters one decode step reads. An untied embedding table is
+    skipped: the lookup reads only the batch's rows (a tied one is read whole by the LM head)."""
+    tied = engine.model_cfg.tie_word_embeddings
+    total = 0
+    for name, p in engine.model.named_parameters():  # shared (tied) tensors are listed once
+        if "embed_tokens" in name and not tied:
+            continue
+        total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_read(engine: Engine, batch: int, seq_len: int) -> int:
+    pool = engine.pool
+    per_token = 2 * pool.k.shape[0] * pool.k.shape[2] * pool.k.shape[3] * pool.k.element_size()
+    return batch * seq_len * per_token
+
+
+def decode_batch(engine: Engine, batch: int, context: int, vocab: int, seed: int) -> Batch:
+    """`batch` requests of `context` cached tokens each, decoding token `context` (same slots
+    every step, so the context stays fixed); rows and pages are laid out request by request."""
+    rng = random.Random(seed)
+    ps = engine.pool.page_size
+    pages_per_req = -(-(context + 1) // ps)
+    reqs, out_slots = [], []
+    for i in range(batch):
+        ids = [rng.randrange(vocab) for _ in range(context + 1)]
+        reqs.append(Req(i, ids, len(ids), SamplingParams(max_tokens=1 << 20, temperature=0.0),
+                        (), table_row=i))
+        slots = [(i * pages_per_req + p // ps) * ps + p % ps for p in range(context + 1)]
+        engine.page_table[i, :context + 1] = torch.tensor(slots, dtype=torch.int32)
+        out_slots.append(slots[context])
+    b = Batch(Phase.DECODE, reqs, [context] * batch, [1] * batch, [True] * batch)
+    b.out_slots = torch.tensor(out_slots, dtype=torch.int64, device=engine.device)
+    return b
+
+
+def time_steps(engine: Engine, batch: Batch, steps: int, warmup: int) -> float:
+    """Median seconds of one decode step (forward returns host tokens, so it is synchronous)."""
+    for _ in range(warmup):
+        engine.forward(batch)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.forward(batch)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) -> None:
+    """Build this rank's engine and time every batch size; rank 0 sends the rows to `out`."""
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    device = resolve_device(args.device)
+    pages_per_req = -(-(args.context + 1) // args.page_size)
+    cfg = EngineConfig(
+        model_path=args.model, tp_info=DistributedInfo(rank, args.tp), device=device,
+        dtype=resolve_dtype(args.dtype, device), page_size=args.page_size,
+        max_running_requests=max(sizes), max_kv_tokens=max(sizes) * pages_per_req * args.page_size,
+        load_format="dummy", attention_backend=args.attention_backend,
+        dist_init_method=init_method, show_progress=False)
+    groups = init_process_groups(cfg.tp_info, cfg.torch_device, init_method, cfg.dist_timeout_s)
+    try:
+        engine = Engine(cfg, groups)
+        engine.pool.k.normal_()  # random K/V: never time on zeros
+        engine.pool.v.normal_()
+        dev = engine.device
+        mib = args.copy_mib or (4096 if dev.type == "cuda" else 256)
+        bandwidth = measure_copy_bandwidth(dev, mib << 20)
+        weights = weight_bytes_read(engine)
+        rows = []
+        for bs in sizes:
+            batch = decode_batch(engine, bs, args.context, engine.model_cfg.vocab_size, bs)
+            step = time_steps(engine, batch, args.steps, args.warmup)
+            kv = kv_bytes_read(engine, bs, args.context + 1)
+            rows.append(Row(bs, args.context, step * 1e3, (weights + kv) / bandwidth * 1e3,
+                            weights / 1e9, kv / 1e9))
+        if rank == 0:
+            out.put((bandwidth, rows, torch.cuda.get_device_name(dev) if dev.type == "cuda"
+                     else "cpu"))
+    finally:
+        destroy_process_groups()
+
+
+def print_table(args: argparse.Namespace, bandwidth: float, rows: List[Row], device: str) -> None:
+    print(f"model {args.model}, tp {args.tp}, {device}, copy bandwidth {bandwidth / 1e9:,.0f} GB/s "
+          f"(read + write), context {args.context}")
+    print(f"{'batch':>6} {'step ms':>9} {'roofline ms':>12} {'% roofline':>11} "
+          f"{'weights GB':>11} {'KV GB':>7} {'tok/s':>9}")
+    for r in rows:
+        print(f"{r.batch:>6} {r.step_ms:>9.3f} {r.roofline_ms:>12.3f} {100 * r.efficiency:>10.1f}% "
+              f"{r.weight_gb:>11.3f} {r.kv_gb:>7.3f} {r.tok_s:>9,.0f}")
+    print("RESULT " + json.dumps({
+        "model": args.model, "tp": args.tp, "device": device, "context": args.context,
+        "copy_gb_s": round(bandwidth / 1e9, 1), "attention_backend": args.attention_backend,
+        "rows": [{**asdict(r), "pct_roofline": round(100 * r.efficiency, 1)} for r in rows]}))
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = parse_args(argv)
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    results: Any = ctx.Queue()
+    if args.tp == 1:
+        run_rank(args, 0, init_method, results)
+    else:
+        procs = [ctx.Process(target=run_rank, args=(args, r, init_method, results))
+                 for r in range(args.tp)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        bad = [p.exitcode for p in procs if p.exitcode]
+        if bad:
+            raise SystemExit(f"a rank failed (exit codes {bad})")
+    print_table(args, *results.get(timeout=60))
+
+
+if __name__ == "__main__":
+    main()
