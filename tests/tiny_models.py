@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -23,9 +23,10 @@ FAMILIES: Dict[str, dict] = {
 }
 
 
-def build_tiny(family: str, out: Path, tokenizer_dir: Path, seed: int = 0, **overrides: object
-               ) -> Path:
-    """Save a random tiny model of `family` with the default model's tokenizer into `out`."""
+def build_tiny(family: str, out: Path, tokenizer_dir: Optional[Path], seed: int = 0,
+               **overrides: object) -> Path:
+    """Save a random tiny model of `family` into `out`, with the default model's tokenizer when
+    `tokenizer_dir` is given (else token-id prompts only)."""
     import transformers
     spec = dict(FAMILIES[family])
     config_cls = getattr(transformers, spec.pop("arch"))
@@ -37,7 +38,7 @@ def build_tiny(family: str, out: Path, tokenizer_dir: Path, seed: int = 0, **ove
             if "norm" not in name:
                 p.normal_(0.0, 0.1)
     model.save_pretrained(out, safe_serialization=True)
-    for f in tokenizer_dir.iterdir():
+    for f in tokenizer_dir.iterdir() if tokenizer_dir is not None else []:
         if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
             shutil.copy(f, out / f.name)
     return out

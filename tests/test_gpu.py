@@ -1,0 +1,52 @@
+"""GPU checks (run on the H200 machine with `pytest -m gpu`; skipped without CUDA)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_reference import mixed_prompts
+from minisgl import LLM, SamplingParams
+from tiny_models import build_tiny
+
+pytestmark = pytest.mark.gpu
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "models"
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny("qwen3", tmp_path_factory.mktemp("gpu-qwen3"), None)
+
+
+def _run(path: Path, **kw: object) -> list:
+    with LLM(str(path), show_progress=False, **kw) as llm:  # type: ignore[arg-type]
+        return [o.token_ids for o in llm.generate(mixed_prompts(8, seed=6), GREEDY)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gpu_float32_matches_cpu(tiny_qwen3: Path, backend: str) -> None:
+    cpu = _run(tiny_qwen3, device="cpu", dtype="float32")
+    assert _run(tiny_qwen3, device="cuda", dtype="float32", attention_backend=backend) == cpu
+
+
+@pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gpu_tp2_matches_tp1(tiny_qwen3: Path, backend: str) -> None:
+    kw = dict(device="cuda", dtype="float32", attention_backend=backend)
+    assert _run(tiny_qwen3, tp=2, **kw) == _run(tiny_qwen3, tp=1, **kw)
+
+
+@pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs")
+def test_dummy_llama8b_bf16_tp2_runs() -> None:
+    with LLM(str(CONFIGS / "llama-3.1-8b"), tp=2, device="cuda", dtype="bfloat16",
+             load_format="dummy", show_progress=False) as llm:
+        outs = llm.generate(mixed_prompts(4, seed=7), SamplingParams(max_tokens=16,
+                                                                      ignore_eos=True))
+    assert all(len(o.token_ids) == 16 for o in outs)
