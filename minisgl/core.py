@@ -48,7 +48,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+        if self.seed is not None and (not isinstance(self.seed, int)
+                                      or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         for tok in self.stop_token_ids:
             if not isinstance(tok, int) or tok < 0:

@@ -10,15 +10,12 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing as mp
-import os
 import shutil
 import tempfile
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-import torch
 import zmq
 from tqdm import tqdm
 
@@ -220,10 +217,10 @@ class LLM:
         ids = [self._chat_ids(c) for c in convs]  # type: ignore[arg-type]
         return self._run(ids, self._per_prompt(params, len(ids)))
 
-    # --- internals ---------------------------------------------------------------------------------
+    # --- internals ---------------------------------------------------------------------------
     def _need_tokenizer(self) -> Any:
         if self.tokenizer is None:
-            raise ValueError(f"{self.model_path} has no tokenizer: pass token-id prompts")
+            raise ValueError(f"{self.model_path} has no tokenizer: pass token ids")
         return self.tokenizer
 
     def _encode(self, prompt: Prompt) -> List[int]:

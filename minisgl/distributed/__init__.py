@@ -5,5 +5,5 @@ from minisgl.distributed.comm import (Communicator, ProcessGroups, check_same_ac
                                       min_over_ranks)
 from minisgl.distributed.info import DistributedInfo, Shard
 
-__all__ = ["Communicator", "DistributedInfo", "ProcessGroups", "Shard", "check_same_across_ranks", "destroy_process_groups",
-           "init_process_groups", "min_over_ranks"]
+__all__ = ["Communicator", "DistributedInfo", "ProcessGroups", "Shard", "check_same_across_ranks",
+           "destroy_process_groups", "init_process_groups", "min_over_ranks"]

@@ -19,7 +19,7 @@ class DistributedInfo:
         return self.rank == 0
 
     def shard(self, total: int, what: str) -> "Shard":
-        """The contiguous 1/size part of `total` items this rank owns; `what` names them in errors."""
+        """The contiguous 1/size part of `total` items this rank owns (`what` names them)."""
         if total % self.size != 0:
             raise ValueError(f"{what} ({total}) is not divisible by tp={self.size}")
         n = total // self.size

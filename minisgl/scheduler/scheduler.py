@@ -38,7 +38,8 @@ class Scheduler:
         self.io = io
         self.rank = cfg.engine.tp_info.rank
         page_size = cfg.engine.page_size
-        self.cache = PageCache(engine.num_pages, page_size, make_cache_manager(cfg.cache, page_size))
+        manager = make_cache_manager(cfg.cache, page_size)
+        self.cache = PageCache(engine.num_pages, page_size, manager)
         self.rows = TableRows(cfg.engine.max_running_requests)
         self.prefill = PrefillManager(self.cache, self.rows, cfg.max_prefill_tokens,
                                       cfg.engine.max_running_requests)
