@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
 import torch
 
@@ -17,6 +17,7 @@ from minisgl.attention import AttentionBackend, make_backend
 from minisgl.core import Batch
 from minisgl.distributed import ProcessGroups, min_over_ranks
 from minisgl.engine.config import EngineConfig
+from minisgl.engine.cuda_graph import DecodeGraphs
 from minisgl.engine.sampler import make_sampling_tensors, sample
 from minisgl.kvcache import KVPool
 from minisgl.models import CausalLM, ModelConfig, model_class
@@ -57,6 +58,13 @@ class Engine:
             cfg.backend_name, pool=self.pool, page_table=self.page_table, num_heads=local_heads,
             num_kv_heads=local_kv_heads, head_dim=self.model_cfg.head_dim,
             scale=self.model_cfg.head_dim ** -0.5)
+        self.graphs: Optional[DecodeGraphs] = None
+        if (self.device.type == "cuda" and cfg.cuda_graph_max_bs > 0
+                and hasattr(self.backend, "init_graph_buffers")):
+            self.graphs = DecodeGraphs(self.model, self.backend,  # type: ignore[arg-type]
+                                       min(cfg.cuda_graph_max_bs, cfg.max_running_requests),
+                                       cfg.max_running_requests, self.pool.scratch_slot,
+                                       self.device)
         logger.info("rank %d: engine ready: %d KV pages of %d tokens, backend %s",
                     cfg.tp_info.rank, self.num_pages, cfg.page_size, cfg.backend_name)
 
@@ -89,7 +97,13 @@ class Engine:
 
         The scheduler has written the batch's slots into `page_table` and set `batch.out_slots`.
         """
-        self._prepare(batch)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            self._prepare_inputs(batch)
+            logits = self.graphs.replay(batch)
+            tensors = make_sampling_tensors(batch.reqs, self.cfg.seed, self.device)
+            return sample(logits, tensors).tolist()
+        self._prepare_inputs(batch)
+        self.backend.prepare(batch)
         sampled = [i for i, s in enumerate(batch.sample) if s]
         if not sampled:
             self.model(batch.input_ids, batch.positions, batch, self.backend,
@@ -106,7 +120,7 @@ class Engine:
             out[i] = tok
         return out
 
-    def _prepare(self, batch: Batch) -> None:
+    def _prepare_inputs(self, batch: Batch) -> None:
         ids: List[int] = []
         positions: List[int] = []
         for req, prefix, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
@@ -115,4 +129,3 @@ class Engine:
         dev = self.device
         batch.input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         batch.positions = torch.tensor(positions, dtype=torch.int64, device=dev)
-        self.backend.prepare(batch)

@@ -15,7 +15,9 @@ class KVPool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_slots = num_pages * page_size
-        shape = (num_layers, self.num_slots, num_kv_heads, head_dim)
+        # One extra page past the allocatable ones: padded (CUDA-graph) rows write K/V there.
+        self.scratch_slot = self.num_slots
+        shape = (num_layers, self.num_slots + page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
