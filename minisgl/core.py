@@ -70,7 +70,9 @@ class FinishReason(str, enum.Enum):
 class Req:
     """One request inside a scheduler rank.
 
-    `cached_len` tokens of `token_ids` have KV in the pool. `pages` are the KV pages backing
+    `cached_len` tokens have KV in the pool (or being computed by a launched batch);
+    `device_len` counts the prompt plus every token whose sampling was launched, so with overlap
+    scheduling `len(token_ids)` trails it by the one in-flight step. `pages` are the KV pages backing
     the sequence in order; the first `num_prefix_pages` belong to the prefix cache (locked through
     `cache_handle`), the rest to this request. The request owns page-table row `table_row` from
     admission until the scheduler retires it (exactly once, on finish or abort).
@@ -83,6 +85,7 @@ class Req:
     eos_ids: Tuple[int, ...]
     table_row: int = -1
     cached_len: int = 0
+    device_len: int = 0
     pages: List[int] = field(default_factory=list)
     num_prefix_pages: int = 0
     cache_handle: object = None  # the cache manager's lock on the matched prefix
@@ -90,6 +93,9 @@ class Req:
     reserved_pages: int = 0  # own pages admission set aside for the whole request
     allocated_pages: int = 0  # own pages allocated so far (<= reserved_pages)
     finish_reason: Optional[FinishReason] = None
+
+    def __post_init__(self) -> None:
+        self.device_len = self.device_len or self.prompt_len
 
     @property
     def output_len(self) -> int:

@@ -62,13 +62,16 @@ class _InProcess:
 
     def poll(self) -> List[TokenOut]:
         s = self.scheduler
-        for msg in s.io.receive(blocking=False, on_idle=s.check_idle):
-            s.handle(msg)
-        s.step()
+        s.iterate(s.io.receive(blocking=False, on_idle=s.check_idle))
         if not s.has_work:
             s.check_idle()
         outs, self.io.outbox = self.io.outbox, []
         return outs
+
+    def drain(self) -> None:
+        """Finish the in-flight batch (overlap keeps one) so the scheduler rests idle."""
+        while self.scheduler.has_work:
+            self.poll()
 
     def close(self) -> None:
         pass
@@ -92,7 +95,7 @@ class _RankProcesses:
                                        "tp_info": DistributedInfo(rank, tp),
                                        "dist_init_method": f"tcp://127.0.0.1:{port}"}),
                 max_prefill_tokens=cfg.max_prefill_tokens, cache=cfg.cache,
-                check_lockstep=cfg.check_lockstep,
+                check_lockstep=cfg.check_lockstep, overlap=cfg.overlap,
                 backend_addr=addr("backend"), detokenizer_addr=addr("detokenizer"),
                 broadcast_addr=addr("broadcast"))
             recv, send = mp_ctx.Pipe(duplex=False)
@@ -123,6 +126,9 @@ class _RankProcesses:
 
     def submit(self, msg: Any) -> None:
         self.requests.put(msg)
+
+    def drain(self) -> None:
+        pass  # the rank processes run on by themselves
 
     def poll(self) -> List[TokenOut]:
         try:
@@ -160,7 +166,8 @@ class LLM:
                  max_kv_tokens: Optional[int] = None, cache: str = "radix",
                  load_format: str = "auto", seed: int = 0, attention_backend: str = "auto",
                  show_progress: bool = True, log_level: str = "WARNING",
-                 check_lockstep: bool = False) -> None:
+                 check_lockstep: bool = False, overlap: Optional[bool] = None,
+                 cuda_graph_max_bs: int = 256) -> None:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
         self.model_path = resolve_model_path(model)
@@ -173,9 +180,9 @@ class LLM:
             dtype=resolve_dtype(dtype, dev), page_size=page_size,
             max_running_requests=max_running_requests, max_kv_tokens=max_kv_tokens,
             load_format=load_format, attention_backend=attention_backend, seed=seed,
-            show_progress=show_progress)
+            show_progress=show_progress, cuda_graph_max_bs=cuda_graph_max_bs)
         cfg = SchedulerConfig(engine=engine_cfg, max_prefill_tokens=max_prefill_tokens,
-                              cache=cache, check_lockstep=check_lockstep)
+                              cache=cache, check_lockstep=check_lockstep, overlap=overlap)
         self.show_progress = show_progress
         self._backend = _InProcess(cfg) if tp == 1 else _RankProcesses(cfg, tp, log_level)
         self._uids = itertools.count()
@@ -288,6 +295,7 @@ class LLM:
                     left -= 1
                     bar.update(1)
         bar.close()
+        self._backend.drain()
         decode = (lambda t: "") if self.tokenizer is None else (  # noqa: E731
             lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
         return [GenerateOutput(decode(t), t,

@@ -22,7 +22,7 @@ import json
 import random
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -224,7 +224,7 @@ def run_hf(args: argparse.Namespace, work: Workload, warm: Optional[Workload]) -
     return Result("hf", seconds, work.input_tokens, out_tokens, 0)
 
 
-# --- report ----------------------------------------------------------------------------------------
+# --- report --------------------------------------------------------------------------------------
 def report(args: argparse.Namespace, r: Result) -> None:
     print(f"[{r.engine}] {args.num_prompts} requests in {r.seconds:.2f} s: "
           f"output {r.output_tok_s:,.0f} tok/s, total {r.total_tok_s:,.0f} tok/s "

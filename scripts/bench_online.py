@@ -67,7 +67,8 @@ class RateSummary:
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--model", default="default", help="the `model` field of each request")
+    p.add_argument("--model", default=None,
+                   help="the `model` field of each request (default: the first of /v1/models)")
     p.add_argument("--rates", default="1,4,16", help="comma-separated requests/s; 'inf' allowed")
     p.add_argument("--num-requests", type=int, default=200, help="per rate")
     p.add_argument("--max-duration", type=float, default=300.0, help="seconds per rate")
@@ -214,7 +215,18 @@ def print_summary(s: RateSummary) -> None:
         print(f"       first error: {s.first_error}")
 
 
+async def served_model(base_url: str) -> str:
+    """The first model id the server lists at /v1/models ("default" if it lists none)."""
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        resp = await client.get(base_url.rstrip("/") + "/v1/models")
+        resp.raise_for_status()
+        data = resp.json().get("data") or [{}]
+    return str(data[0].get("id", "default"))
+
+
 async def main_async(args: argparse.Namespace) -> List[RateSummary]:
+    if args.model is None:
+        args.model = await served_model(args.base_url)
     rates = [math.inf if r.strip() == "inf" else float(r) for r in args.rates.split(",")]
     print(f"{'rate':>6} {'done/sent':>11} {'fail':>4} {'unfin':>5} {'req/s':>7} {'out tok/s':>9} "
           f"{'TTFT ms p50/90/99':>18} {'ITL ms p50/90/99':>14} {'E2E ms p50/90/99':>20}")
@@ -226,7 +238,8 @@ async def main_async(args: argparse.Namespace) -> List[RateSummary]:
         out.append(summary)
     for s in out:
         print("RESULT " + json.dumps({**_no_nan(s.__dict__), "rate": str(s.rate),
-                                      "base_url": args.base_url, "prompt_kind": args.prompt_kind,
+                                      "model": args.model, "base_url": args.base_url,
+                                      "prompt_kind": args.prompt_kind,
                                       "min_len": args.min_len, "max_len": args.max_len}))
     return out
 

@@ -114,3 +114,21 @@ def test_locked_prefix_survives_eviction(tiny_model: Callable[..., Path]) -> Non
         while sched.has_work:
             llm._backend.poll()  # type: ignore[attr-defined]
         sched.check_idle()
+
+
+def test_overlap_with_radix_eviction_and_stops(tiny_model: Callable[..., Path]) -> None:
+    """Overlap scheduling under pool pressure, with early stops: same tokens as the plain loop,
+    and the pages balance once idle."""
+    prompts = _shared_prompts(40, 60, seed=11)
+    path = tiny_model("qwen3")
+    results = []
+    for overlap in (False, True):
+        with LLM(str(path), page_size=4, max_kv_tokens=768, max_running_requests=6,
+                 overlap=overlap, show_progress=False) as llm:
+            ref = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+            stops = SamplingParams(max_tokens=8, temperature=0.0,
+                                   stop_token_ids=tuple(t[2] for t in ref[:20]))
+            got = [o.token_ids for o in llm.generate(prompts, stops)]
+            llm._backend.scheduler.check_idle()  # type: ignore[attr-defined]
+            results.append((ref, got))
+    assert results[0] == results[1]

@@ -45,7 +45,7 @@ def _post(server: Server, path: str, body: object) -> httpx.Response:
     return httpx.post(f"{server.url}{path}", json=body, timeout=120)
 
 
-# --- acceptance: Paris, equal to the offline LLM -------------------------------------------------------
+# --- acceptance: Paris, equal to the offline LLM --------------------------------------------------
 def test_chat_paris_matches_offline_llm(client: openai.OpenAI, model: str, llm: LLM,
                                         server: Server) -> None:
     ref = llm.chat(PARIS, SamplingParams(temperature=0, max_tokens=24))[0]
@@ -114,7 +114,7 @@ def test_generate_stream_returns_token_ids(server: Server, llm: LLM) -> None:
     assert text == ref.text
 
 
-# --- stop strings, n, seeds, cached tokens ---------------------------------------------------------------
+# --- stop strings, n, seeds, cached tokens --------------------------------------------------------
 @pytest.mark.parametrize("stop", ["s Par", "apit", "France is"])
 def test_stop_strings_across_tokens_are_trimmed(client: openai.OpenAI, model: str,
                                                 server: Server, stop: str) -> None:
@@ -161,7 +161,7 @@ def test_cached_tokens_reported(client: openai.OpenAI, model: str) -> None:
     assert again.usage.prompt_tokens_details.cached_tokens >= 32
 
 
-# --- models, health, metrics ----------------------------------------------------------------------------
+# --- models, health, metrics ----------------------------------------------------------------------
 def test_models_health_metrics(client: openai.OpenAI, server: Server, model: str) -> None:
     assert model == "SmolLM2-135M-Instruct"
     assert client.models.retrieve(model).id == model
@@ -179,7 +179,7 @@ def test_models_health_metrics(client: openai.OpenAI, server: Server, model: str
     assert m["minisgl_time_to_first_token_seconds_count"] >= 1
 
 
-# --- disconnects free the KV pages ---------------------------------------------------------------------
+# --- disconnects free the KV pages ----------------------------------------------------------------
 def _long_body(model: str, stream: bool) -> dict:
     return {"model": model, "messages": PARIS, "max_tokens": 4000, "ignore_eos": True,
             "temperature": 0, "stream": stream}
@@ -207,7 +207,7 @@ def test_client_disconnect_while_waiting_aborts(server: Server, model: str) -> N
     assert m["minisgl_kv_pages_used"] == 0 and m["minisgl_num_requests_running"] == 0
 
 
-# --- bad input ------------------------------------------------------------------------------------------
+# --- bad input ------------------------------------------------------------------------------------
 def _chat(**fields: object) -> dict:
     return {"model": "SmolLM2-135M-Instruct", "messages": PARIS, "max_tokens": 4, **fields}
 
@@ -288,7 +288,7 @@ def test_errors_through_the_openai_client_then_service_still_works(
     assert r.status_code == 405 and r.json()["error"]["message"]
 
 
-# --- the interactive shell, driven through its functions ---------------------------------------------
+# --- the interactive shell, driven through its functions ------------------------------------------
 def test_shell_chats_with_history_and_reset(server: Server, model: str) -> None:
     from minisgl.server.shell import run_shell
     lines = iter(["What is the capital of France?", "/reset", "/temperature x", "/exit"])

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator, List, Optional
+from typing import Iterator, List, NamedTuple, Optional
 
 import torch
 
 from minisgl.attention import AttentionBackend, make_backend
-from minisgl.core import Batch
+from minisgl.core import Batch, Phase
 from minisgl.distributed import ProcessGroups, min_over_ranks
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.cuda_graph import DecodeGraphs
@@ -25,6 +25,15 @@ from minisgl.models.weights import init_dummy, iter_checkpoint
 
 logger = logging.getLogger(__name__)
 _CPU_DEFAULT_KV_TOKENS = 16384
+
+
+class Launched(NamedTuple):
+    """A batch started on the device; `Engine.collect` waits for its tokens."""
+
+    batch: Batch
+    sampled: List[int]  # indices of the requests whose token is sampled
+    tokens: Optional[torch.Tensor]  # host tensor (pinned on GPU), valid once `done` completes
+    done: Optional[torch.cuda.Event]
 
 
 @contextlib.contextmanager
@@ -54,6 +63,9 @@ class Engine:
         # One spare row, so a row index never needs bounds checks in kernels.
         self.page_table = torch.zeros((cfg.max_running_requests + 1, self.max_context),
                                       dtype=torch.int32, device=self.device)
+        # The newest sampled token of each row: decode inputs, readable before the host has it.
+        self.last_tokens = torch.zeros(cfg.max_running_requests + 1, dtype=torch.int64,
+                                       device=self.device)
         self.backend: AttentionBackend = make_backend(
             cfg.backend_name, pool=self.pool, page_table=self.page_table, num_heads=local_heads,
             num_kv_heads=local_kv_heads, head_dim=self.model_cfg.head_dim,
@@ -92,40 +104,65 @@ class Engine:
         return int(free * self.cfg.mem_fraction) // per_page
 
     @torch.inference_mode()
-    def forward(self, batch: Batch) -> List[int]:
-        """Run the batch; return one sampled token per request (-1 where `sample` is False).
+    def launch(self, batch: Batch) -> Launched:
+        """Start the batch on the device and return without waiting for it (on a GPU).
 
-        The scheduler has written the batch's slots into `page_table` and set `batch.out_slots`.
+        The scheduler has written the batch's slots into `page_table`, set `batch.out_slots`, and
+        not yet advanced the requests' lengths. Decode inputs come from `last_tokens` on the
+        device, so a batch can be launched before the previous one's tokens reach the host.
         """
-        if self.graphs is not None and self.graphs.can_run(batch):
-            self._prepare_inputs(batch)
-            logits = self.graphs.replay(batch)
-            tensors = make_sampling_tensors(batch.reqs, self.cfg.seed, self.device)
-            return sample(logits, tensors).tolist()
         self._prepare_inputs(batch)
-        self.backend.prepare(batch)
         sampled = [i for i, s in enumerate(batch.sample) if s]
+        if self.graphs is not None and self.graphs.can_run(batch):
+            logits = self.graphs.replay(batch)
+        else:
+            self.backend.prepare(batch)
+            ends = torch.tensor(batch.extend_lens, device=self.device).cumsum(0) - 1
+            rows = ends[torch.tensor(sampled, dtype=torch.int64, device=self.device)]
+            logits = self.model(batch.input_ids, batch.positions, batch, self.backend, rows)
         if not sampled:
-            self.model(batch.input_ids, batch.positions, batch, self.backend,
-                       torch.empty(0, dtype=torch.int64, device=self.device))
-            return [-1] * batch.size
-        ends = torch.tensor(batch.extend_lens, device=self.device).cumsum(0) - 1
-        rows = ends[torch.tensor(sampled, device=self.device)]
-        logits = self.model(batch.input_ids, batch.positions, batch, self.backend, rows)
+            return Launched(batch, sampled, None, None)
         tensors = make_sampling_tensors([batch.reqs[i] for i in sampled], self.cfg.seed,
                                         self.device)
-        tokens = sample(logits, tensors).tolist()
-        out = [-1] * batch.size
-        for i, tok in zip(sampled, tokens):
+        tokens = sample(logits, tensors)
+        table_rows = torch.tensor([batch.reqs[i].table_row for i in sampled], dtype=torch.int64,
+                                  device=self.device)
+        self.last_tokens[table_rows] = tokens
+        if self.device.type != "cuda":
+            return Launched(batch, sampled, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return Launched(batch, sampled, host, done)
+
+    @staticmethod
+    def collect(launched: Launched) -> List[int]:
+        """Wait for a launched batch; one token per request (-1 where `sample` is False)."""
+        out = [-1] * launched.batch.size
+        if launched.tokens is None:
+            return out
+        if launched.done is not None:
+            launched.done.synchronize()
+        for i, tok in zip(launched.sampled, launched.tokens.tolist()):
             out[i] = tok
         return out
 
+    def forward(self, batch: Batch) -> List[int]:
+        """Launch and collect: the synchronous path."""
+        return self.collect(self.launch(batch))
+
     def _prepare_inputs(self, batch: Batch) -> None:
-        ids: List[int] = []
-        positions: List[int] = []
-        for req, prefix, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
-            ids.extend(req.token_ids[prefix:prefix + ext])
-            positions.extend(range(prefix, prefix + ext))
         dev = self.device
-        batch.input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        positions: List[int] = []
+        for prefix, ext in zip(batch.prefix_lens, batch.extend_lens):
+            positions.extend(range(prefix, prefix + ext))
         batch.positions = torch.tensor(positions, dtype=torch.int64, device=dev)
+        if batch.phase is Phase.DECODE:  # the newest token may still be on the device only
+            rows = torch.tensor([r.table_row for r in batch.reqs], dtype=torch.int64, device=dev)
+            batch.input_ids = self.last_tokens[rows]
+            return
+        ids: List[int] = []
+        for req, prefix, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            ids.extend(req.token_ids[prefix:prefix + ext])  # prompt tokens: known on the host
+        batch.input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)

@@ -26,7 +26,7 @@ class SamplingTensors(NamedTuple):
     top_p: torch.Tensor  # [B] float32
     min_p: torch.Tensor  # [B] float32
     seed: torch.Tensor  # [B] int64 in [0, 2**32)
-    step: torch.Tensor  # [B] int64: tokens generated so far
+    step: torch.Tensor  # [B] int64: tokens generated before this one
     greedy: torch.Tensor  # [B] bool
     all_greedy: bool
     any_filter: bool
@@ -50,7 +50,7 @@ def make_sampling_tensors(reqs: List[Req], engine_seed: int, device: torch.devic
         top_p=t([p.top_p for p in ps], torch.float32),
         min_p=t([p.min_p for p in ps], torch.float32),
         seed=t([request_seed(r, engine_seed) for r in reqs], torch.int64),
-        step=t([r.output_len for r in reqs], torch.int64),
+        step=t([r.device_len - r.prompt_len for r in reqs], torch.int64),
         greedy=t(greedy, torch.bool),
         all_greedy=all(greedy),
         any_filter=any(not g and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0)

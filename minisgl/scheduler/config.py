@@ -18,6 +18,7 @@ class SchedulerConfig:
     detokenizer_addr: Optional[str] = None  # rank 0 -> detokenizer (PUSH, rank 0 connects)
     broadcast_addr: Optional[str] = None  # rank 0 -> other ranks (XPUB/SUB, rank 0 binds)
     subscriber_timeout_s: float = 60.0
+    overlap: Optional[bool] = None  # schedule step N+1 while N runs; None: on for CUDA only
     check_lockstep: bool = False  # every step, ranks compare batch uids, KV slots and tokens
 
     def __post_init__(self) -> None:

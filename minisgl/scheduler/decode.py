@@ -22,6 +22,6 @@ class DecodeManager:
         if not self.running:
             return None
         reqs = [self.running[uid] for uid in sorted(self.running)]
-        lens = [len(r.token_ids) for r in reqs]
+        lens = [r.device_len for r in reqs]
         return Batch(Phase.DECODE, reqs, [n - 1 for n in lens], [1] * len(reqs),
                      [True] * len(reqs))

@@ -61,7 +61,9 @@ class PrefillManager:
         return Batch(Phase.PREFILL, reqs, prefix, extend, sample)
 
     def _admit(self, num_running: int, admitted: Callable[[Req], None]) -> None:
-        while self.waiting and num_running + len(self.prefilling) < self.max_running:
+        # Rows, not just counts: a finished request keeps its row until its last batch completes.
+        while (self.waiting and num_running + len(self.prefilling) < self.max_running
+               and self.rows.available > 0):
             req = self.waiting[0]
             match = self.cache.match(req.token_ids)
             self.cache.manager.lock(match.handle)

@@ -17,6 +17,7 @@ from torch.distributed import ProcessGroup
 from minisgl.core import Batch, FinishReason, Phase, Req
 from minisgl.distributed import check_same_across_ranks
 from minisgl.engine import Engine
+from minisgl.engine.engine import Launched
 from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.scheduler.cache import PageCache
@@ -46,33 +47,72 @@ class Scheduler:
         self.decode = DecodeManager()
         self.reqs: Dict[int, Req] = {}  # every live request by uid
         self.stopped = False
+        self.overlap = cfg.overlap if cfg.overlap is not None else engine.device.type == "cuda"
+        self.inflight: Optional[Launched] = None
+        self.deferred: List[Req] = []  # finished, retired once the in-flight batch completes
         self.totals = {"prompt": 0, "generated": 0, "cached": 0, "prefilled": 0}
 
     # --- the loop ------------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self.reqs)
+        return bool(self.reqs) or self.inflight is not None
 
     def run_forever(self) -> None:
         while not self.stopped:
-            for msg in self.io.receive(blocking=not self.has_work, on_idle=self.check_idle):
-                self.handle(msg)
-            if not self.stopped:
-                self.step()
+            self.iterate(self.io.receive(blocking=not self.has_work, on_idle=self.check_idle))
         logger.info("rank %d: scheduler stopped", self.rank)
 
+    def iterate(self, msgs: List[object]) -> None:
+        """One step: take the messages, launch the next batch, then finish the previous one.
+
+        With overlap the previous batch's results are processed while the device runs the new
+        one, so the scheduler decides one step behind: a request that finished in the previous
+        batch may sit in the new one too (its extra token is dropped, and its resources are
+        freed only after that batch completes).
+        """
+        for msg in msgs:
+            self.handle(msg)
+        batch = None if self.stopped else self.schedule()
+        launched = self._launch(batch) if batch is not None else None
+        previous, self.inflight = self.inflight, launched
+        if previous is not None:
+            self._complete(previous)
+        if not self.overlap and launched is not None:
+            self.inflight = None
+            self._complete(launched)
+        if self.stopped and self.inflight is not None:
+            done, self.inflight = self.inflight, None
+            self._complete(done)
+
     def step(self) -> bool:
-        """Run one batch if there is one; return whether anything ran."""
-        batch = self.schedule()
-        if batch is None:
-            return False
-        tokens = self.engine.forward(batch)
+        """One iteration without new messages; return whether anything ran or completed."""
+        busy = self.has_work
+        self.iterate([])
+        return busy
+
+    def _launch(self, batch: Batch) -> Launched:
+        launched = self.engine.launch(batch)
+        for req, ext, sample in zip(batch.reqs, batch.extend_lens, batch.sample):
+            req.cached_len += ext
+            if batch.phase is Phase.DECODE:
+                req.device_len += 1
+            elif sample:  # last prompt chunk: the request decodes from the next step on
+                req.device_len += 1
+                self.prefill.prefilling.remove(req)
+                self.decode.add(req)
+        return launched
+
+    def _complete(self, launched: Launched) -> None:
+        batch = launched.batch
+        ready, self.deferred = self.deferred, []  # waited for exactly this batch
+        tokens = self.engine.collect(launched)
         if self.cfg.check_lockstep:
             uids = [r.uid for r in batch.reqs]
             slots = batch.out_slots.tolist() if batch.out_slots is not None else []
             check_same_across_ranks(uids + slots + tokens, self.cpu_group, "batch and tokens")
         self.io.send(self.process(batch, tokens), self.stats())
-        return True
+        for req in ready:
+            self._retire(req, admitted=True)
 
     def check_idle(self) -> None:
         """Called before blocking for input: every page must be accounted for."""
@@ -130,7 +170,10 @@ class Scheduler:
             return  # already finished: nothing to free
         admitted = self.prefill.remove(req) or self.decode.remove(req)
         req.finish_reason = FinishReason.ABORT
-        self._retire(req, admitted)
+        if admitted:
+            self._release(req)
+        else:
+            self._retire(req, admitted=False)
         self.io.send([TokenOut(uid, finish_reason=FinishReason.ABORT.value,
                                prompt_tokens=req.prompt_len)], self.stats())
 
@@ -145,7 +188,7 @@ class Scheduler:
             if batch is None:
                 return None
             for req in batch.reqs:
-                self._grow(req, len(req.token_ids))
+                self._grow(req, req.device_len)
         self._write_slots(batch)
         return batch
 
@@ -184,15 +227,14 @@ class Scheduler:
     def process(self, batch: Batch, tokens: List[int]) -> List[TokenOut]:
         out: List[TokenOut] = []
         for req, ext, sample, tok in zip(batch.reqs, batch.extend_lens, batch.sample, tokens):
-            req.cached_len += ext
+            if req.finish_reason is not None:
+                continue  # finished or aborted while this batch was in flight
             if batch.phase is Phase.PREFILL:
                 self.totals["prefilled"] += ext
             if not sample:  # a chunk of a long prompt: share its finished pages already
                 self._rewrite_pages(req, self.cache.share_prefix(req))
                 continue
-            if batch.phase is Phase.PREFILL:
-                self.prefill.prefilling.remove(req)
-                self.decode.add(req)
+            if req.output_len == 0:
                 self.totals["cached"] += req.prefix_hit
             reason = req.append_token(tok)
             self.totals["generated"] += 1
@@ -200,11 +242,19 @@ class Scheduler:
                                 req.prefix_hit))
             if reason is not None:
                 self.decode.remove(req)
-                self._retire(req, admitted=True)
+                self._release(req)
         return out
 
+    def _release(self, req: Req) -> None:
+        """Retire a finished or aborted request now, or after the in-flight batch using it."""
+        if self.inflight is not None and req in self.inflight.batch.reqs:
+            self.deferred.append(req)
+            del self.reqs[req.uid]
+        else:
+            self._retire(req, admitted=True)
+
     def _retire(self, req: Req, admitted: bool) -> None:
-        del self.reqs[req.uid]
+        self.reqs.pop(req.uid, None)
         if not admitted:
             return
         self.prefill.outstanding_pages -= req.reserved_pages - req.allocated_pages

@@ -112,7 +112,7 @@ class SSEResponse(StreamingResponse):
             self.on_close()
 
 
-# --- response bodies -------------------------------------------------------------------------------
+# --- response bodies ------------------------------------------------------------------------------
 class Formatter:
     """Builds one endpoint's response objects (chat, completion or native generate)."""
 
@@ -172,7 +172,7 @@ class Formatter:
         yield "data: [DONE]\n\n"
 
 
-# --- running a job -----------------------------------------------------------------------------------
+# --- running a job --------------------------------------------------------------------------------
 async def next_chunk(stream: RequestStream, request: Request) -> ReplyChunk:
     """The stream's next chunk; ClientGone if the client disconnects first."""
     while True:
@@ -228,7 +228,7 @@ async def _events(stream: RequestStream, fmt: Formatter, choices: List[Choice],
         yield line
 
 
-# --- the app ------------------------------------------------------------------------------------------
+# --- the app --------------------------------------------------------------------------------------
 def _error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 

@@ -186,6 +186,15 @@ def supervise(service: Service, stop: threading.Event) -> Optional[Child]:
     return None
 
 
+def _quiet_resource_tracker() -> None:
+    """A child killed by a signal leaves its semaphores (tqdm's lock) to multiprocessing's
+    resource tracker, which frees them and warns after the launcher's last line; keep the
+    launcher's error line the last one."""
+    quiet = "ignore:resource_tracker:UserWarning"
+    old = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = f"{old},{quiet}" if old else quiet
+
+
 def _fail(message: str) -> int:
     print(f"serve: error: {message}", file=sys.stderr, flush=True)
     return 1
@@ -209,6 +218,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         return _fail(str(e)) + 1  # 2, like argparse's own usage errors
     setup_logging("launcher", cfg.log_level.upper())
+    _quiet_resource_tracker()
     for line in describe(cfg):
         logger.debug("config: %s", line)
     try:

@@ -1,8 +1,9 @@
 """Child processes of the launcher: spawning, the ready handshake, and stopping.
 
-Every child runs `child_main`, which ignores SIGINT (a terminal's Ctrl-C reaches the whole process
-group; only the launcher acts on it), tags its log lines, exits when the launcher disappears (no
-orphans even after `kill -9` of the launcher), then runs its entry function. An entry function
+Every child runs `child_main`, which names the process (`minisgl-rank0` in ps), ignores SIGINT (a
+terminal's Ctrl-C reaches the whole process group; only the launcher acts on it), tags its log
+lines, exits when the launcher disappears (no orphans even after `kill -9` of the launcher), then
+runs its entry function. An entry function
 takes `conn` (its end of a duplex pipe to the launcher) as its last argument and sends exactly one
 of `("ready", name, info)` or `("error", name, message)` on it; the launcher may send it start-up
 data on the same pipe afterwards (the tokenizer gets the KV capacity the ranks reported).
@@ -43,9 +44,19 @@ def _exit_with_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
+def _set_process_name(name: str) -> None:
+    """Show `name` in ps/top (Linux: the 15-character comm); elsewhere a no-op."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
+
+
 def child_main(name: str, log_level: str, parent_pid: int, target: Callable[..., None],
                args: Tuple[Any, ...]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _set_process_name(f"minisgl-{name}")
     setup_logging(name, log_level)
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     target(*args)

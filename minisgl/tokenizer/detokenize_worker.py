@@ -57,7 +57,7 @@ class Rendered(NamedTuple):
 class Detokenizer:
     """The detokenizer's logic without sockets (unit-testable)."""
 
-    tokenizer: Any
+    tokenizer: Optional[Any]  # None: a model without a tokenizer (token ids only, no text)
     requests: Dict[int, _Request] = field(default_factory=dict)
     pending: Dict[int, List[TokenOut]] = field(default_factory=dict)
 
@@ -115,7 +115,7 @@ def run_detokenizer(cfg: DetokenizerConfig, conn: Any) -> None:
     """Process entry: load the tokenizer, bind, report ("ready", "detokenizer", {}), loop forever
     (the launcher ends the process)."""
     try:
-        state = Detokenizer(load_tokenizer(Path(cfg.model_path)))  # type: ignore[arg-type]
+        state = Detokenizer(load_tokenizer(Path(cfg.model_path)))
         ctx = zmq.Context()
         inbox = ctx.socket(zmq.PULL)
         inbox.bind(cfg.detokenizer_addr)

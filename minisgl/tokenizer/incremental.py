@@ -16,15 +16,17 @@ still be the start of a stop string, and on a match releases only the text befor
 
 from __future__ import annotations
 
-from typing import Any, List, NamedTuple, Sequence
+from typing import Any, List, NamedTuple, Optional, Sequence
 
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the output, for the first token's spacing
 _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDecoder:
-    def __init__(self, tokenizer: Any, prompt_tail: Sequence[int], skip_special_tokens: bool
-                 ) -> None:
+    """`tokenizer` None (a model without one): every delta is empty."""
+
+    def __init__(self, tokenizer: Optional[Any], prompt_tail: Sequence[int],
+                 skip_special_tokens: bool) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: List[int] = list(prompt_tail)
@@ -32,6 +34,8 @@ class IncrementalDecoder:
         self.read_offset = len(self.ids)
 
     def _decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return ""
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 

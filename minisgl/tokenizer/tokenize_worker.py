@@ -8,6 +8,9 @@ and never reaches the scheduler. `AbortRequest` becomes an `AbortMsg` to rank 0.
 
 `params.max_tokens == MAX_TOKENS_AUTO` means "as many as fit": the rest of the context (and of
 the KV pool, which must hold the whole request).
+
+A model directory without tokenizer files (dummy-weight benchmark shapes) serves token ids only:
+text, chat and stop strings are rejected; ids are checked against the vocabulary by the scheduler.
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ class TokenizerConfig:
     api_addr: str  # PUSH to the API server (rejections)
 
 
+class _NoTokenizer(Exception):
+    message = ("this model has no tokenizer: send token ids (/generate with input_ids, or "
+               "/v1/completions with a prompt of token ids) and no stop strings")
+
+
 class Prepared(NamedTuple):
     input_ids: List[int]
     params: Optional[SamplingParams]  # None when rejected
@@ -50,15 +58,17 @@ class Prepared(NamedTuple):
 class Tokenizer:
     """The tokenizer's logic without sockets (unit-testable)."""
 
-    def __init__(self, tokenizer: Any, max_context: int, kv_capacity: int) -> None:
+    def __init__(self, tokenizer: Optional[Any], max_context: int, kv_capacity: int) -> None:
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.kv_capacity = kv_capacity
-        self.vocab = len(tokenizer)
+        self.vocab = len(tokenizer) if tokenizer is not None else None
 
     def encode(self, req: TokenizeRequest) -> List[int]:
         if req.input_ids is not None:
             return list(req.input_ids)
+        if self.tokenizer is None:
+            raise _NoTokenizer()
         if req.messages is not None:
             out = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
                                                      tokenize=True)
@@ -66,15 +76,19 @@ class Tokenizer:
         return list(self.tokenizer.encode(req.text or "", add_special_tokens=False))
 
     def prepare(self, req: TokenizeRequest) -> Prepared:
+        if self.tokenizer is None and req.stop:
+            return Prepared([], None, _NoTokenizer.message)
         try:
             ids = self.encode(req)
+        except _NoTokenizer:
+            return Prepared([], None, _NoTokenizer.message)
         except Exception as e:  # a chat template may reject a conversation (roles, content)
             return Prepared([], None, f"cannot apply the chat template: {e}")
         n, m = len(ids), req.params.max_tokens
         limit = min(self.max_context, self.kv_capacity)
         if n == 0:
             return Prepared(ids, None, "the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab]
+        bad = [t for t in ids if not 0 <= t < (self.vocab or 2 ** 31)]
         if bad:
             return Prepared(ids, None, f"token id {bad[0]} is outside the vocabulary "
                                        f"[0, {self.vocab})")
@@ -100,7 +114,7 @@ def run_tokenizer(cfg: TokenizerConfig, conn: Any) -> None:
     ("limits", {"max_context", "kv_capacity"}) from the launcher (sent once every rank is ready;
     requests wait in the socket until then) and serve forever (the launcher ends the process)."""
     try:
-        tokenizer = load_tokenizer(Path(cfg.model_path))  # type: ignore[arg-type]
+        tokenizer = load_tokenizer(Path(cfg.model_path))
         ctx = zmq.Context()
         inbox = PullQueue(ctx, cfg.tokenizer_addr, bind=True)
         to_backend = PushQueue(ctx, cfg.backend_addr, bind=False)

@@ -1,0 +1,68 @@
+"""Every message type survives encode -> decode unchanged; token ids are packed compactly."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import pytest
+
+from minisgl.core import SamplingParams
+from minisgl.message import codec
+from minisgl.message import types as T
+
+PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, seed=3,
+                        ignore_eos=True, stop_token_ids=(5, 6))
+STATS = T.SchedulerStats(running=2, waiting=3, kv_pages_used=4, kv_pages_total=512,
+                         kv_pages_cached=9, prompt_tokens_total=100, generated_tokens_total=50,
+                         cached_tokens_total=32, prefilled_tokens_total=68)
+CHUNK = T.ReplyChunk(uid=9, text="héllo 🙂", token_ids=[1, 2, 70000], finish_reason="stop",
+                     prompt_tokens=5, completion_tokens=3, cached_tokens=2, error=None,
+                     error_status=400)
+
+# One sample per registered type, with non-default values wherever a field has a default.
+SAMPLES: Dict[str, Any] = {
+    "TokenizeRequest": [
+        T.TokenizeRequest(uid=1, params=PARAMS, text="hi", stop=("a", "bc"),
+                          skip_special_tokens=False),
+        T.TokenizeRequest(uid=2, params=PARAMS, messages=[{"role": "user", "content": "x"}]),
+        T.TokenizeRequest(uid=3, params=PARAMS, input_ids=[0, 1, 2 ** 31 - 1]),
+    ],
+    "AbortRequest": [T.AbortRequest(uid=4)],
+    "UserMsg": [T.UserMsg(uid=5, input_ids=list(range(1000)), params=PARAMS)],
+    "AbortMsg": [T.AbortMsg(uid=6)],
+    "ShutdownMsg": [T.ShutdownMsg()],
+    "TokenOut": [T.TokenOut(uid=7, token=42, finish_reason="length", prompt_tokens=3,
+                            cached_tokens=1, error=None),
+                 T.TokenOut(uid=8, error="too long")],
+    "BatchTokenOut": [T.BatchTokenOut(items=[T.TokenOut(uid=1, token=2)], stats=STATS),
+                      T.BatchTokenOut(items=[])],
+    "SchedulerStats": [STATS],
+    "ReplyChunk": [CHUNK, T.ReplyChunk(uid=10, token_ids=[], error="bad", error_status=404)],
+    "SamplingParams": [PARAMS, SamplingParams()],
+    "DetokenizeInit": [T.DetokenizeInit(uid=11, prompt_tail=[1, 2, 3], stop=("\n\n", "END"),
+                                        skip_special_tokens=False)],
+    "ReplyBatch": [T.ReplyBatch(chunks=[CHUNK], stats=STATS), T.ReplyBatch(chunks=[])],
+}
+
+
+def test_every_registered_type_has_a_sample() -> None:
+    assert set(SAMPLES) == set(codec._TYPES)
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_round_trip(name: str) -> None:
+    for msg in SAMPLES[name]:
+        back = codec.decode(codec.encode(msg))
+        assert type(back) is type(msg)
+        assert back == msg
+
+
+def test_token_ids_are_packed_as_int32() -> None:
+    msg = T.UserMsg(uid=1, input_ids=list(range(40000, 41000)), params=PARAMS)
+    assert len(codec.encode(msg)) < 1000 * 4 + 200  # msgpack ints would take 3 bytes + tag each
+
+
+def test_unknown_type_is_rejected() -> None:
+    import msgpack
+    with pytest.raises(ValueError, match="unknown message type"):
+        codec.decode(msgpack.packb({"t": "Nope", "f": {}}))

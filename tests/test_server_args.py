@@ -1,0 +1,72 @@
+"""CLI flags + TOML file -> ServerConfig: precedence, validation, derived configs, the presets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from minisgl.server.args import ServerConfig, load_file, parse_args
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_defaults() -> None:
+    cfg = parse_args([])
+    assert cfg == ServerConfig()
+    assert (cfg.host, cfg.port, cfg.tp, cfg.max_n, cfg.model) == ("127.0.0.1", 8000, 1, 8, None)
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('tp = 3\nmax-kv-tokens = 4096\nmem_fraction = 0.5\nserved-model-name = "m"\n'
+                 'port = 9000\n')
+    cfg = parse_args(["--config", str(f), "--tp", "2", "--port", "0"])
+    assert (cfg.tp, cfg.port, cfg.max_kv_tokens, cfg.mem_fraction) == (2, 0, 4096, 0.5)
+    assert cfg.model_name(Path("/x/SomeModel")) == "m"
+    assert parse_args([]).model_name(Path("/x/SomeModel")) == "SomeModel"
+
+
+@pytest.mark.parametrize("text,match", [
+    ("tpp = 2\n", "unknown setting 'tpp'"),
+    ('tp = "two"\n', "tp must be of type int"),
+    ("tp = true\n", "tp must be of type int"),
+    ("tp = [\n", "not valid TOML"),
+    ("mem-fraction = 1.5\n", "mem-fraction must be in"),
+    ('cache = "lru"\n', "cache must be radix or naive"),
+])
+def test_bad_file_names_the_setting(tmp_path: Path, text: str, match: str) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        parse_args(["--config", str(f)])
+
+
+def test_bad_flags() -> None:
+    with pytest.raises(ValueError, match="tp must be >= 1"):
+        parse_args(["--tp", "0"])
+    with pytest.raises(ValueError, match="cannot read config file"):
+        parse_args(["--config", "/nonexistent.toml"])
+    with pytest.raises(SystemExit):
+        parse_args(["--device", "tpu"])
+
+
+def test_scheduler_config_per_rank() -> None:
+    cfg = parse_args(["--tp", "2", "--device", "cpu", "--max-kv-tokens", "1024",
+                      "--cache", "naive", "--page-size", "8"])
+    sc = cfg.scheduler_config(Path("/m"), 1, "tcp://127.0.0.1:1", "ipc://b", "ipc://d", "ipc://x")
+    assert sc.engine.tp_info.rank == 1 and sc.engine.tp_info.size == 2
+    assert (sc.engine.max_kv_tokens, sc.engine.page_size, sc.cache) == (1024, 8, "naive")
+    assert (sc.backend_addr, sc.detokenizer_addr, sc.broadcast_addr) == ("ipc://b", "ipc://d",
+                                                                         "ipc://x")
+    assert str(sc.engine.dtype) == "torch.float32"
+
+
+@pytest.mark.parametrize("name", ["default.toml", "llama-3.1-8b-tp2.toml", "qwen3-32b-tp4.toml"])
+def test_presets_parse(name: str) -> None:
+    settings = load_file(CONFIGS / name)
+    cfg = parse_args(["--config", str(CONFIGS / name)])
+    for key, value in settings.items():
+        assert getattr(cfg, key) == value
+    if name != "default.toml":
+        assert cfg.device == "cuda" and cfg.tp in (2, 4)

@@ -1,0 +1,152 @@
+"""The tokenizer and detokenizer logic without processes: incremental decoding (UTF-8, spacing)
+for byte-level BPE and SentencePiece tokenizers, stop strings, per-request state, validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, List
+
+import pytest
+
+from minisgl.core import SamplingParams
+from minisgl.message.types import DetokenizeInit, TokenizeRequest, TokenOut
+from minisgl.tokenizer.detokenize_worker import Detokenizer
+from minisgl.tokenizer.incremental import IncrementalDecoder, StopMatcher
+from minisgl.tokenizer.text import load_tokenizer
+from minisgl.tokenizer.tokenize_worker import MAX_TOKENS_AUTO, Tokenizer
+
+
+@pytest.fixture(scope="module")
+def bpe(default_model_dir: Path) -> Any:
+    return load_tokenizer(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def sentencepiece() -> Any:
+    """A Llama-2-style SentencePiece tokenizer: '▁' word boundaries, byte fallback, and a
+    decoder that strips the leading space (so decoding a lone '▁world' gives 'world')."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+    pieces = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0)]
+    pieces += [(f"<0x{b:02X}>", -20.0) for b in range(256)]
+    pieces += [(w, -2.0) for w in ("▁Hello", "▁world", "▁the", "▁cat", "▁sat", "▁ok", "Hello")]
+    pieces += [(c, -8.0) for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ,.!?▁"]
+    raw = RawTokenizer(models.Unigram(pieces, unk_id=0, byte_fallback=True))
+    raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+CONTINUATIONS = [" world, café 🙂 ok 𝔘", " the cat sat 龘龘 naïve ok", "!? ÆØÅ 🙂🙂 world 龘"]
+
+
+@pytest.mark.parametrize("kind", ["bpe", "sentencepiece"])
+@pytest.mark.parametrize("cont", CONTINUATIONS)
+def test_incremental_decode_is_exact_and_never_broken(kind: str, cont: str,
+                                                      request: pytest.FixtureRequest) -> None:
+    tok = request.getfixturevalue(kind)
+    prompt_ids = tok.encode("Hello", add_special_tokens=False)
+    all_ids = tok.encode("Hello" + cont, add_special_tokens=False)
+    assert all_ids[:len(prompt_ids)] == prompt_ids
+    out = all_ids[len(prompt_ids):]
+    dec = IncrementalDecoder(tok, prompt_ids[-5:], skip_special_tokens=True)
+    deltas = [dec.push(t) for t in out]
+    text = "".join(deltas) + dec.flush()
+    assert text == cont  # the first token's leading space survives, for SentencePiece too
+    assert not any("\ufffd" in d for d in deltas)
+    assert "" in deltas  # some token ended inside a multibyte character and was held back
+
+
+def test_sentencepiece_lone_token_loses_its_space(sentencepiece: Any) -> None:
+    """Why the decoder keeps left context: decoding '▁world' alone drops the space."""
+    (world,) = sentencepiece.encode("world", add_special_tokens=False)[-1:]
+    assert sentencepiece.decode([world]) == "world"
+    assert IncrementalDecoder(sentencepiece, sentencepiece.encode("Hello")[-5:], True).push(
+        world) == " world"
+
+
+def test_long_output_trims_its_window(bpe: Any) -> None:
+    ids = bpe.encode("word " * 300, add_special_tokens=False)
+    dec = IncrementalDecoder(bpe, [], True)
+    assert "".join(dec.push(t) for t in ids) + dec.flush() == "word " * 300
+    assert len(dec.ids) < 80
+
+
+def test_stop_matcher_across_deltas() -> None:
+    m = StopMatcher(["capital", "zzz"])
+    assert m.feed("The c") == ("The ", False)  # "c" could start "capital": held
+    assert m.feed("api") == ("", False)
+    assert m.feed("tal of") == ("", True)
+    m = StopMatcher(["abc"])
+    assert m.feed("xab") == ("x", False)
+    assert m.feed("d") == ("abd", False)  # not a stop after all: released
+    assert m.feed("ab") == ("", False)
+    assert m.flush() == "ab"
+    m = StopMatcher(["lo w", "o"])
+    assert m.feed("hello world") == ("hel", True)  # the earliest match wins
+    assert StopMatcher([]).feed("anything") == ("anything", False)
+
+
+def _outs(uid: int, tokens: List[int], last_reason: str) -> List[TokenOut]:
+    outs = [TokenOut(uid, t, None, 3) for t in tokens]
+    outs[-1] = TokenOut(uid, tokens[-1], last_reason, 3, 1)
+    return outs
+
+
+def test_detokenizer_state_lifecycle(bpe: Any) -> None:
+    d = Detokenizer(bpe)
+    ids = bpe.encode(" The capital of France is Paris.", add_special_tokens=False)
+    # a TokenOut that overtakes its init waits for it
+    early = d.render([TokenOut(1, ids[0], None, 3)])
+    assert early.chunks == [] and 1 in d.pending
+    r = d.init(DetokenizeInit(1, [5, 6], ("France",), True))
+    assert r.chunks[0].text == " The" and not d.pending
+    r = d.render([TokenOut(1, t, None, 3) for t in ids[1:]])
+    text = "".join(c.text for c in r.chunks)
+    assert text == " capital of "
+    assert r.aborts == [1]  # rank 0 must stop it
+    stop_chunks = [c for c in r.chunks if c.finish_reason]
+    assert len(stop_chunks) == 1 and stop_chunks[0].finish_reason == "stop"
+    assert stop_chunks[0].completion_tokens == ids.index(bpe.encode(" France")[0]) + 1
+    # later tokens are dropped; the final TokenOut (the abort) frees the state
+    assert d.render([TokenOut(1, 42, None, 3)]).chunks == []
+    assert d.render([TokenOut(1, -1, "abort", 3)]).chunks == []
+    assert 1 not in d.requests
+
+
+def test_detokenizer_finish_abort_and_error_free_state(bpe: Any) -> None:
+    d = Detokenizer(bpe)
+    for uid in (1, 2, 3):
+        d.init(DetokenizeInit(uid, [], (), False))
+    eos = bpe.eos_token_id
+    r = d.render(_outs(1, [bpe.encode("Hi")[0], eos], "stop"))
+    assert "".join(c.text for c in r.chunks) == "Hi"  # the stop token is not rendered
+    assert r.chunks[-1].finish_reason == "stop" and r.chunks[-1].cached_tokens == 1
+    r = d.render([TokenOut(2, -1, "abort", 3)])
+    assert r.chunks[0].finish_reason == "abort" and r.chunks[0].token_ids == []
+    r = d.render([TokenOut(3, error="too long")])
+    assert r.chunks[0].error == "too long" and r.chunks[0].error_status == 400
+    assert d.requests == {} and d.pending == {}
+
+
+def test_tokenizer_validation(bpe: Any) -> None:
+    t = Tokenizer(bpe, max_context=100, kv_capacity=64)
+    p = SamplingParams(max_tokens=10)
+    ok = t.prepare(TokenizeRequest(1, p, text="hello world"))
+    assert ok.error is None and ok.params.max_tokens == 10
+    auto = t.prepare(TokenizeRequest(2, SamplingParams(max_tokens=MAX_TOKENS_AUTO), text="a b"))
+    assert auto.params.max_tokens == 64 - len(auto.input_ids)  # the KV pool is the limit
+    long = t.prepare(TokenizeRequest(3, SamplingParams(max_tokens=50), input_ids=[1] * 60))
+    assert "maximum context length is 100" in long.error and "110" in long.error
+    kv = t.prepare(TokenizeRequest(4, SamplingParams(max_tokens=20), input_ids=[1] * 60))
+    assert "holds only 64" in kv.error
+    assert t.prepare(TokenizeRequest(5, p, text="")).error == "the prompt is empty"
+    assert "outside the vocabulary" in t.prepare(TokenizeRequest(6, p, input_ids=[10 ** 7])).error
+    full = t.prepare(TokenizeRequest(7, SamplingParams(max_tokens=0), input_ids=[1] * 64))
+    assert "leaves no room" in full.error
+    chat = t.prepare(TokenizeRequest(8, p, messages=[{"role": "user", "content": "hi"}]))
+    assert chat.error is None and chat.input_ids[-4:] == bpe.encode("<|im_start|>assistant\n")

@@ -1,0 +1,119 @@
+"""The launcher's supervision: start-up failures, a killed rank, SIGTERM. Real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Callable, List
+
+import httpx
+import pytest
+
+from server_helpers import CPU_ARGS, Server, alive, run_serve, runtime_dirs
+
+
+def _one_error_line(stderr: str) -> str:
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("serve: error: "), stderr[-2000:]
+    return last
+
+
+def _gone(pids: List[int], within_s: float = 3.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while any(alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+# --- start-up failures: one line, non-zero, no hang, nothing left behind --------------------------
+def test_bad_model_path(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    r = run_serve(["--model", str(tmp_path / "nope"), "--port", "0"], tmp_path)
+    assert r.returncode == 1
+    assert "nope" in _one_error_line(r.stderr) and "config.json" in r.stderr
+    assert time.monotonic() - t0 < 30
+    assert runtime_dirs(tmp_path) == []
+
+
+def test_port_in_use(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = run_serve(["--port", str(port), *CPU_ARGS], tmp_path)
+    assert r.returncode == 1
+    line = _one_error_line(r.stderr)
+    assert f"127.0.0.1:{port}" in line and "in use" in line
+    assert runtime_dirs(tmp_path) == []
+
+
+def test_bad_setting_exits_2(tmp_path: Path) -> None:
+    r = run_serve(["--tp", "0"], tmp_path)
+    assert r.returncode == 2 and "tp must be >= 1" in _one_error_line(r.stderr)
+
+
+def test_tp_not_dividing_the_heads(tmp_path: Path, default_model_dir: Path) -> None:
+    t0 = time.monotonic()
+    r = run_serve(["--tp", "2", "--port", "0", *CPU_ARGS], tmp_path)
+    assert r.returncode == 1
+    line = _one_error_line(r.stderr)
+    assert "9 attention heads" in line and "tp=2" in line, line
+    assert time.monotonic() - t0 < 90
+    assert runtime_dirs(tmp_path) == []
+
+
+# --- a dead child takes the service down; signals stop it cleanly ---------------------------------
+@pytest.fixture(scope="module")
+def tiny_qwen3(tiny_model: Callable[..., Path]) -> Path:
+    return tiny_model("qwen3")
+
+
+def test_kill_9_of_a_rank_stops_everything(tmp_path: Path, tiny_qwen3: Path) -> None:
+    srv = Server.start(["--model", str(tiny_qwen3), "--tp", "2", *CPU_ARGS], tmp_path)
+    try:
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+        ranks = {_comm(p): p for p in srv.children if _comm(p).startswith("minisgl-rank")}
+        assert set(ranks) == {"minisgl-rank0", "minisgl-rank1"}
+        assert len(runtime_dirs(tmp_path)) == 1
+        t0 = time.monotonic()
+        os.kill(ranks["minisgl-rank1"], signal.SIGKILL)
+        code = srv.proc.wait(timeout=10)
+        elapsed = time.monotonic() - t0
+    finally:
+        if srv.proc.poll() is None:
+            srv.kill_all()
+    assert code != 0 and elapsed < 5.0, (code, elapsed)
+    line = _one_error_line(srv.stderr())
+    assert "rank1" in line and "signal 9" in line
+    assert _gone(srv.children)
+    assert runtime_dirs(tmp_path) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_everything(tmp_path: Path, tiny_qwen3: Path, sig: int) -> None:
+    srv = Server.start(["--model", str(tiny_qwen3), *CPU_ARGS], tmp_path)
+    try:
+        r = httpx.post(f"{srv.url}/generate", timeout=60,
+                       json={"input_ids": [1, 2, 3], "sampling_params": {"max_tokens": 4}})
+        assert r.status_code == 200 and len(r.json()["token_ids"]) == 4
+        assert {_comm(p) for p in srv.children} >= {"minisgl-rank0", "minisgl-tokeniz",
+                                                    "minisgl-detoken", "minisgl-api"}
+        result = srv.stop(sig, timeout_s=15)
+    finally:
+        if srv.proc.poll() is None:
+            srv.kill_all()
+    assert result.code == 0 and result.seconds < 10.0, result
+    assert _gone(srv.children)
+    assert runtime_dirs(tmp_path) == []  # no stale socket files
