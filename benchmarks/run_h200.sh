@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU session behind benchmarks/RESULTS.md: correctness tests, then the benchmarks.
+# Run from the repository root on a machine with 1 or 2 H200s; logs go to ${OUT:-/tmp/out}.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+step() {  # step NAME SECONDS CMD...: run one step with a time limit, log it, keep going
+  local name=$1 limit=$2; shift 2
+  echo "=== $name: $*" | tee -a "$OUT/summary.txt"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "exit $?" >> "$OUT/$name.log"
+  tail -n 12 "$OUT/$name.log" | tee -a "$OUT/summary.txt"
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/summary.txt"
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/summary.txt"
+MODE=${1:-all}
+if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
+  step gpu_tests 240 python3 -m pytest -q -x -m gpu tests/test_gpu.py tests/test_triton_attention.py
+fi
+if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
+  step offline_8b_tp1 200 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b
+  step latency_8b_tp1 120 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b
+  step prefix_radix 120 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --num-prompts 64 --shared-prefix 2000 --min-len 100 --max-len 300 --cache radix
+  step prefix_naive 120 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --num-prompts 64 --shared-prefix 2000 --min-len 100 --max-len 300 --cache naive
+fi
+if [ "$MODE" = all ] || [ "$MODE" = tp2 ]; then
+  step offline_8b_tp2 200 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --tp 2
+  step latency_8b_tp2 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2
+fi
