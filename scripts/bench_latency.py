@@ -197,11 +197,16 @@ def main(argv: Optional[List[str]] = None) -> None:
                  for r in range(args.tp)]
         for p in procs:
             p.start()
-        for p in procs:
-            p.join()
+        try:  # take rank 0's rows before joining: a child exits only once its queue is drained
+            found = results.get(timeout=600)
+        finally:
+            for p in procs:
+                p.join(timeout=60)
         bad = [p.exitcode for p in procs if p.exitcode]
         if bad:
             raise SystemExit(f"a rank failed (exit codes {bad})")
+        print_table(args, *found)
+        return
     print_table(args, *results.get(timeout=60))
 
 

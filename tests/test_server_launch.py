@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import time
@@ -65,11 +66,25 @@ def test_bad_setting_exits_2(tmp_path: Path) -> None:
 
 
 def test_tp_not_dividing_the_heads(tmp_path: Path, default_model_dir: Path) -> None:
-    t0 = time.monotonic()
     r = run_serve(["--tp", "2", "--port", "0", *CPU_ARGS], tmp_path)
     assert r.returncode == 1
     line = _one_error_line(r.stderr)
     assert "9 attention heads" in line and "tp=2" in line, line
+    assert len(r.stderr.strip().splitlines()) == 1  # caught before any rank starts
+    assert runtime_dirs(tmp_path) == []
+
+
+def test_a_rank_failing_to_load_reports_it(tmp_path: Path, tiny_qwen3: Path) -> None:
+    """Weights missing: only the ranks find out; their error ends the start-up."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_qwen3, broken)
+    for f in broken.glob("*.safetensors"):
+        f.unlink()
+    t0 = time.monotonic()
+    r = run_serve(["--model", str(broken), "--tp", "2", "--port", "0", *CPU_ARGS], tmp_path)
+    assert r.returncode == 1
+    line = _one_error_line(r.stderr)
+    assert "rank" in line and "failed to start" in line, line
     assert time.monotonic() - t0 < 90
     assert runtime_dirs(tmp_path) == []
 

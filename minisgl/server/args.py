@@ -76,6 +76,14 @@ class ServerConfig:
 
     # --- derived values ------------------------------------------------------------------------
     @property
+    def effective_log_level(self) -> str:
+        """The log level of every process: the shell keeps the terminal for the chat
+        (warnings only, unless debug was asked for)."""
+        if self.shell and self.log_level.lower() == "info":
+            return "warning"
+        return self.log_level
+
+    @property
     def resolved_device(self) -> str:
         return resolve_device(self.device)
 

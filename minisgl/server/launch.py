@@ -1,16 +1,17 @@
 """The launcher (`serve`, `python -m minisgl`): starts the process tree and supervises it.
 
-Start-up, in order: parse the config; resolve the model directory; bind the HTTP socket (a port in
-use fails here, before anything is spawned); make a private runtime directory for the ipc://
-sockets; spawn one scheduler process per rank and wait until every rank has loaded its weights and
-connected its sockets; spawn the tokenizer, the detokenizer and the API server (which inherits the
-bound socket) with the context length and KV capacity the ranks reported; when all of them are
-ready, print the one ready line with the URL.
+Start-up, in order: parse the config; resolve the model directory and check its shape against tp;
+bind the HTTP socket (a port in use fails here, before anything is spawned); make a private
+runtime directory for the ipc:// sockets; spawn one scheduler process per rank plus the tokenizer,
+the detokenizer and the API server (which inherits the bound socket), all loading in parallel; once
+every rank has loaded its weights and connected its sockets, hand the tokenizer the context length
+and KV capacity they report; when every child is ready, print the one ready line with the URL.
 
 Then it watches the children: if one dies, the others are stopped and the launcher exits 1 with a
 line naming the dead one. SIGINT/SIGTERM: rank 0 gets a ShutdownMsg (all ranks stop at the same
 step), the other children are terminated, stragglers killed; exit 0. Every exit path removes the
-runtime directory. Start-up failures print one `serve: error: ...` line and exit 1.
+runtime directory. Start-up failures print one `serve: error: ...` line and exit 1; bad settings
+exit 2.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import zmq
 
+from minisgl.layers.linear import check_head_split
 from minisgl.message.codec import encode
 from minisgl.message.types import ShutdownMsg
 from minisgl.models.config import ModelConfig
@@ -43,7 +45,7 @@ from minisgl.tokenizer.tokenize_worker import TokenizerConfig, run_tokenizer
 from minisgl.utils import free_port
 
 logger = logging.getLogger("minisgl.launcher")
-_GRACEFUL_STOP_S = 5.0  # ranks get this long to act on ShutdownMsg before SIGTERM (+2 s, SIGKILL)
+_GRACEFUL_STOP_S = 4.0  # ranks get this long to act on ShutdownMsg before SIGTERM (+2 s, SIGKILL)
 
 
 class Addresses(NamedTuple):
@@ -109,20 +111,23 @@ class Service:
         """Spawn every child and wait until all are ready. Ranks and workers load in parallel;
         the tokenizer gets the ranks' context length and KV capacity once they are known."""
         assert self.sock is not None, "start() runs once"
-        level, a, path = self.cfg.log_level, self.addrs, str(self.model_path)
+        level, a, path = self.cfg.effective_log_level, self.addrs, str(self.model_path)
         init = f"tcp://127.0.0.1:{free_port()}"
         for r in range(self.cfg.tp):
             rank_cfg = self.cfg.scheduler_config(self.model_path, r, init, a.backend,
                                                  a.detokenizer, a.broadcast)
-            self.ranks.append(spawn(f"rank{r}", _rank_entry, (rank_cfg, level), level))
+            self.ranks.append(spawn(f"rank{r}", _rank_entry, (rank_cfg, level), level,
+                                    self.run_dir))
         api_cfg = ApiConfig(self.model_name, ModelConfig.from_dir(self.model_path).max_context,
                             self.cfg.max_n, a.tokenizer, a.api, self.health_file)
         self.workers = [
             spawn("tokenizer", run_tokenizer,
-                  (TokenizerConfig(path, a.tokenizer, a.backend, a.detokenizer, a.api),), level),
+                  (TokenizerConfig(path, a.tokenizer, a.backend, a.detokenizer, a.api),), level,
+                  self.run_dir),
             spawn("detokenizer", run_detokenizer,
-                  (DetokenizerConfig(path, a.detokenizer, a.backend, a.api),), level),
-            spawn("api", run_api, (api_cfg, self.sock, level), level),
+                  (DetokenizerConfig(path, a.detokenizer, a.backend, a.api),), level,
+                  self.run_dir),
+            spawn("api", run_api, (api_cfg, self.sock, level), level, self.run_dir),
         ]
         sent = []
 
@@ -204,7 +209,8 @@ def _prepare(cfg: ServerConfig) -> Tuple[Path, socket.socket]:
     try:
         cfg.resolved_device  # noqa: B018  (raises for cuda without a GPU)
         model_path = resolve_model_path(cfg.model)
-        ModelConfig.from_dir(model_path)  # a readable config.json, before anything starts
+        shape = ModelConfig.from_dir(model_path)  # a readable config.json, before anything starts
+        check_head_split(shape.num_heads, shape.num_kv_heads, cfg.tp)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise StartupError(str(e)) from None
     return model_path, bind_http(cfg.host, cfg.port)
@@ -217,7 +223,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = parse_args(argv)
     except ValueError as e:
         return _fail(str(e)) + 1  # 2, like argparse's own usage errors
-    setup_logging("launcher", cfg.log_level.upper())
+    setup_logging("launcher", cfg.effective_log_level)
     _quiet_resource_tracker()
     for line in describe(cfg):
         logger.debug("config: %s", line)
@@ -264,11 +270,13 @@ def _run_shell(service: Service, stop: threading.Event) -> int:
             _fail(f"{dead.describe_death()}; stopped the service")
             os._exit(1)
 
-    threading.Thread(target=watch, daemon=True, name="supervisor").start()
+    watcher = threading.Thread(target=watch, daemon=True, name="supervisor")
+    watcher.start()
     try:
         run_shell(service.url, service.model_name)
     finally:
         stop.set()
+        watcher.join()
     return 0
 
 

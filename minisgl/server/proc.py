@@ -15,6 +15,7 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -37,9 +38,11 @@ def setup_logging(tag: str, level: str) -> None:
                         format=f"%(asctime)s [{tag}] %(levelname)s %(name)s: %(message)s")
 
 
-def _exit_with_parent(parent_pid: int) -> None:
+def _exit_with_parent(parent_pid: int, run_dir: str) -> None:
+    """The launcher is gone (killed with SIGKILL): remove its runtime directory and exit."""
     while True:
         if os.getppid() != parent_pid:
+            shutil.rmtree(run_dir, ignore_errors=True)
             os._exit(3)
         time.sleep(0.5)
 
@@ -53,12 +56,12 @@ def _set_process_name(name: str) -> None:
         pass
 
 
-def child_main(name: str, log_level: str, parent_pid: int, target: Callable[..., None],
-               args: Tuple[Any, ...]) -> None:
+def child_main(name: str, log_level: str, parent_pid: int, run_dir: str,
+               target: Callable[..., None], args: Tuple[Any, ...]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _set_process_name(f"minisgl-{name}")
     setup_logging(name, log_level)
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=_exit_with_parent, args=(parent_pid, run_dir), daemon=True).start()
     target(*args)
 
 
@@ -80,11 +83,13 @@ class Child:
         return f"{self.name} (pid {self.process.pid}) {how}"
 
 
-def spawn(name: str, target: Callable[..., None], args: Sequence[Any], log_level: str) -> Child:
-    """Start `target(*args, conn)` in a fresh (spawned) process named `name`."""
+def spawn(name: str, target: Callable[..., None], args: Sequence[Any], log_level: str,
+          run_dir: str) -> Child:
+    """Start `target(*args, conn)` in a fresh (spawned) process named `name`; `run_dir` is the
+    launcher's runtime directory (removed by the child if the launcher dies without cleaning)."""
     ours, theirs = _SPAWN.Pipe(duplex=True)
     proc = _SPAWN.Process(target=child_main, name=f"minisgl-{name}", daemon=True,
-                          args=(name, log_level, os.getpid(), target, (*args, theirs)))
+                          args=(name, log_level, os.getpid(), run_dir, target, (*args, theirs)))
     proc.start()
     theirs.close()
     return Child(name, proc, ours)

@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from minisgl.core import SamplingParams
 from minisgl.tokenizer.tokenize_worker import MAX_TOKENS_AUTO
 
+_INT64 = 2 ** 63
+_INT32 = 2 ** 31  # token ids travel as int32
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -156,7 +158,21 @@ def _stop_strings(stop: Union[None, str, List[str]]) -> Tuple[str, ...]:
     return tuple(stops)
 
 
+def _check_int(name: str, value: Optional[int], limit: int = _INT64) -> None:
+    if value is not None and not -limit <= value < limit:
+        raise ApiError(400, f"{name} is out of range: {value}", name)
+
+
+def _check_ids(name: str, ids: Sequence[int]) -> None:
+    for t in ids:
+        _check_int(name, t, _INT32)
+
+
 def _sampling(body: _Sampling, max_tokens: Optional[int]) -> SamplingParams:
+    for name in ("top_k", "seed"):
+        _check_int(name, getattr(body, name))
+    _check_int("max_tokens", max_tokens, _INT32)
+    _check_ids("stop_token_ids", body.stop_token_ids or ())
     params = SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else 1,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -229,6 +245,8 @@ def completion_job(body: CompletionRequest, max_n: int) -> Job:
     if len(raw) > MAX_PROMPTS:
         raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts, got {len(raw)}", "prompt")
     prompts = [Prompt(text=p) if isinstance(p, str) else Prompt(input_ids=list(p)) for p in raw]
+    for p in prompts:
+        _check_ids("prompt", p.input_ids or ())
     if any(p.input_ids is not None and not p.input_ids or p.text == "" for p in prompts):
         raise ApiError(400, "prompt: must not be empty", "prompt")
     return _job(body, prompts, max_n)
@@ -239,6 +257,7 @@ def generate_job(body: GenerateRequest) -> Job:
         raise ApiError(400, "exactly one of input_ids and text must be given", "input_ids")
     if body.input_ids is not None and not body.input_ids or body.text == "":
         raise ApiError(400, "the prompt must not be empty", "input_ids")
+    _check_ids("input_ids", body.input_ids or ())
     prompt = Prompt(input_ids=body.input_ids) if body.input_ids is not None else Prompt(
         text=body.text)
     return _job(body, [prompt], 1)
