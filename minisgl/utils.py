@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -28,6 +28,12 @@ def resolve_dtype(dtype: Optional[str], device: str) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
+
+
+def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without stalling the host: `torch.tensor(..., device=cuda)`
+    waits for all queued GPU work, which would undo overlap scheduling."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def free_port() -> int:

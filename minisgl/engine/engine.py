@@ -22,6 +22,7 @@ from minisgl.engine.sampler import make_sampling_tensors, sample
 from minisgl.kvcache import KVPool
 from minisgl.models import CausalLM, ModelConfig, model_class
 from minisgl.models.weights import init_dummy, iter_checkpoint
+from minisgl.utils import to_device
 
 logger = logging.getLogger(__name__)
 _CPU_DEFAULT_KV_TOKENS = 16384
@@ -117,16 +118,16 @@ class Engine:
             logits = self.graphs.replay(batch)
         else:
             self.backend.prepare(batch)
-            ends = torch.tensor(batch.extend_lens, device=self.device).cumsum(0) - 1
-            rows = ends[torch.tensor(sampled, dtype=torch.int64, device=self.device)]
+            ends = to_device(batch.extend_lens, torch.int64, self.device).cumsum(0) - 1
+            rows = ends[to_device(sampled, torch.int64, self.device)]
             logits = self.model(batch.input_ids, batch.positions, batch, self.backend, rows)
         if not sampled:
             return Launched(batch, sampled, None, None)
         tensors = make_sampling_tensors([batch.reqs[i] for i in sampled], self.cfg.seed,
                                         self.device)
         tokens = sample(logits, tensors)
-        table_rows = torch.tensor([batch.reqs[i].table_row for i in sampled], dtype=torch.int64,
-                                  device=self.device)
+        table_rows = to_device([batch.reqs[i].table_row for i in sampled], torch.int64,
+                               self.device)
         self.last_tokens[table_rows] = tokens
         if self.device.type != "cuda":
             return Launched(batch, sampled, tokens, None)
@@ -157,12 +158,12 @@ class Engine:
         positions: List[int] = []
         for prefix, ext in zip(batch.prefix_lens, batch.extend_lens):
             positions.extend(range(prefix, prefix + ext))
-        batch.positions = torch.tensor(positions, dtype=torch.int64, device=dev)
+        batch.positions = to_device(positions, torch.int64, dev)
         if batch.phase is Phase.DECODE:  # the newest token may still be on the device only
-            rows = torch.tensor([r.table_row for r in batch.reqs], dtype=torch.int64, device=dev)
+            rows = to_device([r.table_row for r in batch.reqs], torch.int64, dev)
             batch.input_ids = self.last_tokens[rows]
             return
         ids: List[int] = []
         for req, prefix, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
             ids.extend(req.token_ids[prefix:prefix + ext])  # prompt tokens: known on the host
-        batch.input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        batch.input_ids = to_device(ids, torch.int64, dev)

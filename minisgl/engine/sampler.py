@@ -14,6 +14,7 @@ from typing import List, NamedTuple
 import torch
 
 from minisgl.core import Req
+from minisgl.utils import to_device
 
 _MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31 keep every product of a 32-bit value inside int64 (no overflow).
@@ -43,7 +44,7 @@ def make_sampling_tensors(reqs: List[Req], engine_seed: int, device: torch.devic
     ps = [r.params for r in reqs]
     greedy = [p.is_greedy for p in ps]
     def t(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
+        return to_device(values, dtype, device)
     return SamplingTensors(
         temperature=t([1.0 if g else p.temperature for p, g in zip(ps, greedy)], torch.float32),
         top_k=t([p.top_k for p in ps], torch.int64),

@@ -18,6 +18,7 @@ from minisgl.core import Batch, FinishReason, Phase, Req
 from minisgl.distributed import check_same_across_ranks
 from minisgl.engine import Engine
 from minisgl.engine.engine import Launched
+from minisgl.utils import to_device
 from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.scheduler.cache import PageCache
@@ -212,9 +213,9 @@ class Scheduler:
             pages = req.pages
             slots.extend(pages[p // ps] * ps + p % ps for p in range(start, start + n))
         dev = self.engine.device
-        slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
-        self.engine.page_table[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = (
-            slot_t.to(torch.int32))
+        slot_t = to_device(slots, torch.int64, dev)
+        self.engine.page_table[to_device(rows, torch.int64, dev),
+                               to_device(cols, torch.int64, dev)] = slot_t.to(torch.int32)
         batch.out_slots = slot_t
 
     def _rewrite_pages(self, req: Req, page_indices: List[int]) -> None:
