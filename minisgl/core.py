@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -58,6 +58,39 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+class Limits(NamedTuple):
+    """What one engine can hold; identical on every rank."""
+
+    max_context: int
+    vocab_size: int
+    num_pages: int
+    page_size: int
+
+
+def request_error(ids: Sequence[int], params: SamplingParams, limits: Limits) -> Optional[str]:
+    """Why a request cannot be served, naming the numbers, or None. Checked by the offline API
+    before submitting and by the scheduler on every message (the last line of defence)."""
+    try:
+        params.validate()
+    except ValueError as e:
+        return str(e)
+    n = len(ids)
+    if n == 0:
+        return "the prompt is empty"
+    bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < limits.vocab_size)]
+    if bad:
+        return f"token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})"
+    total = n + params.max_tokens
+    if total > limits.max_context:
+        return (f"{n} prompt tokens plus max_tokens {params.max_tokens} = {total} exceeds the "
+                f"context length {limits.max_context}")
+    pages = -(-total // limits.page_size)
+    if pages > limits.num_pages:
+        return (f"{n} prompt tokens plus max_tokens {params.max_tokens} needs {pages} KV pages, "
+                f"more than the pool holds ({limits.num_pages})")
+    return None
 
 
 class FinishReason(str, enum.Enum):

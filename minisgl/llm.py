@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import zmq
 from tqdm import tqdm
 
-from minisgl.core import SamplingParams
+from minisgl.core import Limits, SamplingParams, request_error
 from minisgl.distributed import DistributedInfo, ProcessGroups
 from minisgl.distributed.comm import Communicator
 from minisgl.engine import Engine, EngineConfig
@@ -55,7 +55,8 @@ class _InProcess:
         self.engine = Engine(cfg.engine, ProcessGroups(Communicator(info), None))
         self.io = LocalIO()
         self.scheduler = Scheduler(cfg, self.engine, self.io)
-        self.num_pages, self.max_context = self.engine.num_pages, self.engine.max_context
+        self.limits = Limits(self.engine.max_context, self.engine.model_cfg.vocab_size,
+                             self.engine.num_pages, cfg.engine.page_size)
 
     def submit(self, msg: Any) -> None:
         self.io.inbox.append(msg)
@@ -106,7 +107,8 @@ class _RankProcesses:
             pipes.append(recv)
         self.requests = PushQueue(self.ctx, addr("backend"), bind=False)
         infos = [self._wait_ready(pipe) for pipe in pipes]
-        self.num_pages, self.max_context = infos[0]["num_pages"], infos[0]["max_context"]
+        self.limits = Limits(infos[0]["max_context"], ModelConfig.from_dir(
+            cfg.engine.model_path).vocab_size, infos[0]["num_pages"], cfg.engine.page_size)
 
     def _wait_ready(self, pipe: Any) -> Dict[str, int]:
         while not pipe.poll(0.5):
@@ -190,7 +192,7 @@ class LLM:
 
     @property
     def max_context(self) -> int:
-        return self._backend.max_context
+        return self._backend.limits.max_context
 
     @property
     def vocab_size(self) -> int:
@@ -256,19 +258,9 @@ class LLM:
         return list(params)
 
     def _check(self, i: int, ids: List[int], p: SamplingParams) -> None:
-        p.validate()
-        if not ids:
-            raise ValueError(f"prompt {i} is empty")
-        total = len(ids) + p.max_tokens
-        if total > self.max_context:
-            raise ValueError(f"prompt {i}: {len(ids)} prompt tokens plus max_tokens "
-                             f"{p.max_tokens} = {total} exceeds the context length "
-                             f"{self.max_context}")
-        vocab = self.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary "
-                             f"[0, {vocab})")
+        error = request_error(ids, p, self._backend.limits)
+        if error is not None:
+            raise ValueError(f"prompt {i}: {error}")
 
     def _run(self, prompts: List[List[int]], params: List[SamplingParams]
              ) -> List[GenerateOutput]:
@@ -286,16 +278,17 @@ class LLM:
         while left:
             for out in self._backend.poll():
                 i = slot[out.uid]
-                if out.error:
-                    raise ValueError(f"prompt {i} rejected: {out.error}")
                 if out.token >= 0:
                     tokens[i].append(out.token)
-                if out.finish_reason is not None:
+                if out.finish_reason is not None or out.error:
                     done[i] = out
                     left -= 1
                     bar.update(1)
         bar.close()
         self._backend.drain()
+        errors = [(i, d.error) for i, d in enumerate(done) if d is not None and d.error]
+        if errors:  # checked up front, so only a scheduler-side limit can get here
+            raise ValueError(f"prompt {errors[0][0]} rejected: {errors[0][1]}")
         decode = (lambda t: "") if self.tokenizer is None else (  # noqa: E731
             lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
         return [GenerateOutput(decode(t), t,

@@ -88,8 +88,8 @@ def test_per_prompt_params(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("prompt,params,match", [
-    ("", SamplingParams(max_tokens=4), "prompt 1 is empty"),
-    ([], SamplingParams(max_tokens=4), "prompt 1 is empty"),
+    ("", SamplingParams(max_tokens=4), "prompt 1: the prompt is empty"),
+    ([], SamplingParams(max_tokens=4), "prompt 1: the prompt is empty"),
     ("hi", SamplingParams(max_tokens=-3), "max_tokens must be at least 1, got -3"),
     ("hi", SamplingParams(max_tokens=0), "got 0"),
     ("hi", SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
@@ -112,6 +112,7 @@ def test_request_bigger_than_pool_is_rejected(default_model_dir: Path) -> None:
     with LLM(str(default_model_dir), max_kv_tokens=64, page_size=16,
              show_progress=False) as small:
         with pytest.raises(ValueError, match="needs 5 KV pages, more than the pool holds \\(4\\)"):
-            small.generate([[5] * 10], SamplingParams(max_tokens=60))
+            small.generate([[5] * 10, [6] * 10], [SamplingParams(max_tokens=4),
+                                                  SamplingParams(max_tokens=60)])
         assert small.generate([[5] * 10], SamplingParams(max_tokens=4))
         _pages_balanced(small)

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 import torch
 from torch.distributed import ProcessGroup
 
-from minisgl.core import Batch, FinishReason, Phase, Req
+from minisgl.core import Batch, FinishReason, Limits, Phase, Req, request_error
 from minisgl.distributed import check_same_across_ranks
 from minisgl.engine import Engine
 from minisgl.engine.engine import Launched
@@ -42,6 +42,8 @@ class Scheduler:
         page_size = cfg.engine.page_size
         manager = make_cache_manager(cfg.cache, page_size)
         self.cache = PageCache(engine.num_pages, page_size, manager)
+        self.limits = Limits(engine.max_context, engine.model_cfg.vocab_size, engine.num_pages,
+                             page_size)
         self.rows = TableRows(cfg.engine.max_running_requests)
         self.prefill = PrefillManager(self.cache, self.rows, cfg.max_prefill_tokens,
                                       cfg.engine.max_running_requests)
@@ -131,28 +133,10 @@ class Scheduler:
             logger.error("rank %d: ignoring unknown message %r", self.rank, type(msg).__name__)
 
     def validate(self, msg: UserMsg) -> Optional[str]:
-        """Why the request cannot be served, or None. The same limits the API checks first."""
-        try:
-            msg.params.validate()
-        except ValueError as e:
-            return str(e)
-        n, ctx = len(msg.input_ids), self.engine.max_context
-        if n == 0:
-            return "the prompt is empty"
+        """Why the request cannot be served, or None."""
         if msg.uid in self.reqs:
             return f"duplicate request id {msg.uid}"
-        vocab = self.engine.model_cfg.vocab_size
-        bad = [t for t in msg.input_ids if not 0 <= t < vocab]
-        if bad:
-            return f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
-        if n + msg.params.max_tokens > ctx:
-            return (f"prompt ({n} tokens) plus max_tokens ({msg.params.max_tokens}) is "
-                    f"{n + msg.params.max_tokens} tokens, more than the context length ({ctx})")
-        pages = -(-(n + msg.params.max_tokens) // self.cache.page_size)
-        if pages > self.cache.num_pages:
-            return (f"prompt ({n} tokens) plus max_tokens ({msg.params.max_tokens}) needs "
-                    f"{pages} KV pages, more than the pool holds ({self.cache.num_pages})")
-        return None
+        return request_error(msg.input_ids, msg.params, self.limits)
 
     def _add(self, msg: UserMsg) -> None:
         error = self.validate(msg)
