@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import httpx
 
@@ -120,7 +120,9 @@ class Server:
                 out[name] = float(value)
         return out
 
-    def wait_metrics(self, cond: "callable", timeout_s: float = 15.0) -> Dict[str, float]:
+    def wait_metrics(self, cond: Callable[[Dict[str, float]], bool], timeout_s: float = 15.0
+                     ) -> Dict[str, float]:
+        """Poll /metrics until `cond` holds or `timeout_s` passes; the last reading."""
         deadline = time.monotonic() + timeout_s
         while True:
             m = self.metrics()
@@ -138,7 +140,7 @@ def run_serve(args: Sequence[str], tmp_dir: Path, timeout_s: float = 120.0
 
 
 def _launch(args: Sequence[str], tmp_dir: Path, err_path: Path
-            ) -> "tuple[subprocess.Popen, queue.Queue[Optional[str]]]":
+            ) -> Tuple[subprocess.Popen, "queue.Queue[Optional[str]]"]:
     env = {**os.environ, "TMPDIR": str(tmp_dir)}
     err = open(err_path, "w")
     proc = subprocess.Popen([sys.executable, str(REPO / "serve"), "--port", "0", *args],

@@ -154,6 +154,22 @@ def test_n_choices_seed_and_usage(client: openai.OpenAI, model: str) -> None:
     assert texts == [c.message.content for c in a.choices]
 
 
+def test_sampling_fields(client: openai.OpenAI, model: str, llm: LLM) -> None:
+    ref = llm.chat(PARIS, SamplingParams(temperature=0, max_tokens=12))[0]
+    kw = dict(model=model, messages=PARIS)
+    r = client.chat.completions.create(**kw, temperature=0, max_tokens=50,
+                                       extra_body={"max_completion_tokens": 3, "ignore_eos": True})
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+    france = ref.token_ids[3]  # " France": a stop token id ends the request, unrendered
+    r = client.chat.completions.create(**kw, temperature=0, max_tokens=12,
+                                       extra_body={"stop_token_ids": [france]})
+    assert r.choices[0].message.content == "The capital of"
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 4
+    r = client.chat.completions.create(**kw, temperature=1.5, max_tokens=12,
+                                       extra_body={"top_k": 1, "min_p": 0.1, "top_p": 0.9})
+    assert r.choices[0].message.content == ref.text  # top_k=1 is greedy
+
+
 def test_cached_tokens_reported(client: openai.OpenAI, model: str) -> None:
     prompt = "Tell me a story about a dragon. " * 8
     client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)

@@ -148,5 +148,9 @@ def test_tokenizer_validation(bpe: Any) -> None:
     assert "outside the vocabulary" in t.prepare(TokenizeRequest(6, p, input_ids=[10 ** 7])).error
     full = t.prepare(TokenizeRequest(7, SamplingParams(max_tokens=0), input_ids=[1] * 64))
     assert "leaves no room" in full.error
+    big = Tokenizer(bpe, max_context=8192, kv_capacity=16384)
+    capped = big.prepare(TokenizeRequest(8, SamplingParams(max_tokens=MAX_TOKENS_AUTO),
+                                         input_ids=[1] * 100))
+    assert capped.params.max_tokens == 1024  # an eighth of the context: requests share the pool
     chat = t.prepare(TokenizeRequest(8, p, messages=[{"role": "user", "content": "hi"}]))
     assert chat.error is None and chat.input_ids[-4:] == bpe.encode("<|im_start|>assistant\n")

@@ -8,7 +8,7 @@ message must decode to the same object on every rank (no process-local state ins
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 from minisgl.core import SamplingParams
@@ -92,7 +92,7 @@ class ReplyChunk:
 
     uid: int
     text: str = ""
-    token_ids: List[int] = ()  # type: ignore[assignment]
+    token_ids: List[int] = field(default_factory=list)
     finish_reason: Optional[str] = None
     prompt_tokens: int = 0
     completion_tokens: int = 0

@@ -113,9 +113,10 @@ class Scheduler:
             uids = [r.uid for r in batch.reqs]
             slots = batch.out_slots.tolist() if batch.out_slots is not None else []
             check_same_across_ranks(uids + slots + tokens, self.cpu_group, "batch and tokens")
-        self.io.send(self.process(batch, tokens), self.stats())
+        outs = self.process(batch, tokens)
         for req in ready:
             self._retire(req, admitted=True)
+        self.io.send(outs, self.stats())  # after the retires: the stats see the freed pages
 
     def check_idle(self) -> None:
         """Called before blocking for input: every page must be accounted for."""

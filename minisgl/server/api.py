@@ -13,25 +13,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import sys
 import time
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional
 
-import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl.message.types import ReplyChunk
 from minisgl.server.backend import Backend, RequestStream
 from minisgl.server.metrics import Metrics
 from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, GenerateRequest,
-                                     Job, chat_job, completion_job, generate_job, parse_body)
+                                     chat_job, completion_job, generate_job, parse_body)
+from minisgl.server.responses import Choice, Formatter, SSEResponse
 
 logger = logging.getLogger("minisgl.api")
 _DISCONNECT_POLL_S = 0.5
@@ -51,136 +49,25 @@ class ClientGone(Exception):
     pass
 
 
-@dataclass
-class Choice:
-    """What one choice (one uid) produced so far."""
-
-    text: List[str] = field(default_factory=list)
-    token_ids: List[int] = field(default_factory=list)
-    finish_reason: Optional[str] = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-    def add(self, chunk: ReplyChunk) -> None:
-        self.text.append(chunk.text)
-        self.token_ids.extend(chunk.token_ids)
-        self.finish_reason = chunk.finish_reason or self.finish_reason
-        self.prompt_tokens = max(self.prompt_tokens, chunk.prompt_tokens)
-        self.completion_tokens = max(self.completion_tokens, chunk.completion_tokens)
-        self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
-
-
-def usage(choices: List[Choice], n: int) -> Dict[str, Any]:
-    """OpenAI usage: prompt tokens once per prompt (the first of its n choices)."""
-    firsts = choices[::n]
-    prompt = sum(c.prompt_tokens for c in firsts)
-    completion = sum(c.completion_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in firsts)}}
-
-
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-class SSEResponse(StreamingResponse):
-    """A streamed response that always runs `on_close` (synchronously) when it ends, however it
-    ends, and stops streaming as soon as the client disconnects."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
-        self.on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                async def stream() -> None:
-                    with contextlib.suppress(OSError):
-                        await self.stream_response(send)
-                    tg.cancel_scope.cancel()
-
-                async def watch() -> None:
-                    await self.listen_for_disconnect(receive)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                tg.start_soon(watch)
-        finally:
-            self.on_close()
-
-
-# --- response bodies ------------------------------------------------------------------------------
-class Formatter:
-    """Builds one endpoint's response objects (chat, completion or native generate)."""
-
-    def __init__(self, kind: str, model: str, job: Job) -> None:
-        self.kind, self.model, self.job = kind, model, job
-        prefix = {"chat": "chatcmpl", "completion": "cmpl", "generate": "gen"}[kind]
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-
-    def _envelope(self, obj: str, choices: List[Any]) -> Dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}
-
-    def full(self, choices: List[Choice]) -> Dict[str, Any]:
-        u = usage(choices, self.job.n)
-        if self.kind == "generate":
-            c = choices[0]
-            return {"id": self.id, "text": "".join(c.text), "token_ids": c.token_ids,
-                    "finish_reason": c.finish_reason, "usage": u}
-        if self.kind == "chat":
-            items = [{"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
-                      "logprobs": None, "finish_reason": c.finish_reason}
-                     for i, c in enumerate(choices)]
-            return {**self._envelope("chat.completion", items), "usage": u}
-        items = [{"index": i, "text": "".join(c.text), "logprobs": None,
-                  "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
-        return {**self._envelope("text_completion", items), "usage": u}
-
-    def opening(self, index: int) -> Iterator[str]:
-        if self.kind == "chat":
-            yield sse(self._envelope("chat.completion.chunk", [{
-                "index": index, "delta": {"role": "assistant", "content": ""},
-                "logprobs": None, "finish_reason": None}]))
-
-    def delta(self, index: int, chunk: ReplyChunk) -> Iterator[str]:
-        if self.kind == "generate":
-            yield sse({"id": self.id, "text": chunk.text, "token_ids": list(chunk.token_ids),
-                       "finish_reason": chunk.finish_reason})
-            return
-        if chunk.text:
-            yield self._choice_chunk(index, chunk.text, None)
-        if chunk.finish_reason is not None:
-            yield self._choice_chunk(index, None, chunk.finish_reason)
-
-    def _choice_chunk(self, index: int, text: Optional[str], reason: Optional[str]) -> str:
-        if self.kind == "chat":
-            delta = {} if text is None else {"content": text}
-            return sse(self._envelope("chat.completion.chunk", [{
-                "index": index, "delta": delta, "logprobs": None, "finish_reason": reason}]))
-        return sse(self._envelope("text_completion", [{
-            "index": index, "text": text or "", "logprobs": None, "finish_reason": reason}]))
-
-    def closing(self, choices: List[Choice]) -> Iterator[str]:
-        if self.job.include_usage and self.kind != "generate":
-            obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-            yield sse({**self._envelope(obj, []), "usage": usage(choices, self.job.n)})
-        yield "data: [DONE]\n\n"
-
-
 # --- running a job --------------------------------------------------------------------------------
-async def next_chunk(stream: RequestStream, request: Request) -> ReplyChunk:
-    """The stream's next chunk; ClientGone if the client disconnects first."""
-    while True:
-        chunk = await stream.get(timeout=_DISCONNECT_POLL_S)
-        if chunk is not None:
-            return chunk
-        if await request.is_disconnected():
-            raise ClientGone()
+class Waiter:
+    """Takes a request's chunks, checking every `_DISCONNECT_POLL_S` (also while chunks keep
+    coming) whether the client is still there."""
+
+    def __init__(self, stream: RequestStream, request: Request) -> None:
+        self.stream, self.request = stream, request
+        self.next_check = time.monotonic() + _DISCONNECT_POLL_S
+
+    async def next(self) -> ReplyChunk:
+        """The stream's next chunk; ClientGone if the client disconnects first."""
+        while True:
+            if time.monotonic() >= self.next_check:
+                if await self.request.is_disconnected():
+                    raise ClientGone()
+                self.next_check = time.monotonic() + _DISCONNECT_POLL_S
+            chunk = await self.stream.get(timeout=_DISCONNECT_POLL_S)
+            if chunk is not None:
+                return chunk
 
 
 def _check(chunk: ReplyChunk) -> None:
@@ -191,16 +78,17 @@ def _check(chunk: ReplyChunk) -> None:
 async def run_job(request: Request, backend: Backend, fmt: Formatter) -> Response:
     stream = backend.submit(fmt.job)
     choices = [Choice() for _ in stream.uids]
+    waiter = Waiter(stream, request)
     try:
         if fmt.job.stream:  # wait for every choice's first reply: errors still get a 4xx
             first: List[ReplyChunk] = []
             while len({c.uid for c in first}) < len(stream.uids):
-                first.append(await next_chunk(stream, request))
+                first.append(await waiter.next())
                 _check(first[-1])
             return SSEResponse(_events(stream, fmt, choices, first),
                                on_close=lambda: backend.release(stream))
         while stream.unfinished or not stream.queue.empty():
-            chunk = await next_chunk(stream, request)
+            chunk = await waiter.next()
             _check(chunk)
             choices[stream.index[chunk.uid]].add(chunk)
         return JSONResponse(fmt.full(choices))

@@ -45,7 +45,7 @@ from minisgl.tokenizer.tokenize_worker import TokenizerConfig, run_tokenizer
 from minisgl.utils import free_port
 
 logger = logging.getLogger("minisgl.launcher")
-_GRACEFUL_STOP_S = 4.0  # ranks get this long to act on ShutdownMsg before SIGTERM (+2 s, SIGKILL)
+_GRACEFUL_STOP_S = 4.0  # ranks get this long to act on ShutdownMsg, then SIGTERM, 2 s, SIGKILL
 
 
 class Addresses(NamedTuple):
@@ -161,7 +161,10 @@ class Service:
         for c in self.workers:
             if c.alive:
                 c.process.terminate()
-        stop_children(self.children, _GRACEFUL_STOP_S if graceful else 0.0)
+        if graceful:
+            stop_children(self.children, _GRACEFUL_STOP_S, 2.0)
+        else:  # a child died: the others may be stuck in a collective with it
+            stop_children(self.children, 0.0, 1.0)
         self.ranks, self.workers = [], []
         if self.sock is not None:
             self.sock.close()

@@ -128,14 +128,15 @@ def _poll_ready(child: Child) -> None:
         raise StartupError(f"{child.describe_death()} during start-up")
 
 
-def stop_children(children: List[Child], first_wait_s: float) -> None:
+def stop_children(children: List[Child], first_wait_s: float, term_wait_s: float) -> None:
     """Wait up to `first_wait_s` for the children to exit by themselves, then SIGTERM the rest,
-    then SIGKILL whatever is left after 2 s more. Every child is reaped."""
+    then SIGKILL whatever is left after `term_wait_s` more (a rank stuck in a device call may
+    not die of SIGTERM). Every child is reaped."""
     _join_all(children, first_wait_s)
     for c in children:
         if c.alive:
             c.process.terminate()
-    _join_all(children, 2.0)
+    _join_all(children, term_wait_s)
     for c in children:
         if c.alive:
             logger.warning("%s did not stop; killing it", c.name)

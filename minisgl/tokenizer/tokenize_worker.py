@@ -7,7 +7,8 @@ request that fails the checks goes back to the API server as an error `ReplyChun
 and never reaches the scheduler. `AbortRequest` becomes an `AbortMsg` to rank 0.
 
 `params.max_tokens == MAX_TOKENS_AUTO` means "as many as fit": the rest of the context (and of
-the KV pool, which must hold the whole request).
+the KV pool, which must hold the whole request), capped at an eighth of that limit (at least 256),
+since admission reserves KV for the whole of max_tokens.
 
 A model directory without tokenizer files (dummy-weight benchmark shapes) serves token ids only:
 text, chat and stop strings are rejected; ids are checked against the vocabulary by the scheduler.
@@ -96,7 +97,10 @@ class Tokenizer:
             if n >= limit:
                 return Prepared(ids, None, f"the prompt has {n} tokens, which leaves no room "
                                            f"for output in the context length of {limit} tokens")
-            m = limit - n
+            # Admission reserves KV for the whole of max_tokens (there is no preemption yet), so an
+            # absent max_tokens takes an eighth of the capacity rather than all of it: requests
+            # without one still run side by side.
+            m = min(limit - n, max(256, limit // 8))
         if n + m > self.max_context:
             return Prepared(ids, None, (
                 f"This model's maximum context length is {self.max_context} tokens. However, "
