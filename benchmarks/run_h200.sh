@@ -26,3 +26,19 @@ if [ "$MODE" = all ] || [ "$MODE" = tp2 ]; then
   step offline_8b_tp2 200 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --tp 2
   step latency_8b_tp2 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2
 fi
+if [ "$MODE" = latency ]; then
+  step latency_8b_tp1 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b
+  step latency_8b_tp2 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2
+fi
+if [ "$MODE" = online ]; then
+  # The Llama-3.1-8B shape with the SmolLM2 tokenizer (vocab 49152) so the API streams text.
+  MODEL=${ONLINE_MODEL:-.gpu_tmp/llama8b-smoltok}
+  python3 -m minisgl --model "$MODEL" --load-format dummy --port 8123 > "$OUT/serve.log" 2>&1 &
+  SERVE=$!
+  for _ in $(seq 120); do curl -sf localhost:8123/health > /dev/null && break; sleep 1; done
+  step online_8b 200 python3 scripts/bench_online.py --base-url http://127.0.0.1:8123 --rates 1,4,16 --num-requests 24 --max-duration 60 --prompt-kind text
+  kill -TERM $SERVE; wait $SERVE; echo "serve exit $?" >> "$OUT/summary.txt"
+fi
+if [ "$MODE" = peer ]; then
+  step peer_qwen06b 200 python3 scripts/bench_offline.py --model configs/models/qwen3-0.6b --num-prompts 64 --peer hf
+fi
