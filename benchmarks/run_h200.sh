@@ -35,7 +35,7 @@ if [ "$MODE" = online ]; then
   MODEL=${ONLINE_MODEL:-.gpu_tmp/llama8b-smoltok}
   python3 -m minisgl --model "$MODEL" --load-format dummy --port 8123 > "$OUT/serve.log" 2>&1 &
   SERVE=$!
-  for _ in $(seq 120); do curl -sf localhost:8123/health > /dev/null && break; sleep 1; done
+  for _ in $(seq 120); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8123/health', timeout=2)" 2>/dev/null && break; sleep 1; done
   step online_8b 200 python3 scripts/bench_online.py --base-url http://127.0.0.1:8123 --rates 1,4,16 --num-requests 24 --max-duration 60 --prompt-kind text
   kill -TERM $SERVE; wait $SERVE; echo "serve exit $?" >> "$OUT/summary.txt"
 fi
