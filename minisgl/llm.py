@@ -7,6 +7,7 @@ the service does. Bad input raises ValueError naming the values before anything 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
@@ -91,14 +92,11 @@ class _RankProcesses:
         self.procs: List[Any] = []
         pipes = []
         for rank in range(tp):
-            rank_cfg = SchedulerConfig(
-                engine=EngineConfig(**{**cfg.engine.__dict__,
-                                       "tp_info": DistributedInfo(rank, tp),
-                                       "dist_init_method": f"tcp://127.0.0.1:{port}"}),
-                max_prefill_tokens=cfg.max_prefill_tokens, cache=cfg.cache,
-                check_lockstep=cfg.check_lockstep, overlap=cfg.overlap,
-                backend_addr=addr("backend"), detokenizer_addr=addr("detokenizer"),
-                broadcast_addr=addr("broadcast"))
+            engine = dataclasses.replace(cfg.engine, tp_info=DistributedInfo(rank, tp),
+                                         dist_init_method=f"tcp://127.0.0.1:{port}")
+            rank_cfg = dataclasses.replace(
+                cfg, engine=engine, backend_addr=addr("backend"),
+                detokenizer_addr=addr("detokenizer"), broadcast_addr=addr("broadcast"))
             recv, send = mp_ctx.Pipe(duplex=False)
             p = mp_ctx.Process(target=run_rank, args=(rank_cfg, send, log_level), daemon=True,
                                name=f"minisgl-rank{rank}")
