@@ -38,6 +38,7 @@ class Row:
     roofline_ms: float
     weight_gb: float  # this rank's weights read per step
     kv_gb: float  # this rank's KV read per step
+    graph_ms: float = float("nan")  # median device time of the decode graph alone (CUDA)
 
     @property
     def efficiency(self) -> float:
@@ -137,6 +138,23 @@ def time_steps(engine: Engine, batch: Batch, steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def time_graph(engine: Engine, batch: Batch, steps: int) -> float:
+    """Median device milliseconds of the captured decode graph alone (inputs copied in, replay),
+    without the host work of a step: separates GPU time from scheduling overhead."""
+    if engine.graphs is None or not engine.graphs.can_run(batch):
+        return float("nan")
+    engine._prepare_inputs(batch)  # the step's input tensors, as launch() builds them
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        engine.graphs.replay(batch)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) -> None:
     """Build this rank's engine and time every batch size; rank 0 sends the rows to `out`."""
     sizes = [int(s) for s in args.batch_sizes.split(",")]
@@ -163,7 +181,7 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
             step = time_steps(engine, batch, args.steps, args.warmup)
             kv = kv_bytes_read(engine, bs, args.context + 1)
             rows.append(Row(bs, args.context, step * 1e3, (weights + kv) / bandwidth * 1e3,
-                            weights / 1e9, kv / 1e9))
+                            weights / 1e9, kv / 1e9, time_graph(engine, batch, args.steps)))
         if rank == 0:
             out.put((bandwidth, rows, torch.cuda.get_device_name(dev) if dev.type == "cuda"
                      else "cpu"))
@@ -175,10 +193,10 @@ def print_table(args: argparse.Namespace, bandwidth: float, rows: List[Row], dev
     print(f"model {args.model}, tp {args.tp}, {device}, copy bandwidth {bandwidth / 1e9:,.0f} GB/s "
           f"(read + write), context {args.context}")
     print(f"{'batch':>6} {'step ms':>9} {'roofline ms':>12} {'% roofline':>11} "
-          f"{'weights GB':>11} {'KV GB':>7} {'tok/s':>9}")
+          f"{'weights GB':>11} {'KV GB':>7} {'tok/s':>9} {'graph ms':>9}")
     for r in rows:
         print(f"{r.batch:>6} {r.step_ms:>9.3f} {r.roofline_ms:>12.3f} {100 * r.efficiency:>10.1f}% "
-              f"{r.weight_gb:>11.3f} {r.kv_gb:>7.3f} {r.tok_s:>9,.0f}")
+              f"{r.weight_gb:>11.3f} {r.kv_gb:>7.3f} {r.tok_s:>9,.0f} {r.graph_ms:>9.3f}")
     print("RESULT " + json.dumps({
         "model": args.model, "tp": args.tp, "device": device, "context": args.context,
         "copy_gb_s": round(bandwidth / 1e9, 1), "attention_backend": args.attention_backend,
