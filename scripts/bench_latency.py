@@ -57,6 +57,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--no-fused-ops", action="store_true",
+                   help="torch RMSNorm / SiLU / rotary instead of the fused Triton kernels")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None)
     p.add_argument("--page-size", type=int, default=16)
@@ -165,6 +167,7 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
         dtype=resolve_dtype(args.dtype, device), page_size=args.page_size,
         max_running_requests=max(sizes), max_kv_tokens=max(sizes) * pages_per_req * args.page_size,
         load_format="dummy", attention_backend=args.attention_backend,
+        fused_ops=not args.no_fused_ops,
         dist_init_method=init_method, show_progress=False)
     groups = init_process_groups(cfg.tp_info, cfg.torch_device, init_method, cfg.dist_timeout_s)
     try:

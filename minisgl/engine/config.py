@@ -23,6 +23,7 @@ class EngineConfig:
     load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights)
     attention_backend: str = "auto"  # "auto", "torch" or "triton"
     seed: int = 0
+    fused_ops: bool = True  # fused Triton RMSNorm / SiLU-and-mul / rotary (CUDA only)
     cuda_graph_max_bs: int = 256  # decode CUDA graphs up to this batch size (0: off; GPU only)
     dist_init_method: str = "tcp://127.0.0.1:29500"
     dist_timeout_s: float = 60.0

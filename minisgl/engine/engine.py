@@ -84,7 +84,8 @@ class Engine:
     def _load_model(self, groups: ProcessGroups) -> CausalLM:
         cls = model_class(self.model_cfg.architecture)
         with torch.device(self.device), _default_dtype(self.cfg.dtype):
-            model = cls(self.model_cfg, self.cfg.tp_info, groups.comm)
+            model = cls(self.model_cfg, self.cfg.tp_info, groups.comm,
+                        fused=self.cfg.fused_ops and self.device.type == "cuda")
         if self.cfg.load_format == "dummy":
             init_dummy(model, self.cfg.seed)
         else:

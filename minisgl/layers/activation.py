@@ -4,7 +4,11 @@ import torch
 import torch.nn.functional as F
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x = [gate | up] along the last dimension; returns silu(gate) * up."""
+def silu_and_mul(x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """x = [gate | up] along the last dimension; returns silu(gate) * up (`fused`: one Triton
+    kernel on CUDA tensors)."""
+    if fused and x.is_cuda:
+        from minisgl.layers import triton_ops
+        return triton_ops.silu_and_mul(x.contiguous())
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

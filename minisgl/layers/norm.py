@@ -12,9 +12,12 @@ from minisgl.layers.source import TensorSource, copy_into
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """`fused`: on CUDA tensors, one Triton kernel (layers/triton_ops.py) instead of torch ops."""
+
+    def __init__(self, dim: int, eps: float, fused: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.fused = fused
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -25,6 +28,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        if self.fused and x.is_cuda:
+            from minisgl.layers import triton_ops
+            out, new_residual = triton_ops.rmsnorm(x, self.weight, self.eps, residual)
+            return out if new_residual is None else (out, new_residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

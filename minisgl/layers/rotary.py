@@ -43,8 +43,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: Optional[dict]) -> None:
+                 scaling: Optional[dict], fused: bool = False) -> None:
         super().__init__()
+        # The fused kernel needs a power-of-two head_dim; other sizes take the torch path.
+        self.fused = fused and head_dim & (head_dim - 1) == 0
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -53,7 +55,13 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]. The fused path
+        rotates q and k in place."""
+        if (self.fused and q.is_cuda and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]
+                and q.stride(2) == 1 and k.stride(2) == 1):
+            from minisgl.layers import triton_ops
+            return (triton_ops.rotary_(q, positions, self.cos, self.sin),
+                    triton_ops.rotary_(k, positions, self.cos, self.sin))
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -24,11 +24,12 @@ from minisgl.layers.source import TensorSource
 from minisgl.models.config import ModelConfig
 
 class Traits(NamedTuple):
-    """What differs between families."""
+    """What differs between families, plus whether to use the fused GPU kernels."""
 
     qkv_bias: bool
     o_bias: bool
     qk_norm: bool
+    fused: bool = False
 
 
 # checkpoint module name -> (our fused module, shard index)
@@ -45,8 +46,9 @@ class Attention(nn.Module):
                                           cfg.num_kv_heads, traits.qkv_bias, info)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
                                         traits.o_bias, info, comm)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if traits.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if traits.qk_norm else None
+        norm = lambda: RMSNorm(cfg.head_dim, cfg.rms_norm_eps, traits.fused)  # noqa: E731
+        self.q_norm = norm() if traits.qk_norm else None
+        self.k_norm = norm() if traits.qk_norm else None
         self.rotary = rotary
         self.head_dim = cfg.head_dim
 
@@ -63,25 +65,27 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, info: DistributedInfo, comm: Communicator) -> None:
+    def __init__(self, cfg: ModelConfig, info: DistributedInfo, comm: Communicator,
+                 fused: bool = False) -> None:
         super().__init__()
+        self.fused = fused
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias,
                                                  info)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, info, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, traits: "Traits", rotary: RotaryEmbedding,
                  info: DistributedInfo, comm: Communicator) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, traits.fused)
         self.self_attn = Attention(cfg, layer, traits, rotary, info, comm)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, info, comm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, traits.fused)
+        self.mlp = MLP(cfg, info, comm, traits.fused)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor,
                 batch: Batch, backend: AttentionBackend) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -99,11 +103,12 @@ class DecoderModel(nn.Module):
                  comm: Communicator) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, info, comm)
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.rope_theta, cfg.rope_scaling)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.rope_theta, cfg.rope_scaling,
+                                 traits.fused)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, traits, rotary, info, comm)
             for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, traits.fused)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
                 backend: AttentionBackend) -> torch.Tensor:
@@ -123,10 +128,11 @@ class CausalLM(nn.Module):
     def traits(cls, cfg: ModelConfig) -> "Traits":
         return Traits(qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=False)
 
-    def __init__(self, cfg: ModelConfig, info: DistributedInfo, comm: Communicator) -> None:
+    def __init__(self, cfg: ModelConfig, info: DistributedInfo, comm: Communicator,
+                 fused: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = DecoderModel(cfg, self.traits(cfg), info, comm)
+        self.model = DecoderModel(cfg, self.traits(cfg)._replace(fused=fused), info, comm)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, info, comm, tied_to=tied)
 

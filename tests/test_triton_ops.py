@@ -1,0 +1,68 @@
+"""The fused Triton kernels (RMSNorm with residual, SiLU-and-mul, rotary) against the torch
+layers they replace. On CPU through Triton's interpreter (float32); on CUDA also in bfloat16."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
+pytest.importorskip("triton")
+
+from minisgl.layers import triton_ops  # noqa: E402
+from minisgl.layers.activation import silu_and_mul  # noqa: E402
+from minisgl.layers.norm import RMSNorm  # noqa: E402
+from minisgl.layers.rotary import RotaryEmbedding  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else [])
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    err = (a.float() - b.float()).norm() / b.float().norm()
+    assert err < TOL[dtype], err
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", [(1, 64), (5, 576), (3, 100)])
+def test_rmsnorm_with_and_without_residual(dtype: torch.dtype, rows: int, dim: int) -> None:
+    norm = RMSNorm(dim, 1e-5).to(DEV)
+    norm.weight.data = torch.randn(dim, device=DEV).to(dtype)
+    x = torch.randn(rows, dim, device=DEV).to(dtype)
+    res = torch.randn(rows, dim, device=DEV).to(dtype)
+    got, _ = triton_ops.rmsnorm(x, norm.weight, 1e-5)
+    _close(got, norm(x), dtype)
+    got, got_res = triton_ops.rmsnorm(x, norm.weight, 1e-5, res)
+    want, want_res = norm(x, res)
+    _close(got, want, dtype)
+    assert got_res is not None and torch.equal(got_res, want_res)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,d", [(1, 128), (4, 1536), (2, 1500)])
+def test_silu_and_mul(dtype: torch.dtype, rows: int, d: int) -> None:
+    x = torch.randn(rows, 2 * d, device=DEV).to(dtype)
+    _close(triton_ops.silu_and_mul(x), silu_and_mul(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (9, 3, 64), (8, 8, 128)])
+def test_rotary_in_place_on_qkv_views(dtype: torch.dtype, heads: int, kv_heads: int,
+                                      dim: int) -> None:
+    rope = RotaryEmbedding(dim, 256, 10000.0, None).to(DEV)
+    tokens = 7
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=DEV).to(dtype)
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim)
+    pos = torch.randint(0, 256, (tokens,), device=DEV)
+    want_q, want_k = rope(pos, q.clone(), k.clone())
+    v_before = qkv[:, (heads + kv_heads) * dim:].clone()
+    triton_ops.rotary_(q, pos, rope.cos, rope.sin)
+    triton_ops.rotary_(k, pos, rope.cos, rope.sin)
+    _close(q, want_q, dtype)
+    _close(k, want_k, dtype)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before)  # V untouched
