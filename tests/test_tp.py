@@ -22,10 +22,10 @@ from minisgl.models.weights import iter_checkpoint
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-def _generate(path: Path, tp: int, prompts: List[List[int]], params: SamplingParams
-              ) -> List[List[int]]:
+def _generate(path: Path, tp: int, prompts: List[List[int]], params: SamplingParams,
+              overlap: bool = False) -> List[List[int]]:
     with LLM(str(path), tp=tp, page_size=4, max_kv_tokens=4096, show_progress=False,
-             check_lockstep=tp > 1) as llm:
+             check_lockstep=tp > 1, overlap=overlap) as llm:
         return [o.token_ids for o in llm.generate(prompts, params)]
 
 
@@ -37,6 +37,14 @@ def test_tp_greedy_matches_tp1_and_hf(model: str, tp: int, default_model_dir: Pa
     ref = hf_greedy(path, prompts, GREEDY.max_tokens)
     assert _generate(path, 1, prompts, GREEDY) == ref
     assert _generate(path, tp, prompts, GREEDY) == ref
+
+
+def test_tp_overlap_scheduling_matches_hf(tiny_model: Callable[..., Path]) -> None:
+    """Overlap scheduling (one step behind) keeps every rank in lockstep and the tokens exact."""
+    path = tiny_model("qwen3")
+    prompts = mixed_prompts(8, seed=8, lengths=(2, 9, 40, 75))
+    stops = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert _generate(path, 2, prompts, stops, overlap=True) == hf_greedy(path, prompts, 12)
 
 
 def test_tp_seeded_sampling_ranks_agree(tiny_model: Callable[..., Path]) -> None:
