@@ -87,12 +87,6 @@ class Scheduler:
             done, self.inflight = self.inflight, None
             self._complete(done)
 
-    def step(self) -> bool:
-        """One iteration without new messages; return whether anything ran or completed."""
-        busy = self.has_work
-        self.iterate([])
-        return busy
-
     def _launch(self, batch: Batch) -> Launched:
         launched = self.engine.launch(batch)
         for req, ext, sample in zip(batch.reqs, batch.extend_lens, batch.sample):
