@@ -134,19 +134,6 @@ class Req:
     def output_len(self) -> int:
         return len(self.token_ids) - self.prompt_len
 
-    @property
-    def max_total_len(self) -> int:
-        return self.prompt_len + self.params.max_tokens
-
-    @property
-    def remaining_prefill(self) -> int:
-        """Tokens whose KV still has to be computed before the request can decode."""
-        return len(self.token_ids) - self.cached_len
-
-    @property
-    def is_prefilling(self) -> bool:
-        return self.cached_len < self.prompt_len
-
     def append_token(self, token: int) -> Optional[FinishReason]:
         """Record a sampled token and return why the request finished, if it did."""
         self.token_ids.append(token)

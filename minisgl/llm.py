@@ -167,6 +167,7 @@ class LLM:
                  load_format: str = "auto", seed: int = 0, attention_backend: str = "auto",
                  show_progress: bool = True, log_level: str = "WARNING",
                  check_lockstep: bool = False, overlap: Optional[bool] = None,
+                 decode_reserve_tokens: Optional[int] = None,
                  cuda_graph_max_bs: int = 256) -> None:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
@@ -182,7 +183,8 @@ class LLM:
             load_format=load_format, attention_backend=attention_backend, seed=seed,
             show_progress=show_progress, cuda_graph_max_bs=cuda_graph_max_bs)
         cfg = SchedulerConfig(engine=engine_cfg, max_prefill_tokens=max_prefill_tokens,
-                              cache=cache, check_lockstep=check_lockstep, overlap=overlap)
+                              cache=cache, check_lockstep=check_lockstep, overlap=overlap,
+                              decode_reserve_tokens=decode_reserve_tokens)
         self.show_progress = show_progress
         self._backend = _InProcess(cfg) if tp == 1 else _RankProcesses(cfg, tp, log_level)
         self._uids = itertools.count()

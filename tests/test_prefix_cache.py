@@ -9,6 +9,7 @@ from typing import Callable, List, Optional
 
 import pytest
 
+from hf_reference import hf_greedy
 from minisgl import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -132,3 +133,20 @@ def test_overlap_with_radix_eviction_and_stops(tiny_model: Callable[..., Path]) 
             llm._backend.scheduler.check_idle()  # type: ignore[attr-defined]
             results.append((ref, got))
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("cache,overlap", [("radix", False), ("radix", True), ("naive", True)])
+def test_retraction_under_optimistic_admission(tiny_model: Callable[..., Path], cache: str,
+                                               overlap: bool) -> None:
+    """Admission reserving only 4 output tokens overcommits a small pool: decode retracts the
+    newest requests and re-queues them; tokens stay exactly the reference's."""
+    path = tiny_model("qwen3")
+    prompts = _shared_prompts(16, 20, seed=12)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    with LLM(str(path), page_size=4, max_kv_tokens=400, max_running_requests=12, cache=cache,
+             overlap=overlap, decode_reserve_tokens=4, show_progress=False) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+        sched = llm._backend.scheduler  # type: ignore[attr-defined]
+        sched.check_idle()
+        assert sched.totals["retracted"] > 0 and sched.prefill.outstanding_pages == 0
+    assert got == hf_greedy(path, prompts, 40)

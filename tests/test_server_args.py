@@ -70,3 +70,15 @@ def test_presets_parse(name: str) -> None:
         assert getattr(cfg, key) == value
     if name != "default.toml":
         assert cfg.device == "cuda" and cfg.tp in (2, 4)
+
+
+def test_decode_reserve_tokens_reaches_the_scheduler() -> None:
+    from pathlib import Path
+
+    from minisgl.server.args import parse_args
+    cfg = parse_args(["--decode-reserve-tokens", "64"])
+    sched = cfg.scheduler_config(Path("unused"), 0, "tcp://127.0.0.1:1", "ipc://a", "ipc://b",
+                                 "ipc://c")
+    assert sched.decode_reserve_tokens == 64
+    assert parse_args([]).scheduler_config(Path("unused"), 0, "tcp://127.0.0.1:1", "ipc://a",
+                                           "ipc://b", "ipc://c").decode_reserve_tokens is None

@@ -19,10 +19,17 @@ class SchedulerConfig:
     broadcast_addr: Optional[str] = None  # rank 0 -> other ranks (XPUB/SUB, rank 0 binds)
     subscriber_timeout_s: float = 60.0
     overlap: Optional[bool] = None  # schedule step N+1 while N runs; None: on for CUDA only
+    # Admission reserves KV for a request's prompt plus at most this many output tokens; a
+    # decode step that outgrows the reservations retracts the newest requests (their computed KV
+    # goes to the prefix cache) and re-queues them. None reserves all of max_tokens: no retraction.
+    decode_reserve_tokens: Optional[int] = None
     check_lockstep: bool = False  # every step, ranks compare batch uids, KV slots and tokens
 
     def __post_init__(self) -> None:
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.decode_reserve_tokens is not None and self.decode_reserve_tokens < 0:
+            raise ValueError(f"decode_reserve_tokens must be >= 0, got "
+                             f"{self.decode_reserve_tokens}")
         if self.cache not in ("radix", "naive"):
             raise ValueError(f"cache must be 'radix' or 'naive', got {self.cache!r}")

@@ -19,13 +19,14 @@ from minisgl.scheduler.table import TableRows
 
 class PrefillManager:
     def __init__(self, cache: PageCache, rows: TableRows, max_prefill_tokens: int,
-                 max_running: int) -> None:
+                 max_running: int, decode_reserve: Optional[int] = None) -> None:
         self.cache = cache
         self.rows = rows
         self.budget = max_prefill_tokens
         self.max_running = max_running
         self.waiting: Deque[Req] = deque()  # not yet admitted
         self.prefilling: Deque[Req] = deque()  # admitted, prompt not fully computed
+        self.decode_reserve = decode_reserve
         self.outstanding_pages = 0  # reserved by admitted requests but not yet allocated
 
     def add(self, req: Req) -> None:
@@ -36,7 +37,12 @@ class PrefillManager:
         return len(self.waiting) + len(self.prefilling)
 
     def pages_for(self, req: Req) -> int:
-        return -(-req.max_total_len // self.cache.page_size)
+        """Pages reserved at admission: the known tokens plus the outputs still to come (at most
+        `decode_reserve` of them)."""
+        outputs = req.params.max_tokens - req.output_len
+        if self.decode_reserve is not None:
+            outputs = min(outputs, self.decode_reserve)
+        return -(-(len(req.token_ids) + outputs) // self.cache.page_size)
 
     def schedule(self, num_running: int, grow: Callable[[Req, int], None],
                  admitted: Callable[[Req], None]) -> Optional[Batch]:
@@ -49,12 +55,12 @@ class PrefillManager:
         for req in self.prefilling:
             if left == 0:
                 break
-            n = min(req.prompt_len - req.cached_len, left)
+            n = min(req.device_len - req.cached_len, left)  # device_len: the known tokens
             grow(req, req.cached_len + n)
             reqs.append(req)
             prefix.append(req.cached_len)
             extend.append(n)
-            sample.append(req.cached_len + n == req.prompt_len)
+            sample.append(req.cached_len + n == req.device_len)
             left -= n
         if not reqs:
             return None
@@ -76,7 +82,9 @@ class PrefillManager:
             req.cache_handle = match.handle
             req.pages = list(match.pages)
             req.num_prefix_pages = len(match.pages)
-            req.cached_len = req.prefix_hit = len(match.pages) * self.cache.page_size
+            req.cached_len = len(match.pages) * self.cache.page_size
+            if req.output_len == 0:  # a retracted request keeps its first admission's hit
+                req.prefix_hit = req.cached_len
             req.reserved_pages = need
             self.outstanding_pages += need
             self.prefilling.append(req)

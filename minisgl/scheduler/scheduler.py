@@ -46,14 +46,14 @@ class Scheduler:
                              page_size)
         self.rows = TableRows(cfg.engine.max_running_requests)
         self.prefill = PrefillManager(self.cache, self.rows, cfg.max_prefill_tokens,
-                                      cfg.engine.max_running_requests)
+                                      cfg.engine.max_running_requests, cfg.decode_reserve_tokens)
         self.decode = DecodeManager()
         self.reqs: Dict[int, Req] = {}  # every live request by uid
         self.stopped = False
         self.overlap = cfg.overlap if cfg.overlap is not None else engine.device.type == "cuda"
         self.inflight: Optional[Launched] = None
         self.deferred: List[Req] = []  # finished, retired once the in-flight batch completes
-        self.totals = {"prompt": 0, "generated": 0, "cached": 0, "prefilled": 0}
+        self.totals = {"prompt": 0, "generated": 0, "cached": 0, "prefilled": 0, "retracted": 0}
 
     # --- the loop ------------------------------------------------------------------------------
     @property
@@ -164,6 +164,7 @@ class Scheduler:
                                       lambda req: self._rewrite_pages(
                                           req, list(range(req.num_prefix_pages))))
         if batch is None:
+            self._make_room()
             batch = self.decode.schedule()
             if batch is None:
                 return None
@@ -173,12 +174,53 @@ class Scheduler:
         return batch
 
     def _grow(self, req: Req, new_len: int) -> None:
-        """Allocate the pages `req` needs to hold `new_len` tokens (reserved at admission)."""
+        """Allocate the pages `req` needs to hold `new_len` tokens (reserved at admission, or
+        made room for by `_make_room`)."""
         missing = -(-new_len // self.cache.page_size) - len(req.pages)
         if missing > 0:
             req.pages.extend(self.cache.allocate(missing))
+            self.prefill.outstanding_pages -= min(missing, self._unallocated(req))
             req.allocated_pages += missing
-            self.prefill.outstanding_pages -= missing
+
+    @staticmethod
+    def _unallocated(req: Req) -> int:
+        return max(0, req.reserved_pages - req.allocated_pages)
+
+    def _make_room(self) -> None:
+        """Before a decode step: when the running requests' pages beyond their reservations do
+        not fit, retract the newest admitted requests (largest uid: deterministic, and the
+        oldest request always fits alone, so it always progresses)."""
+        ps = self.cache.page_size
+        while True:
+            running = [self.decode.running[uid] for uid in sorted(self.decode.running)]
+            need = sum(1 for r in running
+                       if r.device_len > len(r.pages) * ps and self._unallocated(r) == 0)
+            if need <= self.cache.available_pages - self.prefill.outstanding_pages:
+                return
+            if self.inflight is not None:  # retraction needs every batch using it finished
+                done, self.inflight = self.inflight, None
+                self._complete(done)
+                continue
+            admitted = sorted(running + list(self.prefill.prefilling), key=lambda r: r.uid)
+            if len(admitted) <= 1:
+                return
+            self._retract(admitted[-1])
+
+    def _retract(self, req: Req) -> None:
+        """Free an admitted request's resources and queue it again at the front: its computed
+        KV goes to the prefix cache, so re-admission recomputes little (with radix)."""
+        if not self.decode.remove(req):
+            self.prefill.prefilling.remove(req)
+        self.prefill.outstanding_pages -= self._unallocated(req)
+        self.cache.retire(req)
+        self.rows.free(req.table_row)
+        req.table_row, req.cached_len = -1, 0
+        req.allocated_pages = req.reserved_pages = 0
+        req.device_len = len(req.token_ids)
+        self.prefill.waiting.appendleft(req)
+        self.totals["retracted"] += 1
+        logger.info("rank %d: retracted request %d (%d tokens) to free KV pages", self.rank,
+                    req.uid, req.device_len)
 
     def _write_slots(self, batch: Batch) -> None:
         """Map the batch's new tokens to KV slots in the page table; set `batch.out_slots`."""
@@ -237,7 +279,7 @@ class Scheduler:
         self.reqs.pop(req.uid, None)
         if not admitted:
             return
-        self.prefill.outstanding_pages -= req.reserved_pages - req.allocated_pages
+        self.prefill.outstanding_pages -= self._unallocated(req)
         self.cache.retire(req)
         self.rows.free(req.table_row)
         req.table_row = -1

@@ -43,6 +43,7 @@ class ServerConfig:
     mem_fraction: float = 0.85
     load_format: str = "auto"
     cache: str = "radix"
+    decode_reserve_tokens: Optional[int] = None  # None: reserve all of max_tokens (no retraction)
     attention_backend: str = "auto"
     seed: int = 0
     max_n: int = 8
@@ -103,6 +104,7 @@ class ServerConfig:
             dist_init_method=dist_init_method, show_progress=False)
         return SchedulerConfig(engine=engine, max_prefill_tokens=self.max_prefill_tokens,
                                cache=self.cache, backend_addr=backend_addr,
+                               decode_reserve_tokens=self.decode_reserve_tokens,
                                detokenizer_addr=detokenizer_addr, broadcast_addr=broadcast_addr)
 
 
@@ -126,6 +128,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-fraction", type=float, help="GPU memory share for the KV pool")
     p.add_argument("--load-format", choices=("auto", "dummy"))
     p.add_argument("--cache", choices=("radix", "naive"))
+    p.add_argument("--decode-reserve-tokens", type=int,
+                   help="reserve KV for at most this many output tokens per request at "
+                        "admission, retracting requests when decode outgrows the pool "
+                        "(default: reserve all of max_tokens)")
     p.add_argument("--attention-backend", help="auto, torch or triton")
     p.add_argument("--seed", type=int)
     p.add_argument("--max-n", type=int, help="the largest n a request may ask for (default 8)")
