@@ -105,10 +105,11 @@ class Req:
 
     `cached_len` tokens have KV in the pool (or being computed by a launched batch);
     `device_len` counts the prompt plus every token whose sampling was launched, so with overlap
-    scheduling `len(token_ids)` trails it by the one in-flight step. `pages` are the KV pages backing
-    the sequence in order; the first `num_prefix_pages` belong to the prefix cache (locked through
-    `cache_handle`), the rest to this request. The request owns page-table row `table_row` from
-    admission until the scheduler retires it (exactly once, on finish or abort).
+    scheduling `len(token_ids)` trails it by the one in-flight step (a retracted request restarts
+    with `device_len = len(token_ids)`). `pages` are the KV pages backing the sequence in order;
+    the first `num_prefix_pages` belong to the prefix cache (locked through `cache_handle`), the
+    rest to this request. The request owns page-table row `table_row` from admission until the
+    scheduler retires it (exactly once, on finish, abort or retraction).
     """
 
     uid: int
