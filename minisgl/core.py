@@ -11,9 +11,10 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Tuple
 
-import torch
+if TYPE_CHECKING:  # messages import this module: the tokenizer and API processes need no torch
+    import torch
 
 
 @dataclass(frozen=True)
