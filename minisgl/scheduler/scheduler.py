@@ -136,8 +136,11 @@ class Scheduler:
     def _add(self, msg: UserMsg) -> None:
         error = self.validate(msg)
         if error is not None:
+            logger.info("rank %d: rejected request %d: %s", self.rank, msg.uid, error)
             self.io.send([TokenOut(msg.uid, error=error)], None)
             return
+        logger.debug("rank %d: request %d queued (%d prompt tokens, max_tokens %d)", self.rank,
+                     msg.uid, len(msg.input_ids), msg.params.max_tokens)
         req = Req(msg.uid, list(msg.input_ids), len(msg.input_ids), msg.params,
                   self.engine.model_cfg.eos_token_ids)
         self.reqs[req.uid] = req
@@ -150,6 +153,7 @@ class Scheduler:
             return  # already finished: nothing to free
         admitted = self.prefill.remove(req) or self.decode.remove(req)
         req.finish_reason = FinishReason.ABORT
+        logger.debug("rank %d: request %d aborted after %d tokens", self.rank, uid, req.output_len)
         if admitted:
             self._release(req)
         else:
@@ -263,6 +267,8 @@ class Scheduler:
             out.append(TokenOut(req.uid, tok, reason.value if reason else None, req.prompt_len,
                                 req.prefix_hit))
             if reason is not None:
+                logger.debug("rank %d: request %d finished (%s, %d tokens, %d cached)", self.rank,
+                             req.uid, reason.value, req.output_len, req.prefix_hit)
                 self.decode.remove(req)
                 self._release(req)
         return out
