@@ -223,7 +223,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         finally:
             for p in procs:
                 p.join(timeout=60)
-        bad = [p.exitcode for p in procs if p.exitcode]
+            for p in procs:  # a rank stuck in communicator teardown must not hang the script
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        bad = [p.exitcode for p in procs if p.exitcode and p.exitcode > 0]
         if bad:
             raise SystemExit(f"a rank failed (exit codes {bad})")
         print_table(args, *found)
