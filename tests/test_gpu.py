@@ -50,3 +50,16 @@ def test_dummy_llama8b_bf16_tp2_runs() -> None:
         outs = llm.generate(mixed_prompts(4, seed=7), SamplingParams(max_tokens=16,
                                                                       ignore_eos=True))
     assert all(len(o.token_ids) == 16 for o in outs)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gpu_retraction_keeps_tokens(tiny_qwen3: Path, overlap: bool) -> None:
+    """Optimistic admission on the GPU (overlap on: retraction first finishes the in-flight
+    batch): a small pool forces retractions, and the float32 tokens equal the CPU's."""
+    kw = dict(dtype="float32", page_size=4, max_kv_tokens=400, max_running_requests=12)
+    cpu = _run(tiny_qwen3, device="cpu", **kw)
+    with LLM(str(tiny_qwen3), device="cuda", overlap=overlap, decode_reserve_tokens=4,
+             show_progress=False, **kw) as llm:  # type: ignore[arg-type]
+        got = [o.token_ids for o in llm.generate(mixed_prompts(8, seed=6), GREEDY)]
+        assert llm._backend.scheduler.totals["retracted"] > 0  # type: ignore[attr-defined]
+    assert got == cpu
