@@ -128,7 +128,7 @@ class _RankProcesses:
         self.requests.put(msg)
 
     def drain(self) -> None:
-        pass  # the rank processes run on by themselves
+        """Nothing to wait for: the rank processes finish their in-flight batch by themselves."""
 
     def poll(self) -> List[TokenOut]:
         try:

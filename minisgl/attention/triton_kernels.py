@@ -50,6 +50,18 @@ def _dot(a, b, F32_DOT: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax_step(qk, v, acc, m_i, l_i, F32_DOT: tl.constexpr):
+    """Fold one block of base-2 scores `qk` [M, N] and values `v` [N, D] into the running
+    (acc, row max, row sum) of flash attention."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, page_table_ptr, rows_ptr, seq_lens_ptr, o_part_ptr, lse_part_ptr,
         scale_log2, num_splits, min_split,
@@ -89,15 +101,9 @@ def _decode_split_kernel(
                     mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [D, N]
         qk = _dot(q, k, F32_DOT)
         qk = tl.where(mask_n[None, :], qk * scale_log2, _NEG)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [N, D]
-        pv = _dot(p.to(v.dtype), v, F32_DOT)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        acc, m_i, l_i = _online_softmax_step(qk, v, acc, m_i, l_i, F32_DOT)
 
     # An empty split (zero iterations) writes finite junk that the reduce kernel masks out.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -177,15 +183,9 @@ def _extend_kernel(
         qk = _dot(q, k, F32_DOT)
         causal = mask_n[None, :] & (pos[None, :] <= q_pos[:, None])
         qk = tl.where(causal, qk * scale_log2, _NEG)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [N, D]
-        pv = _dot(p.to(v.dtype), v, F32_DOT)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        acc, m_i, l_i = _online_softmax_step(qk, v, acc, m_i, l_i, F32_DOT)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
