@@ -63,3 +63,18 @@ def test_gpu_retraction_keeps_tokens(tiny_qwen3: Path, overlap: bool) -> None:
         got = [o.token_ids for o in llm.generate(mixed_prompts(8, seed=6), GREEDY)]
         assert llm._backend.scheduler.totals["retracted"] > 0  # type: ignore[attr-defined]
     assert got == cpu
+
+
+def test_gpu_cuda_graphs_match_eager_with_padding_and_sampling(tiny_qwen3: Path) -> None:
+    """Decode graphs (padded sizes, inputs derived in the graph from `last_tokens` and the page
+    table) give the eager path's tokens in float32, greedy and seeded sampling mixed, while the
+    batch shrinks through sizes 7, 6, ..., 1 (most padded up to 8 or 4)."""
+    prompts = mixed_prompts(7, seed=9)
+    params = [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True,
+                             temperature=0.0 if i % 2 else 0.8, seed=i) for i in range(7)]
+
+    def run(graph_bs: int) -> list:
+        with LLM(str(tiny_qwen3), device="cuda", dtype="float32", cuda_graph_max_bs=graph_bs,
+                 show_progress=False) as llm:  # type: ignore[arg-type]
+            return [o.token_ids for o in llm.generate(prompts, params)]
+    assert run(16) == run(0)

@@ -177,16 +177,20 @@ def test_graph_metadata_matches_prepare(dtype: torch.dtype) -> None:
     backend.num_sms, backend.min_split_tokens = 64, 16
     used_rows = {r.table_row for r in case.batch.reqs}
     pad_row = next(r for r in range(case.page_table.shape[0]) if r not in used_rows)
-    backend.init_graph_buffers(16, pad_row)
-    bs, n = 8, 5
-    stub = Batch(Phase.DECODE, [], [0] * bs, [1] * bs, [True] * bs)
-    stub.attn_meta = backend.graph_meta(bs)
-    assert stub.attn_meta.o_part.shape[2] > 1  # sized for long contexts: split
-    backend.fill_graph_meta(case.batch, bs)
     owned = {int(x) for r in used_rows for x in case.page_table[r, :prefix[-1] + 1]}
     scratch = next(x for x in range(case.pool.num_slots) if x not in owned)  # padding K/V
-    pad_slots = torch.full((bs - n,), scratch, dtype=torch.int64, device=device)
-    stub.out_slots = torch.cat([case.batch.out_slots, pad_slots])
+    case.page_table[pad_row, 0] = scratch
+    backend.init_graph_buffers(16)
+    bs, n = 8, 5
+    # The static inputs as engine/cuda_graph.py fills them: padded with (pad_row, 0, 1).
+    static = torch.tensor([[r.table_row for r in case.batch.reqs] + [pad_row] * (bs - n),
+                           prefix + [0] * (bs - n), [p + 1 for p in prefix] + [1] * (bs - n)],
+                          dtype=torch.int32, device=device)
+    stub = Batch(Phase.DECODE, [], [0] * bs, [1] * bs, [True] * bs)
+    stub.attn_meta = backend.graph_meta(static[0], static[1], static[2])
+    assert stub.attn_meta.o_part.shape[2] > 1  # sized for long contexts: split
+    stub.out_slots = case.page_table[static[0], static[1]]
+    assert torch.equal(stub.out_slots[:n].long(), case.batch.out_slots.long())
     pad = lambda x: torch.cat([x, torch.randn((bs - n,) + x.shape[1:]).to(x)])  # noqa: E731
     out = backend.forward(pad(case.q), pad(case.k), pad(case.v), 0, stub)
     assert torch.isfinite(out).all()
@@ -273,3 +277,21 @@ def test_engine_greedy_matches_torch_backend(tmp_path: Path, page_size: int) -> 
         outputs[backend] = [o.token_ids for o in first + rest]
     assert len({t for ids in outputs["torch"] for t in ids}) > 3  # a non-degenerate check
     assert outputs["triton"] == outputs["torch"]
+
+
+def test_store_kv_from_qkv_views() -> None:
+    """One launch stores K and V straight from views of the fused QKV output (V not copied)."""
+    from minisgl.attention.triton_kernels import store_kv
+    device = "cuda" if HAS_CUDA else "cpu"
+    tokens, kv_heads, dim = 5, 2, 16
+    qkv = torch.randn(tokens, (4 + 2 * kv_heads) * dim, device=device)
+    _, k, v = qkv.split([4 * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    k, v = k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+    k_cache = torch.zeros(40, kv_heads, dim, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([3, 17, 0, 39, 8], dtype=torch.int32, device=device)
+    store_kv(k, v, slots, k_cache, v_cache)
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    want_k.index_copy_(0, slots.long(), k)
+    want_v.index_copy_(0, slots.long(), v)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)

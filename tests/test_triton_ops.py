@@ -61,8 +61,7 @@ def test_rotary_in_place_on_qkv_views(dtype: torch.dtype, heads: int, kv_heads: 
     pos = torch.randint(0, 256, (tokens,), device=DEV)
     want_q, want_k = rope(pos, q.clone(), k.clone())
     v_before = qkv[:, (heads + kv_heads) * dim:].clone()
-    triton_ops.rotary_(q, pos, rope.cos, rope.sin)
-    triton_ops.rotary_(k, pos, rope.cos, rope.sin)
+    triton_ops.rotary_qk_(q, k, pos, rope.cos, rope.sin)
     _close(q, want_q, dtype)
     _close(k, want_k, dtype)
     assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before)  # V untouched

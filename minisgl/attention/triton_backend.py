@@ -14,7 +14,7 @@ from typing import List, Optional
 import torch
 
 from minisgl.attention.base import AttentionBackend
-from minisgl.attention.triton_kernels import decode_attention, extend_attention
+from minisgl.attention.triton_kernels import decode_attention, extend_attention, store_kv
 from minisgl.core import Batch, Phase
 from minisgl.kvcache import KVPool
 
@@ -36,7 +36,7 @@ class TritonMeta:
 
 class TritonBackend(AttentionBackend):
     """Paged attention with Triton kernels; also implements the decode CUDA-graph protocol of
-    engine/cuda_graph.py (static metadata buffers filled before each replay)."""
+    engine/cuda_graph.py (metadata viewing the graph's static input buffers)."""
 
     # Flash-decoding split policy, from kernel times under graph replay on an H200 (bf16, 32/8
     # heads, 2026-11-30): batch 1 at 512 tokens ran 15.7 us unsplit, 5.5 us in 8 splits of 64
@@ -84,51 +84,44 @@ class TritonBackend(AttentionBackend):
         batch.attn_meta = TritonMeta(decode, dev[0], dev[1], dev[2], dev[3], dev[4],
                                      max(batch.extend_lens, default=0), o_part, lse_part)
 
-    # --- CUDA graphs (engine/cuda_graph.py): static decode metadata -----------------------------
-    def init_graph_buffers(self, max_bs: int, pad_row: int) -> None:
-        """Allocate the static metadata of decode graphs of up to `max_bs` requests. Padding
-        entries read page-table row `pad_row` with length 1 (their K/V slot is the caller's)."""
-        self._pad_row = pad_row
-        self._graph_lens = torch.zeros((5, max_bs), dtype=torch.int32, device=self.device)
-        # One flat scratch serves every captured size (graphs never run at the same time).
+    # --- CUDA graphs (engine/cuda_graph.py): metadata over the graph's static inputs ---------
+    def init_graph_buffers(self, max_bs: int) -> None:
+        """Allocate what decode graphs of up to `max_bs` requests share: the split scratch (one
+        flat buffer serves every size: graphs never run at the same time) and the constant
+        per-request extend lengths (1) and query starts (0, 1, 2, ...)."""
         most = max(bs * self._graph_splits(bs) for bs in range(1, max_bs + 1))
         self._graph_o = torch.empty(most * self.num_heads * self.head_dim, dtype=torch.float32,
                                     device=self.device)
         self._graph_lse = torch.empty(most * self.num_heads, dtype=torch.float32,
                                       device=self.device)
+        self._graph_ones = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+        self._graph_starts = torch.arange(max_bs, dtype=torch.int32, device=self.device)
 
     def _graph_splits(self, bs: int) -> int:
         """Splits for a graph of `bs` requests: sized for the longest context; the kernels'
         minimum split length keeps short sequences from being over-split at replay."""
         return self.num_splits(bs, self.page_table.shape[1])
 
-    def graph_meta(self, bs: int) -> TritonMeta:
-        """Metadata viewing the static buffers, for capturing a decode graph of `bs` requests."""
+    def graph_meta(self, rows: torch.Tensor, positions: torch.Tensor,
+                   seq_lens: torch.Tensor) -> TritonMeta:
+        """Metadata for capturing a decode graph whose per-request page-table rows, positions
+        (= cached lengths) and sequence lengths live in these static int32 tensors."""
+        bs = rows.shape[0]
         splits = self._graph_splits(bs)
         h, d = self.num_heads, self.head_dim
         o_part = self._graph_o[:bs * h * splits * d].view(bs, h, splits, d)
         lse_part = self._graph_lse[:bs * h * splits].view(bs, h, splits)
-        lens = self._graph_lens[:, :bs]
-        return TritonMeta(True, lens[0], lens[1], lens[2], lens[3], lens[4], 1, o_part,
-                          lse_part)
-
-    def fill_graph_meta(self, batch: Batch, bs: int) -> None:
-        """Copy a decode batch's rows and lengths into the static buffers, padded to `bs`."""
-        pad = bs - batch.size
-        rows = [r.table_row for r in batch.reqs] + [self._pad_row] * pad
-        prefix = list(batch.prefix_lens) + [0] * pad
-        seq = [p + 1 for p in batch.prefix_lens] + [1] * pad
-        host = torch.tensor([rows, prefix, [1] * bs, seq, list(range(bs))], dtype=torch.int32)
-        self._graph_lens[:, :bs].copy_(host, non_blocking=True)
+        return TritonMeta(True, rows, positions, self._graph_ones[:bs], seq_lens,
+                          self._graph_starts[:bs], 1, o_part, lse_part)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 batch: Batch) -> torch.Tensor:
-        self.pool.store(layer, batch.out_slots, k, v)
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        store_kv(k, v, batch.out_slots, k_cache, v_cache)  # type: ignore[arg-type]
         meta: TritonMeta = batch.attn_meta  # type: ignore[assignment]
         if q.stride(-1) != 1:
             q = q.contiguous()  # the kernels index the head dimension densely
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         if meta.decode:
             assert meta.o_part is not None and meta.lse_part is not None
             decode_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens,

@@ -286,3 +286,35 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim), F32_DOT=_f32_dot(q), num_warps=tiles.num_warps,
         num_stages=2)
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, stride_kt, stride_vt,
+                     stride_cs, n_elems, BLOCK: tl.constexpr):
+    """Program t: copy token t's K and V ([kv_heads * head_dim], dense) into slot slots[t]."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_elems
+    k = tl.load(k_ptr + t * stride_kt + offs, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + offs, mask=mask)
+    tl.store(k_cache_ptr + slot * stride_cs + offs, k, mask=mask)
+    tl.store(v_cache_ptr + slot * stride_cs + offs, v, mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor) -> None:
+    """k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t] in one launch.
+
+    k/v [T, kv_heads, d] with each token's heads one dense block (views of the fused QKV output
+    qualify, so V needs no copy); caches [slots, kv_heads, d] contiguous; slots [T], int32 or
+    int64, on the same device.
+    """
+    tokens, heads, dim = k.shape
+    for x in (k, v):
+        if x.stride(2) != 1 or x.stride(1) != dim:
+            raise ValueError("store_kv needs each token's K/V heads as one dense block")
+    if tokens:
+        n = heads * dim
+        _store_kv_kernel[(tokens,)](k, v, slots, k_cache, v_cache, k.stride(0), v.stride(0),
+                                    k_cache.stride(0), n, BLOCK=triton.next_power_of_2(n))

@@ -1,19 +1,26 @@
 """CUDA graphs for decode batches.
 
 Decode is a few hundred small kernel launches per step; replaying a captured graph removes the
-launch gaps. One graph per batch size in `sizes` (a real batch is padded up to the next one),
-all sharing one memory pool. Padding rows read the spare page-table row and write their K/V to
-the pool's scratch slot, so they never touch a live request's cache.
+launch gaps. One graph per batch size in `sizes` (a real batch is padded up to the next one), all
+sharing one memory pool.
 
-Contract with the attention backend (`GraphableBackend`): `graph_meta(bs)` returns metadata
-viewing static buffers sized for `max_bs`; `fill_graph_meta(batch, bs)` copies a real batch's
-values into them (padded) before each replay.
+Inputs: each size `bs` has one static int32 block [3, bs] on the device (page-table row, position,
+sequence length of each request), filled by ONE host-to-device copy before a replay. Everything
+else is derived inside the graph, so the host launches nothing else per step: the input ids are
+`last_tokens[rows]` (the engine's device copy of each row's newest token) and the KV slots
+`page_table[rows, positions]` (written by the scheduler before the launch). Padding requests use
+the spare page-table row `pad_row` at position 0, whose entry points at the pool's scratch slot,
+so they never touch a live request's cache.
+
+Contract with the attention backend (`GraphableBackend`): `init_graph_buffers(max_bs)` allocates
+what the graphs share; `graph_meta(rows, positions, seq_lens)` returns metadata viewing the static
+tensors (no host values baked in).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Protocol
+from typing import Dict, List, NamedTuple, Protocol
 
 import torch
 
@@ -24,14 +31,18 @@ logger = logging.getLogger(__name__)
 
 
 class GraphableBackend(Protocol):
-    def init_graph_buffers(self, max_bs: int, pad_row: int) -> None: ...
+    def init_graph_buffers(self, max_bs: int) -> None: ...
 
-    def graph_meta(self, bs: int) -> object: ...
-
-    def fill_graph_meta(self, batch: Batch, bs: int) -> None: ...
+    def graph_meta(self, rows: torch.Tensor, positions: torch.Tensor,
+                   seq_lens: torch.Tensor) -> object: ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 batch: Batch) -> torch.Tensor: ...
+
+
+class Replayed(NamedTuple):
+    logits: torch.Tensor  # [batch.size, vocab] float32, valid until the next replay
+    rows: torch.Tensor  # [batch.size] int32 page-table rows on the device (static buffer view)
 
 
 def graph_sizes(max_bs: int) -> List[int]:
@@ -44,32 +55,41 @@ def graph_sizes(max_bs: int) -> List[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, backend: GraphableBackend, max_bs: int, pad_row: int,
-                 scratch_slot: int, device: torch.device) -> None:
+    """Captures at construction (the model, pool and page table must be ready); the engine calls
+    `replay` for decode batches of at most `max_bs` requests whose slots are in the page table."""
+
+    def __init__(self, model: CausalLM, backend: GraphableBackend, max_bs: int,
+                 page_table: torch.Tensor, pad_row: int, scratch_slot: int,
+                 last_tokens: torch.Tensor) -> None:
         self.model = model
         self.backend = backend
+        self.page_table = page_table
+        self.last_tokens = last_tokens
         self.sizes = graph_sizes(max_bs)
         self.max_bs = self.sizes[-1]
-        self.scratch_slot = scratch_slot
-        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-        self.out_slots = torch.full((self.max_bs,), scratch_slot, dtype=torch.int64,
-                                    device=device)
-        self.rows = torch.arange(self.max_bs, dtype=torch.int64, device=device)
-        backend.init_graph_buffers(self.max_bs, pad_row)
+        self.pad_row = pad_row
+        page_table[pad_row, 0] = scratch_slot  # padding requests write and read only there
+        device = page_table.device
+        flat = torch.zeros(3 * sum(self.sizes), dtype=torch.int32, device=device)
+        self.inputs: Dict[int, torch.Tensor] = {}
+        offset = 0
+        for bs in self.sizes:
+            self.inputs[bs] = flat[offset:offset + 3 * bs].view(3, bs)
+            self.inputs[bs][0].fill_(pad_row)
+            self.inputs[bs][2].fill_(1)
+            offset += 3 * bs
+        backend.init_graph_buffers(self.max_bs)
         self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: Dict[int, torch.Tensor] = {}
         self._capture_all(device)
 
-    def _stub(self, bs: int) -> Batch:
-        batch = Batch(Phase.DECODE, [], [0] * bs, [1] * bs, [True] * bs)
-        batch.out_slots = self.out_slots[:bs]
-        batch.attn_meta = self.backend.graph_meta(bs)
-        return batch
-
     def _run(self, bs: int) -> torch.Tensor:
-        return self.model(self.input_ids[:bs], self.positions[:bs], self._stub(bs),
-                          self.backend, self.rows[:bs])  # type: ignore[arg-type]
+        rows, positions, seq_lens = self.inputs[bs]
+        batch = Batch(Phase.DECODE, [], [0] * bs, [1] * bs, [True] * bs)
+        batch.out_slots = self.page_table[rows, positions]
+        batch.attn_meta = self.backend.graph_meta(rows, positions, seq_lens)
+        return self.model(self.last_tokens[rows], positions, batch,
+                          self.backend, None)  # type: ignore[arg-type]
 
     @torch.inference_mode()
     def _capture_all(self, device: torch.device) -> None:
@@ -92,18 +112,16 @@ class DecodeGraphs:
     def can_run(self, batch: Batch) -> bool:
         return batch.phase is Phase.DECODE and batch.size <= self.max_bs
 
-    def replay(self, batch: Batch) -> torch.Tensor:
-        """Logits [batch.size, vocab] of a decode batch whose inputs the engine prepared."""
+    def replay(self, batch: Batch) -> Replayed:
+        """Run a decode batch: one input copy, then the graph of the next size up."""
         n = batch.size
         bs = next(s for s in self.sizes if s >= n)
-        assert batch.input_ids is not None and batch.positions is not None
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.out_slots[:n].copy_(batch.out_slots)  # type: ignore[arg-type]
-        if bs > n:
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-            self.out_slots[n:bs].fill_(self.scratch_slot)
-        self.backend.fill_graph_meta(batch, bs)
+        pad = bs - n
+        positions = list(batch.prefix_lens)
+        host = torch.tensor([[r.table_row for r in batch.reqs] + [self.pad_row] * pad,
+                             positions + [0] * pad,
+                             [p + 1 for p in positions] + [1] * pad], dtype=torch.int32)
+        inputs = self.inputs[bs]
+        inputs.copy_(host, non_blocking=True)  # pageable source: staged at once, no stall
         self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        return Replayed(self.logits[bs][:n], inputs[0, :n])

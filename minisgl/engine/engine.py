@@ -18,7 +18,7 @@ from minisgl.core import Batch, Phase
 from minisgl.distributed import ProcessGroups, min_over_ranks
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.cuda_graph import DecodeGraphs
-from minisgl.engine.sampler import make_sampling_tensors, sample
+from minisgl.engine.sampler import sample_requests
 from minisgl.kvcache import KVPool
 from minisgl.models import CausalLM, ModelConfig, model_class
 from minisgl.models.weights import init_dummy, iter_checkpoint
@@ -74,10 +74,11 @@ class Engine:
         self.graphs: Optional[DecodeGraphs] = None
         if (self.device.type == "cuda" and cfg.cuda_graph_max_bs > 0
                 and hasattr(self.backend, "init_graph_buffers")):
-            self.graphs = DecodeGraphs(self.model, self.backend,  # type: ignore[arg-type]
-                                       min(cfg.cuda_graph_max_bs, cfg.max_running_requests),
-                                       cfg.max_running_requests, self.pool.scratch_slot,
-                                       self.device)
+            self.graphs = DecodeGraphs(
+                self.model, self.backend,  # type: ignore[arg-type]
+                min(cfg.cuda_graph_max_bs, cfg.max_running_requests), self.page_table,
+                pad_row=cfg.max_running_requests, scratch_slot=self.pool.scratch_slot,
+                last_tokens=self.last_tokens)
         logger.info("rank %d: engine ready: %d KV pages of %d tokens, backend %s",
                     cfg.tp_info.rank, self.num_pages, cfg.page_size, cfg.backend_name)
 
@@ -113,23 +114,21 @@ class Engine:
         not yet advanced the requests' lengths. Decode inputs come from `last_tokens` on the
         device, so a batch can be launched before the previous one's tokens reach the host.
         """
-        self._prepare_inputs(batch)
         sampled = [i for i, s in enumerate(batch.sample) if s]
         if self.graphs is not None and self.graphs.can_run(batch):
-            logits = self.graphs.replay(batch)
+            logits, rows = self.graphs.replay(batch)  # decode: every request is sampled
         else:
+            self._prepare_inputs(batch)
             self.backend.prepare(batch)
             ends = to_device(batch.extend_lens, torch.int64, self.device).cumsum(0) - 1
-            rows = ends[to_device(sampled, torch.int64, self.device)]
-            logits = self.model(batch.input_ids, batch.positions, batch, self.backend, rows)
+            logits = self.model(batch.input_ids, batch.positions, batch, self.backend,
+                                ends[to_device(sampled, torch.int64, self.device)])
+            rows = to_device([batch.reqs[i].table_row for i in sampled], torch.int64,
+                             self.device)
         if not sampled:
             return Launched(batch, sampled, None, None)
-        tensors = make_sampling_tensors([batch.reqs[i] for i in sampled], self.cfg.seed,
-                                        self.device)
-        tokens = sample(logits, tensors)
-        table_rows = to_device([batch.reqs[i].table_row for i in sampled], torch.int64,
-                               self.device)
-        self.last_tokens[table_rows] = tokens
+        tokens = sample_requests(logits, [batch.reqs[i] for i in sampled], self.cfg.seed)
+        self.last_tokens[rows] = tokens
         if self.device.type != "cuda":
             return Launched(batch, sampled, tokens, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

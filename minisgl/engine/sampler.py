@@ -99,3 +99,11 @@ def sample(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
     gumbel = -torch.log(-torch.log(uniform_noise(s.seed, s.step, logits.shape[-1])))
     sampled = (scaled + gumbel).argmax(dim=-1)
     return torch.where(s.greedy, greedy_tokens, sampled)
+
+
+def sample_requests(logits: torch.Tensor, reqs: List[Req], engine_seed: int) -> torch.Tensor:
+    """Tokens for `reqs` (row i of logits is reqs[i]); an all-greedy batch is one argmax, with
+    no parameter tensors copied to the device."""
+    if all(r.params.is_greedy for r in reqs):
+        return logits.argmax(dim=-1)
+    return sample(logits, make_sampling_tensors(reqs, engine_seed, logits.device))

@@ -22,7 +22,8 @@ class KVPool:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write K/V of new tokens: slots [T] int64, k/v [T, kv_heads, head_dim]."""
+        """Write K/V of new tokens: slots [T] (int32 or int64), k/v [T, kv_heads, head_dim]."""
+        slots = slots.long()  # index_copy_ takes int64 indices only
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)
 

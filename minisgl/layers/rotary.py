@@ -60,8 +60,7 @@ class RotaryEmbedding(nn.Module):
         if (self.fused and q.is_cuda and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]
                 and q.stride(2) == 1 and k.stride(2) == 1):
             from minisgl.layers import triton_ops
-            return (triton_ops.rotary_(q, positions, self.cos, self.sin),
-                    triton_ops.rotary_(k, positions, self.cos, self.sin))
+            return triton_ops.rotary_qk_(q, k, positions, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

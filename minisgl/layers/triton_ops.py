@@ -1,5 +1,6 @@
 """Fused elementwise kernels for the GPU decode path: RMSNorm (with the residual add), SiLU-and-mul
-and rotary embedding, each one launch instead of the 5 to 15 small kernels of the torch version.
+and rotary embedding (q and k together), each one launch instead of the 5 to 15 small kernels of
+the torch version.
 
 At batch 1 a decode step is some 1,400 tiny kernels, each costing a few microseconds even inside
 a CUDA graph; fusing these three halves that count. They compute in float32 and round once, so
@@ -74,32 +75,49 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_tok, n_heads,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
+def _rotate_heads(base, cos, sin, n_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotate `n_heads` dense [head_dim] vectors starting at `base`, in place."""
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HALF)
     hmask = heads[:, None] < n_heads
-    base = x_ptr + tok * stride_tok + heads[:, None] * (2 * HALF) + dims[None, :]
-    x1 = tl.load(base, mask=hmask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=hmask, other=0.0).to(tl.float32)
+    ptrs = base + heads[:, None] * (2 * HALF) + dims[None, :]
+    x1 = tl.load(ptrs, mask=hmask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF, mask=hmask, other=0.0).to(tl.float32)
+    ty = base.dtype.element_ty
+    tl.store(ptrs, (x1 * cos - x2 * sin).to(ty), mask=hmask)
+    tl.store(ptrs + HALF, (x2 * cos + x1 * sin).to(ty), mask=hmask)
+
+
+@triton.jit
+def _rotary_qk_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, stride_q, stride_k, n_q, n_k,
+                      HALF: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    dims = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + pos * (2 * HALF) + dims)[None, :]
     sin = tl.load(sin_ptr + pos * (2 * HALF) + dims)[None, :]
-    ty = x_ptr.dtype.element_ty
-    tl.store(base, (x1 * cos - x2 * sin).to(ty), mask=hmask)
-    tl.store(base + HALF, (x2 * cos + x1 * sin).to(ty), mask=hmask)
+    _rotate_heads(q_ptr + tok * stride_q, cos, sin, n_q, HALF, BLOCK_Q)
+    _rotate_heads(k_ptr + tok * stride_k, cos, sin, n_k, HALF, BLOCK_K)
 
 
-def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-            ) -> torch.Tensor:
-    """Rotate x [tokens, heads, head_dim] in place (rotate-half layout); cos/sin are float32
-    [max_positions, head_dim] caches. The head dimension must be contiguous with the heads."""
-    tokens, heads, dim = x.shape
+def _check_rotary_layout(x: torch.Tensor) -> None:
+    _, heads, dim = x.shape
     if x.stride(2) != 1 or x.stride(1) != dim or dim & (dim - 1):
-        raise ValueError("rotary_ needs x[t] to be a dense [heads, head_dim] block, head_dim a "
+        raise ValueError("rotary needs x[t] to be a dense [heads, head_dim] block, head_dim a "
                          "power of two")
+
+
+def rotary_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] in place, in one
+    launch (rotate-half layout); cos/sin are float32 [max_positions, head_dim] caches. Each
+    token's heads must be one dense block (q and k may be views of one fused QKV output)."""
+    _check_rotary_layout(q)
+    _check_rotary_layout(k)
+    tokens, n_q, dim = q.shape
     if tokens:
-        _rotary_kernel[(tokens,)](x, positions, cos, sin, x.stride(0), heads, HALF=dim // 2,
-                                  BLOCK_H=triton.next_power_of_2(heads))
-    return x
+        _rotary_qk_kernel[(tokens,)](q, k, positions, cos, sin, q.stride(0), k.stride(0), n_q,
+                                     k.shape[1], HALF=dim // 2,
+                                     BLOCK_Q=triton.next_power_of_2(n_q),
+                                     BLOCK_K=triton.next_power_of_2(k.shape[1]))
+    return q, k

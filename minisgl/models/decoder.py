@@ -61,7 +61,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(backend.forward(q, k, v.contiguous(), self.layer, batch))
+        return self.o_proj(backend.forward(q, k, v, self.layer, batch))
 
 
 class MLP(nn.Module):
@@ -137,10 +137,13 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, info, comm, tied_to=tied)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
-                backend: AttentionBackend, logit_rows: torch.Tensor) -> torch.Tensor:
-        """Logits [len(logit_rows), vocab] (float32) for the chosen token rows only."""
+                backend: AttentionBackend, logit_rows: Optional[torch.Tensor]) -> torch.Tensor:
+        """Logits [len(logit_rows), vocab] (float32) for the chosen token rows only (every row
+        when `logit_rows` is None, as in decode)."""
         hidden = self.model(ids, positions, batch, backend)
-        return self.lm_head(hidden[logit_rows]).float()
+        if logit_rows is not None:
+            hidden = hidden[logit_rows]
+        return self.lm_head(hidden).float()
 
     def load_weights(self, tensors: Iterable[Tuple[str, TensorSource]]) -> None:
         """Load every parameter from (checkpoint name, source) pairs; raise naming any missing."""

@@ -237,11 +237,10 @@ class Scheduler:
             cols.extend(range(start, start + n))
             pages = req.pages
             slots.extend(pages[p // ps] * ps + p % ps for p in range(start, start + n))
-        dev = self.engine.device
-        slot_t = to_device(slots, torch.int64, dev)
-        self.engine.page_table[to_device(rows, torch.int64, dev),
-                               to_device(cols, torch.int64, dev)] = slot_t.to(torch.int32)
-        batch.out_slots = slot_t
+        # One host-to-device copy for all three; int32 indexes the page table directly.
+        packed = to_device([rows, cols, slots], torch.int32, self.engine.device)
+        self.engine.page_table[packed[0], packed[1]] = packed[2]
+        batch.out_slots = packed[2]
 
     def _rewrite_pages(self, req: Req, page_indices: List[int]) -> None:
         """Point the page table at `req.pages[i]` for each listed page index."""
