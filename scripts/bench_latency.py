@@ -25,7 +25,8 @@ from typing import Any, List, Optional
 import torch
 
 from minisgl.core import Batch, Phase, Req, SamplingParams
-from minisgl.distributed import DistributedInfo, destroy_process_groups, init_process_groups
+from minisgl.distributed import (ALLREDUCE_MODES, DistributedInfo, destroy_process_groups,
+                                 init_process_groups)
 from minisgl.engine import Engine, EngineConfig
 from minisgl.utils import free_port, resolve_device, resolve_dtype
 
@@ -63,6 +64,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--allreduce", default="auto", choices=list(ALLREDUCE_MODES),
+                   help="tensor-parallel all-reduce (see EngineConfig.allreduce)")
     p.add_argument("--copy-mib", type=int, default=None,
                    help="size of the bandwidth probe (default 4096 on CUDA, 256 on CPU)")
     return p.parse_args(argv)
@@ -167,9 +170,10 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
         dtype=resolve_dtype(args.dtype, device), page_size=args.page_size,
         max_running_requests=max(sizes), max_kv_tokens=max(sizes) * pages_per_req * args.page_size,
         load_format="dummy", attention_backend=args.attention_backend,
-        fused_ops=not args.no_fused_ops,
+        fused_ops=not args.no_fused_ops, allreduce=args.allreduce,
         dist_init_method=init_method, show_progress=False)
-    groups = init_process_groups(cfg.tp_info, cfg.torch_device, init_method, cfg.dist_timeout_s)
+    groups = init_process_groups(cfg.tp_info, cfg.torch_device, init_method, cfg.dist_timeout_s,
+                                 cfg.allreduce)
     try:
         engine = Engine(cfg, groups)
         engine.pool.k.normal_()  # random K/V: never time on zeros
@@ -203,6 +207,7 @@ def print_table(args: argparse.Namespace, bandwidth: float, rows: List[Row], dev
     print("RESULT " + json.dumps({
         "model": args.model, "tp": args.tp, "device": device, "context": args.context,
         "copy_gb_s": round(bandwidth / 1e9, 1), "attention_backend": args.attention_backend,
+        "allreduce": args.allreduce,
         "rows": [{**asdict(r), "pct_roofline": round(100 * r.efficiency, 1)} for r in rows]}))
 
 

@@ -2,12 +2,17 @@
 
 `Communicator` is what layers call inside a forward pass; with one rank every call is the identity.
 `init_process_groups` joins the ranks with a timeout, so a dead peer ends a collective with an
-error instead of a hang.
+error instead of a hang. On CUDA it can also set up the one-shot symmetric-memory all-reduce
+(symm_allreduce.py), which `Communicator.all_reduce` uses for small tensors (decode) instead of
+NCCL; the `allreduce` mode picks: "auto" (symmetric memory where available, else NCCL, with one
+log line saying why), "nccl" (the process group's own all-reduce: NCCL, or gloo on CPU) or
+"symm" (symmetric memory required: start-up fails with the reason if it is unavailable).
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import zlib
 from array import array
 from typing import NamedTuple, Optional, Sequence
@@ -16,18 +21,34 @@ import torch
 import torch.distributed as dist
 
 from minisgl.distributed.info import DistributedInfo
+from minisgl.distributed.symm_allreduce import (DEFAULT_SYMM_MAX_BYTES, SymmMemAllReduce,
+                                                check_allreduce_mode)
+
+logger = logging.getLogger(__name__)
 
 
 class Communicator:
-    """All-reduce (sum) and all-gather over one process group; identity for a single rank."""
+    """All-reduce (sum) and all-gather over one process group; identity for a single rank.
 
-    def __init__(self, info: DistributedInfo, group: Optional[dist.ProcessGroup] = None) -> None:
+    `symm`, when given, is the symmetric-memory all-reduce of the same ranks; tensors it takes
+    (small, contiguous, bfloat16 / float32) go through it, everything else through `group`."""
+
+    def __init__(self, info: DistributedInfo, group: Optional[dist.ProcessGroup] = None,
+                 symm: Optional[SymmMemAllReduce] = None) -> None:
         self.info = info
         self.group = group
+        self.symm = symm
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of `x` over ranks (collective: every rank calls it in the same order with the
+        same shape). Callers must use the return value: NCCL / gloo reduce `x` in place and
+        return it, the symmetric-memory path returns a new tensor and leaves `x` unchanged."""
         if self.info.size == 1:
             return x
+        if self.symm is not None:
+            out = self.symm.all_reduce(x)
+            if out is not None:
+                return out
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
         return x
 
@@ -46,8 +67,15 @@ class ProcessGroups(NamedTuple):
 
 
 def init_process_groups(info: DistributedInfo, device: torch.device, init_method: str,
-                        timeout_s: float) -> ProcessGroups:
-    """Join the tensor-parallel group. Every rank must call this with the same `init_method`."""
+                        timeout_s: float, allreduce: str = "auto",
+                        symm_max_bytes: int = DEFAULT_SYMM_MAX_BYTES) -> ProcessGroups:
+    """Join the tensor-parallel group. Every rank must call this with the same arguments.
+
+    `allreduce` is "auto", "nccl" or "symm" (module docstring); with symmetric memory every rank
+    allocates one `symm_max_bytes` buffer here, before the engine captures any CUDA graph, and
+    all-reduces of larger tensors (prefill) use NCCL. Raises ValueError for a bad mode or "symm"
+    off CUDA (before joining), RuntimeError for "symm" where symmetric memory is unavailable."""
+    check_allreduce_mode(allreduce, device.type)
     if info.size == 1:
         return ProcessGroups(Communicator(info), None)
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -56,7 +84,25 @@ def init_process_groups(info: DistributedInfo, device: torch.device, init_method
     dist.init_process_group(backend, init_method=init_method, rank=info.rank,
                             world_size=info.size, timeout=timeout, **kwargs)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout)
-    return ProcessGroups(Communicator(info, dist.group.WORLD), cpu_group)
+    symm = _symm_all_reduce(allreduce, info, device, cpu_group, symm_max_bytes)
+    return ProcessGroups(Communicator(info, dist.group.WORLD, symm), cpu_group)
+
+
+def _symm_all_reduce(mode: str, info: DistributedInfo, device: torch.device,
+                     cpu_group: dist.ProcessGroup, max_bytes: int) -> Optional[SymmMemAllReduce]:
+    """The symmetric-memory all-reduce the mode asks for, or None (same answer on every rank)."""
+    if mode == "nccl" or device.type != "cuda":  # on CPU "auto" is plain gloo, nothing to log
+        return None
+    symm, why = SymmMemAllReduce.create(dist.group.WORLD, cpu_group, device, max_bytes)
+    if symm is None:
+        if mode == "symm":
+            raise RuntimeError(f"allreduce 'symm': symmetric memory is unavailable ({why})")
+        if info.is_primary:
+            logger.warning("all-reduce: NCCL only, symmetric memory is unavailable (%s)", why)
+    elif info.is_primary:
+        logger.info("all-reduce: one-shot over symmetric memory up to %d bytes, NCCL above",
+                    max_bytes)
+    return symm
 
 
 def destroy_process_groups() -> None:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from minisgl.distributed import DistributedInfo
+from minisgl.distributed import DistributedInfo, check_allreduce_mode
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,9 @@ class EngineConfig:
     seed: int = 0
     fused_ops: bool = True  # fused Triton RMSNorm / SiLU-and-mul / rotary (CUDA only)
     cuda_graph_max_bs: int = 256  # decode CUDA graphs up to this batch size (0: off; GPU only)
+    # TP all-reduce: "auto" (symmetric-memory one-shot for small tensors where CUDA offers it,
+    # else NCCL / gloo), "nccl" (always the process group's own) or "symm" (required; CUDA only)
+    allreduce: str = "auto"
     dist_init_method: str = "tcp://127.0.0.1:29500"
     dist_timeout_s: float = 60.0
     show_progress: bool = True
@@ -38,6 +41,7 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not 0 < self.mem_fraction < 1:
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
+        check_allreduce_mode(self.allreduce, self.device)
 
     @property
     def torch_device(self) -> torch.device:

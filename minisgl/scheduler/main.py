@@ -77,7 +77,7 @@ def run_rank(cfg: SchedulerConfig, ready: Any, log_level: str = "INFO") -> None:
     try:
         info = cfg.engine.tp_info
         groups = init_process_groups(info, cfg.engine.torch_device, cfg.engine.dist_init_method,
-                                     cfg.engine.dist_timeout_s)
+                                     cfg.engine.dist_timeout_s, cfg.engine.allreduce)
         peers = _peer_pids(groups.cpu_group, info.rank, info.size)
         threading.Thread(target=_watchdog, args=(parent, peers, log), daemon=True).start()
         engine = Engine(cfg.engine, groups)

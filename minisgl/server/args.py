@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from minisgl.distributed import DistributedInfo
+from minisgl.distributed import ALLREDUCE_MODES, DistributedInfo
 from minisgl.engine import EngineConfig
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.utils import resolve_device, resolve_dtype
@@ -45,6 +45,7 @@ class ServerConfig:
     cache: str = "radix"
     decode_reserve_tokens: Optional[int] = None  # None: reserve all of max_tokens (no retraction)
     attention_backend: str = "auto"
+    allreduce: str = "auto"  # TP all-reduce: auto, nccl or symm (see EngineConfig)
     seed: int = 0
     max_n: int = 8
     log_level: str = "info"
@@ -68,6 +69,8 @@ class ServerConfig:
             (self.load_format in ("auto", "dummy"),
              f"load-format must be auto or dummy, got {self.load_format!r}"),
             (self.cache in ("radix", "naive"), f"cache must be radix or naive, got {self.cache!r}"),
+            (self.allreduce in ALLREDUCE_MODES,
+             f"allreduce must be one of {', '.join(ALLREDUCE_MODES)}, got {self.allreduce!r}"),
             (self.log_level.lower() in _LOG_LEVELS,
              f"log-level must be one of {', '.join(_LOG_LEVELS)}, got {self.log_level!r}"),
         ]
@@ -100,7 +103,7 @@ class ServerConfig:
             dtype=resolve_dtype(self.dtype, device), page_size=self.page_size,
             max_running_requests=self.max_running_requests, max_kv_tokens=self.max_kv_tokens,
             mem_fraction=self.mem_fraction, load_format=self.load_format,
-            attention_backend=self.attention_backend, seed=self.seed,
+            attention_backend=self.attention_backend, allreduce=self.allreduce, seed=self.seed,
             dist_init_method=dist_init_method, show_progress=False)
         return SchedulerConfig(engine=engine, max_prefill_tokens=self.max_prefill_tokens,
                                cache=self.cache, backend_addr=backend_addr,
@@ -133,6 +136,10 @@ def _parser() -> argparse.ArgumentParser:
                         "admission, retracting requests when decode outgrows the pool "
                         "(default: reserve all of max_tokens)")
     p.add_argument("--attention-backend", help="auto, torch or triton")
+    p.add_argument("--allreduce", choices=ALLREDUCE_MODES,
+                   help="tensor-parallel all-reduce: auto (symmetric-memory one-shot for small "
+                        "tensors on CUDA where available, else NCCL; default), nccl, or symm "
+                        "(required: fail at start-up if unavailable)")
     p.add_argument("--seed", type=int)
     p.add_argument("--max-n", type=int, help="the largest n a request may ask for (default 8)")
     p.add_argument("--log-level", choices=_LOG_LEVELS)

@@ -1,0 +1,268 @@
+"""The tensor-parallel all-reduce switch: config and CLI plumbing, the CPU fallback to gloo, a
+clear error for "symm" off CUDA, and (on two GPUs) the symmetric-memory one-shot all-reduce
+against NCCL, eagerly and inside a CUDA graph."""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing as mp
+import os
+import sys
+import traceback
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Dict, List, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from minisgl.distributed import (DistributedInfo, SymmMemAllReduce, destroy_process_groups,
+                                 init_process_groups)
+from minisgl.distributed.symm_allreduce import symm_mem_problem
+from minisgl.engine import EngineConfig
+from minisgl.server.args import parse_args
+from minisgl.utils import free_port
+from tiny_models import build_tiny
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+# --- spawning ranks -------------------------------------------------------------------------------
+def _spawn(target: Callable[..., None], world: int, timeout_s: float) -> Dict[int, str]:
+    """Run target(rank, port, queue) in `world` spawned processes; each puts (rank, "ok" or a
+    traceback). Returns every rank's message; kills whatever is still running at the end."""
+    ctx = mp.get_context("spawn")
+    out: Any = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, port, out), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    msgs: Dict[int, str] = {}
+    try:
+        for _ in procs:
+            rank, msg = out.get(timeout=timeout_s)
+            msgs[rank] = msg
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return msgs
+
+
+def _report(rank: int, out: Any, body: Callable[[], None]) -> None:
+    try:
+        body()
+        out.put((rank, "ok"))
+    except BaseException:  # noqa: BLE001 - the parent asserts on the message
+        out.put((rank, traceback.format_exc()))
+    finally:
+        destroy_process_groups()
+
+
+def _load_script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- configuration --------------------------------------------------------------------------------
+def test_engine_config_allreduce_modes() -> None:
+    info = DistributedInfo(0, 2)
+    assert EngineConfig("m", info).allreduce == "auto"
+    for mode in ("auto", "nccl"):
+        assert EngineConfig("m", info, device="cpu", allreduce=mode).allreduce == mode
+    assert EngineConfig("m", info, device="cuda", allreduce="symm").allreduce == "symm"
+    with pytest.raises(ValueError, match="allreduce must be one of auto, nccl, symm"):
+        EngineConfig("m", info, allreduce="mpi")
+    with pytest.raises(ValueError, match="'symm' needs CUDA"):
+        EngineConfig("m", info, device="cpu", allreduce="symm")
+
+
+def test_cli_and_file_set_allreduce(tmp_path: Path) -> None:
+    assert parse_args([]).allreduce == "auto"
+    cfg = parse_args(["--allreduce", "nccl", "--tp", "2", "--device", "cpu"])
+    sc = cfg.scheduler_config(Path("/m"), 1, "tcp://127.0.0.1:1", "ipc://b", "ipc://d", "ipc://x")
+    assert (cfg.allreduce, sc.engine.allreduce) == ("nccl", "nccl")
+    f = tmp_path / "c.toml"
+    f.write_text('allreduce = "symm"\n')
+    assert parse_args(["--config", str(f)]).allreduce == "symm"
+    f.write_text('allreduce = "mpi"\n')
+    with pytest.raises(ValueError, match="allreduce must be one of"):
+        parse_args(["--config", str(f)])
+    with pytest.raises(SystemExit):
+        parse_args(["--allreduce", "mpi"])
+    symm_on_cpu = parse_args(["--allreduce", "symm", "--device", "cpu"])
+    with pytest.raises(ValueError, match="'symm' needs CUDA"):
+        symm_on_cpu.scheduler_config(Path("/m"), 0, "tcp://127.0.0.1:1", "", "", "")
+
+
+@pytest.mark.parametrize("script", ["bench_latency", "bench_offline", "bench_allreduce"])
+def test_bench_scripts_take_allreduce(script: str) -> None:
+    module = _load_script(script)
+    if script == "bench_allreduce":
+        args = module.parse_args(["--tp", "2", "--tokens", "1,8"])
+        assert (args.tp, module.token_counts(args)) == (2, [1, 8])
+        if _gpus() < 2:  # says what it needs and exits 2 instead of failing somewhere inside
+            assert module.main(["--tp", "2"]) == 2
+        return
+    assert module.parse_args([]).allreduce == "auto"
+    assert module.parse_args(["--allreduce", "symm"]).allreduce == "symm"
+    with pytest.raises(SystemExit):
+        module.parse_args(["--allreduce", "mpi"])
+
+
+def test_llm_symm_on_cpu_fails_before_spawning(tmp_path: Path) -> None:
+    from minisgl import LLM
+    path = build_tiny("qwen3", tmp_path, None)
+    with pytest.raises(ValueError, match="'symm' needs CUDA"):
+        LLM(str(path), device="cpu", tp=2, allreduce="symm", show_progress=False)
+
+
+# --- CPU: gloo, and the symmetric-memory path never taken ----------------------------------------
+def test_symm_on_cpu_raises_before_joining() -> None:
+    with pytest.raises(ValueError, match="'symm' needs CUDA"):
+        init_process_groups(DistributedInfo(0, 2), torch.device("cpu"), "tcp://127.0.0.1:1",
+                            5.0, allreduce="symm")
+    assert not dist.is_initialized()
+    assert "not cuda" in (symm_mem_problem(torch.device("cpu")) or "")
+
+
+def _gloo_rank(rank: int, port: int, out: Any) -> None:
+    def body() -> None:
+        groups = init_process_groups(DistributedInfo(rank, 2), torch.device("cpu"),
+                                     f"tcp://127.0.0.1:{port}", 30.0, allreduce="auto")
+        assert groups.comm.symm is None, "auto on CPU must not set up symmetric memory"
+        x = torch.arange(8, dtype=torch.float32).view(2, 4) * (rank + 1)
+        y = groups.comm.all_reduce(x)
+        assert torch.equal(y, torch.arange(8, dtype=torch.float32).view(2, 4) * 3), y
+    _report(rank, out, body)
+
+
+def test_auto_on_cpu_is_gloo() -> None:
+    msgs = _spawn(_gloo_rank, 2, timeout_s=90)
+    assert msgs == {0: "ok", 1: "ok"}, msgs
+
+
+def test_fits_is_decided_by_shape_dtype_and_layout() -> None:
+    """`fits` alone decides the path (so every rank decides the same); checked without a GPU by
+    giving an unallocated instance a CPU device."""
+    symm = SymmMemAllReduce.__new__(SymmMemAllReduce)
+    symm.device, symm.max_bytes = torch.device("cpu"), 2 << 20
+    bf16 = torch.bfloat16
+    assert symm.fits(torch.empty(256, 4096, dtype=bf16))  # exactly 2 MiB
+    assert symm.fits(torch.empty(3, 64, dtype=torch.float32))
+    assert not symm.fits(torch.empty(257, 4096, dtype=bf16))  # too big: NCCL
+    assert not symm.fits(torch.empty(4, 4096, dtype=torch.float16))  # no fp16 kernel
+    assert not symm.fits(torch.empty(4096, 4, dtype=bf16).t())  # not contiguous
+    assert not symm.fits(torch.empty(2, 4096, dtype=bf16)[:, 1:])  # not contiguous
+    assert symm.fits(torch.empty(9, 4096, dtype=bf16)[1:])  # offset of 8 KiB: aligned
+    assert not symm.fits(torch.empty(4097, dtype=bf16)[1:].view(16, 256))  # offset of 2 bytes
+    assert not symm.fits(torch.empty(3, dtype=bf16))  # 6 bytes: below the 16-byte granule
+    assert not symm.fits(torch.empty(0, 4096, dtype=bf16))
+
+
+# --- GPU: symmetric memory against NCCL -----------------------------------------------------------
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _exact(shape: Tuple[int, ...], call: int, rank: int, dtype: torch.dtype,
+           device: torch.device) -> torch.Tensor:
+    """Small multiples of 1/4 times (rank + 1): every sum over ranks is exact in bfloat16."""
+    n = 1
+    for d in shape:
+        n *= d
+    i = torch.arange(n, device=device)
+    return (((i + 7 * call) % 13 - 6).float() / 4 * (rank + 1)).to(dtype).view(shape)
+
+
+def _nccl_sum(x: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    dist.all_reduce(y)
+    return y
+
+
+def _check_eager(comm: Any, rank: int, device: torch.device,
+                 shapes: List[Tuple[Tuple[int, int], torch.dtype]]) -> None:
+    gen = torch.Generator(device=device).manual_seed(1000 + rank)
+    for call, (shape, dtype) in enumerate(shapes):
+        exact = _exact(shape, call, rank, dtype, device)
+        got = comm.all_reduce(exact.clone())
+        assert torch.equal(got, _nccl_sum(exact)), f"exact {shape} {dtype}"
+        rand = torch.randn(shape, generator=gen, device=device).to(dtype)
+        torch.testing.assert_close(comm.all_reduce(rand.clone()), _nccl_sum(rand),
+                                   rtol=1e-2, atol=1e-2)
+
+
+def _check_graph(comm: Any, rank: int, device: torch.device,
+                 shapes: List[Tuple[Tuple[int, int], torch.dtype]]) -> None:
+    """One graph of every shape's all-reduce (symm and NCCL paths mixed), replayed on new data:
+    each replay equals NCCL's eager sum of the same inputs."""
+    xs = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [comm.all_reduce(x) for x in xs]
+    for replay in range(3):
+        inputs = [_exact(x.shape, 10 * replay + k, rank, x.dtype, device)
+                  for k, x in enumerate(xs)]
+        for x, v in zip(xs, inputs):
+            x.copy_(v)  # NCCL reduces in place, so refill before every replay
+        graph.replay()
+        for k, (o, v) in enumerate(zip(outs, inputs)):
+            assert torch.equal(o, _nccl_sum(v)), f"replay {replay}, call {k}: {tuple(v.shape)}"
+
+
+def _symm_rank(rank: int, port: int, out: Any) -> None:
+    def body() -> None:
+        os.environ.update(NO_MULTICAST)
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        groups = init_process_groups(DistributedInfo(rank, 2), device,
+                                     f"tcp://127.0.0.1:{port}", 60.0, allreduce="symm")
+        comm = groups.comm
+        assert comm.symm is not None
+        bf16 = torch.bfloat16
+        shapes = [((1, 4096), bf16), ((8, 4096), bf16), ((256, 4096), bf16),
+                  ((3, 64), torch.float32), ((300, 4096), bf16)]  # the last is > 2 MiB: NCCL
+        assert [comm.symm.fits(torch.empty(s, dtype=d, device=device)) for s, d in shapes] == \
+            [True, True, True, True, False]
+        _check_eager(comm, rank, device, shapes)
+        _check_graph(comm, rank, device, shapes)
+        torch.cuda.synchronize(device)
+        comm.symm = None  # free the symmetric buffer before the process group goes
+    _report(rank, out, body)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs")
+def test_symm_allreduce_matches_nccl_tp2() -> None:
+    msgs = _spawn(_symm_rank, 2, timeout_s=240)
+    assert msgs == {0: "ok", 1: "ok"}, "\n".join(msgs.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs")
+def test_llm_tp2_symm_matches_nccl(tmp_path: Path) -> None:
+    """The whole engine (decode CUDA graphs included) gives the same greedy tokens with either
+    all-reduce: float32, two ranks, so every sum is the same a + b."""
+    from hf_reference import mixed_prompts
+    from minisgl import LLM, SamplingParams
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    path = str(build_tiny("qwen3", tmp_path, None))
+
+    def run(mode: str) -> List[List[int]]:
+        with LLM(path, tp=2, device="cuda", dtype="float32", allreduce=mode,
+                 show_progress=False) as llm:
+            return [o.token_ids for o in llm.generate(mixed_prompts(8, seed=6), greedy)]
+
+    assert run("symm") == run("nccl")
+
