@@ -14,7 +14,12 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/summary.txt"
 MODE=${1:-all}
 if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
-  step gpu_tests 240 python3 -m pytest -q -x -m gpu tests/test_gpu.py tests/test_triton_attention.py
+  step gpu_tests 300 python3 -m pytest -q -x -m gpu tests/test_gpu.py tests/test_triton_attention.py tests/test_triton_ops.py
+fi
+if [ "$MODE" = decode ]; then  # batch-1 work: profile, then cuBLAS vs Triton GEMV, then offline
+  step latency_8b_profile 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --profile
+  step latency_8b_gemv 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --batch-sizes 1,2,4 --triton-gemv --profile
+  step offline_8b_tp1 200 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b
 fi
 if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
   step offline_8b_tp1 200 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b

@@ -171,6 +171,7 @@ class Batch:
     positions: Optional[torch.Tensor] = None
     out_slots: Optional[torch.Tensor] = None
     attn_meta: object = None
+    launched_at: float = 0.0  # scheduler's clock at launch: step-time statistics only
 
     @property
     def size(self) -> int:

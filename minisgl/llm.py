@@ -24,7 +24,7 @@ from minisgl.core import Limits, SamplingParams, request_error
 from minisgl.distributed import DistributedInfo, ProcessGroups
 from minisgl.distributed.comm import Communicator
 from minisgl.engine import Engine, EngineConfig
-from minisgl.message import BatchTokenOut, ShutdownMsg, TokenOut, UserMsg
+from minisgl.message import BatchTokenOut, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.layers.linear import check_head_split
 from minisgl.models import ModelConfig
@@ -75,6 +75,10 @@ class _InProcess:
         while self.scheduler.has_work:
             self.poll()
 
+    @property
+    def stats(self) -> Optional[SchedulerStats]:
+        return self.io.stats
+
     def close(self) -> None:
         pass
 
@@ -104,6 +108,7 @@ class _RankProcesses:
             self.procs.append(p)
             pipes.append(recv)
         self.requests = PushQueue(self.ctx, addr("backend"), bind=False)
+        self.stats: Optional[SchedulerStats] = None  # rank 0's latest
         infos = [self._wait_ready(pipe) for pipe in pipes]
         self.limits = Limits(infos[0]["max_context"], ModelConfig.from_dir(
             cfg.engine.model_path).vocab_size, infos[0]["num_pages"], cfg.engine.page_size)
@@ -136,6 +141,7 @@ class _RankProcesses:
         except TimeoutError:
             self.check_alive()
             return []
+        self.stats = batch.stats or self.stats
         return list(batch.items)
 
     def close(self) -> None:
@@ -198,6 +204,12 @@ class LLM:
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
+
+    @property
+    def stats(self) -> Optional[SchedulerStats]:
+        """The scheduler's latest counters (rank 0's): tokens, KV pages, steps and busy time by
+        phase; None before the first step."""
+        return self._backend.stats
 
     def close(self) -> None:
         self._finalizer()

@@ -3,7 +3,8 @@
 
 For each batch size (default 1, 64, 256) every request holds a fixed context (default 512 tokens
 of random K/V) and the engine runs full decode steps (`Engine.forward`: inputs, model, sampling)
-on dummy weights. The roofline of one step is the bytes it must read from device memory, this
+on dummy weights, synchronously (wait for each step's tokens) and overlapped (launch step N+1
+before collecting step N, as the scheduler runs by default). The roofline of one step is the bytes it must read from device memory, this
 rank's weights plus the batch's KV, over the device-to-device copy bandwidth measured in the same
 run (a large copy; bytes read + written over the time, with CUDA events). Prints a table and one
 line of JSON (prefixed "RESULT ").
@@ -35,19 +36,25 @@ from minisgl.utils import free_port, resolve_device, resolve_dtype
 class Row:
     batch: int
     context: int
-    step_ms: float  # median wall time of one decode step
+    step_ms: float  # median wall time of one synchronous decode step (launch, then wait)
     roofline_ms: float
     weight_gb: float  # this rank's weights read per step
     kv_gb: float  # this rank's KV read per step
     graph_ms: float = float("nan")  # median device time of the decode graph alone (CUDA)
+    overlap_ms: float = float("nan")  # mean step with the next step launched before collecting
 
     @property
     def efficiency(self) -> float:
-        return self.roofline_ms / self.step_ms
+        """Roofline over the step as the server runs it (overlapped where measured)."""
+        return self.roofline_ms / self.served_ms
+
+    @property
+    def served_ms(self) -> float:
+        return self.step_ms if self.overlap_ms != self.overlap_ms else self.overlap_ms
 
     @property
     def tok_s(self) -> float:
-        return self.batch / self.step_ms * 1e3
+        return self.batch / self.served_ms * 1e3
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -58,8 +65,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--triton-gemv", action="store_true",
+                   help="Triton matrix-vector kernels for batches of at most 4 (else cuBLAS)")
     p.add_argument("--no-fused-ops", action="store_true",
                    help="torch RMSNorm / SiLU / rotary instead of the fused Triton kernels")
+    p.add_argument("--profile", action="store_true",
+                   help="print the device kernels of a few steps at the first batch size")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None)
     p.add_argument("--page-size", type=int, default=16)
@@ -143,12 +154,44 @@ def time_steps(engine: Engine, batch: Batch, steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def time_steps_overlapped(engine: Engine, batch: Batch, steps: int, warmup: int) -> float:
+    """Mean seconds per decode step when step N+1 is launched before step N's tokens are
+    collected, as the scheduler's overlap loop runs them (host work hides behind the GPU)."""
+    prev = engine.launch(batch)
+    for _ in range(warmup):
+        nxt = engine.launch(batch)
+        engine.collect(prev)
+        prev = nxt
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        nxt = engine.launch(batch)
+        engine.collect(prev)
+        prev = nxt
+    engine.collect(prev)
+    return (time.perf_counter() - t0) / steps
+
+
+def profile_steps(engine: Engine, batch: Batch, steps: int = 5, rows: int = 25) -> str:
+    """The device kernels of `steps` decode steps, summed by name (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    engine.forward(batch)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.forward(batch)
+    table = prof.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
+        try:  # the key's name changed across torch versions
+            return table.table(sort_by=key, row_limit=rows)
+        except (AttributeError, KeyError):
+            continue
+    return table.table(row_limit=rows)
+
+
 def time_graph(engine: Engine, batch: Batch, steps: int) -> float:
-    """Median device milliseconds of the captured decode graph alone (inputs copied in, replay),
-    without the host work of a step: separates GPU time from scheduling overhead."""
+    """Median device milliseconds of the captured decode graph alone (its one input copy and the
+    replay), without sampling and host work: separates GPU time from scheduling overhead."""
     if engine.graphs is None or not engine.graphs.can_run(batch):
         return float("nan")
-    engine._prepare_inputs(batch)  # the step's input tensors, as launch() builds them
     times = []
     for _ in range(steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -170,7 +213,7 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
         dtype=resolve_dtype(args.dtype, device), page_size=args.page_size,
         max_running_requests=max(sizes), max_kv_tokens=max(sizes) * pages_per_req * args.page_size,
         load_format="dummy", attention_backend=args.attention_backend,
-        fused_ops=not args.no_fused_ops, allreduce=args.allreduce,
+        fused_ops=not args.no_fused_ops, triton_gemv=args.triton_gemv, allreduce=args.allreduce,
         dist_init_method=init_method, show_progress=False)
     groups = init_process_groups(cfg.tp_info, cfg.torch_device, init_method, cfg.dist_timeout_s,
                                  cfg.allreduce)
@@ -187,8 +230,13 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
             batch = decode_batch(engine, bs, args.context, engine.model_cfg.vocab_size, bs)
             step = time_steps(engine, batch, args.steps, args.warmup)
             kv = kv_bytes_read(engine, bs, args.context + 1)
+            overlap = time_steps_overlapped(engine, batch, args.steps, args.warmup)
             rows.append(Row(bs, args.context, step * 1e3, (weights + kv) / bandwidth * 1e3,
-                            weights / 1e9, kv / 1e9, time_graph(engine, batch, args.steps)))
+                            weights / 1e9, kv / 1e9, time_graph(engine, batch, args.steps),
+                            overlap * 1e3))
+            if args.profile and rank == 0 and bs == sizes[0]:
+                print(f"profile of decode at batch {bs}:\n" + profile_steps(engine, batch),
+                      flush=True)
         if rank == 0:
             out.put((bandwidth, rows, torch.cuda.get_device_name(dev) if dev.type == "cuda"
                      else "cpu"))
@@ -199,11 +247,14 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
 def print_table(args: argparse.Namespace, bandwidth: float, rows: List[Row], device: str) -> None:
     print(f"model {args.model}, tp {args.tp}, {device}, copy bandwidth {bandwidth / 1e9:,.0f} GB/s "
           f"(read + write), context {args.context}")
-    print(f"{'batch':>6} {'step ms':>9} {'roofline ms':>12} {'% roofline':>11} "
-          f"{'weights GB':>11} {'KV GB':>7} {'tok/s':>9} {'graph ms':>9}")
+    print(f"{'batch':>6} {'step ms':>9} {'overlap ms':>11} {'graph ms':>9} {'roofline ms':>12} "
+          f"{'% roofline':>11} {'weights GB':>11} {'KV GB':>7} {'tok/s':>9}")
     for r in rows:
-        print(f"{r.batch:>6} {r.step_ms:>9.3f} {r.roofline_ms:>12.3f} {100 * r.efficiency:>10.1f}% "
-              f"{r.weight_gb:>11.3f} {r.kv_gb:>7.3f} {r.tok_s:>9,.0f} {r.graph_ms:>9.3f}")
+        print(f"{r.batch:>6} {r.step_ms:>9.3f} {r.overlap_ms:>11.3f} {r.graph_ms:>9.3f} "
+              f"{r.roofline_ms:>12.3f} {100 * r.efficiency:>10.1f}% {r.weight_gb:>11.3f} "
+              f"{r.kv_gb:>7.3f} {r.tok_s:>9,.0f}")
+    print("% roofline and tok/s use the overlapped step (the scheduler's default loop); "
+          "step ms waits for each step's tokens before launching the next")
     print("RESULT " + json.dumps({
         "model": args.model, "tp": args.tp, "device": device, "context": args.context,
         "copy_gb_s": round(bandwidth / 1e9, 1), "attention_backend": args.attention_backend,

@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from minisgl import LLM, SamplingParams
+from minisgl.message import SchedulerStats
 from minisgl.models import ModelConfig
 
 
@@ -43,6 +44,7 @@ class Workload:
 @dataclass(frozen=True)
 class Result:
     engine: str
+    requests: int
     seconds: float
     input_tokens: int
     output_tokens: int
@@ -81,6 +83,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the untimed warm-up (kernel compilation, allocator)")
     p.add_argument("--peer", choices=["hf"], default=None)
+    p.add_argument("--peer-num-prompts", type=int, default=None, metavar="N",
+                   help="run the peer (and minisgl again, for the ratio) on the first N requests "
+                        "only: HF's side of the full 8B workload takes longer than a GPU job may")
     p.add_argument("--peer-attn", default="sdpa",
                    help="attn_implementation for the HF peer (e.g. sdpa, paged|sdpa, "
                         "flash_attention_2)")
@@ -124,17 +129,34 @@ def run_minisgl(args: argparse.Namespace, work: Workload, warm: Optional[Workloa
         if warm is not None:
             llm.generate(warm.prompts, params(warm.output_lens))
         _sync()
+        before = llm.stats
         t0 = time.perf_counter()
         outs = llm.generate(work.prompts, params(work.output_lens))
         _sync()
         seconds = time.perf_counter() - t0
+        print_phases(before, llm.stats)
     finally:
         llm.close()
     out_tokens = sum(len(o.token_ids) for o in outs)
     if out_tokens != sum(work.output_lens):
         raise RuntimeError(f"generated {out_tokens} tokens, expected {sum(work.output_lens)}")
-    return Result("minisgl", seconds, work.input_tokens, out_tokens,
+    return Result("minisgl", len(work.prompts), seconds, work.input_tokens, out_tokens,
                   sum(o.cached_tokens for o in outs))
+
+
+def print_phases(before: Optional[SchedulerStats], after: Optional[SchedulerStats]) -> None:
+    """Where the timed run's wall time went: forward passes and busy seconds by phase."""
+    if after is None:
+        return
+    b = before or SchedulerStats()
+    for phase in ("prefill", "decode"):
+        steps = getattr(after, f"{phase}_steps_total") - getattr(b, f"{phase}_steps_total")
+        secs = getattr(after, f"{phase}_seconds_total") - getattr(b, f"{phase}_seconds_total")
+        tokens = (after.prefilled_tokens_total - b.prefilled_tokens_total if phase == "prefill"
+                  else after.generated_tokens_total - b.generated_tokens_total)
+        if steps:
+            print(f"  {phase}: {steps} steps, {secs:.2f} s busy, {1e3 * secs / steps:.2f} ms per "
+                  f"step, {tokens / steps:.1f} tokens per step (approx.)")
 
 
 def _sync() -> None:
@@ -166,13 +188,33 @@ def load_hf_model(args: argparse.Namespace) -> Any:
     return model.eval()
 
 
+def hf_batching_options(gen: Any, on_cuda: bool) -> Dict[str, Any]:
+    """HF's fastest continuous-batching settings, in whichever form the installed transformers
+    takes them: on CUDA, CUDA graphs and asynchronous batching (newer releases: a
+    ContinuousBatchingConfig; older ones read them from the GenerationConfig)."""
+    if not on_cuda:
+        return {}
+    wanted = {"use_cuda_graph": True, "use_async_batching": True}
+    try:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    except ImportError:
+        for name, value in wanted.items():
+            setattr(gen, name, value)
+        return {}
+    fields = inspect.signature(ContinuousBatchingConfig).parameters
+    return {"continuous_batching_config": ContinuousBatchingConfig(
+        **{k: v for k, v in wanted.items() if k in fields})}
+
+
 def start_hf_manager(model: Any, max_new_tokens: int) -> Optional[Any]:
     """A started continuous-batching manager (greedy, no EOS), or None where the installed
     transformers has no per-request max_new_tokens (then `generate_batch` is the fallback)."""
     from transformers import GenerationConfig
     gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None,
                            pad_token_id=0)
-    manager = model.init_continuous_batching(generation_config=gen)
+    options = hf_batching_options(gen, model.device.type == "cuda")
+    print(f"hf: continuous batching options {options or 'defaults'}")
+    manager = model.init_continuous_batching(generation_config=gen, **options)
     if "max_new_tokens" not in inspect.signature(manager.add_request).parameters:
         return None
     manager.start()  # cache allocation and graph capture happen here, outside the timing
@@ -221,20 +263,22 @@ def run_hf(args: argparse.Namespace, work: Workload, warm: Optional[Workload]) -
             manager.stop(block=True)
         del model, manager
         _free_device_memory()
+    if out_tokens == 0:
+        raise RuntimeError("the HF peer generated no tokens (see its log above)")
     if out_tokens != sum(work.output_lens):
         print(f"hf: generated {out_tokens} tokens, the workload asked for "
               f"{sum(work.output_lens)}")
-    return Result("hf", seconds, work.input_tokens, out_tokens, 0)
+    return Result("hf", len(work.prompts), seconds, work.input_tokens, out_tokens, 0)
 
 
 # --- report --------------------------------------------------------------------------------------
 def report(args: argparse.Namespace, r: Result) -> None:
-    print(f"[{r.engine}] {args.num_prompts} requests in {r.seconds:.2f} s: "
+    print(f"[{r.engine}] {r.requests} requests in {r.seconds:.2f} s: "
           f"output {r.output_tok_s:,.0f} tok/s, total {r.total_tok_s:,.0f} tok/s "
           f"(input {r.input_tokens}, output {r.output_tokens}, cached {r.cached_tokens})")
     summary = {**asdict(r), "output_tok_s": round(r.output_tok_s, 1),
                "total_tok_s": round(r.total_tok_s, 1), "model": args.model,
-               "num_prompts": args.num_prompts, "min_len": args.min_len, "max_len": args.max_len,
+               "min_len": args.min_len, "max_len": args.max_len,
                "shared_prefix": args.shared_prefix, "tp": args.tp, "page_size": args.page_size,
                "cache": args.cache, "attention_backend": args.attention_backend,
                "allreduce": args.allreduce,
@@ -253,11 +297,19 @@ def main(argv: Optional[List[str]] = None) -> None:
                                                       args.shared_prefix)
     ours = run_minisgl(args, work, warm)
     report(args, ours)
-    if args.peer == "hf":
-        _free_device_memory()
-        peer = run_hf(args, work, warm)
-        report(args, peer)
-        print(f"minisgl / hf: output tok/s ratio {ours.output_tok_s / peer.output_tok_s:.2f}x")
+    if args.peer != "hf":
+        return
+    if args.peer_num_prompts is not None and args.peer_num_prompts < len(work.prompts):
+        n = args.peer_num_prompts
+        work = Workload(work.prompts[:n], work.output_lens[:n])
+        print(f"peer comparison on the first {n} requests; minisgl runs them again:")
+        ours = run_minisgl(args, work, warm)
+        report(args, ours)
+    _free_device_memory()
+    peer = run_hf(args, work, warm)
+    report(args, peer)
+    print(f"minisgl / hf: output tok/s ratio {ours.output_tok_s / peer.output_tok_s:.2f}x "
+          f"({len(work.prompts)} requests)")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto", "torch" or "triton"
     seed: int = 0
     fused_ops: bool = True  # fused Triton RMSNorm / SiLU-and-mul / rotary (CUDA only)
+    triton_gemv: bool = False  # Triton matrix-vector kernels for decode batches <= 4 (CUDA only)
     cuda_graph_max_bs: int = 256  # decode CUDA graphs up to this batch size (0: off; GPU only)
     # TP all-reduce: "auto" (symmetric-memory one-shot for small tensors where CUDA offers it,
     # else NCCL / gloo), "nccl" (always the process group's own) or "symm" (required; CUDA only)

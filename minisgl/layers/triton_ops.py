@@ -121,3 +121,75 @@ def rotary_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: t
                                      BLOCK_Q=triton.next_power_of_2(n_q),
                                      BLOCK_K=triton.next_power_of_2(k.shape[1]))
     return q, k
+
+
+# --- small-batch matrix-vector products ----------------------------------------------------------
+# At decode batch sizes of a few requests every projection reads its whole weight matrix to
+# produce a handful of rows: pure memory bandwidth. One program streams a [BLOCK_N, K] stripe of
+# the weight; the gated variant reads the gate and up stripes of the fused gate/up matrix and
+# writes silu(gate) * up directly, so the intermediate never goes to memory.
+GEMV_MAX_M = 4  # larger batches go to cuBLAS (tensor-core GEMMs pay off there)
+
+_GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+                 for bn, bk, w, s in [(16, 512, 4, 3), (32, 256, 4, 4), (32, 512, 8, 3),
+                                      (64, 256, 8, 3), (16, 256, 4, 4), (8, 1024, 4, 3)]]
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    rows = tl.arange(0, BLOCK_M)
+    offs_n64 = offs_n.to(tl.int64)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        w = tl.load(w_ptr + offs_n64[:, None] * stride_wn + offs_k[None, :],
+                    mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        if GATED:
+            w_up = tl.load(w_ptr + (offs_n64 + N)[:, None] * stride_wn + offs_k[None, :],
+                           mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        for m in tl.static_range(BLOCK_M):
+            # Rows past M (BLOCK_M is a power of two) re-read the last row; never stored.
+            x = tl.load(x_ptr + tl.minimum(m, M - 1) * stride_xm + offs_k, mask=mask_k,
+                        other=0.0).to(tl.float32)
+            part = tl.sum(w * x[None, :], axis=1)
+            acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
+            if GATED:
+                part_up = tl.sum(w_up * x[None, :], axis=1)
+                acc_up += tl.where(rows[:, None] == m, part_up[None, :], 0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & mask_n[None, :])
+
+
+# Tuned per shape on the GPU (timed once, at the first call: the CUDA-graph warm-up); Triton's
+# CPU interpreter cannot time kernels, so there the first configuration runs.
+_gemv_tuned = triton.autotune(configs=_GEMV_CONFIGS, key=["M", "N", "K", "GATED"])(_gemv_kernel)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+         gated: bool = False) -> torch.Tensor:
+    """x [M, K] (M <= GEMV_MAX_M, rows dense) times weight [N, K]^T, plus bias. `gated`: weight
+    is the fused [gate; up] matrix [2N, K] and the result silu(x gate^T) * (x up^T) [M, N]."""
+    m, k = x.shape
+    if m > GEMV_MAX_M or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"gemv takes at most {GEMV_MAX_M} dense rows, got {tuple(x.shape)}")
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    args = (x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0),
+            weight.stride(0), out.stride(0))
+    flags = dict(HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=triton.next_power_of_2(m))
+    if x.is_cuda:
+        _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
+    else:
+        cfg = _GEMV_CONFIGS[0]
+        _gemv_kernel[(triton.cdiv(n, cfg.kwargs["BLOCK_N"]),)](*args, **flags, **cfg.kwargs)
+    return out

@@ -77,6 +77,12 @@ class SchedulerStats:
     generated_tokens_total: int = 0
     cached_tokens_total: int = 0
     prefilled_tokens_total: int = 0
+    # Forward passes by phase and the wall time each phase kept the device busy (a batch counts
+    # from its launch, or from the previous batch's completion if later, to its completion).
+    prefill_steps_total: int = 0
+    decode_steps_total: int = 0
+    prefill_seconds_total: float = 0.0
+    decode_seconds_total: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ exactly once, by `_retire`, on finish or abort.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Dict, List, Optional
 
 import torch
@@ -54,6 +55,11 @@ class Scheduler:
         self.inflight: Optional[Launched] = None
         self.deferred: List[Req] = []  # finished, retired once the in-flight batch completes
         self.totals = {"prompt": 0, "generated": 0, "cached": 0, "prefilled": 0, "retracted": 0}
+        # Per phase: forward passes and their busy seconds (statistics only: never scheduling
+        # input, since clocks differ between ranks).
+        self.steps = {Phase.PREFILL: 0, Phase.DECODE: 0}
+        self.busy_s = {Phase.PREFILL: 0.0, Phase.DECODE: 0.0}
+        self._last_done = 0.0
 
     # --- the loop ------------------------------------------------------------------------------
     @property
@@ -88,6 +94,7 @@ class Scheduler:
             self._complete(done)
 
     def _launch(self, batch: Batch) -> Launched:
+        batch.launched_at = time.perf_counter()
         launched = self.engine.launch(batch)
         for req, ext, sample in zip(batch.reqs, batch.extend_lens, batch.sample):
             req.cached_len += ext
@@ -103,6 +110,10 @@ class Scheduler:
         batch = launched.batch
         ready, self.deferred = self.deferred, []  # waited for exactly this batch
         tokens = self.engine.collect(launched)
+        now = time.perf_counter()
+        self.steps[batch.phase] += 1
+        self.busy_s[batch.phase] += now - max(self._last_done, batch.launched_at)
+        self._last_done = now
         if self.cfg.check_lockstep:
             uids = [r.uid for r in batch.reqs]
             slots = batch.out_slots.tolist() if batch.out_slots is not None else []
@@ -298,4 +309,8 @@ class Scheduler:
             prompt_tokens_total=self.totals["prompt"],
             generated_tokens_total=self.totals["generated"],
             cached_tokens_total=self.totals["cached"],
-            prefilled_tokens_total=self.totals["prefilled"])
+            prefilled_tokens_total=self.totals["prefilled"],
+            prefill_steps_total=self.steps[Phase.PREFILL],
+            decode_steps_total=self.steps[Phase.DECODE],
+            prefill_seconds_total=self.busy_s[Phase.PREFILL],
+            decode_seconds_total=self.busy_s[Phase.DECODE])

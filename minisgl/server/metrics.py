@@ -32,6 +32,12 @@ _SCHEDULER_METRICS: Dict[str, Tuple[str, str, str]] = {
                             "Prompt tokens served from the prefix cache."),
     "prefilled_tokens_total": ("minisgl_prefill_tokens_total", "counter",
                                "Prompt tokens computed in prefill batches."),
+    "prefill_steps_total": ("minisgl_prefill_steps_total", "counter", "Prefill forward passes."),
+    "decode_steps_total": ("minisgl_decode_steps_total", "counter", "Decode forward passes."),
+    "prefill_seconds_total": ("minisgl_prefill_seconds_total", "counter",
+                              "Wall time of prefill forward passes."),
+    "decode_seconds_total": ("minisgl_decode_seconds_total", "counter",
+                             "Wall time of decode forward passes."),
 }
 
 
