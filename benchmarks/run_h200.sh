@@ -14,12 +14,20 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/summary.txt"
 MODE=${1:-all}
 if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
-  step gpu_tests 300 python3 -m pytest -q -x -m gpu tests/test_gpu.py tests/test_triton_attention.py tests/test_triton_ops.py
+  step gpu_tests 300 python3 -m pytest -q -x -m gpu tests/test_gpu.py tests/test_triton_attention.py tests/test_triton_ops.py tests/test_allreduce.py
 fi
 if [ "$MODE" = decode ]; then  # batch-1 work: profile, then cuBLAS vs Triton GEMV, then offline
   step latency_8b_profile 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --profile
   step latency_8b_gemv 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --batch-sizes 1,2,4 --triton-gemv --profile
+fi
+if [ "$MODE" = tp2ar ]; then  # all-reduce: NCCL vs symmetric memory, alone and in decode
+  step allreduce_tp2 120 python3 scripts/bench_allreduce.py --tp 2
+  step latency_8b_tp2_nccl 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --allreduce nccl
+  step latency_8b_tp2_symm 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --allreduce symm
+fi
+if [ "$MODE" = peer8b ]; then
   step offline_8b_tp1 200 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b
+  step peer_8b 330 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --peer hf --peer-num-prompts 32 --no-warmup
 fi
 if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
   step offline_8b_tp1 200 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b
