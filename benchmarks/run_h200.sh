@@ -27,7 +27,7 @@ if [ "$MODE" = tp2ar ]; then  # all-reduce: NCCL vs symmetric memory, alone and 
 fi
 if [ "$MODE" = peer8b ]; then
   step offline_8b_tp1 200 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b
-  step peer_8b 330 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --peer hf --peer-num-prompts 32 --no-warmup
+  step peer_8b 330 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --peer hf --peer-num-prompts 32
 fi
 if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
   step offline_8b_tp1 200 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b
