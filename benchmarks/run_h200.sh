@@ -16,9 +16,8 @@ MODE=${1:-all}
 if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
   step gpu_tests 300 python3 -m pytest -q -x -m gpu tests/test_gpu.py tests/test_triton_attention.py tests/test_triton_ops.py tests/test_allreduce.py
 fi
-if [ "$MODE" = decode ]; then  # batch-1 work: profile, then cuBLAS vs Triton GEMV, then offline
+if [ "$MODE" = decode ]; then  # decode step latency with a kernel profile at batch 1
   step latency_8b_profile 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --profile
-  step latency_8b_gemv 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --batch-sizes 1,2,4 --triton-gemv --profile
 fi
 if [ "$MODE" = tp2ar ]; then  # all-reduce: NCCL vs symmetric memory, alone and in decode
   step allreduce_tp2 120 python3 scripts/bench_allreduce.py --tp 2

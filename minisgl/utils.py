@@ -31,9 +31,12 @@ def resolve_dtype(dtype: Optional[str], device: str) -> torch.dtype:
 
 
 def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor without stalling the host: `torch.tensor(..., device=cuda)`
-    waits for all queued GPU work, which would undo overlap scheduling."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    """A host list as a device tensor without stalling the host. The list goes through pinned
+    memory: a copy from pageable memory (and `torch.tensor(..., device=cuda)`) can wait for the
+    GPU work queued before it, which would undo overlap scheduling. Torch's pinned allocator
+    keeps the staging block until the copy has run."""
+    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(
+        device, non_blocking=True)
 
 
 def free_port() -> int:

@@ -65,8 +65,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--triton-gemv", action="store_true",
-                   help="Triton matrix-vector kernels for batches of at most 4 (else cuBLAS)")
     p.add_argument("--no-fused-ops", action="store_true",
                    help="torch RMSNorm / SiLU / rotary instead of the fused Triton kernels")
     p.add_argument("--profile", action="store_true",
@@ -75,7 +73,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--allreduce", default="auto", choices=list(ALLREDUCE_MODES),
+    p.add_argument("--allreduce", default="nccl", choices=list(ALLREDUCE_MODES),
                    help="tensor-parallel all-reduce (see EngineConfig.allreduce)")
     p.add_argument("--copy-mib", type=int, default=None,
                    help="size of the bandwidth probe (default 4096 on CUDA, 256 on CPU)")
@@ -213,7 +211,7 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
         dtype=resolve_dtype(args.dtype, device), page_size=args.page_size,
         max_running_requests=max(sizes), max_kv_tokens=max(sizes) * pages_per_req * args.page_size,
         load_format="dummy", attention_backend=args.attention_backend,
-        fused_ops=not args.no_fused_ops, triton_gemv=args.triton_gemv, allreduce=args.allreduce,
+        fused_ops=not args.no_fused_ops, allreduce=args.allreduce,
         dist_init_method=init_method, show_progress=False)
     groups = init_process_groups(cfg.tp_info, cfg.torch_device, init_method, cfg.dist_timeout_s,
                                  cfg.allreduce)

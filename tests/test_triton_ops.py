@@ -66,23 +66,3 @@ def test_rotary_in_place_on_qkv_views(dtype: torch.dtype, heads: int, kv_heads: 
     _close(k, want_k, dtype)
     assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before)  # V untouched
 
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize("n,k", [(40, 96), (7, 33), (300, 1100)])
-def test_gemv_plain_bias_and_gated(dtype: torch.dtype, m: int, n: int, k: int) -> None:
-    """The small-batch matrix-vector kernel against F.linear, with a bias, and in its gated
-    form (fused [gate; up] weight -> silu(gate) * up)."""
-    x = torch.randn(m, k, device=DEV).to(dtype)
-    w = (torch.randn(n, k, device=DEV) / k ** 0.5).to(dtype)
-    b = torch.randn(n, device=DEV).to(dtype)
-    _close(triton_ops.gemv(x, w), torch.nn.functional.linear(x, w), dtype)
-    _close(triton_ops.gemv(x, w, b), torch.nn.functional.linear(x, w, b), dtype)
-    w2 = (torch.randn(2 * n, k, device=DEV) / k ** 0.5).to(dtype)
-    _close(triton_ops.gemv(x, w2, gated=True),
-           silu_and_mul(torch.nn.functional.linear(x, w2)), dtype)
-
-
-def test_gemv_refuses_large_batches() -> None:
-    with pytest.raises(ValueError, match="at most"):
-        triton_ops.gemv(torch.zeros(triton_ops.GEMV_MAX_M + 1, 8), torch.zeros(4, 8))

@@ -17,6 +17,7 @@ from minisgl.attention.base import AttentionBackend
 from minisgl.attention.triton_kernels import decode_attention, extend_attention, store_kv
 from minisgl.core import Batch, Phase
 from minisgl.kvcache import KVPool
+from minisgl.utils import to_device
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,9 @@ class TritonBackend(AttentionBackend):
             starts.append(start)
             start += ext
         seq_lens = batch.seq_lens
-        host = torch.tensor([rows, batch.prefix_lens, batch.extend_lens, seq_lens, starts],
-                            dtype=torch.int32).reshape(5, -1)
-        dev = host.to(self.device, non_blocking=True)  # one copy for the whole batch
+        # One copy for the whole batch, through pinned memory (see utils.to_device).
+        dev = to_device([rows, batch.prefix_lens, batch.extend_lens, seq_lens, starts],
+                        torch.int32, self.device).reshape(5, -1)
         decode = batch.phase is Phase.DECODE
         o_part = lse_part = None
         if decode:

@@ -24,11 +24,11 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto", "torch" or "triton"
     seed: int = 0
     fused_ops: bool = True  # fused Triton RMSNorm / SiLU-and-mul / rotary (CUDA only)
-    triton_gemv: bool = False  # Triton matrix-vector kernels for decode batches <= 4 (CUDA only)
     cuda_graph_max_bs: int = 256  # decode CUDA graphs up to this batch size (0: off; GPU only)
-    # TP all-reduce: "auto" (symmetric-memory one-shot for small tensors where CUDA offers it,
-    # else NCCL / gloo), "nccl" (always the process group's own) or "symm" (required; CUDA only)
-    allreduce: str = "auto"
+    # TP all-reduce: "nccl" (the process group's own: NCCL / gloo), "auto" (symmetric-memory
+    # one-shot for small tensors where CUDA offers it, else NCCL) or "symm" (required; CUDA
+    # only). NCCL is the default until the symmetric-memory path passes the GPU tests.
+    allreduce: str = "nccl"
     dist_init_method: str = "tcp://127.0.0.1:29500"
     dist_timeout_s: float = 60.0
     show_progress: bool = True

@@ -86,8 +86,7 @@ class Engine:
         cls = model_class(self.model_cfg.architecture)
         with torch.device(self.device), _default_dtype(self.cfg.dtype):
             model = cls(self.model_cfg, self.cfg.tp_info, groups.comm,
-                        fused=self.cfg.fused_ops and self.device.type == "cuda",
-                        gemv=self.cfg.triton_gemv and self.device.type == "cuda")
+                        fused=self.cfg.fused_ops and self.device.type == "cuda")
         if self.cfg.load_format == "dummy":
             init_dummy(model, self.cfg.seed)
         else:

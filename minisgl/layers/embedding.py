@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import Communicator, DistributedInfo
-from minisgl.layers.linear import matmul
 from minisgl.layers.source import TensorSource, copy_into
 
 
@@ -49,12 +48,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the full vocabulary on every rank; `tied_to` shares the embedding's rows."""
 
     def __init__(self, vocab_size: int, hidden: int, info: DistributedInfo, comm: Communicator,
-                 tied_to: Optional[VocabParallelEmbedding] = None, gemv: bool = False) -> None:
+                 tied_to: Optional[VocabParallelEmbedding] = None) -> None:
         super().__init__(vocab_size, hidden, info, comm)
-        self.gemv = gemv
         if tied_to is not None:
             self.weight = tied_to.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = self.comm.all_gather_last_dim(matmul(hidden, self.weight, None, self.gemv))
+        logits = self.comm.all_gather_last_dim(F.linear(hidden, self.weight))
         return logits[..., : self.vocab_size]

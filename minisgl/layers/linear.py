@@ -20,17 +20,6 @@ def _empty(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-           gemv: bool) -> torch.Tensor:
-    """x W^T + b. With `gemv`, a CUDA input of a few dense rows (decode at small batch) takes the
-    Triton matrix-vector kernel (layers/triton_ops.py); anything else takes F.linear."""
-    if gemv and x.is_cuda and x.dim() == 2 and x.stride(-1) == 1:
-        from minisgl.layers import triton_ops
-        if x.shape[0] <= triton_ops.GEMV_MAX_M:
-            return triton_ops.gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by output rows: this rank holds rows `out_sizes` slices.
 
@@ -39,10 +28,9 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool,
-                 info: DistributedInfo, gemv: bool = False) -> None:
+                 info: DistributedInfo) -> None:
         super().__init__()
         self.info = info
-        self.gemv = gemv
         self.shards = [info.shard(n, "linear output features") for n in out_sizes]
         self.offsets = [sum(s.size for s in self.shards[:i]) for i in range(len(self.shards))]
         local_out = sum(s.size for s in self.shards)
@@ -50,7 +38,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _empty(local_out) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(x, self.weight, self.bias, self.gemv)
+        return F.linear(x, self.weight, self.bias)
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
         shard, off = self.shards[shard_id], self.offsets[shard_id]
@@ -64,11 +52,11 @@ class QKVParallelLinear(ColumnParallelLinear):
     them and replicated (each rank keeps the one KV head its Q heads use) when tp exceeds them."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
-                 info: DistributedInfo, gemv: bool = False) -> None:
+                 info: DistributedInfo) -> None:
         check_head_split(num_heads, num_kv_heads, info.size)
         self.num_local_heads = num_heads // info.size
         self.num_local_kv_heads = max(1, num_kv_heads // info.size)
-        super().__init__(hidden, [num_heads * head_dim], bias, info, gemv)
+        super().__init__(hidden, [num_heads * head_dim], bias, info)
         kv_start = (info.rank * num_kv_heads // info.size) * head_dim
         kv_size = self.num_local_kv_heads * head_dim
         self.shards = self.shards + [Shard(kv_start, kv_size), Shard(kv_start, kv_size)]
@@ -99,16 +87,15 @@ class RowParallelLinear(nn.Module):
     """y = all_reduce(x_local W_local^T) + b; the input features are split over ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, info: DistributedInfo,
-                 comm: Communicator, gemv: bool = False) -> None:
+                 comm: Communicator) -> None:
         super().__init__()
-        self.gemv = gemv
         self.shard = info.shard(in_features, "linear input features")
         self.comm = comm
         self.weight = _empty(out_features, self.shard.size)
         self.bias = _empty(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(matmul(x, self.weight, None, self.gemv))
+        y = self.comm.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:

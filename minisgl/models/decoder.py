@@ -30,7 +30,6 @@ class Traits(NamedTuple):
     o_bias: bool
     qk_norm: bool
     fused: bool = False
-    gemv: bool = False  # Triton matrix-vector kernels for decode at small batch (CUDA only)
 
 
 # checkpoint module name -> (our fused module, shard index)
@@ -44,9 +43,9 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
-                                          cfg.num_kv_heads, traits.qkv_bias, info, traits.gemv)
+                                          cfg.num_kv_heads, traits.qkv_bias, info)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
-                                        traits.o_bias, info, comm, traits.gemv)
+                                        traits.o_bias, info, comm)
         norm = lambda: RMSNorm(cfg.head_dim, cfg.rms_norm_eps, traits.fused)  # noqa: E731
         self.q_norm = norm() if traits.qk_norm else None
         self.k_norm = norm() if traits.qk_norm else None
@@ -72,17 +71,10 @@ class MLP(nn.Module):
         self.fused = traits.fused
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias,
-                                                 info, traits.gemv)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, info, comm,
-                                           traits.gemv)
-        # Small decode batches: one kernel computes silu(gate) * up straight from the weights.
-        self.gated_gemv = traits.gemv and not cfg.mlp_bias
+                                                 info)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, info, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated_gemv and x.is_cuda and x.dim() == 2 and x.stride(-1) == 1:
-            from minisgl.layers import triton_ops
-            if x.shape[0] <= triton_ops.GEMV_MAX_M:
-                return self.down_proj(triton_ops.gemv(x, self.gate_up_proj.weight, gated=True))
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused))
 
 
@@ -137,14 +129,12 @@ class CausalLM(nn.Module):
         return Traits(qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=False)
 
     def __init__(self, cfg: ModelConfig, info: DistributedInfo, comm: Communicator,
-                 fused: bool = False, gemv: bool = False) -> None:
+                 fused: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = DecoderModel(cfg, self.traits(cfg)._replace(fused=fused, gemv=gemv), info,
-                                  comm)
+        self.model = DecoderModel(cfg, self.traits(cfg)._replace(fused=fused), info, comm)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, info, comm, tied_to=tied,
-                                      gemv=gemv)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, info, comm, tied_to=tied)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
                 backend: AttentionBackend, logit_rows: Optional[torch.Tensor]) -> torch.Tensor:
