@@ -41,7 +41,7 @@ class Row:
     weight_gb: float  # this rank's weights read per step
     kv_gb: float  # this rank's KV read per step
     graph_ms: float = float("nan")  # median device time of the decode graph alone (CUDA)
-    overlap_ms: float = float("nan")  # mean step with the next step launched before collecting
+    overlap_ms: float = float("nan")  # median step with the next one launched before collecting
 
     @property
     def efficiency(self) -> float:
@@ -153,20 +153,24 @@ def time_steps(engine: Engine, batch: Batch, steps: int, warmup: int) -> float:
 
 
 def time_steps_overlapped(engine: Engine, batch: Batch, steps: int, warmup: int) -> float:
-    """Mean seconds per decode step when step N+1 is launched before step N's tokens are
-    collected, as the scheduler's overlap loop runs them (host work hides behind the GPU)."""
+    """Median seconds between consecutive step completions when step N+1 is launched before step
+    N's tokens are collected, as the scheduler's overlap loop runs (host work hides behind the
+    GPU)."""
     prev = engine.launch(batch)
     for _ in range(warmup):
         nxt = engine.launch(batch)
         engine.collect(prev)
         prev = nxt
-    t0 = time.perf_counter()
+    times = []
+    last = time.perf_counter()
     for _ in range(steps):
         nxt = engine.launch(batch)
         engine.collect(prev)
-        prev = nxt
+        now = time.perf_counter()
+        times.append(now - last)
+        last, prev = now, nxt
     engine.collect(prev)
-    return (time.perf_counter() - t0) / steps
+    return statistics.median(times)
 
 
 def profile_steps(engine: Engine, batch: Batch, steps: int = 5, rows: int = 25) -> str:

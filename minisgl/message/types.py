@@ -83,6 +83,9 @@ class SchedulerStats:
     decode_steps_total: int = 0
     prefill_seconds_total: float = 0.0
     decode_seconds_total: float = 0.0
+    # Time the scheduler sat waiting for the device's results: near zero means the host (Python
+    # scheduling) is the bottleneck and the GPU idles between steps.
+    wait_seconds_total: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,7 @@ class Scheduler:
         self.steps = {Phase.PREFILL: 0, Phase.DECODE: 0}
         self.busy_s = {Phase.PREFILL: 0.0, Phase.DECODE: 0.0}
         self._last_done = 0.0
+        self.wait_s = 0.0
 
     # --- the loop ------------------------------------------------------------------------------
     @property
@@ -109,8 +110,10 @@ class Scheduler:
     def _complete(self, launched: Launched) -> None:
         batch = launched.batch
         ready, self.deferred = self.deferred, []  # waited for exactly this batch
+        waited = time.perf_counter()
         tokens = self.engine.collect(launched)
         now = time.perf_counter()
+        self.wait_s += now - waited
         self.steps[batch.phase] += 1
         self.busy_s[batch.phase] += now - max(self._last_done, batch.launched_at)
         self._last_done = now
@@ -313,4 +316,4 @@ class Scheduler:
             prefill_steps_total=self.steps[Phase.PREFILL],
             decode_steps_total=self.steps[Phase.DECODE],
             prefill_seconds_total=self.busy_s[Phase.PREFILL],
-            decode_seconds_total=self.busy_s[Phase.DECODE])
+            decode_seconds_total=self.busy_s[Phase.DECODE], wait_seconds_total=self.wait_s)

@@ -38,6 +38,8 @@ _SCHEDULER_METRICS: Dict[str, Tuple[str, str, str]] = {
                               "Wall time of prefill forward passes."),
     "decode_seconds_total": ("minisgl_decode_seconds_total", "counter",
                              "Wall time of decode forward passes."),
+    "wait_seconds_total": ("minisgl_device_wait_seconds_total", "counter",
+                           "Time the scheduler waited for device results (near zero: host-bound)."),
 }
 
 
