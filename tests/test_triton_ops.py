@@ -50,7 +50,8 @@ def test_silu_and_mul(dtype: torch.dtype, rows: int, d: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (9, 3, 64), (8, 8, 128)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (9, 3, 64), (8, 8, 128), (2, 1, 32),
+                                                (1, 1, 64)])
 def test_rotary_in_place_on_qkv_views(dtype: torch.dtype, heads: int, kv_heads: int,
                                       dim: int) -> None:
     rope = RotaryEmbedding(dim, 256, 10000.0, None).to(DEV)

@@ -107,6 +107,13 @@ def _check_rotary_layout(x: torch.Tensor) -> None:
                          "power of two")
 
 
+def _head_block(heads: int) -> int:
+    """Heads per program block: a power of two, never 1. A one-row block is what tp=2 of a
+    2-KV-head model gives (one local KV head), and on the GPU those tokens came out wrong;
+    masked extra rows cost nothing."""
+    return max(2, triton.next_power_of_2(heads))
+
+
 def rotary_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] in place, in one
@@ -117,8 +124,7 @@ def rotary_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: t
     tokens, n_q, dim = q.shape
     if tokens:
         _rotary_qk_kernel[(tokens,)](q, k, positions, cos, sin, q.stride(0), k.stride(0), n_q,
-                                     k.shape[1], HALF=dim // 2,
-                                     BLOCK_Q=triton.next_power_of_2(n_q),
-                                     BLOCK_K=triton.next_power_of_2(k.shape[1]))
+                                     k.shape[1], HALF=dim // 2, BLOCK_Q=_head_block(n_q),
+                                     BLOCK_K=_head_block(k.shape[1]))
     return q, k
 
