@@ -67,3 +67,18 @@ def test_rotary_in_place_on_qkv_views(dtype: torch.dtype, heads: int, kv_heads: 
     _close(k, want_k, dtype)
     assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before)  # V untouched
 
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_on_one_head_view_of_qkv(dtype: torch.dtype) -> None:
+    """The per-head norm of Qwen3 at one KV head per rank: k is a view of the fused QKV output
+    whose rows are strided (reshape keeps the view); each row must still be its own token's."""
+    tokens, heads, dim = 6, 2, 32
+    norm = RMSNorm(dim, 1e-6).to(DEV)
+    norm.weight.data = torch.randn(dim, device=DEV).to(dtype)
+    qkv = torch.randn(tokens, (heads + 2) * dim, device=DEV).to(dtype)
+    _, k, _ = qkv.split([heads * dim, dim, dim], dim=-1)
+    k = k.view(tokens, 1, dim)
+    assert k.reshape(-1, dim).stride(0) != dim  # the strided view the bug came from
+    got, _ = triton_ops.rmsnorm(k, norm.weight, 1e-6)
+    _close(got, norm(k.contiguous()), dtype)

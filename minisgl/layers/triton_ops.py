@@ -19,14 +19,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
-                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, stride_x, stride_res,
+                    eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RES:
-        x = x + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        x = x + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
@@ -36,20 +36,28 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
              mask=mask)
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last dim] with dense rows (a copy only where no such view exists)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             residual: Optional[torch.Tensor] = None
             ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """RMSNorm over the last dimension of a contiguous x; with `residual`, normalizes x + residual
-    and also returns that sum (the new residual)."""
+    """RMSNorm over the last dimension of x; with `residual`, normalizes x + residual and also
+    returns that sum (the new residual). Outputs are contiguous. Rows may be strided: the
+    per-head q/k norms see views of the fused QKV output, and with one head per rank
+    `reshape` keeps such a view (row stride = the QKV width) instead of copying it."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    out = torch.empty_like(x2)
-    res_out = torch.empty_like(x2) if residual is not None else out
-    res = residual.reshape(-1, shape[-1]) if residual is not None else x2
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(out) if residual is not None else out
+    res = _rows(residual) if residual is not None else x2
     block = triton.next_power_of_2(shape[-1])
-    _rmsnorm_kernel[(x2.shape[0],)](x2, res, weight, out, res_out, shape[-1], eps,
-                                    HAS_RES=residual is not None, BLOCK=block,
-                                    num_warps=min(16, max(1, block // 256)))
+    _rmsnorm_kernel[(x2.shape[0],)](x2, res, weight, out, res_out, shape[-1], x2.stride(0),
+                                    res.stride(0), eps, HAS_RES=residual is not None,
+                                    BLOCK=block, num_warps=min(16, max(1, block // 256)))
     return out.view(shape), (res_out.view(shape) if residual is not None else None)
 
 
@@ -107,13 +115,6 @@ def _check_rotary_layout(x: torch.Tensor) -> None:
                          "power of two")
 
 
-def _head_block(heads: int) -> int:
-    """Heads per program block: a power of two, never 1. A one-row block is what tp=2 of a
-    2-KV-head model gives (one local KV head), and on the GPU those tokens came out wrong;
-    masked extra rows cost nothing."""
-    return max(2, triton.next_power_of_2(heads))
-
-
 def rotary_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] in place, in one
@@ -124,7 +125,7 @@ def rotary_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: t
     tokens, n_q, dim = q.shape
     if tokens:
         _rotary_qk_kernel[(tokens,)](q, k, positions, cos, sin, q.stride(0), k.stride(0), n_q,
-                                     k.shape[1], HALF=dim // 2, BLOCK_Q=_head_block(n_q),
-                                     BLOCK_K=_head_block(k.shape[1]))
+                                     k.shape[1], HALF=dim // 2, BLOCK_Q=triton.next_power_of_2(n_q),
+                                     BLOCK_K=triton.next_power_of_2(k.shape[1]))
     return q, k
 
