@@ -174,7 +174,7 @@ class LLM:
                  show_progress: bool = True, log_level: str = "WARNING",
                  check_lockstep: bool = False, overlap: Optional[bool] = None,
                  decode_reserve_tokens: Optional[int] = None,
-                 cuda_graph_max_bs: int = 256, allreduce: str = "nccl",
+                 cuda_graph_max_bs: int = 256, allreduce: str = "auto",
                  fused_ops: bool = True) -> None:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")

@@ -73,7 +73,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--allreduce", default="nccl", choices=list(ALLREDUCE_MODES),
+    p.add_argument("--allreduce", default="auto", choices=list(ALLREDUCE_MODES),
                    help="tensor-parallel all-reduce (see EngineConfig.allreduce)")
     p.add_argument("--copy-mib", type=int, default=None,
                    help="size of the bandwidth probe (default 4096 on CUDA, 256 on CPU)")

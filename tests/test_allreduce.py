@@ -77,7 +77,7 @@ def _load_script(name: str) -> ModuleType:
 # --- configuration --------------------------------------------------------------------------------
 def test_engine_config_allreduce_modes() -> None:
     info = DistributedInfo(0, 2)
-    assert EngineConfig("m", info).allreduce == "nccl"  # until symm is verified on the GPU
+    assert EngineConfig("m", info).allreduce == "auto"
     for mode in ("auto", "nccl"):
         assert EngineConfig("m", info, device="cpu", allreduce=mode).allreduce == mode
     assert EngineConfig("m", info, device="cuda", allreduce="symm").allreduce == "symm"
@@ -88,7 +88,7 @@ def test_engine_config_allreduce_modes() -> None:
 
 
 def test_cli_and_file_set_allreduce(tmp_path: Path) -> None:
-    assert parse_args([]).allreduce == "nccl"
+    assert parse_args([]).allreduce == "auto"
     cfg = parse_args(["--allreduce", "nccl", "--tp", "2", "--device", "cpu"])
     sc = cfg.scheduler_config(Path("/m"), 1, "tcp://127.0.0.1:1", "ipc://b", "ipc://d", "ipc://x")
     assert (cfg.allreduce, sc.engine.allreduce) == ("nccl", "nccl")
@@ -114,7 +114,7 @@ def test_bench_scripts_take_allreduce(script: str) -> None:
         if _gpus() < 2:  # says what it needs and exits 2 instead of failing somewhere inside
             assert module.main(["--tp", "2"]) == 2
         return
-    assert module.parse_args([]).allreduce == "nccl"
+    assert module.parse_args([]).allreduce == "auto"
     assert module.parse_args(["--allreduce", "symm"]).allreduce == "symm"
     with pytest.raises(SystemExit):
         module.parse_args(["--allreduce", "mpi"])

@@ -45,7 +45,7 @@ class ServerConfig:
     cache: str = "radix"
     decode_reserve_tokens: Optional[int] = None  # None: reserve all of max_tokens (no retraction)
     attention_backend: str = "auto"
-    allreduce: str = "nccl"  # TP all-reduce: auto, nccl or symm (see EngineConfig)
+    allreduce: str = "auto"  # TP all-reduce: auto, nccl or symm (see EngineConfig)
     seed: int = 0
     max_n: int = 8
     log_level: str = "info"
@@ -138,7 +138,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", help="auto, torch or triton")
     p.add_argument("--allreduce", choices=ALLREDUCE_MODES,
                    help="tensor-parallel all-reduce: auto (symmetric-memory one-shot for small "
-                        "tensors on CUDA where available, else NCCL), nccl (default), or symm "
+                        "tensors on CUDA where available, else NCCL; default), nccl, or symm "
                         "(required: fail at start-up if unavailable)")
     p.add_argument("--seed", type=int)
     p.add_argument("--max-n", type=int, help="the largest n a request may ask for (default 8)")
