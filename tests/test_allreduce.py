@@ -46,12 +46,7 @@ def _spawn(target: Callable[..., None], world: int, timeout_s: float) -> Dict[in
             rank, msg = out.get(timeout=timeout_s)
             msgs[rank] = msg
     finally:
-        for p in procs:
-            p.join(timeout=10)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        _load_script("bench_allreduce").stop(procs)  # join briefly, then kill stragglers
     return msgs
 
 
