@@ -4,13 +4,10 @@ against NCCL, eagerly and inside a CUDA graph."""
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing as mp
 import os
-import sys
 import traceback
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
@@ -23,9 +20,9 @@ from minisgl.distributed.symm_allreduce import symm_mem_problem
 from minisgl.engine import EngineConfig
 from minisgl.server.args import parse_args
 from minisgl.utils import free_port
+from script_loader import load_script
 from tiny_models import build_tiny
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -46,7 +43,7 @@ def _spawn(target: Callable[..., None], world: int, timeout_s: float) -> Dict[in
             rank, msg = out.get(timeout=timeout_s)
             msgs[rank] = msg
     finally:
-        _load_script("bench_allreduce").stop(procs)  # join briefly, then kill stragglers
+        load_script("bench_allreduce").stop(procs)  # join briefly, then kill stragglers
     return msgs
 
 
@@ -58,15 +55,6 @@ def _report(rank: int, out: Any, body: Callable[[], None]) -> None:
         out.put((rank, traceback.format_exc()))
     finally:
         destroy_process_groups()
-
-
-def _load_script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"_script_{name}", SCRIPTS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
 
 
 # --- configuration --------------------------------------------------------------------------------
@@ -102,7 +90,7 @@ def test_cli_and_file_set_allreduce(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("script", ["bench_latency", "bench_offline", "bench_allreduce"])
 def test_bench_scripts_take_allreduce(script: str) -> None:
-    module = _load_script(script)
+    module = load_script(script)
     if script == "bench_allreduce":
         args = module.parse_args(["--tp", "2", "--tokens", "1,8"])
         assert (args.tp, module.token_counts(args)) == (2, [1, 8])

@@ -79,6 +79,19 @@ def test_finish_reasons_and_stop_ids(llm: LLM) -> None:
     _pages_balanced(llm)
 
 
+def test_stats_count_steps_and_time_by_phase(llm: LLM) -> None:
+    before = llm.stats
+    llm.generate(["a", "b"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    after = llm.stats
+    assert after is not None
+    b_prefill = before.prefill_steps_total if before else 0
+    b_decode = before.decode_steps_total if before else 0
+    assert after.prefill_steps_total > b_prefill  # both prompts fit one prefill batch
+    assert after.decode_steps_total - b_decode == 3  # tokens 2..4 of the pair, batched
+    assert after.decode_seconds_total > 0 and after.prefill_seconds_total > 0
+    assert after.generated_tokens_total - (before.generated_tokens_total if before else 0) == 8
+
+
 def test_per_prompt_params(llm: LLM) -> None:
     outs = llm.generate(["a", "b"], [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
                                      SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)])

@@ -186,13 +186,16 @@ def test_models_health_metrics(client: openai.OpenAI, server: Server, model: str
     for name in ("minisgl_num_requests_running", "minisgl_num_requests_waiting",
                  "minisgl_kv_pages_used", "minisgl_kv_pages_total", "minisgl_kv_pages_cached",
                  "minisgl_prompt_tokens_total", "minisgl_generation_tokens_total",
-                 "minisgl_cached_prompt_tokens_total",
+                 "minisgl_cached_prompt_tokens_total", "minisgl_prefill_steps_total",
+                 "minisgl_decode_steps_total", "minisgl_decode_seconds_total",
+                 "minisgl_device_wait_seconds_total",
                  "minisgl_time_to_first_token_seconds_bucket",
                  "minisgl_inter_token_latency_seconds_count"):
         assert f"\n{name}" in text
     m = server.metrics()
     assert m["minisgl_kv_pages_total"] == 512
     assert m["minisgl_time_to_first_token_seconds_count"] >= 1
+    assert m["minisgl_prefill_steps_total"] >= 1 and m["minisgl_decode_steps_total"] >= 1
 
 
 # --- disconnects free the KV pages ----------------------------------------------------------------

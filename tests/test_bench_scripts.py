@@ -1,0 +1,44 @@
+"""The benchmark scripts run end to end on CPU with a tiny model: their arguments, timing loops
+and reports stay working between GPU sessions (the numbers themselves mean nothing here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, List
+
+import pytest
+
+from script_loader import load_script
+
+
+def _result_lines(out: str) -> List[dict]:
+    return [json.loads(line[len("RESULT "):]) for line in out.splitlines()
+            if line.startswith("RESULT ")]
+
+
+def test_bench_offline_reports_phases(tiny_model: Callable[..., Path],
+                                      capsys: pytest.CaptureFixture) -> None:
+    model = tiny_model("qwen3")
+    load_script("bench_offline").main(["--model", str(model), "--device", "cpu",
+                                       "--num-prompts", "3", "--min-len", "4", "--max-len", "9",
+                                       "--no-warmup"])
+    out = capsys.readouterr().out
+    (result,) = _result_lines(out)
+    assert result["engine"] == "minisgl" and result["requests"] == 3
+    assert result["output_tokens"] >= 3 * 4 and result["output_tok_s"] > 0
+    assert "prefill: 1 steps" in out and "decode:" in out and "host waited" in out
+
+
+def test_bench_latency_rows(tiny_model: Callable[..., Path],
+                            capsys: pytest.CaptureFixture) -> None:
+    model = tiny_model("llama")
+    load_script("bench_latency").main(["--model", str(model), "--device", "cpu",
+                                       "--batch-sizes", "1,3", "--context", "8", "--steps", "2",
+                                       "--warmup", "1", "--copy-mib", "8"])
+    (result,) = _result_lines(capsys.readouterr().out)
+    rows = result["rows"]
+    assert [r["batch"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["step_ms"] > 0 and r["overlap_ms"] > 0 and r["roofline_ms"] > 0
+        assert r["weight_gb"] > 0 and r["kv_gb"] > 0
