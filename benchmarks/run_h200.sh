@@ -21,8 +21,8 @@ if [ "$MODE" = decode ]; then  # decode step latency with a kernel profile at ba
 fi
 if [ "$MODE" = tp2ar ]; then  # all-reduce: NCCL vs symmetric memory, alone and in decode
   step allreduce_tp2 120 python3 scripts/bench_allreduce.py --tp 2
-  step latency_8b_tp2_nccl 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --allreduce nccl
-  step latency_8b_tp2_symm 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --allreduce symm
+  step latency_8b_tp2_nccl 240 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --allreduce nccl
+  step latency_8b_tp2_symm 240 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --allreduce symm
 fi
 if [ "$MODE" = peer8b ]; then
   step offline_8b_tp1 200 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b
@@ -38,9 +38,9 @@ if [ "$MODE" = all ] || [ "$MODE" = tp2 ]; then
   step offline_8b_tp2 200 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --tp 2
   step latency_8b_tp2 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2
 fi
-if [ "$MODE" = latency ]; then
-  step latency_8b_tp1 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b
-  step latency_8b_tp2 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2
+if [ "$MODE" = latency ]; then  # tp=2 needs about 150 s (two 8B dummy inits, graph capture)
+  step latency_8b_tp1 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --steps 100
+  step latency_8b_tp2 240 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --steps 50
 fi
 if [ "$MODE" = online ]; then
   # The Llama-3.1-8B shape with the SmolLM2 tokenizer (vocab 49152) so the API streams text.
