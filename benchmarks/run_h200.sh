@@ -24,6 +24,9 @@ if [ "$MODE" = tp2ar ]; then  # all-reduce: NCCL vs symmetric memory, alone and 
   step latency_8b_tp2_nccl 240 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --allreduce nccl
   step latency_8b_tp2_symm 240 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --allreduce symm
 fi
+if [ "$MODE" = regime ]; then  # the offline run's decode steps: where do its ~11 ms go?
+  step latency_8b_regime 200 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --batch-sizes 137,256 --context 100-1700 --profile
+fi
 if [ "$MODE" = peer8b ]; then
   step offline_8b_tp1 200 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b
   step peer_8b 330 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --peer hf --peer-num-prompts 32

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Decode step latency against the memory roofline.
 
-For each batch size (default 1, 64, 256) every request holds a fixed context (default 512 tokens
+For each batch size (default 1, 64, 256) every request holds a fixed context (default 512 tokens;
+`--context 100-1700` draws each request's length uniformly instead, like the offline workload
 of random K/V) and the engine runs full decode steps (`Engine.forward`: inputs, model, sampling)
 on dummy weights, synchronously (wait for each step's tokens) and overlapped (launch step N+1
 before collecting step N, as the scheduler runs by default). The roofline of one step is the bytes it must read from device memory, this
@@ -21,7 +22,7 @@ import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -35,7 +36,7 @@ from minisgl.utils import free_port, resolve_device, resolve_dtype
 @dataclass(frozen=True)
 class Row:
     batch: int
-    context: int
+    context: str  # the --context spec: "512" or "LO-HI"
     step_ms: float  # median wall time of one synchronous decode step (launch, then wait)
     roofline_ms: float
     weight_gb: float  # this rank's weights read per step
@@ -61,7 +62,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="configs/models/llama-3.1-8b")
     p.add_argument("--batch-sizes", default="1,64,256")
-    p.add_argument("--context", type=int, default=512, help="tokens already in each request")
+    p.add_argument("--context", default="512",
+                   help="tokens already in each request: N, or LO-HI for lengths drawn uniformly "
+                        "per request (seeded)")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--tp", type=int, default=1)
@@ -115,27 +118,40 @@ def weight_bytes_read(engine: Engine) -> int:
     return total
 
 
-def kv_bytes_read(engine: Engine, batch: int, seq_len: int) -> int:
+def kv_bytes_read(engine: Engine, batch: Batch) -> int:
+    """K and V bytes of every request's whole sequence (cached context plus the new token)."""
     pool = engine.pool
     per_token = 2 * pool.k.shape[0] * pool.k.shape[2] * pool.k.shape[3] * pool.k.element_size()
-    return batch * seq_len * per_token
+    return sum(p + 1 for p in batch.prefix_lens) * per_token
 
 
-def decode_batch(engine: Engine, batch: int, context: int, vocab: int, seed: int) -> Batch:
-    """`batch` requests of `context` cached tokens each, decoding token `context` (same slots
-    every step, so the context stays fixed); rows and pages are laid out request by request."""
+def context_range(spec: str) -> Tuple[int, int]:
+    """"512" -> (512, 512); "100-1700" -> (100, 1700)."""
+    lo, _, hi = spec.partition("-")
+    low, high = int(lo), int(hi or lo)
+    if not 1 <= low <= high:
+        raise ValueError(f"--context must be N or LO-HI with 1 <= LO <= HI, got {spec!r}")
+    return low, high
+
+
+def decode_batch(engine: Engine, batch: int, spec: str, vocab: int, seed: int) -> Batch:
+    """`batch` requests with contexts per `spec` (seeded), each decoding the token after its
+    context (same slots every step, so contexts stay fixed); rows and pages are laid out request
+    by request, `max context + 1` slots apart."""
     rng = random.Random(seed)
+    low, high = context_range(spec)
+    contexts = [rng.randint(low, high) for _ in range(batch)]
     ps = engine.pool.page_size
-    pages_per_req = -(-(context + 1) // ps)
+    pages_per_req = -(-(high + 1) // ps)
     reqs, out_slots = [], []
-    for i in range(batch):
+    for i, context in enumerate(contexts):
         ids = [rng.randrange(vocab) for _ in range(context + 1)]
         reqs.append(Req(i, ids, len(ids), SamplingParams(max_tokens=1 << 20, temperature=0.0),
                         (), table_row=i))
         slots = [(i * pages_per_req + p // ps) * ps + p % ps for p in range(context + 1)]
         engine.page_table[i, :context + 1] = torch.tensor(slots, dtype=torch.int32)
         out_slots.append(slots[context])
-    b = Batch(Phase.DECODE, reqs, [context] * batch, [1] * batch, [True] * batch)
+    b = Batch(Phase.DECODE, reqs, contexts, [1] * batch, [True] * batch)
     b.out_slots = torch.tensor(out_slots, dtype=torch.int64, device=engine.device)
     return b
 
@@ -209,7 +225,7 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
     """Build this rank's engine and time every batch size; rank 0 sends the rows to `out`."""
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     device = resolve_device(args.device)
-    pages_per_req = -(-(args.context + 1) // args.page_size)
+    pages_per_req = -(-(context_range(args.context)[1] + 1) // args.page_size)
     cfg = EngineConfig(
         model_path=args.model, tp_info=DistributedInfo(rank, args.tp), device=device,
         dtype=resolve_dtype(args.dtype, device), page_size=args.page_size,
@@ -231,7 +247,7 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
         for bs in sizes:
             batch = decode_batch(engine, bs, args.context, engine.model_cfg.vocab_size, bs)
             step = time_steps(engine, batch, args.steps, args.warmup)
-            kv = kv_bytes_read(engine, bs, args.context + 1)
+            kv = kv_bytes_read(engine, batch)
             overlap = time_steps_overlapped(engine, batch, args.steps, args.warmup)
             rows.append(Row(bs, args.context, step * 1e3, (weights + kv) / bandwidth * 1e3,
                             weights / 1e9, kv / 1e9, time_graph(engine, batch, args.steps),

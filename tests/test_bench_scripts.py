@@ -33,12 +33,15 @@ def test_bench_offline_reports_phases(tiny_model: Callable[..., Path],
 def test_bench_latency_rows(tiny_model: Callable[..., Path],
                             capsys: pytest.CaptureFixture) -> None:
     model = tiny_model("llama")
-    load_script("bench_latency").main(["--model", str(model), "--device", "cpu",
-                                       "--batch-sizes", "1,3", "--context", "8", "--steps", "2",
-                                       "--warmup", "1", "--copy-mib", "8"])
+    script = load_script("bench_latency")
+    script.main(["--model", str(model), "--device", "cpu", "--batch-sizes", "1,3", "--context",
+                 "4-20", "--steps", "2", "--warmup", "1", "--copy-mib", "8"])
     (result,) = _result_lines(capsys.readouterr().out)
     rows = result["rows"]
-    assert [r["batch"] for r in rows] == [1, 3]
+    assert [r["batch"] for r in rows] == [1, 3] and result["context"] == "4-20"
     for r in rows:
         assert r["step_ms"] > 0 and r["overlap_ms"] > 0 and r["roofline_ms"] > 0
         assert r["weight_gb"] > 0 and r["kv_gb"] > 0
+    assert script.context_range("512") == (512, 512)
+    with pytest.raises(ValueError, match="LO-HI"):
+        script.context_range("30-10")
