@@ -105,7 +105,7 @@ def reference(case: Case, heads: int, kv_heads: int, head_dim: int, layer: int
 
 def run_and_compare(dtype: torch.dtype, device: str, page_size: int, heads: int, kv_heads: int,
                     head_dim: int, prefix_lens: List[int], extend_lens: List[int], phase: Phase,
-                    seed: int = 0, min_split_tokens: int = 16) -> None:
+                    seed: int = 0, min_split_tokens: int = 16, num_sms: int = 64) -> None:
     case = make_case(dtype, device, page_size, heads, kv_heads, head_dim, prefix_lens,
                      extend_lens, phase, seed)
     layer = 1
@@ -113,7 +113,7 @@ def run_and_compare(dtype: torch.dtype, device: str, page_size: int, heads: int,
     backend = TritonBackend(case.pool, case.page_table, heads, kv_heads, head_dim,
                             head_dim ** -0.5)
     if not HAS_CUDA:  # exercise flash-decoding splits on the interpreter's short sequences
-        backend.num_sms = 64
+        backend.num_sms = num_sms
     backend.min_split_tokens = min_split_tokens
     backend.prepare(case.batch)
     out = backend.forward(case.q, case.k, case.v, layer, case.batch)
@@ -155,6 +155,16 @@ def test_extend_small(dtype: torch.dtype, page_size: int, heads: int, kv_heads: 
     extend = [9, 13, 40, 1, 70]
     run_and_compare(dtype, "cuda" if HAS_CUDA else "cpu", page_size, heads, kv_heads, 32,
                     prefix, extend, Phase.PREFILL, seed=page_size * heads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_single_split_writes_output_directly(dtype: torch.dtype) -> None:
+    """One split per request (the large-batch policy): no merge pass, same answer."""
+    if HAS_CUDA:
+        pytest.skip("the CPU interpreter path; GPU shapes are covered by test_decode_gpu")
+    prefix = [0, 7, 40, 90]
+    case_args = (dtype, "cpu", 16, 8, 2, 32, prefix, [1] * 4, Phase.DECODE)
+    run_and_compare(*case_args, min_split_tokens=4096, num_sms=1)
 
 
 @pytest.mark.parametrize("phase", [Phase.DECODE, Phase.PREFILL])

@@ -7,7 +7,8 @@ base 2 (the scale is pre-multiplied by log2(e)); outputs are cast back to the qu
 - Decode (one new token per request), flash-decoding: `_decode_split_kernel` runs one program per
   (request, KV head, KV split) over all query heads that share the KV head (GQA: K/V are read once
   per group) and writes a normalised partial output plus its log-sum-exp; `_decode_reduce_kernel`
-  merges the splits. The split length is derived from each request's own length inside the
+  merges the splits. With a single split (large batches) the first kernel writes the output
+  itself and the merge pass is skipped. The split length is derived from each request's own length inside the
   kernel, so the grid depends only on (batch size, num_splits), never on the lengths.
 - Extend (prefill chunks after a cached prefix): `_extend_kernel` runs one program per (request,
   query head, block of new tokens) and attends causally over the prefix and the new tokens, all
@@ -64,12 +65,14 @@ def _online_softmax_step(qk, v, acc, m_i, l_i, F32_DOT: tl.constexpr):
 @triton.jit
 def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, page_table_ptr, rows_ptr, seq_lens_ptr, o_part_ptr, lse_part_ptr,
-        scale_log2, num_splits, min_split,
+        out_ptr, scale_log2, num_splits, min_split,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
-        stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+        stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr):
-    """Program (b, kv_head, split): partial attention of the GROUP query heads of `kv_head`."""
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
+        DIRECT: tl.constexpr):
+    """Program (b, kv_head, split): partial attention of the GROUP query heads of `kv_head`.
+    DIRECT (a single split): the partial result is the answer; write it to `out`."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -109,10 +112,14 @@ def _decode_split_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     lse = m_i + tl.log2(l_safe)
-    o_ptrs = (o_part_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
-              + offs_d[None, :])
-    tl.store(o_ptrs, o, mask=mask_h[:, None] & mask_d[None, :])
-    tl.store(lse_part_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+    if DIRECT:
+        tl.store(out_ptr + b * stride_out_t + heads[:, None] * stride_out_h + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+    else:
+        o_ptrs = (o_part_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
+                  + offs_d[None, :])
+        tl.store(o_ptrs, o, mask=mask_h[:, None] & mask_d[None, :])
+        tl.store(lse_part_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
 
 
 @triton.jit
@@ -241,16 +248,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_d = _block_d(head_dim)
     tiles = tiles or decode_tiles(q.dtype, head_dim)
     min_split = triton.cdiv(max(min_split_tokens, 1), tiles.block_n) * tiles.block_n
+    direct = num_splits == 1  # one split: no merge pass (the large-batch case)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, rows, seq_lens, o_part, lse_part,
+        q, k_cache, v_cache, page_table, rows, seq_lens, o_part, lse_part, out,
         scale * _LOG2E, num_splits, min_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1),
+        lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, F32_DOT=_f32_dot(q), num_warps=tiles.num_warps,
-        num_stages=2)
+        HEAD_DIM=head_dim, BLOCK_D=block_d, F32_DOT=_f32_dot(q), DIRECT=direct,
+        num_warps=tiles.num_warps, num_stages=2)
+    if direct:
+        return
     _decode_reduce_kernel[(batch, num_heads)](
         o_part, lse_part, out, seq_lens, num_splits, min_split,
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
