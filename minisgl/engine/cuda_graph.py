@@ -41,7 +41,7 @@ class GraphableBackend(Protocol):
 
 
 class Replayed(NamedTuple):
-    logits: torch.Tensor  # [batch.size, vocab] float32, valid until the next replay
+    logits: torch.Tensor  # [batch.size, vocab] in the model's dtype, valid until the next replay
     rows: torch.Tensor  # [batch.size] int32 page-table rows on the device (static buffer view)
 
 

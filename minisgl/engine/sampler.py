@@ -102,8 +102,9 @@ def sample(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
 
 
 def sample_requests(logits: torch.Tensor, reqs: List[Req], engine_seed: int) -> torch.Tensor:
-    """Tokens for `reqs` (row i of logits is reqs[i]); an all-greedy batch is one argmax, with
-    no parameter tensors copied to the device."""
+    """Tokens for `reqs` (row i of logits is reqs[i], any float dtype). An all-greedy batch is
+    one argmax on the logits as they are (upcasting is exact, so the argmax cannot change), with
+    no parameter tensors copied to the device; otherwise sampling runs in float32."""
     if all(r.params.is_greedy for r in reqs):
         return logits.argmax(dim=-1)
-    return sample(logits, make_sampling_tensors(reqs, engine_seed, logits.device))
+    return sample(logits.float(), make_sampling_tensors(reqs, engine_seed, logits.device))

@@ -138,12 +138,12 @@ class CausalLM(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
                 backend: AttentionBackend, logit_rows: Optional[torch.Tensor]) -> torch.Tensor:
-        """Logits [len(logit_rows), vocab] (float32) for the chosen token rows only (every row
-        when `logit_rows` is None, as in decode)."""
+        """Logits [len(logit_rows), vocab] in the model's dtype for the chosen token rows only
+        (every row when `logit_rows` is None, as in decode); the sampler upcasts where needed."""
         hidden = self.model(ids, positions, batch, backend)
         if logit_rows is not None:
             hidden = hidden[logit_rows]
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)
 
     def load_weights(self, tensors: Iterable[Tuple[str, TensorSource]]) -> None:
         """Load every parameter from (checkpoint name, source) pairs; raise naming any missing."""
