@@ -8,6 +8,7 @@ table and an equally sized KV pool (the page count is the minimum over ranks).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from typing import Iterator, List, NamedTuple, Optional
 
@@ -56,9 +57,9 @@ class Engine:
         self.model_cfg = ModelConfig.from_dir(cfg.model_path)
         self.model = self._load_model(groups)
         self.max_context = self.model_cfg.max_context
-        self.num_pages = min_over_ranks(self._pages_that_fit(), groups.cpu_group)
-        local_kv_heads = self.model.model.layers[0].self_attn.qkv_proj.num_local_kv_heads
-        local_heads = self.model.model.layers[0].self_attn.qkv_proj.num_local_heads
+        qkv = self.model.model.layers[0].self_attn.qkv_proj
+        local_kv_heads, local_heads = qkv.num_local_kv_heads, qkv.num_local_heads
+        self.num_pages = min_over_ranks(self._pages_that_fit(local_kv_heads), groups.cpu_group)
         self.pool = KVPool(self.model_cfg.num_layers, self.num_pages, cfg.page_size,
                            local_kv_heads, self.model_cfg.head_dim, cfg.dtype, self.device)
         # One spare row, so a row index never needs bounds checks in kernels.
@@ -94,15 +95,15 @@ class Engine:
             model.load_weights(iter_checkpoint(self.cfg.model_path, show))
         return model.eval()
 
-    def _pages_that_fit(self) -> int:
-        m = self.model_cfg
-        kv_heads = self.model.model.layers[0].self_attn.qkv_proj.num_local_kv_heads
-        per_page = KVPool.bytes_per_page(m.num_layers, self.cfg.page_size, kv_heads, m.head_dim,
-                                         self.cfg.dtype)
+    def _pages_that_fit(self, kv_heads: int) -> int:
+        """This rank's page budget (ranks then agree on the minimum)."""
         if self.cfg.max_kv_tokens is not None:
             return -(-self.cfg.max_kv_tokens // self.cfg.page_size)
         if self.device.type != "cuda":
             return _CPU_DEFAULT_KV_TOKENS // self.cfg.page_size
+        m = self.model_cfg
+        per_page = KVPool.bytes_per_page(m.num_layers, self.cfg.page_size, kv_heads, m.head_dim,
+                                         self.cfg.dtype)
         free, _ = torch.cuda.mem_get_info(self.device)
         return int(free * self.cfg.mem_fraction) // per_page
 
@@ -118,13 +119,14 @@ class Engine:
         if self.graphs is not None and self.graphs.can_run(batch):
             logits, rows = self.graphs.replay(batch)  # decode: every request is sampled
         else:
-            self._prepare_inputs(batch)
-            self.backend.prepare(batch)
-            ends = to_device(batch.extend_lens, torch.int64, self.device).cumsum(0) - 1
-            logits = self.model(batch.input_ids, batch.positions, batch, self.backend,
-                                ends[to_device(sampled, torch.int64, self.device)])
             rows = to_device([batch.reqs[i].table_row for i in sampled], torch.int64,
                              self.device)
+            self._prepare_inputs(batch, rows)
+            self.backend.prepare(batch)
+            ends = list(itertools.accumulate(batch.extend_lens))  # one past each request's last
+            logit_rows = to_device([ends[i] - 1 for i in sampled], torch.int64, self.device)
+            logits = self.model(batch.input_ids, batch.positions, batch, self.backend,
+                                logit_rows)
         if not sampled:
             return Launched(batch, sampled, None, None)
         tokens = sample_requests(logits, [batch.reqs[i] for i in sampled], self.cfg.seed)
@@ -153,14 +155,15 @@ class Engine:
         """Launch and collect: the synchronous path."""
         return self.collect(self.launch(batch))
 
-    def _prepare_inputs(self, batch: Batch) -> None:
+    def _prepare_inputs(self, batch: Batch, rows: torch.Tensor) -> None:
+        """Positions and input ids on the device; `rows` are the page-table rows of the sampled
+        requests, which for a decode batch are all of them, in order."""
         dev = self.device
         positions: List[int] = []
         for prefix, ext in zip(batch.prefix_lens, batch.extend_lens):
             positions.extend(range(prefix, prefix + ext))
         batch.positions = to_device(positions, torch.int64, dev)
         if batch.phase is Phase.DECODE:  # the newest token may still be on the device only
-            rows = to_device([r.table_row for r in batch.reqs], torch.int64, dev)
             batch.input_ids = self.last_tokens[rows]
             return
         ids: List[int] = []
