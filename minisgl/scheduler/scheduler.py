@@ -87,10 +87,12 @@ class Scheduler:
         previous, self.inflight = self.inflight, launched
         if previous is not None:
             self._complete(previous)
-        if not self.overlap and launched is not None:
-            self.inflight = None
-            self._complete(launched)
-        if self.stopped and self.inflight is not None:
+        if not self.overlap or self.stopped:
+            self._finish_inflight()
+
+    def _finish_inflight(self) -> None:
+        """Wait for the in-flight batch (if any) and process its results."""
+        if self.inflight is not None:
             done, self.inflight = self.inflight, None
             self._complete(done)
 
@@ -216,8 +218,7 @@ class Scheduler:
             if need <= self.cache.available_pages - self.prefill.outstanding_pages:
                 return
             if self.inflight is not None:  # retraction needs every batch using it finished
-                done, self.inflight = self.inflight, None
-                self._complete(done)
+                self._finish_inflight()
                 continue
             admitted = sorted(running + list(self.prefill.prefilling), key=lambda r: r.uid)
             if len(admitted) <= 1:
@@ -229,10 +230,8 @@ class Scheduler:
         KV goes to the prefix cache, so re-admission recomputes little (with radix)."""
         if not self.decode.remove(req):
             self.prefill.prefilling.remove(req)
-        self.prefill.outstanding_pages -= self._unallocated(req)
-        self.cache.retire(req)
-        self.rows.free(req.table_row)
-        req.table_row, req.cached_len = -1, 0
+        self._free_admitted(req)
+        req.cached_len = 0
         req.allocated_pages = req.reserved_pages = 0
         req.device_len = len(req.token_ids)
         self.prefill.waiting.appendleft(req)
@@ -257,11 +256,14 @@ class Scheduler:
         batch.out_slots = packed[2]
 
     def _rewrite_pages(self, req: Req, page_indices: List[int]) -> None:
-        """Point the page table at `req.pages[i]` for each listed page index."""
-        ps, dev = self.cache.page_size, self.engine.device
-        for i in page_indices:
-            slots = torch.arange(ps, dtype=torch.int32) + req.pages[i] * ps
-            self.engine.page_table[req.table_row, i * ps:(i + 1) * ps] = slots.to(dev)
+        """Point the page table at `req.pages[i]` for each listed page index (one copy)."""
+        if not page_indices:
+            return
+        ps = self.cache.page_size
+        cols = [i * ps + j for i in page_indices for j in range(ps)]
+        slots = [req.pages[i] * ps + j for i in page_indices for j in range(ps)]
+        packed = to_device([cols, slots], torch.int32, self.engine.device)
+        self.engine.page_table[req.table_row, packed[0]] = packed[1]
 
     def process(self, batch: Batch, tokens: List[int]) -> List[TokenOut]:
         out: List[TokenOut] = []
@@ -296,8 +298,12 @@ class Scheduler:
 
     def _retire(self, req: Req, admitted: bool) -> None:
         self.reqs.pop(req.uid, None)
-        if not admitted:
-            return
+        if admitted:
+            self._free_admitted(req)
+
+    def _free_admitted(self, req: Req) -> None:
+        """Give back an admitted request's unused reservation, KV pages (to the cache manager)
+        and page-table row."""
         self.prefill.outstanding_pages -= self._unallocated(req)
         self.cache.retire(req)
         self.rows.free(req.table_row)
