@@ -41,8 +41,8 @@ class Row:
     roofline_ms: float
     weight_gb: float  # this rank's weights read per step
     kv_gb: float  # this rank's KV read per step
-    graph_ms: float = float("nan")  # median device time of the decode graph alone (CUDA)
-    overlap_ms: float = float("nan")  # median step with the next one launched before collecting
+    graph_ms: Optional[float] = None  # median device time of the decode graph alone (CUDA)
+    overlap_ms: Optional[float] = None  # median step with the next one launched first
 
     @property
     def efficiency(self) -> float:
@@ -51,7 +51,7 @@ class Row:
 
     @property
     def served_ms(self) -> float:
-        return self.step_ms if self.overlap_ms != self.overlap_ms else self.overlap_ms
+        return self.step_ms if self.overlap_ms is None else self.overlap_ms
 
     @property
     def tok_s(self) -> float:
@@ -205,11 +205,12 @@ def profile_steps(engine: Engine, batch: Batch, steps: int = 5, rows: int = 25) 
     return table.table(row_limit=rows)
 
 
-def time_graph(engine: Engine, batch: Batch, steps: int) -> float:
+def time_graph(engine: Engine, batch: Batch, steps: int) -> Optional[float]:
     """Median device milliseconds of the captured decode graph alone (its one input copy and the
-    replay), without sampling and host work: separates GPU time from scheduling overhead."""
+    replay), without sampling and host work: separates GPU time from scheduling overhead. None
+    without a graph for this batch (CPU, or larger than the largest graph)."""
     if engine.graphs is None or not engine.graphs.can_run(batch):
-        return float("nan")
+        return None
     times = []
     for _ in range(steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -262,13 +263,17 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
         destroy_process_groups()
 
 
+def _ms(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def print_table(args: argparse.Namespace, bandwidth: float, rows: List[Row], device: str) -> None:
     print(f"model {args.model}, tp {args.tp}, {device}, copy bandwidth {bandwidth / 1e9:,.0f} GB/s "
           f"(read + write), context {args.context}")
     print(f"{'batch':>6} {'step ms':>9} {'overlap ms':>11} {'graph ms':>9} {'roofline ms':>12} "
           f"{'% roofline':>11} {'weights GB':>11} {'KV GB':>7} {'tok/s':>9}")
     for r in rows:
-        print(f"{r.batch:>6} {r.step_ms:>9.3f} {r.overlap_ms:>11.3f} {r.graph_ms:>9.3f} "
+        print(f"{r.batch:>6} {r.step_ms:>9.3f} {_ms(r.overlap_ms):>11} {_ms(r.graph_ms):>9} "
               f"{r.roofline_ms:>12.3f} {100 * r.efficiency:>10.1f}% {r.weight_gb:>11.3f} "
               f"{r.kv_gb:>7.3f} {r.tok_s:>9,.0f}")
     print("% roofline and tok/s use the overlapped step (the scheduler's default loop); "

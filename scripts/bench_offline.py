@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from minisgl import LLM, SamplingParams
+from minisgl.distributed import ALLREDUCE_MODES
 from minisgl.message import SchedulerStats
 from minisgl.models import ModelConfig
 
@@ -78,7 +79,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-kv-tokens", type=int, default=None)
     p.add_argument("--cache", default="radix", choices=["radix", "naive"])
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--allreduce", default="auto", choices=["auto", "nccl", "symm"],
+    p.add_argument("--allreduce", default="auto", choices=list(ALLREDUCE_MODES),
                    help="tensor-parallel all-reduce (see EngineConfig.allreduce)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the untimed warm-up (kernel compilation, allocator)")

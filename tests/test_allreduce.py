@@ -23,6 +23,7 @@ from minisgl.utils import free_port
 from script_loader import load_script
 from tiny_models import build_tiny
 
+BENCH = load_script("bench_allreduce")
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -43,7 +44,7 @@ def _spawn(target: Callable[..., None], world: int, timeout_s: float) -> Dict[in
             rank, msg = out.get(timeout=timeout_s)
             msgs[rank] = msg
     finally:
-        load_script("bench_allreduce").stop(procs)  # join briefly, then kill stragglers
+        BENCH.stop(procs)  # join briefly, then kill stragglers
     return msgs
 
 

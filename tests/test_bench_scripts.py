@@ -13,8 +13,10 @@ from script_loader import load_script
 
 
 def _result_lines(out: str) -> List[dict]:
-    return [json.loads(line[len("RESULT "):]) for line in out.splitlines()
-            if line.startswith("RESULT ")]
+    def strict(constant: str) -> None:  # NaN / Infinity are not JSON
+        raise AssertionError(f"RESULT line holds {constant}")
+    return [json.loads(line[len("RESULT "):], parse_constant=strict)
+            for line in out.splitlines() if line.startswith("RESULT ")]
 
 
 def test_bench_offline_reports_phases(tiny_model: Callable[..., Path],
