@@ -8,8 +8,9 @@ packed as little-endian int32 bytes (`ExtType` 1), four bytes a token instead of
 from __future__ import annotations
 
 import dataclasses
+import functools
 from array import array
-from typing import Any, Dict, Type
+from typing import Any, Dict, FrozenSet, Tuple, Type
 
 import msgpack
 
@@ -27,6 +28,18 @@ _TYPES: Dict[str, Type[Any]] = {
 }
 
 
+# Field lists per class, read once: every step encodes and decodes hundreds of these objects.
+@functools.lru_cache(maxsize=None)
+def _field_names(cls: Type[Any]) -> Tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+@functools.lru_cache(maxsize=None)
+def _tuple_fields(cls: Type[Any]) -> FrozenSet[str]:
+    """msgpack has no tuple: the tuple-typed fields get their type back on decode."""
+    return frozenset(f.name for f in dataclasses.fields(cls) if "Tuple" in str(f.type))
+
+
 def _pack_ids(ids: Any) -> msgpack.ExtType:
     buf = array("i", ids)
     if buf.itemsize != 4:  # pragma: no cover - every supported platform has 4-byte int
@@ -37,12 +50,12 @@ def _pack_ids(ids: Any) -> msgpack.ExtType:
 def _to_wire(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         fields = {}
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            if f.name in _TOKEN_FIELDS and value is not None:
-                fields[f.name] = _pack_ids(value)
+        for name in _field_names(type(obj)):
+            value = getattr(obj, name)
+            if name in _TOKEN_FIELDS and value is not None:
+                fields[name] = _pack_ids(value)
             else:
-                fields[f.name] = _to_wire(value)
+                fields[name] = _to_wire(value)
         return {"t": type(obj).__name__, "f": fields}
     if isinstance(obj, (list, tuple)):
         return [_to_wire(x) for x in obj]
@@ -60,22 +73,16 @@ def _from_wire(obj: Any) -> Any:
         cls = _TYPES.get(obj["t"])
         if cls is None:
             raise ValueError(f"unknown message type {obj['t']!r}")
+        wire, tuples = obj["f"], _tuple_fields(cls)
         kwargs = {}
-        for f in dataclasses.fields(cls):
-            if f.name in obj["f"]:
-                kwargs[f.name] = _from_wire(obj["f"][f.name])
-        _restore_tuples(cls, kwargs)
+        for name in _field_names(cls):
+            if name in wire:
+                value = _from_wire(wire[name])
+                kwargs[name] = tuple(value) if name in tuples and isinstance(value, list) else value
         return cls(**kwargs)
     if isinstance(obj, list):
         return [_from_wire(x) for x in obj]
     return obj
-
-
-def _restore_tuples(cls: Type[Any], kwargs: Dict[str, Any]) -> None:
-    """msgpack has no tuple: give tuple-typed fields back their type so equality holds."""
-    for f in dataclasses.fields(cls):
-        if f.name in kwargs and isinstance(kwargs[f.name], list) and "Tuple" in str(f.type):
-            kwargs[f.name] = tuple(kwargs[f.name])
 
 
 def encode(msg: Any) -> bytes:

@@ -45,6 +45,8 @@ class RequestStream:
 
     async def get(self, timeout: Optional[float] = None) -> Optional[ReplyChunk]:
         """The next chunk of any of the uids; None after `timeout` seconds without one."""
+        if not self.queue.empty():  # the common case when many chunks arrive: no timer task
+            return self.queue.get_nowait()
         try:
             return await asyncio.wait_for(self.queue.get(), timeout)
         except asyncio.TimeoutError:

@@ -21,8 +21,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import zmq
 
 from minisgl.core import FinishReason
-from minisgl.message.codec import decode
-from minisgl.message.queue import PushQueue
+from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.types import (AbortMsg, BatchTokenOut, DetokenizeInit, ReplyBatch,
                                    ReplyChunk, TokenOut)
 from minisgl.tokenizer.incremental import IncrementalDecoder, StopMatcher
@@ -117,8 +116,7 @@ def run_detokenizer(cfg: DetokenizerConfig, conn: Any) -> None:
     try:
         state = Detokenizer(load_tokenizer(Path(cfg.model_path)))
         ctx = zmq.Context()
-        inbox = ctx.socket(zmq.PULL)
-        inbox.bind(cfg.detokenizer_addr)
+        inbox = PullQueue(ctx, cfg.detokenizer_addr, bind=True)
         to_api = PushQueue(ctx, cfg.api_addr, bind=False)
         to_backend = PushQueue(ctx, cfg.backend_addr, bind=False)
     except Exception as e:
@@ -127,7 +125,7 @@ def run_detokenizer(cfg: DetokenizerConfig, conn: Any) -> None:
         sys.exit(1)
     conn.send(("ready", "detokenizer", {}))
     while True:
-        msg = decode(inbox.recv())
+        msg = inbox.get()
         if isinstance(msg, BatchTokenOut):
             rendered = state.render(list(msg.items))
             stats = msg.stats
