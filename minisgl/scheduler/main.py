@@ -23,11 +23,7 @@ from minisgl.engine import Engine
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.io import ZmqIO
 from minisgl.scheduler.scheduler import Scheduler
-
-
-def setup_logging(tag: str, level: str = "INFO") -> None:
-    logging.basicConfig(level=level.upper(), force=True, stream=sys.stderr,
-                        format=f"%(asctime)s [{tag}] %(levelname)s %(name)s: %(message)s")
+from minisgl.log import setup_logging
 
 
 def _alive(pid: int) -> bool:

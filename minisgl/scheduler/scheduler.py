@@ -212,7 +212,7 @@ class Scheduler:
         oldest request always fits alone, so it always progresses)."""
         ps = self.cache.page_size
         while True:
-            running = [self.decode.running[uid] for uid in sorted(self.decode.running)]
+            running = self.decode.running.values()
             need = sum(1 for r in running
                        if r.device_len > len(r.pages) * ps and self._unallocated(r) == 0)
             if need <= self.cache.available_pages - self.prefill.outstanding_pages:
@@ -220,7 +220,7 @@ class Scheduler:
             if self.inflight is not None:  # retraction needs every batch using it finished
                 self._finish_inflight()
                 continue
-            admitted = sorted(running + list(self.prefill.prefilling), key=lambda r: r.uid)
+            admitted = sorted([*running, *self.prefill.prefilling], key=lambda r: r.uid)
             if len(admitted) <= 1:
                 return
             self._retract(admitted[-1])

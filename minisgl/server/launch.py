@@ -37,7 +37,8 @@ from minisgl.models.config import ModelConfig
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.api import ApiConfig, run_api
 from minisgl.server.args import ServerConfig, describe, parse_args
-from minisgl.server.proc import (Child, StartupError, setup_logging, spawn, stop_children,
+from minisgl.log import setup_logging
+from minisgl.server.proc import (Child, StartupError, spawn, stop_children,
                                  wait_ready)
 from minisgl.tokenizer.detokenize_worker import DetokenizerConfig, run_detokenizer
 from minisgl.tokenizer.text import resolve_model_path

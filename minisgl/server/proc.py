@@ -17,12 +17,12 @@ import multiprocessing.connection as mpc
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from minisgl.log import setup_logging
 
 logger = logging.getLogger("minisgl.launcher")
 _SPAWN = mp.get_context("spawn")
@@ -31,11 +31,6 @@ _SPAWN = mp.get_context("spawn")
 class StartupError(Exception):
     """A child failed to start (its one-line reason is the message)."""
 
-
-def setup_logging(tag: str, level: str) -> None:
-    """One line per record, tagged with the process (same format as the scheduler ranks)."""
-    logging.basicConfig(level=level.upper(), force=True, stream=sys.stderr,
-                        format=f"%(asctime)s [{tag}] %(levelname)s %(name)s: %(message)s")
 
 
 def _exit_with_parent(parent_pid: int, run_dir: str) -> None:
