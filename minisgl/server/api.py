@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional
@@ -24,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minisgl.message.startup import report_startup
 from minisgl.message.types import ReplyChunk
 from minisgl.server.backend import Backend, RequestStream
 from minisgl.server.metrics import Metrics
@@ -242,11 +242,6 @@ def serve_forever(cfg: ApiConfig, sock: Any, is_healthy: Callable[[], bool],
 
 def run_api(cfg: ApiConfig, sock: Any, log_level: str, conn: Any) -> None:
     """Process entry: serve; report ("ready", "api", {}) once listening or ("error", ...)."""
-    try:
+    with report_startup(conn, "api", logger):
         serve_forever(cfg, sock, lambda: os.path.exists(cfg.health_file),
                       lambda: conn.send(("ready", "api", {})), log_level)
-    except Exception as e:
-        logger.debug("start-up failed", exc_info=True)
-        with contextlib.suppress(Exception):
-            conn.send(("error", "api", f"{type(e).__name__}: {e}"))
-        sys.exit(1)

@@ -13,7 +13,6 @@ uid are dropped until that final `TokenOut`.
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
@@ -22,6 +21,7 @@ import zmq
 
 from minisgl.core import FinishReason
 from minisgl.message.queue import PullQueue, PushQueue
+from minisgl.message.startup import report_startup
 from minisgl.message.types import (AbortMsg, BatchTokenOut, DetokenizeInit, ReplyBatch,
                                    ReplyChunk, TokenOut)
 from minisgl.tokenizer.incremental import IncrementalDecoder, StopMatcher
@@ -113,16 +113,12 @@ class Detokenizer:
 def run_detokenizer(cfg: DetokenizerConfig, conn: Any) -> None:
     """Process entry: load the tokenizer, bind, report ("ready", "detokenizer", {}), loop forever
     (the launcher ends the process)."""
-    try:
+    with report_startup(conn, "detokenizer", logger):
         state = Detokenizer(load_tokenizer(Path(cfg.model_path)))
         ctx = zmq.Context()
         inbox = PullQueue(ctx, cfg.detokenizer_addr, bind=True)
         to_api = PushQueue(ctx, cfg.api_addr, bind=False)
         to_backend = PushQueue(ctx, cfg.backend_addr, bind=False)
-    except Exception as e:
-        logger.debug("start-up failed", exc_info=True)
-        conn.send(("error", "detokenizer", f"{type(e).__name__}: {e}"))
-        sys.exit(1)
     conn.send(("ready", "detokenizer", {}))
     while True:
         msg = inbox.get()

@@ -27,6 +27,7 @@ import zmq
 
 from minisgl.core import SamplingParams
 from minisgl.message.queue import PullQueue, PushQueue
+from minisgl.message.startup import report_startup
 from minisgl.message.types import (AbortMsg, AbortRequest, DetokenizeInit, ReplyBatch,
                                    ReplyChunk, TokenizeRequest, UserMsg)
 from minisgl.tokenizer.incremental import PROMPT_CONTEXT_TOKENS
@@ -117,17 +118,13 @@ def run_tokenizer(cfg: TokenizerConfig, conn: Any) -> None:
     """Process entry: load the tokenizer, bind, report ("ready", "tokenizer", {}), then take
     ("limits", {"max_context", "kv_capacity"}) from the launcher (sent once every rank is ready;
     requests wait in the socket until then) and serve forever (the launcher ends the process)."""
-    try:
+    with report_startup(conn, "tokenizer", logger):
         tokenizer = load_tokenizer(Path(cfg.model_path))
         ctx = zmq.Context()
         inbox = PullQueue(ctx, cfg.tokenizer_addr, bind=True)
         to_backend = PushQueue(ctx, cfg.backend_addr, bind=False)
         to_detok = PushQueue(ctx, cfg.detokenizer_addr, bind=False)
         to_api = PushQueue(ctx, cfg.api_addr, bind=False)
-    except Exception as e:
-        logger.debug("start-up failed", exc_info=True)
-        conn.send(("error", "tokenizer", f"{type(e).__name__}: {e}"))
-        sys.exit(1)
     conn.send(("ready", "tokenizer", {}))
     try:
         _, limits = conn.recv()
