@@ -14,7 +14,19 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/summary.txt"
 MODE=${1:-all}
 if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
-  step gpu_tests 300 python3 -m pytest -q -x -m gpu tests/test_gpu.py tests/test_triton_attention.py tests/test_triton_ops.py tests/test_allreduce.py
+  step gpu_tests 300 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_triton_attention.py tests/test_triton_ops.py tests/test_allreduce.py
+fi
+if [ "$MODE" = kernels ]; then  # attention tiles, batch-1 projections, prefill GEMMs
+  step kernels_8b 300 python3 scripts/bench_kernels.py --model configs/models/llama-3.1-8b
+fi
+if [ "$MODE" = latency1 ]; then
+  step latency_8b_tp1 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --steps 100
+fi
+if [ "$MODE" = offline ]; then
+  step offline_8b_tp1 200 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b
+fi
+if [ "$MODE" = tests2 ]; then  # the tests that need two GPUs
+  step gpu_tests_tp2 300 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_allreduce.py -k "tp2"
 fi
 if [ "$MODE" = decode ]; then  # decode step latency with a kernel profile at batch 1
   step latency_8b_profile 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --profile

@@ -202,12 +202,14 @@ def _extend_kernel(
 class DecodeTiles(NamedTuple):
     block_n: int  # KV tokens per loop iteration
     num_warps: int
+    num_stages: int = 2
 
 
 class ExtendTiles(NamedTuple):
     block_m: int  # new tokens per program
     block_n: int  # KV tokens per loop iteration
     num_warps: int
+    num_stages: int = 2
 
 
 def decode_tiles(dtype: torch.dtype, head_dim: int) -> DecodeTiles:
@@ -258,7 +260,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, F32_DOT=_f32_dot(q), DIRECT=direct,
-        num_warps=tiles.num_warps, num_stages=2)
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if direct:
         return
     _decode_reduce_kernel[(batch, num_heads)](
@@ -295,7 +297,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache.stride(0), v_cache.stride(1), page_table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim), F32_DOT=_f32_dot(q), num_warps=tiles.num_warps,
-        num_stages=2)
+        num_stages=tiles.num_stages)
 
 
 @triton.jit

@@ -1,0 +1,322 @@
+#!/usr/bin/env python3
+"""Kernel micro-benchmarks on the GPU: the tiles behind the attention kernels' defaults, and the
+batch-1 projections (cuBLAS, cuBLASLt, a Triton GEMV) that dominate a decode step.
+
+Each case is captured in a CUDA graph (many calls, replayed) and timed with CUDA events, median of
+a few replays; every call reads inputs larger than the L2 cache, as in a real step.
+
+- `decode`: the paged decode kernel at each batch size, contexts drawn as in the offline
+  workload (seeded, pages shuffled), for every (block_n, warps, stages, splits).
+- `extend`: the causal extend kernel on a prefill chunk of fresh prompts.
+- `linear`: y = x W^T for one token and every projection of the model at tp 1 and 2.
+- `gemm`: the same projections for a whole prefill chunk (cuBLAS).
+
+    PYTHONPATH=. python scripts/bench_kernels.py --what decode,extend,linear
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import statistics
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.attention.triton_kernels import (DecodeTiles, ExtendTiles, decode_attention,
+                                              extend_attention)
+from minisgl.models.config import ModelConfig
+
+
+class Shape(NamedTuple):
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="configs/models/llama-3.1-8b")
+    p.add_argument("--what", default="decode,extend,linear,gemm")
+    p.add_argument("--batch-sizes", default="1,137,256", help="decode batch sizes")
+    p.add_argument("--context", default="100-1700", help="decode contexts: N or LO-HI")
+    p.add_argument("--batch1-context", type=int, default=512,
+                   help="context of the batch-1 decode case (the latency benchmark's)")
+    p.add_argument("--chunk", type=int, default=8192, help="extend: tokens in the chunk")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--reps", type=int, default=5, help="timed graph replays per case")
+    return p.parse_args(argv)
+
+
+def time_graph(fn: Callable[[], None], calls: int, reps: int) -> float:
+    """Median microseconds of one `fn()` when `calls` of them run back to back in a graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def report(kind: str, case: Dict[str, object], us: float, **extra: object) -> None:
+    fields = " ".join(f"{k}={v}" for k, v in {**case, **extra}.items())
+    print(f"{kind:7s} {us:9.2f} us  {fields}", flush=True)
+    print("RESULT " + json.dumps({"kind": kind, "us": round(us, 3), **case, **extra}))
+
+
+# --- attention ------------------------------------------------------------------------------------
+class Paged(NamedTuple):
+    k: torch.Tensor  # [slots, kv_heads, d]
+    v: torch.Tensor
+    page_table: torch.Tensor  # [batch, max pages * page_size] int32
+    rows: torch.Tensor
+    lens: List[int]
+
+
+def paged_kv(shape: Shape, lens: Sequence[int], page_size: int, seed: int) -> Paged:
+    """K/V for requests of `lens` tokens in shuffled pages (a pool after some churn)."""
+    pages = [-(-n // page_size) for n in lens]
+    order = list(range(sum(pages)))
+    random.Random(seed).shuffle(order)
+    width = max(pages) * page_size
+    table = torch.zeros((len(lens), width), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(pages):
+        own = torch.tensor(order[used:used + n], dtype=torch.int32)
+        used += n
+        slots = (own[:, None] * page_size + torch.arange(page_size, dtype=torch.int32)).flatten()
+        table[i, :slots.numel()] = slots
+    cache = (sum(pages) * page_size, shape.kv_heads, shape.head_dim)
+    k = torch.randn(cache, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(cache, dtype=torch.bfloat16, device="cuda")
+    rows = torch.arange(len(lens), dtype=torch.int32, device="cuda")
+    return Paged(k, v, table.cuda(), rows, list(lens))
+
+
+def draw_lens(n: int, spec: str, seed: int) -> List[int]:
+    lo, _, hi = spec.partition("-")
+    rng = random.Random(seed)
+    return [rng.randint(int(lo), int(hi or lo)) for _ in range(n)]
+
+
+def bench_decode(shape: Shape, args: argparse.Namespace) -> None:
+    for bs in (int(b) for b in args.batch_sizes.split(",")):
+        lens = [args.batch1_context] if bs == 1 else draw_lens(bs, args.context, bs)
+        kv = paged_kv(shape, lens, args.page_size, bs)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        q = torch.randn((bs, shape.heads, shape.head_dim), dtype=torch.bfloat16, device="cuda")
+        gb = 2 * sum(lens) * shape.kv_heads * shape.head_dim * 2 / 1e9
+        split_choices = (8, 16, 32) if bs == 1 else (1, 2, 4)
+        ref: Optional[torch.Tensor] = None
+        for block_n, warps, stages, splits in itertools.product(
+                (32, 64, 128), (4, 8), (1, 2, 3), split_choices):
+            o_part = torch.empty((bs, shape.heads, splits, shape.head_dim), dtype=torch.float32,
+                                 device="cuda")
+            lse = torch.empty((bs, shape.heads, splits), dtype=torch.float32, device="cuda")
+            out = torch.empty_like(q)
+            tiles = DecodeTiles(block_n, warps, stages)
+            scale = shape.head_dim ** -0.5
+
+            def run() -> None:
+                decode_attention(q, kv.k, kv.v, kv.page_table, kv.rows, seq_lens, o_part, lse,
+                                 out, scale, 64, tiles)
+            try:
+                us = time_graph(run, 20, args.reps)
+            except Exception as exc:  # a tile that does not compile (resources) is skipped
+                print(f"decode bs={bs} {tiles} splits={splits}: {type(exc).__name__}: "
+                      f"{str(exc)[:120]}")
+                continue
+            ref = out.clone() if ref is None else ref
+            err = (out.float() - ref.float()).abs().max().item()
+            report("decode", {"batch": bs, "block_n": block_n, "warps": warps,
+                              "stages": stages, "splits": splits}, us,
+                   gb_s=round(gb / us * 1e6, 1), max_err=round(err, 4))
+
+
+def bench_extend(shape: Shape, args: argparse.Namespace) -> None:
+    rng = random.Random(0)
+    lens: List[int] = []
+    while sum(lens) < args.chunk:
+        lens.append(min(rng.randint(100, 1024), args.chunk - sum(lens)))
+    kv = paged_kv(shape, lens, args.page_size, 7)
+    t = sum(lens)
+    q = torch.randn((t, shape.heads, shape.head_dim), dtype=torch.bfloat16, device="cuda")
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    zeros = torch.zeros_like(lens_t)
+    starts = torch.tensor([sum(lens[:i]) for i in range(len(lens))], dtype=torch.int32,
+                          device="cuda")
+    flops = sum(4 * n * (n + 1) / 2 * shape.head_dim * shape.heads for n in lens)
+    ref: Optional[torch.Tensor] = None
+    for block_m, block_n, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8),
+                                                             (2, 3)):
+        tiles = ExtendTiles(block_m, block_n, warps, stages)
+        out = torch.empty_like(q)
+
+        def run() -> None:
+            extend_attention(q, kv.k, kv.v, kv.page_table, kv.rows, zeros, lens_t, starts,
+                             max(lens), out, shape.head_dim ** -0.5, tiles)
+        try:
+            us = time_graph(run, 3, args.reps)
+        except Exception as exc:
+            print(f"extend {tiles}: {type(exc).__name__}: {str(exc)[:120]}")
+            continue
+        ref = out.clone() if ref is None else ref
+        err = (out.float() - ref.float()).abs().max().item()
+        report("extend", {"tokens": t, "requests": len(lens), "block_m": block_m,
+                          "block_n": block_n, "warps": warps, "stages": stages}, us,
+               tflops=round(flops / us / 1e6, 1), max_err=round(err, 4))
+
+
+# --- batch-1 projections ----------------------------------------------------------------------------
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, SPLIT_K: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (n block, k part): out[n] (+)= sum_k W[n, k] x[k] over its part of K; with
+    SPLIT_K > 1, out is float32 and zeroed first, and the parts are added atomically."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    part = tl.cdiv(K, SPLIT_K)
+    k_lo = tl.program_id(1) * part
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, tl.minimum(k_lo + part, K), BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < tl.minimum(k_lo + part, K)
+        w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+    if SPLIT_K == 1:
+        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        tl.atomic_add(out_ptr + offs_n, acc, mask=mask_n)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, warps: int,
+         stages: int, split_k: int) -> torch.Tensor:
+    n, k = w.shape
+    grid = (triton.cdiv(n, block_n), split_k)
+    if split_k == 1:
+        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+        _gemv_kernel[grid](x, w, out, n, k, w.stride(0), SPLIT_K=1, BLOCK_N=block_n,
+                           BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        return out
+    acc = torch.zeros((1, n), dtype=torch.float32, device=x.device)
+    _gemv_kernel[grid](x, w, acc, n, k, w.stride(0), SPLIT_K=split_k, BLOCK_N=block_n,
+                       BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    return acc.to(x.dtype)
+
+
+def projections(cfg: ModelConfig, tp: int) -> Iterator[Tuple[str, int, int]]:
+    h, d = cfg.hidden_size, cfg.head_dim
+    qkv = (cfg.num_heads + 2 * max(1, cfg.num_kv_heads // tp) * tp) * d // tp
+    yield "qkv", qkv, h
+    yield "o", h, cfg.num_heads * d // tp
+    yield "gate_up", 2 * cfg.intermediate_size // tp, h
+    yield "down", h, cfg.intermediate_size // tp
+    yield "lm_head", cfg.vocab_size // tp, h
+
+
+GEMV_TILES = [  # (block_n, block_k, warps, stages, split_k)
+    (2, 4096, 4, 1, 1), (4, 4096, 8, 1, 1), (4, 2048, 4, 2, 1), (8, 1024, 4, 2, 1),
+    (8, 2048, 8, 2, 1), (16, 512, 4, 3, 1), (16, 1024, 8, 2, 1), (32, 256, 4, 3, 1),
+    (16, 1024, 4, 2, 2), (32, 512, 4, 2, 4), (8, 1024, 4, 2, 4)]
+
+
+def bench_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
+    for tp in (1, 2):
+        for name, n, k in projections(cfg, tp):
+            copies = max(2, -(-(512 << 20) // (n * k * 2)))  # > 512 MiB: never from L2
+            ws = [torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
+                  for _ in range(copies)]
+            x = torch.randn((1, k), dtype=torch.bfloat16, device="cuda")
+            gb = n * k * 2 / 1e9
+            ref = torch.nn.functional.linear(x, ws[0]).float()
+            case = {"proj": name, "tp": tp, "n": n, "k": k}
+            variants: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+            variants["cublas"] = lambda w: torch.nn.functional.linear(x, w)
+            for tile in GEMV_TILES:
+                variants["triton" + str(tile)] = (
+                    lambda w, t=tile: gemv(x, w, *t))  # type: ignore[misc]
+            for label, fn in variants.items():
+                state = iter(itertools.cycle(ws))
+
+                def run(fn: Callable[[torch.Tensor], torch.Tensor] = fn) -> None:
+                    fn(next(state))
+                try:
+                    us = time_graph(run, copies, args.reps)
+                    err = (fn(ws[0]).float() - ref).abs().max().item()
+                except Exception as exc:
+                    print(f"linear {name} tp{tp} {label}: {type(exc).__name__}: {str(exc)[:120]}")
+                    continue
+                report("linear", {**case, "impl": label}, us, tb_s=round(gb / us * 1e3, 2),
+                       max_err=round(err, 4))
+            lt = _cublaslt_us(x, ws, copies, args.reps)
+            if lt is not None:
+                report("linear", {**case, "impl": "cublaslt"}, lt, tb_s=round(gb / lt * 1e3, 2))
+            del ws
+
+
+def bench_prefill_gemm(cfg: ModelConfig, args: argparse.Namespace) -> None:
+    """The projections of a whole prefill chunk (cuBLAS, tp 1): compute-bound, so TFLOP/s."""
+    x = torch.randn((args.chunk, cfg.hidden_size), dtype=torch.bfloat16, device="cuda")
+    for name, n, k in projections(cfg, 1):
+        w = torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
+        a = x if k == x.shape[1] else torch.randn((args.chunk, k), dtype=torch.bfloat16,
+                                                   device="cuda")
+        us = time_graph(lambda: torch.nn.functional.linear(a, w), 5, args.reps)
+        report("gemm", {"proj": name, "m": args.chunk, "n": n, "k": k}, us,
+               tflops=round(2 * args.chunk * n * k / us / 1e6, 1))
+
+
+def _cublaslt_us(x: torch.Tensor, ws: List[torch.Tensor], calls: int, reps: int
+                 ) -> Optional[float]:
+    """The same product with cuBLASLt preferred (torch's switch; restored after)."""
+    blas = torch.backends.cuda
+    try:
+        before = blas.preferred_blas_library()
+        blas.preferred_blas_library("cublaslt")
+    except (AttributeError, RuntimeError) as exc:
+        print(f"cublaslt: {exc}")
+        return None
+    try:
+        state = iter(itertools.cycle(ws))
+        return time_graph(lambda: torch.nn.functional.linear(x, next(state)), calls, reps)
+    finally:
+        blas.preferred_blas_library(before)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernels needs a CUDA device")
+    cfg = ModelConfig.from_dir(args.model)
+    shape = Shape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
+          f", model {args.model}", flush=True)
+    what = set(args.what.split(","))
+    if "linear" in what:
+        bench_linear(cfg, args)
+    if "gemm" in what:
+        bench_prefill_gemm(cfg, args)
+    if "decode" in what:
+        bench_decode(shape, args)
+    if "extend" in what:
+        bench_extend(shape, args)
+
+
+if __name__ == "__main__":
+    main()
