@@ -22,7 +22,7 @@ import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -71,7 +71,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-fused-ops", action="store_true",
                    help="torch RMSNorm / SiLU / rotary instead of the fused Triton kernels")
     p.add_argument("--profile", action="store_true",
-                   help="print the device kernels of a few steps at the first batch size")
+                   help="print the device kernels of a few steps at the first batch size (and "
+                        "of the prefill step, with --prefill)")
+    p.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
+                   help="also time one prefill step of fresh prompts (lengths uniform in "
+                        "[100, 1024], seeded) filling this many tokens, as the offline workload's")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None)
     p.add_argument("--page-size", type=int, default=16)
@@ -156,6 +160,48 @@ def decode_batch(engine: Engine, batch: int, spec: str, vocab: int, seed: int) -
     return b
 
 
+def prefill_lengths(tokens: int, seed: int) -> List[int]:
+    """Prompt lengths uniform in [100, 1024] (the last one cut) summing to `tokens`."""
+    rng = random.Random(seed)
+    lens: List[int] = []
+    while sum(lens) < tokens:
+        lens.append(min(rng.randint(100, 1024), tokens - sum(lens)))
+    return lens
+
+
+def prefill_batch(engine: Engine, lens: List[int], vocab: int, seed: int) -> Batch:
+    """Fresh prompts of `lens` tokens in rows 0.. (a whole prefill chunk, every one sampled)."""
+    rng = random.Random(seed)
+    ps = engine.pool.page_size
+    reqs, slots, base = [], [], 0
+    for i, n in enumerate(lens):
+        ids = [rng.randrange(vocab) for _ in range(n)]
+        reqs.append(Req(i, ids, n, SamplingParams(max_tokens=1, temperature=0.0), (),
+                        table_row=i))
+        own = list(range(base, base + n))
+        base += -(-n // ps) * ps
+        engine.page_table[i, :n] = torch.tensor(own, dtype=torch.int32)
+        slots.extend(own)
+    b = Batch(Phase.PREFILL, reqs, [0] * len(lens), list(lens), [True] * len(lens))
+    b.out_slots = torch.tensor(slots, dtype=torch.int64, device=engine.device)
+    return b
+
+
+def time_prefill(engine: Engine, args: argparse.Namespace, rank: int) -> Dict[str, float]:
+    """Median milliseconds of one synchronous prefill step, and its matrix TFLOP/s."""
+    lens = prefill_lengths(args.prefill, 0)
+    batch = prefill_batch(engine, lens, engine.model_cfg.vocab_size, 0)
+    ms = time_steps(engine, batch, 5, 2) * 1e3
+    matrix_params = sum(p.numel() for n, p in engine.model.named_parameters()
+                        if p.dim() == 2 and "embed" not in n and "lm_head" not in n)
+    tflops = 2 * matrix_params * args.prefill / ms / 1e9
+    if args.profile and rank == 0:
+        print(f"profile of a prefill step of {args.prefill} tokens ({len(lens)} prompts):\n"
+              + profile_steps(engine, batch, steps=2), flush=True)
+    return {"tokens": args.prefill, "requests": len(lens), "ms": round(ms, 3),
+            "matrix_tflops": round(tflops, 1)}
+
+
 def time_steps(engine: Engine, batch: Batch, steps: int, warmup: int) -> float:
     """Median seconds of one decode step (forward returns host tokens, so it is synchronous)."""
     for _ in range(warmup):
@@ -227,10 +273,13 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     device = resolve_device(args.device)
     pages_per_req = -(-(context_range(args.context)[1] + 1) // args.page_size)
+    prefill_reqs = len(prefill_lengths(args.prefill, 0)) if args.prefill else 0
+    kv_tokens = max(max(sizes) * pages_per_req * args.page_size,
+                    args.prefill + prefill_reqs * args.page_size)
     cfg = EngineConfig(
         model_path=args.model, tp_info=DistributedInfo(rank, args.tp), device=device,
         dtype=resolve_dtype(args.dtype, device), page_size=args.page_size,
-        max_running_requests=max(sizes), max_kv_tokens=max(sizes) * pages_per_req * args.page_size,
+        max_running_requests=max(max(sizes), prefill_reqs), max_kv_tokens=kv_tokens,
         load_format="dummy", attention_backend=args.attention_backend,
         fused_ops=not args.no_fused_ops, allreduce=args.allreduce,
         dist_init_method=init_method, show_progress=False)
@@ -256,9 +305,10 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
             if args.profile and rank == 0 and bs == sizes[0]:
                 print(f"profile of decode at batch {bs}:\n" + profile_steps(engine, batch),
                       flush=True)
+        prefill = time_prefill(engine, args, rank) if args.prefill else None
         if rank == 0:
             out.put((bandwidth, rows, torch.cuda.get_device_name(dev) if dev.type == "cuda"
-                     else "cpu"))
+                     else "cpu", prefill))
     finally:
         destroy_process_groups()
 
@@ -267,7 +317,8 @@ def _ms(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def print_table(args: argparse.Namespace, bandwidth: float, rows: List[Row], device: str) -> None:
+def print_table(args: argparse.Namespace, bandwidth: float, rows: List[Row], device: str,
+                prefill: Optional[Dict[str, float]] = None) -> None:
     print(f"model {args.model}, tp {args.tp}, {device}, copy bandwidth {bandwidth / 1e9:,.0f} GB/s "
           f"(read + write), context {args.context}")
     print(f"{'batch':>6} {'step ms':>9} {'overlap ms':>11} {'graph ms':>9} {'roofline ms':>12} "
@@ -278,8 +329,12 @@ def print_table(args: argparse.Namespace, bandwidth: float, rows: List[Row], dev
               f"{r.kv_gb:>7.3f} {r.tok_s:>9,.0f}")
     print("% roofline and tok/s use the overlapped step (the scheduler's default loop); "
           "step ms waits for each step's tokens before launching the next")
+    if prefill:
+        print(f"prefill step: {prefill['tokens']} tokens in {prefill['requests']} prompts, "
+              f"{prefill['ms']:.1f} ms, {prefill['matrix_tflops']:.0f} TFLOP/s in the matrices")
     print("RESULT " + json.dumps({
         "model": args.model, "tp": args.tp, "device": device, "context": args.context,
+        "prefill": prefill,
         "copy_gb_s": round(bandwidth / 1e9, 1), "attention_backend": args.attention_backend,
         "allreduce": args.allreduce,
         "rows": [{**asdict(r), "pct_roofline": round(100 * r.efficiency, 1)} for r in rows]}))

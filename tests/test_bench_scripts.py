@@ -37,8 +37,9 @@ def test_bench_latency_rows(tiny_model: Callable[..., Path],
     model = tiny_model("llama")
     script = load_script("bench_latency")
     script.main(["--model", str(model), "--device", "cpu", "--batch-sizes", "1,3", "--context",
-                 "4-20", "--steps", "2", "--warmup", "1", "--copy-mib", "8"])
+                 "4-20", "--steps", "2", "--warmup", "1", "--copy-mib", "8", "--prefill", "300"])
     (result,) = _result_lines(capsys.readouterr().out)
+    assert result["prefill"]["tokens"] == 300 and result["prefill"]["ms"] > 0
     rows = result["rows"]
     assert [r["batch"] for r in rows] == [1, 3] and result["context"] == "4-20"
     for r in rows:

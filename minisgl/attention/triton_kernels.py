@@ -212,11 +212,17 @@ class ExtendTiles(NamedTuple):
     num_stages: int = 2
 
 
-def decode_tiles(dtype: torch.dtype, head_dim: int) -> DecodeTiles:
-    """Half types: the fastest of four tiles on an H200 (bf16, 32/8 heads, d 128; 2026-11-30),
-    80 registers, no spills. float32 (IEEE dots run on FMA units, not tensor cores): the tile
-    that compiles without register spills for sm_90."""
-    return DecodeTiles(32, 8) if dtype == torch.float32 else DecodeTiles(64, 8)
+def decode_tiles(dtype: torch.dtype, head_dim: int, num_splits: int) -> DecodeTiles:
+    """Half types, from a sweep of 18 tiles on an H200 (bf16, 32/8 heads, d 128, pages of 16;
+    scripts/bench_kernels.py, 2026-11-30): unsplit (large batches) 128 tokens per iteration, 4
+    warps, 3 stages ran at 3.8-4.0 TB/s where (64, 8, 2) ran at 2.8-3.1 (batch 137 and 256,
+    contexts 100-1700); split (small batches) (64, 8, 2) was fastest. float32 (IEEE dots run on
+    FMA units, not tensor cores): the tile that compiles without register spills for sm_90."""
+    if dtype == torch.float32:
+        return DecodeTiles(32, 8)
+    if num_splits == 1 and head_dim <= 128:
+        return DecodeTiles(128, 4, 3)
+    return DecodeTiles(64, 8)
 
 
 def extend_tiles(dtype: torch.dtype, head_dim: int) -> ExtendTiles:
@@ -248,7 +254,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = num_heads // num_kv_heads
     num_splits = o_part.shape[2]
     block_d = _block_d(head_dim)
-    tiles = tiles or decode_tiles(q.dtype, head_dim)
+    tiles = tiles or decode_tiles(q.dtype, head_dim, num_splits)
     min_split = triton.cdiv(max(min_split_tokens, 1), tiles.block_n) * tiles.block_n
     direct = num_splits == 1  # one split: no merge pass (the large-batch case)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
