@@ -10,7 +10,7 @@ step() {  # step NAME SECONDS CMD...: run one step with a time limit, log it, ke
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "exit $?" >> "$OUT/$name.log"
   tail -n 12 "$OUT/$name.log" | tee -a "$OUT/summary.txt"
 }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/summary.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$OUT/summary.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/summary.txt"
 MODE=${1:-all}
 if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
@@ -20,7 +20,10 @@ if [ "$MODE" = kernels ]; then  # attention tiles, batch-1 projections, prefill 
   step kernels_8b 300 python3 scripts/bench_kernels.py --model configs/models/llama-3.1-8b
 fi
 if [ "$MODE" = latency1 ]; then
-  step latency_8b_tp1 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --steps 100
+  step latency_8b_tp1 200 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --steps 100 --prefill 8192 --profile
+fi
+if [ "$MODE" = latency2 ]; then  # about 150 s: two 8B dummy inits, graph capture
+  step latency_8b_tp2 240 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --steps 50
 fi
 if [ "$MODE" = offline ]; then
   step offline_8b_tp1 200 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b

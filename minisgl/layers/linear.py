@@ -20,12 +20,21 @@ def _empty(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+# The one-token Triton GEMV beat cuBLAS on every Llama-3.1-8B projection alone, but inside the
+# model (an H200, 2026-11-30) the decode step got slower with it on all of them: cuBLAS keeps the
+# large matrices, which it streams at 4.0-4.3 TB/s; the GEMV takes those whose cuBLAS tiling
+# leaves SMs idle (the QKV and O projections; see benchmarks/RESULTS.md).
+GEMV_MAX_WEIGHT_BYTES = 64 << 20
+
+
 def project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
             fused: bool = False) -> torch.Tensor:
-    """x W^T + b. `fused`: a single token in a half dtype on CUDA (decode at batch 1) takes the
-    Triton GEMV of layers/triton_ops.py, faster than cuBLAS there; anything else F.linear."""
+    """x W^T + b. `fused`: a single token in a half dtype on CUDA (decode at batch 1) times a
+    weight of at most GEMV_MAX_WEIGHT_BYTES takes the Triton GEMV of layers/triton_ops.py;
+    anything else F.linear."""
     if (fused and x.is_cuda and x.numel() == x.shape[-1]
-            and x.dtype in (torch.bfloat16, torch.float16)):
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.numel() * weight.element_size() <= GEMV_MAX_WEIGHT_BYTES):
         from minisgl.layers import triton_ops
         return triton_ops.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
