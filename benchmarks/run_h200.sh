@@ -69,6 +69,9 @@ if [ "$MODE" = online ]; then
   step online_8b 200 python3 scripts/bench_online.py --base-url http://127.0.0.1:8123 --rates 1,4,16 --num-requests 24 --max-duration 60 --prompt-kind text
   kill -TERM $SERVE; wait $SERVE; echo "serve exit $?" >> "$OUT/summary.txt"
 fi
+if [ "$MODE" = peer8b16 ]; then  # HF did not finish 32 requests of the 8B shape in 330 s
+  step peer_8b_16 400 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --num-prompts 16 --peer hf
+fi
 if [ "$MODE" = peer ]; then
   step peer_qwen06b 200 python3 scripts/bench_offline.py --model configs/models/qwen3-0.6b --num-prompts 64 --peer hf
 fi

@@ -237,6 +237,7 @@ def hf_generate(model: Any, manager: Optional[Any], work: Workload, tag: str) ->
     for i, (p, n) in enumerate(zip(work.prompts, work.output_lens)):
         manager.add_request(input_ids=p, request_id=f"{tag}{i}", max_new_tokens=n)
     done: Dict[str, int] = {}
+    t0 = time.perf_counter()
     while len(done) < len(work.prompts):
         out = manager.get_result(timeout=1)
         if out is None:
@@ -245,6 +246,9 @@ def hf_generate(model: Any, manager: Optional[Any], work: Workload, tag: str) ->
             continue
         if out.is_finished():
             done[out.request_id] = len(out.generated_tokens)
+            # Progress for runs cut by a time limit: finished requests' tokens over the time.
+            print(f"hf: {tag} {len(done)}/{len(work.prompts)} finished, {sum(done.values())} "
+                  f"tokens, {time.perf_counter() - t0:.1f} s", flush=True)
     return sum(done.values())
 
 

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import Communicator, DistributedInfo
-from minisgl.layers.linear import project
 from minisgl.layers.source import TensorSource, copy_into
 
 
@@ -46,16 +45,14 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits over the full vocabulary on every rank; `tied_to` shares the embedding's rows;
-    `fused`: see layers/linear.project."""
+    """Logits over the full vocabulary on every rank; `tied_to` shares the embedding's rows."""
 
     def __init__(self, vocab_size: int, hidden: int, info: DistributedInfo, comm: Communicator,
-                 tied_to: Optional[VocabParallelEmbedding] = None, fused: bool = False) -> None:
+                 tied_to: Optional[VocabParallelEmbedding] = None) -> None:
         super().__init__(vocab_size, hidden, info, comm)
-        self.fused = fused
         if tied_to is not None:
             self.weight = tied_to.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = self.comm.all_gather_last_dim(project(hidden, self.weight, None, self.fused))
+        logits = self.comm.all_gather_last_dim(F.linear(hidden, self.weight))
         return logits[..., : self.vocab_size]

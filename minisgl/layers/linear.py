@@ -20,26 +20,6 @@ def _empty(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-# The one-token Triton GEMV beat cuBLAS on every Llama-3.1-8B projection alone, but inside the
-# model (an H200, 2026-11-30) the decode step got slower with it on all of them: cuBLAS keeps the
-# large matrices, which it streams at 4.0-4.3 TB/s; the GEMV takes those whose cuBLAS tiling
-# leaves SMs idle (the QKV and O projections; see benchmarks/RESULTS.md).
-GEMV_MAX_WEIGHT_BYTES = 64 << 20
-
-
-def project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-            fused: bool = False) -> torch.Tensor:
-    """x W^T + b. `fused`: a single token in a half dtype on CUDA (decode at batch 1) times a
-    weight of at most GEMV_MAX_WEIGHT_BYTES takes the Triton GEMV of layers/triton_ops.py;
-    anything else F.linear."""
-    if (fused and x.is_cuda and x.numel() == x.shape[-1]
-            and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.numel() * weight.element_size() <= GEMV_MAX_WEIGHT_BYTES):
-        from minisgl.layers import triton_ops
-        return triton_ops.gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by output rows: this rank holds rows `out_sizes` slices.
 
@@ -48,10 +28,9 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool,
-                 info: DistributedInfo, fused: bool = False) -> None:
+                 info: DistributedInfo) -> None:
         super().__init__()
         self.info = info
-        self.fused = fused
         self.shards = [info.shard(n, "linear output features") for n in out_sizes]
         self.offsets = [sum(s.size for s in self.shards[:i]) for i in range(len(self.shards))]
         local_out = sum(s.size for s in self.shards)
@@ -59,7 +38,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _empty(local_out) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(x, self.weight, self.bias, self.fused)
+        return F.linear(x, self.weight, self.bias)
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
         shard, off = self.shards[shard_id], self.offsets[shard_id]
@@ -73,11 +52,11 @@ class QKVParallelLinear(ColumnParallelLinear):
     them and replicated (each rank keeps the one KV head its Q heads use) when tp exceeds them."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
-                 info: DistributedInfo, fused: bool = False) -> None:
+                 info: DistributedInfo) -> None:
         check_head_split(num_heads, num_kv_heads, info.size)
         self.num_local_heads = num_heads // info.size
         self.num_local_kv_heads = max(1, num_kv_heads // info.size)
-        super().__init__(hidden, [num_heads * head_dim], bias, info, fused)
+        super().__init__(hidden, [num_heads * head_dim], bias, info)
         kv_start = (info.rank * num_kv_heads // info.size) * head_dim
         kv_size = self.num_local_kv_heads * head_dim
         self.shards = self.shards + [Shard(kv_start, kv_size), Shard(kv_start, kv_size)]
@@ -108,16 +87,15 @@ class RowParallelLinear(nn.Module):
     """y = all_reduce(x_local W_local^T) + b; the input features are split over ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, info: DistributedInfo,
-                 comm: Communicator, fused: bool = False) -> None:
+                 comm: Communicator) -> None:
         super().__init__()
-        self.fused = fused
         self.shard = info.shard(in_features, "linear input features")
         self.comm = comm
         self.weight = _empty(out_features, self.shard.size)
         self.bias = _empty(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(project(x, self.weight, None, self.fused))
+        y = self.comm.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:

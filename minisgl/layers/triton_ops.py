@@ -1,6 +1,6 @@
-"""Triton kernels for the GPU decode path: fused RMSNorm (with the residual add), SiLU-and-mul
+"""Fused elementwise kernels for the GPU decode path: RMSNorm (with the residual add), SiLU-and-mul
 and rotary embedding (q and k together), each one launch instead of the 5 to 15 small kernels of
-the torch version; and the one-token projection (GEMV) that replaces cuBLAS at batch 1.
+the torch version.
 
 At batch 1 a decode step is some 1,400 tiny kernels, each costing a few microseconds even inside
 a CUDA graph; fusing these three halves that count. They compute in float32 and round once, so
@@ -11,7 +11,7 @@ for CUDA tensors.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -129,60 +129,3 @@ def rotary_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: t
                                      BLOCK_K=triton.next_power_of_2(k.shape[1]))
     return q, k
 
-
-
-# --- one-token projections -------------------------------------------------------------------------
-# A decode step at batch 1 multiplies one row by every weight matrix: pure weight streaming.
-# cuBLAS tiles such a product over too few output blocks for 132 SMs (the QKV and O projections
-# reached about 3 TB/s); thin stripes of 4 output rows, each read whole in one or two loads per
-# thread, keep every SM streaming. Measured on an H200 against cuBLAS for every Llama-3.1-8B
-# projection at tp 1 and 2 (scripts/bench_kernels.py, benchmarks/RESULTS.md, 2026-11-30).
-_GEMV_ROWS = 4
-
-
-class GemvTiles(NamedTuple):
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
-def gemv_tiles(k: int) -> GemvTiles:
-    """All of K in one 4096-wide load when it divides; otherwise 2048-wide, double-buffered."""
-    if k % 4096 == 0:
-        return GemvTiles(4096, 8, 1)
-    return GemvTiles(min(2048, triton.next_power_of_2(k)), 4, 2)
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n, k, stride_wn, HAS_BIAS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = rows < n
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        mask_k = cols < k
-        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :],
-                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        x = tl.load(x_ptr + cols, mask=mask_k, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rows, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
-         ) -> torch.Tensor:
-    """x W^T + b for a single row x [..., K] (one token); weight [N, K] with dense rows. Sums in
-    float32 and rounds once (the last bit can differ from cuBLAS)."""
-    n, k = weight.shape
-    if x.numel() != k or weight.stride(1) != 1:
-        raise ValueError(f"gemv takes one row of {k} features and a row-major weight, got x "
-                         f"{tuple(x.shape)}, weight strides {weight.stride()}")
-    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    tiles = gemv_tiles(k)
-    _gemv_kernel[(triton.cdiv(n, _GEMV_ROWS),)](
-        x.contiguous(), weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=_GEMV_ROWS, BLOCK_K=tiles.block_k,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    return out

@@ -43,9 +43,9 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
-                                          cfg.num_kv_heads, traits.qkv_bias, info, traits.fused)
+                                          cfg.num_kv_heads, traits.qkv_bias, info)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
-                                        traits.o_bias, info, comm, traits.fused)
+                                        traits.o_bias, info, comm)
         norm = lambda: RMSNorm(cfg.head_dim, cfg.rms_norm_eps, traits.fused)  # noqa: E731
         self.q_norm = norm() if traits.qk_norm else None
         self.k_norm = norm() if traits.qk_norm else None
@@ -71,9 +71,8 @@ class MLP(nn.Module):
         self.fused = traits.fused
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias,
-                                                 info, traits.fused)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, info, comm,
-                                           traits.fused)
+                                                 info)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, info, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused))
@@ -135,8 +134,7 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.model = DecoderModel(cfg, self.traits(cfg)._replace(fused=fused), info, comm)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, info, comm, tied_to=tied,
-                                      fused=fused)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, info, comm, tied_to=tied)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
                 backend: AttentionBackend, logit_rows: Optional[torch.Tensor]) -> torch.Tensor:
