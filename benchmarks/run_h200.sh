@@ -25,6 +25,14 @@ fi
 if [ "$MODE" = latency2 ]; then  # about 150 s: two 8B dummy inits, graph capture
   step latency_8b_tp2 240 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --steps 50
 fi
+if [ "$MODE" = pdl ]; then  # programmatic dependent launch on vs off (tp=1), with kernel profiles
+  step latency_8b_tp1_pdl 200 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --steps 100 --pdl --profile
+  step offline_8b_tp1_pdl 200 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --pdl
+fi
+if [ "$MODE" = pdl2 ]; then  # the same at tp=2 (both GPUs)
+  step latency_8b_tp2 240 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --steps 50
+  step latency_8b_tp2_pdl 240 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --steps 50 --pdl
+fi
 if [ "$MODE" = offline ]; then
   step offline_8b_tp1 200 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b
 fi

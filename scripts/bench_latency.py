@@ -70,6 +70,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--no-fused-ops", action="store_true",
                    help="torch RMSNorm / SiLU / rotary instead of the fused Triton kernels")
+    p.add_argument("--pdl", action="store_true",
+                   help="programmatic dependent launch on the decode path (EngineConfig.pdl)")
     p.add_argument("--profile", action="store_true",
                    help="print the device kernels of a few steps at the first batch size (and "
                         "of the prefill step, with --prefill)")
@@ -281,7 +283,7 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
         dtype=resolve_dtype(args.dtype, device), page_size=args.page_size,
         max_running_requests=max(max(sizes), prefill_reqs), max_kv_tokens=kv_tokens,
         load_format="dummy", attention_backend=args.attention_backend,
-        fused_ops=not args.no_fused_ops, allreduce=args.allreduce,
+        fused_ops=not args.no_fused_ops, pdl=args.pdl, allreduce=args.allreduce,
         dist_init_method=init_method, show_progress=False)
     groups = init_process_groups(cfg.tp_info, cfg.torch_device, init_method, cfg.dist_timeout_s,
                                  cfg.allreduce)
@@ -336,6 +338,7 @@ def print_table(args: argparse.Namespace, bandwidth: float, rows: List[Row], dev
         "model": args.model, "tp": args.tp, "device": device, "context": args.context,
         "prefill": prefill,
         "copy_gb_s": round(bandwidth / 1e9, 1), "attention_backend": args.attention_backend,
+        "pdl": args.pdl,
         "allreduce": args.allreduce,
         "rows": [{**asdict(r), "pct_roofline": round(100 * r.efficiency, 1)} for r in rows]}))
 

@@ -81,6 +81,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--allreduce", default="auto", choices=list(ALLREDUCE_MODES),
                    help="tensor-parallel all-reduce (see EngineConfig.allreduce)")
+    p.add_argument("--pdl", action="store_true",
+                   help="programmatic dependent launch on the decode path (EngineConfig.pdl)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the untimed warm-up (kernel compilation, allocator)")
     p.add_argument("--peer", choices=["hf"], default=None)
@@ -123,7 +125,7 @@ def run_minisgl(args: argparse.Namespace, work: Workload, warm: Optional[Workloa
               max_running_requests=args.max_running_requests, max_kv_tokens=args.max_kv_tokens,
               cache=args.cache, load_format=args.load_format, seed=args.seed,
               attention_backend=args.attention_backend, allreduce=args.allreduce,
-              show_progress=False)
+              pdl=args.pdl, show_progress=False)
     try:
         def params(lens: List[int]) -> List[SamplingParams]:
             return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lens]
@@ -288,7 +290,7 @@ def report(args: argparse.Namespace, r: Result) -> None:
                "min_len": args.min_len, "max_len": args.max_len,
                "shared_prefix": args.shared_prefix, "tp": args.tp, "page_size": args.page_size,
                "cache": args.cache, "attention_backend": args.attention_backend,
-               "allreduce": args.allreduce,
+               "allreduce": args.allreduce, "pdl": args.pdl,
                "max_running_requests": args.max_running_requests,
                "max_prefill_tokens": args.max_prefill_tokens, "seed": args.seed,
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from minisgl.distributed import DistributedInfo
+from minisgl.engine import EngineConfig
 from minisgl.server.args import ServerConfig, load_file, parse_args
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -82,3 +84,16 @@ def test_decode_reserve_tokens_reaches_the_scheduler() -> None:
     assert sched.decode_reserve_tokens == 64
     assert parse_args([]).scheduler_config(Path("unused"), 0, "tcp://127.0.0.1:1", "ipc://a",
                                            "ipc://b", "ipc://c").decode_reserve_tokens is None
+
+
+def test_pdl_flag_reaches_the_engine_and_is_refused_off_cuda() -> None:
+    """--pdl (programmatic dependent launch) is off by default, reaches EngineConfig, and a
+    configuration that cannot honour it fails at start-up naming what is wrong."""
+    assert parse_args([]).pdl is False
+    assert parse_args(["--pdl"]).pdl is True
+    assert EngineConfig("m", DistributedInfo(0, 1), device="cuda", pdl=True).pdl is True
+    with pytest.raises(ValueError, match="pdl needs device 'cuda' and fused_ops.*'cpu'"):
+        parse_args(["--pdl", "--device", "cpu"]).scheduler_config(
+            Path("/m"), 0, "tcp://127.0.0.1:1", "", "", "")
+    with pytest.raises(ValueError, match="fused_ops False"):
+        EngineConfig("m", DistributedInfo(0, 1), device="cuda", fused_ops=False, pdl=True)

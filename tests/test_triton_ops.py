@@ -1,5 +1,5 @@
-"""The fused Triton kernels (RMSNorm with residual, SiLU-and-mul, rotary) against the torch
-layers they replace. On CPU through Triton's interpreter (float32); on CUDA also in bfloat16."""
+"""The Triton decode-path kernels (RMSNorm with residual, SiLU-and-mul, rotary, one-token GEMV)
+against the torch layers they replace. On CPU through Triton's interpreter (float32); on CUDA also in bfloat16."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from minisgl.layers import triton_ops  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
 from minisgl.layers.activation import silu_and_mul  # noqa: E402
+from minisgl.layers.linear import project  # noqa: E402
 from minisgl.layers.norm import RMSNorm  # noqa: E402
 from minisgl.layers.rotary import RotaryEmbedding  # noqa: E402
 
@@ -82,3 +85,36 @@ def test_rmsnorm_on_one_head_view_of_qkv(dtype: torch.dtype) -> None:
     assert k.reshape(-1, dim).stride(0) != dim  # the strided view the bug came from
     got, _ = triton_ops.rmsnorm(k, norm.weight, 1e-6)
     _close(got, norm(k.contiguous()), dtype)
+
+
+PDL = [False] + ([True] if DEV == "cuda" and torch.cuda.get_device_capability()[0] >= 9 else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pdl", PDL)
+@pytest.mark.parametrize("n,k,bias", [(10, 64, False), (7, 300, True), (9, 4096, False),
+                                      (5, 6144, True)])
+def test_gemv_matches_linear(dtype: torch.dtype, pdl: bool, n: int, k: int, bias: bool) -> None:
+    """Both tile paths (K a multiple of 4096, and not: a prefetched first tile plus a loop), N not
+    a multiple of the row stripe, bias; with PDL (GPU) bit-identical to without."""
+    w = torch.randn(n, k, device=DEV).to(dtype)
+    b = torch.randn(n, device=DEV).to(dtype) if bias else None
+    x = torch.randn(1, k, device=DEV).to(dtype)
+    got = triton_ops.gemv(x, w, b, pdl=pdl)
+    assert got.shape == (1, n) and got.dtype == dtype
+    _close(got, F.linear(x, w, b), dtype)
+    assert torch.equal(got, triton_ops.gemv(x, w, b))
+    with pytest.raises(ValueError, match="one row of"):
+        triton_ops.gemv(torch.randn(2, k, device=DEV).to(dtype), w)
+
+
+def test_project_takes_gemv_only_with_pdl_for_one_half_precision_cuda_row() -> None:
+    """The layers' dispatch: CPU, float32, multi-row inputs and pdl off stay on F.linear."""
+    w, x = torch.randn(6, 32, device=DEV), torch.randn(1, 32, device=DEV)
+    assert torch.equal(project(x, w, pdl=True), F.linear(x, w))
+    if DEV == "cuda" and True in PDL:
+        wh, xh = w.bfloat16(), x.bfloat16()
+        assert torch.equal(project(xh, wh, pdl=True), triton_ops.gemv(xh, wh))
+        assert torch.equal(project(xh, wh), F.linear(xh, wh))
+        two = torch.randn(2, 32, device=DEV).bfloat16()
+        assert torch.equal(project(two, wh, pdl=True), F.linear(two, wh))

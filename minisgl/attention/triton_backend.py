@@ -46,8 +46,11 @@ class TritonBackend(AttentionBackend):
     max_splits: int = 32
 
     def __init__(self, pool: KVPool, page_table: torch.Tensor, num_heads: int,
-                 num_kv_heads: int, head_dim: int, scale: float) -> None:
+                 num_kv_heads: int, head_dim: int, scale: float, pdl: bool = False) -> None:
+        """`pdl`: the decode kernels (K/V store, attention) use programmatic dependent launch
+        (minisgl/pdl.py); the caller checks the device supports it."""
         super().__init__(pool, page_table, num_heads, num_kv_heads, head_dim, scale)
+        self.pdl = pdl
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
                              f"{num_kv_heads}")
@@ -118,15 +121,17 @@ class TritonBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 batch: Batch) -> torch.Tensor:
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
-        store_kv(k, v, batch.out_slots, k_cache, v_cache)  # type: ignore[arg-type]
         meta: TritonMeta = batch.attn_meta  # type: ignore[assignment]
+        pdl = self.pdl and meta.decode  # prefill kernels are long: nothing to overlap
+        store_kv(k, v, batch.out_slots, k_cache, v_cache, pdl)  # type: ignore[arg-type]
         if q.stride(-1) != 1:
             q = q.contiguous()  # the kernels index the head dimension densely
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.decode:
             assert meta.o_part is not None and meta.lse_part is not None
             decode_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens,
-                             meta.o_part, meta.lse_part, out, self.scale, self.min_split_tokens)
+                             meta.o_part, meta.lse_part, out, self.scale, self.min_split_tokens,
+                             pdl=pdl)
         else:
             extend_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.prefix_lens,
                              meta.extend_lens, meta.q_starts, meta.max_extend, out, self.scale)

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.pdl import launch_options, pdl_enter
+
 _LOG2E = 1.4426950408889634
 # A finite "minus infinity": masked scores use it so that no row ever computes inf - inf (NaN);
 # any garbage it lets into a row is erased (alpha = 0) by the first real score.
@@ -70,9 +72,10 @@ def _decode_split_kernel(
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
-        DIRECT: tl.constexpr):
+        DIRECT: tl.constexpr, PDL: tl.constexpr):
     """Program (b, kv_head, split): partial attention of the GROUP query heads of `kv_head`.
     DIRECT (a single split): the partial result is the answer; write it to `out`."""
+    pdl_enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -127,8 +130,9 @@ def _decode_reduce_kernel(
         o_part_ptr, lse_part_ptr, out_ptr, seq_lens_ptr, num_splits, min_split,
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
         BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_D: tl.constexpr):
+        BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Program (b, head): merge the non-empty splits by their log-sum-exp weights."""
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.maximum(tl.load(seq_lens_ptr + b), 1)
@@ -239,7 +243,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      page_table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
                      o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
                      scale: float, min_split_tokens: int = 0,
-                     tiles: Optional[DecodeTiles] = None) -> None:
+                     tiles: Optional[DecodeTiles] = None, pdl: bool = False) -> None:
     """One query token per request.
 
     q/out [B, heads, d] (last dim contiguous); k/v_cache [slots, kv_heads, d] (one layer);
@@ -248,6 +252,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     scratch, where S = num_splits. Request b's KV is cut into at most S splits of
     max(ceil(seq_len / S), min_split_tokens) tokens (rounded up to the tile), computed in the
     kernels from the device lengths: launches depend only on shapes (graph-capturable).
+    `pdl`: launch with programmatic dependent launch (minisgl/pdl.py).
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -265,8 +270,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, F32_DOT=_f32_dot(q), DIRECT=direct,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        HEAD_DIM=head_dim, BLOCK_D=block_d, F32_DOT=_f32_dot(q), DIRECT=direct, PDL=pdl,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl))
     if direct:
         return
     _decode_reduce_kernel[(batch, num_heads)](
@@ -274,7 +279,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_N=tiles.block_n,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4)
+        HEAD_DIM=head_dim, BLOCK_D=block_d, PDL=pdl, num_warps=4, **launch_options(pdl))
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -308,8 +313,9 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, stride_kt, stride_vt,
-                     stride_cs, n_elems, BLOCK: tl.constexpr):
+                     stride_cs, n_elems, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program t: copy token t's K and V ([kv_heads * head_dim], dense) into slot slots[t]."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -321,7 +327,7 @@ def _store_kv_kernel(k_ptr, v_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, stride_k
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor) -> None:
+             v_cache: torch.Tensor, pdl: bool = False) -> None:
     """k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t] in one launch.
 
     k/v [T, kv_heads, d] with each token's heads one dense block (views of the fused QKV output
@@ -335,4 +341,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: tor
     if tokens:
         n = heads * dim
         _store_kv_kernel[(tokens,)](k, v, slots, k_cache, v_cache, k.stride(0), v.stride(0),
-                                    k_cache.stride(0), n, BLOCK=triton.next_power_of_2(n))
+                                    k_cache.stride(0), n, BLOCK=triton.next_power_of_2(n),
+                                    PDL=pdl, **launch_options(pdl))

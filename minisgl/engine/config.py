@@ -24,6 +24,11 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto", "torch" or "triton"
     seed: int = 0
     fused_ops: bool = True  # fused Triton RMSNorm / SiLU-and-mul / rotary (CUDA only)
+    # Programmatic dependent launch for the decode path's Triton kernels, and one-token
+    # projections by a Triton GEMV that streams its weights while the previous kernel finishes
+    # (minisgl/pdl.py). Needs fused_ops and a GPU of compute capability 9.0 or newer. Off by
+    # default until measured faster on the GPU (benchmarks/RESULTS.md).
+    pdl: bool = False
     cuda_graph_max_bs: int = 256  # decode CUDA graphs up to this batch size (0: off; GPU only)
     # TP all-reduce: "auto" (symmetric-memory one-shot for small tensors where CUDA offers it,
     # else NCCL / gloo), "nccl" (always the process group's own) or "symm" (required; CUDA
@@ -43,6 +48,9 @@ class EngineConfig:
         if not 0 < self.mem_fraction < 1:
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
         check_allreduce_mode(self.allreduce, self.device)
+        if self.pdl and (self.device != "cuda" or not self.fused_ops):
+            raise ValueError(f"pdl needs device 'cuda' and fused_ops (got device "
+                             f"{self.device!r}, fused_ops {self.fused_ops})")
 
     @property
     def torch_device(self) -> torch.device:

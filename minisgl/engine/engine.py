@@ -48,12 +48,22 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
+def _check_pdl(device: torch.device) -> None:
+    """Fail at start-up, naming the device, where programmatic dependent launch is missing."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        raise ValueError(f"pdl needs compute capability 9.0 or newer; {device} "
+                         f"({torch.cuda.get_device_name(device)}) has {major}.{minor}")
+
+
 class Engine:
     def __init__(self, cfg: EngineConfig, groups: ProcessGroups) -> None:
         self.cfg = cfg
         self.device = cfg.torch_device
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        if cfg.pdl:
+            _check_pdl(self.device)
         self.model_cfg = ModelConfig.from_dir(cfg.model_path)
         self.model = self._load_model(groups)
         self.max_context = self.model_cfg.max_context
@@ -71,7 +81,8 @@ class Engine:
         self.backend: AttentionBackend = make_backend(
             cfg.backend_name, pool=self.pool, page_table=self.page_table, num_heads=local_heads,
             num_kv_heads=local_kv_heads, head_dim=self.model_cfg.head_dim,
-            scale=self.model_cfg.head_dim ** -0.5)
+            scale=self.model_cfg.head_dim ** -0.5,
+            **({"pdl": True} if cfg.pdl and cfg.backend_name == "triton" else {}))
         self.graphs: Optional[DecodeGraphs] = None
         if (self.device.type == "cuda" and cfg.cuda_graph_max_bs > 0
                 and hasattr(self.backend, "init_graph_buffers")):
@@ -87,7 +98,7 @@ class Engine:
         cls = model_class(self.model_cfg.architecture)
         with torch.device(self.device), _default_dtype(self.cfg.dtype):
             model = cls(self.model_cfg, self.cfg.tp_info, groups.comm,
-                        fused=self.cfg.fused_ops and self.device.type == "cuda")
+                        fused=self.cfg.fused_ops and self.device.type == "cuda", pdl=self.cfg.pdl)
         if self.cfg.load_format == "dummy":
             init_dummy(model, self.cfg.seed)
         else:

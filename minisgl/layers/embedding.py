@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import Communicator, DistributedInfo
+from minisgl.layers.linear import project
 from minisgl.layers.source import TensorSource, copy_into
 
 
@@ -45,14 +46,16 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits over the full vocabulary on every rank; `tied_to` shares the embedding's rows."""
+    """Logits over the full vocabulary on every rank; `tied_to` shares the embedding's rows;
+    `pdl`: see layers/linear.project."""
 
     def __init__(self, vocab_size: int, hidden: int, info: DistributedInfo, comm: Communicator,
-                 tied_to: Optional[VocabParallelEmbedding] = None) -> None:
+                 tied_to: Optional[VocabParallelEmbedding] = None, pdl: bool = False) -> None:
         super().__init__(vocab_size, hidden, info, comm)
+        self.pdl = pdl
         if tied_to is not None:
             self.weight = tied_to.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = self.comm.all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.comm.all_gather_last_dim(project(hidden, self.weight, None, self.pdl))
         return logits[..., : self.vocab_size]

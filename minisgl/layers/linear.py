@@ -20,6 +20,18 @@ def _empty(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+def project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+            pdl: bool = False) -> torch.Tensor:
+    """x W^T + b. `pdl`: a single token in a half dtype on CUDA (decode at batch 1) takes the
+    Triton GEMV of layers/triton_ops.py, launched with programmatic dependent launch so that its
+    weights stream while the previous kernel finishes; anything else F.linear (cuBLAS)."""
+    if (pdl and x.is_cuda and x.numel() == x.shape[-1]
+            and x.dtype in (torch.bfloat16, torch.float16)):
+        from minisgl.layers import triton_ops
+        return triton_ops.gemv(x, weight, bias, pdl=True)
+    return F.linear(x, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by output rows: this rank holds rows `out_sizes` slices.
 
@@ -28,9 +40,10 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool,
-                 info: DistributedInfo) -> None:
+                 info: DistributedInfo, pdl: bool = False) -> None:
         super().__init__()
         self.info = info
+        self.pdl = pdl  # see project()
         self.shards = [info.shard(n, "linear output features") for n in out_sizes]
         self.offsets = [sum(s.size for s in self.shards[:i]) for i in range(len(self.shards))]
         local_out = sum(s.size for s in self.shards)
@@ -38,7 +51,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _empty(local_out) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return project(x, self.weight, self.bias, self.pdl)
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
         shard, off = self.shards[shard_id], self.offsets[shard_id]
@@ -52,11 +65,11 @@ class QKVParallelLinear(ColumnParallelLinear):
     them and replicated (each rank keeps the one KV head its Q heads use) when tp exceeds them."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
-                 info: DistributedInfo) -> None:
+                 info: DistributedInfo, pdl: bool = False) -> None:
         check_head_split(num_heads, num_kv_heads, info.size)
         self.num_local_heads = num_heads // info.size
         self.num_local_kv_heads = max(1, num_kv_heads // info.size)
-        super().__init__(hidden, [num_heads * head_dim], bias, info)
+        super().__init__(hidden, [num_heads * head_dim], bias, info, pdl)
         kv_start = (info.rank * num_kv_heads // info.size) * head_dim
         kv_size = self.num_local_kv_heads * head_dim
         self.shards = self.shards + [Shard(kv_start, kv_size), Shard(kv_start, kv_size)]
@@ -87,15 +100,16 @@ class RowParallelLinear(nn.Module):
     """y = all_reduce(x_local W_local^T) + b; the input features are split over ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, info: DistributedInfo,
-                 comm: Communicator) -> None:
+                 comm: Communicator, pdl: bool = False) -> None:
         super().__init__()
+        self.pdl = pdl  # see project()
         self.shard = info.shard(in_features, "linear input features")
         self.comm = comm
         self.weight = _empty(out_features, self.shard.size)
         self.bias = _empty(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(F.linear(x, self.weight))
+        y = self.comm.all_reduce(project(x, self.weight, None, self.pdl))
         return y if self.bias is None else y + self.bias
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:

@@ -12,12 +12,14 @@ from minisgl.layers.source import TensorSource, copy_into
 
 
 class RMSNorm(nn.Module):
-    """`fused`: on CUDA tensors, one Triton kernel (layers/triton_ops.py) instead of torch ops."""
+    """`fused`: on CUDA tensors, one Triton kernel (layers/triton_ops.py) instead of torch ops;
+    `pdl`: that kernel launches with programmatic dependent launch (minisgl/pdl.py)."""
 
-    def __init__(self, dim: int, eps: float, fused: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, fused: bool = False, pdl: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.fused = fused
+        self.pdl = pdl
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -30,7 +32,7 @@ class RMSNorm(nn.Module):
                 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         if self.fused and x.is_cuda:
             from minisgl.layers import triton_ops
-            out, new_residual = triton_ops.rmsnorm(x, self.weight, self.eps, residual)
+            out, new_residual = triton_ops.rmsnorm(x, self.weight, self.eps, residual, self.pdl)
             return out if new_residual is None else (out, new_residual)
         if residual is None:
             return self._norm(x)

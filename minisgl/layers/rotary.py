@@ -43,10 +43,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: Optional[dict], fused: bool = False) -> None:
+                 scaling: Optional[dict], fused: bool = False, pdl: bool = False) -> None:
         super().__init__()
         # The fused kernel needs a power-of-two head_dim; other sizes take the torch path.
         self.fused = fused and head_dim & (head_dim - 1) == 0
+        self.pdl = pdl  # the fused kernel launches with programmatic dependent launch
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -60,7 +61,7 @@ class RotaryEmbedding(nn.Module):
         if (self.fused and q.is_cuda and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]
                 and q.stride(2) == 1 and k.stride(2) == 1):
             from minisgl.layers import triton_ops
-            return triton_ops.rotary_qk_(q, k, positions, self.cos, self.sin)
+            return triton_ops.rotary_qk_(q, k, positions, self.cos, self.sin, self.pdl)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -24,12 +24,15 @@ from minisgl.layers.source import TensorSource
 from minisgl.models.config import ModelConfig
 
 class Traits(NamedTuple):
-    """What differs between families, plus whether to use the fused GPU kernels."""
+    """What differs between families, plus the GPU kernel choices: `fused` Triton norms /
+    activation / rotary, `pdl` programmatic dependent launch for them and the one-token
+    projections (minisgl/pdl.py)."""
 
     qkv_bias: bool
     o_bias: bool
     qk_norm: bool
     fused: bool = False
+    pdl: bool = False
 
 
 # checkpoint module name -> (our fused module, shard index)
@@ -43,10 +46,11 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
-                                          cfg.num_kv_heads, traits.qkv_bias, info)
+                                          cfg.num_kv_heads, traits.qkv_bias, info, traits.pdl)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
-                                        traits.o_bias, info, comm)
-        norm = lambda: RMSNorm(cfg.head_dim, cfg.rms_norm_eps, traits.fused)  # noqa: E731
+                                        traits.o_bias, info, comm, traits.pdl)
+        norm = lambda: RMSNorm(cfg.head_dim, cfg.rms_norm_eps, traits.fused,  # noqa: E731
+                               traits.pdl)
         self.q_norm = norm() if traits.qk_norm else None
         self.k_norm = norm() if traits.qk_norm else None
         self.rotary = rotary
@@ -68,23 +72,26 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, info: DistributedInfo, comm: Communicator,
                  traits: "Traits") -> None:
         super().__init__()
-        self.fused = traits.fused
+        self.fused, self.pdl = traits.fused, traits.pdl
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias,
-                                                 info)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, info, comm)
+                                                 info, traits.pdl)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, info, comm,
+                                           traits.pdl)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused, self.pdl))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, traits: "Traits", rotary: RotaryEmbedding,
                  info: DistributedInfo, comm: Communicator) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, traits.fused)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, traits.fused,
+                                       traits.pdl)
         self.self_attn = Attention(cfg, layer, traits, rotary, info, comm)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, traits.fused)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, traits.fused,
+                                                traits.pdl)
         self.mlp = MLP(cfg, info, comm, traits)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor,
@@ -104,11 +111,11 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, info, comm)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.rope_theta, cfg.rope_scaling,
-                                 traits.fused)
+                                 traits.fused, traits.pdl)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, traits, rotary, info, comm)
             for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, traits.fused)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, traits.fused, traits.pdl)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
                 backend: AttentionBackend) -> torch.Tensor:
@@ -129,12 +136,16 @@ class CausalLM(nn.Module):
         return Traits(qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=False)
 
     def __init__(self, cfg: ModelConfig, info: DistributedInfo, comm: Communicator,
-                 fused: bool = False) -> None:
+                 fused: bool = False, pdl: bool = False) -> None:
+        """`fused`, `pdl`: see Traits (pdl takes effect only with fused)."""
         super().__init__()
         self.cfg = cfg
-        self.model = DecoderModel(cfg, self.traits(cfg)._replace(fused=fused), info, comm)
+        pdl = pdl and fused
+        self.model = DecoderModel(cfg, self.traits(cfg)._replace(fused=fused, pdl=pdl), info,
+                                  comm)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, info, comm, tied_to=tied)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, info, comm, tied_to=tied,
+                                      pdl=pdl)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
                 backend: AttentionBackend, logit_rows: Optional[torch.Tensor]) -> torch.Tensor:

@@ -46,6 +46,7 @@ class ServerConfig:
     decode_reserve_tokens: Optional[int] = None  # None: reserve all of max_tokens (no retraction)
     attention_backend: str = "auto"
     allreduce: str = "auto"  # TP all-reduce: auto, nccl or symm (see EngineConfig)
+    pdl: bool = False  # programmatic dependent launch on the decode path (see EngineConfig)
     seed: int = 0
     max_n: int = 8
     log_level: str = "info"
@@ -103,7 +104,8 @@ class ServerConfig:
             dtype=resolve_dtype(self.dtype, device), page_size=self.page_size,
             max_running_requests=self.max_running_requests, max_kv_tokens=self.max_kv_tokens,
             mem_fraction=self.mem_fraction, load_format=self.load_format,
-            attention_backend=self.attention_backend, allreduce=self.allreduce, seed=self.seed,
+            attention_backend=self.attention_backend, allreduce=self.allreduce, pdl=self.pdl,
+            seed=self.seed,
             dist_init_method=dist_init_method, show_progress=False)
         return SchedulerConfig(engine=engine, max_prefill_tokens=self.max_prefill_tokens,
                                cache=self.cache, backend_addr=backend_addr,
@@ -140,6 +142,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="tensor-parallel all-reduce: auto (symmetric-memory one-shot for small "
                         "tensors on CUDA where available, else NCCL; default), nccl, or symm "
                         "(required: fail at start-up if unavailable)")
+    p.add_argument("--pdl", action="store_true",
+                   help="programmatic dependent launch for the decode path's kernels (CUDA, "
+                        "compute capability 9.0+; see EngineConfig.pdl)")
     p.add_argument("--seed", type=int)
     p.add_argument("--max-n", type=int, help="the largest n a request may ask for (default 8)")
     p.add_argument("--log-level", choices=_LOG_LEVELS)
