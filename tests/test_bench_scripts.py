@@ -48,3 +48,18 @@ def test_bench_latency_rows(tiny_model: Callable[..., Path],
     assert script.context_range("512") == (512, 512)
     with pytest.raises(ValueError, match="LO-HI"):
         script.context_range("30-10")
+
+
+def test_bench_kernels_shapes_and_cpu_refusal() -> None:
+    """The kernel micro-benchmark needs CUDA (it says so); its projection shapes are those of the
+    model at each tp (Llama-3.1-8B: the numbers in benchmarks/RESULTS.md)."""
+    script = load_script("bench_kernels")
+    cfg = script.ModelConfig.from_dir(Path(__file__).resolve().parent.parent / "configs" /
+                                      "models" / "llama-3.1-8b")
+    assert list(script.projections(cfg, 1)) == [
+        ("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+        ("down", 4096, 14336), ("lm_head", 128256, 4096)]
+    assert list(script.projections(cfg, 2))[:2] == [("qkv", 3072, 4096), ("o", 4096, 2048)]
+    if not script.torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA device"):
+            script.main(["--what", "decode"])
