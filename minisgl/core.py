@@ -178,9 +178,5 @@ class Batch:
         return len(self.reqs)
 
     @property
-    def num_tokens(self) -> int:
-        return sum(self.extend_lens)
-
-    @property
     def seq_lens(self) -> List[int]:
         return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
