@@ -62,12 +62,21 @@ class SamplingParams:
 
 
 class Limits(NamedTuple):
-    """What one engine can hold; identical on every rank."""
+    """What one engine can hold; identical on every rank.
+
+    Built once per rank by the scheduler from its engine; a rank process's ready report carries
+    it to whoever spawned it (the launcher, which hands it to the tokenizer, or `LLM`).
+    """
 
     max_context: int
     vocab_size: int
     num_pages: int
     page_size: int
+
+    @property
+    def kv_capacity(self) -> int:
+        """Tokens the KV pool holds."""
+        return self.num_pages * self.page_size
 
 
 def request_error(ids: Sequence[int], params: SamplingParams, limits: Limits) -> Optional[str]:

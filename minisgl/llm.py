@@ -56,8 +56,7 @@ class _InProcess:
         self.engine = Engine(cfg.engine, ProcessGroups(Communicator(info), None))
         self.io = LocalIO()
         self.scheduler = Scheduler(cfg, self.engine, self.io)
-        self.limits = Limits(self.engine.max_context, self.engine.model_cfg.vocab_size,
-                             self.engine.num_pages, cfg.engine.page_size)
+        self.limits: Limits = self.scheduler.limits
 
     def submit(self, msg: Any) -> None:
         self.io.inbox.append(msg)
@@ -86,7 +85,7 @@ class _InProcess:
 class _RankProcesses:
     """tp>1: one spawned process per rank; rank 0 talks to us over ZMQ."""
 
-    def __init__(self, cfg: SchedulerConfig, tp: int, log_level: str, vocab_size: int) -> None:
+    def __init__(self, cfg: SchedulerConfig, tp: int, log_level: str) -> None:
         self.run_dir = tempfile.mkdtemp(prefix="minisgl-llm-")
         addr = lambda name: f"ipc://{self.run_dir}/{name}"  # noqa: E731
         port = free_port()
@@ -110,10 +109,9 @@ class _RankProcesses:
         self.requests = PushQueue(self.ctx, addr("backend"), bind=False)
         self.stats: Optional[SchedulerStats] = None  # rank 0's latest
         infos = [self._wait_ready(pipe) for pipe in pipes]
-        self.limits = Limits(infos[0]["max_context"], vocab_size, infos[0]["num_pages"],
-                             cfg.engine.page_size)
+        self.limits: Limits = infos[0]["limits"]
 
-    def _wait_ready(self, pipe: Any) -> Dict[str, int]:
+    def _wait_ready(self, pipe: Any) -> Dict[str, Any]:
         while not pipe.poll(0.5):
             self.check_alive()
         status, rank, info = pipe.recv()
@@ -194,8 +192,7 @@ class LLM:
                               cache=cache, check_lockstep=check_lockstep, overlap=overlap,
                               decode_reserve_tokens=decode_reserve_tokens)
         self.show_progress = show_progress
-        self._backend = (_InProcess(cfg) if tp == 1 else
-                         _RankProcesses(cfg, tp, log_level, self.model_config.vocab_size))
+        self._backend = _InProcess(cfg) if tp == 1 else _RankProcesses(cfg, tp, log_level)
         self._uids = itertools.count()
         self._finalizer = weakref.finalize(self, self._backend.close)
 

@@ -116,7 +116,7 @@ class Tokenizer:
 
 def run_tokenizer(cfg: TokenizerConfig, conn: Any) -> None:
     """Process entry: load the tokenizer, bind, report ("ready", "tokenizer", {}), then take
-    ("limits", {"max_context", "kv_capacity"}) from the launcher (sent once every rank is ready;
+    ("limits", core.Limits) from the launcher (sent once every rank is ready;
     requests wait in the socket until then) and serve forever (the launcher ends the process)."""
     with report_startup(conn, "tokenizer", logger):
         tokenizer = load_tokenizer(Path(cfg.model_path))
@@ -127,10 +127,10 @@ def run_tokenizer(cfg: TokenizerConfig, conn: Any) -> None:
         to_api = PushQueue(ctx, cfg.api_addr, bind=False)
     conn.send(("ready", "tokenizer", {}))
     try:
-        _, limits = conn.recv()
+        _, limits = conn.recv()  # a core.Limits
     except EOFError:  # the launcher is gone
         sys.exit(1)
-    logic = Tokenizer(tokenizer, int(limits["max_context"]), int(limits["kv_capacity"]))
+    logic = Tokenizer(tokenizer, limits.max_context, limits.kv_capacity)
     while True:
         msg = inbox.get()
         if isinstance(msg, AbortRequest):
