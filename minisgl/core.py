@@ -79,6 +79,21 @@ class Limits(NamedTuple):
         return self.num_pages * self.page_size
 
 
+def prompt_error(ids: Sequence[int], vocab_size: Optional[int]) -> Optional[str]:
+    """Why a prompt's token ids cannot be served (none, or one outside the vocabulary), or None.
+
+    `vocab_size=None` (the tokenizer process of a model without tokenizer files) bounds ids by
+    int32 only: the scheduler, which knows the model's vocabulary, checks them again.
+    """
+    if len(ids) == 0:
+        return "the prompt is empty"
+    bound = 2 ** 31 if vocab_size is None else vocab_size
+    bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < bound)]
+    if bad:
+        return f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+    return None
+
+
 def request_error(ids: Sequence[int], params: SamplingParams, limits: Limits) -> Optional[str]:
     """Why a request cannot be served, naming the numbers, or None. Checked by the offline API
     before submitting and by the scheduler on every message (the last line of defence)."""
@@ -86,12 +101,10 @@ def request_error(ids: Sequence[int], params: SamplingParams, limits: Limits) ->
         params.validate()
     except ValueError as e:
         return str(e)
+    error = prompt_error(ids, limits.vocab_size)
+    if error is not None:
+        return error
     n = len(ids)
-    if n == 0:
-        return "the prompt is empty"
-    bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < limits.vocab_size)]
-    if bad:
-        return f"token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})"
     total = n + params.max_tokens
     if total > limits.max_context:
         return (f"{n} prompt tokens plus max_tokens {params.max_tokens} = {total} exceeds the "

@@ -25,7 +25,7 @@ from typing import Any, List, NamedTuple, Optional
 
 import zmq
 
-from minisgl.core import SamplingParams
+from minisgl.core import SamplingParams, prompt_error
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.startup import report_startup
 from minisgl.message.types import (AbortMsg, AbortRequest, DetokenizeInit, ReplyBatch,
@@ -78,6 +78,9 @@ class Tokenizer:
         return list(self.tokenizer.encode(req.text or "", add_special_tokens=False))
 
     def prepare(self, req: TokenizeRequest) -> Prepared:
+        """The ids and final params of a request, or why it is rejected. The prompt checks are
+        `core.prompt_error`'s; the length checks stay here because they count tokens rather than
+        pages, resolve MAX_TOKENS_AUTO first and word the context error as OpenAI does."""
         if self.tokenizer is None and req.stop:
             return Prepared([], None, _NoTokenizer.message)
         try:
@@ -86,14 +89,11 @@ class Tokenizer:
             return Prepared([], None, _NoTokenizer.message)
         except Exception as e:  # a chat template may reject a conversation (roles, content)
             return Prepared([], None, f"cannot apply the chat template: {e}")
+        error = prompt_error(ids, self.vocab)
+        if error is not None:
+            return Prepared(ids, None, error)
         n, m = len(ids), req.params.max_tokens
         limit = min(self.max_context, self.kv_capacity)
-        if n == 0:
-            return Prepared(ids, None, "the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < (self.vocab or 2 ** 31)]
-        if bad:
-            return Prepared(ids, None, f"token id {bad[0]} is outside the vocabulary "
-                                       f"[0, {self.vocab})")
         if m == MAX_TOKENS_AUTO:
             if n >= limit:
                 return Prepared(ids, None, f"the prompt has {n} tokens, which leaves no room "
