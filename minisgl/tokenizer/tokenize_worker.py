@@ -28,13 +28,12 @@ import zmq
 from minisgl.core import SamplingParams, prompt_error
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.startup import report_startup
-from minisgl.message.types import (AbortMsg, AbortRequest, DetokenizeInit, ReplyBatch,
-                                   ReplyChunk, TokenizeRequest, UserMsg)
+from minisgl.message.types import (MAX_TOKENS_AUTO, AbortMsg, AbortRequest, DetokenizeInit,
+                                   ReplyBatch, ReplyChunk, TokenizeRequest, UserMsg)
 from minisgl.tokenizer.incremental import PROMPT_CONTEXT_TOKENS
 from minisgl.tokenizer.text import load_tokenizer
 
 logger = logging.getLogger("minisgl.tokenizer")
-MAX_TOKENS_AUTO = 0
 
 
 @dataclass(frozen=True)
