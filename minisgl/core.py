@@ -62,12 +62,36 @@ class SamplingParams:
 
 
 class Limits(NamedTuple):
-    """What one engine can hold; identical on every rank."""
+    """What one engine can hold; identical on every rank.
+
+    Built once per rank by the scheduler from its engine; a rank process's ready report carries
+    it to whoever spawned it (the launcher, which hands it to the tokenizer, or `LLM`).
+    """
 
     max_context: int
     vocab_size: int
     num_pages: int
     page_size: int
+
+    @property
+    def kv_capacity(self) -> int:
+        """Tokens the KV pool holds."""
+        return self.num_pages * self.page_size
+
+
+def prompt_error(ids: Sequence[int], vocab_size: Optional[int]) -> Optional[str]:
+    """Why a prompt's token ids cannot be served (none, or one outside the vocabulary), or None.
+
+    `vocab_size=None` (the tokenizer process of a model without tokenizer files) bounds ids by
+    int32 only: the scheduler, which knows the model's vocabulary, checks them again.
+    """
+    if len(ids) == 0:
+        return "the prompt is empty"
+    bound = 2 ** 31 if vocab_size is None else vocab_size
+    bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < bound)]
+    if bad:
+        return f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+    return None
 
 
 def request_error(ids: Sequence[int], params: SamplingParams, limits: Limits) -> Optional[str]:
@@ -77,12 +101,10 @@ def request_error(ids: Sequence[int], params: SamplingParams, limits: Limits) ->
         params.validate()
     except ValueError as e:
         return str(e)
+    error = prompt_error(ids, limits.vocab_size)
+    if error is not None:
+        return error
     n = len(ids)
-    if n == 0:
-        return "the prompt is empty"
-    bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < limits.vocab_size)]
-    if bad:
-        return f"token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})"
     total = n + params.max_tokens
     if total > limits.max_context:
         return (f"{n} prompt tokens plus max_tokens {params.max_tokens} = {total} exceeds the "
@@ -176,10 +198,6 @@ class Batch:
     @property
     def size(self) -> int:
         return len(self.reqs)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.extend_lens)
 
     @property
     def seq_lens(self) -> List[int]:

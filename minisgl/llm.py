@@ -56,8 +56,7 @@ class _InProcess:
         self.engine = Engine(cfg.engine, ProcessGroups(Communicator(info), None))
         self.io = LocalIO()
         self.scheduler = Scheduler(cfg, self.engine, self.io)
-        self.limits = Limits(self.engine.max_context, self.engine.model_cfg.vocab_size,
-                             self.engine.num_pages, cfg.engine.page_size)
+        self.limits: Limits = self.scheduler.limits
 
     def submit(self, msg: Any) -> None:
         self.io.inbox.append(msg)
@@ -110,10 +109,9 @@ class _RankProcesses:
         self.requests = PushQueue(self.ctx, addr("backend"), bind=False)
         self.stats: Optional[SchedulerStats] = None  # rank 0's latest
         infos = [self._wait_ready(pipe) for pipe in pipes]
-        self.limits = Limits(infos[0]["max_context"], ModelConfig.from_dir(
-            cfg.engine.model_path).vocab_size, infos[0]["num_pages"], cfg.engine.page_size)
+        self.limits: Limits = infos[0]["limits"]
 
-    def _wait_ready(self, pipe: Any) -> Dict[str, int]:
+    def _wait_ready(self, pipe: Any) -> Dict[str, Any]:
         while not pipe.poll(0.5):
             self.check_alive()
         status, rank, info = pipe.recv()

@@ -4,7 +4,6 @@ against NCCL, eagerly and inside a CUDA graph."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import traceback
 from pathlib import Path
@@ -21,9 +20,9 @@ from minisgl.engine import EngineConfig
 from minisgl.server.args import parse_args
 from minisgl.utils import free_port
 from script_loader import load_script
+from spawn_ranks import spawn_ranks
 from tiny_models import build_tiny
 
-BENCH = load_script("bench_allreduce")
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -31,20 +30,12 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 # --- spawning ranks -------------------------------------------------------------------------------
 def _spawn(target: Callable[..., None], world: int, timeout_s: float) -> Dict[int, str]:
     """Run target(rank, port, queue) in `world` spawned processes; each puts (rank, "ok" or a
-    traceback). Returns every rank's message; kills whatever is still running at the end."""
-    ctx = mp.get_context("spawn")
-    out: Any = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, port, out), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
+    traceback). Returns every rank's message."""
     msgs: Dict[int, str] = {}
-    try:
-        for _ in procs:
-            rank, msg = out.get(timeout=timeout_s)
+    with spawn_ranks(target, world, free_port()) as ranks:
+        for _ in range(world):
+            rank, msg = ranks.out.get(timeout=timeout_s)
             msgs[rank] = msg
-    finally:
-        BENCH.stop(procs)  # join briefly, then kill stragglers
     return msgs
 
 

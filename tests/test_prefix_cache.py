@@ -110,6 +110,7 @@ def test_locked_prefix_survives_eviction(tiny_model: Callable[..., Path]) -> Non
         assert req.num_prefix_pages == 10  # matched and locked
         held = list(req.pages[:10])
         evicted = sched.cache.manager.evict(10_000)  # provoke: evict everything possible
+        assert evicted, "nothing was evicted: the locked prefix was never put to the test"
         assert not set(held) & set(evicted)
         sched.cache.release(evicted)
         while sched.has_work:
@@ -123,6 +124,7 @@ def test_overlap_with_radix_eviction_and_stops(tiny_model: Callable[..., Path]) 
     prompts = _shared_prompts(40, 60, seed=11)
     path = tiny_model("qwen3")
     results = []
+    evicted: List[int] = []  # pages each run's cache evicted
     for overlap in (False, True):
         with LLM(str(path), page_size=4, max_kv_tokens=768, max_running_requests=6,
                  overlap=overlap, show_progress=False) as llm:
@@ -130,9 +132,12 @@ def test_overlap_with_radix_eviction_and_stops(tiny_model: Callable[..., Path]) 
             stops = SamplingParams(max_tokens=8, temperature=0.0,
                                    stop_token_ids=tuple(t[2] for t in ref[:20]))
             got = [o.token_ids for o in llm.generate(prompts, stops)]
-            llm._backend.scheduler.check_idle()  # type: ignore[attr-defined]
+            sched = llm._backend.scheduler  # type: ignore[attr-defined]
+            sched.check_idle()
+            evicted.append(sched.cache.evicted_pages)
             results.append((ref, got))
     assert results[0] == results[1]
+    assert evicted[1] > 0, "the overlap run never evicted"  # (the plain run happens to fit)
 
 
 @pytest.mark.parametrize("cache,overlap", [("radix", False), ("radix", True), ("naive", True)])

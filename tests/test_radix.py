@@ -327,4 +327,6 @@ def test_randomized_conservation(page_size: int) -> None:
 
 
 def test_deterministic_eviction() -> None:
-    assert _simulate(123, 2, total=30, steps=500) == _simulate(123, 2, total=30, steps=500)
+    first = _simulate(123, 2, total=30, steps=500)
+    assert any(first[:-1]), "the pool never ran short: no eviction to compare"
+    assert first == _simulate(123, 2, total=30, steps=500)

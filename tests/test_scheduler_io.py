@@ -9,7 +9,6 @@ ranks block at the same steps (as the real scheduler does). Rank 1 runs slower t
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import random
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.types import TokenOut, UserMsg
 from minisgl.scheduler.io import ZmqIO
 from minisgl.utils import free_port
+from spawn_ranks import spawn_ranks
 
 TOTAL = 1000
 
@@ -56,36 +56,27 @@ def test_two_ranks_receive_identical_steps(tmp_path: Path) -> None:
     addrs = [f"ipc://{tmp_path}/{n}" for n in ("backend", "detokenizer", "broadcast")]
     ctx = zmq.Context()
     replies = PullQueue(ctx, addrs[1], bind=True)
-    spawn = mp.get_context("spawn")
-    out = spawn.Queue()
     init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [spawn.Process(target=rank_main, args=(r, init, addrs, out), daemon=True)
-             for r in range(2)]
     push = PushQueue(ctx, addrs[0], bind=False)
-    for p in procs:
-        p.start()
     try:
-        assert sorted(out.get(timeout=120) for _ in range(2)) == [("ready", 0), ("ready", 1)]
-        rng = random.Random(1234)
-        uid = 0
-        while uid < TOTAL:
-            for _ in range(min(rng.randint(1, 60), TOTAL - uid)):
-                push.put(UserMsg(uid, [1, 2], SamplingParams()))
-                uid += 1
-            time.sleep(rng.choice([0.0, 0.0, 0.001, 0.005, 0.02]))
-        results = {}
-        for _ in range(2):
-            rank, steps, blocked = out.get(timeout=120)
-            results[rank] = (steps, blocked)
-        items: List[TokenOut] = []
-        while len(items) < TOTAL:
-            items += replies.get(timeout_ms=10_000).items
+        with spawn_ranks(rank_main, 2, init, addrs) as (out, procs):
+            assert sorted(out.get(timeout=120) for _ in range(2)) == [("ready", 0), ("ready", 1)]
+            rng = random.Random(1234)
+            uid = 0
+            while uid < TOTAL:
+                for _ in range(min(rng.randint(1, 60), TOTAL - uid)):
+                    push.put(UserMsg(uid, [1, 2], SamplingParams()))
+                    uid += 1
+                time.sleep(rng.choice([0.0, 0.0, 0.001, 0.005, 0.02]))
+            results = {}
+            for _ in range(2):
+                rank, steps, blocked = out.get(timeout=120)
+                results[rank] = (steps, blocked)
+            items: List[TokenOut] = []
+            while len(items) < TOTAL:
+                items += replies.get(timeout_ms=10_000).items
     finally:
         push.close()
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
         replies.close()
         ctx.term()
     steps0, blocked0 = results[0]

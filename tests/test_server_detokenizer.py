@@ -9,11 +9,11 @@ from typing import Any, List
 import pytest
 
 from minisgl.core import SamplingParams
-from minisgl.message.types import DetokenizeInit, TokenizeRequest, TokenOut
+from minisgl.message.types import MAX_TOKENS_AUTO, DetokenizeInit, TokenizeRequest, TokenOut
 from minisgl.tokenizer.detokenize_worker import Detokenizer
 from minisgl.tokenizer.incremental import IncrementalDecoder, StopMatcher
 from minisgl.tokenizer.text import load_tokenizer
-from minisgl.tokenizer.tokenize_worker import MAX_TOKENS_AUTO, Tokenizer
+from minisgl.tokenizer.tokenize_worker import Tokenizer
 
 
 @pytest.fixture(scope="module")

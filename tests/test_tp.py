@@ -18,6 +18,7 @@ from minisgl import LLM, SamplingParams
 from minisgl.distributed import Communicator, DistributedInfo
 from minisgl.models import ModelConfig, model_class
 from minisgl.models.weights import iter_checkpoint
+from spawn_ranks import spawn_ranks
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -72,15 +73,8 @@ def _diverge(rank: int, port: int, out: "mp.Queue[str]") -> None:
 
 def test_lockstep_check_detects_divergence() -> None:
     from minisgl.utils import free_port
-    ctx = mp.get_context("spawn")
-    out: "mp.Queue[str]" = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_diverge, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    msgs = [out.get(timeout=60) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
+    with spawn_ranks(_diverge, 2, free_port()) as ranks:
+        msgs = [ranks.out.get(timeout=60) for _ in ranks.procs]
     assert all(m.startswith("ranks diverged on tokens") for m in msgs), msgs
 
 

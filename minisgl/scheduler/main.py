@@ -84,8 +84,7 @@ def run_rank(cfg: SchedulerConfig, ready: Any, log_level: str = "INFO") -> None:
         log.exception("rank %d failed to start", rank)
         ready.send(("error", rank, f"{type(e).__name__}: {e}"))
         sys.exit(1)
-    ready.send(("ready", rank, {"num_pages": engine.num_pages,
-                                "max_context": engine.max_context}))
+    ready.send(("ready", rank, {"limits": scheduler.limits}))
     try:
         scheduler.run_forever()
     except BaseException:

@@ -30,6 +30,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import zmq
 
+from minisgl.core import Limits
 from minisgl.layers.linear import check_head_split
 from minisgl.message.codec import encode
 from minisgl.message.types import ShutdownMsg
@@ -135,11 +136,9 @@ class Service:
         def send_limits() -> None:
             if sent or any(c.info is None for c in self.ranks):
                 return
-            info = self.ranks[0].info or {}
-            limits = {"max_context": int(info["max_context"]),
-                      "kv_capacity": int(info["num_pages"]) * self.cfg.page_size}
+            limits: Limits = (self.ranks[0].info or {})["limits"]
             logger.info("all %d ranks ready: context %d tokens, KV pool %d tokens",
-                        self.cfg.tp, limits["max_context"], limits["kv_capacity"])
+                        self.cfg.tp, limits.max_context, limits.kv_capacity)
             self.workers[0].conn.send(("limits", limits))
             sent.append(True)
 

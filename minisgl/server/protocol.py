@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Un
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from minisgl.core import SamplingParams
-from minisgl.tokenizer.tokenize_worker import MAX_TOKENS_AUTO
+from minisgl.message.types import MAX_TOKENS_AUTO
 
 _INT64 = 2 ** 63
 _INT32 = 2 ** 31  # token ids travel as int32

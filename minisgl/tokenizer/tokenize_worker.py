@@ -25,16 +25,15 @@ from typing import Any, List, NamedTuple, Optional
 
 import zmq
 
-from minisgl.core import SamplingParams
+from minisgl.core import SamplingParams, prompt_error
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.startup import report_startup
-from minisgl.message.types import (AbortMsg, AbortRequest, DetokenizeInit, ReplyBatch,
-                                   ReplyChunk, TokenizeRequest, UserMsg)
+from minisgl.message.types import (MAX_TOKENS_AUTO, AbortMsg, AbortRequest, DetokenizeInit,
+                                   ReplyBatch, ReplyChunk, TokenizeRequest, UserMsg)
 from minisgl.tokenizer.incremental import PROMPT_CONTEXT_TOKENS
 from minisgl.tokenizer.text import load_tokenizer
 
 logger = logging.getLogger("minisgl.tokenizer")
-MAX_TOKENS_AUTO = 0
 
 
 @dataclass(frozen=True)
@@ -78,6 +77,9 @@ class Tokenizer:
         return list(self.tokenizer.encode(req.text or "", add_special_tokens=False))
 
     def prepare(self, req: TokenizeRequest) -> Prepared:
+        """The ids and final params of a request, or why it is rejected. The prompt checks are
+        `core.prompt_error`'s; the length checks stay here because they count tokens rather than
+        pages, resolve MAX_TOKENS_AUTO first and word the context error as OpenAI does."""
         if self.tokenizer is None and req.stop:
             return Prepared([], None, _NoTokenizer.message)
         try:
@@ -86,14 +88,11 @@ class Tokenizer:
             return Prepared([], None, _NoTokenizer.message)
         except Exception as e:  # a chat template may reject a conversation (roles, content)
             return Prepared([], None, f"cannot apply the chat template: {e}")
+        error = prompt_error(ids, self.vocab)
+        if error is not None:
+            return Prepared(ids, None, error)
         n, m = len(ids), req.params.max_tokens
         limit = min(self.max_context, self.kv_capacity)
-        if n == 0:
-            return Prepared(ids, None, "the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < (self.vocab or 2 ** 31)]
-        if bad:
-            return Prepared(ids, None, f"token id {bad[0]} is outside the vocabulary "
-                                       f"[0, {self.vocab})")
         if m == MAX_TOKENS_AUTO:
             if n >= limit:
                 return Prepared(ids, None, f"the prompt has {n} tokens, which leaves no room "
@@ -116,7 +115,7 @@ class Tokenizer:
 
 def run_tokenizer(cfg: TokenizerConfig, conn: Any) -> None:
     """Process entry: load the tokenizer, bind, report ("ready", "tokenizer", {}), then take
-    ("limits", {"max_context", "kv_capacity"}) from the launcher (sent once every rank is ready;
+    ("limits", core.Limits) from the launcher (sent once every rank is ready;
     requests wait in the socket until then) and serve forever (the launcher ends the process)."""
     with report_startup(conn, "tokenizer", logger):
         tokenizer = load_tokenizer(Path(cfg.model_path))
@@ -127,10 +126,10 @@ def run_tokenizer(cfg: TokenizerConfig, conn: Any) -> None:
         to_api = PushQueue(ctx, cfg.api_addr, bind=False)
     conn.send(("ready", "tokenizer", {}))
     try:
-        _, limits = conn.recv()
+        _, limits = conn.recv()  # a core.Limits
     except EOFError:  # the launcher is gone
         sys.exit(1)
-    logic = Tokenizer(tokenizer, int(limits["max_context"]), int(limits["kv_capacity"]))
+    logic = Tokenizer(tokenizer, limits.max_context, limits.kv_capacity)
     while True:
         msg = inbox.get()
         if isinstance(msg, AbortRequest):
