@@ -26,6 +26,7 @@ if [ "$MODE" = latency2 ]; then  # about 150 s: two 8B dummy inits, graph captur
   step latency_8b_tp2 240 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --steps 50
 fi
 if [ "$MODE" = pdl ]; then  # programmatic dependent launch on vs off (tp=1), with kernel profiles
+  step pdl_tests 200 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_triton_ops.py -k "pdl or gemv"
   step latency_8b_tp1_pdl 200 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --steps 100 --pdl --profile
   step offline_8b_tp1_pdl 200 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --pdl
 fi
