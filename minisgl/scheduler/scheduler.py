@@ -199,12 +199,9 @@ class Scheduler:
         missing = -(-new_len // self.cache.page_size) - len(req.pages)
         if missing > 0:
             req.pages.extend(self.cache.allocate(missing))
-            self.prefill.outstanding_pages -= min(missing, self._unallocated(req))
-            req.allocated_pages += missing
-
-    @staticmethod
-    def _unallocated(req: Req) -> int:
-        return max(0, req.reserved_pages - req.allocated_pages)
+            drawn = min(missing, req.reserved_pages)
+            self.prefill.outstanding_pages -= drawn
+            req.reserved_pages -= drawn
 
     def _make_room(self) -> None:
         """Before a decode step: when the running requests' pages beyond their reservations do
@@ -214,7 +211,7 @@ class Scheduler:
         while True:
             running = self.decode.running.values()
             need = sum(1 for r in running
-                       if r.device_len > len(r.pages) * ps and self._unallocated(r) == 0)
+                       if r.device_len > len(r.pages) * ps and r.reserved_pages == 0)
             if need <= self.cache.available_pages - self.prefill.outstanding_pages:
                 return
             if self.inflight is not None:  # retraction needs every batch using it finished
@@ -232,7 +229,7 @@ class Scheduler:
             self.prefill.prefilling.remove(req)
         self._free_admitted(req)
         req.cached_len = 0
-        req.allocated_pages = req.reserved_pages = 0
+        req.reserved_pages = 0
         req.device_len = len(req.token_ids)
         self.prefill.waiting.appendleft(req)
         self.totals["retracted"] += 1
@@ -304,7 +301,7 @@ class Scheduler:
     def _free_admitted(self, req: Req) -> None:
         """Give back an admitted request's unused reservation, KV pages (to the cache manager)
         and page-table row."""
-        self.prefill.outstanding_pages -= self._unallocated(req)
+        self.prefill.outstanding_pages -= req.reserved_pages
         self.cache.retire(req)
         self.rows.free(req.table_row)
         req.table_row = -1
