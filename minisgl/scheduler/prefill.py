@@ -27,7 +27,6 @@ class PrefillManager:
         self.waiting: Deque[Req] = deque()  # not yet admitted
         self.prefilling: Deque[Req] = deque()  # admitted, prompt not fully computed
         self.decode_reserve = decode_reserve
-        self.outstanding_pages = 0  # reserved by admitted requests but not yet allocated
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
@@ -44,10 +43,9 @@ class PrefillManager:
             outputs = min(outputs, self.decode_reserve)
         return -(-(len(req.token_ids) + outputs) // self.cache.page_size)
 
-    def schedule(self, num_running: int, grow: Callable[[Req, int], None],
-                 admitted: Callable[[Req], None]) -> Optional[Batch]:
-        """Build the next prefill batch, or None. `grow(req, new_len)` allocates pages;
-        `admitted(req)` maps a newly admitted request's cached prefix into the page table."""
+    def schedule(self, num_running: int, admitted: Callable[[Req], None]) -> Optional[Batch]:
+        """Build the next prefill batch (allocating its pages), or None. `admitted(req)` maps a
+        newly admitted request's cached prefix into the page table."""
         self._admit(num_running, admitted)
         reqs: List[Req] = []
         prefix, extend, sample = [], [], []
@@ -56,7 +54,7 @@ class PrefillManager:
             if left == 0:
                 break
             n = min(req.device_len - req.cached_len, left)  # device_len: the known tokens
-            grow(req, req.cached_len + n)
+            self.cache.grow(req, req.cached_len + n)
             reqs.append(req)
             prefix.append(req.cached_len)
             extend.append(n)
@@ -74,7 +72,7 @@ class PrefillManager:
             match = self.cache.match(req.token_ids)
             self.cache.manager.lock(match.handle)
             need = self.pages_for(req) - len(match.pages)
-            if need > self.cache.available_pages - self.outstanding_pages:
+            if need > self.cache.unreserved_pages:
                 self.cache.manager.unlock(match.handle)
                 return
             self.waiting.popleft()
@@ -85,8 +83,7 @@ class PrefillManager:
             req.cached_len = len(match.pages) * self.cache.page_size
             if req.output_len == 0:  # a retracted request keeps its first admission's hit
                 req.prefix_hit = req.cached_len
-            req.reserved_pages = need
-            self.outstanding_pages += need
+            self.cache.reserve(req, need)
             self.prefilling.append(req)
             admitted(req)
 

@@ -180,7 +180,7 @@ class Scheduler:
     # --- batches -------------------------------------------------------------------------------
     def schedule(self) -> Optional[Batch]:
         """Prefill first (new requests get their first token soon), else decode everyone."""
-        batch = self.prefill.schedule(len(self.decode.running), self._grow,
+        batch = self.prefill.schedule(len(self.decode.running),
                                       lambda req: self._rewrite_pages(
                                           req, list(range(req.num_prefix_pages))))
         if batch is None:
@@ -189,19 +189,9 @@ class Scheduler:
             if batch is None:
                 return None
             for req in batch.reqs:
-                self._grow(req, req.device_len)
+                self.cache.grow(req, req.device_len)
         self._write_slots(batch)
         return batch
-
-    def _grow(self, req: Req, new_len: int) -> None:
-        """Allocate the pages `req` needs to hold `new_len` tokens (reserved at admission, or
-        made room for by `_make_room`)."""
-        missing = -(-new_len // self.cache.page_size) - len(req.pages)
-        if missing > 0:
-            req.pages.extend(self.cache.allocate(missing))
-            drawn = min(missing, req.reserved_pages)
-            self.prefill.outstanding_pages -= drawn
-            req.reserved_pages -= drawn
 
     def _make_room(self) -> None:
         """Before a decode step: when the running requests' pages beyond their reservations do
@@ -212,7 +202,7 @@ class Scheduler:
             running = self.decode.running.values()
             need = sum(1 for r in running
                        if r.device_len > len(r.pages) * ps and r.reserved_pages == 0)
-            if need <= self.cache.available_pages - self.prefill.outstanding_pages:
+            if need <= self.cache.unreserved_pages:
                 return
             if self.inflight is not None:  # retraction needs every batch using it finished
                 self._finish_inflight()
@@ -229,7 +219,6 @@ class Scheduler:
             self.prefill.prefilling.remove(req)
         self._free_admitted(req)
         req.cached_len = 0
-        req.reserved_pages = 0
         req.device_len = len(req.token_ids)
         self.prefill.waiting.appendleft(req)
         self.totals["retracted"] += 1
@@ -299,9 +288,8 @@ class Scheduler:
             self._free_admitted(req)
 
     def _free_admitted(self, req: Req) -> None:
-        """Give back an admitted request's unused reservation, KV pages (to the cache manager)
+        """Give back an admitted request's unused reservation and KV pages (to the page cache)
         and page-table row."""
-        self.prefill.outstanding_pages -= req.reserved_pages
         self.cache.retire(req)
         self.rows.free(req.table_row)
         req.table_row = -1
