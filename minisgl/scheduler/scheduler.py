@@ -47,7 +47,7 @@ class Scheduler:
                              page_size)
         self.rows = TableRows(cfg.engine.max_running_requests)
         self.prefill = PrefillManager(self.cache, self.rows, cfg.max_prefill_tokens,
-                                      cfg.engine.max_running_requests, cfg.decode_reserve_tokens)
+                                      cfg.decode_reserve_tokens)
         self.decode = DecodeManager()
         self.reqs: Dict[int, Req] = {}  # every live request by uid
         self.stopped = False
@@ -180,9 +180,8 @@ class Scheduler:
     # --- batches -------------------------------------------------------------------------------
     def schedule(self) -> Optional[Batch]:
         """Prefill first (new requests get their first token soon), else decode everyone."""
-        batch = self.prefill.schedule(len(self.decode.running),
-                                      lambda req: self._rewrite_pages(
-                                          req, list(range(req.num_prefix_pages))))
+        batch = self.prefill.schedule(
+            lambda req: self._rewrite_pages(req, list(range(req.num_prefix_pages))))
         if batch is None:
             self._make_room()
             batch = self.decode.schedule()
