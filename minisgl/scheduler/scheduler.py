@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, List, Optional
+from typing import Dict, FrozenSet, List, NamedTuple, Optional
 
 import torch
 from torch.distributed import ProcessGroup
@@ -30,6 +30,14 @@ from minisgl.scheduler.prefill import PrefillManager
 from minisgl.scheduler.table import TableRows
 
 logger = logging.getLogger(__name__)
+
+
+class InFlight(NamedTuple):
+    """A launched batch whose results are not processed yet, with its requests' uids: whether a
+    request is in it is a set lookup, not a scan of the batch (nothing iterates the set)."""
+
+    launched: Launched
+    uids: FrozenSet[int]
 
 
 class Scheduler:
@@ -52,7 +60,7 @@ class Scheduler:
         self.reqs: Dict[int, Req] = {}  # every live request by uid
         self.stopped = False
         self.overlap = cfg.overlap if cfg.overlap is not None else engine.device.type == "cuda"
-        self.inflight: Optional[Launched] = None
+        self.inflight: Optional[InFlight] = None
         self.deferred: List[Req] = []  # finished, retired once the in-flight batch completes
         self.totals = {"prompt": 0, "generated": 0, "cached": 0, "prefilled": 0, "retracted": 0}
         # Per phase: forward passes and their busy seconds (statistics only: never scheduling
@@ -96,7 +104,7 @@ class Scheduler:
             done, self.inflight = self.inflight, None
             self._complete(done)
 
-    def _launch(self, batch: Batch) -> Launched:
+    def _launch(self, batch: Batch) -> InFlight:
         batch.launched_at = time.perf_counter()
         launched = self.engine.launch(batch)
         for req, ext, sample in zip(batch.reqs, batch.extend_lens, batch.sample):
@@ -107,9 +115,10 @@ class Scheduler:
                 req.device_len += 1
                 self.prefill.prefilling.remove(req)
                 self.decode.add(req)
-        return launched
+        return InFlight(launched, frozenset(r.uid for r in batch.reqs))
 
-    def _complete(self, launched: Launched) -> None:
+    def _complete(self, inflight: InFlight) -> None:
+        launched = inflight.launched
         batch = launched.batch
         ready, self.deferred = self.deferred, []  # waited for exactly this batch
         waited = time.perf_counter()
@@ -275,7 +284,7 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         """Retire a finished or aborted request now, or after the in-flight batch using it."""
-        if self.inflight is not None and req in self.inflight.batch.reqs:
+        if self.inflight is not None and req.uid in self.inflight.uids:
             self.deferred.append(req)
             del self.reqs[req.uid]
         else:
