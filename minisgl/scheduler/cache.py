@@ -103,8 +103,7 @@ class PageCache:
         if not self.manager.shares_prefixes or full <= req.num_prefix_pages:
             return []
         tokens = req.token_ids[: full * self.page_size]
-        duplicates = self.manager.insert(tokens, req.pages[:full])
-        match = self.manager.match_prefix(tokens)
+        duplicates, match = self.manager.insert_and_match(tokens, req.pages[:full])
         self.manager.lock(match.handle)
         self.manager.unlock(req.cache_handle)
         changed = [i for i in range(full) if req.pages[i] != match.pages[i]]
