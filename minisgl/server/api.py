@@ -28,7 +28,8 @@ from minisgl.message.types import ReplyChunk
 from minisgl.server.metrics import Metrics
 from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, GenerateRequest,
                                      chat_job, completion_job, generate_job, parse_body)
-from minisgl.server.responses import Choice, Formatter, SSEResponse
+from minisgl.server.responses import (ChatFormatter, Choice, CompletionFormatter, Formatter,
+                                      GenerateFormatter, SSEResponse)
 from minisgl.server.streams import RequestStream, RequestStreams
 
 logger = logging.getLogger("minisgl.api")
@@ -167,21 +168,21 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> FastAPI:
     async def chat(request: Request) -> Response:
         body = parse_body(await request.body(), ChatRequest)
         check_model(body.model)
-        fmt = Formatter("chat", cfg.model_name, chat_job(body, cfg.max_n))
+        fmt = ChatFormatter(cfg.model_name, chat_job(body, cfg.max_n))
         return await run_job(request, streams, fmt)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = parse_body(await request.body(), CompletionRequest)
         check_model(body.model)
-        fmt = Formatter("completion", cfg.model_name, completion_job(body, cfg.max_n))
+        fmt = CompletionFormatter(cfg.model_name, completion_job(body, cfg.max_n))
         return await run_job(request, streams, fmt)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         body = parse_body(await request.body(), GenerateRequest)
-        return await run_job(request, streams, Formatter("generate", cfg.model_name,
-                                                         generate_job(body)))
+        return await run_job(request, streams,
+                             GenerateFormatter(cfg.model_name, generate_job(body)))
 
     def model_card() -> Dict[str, Any]:
         return {"id": cfg.model_name, "object": "model", "created": started,
