@@ -147,8 +147,9 @@ class Req:
     num_prefix_pages: int = 0
     cache_handle: object = None  # the cache manager's lock on the matched prefix
     prefix_hit: int = 0  # prompt tokens taken from the prefix cache
-    reserved_pages: int = 0  # own pages admission set aside for the whole request
-    allocated_pages: int = 0  # own pages allocated so far (<= reserved_pages)
+    # Own pages admission set aside for the whole request and not yet allocated: each page
+    # allocated for the request draws this down, never below 0.
+    reserved_pages: int = 0
     finish_reason: Optional[FinishReason] = None
 
     def __post_init__(self) -> None:

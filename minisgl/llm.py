@@ -28,11 +28,12 @@ from minisgl.message import BatchTokenOut, SchedulerStats, ShutdownMsg, TokenOut
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.layers.linear import check_head_split
 from minisgl.models import ModelConfig
+from minisgl.models.path import resolve_model_path
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.io import LocalIO
 from minisgl.scheduler.main import run_rank
 from minisgl.scheduler.scheduler import Scheduler
-from minisgl.tokenizer.text import load_tokenizer, resolve_model_path
+from minisgl.tokenizer.text import load_tokenizer
 from minisgl.utils import free_port, resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)

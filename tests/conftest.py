@@ -43,3 +43,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tiny_model: Callable[..., Path]) -> Path:
+    """The random tiny Qwen3 the server tests serve (a module may override it)."""
+    return tiny_model("qwen3")

@@ -1,12 +1,14 @@
 """Helpers for the server tests: run `./serve` as a real process and talk to it over HTTP.
 
 `Server.start(args)` runs the launcher with `--port 0`, waits for its ready line and parses the
-URL; `stop()` sends a signal and reports how the launcher exited. The launcher's runtime directory
-goes under `tmp_dir` (TMPDIR), so a test can check that no socket file is left behind.
+URL; `stop()` sends a signal and reports how the launcher exited. `serving(args)` does both around
+a `with` body. The launcher's runtime directory goes under `tmp_dir` (TMPDIR), so a test can check
+that no socket file is left behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -17,13 +19,19 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 READY = re.compile(r"minisgl ready: (http://\S+)")
 CPU_ARGS = ("--device", "cpu", "--max-kv-tokens", "8192", "--log-level", "warning")
+
+
+def tp_args(tp: int, model: Optional[Path] = None) -> List[str]:
+    """`serve` arguments for a CPU service of `tp` ranks serving `model` (None: the default)."""
+    model_args = [] if model is None else ["--model", str(model)]
+    return [*model_args, "--tp", str(tp), *CPU_ARGS]
 
 
 class Exit(NamedTuple):
@@ -129,6 +137,22 @@ class Server:
             if cond(m) or time.monotonic() > deadline:
                 return m
             time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def serving(args: Sequence[str], tmp_dir: Path) -> Iterator[Server]:
+    """A started server for the `with` body, stopped after it. The clean exit (code 0) is checked
+    only when the body succeeded: if the body fails, the server is stopped (killed if it hangs)
+    and the body's own error propagates, not masked by a failing stop."""
+    srv = Server.start(args, tmp_dir)
+    try:
+        yield srv
+    except BaseException:
+        with contextlib.suppress(Exception):
+            srv.stop()
+        raise
+    result = srv.stop()
+    assert result.code == 0, f"serve exited with {result.code}:\n{srv.stderr()[-3000:]}"
 
 
 def run_serve(args: Sequence[str], tmp_dir: Path, timeout_s: float = 120.0

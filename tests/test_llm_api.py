@@ -21,7 +21,7 @@ def _pages_balanced(llm: LLM) -> None:
     s = llm._backend.scheduler  # type: ignore[attr-defined]
     s.check_idle()
     assert not s.reqs and s.rows.available == s.rows.num_rows
-    assert s.prefill.outstanding_pages == 0
+    assert s.cache.reserved_pages == 0
 
 
 def test_chat_answers_paris(llm: LLM) -> None:

@@ -153,5 +153,5 @@ def test_retraction_under_optimistic_admission(tiny_model: Callable[..., Path], 
         got = [o.token_ids for o in llm.generate(prompts, params)]
         sched = llm._backend.scheduler  # type: ignore[attr-defined]
         sched.check_idle()
-        assert sched.totals["retracted"] > 0 and sched.prefill.outstanding_pages == 0
+        assert sched.totals["retracted"] > 0 and sched.cache.reserved_pages == 0
     assert got == hf_greedy(path, prompts, 40)

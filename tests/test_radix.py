@@ -78,6 +78,22 @@ def test_split_at_page_boundary_mid_edge() -> None:
     assert cache._audit() == CacheStats(4, 4)
 
 
+def test_insert_and_match_is_insert_then_match_in_one_walk() -> None:
+    one, two = RadixCacheManager(2), RadixCacheManager(2)
+    for cache in (one, two):
+        cache.insert([1, 2, 3, 4, 5, 6], [10, 11, 12])
+    # Shares two pages (one the same page id, one a duplicate), then adds a new leaf.
+    toks, pages = [1, 2, 3, 4, 7, 8, 9, 9], [10, 21, 22, 23]
+    got = one.insert_and_match(toks, pages)
+    duplicates = two.insert(toks, pages)
+    want = two.match_prefix(toks)
+    assert got.duplicates == duplicates == [21]
+    assert got.match.pages == want.pages == [10, 11, 22, 23]
+    assert [n.key for n in one._iter_nodes()] == [n.key for n in two._iter_nodes()]
+    assert got.match.handle is list(one._iter_nodes())[-1]
+    assert one._audit() == two._audit()
+
+
 def test_split_keeps_lock_on_ancestors() -> None:
     cache = RadixCacheManager(1)
     cache.insert([1, 2, 3], [0, 1, 2])

@@ -8,12 +8,12 @@ import signal
 import socket
 import time
 from pathlib import Path
-from typing import Callable, List
+from typing import List
 
 import httpx
 import pytest
 
-from server_helpers import CPU_ARGS, Server, alive, run_serve, runtime_dirs
+from server_helpers import CPU_ARGS, Server, alive, run_serve, runtime_dirs, tp_args
 
 
 def _one_error_line(stderr: str) -> str:
@@ -66,7 +66,7 @@ def test_bad_setting_exits_2(tmp_path: Path) -> None:
 
 
 def test_tp_not_dividing_the_heads(tmp_path: Path, default_model_dir: Path) -> None:
-    r = run_serve(["--tp", "2", "--port", "0", *CPU_ARGS], tmp_path)
+    r = run_serve([*tp_args(2), "--port", "0"], tmp_path)
     assert r.returncode == 1
     line = _one_error_line(r.stderr)
     assert "9 attention heads" in line and "tp=2" in line, line
@@ -81,7 +81,7 @@ def test_a_rank_failing_to_load_reports_it(tmp_path: Path, tiny_qwen3: Path) -> 
     for f in broken.glob("*.safetensors"):
         f.unlink()
     t0 = time.monotonic()
-    r = run_serve(["--model", str(broken), "--tp", "2", "--port", "0", *CPU_ARGS], tmp_path)
+    r = run_serve([*tp_args(2, broken), "--port", "0"], tmp_path)
     assert r.returncode == 1
     line = _one_error_line(r.stderr)
     assert "rank" in line and "failed to start" in line, line
@@ -90,13 +90,8 @@ def test_a_rank_failing_to_load_reports_it(tmp_path: Path, tiny_qwen3: Path) -> 
 
 
 # --- a dead child takes the service down; signals stop it cleanly ---------------------------------
-@pytest.fixture(scope="module")
-def tiny_qwen3(tiny_model: Callable[..., Path]) -> Path:
-    return tiny_model("qwen3")
-
-
 def test_kill_9_of_a_rank_stops_everything(tmp_path: Path, tiny_qwen3: Path) -> None:
-    srv = Server.start(["--model", str(tiny_qwen3), "--tp", "2", *CPU_ARGS], tmp_path)
+    srv = Server.start(tp_args(2, tiny_qwen3), tmp_path)
     try:
         assert httpx.get(f"{srv.url}/health").status_code == 200
         ranks = {_comm(p): p for p in srv.children if _comm(p).startswith("minisgl-rank")}

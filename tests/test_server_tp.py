@@ -7,12 +7,11 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import openai
-import pytest
 
-from server_helpers import CPU_ARGS, Server
+from server_helpers import Server, serving, tp_args
 
 from minisgl import LLM, SamplingParams
 
@@ -49,22 +48,11 @@ def _check_same_as_tp1(server: Server, model_dir: Optional[Path]) -> None:
     assert [g[1] for g in got] == [len(r.token_ids) for r in refs]
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen3(tiny_model: Callable[..., Path]) -> Path:
-    return tiny_model("qwen3")
-
-
 def test_tp2_tiny_qwen3_matches_tp1(tmp_path: Path, tiny_qwen3: Path) -> None:
-    srv = Server.start(["--model", str(tiny_qwen3), "--tp", "2", *CPU_ARGS], tmp_path)
-    try:
+    with serving(tp_args(2, tiny_qwen3), tmp_path) as srv:
         _check_same_as_tp1(srv, tiny_qwen3)
-    finally:
-        assert srv.stop().code == 0
 
 
 def test_tp3_default_model_matches_tp1(tmp_path: Path, default_model_dir: Path) -> None:
-    srv = Server.start(["--tp", "3", *CPU_ARGS], tmp_path)
-    try:
+    with serving(tp_args(3), tmp_path) as srv:
         _check_same_as_tp1(srv, None)
-    finally:
-        assert srv.stop().code == 0

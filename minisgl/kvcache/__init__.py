@@ -1,6 +1,6 @@
 """Paged KV pool and prefix-cache managers."""
 
-from minisgl.kvcache.base import CacheManager, CacheStats, PrefixMatch
+from minisgl.kvcache.base import CacheManager, CacheStats, Inserted, PrefixMatch
 from minisgl.kvcache.naive import NaiveCacheManager
 from minisgl.kvcache.pool import KVPool
 
@@ -15,5 +15,5 @@ def make_cache_manager(kind: str, page_size: int) -> CacheManager:
     raise ValueError(f"unknown cache kind {kind!r} (expected 'radix' or 'naive')")
 
 
-__all__ = ["CacheManager", "CacheStats", "KVPool", "NaiveCacheManager", "PrefixMatch",
-           "make_cache_manager"]
+__all__ = ["CacheManager", "CacheStats", "Inserted", "KVPool", "NaiveCacheManager",
+           "PrefixMatch", "make_cache_manager"]

@@ -5,7 +5,9 @@ Ownership contract (the scheduler's cache in scheduler/cache.py is the only call
 - `match_prefix` returns pages the manager owns; the caller must `lock` the handle before using
   them and `unlock` it exactly once when the request finishes or is aborted.
 - `insert` takes ownership of a finished request's full pages and hands back the ones it already
-  held (duplicates), which the caller frees.
+  held (duplicates), which the caller frees. `insert_and_match` also returns what `match_prefix`
+  of the same tokens would (for a request that keeps running on the cached pages); the handle is
+  not locked.
 - `evict` may only drop unlocked pages; it returns them and the caller puts them on the free list.
 - Every decision is a pure function of the calls made (no clocks), so all ranks agree.
 """
@@ -19,6 +21,11 @@ from typing import List, NamedTuple, Optional, Sequence
 class PrefixMatch(NamedTuple):
     handle: Optional[object]  # opaque; pass to lock/unlock
     pages: List[int]  # the cached pages covering the first len(pages) * page_size tokens
+
+
+class Inserted(NamedTuple):
+    duplicates: List[int]  # the caller's pages whose KV the manager already held: caller frees
+    match: PrefixMatch  # the manager's pages for every inserted token, and a handle (unlocked)
 
 
 class CacheStats(NamedTuple):
@@ -44,6 +51,12 @@ class CacheManager(ABC):
     @abstractmethod
     def insert(self, token_ids: Sequence[int], pages: List[int]) -> List[int]:
         """Cache `pages` (len(token_ids) == len(pages) * page_size); return the duplicates."""
+
+    def insert_and_match(self, token_ids: Sequence[int], pages: List[int]) -> Inserted:
+        """`insert`, then `match_prefix` of the same tokens (which now match in full). Managers
+        that can do both in one walk override this."""
+        duplicates = self.insert(token_ids, pages)
+        return Inserted(duplicates, self.match_prefix(token_ids))
 
     @abstractmethod
     def evict(self, num_pages: int) -> List[int]:

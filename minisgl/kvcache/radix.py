@@ -17,9 +17,9 @@ Contract (the scheduler's cache is the only caller; see base.py):
 - What eviction may do: remove unlocked leaves (reference count 0), least recently used first,
   ties broken by node creation order. A parent whose last child goes becomes a candidate in turn.
   Locked nodes are never touched, so pages a live request matched stay valid until it unlocks.
-- Determinism: recency is a logical clock bumped once per `match_prefix` and `insert` call, never
-  wall time; children live in insertion-ordered dicts; so every tensor-parallel rank that makes
-  the same calls holds the same tree and evicts the same pages.
+- Determinism: recency is a logical clock bumped once per `match_prefix`, `insert` or
+  `insert_and_match` call, never wall time; children live in insertion-ordered dicts; so every
+  tensor-parallel rank that makes the same calls holds the same tree and evicts the same pages.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from __future__ import annotations
 import heapq
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
-from minisgl.kvcache.base import CacheManager, CacheStats, PrefixMatch
+from minisgl.kvcache.base import CacheManager, CacheStats, Inserted, PrefixMatch
 
 PageKey = Tuple[int, ...]  # the tokens of one page
 
@@ -130,25 +130,32 @@ class RadixCacheManager(CacheManager):
         caller's remaining pages. Returns the duplicates in position order. Raises ValueError on
         a length mismatch. The whole path counts as used now for LRU.
         """
+        return self.insert_and_match(token_ids, pages).duplicates
+
+    def insert_and_match(self, token_ids: Sequence[int], pages: List[int]) -> Inserted:
+        """`insert`, also returning the tree's pages along the inserted path and a handle on its
+        last node: what `match_prefix(token_ids)` would return next, without a second walk."""
         if len(token_ids) != len(pages) * self.page_size:
             raise ValueError(f"insert: {len(token_ids)} tokens do not fill {len(pages)} pages "
                              f"of size {self.page_size}")
         now = self._tick()
         toks = tuple(map(int, token_ids))
-        node, i, duplicates = self._root, 0, []
+        node, i, duplicates, held = self._root, 0, [], []
         while i < len(pages):
             pos = i * self.page_size
             child = node.children.get(self._page_key(toks, pos))
             if child is None:
                 node = self._add_leaf(node, toks[pos:], list(pages[i:]), now)
+                held.extend(node.pages)
                 break
             n = self._common_pages(child.key, toks, pos)
             duplicates.extend(p for p, t in zip(pages[i:i + n], child.pages) if p != t)
             if n < len(child.pages):
                 child = self._split(child, n)
+            held.extend(child.pages)
             node, i = child, i + n
         self._touch(node, now)
-        return duplicates
+        return Inserted(duplicates, PrefixMatch(None if node is self._root else node, held))
 
     def evict(self, num_pages: int) -> List[int]:
         """Drop unlocked leaves, least recently used first (ties: oldest node first), until at

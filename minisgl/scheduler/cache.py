@@ -4,6 +4,11 @@ Pages live in exactly one place: the free list, a live request's own pages (`Req
 its `num_prefix_pages`), or the cache manager (shared prefixes, locked while a request uses them).
 `check` verifies free + in use + cached = total; every rank makes the same calls in the same
 order, so every rank's pages are identical.
+
+Reservations are bookkeeping on top: `reserve` promises an admitted request pages for its whole
+life, `grow` draws its allocations from that promise, `retire` drops what is left of it. The cache
+owns the total (`reserved_pages`, the sum of the admitted requests' `Req.reserved_pages`), and
+admission and decode only take what is not promised (`unreserved_pages`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ class PageCache:
         self.manager = manager
         self._free: Deque[int] = deque(range(num_pages))
         self.evicted_pages = 0  # total over the cache's life, for metrics and tests
+        self.reserved_pages = 0  # promised to admitted requests, not yet allocated to them
 
     @property
     def free_pages(self) -> int:
@@ -34,6 +40,11 @@ class PageCache:
     def available_pages(self) -> int:
         """Pages an allocation can get: free ones plus unlocked cached ones (evicted on demand)."""
         return len(self._free) + self.manager.stats().evictable_pages
+
+    @property
+    def unreserved_pages(self) -> int:
+        """Available pages not promised to an admitted request."""
+        return self.available_pages - self.reserved_pages
 
     def match(self, token_ids: Sequence[int]) -> PrefixMatch:
         # The last prompt token must be computed to get logits, so never match all of them.
@@ -52,10 +63,29 @@ class PageCache:
     def release(self, pages: Sequence[int]) -> None:
         self._free.extend(pages)
 
+    def reserve(self, req: Req, n: int) -> None:
+        """Promise a newly admitted request `n` own pages for its whole life (the caller checked
+        that `unreserved_pages` covers them)."""
+        req.reserved_pages = n
+        self.reserved_pages += n
+
+    def grow(self, req: Req, new_len: int) -> None:
+        """Allocate the pages `req` needs to hold `new_len` tokens, drawing on its reservation
+        first (beyond it, the scheduler made room before asking)."""
+        missing = -(-new_len // self.page_size) - len(req.pages)
+        if missing > 0:
+            req.pages.extend(self.allocate(missing))
+            drawn = min(missing, req.reserved_pages)
+            req.reserved_pages -= drawn
+            self.reserved_pages -= drawn
+
     def retire(self, req: Req) -> None:
-        """Give a finished or aborted request's pages back: full pages with computed KV go to the
-        prefix cache (which returns duplicates to free), the rest to the free list; then unlock
-        the prefix it matched. Call exactly once per admitted request."""
+        """Give a finished, aborted or retracted request's pages back: full pages with computed
+        KV go to the prefix cache (which returns duplicates to free), the rest to the free list;
+        then unlock the prefix it matched and drop what is left of its reservation. Call exactly
+        once per admission."""
+        self.reserved_pages -= req.reserved_pages
+        req.reserved_pages = 0
         full = req.cached_len // self.page_size
         keep = req.token_ids[: full * self.page_size]
         self.release(self.manager.insert(keep, req.pages[:full]))
@@ -73,8 +103,7 @@ class PageCache:
         if not self.manager.shares_prefixes or full <= req.num_prefix_pages:
             return []
         tokens = req.token_ids[: full * self.page_size]
-        duplicates = self.manager.insert(tokens, req.pages[:full])
-        match = self.manager.match_prefix(tokens)
+        duplicates, match = self.manager.insert_and_match(tokens, req.pages[:full])
         self.manager.lock(match.handle)
         self.manager.unlock(req.cache_handle)
         changed = [i for i in range(full) if req.pages[i] != match.pages[i]]

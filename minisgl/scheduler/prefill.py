@@ -19,15 +19,13 @@ from minisgl.scheduler.table import TableRows
 
 class PrefillManager:
     def __init__(self, cache: PageCache, rows: TableRows, max_prefill_tokens: int,
-                 max_running: int, decode_reserve: Optional[int] = None) -> None:
+                 decode_reserve: Optional[int] = None) -> None:
         self.cache = cache
-        self.rows = rows
+        self.rows = rows  # one per admitted request: their number caps the running requests
         self.budget = max_prefill_tokens
-        self.max_running = max_running
         self.waiting: Deque[Req] = deque()  # not yet admitted
         self.prefilling: Deque[Req] = deque()  # admitted, prompt not fully computed
         self.decode_reserve = decode_reserve
-        self.outstanding_pages = 0  # reserved by admitted requests but not yet allocated
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
@@ -44,11 +42,10 @@ class PrefillManager:
             outputs = min(outputs, self.decode_reserve)
         return -(-(len(req.token_ids) + outputs) // self.cache.page_size)
 
-    def schedule(self, num_running: int, grow: Callable[[Req, int], None],
-                 admitted: Callable[[Req], None]) -> Optional[Batch]:
-        """Build the next prefill batch, or None. `grow(req, new_len)` allocates pages;
-        `admitted(req)` maps a newly admitted request's cached prefix into the page table."""
-        self._admit(num_running, admitted)
+    def schedule(self, admitted: Callable[[Req], None]) -> Optional[Batch]:
+        """Build the next prefill batch (allocating its pages), or None. `admitted(req)` maps a
+        newly admitted request's cached prefix into the page table."""
+        self._admit(admitted)
         reqs: List[Req] = []
         prefix, extend, sample = [], [], []
         left = self.budget
@@ -56,7 +53,7 @@ class PrefillManager:
             if left == 0:
                 break
             n = min(req.device_len - req.cached_len, left)  # device_len: the known tokens
-            grow(req, req.cached_len + n)
+            self.cache.grow(req, req.cached_len + n)
             reqs.append(req)
             prefix.append(req.cached_len)
             extend.append(n)
@@ -66,15 +63,16 @@ class PrefillManager:
             return None
         return Batch(Phase.PREFILL, reqs, prefix, extend, sample)
 
-    def _admit(self, num_running: int, admitted: Callable[[Req], None]) -> None:
-        # Rows, not just counts: a finished request keeps its row until its last batch completes.
-        while (self.waiting and num_running + len(self.prefilling) < self.max_running
-               and self.rows.available > 0):
+    def _admit(self, admitted: Callable[[Req], None]) -> None:
+        # A free row is the whole running-count check: every admitted request (prefilling,
+        # running, or finished while its last batch is in flight) holds one of the
+        # max_running_requests rows.
+        while self.waiting and self.rows.available > 0:
             req = self.waiting[0]
             match = self.cache.match(req.token_ids)
             self.cache.manager.lock(match.handle)
             need = self.pages_for(req) - len(match.pages)
-            if need > self.cache.available_pages - self.outstanding_pages:
+            if need > self.cache.unreserved_pages:
                 self.cache.manager.unlock(match.handle)
                 return
             self.waiting.popleft()
@@ -85,8 +83,7 @@ class PrefillManager:
             req.cached_len = len(match.pages) * self.cache.page_size
             if req.output_len == 0:  # a retracted request keeps its first admission's hit
                 req.prefix_hit = req.cached_len
-            req.reserved_pages = need
-            self.outstanding_pages += need
+            self.cache.reserve(req, need)
             self.prefilling.append(req)
             admitted(req)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, List, Optional
+from typing import Dict, FrozenSet, List, NamedTuple, Optional
 
 import torch
 from torch.distributed import ProcessGroup
@@ -32,6 +32,14 @@ from minisgl.scheduler.table import TableRows
 logger = logging.getLogger(__name__)
 
 
+class InFlight(NamedTuple):
+    """A launched batch whose results are not processed yet, with its requests' uids: whether a
+    request is in it is a set lookup, not a scan of the batch (nothing iterates the set)."""
+
+    launched: Launched
+    uids: FrozenSet[int]
+
+
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, engine: Engine, io: SchedulerIO,
                  cpu_group: Optional[ProcessGroup] = None) -> None:
@@ -47,12 +55,12 @@ class Scheduler:
                              page_size)
         self.rows = TableRows(cfg.engine.max_running_requests)
         self.prefill = PrefillManager(self.cache, self.rows, cfg.max_prefill_tokens,
-                                      cfg.engine.max_running_requests, cfg.decode_reserve_tokens)
+                                      cfg.decode_reserve_tokens)
         self.decode = DecodeManager()
         self.reqs: Dict[int, Req] = {}  # every live request by uid
         self.stopped = False
         self.overlap = cfg.overlap if cfg.overlap is not None else engine.device.type == "cuda"
-        self.inflight: Optional[Launched] = None
+        self.inflight: Optional[InFlight] = None
         self.deferred: List[Req] = []  # finished, retired once the in-flight batch completes
         self.totals = {"prompt": 0, "generated": 0, "cached": 0, "prefilled": 0, "retracted": 0}
         # Per phase: forward passes and their busy seconds (statistics only: never scheduling
@@ -96,7 +104,7 @@ class Scheduler:
             done, self.inflight = self.inflight, None
             self._complete(done)
 
-    def _launch(self, batch: Batch) -> Launched:
+    def _launch(self, batch: Batch) -> InFlight:
         batch.launched_at = time.perf_counter()
         launched = self.engine.launch(batch)
         for req, ext, sample in zip(batch.reqs, batch.extend_lens, batch.sample):
@@ -107,9 +115,10 @@ class Scheduler:
                 req.device_len += 1
                 self.prefill.prefilling.remove(req)
                 self.decode.add(req)
-        return launched
+        return InFlight(launched, frozenset(r.uid for r in batch.reqs))
 
-    def _complete(self, launched: Launched) -> None:
+    def _complete(self, inflight: InFlight) -> None:
+        launched = inflight.launched
         batch = launched.batch
         ready, self.deferred = self.deferred, []  # waited for exactly this batch
         waited = time.perf_counter()
@@ -180,31 +189,17 @@ class Scheduler:
     # --- batches -------------------------------------------------------------------------------
     def schedule(self) -> Optional[Batch]:
         """Prefill first (new requests get their first token soon), else decode everyone."""
-        batch = self.prefill.schedule(len(self.decode.running), self._grow,
-                                      lambda req: self._rewrite_pages(
-                                          req, list(range(req.num_prefix_pages))))
+        batch = self.prefill.schedule(
+            lambda req: self._rewrite_pages(req, list(range(req.num_prefix_pages))))
         if batch is None:
             self._make_room()
             batch = self.decode.schedule()
             if batch is None:
                 return None
             for req in batch.reqs:
-                self._grow(req, req.device_len)
+                self.cache.grow(req, req.device_len)
         self._write_slots(batch)
         return batch
-
-    def _grow(self, req: Req, new_len: int) -> None:
-        """Allocate the pages `req` needs to hold `new_len` tokens (reserved at admission, or
-        made room for by `_make_room`)."""
-        missing = -(-new_len // self.cache.page_size) - len(req.pages)
-        if missing > 0:
-            req.pages.extend(self.cache.allocate(missing))
-            self.prefill.outstanding_pages -= min(missing, self._unallocated(req))
-            req.allocated_pages += missing
-
-    @staticmethod
-    def _unallocated(req: Req) -> int:
-        return max(0, req.reserved_pages - req.allocated_pages)
 
     def _make_room(self) -> None:
         """Before a decode step: when the running requests' pages beyond their reservations do
@@ -214,8 +209,8 @@ class Scheduler:
         while True:
             running = self.decode.running.values()
             need = sum(1 for r in running
-                       if r.device_len > len(r.pages) * ps and self._unallocated(r) == 0)
-            if need <= self.cache.available_pages - self.prefill.outstanding_pages:
+                       if r.device_len > len(r.pages) * ps and r.reserved_pages == 0)
+            if need <= self.cache.unreserved_pages:
                 return
             if self.inflight is not None:  # retraction needs every batch using it finished
                 self._finish_inflight()
@@ -232,7 +227,6 @@ class Scheduler:
             self.prefill.prefilling.remove(req)
         self._free_admitted(req)
         req.cached_len = 0
-        req.allocated_pages = req.reserved_pages = 0
         req.device_len = len(req.token_ids)
         self.prefill.waiting.appendleft(req)
         self.totals["retracted"] += 1
@@ -290,7 +284,7 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         """Retire a finished or aborted request now, or after the in-flight batch using it."""
-        if self.inflight is not None and req in self.inflight.batch.reqs:
+        if self.inflight is not None and req.uid in self.inflight.uids:
             self.deferred.append(req)
             del self.reqs[req.uid]
         else:
@@ -302,9 +296,8 @@ class Scheduler:
             self._free_admitted(req)
 
     def _free_admitted(self, req: Req) -> None:
-        """Give back an admitted request's unused reservation, KV pages (to the cache manager)
+        """Give back an admitted request's unused reservation and KV pages (to the page cache)
         and page-table row."""
-        self.prefill.outstanding_pages -= self._unallocated(req)
         self.cache.retire(req)
         self.rows.free(req.table_row)
         req.table_row = -1

@@ -1,3 +1,3 @@
 """The serving daemon: configuration (args), process tree (launch, proc), HTTP API (api,
-protocol, responses, backend, metrics) and the terminal chat (shell).
+protocol, responses, streams, metrics) and the terminal chat (shell).
 Entry point: `minisgl.server.launch.main`."""

@@ -25,11 +25,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl.message.startup import report_startup
 from minisgl.message.types import ReplyChunk
-from minisgl.server.backend import Backend, RequestStream
 from minisgl.server.metrics import Metrics
 from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, GenerateRequest,
                                      chat_job, completion_job, generate_job, parse_body)
-from minisgl.server.responses import Choice, Formatter, SSEResponse
+from minisgl.server.responses import (ChatFormatter, Choice, CompletionFormatter, Formatter,
+                                      GenerateFormatter, SSEResponse)
+from minisgl.server.streams import RequestStream, RequestStreams
 
 logger = logging.getLogger("minisgl.api")
 _DISCONNECT_POLL_S = 0.5
@@ -75,8 +76,8 @@ def _check(chunk: ReplyChunk) -> None:
         raise ApiError(chunk.error_status, chunk.error)
 
 
-async def run_job(request: Request, backend: Backend, fmt: Formatter) -> Response:
-    stream = backend.submit(fmt.job)
+async def run_job(request: Request, streams: RequestStreams, fmt: Formatter) -> Response:
+    stream = streams.submit(fmt.job)
     choices = [Choice() for _ in stream.uids]
     waiter = Waiter(stream, request)
     try:
@@ -86,17 +87,17 @@ async def run_job(request: Request, backend: Backend, fmt: Formatter) -> Respons
                 first.append(await waiter.next())
                 _check(first[-1])
             return SSEResponse(_events(stream, fmt, choices, first),
-                               on_close=lambda: backend.release(stream))
+                               on_close=lambda: streams.release(stream))
         while stream.unfinished or not stream.queue.empty():
             chunk = await waiter.next()
             _check(chunk)
             choices[stream.index[chunk.uid]].add(chunk)
         return JSONResponse(fmt.full(choices))
     except ClientGone:
-        backend.release(stream)
+        streams.release(stream)
         return Response(status_code=499)
     except BaseException:
-        backend.release(stream)
+        streams.release(stream)
         raise
 
 
@@ -145,15 +146,15 @@ def _install_error_handlers(app: FastAPI) -> None:
 def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> FastAPI:
     """The app and all its state. `is_healthy` says whether every process of the service is up."""
     metrics = Metrics()
-    backend = Backend(cfg.tokenizer_addr, cfg.api_addr, metrics)
+    streams = RequestStreams(cfg.tokenizer_addr, cfg.api_addr, metrics)
     started = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(backend.serve_replies())
+        task = asyncio.create_task(streams.serve_replies())
         yield
         task.cancel()
-        backend.close()
+        streams.close()
 
     app = FastAPI(title="minisgl", lifespan=lifespan, docs_url=None, redoc_url=None)
     _install_error_handlers(app)
@@ -167,21 +168,21 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> FastAPI:
     async def chat(request: Request) -> Response:
         body = parse_body(await request.body(), ChatRequest)
         check_model(body.model)
-        fmt = Formatter("chat", cfg.model_name, chat_job(body, cfg.max_n))
-        return await run_job(request, backend, fmt)
+        fmt = ChatFormatter(cfg.model_name, chat_job(body, cfg.max_n))
+        return await run_job(request, streams, fmt)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = parse_body(await request.body(), CompletionRequest)
         check_model(body.model)
-        fmt = Formatter("completion", cfg.model_name, completion_job(body, cfg.max_n))
-        return await run_job(request, backend, fmt)
+        fmt = CompletionFormatter(cfg.model_name, completion_job(body, cfg.max_n))
+        return await run_job(request, streams, fmt)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         body = parse_body(await request.body(), GenerateRequest)
-        return await run_job(request, backend, Formatter("generate", cfg.model_name,
-                                                         generate_job(body)))
+        return await run_job(request, streams,
+                             GenerateFormatter(cfg.model_name, generate_job(body)))
 
     def model_card() -> Dict[str, Any]:
         return {"id": cfg.model_name, "object": "model", "created": started,

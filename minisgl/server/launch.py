@@ -35,6 +35,7 @@ from minisgl.layers.linear import check_head_split
 from minisgl.message.codec import encode
 from minisgl.message.types import ShutdownMsg
 from minisgl.models.config import ModelConfig
+from minisgl.models.path import resolve_model_path
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.api import ApiConfig, run_api
 from minisgl.server.args import ServerConfig, describe, parse_args
@@ -42,7 +43,6 @@ from minisgl.log import setup_logging
 from minisgl.server.proc import (Child, StartupError, spawn, stop_children,
                                  wait_ready)
 from minisgl.tokenizer.detokenize_worker import DetokenizerConfig, run_detokenizer
-from minisgl.tokenizer.text import resolve_model_path
 from minisgl.tokenizer.tokenize_worker import TokenizerConfig, run_tokenizer
 from minisgl.utils import free_port
 

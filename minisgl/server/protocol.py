@@ -1,7 +1,7 @@
 """Request bodies of the HTTP API: parsing, validation, and conversion into a `Job`.
 
 Every invalid request raises `ApiError` with an HTTP status and an OpenAI-style error body
-(`{"error": {"message", "type", "param", "code"}}`); nothing here touches the backend.
+(`{"error": {"message", "type", "param", "code"}}`); nothing here touches the request streams.
 Unknown OpenAI fields (user, presence_penalty, ...) are accepted and ignored; features this server
 does not implement (logprobs, echo) are rejected rather than silently dropped.
 """

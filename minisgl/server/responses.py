@@ -7,6 +7,7 @@ import contextlib
 import json
 import time
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional
 
@@ -78,60 +79,114 @@ class SSEResponse(StreamingResponse):
             self.on_close()
 
 
-class Formatter:
-    """Builds one endpoint's response objects (chat, completion or native generate)."""
+class Formatter(ABC):
+    """Builds one endpoint's response objects: `full` for a plain response; for a streamed one,
+    `opening` lines per choice, `delta` lines per chunk, then `closing` lines. One subclass per
+    endpoint; `id` and `created` are fixed per request."""
 
-    def __init__(self, kind: str, model: str, job: Job) -> None:
-        self.kind, self.model, self.job = kind, model, job
-        prefix = {"chat": "chatcmpl", "completion": "cmpl", "generate": "gen"}[kind]
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
+    id_prefix = ""
+
+    def __init__(self, model: str, job: Job) -> None:
+        self.model, self.job = model, job
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+
+    @abstractmethod
+    def full(self, choices: List[Choice]) -> Dict[str, Any]: ...
+
+    def opening(self, index: int) -> Iterator[str]:
+        return iter(())
+
+    @abstractmethod
+    def delta(self, index: int, chunk: ReplyChunk) -> Iterator[str]: ...
+
+    @abstractmethod
+    def closing(self, choices: List[Choice]) -> Iterator[str]: ...
+
+
+class GenerateFormatter(Formatter):
+    """The native /generate format: text and token ids, one object per chunk, no choices."""
+
+    id_prefix = "gen"
+
+    def full(self, choices: List[Choice]) -> Dict[str, Any]:
+        c = choices[0]
+        return {"id": self.id, "text": "".join(c.text), "token_ids": c.token_ids,
+                "finish_reason": c.finish_reason, "usage": usage(choices, self.job.n)}
+
+    def delta(self, index: int, chunk: ReplyChunk) -> Iterator[str]:
+        yield sse({"id": self.id, "text": chunk.text, "token_ids": list(chunk.token_ids),
+                   "finish_reason": chunk.finish_reason})
+
+    def closing(self, choices: List[Choice]) -> Iterator[str]:
+        yield "data: [DONE]\n\n"
+
+
+class _OpenAIFormatter(Formatter):
+    """OpenAI envelopes around per-choice items; a chunk's text and its finish reason go out as
+    separate chunks; usage closes the stream when asked for."""
+
+    full_object = ""
+    chunk_object = ""
 
     def _envelope(self, obj: str, choices: List[Any]) -> Dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def full(self, choices: List[Choice]) -> Dict[str, Any]:
-        u = usage(choices, self.job.n)
-        if self.kind == "generate":
-            c = choices[0]
-            return {"id": self.id, "text": "".join(c.text), "token_ids": c.token_ids,
-                    "finish_reason": c.finish_reason, "usage": u}
-        if self.kind == "chat":
-            items = [{"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
-                      "logprobs": None, "finish_reason": c.finish_reason}
-                     for i, c in enumerate(choices)]
-            return {**self._envelope("chat.completion", items), "usage": u}
-        items = [{"index": i, "text": "".join(c.text), "logprobs": None,
-                  "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
-        return {**self._envelope("text_completion", items), "usage": u}
+    @abstractmethod
+    def _item(self, index: int, choice: Choice) -> Dict[str, Any]: ...
 
-    def opening(self, index: int) -> Iterator[str]:
-        if self.kind == "chat":
-            yield sse(self._envelope("chat.completion.chunk", [{
-                "index": index, "delta": {"role": "assistant", "content": ""},
-                "logprobs": None, "finish_reason": None}]))
+    @abstractmethod
+    def _chunk_item(self, index: int, text: Optional[str], reason: Optional[str]
+                    ) -> Dict[str, Any]: ...
+
+    def full(self, choices: List[Choice]) -> Dict[str, Any]:
+        items = [self._item(i, c) for i, c in enumerate(choices)]
+        return {**self._envelope(self.full_object, items), "usage": usage(choices, self.job.n)}
 
     def delta(self, index: int, chunk: ReplyChunk) -> Iterator[str]:
-        if self.kind == "generate":
-            yield sse({"id": self.id, "text": chunk.text, "token_ids": list(chunk.token_ids),
-                       "finish_reason": chunk.finish_reason})
-            return
         if chunk.text:
-            yield self._choice_chunk(index, chunk.text, None)
+            yield sse(self._envelope(self.chunk_object,
+                                     [self._chunk_item(index, chunk.text, None)]))
         if chunk.finish_reason is not None:
-            yield self._choice_chunk(index, None, chunk.finish_reason)
-
-    def _choice_chunk(self, index: int, text: Optional[str], reason: Optional[str]) -> str:
-        if self.kind == "chat":
-            delta = {} if text is None else {"content": text}
-            return sse(self._envelope("chat.completion.chunk", [{
-                "index": index, "delta": delta, "logprobs": None, "finish_reason": reason}]))
-        return sse(self._envelope("text_completion", [{
-            "index": index, "text": text or "", "logprobs": None, "finish_reason": reason}]))
+            yield sse(self._envelope(self.chunk_object,
+                                     [self._chunk_item(index, None, chunk.finish_reason)]))
 
     def closing(self, choices: List[Choice]) -> Iterator[str]:
-        if self.job.include_usage and self.kind != "generate":
-            obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-            yield sse({**self._envelope(obj, []), "usage": usage(choices, self.job.n)})
+        if self.job.include_usage:
+            yield sse({**self._envelope(self.chunk_object, []),
+                       "usage": usage(choices, self.job.n)})
         yield "data: [DONE]\n\n"
+
+
+class ChatFormatter(_OpenAIFormatter):
+    id_prefix = "chatcmpl"
+    full_object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def _item(self, index: int, choice: Choice) -> Dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": "".join(choice.text)},
+                "logprobs": None, "finish_reason": choice.finish_reason}
+
+    def opening(self, index: int) -> Iterator[str]:
+        yield sse(self._envelope(self.chunk_object, [{
+            "index": index, "delta": {"role": "assistant", "content": ""},
+            "logprobs": None, "finish_reason": None}]))
+
+    def _chunk_item(self, index: int, text: Optional[str], reason: Optional[str]
+                    ) -> Dict[str, Any]:
+        delta = {} if text is None else {"content": text}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+
+
+class CompletionFormatter(_OpenAIFormatter):
+    id_prefix = "cmpl"
+    full_object = chunk_object = "text_completion"
+
+    def _item(self, index: int, choice: Choice) -> Dict[str, Any]:
+        return {"index": index, "text": "".join(choice.text), "logprobs": None,
+                "finish_reason": choice.finish_reason}
+
+    def _chunk_item(self, index: int, text: Optional[str], reason: Optional[str]
+                    ) -> Dict[str, Any]:
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}

@@ -1,21 +1,10 @@
-"""Resolving a model directory and loading its tokenizer (the only places that know text)."""
+"""Loading a model directory's tokenizer (the tokenizer processes are the only places that know
+text)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Optional
-
-
-def resolve_model_path(model: Optional[str]) -> Path:
-    """A local Hugging Face directory; None means the bundled default model."""
-    if model is None:
-        from minisgl.models.default_model import default_model_path
-        return default_model_path()
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model path {model!r} is not a directory with a config.json "
-                                f"(models are loaded from local Hugging Face directories)")
-    return path
 
 
 def has_tokenizer(path: Path) -> bool:

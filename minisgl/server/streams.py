@@ -1,11 +1,11 @@
-"""The API server's link to the tokenizer and detokenizer processes.
+"""The API server's request streams: requests out to the tokenizer, replies routed back per uid.
 
-`Backend.submit(job)` gives every choice of the job a fresh uid, sends one `TokenizeRequest` per
-choice to the tokenizer and returns a `RequestStream` on which the replies arrive, in order, per
-uid. The caller owns the stream and must `release` it when done (in a `finally`): release sends an
-`AbortRequest` for every uid that has not finished (client gone, error in a sibling choice), which
-frees the request's KV pages in the scheduler. Sends are synchronous and never await, so release
-is safe inside cancelled tasks.
+`RequestStreams.submit(job)` gives every choice of the job a fresh uid, sends one
+`TokenizeRequest` per choice to the tokenizer and returns a `RequestStream` on which the replies
+arrive, in order, per uid. The caller owns the stream and must `release` it when done (in a
+`finally`): release sends an `AbortRequest` for every uid that has not finished (client gone,
+error in a sibling choice), which frees the request's KV pages in the scheduler. Sends are
+synchronous and never await, so release is safe inside cancelled tasks.
 
 `serve_replies` (one task per app) reads `ReplyBatch`es from the detokenizer and tokenizer,
 updates the metrics (time to first token, inter-token latency, scheduler stats) and routes chunks.
@@ -53,7 +53,7 @@ class RequestStream:
             return None
 
 
-class Backend:
+class RequestStreams:
     def __init__(self, tokenizer_addr: str, api_addr: str, metrics: Metrics) -> None:
         self.metrics = metrics
         self._ctx = zmq.Context()
