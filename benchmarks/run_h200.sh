@@ -93,6 +93,9 @@ fi
 if [ "$MODE" = peer8b16 ]; then  # HF did not finish 32 requests of the 8B shape in 330 s
   step peer_8b_16 400 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --num-prompts 16 --peer hf
 fi
+if [ "$MODE" = peer8b16nograph ]; then  # HF without CUDA graphs: its best of the two counts
+  step peer_8b_16_nograph 400 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --num-prompts 16 --peer hf --peer-cuda-graph off
+fi
 if [ "$MODE" = peer ]; then
   step peer_qwen06b 200 python3 scripts/bench_offline.py --model configs/models/qwen3-0.6b --num-prompts 64 --peer hf
 fi

@@ -89,6 +89,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--peer-num-prompts", type=int, default=None, metavar="N",
                    help="run the peer (and minisgl again, for the ratio) on the first N requests "
                         "only: HF's side of the full 8B workload takes longer than a GPU job may")
+    p.add_argument("--peer-cuda-graph", choices=["on", "off"], default="on",
+                   help="HF continuous batching with CUDA graphs (on, the default) or without: "
+                        "take the faster of the two as HF's best")
     p.add_argument("--peer-attn", default="sdpa",
                    help="attn_implementation for the HF peer (e.g. sdpa, paged|sdpa, "
                         "flash_attention_2)")
@@ -193,13 +196,15 @@ def load_hf_model(args: argparse.Namespace) -> Any:
     return model.eval()
 
 
-def hf_batching_options(gen: Any, on_cuda: bool) -> Dict[str, Any]:
+def hf_batching_options(gen: Any, on_cuda: bool, cuda_graph: bool = True) -> Dict[str, Any]:
     """HF's fastest continuous-batching settings, in whichever form the installed transformers
-    takes them: on CUDA, CUDA graphs and asynchronous batching (newer releases: a
-    ContinuousBatchingConfig; older ones read them from the GenerationConfig)."""
+    takes them: on CUDA, asynchronous batching and (unless `cuda_graph` is False) CUDA graphs
+    (newer releases: a ContinuousBatchingConfig; older ones read them from the
+    GenerationConfig). Without padding, HF may capture a graph per new batch shape: whether
+    graphs help it on a workload is measured, not assumed (--peer-cuda-graph)."""
     if not on_cuda:
         return {}
-    wanted = {"use_cuda_graph": True, "use_async_batching": True}
+    wanted = {"use_cuda_graph": cuda_graph, "use_async_batching": True}
     try:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
     except ImportError:
@@ -211,13 +216,13 @@ def hf_batching_options(gen: Any, on_cuda: bool) -> Dict[str, Any]:
         **{k: v for k, v in wanted.items() if k in fields})}
 
 
-def start_hf_manager(model: Any, max_new_tokens: int) -> Optional[Any]:
+def start_hf_manager(model: Any, max_new_tokens: int, cuda_graph: bool = True) -> Optional[Any]:
     """A started continuous-batching manager (greedy, no EOS), or None where the installed
     transformers has no per-request max_new_tokens (then `generate_batch` is the fallback)."""
     from transformers import GenerationConfig
     gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None,
                            pad_token_id=0)
-    options = hf_batching_options(gen, model.device.type == "cuda")
+    options = hf_batching_options(gen, model.device.type == "cuda", cuda_graph)
     print(f"hf: continuous batching options {options or 'defaults'}")
     manager = model.init_continuous_batching(generation_config=gen, **options)
     if "max_new_tokens" not in inspect.signature(manager.add_request).parameters:
@@ -256,7 +261,7 @@ def hf_generate(model: Any, manager: Optional[Any], work: Workload, tag: str) ->
 
 def run_hf(args: argparse.Namespace, work: Workload, warm: Optional[Workload]) -> Result:
     model = load_hf_model(args)
-    manager = start_hf_manager(model, max(work.output_lens))
+    manager = start_hf_manager(model, max(work.output_lens), args.peer_cuda_graph == "on")
     print("hf: " + ("continuous batching manager, per-request max_new_tokens" if manager else
                     "generate_batch with the mean output length for all (setup timed too)"))
     try:

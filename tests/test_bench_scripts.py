@@ -63,3 +63,17 @@ def test_bench_kernels_shapes_and_cpu_refusal() -> None:
     if not script.torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA device"):
             script.main(["--what", "decode"])
+
+
+def test_hf_peer_batching_options() -> None:
+    """HF's continuous-batching settings: none on CPU; on CUDA, asynchronous batching and CUDA
+    graphs unless --peer-cuda-graph off, in the form the installed transformers takes."""
+    script = load_script("bench_offline")
+    from transformers import GenerationConfig
+    gen = GenerationConfig(do_sample=False, max_new_tokens=4)
+    assert script.hf_batching_options(gen, on_cuda=False) == {}
+    for graphs in (True, False):
+        opts = script.hf_batching_options(gen, on_cuda=True, cuda_graph=graphs)
+        cb = opts.get("continuous_batching_config", gen)
+        assert getattr(cb, "use_cuda_graph") is graphs
+    assert script.parse_args(["--peer-cuda-graph", "off"]).peer_cuda_graph == "off"
