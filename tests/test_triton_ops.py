@@ -118,3 +118,25 @@ def test_project_takes_gemv_only_with_pdl_for_one_half_precision_cuda_row() -> N
         assert torch.equal(project(xh, wh), F.linear(xh, wh))
         two = torch.randn(2, 32, device=DEV).bfloat16()
         assert torch.equal(project(two, wh, pdl=True), F.linear(two, wh))
+
+
+def test_every_pdl_kernel_waits_for_its_predecessor() -> None:
+    """The PDL invariant (minisgl/pdl.py): a kernel that may be launched with programmatic
+    dependent launch must execute pdl_enter (gdc_wait) in every program, or its successors'
+    waits stop covering the kernels before it. Checked on the source: every jitted kernel with a
+    PDL parameter calls pdl_enter(PDL) at the top level of its body (not under a branch)."""
+    import ast
+    import inspect
+
+    from minisgl.attention import triton_kernels
+    checked = []
+    for module in (triton_ops, triton_kernels):
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if not isinstance(node, ast.FunctionDef) or "PDL" not in [a.arg for a in node.args.args]:
+                continue
+            calls = [s.value.func.id for s in node.body if isinstance(s, ast.Expr)
+                     and isinstance(s.value, ast.Call) and isinstance(s.value.func, ast.Name)]
+            assert "pdl_enter" in calls, f"{module.__name__}.{node.name} never calls pdl_enter"
+            checked.append(node.name)
+    assert {"_rmsnorm_kernel", "_gemv_kernel", "_decode_split_kernel",
+            "_store_kv_kernel"} <= set(checked)
