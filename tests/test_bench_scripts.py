@@ -77,3 +77,18 @@ def test_hf_peer_batching_options() -> None:
         cb = opts.get("continuous_batching_config", gen)
         assert getattr(cb, "use_cuda_graph") is graphs
     assert script.parse_args(["--peer-cuda-graph", "off"]).peer_cuda_graph == "off"
+
+
+def test_bench_offline_hf_peer_end_to_end(tiny_model: Callable[..., Path],
+                                          capsys: pytest.CaptureFixture) -> None:
+    """--peer hf runs transformers' continuous batching on the same requests and prints the
+    ratio (on CPU: the manager API of the installed transformers still fits the script)."""
+    model = tiny_model("llama")
+    load_script("bench_offline").main(["--model", str(model), "--device", "cpu",
+                                       "--num-prompts", "2", "--min-len", "4", "--max-len", "8",
+                                       "--no-warmup", "--peer", "hf"])
+    out = capsys.readouterr().out
+    ours, hf = _result_lines(out)
+    assert (ours["engine"], hf["engine"]) == ("minisgl", "hf")
+    assert hf["output_tokens"] == ours["output_tokens"] > 0
+    assert "minisgl / hf: output tok/s ratio" in out and "hf: run 2/2 finished" in out
