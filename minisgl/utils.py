@@ -39,6 +39,12 @@ def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -
         device, non_blocking=True)
 
 
+def copy_from_host(dst: torch.Tensor, values: Sequence[Any]) -> None:
+    """dst[...] = values (a host list of dst's shape), through pinned memory like `to_device`,
+    into an existing device tensor (e.g. a CUDA graph's static input)."""
+    dst.copy_(torch.tensor(values, dtype=dst.dtype, pin_memory=dst.is_cuda), non_blocking=True)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -140,25 +140,33 @@ def context_range(spec: str) -> Tuple[int, int]:
     return low, high
 
 
+def place_requests(engine: Engine, lengths: List[int], vocab: int, rng: random.Random,
+                   max_tokens: int) -> Tuple[List[Req], List[List[int]]]:
+    """Requests of random tokens in page-table rows 0.. with their own pages, back to back in
+    the pool; returns them and each one's slots (also written into the page table)."""
+    ps = engine.pool.page_size
+    reqs, slots, base = [], [], 0
+    for i, n in enumerate(lengths):
+        ids = [rng.randrange(vocab) for _ in range(n)]
+        reqs.append(Req(i, ids, n, SamplingParams(max_tokens=max_tokens, temperature=0.0), (),
+                        table_row=i))
+        own = list(range(base, base + n))
+        base += -(-n // ps) * ps
+        engine.page_table[i, :n] = torch.tensor(own, dtype=torch.int32)
+        slots.append(own)
+    return reqs, slots
+
+
 def decode_batch(engine: Engine, batch: int, spec: str, vocab: int, seed: int) -> Batch:
     """`batch` requests with contexts per `spec` (seeded), each decoding the token after its
-    context (same slots every step, so contexts stay fixed); rows and pages are laid out request
-    by request, `max context + 1` slots apart."""
+    context (same slots every step, so contexts stay fixed)."""
     rng = random.Random(seed)
     low, high = context_range(spec)
     contexts = [rng.randint(low, high) for _ in range(batch)]
-    ps = engine.pool.page_size
-    pages_per_req = -(-(high + 1) // ps)
-    reqs, out_slots = [], []
-    for i, context in enumerate(contexts):
-        ids = [rng.randrange(vocab) for _ in range(context + 1)]
-        reqs.append(Req(i, ids, len(ids), SamplingParams(max_tokens=1 << 20, temperature=0.0),
-                        (), table_row=i))
-        slots = [(i * pages_per_req + p // ps) * ps + p % ps for p in range(context + 1)]
-        engine.page_table[i, :context + 1] = torch.tensor(slots, dtype=torch.int32)
-        out_slots.append(slots[context])
+    reqs, slots = place_requests(engine, [c + 1 for c in contexts], vocab, rng, 1 << 20)
     b = Batch(Phase.DECODE, reqs, contexts, [1] * batch, [True] * batch)
-    b.out_slots = torch.tensor(out_slots, dtype=torch.int64, device=engine.device)
+    b.out_slots = torch.tensor([own[-1] for own in slots], dtype=torch.int64,
+                               device=engine.device)
     return b
 
 
@@ -173,19 +181,10 @@ def prefill_lengths(tokens: int, seed: int) -> List[int]:
 
 def prefill_batch(engine: Engine, lens: List[int], vocab: int, seed: int) -> Batch:
     """Fresh prompts of `lens` tokens in rows 0.. (a whole prefill chunk, every one sampled)."""
-    rng = random.Random(seed)
-    ps = engine.pool.page_size
-    reqs, slots, base = [], [], 0
-    for i, n in enumerate(lens):
-        ids = [rng.randrange(vocab) for _ in range(n)]
-        reqs.append(Req(i, ids, n, SamplingParams(max_tokens=1, temperature=0.0), (),
-                        table_row=i))
-        own = list(range(base, base + n))
-        base += -(-n // ps) * ps
-        engine.page_table[i, :n] = torch.tensor(own, dtype=torch.int32)
-        slots.extend(own)
+    reqs, slots = place_requests(engine, lens, vocab, random.Random(seed), 1)
     b = Batch(Phase.PREFILL, reqs, [0] * len(lens), list(lens), [True] * len(lens))
-    b.out_slots = torch.tensor(slots, dtype=torch.int64, device=engine.device)
+    b.out_slots = torch.tensor([s for own in slots for s in own], dtype=torch.int64,
+                               device=engine.device)
     return b
 
 
@@ -205,7 +204,7 @@ def time_prefill(engine: Engine, args: argparse.Namespace, rank: int) -> Dict[st
 
 
 def time_steps(engine: Engine, batch: Batch, steps: int, warmup: int) -> float:
-    """Median seconds of one decode step (forward returns host tokens, so it is synchronous)."""
+    """Median seconds of one step of `batch` (forward returns host tokens: synchronous)."""
     for _ in range(warmup):
         engine.forward(batch)
     times = []

@@ -26,6 +26,7 @@ import torch
 
 from minisgl.core import Batch, Phase
 from minisgl.models import CausalLM
+from minisgl.utils import copy_from_host
 
 logger = logging.getLogger(__name__)
 
@@ -119,11 +120,8 @@ class DecodeGraphs:
         bs = next(s for s in self.sizes if s >= n)
         pad = bs - n
         positions = list(batch.prefix_lens)
-        host = torch.tensor([[r.table_row for r in batch.reqs] + [self.pad_row] * pad,
-                             positions + [0] * pad,
-                             [p + 1 for p in positions] + [1] * pad], dtype=torch.int32,
-                            pin_memory=True)  # pinned: the copy never waits for queued work
         inputs = self.inputs[bs]
-        inputs.copy_(host, non_blocking=True)
+        copy_from_host(inputs, [[r.table_row for r in batch.reqs] + [self.pad_row] * pad,
+                                positions + [0] * pad, [p + 1 for p in positions] + [1] * pad])
         self.graphs[bs].replay()
         return Replayed(self.logits[bs][:n], inputs[0, :n])
