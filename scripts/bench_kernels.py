@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Kernel micro-benchmarks on the GPU: the tiles behind the attention kernels' defaults, and the
-batch-1 projections (cuBLAS, cuBLASLt, a Triton GEMV) that dominate a decode step.
+batch-1 projections (cuBLAS, cuBLASLt, the model's Triton GEMV) that dominate a decode step.
 
 Each case is captured in a CUDA graph (many calls, replayed) and timed with CUDA events, median of
 a few replays; every call reads inputs larger than the L2 cache, as in a real step.
@@ -25,10 +25,10 @@ from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequenc
 
 import torch
 import triton
-import triton.language as tl
 
 from minisgl.attention.triton_kernels import (DecodeTiles, ExtendTiles, decode_attention,
                                               extend_attention)
+from minisgl.layers import triton_ops
 from minisgl.models.config import ModelConfig
 
 
@@ -184,44 +184,8 @@ def bench_extend(shape: Shape, args: argparse.Namespace) -> None:
 
 
 # --- batch-1 projections ----------------------------------------------------------------------------
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, SPLIT_K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (n block, k part): out[n] (+)= sum_k W[n, k] x[k] over its part of K; with
-    SPLIT_K > 1, out is float32 and zeroed first, and the parts are added atomically."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    part = tl.cdiv(K, SPLIT_K)
-    k_lo = tl.program_id(1) * part
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, tl.minimum(k_lo + part, K), BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < tl.minimum(k_lo + part, K)
-        w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
-                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
-    if SPLIT_K == 1:
-        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
-    else:
-        tl.atomic_add(out_ptr + offs_n, acc, mask=mask_n)
-
-
-def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, warps: int,
-         stages: int, split_k: int) -> torch.Tensor:
-    n, k = w.shape
-    grid = (triton.cdiv(n, block_n), split_k)
-    if split_k == 1:
-        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-        _gemv_kernel[grid](x, w, out, n, k, w.stride(0), SPLIT_K=1, BLOCK_N=block_n,
-                           BLOCK_K=block_k, num_warps=warps, num_stages=stages)
-        return out
-    acc = torch.zeros((1, n), dtype=torch.float32, device=x.device)
-    _gemv_kernel[grid](x, w, acc, n, k, w.stride(0), SPLIT_K=split_k, BLOCK_N=block_n,
-                       BLOCK_K=block_k, num_warps=warps, num_stages=stages)
-    return acc.to(x.dtype)
-
-
+# The tile sweep behind triton_ops.gemv_tiles (11 tiles, split-K with atomics among them; commit
+# 480d653, benchmarks/RESULTS.md) is done; what stays is the model's GEMV against cuBLAS.
 def projections(cfg: ModelConfig, tp: int) -> Iterator[Tuple[str, int, int]]:
     h, d = cfg.hidden_size, cfg.head_dim
     qkv = (cfg.num_heads + 2 * max(1, cfg.num_kv_heads // tp) * tp) * d // tp
@@ -230,12 +194,6 @@ def projections(cfg: ModelConfig, tp: int) -> Iterator[Tuple[str, int, int]]:
     yield "gate_up", 2 * cfg.intermediate_size // tp, h
     yield "down", h, cfg.intermediate_size // tp
     yield "lm_head", cfg.vocab_size // tp, h
-
-
-GEMV_TILES = [  # (block_n, block_k, warps, stages, split_k)
-    (2, 4096, 4, 1, 1), (4, 4096, 8, 1, 1), (4, 2048, 4, 2, 1), (8, 1024, 4, 2, 1),
-    (8, 2048, 8, 2, 1), (16, 512, 4, 3, 1), (16, 1024, 8, 2, 1), (32, 256, 4, 3, 1),
-    (16, 1024, 4, 2, 2), (32, 512, 4, 2, 4), (8, 1024, 4, 2, 4)]
 
 
 def bench_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
@@ -250,9 +208,9 @@ def bench_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
             case = {"proj": name, "tp": tp, "n": n, "k": k}
             variants: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
             variants["cublas"] = lambda w: torch.nn.functional.linear(x, w)
-            for tile in GEMV_TILES:
-                variants["triton" + str(tile)] = (
-                    lambda w, t=tile: gemv(x, w, *t))  # type: ignore[misc]
+            variants["triton_gemv"] = lambda w: triton_ops.gemv(x, w)
+            if torch.cuda.get_device_capability()[0] >= 9:
+                variants["triton_gemv_pdl"] = lambda w: triton_ops.gemv(x, w, pdl=True)
             for label, fn in variants.items():
                 state = iter(itertools.cycle(ws))
 
