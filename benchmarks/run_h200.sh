@@ -28,14 +28,13 @@ fi
 if [ "$MODE" = latency2 ]; then  # about 150 s: two 8B dummy inits, graph capture
   step latency_8b_tp2 240 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --steps 50
 fi
-if [ "$MODE" = pdl ]; then  # programmatic dependent launch on vs off (tp=1), with kernel profiles
-  step pdl_tests 200 python3 -m pytest -q tests/test_gpu.py tests/test_triton_ops.py -k "pdl or gemv"
-  step latency_8b_tp1_pdl 200 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --steps 100 --pdl --profile
-  step offline_8b_tp1_pdl 200 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --pdl
+if [ "$MODE" = nopdl ]; then  # the ablation: programmatic dependent launch off (tp=1)
+  step latency_8b_tp1_nopdl 200 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --steps 100 --pdl off --profile
+  step offline_8b_tp1_nopdl 200 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --pdl off
 fi
-if [ "$MODE" = pdl2 ]; then  # the same at tp=2 (both GPUs)
-  step latency_8b_tp2 240 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --steps 50
-  step latency_8b_tp2_pdl 240 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --steps 50 --pdl
+if [ "$MODE" = pdl2 ]; then  # tp=2 (both GPUs) with and without programmatic dependent launch
+  step latency_8b_tp2 240 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --steps 50 --profile
+  step latency_8b_tp2_nopdl 240 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --steps 50 --pdl off
 fi
 if [ "$MODE" = offline ]; then
   step offline_8b_tp1 200 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b

@@ -174,7 +174,7 @@ class LLM:
                  check_lockstep: bool = False, overlap: Optional[bool] = None,
                  decode_reserve_tokens: Optional[int] = None,
                  cuda_graph_max_bs: int = 256, allreduce: str = "auto",
-                 fused_ops: bool = True, pdl: bool = False) -> None:
+                 fused_ops: bool = True, pdl: str = "auto") -> None:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
         self.model_path = resolve_model_path(model)

@@ -29,7 +29,7 @@ import torch
 from minisgl.core import Batch, Phase, Req, SamplingParams
 from minisgl.distributed import (ALLREDUCE_MODES, DistributedInfo, destroy_process_groups,
                                  init_process_groups)
-from minisgl.engine import Engine, EngineConfig
+from minisgl.engine import PDL_MODES, Engine, EngineConfig
 from minisgl.utils import free_port, resolve_device, resolve_dtype
 
 
@@ -70,7 +70,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--no-fused-ops", action="store_true",
                    help="torch RMSNorm / SiLU / rotary instead of the fused Triton kernels")
-    p.add_argument("--pdl", action="store_true",
+    p.add_argument("--pdl", choices=PDL_MODES, default="auto",
                    help="programmatic dependent launch on the decode path (EngineConfig.pdl)")
     p.add_argument("--profile", action="store_true",
                    help="print the device kernels of a few steps at the first batch size (and "

@@ -28,6 +28,7 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.distributed import ALLREDUCE_MODES
+from minisgl.engine import PDL_MODES
 from minisgl.message import SchedulerStats
 from minisgl.models import ModelConfig
 
@@ -81,7 +82,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--allreduce", default="auto", choices=list(ALLREDUCE_MODES),
                    help="tensor-parallel all-reduce (see EngineConfig.allreduce)")
-    p.add_argument("--pdl", action="store_true",
+    p.add_argument("--pdl", choices=PDL_MODES, default="auto",
                    help="programmatic dependent launch on the decode path (EngineConfig.pdl)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the untimed warm-up (kernel compilation, allocator)")

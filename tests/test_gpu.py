@@ -90,7 +90,7 @@ def test_pdl_float32_tokens_equal_without_pdl(tiny_qwen3: Path) -> None:
     compute: in float32 (same kernels, the projections stay on cuBLAS) the tokens are equal, in
     graphs (batch 8 down to 1) and eager prefill. A missing wait would show as a race here."""
     kw = dict(device="cuda", dtype="float32")
-    assert _run(tiny_qwen3, pdl=True, **kw) == _run(tiny_qwen3, **kw)
+    assert _run(tiny_qwen3, pdl="on", **kw) == _run(tiny_qwen3, pdl="off", **kw)
 
 
 @pytest.mark.skipif(not _pdl_device(), reason="needs compute capability 9.0+")
@@ -102,7 +102,7 @@ def test_pdl_bf16_batch1_gemv_path_is_deterministic(tiny_qwen3: Path) -> None:
     one = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
     def run() -> list:
-        with LLM(str(tiny_qwen3), device="cuda", dtype="bfloat16", pdl=True,
+        with LLM(str(tiny_qwen3), device="cuda", dtype="bfloat16", pdl="on",
                  show_progress=False) as llm:
             return llm.generate(mixed_prompts(1, seed=3), one)[0].token_ids
     first = run()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from minisgl.distributed import DistributedInfo
 from minisgl.engine import EngineConfig
+from minisgl.engine.engine import use_pdl
 from minisgl.server.args import ServerConfig, load_file, parse_args
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -87,13 +90,21 @@ def test_decode_reserve_tokens_reaches_the_scheduler() -> None:
 
 
 def test_pdl_flag_reaches_the_engine_and_is_refused_off_cuda() -> None:
-    """--pdl (programmatic dependent launch) is off by default, reaches EngineConfig, and a
-    configuration that cannot honour it fails at start-up naming what is wrong."""
-    assert parse_args([]).pdl is False
-    assert parse_args(["--pdl"]).pdl is True
-    assert EngineConfig("m", DistributedInfo(0, 1), device="cuda", pdl=True).pdl is True
-    with pytest.raises(ValueError, match="pdl needs device 'cuda' and fused_ops.*'cpu'"):
-        parse_args(["--pdl", "--device", "cpu"]).scheduler_config(
+    """--pdl (programmatic dependent launch) is auto by default, reaches EngineConfig, and a
+    configuration that cannot honour "on" fails at start-up naming what is wrong; "auto" is
+    quietly off there (CPU, no fused ops)."""
+    assert parse_args([]).pdl == "auto"
+    assert parse_args(["--pdl", "on"]).pdl == "on"
+    assert EngineConfig("m", DistributedInfo(0, 1), device="cuda", pdl="on").pdl == "on"
+    with pytest.raises(ValueError, match="pdl 'on' needs device 'cuda' and fused_ops.*'cpu'"):
+        parse_args(["--pdl", "on", "--device", "cpu"]).scheduler_config(
             Path("/m"), 0, "tcp://127.0.0.1:1", "", "", "")
     with pytest.raises(ValueError, match="fused_ops False"):
-        EngineConfig("m", DistributedInfo(0, 1), device="cuda", fused_ops=False, pdl=True)
+        EngineConfig("m", DistributedInfo(0, 1), device="cuda", fused_ops=False, pdl="on")
+    with pytest.raises(ValueError, match="pdl must be one of auto, on, off, got True"):
+        EngineConfig("m", DistributedInfo(0, 1), device="cuda", pdl=True)  # type: ignore[arg-type]
+    with pytest.raises(SystemExit):
+        parse_args(["--pdl", "yes"])
+    cpu = EngineConfig("m", DistributedInfo(0, 1), device="cpu")
+    assert use_pdl(cpu, torch.device("cpu")) is False
+    assert use_pdl(replace(cpu, pdl="off"), torch.device("cpu")) is False

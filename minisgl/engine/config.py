@@ -10,6 +10,9 @@ import torch
 from minisgl.distributed import DistributedInfo, check_allreduce_mode
 
 
+PDL_MODES = ("auto", "on", "off")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str
@@ -26,9 +29,10 @@ class EngineConfig:
     fused_ops: bool = True  # fused Triton RMSNorm / SiLU-and-mul / rotary (CUDA only)
     # Programmatic dependent launch for the decode path's Triton kernels, and one-token
     # projections by a Triton GEMV that streams its weights while the previous kernel finishes
-    # (minisgl/pdl.py). Needs fused_ops and a GPU of compute capability 9.0 or newer. Off by
-    # default until measured faster on the GPU (benchmarks/RESULTS.md).
-    pdl: bool = False
+    # (minisgl/pdl.py): "auto" (on where it can be: CUDA, fused_ops, compute capability 9.0+;
+    # batch-1 decode of the 8B shape on an H200 4.519 -> 4.392 ms, benchmarks/RESULTS.md),
+    # "on" (required: start-up fails where it cannot be) or "off".
+    pdl: str = "auto"
     cuda_graph_max_bs: int = 256  # decode CUDA graphs up to this batch size (0: off; GPU only)
     # TP all-reduce: "auto" (symmetric-memory one-shot for small tensors where CUDA offers it,
     # else NCCL / gloo), "nccl" (always the process group's own) or "symm" (required; CUDA
@@ -48,9 +52,11 @@ class EngineConfig:
         if not 0 < self.mem_fraction < 1:
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
         check_allreduce_mode(self.allreduce, self.device)
-        if self.pdl and (self.device != "cuda" or not self.fused_ops):
-            raise ValueError(f"pdl needs device 'cuda' and fused_ops (got device "
-                             f"{self.device!r}, fused_ops {self.fused_ops})")
+        if self.pdl not in PDL_MODES:
+            raise ValueError(f"pdl must be one of {', '.join(PDL_MODES)}, got {self.pdl!r}")
+        if self.pdl == "on" and (self.device != "cuda" or not self.fused_ops):
+            raise ValueError(f"pdl 'on' needs device 'cuda' and fused_ops (got device "
+                             f"{self.device!r}, fused_ops {self.fused_ops}); use 'auto' or 'off'")
 
     @property
     def torch_device(self) -> torch.device:

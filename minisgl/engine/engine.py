@@ -48,12 +48,19 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def _check_pdl(device: torch.device) -> None:
-    """Fail at start-up, naming the device, where programmatic dependent launch is missing."""
+def use_pdl(cfg: EngineConfig, device: torch.device) -> bool:
+    """Whether this rank launches with programmatic dependent launch (cfg.pdl). The answer
+    depends only on the config and the GPU model, so ranks of one machine agree. Raises, naming
+    the device, when "on" asks for it on a GPU older than compute capability 9.0."""
+    if cfg.pdl == "off" or device.type != "cuda" or not cfg.fused_ops:
+        return False  # "on" off CUDA or without fused ops was refused by EngineConfig
     major, minor = torch.cuda.get_device_capability(device)
-    if major < 9:
-        raise ValueError(f"pdl needs compute capability 9.0 or newer; {device} "
+    if major >= 9:
+        return True
+    if cfg.pdl == "on":
+        raise ValueError(f"pdl 'on' needs compute capability 9.0 or newer; {device} "
                          f"({torch.cuda.get_device_name(device)}) has {major}.{minor}")
+    return False
 
 
 class Engine:
@@ -62,8 +69,7 @@ class Engine:
         self.device = cfg.torch_device
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        if cfg.pdl:
-            _check_pdl(self.device)
+        self.pdl = use_pdl(cfg, self.device)
         self.model_cfg = ModelConfig.from_dir(cfg.model_path)
         self.model = self._load_model(groups)
         self.max_context = self.model_cfg.max_context
@@ -82,7 +88,7 @@ class Engine:
             cfg.backend_name, pool=self.pool, page_table=self.page_table, num_heads=local_heads,
             num_kv_heads=local_kv_heads, head_dim=self.model_cfg.head_dim,
             scale=self.model_cfg.head_dim ** -0.5,
-            **({"pdl": True} if cfg.pdl and cfg.backend_name == "triton" else {}))
+            **({"pdl": True} if self.pdl and cfg.backend_name == "triton" else {}))
         self.graphs: Optional[DecodeGraphs] = None
         if (self.device.type == "cuda" and cfg.cuda_graph_max_bs > 0
                 and hasattr(self.backend, "init_graph_buffers")):
@@ -91,14 +97,15 @@ class Engine:
                 min(cfg.cuda_graph_max_bs, cfg.max_running_requests), self.page_table,
                 pad_row=cfg.max_running_requests, scratch_slot=self.pool.scratch_slot,
                 last_tokens=self.last_tokens)
-        logger.info("rank %d: engine ready: %d KV pages of %d tokens, backend %s",
-                    cfg.tp_info.rank, self.num_pages, cfg.page_size, cfg.backend_name)
+        logger.info("rank %d: engine ready: %d KV pages of %d tokens, backend %s, pdl %s",
+                    cfg.tp_info.rank, self.num_pages, cfg.page_size, cfg.backend_name,
+                    "on" if self.pdl else "off")
 
     def _load_model(self, groups: ProcessGroups) -> CausalLM:
         cls = model_class(self.model_cfg.architecture)
         with torch.device(self.device), _default_dtype(self.cfg.dtype):
             model = cls(self.model_cfg, self.cfg.tp_info, groups.comm,
-                        fused=self.cfg.fused_ops and self.device.type == "cuda", pdl=self.cfg.pdl)
+                        fused=self.cfg.fused_ops and self.device.type == "cuda", pdl=self.pdl)
         if self.cfg.load_format == "dummy":
             init_dummy(model, self.cfg.seed)
         else:

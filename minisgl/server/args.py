@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from minisgl.distributed import ALLREDUCE_MODES, DistributedInfo
-from minisgl.engine import EngineConfig
+from minisgl.engine import PDL_MODES, EngineConfig
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.utils import resolve_device, resolve_dtype
 
@@ -46,7 +46,7 @@ class ServerConfig:
     decode_reserve_tokens: Optional[int] = None  # None: reserve all of max_tokens (no retraction)
     attention_backend: str = "auto"
     allreduce: str = "auto"  # TP all-reduce: auto, nccl or symm (see EngineConfig)
-    pdl: bool = False  # programmatic dependent launch on the decode path (see EngineConfig)
+    pdl: str = "auto"  # programmatic dependent launch: auto, on or off (see EngineConfig)
     seed: int = 0
     max_n: int = 8
     log_level: str = "info"
@@ -142,9 +142,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="tensor-parallel all-reduce: auto (symmetric-memory one-shot for small "
                         "tensors on CUDA where available, else NCCL; default), nccl, or symm "
                         "(required: fail at start-up if unavailable)")
-    p.add_argument("--pdl", action="store_true",
-                   help="programmatic dependent launch for the decode path's kernels (CUDA, "
-                        "compute capability 9.0+; see EngineConfig.pdl)")
+    p.add_argument("--pdl", choices=PDL_MODES,
+                   help="programmatic dependent launch for the decode path's kernels: auto (on "
+                        "with CUDA, fused ops and compute capability 9.0+; default), on "
+                        "(required) or off")
     p.add_argument("--seed", type=int)
     p.add_argument("--max-n", type=int, help="the largest n a request may ask for (default 8)")
     p.add_argument("--log-level", choices=_LOG_LEVELS)
