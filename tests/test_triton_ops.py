@@ -108,6 +108,49 @@ def test_gemv_matches_linear(dtype: torch.dtype, pdl: bool, n: int, k: int, bias
         triton_ops.gemv(torch.randn(2, k, device=DEV).to(dtype), w)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(10, 64), (7, 300), (9, 4096), (5, 6000)])
+def test_gated_gemv_equals_silu_and_mul_then_gemv(dtype: torch.dtype, n: int, k: int) -> None:
+    """The MLP's batch-1 down projection computes silu(gate) * up inside the GEMV: bit-identical
+    to the SiLU kernel followed by the plain GEMV (both tile paths), and close to torch."""
+    w = torch.randn(n, k, device=DEV).to(dtype)
+    x = torch.randn(1, 2 * k, device=DEV).to(dtype)
+    got = triton_ops.gemv(x, w, gated=True)
+    assert torch.equal(got, triton_ops.gemv(triton_ops.silu_and_mul(x), w))
+    _close(got, F.linear(silu_and_mul(x), w), dtype)
+    with pytest.raises(ValueError, match=f"one row of {k} features \\({2 * k} gated\\)"):
+        triton_ops.gemv(x[:, :k], w, gated=True)
+
+
+def test_gated_projection_outside_the_gemv_path_is_refused() -> None:
+    """project(gated=True) is only for the GEMV path; elsewhere it names what is wrong instead
+    of silently multiplying [gate | up] by a weight half its width."""
+    w, x = torch.randn(6, 32), torch.randn(1, 64)
+    with pytest.raises(ValueError, match="gated projection runs only in the one-token GEMV"):
+        project(x, w, pdl=True, gated=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 7), (1, 4096), (3, 4097), (2, 128256), (4, 49152)])
+def test_argmax_rows_matches_torch(dtype: torch.dtype, rows: int, n: int) -> None:
+    """The sampler's Triton argmax: same index as torch.argmax, including a maximum in the last
+    (partial) chunk and rows whose maximum is in different chunks."""
+    x = torch.randn(rows, n, device=DEV).to(dtype)
+    x[-1, -1] = 100.0
+    assert torch.equal(triton_ops.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_argmax_rows_ties_take_the_first_index() -> None:
+    """Ties inside a chunk and across chunks resolve to the first index, as torch.argmax does
+    (greedy decoding must not depend on the kernel's chunking)."""
+    x = torch.zeros(3, 10_000, device=DEV)
+    x[0, [5000, 9000]] = 1.0  # two chunks tie: the earlier chunk wins
+    x[1, [17, 18, 4095, 4096]] = 2.0  # inside one chunk and across a chunk boundary
+    assert triton_ops.argmax_rows(x).tolist() == [5000, 17, 0] == x.argmax(dim=-1).tolist()
+    with pytest.raises(ValueError, match="unit column stride"):
+        triton_ops.argmax_rows(x.t())
+
+
 def test_project_takes_gemv_only_with_pdl_for_one_half_precision_cuda_row() -> None:
     """The layers' dispatch: CPU, float32, multi-row inputs and pdl off stay on F.linear."""
     w, x = torch.randn(6, 32, device=DEV), torch.randn(1, 32, device=DEV)

@@ -147,7 +147,8 @@ class Engine:
                                 logit_rows)
         if not sampled:
             return Launched(batch, sampled, None, None)
-        tokens = sample_requests(logits, [batch.reqs[i] for i in sampled], self.cfg.seed)
+        tokens = sample_requests(logits, [batch.reqs[i] for i in sampled], self.cfg.seed,
+                                 self.cfg.fused_ops)
         self.last_tokens[rows] = tokens
         if self.device.type != "cuda":
             return Launched(batch, sampled, tokens, None)

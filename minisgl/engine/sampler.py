@@ -88,9 +88,18 @@ def _filter(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
-    """logits [B, vocab] float32 -> token ids [B] int64."""
-    greedy_tokens = logits.argmax(dim=-1)
+def greedy(logits: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """The first index of each row's largest logit, int64 [B]. `fused`: on CUDA, the two-launch
+    Triton argmax (layers/triton_ops.argmax_rows), same answer as torch.argmax."""
+    if fused and logits.is_cuda:
+        from minisgl.layers import triton_ops
+        return triton_ops.argmax_rows(logits if logits.stride(-1) == 1 else logits.contiguous())
+    return logits.argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, s: SamplingTensors, fused: bool = False) -> torch.Tensor:
+    """logits [B, vocab] float32 -> token ids [B] int64 (`fused`: see greedy)."""
+    greedy_tokens = greedy(logits, fused)
     if s.all_greedy:
         return greedy_tokens
     scaled = logits / s.temperature.unsqueeze(1)
@@ -101,10 +110,12 @@ def sample(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
     return torch.where(s.greedy, greedy_tokens, sampled)
 
 
-def sample_requests(logits: torch.Tensor, reqs: List[Req], engine_seed: int) -> torch.Tensor:
+def sample_requests(logits: torch.Tensor, reqs: List[Req], engine_seed: int,
+                    fused: bool = False) -> torch.Tensor:
     """Tokens for `reqs` (row i of logits is reqs[i], any float dtype). An all-greedy batch is
     one argmax on the logits as they are (upcasting is exact, so the argmax cannot change), with
-    no parameter tensors copied to the device; otherwise sampling runs in float32."""
+    no parameter tensors copied to the device; otherwise sampling runs in float32. `fused`: the
+    Triton argmax on CUDA (see greedy)."""
     if all(r.params.is_greedy for r in reqs):
-        return logits.argmax(dim=-1)
-    return sample(logits.float(), make_sampling_tensors(reqs, engine_seed, logits.device))
+        return greedy(logits, fused)
+    return sample(logits.float(), make_sampling_tensors(reqs, engine_seed, logits.device), fused)

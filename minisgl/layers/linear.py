@@ -20,15 +20,26 @@ def _empty(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+def takes_gemv(x: torch.Tensor, pdl: bool) -> bool:
+    """Whether `project(x, ..., pdl)` runs the Triton GEMV: with `pdl`, a single token in a half
+    dtype on CUDA (decode at batch 1)."""
+    return (pdl and x.is_cuda and x.numel() == x.shape[-1]
+            and x.dtype in (torch.bfloat16, torch.float16))
+
+
 def project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-            pdl: bool = False) -> torch.Tensor:
-    """x W^T + b. `pdl`: a single token in a half dtype on CUDA (decode at batch 1) takes the
-    Triton GEMV of layers/triton_ops.py, launched with programmatic dependent launch so that its
-    weights stream while the previous kernel finishes; anything else F.linear (cuBLAS)."""
-    if (pdl and x.is_cuda and x.numel() == x.shape[-1]
-            and x.dtype in (torch.bfloat16, torch.float16)):
+            pdl: bool = False, gated: bool = False) -> torch.Tensor:
+    """x W^T + b. Where `takes_gemv(x, pdl)`, the Triton GEMV of layers/triton_ops.py, launched
+    with programmatic dependent launch so that its weights stream while the previous kernel
+    finishes; anything else F.linear (cuBLAS). `gated` (GEMV only, else ValueError): x is
+    [gate | up] and the input is silu(gate) * up, computed inside the GEMV."""
+    if takes_gemv(x, pdl):
         from minisgl.layers import triton_ops
-        return triton_ops.gemv(x, weight, bias, pdl=True)
+        return triton_ops.gemv(x, weight, bias, pdl=True, gated=gated)
+    if gated:
+        raise ValueError(f"a gated projection runs only in the one-token GEMV (pdl on, one "
+                         f"half-precision CUDA row); got x {tuple(x.shape)} {x.dtype} on "
+                         f"{x.device}, pdl {pdl}")
     return F.linear(x, weight, bias)
 
 
@@ -108,8 +119,9 @@ class RowParallelLinear(nn.Module):
         self.weight = _empty(out_features, self.shard.size)
         self.bias = _empty(out_features) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(project(x, self.weight, None, self.pdl))
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """`gated`: x is [gate | up] of the local columns (see project; GEMV path only)."""
+        y = self.comm.all_reduce(project(x, self.weight, None, self.pdl, gated))
         return y if self.bias is None else y + self.bias
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:

@@ -70,15 +70,22 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
+def _silu_mul(gate, up):
+    """silu(gate) * up in float32 (the one formula of the SiLU kernel and the gated GEMV)."""
+    gate = gate.to(tl.float32)
+    return gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, d, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
-    gate = tl.load(x_ptr + row * 2 * d + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * 2 * d + d + cols, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + row * d + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    gate = tl.load(x_ptr + row * 2 * d + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * 2 * d + d + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * d + cols, _silu_mul(gate, up).to(out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
@@ -167,8 +174,21 @@ def gemv_tiles(k: int) -> GemvTiles:
 
 
 @triton.jit
+def _gemv_input(x_ptr, cols, mask_k, k, GATED: tl.constexpr):
+    """The GEMV's input columns in float32. GATED: x is [gate | up] (2k values) and the input
+    is silu(gate) * up, rounded to x's dtype as the SiLU kernel's output would be."""
+    if GATED:
+        gate = tl.load(x_ptr + cols, mask=mask_k, other=0.0)
+        up = tl.load(x_ptr + k + cols, mask=mask_k, other=0.0)
+        return _silu_mul(gate, up).to(x_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        return tl.load(x_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n, k, stride_wn, HAS_BIAS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                 GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rows < n
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
@@ -177,31 +197,82 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n, k, stride_wn, HAS_BIAS: tl.con
     # the wait; x (the previous kernel's output) only after it.
     w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & (cols < k)[None, :], other=0.0)
     pdl_enter(PDL)
-    x = tl.load(x_ptr + cols, mask=cols < k, other=0.0)
-    acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    x = _gemv_input(x_ptr, cols, cols < k, k, GATED)
+    acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     for k0 in range(BLOCK_K, k, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         mask_k = cols < k
         w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        x = tl.load(x_ptr + cols, mask=mask_k, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        x = _gemv_input(x_ptr, cols, mask_k, k, GATED)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-         pdl: bool = False) -> torch.Tensor:
+         pdl: bool = False, gated: bool = False) -> torch.Tensor:
     """x W^T + b for a single row x [..., K] (one token); weight [N, K] with dense rows. Sums in
-    float32 and rounds once (the last bit can differ from cuBLAS)."""
+    float32 and rounds once (the last bit can differ from cuBLAS). `gated`: x is [gate | up]
+    [..., 2K] and the product is silu(gate) * up times W^T, bit-identical to
+    `gemv(silu_and_mul(x), weight)` with one launch fewer (the MLP's down projection)."""
     n, k = weight.shape
-    if x.numel() != k or weight.stride(1) != 1:
-        raise ValueError(f"gemv takes one row of {k} features and a row-major weight, got x "
-                         f"{tuple(x.shape)}, weight strides {weight.stride()}")
+    if x.numel() != k * (2 if gated else 1) or weight.stride(1) != 1:
+        raise ValueError(f"gemv takes one row of {k} features ({2 * k} gated) and a row-major "
+                         f"weight, got x {tuple(x.shape)}, gated {gated}, weight strides "
+                         f"{weight.stride()}")
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     tiles = gemv_tiles(k)
     _gemv_kernel[(triton.cdiv(n, _GEMV_ROWS),)](
         x.contiguous(), weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=_GEMV_ROWS, BLOCK_K=tiles.block_k, PDL=pdl,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl))
+        HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=_GEMV_ROWS, BLOCK_K=tiles.block_k,
+        PDL=pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl))
+    return out
+
+
+@triton.jit
+def _argmax_chunk_kernel(x_ptr, val_ptr, idx_ptr, n, stride_x, num_chunks,
+                         BLOCK: tl.constexpr):
+    """Program (row, chunk): the largest value of x[row, chunk*BLOCK:(chunk+1)*BLOCK] and its
+    first index."""
+    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < n, other=float("-inf"))
+    val, idx = tl.max(x.to(tl.float32), axis=0, return_indices=True,
+                      return_indices_tie_break_left=True)
+    tl.store(val_ptr + row * num_chunks + chunk, val)
+    tl.store(idx_ptr + row * num_chunks + chunk, chunk * BLOCK + idx)
+
+
+@triton.jit
+def _argmax_merge_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr):
+    """Program row: the chunk with the largest value, the earliest on ties (chunks are in index
+    order, so this is the first index of the row's maximum, as torch.argmax returns)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    vals = tl.load(val_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
+    _, best = tl.max(vals, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(out_ptr + row, tl.load(idx_ptr + row * num_chunks + best).to(tl.int64))
+
+
+_ARGMAX_BLOCK = 4096
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) for x [B, N] (rows with unit column stride), int64 [B]: the first
+    index of each row's maximum. Two launches: chunks of 4,096 columns in parallel, then a merge;
+    torch's one-block-per-row reduction took 36 us on a 128,256-wide row of an H200. Rows holding
+    NaN are unspecified (the sampler's logits are finite)."""
+    if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] == 0:
+        raise ValueError(f"argmax_rows takes [rows, columns] with unit column stride, got shape "
+                         f"{tuple(x.shape)}, strides {x.stride()}")
+    rows, n = x.shape
+    chunks = triton.cdiv(n, _ARGMAX_BLOCK)
+    vals = torch.empty((rows, chunks), dtype=torch.float32, device=x.device)
+    idx = torch.empty((rows, chunks), dtype=torch.int32, device=x.device)
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    _argmax_chunk_kernel[(rows, chunks)](x, vals, idx, n, x.stride(0), chunks,
+                                         BLOCK=_ARGMAX_BLOCK, num_warps=8)
+    _argmax_merge_kernel[(rows,)](vals, idx, out, chunks,
+                                  BLOCK_C=max(2, triton.next_power_of_2(chunks)))
     return out

@@ -17,7 +17,8 @@ from minisgl.core import Batch
 from minisgl.distributed import Communicator, DistributedInfo
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from minisgl.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from minisgl.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                   takes_gemv)
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.layers.source import TensorSource
@@ -80,7 +81,10 @@ class MLP(nn.Module):
                                            traits.pdl)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused, self.pdl))
+        gate_up = self.gate_up_proj(x)
+        if takes_gemv(gate_up, self.pdl):  # batch 1: the activation runs inside the down GEMV
+            return self.down_proj(gate_up, gated=True)
+        return self.down_proj(silu_and_mul(gate_up, self.fused, self.pdl))
 
 
 class DecoderLayer(nn.Module):
