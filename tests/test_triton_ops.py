@@ -73,6 +73,47 @@ def test_rotary_in_place_on_qkv_views(dtype: torch.dtype, heads: int, kv_heads: 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (6, 1, 64), (8, 8, 128)])
+def test_rotary_stores_k_and_v_into_the_cache(dtype: torch.dtype, heads: int, kv_heads: int,
+                                              dim: int) -> None:
+    """The rotary kernel with the K/V store fused in: q rotated in place exactly as without the
+    store, the rotated k and a copy of v in their (scattered) cache slots, k and v in the QKV
+    output untouched, every other slot untouched."""
+    rope = RotaryEmbedding(dim, 256, 10000.0, None).to(DEV)
+    tokens, num_slots = 5, 40
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=DEV).to(dtype)
+    q, k, v = (x.view(tokens, -1, dim) for x in
+               qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+    pos = torch.randint(0, 256, (tokens,), device=DEV)
+    slots = torch.randperm(num_slots, device=DEV)[:tokens].to(torch.int32)
+    want_q, want_k = triton_ops.rotary_qk_(q.clone(), k.clone(), pos, rope.cos, rope.sin)
+    qkv_before = qkv.clone()
+    k_cache = torch.randn(num_slots, kv_heads, dim, device=DEV).to(dtype)
+    v_cache = torch.randn(num_slots, kv_heads, dim, device=DEV).to(dtype)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    triton_ops.rotary_qk_(q, k, pos, rope.cos, rope.sin,
+                          store=triton_ops.KVStore(v, k_cache, v_cache, slots))
+    assert torch.equal(q, want_q)
+    assert torch.equal(qkv[:, heads * dim:], qkv_before[:, heads * dim:])
+    assert torch.equal(k_cache[slots.long()], want_k) and torch.equal(v_cache[slots.long()], v)
+    rest = torch.ones(num_slots, dtype=torch.bool, device=DEV)
+    rest[slots.long()] = False
+    assert torch.equal(k_cache[rest], k_before[rest]) and torch.equal(v_cache[rest], v_before[rest])
+
+
+def test_rotate_into_cache_declines_where_the_kernel_does_not_apply() -> None:
+    """The layer's fused-store entry does nothing and says so off CUDA (the caller then rotates
+    with forward and lets attention store K/V)."""
+    rope = RotaryEmbedding(16, 64, 10000.0, None, fused=True)
+    q, k, v = torch.randn(3, 2, 16), torch.randn(3, 1, 16), torch.randn(3, 1, 16)
+    cache = torch.zeros(8, 1, 16)
+    q0 = q.clone()
+    assert rope.rotate_into_cache(torch.arange(3), q, k, v, cache, cache.clone(),
+                                  torch.arange(3)) is False
+    assert torch.equal(q, q0) and not cache.any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rmsnorm_on_one_head_view_of_qkv(dtype: torch.dtype) -> None:
     """The per-head norm of Qwen3 at one KV head per rank: k is a view of the fused QKV output
     whose rows are strided (reshape keeps the view); each row must still be its own token's."""

@@ -3,17 +3,28 @@
 A backend is built once per engine with the KV pool and the page table. Per batch, `prepare`
 turns the batch's lengths into whatever metadata its kernels need (kept in `batch.attn_meta`);
 per layer, `forward` stores the new tokens' K/V into their slots and attends over the request's
-whole sequence (cached prefix plus new tokens, causally).
+whole sequence (cached prefix plus new tokens, causally). A backend may instead name its K/V
+target (`kv_target`), so that a fused kernel before it (rotary embedding) writes K/V there and
+`forward` is told so (`kv_stored`): one launch fewer per layer.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import NamedTuple, Optional
 
 import torch
 
 from minisgl.core import Batch
 from minisgl.kvcache import KVPool
+
+
+class KVTarget(NamedTuple):
+    """Where one layer's new K/V go: k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]."""
+
+    k_cache: torch.Tensor  # [slots, kv_heads, d], contiguous
+    v_cache: torch.Tensor
+    slots: torch.Tensor  # [T] int32 / int64, one per new token
 
 
 class AttentionBackend(ABC):
@@ -30,7 +41,14 @@ class AttentionBackend(ABC):
     def prepare(self, batch: Batch) -> None:
         """Build `batch.attn_meta` from batch.reqs / prefix_lens / extend_lens (device tensors)."""
 
+    def kv_target(self, layer: int, batch: Batch) -> Optional[KVTarget]:
+        """Where a caller may write this layer's new K/V itself before `forward`, passing
+        `kv_stored=True` to it; None (the default): `forward` stores them."""
+        return None
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                batch: Batch) -> torch.Tensor:
-        """q [T, heads, d], k/v [T, kv_heads, d] for the batch's T new tokens -> [T, heads * d]."""
+                batch: Batch, kv_stored: bool = False) -> torch.Tensor:
+        """q [T, heads, d], k/v [T, kv_heads, d] for the batch's T new tokens -> [T, heads * d].
+        `kv_stored`: the caller already wrote k/v to `kv_target(layer, batch)` (k/v are then
+        not read)."""

@@ -13,7 +13,7 @@ from typing import List, Optional
 
 import torch
 
-from minisgl.attention.base import AttentionBackend
+from minisgl.attention.base import AttentionBackend, KVTarget
 from minisgl.attention.triton_kernels import decode_attention, extend_attention, store_kv
 from minisgl.core import Batch, Phase
 from minisgl.kvcache import KVPool
@@ -118,12 +118,19 @@ class TritonBackend(AttentionBackend):
         return TritonMeta(True, rows, positions, self._graph_ones[:bs], seq_lens,
                           self._graph_starts[:bs], 1, o_part, lse_part)
 
+    def kv_target(self, layer: int, batch: Batch) -> Optional[KVTarget]:
+        """The pool's layer caches and the batch's slots: the kernels read every token's K/V,
+        new ones included, from the pool, so whoever writes them there may skip `store_kv`."""
+        return KVTarget(self.pool.k[layer], self.pool.v[layer],
+                        batch.out_slots)  # type: ignore[arg-type]
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                batch: Batch) -> torch.Tensor:
+                batch: Batch, kv_stored: bool = False) -> torch.Tensor:
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         meta: TritonMeta = batch.attn_meta  # type: ignore[assignment]
         pdl = self.pdl and meta.decode  # prefill kernels are long: nothing to overlap
-        store_kv(k, v, batch.out_slots, k_cache, v_cache, pdl)  # type: ignore[arg-type]
+        if not kv_stored:
+            store_kv(k, v, batch.out_slots, k_cache, v_cache, pdl)  # type: ignore[arg-type]
         if q.stride(-1) != 1:
             q = q.contiguous()  # the kernels index the head dimension densely
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

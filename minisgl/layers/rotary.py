@@ -54,12 +54,29 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
+    def _fusable(self, *xs: torch.Tensor) -> bool:
+        """The fused kernel applies: CUDA, each token's heads one dense block."""
+        return self.fused and all(x.is_cuda and x.stride(1) == x.shape[2] and x.stride(2) == 1
+                                  for x in xs)
+
+    def rotate_into_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slots: torch.Tensor) -> bool:
+        """Rotate q in place and write the rotated k and v to k_cache / v_cache[slots] (k itself
+        is left as it is), in one launch; True when done, False where the fused kernel does not
+        apply (nothing done: the caller rotates with `forward` and stores K/V itself)."""
+        if not self._fusable(q, k, v):
+            return False
+        from minisgl.layers import triton_ops
+        triton_ops.rotary_qk_(q, k, positions, self.cos, self.sin, self.pdl,
+                              triton_ops.KVStore(v, k_cache, v_cache, slots))
+        return True
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> Tuple[torch.Tensor, torch.Tensor]:
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]. The fused path
         rotates q and k in place."""
-        if (self.fused and q.is_cuda and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]
-                and q.stride(2) == 1 and k.stride(2) == 1):
+        if self._fusable(q, k):
             from minisgl.layers import triton_ops
             return triton_ops.rotary_qk_(q, k, positions, self.cos, self.sin, self.pdl)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)

@@ -100,31 +100,44 @@ def silu_and_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate_heads(base, cos, sin, n_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Rotate `n_heads` dense [head_dim] vectors starting at `base`, in place."""
+def _rotate_heads(src, dst, cos, sin, n_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotate `n_heads` dense [head_dim] vectors starting at `src` into `dst` (may be `src`)."""
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HALF)
     hmask = heads[:, None] < n_heads
-    ptrs = base + heads[:, None] * (2 * HALF) + dims[None, :]
-    x1 = tl.load(ptrs, mask=hmask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptrs + HALF, mask=hmask, other=0.0).to(tl.float32)
-    ty = base.dtype.element_ty
-    tl.store(ptrs, (x1 * cos - x2 * sin).to(ty), mask=hmask)
-    tl.store(ptrs + HALF, (x2 * cos + x1 * sin).to(ty), mask=hmask)
+    offs = heads[:, None] * (2 * HALF) + dims[None, :]
+    x1 = tl.load(src + offs, mask=hmask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + offs + HALF, mask=hmask, other=0.0).to(tl.float32)
+    ty = dst.dtype.element_ty
+    tl.store(dst + offs, (x1 * cos - x2 * sin).to(ty), mask=hmask)
+    tl.store(dst + offs + HALF, (x2 * cos + x1 * sin).to(ty), mask=hmask)
 
 
 @triton.jit
-def _rotary_qk_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, stride_q, stride_k, n_q, n_k,
+def _rotary_qk_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slots_ptr, k_cache_ptr,
+                      v_cache_ptr, stride_q, stride_k, stride_v, stride_cs, n_q, n_k,
                       HALF: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PDL: tl.constexpr):
+                      STORE: tl.constexpr, PDL: tl.constexpr):
+    """Program t: rotate token t's q heads in place; its k heads in place, or (STORE) into
+    k_cache[slots[t]] with v[t] copied to v_cache[slots[t]] (caches [slots, n_k, 2 * HALF])."""
     pdl_enter(PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     dims = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + pos * (2 * HALF) + dims)[None, :]
     sin = tl.load(sin_ptr + pos * (2 * HALF) + dims)[None, :]
-    _rotate_heads(q_ptr + tok * stride_q, cos, sin, n_q, HALF, BLOCK_Q)
-    _rotate_heads(k_ptr + tok * stride_k, cos, sin, n_k, HALF, BLOCK_K)
+    q = q_ptr + tok * stride_q
+    _rotate_heads(q, q, cos, sin, n_q, HALF, BLOCK_Q)
+    k = k_ptr + tok * stride_k
+    if STORE:
+        slot = tl.load(slots_ptr + tok).to(tl.int64)
+        _rotate_heads(k, k_cache_ptr + slot * stride_cs, cos, sin, n_k, HALF, BLOCK_K)
+        offs = tl.arange(0, BLOCK_K * 2 * HALF)
+        mask = offs < n_k * 2 * HALF
+        v = tl.load(v_ptr + tok * stride_v + offs, mask=mask)
+        tl.store(v_cache_ptr + slot * stride_cs + offs, v, mask=mask)
+    else:
+        _rotate_heads(k, k, cos, sin, n_k, HALF, BLOCK_K)
 
 
 def _check_rotary_layout(x: torch.Tensor) -> None:
@@ -134,19 +147,38 @@ def _check_rotary_layout(x: torch.Tensor) -> None:
                          "power of two")
 
 
+class KVStore(NamedTuple):
+    """Where `rotary_qk_` writes the rotated k and a copy of v instead of rotating k in place:
+    k_cache[slots[t]] and v_cache[slots[t]] (caches [slots, kv_heads, head_dim], contiguous)."""
+
+    v: torch.Tensor  # [tokens, kv_heads, head_dim], each token's heads one dense block
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slots: torch.Tensor  # [tokens] int32 / int64
+
+
 def rotary_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, pdl: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+               sin: torch.Tensor, pdl: bool = False, store: Optional[KVStore] = None
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] in place, in one
     launch (rotate-half layout); cos/sin are float32 [max_positions, head_dim] caches. Each
-    token's heads must be one dense block (q and k may be views of one fused QKV output)."""
+    token's heads must be one dense block (q and k may be views of one fused QKV output).
+    `store`: k is left as it is and its rotation goes to the KV cache with v (the K/V store of
+    attention, fused in)."""
     _check_rotary_layout(q)
     _check_rotary_layout(k)
     tokens, n_q, dim = q.shape
+    if store is not None:
+        _check_rotary_layout(store.v)
+        if store.k_cache.stride()[1:] != (dim, 1) or store.v_cache.stride() != store.k_cache.stride():
+            raise ValueError("rotary K/V store needs contiguous [slots, kv_heads, head_dim] caches")
     if tokens:
-        _rotary_qk_kernel[(tokens,)](q, k, positions, cos, sin, q.stride(0), k.stride(0), n_q,
-                                     k.shape[1], HALF=dim // 2, BLOCK_Q=triton.next_power_of_2(n_q),
-                                     BLOCK_K=triton.next_power_of_2(k.shape[1]), PDL=pdl,
-                                     **launch_options(pdl))
+        v, k_cache, v_cache, slots = store if store is not None else (k, k, k, positions)
+        _rotary_qk_kernel[(tokens,)](
+            q, k, v, positions, cos, sin, slots, k_cache, v_cache, q.stride(0), k.stride(0),
+            v.stride(0), k_cache.stride(0), n_q, k.shape[1], HALF=dim // 2,
+            BLOCK_Q=triton.next_power_of_2(n_q), BLOCK_K=triton.next_power_of_2(k.shape[1]),
+            STORE=store is not None, PDL=pdl, **launch_options(pdl))
     return q, k
 
 

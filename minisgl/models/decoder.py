@@ -65,8 +65,11 @@ class Attention(nn.Module):
         v = v.view(v.shape[0], -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(backend.forward(q, k, v, self.layer, batch))
+        target = backend.kv_target(self.layer, batch)
+        stored = target is not None and self.rotary.rotate_into_cache(positions, q, k, v, *target)
+        if not stored:
+            q, k = self.rotary(positions, q, k)
+        return self.o_proj(backend.forward(q, k, v, self.layer, batch, kv_stored=stored))
 
 
 class MLP(nn.Module):
