@@ -93,6 +93,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--peer-cuda-graph", choices=["on", "off"], default="on",
                    help="HF continuous batching with CUDA graphs (on, the default) or without: "
                         "take the faster of the two as HF's best")
+    p.add_argument("--peer-memory-percent", type=float, default=0.7,
+                   help="HF's max_memory_percent: the share of free GPU memory its KV cache "
+                        "takes (its default 0.9 ran out of memory in its own prefill on 256 "
+                        "requests of the 8B shape on an H200)")
     p.add_argument("--peer-attn", default="sdpa",
                    help="attn_implementation for the HF peer (e.g. sdpa, paged|sdpa, "
                         "flash_attention_2)")
@@ -197,15 +201,18 @@ def load_hf_model(args: argparse.Namespace) -> Any:
     return model.eval()
 
 
-def hf_batching_options(gen: Any, on_cuda: bool, cuda_graph: bool = True) -> Dict[str, Any]:
+def hf_batching_options(gen: Any, on_cuda: bool, cuda_graph: bool = True,
+                        memory_percent: float = 0.7) -> Dict[str, Any]:
     """HF's fastest continuous-batching settings, in whichever form the installed transformers
     takes them: on CUDA, asynchronous batching and (unless `cuda_graph` is False) CUDA graphs
     (newer releases: a ContinuousBatchingConfig; older ones read them from the
-    GenerationConfig). Without padding, HF may capture a graph per new batch shape: whether
-    graphs help it on a workload is measured, not assumed (--peer-cuda-graph)."""
+    GenerationConfig), and the KV cache's share of free memory. Without padding, HF may capture a
+    graph per new batch shape: whether graphs help it on a workload is measured, not assumed
+    (--peer-cuda-graph)."""
     if not on_cuda:
         return {}
-    wanted = {"use_cuda_graph": cuda_graph, "use_async_batching": True}
+    wanted = {"use_cuda_graph": cuda_graph, "use_async_batching": True,
+              "max_memory_percent": memory_percent}
     try:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
     except ImportError:
@@ -217,13 +224,14 @@ def hf_batching_options(gen: Any, on_cuda: bool, cuda_graph: bool = True) -> Dic
         **{k: v for k, v in wanted.items() if k in fields})}
 
 
-def start_hf_manager(model: Any, max_new_tokens: int, cuda_graph: bool = True) -> Optional[Any]:
+def start_hf_manager(model: Any, max_new_tokens: int, cuda_graph: bool = True,
+                     memory_percent: float = 0.7) -> Optional[Any]:
     """A started continuous-batching manager (greedy, no EOS), or None where the installed
     transformers has no per-request max_new_tokens (then `generate_batch` is the fallback)."""
     from transformers import GenerationConfig
     gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None,
                            pad_token_id=0)
-    options = hf_batching_options(gen, model.device.type == "cuda", cuda_graph)
+    options = hf_batching_options(gen, model.device.type == "cuda", cuda_graph, memory_percent)
     print(f"hf: continuous batching options {options or 'defaults'}")
     manager = model.init_continuous_batching(generation_config=gen, **options)
     if "max_new_tokens" not in inspect.signature(manager.add_request).parameters:
@@ -262,7 +270,8 @@ def hf_generate(model: Any, manager: Optional[Any], work: Workload, tag: str) ->
 
 def run_hf(args: argparse.Namespace, work: Workload, warm: Optional[Workload]) -> Result:
     model = load_hf_model(args)
-    manager = start_hf_manager(model, max(work.output_lens), args.peer_cuda_graph == "on")
+    manager = start_hf_manager(model, max(work.output_lens), args.peer_cuda_graph == "on",
+                               args.peer_memory_percent)
     print("hf: " + ("continuous batching manager, per-request max_new_tokens" if manager else
                     "generate_batch with the mean output length for all (setup timed too)"))
     try:
@@ -323,6 +332,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     _free_device_memory()
     peer = run_hf(args, work, warm)
     report(args, peer)
+    if peer.output_tokens != sum(work.output_lens):  # requests failed (e.g. HF ran out of memory)
+        raise SystemExit(f"no ratio: HF generated {peer.output_tokens} of the "
+                         f"{sum(work.output_lens)} output tokens asked for (its errors are above)")
     print(f"minisgl / hf: output tok/s ratio {ours.output_tok_s / peer.output_tok_s:.2f}x "
           f"({len(work.prompts)} requests)")
 

@@ -73,10 +73,13 @@ def test_hf_peer_batching_options() -> None:
     gen = GenerationConfig(do_sample=False, max_new_tokens=4)
     assert script.hf_batching_options(gen, on_cuda=False) == {}
     for graphs in (True, False):
-        opts = script.hf_batching_options(gen, on_cuda=True, cuda_graph=graphs)
+        opts = script.hf_batching_options(gen, on_cuda=True, cuda_graph=graphs,
+                                          memory_percent=0.6)
         cb = opts.get("continuous_batching_config", gen)
         assert getattr(cb, "use_cuda_graph") is graphs
+        assert getattr(cb, "max_memory_percent") == 0.6
     assert script.parse_args(["--peer-cuda-graph", "off"]).peer_cuda_graph == "off"
+    assert script.parse_args([]).peer_memory_percent == 0.7
 
 
 def test_bench_offline_hf_peer_end_to_end(tiny_model: Callable[..., Path],
@@ -92,3 +95,17 @@ def test_bench_offline_hf_peer_end_to_end(tiny_model: Callable[..., Path],
     assert (ours["engine"], hf["engine"]) == ("minisgl", "hf")
     assert hf["output_tokens"] == ours["output_tokens"] > 0
     assert "minisgl / hf: output tok/s ratio" in out and "hf: run 2/2 finished" in out
+
+
+def test_bench_offline_prints_no_ratio_when_hf_falls_short(
+        tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """A peer run whose requests failed part-way (HF ran out of memory on the GPU once and
+    reported its failed requests as finished) must not yield a ratio from the partial count."""
+    script = load_script("bench_offline")
+    monkeypatch.setattr(script, "run_hf", lambda args, work, warm: script.Result(
+        "hf", len(work.prompts), 1.0, work.input_tokens, 1, 0))
+    with pytest.raises(SystemExit, match="no ratio: HF generated 1 of the"):
+        script.main(["--model", str(tiny_model("llama")), "--device", "cpu", "--num-prompts",
+                     "2", "--min-len", "4", "--max-len", "8", "--no-warmup", "--peer", "hf"])
+    assert "output tok/s ratio" not in capsys.readouterr().out
