@@ -145,6 +145,81 @@ def test_fits_is_decided_by_shape_dtype_and_layout() -> None:
     assert not symm.fits(torch.empty(0, 4096, dtype=bf16))
 
 
+# --- CPU: the fused kernel in Triton's interpreter, ranks sharing one memory region --------------
+_STAGING = 4096  # bytes of staging per rank in the CPU tests; flags follow
+_CPU_CALLS = [(1, 64), (3, 100), (5, 64), (7, 48), (2, 100)]  # (rows, hidden): grids change
+
+
+def _cpu_rank_input(call: int, rank: int, rows: int, hidden: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 * call + rank)
+    return torch.randn(rows, hidden, generator=gen)
+
+
+def _fused_cpu_rank(rank: int, world: int, shm: torch.Tensor, region: int, spin_limit: int,
+                    out: Any) -> None:
+    """Rank `rank` of `world` processes, each mapping `shm` (one region per rank) at its own
+    address, as symmetric memory maps peers. Puts (rank, "errors N" or a traceback) once; with a
+    real spin_limit every call is checked against the two-step path first."""
+    os.environ["TRITON_INTERPRET"] = "1"  # before this process imports triton
+    try:
+        from minisgl.distributed.symm_kernels import PeerBuffers, all_reduce_rmsnorm
+        from minisgl.layers import triton_ops
+        ptrs = torch.tensor([shm.data_ptr() + q * region for q in range(world)])
+        peers = PeerBuffers(shm[rank * region:(rank + 1) * region], ptrs, rank, world, _STAGING,
+                            torch.zeros(1, dtype=torch.int32), spin_limit, trap=False)
+        for call, (rows, hidden) in enumerate(_CPU_CALLS):
+            xs = [_cpu_rank_input(call, q, rows, hidden) for q in range(world)]
+            res = _cpu_rank_input(call, 99, rows, hidden)  # replicated: the same on every rank
+            w = _cpu_rank_input(call, 98, 1, hidden)[0]
+            got, got_res = all_reduce_rmsnorm(xs[rank], res, w, 1e-5, peers, max_programs=2)
+            if peers.errors.item():
+                break  # a barrier gave up: the sums are garbage, say so instead
+            total = xs[0]
+            for x in xs[1:]:
+                total = total + x  # float32, rank order: what the kernel must do
+            want, want_res = triton_ops.rmsnorm(total, w, 1e-5, res)
+            assert torch.equal(got_res, want_res), f"call {call}: new residual"
+            assert torch.equal(got, want), f"call {call}: normed output"
+        out.put((rank, f"errors {int(peers.errors.item())}"))
+    except BaseException:  # noqa: BLE001 - the parent asserts on the message
+        out.put((rank, traceback.format_exc()))
+
+
+def _run_fused_cpu(world: int, ranks: int, spin_limit: int) -> Tuple[Dict[int, str], bytes]:
+    """Spawn `ranks` of a `world`-rank group; (each rank's message, flag bytes afterwards)."""
+    from minisgl.distributed.symm_kernels import flag_bytes
+    region = _STAGING + flag_bytes(world) + 4096  # + slack: regions page apart, like real ones
+    region -= region % 4096
+    shm = torch.zeros(world * region, dtype=torch.uint8).share_memory_()
+    msgs: Dict[int, str] = {}
+    with spawn_ranks(_fused_cpu_rank, ranks, world, shm, region, spin_limit) as procs:
+        for _ in range(ranks):
+            rank, msg = procs.out.get(timeout=180)
+            msgs[rank] = msg
+    flags = b"".join(bytes(shm[q * region + _STAGING:q * region + _STAGING + flag_bytes(world)]
+                           .tolist()) for q in range(world))
+    return msgs, flags
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fused_all_reduce_rmsnorm_in_interpreter(world: int) -> None:
+    """Every call equals all-reduce + triton_ops.rmsnorm bit for bit, on every rank; rows
+    outnumber programs and the grid changes between calls; no barrier gives up; every flag is
+    back at zero afterwards (the next call, or graph replay, starts clean)."""
+    pytest.importorskip("triton")
+    msgs, flags = _run_fused_cpu(world, world, spin_limit=1 << 22)
+    assert msgs == {r: "errors 0" for r in range(world)}, "\n".join(msgs.values())
+    assert not any(flags), "a barrier flag was left set"
+
+
+def test_fused_barrier_gives_up_instead_of_hanging() -> None:
+    """With its peer missing, a rank's barriers give up after spin_limit tries and set both
+    error bits (on a GPU it would also trap)."""
+    pytest.importorskip("triton")
+    msgs, _ = _run_fused_cpu(world=2, ranks=1, spin_limit=50)
+    assert msgs == {0: "errors 3"}, msgs
+
+
 # --- GPU: symmetric memory against NCCL -----------------------------------------------------------
 def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
