@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minisgl.distributed import (DistributedInfo, SymmMemAllReduce, destroy_process_groups,
-                                 init_process_groups)
+from minisgl.distributed import (Communicator, DistributedInfo, SymmMemAllReduce,
+                                 destroy_process_groups, init_process_groups)
 from minisgl.distributed.symm_allreduce import symm_mem_problem
 from minisgl.engine import EngineConfig
 from minisgl.server.args import parse_args
@@ -60,6 +60,20 @@ def test_engine_config_allreduce_modes() -> None:
         EngineConfig("m", info, allreduce="mpi")
     with pytest.raises(ValueError, match="'symm' needs CUDA"):
         EngineConfig("m", info, device="cpu", allreduce="symm")
+    assert EngineConfig("m", info, device="cuda", allreduce="symm-fused").allreduce == "symm-fused"
+    with pytest.raises(ValueError, match="'symm-fused' needs CUDA"):
+        EngineConfig("m", info, device="cpu", allreduce="symm-fused")
+    with pytest.raises(ValueError, match="'symm-fused' .* needs fused_ops"):
+        EngineConfig("m", info, device="cuda", allreduce="symm-fused", fused_ops=False)
+
+
+def test_communicator_fuses_only_when_asked() -> None:
+    """all_reduce_rmsnorm is None (no communication; the caller reduces and norms) for one
+    rank, without symmetric memory, or without the fused mode."""
+    x = torch.ones(2, 8)
+    assert Communicator(DistributedInfo(0, 1)).all_reduce_rmsnorm(x, x, x[0], 1e-5) is None
+    assert Communicator(DistributedInfo(0, 2), fuse_norm=True).all_reduce_rmsnorm(
+        x, x, x[0], 1e-5) is None
 
 
 def test_cli_and_file_set_allreduce(tmp_path: Path) -> None:
@@ -304,15 +318,121 @@ def test_symm_allreduce_matches_nccl_tp2() -> None:
 def test_llm_tp2_symm_matches_nccl(tmp_path: Path) -> None:
     """The whole engine (decode CUDA graphs included) gives the same greedy tokens with either
     all-reduce: float32, two ranks, so every sum is the same a + b."""
+    path = str(build_tiny("qwen3", tmp_path, None))
+    assert _llm_tp2_tokens(path, "symm", "float32") == _llm_tp2_tokens(path, "nccl", "float32")
+
+
+def _llm_tp2_tokens(path: str, mode: str, dtype: str) -> List[List[int]]:
+    """Greedy tokens of 8 mixed prompts from a tp=2 CUDA engine with all-reduce `mode`."""
     from hf_reference import mixed_prompts
     from minisgl import LLM, SamplingParams
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with LLM(path, tp=2, device="cuda", dtype=dtype, allreduce=mode, show_progress=False) as llm:
+        return [o.token_ids for o in llm.generate(mixed_prompts(8, seed=6), greedy)]
+
+
+# --- GPU: the fused all-reduce + RMSNorm against the two-step path --------------------------------
+_FUSED_ROWS = (1, 7, 64, 256)
+
+
+def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
+    diff = (got.float() - want.float()).abs()
+    return f"{int((got != want).sum())} of {got.numel()} differ, max {float(diff.max()):.3g}"
+
+
+def _two_step(comm: Any, x: torch.Tensor, res: torch.Tensor, w: torch.Tensor
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
+    from minisgl.layers import triton_ops
+    out, new_res = triton_ops.rmsnorm(comm.symm.all_reduce(x), w, 1e-5, res)
+    assert new_res is not None
+    return out, new_res
+
+
+def _check_fused(comm: Any, xs: List[torch.Tensor], ress: List[torch.Tensor], w: torch.Tensor,
+                 outs: List[Tuple[torch.Tensor, torch.Tensor]], what: str) -> None:
+    """Each fused output equals the two-step path's and rank 0's, bit for bit."""
+    for x, res, (out, new_res) in zip(xs, ress, outs):
+        want, want_res = _two_step(comm, x, res, w)
+        assert torch.equal(new_res, want_res), f"{what} {tuple(x.shape)} residual: " + \
+            _mismatch(new_res, want_res)
+        assert torch.equal(out, want), f"{what} {tuple(x.shape)} out: " + _mismatch(out, want)
+        theirs = out.clone()
+        dist.broadcast(theirs, src=0)
+        assert torch.equal(out, theirs), f"{what} {tuple(x.shape)}: ranks differ"
+
+
+def _fused_inputs(gen: torch.Generator, rank: int, dtype: torch.dtype, device: torch.device
+                  ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """Partial sums and residuals; all the same on every rank for the same generator state
+    (the callers scale the partial sums by rank + 1 so that they differ)."""
+    shared = torch.Generator(device=device).manual_seed(int(torch.randint(1 << 30, (1,),
+                                                                            generator=gen)))
+    xs = [torch.randn(r, 4096, device=device, generator=gen).to(dtype) for r in _FUSED_ROWS]
+    ress = [torch.randn(r, 4096, device=device, generator=shared).to(dtype) for r in _FUSED_ROWS]
+    return xs, ress
+
+
+def _fused_rank(rank: int, port: int, out: Any) -> None:
+    def body() -> None:
+        os.environ.update(NO_MULTICAST)
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        groups = init_process_groups(DistributedInfo(rank, 2), device,
+                                     f"tcp://127.0.0.1:{port}", 60.0, allreduce="symm-fused")
+        comm = groups.comm
+        assert comm.symm is not None and comm.fuse_norm
+        for dtype in (torch.bfloat16, torch.float32):
+            # The generators' first draws are the same on both ranks (seed 7 for the shared
+            # seed), then differ per rank for the partial sums.
+            gen = torch.Generator(device=device).manual_seed(7)
+            w = torch.randn(4096, device=device, generator=gen).to(dtype)
+            gen.manual_seed(7)
+            xs, ress = _fused_inputs(gen, rank, dtype, device)
+            xs = [(x * (rank + 1)).contiguous() for x in xs]
+            fused = [comm.all_reduce_rmsnorm(x, r, w, 1e-5) for x, r in zip(xs, ress)]
+            assert all(f is not None for f in fused), "every size must fit"
+            _check_fused(comm, xs, ress, w, fused, f"eager {dtype}")
+            _check_fused_graph(comm, rank, device, dtype, w)
+        torch.cuda.synchronize(device)
+        comm.symm = None  # free the symmetric buffer before the process group goes
+    _report(rank, out, body)
+
+
+def _check_fused_graph(comm: Any, rank: int, device: torch.device, dtype: torch.dtype,
+                       w: torch.Tensor, replays: int = 1000) -> None:
+    """One graph of a fused call per size (with PDL), replayed on new inputs every time; every
+    replay checked (a barrier that let a rank overwrite a buffer early would show here)."""
+    xs = [torch.zeros(r, 4096, dtype=dtype, device=device) for r in _FUSED_ROWS]
+    ress = [torch.zeros_like(x) for x in xs]
+    for x, r in zip(xs, ress):  # warm up (compile) outside the capture
+        comm.all_reduce_rmsnorm(x, r, w, 1e-5, True)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [comm.all_reduce_rmsnorm(x, r, w, 1e-5, True) for x, r in zip(xs, ress)]
+    gen = torch.Generator(device=device).manual_seed(11)
+    for replay in range(replays):
+        gen.manual_seed(11 + replay)  # the shared seed: the same on both ranks
+        new_xs, new_ress = _fused_inputs(gen, rank, dtype, device)
+        for x, r, nx, nr in zip(xs, ress, new_xs, new_ress):
+            x.copy_(nx * (rank + 1))
+            r.copy_(nr)
+        graph.replay()
+        _check_fused(comm, xs, ress, w, outs, f"graph replay {replay} {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs")
+def test_symm_fused_matches_two_step_tp2() -> None:
+    msgs = _spawn(_fused_rank, 2, timeout_s=540)
+    assert msgs == {0: "ok", 1: "ok"}, "\n".join(msgs.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_llm_tp2_symm_fused_matches_symm(tmp_path: Path, dtype: str) -> None:
+    """The whole engine (decode CUDA graphs included) gives the same greedy tokens with the
+    fused all-reduce + RMSNorm as with the two-step path: the kernel gives the same bits."""
     path = str(build_tiny("qwen3", tmp_path, None))
-
-    def run(mode: str) -> List[List[int]]:
-        with LLM(path, tp=2, device="cuda", dtype="float32", allreduce=mode,
-                 show_progress=False) as llm:
-            return [o.token_ids for o in llm.generate(mixed_prompts(8, seed=6), greedy)]
-
-    assert run("symm") == run("nccl")
-
+    assert _llm_tp2_tokens(path, "symm-fused", dtype) == _llm_tp2_tokens(path, "symm", dtype)

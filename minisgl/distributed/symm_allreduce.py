@@ -61,10 +61,11 @@ _OP = "one_shot_all_reduce_copy"
 # The fused kernel holds a row in registers (one program per row); wider rows use the two-kernel
 # path. Llama-3.1-70B's hidden size is 8192.
 _FUSED_MAX_COLS = 16384
-# Failed tries of one barrier flag before the fused kernel gives up and traps: uncalibrated, some
-# seconds on an H200 (an atomic on a system-scope flag costs about a microsecond); a real peer
-# is never that late inside a step, a dead or diverged one is.
-DEFAULT_SPIN_LIMIT = 1 << 24
+# Failed tries of one barrier flag before the fused kernel gives up and traps. Uncalibrated:
+# tens of seconds if a try (a system-scope CAS plus two CTA barriers) costs about a microsecond.
+# A live peer can be seconds late (its first call JIT-compiles the kernel); a dead or diverged
+# one never comes.
+DEFAULT_SPIN_LIMIT = 1 << 26
 
 
 def check_allreduce_mode(mode: str, device_type: str) -> None:
