@@ -74,7 +74,7 @@ def _rows_of(stage_ptr, ptrs, rank, q):
     known alignment): a pointer loaded from memory has none, and its loads would not vectorize
     like the local ones (another layout, another reduction order than triton_ops.rmsnorm).
     Symmetric buffers are page aligned, so the distance is a multiple of 16 elements."""
-    elt_bytes: tl.constexpr = stage_ptr.dtype.element_ty.primitive_bitwidth // 8
+    elt_bytes = stage_ptr.dtype.element_ty.primitive_bitwidth // 8  # a compile-time int
     delta = (tl.load(ptrs + q) - tl.load(ptrs + rank)) // elt_bytes
     return stage_ptr + tl.multiple_of(delta, 16)
 
