@@ -7,7 +7,11 @@ CUDA events, the mean device time of one all-reduce:
   graph  one CUDA graph of --calls-per-graph calls on distinct inputs (64: a 32-layer model's two
          all-reduces per layer), replayed --replays times.
 "nccl" is `dist.all_reduce` (in place); "symm" is minisgl's `SymmMemAllReduce` (the decode path
-of `Communicator.all_reduce`). Every input is a small multiple of 1/4, so every sum is exact in
+of `Communicator.all_reduce`). With symmetric memory, two more graph columns time what a decoder
+layer does after o_proj / down_proj: "symm+norm" (the one-shot all-reduce, then
+`triton_ops.rmsnorm` with the residual: two kernels) and "fused" (`all_reduce_rmsnorm`, mode
+symm-fused: one kernel); "fused wrong" counts outputs of the last replay that differ from the
+two-kernel path's. Every input is a small multiple of 1/4, so every sum is exact in
 bfloat16: each call's output is compared with the expected sum (eager, and after the graph's
 timed replays, so a race between consecutive calls would show). A time is the slowest rank's.
 
@@ -181,6 +185,37 @@ def measure_graph(fn: Callable[[torch.Tensor], torch.Tensor], case: Case,
     return ms / calls * 1e3, bad
 
 
+def measure_norm_graph(symm: Any, case: Case, args: argparse.Namespace) -> Dict[str, Any]:
+    """Graph times (microseconds per call) of all-reduce + residual add + RMSNorm: two kernels
+    ("symm+norm") and the fused one ("fused"), and how many fused outputs of the last replay
+    differ from the two-kernel outputs of the same inputs ("fused_wrong")."""
+    from minisgl.layers import triton_ops
+    calls = args.calls_per_graph
+    xs = case.inputs(calls)
+    ress = [x.flip(-1).contiguous() for x in xs]  # replicated, like a residual: same per rank
+    weight = torch.linspace(0.5, 1.5, case.shape[1], device=case.device).to(case.dtype)
+
+    def two_step(x: torch.Tensor, res: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        out, new_res = triton_ops.rmsnorm(symm.all_reduce(x), weight, 1e-5, res)
+        return out, new_res  # type: ignore[return-value]
+
+    def fused(x: torch.Tensor, res: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return symm.all_reduce_rmsnorm(x, res, weight, 1e-5)
+
+    times: Dict[str, Any] = {}
+    outs: Dict[str, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+    for name, fn in (("symm+norm", two_step), ("fused", fused)):
+        fn(xs[0], ress[0])  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs[name] = [fn(x, r) for x, r in zip(xs, ress)]
+        align_ranks(case.cpu_group, graph.replay)
+        times[f"{name}_graph_us"] = device_ms(graph.replay, args.replays) / calls * 1e3
+    wrong = sum(not (torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
+                for a, b in zip(outs["fused"], outs["symm+norm"]))
+    return {**times, "fused_wrong": wrong}
+
+
 # --- one rank -------------------------------------------------------------------------------------
 def run_rank(rank: int, args: argparse.Namespace, init_method: str, out: Any) -> None:
     """Measure every size and method; send ("ok", rank, rows | why) or ("error", rank, text)."""
@@ -205,7 +240,8 @@ def measure_rank(rank: int, args: argparse.Namespace, init_method: str) -> Dict[
                                  args.dist_timeout_s, allreduce="nccl")
     methods = Methods(None)
     try:
-        symm, why = SymmMemAllReduce.create(dist.group.WORLD, groups.cpu_group, device, max_bytes)
+        symm, why = SymmMemAllReduce.create(dist.group.WORLD, groups.cpu_group, device, max_bytes,
+                                            fused=True)
         methods = Methods(symm)
         names = [m for m in METHODS if m != "symm" or symm is not None]
         rows = []
@@ -218,6 +254,8 @@ def measure_rank(rank: int, args: argparse.Namespace, init_method: str) -> Dict[
                 row[f"{name}_graph_us"], bad_graph = measure_graph(fn, case, args,
                                                                    in_place=name == "nccl")
                 row[f"{name}_wrong"] = bad_eager + bad_graph
+            if symm is not None:
+                row.update(measure_norm_graph(symm, case, args))
             rows.append(row)
         gathered: List[Any] = [None] * world
         dist.all_gather_object(gathered, rows, group=groups.cpu_group)
@@ -287,13 +325,16 @@ def print_table(args: argparse.Namespace, report: Dict[str, Any]) -> None:
     if report["symm_unavailable"]:
         print(f"symmetric memory unavailable: {report['symm_unavailable']}")
     names = [m for m in METHODS if f"{m}_eager_us" in report["rows"][0]]
+    norm = [n for n in ("symm+norm", "fused") if f"{n}_graph_us" in report["rows"][0]]
     head = "".join(f"{n + ' eager':>12}{n + ' graph':>12}" for n in names)
+    head += "".join(f"{n + ' graph':>17}" for n in norm)
     print(f"{'tokens':>7}{'bytes':>10}{head}{'graph speedup':>15}{'wrong':>7}")
     for r in report["rows"]:
         cells = "".join(f"{r[n + '_eager_us']:>12.2f}{r[n + '_graph_us']:>12.2f}" for n in names)
+        cells += "".join(f"{r[n + '_graph_us']:>17.2f}" for n in norm)
         speedup = (f"{r['nccl_graph_us'] / r['symm_graph_us']:>14.2f}x" if "symm" in names
                    else f"{'-':>15}")
-        wrong = sum(r[n + "_wrong"] for n in names)
+        wrong = sum(v for k, v in r.items() if k.endswith("_wrong"))
         print(f"{r['tokens']:>7}{r['bytes']:>10}{cells}{speedup}{wrong:>7}")
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minisgl.distributed import (DistributedInfo, SymmMemAllReduce, destroy_process_groups,
-                                 init_process_groups)
+from minisgl.distributed import (Communicator, DistributedInfo, SymmMemAllReduce,
+                                 destroy_process_groups, init_process_groups)
 from minisgl.distributed.symm_allreduce import symm_mem_problem
 from minisgl.engine import EngineConfig
 from minisgl.server.args import parse_args
@@ -60,6 +60,20 @@ def test_engine_config_allreduce_modes() -> None:
         EngineConfig("m", info, allreduce="mpi")
     with pytest.raises(ValueError, match="'symm' needs CUDA"):
         EngineConfig("m", info, device="cpu", allreduce="symm")
+    assert EngineConfig("m", info, device="cuda", allreduce="symm-fused").allreduce == "symm-fused"
+    with pytest.raises(ValueError, match="'symm-fused' needs CUDA"):
+        EngineConfig("m", info, device="cpu", allreduce="symm-fused")
+    with pytest.raises(ValueError, match="'symm-fused' .* needs fused_ops"):
+        EngineConfig("m", info, device="cuda", allreduce="symm-fused", fused_ops=False)
+
+
+def test_communicator_fuses_only_when_asked() -> None:
+    """all_reduce_rmsnorm is None (no communication; the caller reduces and norms) for one
+    rank, without symmetric memory, or without the fused mode."""
+    x = torch.ones(2, 8)
+    assert Communicator(DistributedInfo(0, 1)).all_reduce_rmsnorm(x, x, x[0], 1e-5) is None
+    assert Communicator(DistributedInfo(0, 2), fuse_norm=True).all_reduce_rmsnorm(
+        x, x, x[0], 1e-5) is None
 
 
 def test_cli_and_file_set_allreduce(tmp_path: Path) -> None:
@@ -143,6 +157,81 @@ def test_fits_is_decided_by_shape_dtype_and_layout() -> None:
     assert not symm.fits(torch.empty(4097, dtype=bf16)[1:].view(16, 256))  # offset of 2 bytes
     assert not symm.fits(torch.empty(3, dtype=bf16))  # 6 bytes: below the 16-byte granule
     assert not symm.fits(torch.empty(0, 4096, dtype=bf16))
+
+
+# --- CPU: the fused kernel in Triton's interpreter, ranks sharing one memory region --------------
+_STAGING = 4096  # bytes of staging per rank in the CPU tests; flags follow
+_CPU_CALLS = [(1, 64), (3, 100), (5, 64), (7, 48), (2, 100)]  # (rows, hidden): grids change
+
+
+def _cpu_rank_input(call: int, rank: int, rows: int, hidden: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 * call + rank)
+    return torch.randn(rows, hidden, generator=gen)
+
+
+def _fused_cpu_rank(rank: int, world: int, shm: torch.Tensor, region: int, spin_limit: int,
+                    out: Any) -> None:
+    """Rank `rank` of `world` processes, each mapping `shm` (one region per rank) at its own
+    address, as symmetric memory maps peers. Puts (rank, "errors N" or a traceback) once; with a
+    real spin_limit every call is checked against the two-step path first."""
+    os.environ["TRITON_INTERPRET"] = "1"  # before this process imports triton
+    try:
+        from minisgl.distributed.symm_kernels import PeerBuffers, all_reduce_rmsnorm
+        from minisgl.layers import triton_ops
+        ptrs = torch.tensor([shm.data_ptr() + q * region for q in range(world)])
+        peers = PeerBuffers(shm[rank * region:(rank + 1) * region], ptrs, rank, world, _STAGING,
+                            torch.zeros(1, dtype=torch.int32), spin_limit, trap=False)
+        for call, (rows, hidden) in enumerate(_CPU_CALLS):
+            xs = [_cpu_rank_input(call, q, rows, hidden) for q in range(world)]
+            res = _cpu_rank_input(call, 99, rows, hidden)  # replicated: the same on every rank
+            w = _cpu_rank_input(call, 98, 1, hidden)[0]
+            got, got_res = all_reduce_rmsnorm(xs[rank], res, w, 1e-5, peers, max_programs=2)
+            if peers.errors.item():
+                break  # a barrier gave up: the sums are garbage, say so instead
+            total = xs[0]
+            for x in xs[1:]:
+                total = total + x  # float32, rank order: what the kernel must do
+            want, want_res = triton_ops.rmsnorm(total, w, 1e-5, res)
+            assert torch.equal(got_res, want_res), f"call {call}: new residual"
+            assert torch.equal(got, want), f"call {call}: normed output"
+        out.put((rank, f"errors {int(peers.errors.item())}"))
+    except BaseException:  # noqa: BLE001 - the parent asserts on the message
+        out.put((rank, traceback.format_exc()))
+
+
+def _run_fused_cpu(world: int, ranks: int, spin_limit: int) -> Tuple[Dict[int, str], bytes]:
+    """Spawn `ranks` of a `world`-rank group; (each rank's message, flag bytes afterwards)."""
+    from minisgl.distributed.symm_kernels import flag_bytes
+    region = _STAGING + flag_bytes(world) + 4096  # + slack: regions page apart, like real ones
+    region -= region % 4096
+    shm = torch.zeros(world * region, dtype=torch.uint8).share_memory_()
+    msgs: Dict[int, str] = {}
+    with spawn_ranks(_fused_cpu_rank, ranks, world, shm, region, spin_limit) as procs:
+        for _ in range(ranks):
+            rank, msg = procs.out.get(timeout=180)
+            msgs[rank] = msg
+    flags = b"".join(bytes(shm[q * region + _STAGING:q * region + _STAGING + flag_bytes(world)]
+                           .tolist()) for q in range(world))
+    return msgs, flags
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fused_all_reduce_rmsnorm_in_interpreter(world: int) -> None:
+    """Every call equals all-reduce + triton_ops.rmsnorm bit for bit, on every rank; rows
+    outnumber programs and the grid changes between calls; no barrier gives up; every flag is
+    back at zero afterwards (the next call, or graph replay, starts clean)."""
+    pytest.importorskip("triton")
+    msgs, flags = _run_fused_cpu(world, world, spin_limit=1 << 22)
+    assert msgs == {r: "errors 0" for r in range(world)}, "\n".join(msgs.values())
+    assert not any(flags), "a barrier flag was left set"
+
+
+def test_fused_barrier_gives_up_instead_of_hanging() -> None:
+    """With its peer missing, a rank's barriers give up after spin_limit tries and set both
+    error bits (on a GPU it would also trap)."""
+    pytest.importorskip("triton")
+    msgs, _ = _run_fused_cpu(world=2, ranks=1, spin_limit=50)
+    assert msgs == {0: "errors 3"}, msgs
 
 
 # --- GPU: symmetric memory against NCCL -----------------------------------------------------------
@@ -229,15 +318,121 @@ def test_symm_allreduce_matches_nccl_tp2() -> None:
 def test_llm_tp2_symm_matches_nccl(tmp_path: Path) -> None:
     """The whole engine (decode CUDA graphs included) gives the same greedy tokens with either
     all-reduce: float32, two ranks, so every sum is the same a + b."""
+    path = str(build_tiny("qwen3", tmp_path, None))
+    assert _llm_tp2_tokens(path, "symm", "float32") == _llm_tp2_tokens(path, "nccl", "float32")
+
+
+def _llm_tp2_tokens(path: str, mode: str, dtype: str) -> List[List[int]]:
+    """Greedy tokens of 8 mixed prompts from a tp=2 CUDA engine with all-reduce `mode`."""
     from hf_reference import mixed_prompts
     from minisgl import LLM, SamplingParams
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with LLM(path, tp=2, device="cuda", dtype=dtype, allreduce=mode, show_progress=False) as llm:
+        return [o.token_ids for o in llm.generate(mixed_prompts(8, seed=6), greedy)]
+
+
+# --- GPU: the fused all-reduce + RMSNorm against the two-step path --------------------------------
+_FUSED_ROWS = (1, 7, 64, 256)
+
+
+def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
+    diff = (got.float() - want.float()).abs()
+    return f"{int((got != want).sum())} of {got.numel()} differ, max {float(diff.max()):.3g}"
+
+
+def _two_step(comm: Any, x: torch.Tensor, res: torch.Tensor, w: torch.Tensor
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
+    from minisgl.layers import triton_ops
+    out, new_res = triton_ops.rmsnorm(comm.symm.all_reduce(x), w, 1e-5, res)
+    assert new_res is not None
+    return out, new_res
+
+
+def _check_fused(comm: Any, xs: List[torch.Tensor], ress: List[torch.Tensor], w: torch.Tensor,
+                 outs: List[Tuple[torch.Tensor, torch.Tensor]], what: str) -> None:
+    """Each fused output equals the two-step path's and rank 0's, bit for bit."""
+    for x, res, (out, new_res) in zip(xs, ress, outs):
+        want, want_res = _two_step(comm, x, res, w)
+        assert torch.equal(new_res, want_res), f"{what} {tuple(x.shape)} residual: " + \
+            _mismatch(new_res, want_res)
+        assert torch.equal(out, want), f"{what} {tuple(x.shape)} out: " + _mismatch(out, want)
+        theirs = out.clone()
+        dist.broadcast(theirs, src=0)
+        assert torch.equal(out, theirs), f"{what} {tuple(x.shape)}: ranks differ"
+
+
+def _fused_inputs(gen: torch.Generator, rank: int, dtype: torch.dtype, device: torch.device
+                  ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """Partial sums and residuals; all the same on every rank for the same generator state
+    (the callers scale the partial sums by rank + 1 so that they differ)."""
+    shared = torch.Generator(device=device).manual_seed(int(torch.randint(1 << 30, (1,),
+                                                                            generator=gen)))
+    xs = [torch.randn(r, 4096, device=device, generator=gen).to(dtype) for r in _FUSED_ROWS]
+    ress = [torch.randn(r, 4096, device=device, generator=shared).to(dtype) for r in _FUSED_ROWS]
+    return xs, ress
+
+
+def _fused_rank(rank: int, port: int, out: Any) -> None:
+    def body() -> None:
+        os.environ.update(NO_MULTICAST)
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        groups = init_process_groups(DistributedInfo(rank, 2), device,
+                                     f"tcp://127.0.0.1:{port}", 60.0, allreduce="symm-fused")
+        comm = groups.comm
+        assert comm.symm is not None and comm.fuse_norm
+        for dtype in (torch.bfloat16, torch.float32):
+            # The generators' first draws are the same on both ranks (seed 7 for the shared
+            # seed), then differ per rank for the partial sums.
+            gen = torch.Generator(device=device).manual_seed(7)
+            w = torch.randn(4096, device=device, generator=gen).to(dtype)
+            gen.manual_seed(7)
+            xs, ress = _fused_inputs(gen, rank, dtype, device)
+            xs = [(x * (rank + 1)).contiguous() for x in xs]
+            fused = [comm.all_reduce_rmsnorm(x, r, w, 1e-5) for x, r in zip(xs, ress)]
+            assert all(f is not None for f in fused), "every size must fit"
+            _check_fused(comm, xs, ress, w, fused, f"eager {dtype}")
+            _check_fused_graph(comm, rank, device, dtype, w)
+        torch.cuda.synchronize(device)
+        comm.symm = None  # free the symmetric buffer before the process group goes
+    _report(rank, out, body)
+
+
+def _check_fused_graph(comm: Any, rank: int, device: torch.device, dtype: torch.dtype,
+                       w: torch.Tensor, replays: int = 1000) -> None:
+    """One graph of a fused call per size (with PDL), replayed on new inputs every time; every
+    replay checked (a barrier that let a rank overwrite a buffer early would show here)."""
+    xs = [torch.zeros(r, 4096, dtype=dtype, device=device) for r in _FUSED_ROWS]
+    ress = [torch.zeros_like(x) for x in xs]
+    for x, r in zip(xs, ress):  # warm up (compile) outside the capture
+        comm.all_reduce_rmsnorm(x, r, w, 1e-5, True)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [comm.all_reduce_rmsnorm(x, r, w, 1e-5, True) for x, r in zip(xs, ress)]
+    gen = torch.Generator(device=device).manual_seed(11)
+    for replay in range(replays):
+        gen.manual_seed(11 + replay)  # the shared seed: the same on both ranks
+        new_xs, new_ress = _fused_inputs(gen, rank, dtype, device)
+        for x, r, nx, nr in zip(xs, ress, new_xs, new_ress):
+            x.copy_(nx * (rank + 1))
+            r.copy_(nr)
+        graph.replay()
+        _check_fused(comm, xs, ress, w, outs, f"graph replay {replay} {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs")
+def test_symm_fused_matches_two_step_tp2() -> None:
+    msgs = _spawn(_fused_rank, 2, timeout_s=540)
+    assert msgs == {0: "ok", 1: "ok"}, "\n".join(msgs.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_llm_tp2_symm_fused_matches_symm(tmp_path: Path, dtype: str) -> None:
+    """The whole engine (decode CUDA graphs included) gives the same greedy tokens with the
+    fused all-reduce + RMSNorm as with the two-step path: the kernel gives the same bits."""
     path = str(build_tiny("qwen3", tmp_path, None))
-
-    def run(mode: str) -> List[List[int]]:
-        with LLM(path, tp=2, device="cuda", dtype="float32", allreduce=mode,
-                 show_progress=False) as llm:
-            return [o.token_ids for o in llm.generate(mixed_prompts(8, seed=6), greedy)]
-
-    assert run("symm") == run("nccl")
-
+    assert _llm_tp2_tokens(path, "symm-fused", dtype) == _llm_tp2_tokens(path, "symm", dtype)

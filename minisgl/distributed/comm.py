@@ -5,8 +5,10 @@
 error instead of a hang. On CUDA it can also set up the one-shot symmetric-memory all-reduce
 (symm_allreduce.py), which `Communicator.all_reduce` uses for small tensors (decode) instead of
 NCCL; the `allreduce` mode picks: "auto" (symmetric memory where available, else NCCL, with one
-log line saying why), "nccl" (the process group's own all-reduce: NCCL, or gloo on CPU) or
-"symm" (symmetric memory required: start-up fails with the reason if it is unavailable).
+log line saying why), "nccl" (the process group's own all-reduce: NCCL, or gloo on CPU),
+"symm" (symmetric memory required: start-up fails with the reason if it is unavailable) or
+"symm-fused" ("symm", plus `Communicator.all_reduce_rmsnorm`: the all-reduce, the residual add
+and the RMSNorm after it in one kernel).
 """
 
 from __future__ import annotations
@@ -15,14 +17,14 @@ import datetime
 import logging
 import zlib
 from array import array
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from minisgl.distributed.info import DistributedInfo
-from minisgl.distributed.symm_allreduce import (DEFAULT_SYMM_MAX_BYTES, SymmMemAllReduce,
-                                                check_allreduce_mode)
+from minisgl.distributed.symm_allreduce import (DEFAULT_SYMM_MAX_BYTES, SYMM_MODES,
+                                                SymmMemAllReduce, check_allreduce_mode)
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +33,16 @@ class Communicator:
     """All-reduce (sum) and all-gather over one process group; identity for a single rank.
 
     `symm`, when given, is the symmetric-memory all-reduce of the same ranks; tensors it takes
-    (small, contiguous, bfloat16 / float32) go through it, everything else through `group`."""
+    (small, contiguous, bfloat16 / float32) go through it, everything else through `group`.
+    `fuse_norm`: `all_reduce_rmsnorm` uses symm's fused kernel (which symm must have been
+    created with)."""
 
     def __init__(self, info: DistributedInfo, group: Optional[dist.ProcessGroup] = None,
-                 symm: Optional[SymmMemAllReduce] = None) -> None:
+                 symm: Optional[SymmMemAllReduce] = None, fuse_norm: bool = False) -> None:
         self.info = info
         self.group = group
         self.symm = symm
+        self.fuse_norm = fuse_norm
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over ranks (collective: every rank calls it in the same order with the
@@ -51,6 +56,20 @@ class Communicator:
                 return out
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
         return x
+
+    def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor,
+                           norm_weight: torch.Tensor, eps: float, pdl: bool = False
+                           ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """(rmsnorm(all_reduce(x) + residual) * norm_weight, all_reduce(x) + residual) in one
+        fused kernel, or None, without any communication, where that kernel is off, has one
+        rank or does not fit; the caller then does `all_reduce` and its own norm (layers/
+        linear.py `RowParallelLinear.reduce_norm`: the norm is a layer, which this module,
+        below the layers, does not import). Collective like `all_reduce`; whether it returns
+        None depends only on this object and the tensors' shapes, so it is the same on every
+        rank."""
+        if self.info.size == 1 or self.symm is None or not self.fuse_norm:
+            return None
+        return self.symm.all_reduce_rmsnorm(x, residual, norm_weight, eps, pdl)
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's `x` along the last dimension, in rank order."""
@@ -71,10 +90,11 @@ def init_process_groups(info: DistributedInfo, device: torch.device, init_method
                         symm_max_bytes: int = DEFAULT_SYMM_MAX_BYTES) -> ProcessGroups:
     """Join the tensor-parallel group. Every rank must call this with the same arguments.
 
-    `allreduce` is "auto", "nccl" or "symm" (module docstring); with symmetric memory every rank
-    allocates one `symm_max_bytes` buffer here, before the engine captures any CUDA graph, and
-    all-reduces of larger tensors (prefill) use NCCL. Raises ValueError for a bad mode or "symm"
-    off CUDA (before joining), RuntimeError for "symm" where symmetric memory is unavailable."""
+    `allreduce` is "auto", "nccl", "symm" or "symm-fused" (module docstring); with symmetric
+    memory every rank allocates one `symm_max_bytes` buffer here, before the engine captures any
+    CUDA graph, and all-reduces of larger tensors (prefill) use NCCL. Raises ValueError for a bad
+    mode or "symm" / "symm-fused" off CUDA (before joining), RuntimeError for them where
+    symmetric memory is unavailable."""
     check_allreduce_mode(allreduce, device.type)
     if info.size == 1:
         return ProcessGroups(Communicator(info), None)
@@ -85,7 +105,8 @@ def init_process_groups(info: DistributedInfo, device: torch.device, init_method
                             world_size=info.size, timeout=timeout, **kwargs)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     symm = _symm_all_reduce(allreduce, info, device, cpu_group, symm_max_bytes)
-    return ProcessGroups(Communicator(info, dist.group.WORLD, symm), cpu_group)
+    fuse_norm = symm is not None and allreduce == "symm-fused"
+    return ProcessGroups(Communicator(info, dist.group.WORLD, symm, fuse_norm), cpu_group)
 
 
 def _symm_all_reduce(mode: str, info: DistributedInfo, device: torch.device,
@@ -93,15 +114,16 @@ def _symm_all_reduce(mode: str, info: DistributedInfo, device: torch.device,
     """The symmetric-memory all-reduce the mode asks for, or None (same answer on every rank)."""
     if mode == "nccl" or device.type != "cuda":  # on CPU "auto" is plain gloo, nothing to log
         return None
-    symm, why = SymmMemAllReduce.create(dist.group.WORLD, cpu_group, device, max_bytes)
+    symm, why = SymmMemAllReduce.create(dist.group.WORLD, cpu_group, device, max_bytes,
+                                        fused=mode == "symm-fused")
     if symm is None:
-        if mode == "symm":
-            raise RuntimeError(f"allreduce 'symm': symmetric memory is unavailable ({why})")
+        if mode in SYMM_MODES:
+            raise RuntimeError(f"allreduce {mode!r}: symmetric memory is unavailable ({why})")
         if info.is_primary:
             logger.warning("all-reduce: NCCL only, symmetric memory is unavailable (%s)", why)
     elif info.is_primary:
-        logger.info("all-reduce: one-shot over symmetric memory up to %d bytes, NCCL above",
-                    max_bytes)
+        logger.info("all-reduce: one-shot over symmetric memory up to %d bytes, NCCL above%s",
+                    max_bytes, "; fused with the RMSNorm after it" if mode == "symm-fused" else "")
     return symm
 
 

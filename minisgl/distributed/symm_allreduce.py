@@ -25,6 +25,11 @@ Contract:
 - CUDA graphs: a call is one kernel launch, no host synchronization, and its output comes from
   the caching allocator (the graph's pool during capture), so it can be captured; a captured call
   refers to this object's buffer, which lives as long as the object.
+
+`all_reduce_rmsnorm` (mode "symm-fused") goes one step further: one Triton kernel
+(symm_kernels.py) stages, sums in rank order, adds the residual and applies the RMSNorm, with
+its own barrier flags after the staging bytes of the same buffer (never torch's signal pads, so
+the two kinds of call cannot take each other's signals). The same contract holds for it.
 """
 
 from __future__ import annotations
@@ -38,7 +43,10 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-ALLREDUCE_MODES = ("auto", "nccl", "symm")
+# "symm-fused": "symm", plus the all-reduce fused with the residual add and RMSNorm that follow
+# it (SymmMemAllReduce.all_reduce_rmsnorm). Opt-in until measured; "auto" never fuses.
+ALLREDUCE_MODES = ("auto", "nccl", "symm", "symm-fused")
+SYMM_MODES = ("symm", "symm-fused")  # symmetric memory required: start-up fails without it
 # Largest tensor (bytes) sent through symmetric memory; bigger ones (prefill) use NCCL. 2 MiB is
 # the decode batch of 256 tokens at hidden 4096 in bfloat16 (the default largest decode graph of
 # an 8B model); beyond that one-shot reads grow with the world size while NCCL's fixed cost stops
@@ -50,15 +58,24 @@ SYMM_DTYPES = (torch.bfloat16, torch.float32)
 # aligned tensors, so the local input and the buffer view always agree (the op checks that).
 _ALIGN = 16
 _OP = "one_shot_all_reduce_copy"
+# The fused kernel holds a row in registers (one program per row); wider rows use the two-kernel
+# path. Llama-3.1-70B's hidden size is 8192.
+_FUSED_MAX_COLS = 16384
+# Failed tries of one barrier flag before the fused kernel gives up and traps. Uncalibrated:
+# tens of seconds if a try (a system-scope CAS plus two CTA barriers) costs about a microsecond.
+# A live peer can be seconds late (its first call JIT-compiles the kernel); a dead or diverged
+# one never comes.
+DEFAULT_SPIN_LIMIT = 1 << 26
 
 
 def check_allreduce_mode(mode: str, device_type: str) -> None:
-    """Raise ValueError for an unknown mode, or for 'symm' off CUDA (symmetric memory is CUDA
-    only; 'auto' is the mode that quietly uses gloo / NCCL where it is unavailable)."""
+    """Raise ValueError for an unknown mode, or for 'symm' / 'symm-fused' off CUDA (symmetric
+    memory is CUDA only; 'auto' is the mode that quietly uses gloo / NCCL where it is
+    unavailable)."""
     if mode not in ALLREDUCE_MODES:
         raise ValueError(f"allreduce must be one of {', '.join(ALLREDUCE_MODES)}, got {mode!r}")
-    if mode == "symm" and device_type != "cuda":
-        raise ValueError(f"allreduce 'symm' needs CUDA (symmetric memory), but the device is "
+    if mode in SYMM_MODES and device_type != "cuda":
+        raise ValueError(f"allreduce {mode!r} needs CUDA (symmetric memory), but the device is "
                          f"{device_type!r}; use 'auto' or 'nccl'")
 
 
@@ -127,9 +144,11 @@ def _use_cuda_backend(symm_mem: Any, device: torch.device) -> None:
 
 
 class SymmMemAllReduce:
-    """One symmetric buffer and the one-shot all-reduce through it (see the module docstring)."""
+    """One symmetric buffer and the one-shot all-reduce through it (see the module docstring);
+    with `fused`, also the all-reduce fused with residual add and RMSNorm."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, max_bytes: int) -> None:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, max_bytes: int,
+                 fused: bool = False, spin_limit: int = DEFAULT_SPIN_LIMIT) -> None:
         """Allocate and rendezvous (collective). Prefer `create`, which keeps ranks agreed."""
         if max_bytes < _ALIGN or max_bytes % _ALIGN:
             raise ValueError(f"max_bytes must be a positive multiple of {_ALIGN}, got {max_bytes}")
@@ -139,18 +158,37 @@ class SymmMemAllReduce:
         self.group_name: str = group.group_name
         self.device = device
         self.max_bytes = max_bytes
+        world = dist.get_world_size(group)
+        flags = _fused_flag_bytes(world) if fused else 0
         with torch.cuda.device(device):
-            self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+            self.buffer = symm_mem.empty(max_bytes + flags, dtype=torch.uint8, device=device)
+            if fused:  # the flags start at zero; `create` agrees before any rank may signal
+                self.buffer[max_bytes:].zero_()
+                torch.cuda.synchronize(device)
             self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
+        self.peers = self._peers(world, spin_limit) if fused else None
+
+    def _peers(self, world: int, spin_limit: int) -> Any:
+        """The fused kernel's view of every rank's buffer (symm_kernels.PeerBuffers)."""
+        from minisgl.distributed.symm_kernels import PeerBuffers
+        ptrs = _buffer_ptrs(self.handle, world)
+        if ptrs[self.handle.rank] != self.buffer.data_ptr():
+            raise RuntimeError("symmetric memory: this rank's entry of buffer_ptrs is not its "
+                               "own buffer")
+        return PeerBuffers(self.buffer, torch.tensor(ptrs, dtype=torch.int64, device=self.device),
+                           self.handle.rank, world, self.max_bytes,
+                           torch.zeros(1, dtype=torch.int32, device=self.device), spin_limit,
+                           trap=True)
 
     @classmethod
     def create(cls, group: dist.ProcessGroup, cpu_group: dist.ProcessGroup,
-               device: torch.device, max_bytes: int = DEFAULT_SYMM_MAX_BYTES
-               ) -> Tuple[Optional["SymmMemAllReduce"], Optional[str]]:
+               device: torch.device, max_bytes: int = DEFAULT_SYMM_MAX_BYTES,
+               fused: bool = False) -> Tuple[Optional["SymmMemAllReduce"], Optional[str]]:
         """(instance, None) on every rank, or (None, the same reason) on every rank.
 
         Collective over `group` (whose name the ops use) and `cpu_group` (gloo, for agreeing);
-        the two must hold the same ranks in the same order."""
+        the two must hold the same ranks in the same order. `fused`: also set up
+        `all_reduce_rmsnorm` (every rank must pass the same)."""
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         rank = dist.get_rank(cpu_group)
@@ -161,7 +199,7 @@ class SymmMemAllReduce:
             return None, problem
         instance: Optional[SymmMemAllReduce] = None
         try:
-            instance = cls(group, device, max_bytes)
+            instance = cls(group, device, max_bytes, fused)
         except Exception as e:  # noqa: BLE001 - any failure here means "use NCCL"
             problem = f"{type(e).__name__}: {e}"
         problem = _agree(problem, cpu_group)
@@ -184,3 +222,39 @@ class SymmMemAllReduce:
             return None
         staging = self.buffer[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
         return torch.ops.symm_mem.one_shot_all_reduce_copy(staging, x, "sum", self.group_name)
+
+    def fits_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether `all_reduce_rmsnorm` takes the fused path. Like `fits`, it depends only on
+        devices, dtypes, shapes and layouts, so every rank decides the same."""
+        return (self.peers is not None and self.fits(x) and x.shape[-1] <= _FUSED_MAX_COLS
+                and residual.shape == x.shape and residual.dtype == x.dtype
+                and residual.device == x.device and residual.is_contiguous()
+                and weight.shape == (x.shape[-1],) and weight.device == x.device
+                and weight.is_contiguous())
+
+    def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float, pdl: bool = False
+                           ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """(rmsnorm(sum of x over ranks + residual) * weight, that sum + residual) in new
+        tensors, one kernel; the same bits as `all_reduce` then `triton_ops.rmsnorm` at two
+        ranks (float32 sums in rank order and one rounding, so beyond two ranks the sum may
+        differ from the one-shot op's in the last bit, but never between ranks). None, without
+        any communication, when it does not fit (then use the two-step path). A collective:
+        same contract as `all_reduce`. `pdl`: launch with programmatic dependent launch."""
+        if not self.fits_rmsnorm(x, residual, weight):
+            return None
+        from minisgl.distributed import symm_kernels
+        return symm_kernels.all_reduce_rmsnorm(x, residual, weight, eps, self.peers, pdl)
+
+
+def _fused_flag_bytes(world: int) -> int:
+    from minisgl.distributed.symm_kernels import flag_bytes
+    return flag_bytes(world)
+
+
+def _buffer_ptrs(handle: Any, world: int) -> List[int]:
+    """Every rank's buffer address in this process (index = rank)."""
+    ptrs = getattr(handle, "buffer_ptrs", None)
+    if ptrs is not None:
+        return [int(p) for p in ptrs]
+    return [handle.get_buffer(r, (1,), torch.uint8).data_ptr() for r in range(world)]

@@ -35,8 +35,10 @@ class EngineConfig:
     pdl: str = "auto"
     cuda_graph_max_bs: int = 256  # decode CUDA graphs up to this batch size (0: off; GPU only)
     # TP all-reduce: "auto" (symmetric-memory one-shot for small tensors where CUDA offers it,
-    # else NCCL / gloo), "nccl" (always the process group's own) or "symm" (required; CUDA
-    # only). On 2x H200 the one-shot took 6.4 us per 8 KB call in a graph, NCCL 20.4 us.
+    # else NCCL / gloo), "nccl" (always the process group's own), "symm" (required; CUDA
+    # only) or "symm-fused" ("symm", and each o_proj / down_proj all-reduce fused with the
+    # residual add and RMSNorm after it into one Triton kernel; needs fused_ops; opt-in until
+    # measured). On 2x H200 the one-shot took 6.4 us per 8 KB call in a graph, NCCL 20.4 us.
     allreduce: str = "auto"
     dist_init_method: str = "tcp://127.0.0.1:29500"
     dist_timeout_s: float = 60.0
@@ -57,6 +59,9 @@ class EngineConfig:
         if self.pdl == "on" and (self.device != "cuda" or not self.fused_ops):
             raise ValueError(f"pdl 'on' needs device 'cuda' and fused_ops (got device "
                              f"{self.device!r}, fused_ops {self.fused_ops}); use 'auto' or 'off'")
+        if self.allreduce == "symm-fused" and not self.fused_ops:
+            raise ValueError("allreduce 'symm-fused' fuses the all-reduce into the Triton "
+                             "RMSNorm and needs fused_ops; use 'symm' without them")
 
     @property
     def torch_device(self) -> torch.device:

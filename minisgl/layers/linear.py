@@ -6,13 +6,14 @@ input features and all-reduce the partial sums. Each layer's `load` reads only t
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import Communicator, DistributedInfo, Shard
+from minisgl.layers.norm import RMSNorm
 from minisgl.layers.source import TensorSource, copy_into
 
 
@@ -108,7 +109,11 @@ def check_head_split(num_heads: int, num_kv_heads: int, tp: int) -> None:
 
 
 class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_local W_local^T) + b; the input features are split over ranks."""
+    """y = all_reduce(x_local W_local^T) + b; the input features are split over ranks.
+
+    Where an RMSNorm follows (o_proj, down_proj), the decoder takes the partial product
+    (`forward(x, reduce=False)`) and hands it to `reduce_norm`, which can do the all-reduce,
+    the residual add and the norm in one kernel (Communicator.all_reduce_rmsnorm)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, info: DistributedInfo,
                  comm: Communicator, pdl: bool = False) -> None:
@@ -119,10 +124,31 @@ class RowParallelLinear(nn.Module):
         self.weight = _empty(out_features, self.shard.size)
         self.bias = _empty(out_features) if bias else None
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        """`gated`: x is [gate | up] of the local columns (see project; GEMV path only)."""
-        y = self.comm.all_reduce(project(x, self.weight, None, self.pdl, gated))
+    def forward(self, x: torch.Tensor, reduce: bool = True, gated: bool = False) -> torch.Tensor:
+        """The layer's output; with `reduce=False` only this rank's partial product (no
+        all-reduce, no bias), which the caller must pass to `finish` or `reduce_norm`.
+        `gated`: x is [gate | up] of the local columns (see project; GEMV path only)."""
+        partial = project(x, self.weight, None, self.pdl, gated)
+        return self.finish(partial) if reduce else partial
+
+    def finish(self, partial: torch.Tensor) -> torch.Tensor:
+        """The output from the partial product: all-reduce (a collective), then the bias."""
+        y = self.comm.all_reduce(partial)
         return y if self.bias is None else y + self.bias
+
+    def reduce_norm(self, partial: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """norm(finish(partial), residual): (the normed sum, the new residual). One fused kernel
+        where the communicator offers it (no bias: it is added after the reduce, before the
+        norm; the norm's Triton kernel on CUDA), else exactly `finish` then `norm`. A
+        collective: every rank calls it in the same order with the same shapes."""
+        if self.bias is None and norm.fused and partial.is_cuda:
+            fused = self.comm.all_reduce_rmsnorm(partial, residual, norm.weight, norm.eps,
+                                                 norm.pdl)
+            if fused is not None:
+                return fused
+        # With a residual, RMSNorm returns (normed, new residual).
+        return cast(Tuple[torch.Tensor, torch.Tensor], norm(self.finish(partial), residual))
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
         if param == "bias":

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from minisgl.pdl import launch_options, pdl_enter
+from minisgl.triton_rmsnorm import rmsnorm_row_store, rmsnorm_warps
 
 
 @triton.jit
@@ -35,12 +36,7 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, stride_
     if HAS_RES:
         x = x + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    normed = (xf * inv).to(x.dtype)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * n_cols + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype),
-             mask=mask)
+    rmsnorm_row_store(x, w_ptr, out_ptr + row * n_cols, cols, mask, n_cols, eps)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -64,7 +60,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     block = triton.next_power_of_2(shape[-1])
     _rmsnorm_kernel[(x2.shape[0],)](x2, res, weight, out, res_out, shape[-1], x2.stride(0),
                                     res.stride(0), eps, HAS_RES=residual is not None,
-                                    BLOCK=block, PDL=pdl, num_warps=min(16, max(1, block // 256)),
+                                    BLOCK=block, PDL=pdl, num_warps=rmsnorm_warps(block),
                                     **launch_options(pdl))
     return out.view(shape), (res_out.view(shape) if residual is not None else None)
 

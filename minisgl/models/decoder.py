@@ -2,7 +2,11 @@
 
 Families differ only in small traits (QKV bias, per-head q/k RMSNorm), given by their model
 classes. Tensor parallelism lives in the layers: attention heads and MLP columns are split over
-ranks, and the row-parallel projections all-reduce.
+ranks, and the row-parallel projections all-reduce. Every such all-reduce (o_proj, down_proj) is
+followed by a residual add and an RMSNorm (post_attention_layernorm, the next layer's
+input_layernorm, the final norm), so a layer ends by handing its partial product, un-reduced, to
+`RowParallelLinear.reduce_norm` with the norm that follows: one fused kernel where the
+communicator offers one, else the all-reduce and the norm exactly as two steps.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 
 class Attention(nn.Module):
+    """Self-attention; `forward` returns o_proj's partial product, not yet all-reduced."""
+
     def __init__(self, cfg: ModelConfig, layer: int, traits: "Traits", rotary: RotaryEmbedding,
                  info: DistributedInfo, comm: Communicator) -> None:
         super().__init__()
@@ -69,10 +75,13 @@ class Attention(nn.Module):
         stored = target is not None and self.rotary.rotate_into_cache(positions, q, k, v, *target)
         if not stored:
             q, k = self.rotary(positions, q, k)
-        return self.o_proj(backend.forward(q, k, v, self.layer, batch, kv_stored=stored))
+        return self.o_proj(backend.forward(q, k, v, self.layer, batch, kv_stored=stored),
+                           reduce=False)
 
 
 class MLP(nn.Module):
+    """Gated MLP; `forward` returns down_proj's partial product, not yet all-reduced."""
+
     def __init__(self, cfg: ModelConfig, info: DistributedInfo, comm: Communicator,
                  traits: "Traits") -> None:
         super().__init__()
@@ -86,8 +95,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if takes_gemv(gate_up, self.pdl):  # batch 1: the activation runs inside the down GEMV
-            return self.down_proj(gate_up, gated=True)
-        return self.down_proj(silu_and_mul(gate_up, self.fused, self.pdl))
+            return self.down_proj(gate_up, reduce=False, gated=True)
+        return self.down_proj(silu_and_mul(gate_up, self.fused, self.pdl), reduce=False)
 
 
 class DecoderLayer(nn.Module):
@@ -101,15 +110,17 @@ class DecoderLayer(nn.Module):
                                                 traits.pdl)
         self.mlp = MLP(cfg, info, comm, traits)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor,
-                batch: Batch, backend: AttentionBackend) -> Tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, batch, backend)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm,
+                positions: torch.Tensor, batch: Batch, backend: AttentionBackend
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """x: this layer's input, already normed by its input_layernorm; residual: the stream
+        that norm was applied to. Returns (next_norm(h), h) for h = residual + this layer's
+        output: the next layer's normed input (or, with the final norm, the hidden states)
+        and the new residual."""
+        partial = self.self_attn(x, positions, batch, backend)
+        x, residual = self.self_attn.o_proj.reduce_norm(partial, residual,
+                                                        self.post_attention_layernorm)
+        return self.mlp.down_proj.reduce_norm(self.mlp(x), residual, next_norm)
 
 
 class DecoderModel(nn.Module):
@@ -126,10 +137,13 @@ class DecoderModel(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
                 backend: AttentionBackend) -> torch.Tensor:
-        x, residual = self.embed_tokens(ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, batch, backend)
-        return self.norm(x, residual)[0]
+        residual = self.embed_tokens(ids)
+        x = self.layers[0].input_layernorm(residual)
+        # Each layer applies the norm that follows it: the next layer's input norm, or the last.
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, next_norms):
+            x, residual = layer(x, residual, next_norm, positions, batch, backend)
+        return x
 
 
 class CausalLM(nn.Module):

@@ -45,7 +45,7 @@ class ServerConfig:
     cache: str = "radix"
     decode_reserve_tokens: Optional[int] = None  # None: reserve all of max_tokens (no retraction)
     attention_backend: str = "auto"
-    allreduce: str = "auto"  # TP all-reduce: auto, nccl or symm (see EngineConfig)
+    allreduce: str = "auto"  # TP all-reduce: auto, nccl, symm or symm-fused (see EngineConfig)
     pdl: str = "auto"  # programmatic dependent launch: auto, on or off (see EngineConfig)
     seed: int = 0
     max_n: int = 8
@@ -140,8 +140,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", help="auto, torch or triton")
     p.add_argument("--allreduce", choices=ALLREDUCE_MODES,
                    help="tensor-parallel all-reduce: auto (symmetric-memory one-shot for small "
-                        "tensors on CUDA where available, else NCCL; default), nccl, or symm "
-                        "(required: fail at start-up if unavailable)")
+                        "tensors on CUDA where available, else NCCL; default), nccl, symm "
+                        "(required: fail at start-up if unavailable), or symm-fused (symm, "
+                        "with each all-reduce before an RMSNorm fused into it: one kernel)")
     p.add_argument("--pdl", choices=PDL_MODES,
                    help="programmatic dependent launch for the decode path's kernels: auto (on "
                         "with CUDA, fused ops and compute capability 9.0+; default), on "
