@@ -365,8 +365,8 @@ def _fused_inputs(gen: torch.Generator, rank: int, dtype: torch.dtype, device: t
                   ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """Partial sums and residuals; all the same on every rank for the same generator state
     (the callers scale the partial sums by rank + 1 so that they differ)."""
-    shared = torch.Generator(device=device).manual_seed(int(torch.randint(1 << 30, (1,),
-                                                                            generator=gen)))
+    seed = torch.randint(1 << 30, (1,), device=device, generator=gen)
+    shared = torch.Generator(device=device).manual_seed(int(seed))
     xs = [torch.randn(r, 4096, device=device, generator=gen).to(dtype) for r in _FUSED_ROWS]
     ress = [torch.randn(r, 4096, device=device, generator=shared).to(dtype) for r in _FUSED_ROWS]
     return xs, ress
