@@ -103,16 +103,6 @@ def reference(case: Case, heads: int, kv_heads: int, head_dim: int, layer: int
     return out, pool
 
 
-def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
-    """`out` (in `dtype`) is finite and within the dtype's tolerances of the float32 `ref`."""
-    assert out.dtype == dtype
-    assert torch.isfinite(out).all()
-    out32 = out.float()
-    rel = ((out32 - ref).norm() / ref.norm()).item()
-    assert rel < REL_TOL[dtype], f"relative error {rel:.3g} >= {REL_TOL[dtype]}"
-    torch.testing.assert_close(out32, ref, atol=ATOL[dtype], rtol=ATOL[dtype])
-
-
 def run_and_compare(dtype: torch.dtype, device: str, page_size: int, heads: int, kv_heads: int,
                     head_dim: int, prefix_lens: List[int], extend_lens: List[int], phase: Phase,
                     seed: int = 0, min_split_tokens: int = 16, num_sms: int = 64) -> None:
@@ -132,7 +122,12 @@ def run_and_compare(dtype: torch.dtype, device: str, page_size: int, heads: int,
         print(f"{dtype} splits={None if o_part is None else o_part.shape[2]} "
               f"rel={((out.float() - ref).norm() / ref.norm()).item():.2e}")
     assert out.shape == (sum(extend_lens), heads * head_dim)
-    assert_close_to_reference(out, ref, dtype)
+    assert out.dtype == dtype
+    assert torch.isfinite(out).all()
+    out32 = out.float()
+    rel = ((out32 - ref).norm() / ref.norm()).item()
+    assert rel < REL_TOL[dtype], f"relative error {rel:.3g} >= {REL_TOL[dtype]}"
+    torch.testing.assert_close(out32, ref, atol=ATOL[dtype], rtol=ATOL[dtype])
     # The new K/V landed in their slots, and nothing else in the pool changed.
     torch.testing.assert_close(case.pool.k.float(), ref_pool.k, atol=0, rtol=0)
     torch.testing.assert_close(case.pool.v.float(), ref_pool.v, atol=0, rtol=0)
@@ -172,34 +167,6 @@ def test_decode_single_split_writes_output_directly(dtype: torch.dtype) -> None:
     run_and_compare(*case_args, min_split_tokens=4096, num_sms=1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (8, 2), (8, 1)])  # groups 1, 4, 8
-def test_decode_one_pass_merge_many_splits_and_counter_reuse(dtype: torch.dtype, heads: int,
-                                                             kv_heads: int) -> None:
-    """The one-launch merge: 32 splits over requests of 1 to 1000 tokens, so most requests
-    leave most splits empty and one (1000 tokens in float32's 32-token splits) fills all 32.
-    Three launches on the same scratch: the counters are all zero after each (the last
-    arriver resets its own) and the outputs are bitwise equal."""
-    device = "cuda" if HAS_CUDA else "cpu"
-    prefix = [0, 31, 130, 999]  # 1 token, one full split, 5 splits, all 32 (float32)
-    case = make_case(dtype, device, 16, heads, kv_heads, 32, prefix, [1] * len(prefix),
-                     Phase.DECODE, seed=heads + kv_heads)
-    layer = 1
-    ref, _ = reference(case, heads, kv_heads, 32, layer)
-    backend = TritonBackend(case.pool, case.page_table, heads, kv_heads, 32, 32 ** -0.5)
-    backend.num_sms, backend.min_split_tokens = 4096, 1  # the most splits: 32
-    backend.prepare(case.batch)
-    meta = case.batch.attn_meta
-    assert meta.o_part.shape[2] == backend.max_splits == 32
-    assert meta.counters.shape == (len(prefix), kv_heads) and not meta.counters.any()
-    outs = []
-    for _ in range(3):
-        outs.append(backend.forward(case.q, case.k, case.v, layer, case.batch))
-        assert not meta.counters.any()
-    assert all(torch.equal(o, outs[0]) for o in outs[1:])
-    assert_close_to_reference(outs[0], ref, dtype)
-
-
 @pytest.mark.parametrize("phase", [Phase.DECODE, Phase.PREFILL])
 def test_head_dim_not_power_of_two(phase: Phase) -> None:
     prefix = [3, 30]
@@ -236,7 +203,6 @@ def test_graph_metadata_matches_prepare(dtype: torch.dtype) -> None:
     assert torch.equal(stub.out_slots[:n].long(), case.batch.out_slots.long())
     pad = lambda x: torch.cat([x, torch.randn((bs - n,) + x.shape[1:]).to(x)])  # noqa: E731
     out = backend.forward(pad(case.q), pad(case.k), pad(case.v), 0, stub)
-    assert not stub.attn_meta.counters.any()  # a replay would start clean
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out[:n].float(), ref, atol=ATOL[dtype], rtol=ATOL[dtype])
 

@@ -222,5 +222,5 @@ def test_every_pdl_kernel_waits_for_its_predecessor() -> None:
                      and isinstance(s.value, ast.Call) and isinstance(s.value.func, ast.Name)]
             assert "pdl_enter" in calls, f"{module.__name__}.{node.name} never calls pdl_enter"
             checked.append(node.name)
-    assert {"_rmsnorm_kernel", "_gemv_kernel", "_decode_kernel",
+    assert {"_rmsnorm_kernel", "_gemv_kernel", "_decode_split_kernel",
             "_store_kv_kernel"} <= set(checked)

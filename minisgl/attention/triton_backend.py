@@ -1,10 +1,9 @@
 """Attention over the paged KV with Triton kernels (the fast path on GPUs).
 
 `prepare` turns the batch's lengths into int32 device tensors with one host-to-device copy per
-batch (shared by every layer); `forward` stores the new K/V (`store_kv`) and launches the decode
-kernel (flash-decoding with its merge in one launch, GQA-grouped) for a DECODE batch or the
-causal extend kernel for a PREFILL batch. The kernels read K/V slot by slot through the page
-table, so any page size works.
+batch (shared by every layer); `forward` stores the new K/V with `index_copy_` and launches the
+decode kernels (flash-decoding, GQA-grouped) for a DECODE batch or the causal extend kernel for a
+PREFILL batch. The kernels read K/V slot by slot through the page table, so any page size works.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ class TritonMeta:
     max_extend: int
     o_part: Optional[torch.Tensor]  # decode scratch [batch, heads, splits, d] float32
     lse_part: Optional[torch.Tensor]  # decode scratch [batch, heads, splits] float32
-    counters: Optional[torch.Tensor]  # decode split arrivals [batch, kv_heads] int32, all zero
 
 
 class TritonBackend(AttentionBackend):
@@ -60,10 +58,6 @@ class TritonBackend(AttentionBackend):
         # Read once: the decode split count aims to fill the GPU's multiprocessors.
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 8)
-        # Split arrival counters of eager decode launches (graphs have their own, below).
-        # Invariant: all zero between launches. torch.zeros makes them so when allocated; every
-        # decode launch leaves them so (its last arriving split resets its counter).
-        self._counters = torch.zeros(0, dtype=torch.int32, device=self.device)
 
     def num_splits(self, batch_size: int, max_seq_len: int) -> int:
         """KV splits per (request, KV head): about two waves of programs, none too short."""
@@ -91,35 +85,19 @@ class TritonBackend(AttentionBackend):
                                  dtype=torch.float32, device=self.device)
             lse_part = torch.empty((batch.size, self.num_heads, splits), dtype=torch.float32,
                                    device=self.device)
-        counters = self._eager_counters(batch.size) if decode else None
         batch.attn_meta = TritonMeta(decode, dev[0], dev[1], dev[2], dev[3], dev[4],
-                                     max(batch.extend_lens, default=0), o_part, lse_part,
-                                     counters)
-
-    def _eager_counters(self, batch_size: int) -> torch.Tensor:
-        """Zero split counters [batch_size, kv_heads]: a view of one buffer that only grows
-        (doubling), so a step allocates and zeroes nothing once the largest batch was seen.
-        Every view shares the buffer: launches on it run in stream order, one at a time."""
-        need = batch_size * self.num_kv_heads
-        if self._counters.numel() < need:
-            self._counters = torch.zeros(max(need, 2 * self._counters.numel()),
-                                         dtype=torch.int32, device=self.device)
-        return self._counters[:need].view(batch_size, self.num_kv_heads)
+                                     max(batch.extend_lens, default=0), o_part, lse_part)
 
     # --- CUDA graphs (engine/cuda_graph.py): metadata over the graph's static inputs ---------
     def init_graph_buffers(self, max_bs: int) -> None:
-        """Allocate what decode graphs of up to `max_bs` requests share: the split scratch and
-        the split counters (one flat buffer each serves every size: graphs never run at the
-        same time) and the constant per-request extend lengths (1) and query starts (0, 1, 2,
-        ...). The counters are zeroed here, once: every replay leaves them zero (see
-        `_counters`), so no graph needs a memset."""
+        """Allocate what decode graphs of up to `max_bs` requests share: the split scratch (one
+        flat buffer serves every size: graphs never run at the same time) and the constant
+        per-request extend lengths (1) and query starts (0, 1, 2, ...)."""
         most = max(bs * self._graph_splits(bs) for bs in range(1, max_bs + 1))
         self._graph_o = torch.empty(most * self.num_heads * self.head_dim, dtype=torch.float32,
                                     device=self.device)
         self._graph_lse = torch.empty(most * self.num_heads, dtype=torch.float32,
                                       device=self.device)
-        self._graph_counters = torch.zeros(max_bs * self.num_kv_heads, dtype=torch.int32,
-                                           device=self.device)
         self._graph_ones = torch.ones(max_bs, dtype=torch.int32, device=self.device)
         self._graph_starts = torch.arange(max_bs, dtype=torch.int32, device=self.device)
 
@@ -137,9 +115,8 @@ class TritonBackend(AttentionBackend):
         h, d = self.num_heads, self.head_dim
         o_part = self._graph_o[:bs * h * splits * d].view(bs, h, splits, d)
         lse_part = self._graph_lse[:bs * h * splits].view(bs, h, splits)
-        counters = self._graph_counters[:bs * self.num_kv_heads].view(bs, self.num_kv_heads)
         return TritonMeta(True, rows, positions, self._graph_ones[:bs], seq_lens,
-                          self._graph_starts[:bs], 1, o_part, lse_part, counters)
+                          self._graph_starts[:bs], 1, o_part, lse_part)
 
     def kv_target(self, layer: int, batch: Batch) -> Optional[KVTarget]:
         """The pool's layer caches and the batch's slots: the kernels read every token's K/V,
@@ -158,11 +135,10 @@ class TritonBackend(AttentionBackend):
             q = q.contiguous()  # the kernels index the head dimension densely
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.decode:
-            assert (meta.o_part is not None and meta.lse_part is not None
-                    and meta.counters is not None)
+            assert meta.o_part is not None and meta.lse_part is not None
             decode_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens,
-                             meta.o_part, meta.lse_part, meta.counters, out, self.scale,
-                             self.min_split_tokens, pdl=pdl)
+                             meta.o_part, meta.lse_part, out, self.scale, self.min_split_tokens,
+                             pdl=pdl)
         else:
             extend_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.prefix_lens,
                              meta.extend_lens, meta.q_starts, meta.max_extend, out, self.scale)

@@ -4,13 +4,12 @@ Every kernel reads K/V token by token through the page table (`page_table[row, p
 of token `pos`), so any page size works and no gather copy is made. Softmax runs in float32 in
 base 2 (the scale is pre-multiplied by log2(e)); outputs are cast back to the query's dtype.
 
-- Decode (one new token per request), flash-decoding in one launch: `_decode_kernel` runs one
-  program per (request, KV head, KV split) over all query heads that share the KV head (GQA: K/V
-  are read once per group) and writes a normalised partial output plus its log-sum-exp; the
-  program that arrives last at its (request, KV head) counter merges the splits. With a single
-  split (large batches) each program writes the output itself. The split length is derived from
-  each request's own length inside the kernel, so the grid depends only on (batch size,
-  num_splits), never on the lengths.
+- Decode (one new token per request), flash-decoding: `_decode_split_kernel` runs one program per
+  (request, KV head, KV split) over all query heads that share the KV head (GQA: K/V are read once
+  per group) and writes a normalised partial output plus its log-sum-exp; `_decode_reduce_kernel`
+  merges the splits. With a single split (large batches) the first kernel writes the output
+  itself and the merge pass is skipped. The split length is derived from each request's own length inside the
+  kernel, so the grid depends only on (batch size, num_splits), never on the lengths.
 - Extend (prefill chunks after a cached prefix): `_extend_kernel` runs one program per (request,
   query head, block of new tokens) and attends causally over the prefix and the new tokens, all
   read from the pool (the new K/V must be stored first).
@@ -67,24 +66,27 @@ def _online_softmax_step(qk, v, acc, m_i, l_i, F32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _split_layout(seq_lens_ptr, b, num_splits, min_split, BLOCK_N: tl.constexpr):
-    """(seq_len, split_len, num_valid) of request b: split s covers tokens
-    [s * split_len, min((s + 1) * split_len, seq_len)) and is non-empty iff s < num_valid
-    (num_valid <= num_splits, since split_len >= seq_len / num_splits)."""
+def _decode_split_kernel(
+        q_ptr, k_ptr, v_ptr, page_table_ptr, rows_ptr, seq_lens_ptr, o_part_ptr, lse_part_ptr,
+        out_ptr, scale_log2, num_splits, min_split,
+        stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
+        stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
+        GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
+        DIRECT: tl.constexpr, PDL: tl.constexpr):
+    """Program (b, kv_head, split): partial attention of the GROUP query heads of `kv_head`.
+    DIRECT (a single split): the partial result is the answer; write it to `out`."""
+    pdl_enter(PDL)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(rows_ptr + b).to(tl.int64)
     # A padded entry (seq_len 0) reads token 0 of its row instead of dividing by zero.
     seq_len = tl.maximum(tl.load(seq_lens_ptr + b), 1)
     split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split)
-    return seq_len, split_len, tl.cdiv(seq_len, split_len)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
 
-
-@triton.jit
-def _attend_split(q_ptr, k_ptr, v_ptr, page_table_ptr, row, b, kvh, start, end, scale_log2,
-                  stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
-                  GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr):
-    """Attention of the GROUP query heads of `kvh` over tokens [start, end) of request b:
-    (o [BLOCK_H, BLOCK_D] normalised, lse [BLOCK_H] base 2); rows >= GROUP are junk.
-    Needs start < end: then every row's softmax sum is >= 1 (its maximum contributes 1)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -110,99 +112,44 @@ def _attend_split(q_ptr, k_ptr, v_ptr, page_table_ptr, row, b, kvh, start, end, 
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [N, D]
         acc, m_i, l_i = _online_softmax_step(qk, v, acc, m_i, l_i, F32_DOT)
 
-    return acc / l_i[:, None], m_i + tl.log2(l_i)
+    # An empty split (zero iterations) writes finite junk that the reduce kernel masks out.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = m_i + tl.log2(l_safe)
+    if DIRECT:
+        tl.store(out_ptr + b * stride_out_t + heads[:, None] * stride_out_h + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+    else:
+        o_ptrs = (o_part_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
+                  + offs_d[None, :])
+        tl.store(o_ptrs, o, mask=mask_h[:, None] & mask_d[None, :])
+        tl.store(lse_part_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
 
 
 @triton.jit
-def _merge_head(o_part_ptr, lse_part_ptr, out_ptr, b, h, num_valid,
-                stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t,
-                stride_out_h, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_D: tl.constexpr):
-    """out[b, h] = the splits [0, num_valid) of query head h merged by their log-sum-exp
-    weights. The partials were written by other programs: the caller has acquired them, and
-    the loads bypass L1 (.cg), which is not coherent between multiprocessors and may hold
-    lines of these addresses from an earlier launch."""
+def _decode_reduce_kernel(
+        o_part_ptr, lse_part_ptr, out_ptr, seq_lens_ptr, num_splits, min_split,
+        stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
+        BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    """Program (b, head): merge the non-empty splits by their log-sum-exp weights."""
+    pdl_enter(PDL)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.maximum(tl.load(seq_lens_ptr + b), 1)
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split)
+    num_valid = tl.cdiv(seq_len, split_len)  # same arithmetic as the split kernel
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_s = offs_s < num_valid
     mask_d = offs_d < HEAD_DIM
-    lse = tl.load(lse_part_ptr + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=_NEG,
-                  cache_modifier=".cg")
+    lse = tl.load(lse_part_ptr + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=_NEG)
     w = tl.where(mask_s, tl.exp2(lse - tl.max(lse, 0)), 0.0)
     o = tl.load(o_part_ptr + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os
-                + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0,
-                cache_modifier=".cg")
+                + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
     out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
     tl.store(out_ptr + b * stride_out_t + h * stride_out_h + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=mask_d)
-
-
-@triton.jit
-def _arrive_last(counter_ptr, arrivals):
-    """Count this program's arrival at `*counter_ptr`, one of `arrivals` per launch; whether
-    it is the last. The last one sees every earlier arriver's stores (they released them, it
-    acquires) and sets the counter back to 0, which nobody else touches in this launch."""
-    # One thread performs the scalar atomic: the CTA barrier first orders every thread's
-    # stores before it, so its release publishes them all (PTX release is cumulative).
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    last = arrived == arrivals - 1
-    if last:
-        tl.store(counter_ptr, 0)
-    return last
-
-
-@triton.jit
-def _decode_kernel(
-        q_ptr, k_ptr, v_ptr, page_table_ptr, rows_ptr, seq_lens_ptr, o_part_ptr, lse_part_ptr,
-        counters_ptr, out_ptr, scale_log2, num_splits, min_split,
-        stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
-        stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_cb, stride_ch,
-        stride_out_t, stride_out_h,
-        GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        F32_DOT: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
-    """Program (b, kv_head, split): attention of the GROUP query heads of `kv_head` over one
-    KV split of request b. DIRECT (a single split): the result is the answer; write it to
-    `out`. Otherwise write the partial (o, lse), then arrive at counter (b, kv_head); the last
-    of the request's non-empty splits to arrive merges them into `out` and sets the counter
-    back to 0. Empty splits (short requests) do nothing and do not arrive.
-
-    Counter invariant: all zero before and after every launch. The last arriver restores it;
-    the next launch (or graph replay) touches the counters only after this one completed:
-    stream order, or with PDL its gdc_wait in pdl_enter."""
-    pdl_enter(PDL)
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len, split_len, num_valid = _split_layout(seq_lens_ptr, b, num_splits, min_split,
-                                                  BLOCK_N)
-    if split < num_valid:
-        row = tl.load(rows_ptr + b).to(tl.int64)
-        start = split * split_len
-        end = tl.minimum(start + split_len, seq_len)
-        o, lse = _attend_split(q_ptr, k_ptr, v_ptr, page_table_ptr, row, b, kvh, start, end,
-                               scale_log2, stride_qt, stride_qh, stride_ks, stride_kh,
-                               stride_vs, stride_vh, stride_pt, GROUP, BLOCK_H, BLOCK_N,
-                               HEAD_DIM, BLOCK_D, F32_DOT)
-        offs_h = tl.arange(0, BLOCK_H)
-        offs_d = tl.arange(0, BLOCK_D)
-        heads = kvh * GROUP + offs_h
-        mask = (offs_h < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
-        if DIRECT:
-            tl.store(out_ptr + b * stride_out_t + heads[:, None] * stride_out_h + offs_d[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.store(o_part_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
-                     + offs_d[None, :], o, mask=mask)
-            tl.store(lse_part_ptr + b * stride_lb + heads * stride_lh + split, lse,
-                     mask=offs_h < GROUP)
-            if _arrive_last(counters_ptr + b * stride_cb + kvh * stride_ch, num_valid):
-                for i in tl.static_range(GROUP):
-                    _merge_head(o_part_ptr, lse_part_ptr, out_ptr, b, kvh * GROUP + i,
-                                num_valid, stride_ob, stride_oh, stride_os, stride_lb,
-                                stride_lh, stride_out_t, stride_out_h, BLOCK_S, HEAD_DIM,
-                                BLOCK_D)
 
 
 @triton.jit
@@ -295,41 +242,45 @@ def extend_tiles(dtype: torch.dtype, head_dim: int) -> ExtendTiles:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      page_table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
-                     o_part: torch.Tensor, lse_part: torch.Tensor, counters: torch.Tensor,
-                     out: torch.Tensor, scale: float, min_split_tokens: int = 0,
+                     o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
+                     scale: float, min_split_tokens: int = 0,
                      tiles: Optional[DecodeTiles] = None, pdl: bool = False) -> None:
-    """One query token per request, in one launch.
+    """One query token per request.
 
     q/out [B, heads, d] (last dim contiguous); k/v_cache [slots, kv_heads, d] (one layer);
     page_table [rows, ctx] int32; rows/seq_lens [B] int32 (seq_len counts the new token, whose
-    K/V must already be in the pool); o_part [B, heads, S, d] and lse_part [B, heads, S]
-    (last dim contiguous) float32 scratch, where S = num_splits; counters [B, kv_heads] int32
-    scratch that must be all zero on entry and is all zero again when the kernel has completed
-    (unused when S = 1). Request b's KV is cut into at most S splits of
+    K/V must already be in the pool); o_part [B, heads, S, d] and lse_part [B, heads, S] float32
+    scratch, where S = num_splits. Request b's KV is cut into at most S splits of
     max(ceil(seq_len / S), min_split_tokens) tokens (rounded up to the tile), computed in the
-    kernel from the device lengths: the launch depends only on shapes (graph-capturable).
-    Launches sharing `counters` (or o_part / lse_part) must run one after another (one stream).
+    kernels from the device lengths: launches depend only on shapes (graph-capturable).
     `pdl`: launch with programmatic dependent launch (minisgl/pdl.py).
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     num_splits = o_part.shape[2]
+    block_d = _block_d(head_dim)
     tiles = tiles or decode_tiles(q.dtype, head_dim, num_splits)
     min_split = triton.cdiv(max(min_split_tokens, 1), tiles.block_n) * tiles.block_n
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, rows, seq_lens, o_part, lse_part, counters, out,
+    direct = num_splits == 1  # one split: no merge pass (the large-batch case)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, page_table, rows, seq_lens, o_part, lse_part, out,
         scale * _LOG2E, num_splits, min_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1), counters.stride(0), counters.stride(1),
-        out.stride(0), out.stride(1),
+        lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim,
-        BLOCK_D=_block_d(head_dim), F32_DOT=_f32_dot(q),
-        DIRECT=num_splits == 1,  # one split: no merge (the large-batch case)
-        PDL=pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl))
+        HEAD_DIM=head_dim, BLOCK_D=block_d, F32_DOT=_f32_dot(q), DIRECT=direct, PDL=pdl,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl))
+    if direct:
+        return
+    _decode_reduce_kernel[(batch, num_heads)](
+        o_part, lse_part, out, seq_lens, num_splits, min_split,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_N=tiles.block_n,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, PDL=pdl, num_warps=4, **launch_options(pdl))
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
