@@ -332,7 +332,10 @@ def _llm_tp2_tokens(path: str, mode: str, dtype: str) -> List[List[int]]:
 
 
 # --- GPU: the fused all-reduce + RMSNorm against the two-step path --------------------------------
-_FUSED_ROWS = (1, 7, 64, 256)
+def _fused_rows(dtype: torch.dtype) -> Tuple[int, ...]:
+    """Row counts that fit the default 2 MiB staging buffer at hidden 4096 (bf16: up to 256
+    rows, the largest decode graph; float32: up to 128)."""
+    return (1, 7, 64, 256) if dtype == torch.bfloat16 else (1, 7, 64, 128)
 
 
 def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
@@ -367,8 +370,9 @@ def _fused_inputs(gen: torch.Generator, rank: int, dtype: torch.dtype, device: t
     (the callers scale the partial sums by rank + 1 so that they differ)."""
     seed = torch.randint(1 << 30, (1,), device=device, generator=gen)
     shared = torch.Generator(device=device).manual_seed(int(seed))
-    xs = [torch.randn(r, 4096, device=device, generator=gen).to(dtype) for r in _FUSED_ROWS]
-    ress = [torch.randn(r, 4096, device=device, generator=shared).to(dtype) for r in _FUSED_ROWS]
+    rows = _fused_rows(dtype)
+    xs = [torch.randn(r, 4096, device=device, generator=gen).to(dtype) for r in rows]
+    ress = [torch.randn(r, 4096, device=device, generator=shared).to(dtype) for r in rows]
     return xs, ress
 
 
@@ -391,6 +395,8 @@ def _fused_rank(rank: int, port: int, out: Any) -> None:
             xs = [(x * (rank + 1)).contiguous() for x in xs]
             fused = [comm.all_reduce_rmsnorm(x, r, w, 1e-5) for x, r in zip(xs, ress)]
             assert all(f is not None for f in fused), "every size must fit"
+            too_big = torch.zeros(2 * _fused_rows(dtype)[-1], 4096, dtype=dtype, device=device)
+            assert comm.all_reduce_rmsnorm(too_big, too_big, w, 1e-5) is None  # caller falls back
             _check_fused(comm, xs, ress, w, fused, f"eager {dtype}")
             _check_fused_graph(comm, rank, device, dtype, w)
         torch.cuda.synchronize(device)
@@ -402,7 +408,7 @@ def _check_fused_graph(comm: Any, rank: int, device: torch.device, dtype: torch.
                        w: torch.Tensor, replays: int = 1000) -> None:
     """One graph of a fused call per size (with PDL), replayed on new inputs every time; every
     replay checked (a barrier that let a rank overwrite a buffer early would show here)."""
-    xs = [torch.zeros(r, 4096, dtype=dtype, device=device) for r in _FUSED_ROWS]
+    xs = [torch.zeros(r, 4096, dtype=dtype, device=device) for r in _fused_rows(dtype)]
     ress = [torch.zeros_like(x) for x in xs]
     for x, r in zip(xs, ress):  # warm up (compile) outside the capture
         comm.all_reduce_rmsnorm(x, r, w, 1e-5, True)
