@@ -25,8 +25,12 @@ fi
 if [ "$MODE" = latency1 ]; then
   step latency_8b_tp1 200 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --steps 100 --prefill 8192 --profile
 fi
-if [ "$MODE" = latency2 ]; then  # about 150 s: two 8B dummy inits, graph capture
-  step latency_8b_tp2 240 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --steps 50
+if [ "$MODE" = latency2 ]; then  # batch 1 only: with 64 too it outran 130 s (sixth session)
+  step latency_8b_tp2 240 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --batch-sizes 1 --steps 50
+fi
+if [ "$MODE" = fused2 ]; then  # tp=2 with the fused all-reduce + RMSNorm: its LLM test, its speed
+  step fused_tests_tp2 200 python3 -m pytest -q -m gpu tests/test_allreduce.py -k "symm_fused"
+  step latency_8b_tp2_fused 240 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --batch-sizes 1 --steps 50 --allreduce symm-fused
 fi
 if [ "$MODE" = nopdl ]; then  # the ablation: programmatic dependent launch off (tp=1)
   step latency_8b_tp1_nopdl 200 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --steps 100 --pdl off --profile
