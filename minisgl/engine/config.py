@@ -37,8 +37,10 @@ class EngineConfig:
     # TP all-reduce: "auto" (symmetric-memory one-shot for small tensors where CUDA offers it,
     # else NCCL / gloo), "nccl" (always the process group's own), "symm" (required; CUDA
     # only) or "symm-fused" ("symm", and each o_proj / down_proj all-reduce fused with the
-    # residual add and RMSNorm after it into one Triton kernel; needs fused_ops; opt-in until
-    # measured). On 2x H200 the one-shot took 6.4 us per 8 KB call in a graph, NCCL 20.4 us.
+    # residual add and RMSNorm after it into one Triton kernel; needs fused_ops; bit-identical
+    # to "symm"; opt-in until its end-to-end tp=2 run). On 2x H200, per call in a graph: NCCL
+    # 22.4 us, one-shot 6.4, one-shot + RMSNorm 7.9, fused 6.9 at one token (at 256: 48.0,
+    # 24.1, 27.6, 15.6; benchmarks/RESULTS.md).
     allreduce: str = "auto"
     dist_init_method: str = "tcp://127.0.0.1:29500"
     dist_timeout_s: float = 60.0
