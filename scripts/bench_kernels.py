@@ -183,7 +183,7 @@ def bench_extend(shape: Shape, args: argparse.Namespace) -> None:
                tflops=round(flops / us / 1e6, 1), max_err=round(err, 4))
 
 
-# --- batch-1 projections ----------------------------------------------------------------------------
+# --- batch-1 projections --------------------------------------------------------------------------
 # The tile sweep behind triton_ops.gemv_tiles (11 tiles, split-K with atomics among them; commit
 # 480d653, benchmarks/RESULTS.md) is done; what stays is the model's GEMV against cuBLAS.
 def projections(cfg: ModelConfig, tp: int) -> Iterator[Tuple[str, int, int]]:

@@ -5,9 +5,10 @@ For each batch size (default 1, 64, 256) every request holds a fixed context (de
 `--context 100-1700` draws each request's length uniformly instead, like the offline workload
 of random K/V) and the engine runs full decode steps (`Engine.forward`: inputs, model, sampling)
 on dummy weights, synchronously (wait for each step's tokens) and overlapped (launch step N+1
-before collecting step N, as the scheduler runs by default). The roofline of one step is the bytes it must read from device memory, this
-rank's weights plus the batch's KV, over the device-to-device copy bandwidth measured in the same
-run (a large copy; bytes read + written over the time, with CUDA events). Prints a table and one
+before collecting step N, as the scheduler runs by default). The roofline of one step is the
+bytes it must read from device memory, this rank's weights plus the batch's KV, over the
+device-to-device copy bandwidth measured in the same run (a large copy; bytes read + written
+over the time, with CUDA events). Prints a table and one
 line of JSON (prefixed "RESULT ").
 
     PYTHONPATH=. python scripts/bench_latency.py --model configs/models/llama-3.1-8b

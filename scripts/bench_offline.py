@@ -32,6 +32,10 @@ from minisgl.engine import PDL_MODES
 from minisgl.message import SchedulerStats
 from minisgl.models import ModelConfig
 
+# HF continuous batching's share of free GPU memory for its KV cache: its default (0.9) ran out
+# of memory in its own prefill on the 256-request workload of the 8B shape (H200).
+HF_MEMORY_PERCENT = 0.7
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -93,10 +97,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--peer-cuda-graph", choices=["on", "off"], default="on",
                    help="HF continuous batching with CUDA graphs (on, the default) or without: "
                         "take the faster of the two as HF's best")
-    p.add_argument("--peer-memory-percent", type=float, default=0.7,
+    p.add_argument("--peer-memory-percent", type=float, default=HF_MEMORY_PERCENT,
                    help="HF's max_memory_percent: the share of free GPU memory its KV cache "
-                        "takes (its default 0.9 ran out of memory in its own prefill on 256 "
-                        "requests of the 8B shape on an H200)")
+                        "takes (see HF_MEMORY_PERCENT)")
     p.add_argument("--peer-attn", default="sdpa",
                    help="attn_implementation for the HF peer (e.g. sdpa, paged|sdpa, "
                         "flash_attention_2)")
@@ -202,7 +205,7 @@ def load_hf_model(args: argparse.Namespace) -> Any:
 
 
 def hf_batching_options(gen: Any, on_cuda: bool, cuda_graph: bool = True,
-                        memory_percent: float = 0.7) -> Dict[str, Any]:
+                        memory_percent: float = HF_MEMORY_PERCENT) -> Dict[str, Any]:
     """HF's fastest continuous-batching settings, in whichever form the installed transformers
     takes them: on CUDA, asynchronous batching and (unless `cuda_graph` is False) CUDA graphs
     (newer releases: a ContinuousBatchingConfig; older ones read them from the
@@ -225,7 +228,7 @@ def hf_batching_options(gen: Any, on_cuda: bool, cuda_graph: bool = True,
 
 
 def start_hf_manager(model: Any, max_new_tokens: int, cuda_graph: bool = True,
-                     memory_percent: float = 0.7) -> Optional[Any]:
+                     memory_percent: float = HF_MEMORY_PERCENT) -> Optional[Any]:
     """A started continuous-batching manager (greedy, no EOS), or None where the installed
     transformers has no per-request max_new_tokens (then `generate_batch` is the fallback)."""
     from transformers import GenerationConfig

@@ -39,6 +39,13 @@ def _spawn(target: Callable[..., None], world: int, timeout_s: float) -> Dict[in
     return msgs
 
 
+def _assert_ranks_ok(target: Callable[..., None], timeout_s: float, world: int = 2) -> None:
+    """Spawn `world` ranks of target and require every one to report "ok" (else show their
+    tracebacks)."""
+    msgs = _spawn(target, world, timeout_s)
+    assert msgs == {r: "ok" for r in range(world)}, "\n".join(msgs.values())
+
+
 def _report(rank: int, out: Any, body: Callable[[], None]) -> None:
     try:
         body()
@@ -137,8 +144,7 @@ def _gloo_rank(rank: int, port: int, out: Any) -> None:
 
 
 def test_auto_on_cpu_is_gloo() -> None:
-    msgs = _spawn(_gloo_rank, 2, timeout_s=90)
-    assert msgs == {0: "ok", 1: "ok"}, msgs
+    _assert_ranks_ok(_gloo_rank, timeout_s=90)
 
 
 def test_fits_is_decided_by_shape_dtype_and_layout() -> None:
@@ -309,8 +315,7 @@ def _symm_rank(rank: int, port: int, out: Any) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs")
 def test_symm_allreduce_matches_nccl_tp2() -> None:
-    msgs = _spawn(_symm_rank, 2, timeout_s=240)
-    assert msgs == {0: "ok", 1: "ok"}, "\n".join(msgs.values())
+    _assert_ranks_ok(_symm_rank, timeout_s=240)
 
 
 @pytest.mark.gpu
@@ -430,8 +435,7 @@ def _check_fused_graph(comm: Any, rank: int, device: torch.device, dtype: torch.
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs")
 def test_symm_fused_matches_two_step_tp2() -> None:
-    msgs = _spawn(_fused_rank, 2, timeout_s=540)
-    assert msgs == {0: "ok", 1: "ok"}, "\n".join(msgs.values())
+    _assert_ranks_ok(_fused_rank, timeout_s=540)
 
 
 @pytest.mark.gpu

@@ -1,5 +1,6 @@
-"""The Triton decode-path kernels (RMSNorm with residual, SiLU-and-mul, rotary, one-token GEMV)
-against the torch layers they replace. On CPU through Triton's interpreter (float32); on CUDA also in bfloat16."""
+"""The Triton decode-path kernels (RMSNorm with residual, SiLU-and-mul, rotary, one-token GEMV,
+argmax) against the torch layers they replace. On CPU through Triton's interpreter (float32); on
+CUDA also in bfloat16."""
 
 from __future__ import annotations
 
@@ -216,7 +217,8 @@ def test_every_pdl_kernel_waits_for_its_predecessor() -> None:
     checked = []
     for module in (triton_ops, triton_kernels):
         for node in ast.walk(ast.parse(inspect.getsource(module))):
-            if not isinstance(node, ast.FunctionDef) or "PDL" not in [a.arg for a in node.args.args]:
+            if (not isinstance(node, ast.FunctionDef)
+                    or "PDL" not in [a.arg for a in node.args.args]):
                 continue
             calls = [s.value.func.id for s in node.body if isinstance(s, ast.Expr)
                      and isinstance(s.value, ast.Call) and isinstance(s.value.func, ast.Name)]

@@ -8,8 +8,9 @@ base 2 (the scale is pre-multiplied by log2(e)); outputs are cast back to the qu
   (request, KV head, KV split) over all query heads that share the KV head (GQA: K/V are read once
   per group) and writes a normalised partial output plus its log-sum-exp; `_decode_reduce_kernel`
   merges the splits. With a single split (large batches) the first kernel writes the output
-  itself and the merge pass is skipped. The split length is derived from each request's own length inside the
-  kernel, so the grid depends only on (batch size, num_splits), never on the lengths.
+  itself and the merge pass is skipped. The split length is derived from each request's own
+  length inside the kernel, so the grid depends only on (batch size, num_splits), never on the
+  lengths.
 - Extend (prefill chunks after a cached prefix): `_extend_kernel` runs one program per (request,
   query head, block of new tokens) and attends causally over the prefix and the new tokens, all
   read from the pool (the new K/V must be stored first).

@@ -166,9 +166,11 @@ def rotary_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: t
     tokens, n_q, dim = q.shape
     if store is not None:
         _check_rotary_layout(store.v)
-        if store.k_cache.stride()[1:] != (dim, 1) or store.v_cache.stride() != store.k_cache.stride():
+        cache_strides = store.k_cache.stride()
+        if cache_strides[1:] != (dim, 1) or store.v_cache.stride() != cache_strides:
             raise ValueError("rotary K/V store needs contiguous [slots, kv_heads, head_dim] caches")
     if tokens:
+        # Without a store the kernel never touches these four (STORE=False): any tensors do.
         v, k_cache, v_cache, slots = store if store is not None else (k, k, k, positions)
         _rotary_qk_kernel[(tokens,)](
             q, k, v, positions, cos, sin, slots, k_cache, v_cache, q.stride(0), k.stride(0),
