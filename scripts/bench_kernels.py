@@ -9,6 +9,8 @@ a few replays; every call reads inputs larger than the L2 cache, as in a real st
   workload (seeded, pages shuffled), for every (block_n, warps, stages, splits).
 - `extend`: the causal extend kernel on a prefill chunk of fresh prompts.
 - `linear`: y = x W^T for one token and every projection of the model at tp 1 and 2.
+- `normlinear`: the one-token projections that follow an RMSNorm, with the norm (and the
+  rotary / SiLU after them) as kernels of their own and fused into the GEMV.
 - `gemm`: the same projections for a whole prefill chunk (cuBLAS).
 
     PYTHONPATH=. python scripts/bench_kernels.py --what decode,extend,linear
@@ -29,6 +31,7 @@ import triton
 from minisgl.attention.triton_kernels import (DecodeTiles, ExtendTiles, decode_attention,
                                               extend_attention)
 from minisgl.layers import triton_ops
+from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.models.config import ModelConfig
 
 
@@ -230,6 +233,65 @@ def bench_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
             del ws
 
 
+def bench_norm_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
+    """The batch-1 projections that follow an RMSNorm (QKV, gate_up; tp 1 and 2), all with PDL:
+    the norm kernel then the GEMV, against the norm inside the GEMV at each launch width; and
+    the whole chain (norm, GEMV, then rotary with the K/V store or SiLU-and-mul) against the one
+    kernel that fuses it."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    x, res = (torch.randn((1, h), dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    nw = torch.rand(h, dtype=torch.bfloat16, device="cuda") + 0.5
+    rotary = RotaryEmbedding(d, 4096, cfg.rope_theta, cfg.rope_scaling).cuda()
+    pos, slot = (torch.tensor([1000], device="cuda") for _ in range(2))
+    for tp in (1, 2):
+        n_q, n_kv = cfg.num_heads // tp, max(1, cfg.num_kv_heads // tp)
+        caches = [torch.zeros((2048, n_kv, d), dtype=torch.bfloat16, device="cuda")
+                  for _ in range(2)]
+        rope = triton_ops.QKVRope(pos, rotary.cos, rotary.sin, n_q, n_kv, *caches, slot)
+        def store(qkv: torch.Tensor) -> object:
+            q, k, v = (t.view(1, -1, d) for t in qkv.split([n_q * d, n_kv * d, n_kv * d], -1))
+            return triton_ops.rotary_qk_(q, k, pos, rotary.cos, rotary.sin, True,
+                                         triton_ops.KVStore(v, *caches, slot))
+        for name, n, k in projections(cfg, tp):
+            if name not in ("qkv", "gate_up"):
+                continue
+            copies = max(2, -(-(512 << 20) // (n * k * 2)))
+            ws = [torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
+                  for _ in range(copies)]
+            variants: Dict[str, Callable[[torch.Tensor], object]] = {
+                "rmsnorm+gemv": lambda w: triton_ops.gemv(
+                    triton_ops.rmsnorm(x, nw, 1e-5, res, pdl=True)[0], w, pdl=True)}
+            for warps, stages in itertools.product((4, 8, 16), (1, 2)):
+                variants[f"norm_gemv w{warps} st{stages}"] = (
+                    lambda w, nw_=warps, st=stages: triton_ops.norm_gemv(
+                        x, res, nw, 1e-5, w, pdl=True, num_warps=nw_, num_stages=st))
+            if name == "qkv":
+                variants["rmsnorm+gemv+rotary_store"] = lambda w: store(triton_ops.gemv(
+                    triton_ops.rmsnorm(x, nw, 1e-5, res, pdl=True)[0], w, pdl=True))
+                variants["norm_qkv_rope"] = lambda w: triton_ops.norm_qkv_rope(
+                    x, res, nw, 1e-5, w, None, rope, pdl=True)
+            else:
+                variants["rmsnorm+gemv+silu"] = lambda w: triton_ops.silu_and_mul(
+                    triton_ops.gemv(triton_ops.rmsnorm(x, nw, 1e-5, res, pdl=True)[0], w,
+                                    pdl=True), pdl=True)
+                variants["norm_gate_up_silu"] = lambda w: triton_ops.norm_gate_up_silu(
+                    x, res, nw, 1e-5, w, pdl=True)
+            for label, fn in variants.items():
+                state = iter(itertools.cycle(ws))
+
+                def run(fn: Callable[[torch.Tensor], object] = fn) -> None:
+                    fn(next(state))
+                try:
+                    us = time_graph(run, copies, args.reps)
+                except Exception as exc:
+                    print(f"norm_linear {name} tp{tp} {label}: {type(exc).__name__}: "
+                          f"{str(exc)[:120]}")
+                    continue
+                report("normlin", {"proj": name, "tp": tp, "n": n, "k": k, "impl": label}, us,
+                       tb_s=round(n * k * 2 / 1e9 / us * 1e3, 2))
+            del ws
+
+
 def bench_prefill_gemm(cfg: ModelConfig, args: argparse.Namespace) -> None:
     """The projections of a whole prefill chunk (cuBLAS, tp 1): compute-bound, so TFLOP/s."""
     x = torch.randn((args.chunk, cfg.hidden_size), dtype=torch.bfloat16, device="cuda")
@@ -270,6 +332,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     what = set(args.what.split(","))
     if "linear" in what:
         bench_linear(cfg, args)
+    if "normlinear" in what:
+        bench_norm_linear(cfg, args)
     if "gemm" in what:
         bench_prefill_gemm(cfg, args)
     if "decode" in what:

@@ -107,3 +107,34 @@ def test_pdl_bf16_batch1_gemv_path_is_deterministic(tiny_qwen3: Path) -> None:
             return llm.generate(mixed_prompts(1, seed=3), one)[0].token_ids
     first = run()
     assert len(first) == 12 and run() == first
+
+
+@pytest.mark.skipif(not _pdl_device(), reason="needs compute capability 9.0+")
+@pytest.mark.parametrize("family", ["qwen2", "llama3", "qwen3"])
+def test_bf16_batch1_fused_projections_match_the_unfused_path(family: str,
+                                                              tmp_path: Path) -> None:
+    """At batch 1 in bf16 with PDL each layer's norms run inside the QKV and gate/up GEMVs and,
+    without per-head q/k norms (qwen2 with its QKV bias, llama3 with its scaled rope), the
+    rotary and the K/V store run in the QKV GEMV's epilogue. Against PDL off (separate norm,
+    rotary, store kernels and cuBLAS) the greedy tokens agree: the tiny models' logits are far
+    apart, so a last-bit difference does not flip them, while a wrong rotation, slot or
+    residual would."""
+    path = build_tiny(family, tmp_path / family, None)
+    assert _batch1_bf16(path, pdl="on") == _batch1_bf16(path, pdl="off")
+
+
+def _batch1_bf16(path: Path, **kw: object) -> list:
+    """Greedy tokens of three prompts generated one at a time (batch 1) in bfloat16."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with LLM(str(path), device="cuda", dtype="bfloat16", show_progress=False,
+             **kw) as llm:  # type: ignore[arg-type]
+        return [llm.generate([p], params)[0].token_ids for p in mixed_prompts(3, seed=4)]
+
+
+@pytest.mark.skipif(_gpus() < 2 or not _pdl_device(), reason="needs two Hopper GPUs")
+def test_bf16_batch1_fused_projections_tp2_match_tp1(tmp_path: Path) -> None:
+    """At tp=2 the batch-1 fused kernels take the all-reduced o_proj / down_proj output (the
+    stream's reduction runs first, then the norm inside the next GEMV); the tokens equal tp=1's
+    (llama3: QKV with rotary and K/V store fused)."""
+    path = build_tiny("llama3", tmp_path / "llama3", None)
+    assert _batch1_bf16(path, pdl="on", tp=2) == _batch1_bf16(path, pdl="on", tp=1)

@@ -17,7 +17,8 @@ from minisgl.layers import triton_ops  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from minisgl.layers.activation import silu_and_mul  # noqa: E402
-from minisgl.layers.linear import project  # noqa: E402
+from minisgl.distributed import DistributedInfo  # noqa: E402
+from minisgl.layers.linear import ColumnParallelLinear, Stream, project  # noqa: E402
 from minisgl.layers.norm import RMSNorm  # noqa: E402
 from minisgl.layers.rotary import RotaryEmbedding  # noqa: E402
 
@@ -151,25 +152,117 @@ def test_gemv_matches_linear(dtype: torch.dtype, pdl: bool, n: int, k: int, bias
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,k", [(10, 64), (7, 300), (9, 4096), (5, 6000)])
-def test_gated_gemv_equals_silu_and_mul_then_gemv(dtype: torch.dtype, n: int, k: int) -> None:
-    """The MLP's batch-1 down projection computes silu(gate) * up inside the GEMV: bit-identical
-    to the SiLU kernel followed by the plain GEMV (both tile paths), and close to torch."""
+@pytest.mark.parametrize("n,k", [(10, 64), (37, 300), (9, 4096), (70, 960)])
+@pytest.mark.parametrize("residual,bias", [(True, False), (False, True)])
+def test_norm_gemv_equals_rmsnorm_then_gemv(dtype: torch.dtype, n: int, k: int,
+                                            residual: bool, bias: bool) -> None:
+    """A batch-1 projection with its RMSNorm inside: the product matches the norm kernel
+    followed by the GEMV (rows not a multiple of the program's 4, K not a power of two), and the
+    new residual is exactly x + residual (x itself without one)."""
     w = torch.randn(n, k, device=DEV).to(dtype)
-    x = torch.randn(1, 2 * k, device=DEV).to(dtype)
-    got = triton_ops.gemv(x, w, gated=True)
-    assert torch.equal(got, triton_ops.gemv(triton_ops.silu_and_mul(x), w))
-    _close(got, F.linear(silu_and_mul(x), w), dtype)
-    with pytest.raises(ValueError, match=f"one row of {k} features \\({2 * k} gated\\)"):
-        triton_ops.gemv(x[:, :k], w, gated=True)
+    nw = torch.rand(k, device=DEV).to(dtype) + 0.5
+    b = torch.randn(n, device=DEV).to(dtype) if bias else None
+    x = torch.randn(1, k, device=DEV).to(dtype)
+    res = torch.randn(1, k, device=DEV).to(dtype) if residual else None
+    got = triton_ops.norm_gemv(x, res, nw, 1e-6, w, b)
+    normed, h = triton_ops.rmsnorm(x, nw, 1e-6, res)
+    assert got.out.shape == (1, n) and got.out.dtype == dtype
+    _close(got.out, triton_ops.gemv(normed, w, b), dtype)
+    assert torch.equal(got.residual, h if h is not None else x)
+    if dtype == torch.float32:  # the same roundings as the two kernels, up to summation order
+        assert torch.allclose(got.out, triton_ops.gemv(normed, w, b), rtol=1e-5, atol=1e-5)
 
 
-def test_gated_projection_outside_the_gemv_path_is_refused() -> None:
-    """project(gated=True) is only for the GEMV path; elsewhere it names what is wrong instead
-    of silently multiplying [gate | up] by a weight half its width."""
-    w, x = torch.randn(6, 32), torch.randn(1, 64)
-    with pytest.raises(ValueError, match="gated projection runs only in the one-token GEMV"):
-        project(x, w, pdl=True, gated=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("has_residual", [True, False])
+def test_column_layer_forward_normed(dtype: torch.dtype, has_residual: bool) -> None:
+    """The decoder's entry to a projection: forward_normed(stream, norm) gives the projection
+    of norm(h) and h itself, whether the norm runs on its own (pdl off, CPU, float32) or inside
+    the batch-1 GEMV (pdl on, one bf16 CUDA row)."""
+    layer = ColumnParallelLinear(96, [40, 24], True, DistributedInfo(0, 1)).to(DEV).to(dtype)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()  # type: ignore[union-attr]
+    norm = RMSNorm(96, 1e-6, fused=DEV == "cuda").to(DEV).to(dtype)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(1, 96, device=DEV).to(dtype)
+    res = torch.randn(1, 96, device=DEV).to(dtype) if has_residual else None
+    h = x + res if res is not None else x
+    want = F.linear(norm._norm(h), layer.weight, layer.bias)
+    for pdl in ([False, True] if DEV == "cuda" else [False]):
+        layer.pdl = pdl
+        out, got_h = layer.forward_normed(Stream(x, res, None), norm)
+        _close(out, want, dtype)
+        assert torch.equal(got_h, h)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim,k", [(4, 2, 64, 96), (3, 1, 16, 300), (2, 2, 128, 64)])
+@pytest.mark.parametrize("residual,bias", [(True, False), (False, True)])
+def test_norm_qkv_rope_equals_the_three_kernels(dtype: torch.dtype, heads: int, kv_heads: int,
+                                                dim: int, k: int, residual: bool,
+                                                bias: bool) -> None:
+    """Norm, QKV GEMV, rotary and K/V store in one launch at batch 1: q rotated in qkv, k and v
+    unrotated there, the rotated k and v in the caches' slot and no other slot touched; equal
+    to norm_gemv then rotary_qk_ with its store (float32 up to summation order)."""
+    n = (heads + 2 * kv_heads) * dim
+    w = torch.randn(n, k, device=DEV).to(dtype)
+    nw = torch.rand(k, device=DEV).to(dtype) + 0.5
+    b = torch.randn(n, device=DEV).to(dtype) if bias else None
+    x = torch.randn(1, k, device=DEV).to(dtype)
+    res = torch.randn(1, k, device=DEV).to(dtype) if residual else None
+    rope = RotaryEmbedding(dim, 512, 10000.0, None).to(DEV)
+    pos = torch.tensor([301], device=DEV)
+    caches = [torch.randn(9, kv_heads, dim, device=DEV).to(dtype) for _ in range(2)]
+    caches += [c.clone() for c in caches]  # [k, v] for the fused kernel, then for the reference
+    slot = torch.tensor([5], dtype=torch.int32, device=DEV)
+    got = triton_ops.norm_qkv_rope(x, res, nw, 1e-6, w, b, triton_ops.QKVRope(
+        pos, rope.cos, rope.sin, heads, kv_heads, caches[0], caches[1], slot))
+    want = triton_ops.norm_gemv(x, res, nw, 1e-6, w, b)
+    q, kk, v = want.out.view(1, -1, dim).split([heads, kv_heads, kv_heads], dim=1)
+    before = [c.clone() for c in caches[2:]]
+    triton_ops.rotary_qk_(q, kk, pos, rope.cos, rope.sin,
+                          store=triton_ops.KVStore(v, caches[2], caches[3], slot))
+    assert torch.equal(got.residual, want.residual)
+    for a, e in [(got.out, want.out), (caches[0], caches[2]), (caches[1], caches[3])]:
+        _close(a, e, dtype)
+        if dtype == torch.float32:
+            assert torch.allclose(a, e, rtol=1e-5, atol=1e-5)
+    for c, c0 in zip(caches[2:], before):  # the reference wrote only slot 5
+        assert torch.equal(c[:5], c0[:5]) and torch.equal(c[6:], c0[6:])
+    assert torch.equal(caches[0][:5], caches[2][:5]) and torch.equal(caches[1][6:], caches[3][6:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,k", [(8, 64), (13, 300), (40, 96)])
+@pytest.mark.parametrize("residual,bias", [(True, False), (False, True)])
+def test_norm_gate_up_silu_equals_norm_gemv_then_silu(dtype: torch.dtype, d: int, k: int,
+                                                      residual: bool, bias: bool) -> None:
+    """The MLP's first half at batch 1 in one launch (odd d: a program whose second gate row is
+    past the gate half) against norm_gemv then silu_and_mul (float32 up to summation order)."""
+    w = torch.randn(2 * d, k, device=DEV).to(dtype)
+    nw = torch.rand(k, device=DEV).to(dtype) + 0.5
+    b = torch.randn(2 * d, device=DEV).to(dtype) if bias else None
+    x = torch.randn(1, k, device=DEV).to(dtype)
+    res = torch.randn(1, k, device=DEV).to(dtype) if residual else None
+    got = triton_ops.norm_gate_up_silu(x, res, nw, 1e-6, w, b)
+    want = triton_ops.norm_gemv(x, res, nw, 1e-6, w, b)
+    act = triton_ops.silu_and_mul(want.out)
+    assert got.out.shape == (1, d) and torch.equal(got.residual, want.residual)
+    _close(got.out, act, dtype)
+    if dtype == torch.float32:
+        assert torch.allclose(got.out, act, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="even number of rows"):
+        triton_ops.norm_gate_up_silu(x, res, nw, 1e-6, w[1:])
+
+
+def test_norm_gemv_refuses_rows_wider_than_a_program_holds() -> None:
+    k = triton_ops.NORM_GEMV_MAX_K + 1
+    with pytest.raises(ValueError, match=f"at most {triton_ops.NORM_GEMV_MAX_K} features"):
+        triton_ops.norm_gemv(torch.randn(1, k, device=DEV), None, torch.ones(k, device=DEV),
+                             1e-6, torch.randn(2, k, device=DEV))
+    with pytest.raises(ValueError, match="one row of"):
+        triton_ops.norm_gemv(torch.randn(2, 8, device=DEV), None, torch.ones(8, device=DEV),
+                             1e-6, torch.randn(2, 8, device=DEV))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -6,7 +6,7 @@ input features and all-reduce the partial sums. Each layer's `load` reads only t
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple, cast
+from typing import List, NamedTuple, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,7 @@ from torch import nn
 
 from minisgl.distributed import Communicator, DistributedInfo, Shard
 from minisgl.layers.norm import RMSNorm
+from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.layers.source import TensorSource, copy_into
 
 
@@ -29,19 +30,41 @@ def takes_gemv(x: torch.Tensor, pdl: bool) -> bool:
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-            pdl: bool = False, gated: bool = False) -> torch.Tensor:
+            pdl: bool = False) -> torch.Tensor:
     """x W^T + b. Where `takes_gemv(x, pdl)`, the Triton GEMV of layers/triton_ops.py, launched
     with programmatic dependent launch so that its weights stream while the previous kernel
-    finishes; anything else F.linear (cuBLAS). `gated` (GEMV only, else ValueError): x is
-    [gate | up] and the input is silu(gate) * up, computed inside the GEMV."""
+    finishes; anything else F.linear (cuBLAS)."""
     if takes_gemv(x, pdl):
         from minisgl.layers import triton_ops
-        return triton_ops.gemv(x, weight, bias, pdl=True, gated=gated)
-    if gated:
-        raise ValueError(f"a gated projection runs only in the one-token GEMV (pdl on, one "
-                         f"half-precision CUDA row); got x {tuple(x.shape)} {x.dtype} on "
-                         f"{x.device}, pdl {pdl}")
+        return triton_ops.gemv(x, weight, bias, pdl=True)
     return F.linear(x, weight, bias)
+
+
+class Stream(NamedTuple):
+    """The residual stream between two sublayers, before the RMSNorm that opens the next one:
+    the hidden state is h = reduce(partial) + residual, where reduce is `reducer.finish` (the
+    all-reduce and bias of the row-parallel layer that produced `partial`) or nothing (reducer
+    None), and residual None means there is none yet (h = the embeddings). Leaving both the
+    reduction and the norm to the consumer lets it fuse them into its own kernel: the all-reduce
+    into the norm (tp > 1), or the norm into the one-token GEMV (batch 1)."""
+
+    partial: torch.Tensor
+    residual: Optional[torch.Tensor]
+    reducer: Optional["RowParallelLinear"]
+
+    def reduced(self) -> torch.Tensor:
+        """reduce(partial): h - residual (a collective where there is a reducer)."""
+        return self.reducer.finish(self.partial) if self.reducer is not None else self.partial
+
+    def normed(self, norm: RMSNorm) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(norm(h), h): with a reducer and a residual, `reducer.reduce_norm` (one fused kernel
+        where the communicator offers it)."""
+        if self.reducer is not None and self.residual is not None:
+            return self.reducer.reduce_norm(self.partial, self.residual, norm)
+        h = self.reduced()
+        if self.residual is None:
+            return cast(torch.Tensor, norm(h)), h
+        return cast(Tuple[torch.Tensor, torch.Tensor], norm(h, self.residual))
 
 
 class ColumnParallelLinear(nn.Module):
@@ -64,6 +87,38 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return project(x, self.weight, self.bias, self.pdl)
+
+    def fuses_norm(self, stream: Stream, norm: RMSNorm) -> bool:
+        """Whether this layer runs on `norm(stream)` as one norm GEMV kernel (batch 1, GEMV
+        path, a fused-kind norm, rows that fit a program)."""
+        if not (takes_gemv(stream.partial, self.pdl) and norm.fused):
+            return False
+        from minisgl.layers import triton_ops
+        return self.weight.shape[1] <= triton_ops.NORM_GEMV_MAX_K
+
+    def forward_normed(self, stream: Stream, norm: RMSNorm) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(this layer applied to norm(h), h) for the stream's hidden state h. Where
+        `fuses_norm`, the norm and the residual add run inside the GEMV (triton_ops.norm_gemv):
+        one launch instead of two."""
+        if self.fuses_norm(stream, norm):
+            from minisgl.layers import triton_ops
+            return triton_ops.norm_gemv(stream.reduced(), stream.residual, norm.weight, norm.eps,
+                                        self.weight, self.bias, pdl=True)
+        x, h = stream.normed(norm)
+        return self(x), h
+
+    def forward_normed_silu(self, stream: Stream, norm: RMSNorm
+                            ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """For a [gate, up] layer: (silu(gate) * up of norm(h), h) in one launch
+        (triton_ops.norm_gate_up_silu) where `fuses_norm`; else None, having done nothing."""
+        if len(self.shards) != 2 or self.shards[0].size != self.shards[1].size:
+            raise ValueError(f"forward_normed_silu needs [gate, up] outputs of one size, got "
+                             f"{[sh.size for sh in self.shards]}")
+        if not self.fuses_norm(stream, norm):
+            return None
+        from minisgl.layers import triton_ops
+        return triton_ops.norm_gate_up_silu(stream.reduced(), stream.residual, norm.weight,
+                                            norm.eps, self.weight, self.bias, pdl=True)
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
         shard, off = self.shards[shard_id], self.offsets[shard_id]
@@ -90,6 +145,22 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.weight = _empty(local_out, hidden)
         self.bias = _empty(local_out) if bias else None
         self.head_dim = head_dim
+
+    def forward_normed_rotary(self, stream: Stream, norm: RMSNorm, rotary: RotaryEmbedding,
+                              positions: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, slots: torch.Tensor
+                              ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """`forward_normed` with the rotary embedding and the K/V store fused in as well, at
+        batch 1 (triton_ops.norm_qkv_rope): (qkv with q rotated, h), the rotated k and v
+        written to k_cache / v_cache[slots] (caches [slots, kv_heads, head_dim], contiguous).
+        None, having done nothing, where that kernel does not apply."""
+        if not (rotary.fused and self.fuses_norm(stream, norm)):
+            return None
+        from minisgl.layers import triton_ops
+        rope = triton_ops.QKVRope(positions, rotary.cos, rotary.sin, self.num_local_heads,
+                                  self.num_local_kv_heads, k_cache, v_cache, slots)
+        return triton_ops.norm_qkv_rope(stream.reduced(), stream.residual, norm.weight, norm.eps,
+                                        self.weight, self.bias, rope, pdl=True)
 
     @property
     def split_sizes(self) -> List[int]:
@@ -124,11 +195,11 @@ class RowParallelLinear(nn.Module):
         self.weight = _empty(out_features, self.shard.size)
         self.bias = _empty(out_features) if bias else None
 
-    def forward(self, x: torch.Tensor, reduce: bool = True, gated: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """The layer's output; with `reduce=False` only this rank's partial product (no
-        all-reduce, no bias), which the caller must pass to `finish` or `reduce_norm`.
-        `gated`: x is [gate | up] of the local columns (see project; GEMV path only)."""
-        partial = project(x, self.weight, None, self.pdl, gated)
+        all-reduce, no bias), which the caller must pass to `finish` or `reduce_norm` (e.g. in
+        a Stream)."""
+        partial = project(x, self.weight, None, self.pdl)
         return self.finish(partial) if reduce else partial
 
     def finish(self, partial: torch.Tensor) -> torch.Tensor:

@@ -4,9 +4,10 @@ Families differ only in small traits (QKV bias, per-head q/k RMSNorm), given by 
 classes. Tensor parallelism lives in the layers: attention heads and MLP columns are split over
 ranks, and the row-parallel projections all-reduce. Every such all-reduce (o_proj, down_proj) is
 followed by a residual add and an RMSNorm (post_attention_layernorm, the next layer's
-input_layernorm, the final norm), so a layer ends by handing its partial product, un-reduced, to
-`RowParallelLinear.reduce_norm` with the norm that follows: one fused kernel where the
-communicator offers one, else the all-reduce and the norm exactly as two steps.
+input_layernorm, the final norm), so sublayers pass each other a `Stream`: the partial product,
+un-reduced, with the residual. Its consumer does the all-reduce, the add and the norm in the
+fewest kernels it can: inside its own one-token GEMV (batch 1), in one fused all-reduce + norm
+kernel where the communicator offers one, else as two steps.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from minisgl.distributed import Communicator, DistributedInfo
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                   takes_gemv)
+                                   Stream)
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.layers.source import TensorSource
@@ -46,7 +47,8 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 
 class Attention(nn.Module):
-    """Self-attention; `forward` returns o_proj's partial product, not yet all-reduced."""
+    """Self-attention; `forward` takes the stream before the layer's input norm and returns the
+    stream after o_proj (its partial product, not yet all-reduced)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, traits: "Traits", rotary: RotaryEmbedding,
                  info: DistributedInfo, comm: Communicator) -> None:
@@ -63,24 +65,31 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.head_dim = cfg.head_dim
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: Batch,
-                backend: AttentionBackend) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.split_sizes, dim=-1)
-        q = q.view(q.shape[0], -1, self.head_dim)
-        k = k.view(k.shape[0], -1, self.head_dim)
-        v = v.view(v.shape[0], -1, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+    def forward(self, stream: Stream, norm: RMSNorm, positions: torch.Tensor, batch: Batch,
+                backend: AttentionBackend) -> Stream:
         target = backend.kv_target(self.layer, batch)
-        stored = target is not None and self.rotary.rotate_into_cache(positions, q, k, v, *target)
+        fused = None
+        if target is not None and self.q_norm is None:  # per-head q/k norms precede the rotary
+            fused = self.qkv_proj.forward_normed_rotary(stream, norm, self.rotary, positions,
+                                                        *target)
+        qkv, residual = fused if fused is not None else self.qkv_proj.forward_normed(stream, norm)
+        q, k, v = (t.view(t.shape[0], -1, self.head_dim)
+                   for t in qkv.split(self.qkv_proj.split_sizes, dim=-1))
+        stored = fused is not None
         if not stored:
-            q, k = self.rotary(positions, q, k)
-        return self.o_proj(backend.forward(q, k, v, self.layer, batch, kv_stored=stored),
-                           reduce=False)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            stored = target is not None and self.rotary.rotate_into_cache(positions, q, k, v,
+                                                                          *target)
+            if not stored:
+                q, k = self.rotary(positions, q, k)
+        out = backend.forward(q, k, v, self.layer, batch, kv_stored=stored)
+        return Stream(self.o_proj(out, reduce=False), residual, self.o_proj)
 
 
 class MLP(nn.Module):
-    """Gated MLP; `forward` returns down_proj's partial product, not yet all-reduced."""
+    """Gated MLP; `forward` takes the stream before its norm and returns the stream after
+    down_proj (its partial product, not yet all-reduced)."""
 
     def __init__(self, cfg: ModelConfig, info: DistributedInfo, comm: Communicator,
                  traits: "Traits") -> None:
@@ -92,11 +101,14 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, info, comm,
                                            traits.pdl)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if takes_gemv(gate_up, self.pdl):  # batch 1: the activation runs inside the down GEMV
-            return self.down_proj(gate_up, reduce=False, gated=True)
-        return self.down_proj(silu_and_mul(gate_up, self.fused, self.pdl), reduce=False)
+    def forward(self, stream: Stream, norm: RMSNorm) -> Stream:
+        fused = self.gate_up_proj.forward_normed_silu(stream, norm)  # batch 1: one kernel
+        if fused is not None:
+            act, residual = fused
+        else:
+            gate_up, residual = self.gate_up_proj.forward_normed(stream, norm)
+            act = silu_and_mul(gate_up, self.fused, self.pdl)
+        return Stream(self.down_proj(act, reduce=False), residual, self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -110,17 +122,12 @@ class DecoderLayer(nn.Module):
                                                 traits.pdl)
         self.mlp = MLP(cfg, info, comm, traits)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm,
-                positions: torch.Tensor, batch: Batch, backend: AttentionBackend
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """x: this layer's input, already normed by its input_layernorm; residual: the stream
-        that norm was applied to. Returns (next_norm(h), h) for h = residual + this layer's
-        output: the next layer's normed input (or, with the final norm, the hidden states)
-        and the new residual."""
-        partial = self.self_attn(x, positions, batch, backend)
-        x, residual = self.self_attn.o_proj.reduce_norm(partial, residual,
-                                                        self.post_attention_layernorm)
-        return self.mlp.down_proj.reduce_norm(self.mlp(x), residual, next_norm)
+    def forward(self, stream: Stream, positions: torch.Tensor, batch: Batch,
+                backend: AttentionBackend) -> Stream:
+        """The stream after the previous layer (or the embeddings) -> the stream after this
+        one; each sublayer applies its own norm to the stream it takes."""
+        stream = self.self_attn(stream, self.input_layernorm, positions, batch, backend)
+        return self.mlp(stream, self.post_attention_layernorm)
 
 
 class DecoderModel(nn.Module):
@@ -137,13 +144,10 @@ class DecoderModel(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
                 backend: AttentionBackend) -> torch.Tensor:
-        residual = self.embed_tokens(ids)
-        x = self.layers[0].input_layernorm(residual)
-        # Each layer applies the norm that follows it: the next layer's input norm, or the last.
-        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, next_norm in zip(self.layers, next_norms):
-            x, residual = layer(x, residual, next_norm, positions, batch, backend)
-        return x
+        stream = Stream(self.embed_tokens(ids), None, None)
+        for layer in self.layers:
+            stream = layer(stream, positions, batch, backend)
+        return stream.normed(self.norm)[0]
 
 
 class CausalLM(nn.Module):
