@@ -256,8 +256,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
 # --- one-token projections with the RMSNorm before them fused in --------------------------------
 # Every program normalizes its own copy of the input row (from L2) before its product, instead of
 # a norm kernel running first: on an H200 that made the QKV and gate/up projections 2.5 and 4 us
-# faster than norm kernel + GEMV (scripts/bench_kernels.py --what normlinear). Programs taking
-# several stripes of rows, to normalize fewer times, were slower (benchmarks/RESULTS.md).
+# faster than norm kernel + GEMV (scripts/bench_kernels.py --what normlinear), with rotary / SiLU
+# in the epilogue 4 and 5 us. Programs taking several stripes of rows, to normalize fewer times,
+# were slower; 4 warps beat 8 by 0.2 to 0.4 us per call, 0.026 ms per step (benchmarks/RESULTS.md).
 NORM_GEMV_MAX_K = 8192  # the whole row in one program's registers
 
 
@@ -312,7 +313,7 @@ def _norm_gemv_args(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weig
 
 def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
               eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-              pdl: bool = False, num_warps: int = 8, num_stages: int = 1) -> NormGemv:
+              pdl: bool = False, num_warps: int = 4, num_stages: int = 1) -> NormGemv:
     """`gemv(rmsnorm(x + residual), weight, bias)` in one launch, for one row x of K <=
     NORM_GEMV_MAX_K features (the norm's roundings are `rmsnorm`'s), and the new residual
     x + residual (a new tensor; x itself without a residual). `num_warps`, `num_stages`: the
@@ -380,7 +381,7 @@ def norm_gate_up_silu(x: torch.Tensor, residual: Optional[torch.Tensor],
     _norm_gate_up_kernel[(triton.cdiv(d, 2),)](
         x, res, norm_weight, weight, bias if bias is not None else weight, out, res_out, d, k,
         weight.stride(0), eps, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-        BLOCK_K=triton.next_power_of_2(k), PDL=pdl, num_warps=8, **launch_options(pdl))
+        BLOCK_K=triton.next_power_of_2(k), PDL=pdl, num_warps=4, **launch_options(pdl))
     return NormGemv(out, res_out)
 
 
@@ -460,7 +461,7 @@ def norm_qkv_rope(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight
         rope.positions, rope.cos, rope.sin, rope.slots, rope.k_cache, rope.v_cache, n, k,
         weight.stride(0), rope.k_cache.stride(0), eps, rope.n_q, rope.n_kv,
         HAS_RES=residual is not None, HAS_BIAS=bias is not None, HALF=dim // 2,
-        BLOCK_K=triton.next_power_of_2(k), PDL=pdl, num_warps=8, **launch_options(pdl))
+        BLOCK_K=triton.next_power_of_2(k), PDL=pdl, num_warps=4, **launch_options(pdl))
     return NormGemv(out, res_out)
 
 
