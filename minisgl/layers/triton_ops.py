@@ -259,7 +259,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
 # faster than norm kernel + GEMV (scripts/bench_kernels.py --what normlinear), with rotary / SiLU
 # in the epilogue 4 and 5 us. Programs taking several stripes of rows, to normalize fewer times,
 # were slower; 4 warps beat 8 by 0.2 to 0.4 us per call, 0.026 ms per step (benchmarks/RESULTS.md).
-NORM_GEMV_MAX_K = 8192  # the whole row in one program's registers
+# A program holds the whole input row in registers (next power of two). Measured at 4,096
+# (Llama-3.1-8B); wider rows (Qwen3-32B's 5,120 pads to 8,192, Llama-70B's 8,192) would hold
+# twice the registers per thread and have not run on a GPU, so their layers keep the norm kernel.
+NORM_GEMV_MAX_K = 4096
 
 
 @triton.jit
