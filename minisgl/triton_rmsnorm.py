@@ -1,12 +1,13 @@
 """The tail of every RMSNorm Triton kernel: normalize one row held in registers (and store it).
 
-Shared by layers/triton_ops.py (the norm after a finished all-reduce, and the norm inside the
-one-token GEMV) and distributed/symm_kernels.py (the norm fused into the all-reduce), so that all
-round in exactly the same places. It must stay the only copy of this arithmetic. The reduction
-order of `tl.sum` also follows the kernel's launch width: the norm kernels launch with
-`rmsnorm_warps`, so a fused all-reduce step gives the same bits as the two-kernel one; the GEMV
-launches with its own width, so its norm can differ from theirs in the last bit. This module imports triton: only GPU kernel modules
-(and the CPU interpreter tests) import it.
+Shared by layers/triton_ops.py (the norm after a finished all-reduce), layers/triton_gemv.py
+(the norm inside the one-token GEMV) and distributed/symm_kernels.py (the norm fused into the
+all-reduce), so that all round in exactly the same places. It must stay the only copy of this
+arithmetic. The reduction order of `tl.sum` also follows the kernel's launch width: the norm
+kernels launch with `rmsnorm_warps`, so a fused all-reduce step gives the same bits as the
+two-kernel one; the GEMV launches with its own width, so its norm can differ from theirs in the
+last bit. This module imports triton: only GPU kernel modules (and the CPU interpreter tests)
+import it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The Triton decode-path kernels (RMSNorm with residual, SiLU-and-mul, rotary, one-token GEMV,
-argmax) against the torch layers they replace. On CPU through Triton's interpreter (float32); on
-CUDA also in bfloat16."""
+"""The Triton decode-path kernels (RMSNorm with residual, SiLU-and-mul, rotary, argmax; the
+one-token GEMVs of triton_gemv.py, also with the norm, rotary, SiLU fused in) against the torch
+layers they replace. On CPU through Triton's interpreter (float32); on CUDA also in bfloat16."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
 pytest.importorskip("triton")
 
-from minisgl.layers import triton_ops  # noqa: E402
+from minisgl.layers import triton_gemv, triton_ops  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from minisgl.layers.activation import silu_and_mul  # noqa: E402
@@ -143,12 +143,12 @@ def test_gemv_matches_linear(dtype: torch.dtype, pdl: bool, n: int, k: int, bias
     w = torch.randn(n, k, device=DEV).to(dtype)
     b = torch.randn(n, device=DEV).to(dtype) if bias else None
     x = torch.randn(1, k, device=DEV).to(dtype)
-    got = triton_ops.gemv(x, w, b, pdl=pdl)
+    got = triton_gemv.gemv(x, w, b, pdl=pdl)
     assert got.shape == (1, n) and got.dtype == dtype
     _close(got, F.linear(x, w, b), dtype)
-    assert torch.equal(got, triton_ops.gemv(x, w, b))
+    assert torch.equal(got, triton_gemv.gemv(x, w, b))
     with pytest.raises(ValueError, match="one row of"):
-        triton_ops.gemv(torch.randn(2, k, device=DEV).to(dtype), w)
+        triton_gemv.gemv(torch.randn(2, k, device=DEV).to(dtype), w)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -164,13 +164,13 @@ def test_norm_gemv_equals_rmsnorm_then_gemv(dtype: torch.dtype, n: int, k: int,
     b = torch.randn(n, device=DEV).to(dtype) if bias else None
     x = torch.randn(1, k, device=DEV).to(dtype)
     res = torch.randn(1, k, device=DEV).to(dtype) if residual else None
-    got = triton_ops.norm_gemv(x, res, nw, 1e-6, w, b)
+    got = triton_gemv.norm_gemv(x, res, nw, 1e-6, w, b)
     normed, h = triton_ops.rmsnorm(x, nw, 1e-6, res)
     assert got.out.shape == (1, n) and got.out.dtype == dtype
-    _close(got.out, triton_ops.gemv(normed, w, b), dtype)
+    _close(got.out, triton_gemv.gemv(normed, w, b), dtype)
     assert torch.equal(got.residual, h if h is not None else x)
     if dtype == torch.float32:  # the same roundings as the two kernels, up to summation order
-        assert torch.allclose(got.out, triton_ops.gemv(normed, w, b), rtol=1e-5, atol=1e-5)
+        assert torch.allclose(got.out, triton_gemv.gemv(normed, w, b), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -215,9 +215,9 @@ def test_norm_qkv_rope_equals_the_three_kernels(dtype: torch.dtype, heads: int, 
     caches = [torch.randn(9, kv_heads, dim, device=DEV).to(dtype) for _ in range(2)]
     caches += [c.clone() for c in caches]  # [k, v] for the fused kernel, then for the reference
     slot = torch.tensor([5], dtype=torch.int32, device=DEV)
-    got = triton_ops.norm_qkv_rope(x, res, nw, 1e-6, w, b, triton_ops.QKVRope(
+    got = triton_gemv.norm_qkv_rope(x, res, nw, 1e-6, w, b, triton_gemv.QKVRope(
         pos, rope.cos, rope.sin, heads, kv_heads, caches[0], caches[1], slot))
-    want = triton_ops.norm_gemv(x, res, nw, 1e-6, w, b)
+    want = triton_gemv.norm_gemv(x, res, nw, 1e-6, w, b)
     q, kk, v = want.out.view(1, -1, dim).split([heads, kv_heads, kv_heads], dim=1)
     before = [c.clone() for c in caches[2:]]
     triton_ops.rotary_qk_(q, kk, pos, rope.cos, rope.sin,
@@ -244,24 +244,24 @@ def test_norm_gate_up_silu_equals_norm_gemv_then_silu(dtype: torch.dtype, d: int
     b = torch.randn(2 * d, device=DEV).to(dtype) if bias else None
     x = torch.randn(1, k, device=DEV).to(dtype)
     res = torch.randn(1, k, device=DEV).to(dtype) if residual else None
-    got = triton_ops.norm_gate_up_silu(x, res, nw, 1e-6, w, b)
-    want = triton_ops.norm_gemv(x, res, nw, 1e-6, w, b)
+    got = triton_gemv.norm_gate_up_silu(x, res, nw, 1e-6, w, b)
+    want = triton_gemv.norm_gemv(x, res, nw, 1e-6, w, b)
     act = triton_ops.silu_and_mul(want.out)
     assert got.out.shape == (1, d) and torch.equal(got.residual, want.residual)
     _close(got.out, act, dtype)
     if dtype == torch.float32:
         assert torch.allclose(got.out, act, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="even number of rows"):
-        triton_ops.norm_gate_up_silu(x, res, nw, 1e-6, w[1:])
+        triton_gemv.norm_gate_up_silu(x, res, nw, 1e-6, w[1:])
 
 
 def test_norm_gemv_refuses_rows_wider_than_a_program_holds() -> None:
-    k = triton_ops.NORM_GEMV_MAX_K + 1
-    with pytest.raises(ValueError, match=f"at most {triton_ops.NORM_GEMV_MAX_K} features"):
-        triton_ops.norm_gemv(torch.randn(1, k, device=DEV), None, torch.ones(k, device=DEV),
+    k = triton_gemv.NORM_GEMV_MAX_K + 1
+    with pytest.raises(ValueError, match=f"at most {triton_gemv.NORM_GEMV_MAX_K} features"):
+        triton_gemv.norm_gemv(torch.randn(1, k, device=DEV), None, torch.ones(k, device=DEV),
                              1e-6, torch.randn(2, k, device=DEV))
     with pytest.raises(ValueError, match="one row of"):
-        triton_ops.norm_gemv(torch.randn(2, 8, device=DEV), None, torch.ones(8, device=DEV),
+        triton_gemv.norm_gemv(torch.randn(2, 8, device=DEV), None, torch.ones(8, device=DEV),
                              1e-6, torch.randn(2, 8, device=DEV))
 
 
@@ -292,7 +292,7 @@ def test_project_takes_gemv_only_with_pdl_for_one_half_precision_cuda_row() -> N
     assert torch.equal(project(x, w, pdl=True), F.linear(x, w))
     if DEV == "cuda" and True in PDL:
         wh, xh = w.bfloat16(), x.bfloat16()
-        assert torch.equal(project(xh, wh, pdl=True), triton_ops.gemv(xh, wh))
+        assert torch.equal(project(xh, wh, pdl=True), triton_gemv.gemv(xh, wh))
         assert torch.equal(project(xh, wh), F.linear(xh, wh))
         two = torch.randn(2, 32, device=DEV).bfloat16()
         assert torch.equal(project(two, wh, pdl=True), F.linear(two, wh))
@@ -308,7 +308,7 @@ def test_every_pdl_kernel_waits_for_its_predecessor() -> None:
 
     from minisgl.attention import triton_kernels
     checked = []
-    for module in (triton_ops, triton_kernels):
+    for module in (triton_ops, triton_gemv, triton_kernels):
         for node in ast.walk(ast.parse(inspect.getsource(module))):
             if (not isinstance(node, ast.FunctionDef)
                     or "PDL" not in [a.arg for a in node.args.args]):
@@ -317,5 +317,5 @@ def test_every_pdl_kernel_waits_for_its_predecessor() -> None:
                      and isinstance(s.value, ast.Call) and isinstance(s.value.func, ast.Name)]
             assert "pdl_enter" in calls, f"{module.__name__}.{node.name} never calls pdl_enter"
             checked.append(node.name)
-    assert {"_rmsnorm_kernel", "_gemv_kernel", "_decode_split_kernel",
-            "_store_kv_kernel"} <= set(checked)
+    assert {"_rmsnorm_kernel", "_gemv_kernel", "_norm_gemv_kernel", "_norm_gate_up_kernel",
+            "_norm_qkv_rope_kernel", "_decode_split_kernel", "_store_kv_kernel"} <= set(checked)

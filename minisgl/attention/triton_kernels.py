@@ -15,8 +15,8 @@ base 2 (the scale is pre-multiplied by log2(e)); outputs are cast back to the qu
   query head, block of new tokens) and attends causally over the prefix and the new tokens, all
   read from the pool (the new K/V must be stored first).
 
-Only the GPU kernel modules (this one, layers/triton_ops.py, pdl.py) import triton, and they are
-imported only for CUDA work, so CPU installs without triton work.
+Only the GPU kernel modules (this one, layers/triton_ops.py, layers/triton_gemv.py, pdl.py)
+import triton, and they are imported only for CUDA work, so CPU installs without triton work.
 """
 
 from __future__ import annotations

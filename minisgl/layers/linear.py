@@ -31,12 +31,12 @@ def takes_gemv(x: torch.Tensor, pdl: bool) -> bool:
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
             pdl: bool = False) -> torch.Tensor:
-    """x W^T + b. Where `takes_gemv(x, pdl)`, the Triton GEMV of layers/triton_ops.py, launched
+    """x W^T + b. Where `takes_gemv(x, pdl)`, the Triton GEMV of layers/triton_gemv.py, launched
     with programmatic dependent launch so that its weights stream while the previous kernel
     finishes; anything else F.linear (cuBLAS)."""
     if takes_gemv(x, pdl):
-        from minisgl.layers import triton_ops
-        return triton_ops.gemv(x, weight, bias, pdl=True)
+        from minisgl.layers import triton_gemv
+        return triton_gemv.gemv(x, weight, bias, pdl=True)
     return F.linear(x, weight, bias)
 
 
@@ -93,16 +93,16 @@ class ColumnParallelLinear(nn.Module):
         path, a fused-kind norm, rows that fit a program)."""
         if not (takes_gemv(stream.partial, self.pdl) and norm.fused):
             return False
-        from minisgl.layers import triton_ops
-        return self.weight.shape[1] <= triton_ops.NORM_GEMV_MAX_K
+        from minisgl.layers import triton_gemv
+        return self.weight.shape[1] <= triton_gemv.NORM_GEMV_MAX_K
 
     def forward_normed(self, stream: Stream, norm: RMSNorm) -> Tuple[torch.Tensor, torch.Tensor]:
         """(this layer applied to norm(h), h) for the stream's hidden state h. Where
-        `fuses_norm`, the norm and the residual add run inside the GEMV (triton_ops.norm_gemv):
+        `fuses_norm`, the norm and the residual add run inside the GEMV (triton_gemv.norm_gemv):
         one launch instead of two."""
         if self.fuses_norm(stream, norm):
-            from minisgl.layers import triton_ops
-            return triton_ops.norm_gemv(stream.reduced(), stream.residual, norm.weight, norm.eps,
+            from minisgl.layers import triton_gemv
+            return triton_gemv.norm_gemv(stream.reduced(), stream.residual, norm.weight, norm.eps,
                                         self.weight, self.bias, pdl=True)
         x, h = stream.normed(norm)
         return self(x), h
@@ -110,14 +110,14 @@ class ColumnParallelLinear(nn.Module):
     def forward_normed_silu(self, stream: Stream, norm: RMSNorm
                             ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """For a [gate, up] layer: (silu(gate) * up of norm(h), h) in one launch
-        (triton_ops.norm_gate_up_silu) where `fuses_norm`; else None, having done nothing."""
+        (triton_gemv.norm_gate_up_silu) where `fuses_norm`; else None, having done nothing."""
         if len(self.shards) != 2 or self.shards[0].size != self.shards[1].size:
             raise ValueError(f"forward_normed_silu needs [gate, up] outputs of one size, got "
                              f"{[sh.size for sh in self.shards]}")
         if not self.fuses_norm(stream, norm):
             return None
-        from minisgl.layers import triton_ops
-        return triton_ops.norm_gate_up_silu(stream.reduced(), stream.residual, norm.weight,
+        from minisgl.layers import triton_gemv
+        return triton_gemv.norm_gate_up_silu(stream.reduced(), stream.residual, norm.weight,
                                             norm.eps, self.weight, self.bias, pdl=True)
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
@@ -151,15 +151,15 @@ class QKVParallelLinear(ColumnParallelLinear):
                               v_cache: torch.Tensor, slots: torch.Tensor
                               ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """`forward_normed` with the rotary embedding and the K/V store fused in as well, at
-        batch 1 (triton_ops.norm_qkv_rope): (qkv with q rotated, h), the rotated k and v
+        batch 1 (triton_gemv.norm_qkv_rope): (qkv with q rotated, h), the rotated k and v
         written to k_cache / v_cache[slots] (caches [slots, kv_heads, head_dim], contiguous).
         None, having done nothing, where that kernel does not apply."""
         if not (rotary.fused and self.fuses_norm(stream, norm)):
             return None
-        from minisgl.layers import triton_ops
-        rope = triton_ops.QKVRope(positions, rotary.cos, rotary.sin, self.num_local_heads,
+        from minisgl.layers import triton_gemv
+        rope = triton_gemv.QKVRope(positions, rotary.cos, rotary.sin, self.num_local_heads,
                                   self.num_local_kv_heads, k_cache, v_cache, slots)
-        return triton_ops.norm_qkv_rope(stream.reduced(), stream.residual, norm.weight, norm.eps,
+        return triton_gemv.norm_qkv_rope(stream.reduced(), stream.residual, norm.weight, norm.eps,
                                         self.weight, self.bias, rope, pdl=True)
 
     @property

@@ -1,0 +1,319 @@
+"""Triton one-token projections (GEMV) for the batch-1 decode step, which is pure weight
+streaming: every weight matrix multiplied by one row. With `pdl` (minisgl/pdl.py) each program
+loads its first weight tile before waiting for the previous kernel, so weight streaming overlaps
+that kernel's tail.
+
+- `gemv`: x W^T + b.
+- `norm_gemv`: the RMSNorm (with the residual add) before the projection, inside it.
+- `norm_gate_up_silu`: the same for the MLP's gate/up projection, with SiLU-and-mul in the
+  epilogue.
+- `norm_qkv_rope`: the same for the QKV projection, with the rotary embedding and the K/V store
+  in the epilogue.
+
+They sum in float32 and round where the separate kernels round, so their results equal those
+kernels' up to summation order. This module imports triton; layers import it only for CUDA
+tensors.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.pdl import launch_options, pdl_enter
+from minisgl.triton_rmsnorm import rmsnorm_row
+
+
+# --- plain ----------------------------------------------------------------------------------------
+# In a sweep of 11 tiles (scripts/bench_kernels.py, H200, 2026-11-30) stripes of 4 output rows read
+# 2,048 or 4,096 columns at a time were the fastest, and beat cuBLAS alone on every Llama-3.1-8B
+# projection; inside the model, without PDL, they only tied it (benchmarks/RESULTS.md). With PDL
+# the first weight tile is in flight before the previous kernel has finished.
+_GEMV_ROWS = 4
+
+
+class GemvTiles(NamedTuple):
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def gemv_tiles(k: int) -> GemvTiles:
+    """All of K in one 4096-wide load when it divides; otherwise 2048-wide, double-buffered."""
+    if k % 4096 == 0:
+        return GemvTiles(4096, 8, 1)
+    return GemvTiles(min(2048, triton.next_power_of_2(k)), 4, 2)
+
+
+@triton.jit
+def _gemv_tile(w_ptr, rows, cols, n, k, stride_wn):
+    """Weight rows `rows` [BLOCK_N], columns `cols` [BLOCK_K] (zero outside n x k)."""
+    mask = (rows < n)[:, None] & (cols < k)[None, :]
+    return tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :], mask=mask,
+                   other=0.0)
+
+
+@triton.jit
+def _gemv_store(acc, rows, n, b_ptr, out_ptr, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows, mask=rows < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < n)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n, k, stride_wn, HAS_BIAS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    # The weights are never written during a forward pass: their first tile may be read before
+    # the wait; x (the previous kernel's output) only after it.
+    w = _gemv_tile(w_ptr, rows, cols, n, k, stride_wn)
+    pdl_enter(PDL)
+    x = tl.load(x_ptr + cols, mask=cols < k, other=0.0).to(tl.float32)
+    acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    for k0 in range(BLOCK_K, k, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        w = _gemv_tile(w_ptr, rows, cols, n, k, stride_wn)
+        x = tl.load(x_ptr + cols, mask=cols < k, other=0.0).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    _gemv_store(acc, rows, n, b_ptr, out_ptr, HAS_BIAS)
+
+
+def _check_gemv(x: torch.Tensor, weight: torch.Tensor) -> None:
+    k = weight.shape[1]
+    if x.numel() != k or weight.stride(1) != 1:
+        raise ValueError(f"gemv takes one row of {k} features and a row-major weight, got x "
+                         f"{tuple(x.shape)}, weight strides {weight.stride()}")
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+         pdl: bool = False) -> torch.Tensor:
+    """x W^T + b for a single row x [..., K] (one token); weight [N, K] with dense rows. Sums in
+    float32 and rounds once (the last bit can differ from cuBLAS)."""
+    _check_gemv(x, weight)
+    n, k = weight.shape
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    tiles = gemv_tiles(k)
+    _gemv_kernel[(triton.cdiv(n, _GEMV_ROWS),)](
+        x.contiguous(), weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=_GEMV_ROWS, BLOCK_K=tiles.block_k, PDL=pdl,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl))
+    return out
+
+
+# --- with the RMSNorm before them fused in --------------------------------------------------------
+# Every program normalizes its own copy of the input row (from L2) before its product, instead of
+# a norm kernel running first: on an H200 that made the QKV and gate/up projections 2.5 and 4 us
+# faster than norm kernel + GEMV (scripts/bench_kernels.py --what normlinear), with rotary / SiLU
+# in the epilogue 4 and 5 us. Programs taking several stripes of rows, to normalize fewer times,
+# were slower; 4 warps beat 8 by 0.2 to 0.4 us per call, 0.026 ms per step (benchmarks/RESULTS.md).
+# A program holds the whole input row in registers (next power of two). Measured at 4,096
+# (Llama-3.1-8B); wider rows (Qwen3-32B's 5,120 pads to 8,192, Llama-70B's 8,192) would hold
+# twice the registers per thread and have not run on a GPU, so their layers keep the norm kernel.
+NORM_GEMV_MAX_K = 4096
+
+
+@triton.jit
+def _normed_row(x_ptr, res_ptr, nw_ptr, res_out_ptr, cols, k, eps, HAS_RES: tl.constexpr):
+    """The norm GEMV's input in float32: rmsnorm(h) * nw for h = x + res (x alone without
+    HAS_RES), rounded as the RMSNorm kernel rounds; program 0 also stores h at res_out."""
+    mask = cols < k
+    h = tl.load(x_ptr + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        h = h + tl.load(res_ptr + cols, mask=mask, other=0.0)
+        if tl.program_id(0) == 0:
+            tl.store(res_out_ptr + cols, h, mask=mask)
+    return rmsnorm_row(h, nw_ptr, cols, mask, k, eps).to(tl.float32)
+
+
+@triton.jit
+def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, n, k,
+                      stride_wn, eps, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Program p: rows [p * BLOCK_N, +BLOCK_N) of rmsnorm(h) W^T + b for h = x + res (x alone
+    without HAS_RES); program 0 also stores h at res_out."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    w = _gemv_tile(w_ptr, rows, cols, n, k, stride_wn)  # before the wait, as in _gemv_kernel
+    pdl_enter(PDL)
+    x = _normed_row(x_ptr, res_ptr, nw_ptr, res_out_ptr, cols, k, eps, HAS_RES)
+    _gemv_store(tl.sum(w.to(tl.float32) * x[None, :], axis=1), rows, n, b_ptr, out_ptr,
+                HAS_BIAS)
+
+
+class NormGemv(NamedTuple):
+    out: torch.Tensor  # the projection (or its activation, or q rotated: see each function)
+    residual: torch.Tensor  # h = x + residual (x itself without a residual)
+
+
+def _norm_gemv_args(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
+                    weight: torch.Tensor, out_features: int
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checked inputs of a norm GEMV: (x, residual to read, output, residual output)."""
+    _check_gemv(x, weight)
+    k = weight.shape[1]
+    if k > NORM_GEMV_MAX_K or norm_weight.numel() != k:
+        raise ValueError(f"a norm GEMV takes rows of at most {NORM_GEMV_MAX_K} features and a "
+                         f"norm weight of the same width, got {k} and {norm_weight.numel()}")
+    x = x.contiguous()
+    out = torch.empty((*x.shape[:-1], out_features), dtype=x.dtype, device=x.device)
+    if residual is None:
+        return x, x, out, x
+    return x, residual.contiguous(), out, torch.empty_like(x)
+
+
+def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
+              eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+              pdl: bool = False, num_warps: int = 4, num_stages: int = 1) -> NormGemv:
+    """`gemv(rmsnorm(x + residual), weight, bias)` in one launch, for one row x of K <=
+    NORM_GEMV_MAX_K features (the norm's roundings are `rmsnorm`'s), and the new residual
+    x + residual (a new tensor; x itself without a residual). `num_warps`, `num_stages`: the
+    tiling (swept by scripts/bench_kernels.py)."""
+    n, k = weight.shape
+    x, res, out, res_out = _norm_gemv_args(x, residual, norm_weight, weight, n)
+    _norm_gemv_kernel[(triton.cdiv(n, _GEMV_ROWS),)](
+        x, res, norm_weight, weight, bias if bias is not None else weight, out, res_out, n, k,
+        weight.stride(0), eps, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+        BLOCK_N=_GEMV_ROWS, BLOCK_K=triton.next_power_of_2(k), PDL=pdl, num_warps=num_warps,
+        num_stages=num_stages, **launch_options(pdl))
+    return NormGemv(out, res_out)
+
+
+# The two kernels below give each program two pairs of rows, (lo[0], hi[0]) and (lo[1], hi[1]),
+# that its epilogue combines: a rotary pair (rows j and j + head_dim / 2 of a head) or a gate row
+# and its up row. The products are rounded to the output dtype first, as the GEMV's output would
+# be, so the results equal the separate rotary / SiLU kernels'.
+@triton.jit
+def _pair_tiles(w_ptr, lo_rows, hi_rows, cols, n, k, stride_wn):
+    return (_gemv_tile(w_ptr, lo_rows, cols, n, k, stride_wn),
+            _gemv_tile(w_ptr, hi_rows, cols, n, k, stride_wn))
+
+
+@triton.jit
+def _pair_products(w_lo, w_hi, x, b_ptr, lo_rows, hi_rows, n, HAS_BIAS: tl.constexpr,
+                   ty: tl.constexpr):
+    lo = tl.sum(w_lo.to(tl.float32) * x[None, :], axis=1)
+    hi = tl.sum(w_hi.to(tl.float32) * x[None, :], axis=1)
+    if HAS_BIAS:
+        lo += tl.load(b_ptr + lo_rows, mask=lo_rows < n, other=0.0).to(tl.float32)
+        hi += tl.load(b_ptr + hi_rows, mask=hi_rows < n, other=0.0).to(tl.float32)
+    return lo.to(ty).to(tl.float32), hi.to(ty).to(tl.float32)
+
+
+@triton.jit
+def _norm_gate_up_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, d, k,
+                         stride_wn, eps, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Program p: out[2p, 2p + 1] = silu(gate) * up, gate / up the rows 2p, 2p + 1 and d + 2p,
+    d + 2p + 1 of rmsnorm(h) W^T + b (W = [gate; up], 2d rows; with d odd the last program's
+    second gate row is an up row, whose result is not stored)."""
+    i = tl.program_id(0) * 2 + tl.arange(0, 2)
+    cols = tl.arange(0, BLOCK_K)
+    w_gate, w_up = _pair_tiles(w_ptr, i, d + i, cols, 2 * d, k, stride_wn)  # before the wait
+    pdl_enter(PDL)
+    x = _normed_row(x_ptr, res_ptr, nw_ptr, res_out_ptr, cols, k, eps, HAS_RES)
+    gate, up = _pair_products(w_gate, w_up, x, b_ptr, i, d + i, 2 * d, HAS_BIAS,
+                              out_ptr.dtype.element_ty)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + i, act.to(out_ptr.dtype.element_ty), mask=i < d)
+
+
+def norm_gate_up_silu(x: torch.Tensor, residual: Optional[torch.Tensor],
+                      norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                      bias: Optional[torch.Tensor] = None, pdl: bool = False) -> NormGemv:
+    """The gated MLP's first half for one token in one launch: silu(gate) * up for [gate | up]
+    = rmsnorm(x + residual) W^T + b, W = [gate rows; up rows] (an even number of rows);
+    equal to `norm_gemv` followed by `silu_and_mul`. Also the new residual, as `norm_gemv`."""
+    n, k = weight.shape
+    if n % 2:
+        raise ValueError(f"gate/up weight needs an even number of rows, got {n}")
+    d = n // 2
+    x, res, out, res_out = _norm_gemv_args(x, residual, norm_weight, weight, d)
+    _norm_gate_up_kernel[(triton.cdiv(d, 2),)](
+        x, res, norm_weight, weight, bias if bias is not None else weight, out, res_out, d, k,
+        weight.stride(0), eps, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+        BLOCK_K=triton.next_power_of_2(k), PDL=pdl, num_warps=4, **launch_options(pdl))
+    return NormGemv(out, res_out)
+
+
+@triton.jit
+def _norm_qkv_rope_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, pos_ptr,
+                          cos_ptr, sin_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, n, k, stride_wn,
+                          stride_cs, eps, n_q, n_kv, HAS_RES: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, HALF: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PDL: tl.constexpr):
+    """Program p: rotary pairs j, j + 1 of head p // (HALF // 2), j = 2 * (p % (HALF // 2)), of
+    the fused QKV projection of rmsnorm(h): q pairs rotated into out, k pairs rotated into the
+    k cache at this token's slot, v pairs copied to the v cache there (k and v also into out,
+    unrotated, as the separate kernels leave them)."""
+    head = tl.program_id(0) // (HALF // 2)
+    j = (tl.program_id(0) % (HALF // 2)) * 2 + tl.arange(0, 2)
+    cols = tl.arange(0, BLOCK_K)
+    lo_rows = head * (2 * HALF) + j
+    w_lo, w_hi = _pair_tiles(w_ptr, lo_rows, lo_rows + HALF, cols, n, k, stride_wn)
+    pdl_enter(PDL)
+    x = _normed_row(x_ptr, res_ptr, nw_ptr, res_out_ptr, cols, k, eps, HAS_RES)
+    ty = out_ptr.dtype.element_ty
+    lo, hi = _pair_products(w_lo, w_hi, x, b_ptr, lo_rows, lo_rows + HALF, n, HAS_BIAS, ty)
+    pos = tl.load(pos_ptr).to(tl.int64)
+    c = tl.load(cos_ptr + pos * (2 * HALF) + j)
+    s = tl.load(sin_ptr + pos * (2 * HALF) + j)
+    rot_lo = (lo * c - hi * s).to(ty)
+    rot_hi = (hi * c + lo * s).to(ty)
+    heads = head + tl.zeros_like(j)  # the pair's shape for the masks
+    is_q = heads < n_q
+    tl.store(out_ptr + lo_rows, tl.where(is_q, rot_lo, lo.to(ty)))
+    tl.store(out_ptr + lo_rows + HALF, tl.where(is_q, rot_hi, hi.to(ty)))
+    slot = tl.load(slots_ptr).to(tl.int64)
+    is_k = (heads >= n_q) & (heads < n_q + n_kv)
+    k_row = k_cache_ptr + slot * stride_cs + (heads - n_q) * (2 * HALF) + j
+    tl.store(k_row, rot_lo, mask=is_k)
+    tl.store(k_row + HALF, rot_hi, mask=is_k)
+    is_v = heads >= n_q + n_kv
+    v_row = v_cache_ptr + slot * stride_cs + (heads - n_q - n_kv) * (2 * HALF) + j
+    tl.store(v_row, lo.to(ty), mask=is_v)
+    tl.store(v_row + HALF, hi.to(ty), mask=is_v)
+
+
+class QKVRope(NamedTuple):
+    """What `norm_qkv_rope` needs besides the projection: the token's position, the rotary
+    cos / sin caches (float32 [max_positions, head_dim]), the head counts, and where its K/V
+    go (k_cache / v_cache[slots[0]], caches [slots, n_kv, head_dim] contiguous)."""
+
+    positions: torch.Tensor  # [1]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    n_q: int
+    n_kv: int
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slots: torch.Tensor  # [1]
+
+
+def norm_qkv_rope(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
+                  eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor], rope: QKVRope,
+                  pdl: bool = False) -> NormGemv:
+    """One token's attention input in one launch: qkv = rmsnorm(x + residual) W^T + b as
+    `norm_gemv`, then q rotated in place (rotate-half), and the rotated k and v written to the
+    KV cache as `rotary_qk_(..., store=...)` does (k and v stay unrotated in qkv). W's rows are
+    the q heads, then k, then v, head_dim (a power of two, at least 4) rows each."""
+    n, k = weight.shape
+    dim = rope.cos.shape[1]
+    heads = rope.n_q + 2 * rope.n_kv
+    if (dim & (dim - 1) or dim < 4 or n != heads * dim
+            or tuple(rope.k_cache.shape[1:]) != (rope.n_kv, dim)
+            or not rope.k_cache.is_contiguous() or rope.v_cache.stride() != rope.k_cache.stride()):
+        raise ValueError(f"norm_qkv_rope takes {heads} heads of a power-of-two head_dim ({dim}) "
+                         f"in {n} weight rows and contiguous [slots, {rope.n_kv}, {dim}] caches, "
+                         f"got caches {tuple(rope.k_cache.shape)}")
+    x, res, out, res_out = _norm_gemv_args(x, residual, norm_weight, weight, n)
+    _norm_qkv_rope_kernel[(n // 4,)](
+        x, res, norm_weight, weight, bias if bias is not None else weight, out, res_out,
+        rope.positions, rope.cos, rope.sin, rope.slots, rope.k_cache, rope.v_cache, n, k,
+        weight.stride(0), rope.k_cache.stride(0), eps, rope.n_q, rope.n_kv,
+        HAS_RES=residual is not None, HAS_BIAS=bias is not None, HALF=dim // 2,
+        BLOCK_K=triton.next_power_of_2(k), PDL=pdl, num_warps=4, **launch_options(pdl))
+    return NormGemv(out, res_out)
