@@ -61,6 +61,17 @@ if [ "$MODE" = peer8b ]; then
   step offline_8b_tp1 200 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b
   step peer_8b 330 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --peer hf --peer-num-prompts 32
 fi
+if [ "$MODE" = peer256 ]; then
+  # The whole standard workload against HF (about 6 minutes), with the GPU's clocks, power and
+  # throttle reasons sampled every 2 s: in the seventh session minisgl's prefill steps ran 25-45%
+  # slower on one GPU than on the other with the same code. Run it with nothing else on the GPU.
+  q=index,clocks.sm,clocks.mem,power.draw,temperature.gpu
+  { nvidia-smi --query-gpu=$q,clocks_event_reasons.active --format=csv -l 2 ||  # driver 535+
+    nvidia-smi --query-gpu=$q --format=csv -l 2; } > "$OUT/peer256_clocks.csv" 2>&1 &
+  clocks=$!
+  step peer_8b_256 450 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --peer hf
+  pkill -P "$clocks"; kill "$clocks" 2>/dev/null
+fi
 if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
   step offline_8b_tp1 200 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b
   step latency_8b_tp1 120 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b
