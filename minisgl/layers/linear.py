@@ -6,14 +6,14 @@ input features and all-reduce the partial sums. Each layer's `load` reads only t
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Sequence, Tuple, cast
+from typing import List, NamedTuple, Optional, Sequence, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import Communicator, DistributedInfo, Shard
-from minisgl.layers.norm import RMSNorm
+from minisgl.layers.norm import Normed, RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.layers.source import TensorSource, copy_into
 
@@ -56,15 +56,15 @@ class Stream(NamedTuple):
         """reduce(partial): h - residual (a collective where there is a reducer)."""
         return self.reducer.finish(self.partial) if self.reducer is not None else self.partial
 
-    def normed(self, norm: RMSNorm) -> Tuple[torch.Tensor, torch.Tensor]:
+    def normed(self, norm: RMSNorm) -> Normed:
         """(norm(h), h): with a reducer and a residual, `reducer.reduce_norm` (one fused kernel
         where the communicator offers it)."""
         if self.reducer is not None and self.residual is not None:
             return self.reducer.reduce_norm(self.partial, self.residual, norm)
         h = self.reduced()
         if self.residual is None:
-            return cast(torch.Tensor, norm(h)), h
-        return cast(Tuple[torch.Tensor, torch.Tensor], norm(h, self.residual))
+            return Normed(cast(torch.Tensor, norm(h)), h)
+        return cast(Normed, norm(h, self.residual))
 
 
 class ColumnParallelLinear(nn.Module):
@@ -96,7 +96,7 @@ class ColumnParallelLinear(nn.Module):
         from minisgl.layers import triton_gemv
         return self.weight.shape[1] <= triton_gemv.NORM_GEMV_MAX_K
 
-    def forward_normed(self, stream: Stream, norm: RMSNorm) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward_normed(self, stream: Stream, norm: RMSNorm) -> Normed:
         """(this layer applied to norm(h), h) for the stream's hidden state h. Where
         `fuses_norm`, the norm and the residual add run inside the GEMV (triton_gemv.norm_gemv):
         one launch instead of two."""
@@ -105,10 +105,10 @@ class ColumnParallelLinear(nn.Module):
             return triton_gemv.norm_gemv(stream.reduced(), stream.residual, norm.weight, norm.eps,
                                         self.weight, self.bias, pdl=True)
         x, h = stream.normed(norm)
-        return self(x), h
+        return Normed(self(x), h)
 
     def forward_normed_silu(self, stream: Stream, norm: RMSNorm
-                            ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+                            ) -> Optional[Normed]:
         """For a [gate, up] layer: (silu(gate) * up of norm(h), h) in one launch
         (triton_gemv.norm_gate_up_silu) where `fuses_norm`; else None, having done nothing."""
         if len(self.shards) != 2 or self.shards[0].size != self.shards[1].size:
@@ -149,7 +149,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def forward_normed_rotary(self, stream: Stream, norm: RMSNorm, rotary: RotaryEmbedding,
                               positions: torch.Tensor, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, slots: torch.Tensor
-                              ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+                              ) -> Optional[Normed]:
         """`forward_normed` with the rotary embedding and the K/V store fused in as well, at
         batch 1 (triton_gemv.norm_qkv_rope): (qkv with q rotated, h), the rotated k and v
         written to k_cache / v_cache[slots] (caches [slots, kv_heads, head_dim], contiguous).
@@ -208,7 +208,7 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def reduce_norm(self, partial: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+                    ) -> Normed:
         """norm(finish(partial), residual): (the normed sum, the new residual). One fused kernel
         where the communicator offers it (no bias: it is added after the reduce, before the
         norm; the norm's Triton kernel on CUDA), else exactly `finish` then `norm`. A
@@ -217,9 +217,8 @@ class RowParallelLinear(nn.Module):
             fused = self.comm.all_reduce_rmsnorm(partial, residual, norm.weight, norm.eps,
                                                  norm.pdl)
             if fused is not None:
-                return fused
-        # With a residual, RMSNorm returns (normed, new residual).
-        return cast(Tuple[torch.Tensor, torch.Tensor], norm(self.finish(partial), residual))
+                return Normed(*fused)
+        return cast(Normed, norm(self.finish(partial), residual))
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
         if param == "bias":

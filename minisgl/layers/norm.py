@@ -3,12 +3,20 @@ residual add (`forward(x, residual)` returns the normed sum and the new residual
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import nn
 
 from minisgl.layers.source import TensorSource, copy_into
+
+
+class Normed(NamedTuple):
+    """What a norm with a residual add returns: `out` (the normed sum, or whatever a fused
+    kernel computed from it: a projection, an activation) and `residual`, the sum itself."""
+
+    out: torch.Tensor
+    residual: torch.Tensor
 
 
 class RMSNorm(nn.Module):
@@ -29,15 +37,15 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
-                ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+                ) -> Union[torch.Tensor, Normed]:
         if self.fused and x.is_cuda:
             from minisgl.layers import triton_ops
             out, new_residual = triton_ops.rmsnorm(x, self.weight, self.eps, residual, self.pdl)
-            return out if new_residual is None else (out, new_residual)
+            return out if new_residual is None else Normed(out, new_residual)
         if residual is None:
             return self._norm(x)
         x = x + residual
-        return self._norm(x), x
+        return Normed(self._norm(x), x)
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
         copy_into(self.weight.data, src.read(), "norm weight")

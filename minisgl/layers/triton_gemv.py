@@ -17,12 +17,13 @@ tensors.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from minisgl.layers.norm import Normed
 from minisgl.pdl import launch_options, pdl_enter
 from minisgl.triton_rmsnorm import rmsnorm_row
 
@@ -144,15 +145,16 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr
                 HAS_BIAS)
 
 
-class NormGemv(NamedTuple):
-    out: torch.Tensor  # the projection (or its activation, or q rotated: see each function)
-    residual: torch.Tensor  # h = x + residual (x itself without a residual)
+class _NormGemvIO(NamedTuple):
+    x: torch.Tensor
+    residual: torch.Tensor  # to read (x itself where there is none: the kernel skips it)
+    out: torch.Tensor
+    residual_out: torch.Tensor  # x itself where there is no residual
 
 
-def _norm_gemv_args(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
-                    weight: torch.Tensor, out_features: int
-                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Checked inputs of a norm GEMV: (x, residual to read, output, residual output)."""
+def _norm_gemv_io(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
+                  weight: torch.Tensor, out_features: int) -> _NormGemvIO:
+    """Checked inputs and new outputs of a norm GEMV."""
     _check_gemv(x, weight)
     k = weight.shape[1]
     if k > NORM_GEMV_MAX_K or norm_weight.numel() != k:
@@ -161,25 +163,25 @@ def _norm_gemv_args(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weig
     x = x.contiguous()
     out = torch.empty((*x.shape[:-1], out_features), dtype=x.dtype, device=x.device)
     if residual is None:
-        return x, x, out, x
-    return x, residual.contiguous(), out, torch.empty_like(x)
+        return _NormGemvIO(x, x, out, x)
+    return _NormGemvIO(x, residual.contiguous(), out, torch.empty_like(x))
 
 
 def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
               eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-              pdl: bool = False, num_warps: int = 4, num_stages: int = 1) -> NormGemv:
+              pdl: bool = False, num_warps: int = 4, num_stages: int = 1) -> Normed:
     """`gemv(rmsnorm(x + residual), weight, bias)` in one launch, for one row x of K <=
     NORM_GEMV_MAX_K features (the norm's roundings are `rmsnorm`'s), and the new residual
     x + residual (a new tensor; x itself without a residual). `num_warps`, `num_stages`: the
     tiling (swept by scripts/bench_kernels.py)."""
     n, k = weight.shape
-    x, res, out, res_out = _norm_gemv_args(x, residual, norm_weight, weight, n)
+    x, res, out, res_out = _norm_gemv_io(x, residual, norm_weight, weight, n)
     _norm_gemv_kernel[(triton.cdiv(n, _GEMV_ROWS),)](
         x, res, norm_weight, weight, bias if bias is not None else weight, out, res_out, n, k,
         weight.stride(0), eps, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_N=_GEMV_ROWS, BLOCK_K=triton.next_power_of_2(k), PDL=pdl, num_warps=num_warps,
         num_stages=num_stages, **launch_options(pdl))
-    return NormGemv(out, res_out)
+    return Normed(out, res_out)
 
 
 # The two kernels below give each program two pairs of rows, (lo[0], hi[0]) and (lo[1], hi[1]),
@@ -223,7 +225,7 @@ def _norm_gate_up_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_
 
 def norm_gate_up_silu(x: torch.Tensor, residual: Optional[torch.Tensor],
                       norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                      bias: Optional[torch.Tensor] = None, pdl: bool = False) -> NormGemv:
+                      bias: Optional[torch.Tensor] = None, pdl: bool = False) -> Normed:
     """The gated MLP's first half for one token in one launch: silu(gate) * up for [gate | up]
     = rmsnorm(x + residual) W^T + b, W = [gate rows; up rows] (an even number of rows);
     equal to `norm_gemv` followed by `silu_and_mul`. Also the new residual, as `norm_gemv`."""
@@ -231,12 +233,12 @@ def norm_gate_up_silu(x: torch.Tensor, residual: Optional[torch.Tensor],
     if n % 2:
         raise ValueError(f"gate/up weight needs an even number of rows, got {n}")
     d = n // 2
-    x, res, out, res_out = _norm_gemv_args(x, residual, norm_weight, weight, d)
+    x, res, out, res_out = _norm_gemv_io(x, residual, norm_weight, weight, d)
     _norm_gate_up_kernel[(triton.cdiv(d, 2),)](
         x, res, norm_weight, weight, bias if bias is not None else weight, out, res_out, d, k,
         weight.stride(0), eps, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_K=triton.next_power_of_2(k), PDL=pdl, num_warps=4, **launch_options(pdl))
-    return NormGemv(out, res_out)
+    return Normed(out, res_out)
 
 
 @triton.jit
@@ -295,7 +297,7 @@ class QKVRope(NamedTuple):
 
 def norm_qkv_rope(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
                   eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor], rope: QKVRope,
-                  pdl: bool = False) -> NormGemv:
+                  pdl: bool = False) -> Normed:
     """One token's attention input in one launch: qkv = rmsnorm(x + residual) W^T + b as
     `norm_gemv`, then q rotated in place (rotate-half), and the rotated k and v written to the
     KV cache as `rotary_qk_(..., store=...)` does (k and v stay unrotated in qkv). W's rows are
@@ -309,11 +311,11 @@ def norm_qkv_rope(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight
         raise ValueError(f"norm_qkv_rope takes {heads} heads of a power-of-two head_dim ({dim}) "
                          f"in {n} weight rows and contiguous [slots, {rope.n_kv}, {dim}] caches, "
                          f"got caches {tuple(rope.k_cache.shape)}")
-    x, res, out, res_out = _norm_gemv_args(x, residual, norm_weight, weight, n)
+    x, res, out, res_out = _norm_gemv_io(x, residual, norm_weight, weight, n)
     _norm_qkv_rope_kernel[(n // 4,)](
         x, res, norm_weight, weight, bias if bias is not None else weight, out, res_out,
         rope.positions, rope.cos, rope.sin, rope.slots, rope.k_cache, rope.v_cache, n, k,
         weight.stride(0), rope.k_cache.stride(0), eps, rope.n_q, rope.n_kv,
         HAS_RES=residual is not None, HAS_BIAS=bias is not None, HALF=dim // 2,
         BLOCK_K=triton.next_power_of_2(k), PDL=pdl, num_warps=4, **launch_options(pdl))
-    return NormGemv(out, res_out)
+    return Normed(out, res_out)
