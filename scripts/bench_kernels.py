@@ -248,6 +248,7 @@ def bench_norm_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
         caches = [torch.zeros((2048, n_kv, d), dtype=torch.bfloat16, device="cuda")
                   for _ in range(2)]
         rope = triton_gemv.QKVRope(pos, rotary.cos, rotary.sin, n_q, n_kv, *caches, slot)
+
         def store(qkv: torch.Tensor) -> object:
             q, k, v = (t.view(1, -1, d) for t in qkv.split([n_q * d, n_kv * d, n_kv * d], -1))
             return triton_ops.rotary_qk_(q, k, pos, rotary.cos, rotary.sin, True,
@@ -273,7 +274,7 @@ def bench_norm_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
             else:
                 variants["rmsnorm+gemv+silu"] = lambda w: triton_ops.silu_and_mul(
                     triton_gemv.gemv(triton_ops.rmsnorm(x, nw, 1e-5, res, pdl=True)[0], w,
-                                    pdl=True), pdl=True)
+                                     pdl=True), pdl=True)
                 variants["norm_gate_up_silu"] = lambda w: triton_gemv.norm_gate_up_silu(
                     x, res, nw, 1e-5, w, pdl=True)
             for label, fn in variants.items():

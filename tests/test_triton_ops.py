@@ -259,10 +259,27 @@ def test_norm_gemv_refuses_rows_wider_than_a_program_holds() -> None:
     k = triton_gemv.NORM_GEMV_MAX_K + 1
     with pytest.raises(ValueError, match=f"at most {triton_gemv.NORM_GEMV_MAX_K} features"):
         triton_gemv.norm_gemv(torch.randn(1, k, device=DEV), None, torch.ones(k, device=DEV),
-                             1e-6, torch.randn(2, k, device=DEV))
+                              1e-6, torch.randn(2, k, device=DEV))
     with pytest.raises(ValueError, match="one row of"):
         triton_gemv.norm_gemv(torch.randn(2, 8, device=DEV), None, torch.ones(8, device=DEV),
-                             1e-6, torch.randn(2, 8, device=DEV))
+                              1e-6, torch.randn(2, 8, device=DEV))
+
+
+def test_norm_qkv_rope_refuses_layouts_it_cannot_write() -> None:
+    """The fused QKV kernel names the shapes it needs instead of writing K/V to wrong places: a
+    weight whose rows are not the heads' rows, and caches that are not contiguous [slots, kv
+    heads, head_dim]."""
+    rope = RotaryEmbedding(16, 64, 10000.0, None).to(DEV)
+    cache = torch.zeros(4, 1, 16, device=DEV)
+    one = torch.zeros(1, dtype=torch.long, device=DEV)
+    x, nw = torch.randn(1, 32, device=DEV), torch.ones(32, device=DEV)
+    good = triton_gemv.QKVRope(one, rope.cos, rope.sin, 2, 1, cache, cache.clone(), one)
+    with pytest.raises(ValueError, match="4 heads of a power-of-two head_dim"):
+        triton_gemv.norm_qkv_rope(x, None, nw, 1e-6, torch.randn(60, 32, device=DEV), None, good)
+    strided = torch.zeros(4, 1, 32, device=DEV)[:, :, :16]  # rows 32 apart
+    with pytest.raises(ValueError, match="contiguous"):
+        triton_gemv.norm_qkv_rope(x, None, nw, 1e-6, torch.randn(64, 32, device=DEV), None,
+                                  good._replace(k_cache=strided, v_cache=strided))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -102,8 +102,8 @@ class ColumnParallelLinear(nn.Module):
         one launch instead of two."""
         if self.fuses_norm(stream, norm):
             from minisgl.layers import triton_gemv
-            return triton_gemv.norm_gemv(stream.reduced(), stream.residual, norm.weight, norm.eps,
-                                        self.weight, self.bias, pdl=True)
+            return triton_gemv.norm_gemv(stream.reduced(), stream.residual, norm.weight,
+                                         norm.eps, self.weight, self.bias, pdl=True)
         x, h = stream.normed(norm)
         return Normed(self(x), h)
 
@@ -118,7 +118,7 @@ class ColumnParallelLinear(nn.Module):
             return None
         from minisgl.layers import triton_gemv
         return triton_gemv.norm_gate_up_silu(stream.reduced(), stream.residual, norm.weight,
-                                            norm.eps, self.weight, self.bias, pdl=True)
+                                             norm.eps, self.weight, self.bias, pdl=True)
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
         shard, off = self.shards[shard_id], self.offsets[shard_id]
@@ -158,9 +158,9 @@ class QKVParallelLinear(ColumnParallelLinear):
             return None
         from minisgl.layers import triton_gemv
         rope = triton_gemv.QKVRope(positions, rotary.cos, rotary.sin, self.num_local_heads,
-                                  self.num_local_kv_heads, k_cache, v_cache, slots)
-        return triton_gemv.norm_qkv_rope(stream.reduced(), stream.residual, norm.weight, norm.eps,
-                                        self.weight, self.bias, rope, pdl=True)
+                                   self.num_local_kv_heads, k_cache, v_cache, slots)
+        return triton_gemv.norm_qkv_rope(stream.reduced(), stream.residual, norm.weight,
+                                         norm.eps, self.weight, self.bias, rope, pdl=True)
 
     @property
     def split_sizes(self) -> List[int]:
