@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import List
 
 import pytest
 import torch
@@ -123,7 +124,7 @@ def test_bf16_batch1_fused_projections_match_the_unfused_path(family: str,
     assert _batch1_bf16(path, pdl="on") == _batch1_bf16(path, pdl="off")
 
 
-def _batch1_bf16(path: Path, **kw: object) -> list:
+def _batch1_bf16(path: Path, **kw: object) -> List[List[int]]:
     """Greedy tokens of three prompts generated one at a time (batch 1) in bfloat16."""
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     with LLM(str(path), device="cuda", dtype="bfloat16", show_progress=False,

@@ -18,7 +18,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from minisgl.layers.activation import silu_and_mul  # noqa: E402
 from minisgl.distributed import DistributedInfo  # noqa: E402
-from minisgl.layers.linear import ColumnParallelLinear, Stream, project  # noqa: E402
+from minisgl.layers.linear import ColumnParallelLinear, ResidualStream, project  # noqa: E402
 from minisgl.layers.norm import RMSNorm  # noqa: E402
 from minisgl.layers.rotary import RotaryEmbedding  # noqa: E402
 
@@ -190,7 +190,7 @@ def test_column_layer_forward_normed(dtype: torch.dtype, has_residual: bool) -> 
     want = F.linear(norm._norm(h), layer.weight, layer.bias)
     for pdl in ([False, True] if DEV == "cuda" else [False]):
         layer.pdl = pdl
-        out, got_h = layer.forward_normed(Stream(x, res, None), norm)
+        out, got_h = layer.forward_normed(ResidualStream(x, res, None), norm)
         _close(out, want, dtype)
         assert torch.equal(got_h, h)
 
@@ -229,7 +229,9 @@ def test_norm_qkv_rope_equals_the_three_kernels(dtype: torch.dtype, heads: int, 
             assert torch.allclose(a, e, rtol=1e-5, atol=1e-5)
     for c, c0 in zip(caches[2:], before):  # the reference wrote only slot 5
         assert torch.equal(c[:5], c0[:5]) and torch.equal(c[6:], c0[6:])
-    assert torch.equal(caches[0][:5], caches[2][:5]) and torch.equal(caches[1][6:], caches[3][6:])
+    for fused_cache, ref_cache in zip(caches[:2], caches[2:]):  # slot 5 only, in both caches
+        assert torch.equal(fused_cache[:5], ref_cache[:5])
+        assert torch.equal(fused_cache[6:], ref_cache[6:])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -267,8 +269,8 @@ def test_norm_gemv_refuses_rows_wider_than_a_program_holds() -> None:
 
 def test_norm_qkv_rope_refuses_layouts_it_cannot_write() -> None:
     """The fused QKV kernel names the shapes it needs instead of writing K/V to wrong places: a
-    weight whose rows are not the heads' rows, and caches that are not contiguous [slots, kv
-    heads, head_dim]."""
+    weight whose rows are not the heads' rows, caches that are not contiguous [slots, kv heads,
+    head_dim] of one shape, more than one token's slot."""
     rope = RotaryEmbedding(16, 64, 10000.0, None).to(DEV)
     cache = torch.zeros(4, 1, 16, device=DEV)
     one = torch.zeros(1, dtype=torch.long, device=DEV)
@@ -277,9 +279,14 @@ def test_norm_qkv_rope_refuses_layouts_it_cannot_write() -> None:
     with pytest.raises(ValueError, match="4 heads of a power-of-two head_dim"):
         triton_gemv.norm_qkv_rope(x, None, nw, 1e-6, torch.randn(60, 32, device=DEV), None, good)
     strided = torch.zeros(4, 1, 32, device=DEV)[:, :, :16]  # rows 32 apart
-    with pytest.raises(ValueError, match="contiguous"):
-        triton_gemv.norm_qkv_rope(x, None, nw, 1e-6, torch.randn(64, 32, device=DEV), None,
+    w = torch.randn(64, 32, device=DEV)
+    with pytest.raises(ValueError, match="contiguous k / v caches of one shape"):
+        triton_gemv.norm_qkv_rope(x, None, nw, 1e-6, w, None,
                                   good._replace(k_cache=strided, v_cache=strided))
+    with pytest.raises(ValueError, match="contiguous k / v caches of one shape"):
+        triton_gemv.norm_qkv_rope(x, None, nw, 1e-6, w, None, good._replace(v_cache=cache[:2]))
+    with pytest.raises(ValueError, match="one position and slot"):
+        triton_gemv.norm_qkv_rope(x, None, nw, 1e-6, w, None, good._replace(slots=one.repeat(2)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -2,6 +2,11 @@
 
 Column-parallel layers split the output features (no communication); row-parallel layers split the
 input features and all-reduce the partial sums. Each layer's `load` reads only this rank's slice.
+
+At batch 1 on the GPU a projection can absorb what surrounds it into its one kernel: the RMSNorm
+before it (`forward_normed*`, taking a ResidualStream), SiLU-and-mul after gate/up, and after QKV
+the rotary embedding and the K/V store. That is why these layers see norms, the rotary caches and
+the KV cache layout: the kernel that fuses them is the projection's.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] 
     return F.linear(x, weight, bias)
 
 
-class Stream(NamedTuple):
+class ResidualStream(NamedTuple):
     """The residual stream between two sublayers, before the RMSNorm that opens the next one:
     the hidden state is h = reduce(partial) + residual, where reduce is `reducer.finish` (the
     all-reduce and bias of the row-parallel layer that produced `partial`) or nothing (reducer
@@ -88,7 +93,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return project(x, self.weight, self.bias, self.pdl)
 
-    def fuses_norm(self, stream: Stream, norm: RMSNorm) -> bool:
+    def fuses_norm(self, stream: ResidualStream, norm: RMSNorm) -> bool:
         """Whether this layer runs on `norm(stream)` as one norm GEMV kernel (batch 1, GEMV
         path, a fused-kind norm, rows that fit a program)."""
         if not (takes_gemv(stream.partial, self.pdl) and norm.fused):
@@ -96,7 +101,7 @@ class ColumnParallelLinear(nn.Module):
         from minisgl.layers import triton_gemv
         return self.weight.shape[1] <= triton_gemv.NORM_GEMV_MAX_K
 
-    def forward_normed(self, stream: Stream, norm: RMSNorm) -> Normed:
+    def forward_normed(self, stream: ResidualStream, norm: RMSNorm) -> Normed:
         """(this layer applied to norm(h), h) for the stream's hidden state h. Where
         `fuses_norm`, the norm and the residual add run inside the GEMV (triton_gemv.norm_gemv):
         one launch instead of two."""
@@ -107,13 +112,10 @@ class ColumnParallelLinear(nn.Module):
         x, h = stream.normed(norm)
         return Normed(self(x), h)
 
-    def forward_normed_silu(self, stream: Stream, norm: RMSNorm
-                            ) -> Optional[Normed]:
-        """For a [gate, up] layer: (silu(gate) * up of norm(h), h) in one launch
-        (triton_gemv.norm_gate_up_silu) where `fuses_norm`; else None, having done nothing."""
-        if len(self.shards) != 2 or self.shards[0].size != self.shards[1].size:
-            raise ValueError(f"forward_normed_silu needs [gate, up] outputs of one size, got "
-                             f"{[sh.size for sh in self.shards]}")
+    def forward_normed_silu(self, stream: ResidualStream, norm: RMSNorm) -> Optional[Normed]:
+        """For a layer built with out_sizes [d, d] (gate, up): (silu(gate) * up of norm(h), h)
+        in one launch (triton_gemv.norm_gate_up_silu) where `fuses_norm`; else None, having
+        done nothing."""
         if not self.fuses_norm(stream, norm):
             return None
         from minisgl.layers import triton_gemv
@@ -146,9 +148,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.bias = _empty(local_out) if bias else None
         self.head_dim = head_dim
 
-    def forward_normed_rotary(self, stream: Stream, norm: RMSNorm, rotary: RotaryEmbedding,
-                              positions: torch.Tensor, k_cache: torch.Tensor,
-                              v_cache: torch.Tensor, slots: torch.Tensor
+    def forward_normed_rotary(self, stream: ResidualStream, norm: RMSNorm,
+                              rotary: RotaryEmbedding, positions: torch.Tensor,
+                              k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
                               ) -> Optional[Normed]:
         """`forward_normed` with the rotary embedding and the K/V store fused in as well, at
         batch 1 (triton_gemv.norm_qkv_rope): (qkv with q rotated, h), the rotated k and v
@@ -198,7 +200,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """The layer's output; with `reduce=False` only this rank's partial product (no
         all-reduce, no bias), which the caller must pass to `finish` or `reduce_norm` (e.g. in
-        a Stream)."""
+        a ResidualStream)."""
         partial = project(x, self.weight, None, self.pdl)
         return self.finish(partial) if reduce else partial
 

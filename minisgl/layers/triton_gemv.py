@@ -37,6 +37,8 @@ _GEMV_ROWS = 4
 
 
 class GemvTiles(NamedTuple):
+    """The plain GEMV's tiling: columns per load, warps, pipeline stages."""
+
     block_k: int
     num_warps: int
     num_stages: int
@@ -173,7 +175,7 @@ def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: to
     """`gemv(rmsnorm(x + residual), weight, bias)` in one launch, for one row x of K <=
     NORM_GEMV_MAX_K features (the norm's roundings are `rmsnorm`'s), and the new residual
     x + residual (a new tensor; x itself without a residual). `num_warps`, `num_stages`: the
-    tiling (swept by scripts/bench_kernels.py)."""
+    tiling, there for scripts/bench_kernels.py's sweep (the layers take the defaults)."""
     n, k = weight.shape
     x, res, out, res_out = _norm_gemv_io(x, residual, norm_weight, weight, n)
     _norm_gemv_kernel[(triton.cdiv(n, _GEMV_ROWS),)](
@@ -190,6 +192,7 @@ def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: to
 # be, so the results equal the separate rotary / SiLU kernels'.
 @triton.jit
 def _pair_tiles(w_ptr, lo_rows, hi_rows, cols, n, k, stride_wn):
+    """The weight rows of both halves of the program's two pairs (loaded before the wait)."""
     return (_gemv_tile(w_ptr, lo_rows, cols, n, k, stride_wn),
             _gemv_tile(w_ptr, hi_rows, cols, n, k, stride_wn))
 
@@ -197,6 +200,7 @@ def _pair_tiles(w_ptr, lo_rows, hi_rows, cols, n, k, stride_wn):
 @triton.jit
 def _pair_products(w_lo, w_hi, x, b_ptr, lo_rows, hi_rows, n, HAS_BIAS: tl.constexpr,
                    ty: tl.constexpr):
+    """Both halves' products (+ bias), rounded to `ty` as the GEMV output is, in float32."""
     lo = tl.sum(w_lo.to(tl.float32) * x[None, :], axis=1)
     hi = tl.sum(w_hi.to(tl.float32) * x[None, :], axis=1)
     if HAS_BIAS:
@@ -305,12 +309,22 @@ def norm_qkv_rope(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight
     n, k = weight.shape
     dim = rope.cos.shape[1]
     heads = rope.n_q + 2 * rope.n_kv
-    if (dim & (dim - 1) or dim < 4 or n != heads * dim
-            or tuple(rope.k_cache.shape[1:]) != (rope.n_kv, dim)
-            or not rope.k_cache.is_contiguous() or rope.v_cache.stride() != rope.k_cache.stride()):
-        raise ValueError(f"norm_qkv_rope takes {heads} heads of a power-of-two head_dim ({dim}) "
-                         f"in {n} weight rows and contiguous [slots, {rope.n_kv}, {dim}] caches, "
-                         f"got caches {tuple(rope.k_cache.shape)}")
+    if dim & (dim - 1) or dim < 4 or n != heads * dim:
+        raise ValueError(f"norm_qkv_rope takes {heads} heads of a power-of-two head_dim ({dim}, "
+                         f"at least 4) in its weight, got {n} rows")
+    caches = (rope.k_cache, rope.v_cache)
+    if (any(c.shape[1:] != (rope.n_kv, dim) or not c.is_contiguous() for c in caches)
+            or rope.v_cache.shape != rope.k_cache.shape):
+        got = [(tuple(c.shape), c.stride()) for c in caches]
+        raise ValueError(f"norm_qkv_rope needs contiguous k / v caches of one shape [slots, "
+                         f"{rope.n_kv}, {dim}], got (shape, strides) {got}")
+    if (rope.sin.shape != rope.cos.shape or not rope.cos.is_contiguous()
+            or not rope.sin.is_contiguous() or rope.positions.numel() != 1
+            or rope.slots.numel() != 1):
+        raise ValueError(f"norm_qkv_rope needs contiguous cos / sin of one shape and one "
+                         f"position and slot, got {tuple(rope.cos.shape)}, "
+                         f"{tuple(rope.sin.shape)}, {rope.positions.numel()} positions, "
+                         f"{rope.slots.numel()} slots")
     x, res, out, res_out = _norm_gemv_io(x, residual, norm_weight, weight, n)
     _norm_qkv_rope_kernel[(n // 4,)](
         x, res, norm_weight, weight, bias if bias is not None else weight, out, res_out,

@@ -4,9 +4,9 @@ Families differ only in small traits (QKV bias, per-head q/k RMSNorm), given by 
 classes. Tensor parallelism lives in the layers: attention heads and MLP columns are split over
 ranks, and the row-parallel projections all-reduce. Every such all-reduce (o_proj, down_proj) is
 followed by a residual add and an RMSNorm (post_attention_layernorm, the next layer's
-input_layernorm, the final norm), so sublayers pass each other a `Stream`: the partial product,
-un-reduced, with the residual. Its consumer does the all-reduce, the add and the norm in the
-fewest kernels it can: inside its own one-token GEMV (batch 1), in one fused all-reduce + norm
+input_layernorm, the final norm), so sublayers pass each other a `ResidualStream`: the partial
+product, un-reduced, with the residual. Its consumer does the all-reduce, the add and the norm in
+the fewest kernels it can: inside its own one-token GEMV (batch 1), in one fused all-reduce + norm
 kernel where the communicator offers one, else as two steps.
 """
 
@@ -23,7 +23,7 @@ from minisgl.distributed import Communicator, DistributedInfo
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                   Stream)
+                                   ResidualStream)
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.layers.source import TensorSource
@@ -46,6 +46,17 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
+class AttentionInput(NamedTuple):
+    """q [T, heads, d], k and v [T, kv_heads, d] (q and k rotated), the new residual, and
+    whether K/V are already in the cache (`kv_stored` of the backend's forward)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    residual: torch.Tensor
+    stored: bool
+
+
 class Attention(nn.Module):
     """Self-attention; `forward` takes the stream before the layer's input norm and returns the
     stream after o_proj (its partial product, not yet all-reduced)."""
@@ -65,26 +76,36 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.head_dim = cfg.head_dim
 
-    def forward(self, stream: Stream, norm: RMSNorm, positions: torch.Tensor, batch: Batch,
-                backend: AttentionBackend) -> Stream:
+    def forward(self, stream: ResidualStream, norm: RMSNorm, positions: torch.Tensor,
+                batch: Batch, backend: AttentionBackend) -> ResidualStream:
+        qkv = self._qkv(stream, norm, positions, batch, backend)
+        out = backend.forward(qkv.q, qkv.k, qkv.v, self.layer, batch, kv_stored=qkv.stored)
+        return ResidualStream(self.o_proj(out, reduce=False), qkv.residual, self.o_proj)
+
+    def _qkv(self, stream: ResidualStream, norm: RMSNorm, positions: torch.Tensor, batch: Batch,
+             backend: AttentionBackend) -> AttentionInput:
+        """norm, QKV projection, q/k norms, rotary, and the K/V store where a kernel before
+        attention can do it: all in the QKV GEMV at batch 1 without q/k norms, else the rotary
+        kernel stores K/V (backends with a KV target), else attention does."""
         target = backend.kv_target(self.layer, batch)
-        fused = None
         if target is not None and self.q_norm is None:  # per-head q/k norms precede the rotary
-            fused = self.qkv_proj.forward_normed_rotary(stream, norm, self.rotary, positions,
-                                                        *target)
-        qkv, residual = fused if fused is not None else self.qkv_proj.forward_normed(stream, norm)
+            proj = self.qkv_proj.forward_normed_rotary(stream, norm, self.rotary, positions,
+                                                       *target)
+            if proj is not None:
+                return AttentionInput(*self._heads(proj.out), proj.residual, stored=True)
+        proj = self.qkv_proj.forward_normed(stream, norm)
+        q, k, v = self._heads(proj.out)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if target is not None and self.rotary.rotate_into_cache(positions, q, k, v, *target):
+            return AttentionInput(q, k, v, proj.residual, stored=True)
+        q, k = self.rotary(positions, q, k)
+        return AttentionInput(q, k, v, proj.residual, stored=False)
+
+    def _heads(self, qkv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = (t.view(t.shape[0], -1, self.head_dim)
                    for t in qkv.split(self.qkv_proj.split_sizes, dim=-1))
-        stored = fused is not None
-        if not stored:
-            if self.q_norm is not None and self.k_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            stored = target is not None and self.rotary.rotate_into_cache(positions, q, k, v,
-                                                                          *target)
-            if not stored:
-                q, k = self.rotary(positions, q, k)
-        out = backend.forward(q, k, v, self.layer, batch, kv_stored=stored)
-        return Stream(self.o_proj(out, reduce=False), residual, self.o_proj)
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -101,14 +122,14 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, info, comm,
                                            traits.pdl)
 
-    def forward(self, stream: Stream, norm: RMSNorm) -> Stream:
-        fused = self.gate_up_proj.forward_normed_silu(stream, norm)  # batch 1: one kernel
-        if fused is not None:
-            act, residual = fused
+    def forward(self, stream: ResidualStream, norm: RMSNorm) -> ResidualStream:
+        proj = self.gate_up_proj.forward_normed_silu(stream, norm)  # batch 1: one kernel
+        if proj is not None:
+            act, residual = proj
         else:
             gate_up, residual = self.gate_up_proj.forward_normed(stream, norm)
             act = silu_and_mul(gate_up, self.fused, self.pdl)
-        return Stream(self.down_proj(act, reduce=False), residual, self.down_proj)
+        return ResidualStream(self.down_proj(act, reduce=False), residual, self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -122,8 +143,8 @@ class DecoderLayer(nn.Module):
                                                 traits.pdl)
         self.mlp = MLP(cfg, info, comm, traits)
 
-    def forward(self, stream: Stream, positions: torch.Tensor, batch: Batch,
-                backend: AttentionBackend) -> Stream:
+    def forward(self, stream: ResidualStream, positions: torch.Tensor, batch: Batch,
+                backend: AttentionBackend) -> ResidualStream:
         """The stream after the previous layer (or the embeddings) -> the stream after this
         one; each sublayer applies its own norm to the stream it takes."""
         stream = self.self_attn(stream, self.input_layernorm, positions, batch, backend)
@@ -144,7 +165,7 @@ class DecoderModel(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
                 backend: AttentionBackend) -> torch.Tensor:
-        stream = Stream(self.embed_tokens(ids), None, None)
+        stream = ResidualStream(self.embed_tokens(ids), None, None)
         for layer in self.layers:
             stream = layer(stream, positions, batch, backend)
         return stream.normed(self.norm)[0]

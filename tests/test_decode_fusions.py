@@ -1,0 +1,105 @@
+"""The decoder's batch-1 fused path (norm inside the QKV and gate/up GEMVs, rotary + K/V store and
+SiLU in their epilogues) against the unfused model, on CPU: the Triton kernels run in the
+interpreter, `takes_gemv` is widened to CPU rows, and the kernels launch without PDL (the
+interpreter has no grid-dependency wait). This reaches the layers' dispatch (ResidualStream,
+forward_normed*, the Normed unpacking in Attention and MLP), which otherwise runs only on a GPU."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, List, Tuple
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
+pytest.importorskip("triton")
+
+from minisgl.attention.base import KVTarget  # noqa: E402
+from minisgl.distributed import Communicator, DistributedInfo  # noqa: E402
+from minisgl.layers import linear, triton_gemv  # noqa: E402
+from minisgl.models.config import ModelConfig  # noqa: E402
+from minisgl.models.decoder import CausalLM  # noqa: E402
+from minisgl.models.llama import LlamaForCausalLM  # noqa: E402
+from minisgl.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM  # noqa: E402
+
+HEADS, KV_HEADS, DIM, LAYERS, SLOTS = 4, 2, 16, 2, 12
+NEW_SLOT, POSITION = 9, 7
+CONTEXT = [0, 1, 2, 3, 4, 5, 6, NEW_SLOT]  # the earlier tokens' slots, then the new token's
+
+
+class _CacheBackend:
+    """Attention over one sequence whose K/V sit at CONTEXT in per-layer caches; offers the
+    caches as a KV target (the fused QKV kernel writes there) when `target` is set."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, target: bool) -> None:
+        self.k, self.v, self.target = k, v, target
+        self.slots = torch.tensor([NEW_SLOT], dtype=torch.int32)
+
+    def kv_target(self, layer: int, batch: Any) -> Any:
+        return KVTarget(self.k[layer], self.v[layer], self.slots) if self.target else None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: Any,
+                kv_stored: bool = False) -> torch.Tensor:
+        if not kv_stored:
+            self.k[layer][NEW_SLOT], self.v[layer][NEW_SLOT] = k[0], v[0]
+        keys = self.k[layer][CONTEXT].repeat_interleave(HEADS // KV_HEADS, 1)  # [L, heads, d]
+        values = self.v[layer][CONTEXT].repeat_interleave(HEADS // KV_HEADS, 1)
+        scores = torch.einsum("hd,lhd->hl", q[0], keys) / DIM ** 0.5
+        return torch.einsum("hl,lhd->hd", scores.softmax(-1), values).reshape(1, -1)
+
+
+def _config(bias: bool) -> ModelConfig:
+    return ModelConfig(architecture="test", vocab_size=50, hidden_size=64, intermediate_size=96,
+                       num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
+                       rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+                       max_position_embeddings=64, tie_word_embeddings=False,
+                       attention_bias=bias, mlp_bias=False, eos_token_ids=(2,),
+                       torch_dtype=None)
+
+
+def _step(model: CausalLM, target: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decode step of token 5 at POSITION: (logits, k caches, v caches)."""
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(LAYERS, SLOTS, KV_HEADS, DIM, generator=gen)
+    v = torch.randn(LAYERS, SLOTS, KV_HEADS, DIM, generator=gen)
+    with torch.no_grad():
+        logits = model(torch.tensor([5]), torch.tensor([POSITION]), None,  # type: ignore[arg-type]
+                       _CacheBackend(k, v, target), None)  # type: ignore[arg-type]
+    return logits, k, v
+
+
+@pytest.mark.parametrize("cls,bias", [(LlamaForCausalLM, False), (Qwen2ForCausalLM, True),
+                                      (Qwen3ForCausalLM, False)])
+@pytest.mark.parametrize("target", [True, False])
+def test_batch1_fused_decoder_matches_unfused(cls: type, bias: bool, target: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama (rotary + K/V store fused into QKV when the backend offers a KV target), Qwen2
+    (the same with QKV bias), Qwen3 (per-head q/k norms: only the norm is fused into QKV): the
+    logits and every cache slot equal the unfused model's, and the fused kernels did run."""
+    cfg, info = _config(bias), DistributedInfo(0, 1)
+    torch.manual_seed(0)
+    ref = cls(cfg, info, Communicator(info))
+    for name, p in ref.named_parameters():
+        p.data.uniform_(0.5, 1.5) if "norm" in name else p.data.normal_(0, 0.3)
+    fused = cls(cfg, info, Communicator(info), fused=True, pdl=True)
+    fused.load_state_dict(ref.state_dict())
+    want = _step(ref, target)
+
+    calls: List[str] = []
+
+    def without_pdl(kernel: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            calls.append(kernel.__name__)
+            return kernel(*args, **{**kwargs, "pdl": False})
+        return run
+    for name in ("gemv", "norm_gemv", "norm_gate_up_silu", "norm_qkv_rope"):
+        monkeypatch.setattr(triton_gemv, name, without_pdl(getattr(triton_gemv, name)))
+    monkeypatch.setattr(linear, "takes_gemv", lambda x, pdl: pdl and x.numel() == x.shape[-1])
+    got = _step(fused, target)
+
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    qkv_kernel = "norm_qkv_rope" if target and cls is not Qwen3ForCausalLM else "norm_gemv"
+    assert calls.count(qkv_kernel) >= LAYERS and calls.count("norm_gate_up_silu") == LAYERS
