@@ -22,6 +22,9 @@ fi
 if [ "$MODE" = kernels ]; then  # attention tiles, batch-1 projections, prefill GEMMs
   step kernels_8b 300 python3 scripts/bench_kernels.py --model configs/models/llama-3.1-8b
 fi
+if [ "$MODE" = skinny ]; then  # projections at the offline run's decode batch sizes (cuBLAS, Lt)
+  step linear_rows_8b 300 python3 scripts/bench_kernels.py --what linear --linear-rows 1,64,137,144,256
+fi
 if [ "$MODE" = latency1 ]; then
   step latency_8b_tp1 200 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --steps 100 --prefill 8192 --profile
 fi

@@ -8,7 +8,8 @@ a few replays; every call reads inputs larger than the L2 cache, as in a real st
 - `decode`: the paged decode kernel at each batch size, contexts drawn as in the offline
   workload (seeded, pages shuffled), for every (block_n, warps, stages, splits).
 - `extend`: the causal extend kernel on a prefill chunk of fresh prompts.
-- `linear`: y = x W^T for one token and every projection of the model at tp 1 and 2.
+- `linear`: y = x W^T for one token (or --linear-rows tokens) and every projection of the model
+  at tp 1 and 2.
 - `normlinear`: the one-token projections that follow an RMSNorm, with the norm (and the
   rotary / SiLU after them) as kernels of their own and fused into the GEMV.
 - `gemm`: the same projections for a whole prefill chunk (cuBLAS).
@@ -49,6 +50,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--context", default="100-1700", help="decode contexts: N or LO-HI")
     p.add_argument("--batch1-context", type=int, default=512,
                    help="context of the batch-1 decode case (the latency benchmark's)")
+    p.add_argument("--linear-rows", type=lambda v: [int(r) for r in v.split(",")], default=[1],
+                   help="linear: token rows per projection, e.g. 1,64,137,144,256")
     p.add_argument("--chunk", type=int, default=8192, help="extend: tokens in the chunk")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--reps", type=int, default=5, help="timed graph replays per case")
@@ -200,20 +203,25 @@ def projections(cfg: ModelConfig, tp: int) -> Iterator[Tuple[str, int, int]]:
 
 
 def bench_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
-    for tp in (1, 2):
+    """Every projection at tp 1 and 2 for each row count of --linear-rows: cuBLAS and cuBLASLt,
+    and at one row the Triton GEMV. At the offline workload's decode batches (about 137 rows)
+    the projections ran at 2.3 to 3.5 TB/s (fifth session): the largest gap to the roofline
+    left in a decode step there."""
+    for tp, rows in itertools.product((1, 2), args.linear_rows):
         for name, n, k in projections(cfg, tp):
             copies = max(2, -(-(512 << 20) // (n * k * 2)))  # > 512 MiB: never from L2
             ws = [torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
                   for _ in range(copies)]
-            x = torch.randn((1, k), dtype=torch.bfloat16, device="cuda")
+            x = torch.randn((rows, k), dtype=torch.bfloat16, device="cuda")
             gb = n * k * 2 / 1e9
             ref = torch.nn.functional.linear(x, ws[0]).float()
-            case = {"proj": name, "tp": tp, "n": n, "k": k}
+            case = {"proj": name, "tp": tp, "rows": rows, "n": n, "k": k}
             variants: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
             variants["cublas"] = lambda w: torch.nn.functional.linear(x, w)
-            variants["triton_gemv"] = lambda w: triton_gemv.gemv(x, w)
-            if torch.cuda.get_device_capability()[0] >= 9:
-                variants["triton_gemv_pdl"] = lambda w: triton_gemv.gemv(x, w, pdl=True)
+            if rows == 1:
+                variants["triton_gemv"] = lambda w: triton_gemv.gemv(x, w)
+                if torch.cuda.get_device_capability()[0] >= 9:
+                    variants["triton_gemv_pdl"] = lambda w: triton_gemv.gemv(x, w, pdl=True)
             for label, fn in variants.items():
                 state = iter(itertools.cycle(ws))
 
@@ -226,10 +234,11 @@ def bench_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
                     print(f"linear {name} tp{tp} {label}: {type(exc).__name__}: {str(exc)[:120]}")
                     continue
                 report("linear", {**case, "impl": label}, us, tb_s=round(gb / us * 1e3, 2),
-                       max_err=round(err, 4))
+                       tflops=round(2 * rows * n * k / us / 1e6, 1), max_err=round(err, 4))
             lt = _cublaslt_us(x, ws, copies, args.reps)
             if lt is not None:
-                report("linear", {**case, "impl": "cublaslt"}, lt, tb_s=round(gb / lt * 1e3, 2))
+                report("linear", {**case, "impl": "cublaslt"}, lt, tb_s=round(gb / lt * 1e3, 2),
+                       tflops=round(2 * rows * n * k / lt / 1e6, 1))
             del ws
 
 
