@@ -31,6 +31,7 @@ import triton
 
 from minisgl.attention.triton_kernels import (DecodeTiles, ExtendTiles, decode_attention,
                                               extend_attention)
+from minisgl.attention.base import KVTarget
 from minisgl.layers import triton_gemv, triton_ops
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.models.config import ModelConfig
@@ -256,12 +257,13 @@ def bench_norm_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
         n_q, n_kv = cfg.num_heads // tp, max(1, cfg.num_kv_heads // tp)
         caches = [torch.zeros((2048, n_kv, d), dtype=torch.bfloat16, device="cuda")
                   for _ in range(2)]
-        rope = triton_gemv.QKVRope(pos, rotary.cos, rotary.sin, n_q, n_kv, *caches, slot)
+        target = KVTarget(*caches, slot)
+        rope = triton_gemv.QKVRope(pos, rotary.cos, rotary.sin, n_q, n_kv, target)
 
         def store(qkv: torch.Tensor) -> object:
             q, k, v = (t.view(1, -1, d) for t in qkv.split([n_q * d, n_kv * d, n_kv * d], -1))
             return triton_ops.rotary_qk_(q, k, pos, rotary.cos, rotary.sin, True,
-                                         triton_ops.KVStore(v, *caches, slot))
+                                         triton_ops.KVStore(v, target))
         for name, n, k in projections(cfg, tp):
             if name not in ("qkv", "gate_up"):
                 continue

@@ -291,14 +291,20 @@ def _check_graph(comm: Any, rank: int, device: torch.device,
             assert torch.equal(o, _nccl_sum(v)), f"replay {replay}, call {k}: {tuple(v.shape)}"
 
 
+def _symm_rank_comm(rank: int, port: int, allreduce: str) -> Tuple[torch.device, Any]:
+    """Rank `rank` of two on GPU `rank`, multicast off, process groups with `allreduce`:
+    (its device, its communicator)."""
+    os.environ.update(NO_MULTICAST)
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    groups = init_process_groups(DistributedInfo(rank, 2), device, f"tcp://127.0.0.1:{port}",
+                                 60.0, allreduce=allreduce)
+    return device, groups.comm
+
+
 def _symm_rank(rank: int, port: int, out: Any) -> None:
     def body() -> None:
-        os.environ.update(NO_MULTICAST)
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        groups = init_process_groups(DistributedInfo(rank, 2), device,
-                                     f"tcp://127.0.0.1:{port}", 60.0, allreduce="symm")
-        comm = groups.comm
+        device, comm = _symm_rank_comm(rank, port, "symm")
         assert comm.symm is not None
         bf16 = torch.bfloat16
         shapes = [((1, 4096), bf16), ((8, 4096), bf16), ((256, 4096), bf16),
@@ -383,12 +389,7 @@ def _fused_inputs(gen: torch.Generator, rank: int, dtype: torch.dtype, device: t
 
 def _fused_rank(rank: int, port: int, out: Any) -> None:
     def body() -> None:
-        os.environ.update(NO_MULTICAST)
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        groups = init_process_groups(DistributedInfo(rank, 2), device,
-                                     f"tcp://127.0.0.1:{port}", 60.0, allreduce="symm-fused")
-        comm = groups.comm
+        device, comm = _symm_rank_comm(rank, port, "symm-fused")
         assert comm.symm is not None and comm.fuse_norm
         for dtype in (torch.bfloat16, torch.float32):
             # The generators' first draws are the same on both ranks (seed 7 for the shared

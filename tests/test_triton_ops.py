@@ -17,6 +17,7 @@ from minisgl.layers import triton_gemv, triton_ops  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from minisgl.layers.activation import silu_and_mul  # noqa: E402
+from minisgl.attention.base import KVTarget  # noqa: E402
 from minisgl.distributed import DistributedInfo  # noqa: E402
 from minisgl.layers.linear import ColumnParallelLinear, ResidualStream, project  # noqa: E402
 from minisgl.layers.norm import RMSNorm  # noqa: E402
@@ -94,7 +95,7 @@ def test_rotary_stores_k_and_v_into_the_cache(dtype: torch.dtype, heads: int, kv
     v_cache = torch.randn(num_slots, kv_heads, dim, device=DEV).to(dtype)
     k_before, v_before = k_cache.clone(), v_cache.clone()
     triton_ops.rotary_qk_(q, k, pos, rope.cos, rope.sin,
-                          store=triton_ops.KVStore(v, k_cache, v_cache, slots))
+                          store=triton_ops.KVStore(v, KVTarget(k_cache, v_cache, slots)))
     assert torch.equal(q, want_q)
     assert torch.equal(qkv[:, heads * dim:], qkv_before[:, heads * dim:])
     assert torch.equal(k_cache[slots.long()], want_k) and torch.equal(v_cache[slots.long()], v)
@@ -110,8 +111,8 @@ def test_rotate_into_cache_declines_where_the_kernel_does_not_apply() -> None:
     q, k, v = torch.randn(3, 2, 16), torch.randn(3, 1, 16), torch.randn(3, 1, 16)
     cache = torch.zeros(8, 1, 16)
     q0 = q.clone()
-    assert rope.rotate_into_cache(torch.arange(3), q, k, v, cache, cache.clone(),
-                                  torch.arange(3)) is False
+    assert rope.rotate_into_cache(torch.arange(3), q, k, v,
+                                  KVTarget(cache, cache.clone(), torch.arange(3))) is False
     assert torch.equal(q, q0) and not cache.any()
 
 
@@ -216,12 +217,12 @@ def test_norm_qkv_rope_equals_the_three_kernels(dtype: torch.dtype, heads: int, 
     caches += [c.clone() for c in caches]  # [k, v] for the fused kernel, then for the reference
     slot = torch.tensor([5], dtype=torch.int32, device=DEV)
     got = triton_gemv.norm_qkv_rope(x, res, nw, 1e-6, w, b, triton_gemv.QKVRope(
-        pos, rope.cos, rope.sin, heads, kv_heads, caches[0], caches[1], slot))
+        pos, rope.cos, rope.sin, heads, kv_heads, KVTarget(caches[0], caches[1], slot)))
     want = triton_gemv.norm_gemv(x, res, nw, 1e-6, w, b)
     q, kk, v = want.out.view(1, -1, dim).split([heads, kv_heads, kv_heads], dim=1)
     before = [c.clone() for c in caches[2:]]
     triton_ops.rotary_qk_(q, kk, pos, rope.cos, rope.sin,
-                          store=triton_ops.KVStore(v, caches[2], caches[3], slot))
+                          store=triton_ops.KVStore(v, KVTarget(caches[2], caches[3], slot)))
     assert torch.equal(got.residual, want.residual)
     for a, e in [(got.out, want.out), (caches[0], caches[2]), (caches[1], caches[3])]:
         _close(a, e, dtype)
@@ -275,18 +276,21 @@ def test_norm_qkv_rope_refuses_layouts_it_cannot_write() -> None:
     cache = torch.zeros(4, 1, 16, device=DEV)
     one = torch.zeros(1, dtype=torch.long, device=DEV)
     x, nw = torch.randn(1, 32, device=DEV), torch.ones(32, device=DEV)
-    good = triton_gemv.QKVRope(one, rope.cos, rope.sin, 2, 1, cache, cache.clone(), one)
+    target = KVTarget(cache, cache.clone(), one)
+    good = triton_gemv.QKVRope(one, rope.cos, rope.sin, 2, 1, target)
     with pytest.raises(ValueError, match="4 heads of a power-of-two head_dim"):
         triton_gemv.norm_qkv_rope(x, None, nw, 1e-6, torch.randn(60, 32, device=DEV), None, good)
     strided = torch.zeros(4, 1, 32, device=DEV)[:, :, :16]  # rows 32 apart
     w = torch.randn(64, 32, device=DEV)
     with pytest.raises(ValueError, match="contiguous k / v caches of one shape"):
         triton_gemv.norm_qkv_rope(x, None, nw, 1e-6, w, None,
-                                  good._replace(k_cache=strided, v_cache=strided))
+                                  good._replace(target=KVTarget(strided, strided, one)))
     with pytest.raises(ValueError, match="contiguous k / v caches of one shape"):
-        triton_gemv.norm_qkv_rope(x, None, nw, 1e-6, w, None, good._replace(v_cache=cache[:2]))
+        triton_gemv.norm_qkv_rope(x, None, nw, 1e-6, w, None,
+                                  good._replace(target=target._replace(v_cache=cache[:2])))
     with pytest.raises(ValueError, match="one position and slot"):
-        triton_gemv.norm_qkv_rope(x, None, nw, 1e-6, w, None, good._replace(slots=one.repeat(2)))
+        triton_gemv.norm_qkv_rope(x, None, nw, 1e-6, w, None,
+                                  good._replace(target=target._replace(slots=one.repeat(2))))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

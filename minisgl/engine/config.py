@@ -28,10 +28,11 @@ class EngineConfig:
     seed: int = 0
     fused_ops: bool = True  # fused Triton RMSNorm / SiLU-and-mul / rotary (CUDA only)
     # Programmatic dependent launch for the decode path's Triton kernels, and one-token
-    # projections by a Triton GEMV that streams its weights while the previous kernel finishes
-    # (minisgl/pdl.py): "auto" (on where it can be: CUDA, fused_ops, compute capability 9.0+;
-    # batch-1 decode of the 8B shape on an H200 4.519 -> 4.392 ms, benchmarks/RESULTS.md),
-    # "on" (required: start-up fails where it cannot be) or "off".
+    # projections by a Triton GEMV that streams its weights while the previous kernel finishes,
+    # with the norm / rotary / SiLU around them fused in (minisgl/pdl.py, layers/triton_gemv.py):
+    # "auto" (on where it can be: CUDA, fused_ops, compute capability 9.0+; batch-1 decode of
+    # the 8B shape on an H200 4.519 -> 4.392 ms, then 4.19 with the fusions,
+    # benchmarks/RESULTS.md), "on" (required: start-up fails where it cannot be) or "off".
     pdl: str = "auto"
     cuda_graph_max_bs: int = 256  # decode CUDA graphs up to this batch size (0: off; GPU only)
     # TP all-reduce: "auto" (symmetric-memory one-shot for small tensors where CUDA offers it,

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl.attention.base import KVTarget
 from minisgl.distributed import Communicator, DistributedInfo, Shard
 from minisgl.layers.norm import Normed, RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
@@ -149,18 +150,17 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_dim = head_dim
 
     def forward_normed_rotary(self, stream: ResidualStream, norm: RMSNorm,
-                              rotary: RotaryEmbedding, positions: torch.Tensor,
-                              k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+                              rotary: RotaryEmbedding, positions: torch.Tensor, target: KVTarget
                               ) -> Optional[Normed]:
         """`forward_normed` with the rotary embedding and the K/V store fused in as well, at
         batch 1 (triton_gemv.norm_qkv_rope): (qkv with q rotated, h), the rotated k and v
-        written to k_cache / v_cache[slots] (caches [slots, kv_heads, head_dim], contiguous).
+        written to the target's caches at its slot.
         None, having done nothing, where that kernel does not apply."""
         if not (rotary.fused and self.fuses_norm(stream, norm)):
             return None
         from minisgl.layers import triton_gemv
         rope = triton_gemv.QKVRope(positions, rotary.cos, rotary.sin, self.num_local_heads,
-                                   self.num_local_kv_heads, k_cache, v_cache, slots)
+                                   self.num_local_kv_heads, target)
         return triton_gemv.norm_qkv_rope(stream.reduced(), stream.residual, norm.weight,
                                          norm.eps, self.weight, self.bias, rope, pdl=True)
 

@@ -12,6 +12,8 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from minisgl.attention.base import KVTarget
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch.Tensor:
     """Inverse frequencies; raises ValueError for a rope type we do not implement."""
@@ -60,16 +62,16 @@ class RotaryEmbedding(nn.Module):
                                   for x in xs)
 
     def rotate_into_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                          v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          slots: torch.Tensor) -> bool:
-        """Rotate q in place and write the rotated k and v to k_cache / v_cache[slots] (k itself
-        is left as it is), in one launch; True when done, False where the fused kernel does not
-        apply (nothing done: the caller rotates with `forward` and stores K/V itself)."""
+                          v: torch.Tensor, target: KVTarget) -> bool:
+        """Rotate q in place and write the rotated k and v to the target's caches at its slots
+        (k itself is left as it is), in one launch; True when done, False where the fused
+        kernel does not apply (nothing done: the caller rotates with `forward` and stores K/V
+        itself)."""
         if not self._fusable(q, k, v):
             return False
         from minisgl.layers import triton_ops
         triton_ops.rotary_qk_(q, k, positions, self.cos, self.sin, self.pdl,
-                              triton_ops.KVStore(v, k_cache, v_cache, slots))
+                              triton_ops.KVStore(v, target))
         return True
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

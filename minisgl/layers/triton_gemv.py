@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.attention.base import KVTarget
 from minisgl.layers.norm import Normed
 from minisgl.pdl import launch_options, pdl_enter
 from minisgl.triton_rmsnorm import rmsnorm_row
@@ -287,16 +288,14 @@ def _norm_qkv_rope_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out
 class QKVRope(NamedTuple):
     """What `norm_qkv_rope` needs besides the projection: the token's position, the rotary
     cos / sin caches (float32 [max_positions, head_dim]), the head counts, and where its K/V
-    go (k_cache / v_cache[slots[0]], caches [slots, n_kv, head_dim] contiguous)."""
+    go (the target's caches, [slots, n_kv, head_dim] contiguous, at its one slot)."""
 
     positions: torch.Tensor  # [1]
     cos: torch.Tensor
     sin: torch.Tensor
     n_q: int
     n_kv: int
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    slots: torch.Tensor  # [1]
+    target: KVTarget
 
 
 def norm_qkv_rope(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
@@ -312,24 +311,25 @@ def norm_qkv_rope(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight
     if dim & (dim - 1) or dim < 4 or n != heads * dim:
         raise ValueError(f"norm_qkv_rope takes {heads} heads of a power-of-two head_dim ({dim}, "
                          f"at least 4) in its weight, got {n} rows")
-    caches = (rope.k_cache, rope.v_cache)
+    k_cache, v_cache, slots = rope.target
+    caches = (k_cache, v_cache)
     if (any(c.shape[1:] != (rope.n_kv, dim) or not c.is_contiguous() for c in caches)
-            or rope.v_cache.shape != rope.k_cache.shape):
+            or v_cache.shape != k_cache.shape):
         got = [(tuple(c.shape), c.stride()) for c in caches]
         raise ValueError(f"norm_qkv_rope needs contiguous k / v caches of one shape [slots, "
                          f"{rope.n_kv}, {dim}], got (shape, strides) {got}")
     if (rope.sin.shape != rope.cos.shape or not rope.cos.is_contiguous()
             or not rope.sin.is_contiguous() or rope.positions.numel() != 1
-            or rope.slots.numel() != 1):
+            or slots.numel() != 1):
         raise ValueError(f"norm_qkv_rope needs contiguous cos / sin of one shape and one "
                          f"position and slot, got {tuple(rope.cos.shape)}, "
                          f"{tuple(rope.sin.shape)}, {rope.positions.numel()} positions, "
-                         f"{rope.slots.numel()} slots")
+                         f"{slots.numel()} slots")
     x, res, out, res_out = _norm_gemv_io(x, residual, norm_weight, weight, n)
     _norm_qkv_rope_kernel[(n // 4,)](
         x, res, norm_weight, weight, bias if bias is not None else weight, out, res_out,
-        rope.positions, rope.cos, rope.sin, rope.slots, rope.k_cache, rope.v_cache, n, k,
-        weight.stride(0), rope.k_cache.stride(0), eps, rope.n_q, rope.n_kv,
+        rope.positions, rope.cos, rope.sin, slots, k_cache, v_cache, n, k,
+        weight.stride(0), k_cache.stride(0), eps, rope.n_q, rope.n_kv,
         HAS_RES=residual is not None, HAS_BIAS=bias is not None, HALF=dim // 2,
         BLOCK_K=triton.next_power_of_2(k), PDL=pdl, num_warps=4, **launch_options(pdl))
     return Normed(out, res_out)

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.attention.base import KVTarget
 from minisgl.pdl import launch_options, pdl_enter
 from minisgl.triton_rmsnorm import rmsnorm_row_store, rmsnorm_warps
 
@@ -136,13 +137,11 @@ def _check_rotary_layout(x: torch.Tensor) -> None:
 
 
 class KVStore(NamedTuple):
-    """Where `rotary_qk_` writes the rotated k and a copy of v instead of rotating k in place:
-    k_cache[slots[t]] and v_cache[slots[t]] (caches [slots, kv_heads, head_dim], contiguous)."""
+    """What `rotary_qk_` writes instead of rotating k in place: the rotated k and a copy of v,
+    to the target's caches at its slots."""
 
     v: torch.Tensor  # [tokens, kv_heads, head_dim], each token's heads one dense block
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    slots: torch.Tensor  # [tokens] int32 / int64
+    target: KVTarget
 
 
 def rotary_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -158,12 +157,12 @@ def rotary_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: t
     tokens, n_q, dim = q.shape
     if store is not None:
         _check_rotary_layout(store.v)
-        cache_strides = store.k_cache.stride()
-        if cache_strides[1:] != (dim, 1) or store.v_cache.stride() != cache_strides:
+        cache_strides = store.target.k_cache.stride()
+        if cache_strides[1:] != (dim, 1) or store.target.v_cache.stride() != cache_strides:
             raise ValueError("rotary K/V store needs contiguous [slots, kv_heads, head_dim] caches")
     if tokens:
         # Without a store the kernel never touches these four (STORE=False): any tensors do.
-        v, k_cache, v_cache, slots = store if store is not None else (k, k, k, positions)
+        v, (k_cache, v_cache, slots) = store if store is not None else (k, (k, k, positions))
         _rotary_qk_kernel[(tokens,)](
             q, k, v, positions, cos, sin, slots, k_cache, v_cache, q.stride(0), k.stride(0),
             v.stride(0), k_cache.stride(0), n_q, k.shape[1], HALF=dim // 2,

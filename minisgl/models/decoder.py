@@ -90,14 +90,14 @@ class Attention(nn.Module):
         target = backend.kv_target(self.layer, batch)
         if target is not None and self.q_norm is None:  # per-head q/k norms precede the rotary
             proj = self.qkv_proj.forward_normed_rotary(stream, norm, self.rotary, positions,
-                                                       *target)
+                                                       target)
             if proj is not None:
                 return AttentionInput(*self._heads(proj.out), proj.residual, stored=True)
         proj = self.qkv_proj.forward_normed(stream, norm)
         q, k, v = self._heads(proj.out)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if target is not None and self.rotary.rotate_into_cache(positions, q, k, v, *target):
+        if target is not None and self.rotary.rotate_into_cache(positions, q, k, v, target):
             return AttentionInput(q, k, v, proj.residual, stored=True)
         q, k = self.rotary(positions, q, k)
         return AttentionInput(q, k, v, proj.residual, stored=False)
