@@ -25,6 +25,10 @@ fi
 if [ "$MODE" = skinny ]; then  # projections at the offline run's decode batch sizes (cuBLAS, Lt)
   step linear_rows_8b 300 python3 scripts/bench_kernels.py --what linear --linear-rows 1,64,137,144,256
 fi
+if [ "$MODE" = wide ]; then  # decode attention's wider tiles; the candidate skinny GEMM's tiles
+  step decode_tiles 180 python3 scripts/bench_kernels.py --what decode --batch-sizes 137,256
+  step skinny_8b 200 python3 scripts/bench_kernels.py --what skinny --linear-rows 137,256
+fi
 if [ "$MODE" = latency1 ]; then
   step latency_8b_tp1 200 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --steps 100 --prefill 8192 --profile
 fi

@@ -13,6 +13,9 @@ a few replays; every call reads inputs larger than the L2 cache, as in a real st
 - `normlinear`: the one-token projections that follow an RMSNorm, with the norm (and the
   rotary / SiLU after them) as kernels of their own and fused into the GEMV.
 - `gemm`: the same projections for a whole prefill chunk (cuBLAS).
+- `skinny`: the projections at decode batch sizes (--linear-rows, tp 1): cuBLAS against a
+  candidate Triton GEMM with the weights as the MMA's M side (any token count pads only to the
+  token tile), over its tiles.
 
     PYTHONPATH=. python scripts/bench_kernels.py --what decode,extend,linear
 """
@@ -28,6 +31,7 @@ from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequenc
 
 import torch
 import triton
+import triton.language as tl
 
 from minisgl.attention.triton_kernels import (DecodeTiles, ExtendTiles, decode_attention,
                                               extend_attention)
@@ -127,12 +131,13 @@ def bench_decode(shape: Shape, args: argparse.Namespace) -> None:
         seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         q = torch.randn((bs, shape.heads, shape.head_dim), dtype=torch.bfloat16, device="cuda")
         gb = 2 * sum(lens) * shape.kv_heads * shape.head_dim * 2 / 1e9
-        split_choices = (8, 16, 32) if bs == 1 else (1, 2)
+        # Above batch 64 one split won every earlier sweep (fifth session).
+        split_choices = (8, 16, 32) if bs == 1 else (1,)
         ref: Optional[torch.Tensor] = None
         # The first sweep (2026-11-30) had its best large-batch tile at its edge (128 tokens,
         # 4 warps, 3 stages): this one reaches past it.
         for block_n, warps, stages, splits in itertools.product(
-                (32, 64, 128, 256), (2, 4, 8), (2, 3, 4), split_choices):
+                (64, 128, 256), (2, 4, 8), (2, 3, 4), split_choices):
             o_part = torch.empty((bs, shape.heads, splits, shape.head_dim), dtype=torch.float32,
                                  device="cuda")
             lse = torch.empty((bs, shape.heads, splits), dtype=torch.float32, device="cuda")
@@ -316,6 +321,91 @@ def bench_prefill_gemm(cfg: ModelConfig, args: argparse.Namespace) -> None:
                tflops=round(2 * args.chunk * n * k / us / 1e6, 1))
 
 
+# --- decode-batch projections: a candidate skinny GEMM ------------------------------------------
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[M, N] = x[M, K] @ w[N, K]^T as out^T = w @ x^T: the weight rows fill the MMA's M
+    side (64-row multiples), the few tokens its N side. Program order puts a weight tile's
+    token tiles next to each other so the tile's second reads come from L2."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_n = pid // num_m
+    pid_m = pid % num_m
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for _ in range(0, K, BLOCK_K):  # N and K are multiples of the tiles (checked by the caller)
+        w = tl.load(w_ptrs)
+        x = tl.load(x_ptrs, mask=mask_m[None, :], other=0.0)
+        acc = tl.dot(w, x, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None],
+             acc.to(out_ptr.dtype.element_ty), mask=mask_m[None, :])
+
+
+class SkinnyTiles(NamedTuple):
+    block_n: int
+    block_m: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, t: SkinnyTiles) -> torch.Tensor:
+    (m, k), n = x.shape, w.shape[0]
+    if n % t.block_n or k % t.block_k:
+        raise ValueError(f"N {n} / K {k} not multiples of the tile {t}")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (n // t.block_n * triton.cdiv(m, t.block_m),)
+    _skinny_kernel[grid](x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+                         BLOCK_N=t.block_n, BLOCK_M=t.block_m, BLOCK_K=t.block_k,
+                         num_warps=t.warps, num_stages=t.stages)
+    return out
+
+
+def bench_skinny(cfg: ModelConfig, args: argparse.Namespace) -> None:
+    """tp-1 projections at each --linear-rows: cuBLAS, then every candidate tile that compiles
+    (the token tile no wider than the next power of two above the rows)."""
+    for rows in args.linear_rows:
+        for name, n, k in projections(cfg, 1):
+            if name == "lm_head":
+                continue
+            copies = max(2, -(-(512 << 20) // (n * k * 2)))
+            ws = [torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
+                  for _ in range(copies)]
+            x = torch.randn((rows, k), dtype=torch.bfloat16, device="cuda")
+            ref = torch.nn.functional.linear(x, ws[0]).float()
+            variants: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+                "cublas": lambda w: torch.nn.functional.linear(x, w)}
+            widest = max(16, triton.next_power_of_2(rows))
+            for t in itertools.starmap(SkinnyTiles, itertools.product(
+                    (64, 128), (32, 64, 128, 256), (64, 128), (4, 8), (3, 4))):
+                if t.block_m <= widest:
+                    variants[f"triton {tuple(t)}"] = lambda w, t=t: skinny_gemm(x, w, t)
+            for label, fn in variants.items():
+                state = iter(itertools.cycle(ws))
+
+                def run(fn: Callable[[torch.Tensor], torch.Tensor] = fn) -> None:
+                    fn(next(state))
+                try:
+                    us = time_graph(run, copies, args.reps)
+                    err = (fn(ws[0]).float() - ref).abs().max().item()
+                except Exception as exc:
+                    print(f"skinny {name} {rows} {label}: {type(exc).__name__}: "
+                          f"{str(exc)[:100]}")
+                    continue
+                report("skinny", {"proj": name, "rows": rows, "n": n, "k": k, "impl": label}, us,
+                       tb_s=round(n * k * 2 / 1e9 / us * 1e3, 2),
+                       tflops=round(2 * rows * n * k / us / 1e6, 1), max_err=round(err, 4))
+            del ws
+
+
 def _cublaslt_us(x: torch.Tensor, ws: List[torch.Tensor], calls: int, reps: int
                  ) -> Optional[float]:
     """The same product with cuBLASLt preferred (torch's switch; restored after)."""
@@ -348,6 +438,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         bench_norm_linear(cfg, args)
     if "gemm" in what:
         bench_prefill_gemm(cfg, args)
+    if "skinny" in what:
+        bench_skinny(cfg, args)
     if "decode" in what:
         bench_decode(shape, args)
     if "extend" in what:
