@@ -7,6 +7,7 @@ a few replays; every call reads inputs larger than the L2 cache, as in a real st
 
 - `decode`: the paged decode kernel at each batch size, contexts drawn as in the offline
   workload (seeded, pages shuffled), for every (block_n, warps, stages, splits).
+- `decode_order`: the large-batch decode tiles, requests in drawn order and longest first.
 - `extend`: the causal extend kernel on a prefill chunk of fresh prompts.
 - `linear`: y = x W^T for one token (or --linear-rows tokens) and every projection of the model
   at tp 1 and 2.
@@ -122,6 +123,32 @@ def draw_lens(n: int, spec: str, seed: int) -> List[int]:
     lo, _, hi = spec.partition("-")
     rng = random.Random(seed)
     return [rng.randint(int(lo), int(hi or lo)) for _ in range(n)]
+
+
+def bench_decode_order(shape: Shape, args: argparse.Namespace) -> None:
+    """The large-batch decode tiles with the requests in drawn (random) order and longest first,
+    the order the scheduler's decode batches use."""
+    for bs in (int(b) for b in args.batch_sizes.split(",")):
+        drawn = draw_lens(bs, args.context, bs)
+        for order, lens in (("drawn", drawn), ("longest", sorted(drawn, reverse=True))):
+            kv = paged_kv(shape, lens, args.page_size, bs)
+            seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+            q = torch.randn((bs, shape.heads, shape.head_dim), dtype=torch.bfloat16,
+                            device="cuda")
+            gb = 2 * sum(lens) * shape.kv_heads * shape.head_dim * 2 / 1e9
+            o_part = torch.empty((bs, shape.heads, 1, shape.head_dim), dtype=torch.float32,
+                                 device="cuda")
+            lse = torch.empty((bs, shape.heads, 1), dtype=torch.float32, device="cuda")
+            out = torch.empty_like(q)
+            for tiles in (DecodeTiles(128, 4, 3), DecodeTiles(128, 4, 4), DecodeTiles(64, 2, 3),
+                          DecodeTiles(256, 8, 3), DecodeTiles(64, 4, 3)):
+                def run() -> None:
+                    decode_attention(q, kv.k, kv.v, kv.page_table, kv.rows, seq_lens, o_part,
+                                     lse, out, shape.head_dim ** -0.5, 64, tiles)
+                us = time_graph(run, 20, args.reps)
+                report("decode", {"batch": bs, "order": order, "block_n": tiles.block_n,
+                                  "warps": tiles.num_warps, "stages": tiles.num_stages}, us,
+                       gb_s=round(gb / us * 1e6, 1))
 
 
 def bench_decode(shape: Shape, args: argparse.Namespace) -> None:
@@ -442,6 +469,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         bench_skinny(cfg, args)
     if "decode" in what:
         bench_decode(shape, args)
+    if "decode_order" in what:
+        bench_decode_order(shape, args)
     if "extend" in what:
         bench_extend(shape, args)
 

@@ -160,10 +160,11 @@ def place_requests(engine: Engine, lengths: List[int], vocab: int, rng: random.R
 
 def decode_batch(engine: Engine, batch: int, spec: str, vocab: int, seed: int) -> Batch:
     """`batch` requests with contexts per `spec` (seeded), each decoding the token after its
-    context (same slots every step, so contexts stay fixed)."""
+    context (same slots every step, so contexts stay fixed), longest first as the scheduler's
+    decode batches are (scheduler/decode.py)."""
     rng = random.Random(seed)
     low, high = context_range(spec)
-    contexts = [rng.randint(low, high) for _ in range(batch)]
+    contexts = sorted((rng.randint(low, high) for _ in range(batch)), reverse=True)
     reqs, slots = place_requests(engine, [c + 1 for c in contexts], vocab, rng, 1 << 20)
     b = Batch(Phase.DECODE, reqs, contexts, [1] * batch, [True] * batch)
     b.out_slots = torch.tensor([own[-1] for own in slots], dtype=torch.int64,

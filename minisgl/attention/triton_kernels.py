@@ -5,7 +5,7 @@ of token `pos`), so any page size works and no gather copy is made. Softmax runs
 base 2 (the scale is pre-multiplied by log2(e)); outputs are cast back to the query's dtype.
 
 - Decode (one new token per request), flash-decoding: `_decode_split_kernel` runs one program per
-  (request, KV head, KV split) over all query heads that share the KV head (GQA: K/V are read once
+  (KV head, KV split, request) over all query heads that share the KV head (GQA: K/V are read once
   per group) and writes a normalised partial output plus its log-sum-exp; `_decode_reduce_kernel`
   merges the splits. With a single split (large batches) the first kernel writes the output
   itself and the merge pass is skipped. The split length is derived from each request's own
@@ -75,12 +75,17 @@ def _decode_split_kernel(
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
         DIRECT: tl.constexpr, PDL: tl.constexpr):
-    """Program (b, kv_head, split): partial attention of the GROUP query heads of `kv_head`.
-    DIRECT (a single split): the partial result is the answer; write it to `out`."""
+    """Program (kv_head, split, b): partial attention of the GROUP query heads of `kv_head`.
+    DIRECT (a single split): the partial result is the answer; write it to `out`.
+
+    The KV head is the fastest grid axis and the request the slowest, so blocks start request
+    by request in batch order: a batch ordered longest first is scheduled longest job first (the
+    last wave holds the short requests), and a request's heads, which share each token's DRAM
+    rows, are read at the same time."""
     pdl_enter(PDL)
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    kvh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
     row = tl.load(rows_ptr + b).to(tl.int64)
     # A padded entry (seq_len 0) reads token 0 of its row instead of dividing by zero.
     seq_len = tl.maximum(tl.load(seq_lens_ptr + b), 1)
@@ -253,7 +258,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     K/V must already be in the pool); o_part [B, heads, S, d] and lse_part [B, heads, S] float32
     scratch, where S = num_splits. Request b's KV is cut into at most S splits of
     max(ceil(seq_len / S), min_split_tokens) tokens (rounded up to the tile), computed in the
-    kernels from the device lengths: launches depend only on shapes (graph-capturable).
+    kernels from the device lengths: launches depend only on shapes (graph-capturable). Requests
+    in decreasing length run fastest (longest job first; see the split kernel).
     `pdl`: launch with programmatic dependent launch (minisgl/pdl.py).
     """
     batch, num_heads, head_dim = q.shape
@@ -264,7 +270,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     tiles = tiles or decode_tiles(q.dtype, head_dim, num_splits)
     min_split = triton.cdiv(max(min_split_tokens, 1), tiles.block_n) * tiles.block_n
     direct = num_splits == 1  # one split: no merge pass (the large-batch case)
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    _decode_split_kernel[(num_kv_heads, num_splits, batch)](
         q, k_cache, v_cache, page_table, rows, seq_lens, o_part, lse_part, out,
         scale * _LOG2E, num_splits, min_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),

@@ -1,5 +1,9 @@
-"""The running set: requests whose prompt is computed, decoded one token a step, ordered by uid
-(so every rank builds the same batch whatever order requests arrived or finished in)."""
+"""The running set: requests whose prompt is computed, decoded one token a step.
+
+A decode batch lists its requests longest first, ties by uid: every rank builds the same batch
+whatever order requests arrived or finished in (lengths and uids match across ranks), and the
+decode attention kernel, whose programs start in batch order, then schedules the longest jobs
+first, so its last wave is short (the GPU's load balance)."""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ class DecodeManager:
     def schedule(self) -> Optional[Batch]:
         if not self.running:
             return None
-        reqs = [self.running[uid] for uid in sorted(self.running)]
+        reqs = sorted(self.running.values(), key=lambda r: (-r.device_len, r.uid))
         lens = [r.device_len for r in reqs]
         return Batch(Phase.DECODE, reqs, [n - 1 for n in lens], [1] * len(reqs),
                      [True] * len(reqs))
