@@ -27,7 +27,16 @@ if [ "$MODE" = skinny ]; then  # projections at the offline run's decode batch s
 fi
 if [ "$MODE" = wide ]; then  # decode attention's wider tiles; the candidate skinny GEMM's tiles
   step decode_tiles 180 python3 scripts/bench_kernels.py --what decode --batch-sizes 137,256
-  step skinny_8b 200 python3 scripts/bench_kernels.py --what skinny --linear-rows 137,256
+  step linear_rows_8b 150 python3 scripts/bench_kernels.py --what linear --linear-rows 137,256
+fi
+if [ "$MODE" = chunk ]; then  # offline run at prefill chunks of 8,192 and 16,384, GPU clocks logged
+  q=index,clocks.sm,clocks.mem,power.draw,temperature.gpu
+  { nvidia-smi --query-gpu=$q,clocks_event_reasons.active --format=csv -l 1 ||
+    nvidia-smi --query-gpu=$q --format=csv -l 1; } > "$OUT/chunk_clocks.csv" 2>&1 &
+  clocks=$!
+  step offline_8b_chunk8k 150 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b
+  step offline_8b_chunk16k 150 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --max-prefill-tokens 16384
+  pkill -P "$clocks"; kill "$clocks" 2>/dev/null
 fi
 if [ "$MODE" = latency1 ]; then
   step latency_8b_tp1 200 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --steps 100 --prefill 8192 --profile

@@ -153,7 +153,9 @@ def bench_decode_order(shape: Shape, args: argparse.Namespace) -> None:
 
 def bench_decode(shape: Shape, args: argparse.Namespace) -> None:
     for bs in (int(b) for b in args.batch_sizes.split(",")):
-        lens = [args.batch1_context] if bs == 1 else draw_lens(bs, args.context, bs)
+        # Longest first: the scheduler's decode order (scheduler/decode.py).
+        lens = ([args.batch1_context] if bs == 1
+                else sorted(draw_lens(bs, args.context, bs), reverse=True))
         kv = paged_kv(shape, lens, args.page_size, bs)
         seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         q = torch.randn((bs, shape.heads, shape.head_dim), dtype=torch.bfloat16, device="cuda")
@@ -161,10 +163,10 @@ def bench_decode(shape: Shape, args: argparse.Namespace) -> None:
         # Above batch 64 one split won every earlier sweep (fifth session).
         split_choices = (8, 16, 32) if bs == 1 else (1,)
         ref: Optional[torch.Tensor] = None
-        # The first sweep (2026-11-30) had its best large-batch tile at its edge (128 tokens,
-        # 4 warps, 3 stages): this one reaches past it.
+        # Sweeps so far (RESULTS.md): 256-token tiles and 8 warps lost at large batches; longest
+        # first, (64, 2, 3) came within 1.5% of the default (128, 4, 3): this one goes smaller.
         for block_n, warps, stages, splits in itertools.product(
-                (64, 128, 256), (2, 4, 8), (2, 3, 4), split_choices):
+                (32, 64, 128), (1, 2, 4), (2, 3, 4), split_choices):
             o_part = torch.empty((bs, shape.heads, splits, shape.head_dim), dtype=torch.float32,
                                  device="cuda")
             lse = torch.empty((bs, shape.heads, splits), dtype=torch.float32, device="cuda")
