@@ -31,6 +31,7 @@ from minisgl.distributed import ALLREDUCE_MODES
 from minisgl.engine import PDL_MODES
 from minisgl.message import SchedulerStats
 from minisgl.models import ModelConfig
+from minisgl.utils import offline_prefill_tokens, resolve_device
 
 # HF continuous batching's share of free GPU memory for its KV cache: its default (0.9) ran out
 # of memory in its own prefill on the 256-request workload of the 8B shape (H200).
@@ -80,7 +81,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-running-requests", type=int, default=256)
-    p.add_argument("--max-prefill-tokens", type=int, default=8192)
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="prefill chunk; default: the LLM API's (16,384 on GPUs of 70 GiB or "
+                        "more, else 8,192)")
     p.add_argument("--max-kv-tokens", type=int, default=None)
     p.add_argument("--cache", default="radix", choices=["radix", "naive"])
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
@@ -317,6 +320,8 @@ def report(args: argparse.Namespace, r: Result) -> None:
 
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
+    if args.max_prefill_tokens is None:  # resolved here so that the report names it
+        args.max_prefill_tokens = offline_prefill_tokens(resolve_device(args.device))
     vocab = ModelConfig.from_dir(args.model).vocab_size
     work = make_workload(args.num_prompts, args.min_len, args.max_len, vocab, args.seed,
                          args.shared_prefix)

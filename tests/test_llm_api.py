@@ -129,3 +129,22 @@ def test_request_bigger_than_pool_is_rejected(default_model_dir: Path) -> None:
                                                   SamplingParams(max_tokens=60)])
         assert small.generate([[5] * 10], SamplingParams(max_tokens=4))
         _pages_balanced(small)
+
+
+class _Props:
+    def __init__(self, name: str, gib: int) -> None:
+        self.name, self.total_memory = name, gib << 30
+
+
+@pytest.mark.parametrize("name,gib,want", [("NVIDIA H200", 141, 16384),
+                                           ("NVIDIA A100-SXM4-80GB", 80, 8192),
+                                           ("NVIDIA L4", 24, 8192)])
+def test_offline_prefill_chunk_follows_the_gpu(monkeypatch: pytest.MonkeyPatch, name: str,
+                                               gib: int, want: int) -> None:
+    import torch
+
+    from minisgl.utils import offline_prefill_tokens
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: _Props(name, gib))
+    assert offline_prefill_tokens("cuda") == want
+    assert offline_prefill_tokens("cpu") == 8192

@@ -224,15 +224,16 @@ class ExtendTiles(NamedTuple):
 
 
 def decode_tiles(dtype: torch.dtype, head_dim: int, num_splits: int) -> DecodeTiles:
-    """Half types, from a sweep of 18 tiles on an H200 (bf16, 32/8 heads, d 128, pages of 16;
-    scripts/bench_kernels.py, 2026-11-30): unsplit (large batches) 128 tokens per iteration, 4
-    warps, 3 stages ran at 3.8-4.0 TB/s where (64, 8, 2) ran at 2.8-3.1 (batch 137 and 256,
-    contexts 100-1700); split (small batches) (64, 8, 2) was fastest. float32 (IEEE dots run on
-    FMA units, not tensor cores): the tile that compiles without register spills for sm_90."""
+    """Half types, from tile sweeps on an H200 (bf16, 32/8 heads, d 128, pages of 16, contexts
+    100-1700; scripts/bench_kernels.py, RESULTS.md): unsplit (large batches), requests longest
+    first, 64 tokens per iteration, 2 warps, 3 stages ran at 4.2 TB/s (batch 137 and 256), 1%
+    ahead of (128, 4, 3) and far ahead of 8 warps or 256 tokens; split (small batches)
+    (64, 8, 2) was fastest. float32 (IEEE dots run on FMA units, not tensor cores): the tile
+    that compiles without register spills for sm_90."""
     if dtype == torch.float32:
         return DecodeTiles(32, 8)
     if num_splits == 1 and head_dim <= 128:
-        return DecodeTiles(128, 4, 3)
+        return DecodeTiles(64, 2, 3)
     return DecodeTiles(64, 8)
 
 
