@@ -147,6 +147,9 @@ def run_minisgl(args: argparse.Namespace, work: Workload, warm: Optional[Workloa
             llm.generate(warm.prompts, params(warm.output_lens))
         _sync()
         before = llm.stats
+        # Wall-clock start, to tell apart work done inside the timed run (e.g. kernel builds,
+        # by the Triton cache files' times).
+        print(f"[minisgl] timed run starts at unix time {time.time():.3f}", flush=True)
         t0 = time.perf_counter()
         outs = llm.generate(work.prompts, params(work.output_lens))
         _sync()
