@@ -22,8 +22,8 @@ def main() -> None:
             info = json.loads(meta.read_text())
         except (OSError, ValueError):
             continue
-        keep = {k: info.get(k) for k in ("name", "num_warps", "num_stages", "constants")}
-        print(f"+{t - since:8.3f} s  {json.dumps(keep, default=str)[:600]}")
+        keep = {k: v for k, v in info.items() if len(json.dumps(v, default=str)) < 300}
+        print(f"+{t - since:8.3f} s  {info.get('name')}  {json.dumps(keep, default=str)[:900]}")
 
 
 if __name__ == "__main__":
