@@ -17,7 +17,7 @@ from minisgl.attention.base import AttentionBackend, KVTarget
 from minisgl.attention.triton_kernels import decode_attention, extend_attention, store_kv
 from minisgl.core import Batch, Phase
 from minisgl.kvcache import KVPool
-from minisgl.utils import to_device
+from minisgl.utils import rows_to_device
 
 
 @dataclass(frozen=True)
@@ -74,9 +74,9 @@ class TritonBackend(AttentionBackend):
             starts.append(start)
             start += ext
         seq_lens = batch.seq_lens
-        # One copy for the whole batch, through pinned memory (see utils.to_device).
-        dev = to_device([rows, batch.prefix_lens, batch.extend_lens, seq_lens, starts],
-                        torch.int32, self.device).reshape(5, -1)
+        # One copy for the whole batch, each row 16-byte aligned (see utils.rows_to_device).
+        dev = rows_to_device([rows, batch.prefix_lens, batch.extend_lens, seq_lens, starts],
+                             torch.int32, self.device)
         decode = batch.phase is Phase.DECODE
         o_part = lse_part = None
         if decode:

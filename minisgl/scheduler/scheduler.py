@@ -19,7 +19,7 @@ from minisgl.core import Batch, FinishReason, Limits, Phase, Req, request_error
 from minisgl.distributed import check_same_across_ranks
 from minisgl.engine import Engine
 from minisgl.engine.engine import Launched
-from minisgl.utils import to_device
+from minisgl.utils import rows_to_device
 from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.scheduler.cache import PageCache
@@ -244,8 +244,9 @@ class Scheduler:
             cols.extend(range(start, start + n))
             pages = req.pages
             slots.extend(pages[p // ps] * ps + p % ps for p in range(start, start + n))
-        # One host-to-device copy for all three; int32 indexes the page table directly.
-        packed = to_device([rows, cols, slots], torch.int32, self.engine.device)
+        # One host-to-device copy for all three (aligned rows: the slots go to Triton kernels);
+        # int32 indexes the page table directly.
+        packed = rows_to_device([rows, cols, slots], torch.int32, self.engine.device)
         self.engine.page_table[packed[0], packed[1]] = packed[2]
         batch.out_slots = packed[2]
 
@@ -256,7 +257,7 @@ class Scheduler:
         ps = self.cache.page_size
         cols = [i * ps + j for i in page_indices for j in range(ps)]
         slots = [req.pages[i] * ps + j for i in page_indices for j in range(ps)]
-        packed = to_device([cols, slots], torch.int32, self.engine.device)
+        packed = rows_to_device([cols, slots], torch.int32, self.engine.device)
         self.engine.page_table[req.table_row, packed[0]] = packed[1]
 
     def process(self, batch: Batch, tokens: List[int]) -> List[TokenOut]:
