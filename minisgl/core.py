@@ -178,7 +178,8 @@ class Phase(str, enum.Enum):
 
 @dataclass(eq=False)
 class Batch:
-    """One forward pass: requests in a fixed order (by uid for decode) and the tensors built for it.
+    """One forward pass: requests in a fixed order, the same on every rank (decode: longest
+    first, ties by uid) and the tensors built for it.
 
     `extend_lens[i]` new tokens of `reqs[i]` are computed, starting at position `prefix_lens[i]`.
     A request whose `sample[i]` is False is a partial prefill chunk: its logits are not sampled.
