@@ -216,6 +216,22 @@ def test_split_count_policy() -> None:
     assert backend.num_splits(1, 10 ** 7) <= backend.max_splits
 
 
+@pytest.mark.parametrize("n", [1, 3, 5, 6])
+def test_metadata_rows_are_16_byte_aligned(n: int) -> None:
+    """Triton builds a kernel variant per pointer alignment: metadata rows at unaligned offsets
+    (request counts not a multiple of 4) made it build kernels again while serving."""
+    case = make_case(torch.float32, "cpu", 16, 8, 2, 32, list(range(10, 10 + n)), [3] * n,
+                     Phase.PREFILL, 0)
+    backend = TritonBackend(case.pool, case.page_table, 8, 2, 32, 1.0)
+    backend.prepare(case.batch)
+    meta = case.batch.attn_meta
+    for name in ("rows", "prefix_lens", "extend_lens", "seq_lens", "q_starts"):
+        t = getattr(meta, name)
+        assert t.data_ptr() % 16 == 0, name
+    assert meta.extend_lens.tolist() == [3] * n
+    assert meta.q_starts.tolist() == [3 * i for i in range(n)]
+
+
 # --- large shapes on the GPU ---------------------------------------------------------------------
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 
