@@ -34,7 +34,7 @@ from minisgl.scheduler.io import LocalIO
 from minisgl.scheduler.main import run_rank
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.tokenizer.text import load_tokenizer
-from minisgl.utils import free_port, offline_prefill_tokens, resolve_device, resolve_dtype
+from minisgl.utils import free_port, resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 Prompt = Union[str, List[int]]
@@ -164,7 +164,8 @@ class _RankProcesses:
 
 class LLM:
     """Offline generation. `model=None` uses the bundled default model (SmolLM2-135M-Instruct);
-    `max_prefill_tokens=None`: `utils.offline_prefill_tokens` (16,384 on large GPUs)."""
+    `max_prefill_tokens=None`: `utils.offline_prefill_tokens` (16,384 on large GPUs), resolved
+    in the scheduler ranks, so this process leaves CUDA alone."""
 
     def __init__(self, model: Optional[str] = None, *, device: str = "auto",
                  dtype: Optional[str] = None, tp: int = 1, page_size: int = 16,
@@ -190,8 +191,6 @@ class LLM:
             load_format=load_format, attention_backend=attention_backend, seed=seed,
             show_progress=show_progress, cuda_graph_max_bs=cuda_graph_max_bs,
             allreduce=allreduce, fused_ops=fused_ops, pdl=pdl)
-        if max_prefill_tokens is None:
-            max_prefill_tokens = offline_prefill_tokens(dev)
         cfg = SchedulerConfig(engine=engine_cfg, max_prefill_tokens=max_prefill_tokens,
                               cache=cache, check_lockstep=check_lockstep, overlap=overlap,
                               decode_reserve_tokens=decode_reserve_tokens)

@@ -21,14 +21,15 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def offline_prefill_tokens(device: str) -> int:
-    """The offline API's default prefill chunk (tokens per prefill step): 16,384 on a CUDA GPU
-    of 70 GiB or more (A100s aside), else 8,192, as vLLM's offline entry point defaults. The
-    server keeps 8,192: a longer chunk holds back the running requests' next token longer. On
-    an H200 the 16k chunk made the offline workload's prefill 25% faster (RESULTS.md)."""
-    if device != "cuda":
+def offline_prefill_tokens(device: torch.device) -> int:
+    """The offline API's default prefill chunk (tokens per prefill step) on `device`: 16,384 on
+    a CUDA GPU of 70 GiB or more (A100s aside), else 8,192, as vLLM's offline entry point
+    defaults. The server keeps 8,192: a longer chunk holds back the running requests' next
+    token longer. On an H200 the 16k chunk made the offline workload's prefill 25% faster
+    (RESULTS.md). Reads the device's properties (CUDA is initialised)."""
+    if device.type != "cuda":
         return 8192
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(device)
     big = props.total_memory >= 70 << 30 and "a100" not in props.name.lower()
     return 16384 if big else 8192
 
@@ -58,7 +59,11 @@ def rows_to_device(rows: Sequence[Sequence[Any]], dtype: torch.dtype, device: to
     specializes a kernel on whether each pointer is 16-byte aligned, so a row at an unaligned
     offset (e.g. the third of three rows of an odd length) made it build a new variant in the
     middle of serving: 0.5 s per variant, measured on an H200 (RESULTS.md)."""
-    n = len(rows[0]) if rows else 0
+    if not rows:
+        raise ValueError("rows_to_device needs at least one row")
+    n = len(rows[0])
+    if any(len(r) != n for r in rows):
+        raise ValueError(f"rows_to_device needs equal-length rows, got {[len(r) for r in rows]}")
     per = max(1, 16 // torch.empty((), dtype=dtype).element_size())
     width = max(per, -(-n // per) * per)
     padded = [list(r) + [0] * (width - len(r)) for r in rows]

@@ -324,7 +324,8 @@ def report(args: argparse.Namespace, r: Result) -> None:
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     if args.max_prefill_tokens is None:  # resolved here so that the report names it
-        args.max_prefill_tokens = offline_prefill_tokens(resolve_device(args.device))
+        device = torch.device(resolve_device(args.device))
+        args.max_prefill_tokens = offline_prefill_tokens(device)
     vocab = ModelConfig.from_dir(args.model).vocab_size
     work = make_workload(args.num_prompts, args.min_len, args.max_len, vocab, args.seed,
                          args.shared_prefix)

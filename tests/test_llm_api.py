@@ -144,7 +144,11 @@ def test_offline_prefill_chunk_follows_the_gpu(monkeypatch: pytest.MonkeyPatch, 
     import torch
 
     from minisgl.utils import offline_prefill_tokens
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: _Props(name, gib))
-    assert offline_prefill_tokens("cuda") == want
-    assert offline_prefill_tokens("cpu") == 8192
+    assert offline_prefill_tokens(torch.device("cuda", 1)) == want
+    assert offline_prefill_tokens(torch.device("cpu")) == 8192
+
+
+def test_offline_prefill_chunk_default_reaches_the_scheduler(llm: LLM) -> None:
+    """The fixture leaves max_prefill_tokens unset: on CPU the scheduler's chunk is 8,192."""
+    assert llm._backend.scheduler.prefill.budget == 8192  # type: ignore[attr-defined]

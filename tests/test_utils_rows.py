@@ -18,3 +18,10 @@ def test_rows_are_aligned_and_exact(dtype: torch.dtype, n: int) -> None:
     assert t.tolist() == [[float(v) if dtype.is_floating_point else v for v in r] for r in rows]
     for r in range(5):
         assert t[r].data_ptr() % 16 == 0 and t[r].is_contiguous()
+
+
+def test_rows_must_be_given_and_equal_in_length() -> None:
+    with pytest.raises(ValueError, match="equal-length"):
+        rows_to_device([[1, 2], [3]], torch.int32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="at least one row"):
+        rows_to_device([], torch.int32, torch.device("cpu"))

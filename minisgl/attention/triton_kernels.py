@@ -30,6 +30,7 @@ import triton.language as tl
 from minisgl.pdl import launch_options, pdl_enter
 
 _LOG2E = 1.4426950408889634
+_MAX_GRID_Z = 65535  # CUDA's limit on a grid's y and z axes
 # A finite "minus infinity": masked scores use it so that no row ever computes inf - inf (NaN);
 # any garbage it lets into a row is erased (alpha = 0) by the first real score.
 _NEG = tl.constexpr(-1.0e30)
@@ -264,6 +265,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     `pdl`: launch with programmatic dependent launch (minisgl/pdl.py).
     """
     batch, num_heads, head_dim = q.shape
+    if batch > _MAX_GRID_Z:
+        raise ValueError(f"decode_attention runs at most {_MAX_GRID_Z} requests per launch (the "
+                         f"grid's third axis), got {batch}")
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     num_splits = o_part.shape[2]

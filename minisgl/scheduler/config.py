@@ -11,7 +11,9 @@ from minisgl.engine import EngineConfig
 @dataclass(frozen=True)
 class SchedulerConfig:
     engine: EngineConfig
-    max_prefill_tokens: int = 8192  # per-step token budget of a prefill batch (chunk size)
+    # Per-step token budget of a prefill batch (chunk size). None: the offline default for the
+    # device (utils.offline_prefill_tokens), the minimum over ranks.
+    max_prefill_tokens: Optional[int] = 8192
     cache: str = "radix"  # "radix" or "naive"
     # ZMQ addresses; None in offline single-rank mode (in-process IO).
     backend_addr: Optional[str] = None  # tokenizer -> rank 0 (PULL, rank 0 binds)
@@ -26,7 +28,7 @@ class SchedulerConfig:
     check_lockstep: bool = False  # every step, ranks compare batch uids, KV slots and tokens
 
     def __post_init__(self) -> None:
-        if self.max_prefill_tokens < 1:
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.decode_reserve_tokens is not None and self.decode_reserve_tokens < 0:
             raise ValueError(f"decode_reserve_tokens must be >= 0, got "

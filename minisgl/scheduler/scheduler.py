@@ -16,10 +16,10 @@ import torch
 from torch.distributed import ProcessGroup
 
 from minisgl.core import Batch, FinishReason, Limits, Phase, Req, request_error
-from minisgl.distributed import check_same_across_ranks
+from minisgl.distributed import check_same_across_ranks, min_over_ranks
 from minisgl.engine import Engine
 from minisgl.engine.engine import Launched
-from minisgl.utils import rows_to_device
+from minisgl.utils import offline_prefill_tokens, rows_to_device
 from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.scheduler.cache import PageCache
@@ -54,8 +54,10 @@ class Scheduler:
         self.limits = Limits(engine.max_context, engine.model_cfg.vocab_size, engine.num_pages,
                              page_size)
         self.rows = TableRows(cfg.engine.max_running_requests)
-        self.prefill = PrefillManager(self.cache, self.rows, cfg.max_prefill_tokens,
-                                      cfg.decode_reserve_tokens)
+        # Every rank must agree on the chunk size (batches are built alike on every rank).
+        chunk = cfg.max_prefill_tokens or min_over_ranks(offline_prefill_tokens(engine.device),
+                                                         cpu_group)
+        self.prefill = PrefillManager(self.cache, self.rows, chunk, cfg.decode_reserve_tokens)
         self.decode = DecodeManager()
         self.reqs: Dict[int, Req] = {}  # every live request by uid
         self.stopped = False
