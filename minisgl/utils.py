@@ -24,9 +24,10 @@ def resolve_device(device: str) -> str:
 def offline_prefill_tokens(device: torch.device) -> int:
     """The offline API's default prefill chunk (tokens per prefill step) on `device`: 16,384 on
     a CUDA GPU of 70 GiB or more (A100s aside), else 8,192, as vLLM's offline entry point
-    defaults. The server keeps 8,192: a longer chunk holds back the running requests' next
-    token longer. On an H200 the 16k chunk made the offline workload's prefill 25% faster
-    (RESULTS.md). Reads the device's properties (CUDA is initialised)."""
+    defaults: half the prefill steps for large offline batches. The server keeps 8,192: a
+    longer chunk holds back the running requests' next token longer. On an H200 the offline
+    workload's prefill took the same time at both sizes once no kernel was built during the run
+    (3.29 vs 3.28 s, RESULTS.md). Reads the device's properties (CUDA is initialised)."""
     if device.type != "cuda":
         return 8192
     props = torch.cuda.get_device_properties(device)
