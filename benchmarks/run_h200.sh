@@ -25,7 +25,7 @@ fi
 if [ "$MODE" = skinny ]; then  # projections at the offline run's decode batch sizes (cuBLAS, Lt)
   step linear_rows_8b 300 python3 scripts/bench_kernels.py --what linear --linear-rows 1,64,137,144,256
 fi
-if [ "$MODE" = wide ]; then  # decode attention's wider tiles; the candidate skinny GEMM's tiles
+if [ "$MODE" = wide ]; then  # decode attention's tiles; the projections at decode batch sizes
   step decode_tiles 180 python3 scripts/bench_kernels.py --what decode --batch-sizes 137,256
   step linear_rows_8b 150 python3 scripts/bench_kernels.py --what linear --linear-rows 137,256
 fi

@@ -6,17 +6,14 @@ Each case is captured in a CUDA graph (many calls, replayed) and timed with CUDA
 a few replays; every call reads inputs larger than the L2 cache, as in a real step.
 
 - `decode`: the paged decode kernel at each batch size, contexts drawn as in the offline
-  workload (seeded, pages shuffled), for every (block_n, warps, stages, splits).
-- `decode_order`: the large-batch decode tiles, requests in drawn order and longest first.
+  workload (seeded, pages shuffled; requests longest first unless --decode-order drawn), for
+  every (block_n, warps, stages, splits).
 - `extend`: the causal extend kernel on a prefill chunk of fresh prompts.
 - `linear`: y = x W^T for one token (or --linear-rows tokens) and every projection of the model
   at tp 1 and 2.
 - `normlinear`: the one-token projections that follow an RMSNorm, with the norm (and the
   rotary / SiLU after them) as kernels of their own and fused into the GEMV.
 - `gemm`: the same projections for a whole prefill chunk (cuBLAS).
-- `skinny`: the projections at decode batch sizes (--linear-rows, tp 1): cuBLAS against a
-  candidate Triton GEMM with the weights as the MMA's M side (any token count pads only to the
-  token tile), over its tiles.
 
     PYTHONPATH=. python scripts/bench_kernels.py --what decode,extend,linear
 """
@@ -32,7 +29,6 @@ from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequenc
 
 import torch
 import triton
-import triton.language as tl
 
 from minisgl.attention.triton_kernels import (DecodeTiles, ExtendTiles, decode_attention,
                                               extend_attention)
@@ -54,6 +50,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--what", default="decode,extend,linear,gemm")
     p.add_argument("--batch-sizes", default="1,137,256", help="decode batch sizes")
     p.add_argument("--context", default="100-1700", help="decode contexts: N or LO-HI")
+    p.add_argument("--decode-order", choices=("longest", "drawn"), default="longest",
+                   help="decode: requests longest first (the scheduler's order) or as drawn")
     p.add_argument("--batch1-context", type=int, default=512,
                    help="context of the batch-1 decode case (the latency benchmark's)")
     p.add_argument("--linear-rows", type=lambda v: [int(r) for r in v.split(",")], default=[1],
@@ -125,37 +123,11 @@ def draw_lens(n: int, spec: str, seed: int) -> List[int]:
     return [rng.randint(int(lo), int(hi or lo)) for _ in range(n)]
 
 
-def bench_decode_order(shape: Shape, args: argparse.Namespace) -> None:
-    """The large-batch decode tiles with the requests in drawn (random) order and longest first,
-    the order the scheduler's decode batches use."""
-    for bs in (int(b) for b in args.batch_sizes.split(",")):
-        drawn = draw_lens(bs, args.context, bs)
-        for order, lens in (("drawn", drawn), ("longest", sorted(drawn, reverse=True))):
-            kv = paged_kv(shape, lens, args.page_size, bs)
-            seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-            q = torch.randn((bs, shape.heads, shape.head_dim), dtype=torch.bfloat16,
-                            device="cuda")
-            gb = 2 * sum(lens) * shape.kv_heads * shape.head_dim * 2 / 1e9
-            o_part = torch.empty((bs, shape.heads, 1, shape.head_dim), dtype=torch.float32,
-                                 device="cuda")
-            lse = torch.empty((bs, shape.heads, 1), dtype=torch.float32, device="cuda")
-            out = torch.empty_like(q)
-            for tiles in (DecodeTiles(128, 4, 3), DecodeTiles(128, 4, 4), DecodeTiles(64, 2, 3),
-                          DecodeTiles(256, 8, 3), DecodeTiles(64, 4, 3)):
-                def run() -> None:
-                    decode_attention(q, kv.k, kv.v, kv.page_table, kv.rows, seq_lens, o_part,
-                                     lse, out, shape.head_dim ** -0.5, 64, tiles)
-                us = time_graph(run, 20, args.reps)
-                report("decode", {"batch": bs, "order": order, "block_n": tiles.block_n,
-                                  "warps": tiles.num_warps, "stages": tiles.num_stages}, us,
-                       gb_s=round(gb / us * 1e6, 1))
-
-
 def bench_decode(shape: Shape, args: argparse.Namespace) -> None:
     for bs in (int(b) for b in args.batch_sizes.split(",")):
-        # Longest first: the scheduler's decode order (scheduler/decode.py).
-        lens = ([args.batch1_context] if bs == 1
-                else sorted(draw_lens(bs, args.context, bs), reverse=True))
+        lens = [args.batch1_context] if bs == 1 else draw_lens(bs, args.context, bs)
+        if args.decode_order == "longest":  # the scheduler's decode order (scheduler/decode.py)
+            lens.sort(reverse=True)
         kv = paged_kv(shape, lens, args.page_size, bs)
         seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         q = torch.randn((bs, shape.heads, shape.head_dim), dtype=torch.bfloat16, device="cuda")
@@ -350,91 +322,6 @@ def bench_prefill_gemm(cfg: ModelConfig, args: argparse.Namespace) -> None:
                tflops=round(2 * args.chunk * n * k / us / 1e6, 1))
 
 
-# --- decode-batch projections: a candidate skinny GEMM ------------------------------------------
-@triton.jit
-def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[M, N] = x[M, K] @ w[N, K]^T as out^T = w @ x^T: the weight rows fill the MMA's M
-    side (64-row multiples), the few tokens its N side. Program order puts a weight tile's
-    token tiles next to each other so the tile's second reads come from L2."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid_n = pid // num_m
-    pid_m = pid % num_m
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
-    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for _ in range(0, K, BLOCK_K):  # N and K are multiples of the tiles (checked by the caller)
-        w = tl.load(w_ptrs)
-        x = tl.load(x_ptrs, mask=mask_m[None, :], other=0.0)
-        acc = tl.dot(w, x, acc)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None],
-             acc.to(out_ptr.dtype.element_ty), mask=mask_m[None, :])
-
-
-class SkinnyTiles(NamedTuple):
-    block_n: int
-    block_m: int
-    block_k: int
-    warps: int
-    stages: int
-
-
-def skinny_gemm(x: torch.Tensor, w: torch.Tensor, t: SkinnyTiles) -> torch.Tensor:
-    (m, k), n = x.shape, w.shape[0]
-    if n % t.block_n or k % t.block_k:
-        raise ValueError(f"N {n} / K {k} not multiples of the tile {t}")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = (n // t.block_n * triton.cdiv(m, t.block_m),)
-    _skinny_kernel[grid](x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-                         BLOCK_N=t.block_n, BLOCK_M=t.block_m, BLOCK_K=t.block_k,
-                         num_warps=t.warps, num_stages=t.stages)
-    return out
-
-
-def bench_skinny(cfg: ModelConfig, args: argparse.Namespace) -> None:
-    """tp-1 projections at each --linear-rows: cuBLAS, then every candidate tile that compiles
-    (the token tile no wider than the next power of two above the rows)."""
-    for rows in args.linear_rows:
-        for name, n, k in projections(cfg, 1):
-            if name == "lm_head":
-                continue
-            copies = max(2, -(-(512 << 20) // (n * k * 2)))
-            ws = [torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
-                  for _ in range(copies)]
-            x = torch.randn((rows, k), dtype=torch.bfloat16, device="cuda")
-            ref = torch.nn.functional.linear(x, ws[0]).float()
-            variants: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-                "cublas": lambda w: torch.nn.functional.linear(x, w)}
-            widest = max(16, triton.next_power_of_2(rows))
-            for t in itertools.starmap(SkinnyTiles, itertools.product(
-                    (64, 128), (32, 64, 128, 256), (64, 128), (4, 8), (3, 4))):
-                if t.block_m <= widest:
-                    variants[f"triton {tuple(t)}"] = lambda w, t=t: skinny_gemm(x, w, t)
-            for label, fn in variants.items():
-                state = iter(itertools.cycle(ws))
-
-                def run(fn: Callable[[torch.Tensor], torch.Tensor] = fn) -> None:
-                    fn(next(state))
-                try:
-                    us = time_graph(run, copies, args.reps)
-                    err = (fn(ws[0]).float() - ref).abs().max().item()
-                except Exception as exc:
-                    print(f"skinny {name} {rows} {label}: {type(exc).__name__}: "
-                          f"{str(exc)[:100]}")
-                    continue
-                report("skinny", {"proj": name, "rows": rows, "n": n, "k": k, "impl": label}, us,
-                       tb_s=round(n * k * 2 / 1e9 / us * 1e3, 2),
-                       tflops=round(2 * rows * n * k / us / 1e6, 1), max_err=round(err, 4))
-            del ws
-
-
 def _cublaslt_us(x: torch.Tensor, ws: List[torch.Tensor], calls: int, reps: int
                  ) -> Optional[float]:
     """The same product with cuBLASLt preferred (torch's switch; restored after)."""
@@ -467,12 +354,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         bench_norm_linear(cfg, args)
     if "gemm" in what:
         bench_prefill_gemm(cfg, args)
-    if "skinny" in what:
-        bench_skinny(cfg, args)
     if "decode" in what:
         bench_decode(shape, args)
-    if "decode_order" in what:
-        bench_decode_order(shape, args)
     if "extend" in what:
         bench_extend(shape, args)
 
