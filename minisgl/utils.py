@@ -65,9 +65,9 @@ def rows_to_device(rows: Sequence[Sequence[Any]], dtype: torch.dtype, device: to
     n = len(rows[0])
     if any(len(r) != n for r in rows):
         raise ValueError(f"rows_to_device needs equal-length rows, got {[len(r) for r in rows]}")
-    per = max(1, 16 // torch.empty((), dtype=dtype).element_size())
+    per = max(1, 16 // dtype.itemsize)
     width = max(per, -(-n // per) * per)
-    padded = [list(r) + [0] * (width - len(r)) for r in rows]
+    padded = rows if width == n else [[*r, *[0] * (width - n)] for r in rows]
     return to_device(padded, dtype, device)[:, :n]
 
 
