@@ -59,6 +59,11 @@ fi
 if [ "$MODE" = offline ]; then
   step offline_8b_tp1 200 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b
 fi
+if [ "$MODE" = verify2 ]; then  # both GPUs: batch-1 tp=1 vs tp=2 on the same code, then the tp=2 tests
+  step latency_8b_tp1_b1 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --batch-sizes 1 --steps 100
+  step latency_8b_tp2_b1 240 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --batch-sizes 1 --steps 100
+  step gpu_tests_tp2 200 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_allreduce.py -k "tp2"
+fi
 if [ "$MODE" = tests2 ]; then  # the tests that need two GPUs
   step gpu_tests_tp2 300 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_allreduce.py -k "tp2"
 fi
