@@ -248,7 +248,8 @@ def profile_steps(engine: Engine, batch: Batch, steps: int = 5, rows: int = 25) 
     table = prof.key_averages()
     for key in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
         try:  # the key's name changed across torch versions
-            return table.table(sort_by=key, row_limit=rows)
+            # wide names: cuBLAS kernel names carry their tile shapes
+            return table.table(sort_by=key, row_limit=rows, max_name_column_width=110)
         except (AttributeError, KeyError):
             continue
     return table.table(row_limit=rows)
