@@ -53,6 +53,13 @@ def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -
         device, non_blocking=True)
 
 
+def aligned_width(n: int, dtype: torch.dtype) -> int:
+    """The smallest row length >= max(n, 1) whose bytes are a multiple of 16: rows of that
+    length laid end to end each start 16-byte aligned (see `rows_to_device`)."""
+    per = max(1, 16 // dtype.itemsize)
+    return max(per, -(-n // per) * per)
+
+
 def rows_to_device(rows: Sequence[Sequence[Any]], dtype: torch.dtype, device: torch.device
                    ) -> torch.Tensor:
     """Equal-length host lists as one [len(rows), n] device tensor, in one copy like
@@ -65,8 +72,7 @@ def rows_to_device(rows: Sequence[Sequence[Any]], dtype: torch.dtype, device: to
     n = len(rows[0])
     if any(len(r) != n for r in rows):
         raise ValueError(f"rows_to_device needs equal-length rows, got {[len(r) for r in rows]}")
-    per = max(1, 16 // dtype.itemsize)
-    width = max(per, -(-n // per) * per)
+    width = aligned_width(n, dtype)
     padded = rows if width == n else [[*r, *[0] * (width - n)] for r in rows]
     return to_device(padded, dtype, device)[:, :n]
 

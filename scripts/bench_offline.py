@@ -178,7 +178,7 @@ def print_phases(before: Optional[SchedulerStats], after: Optional[SchedulerStat
             print(f"  {phase}: {steps} steps, {secs:.2f} s busy, {1e3 * secs / steps:.2f} ms per "
                   f"step, {tokens / steps:.1f} tokens per step (approx.)")
     print(f"  host waited for the device {after.wait_seconds_total - b.wait_seconds_total:.2f} s "
-          f"(near zero: the host is the bottleneck)")
+          f"of the run (near zero would mean the host, not the device, is the bottleneck)")
 
 
 def _sync() -> None:

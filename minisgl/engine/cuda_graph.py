@@ -4,13 +4,15 @@ Decode is a few hundred small kernel launches per step; replaying a captured gra
 launch gaps. One graph per batch size in `sizes` (a real batch is padded up to the next one), all
 sharing one memory pool.
 
-Inputs: each size `bs` has one static int32 block [3, bs] on the device (page-table row, position,
-sequence length of each request), filled by ONE host-to-device copy before a replay. Everything
-else is derived inside the graph, so the host launches nothing else per step: the input ids are
-`last_tokens[rows]` (the engine's device copy of each row's newest token) and the KV slots
-`page_table[rows, positions]` (written by the scheduler before the launch). Padding requests use
-the spare page-table row `pad_row` at position 0, whose entry points at the pool's scratch slot,
-so they never touch a live request's cache.
+Inputs: each size `bs` has one static int32 block [3, width] on the device (page-table row,
+position, sequence length of each request), filled by ONE host-to-device copy before a replay.
+The graph reads the first bs columns; `width` rounds bs up so that every row starts 16-byte
+aligned, like every other index row Triton sees (it builds a kernel variant per alignment).
+Everything else is derived inside the graph, so the host launches nothing else per step: the
+input ids are `last_tokens[rows]` (the engine's device copy of each row's newest token) and the
+KV slots `page_table[rows, positions]` (written by the scheduler before the launch). Padding
+requests use the spare page-table row `pad_row` at position 0, whose entry points at the pool's
+scratch slot, so they never touch a live request's cache.
 
 Contract with the attention backend (`GraphableBackend`): `init_graph_buffers(max_bs)` allocates
 what the graphs share; `graph_meta(rows, positions, seq_lens)` returns metadata viewing the static
@@ -20,13 +22,13 @@ tensors (no host values baked in).
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, NamedTuple, Protocol
+from typing import Dict, List, NamedTuple, Protocol, Sequence
 
 import torch
 
 from minisgl.core import Batch, Phase
 from minisgl.models import CausalLM
-from minisgl.utils import copy_from_host
+from minisgl.utils import aligned_width, copy_from_host
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,34 @@ def graph_sizes(max_bs: int) -> List[int]:
     return sorted(set(s for s in sizes if s <= max_bs))
 
 
+def static_input_blocks(sizes: Sequence[int], pad_row: int, device: torch.device
+                        ) -> Dict[int, torch.Tensor]:
+    """For each graph size, a contiguous int32 block [3, aligned_width(bs)] in one allocation,
+    every row 16-byte aligned, filled as all-padding (pad_row, position 0, length 1)."""
+    widths = {bs: aligned_width(bs, torch.int32) for bs in sizes}
+    flat = torch.zeros(3 * sum(widths.values()), dtype=torch.int32, device=device)
+    blocks: Dict[int, torch.Tensor] = {}
+    offset = 0
+    for bs, width in widths.items():
+        blocks[bs] = flat[offset:offset + 3 * width].view(3, width)
+        blocks[bs][0].fill_(pad_row)
+        blocks[bs][2].fill_(1)
+        offset += 3 * width
+    return blocks
+
+
+def input_rows(rows: Sequence[int], positions: Sequence[int], pad_row: int, width: int
+               ) -> List[List[int]]:
+    """A block's host values: each request's page-table row, position and length (position + 1),
+    then padding requests (pad_row, 0, 1) up to `width` columns."""
+    pad = width - len(rows)
+    if pad < 0 or len(positions) != len(rows):
+        raise ValueError(f"{len(rows)} rows and {len(positions)} positions for a block of "
+                         f"{width} columns")
+    return [[*rows, *[pad_row] * pad], [*positions, *[0] * pad],
+            [*(p + 1 for p in positions), *[1] * pad]]
+
+
 class DecodeGraphs:
     """Captures at construction (the model, pool and page table must be ready); the engine calls
     `replay` for decode batches of at most `max_bs` requests whose slots are in the page table."""
@@ -72,14 +102,8 @@ class DecodeGraphs:
         self.pad_row = pad_row
         page_table[pad_row, 0] = scratch_slot  # padding requests write and read only there
         device = page_table.device
-        flat = torch.zeros(3 * sum(self.sizes), dtype=torch.int32, device=device)
-        self.inputs: Dict[int, torch.Tensor] = {}
-        offset = 0
-        for bs in self.sizes:
-            self.inputs[bs] = flat[offset:offset + 3 * bs].view(3, bs)
-            self.inputs[bs][0].fill_(pad_row)
-            self.inputs[bs][2].fill_(1)
-            offset += 3 * bs
+        self.blocks = static_input_blocks(self.sizes, pad_row, device)
+        self.inputs = {bs: block[:, :bs] for bs, block in self.blocks.items()}
         backend.init_graph_buffers(self.max_bs)
         self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: Dict[int, torch.Tensor] = {}
@@ -118,10 +142,8 @@ class DecodeGraphs:
         """Run a decode batch: one input copy, then the graph of the next size up."""
         n = batch.size
         bs = next(s for s in self.sizes if s >= n)
-        pad = bs - n
-        positions = list(batch.prefix_lens)
-        inputs = self.inputs[bs]
-        copy_from_host(inputs, [[r.table_row for r in batch.reqs] + [self.pad_row] * pad,
-                                positions + [0] * pad, [p + 1 for p in positions] + [1] * pad])
+        block = self.blocks[bs]
+        copy_from_host(block, input_rows([r.table_row for r in batch.reqs], batch.prefix_lens,
+                                         self.pad_row, block.shape[1]))
         self.graphs[bs].replay()
-        return Replayed(self.logits[bs][:n], inputs[0, :n])
+        return Replayed(self.logits[bs][:n], block[0, :n])

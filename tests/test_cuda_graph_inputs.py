@@ -1,0 +1,42 @@
+"""The decode graphs' static inputs (engine/cuda_graph.py), checked on CPU: every row of every
+size's block starts 16-byte aligned (Triton builds a kernel variant per pointer alignment, so
+unaligned graph inputs built variants that eager decode never uses), blocks do not overlap, and
+a replay's host values pad each block with (pad_row, 0, 1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisgl.engine.cuda_graph import graph_sizes, input_rows, static_input_blocks
+from minisgl.utils import aligned_width
+
+
+def test_blocks_are_aligned_disjoint_and_start_as_padding() -> None:
+    sizes = graph_sizes(256)
+    blocks = static_input_blocks(sizes, pad_row=7, device=torch.device("cpu"))
+    assert sorted(blocks) == sizes
+    spans = []
+    for bs, block in blocks.items():
+        assert block.dtype == torch.int32 and block.is_contiguous()
+        assert block.shape == (3, aligned_width(bs, torch.int32)) and block.shape[1] >= bs
+        for row in block[:, :bs]:
+            assert row.data_ptr() % 16 == 0, bs
+        assert block.tolist() == [[7] * block.shape[1], [0] * block.shape[1],
+                                  [1] * block.shape[1]]
+        spans.append((block.data_ptr(), block.data_ptr() + block.numel() * 4))
+    spans.sort()
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
+def test_input_rows_pad_to_the_block_width() -> None:
+    assert input_rows([3, 9], [10, 0], pad_row=5, width=4) == [
+        [3, 9, 5, 5], [10, 0, 0, 0], [11, 1, 1, 1]]
+    assert input_rows([], [], pad_row=5, width=1) == [[5], [0], [1]]
+
+
+def test_input_rows_rejects_a_batch_wider_than_the_block() -> None:
+    with pytest.raises(ValueError, match="3 rows and 3 positions for a block of 2 columns"):
+        input_rows([1, 2, 3], [0, 0, 0], pad_row=0, width=2)
+    with pytest.raises(ValueError, match="2 rows and 1 positions"):
+        input_rows([1, 2], [0], pad_row=0, width=4)
