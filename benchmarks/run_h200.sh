@@ -64,6 +64,14 @@ if [ "$MODE" = verify2 ]; then  # both GPUs: batch-1 tp=1 vs tp=2 on the same co
   step latency_8b_tp2_b1 240 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --tp 2 --batch-sizes 1 --steps 100
   step gpu_tests_tp2 200 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_allreduce.py -k "tp2"
 fi
+if [ "$MODE" = tune ]; then  # per-projection cuBLAS / cuBLASLt (--tune-gemms) against the default
+  step tune_tests 200 python3 -m pytest -q -m gpu tests/test_gpu.py -k "tuned or cublaslt or graphs"
+  for i in 1 2; do
+    step offline_8b_default_$i 120 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b
+    step offline_8b_tuned_$i 120 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --tune-gemms
+  done
+  step latency_8b_regime_tuned 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --batch-sizes 1,64,137,256 --context 100-1700 --tune-gemms --profile
+fi
 if [ "$MODE" = tests2 ]; then  # the tests that need two GPUs
   step gpu_tests_tp2 300 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_allreduce.py -k "tp2"
 fi

@@ -176,7 +176,7 @@ class LLM:
                  check_lockstep: bool = False, overlap: Optional[bool] = None,
                  decode_reserve_tokens: Optional[int] = None,
                  cuda_graph_max_bs: int = 256, allreduce: str = "auto",
-                 fused_ops: bool = True, pdl: str = "auto") -> None:
+                 fused_ops: bool = True, pdl: str = "auto", tune_gemms: bool = False) -> None:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
         self.model_path = resolve_model_path(model)
@@ -190,7 +190,7 @@ class LLM:
             max_running_requests=max_running_requests, max_kv_tokens=max_kv_tokens,
             load_format=load_format, attention_backend=attention_backend, seed=seed,
             show_progress=show_progress, cuda_graph_max_bs=cuda_graph_max_bs,
-            allreduce=allreduce, fused_ops=fused_ops, pdl=pdl)
+            allreduce=allreduce, fused_ops=fused_ops, pdl=pdl, tune_gemms=tune_gemms)
         cfg = SchedulerConfig(engine=engine_cfg, max_prefill_tokens=max_prefill_tokens,
                               cache=cache, check_lockstep=check_lockstep, overlap=overlap,
                               decode_reserve_tokens=decode_reserve_tokens)

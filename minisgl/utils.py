@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -87,3 +90,16 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def temporarily(get: Callable[[], T], put: Callable[[T], Any], value: T) -> Iterator[None]:
+    """A process-wide torch setting (read by `get`, written by `put`) set to `value` inside the
+    block and restored after, also on error. The caller's thread must be the only one using
+    the setting meanwhile."""
+    before = get()
+    put(value)
+    try:
+        yield
+    finally:
+        put(before)

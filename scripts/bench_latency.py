@@ -31,6 +31,7 @@ from minisgl.core import Batch, Phase, Req, SamplingParams
 from minisgl.distributed import (ALLREDUCE_MODES, DistributedInfo, destroy_process_groups,
                                  init_process_groups)
 from minisgl.engine import PDL_MODES, Engine, EngineConfig
+from minisgl.layers import blas
 from minisgl.utils import free_port, resolve_device, resolve_dtype
 
 
@@ -73,6 +74,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="torch RMSNorm / SiLU / rotary instead of the fused Triton kernels")
     p.add_argument("--pdl", choices=PDL_MODES, default="auto",
                    help="programmatic dependent launch on the decode path (EngineConfig.pdl)")
+    p.add_argument("--tune-gemms", action="store_true",
+                   help="cuBLAS or cuBLASLt per decode GEMM, timed at start-up "
+                        "(EngineConfig.tune_gemms)")
     p.add_argument("--profile", action="store_true",
                    help="print the device kernels of a few steps at the first batch size (and "
                         "of the prefill step, with --prefill)")
@@ -286,11 +290,14 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
         max_running_requests=max(max(sizes), prefill_reqs), max_kv_tokens=kv_tokens,
         load_format="dummy", attention_backend=args.attention_backend,
         fused_ops=not args.no_fused_ops, pdl=args.pdl, allreduce=args.allreduce,
+        tune_gemms=args.tune_gemms,
         dist_init_method=init_method, show_progress=False)
     groups = init_process_groups(cfg.tp_info, cfg.torch_device, init_method, cfg.dist_timeout_s,
                                  cfg.allreduce)
     try:
         engine = Engine(cfg, groups)
+        if args.tune_gemms and rank == 0:
+            print(f"tuned GEMMs, cuBLASLt chosen for: {blas.describe(engine.model)}", flush=True)
         engine.pool.k.normal_()  # random K/V: never time on zeros
         engine.pool.v.normal_()
         dev = engine.device
@@ -340,7 +347,7 @@ def print_table(args: argparse.Namespace, bandwidth: float, rows: List[Row], dev
         "model": args.model, "tp": args.tp, "device": device, "context": args.context,
         "prefill": prefill,
         "copy_gb_s": round(bandwidth / 1e9, 1), "attention_backend": args.attention_backend,
-        "pdl": args.pdl,
+        "pdl": args.pdl, "tune_gemms": args.tune_gemms,
         "allreduce": args.allreduce,
         "rows": [{**asdict(r), "pct_roofline": round(100 * r.efficiency, 1)} for r in rows]}))
 

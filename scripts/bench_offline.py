@@ -91,6 +91,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="tensor-parallel all-reduce (see EngineConfig.allreduce)")
     p.add_argument("--pdl", choices=PDL_MODES, default="auto",
                    help="programmatic dependent launch on the decode path (EngineConfig.pdl)")
+    p.add_argument("--tune-gemms", action="store_true",
+                   help="cuBLAS or cuBLASLt per decode GEMM, timed at start-up "
+                        "(EngineConfig.tune_gemms)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the untimed warm-up (kernel compilation, allocator)")
     p.add_argument("--peer", choices=["hf"], default=None)
@@ -139,7 +142,7 @@ def run_minisgl(args: argparse.Namespace, work: Workload, warm: Optional[Workloa
               max_running_requests=args.max_running_requests, max_kv_tokens=args.max_kv_tokens,
               cache=args.cache, load_format=args.load_format, seed=args.seed,
               attention_backend=args.attention_backend, allreduce=args.allreduce,
-              pdl=args.pdl, show_progress=False)
+              pdl=args.pdl, tune_gemms=args.tune_gemms, show_progress=False)
     try:
         def params(lens: List[int]) -> List[SamplingParams]:
             return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lens]
@@ -314,7 +317,7 @@ def report(args: argparse.Namespace, r: Result) -> None:
                "min_len": args.min_len, "max_len": args.max_len,
                "shared_prefix": args.shared_prefix, "tp": args.tp, "page_size": args.page_size,
                "cache": args.cache, "attention_backend": args.attention_backend,
-               "allreduce": args.allreduce, "pdl": args.pdl,
+               "allreduce": args.allreduce, "pdl": args.pdl, "tune_gemms": args.tune_gemms,
                "max_running_requests": args.max_running_requests,
                "max_prefill_tokens": args.max_prefill_tokens, "seed": args.seed,
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}

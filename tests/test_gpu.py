@@ -144,3 +144,25 @@ def test_bf16_batch1_fused_projections_tp2_match_tp1(tmp_path: Path) -> None:
     path = build_tiny("llama3", tmp_path / "llama3", None)
     tp2, tp1 = (_batch1_bf16(path, pdl="on", tp=tp) for tp in (2, 1))
     assert [t[:4] for t in tp2] == [t[:4] for t in tp1]
+
+
+def test_tuned_gemms_float32_tokens_equal_untuned(tiny_qwen3: Path) -> None:
+    """EngineConfig.tune_gemms: timing both libraries at start-up, then capturing the graphs with
+    the faster per projection, leaves float32 greedy tokens as they were."""
+    kw = dict(device="cuda", dtype="float32")
+    assert _run(tiny_qwen3, tune_gemms=True, **kw) == _run(tiny_qwen3, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cublaslt_linear_matches_cublas_and_restores_the_preference(dtype: torch.dtype) -> None:
+    from minisgl.layers import blas
+    before = torch.backends.cuda.preferred_blas_library()
+    x = torch.randn(137, 512, device="cuda", dtype=dtype)
+    w = torch.randn(1024, 512, device="cuda", dtype=dtype) / 512 ** 0.5
+    want = torch.nn.functional.linear(x, w).float()
+    got = blas.linear(x, w, None, "cublaslt").float()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    assert torch.backends.cuda.preferred_blas_library() == before
+    timer = blas.cuda_timer(reps=3)
+    assert all(timer(x, w, lib) > 0 for lib in blas.LIBRARIES)

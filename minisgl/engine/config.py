@@ -43,6 +43,11 @@ class EngineConfig:
     # 22.4 us, one-shot 6.4, one-shot + RMSNorm 7.9, fused 6.9 at one token (at 256: 48.0,
     # 24.1, 27.6, 15.6; benchmarks/RESULTS.md).
     allreduce: str = "auto"
+    # Time cuBLAS against cuBLASLt for every projection shape at every decode graph size at
+    # start-up and run each GEMM by the faster (layers/blas.py; CUDA graphs needed, so CUDA
+    # only). Off by default: a timed choice can differ between runs, and with it the bf16
+    # rounding.
+    tune_gemms: bool = False
     dist_init_method: str = "tcp://127.0.0.1:29500"
     dist_timeout_s: float = 60.0
     show_progress: bool = True
@@ -62,6 +67,10 @@ class EngineConfig:
         if self.pdl == "on" and (self.device != "cuda" or not self.fused_ops):
             raise ValueError(f"pdl 'on' needs device 'cuda' and fused_ops (got device "
                              f"{self.device!r}, fused_ops {self.fused_ops}); use 'auto' or 'off'")
+        if self.tune_gemms and (self.device != "cuda" or self.cuda_graph_max_bs < 1):
+            raise ValueError(f"tune_gemms tunes the decode CUDA graphs' GEMMs and needs device "
+                             f"'cuda' with cuda_graph_max_bs >= 1 (got device {self.device!r}, "
+                             f"cuda_graph_max_bs {self.cuda_graph_max_bs})")
         if self.allreduce == "symm-fused" and not self.fused_ops:
             raise ValueError("allreduce 'symm-fused' fuses the all-reduce into the Triton "
                              "RMSNorm and needs fused_ops; use 'symm' without them")

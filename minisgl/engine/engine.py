@@ -7,10 +7,10 @@ table and an equally sized KV pool (the page count is the minimum over ranks).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
-from typing import Iterator, List, NamedTuple, Optional
+import time
+from typing import List, NamedTuple, Optional
 
 import torch
 
@@ -18,12 +18,13 @@ from minisgl.attention import AttentionBackend, make_backend
 from minisgl.core import Batch, Phase
 from minisgl.distributed import ProcessGroups, min_over_ranks
 from minisgl.engine.config import EngineConfig
-from minisgl.engine.cuda_graph import DecodeGraphs
+from minisgl.engine.cuda_graph import DecodeGraphs, graph_sizes
 from minisgl.engine.sampler import sample_requests
 from minisgl.kvcache import KVPool
+from minisgl.layers import blas
 from minisgl.models import CausalLM, ModelConfig, model_class
 from minisgl.models.weights import init_dummy, iter_checkpoint
-from minisgl.utils import to_device
+from minisgl.utils import temporarily, to_device
 
 logger = logging.getLogger(__name__)
 _CPU_DEFAULT_KV_TOKENS = 16384
@@ -36,16 +37,6 @@ class Launched(NamedTuple):
     sampled: List[int]  # indices of the requests whose token is sampled
     tokens: Optional[torch.Tensor]  # host tensor (pinned on GPU), valid once `done` completes
     done: Optional[torch.cuda.Event]
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 def use_pdl(cfg: EngineConfig, device: torch.device) -> bool:
@@ -90,20 +81,33 @@ class Engine:
             scale=self.model_cfg.head_dim ** -0.5,
             **({"pdl": True} if self.pdl and cfg.backend_name == "triton" else {}))
         self.graphs: Optional[DecodeGraphs] = None
+        graph_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
+        if cfg.tune_gemms:  # before the capture, which records the kernels chosen
+            self._tune_gemms(graph_sizes(graph_bs))
         if (self.device.type == "cuda" and cfg.cuda_graph_max_bs > 0
                 and hasattr(self.backend, "init_graph_buffers")):
             self.graphs = DecodeGraphs(
                 self.model, self.backend,  # type: ignore[arg-type]
-                min(cfg.cuda_graph_max_bs, cfg.max_running_requests), self.page_table,
+                graph_bs, self.page_table,
                 pad_row=cfg.max_running_requests, scratch_slot=self.pool.scratch_slot,
                 last_tokens=self.last_tokens)
         logger.info("rank %d: engine ready: %d KV pages of %d tokens, backend %s, pdl %s",
                     cfg.tp_info.rank, self.num_pages, cfg.page_size, cfg.backend_name,
                     "on" if self.pdl else "off")
 
+    @torch.inference_mode()
+    def _tune_gemms(self, rows: List[int]) -> None:
+        """Choose cuBLAS or cuBLASLt for each projection at each decode batch size (blas.tune)."""
+        start = time.perf_counter()
+        tuned = blas.tune(blas.tunable_layers(self.model), rows, blas.cuda_timer())
+        logger.info("rank %d: GEMM tuning: %d weight shapes x %d batch sizes in %.1f s; "
+                    "cuBLASLt chosen for: %s", self.cfg.tp_info.rank, tuned.shapes, len(rows),
+                    time.perf_counter() - start, blas.describe(self.model))
+
     def _load_model(self, groups: ProcessGroups) -> CausalLM:
         cls = model_class(self.model_cfg.architecture)
-        with torch.device(self.device), _default_dtype(self.cfg.dtype):
+        dtype = temporarily(torch.get_default_dtype, torch.set_default_dtype, self.cfg.dtype)
+        with torch.device(self.device), dtype:
             model = cls(self.model_cfg, self.cfg.tp_info, groups.comm,
                         fused=self.cfg.fused_ops and self.device.type == "cuda", pdl=self.pdl)
         if self.cfg.load_format == "dummy":

@@ -7,7 +7,7 @@ logits so every rank holds the full row (and so samples the same token).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -53,9 +53,11 @@ class ParallelLMHead(VocabParallelEmbedding):
                  tied_to: Optional[VocabParallelEmbedding] = None, pdl: bool = False) -> None:
         super().__init__(vocab_size, hidden, info, comm)
         self.pdl = pdl
+        self.blas_by_rows: Dict[int, str] = {}  # see layers/linear.project; filled by blas.tune
         if tied_to is not None:
             self.weight = tied_to.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = self.comm.all_gather_last_dim(project(hidden, self.weight, None, self.pdl))
+        logits = self.comm.all_gather_last_dim(project(hidden, self.weight, None, self.pdl,
+                                                       self.blas_by_rows))
         return logits[..., : self.vocab_size]

@@ -11,7 +11,7 @@ the KV cache layout: the kernel that fuses them is the projection's.
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Sequence, cast
+from typing import Dict, List, NamedTuple, Optional, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,7 @@ from torch import nn
 
 from minisgl.attention.base import KVTarget
 from minisgl.distributed import Communicator, DistributedInfo, Shard
+from minisgl.layers import blas
 from minisgl.layers.norm import Normed, RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.layers.source import TensorSource, copy_into
@@ -36,14 +37,16 @@ def takes_gemv(x: torch.Tensor, pdl: bool) -> bool:
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-            pdl: bool = False) -> torch.Tensor:
+            pdl: bool = False, blas_by_rows: Optional[Dict[int, str]] = None) -> torch.Tensor:
     """x W^T + b. Where `takes_gemv(x, pdl)`, the Triton GEMV of layers/triton_gemv.py, launched
     with programmatic dependent launch so that its weights stream while the previous kernel
-    finishes; anything else F.linear (cuBLAS)."""
+    finishes; anything else F.linear, by the BLAS library `blas_by_rows` names for x's row count
+    (layers/blas.py; cuBLAS where it names none)."""
     if takes_gemv(x, pdl):
         from minisgl.layers import triton_gemv
         return triton_gemv.gemv(x, weight, bias, pdl=True)
-    return F.linear(x, weight, bias)
+    library = blas_by_rows.get(x.numel() // x.shape[-1]) if blas_by_rows else None
+    return blas.linear(x, weight, bias, library)
 
 
 class ResidualStream(NamedTuple):
@@ -85,6 +88,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.info = info
         self.pdl = pdl  # see project()
+        self.blas_by_rows: Dict[int, str] = {}  # see project(); filled by blas.tune
         self.shards = [info.shard(n, "linear output features") for n in out_sizes]
         self.offsets = [sum(s.size for s in self.shards[:i]) for i in range(len(self.shards))]
         local_out = sum(s.size for s in self.shards)
@@ -92,7 +96,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _empty(local_out) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(x, self.weight, self.bias, self.pdl)
+        return project(x, self.weight, self.bias, self.pdl, self.blas_by_rows)
 
     def fuses_norm(self, stream: ResidualStream, norm: RMSNorm) -> bool:
         """Whether this layer runs on `norm(stream)` as one norm GEMV kernel (batch 1, GEMV
@@ -192,6 +196,7 @@ class RowParallelLinear(nn.Module):
                  comm: Communicator, pdl: bool = False) -> None:
         super().__init__()
         self.pdl = pdl  # see project()
+        self.blas_by_rows: Dict[int, str] = {}  # see project(); filled by blas.tune
         self.shard = info.shard(in_features, "linear input features")
         self.comm = comm
         self.weight = _empty(out_features, self.shard.size)
@@ -201,7 +206,7 @@ class RowParallelLinear(nn.Module):
         """The layer's output; with `reduce=False` only this rank's partial product (no
         all-reduce, no bias), which the caller must pass to `finish` or `reduce_norm` (e.g. in
         a ResidualStream)."""
-        partial = project(x, self.weight, None, self.pdl)
+        partial = project(x, self.weight, None, self.pdl, self.blas_by_rows)
         return self.finish(partial) if reduce else partial
 
     def finish(self, partial: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,7 @@ class ServerConfig:
     attention_backend: str = "auto"
     allreduce: str = "auto"  # TP all-reduce: auto, nccl, symm or symm-fused (see EngineConfig)
     pdl: str = "auto"  # programmatic dependent launch: auto, on or off (see EngineConfig)
+    tune_gemms: bool = False  # time cuBLAS vs cuBLASLt per decode GEMM at start-up (EngineConfig)
     seed: int = 0
     max_n: int = 8
     log_level: str = "info"
@@ -105,7 +106,7 @@ class ServerConfig:
             max_running_requests=self.max_running_requests, max_kv_tokens=self.max_kv_tokens,
             mem_fraction=self.mem_fraction, load_format=self.load_format,
             attention_backend=self.attention_backend, allreduce=self.allreduce, pdl=self.pdl,
-            seed=self.seed,
+            tune_gemms=self.tune_gemms, seed=self.seed,
             dist_init_method=dist_init_method, show_progress=False)
         return SchedulerConfig(engine=engine, max_prefill_tokens=self.max_prefill_tokens,
                                cache=self.cache, backend_addr=backend_addr,
@@ -147,6 +148,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="programmatic dependent launch for the decode path's kernels: auto (on "
                         "with CUDA, fused ops and compute capability 9.0+; default), on "
                         "(required) or off")
+    p.add_argument("--tune-gemms", action="store_true",
+                   help="time cuBLAS against cuBLASLt for each decode GEMM at start-up and use "
+                        "the faster (CUDA; off by default: the choice can differ between runs)")
     p.add_argument("--seed", type=int)
     p.add_argument("--max-n", type=int, help="the largest n a request may ask for (default 8)")
     p.add_argument("--log-level", choices=_LOG_LEVELS)

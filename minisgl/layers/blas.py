@@ -1,0 +1,123 @@
+"""Which BLAS library runs a projection's GEMM at a given row count, chosen by timing both.
+
+For the same decode-sized GEMM, cuBLAS and cuBLASLt pick different kernels, and neither library
+wins for every projection. On an H200 at 137 rows (the offline run's mean decode batch,
+Llama-3.1-8B shape), cuBLASLt's kernel ran down_proj and QKV together 13% faster, and cuBLAS's
+ran o_proj 20% faster (benchmarks/RESULTS.md, ninth session). Switching the whole process to
+either library gained 0.4%.
+
+torch offers the choice only as a process-wide switch (`torch.backends.cuda.
+preferred_blas_library`), so `linear` sets it around one call and restores it. That is safe
+because a scheduler process runs its model from one thread. A CUDA graph records the kernel
+picked at capture, so a replay pays nothing for the choice.
+
+Who fills the tables: the engine calls `tune` once, before it captures the decode graphs, for
+the graphs' batch sizes. Each rank tunes its own shards; ranks may choose differently, and that
+is harmless: lockstep needs identical batches, not identical kernels.
+"""
+
+from __future__ import annotations
+
+from typing import (Callable, ContextManager, Dict, Iterable, List, NamedTuple, Optional,
+                    Sequence, Tuple)
+
+import torch
+import torch.nn.functional as F
+
+from minisgl.utils import temporarily
+
+DEFAULT = "cublas"
+LIBRARIES = (DEFAULT, "cublaslt")
+# cuBLASLt must beat cuBLAS by more than this fraction to be chosen: near-ties keep the default,
+# so timing noise does not flip a choice (and the bf16 rounding with it) from run to run.
+MARGIN = 0.03
+
+# (input rows [rows, in_features], weight [out, in], library) -> microseconds per call
+Timer = Callable[[torch.Tensor, torch.Tensor, str], float]
+
+
+def preferred_library(library: str) -> ContextManager[None]:
+    """torch's process-wide BLAS preference set to `library` inside the block, restored after
+    (also on error)."""
+    prefer = torch.backends.cuda.preferred_blas_library
+    return temporarily(prefer, prefer, library)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+           library: Optional[str]) -> torch.Tensor:
+    """F.linear(x, weight, bias), with `library` preferred for a CUDA input when given (None:
+    torch's current preference, cuBLAS unless the user changed it; off CUDA there is no BLAS
+    choice to make, and a CPU build of torch refuses to prefer cuBLASLt)."""
+    if library is None or not x.is_cuda:
+        return F.linear(x, weight, bias)
+    with preferred_library(library):
+        return F.linear(x, weight, bias)
+
+
+def pick(us: Dict[str, float]) -> str:
+    """The library for one (shape, rows): cuBLASLt only where it is faster by more than MARGIN."""
+    lt, default = us["cublaslt"], us[DEFAULT]
+    return "cublaslt" if lt < default * (1 - MARGIN) else DEFAULT
+
+
+def cuda_timer(reps: int = 20, warmup: int = 3) -> Timer:
+    """A Timer for CUDA tensors: the best of two rounds of `reps` calls, timed with events."""
+    def time_us(x: torch.Tensor, weight: torch.Tensor, library: str) -> float:
+        best = float("inf")
+        with preferred_library(library):
+            for _ in range(warmup):
+                F.linear(x, weight)
+            for _ in range(2):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True)
+                start.record()
+                for _ in range(reps):
+                    F.linear(x, weight)
+                end.record()
+                end.synchronize()
+                best = min(best, start.elapsed_time(end) * 1e3 / reps)
+        return best
+    return time_us
+
+
+class Tuned(NamedTuple):
+    shapes: int  # distinct weight shapes timed
+    pairs: int  # (shape, rows) pairs timed
+    lt_pairs: List[Tuple[Tuple[int, int], int]]  # the ((out, in), rows) pairs cuBLASLt won
+
+
+def tune(layers: Iterable[torch.nn.Module], rows: Sequence[int], timer: Timer) -> Tuned:
+    """Fill each layer's `blas_by_rows` (rows -> library) for every row count in `rows`.
+
+    `layers` are modules with a 2-D `weight` and a dict `blas_by_rows` (the linear layers and
+    the LM head); layers with equal weight shape and dtype share one timing. Only cuBLASLt's
+    wins are stored: a missing entry means the default."""
+    groups: Dict[Tuple[Tuple[int, ...], torch.dtype], List[torch.nn.Module]] = {}
+    for layer in layers:
+        groups.setdefault((tuple(layer.weight.shape), layer.weight.dtype), []).append(layer)
+    won: List[Tuple[Tuple[int, int], int]] = []
+    for (shape, dtype), members in groups.items():
+        weight = members[0].weight
+        for n in rows:
+            x = torch.randn(n, shape[1], dtype=dtype, device=weight.device)
+            choice = pick({lib: timer(x, weight, lib) for lib in LIBRARIES})
+            for layer in members:
+                if choice == DEFAULT:
+                    layer.blas_by_rows.pop(n, None)
+                else:
+                    layer.blas_by_rows[n] = choice
+            if choice != DEFAULT:
+                won.append(((shape[0], shape[1]), n))
+    return Tuned(len(groups), len(groups) * len(rows), won)
+
+
+def tunable_layers(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """The modules `tune` applies to: those carrying a `blas_by_rows` table."""
+    return [m for m in model.modules() if isinstance(getattr(m, "blas_by_rows", None), dict)]
+
+
+def describe(model: torch.nn.Module) -> str:
+    """The model's cuBLASLt choices as `out x in @ rows` items ("none": all cuBLAS)."""
+    pairs = sorted({(tuple(m.weight.shape), n) for m in tunable_layers(model)
+                    for n in m.blas_by_rows})
+    return ", ".join(f"{o}x{i}@{n}" for (o, i), n in pairs) or "none"
