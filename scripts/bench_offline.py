@@ -91,6 +91,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="tensor-parallel all-reduce (see EngineConfig.allreduce)")
     p.add_argument("--pdl", choices=PDL_MODES, default="auto",
                    help="programmatic dependent launch on the decode path (EngineConfig.pdl)")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=256,
+                   help="decode CUDA graphs up to this batch size (0: none; ablation)")
+    p.add_argument("--disable-overlap", action="store_true",
+                   help="plan each step only after the previous step's tokens (ablation)")
     p.add_argument("--tune-gemms", action="store_true",
                    help="cuBLAS or cuBLASLt per decode GEMM, timed at start-up "
                         "(EngineConfig.tune_gemms)")
@@ -142,7 +146,8 @@ def run_minisgl(args: argparse.Namespace, work: Workload, warm: Optional[Workloa
               max_running_requests=args.max_running_requests, max_kv_tokens=args.max_kv_tokens,
               cache=args.cache, load_format=args.load_format, seed=args.seed,
               attention_backend=args.attention_backend, allreduce=args.allreduce,
-              pdl=args.pdl, tune_gemms=args.tune_gemms, show_progress=False)
+              pdl=args.pdl, tune_gemms=args.tune_gemms, cuda_graph_max_bs=args.cuda_graph_max_bs,
+              overlap=False if args.disable_overlap else None, show_progress=False)
     try:
         def params(lens: List[int]) -> List[SamplingParams]:
             return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lens]
@@ -318,6 +323,8 @@ def report(args: argparse.Namespace, r: Result) -> None:
                "shared_prefix": args.shared_prefix, "tp": args.tp, "page_size": args.page_size,
                "cache": args.cache, "attention_backend": args.attention_backend,
                "allreduce": args.allreduce, "pdl": args.pdl, "tune_gemms": args.tune_gemms,
+               "cuda_graph_max_bs": args.cuda_graph_max_bs,
+               "disable_overlap": args.disable_overlap,
                "max_running_requests": args.max_running_requests,
                "max_prefill_tokens": args.max_prefill_tokens, "seed": args.seed,
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}

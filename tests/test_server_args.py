@@ -108,3 +108,21 @@ def test_pdl_flag_reaches_the_engine_and_is_refused_off_cuda() -> None:
     cpu = EngineConfig("m", DistributedInfo(0, 1), device="cpu")
     assert use_pdl(cpu, torch.device("cpu")) is False
     assert use_pdl(replace(cpu, pdl="off"), torch.device("cpu")) is False
+
+
+def test_graph_and_overlap_flags_reach_the_engine_and_scheduler() -> None:
+    """--cuda-graph-max-bs and --disable-overlap (the issue's ablation switches): defaults are
+    graphs up to 256 and overlap left to the scheduler (on for CUDA); bad values fail naming
+    the flag."""
+    def sched(*argv: str):  # type: ignore[no-untyped-def]
+        return parse_args(list(argv)).scheduler_config(
+            Path("unused"), 0, "tcp://127.0.0.1:1", "ipc://a", "ipc://b", "ipc://c")
+    default = sched()
+    assert (default.engine.cuda_graph_max_bs, default.overlap) == (256, None)
+    ablated = sched("--cuda-graph-max-bs", "0", "--disable-overlap")
+    assert (ablated.engine.cuda_graph_max_bs, ablated.overlap) == (0, False)
+    assert sched("--cuda-graph-max-bs", "32").engine.cuda_graph_max_bs == 32
+    with pytest.raises(ValueError, match="cuda-graph-max-bs must be >= 0"):
+        parse_args(["--cuda-graph-max-bs", "-1"])
+    with pytest.raises(ValueError, match="cuda_graph_max_bs must be >= 0"):
+        EngineConfig("m", DistributedInfo(0, 1), cuda_graph_max_bs=-1)

@@ -65,6 +65,19 @@ def test_bad_setting_exits_2(tmp_path: Path) -> None:
     assert r.returncode == 2 and "tp must be >= 1" in _one_error_line(r.stderr)
 
 
+@pytest.mark.parametrize("flags,words", [
+    (["--pdl", "on"], "pdl 'on' needs device 'cuda'"),
+    (["--tune-gemms"], "tune_gemms tunes the decode CUDA graphs"),
+])
+def test_a_combination_the_engine_refuses_exits_2(tmp_path: Path, flags: List[str],
+                                                  words: str) -> None:
+    """Settings only the engine's config can judge fail before anything starts, like any other
+    bad setting: one line, exit 2, no runtime directory left."""
+    r = run_serve([*flags, "--device", "cpu", "--port", "0"], tmp_path)
+    assert r.returncode == 2 and words in _one_error_line(r.stderr)
+    assert runtime_dirs(tmp_path) == []
+
+
 def test_tp_not_dividing_the_heads(tmp_path: Path, default_model_dir: Path) -> None:
     r = run_serve([*tp_args(2), "--port", "0"], tmp_path)
     assert r.returncode == 1

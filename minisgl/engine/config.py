@@ -67,6 +67,9 @@ class EngineConfig:
         if self.pdl == "on" and (self.device != "cuda" or not self.fused_ops):
             raise ValueError(f"pdl 'on' needs device 'cuda' and fused_ops (got device "
                              f"{self.device!r}, fused_ops {self.fused_ops}); use 'auto' or 'off'")
+        if self.cuda_graph_max_bs < 0:
+            raise ValueError(f"cuda_graph_max_bs must be >= 0 (0: no graphs), got "
+                             f"{self.cuda_graph_max_bs}")
         if self.tune_gemms and (self.device != "cuda" or self.cuda_graph_max_bs < 1):
             raise ValueError(f"tune_gemms tunes the decode CUDA graphs' GEMMs and needs device "
                              f"'cuda' with cuda_graph_max_bs >= 1 (got device {self.device!r}, "

@@ -48,6 +48,8 @@ class ServerConfig:
     allreduce: str = "auto"  # TP all-reduce: auto, nccl, symm or symm-fused (see EngineConfig)
     pdl: str = "auto"  # programmatic dependent launch: auto, on or off (see EngineConfig)
     tune_gemms: bool = False  # time cuBLAS vs cuBLASLt per decode GEMM at start-up (EngineConfig)
+    cuda_graph_max_bs: int = 256  # decode CUDA graphs up to this batch size; 0: none (GPU only)
+    disable_overlap: bool = False  # ablation: plan each step only after the last one's tokens
     seed: int = 0
     max_n: int = 8
     log_level: str = "info"
@@ -66,6 +68,8 @@ class ServerConfig:
              f"max-kv-tokens must be >= 1, got {self.max_kv_tokens}"),
             (0 < self.mem_fraction < 1, f"mem-fraction must be in (0, 1), got {self.mem_fraction}"),
             (self.max_n >= 1, f"max-n must be >= 1, got {self.max_n}"),
+            (self.cuda_graph_max_bs >= 0,
+             f"cuda-graph-max-bs must be >= 0 (0: no graphs), got {self.cuda_graph_max_bs}"),
             (self.device in ("auto", "cpu", "cuda"),
              f"device must be auto, cpu or cuda, got {self.device!r}"),
             (self.load_format in ("auto", "dummy"),
@@ -96,6 +100,12 @@ class ServerConfig:
     def model_name(self, model_path: Path) -> str:
         return self.served_model_name or model_path.name
 
+    def check_combination(self) -> None:
+        """Raise ValueError, naming the settings, for combinations only the engine and scheduler
+        configs judge (pdl 'on' or tune-gemms without CUDA, ...): the launcher calls it before
+        anything starts, so they fail like any other bad setting instead of inside a rank."""
+        self.scheduler_config(Path("model"), 0, "tcp://127.0.0.1:0", "", "", "")
+
     def scheduler_config(self, model_path: Path, rank: int, dist_init_method: str,
                          backend_addr: str, detokenizer_addr: str, broadcast_addr: str
                          ) -> SchedulerConfig:
@@ -106,11 +116,12 @@ class ServerConfig:
             max_running_requests=self.max_running_requests, max_kv_tokens=self.max_kv_tokens,
             mem_fraction=self.mem_fraction, load_format=self.load_format,
             attention_backend=self.attention_backend, allreduce=self.allreduce, pdl=self.pdl,
-            tune_gemms=self.tune_gemms, seed=self.seed,
+            tune_gemms=self.tune_gemms, cuda_graph_max_bs=self.cuda_graph_max_bs, seed=self.seed,
             dist_init_method=dist_init_method, show_progress=False)
         return SchedulerConfig(engine=engine, max_prefill_tokens=self.max_prefill_tokens,
                                cache=self.cache, backend_addr=backend_addr,
                                decode_reserve_tokens=self.decode_reserve_tokens,
+                               overlap=False if self.disable_overlap else None,
                                detokenizer_addr=detokenizer_addr, broadcast_addr=broadcast_addr)
 
 
@@ -148,6 +159,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="programmatic dependent launch for the decode path's kernels: auto (on "
                         "with CUDA, fused ops and compute capability 9.0+; default), on "
                         "(required) or off")
+    p.add_argument("--cuda-graph-max-bs", type=int,
+                   help="capture decode CUDA graphs for batch sizes up to N (default 256; 0: "
+                        "none; GPU only)")
+    p.add_argument("--disable-overlap", action="store_true",
+                   help="schedule each step only after the previous step's tokens arrive "
+                        "(default: the CPU plans step N+1 while the GPU runs step N; GPU only)")
     p.add_argument("--tune-gemms", action="store_true",
                    help="time cuBLAS against cuBLASLt for each decode GEMM at start-up and use "
                         "the faster (CUDA; off by default: the choice can differ between runs)")

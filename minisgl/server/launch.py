@@ -224,6 +224,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     or a bad setting (exit 2)."""
     try:
         cfg = parse_args(argv)
+        cfg.check_combination()
     except ValueError as e:
         return _fail(str(e)) + 1  # 2, like argparse's own usage errors
     setup_logging("launcher", cfg.effective_log_level)
