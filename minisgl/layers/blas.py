@@ -8,8 +8,9 @@ either library gained 0.4%.
 
 torch offers the choice only as a process-wide switch (`torch.backends.cuda.
 preferred_blas_library`), so `linear` sets it around one call and restores it. That is safe
-because a scheduler process runs its model from one thread. A CUDA graph records the kernel
-picked at capture, so a replay pays nothing for the choice.
+because the model runs from one thread: a scheduler process's, or the caller's for the
+in-process `LLM` (which must not run GEMMs from another thread meanwhile). A CUDA graph
+records the kernel picked at capture, so a replay pays nothing for the choice.
 
 Who fills the tables: the engine calls `tune` once, before it captures the decode graphs, for
 the graphs' batch sizes. Each rank tunes its own shards; ranks may choose differently, and that
