@@ -98,7 +98,8 @@ if [ "$MODE" = peer256 ]; then
   { nvidia-smi --query-gpu=$q,clocks_event_reasons.active --format=csv -l 2 ||  # driver 535+
     nvidia-smi --query-gpu=$q --format=csv -l 2; } > "$OUT/peer256_clocks.csv" 2>&1 &
   clocks=$!
-  step peer_8b_256 450 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --peer hf
+  # MINISGL_FLAGS: extra bench_offline flags for minisgl's side (e.g. --tune-gemms)
+  step peer_8b_256 450 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --peer hf ${MINISGL_FLAGS:-}
   pkill -P "$clocks"; kill "$clocks" 2>/dev/null
 fi
 if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
