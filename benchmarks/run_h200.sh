@@ -72,6 +72,12 @@ if [ "$MODE" = tune ]; then  # per-projection cuBLAS / cuBLASLt (--tune-gemms) a
   done
   step latency_8b_regime_tuned 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --batch-sizes 1,64,137,256 --context 100-1700 --tune-gemms --profile
 fi
+if [ "$MODE" = hfbest ]; then  # is HF at its best? its torch.compile levels on 64 requests
+  # (level 0, the peer's setting so far, is the baseline; levels up to 3 trade warm-up for speed)
+  for level in ${HF_LEVELS:-0 1 3}; do
+    step peer_8b_64_compile$level 280 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --peer hf --peer-num-prompts 64 --peer-cb-option default_compile_level=$level
+  done
+fi
 if [ "$MODE" = tests2 ]; then  # the tests that need two GPUs
   step gpu_tests_tp2 300 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_allreduce.py -k "tp2"
 fi

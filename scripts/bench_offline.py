@@ -16,13 +16,14 @@ Prints output and total tokens/s, then one line of JSON per engine (prefixed "RE
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
 import inspect
 import json
 import random
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -110,6 +111,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--peer-memory-percent", type=float, default=HF_MEMORY_PERCENT,
                    help="HF's max_memory_percent: the share of free GPU memory its KV cache "
                         "takes (see HF_MEMORY_PERCENT)")
+    p.add_argument("--peer-cb-option", action="append", default=[], metavar="KEY=VALUE",
+                   type=cb_option,
+                   help="one more field of HF's ContinuousBatchingConfig (repeatable; VALUE a "
+                        "Python literal, e.g. q_padding_interval_size=64 "
+                        "default_compile_level=1), to search for HF's best settings")
     p.add_argument("--peer-attn", default="sdpa",
                    help="attn_implementation for the HF peer (e.g. sdpa, paged|sdpa, "
                         "flash_attention_2)")
@@ -218,14 +224,29 @@ def load_hf_model(args: argparse.Namespace) -> Any:
     return model.eval()
 
 
+def cb_option(text: str) -> Tuple[str, Any]:
+    """`KEY=VALUE` (--peer-cb-option) as (key, value): VALUE as a Python literal where it is one
+    (64, 0.5, True, None), else the string itself."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        value = ast.literal_eval(raw.strip())
+    except (ValueError, SyntaxError):
+        value = raw.strip()
+    return key.strip(), value
+
+
 def hf_batching_options(gen: Any, on_cuda: bool, cuda_graph: bool = True,
-                        memory_percent: float = HF_MEMORY_PERCENT) -> Dict[str, Any]:
+                        memory_percent: float = HF_MEMORY_PERCENT,
+                        extra: Sequence[Tuple[str, Any]] = ()) -> Dict[str, Any]:
     """HF's fastest continuous-batching settings, in whichever form the installed transformers
     takes them: on CUDA, asynchronous batching and (unless `cuda_graph` is False) CUDA graphs
     (newer releases: a ContinuousBatchingConfig; older ones read them from the
     GenerationConfig), and the KV cache's share of free memory. Without padding, HF may capture a
     graph per new batch shape: whether graphs help it on a workload is measured, not assumed
-    (--peer-cuda-graph)."""
+    (--peer-cuda-graph). `extra` (--peer-cb-option) sets further fields; one this transformers
+    does not have raises ValueError naming it."""
     if not on_cuda:
         return {}
     wanted = {"use_cuda_graph": cuda_graph, "use_async_batching": True,
@@ -233,22 +254,29 @@ def hf_batching_options(gen: Any, on_cuda: bool, cuda_graph: bool = True,
     try:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
     except ImportError:
-        for name, value in wanted.items():
+        for name, value in [*wanted.items(), *extra]:
             setattr(gen, name, value)
         return {}
     fields = inspect.signature(ContinuousBatchingConfig).parameters
-    return {"continuous_batching_config": ContinuousBatchingConfig(
-        **{k: v for k, v in wanted.items() if k in fields})}
+    unknown = [k for k, _ in extra if k not in fields]
+    if unknown:
+        raise ValueError(f"--peer-cb-option: ContinuousBatchingConfig has no {unknown} (it has "
+                         f"{', '.join(fields)})")
+    chosen = {k: v for k, v in wanted.items() if k in fields}
+    chosen.update(extra)
+    return {"continuous_batching_config": ContinuousBatchingConfig(**chosen)}
 
 
 def start_hf_manager(model: Any, max_new_tokens: int, cuda_graph: bool = True,
-                     memory_percent: float = HF_MEMORY_PERCENT) -> Optional[Any]:
+                     memory_percent: float = HF_MEMORY_PERCENT,
+                     extra: Sequence[Tuple[str, Any]] = ()) -> Optional[Any]:
     """A started continuous-batching manager (greedy, no EOS), or None where the installed
     transformers has no per-request max_new_tokens (then `generate_batch` is the fallback)."""
     from transformers import GenerationConfig
     gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None,
                            pad_token_id=0)
-    options = hf_batching_options(gen, model.device.type == "cuda", cuda_graph, memory_percent)
+    options = hf_batching_options(gen, model.device.type == "cuda", cuda_graph, memory_percent,
+                                  extra)
     print(f"hf: continuous batching options {options or 'defaults'}")
     manager = model.init_continuous_batching(generation_config=gen, **options)
     if "max_new_tokens" not in inspect.signature(manager.add_request).parameters:
@@ -288,7 +316,7 @@ def hf_generate(model: Any, manager: Optional[Any], work: Workload, tag: str) ->
 def run_hf(args: argparse.Namespace, work: Workload, warm: Optional[Workload]) -> Result:
     model = load_hf_model(args)
     manager = start_hf_manager(model, max(work.output_lens), args.peer_cuda_graph == "on",
-                               args.peer_memory_percent)
+                               args.peer_memory_percent, args.peer_cb_option)
     print("hf: " + ("continuous batching manager, per-request max_new_tokens" if manager else
                     "generate_batch with the mean output length for all (setup timed too)"))
     try:
@@ -324,6 +352,7 @@ def report(args: argparse.Namespace, r: Result) -> None:
                "cache": args.cache, "attention_backend": args.attention_backend,
                "allreduce": args.allreduce, "pdl": args.pdl, "tune_gemms": args.tune_gemms,
                "cuda_graph_max_bs": args.cuda_graph_max_bs,
+               "peer_cb_option": {k: repr(v) for k, v in args.peer_cb_option},
                "disable_overlap": args.disable_overlap,
                "max_running_requests": args.max_running_requests,
                "max_prefill_tokens": args.max_prefill_tokens, "seed": args.seed,

@@ -82,6 +82,26 @@ def test_hf_peer_batching_options() -> None:
     assert script.parse_args([]).peer_memory_percent == 0.7
 
 
+def test_hf_peer_extra_batching_fields() -> None:
+    """--peer-cb-option KEY=VALUE sets further ContinuousBatchingConfig fields (to search HF's
+    best settings); values parse as Python literals; an unknown field fails naming it."""
+    script = load_script("bench_offline")
+    from transformers import GenerationConfig
+    args = script.parse_args(["--peer-cb-option", "q_padding_interval_size=64",
+                              "--peer-cb-option", "scheduler_type = fifo"])
+    assert args.peer_cb_option == [("q_padding_interval_size", 64), ("scheduler_type", "fifo")]
+    gen = GenerationConfig(do_sample=False, max_new_tokens=4)
+    opts = script.hf_batching_options(gen, on_cuda=True, extra=args.peer_cb_option)
+    cb = opts.get("continuous_batching_config", gen)
+    assert getattr(cb, "q_padding_interval_size") == 64
+    assert getattr(cb, "use_cuda_graph") is True  # the defaults stay
+    if "continuous_batching_config" in opts:  # a transformers that validates field names
+        with pytest.raises(ValueError, match="no \\['not_a_field'\\]"):
+            script.hf_batching_options(gen, on_cuda=True, extra=[("not_a_field", 1)])
+    with pytest.raises(SystemExit):
+        script.parse_args(["--peer-cb-option", "no-equals-sign"])
+
+
 def test_bench_offline_hf_peer_end_to_end(tiny_model: Callable[..., Path],
                                           capsys: pytest.CaptureFixture) -> None:
     """--peer hf runs transformers' continuous batching on the same requests and prints the
