@@ -61,19 +61,30 @@ def pick(us: Dict[str, float]) -> str:
     return "cublaslt" if lt < default * (1 - MARGIN) else DEFAULT
 
 
+# Successive timed calls rotate over copies of the weight totalling at least this much, so
+# that each call streams its weight from memory as in a model step (an H200's L2 holds 50 MB,
+# more than an 8B model's O projection) instead of finding it in L2.
+ROTATE_BYTES = 256 << 20
+MAX_COPIES = 8
+
+
 def cuda_timer(reps: int = 20, warmup: int = 3) -> Timer:
-    """A Timer for CUDA tensors: the best of two rounds of `reps` calls, timed with events."""
+    """A Timer for CUDA tensors: the best of two rounds of `reps` calls, timed with events, each
+    call on the next of a few copies of the weight (ROTATE_BYTES)."""
     def time_us(x: torch.Tensor, weight: torch.Tensor, library: str) -> float:
+        nbytes = weight.numel() * weight.element_size()
+        copies = [weight] + [weight.clone() for _ in range(
+            min(MAX_COPIES, -(-ROTATE_BYTES // nbytes)) - 1)]
         best = float("inf")
         with preferred_library(library):
-            for _ in range(warmup):
-                F.linear(x, weight)
+            for i in range(warmup):
+                F.linear(x, copies[i % len(copies)])
             for _ in range(2):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
                     enable_timing=True)
                 start.record()
-                for _ in range(reps):
-                    F.linear(x, weight)
+                for i in range(reps):
+                    F.linear(x, copies[i % len(copies)])
                 end.record()
                 end.synchronize()
                 best = min(best, start.elapsed_time(end) * 1e3 / reps)
@@ -92,7 +103,8 @@ def tune(layers: Iterable[torch.nn.Module], rows: Sequence[int], timer: Timer) -
 
     `layers` are modules with a 2-D `weight` and a dict `blas_by_rows` (the linear layers and
     the LM head); layers with equal weight shape and dtype share one timing. Only cuBLASLt's
-    wins are stored: a missing entry means the default."""
+    wins are stored: a missing entry means the default. Timed without bias: with one, torch's
+    addmm may take cuBLASLt's bias epilogue whatever the preference."""
     groups: Dict[Tuple[Tuple[int, ...], torch.dtype], List[torch.nn.Module]] = {}
     for layer in layers:
         groups.setdefault((tuple(layer.weight.shape), layer.weight.dtype), []).append(layer)
