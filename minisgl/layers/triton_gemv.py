@@ -25,6 +25,7 @@ import triton.language as tl
 
 from minisgl.attention.base import KVTarget
 from minisgl.layers.norm import Normed
+from minisgl.layers.triton_ops import silu_mul_f32
 from minisgl.pdl import launch_options, pdl_enter
 from minisgl.triton_rmsnorm import rmsnorm_row
 
@@ -224,7 +225,7 @@ def _norm_gate_up_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_
     x = _normed_row(x_ptr, res_ptr, nw_ptr, res_out_ptr, cols, k, eps, HAS_RES)
     gate, up = _pair_products(w_gate, w_up, x, b_ptr, i, d + i, 2 * d, HAS_BIAS,
                               out_ptr.dtype.element_ty)
-    act = gate / (1.0 + tl.exp(-gate)) * up
+    act = silu_mul_f32(gate, up)
     tl.store(out_ptr + i, act.to(out_ptr.dtype.element_ty), mask=i < d)
 
 

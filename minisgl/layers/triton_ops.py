@@ -66,14 +66,22 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
+def silu_mul_f32(gate, up):
+    """silu(gate) * up in float32: the one copy of the formula, shared by the SiLU kernel and
+    the gate/up GEMV's epilogue (layers/triton_gemv.py), so both round alike."""
+    gate = gate.to(tl.float32)
+    return gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, d, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
-    gate = tl.load(x_ptr + row * 2 * d + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * 2 * d + d + cols, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
+    gate = tl.load(x_ptr + row * 2 * d + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * 2 * d + d + cols, mask=mask, other=0.0)
+    out = silu_mul_f32(gate, up)
     tl.store(out_ptr + row * d + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
