@@ -66,8 +66,9 @@ def test_bench_kernels_shapes_and_cpu_refusal() -> None:
 
 
 def test_hf_peer_batching_options() -> None:
-    """HF's continuous-batching settings: none on CPU; on CUDA, asynchronous batching and CUDA
-    graphs unless --peer-cuda-graph off, in the form the installed transformers takes."""
+    """HF's continuous-batching settings: none on CPU; on CUDA, asynchronous batching, CUDA
+    graphs unless --peer-cuda-graph off and torch.compile at level 1 (its fastest measured), in
+    the form the installed transformers takes."""
     script = load_script("bench_offline")
     from transformers import GenerationConfig
     gen = GenerationConfig(do_sample=False, max_new_tokens=4)
@@ -78,6 +79,7 @@ def test_hf_peer_batching_options() -> None:
         cb = opts.get("continuous_batching_config", gen)
         assert getattr(cb, "use_cuda_graph") is graphs
         assert getattr(cb, "max_memory_percent") == 0.6
+        assert getattr(cb, "default_compile_level") == script.HF_COMPILE_LEVEL == 1
     assert script.parse_args(["--peer-cuda-graph", "off"]).peer_cuda_graph == "off"
     assert script.parse_args([]).peer_memory_percent == 0.7
 
@@ -88,12 +90,15 @@ def test_hf_peer_extra_batching_fields() -> None:
     script = load_script("bench_offline")
     from transformers import GenerationConfig
     args = script.parse_args(["--peer-cb-option", "q_padding_interval_size=64",
-                              "--peer-cb-option", "scheduler_type = fifo"])
-    assert args.peer_cb_option == [("q_padding_interval_size", 64), ("scheduler_type", "fifo")]
+                              "--peer-cb-option", "scheduler_type = fifo",
+                              "--peer-cb-option", "default_compile_level=0"])
+    assert args.peer_cb_option == [("q_padding_interval_size", 64), ("scheduler_type", "fifo"),
+                                   ("default_compile_level", 0)]
     gen = GenerationConfig(do_sample=False, max_new_tokens=4)
     opts = script.hf_batching_options(gen, on_cuda=True, extra=args.peer_cb_option)
     cb = opts.get("continuous_batching_config", gen)
     assert getattr(cb, "q_padding_interval_size") == 64
+    assert getattr(cb, "default_compile_level") == 0  # an option overrides a default
     assert getattr(cb, "use_cuda_graph") is True  # the defaults stay
     if "continuous_batching_config" in opts:  # a transformers that validates field names
         with pytest.raises(ValueError, match="no \\['not_a_field'\\]"):
