@@ -45,7 +45,7 @@ def test_tune_times_each_shape_once_and_stores_only_cublaslt_wins() -> None:
 
     tuned = blas.tune([a1, a2, b], [1, 2], timer)
     assert len(calls) == 2 * 2 * 2  # 2 shapes x 2 row counts x 2 libraries
-    assert tuned == blas.Tuned(shapes=2, pairs=4, lt_pairs=[((8, 4), 2)])
+    assert tuned == blas.Tuned(shapes=2, pairs=4)
     assert a1.blas_by_rows == a2.blas_by_rows == {2: "cublaslt"}
     assert b.blas_by_rows == {}
 

@@ -1,10 +1,10 @@
 """Which BLAS library runs a projection's GEMM at a given row count, chosen by timing both.
 
 For the same decode-sized GEMM, cuBLAS and cuBLASLt pick different kernels, and neither library
-wins for every projection. On an H200 at 137 rows (the offline run's mean decode batch,
-Llama-3.1-8B shape), cuBLASLt's kernel ran down_proj and QKV together 13% faster, and cuBLAS's
-ran o_proj 20% faster (benchmarks/RESULTS.md, ninth session). Switching the whole process to
-either library gained 0.4%.
+wins for every projection. Switching the whole process to either library gained 0.4% offline
+(H200, Llama-3.1-8B shape). Timed per projection with the weights streamed from memory, as in a
+model step, cuBLASLt wins mostly for the O projection and at small batches; the offline run
+gained 0.3% (benchmarks/RESULTS.md, tenth session), so tuning is opt-in.
 
 torch offers the choice only as a process-wide switch (`torch.backends.cuda.
 preferred_blas_library`), so `linear` sets it around one call and restores it. That is safe
@@ -93,9 +93,10 @@ def cuda_timer(reps: int = 20, warmup: int = 3) -> Timer:
 
 
 class Tuned(NamedTuple):
+    """What one `tune` timed (its choices live in the layers' tables: see `describe`)."""
+
     shapes: int  # distinct weight shapes timed
     pairs: int  # (shape, rows) pairs timed
-    lt_pairs: List[Tuple[Tuple[int, int], int]]  # the ((out, in), rows) pairs cuBLASLt won
 
 
 def tune(layers: Iterable[torch.nn.Module], rows: Sequence[int], timer: Timer) -> Tuned:
@@ -108,7 +109,6 @@ def tune(layers: Iterable[torch.nn.Module], rows: Sequence[int], timer: Timer) -
     groups: Dict[Tuple[Tuple[int, ...], torch.dtype], List[torch.nn.Module]] = {}
     for layer in layers:
         groups.setdefault((tuple(layer.weight.shape), layer.weight.dtype), []).append(layer)
-    won: List[Tuple[Tuple[int, int], int]] = []
     for (shape, dtype), members in groups.items():
         weight = members[0].weight
         for n in rows:
@@ -119,9 +119,7 @@ def tune(layers: Iterable[torch.nn.Module], rows: Sequence[int], timer: Timer) -
                     layer.blas_by_rows.pop(n, None)
                 else:
                     layer.blas_by_rows[n] = choice
-            if choice != DEFAULT:
-                won.append(((shape[0], shape[1]), n))
-    return Tuned(len(groups), len(groups) * len(rows), won)
+    return Tuned(len(groups), len(groups) * len(rows))
 
 
 def tunable_layers(model: torch.nn.Module) -> List[torch.nn.Module]:
