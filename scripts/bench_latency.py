@@ -32,6 +32,7 @@ from minisgl.distributed import (ALLREDUCE_MODES, DistributedInfo, destroy_proce
                                  init_process_groups)
 from minisgl.engine import PDL_MODES, Engine, EngineConfig
 from minisgl.layers import blas
+from minisgl.scheduler.decode import DecodeManager
 from minisgl.utils import free_port, resolve_device, resolve_dtype
 
 
@@ -63,7 +64,8 @@ class Row:
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="configs/models/llama-3.1-8b")
-    p.add_argument("--batch-sizes", default="1,64,256")
+    p.add_argument("--batch-sizes", default=[1, 64, 256], type=batch_sizes,
+                   help="decode batch sizes, comma-separated (default 1,64,256)")
     p.add_argument("--context", default="512",
                    help="tokens already in each request: N, or LO-HI for lengths drawn uniformly "
                         "per request (seeded)")
@@ -136,6 +138,18 @@ def kv_bytes_read(engine: Engine, batch: Batch) -> int:
     return sum(p + 1 for p in batch.prefix_lens) * per_token
 
 
+def batch_sizes(spec: str) -> List[int]:
+    """"1,64,256" -> [1, 64, 256]; each at least 1."""
+    try:
+        sizes = [int(s) for s in spec.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"want batch sizes >= 1 separated by commas, got "
+                                         f"{spec!r}")
+    return sizes
+
+
 def context_range(spec: str) -> Tuple[int, int]:
     """"512" -> (512, 512); "100-1700" -> (100, 1700)."""
     lo, _, hi = spec.partition("-")
@@ -164,14 +178,19 @@ def place_requests(engine: Engine, lengths: List[int], vocab: int, rng: random.R
 
 def decode_batch(engine: Engine, batch: int, spec: str, vocab: int, seed: int) -> Batch:
     """`batch` requests with contexts per `spec` (seeded), each decoding the token after its
-    context (same slots every step, so contexts stay fixed), longest first as the scheduler's
-    decode batches are (scheduler/decode.py)."""
+    context (same slots every step, so contexts stay fixed), in the order the scheduler's decode
+    batches take (scheduler/decode.py builds it)."""
     rng = random.Random(seed)
     low, high = context_range(spec)
-    contexts = sorted((rng.randint(low, high) for _ in range(batch)), reverse=True)
+    contexts = [rng.randint(low, high) for _ in range(batch)]
     reqs, slots = place_requests(engine, [c + 1 for c in contexts], vocab, rng, 1 << 20)
-    b = Batch(Phase.DECODE, reqs, contexts, [1] * batch, [True] * batch)
-    b.out_slots = torch.tensor([own[-1] for own in slots], dtype=torch.int64,
+    running = DecodeManager()
+    for req in reqs:
+        running.add(req)
+    b = running.schedule()
+    if b is None:
+        raise ValueError(f"a decode batch needs at least one request, got {batch}")
+    b.out_slots = torch.tensor([slots[r.uid][-1] for r in b.reqs], dtype=torch.int64,
                                device=engine.device)
     return b
 
@@ -278,7 +297,7 @@ def time_graph(engine: Engine, batch: Batch, steps: int) -> Optional[float]:
 
 def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) -> None:
     """Build this rank's engine and time every batch size; rank 0 sends the rows to `out`."""
-    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    sizes: List[int] = args.batch_sizes
     device = resolve_device(args.device)
     pages_per_req = -(-(context_range(args.context)[1] + 1) // args.page_size)
     prefill_reqs = len(prefill_lengths(args.prefill, 0)) if args.prefill else 0

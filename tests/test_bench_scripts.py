@@ -48,6 +48,30 @@ def test_bench_latency_rows(tiny_model: Callable[..., Path],
     assert script.context_range("512") == (512, 512)
     with pytest.raises(ValueError, match="LO-HI"):
         script.context_range("30-10")
+    assert script.parse_args(["--batch-sizes", "1,137"]).batch_sizes == [1, 137]
+    for bad in ("0,3", "1,,2", "x"):
+        with pytest.raises(SystemExit):
+            script.parse_args(["--batch-sizes", bad])
+
+
+def test_bench_latency_decode_batch_is_the_schedulers(tiny_model: Callable[..., Path]) -> None:
+    """The timed decode batch comes from the scheduler's own DecodeManager: longest context
+    first, each request writing the slot after its context."""
+    script = load_script("bench_latency")
+    from minisgl.distributed import DistributedInfo, ProcessGroups
+    from minisgl.distributed.comm import Communicator
+    from minisgl.engine import Engine, EngineConfig
+    info = DistributedInfo(0, 1)
+    engine = Engine(EngineConfig(model_path=str(tiny_model("llama")), tp_info=info,
+                                 device="cpu", load_format="dummy", max_kv_tokens=2048,
+                                 max_running_requests=8),
+                    ProcessGroups(Communicator(info), None))
+    batch = script.decode_batch(engine, 6, "4-60", engine.model_cfg.vocab_size, seed=0)
+    assert batch.prefix_lens == sorted(batch.prefix_lens, reverse=True)
+    assert [r.device_len - 1 for r in batch.reqs] == batch.prefix_lens
+    table = engine.page_table
+    for req, ctx, slot in zip(batch.reqs, batch.prefix_lens, batch.out_slots.tolist()):
+        assert int(table[req.table_row, ctx]) == slot
 
 
 def test_bench_kernels_shapes_and_cpu_refusal() -> None:
