@@ -90,6 +90,8 @@ def test_tune_gemms_needs_cuda_graphs() -> None:
         EngineConfig("m", info, device="cpu", tune_gemms=True)
     with pytest.raises(ValueError, match="cuda_graph_max_bs 0"):
         EngineConfig("m", info, device="cuda", cuda_graph_max_bs=0, tune_gemms=True)
+    with pytest.raises(ValueError, match="attention backend 'torch'"):  # no graphs with torch
+        EngineConfig("m", info, device="cuda", attention_backend="torch", tune_gemms=True)
     assert EngineConfig("m", info, device="cuda", tune_gemms=True).tune_gemms
 
 

@@ -44,9 +44,10 @@ class EngineConfig:
     # 24.1, 27.6, 15.6; benchmarks/RESULTS.md).
     allreduce: str = "auto"
     # Time cuBLAS against cuBLASLt for every projection shape at every decode graph size at
-    # start-up and run each GEMM by the faster (layers/blas.py; CUDA graphs needed, so CUDA
-    # only). Off by default: a timed choice can differ between runs, and with it the bf16
-    # rounding.
+    # start-up and run each GEMM by the faster (layers/blas.py; the decode CUDA graphs record
+    # the choice, so CUDA and the Triton backend only). Off by default: it gained 0.3% offline
+    # (RESULTS.md, tenth session), and a timed choice can differ between runs, and with it the
+    # bf16 rounding.
     tune_gemms: bool = False
     dist_init_method: str = "tcp://127.0.0.1:29500"
     dist_timeout_s: float = 60.0
@@ -70,10 +71,14 @@ class EngineConfig:
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0 (0: no graphs), got "
                              f"{self.cuda_graph_max_bs}")
-        if self.tune_gemms and (self.device != "cuda" or self.cuda_graph_max_bs < 1):
+        if self.tune_gemms and (self.device != "cuda" or self.cuda_graph_max_bs < 1
+                                or self.backend_name != "triton"):
+            # Graphs are captured with the Triton backend only (engine/cuda_graph.py).
             raise ValueError(f"tune_gemms tunes the decode CUDA graphs' GEMMs and needs device "
-                             f"'cuda' with cuda_graph_max_bs >= 1 (got device {self.device!r}, "
-                             f"cuda_graph_max_bs {self.cuda_graph_max_bs})")
+                             f"'cuda' with cuda_graph_max_bs >= 1 and the triton attention "
+                             f"backend (got device {self.device!r}, cuda_graph_max_bs "
+                             f"{self.cuda_graph_max_bs}, attention backend "
+                             f"{self.backend_name!r})")
         if self.allreduce == "symm-fused" and not self.fused_ops:
             raise ValueError("allreduce 'symm-fused' fuses the all-reduce into the Triton "
                              "RMSNorm and needs fused_ops; use 'symm' without them")
