@@ -17,13 +17,20 @@ if TYPE_CHECKING:  # messages import this module: the tokenizer and API processe
     import torch
 
 
+# The most alternatives a request may ask log-probabilities for (vLLM's default cap, and
+# OpenAI's top_logprobs bound).
+MAX_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request.
 
     `temperature == 0` (or `top_k == 1`) means greedy. `top_k <= 0` and `top_p == 1` and
     `min_p == 0` disable those filters. `seed` makes random sampling reproducible; without it the
-    request's uid seeds the noise (still identical on every rank).
+    request's uid seeds the noise (still identical on every rank). `logprobs=k` (0 to
+    MAX_LOGPROBS) returns each sampled token's log-probability and those of the k most likely
+    tokens (see TokenLogprobs); None returns none.
     """
 
     max_tokens: int = 16
@@ -34,6 +41,7 @@ class SamplingParams:
     seed: Optional[int] = None
     ignore_eos: bool = False
     stop_token_ids: Tuple[int, ...] = ()
+    logprobs: Optional[int] = None
 
     def validate(self) -> None:
         """Raise ValueError naming the offending value; called at every entry point."""
@@ -55,6 +63,11 @@ class SamplingParams:
         for tok in self.stop_token_ids:
             if not isinstance(tok, int) or tok < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {tok!r}")
+        if self.logprobs is not None and (
+                not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
+                             f"{self.logprobs!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -114,6 +127,18 @@ def request_error(ids: Sequence[int], params: SamplingParams, limits: Limits) ->
         return (f"{n} prompt tokens plus max_tokens {params.max_tokens} needs {pages} KV pages, "
                 f"more than the pool holds ({limits.num_pages})")
     return None
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One sampled token's log-probability and the `top` most likely tokens' (most likely
+    first), under the model's own distribution: log_softmax of the raw logits in float32,
+    before temperature and the top-k / top-p / min-p filters (vLLM's default). Computed by rank
+    0's engine only; it crosses processes inside `message.TokenOut`."""
+
+    logprob: float
+    top_ids: Tuple[int, ...] = ()
+    top_logprobs: Tuple[float, ...] = ()
 
 
 class FinishReason(str, enum.Enum):

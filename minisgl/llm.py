@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import zmq
 from tqdm import tqdm
 
-from minisgl.core import Limits, SamplingParams, request_error
+from minisgl.core import Limits, SamplingParams, TokenLogprobs, request_error
 from minisgl.distributed import DistributedInfo, ProcessGroups
 from minisgl.distributed.comm import Communicator
 from minisgl.engine import Engine, EngineConfig
@@ -47,6 +47,8 @@ class GenerateOutput:
     finish_reason: str
     prompt_tokens: int
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+    # One per token of token_ids where the request's params.logprobs was set, else None.
+    logprobs: Optional[List[TokenLogprobs]] = None
 
 
 class _InProcess:
@@ -284,6 +286,7 @@ class LLM:
         uids = [next(self._uids) for _ in prompts]
         slot = {uid: i for i, uid in enumerate(uids)}
         tokens: List[List[int]] = [[] for _ in prompts]
+        logprobs: List[List[TokenLogprobs]] = [[] for _ in prompts]
         done: List[Optional[TokenOut]] = [None] * len(prompts)
         for uid, ids, p in zip(uids, prompts, params):
             self._backend.submit(UserMsg(uid, ids, p))
@@ -295,6 +298,8 @@ class LLM:
                 i = slot[out.uid]
                 if out.token >= 0:
                     tokens[i].append(out.token)
+                if out.logprobs is not None:
+                    logprobs[i].append(out.logprobs)
                 if out.finish_reason is not None or out.error:
                     done[i] = out
                     left -= 1
@@ -306,6 +311,6 @@ class LLM:
             raise ValueError(f"prompt {errors[0][0]} rejected: {errors[0][1]}")
         decode = (lambda t: "") if self.tokenizer is None else (  # noqa: E731
             lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
-        return [GenerateOutput(decode(t), t,
-                               d.finish_reason or "", d.prompt_tokens, d.cached_tokens)
-                for t, d in zip(tokens, done) if d is not None]
+        return [GenerateOutput(decode(t), t, d.finish_reason or "", d.prompt_tokens,
+                               d.cached_tokens, lp if p.logprobs is not None else None)
+                for t, lp, d, p in zip(tokens, logprobs, done, params) if d is not None]

@@ -6,18 +6,21 @@ from typing import Any, Dict
 
 import pytest
 
-from minisgl.core import SamplingParams
+from minisgl.core import SamplingParams, TokenLogprobs
 from minisgl.message import codec
 from minisgl.message import types as T
 
 PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, seed=3,
-                        ignore_eos=True, stop_token_ids=(5, 6))
+                        ignore_eos=True, stop_token_ids=(5, 6), logprobs=3)
+LOGPROBS = TokenLogprobs(-0.25, (7042, 260), (-0.25, -2.740744113922119))
+LOGPROB_TEXT = T.TokenLogprobText(" Paris", -0.25, (" Paris", " the"),
+                                  (-0.25, -2.740744113922119))
 STATS = T.SchedulerStats(running=2, waiting=3, kv_pages_used=4, kv_pages_total=512,
                          kv_pages_cached=9, prompt_tokens_total=100, generated_tokens_total=50,
                          cached_tokens_total=32, prefilled_tokens_total=68)
 CHUNK = T.ReplyChunk(uid=9, text="héllo 🙂", token_ids=[1, 2, 70000], finish_reason="stop",
                      prompt_tokens=5, completion_tokens=3, cached_tokens=2, error=None,
-                     error_status=400)
+                     error_status=400, logprobs=[LOGPROB_TEXT] * 3)
 
 # One sample per registered type, with non-default values wherever a field has a default.
 SAMPLES: Dict[str, Any] = {
@@ -32,11 +35,13 @@ SAMPLES: Dict[str, Any] = {
     "AbortMsg": [T.AbortMsg(uid=6)],
     "ShutdownMsg": [T.ShutdownMsg()],
     "TokenOut": [T.TokenOut(uid=7, token=42, finish_reason="length", prompt_tokens=3,
-                            cached_tokens=1, error=None),
+                            cached_tokens=1, error=None, logprobs=LOGPROBS),
                  T.TokenOut(uid=8, error="too long")],
     "BatchTokenOut": [T.BatchTokenOut(items=[T.TokenOut(uid=1, token=2)], stats=STATS),
                       T.BatchTokenOut(items=[])],
     "SchedulerStats": [STATS],
+    "TokenLogprobs": [LOGPROBS, TokenLogprobs(-1.5)],
+    "TokenLogprobText": [LOGPROB_TEXT],
     "ReplyChunk": [CHUNK, T.ReplyChunk(uid=10, token_ids=[], error="bad", error_status=404)],
     "SamplingParams": [PARAMS, SamplingParams()],
     "DetokenizeInit": [T.DetokenizeInit(uid=11, prompt_tail=[1, 2, 3], stop=("\n\n", "END"),

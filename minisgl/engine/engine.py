@@ -15,11 +15,11 @@ from typing import List, NamedTuple, Optional
 import torch
 
 from minisgl.attention import AttentionBackend, make_backend
-from minisgl.core import Batch, Phase
+from minisgl.core import Batch, Phase, Req, TokenLogprobs
 from minisgl.distributed import ProcessGroups, min_over_ranks
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.cuda_graph import DecodeGraphs, graph_sizes
-from minisgl.engine.sampler import sample_requests
+from minisgl.engine.sampler import LogprobTensors, sample_requests, token_logprobs
 from minisgl.kvcache import KVPool
 from minisgl.layers import blas
 from minisgl.models import CausalLM, ModelConfig, model_class
@@ -37,6 +37,9 @@ class Launched(NamedTuple):
     sampled: List[int]  # indices of the requests whose token is sampled
     tokens: Optional[torch.Tensor]  # host tensor (pinned on GPU), valid once `done` completes
     done: Optional[torch.cuda.Event]
+    # Host tensors like `tokens`, row j for request sampled[j]: only on the primary rank and
+    # only when a sampled request asked for log-probabilities.
+    logprobs: Optional[LogprobTensors] = None
 
 
 def use_pdl(cfg: EngineConfig, device: torch.device) -> bool:
@@ -52,6 +55,14 @@ def use_pdl(cfg: EngineConfig, device: torch.device) -> bool:
         raise ValueError(f"pdl 'on' needs compute capability 9.0 or newer; {device} "
                          f"({torch.cuda.get_device_name(device)}) has {major}.{minor}")
     return False
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of device tensor `t`, started without waiting (valid once an event
+    recorded after it completes)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 class Engine:
@@ -151,16 +162,27 @@ class Engine:
                                 logit_rows)
         if not sampled:
             return Launched(batch, sampled, None, None)
-        tokens = sample_requests(logits, [batch.reqs[i] for i in sampled], self.cfg.seed,
-                                 self.cfg.fused_ops)
+        reqs = [batch.reqs[i] for i in sampled]
+        tokens = sample_requests(logits, reqs, self.cfg.seed, self.cfg.fused_ops)
         self.last_tokens[rows] = tokens
+        logprobs = self._logprobs(logits, tokens, reqs)
         if self.device.type != "cuda":
-            return Launched(batch, sampled, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+            return Launched(batch, sampled, tokens, None, logprobs)
+        host = _to_pinned(tokens)
+        if logprobs is not None:
+            logprobs = LogprobTensors(*(_to_pinned(t) for t in logprobs))
         done = torch.cuda.Event()
         done.record()
-        return Launched(batch, sampled, host, done)
+        return Launched(batch, sampled, host, done, logprobs)
+
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, reqs: List[Req]
+                  ) -> Optional[LogprobTensors]:
+        """The sampled rows' log-probabilities (up to the largest top-k asked), on the primary
+        rank only (it alone replies), and only if a request asked."""
+        asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
+        if not asked or not self.cfg.tp_info.is_primary:
+            return None
+        return token_logprobs(logits, tokens, max(asked))
 
     @staticmethod
     def collect(launched: Launched) -> List[int]:
@@ -172,6 +194,23 @@ class Engine:
             launched.done.synchronize()
         for i, tok in zip(launched.sampled, launched.tokens.tolist()):
             out[i] = tok
+        return out
+
+    @staticmethod
+    def collect_logprobs(launched: Launched) -> List[Optional[TokenLogprobs]]:
+        """Wait for a launched batch; per request, its token's log-probabilities where it asked
+        for them (`params.logprobs`) and was sampled, else None."""
+        out: List[Optional[TokenLogprobs]] = [None] * launched.batch.size
+        lp = launched.logprobs
+        if lp is None:
+            return out
+        if launched.done is not None:
+            launched.done.synchronize()
+        chosen, ids, values = lp.chosen.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
+        for j, i in enumerate(launched.sampled):
+            k = launched.batch.reqs[i].params.logprobs
+            if k is not None:
+                out[i] = TokenLogprobs(chosen[j], tuple(ids[j][:k]), tuple(values[j][:k]))
         return out
 
     def forward(self, batch: Batch) -> List[int]:

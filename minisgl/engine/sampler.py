@@ -110,6 +110,23 @@ def sample(logits: torch.Tensor, s: SamplingTensors, fused: bool = False) -> tor
     return torch.where(s.greedy, greedy_tokens, sampled)
 
 
+class LogprobTensors(NamedTuple):
+    """Log-probabilities of a batch's sampled rows (see core.TokenLogprobs)."""
+
+    chosen: torch.Tensor  # [B] float32: the sampled token's
+    top_ids: torch.Tensor  # [B, k] int64, most likely first
+    top_logprobs: torch.Tensor  # [B, k] float32
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> LogprobTensors:
+    """The sampled `tokens`' log-probabilities and each row's `k` most likely tokens, from the
+    raw logits [B, vocab] (log_softmax in float32)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, tokens.view(-1, 1)).squeeze(1)
+    top_logprobs, top_ids = lp.topk(k, dim=-1)
+    return LogprobTensors(chosen, top_ids, top_logprobs)
+
+
 def sample_requests(logits: torch.Tensor, reqs: List[Req], engine_seed: int,
                     fused: bool = False) -> torch.Tensor:
     """Tokens for `reqs` (row i of logits is reqs[i], any float dtype). An all-greedy batch is

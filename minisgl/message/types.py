@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from minisgl.core import SamplingParams
+from minisgl.core import SamplingParams, TokenLogprobs
 
 
 # --- API server -> tokenizer -------------------------------------------------------------------
@@ -68,6 +68,7 @@ class TokenOut:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: Optional[str] = None
+    logprobs: Optional[TokenLogprobs] = None  # when the request asked (params.logprobs)
 
 
 @dataclass(frozen=True)
@@ -102,8 +103,20 @@ class BatchTokenOut:
 
 # --- tokenizer / detokenizer -> API server --------------------------------------------------------
 @dataclass(frozen=True)
+class TokenLogprobText:
+    """A `TokenLogprobs` with each token rendered as text by the detokenizer (the token on its
+    own, decoded alone; "token_id:N" for a model without a tokenizer)."""
+
+    token: str
+    logprob: float
+    top_tokens: Tuple[str, ...] = ()
+    top_logprobs: Tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
 class ReplyChunk:
-    """Incremental output of one request; `text` is the new text since the previous chunk."""
+    """Incremental output of one request; `text` is the new text since the previous chunk.
+    `logprobs`, where the request asked for them, has one entry per id in `token_ids`."""
 
     uid: int
     text: str = ""
@@ -114,6 +127,7 @@ class ReplyChunk:
     cached_tokens: int = 0
     error: Optional[str] = None
     error_status: int = 400
+    logprobs: List[TokenLogprobText] = field(default_factory=list)
 
 
 # --- server-side additions (issue 4) --------------------------------------------------------------

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, FrozenSet, List, NamedTuple, Optional
+from typing import Dict, FrozenSet, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch.distributed import ProcessGroup
 
-from minisgl.core import Batch, FinishReason, Limits, Phase, Req, request_error
+from minisgl.core import Batch, FinishReason, Limits, Phase, Req, TokenLogprobs, request_error
 from minisgl.distributed import check_same_across_ranks, min_over_ranks
 from minisgl.engine import Engine
 from minisgl.engine.engine import Launched
@@ -125,6 +125,7 @@ class Scheduler:
         ready, self.deferred = self.deferred, []  # waited for exactly this batch
         waited = time.perf_counter()
         tokens = self.engine.collect(launched)
+        logprobs = self.engine.collect_logprobs(launched)
         now = time.perf_counter()
         self.wait_s += now - waited
         self.steps[batch.phase] += 1
@@ -134,7 +135,7 @@ class Scheduler:
             uids = [r.uid for r in batch.reqs]
             slots = batch.out_slots.tolist() if batch.out_slots is not None else []
             check_same_across_ranks(uids + slots + tokens, self.cpu_group, "batch and tokens")
-        outs = self.process(batch, tokens)
+        outs = self.process(batch, tokens, logprobs)
         for req in ready:
             self._retire(req, admitted=True)
         self.io.send(outs, self.stats())  # after the retires: the stats see the freed pages
@@ -262,9 +263,13 @@ class Scheduler:
         packed = rows_to_device([cols, slots], torch.int32, self.engine.device)
         self.engine.page_table[req.table_row, packed[0]] = packed[1]
 
-    def process(self, batch: Batch, tokens: List[int]) -> List[TokenOut]:
+    def process(self, batch: Batch, tokens: List[int],
+                logprobs: Sequence[Optional[TokenLogprobs]]) -> List[TokenOut]:
+        """Record the batch's tokens (`logprobs`: per request, from Engine.collect_logprobs) and
+        return what goes out."""
         out: List[TokenOut] = []
-        for req, ext, sample, tok in zip(batch.reqs, batch.extend_lens, batch.sample, tokens):
+        for req, ext, sample, tok, lp in zip(batch.reqs, batch.extend_lens, batch.sample, tokens,
+                                             logprobs):
             if req.finish_reason is not None:
                 continue  # finished or aborted while this batch was in flight
             if batch.phase is Phase.PREFILL:
@@ -277,7 +282,7 @@ class Scheduler:
             reason = req.append_token(tok)
             self.totals["generated"] += 1
             out.append(TokenOut(req.uid, tok, reason.value if reason else None, req.prompt_len,
-                                req.prefix_hit))
+                                req.prefix_hit, logprobs=lp))
             if reason is not None:
                 logger.debug("rank %d: request %d finished (%s, %d tokens, %d cached)", self.rank,
                              req.uid, reason.value, req.output_len, req.prefix_hit)

@@ -111,7 +111,7 @@ async def _events(stream: RequestStream, fmt: Formatter, choices: List[Choice],
         chunk = buffered.pop(0) if buffered else await stream.queue.get()
         i = stream.index[chunk.uid]
         choices[i].add(chunk)
-        for line in fmt.delta(i, chunk):
+        for line in fmt.delta(i, chunk, choices[i]):
             yield line
     for line in fmt.closing(choices):
         yield line

@@ -3,7 +3,7 @@
 Every invalid request raises `ApiError` with an HTTP status and an OpenAI-style error body
 (`{"error": {"message", "type", "param", "code"}}`); nothing here touches the request streams.
 Unknown OpenAI fields (user, presence_penalty, ...) are accepted and ignored; features this server
-does not implement (logprobs, echo) are rejected rather than silently dropped.
+does not implement (echo, prompt log-probabilities) are rejected rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Un
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from minisgl.core import SamplingParams
+from minisgl.core import MAX_LOGPROBS, SamplingParams
 from minisgl.message.types import MAX_TOKENS_AUTO
 
 _INT64 = 2 ** 63
@@ -80,6 +80,7 @@ class ChatMessage(_Body):
 
 class ChatRequest(_OpenAI):
     messages: List[ChatMessage]
+    top_logprobs: Optional[int] = None
 
 
 class CompletionRequest(_OpenAI):
@@ -168,7 +169,8 @@ def _check_ids(name: str, ids: Sequence[int]) -> None:
         _check_int(name, t, _INT32)
 
 
-def _sampling(body: _Sampling, max_tokens: Optional[int]) -> SamplingParams:
+def _sampling(body: _Sampling, max_tokens: Optional[int], logprobs: Optional[int] = None
+              ) -> SamplingParams:
     for name in ("top_k", "seed"):
         _check_int(name, getattr(body, name))
     _check_int("max_tokens", max_tokens, _INT32)
@@ -180,7 +182,7 @@ def _sampling(body: _Sampling, max_tokens: Optional[int]) -> SamplingParams:
         top_k=-1 if body.top_k is None else body.top_k,
         min_p=0.0 if body.min_p is None else body.min_p,
         seed=body.seed, ignore_eos=body.ignore_eos,
-        stop_token_ids=tuple(body.stop_token_ids or ()))
+        stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs)
     try:
         params.validate()
     except ValueError as e:
@@ -190,7 +192,31 @@ def _sampling(body: _Sampling, max_tokens: Optional[int]) -> SamplingParams:
     return params
 
 
+def _logprobs(body: _OpenAI) -> Optional[int]:
+    """How many most likely tokens a request wants log-probabilities of (0: the sampled
+    token's only), or None for none. Chat: `logprobs` true with `top_logprobs`; completions:
+    `logprobs` as that count (OpenAI's two forms)."""
+    if isinstance(body, ChatRequest):
+        if body.logprobs is not None and not isinstance(body.logprobs, bool):
+            raise ApiError(400, f"logprobs: a chat request takes true or false, got "
+                                f"{body.logprobs}", "logprobs")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        k, name = (body.top_logprobs or 0) if body.logprobs else None, "top_logprobs"
+    else:
+        if isinstance(body.logprobs, bool):
+            raise ApiError(400, f"logprobs: a completion request takes the number of most likely "
+                                f"tokens to return (0 to {MAX_LOGPROBS}), got "
+                                f"{json.dumps(body.logprobs)}",
+                           "logprobs")
+        k, name = body.logprobs, "logprobs"
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise ApiError(400, f"{name} must be between 0 and {MAX_LOGPROBS}, got {k}", name)
+    return k
+
+
 def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: int) -> Job:
+    logprobs = None
     if isinstance(body, GenerateRequest):
         sampling, n, stream, include_usage = body.sampling_params, 1, body.stream, False
         max_tokens = sampling.max_tokens
@@ -199,12 +225,11 @@ def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: in
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
-        if body.logprobs:
-            raise ApiError(400, "logprobs are not supported by this server", "logprobs")
+        logprobs = _logprobs(body)
         if not 1 <= n <= max_n:
             raise ApiError(400, f"n must be between 1 and {max_n}, got {n}", "n")
-    return Job(prompts, _sampling(sampling, max_tokens), n, _stop_strings(sampling.stop),
-               sampling.skip_special_tokens, stream, include_usage)
+    return Job(prompts, _sampling(sampling, max_tokens, logprobs), n,
+               _stop_strings(sampling.stop), sampling.skip_special_tokens, stream, include_usage)
 
 
 def _message_text(i: int, msg: ChatMessage) -> str:

@@ -9,12 +9,12 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional
+from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Sequence
 
 import anyio
 from fastapi.responses import StreamingResponse
 
-from minisgl.message.types import ReplyChunk
+from minisgl.message.types import ReplyChunk, TokenLogprobText
 from minisgl.server.protocol import Job
 
 
@@ -28,10 +28,14 @@ class Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: List[TokenLogprobText] = field(default_factory=list)
+    logprob_chars: int = 0  # length of the logprobs' token texts: the next text_offset
 
     def add(self, chunk: ReplyChunk) -> None:
         self.text.append(chunk.text)
         self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
+        self.logprob_chars += sum(len(e.token) for e in chunk.logprobs)
         self.finish_reason = chunk.finish_reason or self.finish_reason
         self.prompt_tokens = max(self.prompt_tokens, chunk.prompt_tokens)
         self.completion_tokens = max(self.completion_tokens, chunk.completion_tokens)
@@ -46,6 +50,32 @@ def usage(choices: List[Choice], n: int) -> Dict[str, Any]:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in firsts)}}
+
+
+def completion_logprobs(entries: Sequence[TokenLogprobText], offset: int) -> Dict[str, Any]:
+    """The legacy completions `logprobs` object. `text_offset` counts the token texts from
+    `offset` (each token's text taken on its own, as `tokens` lists them); each
+    `top_logprobs` map holds the most likely tokens and the sampled one."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {"tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{**dict(zip(e.top_tokens, e.top_logprobs)), e.token: e.logprob}
+                             for e in entries],
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprobText]) -> Dict[str, Any]:
+    """The chat `logprobs` object: per token, its text, UTF-8 bytes, log-probability and the
+    most likely alternatives."""
+    def item(token: str, logprob: float) -> Dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+    return {"content": [{**item(e.token, e.logprob),
+                         "top_logprobs": [item(t, v) for t, v in zip(e.top_tokens,
+                                                                      e.top_logprobs)]}
+                        for e in entries]}
 
 
 def sse(obj: Any) -> str:
@@ -81,8 +111,9 @@ class SSEResponse(StreamingResponse):
 
 class Formatter(ABC):
     """Builds one endpoint's response objects: `full` for a plain response; for a streamed one,
-    `opening` lines per choice, `delta` lines per chunk, then `closing` lines. One subclass per
-    endpoint; `id` and `created` are fixed per request."""
+    `opening` lines per choice, `delta` lines per chunk (given the choice with that chunk
+    added), then `closing` lines. One subclass per endpoint; `id` and `created` are fixed per
+    request."""
 
     id_prefix = ""
 
@@ -98,7 +129,7 @@ class Formatter(ABC):
         return iter(())
 
     @abstractmethod
-    def delta(self, index: int, chunk: ReplyChunk) -> Iterator[str]: ...
+    def delta(self, index: int, chunk: ReplyChunk, choice: Choice) -> Iterator[str]: ...
 
     @abstractmethod
     def closing(self, choices: List[Choice]) -> Iterator[str]: ...
@@ -114,7 +145,7 @@ class GenerateFormatter(Formatter):
         return {"id": self.id, "text": "".join(c.text), "token_ids": c.token_ids,
                 "finish_reason": c.finish_reason, "usage": usage(choices, self.job.n)}
 
-    def delta(self, index: int, chunk: ReplyChunk) -> Iterator[str]:
+    def delta(self, index: int, chunk: ReplyChunk, choice: Choice) -> Iterator[str]:
         yield sse({"id": self.id, "text": chunk.text, "token_ids": list(chunk.token_ids),
                    "finish_reason": chunk.finish_reason})
 
@@ -123,11 +154,16 @@ class GenerateFormatter(Formatter):
 
 
 class _OpenAIFormatter(Formatter):
-    """OpenAI envelopes around per-choice items; a chunk's text and its finish reason go out as
-    separate chunks; usage closes the stream when asked for."""
+    """OpenAI envelopes around per-choice items; a chunk's text (with its tokens' logprobs, when
+    asked for) and its finish reason go out as separate chunks; usage closes the stream when
+    asked for."""
 
     full_object = ""
     chunk_object = ""
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.job.params.logprobs is not None
 
     def _envelope(self, obj: str, choices: List[Any]) -> Dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -137,17 +173,29 @@ class _OpenAIFormatter(Formatter):
     def _item(self, index: int, choice: Choice) -> Dict[str, Any]: ...
 
     @abstractmethod
-    def _chunk_item(self, index: int, text: Optional[str], reason: Optional[str]
-                    ) -> Dict[str, Any]: ...
+    def _chunk_item(self, index: int, text: Optional[str], reason: Optional[str],
+                    logprobs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]: ...
+
+    @abstractmethod
+    def _logprobs(self, entries: Sequence[TokenLogprobText], offset: int) -> Dict[str, Any]: ...
+
+    def _choice_logprobs(self, choice: Choice) -> Optional[Dict[str, Any]]:
+        return self._logprobs(choice.logprobs, 0) if self.wants_logprobs else None
 
     def full(self, choices: List[Choice]) -> Dict[str, Any]:
         items = [self._item(i, c) for i, c in enumerate(choices)]
         return {**self._envelope(self.full_object, items), "usage": usage(choices, self.job.n)}
 
-    def delta(self, index: int, chunk: ReplyChunk) -> Iterator[str]:
-        if chunk.text:
+    def delta(self, index: int, chunk: ReplyChunk, choice: Choice) -> Iterator[str]:
+        # A token whose text is held back (an incomplete character, a possible stop string)
+        # still sends its logprobs.
+        logprobs = None
+        if self.wants_logprobs and chunk.logprobs:
+            start = choice.logprob_chars - sum(len(e.token) for e in chunk.logprobs)
+            logprobs = self._logprobs(chunk.logprobs, start)
+        if chunk.text or logprobs is not None:
             yield sse(self._envelope(self.chunk_object,
-                                     [self._chunk_item(index, chunk.text, None)]))
+                                     [self._chunk_item(index, chunk.text, None, logprobs)]))
         if chunk.finish_reason is not None:
             yield sse(self._envelope(self.chunk_object,
                                      [self._chunk_item(index, None, chunk.finish_reason)]))
@@ -164,29 +212,35 @@ class ChatFormatter(_OpenAIFormatter):
     full_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
+    def _logprobs(self, entries: Sequence[TokenLogprobText], offset: int) -> Dict[str, Any]:
+        return chat_logprobs(entries)
+
     def _item(self, index: int, choice: Choice) -> Dict[str, Any]:
         return {"index": index, "message": {"role": "assistant", "content": "".join(choice.text)},
-                "logprobs": None, "finish_reason": choice.finish_reason}
+                "logprobs": self._choice_logprobs(choice), "finish_reason": choice.finish_reason}
 
     def opening(self, index: int) -> Iterator[str]:
         yield sse(self._envelope(self.chunk_object, [{
             "index": index, "delta": {"role": "assistant", "content": ""},
             "logprobs": None, "finish_reason": None}]))
 
-    def _chunk_item(self, index: int, text: Optional[str], reason: Optional[str]
-                    ) -> Dict[str, Any]:
+    def _chunk_item(self, index: int, text: Optional[str], reason: Optional[str],
+                    logprobs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         delta = {} if text is None else {"content": text}
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
 
 class CompletionFormatter(_OpenAIFormatter):
     id_prefix = "cmpl"
     full_object = chunk_object = "text_completion"
 
-    def _item(self, index: int, choice: Choice) -> Dict[str, Any]:
-        return {"index": index, "text": "".join(choice.text), "logprobs": None,
-                "finish_reason": choice.finish_reason}
+    def _logprobs(self, entries: Sequence[TokenLogprobText], offset: int) -> Dict[str, Any]:
+        return completion_logprobs(entries, offset)
 
-    def _chunk_item(self, index: int, text: Optional[str], reason: Optional[str]
-                    ) -> Dict[str, Any]:
-        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+    def _item(self, index: int, choice: Choice) -> Dict[str, Any]:
+        return {"index": index, "text": "".join(choice.text),
+                "logprobs": self._choice_logprobs(choice), "finish_reason": choice.finish_reason}
+
+    def _chunk_item(self, index: int, text: Optional[str], reason: Optional[str],
+                    logprobs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}

@@ -19,11 +19,11 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import zmq
 
-from minisgl.core import FinishReason
+from minisgl.core import FinishReason, TokenLogprobs
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.startup import report_startup
 from minisgl.message.types import (AbortMsg, BatchTokenOut, DetokenizeInit, ReplyBatch,
-                                   ReplyChunk, TokenOut)
+                                   ReplyChunk, TokenLogprobText, TokenOut)
 from minisgl.tokenizer.incremental import IncrementalDecoder, StopMatcher
 from minisgl.tokenizer.text import load_tokenizer
 
@@ -59,6 +59,7 @@ class Detokenizer:
     tokenizer: Optional[Any]  # None: a model without a tokenizer (token ids only, no text)
     requests: Dict[int, _Request] = field(default_factory=dict)
     pending: Dict[int, List[TokenOut]] = field(default_factory=dict)
+    token_texts: Dict[int, str] = field(default_factory=dict)  # at most one per vocabulary id
 
     def init(self, msg: DetokenizeInit) -> Rendered:
         self.requests[msg.uid] = _Request(
@@ -91,10 +92,12 @@ class Detokenizer:
         if req.stopped:
             return None, False
         req.cached_tokens = max(req.cached_tokens, out.cached_tokens)
-        text, ids = "", []
+        text, ids, logprobs = "", [], []
         if out.token >= 0:
             req.completion_tokens += 1
             ids = [out.token]
+            if out.logprobs is not None:
+                logprobs = [self._logprob_text(out.token, out.logprobs)]
             if out.finish_reason != FinishReason.STOP.value:  # a stop token is not rendered
                 text = req.decoder.push(out.token)
         if out.finish_reason is not None:
@@ -106,8 +109,21 @@ class Detokenizer:
         elif reason is not None:
             text += req.matcher.flush()
         chunk = ReplyChunk(out.uid, text, ids, reason, out.prompt_tokens, req.completion_tokens,
-                           req.cached_tokens)
+                           req.cached_tokens, logprobs=logprobs)
         return chunk, stopped and out.finish_reason is None
+
+    def _logprob_text(self, token: int, lp: TokenLogprobs) -> TokenLogprobText:
+        return TokenLogprobText(self._token_text(token), lp.logprob,
+                                tuple(self._token_text(t) for t in lp.top_ids), lp.top_logprobs)
+
+    def _token_text(self, token: int) -> str:
+        """One token decoded on its own, special tokens included (cached)."""
+        text = self.token_texts.get(token)
+        if text is None:
+            text = (f"token_id:{token}" if self.tokenizer is None else
+                    self.tokenizer.decode([token], skip_special_tokens=False))
+            self.token_texts[token] = text
+        return text
 
 
 def run_detokenizer(cfg: DetokenizerConfig, conn: Any) -> None:
