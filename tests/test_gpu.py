@@ -37,6 +37,23 @@ def test_gpu_float32_matches_cpu(tiny_qwen3: Path, backend: str) -> None:
     assert _run(tiny_qwen3, device="cuda", dtype="float32", attention_backend=backend) == cpu
 
 
+def test_gpu_logprobs_match_cpu(tiny_qwen3: Path) -> None:
+    """Log-probabilities on CUDA (decode graphs replayed, fused ops, float32) equal the CPU's:
+    the graphs' logits feed them as the eager path's do."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=4)
+
+    def run(**kw: object) -> list:
+        with LLM(str(tiny_qwen3), show_progress=False, dtype="float32",  # type: ignore[arg-type]
+                 **kw) as llm:
+            return llm.generate(mixed_prompts(8, seed=6), params)
+    gpu, cpu = run(device="cuda"), run(device="cpu")
+    for g, c in zip(gpu, cpu):
+        assert g.token_ids == c.token_ids
+        assert [lp.top_ids for lp in g.logprobs] == [lp.top_ids for lp in c.logprobs]
+        assert [lp.logprob for lp in g.logprobs] == pytest.approx(
+            [lp.logprob for lp in c.logprobs], abs=1e-3)
+
+
 @pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_gpu_tp2_matches_tp1(tiny_qwen3: Path, backend: str) -> None:

@@ -97,6 +97,52 @@ def test_completions_match_offline_llm(client: openai.OpenAI, model: str, llm: L
     assert "".join(c.choices[0].text for c in stream) == refs[0].text
 
 
+def test_logprobs_match_offline_llm(client: openai.OpenAI, model: str, llm: LLM) -> None:
+    """Chat (logprobs + top_logprobs) and completions (logprobs=k), plain and streamed, carry
+    the offline API's log-probabilities token for token (to float32 noise: a prefix-cache hit
+    changes the summation order)."""
+    close = lambda values: pytest.approx(values, abs=1e-4)  # noqa: E731
+    ref = llm.chat(PARIS, SamplingParams(temperature=0, max_tokens=8, logprobs=3))[0]
+    assert ref.logprobs is not None and len(ref.logprobs) == len(ref.token_ids)
+    resp = client.chat.completions.create(model=model, messages=PARIS, temperature=0,
+                                          max_tokens=8, logprobs=True, top_logprobs=3)
+    content = resp.choices[0].logprobs.content
+    assert [c.logprob for c in content] == close([r.logprob for r in ref.logprobs])
+    tokens = [c.token for c in content]
+    if resp.choices[0].finish_reason == "stop":  # the EOS token has an entry, not text
+        assert tokens.pop() == "<|im_end|>"
+    assert "".join(tokens) == resp.choices[0].message.content
+    for c, r in zip(content, ref.logprobs):
+        assert bytes(c.bytes) == c.token.encode()
+        assert [t.logprob for t in c.top_logprobs] == close(list(r.top_logprobs))
+        assert c.top_logprobs[0].token == c.token  # greedy: the sampled token is the top one
+
+    stream = client.chat.completions.create(model=model, messages=PARIS, temperature=0,
+                                            max_tokens=8, logprobs=True, stream=True)
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [e.logprob for e in streamed] == close([r.logprob for r in ref.logprobs])
+    assert all(e.top_logprobs == [] for e in streamed)  # top_logprobs 0 by default
+
+    prompt = "The capital of France is"
+    ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, logprobs=2))[0]
+    comp = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=6,
+                                     logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert "".join(lp.tokens) == comp.choices[0].text == ref.text
+    assert lp.token_logprobs == close([r.logprob for r in ref.logprobs])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(len(top) == 2 and top[tok] == close(v)
+               for top, tok, v in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs))
+    chunks = list(client.completions.create(model=model, prompt=prompt, temperature=0,
+                                            max_tokens=6, logprobs=2, stream=True))
+    offsets = [o for c in chunks if c.choices[0].logprobs
+               for o in c.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
 def test_generate_stream_returns_token_ids(server: Server, llm: LLM) -> None:
     ref = llm.generate("Hello, my name is", SamplingParams(temperature=0, max_tokens=6))[0]
     body = {"text": "Hello, my name is", "stream": True,

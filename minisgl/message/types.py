@@ -116,7 +116,8 @@ class TokenLogprobText:
 @dataclass(frozen=True)
 class ReplyChunk:
     """Incremental output of one request; `text` is the new text since the previous chunk.
-    `logprobs`, where the request asked for them, has one entry per id in `token_ids`."""
+    `logprobs`, where the request asked for them, has one entry per id in `token_ids` (a stop
+    token's too, though its text is not rendered)."""
 
     uid: int
     text: str = ""

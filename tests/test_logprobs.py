@@ -1,0 +1,79 @@
+"""Log-probabilities (SamplingParams.logprobs) equal Hugging Face's log_softmax of its logits
+(float32, CPU): for greedy and sampled requests, mixed in batches with requests that ask for
+none, through chunked prefill and overlap scheduling; the detokenizer renders their tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from hf_reference import hf_logprobs, mixed_prompts
+from minisgl import LLM, SamplingParams
+from minisgl.core import TokenLogprobs
+from minisgl.message.types import DetokenizeInit, TokenOut
+from minisgl.tokenizer.detokenize_worker import Detokenizer
+
+TOL = 1e-4
+
+
+@pytest.mark.parametrize("overlap,chunk", [(False, 8192), (True, 16)])
+def test_logprobs_equal_hf(tiny_model: Callable[..., Path], overlap: bool, chunk: int) -> None:
+    path = tiny_model("llama")
+    prompts = mixed_prompts(6, seed=3)
+    # Greedy with 5 alternatives, sampled (raw logprobs: before temperature) with none, and
+    # requests asking for nothing, in the same batches.
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True, logprobs=0),
+              SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 2
+    with LLM(str(path), page_size=4, max_prefill_tokens=chunk, overlap=overlap,
+             max_kv_tokens=4096, show_progress=False) as llm:
+        outs = llm.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, outs):
+        if p.logprobs is None:
+            assert out.logprobs is None
+            continue
+        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == 12
+        ref = hf_logprobs(path, prompt, out.token_ids)
+        chosen = ref.gather(1, torch.tensor(out.token_ids).view(-1, 1)).squeeze(1)
+        assert [lp.logprob for lp in out.logprobs] == pytest.approx(chosen.tolist(), abs=TOL)
+        top_values, top_ids = ref.topk(p.logprobs, dim=-1)
+        for lp, ids, values in zip(out.logprobs, top_ids.tolist(), top_values.tolist()):
+            assert list(lp.top_ids) == ids
+            assert list(lp.top_logprobs) == pytest.approx(values, abs=TOL)
+        if p.is_greedy:  # the sampled token is the most likely one
+            assert all(lp.top_ids[0] == t for lp, t in zip(out.logprobs, out.token_ids))
+
+
+def test_bad_logprobs_are_refused_with_the_numbers(tiny_model: Callable[..., Path]) -> None:
+    with LLM(str(tiny_model("llama")), max_kv_tokens=1024, show_progress=False) as llm:
+        for bad in (21, -1, True, 2.0):
+            with pytest.raises(ValueError, match=r"logprobs must be an integer in \[0, 20\]"):
+                llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=bad))  # type: ignore[arg-type]
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=20))[0]
+        assert out.logprobs is not None and all(len(lp.top_ids) == 20 for lp in out.logprobs)
+
+
+def test_detokenizer_renders_logprob_tokens(default_model_dir: Path) -> None:
+    from minisgl.tokenizer.text import load_tokenizer
+    tok = load_tokenizer(default_model_dir)
+    paris, the = tok.encode(" Paris", add_special_tokens=False)[0], tok.encode(
+        " the", add_special_tokens=False)[0]
+    det = Detokenizer(tok)
+    det.init(DetokenizeInit(uid=1, prompt_tail=[]))
+    lp = TokenLogprobs(-0.25, (paris, the), (-0.25, -2.5))
+    first, second = det.render([TokenOut(1, paris, logprobs=lp), TokenOut(1, the)]).chunks
+    assert first.token_ids == [paris] and first.text == " Paris"
+    assert second.logprobs == []  # that token came without logprobs
+    (entry,) = first.logprobs
+    assert (entry.token, entry.logprob) == (" Paris", -0.25)
+    assert entry.top_tokens == (" Paris", " the") and entry.top_logprobs == (-0.25, -2.5)
+
+    bare = Detokenizer(None)  # a model without tokenizer files: ids as names
+    bare.init(DetokenizeInit(uid=2, prompt_tail=[]))
+    (chunk,) = bare.render([TokenOut(2, 9, finish_reason="length",
+                                     logprobs=TokenLogprobs(-1.0, (9,), (-1.0,)))]).chunks
+    assert chunk.logprobs[0].token == "token_id:9" and chunk.logprobs[0].top_tokens == (
+        "token_id:9",)
