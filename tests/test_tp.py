@@ -48,6 +48,24 @@ def test_tp_overlap_scheduling_matches_hf(tiny_model: Callable[..., Path]) -> No
     assert _generate(path, 2, prompts, stops, overlap=True) == hf_greedy(path, prompts, 12)
 
 
+def test_tp_logprobs_come_from_rank0_and_match_tp1(tiny_model: Callable[..., Path]) -> None:
+    """Rank 0 alone computes log-probabilities; they reach LLM.generate through the ZMQ reply
+    path and equal tp=1's (to float32 noise: the two ranks' partial sums round differently)."""
+    path = tiny_model("qwen3")
+    prompts = mixed_prompts(4, seed=9, lengths=(2, 9, 40, 75))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    outs = []
+    for tp in (1, 2):
+        with LLM(str(path), tp=tp, page_size=4, max_kv_tokens=4096, show_progress=False,
+                 overlap=True) as llm:
+            outs.append(llm.generate(prompts, params))
+    for one, two in zip(*outs):
+        assert one.token_ids == two.token_ids
+        assert [lp.top_ids for lp in one.logprobs] == [lp.top_ids for lp in two.logprobs]
+        assert [lp.logprob for lp in two.logprobs] == pytest.approx(
+            [lp.logprob for lp in one.logprobs], abs=1e-4)
+
+
 def test_tp_seeded_sampling_ranks_agree(tiny_model: Callable[..., Path]) -> None:
     """check_lockstep makes every rank compare its batch uids, KV slots and sampled tokens each
     step; a divergence would raise on the ranks and end generate() with an error."""
