@@ -30,7 +30,9 @@ class SamplingParams:
     `min_p == 0` disable those filters. `seed` makes random sampling reproducible; without it the
     request's uid seeds the noise (still identical on every rank). `logprobs=k` (0 to
     MAX_LOGPROBS) returns each sampled token's log-probability and those of the k most likely
-    tokens (see TokenLogprobs); None returns none.
+    tokens (see TokenLogprobs); None returns none. The penalties (engine/penalties.py) push the
+    logits away from tokens already seen: `repetition_penalty` > 0 (1: off) over prompt and
+    output, `frequency_penalty` and `presence_penalty` in [-2, 2] (0: off) over the output.
     """
 
     max_tokens: int = 16
@@ -42,6 +44,9 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: Tuple[int, ...] = ()
     logprobs: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def validate(self) -> None:
         """Raise ValueError naming the offending value; called at every entry point."""
@@ -68,10 +73,27 @@ class SamplingParams:
                 or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
                              f"{self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not (
+                0.0 < self.repetition_penalty < math.inf):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got "
+                             f"{self.repetition_penalty!r}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 class Limits(NamedTuple):

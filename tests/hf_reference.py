@@ -18,17 +18,39 @@ def _hf_model(model_dir: Path) -> object:
     return _MODELS[key]
 
 
-def hf_greedy(model_dir: Path, prompts: List[List[int]], new_tokens: int) -> List[List[int]]:
-    """`new_tokens` greedy tokens per prompt, EOS ignored (one prompt at a time: no padding)."""
+def hf_greedy(model_dir: Path, prompts: List[List[int]], new_tokens: int,
+              repetition_penalty: float = 1.0, frequency_penalty: float = 0.0,
+              presence_penalty: float = 0.0) -> List[List[int]]:
+    """`new_tokens` greedy tokens per prompt, EOS ignored (one prompt at a time: no padding).
+    The penalties: HF's own repetition processor, then `OutputPenalties` (HF has no frequency
+    or presence penalty of its own)."""
+    from transformers import LogitsProcessorList
     model = _hf_model(model_dir)
     out = []
     with torch.no_grad():
         for ids in prompts:
+            extra = LogitsProcessorList()
+            if frequency_penalty or presence_penalty:
+                extra.append(OutputPenalties(len(ids), frequency_penalty, presence_penalty))
             gen = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens,  # type: ignore
                                  min_new_tokens=new_tokens, do_sample=False, top_k=None,
-                                 top_p=None, temperature=None)
+                                 top_p=None, temperature=None,
+                                 repetition_penalty=repetition_penalty, logits_processor=extra)
             out.append(gen[0, len(ids):].tolist())
     return out
+
+
+class OutputPenalties:
+    """An HF logits processor: OpenAI's frequency and presence penalties over the tokens
+    generated after the first `prompt_len`."""
+
+    def __init__(self, prompt_len: int, frequency: float, presence: float) -> None:
+        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = input_ids[:, self.prompt_len:]
+        counts = torch.zeros_like(scores).scatter_add_(1, out, torch.ones_like(out, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
 
 
 def hf_logprobs(model_dir: Path, prompt: List[int], output: List[int]) -> torch.Tensor:

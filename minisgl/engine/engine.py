@@ -19,6 +19,7 @@ from minisgl.core import Batch, Phase, Req, TokenLogprobs
 from minisgl.distributed import ProcessGroups, min_over_ranks
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.cuda_graph import DecodeGraphs, graph_sizes
+from minisgl.engine.penalties import Penalties
 from minisgl.engine.sampler import LogprobTensors, sample_requests, token_logprobs
 from minisgl.kvcache import KVPool
 from minisgl.layers import blas
@@ -86,6 +87,8 @@ class Engine:
         # The newest sampled token of each row: decode inputs, readable before the host has it.
         self.last_tokens = torch.zeros(cfg.max_running_requests + 1, dtype=torch.int64,
                                        device=self.device)
+        self.penalties = Penalties(cfg.max_running_requests + 1, self.model_cfg.vocab_size,
+                                   self.device)
         self.backend: AttentionBackend = make_backend(
             cfg.backend_name, pool=self.pool, page_table=self.page_table, num_heads=local_heads,
             num_kv_heads=local_kv_heads, head_dim=self.model_cfg.head_dim,
@@ -163,8 +166,11 @@ class Engine:
         if not sampled:
             return Launched(batch, sampled, None, None)
         reqs = [batch.reqs[i] for i in sampled]
-        tokens = sample_requests(logits, reqs, self.cfg.seed, self.cfg.fused_ops)
+        rows = rows.long()
+        tokens = sample_requests(self.penalties.apply(logits, rows, reqs), reqs, self.cfg.seed,
+                                 self.cfg.fused_ops)
         self.last_tokens[rows] = tokens
+        self.penalties.record(rows, tokens, reqs)
         logprobs = self._logprobs(logits, tokens, reqs)
         if self.device.type != "cuda":
             return Launched(batch, sampled, tokens, None, logprobs)
@@ -183,6 +189,13 @@ class Engine:
         if not asked or not self.cfg.tp_info.is_primary:
             return None
         return token_logprobs(logits, tokens, max(asked))
+
+    def start_request(self, req: Req) -> None:
+        """The scheduler admitted `req` into page-table row `req.table_row` (before any batch
+        of it launches): set up its per-row sampling state (the penalties' token counts)."""
+        if req.params.has_penalties:
+            self.penalties.start(req.table_row, req.token_ids[:req.prompt_len],
+                                 req.token_ids[req.prompt_len:])
 
     @staticmethod
     def collect(launched: Launched) -> List[int]:

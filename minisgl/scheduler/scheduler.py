@@ -192,8 +192,7 @@ class Scheduler:
     # --- batches -------------------------------------------------------------------------------
     def schedule(self) -> Optional[Batch]:
         """Prefill first (new requests get their first token soon), else decode everyone."""
-        batch = self.prefill.schedule(
-            lambda req: self._rewrite_pages(req, list(range(req.num_prefix_pages))))
+        batch = self.prefill.schedule(self._admitted)
         if batch is None:
             self._make_room()
             batch = self.decode.schedule()
@@ -203,6 +202,12 @@ class Scheduler:
                 self.cache.grow(req, req.device_len)
         self._write_slots(batch)
         return batch
+
+    def _admitted(self, req: Req) -> None:
+        """A request just got its page-table row: map its cached prefix there, and let the
+        engine set up the row's sampling state."""
+        self._rewrite_pages(req, list(range(req.num_prefix_pages)))
+        self.engine.start_request(req)
 
     def _make_room(self) -> None:
         """Before a decode step: when the running requests' pages beyond their reservations do

@@ -1,0 +1,81 @@
+"""Repetition, frequency and presence penalties give Hugging Face's greedy tokens (float32, CPU)
+with the same penalties: HF's repetition processor, and an independent frequency / presence
+processor (tests/hf_reference.py); also mixed with unpenalized requests, through chunked prefill,
+overlap scheduling, prefix-cache hits and retraction."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Dict
+
+import pytest
+
+from hf_reference import hf_greedy, mixed_prompts
+from minisgl import LLM, SamplingParams
+
+PENALTIES = [
+    {"repetition_penalty": 1.3},
+    {"repetition_penalty": 0.8},  # below 1: rewards repeats
+    {"frequency_penalty": 1.5},
+    {"presence_penalty": -1.0, "frequency_penalty": 0.5},
+    {"repetition_penalty": 1.2, "frequency_penalty": 0.7, "presence_penalty": 0.4},
+]
+
+
+def _params(penalty: Dict[str, float]) -> SamplingParams:
+    return SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, **penalty)
+
+
+@pytest.mark.parametrize("penalty", PENALTIES, ids=[str(p) for p in PENALTIES])
+def test_penalties_match_hf(tiny_model: Callable[..., Path], penalty: Dict[str, float]) -> None:
+    path = tiny_model("llama")
+    prompts = mixed_prompts(4, seed=4, lengths=(3, 17, 40))
+    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    # Penalized and plain requests share batches; chunks of 16 split the longer prompts.
+    with LLM(str(path), page_size=4, max_prefill_tokens=16, overlap=True, max_kv_tokens=4096,
+             show_progress=False) as llm:
+        outs = llm.generate(prompts + prompts, [_params(penalty)] * 4 + [plain] * 4)
+    assert [o.token_ids for o in outs[:4]] == hf_greedy(path, prompts, 24, **penalty)
+    assert [o.token_ids for o in outs[4:]] == hf_greedy(path, prompts, 24)
+    assert [o.token_ids for o in outs[:4]] != [o.token_ids for o in outs[4:]]
+
+
+def test_default_model_repetition_penalty_matches_hf(default_model_dir: Path) -> None:
+    """16 tokens: the 19th is EOS, which HF's min_new_tokens would forbid (ignore_eos here)."""
+    from minisgl.tokenizer.text import load_tokenizer
+    ids = load_tokenizer(default_model_dir).encode("List the numbers: one, two, one, two, one,",
+                                                   add_special_tokens=False)
+    penalty = {"repetition_penalty": 1.5, "frequency_penalty": 0.3}
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, **penalty)
+    with LLM(str(default_model_dir), page_size=4, max_kv_tokens=2048,
+             show_progress=False) as llm:
+        first, again = (llm.generate([ids], params)[0] for _ in range(2))
+    assert again.cached_tokens > 0  # the second run starts from the prefix cache
+    assert first.token_ids == again.token_ids == hf_greedy(default_model_dir, [ids], 16,
+                                                           **penalty)[0]
+
+
+def test_penalties_survive_retraction(tiny_model: Callable[..., Path]) -> None:
+    """A retracted request comes back with its outputs so far: its counts are rebuilt from
+    them, so the tokens are those of a run without retraction."""
+    path = tiny_model("qwen3")
+    prompts = mixed_prompts(12, seed=12, lengths=(20, 24))
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                            frequency_penalty=0.8, repetition_penalty=1.1)
+    with LLM(str(path), page_size=4, max_kv_tokens=400, max_running_requests=12,
+             overlap=True, decode_reserve_tokens=4, show_progress=False) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+        assert llm._backend.scheduler.totals["retracted"] > 0  # type: ignore[attr-defined]
+    assert got == hf_greedy(path, prompts, 40, repetition_penalty=1.1, frequency_penalty=0.8)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("presence_penalty", 2.5, r"presence_penalty must be a number in \[-2, 2\], got 2.5"),
+    ("frequency_penalty", float("inf"), r"frequency_penalty must be a number in \[-2, 2\]"),
+    ("repetition_penalty", 0.0, r"repetition_penalty must be a finite number > 0, got 0.0"),
+])
+def test_bad_penalties_are_refused(tiny_model: Callable[..., Path], field: str, value: float,
+                                   message: str) -> None:
+    with LLM(str(tiny_model("llama")), max_kv_tokens=1024, show_progress=False) as llm:
+        with pytest.raises(ValueError, match=message):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, **{field: value}))
