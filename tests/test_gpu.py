@@ -54,6 +54,20 @@ def test_gpu_logprobs_match_cpu(tiny_qwen3: Path) -> None:
             [lp.logprob for lp in c.logprobs], abs=1e-3)
 
 
+def test_gpu_penalties_match_cpu(tiny_qwen3: Path) -> None:
+    """Penalties on CUDA (counts on the device, decode graphs replayed, overlap) give the CPU's
+    float32 tokens, penalized and plain requests mixed."""
+    pen = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                         repetition_penalty=1.2, frequency_penalty=0.6, presence_penalty=0.3)
+    params = [pen, GREEDY] * 4
+
+    def run(**kw: object) -> list:
+        with LLM(str(tiny_qwen3), show_progress=False, dtype="float32",  # type: ignore[arg-type]
+                 **kw) as llm:
+            return [o.token_ids for o in llm.generate(mixed_prompts(8, seed=6), params)]
+    assert run(device="cuda") == run(device="cpu")
+
+
 @pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_gpu_tp2_matches_tp1(tiny_qwen3: Path, backend: str) -> None:

@@ -214,6 +214,14 @@ def test_sampling_fields(client: openai.OpenAI, model: str, llm: LLM) -> None:
     r = client.chat.completions.create(**kw, temperature=1.5, max_tokens=12,
                                        extra_body={"top_k": 1, "min_p": 0.1, "top_p": 0.9})
     assert r.choices[0].message.content == ref.text  # top_k=1 is greedy
+    # penalties: the OpenAI client's own fields and vLLM's repetition_penalty, as offline
+    pen = dict(presence_penalty=0.5, frequency_penalty=1.0)
+    ref = llm.chat(PARIS, SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3,
+                                         **pen))[0]
+    r = client.chat.completions.create(**kw, temperature=0, max_tokens=12, **pen,
+                                       extra_body={"repetition_penalty": 1.3},
+                                       response_format={"type": "text"}, tool_choice="none")
+    assert r.choices[0].message.content == ref.text
 
 
 def test_cached_tokens_reported(client: openai.OpenAI, model: str) -> None:
@@ -305,6 +313,15 @@ BAD_REQUESTS = [
     ("top_logprobs without logprobs", "/v1/chat/completions", _chat(top_logprobs=2), 400),
     ("top_logprobs over the cap", "/v1/chat/completions",
      _chat(logprobs=True, top_logprobs=21), 400),
+    ("presence_penalty above 2", "/v1/chat/completions", _chat(presence_penalty=2.5), 400),
+    ("repetition_penalty zero", "/v1/chat/completions", _chat(repetition_penalty=0), 400),
+    ("logit_bias", "/v1/chat/completions", _chat(logit_bias={"15": 5}), 400),
+    ("json response_format", "/v1/chat/completions",
+     _chat(response_format={"type": "json_object"}), 400),
+    ("tools", "/v1/chat/completions",
+     _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
+    ("completion suffix", "/v1/completions",
+     {"model": "SmolLM2-135M-Instruct", "prompt": "a", "suffix": "b"}, 400),
     ("completion logprobs negative", "/v1/completions",
      {"model": "SmolLM2-135M-Instruct", "prompt": "a", "logprobs": -1}, 400),
     ("completion logprobs a bool", "/v1/completions",

@@ -2,8 +2,9 @@
 
 Every invalid request raises `ApiError` with an HTTP status and an OpenAI-style error body
 (`{"error": {"message", "type", "param", "code"}}`); nothing here touches the request streams.
-Unknown OpenAI fields (user, presence_penalty, ...) are accepted and ignored; features this server
-does not implement (echo, prompt log-probabilities) are rejected rather than silently dropped.
+Unknown fields (user, metadata, ...) are accepted and ignored; OpenAI features this server does
+not implement (echo, logit_bias, response_format, tools, ...) are rejected rather than silently
+dropped, unless the value asks for nothing (an empty logit_bias, tool_choice "none").
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -23,6 +24,18 @@ _INT32 = 2 ** 31  # token ids travel as int32
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI request fields with an effect this server does not implement, each with the test for a
+# value that asks for nothing (accepted, since clients often send the default explicitly).
+_UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
+    "logit_bias": lambda v: not v,
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"),
+    "functions": lambda v: not v,
+    "function_call": lambda v: v in (None, "none"),
+    "suffix": lambda v: not v,
+    "best_of": lambda v: v in (None, 1),
+}
 
 
 class ApiError(Exception):
@@ -53,6 +66,9 @@ class _Sampling(_Body):
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
     ignore_eos: bool = False
     stop: Union[None, str, List[str]] = None
     stop_token_ids: Optional[List[int]] = None
@@ -182,6 +198,9 @@ def _sampling(body: _Sampling, max_tokens: Optional[int], logprobs: Optional[int
         top_k=-1 if body.top_k is None else body.top_k,
         min_p=0.0 if body.min_p is None else body.min_p,
         seed=body.seed, ignore_eos=body.ignore_eos,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs)
     try:
         params.validate()
@@ -226,6 +245,10 @@ def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: in
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
         logprobs = _logprobs(body)
+        for name, value in (body.model_extra or {}).items():
+            inert = _UNSUPPORTED.get(name)
+            if inert is not None and not inert(value):
+                raise ApiError(400, f"{name} is not supported by this server", name)
         if not 1 <= n <= max_n:
             raise ApiError(400, f"n must be between 1 and {max_n}, got {n}", "n")
     return Job(prompts, _sampling(sampling, max_tokens, logprobs), n,
