@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 if TYPE_CHECKING:  # messages import this module: the tokenizer and API processes need no torch
     import torch
@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # messages import this module: the tokenizer and API processe
 # The most alternatives a request may ask log-probabilities for (vLLM's default cap, and
 # OpenAI's top_logprobs bound).
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # token entries in one request's logit_bias
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class SamplingParams:
     tokens (see TokenLogprobs); None returns none. The penalties (engine/penalties.py) push the
     logits away from tokens already seen: `repetition_penalty` > 0 (1: off) over prompt and
     output, `frequency_penalty` and `presence_penalty` in [-2, 2] (0: off) over the output.
+    `logit_bias` adds a bias in [-100, 100] to token ids' logits before sampling (OpenAI's).
     """
 
     max_tokens: int = 16
@@ -47,6 +49,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: Optional[Dict[int, float]] = None
 
     def validate(self) -> None:
         """Raise ValueError naming the offending value; called at every entry point."""
@@ -81,6 +84,24 @@ class SamplingParams:
                 0.0 < self.repetition_penalty < math.inf):
             raise ValueError(f"repetition_penalty must be a finite number > 0, got "
                              f"{self.repetition_penalty!r}")
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must map token ids to biases, got "
+                             f"{type(bias).__name__}")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} token ids, got "
+                             f"{len(bias)}")
+        for tok, value in bias.items():
+            if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {tok!r}")
+            if not _is_number(value) or not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} "
+                                 f"for token {tok}")
 
     @property
     def has_penalties(self) -> bool:
@@ -139,6 +160,10 @@ def request_error(ids: Sequence[int], params: SamplingParams, limits: Limits) ->
     error = prompt_error(ids, limits.vocab_size)
     if error is not None:
         return error
+    outside = [t for t in params.logit_bias or {} if t >= limits.vocab_size]
+    if outside:
+        return (f"logit_bias token id {outside[0]} is outside the vocabulary "
+                f"[0, {limits.vocab_size})")
     n = len(ids)
     total = n + params.max_tokens
     if total > limits.max_context:

@@ -79,3 +79,33 @@ def test_bad_penalties_are_refused(tiny_model: Callable[..., Path], field: str, 
     with LLM(str(tiny_model("llama")), max_kv_tokens=1024, show_progress=False) as llm:
         with pytest.raises(ValueError, match=message):
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, **{field: value}))
+
+
+def test_logit_bias_moves_the_choice(tiny_model: Callable[..., Path]) -> None:
+    """+100 forces a token at every step (sampled at temperature 0.9); -100 on the greedy
+    choice makes the raw runner-up win; an unbiased request in the same batch stays HF's."""
+    path = tiny_model("llama")
+    prompts = mixed_prompts(2, seed=21)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    with LLM(str(path), page_size=4, overlap=True, max_kv_tokens=2048,
+             show_progress=False) as llm:
+        plain = llm.generate(prompts, greedy)
+        top = plain[0].logprobs[0].top_ids  # type: ignore[index]
+        forced, banned, same = llm.generate([prompts[0], prompts[0], prompts[1]], [
+            SamplingParams(max_tokens=6, temperature=0.9, seed=1, ignore_eos=True,
+                           logit_bias={77: 100.0}),
+            SamplingParams(max_tokens=1, temperature=0.0, logit_bias={top[0]: -100.0}),
+            greedy])
+    assert forced.token_ids == [77] * 6
+    assert banned.token_ids == [top[1]]
+    assert same.token_ids == plain[1].token_ids == hf_greedy(path, prompts[1:], 6)[0]
+
+
+def test_bad_logit_bias_is_refused_with_the_numbers(tiny_model: Callable[..., Path]) -> None:
+    with LLM(str(tiny_model("llama")), max_kv_tokens=1024, show_progress=False) as llm:
+        vocab = llm.vocab_size
+        with pytest.raises(ValueError, match=f"logit_bias token id {vocab} is outside the "
+                                             rf"vocabulary \[0, {vocab}\)"):
+            llm.generate([[5, 6]], SamplingParams(max_tokens=2, logit_bias={vocab: 1.0}))
+        with pytest.raises(ValueError, match=r"values must be numbers in \[-100, 100\], got 101"):
+            llm.generate([[5, 6]], SamplingParams(max_tokens=2, logit_bias={3: 101}))

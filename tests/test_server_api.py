@@ -222,6 +222,11 @@ def test_sampling_fields(client: openai.OpenAI, model: str, llm: LLM) -> None:
                                        extra_body={"repetition_penalty": 1.3},
                                        response_format={"type": "text"}, tool_choice="none")
     assert r.choices[0].message.content == ref.text
+    r = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0,
+                                  logit_bias={"28": 100})  # OpenAI's form: id strings
+    r2 = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0,
+                                   logprobs=0, extra_body={"logit_bias": {"28": 100}})
+    assert r.choices[0].text == r2.choices[0].text and len(set(r2.choices[0].logprobs.tokens)) == 1
 
 
 def test_cached_tokens_reported(client: openai.OpenAI, model: str) -> None:
@@ -315,7 +320,10 @@ BAD_REQUESTS = [
      _chat(logprobs=True, top_logprobs=21), 400),
     ("presence_penalty above 2", "/v1/chat/completions", _chat(presence_penalty=2.5), 400),
     ("repetition_penalty zero", "/v1/chat/completions", _chat(repetition_penalty=0), 400),
-    ("logit_bias", "/v1/chat/completions", _chat(logit_bias={"15": 5}), 400),
+    ("logit_bias key not an id", "/v1/chat/completions", _chat(logit_bias={"x": 5}), 400),
+    ("logit_bias beyond the vocabulary", "/v1/chat/completions",
+     _chat(logit_bias={"49152": 5}), 400),
+    ("logit_bias above 100", "/v1/chat/completions", _chat(logit_bias={"15": 101}), 400),
     ("json response_format", "/v1/chat/completions",
      _chat(response_format={"type": "json_object"}), 400),
     ("tools", "/v1/chat/completions",

@@ -20,7 +20,8 @@ from minisgl.distributed import ProcessGroups, min_over_ranks
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.cuda_graph import DecodeGraphs, graph_sizes
 from minisgl.engine.penalties import Penalties
-from minisgl.engine.sampler import LogprobTensors, sample_requests, token_logprobs
+from minisgl.engine.sampler import (LogprobTensors, add_logit_bias, sample_requests,
+                                    token_logprobs)
 from minisgl.kvcache import KVPool
 from minisgl.layers import blas
 from minisgl.models import CausalLM, ModelConfig, model_class
@@ -167,8 +168,8 @@ class Engine:
             return Launched(batch, sampled, None, None)
         reqs = [batch.reqs[i] for i in sampled]
         rows = rows.long()
-        tokens = sample_requests(self.penalties.apply(logits, rows, reqs), reqs, self.cfg.seed,
-                                 self.cfg.fused_ops)
+        adjusted = add_logit_bias(self.penalties.apply(logits, rows, reqs), reqs)
+        tokens = sample_requests(adjusted, reqs, self.cfg.seed, self.cfg.fused_ops)
         self.last_tokens[rows] = tokens
         self.penalties.record(rows, tokens, reqs)
         logprobs = self._logprobs(logits, tokens, reqs)

@@ -110,6 +110,26 @@ def sample(logits: torch.Tensor, s: SamplingTensors, fused: bool = False) -> tor
     return torch.where(s.greedy, greedy_tokens, sampled)
 
 
+def add_logit_bias(logits: torch.Tensor, reqs: List[Req]) -> torch.Tensor:
+    """OpenAI's logit_bias: each request's biases added to its row (row i is reqs[i]). Returns
+    `logits` itself when no request has a bias, else a new float32 tensor."""
+    rows: List[int] = []
+    cols: List[int] = []
+    values: List[float] = []
+    for i, req in enumerate(reqs):
+        for token, bias in (req.params.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(token)
+            values.append(bias)
+    if not rows:
+        return logits
+    out = logits.float().clone()  # .float() of a float32 tensor is the tensor itself
+    index = to_device([rows, cols], torch.int64, logits.device)
+    out.index_put_((index[0], index[1]), to_device(values, torch.float32, logits.device),
+                   accumulate=True)
+    return out
+
+
 class LogprobTensors(NamedTuple):
     """Log-probabilities of a batch's sampled rows (see core.TokenLogprobs)."""
 

@@ -3,8 +3,8 @@
 Every invalid request raises `ApiError` with an HTTP status and an OpenAI-style error body
 (`{"error": {"message", "type", "param", "code"}}`); nothing here touches the request streams.
 Unknown fields (user, metadata, ...) are accepted and ignored; OpenAI features this server does
-not implement (echo, logit_bias, response_format, tools, ...) are rejected rather than silently
-dropped, unless the value asks for nothing (an empty logit_bias, tool_choice "none").
+not implement (echo, response_format, tools, ...) are rejected rather than silently dropped,
+unless the value asks for nothing (tool_choice "none", an empty tools list).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI request fields with an effect this server does not implement, each with the test for a
 # value that asks for nothing (accepted, since clients often send the default explicitly).
 _UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
-    "logit_bias": lambda v: not v,
     "response_format": lambda v: v is None or v == {"type": "text"},
     "tools": lambda v: not v,
     "tool_choice": lambda v: v in (None, "none"),
@@ -82,6 +81,7 @@ class _OpenAI(_Sampling):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     logprobs: Union[None, bool, int] = None
+    logit_bias: Optional[Dict[str, float]] = None
 
 
 class TextPart(_Body):
@@ -185,8 +185,8 @@ def _check_ids(name: str, ids: Sequence[int]) -> None:
         _check_int(name, t, _INT32)
 
 
-def _sampling(body: _Sampling, max_tokens: Optional[int], logprobs: Optional[int] = None
-              ) -> SamplingParams:
+def _sampling(body: _Sampling, max_tokens: Optional[int], logprobs: Optional[int] = None,
+              logit_bias: Optional[Dict[int, float]] = None) -> SamplingParams:
     for name in ("top_k", "seed"):
         _check_int(name, getattr(body, name))
     _check_int("max_tokens", max_tokens, _INT32)
@@ -201,7 +201,8 @@ def _sampling(body: _Sampling, max_tokens: Optional[int], logprobs: Optional[int
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs)
+        stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs,
+        logit_bias=logit_bias)
     try:
         params.validate()
     except ValueError as e:
@@ -234,8 +235,20 @@ def _logprobs(body: _OpenAI) -> Optional[int]:
     return k
 
 
+def _logit_bias(body: _OpenAI) -> Optional[Dict[int, float]]:
+    """OpenAI's logit_bias, keyed by token id strings, keyed by ints."""
+    if not body.logit_bias:
+        return None
+    bias: Dict[int, float] = {}
+    for key, value in body.logit_bias.items():
+        if not key.isdigit() or len(key) > 10:
+            raise ApiError(400, f"logit_bias: keys must be token ids, got {key!r}", "logit_bias")
+        bias[int(key)] = value
+    return bias
+
+
 def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: int) -> Job:
-    logprobs = None
+    logprobs, logit_bias = None, None
     if isinstance(body, GenerateRequest):
         sampling, n, stream, include_usage = body.sampling_params, 1, body.stream, False
         max_tokens = sampling.max_tokens
@@ -244,14 +257,14 @@ def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: in
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
-        logprobs = _logprobs(body)
+        logprobs, logit_bias = _logprobs(body), _logit_bias(body)
         for name, value in (body.model_extra or {}).items():
             inert = _UNSUPPORTED.get(name)
             if inert is not None and not inert(value):
                 raise ApiError(400, f"{name} is not supported by this server", name)
         if not 1 <= n <= max_n:
             raise ApiError(400, f"n must be between 1 and {max_n}, got {n}", "n")
-    return Job(prompts, _sampling(sampling, max_tokens, logprobs), n,
+    return Job(prompts, _sampling(sampling, max_tokens, logprobs, logit_bias), n,
                _stop_strings(sampling.stop), sampling.skip_special_tokens, stream, include_usage)
 
 
