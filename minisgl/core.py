@@ -35,6 +35,9 @@ class SamplingParams:
     logits away from tokens already seen: `repetition_penalty` > 0 (1: off) over prompt and
     output, `frequency_penalty` and `presence_penalty` in [-2, 2] (0: off) over the output.
     `logit_bias` adds a bias in [-100, 100] to token ids' logits before sampling (OpenAI's).
+    `prompt_logprobs=k` returns, for every prompt token after the first, its log-probability
+    given the tokens before it and the k most likely tokens there (the request then skips the
+    prefix cache: cached tokens have no logits).
     """
 
     max_tokens: int = 16
@@ -50,6 +53,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Optional[Dict[int, float]] = None
+    prompt_logprobs: Optional[int] = None
 
     def validate(self) -> None:
         """Raise ValueError naming the offending value; called at every entry point."""
@@ -71,11 +75,12 @@ class SamplingParams:
         for tok in self.stop_token_ids:
             if not isinstance(tok, int) or tok < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {tok!r}")
-        if self.logprobs is not None and (
-                not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
-                             f"{self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got "
+                                 f"{value!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
@@ -223,6 +228,15 @@ class Req:
     # allocated for the request draws this down, never below 0.
     reserved_pages: int = 0
     finish_reason: Optional[FinishReason] = None
+    # With params.prompt_logprobs: those of prompt tokens 1.. computed so far (chunk by chunk),
+    # sent with the first output token.
+    prompt_logprobs: List[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's log-probabilities are still to be computed (a retracted request that
+        already sent them computes them no more)."""
+        return self.params.prompt_logprobs is not None and self.output_len == 0
 
     def __post_init__(self) -> None:
         self.device_len = self.device_len or self.prompt_len

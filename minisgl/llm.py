@@ -49,6 +49,8 @@ class GenerateOutput:
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache
     # One per token of token_ids where the request's params.logprobs was set, else None.
     logprobs: Optional[List[TokenLogprobs]] = None
+    # One per prompt token after the first where params.prompt_logprobs was set, else None.
+    prompt_logprobs: Optional[List[TokenLogprobs]] = None
 
 
 class _InProcess:
@@ -287,6 +289,7 @@ class LLM:
         slot = {uid: i for i, uid in enumerate(uids)}
         tokens: List[List[int]] = [[] for _ in prompts]
         logprobs: List[List[TokenLogprobs]] = [[] for _ in prompts]
+        prompt_logprobs: List[Optional[List[TokenLogprobs]]] = [None] * len(prompts)
         done: List[Optional[TokenOut]] = [None] * len(prompts)
         for uid, ids, p in zip(uids, prompts, params):
             self._backend.submit(UserMsg(uid, ids, p))
@@ -300,6 +303,8 @@ class LLM:
                     tokens[i].append(out.token)
                 if out.logprobs is not None:
                     logprobs[i].append(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[i] = out.prompt_logprobs
                 if out.finish_reason is not None or out.error:
                     done[i] = out
                     left -= 1
@@ -312,5 +317,6 @@ class LLM:
         decode = (lambda t: "") if self.tokenizer is None else (  # noqa: E731
             lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
         return [GenerateOutput(decode(t), t, d.finish_reason or "", d.prompt_tokens,
-                               d.cached_tokens, lp if p.logprobs is not None else None)
-                for t, lp, d, p in zip(tokens, logprobs, done, params) if d is not None]
+                               d.cached_tokens, lp if p.logprobs is not None else None, plp)
+                for t, lp, plp, d, p in zip(tokens, logprobs, prompt_logprobs, done, params)
+                if d is not None]

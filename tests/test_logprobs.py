@@ -77,3 +77,30 @@ def test_detokenizer_renders_logprob_tokens(default_model_dir: Path) -> None:
                                      logprobs=TokenLogprobs(-1.0, (9,), (-1.0,)))]).chunks
     assert chunk.logprobs[0].token == "token_id:9" and chunk.logprobs[0].top_tokens == (
         "token_id:9",)
+
+
+@pytest.mark.parametrize("chunk", [8192, 7])
+def test_prompt_logprobs_equal_hf(tiny_model: Callable[..., Path], chunk: int) -> None:
+    """Every prompt token after the first: its log-probability given those before it, and the
+    top k there, as HF computes them; across prefill chunks of 7 tokens, and for a prompt the
+    prefix cache holds (such a request skips the cache: cached tokens have no logits)."""
+    path = tiny_model("llama")
+    prompts = mixed_prompts(3, seed=5, lengths=(9, 30, 17))
+    params = [SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=k)
+              for k in (0, 3, None)]
+    with LLM(str(path), page_size=4, max_prefill_tokens=chunk, max_kv_tokens=4096,
+             show_progress=False) as llm:
+        llm.generate(prompts, SamplingParams(max_tokens=1))  # now the cache holds them
+        outs = llm.generate(prompts, params)
+    assert outs[2].prompt_logprobs is None and outs[2].cached_tokens > 0
+    for prompt, p, out in zip(prompts[:2], params, outs):
+        assert out.cached_tokens == 0 and out.prompt_logprobs is not None
+        assert len(out.prompt_logprobs) == len(prompt) - 1
+        ref = hf_logprobs(path, prompt[:1], prompt[1:])  # position q predicts prompt[q + 1]
+        chosen = ref.gather(1, torch.tensor(prompt[1:]).view(-1, 1)).squeeze(1)
+        assert [lp.logprob for lp in out.prompt_logprobs] == pytest.approx(chosen.tolist(),
+                                                                          abs=TOL)
+        top_values, top_ids = ref.topk(p.prompt_logprobs or 0, dim=-1)
+        assert [list(lp.top_ids) for lp in out.prompt_logprobs] == top_ids.tolist()
+        for lp, values in zip(out.prompt_logprobs, top_values.tolist()):
+            assert list(lp.top_logprobs) == pytest.approx(values, abs=TOL)

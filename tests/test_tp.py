@@ -49,21 +49,27 @@ def test_tp_overlap_scheduling_matches_hf(tiny_model: Callable[..., Path]) -> No
 
 
 def test_tp_logprobs_come_from_rank0_and_match_tp1(tiny_model: Callable[..., Path]) -> None:
-    """Rank 0 alone computes log-probabilities; they reach LLM.generate through the ZMQ reply
-    path and equal tp=1's (to float32 noise: the two ranks' partial sums round differently)."""
+    """Rank 0 alone keeps log-probabilities (prompt ones too, whose LM head runs on every
+    rank); they reach LLM.generate through the ZMQ reply path and equal tp=1's (to float32
+    noise: the two ranks' partial sums round differently)."""
     path = tiny_model("qwen3")
     prompts = mixed_prompts(4, seed=9, lengths=(2, 9, 40, 75))
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=2)
     outs = []
-    for tp in (1, 2):
+    for tp in (1, 2):  # prompt chunks of 16: every rank runs the LM head over the prompt rows
         with LLM(str(path), tp=tp, page_size=4, max_kv_tokens=4096, show_progress=False,
-                 overlap=True) as llm:
+                 max_prefill_tokens=16, overlap=True) as llm:
             outs.append(llm.generate(prompts, params))
     for one, two in zip(*outs):
         assert one.token_ids == two.token_ids
         assert [lp.top_ids for lp in one.logprobs] == [lp.top_ids for lp in two.logprobs]
         assert [lp.logprob for lp in two.logprobs] == pytest.approx(
             [lp.logprob for lp in one.logprobs], abs=1e-4)
+        assert [lp.top_ids for lp in one.prompt_logprobs] == [
+            lp.top_ids for lp in two.prompt_logprobs]
+        assert [lp.logprob for lp in two.prompt_logprobs] == pytest.approx(
+            [lp.logprob for lp in one.prompt_logprobs], abs=1e-4)
 
 
 def test_tp_seeded_sampling_ranks_agree(tiny_model: Callable[..., Path]) -> None:

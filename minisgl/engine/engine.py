@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -30,6 +30,45 @@ from minisgl.utils import temporarily, to_device
 
 logger = logging.getLogger(__name__)
 _CPU_DEFAULT_KV_TOKENS = 16384
+# Prompt log-probabilities run the LM head over at most this many prompt rows at a time, so a
+# long prompt chunk never holds [chunk, vocab] logits at once.
+PROMPT_LOGIT_ROWS = 1024
+
+
+class PromptRows(NamedTuple):
+    """The token rows of a prefill batch whose logits give prompt log-probabilities: row j
+    predicts prompt token `targets[j]`; request `owners[i]` of the batch owns `counts[i]`
+    consecutive rows. Built identically on every rank (the LM head is a collective)."""
+
+    owners: List[int]
+    counts: List[int]
+    rows: List[int]
+    targets: List[int]
+    k: int  # alternatives: the largest params.prompt_logprobs asked
+
+
+def prompt_rows(batch: Batch) -> Optional[PromptRows]:
+    """Rows for the requests still computing prompt log-probabilities (Req.wants_prompt_logprobs):
+    token position q of a chunk predicts prompt token q + 1, for q + 1 < prompt_len (the last
+    prompt position predicts the first output token: that is the sampled token's logprob)."""
+    if batch.phase is not Phase.PREFILL:
+        return None
+    owners: List[int] = []
+    counts: List[int] = []
+    rows: List[int] = []
+    targets: List[int] = []
+    ks: List[int] = []
+    start = 0
+    for i, (req, prefix, ext) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens)):
+        end = min(prefix + ext, req.prompt_len - 1)
+        if req.wants_prompt_logprobs and end > prefix:
+            owners.append(i)
+            counts.append(end - prefix)
+            rows.extend(range(start, start + end - prefix))
+            targets.extend(req.token_ids[prefix + 1:end + 1])
+            ks.append(req.params.prompt_logprobs or 0)
+        start += ext
+    return PromptRows(owners, counts, rows, targets, max(ks)) if owners else None
 
 
 class Launched(NamedTuple):
@@ -42,6 +81,9 @@ class Launched(NamedTuple):
     # Host tensors like `tokens`, row j for request sampled[j]: only on the primary rank and
     # only when a sampled request asked for log-probabilities.
     logprobs: Optional[LogprobTensors] = None
+    # Prompt log-probabilities of the rows `prompt.rows` (host tensors; primary rank only).
+    prompt: Optional[PromptRows] = None
+    prompt_logprobs: Optional[LogprobTensors] = None
 
 
 def use_pdl(cfg: EngineConfig, device: torch.device) -> bool:
@@ -153,6 +195,8 @@ class Engine:
         device, so a batch can be launched before the previous one's tokens reach the host.
         """
         sampled = [i for i, s in enumerate(batch.sample) if s]
+        prompt: Optional[PromptRows] = None
+        prompt_lp: Optional[LogprobTensors] = None
         if self.graphs is not None and self.graphs.can_run(batch):
             logits, rows = self.graphs.replay(batch)  # decode: every request is sampled
         else:
@@ -162,25 +206,50 @@ class Engine:
             self.backend.prepare(batch)
             ends = list(itertools.accumulate(batch.extend_lens))  # one past each request's last
             logit_rows = to_device([ends[i] - 1 for i in sampled], torch.int64, self.device)
-            logits = self.model(batch.input_ids, batch.positions, batch, self.backend,
-                                logit_rows)
-        if not sampled:
-            return Launched(batch, sampled, None, None)
-        reqs = [batch.reqs[i] for i in sampled]
-        rows = rows.long()
-        adjusted = add_logit_bias(self.penalties.apply(logits, rows, reqs), reqs)
-        tokens = sample_requests(adjusted, reqs, self.cfg.seed, self.cfg.fused_ops)
-        self.last_tokens[rows] = tokens
-        self.penalties.record(rows, tokens, reqs)
-        logprobs = self._logprobs(logits, tokens, reqs)
-        if self.device.type != "cuda":
-            return Launched(batch, sampled, tokens, None, logprobs)
-        host = _to_pinned(tokens)
-        if logprobs is not None:
-            logprobs = LogprobTensors(*(_to_pinned(t) for t in logprobs))
+            prompt = prompt_rows(batch)
+            if prompt is None:
+                logits = self.model(batch.input_ids, batch.positions, batch, self.backend,
+                                    logit_rows)
+            else:
+                hidden = self.model.hidden(batch.input_ids, batch.positions, batch,
+                                           self.backend)
+                logits = self.model.lm_head(hidden[logit_rows])
+                prompt_lp = self._prompt_logprobs(hidden, prompt)
+        tokens = logprobs = None
+        if sampled:
+            reqs = [batch.reqs[i] for i in sampled]
+            rows = rows.long()
+            adjusted = add_logit_bias(self.penalties.apply(logits, rows, reqs), reqs)
+            tokens = sample_requests(adjusted, reqs, self.cfg.seed, self.cfg.fused_ops)
+            self.last_tokens[rows] = tokens
+            self.penalties.record(rows, tokens, reqs)
+            logprobs = self._logprobs(logits, tokens, reqs)
+        if self.device.type != "cuda" or (tokens is None and prompt_lp is None):
+            return Launched(batch, sampled, tokens, None, logprobs, prompt, prompt_lp)
+        pinned = lambda t: None if t is None else LogprobTensors(  # noqa: E731
+            *(_to_pinned(x) for x in t))
+        host = None if tokens is None else _to_pinned(tokens)
+        logprobs, prompt_lp = pinned(logprobs), pinned(prompt_lp)
         done = torch.cuda.Event()
         done.record()
-        return Launched(batch, sampled, host, done, logprobs)
+        return Launched(batch, sampled, host, done, logprobs, prompt, prompt_lp)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, prompt: PromptRows
+                         ) -> Optional[LogprobTensors]:
+        """Prompt log-probabilities of `prompt`'s rows of `hidden`, PROMPT_LOGIT_ROWS at a time.
+        Every rank runs the LM head (a collective under tensor parallelism); only the primary
+        rank keeps the result."""
+        rows = to_device(prompt.rows, torch.int64, self.device)
+        targets = to_device(prompt.targets, torch.int64, self.device)
+        parts: List[LogprobTensors] = []
+        for start in range(0, len(prompt.rows), PROMPT_LOGIT_ROWS):
+            part = slice(start, start + PROMPT_LOGIT_ROWS)
+            logits = self.model.lm_head(hidden[rows[part]])
+            if self.cfg.tp_info.is_primary:
+                parts.append(token_logprobs(logits, targets[part], prompt.k))
+        if not parts:
+            return None
+        return LogprobTensors(*(torch.cat(t) for t in zip(*parts)))
 
     def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, reqs: List[Req]
                   ) -> Optional[LogprobTensors]:
@@ -225,6 +294,25 @@ class Engine:
             k = launched.batch.reqs[i].params.logprobs
             if k is not None:
                 out[i] = TokenLogprobs(chosen[j], tuple(ids[j][:k]), tuple(values[j][:k]))
+        return out
+
+    @staticmethod
+    def collect_prompt_logprobs(launched: Launched) -> Dict[int, List[TokenLogprobs]]:
+        """Wait for a launched batch; by batch index, the prompt log-probabilities it computed
+        for each request still collecting them (Req.wants_prompt_logprobs)."""
+        prompt, lp = launched.prompt, launched.prompt_logprobs
+        if prompt is None or lp is None:
+            return {}
+        if launched.done is not None:
+            launched.done.synchronize()
+        chosen, ids, values = lp.chosen.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
+        out: Dict[int, List[TokenLogprobs]] = {}
+        start = 0
+        for owner, n in zip(prompt.owners, prompt.counts):
+            k = launched.batch.reqs[owner].params.prompt_logprobs or 0
+            out[owner] = [TokenLogprobs(chosen[j], tuple(ids[j][:k]), tuple(values[j][:k]))
+                          for j in range(start, start + n)]
+            start += n
         return out
 
     def forward(self, batch: Batch) -> List[int]:

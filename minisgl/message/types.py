@@ -69,6 +69,9 @@ class TokenOut:
     cached_tokens: int = 0
     error: Optional[str] = None
     logprobs: Optional[TokenLogprobs] = None  # when the request asked (params.logprobs)
+    # With the first output token, when the request asked (params.prompt_logprobs): one per
+    # prompt token after the first.
+    prompt_logprobs: Optional[List[TokenLogprobs]] = None
 
 
 @dataclass(frozen=True)

@@ -193,11 +193,16 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, info, comm, tied_to=tied,
                                       pdl=pdl)
 
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
+               backend: AttentionBackend) -> torch.Tensor:
+        """The final (normed) hidden state of every token row, before the LM head."""
+        return self.model(ids, positions, batch, backend)
+
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
                 backend: AttentionBackend, logit_rows: Optional[torch.Tensor]) -> torch.Tensor:
         """Logits [len(logit_rows), vocab] in the model's dtype for the chosen token rows only
         (every row when `logit_rows` is None, as in decode); the sampler upcasts where needed."""
-        hidden = self.model(ids, positions, batch, backend)
+        hidden = self.hidden(ids, positions, batch, backend)
         if logit_rows is not None:
             hidden = hidden[logit_rows]
         return self.lm_head(hidden)

@@ -126,6 +126,7 @@ class Scheduler:
         waited = time.perf_counter()
         tokens = self.engine.collect(launched)
         logprobs = self.engine.collect_logprobs(launched)
+        prompt_logprobs = self.engine.collect_prompt_logprobs(launched)
         now = time.perf_counter()
         self.wait_s += now - waited
         self.steps[batch.phase] += 1
@@ -135,7 +136,7 @@ class Scheduler:
             uids = [r.uid for r in batch.reqs]
             slots = batch.out_slots.tolist() if batch.out_slots is not None else []
             check_same_across_ranks(uids + slots + tokens, self.cpu_group, "batch and tokens")
-        outs = self.process(batch, tokens, logprobs)
+        outs = self.process(batch, tokens, logprobs, prompt_logprobs)
         for req in ready:
             self._retire(req, admitted=True)
         self.io.send(outs, self.stats())  # after the retires: the stats see the freed pages
@@ -269,14 +270,16 @@ class Scheduler:
         self.engine.page_table[req.table_row, packed[0]] = packed[1]
 
     def process(self, batch: Batch, tokens: List[int],
-                logprobs: Sequence[Optional[TokenLogprobs]]) -> List[TokenOut]:
-        """Record the batch's tokens (`logprobs`: per request, from Engine.collect_logprobs) and
-        return what goes out."""
+                logprobs: Sequence[Optional[TokenLogprobs]],
+                prompt_logprobs: Dict[int, List[TokenLogprobs]]) -> List[TokenOut]:
+        """Record the batch's tokens and return what goes out. `logprobs` per request and
+        `prompt_logprobs` by batch index: Engine.collect_logprobs / collect_prompt_logprobs."""
         out: List[TokenOut] = []
-        for req, ext, sample, tok, lp in zip(batch.reqs, batch.extend_lens, batch.sample, tokens,
-                                             logprobs):
+        for i, (req, ext, sample, tok, lp) in enumerate(zip(
+                batch.reqs, batch.extend_lens, batch.sample, tokens, logprobs)):
             if req.finish_reason is not None:
                 continue  # finished or aborted while this batch was in flight
+            req.prompt_logprobs.extend(prompt_logprobs.get(i, ()))
             if batch.phase is Phase.PREFILL:
                 self.totals["prefilled"] += ext
             if not sample:  # a chunk of a long prompt: share its finished pages already
@@ -286,8 +289,11 @@ class Scheduler:
                 self.totals["cached"] += req.prefix_hit
             reason = req.append_token(tok)
             self.totals["generated"] += 1
+            prompt_lp = None
+            if req.output_len == 1 and req.params.prompt_logprobs is not None:
+                prompt_lp, req.prompt_logprobs = req.prompt_logprobs, []
             out.append(TokenOut(req.uid, tok, reason.value if reason else None, req.prompt_len,
-                                req.prefix_hit, logprobs=lp))
+                                req.prefix_hit, logprobs=lp, prompt_logprobs=prompt_lp))
             if reason is not None:
                 logger.debug("rank %d: request %d finished (%s, %d tokens, %d cached)", self.rank,
                              req.uid, reason.value, req.output_len, req.prefix_hit)
