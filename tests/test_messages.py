@@ -22,13 +22,14 @@ STATS = T.SchedulerStats(running=2, waiting=3, kv_pages_used=4, kv_pages_total=5
                          cached_tokens_total=32, prefilled_tokens_total=68)
 CHUNK = T.ReplyChunk(uid=9, text="héllo 🙂", token_ids=[1, 2, 70000], finish_reason="stop",
                      prompt_tokens=5, completion_tokens=3, cached_tokens=2, error=None,
-                     error_status=400, logprobs=[LOGPROB_TEXT] * 3)
+                     error_status=400, logprobs=[LOGPROB_TEXT] * 3, prompt_text="héllo",
+                     prompt_logprobs=[T.TokenLogprobText("h", None), LOGPROB_TEXT])
 
 # One sample per registered type, with non-default values wherever a field has a default.
 SAMPLES: Dict[str, Any] = {
     "TokenizeRequest": [
         T.TokenizeRequest(uid=1, params=PARAMS, text="hi", stop=("a", "bc"),
-                          skip_special_tokens=False),
+                          skip_special_tokens=False, echo=True),
         T.TokenizeRequest(uid=2, params=PARAMS, messages=[{"role": "user", "content": "x"}]),
         T.TokenizeRequest(uid=3, params=PARAMS, input_ids=[0, 1, 2 ** 31 - 1]),
     ],
@@ -37,7 +38,8 @@ SAMPLES: Dict[str, Any] = {
     "AbortMsg": [T.AbortMsg(uid=6)],
     "ShutdownMsg": [T.ShutdownMsg()],
     "TokenOut": [T.TokenOut(uid=7, token=42, finish_reason="length", prompt_tokens=3,
-                            cached_tokens=1, error=None, logprobs=LOGPROBS),
+                            cached_tokens=1, error=None, logprobs=LOGPROBS,
+                            prompt_logprobs=[LOGPROBS, TokenLogprobs(-3.0)]),
                  T.TokenOut(uid=8, error="too long")],
     "BatchTokenOut": [T.BatchTokenOut(items=[T.TokenOut(uid=1, token=2)], stats=STATS),
                       T.BatchTokenOut(items=[])],
@@ -47,7 +49,8 @@ SAMPLES: Dict[str, Any] = {
     "ReplyChunk": [CHUNK, T.ReplyChunk(uid=10, token_ids=[], error="bad", error_status=404)],
     "SamplingParams": [PARAMS, SamplingParams()],
     "DetokenizeInit": [T.DetokenizeInit(uid=11, prompt_tail=[1, 2, 3], stop=("\n\n", "END"),
-                                        skip_special_tokens=False)],
+                                        skip_special_tokens=False),
+                       T.DetokenizeInit(uid=12, prompt_tail=[3], echo_ids=[1, 2, 70000])],
     "ReplyBatch": [T.ReplyBatch(chunks=[CHUNK], stats=STATS), T.ReplyBatch(chunks=[])],
 }
 

@@ -143,6 +143,37 @@ def test_logprobs_match_offline_llm(client: openai.OpenAI, model: str, llm: LLM)
     assert plain.choices[0].logprobs is None
 
 
+def test_echo_with_prompt_logprobs_matches_offline_llm(client: openai.OpenAI, model: str,
+                                                      llm: LLM) -> None:
+    """Completions' echo: the prompt comes first in text and logprobs (none for its first
+    token); with logprobs, every later prompt token has its own, as the offline API's
+    prompt_logprobs (the loglikelihood form evaluation harnesses use)."""
+    prompt = "The capital of France is"
+    ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
+    ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, logprobs=1,
+                                                prompt_logprobs=1))[0]
+    assert ref.prompt_logprobs is not None and len(ref.prompt_logprobs) == len(ids) - 1
+    resp = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=2,
+                                     logprobs=1, echo=True)
+    choice = resp.choices[0]
+    assert choice.text == prompt + ref.text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) + 2 and "".join(lp.tokens) == choice.text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [e.logprob for e in ref.prompt_logprobs + (ref.logprobs or [])]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+    chunks = list(client.completions.create(model=model, prompt=ids, temperature=0,
+                                            max_tokens=2, logprobs=1, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text  # token-id prompt, decoded
+    streamed = [v for c in chunks if c.choices[0].logprobs
+                for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(want, abs=1e-4)
+    plain = client.completions.create(model=model, prompt=ids, max_tokens=1, echo=True)
+    assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
+
+
 def test_generate_stream_returns_token_ids(server: Server, llm: LLM) -> None:
     ref = llm.generate("Hello, my name is", SamplingParams(temperature=0, max_tokens=6))[0]
     body = {"text": "Hello, my name is", "stream": True,

@@ -32,6 +32,7 @@ class TokenizeRequest:
     input_ids: Optional[List[int]] = None
     stop: Tuple[str, ...] = ()  # stop strings, matched by the detokenizer
     skip_special_tokens: bool = True
+    echo: bool = False  # the reply starts with the prompt (completions' echo)
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ class TokenLogprobText:
     own, decoded alone; "token_id:N" for a model without a tokenizer)."""
 
     token: str
-    logprob: float
+    logprob: Optional[float]  # None only for a prompt's first token (nothing precedes it)
     top_tokens: Tuple[str, ...] = ()
     top_logprobs: Tuple[float, ...] = ()
 
@@ -132,6 +133,10 @@ class ReplyChunk:
     error: Optional[str] = None
     error_status: int = 400
     logprobs: List[TokenLogprobText] = field(default_factory=list)
+    # With echo, in the request's first chunk only: the prompt as text, and (with prompt
+    # log-probabilities asked) one entry per prompt token.
+    prompt_text: Optional[str] = None
+    prompt_logprobs: List[TokenLogprobText] = field(default_factory=list)
 
 
 # --- server-side additions (issue 4) --------------------------------------------------------------
@@ -149,6 +154,7 @@ class DetokenizeInit:
     prompt_tail: List[int]
     stop: Tuple[str, ...] = ()
     skip_special_tokens: bool = True
+    echo_ids: Optional[List[int]] = None  # the whole prompt, when the reply echoes it
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Every invalid request raises `ApiError` with an HTTP status and an OpenAI-style error body
 (`{"error": {"message", "type", "param", "code"}}`); nothing here touches the request streams.
 Unknown fields (user, metadata, ...) are accepted and ignored; OpenAI features this server does
-not implement (echo, response_format, tools, ...) are rejected rather than silently dropped,
+not implement (response_format, tools, ...) are rejected rather than silently dropped,
 unless the value asks for nothing (tool_choice "none", an empty tools list).
 """
 
@@ -133,6 +133,7 @@ class Job:
     skip_special_tokens: bool
     stream: bool
     include_usage: bool
+    echo: bool = False  # completions: the reply starts with the prompt
 
     def choice_params(self, i: int) -> SamplingParams:
         """Choice i of a prompt: the request's seed shifted by i, so choices differ."""
@@ -296,8 +297,6 @@ def _is_ids(x: Any) -> bool:
 
 
 def completion_job(body: CompletionRequest, max_n: int) -> Job:
-    if body.echo:
-        raise ApiError(400, "echo is not supported by this server", "echo")
     raw: Sequence[Any] = body.prompt
     if isinstance(raw, str) or (_is_ids(raw) and raw):
         raw = [raw]
@@ -310,7 +309,12 @@ def completion_job(body: CompletionRequest, max_n: int) -> Job:
         _check_ids("prompt", p.input_ids or ())
     if any(p.input_ids is not None and not p.input_ids or p.text == "" for p in prompts):
         raise ApiError(400, "prompt: must not be empty", "prompt")
-    return _job(body, prompts, max_n)
+    job = _job(body, prompts, max_n)
+    if not body.echo:
+        return job
+    # echo with logprobs: the prompt's tokens get theirs too (OpenAI's legacy completions)
+    params = dataclasses.replace(job.params, prompt_logprobs=job.params.logprobs)
+    return dataclasses.replace(job, params=params, echo=True)
 
 
 def generate_job(body: GenerateRequest) -> Job:

@@ -32,6 +32,11 @@ class Choice:
     logprob_chars: int = 0  # length of the logprobs' token texts: the next text_offset
 
     def add(self, chunk: ReplyChunk) -> None:
+        """Accumulate a chunk; an echoed prompt goes first, into text and logprobs alike."""
+        if chunk.prompt_text is not None:
+            self.text.append(chunk.prompt_text)
+            self.logprobs.extend(chunk.prompt_logprobs)
+            self.logprob_chars += sum(len(e.token) for e in chunk.prompt_logprobs)
         self.text.append(chunk.text)
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
@@ -55,14 +60,16 @@ def usage(choices: List[Choice], n: int) -> Dict[str, Any]:
 def completion_logprobs(entries: Sequence[TokenLogprobText], offset: int) -> Dict[str, Any]:
     """The legacy completions `logprobs` object. `text_offset` counts the token texts from
     `offset` (each token's text taken on its own, as `tokens` lists them); each
-    `top_logprobs` map holds the most likely tokens and the sampled one."""
+    `top_logprobs` map holds the most likely tokens and the sampled one (null, as its
+    logprob, for an echoed prompt's first token)."""
     offsets = []
     for e in entries:
         offsets.append(offset)
         offset += len(e.token)
     return {"tokens": [e.token for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{**dict(zip(e.top_tokens, e.top_logprobs)), e.token: e.logprob}
+            "top_logprobs": [None if e.logprob is None else
+                             {**dict(zip(e.top_tokens, e.top_logprobs)), e.token: e.logprob}
                              for e in entries],
             "text_offset": offsets}
 
@@ -189,13 +196,15 @@ class _OpenAIFormatter(Formatter):
     def delta(self, index: int, chunk: ReplyChunk, choice: Choice) -> Iterator[str]:
         # A token whose text is held back (an incomplete character, a possible stop string)
         # still sends its logprobs.
+        entries = [*chunk.prompt_logprobs, *chunk.logprobs]  # an echoed prompt goes first
+        text = (chunk.prompt_text or "") + chunk.text
         logprobs = None
-        if self.wants_logprobs and chunk.logprobs:
-            start = choice.logprob_chars - sum(len(e.token) for e in chunk.logprobs)
-            logprobs = self._logprobs(chunk.logprobs, start)
-        if chunk.text or logprobs is not None:
+        if self.wants_logprobs and entries:
+            start = choice.logprob_chars - sum(len(e.token) for e in entries)
+            logprobs = self._logprobs(entries, start)
+        if text or logprobs is not None:
             yield sse(self._envelope(self.chunk_object,
-                                     [self._chunk_item(index, chunk.text, None, logprobs)]))
+                                     [self._chunk_item(index, text, None, logprobs)]))
         if chunk.finish_reason is not None:
             yield sse(self._envelope(self.chunk_object,
                                      [self._chunk_item(index, None, chunk.finish_reason)]))

@@ -81,7 +81,7 @@ class RequestStreams:
                 p = job.prompts[k // job.n]
                 self._send(TokenizeRequest(uid, job.choice_params(k % job.n), p.text,
                                            p.messages, p.input_ids, job.stop,
-                                           job.skip_special_tokens))
+                                           job.skip_special_tokens, job.echo))
         except ApiError:
             self.release(stream)
             raise

@@ -12,6 +12,7 @@ uid are dropped until that final `TokenOut`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,8 @@ class _Request:
     completion_tokens: int = 0
     cached_tokens: int = 0
     stopped: bool = False  # ended by a stop string; waiting for rank 0's final TokenOut
+    echo_ids: Optional[List[int]] = None  # the prompt, until the first chunk echoes it
+    skip_special_tokens: bool = True
 
 
 class Rendered(NamedTuple):
@@ -64,7 +67,8 @@ class Detokenizer:
     def init(self, msg: DetokenizeInit) -> Rendered:
         self.requests[msg.uid] = _Request(
             IncrementalDecoder(self.tokenizer, msg.prompt_tail, msg.skip_special_tokens),
-            StopMatcher(msg.stop))
+            StopMatcher(msg.stop), echo_ids=msg.echo_ids,
+            skip_special_tokens=msg.skip_special_tokens)
         return self.render(self.pending.pop(msg.uid, []))
 
     def render(self, outs: List[TokenOut]) -> Rendered:
@@ -110,7 +114,21 @@ class Detokenizer:
             text += req.matcher.flush()
         chunk = ReplyChunk(out.uid, text, ids, reason, out.prompt_tokens, req.completion_tokens,
                            req.cached_tokens, logprobs=logprobs)
+        if req.echo_ids is not None:
+            chunk = self._with_echo(chunk, req, out)
         return chunk, stopped and out.finish_reason is None
+
+    def _with_echo(self, chunk: ReplyChunk, req: _Request, out: TokenOut) -> ReplyChunk:
+        """`chunk` with the prompt prepended (the request's first chunk only): its text, and its
+        tokens' log-probabilities where rank 0 sent them (none for the first token)."""
+        ids, req.echo_ids = req.echo_ids or [], None
+        text = ("" if self.tokenizer is None else
+                self.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens))
+        entries: List[TokenLogprobText] = []
+        if out.prompt_logprobs is not None and ids:
+            entries.append(TokenLogprobText(self._token_text(ids[0]), None))
+            entries += [self._logprob_text(t, lp) for t, lp in zip(ids[1:], out.prompt_logprobs)]
+        return dataclasses.replace(chunk, prompt_text=text, prompt_logprobs=entries)
 
     def _logprob_text(self, token: int, lp: TokenLogprobs) -> TokenLogprobText:
         return TokenLogprobText(self._token_text(token), lp.logprob,

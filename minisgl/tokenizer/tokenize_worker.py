@@ -142,7 +142,8 @@ def run_tokenizer(cfg: TokenizerConfig, conn: Any) -> None:
                                                   prompt_tokens=len(prep.input_ids))]))
                 continue
             to_detok.put(DetokenizeInit(msg.uid, prep.input_ids[-PROMPT_CONTEXT_TOKENS:],
-                                        tuple(msg.stop), msg.skip_special_tokens))
+                                        tuple(msg.stop), msg.skip_special_tokens,
+                                        prep.input_ids if msg.echo else None))
             to_backend.put(UserMsg(msg.uid, prep.input_ids, prep.params))
         else:
             logger.error("ignoring unexpected message %s", type(msg).__name__)
