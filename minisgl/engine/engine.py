@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -69,6 +69,15 @@ def prompt_rows(batch: Batch) -> Optional[PromptRows]:
             ks.append(req.params.prompt_logprobs or 0)
         start += ext
     return PromptRows(owners, counts, rows, targets, max(ks)) if owners else None
+
+
+class Forwarded(NamedTuple):
+    """What one forward pass left on the device (Engine._forward)."""
+
+    logits: torch.Tensor  # [sampled requests, vocab]
+    rows: torch.Tensor  # page-table rows of the sampled requests
+    prompt: Optional[PromptRows]
+    prompt_logprobs: Optional[LogprobTensors]
 
 
 class Launched(NamedTuple):
@@ -195,44 +204,53 @@ class Engine:
         device, so a batch can be launched before the previous one's tokens reach the host.
         """
         sampled = [i for i, s in enumerate(batch.sample) if s]
-        prompt: Optional[PromptRows] = None
-        prompt_lp: Optional[LogprobTensors] = None
-        if self.graphs is not None and self.graphs.can_run(batch):
-            logits, rows = self.graphs.replay(batch)  # decode: every request is sampled
-        else:
-            rows = to_device([batch.reqs[i].table_row for i in sampled], torch.int64,
-                             self.device)
-            self._prepare_inputs(batch, rows)
-            self.backend.prepare(batch)
-            ends = list(itertools.accumulate(batch.extend_lens))  # one past each request's last
-            logit_rows = to_device([ends[i] - 1 for i in sampled], torch.int64, self.device)
-            prompt = prompt_rows(batch)
-            if prompt is None:
-                logits = self.model(batch.input_ids, batch.positions, batch, self.backend,
-                                    logit_rows)
-            else:
-                hidden = self.model.hidden(batch.input_ids, batch.positions, batch,
-                                           self.backend)
-                logits = self.model.lm_head(hidden[logit_rows])
-                prompt_lp = self._prompt_logprobs(hidden, prompt)
+        fwd = self._forward(batch, sampled)
         tokens = logprobs = None
         if sampled:
-            reqs = [batch.reqs[i] for i in sampled]
-            rows = rows.long()
-            adjusted = add_logit_bias(self.penalties.apply(logits, rows, reqs), reqs)
-            tokens = sample_requests(adjusted, reqs, self.cfg.seed, self.cfg.fused_ops)
-            self.last_tokens[rows] = tokens
-            self.penalties.record(rows, tokens, reqs)
-            logprobs = self._logprobs(logits, tokens, reqs)
-        if self.device.type != "cuda" or (tokens is None and prompt_lp is None):
-            return Launched(batch, sampled, tokens, None, logprobs, prompt, prompt_lp)
+            tokens, logprobs = self._sample(fwd.logits, fwd.rows.long(),
+                                            [batch.reqs[i] for i in sampled])
+        if self.device.type != "cuda" or (tokens is None and fwd.prompt_logprobs is None):
+            return Launched(batch, sampled, tokens, None, logprobs, fwd.prompt,
+                            fwd.prompt_logprobs)
         pinned = lambda t: None if t is None else LogprobTensors(  # noqa: E731
             *(_to_pinned(x) for x in t))
         host = None if tokens is None else _to_pinned(tokens)
-        logprobs, prompt_lp = pinned(logprobs), pinned(prompt_lp)
         done = torch.cuda.Event()
-        done.record()
-        return Launched(batch, sampled, host, done, logprobs, prompt, prompt_lp)
+        launched = Launched(batch, sampled, host, done, pinned(logprobs), fwd.prompt,
+                            pinned(fwd.prompt_logprobs))
+        done.record()  # after every copy above
+        return launched
+
+    def _forward(self, batch: Batch, sampled: List[int]) -> Forwarded:
+        """The model on `batch`: a decode graph's replay where one fits, else eager (with the
+        prompt log-probabilities of the requests collecting them)."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            logits, rows = self.graphs.replay(batch)  # decode: every request is sampled
+            return Forwarded(logits, rows, None, None)
+        rows = to_device([batch.reqs[i].table_row for i in sampled], torch.int64, self.device)
+        self._prepare_inputs(batch, rows)
+        self.backend.prepare(batch)
+        ends = list(itertools.accumulate(batch.extend_lens))  # one past each request's last
+        logit_rows = to_device([ends[i] - 1 for i in sampled], torch.int64, self.device)
+        prompt = prompt_rows(batch)
+        if prompt is None:
+            logits = self.model(batch.input_ids, batch.positions, batch, self.backend,
+                                logit_rows)
+            return Forwarded(logits, rows, None, None)
+        hidden = self.model.hidden(batch.input_ids, batch.positions, batch, self.backend)
+        return Forwarded(self.model.lm_head(hidden[logit_rows]), rows, prompt,
+                         self._prompt_logprobs(hidden, prompt))
+
+    def _sample(self, logits: torch.Tensor, rows: torch.Tensor, reqs: List[Req]
+                ) -> Tuple[torch.Tensor, Optional[LogprobTensors]]:
+        """Tokens for `reqs` (row i of `logits`, page-table row rows[i]) after their penalties
+        and logit bias, recorded as the rows' newest tokens; and their log-probabilities (of
+        the raw logits) where asked."""
+        adjusted = add_logit_bias(self.penalties.apply(logits, rows, reqs), reqs)
+        tokens = sample_requests(adjusted, reqs, self.cfg.seed, self.cfg.fused_ops)
+        self.last_tokens[rows] = tokens
+        self.penalties.record(rows, tokens, reqs)
+        return tokens, self._logprobs(logits, tokens, reqs)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, prompt: PromptRows
                          ) -> Optional[LogprobTensors]:
