@@ -207,7 +207,7 @@ class Engine:
         fwd = self._forward(batch, sampled)
         tokens = logprobs = None
         if sampled:
-            tokens, logprobs = self._sample(fwd.logits, fwd.rows.long(),
+            tokens, logprobs = self._sample(fwd.logits, fwd.rows,
                                             [batch.reqs[i] for i in sampled])
         if self.device.type != "cuda" or (tokens is None and fwd.prompt_logprobs is None):
             return Launched(batch, sampled, tokens, None, logprobs, fwd.prompt,

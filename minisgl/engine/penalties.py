@@ -60,6 +60,7 @@ class Penalties:
         rep = column([p.repetition_penalty for p in ps])
         freq = column([p.frequency_penalty for p in ps])
         pres = column([p.presence_penalty for p in ps])
+        rows = rows.long()
         counts = self.output_counts[rows].float()
         seen = self.prompt_seen[rows] | (counts > 0)
         out = logits.float()
@@ -70,5 +71,5 @@ class Penalties:
         """Count the sampled `tokens` (row i of `rows` is reqs[i]) for the penalized requests."""
         if self.output_counts is None or not any(r.params.has_penalties for r in reqs):
             return
-        self.output_counts.index_put_((rows, tokens),
+        self.output_counts.index_put_((rows.long(), tokens),
                                       torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
