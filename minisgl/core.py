@@ -9,6 +9,7 @@ ARCHITECTURE.md).
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -112,6 +113,12 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)
+
+    @functools.cached_property
+    def raw_sampling(self) -> bool:
+        """Sampled from the logits as they come, nothing else asked: no penalties, no logit
+        bias, no logprobs (cached: the engine asks for every request at every step)."""
+        return not (self.has_penalties or self.logit_bias or self.logprobs is not None)
 
     @property
     def is_greedy(self) -> bool:

@@ -246,6 +246,10 @@ class Engine:
         """Tokens for `reqs` (row i of `logits`, page-table row rows[i]) after their penalties
         and logit bias, recorded as the rows' newest tokens; and their log-probabilities (of
         the raw logits) where asked."""
+        if all(r.params.raw_sampling for r in reqs):  # the common case: one pass to find out
+            tokens = sample_requests(logits, reqs, self.cfg.seed, self.cfg.fused_ops)
+            self.last_tokens[rows] = tokens
+            return tokens, None
         adjusted = add_logit_bias(self.penalties.apply(logits, rows, reqs), reqs)
         tokens = sample_requests(adjusted, reqs, self.cfg.seed, self.cfg.fused_ops)
         self.last_tokens[rows] = tokens
