@@ -38,7 +38,8 @@ class SamplingParams:
     `logit_bias` adds a bias in [-100, 100] to token ids' logits before sampling (OpenAI's).
     `prompt_logprobs=k` returns, for every prompt token after the first, its log-probability
     given the tokens before it and the k most likely tokens there (the request then skips the
-    prefix cache: cached tokens have no logits).
+    prefix cache: cached tokens have no logits). Until `min_tokens` tokens are out, EOS and
+    `stop_token_ids` cannot be sampled (vLLM's min_tokens; HF's min_new_tokens).
     """
 
     max_tokens: int = 16
@@ -55,6 +56,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: Optional[Dict[int, float]] = None
     prompt_logprobs: Optional[int] = None
+    min_tokens: int = 0
 
     def validate(self) -> None:
         """Raise ValueError naming the offending value; called at every entry point."""
@@ -62,6 +64,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if (not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)
+                or not 0 <= self.min_tokens <= self.max_tokens):
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens = "
+                             f"{self.max_tokens}], got {self.min_tokens!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
@@ -118,7 +124,8 @@ class SamplingParams:
     def raw_sampling(self) -> bool:
         """Sampled from the logits as they come, nothing else asked: no penalties, no logit
         bias, no logprobs (cached: the engine asks for every request at every step)."""
-        return not (self.has_penalties or self.logit_bias or self.logprobs is not None)
+        return not (self.has_penalties or self.logit_bias or self.logprobs is not None
+                    or self.min_tokens > 0)
 
     @property
     def is_greedy(self) -> bool:

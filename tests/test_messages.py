@@ -13,7 +13,7 @@ from minisgl.message import types as T
 PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, seed=3,
                         ignore_eos=True, stop_token_ids=(5, 6), logprobs=3,
                         presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2,
-                        logit_bias={5: -100.0, 70000: 2.5})
+                        logit_bias={5: -100.0, 70000: 2.5}, prompt_logprobs=0, min_tokens=2)
 LOGPROBS = TokenLogprobs(-0.25, (7042, 260), (-0.25, -2.740744113922119))
 LOGPROB_TEXT = T.TokenLogprobText(" Paris", -0.25, (" Paris", " the"),
                                   (-0.25, -2.740744113922119))

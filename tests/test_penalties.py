@@ -109,3 +109,31 @@ def test_bad_logit_bias_is_refused_with_the_numbers(tiny_model: Callable[..., Pa
             llm.generate([[5, 6]], SamplingParams(max_tokens=2, logit_bias={vocab: 1.0}))
         with pytest.raises(ValueError, match=r"values must be numbers in \[-100, 100\], got 101"):
             llm.generate([[5, 6]], SamplingParams(max_tokens=2, logit_bias={3: 101}))
+
+
+def test_min_tokens_holds_back_eos_as_hf_min_new_tokens(default_model_dir: Path) -> None:
+    """min_tokens forbids EOS (and stop_token_ids) until that many tokens are out, as HF's
+    min_new_tokens does; afterwards EOS ends the request as usual."""
+    import torch
+    from hf_reference import _hf_model
+    from minisgl.tokenizer.text import load_tokenizer
+    tok = load_tokenizer(default_model_dir)
+    ids = tok.apply_chat_template([{"role": "user", "content": "Say hi."}],
+                                  add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    with LLM(str(default_model_dir), max_kv_tokens=2048, show_progress=False) as llm:
+        free, held = llm.generate([ids, ids], [
+            SamplingParams(max_tokens=48, temperature=0.0),
+            SamplingParams(max_tokens=48, temperature=0.0, min_tokens=30)])
+    assert free.finish_reason == "stop" and len(free.token_ids) < 30  # stops early by itself
+    assert len(held.token_ids) >= 30 and held.token_ids[:len(free.token_ids) - 1] == \
+        free.token_ids[:-1]
+    model = _hf_model(default_model_dir)
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=48, min_new_tokens=30,  # type: ignore[operator]
+                             do_sample=False, top_k=None, top_p=None, temperature=None)
+    ref_ids = ref[0, len(ids):].tolist()
+    assert held.token_ids == ref_ids[:len(held.token_ids)] and held.finish_reason == (
+        "stop" if len(held.token_ids) < 48 else "length")
+    with pytest.raises(ValueError, match=r"min_tokens must be an integer in \[0, max_tokens = 4\]"):
+        SamplingParams(max_tokens=4, min_tokens=5).validate()

@@ -253,6 +253,9 @@ def test_sampling_fields(client: openai.OpenAI, model: str, llm: LLM) -> None:
                                        extra_body={"repetition_penalty": 1.3},
                                        response_format={"type": "text"}, tool_choice="none")
     assert r.choices[0].message.content == ref.text
+    r = client.chat.completions.create(**kw, temperature=0, max_tokens=30,
+                                       extra_body={"min_tokens": 20})
+    assert r.usage.completion_tokens >= 20  # the plain answer stops after 8
     r = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0,
                                   logit_bias={"28": 100})  # OpenAI's form: id strings
     r2 = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0,
@@ -350,6 +353,10 @@ BAD_REQUESTS = [
     ("top_logprobs over the cap", "/v1/chat/completions",
      _chat(logprobs=True, top_logprobs=21), 400),
     ("presence_penalty above 2", "/v1/chat/completions", _chat(presence_penalty=2.5), 400),
+    ("min_tokens above max_tokens", "/v1/chat/completions", _chat(max_tokens=3, min_tokens=4),
+     400),
+    ("min_tokens beyond the auto max_tokens", "/v1/chat/completions",
+     _chat(max_tokens=None, min_tokens=9000), 400),
     ("repetition_penalty zero", "/v1/chat/completions", _chat(repetition_penalty=0), 400),
     ("logit_bias key not an id", "/v1/chat/completions", _chat(logit_bias={"x": 5}), 400),
     ("logit_bias beyond the vocabulary", "/v1/chat/completions",

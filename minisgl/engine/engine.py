@@ -21,7 +21,7 @@ from minisgl.engine.config import EngineConfig
 from minisgl.engine.cuda_graph import DecodeGraphs, graph_sizes
 from minisgl.engine.penalties import Penalties
 from minisgl.engine.sampler import (LogprobTensors, add_logit_bias, sample_requests,
-                                    token_logprobs)
+                                    suppress_early_stops, token_logprobs)
 from minisgl.kvcache import KVPool
 from minisgl.layers import blas
 from minisgl.models import CausalLM, ModelConfig, model_class
@@ -243,14 +243,15 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor, reqs: List[Req]
                 ) -> Tuple[torch.Tensor, Optional[LogprobTensors]]:
-        """Tokens for `reqs` (row i of `logits`, page-table row rows[i]) after their penalties
-        and logit bias, recorded as the rows' newest tokens; and their log-probabilities (of
+        """Tokens for `reqs` (row i of `logits`, page-table row rows[i]) after their penalties,
+        logit bias and min_tokens, recorded as the rows' newest tokens; and their log-probabilities (of
         the raw logits) where asked."""
         if all(r.params.raw_sampling for r in reqs):  # the common case: one pass to find out
             tokens = sample_requests(logits, reqs, self.cfg.seed, self.cfg.fused_ops)
             self.last_tokens[rows] = tokens
             return tokens, None
-        adjusted = add_logit_bias(self.penalties.apply(logits, rows, reqs), reqs)
+        adjusted = suppress_early_stops(
+            add_logit_bias(self.penalties.apply(logits, rows, reqs), reqs), reqs)
         tokens = sample_requests(adjusted, reqs, self.cfg.seed, self.cfg.fused_ops)
         self.last_tokens[rows] = tokens
         self.penalties.record(rows, tokens, reqs)

@@ -110,6 +110,27 @@ def sample(logits: torch.Tensor, s: SamplingTensors, fused: bool = False) -> tor
     return torch.where(s.greedy, greedy_tokens, sampled)
 
 
+def suppress_early_stops(logits: torch.Tensor, reqs: List[Req]) -> torch.Tensor:
+    """min_tokens: -inf for the stop tokens (EOS unless ignored, and stop_token_ids) of every
+    request with fewer than `min_tokens` outputs before this one (row i is reqs[i]). Returns
+    `logits` itself when none applies, else a new float32 tensor."""
+    rows: List[int] = []
+    cols: List[int] = []
+    vocab = logits.shape[-1]
+    for i, req in enumerate(reqs):
+        if req.device_len - req.prompt_len < req.params.min_tokens:
+            stops = req.params.stop_token_ids + (() if req.params.ignore_eos else req.eos_ids)
+            stops = tuple(t for t in stops if t < vocab)  # an id beyond it never comes anyway
+            rows.extend([i] * len(stops))
+            cols.extend(stops)
+    if not rows:
+        return logits
+    out = logits.float().clone()
+    index = to_device([rows, cols], torch.int64, logits.device)
+    out[index[0], index[1]] = float("-inf")
+    return out
+
+
 def add_logit_bias(logits: torch.Tensor, reqs: List[Req]) -> torch.Tensor:
     """OpenAI's logit_bias: each request's biases added to its row (row i is reqs[i]). Returns
     `logits` itself when no request has a bias, else a new float32 tensor."""

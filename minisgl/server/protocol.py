@@ -68,6 +68,7 @@ class _Sampling(_Body):
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None
+    min_tokens: int = 0
     ignore_eos: bool = False
     stop: Union[None, str, List[str]] = None
     stop_token_ids: Optional[List[int]] = None
@@ -188,12 +189,14 @@ def _check_ids(name: str, ids: Sequence[int]) -> None:
 
 def _sampling(body: _Sampling, max_tokens: Optional[int], logprobs: Optional[int] = None,
               logit_bias: Optional[Dict[int, float]] = None) -> SamplingParams:
-    for name in ("top_k", "seed"):
+    for name in ("top_k", "seed", "min_tokens"):
         _check_int(name, getattr(body, name))
     _check_int("max_tokens", max_tokens, _INT32)
     _check_ids("stop_token_ids", body.stop_token_ids or ())
     params = SamplingParams(
-        max_tokens=max_tokens if max_tokens is not None else 1,
+        # an absent max_tokens is resolved later (the tokenizer): check the rest against the
+        # smallest it may be
+        max_tokens=max_tokens if max_tokens is not None else max(1, body.min_tokens),
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=-1 if body.top_k is None else body.top_k,
@@ -202,6 +205,7 @@ def _sampling(body: _Sampling, max_tokens: Optional[int], logprobs: Optional[int
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        min_tokens=body.min_tokens,
         stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs,
         logit_bias=logit_bias)
     try:
