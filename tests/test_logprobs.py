@@ -104,3 +104,24 @@ def test_prompt_logprobs_equal_hf(tiny_model: Callable[..., Path], chunk: int) -
         assert [list(lp.top_ids) for lp in out.prompt_logprobs] == top_ids.tolist()
         for lp, values in zip(out.prompt_logprobs, top_values.tolist()):
             assert list(lp.top_logprobs) == pytest.approx(values, abs=TOL)
+
+
+def test_prompt_logprobs_survive_retraction(tiny_model: Callable[..., Path]) -> None:
+    """A request retracted before its first token computes its prompt again from the start:
+    its prompt log-probabilities are each prompt token's once, as without retraction."""
+    path = tiny_model("qwen3")
+    prompts = mixed_prompts(12, seed=13, lengths=(20, 24))
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    runs = []
+    for kv, reserve in ((4096, None), (400, 4)):
+        with LLM(str(path), page_size=4, max_kv_tokens=kv, max_running_requests=12,
+                 max_prefill_tokens=16, overlap=True, decode_reserve_tokens=reserve,
+                 show_progress=False) as llm:
+            runs.append(llm.generate(prompts, params))
+            retracted = llm._backend.scheduler.totals["retracted"]  # type: ignore[attr-defined]
+    assert retracted > 0
+    for calm, pressed, prompt in zip(*runs, prompts):
+        assert pressed.token_ids == calm.token_ids
+        assert len(pressed.prompt_logprobs) == len(prompt) - 1  # type: ignore[arg-type]
+        assert [lp.logprob for lp in pressed.prompt_logprobs] == pytest.approx(  # type: ignore
+            [lp.logprob for lp in calm.prompt_logprobs], abs=TOL)  # type: ignore[union-attr]
