@@ -34,6 +34,8 @@ SAMPLES: Dict[str, Any] = {
         T.TokenizeRequest(uid=3, params=PARAMS, input_ids=[0, 1, 2 ** 31 - 1]),
     ],
     "AbortRequest": [T.AbortRequest(uid=4)],
+    "TextRequest": [T.TextRequest(uid=13, text="hi"), T.TextRequest(uid=14, input_ids=[1, 2]),
+                    T.TextRequest(uid=15, messages=[{"role": "user", "content": "x"}])],
     "UserMsg": [T.UserMsg(uid=5, input_ids=list(range(1000)), params=PARAMS)],
     "AbortMsg": [T.AbortMsg(uid=6)],
     "ShutdownMsg": [T.ShutdownMsg()],

@@ -174,6 +174,26 @@ def test_echo_with_prompt_logprobs_matches_offline_llm(client: openai.OpenAI, mo
     assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
 
 
+def test_tokenize_and_detokenize(server: Server, llm: LLM) -> None:
+    """/tokenize (a prompt, or messages through the chat template) and /detokenize answer as
+    the offline tokenizer does, and stay out of the generation metrics."""
+    def ttft_count() -> str:
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        return [line for line in text.splitlines()
+                if line.startswith("minisgl_time_to_first_token_seconds_count")][0]
+    before = ttft_count()
+    r = _post(server, "/tokenize", {"prompt": "Hello world, héllo 🙂"})
+    ids = llm.tokenizer.encode("Hello world, héllo 🙂", add_special_tokens=False)
+    assert r.status_code == 200
+    assert r.json() == {"tokens": ids, "count": len(ids), "max_model_len": 8192}
+    r = _post(server, "/tokenize", {"messages": PARIS})
+    assert r.json()["tokens"] == llm._chat_ids(PARIS)
+    r = _post(server, "/detokenize", {"tokens": ids})
+    assert r.status_code == 200 and r.json() == {"prompt": "Hello world, héllo 🙂"}
+    assert _post(server, "/tokenize", {"prompt": ""}).json()["tokens"] == []
+    assert ttft_count() == before
+
+
 def test_generate_stream_returns_token_ids(server: Server, llm: LLM) -> None:
     ref = llm.generate("Hello, my name is", SamplingParams(temperature=0, max_tokens=6))[0]
     body = {"text": "Hello, my name is", "stream": True,
@@ -388,6 +408,11 @@ BAD_REQUESTS = [
     ("token id beyond int32", "/generate", {"input_ids": [1, 2 ** 40]}, 400),
     ("generate with text and ids", "/generate", {"text": "a", "input_ids": [1]}, 400),
     ("generate without a prompt", "/generate", {"sampling_params": {}}, 400),
+    ("tokenize with neither prompt nor messages", "/tokenize", {}, 400),
+    ("tokenize with both", "/tokenize", {"prompt": "a", "messages": PARIS}, 400),
+    ("detokenize an id outside the vocabulary", "/detokenize", {"tokens": [1, 10 ** 6]}, 400),
+    ("detokenize tokens not ids", "/detokenize", {"tokens": "abc"}, 400),
+    ("tokenize for another model", "/tokenize", {"model": "gpt-17", "prompt": "a"}, 404),
     ("unknown route", "/v1/embeddings", {"input": "x"}, 404),
 ]
 

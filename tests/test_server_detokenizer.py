@@ -154,3 +154,18 @@ def test_tokenizer_validation(bpe: Any) -> None:
     assert capped.params.max_tokens == 1024  # an eighth of the context: requests share the pool
     chat = t.prepare(TokenizeRequest(8, p, messages=[{"role": "user", "content": "hi"}]))
     assert chat.error is None and chat.input_ids[-4:] == bpe.encode("<|im_start|>assistant\n")
+
+
+def test_text_requests_answer_without_generating(bpe: Any) -> None:
+    """The tokenizer process answers /tokenize and /detokenize itself; a model without a
+    tokenizer says so, and ids outside the vocabulary are named."""
+    from minisgl.message.types import TextRequest
+    logic = Tokenizer(bpe, max_context=64, kv_capacity=64)
+    ids = bpe.encode("hello there", add_special_tokens=False)
+    tok = logic.answer(TextRequest(1, text="hello there"))
+    assert (tok.token_ids, tok.finish_reason, tok.error) == (ids, "stop", None)
+    assert logic.answer(TextRequest(2, input_ids=ids)).text == "hello there"
+    bad = logic.answer(TextRequest(3, input_ids=[len(bpe) + 5]))
+    assert bad.error is not None and f"token id {len(bpe) + 5} is outside" in bad.error
+    bare = Tokenizer(None, max_context=64, kv_capacity=64).answer(TextRequest(4, input_ids=[1]))
+    assert bare.error is not None and "no tokenizer" in bare.error

@@ -24,7 +24,8 @@ _TYPES: Dict[str, Type[Any]] = {
     cls.__name__: cls
     for cls in (T.TokenizeRequest, T.AbortRequest, T.UserMsg, T.AbortMsg, T.ShutdownMsg,
                 T.TokenOut, T.BatchTokenOut, T.SchedulerStats, T.ReplyChunk, SamplingParams,
-                T.DetokenizeInit, T.ReplyBatch, TokenLogprobs, T.TokenLogprobText)
+                T.DetokenizeInit, T.ReplyBatch, TokenLogprobs, T.TokenLogprobText,
+                T.TextRequest)
 }
 
 

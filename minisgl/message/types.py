@@ -36,6 +36,18 @@ class TokenizeRequest:
 
 
 @dataclass(frozen=True)
+class TextRequest:
+    """API server -> tokenizer, nothing generated: tokenize `text` or `messages` (chat template
+    applied), or detokenize `input_ids`. Answered with one final `ReplyChunk` (token ids for
+    tokenize, text for detokenize) or an error."""
+
+    uid: int
+    text: Optional[str] = None
+    messages: Optional[List[dict]] = None
+    input_ids: Optional[List[int]] = None
+
+
+@dataclass(frozen=True)
 class AbortRequest:
     uid: int
 

@@ -26,8 +26,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from minisgl.message.startup import report_startup
 from minisgl.message.types import ReplyChunk
 from minisgl.server.metrics import Metrics
-from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, GenerateRequest,
-                                     chat_job, completion_job, generate_job, parse_body)
+from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeBody,
+                                     GenerateRequest, Prompt, TokenizeBody, chat_job,
+                                     completion_job, detokenize_prompt, generate_job, parse_body,
+                                     tokenize_prompt)
 from minisgl.server.responses import (ChatFormatter, Choice, CompletionFormatter, Formatter,
                                       GenerateFormatter, SSEResponse)
 from minisgl.server.streams import RequestStream, RequestStreams
@@ -74,6 +76,17 @@ class Waiter:
 def _check(chunk: ReplyChunk) -> None:
     if chunk.error is not None:
         raise ApiError(chunk.error_status, chunk.error)
+
+
+async def run_text(request: Request, streams: RequestStreams, prompt: Prompt) -> ReplyChunk:
+    """A tokenize / detokenize round trip through the tokenizer process: its one reply."""
+    stream = streams.submit_text(prompt.text, prompt.messages, prompt.input_ids)
+    try:
+        chunk = await Waiter(stream, request).next()
+    finally:
+        streams.release(stream)
+    _check(chunk)
+    return chunk
 
 
 async def run_job(request: Request, streams: RequestStreams, fmt: Formatter) -> Response:
@@ -183,6 +196,27 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> FastAPI:
         body = parse_body(await request.body(), GenerateRequest)
         return await run_job(request, streams,
                              GenerateFormatter(cfg.model_name, generate_job(body)))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = parse_body(await request.body(), TokenizeBody)
+        check_model(body.model)
+        try:
+            chunk = await run_text(request, streams, tokenize_prompt(body))
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse({"tokens": chunk.token_ids, "count": len(chunk.token_ids),
+                             "max_model_len": cfg.max_context})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = parse_body(await request.body(), DetokenizeBody)
+        check_model(body.model)
+        try:
+            chunk = await run_text(request, streams, detokenize_prompt(body))
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse({"prompt": chunk.text})
 
     def model_card() -> Dict[str, Any]:
         return {"id": cfg.model_name, "object": "model", "created": started,

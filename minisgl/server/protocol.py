@@ -105,6 +105,19 @@ class CompletionRequest(_OpenAI):
     echo: bool = False
 
 
+class TokenizeBody(_Body):
+    """POST /tokenize: a `prompt` string or chat `messages` (the chat template applied)."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[List[ChatMessage]] = None
+
+
+class DetokenizeBody(_Body):
+    model: Optional[str] = None
+    tokens: List[int]
+
+
 class GenerateRequest(_Body):
     input_ids: Optional[List[int]] = None
     text: Optional[str] = None
@@ -294,6 +307,20 @@ def chat_job(body: ChatRequest, max_n: int) -> Job:
     messages = [{"role": m.role, "content": _message_text(i, m)}
                 for i, m in enumerate(body.messages)]
     return _job(body, [Prompt(messages=messages)], max_n)
+
+
+def tokenize_prompt(body: TokenizeBody) -> Prompt:
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "exactly one of prompt and messages must be given", "prompt")
+    if body.messages is None:
+        return Prompt(text=body.prompt)
+    return Prompt(messages=[{"role": m.role, "content": _message_text(i, m)}
+                            for i, m in enumerate(body.messages)])
+
+
+def detokenize_prompt(body: DetokenizeBody) -> Prompt:
+    _check_ids("tokens", body.tokens)
+    return Prompt(input_ids=list(body.tokens))
 
 
 def _is_ids(x: Any) -> bool:

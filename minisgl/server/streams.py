@@ -24,7 +24,8 @@ import zmq
 import zmq.asyncio
 
 from minisgl.message.codec import decode, encode
-from minisgl.message.types import AbortRequest, ReplyBatch, ReplyChunk, TokenizeRequest
+from minisgl.message.types import (AbortRequest, ReplyBatch, ReplyChunk, TextRequest,
+                                   TokenizeRequest)
 from minisgl.server.metrics import Metrics
 from minisgl.server.protocol import ApiError, Job
 
@@ -38,6 +39,7 @@ class RequestStream:
     queue: "asyncio.Queue[ReplyChunk]" = field(default_factory=asyncio.Queue)
     unfinished: Set[int] = field(default_factory=set)
     last_token_at: Dict[int, float] = field(default_factory=dict)
+    measured: bool = True  # counts in the latency and finish metrics (generation does)
 
     def __post_init__(self) -> None:
         self.unfinished = set(self.uids)
@@ -87,9 +89,22 @@ class RequestStreams:
             raise
         return stream
 
+    def submit_text(self, text: Optional[str] = None, messages: Optional[List[dict]] = None,
+                    input_ids: Optional[List[int]] = None) -> RequestStream:
+        """A tokenize / detokenize request (message.TextRequest): one final reply, outside the
+        generation metrics."""
+        stream = RequestStream([next(self._uids)], measured=False)
+        self._streams[stream.uids[0]] = stream
+        try:
+            self._send(TextRequest(stream.uids[0], text, messages, input_ids))
+        except ApiError:
+            self.release(stream)
+            raise
+        return stream
+
     def release(self, stream: RequestStream) -> None:
         """Abort the stream's unfinished uids and forget the stream (idempotent)."""
-        for uid in sorted(stream.unfinished):
+        for uid in sorted(stream.unfinished if stream.measured else ()):  # text: nothing runs
             try:
                 self._push.send(encode(AbortRequest(uid)), zmq.NOBLOCK)
             except zmq.Again:
@@ -114,7 +129,7 @@ class RequestStreams:
         stream = self._streams.get(chunk.uid)
         if stream is None:
             return  # released already (client gone): drop
-        if chunk.token_ids:
+        if chunk.token_ids and stream.measured:
             last = stream.last_token_at.get(chunk.uid)
             if last is None:
                 self.metrics.ttft.observe(now - stream.created)
@@ -124,7 +139,8 @@ class RequestStreams:
         if chunk.error is not None or chunk.finish_reason is not None:
             stream.unfinished.discard(chunk.uid)
             del self._streams[chunk.uid]
-            self.metrics.count_finished("error" if chunk.error else chunk.finish_reason or "")
+            if stream.measured:
+                self.metrics.count_finished("error" if chunk.error else chunk.finish_reason or "")
         stream.queue.put_nowait(chunk)
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional, Union
 
 import zmq
 
@@ -29,7 +29,7 @@ from minisgl.core import SamplingParams, prompt_error
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.startup import report_startup
 from minisgl.message.types import (MAX_TOKENS_AUTO, AbortMsg, AbortRequest, DetokenizeInit,
-                                   ReplyBatch, ReplyChunk, TokenizeRequest, UserMsg)
+                                   ReplyBatch, ReplyChunk, TextRequest, TokenizeRequest, UserMsg)
 from minisgl.tokenizer.incremental import PROMPT_CONTEXT_TOKENS
 from minisgl.tokenizer.text import load_tokenizer
 
@@ -65,7 +65,7 @@ class Tokenizer:
         self.kv_capacity = kv_capacity
         self.vocab = len(tokenizer) if tokenizer is not None else None
 
-    def encode(self, req: TokenizeRequest) -> List[int]:
+    def encode(self, req: Union[TokenizeRequest, TextRequest]) -> List[int]:
         if req.input_ids is not None:
             return list(req.input_ids)
         if self.tokenizer is None:
@@ -75,6 +75,23 @@ class Tokenizer:
                                                      tokenize=True)
             return list(out["input_ids"] if hasattr(out, "keys") else out)
         return list(self.tokenizer.encode(req.text or "", add_special_tokens=False))
+
+    def answer(self, req: TextRequest) -> ReplyChunk:
+        """The final reply to a tokenize (text, messages) or detokenize (input_ids) request."""
+        try:
+            if self.tokenizer is None:
+                raise _NoTokenizer()
+            ids = self.encode(req)
+        except _NoTokenizer:
+            return ReplyChunk(req.uid, error=_NoTokenizer.message)
+        except Exception as e:  # a chat template may reject a conversation (roles, content)
+            return ReplyChunk(req.uid, error=f"cannot apply the chat template: {e}")
+        error = prompt_error(ids, self.vocab) if ids else None  # empty is fine here
+        if error is not None:
+            return ReplyChunk(req.uid, error=error)
+        if req.input_ids is None:
+            return ReplyChunk(req.uid, "", ids, "stop", prompt_tokens=len(ids))
+        return ReplyChunk(req.uid, self.tokenizer.decode(ids), ids, "stop")
 
     def prepare(self, req: TokenizeRequest) -> Prepared:
         """The ids and final params of a request, or why it is rejected. The prompt checks are
@@ -134,6 +151,8 @@ def run_tokenizer(cfg: TokenizerConfig, conn: Any) -> None:
         msg = inbox.get()
         if isinstance(msg, AbortRequest):
             to_backend.put(AbortMsg(msg.uid))
+        elif isinstance(msg, TextRequest):
+            to_api.put(ReplyBatch([logic.answer(msg)]))
         elif isinstance(msg, TokenizeRequest):
             prep = logic.prepare(msg)
             if prep.params is None:
