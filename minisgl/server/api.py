@@ -197,26 +197,26 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> FastAPI:
         return await run_job(request, streams,
                              GenerateFormatter(cfg.model_name, generate_job(body)))
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        body = parse_body(await request.body(), TokenizeBody)
+    async def text_endpoint(request: Request, body_type: Any, prompt_of: Callable[[Any], Prompt],
+                            reply: Callable[[ReplyChunk], Dict[str, Any]]) -> Response:
+        """/tokenize and /detokenize: parse, one round trip to the tokenizer, reply."""
+        body = parse_body(await request.body(), body_type)
         check_model(body.model)
         try:
-            chunk = await run_text(request, streams, tokenize_prompt(body))
+            chunk = await run_text(request, streams, prompt_of(body))
         except ClientGone:
             return Response(status_code=499)
-        return JSONResponse({"tokens": chunk.token_ids, "count": len(chunk.token_ids),
-                             "max_model_len": cfg.max_context})
+        return JSONResponse(reply(chunk))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await text_endpoint(request, TokenizeBody, tokenize_prompt, lambda c: {
+            "tokens": c.token_ids, "count": len(c.token_ids), "max_model_len": cfg.max_context})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        body = parse_body(await request.body(), DetokenizeBody)
-        check_model(body.model)
-        try:
-            chunk = await run_text(request, streams, detokenize_prompt(body))
-        except ClientGone:
-            return Response(status_code=499)
-        return JSONResponse({"prompt": chunk.text})
+        return await text_endpoint(request, DetokenizeBody, detokenize_prompt,
+                                   lambda c: {"prompt": c.text})
 
     def model_card() -> Dict[str, Any]:
         return {"id": cfg.model_name, "object": "model", "created": started,
