@@ -1,4 +1,6 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, with counter-based noise.
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, with counter-based noise; the
+per-request logit edits before it (logit_bias, min_tokens; the penalties live in penalties.py)
+and the log-probabilities of what was sampled.
 
 Random sampling is Gumbel-max with noise from a hash of (seed, step, token id), computed with
 integer tensor ops. So the token depends only on the logits, the request's seed and how many
