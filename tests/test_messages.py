@@ -15,8 +15,8 @@ PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_
                         presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2,
                         logit_bias={5: -100.0, 70000: 2.5}, prompt_logprobs=0, min_tokens=2)
 LOGPROBS = TokenLogprobs(-0.25, (7042, 260), (-0.25, -2.740744113922119))
-LOGPROB_TEXT = T.TokenLogprobText(" Paris", -0.25, (" Paris", " the"),
-                                  (-0.25, -2.740744113922119))
+LOGPROB_TEXT = T.TokenLogprobText(" \ufffd", -0.25, (" \ufffd", " the"),
+                                  (-0.25, -2.740744113922119), b" \xe6", (b" \xe6", None))
 STATS = T.SchedulerStats(running=2, waiting=3, kv_pages_used=4, kv_pages_total=512,
                          kv_pages_cached=9, prompt_tokens_total=100, generated_tokens_total=50,
                          cached_tokens_total=32, prefilled_tokens_total=68)

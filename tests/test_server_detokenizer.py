@@ -169,3 +169,29 @@ def test_text_requests_answer_without_generating(bpe: Any) -> None:
     assert bad.error is not None and f"token id {len(bpe) + 5} is outside" in bad.error
     bare = Tokenizer(None, max_context=64, kv_capacity=64).answer(TextRequest(4, input_ids=[1]))
     assert bare.error is not None and "no tokenizer" in bare.error
+
+
+def test_logprob_tokens_carry_the_bytes_of_partial_characters(bpe: Any) -> None:
+    """日 is three byte-level tokens, each U+FFFD alone: their logprob entries carry the raw
+    bytes, which join back into the text (OpenAI's `bytes`); whole-character tokens carry none
+    (their text's UTF-8 is their bytes). SentencePiece's <0xNN> byte tokens too."""
+    from minisgl.core import TokenLogprobs
+    from minisgl.server.responses import chat_logprobs
+    from minisgl.tokenizer.token_bytes import token_bytes
+    ids = bpe.encode(" 日本 and more", add_special_tokens=False)
+    det = Detokenizer(bpe)
+    det.init(DetokenizeInit(uid=1, prompt_tail=[]))
+    outs = [TokenOut(1, t, logprobs=TokenLogprobs(-1.0, (t,), (-1.0,))) for t in ids]
+    entries = [e for c in det.render(outs).chunks for e in c.logprobs]
+    assert any(e.token_bytes is not None for e in entries)  # the split character
+    assert all(e.token_bytes is None for e in entries if "\ufffd" not in e.token)
+    content = chat_logprobs(entries)["content"]
+    assert bytes(b for c in content for b in c["bytes"]).decode() == " 日本 and more"
+    assert [c["top_logprobs"][0]["bytes"] for c in content] == [c["bytes"] for c in content]
+
+    class Pieces:  # a SentencePiece-style vocabulary with byte fallback
+        def convert_ids_to_tokens(self, token_id: int) -> str:
+            return {7: "<0xE6>", 8: "\u2581word"}[token_id]
+    assert token_bytes(Pieces(), 7, "\ufffd") == b"\xe6"
+    assert token_bytes(Pieces(), 8, "word") is None  # whole text: no bytes needed
+    assert token_bytes(None, 7, "\ufffd") is None

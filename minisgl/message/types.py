@@ -127,6 +127,10 @@ class TokenLogprobText:
     logprob: Optional[float]  # None only for a prompt's first token (nothing precedes it)
     top_tokens: Tuple[str, ...] = ()
     top_logprobs: Tuple[float, ...] = ()
+    # The raw bytes of a token whose text alone is not them (part of a character, shown as
+    # U+FFFD; tokenizer/token_bytes.py), else None: the text's UTF-8. Likewise per top token.
+    token_bytes: Optional[bytes] = None
+    top_bytes: Tuple[Optional[bytes], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -75,13 +75,15 @@ def completion_logprobs(entries: Sequence[TokenLogprobText], offset: int) -> Dic
 
 
 def chat_logprobs(entries: Sequence[TokenLogprobText]) -> Dict[str, Any]:
-    """The chat `logprobs` object: per token, its text, UTF-8 bytes, log-probability and the
-    most likely alternatives."""
-    def item(token: str, logprob: float) -> Dict[str, Any]:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
-    return {"content": [{**item(e.token, e.logprob),
-                         "top_logprobs": [item(t, v) for t, v in zip(e.top_tokens,
-                                                                      e.top_logprobs)]}
+    """The chat `logprobs` object: per token, its text, bytes (its raw bytes where the text
+    alone is only part of a character), log-probability and the most likely alternatives."""
+    def item(token: str, logprob: Optional[float], raw: Optional[bytes]) -> Dict[str, Any]:
+        return {"token": token, "logprob": logprob,
+                "bytes": list(raw if raw is not None else token.encode("utf-8"))}
+    return {"content": [{**item(e.token, e.logprob, e.token_bytes),
+                         "top_logprobs": [item(t, v, b) for t, v, b in zip(
+                             e.top_tokens, e.top_logprobs,
+                             e.top_bytes or (None,) * len(e.top_tokens))]}
                         for e in entries]}
 
 

@@ -27,6 +27,7 @@ from minisgl.message.types import (AbortMsg, BatchTokenOut, DetokenizeInit, Repl
                                    ReplyChunk, TokenLogprobText, TokenOut)
 from minisgl.tokenizer.incremental import IncrementalDecoder, StopMatcher
 from minisgl.tokenizer.text import load_tokenizer
+from minisgl.tokenizer.token_bytes import token_bytes
 
 logger = logging.getLogger("minisgl.detokenizer")
 
@@ -62,7 +63,9 @@ class Detokenizer:
     tokenizer: Optional[Any]  # None: a model without a tokenizer (token ids only, no text)
     requests: Dict[int, _Request] = field(default_factory=dict)
     pending: Dict[int, List[TokenOut]] = field(default_factory=dict)
-    token_texts: Dict[int, str] = field(default_factory=dict)  # at most one per vocabulary id
+    # Each token's text alone and, where that is not its bytes, the bytes (token_bytes.py): at
+    # most one entry per vocabulary id.
+    token_texts: Dict[int, Tuple[str, Optional[bytes]]] = field(default_factory=dict)
 
     def init(self, msg: DetokenizeInit) -> Rendered:
         self.requests[msg.uid] = _Request(
@@ -126,22 +129,29 @@ class Detokenizer:
                 self.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens))
         entries: List[TokenLogprobText] = []
         if out.prompt_logprobs is not None and ids:
-            entries.append(TokenLogprobText(self._token_text(ids[0]), None))
+            text, raw = self._token_text(ids[0])
+            entries.append(TokenLogprobText(text, None, token_bytes=raw))
             entries += [self._logprob_text(t, lp) for t, lp in zip(ids[1:], out.prompt_logprobs)]
         return dataclasses.replace(chunk, prompt_text=text, prompt_logprobs=entries)
 
     def _logprob_text(self, token: int, lp: TokenLogprobs) -> TokenLogprobText:
-        return TokenLogprobText(self._token_text(token), lp.logprob,
-                                tuple(self._token_text(t) for t in lp.top_ids), lp.top_logprobs)
+        text, raw = self._token_text(token)
+        tops = [self._token_text(t) for t in lp.top_ids]
+        return TokenLogprobText(text, lp.logprob, tuple(t for t, _ in tops), lp.top_logprobs,
+                                raw, tuple(b for _, b in tops))
 
-    def _token_text(self, token: int) -> str:
-        """One token decoded on its own, special tokens included (cached)."""
-        text = self.token_texts.get(token)
-        if text is None:
-            text = (f"token_id:{token}" if self.tokenizer is None else
-                    self.tokenizer.decode([token], skip_special_tokens=False))
-            self.token_texts[token] = text
-        return text
+    def _token_text(self, token: int) -> Tuple[str, Optional[bytes]]:
+        """One token decoded on its own, special tokens included, and its bytes where the text
+        is not them (cached)."""
+        entry = self.token_texts.get(token)
+        if entry is None:
+            if self.tokenizer is None:
+                entry = (f"token_id:{token}", None)
+            else:
+                text = self.tokenizer.decode([token], skip_special_tokens=False)
+                entry = (text, token_bytes(self.tokenizer, token, text))
+            self.token_texts[token] = entry
+        return entry
 
 
 def run_detokenizer(cfg: DetokenizerConfig, conn: Any) -> None:
