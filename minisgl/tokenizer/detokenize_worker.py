@@ -129,8 +129,8 @@ class Detokenizer:
                 self.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens))
         entries: List[TokenLogprobText] = []
         if out.prompt_logprobs is not None and ids:
-            text, raw = self._token_text(ids[0])
-            entries.append(TokenLogprobText(text, None, token_bytes=raw))
+            first, raw = self._token_text(ids[0])
+            entries.append(TokenLogprobText(first, None, token_bytes=raw))
             entries += [self._logprob_text(t, lp) for t, lp in zip(ids[1:], out.prompt_logprobs)]
         return dataclasses.replace(chunk, prompt_text=text, prompt_logprobs=entries)
 
