@@ -118,6 +118,17 @@ def _to_pinned(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def _host_entries(launched: Launched, lp: LogprobTensors, ks: List[Optional[int]]
+                  ) -> List[TokenLogprobs]:
+    """Row j of `lp` (host tensors of `launched`, waited for here) as a TokenLogprobs keeping its
+    ks[j] most likely alternatives (None: none)."""
+    if launched.done is not None:
+        launched.done.synchronize()
+    chosen, ids, values = lp.chosen.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
+    return [TokenLogprobs(c, tuple(i[:k or 0]), tuple(v[:k or 0]))
+            for c, i, v, k in zip(chosen, ids, values, ks)]
+
+
 class Engine:
     def __init__(self, cfg: EngineConfig, groups: ProcessGroups) -> None:
         self.cfg = cfg
@@ -307,16 +318,14 @@ class Engine:
         """Wait for a launched batch; per request, its token's log-probabilities where it asked
         for them (`params.logprobs`) and was sampled, else None."""
         out: List[Optional[TokenLogprobs]] = [None] * launched.batch.size
-        lp = launched.logprobs
-        if lp is None:
+        if launched.logprobs is None:
             return out
-        if launched.done is not None:
-            launched.done.synchronize()
-        chosen, ids, values = lp.chosen.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
-        for j, i in enumerate(launched.sampled):
-            k = launched.batch.reqs[i].params.logprobs
+        reqs = launched.batch.reqs
+        ks = [reqs[i].params.logprobs for i in launched.sampled]
+        for i, k, entry in zip(launched.sampled, ks,
+                               _host_entries(launched, launched.logprobs, ks)):
             if k is not None:
-                out[i] = TokenLogprobs(chosen[j], tuple(ids[j][:k]), tuple(values[j][:k]))
+                out[i] = entry
         return out
 
     @staticmethod
@@ -326,15 +335,14 @@ class Engine:
         prompt, lp = launched.prompt, launched.prompt_logprobs
         if prompt is None or lp is None:
             return {}
-        if launched.done is not None:
-            launched.done.synchronize()
-        chosen, ids, values = lp.chosen.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
+        reqs = launched.batch.reqs
+        ks = [reqs[owner].params.prompt_logprobs for owner, n in zip(prompt.owners, prompt.counts)
+              for _ in range(n)]
+        entries = _host_entries(launched, lp, ks)
         out: Dict[int, List[TokenLogprobs]] = {}
         start = 0
         for owner, n in zip(prompt.owners, prompt.counts):
-            k = launched.batch.reqs[owner].params.prompt_logprobs or 0
-            out[owner] = [TokenLogprobs(chosen[j], tuple(ids[j][:k]), tuple(values[j][:k]))
-                          for j in range(start, start + n)]
+            out[owner] = entries[start:start + n]
             start += n
         return out
 

@@ -53,7 +53,9 @@ class Penalties:
         rows `rows`); the input itself is not changed. Rows without penalties pass as they are."""
         if not any(r.params.has_penalties for r in reqs):
             return logits
-        assert self.output_counts is not None and self.prompt_seen is not None  # start() ran
+        if self.output_counts is None or self.prompt_seen is None:
+            raise RuntimeError("penalties applied before any penalized request was started "
+                               "(Engine.start_request runs at admission)")
         ps = [r.params for r in reqs]
         def column(values: List[float]) -> torch.Tensor:
             return to_device(values, torch.float32, self.device).unsqueeze(1)
@@ -62,10 +64,11 @@ class Penalties:
         pres = column([p.presence_penalty for p in ps])
         rows = rows.long()
         counts = self.output_counts[rows].float()
-        seen = self.prompt_seen[rows] | (counts > 0)
+        present = counts > 0
         out = logits.float()
-        out = torch.where(seen, torch.where(out > 0, out / rep, out * rep), out)
-        return out - freq * counts - pres * (counts > 0).float()
+        out = torch.where(self.prompt_seen[rows] | present,
+                          torch.where(out > 0, out / rep, out * rep), out)
+        return out - freq * counts - pres * present.float()
 
     def record(self, rows: torch.Tensor, tokens: torch.Tensor, reqs: List[Req]) -> None:
         """Count the sampled `tokens` (row i of `rows` is reqs[i]) for the penalized requests."""

@@ -274,12 +274,13 @@ class Scheduler:
                 prompt_logprobs: Dict[int, List[TokenLogprobs]]) -> List[TokenOut]:
         """Record the batch's tokens and return what goes out. `logprobs` per request and
         `prompt_logprobs` by batch index: Engine.collect_logprobs / collect_prompt_logprobs."""
+        for i, entries in prompt_logprobs.items():  # (usually none: no per-request lookup)
+            batch.reqs[i].prompt_logprobs.extend(entries)
         out: List[TokenOut] = []
-        for i, (req, ext, sample, tok, lp) in enumerate(zip(
-                batch.reqs, batch.extend_lens, batch.sample, tokens, logprobs)):
+        for req, ext, sample, tok, lp in zip(batch.reqs, batch.extend_lens, batch.sample, tokens,
+                                             logprobs):
             if req.finish_reason is not None:
                 continue  # finished or aborted while this batch was in flight
-            req.prompt_logprobs.extend(prompt_logprobs.get(i, ()))
             if batch.phase is Phase.PREFILL:
                 self.totals["prefilled"] += ext
             if not sample:  # a chunk of a long prompt: share its finished pages already
