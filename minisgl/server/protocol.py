@@ -254,7 +254,7 @@ def _logprobs(body: _OpenAI) -> Optional[int]:
 
 
 def _logit_bias(body: _OpenAI) -> Optional[Dict[int, float]]:
-    """OpenAI's logit_bias, keyed by token id strings, keyed by ints."""
+    """OpenAI's logit_bias (token ids written as strings) with int keys, or None when empty."""
     if not body.logit_bias:
         return None
     bias: Dict[int, float] = {}
