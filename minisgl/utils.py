@@ -1,4 +1,5 @@
-"""Small helpers shared by the launcher and the offline API (no state)."""
+"""Small stateless helpers used across layers: device and dtype names, free ports, host-to-device
+copies of host lists (pinned, aligned rows), the offline prefill chunk."""
 
 from __future__ import annotations
 
@@ -27,10 +28,9 @@ def resolve_device(device: str) -> str:
 def offline_prefill_tokens(device: torch.device) -> int:
     """The offline API's default prefill chunk (tokens per prefill step) on `device`: 16,384 on
     a CUDA GPU of 70 GiB or more (A100s aside), else 8,192, as vLLM's offline entry point
-    defaults: half the prefill steps for large offline batches. The server keeps 8,192: a
-    longer chunk holds back the running requests' next token longer. On an H200 the offline
-    workload's prefill took the same time at both sizes once no kernel was built during the run
-    (3.29 vs 3.28 s, RESULTS.md). Reads the device's properties (CUDA is initialised)."""
+    defaults: half the prefill steps for large offline batches, at no cost in prefill speed on
+    large GPUs. The server keeps 8,192: a longer chunk holds back the running requests' next
+    token longer. Reads the device's properties (CUDA is initialised)."""
     if device.type != "cuda":
         return 8192
     props = torch.cuda.get_device_properties(device)
@@ -68,8 +68,8 @@ def rows_to_device(rows: Sequence[Sequence[Any]], dtype: torch.dtype, device: to
     """Equal-length host lists as one [len(rows), n] device tensor, in one copy like
     `to_device`, with every row starting 16-byte aligned (rows are padded in the copy). Triton
     specializes a kernel on whether each pointer is 16-byte aligned, so a row at an unaligned
-    offset (e.g. the third of three rows of an odd length) made it build a new variant in the
-    middle of serving: 0.5 s per variant, measured on an H200 (RESULTS.md)."""
+    offset (e.g. the third of three rows of an odd length) would make it build a new variant
+    in the middle of serving, a stall of a fraction of a second."""
     if not rows:
         raise ValueError("rows_to_device needs at least one row")
     n = len(rows[0])

@@ -1,10 +1,10 @@
 """Which BLAS library runs a projection's GEMM at a given row count, chosen by timing both.
 
 For the same decode-sized GEMM, cuBLAS and cuBLASLt pick different kernels, and neither library
-wins for every projection. Switching the whole process to either library gained 0.4% offline
-(H200, Llama-3.1-8B shape). Timed per projection with the weights streamed from memory, as in a
-model step, cuBLASLt wins mostly for the O projection and at small batches; the offline run
-gained 0.3% (benchmarks/RESULTS.md, tenth session), so tuning is opt-in.
+wins for every projection. Timed per projection with the weights streamed from memory, as in a
+model step, cuBLASLt wins mostly for the O projection and at small batches. The end-to-end gain
+is small and a timed choice can differ between runs (and with it the bf16 rounding), so tuning
+is opt-in.
 
 torch offers the choice only as a process-wide switch (`torch.backends.cuda.
 preferred_blas_library`), so `linear` sets it around one call and restores it. That is safe

@@ -1,9 +1,10 @@
 """Admission and chunked prefill.
 
 Waiting requests are admitted in arrival order (no overtaking, so none starves). Admission
-reserves KV pages for the request's whole life (uncached prompt + max_tokens), so a running
-request never runs out of pages; pages themselves are allocated as chunks and decode steps need
-them. A prefill batch takes up to `max_prefill_tokens` new tokens; the last request may get only a
+reserves KV pages for the uncached prompt plus the request's output: all of max_tokens by
+default, so a running request never runs out of pages, or at most `decode_reserve_tokens` of
+them, in which case a decode step that outgrows the pool retracts the newest requests
+(Scheduler._make_room). Pages themselves are allocated as chunks and decode steps need them. A prefill batch takes up to `max_prefill_tokens` new tokens; the last request may get only a
 chunk, and it stays at the head of the queue.
 """
 
