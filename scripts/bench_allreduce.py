@@ -189,7 +189,7 @@ def measure_norm_graph(symm: Any, case: Case, args: argparse.Namespace) -> Dict[
     """Graph times (microseconds per call) of all-reduce + residual add + RMSNorm: two kernels
     ("symm+norm") and the fused one ("fused"), and how many fused outputs of the last replay
     differ from the two-kernel outputs of the same inputs ("fused_wrong")."""
-    from minisgl.layers import triton_ops
+    from minisgl.kernels import elementwise as triton_ops
     calls = args.calls_per_graph
     xs = case.inputs(calls)
     ress = [x.flip(-1).contiguous() for x in xs]  # replicated, like a residual: same per rank

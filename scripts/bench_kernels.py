@@ -30,10 +30,10 @@ from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequenc
 import torch
 import triton
 
-from minisgl.attention.triton_kernels import (DecodeTiles, ExtendTiles, decode_attention,
+from minisgl.kernels.attention import (DecodeTiles, ExtendTiles, decode_attention,
                                               extend_attention)
 from minisgl.attention.base import KVTarget
-from minisgl.layers import triton_gemv, triton_ops
+from minisgl.kernels import elementwise as triton_ops, gemv as triton_gemv
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.models.config import ModelConfig
 

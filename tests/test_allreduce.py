@@ -182,8 +182,8 @@ def _fused_cpu_rank(rank: int, world: int, shm: torch.Tensor, region: int, spin_
     real spin_limit every call is checked against the two-step path first."""
     os.environ["TRITON_INTERPRET"] = "1"  # before this process imports triton
     try:
-        from minisgl.distributed.symm_kernels import PeerBuffers, all_reduce_rmsnorm
-        from minisgl.layers import triton_ops
+        from minisgl.kernels.allreduce import PeerBuffers, all_reduce_rmsnorm
+        from minisgl.kernels import elementwise as triton_ops
         ptrs = torch.tensor([shm.data_ptr() + q * region for q in range(world)])
         peers = PeerBuffers(shm[rank * region:(rank + 1) * region], ptrs, rank, world, _STAGING,
                             torch.zeros(1, dtype=torch.int32), spin_limit, trap=False)
@@ -207,7 +207,7 @@ def _fused_cpu_rank(rank: int, world: int, shm: torch.Tensor, region: int, spin_
 
 def _run_fused_cpu(world: int, ranks: int, spin_limit: int) -> Tuple[Dict[int, str], bytes]:
     """Spawn `ranks` of a `world`-rank group; (each rank's message, flag bytes afterwards)."""
-    from minisgl.distributed.symm_kernels import flag_bytes
+    from minisgl.kernels.allreduce import flag_bytes
     region = _STAGING + flag_bytes(world) + 4096  # + slack: regions page apart, like real ones
     region -= region % 4096
     shm = torch.zeros(world * region, dtype=torch.uint8).share_memory_()
@@ -356,7 +356,7 @@ def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
 
 def _two_step(comm: Any, x: torch.Tensor, res: torch.Tensor, w: torch.Tensor
               ) -> Tuple[torch.Tensor, torch.Tensor]:
-    from minisgl.layers import triton_ops
+    from minisgl.kernels import elementwise as triton_ops
     out, new_res = triton_ops.rmsnorm(comm.symm.all_reduce(x), w, 1e-5, res)
     assert new_res is not None
     return out, new_res

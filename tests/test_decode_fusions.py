@@ -18,7 +18,8 @@ pytest.importorskip("triton")
 
 from minisgl.attention.base import KVTarget  # noqa: E402
 from minisgl.distributed import Communicator, DistributedInfo  # noqa: E402
-from minisgl.layers import linear, triton_gemv  # noqa: E402
+from minisgl.kernels import gemv as triton_gemv  # noqa: E402
+from minisgl.layers import linear  # noqa: E402
 from minisgl.models.config import ModelConfig  # noqa: E402
 from minisgl.models.decoder import CausalLM  # noqa: E402
 from minisgl.models.llama import LlamaForCausalLM  # noqa: E402

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
 pytest.importorskip("triton")
 
-from minisgl.layers import triton_gemv, triton_ops  # noqa: E402
+from minisgl.kernels import elementwise as triton_ops, gemv as triton_gemv  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from minisgl.layers.activation import silu_and_mul  # noqa: E402
@@ -334,7 +334,7 @@ def test_every_pdl_kernel_waits_for_its_predecessor() -> None:
     import ast
     import inspect
 
-    from minisgl.attention import triton_kernels
+    from minisgl.kernels import attention as triton_kernels
     checked = []
     for module in (triton_ops, triton_gemv, triton_kernels):
         for node in ast.walk(ast.parse(inspect.getsource(module))):

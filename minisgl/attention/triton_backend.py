@@ -14,7 +14,7 @@ from typing import List, Optional
 import torch
 
 from minisgl.attention.base import AttentionBackend, KVTarget
-from minisgl.attention.triton_kernels import decode_attention, extend_attention, store_kv
+from minisgl.kernels.attention import decode_attention, extend_attention, store_kv
 from minisgl.core import Batch, Phase
 from minisgl.kvcache import KVPool
 from minisgl.utils import rows_to_device

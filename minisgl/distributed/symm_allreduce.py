@@ -170,7 +170,7 @@ class SymmMemAllReduce:
 
     def _peers(self, world: int, spin_limit: int) -> Any:
         """The fused kernel's view of every rank's buffer (symm_kernels.PeerBuffers)."""
-        from minisgl.distributed.symm_kernels import PeerBuffers
+        from minisgl.kernels.allreduce import PeerBuffers
         ptrs = _buffer_ptrs(self.handle, world)
         if ptrs[self.handle.rank] != self.buffer.data_ptr():
             raise RuntimeError("symmetric memory: this rank's entry of buffer_ptrs is not its "
@@ -243,12 +243,12 @@ class SymmMemAllReduce:
         same contract as `all_reduce`. `pdl`: launch with programmatic dependent launch."""
         if not self.fits_rmsnorm(x, residual, weight):
             return None
-        from minisgl.distributed import symm_kernels
+        from minisgl.kernels import allreduce as symm_kernels
         return symm_kernels.all_reduce_rmsnorm(x, residual, weight, eps, self.peers, pdl)
 
 
 def _fused_flag_bytes(world: int) -> int:
-    from minisgl.distributed.symm_kernels import flag_bytes
+    from minisgl.kernels.allreduce import flag_bytes
     return flag_bytes(world)
 
 

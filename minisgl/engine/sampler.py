@@ -94,7 +94,7 @@ def greedy(logits: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """The first index of each row's largest logit, int64 [B]. `fused`: on CUDA, the two-launch
     Triton argmax (layers/triton_ops.argmax_rows), same answer as torch.argmax."""
     if fused and logits.is_cuda:
-        from minisgl.layers import triton_ops
+        from minisgl.kernels import elementwise as triton_ops
         return triton_ops.argmax_rows(logits if logits.stride(-1) == 1 else logits.contiguous())
     return logits.argmax(dim=-1)
 

@@ -43,7 +43,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] 
     finishes; anything else F.linear, by the BLAS library `blas_by_rows` names for x's row count
     (layers/blas.py; cuBLAS where it names none)."""
     if takes_gemv(x, pdl):
-        from minisgl.layers import triton_gemv
+        from minisgl.kernels import gemv as triton_gemv
         return triton_gemv.gemv(x, weight, bias, pdl=True)
     library = blas_by_rows.get(x.numel() // x.shape[-1]) if blas_by_rows else None
     return blas.linear(x, weight, bias, library)
@@ -103,7 +103,7 @@ class ColumnParallelLinear(nn.Module):
         path, a fused-kind norm, rows that fit a program)."""
         if not (takes_gemv(stream.partial, self.pdl) and norm.fused):
             return False
-        from minisgl.layers import triton_gemv
+        from minisgl.kernels import gemv as triton_gemv
         return self.weight.shape[1] <= triton_gemv.NORM_GEMV_MAX_K
 
     def forward_normed(self, stream: ResidualStream, norm: RMSNorm) -> Normed:
@@ -111,7 +111,7 @@ class ColumnParallelLinear(nn.Module):
         `fuses_norm`, the norm and the residual add run inside the GEMV (triton_gemv.norm_gemv):
         one launch instead of two."""
         if self.fuses_norm(stream, norm):
-            from minisgl.layers import triton_gemv
+            from minisgl.kernels import gemv as triton_gemv
             return triton_gemv.norm_gemv(stream.reduced(), stream.residual, norm.weight,
                                          norm.eps, self.weight, self.bias, pdl=True)
         x, h = stream.normed(norm)
@@ -123,7 +123,7 @@ class ColumnParallelLinear(nn.Module):
         done nothing."""
         if not self.fuses_norm(stream, norm):
             return None
-        from minisgl.layers import triton_gemv
+        from minisgl.kernels import gemv as triton_gemv
         return triton_gemv.norm_gate_up_silu(stream.reduced(), stream.residual, norm.weight,
                                              norm.eps, self.weight, self.bias, pdl=True)
 
@@ -162,7 +162,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         None, having done nothing, where that kernel does not apply."""
         if not (rotary.fused and self.fuses_norm(stream, norm)):
             return None
-        from minisgl.layers import triton_gemv
+        from minisgl.kernels import gemv as triton_gemv
         rope = triton_gemv.QKVRope(positions, rotary.cos, rotary.sin, self.num_local_heads,
                                    self.num_local_kv_heads, target)
         return triton_gemv.norm_qkv_rope(stream.reduced(), stream.residual, norm.weight,

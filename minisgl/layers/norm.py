@@ -39,7 +39,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, Normed]:
         if self.fused and x.is_cuda:
-            from minisgl.layers import triton_ops
+            from minisgl.kernels import elementwise as triton_ops
             out, new_residual = triton_ops.rmsnorm(x, self.weight, self.eps, residual, self.pdl)
             return out if new_residual is None else Normed(out, new_residual)
         if residual is None:

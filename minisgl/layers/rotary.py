@@ -69,7 +69,7 @@ class RotaryEmbedding(nn.Module):
         itself)."""
         if not self._fusable(q, k, v):
             return False
-        from minisgl.layers import triton_ops
+        from minisgl.kernels import elementwise as triton_ops
         triton_ops.rotary_qk_(q, k, positions, self.cos, self.sin, self.pdl,
                               triton_ops.KVStore(v, target))
         return True
@@ -79,7 +79,7 @@ class RotaryEmbedding(nn.Module):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]. The fused path
         rotates q and k in place."""
         if self._fusable(q, k):
-            from minisgl.layers import triton_ops
+            from minisgl.kernels import elementwise as triton_ops
             return triton_ops.rotary_qk_(q, k, positions, self.cos, self.sin, self.pdl)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)

@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.pdl import launch_options, pdl_enter
-from minisgl.triton_rmsnorm import rmsnorm_row_store, rmsnorm_warps
+from minisgl.kernels.pdl import launch_options, pdl_enter
+from minisgl.kernels.rmsnorm import rmsnorm_row_store, rmsnorm_warps
 
 # Programs per call (and flag slots per peer). At most this many CTAs of up to 16 warps must be
 # resident together on each GPU: 128 fits on any GPU with 64 or more SMs.

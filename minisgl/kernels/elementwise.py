@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from minisgl.attention.base import KVTarget
-from minisgl.pdl import launch_options, pdl_enter
-from minisgl.triton_rmsnorm import rmsnorm_row_store, rmsnorm_warps
+from minisgl.kernels.pdl import launch_options, pdl_enter
+from minisgl.kernels.rmsnorm import rmsnorm_row_store, rmsnorm_warps
 
 
 @triton.jit

@@ -25,9 +25,9 @@ import triton.language as tl
 
 from minisgl.attention.base import KVTarget
 from minisgl.layers.norm import Normed
-from minisgl.layers.triton_ops import silu_mul_f32
-from minisgl.pdl import launch_options, pdl_enter
-from minisgl.triton_rmsnorm import rmsnorm_row
+from minisgl.kernels.elementwise import silu_mul_f32
+from minisgl.kernels.pdl import launch_options, pdl_enter
+from minisgl.kernels.rmsnorm import rmsnorm_row
 
 
 # --- plain ----------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.pdl import launch_options, pdl_enter
+from minisgl.kernels.pdl import launch_options, pdl_enter
 
 _LOG2E = 1.4426950408889634
 _MAX_GRID_Z = 65535  # CUDA's limit on a grid's y and z axes
