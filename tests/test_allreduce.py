@@ -182,8 +182,9 @@ def _fused_cpu_rank(rank: int, world: int, shm: torch.Tensor, region: int, spin_
     real spin_limit every call is checked against the two-step path first."""
     os.environ["TRITON_INTERPRET"] = "1"  # before this process imports triton
     try:
-        from minisgl.kernels.allreduce import PeerBuffers, all_reduce_rmsnorm
-        from minisgl.kernels import elementwise as triton_ops
+        from minisgl.kernels import rmsnorm
+        from minisgl.kernels.allreduce import all_reduce_rmsnorm
+        from minisgl.kernels.types import PeerBuffers
         ptrs = torch.tensor([shm.data_ptr() + q * region for q in range(world)])
         peers = PeerBuffers(shm[rank * region:(rank + 1) * region], ptrs, rank, world, _STAGING,
                             torch.zeros(1, dtype=torch.int32), spin_limit, trap=False)
@@ -197,7 +198,7 @@ def _fused_cpu_rank(rank: int, world: int, shm: torch.Tensor, region: int, spin_
             total = xs[0]
             for x in xs[1:]:
                 total = total + x  # float32, rank order: what the kernel must do
-            want, want_res = triton_ops.rmsnorm(total, w, 1e-5, res)
+            want, want_res = rmsnorm.rmsnorm(total, w, 1e-5, res)
             assert torch.equal(got_res, want_res), f"call {call}: new residual"
             assert torch.equal(got, want), f"call {call}: normed output"
         out.put((rank, f"errors {int(peers.errors.item())}"))
@@ -223,7 +224,7 @@ def _run_fused_cpu(world: int, ranks: int, spin_limit: int) -> Tuple[Dict[int, s
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_fused_all_reduce_rmsnorm_in_interpreter(world: int) -> None:
-    """Every call equals all-reduce + triton_ops.rmsnorm bit for bit, on every rank; rows
+    """Every call equals all-reduce + rmsnorm.rmsnorm bit for bit, on every rank; rows
     outnumber programs and the grid changes between calls; no barrier gives up; every flag is
     back at zero afterwards (the next call, or graph replay, starts clean)."""
     pytest.importorskip("triton")
@@ -356,8 +357,8 @@ def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
 
 def _two_step(comm: Any, x: torch.Tensor, res: torch.Tensor, w: torch.Tensor
               ) -> Tuple[torch.Tensor, torch.Tensor]:
-    from minisgl.kernels import elementwise as triton_ops
-    out, new_res = triton_ops.rmsnorm(comm.symm.all_reduce(x), w, 1e-5, res)
+    from minisgl.kernels import rmsnorm
+    out, new_res = rmsnorm.rmsnorm(comm.symm.all_reduce(x), w, 1e-5, res)
     assert new_res is not None
     return out, new_res
 

@@ -19,7 +19,7 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
-    # Must be set before the kernels are decorated (first import of triton_kernels).
+    # Must be set before the kernels are decorated (first import of minisgl.kernels.attention).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 

@@ -13,9 +13,10 @@ from typing import List, Optional
 
 import torch
 
-from minisgl.attention.base import AttentionBackend, KVTarget
-from minisgl.kernels.attention import decode_attention, extend_attention, store_kv
+from minisgl.attention.base import AttentionBackend
 from minisgl.core import Batch, Phase
+from minisgl.kernels.attention import decode_attention, extend_attention, store_kv
+from minisgl.kernels.types import KVTarget
 from minisgl.kvcache import KVPool
 from minisgl.utils import rows_to_device
 

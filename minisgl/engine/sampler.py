@@ -92,10 +92,10 @@ def _filter(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
 
 def greedy(logits: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """The first index of each row's largest logit, int64 [B]. `fused`: on CUDA, the two-launch
-    Triton argmax (layers/triton_ops.argmax_rows), same answer as torch.argmax."""
+    Triton argmax (kernels/argmax.py), same answer as torch.argmax."""
     if fused and logits.is_cuda:
-        from minisgl.kernels import elementwise as triton_ops
-        return triton_ops.argmax_rows(logits if logits.stride(-1) == 1 else logits.contiguous())
+        from minisgl.kernels import argmax
+        return argmax.argmax_rows(logits if logits.stride(-1) == 1 else logits.contiguous())
     return logits.argmax(dim=-1)
 
 

@@ -8,7 +8,7 @@ def silu_and_mul(x: torch.Tensor, fused: bool = False, pdl: bool = False) -> tor
     """x = [gate | up] along the last dimension; returns silu(gate) * up (`fused`: one Triton
     kernel on CUDA tensors, `pdl`: launched with programmatic dependent launch)."""
     if fused and x.is_cuda:
-        from minisgl.kernels import elementwise as triton_ops
-        return triton_ops.silu_and_mul(x.contiguous(), pdl)
+        from minisgl.kernels import activation
+        return activation.silu_and_mul(x.contiguous(), pdl)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

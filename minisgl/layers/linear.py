@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl.attention.base import KVTarget
 from minisgl.distributed import Communicator, DistributedInfo, Shard
+from minisgl.kernels.types import KVTarget, Normed, QKVRope
 from minisgl.layers import blas
-from minisgl.layers.norm import Normed, RMSNorm
+from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.layers.source import TensorSource, copy_into
 
@@ -38,13 +38,13 @@ def takes_gemv(x: torch.Tensor, pdl: bool) -> bool:
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
             pdl: bool = False, blas_by_rows: Optional[Dict[int, str]] = None) -> torch.Tensor:
-    """x W^T + b. Where `takes_gemv(x, pdl)`, the Triton GEMV of layers/triton_gemv.py, launched
+    """x W^T + b. Where `takes_gemv(x, pdl)`, the Triton GEMV of kernels/gemv.py, launched
     with programmatic dependent launch so that its weights stream while the previous kernel
     finishes; anything else F.linear, by the BLAS library `blas_by_rows` names for x's row count
     (layers/blas.py; cuBLAS where it names none)."""
     if takes_gemv(x, pdl):
-        from minisgl.kernels import gemv as triton_gemv
-        return triton_gemv.gemv(x, weight, bias, pdl=True)
+        from minisgl.kernels import gemv
+        return gemv.gemv(x, weight, bias, pdl=True)
     library = blas_by_rows.get(x.numel() // x.shape[-1]) if blas_by_rows else None
     return blas.linear(x, weight, bias, library)
 
@@ -103,28 +103,28 @@ class ColumnParallelLinear(nn.Module):
         path, a fused-kind norm, rows that fit a program)."""
         if not (takes_gemv(stream.partial, self.pdl) and norm.fused):
             return False
-        from minisgl.kernels import gemv as triton_gemv
-        return self.weight.shape[1] <= triton_gemv.NORM_GEMV_MAX_K
+        from minisgl.kernels import gemv
+        return self.weight.shape[1] <= gemv.NORM_GEMV_MAX_K
 
     def forward_normed(self, stream: ResidualStream, norm: RMSNorm) -> Normed:
         """(this layer applied to norm(h), h) for the stream's hidden state h. Where
-        `fuses_norm`, the norm and the residual add run inside the GEMV (triton_gemv.norm_gemv):
+        `fuses_norm`, the norm and the residual add run inside the GEMV (gemv.norm_gemv):
         one launch instead of two."""
         if self.fuses_norm(stream, norm):
-            from minisgl.kernels import gemv as triton_gemv
-            return triton_gemv.norm_gemv(stream.reduced(), stream.residual, norm.weight,
+            from minisgl.kernels import gemv
+            return gemv.norm_gemv(stream.reduced(), stream.residual, norm.weight,
                                          norm.eps, self.weight, self.bias, pdl=True)
         x, h = stream.normed(norm)
         return Normed(self(x), h)
 
     def forward_normed_silu(self, stream: ResidualStream, norm: RMSNorm) -> Optional[Normed]:
         """For a layer built with out_sizes [d, d] (gate, up): (silu(gate) * up of norm(h), h)
-        in one launch (triton_gemv.norm_gate_up_silu) where `fuses_norm`; else None, having
+        in one launch (gemv.norm_gate_up_silu) where `fuses_norm`; else None, having
         done nothing."""
         if not self.fuses_norm(stream, norm):
             return None
-        from minisgl.kernels import gemv as triton_gemv
-        return triton_gemv.norm_gate_up_silu(stream.reduced(), stream.residual, norm.weight,
+        from minisgl.kernels import gemv
+        return gemv.norm_gate_up_silu(stream.reduced(), stream.residual, norm.weight,
                                              norm.eps, self.weight, self.bias, pdl=True)
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
@@ -157,15 +157,15 @@ class QKVParallelLinear(ColumnParallelLinear):
                               rotary: RotaryEmbedding, positions: torch.Tensor, target: KVTarget
                               ) -> Optional[Normed]:
         """`forward_normed` with the rotary embedding and the K/V store fused in as well, at
-        batch 1 (triton_gemv.norm_qkv_rope): (qkv with q rotated, h), the rotated k and v
+        batch 1 (gemv.norm_qkv_rope): (qkv with q rotated, h), the rotated k and v
         written to the target's caches at its slot.
         None, having done nothing, where that kernel does not apply."""
         if not (rotary.fused and self.fuses_norm(stream, norm)):
             return None
-        from minisgl.kernels import gemv as triton_gemv
-        rope = triton_gemv.QKVRope(positions, rotary.cos, rotary.sin, self.num_local_heads,
+        from minisgl.kernels import gemv
+        rope = QKVRope(positions, rotary.cos, rotary.sin, self.num_local_heads,
                                    self.num_local_kv_heads, target)
-        return triton_gemv.norm_qkv_rope(stream.reduced(), stream.residual, norm.weight,
+        return gemv.norm_qkv_rope(stream.reduced(), stream.residual, norm.weight,
                                          norm.eps, self.weight, self.bias, rope, pdl=True)
 
     @property

@@ -3,25 +3,18 @@ residual add (`forward(x, residual)` returns the normed sum and the new residual
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
+from minisgl.kernels.types import Normed
 from minisgl.layers.source import TensorSource, copy_into
 
 
-class Normed(NamedTuple):
-    """What a norm with a residual add returns: `out` (the normed sum, or whatever a fused
-    kernel computed from it: a projection, an activation) and `residual`, the sum itself."""
-
-    out: torch.Tensor
-    residual: torch.Tensor
-
-
 class RMSNorm(nn.Module):
-    """`fused`: on CUDA tensors, one Triton kernel (layers/triton_ops.py) instead of torch ops;
-    `pdl`: that kernel launches with programmatic dependent launch (minisgl/pdl.py)."""
+    """`fused`: on CUDA tensors, one Triton kernel (kernels/rmsnorm.py) instead of torch ops;
+    `pdl`: that kernel launches with programmatic dependent launch (kernels/pdl.py)."""
 
     def __init__(self, dim: int, eps: float, fused: bool = False, pdl: bool = False) -> None:
         super().__init__()
@@ -39,8 +32,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, Normed]:
         if self.fused and x.is_cuda:
-            from minisgl.kernels import elementwise as triton_ops
-            out, new_residual = triton_ops.rmsnorm(x, self.weight, self.eps, residual, self.pdl)
+            from minisgl.kernels import rmsnorm
+            out, new_residual = rmsnorm.rmsnorm(x, self.weight, self.eps, residual, self.pdl)
             return out if new_residual is None else Normed(out, new_residual)
         if residual is None:
             return self._norm(x)

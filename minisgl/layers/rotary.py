@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from minisgl.attention.base import KVTarget
+from minisgl.kernels.types import KVStore, KVTarget
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch.Tensor:
@@ -69,9 +69,8 @@ class RotaryEmbedding(nn.Module):
         itself)."""
         if not self._fusable(q, k, v):
             return False
-        from minisgl.kernels import elementwise as triton_ops
-        triton_ops.rotary_qk_(q, k, positions, self.cos, self.sin, self.pdl,
-                              triton_ops.KVStore(v, target))
+        from minisgl.kernels import rotary
+        rotary.rotary_qk_(q, k, positions, self.cos, self.sin, self.pdl, KVStore(v, target))
         return True
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -79,8 +78,8 @@ class RotaryEmbedding(nn.Module):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]. The fused path
         rotates q and k in place."""
         if self._fusable(q, k):
-            from minisgl.kernels import elementwise as triton_ops
-            return triton_ops.rotary_qk_(q, k, positions, self.cos, self.sin, self.pdl)
+            from minisgl.kernels import rotary
+            return rotary.rotary_qk_(q, k, positions, self.cos, self.sin, self.pdl)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
