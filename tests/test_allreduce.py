@@ -17,6 +17,7 @@ from minisgl.distributed import (Communicator, DistributedInfo, SymmMemAllReduce
                                  destroy_process_groups, init_process_groups)
 from minisgl.distributed.symm_allreduce import symm_mem_problem
 from minisgl.engine import EngineConfig
+from minisgl.kernels.policy import KernelPolicy
 from minisgl.server.args import parse_args
 from minisgl.utils import free_port
 from script_loader import load_script
@@ -417,12 +418,13 @@ def _check_fused_graph(comm: Any, rank: int, device: torch.device, dtype: torch.
     replay checked (a barrier that let a rank overwrite a buffer early would show here)."""
     xs = [torch.zeros(r, 4096, dtype=dtype, device=device) for r in _fused_rows(dtype)]
     ress = [torch.zeros_like(x) for x in xs]
+    policy = KernelPolicy(fused=True, pdl=True)
     for x, r in zip(xs, ress):  # warm up (compile) outside the capture
-        comm.all_reduce_rmsnorm(x, r, w, 1e-5, True)
+        comm.all_reduce_rmsnorm(x, r, w, 1e-5, policy)
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = [comm.all_reduce_rmsnorm(x, r, w, 1e-5, True) for x, r in zip(xs, ress)]
+        outs = [comm.all_reduce_rmsnorm(x, r, w, 1e-5, policy) for x, r in zip(xs, ress)]
     gen = torch.Generator(device=device).manual_seed(11)
     for replay in range(replays):
         gen.manual_seed(11 + replay)  # the shared seed: the same on both ranks

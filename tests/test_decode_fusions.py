@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 
 from minisgl.distributed import Communicator, DistributedInfo  # noqa: E402
 from minisgl.kernels import gemv  # noqa: E402
+from minisgl.kernels.policy import KernelPolicy  # noqa: E402
 from minisgl.kernels.types import KVTarget  # noqa: E402
 from minisgl.layers import linear  # noqa: E402
 from minisgl.models.config import ModelConfig  # noqa: E402
@@ -84,7 +85,7 @@ def test_batch1_fused_decoder_matches_unfused(cls: type, bias: bool, target: boo
     ref = cls(cfg, info, Communicator(info))
     for name, p in ref.named_parameters():
         p.data.uniform_(0.5, 1.5) if "norm" in name else p.data.normal_(0, 0.3)
-    fused = cls(cfg, info, Communicator(info), fused=True, pdl=True)
+    fused = cls(cfg, info, Communicator(info), KernelPolicy(fused=True, pdl=True))
     fused.load_state_dict(ref.state_dict())
     want = _step(ref, target)
 
@@ -97,7 +98,8 @@ def test_batch1_fused_decoder_matches_unfused(cls: type, bias: bool, target: boo
         return run
     for name in ("gemv", "norm_gemv", "norm_gate_up_silu", "norm_qkv_rope"):
         monkeypatch.setattr(gemv, name, without_pdl(getattr(gemv, name)))
-    monkeypatch.setattr(linear, "takes_gemv", lambda x, pdl: pdl and x.numel() == x.shape[-1])
+    monkeypatch.setattr(linear, "takes_gemv",
+                        lambda x, policy: policy.gemv and x.numel() == x.shape[-1])
     got = _step(fused, target)
 
     for a, b in zip(got, want):

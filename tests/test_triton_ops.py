@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 from minisgl.kernels import activation, argmax, gemv, rmsnorm, rotary  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from minisgl.kernels.policy import KernelPolicy  # noqa: E402
 from minisgl.kernels.types import KVStore, KVTarget, QKVRope  # noqa: E402
 from minisgl.layers.activation import silu_and_mul  # noqa: E402
 from minisgl.distributed import DistributedInfo  # noqa: E402
@@ -27,6 +28,7 @@ from minisgl.layers.rotary import RotaryEmbedding  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else [])
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+GEMV = KernelPolicy(fused=True, pdl=True)  # the policy under which projections take the GEMV
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
@@ -108,7 +110,7 @@ def test_rotary_stores_k_and_v_into_the_cache(dtype: torch.dtype, heads: int, kv
 def test_rotate_into_cache_declines_where_the_kernel_does_not_apply() -> None:
     """The layer's fused-store entry does nothing and says so off CUDA (the caller then rotates
     with forward and lets attention store K/V)."""
-    rope = RotaryEmbedding(16, 64, 10000.0, None, fused=True)
+    rope = RotaryEmbedding(16, 64, 10000.0, None, KernelPolicy(fused=True))
     q, k, v = torch.randn(3, 2, 16), torch.randn(3, 1, 16), torch.randn(3, 1, 16)
     cache = torch.zeros(8, 1, 16)
     q0 = q.clone()
@@ -184,14 +186,14 @@ def test_column_layer_forward_normed(dtype: torch.dtype, has_residual: bool) -> 
     layer = ColumnParallelLinear(96, [40, 24], True, DistributedInfo(0, 1)).to(DEV).to(dtype)
     layer.weight.data.normal_()
     layer.bias.data.normal_()  # type: ignore[union-attr]
-    norm = RMSNorm(96, 1e-6, fused=DEV == "cuda").to(DEV).to(dtype)
+    norm = RMSNorm(96, 1e-6, KernelPolicy(fused=DEV == "cuda")).to(DEV).to(dtype)
     norm.weight.data.uniform_(0.5, 1.5)
     x = torch.randn(1, 96, device=DEV).to(dtype)
     res = torch.randn(1, 96, device=DEV).to(dtype) if has_residual else None
     h = x + res if res is not None else x
     want = F.linear(norm._norm(h), layer.weight, layer.bias)
     for pdl in ([False, True] if DEV == "cuda" else [False]):
-        layer.pdl = pdl
+        layer.policy = KernelPolicy(fused=True, pdl=pdl)
         out, got_h = layer.forward_normed(ResidualStream(x, res, None), norm)
         _close(out, want, dtype)
         assert torch.equal(got_h, h)
@@ -318,13 +320,13 @@ def test_argmax_rows_ties_take_the_first_index() -> None:
 def test_project_takes_gemv_only_with_pdl_for_one_half_precision_cuda_row() -> None:
     """The layers' dispatch: CPU, float32, multi-row inputs and pdl off stay on F.linear."""
     w, x = torch.randn(6, 32, device=DEV), torch.randn(1, 32, device=DEV)
-    assert torch.equal(project(x, w, pdl=True), F.linear(x, w))
+    assert torch.equal(project(x, w, policy=GEMV), F.linear(x, w))
     if DEV == "cuda" and True in PDL:
         wh, xh = w.bfloat16(), x.bfloat16()
-        assert torch.equal(project(xh, wh, pdl=True), gemv.gemv(xh, wh))
+        assert torch.equal(project(xh, wh, policy=GEMV), gemv.gemv(xh, wh))
         assert torch.equal(project(xh, wh), F.linear(xh, wh))
         two = torch.randn(2, 32, device=DEV).bfloat16()
-        assert torch.equal(project(two, wh, pdl=True), F.linear(two, wh))
+        assert torch.equal(project(two, wh, policy=GEMV), F.linear(two, wh))
 
 
 def test_every_pdl_kernel_waits_for_its_predecessor() -> None:

@@ -41,6 +41,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from minisgl.kernels.policy import KernelPolicy
 from minisgl.kernels.types import PeerBuffers
 
 logger = logging.getLogger(__name__)
@@ -234,18 +235,18 @@ class SymmMemAllReduce:
                 and weight.is_contiguous())
 
     def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float, pdl: bool = False
+                           eps: float, policy: KernelPolicy = KernelPolicy()
                            ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """(rmsnorm(sum of x over ranks + residual) * weight, that sum + residual) in new
         tensors, one kernel; the same bits as `all_reduce` then `kernels.rmsnorm.rmsnorm` at two
         ranks (float32 sums in rank order and one rounding, so beyond two ranks the sum may
         differ from the one-shot op's in the last bit, but never between ranks). None, without
         any communication, when it does not fit (then use the two-step path). A collective:
-        same contract as `all_reduce`. `pdl`: launch with programmatic dependent launch."""
-        if not self.fits_rmsnorm(x, residual, weight):
+        same contract as `all_reduce`. `policy.pdl`: launch with programmatic dependent launch."""
+        if self.peers is None or not self.fits_rmsnorm(x, residual, weight):
             return None
         from minisgl.kernels import allreduce
-        return allreduce.all_reduce_rmsnorm(x, residual, weight, eps, self.peers, pdl)
+        return allreduce.all_reduce_rmsnorm(x, residual, weight, eps, self.peers, policy.pdl)
 
 
 def _fused_flag_bytes(world: int) -> int:

@@ -8,19 +8,19 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from minisgl.kernels.policy import KernelPolicy
 from minisgl.kernels.types import Normed
 from minisgl.layers.source import TensorSource, copy_into
 
 
 class RMSNorm(nn.Module):
-    """`fused`: on CUDA tensors, one Triton kernel (kernels/rmsnorm.py) instead of torch ops;
-    `pdl`: that kernel launches with programmatic dependent launch (kernels/pdl.py)."""
+    """`policy.fused`: on CUDA tensors, one Triton kernel (kernels/rmsnorm.py) instead of torch
+    ops, launched with programmatic dependent launch where `policy.pdl`."""
 
-    def __init__(self, dim: int, eps: float, fused: bool = False, pdl: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, policy: KernelPolicy = KernelPolicy()) -> None:
         super().__init__()
         self.eps = eps
-        self.fused = fused
-        self.pdl = pdl
+        self.policy = policy
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -31,9 +31,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, Normed]:
-        if self.fused and x.is_cuda:
+        if self.policy.fused and x.is_cuda:
             from minisgl.kernels import rmsnorm
-            out, new_residual = rmsnorm.rmsnorm(x, self.weight, self.eps, residual, self.pdl)
+            out, new_residual = rmsnorm.rmsnorm(x, self.weight, self.eps, residual,
+                                                self.policy.pdl)
             return out if new_residual is None else Normed(out, new_residual)
         if residual is None:
             return self._norm(x)
