@@ -9,7 +9,7 @@ CUDA events, the mean device time of one all-reduce:
 "nccl" is `dist.all_reduce` (in place); "symm" is minisgl's `SymmMemAllReduce` (the decode path
 of `Communicator.all_reduce`). With symmetric memory, two more graph columns time what a decoder
 layer does after o_proj / down_proj: "symm+norm" (the one-shot all-reduce, then
-`triton_ops.rmsnorm` with the residual: two kernels) and "fused" (`all_reduce_rmsnorm`, mode
+`kernels.rmsnorm.rmsnorm` with the residual: two kernels) and "fused" (`all_reduce_rmsnorm`, mode
 symm-fused: one kernel); "fused wrong" counts outputs of the last replay that differ from the
 two-kernel path's. Every input is a small multiple of 1/4, so every sum is exact in
 bfloat16: each call's output is compared with the expected sum (eager, and after the graph's
@@ -189,14 +189,14 @@ def measure_norm_graph(symm: Any, case: Case, args: argparse.Namespace) -> Dict[
     """Graph times (microseconds per call) of all-reduce + residual add + RMSNorm: two kernels
     ("symm+norm") and the fused one ("fused"), and how many fused outputs of the last replay
     differ from the two-kernel outputs of the same inputs ("fused_wrong")."""
-    from minisgl.layers import triton_ops
+    from minisgl.kernels import rmsnorm
     calls = args.calls_per_graph
     xs = case.inputs(calls)
     ress = [x.flip(-1).contiguous() for x in xs]  # replicated, like a residual: same per rank
     weight = torch.linspace(0.5, 1.5, case.shape[1], device=case.device).to(case.dtype)
 
     def two_step(x: torch.Tensor, res: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        out, new_res = triton_ops.rmsnorm(symm.all_reduce(x), weight, 1e-5, res)
+        out, new_res = rmsnorm.rmsnorm(symm.all_reduce(x), weight, 1e-5, res)
         return out, new_res  # type: ignore[return-value]
 
     def fused(x: torch.Tensor, res: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

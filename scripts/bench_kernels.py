@@ -30,10 +30,10 @@ from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequenc
 import torch
 import triton
 
-from minisgl.attention.triton_kernels import (DecodeTiles, ExtendTiles, decode_attention,
-                                              extend_attention)
-from minisgl.attention.base import KVTarget
-from minisgl.layers import triton_gemv, triton_ops
+from minisgl.kernels import activation, gemv, rmsnorm
+from minisgl.kernels.attention import decode_attention, extend_attention
+from minisgl.kernels.rotary import rotary_qk_
+from minisgl.kernels.types import DecodeTiles, ExtendTiles, KVStore, KVTarget, QKVRope
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.models.config import ModelConfig
 
@@ -197,7 +197,7 @@ def bench_extend(shape: Shape, args: argparse.Namespace) -> None:
 
 
 # --- batch-1 projections --------------------------------------------------------------------------
-# The tile sweep behind triton_gemv.gemv_tiles (11 tiles, split-K with atomics among them; commit
+# The tile sweep behind gemv.gemv_tiles (11 tiles, split-K with atomics among them; commit
 # 480d653, benchmarks/RESULTS.md) is done; what stays is the model's GEMV against cuBLAS.
 def projections(cfg: ModelConfig, tp: int) -> Iterator[Tuple[str, int, int]]:
     h, d = cfg.hidden_size, cfg.head_dim
@@ -226,9 +226,9 @@ def bench_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
             variants: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
             variants["cublas"] = lambda w: torch.nn.functional.linear(x, w)
             if rows == 1:
-                variants["triton_gemv"] = lambda w: triton_gemv.gemv(x, w)
+                variants["triton_gemv"] = lambda w: gemv.gemv(x, w)
                 if torch.cuda.get_device_capability()[0] >= 9:
-                    variants["triton_gemv_pdl"] = lambda w: triton_gemv.gemv(x, w, pdl=True)
+                    variants["triton_gemv_pdl"] = lambda w: gemv.gemv(x, w, pdl=True)
             for label, fn in variants.items():
                 state = iter(itertools.cycle(ws))
 
@@ -264,12 +264,12 @@ def bench_norm_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
         caches = [torch.zeros((2048, n_kv, d), dtype=torch.bfloat16, device="cuda")
                   for _ in range(2)]
         target = KVTarget(*caches, slot)
-        rope = triton_gemv.QKVRope(pos, rotary.cos, rotary.sin, n_q, n_kv, target)
+        rope = QKVRope(pos, rotary.cos, rotary.sin, n_q, n_kv, target)
 
         def store(qkv: torch.Tensor) -> object:
             q, k, v = (t.view(1, -1, d) for t in qkv.split([n_q * d, n_kv * d, n_kv * d], -1))
-            return triton_ops.rotary_qk_(q, k, pos, rotary.cos, rotary.sin, True,
-                                         triton_ops.KVStore(v, target))
+            return rotary_qk_(q, k, pos, rotary.cos, rotary.sin, True,
+                                         KVStore(v, target))
         for name, n, k in projections(cfg, tp):
             if name not in ("qkv", "gate_up"):
                 continue
@@ -277,22 +277,22 @@ def bench_norm_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
             ws = [torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
                   for _ in range(copies)]
             variants: Dict[str, Callable[[torch.Tensor], object]] = {
-                "rmsnorm+gemv": lambda w: triton_gemv.gemv(
-                    triton_ops.rmsnorm(x, nw, 1e-5, res, pdl=True)[0], w, pdl=True)}
+                "rmsnorm+gemv": lambda w: gemv.gemv(
+                    rmsnorm.rmsnorm(x, nw, 1e-5, res, pdl=True)[0], w, pdl=True)}
             for warps, stages in itertools.product((4, 8, 16), (1, 2)):
                 variants[f"norm_gemv w{warps} st{stages}"] = (
-                    lambda w, nw_=warps, st=stages: triton_gemv.norm_gemv(
+                    lambda w, nw_=warps, st=stages: gemv.norm_gemv(
                         x, res, nw, 1e-5, w, pdl=True, num_warps=nw_, num_stages=st))
             if name == "qkv":
-                variants["rmsnorm+gemv+rotary_store"] = lambda w: store(triton_gemv.gemv(
-                    triton_ops.rmsnorm(x, nw, 1e-5, res, pdl=True)[0], w, pdl=True))
-                variants["norm_qkv_rope"] = lambda w: triton_gemv.norm_qkv_rope(
+                variants["rmsnorm+gemv+rotary_store"] = lambda w: store(gemv.gemv(
+                    rmsnorm.rmsnorm(x, nw, 1e-5, res, pdl=True)[0], w, pdl=True))
+                variants["norm_qkv_rope"] = lambda w: gemv.norm_qkv_rope(
                     x, res, nw, 1e-5, w, None, rope, pdl=True)
             else:
-                variants["rmsnorm+gemv+silu"] = lambda w: triton_ops.silu_and_mul(
-                    triton_gemv.gemv(triton_ops.rmsnorm(x, nw, 1e-5, res, pdl=True)[0], w,
+                variants["rmsnorm+gemv+silu"] = lambda w: activation.silu_and_mul(
+                    gemv.gemv(rmsnorm.rmsnorm(x, nw, 1e-5, res, pdl=True)[0], w,
                                      pdl=True), pdl=True)
-                variants["norm_gate_up_silu"] = lambda w: triton_gemv.norm_gate_up_silu(
+                variants["norm_gate_up_silu"] = lambda w: gemv.norm_gate_up_silu(
                     x, res, nw, 1e-5, w, pdl=True)
             for label, fn in variants.items():
                 state = iter(itertools.cycle(ws))

@@ -17,6 +17,7 @@ from minisgl.distributed import (Communicator, DistributedInfo, SymmMemAllReduce
                                  destroy_process_groups, init_process_groups)
 from minisgl.distributed.symm_allreduce import symm_mem_problem
 from minisgl.engine import EngineConfig
+from minisgl.kernels.policy import KernelPolicy
 from minisgl.server.args import parse_args
 from minisgl.utils import free_port
 from script_loader import load_script
@@ -182,8 +183,9 @@ def _fused_cpu_rank(rank: int, world: int, shm: torch.Tensor, region: int, spin_
     real spin_limit every call is checked against the two-step path first."""
     os.environ["TRITON_INTERPRET"] = "1"  # before this process imports triton
     try:
-        from minisgl.distributed.symm_kernels import PeerBuffers, all_reduce_rmsnorm
-        from minisgl.layers import triton_ops
+        from minisgl.kernels import rmsnorm
+        from minisgl.kernels.allreduce import all_reduce_rmsnorm
+        from minisgl.kernels.types import PeerBuffers
         ptrs = torch.tensor([shm.data_ptr() + q * region for q in range(world)])
         peers = PeerBuffers(shm[rank * region:(rank + 1) * region], ptrs, rank, world, _STAGING,
                             torch.zeros(1, dtype=torch.int32), spin_limit, trap=False)
@@ -197,7 +199,7 @@ def _fused_cpu_rank(rank: int, world: int, shm: torch.Tensor, region: int, spin_
             total = xs[0]
             for x in xs[1:]:
                 total = total + x  # float32, rank order: what the kernel must do
-            want, want_res = triton_ops.rmsnorm(total, w, 1e-5, res)
+            want, want_res = rmsnorm.rmsnorm(total, w, 1e-5, res)
             assert torch.equal(got_res, want_res), f"call {call}: new residual"
             assert torch.equal(got, want), f"call {call}: normed output"
         out.put((rank, f"errors {int(peers.errors.item())}"))
@@ -207,7 +209,7 @@ def _fused_cpu_rank(rank: int, world: int, shm: torch.Tensor, region: int, spin_
 
 def _run_fused_cpu(world: int, ranks: int, spin_limit: int) -> Tuple[Dict[int, str], bytes]:
     """Spawn `ranks` of a `world`-rank group; (each rank's message, flag bytes afterwards)."""
-    from minisgl.distributed.symm_kernels import flag_bytes
+    from minisgl.kernels.allreduce import flag_bytes
     region = _STAGING + flag_bytes(world) + 4096  # + slack: regions page apart, like real ones
     region -= region % 4096
     shm = torch.zeros(world * region, dtype=torch.uint8).share_memory_()
@@ -223,7 +225,7 @@ def _run_fused_cpu(world: int, ranks: int, spin_limit: int) -> Tuple[Dict[int, s
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_fused_all_reduce_rmsnorm_in_interpreter(world: int) -> None:
-    """Every call equals all-reduce + triton_ops.rmsnorm bit for bit, on every rank; rows
+    """Every call equals all-reduce + rmsnorm.rmsnorm bit for bit, on every rank; rows
     outnumber programs and the grid changes between calls; no barrier gives up; every flag is
     back at zero afterwards (the next call, or graph replay, starts clean)."""
     pytest.importorskip("triton")
@@ -356,8 +358,8 @@ def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
 
 def _two_step(comm: Any, x: torch.Tensor, res: torch.Tensor, w: torch.Tensor
               ) -> Tuple[torch.Tensor, torch.Tensor]:
-    from minisgl.layers import triton_ops
-    out, new_res = triton_ops.rmsnorm(comm.symm.all_reduce(x), w, 1e-5, res)
+    from minisgl.kernels import rmsnorm
+    out, new_res = rmsnorm.rmsnorm(comm.symm.all_reduce(x), w, 1e-5, res)
     assert new_res is not None
     return out, new_res
 
@@ -416,12 +418,13 @@ def _check_fused_graph(comm: Any, rank: int, device: torch.device, dtype: torch.
     replay checked (a barrier that let a rank overwrite a buffer early would show here)."""
     xs = [torch.zeros(r, 4096, dtype=dtype, device=device) for r in _fused_rows(dtype)]
     ress = [torch.zeros_like(x) for x in xs]
+    policy = KernelPolicy(fused=True, pdl=True)
     for x, r in zip(xs, ress):  # warm up (compile) outside the capture
-        comm.all_reduce_rmsnorm(x, r, w, 1e-5, True)
+        comm.all_reduce_rmsnorm(x, r, w, 1e-5, policy)
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = [comm.all_reduce_rmsnorm(x, r, w, 1e-5, True) for x, r in zip(xs, ress)]
+        outs = [comm.all_reduce_rmsnorm(x, r, w, 1e-5, policy) for x, r in zip(xs, ress)]
     gen = torch.Generator(device=device).manual_seed(11)
     for replay in range(replays):
         gen.manual_seed(11 + replay)  # the shared seed: the same on both ranks

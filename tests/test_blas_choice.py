@@ -73,7 +73,7 @@ def test_a_table_off_cuda_changes_nothing() -> None:
     want = project(x, layer.weight)
     layer.blas_by_rows[3] = "cublaslt"  # a CPU build of torch would refuse to prefer it
     assert torch.equal(layer(x), want)
-    assert torch.equal(project(x, layer.weight, None, False, {3: "cublaslt"}), want)
+    assert torch.equal(project(x, layer.weight, None, blas_by_rows={3: "cublaslt"}), want)
 
 
 def test_preferred_library_is_restored_after_an_error() -> None:

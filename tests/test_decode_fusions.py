@@ -16,9 +16,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
 pytest.importorskip("triton")
 
-from minisgl.attention.base import KVTarget  # noqa: E402
 from minisgl.distributed import Communicator, DistributedInfo  # noqa: E402
-from minisgl.layers import linear, triton_gemv  # noqa: E402
+from minisgl.kernels import gemv  # noqa: E402
+from minisgl.kernels.policy import KernelPolicy  # noqa: E402
+from minisgl.kernels.types import KVTarget  # noqa: E402
+from minisgl.layers import linear  # noqa: E402
 from minisgl.models.config import ModelConfig  # noqa: E402
 from minisgl.models.decoder import CausalLM  # noqa: E402
 from minisgl.models.llama import LlamaForCausalLM  # noqa: E402
@@ -83,7 +85,7 @@ def test_batch1_fused_decoder_matches_unfused(cls: type, bias: bool, target: boo
     ref = cls(cfg, info, Communicator(info))
     for name, p in ref.named_parameters():
         p.data.uniform_(0.5, 1.5) if "norm" in name else p.data.normal_(0, 0.3)
-    fused = cls(cfg, info, Communicator(info), fused=True, pdl=True)
+    fused = cls(cfg, info, Communicator(info), KernelPolicy(fused=True, pdl=True))
     fused.load_state_dict(ref.state_dict())
     want = _step(ref, target)
 
@@ -95,8 +97,9 @@ def test_batch1_fused_decoder_matches_unfused(cls: type, bias: bool, target: boo
             return kernel(*args, **{**kwargs, "pdl": False})
         return run
     for name in ("gemv", "norm_gemv", "norm_gate_up_silu", "norm_qkv_rope"):
-        monkeypatch.setattr(triton_gemv, name, without_pdl(getattr(triton_gemv, name)))
-    monkeypatch.setattr(linear, "takes_gemv", lambda x, pdl: pdl and x.numel() == x.shape[-1])
+        monkeypatch.setattr(gemv, name, without_pdl(getattr(gemv, name)))
+    monkeypatch.setattr(linear, "takes_gemv",
+                        lambda x, policy: policy.gemv and x.numel() == x.shape[-1])
     got = _step(fused, target)
 
     for a, b in zip(got, want):

@@ -19,7 +19,7 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
-    # Must be set before the kernels are decorated (first import of triton_kernels).
+    # Must be set before the kernels are decorated (first import of minisgl.kernels.attention).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
@@ -307,7 +307,7 @@ def test_engine_greedy_matches_torch_backend(tmp_path: Path, page_size: int) -> 
 
 def test_store_kv_from_qkv_views() -> None:
     """One launch stores K and V straight from views of the fused QKV output (V not copied)."""
-    from minisgl.attention.triton_kernels import store_kv
+    from minisgl.kernels.attention import store_kv
     device = "cuda" if HAS_CUDA else "cpu"
     tokens, kv_heads, dim = 5, 2, 16
     qkv = torch.randn(tokens, (4 + 2 * kv_heads) * dim, device=device)

@@ -1,10 +1,11 @@
 """The Triton decode-path kernels (RMSNorm with residual, SiLU-and-mul, rotary, argmax; the
-one-token GEMVs of triton_gemv.py, also with the norm, rotary, SiLU fused in) against the torch
+one-token GEMVs of kernels/gemv.py, also with the norm, rotary, SiLU fused in) against the torch
 layers they replace. On CPU through Triton's interpreter (float32); on CUDA also in bfloat16."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,11 +14,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
 pytest.importorskip("triton")
 
-from minisgl.layers import triton_gemv, triton_ops  # noqa: E402
+from minisgl.kernels import activation, argmax, gemv, rmsnorm, rotary  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from minisgl.kernels.policy import KernelPolicy  # noqa: E402
+from minisgl.kernels.types import KVStore, KVTarget, QKVRope  # noqa: E402
 from minisgl.layers.activation import silu_and_mul  # noqa: E402
-from minisgl.attention.base import KVTarget  # noqa: E402
 from minisgl.distributed import DistributedInfo  # noqa: E402
 from minisgl.layers.linear import ColumnParallelLinear, ResidualStream, project  # noqa: E402
 from minisgl.layers.norm import RMSNorm  # noqa: E402
@@ -26,6 +28,7 @@ from minisgl.layers.rotary import RotaryEmbedding  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else [])
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+GEMV = KernelPolicy(fused=True, pdl=True)  # the policy under which projections take the GEMV
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
@@ -40,9 +43,9 @@ def test_rmsnorm_with_and_without_residual(dtype: torch.dtype, rows: int, dim: i
     norm.weight.data = torch.randn(dim, device=DEV).to(dtype)
     x = torch.randn(rows, dim, device=DEV).to(dtype)
     res = torch.randn(rows, dim, device=DEV).to(dtype)
-    got, _ = triton_ops.rmsnorm(x, norm.weight, 1e-5)
+    got, _ = rmsnorm.rmsnorm(x, norm.weight, 1e-5)
     _close(got, norm(x), dtype)
-    got, got_res = triton_ops.rmsnorm(x, norm.weight, 1e-5, res)
+    got, got_res = rmsnorm.rmsnorm(x, norm.weight, 1e-5, res)
     want, want_res = norm(x, res)
     _close(got, want, dtype)
     assert got_res is not None and torch.equal(got_res, want_res)
@@ -52,7 +55,7 @@ def test_rmsnorm_with_and_without_residual(dtype: torch.dtype, rows: int, dim: i
 @pytest.mark.parametrize("rows,d", [(1, 128), (4, 1536), (2, 1500)])
 def test_silu_and_mul(dtype: torch.dtype, rows: int, d: int) -> None:
     x = torch.randn(rows, 2 * d, device=DEV).to(dtype)
-    _close(triton_ops.silu_and_mul(x), silu_and_mul(x), dtype)
+    _close(activation.silu_and_mul(x), silu_and_mul(x), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -68,7 +71,7 @@ def test_rotary_in_place_on_qkv_views(dtype: torch.dtype, heads: int, kv_heads: 
     pos = torch.randint(0, 256, (tokens,), device=DEV)
     want_q, want_k = rope(pos, q.clone(), k.clone())
     v_before = qkv[:, (heads + kv_heads) * dim:].clone()
-    triton_ops.rotary_qk_(q, k, pos, rope.cos, rope.sin)
+    rotary.rotary_qk_(q, k, pos, rope.cos, rope.sin)
     _close(q, want_q, dtype)
     _close(k, want_k, dtype)
     assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before)  # V untouched
@@ -89,13 +92,13 @@ def test_rotary_stores_k_and_v_into_the_cache(dtype: torch.dtype, heads: int, kv
                qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
     pos = torch.randint(0, 256, (tokens,), device=DEV)
     slots = torch.randperm(num_slots, device=DEV)[:tokens].to(torch.int32)
-    want_q, want_k = triton_ops.rotary_qk_(q.clone(), k.clone(), pos, rope.cos, rope.sin)
+    want_q, want_k = rotary.rotary_qk_(q.clone(), k.clone(), pos, rope.cos, rope.sin)
     qkv_before = qkv.clone()
     k_cache = torch.randn(num_slots, kv_heads, dim, device=DEV).to(dtype)
     v_cache = torch.randn(num_slots, kv_heads, dim, device=DEV).to(dtype)
     k_before, v_before = k_cache.clone(), v_cache.clone()
-    triton_ops.rotary_qk_(q, k, pos, rope.cos, rope.sin,
-                          store=triton_ops.KVStore(v, KVTarget(k_cache, v_cache, slots)))
+    rotary.rotary_qk_(q, k, pos, rope.cos, rope.sin,
+                          store=KVStore(v, KVTarget(k_cache, v_cache, slots)))
     assert torch.equal(q, want_q)
     assert torch.equal(qkv[:, heads * dim:], qkv_before[:, heads * dim:])
     assert torch.equal(k_cache[slots.long()], want_k) and torch.equal(v_cache[slots.long()], v)
@@ -107,7 +110,7 @@ def test_rotary_stores_k_and_v_into_the_cache(dtype: torch.dtype, heads: int, kv
 def test_rotate_into_cache_declines_where_the_kernel_does_not_apply() -> None:
     """The layer's fused-store entry does nothing and says so off CUDA (the caller then rotates
     with forward and lets attention store K/V)."""
-    rope = RotaryEmbedding(16, 64, 10000.0, None, fused=True)
+    rope = RotaryEmbedding(16, 64, 10000.0, None, KernelPolicy(fused=True))
     q, k, v = torch.randn(3, 2, 16), torch.randn(3, 1, 16), torch.randn(3, 1, 16)
     cache = torch.zeros(8, 1, 16)
     q0 = q.clone()
@@ -127,7 +130,7 @@ def test_rmsnorm_on_one_head_view_of_qkv(dtype: torch.dtype) -> None:
     _, k, _ = qkv.split([heads * dim, dim, dim], dim=-1)
     k = k.view(tokens, 1, dim)
     assert k.reshape(-1, dim).stride(0) != dim  # the strided view the bug came from
-    got, _ = triton_ops.rmsnorm(k, norm.weight, 1e-6)
+    got, _ = rmsnorm.rmsnorm(k, norm.weight, 1e-6)
     _close(got, norm(k.contiguous()), dtype)
 
 
@@ -144,12 +147,12 @@ def test_gemv_matches_linear(dtype: torch.dtype, pdl: bool, n: int, k: int, bias
     w = torch.randn(n, k, device=DEV).to(dtype)
     b = torch.randn(n, device=DEV).to(dtype) if bias else None
     x = torch.randn(1, k, device=DEV).to(dtype)
-    got = triton_gemv.gemv(x, w, b, pdl=pdl)
+    got = gemv.gemv(x, w, b, pdl=pdl)
     assert got.shape == (1, n) and got.dtype == dtype
     _close(got, F.linear(x, w, b), dtype)
-    assert torch.equal(got, triton_gemv.gemv(x, w, b))
+    assert torch.equal(got, gemv.gemv(x, w, b))
     with pytest.raises(ValueError, match="one row of"):
-        triton_gemv.gemv(torch.randn(2, k, device=DEV).to(dtype), w)
+        gemv.gemv(torch.randn(2, k, device=DEV).to(dtype), w)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -165,13 +168,13 @@ def test_norm_gemv_equals_rmsnorm_then_gemv(dtype: torch.dtype, n: int, k: int,
     b = torch.randn(n, device=DEV).to(dtype) if bias else None
     x = torch.randn(1, k, device=DEV).to(dtype)
     res = torch.randn(1, k, device=DEV).to(dtype) if residual else None
-    got = triton_gemv.norm_gemv(x, res, nw, 1e-6, w, b)
-    normed, h = triton_ops.rmsnorm(x, nw, 1e-6, res)
+    got = gemv.norm_gemv(x, res, nw, 1e-6, w, b)
+    normed, h = rmsnorm.rmsnorm(x, nw, 1e-6, res)
     assert got.out.shape == (1, n) and got.out.dtype == dtype
-    _close(got.out, triton_gemv.gemv(normed, w, b), dtype)
+    _close(got.out, gemv.gemv(normed, w, b), dtype)
     assert torch.equal(got.residual, h if h is not None else x)
     if dtype == torch.float32:  # the same roundings as the two kernels, up to summation order
-        assert torch.allclose(got.out, triton_gemv.gemv(normed, w, b), rtol=1e-5, atol=1e-5)
+        assert torch.allclose(got.out, gemv.gemv(normed, w, b), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -183,14 +186,14 @@ def test_column_layer_forward_normed(dtype: torch.dtype, has_residual: bool) -> 
     layer = ColumnParallelLinear(96, [40, 24], True, DistributedInfo(0, 1)).to(DEV).to(dtype)
     layer.weight.data.normal_()
     layer.bias.data.normal_()  # type: ignore[union-attr]
-    norm = RMSNorm(96, 1e-6, fused=DEV == "cuda").to(DEV).to(dtype)
+    norm = RMSNorm(96, 1e-6, KernelPolicy(fused=DEV == "cuda")).to(DEV).to(dtype)
     norm.weight.data.uniform_(0.5, 1.5)
     x = torch.randn(1, 96, device=DEV).to(dtype)
     res = torch.randn(1, 96, device=DEV).to(dtype) if has_residual else None
     h = x + res if res is not None else x
     want = F.linear(norm._norm(h), layer.weight, layer.bias)
     for pdl in ([False, True] if DEV == "cuda" else [False]):
-        layer.pdl = pdl
+        layer.policy = KernelPolicy(fused=True, pdl=pdl)
         out, got_h = layer.forward_normed(ResidualStream(x, res, None), norm)
         _close(out, want, dtype)
         assert torch.equal(got_h, h)
@@ -216,13 +219,13 @@ def test_norm_qkv_rope_equals_the_three_kernels(dtype: torch.dtype, heads: int, 
     caches = [torch.randn(9, kv_heads, dim, device=DEV).to(dtype) for _ in range(2)]
     caches += [c.clone() for c in caches]  # [k, v] for the fused kernel, then for the reference
     slot = torch.tensor([5], dtype=torch.int32, device=DEV)
-    got = triton_gemv.norm_qkv_rope(x, res, nw, 1e-6, w, b, triton_gemv.QKVRope(
+    got = gemv.norm_qkv_rope(x, res, nw, 1e-6, w, b, QKVRope(
         pos, rope.cos, rope.sin, heads, kv_heads, KVTarget(caches[0], caches[1], slot)))
-    want = triton_gemv.norm_gemv(x, res, nw, 1e-6, w, b)
+    want = gemv.norm_gemv(x, res, nw, 1e-6, w, b)
     q, kk, v = want.out.view(1, -1, dim).split([heads, kv_heads, kv_heads], dim=1)
     before = [c.clone() for c in caches[2:]]
-    triton_ops.rotary_qk_(q, kk, pos, rope.cos, rope.sin,
-                          store=triton_ops.KVStore(v, KVTarget(caches[2], caches[3], slot)))
+    rotary.rotary_qk_(q, kk, pos, rope.cos, rope.sin,
+                          store=KVStore(v, KVTarget(caches[2], caches[3], slot)))
     assert torch.equal(got.residual, want.residual)
     for a, e in [(got.out, want.out), (caches[0], caches[2]), (caches[1], caches[3])]:
         _close(a, e, dtype)
@@ -247,24 +250,24 @@ def test_norm_gate_up_silu_equals_norm_gemv_then_silu(dtype: torch.dtype, d: int
     b = torch.randn(2 * d, device=DEV).to(dtype) if bias else None
     x = torch.randn(1, k, device=DEV).to(dtype)
     res = torch.randn(1, k, device=DEV).to(dtype) if residual else None
-    got = triton_gemv.norm_gate_up_silu(x, res, nw, 1e-6, w, b)
-    want = triton_gemv.norm_gemv(x, res, nw, 1e-6, w, b)
-    act = triton_ops.silu_and_mul(want.out)
+    got = gemv.norm_gate_up_silu(x, res, nw, 1e-6, w, b)
+    want = gemv.norm_gemv(x, res, nw, 1e-6, w, b)
+    act = activation.silu_and_mul(want.out)
     assert got.out.shape == (1, d) and torch.equal(got.residual, want.residual)
     _close(got.out, act, dtype)
     if dtype == torch.float32:
         assert torch.allclose(got.out, act, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="even number of rows"):
-        triton_gemv.norm_gate_up_silu(x, res, nw, 1e-6, w[1:])
+        gemv.norm_gate_up_silu(x, res, nw, 1e-6, w[1:])
 
 
 def test_norm_gemv_refuses_rows_wider_than_a_program_holds() -> None:
-    k = triton_gemv.NORM_GEMV_MAX_K + 1
-    with pytest.raises(ValueError, match=f"at most {triton_gemv.NORM_GEMV_MAX_K} features"):
-        triton_gemv.norm_gemv(torch.randn(1, k, device=DEV), None, torch.ones(k, device=DEV),
+    k = gemv.NORM_GEMV_MAX_K + 1
+    with pytest.raises(ValueError, match=f"at most {gemv.NORM_GEMV_MAX_K} features"):
+        gemv.norm_gemv(torch.randn(1, k, device=DEV), None, torch.ones(k, device=DEV),
                               1e-6, torch.randn(2, k, device=DEV))
     with pytest.raises(ValueError, match="one row of"):
-        triton_gemv.norm_gemv(torch.randn(2, 8, device=DEV), None, torch.ones(8, device=DEV),
+        gemv.norm_gemv(torch.randn(2, 8, device=DEV), None, torch.ones(8, device=DEV),
                               1e-6, torch.randn(2, 8, device=DEV))
 
 
@@ -277,19 +280,19 @@ def test_norm_qkv_rope_refuses_layouts_it_cannot_write() -> None:
     one = torch.zeros(1, dtype=torch.long, device=DEV)
     x, nw = torch.randn(1, 32, device=DEV), torch.ones(32, device=DEV)
     target = KVTarget(cache, cache.clone(), one)
-    good = triton_gemv.QKVRope(one, rope.cos, rope.sin, 2, 1, target)
+    good = QKVRope(one, rope.cos, rope.sin, 2, 1, target)
     with pytest.raises(ValueError, match="4 heads of a power-of-two head_dim"):
-        triton_gemv.norm_qkv_rope(x, None, nw, 1e-6, torch.randn(60, 32, device=DEV), None, good)
+        gemv.norm_qkv_rope(x, None, nw, 1e-6, torch.randn(60, 32, device=DEV), None, good)
     strided = torch.zeros(4, 1, 32, device=DEV)[:, :, :16]  # rows 32 apart
     w = torch.randn(64, 32, device=DEV)
     with pytest.raises(ValueError, match="contiguous k / v caches of one shape"):
-        triton_gemv.norm_qkv_rope(x, None, nw, 1e-6, w, None,
+        gemv.norm_qkv_rope(x, None, nw, 1e-6, w, None,
                                   good._replace(target=KVTarget(strided, strided, one)))
     with pytest.raises(ValueError, match="contiguous k / v caches of one shape"):
-        triton_gemv.norm_qkv_rope(x, None, nw, 1e-6, w, None,
+        gemv.norm_qkv_rope(x, None, nw, 1e-6, w, None,
                                   good._replace(target=target._replace(v_cache=cache[:2])))
     with pytest.raises(ValueError, match="one position and slot"):
-        triton_gemv.norm_qkv_rope(x, None, nw, 1e-6, w, None,
+        gemv.norm_qkv_rope(x, None, nw, 1e-6, w, None,
                                   good._replace(target=target._replace(slots=one.repeat(2))))
 
 
@@ -300,7 +303,7 @@ def test_argmax_rows_matches_torch(dtype: torch.dtype, rows: int, n: int) -> Non
     (partial) chunk and rows whose maximum is in different chunks."""
     x = torch.randn(rows, n, device=DEV).to(dtype)
     x[-1, -1] = 100.0
-    assert torch.equal(triton_ops.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(argmax.argmax_rows(x), x.argmax(dim=-1))
 
 
 def test_argmax_rows_ties_take_the_first_index() -> None:
@@ -309,41 +312,42 @@ def test_argmax_rows_ties_take_the_first_index() -> None:
     x = torch.zeros(3, 10_000, device=DEV)
     x[0, [5000, 9000]] = 1.0  # two chunks tie: the earlier chunk wins
     x[1, [17, 18, 4095, 4096]] = 2.0  # inside one chunk and across a chunk boundary
-    assert triton_ops.argmax_rows(x).tolist() == [5000, 17, 0] == x.argmax(dim=-1).tolist()
+    assert argmax.argmax_rows(x).tolist() == [5000, 17, 0] == x.argmax(dim=-1).tolist()
     with pytest.raises(ValueError, match="unit column stride"):
-        triton_ops.argmax_rows(x.t())
+        argmax.argmax_rows(x.t())
 
 
 def test_project_takes_gemv_only_with_pdl_for_one_half_precision_cuda_row() -> None:
     """The layers' dispatch: CPU, float32, multi-row inputs and pdl off stay on F.linear."""
     w, x = torch.randn(6, 32, device=DEV), torch.randn(1, 32, device=DEV)
-    assert torch.equal(project(x, w, pdl=True), F.linear(x, w))
+    assert torch.equal(project(x, w, policy=GEMV), F.linear(x, w))
     if DEV == "cuda" and True in PDL:
         wh, xh = w.bfloat16(), x.bfloat16()
-        assert torch.equal(project(xh, wh, pdl=True), triton_gemv.gemv(xh, wh))
+        assert torch.equal(project(xh, wh, policy=GEMV), gemv.gemv(xh, wh))
         assert torch.equal(project(xh, wh), F.linear(xh, wh))
         two = torch.randn(2, 32, device=DEV).bfloat16()
-        assert torch.equal(project(two, wh, pdl=True), F.linear(two, wh))
+        assert torch.equal(project(two, wh, policy=GEMV), F.linear(two, wh))
 
 
 def test_every_pdl_kernel_waits_for_its_predecessor() -> None:
-    """The PDL invariant (minisgl/pdl.py): a kernel that may be launched with programmatic
+    """The PDL invariant (kernels/pdl.py): a kernel that may be launched with programmatic
     dependent launch must execute pdl_enter (gdc_wait) in every program, or its successors'
-    waits stop covering the kernels before it. Checked on the source: every jitted kernel with a
-    PDL parameter calls pdl_enter(PDL) at the top level of its body (not under a branch)."""
+    waits stop covering the kernels before it. Checked on the source of every module of
+    minisgl/kernels/: every jitted kernel with a PDL parameter calls pdl_enter(PDL) at the top
+    level of its body (not under a branch)."""
     import ast
-    import inspect
 
-    from minisgl.attention import triton_kernels
+    import minisgl.kernels
+
     checked = []
-    for module in (triton_ops, triton_gemv, triton_kernels):
-        for node in ast.walk(ast.parse(inspect.getsource(module))):
-            if (not isinstance(node, ast.FunctionDef)
+    for path in sorted(Path(minisgl.kernels.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (not isinstance(node, ast.FunctionDef) or node.name == "pdl_enter"
                     or "PDL" not in [a.arg for a in node.args.args]):
                 continue
             calls = [s.value.func.id for s in node.body if isinstance(s, ast.Expr)
                      and isinstance(s.value, ast.Call) and isinstance(s.value.func, ast.Name)]
-            assert "pdl_enter" in calls, f"{module.__name__}.{node.name} never calls pdl_enter"
+            assert "pdl_enter" in calls, f"{path.name}: {node.name} never calls pdl_enter"
             checked.append(node.name)
     assert {"_rmsnorm_kernel", "_gemv_kernel", "_norm_gemv_kernel", "_norm_gate_up_kernel",
             "_norm_qkv_rope_kernel", "_decode_split_kernel", "_store_kv_kernel"} <= set(checked)

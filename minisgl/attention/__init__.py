@@ -1,9 +1,9 @@
 """Attention backends over the paged KV pool."""
 
-from minisgl.attention.base import AttentionBackend, KVTarget
+from minisgl.attention.base import AttentionBackend
 from minisgl.attention.torch_backend import TorchBackend
 
-__all__ = ["AttentionBackend", "KVTarget", "TorchBackend", "make_backend"]
+__all__ = ["AttentionBackend", "TorchBackend", "make_backend"]
 
 
 def make_backend(name: str, **kwargs: object) -> AttentionBackend:

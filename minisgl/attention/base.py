@@ -11,20 +11,13 @@ target (`kv_target`), so that a fused kernel before it (rotary embedding) writes
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
 from minisgl.core import Batch
+from minisgl.kernels.types import KVTarget
 from minisgl.kvcache import KVPool
-
-
-class KVTarget(NamedTuple):
-    """Where one layer's new K/V go: k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]."""
-
-    k_cache: torch.Tensor  # [slots, kv_heads, d], contiguous
-    v_cache: torch.Tensor
-    slots: torch.Tensor  # [T] int32 / int64, one per new token
 
 
 class AttentionBackend(ABC):

@@ -13,9 +13,11 @@ from typing import List, Optional
 
 import torch
 
-from minisgl.attention.base import AttentionBackend, KVTarget
-from minisgl.attention.triton_kernels import decode_attention, extend_attention, store_kv
+from minisgl.attention.base import AttentionBackend
 from minisgl.core import Batch, Phase
+from minisgl.kernels.attention import decode_attention, extend_attention, store_kv
+from minisgl.kernels.policy import KernelPolicy
+from minisgl.kernels.types import KVTarget
 from minisgl.kvcache import KVPool
 from minisgl.utils import rows_to_device
 
@@ -46,11 +48,12 @@ class TritonBackend(AttentionBackend):
     max_splits: int = 32
 
     def __init__(self, pool: KVPool, page_table: torch.Tensor, num_heads: int,
-                 num_kv_heads: int, head_dim: int, scale: float, pdl: bool = False) -> None:
-        """`pdl`: the decode kernels (K/V store, attention) use programmatic dependent launch
-        (minisgl/pdl.py); the caller checks the device supports it."""
+                 num_kv_heads: int, head_dim: int, scale: float,
+                 policy: KernelPolicy = KernelPolicy()) -> None:
+        """`policy.pdl`: the decode kernels (K/V store, attention) use programmatic dependent
+        launch (kernels/pdl.py); the caller checks the device supports it."""
         super().__init__(pool, page_table, num_heads, num_kv_heads, head_dim, scale)
-        self.pdl = pdl
+        self.policy = policy
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
                              f"{num_kv_heads}")
@@ -128,7 +131,7 @@ class TritonBackend(AttentionBackend):
                 batch: Batch, kv_stored: bool = False) -> torch.Tensor:
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         meta: TritonMeta = batch.attn_meta  # type: ignore[assignment]
-        pdl = self.pdl and meta.decode  # prefill kernels are long: nothing to overlap
+        pdl = self.policy.pdl and meta.decode  # prefill kernels are long: nothing to overlap
         if not kv_stored:
             store_kv(k, v, batch.out_slots, k_cache, v_cache, pdl)  # type: ignore[arg-type]
         if q.stride(-1) != 1:

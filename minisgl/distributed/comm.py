@@ -25,6 +25,7 @@ import torch.distributed as dist
 from minisgl.distributed.info import DistributedInfo
 from minisgl.distributed.symm_allreduce import (DEFAULT_SYMM_MAX_BYTES, SYMM_MODES,
                                                 SymmMemAllReduce, check_allreduce_mode)
+from minisgl.kernels.policy import KernelPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ class Communicator:
         return x
 
     def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor,
-                           norm_weight: torch.Tensor, eps: float, pdl: bool = False
+                           norm_weight: torch.Tensor, eps: float,
+                           policy: KernelPolicy = KernelPolicy()
                            ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """(rmsnorm(all_reduce(x) + residual) * norm_weight, all_reduce(x) + residual) in one
         fused kernel, or None, without any communication, where that kernel is off, has one
@@ -66,10 +68,10 @@ class Communicator:
         linear.py `RowParallelLinear.reduce_norm`: the norm is a layer, which this module,
         below the layers, does not import). Collective like `all_reduce`; whether it returns
         None depends only on this object and the tensors' shapes, so it is the same on every
-        rank."""
+        rank. `policy.pdl`: the kernel launches with programmatic dependent launch."""
         if self.info.size == 1 or self.symm is None or not self.fuse_norm:
             return None
-        return self.symm.all_reduce_rmsnorm(x, residual, norm_weight, eps, pdl)
+        return self.symm.all_reduce_rmsnorm(x, residual, norm_weight, eps, policy)
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's `x` along the last dimension, in rank order."""

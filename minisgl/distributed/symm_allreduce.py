@@ -27,7 +27,7 @@ Contract:
   refers to this object's buffer, which lives as long as the object.
 
 `all_reduce_rmsnorm` (mode "symm-fused") goes one step further: one Triton kernel
-(symm_kernels.py) stages, sums in rank order, adds the residual and applies the RMSNorm, with
+(kernels/allreduce.py) stages, sums in rank order, adds the residual and applies the RMSNorm, with
 its own barrier flags after the staging bytes of the same buffer (never torch's signal pads, so
 the two kinds of call cannot take each other's signals). The same contract holds for it.
 """
@@ -40,6 +40,9 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from minisgl.kernels.policy import KernelPolicy
+from minisgl.kernels.types import PeerBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -168,9 +171,8 @@ class SymmMemAllReduce:
             self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
         self.peers = self._peers(world, spin_limit) if fused else None
 
-    def _peers(self, world: int, spin_limit: int) -> Any:
-        """The fused kernel's view of every rank's buffer (symm_kernels.PeerBuffers)."""
-        from minisgl.distributed.symm_kernels import PeerBuffers
+    def _peers(self, world: int, spin_limit: int) -> PeerBuffers:
+        """The fused kernel's view of every rank's buffer."""
         ptrs = _buffer_ptrs(self.handle, world)
         if ptrs[self.handle.rank] != self.buffer.data_ptr():
             raise RuntimeError("symmetric memory: this rank's entry of buffer_ptrs is not its "
@@ -233,22 +235,22 @@ class SymmMemAllReduce:
                 and weight.is_contiguous())
 
     def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float, pdl: bool = False
+                           eps: float, policy: KernelPolicy = KernelPolicy()
                            ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """(rmsnorm(sum of x over ranks + residual) * weight, that sum + residual) in new
-        tensors, one kernel; the same bits as `all_reduce` then `triton_ops.rmsnorm` at two
+        tensors, one kernel; the same bits as `all_reduce` then `kernels.rmsnorm.rmsnorm` at two
         ranks (float32 sums in rank order and one rounding, so beyond two ranks the sum may
         differ from the one-shot op's in the last bit, but never between ranks). None, without
         any communication, when it does not fit (then use the two-step path). A collective:
-        same contract as `all_reduce`. `pdl`: launch with programmatic dependent launch."""
-        if not self.fits_rmsnorm(x, residual, weight):
+        same contract as `all_reduce`. `policy.pdl`: launch with programmatic dependent launch."""
+        if self.peers is None or not self.fits_rmsnorm(x, residual, weight):
             return None
-        from minisgl.distributed import symm_kernels
-        return symm_kernels.all_reduce_rmsnorm(x, residual, weight, eps, self.peers, pdl)
+        from minisgl.kernels import allreduce
+        return allreduce.all_reduce_rmsnorm(x, residual, weight, eps, self.peers, policy.pdl)
 
 
 def _fused_flag_bytes(world: int) -> int:
-    from minisgl.distributed.symm_kernels import flag_bytes
+    from minisgl.kernels.allreduce import flag_bytes
     return flag_bytes(world)
 
 

@@ -22,6 +22,7 @@ from minisgl.engine.cuda_graph import DecodeGraphs, graph_sizes
 from minisgl.engine.penalties import Penalties
 from minisgl.engine.sampler import (LogprobTensors, add_logit_bias, sample_requests,
                                     suppress_early_stops, token_logprobs)
+from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
 from minisgl.layers import blas
 from minisgl.models import CausalLM, ModelConfig, model_class
@@ -110,6 +111,14 @@ def use_pdl(cfg: EngineConfig, device: torch.device) -> bool:
     return False
 
 
+def kernel_policy(cfg: EngineConfig, device: torch.device) -> KernelPolicy:
+    """The kernels this rank's model, attention backend and sampler launch, decided once at
+    start-up: the fused Triton kernels where cfg.fused_ops asks for them on CUDA, PDL where
+    `use_pdl` allows it (and raises as it does). Depends only on the config and the GPU model,
+    so ranks of one machine agree."""
+    return KernelPolicy(fused=cfg.fused_ops and device.type == "cuda", pdl=use_pdl(cfg, device))
+
+
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:
     """A pinned host copy of device tensor `t`, started without waiting (valid once an event
     recorded after it completes)."""
@@ -135,7 +144,7 @@ class Engine:
         self.device = cfg.torch_device
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.pdl = use_pdl(cfg, self.device)
+        self.policy = kernel_policy(cfg, self.device)
         self.model_cfg = ModelConfig.from_dir(cfg.model_path)
         self.model = self._load_model(groups)
         self.max_context = self.model_cfg.max_context
@@ -156,7 +165,7 @@ class Engine:
             cfg.backend_name, pool=self.pool, page_table=self.page_table, num_heads=local_heads,
             num_kv_heads=local_kv_heads, head_dim=self.model_cfg.head_dim,
             scale=self.model_cfg.head_dim ** -0.5,
-            **({"pdl": True} if self.pdl and cfg.backend_name == "triton" else {}))
+            **({"policy": self.policy} if cfg.backend_name == "triton" else {}))
         self.graphs: Optional[DecodeGraphs] = None
         graph_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
         if cfg.tune_gemms:  # before the capture, which records the kernels chosen
@@ -170,7 +179,7 @@ class Engine:
                 last_tokens=self.last_tokens)
         logger.info("rank %d: engine ready: %d KV pages of %d tokens, backend %s, pdl %s",
                     cfg.tp_info.rank, self.num_pages, cfg.page_size, cfg.backend_name,
-                    "on" if self.pdl else "off")
+                    "on" if self.policy.pdl else "off")
 
     @torch.inference_mode()
     def _tune_gemms(self, rows: List[int]) -> None:
@@ -185,8 +194,7 @@ class Engine:
         cls = model_class(self.model_cfg.architecture)
         dtype = temporarily(torch.get_default_dtype, torch.set_default_dtype, self.cfg.dtype)
         with torch.device(self.device), dtype:
-            model = cls(self.model_cfg, self.cfg.tp_info, groups.comm,
-                        fused=self.cfg.fused_ops and self.device.type == "cuda", pdl=self.pdl)
+            model = cls(self.model_cfg, self.cfg.tp_info, groups.comm, self.policy)
         if self.cfg.load_format == "dummy":
             init_dummy(model, self.cfg.seed)
         else:
@@ -258,12 +266,12 @@ class Engine:
         logit bias and min_tokens, recorded as the rows' newest tokens; and their log-probabilities (of
         the raw logits) where asked."""
         if all(r.params.raw_sampling for r in reqs):  # the common case: one pass to find out
-            tokens = sample_requests(logits, reqs, self.cfg.seed, self.cfg.fused_ops)
+            tokens = sample_requests(logits, reqs, self.cfg.seed, self.policy)
             self.last_tokens[rows] = tokens
             return tokens, None
         adjusted = suppress_early_stops(
             add_logit_bias(self.penalties.apply(logits, rows, reqs), reqs), reqs)
-        tokens = sample_requests(adjusted, reqs, self.cfg.seed, self.cfg.fused_ops)
+        tokens = sample_requests(adjusted, reqs, self.cfg.seed, self.policy)
         self.last_tokens[rows] = tokens
         self.penalties.record(rows, tokens, reqs)
         return tokens, self._logprobs(logits, tokens, reqs)

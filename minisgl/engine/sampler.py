@@ -16,6 +16,7 @@ from typing import List, NamedTuple
 import torch
 
 from minisgl.core import Req
+from minisgl.kernels.policy import KernelPolicy
 from minisgl.utils import to_device
 
 _MASK32 = 0xFFFFFFFF
@@ -90,18 +91,19 @@ def _filter(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def greedy(logits: torch.Tensor, fused: bool = False) -> torch.Tensor:
-    """The first index of each row's largest logit, int64 [B]. `fused`: on CUDA, the two-launch
-    Triton argmax (layers/triton_ops.argmax_rows), same answer as torch.argmax."""
-    if fused and logits.is_cuda:
-        from minisgl.layers import triton_ops
-        return triton_ops.argmax_rows(logits if logits.stride(-1) == 1 else logits.contiguous())
+def greedy(logits: torch.Tensor, policy: KernelPolicy = KernelPolicy()) -> torch.Tensor:
+    """The first index of each row's largest logit, int64 [B]. `policy.fused`: on CUDA, the
+    two-launch Triton argmax (kernels/argmax.py), same answer as torch.argmax."""
+    if policy.fused and logits.is_cuda:
+        from minisgl.kernels import argmax
+        return argmax.argmax_rows(logits if logits.stride(-1) == 1 else logits.contiguous())
     return logits.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, s: SamplingTensors, fused: bool = False) -> torch.Tensor:
-    """logits [B, vocab] float32 -> token ids [B] int64 (`fused`: see greedy)."""
-    greedy_tokens = greedy(logits, fused)
+def sample(logits: torch.Tensor, s: SamplingTensors, policy: KernelPolicy = KernelPolicy()
+           ) -> torch.Tensor:
+    """logits [B, vocab] float32 -> token ids [B] int64 (`policy`: see greedy)."""
+    greedy_tokens = greedy(logits, policy)
     if s.all_greedy:
         return greedy_tokens
     scaled = logits / s.temperature.unsqueeze(1)
@@ -171,11 +173,12 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> Logpro
 
 
 def sample_requests(logits: torch.Tensor, reqs: List[Req], engine_seed: int,
-                    fused: bool = False) -> torch.Tensor:
+                    policy: KernelPolicy = KernelPolicy()) -> torch.Tensor:
     """Tokens for `reqs` (row i of logits is reqs[i], any float dtype). An all-greedy batch is
     one argmax on the logits as they are (upcasting is exact, so the argmax cannot change), with
-    no parameter tensors copied to the device; otherwise sampling runs in float32. `fused`: the
-    Triton argmax on CUDA (see greedy)."""
+    no parameter tensors copied to the device; otherwise sampling runs in float32. `policy`:
+    see greedy."""
     if all(r.params.is_greedy for r in reqs):
-        return greedy(logits, fused)
-    return sample(logits.float(), make_sampling_tensors(reqs, engine_seed, logits.device), fused)
+        return greedy(logits, policy)
+    return sample(logits.float(), make_sampling_tensors(reqs, engine_seed, logits.device),
+                  policy)

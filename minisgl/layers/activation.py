@@ -3,12 +3,15 @@
 import torch
 import torch.nn.functional as F
 
+from minisgl.kernels.policy import KernelPolicy
 
-def silu_and_mul(x: torch.Tensor, fused: bool = False, pdl: bool = False) -> torch.Tensor:
-    """x = [gate | up] along the last dimension; returns silu(gate) * up (`fused`: one Triton
-    kernel on CUDA tensors, `pdl`: launched with programmatic dependent launch)."""
-    if fused and x.is_cuda:
-        from minisgl.layers import triton_ops
-        return triton_ops.silu_and_mul(x.contiguous(), pdl)
+
+def silu_and_mul(x: torch.Tensor, policy: KernelPolicy = KernelPolicy()) -> torch.Tensor:
+    """x = [gate | up] along the last dimension; returns silu(gate) * up (`policy.fused`: one
+    Triton kernel on CUDA tensors, launched with programmatic dependent launch where
+    `policy.pdl`)."""
+    if policy.fused and x.is_cuda:
+        from minisgl.kernels import activation
+        return activation.silu_and_mul(x.contiguous(), policy.pdl)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import Communicator, DistributedInfo
+from minisgl.kernels.policy import KernelPolicy
 from minisgl.layers.linear import project
 from minisgl.layers.source import TensorSource, copy_into
 
@@ -47,17 +48,18 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the full vocabulary on every rank; `tied_to` shares the embedding's rows;
-    `pdl`: see layers/linear.project."""
+    `policy`: see layers/linear.project."""
 
     def __init__(self, vocab_size: int, hidden: int, info: DistributedInfo, comm: Communicator,
-                 tied_to: Optional[VocabParallelEmbedding] = None, pdl: bool = False) -> None:
+                 tied_to: Optional[VocabParallelEmbedding] = None,
+                 policy: KernelPolicy = KernelPolicy()) -> None:
         super().__init__(vocab_size, hidden, info, comm)
-        self.pdl = pdl
+        self.policy = policy
         self.blas_by_rows: Dict[int, str] = {}  # see layers/linear.project; filled by blas.tune
         if tied_to is not None:
             self.weight = tied_to.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = self.comm.all_gather_last_dim(project(hidden, self.weight, None, self.pdl,
+        logits = self.comm.all_gather_last_dim(project(hidden, self.weight, None, self.policy,
                                                        self.blas_by_rows))
         return logits[..., : self.vocab_size]

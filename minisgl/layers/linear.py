@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl.attention.base import KVTarget
 from minisgl.distributed import Communicator, DistributedInfo, Shard
+from minisgl.kernels.policy import KernelPolicy
+from minisgl.kernels.types import KVTarget, Normed, QKVRope
 from minisgl.layers import blas
-from minisgl.layers.norm import Normed, RMSNorm
+from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.layers.source import TensorSource, copy_into
 
@@ -29,22 +30,23 @@ def _empty(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-def takes_gemv(x: torch.Tensor, pdl: bool) -> bool:
-    """Whether `project(x, ..., pdl)` runs the Triton GEMV: with `pdl`, a single token in a half
-    dtype on CUDA (decode at batch 1)."""
-    return (pdl and x.is_cuda and x.numel() == x.shape[-1]
+def takes_gemv(x: torch.Tensor, policy: KernelPolicy) -> bool:
+    """Whether `project(x, ..., policy)` runs the Triton GEMV: with `policy.gemv`, a single token
+    in a half dtype on CUDA (decode at batch 1)."""
+    return (policy.gemv and x.is_cuda and x.numel() == x.shape[-1]
             and x.dtype in (torch.bfloat16, torch.float16))
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-            pdl: bool = False, blas_by_rows: Optional[Dict[int, str]] = None) -> torch.Tensor:
-    """x W^T + b. Where `takes_gemv(x, pdl)`, the Triton GEMV of layers/triton_gemv.py, launched
+            policy: KernelPolicy = KernelPolicy(),
+            blas_by_rows: Optional[Dict[int, str]] = None) -> torch.Tensor:
+    """x W^T + b. Where `takes_gemv(x, policy)`, the Triton GEMV of kernels/gemv.py, launched
     with programmatic dependent launch so that its weights stream while the previous kernel
     finishes; anything else F.linear, by the BLAS library `blas_by_rows` names for x's row count
     (layers/blas.py; cuBLAS where it names none)."""
-    if takes_gemv(x, pdl):
-        from minisgl.layers import triton_gemv
-        return triton_gemv.gemv(x, weight, bias, pdl=True)
+    if takes_gemv(x, policy):
+        from minisgl.kernels import gemv
+        return gemv.gemv(x, weight, bias, pdl=policy.pdl)
     library = blas_by_rows.get(x.numel() // x.shape[-1]) if blas_by_rows else None
     return blas.linear(x, weight, bias, library)
 
@@ -84,10 +86,10 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool,
-                 info: DistributedInfo, pdl: bool = False) -> None:
+                 info: DistributedInfo, policy: KernelPolicy = KernelPolicy()) -> None:
         super().__init__()
         self.info = info
-        self.pdl = pdl  # see project()
+        self.policy = policy  # see project()
         self.blas_by_rows: Dict[int, str] = {}  # see project(); filled by blas.tune
         self.shards = [info.shard(n, "linear output features") for n in out_sizes]
         self.offsets = [sum(s.size for s in self.shards[:i]) for i in range(len(self.shards))]
@@ -96,36 +98,36 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _empty(local_out) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(x, self.weight, self.bias, self.pdl, self.blas_by_rows)
+        return project(x, self.weight, self.bias, self.policy, self.blas_by_rows)
 
     def fuses_norm(self, stream: ResidualStream, norm: RMSNorm) -> bool:
         """Whether this layer runs on `norm(stream)` as one norm GEMV kernel (batch 1, GEMV
         path, a fused-kind norm, rows that fit a program)."""
-        if not (takes_gemv(stream.partial, self.pdl) and norm.fused):
+        if not (takes_gemv(stream.partial, self.policy) and norm.policy.fused):
             return False
-        from minisgl.layers import triton_gemv
-        return self.weight.shape[1] <= triton_gemv.NORM_GEMV_MAX_K
+        from minisgl.kernels import gemv
+        return self.weight.shape[1] <= gemv.NORM_GEMV_MAX_K
 
     def forward_normed(self, stream: ResidualStream, norm: RMSNorm) -> Normed:
         """(this layer applied to norm(h), h) for the stream's hidden state h. Where
-        `fuses_norm`, the norm and the residual add run inside the GEMV (triton_gemv.norm_gemv):
+        `fuses_norm`, the norm and the residual add run inside the GEMV (gemv.norm_gemv):
         one launch instead of two."""
         if self.fuses_norm(stream, norm):
-            from minisgl.layers import triton_gemv
-            return triton_gemv.norm_gemv(stream.reduced(), stream.residual, norm.weight,
-                                         norm.eps, self.weight, self.bias, pdl=True)
+            from minisgl.kernels import gemv
+            return gemv.norm_gemv(stream.reduced(), stream.residual, norm.weight, norm.eps,
+                                  self.weight, self.bias, pdl=self.policy.pdl)
         x, h = stream.normed(norm)
         return Normed(self(x), h)
 
     def forward_normed_silu(self, stream: ResidualStream, norm: RMSNorm) -> Optional[Normed]:
         """For a layer built with out_sizes [d, d] (gate, up): (silu(gate) * up of norm(h), h)
-        in one launch (triton_gemv.norm_gate_up_silu) where `fuses_norm`; else None, having
+        in one launch (gemv.norm_gate_up_silu) where `fuses_norm`; else None, having
         done nothing."""
         if not self.fuses_norm(stream, norm):
             return None
-        from minisgl.layers import triton_gemv
-        return triton_gemv.norm_gate_up_silu(stream.reduced(), stream.residual, norm.weight,
-                                             norm.eps, self.weight, self.bias, pdl=True)
+        from minisgl.kernels import gemv
+        return gemv.norm_gate_up_silu(stream.reduced(), stream.residual, norm.weight,
+                                      norm.eps, self.weight, self.bias, pdl=self.policy.pdl)
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
         shard, off = self.shards[shard_id], self.offsets[shard_id]
@@ -139,11 +141,11 @@ class QKVParallelLinear(ColumnParallelLinear):
     them and replicated (each rank keeps the one KV head its Q heads use) when tp exceeds them."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
-                 info: DistributedInfo, pdl: bool = False) -> None:
+                 info: DistributedInfo, policy: KernelPolicy = KernelPolicy()) -> None:
         check_head_split(num_heads, num_kv_heads, info.size)
         self.num_local_heads = num_heads // info.size
         self.num_local_kv_heads = max(1, num_kv_heads // info.size)
-        super().__init__(hidden, [num_heads * head_dim], bias, info, pdl)
+        super().__init__(hidden, [num_heads * head_dim], bias, info, policy)
         kv_start = (info.rank * num_kv_heads // info.size) * head_dim
         kv_size = self.num_local_kv_heads * head_dim
         self.shards = self.shards + [Shard(kv_start, kv_size), Shard(kv_start, kv_size)]
@@ -157,16 +159,16 @@ class QKVParallelLinear(ColumnParallelLinear):
                               rotary: RotaryEmbedding, positions: torch.Tensor, target: KVTarget
                               ) -> Optional[Normed]:
         """`forward_normed` with the rotary embedding and the K/V store fused in as well, at
-        batch 1 (triton_gemv.norm_qkv_rope): (qkv with q rotated, h), the rotated k and v
+        batch 1 (gemv.norm_qkv_rope): (qkv with q rotated, h), the rotated k and v
         written to the target's caches at its slot.
         None, having done nothing, where that kernel does not apply."""
         if not (rotary.fused and self.fuses_norm(stream, norm)):
             return None
-        from minisgl.layers import triton_gemv
-        rope = triton_gemv.QKVRope(positions, rotary.cos, rotary.sin, self.num_local_heads,
+        from minisgl.kernels import gemv
+        rope = QKVRope(positions, rotary.cos, rotary.sin, self.num_local_heads,
                                    self.num_local_kv_heads, target)
-        return triton_gemv.norm_qkv_rope(stream.reduced(), stream.residual, norm.weight,
-                                         norm.eps, self.weight, self.bias, rope, pdl=True)
+        return gemv.norm_qkv_rope(stream.reduced(), stream.residual, norm.weight, norm.eps,
+                                  self.weight, self.bias, rope, pdl=self.policy.pdl)
 
     @property
     def split_sizes(self) -> List[int]:
@@ -193,9 +195,9 @@ class RowParallelLinear(nn.Module):
     the residual add and the norm in one kernel (Communicator.all_reduce_rmsnorm)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, info: DistributedInfo,
-                 comm: Communicator, pdl: bool = False) -> None:
+                 comm: Communicator, policy: KernelPolicy = KernelPolicy()) -> None:
         super().__init__()
-        self.pdl = pdl  # see project()
+        self.policy = policy  # see project()
         self.blas_by_rows: Dict[int, str] = {}  # see project(); filled by blas.tune
         self.shard = info.shard(in_features, "linear input features")
         self.comm = comm
@@ -206,7 +208,7 @@ class RowParallelLinear(nn.Module):
         """The layer's output; with `reduce=False` only this rank's partial product (no
         all-reduce, no bias), which the caller must pass to `finish` or `reduce_norm` (e.g. in
         a ResidualStream)."""
-        partial = project(x, self.weight, None, self.pdl, self.blas_by_rows)
+        partial = project(x, self.weight, None, self.policy, self.blas_by_rows)
         return self.finish(partial) if reduce else partial
 
     def finish(self, partial: torch.Tensor) -> torch.Tensor:
@@ -220,9 +222,9 @@ class RowParallelLinear(nn.Module):
         where the communicator offers it (no bias: it is added after the reduce, before the
         norm; the norm's Triton kernel on CUDA), else exactly `finish` then `norm`. A
         collective: every rank calls it in the same order with the same shapes."""
-        if self.bias is None and norm.fused and partial.is_cuda:
+        if self.bias is None and norm.policy.fused and partial.is_cuda:
             fused = self.comm.all_reduce_rmsnorm(partial, residual, norm.weight, norm.eps,
-                                                 norm.pdl)
+                                                 norm.policy)
             if fused is not None:
                 return Normed(*fused)
         return cast(Normed, norm(self.finish(partial), residual))

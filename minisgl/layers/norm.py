@@ -3,31 +3,24 @@ residual add (`forward(x, residual)` returns the normed sum and the new residual
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
+from minisgl.kernels.policy import KernelPolicy
+from minisgl.kernels.types import Normed
 from minisgl.layers.source import TensorSource, copy_into
 
 
-class Normed(NamedTuple):
-    """What a norm with a residual add returns: `out` (the normed sum, or whatever a fused
-    kernel computed from it: a projection, an activation) and `residual`, the sum itself."""
-
-    out: torch.Tensor
-    residual: torch.Tensor
-
-
 class RMSNorm(nn.Module):
-    """`fused`: on CUDA tensors, one Triton kernel (layers/triton_ops.py) instead of torch ops;
-    `pdl`: that kernel launches with programmatic dependent launch (minisgl/pdl.py)."""
+    """`policy.fused`: on CUDA tensors, one Triton kernel (kernels/rmsnorm.py) instead of torch
+    ops, launched with programmatic dependent launch where `policy.pdl`."""
 
-    def __init__(self, dim: int, eps: float, fused: bool = False, pdl: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, policy: KernelPolicy = KernelPolicy()) -> None:
         super().__init__()
         self.eps = eps
-        self.fused = fused
-        self.pdl = pdl
+        self.policy = policy
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -38,9 +31,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, Normed]:
-        if self.fused and x.is_cuda:
-            from minisgl.layers import triton_ops
-            out, new_residual = triton_ops.rmsnorm(x, self.weight, self.eps, residual, self.pdl)
+        if self.policy.fused and x.is_cuda:
+            from minisgl.kernels import rmsnorm
+            out, new_residual = rmsnorm.rmsnorm(x, self.weight, self.eps, residual,
+                                                self.policy.pdl)
             return out if new_residual is None else Normed(out, new_residual)
         if residual is None:
             return self._norm(x)

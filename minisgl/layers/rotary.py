@@ -12,7 +12,8 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from minisgl.attention.base import KVTarget
+from minisgl.kernels.policy import KernelPolicy
+from minisgl.kernels.types import KVStore, KVTarget
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch.Tensor:
@@ -45,11 +46,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: Optional[dict], fused: bool = False, pdl: bool = False) -> None:
+                 scaling: Optional[dict], policy: KernelPolicy = KernelPolicy()) -> None:
+        """`policy`: the fused kernel where `policy.fused`, launched with programmatic dependent
+        launch where `policy.pdl`."""
         super().__init__()
         # The fused kernel needs a power-of-two head_dim; other sizes take the torch path.
-        self.fused = fused and head_dim & (head_dim - 1) == 0
-        self.pdl = pdl  # the fused kernel launches with programmatic dependent launch
+        self.fused = policy.fused and head_dim & (head_dim - 1) == 0
+        self.policy = policy
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -69,9 +72,9 @@ class RotaryEmbedding(nn.Module):
         itself)."""
         if not self._fusable(q, k, v):
             return False
-        from minisgl.layers import triton_ops
-        triton_ops.rotary_qk_(q, k, positions, self.cos, self.sin, self.pdl,
-                              triton_ops.KVStore(v, target))
+        from minisgl.kernels import rotary
+        rotary.rotary_qk_(q, k, positions, self.cos, self.sin, self.policy.pdl,
+                          KVStore(v, target))
         return True
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -79,8 +82,8 @@ class RotaryEmbedding(nn.Module):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]. The fused path
         rotates q and k in place."""
         if self._fusable(q, k):
-            from minisgl.layers import triton_ops
-            return triton_ops.rotary_qk_(q, k, positions, self.cos, self.sin, self.pdl)
+            from minisgl.kernels import rotary
+            return rotary.rotary_qk_(q, k, positions, self.cos, self.sin, self.policy.pdl)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

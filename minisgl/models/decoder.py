@@ -20,6 +20,7 @@ from torch import nn
 from minisgl.attention import AttentionBackend
 from minisgl.core import Batch
 from minisgl.distributed import Communicator, DistributedInfo
+from minisgl.kernels.policy import KernelPolicy
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
@@ -30,15 +31,12 @@ from minisgl.layers.source import TensorSource
 from minisgl.models.config import ModelConfig
 
 class Traits(NamedTuple):
-    """What differs between families, plus the GPU kernel choices: `fused` Triton norms /
-    activation / rotary, `pdl` programmatic dependent launch for them and the one-token
-    projections (minisgl/pdl.py)."""
+    """What differs between families, plus the kernels every layer launches (`policy`)."""
 
     qkv_bias: bool
     o_bias: bool
     qk_norm: bool
-    fused: bool = False
-    pdl: bool = False
+    policy: KernelPolicy = KernelPolicy()
 
 
 # checkpoint module name -> (our fused module, shard index)
@@ -66,11 +64,11 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
-                                          cfg.num_kv_heads, traits.qkv_bias, info, traits.pdl)
+                                          cfg.num_kv_heads, traits.qkv_bias, info,
+                                          traits.policy)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
-                                        traits.o_bias, info, comm, traits.pdl)
-        norm = lambda: RMSNorm(cfg.head_dim, cfg.rms_norm_eps, traits.fused,  # noqa: E731
-                               traits.pdl)
+                                        traits.o_bias, info, comm, traits.policy)
+        norm = lambda: RMSNorm(cfg.head_dim, cfg.rms_norm_eps, traits.policy)  # noqa: E731
         self.q_norm = norm() if traits.qk_norm else None
         self.k_norm = norm() if traits.qk_norm else None
         self.rotary = rotary
@@ -115,12 +113,12 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, info: DistributedInfo, comm: Communicator,
                  traits: "Traits") -> None:
         super().__init__()
-        self.fused, self.pdl = traits.fused, traits.pdl
+        self.policy = traits.policy
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias,
-                                                 info, traits.pdl)
+                                                 info, traits.policy)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, info, comm,
-                                           traits.pdl)
+                                           traits.policy)
 
     def forward(self, stream: ResidualStream, norm: RMSNorm) -> ResidualStream:
         proj = self.gate_up_proj.forward_normed_silu(stream, norm)  # batch 1: one kernel
@@ -128,7 +126,7 @@ class MLP(nn.Module):
             act, residual = proj
         else:
             gate_up, residual = self.gate_up_proj.forward_normed(stream, norm)
-            act = silu_and_mul(gate_up, self.fused, self.pdl)
+            act = silu_and_mul(gate_up, self.policy)
         return ResidualStream(self.down_proj(act, reduce=False), residual, self.down_proj)
 
 
@@ -136,11 +134,10 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, traits: "Traits", rotary: RotaryEmbedding,
                  info: DistributedInfo, comm: Communicator) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, traits.fused,
-                                       traits.pdl)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, traits.policy)
         self.self_attn = Attention(cfg, layer, traits, rotary, info, comm)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, traits.fused,
-                                                traits.pdl)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                traits.policy)
         self.mlp = MLP(cfg, info, comm, traits)
 
     def forward(self, stream: ResidualStream, positions: torch.Tensor, batch: Batch,
@@ -157,11 +154,11 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, info, comm)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.rope_theta, cfg.rope_scaling,
-                                 traits.fused, traits.pdl)
+                                 traits.policy)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, traits, rotary, info, comm)
             for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, traits.fused, traits.pdl)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, traits.policy)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
                 backend: AttentionBackend) -> torch.Tensor:
@@ -182,16 +179,14 @@ class CausalLM(nn.Module):
         return Traits(qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=False)
 
     def __init__(self, cfg: ModelConfig, info: DistributedInfo, comm: Communicator,
-                 fused: bool = False, pdl: bool = False) -> None:
-        """`fused`, `pdl`: see Traits (pdl takes effect only with fused)."""
+                 policy: KernelPolicy = KernelPolicy()) -> None:
+        """`policy`: the kernels every layer launches (see Traits)."""
         super().__init__()
         self.cfg = cfg
-        pdl = pdl and fused
-        self.model = DecoderModel(cfg, self.traits(cfg)._replace(fused=fused, pdl=pdl), info,
-                                  comm)
+        self.model = DecoderModel(cfg, self.traits(cfg)._replace(policy=policy), info, comm)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, info, comm, tied_to=tied,
-                                      pdl=pdl)
+                                      policy=policy)
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
                backend: AttentionBackend) -> torch.Tensor:

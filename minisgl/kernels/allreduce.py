@@ -4,7 +4,7 @@ Each rank's program p stages its rows of the partial sum into its own symmetric 
 program p of every peer at a barrier, loads the rows from every rank's buffer with plain
 peer-to-peer loads (never multicast), sums them in float32 in rank order 0..W-1 (so every rank
 gets the same bits), rounds to the dtype, adds the residual, stores the new residual, and applies
-the RMSNorm of layers/triton_ops.py (the shared `rmsnorm_row_store`, launched as wide), then
+the RMSNorm of rmsnorm.py (the shared `rmsnorm_row_store`, launched as wide), then
 meets its peers again so that the next call may overwrite the buffers. Program p handles rows
 p, p + G, ... of G = min(rows, max_programs) programs; G is small enough that every program of
 every rank is resident at once, which the barriers need.
@@ -23,19 +23,21 @@ Every spin is bounded (`spin_limit` failed tries per flag): a barrier that gives
 the error word (1: opening barrier, 2: closing) and, on a GPU, traps, which ends the process with
 a CUDA error instead of a hang. The CPU interpreter (tests) only sets the bit.
 
-This module imports triton; only `SymmMemAllReduce.all_reduce_rmsnorm` and tests import it.
+This module imports triton; only `SymmMemAllReduce.all_reduce_rmsnorm` (distributed/
+symm_allreduce.py) and tests import it.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Tuple
+from typing import Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from minisgl.pdl import launch_options, pdl_enter
-from minisgl.triton_rmsnorm import rmsnorm_row_store, rmsnorm_warps
+from minisgl.kernels.pdl import launch_options, pdl_enter
+from minisgl.kernels.rmsnorm import rmsnorm_row_store, rmsnorm_warps
+from minisgl.kernels.types import PeerBuffers
 
 # Programs per call (and flag slots per peer). At most this many CTAs of up to 16 warps must be
 # resident together on each GPU: 128 fits on any GPU with 64 or more SMs.
@@ -48,31 +50,11 @@ def flag_bytes(world: int) -> int:
     return MAX_PROGRAMS * world * _FLAG_BYTES
 
 
-class PeerBuffers(NamedTuple):
-    """Where the kernel finds every rank's buffer, as this process maps them.
-
-    `buffer`: this rank's whole buffer (uint8, staging then flags). `ptrs`: int64 [world] on the
-    kernel's device, the address of rank q's buffer at index q (symmetric memory maps every
-    peer's buffer into this process; ptrs[rank] is buffer's own address). Each buffer holds
-    `staging_bytes` bytes of staging, then `flag_bytes(world)` bytes of flags, zero before the
-    first call. `errors`: int32 [1] on the device, bits set by barriers that gave up.
-    `trap`: trap on a barrier that gave up (GPU; the interpreter cannot)."""
-
-    buffer: torch.Tensor
-    ptrs: torch.Tensor
-    rank: int
-    world: int
-    staging_bytes: int
-    errors: torch.Tensor
-    spin_limit: int
-    trap: bool
-
-
 @triton.jit
 def _rows_of(stage_ptr, ptrs, rank, q):
     """Rank q's staging rows, as an offset from this rank's (`stage_ptr`, a kernel argument of
     known alignment): a pointer loaded from memory has none, and its loads would not vectorize
-    like the local ones (another layout, another reduction order than triton_ops.rmsnorm).
+    like the local ones (another layout, another reduction order than rmsnorm.rmsnorm).
     Symmetric buffers are page aligned, so the distance is a multiple of 16 elements."""
     elt_bytes = stage_ptr.dtype.element_ty.primitive_bitwidth // 8  # a compile-time int
     delta = (tl.load(ptrs + q) - tl.load(ptrs + rank)) // elt_bytes

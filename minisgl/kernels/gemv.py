@@ -1,5 +1,5 @@
 """Triton one-token projections (GEMV) for the batch-1 decode step, which is pure weight
-streaming: every weight matrix multiplied by one row. With `pdl` (minisgl/pdl.py) each program
+streaming: every weight matrix multiplied by one row. With `pdl` (pdl.py) each program
 loads its first weight tile before waiting for the previous kernel, so weight streaming overlaps
 that kernel's tail.
 
@@ -23,11 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.attention.base import KVTarget
-from minisgl.layers.norm import Normed
-from minisgl.layers.triton_ops import silu_mul_f32
-from minisgl.pdl import launch_options, pdl_enter
-from minisgl.triton_rmsnorm import rmsnorm_row
+from minisgl.kernels.activation import silu_mul_f32
+from minisgl.kernels.pdl import launch_options, pdl_enter
+from minisgl.kernels.rmsnorm import rmsnorm_row
+from minisgl.kernels.types import Normed, QKVRope
 
 
 # --- plain ----------------------------------------------------------------------------------------
@@ -286,26 +285,13 @@ def _norm_qkv_rope_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out
     tl.store(v_row + HALF, hi.to(ty), mask=is_v)
 
 
-class QKVRope(NamedTuple):
-    """What `norm_qkv_rope` needs besides the projection: the token's position, the rotary
-    cos / sin caches (float32 [max_positions, head_dim]), the head counts, and where its K/V
-    go (the target's caches, [slots, n_kv, head_dim] contiguous, at its one slot)."""
-
-    positions: torch.Tensor  # [1]
-    cos: torch.Tensor
-    sin: torch.Tensor
-    n_q: int
-    n_kv: int
-    target: KVTarget
-
-
 def norm_qkv_rope(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
                   eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor], rope: QKVRope,
                   pdl: bool = False) -> Normed:
     """One token's attention input in one launch: qkv = rmsnorm(x + residual) W^T + b as
     `norm_gemv`, then q rotated in place (rotate-half), and the rotated k and v written to the
-    KV cache as `rotary_qk_(..., store=...)` does (k and v stay unrotated in qkv). W's rows are
-    the q heads, then k, then v, head_dim (a power of two, at least 4) rows each."""
+    KV cache as `rotary.rotary_qk_(..., store=...)` does (k and v stay unrotated in qkv). W's
+    rows are the q heads, then k, then v, head_dim (a power of two, at least 4) rows each."""
     n, k = weight.shape
     dim = rope.cos.shape[1]
     heads = rope.n_q + 2 * rope.n_kv

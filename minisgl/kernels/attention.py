@@ -15,19 +15,20 @@ base 2 (the scale is pre-multiplied by log2(e)); outputs are cast back to the qu
   query head, block of new tokens) and attends causally over the prefix and the new tokens, all
   read from the pool (the new K/V must be stored first).
 
-Only the GPU kernel modules (this one, layers/triton_ops.py, layers/triton_gemv.py, pdl.py)
-import triton, and they are imported only for CUDA work, so CPU installs without triton work.
+The K/V store (`store_kv`) writes the new tokens' K/V into their slots first, in one launch. This
+module imports triton: only the Triton attention backend (a GPU path) and tests import it.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from minisgl.pdl import launch_options, pdl_enter
+from minisgl.kernels.pdl import launch_options, pdl_enter
+from minisgl.kernels.types import DecodeTiles, ExtendTiles
 
 _LOG2E = 1.4426950408889634
 _MAX_GRID_Z = 65535  # CUDA's limit on a grid's y and z axes
@@ -211,19 +212,6 @@ def _extend_kernel(
              o.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
-class DecodeTiles(NamedTuple):
-    block_n: int  # KV tokens per loop iteration
-    num_warps: int
-    num_stages: int = 2
-
-
-class ExtendTiles(NamedTuple):
-    block_m: int  # new tokens per program
-    block_n: int  # KV tokens per loop iteration
-    num_warps: int
-    num_stages: int = 2
-
-
 def decode_tiles(dtype: torch.dtype, head_dim: int, num_splits: int) -> DecodeTiles:
     """Half types, from tile sweeps on an H200 (bf16, 32/8 heads, d 128, pages of 16, contexts
     100-1700; scripts/bench_kernels.py, RESULTS.md): unsplit (large batches), requests longest
@@ -262,7 +250,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     max(ceil(seq_len / S), min_split_tokens) tokens (rounded up to the tile), computed in the
     kernels from the device lengths: launches depend only on shapes (graph-capturable). Requests
     in decreasing length run fastest (longest job first; see the split kernel).
-    `pdl`: launch with programmatic dependent launch (minisgl/pdl.py).
+    `pdl`: launch with programmatic dependent launch (pdl.py).
     """
     batch, num_heads, head_dim = q.shape
     if batch > _MAX_GRID_Z:

@@ -1,0 +1,43 @@
+"""SiLU-and-mul in Triton: the gated MLP's activation on CUDA, one launch, and the one copy of
+its formula, which the gate/up GEMV's epilogue (gemv.py) shares so that both round alike. This
+module imports triton: only GPU paths (and the CPU interpreter tests) import it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.kernels.pdl import launch_options, pdl_enter
+
+
+@triton.jit
+def silu_mul_f32(gate, up):
+    """silu(gate) * up in float32: the one copy of the formula, shared by the SiLU kernel and
+    the gate/up GEMV's epilogue (gemv.py), so both round alike."""
+    gate = gate.to(tl.float32)
+    return gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, d, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    gate = tl.load(x_ptr + row * 2 * d + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * 2 * d + d + cols, mask=mask, other=0.0)
+    out = silu_mul_f32(gate, up)
+    tl.store(out_ptr + row * d + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """x = [gate | up] (contiguous) -> silu(gate) * up."""
+    d = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * d)
+    out = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
+    block = 1024
+    _silu_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, d, BLOCK=block, PDL=pdl,
+                                                            **launch_options(pdl))
+    return out.view(*x.shape[:-1], d)

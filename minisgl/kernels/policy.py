@@ -1,0 +1,35 @@
+"""Which Triton kernels a model launches: one policy per engine, decided once at start-up
+(engine.kernel_policy) and handed down to every layer, the attention backend, the fused
+all-reduce and the sampler. It imports nothing but the standard library, so callers import it at
+the top.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    """`fused`: on CUDA tensors, the Triton RMSNorm (with the residual add), SiLU-and-mul, rotary
+    embedding (with the K/V store) and argmax instead of torch ops; CPU tensors always take the
+    torch ops. `pdl`: the decode path's Triton kernels launch with programmatic dependent launch
+    (kernels/pdl.py), and one-token projections take the Triton GEMV (`gemv`). PDL needs `fused`
+    (the kernels it launches are the fused ones) and a GPU of compute capability 9.0 or newer,
+    which the engine checks. The default policy is torch ops everywhere."""
+
+    fused: bool = False
+    pdl: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pdl and not self.fused:
+            raise ValueError(f"KernelPolicy(pdl={self.pdl}) needs fused=True (got "
+                             f"fused={self.fused}): PDL launches the fused kernels")
+
+    @property
+    def gemv(self) -> bool:
+        """Whether one-token projections (batch-1 decode) run the Triton GEMV (with the norm
+        before them and the rotary / SiLU after them fused in where those apply). Only with PDL:
+        without it the GEMV merely tied cuBLAS inside the model (benchmarks/RESULTS.md); with it
+        each GEMV's first weight tile streams while the previous kernel finishes."""
+        return self.pdl

@@ -1,0 +1,84 @@
+"""RMSNorm in Triton: `rmsnorm`, the RMSNorm layer's kernel on CUDA (with the residual add), and
+the tail every RMSNorm kernel shares: normalize one row held in registers (and store it).
+
+The tail is shared by `rmsnorm` (the norm after a finished all-reduce), gemv.py (the norm inside
+the one-token GEMV) and allreduce.py (the norm fused into the all-reduce), so that all round in
+exactly the same places. It must stay the only copy of this arithmetic. The reduction order of
+`tl.sum` also follows the kernel's launch width: the norm kernels launch with `rmsnorm_warps`, so
+a fused all-reduce step gives the same bits as the two-kernel one; the GEMV launches with its own
+width, so its norm can differ from theirs in the last bit. This module imports triton: only GPU
+paths (and the CPU interpreter tests) import it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.kernels.pdl import launch_options, pdl_enter
+
+
+def rmsnorm_warps(block: int) -> int:
+    """Warps of an RMSNorm kernel whose program holds one row of `block` columns."""
+    return min(16, max(1, block // 256))
+
+
+@triton.jit
+def rmsnorm_row(x, w_ptr, cols, mask, n_cols, eps):
+    """rmsnorm(x) * w in x's dtype: x [BLOCK] in the output dtype (masked lanes zero); float32
+    math, x * rsqrt(mean(x^2) + eps) rounded to the dtype, then times the weight in float32 and
+    rounded again (the reference implementation's two roundings)."""
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    normed = (xf * inv).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    return (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def rmsnorm_row_store(x, w_ptr, out_row_ptr, cols, mask, n_cols, eps):
+    """Store `rmsnorm_row(x, ...)` at out_row_ptr[cols]."""
+    tl.store(out_row_ptr + cols, rmsnorm_row(x, w_ptr, cols, mask, n_cols, eps), mask=mask)
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, stride_x, stride_res,
+                    eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        x = x + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
+    rmsnorm_row_store(x, w_ptr, out_ptr + row * n_cols, cols, mask, n_cols, eps)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last dim] with dense rows (a copy only where no such view exists)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+            residual: Optional[torch.Tensor] = None, pdl: bool = False
+            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """RMSNorm over the last dimension of x; with `residual`, normalizes x + residual and also
+    returns that sum (the new residual). Outputs are contiguous. Rows may be strided: the
+    per-head q/k norms see views of the fused QKV output, and with one head per rank
+    `reshape` keeps such a view (row stride = the QKV width) instead of copying it."""
+    shape = x.shape
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(out) if residual is not None else out
+    res = _rows(residual) if residual is not None else x2
+    block = triton.next_power_of_2(shape[-1])
+    _rmsnorm_kernel[(x2.shape[0],)](x2, res, weight, out, res_out, shape[-1], x2.stride(0),
+                                    res.stride(0), eps, HAS_RES=residual is not None,
+                                    BLOCK=block, PDL=pdl, num_warps=rmsnorm_warps(block),
+                                    **launch_options(pdl))
+    return out.view(shape), (res_out.view(shape) if residual is not None else None)

@@ -1,0 +1,91 @@
+"""Rotary embedding in Triton (rotate-half layout): q and k of every token in one launch, in place,
+optionally with the K/V store of attention fused in (the rotated k and a copy of v written to the
+KV cache instead of k rotated in place). This module imports triton: only GPU paths (and the CPU
+interpreter tests) import it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.kernels.pdl import launch_options, pdl_enter
+from minisgl.kernels.types import KVStore
+
+
+@triton.jit
+def _rotate_heads(src, dst, cos, sin, n_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotate `n_heads` dense [head_dim] vectors starting at `src` into `dst` (may be `src`)."""
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, HALF)
+    hmask = heads[:, None] < n_heads
+    offs = heads[:, None] * (2 * HALF) + dims[None, :]
+    x1 = tl.load(src + offs, mask=hmask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + offs + HALF, mask=hmask, other=0.0).to(tl.float32)
+    ty = dst.dtype.element_ty
+    tl.store(dst + offs, (x1 * cos - x2 * sin).to(ty), mask=hmask)
+    tl.store(dst + offs + HALF, (x2 * cos + x1 * sin).to(ty), mask=hmask)
+
+
+@triton.jit
+def _rotary_qk_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slots_ptr, k_cache_ptr,
+                      v_cache_ptr, stride_q, stride_k, stride_v, stride_cs, n_q, n_k,
+                      HALF: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                      STORE: tl.constexpr, PDL: tl.constexpr):
+    """Program t: rotate token t's q heads in place; its k heads in place, or (STORE) into
+    k_cache[slots[t]] with v[t] copied to v_cache[slots[t]] (caches [slots, n_k, 2 * HALF])."""
+    pdl_enter(PDL)
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    dims = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * (2 * HALF) + dims)[None, :]
+    sin = tl.load(sin_ptr + pos * (2 * HALF) + dims)[None, :]
+    q = q_ptr + tok * stride_q
+    _rotate_heads(q, q, cos, sin, n_q, HALF, BLOCK_Q)
+    k = k_ptr + tok * stride_k
+    if STORE:
+        slot = tl.load(slots_ptr + tok).to(tl.int64)
+        _rotate_heads(k, k_cache_ptr + slot * stride_cs, cos, sin, n_k, HALF, BLOCK_K)
+        offs = tl.arange(0, BLOCK_K * 2 * HALF)
+        mask = offs < n_k * 2 * HALF
+        v = tl.load(v_ptr + tok * stride_v + offs, mask=mask)
+        tl.store(v_cache_ptr + slot * stride_cs + offs, v, mask=mask)
+    else:
+        _rotate_heads(k, k, cos, sin, n_k, HALF, BLOCK_K)
+
+
+def _check_rotary_layout(x: torch.Tensor) -> None:
+    _, heads, dim = x.shape
+    if x.stride(2) != 1 or x.stride(1) != dim or dim & (dim - 1):
+        raise ValueError("rotary needs x[t] to be a dense [heads, head_dim] block, head_dim a "
+                         "power of two")
+
+
+def rotary_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, pdl: bool = False, store: Optional[KVStore] = None
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] in place, in one
+    launch (rotate-half layout); cos/sin are float32 [max_positions, head_dim] caches. Each
+    token's heads must be one dense block (q and k may be views of one fused QKV output).
+    `store`: k is left as it is and its rotation goes to the KV cache with v (the K/V store of
+    attention, fused in)."""
+    _check_rotary_layout(q)
+    _check_rotary_layout(k)
+    tokens, n_q, dim = q.shape
+    if store is not None:
+        _check_rotary_layout(store.v)
+        cache_strides = store.target.k_cache.stride()
+        if cache_strides[1:] != (dim, 1) or store.target.v_cache.stride() != cache_strides:
+            raise ValueError("rotary K/V store needs contiguous [slots, kv_heads, head_dim] caches")
+    if tokens:
+        # Without a store the kernel never touches these four (STORE=False): any tensors do.
+        v, (k_cache, v_cache, slots) = store if store is not None else (k, (k, k, positions))
+        _rotary_qk_kernel[(tokens,)](
+            q, k, v, positions, cos, sin, slots, k_cache, v_cache, q.stride(0), k.stride(0),
+            v.stride(0), k_cache.stride(0), n_q, k.shape[1], HALF=dim // 2,
+            BLOCK_Q=triton.next_power_of_2(n_q), BLOCK_K=triton.next_power_of_2(k.shape[1]),
+            STORE=store is not None, PDL=pdl, **launch_options(pdl))
+    return q, k

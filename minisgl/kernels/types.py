@@ -1,0 +1,85 @@
+"""The small types the kernels share with their callers: where a layer's new K/V go, what a norm
+with a residual add returns, what the fused QKV kernel needs besides the projection, the
+attention kernels' tilings and the fused all-reduce's view of its peers' buffers.
+
+They live here, below every caller, so that no import runs upward; this module imports torch
+only, so layers, attention and distributed import it at the top (the kernel modules themselves
+import triton, and only GPU paths import them).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class KVTarget(NamedTuple):
+    """Where one layer's new K/V go: k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]."""
+
+    k_cache: torch.Tensor  # [slots, kv_heads, d], contiguous
+    v_cache: torch.Tensor
+    slots: torch.Tensor  # [T] int32 / int64, one per new token
+
+
+class KVStore(NamedTuple):
+    """What `rotary.rotary_qk_` writes instead of rotating k in place: the rotated k and a copy
+    of v, to the target's caches at its slots."""
+
+    v: torch.Tensor  # [tokens, kv_heads, head_dim], each token's heads one dense block
+    target: KVTarget
+
+
+class Normed(NamedTuple):
+    """What a norm with a residual add returns: `out` (the normed sum, or whatever a fused
+    kernel computed from it: a projection, an activation) and `residual`, the sum itself."""
+
+    out: torch.Tensor
+    residual: torch.Tensor
+
+
+class QKVRope(NamedTuple):
+    """What `gemv.norm_qkv_rope` needs besides the projection: the token's position, the rotary
+    cos / sin caches (float32 [max_positions, head_dim]), the head counts, and where its K/V
+    go (the target's caches, [slots, n_kv, head_dim] contiguous, at its one slot)."""
+
+    positions: torch.Tensor  # [1]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    n_q: int
+    n_kv: int
+    target: KVTarget
+
+
+class DecodeTiles(NamedTuple):
+    block_n: int  # KV tokens per loop iteration
+    num_warps: int
+    num_stages: int = 2
+
+
+class ExtendTiles(NamedTuple):
+    block_m: int  # new tokens per program
+    block_n: int  # KV tokens per loop iteration
+    num_warps: int
+    num_stages: int = 2
+
+
+class PeerBuffers(NamedTuple):
+    """Where the fused all-reduce kernel (kernels/allreduce.py) finds every rank's buffer, as
+    this process maps them.
+
+    `buffer`: this rank's whole buffer (uint8, staging then flags). `ptrs`: int64 [world] on the
+    kernel's device, the address of rank q's buffer at index q (symmetric memory maps every
+    peer's buffer into this process; ptrs[rank] is buffer's own address). Each buffer holds
+    `staging_bytes` bytes of staging, then `allreduce.flag_bytes(world)` bytes of flags, zero
+    before the first call. `errors`: int32 [1] on the device, bits set by barriers that gave up.
+    `trap`: trap on a barrier that gave up (GPU; the interpreter cannot)."""
+
+    buffer: torch.Tensor
+    ptrs: torch.Tensor
+    rank: int
+    world: int
+    staging_bytes: int
+    errors: torch.Tensor
+    spin_limit: int
+    trap: bool
