@@ -34,6 +34,7 @@ _ANY_CASE = "any_case"
 _ALIAS = "alias"
 _SECTION = "section"
 _TYPES = (bool, int, float, str)
+_METAVARS = {int: "N", float: "X"}
 
 
 class Alias(NamedTuple):
@@ -169,7 +170,8 @@ def _add_flag(group: Any, s: Setting, default: Any) -> None:
     elif s.type is bool:
         group.add_argument(s.flag, action="store_true", help=_help(s), **common)
     else:
-        group.add_argument(s.flag, type=s.type, choices=s.choices, help=_help(s), **common)
+        group.add_argument(s.flag, type=s.type, choices=s.choices, help=_help(s),
+                           metavar=_METAVARS.get(s.type) if s.choices is None else None, **common)
     if s.alias is not None:
         group.add_argument("--" + s.alias.name, action="store_const", const=s.alias.value,
                            help=s.alias.help.replace("%", "%%"), **common)

@@ -102,29 +102,26 @@ def _parser(root: ServerConfig) -> argparse.ArgumentParser:
     return p
 
 
-def load_file(path: Path, root: Optional[ServerConfig] = None) -> Dict[str, Any]:
-    """Settings of the tree `root` (default: the server's) from a TOML file, by setting name;
-    errors name the key."""
+def load_file(path: Path) -> Dict[str, Any]:
+    """Settings from a TOML file, by setting name; errors name the key."""
     try:
         raw = tomllib.loads(Path(path).read_text())
     except OSError as e:
         raise ValueError(f"cannot read config file {str(path)!r}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
-    return check_values(root or ServerConfig(), raw, f"config file {str(path)!r}")
+    return check_values(ServerConfig(), raw, f"config file {str(path)!r}")
 
 
-def parse_args(argv: Optional[Sequence[str]] = None,
-               root: Optional[ServerConfig] = None) -> ServerConfig:
-    """The config from `argv` (default sys.argv[1:]) over the tree `root` (default: the
-    server's, with its defaults). Raises ValueError on a bad setting; argparse itself exits
-    with status 2 on malformed flags."""
-    root = root or ServerConfig()
+def parse_args(argv: Optional[Sequence[str]] = None) -> ServerConfig:
+    """The config from `argv` (default sys.argv[1:]). Raises ValueError on a bad setting;
+    argparse itself exits with status 2 on malformed flags."""
+    root = ServerConfig()
     given = vars(_parser(root).parse_args(argv))
     settings: Dict[str, Any] = {}
     path = given.pop("config", None)
     if path is not None:
-        settings.update(load_file(path, root))
+        settings.update(load_file(path))
     settings.update(given)
     return build(root, settings, "command line")
 
