@@ -23,7 +23,7 @@ from tqdm import tqdm
 from minisgl.core import Limits, SamplingParams, TokenLogprobs, request_error
 from minisgl.distributed import DistributedInfo, ProcessGroups
 from minisgl.distributed.comm import Communicator
-from minisgl.engine import Engine, EngineConfig
+from minisgl.engine import Engine
 from minisgl.message import BatchTokenOut, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.layers.linear import check_head_split
@@ -34,7 +34,8 @@ from minisgl.scheduler.io import LocalIO
 from minisgl.scheduler.main import run_rank
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.tokenizer.text import load_tokenizer
-from minisgl.utils import free_port, resolve_device, resolve_dtype
+from minisgl.settings import build
+from minisgl.utils import free_port
 
 logger = logging.getLogger(__name__)
 Prompt = Union[str, List[int]]
@@ -167,37 +168,26 @@ class _RankProcesses:
 
 
 class LLM:
-    """Offline generation. `model=None` uses the bundled default model (SmolLM2-135M-Instruct);
-    `max_prefill_tokens=None`: `utils.offline_prefill_tokens` (16,384 on large GPUs), resolved
-    in the scheduler ranks, so this process leaves CUDA alone."""
+    """Offline generation. `model=None` uses the bundled default model (SmolLM2-135M-Instruct).
+    The keywords are the scheduler and engine settings (`settings.names(SchedulerConfig())`:
+    tp, device, dtype, page_size, max_prefill_tokens, overlap, fused_ops, pdl, ...; the same as
+    the server's flags), with the same defaults but `max_prefill_tokens=None`:
+    `utils.offline_prefill_tokens` (16,384 on large GPUs), resolved in the scheduler ranks, so
+    this process leaves CUDA alone. An unknown keyword or a bad value is a ValueError naming it.
+    `show_progress`: progress bars while loading and generating; `log_level`: the rank
+    processes' (tp > 1)."""
 
-    def __init__(self, model: Optional[str] = None, *, device: str = "auto",
-                 dtype: Optional[str] = None, tp: int = 1, page_size: int = 16,
-                 max_prefill_tokens: Optional[int] = None, max_running_requests: int = 256,
-                 max_kv_tokens: Optional[int] = None, cache: str = "radix",
-                 load_format: str = "auto", seed: int = 0, attention_backend: str = "auto",
-                 show_progress: bool = True, log_level: str = "WARNING",
-                 check_lockstep: bool = False, overlap: Optional[bool] = None,
-                 decode_reserve_tokens: Optional[int] = None,
-                 cuda_graph_max_bs: int = 256, allreduce: str = "auto",
-                 fused_ops: bool = True, pdl: str = "auto", tune_gemms: bool = False) -> None:
-        if tp < 1:
-            raise ValueError(f"tp must be >= 1, got {tp}")
+    def __init__(self, model: Optional[str] = None, *, show_progress: bool = True,
+                 log_level: str = "WARNING", **overrides: Any) -> None:
+        cfg = build(SchedulerConfig(), overrides, "LLM()")
+        tp = cfg.engine.tp
         self.model_path = resolve_model_path(model)
         self.tokenizer = load_tokenizer(self.model_path)
         self.model_config = ModelConfig.from_dir(self.model_path)
         check_head_split(self.model_config.num_heads, self.model_config.num_kv_heads, tp)
-        dev = resolve_device(device)
-        engine_cfg = EngineConfig(
-            model_path=str(self.model_path), tp_info=DistributedInfo(0, tp), device=dev,
-            dtype=resolve_dtype(dtype, dev), page_size=page_size,
-            max_running_requests=max_running_requests, max_kv_tokens=max_kv_tokens,
-            load_format=load_format, attention_backend=attention_backend, seed=seed,
-            show_progress=show_progress, cuda_graph_max_bs=cuda_graph_max_bs,
-            allreduce=allreduce, fused_ops=fused_ops, pdl=pdl, tune_gemms=tune_gemms)
-        cfg = SchedulerConfig(engine=engine_cfg, max_prefill_tokens=max_prefill_tokens,
-                              cache=cache, check_lockstep=check_lockstep, overlap=overlap,
-                              decode_reserve_tokens=decode_reserve_tokens)
+        engine = dataclasses.replace(cfg.engine.for_rank(str(self.model_path), 0),
+                                     show_progress=show_progress)
+        cfg = dataclasses.replace(cfg, engine=engine)
         self.show_progress = show_progress
         self._backend = _InProcess(cfg) if tp == 1 else _RankProcesses(cfg, tp, log_level)
         self._uids = itertools.count()

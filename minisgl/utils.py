@@ -13,6 +13,7 @@ T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPE_NAMES = ("auto", *_DTYPES)  # what resolve_dtype takes (and None, as "auto")
 
 
 def resolve_device(device: str) -> str:

@@ -22,18 +22,21 @@ import multiprocessing as mp
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from minisgl.core import Batch, Phase, Req, SamplingParams
-from minisgl.distributed import (ALLREDUCE_MODES, DistributedInfo, destroy_process_groups,
-                                 init_process_groups)
-from minisgl.engine import PDL_MODES, Engine, EngineConfig
+from minisgl.distributed import destroy_process_groups, init_process_groups
+from minisgl.engine import Engine, EngineConfig
 from minisgl.layers import blas
 from minisgl.scheduler.decode import DecodeManager
-from minisgl.utils import free_port, resolve_device, resolve_dtype
+from minisgl.settings import add_flags, build, from_namespace
+from minisgl.utils import free_port
+
+# Set by the script from the batch sizes and contexts it times.
+_SCRIPT_SET = ("max_running_requests", "max_kv_tokens", "load_format")
 
 
 @dataclass(frozen=True)
@@ -71,29 +74,26 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "per request (seeded)")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--no-fused-ops", action="store_true",
-                   help="torch RMSNorm / SiLU / rotary instead of the fused Triton kernels")
-    p.add_argument("--pdl", choices=PDL_MODES, default="auto",
-                   help="programmatic dependent launch on the decode path (EngineConfig.pdl)")
-    p.add_argument("--tune-gemms", action="store_true",
-                   help="cuBLAS or cuBLASLt per decode GEMM, timed at start-up "
-                        "(EngineConfig.tune_gemms)")
     p.add_argument("--profile", action="store_true",
                    help="print the device kernels of a few steps at the first batch size (and "
                         "of the prefill step, with --prefill)")
     p.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
                    help="also time one prefill step of fresh prompts (lengths uniform in "
                         "[100, 1024], seeded) filling this many tokens, as the offline workload's")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--allreduce", default="auto", choices=list(ALLREDUCE_MODES),
-                   help="tensor-parallel all-reduce (see EngineConfig.allreduce)")
     p.add_argument("--copy-mib", type=int, default=None,
                    help="size of the bandwidth probe (default 4096 on CUDA, 256 on CPU)")
-    return p.parse_args(argv)
+    add_flags(p, EngineConfig(), skip=_SCRIPT_SET)
+    args = p.parse_args(argv)
+    try:
+        engine_settings(args)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def engine_settings(args: argparse.Namespace) -> EngineConfig:
+    """The engine settings the flags give (the pool's size and the weights are the script's)."""
+    return build(EngineConfig(), from_namespace(args, EngineConfig()), "command line")
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> float:
@@ -298,19 +298,13 @@ def time_graph(engine: Engine, batch: Batch, steps: int) -> Optional[float]:
 def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) -> None:
     """Build this rank's engine and time every batch size; rank 0 sends the rows to `out`."""
     sizes: List[int] = args.batch_sizes
-    device = resolve_device(args.device)
     pages_per_req = -(-(context_range(args.context)[1] + 1) // args.page_size)
     prefill_reqs = len(prefill_lengths(args.prefill, 0)) if args.prefill else 0
     kv_tokens = max(max(sizes) * pages_per_req * args.page_size,
                     args.prefill + prefill_reqs * args.page_size)
-    cfg = EngineConfig(
-        model_path=args.model, tp_info=DistributedInfo(rank, args.tp), device=device,
-        dtype=resolve_dtype(args.dtype, device), page_size=args.page_size,
-        max_running_requests=max(max(sizes), prefill_reqs), max_kv_tokens=kv_tokens,
-        load_format="dummy", attention_backend=args.attention_backend,
-        fused_ops=not args.no_fused_ops, pdl=args.pdl, allreduce=args.allreduce,
-        tune_gemms=args.tune_gemms,
-        dist_init_method=init_method, show_progress=False)
+    cfg = replace(engine_settings(args), max_running_requests=max(max(sizes), prefill_reqs),
+                  max_kv_tokens=kv_tokens, load_format="dummy",
+                  show_progress=False).for_rank(args.model, rank, init_method)
     groups = init_process_groups(cfg.tp_info, cfg.torch_device, init_method, cfg.dist_timeout_s,
                                  cfg.allreduce)
     try:

@@ -28,10 +28,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from minisgl import LLM, SamplingParams
-from minisgl.distributed import ALLREDUCE_MODES
-from minisgl.engine import PDL_MODES
+from minisgl.engine import EngineConfig
 from minisgl.message import SchedulerStats
 from minisgl.models import ModelConfig
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.settings import add_flags, build, from_namespace
 from minisgl.utils import offline_prefill_tokens, resolve_device
 
 # HF continuous batching's share of free GPU memory for its KV cache: its default (0.9) ran out
@@ -42,6 +43,8 @@ HF_MEMORY_PERCENT = 0.7
 # (650 against 528 output tok/s, same machine and hour) for about 80 s more warm-up, so the peer
 # runs at 1. Levels 2 and 3 (max-autotune) warm up longer still and are not measured yet.
 HF_COMPILE_LEVEL = 1
+# The engine and scheduler settings, with the script's default weights: random, of a shape.
+SETTINGS = SchedulerConfig(engine=EngineConfig(load_format="dummy"))
 
 
 @dataclass(frozen=True)
@@ -75,35 +78,11 @@ class Result:
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="configs/models/llama-3.1-8b")
-    p.add_argument("--load-format", default="dummy", choices=["dummy", "auto"])
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--min-len", type=int, default=100, help="input and output length minimum")
     p.add_argument("--max-len", type=int, default=1024, help="input and output length maximum")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                    help="every prompt starts with the same N random tokens")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-running-requests", type=int, default=256)
-    p.add_argument("--max-prefill-tokens", type=int, default=None,
-                   help="prefill chunk; default: the LLM API's (16,384 on GPUs of 70 GiB or "
-                        "more, else 8,192)")
-    p.add_argument("--max-kv-tokens", type=int, default=None)
-    p.add_argument("--cache", default="radix", choices=["radix", "naive"])
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--allreduce", default="auto", choices=list(ALLREDUCE_MODES),
-                   help="tensor-parallel all-reduce (see EngineConfig.allreduce)")
-    p.add_argument("--pdl", choices=PDL_MODES, default="auto",
-                   help="programmatic dependent launch on the decode path (EngineConfig.pdl)")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=256,
-                   help="decode CUDA graphs up to this batch size (0: none; ablation)")
-    p.add_argument("--disable-overlap", action="store_true",
-                   help="plan each step only after the previous step's tokens (ablation)")
-    p.add_argument("--tune-gemms", action="store_true",
-                   help="cuBLAS or cuBLASLt per decode GEMM, timed at start-up "
-                        "(EngineConfig.tune_gemms)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the untimed warm-up (kernel compilation, allocator)")
     p.add_argument("--peer", choices=["hf"], default=None)
@@ -124,7 +103,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--peer-attn", default="sdpa",
                    help="attn_implementation for the HF peer (e.g. sdpa, paged|sdpa, "
                         "flash_attention_2)")
-    return p.parse_args(argv)
+    add_flags(p, SETTINGS)  # --seed also seeds the workload
+    args = p.parse_args(argv)
+    try:
+        build(SETTINGS, from_namespace(args, SETTINGS), "command line")
+    except ValueError as e:
+        p.error(str(e))
+    return args
 
 
 def make_workload(n: int, min_len: int, max_len: int, vocab: int, seed: int,
@@ -152,13 +137,7 @@ def warmup_workload(vocab: int, seed: int, work: Workload, shared_prefix: int) -
 
 
 def run_minisgl(args: argparse.Namespace, work: Workload, warm: Optional[Workload]) -> Result:
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, tp=args.tp,
-              page_size=args.page_size, max_prefill_tokens=args.max_prefill_tokens,
-              max_running_requests=args.max_running_requests, max_kv_tokens=args.max_kv_tokens,
-              cache=args.cache, load_format=args.load_format, seed=args.seed,
-              attention_backend=args.attention_backend, allreduce=args.allreduce,
-              pdl=args.pdl, tune_gemms=args.tune_gemms, cuda_graph_max_bs=args.cuda_graph_max_bs,
-              overlap=False if args.disable_overlap else None, show_progress=False)
+    llm = LLM(args.model, show_progress=False, **from_namespace(args, SETTINGS))
     try:
         def params(lens: List[int]) -> List[SamplingParams]:
             return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lens]
@@ -359,7 +338,7 @@ def report(args: argparse.Namespace, r: Result) -> None:
                "allreduce": args.allreduce, "pdl": args.pdl, "tune_gemms": args.tune_gemms,
                "cuda_graph_max_bs": args.cuda_graph_max_bs,
                "peer_cb_option": {k: repr(v) for k, v in args.peer_cb_option},
-               "disable_overlap": args.disable_overlap,
+               "disable_overlap": args.overlap is False,
                "max_running_requests": args.max_running_requests,
                "max_prefill_tokens": args.max_prefill_tokens, "seed": args.seed,
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}

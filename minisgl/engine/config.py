@@ -1,76 +1,112 @@
-"""What one rank's engine is built from (identical on every rank except `tp_info.rank`)."""
+"""The engine section of the config tree: what one rank's engine is built from.
+
+Fields made by `setting` are user settings (CLI flags, TOML keys, `LLM` keywords; see
+minisgl/settings.py). The others are per-rank runtime values, filled in by `for_rank`: every
+rank's config is the same but for `tp_info.rank`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
-from minisgl.distributed import DistributedInfo, check_allreduce_mode
-
+from minisgl.distributed import ALLREDUCE_MODES, DistributedInfo, check_allreduce_mode
+from minisgl.settings import check_choices, setting
+from minisgl.utils import DTYPE_NAMES, resolve_device, resolve_dtype
 
 PDL_MODES = ("auto", "on", "off")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model_path: str
-    tp_info: DistributedInfo
-    device: str = "cpu"  # "cpu" or "cuda" (rank r uses cuda:r)
-    dtype: torch.dtype = torch.float32
-    page_size: int = 16
-    max_running_requests: int = 256
-    max_kv_tokens: Optional[int] = None  # KV pool capacity; None: CPU 16384, GPU mem_fraction
-    mem_fraction: float = 0.85  # of the GPU memory free after weights, for the KV pool
-    load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights)
-    attention_backend: str = "auto"  # "auto", "torch" or "triton"
-    seed: int = 0
-    fused_ops: bool = True  # fused Triton RMSNorm / SiLU-and-mul / rotary (CUDA only)
-    # Programmatic dependent launch for the decode path's Triton kernels, and one-token
-    # projections by a Triton GEMV that streams its weights while the previous kernel finishes,
-    # with the norm / rotary / SiLU around them fused in (minisgl/pdl.py, layers/triton_gemv.py):
-    # "auto" (on where it can be: CUDA, fused_ops, compute capability 9.0+; batch-1 decode of
-    # the 8B shape on an H200 4.519 -> 4.392 ms, then 4.19 with the fusions,
-    # benchmarks/RESULTS.md), "on" (required: start-up fails where it cannot be) or "off".
-    pdl: str = "auto"
-    cuda_graph_max_bs: int = 256  # decode CUDA graphs up to this batch size (0: off; GPU only)
-    # TP all-reduce: "auto" (symmetric-memory one-shot for small tensors where CUDA offers it,
-    # else NCCL / gloo), "nccl" (always the process group's own), "symm" (required; CUDA
-    # only) or "symm-fused" ("symm", and each o_proj / down_proj all-reduce fused with the
-    # residual add and RMSNorm after it into one Triton kernel; needs fused_ops; bit-identical
-    # to "symm"; opt-in until its end-to-end tp=2 run). On 2x H200, per call in a graph: NCCL
-    # 22.4 us, one-shot 6.4, one-shot + RMSNorm 7.9, fused 6.9 at one token (at 256: 48.0,
-    # 24.1, 27.6, 15.6; benchmarks/RESULTS.md).
-    allreduce: str = "auto"
-    # Time cuBLAS against cuBLASLt for every projection shape at every decode graph size at
-    # start-up and run each GEMM by the faster (layers/blas.py; the decode CUDA graphs record
-    # the choice, so CUDA and the Triton backend only). Off by default: it gained 0.3% offline
-    # (RESULTS.md, tenth session), and a timed choice can differ between runs, and with it the
-    # bf16 rounding.
-    tune_gemms: bool = False
-    dist_init_method: str = "tcp://127.0.0.1:29500"
+    model_path: str = ""  # the resolved model directory
+    tp_info: DistributedInfo = DistributedInfo(0, 1)  # this rank among `tp`
+    tp: int = setting(1, "tensor-parallel size: the model is split over this many ranks, one "
+                         "process and one device each")
+    # A rank's config holds the resolved device; checks that need the device wait until then.
+    device: str = setting("auto", "auto (CUDA where present, else CPU), cpu or cuda (rank r "
+                                  "uses cuda:r)", choices=DEVICES)
+    dtype: Optional[str] = setting(None, "dtype of the weights and the KV cache: float32, "
+                                         "bfloat16 or float16 (fp32, bf16, fp16); unset or "
+                                         "auto: bfloat16 on CUDA, float32 on CPU (exact "
+                                         "comparison with Hugging Face)", choices=DTYPE_NAMES)
+    page_size: int = setting(16, "tokens per KV-cache page")
+    max_running_requests: int = setting(256, "the most requests in flight at once (rows of the "
+                                             "page table)")
+    max_kv_tokens: Optional[int] = setting(None, "KV pool capacity in tokens; unset: 16384 on "
+                                                 "CPU, on GPU the mem_fraction share of the "
+                                                 "memory free after the weights")
+    mem_fraction: float = setting(0.85, "share of the GPU memory free after the weights that "
+                                        "the KV pool takes (when max_kv_tokens is unset)")
+    load_format: str = setting("auto", "auto (the model directory's safetensors) or dummy "
+                                       "(random weights from config.json alone, for benchmarks "
+                                       "of large shapes)", choices=LOAD_FORMATS)
+    attention_backend: str = setting("auto", "auto (triton on CUDA, torch on CPU), torch or "
+                                             "triton", choices=ATTENTION_BACKENDS)
+    seed: int = setting(0, "seed of the dummy weights and of the sampling noise of requests "
+                           "that give no seed of their own")
+    fused_ops: bool = setting(True, "fused Triton kernels for RMSNorm, SiLU-and-mul and rotary "
+                                    "embedding (CUDA only; elsewhere the torch ops run)")
+    pdl: str = setting("auto", "programmatic dependent launch on the decode path: each Triton "
+                               "kernel starts while the previous one finishes, and one-token "
+                               "projections run as a Triton GEMV that streams its weights "
+                               "meanwhile, with the norm, rotary and SiLU around them fused in. "
+                               "auto: on with CUDA, fused_ops and compute capability 9.0+; on: "
+                               "required (start-up fails where it cannot be); off",
+                       choices=PDL_MODES)
+    cuda_graph_max_bs: int = setting(256, "capture decode CUDA graphs for batch sizes up to N, "
+                                          "so that a decode step is one graph launch instead "
+                                          "of one launch per kernel (0: none; GPU only)")
+    allreduce: str = setting("auto", "tensor-parallel all-reduce: auto (symmetric-memory "
+                                     "one-shot for small tensors where CUDA offers it, else "
+                                     "NCCL / gloo), nccl (the process group's own), symm "
+                                     "(required: start-up fails where it is unavailable; CUDA "
+                                     "only) or symm-fused (symm, with each all-reduce before an "
+                                     "RMSNorm fused with the residual add and the norm into one "
+                                     "Triton kernel; needs fused_ops; bit-identical to symm)",
+                             choices=ALLREDUCE_MODES)
+    tune_gemms: bool = setting(False, "time cuBLAS against cuBLASLt for every projection at "
+                                      "every decode graph size at start-up and run each GEMM "
+                                      "with the faster (CUDA, decode graphs and the triton "
+                                      "backend only: the graphs record the choice). Off by "
+                                      "default: a timed choice can differ between runs, and "
+                                      "with it the bf16 rounding")
+    dist_init_method: str = "tcp://127.0.0.1:29500"  # the ranks' rendezvous
     dist_timeout_s: float = 60.0
-    show_progress: bool = True
+    show_progress: bool = True  # a progress bar while rank 0 loads the weights
 
     def __post_init__(self) -> None:
+        check_choices(self)
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.max_kv_tokens is not None and self.max_kv_tokens < 1:
+            raise ValueError(f"max_kv_tokens must be >= 1, got {self.max_kv_tokens}")
         if not 0 < self.mem_fraction < 1:
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
-        check_allreduce_mode(self.allreduce, self.device)
-        if self.pdl not in PDL_MODES:
-            raise ValueError(f"pdl must be one of {', '.join(PDL_MODES)}, got {self.pdl!r}")
-        if self.pdl == "on" and (self.device != "cuda" or not self.fused_ops):
-            raise ValueError(f"pdl 'on' needs device 'cuda' and fused_ops (got device "
-                             f"{self.device!r}, fused_ops {self.fused_ops}); use 'auto' or 'off'")
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0 (0: no graphs), got "
                              f"{self.cuda_graph_max_bs}")
+        if self.allreduce == "symm-fused" and not self.fused_ops:
+            raise ValueError("allreduce 'symm-fused' fuses the all-reduce into the Triton "
+                             "RMSNorm and needs fused_ops; use 'symm' without them")
+        if self.device != "auto":
+            self._check_device()
+
+    def _check_device(self) -> None:
+        """The settings only a known device can judge."""
+        check_allreduce_mode(self.allreduce, self.device)
+        if self.pdl == "on" and (self.device != "cuda" or not self.fused_ops):
+            raise ValueError(f"pdl 'on' needs device 'cuda' and fused_ops (got device "
+                             f"{self.device!r}, fused_ops {self.fused_ops}); use 'auto' or 'off'")
         if self.tune_gemms and (self.device != "cuda" or self.cuda_graph_max_bs < 1
                                 or self.backend_name != "triton"):
             # Graphs are captured with the Triton backend only (engine/cuda_graph.py).
@@ -79,15 +115,26 @@ class EngineConfig:
                              f"backend (got device {self.device!r}, cuda_graph_max_bs "
                              f"{self.cuda_graph_max_bs}, attention backend "
                              f"{self.backend_name!r})")
-        if self.allreduce == "symm-fused" and not self.fused_ops:
-            raise ValueError("allreduce 'symm-fused' fuses the all-reduce into the Triton "
-                             "RMSNorm and needs fused_ops; use 'symm' without them")
+
+    def for_rank(self, model_path: str, rank: int,
+                 dist_init_method: Optional[str] = None) -> "EngineConfig":
+        """Rank `rank`'s config: the model directory, its place among `tp` ranks, the device
+        resolved (so the checks that need it run: ValueError, or for 'cuda' without a GPU) and
+        the rendezvous address (None keeps it)."""
+        return replace(self, model_path=model_path, tp_info=DistributedInfo(rank, self.tp),
+                       device=resolve_device(self.device),
+                       dist_init_method=dist_init_method or self.dist_init_method)
 
     @property
     def torch_device(self) -> torch.device:
-        if self.device == "cuda":
+        device = resolve_device(self.device) if self.device == "auto" else self.device
+        if device == "cuda":
             return torch.device("cuda", self.tp_info.rank)
-        return torch.device(self.device)
+        return torch.device(device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype, self.torch_device.type)
 
     @property
     def backend_name(self) -> str:

@@ -152,7 +152,7 @@ class Engine:
         local_kv_heads, local_heads = qkv.num_local_kv_heads, qkv.num_local_heads
         self.num_pages = min_over_ranks(self._pages_that_fit(local_kv_heads), groups.cpu_group)
         self.pool = KVPool(self.model_cfg.num_layers, self.num_pages, cfg.page_size,
-                           local_kv_heads, self.model_cfg.head_dim, cfg.dtype, self.device)
+                           local_kv_heads, self.model_cfg.head_dim, cfg.torch_dtype, self.device)
         # One spare row, so a row index never needs bounds checks in kernels.
         self.page_table = torch.zeros((cfg.max_running_requests + 1, self.max_context),
                                       dtype=torch.int32, device=self.device)
@@ -192,7 +192,7 @@ class Engine:
 
     def _load_model(self, groups: ProcessGroups) -> CausalLM:
         cls = model_class(self.model_cfg.architecture)
-        dtype = temporarily(torch.get_default_dtype, torch.set_default_dtype, self.cfg.dtype)
+        dtype = temporarily(torch.get_default_dtype, torch.set_default_dtype, self.cfg.torch_dtype)
         with torch.device(self.device), dtype:
             model = cls(self.model_cfg, self.cfg.tp_info, groups.comm, self.policy)
         if self.cfg.load_format == "dummy":
@@ -210,7 +210,7 @@ class Engine:
             return _CPU_DEFAULT_KV_TOKENS // self.cfg.page_size
         m = self.model_cfg
         per_page = KVPool.bytes_per_page(m.num_layers, self.cfg.page_size, kv_heads, m.head_dim,
-                                         self.cfg.dtype)
+                                         self.cfg.torch_dtype)
         free, _ = torch.cuda.mem_get_info(self.device)
         return int(free * self.cfg.mem_fraction) // per_page
 

@@ -1,4 +1,8 @@
-"""The scheduler's configuration: the engine's plus batching limits and IO addresses."""
+"""The scheduler section of the config tree: the engine's, plus batching limits and IO addresses.
+
+Fields made by `setting` are user settings (minisgl/settings.py); the addresses are runtime
+values the launcher fills in per rank.
+"""
 
 from __future__ import annotations
 
@@ -6,32 +10,45 @@ from dataclasses import dataclass
 from typing import Optional
 
 from minisgl.engine import EngineConfig
+from minisgl.settings import Alias, check_choices, section, setting
+
+CACHES = ("radix", "naive")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    engine: EngineConfig
-    # Per-step token budget of a prefill batch (chunk size). None: the offline default for the
-    # device (utils.offline_prefill_tokens), the minimum over ranks.
-    max_prefill_tokens: Optional[int] = 8192
-    cache: str = "radix"  # "radix" or "naive"
+    engine: EngineConfig = section(EngineConfig)
+    # Every rank must use the same chunk: an unset one is the minimum over ranks of their
+    # devices' offline defaults.
+    max_prefill_tokens: Optional[int] = setting(
+        None, "tokens per prefill step (longer prompts are chunked); unset: the offline "
+              "default for the device (utils.offline_prefill_tokens: 16384 on CUDA GPUs of 70 "
+              "GiB or more, A100s aside, else 8192)")
+    cache: str = setting("radix", "prefix cache: radix (requests reuse the KV of prompt "
+                                  "prefixes seen before) or naive (none)", choices=CACHES)
+    overlap: Optional[bool] = setting(
+        None, "plan step N+1 on the CPU while the device runs step N; unset: on with CUDA, "
+              "off on CPU",
+        alias=Alias("disable-overlap", False, "the same as --no-overlap: plan each step only "
+                                              "after the previous step's tokens arrive"))
+    decode_reserve_tokens: Optional[int] = setting(
+        None, "reserve KV for at most this many output tokens per request at admission, "
+              "retracting the newest requests (their KV goes to the prefix cache) and "
+              "re-queueing them when decode outgrows the pool; unset: reserve all of "
+              "max_tokens, so nothing is retracted")
+    check_lockstep: bool = setting(False, "every step, the ranks compare their batch uids, KV "
+                                          "slots and sampled tokens and fail on a mismatch (a "
+                                          "debugging aid: one collective per step)")
     # ZMQ addresses; None in offline single-rank mode (in-process IO).
     backend_addr: Optional[str] = None  # tokenizer -> rank 0 (PULL, rank 0 binds)
     detokenizer_addr: Optional[str] = None  # rank 0 -> detokenizer (PUSH, rank 0 connects)
     broadcast_addr: Optional[str] = None  # rank 0 -> other ranks (XPUB/SUB, rank 0 binds)
     subscriber_timeout_s: float = 60.0
-    overlap: Optional[bool] = None  # schedule step N+1 while N runs; None: on for CUDA only
-    # Admission reserves KV for a request's prompt plus at most this many output tokens; a
-    # decode step that outgrows the reservations retracts the newest requests (their computed KV
-    # goes to the prefix cache) and re-queues them. None reserves all of max_tokens: no retraction.
-    decode_reserve_tokens: Optional[int] = None
-    check_lockstep: bool = False  # every step, ranks compare batch uids, KV slots and tokens
 
     def __post_init__(self) -> None:
+        check_choices(self)
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.decode_reserve_tokens is not None and self.decode_reserve_tokens < 0:
             raise ValueError(f"decode_reserve_tokens must be >= 0, got "
                              f"{self.decode_reserve_tokens}")
-        if self.cache not in ("radix", "naive"):
-            raise ValueError(f"cache must be 'radix' or 'naive', got {self.cache!r}")

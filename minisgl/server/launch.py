@@ -115,7 +115,7 @@ class Service:
         assert self.sock is not None, "start() runs once"
         level, a, path = self.cfg.effective_log_level, self.addrs, str(self.model_path)
         init = f"tcp://127.0.0.1:{free_port()}"
-        for r in range(self.cfg.tp):
+        for r in range(self.cfg.engine.tp):
             rank_cfg = self.cfg.scheduler_config(self.model_path, r, init, a.backend,
                                                  a.detokenizer, a.broadcast)
             self.ranks.append(spawn(f"rank{r}", _rank_entry, (rank_cfg, level), level,
@@ -138,7 +138,7 @@ class Service:
                 return
             limits: Limits = (self.ranks[0].info or {})["limits"]
             logger.info("all %d ranks ready: context %d tokens, KV pool %d tokens",
-                        self.cfg.tp, limits.max_context, limits.kv_capacity)
+                        self.cfg.engine.tp, limits.max_context, limits.kv_capacity)
             self.workers[0].conn.send(("limits", limits))
             sent.append(True)
 
@@ -213,7 +213,7 @@ def _prepare(cfg: ServerConfig) -> Tuple[Path, socket.socket]:
         cfg.resolved_device  # noqa: B018  (raises for cuda without a GPU)
         model_path = resolve_model_path(cfg.model)
         shape = ModelConfig.from_dir(model_path)  # a readable config.json, before anything starts
-        check_head_split(shape.num_heads, shape.num_kv_heads, cfg.tp)
+        check_head_split(shape.num_heads, shape.num_kv_heads, cfg.engine.tp)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise StartupError(str(e)) from None
     return model_path, bind_http(cfg.host, cfg.port)
@@ -252,7 +252,7 @@ def _run(cfg: ServerConfig, service: Service, stop: threading.Event) -> int:
     except StartupError as e:
         service.stop(graceful=False)
         return _fail(str(e))
-    print(f"minisgl ready: {service.url} (model {service.model_name}, tp {cfg.tp}, "
+    print(f"minisgl ready: {service.url} (model {service.model_name}, tp {cfg.engine.tp}, "
           f"{cfg.resolved_device}, pid {os.getpid()})", flush=True)
     if cfg.shell:
         return _run_shell(service, stop)
