@@ -304,3 +304,17 @@ class Batch:
     @property
     def seq_lens(self) -> List[int]:
         return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+
+
+class StepResult(NamedTuple):
+    """What one launched batch produced, once the device finished it (the engine's `collect`).
+
+    `tokens[i]` is request i's sampled token (-1 where `Batch.sample[i]` is False). `logprobs[i]`
+    is its token's log-probabilities where it asked for them (`params.logprobs`) and was sampled,
+    else None. `prompt_logprobs` maps a batch index to the prompt log-probabilities this batch
+    computed for that request (usually empty). Log-probabilities exist on the primary rank only.
+    """
+
+    tokens: List[int]
+    logprobs: List[Optional[TokenLogprobs]]
+    prompt_logprobs: Dict[int, List[TokenLogprobs]]
