@@ -137,7 +137,7 @@ def _is_number(x: object) -> bool:
 
 
 class Limits(NamedTuple):
-    """What one engine can hold; identical on every rank.
+    """What one engine can hold, and the scheduler's prefill chunk; identical on every rank.
 
     Built once per rank by the scheduler from its engine; a rank process's ready report carries
     it to whoever spawned it (the launcher, which hands it to the tokenizer, or `LLM`).
@@ -147,6 +147,7 @@ class Limits(NamedTuple):
     vocab_size: int
     num_pages: int
     page_size: int
+    max_prefill_tokens: int  # new tokens one prefill batch takes at most (the chunk size)
 
     @property
     def kv_capacity(self) -> int:

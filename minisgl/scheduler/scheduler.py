@@ -20,7 +20,7 @@ from minisgl.distributed import check_same_across_ranks, min_over_ranks
 from minisgl.utils import offline_prefill_tokens, rows_to_device
 from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
-from minisgl.scheduler.cache import PageCache
+from minisgl.scheduler.cache import PageCache, PageCounts
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.engine_api import StepEngine
@@ -40,6 +40,21 @@ class InFlight(NamedTuple):
     uids: FrozenSet[int]
 
 
+class Accounting(NamedTuple):
+    """Where one scheduler's resources are (Scheduler.accounting): the KV pages by place, the
+    pages promised to admitted requests, the free page-table rows, the live requests (admitted
+    or waiting), and how many pages the prefix cache evicted and how many requests were
+    retracted so far. At rest, with no request live, reserved_pages is 0 and every row is free."""
+
+    pages: PageCounts
+    reserved_pages: int
+    free_rows: int
+    total_rows: int
+    live_requests: int
+    evicted_pages: int
+    retracted_requests: int
+
+
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, engine: StepEngine, io: SchedulerIO,
                  cpu_group: Optional[ProcessGroup] = None) -> None:
@@ -51,11 +66,12 @@ class Scheduler:
         page_size = cfg.engine.page_size
         manager = make_cache_manager(cfg.cache, page_size)
         self.cache = PageCache(engine.num_pages, page_size, manager)
-        self.limits = Limits(engine.max_context, engine.vocab_size, engine.num_pages, page_size)
         self.rows = TableRows(cfg.engine.max_running_requests)
         # Every rank must agree on the chunk size (batches are built alike on every rank).
         chunk = cfg.max_prefill_tokens or min_over_ranks(offline_prefill_tokens(engine.device),
                                                          cpu_group)
+        self.limits = Limits(engine.max_context, engine.vocab_size, engine.num_pages, page_size,
+                             chunk)
         self.prefill = PrefillManager(self.cache, self.rows, chunk, cfg.decode_reserve_tokens)
         self.decode = DecodeManager()
         self.reqs: Dict[int, Req] = {}  # every live request by uid
@@ -140,7 +156,16 @@ class Scheduler:
 
     def check_idle(self) -> None:
         """Called before blocking for input: every page must be accounted for."""
-        self.cache.check(list(self.reqs.values()))
+        self.accounting()
+
+    def accounting(self) -> Accounting:
+        """The scheduler's resources, between steps; raises RuntimeError naming the numbers
+        when the KV pages do not balance (free + in use + cached != total). Requests retired
+        only once the in-flight batch completes still hold their pages and rows."""
+        pages = self.cache.check([*self.reqs.values(), *self.deferred])
+        return Accounting(pages, self.cache.reserved_pages, self.rows.available,
+                          self.rows.num_rows, len(self.reqs), self.cache.evicted_pages,
+                          self.totals["retracted"])
 
     # --- input ---------------------------------------------------------------------------------
     def handle(self, msg: object) -> None:
