@@ -6,7 +6,7 @@ tokens equal `reference` only if every slot the scheduler mapped holds the right
 from __future__ import annotations
 
 import random
-from typing import List
+from typing import List, Tuple
 
 import pytest
 
@@ -21,7 +21,7 @@ def _prompt(start: int, n: int) -> List[int]:
     return list(range(start, start + n))
 
 
-def _decode(*reqs: tuple) -> Step:
+def _decode(*reqs: Tuple[int, int]) -> Step:
     """A decode step of (uid, prefix) pairs."""
     return Step(D, [(uid, prefix, 1, True) for uid, prefix in reqs])
 
@@ -76,7 +76,7 @@ def test_admission_reserves_kv_for_the_whole_request_in_arrival_order() -> None:
     (30, 8, 8, ("10", "8")),  # more pages (10) than the pool holds (8)
 ])
 def test_requests_beyond_the_limits_are_rejected(prompt_len: int, max_tokens: int,
-                                                 num_pages: int, numbers: tuple) -> None:
+                                                 num_pages: int, numbers: Tuple[str, str]) -> None:
     h = Harness(num_pages=num_pages, max_context=64)
     h.submit(7, _prompt(1, prompt_len), max_tokens=max_tokens)
     h.run()
@@ -119,7 +119,8 @@ def test_prompt_logprobs_are_gathered_over_the_chunks() -> None:
 # --- retraction ------------------------------------------------------------------------------
 @pytest.mark.parametrize("cache,readmitted", [("radix", (1, 12, 1, True)),
                                               ("naive", (1, 0, 13, True))])
-def test_kv_pressure_retracts_the_newest_request(cache: str, readmitted: tuple) -> None:
+def test_kv_pressure_retracts_the_newest_request(cache: str,
+                                                readmitted: Tuple[int, int, int, bool]) -> None:
     """7 pages of 4: two 8-token prompts reserve no outputs (decode_reserve_tokens=0); when both
     need a fourth page, the newer one is retracted and re-queued first, and comes back once the
     older finishes (radix: on its cached pages, recomputing one token)."""
