@@ -137,7 +137,7 @@ def _is_number(x: object) -> bool:
 
 
 class Limits(NamedTuple):
-    """What one engine can hold; identical on every rank.
+    """What one engine can hold, and the scheduler's prefill chunk; identical on every rank.
 
     Built once per rank by the scheduler from its engine; a rank process's ready report carries
     it to whoever spawned it (the launcher, which hands it to the tokenizer, or `LLM`).
@@ -147,6 +147,7 @@ class Limits(NamedTuple):
     vocab_size: int
     num_pages: int
     page_size: int
+    max_prefill_tokens: int  # new tokens one prefill batch takes at most (the chunk size)
 
     @property
     def kv_capacity(self) -> int:
@@ -304,3 +305,17 @@ class Batch:
     @property
     def seq_lens(self) -> List[int]:
         return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+
+
+class StepResult(NamedTuple):
+    """What one launched batch produced, once the device finished it (the engine's `collect`).
+
+    `tokens[i]` is request i's sampled token (-1 where `Batch.sample[i]` is False). `logprobs[i]`
+    is its token's log-probabilities where it asked for them (`params.logprobs`) and was sampled,
+    else None. `prompt_logprobs` maps a batch index to the prompt log-probabilities this batch
+    computed for that request (usually empty). Log-probabilities exist on the primary rank only.
+    """
+
+    tokens: List[int]
+    logprobs: List[Optional[TokenLogprobs]]
+    prompt_logprobs: Dict[int, List[TokenLogprobs]]

@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import zmq
 from tqdm import tqdm
@@ -32,7 +32,7 @@ from minisgl.models.path import resolve_model_path
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.io import LocalIO
 from minisgl.scheduler.main import run_rank
-from minisgl.scheduler.scheduler import Scheduler
+from minisgl.scheduler.scheduler import Accounting, Scheduler
 from minisgl.tokenizer.text import load_tokenizer
 from minisgl.settings import build
 from minisgl.utils import free_port
@@ -196,6 +196,32 @@ class LLM:
     @property
     def max_context(self) -> int:
         return self._backend.limits.max_context
+
+    @property
+    def limits(self) -> Limits:
+        """What the engine holds (context, vocabulary, KV pages) and the prefill chunk the
+        scheduler resolved, as the ranks reported them at start."""
+        return self._backend.limits
+
+    @property
+    def rank_processes(self) -> Tuple[Any, ...]:
+        """The rank processes (multiprocessing.Process, in rank order) with tp>1; empty with tp=1,
+        where the scheduler runs in this process."""
+        if isinstance(self._backend, _RankProcesses):
+            return tuple(self._backend.procs)
+        return ()
+
+    def check_accounting(self) -> Accounting:
+        """The scheduler's resources between calls of `generate` / `chat` (KV pages by place,
+        reserved pages, page-table rows, live requests, evictions and retractions so far).
+        Raises RuntimeError naming the numbers when the pages do not balance (free + in use +
+        cached != total). tp=1 only: with tp>1 every rank process runs the same check before it
+        waits for input, and a mismatch ends it (the next call then raises)."""
+        if not isinstance(self._backend, _InProcess):
+            raise NotImplementedError(
+                "LLM.check_accounting needs tp=1: with tp>1 each rank checks its own KV pages "
+                "before it waits for input (a mismatch ends the rank, and the next call raises)")
+        return self._backend.scheduler.accounting()
 
     @property
     def vocab_size(self) -> int:

@@ -93,7 +93,7 @@ def test_gpu_retraction_keeps_tokens(tiny_qwen3: Path, overlap: bool) -> None:
     with LLM(str(tiny_qwen3), device="cuda", overlap=overlap, decode_reserve_tokens=4,
              show_progress=False, **kw) as llm:  # type: ignore[arg-type]
         got = [o.token_ids for o in llm.generate(mixed_prompts(8, seed=6), GREEDY)]
-        assert llm._backend.scheduler.totals["retracted"] > 0  # type: ignore[attr-defined]
+        assert llm.check_accounting().retracted_requests > 0
     assert got == cpu
 
 

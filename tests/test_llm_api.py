@@ -18,10 +18,9 @@ def llm(default_model_dir: Path) -> Iterator[LLM]:
 
 
 def _pages_balanced(llm: LLM) -> None:
-    s = llm._backend.scheduler  # type: ignore[attr-defined]
-    s.check_idle()
-    assert not s.reqs and s.rows.available == s.rows.num_rows
-    assert s.cache.reserved_pages == 0
+    s = llm.check_accounting()
+    assert s.live_requests == 0 and s.free_rows == s.total_rows
+    assert s.reserved_pages == 0
 
 
 def test_chat_answers_paris(llm: LLM) -> None:
@@ -151,4 +150,4 @@ def test_offline_prefill_chunk_follows_the_gpu(monkeypatch: pytest.MonkeyPatch, 
 
 def test_offline_prefill_chunk_default_reaches_the_scheduler(llm: LLM) -> None:
     """The fixture leaves max_prefill_tokens unset: on CPU the scheduler's chunk is 8,192."""
-    assert llm._backend.scheduler.prefill.budget == 8192  # type: ignore[attr-defined]
+    assert llm.limits.max_prefill_tokens == 8192

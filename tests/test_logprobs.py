@@ -118,7 +118,7 @@ def test_prompt_logprobs_survive_retraction(tiny_model: Callable[..., Path]) -> 
                  max_prefill_tokens=16, overlap=True, decode_reserve_tokens=reserve,
                  show_progress=False) as llm:
             runs.append(llm.generate(prompts, params))
-            retracted = llm._backend.scheduler.totals["retracted"]  # type: ignore[attr-defined]
+            retracted = llm.check_accounting().retracted_requests
     assert retracted > 0
     for calm, pressed, prompt in zip(*runs, prompts):
         assert pressed.token_ids == calm.token_ids

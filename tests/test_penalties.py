@@ -65,7 +65,7 @@ def test_penalties_survive_retraction(tiny_model: Callable[..., Path]) -> None:
     with LLM(str(path), page_size=4, max_kv_tokens=400, max_running_requests=12,
              overlap=True, decode_reserve_tokens=4, show_progress=False) as llm:
         got = [o.token_ids for o in llm.generate(prompts, params)]
-        assert llm._backend.scheduler.totals["retracted"] > 0  # type: ignore[attr-defined]
+        assert llm.check_accounting().retracted_requests > 0
     assert got == hf_greedy(path, prompts, 40, repetition_penalty=1.1, frequency_penalty=0.8)
 
 

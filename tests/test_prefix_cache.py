@@ -9,6 +9,7 @@ from typing import Callable, List, Optional
 
 import pytest
 
+from fake_engine import Harness
 from hf_reference import hf_greedy
 from minisgl import LLM, SamplingParams
 
@@ -30,9 +31,7 @@ def _run(path: Path, cache: str, page_size: int, tp: int, batches: List[List[Lis
         for prompts in batches:
             out += [o.token_ids for o in llm.generate(prompts, GREEDY)]
         if evictions is not None:
-            sched = llm._backend.scheduler  # type: ignore[attr-defined]
-            sched.check_idle()
-            evictions.append(sched.cache.evicted_pages)
+            evictions.append(llm.check_accounting().evicted_pages)
     return out
 
 
@@ -49,11 +48,10 @@ def test_repeated_request_skips_cached_prefill(tiny_model: Callable[..., Path]) 
     prompt = _shared_prompts(1, 100, seed=3)[0]
     with LLM(str(tiny_model("qwen3")), page_size=16, max_kv_tokens=4096,
              show_progress=False) as llm:
-        sched = llm._backend.scheduler  # type: ignore[attr-defined]
         first = llm.generate([prompt], GREEDY)[0]
-        first_prefilled = sched.totals["prefilled"]
+        first_prefilled = llm.stats.prefilled_tokens_total  # type: ignore[union-attr]
         again = llm.generate([prompt], GREEDY)[0]
-        prefilled = sched.totals["prefilled"] - first_prefilled
+        prefilled = llm.stats.prefilled_tokens_total - first_prefilled  # type: ignore[union-attr]
     assert first.cached_tokens == 0
     assert again.cached_tokens >= len(prompt) - 16
     assert again.token_ids == first.token_ids
@@ -62,19 +60,18 @@ def test_repeated_request_skips_cached_prefill(tiny_model: Callable[..., Path]) 
     assert prefilled == len(prompt) - again.cached_tokens
 
 
-def test_long_prompt_chunks_are_shared_while_running(tiny_model: Callable[..., Path]) -> None:
+def test_long_prompt_chunks_are_shared_while_running() -> None:
+    """(The scheduler on the fake engine: the test steps it batch by batch.)"""
     prompt = _shared_prompts(1, 300, seed=4)[0]
-    with LLM(str(tiny_model("qwen3")), page_size=16, max_prefill_tokens=64,
-             max_kv_tokens=4096, show_progress=False) as llm:
-        sched = llm._backend.scheduler  # type: ignore[attr-defined]
-        llm._backend.submit(__import__("minisgl.message", fromlist=["UserMsg"]).UserMsg(  # type: ignore
-            10_000, prompt, GREEDY))
-        for _ in range(3):  # three 64-token chunks
-            llm._backend.poll()  # type: ignore[attr-defined]
-        assert sched.cache.manager.stats().cached_pages == 192 // 16
-        while sched.has_work:
-            llm._backend.poll()  # type: ignore[attr-defined]
-        sched.check_idle()
+    h = Harness(page_size=16, max_prefill_tokens=64, num_pages=4096 // 16)
+    sched = h.sched
+    h.submit(10_000, prompt, GREEDY.max_tokens)
+    for _ in range(3):  # three 64-token chunks
+        h.step()
+    assert sched.cache.manager.stats().cached_pages == 192 // 16
+    while sched.has_work:
+        h.step()
+    sched.check_idle()
 
 
 def test_eviction_under_pressure(tiny_model: Callable[..., Path]) -> None:
@@ -96,26 +93,25 @@ def test_eviction_under_pressure(tiny_model: Callable[..., Path]) -> None:
     assert evictions[0] > 64  # the 64-page pool was recycled more than once
 
 
-def test_locked_prefix_survives_eviction(tiny_model: Callable[..., Path]) -> None:
-    with LLM(str(tiny_model("qwen3")), page_size=4, max_kv_tokens=256, max_running_requests=4,
-             show_progress=False) as llm:
-        sched = llm._backend.scheduler  # type: ignore[attr-defined]
-        prefix = _shared_prompts(1, 40, seed=9)[0][:40]
-        llm.generate([prefix + [11]], GREEDY)  # prefix cached, unlocked
-        from minisgl.message import UserMsg
-        long_params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-        llm._backend.submit(UserMsg(900, prefix + [12], long_params))  # type: ignore
-        llm._backend.poll()  # type: ignore[attr-defined]
-        req = sched.reqs[900]
-        assert req.num_prefix_pages == 10  # matched and locked
-        held = list(req.pages[:10])
-        evicted = sched.cache.manager.evict(10_000)  # provoke: evict everything possible
-        assert evicted, "nothing was evicted: the locked prefix was never put to the test"
-        assert not set(held) & set(evicted)
-        sched.cache.release(evicted)
-        while sched.has_work:
-            llm._backend.poll()  # type: ignore[attr-defined]
-        sched.check_idle()
+def test_locked_prefix_survives_eviction() -> None:
+    """(The scheduler on the fake engine: the test reaches the cache between steps.)"""
+    h = Harness(page_size=4, num_pages=256 // 4, max_running_requests=4)
+    sched = h.sched
+    prefix = _shared_prompts(1, 40, seed=9)[0][:40]
+    h.submit(0, prefix + [11], GREEDY.max_tokens)
+    h.run()  # prefix cached, unlocked
+    h.submit(900, prefix + [12], max_tokens=40)
+    h.step()
+    req = sched.reqs[900]
+    assert req.num_prefix_pages == 10  # matched and locked
+    held = list(req.pages[:10])
+    evicted = sched.cache.manager.evict(10_000)  # provoke: evict everything possible
+    assert evicted, "nothing was evicted: the locked prefix was never put to the test"
+    assert not set(held) & set(evicted)
+    sched.cache.release(evicted)
+    while sched.has_work:
+        h.step()
+    sched.check_idle()
 
 
 def test_overlap_with_radix_eviction_and_stops(tiny_model: Callable[..., Path]) -> None:
@@ -132,9 +128,7 @@ def test_overlap_with_radix_eviction_and_stops(tiny_model: Callable[..., Path]) 
             stops = SamplingParams(max_tokens=8, temperature=0.0,
                                    stop_token_ids=tuple(t[2] for t in ref[:20]))
             got = [o.token_ids for o in llm.generate(prompts, stops)]
-            sched = llm._backend.scheduler  # type: ignore[attr-defined]
-            sched.check_idle()
-            evicted.append(sched.cache.evicted_pages)
+            evicted.append(llm.check_accounting().evicted_pages)
             results.append((ref, got))
     assert results[0] == results[1]
     assert evicted[1] > 0, "the overlap run never evicted"  # (the plain run happens to fit)
@@ -151,7 +145,6 @@ def test_retraction_under_optimistic_admission(tiny_model: Callable[..., Path], 
     with LLM(str(path), page_size=4, max_kv_tokens=400, max_running_requests=12, cache=cache,
              overlap=overlap, decode_reserve_tokens=4, show_progress=False) as llm:
         got = [o.token_ids for o in llm.generate(prompts, params)]
-        sched = llm._backend.scheduler  # type: ignore[attr-defined]
-        sched.check_idle()
-        assert sched.totals["retracted"] > 0 and sched.cache.reserved_pages == 0
+        acct = llm.check_accounting()
+        assert acct.retracted_requests > 0 and acct.reserved_pages == 0
     assert got == hf_greedy(path, prompts, 40)

@@ -145,7 +145,7 @@ def test_heads_not_divisible_fail_at_start(default_model_dir: Path) -> None:
 
 def test_killed_rank_ends_the_others(tiny_model: Callable[..., Path]) -> None:
     llm = LLM(str(tiny_model("qwen3")), tp=2, max_kv_tokens=1024, show_progress=False)
-    procs = llm._backend.procs  # type: ignore[attr-defined]
+    procs = llm.rank_processes
     assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
     os.kill(procs[1].pid, signal.SIGKILL)
     start = time.monotonic()

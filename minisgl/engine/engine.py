@@ -1,8 +1,9 @@
 """One rank's forward pass: the model shard, the KV pool, the page table, attention and sampling.
 
 The scheduler decides what runs and writes slot ids into `page_table`; the engine turns a `Batch`
-into tensors, runs the model and returns the sampled tokens. Every rank holds an identical page
-table and an equally sized KV pool (the page count is the minimum over ranks).
+into tensors, runs the model and returns the sampled tokens (with the log-probabilities asked for,
+computed in logprobs.py). Every rank holds an identical page table and an equally sized KV pool
+(the page count is the minimum over ranks). `Engine` is the scheduler's `StepEngine`.
 """
 
 from __future__ import annotations
@@ -10,18 +11,20 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
 from minisgl.attention import AttentionBackend, make_backend
-from minisgl.core import Batch, Phase, Req, TokenLogprobs
+from minisgl.core import Batch, Phase, Req, StepResult
 from minisgl.distributed import ProcessGroups, min_over_ranks
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.cuda_graph import DecodeGraphs, graph_sizes
+from minisgl.engine.logprobs import (PromptRows, prompt_entries, prompt_logprobs, prompt_rows,
+                                     sampled_entries, sampled_logprobs)
 from minisgl.engine.penalties import Penalties
 from minisgl.engine.sampler import (LogprobTensors, add_logit_bias, sample_requests,
-                                    suppress_early_stops, token_logprobs)
+                                    suppress_early_stops)
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
 from minisgl.layers import blas
@@ -31,45 +34,6 @@ from minisgl.utils import temporarily, to_device
 
 logger = logging.getLogger(__name__)
 _CPU_DEFAULT_KV_TOKENS = 16384
-# Prompt log-probabilities run the LM head over at most this many prompt rows at a time, so a
-# long prompt chunk never holds [chunk, vocab] logits at once.
-PROMPT_LOGIT_ROWS = 1024
-
-
-class PromptRows(NamedTuple):
-    """The token rows of a prefill batch whose logits give prompt log-probabilities: row j
-    predicts prompt token `targets[j]`; request `owners[i]` of the batch owns `counts[i]`
-    consecutive rows. Built identically on every rank (the LM head is a collective)."""
-
-    owners: List[int]
-    counts: List[int]
-    rows: List[int]
-    targets: List[int]
-    k: int  # alternatives: the largest params.prompt_logprobs asked
-
-
-def prompt_rows(batch: Batch) -> Optional[PromptRows]:
-    """Rows for the requests still computing prompt log-probabilities (Req.wants_prompt_logprobs):
-    token position q of a chunk predicts prompt token q + 1, for q + 1 < prompt_len (the last
-    prompt position predicts the first output token: that is the sampled token's logprob)."""
-    if batch.phase is not Phase.PREFILL:
-        return None
-    owners: List[int] = []
-    counts: List[int] = []
-    rows: List[int] = []
-    targets: List[int] = []
-    ks: List[int] = []
-    start = 0
-    for i, (req, prefix, ext) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens)):
-        end = min(prefix + ext, req.prompt_len - 1)
-        if req.wants_prompt_logprobs and end > prefix:
-            owners.append(i)
-            counts.append(end - prefix)
-            rows.extend(range(start, start + end - prefix))
-            targets.extend(req.token_ids[prefix + 1:end + 1])
-            ks.append(req.params.prompt_logprobs or 0)
-        start += ext
-    return PromptRows(owners, counts, rows, targets, max(ks)) if owners else None
 
 
 class Forwarded(NamedTuple):
@@ -127,15 +91,16 @@ def _to_pinned(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def _host_entries(launched: Launched, lp: LogprobTensors, ks: List[Optional[int]]
-                  ) -> List[TokenLogprobs]:
-    """Row j of `lp` (host tensors of `launched`, waited for here) as a TokenLogprobs keeping its
-    ks[j] most likely alternatives (None: none)."""
+def _tokens(launched: Launched) -> List[int]:
+    """Wait for a launched batch; one token per request (-1 where `sample` is False)."""
+    out = [-1] * launched.batch.size
+    if launched.tokens is None:
+        return out
     if launched.done is not None:
         launched.done.synchronize()
-    chosen, ids, values = lp.chosen.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
-    return [TokenLogprobs(c, tuple(i[:k or 0]), tuple(v[:k or 0]))
-            for c, i, v, k in zip(chosen, ids, values, ks)]
+    for i, tok in zip(launched.sampled, launched.tokens.tolist()):
+        out[i] = tok
+    return out
 
 
 class Engine:
@@ -214,6 +179,14 @@ class Engine:
         free, _ = torch.cuda.mem_get_info(self.device)
         return int(free * self.cfg.mem_fraction) // per_page
 
+    @property
+    def vocab_size(self) -> int:
+        return self.model_cfg.vocab_size
+
+    @property
+    def eos_token_ids(self) -> Tuple[int, ...]:
+        return self.model_cfg.eos_token_ids
+
     @torch.inference_mode()
     def launch(self, batch: Batch) -> Launched:
         """Start the batch on the device and return without waiting for it (on a GPU).
@@ -258,7 +231,8 @@ class Engine:
             return Forwarded(logits, rows, None, None)
         hidden = self.model.hidden(batch.input_ids, batch.positions, batch, self.backend)
         return Forwarded(self.model.lm_head(hidden[logit_rows]), rows, prompt,
-                         self._prompt_logprobs(hidden, prompt))
+                         prompt_logprobs(self.model.lm_head, hidden, prompt,
+                                         self.cfg.tp_info.is_primary))
 
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor, reqs: List[Req]
                 ) -> Tuple[torch.Tensor, Optional[LogprobTensors]]:
@@ -274,33 +248,7 @@ class Engine:
         tokens = sample_requests(adjusted, reqs, self.cfg.seed, self.policy)
         self.last_tokens[rows] = tokens
         self.penalties.record(rows, tokens, reqs)
-        return tokens, self._logprobs(logits, tokens, reqs)
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, prompt: PromptRows
-                         ) -> Optional[LogprobTensors]:
-        """Prompt log-probabilities of `prompt`'s rows of `hidden`, PROMPT_LOGIT_ROWS at a time.
-        Every rank runs the LM head (a collective under tensor parallelism); only the primary
-        rank keeps the result."""
-        rows = to_device(prompt.rows, torch.int64, self.device)
-        targets = to_device(prompt.targets, torch.int64, self.device)
-        parts: List[LogprobTensors] = []
-        for start in range(0, len(prompt.rows), PROMPT_LOGIT_ROWS):
-            part = slice(start, start + PROMPT_LOGIT_ROWS)
-            logits = self.model.lm_head(hidden[rows[part]])
-            if self.cfg.tp_info.is_primary:
-                parts.append(token_logprobs(logits, targets[part], prompt.k))
-        if not parts:
-            return None
-        return LogprobTensors(*(torch.cat(t) for t in zip(*parts)))
-
-    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, reqs: List[Req]
-                  ) -> Optional[LogprobTensors]:
-        """The sampled rows' log-probabilities (up to the largest top-k asked), on the primary
-        rank only (it alone replies), and only if a request asked."""
-        asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
-        if not asked or not self.cfg.tp_info.is_primary:
-            return None
-        return token_logprobs(logits, tokens, max(asked))
+        return tokens, sampled_logprobs(logits, tokens, reqs, self.cfg.tp_info.is_primary)
 
     def start_request(self, req: Req) -> None:
         """The scheduler admitted `req` into page-table row `req.table_row` (before any batch
@@ -310,53 +258,18 @@ class Engine:
                                  req.token_ids[req.prompt_len:])
 
     @staticmethod
-    def collect(launched: Launched) -> List[int]:
-        """Wait for a launched batch; one token per request (-1 where `sample` is False)."""
-        out = [-1] * launched.batch.size
-        if launched.tokens is None:
-            return out
-        if launched.done is not None:
-            launched.done.synchronize()
-        for i, tok in zip(launched.sampled, launched.tokens.tolist()):
-            out[i] = tok
-        return out
-
-    @staticmethod
-    def collect_logprobs(launched: Launched) -> List[Optional[TokenLogprobs]]:
-        """Wait for a launched batch; per request, its token's log-probabilities where it asked
-        for them (`params.logprobs`) and was sampled, else None."""
-        out: List[Optional[TokenLogprobs]] = [None] * launched.batch.size
-        if launched.logprobs is None:
-            return out
-        reqs = launched.batch.reqs
-        ks = [reqs[i].params.logprobs for i in launched.sampled]
-        for i, k, entry in zip(launched.sampled, ks,
-                               _host_entries(launched, launched.logprobs, ks)):
-            if k is not None:
-                out[i] = entry
-        return out
-
-    @staticmethod
-    def collect_prompt_logprobs(launched: Launched) -> Dict[int, List[TokenLogprobs]]:
-        """Wait for a launched batch; by batch index, the prompt log-probabilities it computed
-        for each request still collecting them (Req.wants_prompt_logprobs)."""
-        prompt, lp = launched.prompt, launched.prompt_logprobs
-        if prompt is None or lp is None:
-            return {}
-        reqs = launched.batch.reqs
-        ks = [reqs[owner].params.prompt_logprobs for owner, n in zip(prompt.owners, prompt.counts)
-              for _ in range(n)]
-        entries = _host_entries(launched, lp, ks)
-        out: Dict[int, List[TokenLogprobs]] = {}
-        start = 0
-        for owner, n in zip(prompt.owners, prompt.counts):
-            out[owner] = entries[start:start + n]
-            start += n
-        return out
+    def collect(launched: Launched) -> StepResult:
+        """Wait for a launched batch: one token per request (-1 where `sample` is False) and the
+        log-probabilities it computed (see StepResult; logprobs.py)."""
+        batch = launched.batch
+        return StepResult(
+            _tokens(launched),
+            sampled_entries(batch, launched.sampled, launched.logprobs, launched.done),
+            prompt_entries(batch, launched.prompt, launched.prompt_logprobs, launched.done))
 
     def forward(self, batch: Batch) -> List[int]:
-        """Launch and collect: the synchronous path."""
-        return self.collect(self.launch(batch))
+        """Launch and collect the tokens: the synchronous path."""
+        return self.collect(self.launch(batch)).tokens
 
     def _prepare_inputs(self, batch: Batch, rows: torch.Tensor) -> None:
         """Positions and input ids on the device; `rows` are the page-table rows of the sampled

@@ -15,12 +15,21 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Deque, List, Sequence
+from typing import Deque, List, NamedTuple, Sequence
 
 from minisgl.core import Req
 from minisgl.kvcache import CacheManager, PrefixMatch
 
 logger = logging.getLogger(__name__)
+
+
+class PageCounts(NamedTuple):
+    """The KV pool's pages by place; free + in_use + cached == total when they balance."""
+
+    free: int
+    in_use: int  # live requests' own pages
+    cached: int  # the prefix cache's, locked or not
+    total: int
 
 
 class PageCache:
@@ -114,8 +123,9 @@ class PageCache:
         req.cache_handle, req.num_prefix_pages = match.handle, full
         return changed
 
-    def check(self, live: Sequence[Req]) -> None:
-        """Raise when free + in use + cached differs from the total: a page leaked or doubled."""
+    def check(self, live: Sequence[Req]) -> PageCounts:
+        """The pages by place, `live` being every request holding pages; raise when free + in
+        use + cached differs from the total (a page leaked or doubled)."""
         in_use = sum(len(r.pages) - r.num_prefix_pages for r in live)
         cached = self.manager.stats().cached_pages
         if len(self._free) + in_use + cached != self.num_pages:
@@ -125,3 +135,4 @@ class PageCache:
             raise RuntimeError(msg)
         if len(set(self._free)) != len(self._free):
             raise RuntimeError("KV page accounting: a page is on the free list twice")
+        return PageCounts(len(self._free), in_use, cached, self.num_pages)

@@ -10,21 +10,20 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, FrozenSet, List, NamedTuple, Optional, Sequence
+from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional
 
 import torch
 from torch.distributed import ProcessGroup
 
-from minisgl.core import Batch, FinishReason, Limits, Phase, Req, TokenLogprobs, request_error
+from minisgl.core import Batch, FinishReason, Limits, Phase, Req, StepResult, request_error
 from minisgl.distributed import check_same_across_ranks, min_over_ranks
-from minisgl.engine import Engine
-from minisgl.engine.engine import Launched
 from minisgl.utils import offline_prefill_tokens, rows_to_device
 from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
-from minisgl.scheduler.cache import PageCache
+from minisgl.scheduler.cache import PageCache, PageCounts
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
+from minisgl.scheduler.engine_api import StepEngine
 from minisgl.scheduler.io import SchedulerIO
 from minisgl.scheduler.prefill import PrefillManager
 from minisgl.scheduler.table import TableRows
@@ -36,12 +35,28 @@ class InFlight(NamedTuple):
     """A launched batch whose results are not processed yet, with its requests' uids: whether a
     request is in it is a set lookup, not a scan of the batch (nothing iterates the set)."""
 
-    launched: Launched
+    launched: Any  # the engine's handle, for StepEngine.collect
+    batch: Batch
     uids: FrozenSet[int]
 
 
+class Accounting(NamedTuple):
+    """Where one scheduler's resources are (Scheduler.accounting): the KV pages by place, the
+    pages promised to admitted requests, the free page-table rows, the live requests (admitted
+    or waiting), and how many pages the prefix cache evicted and how many requests were
+    retracted so far. At rest, with no request live, reserved_pages is 0 and every row is free."""
+
+    pages: PageCounts
+    reserved_pages: int
+    free_rows: int
+    total_rows: int
+    live_requests: int
+    evicted_pages: int
+    retracted_requests: int
+
+
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, engine: Engine, io: SchedulerIO,
+    def __init__(self, cfg: SchedulerConfig, engine: StepEngine, io: SchedulerIO,
                  cpu_group: Optional[ProcessGroup] = None) -> None:
         self.cfg = cfg
         self.cpu_group = cpu_group
@@ -51,12 +66,12 @@ class Scheduler:
         page_size = cfg.engine.page_size
         manager = make_cache_manager(cfg.cache, page_size)
         self.cache = PageCache(engine.num_pages, page_size, manager)
-        self.limits = Limits(engine.max_context, engine.model_cfg.vocab_size, engine.num_pages,
-                             page_size)
         self.rows = TableRows(cfg.engine.max_running_requests)
         # Every rank must agree on the chunk size (batches are built alike on every rank).
         chunk = cfg.max_prefill_tokens or min_over_ranks(offline_prefill_tokens(engine.device),
                                                          cpu_group)
+        self.limits = Limits(engine.max_context, engine.vocab_size, engine.num_pages, page_size,
+                             chunk)
         self.prefill = PrefillManager(self.cache, self.rows, chunk, cfg.decode_reserve_tokens)
         self.decode = DecodeManager()
         self.reqs: Dict[int, Req] = {}  # every live request by uid
@@ -117,16 +132,13 @@ class Scheduler:
                 req.device_len += 1
                 self.prefill.prefilling.remove(req)
                 self.decode.add(req)
-        return InFlight(launched, frozenset(r.uid for r in batch.reqs))
+        return InFlight(launched, batch, frozenset(r.uid for r in batch.reqs))
 
     def _complete(self, inflight: InFlight) -> None:
-        launched = inflight.launched
-        batch = launched.batch
+        batch = inflight.batch
         ready, self.deferred = self.deferred, []  # waited for exactly this batch
         waited = time.perf_counter()
-        tokens = self.engine.collect(launched)
-        logprobs = self.engine.collect_logprobs(launched)
-        prompt_logprobs = self.engine.collect_prompt_logprobs(launched)
+        result = self.engine.collect(inflight.launched)
         now = time.perf_counter()
         self.wait_s += now - waited
         self.steps[batch.phase] += 1
@@ -135,15 +147,25 @@ class Scheduler:
         if self.cfg.check_lockstep:
             uids = [r.uid for r in batch.reqs]
             slots = batch.out_slots.tolist() if batch.out_slots is not None else []
-            check_same_across_ranks(uids + slots + tokens, self.cpu_group, "batch and tokens")
-        outs = self.process(batch, tokens, logprobs, prompt_logprobs)
+            check_same_across_ranks(uids + slots + result.tokens, self.cpu_group,
+                                    "batch and tokens")
+        outs = self.process(batch, result)
         for req in ready:
             self._retire(req, admitted=True)
         self.io.send(outs, self.stats())  # after the retires: the stats see the freed pages
 
     def check_idle(self) -> None:
         """Called before blocking for input: every page must be accounted for."""
-        self.cache.check(list(self.reqs.values()))
+        self.accounting()
+
+    def accounting(self) -> Accounting:
+        """The scheduler's resources, between steps; raises RuntimeError naming the numbers
+        when the KV pages do not balance (free + in use + cached != total). Requests retired
+        only once the in-flight batch completes still hold their pages and rows."""
+        pages = self.cache.check([*self.reqs.values(), *self.deferred])
+        return Accounting(pages, self.cache.reserved_pages, self.rows.available,
+                          self.rows.num_rows, len(self.reqs), self.cache.evicted_pages,
+                          self.totals["retracted"])
 
     # --- input ---------------------------------------------------------------------------------
     def handle(self, msg: object) -> None:
@@ -171,7 +193,7 @@ class Scheduler:
         logger.debug("rank %d: request %d queued (%d prompt tokens, max_tokens %d)", self.rank,
                      msg.uid, len(msg.input_ids), msg.params.max_tokens)
         req = Req(msg.uid, list(msg.input_ids), len(msg.input_ids), msg.params,
-                  self.engine.model_cfg.eos_token_ids)
+                  self.engine.eos_token_ids)
         self.reqs[req.uid] = req
         self.prefill.add(req)
         self.totals["prompt"] += req.prompt_len
@@ -269,16 +291,13 @@ class Scheduler:
         packed = rows_to_device([cols, slots], torch.int32, self.engine.device)
         self.engine.page_table[req.table_row, packed[0]] = packed[1]
 
-    def process(self, batch: Batch, tokens: List[int],
-                logprobs: Sequence[Optional[TokenLogprobs]],
-                prompt_logprobs: Dict[int, List[TokenLogprobs]]) -> List[TokenOut]:
-        """Record the batch's tokens and return what goes out. `logprobs` per request and
-        `prompt_logprobs` by batch index: Engine.collect_logprobs / collect_prompt_logprobs."""
-        for i, entries in prompt_logprobs.items():  # (usually none: no per-request lookup)
+    def process(self, batch: Batch, result: StepResult) -> List[TokenOut]:
+        """Record the batch's tokens and return what goes out."""
+        for i, entries in result.prompt_logprobs.items():  # (usually none: no per-request lookup)
             batch.reqs[i].prompt_logprobs.extend(entries)
         out: List[TokenOut] = []
-        for req, ext, sample, tok, lp in zip(batch.reqs, batch.extend_lens, batch.sample, tokens,
-                                             logprobs):
+        for req, ext, sample, tok, lp in zip(batch.reqs, batch.extend_lens, batch.sample,
+                                             result.tokens, result.logprobs):
             if req.finish_reason is not None:
                 continue  # finished or aborted while this batch was in flight
             if batch.phase is Phase.PREFILL:

@@ -1,0 +1,59 @@
+"""What the scheduler needs from one rank's engine: the `StepEngine` protocol.
+
+`minisgl.engine.Engine` satisfies it without naming it; the scheduler's tests drive the scheduler
+with a CPU fake and no model (tests/fake_engine.py). The contract, per step:
+
+1. The scheduler admits a request into a page-table row and calls `start_request` before any
+   batch of it launches.
+2. It writes the slots of the batch's new tokens into `page_table`, sets `batch.out_slots`, and
+   calls `launch` (the requests' lengths are not yet advanced; a decode batch's input token may
+   be one the host has not seen yet, the engine keeps it).
+3. It calls `collect` on the handle exactly once, possibly after launching the next batch
+   (overlap scheduling: at most one batch is in flight then).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Tuple
+
+import torch
+
+from minisgl.core import Batch, Req, StepResult
+
+
+class StepEngine(Protocol):
+    @property
+    def device(self) -> torch.device:
+        """Where `page_table` lives (the scheduler's index tensors go there)."""
+
+    @property
+    def page_table(self) -> torch.Tensor:
+        """[max_running_requests + 1, max_context] int32: entry (r, p) is the KV slot of
+        position p of the request in row r (a slot is page * page_size + offset). The scheduler
+        writes it; `launch` reads it."""
+
+    @property
+    def num_pages(self) -> int:
+        """KV pages in the pool (identical on every rank)."""
+
+    @property
+    def max_context(self) -> int:
+        """The most tokens (prompt + output) one request may hold."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> Tuple[int, ...]:
+        """Token ids that end a request (unless its params ignore EOS)."""
+
+    def start_request(self, req: Req) -> None:
+        """`req` was admitted into page-table row `req.table_row`: set up the row's
+        per-request state (e.g. penalty counts from `req.token_ids`)."""
+
+    def launch(self, batch: Batch) -> Any:
+        """Start `batch` (without waiting for it, where the device allows); the returned handle is
+        opaque to the scheduler, which passes it to `collect`."""
+
+    def collect(self, launched: Any) -> StepResult:
+        """Wait for a launched batch and return its tokens and log-probabilities."""

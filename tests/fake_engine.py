@@ -1,0 +1,201 @@
+"""A `StepEngine` for scheduler tests: CPU tensors and no model, and a harness that drives a real
+`Scheduler` with it one step at a time.
+
+The fake keeps a KV pool of token ids. A batch writes each new token's id into the slot the page
+table names for its position, then reads each sampled request's whole context back through the
+page table; its next token is a hash of that context (`next_token`). So a request's tokens equal
+`reference(prompt, n)` exactly when every page-table entry the scheduler wrote points at the
+right KV, through chunking, prefix sharing, eviction and retraction. Like the real engine, a
+decode batch's input is the row's last sampled token (`last`), which with overlap the host has
+not seen yet.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from minisgl.core import Batch, Phase, Req, SamplingParams, StepResult, TokenLogprobs
+from minisgl.distributed import DistributedInfo
+from minisgl.engine import EngineConfig
+from minisgl.engine.logprobs import prompt_rows
+from minisgl.message import AbortMsg, TokenOut, UserMsg
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.io import LocalIO
+from minisgl.scheduler.scheduler import Accounting, Scheduler
+
+VOCAB = 50_000
+
+
+def next_token(context: Sequence[int]) -> int:
+    """The fake model: a hash of every token of the context, in order."""
+    h = 0
+    for t in context:
+        h = (h * 1_000_003 + t + 1) % VOCAB
+    return h
+
+
+def reference(prompt: Sequence[int], n: int) -> List[int]:
+    """The `n` tokens the fake generates after `prompt` when nothing goes wrong."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq[len(prompt):]
+
+
+def fake_logprob(token: int) -> TokenLogprobs:
+    """The log-probability the fake reports for `token` (sampled or a prompt target)."""
+    return TokenLogprobs(-float(token))
+
+
+class Step(NamedTuple):
+    """One launched batch as the engine saw it: per request (uid, prefix, extend, sample)."""
+
+    phase: Phase
+    reqs: List[Tuple[int, int, int, bool]]
+
+
+class FakeLaunch(NamedTuple):
+    step: int  # index into FakeEngine.steps
+    result: StepResult
+
+
+class FakeEngine:
+    """Satisfies minisgl.scheduler.engine_api.StepEngine on the CPU (see the module doc)."""
+
+    def __init__(self, num_pages: int, page_size: int, max_running_requests: int,
+                 max_context: int) -> None:
+        self.device = torch.device("cpu")
+        self.num_pages = num_pages
+        self.max_context = max_context
+        self.vocab_size = VOCAB
+        self.eos_token_ids: Tuple[int, ...] = ()
+        rows = max_running_requests + 1
+        self.page_table = torch.zeros((rows, max_context), dtype=torch.int32)
+        self.kv = torch.full((num_pages * page_size,), -1, dtype=torch.int64)
+        self.last = [-1] * rows  # each row's newest sampled token
+        self.row_owner = [-1] * rows  # uid start_request last set each row up for
+        self.steps: List[Step] = []
+        self.pending: Deque[FakeLaunch] = deque()  # launched, not yet collected
+        self.most_pending = 0
+
+    def start_request(self, req: Req) -> None:
+        self.row_owner[req.table_row] = req.uid
+
+    def launch(self, batch: Batch) -> FakeLaunch:
+        assert batch.out_slots is not None and len(batch.out_slots) == sum(batch.extend_lens)
+        for req in batch.reqs:
+            assert self.row_owner[req.table_row] == req.uid, "start_request was not called"
+        self._write_kv(batch)
+        tokens = [self._sample(req, p + e) if s else -1 for req, p, e, s in
+                  zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample)]
+        logprobs = [fake_logprob(t) if s and r.params.logprobs is not None else None
+                    for r, t, s in zip(batch.reqs, tokens, batch.sample)]
+        self.steps.append(Step(batch.phase, [(r.uid, p, e, s) for r, p, e, s in zip(
+            batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample)]))
+        launched = FakeLaunch(len(self.steps) - 1,
+                              StepResult(tokens, logprobs, self._prompt_logprobs(batch)))
+        self.pending.append(launched)
+        self.most_pending = max(self.most_pending, len(self.pending))
+        return launched
+
+    def collect(self, launched: FakeLaunch) -> StepResult:
+        assert self.pending and self.pending[0] is launched, "collected out of launch order"
+        self.pending.popleft()
+        return launched.result
+
+    def _write_kv(self, batch: Batch) -> None:
+        new: List[int] = []
+        for req, prefix, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            if batch.phase is Phase.DECODE:
+                new.append(self.last[req.table_row])
+            else:
+                new.extend(req.token_ids[prefix:prefix + ext])
+        self.kv[batch.out_slots.long()] = torch.tensor(new, dtype=torch.int64)
+
+    def _sample(self, req: Req, seq_len: int) -> int:
+        context = self.kv[self.page_table[req.table_row, :seq_len].long()].tolist()
+        token = next_token(context)
+        self.last[req.table_row] = token
+        return token
+
+    @staticmethod
+    def _prompt_logprobs(batch: Batch) -> Dict[int, List[TokenLogprobs]]:
+        prompt = prompt_rows(batch)  # the engine's own choice of rows
+        if prompt is None:
+            return {}
+        out: Dict[int, List[TokenLogprobs]] = {}
+        start = 0
+        for owner, n in zip(prompt.owners, prompt.counts):
+            out[owner] = [fake_logprob(t) for t in prompt.targets[start:start + n]]
+            start += n
+        return out
+
+
+@dataclass
+class Harness:
+    """A real Scheduler on a FakeEngine behind in-process queues, stepped as `LLM` steps it.
+    Every step checks the page accounting (free + in use + cached = total)."""
+
+    num_pages: int = 64
+    page_size: int = 4
+    max_running_requests: int = 4
+    max_prefill_tokens: int = 64
+    overlap: bool = False
+    decode_reserve_tokens: Optional[int] = None
+    cache: str = "radix"
+    max_context: int = 1024
+    tokens: Dict[int, List[int]] = field(default_factory=dict)  # every token sent, by uid
+    outs: List[TokenOut] = field(default_factory=list)  # everything sent, in order
+
+    def __post_init__(self) -> None:
+        engine_cfg = EngineConfig("fake", DistributedInfo(0, 1), page_size=self.page_size,
+                                  max_running_requests=self.max_running_requests)
+        cfg = SchedulerConfig(engine_cfg, max_prefill_tokens=self.max_prefill_tokens,
+                              cache=self.cache, overlap=self.overlap,
+                              decode_reserve_tokens=self.decode_reserve_tokens)
+        self.engine = FakeEngine(self.num_pages, self.page_size, self.max_running_requests,
+                                 self.max_context)
+        self.io = LocalIO()
+        self.sched = Scheduler(cfg, self.engine, self.io)
+
+    def submit(self, uid: int, prompt: Sequence[int], max_tokens: int = 8,
+               **params: object) -> None:
+        self.io.inbox.append(UserMsg(uid, list(prompt),
+                                     SamplingParams(max_tokens=max_tokens, **params)))
+
+    def abort(self, uid: int) -> None:
+        self.io.inbox.append(AbortMsg(uid))
+
+    def step(self) -> List[TokenOut]:
+        s = self.sched
+        s.iterate(self.io.receive(blocking=False, on_idle=s.check_idle))
+        if not s.has_work:
+            s.check_idle()
+        s.accounting()
+        outs, self.io.outbox = self.io.outbox, []
+        for out in outs:
+            if out.token >= 0:
+                self.tokens.setdefault(out.uid, []).append(out.token)
+        self.outs.extend(outs)
+        return outs
+
+    def run(self, max_steps: int = 10_000) -> Dict[int, List[int]]:
+        """Step until the scheduler rests idle; every token sent, by uid."""
+        for _ in range(max_steps):
+            if not (self.sched.has_work or self.io.inbox):
+                return self.tokens
+            self.step()
+        raise AssertionError(f"the scheduler was still busy after {max_steps} steps")
+
+    def finished(self, uid: int) -> TokenOut:
+        """The message that ended request `uid` (its finish reason or error)."""
+        ends = [o for o in self.outs if o.uid == uid and (o.finish_reason or o.error)]
+        assert len(ends) == 1, f"request {uid} ended {len(ends)} times"
+        return ends[0]
+
+    def accounting(self) -> Accounting:
+        return self.sched.accounting()
