@@ -41,9 +41,10 @@ class TritonBackend(AttentionBackend):
     """Paged attention with Triton kernels; also implements the decode CUDA-graph protocol of
     engine/cuda_graph.py (metadata viewing the graph's static input buffers)."""
 
-    # Flash-decoding split policy, from kernel times under graph replay on an H200 (bf16, 32/8
-    # heads, 2026-11-30): batch 1 at 512 tokens ran 15.7 us unsplit, 5.5 us in 8 splits of 64
-    # tokens; batch 64 and up ran fastest unsplit (the batch alone fills the device).
+    # Flash-decoding split policy, from kernel times under graph replay (scripts/bench_kernels.py
+    # --what decode): a small batch leaves most SMs idle unless each request's context is split
+    # into chunks of at least 64 tokens; from batch 64 up the batch alone fills the device, and
+    # unsplit is fastest.
     min_split_tokens: int = 64
     max_splits: int = 32
 

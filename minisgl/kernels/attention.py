@@ -213,11 +213,11 @@ def _extend_kernel(
 
 
 def decode_tiles(dtype: torch.dtype, head_dim: int, num_splits: int) -> DecodeTiles:
-    """Half types, from tile sweeps on an H200 (bf16, 32/8 heads, d 128, pages of 16, contexts
-    100-1700; scripts/bench_kernels.py, RESULTS.md): unsplit (large batches), requests longest
-    first, 64 tokens per iteration, 2 warps, 3 stages ran at 4.2 TB/s (batch 137 and 256), 1%
-    ahead of (128, 4, 3) and far ahead of 8 warps or 256 tokens; split (small batches)
-    (64, 8, 2) was fastest. float32 (IEEE dots run on FMA units, not tensor cores): the tile
+    """Half types, from tile sweeps (scripts/bench_kernels.py --what decode; bf16, 32/8 heads,
+    d 128, pages of 16, contexts 100-1700): unsplit (large batches, requests longest first), 64
+    tokens per iteration, 2 warps, 3 stages came closest to the memory bandwidth, ahead of
+    (128, 4, 3) and far ahead of 8 warps or 256 tokens; split (small batches) (64, 8, 2) was
+    fastest. float32 (IEEE dots run on FMA units, not tensor cores): the tile
     that compiles without register spills for sm_90."""
     if dtype == torch.float32:
         return DecodeTiles(32, 8)

@@ -30,10 +30,9 @@ from minisgl.kernels.types import Normed, QKVRope
 
 
 # --- plain ----------------------------------------------------------------------------------------
-# In a sweep of 11 tiles (scripts/bench_kernels.py, H200, 2026-11-30) stripes of 4 output rows read
-# 2,048 or 4,096 columns at a time were the fastest, and beat cuBLAS alone on every Llama-3.1-8B
-# projection; inside the model, without PDL, they only tied it (benchmarks/RESULTS.md). With PDL
-# the first weight tile is in flight before the previous kernel has finished.
+# Stripes of 4 output rows, reading 2,048 or 4,096 columns at a time, were the fastest tiles of a
+# sweep (scripts/bench_kernels.py). Inside the model they pay only with PDL: the first weight
+# tile is then in flight before the previous kernel has finished.
 _GEMV_ROWS = 4
 
 
@@ -110,10 +109,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
 
 # --- with the RMSNorm before them fused in --------------------------------------------------------
 # Every program normalizes its own copy of the input row (from L2) before its product, instead of
-# a norm kernel running first: on an H200 that made the QKV and gate/up projections 2.5 and 4 us
-# faster than norm kernel + GEMV (scripts/bench_kernels.py --what normlinear), with rotary / SiLU
-# in the epilogue 4 and 5 us. Programs taking several stripes of rows, to normalize fewer times,
-# were slower; 4 warps beat 8 by 0.2 to 0.4 us per call, 0.026 ms per step (benchmarks/RESULTS.md).
+# a norm kernel running first: one launch fewer per projection, and the weights start streaming
+# at once (scripts/bench_kernels.py --what normlinear measures both ways). Programs taking
+# several stripes of rows, to normalize fewer times, were slower, and 4 warps beat 8.
 # A program holds the whole input row in registers (next power of two). Measured at 4,096
 # (Llama-3.1-8B); wider rows (Qwen3-32B's 5,120 pads to 8,192, Llama-70B's 8,192) would hold
 # twice the registers per thread and have not run on a GPU, so their layers keep the norm kernel.

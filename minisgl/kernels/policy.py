@@ -30,6 +30,6 @@ class KernelPolicy:
     def gemv(self) -> bool:
         """Whether one-token projections (batch-1 decode) run the Triton GEMV (with the norm
         before them and the rotary / SiLU after them fused in where those apply). Only with PDL:
-        without it the GEMV merely tied cuBLAS inside the model (benchmarks/RESULTS.md); with it
+        without it the GEMV merely ties cuBLAS inside the model; with it
         each GEMV's first weight tile streams while the previous kernel finishes."""
         return self.pdl
