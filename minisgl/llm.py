@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import zmq
 from tqdm import tqdm
 
-from minisgl.core import Limits, SamplingParams, TokenLogprobs, request_error
+from minisgl.core import Limits, SamplingParams, TokenLogprobs, check_request
 from minisgl.distributed import DistributedInfo, ProcessGroups
 from minisgl.distributed.comm import Communicator
 from minisgl.engine import Engine, EngineConfig
@@ -279,15 +279,18 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts")
         return list(params)
 
-    def _check(self, i: int, ids: List[int], p: SamplingParams) -> None:
-        error = request_error(ids, p, self._backend.limits)
-        if error is not None:
-            raise ValueError(f"prompt {i}: {error}")
+    def _check(self, i: int, ids: List[int], p: SamplingParams) -> SamplingParams:
+        """The params to submit prompt i with (max_tokens resolved); ValueError naming the
+        prompt and the values when it cannot be served."""
+        try:
+            p.validate()
+            return check_request(ids, p, self._backend.limits)
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
 
     def _run(self, prompts: List[List[int]], params: List[SamplingParams]
              ) -> List[GenerateOutput]:
-        for i, (ids, p) in enumerate(zip(prompts, params)):
-            self._check(i, ids, p)
+        params = [self._check(i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
         uids = [next(self._uids) for _ in prompts]
         slot = {uid: i for i, uid in enumerate(uids)}
         tokens: List[List[int]] = [[] for _ in prompts]
