@@ -266,7 +266,8 @@ class Req:
     with `device_len = len(token_ids)`). `pages` are the KV pages backing the sequence in order;
     the first `num_prefix_pages` belong to the prefix cache (locked through `cache_handle`), the
     rest to this request. The request owns page-table row `table_row` from admission until the
-    scheduler retires it (exactly once, on finish, abort or retraction).
+    scheduler retires it (exactly once, on finish, abort or retraction). `params` passed
+    `check_request`: its max_tokens is an integer.
     """
 
     uid: int
