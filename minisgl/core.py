@@ -8,6 +8,7 @@ ARCHITECTURE.md).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import math
@@ -40,9 +41,11 @@ class SamplingParams:
     given the tokens before it and the k most likely tokens there (the request then skips the
     prefix cache: cached tokens have no logits). Until `min_tokens` tokens are out, EOS and
     `stop_token_ids` cannot be sampled (vLLM's min_tokens; HF's min_new_tokens).
+    `max_tokens=None` asks for as many tokens as fit: `check_request` resolves it against the
+    engine's limits, so every `Req` and every params past that check has an integer.
     """
 
-    max_tokens: int = 16
+    max_tokens: Optional[int] = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -59,15 +62,16 @@ class SamplingParams:
     min_tokens: int = 0
 
     def validate(self) -> None:
-        """Raise ValueError naming the offending value; called at every entry point."""
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+        """Raise ValueError naming the offending value. The rules for every field are here; it
+        runs once, where the params are built from user input (the HTTP API, `LLM`)."""
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
+                                            or isinstance(self.max_tokens, bool)):
             raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
-        if self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if (not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)
-                or not 0 <= self.min_tokens <= self.max_tokens):
-            raise ValueError(f"min_tokens must be an integer in [0, max_tokens = "
-                             f"{self.max_tokens}], got {self.min_tokens!r}")
+        error = _min_tokens_error(self.min_tokens, self.max_tokens)
+        if error is not None:
+            raise ValueError(error)
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
@@ -132,6 +136,16 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+def _min_tokens_error(min_tokens: object, max_tokens: Optional[int]) -> Optional[str]:
+    """Why `min_tokens` does not go with `max_tokens` (None: not known yet), or None."""
+    upper = math.inf if max_tokens is None else max_tokens
+    if (not isinstance(min_tokens, int) or isinstance(min_tokens, bool)
+            or not 0 <= min_tokens <= upper):
+        bound = "max_tokens" if max_tokens is None else f"max_tokens = {max_tokens}"
+        return f"min_tokens must be an integer in [0, {bound}], got {min_tokens!r}"
+    return None
+
+
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -155,45 +169,74 @@ class Limits(NamedTuple):
         return self.num_pages * self.page_size
 
 
-def prompt_error(ids: Sequence[int], vocab_size: Optional[int]) -> Optional[str]:
-    """Why a prompt's token ids cannot be served (none, or one outside the vocabulary), or None.
-
-    `vocab_size=None` (the tokenizer process of a model without tokenizer files) bounds ids by
-    int32 only: the scheduler, which knows the model's vocabulary, checks them again.
-    """
+def prompt_error(ids: Sequence[int], vocab_size: int) -> Optional[str]:
+    """Why a prompt's token ids cannot be served (none, or one outside the vocabulary), or None."""
     if len(ids) == 0:
         return "the prompt is empty"
-    bound = 2 ** 31 if vocab_size is None else vocab_size
-    bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < bound)]
+    bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
     if bad:
         return f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
     return None
 
 
-def request_error(ids: Sequence[int], params: SamplingParams, limits: Limits) -> Optional[str]:
-    """Why a request cannot be served, naming the numbers, or None. Checked by the offline API
-    before submitting and by the scheduler on every message (the last line of defence)."""
-    try:
-        params.validate()
-    except ValueError as e:
-        return str(e)
+class RequestError(ValueError):
+    """A request the engine cannot serve; the message names the values."""
+
+
+class TooLong(RequestError):
+    """The prompt plus max_tokens exceed the context length or, `in_pool`, the KV pool."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, limits: Limits, in_pool: bool
+                 ) -> None:
+        n, m = prompt_tokens, max_tokens
+        if in_pool:
+            pages = -(-(n + m) // limits.page_size)
+            message = (f"{n} prompt tokens plus max_tokens {m} needs {pages} KV pages, more than "
+                       f"the pool holds ({limits.num_pages})")
+        else:
+            message = (f"{n} prompt tokens plus max_tokens {m} = {n + m} exceeds the context "
+                       f"length {limits.max_context}")
+        super().__init__(message)
+        self.prompt_tokens, self.max_tokens, self.limits, self.in_pool = n, m, limits, in_pool
+
+
+def _auto_max_tokens(prompt_tokens: int, params: SamplingParams, limits: Limits) -> int:
+    """What `max_tokens=None` stands for: the rest of the context (and of the KV pool, which
+    must hold the whole request), capped at an eighth of that limit (at least 256), since
+    admission may reserve KV for the whole of max_tokens and requests without one should still
+    run side by side. RequestError when no token fits or min_tokens does not."""
+    limit = min(limits.max_context, limits.kv_capacity)
+    if prompt_tokens >= limit:
+        raise RequestError(f"the prompt has {prompt_tokens} tokens, which leaves no room for "
+                           f"output in the context length of {limit} tokens")
+    max_tokens = min(limit - prompt_tokens, max(256, limit // 8))
+    error = _min_tokens_error(params.min_tokens, max_tokens)
+    if error is not None:
+        raise RequestError(error)
+    return max_tokens
+
+
+def check_request(ids: Sequence[int], params: SamplingParams, limits: Limits) -> SamplingParams:
+    """The params to serve a request with (max_tokens resolved), or RequestError naming the
+    numbers: the one check of a request against an engine's limits, made by the tokenizer and
+    `LLM` before submitting and by the scheduler on every message (the last line of defence).
+    The params themselves were validated where they were built (`SamplingParams.validate`)."""
     error = prompt_error(ids, limits.vocab_size)
     if error is not None:
-        return error
+        raise RequestError(error)
     outside = [t for t in params.logit_bias or {} if t >= limits.vocab_size]
     if outside:
-        return (f"logit_bias token id {outside[0]} is outside the vocabulary "
-                f"[0, {limits.vocab_size})")
+        raise RequestError(f"logit_bias token id {outside[0]} is outside the vocabulary "
+                           f"[0, {limits.vocab_size})")
     n = len(ids)
-    total = n + params.max_tokens
-    if total > limits.max_context:
-        return (f"{n} prompt tokens plus max_tokens {params.max_tokens} = {total} exceeds the "
-                f"context length {limits.max_context}")
-    pages = -(-total // limits.page_size)
-    if pages > limits.num_pages:
-        return (f"{n} prompt tokens plus max_tokens {params.max_tokens} needs {pages} KV pages, "
-                f"more than the pool holds ({limits.num_pages})")
-    return None
+    if params.max_tokens is None:
+        params = dataclasses.replace(params, max_tokens=_auto_max_tokens(n, params, limits))
+    m = params.max_tokens
+    if n + m > limits.max_context:
+        raise TooLong(n, m, limits, in_pool=False)
+    if n + m > limits.kv_capacity:  # more tokens than the pages hold: more pages than there are
+        raise TooLong(n, m, limits, in_pool=True)
+    return params
 
 
 @dataclass(frozen=True)
@@ -224,7 +267,8 @@ class Req:
     with `device_len = len(token_ids)`). `pages` are the KV pages backing the sequence in order;
     the first `num_prefix_pages` belong to the prefix cache (locked through `cache_handle`), the
     rest to this request. The request owns page-table row `table_row` from admission until the
-    scheduler retires it (exactly once, on finish, abort or retraction).
+    scheduler retires it (exactly once, on finish, abort or retraction). `params` passed
+    `check_request`: its max_tokens is an integer.
     """
 
     uid: int

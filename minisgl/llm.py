@@ -7,10 +7,10 @@ the service does. Bad input raises ValueError naming the values before anything 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
-import multiprocessing as mp
 import shutil
 import tempfile
 import weakref
@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import zmq
 from tqdm import tqdm
 
-from minisgl.core import Limits, SamplingParams, TokenLogprobs, request_error
+from minisgl.core import Limits, SamplingParams, TokenLogprobs, check_request
 from minisgl.distributed import DistributedInfo, ProcessGroups
 from minisgl.distributed.comm import Communicator
 from minisgl.engine import Engine
@@ -33,6 +33,8 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.io import LocalIO
 from minisgl.scheduler.main import run_rank
 from minisgl.scheduler.scheduler import Accounting, Scheduler
+from minisgl.server.proc import (Child, ChildStartupError, first_dead, spawn, stop_children,
+                                 wait_ready)
 from minisgl.tokenizer.text import load_tokenizer
 from minisgl.settings import build
 from minisgl.utils import free_port
@@ -89,7 +91,9 @@ class _InProcess:
 
 
 class _RankProcesses:
-    """tp>1: one spawned process per rank; rank 0 talks to us over ZMQ."""
+    """tp>1: one process per rank, spawned, awaited and stopped by `server.proc` as the
+    launcher's are; rank 0 talks to us over ZMQ. A rank that fails to start, or dies later,
+    raises RuntimeError naming it once the other ranks are stopped."""
 
     def __init__(self, cfg: SchedulerConfig, tp: int, log_level: str) -> None:
         self.run_dir = tempfile.mkdtemp(prefix="minisgl-llm-")
@@ -97,41 +101,40 @@ class _RankProcesses:
         port = free_port()
         self.ctx = zmq.Context()
         self.results = PullQueue(self.ctx, addr("detokenizer"), bind=True)
-        mp_ctx = mp.get_context("spawn")
-        self.procs: List[Any] = []
-        pipes = []
+        self.children: List[Child] = []
         for rank in range(tp):
             engine = dataclasses.replace(cfg.engine, tp_info=DistributedInfo(rank, tp),
                                          dist_init_method=f"tcp://127.0.0.1:{port}")
             rank_cfg = dataclasses.replace(
                 cfg, engine=engine, backend_addr=addr("backend"),
                 detokenizer_addr=addr("detokenizer"), broadcast_addr=addr("broadcast"))
-            recv, send = mp_ctx.Pipe(duplex=False)
-            p = mp_ctx.Process(target=run_rank, args=(rank_cfg, send, log_level), daemon=True,
-                               name=f"minisgl-rank{rank}")
-            p.start()
-            self.procs.append(p)
-            pipes.append(recv)
+            self.children.append(spawn(f"rank{rank}", run_rank, (rank_cfg,), log_level,
+                                       self.run_dir))
         self.requests = PushQueue(self.ctx, addr("backend"), bind=False)
         self.stats: Optional[SchedulerStats] = None  # rank 0's latest
-        infos = [self._wait_ready(pipe) for pipe in pipes]
-        self.limits: Limits = infos[0]["limits"]
+        self.closed = False
+        try:
+            wait_ready(self.children, should_stop=lambda: False)
+        except ChildStartupError as e:
+            rank = self.children.index(e.child)
+            self.close(graceful=False)
+            raise RuntimeError(f"scheduler rank {rank} failed to start: {e.reason}") from None
+        except BaseException:  # interrupted: leave no rank behind
+            self.close(graceful=False)
+            raise
+        self.limits: Limits = (self.children[0].info or {})["limits"]
 
-    def _wait_ready(self, pipe: Any) -> Dict[str, Any]:
-        while not pipe.poll(0.5):
-            self.check_alive()
-        status, rank, info = pipe.recv()
-        if status != "ready":
-            self.close()
-            raise RuntimeError(f"scheduler rank {rank} failed to start: {info}")
-        return info
+    @property
+    def procs(self) -> List[Any]:
+        """The rank processes (multiprocessing.Process), rank r at index r."""
+        return [c.process for c in self.children]
 
     def check_alive(self) -> None:
-        dead = [p for p in self.procs if not p.is_alive()]
-        if dead:
-            self.close()
-            raise RuntimeError(f"scheduler rank process {dead[0].name} died "
-                               f"(exit code {dead[0].exitcode}); stopped the other ranks")
+        dead = first_dead(self.children)
+        if dead is not None:
+            self.close(graceful=False)
+            raise RuntimeError(f"scheduler rank process {dead.process.name} died "
+                               f"(exit code {dead.process.exitcode}); stopped the other ranks")
 
     def submit(self, msg: Any) -> None:
         self.requests.put(msg)
@@ -148,19 +151,19 @@ class _RankProcesses:
         self.stats = batch.stats or self.stats
         return list(batch.items)
 
-    def close(self) -> None:
-        if any(p.is_alive() for p in self.procs):
-            try:
+    def close(self, graceful: bool = True) -> None:
+        """Stop the ranks (gracefully: a ShutdownMsg ends them all at the same step) and remove
+        the runtime directory. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if graceful and self.children[0].alive:
+            with contextlib.suppress(zmq.ZMQError):
                 self.requests.put(ShutdownMsg())
-            except zmq.ZMQError:
-                pass
-        for p in self.procs:
-            p.join(timeout=10)
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        self.procs = []
+        if graceful:
+            stop_children(self.children, 10.0, 5.0)
+        else:  # a rank died: the others may be stuck in a collective with it
+            stop_children(self.children, 0.0, 1.0)
         self.results.close()
         self.requests.close()
         self.ctx.term()
@@ -292,15 +295,18 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts")
         return list(params)
 
-    def _check(self, i: int, ids: List[int], p: SamplingParams) -> None:
-        error = request_error(ids, p, self._backend.limits)
-        if error is not None:
-            raise ValueError(f"prompt {i}: {error}")
+    def _check(self, i: int, ids: List[int], p: SamplingParams) -> SamplingParams:
+        """The params to submit prompt i with (max_tokens resolved); ValueError naming the
+        prompt and the values when it cannot be served."""
+        try:
+            p.validate()
+            return check_request(ids, p, self._backend.limits)
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
 
     def _run(self, prompts: List[List[int]], params: List[SamplingParams]
              ) -> List[GenerateOutput]:
-        for i, (ids, p) in enumerate(zip(prompts, params)):
-            self._check(i, ids, p)
+        params = [self._check(i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
         uids = [next(self._uids) for _ in prompts]
         slot = {uid: i for i, uid in enumerate(uids)}
         tokens: List[List[int]] = [[] for _ in prompts]

@@ -8,12 +8,17 @@ from typing import Any, List
 
 import pytest
 
-from minisgl.core import SamplingParams
-from minisgl.message.types import MAX_TOKENS_AUTO, DetokenizeInit, TokenizeRequest, TokenOut
+from minisgl.core import Limits, SamplingParams
+from minisgl.message.types import DetokenizeInit, TokenizeRequest, TokenOut
 from minisgl.tokenizer.detokenize_worker import Detokenizer
 from minisgl.tokenizer.incremental import IncrementalDecoder, StopMatcher
 from minisgl.tokenizer.text import load_tokenizer
 from minisgl.tokenizer.tokenize_worker import Tokenizer
+
+
+def _limits(max_context: int, kv_capacity: int) -> Limits:
+    """The ranks' limits as the tokenizer gets them; the vocabulary is the tokenizer's."""
+    return Limits(max_context, 2 ** 31 - 1, kv_capacity // 16, 16, 8192)
 
 
 @pytest.fixture(scope="module")
@@ -134,11 +139,11 @@ def test_detokenizer_finish_abort_and_error_free_state(bpe: Any) -> None:
 
 
 def test_tokenizer_validation(bpe: Any) -> None:
-    t = Tokenizer(bpe, max_context=100, kv_capacity=64)
+    t = Tokenizer(bpe, _limits(max_context=100, kv_capacity=64))
     p = SamplingParams(max_tokens=10)
     ok = t.prepare(TokenizeRequest(1, p, text="hello world"))
     assert ok.error is None and ok.params.max_tokens == 10
-    auto = t.prepare(TokenizeRequest(2, SamplingParams(max_tokens=MAX_TOKENS_AUTO), text="a b"))
+    auto = t.prepare(TokenizeRequest(2, SamplingParams(max_tokens=None), text="a b"))
     assert auto.params.max_tokens == 64 - len(auto.input_ids)  # the KV pool is the limit
     long = t.prepare(TokenizeRequest(3, SamplingParams(max_tokens=50), input_ids=[1] * 60))
     assert "maximum context length is 100" in long.error and "110" in long.error
@@ -146,10 +151,10 @@ def test_tokenizer_validation(bpe: Any) -> None:
     assert "holds only 64" in kv.error
     assert t.prepare(TokenizeRequest(5, p, text="")).error == "the prompt is empty"
     assert "outside the vocabulary" in t.prepare(TokenizeRequest(6, p, input_ids=[10 ** 7])).error
-    full = t.prepare(TokenizeRequest(7, SamplingParams(max_tokens=0), input_ids=[1] * 64))
+    full = t.prepare(TokenizeRequest(7, SamplingParams(max_tokens=None), input_ids=[1] * 64))
     assert "leaves no room" in full.error
-    big = Tokenizer(bpe, max_context=8192, kv_capacity=16384)
-    capped = big.prepare(TokenizeRequest(8, SamplingParams(max_tokens=MAX_TOKENS_AUTO),
+    big = Tokenizer(bpe, _limits(max_context=8192, kv_capacity=16384))
+    capped = big.prepare(TokenizeRequest(8, SamplingParams(max_tokens=None),
                                          input_ids=[1] * 100))
     assert capped.params.max_tokens == 1024  # an eighth of the context: requests share the pool
     chat = t.prepare(TokenizeRequest(8, p, messages=[{"role": "user", "content": "hi"}]))
@@ -160,14 +165,15 @@ def test_text_requests_answer_without_generating(bpe: Any) -> None:
     """The tokenizer process answers /tokenize and /detokenize itself; a model without a
     tokenizer says so, and ids outside the vocabulary are named."""
     from minisgl.message.types import TextRequest
-    logic = Tokenizer(bpe, max_context=64, kv_capacity=64)
+    logic = Tokenizer(bpe, _limits(max_context=64, kv_capacity=64))
     ids = bpe.encode("hello there", add_special_tokens=False)
     tok = logic.answer(TextRequest(1, text="hello there"))
     assert (tok.token_ids, tok.finish_reason, tok.error) == (ids, "stop", None)
     assert logic.answer(TextRequest(2, input_ids=ids)).text == "hello there"
     bad = logic.answer(TextRequest(3, input_ids=[len(bpe) + 5]))
     assert bad.error is not None and f"token id {len(bpe) + 5} is outside" in bad.error
-    bare = Tokenizer(None, max_context=64, kv_capacity=64).answer(TextRequest(4, input_ids=[1]))
+    bare = Tokenizer(None, _limits(max_context=64, kv_capacity=64)).answer(
+        TextRequest(4, input_ids=[1]))
     assert bare.error is not None and "no tokenizer" in bare.error
 
 

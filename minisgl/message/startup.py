@@ -1,4 +1,4 @@
-"""The start-up report a child process sends its launcher over a pipe: ("ready", name, info)
+"""The start-up report a child process sends its parent over a pipe: ("ready", name, info)
 once it can serve, or ("error", name, "Type: reason") before exiting with status 1."""
 
 from __future__ import annotations
@@ -10,13 +10,15 @@ from typing import Any, Iterator
 
 
 @contextlib.contextmanager
-def report_startup(conn: Any, name: str, log: logging.Logger) -> Iterator[None]:
-    """Run the start-up block; if it raises, log it, send the error report (the launcher may be
-    gone already) and exit 1. The caller sends ("ready", name, info) after the block."""
+def report_startup(conn: Any, name: str, log: logging.Logger,
+                   traceback_level: int = logging.DEBUG) -> Iterator[None]:
+    """Run the start-up block; if it raises, log the traceback at `traceback_level`, send the
+    error report (the parent may be gone already) and exit 1. The caller sends
+    ("ready", name, info) after the block."""
     try:
         yield
     except Exception as e:
-        log.debug("start-up failed", exc_info=True)
+        log.log(traceback_level, "%s failed to start", name, exc_info=True)
         with contextlib.suppress(Exception):
             conn.send(("error", name, f"{type(e).__name__}: {e}"))
         sys.exit(1)

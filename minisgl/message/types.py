@@ -15,15 +15,11 @@ from minisgl.core import SamplingParams, TokenLogprobs
 
 
 # --- API server -> tokenizer -------------------------------------------------------------------
-# `TokenizeRequest.params.max_tokens` when the client gave none: the tokenizer replaces it with
-# as many tokens as fit (0 is free because a real max_tokens is at least 1).
-MAX_TOKENS_AUTO = 0
-
-
 @dataclass(frozen=True)
 class TokenizeRequest:
     """Exactly one of `text`, `messages` (chat, JSON-like dicts) or `input_ids` is set.
-    `params.max_tokens` may be MAX_TOKENS_AUTO; every other message carries a real one."""
+    `params.max_tokens` is None when the client gave none (the tokenizer resolves it to as many
+    as fit); every other message carries an integer."""
 
     uid: int
     params: SamplingParams
@@ -155,7 +151,7 @@ class ReplyChunk:
     prompt_logprobs: List[TokenLogprobText] = field(default_factory=list)
 
 
-# --- server-side additions (issue 4) --------------------------------------------------------------
+# --- between the API server, the tokenizer and the detokenizer ------------------------------------
 @dataclass(frozen=True)
 class DetokenizeInit:
     """Tokenizer -> detokenizer, sent before the request's `UserMsg` goes to rank 0.

@@ -15,7 +15,8 @@ from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional
 import torch
 from torch.distributed import ProcessGroup
 
-from minisgl.core import Batch, FinishReason, Limits, Phase, Req, StepResult, request_error
+from minisgl.core import (Batch, FinishReason, Limits, Phase, Req, RequestError, SamplingParams,
+                          StepResult, check_request)
 from minisgl.distributed import check_same_across_ranks, min_over_ranks
 from minisgl.utils import offline_prefill_tokens, rows_to_device
 from minisgl.kvcache import make_cache_manager
@@ -178,21 +179,23 @@ class Scheduler:
         else:
             logger.error("rank %d: ignoring unknown message %r", self.rank, type(msg).__name__)
 
-    def validate(self, msg: UserMsg) -> Optional[str]:
-        """Why the request cannot be served, or None."""
+    def validate(self, msg: UserMsg) -> SamplingParams:
+        """The params to serve the request with (`core.check_request`); RequestError why it
+        cannot be served."""
         if msg.uid in self.reqs:
-            return f"duplicate request id {msg.uid}"
-        return request_error(msg.input_ids, msg.params, self.limits)
+            raise RequestError(f"duplicate request id {msg.uid}")
+        return check_request(msg.input_ids, msg.params, self.limits)
 
     def _add(self, msg: UserMsg) -> None:
-        error = self.validate(msg)
-        if error is not None:
-            logger.info("rank %d: rejected request %d: %s", self.rank, msg.uid, error)
-            self.io.send([TokenOut(msg.uid, error=error)], None)
+        try:
+            params = self.validate(msg)
+        except RequestError as e:
+            logger.info("rank %d: rejected request %d: %s", self.rank, msg.uid, e)
+            self.io.send([TokenOut(msg.uid, error=str(e))], None)
             return
         logger.debug("rank %d: request %d queued (%d prompt tokens, max_tokens %d)", self.rank,
-                     msg.uid, len(msg.input_ids), msg.params.max_tokens)
-        req = Req(msg.uid, list(msg.input_ids), len(msg.input_ids), msg.params,
+                     msg.uid, len(msg.input_ids), params.max_tokens)
+        req = Req(msg.uid, list(msg.input_ids), len(msg.input_ids), params,
                   self.engine.eos_token_ids)
         self.reqs[req.uid] = req
         self.prefill.add(req)

@@ -40,7 +40,7 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.api import ApiConfig, run_api
 from minisgl.server.args import ServerConfig, describe, parse_args
 from minisgl.log import setup_logging
-from minisgl.server.proc import (Child, StartupError, spawn, stop_children,
+from minisgl.server.proc import (Child, StartupError, first_dead, spawn, stop_children,
                                  wait_ready)
 from minisgl.tokenizer.detokenize_worker import DetokenizerConfig, run_detokenizer
 from minisgl.tokenizer.tokenize_worker import TokenizerConfig, run_tokenizer
@@ -62,9 +62,9 @@ class Addresses(NamedTuple):
         return cls(*(f"ipc://{run_dir}/{name}" for name in cls._fields))
 
 
-def _rank_entry(cfg: SchedulerConfig, log_level: str, conn: Any) -> None:
+def _rank_entry(cfg: SchedulerConfig, conn: Any) -> None:
     from minisgl.scheduler.main import run_rank
-    run_rank(cfg, conn, log_level.upper())
+    run_rank(cfg, conn)
 
 
 def bind_http(host: str, port: int) -> socket.socket:
@@ -118,8 +118,7 @@ class Service:
         for r in range(self.cfg.engine.tp):
             rank_cfg = self.cfg.scheduler_config(self.model_path, r, init, a.backend,
                                                  a.detokenizer, a.broadcast)
-            self.ranks.append(spawn(f"rank{r}", _rank_entry, (rank_cfg, level), level,
-                                    self.run_dir))
+            self.ranks.append(spawn(f"rank{r}", _rank_entry, (rank_cfg,), level, self.run_dir))
         api_cfg = ApiConfig(self.model_name, ModelConfig.from_dir(self.model_path).max_context,
                             self.cfg.max_n, a.tokenizer, a.api, self.health_file)
         self.workers = [
@@ -148,7 +147,7 @@ class Service:
         Path(self.health_file).touch()
 
     def first_dead(self) -> Optional[Child]:
-        return next((c for c in self.children if not c.alive), None)
+        return first_dead(self.children)
 
     def wait(self, timeout_s: float) -> None:
         """Sleep until a child exits or `timeout_s` passes."""

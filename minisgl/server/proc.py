@@ -1,12 +1,14 @@
-"""Child processes of the launcher: spawning, the ready handshake, and stopping.
+"""Child processes of the launcher and of `LLM(tp>1)`: spawning, the ready handshake, watching
+and stopping.
 
 Every child runs `child_main`, which names the process (`minisgl-rank0` in ps), ignores SIGINT (a
-terminal's Ctrl-C reaches the whole process group; only the launcher acts on it), tags its log
-lines, exits when the launcher disappears (no orphans even after `kill -9` of the launcher), then
-runs its entry function. An entry function
-takes `conn` (its end of a duplex pipe to the launcher) as its last argument and sends exactly one
-of `("ready", name, info)` or `("error", name, message)` on it; the launcher may send it start-up
-data on the same pipe afterwards (the tokenizer gets the KV capacity the ranks reported).
+terminal's Ctrl-C reaches the whole process group; only the parent acts on it), tags its log
+lines, exits when its parent (the launcher, or the `LLM` process) disappears (no orphans even
+after `kill -9` of the parent), then runs its entry function. An entry function takes `conn` (its
+end of a duplex pipe to the parent) as its last argument and sends exactly one of
+`("ready", name, info)` or `("error", name, message)` on it (`message.startup.report_startup`);
+the parent may send it start-up data on the same pipe afterwards (the tokenizer gets the KV
+capacity the ranks reported). This module imports nothing heavy (no torch, no HTTP stack).
 """
 
 from __future__ import annotations
@@ -29,12 +31,20 @@ _SPAWN = mp.get_context("spawn")
 
 
 class StartupError(Exception):
-    """A child failed to start (its one-line reason is the message)."""
+    """The service could not start (its one-line reason is the message)."""
 
+
+class ChildStartupError(StartupError):
+    """`child` reported an error or died before reporting ready; `reason` says which, without
+    the child's name (the message has it)."""
+
+    def __init__(self, message: str, child: "Child", reason: str) -> None:
+        super().__init__(message)
+        self.child, self.reason = child, reason
 
 
 def _exit_with_parent(parent_pid: int, run_dir: str) -> None:
-    """The launcher is gone (killed with SIGKILL): remove its runtime directory and exit."""
+    """The parent is gone (killed with SIGKILL): remove its runtime directory and exit."""
     while True:
         if os.getppid() != parent_pid:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -64,24 +74,28 @@ def child_main(name: str, log_level: str, parent_pid: int, run_dir: str,
 class Child:
     name: str
     process: Any  # multiprocessing.Process
-    conn: Any  # the launcher's end of the pipe to the child
+    conn: Any  # the parent's end of the pipe to the child
     info: Optional[Dict[str, Any]] = None  # set once the child reported ready
 
     @property
     def alive(self) -> bool:
         return self.process.is_alive()
 
-    def describe_death(self) -> str:
+    @property
+    def ending(self) -> str:
+        """How the process ended: "was killed by signal 9", "exited with code 1"."""
         code = self.process.exitcode
-        how = f"was killed by signal {-code}" if code is not None and code < 0 else \
+        return f"was killed by signal {-code}" if code is not None and code < 0 else \
             f"exited with code {code}"
-        return f"{self.name} (pid {self.process.pid}) {how}"
+
+    def describe_death(self) -> str:
+        return f"{self.name} (pid {self.process.pid}) {self.ending}"
 
 
 def spawn(name: str, target: Callable[..., None], args: Sequence[Any], log_level: str,
           run_dir: str) -> Child:
     """Start `target(*args, conn)` in a fresh (spawned) process named `name`; `run_dir` is the
-    launcher's runtime directory (removed by the child if the launcher dies without cleaning)."""
+    parent's runtime directory (removed by the child if the parent dies without cleaning)."""
     ours, theirs = _SPAWN.Pipe(duplex=True)
     proc = _SPAWN.Process(target=child_main, name=f"minisgl-{name}", daemon=True,
                           args=(name, log_level, os.getpid(), run_dir, target, (*args, theirs)))
@@ -92,9 +106,9 @@ def spawn(name: str, target: Callable[..., None], args: Sequence[Any], log_level
 
 def wait_ready(children: List[Child], should_stop: Callable[[], bool],
                on_progress: Callable[[], None] = lambda: None) -> None:
-    """Block until every child reported ready. StartupError when one reports an error or dies
-    first, or when `should_stop()` turns true (a signal during start-up). `on_progress` runs
-    after each child's report."""
+    """Block until every child reported ready. ChildStartupError when one reports an error or
+    dies first; StartupError when `should_stop()` turns true (a signal during start-up).
+    `on_progress` runs after each child's report."""
     while True:
         waiting = [c for c in children if c.info is None]
         if not waiting:
@@ -114,13 +128,19 @@ def _poll_ready(child: Child) -> None:
         if child.conn.poll():
             status, _, info = child.conn.recv()
             if status != "ready":
-                raise StartupError(f"{child.name} failed to start: {info}")
+                raise ChildStartupError(f"{child.name} failed to start: {info}", child, str(info))
             child.info = info
             return
     except (EOFError, OSError):
         pass
     if not child.alive:
-        raise StartupError(f"{child.describe_death()} during start-up")
+        raise ChildStartupError(f"{child.describe_death()} during start-up", child,
+                                f"the process {child.ending}")
+
+
+def first_dead(children: List[Child]) -> Optional[Child]:
+    """The first child whose process has exited, or None while all run."""
+    return next((c for c in children if not c.alive), None)
 
 
 def stop_children(children: List[Child], first_wait_s: float, term_wait_s: float) -> None:

@@ -17,7 +17,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, T
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from minisgl.core import MAX_LOGPROBS, SamplingParams
-from minisgl.message.types import MAX_TOKENS_AUTO
 
 _INT64 = 2 ** 63
 _INT32 = 2 ** 31  # token ids travel as int32
@@ -141,7 +140,7 @@ class Job:
     index p * n + i."""
 
     prompts: List[Prompt]
-    params: SamplingParams  # max_tokens may be MAX_TOKENS_AUTO (filled in by the tokenizer)
+    params: SamplingParams  # max_tokens None: as many as fit (resolved by the tokenizer)
     n: int
     stop: Tuple[str, ...]
     skip_special_tokens: bool
@@ -207,10 +206,7 @@ def _sampling(body: _Sampling, max_tokens: Optional[int], logprobs: Optional[int
     _check_int("max_tokens", max_tokens, _INT32)
     _check_ids("stop_token_ids", body.stop_token_ids or ())
     params = SamplingParams(
-        # an absent max_tokens is resolved later (the tokenizer): check the rest against the
-        # smallest it may be
-        max_tokens=max_tokens if max_tokens is not None else max(1, body.min_tokens),
-        temperature=1.0 if body.temperature is None else body.temperature,
+        max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=-1 if body.top_k is None else body.top_k,
         min_p=0.0 if body.min_p is None else body.min_p,
@@ -225,8 +221,6 @@ def _sampling(body: _Sampling, max_tokens: Optional[int], logprobs: Optional[int
         params.validate()
     except ValueError as e:
         raise ApiError(400, str(e), str(e).split(" ", 1)[0]) from None
-    if max_tokens is None:
-        params = dataclasses.replace(params, max_tokens=MAX_TOKENS_AUTO)
     return params
 
 

@@ -1,22 +1,18 @@
 """The tokenizer process: the API server's requests in, token ids out to scheduler rank 0.
 
 For each `TokenizeRequest` it builds the prompt's ids (text, chat messages through the model's
-chat template, or ids as given), checks them against the context length and the KV pool, and
-then sends, in this order, a `DetokenizeInit` to the detokenizer and a `UserMsg` to rank 0. A
-request that fails the checks goes back to the API server as an error `ReplyChunk` (status 400)
-and never reaches the scheduler. `AbortRequest` becomes an `AbortMsg` to rank 0.
-
-`params.max_tokens == MAX_TOKENS_AUTO` means "as many as fit": the rest of the context (and of
-the KV pool, which must hold the whole request), capped at an eighth of that limit (at least 256),
-since admission reserves KV for the whole of max_tokens.
+chat template, or ids as given), checks the request against the ranks' limits
+(`core.check_request`, which also turns an absent max_tokens into as many as fit), and then
+sends, in this order, a `DetokenizeInit` to the detokenizer and a `UserMsg` to rank 0. A request
+that fails the checks goes back to the API server as an error `ReplyChunk` (status 400) and never
+reaches the scheduler. `AbortRequest` becomes an `AbortMsg` to rank 0.
 
 A model directory without tokenizer files (dummy-weight benchmark shapes) serves token ids only:
-text, chat and stop strings are rejected; ids are checked against the vocabulary by the scheduler.
+text, chat and stop strings are rejected.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 from dataclasses import dataclass
@@ -25,11 +21,12 @@ from typing import Any, List, NamedTuple, Optional, Union
 
 import zmq
 
-from minisgl.core import SamplingParams, prompt_error
+from minisgl.core import (Limits, RequestError, SamplingParams, TooLong, check_request,
+                          prompt_error)
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.startup import report_startup
-from minisgl.message.types import (MAX_TOKENS_AUTO, AbortMsg, AbortRequest, DetokenizeInit,
-                                   ReplyBatch, ReplyChunk, TextRequest, TokenizeRequest, UserMsg)
+from minisgl.message.types import (AbortMsg, AbortRequest, DetokenizeInit, ReplyBatch, ReplyChunk,
+                                   TextRequest, TokenizeRequest, UserMsg)
 from minisgl.tokenizer.incremental import PROMPT_CONTEXT_TOKENS
 from minisgl.tokenizer.text import load_tokenizer
 
@@ -59,11 +56,11 @@ class Prepared(NamedTuple):
 class Tokenizer:
     """The tokenizer's logic without sockets (unit-testable)."""
 
-    def __init__(self, tokenizer: Optional[Any], max_context: int, kv_capacity: int) -> None:
+    def __init__(self, tokenizer: Optional[Any], limits: Limits) -> None:
         self.tokenizer = tokenizer
-        self.max_context = max_context
-        self.kv_capacity = kv_capacity
-        self.vocab = len(tokenizer) if tokenizer is not None else None
+        self.vocab = len(tokenizer) if tokenizer is not None else limits.vocab_size
+        # A prompt's ids must be ones the model embeds and the detokenizer can render.
+        self.limits = limits._replace(vocab_size=min(self.vocab, limits.vocab_size))
 
     def encode(self, req: Union[TokenizeRequest, TextRequest]) -> List[int]:
         if req.input_ids is not None:
@@ -94,9 +91,9 @@ class Tokenizer:
         return ReplyChunk(req.uid, self.tokenizer.decode(ids), ids, "stop")
 
     def prepare(self, req: TokenizeRequest) -> Prepared:
-        """The ids and final params of a request, or why it is rejected. The prompt checks are
-        `core.prompt_error`'s; the length checks stay here because they count tokens rather than
-        pages, resolve MAX_TOKENS_AUTO first and word the context error as OpenAI does."""
+        """The ids and final params (max_tokens resolved) of a request, or why it is rejected:
+        `core.check_request`'s verdict, a length error worded as this API always has (OpenAI's
+        words for the context: clients match them)."""
         if self.tokenizer is None and req.stop:
             return Prepared([], None, _NoTokenizer.message)
         try:
@@ -105,29 +102,22 @@ class Tokenizer:
             return Prepared([], None, _NoTokenizer.message)
         except Exception as e:  # a chat template may reject a conversation (roles, content)
             return Prepared([], None, f"cannot apply the chat template: {e}")
-        error = prompt_error(ids, self.vocab)
-        if error is not None:
-            return Prepared(ids, None, error)
-        n, m = len(ids), req.params.max_tokens
-        limit = min(self.max_context, self.kv_capacity)
-        if m == MAX_TOKENS_AUTO:
-            if n >= limit:
-                return Prepared(ids, None, f"the prompt has {n} tokens, which leaves no room "
-                                           f"for output in the context length of {limit} tokens")
-            # Admission reserves KV for the whole of max_tokens (there is no preemption yet), so an
-            # absent max_tokens takes an eighth of the capacity rather than all of it: requests
-            # without one still run side by side.
-            m = min(limit - n, max(256, limit // 8))
-        if n + m > self.max_context:
-            return Prepared(ids, None, (
-                f"This model's maximum context length is {self.max_context} tokens. However, "
-                f"you requested {n + m} tokens ({n} in the prompt, {m} in the completion). "
-                f"Please reduce the length of the prompt or of max_tokens."))
-        if n + m > self.kv_capacity:
-            return Prepared(ids, None, (
-                f"the request needs {n + m} tokens ({n} in the prompt, {m} in the completion) "
-                f"but the KV cache holds only {self.kv_capacity} tokens"))
-        return Prepared(ids, dataclasses.replace(req.params, max_tokens=m), None)
+        try:
+            return Prepared(ids, check_request(ids, req.params, self.limits), None)
+        except TooLong as e:
+            return Prepared(ids, None, _too_long(e))
+        except RequestError as e:
+            return Prepared(ids, None, str(e))
+
+
+def _too_long(e: TooLong) -> str:
+    n, m = e.prompt_tokens, e.max_tokens
+    if e.in_pool:
+        return (f"the request needs {n + m} tokens ({n} in the prompt, {m} in the completion) "
+                f"but the KV cache holds only {e.limits.kv_capacity} tokens")
+    return (f"This model's maximum context length is {e.limits.max_context} tokens. However, "
+            f"you requested {n + m} tokens ({n} in the prompt, {m} in the completion). "
+            f"Please reduce the length of the prompt or of max_tokens.")
 
 
 def run_tokenizer(cfg: TokenizerConfig, conn: Any) -> None:
@@ -146,7 +136,7 @@ def run_tokenizer(cfg: TokenizerConfig, conn: Any) -> None:
         _, limits = conn.recv()  # a core.Limits
     except EOFError:  # the launcher is gone
         sys.exit(1)
-    logic = Tokenizer(tokenizer, limits.max_context, limits.kv_capacity)
+    logic = Tokenizer(tokenizer, limits)
     while True:
         msg = inbox.get()
         if isinstance(msg, AbortRequest):
