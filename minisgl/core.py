@@ -2,8 +2,8 @@
 
 `SamplingParams` crosses process boundaries (it is inside `message.UserMsg`); `Req` and `Batch`
 live inside one scheduler rank. Every field of a `Req` that shapes a batch is a pure function of the
-messages the rank received, so all ranks hold identical `Req` objects (the lockstep invariant of
-ARCHITECTURE.md).
+messages the rank received, so all ranks hold identical `Req` objects (the lockstep invariants of
+docs/architecture.md).
 """
 
 from __future__ import annotations
