@@ -160,8 +160,9 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _layer(tokens: int, hidden: int, inter: int, experts: int, dtype: torch.dtype,
            seed: int = 0) -> Dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    make = lambda *shape, s=1.0: (torch.randn(*shape, generator=g) * s).to(DEV, dtype)  # noqa
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    make = lambda *shape, s=1.0: (  # noqa: E731
+        torch.randn(*shape, generator=g, device=DEV) * s).to(dtype)
     return {"x": make(tokens, hidden), "w13": make(experts, 2 * inter, hidden, s=0.1),
             "w2": make(experts, hidden, inter, s=0.1), "logits": make(tokens, experts)}
 
@@ -284,3 +285,15 @@ def test_fused_moe_tokens_on_gpu_float32(moe_model: Callable[[str], Path],
         got = _generate(moe_model(name), device="cuda", dtype="float32", fused_ops=fused,
                         page_size=16, max_prefill_tokens=40)
         assert got == reference(name), fused
+
+
+@pytest.mark.gpu
+def test_dummy_qwen3_30b_a3b_bf16_runs() -> None:
+    """The benchmark shape on one GPU: dummy weights, bf16, fused kernels, decode graphs."""
+    with LLM(str(CONFIGS / "qwen3-30b-a3b"), load_format="dummy", max_kv_tokens=8192,
+             show_progress=False) as llm:
+        outs = llm.generate([[1, 2, 3], list(range(10, 300))],
+                            SamplingParams(max_tokens=8, ignore_eos=True))
+        vocab = llm.vocab_size
+    assert [len(o.token_ids) for o in outs] == [8, 8]
+    assert all(0 <= t < vocab for o in outs for t in o.token_ids)
