@@ -36,6 +36,8 @@ _EXPERT_PROJ = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w
 
 
 class MoEShape(NamedTuple):
+    """What a MoE layer is built from (whole sizes: the layer takes its rank's slice)."""
+
     hidden: int
     num_experts: int
     top_k: int
