@@ -146,3 +146,13 @@ fi
 if [ "$MODE" = peer ]; then
   step peer_qwen06b 200 python3 scripts/bench_offline.py --model configs/models/qwen3-0.6b --num-prompts 64 --peer hf
 fi
+if [ "$MODE" = moe ]; then  # MoE: kernel tests on CUDA, the layer's tiles, then the 30B-A3B shape
+  step moe_tests 600 python3 -m pytest -q tests/test_moe.py
+  step moe_kernels 600 python3 scripts/bench_kernels.py --model configs/models/qwen3-30b-a3b --what moe
+  step latency_30b_a3b 400 python3 scripts/bench_latency.py --model configs/models/qwen3-30b-a3b --steps 50 --prefill 8192 --profile
+  step offline_30b_a3b 400 python3 scripts/bench_offline.py --model configs/models/qwen3-30b-a3b
+fi
+if [ "$MODE" = moesweep ]; then  # every tile of the grouped GEMMs at each block_m (Qwen3-30B-A3B, Mixtral)
+  step moe_sweep_30b 600 python3 scripts/bench_kernels.py --model configs/models/qwen3-30b-a3b --what moe --moe-sweep --moe-rows 1,64,256,1024,8192
+  step moe_sweep_mixtral 600 python3 scripts/bench_kernels.py --model configs/models/mixtral-8x7b --what moe --moe-sweep --moe-rows 1,64,256,8192
+fi

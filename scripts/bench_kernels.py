@@ -14,6 +14,9 @@ a few replays; every call reads inputs larger than the L2 cache, as in a real st
 - `normlinear`: the one-token projections that follow an RMSNorm, with the norm (and the
   rotary / SiLU after them) as kernels of their own and fused into the GEMV.
 - `gemm`: the same projections for a whole prefill chunk (cuBLAS).
+- `moe`: one MoE layer of the model (a mixture-of-experts config) at each of --moe-rows token
+  rows: the fused kernel with its default tiles (kernels/moe.py) and its pieces; with
+  --moe-sweep, every tile of the sweep for each grouped GEMM.
 
     PYTHONPATH=. python scripts/bench_kernels.py --what decode,extend,linear
 """
@@ -30,10 +33,11 @@ from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequenc
 import torch
 import triton
 
-from minisgl.kernels import activation, gemv, rmsnorm
+from minisgl.kernels import activation, gemv, moe, rmsnorm
 from minisgl.kernels.attention import decode_attention, extend_attention
 from minisgl.kernels.rotary import rotary_qk_
-from minisgl.kernels.types import DecodeTiles, ExtendTiles, KVStore, KVTarget, QKVRope
+from minisgl.kernels.types import (DecodeTiles, ExtendTiles, GemmTiles, KVStore, KVTarget,
+                                   QKVRope)
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.models.config import ModelConfig
 
@@ -59,6 +63,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=8192, help="extend: tokens in the chunk")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--reps", type=int, default=5, help="timed graph replays per case")
+    p.add_argument("--moe-rows", type=lambda v: [int(r) for r in v.split(",")],
+                   default=[1, 8, 64, 256, 1024, 8192], help="moe: token rows per case")
+    p.add_argument("--moe-tp", type=int, default=1, help="moe: this rank's expert slice of tp")
+    p.add_argument("--moe-sweep", action="store_true",
+                   help="moe: also time every tile of the sweep for each grouped GEMM")
     return p.parse_args(argv)
 
 
@@ -322,6 +331,69 @@ def bench_prefill_gemm(cfg: ModelConfig, args: argparse.Namespace) -> None:
                tflops=round(2 * args.chunk * n * k / us / 1e6, 1))
 
 
+# --- mixture of experts ---------------------------------------------------------------------------
+def moe_sweep(block_m: int) -> Iterator[GemmTiles]:
+    """The grouped GEMM tiles timed with --moe-sweep for blocks of `block_m` rows."""
+    for block_n, block_k, warps, stages in itertools.product((64, 128), (64, 128), (4, 8),
+                                                             (3, 4)):
+        if block_m * block_n * block_k <= 128 * 128 * 128:
+            yield GemmTiles(block_n, block_k, warps, stages)
+
+
+def bench_moe(cfg: ModelConfig, args: argparse.Namespace) -> None:
+    """One MoE layer (this rank's slice at --moe-tp) on random routing at each row count: the
+    whole fused path with its default tiles against the touched experts' bytes (TB/s) and the
+    matrix FLOPs (TFLOP/s), then route, align and each grouped GEMM alone; with --moe-sweep,
+    each GEMM at every tile of `moe_sweep` for every block_m."""
+    if not cfg.num_experts:
+        raise SystemExit(f"--what moe needs a mixture-of-experts model; {args.model} has none")
+    e, top_k, h = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
+    inter = cfg.moe_intermediate_size // args.moe_tp
+    w13 = torch.randn((e, 2 * inter, h), dtype=torch.bfloat16, device="cuda") * 0.02
+    w2 = torch.randn((e, h, inter), dtype=torch.bfloat16, device="cuda") * 0.02
+    per_expert = (3 * inter * h) * 2
+    for rows in args.moe_rows:
+        x = torch.randn((rows, h), dtype=torch.bfloat16, device="cuda")
+        logits = torch.randn((rows, e), dtype=torch.bfloat16, device="cuda")
+        routing = moe.route(logits, top_k, True)
+        touched = int((routing.counts > 0).sum())
+        flops = 2 * rows * top_k * 3 * inter * h
+        tiles = moe.moe_tiles(rows, top_k, e)
+        case = {"rows": rows, "experts": e, "top_k": top_k, "inter": inter, "hidden": h}
+        us = time_graph(lambda: moe.fused_moe(x, logits, w13, w2, top_k, True), 5, args.reps)
+        report("moe", {**case, "part": "all", "tiles": str(tuple(tiles))}, us,
+               tb_s=round(touched * per_expert / us / 1e6, 2),
+               tflops=round(flops / us / 1e6, 1), experts_touched=touched)
+        report("moe", {**case, "part": "route"},
+               time_graph(lambda: moe.route(logits, top_k, True), 20, args.reps))
+        report("moe", {**case, "part": "align", "block_m": tiles.block_m},
+               time_graph(lambda: moe.align(routing, tiles.block_m), 20, args.reps))
+        for block_m in ((16, 32, 64, 128) if args.moe_sweep else (tiles.block_m,)):
+            aligned = moe.align(routing, block_m)
+            act = torch.randn((rows * top_k, inter), dtype=torch.bfloat16, device="cuda")
+            gemms = {"gate_up": (x, w13, top_k, True, None, 2 * inter * h),
+                     "down": (act, w2, 1, False, routing.weights, inter * h)}
+            for part, (a, w, div, gated, weights, elems) in gemms.items():
+                default = tiles.gate_up if part == "gate_up" else tiles.down
+                choices = list(moe_sweep(block_m)) if args.moe_sweep else [default]
+                for t in choices:
+                    def run(a: torch.Tensor = a, w: torch.Tensor = w, div: int = div,
+                            gated: bool = gated, weights: Optional[torch.Tensor] = weights,
+                            t: GemmTiles = t) -> None:
+                        moe.grouped_gemm(a, w, aligned, rows * top_k, div, t, gated, weights)
+                    try:
+                        us = time_graph(run, 5, args.reps)
+                    except Exception as exc:  # a tile that does not compile is skipped
+                        print(f"moe {part} block_m={block_m} {t}: {type(exc).__name__}: "
+                              f"{str(exc)[:120]}")
+                        continue
+                    report("moe", {**case, "part": part, "block_m": block_m,
+                                   "tiles": str(tuple(t)), "default": t == default
+                                   and block_m == tiles.block_m}, us,
+                           tb_s=round(touched * elems * 2 / us / 1e6, 2),
+                           tflops=round(2 * rows * top_k * elems / us / 1e6, 1))
+
+
 def _cublaslt_us(x: torch.Tensor, ws: List[torch.Tensor], calls: int, reps: int
                  ) -> Optional[float]:
     """The same product with cuBLASLt preferred (torch's switch; restored after)."""
@@ -358,6 +430,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         bench_decode(shape, args)
     if "extend" in what:
         bench_extend(shape, args)
+    if "moe" in what:
+        bench_moe(cfg, args)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ on dummy weights, synchronously (wait for each step's tokens) and overlapped (la
 before collecting step N, as the scheduler runs by default). The roofline of one step is the
 bytes it must read from device memory, this rank's weights plus the batch's KV, over the
 device-to-device copy bandwidth measured in the same run (a large copy; bytes read + written
-over the time, with CUDA events). Prints a table and one
-line of JSON (prefixed "RESULT ").
+over the time, with CUDA events). For a mixture-of-experts model the weights a step reads are
+the dense ones plus the experts the batch's tokens touch: under uniform routing B tokens choosing
+k of E experts touch E * (1 - (1 - k/E)^B) of each MoE layer's experts on average. Prints a
+table and one line of JSON (prefixed "RESULT ").
 
     PYTHONPATH=. python scripts/bench_latency.py --model configs/models/llama-3.1-8b
 """
@@ -23,7 +25,7 @@ import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -31,6 +33,7 @@ from minisgl.core import Batch, Phase, Req, SamplingParams
 from minisgl.distributed import destroy_process_groups, init_process_groups
 from minisgl.engine import Engine, EngineConfig
 from minisgl.layers import blas
+from minisgl.layers.moe import Experts
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.settings import add_flags, build, from_namespace
 from minisgl.utils import free_port
@@ -119,16 +122,45 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10)
     return 2 * src.numel() * 4 * repeats / seconds
 
 
-def weight_bytes_read(engine: Engine) -> int:
-    """Bytes of this rank's parameters one decode step reads. An untied embedding table is
-    skipped: the lookup reads only the batch's rows (a tied one is read whole by the LM head)."""
-    tied = engine.model_cfg.tie_word_embeddings
-    total = 0
+def experts_touched(num_experts: int, top_k: int, tokens: int) -> float:
+    """The expected number of distinct experts `tokens` tokens choose, each `top_k` of
+    `num_experts` uniformly: E * (1 - (1 - k/E)^B)."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def _expert_params(engine: Engine) -> Set[int]:
+    """ids of the routed experts' parameters (every MoE layer's)."""
+    return {id(p) for m in engine.model.modules() if isinstance(m, Experts)
+            for p in m.parameters()}
+
+
+def weight_bytes_read(engine: Engine, batch: int) -> int:
+    """Bytes of this rank's parameters one decode step of `batch` tokens reads: each MoE
+    layer's routed experts count for the share `experts_touched` of them. An untied embedding
+    table is skipped: the lookup reads only the batch's rows (a tied one is read whole by the
+    LM head)."""
+    cfg = engine.model_cfg
+    tied = cfg.tie_word_embeddings
+    share = (experts_touched(cfg.num_experts, cfg.num_experts_per_tok, batch) / cfg.num_experts
+             if cfg.num_experts else 1.0)
+    experts = _expert_params(engine)
+    total = 0.0
     for name, p in engine.model.named_parameters():  # shared (tied) tensors are listed once
         if "embed_tokens" in name and not tied:
             continue
-        total += p.numel() * p.element_size()
-    return total
+        total += p.numel() * p.element_size() * (share if id(p) in experts else 1.0)
+    return int(total)
+
+
+def matrix_params_per_token(engine: Engine) -> float:
+    """Weights of the matrices one token multiplies (embeddings and LM head aside): every dense
+    projection, and of each MoE layer's experts the top_k / num_experts share it is routed to."""
+    cfg = engine.model_cfg
+    experts = _expert_params(engine)
+    active = cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 0.0
+    return sum(p.numel() * (active if id(p) in experts else 1.0)
+               for n, p in engine.model.named_parameters()
+               if (p.dim() == 2 or id(p) in experts) and "embed" not in n and "lm_head" not in n)
 
 
 def kv_bytes_read(engine: Engine, batch: Batch) -> int:
@@ -218,9 +250,7 @@ def time_prefill(engine: Engine, args: argparse.Namespace, rank: int) -> Dict[st
     lens = prefill_lengths(args.prefill, 0)
     batch = prefill_batch(engine, lens, engine.model_cfg.vocab_size, 0)
     ms = time_steps(engine, batch, 5, 2) * 1e3
-    matrix_params = sum(p.numel() for n, p in engine.model.named_parameters()
-                        if p.dim() == 2 and "embed" not in n and "lm_head" not in n)
-    tflops = 2 * matrix_params * args.prefill / ms / 1e9
+    tflops = 2 * matrix_params_per_token(engine) * args.prefill / ms / 1e9
     if args.profile and rank == 0:
         print(f"profile of a prefill step of {args.prefill} tokens ({len(lens)} prompts):\n"
               + profile_steps(engine, batch, steps=2), flush=True)
@@ -316,9 +346,9 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
         dev = engine.device
         mib = args.copy_mib or (4096 if dev.type == "cuda" else 256)
         bandwidth = measure_copy_bandwidth(dev, mib << 20)
-        weights = weight_bytes_read(engine)
         rows = []
         for bs in sizes:
+            weights = weight_bytes_read(engine, bs)
             batch = decode_batch(engine, bs, args.context, engine.model_cfg.vocab_size, bs)
             step = time_steps(engine, batch, args.steps, args.warmup)
             kv = kv_bytes_read(engine, batch)

@@ -54,6 +54,31 @@ def test_bench_latency_rows(tiny_model: Callable[..., Path],
             script.parse_args(["--batch-sizes", bad])
 
 
+def test_bench_latency_moe_roofline_counts_touched_experts(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A mixture-of-experts shape (configs/models/qwen3-30b-a3b scaled down) runs, and its
+    roofline reads the dense weights plus the experts a batch touches under uniform routing:
+    E * (1 - (1 - k/E)^B) of them."""
+    script = load_script("bench_latency")
+    cfg = json.loads((Path(__file__).resolve().parent.parent / "configs" / "models" /
+                      "qwen3-30b-a3b" / "config.json").read_text())
+    cfg.update(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, vocab_size=512, num_experts=16,
+               num_experts_per_tok=4, moe_intermediate_size=32)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    script.main(["--model", str(tmp_path), "--device", "cpu", "--batch-sizes", "1,3",
+                 "--context", "8", "--steps", "2", "--warmup", "1", "--copy-mib", "8"])
+    rows = _result_lines(capsys.readouterr().out)[0]["rows"]
+    assert script.experts_touched(16, 4, 1) == 4
+    assert script.experts_touched(16, 4, 3) == pytest.approx(16 * (1 - 0.75 ** 3))
+    expert_bytes = 2 * 16 * 3 * 32 * 64 * 4  # layers, experts, gate/up/down, float32
+    dense = rows[0]["weight_gb"] * 1e9 - expert_bytes * 4 / 16
+    for row in rows:
+        touched = script.experts_touched(16, 4, row["batch"])
+        assert row["weight_gb"] * 1e9 == pytest.approx(dense + expert_bytes * touched / 16,
+                                                       abs=1)
+
+
 def test_bench_latency_decode_batch_is_the_schedulers(tiny_model: Callable[..., Path]) -> None:
     """The timed decode batch comes from the scheduler's own DecodeManager: longest context
     first, each request writing the slot after its context."""

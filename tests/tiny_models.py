@@ -20,6 +20,16 @@ FAMILIES: Dict[str, dict] = {
     "mistral": dict(arch="MistralConfig", tie_word_embeddings=False, sliding_window=None),
     "qwen2": dict(arch="Qwen2Config", tie_word_embeddings=True),
     "qwen3": dict(arch="Qwen3Config", tie_word_embeddings=False, head_dim=32),
+    # Mixture-of-experts families: a dense layer between sparse ones (Qwen3-MoE: mlp_only_layers;
+    # Qwen2-MoE, which has a shared expert: decoder_sparse_step).
+    "qwen3_moe": dict(arch="Qwen3MoeConfig", tie_word_embeddings=False, head_dim=32,
+                      num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
+    "qwen2_moe": dict(arch="Qwen2MoeConfig", tie_word_embeddings=False, num_experts=8,
+                      num_experts_per_tok=3, moe_intermediate_size=32, decoder_sparse_step=2,
+                      shared_expert_intermediate_size=48),
+    "mixtral": dict(arch="MixtralConfig", tie_word_embeddings=False, num_local_experts=8,
+                    num_experts_per_tok=2, intermediate_size=48, sliding_window=None),
 }
 
 

@@ -6,9 +6,11 @@
 - `gemv`: the batch-1 projections, with the norm before them and the rotary / SiLU after them
   fused in;
 - `attention`: paged decode and extend attention, and the K/V store;
+- `moe`: mixture-of-experts routing, the sort of (token, expert) pairs by expert and the
+  grouped expert GEMMs; `dot`: the matrix product the tiled kernels (attention, moe) share;
 - `allreduce`: all-reduce, residual add and RMSNorm in one kernel over symmetric memory;
 - `pdl`: programmatic dependent launch, which the decode path's kernels use;
-- `types`: what the kernels share with their callers (KVTarget, Normed, ...).
+- `types`: what the kernels share with their callers (KVTarget, Normed, MoETiles, ...).
 
 At batch 1 a decode step is some 400 small kernels, each costing a few microseconds even inside
 a CUDA graph; the norm, SiLU and rotary kernels (one launch each instead of 5 to 15 torch

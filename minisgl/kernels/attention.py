@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels.dot import dot as _dot, f32_dot as _f32_dot
 from minisgl.kernels.pdl import launch_options, pdl_enter
 from minisgl.kernels.types import DecodeTiles, ExtendTiles
 
@@ -39,21 +40,6 @@ _NEG = tl.constexpr(-1.0e30)
 
 def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
-
-
-def _f32_dot(q: torch.Tensor) -> bool:
-    """Whether dots run on float32 operands: always for float32 (exact, no tf32), and on the
-    CPU interpreter, whose bf16 tl.dot returned garbage (triton 3.9; fp16 was right)."""
-    return q.dtype == torch.float32 or q.device.type != "cuda"
-
-
-@triton.jit
-def _dot(a, b, F32_DOT: tl.constexpr):
-    """a @ b with a float32 result; F32_DOT: upcast the operands and use IEEE float32."""
-    if F32_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """The small types the kernels share with their callers: where a layer's new K/V go, what a norm
 with a residual add returns, what the fused QKV kernel needs besides the projection, the
-attention kernels' tilings and the fused all-reduce's view of its peers' buffers.
+attention and MoE kernels' tilings and the fused all-reduce's view of its peers' buffers.
 
 They live here, below every caller, so that no import runs upward; this module imports torch
 only, so layers, attention and distributed import it at the top (the kernel modules themselves
@@ -62,6 +62,25 @@ class ExtendTiles(NamedTuple):
     block_n: int  # KV tokens per loop iteration
     num_warps: int
     num_stages: int = 2
+
+
+class GemmTiles(NamedTuple):
+    """One grouped GEMM's tiling over (rows, output features, reduced features)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8  # row blocks that sweep the output features together (L2 reuse)
+
+
+class MoETiles(NamedTuple):
+    """The fused MoE kernel's tiling: rows per block (each block holds one expert's rows, so
+    every expert's row count pads up to a multiple of it), and each grouped GEMM's tiles."""
+
+    block_m: int
+    gate_up: GemmTiles
+    down: GemmTiles
 
 
 class PeerBuffers(NamedTuple):

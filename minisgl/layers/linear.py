@@ -11,7 +11,7 @@ the KV cache layout: the kernel that fuses them is the projection's.
 
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional, Sequence, cast
+from typing import Dict, List, NamedTuple, Optional, Protocol, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,31 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] 
     return blas.linear(x, weight, bias, library)
 
 
+class Reducer(Protocol):
+    """What closes a tensor-parallel sublayer whose ranks each hold a partial sum of its output
+    (a row-parallel projection, the MoE layer): the all-reduce (and any bias), alone or fused
+    with the residual add and RMSNorm that follow."""
+
+    def finish(self, partial: torch.Tensor) -> torch.Tensor: ...
+
+    def reduce_norm(self, partial: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+                    ) -> Normed: ...
+
+
+def all_reduce_norm(comm: Communicator, partial: torch.Tensor, bias: Optional[torch.Tensor],
+                    residual: torch.Tensor, norm: RMSNorm) -> Normed:
+    """norm(all_reduce(partial) + bias, residual): (the normed sum, the new residual). One fused
+    kernel where the communicator offers it (no bias: it is added after the reduce, before the
+    norm; the norm's Triton kernel on CUDA), else the all-reduce, the bias, then `norm`. A
+    collective: every rank calls it in the same order with the same shapes."""
+    if bias is None and norm.policy.fused and partial.is_cuda:
+        fused = comm.all_reduce_rmsnorm(partial, residual, norm.weight, norm.eps, norm.policy)
+        if fused is not None:
+            return Normed(*fused)
+    y = comm.all_reduce(partial)
+    return cast(Normed, norm(y if bias is None else y + bias, residual))
+
+
 class ResidualStream(NamedTuple):
     """The residual stream between two sublayers, before the RMSNorm that opens the next one:
     the hidden state is h = reduce(partial) + residual, where reduce is `reducer.finish` (the
@@ -61,7 +86,7 @@ class ResidualStream(NamedTuple):
 
     partial: torch.Tensor
     residual: Optional[torch.Tensor]
-    reducer: Optional["RowParallelLinear"]
+    reducer: Optional[Reducer]
 
     def reduced(self) -> torch.Tensor:
         """reduce(partial): h - residual (a collective where there is a reducer)."""
@@ -218,16 +243,8 @@ class RowParallelLinear(nn.Module):
 
     def reduce_norm(self, partial: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
                     ) -> Normed:
-        """norm(finish(partial), residual): (the normed sum, the new residual). One fused kernel
-        where the communicator offers it (no bias: it is added after the reduce, before the
-        norm; the norm's Triton kernel on CUDA), else exactly `finish` then `norm`. A
-        collective: every rank calls it in the same order with the same shapes."""
-        if self.bias is None and norm.policy.fused and partial.is_cuda:
-            fused = self.comm.all_reduce_rmsnorm(partial, residual, norm.weight, norm.eps,
-                                                 norm.policy)
-            if fused is not None:
-                return Normed(*fused)
-        return cast(Normed, norm(self.finish(partial), residual))
+        """norm(finish(partial), residual): `all_reduce_norm` with this layer's bias."""
+        return all_reduce_norm(self.comm, partial, self.bias, residual, norm)
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
         if param == "bias":

@@ -6,14 +6,18 @@ from typing import Dict, Type
 
 from minisgl.models.config import ModelConfig
 from minisgl.models.decoder import CausalLM
-from minisgl.models.llama import LlamaForCausalLM, MistralForCausalLM
-from minisgl.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from minisgl.models.llama import LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM
+from minisgl.models.qwen import (Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM,
+                                 Qwen3MoeForCausalLM)
 
 MODEL_CLASSES: Dict[str, Type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

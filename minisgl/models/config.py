@@ -1,4 +1,11 @@
-"""The model shape, read from a Hugging Face config.json (and generation_config.json)."""
+"""The model shape, read from a Hugging Face config.json (and generation_config.json).
+
+Mixture-of-experts shapes take the names of both families: Qwen2/Qwen3-MoE (`num_experts`,
+`moe_intermediate_size`, `norm_topk_prob`, `decoder_sparse_step`, `mlp_only_layers`, Qwen2-MoE's
+`shared_expert_intermediate_size`) and Mixtral (`num_local_experts`, whose `intermediate_size`
+is the expert's and whose top-k weights are always renormalized). A dense model has
+num_experts 0.
+"""
 
 from __future__ import annotations
 
@@ -27,10 +34,35 @@ class ModelConfig:
     mlp_bias: bool
     eos_token_ids: Tuple[int, ...]
     torch_dtype: Optional[str]
+    num_experts: int = 0  # routed experts of a sparse layer; 0: a dense model
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # of one routed expert
+    norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1  # every step-th layer is sparse (see `is_sparse`)
+    mlp_only_layers: Tuple[int, ...] = ()  # layers that stay dense
+    shared_expert_intermediate_size: int = 0  # the sigmoid-gated shared expert; 0: none
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts must be >= 0, got {self.num_experts}")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}]"
+                             f", got {self.num_experts_per_tok}")
+        if self.num_experts and self.moe_intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size must be >= 1 with {self.num_experts} "
+                             f"experts, got {self.moe_intermediate_size}")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
 
     @property
     def max_context(self) -> int:
         return self.max_position_embeddings
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (from 0) routes its tokens to experts instead of the
+        dense MLP: as Hugging Face's Qwen-MoE decoders decide."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_dict(cls, cfg: Dict[str, Any], generation: Optional[Dict[str, Any]] = None
@@ -62,6 +94,7 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             eos_token_ids=_eos_ids(cfg, generation or {}),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            **_moe_fields(cfg, arch),
         )
 
     @classmethod
@@ -74,6 +107,24 @@ class ModelConfig:
         gen_file = config_file.parent / "generation_config.json"
         gen = json.loads(gen_file.read_text()) if gen_file.is_file() else None
         return cls.from_dict(cfg, gen)
+
+
+def _moe_fields(cfg: Dict[str, Any], arch: str) -> Dict[str, Any]:
+    """The mixture-of-experts fields of a config.json, under either family's names (none for a
+    dense model). Mixtral always renormalizes its top-k weights and has no dense layers."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    if not experts:
+        return {}
+    mixtral = arch == "MixtralForCausalLM"
+    return dict(
+        num_experts=int(experts),
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0)),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+    )
 
 
 def _eos_ids(cfg: Dict[str, Any], gen: Dict[str, Any]) -> Tuple[int, ...]:

@@ -1,18 +1,23 @@
-"""The decoder shared by every supported family (Llama, Mistral, Qwen2, Qwen3).
+"""The decoder shared by every supported family (Llama, Mistral, Mixtral, Qwen2, Qwen3 and their
+MoE variants).
 
 Families differ only in small traits (QKV bias, per-head q/k RMSNorm), given by their model
-classes. Tensor parallelism lives in the layers: attention heads and MLP columns are split over
-ranks, and the row-parallel projections all-reduce. Every such all-reduce (o_proj, down_proj) is
-followed by a residual add and an RMSNorm (post_attention_layernorm, the next layer's
-input_layernorm, the final norm), so sublayers pass each other a `ResidualStream`: the partial
-product, un-reduced, with the residual. Its consumer does the all-reduce, the add and the norm in
-the fewest kernels it can: inside its own one-token GEMV (batch 1), in one fused all-reduce + norm
-kernel where the communicator offers one, else as two steps.
+classes, and in the shape of the layer after attention: the dense MLP, or for the layers
+`ModelConfig.is_sparse` names the mixture of experts (layers/moe.py). Tensor parallelism lives
+in the layers: attention heads, MLP columns and every expert's columns are split over ranks,
+and the row-parallel projections (and the MoE layer) all-reduce. Every such all-reduce (o_proj,
+down_proj, the experts') is followed by a residual add and an RMSNorm (post_attention_layernorm,
+the next layer's input_layernorm, the final norm), so sublayers pass each other a
+`ResidualStream`: the partial product, un-reduced, with the residual. Its consumer does the
+all-reduce, the add and the norm in the fewest kernels it can: inside its own one-token GEMV
+(batch 1), in one fused all-reduce + norm kernel where the communicator offers one, else as two
+steps.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple, Optional, Set, Tuple
+from types import MappingProxyType
+from typing import ClassVar, Iterable, Mapping, NamedTuple, Optional, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -25,6 +30,7 @@ from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                    ResidualStream)
+from minisgl.layers.moe import MoEShape, SparseMoE, expert_param
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.layers.source import TensorSource
@@ -130,6 +136,13 @@ class MLP(nn.Module):
         return ResidualStream(self.down_proj(act, reduce=False), residual, self.down_proj)
 
 
+def moe_shape(cfg: ModelConfig) -> MoEShape:
+    """The shape of the config's MoE layers."""
+    return MoEShape(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                    cfg.moe_intermediate_size, cfg.norm_topk_prob,
+                    cfg.shared_expert_intermediate_size)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, traits: "Traits", rotary: RotaryEmbedding,
                  info: DistributedInfo, comm: Communicator) -> None:
@@ -138,7 +151,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer, traits, rotary, info, comm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
                                                 traits.policy)
-        self.mlp = MLP(cfg, info, comm, traits)
+        self.mlp: Union[MLP, SparseMoE] = (
+            SparseMoE(moe_shape(cfg), info, comm, traits.policy) if cfg.is_sparse(layer)
+            else MLP(cfg, info, comm, traits))
 
     def forward(self, stream: ResidualStream, positions: torch.Tensor, batch: Batch,
                 backend: AttentionBackend) -> ResidualStream:
@@ -171,8 +186,12 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """Base of every model class: the decoder plus the LM head, and checkpoint loading.
 
-    Subclasses override `traits` with their family's differences.
+    Subclasses override `traits` with their family's differences, and `checkpoint_renames`
+    where their checkpoints name modules differently (each component of a tensor's name found
+    there is replaced before the name is matched to a parameter).
     """
+
+    checkpoint_renames: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
     @classmethod
     def traits(cls, cfg: ModelConfig) -> "Traits":
@@ -221,6 +240,10 @@ class CausalLM(nn.Module):
         if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
             return None
         *path, param = name.split(".")
+        path = [self.checkpoint_renames.get(p, p) for p in path]
+        expert = expert_param(path, param)
+        if expert is not None:
+            return expert
         shard = 0
         if path and path[-1] in _FUSED:
             path[-1], shard = _FUSED[path[-1]]

@@ -1,4 +1,6 @@
-"""The Llama family: Llama 2/3.x (incl. "llama3" rope scaling), SmolLM2, Mistral."""
+"""The Llama family: Llama 2/3.x (incl. "llama3" rope scaling), SmolLM2, Mistral, Mixtral."""
+
+from types import MappingProxyType
 
 from minisgl.models.decoder import CausalLM
 
@@ -9,3 +11,11 @@ class LlamaForCausalLM(CausalLM):
 
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral is the Llama decoder; a sliding window caps the context (see ModelConfig)."""
+
+
+class MixtralForCausalLM(MistralForCausalLM):
+    """Mistral with every layer's MLP a mixture of experts. Its checkpoints name the block
+    `block_sparse_moe` and an expert's gate, down and up projections w1, w2, w3."""
+
+    checkpoint_renames = MappingProxyType({"block_sparse_moe": "mlp", "w1": "gate_proj",
+                                           "w2": "down_proj", "w3": "up_proj"})

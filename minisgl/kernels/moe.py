@@ -1,0 +1,292 @@
+"""The fused mixture-of-experts kernels: routing, the sort of (token, expert) pairs by expert,
+and the two grouped GEMMs of the experts.
+
+One MoE layer on M token rows with top-k routing over E experts runs:
+
+1. `route`: per row, softmax of the router logits in float32, the top k (ties: the lower
+   expert), optionally renormalized to sum to 1; and, by atomics, how many pairs each expert
+   received and each pair's rank among its expert's pairs.
+2. `align`: the M*k pairs (pair p = row p // k, choice p % k) sorted by expert, each expert's
+   run padded with a sentinel (M*k) up to a multiple of BLOCK_M, and each block's expert.
+   Buffers have a worst-case size computed from M, k, E and BLOCK_M on the host; the actual
+   padded length stays on the device, so nothing waits for the device and a decode CUDA graph
+   captures it all.
+3. `grouped_gemm` twice: gate/up of every pair's expert with SiLU-and-mul in the epilogue,
+   then down with the pair's routing weight multiplied in; each program computes one block of
+   one expert's rows (programs past the padded length return at once).
+4. the sum over the k choices of each row.
+
+Within an expert's run the pairs' order follows the atomics and may vary between runs; every
+output row is computed on its own, so the results do not. They sum in float32 and round once
+per GEMM, so they equal the torch path (layers/moe.py) up to rounding. This module imports
+triton: only GPU paths (and the CPU interpreter tests) import it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.kernels.activation import silu_mul_f32
+from minisgl.kernels.dot import dot, f32_dot
+from minisgl.kernels.types import GemmTiles, MoETiles
+
+_COUNT_BLOCK = 1024  # pairs per program of the count and scatter kernels
+_OFFSETS_CHUNK = 128  # blocks (and sentinel stores / 8) per step of the one offsets program
+
+# Tiles by the rows an expert receives on average, M * k / E, at which the tile stops paying:
+# blocks of 16 rows for decode (an expert sees a few rows: the step streams weights, and small
+# blocks waste the least), 128 for long prefill chunks (compute-bound; larger tiles reuse each
+# loaded weight tile over more rows). Chosen for the H200 (132 SMs, 228 KiB shared memory per
+# SM); scripts/bench_kernels.py --what moe times the alternatives.
+_TILES = (
+    (8.0, MoETiles(16, GemmTiles(64, 128, 4, 4), GemmTiles(64, 128, 4, 4))),
+    (24.0, MoETiles(32, GemmTiles(64, 128, 4, 4), GemmTiles(128, 64, 4, 4))),
+    (96.0, MoETiles(64, GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 4, 3))),
+    (float("inf"), MoETiles(128, GemmTiles(64, 64, 8, 3), GemmTiles(128, 64, 8, 3))),
+)
+
+
+def moe_tiles(rows: int, top_k: int, num_experts: int) -> MoETiles:
+    """The tiles for `rows` token rows routed to `top_k` of `num_experts` experts."""
+    per_expert = rows * top_k / num_experts
+    return next(tiles for bound, tiles in _TILES if per_expert <= bound)
+
+
+class Routing(NamedTuple):
+    """Each row's chosen experts and weights, and what `align` sorts them by."""
+
+    weights: torch.Tensor  # [M, k] float32
+    ids: torch.Tensor  # [M, k] int32, each row's experts in descending weight
+    counts: torch.Tensor  # [E] int32: pairs per expert
+    ranks: torch.Tensor  # [M, k] int32: the pair's index among its expert's pairs
+
+
+class Aligned(NamedTuple):
+    """The pairs sorted by expert and padded to whole blocks of `block_m` rows."""
+
+    sorted_ids: torch.Tensor  # [blocks * block_m] int32 pair indices, sentinel M*k as padding
+    expert_ids: torch.Tensor  # [blocks] int32: each block's expert
+    total: torch.Tensor  # [1] int32: the padded length actually used
+    block_m: int
+
+
+def padded_capacity(pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows of the sorted buffer: every expert that receives a pair (at most min(pairs, E))
+    pads by at most block_m - 1, rounded up to whole blocks."""
+    worst = pairs + min(pairs, num_experts) * (block_m - 1)
+    return triton.cdiv(worst, block_m) * block_m
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, ranks_ptr, num_experts,
+                  stride_l, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + row * stride_l + experts, mask=experts < num_experts,
+                     other=-float("inf")).to(tl.float32)
+    p = tl.exp(logits - tl.max(logits, 0))
+    probs = p / tl.sum(p, 0)
+    choices = tl.arange(0, BLOCK_K)
+    top = tl.zeros([BLOCK_K], dtype=tl.float32)
+    top_ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(probs, 0)
+        pick = tl.min(tl.where(probs == best, experts, BLOCK_E), 0)  # ties: the lower expert
+        top = tl.where(choices == j, best, top)
+        top_ids = tl.where(choices == j, pick, top_ids)
+        probs = tl.where(experts == pick, -1.0, probs)
+    if RENORMALIZE:
+        top = top / tl.sum(tl.where(choices < TOP_K, top, 0.0), 0)
+    live = choices < TOP_K
+    tl.store(weights_ptr + row * TOP_K + choices, top, mask=live)
+    tl.store(ids_ptr + row * TOP_K + choices, top_ids, mask=live)
+    ranks = tl.atomic_add(counts_ptr + top_ids, 1, mask=live, sem="relaxed")
+    tl.store(ranks_ptr + row * TOP_K + choices, ranks, mask=live)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
+    """Top-k routing of router `logits` [M, E] (softmax over all E in float32)."""
+    m, e = logits.shape
+    dev = logits.device
+    weights = torch.empty((m, top_k), dtype=torch.float32, device=dev)
+    ids = torch.empty((m, top_k), dtype=torch.int32, device=dev)
+    counts = torch.zeros(e, dtype=torch.int32, device=dev)
+    ranks = torch.empty((m, top_k), dtype=torch.int32, device=dev)
+    if m:
+        _route_kernel[(m,)](logits, weights, ids, counts, ranks, e, logits.stride(0),
+                            TOP_K=top_k, RENORMALIZE=renormalize,
+                            BLOCK_E=triton.next_power_of_2(e),
+                            BLOCK_K=max(2, triton.next_power_of_2(top_k)))
+    return Routing(weights, ids, counts, ranks)
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, ranks_ptr, pairs, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < pairs
+    ids = tl.load(ids_ptr + offs, mask=live, other=0)
+    ranks = tl.atomic_add(counts_ptr + ids, 1, mask=live, sem="relaxed")
+    tl.store(ranks_ptr + offs, ranks, mask=live)
+
+
+def routing_of(weights: torch.Tensor, ids: torch.Tensor, num_experts: int) -> Routing:
+    """The Routing of experts chosen elsewhere (ids [M, k], weights [M, k]): their counts and
+    ranks, as `route` makes them."""
+    ids = ids.to(torch.int32).contiguous()
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
+    ranks = torch.empty_like(ids)
+    if ids.numel():
+        _count_kernel[(triton.cdiv(ids.numel(), _COUNT_BLOCK),)](
+            ids, counts, ranks, ids.numel(), BLOCK=_COUNT_BLOCK)
+    return Routing(weights.float().contiguous(), ids, counts, ranks)
+
+
+@triton.jit
+def _offsets_kernel(counts_ptr, starts_ptr, expert_ids_ptr, total_ptr, sorted_ptr, num_experts,
+                    blocks, sentinel, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                    CHUNK: tl.constexpr):
+    """One program: each expert's padded start, each block's expert, the padded total, and
+    the sentinel in every row of the sorted buffer (the scatter kernel then fills the pairs)."""
+    experts = tl.arange(0, BLOCK_E)
+    live = experts < num_experts
+    counts = tl.load(counts_ptr + experts, mask=live, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(starts_ptr + experts, ends - padded, mask=live)
+    tl.store(total_ptr, tl.sum(padded, 0))
+    for b0 in range(0, blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        # a block's expert: how many experts end at or before the block's first row
+        before = (ends[None, :] <= (b * BLOCK_M)[:, None]) & live[None, :]
+        owner = tl.minimum(tl.sum(before.to(tl.int32), 1), num_experts - 1)
+        tl.store(expert_ids_ptr + b, owner, mask=b < blocks)
+    fill = tl.full([CHUNK * 8], sentinel, dtype=tl.int32)
+    for r0 in range(0, blocks * BLOCK_M, CHUNK * 8):
+        r = r0 + tl.arange(0, CHUNK * 8)
+        tl.store(sorted_ptr + r, fill, mask=r < blocks * BLOCK_M)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, ranks_ptr, starts_ptr, sorted_ptr, pairs, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < pairs
+    ids = tl.load(ids_ptr + offs, mask=live, other=0)
+    dest = tl.load(starts_ptr + ids, mask=live, other=0) + tl.load(ranks_ptr + offs, mask=live,
+                                                                    other=0)
+    tl.store(sorted_ptr + dest, offs.to(tl.int32), mask=live)
+
+
+def align(routing: Routing, block_m: int) -> Aligned:
+    """The pairs of `routing` sorted by expert, each expert's run padded to whole blocks."""
+    pairs, e = routing.ids.numel(), routing.counts.numel()
+    dev = routing.ids.device
+    rows = padded_capacity(pairs, e, block_m)
+    sorted_ids = torch.empty(rows, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(rows // block_m, dtype=torch.int32, device=dev)
+    total = torch.empty(1, dtype=torch.int32, device=dev)
+    starts = torch.empty(e, dtype=torch.int32, device=dev)
+    _offsets_kernel[(1,)](routing.counts, starts, expert_ids, total, sorted_ids, e,
+                          rows // block_m, pairs, BLOCK_M=block_m,
+                          BLOCK_E=triton.next_power_of_2(e), CHUNK=_OFFSETS_CHUNK)
+    if pairs:
+        _scatter_kernel[(triton.cdiv(pairs, _COUNT_BLOCK),)](
+            routing.ids, routing.ranks, starts, sorted_ids, pairs, BLOCK=_COUNT_BLOCK)
+    return Aligned(sorted_ids, expert_ids, total, block_m)
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ptr, expert_ids_ptr,
+                         total_ptr, pairs, n, k, stride_am, stride_we, stride_wn, stride_cm,
+                         A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
+                         MUL_WEIGHT: tl.constexpr, F32_DOT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr):
+    """c[pair, :n] = a[pair // A_ROW_DIV] W[expert]^T for one block of one expert's pairs:
+    with GATED, W's rows [0, n) are the gate and [n, 2n) the up projection, and c is
+    silu(gate) * up; with MUL_WEIGHT, c is scaled by the pair's routing weight."""
+    pid = tl.program_id(0)
+    blocks_m = tl.num_programs(0) // tl.cdiv(n, BLOCK_N)
+    blocks_n = tl.cdiv(n, BLOCK_N)
+    group = pid // (GROUP_M * blocks_n)
+    first_m = group * GROUP_M
+    group_size = tl.minimum(blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * blocks_n)) % group_size
+    pid_n = (pid % (GROUP_M * blocks_n)) // group_size
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    live = pair < pairs
+    pair = pair.to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    red = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (pair // A_ROW_DIV)[:, None] * stride_am + red[None, :]
+    w_ptrs = w_ptr + expert * stride_we + cols.to(tl.int64)[None, :] * stride_wn + red[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        in_k = red < k - k0
+        a = tl.load(a_ptrs, mask=live[:, None] & in_k[None, :], other=0.0)
+        w_mask = in_k[:, None] & (cols < n)[None, :]
+        acc += dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), F32_DOT)
+        if GATED:
+            acc_up += dot(a, tl.load(w_ptrs + n * stride_wn, mask=w_mask, other=0.0), F32_DOT)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if GATED:
+        acc = silu_mul_f32(acc, acc_up)
+    if MUL_WEIGHT:
+        acc *= tl.load(weights_ptr + pair, mask=live, other=0.0)[:, None]
+    tl.store(c_ptr + pair[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=live[:, None] & (cols < n)[None, :])
+
+
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, aligned: Aligned, pairs: int, a_row_div: int,
+                 tiles: GemmTiles, gated: bool, weights: Optional[torch.Tensor] = None
+                 ) -> torch.Tensor:
+    """[pairs, n]: row p is a[p // a_row_div] times the weights w[expert of p] [E, n or 2n, K]
+    (gated: silu(gate) * up with n = w.shape[1] // 2), times weights[p] where given."""
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    k = w.shape[2]
+    if a.stride(-1) != 1 or w.stride(-1) != 1:
+        raise ValueError(f"grouped_gemm needs row-major operands, got strides {a.stride()} "
+                         f"and {w.stride()}")
+    out = torch.empty((pairs, n), dtype=a.dtype, device=a.device)
+    blocks = aligned.expert_ids.numel()
+    if pairs == 0:
+        return out
+    grid = (blocks * triton.cdiv(n, tiles.block_n),)
+    _grouped_gemm_kernel[grid](
+        a, w, out, weights if weights is not None else out, aligned.sorted_ids,
+        aligned.expert_ids, aligned.total, pairs, n, k, a.stride(0), w.stride(0), w.stride(1),
+        out.stride(0), A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=weights is not None,
+        F32_DOT=f32_dot(a), BLOCK_M=aligned.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
+    return out
+
+
+def fused_experts(x: torch.Tensor, routing: Routing, w13: torch.Tensor, w2: torch.Tensor,
+                  tiles: Optional[MoETiles] = None) -> torch.Tensor:
+    """sum over j of weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, j]:
+    x [M, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I] -> [M, H] in x's dtype."""
+    m, top_k = routing.ids.shape
+    tiles = tiles or moe_tiles(m, top_k, w13.shape[0])
+    aligned = align(routing, tiles.block_m)
+    pairs = m * top_k
+    act = grouped_gemm(x, w13, aligned, pairs, top_k, tiles.gate_up, gated=True)
+    out = grouped_gemm(act, w2, aligned, pairs, 1, tiles.down, gated=False,
+                       weights=routing.weights)
+    return out.view(m, top_k, -1).sum(dim=1)
+
+
+def fused_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              top_k: int, renormalize: bool, tiles: Optional[MoETiles] = None) -> torch.Tensor:
+    """The MoE layer's experts on x [M, H] with router logits [M, E]: `route` then
+    `fused_experts`."""
+    return fused_experts(x, route(logits, top_k, renormalize), w13, w2, tiles)
