@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 from hf_reference import hf_greedy, mixed_prompts  # noqa: E402
 from minisgl import LLM, SamplingParams  # noqa: E402
 from minisgl.distributed import Communicator, DistributedInfo  # noqa: E402
-from minisgl.layers.moe import TopK, expert_param, experts_torch, route  # noqa: E402
+from minisgl.layers.moe import expert_param, experts_torch, route  # noqa: E402
 from minisgl.models import ModelConfig, model_class  # noqa: E402
 from minisgl.models.weights import iter_checkpoint  # noqa: E402
 

@@ -246,6 +246,17 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ptr, expert_id
              mask=live[:, None] & (cols < n)[None, :])
 
 
+def fit_shared_memory(tiles: GemmTiles, dtype: torch.dtype) -> GemmTiles:
+    """`tiles` for operands of `dtype`: the table's tiles are sized for 2-byte types, and
+    4-byte operands (float32, for exact comparison with the reference) would need twice their
+    shared memory per pipeline stage, beyond the SM's; they get half the reduced width and at
+    most two stages."""
+    if dtype.itemsize <= 2:
+        return tiles
+    return tiles._replace(block_k=max(16, tiles.block_k // 2),
+                          num_stages=min(tiles.num_stages, 2))
+
+
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, aligned: Aligned, pairs: int, a_row_div: int,
                  tiles: GemmTiles, gated: bool, weights: Optional[torch.Tensor] = None
                  ) -> torch.Tensor:
@@ -260,6 +271,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, aligned: Aligned, pairs: int,
     blocks = aligned.expert_ids.numel()
     if pairs == 0:
         return out
+    tiles = fit_shared_memory(tiles, a.dtype)
     grid = (blocks * triton.cdiv(n, tiles.block_n),)
     _grouped_gemm_kernel[grid](
         a, w, out, weights if weights is not None else out, aligned.sorted_ids,
