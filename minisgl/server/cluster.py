@@ -209,8 +209,8 @@ class Cluster:
                 self._closed.wait(BEAT_INTERVAL_S)
         except Exception as e:
             if not self._closed.is_set():
-                self._found = (f"lost node 0 at {self.addr} ({_first_line(e)}): node 0 is "
-                               f"gone")
+                logger.debug("the store at %s failed: %s", self.addr, _first_line(e))
+                self._found = f"lost the connection to node 0 at {self.addr}: node 0 is gone"
 
     def _stale(self, store: dist.TCPStore, named: Dict[str, str]) -> Optional[str]:
         """The first of the watched beats that stood still for dist_timeout, by its name."""
