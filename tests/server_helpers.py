@@ -65,6 +65,31 @@ def child_pids(pid: int) -> List[int]:
     return out
 
 
+def error_line(stderr: str) -> str:
+    """The launcher's last stderr line, which must be its one `serve: error: ...` line."""
+    lines = stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("serve: error: "), stderr[-2000:]
+    return lines[-1]
+
+
+def gone(pids: Sequence[int], within_s: float = 3.0) -> bool:
+    """True once none of `pids` runs, within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while any(alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def comm(pid: int) -> str:
+    """The process name of `pid` (minisgl-rank0, ...), "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def alive(pid: int) -> bool:
     """True if `pid` exists and is not a zombie."""
     try:

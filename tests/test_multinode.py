@@ -12,18 +12,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Sequence, Tuple
 
 import httpx
 
-from server_helpers import (CPU_ARGS, NODE_READY, READY, REPO, Server, alive, check_same_as_tp1,
-                            run_serve, runtime_dirs)
+from server_helpers import (CPU_ARGS, NODE_READY, READY, REPO, Server, check_same_as_tp1, comm,
+                            error_line, gone, run_serve, runtime_dirs)
 
 from minisgl.utils import free_port
 
@@ -39,21 +40,6 @@ def _addr() -> Tuple[str, List[str]]:
 def node_args(model: Path, tp: int, node: int, where: Sequence[str], *extra: str) -> List[str]:
     return ["--model", str(model), "--tp", str(tp), "--nnodes", "2", "--node-rank", str(node),
             *where, *CPU_ARGS, *TIMEOUT, *extra]
-
-
-def _last_line(stderr: str) -> str:
-    lines = stderr.strip().splitlines()
-    assert lines and lines[-1].startswith("serve: error: "), stderr[-2000:]
-    return lines[-1]
-
-
-def _gone(pids: Sequence[int], within_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while any(alive(p) for p in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 @contextlib.contextmanager
@@ -82,7 +68,7 @@ def two_nodes(model: Path, tp: int, tmp_path: Path, first: int
         raise
     assert head.stop().code == 0, head.stderr()[-3000:]
     assert worker.proc.wait(timeout=20) == 0, worker.stderr()[-3000:]
-    assert _gone(head.children + worker.children)
+    assert gone(head.children + worker.children, within_s=5.0)
     assert runtime_dirs(head.tmp_dir) == [] and runtime_dirs(worker.tmp_dir) == []
 
 
@@ -107,10 +93,10 @@ def test_a_node_that_never_arrives(tmp_path: Path, tiny_qwen3: Path) -> None:
         (tmp_path / d).mkdir()
     t0 = time.monotonic()
     r = run_serve([*node_args(tiny_qwen3, 2, 0, where), *short, "--port", "0"], tmp_path / "a")
-    line = _last_line(r.stderr)
+    line = error_line(r.stderr)
     assert r.returncode == 1 and "node 1 of 2 did not arrive" in line and addr in line, line
     r = run_serve([*node_args(tiny_qwen3, 2, 1, where), *short], tmp_path / "b")
-    line = _last_line(r.stderr)
+    line = error_line(r.stderr)
     assert r.returncode == 1 and "could not reach node 0" in line and addr in line, line
     assert time.monotonic() - t0 < 60
     assert runtime_dirs(tmp_path / "a") == [] and runtime_dirs(tmp_path / "b") == []
@@ -143,7 +129,7 @@ def test_kill_9_of_a_rank_on_node_1(tmp_path: Path, tiny_qwen3: Path) -> None:
                     continue
                 events.append(json.loads(line[6:]))
                 if len(events) == 2:  # tokens are flowing: kill node 1's rank
-                    rank = next(p for p in worker.children if _comm(p) == "minisgl-rank1")
+                    rank = next(p for p in worker.children if comm(p) == "minisgl-rank1")
                     os.kill(rank, signal.SIGKILL)
                     t0 = time.monotonic()
         sender.join(timeout=30)
@@ -155,31 +141,24 @@ def test_kill_9_of_a_rank_on_node_1(tmp_path: Path, tiny_qwen3: Path) -> None:
                 srv.kill_all()
     assert codes[0] != 0 and codes[1] != 0 and elapsed < 15, (codes, elapsed)
     for srv in (head, worker):
-        line = _last_line(srv.stderr())
+        line = error_line(srv.stderr())
         assert "node 1: rank1" in line and "signal 9" in line, line
     assert "error" in events[-1] and "node 1" in events[-1]["error"]["message"], events[-1]
     r = plain["r"]
     assert r.status_code == 503 and r.json()["error"]["type"] == "server_error", r.text
     assert "node 1: rank1" in r.json()["error"]["message"]
-    assert _gone(head.children + worker.children)
+    assert gone(head.children + worker.children, within_s=5.0)
     assert runtime_dirs(head.tmp_dir) == [] and runtime_dirs(worker.tmp_dir) == []
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
 
 
 # --- the cluster settings' checks -----------------------------------------------------------------
 def test_tp_not_divisible_by_nnodes_and_node_rank_out_of_range(tmp_path: Path) -> None:
     _, where = _addr()
     r = run_serve(["--tp", "3", "--nnodes", "2", *where, *CPU_ARGS], tmp_path)
-    line = _last_line(r.stderr)
+    line = error_line(r.stderr)
     assert r.returncode == 2 and "tp 3" in line and "nnodes 2" in line, line
     r = run_serve(["--nnodes", "2", "--node-rank", "2", *where, *CPU_ARGS], tmp_path)
-    line = _last_line(r.stderr)
+    line = error_line(r.stderr)
     assert r.returncode == 2 and "node_rank 2" in line and "nnodes 2" in line, line
 
 
@@ -193,7 +172,30 @@ def test_nodes_with_different_page_sizes_both_refuse(tmp_path: Path, tiny_qwen3:
         for node in (0, 1)]
     outs = [p.communicate(timeout=120)[1] for p in procs]
     for p, err in zip(procs, outs):
-        line = _last_line(err)
+        line = error_line(err)
         assert p.returncode == 1, err[-2000:]
         assert "page_size 32" in line and "page_size 16" in line and "node 1" in line, line
     assert runtime_dirs(tmp_path) == []
+
+
+def test_the_fingerprint_compares_the_model_shape_not_its_path(tiny_model: Callable[..., Path],
+                                                              tmp_path: Path) -> None:
+    from minisgl.models.config import ModelConfig
+    from minisgl.server.args import parse_args
+    from minisgl.server.cluster import mismatch
+    from minisgl.server.launch import node_fingerprint
+
+    def fp(model: Path, *flags: str) -> Dict[str, str]:
+        cfg = parse_args(["--model", str(model), "--device", "cpu", *flags])
+        return node_fingerprint(cfg, ModelConfig.from_dir(model))
+
+    tiny = tiny_model("qwen3")
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny, copy)
+    assert mismatch({0: fp(tiny), 1: fp(copy)}) is None  # another path, the same model
+    deeper = tiny_model("qwen3", num_hidden_layers=3)
+    problem = mismatch({0: fp(tiny), 1: fp(deeper)})
+    assert problem is not None and "num_layers 3" in problem and "num_layers 2" in problem
+    problem = mismatch({0: fp(tiny), 1: fp(tiny, "--dtype", "bf16")})
+    assert problem is not None and "'bfloat16'" in problem and "'float32'" in problem, problem
+    assert mismatch({0: fp(tiny), 1: fp(tiny, "--mem-fraction", "0.5")}) is None  # node-local
