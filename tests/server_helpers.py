@@ -3,7 +3,12 @@
 `Server.start(args)` runs the launcher with `--port 0`, waits for its ready line and parses the
 URL; `stop()` sends a signal and reports how the launcher exited. `serving(args)` does both around
 a `with` body. The launcher's runtime directory goes under `tmp_dir` (TMPDIR), so a test can check
-that no socket file is left behind.
+that no socket file is left behind. `Server.begin(args)` starts a launcher without waiting, for
+launchers that wait for each other (the nodes of one service; a node other than 0 prints
+`NODE_READY` and has no URL).
+
+`check_same_as_tp1(server, model_dir)`: 16 concurrent streaming chats through HTTP give the
+offline `LLM`'s greedy texts and token counts (tp=1, in-process).
 """
 
 from __future__ import annotations
@@ -19,12 +24,17 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import httpx
+import openai
+
+from minisgl import LLM, SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
 READY = re.compile(r"minisgl ready: (http://\S+)")
+NODE_READY = re.compile(r"minisgl node \d+ ready: ")
 CPU_ARGS = ("--device", "cpu", "--max-kv-tokens", "8192", "--log-level", "warning")
 
 
@@ -55,6 +65,31 @@ def child_pids(pid: int) -> List[int]:
     return out
 
 
+def error_line(stderr: str) -> str:
+    """The launcher's last stderr line, which must be its one `serve: error: ...` line."""
+    lines = stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("serve: error: "), stderr[-2000:]
+    return lines[-1]
+
+
+def gone(pids: Sequence[int], within_s: float = 3.0) -> bool:
+    """True once none of `pids` runs, within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while any(alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def comm(pid: int) -> str:
+    """The process name of `pid` (minisgl-rank0, ...), "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def alive(pid: int) -> bool:
     """True if `pid` exists and is not a zombie."""
     try:
@@ -71,27 +106,20 @@ class Server:
     tmp_dir: Path
     stderr_path: Path
     children: List[int]
+    ready_line: str = ""
 
     @classmethod
     def start(cls, args: Sequence[str], tmp_dir: Path, timeout_s: float = 180.0) -> "Server":
+        return cls.begin(args, tmp_dir).ready(timeout_s)
+
+    @classmethod
+    def begin(cls, args: Sequence[str], tmp_dir: Path, ready: "re.Pattern[str]" = READY
+              ) -> "Starting":
+        """The launcher, started; `.ready()` waits for its ready line."""
         tmp_dir.mkdir(parents=True, exist_ok=True)
         err_path = tmp_dir / "server.stderr"
         proc, lines = _launch(args, tmp_dir, err_path)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                proc.kill()
-                raise RuntimeError(f"no ready line within {timeout_s} s:\n"
-                                   f"{err_path.read_text()[-3000:]}")
-            if line is None:
-                proc.wait()
-                raise RuntimeError(f"server exited with {proc.returncode} before ready:\n"
-                                   f"{err_path.read_text()[-3000:]}")
-            m = READY.search(line)
-            if m:
-                return cls(proc, m.group(1), tmp_dir, err_path, child_pids(proc.pid))
+        return Starting(proc, lines, tmp_dir, err_path, ready)
 
     @property
     def base_url(self) -> str:
@@ -137,6 +165,36 @@ class Server:
             if cond(m) or time.monotonic() > deadline:
                 return m
             time.sleep(0.1)
+
+
+@dataclass
+class Starting:
+    proc: subprocess.Popen
+    lines: "queue.Queue[Optional[str]]"
+    tmp_dir: Path
+    err_path: Path
+    pattern: "re.Pattern[str]"
+
+    def ready(self, timeout_s: float = 180.0) -> Server:
+        """The server once its ready line came (RuntimeError, the launcher killed, if none did
+        within `timeout_s`, or if it exited first)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                self.proc.kill()
+                raise RuntimeError(f"no ready line within {timeout_s} s:\n"
+                                   f"{self.err_path.read_text()[-3000:]}")
+            if line is None:
+                self.proc.wait()
+                raise RuntimeError(f"server exited with {self.proc.returncode} before ready:\n"
+                                   f"{self.err_path.read_text()[-3000:]}")
+            m = self.pattern.search(line)
+            if m:
+                url = m.group(1) if m.groups() else ""
+                return Server(self.proc, url, self.tmp_dir, self.err_path,
+                              child_pids(self.proc.pid), line.strip())
 
 
 @contextlib.contextmanager
@@ -185,3 +243,37 @@ def _launch(args: Sequence[str], tmp_dir: Path, err_path: Path
 
 def runtime_dirs(tmp_dir: Path) -> List[Path]:
     return sorted(p for p in tmp_dir.glob("minisgl-*"))
+
+
+# --- the same outputs as tp=1 ---------------------------------------------------------------------
+MAX_TOKENS = 12
+TOPICS = ["France", "the ocean", "a cat", "mathematics", "the moon", "coffee", "winter",
+          "music", "Python", "bread", "trains", "a forest", "gold", "rain", "chess", "tea"]
+CHATS = [[{"role": "user", "content": f"Tell me one fact about {t}."}] for t in TOPICS]
+
+
+def _stream(client: openai.OpenAI, model: str, messages: list) -> Tuple[str, Optional[int]]:
+    chunks = client.chat.completions.create(
+        model=model, messages=messages, temperature=0, max_tokens=MAX_TOKENS, stream=True,
+        stream_options={"include_usage": True})
+    text, used = "", None
+    for chunk in chunks:
+        if chunk.usage is not None:
+            used = chunk.usage.completion_tokens
+        for c in chunk.choices:
+            text += c.delta.content or ""
+    return text, used
+
+
+def check_same_as_tp1(server: Server, model_dir: Optional[Path]) -> None:
+    with LLM(None if model_dir is None else str(model_dir), max_kv_tokens=8192,
+             show_progress=False) as llm:
+        refs = llm.chat(CHATS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
+                           timeout=300)
+    model = client.models.list().data[0].id
+    with ThreadPoolExecutor(len(CHATS)) as pool:
+        got: List[Tuple[str, Optional[int]]] = list(
+            pool.map(lambda m: _stream(client, model, m), CHATS))
+    assert [g[0] for g in got] == [r.text for r in refs]
+    assert [g[1] for g in got] == [len(r.token_ids) for r in refs]

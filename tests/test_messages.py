@@ -19,7 +19,8 @@ LOGPROB_TEXT = T.TokenLogprobText(" \ufffd", -0.25, (" \ufffd", " the"),
                                   (-0.25, -2.740744113922119), b" \xe6", (b" \xe6", None))
 STATS = T.SchedulerStats(running=2, waiting=3, kv_pages_used=4, kv_pages_total=512,
                          kv_pages_cached=9, prompt_tokens_total=100, generated_tokens_total=50,
-                         cached_tokens_total=32, prefilled_tokens_total=68)
+                         cached_tokens_total=32, prefilled_tokens_total=68, waiting_tokens=70,
+                         replica=1)
 CHUNK = T.ReplyChunk(uid=9, text="héllo 🙂", token_ids=[1, 2, 70000], finish_reason="stop",
                      prompt_tokens=5, completion_tokens=3, cached_tokens=2, error=None,
                      error_status=400, logprobs=[LOGPROB_TEXT] * 3, prompt_text="héllo",
@@ -55,6 +56,7 @@ SAMPLES: Dict[str, Any] = {
                                         skip_special_tokens=False),
                        T.DetokenizeInit(uid=12, prompt_tail=[3], echo_ids=[1, 2, 70000])],
     "ReplyBatch": [T.ReplyBatch(chunks=[CHUNK], stats=STATS), T.ReplyBatch(chunks=[])],
+    "ServiceDown": [T.ServiceDown("node 1: rank1 (pid 7) was killed by signal 9")],
 }
 
 

@@ -13,29 +13,8 @@ from typing import List
 import httpx
 import pytest
 
-from server_helpers import CPU_ARGS, Server, alive, run_serve, runtime_dirs, tp_args
-
-
-def _one_error_line(stderr: str) -> str:
-    last = stderr.strip().splitlines()[-1]
-    assert last.startswith("serve: error: "), stderr[-2000:]
-    return last
-
-
-def _gone(pids: List[int], within_s: float = 3.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while any(alive(p) for p in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
+from server_helpers import (CPU_ARGS, Server, comm, error_line, gone, run_serve,
+                            runtime_dirs, tp_args)
 
 
 # --- start-up failures: one line, non-zero, no hang, nothing left behind --------------------------
@@ -43,7 +22,7 @@ def test_bad_model_path(tmp_path: Path) -> None:
     t0 = time.monotonic()
     r = run_serve(["--model", str(tmp_path / "nope"), "--port", "0"], tmp_path)
     assert r.returncode == 1
-    assert "nope" in _one_error_line(r.stderr) and "config.json" in r.stderr
+    assert "nope" in error_line(r.stderr) and "config.json" in r.stderr
     assert time.monotonic() - t0 < 30
     assert runtime_dirs(tmp_path) == []
 
@@ -55,14 +34,14 @@ def test_port_in_use(tmp_path: Path) -> None:
         port = s.getsockname()[1]
         r = run_serve(["--port", str(port), *CPU_ARGS], tmp_path)
     assert r.returncode == 1
-    line = _one_error_line(r.stderr)
+    line = error_line(r.stderr)
     assert f"127.0.0.1:{port}" in line and "in use" in line
     assert runtime_dirs(tmp_path) == []
 
 
 def test_bad_setting_exits_2(tmp_path: Path) -> None:
     r = run_serve(["--tp", "0"], tmp_path)
-    assert r.returncode == 2 and "tp must be >= 1" in _one_error_line(r.stderr)
+    assert r.returncode == 2 and "tp must be >= 1" in error_line(r.stderr)
 
 
 @pytest.mark.parametrize("flags,words", [
@@ -74,14 +53,14 @@ def test_a_combination_the_engine_refuses_exits_2(tmp_path: Path, flags: List[st
     """Settings only the engine's config can judge fail before anything starts, like any other
     bad setting: one line, exit 2, no runtime directory left."""
     r = run_serve([*flags, "--device", "cpu", "--port", "0"], tmp_path)
-    assert r.returncode == 2 and words in _one_error_line(r.stderr)
+    assert r.returncode == 2 and words in error_line(r.stderr)
     assert runtime_dirs(tmp_path) == []
 
 
 def test_tp_not_dividing_the_heads(tmp_path: Path, default_model_dir: Path) -> None:
     r = run_serve([*tp_args(2), "--port", "0"], tmp_path)
     assert r.returncode == 1
-    line = _one_error_line(r.stderr)
+    line = error_line(r.stderr)
     assert "9 attention heads" in line and "tp=2" in line, line
     assert len(r.stderr.strip().splitlines()) == 1  # caught before any rank starts
     assert runtime_dirs(tmp_path) == []
@@ -96,7 +75,7 @@ def test_a_rank_failing_to_load_reports_it(tmp_path: Path, tiny_qwen3: Path) -> 
     t0 = time.monotonic()
     r = run_serve([*tp_args(2, broken), "--port", "0"], tmp_path)
     assert r.returncode == 1
-    line = _one_error_line(r.stderr)
+    line = error_line(r.stderr)
     assert "rank" in line and "failed to start" in line, line
     assert time.monotonic() - t0 < 90
     assert runtime_dirs(tmp_path) == []
@@ -107,7 +86,7 @@ def test_kill_9_of_a_rank_stops_everything(tmp_path: Path, tiny_qwen3: Path) -> 
     srv = Server.start(tp_args(2, tiny_qwen3), tmp_path)
     try:
         assert httpx.get(f"{srv.url}/health").status_code == 200
-        ranks = {_comm(p): p for p in srv.children if _comm(p).startswith("minisgl-rank")}
+        ranks = {comm(p): p for p in srv.children if comm(p).startswith("minisgl-rank")}
         assert set(ranks) == {"minisgl-rank0", "minisgl-rank1"}
         assert len(runtime_dirs(tmp_path)) == 1
         t0 = time.monotonic()
@@ -118,9 +97,9 @@ def test_kill_9_of_a_rank_stops_everything(tmp_path: Path, tiny_qwen3: Path) -> 
         if srv.proc.poll() is None:
             srv.kill_all()
     assert code != 0 and elapsed < 5.0, (code, elapsed)
-    line = _one_error_line(srv.stderr())
+    line = error_line(srv.stderr())
     assert "rank1" in line and "signal 9" in line
-    assert _gone(srv.children)
+    assert gone(srv.children)
     assert runtime_dirs(tmp_path) == []
 
 
@@ -131,12 +110,12 @@ def test_signal_stops_everything(tmp_path: Path, tiny_qwen3: Path, sig: int) -> 
         r = httpx.post(f"{srv.url}/generate", timeout=60,
                        json={"input_ids": [1, 2, 3], "sampling_params": {"max_tokens": 4}})
         assert r.status_code == 200 and len(r.json()["token_ids"]) == 4
-        assert {_comm(p) for p in srv.children} >= {"minisgl-rank0", "minisgl-tokeniz",
+        assert {comm(p) for p in srv.children} >= {"minisgl-rank0", "minisgl-tokeniz",
                                                     "minisgl-detoken", "minisgl-api"}
         result = srv.stop(sig, timeout_s=15)
     finally:
         if srv.proc.poll() is None:
             srv.kill_all()
     assert result.code == 0 and result.seconds < 10.0, result
-    assert _gone(srv.children)
+    assert gone(srv.children)
     assert runtime_dirs(tmp_path) == []  # no stale socket files

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from minisgl.distributed.info import DistributedInfo
+from minisgl.distributed.store import connect, parse_tcp
 from minisgl.distributed.symm_allreduce import (DEFAULT_SYMM_MAX_BYTES, SYMM_MODES,
                                                 SymmMemAllReduce, check_allreduce_mode)
 from minisgl.kernels.policy import KernelPolicy
@@ -89,8 +90,13 @@ class ProcessGroups(NamedTuple):
 
 def init_process_groups(info: DistributedInfo, device: torch.device, init_method: str,
                         timeout_s: float, allreduce: str = "auto",
-                        symm_max_bytes: int = DEFAULT_SYMM_MAX_BYTES) -> ProcessGroups:
+                        symm_max_bytes: int = DEFAULT_SYMM_MAX_BYTES,
+                        store_prefix: Optional[str] = None) -> ProcessGroups:
     """Join the tensor-parallel group. Every rank must call this with the same arguments.
+
+    `store_prefix` None: rank 0 hosts the rendezvous at `init_method` (tcp://host:port). Else
+    the ranks meet in an existing TCP store there (node 0's launcher hosts it, `store.py`) under
+    that key prefix, one per replica.
 
     `allreduce` is "auto", "nccl", "symm" or "symm-fused" (module docstring); with symmetric
     memory every rank allocates one `symm_max_bytes` buffer here, before the engine captures any
@@ -103,8 +109,14 @@ def init_process_groups(info: DistributedInfo, device: torch.device, init_method
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, init_method=init_method, rank=info.rank,
-                            world_size=info.size, timeout=timeout, **kwargs)
+    if store_prefix is None:
+        dist.init_process_group(backend, init_method=init_method, rank=info.rank,
+                                world_size=info.size, timeout=timeout, **kwargs)
+    else:
+        host, port = parse_tcp(init_method)
+        store = dist.PrefixStore(store_prefix, connect(host, port, timeout_s))
+        dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.size,
+                                timeout=timeout, **kwargs)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     symm = _symm_all_reduce(allreduce, info, device, cpu_group, symm_max_bytes)
     fuse_norm = symm is not None and allreduce == "symm-fused"

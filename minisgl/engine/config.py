@@ -30,7 +30,8 @@ class EngineConfig:
                          "process and one device each")
     # A rank's config holds the resolved device; checks that need the device wait until then.
     device: str = setting("auto", "auto (CUDA where present, else CPU), cpu or cuda (rank r "
-                                  "uses cuda:r)", choices=DEVICES)
+                                  "uses cuda:r; over several nodes, its index among its "
+                                  "node's ranks)", choices=DEVICES)
     dtype: Optional[str] = setting(None, "dtype of the weights and the KV cache: float32, "
                                          "bfloat16 or float16 (fp32, bf16, fp16); unset or "
                                          "auto: bfloat16 on CUDA, float32 on CPU (exact "
@@ -77,7 +78,11 @@ class EngineConfig:
                                       "default: a timed choice can differ between runs, and "
                                       "with it the bf16 rounding")
     dist_init_method: str = "tcp://127.0.0.1:29500"  # the ranks' rendezvous
+    # None: rank 0 hosts the rendezvous store at dist_init_method (one machine); else the ranks
+    # join the TCP store there (node 0's launcher hosts it) under this key prefix.
+    dist_store_prefix: Optional[str] = None
     dist_timeout_s: float = 60.0
+    device_index: Optional[int] = None  # this rank's GPU on its node; None: its rank
     show_progress: bool = True  # a progress bar while rank 0 loads the weights
 
     def __post_init__(self) -> None:
@@ -129,7 +134,8 @@ class EngineConfig:
     def torch_device(self) -> torch.device:
         device = resolve_device(self.device) if self.device == "auto" else self.device
         if device == "cuda":
-            return torch.device("cuda", self.tp_info.rank)
+            index = self.tp_info.rank if self.device_index is None else self.device_index
+            return torch.device("cuda", index)
         return torch.device(device)
 
     @property

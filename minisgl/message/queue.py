@@ -49,13 +49,19 @@ class PushQueue:
 
 class PubQueue:
     """Rank 0's side of the broadcast. XPUB reports each subscription, so rank 0 can wait until
-    every rank has subscribed before its first publish (a PUB drops messages sent earlier)."""
+    every rank has subscribed before its first publish (a PUB drops messages sent earlier).
+    It listens on every address given (ipc:// for this host, tcp:// for other nodes)."""
 
-    def __init__(self, ctx: zmq.Context, addr: str) -> None:
+    def __init__(self, ctx: zmq.Context, addr: str, *more_addrs: str) -> None:
         self.sock = ctx.socket(zmq.XPUB)
         self.sock.setsockopt(zmq.SNDHWM, 0)  # never drop: other ranks must see every message
         self.sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every rank's (identical) subscription
-        self.sock.bind(addr)
+        for a in (addr, *more_addrs):
+            try:
+                self.sock.bind(a)
+            except zmq.ZMQError as e:
+                self.sock.close(linger=0)
+                raise OSError(f"rank 0 cannot listen for the other ranks on {a}: {e}") from None
 
     def wait_for_subscribers(self, n: int, timeout_s: float) -> None:
         seen, deadline = 0, time.monotonic() + timeout_s

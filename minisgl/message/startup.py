@@ -1,5 +1,9 @@
 """The start-up report a child process sends its parent over a pipe: ("ready", name, info)
-once it can serve, or ("error", name, "Type: reason") before exiting with status 1."""
+once it can serve, or ("error", name, "Type: reason") before exiting with status 1.
+
+Later, a rank's exit status tells its parent whose failure it was: `PEER_EXIT` when the rank
+ended only because another rank failed first (a peer gone, a collective broken), so that the
+supervisor names that other one."""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import contextlib
 import logging
 import sys
 from typing import Any, Iterator
+
+PEER_EXIT = 4
 
 
 @contextlib.contextmanager

@@ -85,10 +85,12 @@ class TokenOut:
 
 @dataclass(frozen=True)
 class SchedulerStats:
-    """Rank 0's counters after a step, for /metrics (gauges and monotonic totals)."""
+    """Rank 0's counters after a step, for /metrics (gauges and monotonic totals) and the
+    data-parallel router (its load: the KV pages in use and the prompt tokens waiting)."""
 
     running: int = 0
     waiting: int = 0
+    waiting_tokens: int = 0  # prompt tokens of the requests not admitted yet
     kv_pages_used: int = 0
     kv_pages_total: int = 0
     kv_pages_cached: int = 0
@@ -105,6 +107,7 @@ class SchedulerStats:
     # Time the scheduler sat waiting for the device's results: near zero means the host (Python
     # scheduling) is the bottleneck and the GPU idles between steps.
     wait_seconds_total: float = 0.0
+    replica: int = 0  # the data-parallel replica whose rank 0 sent these
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,14 @@ class ReplyChunk:
     # log-probabilities asked) one entry per prompt token.
     prompt_text: Optional[str] = None
     prompt_logprobs: List[TokenLogprobText] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ServiceDown:
+    """Launcher -> API server: a process of the service failed (`reason` names it) and the
+    service is stopping; every request in flight gets an error reply, new ones are refused."""
+
+    reason: str
 
 
 # --- between the API server, the tokenizer and the detokenizer ------------------------------------

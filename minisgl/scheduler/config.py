@@ -43,7 +43,11 @@ class SchedulerConfig:
     backend_addr: Optional[str] = None  # tokenizer -> rank 0 (PULL, rank 0 binds)
     detokenizer_addr: Optional[str] = None  # rank 0 -> detokenizer (PUSH, rank 0 connects)
     broadcast_addr: Optional[str] = None  # rank 0 -> other ranks (XPUB/SUB, rank 0 binds)
+    # Rank 0 binds this one too (tcp://) for the ranks on other nodes, which connect to it.
+    broadcast_remote_addr: Optional[str] = None
     subscriber_timeout_s: float = 60.0
+    replica: int = 0  # which data-parallel replica this rank belongs to (in its stats)
+    node_ranks: int = 0  # rank processes its launcher runs on this host (0: tp); CPU threads
 
     def __post_init__(self) -> None:
         check_choices(self)

@@ -6,7 +6,8 @@ gets is chosen when the scheduler is built:
 - `LocalIO`: offline single-rank mode; the caller puts messages in and takes results out.
 - `ZmqIO`, rank 0 alone: pull from the tokenizer, push results to the detokenizer.
 - `ZmqIO`, rank 0 with others: additionally forward every message's raw bytes verbatim over
-  XPUB and broadcast (gloo) how many arrived this step; decode locally.
+  XPUB and broadcast (gloo) how many arrived this step; decode locally. Over several nodes the
+  XPUB also listens on a tcp:// address for the ranks elsewhere; the bytes are the same.
 - `ZmqIO`, rank r > 0: take the count from the broadcast, then that many messages from SUB;
   never reply.
 
@@ -63,7 +64,8 @@ class LocalIO:
 class ZmqIO:
     def __init__(self, info: DistributedInfo, backend_addr: str, detokenizer_addr: str,
                  broadcast_addr: Optional[str], cpu_group: Optional[dist.ProcessGroup],
-                 subscriber_timeout_s: float) -> None:
+                 subscriber_timeout_s: float, broadcast_remote_addr: Optional[str] = None
+                 ) -> None:
         self.info = info
         self.cpu_group = cpu_group
         self.ctx = zmq.Context()
@@ -78,7 +80,8 @@ class ZmqIO:
             if broadcast_addr is None or cpu_group is None:
                 raise ValueError("tensor parallelism needs a broadcast address and a CPU group")
             if info.is_primary:
-                self.pub = PubQueue(self.ctx, broadcast_addr)
+                extra = () if broadcast_remote_addr is None else (broadcast_remote_addr,)
+                self.pub = PubQueue(self.ctx, broadcast_addr, *extra)
             else:
                 self.sub = SubQueue(self.ctx, broadcast_addr)
             if info.is_primary:

@@ -4,23 +4,30 @@ Order matters: join the process groups, build the engine (loads this rank's weig
 the IO (rank 0 waits for every subscriber), report ready, then loop until a ShutdownMsg. A
 start-up exception is reported on the pipe (`message.startup`); any exception ends the process
 non-zero, and the parent then stops the other ranks.
+
+Exit status: 1 for a failure of this rank's own, `PEER_EXIT` (4) when it ends because another
+rank failed (a peer process gone, a collective broken or timed out, the store of a multi-node
+service gone), so that a supervisor can name the rank that failed first rather than the ones
+that followed it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import threading
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from minisgl.distributed import destroy_process_groups, init_process_groups
+from minisgl.distributed.store import parse_tcp, rank_beat_key, start_heartbeat
 from minisgl.engine import Engine
-from minisgl.message.startup import report_startup
+from minisgl.message.startup import PEER_EXIT, report_startup
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.io import ZmqIO
 from minisgl.scheduler.scheduler import Scheduler
@@ -43,21 +50,63 @@ def _alive(pid: int) -> bool:
 
 def _watch_peers(peers: Dict[int, int], log: logging.Logger) -> None:
     """A rank whose peer rank died would wait forever on a socket or a collective: end it with
-    an error instead (within about a second). The parent is watched by `server.proc`."""
+    an error instead (within about a second). Only peers on this host are watched (a PID means
+    nothing elsewhere); those on other nodes are their launchers' to watch. The parent is
+    watched by `server.proc`."""
     while True:
         for rank, pid in peers.items():
             if not _alive(pid):
                 log.error("scheduler rank %d (pid %d) is gone; exiting", rank, pid)
-                os._exit(4)
+                os._exit(PEER_EXIT)
         time.sleep(0.5)
 
 
-def _peer_pids(cpu_group: Any, rank: int, size: int) -> Dict[int, int]:
+def _host_id() -> str:
+    """Names this host's PID space: the host name and its boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+class Peers(NamedTuple):
+    pids: Dict[int, int]  # rank -> pid of every other rank on this host
+    on_host: int  # ranks of this group on this host, this one included
+
+
+def _peers(cpu_group: Any, rank: int, size: int) -> Peers:
     if size == 1:
-        return {}
-    pids: List[Any] = [None] * size
-    dist.all_gather_object(pids, os.getpid(), group=cpu_group)
-    return {r: pid for r, pid in enumerate(pids) if r != rank}
+        return Peers({}, 1)
+    everyone: List[Any] = [None] * size
+    dist.all_gather_object(everyone, (_host_id(), os.getpid()), group=cpu_group)
+    here = _host_id()
+    local = {r: pid for r, (host, pid) in enumerate(everyone) if host == here}
+    return Peers({r: pid for r, pid in local.items() if r != rank}, len(local))
+
+
+def _cpu_threads(ranks_on_host: int) -> int:
+    """Ranks share the cores; oversubscribing them is slower."""
+    return max(1, (os.cpu_count() or 1) // max(1, ranks_on_host))
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """True for the errors another rank's failure causes here: torch.distributed's own (a
+    store or an NCCL communicator gone) and gloo's (a peer's connection closed, a timeout)."""
+    return isinstance(e, dist.DistError) or "gloo" in str(e)
+
+
+def _beat(cfg: SchedulerConfig, log: logging.Logger) -> None:
+    """Multi-node: this rank's heartbeat in node 0's store, which its launcher watches (a hung
+    rank stops beating). Losing the store means node 0 is gone: exit."""
+    def lost(e: BaseException) -> None:
+        log.error("lost node 0's store (%s); exiting", str(e).splitlines()[0] if str(e) else e)
+        os._exit(PEER_EXIT)
+
+    host, port = parse_tcp(cfg.engine.dist_init_method)
+    start_heartbeat(host, port, rank_beat_key(cfg.replica, cfg.engine.tp_info.rank),
+                    cfg.engine.dist_timeout_s, lost)
 
 
 def run_rank(cfg: SchedulerConfig, conn: Any) -> None:
@@ -66,24 +115,33 @@ def run_rank(cfg: SchedulerConfig, conn: Any) -> None:
     rank = cfg.engine.tp_info.rank
     name = f"rank{rank}"
     log = logging.getLogger("minisgl.scheduler")
-    if cfg.engine.device == "cpu":  # ranks share the cores; oversubscribing them is slower
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.engine.tp_info.size))
+    cpu = cfg.engine.device == "cpu"
+    if cpu:
+        torch.set_num_threads(_cpu_threads(cfg.node_ranks or cfg.engine.tp_info.size))
     # A rank fails deep in a device or a weight file: its traceback is worth an error line.
     with report_startup(conn, name, log, logging.ERROR):
         info = cfg.engine.tp_info
         groups = init_process_groups(info, cfg.engine.torch_device, cfg.engine.dist_init_method,
-                                     cfg.engine.dist_timeout_s, cfg.engine.allreduce)
-        peers = _peer_pids(groups.cpu_group, info.rank, info.size)
-        threading.Thread(target=_watch_peers, args=(peers, log), daemon=True).start()
+                                     cfg.engine.dist_timeout_s, cfg.engine.allreduce,
+                                     store_prefix=cfg.engine.dist_store_prefix)
+        if cfg.engine.dist_store_prefix is not None:
+            _beat(cfg, log)
+        peers = _peers(groups.cpu_group, info.rank, info.size)
+        if cpu and peers.on_host > (cfg.node_ranks or info.size):  # nodes sharing a host
+            torch.set_num_threads(_cpu_threads(peers.on_host))
+        threading.Thread(target=_watch_peers, args=(peers.pids, log), daemon=True).start()
         engine = Engine(cfg.engine, groups)
         io = ZmqIO(cfg.engine.tp_info, cfg.backend_addr or "", cfg.detokenizer_addr or "",
-                   cfg.broadcast_addr, groups.cpu_group, cfg.subscriber_timeout_s)
+                   cfg.broadcast_addr, groups.cpu_group, cfg.subscriber_timeout_s,
+                   cfg.broadcast_remote_addr)
         scheduler = Scheduler(cfg, engine, io, groups.cpu_group)
     conn.send(("ready", name, {"limits": scheduler.limits}))
     try:
         scheduler.run_forever()
-    except BaseException:
-        log.exception("rank %d failed", rank)
-        sys.exit(1)
+    except BaseException as e:
+        peer = is_peer_failure(e)
+        log.error("rank %d failed%s", rank, " (another rank failed first)" if peer else "",
+                  exc_info=True)
+        sys.exit(PEER_EXIT if peer else 1)
     io.close()
     destroy_process_groups()

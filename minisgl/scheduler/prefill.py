@@ -25,11 +25,18 @@ class PrefillManager:
         self.rows = rows  # one per admitted request: their number caps the running requests
         self.budget = max_prefill_tokens
         self.waiting: Deque[Req] = deque()  # not yet admitted
+        self.waiting_tokens = 0  # their tokens (a request's do not change while it waits)
         self.prefilling: Deque[Req] = deque()  # admitted, prompt not fully computed
         self.decode_reserve = decode_reserve
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
+        self.waiting_tokens += len(req.token_ids)
+
+    def requeue(self, req: Req) -> None:
+        """A retracted request waits again, at the head of the queue."""
+        self.waiting.appendleft(req)
+        self.waiting_tokens += len(req.token_ids)
 
     @property
     def num_waiting(self) -> int:
@@ -78,6 +85,7 @@ class PrefillManager:
                 self.cache.manager.unlock(match.handle)
                 return
             self.waiting.popleft()
+            self.waiting_tokens -= len(req.token_ids)
             req.table_row = self.rows.allocate()
             req.cache_handle = match.handle
             req.pages = list(match.pages)
@@ -93,6 +101,7 @@ class PrefillManager:
         """Drop an aborted request; True if it had been admitted (so it holds resources)."""
         if req in self.waiting:
             self.waiting.remove(req)
+            self.waiting_tokens -= len(req.token_ids)
             return False
         if req in self.prefilling:
             self.prefilling.remove(req)

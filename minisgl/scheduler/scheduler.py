@@ -262,7 +262,7 @@ class Scheduler:
         self._free_admitted(req)
         req.cached_len = 0
         req.device_len = len(req.token_ids)
-        self.prefill.waiting.appendleft(req)
+        self.prefill.requeue(req)
         self.totals["retracted"] += 1
         logger.info("rank %d: retracted request %d (%d tokens) to free KV pages", self.rank,
                     req.uid, req.device_len)
@@ -348,6 +348,7 @@ class Scheduler:
         cache = self.cache.manager.stats()
         return SchedulerStats(
             running=len(self.decode.running), waiting=self.prefill.num_waiting,
+            waiting_tokens=self.prefill.waiting_tokens,
             kv_pages_used=self.cache.num_pages - self.cache.free_pages - cache.cached_pages,
             kv_pages_total=self.cache.num_pages, kv_pages_cached=cache.cached_pages,
             prompt_tokens_total=self.totals["prompt"],
@@ -357,4 +358,5 @@ class Scheduler:
             prefill_steps_total=self.steps[Phase.PREFILL],
             decode_steps_total=self.steps[Phase.DECODE],
             prefill_seconds_total=self.busy_s[Phase.PREFILL],
-            decode_seconds_total=self.busy_s[Phase.DECODE], wait_seconds_total=self.wait_s)
+            decode_seconds_total=self.busy_s[Phase.DECODE], wait_seconds_total=self.wait_s,
+            replica=self.cfg.replica)

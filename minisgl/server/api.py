@@ -31,7 +31,7 @@ from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, D
                                      completion_job, detokenize_prompt, generate_job, parse_body,
                                      tokenize_prompt)
 from minisgl.server.responses import (ChatFormatter, Choice, CompletionFormatter, Formatter,
-                                      GenerateFormatter, SSEResponse)
+                                      GenerateFormatter, SSEResponse, sse)
 from minisgl.server.streams import RequestStream, RequestStreams
 
 logger = logging.getLogger("minisgl.api")
@@ -46,6 +46,7 @@ class ApiConfig:
     tokenizer_addr: str  # PUSH: requests and aborts to the tokenizer
     api_addr: str  # PULL, bound here: replies from the detokenizer and tokenizer
     health_file: str  # exists while the launcher sees every process of the service up
+    replicas: int = 1  # data-parallel replicas (their scheduler metrics are labelled)
 
 
 class ClientGone(Exception):
@@ -75,7 +76,12 @@ class Waiter:
 
 def _check(chunk: ReplyChunk) -> None:
     if chunk.error is not None:
-        raise ApiError(chunk.error_status, chunk.error)
+        raise _chunk_error(chunk)
+
+
+def _chunk_error(chunk: ReplyChunk) -> ApiError:
+    kind = "server_error" if chunk.error_status >= 500 else "invalid_request_error"
+    return ApiError(chunk.error_status, chunk.error or "", kind=kind)
 
 
 async def run_text(request: Request, streams: RequestStreams, prompt: Prompt) -> ReplyChunk:
@@ -122,6 +128,10 @@ async def _events(stream: RequestStream, fmt: Formatter, choices: List[Choice],
     buffered = list(first)
     while buffered or stream.unfinished or not stream.queue.empty():
         chunk = buffered.pop(0) if buffered else await stream.queue.get()
+        if chunk.error is not None:  # the service failed mid-stream: an error event ends it
+            yield sse(_chunk_error(chunk).body())
+            yield "data: [DONE]\n\n"
+            return
         i = stream.index[chunk.uid]
         choices[i].add(chunk)
         for line in fmt.delta(i, chunk, choices[i]):
@@ -158,7 +168,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> FastAPI:
     """The app and all its state. `is_healthy` says whether every process of the service is up."""
-    metrics = Metrics()
+    metrics = Metrics(cfg.replicas)
     streams = RequestStreams(cfg.tokenizer_addr, cfg.api_addr, metrics)
     started = int(time.time())
 

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from minisgl.engine import EngineConfig
 from minisgl.scheduler.config import SchedulerConfig
+from minisgl.server.topology import ClusterConfig, Wiring
 from minisgl.settings import add_flags, build, check_choices, check_values, section, setting
 from minisgl.settings import values as setting_values
 from minisgl.utils import resolve_device
@@ -49,9 +50,11 @@ class ServerConfig:
                              any_case=True)
     shell: bool = setting(False, "chat with the model in this terminal")
     scheduler: SchedulerConfig = section(_server_scheduler)
+    cluster: ClusterConfig = section(ClusterConfig)
 
     def __post_init__(self) -> None:
         check_choices(self)
+        self.cluster.check_tp(self.engine.tp)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_n < 1:
@@ -85,12 +88,19 @@ class ServerConfig:
         self.scheduler_config(Path("model"), 0, "tcp://127.0.0.1:0", "", "", "")
 
     def scheduler_config(self, model_path: Path, rank: int, dist_init_method: str,
-                         backend_addr: str, detokenizer_addr: str, broadcast_addr: str
-                         ) -> SchedulerConfig:
+                         backend_addr: str, detokenizer_addr: str, broadcast_addr: str,
+                         wiring: Wiring = Wiring()) -> SchedulerConfig:
+        """Rank `rank`'s config (of replica `wiring.replica`); the default wiring is one
+        replica on one machine."""
         engine = replace(self.engine.for_rank(str(model_path), rank, dist_init_method),
-                         show_progress=False)
+                         show_progress=False, device_index=wiring.device_index,
+                         dist_store_prefix=wiring.store_prefix,
+                         dist_timeout_s=self.cluster.dist_timeout)
         return replace(self.scheduler, engine=engine, backend_addr=backend_addr,
-                       detokenizer_addr=detokenizer_addr, broadcast_addr=broadcast_addr)
+                       detokenizer_addr=detokenizer_addr, broadcast_addr=broadcast_addr,
+                       broadcast_remote_addr=wiring.broadcast_remote, replica=wiring.replica,
+                       node_ranks=wiring.node_ranks,
+                       subscriber_timeout_s=self.cluster.dist_timeout)
 
 
 def _parser(root: ServerConfig) -> argparse.ArgumentParser:

@@ -1,7 +1,8 @@
 """Prometheus metrics of the API server, rendered in the text exposition format (version 0.0.4).
 
 Scheduler gauges and counters are copied from rank 0's latest `SchedulerStats` (forwarded by the
-detokenizer); latency histograms are measured here, when replies arrive at the API server.
+detokenizer), per data-parallel replica: with more than one, every scheduler line carries a
+`replica` label. Latency histograms are measured here, when replies arrive at the API server.
 One `Metrics` object per app (built in the app factory); not thread-safe (event-loop only).
 """
 
@@ -73,7 +74,8 @@ class Histogram:
 
 @dataclass
 class Metrics:
-    scheduler: SchedulerStats = field(default_factory=SchedulerStats)
+    replicas: int = 1
+    scheduler: Dict[int, SchedulerStats] = field(default_factory=dict)  # by replica
     ttft: Histogram = field(default_factory=lambda: Histogram(
         "minisgl_time_to_first_token_seconds",
         "Time from a request's arrival to its first output token.", _TTFT_BUCKETS))
@@ -84,7 +86,10 @@ class Metrics:
 
     def update(self, stats: Optional[SchedulerStats]) -> None:
         if stats is not None:
-            self.scheduler = stats
+            self.scheduler[stats.replica] = stats
+
+    def _stats(self, replica: int) -> SchedulerStats:
+        return self.scheduler.get(replica) or SchedulerStats()
 
     def count_finished(self, reason: str) -> None:
         self.finished[reason] = self.finished.get(reason, 0) + 1
@@ -92,8 +97,12 @@ class Metrics:
     def render(self) -> str:
         lines: List[str] = []
         for attr, (name, kind, help_text) in _SCHEDULER_METRICS.items():
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}",
-                      f"{name} {getattr(self.scheduler, attr, 0)}"]
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+            if self.replicas == 1:
+                lines.append(f"{name} {getattr(self._stats(0), attr)}")
+            else:
+                lines += [f'{name}{{replica="{d}"}} {getattr(self._stats(d), attr)}'
+                          for d in range(self.replicas)]
         name = "minisgl_requests_finished_total"
         lines += [f"# HELP {name} Requests finished, by reason.", f"# TYPE {name} counter"]
         lines += [f'{name}{{reason="{r}"}} {c}' for r, c in sorted(self.finished.items())]

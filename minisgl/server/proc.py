@@ -88,8 +88,12 @@ class Child:
         return f"was killed by signal {-code}" if code is not None and code < 0 else \
             f"exited with code {code}"
 
+    @property
+    def label(self) -> str:
+        return f"{self.name} (pid {self.process.pid})"
+
     def describe_death(self) -> str:
-        return f"{self.name} (pid {self.process.pid}) {self.ending}"
+        return f"{self.label} {self.ending}"
 
 
 def spawn(name: str, target: Callable[..., None], args: Sequence[Any], log_level: str,
@@ -105,16 +109,19 @@ def spawn(name: str, target: Callable[..., None], args: Sequence[Any], log_level
 
 
 def wait_ready(children: List[Child], should_stop: Callable[[], bool],
-               on_progress: Callable[[], None] = lambda: None) -> None:
+               on_progress: Callable[[], None] = lambda: None,
+               check: Callable[[], None] = lambda: None) -> None:
     """Block until every child reported ready. ChildStartupError when one reports an error or
     dies first; StartupError when `should_stop()` turns true (a signal during start-up).
-    `on_progress` runs after each child's report."""
+    `on_progress` runs after each child's report; `check` runs every turn and may raise
+    StartupError itself (another node failed)."""
     while True:
         waiting = [c for c in children if c.info is None]
         if not waiting:
             return
         if should_stop():
             raise StartupError("interrupted during start-up")
+        check()
         handles = [c.conn for c in waiting] + [c.process.sentinel for c in waiting]
         mpc.wait(handles, timeout=0.2)
         for child in waiting:

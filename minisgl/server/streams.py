@@ -9,6 +9,8 @@ synchronous and never await, so release is safe inside cancelled tasks.
 
 `serve_replies` (one task per app) reads `ReplyBatch`es from the detokenizer and tokenizer,
 updates the metrics (time to first token, inter-token latency, scheduler stats) and routes chunks.
+A `ServiceDown` from the launcher (a process failed) ends every request in flight with an error
+chunk (status 503) and makes every later submit fail with 503.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import zmq
 import zmq.asyncio
 
 from minisgl.message.codec import decode, encode
-from minisgl.message.types import (AbortRequest, ReplyBatch, ReplyChunk, TextRequest,
-                                   TokenizeRequest)
+from minisgl.message.types import (AbortRequest, ReplyBatch, ReplyChunk, ServiceDown,
+                                   TextRequest, TokenizeRequest)
 from minisgl.server.metrics import Metrics
 from minisgl.server.protocol import ApiError, Job
 
@@ -66,8 +68,11 @@ class RequestStreams:
         self._pull.bind(api_addr)
         self._uids = itertools.count()
         self._streams: Dict[int, RequestStream] = {}
+        self.down: Optional[str] = None  # why the service stopped (ServiceDown), if it did
 
     def _send(self, msg: object) -> None:
+        if self.down is not None:
+            raise ApiError(503, _down_message(self.down), kind="server_error")
         try:
             self._push.send(encode(msg), zmq.NOBLOCK)
         except zmq.Again:
@@ -117,6 +122,9 @@ class RequestStreams:
     async def serve_replies(self) -> None:
         while True:
             msg = decode(await self._pull.recv())
+            if isinstance(msg, ServiceDown):
+                self.fail_all(msg.reason)
+                continue
             if not isinstance(msg, ReplyBatch):
                 logger.error("ignoring unexpected message %s", type(msg).__name__)
                 continue
@@ -124,6 +132,13 @@ class RequestStreams:
             now = time.perf_counter()
             for chunk in msg.chunks:
                 self._route(chunk, now)
+
+    def fail_all(self, reason: str) -> None:
+        """The service is stopping: an error chunk (503) for every uid in flight."""
+        self.down = reason
+        now = time.perf_counter()
+        for uid in sorted(self._streams):
+            self._route(ReplyChunk(uid, error=_down_message(reason), error_status=503), now)
 
     def _route(self, chunk: ReplyChunk, now: float) -> None:
         stream = self._streams.get(chunk.uid)
@@ -148,3 +163,7 @@ class RequestStreams:
         self._pull.close(linger=0)
         self._ctx.term()
         self._actx.term()
+
+
+def _down_message(reason: str) -> str:
+    return f"the service stopped: {reason}"

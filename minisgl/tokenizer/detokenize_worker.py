@@ -8,6 +8,10 @@ uid are dropped until that final `TokenOut`.
 
 `TokenOut`s that overtake their `DetokenizeInit` (they travel different sockets) wait in
 `pending` until it arrives.
+
+With data-parallel replicas every replica's rank 0 sends here (uids are unique across them); a
+stop string's abort goes to every replica (only the one serving the uid has it), and each
+replica's `SchedulerStats` also go to the tokenizer, whose router weighs the replicas' loads.
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ logger = logging.getLogger("minisgl.detokenizer")
 class DetokenizerConfig:
     model_path: str
     detokenizer_addr: str  # PULL, bound here: rank 0's BatchTokenOut, the tokenizer's inits
-    backend_addr: str  # PUSH to rank 0: aborts of requests ended by a stop string
+    backend_addrs: Tuple[str, ...]  # PUSH to each replica's rank 0: aborts of stopped requests
     api_addr: str  # PUSH to the API server: ReplyBatch
+    tokenizer_addr: Optional[str] = None  # PUSH to the tokenizer: stats (several replicas)
 
 
 @dataclass
@@ -162,19 +167,24 @@ def run_detokenizer(cfg: DetokenizerConfig, conn: Any) -> None:
         ctx = zmq.Context()
         inbox = PullQueue(ctx, cfg.detokenizer_addr, bind=True)
         to_api = PushQueue(ctx, cfg.api_addr, bind=False)
-        to_backend = PushQueue(ctx, cfg.backend_addr, bind=False)
+        to_backends = [PushQueue(ctx, a, bind=False) for a in cfg.backend_addrs]
+        to_router = (PushQueue(ctx, cfg.tokenizer_addr, bind=False)
+                     if cfg.tokenizer_addr is not None and len(to_backends) > 1 else None)
     conn.send(("ready", "detokenizer", {}))
     while True:
         msg = inbox.get()
         if isinstance(msg, BatchTokenOut):
             rendered = state.render(list(msg.items))
             stats = msg.stats
+            if to_router is not None and stats is not None:
+                to_router.put(stats)
         elif isinstance(msg, DetokenizeInit):
             rendered, stats = state.init(msg), None
         else:
             logger.error("ignoring unexpected message %s", type(msg).__name__)
             continue
         for uid in rendered.aborts:
-            to_backend.put(AbortMsg(uid))
+            for to_backend in to_backends:
+                to_backend.put(AbortMsg(uid))
         if rendered.chunks or stats is not None:
             to_api.put(ReplyBatch(rendered.chunks, stats))

@@ -7,6 +7,11 @@ sends, in this order, a `DetokenizeInit` to the detokenizer and a `UserMsg` to r
 that fails the checks goes back to the API server as an error `ReplyChunk` (status 400) and never
 reaches the scheduler. `AbortRequest` becomes an `AbortMsg` to rank 0.
 
+With data-parallel replicas, "rank 0" is the rank 0 of the replica the router picks
+(`router.py`), which learns each replica's load from the `SchedulerStats` the detokenizer forwards
+here; an abort goes to every replica (only the one serving the uid has it; the others ignore it),
+so no per-request state is kept here.
+
 A model directory without tokenizer files (dummy-weight benchmark shapes) serves token ids only:
 text, chat and stop strings are rejected.
 """
@@ -17,7 +22,7 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, NamedTuple, Optional, Union
+from typing import Any, List, NamedTuple, Optional, Tuple, Union
 
 import zmq
 
@@ -26,8 +31,9 @@ from minisgl.core import (Limits, RequestError, SamplingParams, TooLong, check_r
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.startup import report_startup
 from minisgl.message.types import (AbortMsg, AbortRequest, DetokenizeInit, ReplyBatch, ReplyChunk,
-                                   TextRequest, TokenizeRequest, UserMsg)
+                                   SchedulerStats, TextRequest, TokenizeRequest, UserMsg)
 from minisgl.tokenizer.incremental import PROMPT_CONTEXT_TOKENS
+from minisgl.tokenizer.router import Router
 from minisgl.tokenizer.text import load_tokenizer
 
 logger = logging.getLogger("minisgl.tokenizer")
@@ -36,8 +42,10 @@ logger = logging.getLogger("minisgl.tokenizer")
 @dataclass(frozen=True)
 class TokenizerConfig:
     model_path: str
-    tokenizer_addr: str  # PULL, bound here: TokenizeRequest / AbortRequest from the API server
-    backend_addr: str  # PUSH to rank 0
+    # PULL, bound here: TokenizeRequest / AbortRequest from the API server (and the replicas'
+    # SchedulerStats from the detokenizer, with several replicas)
+    tokenizer_addr: str
+    backend_addrs: Tuple[str, ...]  # PUSH to rank 0 of each replica
     detokenizer_addr: str  # PUSH to the detokenizer
     api_addr: str  # PUSH to the API server (rejections)
 
@@ -128,7 +136,7 @@ def run_tokenizer(cfg: TokenizerConfig, conn: Any) -> None:
         tokenizer = load_tokenizer(Path(cfg.model_path))
         ctx = zmq.Context()
         inbox = PullQueue(ctx, cfg.tokenizer_addr, bind=True)
-        to_backend = PushQueue(ctx, cfg.backend_addr, bind=False)
+        to_backends = [PushQueue(ctx, a, bind=False) for a in cfg.backend_addrs]
         to_detok = PushQueue(ctx, cfg.detokenizer_addr, bind=False)
         to_api = PushQueue(ctx, cfg.api_addr, bind=False)
     conn.send(("ready", "tokenizer", {}))
@@ -137,10 +145,14 @@ def run_tokenizer(cfg: TokenizerConfig, conn: Any) -> None:
     except EOFError:  # the launcher is gone
         sys.exit(1)
     logic = Tokenizer(tokenizer, limits)
+    router = Router(len(to_backends), limits.page_size)
     while True:
         msg = inbox.get()
         if isinstance(msg, AbortRequest):
-            to_backend.put(AbortMsg(msg.uid))
+            for to_backend in to_backends:
+                to_backend.put(AbortMsg(msg.uid))
+        elif isinstance(msg, SchedulerStats):
+            router.update(msg)
         elif isinstance(msg, TextRequest):
             to_api.put(ReplyBatch([logic.answer(msg)]))
         elif isinstance(msg, TokenizeRequest):
@@ -153,6 +165,7 @@ def run_tokenizer(cfg: TokenizerConfig, conn: Any) -> None:
             to_detok.put(DetokenizeInit(msg.uid, prep.input_ids[-PROMPT_CONTEXT_TOKENS:],
                                         tuple(msg.stop), msg.skip_special_tokens,
                                         prep.input_ids if msg.echo else None))
-            to_backend.put(UserMsg(msg.uid, prep.input_ids, prep.params))
+            replica = router.route(prep.input_ids, len(prep.input_ids))
+            to_backends[replica].put(UserMsg(msg.uid, prep.input_ids, prep.params))
         else:
             logger.error("ignoring unexpected message %s", type(msg).__name__)

@@ -1,0 +1,315 @@
+"""One node's share of a service: its child processes, how they start, how they are watched and
+how they stop.
+
+Node 0 (the only node with nnodes == 1) runs every replica's ranks that live on it plus the
+tokenizer, the detokenizer and the API server; another node runs only its ranks. Over several
+nodes a `Cluster` links the launchers (meeting, failure reports, heartbeats).
+
+A failure ends the whole service. The launcher that sees it names the process that failed
+first: a rank that exited with `PEER_EXIT` only followed another's failure, so its launcher
+waits up to `_FOLLOWER_GRACE_S` for the one that caused it (here, or reported by another node,
+or a node that went silent) before naming the follower. Node 0 then tells the API server
+(`ServiceDown`: every request in flight gets an error reply), waits `_API_DRAIN_S` for those
+replies to go out, and stops everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection as mpc
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+
+import zmq
+
+from minisgl.core import Limits
+from minisgl.distributed.store import BEAT_INTERVAL_S, rank_beat_key
+from minisgl.message.codec import encode
+from minisgl.message.startup import PEER_EXIT
+from minisgl.message.types import ServiceDown, ShutdownMsg
+from minisgl.models.config import ModelConfig
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.server.api import ApiConfig, run_api
+from minisgl.server.args import ServerConfig
+from minisgl.server.cluster import Cluster
+from minisgl.server.proc import Child, StartupError, first_dead, spawn, stop_children, wait_ready
+from minisgl.server.topology import Wiring, rank_name
+from minisgl.tokenizer.detokenize_worker import DetokenizerConfig, run_detokenizer
+from minisgl.tokenizer.tokenize_worker import TokenizerConfig, run_tokenizer
+from minisgl.utils import free_port
+
+logger = logging.getLogger("minisgl.launcher")
+_GRACEFUL_STOP_S = 4.0  # ranks get this long to act on ShutdownMsg, then SIGTERM, 2 s, SIGKILL
+_FOLLOWER_GRACE_S = 2.0
+_API_DRAIN_S = 1.0
+
+
+class OtherNodeFailed(StartupError):
+    """Another node reported a failure during start-up (the message is its report)."""
+
+
+class Addresses(NamedTuple):
+    backends: Tuple[str, ...]  # tokenizer / detokenizer / launcher -> each replica's rank 0
+    detokenizer: str  # every rank 0 / tokenizer -> detokenizer
+    broadcasts: Tuple[str, ...]  # each replica's rank 0 -> its other ranks on this host
+    tokenizer: str  # API server (and detokenizer: replica stats) -> tokenizer
+    api: str  # detokenizer / tokenizer / launcher -> API server
+
+    @classmethod
+    def in_dir(cls, run_dir: str, replicas: int) -> "Addresses":
+        def ipc(name: str, replica: Optional[int] = None) -> str:
+            return f"ipc://{run_dir}/{name}{'' if replica is None or replicas == 1 else replica}"
+        return cls(tuple(ipc("backend", d) for d in range(replicas)), ipc("detokenizer"),
+                   tuple(ipc("broadcast", d) for d in range(replicas)), ipc("tokenizer"),
+                   ipc("api"))
+
+
+def _rank_entry(cfg: SchedulerConfig, conn: Any) -> None:
+    from minisgl.scheduler.main import run_rank
+    run_rank(cfg, conn)
+
+
+def _push_once(addr: str, msg: Any) -> None:
+    ctx = zmq.Context()
+    try:
+        push = ctx.socket(zmq.PUSH)
+        push.connect(addr)
+        push.send(encode(msg))
+        push.close(linger=1000)
+    finally:
+        ctx.term()
+
+
+def min_limits(limits: List[Limits]) -> Limits:
+    """What every replica can hold: the least of each."""
+    return Limits(*(min(values) for values in zip(*limits)))
+
+
+class Service:
+    """The children of one launch on this node and what they share. `stop` releases everything
+    (children, socket, runtime directory, the link to other nodes); it is idempotent and safe to
+    call after a failed `start`. `sock` (the bound HTTP socket) is None on nodes other than 0."""
+
+    def __init__(self, cfg: ServerConfig, model_path: Path, sock: Optional[socket.socket],
+                 link: Optional[Cluster] = None) -> None:
+        self.cfg = cfg
+        self.model_path = model_path
+        self.model_name = cfg.model_name(model_path)
+        self.sock = sock
+        self.link = link
+        self.node = cfg.cluster.node_rank
+        self.run_dir = tempfile.mkdtemp(prefix="minisgl-")
+        self.addrs = Addresses.in_dir(self.run_dir, cfg.cluster.dp)
+        self.health_file = os.path.join(self.run_dir, "up")  # exists while all are up
+        self.places = cfg.cluster.local_ranks(cfg.engine.tp)
+        self.ranks: List[Child] = []
+        self.workers: List[Child] = []
+        self.port: int = sock.getsockname()[1] if sock is not None else 0
+        self.met = False  # the nodes met: failures from now on are reported to the others
+        self.stopped = False
+        self._limits_sent = False
+
+    @property
+    def children(self) -> List[Child]:
+        return self.ranks + self.workers
+
+    @property
+    def url(self) -> str:
+        host, port = self.cfg.host, self.port
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    def _name(self, what: str) -> str:
+        """A process or event as the error line names it: prefixed by its node over several."""
+        return f"node {self.node}: {what}" if self.link is not None else what
+
+    # --- start ---------------------------------------------------------------------------------
+    def start(self, should_stop: Callable[[], bool]) -> None:
+        """Meet the other nodes (if any), spawn every child of this node and wait until all are
+        ready. Ranks and workers load in parallel; the tokenizer gets the ranks' context length
+        and KV capacity once they are known."""
+        if self.link is not None:
+            self.link.meet(should_stop)
+            self.met = True
+            self.link.start_watch()
+        level = self.cfg.effective_log_level
+        for place, rank_cfg in zip(self.places, self._rank_configs()):
+            self.ranks.append(spawn(rank_name(place, self.cfg.cluster.dp), _rank_entry,
+                                    (rank_cfg,), level, self.run_dir))
+        if self.cfg.cluster.is_head:
+            self._spawn_workers(level)
+        wait_ready(self.children, should_stop, self._send_limits, self._check_others)
+        if self.link is not None:
+            self.link.watch_ranks({rank_beat_key(p.replica, p.rank): c.label
+                                   for p, c in zip(self.places, self.ranks)})
+        if self.sock is not None:
+            self.sock.close()  # the API server holds its own copy now
+            self.sock = None
+            Path(self.health_file).touch()
+
+    def _rank_configs(self) -> List[SchedulerConfig]:
+        """Every local rank's config. One machine: each replica's rank 0 hosts a rendezvous on a
+        free local port. Several nodes: every replica meets in node 0's store under its own
+        prefix, and its rank 0's broadcast also listens on tcp:// for the other nodes."""
+        a, cl, n = self.addrs, self.cfg.cluster, len(self.places)
+        if cl.multi_node:
+            host, port = cl.store_addr
+            inits = [f"tcp://{host}:{port}"] * cl.dp
+        else:
+            inits = [f"tcp://127.0.0.1:{free_port()}" for _ in range(cl.dp)]
+        out = []
+        for p in self.places:
+            broadcast = a.broadcasts[p.replica]
+            wiring = Wiring(p.replica, p.device_index, n)
+            if cl.multi_node:
+                remote = cl.broadcast_tcp_addr(p.replica)
+                wiring = wiring._replace(store_prefix=f"replica{p.replica}/",
+                                         broadcast_remote=remote if p.rank == 0 else None)
+                broadcast = broadcast if cl.is_head else remote  # rank 0 is on node 0
+            out.append(self.cfg.scheduler_config(self.model_path, p.rank, inits[p.replica],
+                                                 a.backends[p.replica], a.detokenizer,
+                                                 broadcast, wiring))
+        return out
+
+    def _spawn_workers(self, level: str) -> None:
+        a, path, dp = self.addrs, str(self.model_path), self.cfg.cluster.dp
+        api_cfg = ApiConfig(self.model_name, ModelConfig.from_dir(self.model_path).max_context,
+                            self.cfg.max_n, a.tokenizer, a.api, self.health_file, dp)
+        self.workers = [
+            spawn("tokenizer", run_tokenizer,
+                  (TokenizerConfig(path, a.tokenizer, a.backends, a.detokenizer, a.api),), level,
+                  self.run_dir),
+            spawn("detokenizer", run_detokenizer,
+                  (DetokenizerConfig(path, a.detokenizer, a.backends, a.api, a.tokenizer),),
+                  level, self.run_dir),
+            spawn("api", run_api, (api_cfg, self.sock, level), level, self.run_dir),
+        ]
+        self._limits_sent = False
+
+    def _send_limits(self) -> None:
+        """Once every local rank is ready, node 0 hands the tokenizer what the replicas hold."""
+        if not self.workers or self._limits_sent or any(c.info is None for c in self.ranks):
+            return
+        firsts = [c for p, c in zip(self.places, self.ranks) if p.rank == 0]
+        limits = min_limits([(c.info or {})["limits"] for c in firsts])
+        logger.info("all %d ranks ready: context %d tokens, KV pool %d tokens",
+                    self.cfg.engine.tp * self.cfg.cluster.dp, limits.max_context,
+                    limits.kv_capacity)
+        self.workers[0].conn.send(("limits", limits))
+        self._limits_sent = True
+
+    def _check_others(self) -> None:
+        found = self.link.failure() if self.link is not None else None
+        if found is not None:
+            raise OtherNodeFailed(found)
+
+    def fail_start(self, e: StartupError) -> str:
+        """Stop after a start-up failure; the message for the error line (over several nodes,
+        once they met: the first failure any node reported)."""
+        message = str(e)
+        if self.met and not isinstance(e, OtherNodeFailed):
+            message = self._report(self._name(message))
+        self.stop(graceful=False)
+        return message
+
+    # --- watch ---------------------------------------------------------------------------------
+    def watch(self, stop: threading.Event) -> Optional[str]:
+        """Watch until `stop` is set or node 0 stops the service (None), or something fails:
+        then the failure, in words (the first one reported, over several nodes)."""
+        while not stop.is_set():
+            dead = first_dead(self.children)
+            if dead is not None:
+                if dead.process.exitcode == 0 and self.link is not None \
+                        and self.link.shutting_down:
+                    return None
+                return self._report(self._cause(dead))
+            found = self.link.failure() if self.link is not None else None
+            if found is not None:
+                return found
+            if self.link is not None and self.link.shutting_down:
+                return None
+            mpc.wait([c.process.sentinel for c in self.children], timeout=0.2)
+        return None
+
+    def _cause(self, dead: Child) -> str:
+        """What to blame for `dead`: itself, or, if it only followed another's failure, that
+        failure once it shows (here, from another node, or a node gone silent)."""
+        if dead.process.exitcode != PEER_EXIT:
+            return self._name(dead.describe_death())
+        deadline = time.monotonic() + _FOLLOWER_GRACE_S
+        while time.monotonic() < deadline:
+            first = next((c for c in self.children
+                          if not c.alive and c.process.exitcode != PEER_EXIT), None)
+            if first is not None:
+                return self._name(first.describe_death())
+            found = self.link.failure() if self.link is not None else None
+            if found is not None:
+                return found
+            time.sleep(0.1)
+        if self.link is not None:
+            silent = self.link.silent_nodes(3 * BEAT_INTERVAL_S)
+            if silent:
+                return f"node {silent[0]}'s launcher stopped answering (the node is gone)"
+        return self._name(f"{dead.describe_death()} after another rank failed")
+
+    def _report(self, message: str) -> str:
+        return self.link.report(message) if self.link is not None else message
+
+    def fail(self, message: str) -> str:
+        """Stop after a failure: tell the other nodes (the first report wins: returned) and the
+        API server, give the error replies a moment to go out, then stop every child."""
+        Path(self.health_file).unlink(missing_ok=True)  # /health answers 503 from now
+        message = self._report(message)
+        api = next((c for c in self.workers if c.name == "api"), None)
+        if api is not None and api.alive:
+            _push_once(self.addrs.api, ServiceDown(message))
+            time.sleep(_API_DRAIN_S)
+        self.stop(graceful=False)
+        return message
+
+    # --- stop ----------------------------------------------------------------------------------
+    def stop(self, graceful: bool) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        Path(self.health_file).unlink(missing_ok=True)
+        if graceful and self.link is not None:
+            if self.cfg.cluster.is_head:
+                self.link.announce_shutdown()
+            elif not self.link.shutting_down:  # this node leaving ends the service
+                self.link.report(self._name("its launcher was stopped"))
+        if graceful and self.workers:
+            firsts = [c for p, c in zip(self.places, self.ranks) if p.rank == 0]
+            for backend, rank0 in zip(self.addrs.backends, firsts):
+                if rank0.alive:
+                    _push_once(backend, ShutdownMsg())
+        for c in self.workers:
+            if c.alive:
+                c.process.terminate()
+        if graceful:
+            stop_children(self.children, _GRACEFUL_STOP_S, 2.0)
+        else:  # a child died: the others may be stuck in a collective with it
+            stop_children(self.children, 0.0, 1.0)
+        self.ranks, self.workers = [], []
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        if self.link is not None:
+            self.link.close()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def describe_ranks(self) -> str:
+        """This node's ranks, for the ready line of a node other than 0."""
+        by_replica: Dict[int, List[int]] = {}
+        for p in self.places:
+            by_replica.setdefault(p.replica, []).append(p.rank)
+        parts = [f"ranks {r[0]}-{r[-1]}" if len(r) > 1 else f"rank {r[0]}"
+                 for r in by_replica.values()]
+        if self.cfg.cluster.dp > 1:
+            parts = [f"{part} of replica {d}" for d, part in zip(by_replica, parts)]
+        return ", ".join(parts)

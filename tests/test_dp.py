@@ -1,0 +1,98 @@
+"""Data parallelism: `--dp N` replicas behind one API server, routed by prefix, then by load.
+
+The router's logic is checked alone (tokenizer/router.py); the service is checked through HTTP
+on the CPU with a random tiny Qwen3: greedy tokens equal to the offline engine's, both replicas
+serving (their metrics carry a `replica` label), a repeated prompt served from one replica's
+prefix cache, and `--dp 2 --tp 2`.
+"""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import List
+
+import httpx
+
+from server_helpers import CPU_ARGS, check_same_as_tp1, serving
+
+from minisgl import LLM, SamplingParams
+from minisgl.message.types import SchedulerStats
+from minisgl.tokenizer.router import SLACK_PAGES, Router, prefix_keys
+
+PAGE = 4
+
+
+# --- the router alone -----------------------------------------------------------------------------
+def test_prefix_keys_cover_doubling_page_counts_and_all_full_pages() -> None:
+    ids = list(range(11 * PAGE + 1))
+    assert len(prefix_keys(ids, PAGE)) == 5  # 1, 2, 4, 8 and all 11 full pages
+    assert prefix_keys(ids[:PAGE - 1], PAGE) == []
+    assert prefix_keys(ids, PAGE)[:4] == prefix_keys(ids[:8 * PAGE], PAGE)
+    assert prefix_keys([9, *ids[1:]], PAGE)[0] != prefix_keys(ids, PAGE)[0]
+
+
+def test_router_follows_the_prefix_unless_its_holder_is_overloaded() -> None:
+    r = Router(2, PAGE)
+    a, b = list(range(40)), list(range(100, 140))
+    assert r.route(a, 40) == 0 and r.route(b, 40) == 1  # no holder: the least loaded
+    r.update(SchedulerStats(replica=0))
+    r.update(SchedulerStats(replica=1))
+    assert r.route(a + [7, 8], 42) == 0 and r.route(b, 40) == 1  # the holders of the prefixes
+    r.update(SchedulerStats(replica=0, kv_pages_used=4 * SLACK_PAGES))  # far above replica 1
+    assert r.route(a, 40) == 1  # overloaded: the least loaded takes it, and holds it now
+    r.update(SchedulerStats(replica=0))
+    r.update(SchedulerStats(replica=1))
+    assert r.route(a, 40) == 1
+    assert Router(1, PAGE).route(a, 40) == 0
+
+
+def test_router_forgets_the_oldest_prefixes_beyond_its_capacity() -> None:
+    r = Router(2, PAGE, capacity=8)
+    for k in range(20):
+        r.route([k] * (3 * PAGE), 3 * PAGE)
+    assert len(r.holders) == 8
+
+
+# --- the service ----------------------------------------------------------------------------------
+def _prompts(n: int, seed: int = 0) -> List[List[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 4000) for _ in range(rng.randrange(4, 40))] for _ in range(n)]
+
+
+def _generate(url: str, ids: List[int], max_tokens: int) -> dict:
+    body = {"input_ids": ids, "sampling_params": {"max_tokens": max_tokens, "temperature": 0}}
+    r = httpx.post(f"{url}/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_dp2_matches_the_offline_engine_and_uses_both_replicas(tmp_path: Path,
+                                                               tiny_qwen3: Path) -> None:
+    prompts = _prompts(32)
+    with LLM(str(tiny_qwen3), max_kv_tokens=8192, show_progress=False) as llm:
+        refs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
+    with serving(["--model", str(tiny_qwen3), "--dp", "2", *CPU_ARGS], tmp_path) as srv:
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: _generate(srv.url, p, 8), prompts))
+        assert [g["token_ids"] for g in got] == [r.token_ids for r in refs]
+        name = "minisgl_generation_tokens_total"
+        m = srv.wait_metrics(lambda m: sum(m.get(f'{name}{{replica="{d}"}}', 0)
+                                           for d in (0, 1)) >= 8 * len(prompts))
+        per_replica = [m.get(f'{name}{{replica="{d}"}}', 0) for d in (0, 1)]
+        assert all(n > 0 for n in per_replica) and sum(per_replica) == 8 * len(prompts), m
+        assert name not in m  # every scheduler line carries its replica
+        long_prompt = _prompts(1, seed=7)[0] * 6  # well over a few KV pages
+        cached = [_generate(srv.url, long_prompt, 2)["usage"]["prompt_tokens_details"]
+                  ["cached_tokens"] for _ in range(5)]
+        assert sum(c > 0 for c in cached) >= 4, cached
+
+
+def test_dp2_tp2(tmp_path: Path, tiny_qwen3: Path) -> None:
+    with serving(["--model", str(tiny_qwen3), "--dp", "2", "--tp", "2", *CPU_ARGS],
+                 tmp_path) as srv:
+        check_same_as_tp1(srv, tiny_qwen3)
+        m = srv.metrics()
+        assert all(m[f'minisgl_generation_tokens_total{{replica="{d}"}}'] > 0 for d in (0, 1))
