@@ -120,7 +120,8 @@ class Service:
                                                  a.detokenizer, a.broadcast)
             self.ranks.append(spawn(f"rank{r}", _rank_entry, (rank_cfg,), level, self.run_dir))
         api_cfg = ApiConfig(self.model_name, ModelConfig.from_dir(self.model_path).max_context,
-                            self.cfg.max_n, a.tokenizer, a.api, self.health_file)
+                            self.cfg.max_n, a.tokenizer, a.api, self.health_file,
+                            root=path)
         self.workers = [
             spawn("tokenizer", run_tokenizer,
                   (TokenizerConfig(path, a.tokenizer, a.backend, a.detokenizer, a.api),), level,

@@ -9,7 +9,7 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import anyio
 from fastapi.responses import StreamingResponse
@@ -30,6 +30,7 @@ class Choice:
     cached_tokens: int = 0
     logprobs: List[TokenLogprobText] = field(default_factory=list)
     logprob_chars: int = 0  # length of the logprobs' token texts: the next text_offset
+    matched_stop: Union[None, int, str] = None  # the stop string or token id that ended it
 
     def add(self, chunk: ReplyChunk) -> None:
         """Accumulate a chunk; an echoed prompt goes first, into text and logprobs alike."""
@@ -42,6 +43,8 @@ class Choice:
         self.logprobs.extend(chunk.logprobs)
         self.logprob_chars += sum(len(e.token) for e in chunk.logprobs)
         self.finish_reason = chunk.finish_reason or self.finish_reason
+        if chunk.finish_reason is not None:
+            self.matched_stop = chunk.matched_stop
         self.prompt_tokens = max(self.prompt_tokens, chunk.prompt_tokens)
         self.completion_tokens = max(self.completion_tokens, chunk.completion_tokens)
         self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
@@ -55,6 +58,12 @@ def usage(choices: List[Choice], n: int) -> Dict[str, Any]:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in firsts)}}
+
+
+def choice_usage(choice: Choice) -> Dict[str, Any]:
+    """One choice's usage so far (vLLM's continuous_usage_stats, on every streamed chunk)."""
+    return {"prompt_tokens": choice.prompt_tokens, "completion_tokens": choice.completion_tokens,
+            "total_tokens": choice.prompt_tokens + choice.completion_tokens}
 
 
 def completion_logprobs(entries: Sequence[TokenLogprobText], offset: int) -> Dict[str, Any]:
@@ -125,6 +134,7 @@ class Formatter(ABC):
     request."""
 
     id_prefix = ""
+    prompt_param = "prompt"  # the request field an error about the prompt names
 
     def __init__(self, model: str, job: Job) -> None:
         self.model, self.job = model, job
@@ -134,7 +144,8 @@ class Formatter(ABC):
     @abstractmethod
     def full(self, choices: List[Choice]) -> Dict[str, Any]: ...
 
-    def opening(self, index: int) -> Iterator[str]:
+    def opening(self, index: int, choice: Choice) -> Iterator[str]:
+        """`choice` holds only the prompt's token count."""
         return iter(())
 
     @abstractmethod
@@ -148,6 +159,7 @@ class GenerateFormatter(Formatter):
     """The native /generate format: text and token ids, one object per chunk, no choices."""
 
     id_prefix = "gen"
+    prompt_param = "input_ids"
 
     def full(self, choices: List[Choice]) -> Dict[str, Any]:
         c = choices[0]
@@ -163,9 +175,10 @@ class GenerateFormatter(Formatter):
 
 
 class _OpenAIFormatter(Formatter):
-    """OpenAI envelopes around per-choice items; a chunk's text (with its tokens' logprobs, when
-    asked for) and its finish reason go out as separate chunks; usage closes the stream when
-    asked for."""
+    """OpenAI envelopes around per-choice items. Streamed, a chunk carries the new text, its
+    tokens' logprobs (when asked for) and, on the last token's chunk, the finish reason (with
+    SGLang's `matched_stop`); usage closes the stream when asked for, or rides on every chunk
+    (`continuous_usage_stats`)."""
 
     full_object = ""
     chunk_object = ""
@@ -192,8 +205,15 @@ class _OpenAIFormatter(Formatter):
         return self._logprobs(choice.logprobs, 0) if self.wants_logprobs else None
 
     def full(self, choices: List[Choice]) -> Dict[str, Any]:
-        items = [self._item(i, c) for i, c in enumerate(choices)]
+        items = [{**self._item(i, c), "matched_stop": c.matched_stop}
+                 for i, c in enumerate(choices)]
         return {**self._envelope(self.full_object, items), "usage": usage(choices, self.job.n)}
+
+    def _chunk(self, index: int, choice: Choice, item: Dict[str, Any]) -> str:
+        body = self._envelope(self.chunk_object, [item])
+        if self.job.continuous_usage:
+            body["usage"] = choice_usage(choice)
+        return sse(body)
 
     def delta(self, index: int, chunk: ReplyChunk, choice: Choice) -> Iterator[str]:
         # A token whose text is held back (an incomplete character, a possible stop string)
@@ -204,12 +224,12 @@ class _OpenAIFormatter(Formatter):
         if self.wants_logprobs and entries:
             start = choice.logprob_chars - sum(len(e.token) for e in entries)
             logprobs = self._logprobs(entries, start)
-        if text or logprobs is not None:
-            yield sse(self._envelope(self.chunk_object,
-                                     [self._chunk_item(index, text, None, logprobs)]))
-        if chunk.finish_reason is not None:
-            yield sse(self._envelope(self.chunk_object,
-                                     [self._chunk_item(index, None, chunk.finish_reason)]))
+        reason = chunk.finish_reason
+        if text or logprobs is not None or reason is not None:
+            item = self._chunk_item(index, text, reason, logprobs)
+            if reason is not None:
+                item["matched_stop"] = chunk.matched_stop
+            yield self._chunk(index, choice, item)
 
     def closing(self, choices: List[Choice]) -> Iterator[str]:
         if self.job.include_usage:
@@ -220,6 +240,7 @@ class _OpenAIFormatter(Formatter):
 
 class ChatFormatter(_OpenAIFormatter):
     id_prefix = "chatcmpl"
+    prompt_param = "messages"
     full_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
@@ -230,14 +251,14 @@ class ChatFormatter(_OpenAIFormatter):
         return {"index": index, "message": {"role": "assistant", "content": "".join(choice.text)},
                 "logprobs": self._choice_logprobs(choice), "finish_reason": choice.finish_reason}
 
-    def opening(self, index: int) -> Iterator[str]:
-        yield sse(self._envelope(self.chunk_object, [{
+    def opening(self, index: int, choice: Choice) -> Iterator[str]:
+        yield self._chunk(index, choice, {
             "index": index, "delta": {"role": "assistant", "content": ""},
-            "logprobs": None, "finish_reason": None}]))
+            "logprobs": None, "finish_reason": None})
 
     def _chunk_item(self, index: int, text: Optional[str], reason: Optional[str],
                     logprobs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-        delta = {} if text is None else {"content": text}
+        delta = {"content": text} if text else {}
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
 

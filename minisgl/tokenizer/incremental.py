@@ -75,12 +75,16 @@ class IncrementalDecoder:
 
 class StopResult(NamedTuple):
     text: str  # safe to emit now
-    stopped: bool  # a stop string matched; `text` ends right before it
+    stopped: bool  # a stop string matched; `text` ends right before it (or with it, kept)
+    matched: Optional[str] = None  # the stop string that matched
 
 
 class StopMatcher:
-    def __init__(self, stops: Sequence[str]) -> None:
+    """`keep` (SGLang's no_stop_trim): the matched stop string stays at the end of the text."""
+
+    def __init__(self, stops: Sequence[str], keep: bool = False) -> None:
         self.stops = tuple(s for s in stops if s)
+        self.keep = keep
         self.held = ""
 
     def feed(self, text: str) -> StopResult:
@@ -88,10 +92,11 @@ class StopMatcher:
         if not self.stops:
             self.held = ""
             return StopResult(buf, False)
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, -len(s), s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.held = ""
-            return StopResult(buf[:min(hits)], True)
+            at, _, stop = min(hits)  # the earliest; of those starting there, the longest
+            return StopResult(buf[:at + len(stop) if self.keep else at], True, stop)
         keep = self._partial_tail(buf)
         self.held = buf[len(buf) - keep:] if keep else ""
         return StopResult(buf[:len(buf) - keep], False)
