@@ -51,6 +51,7 @@ class ApiConfig:
     api_addr: str  # PULL, bound here: replies from the detokenizer and tokenizer
     health_file: str  # exists while the launcher sees every process of the service up
     root: str = ""  # the model's directory (vLLM's model card `root`); "" names the model
+    reasoning_parser: Optional[str] = None  # server/reasoning.py: splits chat output
 
 
 class ClientGone(Exception):
@@ -209,7 +210,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> FastAPI:
     async def chat(request: Request) -> Response:
         body = parse_body(await json_body(request), ChatRequest)
         check_model(body.model)
-        fmt = ChatFormatter(cfg.model_name, chat_job(body, cfg.max_n))
+        fmt = ChatFormatter(cfg.model_name, chat_job(body, cfg.max_n), cfg.reasoning_parser)
         return await run_job(request, streams, fmt)
 
     @app.post("/v1/completions")

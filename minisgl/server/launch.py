@@ -121,7 +121,7 @@ class Service:
             self.ranks.append(spawn(f"rank{r}", _rank_entry, (rank_cfg,), level, self.run_dir))
         api_cfg = ApiConfig(self.model_name, ModelConfig.from_dir(self.model_path).max_context,
                             self.cfg.max_n, a.tokenizer, a.api, self.health_file,
-                            root=path)
+                            root=path, reasoning_parser=self.cfg.reasoning_parser)
         self.workers = [
             spawn("tokenizer", run_tokenizer,
                   (TokenizerConfig(path, a.tokenizer, a.backend, a.detokenizer, a.api),), level,

@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from minisgl.message.types import ReplyChunk, TokenLogprobText
 from minisgl.server.protocol import Job
+from minisgl.server.reasoning import ReasoningSplitter, split_reasoning
 
 
 @dataclass
@@ -239,16 +240,28 @@ class _OpenAIFormatter(Formatter):
 
 
 class ChatFormatter(_OpenAIFormatter):
+    """With a `reasoning_parser` (server/reasoning.py), the thinking part of each choice goes
+    into `message.reasoning_content` / `delta.reasoning_content`, the rest into `content`."""
+
     id_prefix = "chatcmpl"
     prompt_param = "messages"
     full_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
+    def __init__(self, model: str, job: Job, reasoning_parser: Optional[str] = None) -> None:
+        super().__init__(model, job)
+        self.reasoning_parser = reasoning_parser
+        self.splitters: Dict[int, ReasoningSplitter] = {}
+
     def _logprobs(self, entries: Sequence[TokenLogprobText], offset: int) -> Dict[str, Any]:
         return chat_logprobs(entries)
 
     def _item(self, index: int, choice: Choice) -> Dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": "".join(choice.text)},
+        parts = split_reasoning(self.reasoning_parser, "".join(choice.text))
+        message: Dict[str, Any] = {"role": "assistant", "content": parts.content}
+        if self.reasoning_parser is not None:
+            message["reasoning_content"] = parts.reasoning or None
+        return {"index": index, "message": message,
                 "logprobs": self._choice_logprobs(choice), "finish_reason": choice.finish_reason}
 
     def opening(self, index: int, choice: Choice) -> Iterator[str]:
@@ -258,7 +271,20 @@ class ChatFormatter(_OpenAIFormatter):
 
     def _chunk_item(self, index: int, text: Optional[str], reason: Optional[str],
                     logprobs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-        delta = {"content": text} if text else {}
+        delta: Dict[str, str] = {}
+        if self.reasoning_parser is None:
+            if text:
+                delta["content"] = text
+        else:
+            splitter = self.splitters.setdefault(index, ReasoningSplitter(self.reasoning_parser))
+            reasoning, content = splitter.feed(text or "")
+            if reason is not None:
+                rest = splitter.flush()
+                reasoning, content = reasoning + rest.reasoning, content + rest.content
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if content:
+                delta["content"] = content
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
 
