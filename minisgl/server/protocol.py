@@ -45,6 +45,7 @@ _UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
     "use_beam_search": lambda v: v in (None, False),
     "length_penalty": lambda v: v in (None, 1, 1.0),
     "allowed_token_ids": lambda v: v is None,
+    "prompt_logprobs": lambda v: v is None,  # completions: echo with logprobs gives them
     "bad_words": lambda v: not v,
     "truncate_prompt_tokens": lambda v: v is None,
     "cache_salt": lambda v: v is None,
