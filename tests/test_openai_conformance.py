@@ -178,6 +178,7 @@ REFUSED = [
     ("stop_regex", ["a+"]), ("ebnf", "root ::= 'a'"), ("cache_salt", "abc"),
     ("json_schema", "{}"), ("response_format", {"type": "json_object"}),
     ("spaces_between_special_tokens", False), ("echo", True), ("chat_template", "{{ 1 }}"),
+    ("prompt_logprobs", 1),
 ]
 
 
@@ -310,3 +311,12 @@ def test_matched_stop_and_no_stop_trim(client: openai.OpenAI, tokenizer: Any) ->
         "<|im_end|>")
     r = client.chat.completions.create(**{**kw, "max_tokens": 2})
     assert r.choices[0].model_extra["matched_stop"] is None
+
+
+def test_stop_matcher_names_the_match_and_keeps_it_when_asked() -> None:
+    from minisgl.tokenizer.incremental import StopMatcher
+    m = StopMatcher(["lo w", "o"], keep=True)
+    assert m.feed("hel") == ("hel", False) and m.matched is None
+    assert m.feed("lo world") == ("lo w", True) and m.matched == "lo w"
+    m = StopMatcher(["ab", "abc"])
+    assert m.feed("xabc") == ("x", True) and m.matched == "abc"  # the longest at the spot

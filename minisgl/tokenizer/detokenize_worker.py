@@ -109,9 +109,9 @@ class Detokenizer:
                 text = req.decoder.push(out.token)
         if out.finish_reason is not None:
             text += req.decoder.flush()
-        text, stopped, matched = req.matcher.feed(text)
+        text, stopped = req.matcher.feed(text)
         reason = out.finish_reason
-        stop: Union[None, int, str] = matched
+        stop: Union[None, int, str] = req.matcher.matched
         if stopped:
             req.stopped, reason = True, FinishReason.STOP.value
         elif reason is not None:
