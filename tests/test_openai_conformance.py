@@ -320,3 +320,35 @@ def test_stop_matcher_names_the_match_and_keeps_it_when_asked() -> None:
     assert m.feed("lo world") == ("llo w", True) and m.matched == "lo w"
     m = StopMatcher(["ab", "abc"])
     assert m.feed("xabc") == ("x", True) and m.matched == "abc"  # the longest at the spot
+
+
+# --- item 10: the Responses API --------------------------------------------------------------------
+def test_responses_api_plain_streamed_and_continued(client: openai.OpenAI, server: Server) -> None:
+    chat = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=12,
+        messages=[{"role": "system", "content": "Be brief."}, *PARIS])
+    r = client.responses.create(model=MODEL, input=PARIS[0]["content"], temperature=0,
+                                instructions="Be brief.", max_output_tokens=12)
+    assert r.output_text == chat.choices[0].message.content and r.status == "completed"
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+
+    events = list(client.responses.create(model=MODEL, input=PARIS, temperature=0,
+                                          instructions="Be brief.", max_output_tokens=12,
+                                          stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        r.output_text
+    assert events[-1].response.output_text == r.output_text
+
+    more = client.responses.create(model=MODEL, input="And of Germany?", temperature=0,
+                                   max_output_tokens=4, previous_response_id=r.id)
+    assert more.status == "incomplete" and more.incomplete_details.reason == "max_output_tokens"
+    assert more.usage.input_tokens > r.usage.input_tokens + 4  # the conversation came along
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL, input="x", previous_response_id="resp-nope")
+    bad = _post(server, "/v1/responses", {"input": "x", "tools": [{"type": "web_search"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
+    bad = _post(server, "/v1/responses", {"input": "x", "max_output_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_output_tokens"

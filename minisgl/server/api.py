@@ -1,7 +1,7 @@
 """The HTTP front end: an OpenAI-compatible API on FastAPI, served by uvicorn on uvloop.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /generate (token ids in and out),
-POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /v1/models, GET /v1/models/{id},
+POST /v1/responses, POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /v1/models, GET /v1/models/{id},
 GET /version, GET /health (200 only while the launcher reports every process up), GET /metrics.
 A POST body must be JSON: another declared content type gets a 415.
 
@@ -36,6 +36,8 @@ from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, D
                                      tokenize_prompt)
 from minisgl.server.responses import (ChatFormatter, Choice, CompletionFormatter, Formatter,
                                       GenerateFormatter, SSEResponse)
+from minisgl.server.responses_api import (ResponsesFormatter, ResponsesRequest, ResponseStore,
+                                          response_messages, responses_job)
 from minisgl.server.streams import RequestStream, RequestStreams
 
 logger = logging.getLogger("minisgl.api")
@@ -218,6 +220,17 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> FastAPI:
         body = parse_body(await json_body(request), CompletionRequest)
         check_model(body.model)
         fmt = CompletionFormatter(cfg.model_name, completion_job(body, cfg.max_n))
+        return await run_job(request, streams, fmt)
+
+    stored = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        body = parse_body(await json_body(request), ResponsesRequest)
+        check_model(body.model)
+        messages = response_messages(body, stored)
+        fmt = ResponsesFormatter(cfg.model_name, responses_job(body, messages, cfg.max_n), body,
+                                 messages, stored)
         return await run_job(request, streams, fmt)
 
     @app.post("/generate")
