@@ -180,7 +180,12 @@ def prompt_error(ids: Sequence[int], vocab_size: int) -> Optional[str]:
 
 
 class RequestError(ValueError):
-    """A request the engine cannot serve; the message names the values."""
+    """A request the engine cannot serve; the message names the values, `param` the request
+    field they came from (an API error names it)."""
+
+    def __init__(self, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class TooLong(RequestError):
@@ -196,7 +201,7 @@ class TooLong(RequestError):
         else:
             message = (f"{n} prompt tokens plus max_tokens {m} = {n + m} exceeds the context "
                        f"length {limits.max_context}")
-        super().__init__(message)
+        super().__init__(message, "max_tokens" if n < limits.max_context else "prompt")
         self.prompt_tokens, self.max_tokens, self.limits, self.in_pool = n, m, limits, in_pool
 
 
@@ -208,11 +213,11 @@ def _auto_max_tokens(prompt_tokens: int, params: SamplingParams, limits: Limits)
     limit = min(limits.max_context, limits.kv_capacity)
     if prompt_tokens >= limit:
         raise RequestError(f"the prompt has {prompt_tokens} tokens, which leaves no room for "
-                           f"output in the context length of {limit} tokens")
+                           f"output in the context length of {limit} tokens", "prompt")
     max_tokens = min(limit - prompt_tokens, max(256, limit // 8))
     error = _min_tokens_error(params.min_tokens, max_tokens)
     if error is not None:
-        raise RequestError(error)
+        raise RequestError(error, "min_tokens")
     return max_tokens
 
 
@@ -223,11 +228,15 @@ def check_request(ids: Sequence[int], params: SamplingParams, limits: Limits) ->
     The params themselves were validated where they were built (`SamplingParams.validate`)."""
     error = prompt_error(ids, limits.vocab_size)
     if error is not None:
-        raise RequestError(error)
-    outside = [t for t in params.logit_bias or {} if t >= limits.vocab_size]
-    if outside:
-        raise RequestError(f"logit_bias token id {outside[0]} is outside the vocabulary "
-                           f"[0, {limits.vocab_size})")
+        raise RequestError(error, "prompt")
+    for name, tokens in (("logit_bias", params.logit_bias or {}),
+                         ("stop_token_ids", params.stop_token_ids)):
+        outside = [str(t) for t in tokens if t >= limits.vocab_size]
+        if outside:
+            many = len(outside) > 1
+            raise RequestError(f"{name} token id{'s' if many else ''} {', '.join(outside)} "
+                               f"{'are' if many else 'is'} outside the vocabulary "
+                               f"[0, {limits.vocab_size})", name)
     n = len(ids)
     if params.max_tokens is None:
         params = dataclasses.replace(params, max_tokens=_auto_max_tokens(n, params, limits))

@@ -9,7 +9,7 @@ message must decode to the same object on every rank (no process-local state ins
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 from minisgl.core import SamplingParams, TokenLogprobs
 
@@ -29,6 +29,12 @@ class TokenizeRequest:
     stop: Tuple[str, ...] = ()  # stop strings, matched by the detokenizer
     skip_special_tokens: bool = True
     echo: bool = False  # the reply starts with the prompt (completions' echo)
+    no_stop_trim: bool = False  # a matched stop string stays in the text
+    # The chat template's options, for `messages` (extra template variables as a JSON object,
+    # sent as text so that no user value can look like a message on the wire).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs_json: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,12 @@ class TextRequest:
     text: Optional[str] = None
     messages: Optional[List[dict]] = None
     input_ids: Optional[List[int]] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs_json: Optional[str] = None
+    return_token_strs: bool = False  # tokenize: the reply's `token_strs` has each token's piece
+    # Nothing to tokenize: the reply's `text` is the tokenizer's description as a JSON object.
+    info: bool = False
 
 
 @dataclass(frozen=True)
@@ -152,6 +164,10 @@ class ReplyChunk:
     # log-probabilities asked) one entry per prompt token.
     prompt_text: Optional[str] = None
     prompt_logprobs: List[TokenLogprobText] = field(default_factory=list)
+    error_param: Optional[str] = None  # the request field an error is about
+    # In the final chunk of a request ended by a stop string or a stop token: which one.
+    matched_stop: Union[None, int, str] = None
+    token_strs: Optional[List[str]] = None  # a tokenize reply asked for the tokens' pieces
 
 
 @dataclass(frozen=True)
@@ -178,6 +194,7 @@ class DetokenizeInit:
     stop: Tuple[str, ...] = ()
     skip_special_tokens: bool = True
     echo_ids: Optional[List[int]] = None  # the whole prompt, when the reply echoes it
+    no_stop_trim: bool = False  # a matched stop string stays in the text
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """The HTTP front end: an OpenAI-compatible API on FastAPI, served by uvicorn on uvloop.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /generate (token ids in and out),
-GET /v1/models, GET /health (200 only while the launcher reports every process up), GET /metrics.
+POST /v1/responses, POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /v1/models, GET /v1/models/{id},
+GET /version, GET /health (200 only while the launcher reports every process up), GET /metrics.
+A POST body must be JSON: another declared content type gets a 415.
 
 A request's uids are released (unfinished ones aborted, so their KV pages are freed) when the
 handler ends for any reason: response sent, error, or the client gone. Non-streaming handlers
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
+import json
 import logging
 import os
 import time
@@ -32,6 +36,8 @@ from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, D
                                      tokenize_prompt)
 from minisgl.server.responses import (ChatFormatter, Choice, CompletionFormatter, Formatter,
                                       GenerateFormatter, SSEResponse, sse)
+from minisgl.server.responses_api import (ResponsesFormatter, ResponsesRequest, ResponseStore,
+                                          response_messages, responses_job)
 from minisgl.server.streams import RequestStream, RequestStreams
 
 logger = logging.getLogger("minisgl.api")
@@ -47,6 +53,8 @@ class ApiConfig:
     api_addr: str  # PULL, bound here: replies from the detokenizer and tokenizer
     health_file: str  # exists while the launcher sees every process of the service up
     replicas: int = 1  # data-parallel replicas (their scheduler metrics are labelled)
+    root: str = ""  # the model's directory (vLLM's model card `root`); "" names the model
+    reasoning_parser: Optional[str] = None  # server/reasoning.py: splits chat output
 
 
 class ClientGone(Exception):
@@ -74,19 +82,43 @@ class Waiter:
                 return chunk
 
 
-def _check(chunk: ReplyChunk) -> None:
+def _check(chunk: ReplyChunk, prompt_param: str = "prompt") -> None:
+    """ApiError for an error reply, naming the field (a chat request's prompt is its
+    messages)."""
     if chunk.error is not None:
-        raise _chunk_error(chunk)
+        raise _chunk_error(chunk, prompt_param)
 
 
-def _chunk_error(chunk: ReplyChunk) -> ApiError:
+def _chunk_error(chunk: ReplyChunk, prompt_param: str = "prompt") -> ApiError:
+    """The ApiError of an error reply: a server error (5xx, the service stopped) or the
+    request's fault, naming the field."""
     kind = "server_error" if chunk.error_status >= 500 else "invalid_request_error"
-    return ApiError(chunk.error_status, chunk.error or "", kind=kind)
+    param = prompt_param if chunk.error_param == "prompt" else chunk.error_param
+    return ApiError(chunk.error_status, chunk.error or "", param, kind=kind)
 
 
-async def run_text(request: Request, streams: RequestStreams, prompt: Prompt) -> ReplyChunk:
-    """A tokenize / detokenize round trip through the tokenizer process: its one reply."""
-    stream = streams.submit_text(prompt.text, prompt.messages, prompt.input_ids)
+def _version() -> str:
+    try:
+        return importlib.metadata.version("minisgl")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "unknown"
+
+
+async def json_body(request: Request) -> bytes:
+    """The raw body of a POST whose declared content type is JSON (or none is declared);
+    ApiError(415) otherwise."""
+    kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if kind and kind != "application/json" and not kind.endswith("+json"):
+        raise ApiError(415, f"Unsupported Media Type: Only 'application/json' is allowed, got "
+                            f"{kind!r}", kind="invalid_request_error")
+    return await request.body()
+
+
+async def run_text(request: Request, streams: RequestStreams, prompt: Optional[Prompt],
+                   return_token_strs: bool = False) -> ReplyChunk:
+    """A tokenize / detokenize / info round trip through the tokenizer process: its one
+    reply."""
+    stream = streams.submit_text(prompt, return_token_strs)
     try:
         chunk = await Waiter(stream, request).next()
     finally:
@@ -104,12 +136,12 @@ async def run_job(request: Request, streams: RequestStreams, fmt: Formatter) -> 
             first: List[ReplyChunk] = []
             while len({c.uid for c in first}) < len(stream.uids):
                 first.append(await waiter.next())
-                _check(first[-1])
+                _check(first[-1], fmt.prompt_param)
             return SSEResponse(_events(stream, fmt, choices, first),
                                on_close=lambda: streams.release(stream))
         while stream.unfinished or not stream.queue.empty():
             chunk = await waiter.next()
-            _check(chunk)
+            _check(chunk, fmt.prompt_param)
             choices[stream.index[chunk.uid]].add(chunk)
         return JSONResponse(fmt.full(choices))
     except ClientGone:
@@ -123,7 +155,8 @@ async def run_job(request: Request, streams: RequestStreams, fmt: Formatter) -> 
 async def _events(stream: RequestStream, fmt: Formatter, choices: List[Choice],
                   first: List[ReplyChunk]) -> AsyncIterator[str]:
     for i in range(len(choices)):
-        for line in fmt.opening(i):
+        head = next(c for c in first if stream.index[c.uid] == i)
+        for line in fmt.opening(i, Choice(prompt_tokens=head.prompt_tokens)):
             yield line
     buffered = list(first)
     while buffered or stream.unfinished or not stream.queue.empty():
@@ -189,48 +222,80 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        body = parse_body(await request.body(), ChatRequest)
+        body = parse_body(await json_body(request), ChatRequest)
         check_model(body.model)
-        fmt = ChatFormatter(cfg.model_name, chat_job(body, cfg.max_n))
+        fmt = ChatFormatter(cfg.model_name, chat_job(body, cfg.max_n), cfg.reasoning_parser)
         return await run_job(request, streams, fmt)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = parse_body(await request.body(), CompletionRequest)
+        body = parse_body(await json_body(request), CompletionRequest)
         check_model(body.model)
         fmt = CompletionFormatter(cfg.model_name, completion_job(body, cfg.max_n))
         return await run_job(request, streams, fmt)
 
+    stored = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        body = parse_body(await json_body(request), ResponsesRequest)
+        check_model(body.model)
+        messages = response_messages(body, stored)
+        fmt = ResponsesFormatter(cfg.model_name, responses_job(body, messages, cfg.max_n), body,
+                                 messages, stored)
+        return await run_job(request, streams, fmt)
+
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        body = parse_body(await request.body(), GenerateRequest)
+        body = parse_body(await json_body(request), GenerateRequest)
         return await run_job(request, streams,
                              GenerateFormatter(cfg.model_name, generate_job(body)))
 
     async def text_endpoint(request: Request, body_type: Any, prompt_of: Callable[[Any], Prompt],
                             reply: Callable[[ReplyChunk], Dict[str, Any]]) -> Response:
         """/tokenize and /detokenize: parse, one round trip to the tokenizer, reply."""
-        body = parse_body(await request.body(), body_type)
+        body = parse_body(await json_body(request), body_type)
         check_model(body.model)
         try:
-            chunk = await run_text(request, streams, prompt_of(body))
+            chunk = await run_text(request, streams, prompt_of(body),
+                                   getattr(body, "return_token_strs", False))
         except ClientGone:
             return Response(status_code=499)
         return JSONResponse(reply(chunk))
 
+    def tokenized(chunk: ReplyChunk) -> Dict[str, Any]:
+        out = {"tokens": chunk.token_ids, "count": len(chunk.token_ids),
+               "max_model_len": cfg.max_context}
+        if chunk.token_strs is not None:
+            out["token_strs"] = chunk.token_strs
+        return out
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        return await text_endpoint(request, TokenizeBody, tokenize_prompt, lambda c: {
-            "tokens": c.token_ids, "count": len(c.token_ids), "max_model_len": cfg.max_context})
+        return await text_endpoint(request, TokenizeBody, tokenize_prompt, tokenized)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         return await text_endpoint(request, DetokenizeBody, detokenize_prompt,
                                    lambda c: {"prompt": c.text})
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        try:
+            chunk = await run_text(request, streams, None)
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse(json.loads(chunk.text))
+
+    @app.get("/version")
+    async def version() -> Dict[str, Any]:
+        return {"version": _version()}
+
     def model_card() -> Dict[str, Any]:
+        """vLLM's model card: OpenAI's fields, the model's `root` and its context length."""
         return {"id": cfg.model_name, "object": "model", "created": started,
-                "owned_by": "minisgl", "max_model_len": cfg.max_context}
+                "owned_by": "minisgl", "root": cfg.root or cfg.model_name, "parent": None,
+                "max_model_len": cfg.max_context, "permission": []}
 
     @app.get("/v1/models")
     async def models() -> Dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from minisgl.engine import EngineConfig
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.topology import ClusterConfig, Wiring
+from minisgl.server.reasoning import REASONING_PARSERS
 from minisgl.settings import add_flags, build, check_choices, check_values, section, setting
 from minisgl.settings import values as setting_values
 from minisgl.utils import resolve_device
@@ -49,6 +50,9 @@ class ServerConfig:
     log_level: str = setting("info", "log level of every process", choices=LOG_LEVELS,
                              any_case=True)
     shell: bool = setting(False, "chat with the model in this terminal")
+    reasoning_parser: Optional[str] = setting(
+        None, "split a reasoning model's chat output: the <think> part goes into "
+              "reasoning_content", choices=REASONING_PARSERS)
     scheduler: SchedulerConfig = section(_server_scheduler)
     cluster: ClusterConfig = section(ClusterConfig)
 

@@ -2,9 +2,11 @@
 
 Every invalid request raises `ApiError` with an HTTP status and an OpenAI-style error body
 (`{"error": {"message", "type", "param", "code"}}`); nothing here touches the request streams.
-Unknown fields (user, metadata, ...) are accepted and ignored; OpenAI features this server does
-not implement (response_format, tools, ...) are rejected rather than silently dropped,
-unless the value asks for nothing (tool_choice "none", an empty tools list).
+Unknown fields (user, metadata, ...) are accepted and ignored; OpenAI, vLLM and SGLang features
+this server does not implement (response_format, tools, use_beam_search, regex, guided_*, ...) are
+rejected with a 400 naming the field rather than silently dropped, unless the value asks for
+nothing (tool_choice "none", an empty tools list, use_beam_search false). The README's table
+lists every field.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ _INT64 = 2 ** 63
 _INT32 = 2 ** 31  # token ids travel as int32
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64
+COMPLETION_MAX_TOKENS = 16  # completions without max_tokens (OpenAI's and vLLM's default)
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI request fields with an effect this server does not implement, each with the test for a
 # value that asks for nothing (accepted, since clients often send the default explicitly).
@@ -33,7 +36,43 @@ _UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
     "function_call": lambda v: v in (None, "none"),
     "suffix": lambda v: not v,
     "best_of": lambda v: v in (None, 1),
+    "parallel_tool_calls": lambda v: v in (None, False),
+    "audio": lambda v: v is None,
+    "modalities": lambda v: v in (None, ["text"]),
+    "prediction": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    # vLLM and SGLang extensions
+    "use_beam_search": lambda v: v in (None, False),
+    "length_penalty": lambda v: v in (None, 1, 1.0),
+    "allowed_token_ids": lambda v: v is None,
+    "prompt_logprobs": lambda v: v is None,  # completions: echo with logprobs gives them
+    "bad_words": lambda v: not v,
+    "truncate_prompt_tokens": lambda v: v is None,
+    "cache_salt": lambda v: v is None,
+    "structured_outputs": lambda v: v is None,
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+    "guided_decoding_backend": lambda v: v is None,
+    "guided_whitespace_pattern": lambda v: v is None,
+    "regex": lambda v: v is None,
+    "ebnf": lambda v: v is None,
+    "json_schema": lambda v: v is None,
+    "stop_regex": lambda v: not v,
+    "lora_path": lambda v: v is None,
+    "lora_request": lambda v: v is None,
+    "return_hidden_states": lambda v: v in (None, False),
+    "mm_processor_kwargs": lambda v: not v,
+    "documents": lambda v: not v,
+    "chat_template": lambda v: v is None,
+    "echo": lambda v: not v,  # in a chat request (completions take it)
+    "return_tokens_as_token_ids": lambda v: not v,
 }
+# SGLang's and vLLM's flag for keeping special tokens' spaces is HF's decode option, which
+# the fast tokenizers this server loads do not implement: only its default is served.
+_SPACES_BETWEEN_SPECIAL_TOKENS = "spaces_between_special_tokens"
+
 
 
 class ApiError(Exception):
@@ -55,6 +94,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
 
 
 class _Sampling(_Body):
@@ -72,6 +112,7 @@ class _Sampling(_Body):
     stop: Union[None, str, List[str]] = None
     stop_token_ids: Optional[List[int]] = None
     skip_special_tokens: bool = True
+    no_stop_trim: bool = False  # SGLang's: the matched stop string stays in the text
 
 
 class _OpenAI(_Sampling):
@@ -94,7 +135,15 @@ class ChatMessage(_Body):
     content: Union[None, str, List[TextPart]] = None
 
 
-class ChatRequest(_OpenAI):
+class _ChatTemplate(_Body):
+    """How chat messages go through the model's chat template (vLLM's fields)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+
+
+class ChatRequest(_OpenAI, _ChatTemplate):
     messages: List[ChatMessage]
     top_logprobs: Optional[int] = None
 
@@ -104,12 +153,14 @@ class CompletionRequest(_OpenAI):
     echo: bool = False
 
 
-class TokenizeBody(_Body):
-    """POST /tokenize: a `prompt` string or chat `messages` (the chat template applied)."""
+class TokenizeBody(_ChatTemplate):
+    """POST /tokenize: a `prompt` string or chat `messages` (the chat template applied as a
+    chat request would: the same ids, the same count)."""
 
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[List[ChatMessage]] = None
+    return_token_strs: bool = False
 
 
 class DetokenizeBody(_Body):
@@ -126,12 +177,22 @@ class GenerateRequest(_Body):
 
 # --- the parsed job -----------------------------------------------------------------------------
 @dataclass(frozen=True)
+class Template:
+    """Options of the chat template, for a prompt of messages."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: Optional[Dict[str, Any]] = None
+
+
+@dataclass(frozen=True)
 class Prompt:
-    """Exactly one field is set."""
+    """Exactly one of `text`, `messages`, `input_ids` is set; `template` goes with messages."""
 
     text: Optional[str] = None
     messages: Optional[List[Dict[str, str]]] = None
     input_ids: Optional[List[int]] = None
+    template: Template = Template()
 
 
 @dataclass(frozen=True)
@@ -147,6 +208,8 @@ class Job:
     stream: bool
     include_usage: bool
     echo: bool = False  # completions: the reply starts with the prompt
+    continuous_usage: bool = False  # usage on every streamed chunk
+    no_stop_trim: bool = False
 
     def choice_params(self, i: int) -> SamplingParams:
         """Choice i of a prompt: the request's seed shifted by i, so choices differ."""
@@ -251,22 +314,30 @@ def _logit_bias(body: _OpenAI) -> Optional[Dict[int, float]]:
     """OpenAI's logit_bias (token ids written as strings) with int keys, or None when empty."""
     if not body.logit_bias:
         return None
-    bias: Dict[int, float] = {}
-    for key, value in body.logit_bias.items():
-        if not key.isdigit() or len(key) > 10:
-            raise ApiError(400, f"logit_bias: keys must be token ids, got {key!r}", "logit_bias")
-        bias[int(key)] = value
-    return bias
+    bad = [k for k in body.logit_bias if not k.isdigit() or len(k) > 10]
+    if bad:
+        raise ApiError(400, f"logit_bias: keys must be token ids, got "
+                            f"{', '.join(repr(k) for k in bad)}", "logit_bias")
+    out_of_range = [k for k, v in body.logit_bias.items() if not -100.0 <= v <= 100.0]
+    if out_of_range:
+        raise ApiError(400, f"logit_bias values must be numbers in [-100, 100], got "
+                            f"{', '.join(f'{body.logit_bias[k]} for {k}' for k in out_of_range)}",
+                       "logit_bias")
+    return {int(k): v for k, v in body.logit_bias.items()}
 
 
 def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: int) -> Job:
-    logprobs, logit_bias = None, None
+    logprobs, logit_bias, continuous = None, None, False
     if isinstance(body, GenerateRequest):
         sampling, n, stream, include_usage = body.sampling_params, 1, body.stream, False
         max_tokens = sampling.max_tokens
     else:
         sampling, n, stream = body, body.n, body.stream
+        if body.stream_options is not None and not stream:
+            raise ApiError(400, "stream_options is only allowed when stream is true",
+                           "stream_options")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
         logprobs, logit_bias = _logprobs(body), _logit_bias(body)
@@ -276,8 +347,16 @@ def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: in
                 raise ApiError(400, f"{name} is not supported by this server", name)
         if not 1 <= n <= max_n:
             raise ApiError(400, f"n must be between 1 and {max_n}, got {n}", "n")
-    return Job(prompts, _sampling(sampling, max_tokens, logprobs, logit_bias), n,
-               _stop_strings(sampling.stop), sampling.skip_special_tokens, stream, include_usage)
+    extra = sampling.model_extra or {}
+    if extra.get(_SPACES_BETWEEN_SPECIAL_TOKENS, True) is not True:
+        raise ApiError(400, f"{_SPACES_BETWEEN_SPECIAL_TOKENS}: only true is supported",
+                       _SPACES_BETWEEN_SPECIAL_TOKENS)
+    job = Job(prompts, _sampling(sampling, max_tokens, logprobs, logit_bias), n,
+              _stop_strings(sampling.stop), sampling.skip_special_tokens, stream, include_usage,
+              no_stop_trim=sampling.no_stop_trim)
+    if not isinstance(body, GenerateRequest):
+        job = dataclasses.replace(job, continuous_usage=continuous)
+    return job
 
 
 def _message_text(i: int, msg: ChatMessage) -> str:
@@ -295,12 +374,23 @@ def _message_text(i: int, msg: ChatMessage) -> str:
     return "".join(parts)
 
 
-def chat_job(body: ChatRequest, max_n: int) -> Job:
-    if not body.messages:
+def _chat_prompt(body: Union[ChatRequest, TokenizeBody], messages: List[ChatMessage]) -> Prompt:
+    """The prompt of chat messages with the request's template options (vLLM's rules)."""
+    if not messages:
         raise ApiError(400, "messages: must be a non-empty list", "messages")
-    messages = [{"role": m.role, "content": _message_text(i, m)}
-                for i, m in enumerate(body.messages)]
-    return _job(body, [Prompt(messages=messages)], max_n)
+    if body.continue_final_message and body.add_generation_prompt:
+        raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be "
+                            "true (send add_generation_prompt: false)", "continue_final_message")
+    if body.continue_final_message and messages[-1].role != "assistant":
+        raise ApiError(400, "continue_final_message needs an assistant message last, got "
+                            f"{messages[-1].role!r}", "continue_final_message")
+    texts = [{"role": m.role, "content": _message_text(i, m)} for i, m in enumerate(messages)]
+    return Prompt(messages=texts, template=Template(
+        body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs))
+
+
+def chat_job(body: ChatRequest, max_n: int) -> Job:
+    return _job(body, [_chat_prompt(body, body.messages)], max_n)
 
 
 def tokenize_prompt(body: TokenizeBody) -> Prompt:
@@ -308,8 +398,7 @@ def tokenize_prompt(body: TokenizeBody) -> Prompt:
         raise ApiError(400, "exactly one of prompt and messages must be given", "prompt")
     if body.messages is None:
         return Prompt(text=body.prompt)
-    return Prompt(messages=[{"role": m.role, "content": _message_text(i, m)}
-                            for i, m in enumerate(body.messages)])
+    return _chat_prompt(body, body.messages)
 
 
 def detokenize_prompt(body: DetokenizeBody) -> Prompt:
@@ -334,6 +423,8 @@ def completion_job(body: CompletionRequest, max_n: int) -> Job:
         _check_ids("prompt", p.input_ids or ())
     if any(p.input_ids is not None and not p.input_ids or p.text == "" for p in prompts):
         raise ApiError(400, "prompt: must not be empty", "prompt")
+    if body.max_tokens is None and body.max_completion_tokens is None:
+        body = body.model_copy(update={"max_tokens": COMPLETION_MAX_TOKENS})
     job = _job(body, prompts, max_n)
     if not body.echo:
         return job

@@ -9,13 +9,14 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import anyio
 from fastapi.responses import StreamingResponse
 
 from minisgl.message.types import ReplyChunk, TokenLogprobText
 from minisgl.server.protocol import Job
+from minisgl.server.reasoning import ReasoningSplitter, split_reasoning
 
 
 @dataclass
@@ -30,6 +31,7 @@ class Choice:
     cached_tokens: int = 0
     logprobs: List[TokenLogprobText] = field(default_factory=list)
     logprob_chars: int = 0  # length of the logprobs' token texts: the next text_offset
+    matched_stop: Union[None, int, str] = None  # the stop string or token id that ended it
 
     def add(self, chunk: ReplyChunk) -> None:
         """Accumulate a chunk; an echoed prompt goes first, into text and logprobs alike."""
@@ -42,6 +44,8 @@ class Choice:
         self.logprobs.extend(chunk.logprobs)
         self.logprob_chars += sum(len(e.token) for e in chunk.logprobs)
         self.finish_reason = chunk.finish_reason or self.finish_reason
+        if chunk.finish_reason is not None:
+            self.matched_stop = chunk.matched_stop
         self.prompt_tokens = max(self.prompt_tokens, chunk.prompt_tokens)
         self.completion_tokens = max(self.completion_tokens, chunk.completion_tokens)
         self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
@@ -55,6 +59,12 @@ def usage(choices: List[Choice], n: int) -> Dict[str, Any]:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in firsts)}}
+
+
+def choice_usage(choice: Choice) -> Dict[str, Any]:
+    """One choice's usage so far (vLLM's continuous_usage_stats, on every streamed chunk)."""
+    return {"prompt_tokens": choice.prompt_tokens, "completion_tokens": choice.completion_tokens,
+            "total_tokens": choice.prompt_tokens + choice.completion_tokens}
 
 
 def completion_logprobs(entries: Sequence[TokenLogprobText], offset: int) -> Dict[str, Any]:
@@ -125,6 +135,7 @@ class Formatter(ABC):
     request."""
 
     id_prefix = ""
+    prompt_param = "prompt"  # the request field an error about the prompt names
 
     def __init__(self, model: str, job: Job) -> None:
         self.model, self.job = model, job
@@ -134,7 +145,8 @@ class Formatter(ABC):
     @abstractmethod
     def full(self, choices: List[Choice]) -> Dict[str, Any]: ...
 
-    def opening(self, index: int) -> Iterator[str]:
+    def opening(self, index: int, choice: Choice) -> Iterator[str]:
+        """`choice` holds only the prompt's token count."""
         return iter(())
 
     @abstractmethod
@@ -148,6 +160,7 @@ class GenerateFormatter(Formatter):
     """The native /generate format: text and token ids, one object per chunk, no choices."""
 
     id_prefix = "gen"
+    prompt_param = "input_ids"
 
     def full(self, choices: List[Choice]) -> Dict[str, Any]:
         c = choices[0]
@@ -163,9 +176,10 @@ class GenerateFormatter(Formatter):
 
 
 class _OpenAIFormatter(Formatter):
-    """OpenAI envelopes around per-choice items; a chunk's text (with its tokens' logprobs, when
-    asked for) and its finish reason go out as separate chunks; usage closes the stream when
-    asked for."""
+    """OpenAI envelopes around per-choice items. Streamed, a chunk carries the new text, its
+    tokens' logprobs (when asked for) and, on the last token's chunk, the finish reason (with
+    SGLang's `matched_stop`); usage closes the stream when asked for, or rides on every chunk
+    (`continuous_usage_stats`)."""
 
     full_object = ""
     chunk_object = ""
@@ -192,8 +206,15 @@ class _OpenAIFormatter(Formatter):
         return self._logprobs(choice.logprobs, 0) if self.wants_logprobs else None
 
     def full(self, choices: List[Choice]) -> Dict[str, Any]:
-        items = [self._item(i, c) for i, c in enumerate(choices)]
+        items = [{**self._item(i, c), "matched_stop": c.matched_stop}
+                 for i, c in enumerate(choices)]
         return {**self._envelope(self.full_object, items), "usage": usage(choices, self.job.n)}
+
+    def _chunk(self, index: int, choice: Choice, item: Dict[str, Any]) -> str:
+        body = self._envelope(self.chunk_object, [item])
+        if self.job.continuous_usage:
+            body["usage"] = choice_usage(choice)
+        return sse(body)
 
     def delta(self, index: int, chunk: ReplyChunk, choice: Choice) -> Iterator[str]:
         # A token whose text is held back (an incomplete character, a possible stop string)
@@ -204,12 +225,12 @@ class _OpenAIFormatter(Formatter):
         if self.wants_logprobs and entries:
             start = choice.logprob_chars - sum(len(e.token) for e in entries)
             logprobs = self._logprobs(entries, start)
-        if text or logprobs is not None:
-            yield sse(self._envelope(self.chunk_object,
-                                     [self._chunk_item(index, text, None, logprobs)]))
-        if chunk.finish_reason is not None:
-            yield sse(self._envelope(self.chunk_object,
-                                     [self._chunk_item(index, None, chunk.finish_reason)]))
+        reason = chunk.finish_reason
+        if text or logprobs is not None or reason is not None:
+            item = self._chunk_item(index, text, reason, logprobs)
+            if reason is not None:
+                item["matched_stop"] = chunk.matched_stop
+            yield self._chunk(index, choice, item)
 
     def closing(self, choices: List[Choice]) -> Iterator[str]:
         if self.job.include_usage:
@@ -219,25 +240,51 @@ class _OpenAIFormatter(Formatter):
 
 
 class ChatFormatter(_OpenAIFormatter):
+    """With a `reasoning_parser` (server/reasoning.py), the thinking part of each choice goes
+    into `message.reasoning_content` / `delta.reasoning_content`, the rest into `content`."""
+
     id_prefix = "chatcmpl"
+    prompt_param = "messages"
     full_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
+
+    def __init__(self, model: str, job: Job, reasoning_parser: Optional[str] = None) -> None:
+        super().__init__(model, job)
+        self.reasoning_parser = reasoning_parser
+        self.splitters: Dict[int, ReasoningSplitter] = {}
 
     def _logprobs(self, entries: Sequence[TokenLogprobText], offset: int) -> Dict[str, Any]:
         return chat_logprobs(entries)
 
     def _item(self, index: int, choice: Choice) -> Dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": "".join(choice.text)},
+        parts = split_reasoning(self.reasoning_parser, "".join(choice.text))
+        message: Dict[str, Any] = {"role": "assistant", "content": parts.content}
+        if self.reasoning_parser is not None:
+            message["reasoning_content"] = parts.reasoning or None
+        return {"index": index, "message": message,
                 "logprobs": self._choice_logprobs(choice), "finish_reason": choice.finish_reason}
 
-    def opening(self, index: int) -> Iterator[str]:
-        yield sse(self._envelope(self.chunk_object, [{
+    def opening(self, index: int, choice: Choice) -> Iterator[str]:
+        yield self._chunk(index, choice, {
             "index": index, "delta": {"role": "assistant", "content": ""},
-            "logprobs": None, "finish_reason": None}]))
+            "logprobs": None, "finish_reason": None})
 
     def _chunk_item(self, index: int, text: Optional[str], reason: Optional[str],
                     logprobs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-        delta = {} if text is None else {"content": text}
+        delta: Dict[str, str] = {}
+        if self.reasoning_parser is None:
+            if text:
+                delta["content"] = text
+        else:
+            splitter = self.splitters.setdefault(index, ReasoningSplitter(self.reasoning_parser))
+            reasoning, content = splitter.feed(text or "")
+            if reason is not None:
+                rest = splitter.flush()
+                reasoning, content = reasoning + rest.reasoning, content + rest.content
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if content:
+                delta["content"] = content
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
 

@@ -179,7 +179,8 @@ class Service:
     def _spawn_workers(self, level: str) -> None:
         a, path, dp = self.addrs, str(self.model_path), self.cfg.cluster.dp
         api_cfg = ApiConfig(self.model_name, ModelConfig.from_dir(self.model_path).max_context,
-                            self.cfg.max_n, a.tokenizer, a.api, self.health_file, dp)
+                            self.cfg.max_n, a.tokenizer, a.api, self.health_file, dp,
+                            root=path, reasoning_parser=self.cfg.reasoning_parser)
         self.workers = [
             spawn("tokenizer", run_tokenizer,
                   (TokenizerConfig(path, a.tokenizer, a.backends, a.detokenizer, a.api),), level,

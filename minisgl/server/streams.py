@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from minisgl.message.codec import decode, encode
 from minisgl.message.types import (AbortRequest, ReplyBatch, ReplyChunk, ServiceDown,
                                    TextRequest, TokenizeRequest)
 from minisgl.server.metrics import Metrics
-from minisgl.server.protocol import ApiError, Job
+from minisgl.server.protocol import ApiError, Job, Prompt
 
 logger = logging.getLogger("minisgl.api")
 
@@ -86,22 +87,30 @@ class RequestStreams:
         try:
             for k, uid in enumerate(stream.uids):
                 p = job.prompts[k // job.n]
+                t = p.template
                 self._send(TokenizeRequest(uid, job.choice_params(k % job.n), p.text,
                                            p.messages, p.input_ids, job.stop,
-                                           job.skip_special_tokens, job.echo))
+                                           job.skip_special_tokens, job.echo, job.no_stop_trim,
+                                           t.add_generation_prompt, t.continue_final_message,
+                                           _kwargs_json(t.kwargs)))
         except ApiError:
             self.release(stream)
             raise
         return stream
 
-    def submit_text(self, text: Optional[str] = None, messages: Optional[List[dict]] = None,
-                    input_ids: Optional[List[int]] = None) -> RequestStream:
-        """A tokenize / detokenize request (message.TextRequest): one final reply, outside the
-        generation metrics."""
+    def submit_text(self, prompt: Optional[Prompt], return_token_strs: bool = False
+                    ) -> RequestStream:
+        """A tokenize / detokenize request (message.TextRequest), or with no prompt the
+        tokenizer's description: one final reply, outside the generation metrics."""
         stream = RequestStream([next(self._uids)], measured=False)
         self._streams[stream.uids[0]] = stream
+        p = prompt or Prompt()
         try:
-            self._send(TextRequest(stream.uids[0], text, messages, input_ids))
+            self._send(TextRequest(stream.uids[0], p.text, p.messages, p.input_ids,
+                                   p.template.add_generation_prompt,
+                                   p.template.continue_final_message,
+                                   _kwargs_json(p.template.kwargs), return_token_strs,
+                                   info=prompt is None))
         except ApiError:
             self.release(stream)
             raise
@@ -167,3 +176,7 @@ class RequestStreams:
 
 def _down_message(reason: str) -> str:
     return f"the service stopped: {reason}"
+
+
+def _kwargs_json(kwargs: Optional[dict]) -> Optional[str]:
+    return None if kwargs is None else json.dumps(kwargs)

@@ -20,7 +20,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import zmq
 
@@ -75,7 +75,7 @@ class Detokenizer:
     def init(self, msg: DetokenizeInit) -> Rendered:
         self.requests[msg.uid] = _Request(
             IncrementalDecoder(self.tokenizer, msg.prompt_tail, msg.skip_special_tokens),
-            StopMatcher(msg.stop), echo_ids=msg.echo_ids,
+            StopMatcher(msg.stop, msg.no_stop_trim), echo_ids=msg.echo_ids,
             skip_special_tokens=msg.skip_special_tokens)
         return self.render(self.pending.pop(msg.uid, []))
 
@@ -116,12 +116,15 @@ class Detokenizer:
             text += req.decoder.flush()
         text, stopped = req.matcher.feed(text)
         reason = out.finish_reason
+        stop: Union[None, int, str] = req.matcher.matched
         if stopped:
             req.stopped, reason = True, FinishReason.STOP.value
         elif reason is not None:
             text += req.matcher.flush()
+            if reason == FinishReason.STOP.value and out.token >= 0:
+                stop = out.token  # an EOS or stop token id ended it
         chunk = ReplyChunk(out.uid, text, ids, reason, out.prompt_tokens, req.completion_tokens,
-                           req.cached_tokens, logprobs=logprobs)
+                           req.cached_tokens, logprobs=logprobs, matched_stop=stop)
         if req.echo_ids is not None:
             chunk = self._with_echo(chunk, req, out)
         return chunk, stopped and out.finish_reason is None
@@ -130,8 +133,11 @@ class Detokenizer:
         """`chunk` with the prompt prepended (the request's first chunk only): its text, and its
         tokens' log-probabilities where rank 0 sent them (none for the first token)."""
         ids, req.echo_ids = req.echo_ids or [], None
+        # The prompt as the client wrote it, special tokens included (its logprobs list them,
+        # and their text_offsets index this text), without clean-up of spaces.
         text = ("" if self.tokenizer is None else
-                self.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens))
+                self.tokenizer.decode(ids, skip_special_tokens=False,
+                                      clean_up_tokenization_spaces=False))
         entries: List[TokenLogprobText] = []
         if out.prompt_logprobs is not None and ids:
             first, raw = self._token_text(ids[0])

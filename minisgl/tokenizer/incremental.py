@@ -75,23 +75,29 @@ class IncrementalDecoder:
 
 class StopResult(NamedTuple):
     text: str  # safe to emit now
-    stopped: bool  # a stop string matched; `text` ends right before it
+    stopped: bool  # a stop string matched (`matched`); `text` ends right before it (or with it)
 
 
 class StopMatcher:
-    def __init__(self, stops: Sequence[str]) -> None:
+    """`keep` (SGLang's no_stop_trim): the matched stop string stays at the end of the text.
+    After a match, `matched` is the stop string that matched."""
+
+    def __init__(self, stops: Sequence[str], keep: bool = False) -> None:
         self.stops = tuple(s for s in stops if s)
+        self.keep = keep
         self.held = ""
+        self.matched: Optional[str] = None
 
     def feed(self, text: str) -> StopResult:
         buf = self.held + text
         if not self.stops:
             self.held = ""
             return StopResult(buf, False)
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, -len(s), s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.held = ""
-            return StopResult(buf[:min(hits)], True)
+            at, _, self.matched = min(hits)  # the earliest; of those there, the longest
+            return StopResult(buf[:at + len(self.matched) if self.keep else at], True)
         keep = self._partial_tail(buf)
         self.held = buf[len(buf) - keep:] if keep else ""
         return StopResult(buf[:len(buf) - keep], False)

@@ -18,11 +18,12 @@ text, chat and stop strings are rejected.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import zmq
 
@@ -59,6 +60,7 @@ class Prepared(NamedTuple):
     input_ids: List[int]
     params: Optional[SamplingParams]  # None when rejected
     error: Optional[str]
+    error_param: Optional[str] = None  # the request field the error is about
 
 
 class Tokenizer:
@@ -76,13 +78,33 @@ class Tokenizer:
         if self.tokenizer is None:
             raise _NoTokenizer()
         if req.messages is not None:
-            out = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
-                                                     tokenize=True)
+            kwargs = json.loads(req.template_kwargs_json) if req.template_kwargs_json else {}
+            if req.continue_final_message:  # older transformers do not know the keyword
+                kwargs["continue_final_message"] = True
+            out = self.tokenizer.apply_chat_template(
+                req.messages, add_generation_prompt=req.add_generation_prompt, tokenize=True,
+                **kwargs)
             return list(out["input_ids"] if hasattr(out, "keys") else out)
         return list(self.tokenizer.encode(req.text or "", add_special_tokens=False))
 
+    def info(self) -> Dict[str, Any]:
+        """GET /tokenizer_info: the tokenizer's class, special tokens and chat template."""
+        tok = self.tokenizer
+        out: Dict[str, Any] = {"tokenizer_class": type(tok).__name__ if tok else None,
+                               "vocab_size": self.vocab,
+                               "model_max_length": self.limits.max_context}
+        if tok is not None:
+            for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+                value = getattr(tok, name, None)
+                out[name] = value if isinstance(value, str) else None
+            out["chat_template"] = getattr(tok, "chat_template", None)
+        return out
+
     def answer(self, req: TextRequest) -> ReplyChunk:
-        """The final reply to a tokenize (text, messages) or detokenize (input_ids) request."""
+        """The final reply to a tokenize (text, messages), detokenize (input_ids) or info
+        request."""
+        if req.info:
+            return ReplyChunk(req.uid, json.dumps(self.info()), [], "stop")
         try:
             if self.tokenizer is None:
                 raise _NoTokenizer()
@@ -93,9 +115,11 @@ class Tokenizer:
             return ReplyChunk(req.uid, error=f"cannot apply the chat template: {e}")
         error = prompt_error(ids, self.vocab) if ids else None  # empty is fine here
         if error is not None:
-            return ReplyChunk(req.uid, error=error)
+            return ReplyChunk(req.uid, error=error,
+                              error_param="tokens" if req.input_ids is not None else "prompt")
         if req.input_ids is None:
-            return ReplyChunk(req.uid, "", ids, "stop", prompt_tokens=len(ids))
+            strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+            return ReplyChunk(req.uid, "", ids, "stop", prompt_tokens=len(ids), token_strs=strs)
         return ReplyChunk(req.uid, self.tokenizer.decode(ids), ids, "stop")
 
     def prepare(self, req: TokenizeRequest) -> Prepared:
@@ -109,13 +133,13 @@ class Tokenizer:
         except _NoTokenizer:
             return Prepared([], None, _NoTokenizer.message)
         except Exception as e:  # a chat template may reject a conversation (roles, content)
-            return Prepared([], None, f"cannot apply the chat template: {e}")
+            return Prepared([], None, f"cannot apply the chat template: {e}", "messages")
         try:
             return Prepared(ids, check_request(ids, req.params, self.limits), None)
         except TooLong as e:
-            return Prepared(ids, None, _too_long(e))
+            return Prepared(ids, None, _too_long(e), e.param)
         except RequestError as e:
-            return Prepared(ids, None, str(e))
+            return Prepared(ids, None, str(e), e.param)
 
 
 def _too_long(e: TooLong) -> str:
@@ -160,11 +184,12 @@ def run_tokenizer(cfg: TokenizerConfig, conn: Any) -> None:
             if prep.params is None:
                 to_api.put(ReplyBatch([ReplyChunk(msg.uid, "", [], error=prep.error,
                                                   error_status=400,
-                                                  prompt_tokens=len(prep.input_ids))]))
+                                                  prompt_tokens=len(prep.input_ids),
+                                                  error_param=prep.error_param)]))
                 continue
             to_detok.put(DetokenizeInit(msg.uid, prep.input_ids[-PROMPT_CONTEXT_TOKENS:],
                                         tuple(msg.stop), msg.skip_special_tokens,
-                                        prep.input_ids if msg.echo else None))
+                                        prep.input_ids if msg.echo else None, msg.no_stop_trim))
             replica = router.route(prep.input_ids, len(prep.input_ids))
             to_backends[replica].put(UserMsg(msg.uid, prep.input_ids, prep.params))
         else:

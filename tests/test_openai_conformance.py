@@ -1,0 +1,354 @@
+"""What vLLM's and SGLang's OpenAI clients send and expect, against a real `serve` process
+(default model, tp=1, CPU): the streaming shape, defaults, /tokenize and the chat template,
+refusals naming the field, usage on every chunk, tokenizer and version routes, matched stops.
+Through the official `openai` client, and raw HTTP where the SDK has no field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Tuple
+
+import httpx
+import openai
+import pytest
+
+from server_helpers import CPU_ARGS, Server
+
+PARIS = [{"role": "user", "content": "What is the capital of France?"}]
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[Server]:
+    srv = Server.start([*CPU_ARGS, "--max-n", "4"], tmp_path_factory.mktemp("conformance"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
+def _post(server: Server, path: str, body: object) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=120)
+
+
+# --- defect 1: the finish reason rides on the last token's chunk -----------------------------------
+def test_completion_stream_has_one_chunk_per_token(client: openai.OpenAI) -> None:
+    chunks = list(client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=50, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    with_choices = [c for c in chunks if c.choices]
+    assert len(with_choices) <= 50  # one per token at most (a split character waits)
+    reasons = [c.choices[0].finish_reason for c in with_choices]
+    assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
+    assert with_choices[-1].choices[0].text  # the last token's text, not an empty chunk
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 50
+
+
+def test_chat_stream_finish_reason_on_the_last_content_chunk(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=PARIS, max_tokens=5, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = chunks[1:]
+    assert len(content) == 5
+    assert content[-1].choices[0].finish_reason == "length"
+    assert content[-1].choices[0].delta.content
+    assert all(c.choices[0].finish_reason is None for c in content[:-1])
+
+
+# --- defect 1b: echo of a prompt with special tokens -----------------------------------------------
+def test_echo_keeps_special_tokens_and_text_offsets_index_the_text(client: openai.OpenAI) -> None:
+    prompt = "<|im_start|>user\nHi there , friend<|im_end|>\n<|im_start|>assistant\n"
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                     echo=True, logprobs=0)
+    choice = resp.choices[0]
+    assert choice.text.startswith(prompt)
+    lp = choice.logprobs
+    assert "<|im_start|>" in lp.tokens
+    for token, offset in zip(lp.tokens, lp.text_offset):
+        assert choice.text[offset:offset + len(token)] == token
+
+
+# --- defect 2: defaults, and streamed equal to unstreamed ------------------------------------------
+def test_completions_default_to_16_tokens_chat_to_as_many_as_fit(client: openai.OpenAI) -> None:
+    resp = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert resp.usage.completion_tokens == 16 and resp.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model=MODEL, messages=PARIS, temperature=0,
+                                          extra_body={"min_tokens": 20})
+    assert chat.usage.completion_tokens >= 20  # not capped at 16
+
+
+def _streamed(stream: Any, n: int, text_of: Any) -> Tuple[List[str], List[Any], int]:
+    texts, reasons, usage = [""] * n, [None] * n, -1
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += text_of(c) or ""
+            if c.finish_reason is not None:
+                assert reasons[c.index] is None, "two finish reasons for one choice"
+                reasons[c.index] = c.finish_reason
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+    return texts, reasons, usage
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_streamed_equals_unstreamed_chat(client: openai.OpenAI, n: int) -> None:
+    kw: Dict[str, Any] = dict(model=MODEL, messages=PARIS, temperature=1.0, seed=11, n=n,
+                              max_tokens=12)
+    full = client.chat.completions.create(**kw)
+    texts, reasons, used = _streamed(
+        client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}),
+        n, lambda c: c.delta.content)
+    assert texts == [c.message.content for c in full.choices]
+    assert reasons == [c.finish_reason for c in full.choices]
+    assert used == full.usage.completion_tokens
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_streamed_equals_unstreamed_completions(client: openai.OpenAI, n: int) -> None:
+    kw: Dict[str, Any] = dict(model=MODEL, prompt="The best thing about Paris is",
+                              temperature=1.0, seed=5, n=n)
+    full = client.completions.create(**kw)
+    texts, reasons, used = _streamed(
+        client.completions.create(**kw, stream=True, stream_options={"include_usage": True}),
+        n, lambda c: c.text)
+    assert texts == [c.text for c in full.choices]
+    assert reasons == [c.finish_reason for c in full.choices]
+    assert used == full.usage.completion_tokens
+
+
+# --- defect 3: /tokenize follows the template options ----------------------------------------------
+def test_tokenize_follows_the_chat_template_options(server: Server, client: openai.OpenAI,
+                                                    tokenizer: Any) -> None:
+    def template(**kw: Any) -> List[int]:
+        out = tokenizer.apply_chat_template(PARIS, tokenize=True, **kw)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+    with_prompt = _post(server, "/tokenize", {"messages": PARIS}).json()["tokens"]
+    without = _post(server, "/tokenize", {"messages": PARIS, "add_generation_prompt": False})
+    assert with_prompt == template(add_generation_prompt=True)
+    assert without.json()["tokens"] == template(add_generation_prompt=False)
+    assert len(without.json()["tokens"]) < len(with_prompt)
+    chat = client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=1)
+    assert chat.usage.prompt_tokens == len(with_prompt)
+    chat = client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=1,
+                                          extra_body={"add_generation_prompt": False})
+    assert chat.usage.prompt_tokens == len(without.json()["tokens"])
+
+
+def test_continue_final_message(server: Server, client: openai.OpenAI) -> None:
+    messages = [*PARIS, {"role": "assistant", "content": "The capital of France is"}]
+    body = {"messages": messages, "add_generation_prompt": False,
+            "continue_final_message": True}
+    ids = _post(server, "/tokenize", body).json()["tokens"]
+    text = _post(server, "/detokenize", {"tokens": ids}).json()["prompt"]
+    assert text.endswith("The capital of France is")
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3,
+                                          temperature=0, extra_body={
+                                              "add_generation_prompt": False,
+                                              "continue_final_message": True})
+    assert "Paris" in resp.choices[0].message.content
+    assert resp.usage.prompt_tokens == len(ids)
+    r = _post(server, "/v1/chat/completions", {"messages": messages,
+                                               "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=2,
+                                          extra_body={"chat_template_kwargs":
+                                                      {"enable_thinking": False}})
+    assert resp.choices[0].finish_reason in ("length", "stop")
+
+
+# --- defect 4: refusals name the field -------------------------------------------------------------
+REFUSED = [
+    ("use_beam_search", True), ("allowed_token_ids", [1, 2]), ("truncate_prompt_tokens", 5),
+    ("regex", "[a-z]+"), ("structured_outputs", {"regex": "a"}), ("guided_json", {}),
+    ("guided_regex", "a+"), ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"),
+    ("stop_regex", ["a+"]), ("ebnf", "root ::= 'a'"), ("cache_salt", "abc"),
+    ("json_schema", "{}"), ("response_format", {"type": "json_object"}),
+    ("spaces_between_special_tokens", False), ("echo", True), ("chat_template", "{{ 1 }}"),
+    ("prompt_logprobs", 1),
+]
+
+
+@pytest.mark.parametrize("field,value", REFUSED, ids=[r[0] for r in REFUSED])
+def test_unimplemented_fields_are_refused_by_name(server: Server, field: str,
+                                                  value: object) -> None:
+    r = _post(server, "/v1/chat/completions", {"messages": PARIS, "max_tokens": 2, field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+    if field != "echo":  # completions take echo
+        r = _post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field
+
+
+def test_values_that_ask_for_nothing_are_accepted(server: Server) -> None:
+    r = _post(server, "/v1/chat/completions", {
+        "messages": PARIS, "max_tokens": 2, "use_beam_search": False, "regex": None,
+        "spaces_between_special_tokens": True, "cache_salt": None, "guided_json": None})
+    assert r.status_code == 200, r.text
+
+
+PARAMS = [
+    ("stop token id outside the vocabulary", {"stop_token_ids": [10 ** 6]}, "stop_token_ids"),
+    ("stream_options without stream", {"stream_options": {"include_usage": True}},
+     "stream_options"),
+    ("logit_bias beyond the vocabulary", {"logit_bias": {"49152": 1, "60000": 2}}, "logit_bias"),
+    ("prompt plus max_tokens beyond the context", {"max_tokens": 8190}, "max_tokens"),
+    ("prompt beyond the context",
+     {"messages": [{"role": "user", "content": "hi " * 9000}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize("name,fields,param", PARAMS, ids=[p[0] for p in PARAMS])
+def test_errors_name_the_field(server: Server, name: str, fields: Dict[str, Any],
+                               param: str) -> None:
+    r = _post(server, "/v1/chat/completions", {"messages": PARIS, "max_tokens": 2, **fields})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    if name == "logit_bias beyond the vocabulary":
+        assert "49152" in r.json()["error"]["message"] and "60000" in r.json()["error"]["message"]
+
+
+def test_completion_prompt_errors_name_the_prompt(server: Server) -> None:
+    r = _post(server, "/v1/completions", {"prompt": [1, 10 ** 9], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = _post(server, "/v1/completions", {"prompt": "hi " * 9000, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_every_bad_logit_bias_key_is_named(server: Server) -> None:
+    r = _post(server, "/v1/chat/completions", {"messages": PARIS, "max_tokens": 2,
+                                               "logit_bias": {"x": 1, "12": 2, "-3": 4}})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "logit_bias" and "'x'" in error["message"] and "'-3'" in \
+        error["message"]
+    r = _post(server, "/v1/chat/completions", {"messages": PARIS, "max_tokens": 2,
+                                               "logit_bias": {"5": 101, "6": -200}})
+    assert "5" in r.json()["error"]["message"] and "6" in r.json()["error"]["message"]
+
+
+def test_a_body_that_is_not_json_gets_415(server: Server) -> None:
+    for path in ("/v1/chat/completions", "/v1/completions", "/tokenize", "/generate"):
+        r = httpx.post(f"{server.url}{path}", content=b"prompt=hi", timeout=30,
+                       headers={"Content-Type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 415, (path, r.text)
+        assert r.json()["error"]["message"]
+
+
+def test_stream_refusal_through_the_client(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
+        client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=2, stream=True,
+                                       extra_body={"stop_token_ids": [10 ** 6]})
+
+
+# --- item 5: usage on every chunk ------------------------------------------------------------------
+def test_continuous_usage_stats(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=PARIS, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True}))
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert all(c.usage.prompt_tokens > 0 for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == \
+        chunks[-1].usage.prompt_tokens + 6
+    plain = list(client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=3, stream=True,
+        stream_options={"include_usage": False, "continuous_usage_stats": True}))
+    assert all(c.usage is not None for c in plain)
+
+
+# --- item 7: tokenizer and model information -------------------------------------------------------
+def test_tokenize_token_strs_tokenizer_info_version_model_card(server: Server,
+                                                               client: openai.OpenAI,
+                                                               tokenizer: Any) -> None:
+    r = _post(server, "/tokenize", {"prompt": "Hello world", "return_token_strs": True})
+    ids = tokenizer.encode("Hello world", add_special_tokens=False)
+    assert r.json()["tokens"] == ids
+    assert r.json()["token_strs"] == tokenizer.convert_ids_to_tokens(ids)
+    info = httpx.get(f"{server.url}/tokenizer_info", timeout=30).json()
+    assert info["eos_token"] == tokenizer.eos_token and info["chat_template"]
+    assert info["tokenizer_class"] and info["model_max_length"] == 8192
+    version = httpx.get(f"{server.url}/version", timeout=30).json()
+    assert isinstance(version["version"], str) and version["version"]
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.model_extra["max_model_len"] == 8192
+    assert Path(card.model_extra["root"]).name == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
+
+
+# --- item 8: matched_stop, no_stop_trim ------------------------------------------------------------
+def test_matched_stop_and_no_stop_trim(client: openai.OpenAI, tokenizer: Any) -> None:
+    kw: Dict[str, Any] = dict(model=MODEL, messages=PARIS, temperature=0, max_tokens=30)
+    r = client.chat.completions.create(**kw, stop=["Paris", "never"])
+    assert r.choices[0].message.content == "The capital of France is "
+    assert r.choices[0].model_extra["matched_stop"] == "Paris"
+    r = client.chat.completions.create(**kw, stop=["Paris"], extra_body={"no_stop_trim": True})
+    assert r.choices[0].message.content == "The capital of France is Paris"
+    streamed = list(client.chat.completions.create(**kw, stop=["Paris"], stream=True,
+                                                   extra_body={"no_stop_trim": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == \
+        "The capital of France is Paris"
+    assert streamed[-1].choices[0].model_extra["matched_stop"] == "Paris"
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["matched_stop"] == tokenizer.convert_tokens_to_ids(
+        "<|im_end|>")
+    r = client.chat.completions.create(**{**kw, "max_tokens": 2})
+    assert r.choices[0].model_extra["matched_stop"] is None
+
+
+def test_stop_matcher_names_the_match_and_keeps_it_when_asked() -> None:
+    from minisgl.tokenizer.incremental import StopMatcher
+    m = StopMatcher(["lo w", "o"], keep=True)
+    assert m.feed("hel") == ("he", False) and m.matched is None  # "l" may start "lo w"
+    assert m.feed("lo world") == ("llo w", True) and m.matched == "lo w"
+    m = StopMatcher(["ab", "abc"])
+    assert m.feed("xabc") == ("x", True) and m.matched == "abc"  # the longest at the spot
+
+
+# --- item 10: the Responses API --------------------------------------------------------------------
+def test_responses_api_plain_streamed_and_continued(client: openai.OpenAI, server: Server) -> None:
+    chat = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=12,
+        messages=[{"role": "system", "content": "Be brief."}, *PARIS])
+    r = client.responses.create(model=MODEL, input=PARIS[0]["content"], temperature=0,
+                                instructions="Be brief.", max_output_tokens=12)
+    assert r.output_text == chat.choices[0].message.content and r.status == "completed"
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+
+    events = list(client.responses.create(model=MODEL, input=PARIS, temperature=0,
+                                          instructions="Be brief.", max_output_tokens=12,
+                                          stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        r.output_text
+    assert events[-1].response.output_text == r.output_text
+
+    more = client.responses.create(model=MODEL, input="And of Germany?", temperature=0,
+                                   max_output_tokens=4, previous_response_id=r.id)
+    assert more.status == "incomplete" and more.incomplete_details.reason == "max_output_tokens"
+    assert more.usage.input_tokens > r.usage.input_tokens + 4  # the conversation came along
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL, input="x", previous_response_id="resp-nope")
+    bad = _post(server, "/v1/responses", {"input": "x", "tools": [{"type": "web_search"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
+    bad = _post(server, "/v1/responses", {"input": "x", "max_output_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_output_tokens"

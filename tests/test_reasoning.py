@@ -1,0 +1,82 @@
+"""The reasoning parsers (server/reasoning.py) and the chat responses built with them: the
+thinking part in reasoning_content, streamed and not, equal however the text is split."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List
+
+import pytest
+
+from minisgl.core import SamplingParams
+from minisgl.message.types import ReplyChunk
+from minisgl.server.args import parse_args
+from minisgl.server.protocol import Job, Prompt
+from minisgl.server.reasoning import ReasoningSplitter, split_reasoning
+from minisgl.server.responses import ChatFormatter, Choice
+
+QWEN = "<think>\nThe user asks 2+2.\n</think>\n\nIt is 4."
+R1 = "The user asks 2+2.\n</think>\n\nIt is 4."
+
+
+@pytest.mark.parametrize("name,text,want", [
+    ("qwen3", QWEN, ("\nThe user asks 2+2.\n", "\n\nIt is 4.")),
+    ("qwen3", "It is 4.", ("", "It is 4.")),  # thinking off: no tags
+    ("qwen3", "<think>still thinking", ("still thinking", "")),
+    ("deepseek-r1", R1, ("The user asks 2+2.\n", "\n\nIt is 4.")),
+    ("deepseek-r1", "<think>" + R1, ("The user asks 2+2.\n", "\n\nIt is 4.")),
+    ("deepseek-r1", "no end tag", ("no end tag", "")),
+    ("qwen3", "a <thin b", ("", "a <thin b")),  # a partial tag that never completes
+])
+def test_split_whole_and_streamed_agree(name: str, text: str, want: tuple) -> None:
+    assert tuple(split_reasoning(name, text)) == want
+    for step in (1, 2, 3, 5):
+        splitter = ReasoningSplitter(name)
+        parts = [splitter.feed(text[i:i + step]) for i in range(0, len(text), step)]
+        parts.append(splitter.flush())
+        assert ("".join(p.reasoning for p in parts), "".join(p.content for p in parts)) == want
+
+
+def test_unknown_parser_is_refused() -> None:
+    with pytest.raises(ValueError, match="qwen3"):
+        ReasoningSplitter("o1")
+    with pytest.raises(SystemExit):
+        parse_args(["--reasoning-parser", "o1"])
+    assert parse_args(["--reasoning-parser", "deepseek-r1"]).reasoning_parser == "deepseek-r1"
+    assert parse_args([]).reasoning_parser is None
+
+
+def _job(stream: bool) -> Job:
+    return Job([Prompt(messages=[{"role": "user", "content": "2+2?"}])], SamplingParams(), 1,
+               (), True, stream, False)
+
+
+def _chunks(text: str, step: int) -> List[ReplyChunk]:
+    pieces = [text[i:i + step] for i in range(0, len(text), step)]
+    return [ReplyChunk(0, p, [i], "stop" if i == len(pieces) - 1 else None, 3, i + 1)
+            for i, p in enumerate(pieces)]
+
+
+@pytest.mark.parametrize("parser", [None, "qwen3"])
+def test_chat_formatter_puts_thinking_into_reasoning_content(parser: Any) -> None:
+    fmt = ChatFormatter("m", _job(False), parser)
+    choice = Choice()
+    for c in _chunks(QWEN, 4):
+        choice.add(c)
+    message = fmt.full([choice])["choices"][0]["message"]
+    if parser is None:
+        assert message == {"role": "assistant", "content": QWEN}
+        return
+    assert message["reasoning_content"] == "\nThe user asks 2+2.\n"
+    assert message["content"] == "\n\nIt is 4."
+
+    fmt = ChatFormatter("m", _job(True), parser)
+    choice = Choice()
+    deltas: List[Dict[str, Any]] = []
+    for c in _chunks(QWEN, 3):
+        choice.add(c)
+        deltas += [json.loads(line[6:])["choices"][0] for line in fmt.delta(0, c, choice)]
+    assert "".join(d["delta"].get("reasoning_content", "") for d in deltas) == \
+        message["reasoning_content"]
+    assert "".join(d["delta"].get("content", "") for d in deltas) == message["content"]
+    assert [d["finish_reason"] for d in deltas][-1] == "stop"
