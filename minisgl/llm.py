@@ -17,6 +17,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+import torch
 import zmq
 from tqdm import tqdm
 
@@ -31,7 +32,7 @@ from minisgl.models import ModelConfig
 from minisgl.models.path import resolve_model_path
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.io import LocalIO
-from minisgl.scheduler.main import run_rank
+from minisgl.scheduler.main import run_rank, set_cpu_threads
 from minisgl.scheduler.scheduler import Accounting, Scheduler
 from minisgl.server.proc import (Child, ChildStartupError, first_dead, spawn, stop_children,
                                  wait_ready)
@@ -61,6 +62,8 @@ class _InProcess:
 
     def __init__(self, cfg: SchedulerConfig) -> None:
         info = cfg.engine.tp_info
+        if cfg.engine.cpu_threads is not None:  # this is the caller's process: only when asked
+            set_cpu_threads(cfg.engine, logger)
         self.engine = Engine(cfg.engine, ProcessGroups(Communicator(info), None))
         self.io = LocalIO()
         self.scheduler = Scheduler(cfg, self.engine, self.io)
@@ -123,6 +126,11 @@ class _RankProcesses:
             self.close(graceful=False)
             raise
         self.limits: Limits = (self.children[0].info or {})["limits"]
+
+    @property
+    def torch_threads(self) -> List[int]:
+        """Each rank's torch thread count, as it reported it when ready."""
+        return [(c.info or {})["torch_threads"] for c in self.children]
 
     @property
     def procs(self) -> List[Any]:
@@ -225,6 +233,14 @@ class LLM:
                 "LLM.check_accounting needs tp=1: with tp>1 each rank checks its own KV pages "
                 "before it waits for input (a mismatch ends the rank, and the next call raises)")
         return self._backend.scheduler.accounting()
+
+    @property
+    def torch_threads(self) -> Tuple[int, ...]:
+        """The torch thread count of each rank (`cpu_threads` setting): this process's own with
+        tp=1."""
+        if isinstance(self._backend, _RankProcesses):
+            return tuple(self._backend.torch_threads)
+        return (torch.get_num_threads(),)
 
     @property
     def vocab_size(self) -> int:

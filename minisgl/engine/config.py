@@ -76,6 +76,11 @@ class EngineConfig:
                                       "backend only: the graphs record the choice). Off by "
                                       "default: a timed choice can differ between runs, and "
                                       "with it the bf16 rounding")
+    cpu_threads: Optional[int] = setting(None, "torch threads of each rank; unset: "
+                                               "OMP_NUM_THREADS where set, else the cores "
+                                               "this process may use (CPU affinity, capped by "
+                                               "the cgroup CPU quota) shared among the tp ranks "
+                                               "(applied on the CPU device, or wherever given)")
     dist_init_method: str = "tcp://127.0.0.1:29500"  # the ranks' rendezvous
     dist_timeout_s: float = 60.0
     show_progress: bool = True  # a progress bar while rank 0 loads the weights
@@ -88,6 +93,8 @@ class EngineConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.max_kv_tokens is not None and self.max_kv_tokens < 1:
             raise ValueError(f"max_kv_tokens must be >= 1, got {self.max_kv_tokens}")
         if not 0 < self.mem_fraction < 1:

@@ -18,8 +18,9 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
+from minisgl.cpu_threads import choose_threads
 from minisgl.distributed import destroy_process_groups, init_process_groups
-from minisgl.engine import Engine
+from minisgl.engine import Engine, EngineConfig
 from minisgl.message.startup import report_startup
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.io import ZmqIO
@@ -60,14 +61,23 @@ def _peer_pids(cpu_group: Any, rank: int, size: int) -> Dict[int, int]:
     return {r: pid for r, pid in enumerate(pids) if r != rank}
 
 
+def set_cpu_threads(cfg: EngineConfig, log: logging.Logger) -> None:
+    """Size torch's thread pool (`cpu_threads.choose_threads`): on the CPU device, where the
+    ranks share the cores, or wherever `cpu_threads` is given."""
+    if cfg.device != "cpu" and cfg.cpu_threads is None:
+        return
+    choice = choose_threads(cfg.cpu_threads, cfg.tp_info.size)
+    torch.set_num_threads(choice.threads)
+    log.debug("%d torch threads (%s)", choice.threads, choice.source)
+
+
 def run_rank(cfg: SchedulerConfig, conn: Any) -> None:
     """Process entry, started through `server.proc.spawn` (which names the process, sets up its
     logging and watches its parent); `conn` carries the start-up report."""
     rank = cfg.engine.tp_info.rank
     name = f"rank{rank}"
     log = logging.getLogger("minisgl.scheduler")
-    if cfg.engine.device == "cpu":  # ranks share the cores; oversubscribing them is slower
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.engine.tp_info.size))
+    set_cpu_threads(cfg.engine, log)
     # A rank fails deep in a device or a weight file: its traceback is worth an error line.
     with report_startup(conn, name, log, logging.ERROR):
         info = cfg.engine.tp_info
@@ -79,7 +89,8 @@ def run_rank(cfg: SchedulerConfig, conn: Any) -> None:
         io = ZmqIO(cfg.engine.tp_info, cfg.backend_addr or "", cfg.detokenizer_addr or "",
                    cfg.broadcast_addr, groups.cpu_group, cfg.subscriber_timeout_s)
         scheduler = Scheduler(cfg, engine, io, groups.cpu_group)
-    conn.send(("ready", name, {"limits": scheduler.limits}))
+    conn.send(("ready", name, {"limits": scheduler.limits,
+                               "torch_threads": torch.get_num_threads()}))
     try:
         scheduler.run_forever()
     except BaseException:

@@ -1,0 +1,78 @@
+"""A newcomer's first hour: CPU threads, hub model ids, serving flags, offline stop / n, a rank
+that fails to start, the web chat page."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from minisgl.cpu_threads import available_cores, cgroup_cpu_limit, choose_threads
+
+
+# --- CPU threads ----------------------------------------------------------------------------------
+def _cgroup(tmp_path: Path, v2: str = "", quota: str = "", period: str = "100000") -> Path:
+    tmp_path.mkdir()
+    if v2:
+        (tmp_path / "cpu.max").write_text(v2 + "\n")
+    if quota:
+        (tmp_path / "cpu").mkdir()
+        (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text(quota + "\n")
+        (tmp_path / "cpu" / "cpu.cfs_period_us").write_text(period + "\n")
+    return tmp_path
+
+
+def test_cgroup_quota_v2_and_v1(tmp_path: Path) -> None:
+    assert cgroup_cpu_limit(_cgroup(tmp_path / "a", v2="150000 100000")) == 1.5
+    assert cgroup_cpu_limit(_cgroup(tmp_path / "b", v2="max 100000")) is None
+    assert cgroup_cpu_limit(_cgroup(tmp_path / "c", quota="200000")) == 2.0
+    assert cgroup_cpu_limit(_cgroup(tmp_path / "d", quota="-1")) is None
+    assert cgroup_cpu_limit(tmp_path / "none") is None
+
+
+@pytest.fixture
+def no_quota(tmp_path: Path) -> Path:
+    (tmp_path / "cg").mkdir()
+    return tmp_path / "cg"
+
+
+def test_thread_order(tmp_path: Path, no_quota: Path) -> None:
+    cores = list(range(8))
+    assert choose_threads(3, 2, {"OMP_NUM_THREADS": "1"}, cores, no_quota) == (3, "cpu_threads")
+    assert choose_threads(None, 2, {"OMP_NUM_THREADS": "5"}, cores, no_quota) == \
+        (5, "OMP_NUM_THREADS")
+    assert choose_threads(None, 2, {"OMP_NUM_THREADS": "x"}, cores, no_quota).threads == 4
+    assert choose_threads(None, 2, {}, cores, no_quota) == (4, "available cores")
+    assert choose_threads(None, 3, {}, [0, 1], no_quota).threads == 1
+    quota = (tmp_path / "q")
+    quota.mkdir()
+    (quota / "cpu.max").write_text("250000 100000")
+    assert available_cores(cores, quota) == 3
+    assert choose_threads(None, 1, {}, cores, quota).threads == 3
+
+
+def test_cpu_threads_setting_checked() -> None:
+    from minisgl.engine import EngineConfig
+    with pytest.raises(ValueError, match="cpu_threads must be >= 1, got 0"):
+        EngineConfig(cpu_threads=0)
+
+
+def test_rank_uses_omp_num_threads(tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OMP_NUM_THREADS=1: each spawned rank runs torch with one thread (read back from it)."""
+    from minisgl import LLM, SamplingParams
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with LLM(str(tiny_qwen3), tp=2, device="cpu", show_progress=False,
+             max_kv_tokens=1024) as llm:
+        assert llm.torch_threads == (1, 1)
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
+        assert len(out[0].token_ids) == 2
+
+
+def test_rank_uses_cpu_threads_setting(tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch
+                                       ) -> None:
+    from minisgl import LLM
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    with LLM(str(tiny_qwen3), tp=2, device="cpu", cpu_threads=1, show_progress=False,
+             max_kv_tokens=1024) as llm:
+        assert llm.torch_threads == (1, 1)
