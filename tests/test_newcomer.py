@@ -76,3 +76,22 @@ def test_rank_uses_cpu_threads_setting(tiny_qwen3: Path, monkeypatch: pytest.Mon
     with LLM(str(tiny_qwen3), tp=2, device="cpu", cpu_threads=1, show_progress=False,
              max_kv_tokens=1024) as llm:
         assert llm.torch_threads == (1, 1)
+
+
+# --- the suite's memory -----------------------------------------------------------------------
+def test_hf_peer_bench_memory_is_bounded(tiny_model: Callable[..., Path]) -> None:
+    """bench_offline --peer hf on CPU: HF's KV cache is bounded (left to itself, HF sizes it
+    from the machine's total RAM), so the run stays well under 3 GiB."""
+    import resource
+    import subprocess
+    import sys
+    model = tiny_model("llama")
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_offline.py"
+    run = subprocess.run([sys.executable, str(script), "--model", str(model), "--device", "cpu",
+                          "--num-prompts", "2", "--min-len", "4", "--max-len", "8",
+                          "--no-warmup", "--peer", "hf"], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "hf: run 2/2 finished" in run.stdout
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    assert peak_kib < 3 * 1024 * 1024, f"peak RSS {peak_kib / 1024**2:.1f} GiB"
