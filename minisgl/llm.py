@@ -192,7 +192,8 @@ class LLM:
                  log_level: str = "WARNING", **overrides: Any) -> None:
         cfg = build(SchedulerConfig(), overrides, "LLM()")
         tp = cfg.engine.tp
-        self.model_path = resolve_model_path(model)
+        self.model_path = resolve_model_path(model, cfg.engine.revision,
+                                             cfg.engine.download_dir)
         self.tokenizer = load_tokenizer(self.model_path)
         self.model_config = ModelConfig.from_dir(self.model_path)
         check_head_split(self.model_config.num_heads, self.model_config.num_kv_heads, tp)

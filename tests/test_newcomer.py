@@ -3,8 +3,9 @@ that fails to start, the web chat page."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Dict
 
 import pytest
 
@@ -95,3 +96,89 @@ def test_hf_peer_bench_memory_is_bounded(tiny_model: Callable[..., Path]) -> Non
     assert "hf: run 2/2 finished" in run.stdout
     peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     assert peak_kib < 3 * 1024 * 1024, f"peak RSS {peak_kib / 1024**2:.1f} GiB"
+
+
+# --- Hugging Face hub ids -------------------------------------------------------------------------
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+OTHER = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+def _hub_cache(cache: Path, model_id: str, src: Path, refs: Dict[str, str]) -> Path:
+    """Lay out huggingface_hub's cache for `model_id`: refs/<name> -> commit and
+    snapshots/<commit>/ with the files of `src` (copies; the hub's own are links to blobs)."""
+    repo = cache / ("models--" + model_id.replace("/", "--"))
+    for ref, commit in refs.items():
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+        snapshot = repo / "snapshots" / commit
+        if not snapshot.exists():
+            shutil.copytree(src, snapshot)
+    return cache
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def test_hub_id_from_the_cache_offline(tiny_qwen3: Path, tmp_path: Path, offline: None) -> None:
+    from minisgl.models.path import looks_like_hub_id, model_name, resolve_model_path
+    cache = _hub_cache(tmp_path / "hub", "acme/tiny", tiny_qwen3, {"main": COMMIT, "v1": OTHER})
+    path = resolve_model_path("acme/tiny", download_dir=str(cache))
+    assert path.name == COMMIT and (path / "config.json").is_file()
+    assert resolve_model_path("acme/tiny", "v1", str(cache)).name == OTHER
+    assert resolve_model_path("acme/tiny", COMMIT, str(cache)).name == COMMIT
+    assert model_name("acme/tiny", path) == "acme/tiny"
+    assert model_name(str(tiny_qwen3), tiny_qwen3) == tiny_qwen3.name
+    assert looks_like_hub_id("acme/tiny") and not looks_like_hub_id("/abs/dir")
+    assert not looks_like_hub_id("./rel") and not looks_like_hub_id("a/b/c")
+
+
+def test_unknown_hub_id_names_it(tmp_path: Path, offline: None) -> None:
+    from minisgl.models.path import resolve_model_path
+    with pytest.raises(FileNotFoundError, match="'acme/missing'.*HF_HUB_OFFLINE"):
+        resolve_model_path("acme/missing", download_dir=str(tmp_path))
+    (tmp_path / "src").mkdir()
+    cache = _hub_cache(tmp_path / "hub", "acme/tiny", tmp_path / "src", {"main": COMMIT})
+    with pytest.raises(FileNotFoundError, match="revision 'nope' of .*'acme/tiny'"):
+        resolve_model_path("acme/tiny", "nope", str(cache))
+
+
+def test_hub_files_are_what_loading_reads() -> None:
+    from fnmatch import fnmatch
+    from minisgl.models.path import HUB_FILES
+    wanted = ["model.safetensors", "model-00001-of-00002.safetensors",
+              "model.safetensors.index.json", "config.json", "generation_config.json",
+              "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "chat_template.jinja"]
+    unwanted = ["pytorch_model.bin", "model.gguf", "original/consolidated.00.pth", "README.md",
+                "onnx/model.onnx"]
+    assert all(any(fnmatch(f, p) for p in HUB_FILES) for f in wanted)
+    assert not any(fnmatch(f, p) for f in unwanted for p in HUB_FILES)
+
+
+def test_llm_loads_a_hub_id(tiny_qwen3: Path, tmp_path: Path, offline: None) -> None:
+    from minisgl import LLM, SamplingParams
+    cache = _hub_cache(tmp_path / "hub", "acme/tiny", tiny_qwen3, {"main": COMMIT})
+    with LLM("acme/tiny", download_dir=str(cache), device="cpu", show_progress=False,
+             max_kv_tokens=1024) as llm:
+        assert llm.model_path.name == COMMIT
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
+        assert len(out[0].token_ids) == 2
+
+
+def test_serve_a_hub_id_offline(tiny_qwen3: Path, tmp_path: Path, offline: None,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """`./serve --model ORG/NAME` from a prepared hub cache (HF_HOME) with HF_HUB_OFFLINE=1:
+    the API names the model by its id; an unknown id fails with one line naming it."""
+    import httpx
+    from server_helpers import CPU_ARGS, run_serve, serving
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    _hub_cache(tmp_path / "hf" / "hub", "acme/tiny", tiny_qwen3, {"main": COMMIT})
+    with serving(["--model", "acme/tiny", *CPU_ARGS], tmp_path / "run") as srv:
+        models = httpx.get(f"{srv.base_url}/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]][0] == "acme/tiny"
+    r = run_serve(["--model", "acme/unknown", "--port", "0"], tmp_path)
+    assert r.returncode == 1
+    assert "'acme/unknown'" in r.stderr and "HF_HUB_OFFLINE" in r.stderr, r.stderr

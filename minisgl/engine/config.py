@@ -81,6 +81,11 @@ class EngineConfig:
                                                "this process may use (CPU affinity, capped by "
                                                "the cgroup CPU quota) shared among the tp ranks "
                                                "(applied on the CPU device, or wherever given)")
+    revision: Optional[str] = setting(None, "branch, tag or commit of a Hugging Face hub model "
+                                            "id (unset: the default branch)")
+    download_dir: Optional[str] = setting(None, "hub cache directory that hub model ids are "
+                                                "downloaded into and read from (unset: "
+                                                "huggingface_hub's, under HF_HOME)")
     dist_init_method: str = "tcp://127.0.0.1:29500"  # the ranks' rendezvous
     dist_timeout_s: float = 60.0
     show_progress: bool = True  # a progress bar while rank 0 loads the weights

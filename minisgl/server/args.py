@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from minisgl.engine import EngineConfig
+from minisgl.models.path import model_name
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.settings import add_flags, build, check_choices, check_values, section, setting
 from minisgl.settings import values as setting_values
@@ -38,10 +39,12 @@ def _server_scheduler() -> SchedulerConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    model: Optional[str] = setting(None, "local Hugging Face model directory (default: the "
-                                         "bundled SmolLM2-135M-Instruct)")
-    served_model_name: Optional[str] = setting(None, "model name in the API (default: the "
-                                                     "directory name)")
+    model: Optional[str] = setting(None, "local Hugging Face model directory, or a hub model id "
+                                         "ORG/NAME (downloaded into the hub cache, or read from "
+                                         "it with HF_HUB_OFFLINE=1; default: the bundled "
+                                         "SmolLM2-135M-Instruct)")
+    served_model_name: Optional[str] = setting(None, "model name in the API (default: the hub "
+                                                     "id, or the directory name)")
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8000, "HTTP port (0: pick a free one; the ready line names it)")
     max_n: int = setting(8, "the largest n (choices per request) a request may ask for")
@@ -75,7 +78,7 @@ class ServerConfig:
         return resolve_device(self.engine.device)
 
     def model_name(self, model_path: Path) -> str:
-        return self.served_model_name or model_path.name
+        return self.served_model_name or model_name(self.model, model_path)
 
     def check_combination(self) -> None:
         """Raise ValueError, naming the settings, for combinations only a rank's config judges

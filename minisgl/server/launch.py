@@ -210,7 +210,8 @@ def _fail(message: str) -> int:
 def _prepare(cfg: ServerConfig) -> Tuple[Path, socket.socket]:
     try:
         cfg.resolved_device  # noqa: B018  (raises for cuda without a GPU)
-        model_path = resolve_model_path(cfg.model)
+        model_path = resolve_model_path(cfg.model, cfg.engine.revision,
+                                                cfg.engine.download_dir)
         shape = ModelConfig.from_dir(model_path)  # a readable config.json, before anything starts
         check_head_split(shape.num_heads, shape.num_kv_heads, cfg.engine.tp)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
