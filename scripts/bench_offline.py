@@ -241,8 +241,8 @@ def hf_batching_options(gen: Any, on_cuda: bool, cuda_graph: bool = True,
     torch.compile at HF_COMPILE_LEVEL where the release has the field (newer releases: a
     ContinuousBatchingConfig; older ones read the rest from the GenerationConfig), and the KV
     cache's share of free memory; on CPU, a bounded cache (`hf_cpu_cache_bounds`). Without
-    padding, HF may capture a graph per new batch shape: whether graphs help it on a workload is measured, not assumed
-    (--peer-cuda-graph). `extra` (--peer-cb-option) sets further fields; one this transformers
+    padding, HF may capture a graph per new batch shape: whether graphs help it on a workload is
+    measured, not assumed (--peer-cuda-graph). `extra` (--peer-cb-option) sets further fields; one this transformers
     does not have raises ValueError naming it."""
     if on_cuda:
         wanted = {"use_cuda_graph": cuda_graph, "use_async_batching": True,

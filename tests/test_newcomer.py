@@ -182,3 +182,64 @@ def test_serve_a_hub_id_offline(tiny_qwen3: Path, tmp_path: Path, offline: None,
     r = run_serve(["--model", "acme/unknown", "--port", "0"], tmp_path)
     assert r.returncode == 1
     assert "'acme/unknown'" in r.stderr and "HF_HUB_OFFLINE" in r.stderr, r.stderr
+
+
+# --- serving flags: max-model-len, chat-template, served-model-name aliases ------------------------
+def test_max_model_len_caps_the_context(tiny_qwen3: Path) -> None:
+    from minisgl import LLM, SamplingParams
+    from minisgl.engine import EngineConfig
+    assert EngineConfig(max_model_len=100).context_length(512) == 100
+    assert EngineConfig().context_length(512) == 512
+    with pytest.raises(ValueError, match="max_model_len 600 is above the model's context "
+                                         "length 512"):
+        EngineConfig(max_model_len=600).context_length(512)
+    with pytest.raises(ValueError, match="max_model_len must be >= 1"):
+        EngineConfig(max_model_len=0)
+    with LLM(str(tiny_qwen3), device="cpu", max_model_len=64, show_progress=False,
+             max_kv_tokens=1024) as llm:
+        assert llm.max_context == 64
+        with pytest.raises(ValueError, match="64"):
+            llm.generate([[1] * 60], SamplingParams(max_tokens=10))
+
+
+def test_served_names_are_checked() -> None:
+    from minisgl.server.args import parse_args
+    cfg = parse_args(["--served-model-name", "a, b,c"])
+    assert cfg.model_name(Path("/m/dir")) == "a" and cfg.model_aliases == ("b", "c")
+    assert parse_args([]).model_name(Path("/m/dir")) == "dir"
+    with pytest.raises(ValueError, match="served_model_name must be names separated by commas"):
+        parse_args(["--served-model-name", "a,,b"])
+
+
+def test_serving_flags(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """--max-model-len caps what the API reports and accepts; --served-model-name gives
+    aliases; --chat-template replaces the model's template."""
+    import httpx
+    from transformers import AutoTokenizer
+    from server_helpers import CPU_ARGS, run_serve, serving
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}A:")
+    args = ["--model", str(tiny_qwen3), "--max-model-len", "128", "--served-model-name",
+            "first,second", "--chat-template", str(template), *CPU_ARGS]
+    with serving(args, tmp_path / "run") as srv:
+        models = httpx.get(f"{srv.base_url}/models", timeout=10).json()["data"]
+        assert [m["id"] for m in models] == ["first", "second"]
+        assert {m["max_model_len"] for m in models} == {128}
+        r = httpx.post(f"{srv.url}/tokenize", json={
+            "model": "second", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+        assert r.status_code == 200, r.text
+        tok = AutoTokenizer.from_pretrained(str(tiny_qwen3))
+        assert r.json()["tokens"] == tok.encode("Q: hi\nA:", add_special_tokens=False)
+        assert r.json()["max_model_len"] == 128
+        r = httpx.post(f"{srv.base_url}/completions", json={
+            "model": "first", "prompt": [1] * 120, "max_tokens": 20}, timeout=30)
+        assert r.status_code == 400 and "128" in r.text, r.text
+        r = httpx.post(f"{srv.base_url}/completions", json={
+            "model": "third", "prompt": "x", "max_tokens": 1}, timeout=30)
+        assert r.status_code == 404
+    r = run_serve(["--model", str(tiny_qwen3), "--max-model-len", "100000", "--port", "0"],
+                  tmp_path)
+    assert r.returncode == 1 and "max_model_len 100000" in r.stderr, r.stderr
+    r = run_serve(["--model", str(tiny_qwen3), "--chat-template", str(tmp_path / "none"),
+                   "--port", "0"], tmp_path)
+    assert r.returncode == 1 and "cannot read chat template" in r.stderr, r.stderr

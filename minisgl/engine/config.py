@@ -35,6 +35,8 @@ class EngineConfig:
                                          "bfloat16 or float16 (fp32, bf16, fp16); unset or "
                                          "auto: bfloat16 on CUDA, float32 on CPU (exact "
                                          "comparison with Hugging Face)", choices=DTYPE_NAMES)
+    max_model_len: Optional[int] = setting(None, "context length in tokens (prompt and output), "
+                                                 "at most the model's own; unset: the model's")
     page_size: int = setting(16, "tokens per KV-cache page")
     max_running_requests: int = setting(256, "the most requests in flight at once (rows of the "
                                              "page table)")
@@ -100,6 +102,8 @@ class EngineConfig:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_kv_tokens is not None and self.max_kv_tokens < 1:
             raise ValueError(f"max_kv_tokens must be >= 1, got {self.max_kv_tokens}")
         if not 0 < self.mem_fraction < 1:
@@ -136,6 +140,16 @@ class EngineConfig:
         return replace(self, model_path=model_path, tp_info=DistributedInfo(rank, self.tp),
                        device=resolve_device(self.device),
                        dist_init_method=dist_init_method or self.dist_init_method)
+
+    def context_length(self, model_max: int) -> int:
+        """The context length: `max_model_len` where set, else the model's `model_max`.
+        ValueError naming both when `max_model_len` is above the model's."""
+        if self.max_model_len is None:
+            return model_max
+        if self.max_model_len > model_max:
+            raise ValueError(f"max_model_len {self.max_model_len} is above the model's context "
+                             f"length {model_max}")
+        return self.max_model_len
 
     @property
     def torch_device(self) -> torch.device:

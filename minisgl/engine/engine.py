@@ -112,7 +112,7 @@ class Engine:
         self.policy = kernel_policy(cfg, self.device)
         self.model_cfg = ModelConfig.from_dir(cfg.model_path)
         self.model = self._load_model(groups)
-        self.max_context = self.model_cfg.max_context
+        self.max_context = cfg.context_length(self.model_cfg.max_context)
         qkv = self.model.model.layers[0].self_attn.qkv_proj
         local_kv_heads, local_heads = qkv.num_local_kv_heads, qkv.num_local_heads
         self.num_pages = min_over_ranks(self._pages_that_fit(local_kv_heads), groups.cpu_group)

@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional
+from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -46,6 +46,7 @@ class ApiConfig:
     tokenizer_addr: str  # PUSH: requests and aborts to the tokenizer
     api_addr: str  # PULL, bound here: replies from the detokenizer and tokenizer
     health_file: str  # exists while the launcher sees every process of the service up
+    aliases: Tuple[str, ...] = ()  # more names requests may give the model
 
 
 class ClientGone(Exception):
@@ -173,7 +174,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> FastAPI:
     _install_error_handlers(app)
 
     def check_model(name: Optional[str]) -> None:
-        if name is not None and name != cfg.model_name:
+        if name is not None and name != cfg.model_name and name not in cfg.aliases:
             raise ApiError(404, f"The model `{name}` does not exist. This server serves "
                                 f"`{cfg.model_name}`.", "model", "model_not_found")
 
@@ -224,7 +225,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list",
+                "data": [model_card()] + [{**model_card(), "id": a} for a in cfg.aliases]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> Dict[str, Any]:

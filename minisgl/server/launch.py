@@ -43,6 +43,7 @@ from minisgl.log import setup_logging
 from minisgl.server.proc import (Child, StartupError, first_dead, spawn, stop_children,
                                  wait_ready)
 from minisgl.tokenizer.detokenize_worker import DetokenizerConfig, run_detokenizer
+from minisgl.tokenizer.text import read_chat_template
 from minisgl.tokenizer.tokenize_worker import TokenizerConfig, run_tokenizer
 from minisgl.utils import free_port
 
@@ -119,12 +120,16 @@ class Service:
             rank_cfg = self.cfg.scheduler_config(self.model_path, r, init, a.backend,
                                                  a.detokenizer, a.broadcast)
             self.ranks.append(spawn(f"rank{r}", _rank_entry, (rank_cfg,), level, self.run_dir))
-        api_cfg = ApiConfig(self.model_name, ModelConfig.from_dir(self.model_path).max_context,
-                            self.cfg.max_n, a.tokenizer, a.api, self.health_file)
+        shape = ModelConfig.from_dir(self.model_path)
+        context = self.cfg.engine.context_length(shape.max_context)
+        api_cfg = ApiConfig(self.model_name, context, self.cfg.max_n, a.tokenizer, a.api,
+                            self.health_file, self.cfg.model_aliases)
+        template = (None if self.cfg.chat_template is None
+                    else read_chat_template(self.cfg.chat_template))
         self.workers = [
             spawn("tokenizer", run_tokenizer,
-                  (TokenizerConfig(path, a.tokenizer, a.backend, a.detokenizer, a.api),), level,
-                  self.run_dir),
+                  (TokenizerConfig(path, a.tokenizer, a.backend, a.detokenizer, a.api, template),),
+                  level, self.run_dir),
             spawn("detokenizer", run_detokenizer,
                   (DetokenizerConfig(path, a.detokenizer, a.backend, a.api),), level,
                   self.run_dir),
@@ -214,6 +219,9 @@ def _prepare(cfg: ServerConfig) -> Tuple[Path, socket.socket]:
                                                 cfg.engine.download_dir)
         shape = ModelConfig.from_dir(model_path)  # a readable config.json, before anything starts
         check_head_split(shape.num_heads, shape.num_kv_heads, cfg.engine.tp)
+        cfg.engine.context_length(shape.max_context)
+        if cfg.chat_template is not None:
+            read_chat_template(cfg.chat_template)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise StartupError(str(e)) from None
     return model_path, bind_http(cfg.host, cfg.port)
