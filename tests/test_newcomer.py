@@ -243,3 +243,44 @@ def test_serving_flags(tiny_qwen3: Path, tmp_path: Path) -> None:
     r = run_serve(["--model", str(tiny_qwen3), "--chat-template", str(tmp_path / "none"),
                    "--port", "0"], tmp_path)
     assert r.returncode == 1 and "cannot read chat template" in r.stderr, r.stderr
+
+
+# --- offline stop strings and n ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model: Callable[..., Path]):
+    from minisgl import LLM
+    with LLM(str(tiny_model("qwen3")), device="cpu", show_progress=False,
+             max_kv_tokens=2048) as llm:
+        yield llm
+
+
+def test_offline_stop_strings(tiny_llm) -> None:
+    from minisgl import SamplingParams
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    full = tiny_llm.generate([[5, 6, 7]], greedy)[0]
+    assert len(full.text) > 12, full.text
+    stop = full.text[8:11]
+    cut = full.text.find(stop)
+    out = tiny_llm.generate([[5, 6, 7]], SamplingParams(
+        max_tokens=24, temperature=0.0, ignore_eos=True, stop=(stop, "never-there")))[0]
+    assert out.text == full.text[:cut] and out.finish_reason == "stop"
+    assert out.token_ids == full.token_ids[:len(out.token_ids)]
+    assert len(out.token_ids) < len(full.token_ids)
+    unmatched = tiny_llm.generate([[5, 6, 7]], SamplingParams(
+        max_tokens=24, temperature=0.0, ignore_eos=True, stop=["never-there"]))[0]
+    assert (unmatched.text, unmatched.finish_reason) == (full.text, full.finish_reason)
+    assert tiny_llm.check_accounting().live_requests == 0
+    with pytest.raises(ValueError, match="stop must be a sequence of non-empty strings"):
+        tiny_llm.generate([[5]], SamplingParams(stop=("",)))
+
+
+def test_offline_n(tiny_llm) -> None:
+    from minisgl import SamplingParams
+    outs = tiny_llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=6, seed=5, n=3))
+    assert len(outs) == 6
+    for j in range(3):
+        alone = tiny_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, seed=5 + j))[0]
+        assert outs[j].token_ids == alone.token_ids
+    assert outs[3].prompt_tokens == 2
+    with pytest.raises(ValueError, match="n must be an integer >= 1"):
+        tiny_llm.generate([[5]], SamplingParams(n=0))
