@@ -284,3 +284,31 @@ def test_offline_n(tiny_llm) -> None:
     assert outs[3].prompt_tokens == 2
     with pytest.raises(ValueError, match="n must be an integer >= 1"):
         tiny_llm.generate([[5]], SamplingParams(n=0))
+
+
+# --- a script without a __main__ guard ---------------------------------------------------------------
+NO_GUARD = """
+from minisgl import LLM, SamplingParams
+llm = LLM({model!r}, tp=2, device="cpu", show_progress=False, max_kv_tokens=1024)
+print("tokens", len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3))[0].token_ids))
+llm.close()
+"""
+
+
+@pytest.mark.parametrize("how", ["file", "stdin"])
+def test_tp2_script_without_main_guard(tiny_qwen3: Path, tmp_path: Path, how: str) -> None:
+    """Spawned ranks do not run the user's script again: LLM(tp=2) works from a script with no
+    `if __name__ == "__main__":` guard and from `python - <<EOF`, leaving nothing in TMPDIR."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "noguard.py"
+    script.write_text(NO_GUARD.format(model=str(tiny_qwen3)))
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    cmd = [sys.executable, str(script)] if how == "file" else [sys.executable, "-"]
+    run = subprocess.run(cmd, input=None if how == "file" else script.read_text(),
+                         capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "tokens 3" in run.stdout
+    assert "bootstrapping" not in run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["noguard.py"]

@@ -13,16 +13,18 @@ capacity the ranks reported). This module imports nothing heavy (no torch, no HT
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from minisgl.log import setup_logging
 
@@ -92,6 +94,26 @@ class Child:
         return f"{self.name} (pid {self.process.pid}) {self.ending}"
 
 
+@contextlib.contextmanager
+def _main_left_alone() -> Iterator[None]:
+    """Keep spawn from running the parent's main script again in the child, as it does to find
+    functions defined there: a child runs only minisgl's own functions, and a script without an
+    `if __name__ == "__main__":` guard would otherwise start the children again from each child
+    (and a script read from stdin cannot be run again at all). Spawn reads `__spec__` and
+    `__file__` of `__main__` while `start` runs; they are put back at once."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__")
+             if main is not None and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__["__spec__"] = None
+            main.__dict__.pop("__file__", None)
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+
+
 def spawn(name: str, target: Callable[..., None], args: Sequence[Any], log_level: str,
           run_dir: str) -> Child:
     """Start `target(*args, conn)` in a fresh (spawned) process named `name`; `run_dir` is the
@@ -99,7 +121,8 @@ def spawn(name: str, target: Callable[..., None], args: Sequence[Any], log_level
     ours, theirs = _SPAWN.Pipe(duplex=True)
     proc = _SPAWN.Process(target=child_main, name=f"minisgl-{name}", daemon=True,
                           args=(name, log_level, os.getpid(), run_dir, target, (*args, theirs)))
-    proc.start()
+    with _main_left_alone():
+        proc.start()
     theirs.close()
     return Child(name, proc, ours)
 
