@@ -42,8 +42,9 @@ class SamplingParams:
     prefix cache: cached tokens have no logits). Until `min_tokens` tokens are out, EOS and
     `stop_token_ids` cannot be sampled (vLLM's min_tokens; HF's min_new_tokens).
     `stop` (strings that end the output, which leaves them out) and `n` (choices per prompt)
-    are read by `LLM` only. `max_tokens=None` asks for as many tokens as fit: `check_request` resolves it against the
-    engine's limits, so every `Req` and every params past that check has an integer.
+    are read by `LLM` only. `max_tokens=None` asks for as many tokens as fit: `check_request`
+    resolves it against the engine's limits, so every `Req` and every params past that check has
+    an integer.
     """
 
     max_tokens: Optional[int] = 16

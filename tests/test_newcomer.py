@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Callable, Dict
+from typing import Callable, Dict, List, Tuple
 
 import pytest
 
@@ -79,7 +79,7 @@ def test_rank_uses_cpu_threads_setting(tiny_qwen3: Path, monkeypatch: pytest.Mon
         assert llm.torch_threads == (1, 1)
 
 
-# --- the suite's memory -----------------------------------------------------------------------
+# --- the suite's memory ---------------------------------------------------------------------------
 def test_hf_peer_bench_memory_is_bounded(tiny_model: Callable[..., Path]) -> None:
     """bench_offline --peer hf on CPU: HF's KV cache is bounded (left to itself, HF sizes it
     from the machine's total RAM), so the run stays well under 3 GiB."""
@@ -184,7 +184,7 @@ def test_serve_a_hub_id_offline(tiny_qwen3: Path, tmp_path: Path, offline: None,
     assert "'acme/unknown'" in r.stderr and "HF_HUB_OFFLINE" in r.stderr, r.stderr
 
 
-# --- serving flags: max-model-len, chat-template, served-model-name aliases ------------------------
+# --- serving flags: max-model-len, chat-template, served-model-name aliases -----------------------
 def test_max_model_len_caps_the_context(tiny_qwen3: Path) -> None:
     from minisgl import LLM, SamplingParams
     from minisgl.engine import EngineConfig
@@ -245,7 +245,7 @@ def test_serving_flags(tiny_qwen3: Path, tmp_path: Path) -> None:
     assert r.returncode == 1 and "cannot read chat template" in r.stderr, r.stderr
 
 
-# --- offline stop strings and n ------------------------------------------------------------------
+# --- offline stop strings and n -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_model: Callable[..., Path]):
     from minisgl import LLM
@@ -286,7 +286,7 @@ def test_offline_n(tiny_llm) -> None:
         tiny_llm.generate([[5]], SamplingParams(n=0))
 
 
-# --- a script without a __main__ guard ---------------------------------------------------------------
+# --- a script without a __main__ guard ------------------------------------------------------------
 NO_GUARD = """
 from minisgl import LLM, SamplingParams
 llm = LLM({model!r}, tp=2, device="cpu", show_progress=False, max_kv_tokens=1024)
@@ -314,7 +314,7 @@ def test_tp2_script_without_main_guard(tiny_qwen3: Path, tmp_path: Path, how: st
     assert sorted(p.name for p in tmp_path.iterdir()) == ["noguard.py"]
 
 
-# --- README truth ------------------------------------------------------------------------------------
+# --- README truth ---------------------------------------------------------------------------------
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -349,3 +349,44 @@ def test_readme_offline_example_has_a_main_guard() -> None:
     example = example[start:example.index("```", start)]
     assert 'if __name__ == "__main__":' in example
     compile(example, "README example", "exec")
+
+
+# --- start-up progress -------------------------------------------------------------------------------
+def _startup_output(args: List[str], tmp_path: Path, stdin: str = "") -> Tuple[str, str]:
+    """stdout and stderr of `serve ARGS` run to its end (the shell ends at end of input)."""
+    import os
+    import subprocess
+    import sys
+    from server_helpers import REPO
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, str(REPO / "serve"), "--port", "0", *args],
+                         input=stdin, capture_output=True, text=True, timeout=300, env=env,
+                         cwd=str(tmp_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout, run.stderr
+
+
+def test_startup_progress_in_the_shell(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """The launcher shows each start-up step before the ready line, in the shell too, and
+    uvicorn's own "Application startup complete" does not pose as readiness."""
+    from server_helpers import CPU_ARGS
+    out, err = _startup_output(["--model", str(tiny_qwen3), *CPU_ARGS[:4], "--shell"],
+                               tmp_path, stdin="")
+    lines = out.splitlines()
+    ready = next(i for i, line in enumerate(lines) if line.startswith("minisgl ready:"))
+    steps = [line for line in lines[:ready] if line.startswith("minisgl starting:")]
+    assert any("loading" in s for s in steps), out
+    assert any("rank0: weights loaded in" in s for s in steps), out
+    assert any("rank0: KV pool sized:" in s for s in steps), out
+    assert any("all 1 ranks ready" in s for s in steps), out
+    assert "startup complete" not in (out + err).lower()
+
+
+def test_startup_progress_logged_by_default(tiny_qwen3: Path, tmp_path: Path) -> None:
+    from server_helpers import Server
+    srv = Server.start(["--model", str(tiny_qwen3), "--device", "cpu", "--max-kv-tokens",
+                        "8192"], tmp_path / "run")
+    try:
+        assert "application startup complete" not in srv.stderr().lower()
+    finally:
+        assert srv.stop().code == 0

@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,11 @@ def set_cpu_threads(cfg: EngineConfig, log: logging.Logger) -> None:
     log.debug("%d torch threads (%s)", choice.threads, choice.source)
 
 
+def _progress(conn: Any, name: str) -> Callable[[str], None]:
+    """Start-up steps to the parent, which shows them (`server.proc.wait_ready`)."""
+    return lambda text: conn.send(("progress", name, text))
+
+
 def run_rank(cfg: SchedulerConfig, conn: Any) -> None:
     """Process entry, started through `server.proc.spawn` (which names the process, sets up its
     logging and watches its parent); `conn` carries the start-up report."""
@@ -85,7 +90,8 @@ def run_rank(cfg: SchedulerConfig, conn: Any) -> None:
                                      cfg.engine.dist_timeout_s, cfg.engine.allreduce)
         peers = _peer_pids(groups.cpu_group, info.rank, info.size)
         threading.Thread(target=_watch_peers, args=(peers, log), daemon=True).start()
-        engine = Engine(cfg.engine, groups)
+        engine = Engine(cfg.engine, groups, _progress(conn, name) if info.rank == 0
+                        else lambda text: None)
         io = ZmqIO(cfg.engine.tp_info, cfg.backend_addr or "", cfg.detokenizer_addr or "",
                    cfg.broadcast_addr, groups.cpu_group, cfg.subscriber_timeout_s)
         scheduler = Scheduler(cfg, engine, io, groups.cpu_group)

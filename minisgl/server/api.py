@@ -247,6 +247,13 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> FastAPI:
     return app
 
 
+def _not_startup_lines(record: logging.LogRecord) -> bool:
+    """Drop uvicorn's "Application startup complete" (and its "Waiting for application
+    startup"): the HTTP server is up long before the ranks are, and the launcher's ready line
+    is what says the service is."""
+    return "application startup" not in record.getMessage().lower()
+
+
 def serve_forever(cfg: ApiConfig, sock: Any, is_healthy: Callable[[], bool],
                   on_listening: Callable[[], None], log_level: str) -> None:
     """Serve on the already bound socket `sock` until the process is terminated; call
@@ -259,6 +266,7 @@ def serve_forever(cfg: ApiConfig, sock: Any, is_healthy: Callable[[], bool],
         def capture_signals(self) -> Iterator[None]:
             yield  # SIGTERM keeps its default action; SIGINT is ignored by every child
 
+    logging.getLogger("uvicorn.error").addFilter(_not_startup_lines)
     config = uvicorn.Config(create_app(cfg, is_healthy), log_config=None, access_log=False,
                             lifespan="on", log_level=log_level.lower(),
                             timeout_graceful_shutdown=1)

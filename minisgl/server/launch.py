@@ -141,12 +141,14 @@ class Service:
             if sent or any(c.info is None for c in self.ranks):
                 return
             limits: Limits = (self.ranks[0].info or {})["limits"]
-            logger.info("all %d ranks ready: context %d tokens, KV pool %d tokens",
-                        self.cfg.engine.tp, limits.max_context, limits.kv_capacity)
+            show_step(f"all {self.cfg.engine.tp} ranks ready: context {limits.max_context} "
+                      f"tokens, KV pool {limits.kv_capacity} tokens")
             self.workers[0].conn.send(("limits", limits))
             sent.append(True)
 
-        wait_ready(self.children, should_stop, send_limits)
+        show_step(f"loading {self.model_name} on {self.cfg.engine.tp} rank(s)")
+        wait_ready(self.children, should_stop, send_limits,
+                   lambda child, text: show_step(f"{child.name}: {text}"))
         self.sock.close()  # the API server holds its own copy now
         self.sock = None
         Path(self.health_file).touch()
@@ -174,6 +176,12 @@ class Service:
             self.sock.close()
             self.sock = None
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def show_step(text: str) -> None:
+    """A start-up step on the launcher's output (in the shell too: it is not a log line), so
+    that the wait before the ready line is not silent."""
+    print(f"minisgl starting: {text}", flush=True)
 
 
 def _send_shutdown(backend_addr: str) -> None:

@@ -6,7 +6,8 @@ terminal's Ctrl-C reaches the whole process group; only the parent acts on it), 
 lines, exits when its parent (the launcher, or the `LLM` process) disappears (no orphans even
 after `kill -9` of the parent), then runs its entry function. An entry function takes `conn` (its
 end of a duplex pipe to the parent) as its last argument and sends exactly one of
-`("ready", name, info)` or `("error", name, message)` on it (`message.startup.report_startup`);
+`("ready", name, info)` or `("error", name, message)` on it (`message.startup.report_startup`),
+after any number of `("progress", name, text)` (start-up steps, for the parent to show);
 the parent may send it start-up data on the same pipe afterwards (the tokenizer gets the KV
 capacity the ranks reported). This module imports nothing heavy (no torch, no HTTP stack).
 """
@@ -127,11 +128,17 @@ def spawn(name: str, target: Callable[..., None], args: Sequence[Any], log_level
     return Child(name, proc, ours)
 
 
+def _log_step(child: "Child", text: str) -> None:
+    logger.info("%s: %s", child.name, text)
+
+
 def wait_ready(children: List[Child], should_stop: Callable[[], bool],
-               on_progress: Callable[[], None] = lambda: None) -> None:
+               on_progress: Callable[[], None] = lambda: None,
+               on_step: Callable[[Child, str], None] = _log_step) -> None:
     """Block until every child reported ready. ChildStartupError when one reports an error or
     dies first; StartupError when `should_stop()` turns true (a signal during start-up).
-    `on_progress` runs after each child's report."""
+    `on_progress` runs after each child's report; `on_step` gets each start-up step a child
+    tells (logged by default)."""
     while True:
         waiting = [c for c in children if c.info is None]
         if not waiting:
@@ -141,15 +148,18 @@ def wait_ready(children: List[Child], should_stop: Callable[[], bool],
         handles = [c.conn for c in waiting] + [c.process.sentinel for c in waiting]
         mpc.wait(handles, timeout=0.2)
         for child in waiting:
-            _poll_ready(child)
+            _poll_ready(child, on_step)
             if child.info is not None:
                 on_progress()
 
 
-def _poll_ready(child: Child) -> None:
+def _poll_ready(child: Child, on_step: Callable[[Child, str], None]) -> None:
     try:
-        if child.conn.poll():
+        while child.conn.poll():
             status, _, info = child.conn.recv()
+            if status == "progress":
+                on_step(child, str(info))
+                continue
             if status != "ready":
                 raise ChildStartupError(f"{child.name} failed to start: {info}", child, str(info))
             child.info = info
