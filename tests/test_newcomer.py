@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
 
@@ -390,3 +390,61 @@ def test_startup_progress_logged_by_default(tiny_qwen3: Path, tmp_path: Path) ->
         assert "application startup complete" not in srv.stderr().lower()
     finally:
         assert srv.stop().code == 0
+
+
+# --- the web chat page -------------------------------------------------------------------------------
+def _chromedriver() -> Optional[str]:
+    import shutil as sh
+    return sh.which("chromedriver") or next(
+        (p for p in ("/usr/bin/chromedriver", "/usr/lib/chromium/chromedriver")
+         if Path(p).is_file()), None)
+
+
+def test_chat_page_is_one_static_file() -> None:
+    """No build step and nothing fetched from elsewhere: no external script, style or image."""
+    from minisgl.server.api import CHAT_PAGE
+    import re
+    html = CHAT_PAGE.read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)
+    assert "@import" not in html and "/v1/chat/completions" in html
+
+
+@pytest.mark.slow
+def test_chat_page_in_a_browser(tmp_path: Path) -> None:
+    """Headless Chromium opens GET /, types a question and reads the streamed answer of the
+    default model, which names Paris; the page shows the model name."""
+    import httpx
+    from server_helpers import serving
+    driver_path = _chromedriver()
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+        from selenium.webdriver.common.by import By
+        from selenium.webdriver.common.keys import Keys
+        from selenium.webdriver.support.ui import WebDriverWait
+    except ImportError:
+        pytest.skip("selenium is not installed (pip install selenium)")
+    if driver_path is None:
+        pytest.skip("no chromedriver: install Debian's chromium and chromium-driver")
+    options = webdriver.ChromeOptions()
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(arg)
+    with serving(["--device", "cpu", "--log-level", "warning"], tmp_path / "run") as srv:
+        r = httpx.get(f"{srv.url}/", timeout=10)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+        browser = webdriver.Chrome(service=Service(driver_path), options=options)
+        try:
+            browser.get(f"{srv.url}/")
+            wait = WebDriverWait(browser, 60)
+            wait.until(lambda b: b.find_element(By.ID, "model").text not in ("", "…"))
+            assert browser.find_element(By.ID, "model").text == "SmolLM2-135M-Instruct"
+            box = browser.find_element(By.ID, "prompt")
+            box.send_keys("What is the capital of France?", Keys.ENTER)
+            WebDriverWait(browser, 180).until(lambda b: b.find_elements(
+                By.CSS_SELECTOR, ".assistant[data-done=true]"))
+            answer = browser.find_element(By.CSS_SELECTOR, ".assistant").text
+            assert "Paris" in answer, answer
+            browser.find_element(By.ID, "reset").click()
+            assert browser.find_elements(By.CSS_SELECTOR, ".msg") == []
+        finally:
+            browser.quit()

@@ -16,11 +16,12 @@ import contextlib
 import logging
 import os
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl.message.startup import report_startup
@@ -35,6 +36,7 @@ from minisgl.server.responses import (ChatFormatter, Choice, CompletionFormatter
 from minisgl.server.streams import RequestStream, RequestStreams
 
 logger = logging.getLogger("minisgl.api")
+CHAT_PAGE = Path(__file__).with_name("chat.html")
 _DISCONNECT_POLL_S = 0.5
 
 
@@ -232,6 +234,13 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> FastAPI:
     async def model(name: str) -> Dict[str, Any]:
         check_model(name)
         return model_card()
+
+    chat_page = CHAT_PAGE.read_text()
+
+    @app.get("/")
+    async def page() -> Response:
+        """The web chat page (one static file; it talks to /v1/chat/completions)."""
+        return HTMLResponse(chat_page)
 
     @app.get("/health")
     async def health() -> Response:
