@@ -41,8 +41,10 @@ class SamplingParams:
     given the tokens before it and the k most likely tokens there (the request then skips the
     prefix cache: cached tokens have no logits). Until `min_tokens` tokens are out, EOS and
     `stop_token_ids` cannot be sampled (vLLM's min_tokens; HF's min_new_tokens).
-    `max_tokens=None` asks for as many tokens as fit: `check_request` resolves it against the
-    engine's limits, so every `Req` and every params past that check has an integer.
+    `stop` (strings that end the output, which leaves them out) and `n` (choices per prompt)
+    are read by `LLM` only. `max_tokens=None` asks for as many tokens as fit: `check_request`
+    resolves it against the engine's limits, so every `Req` and every params past that check has
+    an integer.
     """
 
     max_tokens: Optional[int] = 16
@@ -60,6 +62,9 @@ class SamplingParams:
     logit_bias: Optional[Dict[int, float]] = None
     prompt_logprobs: Optional[int] = None
     min_tokens: int = 0
+    # Offline only (`LLM`): the server takes them per HTTP request, outside the params.
+    stop: Tuple[str, ...] = ()
+    n: int = 1
 
     def validate(self) -> None:
         """Raise ValueError naming the offending value. The rules for every field are here; it
@@ -101,6 +106,16 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got "
                              f"{self.repetition_penalty!r}")
         self._validate_logit_bias()
+        if isinstance(self.stop, str) or any(not isinstance(x, str) or not x for x in self.stop):
+            raise ValueError(f"stop must be a sequence of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+
+    def choice(self, i: int) -> "SamplingParams":
+        """Choice i of n: the seed shifted by i (where one is set), so the choices differ."""
+        if self.seed is None or i == 0:
+            return self
+        return dataclasses.replace(self, seed=self.seed + i)
 
     def _validate_logit_bias(self) -> None:
         bias = self.logit_bias

@@ -17,24 +17,26 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+import torch
 import zmq
 from tqdm import tqdm
 
-from minisgl.core import Limits, SamplingParams, TokenLogprobs, check_request
+from minisgl.core import FinishReason, Limits, SamplingParams, TokenLogprobs, check_request
 from minisgl.distributed import DistributedInfo, ProcessGroups
 from minisgl.distributed.comm import Communicator
 from minisgl.engine import Engine
-from minisgl.message import BatchTokenOut, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
+from minisgl.message import AbortMsg, BatchTokenOut, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.layers.linear import check_head_split
 from minisgl.models import ModelConfig
 from minisgl.models.path import resolve_model_path
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.io import LocalIO
-from minisgl.scheduler.main import run_rank
+from minisgl.scheduler.main import run_rank, set_cpu_threads
 from minisgl.scheduler.scheduler import Accounting, Scheduler
 from minisgl.server.proc import (Child, ChildStartupError, first_dead, spawn, stop_children,
                                  wait_ready)
+from minisgl.tokenizer.incremental import IncrementalDecoder, StopMatcher
 from minisgl.tokenizer.text import load_tokenizer
 from minisgl.settings import build
 from minisgl.utils import free_port
@@ -61,6 +63,8 @@ class _InProcess:
 
     def __init__(self, cfg: SchedulerConfig) -> None:
         info = cfg.engine.tp_info
+        if cfg.engine.cpu_threads is not None:  # this is the caller's process: only when asked
+            set_cpu_threads(cfg.engine, logger)
         self.engine = Engine(cfg.engine, ProcessGroups(Communicator(info), None))
         self.io = LocalIO()
         self.scheduler = Scheduler(cfg, self.engine, self.io)
@@ -125,6 +129,11 @@ class _RankProcesses:
         self.limits: Limits = (self.children[0].info or {})["limits"]
 
     @property
+    def torch_threads(self) -> List[int]:
+        """Each rank's torch thread count, as it reported it when ready."""
+        return [(c.info or {})["torch_threads"] for c in self.children]
+
+    @property
     def procs(self) -> List[Any]:
         """The rank processes (multiprocessing.Process), rank r at index r."""
         return [c.process for c in self.children]
@@ -170,6 +179,31 @@ class _RankProcesses:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
+class _StopWatch:
+    """One request's stop strings, matched on its text as it grows (as the detokenizer does
+    for the server): once one appears, `text` is the output before it and `stopped` is set."""
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
+        self.decoder = IncrementalDecoder(tokenizer, (), skip_special_tokens=True)
+        self.matcher = StopMatcher(stop)
+        self.text = ""
+        self.stopped = False
+
+    def push(self, out: TokenOut, final: bool) -> bool:
+        """Take a token out; True when a stop string has just ended the request."""
+        text = ""
+        if out.token >= 0 and out.finish_reason != FinishReason.STOP.value:
+            text = self.decoder.push(out.token)  # a stop token is not rendered
+        if final:
+            text += self.decoder.flush()
+        result = self.matcher.feed(text)
+        self.text += result.text
+        self.stopped = result.stopped
+        if final and not self.stopped:
+            self.text += self.matcher.flush()
+        return self.stopped
+
+
 class LLM:
     """Offline generation. `model=None` uses the bundled default model (SmolLM2-135M-Instruct).
     The keywords are the scheduler and engine settings (`settings.names(SchedulerConfig())`:
@@ -184,7 +218,8 @@ class LLM:
                  log_level: str = "WARNING", **overrides: Any) -> None:
         cfg = build(SchedulerConfig(), overrides, "LLM()")
         tp = cfg.engine.tp
-        self.model_path = resolve_model_path(model)
+        self.model_path = resolve_model_path(model, cfg.engine.revision,
+                                             cfg.engine.download_dir)
         self.tokenizer = load_tokenizer(self.model_path)
         self.model_config = ModelConfig.from_dir(self.model_path)
         check_head_split(self.model_config.num_heads, self.model_config.num_kv_heads, tp)
@@ -227,6 +262,14 @@ class LLM:
         return self._backend.scheduler.accounting()
 
     @property
+    def torch_threads(self) -> Tuple[int, ...]:
+        """The torch thread count of each rank (`cpu_threads` setting): this process's own with
+        tp=1."""
+        if isinstance(self._backend, _RankProcesses):
+            return tuple(self._backend.torch_threads)
+        return (torch.get_num_threads(),)
+
+    @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
@@ -249,7 +292,8 @@ class LLM:
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  params: Union[None, SamplingParams, Sequence[SamplingParams]] = None
                  ) -> List[GenerateOutput]:
-        """One output per prompt, in order. `params`: one for all, or one per prompt."""
+        """One output per prompt, in order (`params.n` of them for n > 1, consecutive).
+        `params`: one for all, or one per prompt."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -300,34 +344,46 @@ class LLM:
         prompt and the values when it cannot be served."""
         try:
             p.validate()
+            if p.stop and self.tokenizer is None:
+                raise ValueError(f"{self.model_path} has no tokenizer: stop strings need one")
             return check_request(ids, p, self._backend.limits)
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
 
     def _run(self, prompts: List[List[int]], params: List[SamplingParams]
              ) -> List[GenerateOutput]:
+        """Outputs of every prompt's `n` choices, choice j of prompt p right after choice j-1
+        (`params.n` = 1: one output per prompt)."""
         params = [self._check(i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
+        prompts = [ids for ids, p in zip(prompts, params) for _ in range(p.n)]
+        params = [p.choice(j) for p in params for j in range(p.n)]
         uids = [next(self._uids) for _ in prompts]
         slot = {uid: i for i, uid in enumerate(uids)}
         tokens: List[List[int]] = [[] for _ in prompts]
         logprobs: List[List[TokenLogprobs]] = [[] for _ in prompts]
         prompt_logprobs: List[Optional[List[TokenLogprobs]]] = [None] * len(prompts)
         done: List[Optional[TokenOut]] = [None] * len(prompts)
+        stops = [_StopWatch(self.tokenizer, p.stop) if p.stop else None for p in params]
         for uid, ids, p in zip(uids, prompts, params):
-            self._backend.submit(UserMsg(uid, ids, p))
+            self._backend.submit(UserMsg(uid, ids, dataclasses.replace(p, stop=(), n=1)))
         bar = tqdm(total=len(prompts), desc="generating", unit="req",
                    disable=not self.show_progress or len(prompts) < 8)
         left = len(prompts)
         while left:
             for out in self._backend.poll():
                 i = slot[out.uid]
-                if out.token >= 0:
-                    tokens[i].append(out.token)
-                if out.logprobs is not None:
-                    logprobs[i].append(out.logprobs)
-                if out.prompt_logprobs is not None:
-                    prompt_logprobs[i] = out.prompt_logprobs
-                if out.finish_reason is not None or out.error:
+                final = out.finish_reason is not None or bool(out.error)
+                watch = stops[i]
+                if watch is None or not watch.stopped:
+                    if out.token >= 0:
+                        tokens[i].append(out.token)
+                    if out.logprobs is not None:
+                        logprobs[i].append(out.logprobs)
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs[i] = out.prompt_logprobs
+                    if watch is not None and watch.push(out, final) and not final:
+                        self._backend.submit(AbortMsg(out.uid))  # its final out ends it
+                if final:
                     done[i] = out
                     left -= 1
                     bar.update(1)
@@ -338,7 +394,13 @@ class LLM:
             raise ValueError(f"prompt {errors[0][0]} rejected: {errors[0][1]}")
         decode = (lambda t: "") if self.tokenizer is None else (  # noqa: E731
             lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
-        return [GenerateOutput(decode(t), t, d.finish_reason or "", d.prompt_tokens,
-                               d.cached_tokens, lp if p.logprobs is not None else None, plp)
-                for t, lp, plp, d, p in zip(tokens, logprobs, prompt_logprobs, done, params)
-                if d is not None]
+        outputs = []
+        for t, lp, plp, d, p, w in zip(tokens, logprobs, prompt_logprobs, done, params, stops):
+            if d is None:
+                continue
+            stopped = w is not None and w.stopped
+            outputs.append(GenerateOutput(
+                w.text if stopped else decode(t), t,  # type: ignore[union-attr]
+                FinishReason.STOP.value if stopped else d.finish_reason or "", d.prompt_tokens,
+                d.cached_tokens, lp if p.logprobs is not None else None, plp))
+        return outputs

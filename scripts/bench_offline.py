@@ -43,6 +43,11 @@ HF_MEMORY_PERCENT = 0.7
 # (650 against 528 output tok/s, same machine and hour) for about 80 s more warm-up, so the peer
 # runs at 1. Levels 2 and 3 (max-autotune) warm up longer still and are not measured yet.
 HF_COMPILE_LEVEL = 1
+# On CPU HF sizes its KV cache from a share of the machine's total RAM (gigabytes, whatever the
+# model): bound it to minisgl's own CPU default, with a batch small enough that its attention
+# masks stay small too.
+HF_CPU_KV_TOKENS = 16384
+HF_CPU_BATCH_TOKENS = 2048
 # The engine and scheduler settings, with the script's default weights: random, of a shape.
 SETTINGS = SchedulerConfig(engine=EngineConfig(load_format="dummy"))
 
@@ -221,6 +226,13 @@ def cb_option(text: str) -> Tuple[str, Any]:
     return key.strip(), value
 
 
+def hf_cpu_cache_bounds(page_size: int = 256) -> Dict[str, Any]:
+    """HF continuous batching's cache and batch sizes on CPU: HF_CPU_KV_TOKENS of KV cache (in
+    blocks of `page_size`, HF's default) and HF_CPU_BATCH_TOKENS per step."""
+    return {"page_size": page_size, "num_blocks": -(-HF_CPU_KV_TOKENS // page_size),
+            "max_batch_tokens": HF_CPU_BATCH_TOKENS}
+
+
 def hf_batching_options(gen: Any, on_cuda: bool, cuda_graph: bool = True,
                         memory_percent: float = HF_MEMORY_PERCENT,
                         extra: Sequence[Tuple[str, Any]] = ()) -> Dict[str, Any]:
@@ -228,14 +240,15 @@ def hf_batching_options(gen: Any, on_cuda: bool, cuda_graph: bool = True,
     takes them: on CUDA, asynchronous batching, (unless `cuda_graph` is False) CUDA graphs,
     torch.compile at HF_COMPILE_LEVEL where the release has the field (newer releases: a
     ContinuousBatchingConfig; older ones read the rest from the GenerationConfig), and the KV
-    cache's share of free memory. Without padding, HF may capture a
-    graph per new batch shape: whether graphs help it on a workload is measured, not assumed
-    (--peer-cuda-graph). `extra` (--peer-cb-option) sets further fields; one this transformers
+    cache's share of free memory; on CPU, a bounded cache (`hf_cpu_cache_bounds`). Without
+    padding, HF may capture a graph per new batch shape: whether graphs help it on a workload is
+    measured, not assumed (--peer-cuda-graph). `extra` (--peer-cb-option) sets further fields; one this transformers
     does not have raises ValueError naming it."""
-    if not on_cuda:
-        return {}
-    wanted = {"use_cuda_graph": cuda_graph, "use_async_batching": True,
-              "max_memory_percent": memory_percent, "default_compile_level": HF_COMPILE_LEVEL}
+    if on_cuda:
+        wanted = {"use_cuda_graph": cuda_graph, "use_async_batching": True,
+                  "max_memory_percent": memory_percent, "default_compile_level": HF_COMPILE_LEVEL}
+    else:
+        wanted = hf_cpu_cache_bounds()
     try:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
     except ImportError:

@@ -115,13 +115,18 @@ def test_bench_kernels_shapes_and_cpu_refusal() -> None:
 
 
 def test_hf_peer_batching_options() -> None:
-    """HF's continuous-batching settings: none on CPU; on CUDA, asynchronous batching, CUDA
-    graphs unless --peer-cuda-graph off and torch.compile at level 1 (its fastest measured), in
-    the form the installed transformers takes."""
+    """HF's continuous-batching settings: on CPU a bounded KV cache (HF would size it from the
+    machine's RAM); on CUDA, asynchronous batching, CUDA graphs unless --peer-cuda-graph off and
+    torch.compile at level 1 (its fastest measured), in the form the installed transformers
+    takes."""
     script = load_script("bench_offline")
     from transformers import GenerationConfig
     gen = GenerationConfig(do_sample=False, max_new_tokens=4)
-    assert script.hf_batching_options(gen, on_cuda=False) == {}
+    on_cpu = script.hf_batching_options(gen, on_cuda=False)
+    cpu_cb = on_cpu.get("continuous_batching_config", gen)
+    assert getattr(cpu_cb, "num_blocks") * getattr(cpu_cb, "page_size") == \
+        script.HF_CPU_KV_TOKENS
+    assert getattr(cpu_cb, "max_batch_tokens") == script.HF_CPU_BATCH_TOKENS
     for graphs in (True, False):
         opts = script.hf_batching_options(gen, on_cuda=True, cuda_graph=graphs,
                                           memory_percent=0.6)

@@ -36,6 +36,8 @@ class EngineConfig:
                                          "bfloat16 or float16 (fp32, bf16, fp16); unset or "
                                          "auto: bfloat16 on CUDA, float32 on CPU (exact "
                                          "comparison with Hugging Face)", choices=DTYPE_NAMES)
+    max_model_len: Optional[int] = setting(None, "context length in tokens (prompt and output), "
+                                                 "at most the model's own; unset: the model's")
     page_size: int = setting(16, "tokens per KV-cache page")
     max_running_requests: int = setting(256, "the most requests in flight at once (rows of the "
                                              "page table)")
@@ -77,6 +79,16 @@ class EngineConfig:
                                       "backend only: the graphs record the choice). Off by "
                                       "default: a timed choice can differ between runs, and "
                                       "with it the bf16 rounding")
+    cpu_threads: Optional[int] = setting(None, "torch threads of each rank; unset: "
+                                               "OMP_NUM_THREADS where set, else the cores "
+                                               "this process may use (CPU affinity, capped by "
+                                               "the cgroup CPU quota) shared among the tp ranks "
+                                               "(applied on the CPU device, or wherever given)")
+    revision: Optional[str] = setting(None, "branch, tag or commit of a Hugging Face hub model "
+                                            "id (unset: the default branch)")
+    download_dir: Optional[str] = setting(None, "hub cache directory that hub model ids are "
+                                                "downloaded into and read from (unset: "
+                                                "huggingface_hub's, under HF_HOME)")
     dist_init_method: str = "tcp://127.0.0.1:29500"  # the ranks' rendezvous
     # None: rank 0 hosts the rendezvous store at dist_init_method (one machine); else the ranks
     # join the TCP store there (node 0's launcher hosts it) under this key prefix.
@@ -93,6 +105,10 @@ class EngineConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_kv_tokens is not None and self.max_kv_tokens < 1:
             raise ValueError(f"max_kv_tokens must be >= 1, got {self.max_kv_tokens}")
         if not 0 < self.mem_fraction < 1:
@@ -129,6 +145,16 @@ class EngineConfig:
         return replace(self, model_path=model_path, tp_info=DistributedInfo(rank, self.tp),
                        device=resolve_device(self.device),
                        dist_init_method=dist_init_method or self.dist_init_method)
+
+    def context_length(self, model_max: int) -> int:
+        """The context length: `max_model_len` where set, else the model's `model_max`.
+        ValueError naming both when `max_model_len` is above the model's."""
+        if self.max_model_len is None:
+            return model_max
+        if self.max_model_len > model_max:
+            raise ValueError(f"max_model_len {self.max_model_len} is above the model's context "
+                             f"length {model_max}")
+        return self.max_model_len
 
     @property
     def torch_device(self) -> torch.device:

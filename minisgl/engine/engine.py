@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -104,20 +104,26 @@ def _tokens(launched: Launched) -> List[int]:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, groups: ProcessGroups) -> None:
+    def __init__(self, cfg: EngineConfig, groups: ProcessGroups,
+                 on_progress: Callable[[str], None] = lambda text: None) -> None:
+        """`on_progress` hears each start-up step as it ends (weights loaded, KV pages sized,
+        decode graphs captured), for a launcher to show."""
         self.cfg = cfg
+        start = time.perf_counter()
         self.device = cfg.torch_device
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.policy = kernel_policy(cfg, self.device)
         self.model_cfg = ModelConfig.from_dir(cfg.model_path)
         self.model = self._load_model(groups)
-        self.max_context = self.model_cfg.max_context
+        on_progress(f"weights loaded in {time.perf_counter() - start:.1f} s")
+        self.max_context = cfg.context_length(self.model_cfg.max_context)
         qkv = self.model.model.layers[0].self_attn.qkv_proj
         local_kv_heads, local_heads = qkv.num_local_kv_heads, qkv.num_local_heads
         self.num_pages = min_over_ranks(self._pages_that_fit(local_kv_heads), groups.cpu_group)
         self.pool = KVPool(self.model_cfg.num_layers, self.num_pages, cfg.page_size,
                            local_kv_heads, self.model_cfg.head_dim, cfg.torch_dtype, self.device)
+        on_progress(f"KV pool sized: {self.num_pages} pages of {cfg.page_size} tokens")
         # One spare row, so a row index never needs bounds checks in kernels.
         self.page_table = torch.zeros((cfg.max_running_requests + 1, self.max_context),
                                       dtype=torch.int32, device=self.device)
@@ -142,6 +148,7 @@ class Engine:
                 graph_bs, self.page_table,
                 pad_row=cfg.max_running_requests, scratch_slot=self.pool.scratch_slot,
                 last_tokens=self.last_tokens)
+            on_progress(f"decode CUDA graphs captured for batch sizes up to {graph_bs}")
         logger.info("rank %d: engine ready: %d KV pages of %d tokens, backend %s, pdl %s",
                     cfg.tp_info.rank, self.num_pages, cfg.page_size, cfg.backend_name,
                     "on" if self.policy.pdl else "off")

@@ -1,5 +1,6 @@
 """The start-up report a child process sends its parent over a pipe: ("ready", name, info)
-once it can serve, or ("error", name, "Type: reason") before exiting with status 1.
+once it can serve, or ("error", name, "Type: reason") before exiting with status 1. Before it,
+a child may send ("progress", name, text) for each start-up step (`server.proc.wait_ready`).
 
 Later, a rank's exit status tells its parent whose failure it was: `PEER_EXIT` when the rank
 ended only because another rank failed first (a peer gone, a collective broken), so that the

@@ -19,14 +19,15 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Dict, List, NamedTuple
+from typing import Any, Callable, Dict, List, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from minisgl.cpu_threads import choose_threads
 from minisgl.distributed import destroy_process_groups, init_process_groups
 from minisgl.distributed.store import parse_tcp, rank_beat_key, start_heartbeat
-from minisgl.engine import Engine
+from minisgl.engine import Engine, EngineConfig
 from minisgl.message.startup import PEER_EXIT, report_startup
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.io import ZmqIO
@@ -86,11 +87,6 @@ def _peers(cpu_group: Any, rank: int, size: int) -> Peers:
     return Peers({r: pid for r, pid in local.items() if r != rank}, len(local))
 
 
-def _cpu_threads(ranks_on_host: int) -> int:
-    """Ranks share the cores; oversubscribing them is slower."""
-    return max(1, (os.cpu_count() or 1) // max(1, ranks_on_host))
-
-
 def is_peer_failure(e: BaseException) -> bool:
     """True for the errors another rank's failure causes here: torch.distributed's own (a
     store or an NCCL communicator gone) and gloo's (a peer's connection closed, a timeout)."""
@@ -109,15 +105,28 @@ def _beat(cfg: SchedulerConfig, log: logging.Logger) -> None:
                     cfg.engine.dist_timeout_s, lost)
 
 
+def set_cpu_threads(cfg: EngineConfig, ranks_on_host: int, log: logging.Logger) -> None:
+    """Size torch's thread pool (`cpu_threads.choose_threads`) for `ranks_on_host` ranks
+    sharing this host's cores: on the CPU device, or wherever `cpu_threads` is given."""
+    if cfg.device != "cpu" and cfg.cpu_threads is None:
+        return
+    choice = choose_threads(cfg.cpu_threads, ranks_on_host)
+    torch.set_num_threads(choice.threads)
+    log.debug("%d torch threads (%s)", choice.threads, choice.source)
+
+
+def _progress(conn: Any, name: str) -> Callable[[str], None]:
+    """Start-up steps to the parent, which shows them (`server.proc.wait_ready`)."""
+    return lambda text: conn.send(("progress", name, text))
+
+
 def run_rank(cfg: SchedulerConfig, conn: Any) -> None:
     """Process entry, started through `server.proc.spawn` (which names the process, sets up its
     logging and watches its parent); `conn` carries the start-up report."""
     rank = cfg.engine.tp_info.rank
     name = f"rank{rank}"
     log = logging.getLogger("minisgl.scheduler")
-    cpu = cfg.engine.device == "cpu"
-    if cpu:
-        torch.set_num_threads(_cpu_threads(cfg.node_ranks or cfg.engine.tp_info.size))
+    set_cpu_threads(cfg.engine, cfg.node_ranks or cfg.engine.tp_info.size, log)
     # A rank fails deep in a device or a weight file: its traceback is worth an error line.
     with report_startup(conn, name, log, logging.ERROR):
         info = cfg.engine.tp_info
@@ -127,15 +136,17 @@ def run_rank(cfg: SchedulerConfig, conn: Any) -> None:
         if cfg.engine.dist_store_prefix is not None:
             _beat(cfg, log)
         peers = _peers(groups.cpu_group, info.rank, info.size)
-        if cpu and peers.on_host > (cfg.node_ranks or info.size):  # nodes sharing a host
-            torch.set_num_threads(_cpu_threads(peers.on_host))
+        if peers.on_host > (cfg.node_ranks or info.size):  # nodes sharing a host
+            set_cpu_threads(cfg.engine, peers.on_host, log)
         threading.Thread(target=_watch_peers, args=(peers.pids, log), daemon=True).start()
-        engine = Engine(cfg.engine, groups)
+        engine = Engine(cfg.engine, groups, _progress(conn, name) if info.rank == 0
+                        else lambda text: None)
         io = ZmqIO(cfg.engine.tp_info, cfg.backend_addr or "", cfg.detokenizer_addr or "",
                    cfg.broadcast_addr, groups.cpu_group, cfg.subscriber_timeout_s,
                    cfg.broadcast_remote_addr)
         scheduler = Scheduler(cfg, engine, io, groups.cpu_group)
-    conn.send(("ready", name, {"limits": scheduler.limits}))
+    conn.send(("ready", name, {"limits": scheduler.limits,
+                               "torch_threads": torch.get_num_threads()}))
     try:
         scheduler.run_forever()
     except BaseException as e:

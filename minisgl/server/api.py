@@ -20,11 +20,12 @@ import json
 import logging
 import os
 import time
+from pathlib import Path
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional
+from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl.message.startup import report_startup
@@ -41,6 +42,7 @@ from minisgl.server.responses_api import (ResponsesFormatter, ResponsesRequest, 
 from minisgl.server.streams import RequestStream, RequestStreams
 
 logger = logging.getLogger("minisgl.api")
+CHAT_PAGE = Path(__file__).with_name("chat.html")
 _DISCONNECT_POLL_S = 0.5
 
 
@@ -55,6 +57,7 @@ class ApiConfig:
     replicas: int = 1  # data-parallel replicas (their scheduler metrics are labelled)
     root: str = ""  # the model's directory (vLLM's model card `root`); "" names the model
     reasoning_parser: Optional[str] = None  # server/reasoning.py: splits chat output
+    aliases: Tuple[str, ...] = ()  # more names requests may give the model
 
 
 class ClientGone(Exception):
@@ -216,7 +219,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> FastAPI:
     _install_error_handlers(app)
 
     def check_model(name: Optional[str]) -> None:
-        if name is not None and name != cfg.model_name:
+        if name is not None and name != cfg.model_name and name not in cfg.aliases:
             raise ApiError(404, f"The model `{name}` does not exist. This server serves "
                                 f"`{cfg.model_name}`.", "model", "model_not_found")
 
@@ -299,12 +302,20 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list",
+                "data": [model_card()] + [{**model_card(), "id": a} for a in cfg.aliases]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> Dict[str, Any]:
         check_model(name)
         return model_card()
+
+    chat_page = CHAT_PAGE.read_text()
+
+    @app.get("/")
+    async def page() -> Response:
+        """The web chat page (one static file; it talks to /v1/chat/completions)."""
+        return HTMLResponse(chat_page)
 
     @app.get("/health")
     async def health() -> Response:
@@ -320,6 +331,13 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> FastAPI:
     return app
 
 
+def _not_startup_lines(record: logging.LogRecord) -> bool:
+    """Drop uvicorn's "Application startup complete" (and its "Waiting for application
+    startup"): the HTTP server is up long before the ranks are, and the launcher's ready line
+    is what says the service is."""
+    return "application startup" not in record.getMessage().lower()
+
+
 def serve_forever(cfg: ApiConfig, sock: Any, is_healthy: Callable[[], bool],
                   on_listening: Callable[[], None], log_level: str) -> None:
     """Serve on the already bound socket `sock` until the process is terminated; call
@@ -332,6 +350,7 @@ def serve_forever(cfg: ApiConfig, sock: Any, is_healthy: Callable[[], bool],
         def capture_signals(self) -> Iterator[None]:
             yield  # SIGTERM keeps its default action; SIGINT is ignored by every child
 
+    logging.getLogger("uvicorn.error").addFilter(_not_startup_lines)
     config = uvicorn.Config(create_app(cfg, is_healthy), log_config=None, access_log=False,
                             lifespan="on", log_level=log_level.lower(),
                             timeout_graceful_shutdown=1)

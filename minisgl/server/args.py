@@ -13,9 +13,10 @@ import argparse
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from minisgl.engine import EngineConfig
+from minisgl.models.path import model_name
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.topology import ClusterConfig, Wiring
 from minisgl.server.reasoning import REASONING_PARSERS
@@ -40,10 +41,16 @@ def _server_scheduler() -> SchedulerConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    model: Optional[str] = setting(None, "local Hugging Face model directory (default: the "
-                                         "bundled SmolLM2-135M-Instruct)")
-    served_model_name: Optional[str] = setting(None, "model name in the API (default: the "
-                                                     "directory name)")
+    model: Optional[str] = setting(None, "local Hugging Face model directory, or a hub model id "
+                                         "ORG/NAME (downloaded into the hub cache, or read from "
+                                         "it with HF_HUB_OFFLINE=1; default: the bundled "
+                                         "SmolLM2-135M-Instruct)")
+    served_model_name: Optional[str] = setting(None, "model name in the API, or several names "
+                                                     "separated by commas: replies carry the "
+                                                     "first, requests may name any (default: "
+                                                     "the hub id, or the directory name)")
+    chat_template: Optional[str] = setting(None, "a Jinja chat template file that replaces the "
+                                                 "model's own")
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8000, "HTTP port (0: pick a free one; the ready line names it)")
     max_n: int = setting(8, "the largest n (choices per request) a request may ask for")
@@ -63,6 +70,9 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+        if any(not name for name in self.served_names):
+            raise ValueError(f"served_model_name must be names separated by commas, got "
+                             f"{self.served_model_name!r}")
 
     # --- derived values ------------------------------------------------------------------------
     @property
@@ -81,8 +91,21 @@ class ServerConfig:
     def resolved_device(self) -> str:
         return resolve_device(self.engine.device)
 
+    @property
+    def served_names(self) -> Tuple[str, ...]:
+        """The names of `served_model_name`, in order (empty when unset)."""
+        if self.served_model_name is None:
+            return ()
+        return tuple(n.strip() for n in self.served_model_name.split(","))
+
     def model_name(self, model_path: Path) -> str:
-        return self.served_model_name or model_path.name
+        """The model's name in replies: the first served name, else the hub id or directory."""
+        return (self.served_names or (model_name(self.model, model_path),))[0]
+
+    @property
+    def model_aliases(self) -> Tuple[str, ...]:
+        """The other names requests may use."""
+        return self.served_names[1:]
 
     def check_combination(self) -> None:
         """Raise ValueError, naming the settings, for combinations only a rank's config judges

@@ -40,6 +40,7 @@ from minisgl.server.proc import StartupError
 from minisgl.server.service import Service
 from minisgl.settings import values as setting_values
 from minisgl.utils import resolve_dtype
+from minisgl.tokenizer.text import read_chat_template
 
 logger = logging.getLogger("minisgl.launcher")
 
@@ -96,11 +97,15 @@ class Prepared(NamedTuple):
 def _prepare(cfg: ServerConfig) -> Prepared:
     try:
         cfg.resolved_device  # noqa: B018  (raises for cuda without a GPU)
-        model_path = resolve_model_path(cfg.model)
+        model_path = resolve_model_path(cfg.model, cfg.engine.revision,
+                                                cfg.engine.download_dir)
         shape = ModelConfig.from_dir(model_path)  # a readable config.json, before anything starts
         check_head_split(shape.num_heads, shape.num_kv_heads, cfg.engine.tp)
         if cfg.cluster.multi_node:
             cfg.cluster.broadcast_tcp_addr(0)  # noqa: B018  (node 0's host resolves)
+        cfg.engine.context_length(shape.max_context)
+        if cfg.chat_template is not None:
+            read_chat_template(cfg.chat_template)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise StartupError(str(e)) from None
     sock = bind_http(cfg.host, cfg.port) if cfg.cluster.is_head else None

@@ -6,23 +6,26 @@ terminal's Ctrl-C reaches the whole process group; only the parent acts on it), 
 lines, exits when its parent (the launcher, or the `LLM` process) disappears (no orphans even
 after `kill -9` of the parent), then runs its entry function. An entry function takes `conn` (its
 end of a duplex pipe to the parent) as its last argument and sends exactly one of
-`("ready", name, info)` or `("error", name, message)` on it (`message.startup.report_startup`);
+`("ready", name, info)` or `("error", name, message)` on it (`message.startup.report_startup`),
+after any number of `("progress", name, text)` (start-up steps, for the parent to show);
 the parent may send it start-up data on the same pipe afterwards (the tokenizer gets the KV
 capacity the ranks reported). This module imports nothing heavy (no torch, no HTTP stack).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from minisgl.log import setup_logging
 
@@ -96,6 +99,26 @@ class Child:
         return f"{self.label} {self.ending}"
 
 
+@contextlib.contextmanager
+def _main_left_alone() -> Iterator[None]:
+    """Keep spawn from running the parent's main script again in the child, as it does to find
+    functions defined there: a child runs only minisgl's own functions, and a script without an
+    `if __name__ == "__main__":` guard would otherwise start the children again from each child
+    (and a script read from stdin cannot be run again at all). Spawn reads `__spec__` and
+    `__file__` of `__main__` while `start` runs; they are put back at once."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__")
+             if main is not None and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__["__spec__"] = None
+            main.__dict__.pop("__file__", None)
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+
+
 def spawn(name: str, target: Callable[..., None], args: Sequence[Any], log_level: str,
           run_dir: str) -> Child:
     """Start `target(*args, conn)` in a fresh (spawned) process named `name`; `run_dir` is the
@@ -103,18 +126,25 @@ def spawn(name: str, target: Callable[..., None], args: Sequence[Any], log_level
     ours, theirs = _SPAWN.Pipe(duplex=True)
     proc = _SPAWN.Process(target=child_main, name=f"minisgl-{name}", daemon=True,
                           args=(name, log_level, os.getpid(), run_dir, target, (*args, theirs)))
-    proc.start()
+    with _main_left_alone():
+        proc.start()
     theirs.close()
     return Child(name, proc, ours)
 
 
+def _log_step(child: "Child", text: str) -> None:
+    logger.info("%s: %s", child.name, text)
+
+
 def wait_ready(children: List[Child], should_stop: Callable[[], bool],
                on_progress: Callable[[], None] = lambda: None,
-               check: Callable[[], None] = lambda: None) -> None:
+               check: Callable[[], None] = lambda: None,
+               on_step: Callable[[Child, str], None] = _log_step) -> None:
     """Block until every child reported ready. ChildStartupError when one reports an error or
     dies first; StartupError when `should_stop()` turns true (a signal during start-up).
     `on_progress` runs after each child's report; `check` runs every turn and may raise
-    StartupError itself (another node failed)."""
+    StartupError itself (another node failed); `on_step` gets each start-up step a child
+    tells (logged by default)."""
     while True:
         waiting = [c for c in children if c.info is None]
         if not waiting:
@@ -125,15 +155,18 @@ def wait_ready(children: List[Child], should_stop: Callable[[], bool],
         handles = [c.conn for c in waiting] + [c.process.sentinel for c in waiting]
         mpc.wait(handles, timeout=0.2)
         for child in waiting:
-            _poll_ready(child)
+            _poll_ready(child, on_step)
             if child.info is not None:
                 on_progress()
 
 
-def _poll_ready(child: Child) -> None:
+def _poll_ready(child: Child, on_step: Callable[[Child, str], None]) -> None:
     try:
-        if child.conn.poll():
+        while child.conn.poll():
             status, _, info = child.conn.recv()
+            if status == "progress":
+                on_step(child, str(info))
+                continue
             if status != "ready":
                 raise ChildStartupError(f"{child.name} failed to start: {info}", child, str(info))
             child.info = info

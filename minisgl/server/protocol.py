@@ -213,9 +213,7 @@ class Job:
 
     def choice_params(self, i: int) -> SamplingParams:
         """Choice i of a prompt: the request's seed shifted by i, so choices differ."""
-        if self.params.seed is None or i == 0:
-            return self.params
-        return dataclasses.replace(self.params, seed=self.params.seed + i)
+        return self.params.choice(i)
 
 
 M = TypeVar("M", bound=BaseModel)

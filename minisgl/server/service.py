@@ -41,6 +41,7 @@ from minisgl.server.cluster import Cluster
 from minisgl.server.proc import Child, StartupError, first_dead, spawn, stop_children, wait_ready
 from minisgl.server.topology import Wiring, rank_name
 from minisgl.tokenizer.detokenize_worker import DetokenizerConfig, run_detokenizer
+from minisgl.tokenizer.text import read_chat_template
 from minisgl.tokenizer.tokenize_worker import TokenizerConfig, run_tokenizer
 from minisgl.utils import free_port
 
@@ -49,6 +50,12 @@ _GRACEFUL_STOP_S = 4.0  # ranks get this long to act on ShutdownMsg, then SIGTER
 _FOLLOWER_GRACE_S = 2.0
 _API_DRAIN_S = 1.0
 
+
+
+def show_step(text: str) -> None:
+    """A start-up step on the launcher's output (in the shell too: it is not a log line), so
+    that the wait before the ready line is not silent."""
+    print(f"minisgl starting: {text}", flush=True)
 
 class OtherNodeFailed(StartupError):
     """Another node reported a failure during start-up (the message is its report)."""
@@ -143,7 +150,9 @@ class Service:
                                     (rank_cfg,), level, self.run_dir))
         if self.cfg.cluster.is_head:
             self._spawn_workers(level)
-        wait_ready(self.children, should_stop, self._send_limits, self._check_others)
+        show_step(f"loading {self.model_name} on {len(self.ranks)} rank(s)")
+        wait_ready(self.children, should_stop, self._send_limits, self._check_others,
+                   lambda child, text: show_step(f"{child.name}: {text}"))
         if self.link is not None:
             self.link.watch_ranks({rank_beat_key(p.replica, p.rank): c.label
                                    for p, c in zip(self.places, self.ranks)})
@@ -178,13 +187,17 @@ class Service:
 
     def _spawn_workers(self, level: str) -> None:
         a, path, dp = self.addrs, str(self.model_path), self.cfg.cluster.dp
-        api_cfg = ApiConfig(self.model_name, ModelConfig.from_dir(self.model_path).max_context,
-                            self.cfg.max_n, a.tokenizer, a.api, self.health_file, dp,
-                            root=path, reasoning_parser=self.cfg.reasoning_parser)
+        context = self.cfg.engine.context_length(ModelConfig.from_dir(self.model_path).max_context)
+        api_cfg = ApiConfig(self.model_name, context, self.cfg.max_n, a.tokenizer, a.api,
+                            self.health_file, dp, root=path,
+                            reasoning_parser=self.cfg.reasoning_parser,
+                            aliases=self.cfg.model_aliases)
+        template = (None if self.cfg.chat_template is None
+                    else read_chat_template(self.cfg.chat_template))
         self.workers = [
             spawn("tokenizer", run_tokenizer,
-                  (TokenizerConfig(path, a.tokenizer, a.backends, a.detokenizer, a.api),), level,
-                  self.run_dir),
+                  (TokenizerConfig(path, a.tokenizer, a.backends, a.detokenizer, a.api, template),),
+                  level, self.run_dir),
             spawn("detokenizer", run_detokenizer,
                   (DetokenizerConfig(path, a.detokenizer, a.backends, a.api, a.tokenizer),),
                   level, self.run_dir),
@@ -198,9 +211,8 @@ class Service:
             return
         firsts = [c for p, c in zip(self.places, self.ranks) if p.rank == 0]
         limits = min_limits([(c.info or {})["limits"] for c in firsts])
-        logger.info("all %d ranks ready: context %d tokens, KV pool %d tokens",
-                    self.cfg.engine.tp * self.cfg.cluster.dp, limits.max_context,
-                    limits.kv_capacity)
+        show_step(f"all {self.cfg.engine.tp * self.cfg.cluster.dp} ranks ready: context "
+                  f"{limits.max_context} tokens, KV pool {limits.kv_capacity} tokens")
         self.workers[0].conn.send(("limits", limits))
         self._limits_sent = True
 

@@ -12,10 +12,21 @@ def has_tokenizer(path: Path) -> bool:
                                              "tokenizer_config.json"))
 
 
-def load_tokenizer(path: Path) -> Optional[Any]:
+def load_tokenizer(path: Path, chat_template: Optional[str] = None) -> Optional[Any]:
     """The model's tokenizer, or None for a directory without one (benchmark shapes: token-id
-    prompts only)."""
+    prompts only). `chat_template` (Jinja text) replaces the model's own."""
     if not has_tokenizer(path):
         return None
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def read_chat_template(path: str) -> str:
+    """The text of a chat template file; ValueError naming the file when it cannot be read."""
+    try:
+        return Path(path).expanduser().read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read chat template {path!r}: {e.strerror}") from None

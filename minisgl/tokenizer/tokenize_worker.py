@@ -49,6 +49,7 @@ class TokenizerConfig:
     backend_addrs: Tuple[str, ...]  # PUSH to rank 0 of each replica
     detokenizer_addr: str  # PUSH to the detokenizer
     api_addr: str  # PUSH to the API server (rejections)
+    chat_template: Optional[str] = None  # Jinja text replacing the model's own
 
 
 class _NoTokenizer(Exception):
@@ -157,7 +158,7 @@ def run_tokenizer(cfg: TokenizerConfig, conn: Any) -> None:
     ("limits", core.Limits) from the launcher (sent once every rank is ready;
     requests wait in the socket until then) and serve forever (the launcher ends the process)."""
     with report_startup(conn, "tokenizer", logger):
-        tokenizer = load_tokenizer(Path(cfg.model_path))
+        tokenizer = load_tokenizer(Path(cfg.model_path), cfg.chat_template)
         ctx = zmq.Context()
         inbox = PullQueue(ctx, cfg.tokenizer_addr, bind=True)
         to_backends = [PushQueue(ctx, a, bind=False) for a in cfg.backend_addrs]
