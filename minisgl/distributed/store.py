@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from typing import Callable, Tuple
 
 import torch.distributed as dist
@@ -47,11 +48,10 @@ def start_heartbeat(host: str, port: int, key: str, timeout_s: float,
             store = connect(host, port, timeout_s)
             while True:
                 store.add(key, 1)
-                stopped.wait(BEAT_INTERVAL_S)
+                time.sleep(BEAT_INTERVAL_S)
         except Exception as e:  # the store (node 0's launcher) is gone
             on_lost(e)
 
-    stopped = threading.Event()
     thread = threading.Thread(target=beat, daemon=True, name=f"heartbeat {key}")
     thread.start()
     return thread

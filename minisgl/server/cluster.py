@@ -14,7 +14,9 @@ While the service runs, a watcher thread per launcher (its own store connection)
 - a launcher that stopped beating for `dist_timeout` (node 0 watches every node, the others
   node 0), or one of this node's ranks that did (a hung rank: `distributed/store.py` beats);
 - the store gone (only node 0's launcher can take it away: node 0 is gone).
-Node 0 writes `shutdown` before a clean stop, so its ranks ending is no failure elsewhere.
+Node 0 writes `shutdown` before a clean stop, so its ranks ending is no failure elsewhere; each
+other node answers `left/N` once it saw it, and node 0 keeps the store up until they all have
+(`await_departures`, bounded).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ logger = logging.getLogger("minisgl.launcher")
 FAILURE_KEY = "failure"
 SHUTDOWN_KEY = "shutdown"
 _MET_WAIT_S = 5.0  # node 0 waits this long for every node to have compared, before failing
+_LEAVE_WAIT_S = 3.0  # and this long, on a clean stop, for every node to have seen it
 # Settings a node may choose for itself: the KV pool is agreed at start-up (the minimum over
 # ranks), and GEMM tuning only picks a library per rank.
 NODE_LOCAL_SETTINGS = frozenset({"mem_fraction", "max_kv_tokens", "tune_gemms"})
@@ -172,6 +175,13 @@ class Cluster:
             if self.store is not None:
                 self.store.set(SHUTDOWN_KEY, "1")
 
+    def await_departures(self) -> None:
+        """Node 0, stopping cleanly: wait (bounded) until every node saw the announcement."""
+        with contextlib.suppress(StartupError, RuntimeError):
+            if self.store is not None:
+                self.store.set(f"left/{self.node}", "1")
+                self._wait_for("left", time.monotonic() + _LEAVE_WAIT_S, lambda: False)
+
     def silent_nodes(self, for_s: float) -> List[int]:
         """The watched nodes whose launcher has not beaten for `for_s` seconds."""
         now = time.monotonic()
@@ -194,7 +204,8 @@ class Cluster:
             peers = (range(1, self.cfg.nnodes) if self.cfg.is_head else [0])
             while not self._closed.is_set():
                 store.add(f"beat/node{self.node}", 1)
-                if store.check([SHUTDOWN_KEY]):
+                if not self._shutdown and store.check([SHUTDOWN_KEY]):
+                    store.set(f"left/{self.node}", "1")
                     self._shutdown = True
                 if store.check([FAILURE_KEY]):
                     self._found = store.get(FAILURE_KEY).decode()

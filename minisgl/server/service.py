@@ -237,9 +237,8 @@ class Service:
         while not stop.is_set():
             dead = first_dead(self.children)
             if dead is not None:
-                if dead.process.exitcode == 0 and self.link is not None \
-                        and self.link.shutting_down:
-                    return None
+                if dead.process.exitcode == 0 and not self.cfg.cluster.is_head:
+                    return None  # a rank ends cleanly only on node 0's ShutdownMsg
                 return self._report(self._cause(dead))
             found = self.link.failure() if self.link is not None else None
             if found is not None:
@@ -306,6 +305,8 @@ class Service:
                 c.process.terminate()
         if graceful:
             stop_children(self.children, _GRACEFUL_STOP_S, 2.0)
+            if self.link is not None and self.cfg.cluster.is_head:
+                self.link.await_departures()
         else:  # a child died: the others may be stuck in a collective with it
             stop_children(self.children, 0.0, 1.0)
         self.ranks, self.workers = [], []
