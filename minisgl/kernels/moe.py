@@ -41,12 +41,14 @@ _OFFSETS_CHUNK = 128  # blocks (and sentinel stores / 8) per step of the one off
 # blocks of 16 rows for decode (an expert sees a few rows: the step streams weights, and small
 # blocks waste the least), 128 for long prefill chunks (compute-bound; larger tiles reuse each
 # loaded weight tile over more rows). Chosen for the H200 (132 SMs, 228 KiB shared memory per
-# SM); scripts/bench_kernels.py --what moe times the alternatives.
+# SM) by the sweep of scripts/bench_kernels.py --what moe --moe-sweep over Qwen3-30B-A3B's
+# experts at 1, 64, 256 and 8,192 rows (the fastest of each bucket's rows, where it beat the
+# others by more than noise; benchmarks/RESULTS.md).
 _TILES = (
-    (8.0, MoETiles(16, GemmTiles(64, 128, 4, 4), GemmTiles(64, 128, 4, 4))),
-    (24.0, MoETiles(32, GemmTiles(64, 128, 4, 4), GemmTiles(128, 64, 4, 4))),
+    (8.0, MoETiles(16, GemmTiles(64, 128, 4, 4), GemmTiles(64, 128, 4, 3))),
+    (24.0, MoETiles(32, GemmTiles(64, 128, 4, 3), GemmTiles(128, 64, 4, 3))),
     (96.0, MoETiles(64, GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 4, 3))),
-    (float("inf"), MoETiles(128, GemmTiles(64, 64, 8, 3), GemmTiles(128, 64, 8, 3))),
+    (float("inf"), MoETiles(128, GemmTiles(128, 64, 8, 3), GemmTiles(128, 64, 8, 3))),
 )
 
 
