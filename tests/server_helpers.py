@@ -38,6 +38,18 @@ NODE_READY = re.compile(r"minisgl node \d+ ready: ")
 CPU_ARGS = ("--device", "cpu", "--max-kv-tokens", "8192", "--log-level", "warning")
 
 
+def api_server(tmp: Path) -> Iterator["Server"]:
+    """A module fixture's body: the default model served on CPU (n up to 4), stopped after."""
+    srv = Server.start([*CPU_ARGS, "--max-n", "4"], tmp)
+    yield srv
+    srv.stop()
+
+
+def openai_client(server: "Server") -> openai.OpenAI:
+    """The official client against `server`, without retries (a failure shows at once)."""
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
 def tp_args(tp: int, model: Optional[Path] = None) -> List[str]:
     """`serve` arguments for a CPU service of `tp` ranks serving `model` (None: the default)."""
     model_args = [] if model is None else ["--model", str(model)]

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from server_helpers import CPU_ARGS, Server
+from server_helpers import Server, api_server, openai_client
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 MODEL = "SmolLM2-135M-Instruct"
@@ -20,14 +20,12 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[Server]:
-    srv = Server.start([*CPU_ARGS, "--max-n", "4"], tmp_path_factory.mktemp("conformance"))
-    yield srv
-    srv.stop()
+    yield from api_server(tmp_path_factory.mktemp("conformance"))
 
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
