@@ -328,6 +328,13 @@ class Req:
     def output_len(self) -> int:
         return len(self.token_ids) - self.prompt_len
 
+    @property
+    def all_launched(self) -> bool:
+        """Every token it may produce (max_tokens) has been launched: with overlap its last one
+        may still be in flight, and no further step can be of use to it. A function of the
+        request's lengths only, so every rank agrees."""
+        return self.device_len - self.prompt_len >= self.params.max_tokens
+
     def append_token(self, token: int) -> Optional[FinishReason]:
         """Record a sampled token and return why the request finished, if it did."""
         self.token_ids.append(token)

@@ -61,6 +61,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--linear-rows", type=lambda v: [int(r) for r in v.split(",")], default=[1],
                    help="linear: token rows per projection, e.g. 1,64,137,144,256")
     p.add_argument("--chunk", type=int, default=8192, help="extend: tokens in the chunk")
+    p.add_argument("--extend-prompts", type=lambda v: [int(n) for n in v.split(",")], default=[],
+                   help="extend: also sweep one fresh prompt of each of these lengths")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--reps", type=int, default=5, help="timed graph replays per case")
     p.add_argument("--moe-rows", type=lambda v: [int(r) for r in v.split(",")],
@@ -172,10 +174,17 @@ def bench_decode(shape: Shape, args: argparse.Namespace) -> None:
 
 
 def bench_extend(shape: Shape, args: argparse.Namespace) -> None:
+    """Extend-kernel tiles on a chunk of mixed prompts (100-1024 tokens, filling --chunk), then
+    on one fresh prompt of each --extend-prompts length (the time-to-first-token case)."""
     rng = random.Random(0)
     lens: List[int] = []
     while sum(lens) < args.chunk:
         lens.append(min(rng.randint(100, 1024), args.chunk - sum(lens)))
+    for case in [lens] + [[n] for n in args.extend_prompts]:
+        sweep_extend(shape, args, case)
+
+
+def sweep_extend(shape: Shape, args: argparse.Namespace, lens: List[int]) -> None:
     kv = paged_kv(shape, lens, args.page_size, 7)
     t = sum(lens)
     q = torch.randn((t, shape.heads, shape.head_dim), dtype=torch.bfloat16, device="cuda")
@@ -203,6 +212,21 @@ def bench_extend(shape: Shape, args: argparse.Namespace) -> None:
         report("extend", {"tokens": t, "requests": len(lens), "block_m": block_m,
                           "block_n": block_n, "warps": warps, "stages": stages}, us,
                tflops=round(flops / us / 1e6, 1), max_err=round(err, 4))
+
+
+    if len(lens) == 1:  # a reference: torch's fused attention on dense (unpaged) K/V
+        dense = torch.randn((1, shape.kv_heads, t, shape.head_dim), dtype=torch.bfloat16,
+                            device="cuda")
+        qd = q.transpose(0, 1).unsqueeze(0)
+
+        def sdpa() -> None:
+            torch.nn.functional.scaled_dot_product_attention(qd, dense, dense, is_causal=True,
+                                                             enable_gqa=True)
+        try:
+            us = time_graph(sdpa, 3, args.reps)
+            report("sdpa", {"tokens": t, "requests": 1}, us, tflops=round(flops / us / 1e6, 1))
+        except Exception as exc:  # enable_gqa or the flash backend missing in this torch
+            print(f"sdpa: {type(exc).__name__}: {str(exc)[:120]}")
 
 
 # --- batch-1 projections --------------------------------------------------------------------------

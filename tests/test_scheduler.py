@@ -231,12 +231,12 @@ def test_abort_of_a_request_in_flight_frees_it_after_the_batch() -> None:
 # --- overlap and deferred frees ----------------------------------------------------------------
 @pytest.mark.parametrize("overlap", [False, True])
 def test_overlap_keeps_one_batch_in_flight_and_drops_the_extra_token(overlap: bool) -> None:
-    """Request 0 finishes with its 2nd token. With overlap the scheduler decides one step behind:
-    0 sits in the next decode batch too, that token is dropped, and its row and pages stay taken
-    until that batch completes."""
+    """Request 0 finishes with its 2nd token, a stop token (which no rule can foresee). With
+    overlap the scheduler decides one step behind: 0 sits in the next decode batch too, that
+    token is dropped, and its row and pages stay taken until that batch completes."""
     h = Harness(overlap=overlap)
     prompts = [_prompt(1, 4), _prompt(5, 4)]
-    h.submit(0, prompts[0], max_tokens=2)
+    h.submit(0, prompts[0], max_tokens=9, stop_token_ids=(reference(prompts[0], 2)[1],))
     h.submit(1, prompts[1], max_tokens=5)
     h.step()
     finishing = h.sched.reqs[0]
@@ -254,9 +254,26 @@ def test_overlap_keeps_one_batch_in_flight_and_drops_the_extra_token(overlap: bo
     extra = [_decode((0, 5), (1, 5))] if overlap else [_decode((1, 5))]
     assert h.engine.steps == [Step(P, [(0, 0, 4, True), (1, 0, 4, True)]),
                               _decode((0, 4), (1, 4))] + extra + [
-        _decode((1, 6)), _decode((1, 7))] + ([_decode((1, 8))] if overlap else [])
+        _decode((1, 6)), _decode((1, 7))]  # 1 ends by length: no step after its last
     assert h.tokens == {0: reference(prompts[0], 2), 1: reference(prompts[1], 5)}
     assert h.engine.most_pending == (2 if overlap else 1)
+    _at_rest(h)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("max_tokens", [1, 3])
+def test_a_request_whose_tokens_are_all_launched_joins_no_more_batches(overlap: bool,
+                                                                        max_tokens: int) -> None:
+    """A request that will end by length once its in-flight token lands is left out of the next
+    decode batch even with overlap: with max_tokens=1 the prefill's token is the answer, and a
+    decode step launched first would only delay it."""
+    h = Harness(overlap=overlap)
+    prompt = _prompt(1, 4)
+    h.submit(0, prompt, max_tokens=max_tokens)
+    h.run()
+    decodes = [_decode((0, 4 + i)) for i in range(max_tokens - 1)]
+    assert h.engine.steps == [Step(P, [(0, 0, 4, True)])] + decodes
+    assert h.tokens == {0: reference(prompt, max_tokens)}
     _at_rest(h)
 
 

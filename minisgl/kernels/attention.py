@@ -147,6 +147,37 @@ def _decode_reduce_kernel(
 
 
 @triton.jit
+def _extend_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, hi, q_pos, scale_log2, kvh,
+                 stride_ks, stride_kh, stride_vs, stride_vh, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, F32_DOT: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """Fold keys [n0, n0 + BLOCK_N) into the running softmax of one block of queries.
+    MASKED: the block holds keys at or past `hi` or after some query (the causal diagonal);
+    otherwise every query sees every key and no mask is computed."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    if MASKED:
+        mask_n = offs_n < hi
+        slots = tl.load(pt_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [D, N]
+        v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [N, D]
+        qk = _dot(q, k, F32_DOT)
+        causal = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        qk = tl.where(causal, qk * scale_log2, _NEG)
+    else:
+        slots = tl.load(pt_row + offs_n).to(tl.int64)
+        k = tl.load(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
+                    mask=mask_d[:, None], other=0.0)
+        v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                    mask=mask_d[None, :], other=0.0)
+        qk = _dot(q, k, F32_DOT) * scale_log2
+    return _online_softmax_step(qk, v, acc, m_i, l_i, F32_DOT)
+
+
+@triton.jit
 def _extend_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, page_table_ptr, rows_ptr, prefix_lens_ptr, extend_lens_ptr,
         q_starts_ptr, scale_log2,
@@ -154,10 +185,13 @@ def _extend_kernel(
         stride_ot, stride_oh,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr):
-    """Program (b, head, m_block): new tokens [m_block*BLOCK_M, +BLOCK_M) of request b, causal."""
+    """Program (b, head, m): new tokens [m_block*BLOCK_M, +BLOCK_M) of request b, causal, where
+    m_block counts down from the last block as m counts up. Programs start in grid order, and a
+    block's work grows with its position (causal), so the longest start first and the last wave
+    is short (as with the decode batch's longest-first order)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    m0 = tl.program_id(2) * BLOCK_M
+    m0 = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M
     row = tl.load(rows_ptr + b).to(tl.int64)
     prefix = tl.load(prefix_lens_ptr + b)
     ext = tl.load(extend_lens_ptr + b)
@@ -165,7 +199,6 @@ def _extend_kernel(
     kvh = h // GROUP
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_m = offs_m < ext
     mask_d = offs_d < HEAD_DIM
@@ -174,24 +207,23 @@ def _extend_kernel(
                 mask=mask_m[:, None] & mask_d[None, :], other=0.0)
 
     # Keys up to the last query of this block; a block past the request's end runs no iteration.
+    # Keys before the block's first query are seen by every query: those whole blocks of keys
+    # run unmasked, the rest (the causal diagonal and the end) masked.
     hi = tl.minimum(prefix + ext, prefix + m0 + BLOCK_M)
     hi = tl.where(m0 < ext, hi, 0)
+    full = tl.minimum((prefix + m0) // BLOCK_N * BLOCK_N, hi // BLOCK_N * BLOCK_N)
     m_i = tl.full([BLOCK_M], _NEG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     pt_row = page_table_ptr + row * stride_pt
-    for n0 in range(0, hi, BLOCK_N):
-        pos = n0 + offs_n
-        mask_n = pos < hi
-        slots = tl.load(pt_row + pos, mask=mask_n, other=0).to(tl.int64)
-        k = tl.load(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
-                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [D, N]
-        qk = _dot(q, k, F32_DOT)
-        causal = mask_n[None, :] & (pos[None, :] <= q_pos[:, None])
-        qk = tl.where(causal, qk * scale_log2, _NEG)
-        v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [N, D]
-        acc, m_i, l_i = _online_softmax_step(qk, v, acc, m_i, l_i, F32_DOT)
+    for n0 in range(0, full, BLOCK_N):
+        acc, m_i, l_i = _extend_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, hi, q_pos,
+                                     scale_log2, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
+                                     BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, False)
+    for n0 in range(full, hi, BLOCK_N):
+        acc, m_i, l_i = _extend_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, hi, q_pos,
+                                     scale_log2, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
+                                     BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, True)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],

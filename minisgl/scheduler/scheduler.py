@@ -242,7 +242,7 @@ class Scheduler:
         ps = self.cache.page_size
         while True:
             running = self.decode.running.values()
-            need = sum(1 for r in running
+            need = sum(1 for r in self.decode.decoding()
                        if r.device_len > len(r.pages) * ps and r.reserved_pages == 0)
             if need <= self.cache.unreserved_pages:
                 return
