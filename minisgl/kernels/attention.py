@@ -244,14 +244,20 @@ def decode_tiles(dtype: torch.dtype, head_dim: int, num_splits: int) -> DecodeTi
     return DecodeTiles(64, 8)
 
 
-def extend_tiles(dtype: torch.dtype, head_dim: int) -> ExtendTiles:
-    """Half types, head_dim <= 128: the fastest of six tiles on an H200 (2026-11-30); otherwise
-    the largest tiles that compile without register spills for sm_90."""
+def extend_tiles(dtype: torch.dtype, head_dim: int, max_extend: int = 0) -> ExtendTiles:
+    """Half types, head_dim <= 128, from the tile sweeps on an H200 (scripts/bench_kernels.py
+    --what extend --extend-prompts 512,2048,8192; benchmarks/RESULTS.md): chunks whose longest
+    request has fewer than 1,024 new tokens run (64, 64, 4 warps, 2 stages), the fastest on one
+    512-token prompt; longer ones (128, 64, 4, 3), the fastest on one prompt of 2,048 or 8,192
+    tokens and on an 8,192-token chunk of mixed prompts. Otherwise the largest tiles that compile
+    without register spills for sm_90."""
     if dtype == torch.float32:
         return ExtendTiles(32, 64, 8)
     if head_dim > 128:
         return ExtendTiles(64, 32, 8)
-    return ExtendTiles(64, 32, 4)
+    if max_extend < 1024:
+        return ExtendTiles(64, 64, 4, 2)
+    return ExtendTiles(128, 64, 4, 3)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -318,7 +324,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if batch == 0 or max_extend == 0:
         return
     group = num_heads // k_cache.shape[1]
-    tiles = tiles or extend_tiles(q.dtype, head_dim)
+    tiles = tiles or extend_tiles(q.dtype, head_dim, max_extend)
     grid = (batch, num_heads, triton.cdiv(max_extend, tiles.block_m))
     _extend_kernel[grid](
         q, k_cache, v_cache, out, page_table, rows, prefix_lens, extend_lens, q_starts,
