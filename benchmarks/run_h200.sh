@@ -156,3 +156,34 @@ if [ "$MODE" = moesweep ]; then  # every tile of the grouped GEMMs at each block
   step moe_sweep_30b 600 python3 scripts/bench_kernels.py --model configs/models/qwen3-30b-a3b --what moe --moe-sweep --moe-rows 1,64,256,1024,8192
   step moe_sweep_mixtral 600 python3 scripts/bench_kernels.py --model configs/models/mixtral-8x7b --what moe --moe-sweep --moe-rows 1,64,256,8192
 fi
+# --- vLLM 0.26 side by side (the peer bundle of ../shared/peers/vllm, copied to .peer/) ----------
+# Two GPU commands, the second within 30 s of the first (the machine keeps /tmp while warm):
+#   1. `bash benchmarks/run_h200.sh vllm-stage`, carrying .peer/part01
+#   2. `bash benchmarks/run_h200.sh vllm-latency` (or vllm-offline), carrying .peer/part02,
+#      .peer/SHA256SUMS, .peer/extra-ct.tar.xz, .peer/peer.sh, .peer/run_vllm_peer.py,
+#      .peer/lat_peer.py and .whl. PEER_FLAGS go to both engines (e.g. "--quantization fp8").
+# The ratios go to the table at the top of benchmarks/RESULTS.md.
+vllm_unpack() {
+  [ -f /tmp/vsite/.complete ] && return 0
+  cp -f .peer/part[0-9][0-9] /tmp/vllm_parts/ 2>/dev/null
+  ( cd /tmp/vllm_parts && sha256sum -c "$OLDPWD/.peer/SHA256SUMS" ) > "$OUT/vllm_setup.log" 2>&1 \
+    || { echo "vLLM parts missing: run vllm-stage first" | tee -a "$OUT/summary.txt"; return 1; }
+  cat /tmp/vllm_parts/part01 /tmp/vllm_parts/part02 | tar -xJf - -C /tmp && touch /tmp/vsite/.complete
+  for x in .peer/extra-*.tar.xz; do [ -f "$x" ] && tar -xJf "$x" -C /tmp/vsite; done
+}
+gpu_free() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader); do kill -9 "$p"; done; sleep 3; }
+if [ "$MODE" = vllm-stage ]; then
+  mkdir -p /tmp/vllm_parts && cp .peer/part01 /tmp/vllm_parts/ && echo "part01 staged"
+fi
+if [ "$MODE" = vllm-latency ]; then  # first token at 512/2048/8192, decode steps at 1/64/256
+  vllm_unpack || exit 2
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  step vllm_latency 300 env PYTHONPATH=/tmp/vsite VLLM_CACHE_ROOT=/tmp/vllm_cache python3 benchmarks/peer_latency.py --engine vllm --main "$PWD" --peer-dir .peer ${PEER_FLAGS:-}
+  gpu_free
+  step minisgl_latency 200 python3 benchmarks/peer_latency.py --engine minisgl --main "$PWD" ${PEER_FLAGS:-}
+fi
+if [ "$MODE" = vllm-offline ]; then  # the standard offline workload, Llama-3.1-8B and Qwen3-8B shapes
+  vllm_unpack || exit 2
+  step vllm_offline_llama 420 bash .peer/peer.sh offline ${PEER_FLAGS:-}
+  step vllm_offline_qwen 420 bash .peer/peer.sh offline --model configs/models/qwen3-8b ${PEER_FLAGS:-}
+fi

@@ -263,6 +263,21 @@ def test_extend_gpu(dtype: torch.dtype, page_size: int, heads: int, kv_heads: in
                     Phase.PREFILL, seed=heads)
 
 
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads,kv_heads", [(32, 32), (32, 8)])
+@pytest.mark.parametrize("length", [1024, 3000])
+def test_dense_prefill_gpu(dtype: torch.dtype, heads: int, kv_heads: int, length: int) -> None:
+    """One fresh prompt long enough for torch's fused attention (TritonBackend.dense_prefill),
+    over scattered pages: the same answer as the reference, and the K/V stored."""
+    case = make_case(dtype, "cuda", 16, heads, kv_heads, 128, [0], [length], Phase.PREFILL, 5)
+    backend = TritonBackend(case.pool, case.page_table, heads, kv_heads, 128, 128 ** -0.5)
+    backend.prepare(case.batch)
+    assert case.batch.attn_meta.dense
+    run_and_compare(dtype, "cuda", 16, heads, kv_heads, 128, [0], [length], Phase.PREFILL, 5)
+
+
 # --- end to end: the engine with each backend ----------------------------------------------------
 def _tiny_checkpoint(root: Path) -> Path:
     """A random tiny Qwen3 checkpoint without a tokenizer (no downloads). Weights of std 0.1,

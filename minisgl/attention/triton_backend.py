@@ -35,6 +35,7 @@ class TritonMeta:
     max_extend: int
     o_part: Optional[torch.Tensor]  # decode scratch [batch, heads, splits, d] float32
     lse_part: Optional[torch.Tensor]  # decode scratch [batch, heads, splits] float32
+    dense: bool = False  # one fresh prompt: torch's fused attention (TritonBackend.dense_prefill)
 
 
 class TritonBackend(AttentionBackend):
@@ -47,6 +48,11 @@ class TritonBackend(AttentionBackend):
     # unsplit is fastest.
     min_split_tokens: int = 64
     max_splits: int = 32
+    # A prefill of one fresh prompt (no cached prefix) of at least this many tokens, the
+    # time-to-first-token case, runs torch's fused causal attention (FlashAttention / cuDNN) on
+    # its K/V gathered from the pool: on an H200 that beats the paged extend kernel from about
+    # 1,024 tokens (bench_kernels.py --what extend --extend-prompts; benchmarks/RESULTS.md).
+    dense_prefill_tokens: int = 1024
 
     def __init__(self, pool: KVPool, page_table: torch.Tensor, num_heads: int,
                  num_kv_heads: int, head_dim: int, scale: float,
@@ -89,8 +95,11 @@ class TritonBackend(AttentionBackend):
                                  dtype=torch.float32, device=self.device)
             lse_part = torch.empty((batch.size, self.num_heads, splits), dtype=torch.float32,
                                    device=self.device)
+        dense = (not decode and batch.size == 1 and batch.prefix_lens[0] == 0
+                 and batch.extend_lens[0] >= self.dense_prefill_tokens
+                 and self.device.type == "cuda")
         batch.attn_meta = TritonMeta(decode, dev[0], dev[1], dev[2], dev[3], dev[4],
-                                     max(batch.extend_lens, default=0), o_part, lse_part)
+                                     max(batch.extend_lens, default=0), o_part, lse_part, dense)
 
     # --- CUDA graphs (engine/cuda_graph.py): metadata over the graph's static inputs ---------
     def init_graph_buffers(self, max_bs: int) -> None:
@@ -143,7 +152,23 @@ class TritonBackend(AttentionBackend):
             decode_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens,
                              meta.o_part, meta.lse_part, out, self.scale, self.min_split_tokens,
                              pdl=pdl)
+        elif meta.dense and k_cache.dtype == q.dtype:
+            return self.dense_prefill(q, k_cache, v_cache, batch)
         else:
             extend_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.prefix_lens,
                              meta.extend_lens, meta.q_starts, meta.max_extend, out, self.scale)
         return out.reshape(q.shape[0], -1)
+
+    def dense_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      batch: Batch) -> torch.Tensor:
+        """Causal attention of one fresh prompt, q [T, heads, d], whose K/V (just stored, at the
+        batch's slots) are gathered into dense [T, kv_heads, d] copies, a small fraction of the
+        attention's own reads."""
+        slots = batch.out_slots
+        assert slots is not None
+        k = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        v = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k, v, is_causal=True, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads)
+        return out.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)
