@@ -187,3 +187,31 @@ if [ "$MODE" = vllm-offline ]; then  # the standard offline workload, Llama-3.1-
   step vllm_offline_llama 420 bash .peer/peer.sh offline ${PEER_FLAGS:-}
   step vllm_offline_qwen 420 bash .peer/peer.sh offline --model configs/models/qwen3-8b ${PEER_FLAGS:-}
 fi
+if [ "$MODE" = vllm-online ]; then  # both OpenAI servers, the same streamed workload (bench_online)
+  # Also carry .whl-vllm (the server's packages the bundle lacks: uvicorn, prometheus, ...) and
+  # .gpucache/llama8b-smoltok (the Llama-3.1-8B shape with SmolLM2's tokenizer: text streams).
+  vllm_unpack || exit 2
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vextra .whl-vllm/*.whl
+  M=${ONLINE_MODEL:-.gpucache/llama8b-smoltok}; RATES=${RATES:-1,4,16,inf}; N=${ONLINE_N:-48}
+  up() {  # up PORT PID: wait for /health, at most 300 s
+    for _ in $(seq 300); do
+      kill -0 "$2" 2>/dev/null || return 1
+      python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health', timeout=2)" 2>/dev/null && return 0; sleep 1
+    done; return 1
+  }
+  env PYTHONPATH=/tmp/vsite:/tmp/vextra VLLM_CACHE_ROOT=/tmp/vllm_cache HF_HUB_OFFLINE=1 \
+    VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 VLLM_NO_USAGE_STATS=1 NCCL_NVLS_ENABLE=0 \
+    python3 -c "import sys; sys.path.insert(0, '.peer'); import run_vllm_peer as rp; rp._shim_llguidance_if_unloadable(); from vllm.entrypoints.cli.main import main; sys.argv = ['vllm', 'serve', '$M', '--load-format', 'dummy', '--dtype', 'bfloat16', '--port', '8124', '--max-model-len', '4096', '--served-model-name', 'm', '--attention-backend', 'FLASH_ATTN']; main()" \
+    > "$OUT/vllm_serve.log" 2>&1 &
+  V=$!
+  if up 8124 $V; then
+    step online_vllm 300 python3 scripts/bench_online.py --base-url http://127.0.0.1:8124 --model m --rates $RATES --num-requests $N --max-duration 60 --vocab-size 49152
+  else echo "vLLM's server did not come up:" | tee -a "$OUT/summary.txt"; tail -n 20 "$OUT/vllm_serve.log" | tee -a "$OUT/summary.txt"; fi
+  kill -TERM $V; sleep 2; gpu_free
+  python3 -m minisgl --model "$M" --load-format dummy --port 8123 > "$OUT/serve.log" 2>&1 &
+  S=$!
+  if up 8123 $S; then
+    step online_minisgl 300 python3 scripts/bench_online.py --base-url http://127.0.0.1:8123 --rates $RATES --num-requests $N --max-duration 60 --vocab-size 49152
+  else echo "minisgl's server did not come up" | tee -a "$OUT/summary.txt"; fi
+  kill -TERM $S; wait $S
+fi

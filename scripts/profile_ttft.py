@@ -48,6 +48,9 @@ def parse_args(argv: List[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--rows", type=int, default=15, help="kernels and host ranges to list")
     p.add_argument("--trace-dir", default=None, help="keep the Chrome traces here")
+    p.add_argument("--cprofile", type=int, default=0, metavar="CALLS",
+                   help="also run cProfile over CALLS calls at each length and list the Python "
+                        "functions by own time (the host's share)")
     p.add_argument("--stack", action="store_true",
                    help="record Python functions too (names the host work; slows the host)")
     return p.parse_args(argv)
@@ -128,6 +131,21 @@ def profile_call(llm: LLM, prompt: List[int], trace_path: str, stack: bool) -> D
         return json.load(f)
 
 
+def host_profile(llm: LLM, prompts: List[List[int]], rows: int) -> str:
+    """cProfile of one first-token call per prompt: Python functions by own time."""
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for prompt in prompts:
+        first_token(llm, prompt)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(rows)
+    return out.getvalue()
+
+
 def main(argv: List[str] | None = None) -> None:
     args = parse_args(argv)
     llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype,
@@ -152,6 +170,9 @@ def main(argv: List[str] | None = None) -> None:
         print("   kernels:\n     " + "\n     ".join(kernel_lines), flush=True)
         print("   longest device-idle gaps (host ranges covering them):\n     "
               + "\n     ".join(gap_lines), flush=True)
+        if args.cprofile:
+            print(host_profile(llm, [fresh_prompt(rng, length, vocab)
+                                     for _ in range(args.cprofile)], 3 * args.rows), flush=True)
         results.append({"length": length, "ttft_ms": round(ms, 3),
                         "best_ms": round(min(times) * 1000.0, 3),
                         **{k: round(v, 3) for k, v in timeline._asdict().items()}})
