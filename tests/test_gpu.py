@@ -112,6 +112,29 @@ def test_gpu_cuda_graphs_match_eager_with_padding_and_sampling(tiny_qwen3: Path)
     assert run(16) == run(0)
 
 
+def test_prefill_graphs_match_eager_fresh_and_after_a_cached_prefix(
+        tiny_qwen3: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Prefill graphs (one request padded to its bucket, positions, slots and attention
+    metadata derived in the graph) give the eager path's tokens in float32, for fresh prompts of
+    several buckets and for one whose first 200 tokens come from the prefix cache."""
+    import logging
+    import random
+    rng = random.Random(3)
+    base = [rng.randrange(10, 1000) for _ in range(460)]
+    prompts = [base[:5], base[:64], base[:100], base[:460], base[:200] + [7, 8, 9], base[:300]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=4)
+
+    def run(tokens: int) -> list:
+        with LLM(str(tiny_qwen3), device="cuda", dtype="float32", prefill_graph_tokens=tokens,
+                 show_progress=False) as llm:  # type: ignore[arg-type]
+            return [(llm.generate([p], GREEDY)[0].token_ids,
+                     llm.generate([p[:-1]], params)[0].token_ids) for p in prompts]
+    with caplog.at_level(logging.INFO, logger="minisgl.engine.prefill_graph"):
+        graphs = run(512)
+    assert "captured 4 prefill CUDA graphs" in caplog.text
+    assert graphs == run(0)
+
+
 def _pdl_device() -> bool:
     return _gpus() > 0 and torch.cuda.get_device_capability()[0] >= 9
 

@@ -131,6 +131,13 @@ class TritonBackend(AttentionBackend):
         return TritonMeta(True, rows, positions, self._graph_ones[:bs], seq_lens,
                           self._graph_starts[:bs], 1, o_part, lse_part)
 
+    def prefill_graph_meta(self, meta: torch.Tensor, max_extend: int) -> TritonMeta:
+        """Metadata for a prefill CUDA graph (engine/prefill_graph.py) over the static int32
+        block `meta` [5, 4]: rows, prefix lens, extend lens, seq lens and query starts in
+        column 0, one request, at most `max_extend` new tokens (it sizes the grid)."""
+        return TritonMeta(False, meta[0, :1], meta[1, :1], meta[2, :1], meta[3, :1],
+                          meta[4, :1], max_extend, None, None)
+
     def kv_target(self, layer: int, batch: Batch) -> Optional[KVTarget]:
         """The pool's layer caches and the batch's slots: the kernels read every token's K/V,
         new ones included, from the pool, so whoever writes them there may skip `store_kv`."""

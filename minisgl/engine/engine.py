@@ -23,6 +23,7 @@ from minisgl.engine.cuda_graph import DecodeGraphs, graph_sizes
 from minisgl.engine.logprobs import (PromptRows, prompt_entries, prompt_logprobs, prompt_rows,
                                      sampled_entries, sampled_logprobs)
 from minisgl.engine.penalties import Penalties
+from minisgl.engine.prefill_graph import PrefillGraphs, capture_prefill_graphs
 from minisgl.engine.sampler import (LogprobTensors, add_logit_bias, sample_requests,
                                     suppress_early_stops)
 from minisgl.kernels.policy import KernelPolicy
@@ -149,6 +150,11 @@ class Engine:
                 pad_row=cfg.max_running_requests, scratch_slot=self.pool.scratch_slot,
                 last_tokens=self.last_tokens)
             on_progress(f"decode CUDA graphs captured for batch sizes up to {graph_bs}")
+        self.prefill_graphs: Optional[PrefillGraphs] = None
+        if self.device.type == "cuda" and cfg.prefill_graph_tokens > 0:
+            self.prefill_graphs = capture_prefill_graphs(
+                self.model, self.backend, cfg.prefill_graph_tokens, self.page_table,
+                self.pool.scratch_slot)
         logger.info("rank %d: engine ready: %d KV pages of %d tokens, backend %s, pdl %s",
                     cfg.tp_info.rank, self.num_pages, cfg.page_size, cfg.backend_name,
                     "on" if self.policy.pdl else "off")
@@ -225,6 +231,10 @@ class Engine:
         prompt log-probabilities of the requests collecting them)."""
         if self.graphs is not None and self.graphs.can_run(batch):
             logits, rows = self.graphs.replay(batch)  # decode: every request is sampled
+            return Forwarded(logits, rows, None, None)
+        if (self.prefill_graphs is not None and self.prefill_graphs.can_run(batch)
+                and prompt_rows(batch) is None):
+            logits, rows = self.prefill_graphs.replay(batch)
             return Forwarded(logits, rows, None, None)
         rows = to_device([batch.reqs[i].table_row for i in sampled], torch.int64, self.device)
         self._prepare_inputs(batch, rows)
