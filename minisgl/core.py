@@ -359,6 +359,9 @@ class Req:
     # With params.prompt_logprobs: those of prompt tokens 1.. computed so far (chunk by chunk),
     # sent with the first output token.
     prompt_logprobs: List[TokenLogprobs] = field(default_factory=list)
+    # With params.structured: its matcher (a minisgl.grammar.RequestGrammar), set when its
+    # grammar has compiled, before it is queued for admission.
+    grammar: object = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -410,6 +413,9 @@ class Batch:
     out_slots: Optional[torch.Tensor] = None
     attn_meta: object = None
     launched_at: float = 0.0  # scheduler's clock at launch: step-time statistics only
+    # Some sampled request is constrained (Req.grammar): the engine's launch runs the forward
+    # only, and sampling waits for the token bitmask (StepEngine.sample).
+    masked: bool = False
 
     @property
     def size(self) -> int:

@@ -23,8 +23,8 @@ from minisgl.engine.cuda_graph import DecodeGraphs, graph_sizes
 from minisgl.engine.logprobs import (PromptRows, prompt_entries, prompt_logprobs, prompt_rows,
                                      sampled_entries, sampled_logprobs)
 from minisgl.engine.penalties import Penalties
-from minisgl.engine.sampler import (LogprobTensors, add_logit_bias, sample_requests,
-                                    suppress_early_stops)
+from minisgl.engine.sampler import (LogprobTensors, add_logit_bias, apply_token_bitmask,
+                                    sample_requests, suppress_early_stops)
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
 from minisgl.layers import blas
@@ -58,6 +58,8 @@ class Launched(NamedTuple):
     # Prompt log-probabilities of the rows `prompt.rows` (host tensors; primary rank only).
     prompt: Optional[PromptRows] = None
     prompt_logprobs: Optional[LogprobTensors] = None
+    # A masked batch between `launch` and `sample`: the forward's output, not yet sampled.
+    pending: Optional[Forwarded] = None
 
 
 def use_pdl(cfg: EngineConfig, device: torch.device) -> bool:
@@ -201,13 +203,30 @@ class Engine:
         The scheduler has written the batch's slots into `page_table`, set `batch.out_slots`, and
         not yet advanced the requests' lengths. Decode inputs come from `last_tokens` on the
         device, so a batch can be launched before the previous one's tokens reach the host.
+        A `batch.masked` batch runs the forward only: `sample` finishes it with the bitmask.
         """
         sampled = [i for i, s in enumerate(batch.sample) if s]
         fwd = self._forward(batch, sampled)
+        if batch.masked and sampled:
+            return Launched(batch, sampled, None, None, pending=fwd)
+        return self._sample_launched(batch, sampled, fwd, None)
+
+    @torch.inference_mode()
+    def sample(self, launched: Launched, bitmask: torch.Tensor) -> Launched:
+        """Sample a masked batch launched by `launch`, each sampled row i restricted to the
+        tokens its bitmask row i allows (int32 [sampled rows, ceil(vocab / 32)] on the host,
+        pinned on a GPU; xgrammar's layout). The mask goes to the device and is applied to the
+        logits outside any CUDA graph."""
+        if launched.pending is None:
+            raise ValueError("sample() takes a masked batch launch() has not sampled")
+        return self._sample_launched(launched.batch, launched.sampled, launched.pending, bitmask)
+
+    def _sample_launched(self, batch: Batch, sampled: List[int], fwd: Forwarded,
+                         bitmask: Optional[torch.Tensor]) -> Launched:
         tokens = logprobs = None
         if sampled:
             tokens, logprobs = self._sample(fwd.logits, fwd.rows,
-                                            [batch.reqs[i] for i in sampled])
+                                            [batch.reqs[i] for i in sampled], bitmask)
         if self.device.type != "cuda" or (tokens is None and fwd.prompt_logprobs is None):
             return Launched(batch, sampled, tokens, None, logprobs, fwd.prompt,
                             fwd.prompt_logprobs)
@@ -241,17 +260,22 @@ class Engine:
                          prompt_logprobs(self.model.lm_head, hidden, prompt,
                                          self.cfg.tp_info.is_primary))
 
-    def _sample(self, logits: torch.Tensor, rows: torch.Tensor, reqs: List[Req]
+    def _sample(self, logits: torch.Tensor, rows: torch.Tensor, reqs: List[Req],
+                bitmask: Optional[torch.Tensor] = None
                 ) -> Tuple[torch.Tensor, Optional[LogprobTensors]]:
         """Tokens for `reqs` (row i of `logits`, page-table row rows[i]) after their penalties,
-        logit bias and min_tokens, recorded as the rows' newest tokens; and their log-probabilities (of
-        the raw logits) where asked."""
+        logit bias, min_tokens and grammar bitmask, recorded as the rows' newest tokens; and
+        their log-probabilities (of the raw logits) where asked."""
+        mask = None if bitmask is None else bitmask.to(self.device, non_blocking=True)
         if all(r.params.raw_sampling for r in reqs):  # the common case: one pass to find out
-            tokens = sample_requests(logits, reqs, self.cfg.seed, self.policy)
+            masked = logits if mask is None else apply_token_bitmask(logits, mask)
+            tokens = sample_requests(masked, reqs, self.cfg.seed, self.policy)
             self.last_tokens[rows] = tokens
             return tokens, None
         adjusted = suppress_early_stops(
             add_logit_bias(self.penalties.apply(logits, rows, reqs), reqs), reqs)
+        if mask is not None:
+            adjusted = apply_token_bitmask(adjusted, mask)
         tokens = sample_requests(adjusted, reqs, self.cfg.seed, self.policy)
         self.last_tokens[rows] = tokens
         self.penalties.record(rows, tokens, reqs)
