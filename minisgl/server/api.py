@@ -57,6 +57,7 @@ class ApiConfig:
     replicas: int = 1  # data-parallel replicas (their scheduler metrics are labelled)
     root: str = ""  # the model's directory (vLLM's model card `root`); "" names the model
     reasoning_parser: Optional[str] = None  # server/reasoning.py: splits chat output
+    tool_call_parser: str = "hermes"  # server/tool_calls.py: reads (and enforces) tool calls
     aliases: Tuple[str, ...] = ()  # more names requests may give the model
 
 
@@ -227,7 +228,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> FastAPI:
     async def chat(request: Request) -> Response:
         body = parse_body(await json_body(request), ChatRequest)
         check_model(body.model)
-        fmt = ChatFormatter(cfg.model_name, chat_job(body, cfg.max_n), cfg.reasoning_parser)
+        fmt = ChatFormatter(cfg.model_name, chat_job(body, cfg.max_n, cfg.tool_call_parser),
+                            cfg.reasoning_parser, cfg.tool_call_parser)
         return await run_job(request, streams, fmt)
 
     @app.post("/v1/completions")

@@ -306,10 +306,12 @@ class ToolCallStreamer:
     at the end of the output. Text that may be the start of a call (a partial start tag, a
     `{` that may open `{"name":`) is held back until known, and so is whitespace-only text until
     something else follows it in the same stretch of content. After finish, `calls` holds every
-    call and `parsed()` the plain response's view of the whole text."""
+    call and `parsed()` the plain response's view of the whole text. With `max_calls`, the
+    calls after the first `max_calls` are dropped (`parallel_tool_calls: false`)."""
 
-    def __init__(self, fmt: ToolCallFormat) -> None:
+    def __init__(self, fmt: ToolCallFormat, max_calls: Optional[int] = None) -> None:
         self.fmt = fmt
+        self.max_calls = max_calls
         self.calls: List[_Call] = []
         self.text: List[str] = []  # everything fed, for the all-content fallback
         self.content: List[str] = []  # content sent
@@ -345,7 +347,7 @@ class ToolCallStreamer:
         if self._call is not None:
             call = self._call
             self._end_call()
-            if call.id is None:
+            if call.id is None and not self._extra(call):
                 self._abandon(call)
         elif not self._after_call and held:
             self._content(held, self._pending)
@@ -408,17 +410,20 @@ class ToolCallStreamer:
                 self._deltas.extend(self._call_deltas(call))
                 self._end_call()
                 self._after_call = True
-                if call.id is None:
+                if call.id is None and not self._extra(call):
                     self._abandon(call)
                 return buf[i + 1:]
             if call.error is not None:  # the faulty character goes on as text
                 call.raw.pop()
                 self._end_call()
-                if call.id is None:
+                if call.id is None and not self._extra(call):
                     self._abandon(call)
                 return buf[i:]
         self._deltas.extend(self._call_deltas(call))
         return ""
+
+    def _extra(self, call: _Call) -> bool:
+        return self.max_calls is not None and call.index >= self.max_calls
 
     def _end_call(self) -> None:
         assert self._call is not None
@@ -451,7 +456,7 @@ class ToolCallStreamer:
 
     def _call_deltas(self, call: _Call) -> List[ToolCallDelta]:
         """What `call` (being read, or just closed) adds to the stream."""
-        if call.error is not None:
+        if call.error is not None or self._extra(call):
             return []
         out = []
         if call.id is None:
@@ -473,14 +478,15 @@ class ToolCallStreamer:
     def parsed(self) -> Parsed:
         """After `finish`: the content and calls of the whole text, or all of it as content when
         a call is malformed (or there are none)."""
-        if not self.calls or any(c.problem() is not None for c in self.calls):
+        calls = self.calls[:self.max_calls]
+        if not calls or any(c.problem() is not None for c in calls):
             text = "".join(self.text)
             for marker in self.fmt.markers:
                 text = text.replace(marker, "")
             return Parsed(text if text.strip() else None, [])
         content = "".join(self.content)
         return Parsed(content or None,
-                      [ToolCall(c.name or "", c.arguments_so_far()) for c in self.calls])
+                      [ToolCall(c.name or "", c.arguments_so_far()) for c in calls])
 
     @property
     def any_call(self) -> bool:
@@ -488,9 +494,9 @@ class ToolCallStreamer:
         return self._announced > 0
 
 
-def parse_tool_calls(fmt: ToolCallFormat, text: str) -> Parsed:
+def parse_tool_calls(fmt: ToolCallFormat, text: str, max_calls: Optional[int] = None) -> Parsed:
     """The content and calls of a whole output (see the module's contract)."""
-    streamer = ToolCallStreamer(fmt)
+    streamer = ToolCallStreamer(fmt, max_calls)
     streamer.feed(text)
     streamer.finish()
     return streamer.parsed()

@@ -82,9 +82,11 @@ class Tokenizer:
             kwargs = json.loads(req.template_kwargs_json) if req.template_kwargs_json else {}
             if req.continue_final_message:  # older transformers do not know the keyword
                 kwargs["continue_final_message"] = True
+            if req.tools_json is not None:
+                kwargs["tools"] = json.loads(req.tools_json)
             out = self.tokenizer.apply_chat_template(
-                req.messages, add_generation_prompt=req.add_generation_prompt, tokenize=True,
-                **kwargs)
+                template_messages(req.messages), add_generation_prompt=req.add_generation_prompt,
+                tokenize=True, **kwargs)
             return list(out["input_ids"] if hasattr(out, "keys") else out)
         return list(self.tokenizer.encode(req.text or "", add_special_tokens=False))
 
@@ -141,6 +143,22 @@ class Tokenizer:
             return Prepared(ids, None, _too_long(e), e.param)
         except RequestError as e:
             return Prepared(ids, None, str(e), e.param)
+
+
+def template_messages(messages: List[dict]) -> List[dict]:
+    """The messages as chat templates take them: an assistant's tool calls with their
+    `arguments` as objects (OpenAI sends JSON text; templates write `arguments | tojson` or
+    iterate over them, as vLLM hands them over)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = {**m, "tool_calls": [
+                {**c, "function": {**c["function"],
+                                   "arguments": json.loads(c["function"]["arguments"])}}
+                for c in calls]}
+        out.append(m)
+    return out
 
 
 def _too_long(e: TooLong) -> str:
