@@ -3,9 +3,10 @@
 Every invalid request raises `ApiError` with an HTTP status and an OpenAI-style error body
 (`{"error": {"message", "type", "param", "code"}}`); nothing here touches the request streams.
 Unknown fields (user, metadata, ...) are accepted and ignored; OpenAI, vLLM and SGLang features
-this server does not implement (response_format, tools, use_beam_search, regex, guided_*, ...) are
-rejected with a 400 naming the field rather than silently dropped, unless the value asks for
-nothing (tool_choice "none", an empty tools list, use_beam_search false). The README's table
+this server does not implement (tools, use_beam_search, ...) are rejected with a 400 naming the
+field rather than silently dropped, unless the value asks for nothing (tool_choice "none", an
+empty tools list, use_beam_search false). The structured-output fields (response_format,
+structured_outputs, guided_*, regex, ebnf, choice) are read by structured.py. The README's table
 lists every field.
 """
 
@@ -19,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, T
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from minisgl.core import MAX_LOGPROBS, SamplingParams
+from minisgl.server.structured import FieldError, constraint
 
 _INT64 = 2 ** 63
 _INT32 = 2 ** 31  # token ids travel as int32
@@ -29,7 +31,6 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI request fields with an effect this server does not implement, each with the test for a
 # value that asks for nothing (accepted, since clients often send the default explicitly).
 _UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "tools": lambda v: not v,
     "tool_choice": lambda v: v in (None, "none"),
     "functions": lambda v: not v,
@@ -49,16 +50,8 @@ _UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
     "bad_words": lambda v: not v,
     "truncate_prompt_tokens": lambda v: v is None,
     "cache_salt": lambda v: v is None,
-    "structured_outputs": lambda v: v is None,
-    "guided_json": lambda v: v is None,
-    "guided_regex": lambda v: v is None,
-    "guided_choice": lambda v: v is None,
-    "guided_grammar": lambda v: v is None,
-    "guided_decoding_backend": lambda v: v is None,
+    "guided_decoding_backend": lambda v: v in (None, "auto", "xgrammar"),
     "guided_whitespace_pattern": lambda v: v is None,
-    "regex": lambda v: v is None,
-    "ebnf": lambda v: v is None,
-    "json_schema": lambda v: v is None,
     "stop_regex": lambda v: not v,
     "lora_path": lambda v: v is None,
     "lora_request": lambda v: v is None,
@@ -210,6 +203,8 @@ class Job:
     echo: bool = False  # completions: the reply starts with the prompt
     continuous_usage: bool = False  # usage on every streamed chunk
     no_stop_trim: bool = False
+    # The request field params.structured came from: an error about it names that field.
+    structured_param: Optional[str] = None
 
     def choice_params(self, i: int) -> SamplingParams:
         """Choice i of a prompt: the request's seed shifted by i, so choices differ."""
@@ -349,9 +344,16 @@ def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: in
     if extra.get(_SPACES_BETWEEN_SPECIAL_TOKENS, True) is not True:
         raise ApiError(400, f"{_SPACES_BETWEEN_SPECIAL_TOKENS}: only true is supported",
                        _SPACES_BETWEEN_SPECIAL_TOKENS)
-    job = Job(prompts, _sampling(sampling, max_tokens, logprobs, logit_bias), n,
-              _stop_strings(sampling.stop), sampling.skip_special_tokens, stream, include_usage,
-              no_stop_trim=sampling.no_stop_trim)
+    try:
+        found = constraint(extra if isinstance(body, GenerateRequest) else body.model_extra or {})
+    except FieldError as e:
+        raise ApiError(400, str(e), e.param) from None
+    params = _sampling(sampling, max_tokens, logprobs, logit_bias)
+    if found is not None:
+        params = dataclasses.replace(params, structured=found.structured)
+    job = Job(prompts, params, n, _stop_strings(sampling.stop), sampling.skip_special_tokens,
+              stream, include_usage, no_stop_trim=sampling.no_stop_trim,
+              structured_param=found.param if found is not None else None)
     if not isinstance(body, GenerateRequest):
         job = dataclasses.replace(job, continuous_usage=continuous)
     return job
