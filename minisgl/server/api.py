@@ -86,18 +86,21 @@ class Waiter:
                 return chunk
 
 
-def _check(chunk: ReplyChunk, prompt_param: str = "prompt") -> None:
+def _check(chunk: ReplyChunk, prompt_param: str = "prompt",
+           structured_param: Optional[str] = None) -> None:
     """ApiError for an error reply, naming the field (a chat request's prompt is its
-    messages)."""
+    messages; a constraint that does not compile, the field it came from)."""
     if chunk.error is not None:
-        raise _chunk_error(chunk, prompt_param)
+        raise _chunk_error(chunk, prompt_param, structured_param)
 
 
-def _chunk_error(chunk: ReplyChunk, prompt_param: str = "prompt") -> ApiError:
+def _chunk_error(chunk: ReplyChunk, prompt_param: str = "prompt",
+                 structured_param: Optional[str] = None) -> ApiError:
     """The ApiError of an error reply: a server error (5xx, the service stopped) or the
     request's fault, naming the field."""
     kind = "server_error" if chunk.error_status >= 500 else "invalid_request_error"
-    param = prompt_param if chunk.error_param == "prompt" else chunk.error_param
+    param = {"prompt": prompt_param, "structured": structured_param or "structured"}.get(
+        chunk.error_param or "", chunk.error_param)
     return ApiError(chunk.error_status, chunk.error or "", param, kind=kind)
 
 
@@ -140,12 +143,12 @@ async def run_job(request: Request, streams: RequestStreams, fmt: Formatter) -> 
             first: List[ReplyChunk] = []
             while len({c.uid for c in first}) < len(stream.uids):
                 first.append(await waiter.next())
-                _check(first[-1], fmt.prompt_param)
+                _check(first[-1], fmt.prompt_param, fmt.job.structured_param)
             return SSEResponse(_events(stream, fmt, choices, first),
                                on_close=lambda: streams.release(stream))
         while stream.unfinished or not stream.queue.empty():
             chunk = await waiter.next()
-            _check(chunk, fmt.prompt_param)
+            _check(chunk, fmt.prompt_param, fmt.job.structured_param)
             choices[stream.index[chunk.uid]].add(chunk)
         return JSONResponse(fmt.full(choices))
     except ClientGone:

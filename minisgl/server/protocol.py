@@ -3,10 +3,11 @@
 Every invalid request raises `ApiError` with an HTTP status and an OpenAI-style error body
 (`{"error": {"message", "type", "param", "code"}}`); nothing here touches the request streams.
 Unknown fields (user, metadata, ...) are accepted and ignored; OpenAI, vLLM and SGLang features
-this server does not implement (response_format, tools outside chat, use_beam_search, regex, guided_*, ...) are
-rejected with a 400 naming the field rather than silently dropped, unless the value asks for
-nothing (an empty `functions` list, use_beam_search false). Chat's tools are checked in
-`tools.py`. The README's table lists every field.
+this server does not implement (tools outside chat, use_beam_search, ...) are rejected with a 400
+naming the field rather than silently dropped, unless the value asks for nothing (an empty
+`functions` list, use_beam_search false). The structured-output fields (response_format,
+structured_outputs, guided_*, regex, ebnf, choice) are read by structured.py, chat's tools by
+tools.py. The README's table lists every field.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from minisgl.core import MAX_LOGPROBS, SamplingParams
 from minisgl.server.tool_calls import tool_call_format
 from minisgl.server.tools import ToolError, Tools, assistant_tool_calls, parse_tools
+from minisgl.server.structured import FieldError, constraint
 
 _INT64 = 2 ** 63
 _INT32 = 2 ** 31  # token ids travel as int32
@@ -31,7 +33,6 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI request fields with an effect this server does not implement, each with the test for a
 # value that asks for nothing (accepted, since clients often send the default explicitly).
 _UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "tools": lambda v: not v,  # completions (chat requests take them: tools.py)
     "tool_choice": lambda v: v in (None, "none"),
     "functions": lambda v: not v,
@@ -51,16 +52,8 @@ _UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
     "bad_words": lambda v: not v,
     "truncate_prompt_tokens": lambda v: v is None,
     "cache_salt": lambda v: v is None,
-    "structured_outputs": lambda v: v is None,
-    "guided_json": lambda v: v is None,
-    "guided_regex": lambda v: v is None,
-    "guided_choice": lambda v: v is None,
-    "guided_grammar": lambda v: v is None,
-    "guided_decoding_backend": lambda v: v is None,
+    "guided_decoding_backend": lambda v: v in (None, "auto", "xgrammar"),
     "guided_whitespace_pattern": lambda v: v is None,
-    "regex": lambda v: v is None,
-    "ebnf": lambda v: v is None,
-    "json_schema": lambda v: v is None,
     "stop_regex": lambda v: not v,
     "lora_path": lambda v: v is None,
     "lora_request": lambda v: v is None,
@@ -226,6 +219,8 @@ class Job:
     continuous_usage: bool = False  # usage on every streamed chunk
     no_stop_trim: bool = False
     tools: Optional[Tools] = None  # chat: the tools, and whether the output is read for calls
+    # The request field params.structured came from: an error about it names that field.
+    structured_param: Optional[str] = None
 
     def choice_params(self, i: int) -> SamplingParams:
         """Choice i of a prompt: the request's seed shifted by i, so choices differ."""
@@ -365,9 +360,16 @@ def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: in
     if extra.get(_SPACES_BETWEEN_SPECIAL_TOKENS, True) is not True:
         raise ApiError(400, f"{_SPACES_BETWEEN_SPECIAL_TOKENS}: only true is supported",
                        _SPACES_BETWEEN_SPECIAL_TOKENS)
-    job = Job(prompts, _sampling(sampling, max_tokens, logprobs, logit_bias), n,
-              _stop_strings(sampling.stop), sampling.skip_special_tokens, stream, include_usage,
-              no_stop_trim=sampling.no_stop_trim)
+    try:
+        found = constraint(extra if isinstance(body, GenerateRequest) else body.model_extra or {})
+    except FieldError as e:
+        raise ApiError(400, str(e), e.param) from None
+    params = _sampling(sampling, max_tokens, logprobs, logit_bias)
+    if found is not None:
+        params = dataclasses.replace(params, structured=found.structured)
+    job = Job(prompts, params, n, _stop_strings(sampling.stop), sampling.skip_special_tokens,
+              stream, include_usage, no_stop_trim=sampling.no_stop_trim,
+              structured_param=found.param if found is not None else None)
     if not isinstance(body, GenerateRequest):
         job = dataclasses.replace(job, continuous_usage=continuous)
     return job
@@ -440,14 +442,15 @@ def chat_job(body: ChatRequest, max_n: int, tool_parser: Optional[str] = None) -
     job = _job(body, [_chat_prompt(body, body.messages, tools)], max_n)
     if tools is None:
         return job
-    constraint = tools.constraint(tool_call_format(tool_parser or "hermes"))
-    if constraint is not None:
+    calls = tools.constraint(tool_call_format(tool_parser or "hermes"))
+    if calls is not None:
         if job.params.structured is not None:
             raise ApiError(400, f"tool_choice {json.dumps(body.tool_choice)} constrains the "
-                                f"output to tool calls: it cannot be combined with another "
-                                f"output format", "tool_choice")
-        job = dataclasses.replace(job, params=dataclasses.replace(job.params,
-                                                                  structured=constraint))
+                                f"output to tool calls: it cannot be combined with "
+                                f"{job.structured_param}", "tool_choice")
+        # a tool whose parameters xgrammar cannot compile is named by the tokenizer's error
+        job = dataclasses.replace(job, params=dataclasses.replace(job.params, structured=calls),
+                                  structured_param="tools")
     return dataclasses.replace(job, tools=tools)
 
 
