@@ -71,35 +71,39 @@ def _streamed(client: openai.OpenAI, **kw: Any) -> Tuple[str, List[Tuple[str, st
     return "".join(content), [tuple(calls[i]) for i in sorted(calls)], reason
 
 
-@pytest.mark.parametrize("parallel", [True, False])
-def test_required_calls_parse_and_validate_streamed_alike(client: openai.OpenAI,
-                                                          parallel: bool) -> None:
+def _calls(out: Any) -> List[Tuple[str, str]]:
+    for c in out.message.tool_calls or []:
+        assert c.id.startswith("call_") and c.type == "function"
+    return [(c.function.name, c.function.arguments) for c in out.message.tool_calls or []]
+
+
+def test_required_calls_parse_and_validate_streamed_alike(client: openai.OpenAI) -> None:
     kw: Dict[str, Any] = dict(model=_model(client), messages=ASK, tools=TOOLS,
-                              tool_choice="required", parallel_tool_calls=parallel,
-                              temperature=0, max_tokens=120)
+                              tool_choice="required", temperature=0, max_tokens=160)
     out = client.chat.completions.create(**kw).choices[0]
     assert out.finish_reason == "tool_calls"
-    calls = [(c.function.name, c.function.arguments) for c in out.message.tool_calls or []]
+    calls = _calls(out)
     _check_calls(calls, list(SCHEMAS))
-    assert all(c.id.startswith("call_") and c.type == "function"
-               for c in out.message.tool_calls or [])
-    if not parallel:
-        assert len(calls) == 1
     content, streamed, reason = _streamed(client, **kw)
     assert (streamed, reason) == (calls, "tool_calls")
     assert (content or None) == out.message.content
+    # one call only
+    kw.update(parallel_tool_calls=False, temperature=0.8, seed=5)
+    out = client.chat.completions.create(**kw).choices[0]
+    assert out.finish_reason == "tool_calls" and len(_calls(out)) == 1
+    _check_calls(_calls(out), list(SCHEMAS))
 
 
 def test_named_function_is_called_with_valid_arguments(client: openai.OpenAI) -> None:
-    for seed in (1, 2):
-        kw: Dict[str, Any] = dict(model=_model(client), messages=ASK, tools=TOOLS,
-                                  tool_choice={"type": "function", "function": {"name": "add"}},
-                                  temperature=0.7, seed=seed, max_tokens=60)
-        out = client.chat.completions.create(**kw).choices[0]
-        calls = [(c.function.name, c.function.arguments) for c in out.message.tool_calls or []]
-        assert len(calls) == 1 and out.finish_reason == "tool_calls"
-        _check_calls(calls, ["add"])
-        assert _streamed(client, **kw)[1:] == (calls, "tool_calls")
+    kw: Dict[str, Any] = dict(model=_model(client), messages=ASK, tools=TOOLS,
+                              tool_choice={"type": "function",
+                                           "function": {"name": "get_weather"}},
+                              temperature=0.8, seed=1, max_tokens=80)
+    out = client.chat.completions.create(**kw).choices[0]
+    calls = _calls(out)
+    assert len(calls) == 1 and out.finish_reason == "tool_calls"
+    _check_calls(calls, ["get_weather"])
+    assert _streamed(client, **kw)[1:] == (calls, "tool_calls")
 
 
 def test_auto_answers_with_content_or_calls(client: openai.OpenAI) -> None:

@@ -22,6 +22,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+import jsonschema
+
 from minisgl.core import StructuredOutput
 from minisgl.server.tool_calls import ToolCallFormat
 
@@ -95,7 +97,6 @@ def _check_parameters(where: str, params: Any) -> None:
     if kind != "object":
         raise ToolError(f"{where}: the arguments' schema must have type \"object\", got "
                         f"{json.dumps(kind)}", where)
-    import jsonschema  # the API server's only use: a schema check per tool
     try:
         jsonschema.validators.validator_for(params).check_schema(params)
     except jsonschema.SchemaError as e:
