@@ -326,3 +326,35 @@ def test_tools_type() -> None:
     assert isinstance(tools, Tools) and tools.choice == "auto" and tools.parallel
     assert parse_tools(None, None, None) is None
     assert parse_tools([], "none", None) is None
+
+
+# --- the chat template gets the tools -------------------------------------------------------------
+TOOL_TEMPLATE = (
+    "{% if tools %}TOOLS:{% for t in tools %} {{ t.function.name }}{% endfor %}|{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} {{ c.function.arguments.city }}"
+    "{% endfor %}{% if m.tool_call_id %} [{{ m.tool_call_id }}]{% endif %}|{% endfor %}")
+
+
+def test_the_tokenizer_renders_tools_and_tool_messages(default_model_dir: Any) -> None:
+    from minisgl.core import Limits
+    from minisgl.message.types import TextRequest
+    from minisgl.tokenizer.text import load_tokenizer
+    from minisgl.tokenizer.tokenize_worker import Tokenizer
+    tok = load_tokenizer(default_model_dir, TOOL_TEMPLATE)
+    logic = Tokenizer(tok, Limits(max_context=1000, vocab_size=len(tok), num_pages=64,
+                                  page_size=16, max_prefill_tokens=1000))
+    body = ChatRequest.model_validate({"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_9", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_9", "content": "cold"}],
+        "tools": [WEATHER, ADD], "add_generation_prompt": False})
+    prompt = chat_job(body, 1).prompts[0]
+    reply = logic.answer(TextRequest(1, messages=prompt.messages, tools_json=prompt.tools_json,
+                                     add_generation_prompt=False))
+    assert reply.error is None
+    assert tok.decode(reply.token_ids) == ("TOOLS: get_weather add|user: weather?|"
+                                           "assistant: CALL get_weather Oslo|"
+                                           "tool: cold [call_9]|")
