@@ -54,6 +54,23 @@ def test_bench_latency_rows(tiny_model: Callable[..., Path],
             script.parse_args(["--batch-sizes", bad])
 
 
+def test_bench_latency_json_schema_rows(tiny_model: Callable[..., Path], tmp_path: Path,
+                                       capsys: pytest.CaptureFixture) -> None:
+    """--json-schema times the same steps with every request masked by the schema."""
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {
+        "name": {"type": "string"}, "n": {"type": "integer"}}, "required": ["name", "n"]}))
+    script = load_script("bench_latency")
+    script.main(["--model", str(tiny_model("llama")), "--device", "cpu", "--batch-sizes", "1,2",
+                 "--context", "8", "--steps", "2", "--warmup", "1", "--copy-mib", "8",
+                 "--json-schema", str(schema)])
+    (result,) = _result_lines(capsys.readouterr().out)
+    assert result["json_schema"] == str(schema)
+    for r in result["rows"]:
+        assert r["json_step_ms"] > 0 and r["json_overlap_ms"] > 0
+        assert r["json_overhead_pct"] is not None
+
+
 def test_bench_latency_moe_roofline_counts_touched_experts(
         tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """A mixture-of-experts shape (configs/models/qwen3-30b-a3b scaled down) runs, and its

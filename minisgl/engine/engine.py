@@ -8,6 +8,7 @@ computed in logprobs.py). Every rank holds an identical page table and an equall
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import time
@@ -45,6 +46,15 @@ class Forwarded(NamedTuple):
     prompt_logprobs: Optional[LogprobTensors]
 
 
+class Pending(NamedTuple):
+    """A masked batch's forward, launched and not yet sampled: its output and the sampled
+    requests as they were at launch (copies: the scheduler advances their lengths right after
+    `launch`, and sampling's noise and min_tokens read the lengths of launch time)."""
+
+    forwarded: Forwarded
+    reqs: List[Req]
+
+
 class Launched(NamedTuple):
     """A batch started on the device; `Engine.collect` waits for its tokens."""
 
@@ -58,8 +68,8 @@ class Launched(NamedTuple):
     # Prompt log-probabilities of the rows `prompt.rows` (host tensors; primary rank only).
     prompt: Optional[PromptRows] = None
     prompt_logprobs: Optional[LogprobTensors] = None
-    # A masked batch between `launch` and `sample`: the forward's output, not yet sampled.
-    pending: Optional[Forwarded] = None
+    # A masked batch between `launch` and `sample`.
+    pending: Optional[Pending] = None
 
 
 def use_pdl(cfg: EngineConfig, device: torch.device) -> bool:
@@ -207,9 +217,11 @@ class Engine:
         """
         sampled = [i for i, s in enumerate(batch.sample) if s]
         fwd = self._forward(batch, sampled)
+        reqs = [batch.reqs[i] for i in sampled]
         if batch.masked and sampled:
-            return Launched(batch, sampled, None, None, pending=fwd)
-        return self._sample_launched(batch, sampled, fwd, None)
+            return Launched(batch, sampled, None, None,
+                            pending=Pending(fwd, [copy.copy(r) for r in reqs]))
+        return self._sample_launched(batch, sampled, fwd, reqs, None)
 
     @torch.inference_mode()
     def sample(self, launched: Launched, bitmask: torch.Tensor) -> Launched:
@@ -219,14 +231,17 @@ class Engine:
         logits outside any CUDA graph."""
         if launched.pending is None:
             raise ValueError("sample() takes a masked batch launch() has not sampled")
-        return self._sample_launched(launched.batch, launched.sampled, launched.pending, bitmask)
+        pending = launched.pending
+        return self._sample_launched(launched.batch, launched.sampled, pending.forwarded,
+                                     pending.reqs, bitmask)
 
     def _sample_launched(self, batch: Batch, sampled: List[int], fwd: Forwarded,
-                         bitmask: Optional[torch.Tensor]) -> Launched:
+                         reqs: List[Req], bitmask: Optional[torch.Tensor]) -> Launched:
+        """Sample `reqs` (batch.reqs[i] for i in sampled) from the forward's logits and start
+        the copies of the tokens (and log-probabilities) to the host."""
         tokens = logprobs = None
         if sampled:
-            tokens, logprobs = self._sample(fwd.logits, fwd.rows,
-                                            [batch.reqs[i] for i in sampled], bitmask)
+            tokens, logprobs = self._sample(fwd.logits, fwd.rows, reqs, bitmask)
         if self.device.type != "cuda" or (tokens is None and fwd.prompt_logprobs is None):
             return Launched(batch, sampled, tokens, None, logprobs, fwd.prompt,
                             fwd.prompt_logprobs)

@@ -127,31 +127,32 @@ class GrammarCache:
         self.max_entries = max_entries
         self._compiler: Any = None
         self._compiled: Dict[Tuple[str, str], Compiled] = {}
-        self._lock = threading.Lock()  # the worker thread and `check` share the dict
+        # The dict is shared by the worker thread and the caller's: held only to read or
+        # write it, never while compiling (a cache hit must not wait for a compilation).
+        self._lock = threading.Lock()
+        self._compiler_lock = threading.Lock()
         self._pool: Optional[ThreadPoolExecutor] = None
 
     def _get_compiler(self) -> Any:
-        if self._compiler is None:
-            import xgrammar as xgr
-            self._compiler = xgr.GrammarCompiler(self.source.info(), max_threads=1)
-        return self._compiler
-
-    @property
-    def vocab_size(self) -> int:
-        return self._get_compiler().tokenizer_info.vocab_size
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+                self._compiler = xgr.GrammarCompiler(self.source.info(), max_threads=1)
+            return self._compiler
 
     def check(self, structured: StructuredOutput) -> Compiled:
         """The compiled grammar; GrammarError why it does not compile."""
         key = (structured.kind, structured.spec)
         with self._lock:
             hit = self._compiled.get(key)
-            if hit is not None:
-                return hit
-            compiled = compile_structured(self._get_compiler(), structured)
+        if hit is not None:
+            return hit
+        compiled = compile_structured(self._get_compiler(), structured)
+        with self._lock:
             if len(self._compiled) >= self.max_entries:  # oldest first: dicts keep order
                 self._compiled.pop(next(iter(self._compiled)))
             self._compiled[key] = compiled
-            return compiled
+        return compiled
 
     def submit(self, structured: StructuredOutput) -> "Future[Compiled]":
         """A Future of `check(structured)` (already done on a cache hit)."""

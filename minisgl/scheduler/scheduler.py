@@ -30,7 +30,7 @@ from torch.distributed import ProcessGroup
 from minisgl.core import (Batch, FinishReason, Limits, Phase, Req, RequestError, SamplingParams,
                           StepResult, check_request)
 from minisgl.distributed import check_same_across_ranks, min_over_ranks, true_on_all_ranks
-from minisgl.grammar import GrammarCache, GrammarError, RequestGrammar, TokenizerSource, fill_bitmask
+from minisgl.grammar import GrammarCache, RequestGrammar, TokenizerSource, fill_bitmask
 from minisgl.utils import offline_prefill_tokens, rows_to_device
 from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
@@ -194,7 +194,8 @@ class Scheduler:
                 continue
             try:
                 req.grammar = RequestGrammar(future.result(), self.engine.eos_token_ids)
-            except GrammarError as e:  # the tokenizer compiled it: a different vocabulary?
+            except Exception as e:  # the tokenizer compiled it: a different vocabulary?
+                # (the same failure on every rank: compiling is deterministic)
                 logger.error("rank %d: request %d: %s", self.rank, req.uid, e)
                 del self.reqs[req.uid]
                 self.io.send([TokenOut(req.uid, error=str(e))], None)
