@@ -157,6 +157,9 @@ def _bad(tools: Any, choice: Any = None, parallel: Any = None) -> str:
      "tools[1].function.parameters"),
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], None,
      "tools[0].function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(a"}}}}}],
+     "required", "tools[0].function.parameters"),
     ({"a": WEATHER}, None, "tools"),
     ([WEATHER], "always", "tool_choice"),
     ([WEATHER], {"type": "function", "function": {"name": "add"}}, "tool_choice"),
