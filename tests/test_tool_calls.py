@@ -361,3 +361,14 @@ def test_the_tokenizer_renders_tools_and_tool_messages(default_model_dir: Any) -
     assert tok.decode(reply.token_ids) == ("TOOLS: get_weather add|user: weather?|"
                                            "assistant: CALL get_weather Oslo|"
                                            "tool: cold [call_9]|")
+
+
+def test_enforced_calls_cannot_be_combined_with_another_output_format() -> None:
+    body = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                       "tools": [WEATHER], "tool_choice": "required",
+                                       "response_format": {"type": "json_object"}})
+    with pytest.raises(ApiError) as e:
+        chat_job(body, 4)
+    assert e.value.param == "tool_choice" and "response_format" in e.value.message
+    auto = chat_job(body.model_copy(update={"tool_choice": "auto"}), 4)
+    assert auto.params.structured is not None and auto.params.structured.kind == "json_object"
