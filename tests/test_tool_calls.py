@@ -372,3 +372,14 @@ def test_enforced_calls_cannot_be_combined_with_another_output_format() -> None:
     assert e.value.param == "tool_choice" and "response_format" in e.value.message
     auto = chat_job(body.model_copy(update={"tool_choice": "auto"}), 4)
     assert auto.params.structured is not None and auto.params.structured.kind == "json_object"
+
+
+def test_the_models_own_template_is_read_without_the_tokenizer(tmp_path: Any) -> None:
+    from minisgl.tokenizer.text import model_chat_template
+    assert model_chat_template(tmp_path) is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": "{{ '<|python_tag|>' }}"},
+        {"name": "default", "template": "{{ messages }}"}]}))
+    assert default_tool_call_parser(model_chat_template(tmp_path)) == "llama3_json"
+    (tmp_path / "chat_template.jinja").write_text("{{ '<tool_call>' }}")
+    assert default_tool_call_parser(model_chat_template(tmp_path)) == "hermes"

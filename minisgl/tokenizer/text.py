@@ -26,9 +26,10 @@ def load_tokenizer(path: Path, chat_template: Optional[str] = None) -> Optional[
 
 
 def model_chat_template(path: Path) -> Optional[str]:
-    """The model directory's own chat template text (`chat_template.jinja`, else
-    `tokenizer_config.json`'s `chat_template`, the default one of a named list), or None; read
-    without loading the tokenizer."""
+    """The model directory's own chat template for a conversation with tools
+    (`chat_template.jinja`, else `tokenizer_config.json`'s `chat_template`: of a named list, the
+    `tool_use` one, which transformers picks when tools are given, else `default`), or None;
+    read without loading the tokenizer."""
     jinja = path / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text()
@@ -38,7 +39,7 @@ def model_chat_template(path: Path) -> Optional[str]:
         return None
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default", next(iter(named.values()), None))
+        template = named.get("tool_use", named.get("default", next(iter(named.values()), None)))
     return template if isinstance(template, str) else None
 
 
