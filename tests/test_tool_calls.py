@@ -230,23 +230,28 @@ def test_a_named_function_is_one_call_in_the_parsers_format() -> None:
     assert form["stop_after_first"] and form["at_least_one"]
 
 
-def test_tool_constraints_compile_and_admit_only_the_tools() -> None:
+@pytest.mark.parametrize("fmt,good", [
+    (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'),
+    (LLAMA, '{"name": "add", "parameters": {"a": 1, "b": 2}}; '
+            '{"name": "get_weather", "parameters": {"city": "Rome"}}'),
+])
+def test_tool_constraints_compile_and_admit_only_the_tools(fmt: Any, good: str) -> None:
     xgr = pytest.importorskip("xgrammar")
     # a tiny byte-level vocabulary is enough to compile and walk the grammar
     info = xgr.TokenizerInfo([chr(i) for i in range(32, 127)] + ["\n"])
     compiler = xgr.GrammarCompiler(info, max_threads=1)
     tools = parse_tools([WEATHER, ADD], "required", True)
     assert tools is not None
-    grammar = compiler.compile_structural_tag((tools.constraint(HERMES) or pytest.fail()).spec)
-
-    good = ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
-    assert xgr.GrammarMatcher(grammar).accept_string(good)
-    assert not xgr.GrammarMatcher(grammar).accept_string(
-        '<tool_call>\n{"name": "sub", "arguments": {}}')
-    assert not xgr.GrammarMatcher(grammar).accept_string(
-        '<tool_call>\n{"name": "add", "arguments": {"a": "one"}}')
-    assert not xgr.GrammarMatcher(grammar).accept_string("Sure, ")
+    grammar = compiler.compile_structural_tag((tools.constraint(fmt) or pytest.fail()).spec)
+    matcher = xgr.GrammarMatcher(grammar)
+    assert matcher.accept_string(good) and matcher.is_terminated() is False
+    assert parse_tool_calls(fmt, good).calls == [ToolCall("add", '{"a": 1, "b": 2}'),
+                                                 ToolCall("get_weather", '{"city": "Rome"}')]
+    prefix = fmt.call_prefix
+    for bad in (prefix("sub") + "{}", prefix("add") + '{"a": "one"}', "Sure, ",
+                prefix("get_weather") + '{"unit": "k"}'):
+        assert not xgr.GrammarMatcher(grammar).accept_string(bad), bad
 
 
 # --- response shapes --------------------------------------------------------------------------
