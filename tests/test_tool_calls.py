@@ -388,3 +388,25 @@ def test_the_models_own_template_is_read_without_the_tokenizer(tmp_path: Any) ->
     assert default_tool_call_parser(model_chat_template(tmp_path)) == "llama3_json"
     (tmp_path / "chat_template.jinja").write_text("{{ '<tool_call>' }}")
     assert default_tool_call_parser(model_chat_template(tmp_path)) == "hermes"
+
+
+def test_tool_calls_after_the_thinking_of_a_reasoning_model() -> None:
+    text = "<think>\nNeed the weather.\n</think>\n\n" + CALL_TEXT
+    fmt = ChatFormatter("m", _tool_job(False), "qwen3")
+    c = Choice()
+    for chunk in _chunks(text, 4):
+        c.add(chunk)
+    item = fmt.full([c])["choices"][0]
+    assert item["message"]["reasoning_content"] == "\nNeed the weather.\n"
+    assert item["message"]["content"] == "\n\nChecking.\n"
+    assert [t["function"]["name"] for t in item["message"]["tool_calls"]] == ["get_weather",
+                                                                              "add"]
+    stream = ChatFormatter("m", _tool_job(True), "qwen3")
+    c, deltas = Choice(), []
+    for chunk in _chunks(text, 3):
+        c.add(chunk)
+        deltas += [json.loads(line[6:])["choices"][0] for line in stream.delta(0, chunk, c)]
+    assert "".join(d["delta"].get("reasoning_content", "") for d in deltas) == \
+        "\nNeed the weather.\n"
+    assert "".join(d["delta"].get("content", "") for d in deltas) == "\n\nChecking.\n"
+    assert deltas[-1]["finish_reason"] == "tool_calls"
