@@ -29,6 +29,9 @@ from minisgl.server.tool_calls import ToolCallFormat
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 _CHOICES = ("none", "auto", "required")
+# Blanks allowed in a row inside enforced arguments: room for `{"a": 1}` or `{ "a": 1 }`, none
+# for a small model to spend its whole budget on (unbounded, xgrammar's default, it can).
+_MAX_WHITESPACE = 2
 # A function without parameters takes none: its arguments are always {}.
 _NO_PARAMETERS: Dict[str, Any] = {"type": "object", "properties": {},
                                   "additionalProperties": False}
@@ -78,7 +81,8 @@ class Tools:
         names = [self.forced] if self.forced is not None else [
             t["function"]["name"] for t in self.tools]
         tags = [{"type": "tag", "begin": fmt.call_prefix(name),
-                 "content": {"type": "json_schema", "json_schema": self.parameters(name)},
+                 "content": {"type": "json_schema", "json_schema": self.parameters(name),
+                             "max_whitespace_cnt": _MAX_WHITESPACE},
                  "end": fmt.call_suffix} for name in names]
         if self.max_calls == 1 and len(tags) == 1:
             form: Dict[str, Any] = tags[0]
