@@ -39,9 +39,9 @@ from minisgl.server.api import ApiConfig, run_api
 from minisgl.server.args import ServerConfig
 from minisgl.server.cluster import Cluster
 from minisgl.server.proc import Child, StartupError, first_dead, spawn, stop_children, wait_ready
+from minisgl.server.tool_calls import default_tool_call_parser
 from minisgl.server.topology import Wiring, rank_name
 from minisgl.tokenizer.detokenize_worker import DetokenizerConfig, run_detokenizer
-from minisgl.server.tool_calls import default_tool_call_parser
 from minisgl.tokenizer.text import model_chat_template, read_chat_template
 from minisgl.tokenizer.tokenize_worker import TokenizerConfig, run_tokenizer
 from minisgl.utils import free_port
