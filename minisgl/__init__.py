@@ -3,9 +3,9 @@
 `from minisgl import LLM, SamplingParams` is the offline API; `./serve` starts the service.
 """
 
-from minisgl.core import SamplingParams, TokenLogprobs
+from minisgl.core import SamplingParams, StructuredOutput, TokenLogprobs
 
-__all__ = ["LLM", "SamplingParams", "TokenLogprobs"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput", "TokenLogprobs"]
 
 
 def __getattr__(name: str) -> object:

@@ -13,7 +13,7 @@ import enum
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Literal, NamedTuple, Optional, Sequence, Tuple, get_args
 
 if TYPE_CHECKING:  # messages import this module: the tokenizer and API processes need no torch
     import torch
@@ -23,6 +23,32 @@ if TYPE_CHECKING:  # messages import this module: the tokenizer and API processe
 # OpenAI's top_logprobs bound).
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # token entries in one request's logit_bias
+
+StructuredKind = Literal["json", "json_object", "regex", "grammar", "choice", "structural_tag"]
+STRUCTURED_KINDS: Tuple[str, ...] = get_args(StructuredKind)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match; compiled by the grammar cache, enforced by a token bitmask."""
+    kind: StructuredKind
+    spec: str = ""   # json: the JSON schema as text; regex; grammar: EBNF (GBNF as xgrammar takes it);
+                     # choice: a JSON list of strings; structural_tag: xgrammar's structural-tag JSON; json_object: ""
+
+    def shape_error(self) -> Optional[str]:
+        """Why this is not a well-formed constraint (unknown kind, spec not text, a spec missing
+        or given where none belongs), or None. Whether the spec compiles is the grammar cache's
+        question, asked before the request reaches the scheduler."""
+        if self.kind not in STRUCTURED_KINDS:
+            return (f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got "
+                    f"{self.kind!r}")
+        if not isinstance(self.spec, str):
+            return f"structured output spec must be a string, got {type(self.spec).__name__}"
+        if self.kind == "json_object" and self.spec:
+            return "structured output kind json_object takes no spec"
+        if self.kind != "json_object" and not self.spec:
+            return f"structured output kind {self.kind} needs a spec"
+        return None
 
 
 @dataclass(frozen=True)
@@ -41,6 +67,9 @@ class SamplingParams:
     given the tokens before it and the k most likely tokens there (the request then skips the
     prefix cache: cached tokens have no logits). Until `min_tokens` tokens are out, EOS and
     `stop_token_ids` cannot be sampled (vLLM's min_tokens; HF's min_new_tokens).
+    `structured` constrains the output to a JSON schema, regex, grammar or choice list
+    (StructuredOutput): a token bitmask from the grammar is applied to the logits before
+    sampling, and a grammar that reaches its end finishes the request with "stop".
     `stop` (strings that end the output, which leaves them out) and `n` (choices per prompt)
     are read by `LLM` only. `max_tokens=None` asks for as many tokens as fit: `check_request`
     resolves it against the engine's limits, so every `Req` and every params past that check has
@@ -62,6 +91,7 @@ class SamplingParams:
     logit_bias: Optional[Dict[int, float]] = None
     prompt_logprobs: Optional[int] = None
     min_tokens: int = 0
+    structured: Optional[StructuredOutput] = None
     # Offline only (`LLM`): the server takes them per HTTP request, outside the params.
     stop: Tuple[str, ...] = ()
     n: int = 1
@@ -106,6 +136,9 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got "
                              f"{self.repetition_penalty!r}")
         self._validate_logit_bias()
+        error = _structured_error(self.structured)
+        if error is not None:
+            raise ValueError(error)
         if isinstance(self.stop, str) or any(not isinstance(x, str) or not x for x in self.stop):
             raise ValueError(f"stop must be a sequence of non-empty strings, got {self.stop!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
@@ -159,6 +192,15 @@ def _min_tokens_error(min_tokens: object, max_tokens: Optional[int]) -> Optional
         bound = "max_tokens" if max_tokens is None else f"max_tokens = {max_tokens}"
         return f"min_tokens must be an integer in [0, {bound}], got {min_tokens!r}"
     return None
+
+
+def _structured_error(structured: object) -> Optional[str]:
+    """Why `structured` is not a well-formed StructuredOutput (or None), or None."""
+    if structured is None:
+        return None
+    if not isinstance(structured, StructuredOutput):
+        return (f"structured must be a StructuredOutput, got {type(structured).__name__}")
+    return structured.shape_error()
 
 
 def _is_number(x: object) -> bool:
@@ -252,6 +294,9 @@ def check_request(ids: Sequence[int], params: SamplingParams, limits: Limits) ->
             raise RequestError(f"{name} token id{'s' if many else ''} {', '.join(outside)} "
                                f"{'are' if many else 'is'} outside the vocabulary "
                                f"[0, {limits.vocab_size})", name)
+    error = _structured_error(params.structured)
+    if error is not None:
+        raise RequestError(error, "structured")
     n = len(ids)
     if params.max_tokens is None:
         params = dataclasses.replace(params, max_tokens=_auto_max_tokens(n, params, limits))
@@ -314,6 +359,9 @@ class Req:
     # With params.prompt_logprobs: those of prompt tokens 1.. computed so far (chunk by chunk),
     # sent with the first output token.
     prompt_logprobs: List[TokenLogprobs] = field(default_factory=list)
+    # With params.structured: its matcher (a minisgl.grammar.RequestGrammar), set when its
+    # grammar has compiled, before it is queued for admission.
+    grammar: object = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -372,6 +420,9 @@ class Batch:
     out_slots: Optional[torch.Tensor] = None
     attn_meta: object = None
     launched_at: float = 0.0  # scheduler's clock at launch: step-time statistics only
+    # Some sampled request is constrained (Req.grammar): the engine's launch runs the forward
+    # only, and sampling waits for the token bitmask (StepEngine.sample).
+    masked: bool = False
 
     @property
     def size(self) -> int:

@@ -15,13 +15,15 @@ import shutil
 import tempfile
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import zmq
 from tqdm import tqdm
 
-from minisgl.core import FinishReason, Limits, SamplingParams, TokenLogprobs, check_request
+from minisgl.core import (FinishReason, Limits, SamplingParams, StructuredOutput, TokenLogprobs,
+                          check_request)
+from minisgl.grammar import make_checker
 from minisgl.distributed import DistributedInfo, ProcessGroups
 from minisgl.distributed.comm import Communicator
 from minisgl.engine import Engine
@@ -229,6 +231,7 @@ class LLM:
         self.show_progress = show_progress
         self._backend = _InProcess(cfg) if tp == 1 else _RankProcesses(cfg, tp, log_level)
         self._uids = itertools.count()
+        self._grammar_error: Optional[Callable[[StructuredOutput], Optional[str]]] = None
         self._finalizer = weakref.finalize(self, self._backend.close)
 
     @property
@@ -346,9 +349,21 @@ class LLM:
             p.validate()
             if p.stop and self.tokenizer is None:
                 raise ValueError(f"{self.model_path} has no tokenizer: stop strings need one")
+            if p.structured is not None:
+                self._check_structured(p.structured)
             return check_request(ids, p, self._backend.limits)
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
+
+    def _check_structured(self, structured: StructuredOutput) -> None:
+        """ValueError why the constraint does not compile (before any rank sees it)."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_path} has no tokenizer: structured output needs one")
+        if self._grammar_error is None:
+            self._grammar_error = make_checker(self.tokenizer, self._backend.limits.vocab_size)
+        error = self._grammar_error(structured)
+        if error is not None:
+            raise ValueError(f"structured: {error}")
 
     def _run(self, prompts: List[List[int]], params: List[SamplingParams]
              ) -> List[GenerateOutput]:

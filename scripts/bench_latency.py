@@ -13,7 +13,17 @@ the dense ones plus the experts the batch's tokens touch: under uniform routing 
 k of E experts touch E * (1 - (1 - k/E)^B) of each MoE layer's experts on average. Prints a
 table and one line of JSON (prefixed "RESULT ").
 
+`--json-schema FILE` also times every batch size with each request constrained by that JSON
+schema, as the scheduler runs structured output: the forward is launched, the previous step's
+tokens are accepted into the requests' xgrammar matchers and the bitmask of this step filled on
+the CPU (while the device runs the forward, overlapped), then the masked sampling is launched.
+A matcher whose JSON is complete starts again, so every step is masked. The vocabulary comes
+from `--tokenizer` (default: the model directory's, else the bundled default model's, padded to
+the model's vocabulary size). The columns `json ms` / `json overlap ms` and the overhead against
+the unconstrained steps are the structured-output cost.
+
     PYTHONPATH=. python scripts/bench_latency.py --model configs/models/llama-3.1-8b
+    PYTHONPATH=. python scripts/bench_latency.py --batch-sizes 1,64 --json-schema schema.json
 """
 
 from __future__ import annotations
@@ -24,16 +34,20 @@ import multiprocessing as mp
 import random
 import statistics
 import time
+from pathlib import Path
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from minisgl.core import Batch, Phase, Req, SamplingParams
+from minisgl.core import Batch, Phase, Req, SamplingParams, StructuredOutput
 from minisgl.distributed import destroy_process_groups, init_process_groups
 from minisgl.engine import Engine, EngineConfig
+from minisgl.grammar import GrammarCache, RequestGrammar, TokenizerSource, fill_bitmask
 from minisgl.layers import blas
 from minisgl.layers.moe import Experts
+from minisgl.models.default_model import default_model_path
+from minisgl.tokenizer.text import has_tokenizer
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.settings import add_flags, build, from_namespace
 from minisgl.utils import free_port
@@ -52,6 +66,16 @@ class Row:
     kv_gb: float  # this rank's KV read per step
     graph_ms: Optional[float] = None  # median device time of the decode graph alone (CUDA)
     overlap_ms: Optional[float] = None  # median step with the next one launched first
+    # With --json-schema: the same steps with every request constrained by the schema.
+    json_step_ms: Optional[float] = None
+    json_overlap_ms: Optional[float] = None
+
+    @property
+    def json_overhead(self) -> Optional[float]:
+        """How much slower the constrained step is, as the server runs it (overlapped)."""
+        if self.json_overlap_ms is None:
+            return None
+        return self.json_overlap_ms / self.served_ms - 1.0
 
     @property
     def efficiency(self) -> float:
@@ -83,6 +107,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
                    help="also time one prefill step of fresh prompts (lengths uniform in "
                         "[100, 1024], seeded) filling this many tokens, as the offline workload's")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="also time decode with every request constrained by this JSON schema")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="the tokenizer of --json-schema's vocabulary (default: the model's, else "
+                        "the bundled default model's)")
     p.add_argument("--copy-mib", type=int, default=None,
                    help="size of the bandwidth probe (default 4096 on CUDA, 256 on CPU)")
     add_flags(p, EngineConfig(), skip=_SCRIPT_SET)
@@ -291,6 +320,74 @@ def time_steps_overlapped(engine: Engine, batch: Batch, steps: int, warmup: int)
     return statistics.median(times)
 
 
+def tokenizer_dir(args: argparse.Namespace) -> str:
+    """Where --json-schema's vocabulary comes from (see the module doc)."""
+    if args.tokenizer is not None:
+        return args.tokenizer
+    return args.model if has_tokenizer(Path(args.model)) else str(default_model_path())
+
+
+class Constrained:
+    """Every request of a decode batch under one compiled grammar, as the scheduler keeps
+    them: `bitmask` for the next step from the matchers, `accept` of a step's tokens (a matcher
+    whose grammar ended starts over, so every step stays masked)."""
+
+    def __init__(self, engine: Engine, batch: Batch, compiled: Any) -> None:
+        import xgrammar as xgr
+        self.engine, self.batch = engine, batch
+        stops = engine.eos_token_ids
+        self.grammars = [RequestGrammar(compiled, stops) for _ in batch.reqs]
+        self.batch_matcher = xgr.BatchGrammarMatcher()
+        batch.masked = True
+
+    def bitmask(self) -> torch.Tensor:
+        return fill_bitmask(self.grammars, self.engine.vocab_size,  # type: ignore[arg-type]
+                            pin=self.engine.device.type == "cuda",
+                            batch_matcher=self.batch_matcher)
+
+    def accept(self, tokens: List[int]) -> None:
+        for g, tok in zip(self.grammars, tokens):
+            if not g.accept(tok) or g.terminated:
+                g.matcher.reset()
+
+    def step(self) -> None:
+        """One synchronous constrained step."""
+        launched = self.engine.sample(self.engine.launch(self.batch), self.bitmask())
+        self.accept(self.engine.collect(launched).tokens)
+
+
+def time_constrained(c: Constrained, steps: int, warmup: int) -> float:
+    """Median seconds of one synchronous constrained step."""
+    for _ in range(warmup):
+        c.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        c.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def time_constrained_overlapped(c: Constrained, steps: int, warmup: int) -> float:
+    """Median seconds between step completions, the scheduler's overlap loop with masks: launch
+    step N+1's forward, collect step N and accept its tokens, fill step N+1's bitmask while the
+    device runs the forward, launch its sampling."""
+    engine, batch = c.engine, c.batch
+    prev = engine.sample(engine.launch(batch), c.bitmask())
+    times = []
+    last = time.perf_counter()
+    for i in range(warmup + steps):
+        nxt = engine.launch(batch)
+        c.accept(engine.collect(prev).tokens)
+        prev = engine.sample(nxt, c.bitmask())
+        now = time.perf_counter()
+        if i >= warmup:
+            times.append(now - last)
+        last = now
+    engine.collect(prev)
+    return statistics.median(times)
+
+
 def profile_steps(engine: Engine, batch: Batch, steps: int = 5, rows: int = 25) -> str:
     """The device kernels of `steps` decode steps, summed by name (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -346,6 +443,14 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
         dev = engine.device
         mib = args.copy_mib or (4096 if dev.type == "cuda" else 256)
         bandwidth = measure_copy_bandwidth(dev, mib << 20)
+        compiled = None
+        if args.json_schema:
+            with open(args.json_schema) as f:
+                schema = f.read()
+            cache = GrammarCache(TokenizerSource(model_path=tokenizer_dir(args),
+                                                 vocab_size=engine.vocab_size,
+                                                 stop_ids=engine.eos_token_ids))
+            compiled = cache.check(StructuredOutput("json", schema))
         rows = []
         for bs in sizes:
             weights = weight_bytes_read(engine, bs)
@@ -353,9 +458,15 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
             step = time_steps(engine, batch, args.steps, args.warmup)
             kv = kv_bytes_read(engine, batch)
             overlap = time_steps_overlapped(engine, batch, args.steps, args.warmup)
+            json_ms: Tuple[Optional[float], Optional[float]] = (None, None)
+            if compiled is not None:
+                c = Constrained(engine, batch, compiled)
+                json_ms = (time_constrained(c, args.steps, args.warmup) * 1e3,
+                           time_constrained_overlapped(c, args.steps, args.warmup) * 1e3)
+                batch.masked = False
             rows.append(Row(bs, args.context, step * 1e3, (weights + kv) / bandwidth * 1e3,
                             weights / 1e9, kv / 1e9, time_graph(engine, batch, args.steps),
-                            overlap * 1e3))
+                            overlap * 1e3, *json_ms))
             if args.profile and rank == 0 and bs == sizes[0]:
                 print(f"profile of decode at batch {bs}:\n" + profile_steps(engine, batch),
                       flush=True)
@@ -381,6 +492,13 @@ def print_table(args: argparse.Namespace, bandwidth: float, rows: List[Row], dev
         print(f"{r.batch:>6} {r.step_ms:>9.3f} {_ms(r.overlap_ms):>11} {_ms(r.graph_ms):>9} "
               f"{r.roofline_ms:>12.3f} {100 * r.efficiency:>10.1f}% {r.weight_gb:>11.3f} "
               f"{r.kv_gb:>7.3f} {r.tok_s:>9,.0f}")
+    if any(r.json_overhead is not None for r in rows):
+        print(f"with --json-schema {args.json_schema}:")
+        print(f"{'batch':>6} {'json ms':>9} {'json overlap ms':>16} {'overhead':>9}")
+        for r in rows:
+            overhead = r.json_overhead
+            print(f"{r.batch:>6} {_ms(r.json_step_ms):>9} {_ms(r.json_overlap_ms):>16} "
+                  f"{'-' if overhead is None else f'{100 * overhead:+.1f}%':>9}")
     print("% roofline and tok/s use the overlapped step (the scheduler's default loop); "
           "step ms waits for each step's tokens before launching the next")
     if prefill:
@@ -392,7 +510,10 @@ def print_table(args: argparse.Namespace, bandwidth: float, rows: List[Row], dev
         "copy_gb_s": round(bandwidth / 1e9, 1), "attention_backend": args.attention_backend,
         "pdl": args.pdl, "tune_gemms": args.tune_gemms,
         "allreduce": args.allreduce,
-        "rows": [{**asdict(r), "pct_roofline": round(100 * r.efficiency, 1)} for r in rows]}))
+        "json_schema": args.json_schema,
+        "rows": [{**asdict(r), "pct_roofline": round(100 * r.efficiency, 1),
+                  "json_overhead_pct": None if r.json_overhead is None
+                  else round(100 * r.json_overhead, 1)} for r in rows]}))
 
 
 def main(argv: Optional[List[str]] = None) -> None:

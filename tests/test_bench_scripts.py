@@ -32,13 +32,22 @@ def test_bench_offline_reports_phases(tiny_model: Callable[..., Path],
     assert "prefill: 1 steps" in out and "decode:" in out and "host waited" in out
 
 
-def test_bench_latency_rows(tiny_model: Callable[..., Path],
+def test_bench_latency_rows(tiny_model: Callable[..., Path], tmp_path: Path,
                             capsys: pytest.CaptureFixture) -> None:
+    """The rows, and with --json-schema the same steps with every request masked by it."""
     model = tiny_model("llama")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {
+        "name": {"type": "string"}, "n": {"type": "integer"}}, "required": ["name", "n"]}))
     script = load_script("bench_latency")
     script.main(["--model", str(model), "--device", "cpu", "--batch-sizes", "1,3", "--context",
-                 "4-20", "--steps", "2", "--warmup", "1", "--copy-mib", "8", "--prefill", "300"])
+                 "4-20", "--steps", "2", "--warmup", "1", "--copy-mib", "8", "--prefill", "300",
+                 "--json-schema", str(schema)])
     (result,) = _result_lines(capsys.readouterr().out)
+    assert result["json_schema"] == str(schema)
+    for r in result["rows"]:
+        assert r["json_step_ms"] > 0 and r["json_overlap_ms"] > 0
+        assert r["json_overhead_pct"] is not None
     assert result["prefill"]["tokens"] == 300 and result["prefill"]["ms"] > 0
     rows = result["rows"]
     assert [r["batch"] for r in rows] == [1, 3] and result["context"] == "4-20"

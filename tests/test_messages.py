@@ -6,7 +6,7 @@ from typing import Any, Dict
 
 import pytest
 
-from minisgl.core import SamplingParams, TokenLogprobs
+from minisgl.core import SamplingParams, StructuredOutput, TokenLogprobs
 from minisgl.message import codec
 from minisgl.message import types as T
 
@@ -51,7 +51,9 @@ SAMPLES: Dict[str, Any] = {
     "TokenLogprobs": [LOGPROBS, TokenLogprobs(-1.5)],
     "TokenLogprobText": [LOGPROB_TEXT],
     "ReplyChunk": [CHUNK, T.ReplyChunk(uid=10, token_ids=[], error="bad", error_status=404)],
-    "SamplingParams": [PARAMS, SamplingParams(), SamplingParams(max_tokens=None)],
+    "SamplingParams": [PARAMS, SamplingParams(), SamplingParams(max_tokens=None),
+                       SamplingParams(structured=StructuredOutput("json", '{"type": "object"}'))],
+    "StructuredOutput": [StructuredOutput("regex", "[a-z]+"), StructuredOutput("json_object")],
     "DetokenizeInit": [T.DetokenizeInit(uid=11, prompt_tail=[1, 2, 3], stop=("\n\n", "END"),
                                         skip_special_tokens=False),
                        T.DetokenizeInit(uid=12, prompt_tail=[3], echo_ids=[1, 2, 70000])],

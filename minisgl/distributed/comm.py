@@ -17,7 +17,7 @@ import datetime
 import logging
 import zlib
 from array import array
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -153,6 +153,17 @@ def min_over_ranks(value: int, cpu_group: Optional[dist.ProcessGroup]) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=cpu_group)
     return int(t.item())
+
+
+def true_on_all_ranks(flags: Sequence[bool], cpu_group: Optional[dist.ProcessGroup]
+                      ) -> List[bool]:
+    """Flag i is True where it is True on every rank (every rank must call it, with as many
+    flags): the ranks' agreement on per-rank readings, e.g. which compilations have finished."""
+    if cpu_group is None or not flags:
+        return list(flags)
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=cpu_group)
+    return [bool(x) for x in t.tolist()]
 
 
 def check_same_across_ranks(values: Sequence[int], cpu_group: Optional[dist.ProcessGroup],

@@ -8,6 +8,7 @@ computed in logprobs.py). Every rank holds an identical page table and an equall
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import time
@@ -24,8 +25,8 @@ from minisgl.engine.logprobs import (PromptRows, prompt_entries, prompt_logprobs
                                      sampled_entries, sampled_logprobs)
 from minisgl.engine.penalties import Penalties
 from minisgl.engine.prefill_graph import PrefillGraphs, capture_prefill_graphs
-from minisgl.engine.sampler import (LogprobTensors, add_logit_bias, sample_requests,
-                                    suppress_early_stops)
+from minisgl.engine.sampler import (LogprobTensors, add_logit_bias, apply_token_bitmask,
+                                    sample_requests, suppress_early_stops)
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
 from minisgl.layers import blas
@@ -46,6 +47,15 @@ class Forwarded(NamedTuple):
     prompt_logprobs: Optional[LogprobTensors]
 
 
+class Pending(NamedTuple):
+    """A masked batch's forward, launched and not yet sampled: its output and the sampled
+    requests as they were at launch (copies: the scheduler advances their lengths right after
+    `launch`, and sampling's noise and min_tokens read the lengths of launch time)."""
+
+    forwarded: Forwarded
+    reqs: List[Req]
+
+
 class Launched(NamedTuple):
     """A batch started on the device; `Engine.collect` waits for its tokens."""
 
@@ -59,6 +69,8 @@ class Launched(NamedTuple):
     # Prompt log-probabilities of the rows `prompt.rows` (host tensors; primary rank only).
     prompt: Optional[PromptRows] = None
     prompt_logprobs: Optional[LogprobTensors] = None
+    # A masked batch between `launch` and `sample`.
+    pending: Optional[Pending] = None
 
 
 def use_pdl(cfg: EngineConfig, device: torch.device) -> bool:
@@ -207,13 +219,35 @@ class Engine:
         The scheduler has written the batch's slots into `page_table`, set `batch.out_slots`, and
         not yet advanced the requests' lengths. Decode inputs come from `last_tokens` on the
         device, so a batch can be launched before the previous one's tokens reach the host.
+        A `batch.masked` batch runs the forward only: `sample` finishes it with the bitmask.
         """
         sampled = [i for i, s in enumerate(batch.sample) if s]
         fwd = self._forward(batch, sampled)
+        reqs = [batch.reqs[i] for i in sampled]
+        if batch.masked and sampled:
+            return Launched(batch, sampled, None, None,
+                            pending=Pending(fwd, [copy.copy(r) for r in reqs]))
+        return self._sample_launched(batch, sampled, fwd, reqs, None)
+
+    @torch.inference_mode()
+    def sample(self, launched: Launched, bitmask: torch.Tensor) -> Launched:
+        """Sample a masked batch launched by `launch`, each sampled row i restricted to the
+        tokens its bitmask row i allows (int32 [sampled rows, ceil(vocab / 32)] on the host,
+        pinned on a GPU; xgrammar's layout). The mask goes to the device and is applied to the
+        logits outside any CUDA graph."""
+        if launched.pending is None:
+            raise ValueError("sample() takes a masked batch launch() has not sampled")
+        pending = launched.pending
+        return self._sample_launched(launched.batch, launched.sampled, pending.forwarded,
+                                     pending.reqs, bitmask)
+
+    def _sample_launched(self, batch: Batch, sampled: List[int], fwd: Forwarded,
+                         reqs: List[Req], bitmask: Optional[torch.Tensor]) -> Launched:
+        """Sample `reqs` (batch.reqs[i] for i in sampled) from the forward's logits and start
+        the copies of the tokens (and log-probabilities) to the host."""
         tokens = logprobs = None
         if sampled:
-            tokens, logprobs = self._sample(fwd.logits, fwd.rows,
-                                            [batch.reqs[i] for i in sampled])
+            tokens, logprobs = self._sample(fwd.logits, fwd.rows, reqs, bitmask)
         if self.device.type != "cuda" or (tokens is None and fwd.prompt_logprobs is None):
             return Launched(batch, sampled, tokens, None, logprobs, fwd.prompt,
                             fwd.prompt_logprobs)
@@ -251,17 +285,22 @@ class Engine:
                          prompt_logprobs(self.model.lm_head, hidden, prompt,
                                          self.cfg.tp_info.is_primary))
 
-    def _sample(self, logits: torch.Tensor, rows: torch.Tensor, reqs: List[Req]
+    def _sample(self, logits: torch.Tensor, rows: torch.Tensor, reqs: List[Req],
+                bitmask: Optional[torch.Tensor] = None
                 ) -> Tuple[torch.Tensor, Optional[LogprobTensors]]:
         """Tokens for `reqs` (row i of `logits`, page-table row rows[i]) after their penalties,
-        logit bias and min_tokens, recorded as the rows' newest tokens; and their log-probabilities (of
-        the raw logits) where asked."""
+        logit bias, min_tokens and grammar bitmask, recorded as the rows' newest tokens; and
+        their log-probabilities (of the raw logits) where asked."""
+        mask = None if bitmask is None else bitmask.to(self.device, non_blocking=True)
         if all(r.params.raw_sampling for r in reqs):  # the common case: one pass to find out
-            tokens = sample_requests(logits, reqs, self.cfg.seed, self.policy)
+            masked = logits if mask is None else apply_token_bitmask(logits, mask)
+            tokens = sample_requests(masked, reqs, self.cfg.seed, self.policy)
             self.last_tokens[rows] = tokens
             return tokens, None
         adjusted = suppress_early_stops(
             add_logit_bias(self.penalties.apply(logits, rows, reqs), reqs), reqs)
+        if mask is not None:
+            adjusted = apply_token_bitmask(adjusted, mask)
         tokens = sample_requests(adjusted, reqs, self.cfg.seed, self.policy)
         self.last_tokens[rows] = tokens
         self.penalties.record(rows, tokens, reqs)

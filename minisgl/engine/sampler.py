@@ -1,6 +1,6 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, with counter-based noise; the
-per-request logit edits before it (logit_bias, min_tokens; the penalties live in penalties.py)
-and the log-probabilities of what was sampled.
+per-request logit edits before it (logit_bias, min_tokens, the grammar's token bitmask; the
+penalties live in penalties.py) and the log-probabilities of what was sampled.
 
 Random sampling is Gumbel-max with noise from a hash of (seed, step, token id), computed with
 integer tensor ops. So the token depends only on the logits, the request's seed and how many
@@ -153,6 +153,20 @@ def add_logit_bias(logits: torch.Tensor, reqs: List[Req]) -> torch.Tensor:
     out.index_put_((index[0], index[1]), to_device(values, torch.float32, logits.device),
                    accumulate=True)
     return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Structured output: -inf for every token of row i whose bit is clear in bitmask row i
+    (int32 [B, ceil(vocab / 32)] on the logits' device; bit j of word w stands for token
+    32 w + j, xgrammar's layout). Returns a new tensor of the logits' dtype; a row whose
+    bits are all set comes out unchanged, so unconstrained requests in a masked batch sample
+    exactly what they would alone."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(bitmask.shape[0], -1)
+    if allowed.shape[1] < vocab:  # a narrower mask allows nothing beyond it
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    return logits.masked_fill(~allowed[:, :vocab], float("-inf"))
 
 
 class LogprobTensors(NamedTuple):

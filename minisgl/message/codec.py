@@ -14,7 +14,7 @@ from typing import Any, Dict, FrozenSet, Tuple, Type
 
 import msgpack
 
-from minisgl.core import SamplingParams, TokenLogprobs
+from minisgl.core import SamplingParams, StructuredOutput, TokenLogprobs
 from minisgl.message import types as T
 
 _TOKEN_FIELDS = frozenset({"input_ids", "token_ids", "echo_ids"})
@@ -25,7 +25,7 @@ _TYPES: Dict[str, Type[Any]] = {
     for cls in (T.TokenizeRequest, T.AbortRequest, T.UserMsg, T.AbortMsg, T.ShutdownMsg,
                 T.TokenOut, T.BatchTokenOut, T.SchedulerStats, T.ReplyChunk, SamplingParams,
                 T.DetokenizeInit, T.ReplyBatch, TokenLogprobs, T.TokenLogprobText,
-                T.TextRequest, T.ServiceDown)
+                T.TextRequest, T.ServiceDown, StructuredOutput)
 }
 
 

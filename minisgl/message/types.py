@@ -35,6 +35,7 @@ class TokenizeRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs_json: Optional[str] = None
+    tools_json: Optional[str] = None  # the tools for the chat template (a JSON list)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class TextRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs_json: Optional[str] = None
+    tools_json: Optional[str] = None  # the tools for the chat template (a JSON list)
     return_token_strs: bool = False  # tokenize: the reply's `token_strs` has each token's piece
     # Nothing to tokenize: the reply's `text` is the tokenizer's description as a JSON object.
     info: bool = False

@@ -8,6 +8,9 @@ with a CPU fake and no model (tests/fake_engine.py). The contract, per step:
 2. It writes the slots of the batch's new tokens into `page_table`, sets `batch.out_slots`, and
    calls `launch` (the requests' lengths are not yet advanced; a decode batch's input token may
    be one the host has not seen yet, the engine keeps it).
+   A `batch.masked` batch (a constrained request is sampled) runs its forward only: the
+   scheduler then calls `sample(handle, bitmask)` once, after processing the previous batch's
+   tokens, and uses the handle it returns from then on.
 3. It calls `collect` on the handle exactly once, possibly after launching the next batch
    (overlap scheduling: at most one batch is in flight then).
 """
@@ -54,6 +57,11 @@ class StepEngine(Protocol):
     def launch(self, batch: Batch) -> Any:
         """Start `batch` (without waiting for it, where the device allows); the returned handle is
         opaque to the scheduler, which passes it to `collect`."""
+
+    def sample(self, launched: Any, bitmask: torch.Tensor) -> Any:
+        """Sample a masked batch's tokens, row i of the sampled requests restricted to the
+        tokens bitmask row i allows (int32 [rows, ceil(vocab_size / 32)], xgrammar's layout, on
+        the host); returns the handle for `collect`."""
 
     def collect(self, launched: Any) -> StepResult:
         """Wait for a launched batch and return its tokens and log-probabilities."""

@@ -4,20 +4,33 @@ Every rank runs this same loop on the same messages (see io.py), so every decisi
 a pure function of those messages: no clocks, no unordered iteration, no per-rank readings.
 Resources of a request (page-table row, pages, prefix lock) are taken at admission and released
 exactly once, by `_retire`, on finish or abort.
+
+Structured output (a request with `params.structured`): the rank compiles its grammar in a
+worker thread (grammar/compiler.py); the request waits in `compiling`, holding nothing, while
+the others keep decoding. When it is queued for admission must not depend on this rank's timing,
+so each step every rank reads which compilations it has finished and the ranks take the
+conjunction (`true_on_all_ranks`): a request is queued at the first step at which it has compiled
+on every rank, the same step everywhere. Its tokens are masked by its grammar: with a masked
+batch the engine runs the forward at launch and samples only when the scheduler hands it the
+bitmask (`_sample_masked`), which it fills after processing the previous batch's tokens, so with
+overlap the mask for step N+1 is built on the CPU while the device runs step N+1's forward.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
-from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional
+from concurrent.futures import Future
+from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch.distributed import ProcessGroup
 
 from minisgl.core import (Batch, FinishReason, Limits, Phase, Req, RequestError, SamplingParams,
                           StepResult, check_request)
-from minisgl.distributed import check_same_across_ranks, min_over_ranks
+from minisgl.distributed import check_same_across_ranks, min_over_ranks, true_on_all_ranks
+from minisgl.grammar import GrammarCache, RequestGrammar, TokenizerSource, fill_bitmask
 from minisgl.utils import offline_prefill_tokens, rows_to_device
 from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
@@ -76,6 +89,12 @@ class Scheduler:
         self.prefill = PrefillManager(self.cache, self.rows, chunk, cfg.decode_reserve_tokens)
         self.decode = DecodeManager()
         self.reqs: Dict[int, Req] = {}  # every live request by uid
+        # Constrained requests whose grammar compiles, in arrival order (not yet queued).
+        self.compiling: List[Tuple[Req, "Future[Any]"]] = []
+        self.grammars = GrammarCache(TokenizerSource(
+            model_path=cfg.engine.model_path, vocab_size=engine.vocab_size,
+            stop_ids=engine.eos_token_ids))
+        self._batch_matcher: Any = None  # an xgrammar.BatchGrammarMatcher, made on first use
         self.stopped = False
         self.overlap = cfg.overlap if cfg.overlap is not None else engine.device.type == "cuda"
         self.inflight: Optional[InFlight] = None
@@ -93,6 +112,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.reqs) or self.inflight is not None
 
+    @property
+    def _only_compiling(self) -> bool:
+        """Nothing to run but requests whose grammar still compiles."""
+        return (self.inflight is None and not self.decode.running
+                and self.prefill.num_waiting == 0)
+
     def run_forever(self) -> None:
         while not self.stopped:
             self.iterate(self.io.receive(blocking=not self.has_work, on_idle=self.check_idle))
@@ -108,11 +133,15 @@ class Scheduler:
         """
         for msg in msgs:
             self.handle(msg)
+        if self.compiling and not self.stopped:
+            self._queue_compiled()
         batch = None if self.stopped else self.schedule()
         launched = self._launch(batch) if batch is not None else None
         previous, self.inflight = self.inflight, launched
         if previous is not None:
             self._complete(previous)
+        if self.inflight is not None and self.inflight.batch.masked:
+            self.inflight = self._sample_masked(self.inflight)
         if not self.overlap or self.stopped:
             self._finish_inflight()
 
@@ -124,6 +153,7 @@ class Scheduler:
 
     def _launch(self, batch: Batch) -> InFlight:
         batch.launched_at = time.perf_counter()
+        batch.masked = any(s and r.grammar is not None for r, s in zip(batch.reqs, batch.sample))
         launched = self.engine.launch(batch)
         for req, ext, sample in zip(batch.reqs, batch.extend_lens, batch.sample):
             req.cached_len += ext
@@ -134,6 +164,44 @@ class Scheduler:
                 self.prefill.prefilling.remove(req)
                 self.decode.add(req)
         return InFlight(launched, batch, frozenset(r.uid for r in batch.reqs))
+
+    def _sample_masked(self, inflight: InFlight) -> InFlight:
+        """Hand the engine the bitmask of a launched masked batch, built from the matchers
+        after every earlier token was accepted. A request that finished meanwhile (its token
+        is dropped) is not masked."""
+        batch = inflight.batch
+        grammars = [r.grammar if r.finish_reason is None else None
+                    for r, s in zip(batch.reqs, batch.sample) if s]
+        if self._batch_matcher is None:
+            import xgrammar as xgr
+            self._batch_matcher = xgr.BatchGrammarMatcher()
+        bitmask = fill_bitmask(grammars, self.engine.vocab_size,  # type: ignore[arg-type]
+                               pin=self.engine.device.type == "cuda",
+                               batch_matcher=self._batch_matcher)
+        return inflight._replace(launched=self.engine.sample(inflight.launched, bitmask))
+
+    def _queue_compiled(self) -> None:
+        """Queue for admission the constrained requests whose grammar has compiled on every
+        rank (see the module doc); with nothing else to run, wait a little for one first."""
+        if self._only_compiling:
+            concurrent.futures.wait([f for _, f in self.compiling], timeout=0.05,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        ready = true_on_all_ranks([f.done() for _, f in self.compiling], self.cpu_group)
+        still: List[Tuple[Req, "Future[Any]"]] = []
+        for (req, future), ok in zip(self.compiling, ready):
+            if not ok:
+                still.append((req, future))
+                continue
+            try:
+                req.grammar = RequestGrammar(future.result(), self.engine.eos_token_ids)
+            except Exception as e:  # the tokenizer compiled it: a different vocabulary?
+                # (the same failure on every rank: compiling is deterministic)
+                logger.error("rank %d: request %d: %s", self.rank, req.uid, e)
+                del self.reqs[req.uid]
+                self.io.send([TokenOut(req.uid, error=str(e))], None)
+                continue
+            self.prefill.add(req)
+        self.compiling = still
 
     def _complete(self, inflight: InFlight) -> None:
         batch = inflight.batch
@@ -198,13 +266,17 @@ class Scheduler:
         req = Req(msg.uid, list(msg.input_ids), len(msg.input_ids), params,
                   self.engine.eos_token_ids)
         self.reqs[req.uid] = req
-        self.prefill.add(req)
+        if params.structured is not None:
+            self.compiling.append((req, self.grammars.submit(params.structured)))
+        else:
+            self.prefill.add(req)
         self.totals["prompt"] += req.prompt_len
 
     def abort(self, uid: int) -> None:
         req = self.reqs.get(uid)
         if req is None:
             return  # already finished: nothing to free
+        self.compiling = [(r, f) for r, f in self.compiling if r is not req]
         admitted = self.prefill.remove(req) or self.decode.remove(req)
         req.finish_reason = FinishReason.ABORT
         logger.debug("rank %d: request %d aborted after %d tokens", self.rank, uid, req.output_len)
@@ -311,6 +383,8 @@ class Scheduler:
             if req.output_len == 0:
                 self.totals["cached"] += req.prefix_hit
             reason = req.append_token(tok)
+            if req.grammar is not None and reason is None:
+                reason = self._advance_grammar(req, tok)
             self.totals["generated"] += 1
             prompt_lp = None
             if req.output_len == 1 and req.params.prompt_logprobs is not None:
@@ -323,6 +397,18 @@ class Scheduler:
                 self.decode.remove(req)
                 self._release(req)
         return out
+
+    def _advance_grammar(self, req: Req, tok: int) -> Optional[FinishReason]:
+        """Accept a constrained request's new token; a grammar that has ended ends the request
+        ("stop")."""
+        grammar: RequestGrammar = req.grammar  # type: ignore[assignment]
+        if not grammar.accept(tok):
+            logger.error("rank %d: request %d: token %d is outside its grammar; stopping it",
+                         self.rank, req.uid, tok)
+            req.finish_reason = FinishReason.STOP
+        elif grammar.terminated:
+            req.finish_reason = FinishReason.STOP
+        return req.finish_reason
 
     def _release(self, req: Req) -> None:
         """Retire a finished or aborted request now, or after the in-flight batch using it."""

@@ -57,6 +57,7 @@ class ApiConfig:
     replicas: int = 1  # data-parallel replicas (their scheduler metrics are labelled)
     root: str = ""  # the model's directory (vLLM's model card `root`); "" names the model
     reasoning_parser: Optional[str] = None  # server/reasoning.py: splits chat output
+    tool_call_parser: str = "hermes"  # server/tool_calls.py: reads (and enforces) tool calls
     aliases: Tuple[str, ...] = ()  # more names requests may give the model
 
 
@@ -85,18 +86,21 @@ class Waiter:
                 return chunk
 
 
-def _check(chunk: ReplyChunk, prompt_param: str = "prompt") -> None:
+def _check(chunk: ReplyChunk, prompt_param: str = "prompt",
+           structured_param: Optional[str] = None) -> None:
     """ApiError for an error reply, naming the field (a chat request's prompt is its
-    messages)."""
+    messages; a constraint that does not compile, the field it came from)."""
     if chunk.error is not None:
-        raise _chunk_error(chunk, prompt_param)
+        raise _chunk_error(chunk, prompt_param, structured_param)
 
 
-def _chunk_error(chunk: ReplyChunk, prompt_param: str = "prompt") -> ApiError:
+def _chunk_error(chunk: ReplyChunk, prompt_param: str = "prompt",
+                 structured_param: Optional[str] = None) -> ApiError:
     """The ApiError of an error reply: a server error (5xx, the service stopped) or the
     request's fault, naming the field."""
     kind = "server_error" if chunk.error_status >= 500 else "invalid_request_error"
-    param = prompt_param if chunk.error_param == "prompt" else chunk.error_param
+    param = {"prompt": prompt_param, "structured": structured_param or "structured"}.get(
+        chunk.error_param or "", chunk.error_param)
     return ApiError(chunk.error_status, chunk.error or "", param, kind=kind)
 
 
@@ -139,12 +143,12 @@ async def run_job(request: Request, streams: RequestStreams, fmt: Formatter) -> 
             first: List[ReplyChunk] = []
             while len({c.uid for c in first}) < len(stream.uids):
                 first.append(await waiter.next())
-                _check(first[-1], fmt.prompt_param)
+                _check(first[-1], fmt.prompt_param, fmt.job.structured_param)
             return SSEResponse(_events(stream, fmt, choices, first),
                                on_close=lambda: streams.release(stream))
         while stream.unfinished or not stream.queue.empty():
             chunk = await waiter.next()
-            _check(chunk, fmt.prompt_param)
+            _check(chunk, fmt.prompt_param, fmt.job.structured_param)
             choices[stream.index[chunk.uid]].add(chunk)
         return JSONResponse(fmt.full(choices))
     except ClientGone:
@@ -227,7 +231,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> FastAPI:
     async def chat(request: Request) -> Response:
         body = parse_body(await json_body(request), ChatRequest)
         check_model(body.model)
-        fmt = ChatFormatter(cfg.model_name, chat_job(body, cfg.max_n), cfg.reasoning_parser)
+        fmt = ChatFormatter(cfg.model_name, chat_job(body, cfg.max_n, cfg.tool_call_parser),
+                            cfg.reasoning_parser, cfg.tool_call_parser)
         return await run_job(request, streams, fmt)
 
     @app.post("/v1/completions")

@@ -20,6 +20,7 @@ from minisgl.models.path import model_name
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.topology import ClusterConfig, Wiring
 from minisgl.server.reasoning import REASONING_PARSERS
+from minisgl.server.tool_calls import TOOL_CALL_PARSERS
 from minisgl.settings import add_flags, build, check_choices, check_values, section, setting
 from minisgl.settings import values as setting_values
 from minisgl.utils import resolve_device
@@ -60,6 +61,10 @@ class ServerConfig:
     reasoning_parser: Optional[str] = setting(
         None, "split a reasoning model's chat output: the <think> part goes into "
               "reasoning_content", choices=REASONING_PARSERS)
+    tool_call_parser: Optional[str] = setting(
+        None, "the format chat output's tool calls are read (and, for tool_choice \"required\" "
+              "or a named function, enforced) in (default: from the chat template: "
+              "llama3_json for Llama 3.x's, else hermes)", choices=TOOL_CALL_PARSERS)
     scheduler: SchedulerConfig = section(_server_scheduler)
     cluster: ClusterConfig = section(ClusterConfig)
 

@@ -3,10 +3,11 @@
 Every invalid request raises `ApiError` with an HTTP status and an OpenAI-style error body
 (`{"error": {"message", "type", "param", "code"}}`); nothing here touches the request streams.
 Unknown fields (user, metadata, ...) are accepted and ignored; OpenAI, vLLM and SGLang features
-this server does not implement (response_format, tools, use_beam_search, regex, guided_*, ...) are
-rejected with a 400 naming the field rather than silently dropped, unless the value asks for
-nothing (tool_choice "none", an empty tools list, use_beam_search false). The README's table
-lists every field.
+this server does not implement (tools outside chat, use_beam_search, ...) are rejected with a 400
+naming the field rather than silently dropped, unless the value asks for nothing (an empty
+`functions` list, use_beam_search false). The structured-output fields (response_format,
+structured_outputs, guided_*, regex, ebnf, choice) are read by structured.py, chat's tools by
+tools.py. The README's table lists every field.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, T
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from minisgl.core import MAX_LOGPROBS, SamplingParams
+from minisgl.server.tool_calls import tool_call_format
+from minisgl.server.tools import ToolError, Tools, assistant_tool_calls, parse_tools
+from minisgl.server.structured import FieldError, constraint
 
 _INT64 = 2 ** 63
 _INT32 = 2 ** 31  # token ids travel as int32
@@ -29,8 +33,7 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI request fields with an effect this server does not implement, each with the test for a
 # value that asks for nothing (accepted, since clients often send the default explicitly).
 _UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "tools": lambda v: not v,
+    "tools": lambda v: not v,  # completions (chat requests take them: tools.py)
     "tool_choice": lambda v: v in (None, "none"),
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
@@ -49,16 +52,8 @@ _UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
     "bad_words": lambda v: not v,
     "truncate_prompt_tokens": lambda v: v is None,
     "cache_salt": lambda v: v is None,
-    "structured_outputs": lambda v: v is None,
-    "guided_json": lambda v: v is None,
-    "guided_regex": lambda v: v is None,
-    "guided_choice": lambda v: v is None,
-    "guided_grammar": lambda v: v is None,
-    "guided_decoding_backend": lambda v: v is None,
+    "guided_decoding_backend": lambda v: v in (None, "auto", "xgrammar"),
     "guided_whitespace_pattern": lambda v: v is None,
-    "regex": lambda v: v is None,
-    "ebnf": lambda v: v is None,
-    "json_schema": lambda v: v is None,
     "stop_regex": lambda v: not v,
     "lora_path": lambda v: v is None,
     "lora_request": lambda v: v is None,
@@ -133,6 +128,9 @@ class TextPart(_Body):
 class ChatMessage(_Body):
     role: str
     content: Union[None, str, List[TextPart]] = None
+    tool_calls: Any = None  # an assistant's calls (checked by tools.assistant_tool_calls)
+    tool_call_id: Optional[str] = None  # a tool message answers this call
+    name: Optional[str] = None
 
 
 class _ChatTemplate(_Body):
@@ -143,7 +141,15 @@ class _ChatTemplate(_Body):
     chat_template_kwargs: Optional[Dict[str, Any]] = None
 
 
-class ChatRequest(_OpenAI, _ChatTemplate):
+class _Tools(_Body):
+    """Function tools (checked by tools.parse_tools, which names the field at fault)."""
+
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+
+
+class ChatRequest(_OpenAI, _ChatTemplate, _Tools):
     messages: List[ChatMessage]
     top_logprobs: Optional[int] = None
 
@@ -153,9 +159,9 @@ class CompletionRequest(_OpenAI):
     echo: bool = False
 
 
-class TokenizeBody(_ChatTemplate):
+class TokenizeBody(_ChatTemplate, _Tools):
     """POST /tokenize: a `prompt` string or chat `messages` (the chat template applied as a
-    chat request would: the same ids, the same count)."""
+    chat request would, tools included: the same ids, the same count)."""
 
     model: Optional[str] = None
     prompt: Optional[str] = None
@@ -187,12 +193,14 @@ class Template:
 
 @dataclass(frozen=True)
 class Prompt:
-    """Exactly one of `text`, `messages`, `input_ids` is set; `template` goes with messages."""
+    """Exactly one of `text`, `messages`, `input_ids` is set; `template` and `tools_json` (the
+    tools for the chat template, a JSON list) go with messages."""
 
     text: Optional[str] = None
-    messages: Optional[List[Dict[str, str]]] = None
+    messages: Optional[List[Dict[str, Any]]] = None
     input_ids: Optional[List[int]] = None
     template: Template = Template()
+    tools_json: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -210,6 +218,9 @@ class Job:
     echo: bool = False  # completions: the reply starts with the prompt
     continuous_usage: bool = False  # usage on every streamed chunk
     no_stop_trim: bool = False
+    tools: Optional[Tools] = None  # chat: the tools, and whether the output is read for calls
+    # The request field params.structured came from: an error about it names that field.
+    structured_param: Optional[str] = None
 
     def choice_params(self, i: int) -> SamplingParams:
         """Choice i of a prompt: the request's seed shifted by i, so choices differ."""
@@ -349,9 +360,16 @@ def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: in
     if extra.get(_SPACES_BETWEEN_SPECIAL_TOKENS, True) is not True:
         raise ApiError(400, f"{_SPACES_BETWEEN_SPECIAL_TOKENS}: only true is supported",
                        _SPACES_BETWEEN_SPECIAL_TOKENS)
-    job = Job(prompts, _sampling(sampling, max_tokens, logprobs, logit_bias), n,
-              _stop_strings(sampling.stop), sampling.skip_special_tokens, stream, include_usage,
-              no_stop_trim=sampling.no_stop_trim)
+    try:
+        found = constraint(extra if isinstance(body, GenerateRequest) else body.model_extra or {})
+    except FieldError as e:
+        raise ApiError(400, str(e), e.param) from None
+    params = _sampling(sampling, max_tokens, logprobs, logit_bias)
+    if found is not None:
+        params = dataclasses.replace(params, structured=found.structured)
+    job = Job(prompts, params, n, _stop_strings(sampling.stop), sampling.skip_special_tokens,
+              stream, include_usage, no_stop_trim=sampling.no_stop_trim,
+              structured_param=found.param if found is not None else None)
     if not isinstance(body, GenerateRequest):
         job = dataclasses.replace(job, continuous_usage=continuous)
     return job
@@ -372,7 +390,35 @@ def _message_text(i: int, msg: ChatMessage) -> str:
     return "".join(parts)
 
 
-def _chat_prompt(body: Union[ChatRequest, TokenizeBody], messages: List[ChatMessage]) -> Prompt:
+def _message(i: int, msg: ChatMessage) -> Dict[str, Any]:
+    """A message for the chat template: role and text, an assistant's `tool_calls` (arguments
+    as JSON text; the tokenizer hands them to the template as objects) and a tool message's
+    `tool_call_id`."""
+    out: Dict[str, Any] = {"role": msg.role, "content": _message_text(i, msg)}
+    if msg.tool_calls is not None:
+        if msg.role != "assistant":
+            raise ApiError(400, f"messages.{i}.tool_calls: only assistant messages make tool "
+                                f"calls, got role {msg.role!r}", f"messages.{i}.tool_calls")
+        try:
+            out["tool_calls"] = assistant_tool_calls(f"messages.{i}.tool_calls", msg.tool_calls)
+        except ToolError as e:
+            raise ApiError(400, str(e), e.param) from None
+    if msg.tool_call_id is not None:
+        out["tool_call_id"] = msg.tool_call_id
+    if msg.name is not None:
+        out["name"] = msg.name
+    return out
+
+
+def _tools(body: Union[ChatRequest, TokenizeBody]) -> Optional[Tools]:
+    try:
+        return parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    except ToolError as e:
+        raise ApiError(400, str(e), e.param) from None
+
+
+def _chat_prompt(body: Union[ChatRequest, TokenizeBody], messages: List[ChatMessage],
+                 tools: Optional[Tools] = None) -> Prompt:
     """The prompt of chat messages with the request's template options (vLLM's rules)."""
     if not messages:
         raise ApiError(400, "messages: must be a non-empty list", "messages")
@@ -382,13 +428,30 @@ def _chat_prompt(body: Union[ChatRequest, TokenizeBody], messages: List[ChatMess
     if body.continue_final_message and messages[-1].role != "assistant":
         raise ApiError(400, "continue_final_message needs an assistant message last, got "
                             f"{messages[-1].role!r}", "continue_final_message")
-    texts = [{"role": m.role, "content": _message_text(i, m)} for i, m in enumerate(messages)]
+    texts = [_message(i, m) for i, m in enumerate(messages)]
     return Prompt(messages=texts, template=Template(
-        body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs))
+        body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs),
+        tools_json=tools.template_json() if tools is not None else None)
 
 
-def chat_job(body: ChatRequest, max_n: int) -> Job:
-    return _job(body, [_chat_prompt(body, body.messages)], max_n)
+def chat_job(body: ChatRequest, max_n: int, tool_parser: Optional[str] = None) -> Job:
+    """A chat request's job. With tools, `tool_parser` (a `tool_calls.TOOL_CALL_PARSERS` name,
+    "hermes" when None) is the format calls are read in and, for "required" or a named function,
+    enforced in."""
+    tools = _tools(body)
+    job = _job(body, [_chat_prompt(body, body.messages, tools)], max_n)
+    if tools is None:
+        return job
+    calls = tools.constraint(tool_call_format(tool_parser or "hermes"))
+    if calls is not None:
+        if job.params.structured is not None:
+            raise ApiError(400, f"tool_choice {json.dumps(body.tool_choice)} constrains the "
+                                f"output to tool calls: it cannot be combined with "
+                                f"{job.structured_param}", "tool_choice")
+        # a tool whose parameters xgrammar cannot compile is named by the tokenizer's error
+        job = dataclasses.replace(job, params=dataclasses.replace(job.params, structured=calls),
+                                  structured_param="tools")
+    return dataclasses.replace(job, tools=tools)
 
 
 def tokenize_prompt(body: TokenizeBody) -> Prompt:
@@ -396,7 +459,7 @@ def tokenize_prompt(body: TokenizeBody) -> Prompt:
         raise ApiError(400, "exactly one of prompt and messages must be given", "prompt")
     if body.messages is None:
         return Prompt(text=body.prompt)
-    return _chat_prompt(body, body.messages)
+    return _chat_prompt(body, body.messages, _tools(body))
 
 
 def detokenize_prompt(body: DetokenizeBody) -> Prompt:

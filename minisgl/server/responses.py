@@ -17,6 +17,7 @@ from fastapi.responses import StreamingResponse
 from minisgl.message.types import ReplyChunk, TokenLogprobText
 from minisgl.server.protocol import Job
 from minisgl.server.reasoning import ReasoningSplitter, split_reasoning
+from minisgl.server.tool_calls import ToolCallStreamer, call_dict, tool_call_format
 
 
 @dataclass
@@ -241,17 +242,33 @@ class _OpenAIFormatter(Formatter):
 
 class ChatFormatter(_OpenAIFormatter):
     """With a `reasoning_parser` (server/reasoning.py), the thinking part of each choice goes
-    into `message.reasoning_content` / `delta.reasoning_content`, the rest into `content`."""
+    into `message.reasoning_content` / `delta.reasoning_content`, the rest into `content`. With
+    tools that the output may call (`job.tools.parsed`), that rest is read for calls in the
+    `tool_parser` format (server/tool_calls.py): `message.tool_calls` / `delta.tool_calls`, and
+    finish_reason "tool_calls" when an output with calls ended by itself."""
 
     id_prefix = "chatcmpl"
     prompt_param = "messages"
     full_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, model: str, job: Job, reasoning_parser: Optional[str] = None) -> None:
+    def __init__(self, model: str, job: Job, reasoning_parser: Optional[str] = None,
+                 tool_parser: Optional[str] = None) -> None:
         super().__init__(model, job)
         self.reasoning_parser = reasoning_parser
         self.splitters: Dict[int, ReasoningSplitter] = {}
+        tools = job.tools
+        self.tool_format = (tool_call_format(tool_parser or "hermes")
+                            if tools is not None and tools.parsed else None)
+        self.streamers: Dict[int, ToolCallStreamer] = {}
+
+    def _streamer(self, index: int) -> Optional[ToolCallStreamer]:
+        if self.tool_format is None:
+            return None
+        if index not in self.streamers:
+            assert self.job.tools is not None
+            self.streamers[index] = ToolCallStreamer(self.tool_format, self.job.tools.max_calls)
+        return self.streamers[index]
 
     def _logprobs(self, entries: Sequence[TokenLogprobText], offset: int) -> Dict[str, Any]:
         return chat_logprobs(entries)
@@ -261,8 +278,18 @@ class ChatFormatter(_OpenAIFormatter):
         message: Dict[str, Any] = {"role": "assistant", "content": parts.content}
         if self.reasoning_parser is not None:
             message["reasoning_content"] = parts.reasoning or None
+        reason = choice.finish_reason
+        streamer = self._streamer(index)
+        if streamer is not None:
+            streamer.feed(parts.content)
+            streamer.finish()
+            parsed = streamer.parsed()
+            if parsed.calls:
+                message["content"] = parsed.content
+                message["tool_calls"] = [call_dict(c) for c in parsed.calls]
+                reason = "tool_calls" if reason == "stop" else reason
         return {"index": index, "message": message,
-                "logprobs": self._choice_logprobs(choice), "finish_reason": choice.finish_reason}
+                "logprobs": self._choice_logprobs(choice), "finish_reason": reason}
 
     def opening(self, index: int, choice: Choice) -> Iterator[str]:
         yield self._chunk(index, choice, {
@@ -271,20 +298,27 @@ class ChatFormatter(_OpenAIFormatter):
 
     def _chunk_item(self, index: int, text: Optional[str], reason: Optional[str],
                     logprobs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-        delta: Dict[str, str] = {}
-        if self.reasoning_parser is None:
-            if text:
-                delta["content"] = text
-        else:
+        delta: Dict[str, Any] = {}
+        content = text or ""
+        if self.reasoning_parser is not None:
             splitter = self.splitters.setdefault(index, ReasoningSplitter(self.reasoning_parser))
-            reasoning, content = splitter.feed(text or "")
+            reasoning, content = splitter.feed(content)
             if reason is not None:
                 rest = splitter.flush()
                 reasoning, content = reasoning + rest.reasoning, content + rest.content
             if reasoning:
                 delta["reasoning_content"] = reasoning
-            if content:
-                delta["content"] = content
+        streamer = self._streamer(index)
+        if streamer is not None:
+            piece = streamer.feed(content)
+            content, calls = piece.content, [d.as_dict() for d in piece.calls]
+            if reason is not None:
+                content += streamer.finish().content
+                reason = "tool_calls" if reason == "stop" and streamer.any_call else reason
+            if calls:
+                delta["tool_calls"] = calls
+        if content:
+            delta["content"] = content
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
 

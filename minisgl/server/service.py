@@ -39,9 +39,10 @@ from minisgl.server.api import ApiConfig, run_api
 from minisgl.server.args import ServerConfig
 from minisgl.server.cluster import Cluster
 from minisgl.server.proc import Child, StartupError, first_dead, spawn, stop_children, wait_ready
+from minisgl.server.tool_calls import default_tool_call_parser
 from minisgl.server.topology import Wiring, rank_name
 from minisgl.tokenizer.detokenize_worker import DetokenizerConfig, run_detokenizer
-from minisgl.tokenizer.text import read_chat_template
+from minisgl.tokenizer.text import model_chat_template, read_chat_template
 from minisgl.tokenizer.tokenize_worker import TokenizerConfig, run_tokenizer
 from minisgl.utils import free_port
 
@@ -188,12 +189,14 @@ class Service:
     def _spawn_workers(self, level: str) -> None:
         a, path, dp = self.addrs, str(self.model_path), self.cfg.cluster.dp
         context = self.cfg.engine.context_length(ModelConfig.from_dir(self.model_path).max_context)
+        template = (None if self.cfg.chat_template is None
+                    else read_chat_template(self.cfg.chat_template))
+        tool_parser = self.cfg.tool_call_parser or default_tool_call_parser(
+            template if template is not None else model_chat_template(Path(self.model_path)))
         api_cfg = ApiConfig(self.model_name, context, self.cfg.max_n, a.tokenizer, a.api,
                             self.health_file, dp, root=path,
                             reasoning_parser=self.cfg.reasoning_parser,
-                            aliases=self.cfg.model_aliases)
-        template = (None if self.cfg.chat_template is None
-                    else read_chat_template(self.cfg.chat_template))
+                            tool_call_parser=tool_parser, aliases=self.cfg.model_aliases)
         self.workers = [
             spawn("tokenizer", run_tokenizer,
                   (TokenizerConfig(path, a.tokenizer, a.backends, a.detokenizer, a.api, template),),

@@ -92,7 +92,7 @@ class RequestStreams:
                                            p.messages, p.input_ids, job.stop,
                                            job.skip_special_tokens, job.echo, job.no_stop_trim,
                                            t.add_generation_prompt, t.continue_final_message,
-                                           _kwargs_json(t.kwargs)))
+                                           _kwargs_json(t.kwargs), p.tools_json))
         except ApiError:
             self.release(stream)
             raise
@@ -109,8 +109,8 @@ class RequestStreams:
             self._send(TextRequest(stream.uids[0], p.text, p.messages, p.input_ids,
                                    p.template.add_generation_prompt,
                                    p.template.continue_final_message,
-                                   _kwargs_json(p.template.kwargs), return_token_strs,
-                                   info=prompt is None))
+                                   _kwargs_json(p.template.kwargs), p.tools_json,
+                                   return_token_strs, info=prompt is None))
         except ApiError:
             self.release(stream)
             raise

@@ -3,6 +3,7 @@ text)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -22,6 +23,24 @@ def load_tokenizer(path: Path, chat_template: Optional[str] = None) -> Optional[
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def model_chat_template(path: Path) -> Optional[str]:
+    """The model directory's own chat template for a conversation with tools
+    (`chat_template.jinja`, else `tokenizer_config.json`'s `chat_template`: of a named list, the
+    `tool_use` one, which transformers picks when tools are given, else `default`), or None;
+    read without loading the tokenizer."""
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    try:
+        template = json.loads((path / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("tool_use", named.get("default", next(iter(named.values()), None)))
+    return template if isinstance(template, str) else None
 
 
 def read_chat_template(path: str) -> str:

@@ -5,7 +5,10 @@ chat template, or ids as given), checks the request against the ranks' limits
 (`core.check_request`, which also turns an absent max_tokens into as many as fit), and then
 sends, in this order, a `DetokenizeInit` to the detokenizer and a `UserMsg` to rank 0. A request
 that fails the checks goes back to the API server as an error `ReplyChunk` (status 400) and never
-reaches the scheduler. `AbortRequest` becomes an `AbortMsg` to rank 0.
+reaches the scheduler. A structured-output constraint is compiled here too (xgrammar, cached by
+(kind, spec)), so one that does not compile is refused (error param "structured": the API names
+the field it came from) before any rank sees it; the ranks compile it again for their matchers.
+`AbortRequest` becomes an `AbortMsg` to rank 0.
 
 With data-parallel replicas, "rank 0" is the rank 0 of the replica the router picks
 (`router.py`), which learns each replica's load from the `SchedulerStats` the detokenizer forwards
@@ -23,12 +26,13 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import zmq
 
-from minisgl.core import (Limits, RequestError, SamplingParams, TooLong, check_request,
-                          prompt_error)
+from minisgl.core import (Limits, RequestError, SamplingParams, StructuredOutput, TooLong,
+                          check_request, prompt_error)
+from minisgl.grammar import make_checker
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.startup import report_startup
 from minisgl.message.types import (AbortMsg, AbortRequest, DetokenizeInit, ReplyBatch, ReplyChunk,
@@ -72,6 +76,15 @@ class Tokenizer:
         self.vocab = len(tokenizer) if tokenizer is not None else limits.vocab_size
         # A prompt's ids must be ones the model embeds and the detokenizer can render.
         self.limits = limits._replace(vocab_size=min(self.vocab, limits.vocab_size))
+        self._grammar_error: Optional[Callable[[StructuredOutput], Optional[str]]] = None
+
+    def structured_error(self, structured: StructuredOutput) -> Optional[str]:
+        """Why the constraint does not compile for this model's vocabulary, or None."""
+        if self.tokenizer is None:
+            return "this model has no tokenizer: structured output needs one"
+        if self._grammar_error is None:  # built on the first constraint: xgrammar's set-up
+            self._grammar_error = make_checker(self.tokenizer, self.limits.vocab_size)
+        return self._grammar_error(structured)
 
     def encode(self, req: Union[TokenizeRequest, TextRequest]) -> List[int]:
         if req.input_ids is not None:
@@ -82,9 +95,11 @@ class Tokenizer:
             kwargs = json.loads(req.template_kwargs_json) if req.template_kwargs_json else {}
             if req.continue_final_message:  # older transformers do not know the keyword
                 kwargs["continue_final_message"] = True
+            if req.tools_json is not None:
+                kwargs["tools"] = json.loads(req.tools_json)
             out = self.tokenizer.apply_chat_template(
-                req.messages, add_generation_prompt=req.add_generation_prompt, tokenize=True,
-                **kwargs)
+                template_messages(req.messages), add_generation_prompt=req.add_generation_prompt,
+                tokenize=True, **kwargs)
             return list(out["input_ids"] if hasattr(out, "keys") else out)
         return list(self.tokenizer.encode(req.text or "", add_special_tokens=False))
 
@@ -136,11 +151,32 @@ class Tokenizer:
         except Exception as e:  # a chat template may reject a conversation (roles, content)
             return Prepared([], None, f"cannot apply the chat template: {e}", "messages")
         try:
-            return Prepared(ids, check_request(ids, req.params, self.limits), None)
+            params = check_request(ids, req.params, self.limits)
         except TooLong as e:
             return Prepared(ids, None, _too_long(e), e.param)
         except RequestError as e:
             return Prepared(ids, None, str(e), e.param)
+        if params.structured is not None:
+            error = self.structured_error(params.structured)
+            if error is not None:
+                return Prepared(ids, None, error, "structured")
+        return Prepared(ids, params, None)
+
+
+def template_messages(messages: List[dict]) -> List[dict]:
+    """The messages as chat templates take them: an assistant's tool calls with their
+    `arguments` as objects (OpenAI sends JSON text; templates write `arguments | tojson` or
+    iterate over them, as vLLM hands them over)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = {**m, "tool_calls": [
+                {**c, "function": {**c["function"],
+                                   "arguments": json.loads(c["function"]["arguments"])}}
+                for c in calls]}
+        out.append(m)
+    return out
 
 
 def _too_long(e: TooLong) -> str:

@@ -1,0 +1,508 @@
+"""Tool calls in chat output (`--tool-call-parser`): the model's text split into content and
+OpenAI tool calls, streamed or not.
+
+Formats (the names vLLM and SGLang use):
+- `hermes` (Hermes, Qwen2.5, Qwen3, SmolLM3): each call is
+  `<tool_call>\\n{"name": "NAME", "arguments": {...}}\\n</tool_call>`; a final call may lack
+  its end tag when the output ends right after its JSON.
+- `llama3_json` (Llama 3.1 / 3.2 / 3.3): each call is a bare `{"name": "NAME", "parameters":
+  {...}}` (or `"arguments"`), calls separated by `;` or whitespace; the `<|python_tag|>` Llama
+  writes before calls (a special token, so usually skipped by the detokenizer) is dropped.
+
+Contract, one parse for both modes: the whole text goes through `ToolCallStreamer` at once for
+a plain response, delta by delta for a stream, so the streamed deltas join into exactly the
+unstreamed calls and content. A call's `arguments` is its arguments object as the model wrote
+it (raw JSON text, which parses). Content is the text outside the calls, except text that is
+only whitespace (around and between calls). A text with any malformed call (JSON that does not
+parse, a name that is not a string, arguments that are not an object, a call cut off) is all
+content with no calls. A stream cannot take back what it sent: there a call found malformed
+after it was announced (its name sent) stays a call, and the text after the fault is content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """How a model writes calls. `start` opens a call and `end` closes it ("" for none: the call
+    is its JSON object, found by `opener`); `markers` are dropped from content;
+    `arguments_keys` name the arguments field (the first is the one the model is made to write);
+    `separator` goes between constrained parallel calls."""
+
+    name: str
+    start: str
+    end: str
+    arguments_keys: Tuple[str, ...]
+    separator: str
+    markers: Tuple[str, ...] = ()
+
+    def call_prefix(self, function: str) -> str:
+        """The text that opens a call of `function`, up to its arguments object."""
+        key = self.arguments_keys[0]
+        prefix = f'{{"name": {json.dumps(function, ensure_ascii=False)}, "{key}": '
+        return f"{self.start}\n{prefix}" if self.start else prefix
+
+    @property
+    def call_suffix(self) -> str:
+        """The text that closes a call after its arguments object."""
+        return f"}}\n{self.end}" if self.end else "}"
+
+
+FORMATS: Dict[str, ToolCallFormat] = {
+    "hermes": ToolCallFormat("hermes", "<tool_call>", "</tool_call>", ("arguments",), "\n"),
+    "llama3_json": ToolCallFormat("llama3_json", "", "", ("parameters", "arguments"), "; ",
+                                  markers=("<|python_tag|>",)),
+}
+
+
+def tool_call_format(name: str) -> ToolCallFormat:
+    fmt = FORMATS.get(name)
+    if fmt is None:
+        raise ValueError(f"tool call parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                         f"{name!r}")
+    return fmt
+
+
+def default_tool_call_parser(chat_template: Optional[str]) -> str:
+    """The parser for a chat template: `llama3_json` for Llama 3.x's templates (they write
+    `<|python_tag|>` or `"parameters"`), else `hermes`, the most common format (Qwen, Hermes,
+    SmolLM3), also for templates that do not render tools at all."""
+    text = chat_template or ""
+    if "<tool_call>" in text:
+        return "hermes"
+    if "<|python_tag|>" in text or '"parameters"' in text:
+        return "llama3_json"
+    return "hermes"
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class ToolCall(NamedTuple):
+    name: str
+    arguments: str  # the arguments object as JSON text
+
+
+class Parsed(NamedTuple):
+    content: Optional[str]  # None when there is none (only whitespace, or only calls)
+    calls: List[ToolCall]
+
+
+class ToolCallDelta(NamedTuple):
+    """A streamed call's piece: the first of a call carries `id` and `name`, later ones pieces
+    of its arguments."""
+
+    index: int
+    id: Optional[str]
+    name: Optional[str]
+    arguments: str
+
+    def as_dict(self) -> Dict[str, Any]:
+        function: Dict[str, Any] = {"arguments": self.arguments}
+        out: Dict[str, Any] = {"index": self.index}
+        if self.id is not None:
+            out["id"], out["type"] = self.id, "function"
+            function = {"name": self.name, "arguments": self.arguments}
+        out["function"] = function
+        return out
+
+
+class StreamPiece(NamedTuple):
+    content: str
+    calls: List[ToolCallDelta]
+
+
+_SPACES = " \t\r\n"
+_OPENER = re.compile(r'\{\s*"name"\s*:')
+
+
+def _opener_prefix(tail: str) -> bool:
+    """Whether `tail` (starting with `{`) may grow into `{"name":` (with any spaces)."""
+    rest = tail[1:].lstrip()
+    if rest.startswith('"name"'):
+        return rest[len('"name"'):].strip() == ""
+    return '"name"'.startswith(rest)
+
+
+def _tag_tail(buf: str, tag: str) -> int:
+    """Length of the longest suffix of `buf` that is a proper prefix of `tag`."""
+    for k in range(min(len(tag) - 1, len(buf)), 0, -1):
+        if buf.endswith(tag[:k]):
+            return k
+    return 0
+
+
+@dataclass
+class _Call:
+    """One call's JSON object being scanned, character by character: the top-level keys and
+    the raw text of their values."""
+
+    index: int
+    arguments_keys: Tuple[str, ...]
+    raw: List[str] = field(default_factory=list)
+    depth: int = 0
+    in_string: bool = False
+    escape: bool = False
+    phase: str = "open"  # open, key, colon, value, comma, done
+    key: Optional[str] = None
+    key_start: int = -1
+    value_start: int = -1
+    values: Dict[str, str] = field(default_factory=dict)
+    error: Optional[str] = None
+    id: Optional[str] = None  # set once announced
+    sent_arguments: int = 0  # characters of the arguments value streamed
+
+    @property
+    def closed(self) -> bool:
+        return self.phase == "done"
+
+    def feed(self, ch: str) -> None:
+        if self.error is not None or self.closed:
+            return
+        pos = len(self.raw)
+        self.raw.append(ch)
+        if self.in_string:
+            if self.escape:
+                self.escape = False
+            elif ch == "\\":
+                self.escape = True
+            elif ch == '"':
+                self.in_string = False
+                if self.depth == 1:
+                    self._string_ended(pos)
+            return
+        if ch.isspace():
+            if self.depth == 1 and self.phase == "value" and self.value_start >= 0 \
+                    and self.raw[self.value_start] not in "{[":
+                self._value_ended(pos)
+            return
+        if self.phase == "open":
+            if ch != "{":
+                self.error = "a call must be a JSON object"
+                return
+            self.depth, self.phase = 1, "key"
+            return
+        if self.depth == 1:
+            self._top_level(ch, pos)
+            return
+        if ch == '"':
+            self.in_string = True
+        elif ch in "{[":
+            self.depth += 1
+        elif ch in "}]":
+            self.depth -= 1
+            if self.depth == 1 and self.phase == "value":
+                self._value_ended(pos + 1)
+
+    def _top_level(self, ch: str, pos: int) -> None:
+        """A character outside strings at the object's own level."""
+        if self.phase == "value" and self.value_start >= 0 and ch in ",}":
+            self._value_ended(pos)  # a number or literal ends at the next , or }
+        if self.phase == "key":
+            if ch == '"':
+                self.in_string, self.key_start = True, pos
+            elif ch == "}" and not self.values:
+                self.phase, self.depth = "done", 0
+            else:
+                self.error = "expected a key"
+        elif self.phase == "colon":
+            self.phase = "value" if ch == ":" else self.phase
+            self.value_start = -1
+            if ch != ":":
+                self.error = "expected ':'"
+        elif self.phase == "value":
+            if self.value_start < 0:
+                self.value_start = pos
+                if ch == '"':
+                    self.in_string = True
+                elif ch in "{[":
+                    self.depth += 1
+                elif ch in ",}]":
+                    self.error = "expected a value"
+        elif self.phase == "comma":
+            if ch == ",":
+                self.phase = "key"
+            elif ch == "}":
+                self.phase, self.depth = "done", 0
+            else:
+                self.error = "expected ',' or '}'"
+
+    def _string_ended(self, pos: int) -> None:
+        if self.phase == "key":
+            try:
+                self.key = json.loads("".join(self.raw[self.key_start:pos + 1]))
+            except json.JSONDecodeError:
+                self.error = "a key is not a valid JSON string"
+                return
+            self.phase = "colon"
+        elif self.phase == "value":
+            self._value_ended(pos + 1)
+
+    def _value_ended(self, end: int) -> None:
+        assert self.key is not None
+        self.values[self.key] = "".join(self.raw[self.value_start:end])
+        self.phase, self.value_start = "comma", -1
+
+    # --- what the call says so far ---------------------------------------------------------
+    @property
+    def name(self) -> Optional[str]:
+        raw = self.values.get("name")
+        if raw is None:
+            return None
+        try:
+            name = json.loads(raw)
+        except json.JSONDecodeError:
+            return None
+        return name if isinstance(name, str) else None
+
+    @property
+    def arguments_key(self) -> Optional[str]:
+        return next((k for k in self.arguments_keys if k in self.values
+                     or (self.key == k and self.phase == "value")), None)
+
+    def arguments_so_far(self) -> str:
+        """The raw arguments object as far as written (complete once the call is closed; "{}"
+        for a closed call without one)."""
+        key = self.arguments_key
+        if key is None:
+            return "{}" if self.closed else ""
+        if key in self.values:
+            return self.values[key]
+        if self.value_start < 0:
+            return ""
+        return "".join(self.raw[self.value_start:])
+
+    def problem(self) -> Optional[str]:
+        """Why this closed call is not a valid one, or None."""
+        if self.error is not None:
+            return self.error
+        if not self.closed:
+            return "the call is cut off"
+        try:
+            obj = json.loads("".join(self.raw))
+        except json.JSONDecodeError as e:
+            return f"not valid JSON: {e}"
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return "the call has no name"
+        key = self.arguments_key
+        if key is not None and not isinstance(obj.get(key), dict):
+            return f"{key} is not an object"
+        return None
+
+
+class ToolCallStreamer:
+    """One choice's output, delta by delta, split into content and calls in `fmt`.
+
+    `feed(text)` returns the content and call deltas that text completes; `finish()` the rest
+    at the end of the output. Text that may be the start of a call (a partial start tag, a
+    `{` that may open `{"name":`) is held back until known, and so is whitespace-only text until
+    something else follows it in the same stretch of content. After finish, `calls` holds every
+    call and `parsed()` the plain response's view of the whole text. With `max_calls`, the
+    calls after the first `max_calls` are dropped (`parallel_tool_calls: false`)."""
+
+    def __init__(self, fmt: ToolCallFormat, max_calls: Optional[int] = None) -> None:
+        self.fmt = fmt
+        self.max_calls = max_calls
+        self.calls: List[_Call] = []
+        self.text: List[str] = []  # everything fed, for the all-content fallback
+        self.content: List[str] = []  # content sent
+        self._held = ""  # text not yet known to be content or a call
+        self._spaces = ""  # whitespace-only content waiting for more
+        self._live = False  # this stretch of content has had more than whitespace
+        self._call: Optional[_Call] = None  # the call being read
+        self._after_call = False  # between a call's object and its end tag
+        self._announced = 0
+        self._pending: List[str] = []  # content of the current feed
+        self._deltas: List[ToolCallDelta] = []  # call deltas of the current feed
+
+    # --- the state machine ------------------------------------------------------------------
+    def feed(self, text: str) -> StreamPiece:
+        self.text.append(text)
+        buf, self._held = self._held + text, ""
+        while buf:
+            if self._call is not None:
+                buf = self._feed_call(buf)
+                continue
+            if self._after_call:
+                buf = self._feed_after_call(buf)
+                continue
+            buf = self._feed_text(buf, self._pending)
+        content, self._pending = "".join(self._pending), []
+        deltas, self._deltas = self._deltas, []
+        return StreamPiece(content, deltas)
+
+    def finish(self) -> StreamPiece:
+        """The end of the output: held text is content (whitespace alone is dropped); a call
+        cut off before it was announced is content too."""
+        held, self._held = self._held, ""
+        if self._call is not None:
+            call = self._call
+            self._end_call()
+            if call.id is None and not self._extra(call):
+                self._abandon(call)
+        elif not self._after_call and held:
+            self._content(held, self._pending)
+        content, self._pending = "".join(self._pending), []
+        return StreamPiece(content, [])
+
+    def _feed_text(self, buf: str, content: List[str]) -> str:
+        """Content up to the next call's start; returns what is left after it."""
+        for marker in self.fmt.markers:
+            buf = buf.replace(marker, "")
+        at, skip = self._find_start(buf)
+        if at < 0:
+            keep = self._possible_start(buf)
+            self._content(buf[:len(buf) - keep], content)
+            self._held = buf[len(buf) - keep:]
+            return ""
+        self._content(buf[:at], content)
+        self._call = _Call(len(self.calls), self.fmt.arguments_keys)
+        self._spaces, self._live = "", False
+        return buf[at + skip:]
+
+    def _find_start(self, buf: str) -> Tuple[int, int]:
+        """Where the next call starts in `buf` and how much of it is the start tag."""
+        if self.fmt.start:
+            return buf.find(self.fmt.start), len(self.fmt.start)
+        m = _OPENER.search(buf)
+        return (m.start(), 0) if m else (-1, 0)
+
+    def _possible_start(self, buf: str) -> int:
+        """Length of the tail of `buf` that may still become a call's start (or a marker)."""
+        keep = max([_tag_tail(buf, m) for m in self.fmt.markers] + [0])
+        if self.fmt.start:
+            return max(keep, _tag_tail(buf, self.fmt.start))
+        at = buf.rfind("{")
+        while at >= 0:
+            if _opener_prefix(buf[at:]):
+                return max(keep, len(buf) - at)
+            at = buf.rfind("{", 0, at)
+        return keep
+
+    def _content(self, text: str, out: List[str]) -> None:
+        if not text:
+            return
+        if not self._live:
+            if not text.strip():
+                self._spaces += text
+                return
+            text, self._spaces, self._live = self._spaces + text, "", True
+        out.append(text)
+        self.content.append(text)
+
+    def _feed_call(self, buf: str) -> str:
+        """The call's characters; returns what follows its object. A call that turns out
+        malformed before it was announced goes back to being content."""
+        call = self._call
+        assert call is not None
+        for i, ch in enumerate(buf):
+            call.feed(ch)
+            if call.closed:
+                self._deltas.extend(self._call_deltas(call))
+                self._end_call()
+                self._after_call = True
+                if call.id is None and not self._extra(call):
+                    self._abandon(call)
+                return buf[i + 1:]
+            if call.error is not None:  # the faulty character goes on as text
+                call.raw.pop()
+                self._end_call()
+                if call.id is None and not self._extra(call):
+                    self._abandon(call)
+                return buf[i:]
+        self._deltas.extend(self._call_deltas(call))
+        return ""
+
+    def _extra(self, call: _Call) -> bool:
+        return self.max_calls is not None and call.index >= self.max_calls
+
+    def _end_call(self) -> None:
+        assert self._call is not None
+        self.calls.append(self._call)
+        self._call = None
+
+    def _abandon(self, call: _Call) -> None:
+        """An unannounced call's text, start tag and all, is content after all."""
+        self._content(self.fmt.start + "".join(call.raw), self._pending)
+
+    def _feed_after_call(self, buf: str) -> str:
+        """Whitespace, then the end tag (or anything else: the rest is text again); without an
+        end tag, whitespace and the separators between calls."""
+        end = self.fmt.end
+        stripped = buf.lstrip() if end else buf.lstrip(_SPACES + self.fmt.separator)
+        if not stripped:
+            return ""
+        if not end:
+            self._after_call = False
+            return stripped
+        if stripped.startswith(end):
+            self._after_call = False
+            return stripped[len(end):]
+        if end.startswith(stripped):
+            self._held = buf
+            return ""
+        self._after_call = False
+        self.calls[-1].error = self.calls[-1].error or f"no {end} after the call"
+        return stripped
+
+    def _call_deltas(self, call: _Call) -> List[ToolCallDelta]:
+        """What `call` (being read, or just closed) adds to the stream."""
+        if call.error is not None or self._extra(call):
+            return []
+        out = []
+        if call.id is None:
+            name = call.name
+            if name is None:
+                return []
+            call.id = new_call_id()
+            self._announced += 1
+            args = call.arguments_so_far()
+            call.sent_arguments = len(args)
+            return [ToolCallDelta(call.index, call.id, name, args)]
+        args = call.arguments_so_far()
+        if len(args) > call.sent_arguments:
+            out.append(ToolCallDelta(call.index, None, None, args[call.sent_arguments:]))
+            call.sent_arguments = len(args)
+        return out
+
+    # --- the whole output ---------------------------------------------------------------------
+    def parsed(self) -> Parsed:
+        """After `finish`: the content and calls of the whole text, or all of it as content when
+        a call is malformed (or there are none)."""
+        calls = self.calls[:self.max_calls]
+        if not calls or any(c.problem() is not None for c in calls):
+            text = "".join(self.text)
+            for marker in self.fmt.markers:
+                text = text.replace(marker, "")
+            return Parsed(text if text.strip() else None, [])
+        content = "".join(self.content)
+        return Parsed(content or None,
+                      [ToolCall(c.name or "", c.arguments_so_far()) for c in calls])
+
+    @property
+    def any_call(self) -> bool:
+        """Whether a call has been announced in the stream."""
+        return self._announced > 0
+
+
+def parse_tool_calls(fmt: ToolCallFormat, text: str, max_calls: Optional[int] = None) -> Parsed:
+    """The content and calls of a whole output (see the module's contract)."""
+    streamer = ToolCallStreamer(fmt, max_calls)
+    streamer.feed(text)
+    streamer.finish()
+    return streamer.parsed()
+
+
+def call_dict(call: ToolCall, call_id: Optional[str] = None) -> Dict[str, Any]:
+    """One call in OpenAI's `message.tool_calls` shape."""
+    return {"id": call_id or new_call_id(), "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}

@@ -1,0 +1,412 @@
+"""Tool calling without a model: the parsers (server/tool_calls.py) on hand-written outputs of
+each format, streamed in pieces of every size and joined equal to the plain parse; the checks of
+`tools` / `tool_choice` (server/tools.py) and the grammar they build; the chat response shapes
+(server/responses.py ChatFormatter) and the messages the chat template gets."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+
+from minisgl.core import SamplingParams
+from minisgl.message.types import ReplyChunk
+from minisgl.server.protocol import ApiError, ChatRequest, Job, Prompt, chat_job
+from minisgl.server.responses import ChatFormatter, Choice
+from minisgl.server.tool_calls import (FORMATS, Parsed, ToolCall, ToolCallStreamer,
+                                       default_tool_call_parser, parse_tool_calls)
+from minisgl.server.tools import Tools, parse_tools
+from minisgl.tokenizer.tokenize_worker import template_messages
+
+HERMES, LLAMA = FORMATS["hermes"], FORMATS["llama3_json"]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city"]}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+
+# (format, output, content, [(name, arguments)])
+CASES: List[Tuple[Any, str, Optional[str], List[Tuple[str, str]]]] = [
+    (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+     None, [("get_weather", '{"city": "Paris"}')]),
+    (HERMES, 'Let me look that up.\n<tool_call>\n{"name": "get_weather", "arguments": '
+             '{"city": "Paris", "unit": "c"}}\n</tool_call>',
+     "Let me look that up.\n", [("get_weather", '{"city": "Paris", "unit": "c"}')]),
+    (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, {"c": "}{"}]}}\n'
+             '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+             '"Rome \\"x\\""}}\n</tool_call>\n',
+     None, [("add", '{"a": 1, "b": [2, {"c": "}{"}]}'),
+            ("get_weather", '{"city": "Rome \\"x\\""}')]),
+    # the end tag may be missing when the output ends with the call; arguments may come first
+    (HERMES, '<tool_call>{"arguments": {"a": -1.5e3}, "name": "add"}', None,
+     [("add", '{"a": -1.5e3}')]),
+    (HERMES, '<tool_call>\n{"name": "now"}\n</tool_call>', None, [("now", "{}")]),
+    (HERMES, "No tools needed: 4.", "No tools needed: 4.", []),
+    (HERMES, "a <tool_ca", "a <tool_ca", []),
+    (LLAMA, '{"name": "get_weather", "parameters": {"city": "Oslo"}}', None,
+     [("get_weather", '{"city": "Oslo"}')]),
+    (LLAMA, 'Sure.<|python_tag|>{"name": "add", "parameters": {"a": 1}}; '
+            '{"name": "get_weather", "arguments": {"city": "Oslo"}}', "Sure.",
+     [("add", '{"a": 1}'), ("get_weather", '{"city": "Oslo"}')]),
+    (LLAMA, 'A set {"x": 1} is not a call.', 'A set {"x": 1} is not a call.', []),
+]
+# malformed calls: all of the text is content
+MALFORMED = [
+    (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 1}\n</tool_call>'),
+    (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 1'),
+    (HERMES, 'hi <tool_call>not json</tool_call>'),
+    (HERMES, '<tool_call>\n{"name": "add", "arguments": [1]}\n</tool_call>'),
+    (LLAMA, '{"name": 7, "parameters": {}}'),
+    (LLAMA, '{"name": "add", "parameters": {"a": tru}}'),
+]
+
+
+def _stream(fmt: Any, text: str, step: int, max_calls: Optional[int] = None
+            ) -> Tuple[Optional[str], List[Tuple[str, str]], List[Dict[str, Any]]]:
+    """The output fed `step` characters at a time: the content and calls the deltas join into,
+    and the deltas."""
+    streamer = ToolCallStreamer(fmt, max_calls)
+    content, deltas = [], []
+    for i in range(0, len(text), step):
+        piece = streamer.feed(text[i:i + step])
+        content.append(piece.content)
+        deltas += [d.as_dict() for d in piece.calls]
+    content.append(streamer.finish().content)
+    calls: Dict[int, List[str]] = {}
+    for d in deltas:
+        call = calls.setdefault(d["index"], ["", ""])
+        if "id" in d:
+            assert call == ["", ""] and d["id"].startswith("call_") and d["type"] == "function"
+            call[0] = d["function"]["name"]
+        else:
+            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+        call[1] += d["function"]["arguments"]
+    return "".join(content) or None, [tuple(c) for _, c in sorted(calls.items())], deltas
+
+
+@pytest.mark.parametrize("fmt,text,content,calls", CASES)
+def test_parsers_split_content_and_calls_alike_streamed_or_not(fmt: Any, text: str,
+                                                              content: Optional[str],
+                                                              calls: List[Tuple[str, str]]) -> None:
+    assert parse_tool_calls(fmt, text) == Parsed(content, [ToolCall(*c) for c in calls])
+    for call in calls:
+        json.loads(call[1])
+    for step in (1, 2, 3, 7, len(text)):
+        got_content, got_calls, _ = _stream(fmt, text, step)
+        assert (got_content, got_calls) == (content, calls), step
+
+
+def test_arguments_stream_incrementally_after_the_name() -> None:
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 30}}\n</tool_call>'
+    _, calls, deltas = _stream(HERMES, text, 4)
+    assert deltas[0]["function"]["name"] == "add" and len(deltas) > 3
+    assert calls == [("add", '{"a": 12, "b": 30}')]
+
+
+@pytest.mark.parametrize("fmt,text", MALFORMED)
+def test_malformed_calls_are_left_as_content(fmt: Any, text: str) -> None:
+    assert parse_tool_calls(fmt, text) == Parsed(text, [])
+
+
+def test_a_malformed_call_never_announced_streams_as_content() -> None:
+    text = 'hi <tool_call>not json</tool_call> bye'
+    assert _stream(HERMES, text, 2)[:2] == (text, [])
+
+
+def test_max_calls_drops_the_calls_after_the_first() -> None:
+    text = ('<tool_call>{"name": "a", "arguments": {}}</tool_call>\n'
+            '<tool_call>{"name": "b", "arguments": {}}</tool_call>')
+    assert parse_tool_calls(HERMES, text, max_calls=1) == Parsed(None, [ToolCall("a", "{}")])
+    assert _stream(HERMES, text, 5, max_calls=1)[:2] == (None, [("a", "{}")])
+
+
+def test_default_parser_from_the_chat_template() -> None:
+    assert default_tool_call_parser("{{ '<tool_call>' }}") == "hermes"
+    assert default_tool_call_parser('{{- "<|python_tag|>" }}') == "llama3_json"
+    assert default_tool_call_parser("{% for m in messages %}{{ m.content }}{% endfor %}") \
+        == "hermes"
+    assert default_tool_call_parser(None) == "hermes"
+
+
+# --- request checks ------------------------------------------------------------------------------
+def _bad(tools: Any, choice: Any = None, parallel: Any = None) -> str:
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    if choice is not None:
+        body["tool_choice"] = choice
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
+    with pytest.raises(ApiError) as e:
+        chat_job(ChatRequest.model_validate(body), 4)
+    assert e.value.status == 400 and e.value.param is not None and e.value.param in e.value.message
+    return e.value.param
+
+
+@pytest.mark.parametrize("tools,choice,param", [
+    ([WEATHER, {"type": "retrieval"}], None, "tools[1].type"),
+    ([{"type": "function"}], None, "tools[0].function"),
+    ([{"type": "function", "function": {"name": "has space"}}], None, "tools[0].function.name"),
+    ([{"type": "function", "function": {"parameters": {}}}], None, "tools[0].function.name"),
+    ([WEATHER, WEATHER], None, "tools[1].function.name"),
+    ([WEATHER, {"type": "function", "function": {"name": "f", "parameters": "{}"}}], None,
+     "tools[1].function.parameters"),
+    ([WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "strin"}}}}}], None,
+     "tools[1].function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], None,
+     "tools[0].function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(a"}}}}}],
+     "required", "tools[0].function.parameters"),
+    ({"a": WEATHER}, None, "tools"),
+    ([WEATHER], "always", "tool_choice"),
+    ([WEATHER], {"type": "function", "function": {"name": "add"}}, "tool_choice"),
+    ([WEATHER], {"type": "function"}, "tool_choice"),
+    ([], "required", "tool_choice"),
+    ([WEATHER], None, "parallel_tool_calls"),
+])
+def test_bad_tools_are_refused_naming_the_field(tools: Any, choice: Any, param: str) -> None:
+    parallel = "yes" if param == "parallel_tool_calls" else None
+    assert _bad(tools, choice, parallel) == param
+
+
+def test_bad_assistant_tool_calls_are_refused_naming_the_field() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "tool_calls": [
+                             {"id": "call_1", "type": "function",
+                              "function": {"name": "add", "arguments": "{oops"}}]}]}
+    with pytest.raises(ApiError) as e:
+        chat_job(ChatRequest.model_validate(body), 4)
+    assert e.value.param == "messages.1.tool_calls[0].function.arguments"
+
+
+def test_chat_job_with_tools_renders_them_and_constrains_required() -> None:
+    conversation = [
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+    body = ChatRequest.model_validate({"messages": conversation, "tools": [WEATHER, ADD],
+                                       "tool_choice": "required"})
+    job = chat_job(body, 4)
+    prompt = job.prompts[0]
+    assert json.loads(prompt.tools_json or "") == [WEATHER, ADD]
+    assert prompt.messages[2] == {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}
+    # the template gets the arguments as an object
+    assert template_messages(prompt.messages)[1]["tool_calls"][0]["function"]["arguments"] == \
+        {"city": "Paris"}
+    assert job.tools is not None and job.tools.parsed
+    structured = job.params.structured
+    assert structured is not None and structured.kind == "structural_tag"
+    form = json.loads(structured.spec)["format"]
+    assert form["type"] == "tags_with_separator" and form["at_least_one"]
+    assert [t["begin"] for t in form["tags"]] == [
+        '<tool_call>\n{"name": "get_weather", "arguments": ',
+        '<tool_call>\n{"name": "add", "arguments": ']
+    # "auto" reads the output without constraining it; "none" neither
+    auto = chat_job(body.model_copy(update={"tool_choice": None}), 4)
+    assert auto.tools is not None and auto.tools.choice == "auto" and auto.params.structured is None
+    none = chat_job(body.model_copy(update={"tool_choice": "none"}), 4)
+    assert none.tools is not None and not none.tools.parsed and none.params.structured is None
+    assert none.prompts[0].tools_json is not None  # the template still gets the tools
+
+
+def test_a_named_function_is_one_call_in_the_parsers_format() -> None:
+    tools = parse_tools([WEATHER, ADD], {"type": "function", "function": {"name": "add"}}, None)
+    assert tools is not None and tools.max_calls == 1
+    for fmt, begin in ((HERMES, '<tool_call>\n{"name": "add", "arguments": '),
+                       (LLAMA, '{"name": "add", "parameters": ')):
+        structured = tools.constraint(fmt)
+        assert structured is not None
+        form = json.loads(structured.spec)["format"]
+        assert form["type"] == "tag" and form["begin"] == begin
+        assert form["content"]["json_schema"] == ADD["function"]["parameters"]
+    single = parse_tools([WEATHER, ADD], "required", False)
+    assert single is not None
+    form = json.loads((single.constraint(HERMES) or pytest.fail()).spec)["format"]
+    assert form["stop_after_first"] and form["at_least_one"]
+
+
+@pytest.mark.parametrize("fmt,good", [
+    (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'),
+    (LLAMA, '{"name": "add", "parameters": {"a": 1, "b": 2}}; '
+            '{"name": "get_weather", "parameters": {"city": "Rome"}}'),
+])
+def test_tool_constraints_compile_and_admit_only_the_tools(fmt: Any, good: str) -> None:
+    xgr = pytest.importorskip("xgrammar")
+    # a tiny byte-level vocabulary is enough to compile and walk the grammar
+    info = xgr.TokenizerInfo([chr(i) for i in range(32, 127)] + ["\n"])
+    compiler = xgr.GrammarCompiler(info, max_threads=1)
+    tools = parse_tools([WEATHER, ADD], "required", True)
+    assert tools is not None
+    grammar = compiler.compile_structural_tag((tools.constraint(fmt) or pytest.fail()).spec)
+    matcher = xgr.GrammarMatcher(grammar)
+    assert matcher.accept_string(good) and matcher.is_terminated() is False
+    assert parse_tool_calls(fmt, good).calls == [ToolCall("add", '{"a": 1, "b": 2}'),
+                                                 ToolCall("get_weather", '{"city": "Rome"}')]
+    prefix = fmt.call_prefix
+    for bad in (prefix("sub") + "{}", prefix("add") + '{"a": "one"}', "Sure, ",
+                prefix("get_weather") + '{"unit": "k"}'):
+        assert not xgr.GrammarMatcher(grammar).accept_string(bad), bad
+
+
+# --- response shapes --------------------------------------------------------------------------
+def _tool_job(stream: bool, choice: str = "auto") -> Job:
+    tools = parse_tools([WEATHER, ADD], choice, None)
+    return Job([Prompt(messages=[{"role": "user", "content": "?"}])], SamplingParams(), 1, (),
+               True, stream, False, tools=tools)
+
+
+def _chunks(text: str, step: int, reason: str = "stop") -> List[ReplyChunk]:
+    pieces = [text[i:i + step] for i in range(0, len(text), step)]
+    return [ReplyChunk(0, p, [i], reason if i == len(pieces) - 1 else None, 3, i + 1)
+            for i, p in enumerate(pieces)]
+
+
+CALL_TEXT = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+             '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n'
+             '</tool_call>')
+
+
+def _full(text: str, reason: str = "stop", choice: str = "auto") -> Dict[str, Any]:
+    fmt = ChatFormatter("m", _tool_job(False, choice))
+    c = Choice()
+    for chunk in _chunks(text, 5, reason):
+        c.add(chunk)
+    return fmt.full([c])["choices"][0]
+
+
+def _streamed(text: str, reason: str = "stop") -> List[Dict[str, Any]]:
+    fmt = ChatFormatter("m", _tool_job(True))
+    c, out = Choice(), []
+    for chunk in _chunks(text, 3, reason):
+        c.add(chunk)
+        out += [json.loads(line[6:])["choices"][0] for line in fmt.delta(0, chunk, c)]
+    return out
+
+
+def test_chat_response_with_tool_calls_streamed_and_not() -> None:
+    item = _full(CALL_TEXT)
+    assert item["finish_reason"] == "tool_calls"
+    message = item["message"]
+    assert message["content"] == "Checking.\n"
+    calls = message["tool_calls"]
+    assert [c["function"] for c in calls] == [
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"name": "add", "arguments": '{"a": 1, "b": 2}'}]
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+
+    deltas = _streamed(CALL_TEXT)
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+    assert all(d["finish_reason"] is None for d in deltas[:-1])
+    assert "".join(d["delta"].get("content", "") for d in deltas) == "Checking.\n"
+    joined: Dict[int, Dict[str, str]] = {}
+    for d in deltas:
+        for tc in d["delta"].get("tool_calls", []):
+            entry = joined.setdefault(tc["index"], {"name": "", "arguments": ""})
+            entry["name"] += tc["function"].get("name") or ""
+            entry["arguments"] += tc["function"]["arguments"]
+    assert [joined[i] for i in sorted(joined)] == [c["function"] for c in calls]
+
+
+def test_chat_response_without_a_call_or_cut_off_is_content() -> None:
+    assert _full("It is sunny.")["message"] == {"role": "assistant", "content": "It is sunny."}
+    assert _full("It is sunny.")["finish_reason"] == "stop"
+    cut = '<tool_call>\n{"name": "add", "arguments": {"a": 1'
+    item = _full(cut, reason="length")
+    assert item["message"] == {"role": "assistant", "content": cut}
+    assert item["finish_reason"] == "length"
+
+
+def test_tool_choice_none_leaves_the_output_alone() -> None:
+    item = _full(CALL_TEXT, choice="none")
+    assert item["message"] == {"role": "assistant", "content": CALL_TEXT}
+    assert item["finish_reason"] == "stop"
+
+
+def test_tools_type() -> None:
+    tools = parse_tools([WEATHER], None, None)
+    assert isinstance(tools, Tools) and tools.choice == "auto" and tools.parallel
+    assert parse_tools(None, None, None) is None
+    assert parse_tools([], "none", None) is None
+
+
+# --- the chat template gets the tools -------------------------------------------------------------
+TOOL_TEMPLATE = (
+    "{% if tools %}TOOLS:{% for t in tools %} {{ t.function.name }}{% endfor %}|{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} {{ c.function.arguments.city }}"
+    "{% endfor %}{% if m.tool_call_id %} [{{ m.tool_call_id }}]{% endif %}|{% endfor %}")
+
+
+def test_the_tokenizer_renders_tools_and_tool_messages(default_model_dir: Any) -> None:
+    from minisgl.core import Limits
+    from minisgl.message.types import TextRequest
+    from minisgl.tokenizer.text import load_tokenizer
+    from minisgl.tokenizer.tokenize_worker import Tokenizer
+    tok = load_tokenizer(default_model_dir, TOOL_TEMPLATE)
+    logic = Tokenizer(tok, Limits(max_context=1000, vocab_size=len(tok), num_pages=64,
+                                  page_size=16, max_prefill_tokens=1000))
+    body = ChatRequest.model_validate({"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_9", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_9", "content": "cold"}],
+        "tools": [WEATHER, ADD], "add_generation_prompt": False})
+    prompt = chat_job(body, 1).prompts[0]
+    reply = logic.answer(TextRequest(1, messages=prompt.messages, tools_json=prompt.tools_json,
+                                     add_generation_prompt=False))
+    assert reply.error is None
+    assert tok.decode(reply.token_ids) == ("TOOLS: get_weather add|user: weather?|"
+                                           "assistant: CALL get_weather Oslo|"
+                                           "tool: cold [call_9]|")
+
+
+def test_enforced_calls_cannot_be_combined_with_another_output_format() -> None:
+    body = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                       "tools": [WEATHER], "tool_choice": "required",
+                                       "response_format": {"type": "json_object"}})
+    with pytest.raises(ApiError) as e:
+        chat_job(body, 4)
+    assert e.value.param == "tool_choice" and "response_format" in e.value.message
+    auto = chat_job(body.model_copy(update={"tool_choice": "auto"}), 4)
+    assert auto.params.structured is not None and auto.params.structured.kind == "json_object"
+
+
+def test_the_models_own_template_is_read_without_the_tokenizer(tmp_path: Any) -> None:
+    from minisgl.tokenizer.text import model_chat_template
+    assert model_chat_template(tmp_path) is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": "{{ '<|python_tag|>' }}"},
+        {"name": "default", "template": "{{ messages }}"}]}))
+    assert default_tool_call_parser(model_chat_template(tmp_path)) == "llama3_json"
+    (tmp_path / "chat_template.jinja").write_text("{{ '<tool_call>' }}")
+    assert default_tool_call_parser(model_chat_template(tmp_path)) == "hermes"
+
+
+def test_tool_calls_after_the_thinking_of_a_reasoning_model() -> None:
+    text = "<think>\nNeed the weather.\n</think>\n\n" + CALL_TEXT
+    fmt = ChatFormatter("m", _tool_job(False), "qwen3")
+    c = Choice()
+    for chunk in _chunks(text, 4):
+        c.add(chunk)
+    item = fmt.full([c])["choices"][0]
+    assert item["message"]["reasoning_content"] == "\nNeed the weather.\n"
+    assert item["message"]["content"] == "\n\nChecking.\n"
+    assert [t["function"]["name"] for t in item["message"]["tool_calls"]] == ["get_weather",
+                                                                              "add"]
+    stream = ChatFormatter("m", _tool_job(True), "qwen3")
+    c, deltas = Choice(), []
+    for chunk in _chunks(text, 3):
+        c.add(chunk)
+        deltas += [json.loads(line[6:])["choices"][0] for line in stream.delta(0, chunk, c)]
+    assert "".join(d["delta"].get("reasoning_content", "") for d in deltas) == \
+        "\nNeed the weather.\n"
+    assert "".join(d["delta"].get("content", "") for d in deltas) == "\n\nChecking.\n"
+    assert deltas[-1]["finish_reason"] == "tool_calls"
