@@ -46,6 +46,13 @@ class EngineConfig:
                                                  "memory free after the weights")
     mem_fraction: float = setting(0.85, "share of the GPU memory free after the weights that "
                                         "the KV pool takes (when max_kv_tokens is unset)")
+    quantization: Optional[str] = setting(
+        None, "fp8: the decoder's projections in FP8, quantized per output channel as the "
+              "checkpoint loads (dynamic per-token activation scales on CUDA; on the CPU the "
+              "weights are dequantized again, weight-only); a checkpoint that config.json "
+              "says is FP8 (compressed-tensors, fp8) is read as it is. unset: as the "
+              "checkpoint is. FP8 on CUDA needs compute capability 8.9 or newer",
+        choices=("fp8",))
     load_format: str = setting("auto", "auto (the model directory's safetensors) or dummy "
                                        "(random weights from config.json alone, for benchmarks "
                                        "of large shapes)", choices=LOAD_FORMATS)
