@@ -99,8 +99,8 @@ def fp8_gemm(device: torch.device, dtype: torch.dtype) -> str:
 def quantize_rows(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (FP8 [N, K], float32 scales [N]): each row divided by amax / 448."""
     w = w.float()
-    scale = w.abs().amax(dim=1).clamp(min=MIN_AMAX) / FP8_MAX
-    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    scale = torch.linalg.vector_norm(w, float("inf"), dim=1).clamp(min=MIN_AMAX) / FP8_MAX
+    return (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def _expand_blocks(scale: torch.Tensor, block: Tuple[int, int], n: int, k: int) -> torch.Tensor:

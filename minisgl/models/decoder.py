@@ -260,7 +260,10 @@ class CausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name} is an FP8 scale, but minisgl keeps "
                                  f"{module_name} unquantized (FP8 applies to the decoder's dense "
                                  f"projections; quantization config: {self.cfg.quantization})")
-            module.load(param, src, shard)  # type: ignore[operator]
+            try:
+                module.load(param, src, shard)  # type: ignore[operator]
+            except ValueError as e:
+                raise ValueError(f"loading checkpoint tensor {name}: {e}") from None
             loaded.add(f"{module_name}.{param}")
         expected = {n for n, _ in self.named_parameters()}
         missing = sorted(expected - loaded)
