@@ -156,6 +156,21 @@ def test_online_fp8_default_model_answers_paris(default_model_dir: Path) -> None
     assert "Paris" in out[0].text, out[0].text
 
 
+def test_fp8_accuracy_script_compares_distributions(tiny_model: Callable[..., Path]) -> None:
+    from script_loader import load_script
+    script = load_script("fp8_accuracy")
+    path = str(tiny_model("qwen3"))
+    ids = list(range(100, 140))
+    cfg = script.EngineConfig(max_kv_tokens=128, max_running_requests=1, show_progress=False)
+    ref = script.run_engine(cfg, path, ids)
+    fp8_logits = script.run_engine(dataclasses.replace(cfg, quantization="fp8"), path, ids)
+    assert ref.shape == (40, 49152)
+    same = script.compare(ref, ref, ids)
+    assert same["kl_max"] < 1e-6 and same["greedy_agreement"] == 1.0
+    moved = script.compare(ref, fp8_logits, ids)
+    assert 0 < moved["kl_mean"] < 0.5 and moved["positions"] == 39
+
+
 def test_dummy_weights_with_online_fp8(tiny_model: Callable[..., Path]) -> None:
     cfg = ModelConfig.from_dir(tiny_model("qwen3"))
     info = DistributedInfo(0, 1)

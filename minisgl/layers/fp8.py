@@ -84,7 +84,8 @@ class Fp8Weight(NamedTuple):
 def fp8_gemm(device: torch.device, dtype: torch.dtype) -> str:
     """The rowwise GEMM FP8 layers use on `device` computing in `dtype` (see Fp8Spec.gemm).
     ValueError naming the GPU where it has no FP8 (compute capability below 8.9). Rowwise
-    torch._scaled_mm on Hopper (9.0) and newer with a bfloat16 output; Triton elsewhere."""
+    torch._scaled_mm (CUTLASS / cuBLASLt) with a bfloat16 output on the architectures torch
+    builds it for (8.9 to 10.x); Triton elsewhere."""
     if device.type != "cuda":
         return "triton"
     major, minor = torch.cuda.get_device_capability(device)
@@ -92,7 +93,7 @@ def fp8_gemm(device: torch.device, dtype: torch.dtype) -> str:
         raise ValueError(f"FP8 weights need a GPU of compute capability 8.9 or newer (Ada, "
                          f"Hopper); {device} ({torch.cuda.get_device_name(device)}) has "
                          f"{major}.{minor}")
-    return "scaled_mm" if major >= 9 and dtype == torch.bfloat16 else "triton"
+    return "scaled_mm" if major < 11 and dtype == torch.bfloat16 else "triton"
 
 
 # --- quantization and dequantization (torch: loading and references) ------------------------
