@@ -24,7 +24,7 @@ FP8 GEMV with bfloat16 activations (kernels/gemv.py, layers/linear.project).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Iterator, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -269,14 +269,12 @@ def fill_random(module: nn.Module, gen: torch.Generator, std: float) -> None:
 
 
 @torch.no_grad()
-def finish_loading(model: nn.Module) -> List[str]:
+def finish_loading(model: nn.Module) -> None:
     """After every weight is in: the weight-only layers dequantized to their compute dtype (and
-    plain dense layers from then on); the names of those that stay FP8."""
-    kept = []
-    for name, module in list(fp8_layers(model)):
+    plain dense layers from then on); the others stay FP8."""
+    for _, module in list(fp8_layers(model)):
         spec: Fp8Spec = module.fp8  # type: ignore[assignment]
         if not spec.weight_only:
-            kept.append(name)
             continue
         dense = dequantize(module.weight.data, module.weight_scale.data, spec.block, spec.dtype)
         del module.weight_scale
@@ -284,7 +282,6 @@ def finish_loading(model: nn.Module) -> List[str]:
             del module.input_scale
         module.weight = _param(dense)
         module.fp8 = None
-    return kept
 
 
 def linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor]) -> torch.Tensor:

@@ -36,27 +36,30 @@ def _empty(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-def takes_gemv(x: torch.Tensor, policy: KernelPolicy, quant: Optional[Fp8Weight] = None
-               ) -> bool:
-    """Whether `project(x, ..., policy, quant=quant)` runs the Triton GEMV: with `policy.gemv`,
-    a single token in a half dtype on CUDA (decode at batch 1), and dense weights or FP8 ones
-    scaled per output row."""
+def takes_gemv(x: torch.Tensor, policy: KernelPolicy) -> bool:
+    """Whether `project(x, ..., policy)` runs the Triton GEMV: with `policy.gemv`, a single token
+    in a half dtype on CUDA (decode at batch 1), where `gemv_reads` its weights."""
     return (policy.gemv and x.is_cuda and x.numel() == x.shape[-1]
-            and x.dtype in (torch.bfloat16, torch.float16)
-            and (quant is None or quant.spec.block is None))
+            and x.dtype in (torch.bfloat16, torch.float16))
+
+
+def gemv_reads(quant: Optional[Fp8Weight]) -> bool:
+    """Whether the GEMV reads these weights: dense ones (None), or FP8 ones scaled per output
+    row (block-scaled ones take the scaled GEMM at batch 1 too)."""
+    return quant is None or quant.spec.block is None
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
             policy: KernelPolicy = KernelPolicy(),
             blas_by_rows: Optional[Dict[int, str]] = None,
             quant: Optional[Fp8Weight] = None) -> torch.Tensor:
-    """x W^T + b. Where `takes_gemv(x, policy, quant)`, the Triton GEMV of kernels/gemv.py
+    """x W^T + b. Where `takes_gemv(x, policy)` and `gemv_reads(quant)`, the Triton GEMV of kernels/gemv.py
     (reading FP8 weights and their row scales where `quant` gives them; x stays in its dtype),
     launched with programmatic dependent launch so that its weights stream while the previous
     kernel finishes; else with FP8 weights (`quant`, whose weight is `weight`) the W8A8 GEMM of
     layers/fp8.linear; anything else F.linear, by the BLAS library `blas_by_rows` names for
     x's row count (layers/blas.py; cuBLAS where it names none)."""
-    if takes_gemv(x, policy, quant):
+    if takes_gemv(x, policy) and gemv_reads(quant):
         from minisgl.kernels import gemv
         return gemv.gemv(x, weight, bias, pdl=policy.pdl, weight_scale=_row_scale(quant))
     if quant is not None:
@@ -190,7 +193,7 @@ class ColumnParallelLinear(_Fp8Layer):
     def fuses_norm(self, stream: ResidualStream, norm: RMSNorm) -> bool:
         """Whether this layer runs on `norm(stream)` as one norm GEMV kernel (batch 1, GEMV
         path, a fused-kind norm, rows that fit a program)."""
-        if not (takes_gemv(stream.partial, self.policy, self.quantized())
+        if not (takes_gemv(stream.partial, self.policy) and gemv_reads(self.quantized())
                 and norm.policy.fused):
             return False
         from minisgl.kernels import gemv
