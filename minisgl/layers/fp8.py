@@ -271,8 +271,13 @@ def fill_random(module: nn.Module, gen: torch.Generator, std: float) -> None:
 @torch.no_grad()
 def finish_loading(model: nn.Module) -> None:
     """After every weight is in: the weight-only layers dequantized to their compute dtype (and
-    plain dense layers from then on); the others stay FP8."""
-    for _, module in list(fp8_layers(model)):
+    plain dense layers from then on); the others stay FP8. On CUDA the quantization's
+    temporaries go back to the driver, so the KV pool sizes itself from the memory truly free
+    (torch.cuda.mem_get_info counts the allocator's cached blocks as used)."""
+    layers = list(fp8_layers(model))
+    if any(m.weight.is_cuda for _, m in layers):
+        torch.cuda.empty_cache()
+    for _, module in layers:
         spec: Fp8Spec = module.fp8  # type: ignore[assignment]
         if not spec.weight_only:
             continue
