@@ -53,8 +53,9 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] 
             policy: KernelPolicy = KernelPolicy(),
             blas_by_rows: Optional[Dict[int, str]] = None,
             quant: Optional[Fp8Weight] = None) -> torch.Tensor:
-    """x W^T + b. Where `takes_gemv(x, policy)` and `gemv_reads(quant)`, the Triton GEMV of kernels/gemv.py
-    (reading FP8 weights and their row scales where `quant` gives them; x stays in its dtype),
+    """x W^T + b. Where `takes_gemv(x, policy)` and `gemv_reads(quant)`, the Triton GEMV of
+    kernels/gemv.py (reading FP8 weights and their row scales where `quant` gives them; x stays
+    in its dtype),
     launched with programmatic dependent launch so that its weights stream while the previous
     kernel finishes; else with FP8 weights (`quant`, whose weight is `weight`) the W8A8 GEMM of
     layers/fp8.linear; anything else F.linear, by the BLAS library `blas_by_rows` names for
@@ -152,33 +153,29 @@ class ColumnParallelLinear(_Fp8Layer):
 
     `out_sizes` lists the logical outputs fused into one matrix (e.g. gate and up); each is split
     across ranks separately, so shard `i` of every rank is contiguous in the local weight.
+    `shards`: this rank's rows of each output, where they are not an even split over ranks.
     `fp8`: FP8 weights in that format (see _Fp8Layer); with blocks, every shard must hold
     whole blocks (ValueError naming the numbers).
     """
 
     def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool,
                  info: DistributedInfo, policy: KernelPolicy = KernelPolicy(),
-                 fp8: Optional[Fp8Spec] = None) -> None:
+                 fp8: Optional[Fp8Spec] = None, shards: Optional[Sequence[Shard]] = None
+                 ) -> None:
         super().__init__()
         self.info = info
         self.policy = policy  # see project()
         self.blas_by_rows: Dict[int, str] = {}  # see project(); filled by blas.tune
         self.fp8 = fp8
-        self.in_features = in_features
-        self.full_sizes = list(out_sizes)  # each part's rows in the checkpoint
-        self.shards = [info.shard(n, "linear output features") for n in out_sizes]
-        self._build(bias)
-
-    def _build(self, bias: bool) -> None:
-        """The offsets of the shards in the local weight, the weight and bias (after
-        `shards` and `full_sizes` are set)."""
+        self.full_sizes = list(out_sizes)  # each output's rows in the checkpoint
+        self.shards = (list(shards) if shards is not None else
+                       [info.shard(n, "linear output features") for n in out_sizes])
         self.offsets = [sum(s.size for s in self.shards[:i]) for i in range(len(self.shards))]
         local_out = sum(s.size for s in self.shards)
-        if self.fp8 is not None:
-            fp8_weights.check_block_split(self.fp8, self.parts, Shard(0, self.in_features),
-                                          self.in_features, self.info.size,
-                                          type(self).__name__)
-        self._make_weight(local_out, self.in_features)
+        if fp8 is not None:
+            fp8_weights.check_block_split(fp8, self.parts, Shard(0, in_features), in_features,
+                                          info.size, type(self).__name__)
+        self._make_weight(local_out, in_features)
         self.bias = _empty(local_out) if bias else None
 
     @property
@@ -253,18 +250,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         check_head_split(num_heads, num_kv_heads, info.size)
         self.num_local_heads = num_heads // info.size
         self.num_local_kv_heads = max(1, num_kv_heads // info.size)
-        nn.Module.__init__(self)
-        self.info = info
-        self.policy = policy  # see project()
-        self.blas_by_rows: Dict[int, str] = {}  # see project(); filled by blas.tune
-        self.fp8 = fp8
-        self.in_features = hidden
         kv_start = (info.rank * num_kv_heads // info.size) * head_dim
-        kv_size = self.num_local_kv_heads * head_dim
-        self.full_sizes = [num_heads * head_dim] + [num_kv_heads * head_dim] * 2
-        self.shards = [info.shard(num_heads * head_dim, "linear output features"),
-                       Shard(kv_start, kv_size), Shard(kv_start, kv_size)]
-        self._build(bias)
+        kv = Shard(kv_start, self.num_local_kv_heads * head_dim)
+        q = info.shard(num_heads * head_dim, "linear output features")
+        super().__init__(hidden, [num_heads * head_dim] + [num_kv_heads * head_dim] * 2, bias,
+                         info, policy, fp8, shards=[q, kv, kv])
         self.head_dim = head_dim
 
     def forward_normed_rotary(self, stream: ResidualStream, norm: RMSNorm,
