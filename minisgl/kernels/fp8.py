@@ -25,11 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)
-# The smallest amax a scale is made from: an all-zero row (a CUDA graph's padding) then has a
-# tiny, finite scale and quantizes to zeros.
-MIN_AMAX = 1e-10
+from minisgl.kernels.types import FP8, FP8_MAX, FP8_MIN_AMAX as MIN_AMAX
 
 
 class Quantized(NamedTuple):

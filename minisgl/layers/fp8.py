@@ -30,12 +30,10 @@ import torch
 from torch import nn
 
 from minisgl.distributed import Shard
+from minisgl.kernels.types import FP8, FP8_MAX, FP8_MIN_AMAX as MIN_AMAX
 from minisgl.layers.source import TensorSource, copy_into
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)
 GEMMS = ("scaled_mm", "triton")  # rowwise products: torch._scaled_mm where it applies, or Triton
-MIN_AMAX = 1e-10  # as kernels/fp8.py: an all-zero row quantizes to zeros
 SCALE_PARAMS = ("weight_scale", "input_scale")  # checkpoint tensors of an FP8 layer besides weight
 
 
