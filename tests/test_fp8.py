@@ -183,6 +183,35 @@ def test_dummy_weights_with_online_fp8(tiny_model: Callable[..., Path]) -> None:
     assert w.dtype == torch.float32 and torch.isfinite(w).all() and 0.01 < w.std() < 0.03
 
 
+def test_quantization_config_rules() -> None:
+    """Which layers a config makes FP8, and how: groups by target (first match), ignore entries
+    by name, module prefix or regular expression; compressed-tensors' block scheme."""
+    weights = {"type": "float", "num_bits": 8, "symmetric": True, "dynamic": False}
+    dynamic = {"type": "float", "num_bits": 8, "dynamic": True, "strategy": "token"}
+    q = parse_quantization({"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "float-quantized",
+        "ignore": ["lm_head", r"re:.*\.0\.mlp\.down_proj$", "model.layers.3"],
+        "config_groups": {
+            "attn": {"targets": [r"re:.*self_attn\..*"],
+                     "weights": {**weights, "strategy": "block", "block_structure": [128, 128]},
+                     "input_activations": {**dynamic, "strategy": "group", "group_size": 128}},
+            "rest": {"targets": ["Linear"], "weights": {**weights, "strategy": "channel"},
+                     "input_activations": dynamic}}}})
+    assert q is not None
+    assert q.spec_for("model.layers.0.self_attn.q_proj") == fp8.Fp8Spec(block=(128, 128))
+    assert q.spec_for("model.layers.0.mlp.up_proj") == fp8.Fp8Spec()
+    assert q.spec_for("model.layers.0.mlp.down_proj") is None
+    assert q.spec_for("model.layers.1.mlp.down_proj") == fp8.Fp8Spec()
+    assert q.spec_for("model.layers.3.self_attn.o_proj") is None
+    assert q.spec_for("model.layers.31.self_attn.o_proj") is not None
+    plan = quant_plan(q, None, torch.device("cpu"), torch.float32)
+    assert plan is not None
+    with pytest.raises(ValueError, match="quantizes gate_proj, up_proj differently"):
+        dataclasses.replace(plan, checkpoint=dataclasses.replace(
+            q, ignore=("model.layers.0.mlp.gate_proj",))).spec_for(
+            "model.layers.0.mlp", ("gate_proj", "up_proj"))
+
+
 # --- bad input ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("quantization,match", [
     ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
