@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from minisgl.distributed import ALLREDUCE_MODES, DistributedInfo, check_allreduce_mode
+from minisgl.models.quantization import QUANTIZATIONS
 from minisgl.settings import check_choices, setting
 from minisgl.utils import DTYPE_NAMES, resolve_device, resolve_dtype
 
@@ -52,7 +53,7 @@ class EngineConfig:
               "weights are dequantized again, weight-only); a checkpoint that config.json "
               "says is FP8 (compressed-tensors, fp8) is read as it is. unset: as the "
               "checkpoint is. FP8 on CUDA needs compute capability 8.9 or newer",
-        choices=("fp8",))
+        choices=QUANTIZATIONS)
     load_format: str = setting("auto", "auto (the model directory's safetensors) or dummy "
                                        "(random weights from config.json alone, for benchmarks "
                                        "of large shapes)", choices=LOAD_FORMATS)
