@@ -106,3 +106,50 @@ def test_batch1_fused_decoder_matches_unfused(cls: type, bias: bool, target: boo
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     qkv_kernel = "norm_qkv_rope" if target and cls is not Qwen3ForCausalLM else "norm_gemv"
     assert calls.count(qkv_kernel) >= LAYERS and calls.count("norm_gate_up_silu") == LAYERS
+
+
+@pytest.mark.parametrize("cls,bias,target", [(LlamaForCausalLM, False, True),
+                                             (Qwen2ForCausalLM, True, False)])
+def test_batch1_fused_decoder_reads_fp8_weights(cls: type, bias: bool, target: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """With FP8 projections (weights and row scales, kept FP8 as on a GPU), batch 1 takes the
+    same fused GEMVs reading the FP8 weights, with the activations unquantized: the logits and
+    caches equal the unfused model's on the dequantized weights."""
+    from minisgl.layers import fp8
+    from minisgl.models.quantization import QuantPlan
+    cfg, info = _config(bias), DistributedInfo(0, 1)
+    torch.manual_seed(0)
+    ref = cls(cfg, info, Communicator(info))
+    for name, p in ref.named_parameters():
+        p.data.uniform_(0.5, 1.5) if "norm" in name else p.data.normal_(0, 0.3)
+    plan = QuantPlan(None, fp8.Fp8Spec(gemm="triton"))
+    fused = cls(cfg, info, Communicator(info), KernelPolicy(fused=True, pdl=True), plan)
+    fused.load_state_dict(ref.state_dict(), strict=False)
+    layers = list(fp8.fp8_layers(fused))
+    assert len(layers) == 4 * LAYERS
+    for name, layer in layers:
+        dense = ref.get_submodule(name)
+        q, scale = fp8.quantize_rows(dense.weight.data)
+        layer.weight.data.copy_(q)
+        layer.weight_scale.copy_(scale)
+        dense.weight.data.copy_(fp8.dequantize(q, scale, None, torch.float32))
+    want = _step(ref, target)
+    calls: List[str] = []
+
+    def without_pdl(kernel: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            calls.append(kernel.__name__ + ("" if kwargs.get("weight_scale") is None
+                                            else " fp8"))
+            return kernel(*args, **{**kwargs, "pdl": False})
+        return run
+    for name in ("gemv", "norm_gemv", "norm_gate_up_silu", "norm_qkv_rope"):
+        monkeypatch.setattr(gemv, name, without_pdl(getattr(gemv, name)))
+    monkeypatch.setattr(linear, "takes_gemv",
+                        lambda x, policy: policy.gemv and x.numel() == x.shape[-1])
+    got = _step(fused, target)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    qkv_kernel = "norm_qkv_rope fp8" if target else "norm_gemv fp8"
+    assert calls.count(qkv_kernel) == LAYERS and calls.count("norm_gate_up_silu fp8") == LAYERS
+    assert calls.count("gemv fp8") == 2 * LAYERS  # o_proj, down_proj
+    assert calls.count("gemv") == 1  # the LM head, dense

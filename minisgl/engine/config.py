@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from minisgl.distributed import ALLREDUCE_MODES, DistributedInfo, check_allreduce_mode
+from minisgl.models.quantization import QUANTIZATIONS
 from minisgl.settings import check_choices, setting
 from minisgl.utils import DTYPE_NAMES, resolve_device, resolve_dtype
 
@@ -46,6 +47,13 @@ class EngineConfig:
                                                  "memory free after the weights")
     mem_fraction: float = setting(0.85, "share of the GPU memory free after the weights that "
                                         "the KV pool takes (when max_kv_tokens is unset)")
+    quantization: Optional[str] = setting(
+        None, "fp8: the decoder's projections in FP8, quantized per output channel as the "
+              "checkpoint loads (dynamic per-token activation scales on CUDA; on the CPU the "
+              "weights are dequantized again, weight-only); a checkpoint that config.json "
+              "says is FP8 (compressed-tensors, fp8) is read as it is. unset: as the "
+              "checkpoint is. FP8 on CUDA needs compute capability 8.9 or newer",
+        choices=QUANTIZATIONS)
     load_format: str = setting("auto", "auto (the model directory's safetensors) or dummy "
                                        "(random weights from config.json alone, for benchmarks "
                                        "of large shapes)", choices=LOAD_FORMATS)

@@ -31,6 +31,7 @@ from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
 from minisgl.layers import blas
 from minisgl.models import CausalLM, ModelConfig, model_class
+from minisgl.models.quantization import quant_plan
 from minisgl.models.weights import init_dummy, iter_checkpoint
 from minisgl.utils import temporarily, to_device
 
@@ -182,9 +183,11 @@ class Engine:
 
     def _load_model(self, groups: ProcessGroups) -> CausalLM:
         cls = model_class(self.model_cfg.architecture)
+        quant = quant_plan(self.model_cfg.quantization, self.cfg.quantization, self.device,
+                           self.cfg.torch_dtype)
         dtype = temporarily(torch.get_default_dtype, torch.set_default_dtype, self.cfg.torch_dtype)
         with torch.device(self.device), dtype:
-            model = cls(self.model_cfg, self.cfg.tp_info, groups.comm, self.policy)
+            model = cls(self.model_cfg, self.cfg.tp_info, groups.comm, self.policy, quant)
         if self.cfg.load_format == "dummy":
             init_dummy(model, self.cfg.seed)
         else:

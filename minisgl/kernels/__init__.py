@@ -6,6 +6,7 @@
 - `gemv`: the batch-1 projections, with the norm before them and the rotary / SiLU after them
   fused in;
 - `attention`: paged decode and extend attention, and the K/V store;
+- `fp8`: FP8 activation quantization (per token, per group) and the scaled W8A8 GEMMs;
 - `moe`: mixture-of-experts routing, the sort of (token, expert) pairs by expert and the
   grouped expert GEMMs; `dot`: the matrix product the tiled kernels (attention, moe) share;
 - `allreduce`: all-reduce, residual add and RMSNorm in one kernel over symmetric memory;

@@ -11,7 +11,9 @@ that kernel's tail.
   in the epilogue.
 
 They sum in float32 and round where the separate kernels round, so their results equal those
-kernels' up to summation order. This module imports triton; layers import it only for CUDA
+kernels' up to summation order. Each takes FP8 (float8_e4m3fn) weights too, with `weight_scale`
+their float32 scale per output row: the row's dot product with the (unquantized) input is
+multiplied by its scale before the bias, so that a batch-1 step streams half the bytes. This module imports triton; layers import it only for CUDA
 tensors.
 """
 
@@ -60,15 +62,19 @@ def _gemv_tile(w_ptr, rows, cols, n, k, stride_wn):
 
 
 @triton.jit
-def _gemv_store(acc, rows, n, b_ptr, out_ptr, HAS_BIAS: tl.constexpr):
+def _gemv_store(acc, rows, n, s_ptr, b_ptr, out_ptr, HAS_SCALE: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+    if HAS_SCALE:
+        acc *= tl.load(s_ptr + rows, mask=rows < n, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=rows < n, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < n)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n, k, stride_wn, HAS_BIAS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, n, k, stride_wn, HAS_SCALE: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     # The weights are never written during a forward pass: their first tile may be read before
@@ -82,29 +88,45 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n, k, stride_wn, HAS_BIAS: tl.con
         w = _gemv_tile(w_ptr, rows, cols, n, k, stride_wn)
         x = tl.load(x_ptr + cols, mask=cols < k, other=0.0).to(tl.float32)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    _gemv_store(acc, rows, n, b_ptr, out_ptr, HAS_BIAS)
+    _gemv_store(acc, rows, n, s_ptr, b_ptr, out_ptr, HAS_SCALE, HAS_BIAS)
 
 
-def _check_gemv(x: torch.Tensor, weight: torch.Tensor) -> None:
-    k = weight.shape[1]
+def _check_gemv(x: torch.Tensor, weight: torch.Tensor,
+                weight_scale: Optional[torch.Tensor] = None) -> None:
+    n, k = weight.shape
     if x.numel() != k or weight.stride(1) != 1:
         raise ValueError(f"gemv takes one row of {k} features and a row-major weight, got x "
                          f"{tuple(x.shape)}, weight strides {weight.stride()}")
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if fp8 != (weight_scale is not None) or (weight_scale is not None and (
+            weight_scale.shape != (n,) or weight_scale.dtype != torch.float32
+            or not weight_scale.is_contiguous())):
+        got = None if weight_scale is None else (weight_scale.dtype, tuple(weight_scale.shape))
+        raise ValueError(f"a gemv's weight_scale is a dense float32 [{n}] for FP8 weights and "
+                         f"None otherwise; got {weight.dtype} weights and scale {got}")
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-         pdl: bool = False) -> torch.Tensor:
-    """x W^T + b for a single row x [..., K] (one token); weight [N, K] with dense rows. Sums in
-    float32 and rounds once (the last bit can differ from cuBLAS)."""
-    _check_gemv(x, weight)
+         pdl: bool = False, weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x W^T + b for a single row x [..., K] (one token); weight [N, K] with dense rows (FP8
+    with `weight_scale` [N], see the module's doc). Sums in float32 and rounds once (the last
+    bit can differ from cuBLAS)."""
+    _check_gemv(x, weight, weight_scale)
     n, k = weight.shape
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     tiles = gemv_tiles(k)
     _gemv_kernel[(triton.cdiv(n, _GEMV_ROWS),)](
-        x.contiguous(), weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=_GEMV_ROWS, BLOCK_K=tiles.block_k, PDL=pdl,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl))
+        x.contiguous(), weight, _or(weight_scale, weight), _or(bias, weight), out, n, k,
+        weight.stride(0), HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
+        BLOCK_N=_GEMV_ROWS, BLOCK_K=tiles.block_k, PDL=pdl, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **launch_options(pdl))
     return out
+
+
+def _or(t: Optional[torch.Tensor], other: torch.Tensor) -> torch.Tensor:
+    """An optional tensor argument of a kernel: any pointer stands in for a missing one (the
+    kernel's HAS_* flag keeps it unread)."""
+    return t if t is not None else other
 
 
 # --- with the RMSNorm before them fused in --------------------------------------------------------
@@ -132,9 +154,10 @@ def _normed_row(x_ptr, res_ptr, nw_ptr, res_out_ptr, cols, k, eps, HAS_RES: tl.c
 
 
 @triton.jit
-def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, n, k,
-                      stride_wn, eps, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_out_ptr, n, k,
+                      stride_wn, eps, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PDL: tl.constexpr):
     """Program p: rows [p * BLOCK_N, +BLOCK_N) of rmsnorm(h) W^T + b for h = x + res (x alone
     without HAS_RES); program 0 also stores h at res_out."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -142,8 +165,8 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr
     w = _gemv_tile(w_ptr, rows, cols, n, k, stride_wn)  # before the wait, as in _gemv_kernel
     pdl_enter(PDL)
     x = _normed_row(x_ptr, res_ptr, nw_ptr, res_out_ptr, cols, k, eps, HAS_RES)
-    _gemv_store(tl.sum(w.to(tl.float32) * x[None, :], axis=1), rows, n, b_ptr, out_ptr,
-                HAS_BIAS)
+    _gemv_store(tl.sum(w.to(tl.float32) * x[None, :], axis=1), rows, n, s_ptr, b_ptr, out_ptr,
+                HAS_SCALE, HAS_BIAS)
 
 
 class _NormGemvIO(NamedTuple):
@@ -154,9 +177,10 @@ class _NormGemvIO(NamedTuple):
 
 
 def _norm_gemv_io(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
-                  weight: torch.Tensor, out_features: int) -> _NormGemvIO:
+                  weight: torch.Tensor, out_features: int,
+                  weight_scale: Optional[torch.Tensor]) -> _NormGemvIO:
     """Checked inputs and new outputs of a norm GEMV."""
-    _check_gemv(x, weight)
+    _check_gemv(x, weight, weight_scale)
     k = weight.shape[1]
     if k > NORM_GEMV_MAX_K or norm_weight.numel() != k:
         raise ValueError(f"a norm GEMV takes rows of at most {NORM_GEMV_MAX_K} features and a "
@@ -170,16 +194,19 @@ def _norm_gemv_io(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight
 
 def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
               eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-              pdl: bool = False, num_warps: int = 4, num_stages: int = 1) -> Normed:
+              pdl: bool = False, num_warps: int = 4, num_stages: int = 1,
+              weight_scale: Optional[torch.Tensor] = None) -> Normed:
     """`gemv(rmsnorm(x + residual), weight, bias)` in one launch, for one row x of K <=
     NORM_GEMV_MAX_K features (the norm's roundings are `rmsnorm`'s), and the new residual
     x + residual (a new tensor; x itself without a residual). `num_warps`, `num_stages`: the
-    tiling, there for scripts/bench_kernels.py's sweep (the layers take the defaults)."""
+    tiling, there for scripts/bench_kernels.py's sweep (the layers take the defaults). FP8
+    weights with `weight_scale`, as `gemv`."""
     n, k = weight.shape
-    x, res, out, res_out = _norm_gemv_io(x, residual, norm_weight, weight, n)
+    x, res, out, res_out = _norm_gemv_io(x, residual, norm_weight, weight, n, weight_scale)
     _norm_gemv_kernel[(triton.cdiv(n, _GEMV_ROWS),)](
-        x, res, norm_weight, weight, bias if bias is not None else weight, out, res_out, n, k,
-        weight.stride(0), eps, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+        x, res, norm_weight, weight, _or(weight_scale, weight), _or(bias, weight), out, res_out,
+        n, k, weight.stride(0), eps, HAS_RES=residual is not None,
+        HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
         BLOCK_N=_GEMV_ROWS, BLOCK_K=triton.next_power_of_2(k), PDL=pdl, num_warps=num_warps,
         num_stages=num_stages, **launch_options(pdl))
     return Normed(out, res_out)
@@ -197,11 +224,15 @@ def _pair_tiles(w_ptr, lo_rows, hi_rows, cols, n, k, stride_wn):
 
 
 @triton.jit
-def _pair_products(w_lo, w_hi, x, b_ptr, lo_rows, hi_rows, n, HAS_BIAS: tl.constexpr,
-                   ty: tl.constexpr):
-    """Both halves' products (+ bias), rounded to `ty` as the GEMV output is, in float32."""
+def _pair_products(w_lo, w_hi, x, s_ptr, b_ptr, lo_rows, hi_rows, n, HAS_SCALE: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, ty: tl.constexpr):
+    """Both halves' products (scaled, + bias), rounded to `ty` as the GEMV output is, in
+    float32."""
     lo = tl.sum(w_lo.to(tl.float32) * x[None, :], axis=1)
     hi = tl.sum(w_hi.to(tl.float32) * x[None, :], axis=1)
+    if HAS_SCALE:
+        lo *= tl.load(s_ptr + lo_rows, mask=lo_rows < n, other=0.0)
+        hi *= tl.load(s_ptr + hi_rows, mask=hi_rows < n, other=0.0)
     if HAS_BIAS:
         lo += tl.load(b_ptr + lo_rows, mask=lo_rows < n, other=0.0).to(tl.float32)
         hi += tl.load(b_ptr + hi_rows, mask=hi_rows < n, other=0.0).to(tl.float32)
@@ -209,9 +240,9 @@ def _pair_products(w_lo, w_hi, x, b_ptr, lo_rows, hi_rows, n, HAS_BIAS: tl.const
 
 
 @triton.jit
-def _norm_gate_up_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, d, k,
-                         stride_wn, eps, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _norm_gate_up_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_out_ptr, d,
+                         k, stride_wn, eps, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Program p: out[2p, 2p + 1] = silu(gate) * up, gate / up the rows 2p, 2p + 1 and d + 2p,
     d + 2p + 1 of rmsnorm(h) W^T + b (W = [gate; up], 2d rows; with d odd the last program's
     second gate row is an up row, whose result is not stored)."""
@@ -220,36 +251,39 @@ def _norm_gate_up_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_
     w_gate, w_up = _pair_tiles(w_ptr, i, d + i, cols, 2 * d, k, stride_wn)  # before the wait
     pdl_enter(PDL)
     x = _normed_row(x_ptr, res_ptr, nw_ptr, res_out_ptr, cols, k, eps, HAS_RES)
-    gate, up = _pair_products(w_gate, w_up, x, b_ptr, i, d + i, 2 * d, HAS_BIAS,
-                              out_ptr.dtype.element_ty)
+    gate, up = _pair_products(w_gate, w_up, x, s_ptr, b_ptr, i, d + i, 2 * d, HAS_SCALE,
+                              HAS_BIAS, out_ptr.dtype.element_ty)
     act = silu_mul_f32(gate, up)
     tl.store(out_ptr + i, act.to(out_ptr.dtype.element_ty), mask=i < d)
 
 
 def norm_gate_up_silu(x: torch.Tensor, residual: Optional[torch.Tensor],
                       norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                      bias: Optional[torch.Tensor] = None, pdl: bool = False) -> Normed:
+                      bias: Optional[torch.Tensor] = None, pdl: bool = False,
+                      weight_scale: Optional[torch.Tensor] = None) -> Normed:
     """The gated MLP's first half for one token in one launch: silu(gate) * up for [gate | up]
     = rmsnorm(x + residual) W^T + b, W = [gate rows; up rows] (an even number of rows);
-    equal to `norm_gemv` followed by `silu_and_mul`. Also the new residual, as `norm_gemv`."""
+    equal to `norm_gemv` followed by `silu_and_mul`. Also the new residual, as `norm_gemv`.
+    FP8 weights with `weight_scale`, as `gemv`."""
     n, k = weight.shape
     if n % 2:
         raise ValueError(f"gate/up weight needs an even number of rows, got {n}")
     d = n // 2
-    x, res, out, res_out = _norm_gemv_io(x, residual, norm_weight, weight, d)
+    x, res, out, res_out = _norm_gemv_io(x, residual, norm_weight, weight, d, weight_scale)
     _norm_gate_up_kernel[(triton.cdiv(d, 2),)](
-        x, res, norm_weight, weight, bias if bias is not None else weight, out, res_out, d, k,
-        weight.stride(0), eps, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+        x, res, norm_weight, weight, _or(weight_scale, weight), _or(bias, weight), out, res_out,
+        d, k, weight.stride(0), eps, HAS_RES=residual is not None,
+        HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
         BLOCK_K=triton.next_power_of_2(k), PDL=pdl, num_warps=4, **launch_options(pdl))
     return Normed(out, res_out)
 
 
 @triton.jit
-def _norm_qkv_rope_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, pos_ptr,
-                          cos_ptr, sin_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, n, k, stride_wn,
-                          stride_cs, eps, n_q, n_kv, HAS_RES: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, HALF: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PDL: tl.constexpr):
+def _norm_qkv_rope_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_out_ptr,
+                          pos_ptr, cos_ptr, sin_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, n, k,
+                          stride_wn, stride_cs, eps, n_q, n_kv, HAS_RES: tl.constexpr,
+                          HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HALF: tl.constexpr,
+                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Program p: rotary pairs j, j + 1 of head p // (HALF // 2), j = 2 * (p % (HALF // 2)), of
     the fused QKV projection of rmsnorm(h): q pairs rotated into out, k pairs rotated into the
     k cache at this token's slot, v pairs copied to the v cache there (k and v also into out,
@@ -262,7 +296,8 @@ def _norm_qkv_rope_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out
     pdl_enter(PDL)
     x = _normed_row(x_ptr, res_ptr, nw_ptr, res_out_ptr, cols, k, eps, HAS_RES)
     ty = out_ptr.dtype.element_ty
-    lo, hi = _pair_products(w_lo, w_hi, x, b_ptr, lo_rows, lo_rows + HALF, n, HAS_BIAS, ty)
+    lo, hi = _pair_products(w_lo, w_hi, x, s_ptr, b_ptr, lo_rows, lo_rows + HALF, n, HAS_SCALE,
+                            HAS_BIAS, ty)
     pos = tl.load(pos_ptr).to(tl.int64)
     c = tl.load(cos_ptr + pos * (2 * HALF) + j)
     s = tl.load(sin_ptr + pos * (2 * HALF) + j)
@@ -285,11 +320,12 @@ def _norm_qkv_rope_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out
 
 def norm_qkv_rope(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
                   eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor], rope: QKVRope,
-                  pdl: bool = False) -> Normed:
+                  pdl: bool = False, weight_scale: Optional[torch.Tensor] = None) -> Normed:
     """One token's attention input in one launch: qkv = rmsnorm(x + residual) W^T + b as
     `norm_gemv`, then q rotated in place (rotate-half), and the rotated k and v written to the
     KV cache as `rotary.rotary_qk_(..., store=...)` does (k and v stay unrotated in qkv). W's
-    rows are the q heads, then k, then v, head_dim (a power of two, at least 4) rows each."""
+    rows are the q heads, then k, then v, head_dim (a power of two, at least 4) rows each. FP8
+    weights with `weight_scale`, as `gemv`."""
     n, k = weight.shape
     dim = rope.cos.shape[1]
     heads = rope.n_q + 2 * rope.n_kv
@@ -310,11 +346,12 @@ def norm_qkv_rope(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight
                          f"position and slot, got {tuple(rope.cos.shape)}, "
                          f"{tuple(rope.sin.shape)}, {rope.positions.numel()} positions, "
                          f"{slots.numel()} slots")
-    x, res, out, res_out = _norm_gemv_io(x, residual, norm_weight, weight, n)
+    x, res, out, res_out = _norm_gemv_io(x, residual, norm_weight, weight, n, weight_scale)
     _norm_qkv_rope_kernel[(n // 4,)](
-        x, res, norm_weight, weight, bias if bias is not None else weight, out, res_out,
+        x, res, norm_weight, weight, _or(weight_scale, weight), _or(bias, weight), out, res_out,
         rope.positions, rope.cos, rope.sin, slots, k_cache, v_cache, n, k,
         weight.stride(0), k_cache.stride(0), eps, rope.n_q, rope.n_kv,
-        HAS_RES=residual is not None, HAS_BIAS=bias is not None, HALF=dim // 2,
+        HAS_RES=residual is not None, HAS_SCALE=weight_scale is not None,
+        HAS_BIAS=bias is not None, HALF=dim // 2,
         BLOCK_K=triton.next_power_of_2(k), PDL=pdl, num_warps=4, **launch_options(pdl))
     return Normed(out, res_out)

@@ -102,3 +102,11 @@ class PeerBuffers(NamedTuple):
     errors: torch.Tensor
     spin_limit: int
     trap: bool
+
+
+# FP8 weights and activations (float8_e4m3fn): the largest value, and the smallest amax a scale
+# is made from, so that an all-zero row (a CUDA graph's padding) gets a tiny, finite scale and
+# quantizes to zeros.
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)
+FP8_MIN_AMAX = 1e-10

@@ -123,8 +123,10 @@ def tune(layers: Iterable[torch.nn.Module], rows: Sequence[int], timer: Timer) -
 
 
 def tunable_layers(model: torch.nn.Module) -> List[torch.nn.Module]:
-    """The modules `tune` applies to: those carrying a `blas_by_rows` table."""
-    return [m for m in model.modules() if isinstance(getattr(m, "blas_by_rows", None), dict)]
+    """The modules `tune` applies to: those carrying a `blas_by_rows` table whose weight is in
+    a BLAS dtype (FP8 layers run their own GEMMs: layers/fp8.py)."""
+    return [m for m in model.modules() if isinstance(getattr(m, "blas_by_rows", None), dict)
+            and m.weight.dtype != torch.float8_e4m3fn]
 
 
 def describe(model: torch.nn.Module) -> str:

@@ -7,6 +7,10 @@ At batch 1 on the GPU a projection can absorb what surrounds it into its one ker
 before it (`forward_normed*`, taking a ResidualStream), SiLU-and-mul after gate/up, and after QKV
 the rotary embedding and the K/V store. That is why these layers see norms, the rotary caches and
 the KV cache layout: the kernel that fuses them is the projection's.
+
+Built with an `Fp8Spec` (layers/fp8.py), the column- and row-parallel layers hold FP8 weights
+and their scales, load their shards of them (or quantize their shard of a dense checkpoint), and
+multiply by them on CUDA; on the CPU they are dequantized once loaded and run as dense layers.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from minisgl.distributed import Communicator, DistributedInfo, Shard
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kernels.types import KVTarget, Normed, QKVRope
 from minisgl.layers import blas
+from minisgl.layers import fp8 as fp8_weights
+from minisgl.layers.fp8 import Fp8Spec, Fp8Weight
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.layers.source import TensorSource, copy_into
@@ -32,23 +38,62 @@ def _empty(*shape: int) -> nn.Parameter:
 
 def takes_gemv(x: torch.Tensor, policy: KernelPolicy) -> bool:
     """Whether `project(x, ..., policy)` runs the Triton GEMV: with `policy.gemv`, a single token
-    in a half dtype on CUDA (decode at batch 1)."""
+    in a half dtype on CUDA (decode at batch 1), where `gemv_reads` its weights."""
     return (policy.gemv and x.is_cuda and x.numel() == x.shape[-1]
             and x.dtype in (torch.bfloat16, torch.float16))
 
 
+def gemv_reads(quant: Optional[Fp8Weight]) -> bool:
+    """Whether the GEMV reads these weights: dense ones (None), or FP8 ones scaled per output
+    row (block-scaled ones take the scaled GEMM at batch 1 too)."""
+    return quant is None or quant.spec.block is None
+
+
 def project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
             policy: KernelPolicy = KernelPolicy(),
-            blas_by_rows: Optional[Dict[int, str]] = None) -> torch.Tensor:
-    """x W^T + b. Where `takes_gemv(x, policy)`, the Triton GEMV of kernels/gemv.py, launched
-    with programmatic dependent launch so that its weights stream while the previous kernel
-    finishes; anything else F.linear, by the BLAS library `blas_by_rows` names for x's row count
-    (layers/blas.py; cuBLAS where it names none)."""
-    if takes_gemv(x, policy):
+            blas_by_rows: Optional[Dict[int, str]] = None,
+            quant: Optional[Fp8Weight] = None) -> torch.Tensor:
+    """x W^T + b. Where `takes_gemv(x, policy)` and `gemv_reads(quant)`, the Triton GEMV of
+    kernels/gemv.py (reading FP8 weights and their row scales where `quant` gives them; x stays
+    in its dtype),
+    launched with programmatic dependent launch so that its weights stream while the previous
+    kernel finishes; else with FP8 weights (`quant`, whose weight is `weight`) the W8A8 GEMM of
+    layers/fp8.linear; anything else F.linear, by the BLAS library `blas_by_rows` names for
+    x's row count (layers/blas.py; cuBLAS where it names none)."""
+    if takes_gemv(x, policy) and gemv_reads(quant):
         from minisgl.kernels import gemv
-        return gemv.gemv(x, weight, bias, pdl=policy.pdl)
+        return gemv.gemv(x, weight, bias, pdl=policy.pdl, weight_scale=_row_scale(quant))
+    if quant is not None:
+        return fp8_weights.linear(x, quant, bias)
     library = blas_by_rows.get(x.numel() // x.shape[-1]) if blas_by_rows else None
     return blas.linear(x, weight, bias, library)
+
+
+def _row_scale(quant: Optional[Fp8Weight]) -> Optional[torch.Tensor]:
+    return None if quant is None else quant.scale
+
+
+class _Fp8Layer(nn.Module):
+    """What the column- and row-parallel layers share about FP8 weights: `fp8`, their spec
+    (None: dense weights, as after a weight-only layer's `finish_loading`)."""
+
+    fp8: Optional[Fp8Spec]
+
+    def _make_weight(self, out_features: int, in_features: int) -> None:
+        if self.fp8 is None:
+            self.weight = _empty(out_features, in_features)
+        else:
+            fp8_weights.make_params(self, self.fp8, out_features, in_features)
+
+    def quantized(self) -> Optional[Fp8Weight]:
+        """The FP8 weight and scales `project` multiplies by; None for dense weights."""
+        if self.fp8 is None:
+            return None
+        return Fp8Weight(self.weight, self.weight_scale, getattr(self, "input_scale", None),
+                         self.fp8)
+
+    def _gemv_scale(self) -> Optional[torch.Tensor]:
+        return _row_scale(self.quantized())
 
 
 class Reducer(Protocol):
@@ -103,32 +148,50 @@ class ResidualStream(NamedTuple):
         return cast(Normed, norm(h, self.residual))
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_Fp8Layer):
     """y = x W^T + b with W split by output rows: this rank holds rows `out_sizes` slices.
 
     `out_sizes` lists the logical outputs fused into one matrix (e.g. gate and up); each is split
     across ranks separately, so shard `i` of every rank is contiguous in the local weight.
+    `shards`: this rank's rows of each output, where they are not an even split over ranks.
+    `fp8`: FP8 weights in that format (see _Fp8Layer); with blocks, every shard must hold
+    whole blocks (ValueError naming the numbers).
     """
 
     def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool,
-                 info: DistributedInfo, policy: KernelPolicy = KernelPolicy()) -> None:
+                 info: DistributedInfo, policy: KernelPolicy = KernelPolicy(),
+                 fp8: Optional[Fp8Spec] = None, shards: Optional[Sequence[Shard]] = None
+                 ) -> None:
         super().__init__()
         self.info = info
         self.policy = policy  # see project()
         self.blas_by_rows: Dict[int, str] = {}  # see project(); filled by blas.tune
-        self.shards = [info.shard(n, "linear output features") for n in out_sizes]
+        self.fp8 = fp8
+        self.full_sizes = list(out_sizes)  # each output's rows in the checkpoint
+        self.shards = (list(shards) if shards is not None else
+                       [info.shard(n, "linear output features") for n in out_sizes])
         self.offsets = [sum(s.size for s in self.shards[:i]) for i in range(len(self.shards))]
         local_out = sum(s.size for s in self.shards)
-        self.weight = _empty(local_out, in_features)
+        if fp8 is not None:
+            fp8_weights.check_block_split(fp8, self.parts, Shard(0, in_features), in_features,
+                                          info.size, type(self).__name__)
+        self._make_weight(local_out, in_features)
         self.bias = _empty(local_out) if bias else None
 
+    @property
+    def parts(self) -> List[fp8_weights.Part]:
+        return [fp8_weights.Part(s, off, full)
+                for s, off, full in zip(self.shards, self.offsets, self.full_sizes)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(x, self.weight, self.bias, self.policy, self.blas_by_rows)
+        return project(x, self.weight, self.bias, self.policy, self.blas_by_rows,
+                       self.quantized())
 
     def fuses_norm(self, stream: ResidualStream, norm: RMSNorm) -> bool:
         """Whether this layer runs on `norm(stream)` as one norm GEMV kernel (batch 1, GEMV
         path, a fused-kind norm, rows that fit a program)."""
-        if not (takes_gemv(stream.partial, self.policy) and norm.policy.fused):
+        if not (takes_gemv(stream.partial, self.policy) and gemv_reads(self.quantized())
+                and norm.policy.fused):
             return False
         from minisgl.kernels import gemv
         return self.weight.shape[1] <= gemv.NORM_GEMV_MAX_K
@@ -140,7 +203,8 @@ class ColumnParallelLinear(nn.Module):
         if self.fuses_norm(stream, norm):
             from minisgl.kernels import gemv
             return gemv.norm_gemv(stream.reduced(), stream.residual, norm.weight, norm.eps,
-                                  self.weight, self.bias, pdl=self.policy.pdl)
+                                  self.weight, self.bias, pdl=self.policy.pdl,
+                                  weight_scale=self._gemv_scale())
         x, h = stream.normed(norm)
         return Normed(self(x), h)
 
@@ -152,13 +216,28 @@ class ColumnParallelLinear(nn.Module):
             return None
         from minisgl.kernels import gemv
         return gemv.norm_gate_up_silu(stream.reduced(), stream.residual, norm.weight,
-                                      norm.eps, self.weight, self.bias, pdl=self.policy.pdl)
+                                      norm.eps, self.weight, self.bias, pdl=self.policy.pdl,
+                                      weight_scale=self._gemv_scale())
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
         shard, off = self.shards[shard_id], self.offsets[shard_id]
-        dst = getattr(self, param)
-        copy_into(dst.data[off:off + shard.size], src.read(0, shard.start, shard.stop),
-                  f"{param}[{shard_id}]")
+        what = f"{param}[{shard_id}]"
+        if self.fp8 is None or param == "bias":
+            dst = getattr(self, param)
+            copy_into(dst.data[off:off + shard.size], src.read(0, shard.start, shard.stop),
+                      what)
+        elif param == "weight":
+            rows = (self.weight_scale.data[off:off + shard.size] if self.fp8.block is None
+                    else None)
+            fp8_weights.load_weight(self.weight.data[off:off + shard.size], rows, self.fp8,
+                                    src.read(0, shard.start, shard.stop), what)
+        elif param == "weight_scale" and not self.fp8.online:
+            fp8_weights.load_column_scale(self.weight_scale.data, self.fp8, src,
+                                          self.parts[shard_id], what)
+        elif param == "input_scale" and self.fp8.static_input:
+            fp8_weights.load_input_scale(self.input_scale.data, src, what)
+        else:
+            raise ValueError(f"{what}: an FP8 layer ({self.fp8}) has no such tensor to load")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -166,18 +245,16 @@ class QKVParallelLinear(ColumnParallelLinear):
     them and replicated (each rank keeps the one KV head its Q heads use) when tp exceeds them."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
-                 info: DistributedInfo, policy: KernelPolicy = KernelPolicy()) -> None:
+                 info: DistributedInfo, policy: KernelPolicy = KernelPolicy(),
+                 fp8: Optional[Fp8Spec] = None) -> None:
         check_head_split(num_heads, num_kv_heads, info.size)
         self.num_local_heads = num_heads // info.size
         self.num_local_kv_heads = max(1, num_kv_heads // info.size)
-        super().__init__(hidden, [num_heads * head_dim], bias, info, policy)
         kv_start = (info.rank * num_kv_heads // info.size) * head_dim
-        kv_size = self.num_local_kv_heads * head_dim
-        self.shards = self.shards + [Shard(kv_start, kv_size), Shard(kv_start, kv_size)]
-        self.offsets = [0, self.shards[0].size, self.shards[0].size + kv_size]
-        local_out = self.shards[0].size + 2 * kv_size
-        self.weight = _empty(local_out, hidden)
-        self.bias = _empty(local_out) if bias else None
+        kv = Shard(kv_start, self.num_local_kv_heads * head_dim)
+        q = info.shard(num_heads * head_dim, "linear output features")
+        super().__init__(hidden, [num_heads * head_dim] + [num_kv_heads * head_dim] * 2, bias,
+                         info, policy, fp8, shards=[q, kv, kv])
         self.head_dim = head_dim
 
     def forward_normed_rotary(self, stream: ResidualStream, norm: RMSNorm,
@@ -193,7 +270,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         rope = QKVRope(positions, rotary.cos, rotary.sin, self.num_local_heads,
                                    self.num_local_kv_heads, target)
         return gemv.norm_qkv_rope(stream.reduced(), stream.residual, norm.weight, norm.eps,
-                                  self.weight, self.bias, rope, pdl=self.policy.pdl)
+                                  self.weight, self.bias, rope, pdl=self.policy.pdl,
+                                  weight_scale=self._gemv_scale())
 
     @property
     def split_sizes(self) -> List[int]:
@@ -212,28 +290,35 @@ def check_head_split(num_heads: int, num_kv_heads: int, tp: int) -> None:
                          f"KV heads or be a multiple of them (attention heads: {num_heads})")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Fp8Layer):
     """y = all_reduce(x_local W_local^T) + b; the input features are split over ranks.
 
     Where an RMSNorm follows (o_proj, down_proj), the decoder takes the partial product
     (`forward(x, reduce=False)`) and hands it to `reduce_norm`, which can do the all-reduce,
-    the residual add and the norm in one kernel (Communicator.all_reduce_rmsnorm)."""
+    the residual add and the norm in one kernel (Communicator.all_reduce_rmsnorm).
+    `fp8`: FP8 weights (see _Fp8Layer); each rank's scales are its own shard's."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, info: DistributedInfo,
-                 comm: Communicator, policy: KernelPolicy = KernelPolicy()) -> None:
+                 comm: Communicator, policy: KernelPolicy = KernelPolicy(),
+                 fp8: Optional[Fp8Spec] = None) -> None:
         super().__init__()
         self.policy = policy  # see project()
         self.blas_by_rows: Dict[int, str] = {}  # see project(); filled by blas.tune
         self.shard = info.shard(in_features, "linear input features")
         self.comm = comm
-        self.weight = _empty(out_features, self.shard.size)
+        self.fp8 = fp8
+        if fp8 is not None:
+            fp8_weights.check_block_split(fp8, [], self.shard, in_features, info.size,
+                                          type(self).__name__)
+        self._make_weight(out_features, self.shard.size)
         self.bias = _empty(out_features) if bias else None
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """The layer's output; with `reduce=False` only this rank's partial product (no
         all-reduce, no bias), which the caller must pass to `finish` or `reduce_norm` (e.g. in
         a ResidualStream)."""
-        partial = project(x, self.weight, None, self.policy, self.blas_by_rows)
+        partial = project(x, self.weight, None, self.policy, self.blas_by_rows,
+                          self.quantized())
         return self.finish(partial) if reduce else partial
 
     def finish(self, partial: torch.Tensor) -> torch.Tensor:
@@ -249,8 +334,18 @@ class RowParallelLinear(nn.Module):
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
         if param == "bias":
             copy_into(self.bias.data, src.read(), "bias")
-        else:
+        elif self.fp8 is None:
             copy_into(self.weight.data, src.read(1, self.shard.start, self.shard.stop), param)
+        elif param == "weight":
+            rows = self.weight_scale.data if self.fp8.block is None else None
+            fp8_weights.load_weight(self.weight.data, rows, self.fp8,
+                                    src.read(1, self.shard.start, self.shard.stop), param)
+        elif param == "weight_scale" and not self.fp8.online:
+            fp8_weights.load_row_scale(self.weight_scale.data, self.fp8, src, self.shard, param)
+        elif param == "input_scale" and self.fp8.static_input:
+            fp8_weights.load_input_scale(self.input_scale.data, src, param)
+        else:
+            raise ValueError(f"{param}: an FP8 layer ({self.fp8}) has no such tensor to load")
 
 
 class ReplicatedLinear(nn.Module):

@@ -22,8 +22,14 @@ class TensorSource(Protocol):
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
-    """Copy a loaded slice into (part of) a parameter, checking shapes with a clear message."""
+    """Copy a loaded slice into (part of) a parameter, checking shapes with a clear message.
+    An FP8 slice goes only into an FP8 parameter: converting it alone, without its scale, would
+    load wrong weights silently."""
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"shape mismatch loading {what}: checkpoint slice {tuple(src.shape)}, "
                          f"parameter {tuple(dst.shape)}")
+    if src.dtype == torch.float8_e4m3fn and dst.dtype != src.dtype:
+        raise ValueError(f"{what} is FP8 in the checkpoint, but minisgl keeps this layer in "
+                         f"{dst.dtype} (is it missing from the quantization config's ignore "
+                         f"list, or is the layer one minisgl does not quantize?)")
     dst.copy_(src.to(dtype=dst.dtype))

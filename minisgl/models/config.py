@@ -4,7 +4,8 @@ Mixture-of-experts shapes take the names of both families: Qwen2/Qwen3-MoE (`num
 `moe_intermediate_size`, `norm_topk_prob`, `decoder_sparse_step`, `mlp_only_layers`, Qwen2-MoE's
 `shared_expert_intermediate_size`) and Mixtral (`num_local_experts`, whose `intermediate_size`
 is the expert's and whose top-k weights are always renormalized). A dense model has
-num_experts 0.
+num_experts 0. An FP8 checkpoint's `quantization_config` is read by models/quantization.py
+(an unsupported one is refused here, naming it).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
+from minisgl.models.quantization import CheckpointQuant, parse_quantization
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -41,6 +43,7 @@ class ModelConfig:
     decoder_sparse_step: int = 1  # every step-th layer is sparse (see `is_sparse`)
     mlp_only_layers: Tuple[int, ...] = ()  # layers that stay dense
     shared_expert_intermediate_size: int = 0  # the sigmoid-gated shared expert; 0: none
+    quantization: Optional[CheckpointQuant] = None  # the checkpoint's FP8 layout; None: dense
 
     def __post_init__(self) -> None:
         if self.num_experts < 0:
@@ -94,6 +97,7 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             eos_token_ids=_eos_ids(cfg, generation or {}),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            quantization=parse_quantization(cfg),
             **_moe_fields(cfg, arch),
         )
 

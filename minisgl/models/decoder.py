@@ -28,6 +28,7 @@ from minisgl.distributed import Communicator, DistributedInfo
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl.layers.fp8 import SCALE_PARAMS, Fp8Spec, finish_loading
 from minisgl.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                    ResidualStream)
 from minisgl.layers.moe import MoEShape, SparseMoE, expert_param
@@ -35,19 +36,29 @@ from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.layers.source import TensorSource
 from minisgl.models.config import ModelConfig
+from minisgl.models.quantization import QuantPlan
 
 class Traits(NamedTuple):
-    """What differs between families, plus the kernels every layer launches (`policy`)."""
+    """What differs between families, plus the kernels every layer launches (`policy`) and
+    which projections are FP8 (`quant`; None: none)."""
 
     qkv_bias: bool
     o_bias: bool
     qk_norm: bool
     policy: KernelPolicy = KernelPolicy()
+    quant: Optional[QuantPlan] = None
+
+    def fp8(self, prefix: str, *parts: str) -> Optional[Fp8Spec]:
+        """The FP8 format of the projection fusing checkpoint layers `prefix`.`part`."""
+        return None if self.quant is None else self.quant.spec_for(prefix, parts)
 
 
 # checkpoint module name -> (our fused module, shard index)
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+# checkpoint parameter name -> ours: Hugging Face's block scales multiply the weight, as
+# compressed-tensors' weight_scale does (the inverse of the quantization's divisor)
+_PARAM_RENAMES = {"weight_scale_inv": "weight_scale"}
 
 
 class AttentionInput(NamedTuple):
@@ -69,11 +80,14 @@ class Attention(nn.Module):
                  info: DistributedInfo, comm: Communicator) -> None:
         super().__init__()
         self.layer = layer
+        prefix = f"model.layers.{layer}.self_attn"
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
                                           cfg.num_kv_heads, traits.qkv_bias, info,
-                                          traits.policy)
+                                          traits.policy,
+                                          traits.fp8(prefix, "q_proj", "k_proj", "v_proj"))
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
-                                        traits.o_bias, info, comm, traits.policy)
+                                        traits.o_bias, info, comm, traits.policy,
+                                        traits.fp8(prefix, "o_proj"))
         norm = lambda: RMSNorm(cfg.head_dim, cfg.rms_norm_eps, traits.policy)  # noqa: E731
         self.q_norm = norm() if traits.qk_norm else None
         self.k_norm = norm() if traits.qk_norm else None
@@ -117,14 +131,16 @@ class MLP(nn.Module):
     down_proj (its partial product, not yet all-reduced)."""
 
     def __init__(self, cfg: ModelConfig, info: DistributedInfo, comm: Communicator,
-                 traits: "Traits") -> None:
+                 traits: "Traits", prefix: str) -> None:
+        """`prefix`: the checkpoint's name of this MLP (model.layers.N.mlp)."""
         super().__init__()
         self.policy = traits.policy
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias,
-                                                 info, traits.policy)
+                                                 info, traits.policy,
+                                                 traits.fp8(prefix, "gate_proj", "up_proj"))
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, info, comm,
-                                           traits.policy)
+                                           traits.policy, traits.fp8(prefix, "down_proj"))
 
     def forward(self, stream: ResidualStream, norm: RMSNorm) -> ResidualStream:
         proj = self.gate_up_proj.forward_normed_silu(stream, norm)  # batch 1: one kernel
@@ -153,7 +169,7 @@ class DecoderLayer(nn.Module):
                                                 traits.policy)
         self.mlp: Union[MLP, SparseMoE] = (
             SparseMoE(moe_shape(cfg), info, comm, traits.policy) if cfg.is_sparse(layer)
-            else MLP(cfg, info, comm, traits))
+            else MLP(cfg, info, comm, traits, f"model.layers.{layer}.mlp"))
 
     def forward(self, stream: ResidualStream, positions: torch.Tensor, batch: Batch,
                 backend: AttentionBackend) -> ResidualStream:
@@ -198,11 +214,19 @@ class CausalLM(nn.Module):
         return Traits(qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=False)
 
     def __init__(self, cfg: ModelConfig, info: DistributedInfo, comm: Communicator,
-                 policy: KernelPolicy = KernelPolicy()) -> None:
-        """`policy`: the kernels every layer launches (see Traits)."""
+                 policy: KernelPolicy = KernelPolicy(), quant: Optional[QuantPlan] = None
+                 ) -> None:
+        """`policy`: the kernels every layer launches; `quant`: the FP8 projections (see
+        Traits)."""
         super().__init__()
+        if cfg.num_experts and quant is not None and quant.checkpoint is not None:
+            raise ValueError(f"FP8 checkpoints of mixture-of-experts models are not supported "
+                             f"({cfg.architecture}, {cfg.num_experts} experts): their experts "
+                             f"would need FP8 expert kernels; --quantization fp8 of a dense "
+                             f"checkpoint quantizes their attention and dense MLPs only")
         self.cfg = cfg
-        self.model = DecoderModel(cfg, self.traits(cfg)._replace(policy=policy), info, comm)
+        self.model = DecoderModel(cfg, self.traits(cfg)._replace(policy=policy, quant=quant),
+                                  info, comm)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, info, comm, tied_to=tied,
                                       policy=policy)
@@ -222,25 +246,37 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def load_weights(self, tensors: Iterable[Tuple[str, TensorSource]]) -> None:
-        """Load every parameter from (checkpoint name, source) pairs; raise naming any missing."""
+        """Load every parameter from (checkpoint name, source) pairs; raise naming any missing,
+        and any FP8 scale of a layer that is not FP8. Then the weight-only FP8 layers are
+        dequantized (layers/fp8.finish_loading)."""
         loaded: Set[str] = set()
         for name, src in tensors:
             target = self._target(name)
             if target is None:
                 continue
             module_name, param, shard = target
-            self.get_submodule(module_name).load(param, src, shard)  # type: ignore[operator]
+            module = self.get_submodule(module_name)
+            if param in SCALE_PARAMS and getattr(module, "fp8", None) is None:
+                raise ValueError(f"checkpoint tensor {name} is an FP8 scale, but minisgl keeps "
+                                 f"{module_name} unquantized (FP8 applies to the decoder's dense "
+                                 f"projections; quantization config: {self.cfg.quantization})")
+            try:
+                module.load(param, src, shard)  # type: ignore[operator]
+            except ValueError as e:
+                raise ValueError(f"loading checkpoint tensor {name}: {e}") from None
             loaded.add(f"{module_name}.{param}")
         expected = {n for n, _ in self.named_parameters()}
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:4]}")
+        finish_loading(self)
 
     def _target(self, name: str) -> Optional[Tuple[str, str, int]]:
         if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
             return None
         *path, param = name.split(".")
         path = [self.checkpoint_renames.get(p, p) for p in path]
+        param = _PARAM_RENAMES.get(param, param)
         expert = expert_param(path, param)
         if expert is not None:
             return expert

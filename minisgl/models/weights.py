@@ -2,7 +2,8 @@
 
 Safetensors: every rank opens the files itself and reads only its slices (`get_slice`), one
 tensor at a time, so its peak memory is about its shard plus one slice. Dummy: random values
-drawn directly into this rank's (already sharded) parameters.
+drawn directly into this rank's (already sharded) parameters; FP8 layers get random weights
+quantized as their format lays out its scales (layers/fp8.fill_random).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from minisgl.layers.fp8 import fill_random, finish_loading, fp8_layers
 from minisgl.layers.source import TensorSource
 
 logger = logging.getLogger(__name__)
@@ -25,6 +27,7 @@ class SafetensorsSource:
     """A lazily read checkpoint tensor: `read` fetches only the requested slice from disk."""
 
     def __init__(self, handle: object, name: str) -> None:
+        self._handle = handle
         self._slice = handle.get_slice(name)  # type: ignore[attr-defined]
         self.name = name
 
@@ -33,8 +36,8 @@ class SafetensorsSource:
         return tuple(self._slice.get_shape())
 
     def read(self, dim: Optional[int] = None, start: int = 0, stop: int = 0) -> torch.Tensor:
-        if dim is None:
-            return self._slice[:]
+        if dim is None:  # also a 0-d tensor (a per-tensor scale), which a slice cannot index
+            return self._handle.get_tensor(self.name)  # type: ignore[attr-defined]
         if dim == 0:
             return self._slice[start:stop]
         if dim == 1:
@@ -61,11 +64,20 @@ def iter_checkpoint(model_dir: Path, show_progress: bool) -> Iterator[Tuple[str,
 
 @torch.no_grad()
 def init_dummy(model: nn.Module, seed: int) -> None:
-    """Random weights (normal, std 0.02; norm weights 1) in place, on the parameters' device."""
+    """Random weights (normal, std 0.02; norm weights 1) in place, on the parameters' device;
+    then the weight-only FP8 layers dequantized, as after a checkpoint's loading."""
     gen_device = next(model.parameters()).device
     gen = torch.Generator(device=gen_device).manual_seed(seed)
+    quantized = list(fp8_layers(model))
+    fp8_params = {f"{name}.{p}" for name, m in quantized for p, _ in m.named_parameters()
+                  if p != "bias"}
     for name, p in model.named_parameters():
+        if name in fp8_params:
+            continue
         if "norm" in name:
             p.fill_(1.0)
         else:
             p.normal_(0.0, 0.02, generator=gen)
+    for _, module in quantized:
+        fill_random(module, gen, 0.02)
+    finish_loading(model)

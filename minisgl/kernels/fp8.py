@@ -1,0 +1,233 @@
+"""FP8 (float8_e4m3fn) kernels of the W8A8 projections: activation quantization and the scaled
+GEMMs.
+
+- `quantize_tokens`: one scale per row (token), amax / 448, or a given per-tensor (static) scale,
+  and the row divided by it, saturated to +-448 and cast, in one launch.
+- `quantize_groups`: the same per group of `group` columns (1 x 128 groups: the activations of
+  block-scaled weights).
+- `scaled_mm`: out = (a_q * a_scale) (w_q * w_scale)^T + bias for fp8 a_q [M, K], w_q [N, K],
+  with a_scale per row and w_scale per output row (rowwise), or a_scale per 1 x Bk group and
+  w_scale per Bn x Bk block (block-wise; Bk is the GEMM's K tile, so each tile has one scale
+  per row of a and per row of w). Accumulates in float32 and rounds once.
+- `rowwise_mm`: the rowwise product by torch._scaled_mm (cuBLASLt / CUTLASS), which needs a
+  bfloat16 output and K, N multiples of 16.
+
+Nothing here reads a value back to the host or sizes a tensor from data, so the decode CUDA
+graphs capture them. This module imports triton; layers import it only for CUDA tensors (and
+tests under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.kernels.types import FP8, FP8_MAX, FP8_MIN_AMAX as MIN_AMAX
+
+
+class Quantized(NamedTuple):
+    """FP8 activations and their float32 scales (x ~= values * scales, broadcast per row or per
+    group)."""
+
+    values: torch.Tensor  # [M, K] float8_e4m3fn, contiguous
+    scales: torch.Tensor  # [M, 1] (per token) or [M, K / group] (per group), float32
+
+
+@triton.jit
+def _round_e4m3(y):
+    """y (|y| <= 448, float32) rounded to the nearest float8_e4m3fn value, ties to even, as
+    torch's cast rounds: the cast after it is exact. Done by hand because Triton's interpreter
+    (the CPU tests) casts to float8 wrongly (127.9 -> 64, ties away from zero, subnormals to
+    zero); on the GPU it costs a few ALU operations in a kernel bound by memory."""
+    a = tl.abs(y)
+    exponent = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exponent = tl.maximum(exponent, -6)  # subnormals share the smallest normal's step, 2^-9
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    q = a / step  # exact: a power of two
+    whole = tl.floor(q)
+    rest = q - whole
+    odd = (whole - 2.0 * tl.floor(whole * 0.5)) == 1.0
+    r = tl.where((rest > 0.5) | ((rest == 0.5) & odd), whole + 1.0, whole) * step
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, k, stride_x, stride_s, GROUP,
+                       STATIC: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
+                       MIN_AMAX: tl.constexpr):
+    """Program (row, g): columns [g * GROUP, (g + 1) * GROUP) of row `row` (GROUP = k: the
+    whole row). The scale is amax / FP8_MAX over them, or *static_ptr with STATIC; it is stored
+    at s[row, g], and x / scale, saturated, at q."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    start = g * GROUP
+    stop = tl.minimum(start + GROUP, k)
+    x_row = x_ptr + row * stride_x
+    q_row = q_ptr + row * k
+    if STATIC:
+        scale = tl.load(static_ptr).to(tl.float32)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(start, stop, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            x = tl.load(x_row + cols, mask=cols < stop, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / FP8_MAX
+    for k0 in range(start, stop, BLOCK):
+        cols = k0 + tl.arange(0, BLOCK)
+        mask = cols < stop
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        q = _round_e4m3(tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX))
+        tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_s + g, scale)
+
+
+def _quantize(x: torch.Tensor, group: int, static_scale: Optional[torch.Tensor]) -> Quantized:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"FP8 quantization takes rows [M, K] with dense rows, got shape "
+                         f"{tuple(x.shape)}, strides {x.stride()}")
+    m, k = x.shape
+    groups = triton.cdiv(k, group)
+    values = torch.empty((m, k), dtype=FP8, device=x.device)
+    scales = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return Quantized(values, scales)
+    block = min(triton.next_power_of_2(group), 4096)
+    static = static_scale if static_scale is not None else scales
+    _quant_rows_kernel[(m, groups)](
+        x, values, scales, static, k, x.stride(0), scales.stride(0), group,
+        STATIC=static_scale is not None, BLOCK=block, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
+        num_warps=4 if block <= 1024 else 8)
+    return Quantized(values, scales)
+
+
+def quantize_tokens(x: torch.Tensor, static_scale: Optional[torch.Tensor] = None) -> Quantized:
+    """x [M, K] -> FP8 rows and their scales [M, 1]: per row (dynamic, amax / 448), or the
+    per-tensor `static_scale` (a 1-element float32 tensor on x's device) for every row."""
+    return _quantize(x, x.shape[-1], static_scale)
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> Quantized:
+    """x [M, K] -> FP8 rows and scales [M, ceil(K / group)], one per 1 x group columns."""
+    return _quantize(x, group, None)
+
+
+class GemmTiles(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def gemm_tiles(m: int, block_k: int) -> GemmTiles:
+    """Rows per tile by the batch's rows (a decode batch of a few rows wastes little of a 16-row
+    tile); 128 x 128 weight tiles. `block_k`: the K tile, the weight-scale block's width for
+    block-wise scales."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    return GemmTiles(block_m, 128, block_k, 4 if block_m <= 64 else 8, 3)
+
+
+@triton.jit
+def _scaled_mm_kernel(a_ptr, w_ptr, out_ptr, as_ptr, ws_ptr, bias_ptr, m, n, k, stride_am,
+                      stride_wn, stride_om, stride_as, stride_ws, GROUP_N,
+                      BLOCKWISE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIZZLE: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of out. Rowwise: the fp8 products accumulate over all of K
+    and the scales multiply once at the end. BLOCKWISE: each K tile (BLOCK_K = the scale
+    block's width) is scaled by a's group scale per row and w's block scale (row // GROUP_N)
+    before it is added."""
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(m, BLOCK_M)
+    grid_n = tl.cdiv(n, BLOCK_N)
+    # Tiles sharing a weight column block run close together, so the weights are read once
+    # from memory for SWIZZLE row blocks.
+    width = SWIZZLE * grid_n
+    first_m = (pid // width) * SWIZZLE
+    size_m = tl.minimum(grid_m - first_m, SWIZZLE)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < m
+    col_ok = cols < n
+    a_tile = a_ptr + rows.to(tl.int64)[:, None] * stride_am + ks[None, :]
+    w_tile = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kt in range(0, tl.cdiv(k, BLOCK_K)):
+        left = k - kt * BLOCK_K
+        a = tl.load(a_tile, mask=row_ok[:, None] & (ks[None, :] < left), other=0.0)
+        w = tl.load(w_tile, mask=(ks[:, None] < left) & col_ok[None, :], other=0.0)
+        if BLOCKWISE:
+            a_s = tl.load(as_ptr + rows * stride_as + kt, mask=row_ok, other=0.0)
+            w_s = tl.load(ws_ptr + (cols // GROUP_N) * stride_ws + kt, mask=col_ok, other=0.0)
+            acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        else:
+            acc = tl.dot(a, w, acc)
+        a_tile += BLOCK_K
+        w_tile += BLOCK_K
+    if not BLOCKWISE:
+        a_s = tl.load(as_ptr + rows * stride_as, mask=row_ok, other=0.0)
+        w_s = tl.load(ws_ptr + cols, mask=col_ok, other=0.0)
+        acc = acc * a_s[:, None] * w_s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def scaled_mm(a: Quantized, weight: torch.Tensor, weight_scale: torch.Tensor,
+              bias: Optional[torch.Tensor], out_dtype: torch.dtype,
+              block: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    """(a.values * a.scales) (weight * weight_scale)^T + bias, [M, N] in `out_dtype`.
+
+    Rowwise (block None): a.scales [M, 1], weight_scale [N]. Block-wise (block (Bn, Bk)):
+    a.scales [M, ceil(K / Bk)] (quantize_groups with group Bk), weight_scale
+    [ceil(N / Bn), ceil(K / Bk)]."""
+    m, k = a.values.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or weight.stride(1) != 1 or weight.dtype != FP8:
+        raise ValueError(f"scaled_mm takes an FP8 weight [N, {k}] with dense rows, got "
+                         f"{weight.dtype} {tuple(weight.shape)}, strides {weight.stride()}")
+    if block is None:
+        want_a, want_w = (m, 1), (n,)
+    else:
+        want_a = (m, triton.cdiv(k, block[1]))
+        want_w = (triton.cdiv(n, block[0]), triton.cdiv(k, block[1]))
+    if tuple(a.scales.shape) != want_a or tuple(weight_scale.shape) != want_w:
+        raise ValueError(f"scaled_mm with {'block ' + str(block) if block else 'rowwise'} "
+                         f"scales wants activation scales {want_a} and weight scales {want_w}, "
+                         f"got {tuple(a.scales.shape)} and {tuple(weight_scale.shape)}")
+    out = torch.empty((m, n), dtype=out_dtype, device=a.values.device)
+    if m == 0:
+        return out
+    tiles = gemm_tiles(m, block[1] if block is not None else 128)
+    grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n),)
+    ws = weight_scale if block is not None else weight_scale.contiguous()
+    _scaled_mm_kernel[grid](
+        a.values, weight, out, a.scales, ws, bias if bias is not None else ws, m, n, k,
+        a.values.stride(0), weight.stride(0), out.stride(0), a.scales.stride(0),
+        ws.stride(0) if block is not None else 0, block[0] if block is not None else 1,
+        BLOCKWISE=block is not None, HAS_BIAS=bias is not None, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SWIZZLE=8, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
+    return out
+
+
+def rowwise_mm_applies(k: int, n: int, out_dtype: torch.dtype) -> bool:
+    """Whether `rowwise_mm` takes this shape and dtype (torch._scaled_mm's rowwise scaling needs
+    a bfloat16 output and K, N multiples of 16)."""
+    return out_dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0
+
+
+def rowwise_mm(a: Quantized, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """`scaled_mm` rowwise by torch._scaled_mm, bfloat16 out (see rowwise_mm_applies). The
+    weight [N, K] row-major is the column-major [K, N] operand cuBLASLt wants, as is."""
+    return torch._scaled_mm(a.values, weight.t(), scale_a=a.scales,
+                            scale_b=weight_scale.view(1, -1), bias=bias,
+                            out_dtype=torch.bfloat16)

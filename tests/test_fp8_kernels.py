@@ -1,0 +1,228 @@
+"""The FP8 kernels (kernels/fp8.py: activation quantization, the scaled GEMMs; kernels/gemv.py
+with FP8 weights) against torch references on dequantized values. On CPU through Triton's
+interpreter (float32); on CUDA also in bfloat16, with torch._scaled_mm's rowwise path and an
+FP8 model run end to end."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
+pytest.importorskip("triton")
+
+import torch.nn.functional as F  # noqa: E402
+
+from minisgl.kernels import activation, fp8 as kernels, gemv, rotary  # noqa: E402
+from minisgl.kernels.types import KVStore, KVTarget, QKVRope  # noqa: E402
+from minisgl.layers import fp8  # noqa: E402
+from minisgl.layers.rotary import RotaryEmbedding  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else [])
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _same_fp8(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal FP8 values: exactly under the interpreter (the same float32 division and rounding
+    as torch); on CUDA a rare tie may round the other way after the GPU's division."""
+    differ = (got.float() != want.float()).float().mean().item()
+    assert differ == 0 or (DEV == "cuda" and differ < 1e-3), differ
+
+
+def _fp8_weight(n: int, k: int, block: object = None):
+    w = torch.randn(n, k, device=DEV) * 0.05
+    return fp8.quantize_rows(w) if block is None else fp8.quantize_blocks(w, block)
+
+
+@pytest.mark.parametrize("m,k", [(5, 300), (3, 5000)])
+def test_quantize_tokens_dynamic_and_static(m: int, k: int) -> None:
+    """Per-row amax / 448 scales (an all-zero row gets a tiny one and zeros), the row divided
+    and cast; with a static scale every row takes it, saturating at +-448."""
+    x = torch.randn(m, k, device=DEV) * torch.logspace(-2, 2, m, device=DEV)[:, None]
+    x = torch.cat([x, torch.zeros(1, k, device=DEV)])
+    m += 1
+    got = kernels.quantize_tokens(x)
+    scale = x.abs().amax(dim=1, keepdim=True).clamp(min=kernels.MIN_AMAX) / kernels.FP8_MAX
+    assert got.values.dtype == kernels.FP8 and got.scales.shape == (m, 1)
+    assert torch.allclose(got.scales, scale, rtol=1e-6, atol=0)
+    want = (x / scale).clamp(-448, 448).to(kernels.FP8)
+    _same_fp8(got.values, want)
+    assert _rel(got.values.float() * got.scales, x) < 0.05  # the zero row adds nothing
+    assert torch.all(got.values[-1].float() == 0)
+    static = torch.tensor([0.01], device=DEV)
+    got = kernels.quantize_tokens(x, static)
+    assert torch.all(got.scales == 0.01)
+    _same_fp8(got.values, (x / 0.01).clamp(-448, 448).to(kernels.FP8))
+
+
+def test_quantize_groups_scales_each_group() -> None:
+    x = torch.randn(3, 300, device=DEV)
+    x[:, 128:256] *= 100.0
+    got = kernels.quantize_groups(x, 128)
+    assert got.scales.shape == (3, 3)
+    for g in range(3):
+        part = x[:, g * 128:(g + 1) * 128]
+        assert torch.allclose(got.scales[:, g], part.abs().amax(dim=1) / 448, rtol=1e-6)
+    deq = got.values.float() * got.scales.repeat_interleave(128, 1)[:, :300]
+    assert _rel(deq, x) < 0.05
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,bias", [(1, 96, 64, False), (19, 200, 320, True)] + (
+    [(70, 128, 256, False), (300, 4096, 1024, True)] if DEV == "cuda" else []))
+def test_scaled_mm_rowwise_equals_dequantized_product(dtype: torch.dtype, m: int, n: int,
+                                                      k: int, bias: bool) -> None:
+    w, ws = _fp8_weight(n, k)
+    a = kernels.quantize_tokens(torch.randn(m, k, device=DEV))
+    b = torch.randn(n, device=DEV).to(dtype) if bias else None
+    want = F.linear(a.values.float() * a.scales, w.float() * ws[:, None],
+                    None if b is None else b.float())
+    got = kernels.scaled_mm(a, w, ws, b, dtype)
+    assert got.shape == (m, n) and got.dtype == dtype
+    assert _rel(got, want) < TOL[dtype]
+    if DEV == "cuda" and kernels.rowwise_mm_applies(k, n, dtype):
+        assert _rel(kernels.rowwise_mm(a, w, ws, b), want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 256, 384), (21, 320, 200)] + (
+    [(100, 1024, 512)] if DEV == "cuda" else []))
+def test_scaled_mm_blockwise_equals_dequantized_product(dtype: torch.dtype, m: int, n: int,
+                                                        k: int) -> None:
+    """128 x 128 weight blocks (a ragged last block in N and in K), 1 x 128 activation groups."""
+    w, ws = _fp8_weight(n, k, (128, 128))
+    a = kernels.quantize_groups(torch.randn(m, k, device=DEV), 128)
+    want = F.linear(a.values.float() * a.scales.repeat_interleave(128, 1)[:, :k],
+                    fp8.dequantize(w, ws, (128, 128), torch.float32))
+    got = kernels.scaled_mm(a, w, ws, None, dtype, (128, 128))
+    assert _rel(got, want) < TOL[dtype]
+    with pytest.raises(ValueError, match="weight scales"):
+        kernels.scaled_mm(a, w, ws[:, :1], None, dtype, (128, 128))
+
+
+@pytest.mark.parametrize("spec", [fp8.Fp8Spec(), fp8.Fp8Spec(gemm="triton"),
+                                  fp8.Fp8Spec(static_input=True), fp8.Fp8Spec(block=(128, 128))])
+def test_fp8_linear_is_close_to_the_dequantized_layer(spec: fp8.Fp8Spec) -> None:
+    """The W8A8 projection (activations quantized too) against F.linear on the dequantized
+    weight: within FP8's activation rounding."""
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    w, ws = _fp8_weight(192, 256, spec.block)
+    x = torch.randn(2, 3, 256, device=DEV).to(dtype)
+    static = torch.tensor([x.abs().max().item() / 448], device=DEV) if spec.static_input else None
+    got = fp8.linear(x, fp8.Fp8Weight(w, ws, static, spec), None)
+    want = F.linear(x.float(), fp8.dequantize(w, ws, spec.block, torch.float32))
+    assert got.shape == (2, 3, 192) and got.dtype == dtype
+    assert _rel(got, want) < 0.05
+
+
+@pytest.mark.parametrize("n,k,bias", [(10, 64, False), (7, 300, True), (9, 4096, True)])
+def test_fp8_gemv_equals_gemv_on_the_dequantized_weight(n: int, k: int, bias: bool) -> None:
+    dtype = DTYPES[-1]
+    w, ws = _fp8_weight(n, k)
+    b = torch.randn(n, device=DEV).to(dtype) if bias else None
+    x = torch.randn(1, k, device=DEV).to(dtype)
+    got = gemv.gemv(x, w, b, weight_scale=ws)
+    want = F.linear(x.float(), w.float() * ws[:, None], None if b is None else b.float())
+    assert got.dtype == dtype and _rel(got, want) < TOL[dtype]
+    with pytest.raises(ValueError, match="weight_scale"):
+        gemv.gemv(x, w, b)
+    with pytest.raises(ValueError, match="weight_scale"):
+        gemv.gemv(x, w.float(), b, weight_scale=ws)
+
+
+def test_fp8_norm_gemvs_equal_their_dense_kernels_on_dequantized_weights() -> None:
+    """norm_gemv, norm_gate_up_silu and norm_qkv_rope with FP8 weights and row scales equal the
+    same kernels on the dequantized float32 weights (up to where the scale multiplies)."""
+    dtype = DTYPES[-1]
+    k = 96
+    nw = torch.rand(k, device=DEV).to(dtype) + 0.5
+    x = torch.randn(1, k, device=DEV).to(dtype)
+    res = torch.randn(1, k, device=DEV).to(dtype)
+    w, ws = _fp8_weight(40, k)
+    dense = fp8.dequantize(w, ws, None, dtype)
+    tol = TOL[dtype]
+    got = gemv.norm_gemv(x, res, nw, 1e-6, w, None, weight_scale=ws)
+    assert _rel(got.out, gemv.norm_gemv(x, res, nw, 1e-6, dense, None).out) < tol
+    got = gemv.norm_gate_up_silu(x, res, nw, 1e-6, w, None, weight_scale=ws)
+    want = activation.silu_and_mul(gemv.norm_gemv(x, res, nw, 1e-6, dense, None).out)
+    assert _rel(got.out, want) < tol
+    heads, kv_heads, dim = 2, 1, 32
+    w, ws = _fp8_weight((heads + 2 * kv_heads) * dim, k)
+    dense = fp8.dequantize(w, ws, None, dtype)
+    rope = RotaryEmbedding(dim, 64, 10000.0, None).to(DEV)
+    pos = torch.tensor([7], device=DEV)
+    slot = torch.tensor([2], dtype=torch.int32, device=DEV)
+    caches = [torch.zeros(4, kv_heads, dim, device=DEV).to(dtype) for _ in range(4)]
+    got = gemv.norm_qkv_rope(x, res, nw, 1e-6, w, None, QKVRope(
+        pos, rope.cos, rope.sin, heads, kv_heads, KVTarget(caches[0], caches[1], slot)),
+        weight_scale=ws)
+    want = gemv.norm_gemv(x, res, nw, 1e-6, dense, None)
+    q, kk, v = want.out.view(1, -1, dim).split([heads, kv_heads, kv_heads], dim=1)
+    rotary.rotary_qk_(q, kk, pos, rope.cos, rope.sin,
+                      store=KVStore(v, KVTarget(caches[2], caches[3], slot)))
+    for a, e in [(got.out, want.out), (caches[0], caches[2]), (caches[1], caches[3])]:
+        assert _rel(a, e) < tol
+
+
+def _first_tokens_agree(a: list, b: list) -> bool:
+    """Most sequences start with the same token: FP8 moves the logits a little, which may flip
+    a near-tie (and everything after it) but not most first tokens."""
+    return sum(x[0] == y[0] for x, y in zip(a, b)) >= 2 * len(a) / 3
+
+
+@pytest.mark.gpu
+def test_gpu_online_fp8_graphs_equal_eager_and_bf16_runs(tiny_model) -> None:  # type: ignore
+    """`quantization="fp8"` on CUDA. float32: the Triton W8A8 GEMMs inside the decode CUDA
+    graphs (padded batches) give the eager run's tokens. bfloat16: torch._scaled_mm for
+    prefill and decode batches, the FP8 GEMVs at batch 1 (two runs agree), first tokens
+    mostly the unquantized model's."""
+    from minisgl import LLM, SamplingParams
+    from hf_reference import mixed_prompts
+    path: Path = tiny_model("qwen3")
+    prompts = mixed_prompts(6, seed=5, lengths=(2, 9, 40))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def run(**kw: object) -> tuple:
+        with LLM(str(path), device="cuda", max_kv_tokens=4096, show_progress=False,
+                 **kw) as llm:  # type: ignore[arg-type]
+            batch = [o.token_ids for o in llm.generate(prompts, params)]
+            one = [llm.generate([p], params)[0].token_ids for p in prompts[:2]]
+        return batch, one
+    fp32 = dict(dtype="float32", quantization="fp8")
+    assert run(cuda_graph_max_bs=16, **fp32) == run(cuda_graph_max_bs=0, **fp32)
+    fp8, fp8_one = run(dtype="bfloat16", quantization="fp8")
+    dense, _ = run(dtype="bfloat16")
+    assert all(len(t) == 16 for t in fp8 + fp8_one)
+    assert run(dtype="bfloat16", quantization="fp8")[1] == fp8_one
+    assert _first_tokens_agree(fp8, dense)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_block_checkpoint_runs(tiny_model, tmp_path: Path) -> None:  # type: ignore
+    """A block-wise fp8 checkpoint on CUDA (the Triton block-scaled GEMM, also at batch 1)
+    starts its sequences mostly as the CPU's weight-only run of it."""
+    from minisgl import LLM, SamplingParams
+    from fp8_checkpoints import Fp8Format, Group, write_fp8
+    from hf_reference import mixed_prompts
+    dense = tiny_model("qwen3", hidden_size=256, intermediate_size=512, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=128)
+    ckpt = write_fp8(dense, tmp_path, Fp8Format("fp8", (Group("Linear", "block", False),),
+                                                (), ()))
+    prompts = mixed_prompts(6, seed=6, lengths=(2, 9, 40))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    out = {}
+    for device in ("cuda", "cpu"):
+        with LLM(str(ckpt.fp8), device=device, max_kv_tokens=2048, show_progress=False) as llm:
+            out[device] = [o.token_ids for o in llm.generate(prompts, params)]
+            if device == "cuda":
+                assert len(llm.generate([prompts[0]], params)[0].token_ids) == 8  # batch 1
+    assert _first_tokens_agree(out["cuda"], out["cpu"])
