@@ -27,8 +27,10 @@ from minisgl.engine.sampler import (LogprobTensors, add_logit_bias, sample_reque
                                     suppress_early_stops)
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
+from minisgl.kvcache.pool import FP8_KV_DTYPE, KVScales
 from minisgl.layers import blas
 from minisgl.models import CausalLM, ModelConfig, model_class
+from minisgl.models.kv_scales import KVScaleCollector
 from minisgl.models.weights import init_dummy, iter_checkpoint
 from minisgl.utils import temporarily, to_device
 
@@ -75,6 +77,18 @@ def use_pdl(cfg: EngineConfig, device: torch.device) -> bool:
     return False
 
 
+def check_kv_cache_dtype(cfg: EngineConfig, device: torch.device) -> None:
+    """Raise, naming the setting and the device, where the KV cache dtype cannot run: an FP8
+    cache on a GPU older than compute capability 8.9 (no FP8 conversions)."""
+    if cfg.kv_torch_dtype != FP8_KV_DTYPE or device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(f"kv_cache_dtype {cfg.kv_cache_dtype!r} needs compute capability 8.9 "
+                         f"or newer (FP8); {device} ({torch.cuda.get_device_name(device)}) "
+                         f"has {major}.{minor}")
+
+
 def kernel_policy(cfg: EngineConfig, device: torch.device) -> KernelPolicy:
     """The kernels this rank's model, attention backend and sampler launch, decided once at
     start-up: the fused Triton kernels where cfg.fused_ops asks for them on CUDA, PDL where
@@ -114,16 +128,20 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.policy = kernel_policy(cfg, self.device)
+        check_kv_cache_dtype(cfg, self.device)
         self.model_cfg = ModelConfig.from_dir(cfg.model_path)
-        self.model = self._load_model(groups)
+        self.model, kv_scales = self._load_model(groups)
         on_progress(f"weights loaded in {time.perf_counter() - start:.1f} s")
         self.max_context = cfg.context_length(self.model_cfg.max_context)
         qkv = self.model.model.layers[0].self_attn.qkv_proj
         local_kv_heads, local_heads = qkv.num_local_kv_heads, qkv.num_local_heads
         self.num_pages = min_over_ranks(self._pages_that_fit(local_kv_heads), groups.cpu_group)
+        kv_dtype = cfg.kv_torch_dtype
         self.pool = KVPool(self.model_cfg.num_layers, self.num_pages, cfg.page_size,
-                           local_kv_heads, self.model_cfg.head_dim, cfg.torch_dtype, self.device)
-        on_progress(f"KV pool sized: {self.num_pages} pages of {cfg.page_size} tokens")
+                           local_kv_heads, self.model_cfg.head_dim, kv_dtype, self.device,
+                           kv_scales if kv_dtype == FP8_KV_DTYPE else None)
+        on_progress(f"KV pool sized: {self.num_pages} pages of {cfg.page_size} tokens "
+                    f"({str(kv_dtype).removeprefix('torch.')})")
         # One spare row, so a row index never needs bounds checks in kernels.
         self.page_table = torch.zeros((cfg.max_running_requests + 1, self.max_context),
                                       dtype=torch.int32, device=self.device)
@@ -149,8 +167,8 @@ class Engine:
                 pad_row=cfg.max_running_requests, scratch_slot=self.pool.scratch_slot,
                 last_tokens=self.last_tokens)
             on_progress(f"decode CUDA graphs captured for batch sizes up to {graph_bs}")
-        logger.info("rank %d: engine ready: %d KV pages of %d tokens, backend %s, pdl %s",
-                    cfg.tp_info.rank, self.num_pages, cfg.page_size, cfg.backend_name,
+        logger.info("rank %d: engine ready: %d KV pages of %d tokens (%s), backend %s, pdl %s",
+                    cfg.tp_info.rank, self.num_pages, cfg.page_size, kv_dtype, cfg.backend_name,
                     "on" if self.policy.pdl else "off")
 
     @torch.inference_mode()
@@ -162,29 +180,38 @@ class Engine:
                     "cuBLASLt chosen for: %s", self.cfg.tp_info.rank, tuned.shapes, len(rows),
                     time.perf_counter() - start, blas.describe(self.model))
 
-    def _load_model(self, groups: ProcessGroups) -> CausalLM:
+    def _load_model(self, groups: ProcessGroups) -> Tuple[CausalLM, KVScales]:
+        """The model with its weights, and the KV cache scales its checkpoint gives (1.0 for
+        the layers it gives none; for dummy weights, all)."""
         cls = model_class(self.model_cfg.architecture)
         dtype = temporarily(torch.get_default_dtype, torch.set_default_dtype, self.cfg.torch_dtype)
         with torch.device(self.device), dtype:
             model = cls(self.model_cfg, self.cfg.tp_info, groups.comm, self.policy)
+        scales = KVScaleCollector(self.model_cfg.num_layers)
         if self.cfg.load_format == "dummy":
             init_dummy(model, self.cfg.seed)
         else:
             show = self.cfg.show_progress and self.cfg.tp_info.is_primary
-            model.load_weights(iter_checkpoint(self.cfg.model_path, show))
-        return model.eval()
+            model.load_weights(scales.filter(iter_checkpoint(self.cfg.model_path, show)))
+        if self.cfg.kv_torch_dtype == FP8_KV_DTYPE and scales.found == 0:
+            logger.warning("rank %d: the checkpoint gives no KV cache scales: the FP8 KV cache "
+                           "uses 1.0 for every layer (K/V beyond +-448 saturate)",
+                           self.cfg.tp_info.rank)
+        return model.eval(), scales.scales()
 
     def _pages_that_fit(self, kv_heads: int) -> int:
         """This rank's page budget (ranks then agree on the minimum)."""
         if self.cfg.max_kv_tokens is not None:
             return -(-self.cfg.max_kv_tokens // self.cfg.page_size)
-        if self.device.type != "cuda":
-            return _CPU_DEFAULT_KV_TOKENS // self.cfg.page_size
         m = self.model_cfg
-        per_page = KVPool.bytes_per_page(m.num_layers, self.cfg.page_size, kv_heads, m.head_dim,
-                                         self.cfg.torch_dtype)
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return int(free * self.cfg.mem_fraction) // per_page
+        shape = (m.num_layers, self.cfg.page_size, kv_heads, m.head_dim)
+        if self.device.type != "cuda":  # the memory of a default number of model-dtype tokens
+            budget = KVPool.bytes_per_page(*shape, self.cfg.torch_dtype) * (
+                _CPU_DEFAULT_KV_TOKENS // self.cfg.page_size)
+        else:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.cfg.mem_fraction)
+        return KVPool.pages_in(budget, *shape, self.cfg.kv_torch_dtype)
 
     @property
     def vocab_size(self) -> int:
