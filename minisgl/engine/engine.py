@@ -97,6 +97,25 @@ def kernel_policy(cfg: EngineConfig, device: torch.device) -> KernelPolicy:
     return KernelPolicy(fused=cfg.fused_ops and device.type == "cuda", pdl=use_pdl(cfg, device))
 
 
+def pages_that_fit(cfg: EngineConfig, model_cfg: ModelConfig, kv_heads: int,
+                   device: torch.device) -> int:
+    """This rank's KV page budget (ranks then agree on the minimum): `max_kv_tokens` where set,
+    else a memory budget in bytes divided by the bytes of a page in the KV dtype, so that an
+    FP8 cache holds twice the pages of a 16-bit one. The budget is, on a GPU, `mem_fraction` of
+    the memory free now (after the weights); elsewhere the memory of the default token count
+    in the model's dtype."""
+    if cfg.max_kv_tokens is not None:
+        return -(-cfg.max_kv_tokens // cfg.page_size)
+    shape = (model_cfg.num_layers, cfg.page_size, kv_heads, model_cfg.head_dim)
+    if device.type != "cuda":
+        budget = KVPool.bytes_per_page(*shape, cfg.torch_dtype) * (
+            _CPU_DEFAULT_KV_TOKENS // cfg.page_size)
+    else:
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * cfg.mem_fraction)
+    return KVPool.pages_in(budget, *shape, cfg.kv_torch_dtype)
+
+
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:
     """A pinned host copy of device tensor `t`, started without waiting (valid once an event
     recorded after it completes)."""
@@ -135,7 +154,8 @@ class Engine:
         self.max_context = cfg.context_length(self.model_cfg.max_context)
         qkv = self.model.model.layers[0].self_attn.qkv_proj
         local_kv_heads, local_heads = qkv.num_local_kv_heads, qkv.num_local_heads
-        self.num_pages = min_over_ranks(self._pages_that_fit(local_kv_heads), groups.cpu_group)
+        self.num_pages = min_over_ranks(
+            pages_that_fit(cfg, self.model_cfg, local_kv_heads, self.device), groups.cpu_group)
         kv_dtype = cfg.kv_torch_dtype
         self.pool = KVPool(self.model_cfg.num_layers, self.num_pages, cfg.page_size,
                            local_kv_heads, self.model_cfg.head_dim, kv_dtype, self.device,
@@ -198,20 +218,6 @@ class Engine:
                            "uses 1.0 for every layer (K/V beyond +-448 saturate)",
                            self.cfg.tp_info.rank)
         return model.eval(), scales.scales()
-
-    def _pages_that_fit(self, kv_heads: int) -> int:
-        """This rank's page budget (ranks then agree on the minimum)."""
-        if self.cfg.max_kv_tokens is not None:
-            return -(-self.cfg.max_kv_tokens // self.cfg.page_size)
-        m = self.model_cfg
-        shape = (m.num_layers, self.cfg.page_size, kv_heads, m.head_dim)
-        if self.device.type != "cuda":  # the memory of a default number of model-dtype tokens
-            budget = KVPool.bytes_per_page(*shape, self.cfg.torch_dtype) * (
-                _CPU_DEFAULT_KV_TOKENS // self.cfg.page_size)
-        else:
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * self.cfg.mem_fraction)
-        return KVPool.pages_in(budget, *shape, self.cfg.kv_torch_dtype)
 
     @property
     def vocab_size(self) -> int:

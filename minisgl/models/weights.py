@@ -25,6 +25,7 @@ class SafetensorsSource:
     """A lazily read checkpoint tensor: `read` fetches only the requested slice from disk."""
 
     def __init__(self, handle: object, name: str) -> None:
+        self._handle = handle
         self._slice = handle.get_slice(name)  # type: ignore[attr-defined]
         self.name = name
 
@@ -33,6 +34,8 @@ class SafetensorsSource:
         return tuple(self._slice.get_shape())
 
     def read(self, dim: Optional[int] = None, start: int = 0, stop: int = 0) -> torch.Tensor:
+        if dim is None and not self.shape:  # a slice cannot index a 0-dim tensor (a scale)
+            return self._handle.get_tensor(self.name)  # type: ignore[attr-defined]
         if dim is None:
             return self._slice[:]
         if dim == 0:
