@@ -53,8 +53,9 @@ class TorchBackend(AttentionBackend):
         for i, ext in enumerate(batch.extend_lens):
             s = meta.q_starts[i]
             qi = q[s:s + ext].transpose(0, 1)  # [heads, new, d]
-            ki = k_all[meta.slots[i]].to(q.dtype).transpose(0, 1)  # [kv_heads, seq, d]
-            vi = v_all[meta.slots[i]].to(q.dtype).transpose(0, 1)
+            # index_select: indexing float8 tensors with a tensor takes a slow path on CPU
+            ki = k_all.index_select(0, meta.slots[i]).to(q.dtype).transpose(0, 1)  # [kvh, seq, d]
+            vi = v_all.index_select(0, meta.slots[i]).to(q.dtype).transpose(0, 1)
             mask = meta.masks[i] if meta.masks[i].numel() else None
             oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale,
                                                 enable_gqa=self.num_heads != self.num_kv_heads)
