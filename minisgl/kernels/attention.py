@@ -21,7 +21,7 @@ An FP8 (float8_e4m3fn) pool holds K / k_scale and V / v_scale (per layer, per te
 kvcache/pool.py): `store_kv` divides, clamps to +-448 and rounds; the attention kernels convert
 each loaded tile to the query's dtype (exact) and fold the scales in where they cost nothing:
 k_scale into the softmax scale, v_scale into the normalised output (attention is linear in V).
-With 16-bit or float32 pools the scales are 1.0 and every result is bit-identical to none. This
+Other pools pass scales of 1.0, which leave every result bit-identical to unscaled kernels. This
 module imports triton: only the Triton attention backend (a GPU path) and tests import it.
 """
 
