@@ -177,19 +177,24 @@ def test_default_model_with_fp8_kv(default_model_dir: Path) -> None:
 
 @pytest.mark.gpu
 def test_gpu_fp8_kv_graphs_match_eager_and_answer_paris(default_model_dir: Path) -> None:
-    """bf16 compute over an FP8 KV cache on the Triton backend: decode CUDA graphs give the
-    eager path's tokens (the scales are launch constants, recorded at capture), the answer is
-    "Paris", and the pool holds about twice the pages of a bf16 one in the same memory."""
+    """An FP8 KV cache on the Triton backend: float32 decode CUDA graphs (padded batches) give
+    the eager path's tokens (the scales are launch constants, recorded at capture); in bf16 the
+    answer is "Paris" and the pool holds about twice the pages of a bf16 one in the same
+    memory."""
     question = [{"role": "user", "content": "What is the capital of France?"}]
-    params = SamplingParams(max_tokens=24, temperature=0.0)
-    prompts = [[1, 2, 3, 4, 5] * n for n in (1, 7, 30)]
-    outputs, pages = {}, {}
-    for kv, graphs in (("fp8_e4m3", 8), ("fp8_e4m3", 0), ("auto", 8)):
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 5, 3, 4, 6] * n for n in (1, 7, 30)]
+    outputs = {}
+    for graphs in (8, 0):
+        with LLM(str(default_model_dir), device="cuda", dtype="float32", kv_cache_dtype="fp8",
+                 cuda_graph_max_bs=graphs, max_kv_tokens=4096, show_progress=False) as llm:
+            outputs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outputs[8] == outputs[0]
+    pages = {}
+    for kv in ("fp8_e4m3", "auto"):
         with LLM(str(default_model_dir), device="cuda", dtype="bfloat16", kv_cache_dtype=kv,
-                 cuda_graph_max_bs=graphs, mem_fraction=0.2, show_progress=False) as llm:
-            answer = llm.chat(question, params)[0]
-            outputs[kv, graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+                 mem_fraction=0.2, show_progress=False) as llm:
+            answer = llm.chat(question, SamplingParams(max_tokens=24, temperature=0.0))[0]
             pages[kv] = llm.limits.num_pages
         assert "Paris" in answer.text, (kv, answer.text)
-    assert outputs["fp8_e4m3", 8] == outputs["fp8_e4m3", 0]
     assert 1.8 < pages["fp8_e4m3"] / pages["auto"] < 2.2
