@@ -64,6 +64,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--extend-prompts", type=lambda v: [int(n) for n in v.split(",")], default=[],
                    help="extend: also sweep one fresh prompt of each of these lengths")
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="decode, extend: the KV cache's dtype (fp8: float8_e4m3fn, scales 1.0)")
     p.add_argument("--reps", type=int, default=5, help="timed graph replays per case")
     p.add_argument("--moe-rows", type=lambda v: [int(r) for r in v.split(",")],
                    default=[1, 8, 64, 256, 1024, 8192], help="moe: token rows per case")
@@ -108,8 +110,10 @@ class Paged(NamedTuple):
     lens: List[int]
 
 
-def paged_kv(shape: Shape, lens: Sequence[int], page_size: int, seed: int) -> Paged:
-    """K/V for requests of `lens` tokens in shuffled pages (a pool after some churn)."""
+def paged_kv(shape: Shape, lens: Sequence[int], page_size: int, seed: int,
+             kv_dtype: str = "bf16") -> Paged:
+    """K/V for requests of `lens` tokens in shuffled pages (a pool after some churn), in bf16 or
+    (kv_dtype "fp8") float8_e4m3fn."""
     pages = [-(-n // page_size) for n in lens]
     order = list(range(sum(pages)))
     random.Random(seed).shuffle(order)
@@ -122,8 +126,9 @@ def paged_kv(shape: Shape, lens: Sequence[int], page_size: int, seed: int) -> Pa
         slots = (own[:, None] * page_size + torch.arange(page_size, dtype=torch.int32)).flatten()
         table[i, :slots.numel()] = slots
     cache = (sum(pages) * page_size, shape.kv_heads, shape.head_dim)
-    k = torch.randn(cache, dtype=torch.bfloat16, device="cuda")
-    v = torch.randn(cache, dtype=torch.bfloat16, device="cuda")
+    dtype = torch.float8_e4m3fn if kv_dtype == "fp8" else torch.bfloat16
+    k = torch.randn(cache, dtype=torch.bfloat16, device="cuda").to(dtype)
+    v = torch.randn(cache, dtype=torch.bfloat16, device="cuda").to(dtype)
     rows = torch.arange(len(lens), dtype=torch.int32, device="cuda")
     return Paged(k, v, table.cuda(), rows, list(lens))
 
@@ -139,10 +144,10 @@ def bench_decode(shape: Shape, args: argparse.Namespace) -> None:
         lens = [args.batch1_context] if bs == 1 else draw_lens(bs, args.context, bs)
         if args.decode_order == "longest":  # the scheduler's decode order (scheduler/decode.py)
             lens.sort(reverse=True)
-        kv = paged_kv(shape, lens, args.page_size, bs)
+        kv = paged_kv(shape, lens, args.page_size, bs, args.kv_dtype)
         seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         q = torch.randn((bs, shape.heads, shape.head_dim), dtype=torch.bfloat16, device="cuda")
-        gb = 2 * sum(lens) * shape.kv_heads * shape.head_dim * 2 / 1e9
+        gb = 2 * sum(lens) * shape.kv_heads * shape.head_dim * kv.k.element_size() / 1e9
         # Above batch 64 one split won every earlier sweep (fifth session).
         split_choices = (8, 16, 32) if bs == 1 else (1,)
         ref: Optional[torch.Tensor] = None
@@ -168,8 +173,8 @@ def bench_decode(shape: Shape, args: argparse.Namespace) -> None:
                 continue
             ref = out.clone() if ref is None else ref
             err = (out.float() - ref.float()).abs().max().item()
-            report("decode", {"batch": bs, "block_n": block_n, "warps": warps,
-                              "stages": stages, "splits": splits}, us,
+            report("decode", {"batch": bs, "kv": args.kv_dtype, "block_n": block_n,
+                              "warps": warps, "stages": stages, "splits": splits}, us,
                    gb_s=round(gb / us * 1e6, 1), max_err=round(err, 4))
 
 
@@ -185,7 +190,7 @@ def bench_extend(shape: Shape, args: argparse.Namespace) -> None:
 
 
 def sweep_extend(shape: Shape, args: argparse.Namespace, lens: List[int]) -> None:
-    kv = paged_kv(shape, lens, args.page_size, 7)
+    kv = paged_kv(shape, lens, args.page_size, 7, args.kv_dtype)
     t = sum(lens)
     q = torch.randn((t, shape.heads, shape.head_dim), dtype=torch.bfloat16, device="cuda")
     lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
@@ -209,8 +214,9 @@ def sweep_extend(shape: Shape, args: argparse.Namespace, lens: List[int]) -> Non
             continue
         ref = out.clone() if ref is None else ref
         err = (out.float() - ref.float()).abs().max().item()
-        report("extend", {"tokens": t, "requests": len(lens), "block_m": block_m,
-                          "block_n": block_n, "warps": warps, "stages": stages}, us,
+        report("extend", {"tokens": t, "requests": len(lens), "kv": args.kv_dtype,
+                          "block_m": block_m, "block_n": block_n, "warps": warps,
+                          "stages": stages}, us,
                tflops=round(flops / us / 1e6, 1), max_err=round(err, 4))
 
 

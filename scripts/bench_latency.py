@@ -438,8 +438,7 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
         engine = Engine(cfg, groups)
         if args.tune_gemms and rank == 0:
             print(f"tuned GEMMs, cuBLASLt chosen for: {blas.describe(engine.model)}", flush=True)
-        engine.pool.k.normal_()  # random K/V: never time on zeros
-        engine.pool.v.normal_()
+        engine.pool.fill_normal_()  # random K/V: never time on zeros
         dev = engine.device
         mib = args.copy_mib or (4096 if dev.type == "cuda" else 256)
         bandwidth = measure_copy_bandwidth(dev, mib << 20)

@@ -3,7 +3,9 @@
 On a machine without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1) on
 small shapes; the `gpu` tests run the same comparison on large shapes and skip without CUDA.
 The reference is TorchBackend in float32 on upcast copies of the same inputs, so the tolerance
-measures the Triton backend's own rounding in each dtype.
+measures the Triton backend's own rounding in each dtype. With an FP8 pool the reference holds
+the same FP8-rounded K/V, dequantized to float32 (and the new tokens' K/V rounded as the store
+rounds them), so the tolerance again measures only the attention's own rounding.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import pytest
 import torch
@@ -27,12 +29,16 @@ from minisgl.attention import TorchBackend  # noqa: E402
 from minisgl.attention.triton_backend import TritonBackend  # noqa: E402
 from minisgl.core import Batch, Phase, Req, SamplingParams  # noqa: E402
 from minisgl.kvcache import KVPool  # noqa: E402
+from minisgl.kvcache.pool import FP8_KV_DTYPE, KVScales, dequantize, quantize  # noqa: E402
 
 # ||out - ref|| / ||ref|| bounds: float32 with IEEE dots is exact up to summation order; half
 # types round p and the output to 8 (bf16) or 11 (fp16) mantissa bits.
 REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
 ATOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 NUM_LAYERS = 2
+# Per-layer scales of the FP8 cases: K/V of about N(0, 1) stored as about 30-200x that, so
+# the largest V values saturate at 448.
+FP8_SCALES = KVScales((0.03, 0.02), (0.01, 0.005))
 
 
 @dataclass
@@ -53,8 +59,9 @@ def _slots_for(pages: List[int], length: int, page_size: int) -> List[int]:
 
 def make_case(dtype: torch.dtype, device: str, page_size: int, heads: int, kv_heads: int,
               head_dim: int, prefix_lens: List[int], extend_lens: List[int], phase: Phase,
-              seed: int) -> Case:
-    """Build a random batch; every request's pages are scattered over a shuffled pool."""
+              seed: int, kv_dtype: Optional[torch.dtype] = None) -> Case:
+    """Build a random batch; every request's pages are scattered over a shuffled pool.
+    `kv_dtype`: the pool's (FP8: with FP8_SCALES), else `dtype`."""
     rng = random.Random(seed)
     gen = torch.Generator(device).manual_seed(seed)  # on the device: GPU pools are large
     seqs = [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -66,10 +73,14 @@ def make_case(dtype: torch.dtype, device: str, page_size: int, heads: int, kv_he
     num_rows = n + 3
     row_ids = rng.sample(range(num_rows), n)
     max_ctx = max(seqs) + 5
-    pool = KVPool(NUM_LAYERS, num_pages, page_size, kv_heads, head_dim, dtype,
-                  torch.device(device))
-    pool.k.normal_(generator=gen)
-    pool.v.normal_(generator=gen)
+    fp8 = kv_dtype == FP8_KV_DTYPE
+    pool = KVPool(NUM_LAYERS, num_pages, page_size, kv_heads, head_dim, kv_dtype or dtype,
+                  torch.device(device), FP8_SCALES if fp8 else None)
+    if fp8:
+        pool.fill_normal_(gen)
+    else:
+        pool.k.normal_(generator=gen)
+        pool.v.normal_(generator=gen)
     table = torch.zeros((num_rows, max_ctx), dtype=torch.int32)
     reqs, out_slots, used = [], [], 0
     for i, (row, seq, prefix) in enumerate(zip(row_ids, seqs, prefix_lens)):
@@ -86,35 +97,55 @@ def make_case(dtype: torch.dtype, device: str, page_size: int, heads: int, kv_he
     return Case(pool, table.to(device), batch, q, k, v)
 
 
+def _as_float32(pool: KVPool, cache: torch.Tensor, scales: Tuple[float, ...]) -> torch.Tensor:
+    """A pool's K or V cache as the float32 values it stands for."""
+    if not pool.quantized:
+        return cache.float()
+    return torch.stack([dequantize(cache[i], scales[i], torch.float32)
+                        for i in range(cache.shape[0])])
+
+
 def reference(case: Case, heads: int, kv_heads: int, head_dim: int, layer: int
               ) -> Tuple[torch.Tensor, KVPool]:
-    """TorchBackend in float32 on copies of the case's pool and inputs."""
+    """TorchBackend in float32 on copies of the case's pool and inputs (an FP8 pool's values
+    dequantized, the new K/V rounded as an FP8 store rounds them)."""
     src = case.pool
     pool = KVPool(NUM_LAYERS, src.num_pages, src.page_size, kv_heads, head_dim, torch.float32,
                   src.k.device)
-    pool.k.copy_(src.k.float())
-    pool.v.copy_(src.v.float())
+    pool.k.copy_(_as_float32(src, src.k, src.scales.k))
+    pool.v.copy_(_as_float32(src, src.v, src.scales.v))
+    k, v = case.k.float(), case.v.float()
+    if src.quantized:
+        k = dequantize(quantize(k, src.scales.k[layer]), src.scales.k[layer], torch.float32)
+        v = dequantize(quantize(v, src.scales.v[layer]), src.scales.v[layer], torch.float32)
     backend = TorchBackend(pool, case.page_table, heads, kv_heads, head_dim, head_dim ** -0.5)
     batch = Batch(case.batch.phase, case.batch.reqs, case.batch.prefix_lens,
                   case.batch.extend_lens, case.batch.sample)
     batch.out_slots = case.batch.out_slots
     backend.prepare(batch)
-    out = backend.forward(case.q.float(), case.k.float(), case.v.float(), layer, batch)
+    out = backend.forward(case.q.float(), k, v, layer, batch)
     return out, pool
 
 
 def run_and_compare(dtype: torch.dtype, device: str, page_size: int, heads: int, kv_heads: int,
                     head_dim: int, prefix_lens: List[int], extend_lens: List[int], phase: Phase,
-                    seed: int = 0, min_split_tokens: int = 16, num_sms: int = 64) -> None:
+                    seed: int = 0, min_split_tokens: int = 16, num_sms: int = 64,
+                    kv_dtype: Optional[torch.dtype] = None, backend_name: str = "triton"
+                    ) -> None:
+    """`backend_name`: the backend under test ("torch": the CPU path, on an FP8 pool)."""
     case = make_case(dtype, device, page_size, heads, kv_heads, head_dim, prefix_lens,
-                     extend_lens, phase, seed)
+                     extend_lens, phase, seed, kv_dtype)
     layer = 1
     ref, ref_pool = reference(case, heads, kv_heads, head_dim, layer)
-    backend = TritonBackend(case.pool, case.page_table, heads, kv_heads, head_dim,
-                            head_dim ** -0.5)
-    if not HAS_CUDA:  # exercise flash-decoding splits on the interpreter's short sequences
-        backend.num_sms = num_sms
-    backend.min_split_tokens = min_split_tokens
+    if backend_name == "torch":
+        backend = TorchBackend(case.pool, case.page_table, heads, kv_heads, head_dim,
+                               head_dim ** -0.5)
+    else:
+        backend = TritonBackend(case.pool, case.page_table, heads, kv_heads, head_dim,
+                                head_dim ** -0.5)
+        if not HAS_CUDA:  # exercise flash-decoding splits on the interpreter's short sequences
+            backend.num_sms = num_sms
+        backend.min_split_tokens = min_split_tokens
     backend.prepare(case.batch)
     out = backend.forward(case.q, case.k, case.v, layer, case.batch)
     if os.environ.get("MINISGL_TEST_VERBOSE"):
@@ -128,9 +159,12 @@ def run_and_compare(dtype: torch.dtype, device: str, page_size: int, heads: int,
     rel = ((out32 - ref).norm() / ref.norm()).item()
     assert rel < REL_TOL[dtype], f"relative error {rel:.3g} >= {REL_TOL[dtype]}"
     torch.testing.assert_close(out32, ref, atol=ATOL[dtype], rtol=ATOL[dtype])
-    # The new K/V landed in their slots, and nothing else in the pool changed.
-    torch.testing.assert_close(case.pool.k.float(), ref_pool.k, atol=0, rtol=0)
-    torch.testing.assert_close(case.pool.v.float(), ref_pool.v, atol=0, rtol=0)
+    # The new K/V landed in their slots (rounded as FP8 stores round), nothing else changed.
+    pool = case.pool
+    torch.testing.assert_close(_as_float32(pool, pool.k, pool.scales.k), ref_pool.k, atol=0,
+                               rtol=0)
+    torch.testing.assert_close(_as_float32(pool, pool.v, pool.scales.v), ref_pool.v, atol=0,
+                               rtol=0)
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -232,6 +266,70 @@ def test_metadata_rows_are_16_byte_aligned(n: int) -> None:
     assert meta.q_starts.tolist() == [3 * i for i in range(n)]
 
 
+# --- FP8 KV cache --------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,heads,kv_heads", [(torch.float32, 8, 2), (torch.bfloat16, 4, 4)],
+                         ids=["float32-gqa4", "bfloat16-mha"])
+def test_decode_fp8_kv(dtype: torch.dtype, heads: int, kv_heads: int) -> None:
+    """Split (and for float32 also unsplit) decode over an FP8 pool with per-layer scales
+    equals float32 attention over the same rounded K/V."""
+    prefix = [0, 5, 40, 90]
+    device = "cuda" if HAS_CUDA else "cpu"
+    run_and_compare(dtype, device, 16, heads, kv_heads, 32, prefix, [1] * len(prefix),
+                    Phase.DECODE, seed=heads, kv_dtype=FP8_KV_DTYPE)
+    if not HAS_CUDA and dtype == torch.float32:
+        run_and_compare(dtype, "cpu", 16, heads, kv_heads, 32, prefix, [1] * len(prefix),
+                        Phase.DECODE, seed=heads, kv_dtype=FP8_KV_DTYPE,
+                        min_split_tokens=4096, num_sms=1)
+
+
+def test_extend_fp8_kv() -> None:
+    """Causal extend (fresh prompt, chunk after a prefix, one-token chunk) over an FP8 pool,
+    bf16 compute."""
+    run_and_compare(torch.bfloat16, "cuda" if HAS_CUDA else "cpu", 16, 8, 2, 32, [0, 21, 48],
+                    [9, 40, 1], Phase.PREFILL, seed=5, kv_dtype=FP8_KV_DTYPE)
+
+
+@pytest.mark.parametrize("phase", [Phase.DECODE, Phase.PREFILL])
+def test_torch_backend_fp8_kv(phase: Phase) -> None:
+    """The CPU backend dequantizes an FP8 pool on read (scales folded into the softmax scale
+    and the output): float32 attention over the same rounded K/V."""
+    prefix = [0, 7, 33]
+    extend = [1, 1, 1] if phase is Phase.DECODE else [5, 1, 20]
+    run_and_compare(torch.float32, "cpu", 16, 8, 2, 32, prefix, extend, phase,
+                    kv_dtype=FP8_KV_DTYPE, backend_name="torch")
+
+
+def test_store_kv_fp8_quantizes_like_the_pool() -> None:
+    """The Triton store writes the bytes `KVPool.store` writes: K / k_scale, V / v_scale,
+    clamped to +-448 (values far beyond saturate instead of becoming NaN), rounded to
+    nearest."""
+    from minisgl.kernels.attention import store_kv
+    device = "cuda" if HAS_CUDA else "cpu"
+    tokens, kv_heads, dim = 6, 2, 16
+    gen = torch.Generator(device).manual_seed(3)
+    k = torch.randn(tokens, kv_heads, dim, generator=gen, device=device) * 3
+    v = torch.randn(tokens, kv_heads, dim, generator=gen, device=device)
+    k[0, 0, :4] = torch.tensor([1e4, -1e4, 447.0 * 0.02, 0.0])
+    slots = torch.tensor([3, 17, 0, 39, 8, 20], dtype=torch.int32, device=device)
+    scales = KVScales((0.02,), (0.007,))
+    want = KVPool(1, 3, 16, kv_heads, dim, FP8_KV_DTYPE, torch.device(device), scales)
+    want.store(0, slots, k, v)
+    got = KVPool(1, 3, 16, kv_heads, dim, FP8_KV_DTYPE, torch.device(device), scales)
+    store_kv(k, v, slots, got.k[0], got.v[0], k_scale=0.02, v_scale=0.007)
+    for a, b in ((got.k, want.k), (got.v, want.v)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    stored = dequantize(got.k[0, 3, 0, :4], 0.02, torch.float32)
+    assert stored[0] == 448 * 0.02 and stored[1] == -448 * 0.02 and stored[3] == 0
+    assert torch.isfinite(got.k.float()).all() and got.v.float().abs().max() > 0
+
+
+def test_fp8_pool_refuses_scales_it_cannot_use() -> None:
+    with pytest.raises(ValueError, match="FP8 KV pool only"):
+        KVPool(2, 1, 16, 1, 8, torch.float32, torch.device("cpu"), KVScales.ones(2))
+    with pytest.raises(ValueError, match="3/3 layers, the model has 2"):
+        KVPool(2, 1, 16, 1, 8, FP8_KV_DTYPE, torch.device("cpu"), KVScales.ones(3))
+
+
 # --- large shapes on the GPU ---------------------------------------------------------------------
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 
@@ -276,6 +374,32 @@ def test_dense_prefill_gpu(dtype: torch.dtype, heads: int, kv_heads: int, length
     backend.prepare(case.batch)
     assert case.batch.attn_meta.dense
     run_and_compare(dtype, "cuda", 16, heads, kv_heads, 128, [0], [length], Phase.PREFILL, 5)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(32, 8), (64, 8)])
+@pytest.mark.parametrize("batch_size", [1, 64, 256])
+def test_decode_gpu_fp8_kv(page_size: int, heads: int, kv_heads: int, batch_size: int) -> None:
+    """bf16 compute over an FP8 pool (split at small batches, unsplit at large)."""
+    rng = random.Random(batch_size)
+    prefix = [rng.randint(0, 4000) for _ in range(batch_size)]
+    run_and_compare(torch.bfloat16, "cuda", page_size, heads, kv_heads, 128, prefix,
+                    [1] * batch_size, Phase.DECODE, seed=batch_size, min_split_tokens=256,
+                    kv_dtype=FP8_KV_DTYPE)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(32, 8), (64, 8)])
+def test_extend_gpu_fp8_kv(page_size: int, heads: int, kv_heads: int) -> None:
+    rng = random.Random(heads)
+    prefix = [0, 0] + [rng.randint(0, 3000) for _ in range(10)]
+    extend = [1024, 1] + [rng.randint(1, 600) for _ in range(10)]
+    run_and_compare(torch.bfloat16, "cuda", page_size, heads, kv_heads, 128, prefix, extend,
+                    Phase.PREFILL, seed=heads, kv_dtype=FP8_KV_DTYPE)
 
 
 # --- end to end: the engine with each backend ----------------------------------------------------

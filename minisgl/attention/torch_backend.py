@@ -1,7 +1,9 @@
 """Attention over the paged KV with torch's scaled_dot_product_attention; runs on CPU and CUDA.
 
 One SDPA call per request (gathering its slots from the page table), which is simple and exact;
-the Triton backend is the fast path on GPUs.
+the Triton backend is the fast path on GPUs. An FP8 pool's K/V are read back in the query's
+dtype (exactly: every float8_e4m3fn value is a bfloat16, float16 and float32 value) with the
+layer's K scale folded into the softmax scale and its V scale applied to the output.
 """
 
 from __future__ import annotations
@@ -45,13 +47,19 @@ class TorchBackend(AttentionBackend):
         meta: TorchMeta = batch.attn_meta  # type: ignore[assignment]
         out = torch.empty_like(q)
         k_all, v_all = self.pool.k[layer], self.pool.v[layer]
+        scale, v_scale = self.scale, None
+        if self.pool.quantized:
+            scale, v_scale = scale * self.pool.scales.k[layer], self.pool.scales.v[layer]
         for i, ext in enumerate(batch.extend_lens):
             s = meta.q_starts[i]
             qi = q[s:s + ext].transpose(0, 1)  # [heads, new, d]
-            ki = k_all[meta.slots[i]].transpose(0, 1)  # [kv_heads, seq, d]
-            vi = v_all[meta.slots[i]].transpose(0, 1)
+            # index_select: indexing float8 tensors with a tensor takes a slow path on CPU
+            ki = k_all.index_select(0, meta.slots[i]).to(q.dtype).transpose(0, 1)  # [kvh, seq, d]
+            vi = v_all.index_select(0, meta.slots[i]).to(q.dtype).transpose(0, 1)
             mask = meta.masks[i] if meta.masks[i].numel() else None
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale,
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale,
                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+            if v_scale is not None:
+                oi = oi * v_scale
             out[s:s + ext] = oi.transpose(0, 1)
         return out.reshape(q.shape[0], -1)

@@ -4,6 +4,8 @@
 batch (shared by every layer); `forward` stores the new K/V with `index_copy_` and launches the
 decode kernels (flash-decoding, GQA-grouped) for a DECODE batch or the causal extend kernel for a
 PREFILL batch. The kernels read K/V slot by slot through the page table, so any page size works.
+An FP8 pool's layer scales are host constants handed to every launch (graph capture records
+them: no device reads, no host syncs).
 """
 
 from __future__ import annotations
@@ -140,7 +142,11 @@ class TritonBackend(AttentionBackend):
 
     def kv_target(self, layer: int, batch: Batch) -> Optional[KVTarget]:
         """The pool's layer caches and the batch's slots: the kernels read every token's K/V,
-        new ones included, from the pool, so whoever writes them there may skip `store_kv`."""
+        new ones included, from the pool, so whoever writes them there may skip `store_kv`.
+        None for an FP8 pool: the fused writers (rotary, QKV GEMV) copy K/V unscaled, so
+        `forward` stores (and quantizes) them."""
+        if self.pool.quantized:
+            return None
         return KVTarget(self.pool.k[layer], self.pool.v[layer],
                         batch.out_slots)  # type: ignore[arg-type]
 
@@ -149,8 +155,10 @@ class TritonBackend(AttentionBackend):
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         meta: TritonMeta = batch.attn_meta  # type: ignore[assignment]
         pdl = self.policy.pdl and meta.decode  # prefill kernels are long: nothing to overlap
+        k_scale, v_scale = self.pool.scales.k[layer], self.pool.scales.v[layer]
         if not kv_stored:
-            store_kv(k, v, batch.out_slots, k_cache, v_cache, pdl)  # type: ignore[arg-type]
+            store_kv(k, v, batch.out_slots, k_cache, v_cache, pdl,  # type: ignore[arg-type]
+                     k_scale, v_scale)
         if q.stride(-1) != 1:
             q = q.contiguous()  # the kernels index the head dimension densely
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -158,12 +166,13 @@ class TritonBackend(AttentionBackend):
             assert meta.o_part is not None and meta.lse_part is not None
             decode_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens,
                              meta.o_part, meta.lse_part, out, self.scale, self.min_split_tokens,
-                             pdl=pdl)
+                             pdl=pdl, k_scale=k_scale, v_scale=v_scale)
         elif meta.dense and k_cache.dtype == q.dtype:
             return self.dense_prefill(q, k_cache, v_cache, batch)
         else:
             extend_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.prefix_lens,
-                             meta.extend_lens, meta.q_starts, meta.max_extend, out, self.scale)
+                             meta.extend_lens, meta.q_starts, meta.max_extend, out, self.scale,
+                             k_scale=k_scale, v_scale=v_scale)
         return out.reshape(q.shape[0], -1)
 
     def dense_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -14,6 +14,7 @@ import torch
 
 from minisgl.distributed import ALLREDUCE_MODES, DistributedInfo, check_allreduce_mode
 from minisgl.models.quantization import QUANTIZATIONS
+from minisgl.kvcache.pool import KV_CACHE_DTYPES, kv_dtype
 from minisgl.settings import check_choices, setting
 from minisgl.utils import DTYPE_NAMES, resolve_device, resolve_dtype
 
@@ -39,12 +40,18 @@ class EngineConfig:
                                          "comparison with Hugging Face)", choices=DTYPE_NAMES)
     max_model_len: Optional[int] = setting(None, "context length in tokens (prompt and output), "
                                                  "at most the model's own; unset: the model's")
+    kv_cache_dtype: str = setting("auto", "dtype of the KV cache: auto (the model's dtype) or "
+                                          "fp8_e4m3 (fp8; FP8 e4m3 with per-layer K and V "
+                                          "scales from the checkpoint, 1.0 where it gives none: "
+                                          "twice the tokens in the same memory; CUDA needs "
+                                          "compute capability 8.9+)", choices=KV_CACHE_DTYPES)
     page_size: int = setting(16, "tokens per KV-cache page")
     max_running_requests: int = setting(256, "the most requests in flight at once (rows of the "
                                              "page table)")
-    max_kv_tokens: Optional[int] = setting(None, "KV pool capacity in tokens; unset: 16384 on "
-                                                 "CPU, on GPU the mem_fraction share of the "
-                                                 "memory free after the weights")
+    max_kv_tokens: Optional[int] = setting(None, "KV pool capacity in tokens; unset: on CPU the "
+                                                 "memory of 16384 tokens in the model's dtype, "
+                                                 "on GPU the mem_fraction share of the memory "
+                                                 "free after the weights")
     mem_fraction: float = setting(0.85, "share of the GPU memory free after the weights that "
                                         "the KV pool takes (when max_kv_tokens is unset)")
     quantization: Optional[str] = setting(
@@ -183,6 +190,11 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.dtype, self.torch_device.type)
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV pool's dtype (`kv_cache_dtype` resolved against the model's)."""
+        return kv_dtype(self.kv_cache_dtype, self.torch_dtype)
 
     @property
     def backend_name(self) -> str:

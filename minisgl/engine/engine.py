@@ -29,9 +29,11 @@ from minisgl.engine.sampler import (LogprobTensors, add_logit_bias, apply_token_
                                     sample_requests, suppress_early_stops)
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
+from minisgl.kvcache.pool import FP8_KV_DTYPE, KVScales
 from minisgl.layers import blas
 from minisgl.models import CausalLM, ModelConfig, model_class
 from minisgl.models.quantization import quant_plan
+from minisgl.models.kv_scales import KVScaleCollector
 from minisgl.models.weights import init_dummy, iter_checkpoint
 from minisgl.utils import temporarily, to_device
 
@@ -89,12 +91,43 @@ def use_pdl(cfg: EngineConfig, device: torch.device) -> bool:
     return False
 
 
+def check_kv_cache_dtype(cfg: EngineConfig, device: torch.device) -> None:
+    """Raise, naming the setting and the device, where the KV cache dtype cannot run: an FP8
+    cache on a GPU older than compute capability 8.9 (no FP8 conversions)."""
+    if cfg.kv_torch_dtype != FP8_KV_DTYPE or device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(f"kv_cache_dtype {cfg.kv_cache_dtype!r} needs compute capability 8.9 "
+                         f"or newer (FP8); {device} ({torch.cuda.get_device_name(device)}) "
+                         f"has {major}.{minor}")
+
+
 def kernel_policy(cfg: EngineConfig, device: torch.device) -> KernelPolicy:
     """The kernels this rank's model, attention backend and sampler launch, decided once at
     start-up: the fused Triton kernels where cfg.fused_ops asks for them on CUDA, PDL where
     `use_pdl` allows it (and raises as it does). Depends only on the config and the GPU model,
     so ranks of one machine agree."""
     return KernelPolicy(fused=cfg.fused_ops and device.type == "cuda", pdl=use_pdl(cfg, device))
+
+
+def pages_that_fit(cfg: EngineConfig, model_cfg: ModelConfig, kv_heads: int,
+                   device: torch.device) -> int:
+    """This rank's KV page budget (ranks then agree on the minimum): `max_kv_tokens` where set,
+    else a memory budget in bytes divided by the bytes of a page in the KV dtype, so that an
+    FP8 cache holds twice the pages of a 16-bit one. The budget is, on a GPU, `mem_fraction` of
+    the memory free now (after the weights); elsewhere the memory of the default token count
+    in the model's dtype."""
+    if cfg.max_kv_tokens is not None:
+        return -(-cfg.max_kv_tokens // cfg.page_size)
+    shape = (model_cfg.num_layers, cfg.page_size, kv_heads, model_cfg.head_dim)
+    if device.type != "cuda":
+        budget = KVPool.bytes_per_page(*shape, cfg.torch_dtype) * (
+            _CPU_DEFAULT_KV_TOKENS // cfg.page_size)
+    else:
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * cfg.mem_fraction)
+    return KVPool.pages_in(budget, *shape, cfg.kv_torch_dtype)
 
 
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:
@@ -128,16 +161,21 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.policy = kernel_policy(cfg, self.device)
+        check_kv_cache_dtype(cfg, self.device)
         self.model_cfg = ModelConfig.from_dir(cfg.model_path)
-        self.model = self._load_model(groups)
+        self.model, kv_scales = self._load_model(groups)
         on_progress(f"weights loaded in {time.perf_counter() - start:.1f} s")
         self.max_context = cfg.context_length(self.model_cfg.max_context)
         qkv = self.model.model.layers[0].self_attn.qkv_proj
         local_kv_heads, local_heads = qkv.num_local_kv_heads, qkv.num_local_heads
-        self.num_pages = min_over_ranks(self._pages_that_fit(local_kv_heads), groups.cpu_group)
+        self.num_pages = min_over_ranks(
+            pages_that_fit(cfg, self.model_cfg, local_kv_heads, self.device), groups.cpu_group)
+        kv_dtype = cfg.kv_torch_dtype
         self.pool = KVPool(self.model_cfg.num_layers, self.num_pages, cfg.page_size,
-                           local_kv_heads, self.model_cfg.head_dim, cfg.torch_dtype, self.device)
-        on_progress(f"KV pool sized: {self.num_pages} pages of {cfg.page_size} tokens")
+                           local_kv_heads, self.model_cfg.head_dim, kv_dtype, self.device,
+                           kv_scales if kv_dtype == FP8_KV_DTYPE else None)
+        on_progress(f"KV pool sized: {self.num_pages} pages of {cfg.page_size} tokens "
+                    f"({str(kv_dtype).removeprefix('torch.')})")
         # One spare row, so a row index never needs bounds checks in kernels.
         self.page_table = torch.zeros((cfg.max_running_requests + 1, self.max_context),
                                       dtype=torch.int32, device=self.device)
@@ -168,8 +206,8 @@ class Engine:
             self.prefill_graphs = capture_prefill_graphs(
                 self.model, self.backend, cfg.prefill_graph_tokens, self.page_table,
                 self.pool.scratch_slot)
-        logger.info("rank %d: engine ready: %d KV pages of %d tokens, backend %s, pdl %s",
-                    cfg.tp_info.rank, self.num_pages, cfg.page_size, cfg.backend_name,
+        logger.info("rank %d: engine ready: %d KV pages of %d tokens (%s), backend %s, pdl %s",
+                    cfg.tp_info.rank, self.num_pages, cfg.page_size, kv_dtype, cfg.backend_name,
                     "on" if self.policy.pdl else "off")
 
     @torch.inference_mode()
@@ -181,31 +219,26 @@ class Engine:
                     "cuBLASLt chosen for: %s", self.cfg.tp_info.rank, tuned.shapes, len(rows),
                     time.perf_counter() - start, blas.describe(self.model))
 
-    def _load_model(self, groups: ProcessGroups) -> CausalLM:
+    def _load_model(self, groups: ProcessGroups) -> Tuple[CausalLM, KVScales]:
+        """The model with its weights, and the KV cache scales its checkpoint gives (1.0 for
+        the layers it gives none; for dummy weights, all)."""
         cls = model_class(self.model_cfg.architecture)
         quant = quant_plan(self.model_cfg.quantization, self.cfg.quantization, self.device,
                            self.cfg.torch_dtype)
         dtype = temporarily(torch.get_default_dtype, torch.set_default_dtype, self.cfg.torch_dtype)
         with torch.device(self.device), dtype:
             model = cls(self.model_cfg, self.cfg.tp_info, groups.comm, self.policy, quant)
+        scales = KVScaleCollector(self.model_cfg.num_layers)
         if self.cfg.load_format == "dummy":
             init_dummy(model, self.cfg.seed)
         else:
             show = self.cfg.show_progress and self.cfg.tp_info.is_primary
-            model.load_weights(iter_checkpoint(self.cfg.model_path, show))
-        return model.eval()
-
-    def _pages_that_fit(self, kv_heads: int) -> int:
-        """This rank's page budget (ranks then agree on the minimum)."""
-        if self.cfg.max_kv_tokens is not None:
-            return -(-self.cfg.max_kv_tokens // self.cfg.page_size)
-        if self.device.type != "cuda":
-            return _CPU_DEFAULT_KV_TOKENS // self.cfg.page_size
-        m = self.model_cfg
-        per_page = KVPool.bytes_per_page(m.num_layers, self.cfg.page_size, kv_heads, m.head_dim,
-                                         self.cfg.torch_dtype)
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return int(free * self.cfg.mem_fraction) // per_page
+            model.load_weights(scales.filter(iter_checkpoint(self.cfg.model_path, show)))
+        if self.cfg.kv_torch_dtype == FP8_KV_DTYPE and scales.found == 0:
+            logger.warning("rank %d: the checkpoint gives no KV cache scales: the FP8 KV cache "
+                           "uses 1.0 for every layer (K/V beyond +-448 saturate)",
+                           self.cfg.tp_info.rank)
+        return model.eval(), scales.scales()
 
     @property
     def vocab_size(self) -> int:

@@ -15,7 +15,13 @@ base 2 (the scale is pre-multiplied by log2(e)); outputs are cast back to the qu
   query head, block of new tokens) and attends causally over the prefix and the new tokens, all
   read from the pool (the new K/V must be stored first).
 
-The K/V store (`store_kv`) writes the new tokens' K/V into their slots first, in one launch. This
+The K/V store (`store_kv`) writes the new tokens' K/V into their slots first, in one launch.
+
+An FP8 (float8_e4m3fn) pool holds K / k_scale and V / v_scale (per layer, per tensor; see
+kvcache/pool.py): `store_kv` divides, clamps to +-448 and rounds; the attention kernels convert
+each loaded tile to the query's dtype (exact) and fold the scales in where they cost nothing:
+k_scale into the softmax scale, v_scale into the normalised output (attention is linear in V).
+Other pools pass scales of 1.0, which leave every result bit-identical to unscaled kernels. This
 module imports triton: only the Triton attention backend (a GPU path) and tests import it.
 """
 
@@ -36,6 +42,7 @@ _MAX_GRID_Z = 65535  # CUDA's limit on a grid's y and z axes
 # A finite "minus infinity": masked scores use it so that no row ever computes inf - inf (NaN);
 # any garbage it lets into a row is erased (alpha = 0) by the first real score.
 _NEG = tl.constexpr(-1.0e30)
+_FP8_MAX = tl.constexpr(448.0)  # the largest finite float8_e4m3fn (kvcache.pool.FP8_KV_MAX)
 
 
 def _block_d(head_dim: int) -> int:
@@ -57,7 +64,7 @@ def _online_softmax_step(qk, v, acc, m_i, l_i, F32_DOT: tl.constexpr):
 @triton.jit
 def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, page_table_ptr, rows_ptr, seq_lens_ptr, o_part_ptr, lse_part_ptr,
-        out_ptr, scale_log2, num_splits, min_split,
+        out_ptr, scale_log2, v_scale, num_splits, min_split,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -65,6 +72,7 @@ def _decode_split_kernel(
         DIRECT: tl.constexpr, PDL: tl.constexpr):
     """Program (kv_head, split, b): partial attention of the GROUP query heads of `kv_head`.
     DIRECT (a single split): the partial result is the answer; write it to `out`.
+    `scale_log2` includes the K scale; the partial output is multiplied by `v_scale`.
 
     The KV head is the fastest grid axis and the request the slowest, so blocks start request
     by request in batch order: a batch ordered longest first is scheduled longest job first (the
@@ -99,16 +107,16 @@ def _decode_split_kernel(
         mask_n = pos < end
         slots = tl.load(pt_row + pos, mask=mask_n, other=0).to(tl.int64)
         k = tl.load(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
-                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [D, N]
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(q.dtype)  # [D, N]
         qk = _dot(q, k, F32_DOT)
         qk = tl.where(mask_n[None, :], qk * scale_log2, _NEG)
         v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [N, D]
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)  # [N, D]
         acc, m_i, l_i = _online_softmax_step(qk, v, acc, m_i, l_i, F32_DOT)
 
     # An empty split (zero iterations) writes finite junk that the reduce kernel masks out.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    o = acc / l_safe[:, None] * v_scale
     lse = m_i + tl.log2(l_safe)
     if DIRECT:
         tl.store(out_ptr + b * stride_out_t + heads[:, None] * stride_out_h + offs_d[None, :],
@@ -161,18 +169,18 @@ def _extend_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, hi, q_pos, scale_lo
         mask_n = offs_n < hi
         slots = tl.load(pt_row + offs_n, mask=mask_n, other=0).to(tl.int64)
         k = tl.load(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
-                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [D, N]
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(q.dtype)  # [D, N]
         v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [N, D]
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)  # [N, D]
         qk = _dot(q, k, F32_DOT)
         causal = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
         qk = tl.where(causal, qk * scale_log2, _NEG)
     else:
         slots = tl.load(pt_row + offs_n).to(tl.int64)
         k = tl.load(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
-                    mask=mask_d[:, None], other=0.0)
+                    mask=mask_d[:, None], other=0.0).to(q.dtype)
         v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-                    mask=mask_d[None, :], other=0.0)
+                    mask=mask_d[None, :], other=0.0).to(q.dtype)
         qk = _dot(q, k, F32_DOT) * scale_log2
     return _online_softmax_step(qk, v, acc, m_i, l_i, F32_DOT)
 
@@ -180,7 +188,7 @@ def _extend_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, hi, q_pos, scale_lo
 @triton.jit
 def _extend_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, page_table_ptr, rows_ptr, prefix_lens_ptr, extend_lens_ptr,
-        q_starts_ptr, scale_log2,
+        q_starts_ptr, scale_log2, v_scale,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
         stride_ot, stride_oh,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -188,7 +196,8 @@ def _extend_kernel(
     """Program (b, head, m): new tokens [m_block*BLOCK_M, +BLOCK_M) of request b, causal, where
     m_block counts down from the last block as m counts up. Programs start in grid order, and a
     block's work grows with its position (causal), so the longest start first and the last wave
-    is short (as with the decode batch's longest-first order)."""
+    is short (as with the decode batch's longest-first order).
+    `scale_log2` includes the K scale; the output is multiplied by `v_scale`."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     m0 = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M
@@ -225,7 +234,7 @@ def _extend_kernel(
                                      scale_log2, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
                                      BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, True)
 
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
     tl.store(o_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
@@ -264,7 +273,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      page_table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
                      o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
                      scale: float, min_split_tokens: int = 0,
-                     tiles: Optional[DecodeTiles] = None, pdl: bool = False) -> None:
+                     tiles: Optional[DecodeTiles] = None, pdl: bool = False,
+                     k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """One query token per request.
 
     q/out [B, heads, d] (last dim contiguous); k/v_cache [slots, kv_heads, d] (one layer);
@@ -274,7 +284,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     max(ceil(seq_len / S), min_split_tokens) tokens (rounded up to the tile), computed in the
     kernels from the device lengths: launches depend only on shapes (graph-capturable). Requests
     in decreasing length run fastest (longest job first; see the split kernel).
-    `pdl`: launch with programmatic dependent launch (pdl.py).
+    `pdl`: launch with programmatic dependent launch (pdl.py). `k_scale` / `v_scale`: the
+    layer's scales of an FP8 pool (the caches hold K / k_scale, V / v_scale); 1.0 otherwise.
     """
     batch, num_heads, head_dim = q.shape
     if batch > _MAX_GRID_Z:
@@ -289,7 +300,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     direct = num_splits == 1  # one split: no merge pass (the large-batch case)
     _decode_split_kernel[(num_kv_heads, num_splits, batch)](
         q, k_cache, v_cache, page_table, rows, seq_lens, o_part, lse_part, out,
-        scale * _LOG2E, num_splits, min_split,
+        scale * k_scale * _LOG2E, v_scale, num_splits, min_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
@@ -310,14 +321,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      page_table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
                      extend_lens: torch.Tensor, q_starts: torch.Tensor, max_extend: int,
-                     out: torch.Tensor, scale: float, tiles: Optional[ExtendTiles] = None
-                     ) -> None:
+                     out: torch.Tensor, scale: float, tiles: Optional[ExtendTiles] = None,
+                     k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """New tokens attend causally to their request's cached prefix and to each other.
 
     q/out [T, heads, d] (last dim contiguous), request i's tokens at rows
     [q_starts[i], q_starts[i] + extend_lens[i]); all K/V (prefix and new) are read from the pool
     through page_table[rows[i], :prefix_lens[i] + extend_lens[i]]; the int32 per-request tensors
-    are on q's device; `max_extend` bounds extend_lens (it sizes the grid).
+    are on q's device; `max_extend` bounds extend_lens (it sizes the grid). `k_scale` /
+    `v_scale`: as for `decode_attention`.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     batch = rows.shape[0]
@@ -328,7 +340,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     grid = (batch, num_heads, triton.cdiv(max_extend, tiles.block_m))
     _extend_kernel[grid](
         q, k_cache, v_cache, out, page_table, rows, prefix_lens, extend_lens, q_starts,
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), page_table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim,
@@ -337,9 +349,31 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 @triton.jit
+def _fp8_quantize(x, scale):
+    """x / scale in float32 (IEEE division, as torch divides), rounded to nearest-even on the
+    float8_e4m3fn grid and clamped to its finite range (+-448), still as float32: the caller's
+    cast is then exact. Rounding here rather than in the cast gives the same bits on every
+    target (the CPU interpreter's float8 cast drops the carry of values that round up to the
+    next power of two)."""
+    y = tl.math.div_rn(x.to(tl.float32), scale)
+    # Normal range: keep 3 of float32's 23 mantissa bits, rounding half to even (a carry out
+    # of the mantissa moves the exponent up, as it should).
+    bits = y.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20 << 20
+    normal = bits.to(tl.float32, bitcast=True)
+    # Subnormal range (below 2^-6): multiples of 2^-9, the spacing of float32 in [2^14, 2^15).
+    small = (y + 24576.0) - 24576.0
+    small = tl.where(small == 0.0, y * 0.0, small)  # -0.0 for small negatives, as a cast gives
+    r = tl.where(tl.abs(y) < 0.015625, small, normal)
+    return tl.minimum(tl.maximum(r, -_FP8_MAX), _FP8_MAX)
+
+
+@triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, stride_kt, stride_vt,
-                     stride_cs, n_elems, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Program t: copy token t's K and V ([kv_heads * head_dim], dense) into slot slots[t]."""
+                     stride_cs, n_elems, k_scale, v_scale, BLOCK: tl.constexpr,
+                     QUANT: tl.constexpr, PDL: tl.constexpr):
+    """Program t: copy token t's K and V ([kv_heads * head_dim], dense) into slot slots[t];
+    QUANT (FP8 caches): K / k_scale and V / v_scale, clamped to +-448, rounded to nearest."""
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
@@ -347,17 +381,22 @@ def _store_kv_kernel(k_ptr, v_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, stride_k
     mask = offs < n_elems
     k = tl.load(k_ptr + t * stride_kt + offs, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs, mask=mask)
+    if QUANT:
+        k = _fp8_quantize(k, k_scale).to(k_cache_ptr.dtype.element_ty)
+        v = _fp8_quantize(v, v_scale).to(v_cache_ptr.dtype.element_ty)
     tl.store(k_cache_ptr + slot * stride_cs + offs, k, mask=mask)
     tl.store(v_cache_ptr + slot * stride_cs + offs, v, mask=mask)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, pdl: bool = False) -> None:
+             v_cache: torch.Tensor, pdl: bool = False, k_scale: float = 1.0,
+             v_scale: float = 1.0) -> None:
     """k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t] in one launch.
 
     k/v [T, kv_heads, d] with each token's heads one dense block (views of the fused QKV output
     qualify, so V needs no copy); caches [slots, kv_heads, d] contiguous; slots [T], int32 or
-    int64, on the same device.
+    int64, on the same device. FP8 (float8_e4m3fn) caches get k / k_scale and v / v_scale,
+    quantized as kvcache.pool.quantize does; other caches ignore the scales.
     """
     tokens, heads, dim = k.shape
     for x in (k, v):
@@ -366,5 +405,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: tor
     if tokens:
         n = heads * dim
         _store_kv_kernel[(tokens,)](k, v, slots, k_cache, v_cache, k.stride(0), v.stride(0),
-                                    k_cache.stride(0), n, BLOCK=triton.next_power_of_2(n),
-                                    PDL=pdl, **launch_options(pdl))
+                                    k_cache.stride(0), n, k_scale, v_scale,
+                                    BLOCK=triton.next_power_of_2(n),
+                                    QUANT=k_cache.dtype == torch.float8_e4m3fn, PDL=pdl,
+                                    **launch_options(pdl))

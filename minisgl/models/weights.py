@@ -36,8 +36,10 @@ class SafetensorsSource:
         return tuple(self._slice.get_shape())
 
     def read(self, dim: Optional[int] = None, start: int = 0, stop: int = 0) -> torch.Tensor:
-        if dim is None:  # also a 0-d tensor (a per-tensor scale), which a slice cannot index
+        if dim is None and not self.shape:  # a slice cannot index a 0-dim tensor (a scale)
             return self._handle.get_tensor(self.name)  # type: ignore[attr-defined]
+        if dim is None:
+            return self._slice[:]
         if dim == 0:
             return self._slice[start:stop]
         if dim == 1:
