@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional
 
 import torch
 from torch.distributed import ProcessGroup
@@ -58,7 +58,10 @@ class Accounting(NamedTuple):
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, engine: StepEngine, io: SchedulerIO,
-                 cpu_group: Optional[ProcessGroup] = None) -> None:
+                 cpu_group: Optional[ProcessGroup] = None,
+                 on_stats: Optional[Callable[[SchedulerStats], None]] = None) -> None:
+        """`on_stats` (rank 0 of a service: its StatsTimer) gets the stats before each launch
+        and after each completed step; it must not affect scheduling."""
         self.cfg = cfg
         self.cpu_group = cpu_group
         self.engine = engine
@@ -87,6 +90,11 @@ class Scheduler:
         self.busy_s = {Phase.PREFILL: 0.0, Phase.DECODE: 0.0}
         self._last_done = 0.0
         self.wait_s = 0.0
+        self.received = 0  # UserMsgs taken so far
+        self._stats_seq = 0
+        self.on_stats = on_stats
+        if on_stats is not None:
+            on_stats(self.stats())
 
     # --- the loop ------------------------------------------------------------------------------
     @property
@@ -109,6 +117,8 @@ class Scheduler:
         for msg in msgs:
             self.handle(msg)
         batch = None if self.stopped else self.schedule()
+        if batch is not None and self.on_stats is not None:
+            self.on_stats(self.stats())  # what a long forward shows on rank 0's stats timer
         launched = self._launch(batch) if batch is not None else None
         previous, self.inflight = self.inflight, launched
         if previous is not None:
@@ -153,7 +163,7 @@ class Scheduler:
         outs = self.process(batch, result)
         for req in ready:
             self._retire(req, admitted=True)
-        self.io.send(outs, self.stats())  # after the retires: the stats see the freed pages
+        self.io.send(outs, self._posted_stats())  # after the retires: they see the freed pages
 
     def check_idle(self) -> None:
         """Called before blocking for input: every page must be accounted for."""
@@ -171,6 +181,7 @@ class Scheduler:
     # --- input ---------------------------------------------------------------------------------
     def handle(self, msg: object) -> None:
         if isinstance(msg, UserMsg):
+            self.received += 1
             self._add(msg)
         elif isinstance(msg, AbortMsg):
             self.abort(msg.uid)
@@ -213,7 +224,7 @@ class Scheduler:
         else:
             self._retire(req, admitted=False)
         self.io.send([TokenOut(uid, finish_reason=FinishReason.ABORT.value,
-                               prompt_tokens=req.prompt_len)], self.stats())
+                               prompt_tokens=req.prompt_len)], self._posted_stats())
 
     # --- batches -------------------------------------------------------------------------------
     def schedule(self) -> Optional[Batch]:
@@ -344,8 +355,16 @@ class Scheduler:
         self.rows.free(req.table_row)
         req.table_row = -1
 
+    def _posted_stats(self) -> SchedulerStats:
+        """The stats, also given to `on_stats`."""
+        stats = self.stats()
+        if self.on_stats is not None:
+            self.on_stats(stats)
+        return stats
+
     def stats(self) -> SchedulerStats:
         cache = self.cache.manager.stats()
+        self._stats_seq += 1
         return SchedulerStats(
             running=len(self.decode.running), waiting=self.prefill.num_waiting,
             waiting_tokens=self.prefill.waiting_tokens,
@@ -359,4 +378,5 @@ class Scheduler:
             decode_steps_total=self.steps[Phase.DECODE],
             prefill_seconds_total=self.busy_s[Phase.PREFILL],
             decode_seconds_total=self.busy_s[Phase.DECODE], wait_seconds_total=self.wait_s,
-            replica=self.cfg.replica)
+            replica=self.cfg.replica, requests_received_total=self.received,
+            seq=self._stats_seq)
