@@ -65,7 +65,7 @@ def _chat(messages: list = SHORT, **fields: object) -> dict:
     return {"model": MODEL, "messages": messages, "max_tokens": 2, "temperature": 0, **fields}
 
 
-def _post(server: Server, path: str, body: object, timeout: float = 60, **headers: str
+def _post(server: Server, path: str, body: object, timeout: float = 120, **headers: str
           ) -> httpx.Response:
     return httpx.post(f"{server.url}{path}", json=body, timeout=timeout,
                       headers={**AUTH, **headers})
@@ -80,7 +80,8 @@ class Hold:
                                      json=_chat(max_tokens=4000, ignore_eos=True, stream=True))
         self.response = self.cm.__enter__()
         assert self.response.status_code == 200
-        next(self.response.iter_lines())  # running: its first token came
+        self.lines = self.response.iter_lines()  # kept: a dropped iterator closes the stream
+        next(self.lines)  # running: its first token came
 
     def close(self) -> None:
         self.cm.__exit__(None, None, None)
@@ -90,7 +91,7 @@ class Hold:
 def _in_background(server: Server, body: dict, path: str = "/v1/chat/completions"
                    ) -> Tuple[threading.Thread, List[httpx.Response]]:
     out: List[httpx.Response] = []
-    t = threading.Thread(target=lambda: out.append(_post(server, path, body)))
+    t = threading.Thread(target=lambda: out.append(_post(server, path, body, timeout=300)))
     t.start()
     return t, out
 
@@ -288,7 +289,7 @@ def test_metrics_fresh_during_a_long_forward(server: Server) -> None:
     replies, a one-token request's pages would never be seen: its reply comes after they are
     freed."""
     assert _idle(server)["minisgl_kv_pages_total"] == 512
-    words = " ".join(f"w{i}" for i in range(400))  # a prompt no earlier request shares
+    words = " ".join(f"w{i}" for i in range(120))  # a prompt no earlier request shares
     t, out = _in_background(server, {"model": MODEL, "prompt": words, "max_tokens": 1},
                             "/v1/completions")
     seen = []
@@ -323,7 +324,7 @@ def test_prompt_longer_than_any_context_refused_without_tokenizing(server: Serve
 def test_short_request_not_held_up_behind_a_long_prompt(server: Server) -> None:
     """A long prompt is tokenized beside the loop: a short /tokenize sent just after it
     answers long before it, and the tokenizer's memory goes back down afterwards."""
-    tokenizer = next(p for p in child_pids(server.proc.pid) if comm(p) == "minisgl-tokenizer")
+    tokenizer = next(p for p in child_pids(server.proc.pid) if comm(p) == "minisgl-tokeniz")
     rss_before = _rss_kb(tokenizer)
     text = "The quick brown fox jumps over the lazy dog. " * (MAX_PROMPT_CHARS // 46)
     done: Dict[str, float] = {}

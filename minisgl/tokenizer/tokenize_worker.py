@@ -266,6 +266,8 @@ class Serving:
     def send(self, msg: TokenizeRequest, prep: Prepared) -> None:
         ids = prep.input_ids
         replica = self.router.route(ids, len(ids))
+        logger.debug("request %d: %d prompt tokens, %d queued at replica %d", msg.uid, len(ids),
+                     self.queued.queued(replica), replica)
         if not self.queued.admits(replica, len(ids)):
             self.reject(msg.uid, f"{self.queued.queued(replica)} prompt tokens queued, the limit "
                                  f"is {self.queued.limit}", 429, len(ids))
