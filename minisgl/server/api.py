@@ -87,12 +87,11 @@ class Waiter:
         self.stream, self.request, self.deadline = stream, request, deadline
         self.next_check = time.monotonic() + _DISCONNECT_POLL_S
 
-    async def next(self, started: bool = False) -> ReplyChunk:
+    async def next(self) -> ReplyChunk:
         """The stream's next chunk; ClientGone if the client disconnects first, the deadline's
-        ApiError (408) if it passes first (the deadline before or after the first chunk, as
-        `started` says)."""
+        ApiError (408) if it passes first (the response has not begun: `Deadline.first`)."""
         while True:
-            left = self.deadline.left(started)
+            left = self.deadline.left(started=False)
             if left <= 0:
                 raise self.deadline.error()
             if time.monotonic() >= self.next_check:
