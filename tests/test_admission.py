@@ -168,3 +168,49 @@ def test_bearer_tokens_and_key_comparison() -> None:
     assert bearer("Basic abc") is None and bearer("Bearer ") is None and bearer(None) is None
     assert key_matches("sk-1", "sk-1") and not key_matches("sk-2", "sk-1")
     assert not key_matches(None, "sk-1") and not key_matches("", "sk-1")
+
+
+def test_stream_past_its_deadline_ends_with_an_error_event() -> None:
+    """`--request-timeout` mid-stream: an error event (408's body), then [DONE]."""
+    import asyncio
+
+    from minisgl.message.types import ReplyChunk
+    from minisgl.server.api import _events
+    from minisgl.server.protocol import ChatRequest, chat_job
+    from minisgl.server.responses import ChatFormatter, Choice
+    from minisgl.server.streams import RequestStream
+
+    async def run() -> List[str]:
+        job = chat_job(ChatRequest.model_validate(
+            {"messages": [{"role": "user", "content": "hi"}], "stream": True}), 1)
+        stream = RequestStream([7])
+        first = [ReplyChunk(7, "Hel", [1], prompt_tokens=3, completion_tokens=1)]
+        deadline = Deadline(first=math.inf, last=time.monotonic() + 0.2)
+        t0 = time.monotonic()
+        lines = [line async for line in _events(stream, ChatFormatter("m", job), [Choice()],
+                                                 first, deadline)]
+        assert 0.15 < time.monotonic() - t0 < 5
+        return lines
+
+    lines = asyncio.run(run())
+    assert lines[-1] == "data: [DONE]\n\n"
+    assert '"request_timeout"' in lines[-2] and "Hel" in "".join(lines[:-2])
+
+
+def test_a_full_tokenizer_queue_is_a_429(tmp_path: Any) -> None:
+    """The API server's socket to the tokenizer holds a bounded number of messages: past it a
+    request is told to retry (429), not failed with a 5xx."""
+    from minisgl.server.metrics import Metrics
+    from minisgl.server.protocol import CompletionRequest, completion_job
+    from minisgl.server.streams import RequestStreams
+
+    streams = RequestStreams(f"ipc://{tmp_path}/nobody", f"ipc://{tmp_path}/api", Metrics())
+    job = completion_job(CompletionRequest.model_validate({"prompt": "hi"}), 1)
+    try:
+        with pytest.raises(ApiError) as e:
+            for _ in range(100_000):  # nobody reads: the socket's high-water mark is reached
+                streams.submit(job)
+        assert e.value.status == 429 and e.value.kind == "rate_limit_error"
+        assert "tokenizer" in e.value.message and e.value.headers["Retry-After"] == "1"
+    finally:
+        streams.close()
