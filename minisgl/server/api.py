@@ -23,7 +23,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
@@ -64,7 +64,8 @@ class ApiConfig:
     root: str = ""  # the model's directory (vLLM's model card `root`); "" names the model
     reasoning_parser: Optional[str] = None  # server/reasoning.py: splits chat output
     aliases: Tuple[str, ...] = ()  # more names requests may give the model
-    api_key: Optional[str] = None  # clients must send it as a Bearer token (auth.py)
+    # clients must send it as a Bearer token (auth.py); not in the repr, which logs may show
+    api_key: Optional[str] = field(default=None, repr=False)
     loopback_only: bool = False  # listening on loopback: Host headers must name it
     max_queued_requests: Optional[int] = None  # admission.py
     request_timeout: Optional[float] = None  # seconds, admission.Deadline
