@@ -60,8 +60,8 @@ class Scheduler:
     def __init__(self, cfg: SchedulerConfig, engine: StepEngine, io: SchedulerIO,
                  cpu_group: Optional[ProcessGroup] = None,
                  on_stats: Optional[Callable[[SchedulerStats], None]] = None) -> None:
-        """`on_stats` (rank 0 of a service: its StatsTimer) gets the stats before each launch
-        and after each completed step; it must not affect scheduling."""
+        """`on_stats` (rank 0 of a service: its StatsTimer) gets the stats before each prefill
+        launch (a long forward) and after each completed step; it must not affect scheduling."""
         self.cfg = cfg
         self.cpu_group = cpu_group
         self.engine = engine
@@ -117,8 +117,8 @@ class Scheduler:
         for msg in msgs:
             self.handle(msg)
         batch = None if self.stopped else self.schedule()
-        if batch is not None and self.on_stats is not None:
-            self.on_stats(self.stats())  # what a long forward shows on rank 0's stats timer
+        if batch is not None and batch.phase is Phase.PREFILL and self.on_stats is not None:
+            self.on_stats(self.stats())  # what a long prefill shows on rank 0's stats timer
         launched = self._launch(batch) if batch is not None else None
         previous, self.inflight = self.inflight, launched
         if previous is not None:

@@ -2,11 +2,12 @@
 
 The scheduler's stats otherwise travel only with its replies, so /metrics would go stale while
 it idles or runs one long forward. `StatsTimer.post` takes the scheduler's latest stats (the
-scheduler posts them before it launches each batch and after it completes one, and once at
+scheduler posts them before it launches a prefill batch and after it completes any, and once at
 start-up, so the pool's size is known before the first request); a daemon thread sends the
 latest to the detokenizer (which forwards it like any step's) every `interval_s`, on a socket of
 its own. While the loop is blocked in a forward, the stats sent are those posted before that
-launch: the batch's requests counted as running or prefilling, their pages as used.
+launch (a prefill's: its requests counted as waiting, their pages as used), or after the step
+before it (a decode step, which is short).
 
 Only rank 0 has a timer, and nothing the scheduler decides reads it: the ranks' lockstep is
 untouched.
