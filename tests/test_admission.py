@@ -214,3 +214,23 @@ def test_a_full_tokenizer_queue_is_a_429(tmp_path: Any) -> None:
         assert "tokenizer" in e.value.message and e.value.headers["Retry-After"] == "1"
     finally:
         streams.close()
+
+
+def test_scheduler_posts_its_state_before_a_prefill_and_after_each_step() -> None:
+    """What rank 0's stats timer sends: before a prefill's forward its request is counted
+    (waiting, pages held) although no reply carries that; the numbers only grow (`seq`), and
+    rank 0 counts the requests it took (the tokenizer's queued tokens)."""
+    from fake_engine import Harness
+
+    h = Harness()
+    posted: List[SchedulerStats] = []
+    h.sched.on_stats = posted.append
+    h.submit(1, list(range(1, 9)), max_tokens=2)
+    h.step()
+    before = posted[0]
+    assert (before.waiting, before.waiting_tokens, before.requests_received_total) == (1, 0, 1)
+    assert before.kv_pages_used == 2 and before.kv_pages_total == 64
+    h.run()
+    assert [s.seq for s in posted] == sorted({s.seq for s in posted})
+    assert posted[-1].kv_pages_used == 0 and posted[-1].running == 0
+    assert sum(1 for s in posted if s.waiting) == 1  # decode steps post no stats before launch
