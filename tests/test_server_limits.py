@@ -198,7 +198,7 @@ def _raw(server: Server, head: str, body: bytes = b"", wait_s: float = 10.0) -> 
 
 def _head(server: Server, length: Optional[int], chunked: bool = False) -> str:
     url = urlparse(server.url)
-    lines = [f"POST /v1/chat/completions HTTP/1.1", f"Host: {url.hostname}:{url.port}",
+    lines = ["POST /v1/chat/completions HTTP/1.1", f"Host: {url.hostname}:{url.port}",
              f"Authorization: Bearer {KEY}", "Content-Type: application/json"]
     lines.append("Transfer-Encoding: chunked" if chunked else f"Content-Length: {length}")
     return "\r\n".join(lines) + "\r\n\r\n"
