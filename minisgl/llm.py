@@ -159,7 +159,8 @@ class _RankProcesses:
         except TimeoutError:
             self.check_alive()
             return []
-        self.stats = batch.stats or self.stats
+        if batch.stats is not None and (self.stats is None or batch.stats.seq > self.stats.seq):
+            self.stats = batch.stats  # the newest: rank 0's timer sends them too
         return list(batch.items)
 
     def close(self, graceful: bool = True) -> None:

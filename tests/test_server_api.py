@@ -293,6 +293,10 @@ def test_models_health_metrics(client: openai.OpenAI, server: Server, model: str
     assert model == "SmolLM2-135M-Instruct"
     assert client.models.retrieve(model).id == model
     assert httpx.get(f"{server.url}/health").status_code == 200
+    # rank 0 pushes its state on a timer: the pool's size is known before any request
+    assert server.wait_metrics(lambda m: m["minisgl_kv_pages_total"] == 512
+                               )["minisgl_kv_pages_total"] == 512
+    client.completions.create(model=model, prompt="Hello", max_tokens=2, temperature=0)
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("minisgl_num_requests_running", "minisgl_num_requests_waiting",
                  "minisgl_kv_pages_used", "minisgl_kv_pages_total", "minisgl_kv_pages_cached",

@@ -99,8 +99,10 @@ class TokenOut:
 
 @dataclass(frozen=True)
 class SchedulerStats:
-    """Rank 0's counters after a step, for /metrics (gauges and monotonic totals) and the
-    data-parallel router (its load: the KV pages in use and the prompt tokens waiting)."""
+    """Rank 0's counters, for /metrics (gauges and monotonic totals), the data-parallel router
+    (its load: the KV pages in use and the prompt tokens waiting) and the tokenizer's admission.
+    Taken after each step and before each launch; sent with the step's replies and every
+    `stats_interval` seconds (scheduler/stats_timer.py)."""
 
     running: int = 0
     waiting: int = 0
@@ -122,6 +124,11 @@ class SchedulerStats:
     # scheduling) is the bottleneck and the GPU idles between steps.
     wait_seconds_total: float = 0.0
     replica: int = 0  # the data-parallel replica whose rank 0 sent these
+    # Requests rank 0 has taken from the tokenizer so far (the tokenizer's queued-token count).
+    requests_received_total: int = 0
+    # Numbers rank 0's stats in the order taken: stats come with replies and on a timer (two
+    # sockets), and a reader keeps the latest.
+    seq: int = 0
 
 
 @dataclass(frozen=True)

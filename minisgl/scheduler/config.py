@@ -39,6 +39,9 @@ class SchedulerConfig:
     check_lockstep: bool = setting(False, "every step, the ranks compare their batch uids, KV "
                                           "slots and sampled tokens and fail on a mismatch (a "
                                           "debugging aid: one collective per step)")
+    stats_interval: float = setting(0.5, "seconds between rank 0's pushes of the scheduler's "
+                                         "state to /metrics (also while idle or in a long "
+                                         "step)")
     # ZMQ addresses; None in offline single-rank mode (in-process IO).
     backend_addr: Optional[str] = None  # tokenizer -> rank 0 (PULL, rank 0 binds)
     detokenizer_addr: Optional[str] = None  # rank 0 -> detokenizer (PUSH, rank 0 connects)
@@ -53,6 +56,8 @@ class SchedulerConfig:
         check_choices(self)
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if not self.stats_interval > 0:
+            raise ValueError(f"stats_interval must be > 0 seconds, got {self.stats_interval}")
         if self.decode_reserve_tokens is not None and self.decode_reserve_tokens < 0:
             raise ValueError(f"decode_reserve_tokens must be >= 0, got "
                              f"{self.decode_reserve_tokens}")

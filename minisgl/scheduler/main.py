@@ -32,6 +32,7 @@ from minisgl.message.startup import PEER_EXIT, report_startup
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.io import ZmqIO
 from minisgl.scheduler.scheduler import Scheduler
+from minisgl.scheduler.stats_timer import StatsTimer
 
 
 def _alive(pid: int) -> bool:
@@ -144,7 +145,12 @@ def run_rank(cfg: SchedulerConfig, conn: Any) -> None:
         io = ZmqIO(cfg.engine.tp_info, cfg.backend_addr or "", cfg.detokenizer_addr or "",
                    cfg.broadcast_addr, groups.cpu_group, cfg.subscriber_timeout_s,
                    cfg.broadcast_remote_addr)
-        scheduler = Scheduler(cfg, engine, io, groups.cpu_group)
+        timer = (StatsTimer(cfg.detokenizer_addr, cfg.stats_interval)
+                 if info.is_primary and cfg.detokenizer_addr else None)
+        scheduler = Scheduler(cfg, engine, io, groups.cpu_group,
+                              timer.post if timer is not None else None)
+        if timer is not None:
+            timer.start()
     conn.send(("ready", name, {"limits": scheduler.limits,
                                "torch_threads": torch.get_num_threads()}))
     try:
@@ -154,5 +160,7 @@ def run_rank(cfg: SchedulerConfig, conn: Any) -> None:
         log.error("rank %d failed%s", rank, " (another rank failed first)" if peer else "",
                   exc_info=True)
         sys.exit(PEER_EXIT if peer else 1)
+    if timer is not None:
+        timer.close()
     io.close()
     destroy_process_groups()

@@ -22,7 +22,7 @@ import concurrent.futures
 import logging
 import time
 from concurrent.futures import Future
-from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch.distributed import ProcessGroup
@@ -71,7 +71,10 @@ class Accounting(NamedTuple):
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, engine: StepEngine, io: SchedulerIO,
-                 cpu_group: Optional[ProcessGroup] = None) -> None:
+                 cpu_group: Optional[ProcessGroup] = None,
+                 on_stats: Optional[Callable[[SchedulerStats], None]] = None) -> None:
+        """`on_stats` (rank 0 of a service: its StatsTimer) gets the stats before each prefill
+        launch (a long forward) and after each completed step; it must not affect scheduling."""
         self.cfg = cfg
         self.cpu_group = cpu_group
         self.engine = engine
@@ -106,6 +109,11 @@ class Scheduler:
         self.busy_s = {Phase.PREFILL: 0.0, Phase.DECODE: 0.0}
         self._last_done = 0.0
         self.wait_s = 0.0
+        self.received = 0  # UserMsgs taken so far
+        self._stats_seq = 0
+        self.on_stats = on_stats
+        if on_stats is not None:
+            on_stats(self.stats())
 
     # --- the loop ------------------------------------------------------------------------------
     @property
@@ -136,6 +144,8 @@ class Scheduler:
         if self.compiling and not self.stopped:
             self._queue_compiled()
         batch = None if self.stopped else self.schedule()
+        if batch is not None and batch.phase is Phase.PREFILL and self.on_stats is not None:
+            self.on_stats(self.stats())  # what a long prefill shows on rank 0's stats timer
         launched = self._launch(batch) if batch is not None else None
         previous, self.inflight = self.inflight, launched
         if previous is not None:
@@ -221,7 +231,7 @@ class Scheduler:
         outs = self.process(batch, result)
         for req in ready:
             self._retire(req, admitted=True)
-        self.io.send(outs, self.stats())  # after the retires: the stats see the freed pages
+        self.io.send(outs, self._posted_stats())  # after the retires: they see the freed pages
 
     def check_idle(self) -> None:
         """Called before blocking for input: every page must be accounted for."""
@@ -239,6 +249,7 @@ class Scheduler:
     # --- input ---------------------------------------------------------------------------------
     def handle(self, msg: object) -> None:
         if isinstance(msg, UserMsg):
+            self.received += 1
             self._add(msg)
         elif isinstance(msg, AbortMsg):
             self.abort(msg.uid)
@@ -285,7 +296,7 @@ class Scheduler:
         else:
             self._retire(req, admitted=False)
         self.io.send([TokenOut(uid, finish_reason=FinishReason.ABORT.value,
-                               prompt_tokens=req.prompt_len)], self.stats())
+                               prompt_tokens=req.prompt_len)], self._posted_stats())
 
     # --- batches -------------------------------------------------------------------------------
     def schedule(self) -> Optional[Batch]:
@@ -430,8 +441,16 @@ class Scheduler:
         self.rows.free(req.table_row)
         req.table_row = -1
 
+    def _posted_stats(self) -> SchedulerStats:
+        """The stats, also given to `on_stats`."""
+        stats = self.stats()
+        if self.on_stats is not None:
+            self.on_stats(stats)
+        return stats
+
     def stats(self) -> SchedulerStats:
         cache = self.cache.manager.stats()
+        self._stats_seq += 1
         return SchedulerStats(
             running=len(self.decode.running), waiting=self.prefill.num_waiting,
             waiting_tokens=self.prefill.waiting_tokens,
@@ -445,4 +464,5 @@ class Scheduler:
             decode_steps_total=self.steps[Phase.DECODE],
             prefill_seconds_total=self.busy_s[Phase.PREFILL],
             decode_seconds_total=self.busy_s[Phase.DECODE], wait_seconds_total=self.wait_s,
-            replica=self.cfg.replica)
+            replica=self.cfg.replica, requests_received_total=self.received,
+            seq=self._stats_seq)

@@ -4,6 +4,8 @@ Routes: POST /v1/chat/completions, POST /v1/completions, POST /generate (token i
 POST /v1/responses, POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /v1/models, GET /v1/models/{id},
 GET /version, GET /health (200 only while the launcher reports every process up), GET /metrics.
 A POST body must be JSON: another declared content type gets a 415.
+In front of the routes: the API key and Host checks (auth.py), then the body's size and read
+deadline (limits.py); admission (429) and deadlines (408) are admission.py's.
 
 A request's uids are released (unfinished ones aborted, so their KV pages are freed) when the
 handler ends for any reason: response sent, error, or the client gone. Non-streaming handlers
@@ -21,7 +23,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
@@ -30,7 +32,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl.message.startup import report_startup
 from minisgl.message.types import ReplyChunk
+from minisgl.server.admission import Deadline, overloaded
+from minisgl.server.auth import AccessCheck
+from minisgl.server.limits import BodyLimits
 from minisgl.server.metrics import Metrics
+from minisgl.server.openapi import App, body as body_schema
 from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeBody,
                                      GenerateRequest, Prompt, TokenizeBody, chat_job,
                                      completion_job, detokenize_prompt, generate_job, parse_body,
@@ -59,6 +65,13 @@ class ApiConfig:
     reasoning_parser: Optional[str] = None  # server/reasoning.py: splits chat output
     tool_call_parser: str = "hermes"  # server/tool_calls.py: reads (and enforces) tool calls
     aliases: Tuple[str, ...] = ()  # more names requests may give the model
+    # clients must send it as a Bearer token (auth.py); not in the repr, which logs may show
+    api_key: Optional[str] = field(default=None, repr=False)
+    loopback_only: bool = False  # listening on loopback: Host headers must name it
+    max_queued_requests: Optional[int] = None  # admission.py
+    request_timeout: Optional[float] = None  # seconds, admission.Deadline
+    max_request_bytes: int = 32 << 20  # limits.py
+    body_timeout: float = 30.0  # seconds to receive a body, limits.py
 
 
 class ClientGone(Exception):
@@ -68,20 +81,26 @@ class ClientGone(Exception):
 # --- running a job --------------------------------------------------------------------------------
 class Waiter:
     """Takes a request's chunks, checking every `_DISCONNECT_POLL_S` (also while chunks keep
-    coming) whether the client is still there."""
+    coming) whether the client is still there, and that the request's deadline has not
+    passed."""
 
-    def __init__(self, stream: RequestStream, request: Request) -> None:
-        self.stream, self.request = stream, request
+    def __init__(self, stream: RequestStream, request: Request,
+                 deadline: Deadline = Deadline()) -> None:
+        self.stream, self.request, self.deadline = stream, request, deadline
         self.next_check = time.monotonic() + _DISCONNECT_POLL_S
 
     async def next(self) -> ReplyChunk:
-        """The stream's next chunk; ClientGone if the client disconnects first."""
+        """The stream's next chunk; ClientGone if the client disconnects first, the deadline's
+        ApiError (408) if it passes first (the response has not begun: `Deadline.first`)."""
         while True:
+            left = self.deadline.left(started=False)
+            if left <= 0:
+                raise self.deadline.error()
             if time.monotonic() >= self.next_check:
                 if await self.request.is_disconnected():
                     raise ClientGone()
                 self.next_check = time.monotonic() + _DISCONNECT_POLL_S
-            chunk = await self.stream.get(timeout=_DISCONNECT_POLL_S)
+            chunk = await self.stream.get(timeout=min(_DISCONNECT_POLL_S, left))
             if chunk is not None:
                 return chunk
 
@@ -96,8 +115,10 @@ def _check(chunk: ReplyChunk, prompt_param: str = "prompt",
 
 def _chunk_error(chunk: ReplyChunk, prompt_param: str = "prompt",
                  structured_param: Optional[str] = None) -> ApiError:
-    """The ApiError of an error reply: a server error (5xx, the service stopped) or the
-    request's fault, naming the field."""
+    """The ApiError of an error reply: a server error (5xx, the service stopped), overload (429,
+    from the tokenizer's admission) or the request's fault, naming the field."""
+    if chunk.error_status == 429:
+        return overloaded(chunk.error or "too many tokens queued")
     kind = "server_error" if chunk.error_status >= 500 else "invalid_request_error"
     param = {"prompt": prompt_param, "structured": structured_param or "structured"}.get(
         chunk.error_param or "", chunk.error_param)
@@ -134,17 +155,19 @@ async def run_text(request: Request, streams: RequestStreams, prompt: Optional[P
     return chunk
 
 
-async def run_job(request: Request, streams: RequestStreams, fmt: Formatter) -> Response:
+async def run_job(request: Request, streams: RequestStreams, fmt: Formatter,
+                  request_timeout: Optional[float] = None) -> Response:
+    deadline = Deadline.of(request.headers, request_timeout, fmt.job.stream)
     stream = streams.submit(fmt.job)
     choices = [Choice() for _ in stream.uids]
-    waiter = Waiter(stream, request)
+    waiter = Waiter(stream, request, deadline)
     try:
         if fmt.job.stream:  # wait for every choice's first reply: errors still get a 4xx
             first: List[ReplyChunk] = []
             while len({c.uid for c in first}) < len(stream.uids):
                 first.append(await waiter.next())
                 _check(first[-1], fmt.prompt_param, fmt.job.structured_param)
-            return SSEResponse(_events(stream, fmt, choices, first),
+            return SSEResponse(_events(stream, fmt, choices, first, deadline),
                                on_close=lambda: streams.release(stream))
         while stream.unfinished or not stream.queue.empty():
             chunk = await waiter.next()
@@ -160,14 +183,19 @@ async def run_job(request: Request, streams: RequestStreams, fmt: Formatter) -> 
 
 
 async def _events(stream: RequestStream, fmt: Formatter, choices: List[Choice],
-                  first: List[ReplyChunk]) -> AsyncIterator[str]:
+                  first: List[ReplyChunk], deadline: Deadline = Deadline()
+                  ) -> AsyncIterator[str]:
     for i in range(len(choices)):
         head = next(c for c in first if stream.index[c.uid] == i)
         for line in fmt.opening(i, Choice(prompt_tokens=head.prompt_tokens)):
             yield line
     buffered = list(first)
     while buffered or stream.unfinished or not stream.queue.empty():
-        chunk = buffered.pop(0) if buffered else await stream.queue.get()
+        chunk = buffered.pop(0) if buffered else await stream.get(deadline.timeout(True))
+        if chunk is None:  # past the deadline: an error event ends it (the release aborts)
+            yield sse(deadline.error().body())
+            yield "data: [DONE]\n\n"
+            return
         if chunk.error is not None:  # the service failed mid-stream: an error event ends it
             yield sse(_chunk_error(chunk).body())
             yield "data: [DONE]\n\n"
@@ -182,7 +210,7 @@ async def _events(stream: RequestStream, fmt: Formatter, choices: List[Choice],
 
 # --- the app --------------------------------------------------------------------------------------
 def _error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -206,10 +234,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, internal_error)
 
 
-def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> FastAPI:
+def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     """The app and all its state. `is_healthy` says whether every process of the service is up."""
     metrics = Metrics(cfg.replicas)
-    streams = RequestStreams(cfg.tokenizer_addr, cfg.api_addr, metrics)
+    streams = RequestStreams(cfg.tokenizer_addr, cfg.api_addr, metrics, cfg.max_queued_requests)
     started = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -219,45 +247,51 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> FastAPI:
         task.cancel()
         streams.close()
 
-    app = FastAPI(title="minisgl", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = App(title="minisgl", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.body_models += [ChatRequest, CompletionRequest, ResponsesRequest, GenerateRequest,
+                        TokenizeBody, DetokenizeBody]
     _install_error_handlers(app)
+    app.add_middleware(BodyLimits, max_bytes=cfg.max_request_bytes, timeout_s=cfg.body_timeout)
+    app.add_middleware(AccessCheck, api_key=cfg.api_key, loopback_only=cfg.loopback_only)
 
     def check_model(name: Optional[str]) -> None:
         if name is not None and name != cfg.model_name and name not in cfg.aliases:
             raise ApiError(404, f"The model `{name}` does not exist. This server serves "
                                 f"`{cfg.model_name}`.", "model", "model_not_found")
 
-    @app.post("/v1/chat/completions")
+    async def run(request: Request, fmt: Formatter) -> Response:
+        return await run_job(request, streams, fmt, cfg.request_timeout)
+
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatRequest))
     async def chat(request: Request) -> Response:
         body = parse_body(await json_body(request), ChatRequest)
         check_model(body.model)
         fmt = ChatFormatter(cfg.model_name, chat_job(body, cfg.max_n, cfg.tool_call_parser),
                             cfg.reasoning_parser, cfg.tool_call_parser)
-        return await run_job(request, streams, fmt)
+        return await run(request, fmt)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         body = parse_body(await json_body(request), CompletionRequest)
         check_model(body.model)
         fmt = CompletionFormatter(cfg.model_name, completion_job(body, cfg.max_n))
-        return await run_job(request, streams, fmt)
+        return await run(request, fmt)
 
     stored = ResponseStore()
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest))
     async def responses(request: Request) -> Response:
         body = parse_body(await json_body(request), ResponsesRequest)
         check_model(body.model)
         messages = response_messages(body, stored)
         fmt = ResponsesFormatter(cfg.model_name, responses_job(body, messages, cfg.max_n), body,
                                  messages, stored)
-        return await run_job(request, streams, fmt)
+        return await run(request, fmt)
 
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=body_schema(GenerateRequest))
     async def generate(request: Request) -> Response:
         body = parse_body(await json_body(request), GenerateRequest)
-        return await run_job(request, streams,
-                             GenerateFormatter(cfg.model_name, generate_job(body)))
+        return await run(request, GenerateFormatter(cfg.model_name, generate_job(body)))
 
     async def text_endpoint(request: Request, body_type: Any, prompt_of: Callable[[Any], Prompt],
                             reply: Callable[[ReplyChunk], Dict[str, Any]]) -> Response:
@@ -278,11 +312,11 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> FastAPI:
             out["token_strs"] = chunk.token_strs
         return out
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=body_schema(TokenizeBody))
     async def tokenize(request: Request) -> Response:
         return await text_endpoint(request, TokenizeBody, tokenize_prompt, tokenized)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=body_schema(DetokenizeBody))
     async def detokenize(request: Request) -> Response:
         return await text_endpoint(request, DetokenizeBody, detokenize_prompt,
                                    lambda c: {"prompt": c.text})

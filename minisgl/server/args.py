@@ -10,6 +10,7 @@ scheduler config of each rank, the served model name) are methods and properties
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from minisgl.engine import EngineConfig
 from minisgl.models.path import model_name
 from minisgl.scheduler.config import SchedulerConfig
+from minisgl.server.hosts import is_loopback
 from minisgl.server.topology import ClusterConfig, Wiring
 from minisgl.server.reasoning import REASONING_PARSERS
 from minisgl.server.tool_calls import TOOL_CALL_PARSERS
@@ -34,6 +36,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 # The server's prefill chunk, where the offline API's default follows the device (larger on big
 # GPUs): a longer chunk holds back the running requests' next token for longer.
 SERVER_PREFILL_TOKENS = 8192
+API_KEY_ENV = "MINISGL_API_KEY"
+DEFAULT_MAX_REQUEST_BYTES = 32 << 20
 
 
 def _server_scheduler() -> SchedulerConfig:
@@ -65,6 +69,28 @@ class ServerConfig:
         None, "the format chat output's tool calls are read (and, for tool_choice \"required\" "
               "or a named function, enforced) in (default: from the chat template: "
               "llama3_json for Llama 3.x's, else hermes)", choices=TOOL_CALL_PARSERS)
+    # --- exposure and limits of the HTTP API (server/auth.py, limits.py, admission.py) ------
+    api_key: Optional[str] = setting(
+        None, f"clients must send `Authorization: Bearer KEY` to every endpoint but /health and "
+              f"/metrics; unset: the {API_KEY_ENV} environment variable, else no key")
+    max_queued_requests: Optional[int] = setting(
+        None, "requests accepted but not started (no first token yet) beyond which new ones "
+              "are refused with 429 and Retry-After; unset: no limit")
+    max_queued_tokens: Optional[int] = setting(
+        None, "prompt tokens waiting in a replica's scheduler queue beyond which a new request "
+              "is refused with 429 and Retry-After (one request is always let into an empty "
+              "queue); unset: no limit")
+    request_timeout: Optional[float] = setting(
+        None, "seconds a request may take from its arrival to its last token; past them it is "
+              "aborted (408, or an error event in a stream); the OpenAI client's "
+              "X-Stainless-Read-Timeout header sets a shorter deadline per request; unset: none")
+    max_request_bytes: int = setting(DEFAULT_MAX_REQUEST_BYTES,
+                                     "the largest request body accepted (413 beyond)")
+    body_timeout: float = setting(30.0, "seconds a client may take to send a request's body "
+                                        "(408 and the connection closed after)")
+    tokenizer_threads: int = setting(2, "threads that tokenize long prompts beside the "
+                                        "tokenizer's loop, so that short ones are not held up "
+                                        "behind them")
     scheduler: SchedulerConfig = section(_server_scheduler)
     cluster: ClusterConfig = section(ClusterConfig)
 
@@ -75,6 +101,17 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+        for name in ("max_queued_requests", "max_queued_tokens", "max_request_bytes",
+                     "tokenizer_threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        for name in ("request_timeout", "body_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")
         if any(not name for name in self.served_names):
             raise ValueError(f"served_model_name must be names separated by commas, got "
                              f"{self.served_model_name!r}")
@@ -91,6 +128,16 @@ class ServerConfig:
         if self.shell and self.log_level.lower() == "info":
             return "warning"
         return self.log_level
+
+    @property
+    def resolved_api_key(self) -> Optional[str]:
+        """The key clients must send: the setting, else the environment's, else None."""
+        return self.api_key or os.environ.get(API_KEY_ENV) or None
+
+    @property
+    def on_loopback(self) -> bool:
+        """Whether the HTTP server listens on a loopback address only."""
+        return is_loopback(self.host)
 
     @property
     def resolved_device(self) -> str:
@@ -168,6 +215,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> ServerConfig:
     return build(root, settings, "command line")
 
 
+_SECRET_SETTINGS = ("api_key",)
+
+
+def _shown(name: str, value: Any) -> str:
+    return "<set>" if name in _SECRET_SETTINGS and value is not None else repr(value)
+
+
 def describe(cfg: ServerConfig) -> List[str]:
-    """`key = value` lines of every setting (logged at start-up)."""
-    return [f"{name} = {value!r}" for name, value in setting_values(cfg).items()]
+    """`key = value` lines of every setting (logged at start-up); secrets are not shown."""
+    return [f"{name} = {_shown(name, value)}" for name, value in setting_values(cfg).items()]

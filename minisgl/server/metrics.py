@@ -1,7 +1,9 @@
 """Prometheus metrics of the API server, rendered in the text exposition format (version 0.0.4).
 
 Scheduler gauges and counters are copied from rank 0's latest `SchedulerStats` (forwarded by the
-detokenizer), per data-parallel replica: with more than one, every scheduler line carries a
+detokenizer; rank 0 pushes them every `--stats-interval` seconds besides its replies, so they
+are at most that old, or, during one long forward, as of that forward's launch), per
+data-parallel replica: with more than one, every scheduler line carries a
 `replica` label. Latency histograms are measured here, when replies arrive at the API server.
 One `Metrics` object per app (built in the app factory); not thread-safe (event-loop only).
 """
@@ -85,7 +87,11 @@ class Metrics:
     finished: Dict[str, int] = field(default_factory=dict)  # by finish reason (and "error")
 
     def update(self, stats: Optional[SchedulerStats]) -> None:
-        if stats is not None:
+        """Keep the newer of `stats` and those held (they come on two paths, see seq)."""
+        if stats is None:
+            return
+        held = self.scheduler.get(stats.replica)
+        if held is None or stats.seq > held.seq:
             self.scheduler[stats.replica] = stats
 
     def _stats(self, replica: int) -> SchedulerStats:

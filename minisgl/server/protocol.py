@@ -28,6 +28,9 @@ _INT64 = 2 ** 63
 _INT32 = 2 ** 31  # token ids travel as int32
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64
+# Deeper JSON is refused before validation: no request field needs more (tool schemas nest a
+# few levels), and recursive parsers and encoders downstream would fail on much deeper input.
+MAX_JSON_DEPTH = 64
 COMPLETION_MAX_TOKENS = 16  # completions without max_tokens (OpenAI's and vLLM's default)
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI request fields with an effect this server does not implement, each with the test for a
@@ -71,11 +74,16 @@ _SPACES_BETWEEN_SPECIAL_TOKENS = "spaces_between_special_tokens"
 
 
 class ApiError(Exception):
+    """An HTTP error with an OpenAI error body; `headers` go on the response (Retry-After,
+    WWW-Authenticate, ...)."""
+
     def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 code: Optional[str] = None, kind: str = "invalid_request_error") -> None:
+                 code: Optional[str] = None, kind: str = "invalid_request_error",
+                 headers: Optional[Dict[str, str]] = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = (status, message, param,
                                                                       code, kind)
+        self.headers: Dict[str, str] = dict(headers or {})
 
     def body(self) -> Dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
@@ -240,6 +248,11 @@ def parse_body(raw: bytes, model: Type[M]) -> M:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        obj = None  # nested far too deep for the parser
+    if obj is None or _deeper_than(obj, text, MAX_JSON_DEPTH):
+        raise ApiError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels "
+                            f"deep")
     if not isinstance(obj, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
@@ -249,6 +262,21 @@ def parse_body(raw: bytes, model: Type[M]) -> M:
         loc = ".".join(str(p) for p in err["loc"])
         param = str(err["loc"][0]) if err["loc"] else None
         raise ApiError(400, f"{loc or 'body'}: {err['msg']}", param) from None
+
+
+def _deeper_than(obj: Any, text: str, limit: int) -> bool:
+    """Whether the parsed JSON `obj` (of `text`) nests arrays and objects more than `limit`
+    deep; iterative, and skipped when the text has too few brackets to nest that deep."""
+    if text.count("[") + text.count("{") <= limit:
+        return False
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
 
 
 def _stop_strings(stop: Union[None, str, List[str]]) -> Tuple[str, ...]:
@@ -323,9 +351,10 @@ def _logit_bias(body: _OpenAI) -> Optional[Dict[int, float]]:
     """OpenAI's logit_bias (token ids written as strings) with int keys, or None when empty."""
     if not body.logit_bias:
         return None
-    bad = [k for k in body.logit_bias if not k.isdigit() or len(k) > 10]
+    # ASCII digits only: str.isdigit also takes "²" and "١٢", which int() reads or refuses
+    bad = [k for k in body.logit_bias if not (k.isascii() and k.isdigit()) or len(k) > 10]
     if bad:
-        raise ApiError(400, f"logit_bias: keys must be token ids, got "
+        raise ApiError(400, f"logit_bias: keys must be token ids (ASCII digits), got "
                             f"{', '.join(repr(k) for k in bad)}", "logit_bias")
     out_of_range = [k for k, v in body.logit_bias.items() if not -100.0 <= v <= 100.0]
     if out_of_range:

@@ -189,20 +189,25 @@ class Service:
     def _spawn_workers(self, level: str) -> None:
         a, path, dp = self.addrs, str(self.model_path), self.cfg.cluster.dp
         context = self.cfg.engine.context_length(ModelConfig.from_dir(self.model_path).max_context)
-        template = (None if self.cfg.chat_template is None
-                    else read_chat_template(self.cfg.chat_template))
-        tool_parser = self.cfg.tool_call_parser or default_tool_call_parser(
+        c = self.cfg
+        template = None if c.chat_template is None else read_chat_template(c.chat_template)
+        tool_parser = c.tool_call_parser or default_tool_call_parser(
             template if template is not None else model_chat_template(Path(self.model_path)))
-        api_cfg = ApiConfig(self.model_name, context, self.cfg.max_n, a.tokenizer, a.api,
-                            self.health_file, dp, root=path,
-                            reasoning_parser=self.cfg.reasoning_parser,
-                            tool_call_parser=tool_parser, aliases=self.cfg.model_aliases)
+        api_cfg = ApiConfig(self.model_name, context, c.max_n, a.tokenizer, a.api,
+                            self.health_file, dp, root=path, reasoning_parser=c.reasoning_parser,
+                            tool_call_parser=tool_parser, aliases=c.model_aliases,
+                            api_key=c.resolved_api_key, loopback_only=c.on_loopback,
+                            max_queued_requests=c.max_queued_requests,
+                            request_timeout=c.request_timeout,
+                            max_request_bytes=c.max_request_bytes, body_timeout=c.body_timeout)
+        tok_cfg = TokenizerConfig(path, a.tokenizer, a.backends, a.detokenizer, a.api, template,
+                                  c.max_queued_tokens, c.tokenizer_threads)
+        # The tokenizer needs the replicas' stats to route (several) or to count queued tokens.
+        stats_to = a.tokenizer if dp > 1 or c.max_queued_tokens is not None else None
         self.workers = [
-            spawn("tokenizer", run_tokenizer,
-                  (TokenizerConfig(path, a.tokenizer, a.backends, a.detokenizer, a.api, template),),
-                  level, self.run_dir),
+            spawn("tokenizer", run_tokenizer, (tok_cfg,), level, self.run_dir),
             spawn("detokenizer", run_detokenizer,
-                  (DetokenizerConfig(path, a.detokenizer, a.backends, a.api, a.tokenizer),),
+                  (DetokenizerConfig(path, a.detokenizer, a.backends, a.api, stats_to),),
                   level, self.run_dir),
             spawn("api", run_api, (api_cfg, self.sock, level), level, self.run_dir),
         ]

@@ -9,6 +9,8 @@ synchronous and never await, so release is safe inside cancelled tasks.
 
 `serve_replies` (one task per app) reads `ReplyBatch`es from the detokenizer and tokenizer,
 updates the metrics (time to first token, inter-token latency, scheduler stats) and routes chunks.
+Requests accepted and not started count against `--max-queued-requests` (admission.py):
+past it, or when the tokenizer's socket is full, `submit` refuses with a 429.
 A `ServiceDown` from the launcher (a process failed) ends every request in flight with an error
 chunk (status 503) and makes every later submit fail with 503.
 """
@@ -29,6 +31,7 @@ import zmq.asyncio
 from minisgl.message.codec import decode, encode
 from minisgl.message.types import (AbortRequest, ReplyBatch, ReplyChunk, ServiceDown,
                                    TextRequest, TokenizeRequest)
+from minisgl.server.admission import Queued, overloaded
 from minisgl.server.metrics import Metrics
 from minisgl.server.protocol import ApiError, Job, Prompt
 
@@ -59,8 +62,10 @@ class RequestStream:
 
 
 class RequestStreams:
-    def __init__(self, tokenizer_addr: str, api_addr: str, metrics: Metrics) -> None:
+    def __init__(self, tokenizer_addr: str, api_addr: str, metrics: Metrics,
+                 max_queued: Optional[int] = None) -> None:
         self.metrics = metrics
+        self.queued = Queued(max_queued)
         self._ctx = zmq.Context()
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.connect(tokenizer_addr)
@@ -77,11 +82,11 @@ class RequestStreams:
         try:
             self._push.send(encode(msg), zmq.NOBLOCK)
         except zmq.Again:
-            raise ApiError(503, "the server is overloaded (tokenizer queue full)",
-                           kind="server_error") from None
+            raise overloaded("the tokenizer's queue is full") from None
 
     def submit(self, job: Job) -> RequestStream:
         stream = RequestStream([next(self._uids) for _ in range(len(job.prompts) * job.n)])
+        self.queued.admit(stream.uids)
         for uid in stream.uids:
             self._streams[uid] = stream
         try:
@@ -127,6 +132,7 @@ class RequestStreams:
         stream.unfinished.clear()
         for uid in stream.uids:
             self._streams.pop(uid, None)
+            self.queued.started(uid)
 
     async def serve_replies(self) -> None:
         while True:
@@ -153,6 +159,7 @@ class RequestStreams:
         stream = self._streams.get(chunk.uid)
         if stream is None:
             return  # released already (client gone): drop
+        self.queued.started(chunk.uid)
         if chunk.token_ids and stream.measured:
             last = stream.last_token_at.get(chunk.uid)
             if last is None:

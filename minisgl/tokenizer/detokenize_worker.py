@@ -10,8 +10,9 @@ uid are dropped until that final `TokenOut`.
 `pending` until it arrives.
 
 With data-parallel replicas every replica's rank 0 sends here (uids are unique across them); a
-stop string's abort goes to every replica (only the one serving the uid has it), and each
-replica's `SchedulerStats` also go to the tokenizer, whose router weighs the replicas' loads.
+stop string's abort goes to every replica (only the one serving the uid has it). Given the
+tokenizer's address, the detokenizer forwards it every replica's `SchedulerStats`: its router
+weighs the replicas' loads, its admission counts their queued tokens.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class DetokenizerConfig:
     detokenizer_addr: str  # PULL, bound here: rank 0's BatchTokenOut, the tokenizer's inits
     backend_addrs: Tuple[str, ...]  # PUSH to each replica's rank 0: aborts of stopped requests
     api_addr: str  # PUSH to the API server: ReplyBatch
-    tokenizer_addr: Optional[str] = None  # PUSH to the tokenizer: stats (several replicas)
+    tokenizer_addr: Optional[str] = None  # PUSH to the tokenizer: stats (routing, admission)
 
 
 @dataclass
@@ -175,7 +176,7 @@ def run_detokenizer(cfg: DetokenizerConfig, conn: Any) -> None:
         to_api = PushQueue(ctx, cfg.api_addr, bind=False)
         to_backends = [PushQueue(ctx, a, bind=False) for a in cfg.backend_addrs]
         to_router = (PushQueue(ctx, cfg.tokenizer_addr, bind=False)
-                     if cfg.tokenizer_addr is not None and len(to_backends) > 1 else None)
+                     if cfg.tokenizer_addr is not None else None)
     conn.send(("ready", "detokenizer", {}))
     while True:
         msg = inbox.get()

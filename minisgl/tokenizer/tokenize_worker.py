@@ -5,9 +5,12 @@ chat template, or ids as given), checks the request against the ranks' limits
 (`core.check_request`, which also turns an absent max_tokens into as many as fit), and then
 sends, in this order, a `DetokenizeInit` to the detokenizer and a `UserMsg` to rank 0. A request
 that fails the checks goes back to the API server as an error `ReplyChunk` (status 400) and never
-reaches the scheduler. A structured-output constraint is compiled here too (xgrammar, cached by
-(kind, spec)), so one that does not compile is refused (error param "structured": the API names
-the field it came from) before any rank sees it; the ranks compile it again for their matchers.
+reaches the scheduler; one refused by `--max-queued-tokens` (queued.py) gets status 429. A prompt
+longer in characters than the context could ever hold is refused before it is tokenized, and
+long prompts are tokenized on threads (long_prompts.py) while the loop goes on with short ones.
+A structured-output constraint is compiled here too (xgrammar, cached by (kind, spec)), so one
+that does not compile is refused (error param "structured": the API names the field it came
+from) before any rank sees it; the ranks compile it again for their matchers.
 `AbortRequest` becomes an `AbortMsg` to rank 0.
 
 With data-parallel replicas, "rank 0" is the rank 0 of the replica the router picks
@@ -38,6 +41,8 @@ from minisgl.message.startup import report_startup
 from minisgl.message.types import (AbortMsg, AbortRequest, DetokenizeInit, ReplyBatch, ReplyChunk,
                                    SchedulerStats, TextRequest, TokenizeRequest, UserMsg)
 from minisgl.tokenizer.incremental import PROMPT_CONTEXT_TOKENS
+from minisgl.tokenizer.long_prompts import LONG_PROMPT_CHARS, LongPrompts
+from minisgl.tokenizer.queued import QueuedTokens
 from minisgl.tokenizer.router import Router
 from minisgl.tokenizer.text import load_tokenizer
 
@@ -54,6 +59,8 @@ class TokenizerConfig:
     detokenizer_addr: str  # PUSH to the detokenizer
     api_addr: str  # PUSH to the API server (rejections)
     chat_template: Optional[str] = None  # Jinja text replacing the model's own
+    max_queued_tokens: Optional[int] = None  # per replica (queued.py); None: no limit
+    threads: int = 2  # threads for long prompts (long_prompts.py)
 
 
 class _NoTokenizer(Exception):
@@ -68,8 +75,28 @@ class Prepared(NamedTuple):
     error_param: Optional[str] = None  # the request field the error is about
 
 
+def longest_token_chars(tokenizer: Any) -> int:
+    """An upper bound on the characters of text one token stands for: the longest entry of the
+    vocabulary, added tokens included. A vocabulary entry is never shorter than its text
+    (byte-level BPE spells each byte as one character, SentencePiece's '▁' is the space it
+    stands for, WordPiece adds '##')."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1)
+
+
+def prompt_chars(req: Union[TokenizeRequest, TextRequest]) -> int:
+    """The characters of a request's text or chat messages' contents (0 for token ids)."""
+    if req.text is not None:
+        return len(req.text)
+    return sum(len(m.get("content") or "") for m in req.messages or ()
+               if isinstance(m.get("content"), str))
+
+
 class Tokenizer:
-    """The tokenizer's logic without sockets (unit-testable)."""
+    """The tokenizer's logic without sockets (unit-testable).
+
+    A prompt of more than `max_prompt_chars` characters (the context times the longest token's
+    characters) can never fit the context, whatever its tokens: it is refused without
+    tokenizing it, so that no request makes the tokenizer spend minutes and gigabytes."""
 
     def __init__(self, tokenizer: Optional[Any], limits: Limits) -> None:
         self.tokenizer = tokenizer
@@ -77,6 +104,8 @@ class Tokenizer:
         # A prompt's ids must be ones the model embeds and the detokenizer can render.
         self.limits = limits._replace(vocab_size=min(self.vocab, limits.vocab_size))
         self._grammar_error: Optional[Callable[[StructuredOutput], Optional[str]]] = None
+        token_chars = longest_token_chars(tokenizer) if tokenizer is not None else 1
+        self.max_prompt_chars = limits.max_context * token_chars
 
     def structured_error(self, structured: StructuredOutput) -> Optional[str]:
         """Why the constraint does not compile for this model's vocabulary, or None."""
@@ -85,6 +114,15 @@ class Tokenizer:
         if self._grammar_error is None:  # built on the first constraint: xgrammar's set-up
             self._grammar_error = make_checker(self.tokenizer, self.limits.vocab_size)
         return self._grammar_error(structured)
+
+    def chars_error(self, req: Union[TokenizeRequest, TextRequest]) -> Optional[str]:
+        """Why a prompt is too long in characters to ever fit, or None."""
+        n = prompt_chars(req)
+        if n <= self.max_prompt_chars:
+            return None
+        return (f"the prompt has {n} characters: more than this model's maximum context "
+                f"length of {self.limits.max_context} tokens can hold (at most "
+                f"{self.max_prompt_chars} characters)")
 
     def encode(self, req: Union[TokenizeRequest, TextRequest]) -> List[int]:
         if req.input_ids is not None:
@@ -121,6 +159,9 @@ class Tokenizer:
         request."""
         if req.info:
             return ReplyChunk(req.uid, json.dumps(self.info()), [], "stop")
+        too_long = self.chars_error(req)
+        if too_long is not None:
+            return ReplyChunk(req.uid, error=too_long, error_param="prompt")
         try:
             if self.tokenizer is None:
                 raise _NoTokenizer()
@@ -144,6 +185,9 @@ class Tokenizer:
         words for the context: clients match them)."""
         if self.tokenizer is None and req.stop:
             return Prepared([], None, _NoTokenizer.message)
+        too_long = self.chars_error(req)
+        if too_long is not None:
+            return Prepared([], None, too_long, "prompt")
         try:
             ids = self.encode(req)
         except _NoTokenizer:
@@ -189,45 +233,104 @@ def _too_long(e: TooLong) -> str:
             f"Please reduce the length of the prompt or of max_tokens.")
 
 
+class Sockets(NamedTuple):
+    inbox: PullQueue
+    to_backends: List[PushQueue]
+    to_detok: PushQueue
+    to_api: PushQueue
+
+
+def _sockets(cfg: TokenizerConfig, ctx: zmq.Context) -> Sockets:
+    return Sockets(PullQueue(ctx, cfg.tokenizer_addr, bind=True),
+                   [PushQueue(ctx, a, bind=False) for a in cfg.backend_addrs],
+                   PushQueue(ctx, cfg.detokenizer_addr, bind=False),
+                   PushQueue(ctx, cfg.api_addr, bind=False))
+
+
+class Serving:
+    """The tokenizer's loop: messages from the API server (and stats from the detokenizer) in;
+    inits to the detokenizer, requests and aborts to the replicas, rejections to the API
+    server out. Long prompts are prepared on `LongPrompts` threads meanwhile."""
+
+    def __init__(self, cfg: TokenizerConfig, sockets: Sockets, logic: Tokenizer) -> None:
+        self.logic = logic
+        self.inbox, self.to_backends, self.to_detok, self.to_api = sockets
+        self.router = Router(len(self.to_backends), logic.limits.page_size)
+        self.queued = QueuedTokens(len(self.to_backends), cfg.max_queued_tokens)
+        self.long = LongPrompts(cfg.threads)
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.inbox.sock, zmq.POLLIN)
+        poller.register(self.long.fileno(), zmq.POLLIN)
+        while True:
+            poller.poll()
+            for msg, result in self.long.finished():
+                self.finish(msg, result)
+            while not self.inbox.empty():
+                self.handle(self.inbox.get())
+
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, AbortRequest):
+            self.long.cancel(msg.uid)
+            for to_backend in self.to_backends:
+                to_backend.put(AbortMsg(msg.uid))
+        elif isinstance(msg, SchedulerStats):
+            self.router.update(msg)
+            self.queued.update(msg)
+        elif isinstance(msg, (TextRequest, TokenizeRequest)):
+            work = self.logic.answer if isinstance(msg, TextRequest) else self.logic.prepare
+            if prompt_chars(msg) > LONG_PROMPT_CHARS:
+                self.long.submit(msg, work)
+            else:
+                self.finish(msg, work(msg))
+        else:
+            logger.error("ignoring unexpected message %s", type(msg).__name__)
+
+    def finish(self, msg: Union[TextRequest, TokenizeRequest], result: Any) -> None:
+        """Send on what `Tokenizer.answer` or `prepare` made of `msg`."""
+        if isinstance(result, BaseException):
+            logger.error("tokenizing request %d failed: %r", msg.uid, result)
+            self.reject(msg.uid, f"the tokenizer failed: {type(result).__name__}", 500, 0)
+        elif isinstance(msg, TextRequest):
+            self.to_api.put(ReplyBatch([result]))
+        elif result.params is None:
+            self.reject(msg.uid, result.error, 400, len(result.input_ids), result.error_param)
+        else:
+            self.send(msg, result)
+
+    def send(self, msg: TokenizeRequest, prep: Prepared) -> None:
+        ids = prep.input_ids
+        replica = self.router.route(ids, len(ids))
+        logger.debug("request %d: %d prompt tokens, %d queued at replica %d", msg.uid, len(ids),
+                     self.queued.queued(replica), replica)
+        if not self.queued.admits(replica, len(ids)):
+            self.reject(msg.uid, f"{self.queued.queued(replica)} prompt tokens queued, the limit "
+                                 f"is {self.queued.limit}", 429, len(ids))
+            return
+        self.to_detok.put(DetokenizeInit(msg.uid, ids[-PROMPT_CONTEXT_TOKENS:], tuple(msg.stop),
+                                         msg.skip_special_tokens, ids if msg.echo else None,
+                                         msg.no_stop_trim))
+        self.to_backends[replica].put(UserMsg(msg.uid, ids, prep.params))
+        self.queued.sent(replica, len(ids))
+
+    def reject(self, uid: int, error: Optional[str], status: int, prompt_tokens: int,
+               param: Optional[str] = None) -> None:
+        self.to_api.put(ReplyBatch([ReplyChunk(uid, "", [], error=error, error_status=status,
+                                               prompt_tokens=prompt_tokens,
+                                               error_param=param)]))
+
+
 def run_tokenizer(cfg: TokenizerConfig, conn: Any) -> None:
     """Process entry: load the tokenizer, bind, report ("ready", "tokenizer", {}), then take
     ("limits", core.Limits) from the launcher (sent once every rank is ready;
     requests wait in the socket until then) and serve forever (the launcher ends the process)."""
     with report_startup(conn, "tokenizer", logger):
         tokenizer = load_tokenizer(Path(cfg.model_path), cfg.chat_template)
-        ctx = zmq.Context()
-        inbox = PullQueue(ctx, cfg.tokenizer_addr, bind=True)
-        to_backends = [PushQueue(ctx, a, bind=False) for a in cfg.backend_addrs]
-        to_detok = PushQueue(ctx, cfg.detokenizer_addr, bind=False)
-        to_api = PushQueue(ctx, cfg.api_addr, bind=False)
+        sockets = _sockets(cfg, zmq.Context())
     conn.send(("ready", "tokenizer", {}))
     try:
         _, limits = conn.recv()  # a core.Limits
     except EOFError:  # the launcher is gone
         sys.exit(1)
-    logic = Tokenizer(tokenizer, limits)
-    router = Router(len(to_backends), limits.page_size)
-    while True:
-        msg = inbox.get()
-        if isinstance(msg, AbortRequest):
-            for to_backend in to_backends:
-                to_backend.put(AbortMsg(msg.uid))
-        elif isinstance(msg, SchedulerStats):
-            router.update(msg)
-        elif isinstance(msg, TextRequest):
-            to_api.put(ReplyBatch([logic.answer(msg)]))
-        elif isinstance(msg, TokenizeRequest):
-            prep = logic.prepare(msg)
-            if prep.params is None:
-                to_api.put(ReplyBatch([ReplyChunk(msg.uid, "", [], error=prep.error,
-                                                  error_status=400,
-                                                  prompt_tokens=len(prep.input_ids),
-                                                  error_param=prep.error_param)]))
-                continue
-            to_detok.put(DetokenizeInit(msg.uid, prep.input_ids[-PROMPT_CONTEXT_TOKENS:],
-                                        tuple(msg.stop), msg.skip_special_tokens,
-                                        prep.input_ids if msg.echo else None, msg.no_stop_trim))
-            replica = router.route(prep.input_ids, len(prep.input_ids))
-            to_backends[replica].put(UserMsg(msg.uid, prep.input_ids, prep.params))
-        else:
-            logger.error("ignoring unexpected message %s", type(msg).__name__)
+    Serving(cfg, sockets, Tokenizer(tokenizer, limits)).run()

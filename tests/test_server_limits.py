@@ -1,0 +1,346 @@
+"""A service under overload and hostile requests: admission (429), deadlines, body limits, the API
+key and the Host check, fresh /metrics, long prompts. One `serve` process (default model, CPU)
+for the module, with small limits: one request runs at a time, so the others queue."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Tuple
+from urllib.parse import urlparse
+
+import httpx
+import openai
+import pytest
+
+from server_helpers import CPU_ARGS, Server, child_pids, comm
+
+KEY = "sk-test-front-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MODEL = "SmolLM2-135M-Instruct"
+MAX_QUEUED_REQUESTS = 2
+MAX_QUEUED_TOKENS = 100
+MAX_BYTES = 1 << 20
+BODY_TIMEOUT_S = 1.0
+# SmolLM2's longest vocabulary entry is 81 characters: no prompt of more can fit 8192 tokens.
+MAX_PROMPT_CHARS = 8192 * 81
+SHORT = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[Server]:
+    srv = Server.start([*CPU_ARGS, "--max-running-requests", "1",
+                        "--max-queued-requests", str(MAX_QUEUED_REQUESTS),
+                        "--max-queued-tokens", str(MAX_QUEUED_TOKENS),
+                        "--max-request-bytes", str(MAX_BYTES),
+                        "--body-timeout", str(BODY_TIMEOUT_S), "--api-key", KEY,
+                        "--stats-interval", "0.2"], tmp_path_factory.mktemp("limits"))
+    yield srv
+    srv.stop()
+
+
+def _metrics(server: Server) -> Dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text  # no key needed
+    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines()
+                                     if line and not line.startswith("#"))}
+
+
+def _idle(server: Server, timeout_s: float = 30.0) -> Dict[str, float]:
+    """/metrics once nothing runs or waits and no KV page is held (the accounting, which the
+    scheduler checks whenever it idles, balanced)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = _metrics(server)
+        if (m["minisgl_num_requests_running"] == m["minisgl_num_requests_waiting"] == 0
+                and m["minisgl_kv_pages_used"] == 0) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def _chat(messages: list = SHORT, **fields: object) -> dict:
+    return {"model": MODEL, "messages": messages, "max_tokens": 2, "temperature": 0, **fields}
+
+
+def _post(server: Server, path: str, body: object, timeout: float = 120, **headers: str
+          ) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=timeout,
+                      headers={**AUTH, **headers})
+
+
+class Hold:
+    """A long streamed request that occupies the one running slot until closed."""
+
+    def __init__(self, server: Server) -> None:
+        self.client = httpx.Client(timeout=120, headers=AUTH)
+        self.cm = self.client.stream("POST", f"{server.url}/v1/chat/completions",
+                                     json=_chat(max_tokens=4000, ignore_eos=True, stream=True))
+        self.response = self.cm.__enter__()
+        assert self.response.status_code == 200
+        self.lines = self.response.iter_lines()  # kept: a dropped iterator closes the stream
+        next(self.lines)  # running: its first token came
+
+    def close(self) -> None:
+        self.cm.__exit__(None, None, None)
+        self.client.close()
+
+
+def _in_background(server: Server, body: dict, path: str = "/v1/chat/completions"
+                   ) -> Tuple[threading.Thread, List[httpx.Response]]:
+    out: List[httpx.Response] = []
+    t = threading.Thread(target=lambda: out.append(_post(server, path, body, timeout=300)))
+    t.start()
+    return t, out
+
+
+def _wait_waiting(server: Server, n: int) -> None:
+    deadline = time.monotonic() + 20
+    while _metrics(server)["minisgl_num_requests_waiting"] < n:
+        assert time.monotonic() < deadline, "the requests never queued"
+        time.sleep(0.05)
+
+
+def _overloaded(r: httpx.Response) -> None:
+    assert r.status_code == 429, r.text
+    assert r.headers["retry-after"] == "1"
+    error = r.json()["error"]
+    assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
+
+
+# --- admission ------------------------------------------------------------------------------------
+def test_beyond_max_queued_requests_429_and_streams_refused_before_200(server: Server) -> None:
+    hold = Hold(server)
+    waiting = [_in_background(server, _chat()) for _ in range(MAX_QUEUED_REQUESTS)]
+    try:
+        _wait_waiting(server, MAX_QUEUED_REQUESTS)
+        _overloaded(_post(server, "/v1/chat/completions", _chat()))
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", headers=AUTH,
+                          json=_chat(stream=True), timeout=30) as r:
+            r.read()
+            _overloaded(r)  # a refused stream never started: no 200, no event
+        with pytest.raises(openai.RateLimitError):
+            openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0).chat.\
+                completions.create(model=MODEL, messages=SHORT, max_tokens=2)
+    finally:
+        hold.close()
+    for t, out in waiting:
+        t.join(60)
+        assert out and out[0].status_code == 200, out
+    _idle(server)
+
+
+def test_beyond_max_queued_tokens_429(server: Server) -> None:
+    long_chat = [{"role": "user", "content": "Tell me about the sea. " * 12}]  # > 60 tokens
+    hold = Hold(server)
+    try:
+        t, out = _in_background(server, _chat(long_chat))
+        _wait_waiting(server, 1)
+        _overloaded(_post(server, "/v1/chat/completions", _chat(long_chat, stream=True)))
+        r = _post(server, "/v1/chat/completions", _chat(long_chat))
+        _overloaded(r)
+        assert "prompt tokens queued" in r.json()["error"]["message"]
+    finally:
+        hold.close()
+    t.join(60)
+    assert out and out[0].status_code == 200
+    _idle(server)
+
+
+def test_many_requests_at_once_are_admitted_or_told_to_retry(server: Server) -> None:
+    """A burst (5,000 at once, in small): every request gets a 200 or a 429 with Retry-After,
+    never a 5xx; the admitted ones finish and the KV pages balance after."""
+    async def burst() -> List[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120, headers=AUTH) as client:
+            return list(await asyncio.gather(*[
+                client.post(f"{server.url}/v1/chat/completions", json=_chat(max_tokens=1))
+                for _ in range(40)]))
+
+    statuses = [r.status_code for r in asyncio.run(burst())]
+    assert set(statuses) <= {200, 429} and statuses.count(429) > 0 and statuses.count(200) > 0
+    m = _idle(server)
+    assert m["minisgl_kv_pages_used"] == 0
+
+
+# --- deadlines ------------------------------------------------------------------------------------
+def test_client_timeout_header_aborts_and_frees_the_request(server: Server) -> None:
+    """The OpenAI client says how long it reads (X-Stainless-Read-Timeout): past it the request
+    is aborted even though the connection stays open, and its KV pages are freed."""
+    t0 = time.monotonic()
+    r = _post(server, "/v1/chat/completions", _chat(max_tokens=4000, ignore_eos=True),
+              timeout=60, **{"X-Stainless-Read-Timeout": "1.5"})
+    assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout"
+    assert time.monotonic() - t0 < 10
+    m = _idle(server)
+    assert m["minisgl_kv_pages_used"] == 0
+    assert m['minisgl_requests_finished_total{reason="abort"}'] >= 1
+
+
+# --- bodies ---------------------------------------------------------------------------------------
+def _raw(server: Server, head: str, body: bytes = b"", wait_s: float = 10.0) -> bytes:
+    """Send `head` and `body` on a fresh connection; what came back until it closed."""
+    url = urlparse(server.url)
+    with socket.create_connection((url.hostname, url.port), timeout=wait_s) as s:
+        s.sendall(head.encode() + body)
+        out = b""
+        while True:
+            try:
+                data = s.recv(65536)
+            except (socket.timeout, ConnectionResetError):
+                break
+            if not data:
+                break
+            out += data
+    return out
+
+
+def _head(server: Server, length: Optional[int], chunked: bool = False) -> str:
+    url = urlparse(server.url)
+    lines = ["POST /v1/chat/completions HTTP/1.1", f"Host: {url.hostname}:{url.port}",
+             f"Authorization: Bearer {KEY}", "Content-Type: application/json"]
+    lines.append("Transfer-Encoding: chunked" if chunked else f"Content-Length: {length}")
+    return "\r\n".join(lines) + "\r\n\r\n"
+
+
+def test_body_beyond_max_request_bytes_413(server: Server) -> None:
+    out = _raw(server, _head(server, 10 ** 9))  # refused from the header: no byte is read
+    assert out.startswith(b"HTTP/1.1 413") and b'"invalid_request_error"' in out
+    chunk = b"x" * (16 << 10)  # a body without a length, counted as it comes
+    body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk)
+                    for _ in range(MAX_BYTES // len(chunk) + 1)) + b"0\r\n\r\n"
+    assert _raw(server, _head(server, None, chunked=True), body).startswith(b"HTTP/1.1 413")
+
+
+def test_body_shorter_than_its_length_times_out(server: Server) -> None:
+    t0 = time.monotonic()
+    out = _raw(server, _head(server, 100), b'{"model": ', wait_s=BODY_TIMEOUT_S + 10)
+    took = time.monotonic() - t0
+    assert out.startswith(b"HTTP/1.1 408"), out[:200]
+    assert BODY_TIMEOUT_S * 0.9 <= took < BODY_TIMEOUT_S + 5  # answered, then closed
+
+
+# --- authentication and exposure ------------------------------------------------------------------
+def test_api_key_required_except_health_and_metrics(server: Server) -> None:
+    url = server.url
+    for headers, code in (({}, 401), ({"Authorization": "Bearer wrong"}, 401),
+                          ({"Authorization": KEY}, 401), (AUTH, 200)):
+        r = httpx.get(f"{url}/v1/models", headers=headers, timeout=10)
+        assert r.status_code == code, r.text
+        if code == 401:
+            assert r.json()["error"]["code"] == "invalid_api_key"
+            assert r.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.post(f"{url}/v1/chat/completions", json=_chat(), timeout=10).status_code == 401
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{url}/metrics", timeout=10).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0).models.list()
+    ok = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0)
+    assert ok.models.list().data[0].id == MODEL
+
+
+def test_host_header_must_be_loopback_and_cross_origin_text_refused(server: Server) -> None:
+    port = urlparse(server.url).port
+    for host, code in ((f"evil.example:{port}", 403), ("evil.example", 403),
+                       (f"127.0.0.1.evil.example:{port}", 403), (f"localhost:{port}", 200),
+                       (f"127.0.0.1:{port}", 200), (f"[::1]:{port}", 200)):
+        r = httpx.get(f"{server.url}/v1/models", headers={**AUTH, "Host": host}, timeout=10)
+        assert r.status_code == code, (host, r.text)
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=json.dumps(_chat()),
+                   headers={**AUTH, "Content-Type": "text/plain",
+                            "Origin": "http://evil.example"}, timeout=10)
+    assert r.status_code == 415
+
+
+def test_openapi_describes_request_bodies(server: Server) -> None:
+    doc = httpx.get(f"{server.url}/openapi.json", headers=AUTH, timeout=10).json()
+    schemas = doc["components"]["schemas"]
+    for path, model in (("/v1/chat/completions", "ChatRequest"),
+                        ("/v1/completions", "CompletionRequest"), ("/generate", "GenerateRequest"),
+                        ("/v1/responses", "ResponsesRequest"), ("/tokenize", "TokenizeBody"),
+                        ("/detokenize", "DetokenizeBody")):
+        ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert ref == {"$ref": f"#/components/schemas/{model}"}
+        assert schemas[model]["properties"]
+    assert "messages" in schemas["ChatRequest"]["required"]
+    assert schemas["ChatMessage"]["properties"]["role"]
+
+
+# --- hostile input --------------------------------------------------------------------------------
+@pytest.mark.parametrize("depth", [1000, 100_000])
+def test_deeply_nested_json_400(server: Server, depth: int) -> None:
+    body = b'{"model": "x", "messages": ' + b"[" * depth + b"]" * depth + b"}"
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=body, timeout=30,
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 400 and "nested" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("key", ["²", "١٢", "1²", " 12"])
+def test_logit_bias_keys_ascii_digits_only(server: Server, key: str) -> None:
+    r = _post(server, "/v1/chat/completions", _chat(logit_bias={key: 1}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+
+
+# --- metrics --------------------------------------------------------------------------------------
+def test_metrics_fresh_during_a_long_forward(server: Server) -> None:
+    """Rank 0 pushes its state on a timer: the pool's size is known at any time, and a request
+    in its prefill shows (waiting, its pages held) while the forward runs. With stats only in
+    replies, a one-token request's pages would never be seen: its reply comes after they are
+    freed."""
+    assert _idle(server)["minisgl_kv_pages_total"] == 512
+    words = " ".join(f"w{i}" for i in range(120))  # a prompt no earlier request shares
+    t, out = _in_background(server, {"model": MODEL, "prompt": words, "max_tokens": 1},
+                            "/v1/completions")
+    seen = []
+    while t.is_alive():
+        seen.append(_metrics(server))
+        time.sleep(0.05)
+    t.join()
+    assert out and out[0].status_code == 200
+    assert any(m["minisgl_kv_pages_used"] > 0 and m["minisgl_num_requests_waiting"] == 1
+               for m in seen), seen[-3:]
+    assert _idle(server)["minisgl_kv_pages_used"] == 0
+
+
+# --- long prompts ---------------------------------------------------------------------------------
+def _rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_prompt_longer_than_any_context_refused_without_tokenizing(server: Server) -> None:
+    t0 = time.monotonic()
+    r = _post(server, "/v1/chat/completions",
+              _chat([{"role": "user", "content": "a" * (MAX_PROMPT_CHARS + 1)}]))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages" and "characters" in error["message"]
+    assert time.monotonic() - t0 < 5  # not tokenized (that takes a few seconds here)
+
+
+def test_short_request_not_held_up_behind_a_long_prompt(server: Server) -> None:
+    """A long prompt is tokenized beside the loop: a short /tokenize sent just after it
+    answers long before it, and the tokenizer's memory goes back down afterwards."""
+    tokenizer = next(p for p in child_pids(server.proc.pid) if comm(p) == "minisgl-tokeniz")
+    rss_before = _rss_kb(tokenizer)
+    text = "The quick brown fox jumps over the lazy dog. " * (MAX_PROMPT_CHARS // 46)
+    done: Dict[str, float] = {}
+
+    def long() -> None:
+        _post(server, "/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1})
+        done["long"] = time.monotonic()
+
+    t0 = time.monotonic()
+    worker = threading.Thread(target=long)
+    worker.start()
+    time.sleep(0.2)
+    r = _post(server, "/tokenize", {"prompt": "hello"})
+    done["short"] = time.monotonic()
+    worker.join(120)
+    assert r.status_code == 200 and r.json()["count"] >= 1
+    assert done["short"] < done["long"]
+    assert done["short"] - t0 < 0.5 * (done["long"] - t0)
+    assert _rss_kb(tokenizer) < rss_before + 200_000  # kB: the long prompt's memory returned
