@@ -452,7 +452,8 @@ class Scheduler:
         cache = self.cache.manager.stats()
         self._stats_seq += 1
         return SchedulerStats(
-            running=len(self.decode.running), waiting=self.prefill.num_waiting,
+            running=len(self.decode.running),
+            waiting=self.prefill.num_waiting + len(self.compiling),
             waiting_tokens=self.prefill.waiting_tokens,
             kv_pages_used=self.cache.num_pages - self.cache.free_pages - cache.cached_pages,
             kv_pages_total=self.cache.num_pages, kv_pages_cached=cache.cached_pages,
