@@ -23,8 +23,8 @@ from minisgl.engine.cuda_graph import DecodeGraphs, graph_sizes
 from minisgl.engine.logprobs import (PromptRows, prompt_entries, prompt_logprobs, prompt_rows,
                                      sampled_entries, sampled_logprobs)
 from minisgl.engine.penalties import Penalties
-from minisgl.engine.sampler import (LogprobTensors, add_logit_bias, sample_requests,
-                                    suppress_early_stops)
+from minisgl.engine.sampler import (LogprobTensors, add_logit_bias, mask_to_allowed_tokens,
+                                    sample_requests, suppress_early_stops)
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
 from minisgl.layers import blas
@@ -244,14 +244,14 @@ class Engine:
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor, reqs: List[Req]
                 ) -> Tuple[torch.Tensor, Optional[LogprobTensors]]:
         """Tokens for `reqs` (row i of `logits`, page-table row rows[i]) after their penalties,
-        logit bias and min_tokens, recorded as the rows' newest tokens; and their log-probabilities (of
+        logit bias, allowed tokens and min_tokens, recorded as the rows' newest tokens; and their log-probabilities (of
         the raw logits) where asked."""
         if all(r.params.raw_sampling for r in reqs):  # the common case: one pass to find out
             tokens = sample_requests(logits, reqs, self.cfg.seed, self.policy)
             self.last_tokens[rows] = tokens
             return tokens, None
-        adjusted = suppress_early_stops(
-            add_logit_bias(self.penalties.apply(logits, rows, reqs), reqs), reqs)
+        adjusted = add_logit_bias(self.penalties.apply(logits, rows, reqs), reqs)
+        adjusted = suppress_early_stops(mask_to_allowed_tokens(adjusted, reqs), reqs)
         tokens = sample_requests(adjusted, reqs, self.cfg.seed, self.policy)
         self.last_tokens[rows] = tokens
         self.penalties.record(rows, tokens, reqs)

@@ -188,9 +188,11 @@ def run_tokenizer(cfg: TokenizerConfig, conn: Any) -> None:
                                                   prompt_tokens=len(prep.input_ids),
                                                   error_param=prep.error_param)]))
                 continue
+            whole = msg.echo or prep.params.prompt_logprobs is not None
             to_detok.put(DetokenizeInit(msg.uid, prep.input_ids[-PROMPT_CONTEXT_TOKENS:],
                                         tuple(msg.stop), msg.skip_special_tokens,
-                                        prep.input_ids if msg.echo else None, msg.no_stop_trim))
+                                        prep.input_ids if whole else None, msg.no_stop_trim,
+                                        msg.echo))
             replica = router.route(prep.input_ids, len(prep.input_ids))
             to_backends[replica].put(UserMsg(msg.uid, prep.input_ids, prep.params))
         else:
