@@ -2,11 +2,19 @@
 
 One SDPA call per request (gathering its slots from the page table), which is simple and exact;
 the Triton backend is the fast path on GPUs.
+
+The calls are 4-D ([1, heads, tokens, head_dim]): only then does SDPA pick a fused kernel
+(FlashAttention on CPU, which works block by block), where 3-D inputs fall back to its math
+path, which materialises a [heads, new, seq] float32 score matrix (and as much again for the
+mask and the softmax): memory and time quadratic in a long prompt, times the heads. A prompt
+computed from position 0 is plain causal attention (`is_causal`, no mask at all); only an
+extend after a cached prefix carries a [new, seq] mask, with no head dimension, made once per
+batch in the KV dtype as SDPA adds it (0 or -inf), so no layer converts a boolean one again.
 """
 
 from __future__ import annotations
 
-from typing import List, NamedTuple
+from typing import List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -17,26 +25,36 @@ from minisgl.core import Batch
 
 class TorchMeta(NamedTuple):
     slots: List[torch.Tensor]  # per request: slot ids of its whole sequence (prefix + new)
-    masks: List[torch.Tensor]  # per request: [new, seq] bool causal mask, or an empty tensor
+    # Per request: a [new, seq] additive mask (0: attend, -inf: not) for several new tokens
+    # after a cached prefix; None where no mask is needed (one new token, or `causal`).
+    masks: List[Optional[torch.Tensor]]
+    causal: List[bool]  # several new tokens from position 0: SDPA's own causal attention
     q_starts: List[int]
 
 
 class TorchBackend(AttentionBackend):
     def prepare(self, batch: Batch) -> None:
         rows = [r.table_row for r in batch.reqs]
-        slots, masks, starts, start = [], [], [], 0
+        slots: List[torch.Tensor] = []
+        masks: List[Optional[torch.Tensor]] = []
+        causal: List[bool] = []
+        starts: List[int] = []
+        start = 0
         device = self.page_table.device
         for row, prefix, ext in zip(rows, batch.prefix_lens, batch.extend_lens):
             seq = prefix + ext
             slots.append(self.page_table[row, :seq].to(torch.int64))
-            if ext > 1:
+            causal.append(ext > 1 and prefix == 0)
+            if ext > 1 and prefix > 0:
                 q_pos = torch.arange(prefix, seq, device=device).unsqueeze(1)
-                masks.append(torch.arange(seq, device=device).unsqueeze(0) <= q_pos)
+                later = torch.arange(seq, device=device).unsqueeze(0) > q_pos
+                masks.append(torch.zeros(later.shape, dtype=self.pool.k.dtype, device=device
+                                         ).masked_fill_(later, float("-inf")))
             else:
-                masks.append(torch.empty(0, device=device))
+                masks.append(None)
             starts.append(start)
             start += ext
-        batch.attn_meta = TorchMeta(slots, masks, starts)
+        batch.attn_meta = TorchMeta(slots, masks, causal, starts)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 batch: Batch, kv_stored: bool = False) -> torch.Tensor:
@@ -47,11 +65,11 @@ class TorchBackend(AttentionBackend):
         k_all, v_all = self.pool.k[layer], self.pool.v[layer]
         for i, ext in enumerate(batch.extend_lens):
             s = meta.q_starts[i]
-            qi = q[s:s + ext].transpose(0, 1)  # [heads, new, d]
-            ki = k_all[meta.slots[i]].transpose(0, 1)  # [kv_heads, seq, d]
-            vi = v_all[meta.slots[i]].transpose(0, 1)
-            mask = meta.masks[i] if meta.masks[i].numel() else None
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale,
+            qi = q[s:s + ext].transpose(0, 1).unsqueeze(0)  # [1, heads, new, d]
+            ki = k_all[meta.slots[i]].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, seq, d]
+            vi = v_all[meta.slots[i]].transpose(0, 1).unsqueeze(0)
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=meta.masks[i],
+                                                is_causal=meta.causal[i], scale=self.scale,
                                                 enable_gqa=self.num_heads != self.num_kv_heads)
-            out[s:s + ext] = oi.transpose(0, 1)
+            out[s:s + ext] = oi[0].transpose(0, 1)
         return out.reshape(q.shape[0], -1)
