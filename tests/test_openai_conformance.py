@@ -422,7 +422,8 @@ def _single_tokens(tokenizer: Any, words: List[str]) -> List[int]:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_allowed_token_ids(client: openai.OpenAI, tokenizer: Any, temperature: float) -> None:
+def test_allowed_token_ids(client: openai.OpenAI, server: Server, tokenizer: Any,
+                           temperature: float) -> None:
     """Sampling (greedy and random) picks only among the allowed tokens, in chat and
     completions, streamed and not (the same seeded tokens either way)."""
     words = [" London", " Rome", " Berlin"]
@@ -442,6 +443,10 @@ def test_allowed_token_ids(client: openai.OpenAI, tokenizer: Any, temperature: f
     assert (streamed, chat_streamed) == (text, chat)
     free = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
     assert not only.fullmatch(free.choices[0].text)  # the mask made the difference
+    r = httpx.post(f"{server.url}/generate", timeout=120, json={
+        "text": PROMPT, "sampling_params": {"max_tokens": 4, "temperature": temperature,
+                                            "seed": 3, **extra}})
+    assert r.status_code == 200 and set(r.json()["token_ids"]) <= set(allowed), r.text
 
 
 BAD_ITEM6 = [

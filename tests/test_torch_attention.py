@@ -98,23 +98,24 @@ def _reference(backend: TorchBackend, batch: Batch, q: torch.Tensor, last: int =
 
 
 def test_matches_plain_attention() -> None:
-    """A fresh prompt (causal), an extend after a cached prefix (masked), a one-token extend
-    and a decode-like row, in one batch over scattered pages."""
-    backend, batch, q, k, v = _setup([0, 21, 0, 40], [13, 9, 1, 1])
+    """A fresh prompt (causal), extends after a cached prefix longer (masked) and shorter
+    (causal, padded) than they are, a one-token extend and a decode-like row, in one batch
+    over scattered pages."""
+    backend, batch, q, k, v = _setup([0, 21, 5, 0, 40], [13, 9, 17, 1, 1])
     backend.prepare(batch)
     out = backend.forward(q, k, v, 0, batch)
     assert out.shape == (q.shape[0], HEADS * HEAD_DIM)
     torch.testing.assert_close(out, _reference(backend, batch, q), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("prefix,ext", [(0, 1024), (512, 512)])
+@pytest.mark.parametrize("prefix,ext", [(0, 1024), (200, 1024), (512, 512)])
 def test_long_prompt_makes_no_score_matrix_per_head(prefix: int, ext: int) -> None:
     backend, batch, q, k, v = _setup([prefix], [ext])
     one_head = ext * (prefix + ext)  # one head's [new, seq] scores
     with FloatSizes() as made:
         backend.prepare(batch)
     masks = {ptr for _, n, ptr in made.sizes if n >= one_head}
-    assert len(masks) == (1 if prefix else 0)
+    assert len(masks) == (1 if prefix >= ext else 0)
     assert max((n for _, n, _ in made.sizes), default=0) <= one_head
     with FloatSizes() as made:
         out = backend.forward(q, k, v, 0, batch)

@@ -6,10 +6,12 @@ the Triton backend is the fast path on GPUs.
 The calls are 4-D ([1, heads, tokens, head_dim]): only then does SDPA pick a fused kernel
 (FlashAttention on CPU, which works block by block), where 3-D inputs fall back to its math
 path, which materialises a [heads, new, seq] float32 score matrix (and as much again for the
-mask and the softmax): memory and time quadratic in a long prompt, times the heads. A prompt
-computed from position 0 is plain causal attention (`is_causal`, no mask at all); only an
-extend after a cached prefix carries a [new, seq] mask, with no head dimension, made once per
-batch in the KV dtype as SDPA adds it (0 or -inf), so no layer converts a boolean one again.
+mask and the softmax): memory and time quadratic in a long prompt, times the heads. Several new
+tokens are SDPA's own causal attention (`is_causal`, no mask, the kernel skips the blocks above
+the diagonal), which needs as many queries as keys: after a cached prefix shorter than the
+extend, zero queries stand in for the prefix positions (their rows are dropped), which costs
+less than a mask's full [new, seq] work. After a longer prefix a [new, seq] additive mask (no
+head dimension) is made once per batch in the KV dtype, so no layer converts one again.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from minisgl.core import Batch
 class TorchMeta(NamedTuple):
     slots: List[torch.Tensor]  # per request: slot ids of its whole sequence (prefix + new)
     # Per request: a [new, seq] additive mask (0: attend, -inf: not) for several new tokens
-    # after a cached prefix; None where no mask is needed (one new token, or `causal`).
+    # after a prefix at least as long; None where no mask is needed.
     masks: List[Optional[torch.Tensor]]
-    causal: List[bool]  # several new tokens from position 0: SDPA's own causal attention
+    # Per request: None, or causal attention with this many zero queries before the new ones
+    # (the prefix positions; 0 from position 0).
+    causal_pad: List[Optional[int]]
     q_starts: List[int]
 
 
@@ -37,15 +41,15 @@ class TorchBackend(AttentionBackend):
         rows = [r.table_row for r in batch.reqs]
         slots: List[torch.Tensor] = []
         masks: List[Optional[torch.Tensor]] = []
-        causal: List[bool] = []
+        pads: List[Optional[int]] = []
         starts: List[int] = []
         start = 0
         device = self.page_table.device
         for row, prefix, ext in zip(rows, batch.prefix_lens, batch.extend_lens):
             seq = prefix + ext
             slots.append(self.page_table[row, :seq].to(torch.int64))
-            causal.append(ext > 1 and prefix == 0)
-            if ext > 1 and prefix > 0:
+            pads.append(prefix if 1 < ext and prefix < ext else None)
+            if 1 < ext <= prefix:
                 q_pos = torch.arange(prefix, seq, device=device).unsqueeze(1)
                 later = torch.arange(seq, device=device).unsqueeze(0) > q_pos
                 masks.append(torch.zeros(later.shape, dtype=self.pool.k.dtype, device=device
@@ -54,7 +58,7 @@ class TorchBackend(AttentionBackend):
                 masks.append(None)
             starts.append(start)
             start += ext
-        batch.attn_meta = TorchMeta(slots, masks, causal, starts)
+        batch.attn_meta = TorchMeta(slots, masks, pads, starts)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 batch: Batch, kv_stored: bool = False) -> torch.Tensor:
@@ -65,11 +69,15 @@ class TorchBackend(AttentionBackend):
         k_all, v_all = self.pool.k[layer], self.pool.v[layer]
         for i, ext in enumerate(batch.extend_lens):
             s = meta.q_starts[i]
-            qi = q[s:s + ext].transpose(0, 1).unsqueeze(0)  # [1, heads, new, d]
+            pad = meta.causal_pad[i]
+            qi = q[s:s + ext]
+            if pad:
+                qi = torch.cat([qi.new_zeros((pad, *qi.shape[1:])), qi])
+            qi = qi.transpose(0, 1).unsqueeze(0)  # [1, heads, (pad +) new, d]
             ki = k_all[meta.slots[i]].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, seq, d]
             vi = v_all[meta.slots[i]].transpose(0, 1).unsqueeze(0)
             oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=meta.masks[i],
-                                                is_causal=meta.causal[i], scale=self.scale,
+                                                is_causal=pad is not None, scale=self.scale,
                                                 enable_gqa=self.num_heads != self.num_kv_heads)
-            out[s:s + ext] = oi[0].transpose(0, 1)
+            out[s:s + ext] = oi[0, :, pad or 0:].transpose(0, 1)
         return out.reshape(q.shape[0], -1)
