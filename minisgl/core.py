@@ -70,6 +70,8 @@ class SamplingParams:
     `structured` constrains the output to a JSON schema, regex, grammar or choice list
     (StructuredOutput): a token bitmask from the grammar is applied to the logits before
     sampling, and a grammar that reaches its end finishes the request with "stop".
+    `allowed_token_ids` (vLLM's), when set, is the only tokens sampling may pick, greedy or
+    random (a mask over the logits; the log-probabilities stay the model's own).
     `stop` (strings that end the output, which leaves them out) and `n` (choices per prompt)
     are read by `LLM` only. `max_tokens=None` asks for as many tokens as fit: `check_request`
     resolves it against the engine's limits, so every `Req` and every params past that check has
@@ -92,6 +94,7 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     min_tokens: int = 0
     structured: Optional[StructuredOutput] = None
+    allowed_token_ids: Optional[Tuple[int, ...]] = None
     # Offline only (`LLM`): the server takes them per HTTP request, outside the params.
     stop: Tuple[str, ...] = ()
     n: int = 1
@@ -139,6 +142,7 @@ class SamplingParams:
         error = _structured_error(self.structured)
         if error is not None:
             raise ValueError(error)
+        self._validate_allowed_token_ids()
         if isinstance(self.stop, str) or any(not isinstance(x, str) or not x for x in self.stop):
             raise ValueError(f"stop must be a sequence of non-empty strings, got {self.stop!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
@@ -167,6 +171,21 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} "
                                  f"for token {tok}")
 
+    def _validate_allowed_token_ids(self) -> None:
+        allowed = self.allowed_token_ids
+        if allowed is None:
+            return
+        if isinstance(allowed, (str, bytes, dict)) or not isinstance(allowed, Sequence):
+            raise ValueError(f"allowed_token_ids must be a sequence of token ids, got "
+                             f"{type(allowed).__name__}")
+        if not allowed:
+            raise ValueError("allowed_token_ids must not be empty (leave it unset to allow "
+                             "every token)")
+        bad = [t for t in allowed if not isinstance(t, int) or isinstance(t, bool) or t < 0]
+        if bad:
+            raise ValueError(f"allowed_token_ids must be non-negative token ids, got "
+                             f"{', '.join(repr(t) for t in bad[:8])}")
+
     @property
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
@@ -175,9 +194,10 @@ class SamplingParams:
     @functools.cached_property
     def raw_sampling(self) -> bool:
         """Sampled from the logits as they come, nothing else asked: no penalties, no logit
-        bias, no logprobs (cached: the engine asks for every request at every step)."""
+        bias, no allowed-token mask, no logprobs (cached: the engine asks for every request at
+        every step)."""
         return not (self.has_penalties or self.logit_bias or self.logprobs is not None
-                    or self.min_tokens > 0)
+                    or self.min_tokens > 0 or self.allowed_token_ids is not None)
 
     @property
     def is_greedy(self) -> bool:
@@ -287,8 +307,9 @@ def check_request(ids: Sequence[int], params: SamplingParams, limits: Limits) ->
     if error is not None:
         raise RequestError(error, "prompt")
     for name, tokens in (("logit_bias", params.logit_bias or {}),
-                         ("stop_token_ids", params.stop_token_ids)):
-        outside = [str(t) for t in tokens if t >= limits.vocab_size]
+                         ("stop_token_ids", params.stop_token_ids),
+                         ("allowed_token_ids", params.allowed_token_ids or ())):
+        outside = list(dict.fromkeys(str(t) for t in tokens if t >= limits.vocab_size))
         if outside:
             many = len(outside) > 1
             raise RequestError(f"{name} token id{'s' if many else ''} {', '.join(outside)} "
@@ -312,12 +333,15 @@ def check_request(ids: Sequence[int], params: SamplingParams, limits: Limits) ->
 class TokenLogprobs:
     """One sampled token's log-probability and the `top` most likely tokens' (most likely
     first), under the model's own distribution: log_softmax of the raw logits in float32,
-    before temperature and the top-k / top-p / min-p filters (vLLM's default). Computed by rank
-    0's engine only; it crosses processes inside `message.TokenOut`."""
+    before temperature and the top-k / top-p / min-p filters (vLLM's default). `rank` is the
+    token's place in that distribution, 1 for the most likely (vLLM's: how many tokens are at
+    least as likely), None where not computed. Computed by rank 0's engine only; it crosses
+    processes inside `message.TokenOut`."""
 
     logprob: float
     top_ids: Tuple[int, ...] = ()
     top_logprobs: Tuple[float, ...] = ()
+    rank: Optional[int] = None
 
 
 class FinishReason(str, enum.Enum):

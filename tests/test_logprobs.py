@@ -5,7 +5,7 @@ none, through chunked prefill and overlap scheduling; the detokenizer renders th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, List, Optional
 
 import pytest
 import torch
@@ -39,6 +39,7 @@ def test_logprobs_equal_hf(tiny_model: Callable[..., Path], overlap: bool, chunk
         ref = hf_logprobs(path, prompt, out.token_ids)
         chosen = ref.gather(1, torch.tensor(out.token_ids).view(-1, 1)).squeeze(1)
         assert [lp.logprob for lp in out.logprobs] == pytest.approx(chosen.tolist(), abs=TOL)
+        _check_ranks([lp.rank for lp in out.logprobs], ref, chosen)
         top_values, top_ids = ref.topk(p.logprobs, dim=-1)
         for lp, ids, values in zip(out.logprobs, top_ids.tolist(), top_values.tolist()):
             assert list(lp.top_ids) == ids
@@ -100,10 +101,19 @@ def test_prompt_logprobs_equal_hf(tiny_model: Callable[..., Path], chunk: int) -
         chosen = ref.gather(1, torch.tensor(prompt[1:]).view(-1, 1)).squeeze(1)
         assert [lp.logprob for lp in out.prompt_logprobs] == pytest.approx(chosen.tolist(),
                                                                           abs=TOL)
+        _check_ranks([lp.rank for lp in out.prompt_logprobs], ref, chosen)
         top_values, top_ids = ref.topk(p.prompt_logprobs or 0, dim=-1)
         assert [list(lp.top_ids) for lp in out.prompt_logprobs] == top_ids.tolist()
         for lp, values in zip(out.prompt_logprobs, top_values.tolist()):
             assert list(lp.top_logprobs) == pytest.approx(values, abs=TOL)
+
+
+def _check_ranks(ranks: List[Optional[int]], ref: torch.Tensor, chosen: torch.Tensor) -> None:
+    """Each token's rank (1: the most likely) is HF's, up to tokens within float noise of it."""
+    above = (ref > chosen.unsqueeze(1) + TOL).sum(dim=-1) + 1
+    at_least = (ref >= chosen.unsqueeze(1) - TOL).sum(dim=-1)
+    for rank, low, high in zip(ranks, above.tolist(), at_least.tolist()):
+        assert rank is not None and low <= rank <= high
 
 
 def test_prompt_logprobs_survive_retraction(tiny_model: Callable[..., Path]) -> None:

@@ -13,10 +13,12 @@ from minisgl.message import types as T
 PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, seed=3,
                         ignore_eos=True, stop_token_ids=(5, 6), logprobs=3,
                         presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2,
-                        logit_bias={5: -100.0, 70000: 2.5}, prompt_logprobs=0, min_tokens=2)
-LOGPROBS = TokenLogprobs(-0.25, (7042, 260), (-0.25, -2.740744113922119))
+                        logit_bias={5: -100.0, 70000: 2.5}, prompt_logprobs=0, min_tokens=2,
+                        allowed_token_ids=(5, 9, 70000))
+LOGPROBS = TokenLogprobs(-0.25, (7042, 260), (-0.25, -2.740744113922119), 1)
 LOGPROB_TEXT = T.TokenLogprobText(" \ufffd", -0.25, (" \ufffd", " the"),
-                                  (-0.25, -2.740744113922119), b" \xe6", (b" \xe6", None))
+                                  (-0.25, -2.740744113922119), b" \xe6", (b" \xe6", None),
+                                  7042, (7042, 260), 1)
 STATS = T.SchedulerStats(running=2, waiting=3, kv_pages_used=4, kv_pages_total=512,
                          kv_pages_cached=9, prompt_tokens_total=100, generated_tokens_total=50,
                          cached_tokens_total=32, prefilled_tokens_total=68, waiting_tokens=70,
@@ -56,7 +58,8 @@ SAMPLES: Dict[str, Any] = {
     "StructuredOutput": [StructuredOutput("regex", "[a-z]+"), StructuredOutput("json_object")],
     "DetokenizeInit": [T.DetokenizeInit(uid=11, prompt_tail=[1, 2, 3], stop=("\n\n", "END"),
                                         skip_special_tokens=False),
-                       T.DetokenizeInit(uid=12, prompt_tail=[3], echo_ids=[1, 2, 70000])],
+                       T.DetokenizeInit(uid=12, prompt_tail=[3], prompt_ids=[1, 2, 70000],
+                                        echo=True)],
     "ReplyBatch": [T.ReplyBatch(chunks=[CHUNK], stats=STATS), T.ReplyBatch(chunks=[])],
     "ServiceDown": [T.ServiceDown("node 1: rank1 (pid 7) was killed by signal 9")],
 }

@@ -1,10 +1,12 @@
 """What vLLM's and SGLang's OpenAI clients send and expect, against a real `serve` process
 (default model, tp=1, CPU): the streaming shape, defaults, /tokenize and the chat template,
-refusals naming the field, usage on every chunk, tokenizer and version routes, matched stops.
+refusals naming the field, usage on every chunk, tokenizer and version routes, matched stops,
+vLLM's prompt_logprobs and allowed_token_ids.
 Through the official `openai` client, and raw HTTP where the SDK has no field."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Tuple
 
@@ -170,11 +172,10 @@ def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI) -> None:
 
 # --- defect 4: refusals name the field -------------------------------------------------------------
 REFUSED = [
-    ("use_beam_search", True), ("allowed_token_ids", [1, 2]), ("truncate_prompt_tokens", 5),
+    ("use_beam_search", True), ("truncate_prompt_tokens", 5),
     ("guided_whitespace_pattern", " *"), ("guided_decoding_backend", "outlines"),
     ("stop_regex", ["a+"]), ("cache_salt", "abc"),
     ("spaces_between_special_tokens", False), ("echo", True), ("chat_template", "{{ 1 }}"),
-    ("prompt_logprobs", 1),
 ]
 
 
@@ -348,3 +349,126 @@ def test_responses_api_plain_streamed_and_continued(client: openai.OpenAI, serve
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
     bad = _post(server, "/v1/responses", {"input": "x", "max_output_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_output_tokens"
+
+
+# --- item 6: vLLM's prompt_logprobs and allowed_token_ids ------------------------------------------
+PROMPT = "The capital of France is"
+
+
+def _check_prompt_logprobs(entries: List[Any], ids: List[int], k: int, tokenizer: Any) -> None:
+    """vLLM's shape: null first, then per prompt token a map id -> {logprob, rank,
+    decoded_token} holding the prompt token and the k most likely tokens."""
+    assert len(entries) == len(ids) and entries[0] is None
+    for entry, tok in zip(entries[1:], ids[1:]):
+        assert str(tok) in entry and k <= len(entry) <= k + 1
+        mine = entry[str(tok)]
+        ranks = sorted(v["rank"] for v in entry.values())
+        assert ranks[:k] == list(range(1, k + 1)) and mine["logprob"] <= 0
+        assert (mine["rank"] > k) == (len(entry) == k + 1)  # in the top k or beside it
+        by_rank = sorted(entry.values(), key=lambda v: v["rank"])
+        assert [v["logprob"] for v in by_rank] == sorted((v["logprob"] for v in by_rank),
+                                                         reverse=True)
+        assert all(v["decoded_token"] == tokenizer.decode([int(t)]) for t, v in entry.items())
+
+
+def _prompt_token_logprobs(entries: List[Any], ids: List[int]) -> List[float]:
+    return [e[str(t)]["logprob"] for e, t in zip(entries[1:], ids[1:])]
+
+
+def test_prompt_logprobs_in_completions(client: openai.OpenAI, tokenizer: Any) -> None:
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    kw: Dict[str, Any] = dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    client.completions.create(**kw)  # the prefix cache now holds the prompt
+    full = client.completions.create(**kw, extra_body={"prompt_logprobs": 2})
+    entries = full.choices[0].model_extra["prompt_logprobs"]
+    _check_prompt_logprobs(entries, ids, 2, tokenizer)
+    assert full.usage.prompt_tokens_details.cached_tokens == 0  # it skipped the cache
+    # the same numbers as echo's log-probabilities of the prompt tokens
+    echo = client.completions.create(**kw, echo=True, logprobs=1)
+    echoed = echo.choices[0].logprobs.token_logprobs[:len(ids)]
+    assert echoed[0] is None
+    assert echoed[1:] == pytest.approx(_prompt_token_logprobs(entries, ids), abs=1e-5)
+    # streamed: on each choice's first chunk, the same
+    chunks = list(client.completions.create(**kw, stream=True,
+                                            extra_body={"prompt_logprobs": 2}))
+    carried = [c.choices[0].model_extra.get("prompt_logprobs") for c in chunks if c.choices]
+    assert carried[0] == entries and not any(carried[1:])
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert "prompt_logprobs" not in echo.choices[0].model_extra  # only when asked
+
+
+def test_prompt_logprobs_in_chat(client: openai.OpenAI, server: Server, tokenizer: Any) -> None:
+    ids = _post(server, "/tokenize", {"messages": PARIS}).json()["tokens"]
+    kw: Dict[str, Any] = dict(model=MODEL, messages=PARIS, max_tokens=3, temperature=0, n=2,
+                              extra_body={"prompt_logprobs": 0})
+    full = client.chat.completions.create(**kw)
+    entries = full.model_extra["prompt_logprobs"]  # vLLM's: once, at the top
+    _check_prompt_logprobs(entries, ids, 0, tokenizer)
+    assert all(len(e) == 1 for e in entries[1:])
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    carried = [c.model_extra.get("prompt_logprobs") for c in chunks]
+    assert carried[0] is not None and not any(carried[1:])  # the stream's first chunk
+    assert [list(e) for e in carried[0][1:]] == [list(e) for e in entries[1:]]
+    assert _prompt_token_logprobs(carried[0], ids) == pytest.approx(
+        _prompt_token_logprobs(entries, ids), abs=1e-5)
+
+
+def _single_tokens(tokenizer: Any, words: List[str]) -> List[int]:
+    ids = [tokenizer.encode(w, add_special_tokens=False) for w in words]
+    assert all(len(i) == 1 for i in ids), ids
+    return [i[0] for i in ids]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_allowed_token_ids(client: openai.OpenAI, server: Server, tokenizer: Any,
+                           temperature: float) -> None:
+    """Sampling (greedy and random) picks only among the allowed tokens, in chat and
+    completions, streamed and not (the same seeded tokens either way)."""
+    words = [" London", " Rome", " Berlin"]
+    allowed = _single_tokens(tokenizer, words)
+    only = re.compile("(" + "|".join(words) + ")+")
+    extra = {"allowed_token_ids": allowed, "ignore_eos": True}
+    kw: Dict[str, Any] = dict(model=MODEL, max_tokens=6, temperature=temperature, seed=3,
+                              extra_body=extra)
+    text = client.completions.create(prompt=PROMPT, **kw).choices[0].text
+    chat = client.chat.completions.create(messages=PARIS, **kw).choices[0].message.content
+    assert only.fullmatch(text) and only.fullmatch(" " + chat.lstrip()), (text, chat)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        prompt=PROMPT, stream=True, **kw) if c.choices)
+    chat_streamed = "".join(c.choices[0].delta.content or "" for c in
+                            client.chat.completions.create(messages=PARIS, stream=True, **kw)
+                            if c.choices)
+    assert (streamed, chat_streamed) == (text, chat)
+    free = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    assert not only.fullmatch(free.choices[0].text)  # the mask made the difference
+    r = httpx.post(f"{server.url}/generate", timeout=120, json={
+        "text": PROMPT, "sampling_params": {"max_tokens": 4, "temperature": temperature,
+                                            "seed": 3, **extra}})
+    assert r.status_code == 200 and set(r.json()["token_ids"]) <= set(allowed), r.text
+
+
+BAD_ITEM6 = [
+    ({"allowed_token_ids": []}, "allowed_token_ids", "must not be empty"),
+    ({"allowed_token_ids": [5, 60000, 70000]}, "allowed_token_ids", "60000, 70000"),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids", "-1"),
+    ({"allowed_token_ids": "5"}, "allowed_token_ids", ""),
+    ({"prompt_logprobs": 21}, "prompt_logprobs", "between 0 and 20, got 21"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs", "got -1"),
+    ({"prompt_logprobs": True}, "prompt_logprobs", ""),
+]
+
+
+@pytest.mark.parametrize("fields,param,words", BAD_ITEM6,
+                         ids=[f"{p}={f[p]}" for f, p, _ in BAD_ITEM6])
+def test_bad_allowed_token_ids_and_prompt_logprobs(server: Server, client: openai.OpenAI,
+                                                   fields: Dict[str, Any], param: str,
+                                                   words: str) -> None:
+    for path, body in (("/v1/chat/completions", {"messages": PARIS}),
+                       ("/v1/completions", {"prompt": PROMPT})):
+        r = _post(server, path, {**body, "max_tokens": 2, **fields})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and words in error["message"], error
+    with pytest.raises(openai.BadRequestError, match=param):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stream=True,
+                                  extra_body=fields)

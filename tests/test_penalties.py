@@ -1,7 +1,8 @@
 """Repetition, frequency and presence penalties give Hugging Face's greedy tokens (float32, CPU)
 with the same penalties: HF's repetition processor, and an independent frequency / presence
 processor (tests/hf_reference.py); also mixed with unpenalized requests, through chunked prefill,
-overlap scheduling, prefix-cache hits and retraction."""
+overlap scheduling, prefix-cache hits and retraction. Also the other logit edits: logit_bias,
+allowed_token_ids, min_tokens."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 from typing import Callable, Dict
 
 import pytest
+import torch
 
-from hf_reference import hf_greedy, mixed_prompts
+from hf_reference import hf_greedy, hf_logprobs, mixed_prompts
 from minisgl import LLM, SamplingParams
 
 PENALTIES = [
@@ -109,6 +111,38 @@ def test_bad_logit_bias_is_refused_with_the_numbers(tiny_model: Callable[..., Pa
             llm.generate([[5, 6]], SamplingParams(max_tokens=2, logit_bias={vocab: 1.0}))
         with pytest.raises(ValueError, match=r"values must be numbers in \[-100, 100\], got 101"):
             llm.generate([[5, 6]], SamplingParams(max_tokens=2, logit_bias={3: 101}))
+
+
+def test_allowed_token_ids_mask_the_choice(tiny_model: Callable[..., Path]) -> None:
+    """Greedy picks the allowed token HF ranks highest, random sampling stays inside its list,
+    the log-probabilities stay the model's own (before the mask), and a request without a
+    list in the same batch is HF's."""
+    path = tiny_model("llama")
+    prompts = mixed_prompts(3, seed=23)
+    allowed = (77, 300, 1234, 5000)
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1,
+                             allowed_token_ids=allowed),
+              SamplingParams(max_tokens=6, temperature=3.0, seed=2, ignore_eos=True,
+                             allowed_token_ids=list(allowed[:2])),
+              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)]
+    with LLM(str(path), page_size=4, overlap=True, max_kv_tokens=2048,
+             show_progress=False) as llm:
+        greedy, sampled, plain = llm.generate(prompts, params)
+        for bad, words in (((), "must not be empty"), ((5, -2), "-2"),
+                           ((5, llm.vocab_size, llm.vocab_size + 7),
+                            f"allowed_token_ids token ids {llm.vocab_size}, "
+                            f"{llm.vocab_size + 7} are outside the vocabulary")):
+            with pytest.raises(ValueError, match="allowed_token_ids") as e:
+                llm.generate([[5, 6]], SamplingParams(max_tokens=2, allowed_token_ids=bad))
+            assert words in str(e.value)
+    ref = hf_logprobs(path, prompts[0], greedy.token_ids)
+    best = ref[:, list(allowed)].argmax(dim=-1).tolist()
+    assert greedy.token_ids == [allowed[i] for i in best]
+    chosen = ref.gather(1, torch.tensor(greedy.token_ids).view(-1, 1)).squeeze(1)
+    assert [lp.logprob for lp in greedy.logprobs] == pytest.approx(  # type: ignore[union-attr]
+        chosen.tolist(), abs=1e-4)
+    assert set(sampled.token_ids) <= set(allowed[:2])
+    assert plain.token_ids == hf_greedy(path, prompts[2:], 6)[0]
 
 
 def test_min_tokens_holds_back_eos_as_hf_min_new_tokens(default_model_dir: Path) -> None:

@@ -82,6 +82,25 @@ def test_tp_seeded_sampling_ranks_agree(tiny_model: Callable[..., Path]) -> None
     assert a == b and len({tuple(x) for x in a}) > 1
 
 
+def test_tp_allowed_token_ids_match_tp1(tiny_model: Callable[..., Path]) -> None:
+    """The allowed-token mask is computed alike on every rank (check_lockstep compares the
+    sampled tokens each step): greedy and seeded tokens at tp=2 are tp=1's, all allowed."""
+    path = tiny_model("qwen3")
+    prompts = mixed_prompts(4, seed=6, lengths=(5, 20))
+    allowed = (77, 300, 1234, 5000)
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                             allowed_token_ids=allowed[:3]),
+              SamplingParams(max_tokens=6, temperature=1.0, seed=4, ignore_eos=True,
+                             allowed_token_ids=allowed)] * 2
+    outs = []
+    for tp in (1, 2):
+        with LLM(str(path), tp=tp, page_size=4, max_kv_tokens=2048, show_progress=False,
+                 check_lockstep=tp > 1) as llm:
+            outs.append([o.token_ids for o in llm.generate(prompts, params)])
+    assert outs[0] == outs[1]
+    assert all(set(t) <= set(p.allowed_token_ids or ()) for t, p in zip(outs[1], params))
+
+
 def _diverge(rank: int, port: int, out: "mp.Queue[str]") -> None:
     import torch.distributed as dist
     from minisgl.distributed import check_same_across_ranks

@@ -26,6 +26,7 @@ from minisgl.engine.logprobs import (PromptRows, prompt_entries, prompt_logprobs
 from minisgl.engine.penalties import Penalties
 from minisgl.engine.prefill_graph import PrefillGraphs, capture_prefill_graphs
 from minisgl.engine.sampler import (LogprobTensors, add_logit_bias, apply_token_bitmask,
+                                    mask_to_allowed_tokens,
                                     sample_requests, suppress_early_stops)
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
@@ -325,7 +326,7 @@ class Engine:
                 bitmask: Optional[torch.Tensor] = None
                 ) -> Tuple[torch.Tensor, Optional[LogprobTensors]]:
         """Tokens for `reqs` (row i of `logits`, page-table row rows[i]) after their penalties,
-        logit bias, min_tokens and grammar bitmask, recorded as the rows' newest tokens; and
+        logit bias, allowed tokens, min_tokens and grammar bitmask, recorded as the rows' newest tokens; and
         their log-probabilities (of the raw logits) where asked."""
         mask = None if bitmask is None else bitmask.to(self.device, non_blocking=True)
         if all(r.params.raw_sampling for r in reqs):  # the common case: one pass to find out
@@ -333,8 +334,8 @@ class Engine:
             tokens = sample_requests(masked, reqs, self.cfg.seed, self.policy)
             self.last_tokens[rows] = tokens
             return tokens, None
-        adjusted = suppress_early_stops(
-            add_logit_bias(self.penalties.apply(logits, rows, reqs), reqs), reqs)
+        adjusted = add_logit_bias(self.penalties.apply(logits, rows, reqs), reqs)
+        adjusted = suppress_early_stops(mask_to_allowed_tokens(adjusted, reqs), reqs)
         if mask is not None:
             adjusted = apply_token_bitmask(adjusted, mask)
         tokens = sample_requests(adjusted, reqs, self.cfg.seed, self.policy)

@@ -127,5 +127,5 @@ def _host_entries(done: Optional[torch.cuda.Event], lp: LogprobTensors,
     if done is not None:
         done.synchronize()
     chosen, ids, values = lp.chosen.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
-    return [TokenLogprobs(c, tuple(i[:k or 0]), tuple(v[:k or 0]))
-            for c, i, v, k in zip(chosen, ids, values, ks)]
+    return [TokenLogprobs(c, tuple(i[:k or 0]), tuple(v[:k or 0]), r)
+            for c, i, v, k, r in zip(chosen, ids, values, ks, lp.rank.tolist())]

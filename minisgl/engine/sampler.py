@@ -1,6 +1,6 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, with counter-based noise; the
-per-request logit edits before it (logit_bias, min_tokens, the grammar's token bitmask; the
-penalties live in penalties.py) and the log-probabilities of what was sampled.
+per-request logit edits before it (logit_bias, allowed_token_ids, min_tokens, the grammar's token
+bitmask; the penalties live in penalties.py) and the log-probabilities of what was sampled.
 
 Random sampling is Gumbel-max with noise from a hash of (seed, step, token id), computed with
 integer tensor ops. So the token depends only on the logits, the request's seed and how many
@@ -169,21 +169,49 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return logits.masked_fill(~allowed[:, :vocab], float("-inf"))
 
 
+def mask_to_allowed_tokens(logits: torch.Tensor, reqs: List[Req]) -> torch.Tensor:
+    """vLLM's allowed_token_ids: -inf for every token outside the list of each request that
+    has one (row i is reqs[i]), so greedy and random sampling pick only among them. A pure
+    function of the requests' params, hence identical on every rank. Returns `logits` itself
+    when no request has a list, else a new float32 tensor."""
+    rows: List[int] = []
+    local: List[int] = []
+    cols: List[int] = []
+    for i, req in enumerate(reqs):
+        allowed = req.params.allowed_token_ids
+        if allowed is not None:
+            local.extend([len(rows)] * len(allowed))
+            cols.extend(allowed)
+            rows.append(i)
+    if not rows:
+        return logits
+    device = logits.device
+    out = logits.float().clone()
+    edit = torch.full((len(rows), logits.shape[-1]), float("-inf"), device=device)
+    index = to_device([local, cols], torch.int64, device)
+    edit[index[0], index[1]] = 0.0
+    row_index = to_device(rows, torch.int64, device)
+    out[row_index] += edit
+    return out
+
+
 class LogprobTensors(NamedTuple):
     """Log-probabilities of a batch's sampled rows (see core.TokenLogprobs)."""
 
     chosen: torch.Tensor  # [B] float32: the sampled token's
     top_ids: torch.Tensor  # [B, k] int64, most likely first
     top_logprobs: torch.Tensor  # [B, k] float32
+    rank: torch.Tensor  # [B] int64: tokens at least as likely as the sampled one (1: the top)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> LogprobTensors:
-    """The sampled `tokens`' log-probabilities and each row's `k` most likely tokens, from the
-    raw logits [B, vocab] (log_softmax in float32)."""
+    """The sampled `tokens`' log-probabilities and ranks and each row's `k` most likely tokens,
+    from the raw logits [B, vocab] (log_softmax in float32)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen = lp.gather(1, tokens.view(-1, 1)).squeeze(1)
     top_logprobs, top_ids = lp.topk(k, dim=-1)
-    return LogprobTensors(chosen, top_ids, top_logprobs)
+    rank = (lp >= chosen.unsqueeze(1)).sum(dim=-1)
+    return LogprobTensors(chosen, top_ids, top_logprobs, rank)
 
 
 def sample_requests(logits: torch.Tensor, reqs: List[Req], engine_seed: int,

@@ -17,7 +17,7 @@ import msgpack
 from minisgl.core import SamplingParams, StructuredOutput, TokenLogprobs
 from minisgl.message import types as T
 
-_TOKEN_FIELDS = frozenset({"input_ids", "token_ids", "echo_ids"})
+_TOKEN_FIELDS = frozenset({"input_ids", "token_ids", "prompt_ids"})
 _INT32_EXT = 1
 
 _TYPES: Dict[str, Type[Any]] = {

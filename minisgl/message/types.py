@@ -151,6 +151,11 @@ class TokenLogprobText:
     # U+FFFD; tokenizer/token_bytes.py), else None: the text's UTF-8. Likewise per top token.
     token_bytes: Optional[bytes] = None
     top_bytes: Tuple[Optional[bytes], ...] = ()
+    # The ids behind the texts (vLLM's prompt_logprobs are keyed by id), and the token's rank
+    # (core.TokenLogprobs.rank).
+    token_id: int = -1
+    top_ids: Tuple[int, ...] = ()
+    rank: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -169,8 +174,8 @@ class ReplyChunk:
     error: Optional[str] = None
     error_status: int = 400
     logprobs: List[TokenLogprobText] = field(default_factory=list)
-    # With echo, in the request's first chunk only: the prompt as text, and (with prompt
-    # log-probabilities asked) one entry per prompt token.
+    # In the request's first chunk only: with echo, the prompt as text; with prompt
+    # log-probabilities asked (params.prompt_logprobs), one entry per prompt token.
     prompt_text: Optional[str] = None
     prompt_logprobs: List[TokenLogprobText] = field(default_factory=list)
     error_param: Optional[str] = None  # the request field an error is about
@@ -202,8 +207,10 @@ class DetokenizeInit:
     prompt_tail: List[int]
     stop: Tuple[str, ...] = ()
     skip_special_tokens: bool = True
-    echo_ids: Optional[List[int]] = None  # the whole prompt, when the reply echoes it
+    # The whole prompt, when the reply echoes it or carries its log-probabilities.
+    prompt_ids: Optional[List[int]] = None
     no_stop_trim: bool = False  # a matched stop string stays in the text
+    echo: bool = False  # the reply starts with the prompt's text
 
 
 @dataclass(frozen=True)

@@ -50,8 +50,6 @@ _UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
     # vLLM and SGLang extensions
     "use_beam_search": lambda v: v in (None, False),
     "length_penalty": lambda v: v in (None, 1, 1.0),
-    "allowed_token_ids": lambda v: v is None,
-    "prompt_logprobs": lambda v: v is None,  # completions: echo with logprobs gives them
     "bad_words": lambda v: not v,
     "truncate_prompt_tokens": lambda v: v is None,
     "cache_salt": lambda v: v is None,
@@ -116,6 +114,7 @@ class _Sampling(_Body):
     stop_token_ids: Optional[List[int]] = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False  # SGLang's: the matched stop string stays in the text
+    allowed_token_ids: Optional[List[int]] = None  # vLLM's: sampling picks only among them
 
 
 class _OpenAI(_Sampling):
@@ -126,6 +125,7 @@ class _OpenAI(_Sampling):
     stream_options: Optional[StreamOptions] = None
     logprobs: Union[None, bool, int] = None
     logit_bias: Optional[Dict[str, float]] = None
+    prompt_logprobs: Optional[int] = None  # vLLM's: the prompt tokens' log-probabilities
 
 
 class TextPart(_Body):
@@ -229,6 +229,9 @@ class Job:
     tools: Optional[Tools] = None  # chat: the tools, and whether the output is read for calls
     # The request field params.structured came from: an error about it names that field.
     structured_param: Optional[str] = None
+    # vLLM's prompt_logprobs as asked (alternatives per prompt token), for the reply's shape;
+    # params.prompt_logprobs, what the engine computes, may be larger (an echo's logprobs).
+    prompt_logprobs: Optional[int] = None
 
     def choice_params(self, i: int) -> SamplingParams:
         """Choice i of a prompt: the request's seed shifted by i, so choices differ."""
@@ -305,6 +308,8 @@ def _sampling(body: _Sampling, max_tokens: Optional[int], logprobs: Optional[int
         _check_int(name, getattr(body, name))
     _check_int("max_tokens", max_tokens, _INT32)
     _check_ids("stop_token_ids", body.stop_token_ids or ())
+    allowed = body.allowed_token_ids
+    _check_ids("allowed_token_ids", allowed or ())
     params = SamplingParams(
         max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -316,7 +321,7 @@ def _sampling(body: _Sampling, max_tokens: Optional[int], logprobs: Optional[int
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         min_tokens=body.min_tokens,
         stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs,
-        logit_bias=logit_bias)
+        logit_bias=logit_bias, allowed_token_ids=None if allowed is None else tuple(allowed))
     try:
         params.validate()
     except ValueError as e:
@@ -347,6 +352,17 @@ def _logprobs(body: _OpenAI) -> Optional[int]:
     return k
 
 
+def _prompt_logprobs(body: _OpenAI) -> Optional[int]:
+    """vLLM's prompt_logprobs: how many most likely tokens to return at each prompt position
+    besides the prompt token itself (0 to MAX_LOGPROBS), or None for none. vLLM's -1 (the
+    whole vocabulary) is refused."""
+    k = body.prompt_logprobs
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise ApiError(400, f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {k}",
+                       "prompt_logprobs")
+    return k
+
+
 def _logit_bias(body: _OpenAI) -> Optional[Dict[int, float]]:
     """OpenAI's logit_bias (token ids written as strings) with int keys, or None when empty."""
     if not body.logit_bias:
@@ -365,7 +381,7 @@ def _logit_bias(body: _OpenAI) -> Optional[Dict[int, float]]:
 
 
 def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: int) -> Job:
-    logprobs, logit_bias, continuous = None, None, False
+    logprobs, logit_bias, continuous, prompt_logprobs = None, None, False, None
     if isinstance(body, GenerateRequest):
         sampling, n, stream, include_usage = body.sampling_params, 1, body.stream, False
         max_tokens = sampling.max_tokens
@@ -379,6 +395,7 @@ def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: in
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
         logprobs, logit_bias = _logprobs(body), _logit_bias(body)
+        prompt_logprobs = _prompt_logprobs(body)
         for name, value in (body.model_extra or {}).items():
             inert = _UNSUPPORTED.get(name)
             if inert is not None and not inert(value):
@@ -400,7 +417,9 @@ def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: in
               stream, include_usage, no_stop_trim=sampling.no_stop_trim,
               structured_param=found.param if found is not None else None)
     if not isinstance(body, GenerateRequest):
-        job = dataclasses.replace(job, continuous_usage=continuous)
+        job = dataclasses.replace(job, params=dataclasses.replace(
+            job.params, prompt_logprobs=prompt_logprobs), continuous_usage=continuous,
+            prompt_logprobs=prompt_logprobs)
     return job
 
 
@@ -518,8 +537,10 @@ def completion_job(body: CompletionRequest, max_n: int) -> Job:
     job = _job(body, prompts, max_n)
     if not body.echo:
         return job
-    # echo with logprobs: the prompt's tokens get theirs too (OpenAI's legacy completions)
-    params = dataclasses.replace(job.params, prompt_logprobs=job.params.logprobs)
+    # echo with logprobs: the prompt's tokens get theirs too (OpenAI's legacy completions), as
+    # many alternatives as either field asks for
+    asked = [k for k in (job.params.logprobs, job.prompt_logprobs) if k is not None]
+    params = dataclasses.replace(job.params, prompt_logprobs=max(asked) if asked else None)
     return dataclasses.replace(job, params=params, echo=True)
 
 

@@ -33,9 +33,12 @@ class Choice:
     logprobs: List[TokenLogprobText] = field(default_factory=list)
     logprob_chars: int = 0  # length of the logprobs' token texts: the next text_offset
     matched_stop: Union[None, int, str] = None  # the stop string or token id that ended it
+    prompt_logprobs: List[TokenLogprobText] = field(default_factory=list)  # one per prompt token
 
     def add(self, chunk: ReplyChunk) -> None:
         """Accumulate a chunk; an echoed prompt goes first, into text and logprobs alike."""
+        if chunk.prompt_logprobs:
+            self.prompt_logprobs = list(chunk.prompt_logprobs)
         if chunk.prompt_text is not None:
             self.text.append(chunk.prompt_text)
             self.logprobs.extend(chunk.prompt_logprobs)
@@ -68,10 +71,11 @@ def choice_usage(choice: Choice) -> Dict[str, Any]:
             "total_tokens": choice.prompt_tokens + choice.completion_tokens}
 
 
-def completion_logprobs(entries: Sequence[TokenLogprobText], offset: int) -> Dict[str, Any]:
+def completion_logprobs(entries: Sequence[TokenLogprobText], offset: int, k: int
+                        ) -> Dict[str, Any]:
     """The legacy completions `logprobs` object. `text_offset` counts the token texts from
     `offset` (each token's text taken on its own, as `tokens` lists them); each
-    `top_logprobs` map holds the most likely tokens and the sampled one (null, as its
+    `top_logprobs` map holds the `k` most likely tokens and the sampled one (null, as its
     logprob, for an echoed prompt's first token)."""
     offsets = []
     for e in entries:
@@ -80,9 +84,28 @@ def completion_logprobs(entries: Sequence[TokenLogprobText], offset: int) -> Dic
     return {"tokens": [e.token for e in entries],
             "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [None if e.logprob is None else
-                             {**dict(zip(e.top_tokens, e.top_logprobs)), e.token: e.logprob}
+                             {**dict(zip(e.top_tokens[:k], e.top_logprobs[:k])),
+                              e.token: e.logprob}
                              for e in entries],
             "text_offset": offsets}
+
+
+def prompt_logprobs(entries: Sequence[TokenLogprobText], k: int
+                    ) -> List[Optional[Dict[str, Dict[str, Any]]]]:
+    """vLLM's `prompt_logprobs`: per prompt token, null for the first (nothing precedes it),
+    else a map from token id (as a string) to its `logprob`, `rank` (1: the most likely) and
+    `decoded_token`, holding the prompt token itself first and the `k` most likely tokens."""
+    out: List[Optional[Dict[str, Dict[str, Any]]]] = []
+    for e in entries:
+        if e.logprob is None:
+            out.append(None)
+            continue
+        item = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.token}}
+        for rank, (tid, text, lp) in enumerate(zip(e.top_ids[:k], e.top_tokens[:k],
+                                                    e.top_logprobs[:k]), start=1):
+            item[str(tid)] = {"logprob": lp, "rank": rank, "decoded_token": text}
+        out.append(item)
+    return out
 
 
 def chat_logprobs(entries: Sequence[TokenLogprobText]) -> Dict[str, Any]:
@@ -147,7 +170,7 @@ class Formatter(ABC):
     def full(self, choices: List[Choice]) -> Dict[str, Any]: ...
 
     def opening(self, index: int, choice: Choice) -> Iterator[str]:
-        """`choice` holds only the prompt's token count."""
+        """`choice` holds only the prompt's token count and log-probabilities."""
         return iter(())
 
     @abstractmethod
@@ -189,6 +212,11 @@ class _OpenAIFormatter(Formatter):
     def wants_logprobs(self) -> bool:
         return self.job.params.logprobs is not None
 
+    def _prompt_logprobs(self, choice: Choice) -> Dict[str, Any]:
+        """The `prompt_logprobs` field (vLLM's shape) where the request asked for it."""
+        k = self.job.prompt_logprobs
+        return {} if k is None else {"prompt_logprobs": prompt_logprobs(choice.prompt_logprobs, k)}
+
     def _envelope(self, obj: str, choices: List[Any]) -> Dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
@@ -211,8 +239,10 @@ class _OpenAIFormatter(Formatter):
                  for i, c in enumerate(choices)]
         return {**self._envelope(self.full_object, items), "usage": usage(choices, self.job.n)}
 
-    def _chunk(self, index: int, choice: Choice, item: Dict[str, Any]) -> str:
-        body = self._envelope(self.chunk_object, [item])
+    def _chunk(self, index: int, choice: Choice, item: Dict[str, Any],
+               top: Optional[Dict[str, Any]] = None) -> str:
+        """One streamed chunk of choice `index`, with `top`'s fields beside `choices`."""
+        body = {**self._envelope(self.chunk_object, [item]), **(top or {})}
         if self.job.continuous_usage:
             body["usage"] = choice_usage(choice)
         return sse(body)
@@ -220,18 +250,25 @@ class _OpenAIFormatter(Formatter):
     def delta(self, index: int, chunk: ReplyChunk, choice: Choice) -> Iterator[str]:
         # A token whose text is held back (an incomplete character, a possible stop string)
         # still sends its logprobs.
-        entries = [*chunk.prompt_logprobs, *chunk.logprobs]  # an echoed prompt goes first
+        echoed = chunk.prompt_logprobs if chunk.prompt_text is not None else []
+        entries = [*echoed, *chunk.logprobs]  # an echoed prompt goes first
         text = (chunk.prompt_text or "") + chunk.text
         logprobs = None
         if self.wants_logprobs and entries:
             start = choice.logprob_chars - sum(len(e.token) for e in entries)
             logprobs = self._logprobs(entries, start)
         reason = chunk.finish_reason
-        if text or logprobs is not None or reason is not None:
-            item = self._chunk_item(index, text, reason, logprobs)
+        prompt = self._chunk_prompt_logprobs(chunk)
+        if text or logprobs is not None or reason is not None or prompt:
+            item = {**self._chunk_item(index, text, reason, logprobs), **prompt}
             if reason is not None:
                 item["matched_stop"] = chunk.matched_stop
             yield self._chunk(index, choice, item)
+
+    def _chunk_prompt_logprobs(self, chunk: ReplyChunk) -> Dict[str, Any]:
+        """What a streamed choice item carries of the prompt's log-probabilities (completions:
+        vLLM's field on the choice's first chunk; chat puts it on the stream's first chunk)."""
+        return {}
 
     def closing(self, choices: List[Choice]) -> Iterator[str]:
         if self.job.include_usage:
@@ -273,6 +310,11 @@ class ChatFormatter(_OpenAIFormatter):
     def _logprobs(self, entries: Sequence[TokenLogprobText], offset: int) -> Dict[str, Any]:
         return chat_logprobs(entries)
 
+    def full(self, choices: List[Choice]) -> Dict[str, Any]:
+        """vLLM's chat response carries the prompt's log-probabilities once, at the top (every
+        choice has the same prompt)."""
+        return {**super().full(choices), **self._prompt_logprobs(choices[0])}
+
     def _item(self, index: int, choice: Choice) -> Dict[str, Any]:
         parts = split_reasoning(self.reasoning_parser, "".join(choice.text))
         message: Dict[str, Any] = {"role": "assistant", "content": parts.content}
@@ -292,9 +334,12 @@ class ChatFormatter(_OpenAIFormatter):
                 "logprobs": self._choice_logprobs(choice), "finish_reason": reason}
 
     def opening(self, index: int, choice: Choice) -> Iterator[str]:
+        """The role chunk of each choice; the stream's first also carries the prompt's
+        log-probabilities where asked (as a chat response does, at the top)."""
         yield self._chunk(index, choice, {
             "index": index, "delta": {"role": "assistant", "content": ""},
-            "logprobs": None, "finish_reason": None})
+            "logprobs": None, "finish_reason": None},
+            self._prompt_logprobs(choice) if index == 0 else {})
 
     def _chunk_item(self, index: int, text: Optional[str], reason: Optional[str],
                     logprobs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -327,11 +372,17 @@ class CompletionFormatter(_OpenAIFormatter):
     full_object = chunk_object = "text_completion"
 
     def _logprobs(self, entries: Sequence[TokenLogprobText], offset: int) -> Dict[str, Any]:
-        return completion_logprobs(entries, offset)
+        return completion_logprobs(entries, offset, self.job.params.logprobs or 0)
 
     def _item(self, index: int, choice: Choice) -> Dict[str, Any]:
         return {"index": index, "text": "".join(choice.text),
-                "logprobs": self._choice_logprobs(choice), "finish_reason": choice.finish_reason}
+                "logprobs": self._choice_logprobs(choice), "finish_reason": choice.finish_reason,
+                **self._prompt_logprobs(choice)}
+
+    def _chunk_prompt_logprobs(self, chunk: ReplyChunk) -> Dict[str, Any]:
+        if not chunk.prompt_logprobs:
+            return {}
+        return self._prompt_logprobs(Choice(prompt_logprobs=list(chunk.prompt_logprobs)))
 
     def _chunk_item(self, index: int, text: Optional[str], reason: Optional[str],
                     logprobs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:

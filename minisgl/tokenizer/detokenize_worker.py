@@ -53,7 +53,9 @@ class _Request:
     completion_tokens: int = 0
     cached_tokens: int = 0
     stopped: bool = False  # ended by a stop string; waiting for rank 0's final TokenOut
-    echo_ids: Optional[List[int]] = None  # the prompt, until the first chunk echoes it
+    # The prompt, until the first chunk echoes it or carries its log-probabilities.
+    prompt_ids: Optional[List[int]] = None
+    echo: bool = False
     skip_special_tokens: bool = True
 
 
@@ -76,7 +78,7 @@ class Detokenizer:
     def init(self, msg: DetokenizeInit) -> Rendered:
         self.requests[msg.uid] = _Request(
             IncrementalDecoder(self.tokenizer, msg.prompt_tail, msg.skip_special_tokens),
-            StopMatcher(msg.stop, msg.no_stop_trim), echo_ids=msg.echo_ids,
+            StopMatcher(msg.stop, msg.no_stop_trim), prompt_ids=msg.prompt_ids, echo=msg.echo,
             skip_special_tokens=msg.skip_special_tokens)
         return self.render(self.pending.pop(msg.uid, []))
 
@@ -126,23 +128,23 @@ class Detokenizer:
                 stop = out.token  # an EOS or stop token id ended it
         chunk = ReplyChunk(out.uid, text, ids, reason, out.prompt_tokens, req.completion_tokens,
                            req.cached_tokens, logprobs=logprobs, matched_stop=stop)
-        if req.echo_ids is not None:
-            chunk = self._with_echo(chunk, req, out)
+        if req.prompt_ids is not None:
+            chunk = self._with_prompt(chunk, req, out)
         return chunk, stopped and out.finish_reason is None
 
-    def _with_echo(self, chunk: ReplyChunk, req: _Request, out: TokenOut) -> ReplyChunk:
-        """`chunk` with the prompt prepended (the request's first chunk only): its text, and its
-        tokens' log-probabilities where rank 0 sent them (none for the first token)."""
-        ids, req.echo_ids = req.echo_ids or [], None
+    def _with_prompt(self, chunk: ReplyChunk, req: _Request, out: TokenOut) -> ReplyChunk:
+        """`chunk` with the prompt (the request's first chunk only): its text when echoed, and
+        its tokens' log-probabilities where rank 0 sent them (null for the first token)."""
+        ids, req.prompt_ids = req.prompt_ids or [], None
         # The prompt as the client wrote it, special tokens included (its logprobs list them,
         # and their text_offsets index this text), without clean-up of spaces.
-        text = ("" if self.tokenizer is None else
-                self.tokenizer.decode(ids, skip_special_tokens=False,
-                                      clean_up_tokenization_spaces=False))
+        text = None if not req.echo else ("" if self.tokenizer is None else
+                                          self.tokenizer.decode(ids, skip_special_tokens=False,
+                                                                clean_up_tokenization_spaces=False))
         entries: List[TokenLogprobText] = []
         if out.prompt_logprobs is not None and ids:
             first, raw = self._token_text(ids[0])
-            entries.append(TokenLogprobText(first, None, token_bytes=raw))
+            entries.append(TokenLogprobText(first, None, token_bytes=raw, token_id=ids[0]))
             entries += [self._logprob_text(t, lp) for t, lp in zip(ids[1:], out.prompt_logprobs)]
         return dataclasses.replace(chunk, prompt_text=text, prompt_logprobs=entries)
 
@@ -150,7 +152,7 @@ class Detokenizer:
         text, raw = self._token_text(token)
         tops = [self._token_text(t) for t in lp.top_ids]
         return TokenLogprobText(text, lp.logprob, tuple(t for t, _ in tops), lp.top_logprobs,
-                                raw, tuple(b for _, b in tops))
+                                raw, tuple(b for _, b in tops), token, lp.top_ids, lp.rank)
 
     def _token_text(self, token: int) -> Tuple[str, Optional[bytes]]:
         """One token decoded on its own, special tokens included, and its bytes where the text

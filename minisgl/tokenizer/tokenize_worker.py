@@ -308,9 +308,10 @@ class Serving:
             self.reject(msg.uid, f"{self.queued.queued(replica)} prompt tokens queued, the limit "
                                  f"is {self.queued.limit}", 429, len(ids))
             return
+        whole = msg.echo or prep.params.prompt_logprobs is not None
         self.to_detok.put(DetokenizeInit(msg.uid, ids[-PROMPT_CONTEXT_TOKENS:], tuple(msg.stop),
-                                         msg.skip_special_tokens, ids if msg.echo else None,
-                                         msg.no_stop_trim))
+                                         msg.skip_special_tokens, ids if whole else None,
+                                         msg.no_stop_trim, msg.echo))
         self.to_backends[replica].put(UserMsg(msg.uid, ids, prep.params))
         self.queued.sent(replica, len(ids))
 
