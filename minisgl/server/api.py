@@ -18,7 +18,6 @@ import contextlib
 import importlib.metadata
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl.message.startup import report_startup
 from minisgl.message.types import ReplyChunk
+from minisgl.server.health import HealthFile
 from minisgl.server.metrics import Metrics
 from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeBody,
                                      GenerateRequest, Prompt, TokenizeBody, chat_job,
@@ -216,6 +216,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> FastAPI:
         streams.close()
 
     app = FastAPI(title="minisgl", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.streams = streams  # serve_forever exits once they are `finished`
     _install_error_handlers(app)
 
     def check_model(name: Optional[str]) -> None:
@@ -340,8 +341,10 @@ def _not_startup_lines(record: logging.LogRecord) -> bool:
 
 def serve_forever(cfg: ApiConfig, sock: Any, is_healthy: Callable[[], bool],
                   on_listening: Callable[[], None], log_level: str) -> None:
-    """Serve on the already bound socket `sock` until the process is terminated; call
-    `on_listening` once uvicorn accepts connections. Signals are left to the launcher."""
+    """Serve on the already bound socket `sock` until the process is terminated or the
+    launcher stops or drains the service (`streams.py`: then every reply in flight is sent and
+    the server exits); call `on_listening` once uvicorn accepts connections. Signals are left
+    to the launcher."""
     import uvicorn
     import uvloop
 
@@ -351,7 +354,8 @@ def serve_forever(cfg: ApiConfig, sock: Any, is_healthy: Callable[[], bool],
             yield  # SIGTERM keeps its default action; SIGINT is ignored by every child
 
     logging.getLogger("uvicorn.error").addFilter(_not_startup_lines)
-    config = uvicorn.Config(create_app(cfg, is_healthy), log_config=None, access_log=False,
+    app = create_app(cfg, is_healthy)
+    config = uvicorn.Config(app, log_config=None, access_log=False,
                             lifespan="on", log_level=log_level.lower(),
                             timeout_graceful_shutdown=1)
     server = _Server(config)
@@ -362,6 +366,9 @@ def serve_forever(cfg: ApiConfig, sock: Any, is_healthy: Callable[[], bool],
             await asyncio.sleep(0.02)
         if server.started:
             on_listening()
+        finished = asyncio.ensure_future(app.state.streams.finished.wait())
+        await asyncio.wait([serving, finished], return_when=asyncio.FIRST_COMPLETED)
+        server.should_exit = True  # stopped or drained: close, letting the last replies out
         await serving
 
     uvloop.run(main())
@@ -372,5 +379,5 @@ def serve_forever(cfg: ApiConfig, sock: Any, is_healthy: Callable[[], bool],
 def run_api(cfg: ApiConfig, sock: Any, log_level: str, conn: Any) -> None:
     """Process entry: serve; report ("ready", "api", {}) once listening or ("error", ...)."""
     with report_startup(conn, "api", logger):
-        serve_forever(cfg, sock, lambda: os.path.exists(cfg.health_file),
+        serve_forever(cfg, sock, HealthFile(cfg.health_file).is_up,
                       lambda: conn.send(("ready", "api", {})), log_level)

@@ -60,6 +60,13 @@ class ServerConfig:
     reasoning_parser: Optional[str] = setting(
         None, "split a reasoning model's chat output: the <think> part goes into "
               "reasoning_content", choices=REASONING_PARSERS)
+    watchdog_timeout: float = setting(
+        300.0, "seconds a scheduler step (its collectives included) may run, and a process may "
+               "show no sign of life (stopped, frozen), before the service stops as if it had "
+               "died; a rank's first step gets 3 times as long (it may compile kernels)")
+    shutdown_timeout: float = setting(
+        30.0, "on SIGTERM or SIGINT: seconds the requests in flight get to finish while new ones "
+              "get 503, before the rest end with an error; a second signal stops at once")
     scheduler: SchedulerConfig = section(_server_scheduler)
     cluster: ClusterConfig = section(ClusterConfig)
 
@@ -70,6 +77,11 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+        if not self.watchdog_timeout > 0:
+            raise ValueError(f"watchdog_timeout must be > 0 seconds, got {self.watchdog_timeout}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got "
+                             f"{self.shutdown_timeout}")
         if any(not name for name in self.served_names):
             raise ValueError(f"served_model_name must be names separated by commas, got "
                              f"{self.served_model_name!r}")
