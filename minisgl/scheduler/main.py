@@ -28,6 +28,7 @@ from minisgl.cpu_threads import choose_threads
 from minisgl.distributed import destroy_process_groups, init_process_groups
 from minisgl.distributed.store import parse_tcp, rank_beat_key, start_heartbeat
 from minisgl.engine import Engine, EngineConfig
+from minisgl.log import exit_now
 from minisgl.message.pulse import Pulse
 from minisgl.message.startup import PEER_EXIT, report_startup
 from minisgl.scheduler.config import SchedulerConfig
@@ -158,3 +159,4 @@ def run_rank(cfg: SchedulerConfig, conn: Any, pulse: Optional[Pulse] = None) -> 
         sys.exit(PEER_EXIT if peer else 1)
     io.close()
     destroy_process_groups()
+    exit_now(0)  # released all it holds: the launcher need not wait for torch's teardown

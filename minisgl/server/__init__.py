@@ -1,3 +1,3 @@
 """The serving daemon: configuration (args, topology), process tree (launch, service, proc),
 the nodes of a multi-node service (cluster), HTTP API (api, protocol, responses, streams,
-metrics) and the terminal chat (shell). Entry point: `minisgl.server.launch.main`."""
+metrics) and the terminal chat (shell). Entry point: `minisgl.server.launch.run`."""

@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minisgl.log import exit_now
 from minisgl.message.startup import report_startup
 from minisgl.message.types import ReplyChunk
 from minisgl.server.health import HealthFile
@@ -381,3 +382,4 @@ def run_api(cfg: ApiConfig, sock: Any, log_level: str, conn: Any) -> None:
     with report_startup(conn, "api", logger):
         serve_forever(cfg, sock, HealthFile(cfg.health_file).is_up,
                       lambda: conn.send(("ready", "api", {})), log_level)
+    exit_now(0)  # every reply is out: the launcher need not wait for the teardown

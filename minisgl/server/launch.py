@@ -32,10 +32,10 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Dict, NamedTuple, Optional, Sequence
+from typing import Any, Dict, NamedTuple, NoReturn, Optional, Sequence
 
 from minisgl.layers.linear import check_head_split
-from minisgl.log import setup_logging
+from minisgl.log import exit_now, setup_logging
 from minisgl.models.config import ModelConfig
 from minisgl.models.path import resolve_model_path
 from minisgl.server.args import ServerConfig, describe, parse_args
@@ -143,6 +143,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     finally:
         service.stop(graceful=not signals.hurry.is_set())
+
+
+def run() -> NoReturn:
+    """The command's entry (`serve`, `python -m minisgl`, `minisgl-serve`): `main`, then exit
+    at once with its status (everything is stopped and removed by then)."""
+    exit_now(main())
 
 
 def _ready_line(cfg: ServerConfig, service: Service) -> str:
