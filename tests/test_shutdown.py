@@ -28,7 +28,9 @@ def long_model(tiny_model: Callable[..., Path]) -> Path:
 
 
 def _args(model: Path, *more: str) -> List[str]:
-    return ["--model", str(model), *CPU_ARGS, *more]
+    # One torch thread per rank: on a loaded machine a rank's threads wait for each other at
+    # every op, and the streams these tests time would crawl.
+    return ["--model", str(model), *CPU_ARGS, "--cpu-threads", "1", *more]
 
 
 def _pid_of(srv: Server, name: str) -> int:

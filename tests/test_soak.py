@@ -18,7 +18,7 @@ import pytest
 
 from server_helpers import CPU_ARGS, Server, comm
 
-REQUESTS = 2400
+REQUESTS = 2000
 CONCURRENCY = 64
 SEED = 19
 
@@ -37,8 +37,10 @@ def rss_kib(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3: Path):
+    # One torch thread: on a loaded machine a rank's threads wait for each other at every op.
     srv = Server.start(["--model", str(tiny_qwen3), *CPU_ARGS, "--max-kv-tokens", "2048",
-                        "--page-size", "4"], tmp_path_factory.mktemp("soak"))
+                        "--page-size", "4", "--cpu-threads", "1"],
+                       tmp_path_factory.mktemp("soak"))
     yield srv
     srv.stop()
 
@@ -70,12 +72,14 @@ async def _one(client: httpx.AsyncClient, rng: random.Random) -> Outcome:
                 return Outcome("cut", f"no finish reason: {events[-3:]!r}")
             return Outcome("finished")
 
-    if cancel_after is None:
-        return await run()
     try:
+        if cancel_after is None:
+            return await run()
         return await asyncio.wait_for(run(), cancel_after)
     except asyncio.TimeoutError:
         return Outcome("left")
+    except httpx.HTTPError as e:
+        return Outcome("cut", f"{type(e).__name__}: {e}")
 
 
 async def _soak(url: str, n: int, on_third: "asyncio.Queue[int]") -> List[Outcome]:
@@ -129,8 +133,13 @@ def test_soak_with_disconnects(server: Server) -> None:
                             and m["minisgl_num_requests_waiting"] == 0)
     assert server.proc.poll() is None and httpx.get(f"{server.url}/health").status_code == 200
     assert m["minisgl_kv_pages_used"] == 0, m
-    counted = sum(v for k, v in m.items() if k.startswith("minisgl_requests_finished_total"))
-    assert counted == REQUESTS + 1, (counted, {k: v for k, v in m.items() if "finished" in k})
+    # Every request the API server took is counted once, by how it ended: those whose client
+    # saw the finish at least; a client that left early may have gone before its request came.
+    ended = {k.split('"')[1]: v for k, v in m.items()
+             if k.startswith("minisgl_requests_finished_total")}
+    assert set(ended) <= {"length", "abort"}, ended
+    assert kinds["finished"] + 1 <= ended["length"] <= kinds["finished"] + 1 + kinds["left"]
+    assert sum(ended.values()) <= REQUESTS + 1, ended
 
     # memory: after the first third (warm), nothing grows by more than 24 MiB
     warm, last = samples[0], samples[-1]
