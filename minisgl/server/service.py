@@ -47,7 +47,7 @@ from minisgl.server.cluster import Cluster
 from minisgl.server.health import HealthFile
 from minisgl.server.proc import (Child, StartupError, first_dead, new_pulse, spawn, stop_children,
                                  wait_ready)
-from minisgl.server.watchdog import judge
+from minisgl.server.watchdog import Verdict, judge
 from minisgl.server.topology import Wiring, rank_name
 from minisgl.tokenizer.detokenize_worker import DetokenizerConfig, run_detokenizer
 from minisgl.tokenizer.text import read_chat_template
@@ -248,22 +248,30 @@ class Service:
         then the failure, in words (the first one reported, over several nodes)."""
         while not stop.is_set():
             dead = first_dead(self.children)
-            if dead is not None:
-                if dead.process.exitcode == 0 and not self.cfg.cluster.is_head:
-                    return None  # a rank ends cleanly only on node 0's ShutdownMsg
-                return self._report(self._cause(dead))
-            found = self.link.failure() if self.link is not None else None
-            if found is not None:
-                return found
+            if dead is not None and dead.process.exitcode == 0 and not self.cfg.cluster.is_head:
+                return None  # a rank ends cleanly only on node 0's ShutdownMsg
+            verdict = self._judge(self.children)
+            if verdict.failure is not None:
+                return verdict.failure
             if self.link is not None and self.link.shutting_down:
                 return None
-            verdict = judge(self.children, self.ranks, self.cfg.watchdog_timeout,
-                            time.monotonic())
-            if verdict.failure is not None:
-                return self._report(self._name(verdict.failure))
             self.health.mark(verdict.healthy)
             mpc.wait([c.process.sentinel for c in self.children], timeout=_WATCH_TURN_S)
         return None
+
+    def _judge(self, children: List[Child]) -> Verdict:
+        """`children` and the other nodes: the first failure (reported to the other nodes, in
+        words), else whether every child shows signs of life."""
+        dead = first_dead(children)
+        if dead is not None:
+            return Verdict(self._report(self._cause(dead)), False)
+        found = self.link.failure() if self.link is not None else None
+        if found is not None:
+            return Verdict(found, False)
+        verdict = judge(children, self.ranks, self.cfg.watchdog_timeout, time.monotonic())
+        if verdict.failure is not None:
+            return Verdict(self._report(self._name(verdict.failure)), False)
+        return verdict
 
     def _cause(self, dead: Child) -> str:
         """What to blame for `dead`: itself, or, if it only followed another's failure, that
@@ -326,12 +334,9 @@ class Service:
                 _push_once(self.addrs.api, ServiceDown("it was stopped before the request "
                                                        "finished"))
                 deadline, hurried = min(deadline, time.monotonic() + _API_EXIT_S), True
-            dead = first_dead(others)
-            if dead is not None:
-                return self._report(self._cause(dead))
-            verdict = judge(others, self.ranks, self.cfg.watchdog_timeout, time.monotonic())
-            if verdict.failure is not None:
-                return self._report(self._name(verdict.failure))
+            failure = self._judge(others).failure
+            if failure is not None:
+                return failure
             mpc.wait([api.process.sentinel], timeout=_WATCH_TURN_S)
         return None
 
