@@ -115,7 +115,8 @@ def test_buildah_builds_it_as_far_as_the_pull_allows(tmp_path: Path) -> None:
                              capture_output=True, text=True, timeout=60, check=True)
     config = json.loads(inspect.stdout)["Docker"]["config"]
     assert config["Entrypoint"] == ["python", "-m", "minisgl", "--host", "0.0.0.0"]
-    assert config["Healthcheck"]["Test"][0] == "CMD" and "/health" in config["Healthcheck"]["Test"][-1]
+    health = config["Healthcheck"]["Test"]
+    assert health[0] == "CMD" and "/health" in health[-1], health
     assert "/cache" in config["Volumes"] and "8000/tcp" in config["ExposedPorts"]
     assert config["User"] == "10001:10001"
     env = dict(e.split("=", 1) for e in config["Env"])

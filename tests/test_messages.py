@@ -57,6 +57,7 @@ SAMPLES: Dict[str, Any] = {
                        T.DetokenizeInit(uid=12, prompt_tail=[3], echo_ids=[1, 2, 70000])],
     "ReplyBatch": [T.ReplyBatch(chunks=[CHUNK], stats=STATS), T.ReplyBatch(chunks=[])],
     "ServiceDown": [T.ServiceDown("node 1: rank1 (pid 7) was killed by signal 9")],
+    "Drain": [T.Drain(30.0), T.Drain(0.0)],
 }
 
 

@@ -135,7 +135,8 @@ def test_sigterm_drains_and_a_second_signal_stops_at_once(tmp_path: Path,
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["message"] == "the server is shutting down"
         short.join(60)
-        assert short.done and short.finish_reason == "length" and short.cut is None, short.events[-3:]
+        assert short.done and short.finish_reason == "length" and short.cut is None, \
+            short.events[-3:]
         assert short.ended_at > signalled
         assert srv.proc.poll() is None and endless.ended_at == 0.0  # still draining
         srv.proc.send_signal(signal.SIGINT)
