@@ -151,8 +151,18 @@ def test_sigterm_drains_and_a_second_signal_stops_at_once(tmp_path: Path,
 
 
 def test_shutdown_timeout_ends_the_rest_with_an_error(tmp_path: Path, long_model: Path) -> None:
+    """Also, first: a stopped tokenizer makes /health 503 within about a second (long before
+    the watchdog's 300 s), and it is 200 again once the tokenizer resumes."""
     srv = Server.start(_args(long_model, "--shutdown-timeout", "1"), tmp_path)
     try:
+        tokenizer = _pid_of(srv, "tokenizer")
+        assert status(srv.url) == 200
+        os.kill(tokenizer, signal.SIGSTOP)
+        try:
+            assert wait_for(lambda: status(srv.url) == 503, 3), "still healthy"
+        finally:
+            os.kill(tokenizer, signal.SIGCONT)
+        assert wait_for(lambda: status(srv.url) == 200, 3), "not healthy again"
         endless = Stream(srv.url, LONG).started()
         srv.proc.send_signal(signal.SIGTERM)
         elapsed = _wait_exit(srv, 20)

@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional,
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from minisgl.log import exit_now
 from minisgl.message.startup import report_startup
@@ -198,7 +199,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(ApiError(500, f"internal server error: {type(exc).__name__}",
                                         kind="server_error"))
 
+    async def client_gone(request: Request, exc: Exception) -> Response:
+        return Response(status_code=499)  # gone while its body was read: nobody to answer
+
     app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(ClientDisconnect, client_gone)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, internal_error)
 
