@@ -1,8 +1,6 @@
 """`python -m minisgl [flags]`: the same as `./serve [flags]`."""
 
-import sys
-
-from minisgl.server.launch import main
+from minisgl.server.launch import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -239,7 +239,7 @@ def _launch(args: Sequence[str], tmp_dir: Path, err_path: Path
     err = open(err_path, "w")
     proc = subprocess.Popen([sys.executable, str(REPO / "serve"), "--port", "0", *args],
                             stdout=subprocess.PIPE, stderr=err, text=True, env=env,
-                            cwd=str(tmp_dir))
+                            cwd=str(tmp_dir), preexec_fn=_stop_with_parent)
     err.close()
     lines: "queue.Queue[Optional[str]]" = queue.Queue()
 
@@ -251,6 +251,14 @@ def _launch(args: Sequence[str], tmp_dir: Path, err_path: Path
 
     threading.Thread(target=pump, daemon=True).start()
     return proc, lines
+
+
+def _stop_with_parent() -> None:
+    """In the launcher before it runs (Linux): SIGTERM it when the test process dies, so that
+    a killed or timed-out test run leaves no service behind (its children follow it)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def runtime_dirs(tmp_dir: Path) -> List[Path]:

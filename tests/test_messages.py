@@ -62,6 +62,7 @@ SAMPLES: Dict[str, Any] = {
                                         echo=True)],
     "ReplyBatch": [T.ReplyBatch(chunks=[CHUNK], stats=STATS), T.ReplyBatch(chunks=[])],
     "ServiceDown": [T.ServiceDown("node 1: rank1 (pid 7) was killed by signal 9")],
+    "Drain": [T.Drain(30.0), T.Drain(0.0)],
 }
 
 

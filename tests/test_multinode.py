@@ -25,15 +25,17 @@ import httpx
 
 from server_helpers import (CPU_ARGS, NODE_READY, READY, REPO, Server, check_same_as_tp1, comm,
                             error_line, gone, run_serve, runtime_dirs)
+from shutdown_helpers import listeners
 
+from minisgl.distributed.bind import address_towards, is_loopback
 from minisgl.utils import free_port
 
 TIMEOUT = ("--dist-timeout", "30")
 
 
-def _addr() -> Tuple[str, List[str]]:
+def _addr(host: str = "127.0.0.1") -> Tuple[str, List[str]]:
     """A meeting address and the flags naming it (the broadcast port picked free too)."""
-    addr = f"127.0.0.1:{free_port()}"
+    addr = f"{host}:{free_port()}"
     return addr, ["--dist-init-addr", addr, "--dist-broadcast-port", str(free_port())]
 
 
@@ -43,11 +45,11 @@ def node_args(model: Path, tp: int, node: int, where: Sequence[str], *extra: str
 
 
 @contextlib.contextmanager
-def two_nodes(model: Path, tp: int, tmp_path: Path, first: int
+def two_nodes(model: Path, tp: int, tmp_path: Path, first: int, host: str = "127.0.0.1"
               ) -> Iterator[Tuple[Server, Server]]:
-    """Node 0 and node 1 of one service, node `first` started first; both stopped after the
-    body (node 0 by SIGTERM, after which node 1 must exit 0 by itself)."""
-    _, where = _addr()
+    """Node 0 and node 1 of one service meeting at `host`, node `first` started first; both
+    stopped after the body (node 0 by SIGTERM, after which node 1 must exit 0 by itself)."""
+    _, where = _addr(host)
     starting = {}
     for node in (first, 1 - first):
         starting[node] = Server.begin(node_args(model, tp, node, where), tmp_path / f"node{node}",
@@ -73,10 +75,26 @@ def two_nodes(model: Path, tp: int, tmp_path: Path, first: int
 
 
 # --- the same tokens as tp=1 ----------------------------------------------------------------------
+def _host_address() -> str:
+    """An address of this host other than loopback, where it has one (else 127.0.0.1)."""
+    with contextlib.suppress(ValueError):
+        addr = address_towards("10.255.255.254")  # no packet is sent
+        if not is_loopback(addr):
+            return addr
+    return "127.0.0.1"
+
+
 def test_tp2_over_two_nodes_node1_started_first(tmp_path: Path, tiny_qwen3: Path) -> None:
-    with two_nodes(tiny_qwen3, 2, tmp_path, first=1) as (head, worker):
+    """Also: every TCP endpoint of the launchers and ranks (node 0's store, rank 0's broadcast,
+    gloo on both nodes) listens on the address given, none on a wildcard."""
+    host = _host_address()
+    with two_nodes(tiny_qwen3, 2, tmp_path, first=1, host=host) as (head, worker):
         assert "rank 1 joined" in worker.ready_line, worker.ready_line
         check_same_as_tp1(head, tiny_qwen3)
+        ranks = [p for p in head.children + worker.children if comm(p).startswith("minisgl-rank")]
+        found = listeners([head.proc.pid, worker.proc.pid, *ranks])
+        assert len(ranks) == 2 and {lst.pid for lst in found} >= {head.proc.pid, *ranks}, found
+        assert all(lst.address == host for lst in found), (host, found)
 
 
 def test_tp4_over_two_nodes_kv_heads_replicated(tmp_path: Path, tiny_qwen3: Path) -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from server_helpers import (CPU_ARGS, Server, comm, error_line, gone, run_serve,
                             runtime_dirs, tp_args)
+from shutdown_helpers import Stream
 
 
 # --- start-up failures: one line, non-zero, no hang, nothing left behind --------------------------
@@ -89,6 +90,7 @@ def test_kill_9_of_a_rank_stops_everything(tmp_path: Path, tiny_qwen3: Path) -> 
         ranks = {comm(p): p for p in srv.children if comm(p).startswith("minisgl-rank")}
         assert set(ranks) == {"minisgl-rank0", "minisgl-rank1"}
         assert len(runtime_dirs(tmp_path)) == 1
+        stream = Stream(srv.url, 400).started()
         t0 = time.monotonic()
         os.kill(ranks["minisgl-rank1"], signal.SIGKILL)
         code = srv.proc.wait(timeout=10)
@@ -99,6 +101,7 @@ def test_kill_9_of_a_rank_stops_everything(tmp_path: Path, tiny_qwen3: Path) -> 
     assert code != 0 and elapsed < 5.0, (code, elapsed)
     line = error_line(srv.stderr())
     assert "rank1" in line and "signal 9" in line
+    assert "rank1" in stream.join().ended_with_error()["message"]  # an error event, [DONE]
     assert gone(srv.children)
     assert runtime_dirs(tmp_path) == []
 

@@ -22,6 +22,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from minisgl.distributed.bind import address_towards, listening_socket, pin_gloo
 from minisgl.distributed.info import DistributedInfo
 from minisgl.distributed.store import connect, parse_tcp
 from minisgl.distributed.symm_allreduce import (DEFAULT_SYMM_MAX_BYTES, SYMM_MODES,
@@ -94,9 +95,10 @@ def init_process_groups(info: DistributedInfo, device: torch.device, init_method
                         store_prefix: Optional[str] = None) -> ProcessGroups:
     """Join the tensor-parallel group. Every rank must call this with the same arguments.
 
-    `store_prefix` None: rank 0 hosts the rendezvous at `init_method` (tcp://host:port). Else
-    the ranks meet in an existing TCP store there (node 0's launcher hosts it, `store.py`) under
-    that key prefix, one per replica.
+    `store_prefix` None: rank 0 hosts the rendezvous at `init_method` (tcp://host:port), bound
+    to that host only. Else the ranks meet in an existing TCP store there (node 0's launcher
+    hosts it, `store.py`) under that key prefix, one per replica. Gloo listens on the address
+    this host reaches `host` from (`bind.py`: loopback on one host).
 
     `allreduce` is "auto", "nccl", "symm" or "symm-fused" (module docstring); with symmetric
     memory every rank allocates one `symm_max_bytes` buffer here, before the engine captures any
@@ -109,18 +111,34 @@ def init_process_groups(info: DistributedInfo, device: torch.device, init_method
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
+    host, port = parse_tcp(init_method)
+    pin_gloo(address_towards(host))
     if store_prefix is None:
-        dist.init_process_group(backend, init_method=init_method, rank=info.rank,
-                                world_size=info.size, timeout=timeout, **kwargs)
+        store = _rendezvous(host, port, info, timeout_s)
     else:
-        host, port = parse_tcp(init_method)
         store = dist.PrefixStore(store_prefix, connect(host, port, timeout_s))
-        dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.size,
-                                timeout=timeout, **kwargs)
+    dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.size,
+                            timeout=timeout, **kwargs)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     symm = _symm_all_reduce(allreduce, info, device, cpu_group, symm_max_bytes)
     fuse_norm = symm is not None and allreduce == "symm-fused"
     return ProcessGroups(Communicator(info, dist.group.WORLD, symm, fuse_norm), cpu_group)
+
+
+def _rendezvous(host: str, port: int, info: DistributedInfo, timeout_s: float) -> dist.Store:
+    """The group's TCP store at host:port: rank 0 hosts it on a socket bound to `host` alone
+    (torch's own would listen on every address), the others connect to it."""
+    if not info.is_primary:
+        return connect(host, port, timeout_s)
+    try:
+        sock = listening_socket(host, port)
+    except OSError as e:
+        raise RuntimeError(f"rank 0 cannot listen for the other ranks on {host}:{port}: "
+                           f"{e.strerror or e}") from None
+    # The store owns the descriptor from now on (detach: the socket object must not close it).
+    return dist.TCPStore(host, port, info.size, is_master=True,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                         master_listen_fd=sock.detach())
 
 
 def _symm_all_reduce(mode: str, info: DistributedInfo, device: torch.device,

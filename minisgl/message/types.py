@@ -192,6 +192,15 @@ class ServiceDown:
     reason: str
 
 
+@dataclass(frozen=True)
+class Drain:
+    """Launcher -> API server: the service is shutting down (SIGTERM). New requests get 503;
+    those in flight get `timeout_s` seconds to finish, then an error reply; then the API
+    server exits."""
+
+    timeout_s: float
+
+
 # --- between the API server, the tokenizer and the detokenizer ------------------------------------
 @dataclass(frozen=True)
 class DetokenizeInit:

@@ -19,7 +19,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, NamedTuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,8 @@ from minisgl.cpu_threads import choose_threads
 from minisgl.distributed import destroy_process_groups, init_process_groups
 from minisgl.distributed.store import parse_tcp, rank_beat_key, start_heartbeat
 from minisgl.engine import Engine, EngineConfig
+from minisgl.log import exit_now
+from minisgl.message.pulse import Pulse
 from minisgl.message.startup import PEER_EXIT, report_startup
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.io import ZmqIO
@@ -121,9 +123,10 @@ def _progress(conn: Any, name: str) -> Callable[[str], None]:
     return lambda text: conn.send(("progress", name, text))
 
 
-def run_rank(cfg: SchedulerConfig, conn: Any) -> None:
+def run_rank(cfg: SchedulerConfig, conn: Any, pulse: Optional[Pulse] = None) -> None:
     """Process entry, started through `server.proc.spawn` (which names the process, sets up its
-    logging and watches its parent); `conn` carries the start-up report."""
+    logging and watches its parent); `conn` carries the start-up report; the scheduler tells
+    `pulse` (the one `spawn` beats, if given) when its steps begin and end."""
     rank = cfg.engine.tp_info.rank
     name = f"rank{rank}"
     log = logging.getLogger("minisgl.scheduler")
@@ -154,7 +157,7 @@ def run_rank(cfg: SchedulerConfig, conn: Any) -> None:
     conn.send(("ready", name, {"limits": scheduler.limits,
                                "torch_threads": torch.get_num_threads()}))
     try:
-        scheduler.run_forever()
+        scheduler.run_forever(pulse)
     except BaseException as e:
         peer = is_peer_failure(e)
         log.error("rank %d failed%s", rank, " (another rank failed first)" if peer else "",
@@ -164,3 +167,4 @@ def run_rank(cfg: SchedulerConfig, conn: Any) -> None:
         timer.close()
     io.close()
     destroy_process_groups()
+    exit_now(0)  # released all it holds: the launcher need not wait for torch's teardown

@@ -34,6 +34,7 @@ from minisgl.grammar import GrammarCache, RequestGrammar, TokenizerSource, fill_
 from minisgl.utils import offline_prefill_tokens, rows_to_device
 from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
+from minisgl.message.pulse import Pulse
 from minisgl.scheduler.cache import PageCache, PageCounts
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
@@ -126,9 +127,17 @@ class Scheduler:
         return (self.inflight is None and not self.decode.running
                 and self.prefill.num_waiting == 0)
 
-    def run_forever(self) -> None:
+    def run_forever(self, pulse: Optional[Pulse] = None) -> None:
+        """Step until a ShutdownMsg. `pulse` (a rank process's, `message/pulse.py`) is told
+        when each step begins and when the loop waits for input, for the launcher's watchdog."""
         while not self.stopped:
-            self.iterate(self.io.receive(blocking=not self.has_work, on_idle=self.check_idle))
+            blocking = not self.has_work
+            if pulse is not None:
+                pulse.idle() if blocking else pulse.step_begins()
+            msgs = self.io.receive(blocking=blocking, on_idle=self.check_idle)
+            if pulse is not None and blocking:
+                pulse.step_begins()
+            self.iterate(msgs)
         logger.info("rank %d: scheduler stopped", self.rank)
 
     def iterate(self, msgs: List[object]) -> None:

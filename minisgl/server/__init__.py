@@ -1,4 +1,4 @@
 """The serving daemon: configuration (args, topology), process tree (launch, service, proc),
 the nodes of a multi-node service (cluster), HTTP API (api, protocol, responses, streams,
 metrics, tools and tool_calls) and the terminal chat (shell). Entry point:
-`minisgl.server.launch.main`."""
+`minisgl.server.launch.run`."""

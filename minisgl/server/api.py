@@ -20,7 +20,6 @@ import contextlib
 import importlib.metadata
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -29,12 +28,15 @@ from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional,
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from minisgl.log import exit_now
 from minisgl.message.startup import report_startup
 from minisgl.message.types import ReplyChunk
 from minisgl.server.admission import Deadline, overloaded
 from minisgl.server.auth import AccessCheck
 from minisgl.server.limits import BodyLimits
+from minisgl.server.health import HealthFile
 from minisgl.server.metrics import Metrics
 from minisgl.server.openapi import App, body as body_schema
 from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeBody,
@@ -230,7 +232,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(ApiError(500, f"internal server error: {type(exc).__name__}",
                                         kind="server_error"))
 
+    async def client_gone(request: Request, exc: Exception) -> Response:
+        return Response(status_code=499)  # gone while its body was read: nobody to answer
+
     app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(ClientDisconnect, client_gone)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, internal_error)
 
@@ -249,6 +255,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         streams.close()
 
     app = App(title="minisgl", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.streams = streams  # serve_forever exits once they are `finished`
     app.body_models += [ChatRequest, CompletionRequest, ResponsesRequest, GenerateRequest,
                         TokenizeBody, DetokenizeBody]
     _install_error_handlers(app)
@@ -380,8 +387,10 @@ def _not_startup_lines(record: logging.LogRecord) -> bool:
 
 def serve_forever(cfg: ApiConfig, sock: Any, is_healthy: Callable[[], bool],
                   on_listening: Callable[[], None], log_level: str) -> None:
-    """Serve on the already bound socket `sock` until the process is terminated; call
-    `on_listening` once uvicorn accepts connections. Signals are left to the launcher."""
+    """Serve on the already bound socket `sock` until the process is terminated or the
+    launcher stops or drains the service (`streams.py`: then every reply in flight is sent and
+    the server exits); call `on_listening` once uvicorn accepts connections. Signals are left
+    to the launcher."""
     import uvicorn
     import uvloop
 
@@ -391,7 +400,8 @@ def serve_forever(cfg: ApiConfig, sock: Any, is_healthy: Callable[[], bool],
             yield  # SIGTERM keeps its default action; SIGINT is ignored by every child
 
     logging.getLogger("uvicorn.error").addFilter(_not_startup_lines)
-    config = uvicorn.Config(create_app(cfg, is_healthy), log_config=None, access_log=False,
+    app = create_app(cfg, is_healthy)
+    config = uvicorn.Config(app, log_config=None, access_log=False,
                             lifespan="on", log_level=log_level.lower(),
                             timeout_graceful_shutdown=1)
     server = _Server(config)
@@ -402,6 +412,9 @@ def serve_forever(cfg: ApiConfig, sock: Any, is_healthy: Callable[[], bool],
             await asyncio.sleep(0.02)
         if server.started:
             on_listening()
+        finished = asyncio.ensure_future(app.state.streams.finished.wait())
+        await asyncio.wait([serving, finished], return_when=asyncio.FIRST_COMPLETED)
+        server.should_exit = True  # stopped or drained: close, letting the last replies out
         await serving
 
     uvloop.run(main())
@@ -412,5 +425,6 @@ def serve_forever(cfg: ApiConfig, sock: Any, is_healthy: Callable[[], bool],
 def run_api(cfg: ApiConfig, sock: Any, log_level: str, conn: Any) -> None:
     """Process entry: serve; report ("ready", "api", {}) once listening or ("error", ...)."""
     with report_startup(conn, "api", logger):
-        serve_forever(cfg, sock, lambda: os.path.exists(cfg.health_file),
+        serve_forever(cfg, sock, HealthFile(cfg.health_file).is_up,
                       lambda: conn.send(("ready", "api", {})), log_level)
+    exit_now(0)  # every reply is out: the launcher need not wait for the teardown

@@ -91,6 +91,13 @@ class ServerConfig:
     tokenizer_threads: int = setting(2, "threads that tokenize long prompts beside the "
                                         "tokenizer's loop, so that short ones are not held up "
                                         "behind them")
+    watchdog_timeout: float = setting(
+        300.0, "seconds a scheduler step (its collectives included) may run, and a process may "
+               "show no sign of life (stopped, frozen), before the service stops as if it had "
+               "died; a rank's first step gets 3 times as long (it may compile kernels)")
+    shutdown_timeout: float = setting(
+        30.0, "on SIGTERM or SIGINT: seconds the requests in flight get to finish while new ones "
+              "get 503, before the rest end with an error; a second signal stops at once")
     scheduler: SchedulerConfig = section(_server_scheduler)
     cluster: ClusterConfig = section(ClusterConfig)
 
@@ -112,6 +119,11 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0 seconds, got {value}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
+        if not self.watchdog_timeout > 0:
+            raise ValueError(f"watchdog_timeout must be > 0 seconds, got {self.watchdog_timeout}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got "
+                             f"{self.shutdown_timeout}")
         if any(not name for name in self.served_names):
             raise ValueError(f"served_model_name must be names separated by commas, got "
                              f"{self.served_model_name!r}")

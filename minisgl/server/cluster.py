@@ -32,10 +32,11 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch.distributed as dist
 
+from minisgl.distributed.bind import listening_socket
 from minisgl.distributed.store import BEAT_INTERVAL_S, connect
 from minisgl.models.config import ModelConfig
 from minisgl.server.proc import StartupError
-from minisgl.server.topology import ClusterConfig
+from minisgl.server.topology import ClusterConfig, resolve_host
 
 logger = logging.getLogger("minisgl.launcher")
 FAILURE_KEY = "failure"
@@ -108,10 +109,12 @@ class Cluster:
     def _open_store(self, deadline: float, should_stop: Callable[[], bool]) -> dist.TCPStore:
         timeout = datetime.timedelta(seconds=self.cfg.dist_timeout)
         if self.cfg.is_head:
-            try:
+            try:  # on the given address only (torch's own socket would take every address)
+                fd = listening_socket(resolve_host(self.host), self.port).detach()
                 return dist.TCPStore(self.host, self.port, is_master=True,
-                                     wait_for_workers=False, timeout=timeout)
-            except (RuntimeError, ValueError) as e:
+                                     wait_for_workers=False, timeout=timeout,
+                                     master_listen_fd=fd)
+            except (OSError, RuntimeError, ValueError) as e:
                 raise StartupError(f"cannot listen for the other nodes on {self.addr}: "
                                    f"{_first_line(e)}") from None
         while True:  # short attempts, so that a signal is noticed

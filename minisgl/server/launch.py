@@ -12,9 +12,13 @@ another node: which ranks joined).
 
 Then it watches: if a child dies, or another node reports a failure or goes silent, node 0's
 API server answers the requests in flight with an error, every child is stopped and the launcher
-exits 1 with a line naming the process (and node) that failed. SIGINT/SIGTERM on node 0: every
-replica's rank 0 gets a ShutdownMsg (all ranks stop at the same step, on every node), the other
-children are terminated, stragglers killed; exit 0 (other nodes then exit 0 too). Every exit path
+exits 1 with a line naming the process (and node) that failed; a child that is stopped or
+hung past `--watchdog-timeout` counts as failed. SIGINT/SIGTERM on node 0 drains: /health
+answers 503, new requests get 503, those in flight get `--shutdown-timeout` seconds to finish
+and the rest an error reply; then every replica's rank 0 gets a ShutdownMsg (all ranks stop at
+the same step, on every node), the other children are terminated, stragglers killed; exit 0
+(other nodes then exit 0 too). A second signal ends the requests in flight and stops at once.
+Every exit path
 removes the runtime directory. Start-up failures print one `serve: error: ...` line and exit 1;
 bad settings exit 2.
 """
@@ -28,10 +32,10 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Dict, NamedTuple, Optional, Sequence
+from typing import Any, Dict, NamedTuple, NoReturn, Optional, Sequence
 
 from minisgl.layers.linear import check_head_split
-from minisgl.log import setup_logging
+from minisgl.log import exit_now, setup_logging
 from minisgl.models.config import ModelConfig
 from minisgl.models.path import resolve_model_path
 from minisgl.server.args import ServerConfig, describe, parse_args
@@ -130,15 +134,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _fail(str(e))
     link = (Cluster(cfg.cluster, node_fingerprint(cfg, prep.model))
             if cfg.cluster.multi_node else None)
-    stop = threading.Event()
+    signals = Signals(threading.Event(), threading.Event())
     service = Service(cfg, prep.model_path, prep.sock, link)
-    _install_signal_handlers(stop, shell=cfg.shell and cfg.cluster.is_head)
+    _install_signal_handlers(signals, shell=cfg.shell and cfg.cluster.is_head)
     try:
-        return _run(cfg, service, stop)
+        return _run(cfg, service, signals)
     except _Terminated:
         return 0
     finally:
-        service.stop(graceful=True)
+        service.stop(graceful=not signals.hurry.is_set())
+
+
+def run() -> NoReturn:
+    """The command's entry (`serve`, `python -m minisgl`, `minisgl-serve`): `main`, then exit
+    at once with its status (everything is stopped and removed by then)."""
+    exit_now(main())
 
 
 def _ready_line(cfg: ServerConfig, service: Service) -> str:
@@ -153,7 +163,8 @@ def _ready_line(cfg: ServerConfig, service: Service) -> str:
             f"{cfg.resolved_device}, pid {os.getpid()})")
 
 
-def _run(cfg: ServerConfig, service: Service, stop: threading.Event) -> int:
+def _run(cfg: ServerConfig, service: Service, signals: "Signals") -> int:
+    stop = signals.stop
     try:
         service.start(stop.is_set)
     except StartupError as e:
@@ -162,6 +173,10 @@ def _run(cfg: ServerConfig, service: Service, stop: threading.Event) -> int:
     if cfg.shell and cfg.cluster.is_head:
         return _run_shell(service, stop)
     failure = service.watch(stop)
+    if failure is None and stop.is_set() and cfg.cluster.is_head:
+        logger.info("shutting down: draining the requests in flight (up to %g s; a second "
+                    "signal stops at once)", cfg.shutdown_timeout)
+        failure = service.drain(cfg.shutdown_timeout, signals.hurry)
     if failure is None:
         logger.info("shutting down" if stop.is_set() else "node 0 stopped the service")
         return 0
@@ -191,9 +206,14 @@ class _Terminated(Exception):
     pass
 
 
-def _install_signal_handlers(stop: threading.Event, shell: bool) -> None:
+class Signals(NamedTuple):
+    stop: threading.Event  # the first SIGTERM / SIGINT: drain, then stop
+    hurry: threading.Event  # a second one: stop at once
+
+
+def _install_signal_handlers(signals: Signals, shell: bool) -> None:
     def on_signal(signum: int, frame: Any) -> None:
-        stop.set()
+        (signals.hurry if signals.stop.is_set() else signals.stop).set()
         if shell:  # the shell blocks in input(): leave it
             raise _Terminated()
 

@@ -4,7 +4,8 @@ and stopping.
 Every child runs `child_main`, which names the process (`minisgl-rank0` in ps), ignores SIGINT (a
 terminal's Ctrl-C reaches the whole process group; only the parent acts on it), tags its log
 lines, exits when its parent (the launcher, or the `LLM` process) disappears (no orphans even
-after `kill -9` of the parent), then runs its entry function. An entry function takes `conn` (its
+after `kill -9` of the parent), beats its `Pulse` (`message/pulse.py`: the parent sees a
+stopped or frozen child), then runs its entry function. An entry function takes `conn` (its
 end of a duplex pipe to the parent) as its last argument and sends exactly one of
 `("ready", name, info)` or `("error", name, message)` on it (`message.startup.report_startup`),
 after any number of `("progress", name, text)` (start-up steps, for the parent to show);
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from minisgl.log import setup_logging
+from minisgl.message.pulse import BEAT_INTERVAL_S, Pulse
 
 logger = logging.getLogger("minisgl.launcher")
 _SPAWN = mp.get_context("spawn")
@@ -46,13 +48,15 @@ class ChildStartupError(StartupError):
         self.child, self.reason = child, reason
 
 
-def _exit_with_parent(parent_pid: int, run_dir: str) -> None:
-    """The parent is gone (killed with SIGKILL): remove its runtime directory and exit."""
+def _watch_parent(parent_pid: int, run_dir: str, pulse: Pulse) -> None:
+    """Beat `pulse` every BEAT_INTERVAL_S; once the parent is gone (killed with SIGKILL), remove
+    its runtime directory and exit."""
     while True:
         if os.getppid() != parent_pid:
             shutil.rmtree(run_dir, ignore_errors=True)
             os._exit(3)
-        time.sleep(0.5)
+        pulse.beat()
+        time.sleep(BEAT_INTERVAL_S)
 
 
 def _set_process_name(name: str) -> None:
@@ -64,12 +68,13 @@ def _set_process_name(name: str) -> None:
         pass
 
 
-def child_main(name: str, log_level: str, parent_pid: int, run_dir: str,
+def child_main(name: str, log_level: str, parent_pid: int, run_dir: str, pulse: Pulse,
                target: Callable[..., None], args: Tuple[Any, ...]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _set_process_name(f"minisgl-{name}")
     setup_logging(name, log_level)
-    threading.Thread(target=_exit_with_parent, args=(parent_pid, run_dir), daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(parent_pid, run_dir, pulse),
+                     daemon=True).start()
     target(*args)
 
 
@@ -78,6 +83,7 @@ class Child:
     name: str
     process: Any  # multiprocessing.Process
     conn: Any  # the parent's end of the pipe to the child
+    pulse: Pulse  # its signs of life (message/pulse.py)
     info: Optional[Dict[str, Any]] = None  # set once the child reported ready
 
     @property
@@ -119,17 +125,25 @@ def _main_left_alone() -> Iterator[None]:
             main.__dict__.update(saved)
 
 
+def new_pulse() -> Pulse:
+    """A pulse to hand to `spawn` and, where the child's entry uses it too, to its arguments."""
+    return Pulse(_SPAWN)
+
+
 def spawn(name: str, target: Callable[..., None], args: Sequence[Any], log_level: str,
-          run_dir: str) -> Child:
+          run_dir: str, pulse: Optional[Pulse] = None) -> Child:
     """Start `target(*args, conn)` in a fresh (spawned) process named `name`; `run_dir` is the
-    parent's runtime directory (removed by the child if the parent dies without cleaning)."""
+    parent's runtime directory (removed by the child if the parent dies without cleaning).
+    The child beats `pulse` (a new one if None) while it runs."""
+    pulse = pulse if pulse is not None else new_pulse()
     ours, theirs = _SPAWN.Pipe(duplex=True)
     proc = _SPAWN.Process(target=child_main, name=f"minisgl-{name}", daemon=True,
-                          args=(name, log_level, os.getpid(), run_dir, target, (*args, theirs)))
+                          args=(name, log_level, os.getpid(), run_dir, pulse, target,
+                                (*args, theirs)))
     with _main_left_alone():
         proc.start()
     theirs.close()
-    return Child(name, proc, ours)
+    return Child(name, proc, ours, pulse)
 
 
 def _log_step(child: "Child", text: str) -> None:

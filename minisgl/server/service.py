@@ -8,9 +8,15 @@ nodes a `Cluster` links the launchers (meeting, failure reports, heartbeats).
 A failure ends the whole service. The launcher that sees it names the process that failed
 first: a rank that exited with `PEER_EXIT` only followed another's failure, so its launcher
 waits up to `_FOLLOWER_GRACE_S` for the one that caused it (here, or reported by another node,
-or a node that went silent) before naming the follower. Node 0 then tells the API server
-(`ServiceDown`: every request in flight gets an error reply), waits `_API_DRAIN_S` for those
-replies to go out, and stops everything.
+or a node that went silent) before naming the follower. A child that is stopped or frozen, or a
+rank's step that runs past `watchdog_timeout`, is a failure too (`watchdog.py`). Node 0 then
+tells the API server (`ServiceDown`: every request in flight gets an error reply), stops the
+other children at once, and gives the API server up to `_API_EXIT_S` to send those replies and
+exit by itself.
+
+A clean stop on node 0 (SIGTERM, SIGINT) drains first (`drain`): /health answers 503, the API
+server refuses new requests and gives those in flight `shutdown_timeout` to finish, ends the
+rest with an error reply and exits; then every rank stops at the same step (`ShutdownMsg`).
 """
 
 from __future__ import annotations
@@ -32,13 +38,16 @@ from minisgl.core import Limits
 from minisgl.distributed.store import BEAT_INTERVAL_S, rank_beat_key
 from minisgl.message.codec import encode
 from minisgl.message.startup import PEER_EXIT
-from minisgl.message.types import ServiceDown, ShutdownMsg
+from minisgl.message.types import Drain, ServiceDown, ShutdownMsg
 from minisgl.models.config import ModelConfig
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.api import ApiConfig, run_api
 from minisgl.server.args import ServerConfig
 from minisgl.server.cluster import Cluster
-from minisgl.server.proc import Child, StartupError, first_dead, spawn, stop_children, wait_ready
+from minisgl.server.health import HealthFile
+from minisgl.server.proc import (Child, StartupError, first_dead, new_pulse, spawn, stop_children,
+                                 wait_ready)
+from minisgl.server.watchdog import Verdict, judge
 from minisgl.server.tool_calls import default_tool_call_parser
 from minisgl.server.topology import Wiring, rank_name
 from minisgl.tokenizer.detokenize_worker import DetokenizerConfig, run_detokenizer
@@ -49,7 +58,8 @@ from minisgl.utils import free_port
 logger = logging.getLogger("minisgl.launcher")
 _GRACEFUL_STOP_S = 4.0  # ranks get this long to act on ShutdownMsg, then SIGTERM, 2 s, SIGKILL
 _FOLLOWER_GRACE_S = 2.0
-_API_DRAIN_S = 1.0
+_API_EXIT_S = 2.0  # the API server sends its last replies and exits within this, else SIGTERM
+_WATCH_TURN_S = 0.1
 
 
 
@@ -78,9 +88,9 @@ class Addresses(NamedTuple):
                    ipc("api"))
 
 
-def _rank_entry(cfg: SchedulerConfig, conn: Any) -> None:
+def _rank_entry(cfg: SchedulerConfig, pulse: Any, conn: Any) -> None:
     from minisgl.scheduler.main import run_rank
-    run_rank(cfg, conn)
+    run_rank(cfg, conn, pulse)
 
 
 def _push_once(addr: str, msg: Any) -> None:
@@ -114,7 +124,8 @@ class Service:
         self.node = cfg.cluster.node_rank
         self.run_dir = tempfile.mkdtemp(prefix="minisgl-")
         self.addrs = Addresses.in_dir(self.run_dir, cfg.cluster.dp)
-        self.health_file = os.path.join(self.run_dir, "up")  # exists while all are up
+        self.health_file = os.path.join(self.run_dir, "up")  # touched while all are up
+        self.health = HealthFile(self.health_file)
         self.places = cfg.cluster.local_ranks(cfg.engine.tp)
         self.ranks: List[Child] = []
         self.workers: List[Child] = []
@@ -147,8 +158,9 @@ class Service:
             self.link.start_watch()
         level = self.cfg.effective_log_level
         for place, rank_cfg in zip(self.places, self._rank_configs()):
+            pulse = new_pulse()  # the rank's scheduler times its steps on it too
             self.ranks.append(spawn(rank_name(place, self.cfg.cluster.dp), _rank_entry,
-                                    (rank_cfg,), level, self.run_dir))
+                                    (rank_cfg, pulse), level, self.run_dir, pulse))
         if self.cfg.cluster.is_head:
             self._spawn_workers(level)
         show_step(f"loading {self.model_name} on {len(self.ranks)} rank(s)")
@@ -160,7 +172,7 @@ class Service:
         if self.sock is not None:
             self.sock.close()  # the API server holds its own copy now
             self.sock = None
-            Path(self.health_file).touch()
+            self.health.mark(True)
 
     def _rank_configs(self) -> List[SchedulerConfig]:
         """Every local rank's config. One machine: each replica's rank 0 hosts a rendezvous on a
@@ -244,17 +256,30 @@ class Service:
         then the failure, in words (the first one reported, over several nodes)."""
         while not stop.is_set():
             dead = first_dead(self.children)
-            if dead is not None:
-                if dead.process.exitcode == 0 and not self.cfg.cluster.is_head:
-                    return None  # a rank ends cleanly only on node 0's ShutdownMsg
-                return self._report(self._cause(dead))
-            found = self.link.failure() if self.link is not None else None
-            if found is not None:
-                return found
+            if dead is not None and dead.process.exitcode == 0 and not self.cfg.cluster.is_head:
+                return None  # a rank ends cleanly only on node 0's ShutdownMsg
+            verdict = self._judge(self.children)
+            if verdict.failure is not None:
+                return verdict.failure
             if self.link is not None and self.link.shutting_down:
                 return None
-            mpc.wait([c.process.sentinel for c in self.children], timeout=0.2)
+            self.health.mark(verdict.healthy)
+            mpc.wait([c.process.sentinel for c in self.children], timeout=_WATCH_TURN_S)
         return None
+
+    def _judge(self, children: List[Child]) -> Verdict:
+        """`children` and the other nodes: the first failure (reported to the other nodes, in
+        words), else whether every child shows signs of life."""
+        dead = first_dead(children)
+        if dead is not None:
+            return Verdict(self._report(self._cause(dead)), False)
+        found = self.link.failure() if self.link is not None else None
+        if found is not None:
+            return Verdict(found, False)
+        verdict = judge(children, self.ranks, self.cfg.watchdog_timeout, time.monotonic())
+        if verdict.failure is not None:
+            return Verdict(self._report(self._name(verdict.failure)), False)
+        return verdict
 
     def _cause(self, dead: Child) -> str:
         """What to blame for `dead`: itself, or, if it only followed another's failure, that
@@ -282,22 +307,53 @@ class Service:
 
     def fail(self, message: str) -> str:
         """Stop after a failure: tell the other nodes (the first report wins: returned) and the
-        API server, give the error replies a moment to go out, then stop every child."""
-        Path(self.health_file).unlink(missing_ok=True)  # /health answers 503 from now
+        API server, stop the other children at once, give the API server a moment to send its
+        error replies and exit, then stop whatever is left."""
+        self.health.mark(False)  # /health answers 503 from now
         message = self._report(message)
-        api = next((c for c in self.workers if c.name == "api"), None)
+        api = self._api()
         if api is not None and api.alive:
             _push_once(self.addrs.api, ServiceDown(message))
-            time.sleep(_API_DRAIN_S)
+        others = [c for c in self.children if c is not api]
+        stop_children(others, 0.0, 0.5)  # they may be stuck in a collective, or stopped
+        if api is not None:
+            api.process.join(_API_EXIT_S)
         self.stop(graceful=False)
         return message
+
+    def _api(self) -> Optional[Child]:
+        return next((c for c in self.workers if c.name == "api"), None)
+
+    def drain(self, timeout_s: float, hurry: threading.Event) -> Optional[str]:
+        """Node 0's clean stop, before `stop`: /health answers 503, the API server refuses new
+        requests, lets those in flight finish for up to `timeout_s`, ends the rest with an error
+        reply and exits (`streams.py`). `hurry` set (a second signal) ends them at once. The
+        children are watched meanwhile: a failure is returned, in words (None: drained)."""
+        self.health.mark(False)
+        api = self._api()
+        if api is None or not api.alive:
+            return None
+        _push_once(self.addrs.api, Drain(timeout_s))
+        deadline, hurried = time.monotonic() + timeout_s + _API_EXIT_S, False
+        others = [c for c in self.children if c is not api]
+        while api.alive and time.monotonic() < deadline:
+            if hurry.is_set() and not hurried:
+                logger.info("second signal: ending the requests in flight now")
+                _push_once(self.addrs.api, ServiceDown("it was stopped before the request "
+                                                       "finished"))
+                deadline, hurried = min(deadline, time.monotonic() + _API_EXIT_S), True
+            failure = self._judge(others).failure
+            if failure is not None:
+                return failure
+            mpc.wait([api.process.sentinel], timeout=_WATCH_TURN_S)
+        return None
 
     # --- stop ----------------------------------------------------------------------------------
     def stop(self, graceful: bool) -> None:
         if self.stopped:
             return
         self.stopped = True
-        Path(self.health_file).unlink(missing_ok=True)
+        self.health.mark(False)
         if graceful and self.link is not None:
             if self.cfg.cluster.is_head:
                 self.link.announce_shutdown()
@@ -315,8 +371,8 @@ class Service:
             stop_children(self.children, _GRACEFUL_STOP_S, 2.0)
             if self.link is not None and self.cfg.cluster.is_head:
                 self.link.await_departures()
-        else:  # a child died: the others may be stuck in a collective with it
-            stop_children(self.children, 0.0, 1.0)
+        else:  # a child died: the others may be stuck in a collective with it, or stopped
+            stop_children(self.children, 0.0, 0.5)
         self.ranks, self.workers = [], []
         if self.sock is not None:
             self.sock.close()

@@ -11,8 +11,11 @@ synchronous and never await, so release is safe inside cancelled tasks.
 updates the metrics (time to first token, inter-token latency, scheduler stats) and routes chunks.
 Requests accepted and not started count against `--max-queued-requests` (admission.py):
 past it, or when the tokenizer's socket is full, `submit` refuses with a 429.
-A `ServiceDown` from the launcher (a process failed) ends every request in flight with an error
-chunk (status 503) and makes every later submit fail with 503.
+A `ServiceDown` from the launcher (a process failed, or a second signal) ends every request in
+flight with an error chunk (status 503) and makes every later submit fail with 503. A `Drain`
+(SIGTERM) makes every later submit fail with 503 at once and gives the requests in flight its
+timeout to finish before the rest get that error chunk. Either way `finished` is set once every
+request in flight has its last chunk: the server can then close and exit.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import zmq
 import zmq.asyncio
 
 from minisgl.message.codec import decode, encode
-from minisgl.message.types import (AbortRequest, ReplyBatch, ReplyChunk, ServiceDown,
+from minisgl.message.types import (AbortRequest, Drain, ReplyBatch, ReplyChunk, ServiceDown,
                                    TextRequest, TokenizeRequest)
 from minisgl.server.admission import Queued, overloaded
 from minisgl.server.metrics import Metrics
@@ -75,10 +78,14 @@ class RequestStreams:
         self._uids = itertools.count()
         self._streams: Dict[int, RequestStream] = {}
         self.down: Optional[str] = None  # why the service stopped (ServiceDown), if it did
+        self.draining = False  # a Drain came: no new requests
+        self.finished = asyncio.Event()  # set once stopped or drained: nothing is in flight
 
     def _send(self, msg: object) -> None:
         if self.down is not None:
             raise ApiError(503, _down_message(self.down), kind="server_error")
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", kind="server_error")
         try:
             self._push.send(encode(msg), zmq.NOBLOCK)
         except zmq.Again:
@@ -139,6 +146,12 @@ class RequestStreams:
             msg = decode(await self._pull.recv())
             if isinstance(msg, ServiceDown):
                 self.fail_all(msg.reason)
+                self.finished.set()
+                continue
+            if isinstance(msg, Drain):
+                if not self.draining:
+                    self.draining = True
+                    asyncio.ensure_future(self.drain(msg.timeout_s))
                 continue
             if not isinstance(msg, ReplyBatch):
                 logger.error("ignoring unexpected message %s", type(msg).__name__)
@@ -147,6 +160,19 @@ class RequestStreams:
             now = time.perf_counter()
             for chunk in msg.chunks:
                 self._route(chunk, now)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for the requests in flight to finish, end the rest with an
+        error chunk, then set `finished`."""
+        deadline = time.monotonic() + timeout_s
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        if self._streams:
+            logger.warning("shutting down: ending %d request(s) still in flight after %g s "
+                           "(shutdown_timeout)", len(self._streams), timeout_s)
+            self.fail_all(f"it shut down before the request finished (shutdown_timeout "
+                          f"{timeout_s:g} s)")
+        self.finished.set()
 
     def fail_all(self, reason: str) -> None:
         """The service is stopping: an error chunk (503) for every uid in flight."""
