@@ -22,7 +22,7 @@ tensors (no host values baked in).
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, NamedTuple, Protocol, Sequence
+from typing import Callable, Dict, List, NamedTuple, Protocol, Sequence, Tuple
 
 import torch
 
@@ -86,6 +86,31 @@ def input_rows(rows: Sequence[int], positions: Sequence[int], pad_row: int, widt
             [*(p + 1 for p in positions), *[1] * pad]]
 
 
+@torch.inference_mode()
+def capture_graphs(sizes: Sequence[int], run: Callable[[int], torch.Tensor], device: torch.device
+                   ) -> Tuple[Dict[int, torch.cuda.CUDAGraph], Dict[int, torch.Tensor]]:
+    """One graph of `run(n)` for each n in `sizes`, and the output tensor each replay refills.
+    Captured largest first on a side stream, all sharing one memory pool (the later, smaller
+    graphs reuse the largest one's memory), each after a warm-up run (Triton compiles, the
+    caching allocator settles)."""
+    graphs: Dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: Dict[int, torch.Tensor] = {}
+    pool = None
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for n in sorted(sizes, reverse=True):
+            run(n)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                outputs[n] = run(n)
+            pool = graph.pool()
+            graphs[n] = graph
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    return graphs, outputs
+
+
 class DecodeGraphs:
     """Captures at construction (the model, pool and page table must be ready); the engine calls
     `replay` for decode batches of at most `max_bs` requests whose slots are in the page table."""
@@ -117,21 +142,8 @@ class DecodeGraphs:
         return self.model(self.last_tokens[rows], positions, batch,
                           self.backend, None)  # type: ignore[arg-type]
 
-    @torch.inference_mode()
     def _capture_all(self, device: torch.device) -> None:
-        pool = None
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for bs in reversed(self.sizes):  # largest first: later graphs reuse its memory
-                self._run(bs)  # warm up (triton compiles, allocator settles)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[bs] = self._run(bs)
-                pool = graph.pool()
-                self.graphs[bs] = graph
-        torch.cuda.current_stream(device).wait_stream(stream)
-        torch.cuda.synchronize(device)
+        self.graphs, self.logits = capture_graphs(self.sizes, self._run, device)
         logger.info("captured %d decode CUDA graphs (batch sizes %d..%d)", len(self.sizes),
                     self.sizes[0], self.max_bs)
 

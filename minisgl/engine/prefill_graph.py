@@ -30,6 +30,7 @@ from typing import Dict, List, NamedTuple, Optional, Protocol
 import torch
 
 from minisgl.core import Batch, Phase
+from minisgl.engine.cuda_graph import capture_graphs
 from minisgl.models import CausalLM
 from minisgl.utils import copy_from_host
 
@@ -97,23 +98,11 @@ class PrefillGraphs:
         batch.attn_meta = self.backend.prefill_graph_meta(meta, n)
         return self.model(ids, positions, batch, self.backend, last)  # type: ignore[arg-type]
 
-    @torch.inference_mode()
     def _capture_all(self, device: torch.device) -> None:
-        pool = None
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        spare = self.page_table.shape[0] - 1  # the spare row: its entries point at scratch
-        with torch.cuda.stream(stream):
-            for n in reversed(self.sizes):  # largest first: later graphs reuse its memory
-                self.blocks[n][n:].copy_(torch.tensor([spare, 0, n, n - 1]))
-                self._run(n)  # warm up (Triton compiles, the allocator settles)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[n] = self._run(n)
-                pool = graph.pool()
-                self.graphs[n] = graph
-        torch.cuda.current_stream(device).wait_stream(stream)
-        torch.cuda.synchronize(device)
+        spare = self.page_table.shape[0] - 1  # the spare row, at init used by no request
+        for n in self.sizes:  # capture-time values: a whole bucket of new tokens
+            self.blocks[n][n:].copy_(torch.tensor([spare, 0, n, n - 1]))
+        self.graphs, self.logits = capture_graphs(self.sizes, self._run, device)
         logger.info("captured %d prefill CUDA graphs (one request, %d..%d tokens)",
                     len(self.sizes), self.sizes[0], self.max_tokens)
 
