@@ -336,11 +336,12 @@ def test_short_request_not_held_up_behind_a_long_prompt(server: Server) -> None:
     t0 = time.monotonic()
     worker = threading.Thread(target=long)
     worker.start()
-    time.sleep(0.2)
+    time.sleep(0.05)  # the long prompt is being tokenized (a few tenths of a second)
     r = _post(server, "/tokenize", {"prompt": "hello"})
     done["short"] = time.monotonic()
     worker.join(120)
     assert r.status_code == 200 and r.json()["count"] >= 1
-    assert done["short"] < done["long"]
-    assert done["short"] - t0 < 0.5 * (done["long"] - t0)
+    # Ordering, not a time ratio (timed assertions flake on a loaded machine): tokenized in
+    # turn, the short request would answer only after the long one.
+    assert done["short"] < done["long"], (done["short"] - t0, done["long"] - t0)
     assert _rss_kb(tokenizer) < rss_before + 200_000  # kB: the long prompt's memory returned
