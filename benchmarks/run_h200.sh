@@ -188,7 +188,12 @@ if [ "$MODE" = vllm-offline ]; then  # the standard offline workload, Llama-3.1-
   step vllm_offline_qwen 420 bash .peer/peer.sh offline --model configs/models/qwen3-8b ${PEER_FLAGS:-}
 fi
 if [ "$MODE" = vllm-online ]; then  # both OpenAI servers, the same streamed workload (bench_online)
-  # Also carry .whl-vllm (the server's packages the bundle lacks: uvicorn, prometheus, ...) and
+  # Also carry .whl-vllm (the server's packages the bundle lacks), gathered once with
+  #   python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+  #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl-vllm \
+  #     prometheus_client prometheus-fastapi-instrumentator model-hosting-container-standards \
+  #     watchfiles uvicorn h11 anyio python-multipart
+  # and
   # .gpucache/llama8b-smoltok (the Llama-3.1-8B shape with SmolLM2's tokenizer: text streams).
   vllm_unpack || exit 2
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vextra .whl-vllm/*.whl
