@@ -387,7 +387,7 @@ def test_prompt_logprobs_in_completions(client: openai.OpenAI, tokenizer: Any) -
     echo = client.completions.create(**kw, echo=True, logprobs=1)
     echoed = echo.choices[0].logprobs.token_logprobs[:len(ids)]
     assert echoed[0] is None
-    assert echoed[1:] == pytest.approx(_prompt_token_logprobs(entries, ids), abs=1e-5)
+    assert echoed[1:] == pytest.approx(_prompt_token_logprobs(entries, ids), rel=1e-5, abs=1e-4)
     # streamed: on each choice's first chunk, the same
     chunks = list(client.completions.create(**kw, stream=True,
                                             extra_body={"prompt_logprobs": 2}))
@@ -409,8 +409,10 @@ def test_prompt_logprobs_in_chat(client: openai.OpenAI, server: Server, tokenize
     carried = [c.model_extra.get("prompt_logprobs") for c in chunks]
     assert carried[0] is not None and not any(carried[1:])  # the stream's first chunk
     assert [list(e) for e in carried[0][1:]] == [list(e) for e in entries[1:]]
+    # float32, but the two runs may share their steps with other requests (another batch
+    # shape, another summation order): equal to about 1e-6 relative, not bit for bit
     assert _prompt_token_logprobs(carried[0], ids) == pytest.approx(
-        _prompt_token_logprobs(entries, ids), abs=1e-5)
+        _prompt_token_logprobs(entries, ids), rel=1e-5, abs=1e-4)
 
 
 def _single_tokens(tokenizer: Any, words: List[str]) -> List[int]:
