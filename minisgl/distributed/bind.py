@@ -22,8 +22,12 @@ _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 
 def is_loopback(host: str) -> bool:
-    """True for a loopback address or the name localhost."""
-    if host == "localhost":
+    """Whether `host` (an address or a name, without a port) names this machine's loopback
+    interface only: localhost and its subdomains, 127.0.0.0/8, ::1 (brackets allowed)."""
+    host = host.strip().rstrip(".").lower()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host == "localhost" or host.endswith(".localhost"):
         return True
     try:
         return ipaddress.ip_address(host).is_loopback

@@ -2,21 +2,9 @@
 
 from __future__ import annotations
 
-import ipaddress
+from minisgl.distributed.bind import is_loopback
 
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (an address or a name, without a port) names this machine's loopback
-    interface only: localhost and its subdomains, 127.0.0.0/8, ::1."""
-    host = host.strip().rstrip(".").lower()
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+__all__ = ["host_name", "is_loopback"]
 
 
 def host_name(value: str) -> str:
