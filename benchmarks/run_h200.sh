@@ -172,6 +172,12 @@ vllm_unpack() {
   for x in .peer/extra-*.tar.xz; do [ -f "$x" ] && tar -xJf "$x" -C /tmp/vsite; done
 }
 gpu_free() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader); do kill -9 "$p"; done; sleep 3; }
+if [ "$MODE" = fp8probe ]; then  # FP8: kernel tests, the KV decode tiles, the projections, profiles
+  step fp8_attn_tests 240 python3 -m pytest -q tests/test_triton_attention.py -k "fp8"
+  step fp8_decode_tiles 150 python3 scripts/bench_kernels.py --what decode --kv-dtype fp8 --batch-sizes 64,256
+  step fp8_linear 200 python3 scripts/bench_kernels.py --what fp8linear --linear-rows 1,64,256
+  step fp8_profile 200 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --batch-sizes 1,64,256 --steps 20 --quantization fp8 --kv-cache-dtype fp8_e4m3 --profile
+fi
 if [ "$MODE" = vllm-stage ]; then
   mkdir -p /tmp/vllm_parts && cp .peer/part01 /tmp/vllm_parts/ && echo "part01 staged"
 fi

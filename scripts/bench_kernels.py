@@ -14,6 +14,10 @@ a few replays; every call reads inputs larger than the L2 cache, as in a real st
 - `normlinear`: the one-token projections that follow an RMSNorm, with the norm (and the
   rotary / SiLU after them) as kernels of their own and fused into the GEMV.
 - `gemm`: the same projections for a whole prefill chunk (cuBLAS).
+- `fp8linear`: every projection (tp 1) with FP8 weights at each --linear-rows: bf16 cuBLAS for
+  reference, the activation quantization alone, torch._scaled_mm rowwise alone and after the
+  quantization (the model's path), _scaled_mm per tensor, the Triton scaled GEMM (its tiles
+  swept with --fp8-sweep); at one row the FP8 GEMV over its rows per program.
 - `moe`: one MoE layer of the model (a mixture-of-experts config) at each of --moe-rows token
   rows: the fused kernel with its default tiles (kernels/moe.py) and its pieces; with
   --moe-sweep, every tile of the sweep for each grouped GEMM.
@@ -34,6 +38,7 @@ import torch
 import triton
 
 from minisgl.kernels import activation, gemv, moe, rmsnorm
+from minisgl.kernels import fp8 as fp8_kernels
 from minisgl.kernels.attention import decode_attention, extend_attention
 from minisgl.kernels.rotary import rotary_qk_
 from minisgl.kernels.types import (DecodeTiles, ExtendTiles, GemmTiles, KVStore, KVTarget,
@@ -70,6 +75,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--moe-rows", type=lambda v: [int(r) for r in v.split(",")],
                    default=[1, 8, 64, 256, 1024, 8192], help="moe: token rows per case")
     p.add_argument("--moe-tp", type=int, default=1, help="moe: this rank's expert slice of tp")
+    p.add_argument("--fp8-sweep", action="store_true",
+                   help="fp8linear: sweep the Triton scaled GEMM's tiles")
     p.add_argument("--moe-sweep", action="store_true",
                    help="moe: also time every tile of the sweep for each grouped GEMM")
     return p.parse_args(argv)
@@ -153,8 +160,12 @@ def bench_decode(shape: Shape, args: argparse.Namespace) -> None:
         ref: Optional[torch.Tensor] = None
         # Sweeps so far (RESULTS.md): 256-token tiles and 8 warps lost at large batches; longest
         # first, (64, 2, 3) (now the default) beat (128, 4, 3) by 1-1.5%.
-        for block_n, warps, stages, splits in itertools.product(
-                (32, 64, 128), (1, 2, 4), (2, 3, 4), split_choices):
+        # FP8: float16 and bfloat16 tiles (kernels/attention._tile_dtype) over fewer tiles,
+        # so that batch 256 fits in a few minutes (27 tiles ran past 100 s, twelfth session).
+        fp8 = args.kv_dtype == "fp8"
+        grid = (((64, 128), (2, 4), (2, 3), split_choices, (True, False)) if fp8 else
+                ((32, 64, 128), (1, 2, 4), (2, 3, 4), split_choices, (None,)))
+        for block_n, warps, stages, splits, f16 in itertools.product(*grid):
             o_part = torch.empty((bs, shape.heads, splits, shape.head_dim), dtype=torch.float32,
                                  device="cuda")
             lse = torch.empty((bs, shape.heads, splits), dtype=torch.float32, device="cuda")
@@ -164,7 +175,7 @@ def bench_decode(shape: Shape, args: argparse.Namespace) -> None:
 
             def run() -> None:
                 decode_attention(q, kv.k, kv.v, kv.page_table, kv.rows, seq_lens, o_part, lse,
-                                 out, scale, 64, tiles)
+                                 out, scale, 64, tiles, f16_tiles=f16)
             try:
                 us = time_graph(run, 20, args.reps)
             except Exception as exc:  # a tile that does not compile (resources) is skipped
@@ -174,7 +185,8 @@ def bench_decode(shape: Shape, args: argparse.Namespace) -> None:
             ref = out.clone() if ref is None else ref
             err = (out.float() - ref.float()).abs().max().item()
             report("decode", {"batch": bs, "kv": args.kv_dtype, "block_n": block_n,
-                              "warps": warps, "stages": stages, "splits": splits}, us,
+                              "warps": warps, "stages": stages, "splits": splits,
+                              "f16_tiles": f16}, us,
                    gb_s=round(gb / us * 1e6, 1), max_err=round(err, 4))
 
 
@@ -361,6 +373,81 @@ def bench_prefill_gemm(cfg: ModelConfig, args: argparse.Namespace) -> None:
                tflops=round(2 * args.chunk * n * k / us / 1e6, 1))
 
 
+# --- FP8 projections -----------------------------------------------------------------------------
+def _fp8_variants(x: torch.Tensor, n: int, k: int, rows: int, sweep: bool
+                  ) -> Dict[str, Callable[[Tuple[torch.Tensor, torch.Tensor]], torch.Tensor]]:
+    """The FP8 products of x by a (weight, row scales) pair, by name."""
+    a = fp8_kernels.quantize_tokens(x)
+    one = torch.ones(1, dtype=torch.float32, device="cuda")
+    v: Dict[str, Callable[[Tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = {
+        "quant_only": lambda w: fp8_kernels.quantize_tokens(x).values,
+        "scaled_mm_rowwise": lambda w: fp8_kernels.rowwise_mm(a, w[0], w[1], None),
+        "quant+scaled_mm_rowwise": lambda w: fp8_kernels.rowwise_mm(
+            fp8_kernels.quantize_tokens(x), w[0], w[1], None),
+        "scaled_mm_tensor": lambda w: torch._scaled_mm(a.values, w[0].t(), scale_a=one,
+                                                       scale_b=one, out_dtype=torch.bfloat16),
+        "triton": lambda w: fp8_kernels.scaled_mm(a, w[0], w[1], None, torch.bfloat16),
+    }
+    if sweep and rows > 1:
+        for bm, bn, bk, warps, stages in itertools.product(
+                sorted({16, 64, fp8_kernels.gemm_tiles(rows, 128).block_m}), (64, 128, 256),
+                (128, 256), (4, 8), (3, 4)):
+            if bm > max(16, triton.next_power_of_2(rows)):
+                continue
+            t = fp8_kernels.ScaledMmTiles(bm, bn, bk, warps, stages)
+            v[f"triton_{bm}x{bn}x{bk}_w{warps}_s{stages}"] = (
+                lambda w, t=t: fp8_kernels.scaled_mm(a, w[0], w[1], None, torch.bfloat16,
+                                                     tiles=t))
+    if rows == 1:
+        for r, bk, warps in itertools.product((4, 8, 16), (2048, 4096, 8192), (4, 8)):
+            if bk > triton.next_power_of_2(k):
+                continue
+            t = gemv.GemvTiles(bk, warps, 1 if k % bk == 0 else 2, r)
+            v[f"gemv_r{r}_k{bk}_w{warps}"] = (
+                lambda w, t=t: gemv.gemv(x, w[0], pdl=True, weight_scale=w[1], tiles=t))
+    return v
+
+
+def bench_fp8_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
+    """See the module's doc (`fp8linear`). tb_s counts the FP8 weight bytes."""
+    for rows in args.linear_rows:
+        for name, n, k in projections(cfg, 1):
+            copies = max(2, -(-(512 << 20) // (n * k)))  # > 512 MiB of FP8: never from L2
+            ws = [fp8_kernels_quantized(n, k) for _ in range(copies)]
+            x = torch.randn((rows, k), dtype=torch.bfloat16, device="cuda")
+            dense = [torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
+                     for _ in range(max(2, copies // 2))]
+            case = {"proj": name, "rows": rows, "n": n, "k": k}
+            us = time_graph(lambda st=iter(itertools.cycle(dense)): torch.nn.functional.linear(
+                x, next(st)), len(dense), args.reps)
+            report("fp8lin", {**case, "impl": "bf16_cublas"}, us,
+                   tb_s=round(n * k * 2 / us / 1e6, 2), tflops=round(2 * rows * n * k / us / 1e6, 1))
+            del dense
+            ref = (x.float() @ (ws[0][0].float() * ws[0][1][:, None]).t())
+            for label, fn in _fp8_variants(x, n, k, rows, args.fp8_sweep).items():
+                state = iter(itertools.cycle(ws))
+                try:
+                    us = time_graph(lambda fn=fn: fn(next(state)), copies, args.reps)
+                    out = fn(ws[0])
+                    err = ((out.float() - ref).abs().max().item()
+                           if out.shape == ref.shape else float("nan"))
+                except Exception as exc:
+                    print(f"fp8lin {name} rows={rows} {label}: {type(exc).__name__}: "
+                          f"{str(exc)[:120]}")
+                    continue
+                report("fp8lin", {**case, "impl": label}, us,
+                       tb_s=round(n * k / us / 1e6, 2),
+                       tflops=round(2 * rows * n * k / us / 1e6, 1), max_err=round(err, 3))
+            del ws
+
+
+def fp8_kernels_quantized(n: int, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A random FP8 weight [n, k] and its float32 row scales, on the GPU."""
+    from minisgl.layers.fp8 import quantize_rows
+    w = torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
+    return quantize_rows(w)
+
+
 # --- mixture of experts ---------------------------------------------------------------------------
 def moe_sweep(block_m: int) -> Iterator[GemmTiles]:
     """The grouped GEMM tiles timed with --moe-sweep for blocks of `block_m` rows."""
@@ -456,6 +543,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         bench_norm_linear(cfg, args)
     if "gemm" in what:
         bench_prefill_gemm(cfg, args)
+    if "fp8linear" in what:
+        bench_fp8_linear(cfg, args)
     if "decode" in what:
         bench_decode(shape, args)
     if "extend" in what:

@@ -102,8 +102,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile", action="store_true",
-                   help="print the device kernels of a few steps at the first batch size (and "
-                        "of the prefill step, with --prefill)")
+                   help="print the device kernels of a few steps at each batch size (and of "
+                        "the prefill step, with --prefill)")
     p.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
                    help="also time one prefill step of fresh prompts (lengths uniform in "
                         "[100, 1024], seeded) filling this many tokens, as the offline workload's")
@@ -466,7 +466,7 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
             rows.append(Row(bs, args.context, step * 1e3, (weights + kv) / bandwidth * 1e3,
                             weights / 1e9, kv / 1e9, time_graph(engine, batch, args.steps),
                             overlap * 1e3, *json_ms))
-            if args.profile and rank == 0 and bs == sizes[0]:
+            if args.profile and rank == 0:
                 print(f"profile of decode at batch {bs}:\n" + profile_steps(engine, batch),
                       flush=True)
         prefill = time_prefill(engine, args, rank) if args.prefill else None

@@ -62,6 +62,18 @@ def _online_softmax_step(qk, v, acc, m_i, l_i, F32_DOT: tl.constexpr):
 
 
 @triton.jit
+def _tile_dtype(q, F16_TILES: tl.constexpr):
+    """The dtype the K/V tiles are converted to is the query's: with F16_TILES (an FP8 pool
+    read by a bfloat16 query), float16, saturated at its +-65504. Every float8_e4m3fn value is
+    exact in float16 and the conversion is one instruction for two values on sm_89+, where the
+    one to bfloat16 takes several: the FP8 decode kernel was bound by it (RESULTS.md, twelfth
+    session, command 8). The scores and P @ V still accumulate in float32."""
+    if F16_TILES:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    return q
+
+
+@triton.jit
 def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, page_table_ptr, rows_ptr, seq_lens_ptr, o_part_ptr, lse_part_ptr,
         out_ptr, scale_log2, v_scale, num_splits, min_split,
@@ -69,7 +81,7 @@ def _decode_split_kernel(
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
-        DIRECT: tl.constexpr, PDL: tl.constexpr):
+        DIRECT: tl.constexpr, F16_TILES: tl.constexpr, PDL: tl.constexpr):
     """Program (kv_head, split, b): partial attention of the GROUP query heads of `kv_head`.
     DIRECT (a single split): the partial result is the answer; write it to `out`.
     `scale_log2` includes the K scale; the partial output is multiplied by `v_scale`.
@@ -97,6 +109,7 @@ def _decode_split_kernel(
     mask_d = offs_d < HEAD_DIM
     q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    q = _tile_dtype(q, F16_TILES)
 
     m_i = tl.full([BLOCK_H], _NEG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -192,7 +205,8 @@ def _extend_kernel(
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
         stride_ot, stride_oh,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr):
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
+        F16_TILES: tl.constexpr):
     """Program (b, head, m): new tokens [m_block*BLOCK_M, +BLOCK_M) of request b, causal, where
     m_block counts down from the last block as m counts up. Programs start in grid order, and a
     block's work grows with its position (causal), so the longest start first and the last wave
@@ -214,6 +228,7 @@ def _extend_kernel(
     q_pos = prefix + offs_m
     q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    q = _tile_dtype(q, F16_TILES)
 
     # Keys up to the last query of this block; a block past the request's end runs no iteration.
     # Keys before the block's first query are seen by every query: those whole blocks of keys
@@ -237,6 +252,16 @@ def _extend_kernel(
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
     tl.store(o_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def f16_tiles_apply(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the kernels read this pool in float16 tiles by default: an FP8 pool and a
+    bfloat16 query (see _tile_dtype)."""
+    return k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
+
+
+def _f16(asked: Optional[bool], q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return f16_tiles_apply(q, k_cache) if asked is None else asked
 
 
 def decode_tiles(dtype: torch.dtype, head_dim: int, num_splits: int) -> DecodeTiles:
@@ -274,7 +299,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
                      scale: float, min_split_tokens: int = 0,
                      tiles: Optional[DecodeTiles] = None, pdl: bool = False,
-                     k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                     k_scale: float = 1.0, v_scale: float = 1.0,
+                     f16_tiles: Optional[bool] = None) -> None:
     """One query token per request.
 
     q/out [B, heads, d] (last dim contiguous); k/v_cache [slots, kv_heads, d] (one layer);
@@ -286,6 +312,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     in decreasing length run fastest (longest job first; see the split kernel).
     `pdl`: launch with programmatic dependent launch (pdl.py). `k_scale` / `v_scale`: the
     layer's scales of an FP8 pool (the caches hold K / k_scale, V / v_scale); 1.0 otherwise.
+    `f16_tiles`: compute in float16 tiles (see _tile_dtype); None: where `f16_tiles_apply`.
     """
     batch, num_heads, head_dim = q.shape
     if batch > _MAX_GRID_Z:
@@ -306,7 +333,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, F32_DOT=_f32_dot(q), DIRECT=direct, PDL=pdl,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, F32_DOT=_f32_dot(q), DIRECT=direct,
+        F16_TILES=_f16(f16_tiles, q, k_cache), PDL=pdl,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl))
     if direct:
         return
@@ -322,14 +350,15 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      page_table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
                      extend_lens: torch.Tensor, q_starts: torch.Tensor, max_extend: int,
                      out: torch.Tensor, scale: float, tiles: Optional[ExtendTiles] = None,
-                     k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                     k_scale: float = 1.0, v_scale: float = 1.0,
+                     f16_tiles: Optional[bool] = None) -> None:
     """New tokens attend causally to their request's cached prefix and to each other.
 
     q/out [T, heads, d] (last dim contiguous), request i's tokens at rows
     [q_starts[i], q_starts[i] + extend_lens[i]); all K/V (prefix and new) are read from the pool
     through page_table[rows[i], :prefix_lens[i] + extend_lens[i]]; the int32 per-request tensors
     are on q's device; `max_extend` bounds extend_lens (it sizes the grid). `k_scale` /
-    `v_scale`: as for `decode_attention`.
+    `v_scale`, `f16_tiles`: as for `decode_attention`.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     batch = rows.shape[0]
@@ -344,8 +373,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), page_table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim,
-        BLOCK_D=_block_d(head_dim), F32_DOT=_f32_dot(q), num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+        BLOCK_D=_block_d(head_dim), F32_DOT=_f32_dot(q), F16_TILES=_f16(f16_tiles, q, k_cache),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 @triton.jit

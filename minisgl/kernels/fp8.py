@@ -115,7 +115,7 @@ def quantize_groups(x: torch.Tensor, group: int) -> Quantized:
     return _quantize(x, group, None)
 
 
-class GemmTiles(NamedTuple):
+class ScaledMmTiles(NamedTuple):
     block_m: int
     block_n: int
     block_k: int
@@ -123,12 +123,12 @@ class GemmTiles(NamedTuple):
     num_stages: int
 
 
-def gemm_tiles(m: int, block_k: int) -> GemmTiles:
+def gemm_tiles(m: int, block_k: int) -> ScaledMmTiles:
     """Rows per tile by the batch's rows (a decode batch of a few rows wastes little of a 16-row
     tile); 128 x 128 weight tiles. `block_k`: the K tile, the weight-scale block's width for
     block-wise scales."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    return GemmTiles(block_m, 128, block_k, 4 if block_m <= 64 else 8, 3)
+    return ScaledMmTiles(block_m, 128, block_k, 4 if block_m <= 64 else 8, 3)
 
 
 @triton.jit
@@ -182,12 +182,14 @@ def _scaled_mm_kernel(a_ptr, w_ptr, out_ptr, as_ptr, ws_ptr, bias_ptr, m, n, k, 
 
 def scaled_mm(a: Quantized, weight: torch.Tensor, weight_scale: torch.Tensor,
               bias: Optional[torch.Tensor], out_dtype: torch.dtype,
-              block: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+              block: Optional[Tuple[int, int]] = None,
+              tiles: Optional[ScaledMmTiles] = None) -> torch.Tensor:
     """(a.values * a.scales) (weight * weight_scale)^T + bias, [M, N] in `out_dtype`.
 
     Rowwise (block None): a.scales [M, 1], weight_scale [N]. Block-wise (block (Bn, Bk)):
     a.scales [M, ceil(K / Bk)] (quantize_groups with group Bk), weight_scale
-    [ceil(N / Bn), ceil(K / Bk)]."""
+    [ceil(N / Bn), ceil(K / Bk)]. `tiles`: gemm_tiles unless given (block-wise, their block_k
+    must be Bk; scripts/bench_kernels.py sweeps them)."""
     m, k = a.values.shape
     n = weight.shape[0]
     if weight.shape[1] != k or weight.stride(1) != 1 or weight.dtype != FP8:
@@ -205,7 +207,7 @@ def scaled_mm(a: Quantized, weight: torch.Tensor, weight_scale: torch.Tensor,
     out = torch.empty((m, n), dtype=out_dtype, device=a.values.device)
     if m == 0:
         return out
-    tiles = gemm_tiles(m, block[1] if block is not None else 128)
+    tiles = tiles or gemm_tiles(m, block[1] if block is not None else 128)
     grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n),)
     ws = weight_scale if block is not None else weight_scale.contiguous()
     _scaled_mm_kernel[grid](

@@ -39,11 +39,12 @@ _GEMV_ROWS = 4
 
 
 class GemvTiles(NamedTuple):
-    """The plain GEMV's tiling: columns per load, warps, pipeline stages."""
+    """The plain GEMV's tiling: columns per load, warps, pipeline stages, rows per program."""
 
     block_k: int
     num_warps: int
     num_stages: int
+    rows: int = _GEMV_ROWS
 
 
 def gemv_tiles(k: int) -> GemvTiles:
@@ -107,18 +108,20 @@ def _check_gemv(x: torch.Tensor, weight: torch.Tensor,
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-         pdl: bool = False, weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+         pdl: bool = False, weight_scale: Optional[torch.Tensor] = None,
+         tiles: Optional[GemvTiles] = None) -> torch.Tensor:
     """x W^T + b for a single row x [..., K] (one token); weight [N, K] with dense rows (FP8
     with `weight_scale` [N], see the module's doc). Sums in float32 and rounds once (the last
-    bit can differ from cuBLAS)."""
+    bit can differ from cuBLAS). `tiles`: gemv_tiles(K) unless given (scripts/bench_kernels.py
+    sweeps them)."""
     _check_gemv(x, weight, weight_scale)
     n, k = weight.shape
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    tiles = gemv_tiles(k)
-    _gemv_kernel[(triton.cdiv(n, _GEMV_ROWS),)](
+    tiles = tiles or gemv_tiles(k)
+    _gemv_kernel[(triton.cdiv(n, tiles.rows),)](
         x.contiguous(), weight, _or(weight_scale, weight), _or(bias, weight), out, n, k,
         weight.stride(0), HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=_GEMV_ROWS, BLOCK_K=tiles.block_k, PDL=pdl, num_warps=tiles.num_warps,
+        BLOCK_N=tiles.rows, BLOCK_K=tiles.block_k, PDL=pdl, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, **launch_options(pdl))
     return out
 
