@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
 
-from minisgl.kernels import activation, fp8 as kernels, gemv, rotary  # noqa: E402
+from minisgl.kernels import activation, fp8 as kernels, gemv, rmsnorm, rotary  # noqa: E402
 from minisgl.kernels.types import KVStore, KVTarget, QKVRope  # noqa: E402
 from minisgl.layers import fp8  # noqa: E402
 from minisgl.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -122,6 +122,39 @@ def test_fp8_linear_is_close_to_the_dequantized_layer(spec: fp8.Fp8Spec) -> None
     want = F.linear(x.float(), fp8.dequantize(w, ws, spec.block, torch.float32))
     assert got.shape == (2, 3, 192) and got.dtype == dtype
     assert _rel(got, want) < 0.05
+
+
+def _same_quantized(got: kernels.Quantized, want: kernels.Quantized) -> None:
+    assert got.values.dtype == kernels.FP8 and got.scales.shape == want.scales.shape
+    assert torch.equal(got.scales, want.scales)
+    _same_fp8(got.values, want.values)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_rmsnorm_quantized_equals_quantizing_the_norm(dtype: torch.dtype, residual: bool
+                                                      ) -> None:
+    """The norm kernel's FP8 output is quantize_tokens of its plain output, exactly (scales
+    bit-equal), and its new residual is the plain kernel's; rows of very different sizes."""
+    x = (torch.randn(6, 300, device=DEV) * torch.logspace(-3, 3, 6, device=DEV)[:, None]
+         ).to(dtype)
+    res = torch.randn(6, 300, device=DEV).to(dtype) if residual else None
+    w = (torch.rand(300, device=DEV) + 0.5).to(dtype)
+    plain, plain_res = rmsnorm.rmsnorm(x, w, 1e-6, res)
+    got, got_res = rmsnorm.rmsnorm_quantized(x, w, 1e-6, res)
+    _same_quantized(got, kernels.quantize_tokens(plain))
+    assert (got_res is None) == (not residual)
+    if residual:
+        assert torch.equal(got_res, plain_res)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_quantized_equals_quantizing_the_activation(dtype: torch.dtype) -> None:
+    x = (torch.randn(5, 2 * 700, device=DEV) * 3).to(dtype)
+    x[2] = 0.0  # an all-zero row: the smallest scale, zeros
+    got = activation.silu_and_mul_quantized(x)
+    _same_quantized(got, kernels.quantize_tokens(activation.silu_and_mul(x)))
+    assert torch.all(got.values[2].float() == 0)
 
 
 @pytest.mark.parametrize("n,k,bias", [(10, 64, False), (7, 300, True), (9, 4096, True)])

@@ -1,6 +1,7 @@
 """SiLU-and-mul in Triton: the gated MLP's activation on CUDA, one launch, and the one copy of
-its formula, which the gate/up GEMV's epilogue (gemv.py) shares so that both round alike. This
-module imports triton: only GPU paths (and the CPU interpreter tests) import it.
+its formula, which the gate/up GEMV's epilogue (gemv.py) shares so that both round alike;
+`silu_and_mul_quantized` also quantizes it per row for an FP8 down projection, in the same
+launch. This module imports triton: only GPU paths (and the CPU interpreter tests) import it.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels.fp8 import Quantized, empty_quantized, quantize_row_store
 from minisgl.kernels.pdl import launch_options, pdl_enter
 
 
@@ -41,3 +43,30 @@ def silu_and_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     _silu_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, d, BLOCK=block, PDL=pdl,
                                                             **launch_options(pdl))
     return out.view(*x.shape[:-1], d)
+
+
+@triton.jit
+def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, d, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program `row`: silu(gate) * up rounded to x's dtype, quantized per row: the whole row
+    in registers (BLOCK >= d), then its FP8 values at q and its scale at s[row]."""
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < d
+    gate = tl.load(x_ptr + row * 2 * d + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * 2 * d + d + cols, mask=mask, other=0.0)
+    act = silu_mul_f32(gate, up).to(x_ptr.dtype.element_ty).to(tl.float32)
+    quantize_row_store(act, cols, mask, q_ptr + row * d, s_ptr + row)
+
+
+def silu_and_mul_quantized(x: torch.Tensor, pdl: bool = False) -> Quantized:
+    """x = [gate | up] (contiguous, rows [..., 2d]) -> silu(gate) * up as FP8 rows [M, d] and
+    their scales [M, 1]: fp8.quantize_tokens of `silu_and_mul(x)`, exactly, in one launch."""
+    d = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * d)
+    out = empty_quantized(x2.shape[0], d, x.device)
+    block = triton.next_power_of_2(d)
+    _silu_mul_quant_kernel[(x2.shape[0],)](x2, out.values, out.scales, d, BLOCK=block, PDL=pdl,
+                                           num_warps=min(16, max(4, block // 512)),
+                                           **launch_options(pdl))
+    return out

@@ -264,16 +264,22 @@ def _f16(asked: Optional[bool], q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return f16_tiles_apply(q, k_cache) if asked is None else asked
 
 
-def decode_tiles(dtype: torch.dtype, head_dim: int, num_splits: int) -> DecodeTiles:
-    """Half types, from tile sweeps (scripts/bench_kernels.py --what decode; bf16, 32/8 heads,
-    d 128, pages of 16, contexts 100-1700): unsplit (large batches, requests longest first), 64
-    tokens per iteration, 2 warps, 3 stages came closest to the memory bandwidth, ahead of
-    (128, 4, 3) and far ahead of 8 warps or 256 tokens; split (small batches) (64, 8, 2) was
-    fastest. float32 (IEEE dots run on FMA units, not tensor cores): the tile
-    that compiles without register spills for sm_90."""
+def decode_tiles(dtype: torch.dtype, head_dim: int, num_splits: int, batch: int = 0,
+                 f16_tiles: bool = False) -> DecodeTiles:
+    """Half types, from tile sweeps (scripts/bench_kernels.py --what decode; 32/8 heads, d 128,
+    pages of 16, contexts 100-1700, requests longest first). bf16 pools: unsplit (large
+    batches) 64 tokens per iteration, 2 warps, 3 stages came closest to the memory bandwidth,
+    ahead of (128, 4, 3) and far ahead of 8 warps or 256 tokens; split (small batches)
+    (64, 8, 2) was fastest. FP8 pools in float16 tiles, unsplit: 128 tokens per iteration,
+    4 warps and 3 stages below 128 requests (49.6 us at 64, against 64.4 for (64, 2, 3)),
+    2 warps and 2 stages from 128 up (149.9 us at 256; RESULTS.md, thirteenth session).
+    float32 (IEEE dots run on FMA units, not tensor cores): the tile that compiles without
+    register spills for sm_90."""
     if dtype == torch.float32:
         return DecodeTiles(32, 8)
     if num_splits == 1 and head_dim <= 128:
+        if f16_tiles:
+            return DecodeTiles(128, 4, 3) if batch < 128 else DecodeTiles(128, 2, 2)
         return DecodeTiles(64, 2, 3)
     return DecodeTiles(64, 8)
 
@@ -322,7 +328,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = num_heads // num_kv_heads
     num_splits = o_part.shape[2]
     block_d = _block_d(head_dim)
-    tiles = tiles or decode_tiles(q.dtype, head_dim, num_splits)
+    f16 = _f16(f16_tiles, q, k_cache)
+    tiles = tiles or decode_tiles(q.dtype, head_dim, num_splits, batch, f16)
     min_split = triton.cdiv(max(min_split_tokens, 1), tiles.block_n) * tiles.block_n
     direct = num_splits == 1  # one split: no merge pass (the large-batch case)
     _decode_split_kernel[(num_kv_heads, num_splits, batch)](
@@ -334,7 +341,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, F32_DOT=_f32_dot(q), DIRECT=direct,
-        F16_TILES=_f16(f16_tiles, q, k_cache), PDL=pdl,
+        F16_TILES=f16, PDL=pdl,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl))
     if direct:
         return

@@ -5,6 +5,9 @@ GEMMs.
   and the row divided by it, saturated to +-448 and cast, in one launch.
 - `quantize_groups`: the same per group of `group` columns (1 x 128 groups: the activations of
   block-scaled weights).
+- `quantize_row_store`: the per-row quantization as a device function, for the kernels that
+  produce a projection's input to quantize it on the way out (kernels/rmsnorm.py,
+  kernels/activation.py).
 - `scaled_mm`: out = (a_q * a_scale) (w_q * w_scale)^T + bias for fp8 a_q [M, K], w_q [N, K],
   with a_scale per row and w_scale per output row (rowwise), or a_scale per 1 x Bk group and
   w_scale per Bn x Bk block (block-wise; Bk is the GEMM's K tile, so each tile has one scale
@@ -52,6 +55,28 @@ def _round_e4m3(y):
     odd = (whole - 2.0 * tl.floor(whole * 0.5)) == 1.0
     r = tl.where((rest > 0.5) | ((rest == 0.5) & odd), whole + 1.0, whole) * step
     return tl.where(y < 0, -r, r)
+
+
+_MAX = tl.constexpr(FP8_MAX)
+_MIN_AMAX = tl.constexpr(MIN_AMAX)
+
+
+@triton.jit
+def quantize_row_store(x, cols, mask, q_row_ptr, s_ptr):
+    """A row held whole in registers (float32, masked lanes zero), quantized as
+    `quantize_tokens` quantizes it: its FP8 values stored at q_row_ptr[cols], its scale at
+    s_ptr. The kernels that produce a W8A8 projection's input (the RMSNorm, SiLU-and-mul)
+    call it instead of storing the row, so the quantization costs no launch of its own."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), _MIN_AMAX) / _MAX
+    q = _round_e4m3(tl.minimum(tl.maximum(x / scale, -_MAX), _MAX))
+    tl.store(q_row_ptr + cols, q.to(q_row_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr, scale)
+
+
+def empty_quantized(m: int, k: int, device: torch.device) -> Quantized:
+    """Uninitialised FP8 rows [m, k] and their per-row scales [m, 1]."""
+    return Quantized(torch.empty((m, k), dtype=FP8, device=device),
+                     torch.empty((m, 1), dtype=torch.float32, device=device))
 
 
 @triton.jit

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels.fp8 import Quantized, empty_quantized, quantize_row_store
 from minisgl.kernels.pdl import launch_options, pdl_enter
 
 
@@ -45,8 +46,11 @@ def rmsnorm_row_store(x, w_ptr, out_row_ptr, cols, mask, n_cols, eps):
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, stride_x, stride_res,
-                    eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, n_cols, stride_x,
+                    stride_res, eps, HAS_RES: tl.constexpr, QUANT: tl.constexpr,
+                    BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program `row`: the row's norm into out; QUANT: quantized per row instead (out FP8, its
+    scale at scale_ptr[row]), the values rounded to x's dtype first as the stored norm is."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -55,7 +59,11 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, stride_
     if HAS_RES:
         x = x + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
-    rmsnorm_row_store(x, w_ptr, out_ptr + row * n_cols, cols, mask, n_cols, eps)
+    if QUANT:
+        normed = rmsnorm_row(x, w_ptr, cols, mask, n_cols, eps).to(tl.float32)
+        quantize_row_store(normed, cols, mask, out_ptr + row * n_cols, scale_ptr + row)
+    else:
+        rmsnorm_row_store(x, w_ptr, out_ptr + row * n_cols, cols, mask, n_cols, eps)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -74,11 +82,35 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     shape = x.shape
     x2 = _rows(x)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    res_out = torch.empty_like(out) if residual is not None else out
-    res = _rows(residual) if residual is not None else x2
-    block = triton.next_power_of_2(shape[-1])
-    _rmsnorm_kernel[(x2.shape[0],)](x2, res, weight, out, res_out, shape[-1], x2.stride(0),
-                                    res.stride(0), eps, HAS_RES=residual is not None,
-                                    BLOCK=block, PDL=pdl, num_warps=rmsnorm_warps(block),
-                                    **launch_options(pdl))
+    res_out = _launch(x2, weight, eps, residual, pdl, out, out)
     return out.view(shape), (res_out.view(shape) if residual is not None else None)
+
+
+def rmsnorm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      residual: Optional[torch.Tensor] = None, pdl: bool = False
+                      ) -> Tuple[Quantized, Optional[torch.Tensor]]:
+    """`rmsnorm` with its output quantized per row (fp8.quantize_tokens of it, exactly) in the
+    same launch: the input of a W8A8 projection as FP8 rows [M, K] and scales [M, 1]; the new
+    residual as `rmsnorm` returns it."""
+    shape = x.shape
+    x2 = _rows(x)
+    out = empty_quantized(x2.shape[0], x2.shape[1], x.device)
+    res_out = _launch(x2, weight, eps, residual, pdl, out.values, out.scales)
+    return out, (res_out.view(shape) if residual is not None else None)
+
+
+def _launch(x2: torch.Tensor, weight: torch.Tensor, eps: float,
+            residual: Optional[torch.Tensor], pdl: bool, out: torch.Tensor,
+            scales: torch.Tensor) -> torch.Tensor:
+    """The norm kernel over rows x2 into `out` (FP8 with per-row `scales`, or x2's dtype);
+    returns the new residual (`out` where there is none)."""
+    res_out = torch.empty_like(x2) if residual is not None else out
+    res = _rows(residual) if residual is not None else x2
+    block = triton.next_power_of_2(x2.shape[-1])
+    _rmsnorm_kernel[(x2.shape[0],)](x2, res, weight, out, res_out, scales, x2.shape[-1],
+                                    x2.stride(0), res.stride(0), eps,
+                                    HAS_RES=residual is not None,
+                                    QUANT=out.dtype == torch.float8_e4m3fn, BLOCK=block,
+                                    PDL=pdl, num_warps=rmsnorm_warps(block),
+                                    **launch_options(pdl))
+    return res_out

@@ -1,9 +1,16 @@
 """Gated activation of the fused gate/up projection."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from minisgl.kernels.policy import KernelPolicy
+
+if TYPE_CHECKING:  # kernels/fp8.py imports triton: only CUDA paths load it
+    from minisgl.kernels.fp8 import Quantized
 
 
 def silu_and_mul(x: torch.Tensor, policy: KernelPolicy = KernelPolicy()) -> torch.Tensor:
@@ -15,3 +22,14 @@ def silu_and_mul(x: torch.Tensor, policy: KernelPolicy = KernelPolicy()) -> torc
         return activation.silu_and_mul(x.contiguous(), policy.pdl)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def silu_and_mul_quantized(x: torch.Tensor, policy: KernelPolicy) -> Quantized:
+    """silu(gate) * up quantized per token, in one Triton kernel, for an FP8 down projection
+    (RowParallelLinear.takes_quantized); CUDA tensors and a fused policy only (ValueError
+    otherwise)."""
+    if not (policy.fused and x.is_cuda):
+        raise ValueError("silu_and_mul_quantized runs the fused kernel: CUDA tensors and a "
+                         "fused kernel policy")
+    from minisgl.kernels import activation
+    return activation.silu_and_mul_quantized(x.contiguous(), policy.pdl)

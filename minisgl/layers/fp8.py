@@ -24,7 +24,7 @@ FP8 GEMV with bfloat16 activations (kernels/gemv.py, layers/linear.project).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -32,6 +32,9 @@ from torch import nn
 from minisgl.distributed import Shard
 from minisgl.kernels.types import FP8, FP8_MAX, FP8_MIN_AMAX as MIN_AMAX
 from minisgl.layers.source import TensorSource, copy_into
+
+if TYPE_CHECKING:  # kernels/fp8.py imports triton: only CUDA paths load it
+    from minisgl.kernels.fp8 import Quantized
 
 GEMMS = ("scaled_mm", "triton")  # rowwise products: torch._scaled_mm where it applies, or Triton
 SCALE_PARAMS = ("weight_scale", "input_scale")  # checkpoint tensors of an FP8 layer besides weight
@@ -297,9 +300,26 @@ def linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor]) -> torch
         a = kernels.quantize_groups(rows.contiguous(), w.spec.block[1])
         out = kernels.scaled_mm(a, w.weight, w.scale, bias, x.dtype, w.spec.block)
     else:
-        a = kernels.quantize_tokens(rows.contiguous(), w.input_scale)
-        if w.spec.gemm == "scaled_mm" and kernels.rowwise_mm_applies(k, n, x.dtype):
-            out = kernels.rowwise_mm(a, w.weight, w.scale, bias)
-        else:
-            out = kernels.scaled_mm(a, w.weight, w.scale, bias, x.dtype)
+        out = rowwise_product(kernels.quantize_tokens(rows.contiguous(), w.input_scale), w,
+                              bias, x.dtype)
     return out.view(*x.shape[:-1], n)
+
+
+def takes_tokens(w: Fp8Weight) -> bool:
+    """Whether `linear` quantizes its input per token, dynamically (weights scaled per output
+    row, no static activation scale): then the kernel that produces the input can quantize it
+    on the way out instead (kernels/rmsnorm.rmsnorm_quantized,
+    kernels/activation.silu_and_mul_quantized), and `rowwise_product` finishes the product."""
+    return w.spec.block is None and not w.spec.static_input and not w.spec.weight_only
+
+
+def rowwise_product(a: Quantized, w: Fp8Weight, bias: Optional[torch.Tensor],
+                    dtype: torch.dtype) -> torch.Tensor:
+    """(a.values * a.scales) (weight * scale)^T + b for rows quantized per token (or by the
+    static scale), [M, N] in `dtype`: torch._scaled_mm where the spec's GEMM and the shape
+    allow, else the Triton scaled GEMM."""
+    from minisgl.kernels import fp8 as kernels
+    k, n = a.values.shape[1], w.weight.shape[0]
+    if w.spec.gemm == "scaled_mm" and kernels.rowwise_mm_applies(k, n, dtype):
+        return kernels.rowwise_mm(a, w.weight, w.scale, bias)
+    return kernels.scaled_mm(a, w.weight, w.scale, bias, dtype)

@@ -15,7 +15,7 @@ multiply by them on CUDA; on the CPU they are dequantized once loaded and run as
 
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional, Protocol, Sequence, cast
+from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,9 @@ from minisgl.layers.fp8 import Fp8Spec, Fp8Weight
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.layers.source import TensorSource, copy_into
+
+if TYPE_CHECKING:  # kernels/fp8.py imports triton: only CUDA paths load it
+    from minisgl.kernels.fp8 import Quantized
 
 
 def _empty(*shape: int) -> nn.Parameter:
@@ -95,6 +98,22 @@ class _Fp8Layer(nn.Module):
     def _gemv_scale(self) -> Optional[torch.Tensor]:
         return _row_scale(self.quantized())
 
+    def takes_quantized(self, x: torch.Tensor) -> bool:
+        """Whether this layer would quantize x per token itself (FP8 weights scaled per output
+        row, dynamic activations, x on CUDA and not the GEMV's one row, fused kernels): then
+        the kernel that produces x hands it over quantized instead (`forward_quantized`),
+        which saves the quantization's launch."""
+        q = self.quantized()
+        return (q is not None and fp8_weights.takes_tokens(q) and x.is_cuda
+                and self.policy.fused and not (takes_gemv(x, self.policy) and gemv_reads(q)))
+
+    def _quantized_product(self, a: Quantized, dtype: torch.dtype,
+                           bias: Optional[torch.Tensor]) -> torch.Tensor:
+        quant = self.quantized()
+        if quant is None:
+            raise ValueError("forward_quantized needs FP8 weights (see takes_quantized)")
+        return fp8_weights.rowwise_product(a, quant, bias, dtype)
+
 
 class Reducer(Protocol):
     """What closes a tensor-parallel sublayer whose ranks each hold a partial sum of its output
@@ -146,6 +165,12 @@ class ResidualStream(NamedTuple):
         if self.residual is None:
             return Normed(cast(torch.Tensor, norm(h)), h)
         return cast(Normed, norm(h, self.residual))
+
+    def normed_quantized(self, norm: RMSNorm) -> Tuple[Quantized, torch.Tensor]:
+        """(norm(h) quantized per token, h), for a W8A8 projection: the reduction, then the
+        norm kernel that quantizes its output (RMSNorm.quantized; the all-reduce is not fused
+        into the norm then)."""
+        return norm.quantized(self.reduced(), self.residual)
 
 
 class ColumnParallelLinear(_Fp8Layer):
@@ -205,8 +230,16 @@ class ColumnParallelLinear(_Fp8Layer):
             return gemv.norm_gemv(stream.reduced(), stream.residual, norm.weight, norm.eps,
                                   self.weight, self.bias, pdl=self.policy.pdl,
                                   weight_scale=self._gemv_scale())
+        if self.takes_quantized(stream.partial) and norm.policy.fused:
+            a, h = stream.normed_quantized(norm)
+            return Normed(self.forward_quantized(a, h.dtype), h)
         x, h = stream.normed(norm)
         return Normed(self(x), h)
+
+    def forward_quantized(self, a: Quantized, dtype: torch.dtype) -> torch.Tensor:
+        """This layer on rows already quantized per token (see takes_quantized): [M, N] in
+        `dtype`, the bias added."""
+        return self._quantized_product(a, dtype, self.bias)
 
     def forward_normed_silu(self, stream: ResidualStream, norm: RMSNorm) -> Optional[Normed]:
         """For a layer built with out_sizes [d, d] (gate, up): (silu(gate) * up of norm(h), h)
@@ -320,6 +353,11 @@ class RowParallelLinear(_Fp8Layer):
         partial = project(x, self.weight, None, self.policy, self.blas_by_rows,
                           self.quantized())
         return self.finish(partial) if reduce else partial
+
+    def forward_quantized(self, a: Quantized, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's partial product of rows already quantized per token (see
+        takes_quantized), [M, N] in `dtype`: as forward(x, reduce=False)."""
+        return self._quantized_product(a, dtype, None)
 
     def finish(self, partial: torch.Tensor) -> torch.Tensor:
         """The output from the partial product: all-reduce (a collective), then the bias."""

@@ -3,7 +3,7 @@ residual add (`forward(x, residual)` returns the normed sum and the new residual
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -11,6 +11,9 @@ from torch import nn
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kernels.types import Normed
 from minisgl.layers.source import TensorSource, copy_into
+
+if TYPE_CHECKING:  # kernels/fp8.py imports triton: only CUDA paths load it
+    from minisgl.kernels.fp8 import Quantized
 
 
 class RMSNorm(nn.Module):
@@ -40,6 +43,19 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return Normed(self._norm(x), x)
+
+    def quantized(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+                  ) -> Tuple[Quantized, torch.Tensor]:
+        """(norm(x + residual) quantized per token, x + residual) in one Triton kernel
+        (kernels/rmsnorm.rmsnorm_quantized), for a W8A8 projection's input; CUDA tensors and a
+        fused policy only (ValueError otherwise)."""
+        if not (self.policy.fused and x.is_cuda):
+            raise ValueError("RMSNorm.quantized runs the fused norm kernel: CUDA tensors and a "
+                             "fused kernel policy")
+        from minisgl.kernels import rmsnorm
+        q, new_residual = rmsnorm.rmsnorm_quantized(x, self.weight, self.eps, residual,
+                                                    self.policy.pdl)
+        return q, (x if new_residual is None else new_residual)
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
         copy_into(self.weight.data, src.read(), "norm weight")

@@ -26,7 +26,7 @@ from minisgl.attention import AttentionBackend
 from minisgl.core import Batch
 from minisgl.distributed import Communicator, DistributedInfo
 from minisgl.kernels.policy import KernelPolicy
-from minisgl.layers.activation import silu_and_mul
+from minisgl.layers.activation import silu_and_mul, silu_and_mul_quantized
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.fp8 import SCALE_PARAMS, Fp8Spec, finish_loading
 from minisgl.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
@@ -146,10 +146,14 @@ class MLP(nn.Module):
         proj = self.gate_up_proj.forward_normed_silu(stream, norm)  # batch 1: one kernel
         if proj is not None:
             act, residual = proj
+            return ResidualStream(self.down_proj(act, reduce=False), residual, self.down_proj)
+        gate_up, residual = self.gate_up_proj.forward_normed(stream, norm)
+        if self.down_proj.takes_quantized(gate_up):  # FP8: quantized by the SiLU kernel
+            partial = self.down_proj.forward_quantized(
+                silu_and_mul_quantized(gate_up, self.policy), gate_up.dtype)
         else:
-            gate_up, residual = self.gate_up_proj.forward_normed(stream, norm)
-            act = silu_and_mul(gate_up, self.policy)
-        return ResidualStream(self.down_proj(act, reduce=False), residual, self.down_proj)
+            partial = self.down_proj(silu_and_mul(gate_up, self.policy), reduce=False)
+        return ResidualStream(partial, residual, self.down_proj)
 
 
 def moe_shape(cfg: ModelConfig) -> MoEShape:
