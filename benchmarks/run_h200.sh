@@ -178,6 +178,13 @@ if [ "$MODE" = fp8probe ]; then  # FP8: kernel tests, the KV decode tiles, the p
   step fp8_linear 200 python3 scripts/bench_kernels.py --what fp8linear --linear-rows 1,64,256
   step fp8_profile 200 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --batch-sizes 1,64,256 --steps 20 --quantization fp8 --kv-cache-dtype fp8_e4m3 --profile
 fi
+if [ "$MODE" = fp8verify ]; then  # FP8: GPU tests, Triton GEMM tiles, decode steps, offline bf16 vs FP8
+  step fp8_gpu_tests 240 python3 -m pytest -q -x tests/test_fp8_kernels.py tests/test_fp8.py tests/test_fp8_kv.py tests/test_triton_ops.py
+  step fp8_gemm_sweep 150 python3 scripts/bench_kernels.py --what fp8linear --linear-rows 64,256 --fp8-sweep
+  step fp8_latency 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --batch-sizes 1,64,256 --steps 30 --quantization fp8 --kv-cache-dtype fp8_e4m3
+  step offline_bf16 150 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b
+  step offline_fp8 150 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8_e4m3
+fi
 if [ "$MODE" = vllm-stage ]; then
   mkdir -p /tmp/vllm_parts && cp .peer/part01 /tmp/vllm_parts/ && echo "part01 staged"
 fi

@@ -17,7 +17,8 @@ pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
 
-from minisgl.kernels import activation, fp8 as kernels, gemv, rmsnorm, rotary  # noqa: E402
+from minisgl.kernels import activation, attention, gemv, rmsnorm, rotary  # noqa: E402
+from minisgl.kernels import fp8 as kernels  # noqa: E402
 from minisgl.kernels.types import KVStore, KVTarget, QKVRope  # noqa: E402
 from minisgl.layers import fp8  # noqa: E402
 from minisgl.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -204,6 +205,51 @@ def test_fp8_norm_gemvs_equal_their_dense_kernels_on_dequantized_weights() -> No
                       store=KVStore(v, KVTarget(caches[2], caches[3], slot)))
     for a, e in [(got.out, want.out), (caches[0], caches[2]), (caches[1], caches[3])]:
         assert _rel(a, e) < tol
+
+
+def _fp8_caches(slots: int, kv_heads: int, dim: int) -> list:
+    return [torch.zeros(slots, kv_heads, dim, device=DEV, dtype=kernels.FP8) for _ in range(4)]
+
+
+def test_fused_kv_writers_quantize_into_an_fp8_cache_as_store_kv_does() -> None:
+    """The rotary kernel's K/V store and the QKV GEMV's, into FP8 caches with per-layer scales:
+    the same bits as rotating in place and then store_kv (which quantizes)."""
+    dtype = DTYPES[-1]
+    heads, kv_heads, dim, tokens, k = 4, 2, 32, 3, 96
+    rope = RotaryEmbedding(dim, 64, 10000.0, None).to(DEV)
+    pos = torch.tensor([5, 9, 63], device=DEV)
+    slots = torch.tensor([6, 0, 3], dtype=torch.int32, device=DEV)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=DEV) * 3).to(dtype)
+
+    def split(t: torch.Tensor) -> list:
+        return [x.view(t.shape[0], -1, dim) for x in
+                t.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)]
+    caches = _fp8_caches(8, kv_heads, dim)
+    q, kk, v = split(qkv.clone())
+    rotary.rotary_qk_(q, kk, pos, rope.cos, rope.sin,
+                      store=KVStore(v, KVTarget(caches[0], caches[1], slots, 0.5, 2.0)))
+    q2, k2, v2 = split(qkv.clone())
+    rotary.rotary_qk_(q2, k2, pos, rope.cos, rope.sin)
+    attention.store_kv(k2, v2, slots, caches[2], caches[3], k_scale=0.5, v_scale=2.0)
+    assert torch.equal(q, q2)
+    assert torch.equal(caches[0].float(), caches[2].float())
+    assert torch.equal(caches[1].float(), caches[3].float())
+    # the QKV GEMV at one token, its weights FP8 too
+    nw = torch.rand(k, device=DEV).to(dtype) + 0.5
+    x, res = (torch.randn(1, k, device=DEV).to(dtype) for _ in range(2))
+    w, ws = _fp8_weight((heads + 2 * kv_heads) * dim, k)
+    caches = _fp8_caches(8, kv_heads, dim)
+    one = slots[:1]
+    got = gemv.norm_qkv_rope(x, res, nw, 1e-6, w, None, QKVRope(
+        pos[:1], rope.cos, rope.sin, heads, kv_heads,
+        KVTarget(caches[0], caches[1], one, 0.25, 0.75)), weight_scale=ws)
+    want = gemv.norm_gemv(x, res, nw, 1e-6, w, None, weight_scale=ws)
+    q, kk, v = split(want.out.clone())
+    rotary.rotary_qk_(q, kk, pos[:1], rope.cos, rope.sin)
+    attention.store_kv(kk, v, one, caches[2], caches[3], k_scale=0.25, v_scale=0.75)
+    assert torch.equal(caches[0].float(), caches[2].float())
+    assert torch.equal(caches[1].float(), caches[3].float())
+    assert _rel(got.out.view(1, -1, dim)[:, :heads], q) < TOL[dtype]
 
 
 def _first_tokens_agree(a: list, b: list) -> bool:

@@ -141,14 +141,13 @@ class TritonBackend(AttentionBackend):
                           meta[4, :1], max_extend, None, None)
 
     def kv_target(self, layer: int, batch: Batch) -> Optional[KVTarget]:
-        """The pool's layer caches and the batch's slots: the kernels read every token's K/V,
-        new ones included, from the pool, so whoever writes them there may skip `store_kv`.
-        None for an FP8 pool: the fused writers (rotary, QKV GEMV) copy K/V unscaled, so
-        `forward` stores (and quantizes) them."""
-        if self.pool.quantized:
-            return None
+        """The pool's layer caches, the batch's slots and the layer's scales (an FP8 pool):
+        the kernels read every token's K/V, new ones included, from the pool, so whoever
+        writes them there (the rotary kernel, the QKV GEMV; both quantize as `store_kv` does)
+        may skip `store_kv`."""
         return KVTarget(self.pool.k[layer], self.pool.v[layer],
-                        batch.out_slots)  # type: ignore[arg-type]
+                        batch.out_slots,  # type: ignore[arg-type]
+                        self.pool.scales.k[layer], self.pool.scales.v[layer])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 batch: Batch, kv_stored: bool = False) -> torch.Tensor:

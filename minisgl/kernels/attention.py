@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.dot import dot as _dot, f32_dot as _f32_dot
+from minisgl.kernels.fp8 import quantize_kv
 from minisgl.kernels.pdl import launch_options, pdl_enter
 from minisgl.kernels.types import DecodeTiles, ExtendTiles
 
@@ -42,7 +43,6 @@ _MAX_GRID_Z = 65535  # CUDA's limit on a grid's y and z axes
 # A finite "minus infinity": masked scores use it so that no row ever computes inf - inf (NaN);
 # any garbage it lets into a row is erased (alpha = 0) by the first real score.
 _NEG = tl.constexpr(-1.0e30)
-_FP8_MAX = tl.constexpr(448.0)  # the largest finite float8_e4m3fn (kvcache.pool.FP8_KV_MAX)
 
 
 def _block_d(head_dim: int) -> int:
@@ -385,26 +385,6 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 @triton.jit
-def _fp8_quantize(x, scale):
-    """x / scale in float32 (IEEE division, as torch divides), rounded to nearest-even on the
-    float8_e4m3fn grid and clamped to its finite range (+-448), still as float32: the caller's
-    cast is then exact. Rounding here rather than in the cast gives the same bits on every
-    target (the CPU interpreter's float8 cast drops the carry of values that round up to the
-    next power of two)."""
-    y = tl.math.div_rn(x.to(tl.float32), scale)
-    # Normal range: keep 3 of float32's 23 mantissa bits, rounding half to even (a carry out
-    # of the mantissa moves the exponent up, as it should).
-    bits = y.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20 << 20
-    normal = bits.to(tl.float32, bitcast=True)
-    # Subnormal range (below 2^-6): multiples of 2^-9, the spacing of float32 in [2^14, 2^15).
-    small = (y + 24576.0) - 24576.0
-    small = tl.where(small == 0.0, y * 0.0, small)  # -0.0 for small negatives, as a cast gives
-    r = tl.where(tl.abs(y) < 0.015625, small, normal)
-    return tl.minimum(tl.maximum(r, -_FP8_MAX), _FP8_MAX)
-
-
-@triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, stride_kt, stride_vt,
                      stride_cs, n_elems, k_scale, v_scale, BLOCK: tl.constexpr,
                      QUANT: tl.constexpr, PDL: tl.constexpr):
@@ -418,8 +398,8 @@ def _store_kv_kernel(k_ptr, v_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, stride_k
     k = tl.load(k_ptr + t * stride_kt + offs, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs, mask=mask)
     if QUANT:
-        k = _fp8_quantize(k, k_scale).to(k_cache_ptr.dtype.element_ty)
-        v = _fp8_quantize(v, v_scale).to(v_cache_ptr.dtype.element_ty)
+        k = quantize_kv(k, k_scale).to(k_cache_ptr.dtype.element_ty)
+        v = quantize_kv(v, v_scale).to(v_cache_ptr.dtype.element_ty)
     tl.store(k_cache_ptr + slot * stride_cs + offs, k, mask=mask)
     tl.store(v_cache_ptr + slot * stride_cs + offs, v, mask=mask)
 

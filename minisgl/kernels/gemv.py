@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.activation import silu_mul_f32
+from minisgl.kernels.fp8 import quantize_kv
 from minisgl.kernels.pdl import launch_options, pdl_enter
 from minisgl.kernels.rmsnorm import rmsnorm_row
 from minisgl.kernels.types import Normed, QKVRope
@@ -287,13 +288,15 @@ def norm_gate_up_silu(x: torch.Tensor, residual: Optional[torch.Tensor],
 @triton.jit
 def _norm_qkv_rope_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_out_ptr,
                           pos_ptr, cos_ptr, sin_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, n, k,
-                          stride_wn, stride_cs, eps, n_q, n_kv, HAS_RES: tl.constexpr,
-                          HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HALF: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                          stride_wn, stride_cs, eps, n_q, n_kv, k_scale, v_scale,
+                          HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, HALF: tl.constexpr, BLOCK_K: tl.constexpr,
+                          QUANT: tl.constexpr, PDL: tl.constexpr):
     """Program p: rotary pairs j, j + 1 of head p // (HALF // 2), j = 2 * (p % (HALF // 2)), of
     the fused QKV projection of rmsnorm(h): q pairs rotated into out, k pairs rotated into the
     k cache at this token's slot, v pairs copied to the v cache there (k and v also into out,
-    unrotated, as the separate kernels leave them)."""
+    unrotated, as the separate kernels leave them). QUANT (FP8 caches): k / k_scale and
+    v / v_scale quantized as store_kv does."""
     head = tl.program_id(0) // (HALF // 2)
     j = (tl.program_id(0) % (HALF // 2)) * 2 + tl.arange(0, 2)
     cols = tl.arange(0, BLOCK_K)
@@ -313,15 +316,20 @@ def _norm_qkv_rope_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, 
     is_q = heads < n_q
     tl.store(out_ptr + lo_rows, tl.where(is_q, rot_lo, lo.to(ty)))
     tl.store(out_ptr + lo_rows + HALF, tl.where(is_q, rot_hi, hi.to(ty)))
+    v_lo, v_hi = lo.to(ty), hi.to(ty)
+    if QUANT:
+        rot_lo, rot_hi = quantize_kv(rot_lo, k_scale), quantize_kv(rot_hi, k_scale)
+        v_lo, v_hi = quantize_kv(v_lo, v_scale), quantize_kv(v_hi, v_scale)
+    cache_ty = k_cache_ptr.dtype.element_ty
     slot = tl.load(slots_ptr).to(tl.int64)
     is_k = (heads >= n_q) & (heads < n_q + n_kv)
     k_row = k_cache_ptr + slot * stride_cs + (heads - n_q) * (2 * HALF) + j
-    tl.store(k_row, rot_lo, mask=is_k)
-    tl.store(k_row + HALF, rot_hi, mask=is_k)
+    tl.store(k_row, rot_lo.to(cache_ty), mask=is_k)
+    tl.store(k_row + HALF, rot_hi.to(cache_ty), mask=is_k)
     is_v = heads >= n_q + n_kv
     v_row = v_cache_ptr + slot * stride_cs + (heads - n_q - n_kv) * (2 * HALF) + j
-    tl.store(v_row, lo.to(ty), mask=is_v)
-    tl.store(v_row + HALF, hi.to(ty), mask=is_v)
+    tl.store(v_row, v_lo.to(cache_ty), mask=is_v)
+    tl.store(v_row + HALF, v_hi.to(cache_ty), mask=is_v)
 
 
 def norm_qkv_rope(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
@@ -329,7 +337,8 @@ def norm_qkv_rope(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight
                   pdl: bool = False, weight_scale: Optional[torch.Tensor] = None) -> Normed:
     """One token's attention input in one launch: qkv = rmsnorm(x + residual) W^T + b as
     `norm_gemv`, then q rotated in place (rotate-half), and the rotated k and v written to the
-    KV cache as `rotary.rotary_qk_(..., store=...)` does (k and v stay unrotated in qkv). W's
+    KV cache as `rotary.rotary_qk_(..., store=...)` does, quantized for FP8 caches (k and v
+    stay unrotated in qkv). W's
     rows are the q heads, then k, then v, head_dim (a power of two, at least 4) rows each. FP8
     weights with `weight_scale`, as `gemv`."""
     n, k = weight.shape
@@ -338,7 +347,7 @@ def norm_qkv_rope(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight
     if dim & (dim - 1) or dim < 4 or n != heads * dim:
         raise ValueError(f"norm_qkv_rope takes {heads} heads of a power-of-two head_dim ({dim}, "
                          f"at least 4) in its weight, got {n} rows")
-    k_cache, v_cache, slots = rope.target
+    k_cache, v_cache, slots = rope.target.k_cache, rope.target.v_cache, rope.target.slots
     caches = (k_cache, v_cache)
     if (any(c.shape[1:] != (rope.n_kv, dim) or not c.is_contiguous() for c in caches)
             or v_cache.shape != k_cache.shape):
@@ -356,8 +365,9 @@ def norm_qkv_rope(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight
     _norm_qkv_rope_kernel[(n // 4,)](
         x, res, norm_weight, weight, _or(weight_scale, weight), _or(bias, weight), out, res_out,
         rope.positions, rope.cos, rope.sin, slots, k_cache, v_cache, n, k,
-        weight.stride(0), k_cache.stride(0), eps, rope.n_q, rope.n_kv,
-        HAS_RES=residual is not None, HAS_SCALE=weight_scale is not None,
-        HAS_BIAS=bias is not None, HALF=dim // 2,
-        BLOCK_K=triton.next_power_of_2(k), PDL=pdl, num_warps=4, **launch_options(pdl))
+        weight.stride(0), k_cache.stride(0), eps, rope.n_q, rope.n_kv, rope.target.k_scale,
+        rope.target.v_scale, HAS_RES=residual is not None,
+        HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None, HALF=dim // 2,
+        BLOCK_K=triton.next_power_of_2(k), QUANT=rope.target.quantized, PDL=pdl, num_warps=4,
+        **launch_options(pdl))
     return Normed(out, res_out)

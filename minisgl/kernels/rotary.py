@@ -12,31 +12,41 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels.fp8 import quantize_kv
 from minisgl.kernels.pdl import launch_options, pdl_enter
-from minisgl.kernels.types import KVStore
+from minisgl.kernels.types import KVStore, KVTarget
 
 
 @triton.jit
-def _rotate_heads(src, dst, cos, sin, n_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Rotate `n_heads` dense [head_dim] vectors starting at `src` into `dst` (may be `src`)."""
+def _rotate_heads(src, dst, cos, sin, n_heads, scale, HALF: tl.constexpr,
+                  BLOCK_H: tl.constexpr, QUANT: tl.constexpr):
+    """Rotate `n_heads` dense [head_dim] vectors starting at `src` into `dst` (may be `src`),
+    rounded to src's dtype; QUANT (an FP8 cache): then divided by `scale` and quantized."""
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HALF)
     hmask = heads[:, None] < n_heads
     offs = heads[:, None] * (2 * HALF) + dims[None, :]
-    x1 = tl.load(src + offs, mask=hmask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + offs + HALF, mask=hmask, other=0.0).to(tl.float32)
+    x1 = tl.load(src + offs, mask=hmask, other=0.0)
+    x2 = tl.load(src + offs + HALF, mask=hmask, other=0.0)
+    r1 = (x1.to(tl.float32) * cos - x2.to(tl.float32) * sin).to(x1.dtype)
+    r2 = (x2.to(tl.float32) * cos + x1.to(tl.float32) * sin).to(x1.dtype)
+    if QUANT:
+        r1 = quantize_kv(r1, scale)
+        r2 = quantize_kv(r2, scale)
     ty = dst.dtype.element_ty
-    tl.store(dst + offs, (x1 * cos - x2 * sin).to(ty), mask=hmask)
-    tl.store(dst + offs + HALF, (x2 * cos + x1 * sin).to(ty), mask=hmask)
+    tl.store(dst + offs, r1.to(ty), mask=hmask)
+    tl.store(dst + offs + HALF, r2.to(ty), mask=hmask)
 
 
 @triton.jit
 def _rotary_qk_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slots_ptr, k_cache_ptr,
-                      v_cache_ptr, stride_q, stride_k, stride_v, stride_cs, n_q, n_k,
-                      HALF: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-                      STORE: tl.constexpr, PDL: tl.constexpr):
+                      v_cache_ptr, stride_q, stride_k, stride_v, stride_cs, n_q, n_k, k_scale,
+                      v_scale, HALF: tl.constexpr, BLOCK_Q: tl.constexpr,
+                      BLOCK_K: tl.constexpr, STORE: tl.constexpr, QUANT: tl.constexpr,
+                      PDL: tl.constexpr):
     """Program t: rotate token t's q heads in place; its k heads in place, or (STORE) into
-    k_cache[slots[t]] with v[t] copied to v_cache[slots[t]] (caches [slots, n_k, 2 * HALF])."""
+    k_cache[slots[t]] with v[t] copied to v_cache[slots[t]] (caches [slots, n_k, 2 * HALF]);
+    QUANT (FP8 caches): k / k_scale and v / v_scale, quantized as store_kv does."""
     pdl_enter(PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -44,17 +54,20 @@ def _rotary_qk_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slots_ptr,
     cos = tl.load(cos_ptr + pos * (2 * HALF) + dims)[None, :]
     sin = tl.load(sin_ptr + pos * (2 * HALF) + dims)[None, :]
     q = q_ptr + tok * stride_q
-    _rotate_heads(q, q, cos, sin, n_q, HALF, BLOCK_Q)
+    _rotate_heads(q, q, cos, sin, n_q, 1.0, HALF, BLOCK_Q, False)
     k = k_ptr + tok * stride_k
     if STORE:
         slot = tl.load(slots_ptr + tok).to(tl.int64)
-        _rotate_heads(k, k_cache_ptr + slot * stride_cs, cos, sin, n_k, HALF, BLOCK_K)
+        _rotate_heads(k, k_cache_ptr + slot * stride_cs, cos, sin, n_k, k_scale, HALF, BLOCK_K,
+                      QUANT)
         offs = tl.arange(0, BLOCK_K * 2 * HALF)
         mask = offs < n_k * 2 * HALF
         v = tl.load(v_ptr + tok * stride_v + offs, mask=mask)
+        if QUANT:
+            v = quantize_kv(v, v_scale).to(v_cache_ptr.dtype.element_ty)
         tl.store(v_cache_ptr + slot * stride_cs + offs, v, mask=mask)
     else:
-        _rotate_heads(k, k, cos, sin, n_k, HALF, BLOCK_K)
+        _rotate_heads(k, k, cos, sin, n_k, 1.0, HALF, BLOCK_K, False)
 
 
 def _check_rotary_layout(x: torch.Tensor) -> None:
@@ -71,7 +84,7 @@ def rotary_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: t
     launch (rotate-half layout); cos/sin are float32 [max_positions, head_dim] caches. Each
     token's heads must be one dense block (q and k may be views of one fused QKV output).
     `store`: k is left as it is and its rotation goes to the KV cache with v (the K/V store of
-    attention, fused in)."""
+    attention, fused in; quantized as store_kv does for an FP8 cache)."""
     _check_rotary_layout(q)
     _check_rotary_layout(k)
     tokens, n_q, dim = q.shape
@@ -82,10 +95,12 @@ def rotary_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: t
             raise ValueError("rotary K/V store needs contiguous [slots, kv_heads, head_dim] caches")
     if tokens:
         # Without a store the kernel never touches these four (STORE=False): any tensors do.
-        v, (k_cache, v_cache, slots) = store if store is not None else (k, (k, k, positions))
+        v, target = store if store is not None else (k, KVTarget(k, k, positions))
         _rotary_qk_kernel[(tokens,)](
-            q, k, v, positions, cos, sin, slots, k_cache, v_cache, q.stride(0), k.stride(0),
-            v.stride(0), k_cache.stride(0), n_q, k.shape[1], HALF=dim // 2,
+            q, k, v, positions, cos, sin, target.slots, target.k_cache, target.v_cache,
+            q.stride(0), k.stride(0), v.stride(0), target.k_cache.stride(0), n_q, k.shape[1],
+            target.k_scale, target.v_scale, HALF=dim // 2,
             BLOCK_Q=triton.next_power_of_2(n_q), BLOCK_K=triton.next_power_of_2(k.shape[1]),
-            STORE=store is not None, PDL=pdl, **launch_options(pdl))
+            STORE=store is not None, QUANT=store is not None and target.quantized, PDL=pdl,
+            **launch_options(pdl))
     return q, k

@@ -15,11 +15,18 @@ import torch
 
 
 class KVTarget(NamedTuple):
-    """Where one layer's new K/V go: k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]."""
+    """Where one layer's new K/V go: k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]; FP8
+    (float8_e4m3fn) caches get k / k_scale and v / v_scale, quantized as store_kv does."""
 
     k_cache: torch.Tensor  # [slots, kv_heads, d], contiguous
     v_cache: torch.Tensor
     slots: torch.Tensor  # [T] int32 / int64, one per new token
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_cache.dtype == torch.float8_e4m3fn
 
 
 class KVStore(NamedTuple):
