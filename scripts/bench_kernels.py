@@ -16,8 +16,9 @@ a few replays; every call reads inputs larger than the L2 cache, as in a real st
 - `gemm`: the same projections for a whole prefill chunk (cuBLAS).
 - `fp8linear`: every projection (tp 1) with FP8 weights at each --linear-rows: bf16 cuBLAS for
   reference, the activation quantization alone, torch._scaled_mm rowwise alone and after the
-  quantization (the model's path), _scaled_mm per tensor, the Triton scaled GEMM (its tiles
-  swept with --fp8-sweep); at one row the FP8 GEMV over its rows per program.
+  quantization, _scaled_mm per tensor, the Triton scaled GEMM (its tiles swept with
+  --fp8-sweep), "auto" (the model's choice on Hopper, kernels/fp8.rowwise_tiles); at one row
+  the FP8 GEMV over its rows per program.
 - `moe`: one MoE layer of the model (a mixture-of-experts config) at each of --moe-rows token
   rows: the fused kernel with its default tiles (kernels/moe.py) and its pieces; with
   --moe-sweep, every tile of the sweep for each grouped GEMM.
@@ -43,6 +44,7 @@ from minisgl.kernels.attention import decode_attention, extend_attention
 from minisgl.kernels.rotary import rotary_qk_
 from minisgl.kernels.types import (DecodeTiles, ExtendTiles, GemmTiles, KVStore, KVTarget,
                                    QKVRope)
+from minisgl.layers.fp8 import Fp8Spec, Fp8Weight, rowwise_product
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.models.config import ModelConfig
 
@@ -160,10 +162,11 @@ def bench_decode(shape: Shape, args: argparse.Namespace) -> None:
         ref: Optional[torch.Tensor] = None
         # Sweeps so far (RESULTS.md): 256-token tiles and 8 warps lost at large batches; longest
         # first, (64, 2, 3) (now the default) beat (128, 4, 3) by 1-1.5%.
-        # FP8: float16 and bfloat16 tiles (kernels/attention._tile_dtype) over fewer tiles,
-        # so that batch 256 fits in a few minutes (27 tiles ran past 100 s, twelfth session).
+        # FP8: float16 tiles (kernels/attention._tile_dtype; they beat bfloat16 tiles by
+        # 1.2-1.5x at every tile, thirteenth session) over fewer tiles, so that batch 256 fits
+        # in a few minutes (27 tiles ran past 100 s, twelfth session).
         fp8 = args.kv_dtype == "fp8"
-        grid = (((64, 128), (2, 4), (2, 3), split_choices, (True, False)) if fp8 else
+        grid = (((64, 128, 256), (2, 4), (2, 3), split_choices, (True,)) if fp8 else
                 ((32, 64, 128), (1, 2, 4), (2, 3, 4), split_choices, (None,)))
         for block_n, warps, stages, splits, f16 in itertools.product(*grid):
             o_part = torch.empty((bs, shape.heads, splits, shape.head_dim), dtype=torch.float32,
@@ -387,6 +390,8 @@ def _fp8_variants(x: torch.Tensor, n: int, k: int, rows: int, sweep: bool
         "scaled_mm_tensor": lambda w: torch._scaled_mm(a.values, w[0].t(), scale_a=one,
                                                        scale_b=one, out_dtype=torch.bfloat16),
         "triton": lambda w: fp8_kernels.scaled_mm(a, w[0], w[1], None, torch.bfloat16),
+        "auto": lambda w: rowwise_product(a, Fp8Weight(w[0], w[1], None, Fp8Spec(gemm="auto")),
+                                          None, torch.bfloat16),
     }
     if sweep and rows > 1:
         bm = fp8_kernels.gemm_tiles(rows, 128).block_m

@@ -248,8 +248,11 @@ def test_fp8_on_a_gpu_without_fp8_is_refused(monkeypatch: pytest.MonkeyPatch) ->
         quant_plan(None, "fp8", torch.device("cuda", 0), torch.bfloat16)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     plan = quant_plan(None, "fp8", torch.device("cuda", 0), torch.bfloat16)
-    assert plan is not None and plan.runtime.gemm == "scaled_mm"
+    assert plan is not None and plan.runtime.gemm == "auto"  # Hopper: per shape
     assert not plan.runtime.weight_only
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    plan = quant_plan(None, "fp8", torch.device("cuda", 0), torch.bfloat16)
+    assert plan is not None and plan.runtime.gemm == "scaled_mm"
 
 
 def test_block_split_across_ranks_is_refused_with_the_numbers() -> None:

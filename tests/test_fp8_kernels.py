@@ -26,6 +26,9 @@ from minisgl.layers.rotary import RotaryEmbedding  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else [])
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+# FP8 tensor-core products on the GPU accumulate in fewer bits than float32 (Hopper's FP8 MMA):
+# a float32 output differs from the float32 reference by about 2e-4 there.
+GEMM_TOL = {**TOL, torch.float32: 1e-5 if DEV == "cpu" else 1e-3}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -89,9 +92,12 @@ def test_scaled_mm_rowwise_equals_dequantized_product(dtype: torch.dtype, m: int
                     None if b is None else b.float())
     got = kernels.scaled_mm(a, w, ws, b, dtype)
     assert got.shape == (m, n) and got.dtype == dtype
-    assert _rel(got, want) < TOL[dtype]
+    assert _rel(got, want) < GEMM_TOL[dtype]
+    tiles = kernels.rowwise_tiles(m, n)
+    if tiles is not None:  # the Hopper-tuned tiles compute the same product
+        assert _rel(kernels.scaled_mm(a, w, ws, b, dtype, tiles=tiles), want) < GEMM_TOL[dtype]
     if DEV == "cuda" and kernels.rowwise_mm_applies(k, n, dtype):
-        assert _rel(kernels.rowwise_mm(a, w, ws, b), want) < TOL[dtype]
+        assert _rel(kernels.rowwise_mm(a, w, ws, b), want) < GEMM_TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -105,7 +111,7 @@ def test_scaled_mm_blockwise_equals_dequantized_product(dtype: torch.dtype, m: i
     want = F.linear(a.values.float() * a.scales.repeat_interleave(128, 1)[:, :k],
                     fp8.dequantize(w, ws, (128, 128), torch.float32))
     got = kernels.scaled_mm(a, w, ws, None, dtype, (128, 128))
-    assert _rel(got, want) < TOL[dtype]
+    assert _rel(got, want) < GEMM_TOL[dtype]
     with pytest.raises(ValueError, match="weight scales"):
         kernels.scaled_mm(a, w, ws[:, :1], None, dtype, (128, 128))
 

@@ -177,6 +177,26 @@ def gemm_tiles(m: int, block_k: int) -> ScaledMmTiles:
     return ScaledMmTiles(block_m, 128, block_k, 4 if block_m <= 64 else 8, 3)
 
 
+def rowwise_tiles(m: int, n: int) -> Optional[ScaledMmTiles]:
+    """The Triton tiles that beat torch._scaled_mm's rowwise kernel (cuBLASLt, 128 x 128
+    tiles at every shape) on an H200 for m rows times an FP8 weight of n rows, or None where
+    cuBLASLt is as fast (RESULTS.md, thirteenth session; Llama-3.1-8B's projections). The
+    products are bound by the weight bytes there, and what counts is enough programs to keep
+    every SM reading: up to 64 rows, weight tiles of 32 rows for n <= 4,096 (o, down: 8.8 /
+    23.6 us against cuBLASLt's 13.8 / 37.7 at 64 rows), 64 for n <= 8,192 (QKV: 10.5 against
+    14.1), with 256-wide K tiles; 128 x 128 tiles for wider weights (gate/up: 35.3 against
+    42.8). From 65 to 256 rows only the narrow weights gain (down at 256 rows: 36.9 against
+    38.4) and cuBLASLt keeps the others."""
+    if m <= 64:
+        block_m = gemm_tiles(m, 128).block_m
+        if n <= 8192:
+            return ScaledMmTiles(block_m, 32 if n <= 4096 else 64, 256, 4, 4)
+        return ScaledMmTiles(block_m, 128, 128, 4, 3)
+    if m <= 256 and n <= 4096:
+        return ScaledMmTiles(128, 64, 256, 4, 4)
+    return None
+
+
 @triton.jit
 def _scaled_mm_kernel(a_ptr, w_ptr, out_ptr, as_ptr, ws_ptr, bias_ptr, m, n, k, stride_am,
                       stride_wn, stride_om, stride_as, stride_ws, GROUP_N,

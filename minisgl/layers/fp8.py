@@ -36,7 +36,9 @@ from minisgl.layers.source import TensorSource, copy_into
 if TYPE_CHECKING:  # kernels/fp8.py imports triton: only CUDA paths load it
     from minisgl.kernels.fp8 import Quantized
 
-GEMMS = ("scaled_mm", "triton")  # rowwise products: torch._scaled_mm where it applies, or Triton
+# Rowwise products: torch._scaled_mm where it applies, Triton, or (Hopper) each shape's faster
+# of the two (kernels/fp8.rowwise_tiles).
+GEMMS = ("scaled_mm", "triton", "auto")
 SCALE_PARAMS = ("weight_scale", "input_scale")  # checkpoint tensors of an FP8 layer besides weight
 
 
@@ -86,7 +88,9 @@ def fp8_gemm(device: torch.device, dtype: torch.dtype) -> str:
     """The rowwise GEMM FP8 layers use on `device` computing in `dtype` (see Fp8Spec.gemm).
     ValueError naming the GPU where it has no FP8 (compute capability below 8.9). Rowwise
     torch._scaled_mm (CUTLASS / cuBLASLt) with a bfloat16 output on the architectures torch
-    builds it for (8.9 to 10.x); Triton elsewhere."""
+    builds it for (8.9 to 10.x), on Hopper (9.x) "auto": Triton for the shapes where
+    cuBLASLt's rowwise kernel runs too few tiles (kernels/fp8.rowwise_tiles); Triton
+    elsewhere."""
     if device.type != "cuda":
         return "triton"
     major, minor = torch.cuda.get_device_capability(device)
@@ -94,6 +98,8 @@ def fp8_gemm(device: torch.device, dtype: torch.dtype) -> str:
         raise ValueError(f"FP8 weights need a GPU of compute capability 8.9 or newer (Ada, "
                          f"Hopper); {device} ({torch.cuda.get_device_name(device)}) has "
                          f"{major}.{minor}")
+    if major == 9 and dtype == torch.bfloat16:
+        return "auto"
     return "scaled_mm" if major < 11 and dtype == torch.bfloat16 else "triton"
 
 
@@ -317,9 +323,12 @@ def rowwise_product(a: Quantized, w: Fp8Weight, bias: Optional[torch.Tensor],
                     dtype: torch.dtype) -> torch.Tensor:
     """(a.values * a.scales) (weight * scale)^T + b for rows quantized per token (or by the
     static scale), [M, N] in `dtype`: torch._scaled_mm where the spec's GEMM and the shape
-    allow, else the Triton scaled GEMM."""
+    allow, else the Triton scaled GEMM; "auto" takes Triton with the tiles
+    kernels/fp8.rowwise_tiles names for the shape, where it names any."""
     from minisgl.kernels import fp8 as kernels
-    k, n = a.values.shape[1], w.weight.shape[0]
-    if w.spec.gemm == "scaled_mm" and kernels.rowwise_mm_applies(k, n, dtype):
+    (m, k), n = a.values.shape, w.weight.shape[0]
+    tiles = kernels.rowwise_tiles(m, n) if w.spec.gemm == "auto" else None
+    if (tiles is None and w.spec.gemm != "triton"
+            and kernels.rowwise_mm_applies(k, n, dtype)):
         return kernels.rowwise_mm(a, w.weight, w.scale, bias)
-    return kernels.scaled_mm(a, w.weight, w.scale, bias, dtype)
+    return kernels.scaled_mm(a, w.weight, w.scale, bias, dtype, tiles=tiles)
