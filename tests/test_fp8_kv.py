@@ -23,7 +23,8 @@ from script_loader import load_script
 
 
 def test_kv_cache_dtype_setting() -> None:
-    assert EngineConfig().kv_torch_dtype == torch.float32  # auto: the model's dtype (CPU)
+    # auto: the model's dtype (float32 on the CPU)
+    assert EngineConfig(device="cpu").kv_torch_dtype == torch.float32
     assert EngineConfig(dtype="bf16").kv_torch_dtype == torch.bfloat16
     for name in ("fp8", "fp8_e4m3"):
         assert EngineConfig(kv_cache_dtype=name).kv_torch_dtype == FP8_KV_DTYPE

@@ -332,10 +332,14 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
         logger.warning("default model: GGUF has no chat template; using the SmolLM2 one")
         tokenizer.chat_template = _SMOLLM2_CHAT_TEMPLATE
     tokenizer.model_max_length = config["max_position_embeddings"]
+    # The GGUF's ids are the truth: transformers versions differ in which special tokens
+    # their GGUF tokenizer conversion names (5.17 named <|im_start|> eos, id 1; the GGUF says 2).
     for what, want in (("bos", bos_id), ("eos", eos_id)):
-        token = getattr(tokenizer, f"{what}_token")
-        if tokenizer.convert_tokens_to_ids(token) != want:
-            raise RuntimeError(f"{gguf_path}: tokenizer {what} token {token!r} is not id {want}")
+        token = tokenizer.convert_ids_to_tokens(want)
+        if not isinstance(token, str) or tokenizer.convert_tokens_to_ids(token) != want:
+            raise RuntimeError(f"{gguf_path}: the tokenizer has no {what} token of id {want}")
+        if getattr(tokenizer, f"{what}_token") != token:
+            setattr(tokenizer, f"{what}_token", token)
     tokenizer.save_pretrained(str(out))
     # Also keep the template in tokenizer_config.json and name a class that every transformers
     # version knows (transformers 5 writes "TokenizersBackend", unknown to 4.x).
