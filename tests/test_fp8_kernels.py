@@ -93,11 +93,56 @@ def test_scaled_mm_rowwise_equals_dequantized_product(dtype: torch.dtype, m: int
     got = kernels.scaled_mm(a, w, ws, b, dtype)
     assert got.shape == (m, n) and got.dtype == dtype
     assert _rel(got, want) < GEMM_TOL[dtype]
-    tiles = kernels.rowwise_tiles(m, n)
+    tiles = kernels.rowwise_plan(m, n).tiles
     if tiles is not None:  # the Hopper-tuned tiles compute the same product
         assert _rel(kernels.scaled_mm(a, w, ws, b, dtype, tiles=tiles), want) < GEMM_TOL[dtype]
     if DEV == "cuda" and kernels.rowwise_mm_applies(k, n, dtype):
         assert _rel(kernels.rowwise_mm(a, w, ws, b), want) < GEMM_TOL[dtype]
+        # "auto" (Hopper's choice per shape) and its unscaled product rescaled after
+        auto = fp8.Fp8Weight(w, ws, None, fp8.Fp8Spec(gemm="auto"),
+                             torch.ones(1, device=DEV))
+        assert _rel(fp8.rowwise_product(a, auto, b, dtype), want) < GEMM_TOL[dtype]
+        if dtype == torch.bfloat16:
+            raw = kernels.unscaled_mm(a.values, w, auto.unit)
+            assert _rel(kernels.rescale(raw, a.scales, ws, b, dtype), want) < TOL[dtype]
+
+
+def test_rowwise_plan_by_rows() -> None:
+    """Few rows: Triton tiles (narrower weight tiles for narrower weights); a decode batch's
+    rows: the unscaled tensorwise product; a prefill's: cuBLASLt rowwise."""
+    small, wide = kernels.rowwise_plan(64, 4096), kernels.rowwise_plan(16, 28672)
+    assert small.kind == "triton" and small.tiles.block_n == 32 and small.tiles.block_m == 64
+    assert wide.kind == "triton" and wide.tiles.block_n == 128 and wide.tiles.block_m == 16
+    assert kernels.rowwise_plan(137, 6144).kind == "tensorwise"
+    assert kernels.rowwise_plan(kernels.TENSORWISE_MAX_ROWS + 1, 4096).kind == "cublaslt"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_rescale_applies_row_and_column_scales(dtype: torch.dtype, bias: bool) -> None:
+    x = (torch.randn(7, 300, device=DEV) * 100).to(dtype)
+    rs, cs = torch.rand(7, 1, device=DEV) + 0.1, torch.rand(300, device=DEV) + 0.1
+    b = torch.randn(300, device=DEV).to(dtype) if bias else None
+    want = x.float() * rs * cs + (b.float() if b is not None else 0.0)
+    got = kernels.rescale(x, rs, cs, b, dtype)
+    assert got.dtype == dtype and _rel(got, want) < TOL[dtype]
+    if DEV == "cpu":  # the GPU may fuse the bias add into a multiply-add: one rounding fewer
+        assert torch.equal(got, want.to(dtype))
+    with pytest.raises(ValueError, match="row scales"):
+        kernels.rescale(x, rs[:3], cs, None, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_quantized_scales_an_unscaled_product(dtype: torch.dtype) -> None:
+    """With the product's scales, the SiLU kernel equals rescaling first, then the plain
+    quantized SiLU."""
+    raw = (torch.randn(4, 2 * 300, device=DEV) * 50).to(dtype)
+    rs, cs = torch.rand(4, 1, device=DEV) * 0.1, torch.rand(600, device=DEV) * 0.1
+    got = activation.silu_and_mul_quantized(raw, row_scale=rs, col_scale=cs)
+    want = activation.silu_and_mul_quantized(kernels.rescale(raw, rs, cs, None, dtype))
+    _same_quantized(got, want)
+    with pytest.raises(ValueError, match="both scales or neither"):
+        activation.silu_and_mul_quantized(raw, row_scale=rs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -6,6 +6,8 @@ launch. This module imports triton: only GPU paths (and the CPU interpreter test
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -46,27 +48,45 @@ def silu_and_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, d, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, rs_ptr, cs_ptr, d, SCALED: tl.constexpr,
+                           BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program `row`: silu(gate) * up rounded to x's dtype, quantized per row: the whole row
-    in registers (BLOCK >= d), then its FP8 values at q and its scale at s[row]."""
+    in registers (BLOCK >= d), then its FP8 values at q and its scale at s[row]. SCALED: x is
+    an unscaled FP8 product; gate and up are first x * rs[row] * cs[col], rounded to x's
+    dtype (the scaled product's values)."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < d
     gate = tl.load(x_ptr + row * 2 * d + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * 2 * d + d + cols, mask=mask, other=0.0)
+    if SCALED:
+        r = tl.load(rs_ptr + row)
+        ty = x_ptr.dtype.element_ty
+        gate = (gate.to(tl.float32) * r * tl.load(cs_ptr + cols, mask=mask, other=0.0)).to(ty)
+        up = (up.to(tl.float32) * r * tl.load(cs_ptr + d + cols, mask=mask, other=0.0)).to(ty)
     act = silu_mul_f32(gate, up).to(x_ptr.dtype.element_ty).to(tl.float32)
     quantize_row_store(act, cols, mask, q_ptr + row * d, s_ptr + row)
 
 
-def silu_and_mul_quantized(x: torch.Tensor, pdl: bool = False) -> Quantized:
+def silu_and_mul_quantized(x: torch.Tensor, pdl: bool = False,
+                           row_scale: Optional[torch.Tensor] = None,
+                           col_scale: Optional[torch.Tensor] = None) -> Quantized:
     """x = [gate | up] (contiguous, rows [..., 2d]) -> silu(gate) * up as FP8 rows [M, d] and
-    their scales [M, 1]: fp8.quantize_tokens of `silu_and_mul(x)`, exactly, in one launch."""
+    their scales [M, 1]: fp8.quantize_tokens of `silu_and_mul(x)`, exactly, in one launch.
+    With `row_scale` [M] and `col_scale` [2d]: x is an unscaled FP8 product
+    (fp8.unscaled_mm) and its scales are applied first, as fp8.rescale would."""
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d)
+    scaled = row_scale is not None and col_scale is not None
+    if (row_scale is None) != (col_scale is None) or scaled and (
+            row_scale.numel() != x2.shape[0] or col_scale.numel() != 2 * d):
+        raise ValueError(f"silu_and_mul_quantized takes both scales or neither: {x2.shape[0]} "
+                         f"row scales and {2 * d} column scales")
     out = empty_quantized(x2.shape[0], d, x.device)
     block = triton.next_power_of_2(d)
-    _silu_mul_quant_kernel[(x2.shape[0],)](x2, out.values, out.scales, d, BLOCK=block, PDL=pdl,
-                                           num_warps=min(16, max(4, block // 512)),
-                                           **launch_options(pdl))
+    _silu_mul_quant_kernel[(x2.shape[0],)](
+        x2, out.values, out.scales, row_scale if scaled else out.scales,
+        col_scale if scaled else out.scales, d, SCALED=scaled, BLOCK=block, PDL=pdl,
+        num_warps=min(16, max(4, block // 512)), **launch_options(pdl))
     return out

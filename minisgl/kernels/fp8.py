@@ -14,6 +14,8 @@ GEMMs.
   per row of a and per row of w). Accumulates in float32 and rounds once.
 - `rowwise_mm`: the rowwise product by torch._scaled_mm (cuBLASLt / CUTLASS), which needs a
   bfloat16 output and K, N multiples of 16.
+- `unscaled_mm` + `rescale`: the same product by torch._scaled_mm's (much faster) tensorwise
+  kernels, unscaled, and the scales applied after; `rowwise_plan` picks among the three.
 
 Nothing here reads a value back to the host or sizes a tensor from data, so the decode CUDA
 graphs capture them. This module imports triton; layers import it only for CUDA tensors (and
@@ -177,24 +179,42 @@ def gemm_tiles(m: int, block_k: int) -> ScaledMmTiles:
     return ScaledMmTiles(block_m, 128, block_k, 4 if block_m <= 64 else 8, 3)
 
 
-def rowwise_tiles(m: int, n: int) -> Optional[ScaledMmTiles]:
-    """The Triton tiles that beat torch._scaled_mm's rowwise kernel (cuBLASLt, 128 x 128
-    tiles at every shape) on an H200 for m rows times an FP8 weight of n rows, or None where
-    cuBLASLt is as fast (RESULTS.md, thirteenth session; Llama-3.1-8B's projections). The
-    products are bound by the weight bytes there, and what counts is enough programs to keep
-    every SM reading: up to 64 rows, weight tiles of 32 rows for n <= 4,096 (o, down: 8.8 /
-    23.6 us against cuBLASLt's 13.8 / 37.7 at 64 rows), 64 for n <= 8,192 (QKV: 10.5 against
-    14.1), with 256-wide K tiles; 128 x 128 tiles for wider weights (gate/up: 35.3 against
-    42.8). From 65 to 256 rows only the narrow weights gain (down at 256 rows: 36.9 against
-    38.4) and cuBLASLt keeps the others."""
+class RowwisePlan(NamedTuple):
+    """How a rowwise-scaled FP8 product runs: "triton" (`scaled_mm` with `tiles`),
+    "cublaslt" (`rowwise_mm`) or "tensorwise" (`unscaled_mm`, then the row and column scales
+    applied by the kernel that reads the product, or by `rescale`)."""
+
+    kind: str
+    tiles: Optional[ScaledMmTiles] = None
+
+
+TENSORWISE_MAX_ROWS = 512  # above: the rescale's pass over a wide output costs what it saves
+
+
+def rowwise_plan(m: int, n: int) -> RowwisePlan:
+    """The fastest way on an H200 to multiply m rows by an FP8 weight of n rows with per-row
+    scales on both (RESULTS.md, thirteenth session; Llama-3.1-8B's projections, which are
+    bound by their weight bytes at these sizes). cuBLASLt's rowwise kernel takes 128 x 128
+    tiles at every shape (too few programs for few rows or a narrow weight) and its choice at
+    137 rows is poor (gate/up 78.5 us against 38.2 for the same product unscaled); its
+    tensorwise kernels are much faster.
+    - up to 64 rows: Triton, weight tiles of 32 rows for n <= 4,096 (o, down: 8.8 / 23.6 us
+      against cuBLASLt's 13.8 / 37.7 at 64 rows), 64 for n <= 8,192 (QKV: 10.5 against
+      14.1), 256-wide K tiles; 128 x 128 tiles for wider weights (gate/up: 35.3 against
+      42.8). The unscaled product and a rescale launch would cost more here;
+    - 65 to TENSORWISE_MAX_ROWS rows: tensorwise (at 137 rows: down 21.1, gate/up 38.2, QKV
+      12.2, o 8.7 us against the best rowwise kernels' 37.3, 56.5, 18.4, 13.2; a rescale
+      launch takes about 3 us, none where SiLU-and-mul applies the scales);
+    - more rows (prefill): cuBLASLt rowwise, bound by compute."""
     if m <= 64:
         block_m = gemm_tiles(m, 128).block_m
         if n <= 8192:
-            return ScaledMmTiles(block_m, 32 if n <= 4096 else 64, 256, 4, 4)
-        return ScaledMmTiles(block_m, 128, 128, 4, 3)
-    if m <= 256 and n <= 4096:
-        return ScaledMmTiles(128, 64, 256, 4, 4)
-    return None
+            return RowwisePlan("triton", ScaledMmTiles(block_m, 32 if n <= 4096 else 64, 256,
+                                                       4, 4))
+        return RowwisePlan("triton", ScaledMmTiles(block_m, 128, 128, 4, 3))
+    if m <= TENSORWISE_MAX_ROWS:
+        return RowwisePlan("tensorwise")
+    return RowwisePlan("cublaslt")
 
 
 @triton.jit
@@ -299,3 +319,45 @@ def rowwise_mm(a: Quantized, weight: torch.Tensor, weight_scale: torch.Tensor,
     return torch._scaled_mm(a.values, weight.t(), scale_a=a.scales,
                             scale_b=weight_scale.view(1, -1), bias=bias,
                             out_dtype=torch.bfloat16)
+
+
+def unscaled_mm(a: torch.Tensor, weight: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+    """a [M, K] (FP8) times weight [N, K] (FP8)^T, unscaled, in bfloat16 [M, N], by
+    torch._scaled_mm's tensorwise kernels (cuBLASLt); `unit` is a 1-element float32 one on the
+    device (a persistent tensor: a graph captures no fill for it). The row and column scales
+    are applied by the reader (`rescale`, or the SiLU kernel); the extra rounding to bfloat16
+    before them is far below the activations' FP8 rounding. K and N multiples of 16."""
+    return torch._scaled_mm(a, weight.t(), scale_a=unit, scale_b=unit,
+                            out_dtype=torch.bfloat16)
+
+
+@triton.jit
+def _rescale_kernel(x_ptr, rs_ptr, cs_ptr, b_ptr, out_ptr, n, HAS_BIAS: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """Program (row, block): out = x * rs[row] * cs[cols] (+ b[cols]) in float32, rounded."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+    y = x * tl.load(rs_ptr + row) * tl.load(cs_ptr + cols, mask=mask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rescale(x: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
+            bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """x [M, N] (dense) * row_scale [M, 1] * col_scale [N] (+ bias [N]) in `out_dtype`, one
+    launch: the scales of an `unscaled_mm` product."""
+    m, n = x.shape
+    if not x.is_contiguous() or row_scale.numel() != m or col_scale.numel() != n:
+        raise ValueError(f"rescale takes a dense [M, N] product, M row scales and N column "
+                         f"scales; got {tuple(x.shape)} (strides {x.stride()}), "
+                         f"{row_scale.numel()} and {col_scale.numel()}")
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m:
+        block = min(2048, triton.next_power_of_2(n))
+        _rescale_kernel[(m, triton.cdiv(n, block))](
+            x, row_scale, col_scale, bias if bias is not None else col_scale, out, n,
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -24,12 +24,16 @@ def silu_and_mul(x: torch.Tensor, policy: KernelPolicy = KernelPolicy()) -> torc
     return F.silu(gate) * up
 
 
-def silu_and_mul_quantized(x: torch.Tensor, policy: KernelPolicy) -> Quantized:
+def silu_and_mul_quantized(x: torch.Tensor, policy: KernelPolicy,
+                           scales: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+                           ) -> Quantized:
     """silu(gate) * up quantized per token, in one Triton kernel, for an FP8 down projection
-    (RowParallelLinear.takes_quantized); CUDA tensors and a fused policy only (ValueError
-    otherwise)."""
+    (RowParallelLinear.takes_quantized); with `scales` (rows, columns), x is an unscaled FP8
+    product (layers/fp8.UnscaledProduct) and the kernel scales it first. CUDA tensors and a
+    fused policy only (ValueError otherwise)."""
     if not (policy.fused and x.is_cuda):
         raise ValueError("silu_and_mul_quantized runs the fused kernel: CUDA tensors and a "
                          "fused kernel policy")
     from minisgl.kernels import activation
-    return activation.silu_and_mul_quantized(x.contiguous(), policy.pdl)
+    rows, cols = scales if scales is not None else (None, None)
+    return activation.silu_and_mul_quantized(x.contiguous(), policy.pdl, rows, cols)

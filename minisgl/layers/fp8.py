@@ -36,8 +36,8 @@ from minisgl.layers.source import TensorSource, copy_into
 if TYPE_CHECKING:  # kernels/fp8.py imports triton: only CUDA paths load it
     from minisgl.kernels.fp8 import Quantized
 
-# Rowwise products: torch._scaled_mm where it applies, Triton, or (Hopper) each shape's faster
-# of the two (kernels/fp8.rowwise_tiles).
+# Rowwise products: torch._scaled_mm where it applies, Triton, or (Hopper) per shape the
+# fastest of those and an unscaled tensorwise product rescaled after (kernels/fp8.rowwise_plan).
 GEMMS = ("scaled_mm", "triton", "auto")
 SCALE_PARAMS = ("weight_scale", "input_scale")  # checkpoint tensors of an FP8 layer besides weight
 
@@ -82,6 +82,16 @@ class Fp8Weight(NamedTuple):
     scale: torch.Tensor  # float32: [N], or [ceil(N / Bn), ceil(K / Bk)] with blocks
     input_scale: Optional[torch.Tensor]  # [1] float32 for static activations
     spec: Fp8Spec
+    unit: Optional[torch.Tensor] = None  # [1] float32 one on the weight's device (unscaled_mm)
+
+
+class UnscaledProduct(NamedTuple):
+    """An FP8 product before its scales (kernels/fp8.unscaled_mm): the value is
+    product * row_scale * col_scale, applied by whoever reads it."""
+
+    product: torch.Tensor  # [M, N] bfloat16
+    row_scale: torch.Tensor  # [M, 1] float32 (the activations')
+    col_scale: torch.Tensor  # [N] float32 (the weight's)
 
 
 def fp8_gemm(device: torch.device, dtype: torch.dtype) -> str:
@@ -89,7 +99,8 @@ def fp8_gemm(device: torch.device, dtype: torch.dtype) -> str:
     ValueError naming the GPU where it has no FP8 (compute capability below 8.9). Rowwise
     torch._scaled_mm (CUTLASS / cuBLASLt) with a bfloat16 output on the architectures torch
     builds it for (8.9 to 10.x), on Hopper (9.x) "auto": Triton for the shapes where
-    cuBLASLt's rowwise kernel runs too few tiles (kernels/fp8.rowwise_tiles); Triton
+    cuBLASLt's rowwise kernel is slow, or its tensorwise one, unscaled, and the scales after
+    (kernels/fp8.rowwise_plan); Triton
     elsewhere."""
     if device.type != "cuda":
         return "triton"
@@ -152,6 +163,7 @@ def make_params(module: nn.Module, spec: Fp8Spec, out_features: int, in_features
         module.weight_scale = _param(scale)
     if spec.static_input:
         module.input_scale = _param(torch.zeros(1, dtype=torch.float32))
+    module.register_buffer("unit_scale", torch.ones(1, dtype=torch.float32), persistent=False)
 
 
 class Part(NamedTuple):
@@ -323,12 +335,31 @@ def rowwise_product(a: Quantized, w: Fp8Weight, bias: Optional[torch.Tensor],
                     dtype: torch.dtype) -> torch.Tensor:
     """(a.values * a.scales) (weight * scale)^T + b for rows quantized per token (or by the
     static scale), [M, N] in `dtype`: torch._scaled_mm where the spec's GEMM and the shape
-    allow, else the Triton scaled GEMM; "auto" takes Triton with the tiles
-    kernels/fp8.rowwise_tiles names for the shape, where it names any."""
+    allow, else the Triton scaled GEMM; "auto" follows kernels/fp8.rowwise_plan for the shape
+    (Triton tiles, cuBLASLt, or `unscaled_product` and a rescale launch)."""
     from minisgl.kernels import fp8 as kernels
+    unscaled = unscaled_product(a, w, dtype)
+    if unscaled is not None:
+        return kernels.rescale(*unscaled, bias, dtype)
     (m, k), n = a.values.shape, w.weight.shape[0]
-    tiles = kernels.rowwise_tiles(m, n) if w.spec.gemm == "auto" else None
+    plan = kernels.rowwise_plan(m, n) if w.spec.gemm == "auto" else None
+    tiles = plan.tiles if plan is not None else None
     if (tiles is None and w.spec.gemm != "triton"
             and kernels.rowwise_mm_applies(k, n, dtype)):
         return kernels.rowwise_mm(a, w.weight, w.scale, bias)
     return kernels.scaled_mm(a, w.weight, w.scale, bias, dtype, tiles=tiles)
+
+
+def unscaled_product(a: Quantized, w: Fp8Weight, dtype: torch.dtype
+                     ) -> Optional[UnscaledProduct]:
+    """The product without its scales, where the "auto" GEMM's plan for this shape is
+    tensorwise (kernels/fp8.rowwise_plan) and the output bfloat16; None otherwise (nothing
+    computed). The caller applies the scales (and any bias): kernels/fp8.rescale, or a kernel
+    that reads the product anyway (SiLU-and-mul)."""
+    from minisgl.kernels import fp8 as kernels
+    (m, k), n = a.values.shape, w.weight.shape[0]
+    if (w.spec.gemm != "auto" or w.unit is None or w.spec.block is not None
+            or not kernels.rowwise_mm_applies(k, n, dtype)
+            or kernels.rowwise_plan(m, n).kind != "tensorwise"):
+        return None
+    return UnscaledProduct(kernels.unscaled_mm(a.values, w.weight, w.unit), a.scales, w.scale)

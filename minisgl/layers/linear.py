@@ -93,7 +93,7 @@ class _Fp8Layer(nn.Module):
         if self.fp8 is None:
             return None
         return Fp8Weight(self.weight, self.weight_scale, getattr(self, "input_scale", None),
-                         self.fp8)
+                         self.fp8, getattr(self, "unit_scale", None))
 
     def _gemv_scale(self) -> Optional[torch.Tensor]:
         return _row_scale(self.quantized())
@@ -106,6 +106,14 @@ class _Fp8Layer(nn.Module):
         q = self.quantized()
         return (q is not None and fp8_weights.takes_tokens(q) and x.is_cuda
                 and self.policy.fused and not (takes_gemv(x, self.policy) and gemv_reads(q)))
+
+    def unscaled_product(self, a: Quantized, dtype: torch.dtype
+                         ) -> Optional[fp8_weights.UnscaledProduct]:
+        """This layer's product of quantized rows without its scales, where that is the
+        faster way for this shape (layers/fp8.unscaled_product); None otherwise, nothing
+        computed. The caller applies the scales; a column-parallel layer's bias too."""
+        quant = self.quantized()
+        return None if quant is None else fp8_weights.unscaled_product(a, quant, dtype)
 
     def _quantized_product(self, a: Quantized, dtype: torch.dtype,
                            bias: Optional[torch.Tensor]) -> torch.Tensor:
