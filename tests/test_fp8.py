@@ -64,8 +64,10 @@ def written(tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFa
 
 
 def _generate(path: Path, tp: int, prompts: list) -> list:
+    """Greedy tokens on the CPU in float32 (weight-only FP8: exact against HF's dequantized
+    twin; on a GPU the projections would be W8A8)."""
     with LLM(str(path), tp=tp, page_size=4, max_kv_tokens=2048, show_progress=False,
-             check_lockstep=tp > 1) as llm:
+             check_lockstep=tp > 1, device="cpu") as llm:
         return [o.token_ids for o in llm.generate(prompts, GREEDY)]
 
 
