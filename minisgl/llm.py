@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import itertools
 import logging
 import shutil
@@ -71,11 +72,14 @@ class _InProcess:
         self.io = LocalIO()
         self.scheduler = Scheduler(cfg, self.engine, self.io)
         self.limits: Limits = self.scheduler.limits
+        self.closed = False
 
     def submit(self, msg: Any) -> None:
+        self._check_open()
         self.io.inbox.append(msg)
 
     def poll(self) -> List[TokenOut]:
+        self._check_open()
         s = self.scheduler
         s.iterate(s.io.receive(blocking=False, on_idle=s.check_idle))
         if not s.has_work:
@@ -92,8 +96,22 @@ class _InProcess:
     def stats(self) -> Optional[SchedulerStats]:
         return self.io.stats
 
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this LLM is closed")
+
     def close(self) -> None:
-        pass
+        """Release the engine (weights, KV pool, CUDA graphs): a closed LLM holds no device
+        memory, so that the next one in this process sizes its KV pool from all of it (it
+        got a fifth less with the first's pool still held). Later calls raise RuntimeError."""
+        if self.closed:
+            return
+        self.closed = True
+        on_cuda = self.engine.device.type == "cuda"
+        del self.scheduler, self.engine
+        gc.collect()  # the engine's tensors sit in reference cycles (modules, graphs)
+        if on_cuda:
+            torch.cuda.empty_cache()
 
 
 class _RankProcesses:
@@ -263,6 +281,7 @@ class LLM:
             raise NotImplementedError(
                 "LLM.check_accounting needs tp=1: with tp>1 each rank checks its own KV pages "
                 "before it waits for input (a mismatch ends the rank, and the next call raises)")
+        self._backend._check_open()
         return self._backend.scheduler.accounting()
 
     @property

@@ -151,3 +151,17 @@ def test_offline_prefill_chunk_follows_the_gpu(monkeypatch: pytest.MonkeyPatch, 
 def test_offline_prefill_chunk_default_reaches_the_scheduler(llm: LLM) -> None:
     """The fixture leaves max_prefill_tokens unset: on CPU the scheduler's chunk is 8,192."""
     assert llm.limits.max_prefill_tokens == 8192
+
+
+def test_closed_llm_releases_its_engine(default_model_dir: Path) -> None:
+    """Closing (the with block's end) drops the engine, weights and KV pool with it, so that a
+    next LLM in the process sizes its pool from all the memory; a closed LLM refuses work."""
+    import weakref
+    with LLM(str(default_model_dir), max_kv_tokens=256, show_progress=False) as llm:
+        engine = weakref.ref(llm._backend.engine)  # type: ignore[attr-defined]
+        assert llm.generate("Hi", SamplingParams(max_tokens=2))[0].token_ids
+    assert engine() is None
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate("Hi", SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.check_accounting()
