@@ -220,3 +220,19 @@ def test_cublaslt_linear_matches_cublas_and_restores_the_preference(dtype: torch
     assert torch.backends.cuda.preferred_blas_library() == before
     timer = blas.cuda_timer(reps=3)
     assert all(timer(x, w, lib) > 0 for lib in blas.LIBRARIES)
+
+
+def test_gpu_engine_warms_the_greedy_sampler_at_start(tiny_qwen3: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The argmax kernels run at start for the model's dtype and float32 (so a fresh machine
+    compiles them then, not on its first request's way to its first token)."""
+    from minisgl.engine import engine as engine_mod
+    seen: List[torch.dtype] = []
+    real = engine_mod.greedy
+
+    def spy(logits: torch.Tensor, policy: object) -> torch.Tensor:
+        seen.append(logits.dtype)
+        return real(logits, policy)  # type: ignore[arg-type]
+    monkeypatch.setattr(engine_mod, "greedy", spy)
+    with LLM(str(tiny_qwen3), device="cuda", dtype="bfloat16", show_progress=False):
+        assert seen == [torch.bfloat16, torch.float32]

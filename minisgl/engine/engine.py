@@ -26,8 +26,8 @@ from minisgl.engine.logprobs import (PromptRows, prompt_entries, prompt_logprobs
 from minisgl.engine.penalties import Penalties
 from minisgl.engine.prefill_graph import PrefillGraphs, capture_prefill_graphs
 from minisgl.engine.sampler import (LogprobTensors, add_logit_bias, apply_token_bitmask,
-                                    mask_to_allowed_tokens,
-                                    sample_requests, suppress_early_stops)
+                                    greedy, mask_to_allowed_tokens, sample_requests,
+                                    suppress_early_stops)
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
 from minisgl.kvcache.pool import FP8_KV_DTYPE, KVScales
@@ -207,9 +207,23 @@ class Engine:
             self.prefill_graphs = capture_prefill_graphs(
                 self.model, self.backend, cfg.prefill_graph_tokens, self.page_table,
                 self.pool.scratch_slot)
+        if self.device.type == "cuda":
+            self._warm_up_sampler()
         logger.info("rank %d: engine ready: %d KV pages of %d tokens (%s), backend %s, pdl %s",
                     cfg.tp_info.rank, self.num_pages, cfg.page_size, kv_dtype, cfg.backend_name,
                     "on" if self.policy.pdl else "off")
+
+    @torch.inference_mode()
+    def _warm_up_sampler(self) -> None:
+        """Run the greedy sampler's Triton argmax once for each logits dtype it sees (the
+        model's; float32 after a logit bias or an early-stop mask), so that its kernels
+        compile at start: the CUDA graphs hold only the forward pass, and on a machine with an
+        empty Triton cache the first greedy request would compile them on its way to its first
+        token."""
+        for dtype in dict.fromkeys((self.cfg.torch_dtype, torch.float32)):
+            greedy(torch.zeros((1, self.model_cfg.vocab_size), dtype=dtype, device=self.device),
+                   self.policy)
+        torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def _tune_gemms(self, rows: List[int]) -> None:
