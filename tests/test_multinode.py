@@ -22,12 +22,14 @@ from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Sequence, Tuple
 
 import httpx
+import pytest
 
 from server_helpers import (CPU_ARGS, NODE_READY, READY, REPO, Server, check_same_as_tp1, comm,
                             error_line, gone, run_serve, runtime_dirs)
 from shutdown_helpers import listeners
 
 from minisgl.distributed.bind import address_towards, is_loopback
+from minisgl.distributed.store import parse_tcp
 from minisgl.utils import free_port
 
 TIMEOUT = ("--dist-timeout", "30")
@@ -217,3 +219,13 @@ def test_the_fingerprint_compares_the_model_shape_not_its_path(tiny_model: Calla
     problem = mismatch({0: fp(tiny), 1: fp(tiny, "--dtype", "bf16")})
     assert problem is not None and "'bfloat16'" in problem and "'float32'" in problem, problem
     assert mismatch({0: fp(tiny), 1: fp(tiny, "--mem-fraction", "0.5")}) is None  # node-local
+
+
+def test_rendezvous_addresses_parse_as_the_cluster_flag_does() -> None:
+    """One HOST:PORT rule (distributed/bind.split_host_port) for --dist-init-addr and the ranks'
+    tcp:// init method: brackets around IPv6, a port in range, errors naming the value."""
+    assert parse_tcp("tcp://127.0.0.1:29500") == ("127.0.0.1", 29500)
+    assert parse_tcp("tcp://[::1]:29500") == ("::1", 29500)
+    for bad in ("tcp://127.0.0.1", "tcp://host:0", "tcp://host:99999", "tcp://:80"):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            parse_tcp(bad)

@@ -15,10 +15,20 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
+def split_host_port(addr: str, what: str) -> Tuple[str, int]:
+    """("host", port) of "HOST:PORT" ("[v6]:PORT" too, brackets dropped); ValueError naming
+    `what` and `addr` when it is not one."""
+    host, sep, port = addr.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} must be HOST:PORT with a port in [1, 65535], got {addr!r}")
+    return host, int(port)
 
 
 def is_loopback(host: str) -> bool:

@@ -17,14 +17,15 @@ from typing import Callable, Tuple
 
 import torch.distributed as dist
 
+from minisgl.distributed.bind import split_host_port
+
 BEAT_INTERVAL_S = 0.5
 
 
 def parse_tcp(init_method: str) -> Tuple[str, int]:
-    """("host", port) of "tcp://host:port" ("tcp://[v6]:port" too)."""
-    rest = init_method.removeprefix("tcp://")
-    host, _, port = rest.rpartition(":")
-    return host.strip("[]"), int(port)
+    """("host", port) of "tcp://host:port" ("tcp://[v6]:port" too); ValueError naming it when
+    it is not one."""
+    return split_host_port(init_method.removeprefix("tcp://"), "the rendezvous init_method")
 
 
 def connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:

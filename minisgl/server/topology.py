@@ -19,6 +19,7 @@ import socket
 from dataclasses import dataclass
 from typing import List, NamedTuple, Optional, Tuple
 
+from minisgl.distributed.bind import split_host_port
 from minisgl.settings import setting
 
 
@@ -40,15 +41,6 @@ class Wiring(NamedTuple):
     node_ranks: int = 0  # rank processes this launcher runs (0: tp)
     store_prefix: Optional[str] = None
     broadcast_remote: Optional[str] = None
-
-
-def split_host_port(addr: str, what: str) -> Tuple[str, int]:
-    """("host", port) of "HOST:PORT" ("[v6]:PORT" too); ValueError naming `what` and `addr`."""
-    host, sep, port = addr.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{what} must be HOST:PORT with a port in [1, 65535], got {addr!r}")
-    return host, int(port)
 
 
 @dataclass(frozen=True)
