@@ -22,6 +22,7 @@ from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl.models import ModelConfig, model_class
 from minisgl.models.quantization import parse_quantization, quant_plan
 from minisgl.models.weights import init_dummy, iter_checkpoint
+from recording_source import RecordingSource
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 # 128 x 128 blocks need every projection's dims to be whole blocks at tp=1 and tp=2
@@ -124,7 +125,7 @@ def test_online_fp8_quantizes_each_ranks_shard(tiny_model: Callable[..., Path]) 
         info = DistributedInfo(rank, 2)
         model = model_class(cfg.architecture)(cfg, info, Communicator(info), quant=plan)
         reads: list = []
-        model.load_weights((n, _Recording(s, reads)) for n, s in iter_checkpoint(path, False))
+        model.load_weights((n, RecordingSource(s, reads)) for n, s in iter_checkpoint(path, False))
         for name, shape, got in reads:
             if len(shape) == 2 and "proj" in name:
                 assert torch.Size(got).numel() * 2 == torch.Size(shape).numel(), name
@@ -134,20 +135,6 @@ def test_online_fp8_quantizes_each_ranks_shard(tiny_model: Callable[..., Path]) 
         q, scale = fp8.quantize_rows(mine)
         assert torch.equal(down.weight, q.float() * scale[:, None])
         assert not torch.equal(down.weight, mine)
-
-
-class _Recording:
-    def __init__(self, inner: object, log: list) -> None:
-        self.inner, self.log = inner, log
-
-    @property
-    def shape(self) -> tuple:
-        return self.inner.shape  # type: ignore[attr-defined]
-
-    def read(self, dim: object = None, start: int = 0, stop: int = 0) -> torch.Tensor:
-        t = self.inner.read(dim, start, stop)  # type: ignore[attr-defined]
-        self.log.append((self.inner.name, tuple(self.shape), tuple(t.shape)))  # type: ignore
-        return t
 
 
 def test_online_fp8_default_model_answers_paris(default_model_dir: Path) -> None:

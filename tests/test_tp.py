@@ -18,6 +18,7 @@ from minisgl import LLM, SamplingParams
 from minisgl.distributed import Communicator, DistributedInfo
 from minisgl.models import ModelConfig, model_class
 from minisgl.models.weights import iter_checkpoint
+from recording_source import RecordingSource
 from spawn_ranks import spawn_ranks
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -121,20 +122,6 @@ def test_lockstep_check_detects_divergence() -> None:
     assert all(m.startswith("ranks diverged on tokens") for m in msgs), msgs
 
 
-class _RecordingSource:
-    def __init__(self, inner: object, log: list) -> None:
-        self.inner, self.log = inner, log
-
-    @property
-    def shape(self) -> tuple:
-        return self.inner.shape  # type: ignore[attr-defined]
-
-    def read(self, dim: object = None, start: int = 0, stop: int = 0) -> torch.Tensor:
-        t = self.inner.read(dim, start, stop)  # type: ignore[attr-defined]
-        self.log.append((self.inner.name, tuple(self.shape), tuple(t.shape)))  # type: ignore
-        return t
-
-
 @pytest.mark.parametrize("tp", [3])
 def test_sharded_loading_reads_only_slices(default_model_dir: Path, tp: int) -> None:
     cfg = ModelConfig.from_dir(default_model_dir)
@@ -143,7 +130,7 @@ def test_sharded_loading_reads_only_slices(default_model_dir: Path, tp: int) -> 
         info = DistributedInfo(rank, tp)
         model = model_class(cfg.architecture)(cfg, info, Communicator(info))
         reads: list = []
-        model.load_weights((n, _RecordingSource(s, reads))
+        model.load_weights((n, RecordingSource(s, reads))
                            for n, s in iter_checkpoint(default_model_dir, False))
         for name, full, got in reads:
             if len(full) == 2:  # every matrix is split: no rank reads a whole one
