@@ -428,7 +428,8 @@ def bench_fp8_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
             us = time_graph(lambda st=iter(itertools.cycle(dense)): torch.nn.functional.linear(
                 x, next(st)), len(dense), args.reps)
             report("fp8lin", {**case, "impl": "bf16_cublas"}, us,
-                   tb_s=round(n * k * 2 / us / 1e6, 2), tflops=round(2 * rows * n * k / us / 1e6, 1))
+                   tb_s=round(n * k * 2 / us / 1e6, 2),
+                   tflops=round(2 * rows * n * k / us / 1e6, 1))
             del dense
             ref = (x.float() @ (ws[0][0].float() * ws[0][1][:, None]).t())
             for label, fn in _fp8_variants(x, n, k, rows, args.fp8_sweep).items():

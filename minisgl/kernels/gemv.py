@@ -13,8 +13,8 @@ that kernel's tail.
 They sum in float32 and round where the separate kernels round, so their results equal those
 kernels' up to summation order. Each takes FP8 (float8_e4m3fn) weights too, with `weight_scale`
 their float32 scale per output row: the row's dot product with the (unquantized) input is
-multiplied by its scale before the bias, so that a batch-1 step streams half the bytes. This module imports triton; layers import it only for CUDA
-tensors.
+multiplied by its scale before the bias, so that a batch-1 step streams half the bytes. This
+module imports triton; layers import it only for CUDA tensors.
 """
 
 from __future__ import annotations
