@@ -72,6 +72,34 @@ def _step(model: CausalLM, target: bool) -> Tuple[torch.Tensor, torch.Tensor, to
     return logits, k, v
 
 
+def _random_reference(cls: type, cfg: ModelConfig, info: DistributedInfo) -> CausalLM:
+    """An unfused model with random weights (norm weights near 1)."""
+    torch.manual_seed(0)
+    ref = cls(cfg, info, Communicator(info))
+    for name, p in ref.named_parameters():
+        p.data.uniform_(0.5, 1.5) if "norm" in name else p.data.normal_(0, 0.3)
+    return ref
+
+
+def _record_gemvs(monkeypatch: pytest.MonkeyPatch) -> List[str]:
+    """The GEMV kernels the model launches from now on, by name (" fp8" appended where they
+    read FP8 weights), run without PDL, and every one-row projection taking the GEMV (as on
+    CUDA)."""
+    calls: List[str] = []
+
+    def without_pdl(kernel: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            calls.append(kernel.__name__ + ("" if kwargs.get("weight_scale") is None
+                                            else " fp8"))
+            return kernel(*args, **{**kwargs, "pdl": False})
+        return run
+    for name in ("gemv", "norm_gemv", "norm_gate_up_silu", "norm_qkv_rope"):
+        monkeypatch.setattr(gemv, name, without_pdl(getattr(gemv, name)))
+    monkeypatch.setattr(linear, "takes_gemv",
+                        lambda x, policy: policy.gemv and x.numel() == x.shape[-1])
+    return calls
+
+
 @pytest.mark.parametrize("cls,bias", [(LlamaForCausalLM, False), (Qwen2ForCausalLM, True),
                                       (Qwen3ForCausalLM, False)])
 @pytest.mark.parametrize("target", [True, False])
@@ -81,25 +109,11 @@ def test_batch1_fused_decoder_matches_unfused(cls: type, bias: bool, target: boo
     (the same with QKV bias), Qwen3 (per-head q/k norms: only the norm is fused into QKV): the
     logits and every cache slot equal the unfused model's, and the fused kernels did run."""
     cfg, info = _config(bias), DistributedInfo(0, 1)
-    torch.manual_seed(0)
-    ref = cls(cfg, info, Communicator(info))
-    for name, p in ref.named_parameters():
-        p.data.uniform_(0.5, 1.5) if "norm" in name else p.data.normal_(0, 0.3)
+    ref = _random_reference(cls, cfg, info)
     fused = cls(cfg, info, Communicator(info), KernelPolicy(fused=True, pdl=True))
     fused.load_state_dict(ref.state_dict())
     want = _step(ref, target)
-
-    calls: List[str] = []
-
-    def without_pdl(kernel: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            calls.append(kernel.__name__)
-            return kernel(*args, **{**kwargs, "pdl": False})
-        return run
-    for name in ("gemv", "norm_gemv", "norm_gate_up_silu", "norm_qkv_rope"):
-        monkeypatch.setattr(gemv, name, without_pdl(getattr(gemv, name)))
-    monkeypatch.setattr(linear, "takes_gemv",
-                        lambda x, policy: policy.gemv and x.numel() == x.shape[-1])
+    calls = _record_gemvs(monkeypatch)
     got = _step(fused, target)
 
     for a, b in zip(got, want):
@@ -118,10 +132,7 @@ def test_batch1_fused_decoder_reads_fp8_weights(cls: type, bias: bool, target: b
     from minisgl.layers import fp8
     from minisgl.models.quantization import QuantPlan
     cfg, info = _config(bias), DistributedInfo(0, 1)
-    torch.manual_seed(0)
-    ref = cls(cfg, info, Communicator(info))
-    for name, p in ref.named_parameters():
-        p.data.uniform_(0.5, 1.5) if "norm" in name else p.data.normal_(0, 0.3)
+    ref = _random_reference(cls, cfg, info)
     plan = QuantPlan(None, fp8.Fp8Spec(gemm="triton"))
     fused = cls(cfg, info, Communicator(info), KernelPolicy(fused=True, pdl=True), plan)
     fused.load_state_dict(ref.state_dict(), strict=False)
@@ -134,18 +145,7 @@ def test_batch1_fused_decoder_reads_fp8_weights(cls: type, bias: bool, target: b
         layer.weight_scale.copy_(scale)
         dense.weight.data.copy_(fp8.dequantize(q, scale, None, torch.float32))
     want = _step(ref, target)
-    calls: List[str] = []
-
-    def without_pdl(kernel: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            calls.append(kernel.__name__ + ("" if kwargs.get("weight_scale") is None
-                                            else " fp8"))
-            return kernel(*args, **{**kwargs, "pdl": False})
-        return run
-    for name in ("gemv", "norm_gemv", "norm_gate_up_silu", "norm_qkv_rope"):
-        monkeypatch.setattr(gemv, name, without_pdl(getattr(gemv, name)))
-    monkeypatch.setattr(linear, "takes_gemv",
-                        lambda x, policy: policy.gemv and x.numel() == x.shape[-1])
+    calls = _record_gemvs(monkeypatch)
     got = _step(fused, target)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
