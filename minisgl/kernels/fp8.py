@@ -78,22 +78,11 @@ def quantize_row_store(x, cols, mask, q_row_ptr, s_ptr):
 @triton.jit
 def quantize_kv(x, scale):
     """An FP8 KV cache's value (kvcache.pool.quantize; every writer of the pool calls this
-    one): x / scale in float32 (IEEE division, as torch divides), rounded to nearest-even on the
-    float8_e4m3fn grid and clamped to its finite range (+-448), still as float32: the caller's
-    cast is then exact. Rounding here rather than in the cast gives the same bits on every
-    target (the CPU interpreter's float8 cast drops the carry of values that round up to the
-    next power of two)."""
+    one): x / scale in float32 (IEEE division, as torch divides), clamped to +-448 and rounded
+    onto the float8_e4m3fn grid as torch's cast rounds (`_round_e4m3`), still as float32: the
+    caller's cast is then exact on every target."""
     y = tl.math.div_rn(x.to(tl.float32), scale)
-    # Normal range: keep 3 of float32's 23 mantissa bits, rounding half to even (a carry out
-    # of the mantissa moves the exponent up, as it should).
-    bits = y.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20 << 20
-    normal = bits.to(tl.float32, bitcast=True)
-    # Subnormal range (below 2^-6): multiples of 2^-9, the spacing of float32 in [2^14, 2^15).
-    small = (y + 24576.0) - 24576.0
-    small = tl.where(small == 0.0, y * 0.0, small)  # -0.0 for small negatives, as a cast gives
-    r = tl.where(tl.abs(y) < 0.015625, small, normal)
-    return tl.minimum(tl.maximum(r, -_MAX), _MAX)
+    return _round_e4m3(tl.minimum(tl.maximum(y, -_MAX), _MAX))
 
 
 def empty_quantized(m: int, k: int, device: torch.device) -> Quantized:

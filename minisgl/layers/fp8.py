@@ -34,7 +34,7 @@ from minisgl.kernels.types import FP8, FP8_MAX, FP8_MIN_AMAX as MIN_AMAX
 from minisgl.layers.source import TensorSource, copy_into
 
 if TYPE_CHECKING:  # kernels/fp8.py imports triton: only CUDA paths load it
-    from minisgl.kernels.fp8 import Quantized
+    from minisgl.kernels.fp8 import Quantized, RowwisePlan
 
 # Rowwise products: torch._scaled_mm where it applies, Triton, or (Hopper) per shape the
 # fastest of those and an unscaled tensorwise product rescaled after (kernels/fp8.rowwise_plan).
@@ -334,32 +334,46 @@ def takes_tokens(w: Fp8Weight) -> bool:
 def rowwise_product(a: Quantized, w: Fp8Weight, bias: Optional[torch.Tensor],
                     dtype: torch.dtype) -> torch.Tensor:
     """(a.values * a.scales) (weight * scale)^T + b for rows quantized per token (or by the
-    static scale), [M, N] in `dtype`: torch._scaled_mm where the spec's GEMM and the shape
-    allow, else the Triton scaled GEMM; "auto" follows kernels/fp8.rowwise_plan for the shape
-    (Triton tiles, cuBLASLt, or `unscaled_product` and a rescale launch)."""
+    static scale), [M, N] in `dtype`, as `_plan` says: torch._scaled_mm rowwise, the Triton
+    scaled GEMM, or (Hopper's "auto", kernels/fp8.rowwise_plan) `unscaled_product` and a
+    rescale launch."""
     from minisgl.kernels import fp8 as kernels
-    unscaled = unscaled_product(a, w, dtype)
-    if unscaled is not None:
-        return kernels.rescale(*unscaled, bias, dtype)
-    (m, k), n = a.values.shape, w.weight.shape[0]
-    plan = kernels.rowwise_plan(m, n) if w.spec.gemm == "auto" else None
-    tiles = plan.tiles if plan is not None else None
-    if (tiles is None and w.spec.gemm != "triton"
-            and kernels.rowwise_mm_applies(k, n, dtype)):
+    plan = _plan(a, w, dtype)
+    if plan.kind == "tensorwise":
+        return kernels.rescale(kernels.unscaled_mm(a.values, w.weight, w.unit), a.scales,
+                               w.scale, bias, dtype)
+    if plan.kind == "cublaslt":
         return kernels.rowwise_mm(a, w.weight, w.scale, bias)
-    return kernels.scaled_mm(a, w.weight, w.scale, bias, dtype, tiles=tiles)
+    return kernels.scaled_mm(a, w.weight, w.scale, bias, dtype, tiles=plan.tiles)
 
 
 def unscaled_product(a: Quantized, w: Fp8Weight, dtype: torch.dtype
                      ) -> Optional[UnscaledProduct]:
-    """The product without its scales, where the "auto" GEMM's plan for this shape is
-    tensorwise (kernels/fp8.rowwise_plan) and the output bfloat16; None otherwise (nothing
-    computed). The caller applies the scales (and any bias): kernels/fp8.rescale, or a kernel
-    that reads the product anyway (SiLU-and-mul)."""
+    """The product without its scales, where `_plan` says tensorwise (Hopper's "auto" GEMM at
+    decode-batch sizes, a bfloat16 output); None otherwise (nothing computed). The caller
+    applies the scales (and any bias): kernels/fp8.rescale, or a kernel that reads the
+    product anyway (SiLU-and-mul)."""
+    if w.spec.block is not None or _plan(a, w, dtype).kind != "tensorwise":
+        return None
+    from minisgl.kernels import fp8 as kernels
+    return UnscaledProduct(kernels.unscaled_mm(a.values, w.weight, w.unit), a.scales, w.scale)
+
+
+def _plan(a: Quantized, w: Fp8Weight, dtype: torch.dtype) -> RowwisePlan:
+    """How a rowwise product of this shape runs under the spec's GEMM: "scaled_mm" takes
+    torch._scaled_mm where it applies (bfloat16 out, K and N multiples of 16), "auto"
+    kernels/fp8.rowwise_plan's choice where the shape and the layer allow it (torch._scaled_mm
+    applies; a unit scale for the tensorwise product), and Triton is the rest."""
     from minisgl.kernels import fp8 as kernels
     (m, k), n = a.values.shape, w.weight.shape[0]
-    if (w.spec.gemm != "auto" or w.unit is None or w.spec.block is not None
-            or not kernels.rowwise_mm_applies(k, n, dtype)
-            or kernels.rowwise_plan(m, n).kind != "tensorwise"):
-        return None
-    return UnscaledProduct(kernels.unscaled_mm(a.values, w.weight, w.unit), a.scales, w.scale)
+    applies = kernels.rowwise_mm_applies(k, n, dtype)
+    if w.spec.gemm == "triton" or not applies and w.spec.gemm == "scaled_mm":
+        return kernels.RowwisePlan("triton")
+    if w.spec.gemm == "scaled_mm":
+        return kernels.RowwisePlan("cublaslt")
+    plan = kernels.rowwise_plan(m, n)
+    if plan.kind != "triton" and not applies:
+        return kernels.RowwisePlan("triton")
+    if plan.kind == "tensorwise" and w.unit is None:
+        return kernels.RowwisePlan("cublaslt")
+    return plan
