@@ -19,7 +19,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from minisgl.kernels import activation, attention, gemv, rmsnorm, rotary  # noqa: E402
 from minisgl.kernels import fp8 as kernels  # noqa: E402
-from minisgl.kernels.types import KVStore, KVTarget, QKVRope  # noqa: E402
+from minisgl.kernels.types import KVStore, KVTarget, ProductScales, QKVRope  # noqa: E402
 from minisgl.layers import fp8  # noqa: E402
 from minisgl.layers.rotary import RotaryEmbedding  # noqa: E402
 
@@ -201,6 +201,61 @@ def test_rmsnorm_quantized_equals_quantizing_the_norm(dtype: torch.dtype, residu
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_norms_scale_an_unscaled_product(dtype: torch.dtype, residual: bool) -> None:
+    """With an unscaled product's scales (o_proj / down_proj taken unscaled at tp=1), both
+    norm kernels equal rescaling first, then the plain kernel: output and new residual."""
+    raw = (torch.randn(5, 300, device=DEV) * 80).to(dtype)
+    scales = ProductScales(torch.rand(5, 1, device=DEV) * 0.1, torch.rand(300, device=DEV))
+    res = torch.randn(5, 300, device=DEV).to(dtype) if residual else None
+    w = (torch.rand(300, device=DEV) + 0.5).to(dtype)
+    scaled = kernels.rescale(raw, scales.row, scales.col, None, dtype)
+    plain, plain_res = rmsnorm.rmsnorm(scaled, w, 1e-6, res)
+    got, got_res = rmsnorm.rmsnorm(raw, w, 1e-6, res, scales=scales)
+    assert torch.equal(got, plain)
+    assert (got_res is None) == (not residual) and (not residual or torch.equal(got_res,
+                                                                                plain_res))
+    got_q, got_res = rmsnorm.rmsnorm_quantized(raw, w, 1e-6, res, scales=scales)
+    _same_quantized(got_q, rmsnorm.rmsnorm_quantized(scaled, w, 1e-6, res)[0])
+    assert not residual or torch.equal(got_res, plain_res)
+    with pytest.raises(ValueError, match="row scales"):
+        rmsnorm.rmsnorm(raw, w, 1e-6, res, scales=ProductScales(scales.row[:2], scales.col))
+
+
+@pytest.mark.parametrize("fp8_cache", [False, True])
+def test_rotary_store_scales_an_unscaled_qkv_product(fp8_cache: bool) -> None:
+    """The rotary K/V store given an unscaled QKV product and its scales (QKV taken unscaled):
+    q (scaled and rotated) and the cache contents equal rescaling the product first."""
+    dtype = DTYPES[-1]
+    heads, kv_heads, dim, tokens = 4, 2, 32, 3
+    width = (heads + 2 * kv_heads) * dim
+    rope = RotaryEmbedding(dim, 64, 10000.0, None).to(DEV)
+    pos = torch.tensor([5, 9, 63], device=DEV)
+    slots = torch.tensor([6, 0, 3], dtype=torch.int32, device=DEV)
+    raw = (torch.randn(tokens, width, device=DEV) * 40).to(dtype)
+    scales = ProductScales(torch.rand(tokens, 1, device=DEV) * 0.1,
+                           torch.rand(width, device=DEV))
+
+    def split(t: torch.Tensor) -> list:
+        return [x.view(t.shape[0], -1, dim) for x in
+                t.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)]
+    caches = (_fp8_caches(8, kv_heads, dim) if fp8_cache else
+              [torch.zeros(8, kv_heads, dim, device=DEV, dtype=dtype) for _ in range(4)])
+    q, kk, v = split(raw.clone())
+    rotary.rotary_qk_(q, kk, pos, rope.cos, rope.sin,
+                      store=KVStore(v, KVTarget(caches[0], caches[1], slots, 0.5, 2.0)),
+                      scales=scales)
+    q2, k2, v2 = split(kernels.rescale(raw, scales.row, scales.col, None, dtype))
+    rotary.rotary_qk_(q2, k2, pos, rope.cos, rope.sin,
+                      store=KVStore(v2, KVTarget(caches[2], caches[3], slots, 0.5, 2.0)))
+    assert torch.equal(q, q2)
+    assert torch.equal(caches[0].float(), caches[2].float())
+    assert torch.equal(caches[1].float(), caches[3].float())
+    with pytest.raises(ValueError, match="K/V store"):
+        rotary.rotary_qk_(q, kk, pos, rope.cos, rope.sin, scales=scales)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_quantized_equals_quantizing_the_activation(dtype: torch.dtype) -> None:
     x = (torch.randn(5, 2 * 700, device=DEV) * 3).to(dtype)
     x[2] = 0.0  # an all-zero row: the smallest scale, zeros
@@ -334,6 +389,43 @@ def test_gpu_online_fp8_graphs_equal_eager_and_bf16_runs(tiny_model) -> None:  #
     assert all(len(t) == 16 for t in fp8 + fp8_one)
     assert run(dtype="bfloat16", quantization="fp8")[1] == fp8_one
     assert _first_tokens_agree(fp8, dense)
+
+
+@pytest.mark.gpu
+def test_gpu_unscaled_fp8_products_fold_their_scales(tiny_model,  # type: ignore
+                                                     monkeypatch) -> None:
+    """Hopper's "auto" FP8 GEMM takes the projections of 65-512 rows unscaled, and their scales
+    go to the kernels that read them (the rotary K/V store for QKV, the next norm for o_proj
+    and down_proj at tp=1, SiLU-and-mul for gate/up): not one rescale launch, in eager steps
+    or in the decode graphs' capture; the tokens mostly those of cuBLASLt's rowwise GEMMs."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the per-shape FP8 GEMM is Hopper's")
+    from minisgl import LLM, SamplingParams
+    from minisgl.models import quantization
+    path: Path = tiny_model("llama")  # no q/k norms: the rotary kernel stores K/V
+    prompts = torch.randint(10, 40000, (70, 5), generator=torch.Generator().manual_seed(3))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    calls = {"rescale": 0, "unscaled_mm": 0}
+
+    def counted(name: str) -> object:
+        real = getattr(kernels, name)
+
+        def call(*args: object, **kwargs: object) -> object:
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return call
+    for name in calls:
+        monkeypatch.setattr(kernels, name, counted(name))
+
+    def run() -> list:
+        with LLM(str(path), device="cuda", dtype="bfloat16", quantization="fp8",
+                 max_kv_tokens=4096, show_progress=False) as llm:
+            return [o.token_ids for o in llm.generate(prompts.tolist(), params)]
+    auto = run()
+    assert calls["unscaled_mm"] > 0 and calls["rescale"] == 0, calls
+    monkeypatch.setattr(quantization, "fp8_gemm", lambda device, dtype: "scaled_mm")
+    rowwise = run()
+    assert sum(a == b for a, b in zip(auto, rowwise)) >= 2 * len(auto) / 3
 
 
 @pytest.mark.gpu

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from minisgl.kernels.fp8 import Quantized, empty_quantized, quantize_row_store
 from minisgl.kernels.pdl import launch_options, pdl_enter
+from minisgl.kernels.types import ProductScales
 
 
 def rmsnorm_warps(block: int) -> int:
@@ -46,16 +47,23 @@ def rmsnorm_row_store(x, w_ptr, out_row_ptr, cols, mask, n_cols, eps):
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, n_cols, stride_x,
-                    stride_res, eps, HAS_RES: tl.constexpr, QUANT: tl.constexpr,
-                    BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, rs_ptr, cs_ptr,
+                    n_cols, stride_x, stride_res, eps, HAS_RES: tl.constexpr,
+                    QUANT: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
     """Program `row`: the row's norm into out; QUANT: quantized per row instead (out FP8, its
-    scale at scale_ptr[row]), the values rounded to x's dtype first as the stored norm is."""
+    scale at scale_ptr[row]), the values rounded to x's dtype first as the stored norm is.
+    SCALED: x is an FP8 product taken unscaled, first multiplied by rs[row] and cs[cols] in
+    float32 and rounded to its dtype, as fp8.rescale would."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if SCALED:
+        y = x.to(tl.float32) * tl.load(rs_ptr + row) * tl.load(cs_ptr + cols, mask=mask,
+                                                                other=0.0)
+        x = y.to(x.dtype)
     if HAS_RES:
         x = x + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
@@ -73,44 +81,52 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-            residual: Optional[torch.Tensor] = None, pdl: bool = False
+            residual: Optional[torch.Tensor] = None, pdl: bool = False,
+            scales: Optional[ProductScales] = None
             ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """RMSNorm over the last dimension of x; with `residual`, normalizes x + residual and also
     returns that sum (the new residual). Outputs are contiguous. Rows may be strided: the
     per-head q/k norms see views of the fused QKV output, and with one head per rank
-    `reshape` keeps such a view (row stride = the QKV width) instead of copying it."""
+    `reshape` keeps such a view (row stride = the QKV width) instead of copying it.
+    `scales`: x [M, N] is an unscaled FP8 product (fp8.unscaled_mm) whose value is
+    x * row [M, 1] * col [N], applied here exactly as fp8.rescale applies them."""
     shape = x.shape
     x2 = _rows(x)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    res_out = _launch(x2, weight, eps, residual, pdl, out, out)
+    res_out = _launch(x2, weight, eps, residual, pdl, out, out, scales)
     return out.view(shape), (res_out.view(shape) if residual is not None else None)
 
 
 def rmsnorm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                      residual: Optional[torch.Tensor] = None, pdl: bool = False
+                      residual: Optional[torch.Tensor] = None, pdl: bool = False,
+                      scales: Optional[ProductScales] = None
                       ) -> Tuple[Quantized, Optional[torch.Tensor]]:
     """`rmsnorm` with its output quantized per row (fp8.quantize_tokens of it, exactly) in the
     same launch: the input of a W8A8 projection as FP8 rows [M, K] and scales [M, 1]; the new
-    residual as `rmsnorm` returns it."""
+    residual as `rmsnorm` returns it. `scales` as for `rmsnorm`."""
     shape = x.shape
     x2 = _rows(x)
     out = empty_quantized(x2.shape[0], x2.shape[1], x.device)
-    res_out = _launch(x2, weight, eps, residual, pdl, out.values, out.scales)
+    res_out = _launch(x2, weight, eps, residual, pdl, out.values, out.scales, scales)
     return out, (res_out.view(shape) if residual is not None else None)
 
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, eps: float,
             residual: Optional[torch.Tensor], pdl: bool, out: torch.Tensor,
-            scales: torch.Tensor) -> torch.Tensor:
-    """The norm kernel over rows x2 into `out` (FP8 with per-row `scales`, or x2's dtype);
+            out_scales: torch.Tensor, scales: Optional[ProductScales]) -> torch.Tensor:
+    """The norm kernel over rows x2 into `out` (FP8 with per-row `out_scales`, or x2's dtype);
     returns the new residual (`out` where there is none)."""
+    m, n = x2.shape
+    if scales is not None and (scales.row.numel() != m or scales.col.numel() != n):
+        raise ValueError(f"an unscaled product [{m}, {n}] takes {m} row scales and {n} column "
+                         f"scales, got {scales.row.numel()} and {scales.col.numel()}")
     res_out = torch.empty_like(x2) if residual is not None else out
     res = _rows(residual) if residual is not None else x2
-    block = triton.next_power_of_2(x2.shape[-1])
-    _rmsnorm_kernel[(x2.shape[0],)](x2, res, weight, out, res_out, scales, x2.shape[-1],
-                                    x2.stride(0), res.stride(0), eps,
-                                    HAS_RES=residual is not None,
-                                    QUANT=out.dtype == torch.float8_e4m3fn, BLOCK=block,
-                                    PDL=pdl, num_warps=rmsnorm_warps(block),
-                                    **launch_options(pdl))
+    rs, cs = scales if scales is not None else (out_scales, out_scales)
+    block = triton.next_power_of_2(n)
+    _rmsnorm_kernel[(m,)](x2, res, weight, out, res_out, out_scales, rs, cs, n, x2.stride(0),
+                          res.stride(0), eps, HAS_RES=residual is not None,
+                          QUANT=out.dtype == torch.float8_e4m3fn, SCALED=scales is not None,
+                          BLOCK=block, PDL=pdl, num_warps=rmsnorm_warps(block),
+                          **launch_options(pdl))
     return res_out

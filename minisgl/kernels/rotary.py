@@ -14,20 +14,32 @@ import triton.language as tl
 
 from minisgl.kernels.fp8 import quantize_kv
 from minisgl.kernels.pdl import launch_options, pdl_enter
-from minisgl.kernels.types import KVStore, KVTarget
+from minisgl.kernels.types import KVStore, KVTarget, ProductScales
 
 
 @triton.jit
-def _rotate_heads(src, dst, cos, sin, n_heads, scale, HALF: tl.constexpr,
-                  BLOCK_H: tl.constexpr, QUANT: tl.constexpr):
+def _unscale(x, rs, cs_ptr, offs, mask, SCALED: tl.constexpr):
+    """SCALED: x (an unscaled FP8 product's columns `offs`) times rs and cs[offs] in float32,
+    rounded to x's dtype, as fp8.rescale rounds them; else x."""
+    if SCALED:
+        x = (x.to(tl.float32) * rs * tl.load(cs_ptr + offs, mask=mask, other=0.0)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _rotate_heads(src, dst, cos, sin, n_heads, scale, rs, cs_ptr, HALF: tl.constexpr,
+                  BLOCK_H: tl.constexpr, QUANT: tl.constexpr, SCALED: tl.constexpr):
     """Rotate `n_heads` dense [head_dim] vectors starting at `src` into `dst` (may be `src`),
-    rounded to src's dtype; QUANT (an FP8 cache): then divided by `scale` and quantized."""
+    rounded to src's dtype; QUANT (an FP8 cache): then divided by `scale` and quantized.
+    SCALED: src holds an unscaled product, whose scales (rs, cs_ptr[heads' columns]) are
+    applied first (`_unscale`)."""
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HALF)
     hmask = heads[:, None] < n_heads
     offs = heads[:, None] * (2 * HALF) + dims[None, :]
-    x1 = tl.load(src + offs, mask=hmask, other=0.0)
-    x2 = tl.load(src + offs + HALF, mask=hmask, other=0.0)
+    x1 = _unscale(tl.load(src + offs, mask=hmask, other=0.0), rs, cs_ptr, offs, hmask, SCALED)
+    x2 = _unscale(tl.load(src + offs + HALF, mask=hmask, other=0.0), rs, cs_ptr, offs + HALF,
+                  hmask, SCALED)
     r1 = (x1.to(tl.float32) * cos - x2.to(tl.float32) * sin).to(x1.dtype)
     r2 = (x2.to(tl.float32) * cos + x1.to(tl.float32) * sin).to(x1.dtype)
     if QUANT:
@@ -40,34 +52,39 @@ def _rotate_heads(src, dst, cos, sin, n_heads, scale, HALF: tl.constexpr,
 
 @triton.jit
 def _rotary_qk_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slots_ptr, k_cache_ptr,
-                      v_cache_ptr, stride_q, stride_k, stride_v, stride_cs, n_q, n_k, k_scale,
-                      v_scale, HALF: tl.constexpr, BLOCK_Q: tl.constexpr,
+                      v_cache_ptr, rs_ptr, cs_ptr, stride_q, stride_k, stride_v, stride_cs, n_q,
+                      n_k, k_scale, v_scale, HALF: tl.constexpr, BLOCK_Q: tl.constexpr,
                       BLOCK_K: tl.constexpr, STORE: tl.constexpr, QUANT: tl.constexpr,
-                      PDL: tl.constexpr):
+                      SCALED: tl.constexpr, PDL: tl.constexpr):
     """Program t: rotate token t's q heads in place; its k heads in place, or (STORE) into
     k_cache[slots[t]] with v[t] copied to v_cache[slots[t]] (caches [slots, n_k, 2 * HALF]);
-    QUANT (FP8 caches): k / k_scale and v / v_scale, quantized as store_kv does."""
+    QUANT (FP8 caches): k / k_scale and v / v_scale, quantized as store_kv does. SCALED (with
+    STORE): q, k, v are the columns of an unscaled FP8 QKV product [q | k | v], scaled by
+    rs[t] and cs[column] first; q is left scaled and rotated, k and v as they were."""
     pdl_enter(PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     dims = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + pos * (2 * HALF) + dims)[None, :]
     sin = tl.load(sin_ptr + pos * (2 * HALF) + dims)[None, :]
+    rs = tl.load(rs_ptr + tok) if SCALED else 1.0
     q = q_ptr + tok * stride_q
-    _rotate_heads(q, q, cos, sin, n_q, 1.0, HALF, BLOCK_Q, False)
+    _rotate_heads(q, q, cos, sin, n_q, 1.0, rs, cs_ptr, HALF, BLOCK_Q, False, SCALED)
     k = k_ptr + tok * stride_k
     if STORE:
         slot = tl.load(slots_ptr + tok).to(tl.int64)
-        _rotate_heads(k, k_cache_ptr + slot * stride_cs, cos, sin, n_k, k_scale, HALF, BLOCK_K,
-                      QUANT)
+        cs_k = cs_ptr + n_q * 2 * HALF
+        _rotate_heads(k, k_cache_ptr + slot * stride_cs, cos, sin, n_k, k_scale, rs, cs_k, HALF,
+                      BLOCK_K, QUANT, SCALED)
         offs = tl.arange(0, BLOCK_K * 2 * HALF)
         mask = offs < n_k * 2 * HALF
-        v = tl.load(v_ptr + tok * stride_v + offs, mask=mask)
+        v = _unscale(tl.load(v_ptr + tok * stride_v + offs, mask=mask), rs,
+                     cs_k + n_k * 2 * HALF, offs, mask, SCALED)
         if QUANT:
             v = quantize_kv(v, v_scale).to(v_cache_ptr.dtype.element_ty)
         tl.store(v_cache_ptr + slot * stride_cs + offs, v, mask=mask)
     else:
-        _rotate_heads(k, k, cos, sin, n_k, 1.0, HALF, BLOCK_K, False)
+        _rotate_heads(k, k, cos, sin, n_k, 1.0, rs, cs_ptr, HALF, BLOCK_K, False, False)
 
 
 def _check_rotary_layout(x: torch.Tensor) -> None:
@@ -78,16 +95,24 @@ def _check_rotary_layout(x: torch.Tensor) -> None:
 
 
 def rotary_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, pdl: bool = False, store: Optional[KVStore] = None
-               ) -> Tuple[torch.Tensor, torch.Tensor]:
+               sin: torch.Tensor, pdl: bool = False, store: Optional[KVStore] = None,
+               scales: Optional[ProductScales] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] in place, in one
     launch (rotate-half layout); cos/sin are float32 [max_positions, head_dim] caches. Each
     token's heads must be one dense block (q and k may be views of one fused QKV output).
     `store`: k is left as it is and its rotation goes to the KV cache with v (the K/V store of
-    attention, fused in; quantized as store_kv does for an FP8 cache)."""
+    attention, fused in; quantized as store_kv does for an FP8 cache). `scales` (with a
+    store): q, k and v are views of one unscaled FP8 product [q | k | v]
+    (fp8.unscaled_mm), scaled first as fp8.rescale would; q ends scaled and rotated."""
     _check_rotary_layout(q)
     _check_rotary_layout(k)
     tokens, n_q, dim = q.shape
+    if scales is not None:
+        width = (n_q + 2 * k.shape[1]) * dim
+        if store is None or scales.col.numel() != width or scales.row.numel() != tokens:
+            raise ValueError(f"rotary of an unscaled QKV product takes a K/V store, {tokens} "
+                             f"row scales and {width} column scales; got "
+                             f"{scales.row.numel()} and {scales.col.numel()}")
     if store is not None:
         _check_rotary_layout(store.v)
         cache_strides = store.target.k_cache.stride()
@@ -96,11 +121,12 @@ def rotary_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: t
     if tokens:
         # Without a store the kernel never touches these four (STORE=False): any tensors do.
         v, target = store if store is not None else (k, KVTarget(k, k, positions))
+        rs, cs = scales if scales is not None else (cos, cos)
         _rotary_qk_kernel[(tokens,)](
-            q, k, v, positions, cos, sin, target.slots, target.k_cache, target.v_cache,
+            q, k, v, positions, cos, sin, target.slots, target.k_cache, target.v_cache, rs, cs,
             q.stride(0), k.stride(0), v.stride(0), target.k_cache.stride(0), n_q, k.shape[1],
             target.k_scale, target.v_scale, HALF=dim // 2,
             BLOCK_Q=triton.next_power_of_2(n_q), BLOCK_K=triton.next_power_of_2(k.shape[1]),
-            STORE=store is not None, QUANT=store is not None and target.quantized, PDL=pdl,
-            **launch_options(pdl))
+            STORE=store is not None, QUANT=store is not None and target.quantized,
+            SCALED=scales is not None, PDL=pdl, **launch_options(pdl))
     return q, k

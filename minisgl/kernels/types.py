@@ -45,6 +45,15 @@ class Normed(NamedTuple):
     residual: torch.Tensor
 
 
+class ProductScales(NamedTuple):
+    """The scales of an FP8 product taken unscaled (kernels/fp8.unscaled_mm): its value is
+    product * row * col in float32, rounded once to the product's dtype; the kernel that reads
+    the product next (a norm, SiLU-and-mul, the rotary embedding) applies them."""
+
+    row: torch.Tensor  # [M, 1] float32, the activations' per-token scales
+    col: torch.Tensor  # [N] float32, the weight's per-output-row scales
+
+
 class QKVRope(NamedTuple):
     """What `gemv.norm_qkv_rope` needs besides the projection: the token's position, the rotary
     cos / sin caches (float32 [max_positions, head_dim]), the head counts, and where its K/V

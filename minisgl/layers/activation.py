@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 
 from minisgl.kernels.policy import KernelPolicy
+from minisgl.kernels.types import ProductScales
 
 if TYPE_CHECKING:  # kernels/fp8.py imports triton: only CUDA paths load it
     from minisgl.kernels.fp8 import Quantized
@@ -25,11 +26,10 @@ def silu_and_mul(x: torch.Tensor, policy: KernelPolicy = KernelPolicy()) -> torc
 
 
 def silu_and_mul_quantized(x: torch.Tensor, policy: KernelPolicy,
-                           scales: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-                           ) -> Quantized:
+                           scales: Optional[ProductScales] = None) -> Quantized:
     """silu(gate) * up quantized per token, in one Triton kernel, for an FP8 down projection
-    (RowParallelLinear.takes_quantized); with `scales` (rows, columns), x is an unscaled FP8
-    product (layers/fp8.UnscaledProduct) and the kernel scales it first. CUDA tensors and a
+    (RowParallelLinear.takes_quantized); with `scales`, x is an unscaled FP8 product
+    (layers/fp8.UnscaledProduct) and the kernel scales it first. CUDA tensors and a
     fused policy only (ValueError otherwise)."""
     if not (policy.fused and x.is_cuda):
         raise ValueError("silu_and_mul_quantized runs the fused kernel: CUDA tensors and a "

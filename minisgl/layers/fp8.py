@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from minisgl.distributed import Shard
-from minisgl.kernels.types import FP8, FP8_MAX, FP8_MIN_AMAX as MIN_AMAX
+from minisgl.kernels.types import FP8, FP8_MAX, FP8_MIN_AMAX as MIN_AMAX, ProductScales
 from minisgl.layers.source import TensorSource, copy_into
 
 if TYPE_CHECKING:  # kernels/fp8.py imports triton: only CUDA paths load it
@@ -87,11 +87,10 @@ class Fp8Weight(NamedTuple):
 
 class UnscaledProduct(NamedTuple):
     """An FP8 product before its scales (kernels/fp8.unscaled_mm): the value is
-    product * row_scale * col_scale, applied by whoever reads it."""
+    product * scales.row * scales.col, applied by whoever reads it."""
 
     product: torch.Tensor  # [M, N] bfloat16
-    row_scale: torch.Tensor  # [M, 1] float32 (the activations')
-    col_scale: torch.Tensor  # [N] float32 (the weight's)
+    scales: ProductScales
 
 
 def fp8_gemm(device: torch.device, dtype: torch.dtype) -> str:
@@ -356,7 +355,8 @@ def unscaled_product(a: Quantized, w: Fp8Weight, dtype: torch.dtype
     if w.spec.block is not None or _plan(a, w, dtype).kind != "tensorwise":
         return None
     from minisgl.kernels import fp8 as kernels
-    return UnscaledProduct(kernels.unscaled_mm(a.values, w.weight, w.unit), a.scales, w.scale)
+    return UnscaledProduct(kernels.unscaled_mm(a.values, w.weight, w.unit),
+                           ProductScales(a.scales, w.scale))
 
 
 def _plan(a: Quantized, w: Fp8Weight, dtype: torch.dtype) -> RowwisePlan:

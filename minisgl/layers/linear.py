@@ -23,7 +23,7 @@ from torch import nn
 
 from minisgl.distributed import Communicator, DistributedInfo, Shard
 from minisgl.kernels.policy import KernelPolicy
-from minisgl.kernels.types import KVTarget, Normed, QKVRope
+from minisgl.kernels.types import KVTarget, Normed, ProductScales, QKVRope
 from minisgl.layers import blas
 from minisgl.layers import fp8 as fp8_weights
 from minisgl.layers.fp8 import Fp8Spec, Fp8Weight
@@ -133,6 +133,37 @@ class Reducer(Protocol):
     def reduce_norm(self, partial: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
                     ) -> Normed: ...
 
+    def reduce_norm_quantized(self, partial: torch.Tensor, residual: torch.Tensor,
+                              norm: RMSNorm) -> Tuple[Quantized, torch.Tensor]: ...
+
+
+class RescaledProduct(NamedTuple):
+    """The Reducer of an FP8 product taken unscaled (layers/fp8.UnscaledProduct) at tp=1 with
+    no bias: the output is partial * scales.row * scales.col, and the norm kernel that reads
+    the partial applies the scales (one launch fewer than kernels/fp8.rescale and the norm).
+    Made by RowParallelLinear.forward_quantized_stream; nothing to all-reduce."""
+
+    scales: ProductScales
+
+    def finish(self, partial: torch.Tensor) -> torch.Tensor:
+        from minisgl.kernels import fp8
+        return fp8.rescale(partial, self.scales.row, self.scales.col, None, partial.dtype)
+
+    def reduce_norm(self, partial: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+                    ) -> Normed:
+        return cast(Normed, norm(partial, residual, self.scales))
+
+    def reduce_norm_quantized(self, partial: torch.Tensor, residual: torch.Tensor,
+                              norm: RMSNorm) -> Tuple[Quantized, torch.Tensor]:
+        return norm.quantized(partial, residual, self.scales)
+
+
+def finish_norm_quantized(reducer: Reducer, partial: torch.Tensor, residual: torch.Tensor,
+                          norm: RMSNorm) -> Tuple[Quantized, torch.Tensor]:
+    """`Reducer.reduce_norm_quantized` where the norm cannot take the reduction in: `finish`
+    (the all-reduce is not fused into a quantizing norm), then the quantizing norm."""
+    return norm.quantized(reducer.finish(partial), residual)
+
 
 def all_reduce_norm(comm: Communicator, partial: torch.Tensor, bias: Optional[torch.Tensor],
                     residual: torch.Tensor, norm: RMSNorm) -> Normed:
@@ -175,10 +206,29 @@ class ResidualStream(NamedTuple):
         return cast(Normed, norm(h, self.residual))
 
     def normed_quantized(self, norm: RMSNorm) -> Tuple[Quantized, torch.Tensor]:
-        """(norm(h) quantized per token, h), for a W8A8 projection: the reduction, then the
-        norm kernel that quantizes its output (RMSNorm.quantized; the all-reduce is not fused
-        into the norm then)."""
+        """(norm(h) quantized per token, h), for a W8A8 projection: with a reducer and a
+        residual `reducer.reduce_norm_quantized`, else the norm kernel that quantizes its
+        output (RMSNorm.quantized) on h."""
+        if self.reducer is not None and self.residual is not None:
+            return self.reducer.reduce_norm_quantized(self.partial, self.residual, norm)
         return norm.quantized(self.reduced(), self.residual)
+
+
+class Projected(NamedTuple):
+    """A column-parallel layer's output on norm(h) and h (`forward_normed_unscaled`): `out` is
+    the output, or with `scales` an unscaled FP8 product whose value is
+    out * scales.row * scales.col (see ProductScales), for the kernel that reads it next."""
+
+    out: torch.Tensor
+    residual: torch.Tensor
+    scales: Optional[ProductScales] = None
+
+    def scaled(self) -> torch.Tensor:
+        """The output itself: `out`, or (scales given) out rescaled by kernels/fp8.rescale."""
+        if self.scales is None:
+            return self.out
+        from minisgl.kernels import fp8
+        return fp8.rescale(self.out, self.scales.row, self.scales.col, None, self.out.dtype)
 
 
 class ColumnParallelLinear(_Fp8Layer):
@@ -243,6 +293,19 @@ class ColumnParallelLinear(_Fp8Layer):
             return Normed(self.forward_quantized(a, h.dtype), h)
         x, h = stream.normed(norm)
         return Normed(self(x), h)
+
+    def forward_normed_unscaled(self, stream: ResidualStream, norm: RMSNorm) -> Projected:
+        """`forward_normed`, except that an FP8 product taken unscaled (layers/fp8's
+        unscaled_product: Hopper, decode-batch rows; no bias) is returned so, with its scales,
+        for the kernel that reads it next to apply (SiLU-and-mul, the rotary embedding)."""
+        if (self.bias is None and self.takes_quantized(stream.partial)
+                and norm.policy.fused):
+            a, h = stream.normed_quantized(norm)
+            raw = self.unscaled_product(a, h.dtype)
+            if raw is not None:
+                return Projected(raw.product, h, raw.scales)
+            return Projected(self.forward_quantized(a, h.dtype), h)
+        return Projected(*self.forward_normed(stream, norm))
 
     def forward_quantized(self, a: Quantized, dtype: torch.dtype) -> torch.Tensor:
         """This layer on rows already quantized per token (see takes_quantized): [M, N] in
@@ -347,6 +410,7 @@ class RowParallelLinear(_Fp8Layer):
         self.blas_by_rows: Dict[int, str] = {}  # see project(); filled by blas.tune
         self.shard = info.shard(in_features, "linear input features")
         self.comm = comm
+        self.tp = info.size
         self.fp8 = fp8
         if fp8 is not None:
             fp8_weights.check_block_split(fp8, [], self.shard, in_features, info.size,
@@ -367,6 +431,28 @@ class RowParallelLinear(_Fp8Layer):
         takes_quantized), [M, N] in `dtype`: as forward(x, reduce=False)."""
         return self._quantized_product(a, dtype, None)
 
+    def forward_stream(self, x: torch.Tensor, residual: Optional[torch.Tensor]
+                       ) -> ResidualStream:
+        """The residual stream after this layer on x: ResidualStream(forward(x,
+        reduce=False), residual, self), or (FP8, `takes_quantized`) `forward_quantized_stream`
+        of x quantized per token."""
+        if self.takes_quantized(x):
+            from minisgl.kernels import fp8
+            a = fp8.quantize_tokens(x.reshape(-1, x.shape[-1]).contiguous(), None)
+            return self.forward_quantized_stream(a, x.dtype, residual)
+        return ResidualStream(self(x, reduce=False), residual, self)
+
+    def forward_quantized_stream(self, a: Quantized, dtype: torch.dtype,
+                                 residual: Optional[torch.Tensor]) -> ResidualStream:
+        """The residual stream after this layer on quantized rows: where the product is taken
+        unscaled (layers/fp8.unscaled_product) at tp=1 without a bias, it keeps its scales
+        for the norm that reads it (RescaledProduct); else forward_quantized's partial."""
+        if self.tp == 1 and self.bias is None and residual is not None:
+            raw = self.unscaled_product(a, dtype)
+            if raw is not None:
+                return ResidualStream(raw.product, residual, RescaledProduct(raw.scales))
+        return ResidualStream(self.forward_quantized(a, dtype), residual, self)
+
     def finish(self, partial: torch.Tensor) -> torch.Tensor:
         """The output from the partial product: all-reduce (a collective), then the bias."""
         y = self.comm.all_reduce(partial)
@@ -376,6 +462,10 @@ class RowParallelLinear(_Fp8Layer):
                     ) -> Normed:
         """norm(finish(partial), residual): `all_reduce_norm` with this layer's bias."""
         return all_reduce_norm(self.comm, partial, self.bias, residual, norm)
+
+    def reduce_norm_quantized(self, partial: torch.Tensor, residual: torch.Tensor,
+                              norm: RMSNorm) -> Tuple[Quantized, torch.Tensor]:
+        return finish_norm_quantized(self, partial, residual, norm)
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
         if param == "bias":

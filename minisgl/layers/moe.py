@@ -16,7 +16,7 @@ the experts that received tokens).
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +27,12 @@ from minisgl.kernels.policy import KernelPolicy
 from minisgl.kernels.types import Normed
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.linear import (ColumnParallelLinear, ReplicatedLinear, ResidualStream,
-                                   RowParallelLinear, all_reduce_norm)
+                                   RowParallelLinear, all_reduce_norm, finish_norm_quantized)
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.source import TensorSource, copy_into
+
+if TYPE_CHECKING:  # kernels/fp8.py imports triton: only CUDA paths load it
+    from minisgl.kernels.fp8 import Quantized
 
 # checkpoint name of an expert's projection -> (our parameter, its place in the expert's shards)
 _EXPERT_PROJ = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
@@ -188,3 +191,7 @@ class SparseMoE(nn.Module):
                     ) -> Normed:
         """norm(finish(partial), residual), fused where the communicator can (a collective)."""
         return all_reduce_norm(self.comm, partial, None, residual, norm)
+
+    def reduce_norm_quantized(self, partial: torch.Tensor, residual: torch.Tensor,
+                              norm: RMSNorm) -> Tuple[Quantized, torch.Tensor]:
+        return finish_norm_quantized(self, partial, residual, norm)

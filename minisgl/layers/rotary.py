@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from minisgl.kernels.policy import KernelPolicy
-from minisgl.kernels.types import KVStore, KVTarget
+from minisgl.kernels.types import KVStore, KVTarget, ProductScales
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch.Tensor:
@@ -65,16 +65,18 @@ class RotaryEmbedding(nn.Module):
                                   for x in xs)
 
     def rotate_into_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                          v: torch.Tensor, target: KVTarget) -> bool:
+                          v: torch.Tensor, target: KVTarget,
+                          scales: Optional[ProductScales] = None) -> bool:
         """Rotate q in place and write the rotated k and v to the target's caches at its slots
         (k itself is left as it is), in one launch; True when done, False where the fused
         kernel does not apply (nothing done: the caller rotates with `forward` and stores K/V
-        itself)."""
+        itself). `scales`: q, k, v are views of an unscaled FP8 QKV product, scaled in the
+        same launch (kernels/rotary.rotary_qk_); q ends scaled, k and v stay unscaled."""
         if not self._fusable(q, k, v):
             return False
         from minisgl.kernels import rotary
         rotary.rotary_qk_(q, k, positions, self.cos, self.sin, self.policy.pdl,
-                          KVStore(v, target))
+                          KVStore(v, target), scales)
         return True
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

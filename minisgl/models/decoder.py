@@ -98,25 +98,33 @@ class Attention(nn.Module):
                 batch: Batch, backend: AttentionBackend) -> ResidualStream:
         qkv = self._qkv(stream, norm, positions, batch, backend)
         out = backend.forward(qkv.q, qkv.k, qkv.v, self.layer, batch, kv_stored=qkv.stored)
-        return ResidualStream(self.o_proj(out, reduce=False), qkv.residual, self.o_proj)
+        return self.o_proj.forward_stream(out, qkv.residual)
 
     def _qkv(self, stream: ResidualStream, norm: RMSNorm, positions: torch.Tensor, batch: Batch,
              backend: AttentionBackend) -> AttentionInput:
         """norm, QKV projection, q/k norms, rotary, and the K/V store where a kernel before
         attention can do it: all in the QKV GEMV at batch 1 without q/k norms, else the rotary
-        kernel stores K/V (backends with a KV target), else attention does."""
+        kernel stores K/V (backends with a KV target; it also applies the scales of an FP8
+        product taken unscaled), else attention does. Where K/V are stored, the returned k
+        and v are not read again (and may be unscaled)."""
         target = backend.kv_target(self.layer, batch)
-        if target is not None and self.q_norm is None:  # per-head q/k norms precede the rotary
-            proj = self.qkv_proj.forward_normed_rotary(stream, norm, self.rotary, positions,
-                                                       target)
-            if proj is not None:
-                return AttentionInput(*self._heads(proj.out), proj.residual, stored=True)
-        proj = self.qkv_proj.forward_normed(stream, norm)
-        q, k, v = self._heads(proj.out)
+        fuse = target is not None and self.q_norm is None  # q/k norms precede the rotary
+        if fuse:
+            fused = self.qkv_proj.forward_normed_rotary(stream, norm, self.rotary, positions,
+                                                        target)  # type: ignore[arg-type]
+            if fused is not None:
+                return AttentionInput(*self._heads(fused.out), fused.residual, stored=True)
+        proj = self.qkv_proj.forward_normed_unscaled(stream, norm)
+        if fuse:
+            q, k, v = self._heads(proj.out)
+            if self.rotary.rotate_into_cache(positions, q, k, v, target,  # type: ignore[arg-type]
+                                             proj.scales):
+                return AttentionInput(q, k, v, proj.residual, stored=True)
+        q, k, v = self._heads(proj.scaled())
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if target is not None and self.rotary.rotate_into_cache(positions, q, k, v, target):
-            return AttentionInput(q, k, v, proj.residual, stored=True)
+            if target is not None and self.rotary.rotate_into_cache(positions, q, k, v, target):
+                return AttentionInput(q, k, v, proj.residual, stored=True)
         q, k = self.rotary(positions, q, k)
         return AttentionInput(q, k, v, proj.residual, stored=False)
 
@@ -143,40 +151,20 @@ class MLP(nn.Module):
                                            traits.policy, traits.fp8(prefix, "down_proj"))
 
     def forward(self, stream: ResidualStream, norm: RMSNorm) -> ResidualStream:
-        proj = self.gate_up_proj.forward_normed_silu(stream, norm)  # batch 1: one kernel
-        if proj is not None:
-            act, residual = proj
-            return ResidualStream(self.down_proj(act, reduce=False), residual, self.down_proj)
-        fp8 = self._forward_fp8(stream, norm)
-        if fp8 is not None:
-            return fp8
-        gate_up, residual = self.gate_up_proj.forward_normed(stream, norm)
-        if self.down_proj.takes_quantized(gate_up):  # FP8: quantized by the SiLU kernel
-            partial = self.down_proj.forward_quantized(
-                silu_and_mul_quantized(gate_up, self.policy), gate_up.dtype)
-        else:
-            partial = self.down_proj(silu_and_mul(gate_up, self.policy), reduce=False)
-        return ResidualStream(partial, residual, self.down_proj)
-
-    def _forward_fp8(self, stream: ResidualStream, norm: RMSNorm) -> Optional[ResidualStream]:
-        """W8A8 gate/up and down (both FP8 scaled per row, dynamic activations, no bias) with
-        no launch of their own besides the GEMMs: the norm quantizes gate/up's input, the
-        SiLU kernel applies gate/up's scales where its product is taken unscaled (the faster
-        way at some batch sizes, kernels/fp8.rowwise_plan) and quantizes down's input. None
-        where it does not apply, nothing done."""
-        up, down = self.gate_up_proj, self.down_proj
-        x = stream.partial
-        if not (up.takes_quantized(x) and down.takes_quantized(x) and up.bias is None
-                and norm.policy.fused):
-            return None
-        a, residual = stream.normed_quantized(norm)
-        raw = up.unscaled_product(a, residual.dtype)
-        if raw is None:
-            act = silu_and_mul_quantized(up.forward_quantized(a, residual.dtype), self.policy)
-        else:
-            act = silu_and_mul_quantized(raw.product, self.policy,
-                                         (raw.row_scale, raw.col_scale))
-        return ResidualStream(down.forward_quantized(act, residual.dtype), residual, down)
+        """W8A8 (FP8 gate/up and down scaled per row, dynamic activations) with no launch of
+        its own besides the GEMMs: the norm quantizes gate/up's input, the SiLU kernel
+        applies gate/up's scales where its product is taken unscaled and quantizes down's
+        input, and down's scales go to the next norm (RowParallelLinear's streams)."""
+        fused = self.gate_up_proj.forward_normed_silu(stream, norm)  # batch 1: one kernel
+        if fused is not None:
+            return self.down_proj.forward_stream(fused.out, fused.residual)
+        proj = self.gate_up_proj.forward_normed_unscaled(stream, norm)
+        if self.down_proj.takes_quantized(proj.out):
+            act = silu_and_mul_quantized(proj.out, self.policy, proj.scales)
+            return self.down_proj.forward_quantized_stream(act, proj.residual.dtype,
+                                                           proj.residual)
+        return self.down_proj.forward_stream(silu_and_mul(proj.scaled(), self.policy),
+                                             proj.residual)
 
 
 def moe_shape(cfg: ModelConfig) -> MoEShape:
