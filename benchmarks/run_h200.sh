@@ -219,6 +219,16 @@ if [ "$MODE" = fp8tests ]; then  # after gguf-stage, carrying .gpucache/gguf/par
   step fp8_gpu_tests 240 python3 -m pytest -q tests/test_fp8_kernels.py tests/test_fp8.py tests/test_fp8_kv.py
   step fp8_linear_auto 60 python3 scripts/bench_kernels.py --what fp8linear --linear-rows 137
 fi
+if [ "$MODE" = fold ]; then  # after gguf-stage, carrying .gpucache/gguf/part1: the FP8 scale folds
+  default_model_gguf
+  export MINISGL_CACHE_DIR=/tmp/mcache
+  L8=configs/models/llama-3.1-8b; FP8="--quantization fp8 --kv-cache-dtype fp8_e4m3"
+  step fp8_gpu_tests 170 python3 -m pytest -q tests/test_fp8_kernels.py tests/test_fp8_kv.py
+  step fp8_latency 110 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,64,137,256 --steps 30 $FP8
+  step offline_fp8 100 python3 scripts/bench_offline.py --model $L8 $FP8
+  step offline_bf16 100 python3 scripts/bench_offline.py --model $L8
+  step fp8_profile 100 python3 scripts/bench_latency.py --model $L8 --batch-sizes 137 --context 100-1700 --prefill 16384 --steps 10 --profile $FP8
+fi
 if [ "$MODE" = vllm-stage ]; then
   mkdir -p /tmp/vllm_parts && cp .peer/part01 /tmp/vllm_parts/ && echo "part01 staged"
 fi
@@ -257,13 +267,14 @@ if [ "$MODE" = vllm-online ]; then  # both OpenAI servers, the same streamed wor
     > "$OUT/vllm_serve.log" 2>&1 &
   V=$!
   if up 8124 $V; then
-    step online_vllm 300 python3 scripts/bench_online.py --base-url http://127.0.0.1:8124 --model m --rates $RATES --num-requests $N --max-duration 60 --vocab-size 49152
+    step online_vllm 300 python3 scripts/bench_online.py --base-url http://127.0.0.1:8124 --model m --rates $RATES --num-requests $N --max-duration 60 --vocab-size 49152 --dump "$OUT/online_vllm.jsonl"
   else echo "vLLM's server did not come up:" | tee -a "$OUT/summary.txt"; tail -n 20 "$OUT/vllm_serve.log" | tee -a "$OUT/summary.txt"; fi
   kill -TERM $V; sleep 2; gpu_free
-  python3 -m minisgl --model "$M" --load-format dummy --port 8123 > "$OUT/serve.log" 2>&1 &
+  # debug logs: each request's queueing and every prefill step, timestamped (see --dump)
+  python3 -m minisgl --model "$M" --load-format dummy --port 8123 --log-level debug > "$OUT/serve.log" 2>&1 &
   S=$!
   if up 8123 $S; then
-    step online_minisgl 300 python3 scripts/bench_online.py --base-url http://127.0.0.1:8123 --rates $RATES --num-requests $N --max-duration 60 --vocab-size 49152
+    step online_minisgl 300 python3 scripts/bench_online.py --base-url http://127.0.0.1:8123 --rates $RATES --num-requests $N --max-duration 60 --vocab-size 49152 --dump "$OUT/online_minisgl.jsonl"
   else echo "minisgl's server did not come up" | tee -a "$OUT/summary.txt"; fi
   kill -TERM $S; wait $S
 fi

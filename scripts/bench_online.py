@@ -21,7 +21,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Union
 
 import httpx
 
@@ -81,6 +81,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="do not send the (non-OpenAI) ignore_eos extension field")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dump", default=None, metavar="FILE",
+                   help="also write one JSON line per request (rate, when it was sent, its "
+                        "prompt and output lengths, TTFT, end to end, error): what an outlier "
+                        "of the percentiles was")
     return p.parse_args(argv)
 
 
@@ -160,8 +164,25 @@ def percentiles(values: Sequence[float]) -> Dict[str, float]:
     return {f"p{int(q * 100)}": round(pick(q) * 1e3, 2) for q in (0.5, 0.9, 0.99)}
 
 
+class RateRun(NamedTuple):
+    summary: RateSummary
+    requests: List[Dict[str, Any]]  # one per request sent, in sending order (see --dump)
+
+
+def request_record(rate: float, spec: RequestSpec, sent_s: float,
+                   res: Optional[RequestResult]) -> Dict[str, Any]:
+    """One request of a rate as --dump writes it; `res` None: unfinished at the deadline."""
+    ms = lambda v: None if v is None or math.isnan(v) else round(v * 1e3, 2)  # noqa: E731
+    return {"rate": str(rate), "sent_ms": ms(sent_s), "prompt_len": len(spec.prompt) if
+            isinstance(spec.prompt, list) else len(spec.prompt.split()),
+            "max_tokens": spec.max_tokens, "ok": res is not None and res.ok,
+            "ttft_ms": ms(res.ttft) if res else None, "e2e_ms": ms(res.e2e) if res else None,
+            "output_tokens": res.output_tokens if res else 0,
+            "error": res.error if res else "unfinished"}
+
+
 async def run_rate(args: argparse.Namespace, rate: float, specs: List[RequestSpec],
-                   seed: int) -> RateSummary:
+                   seed: int) -> RateRun:
     """Send `specs` at Poisson arrivals of `rate`/s until done or --max-duration is reached."""
     rng = random.Random(seed)
     url = args.base_url.rstrip("/") + "/v1/completions"
@@ -171,6 +192,7 @@ async def run_rate(args: argparse.Namespace, rate: float, specs: List[RequestSpe
         start = time.perf_counter()
         deadline = start + args.max_duration
         tasks: List[asyncio.Task] = []
+        sent: List[float] = []
         next_at = start
         for spec in specs:
             if rate != math.inf:
@@ -178,6 +200,7 @@ async def run_rate(args: argparse.Namespace, rate: float, specs: List[RequestSpe
             if next_at >= deadline:
                 break
             await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+            sent.append(time.perf_counter() - start)
             tasks.append(asyncio.create_task(send(client, url, request_body(args, spec))))
         done, pending = (await asyncio.wait(tasks, timeout=max(0.0, deadline -
                                                                 time.perf_counter()))
@@ -189,14 +212,17 @@ async def run_rate(args: argparse.Namespace, rate: float, specs: List[RequestSpe
     results = [t.result() for t in tasks if t in done]
     ok = [r for r in results if r.ok]
     errors = [r.error for r in results if not r.ok]
-    return RateSummary(
+    records = [request_record(rate, spec, at, t.result() if t in done else None)
+               for spec, at, t in zip(specs, sent, tasks)]
+    return RateRun(RateSummary(
         rate=rate, sent=len(tasks), completed=len(ok), failed=len(errors),
         unfinished=len(pending), duration_s=round(duration, 3),
         req_s=round(len(ok) / duration, 3),
         output_tok_s=round(sum(r.output_tokens for r in ok) / duration, 1),
         ttft_ms=percentiles([r.ttft for r in ok]),
         itl_ms=percentiles([x for r in ok for x in r.itls]),
-        e2e_ms=percentiles([r.e2e for r in ok]), first_error=errors[0] if errors else "")
+        e2e_ms=percentiles([r.e2e for r in ok]), first_error=errors[0] if errors else ""),
+        records)
 
 
 def _no_nan(d: Dict[str, Any]) -> Dict[str, Any]:
@@ -231,11 +257,16 @@ async def main_async(args: argparse.Namespace) -> List[RateSummary]:
     print(f"{'rate':>6} {'done/sent':>11} {'fail':>4} {'unfin':>5} {'req/s':>7} {'out tok/s':>9} "
           f"{'TTFT ms p50/90/99':>18} {'ITL ms p50/90/99':>14} {'E2E ms p50/90/99':>20}")
     out = []
+    records: List[Dict[str, Any]] = []
     for i, rate in enumerate(rates):
         specs = make_requests(args, args.seed + i)  # distinct prompts: no cache hits across rates
-        summary = await run_rate(args, rate, specs, args.seed + 1000 + i)
-        print_summary(summary)
-        out.append(summary)
+        run = await run_rate(args, rate, specs, args.seed + 1000 + i)
+        print_summary(run.summary)
+        out.append(run.summary)
+        records += run.requests
+    if args.dump is not None:
+        with open(args.dump, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
     for s in out:
         print("RESULT " + json.dumps({**_no_nan(s.__dict__), "rate": str(s.rate),
                                       "model": args.model, "base_url": args.base_url,

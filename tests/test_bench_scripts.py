@@ -4,6 +4,8 @@ and reports stay working between GPU sessions (the numbers themselves mean nothi
 from __future__ import annotations
 
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable, List
 
@@ -197,3 +199,49 @@ def test_bench_offline_prints_no_ratio_when_hf_falls_short(
         script.main(["--model", str(tiny_model("llama")), "--device", "cpu", "--num-prompts",
                      "2", "--min-len", "4", "--max-len", "8", "--no-warmup", "--peer", "hf"])
     assert "output tok/s ratio" not in capsys.readouterr().out
+
+
+class _StreamingCompletions(BaseHTTPRequestHandler):
+    """An OpenAI-style streamed /v1/completions: three one-character chunks, then usage."""
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        chunks = [{"choices": [{"text": "ab"[i % 2]}]} for i in range(3)]
+        chunks.append({"choices": [], "usage": {"completion_tokens": 3}})
+        for chunk in chunks:
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.server.bodies.append(body)  # type: ignore[attr-defined]
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_bench_online_dumps_every_request(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture) -> None:
+    """bench_online against a streaming stub: the summary's RESULT line per rate, and --dump's
+    one record per request (when sent, lengths, TTFT), the material for explaining a p99."""
+    bench = load_script("bench_online")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _StreamingCompletions)
+    server.bodies = []  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    dump = tmp_path / "requests.jsonl"
+    try:
+        bench.main(["--base-url", f"http://127.0.0.1:{server.server_address[1]}", "--model",
+                    "m", "--rates", "inf,50", "--num-requests", "3", "--min-len", "2",
+                    "--max-len", "5", "--max-duration", "30", "--dump", str(dump)])
+    finally:
+        server.shutdown()
+    results = _result_lines(capsys.readouterr().out)
+    assert [r["rate"] for r in results] == ["inf", "50.0"]
+    assert all(b["stream"] and b["temperature"] == 0.0 and b["model"] == "m"
+               for b in server.bodies) and len(server.bodies) == 6  # type: ignore[attr-defined]
+    assert all(r["completed"] == 3 and r["output_tok_s"] > 0 for r in results)
+    records = [json.loads(line) for line in dump.read_text().splitlines()]
+    assert [r["rate"] for r in records] == ["inf"] * 3 + ["50.0"] * 3
+    for r in records:
+        assert r["ok"] and r["output_tokens"] == 3 and 2 <= r["prompt_len"] <= 5
+        assert 0 <= r["sent_ms"] <= r["sent_ms"] + r["ttft_ms"] and r["ttft_ms"] <= r["e2e_ms"]

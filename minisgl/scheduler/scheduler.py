@@ -173,6 +173,12 @@ class Scheduler:
     def _launch(self, batch: Batch) -> InFlight:
         batch.launched_at = time.perf_counter()
         batch.masked = any(s and r.grammar is not None for r, s in zip(batch.reqs, batch.sample))
+        if batch.phase is Phase.PREFILL and logger.isEnabledFor(logging.DEBUG):
+            # what a first token waited for
+            logger.debug("rank %d: prefill of %d tokens: requests %s", self.rank,
+                         sum(batch.extend_lens), ", ".join(
+                             f"{r.uid} ({ext}{'' if s else ', a chunk'})" for r, ext, s in
+                             zip(batch.reqs, batch.extend_lens, batch.sample)))
         launched = self.engine.launch(batch)
         for req, ext, sample in zip(batch.reqs, batch.extend_lens, batch.sample):
             req.cached_len += ext
