@@ -19,6 +19,8 @@ a few replays; every call reads inputs larger than the L2 cache, as in a real st
   quantization, _scaled_mm per tensor, the Triton scaled GEMM (its tiles swept with
   --fp8-sweep), "auto" (the model's choice on Hopper, kernels/fp8.rowwise_plan); at one row
   the FP8 GEMV over its rows per program.
+- `silu`: the FP8 MLP's quantizing SiLU-and-mul on an unscaled gate/up product at each
+  --linear-rows, over its (columns per pass, warps).
 - `moe`: one MoE layer of the model (a mixture-of-experts config) at each of --moe-rows token
   rows: the fused kernel with its default tiles (kernels/moe.py) and its pieces; with
   --moe-sweep, every tile of the sweep for each grouped GEMM.
@@ -449,6 +451,27 @@ def bench_fp8_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
             del ws
 
 
+def bench_silu(cfg: ModelConfig, args: argparse.Namespace) -> None:
+    """The quantizing SiLU-and-mul of an FP8 MLP at each of --linear-rows, on an unscaled
+    gate/up product with its scales (the decode path on Hopper), at each (columns per pass,
+    warps); tb_s counts the bytes read once and written."""
+    from minisgl.kernels.activation import silu_and_mul_quantized
+    d = cfg.intermediate_size
+    for rows in args.linear_rows:
+        copies = max(2, -(-(256 << 20) // (rows * 4 * d)))  # > 256 MiB of inputs: not from L2
+        xs = [torch.randn((rows, 2 * d), dtype=torch.bfloat16, device="cuda")
+              for _ in range(copies)]
+        rs = torch.rand((rows, 1), device="cuda") * 0.01
+        cs = torch.rand(2 * d, device="cuda") * 0.01
+        for tiles in ((2048, 8), (4096, 8), (4096, 16), (8192, 16), (16384, 16), None):
+            state = iter(itertools.cycle(xs))
+            us = time_graph(lambda t=tiles: silu_and_mul_quantized(next(state), False, rs, cs,
+                                                                   t), copies, args.reps)
+            report("silu", {"rows": rows, "d": d, "tiles": str(tiles or "default")}, us,
+                   tb_s=round(rows * 5 * d / us / 1e6, 2))
+        del xs
+
+
 def _random_fp8_weight(n: int, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """A random FP8 weight [n, k] and its float32 row scales, on the GPU."""
     from minisgl.layers.fp8 import quantize_rows
@@ -553,6 +576,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         bench_prefill_gemm(cfg, args)
     if "fp8linear" in what:
         bench_fp8_linear(cfg, args)
+    if "silu" in what:
+        bench_silu(cfg, args)
     if "decode" in what:
         bench_decode(shape, args)
     if "extend" in what:

@@ -136,8 +136,8 @@ def test_rescale_applies_row_and_column_scales(dtype: torch.dtype, bias: bool) -
 def test_silu_and_mul_quantized_scales_an_unscaled_product(dtype: torch.dtype) -> None:
     """With the product's scales, the SiLU kernel equals rescaling first, then the plain
     quantized SiLU."""
-    raw = (torch.randn(4, 2 * 300, device=DEV) * 50).to(dtype)
-    rs, cs = torch.rand(4, 1, device=DEV) * 0.1, torch.rand(600, device=DEV) * 0.1
+    raw = (torch.randn(4, 2 * 4500, device=DEV) * 50).to(dtype)
+    rs, cs = torch.rand(4, 1, device=DEV) * 0.1, torch.rand(9000, device=DEV) * 0.1
     got = activation.silu_and_mul_quantized(raw, row_scale=rs, col_scale=cs)
     want = activation.silu_and_mul_quantized(kernels.rescale(raw, rs, cs, None, dtype))
     _same_quantized(got, want)
@@ -212,12 +212,15 @@ def test_norms_scale_an_unscaled_product(dtype: torch.dtype, residual: bool) -> 
     scaled = kernels.rescale(raw, scales.row, scales.col, None, dtype)
     plain, plain_res = rmsnorm.rmsnorm(scaled, w, 1e-6, res)
     got, got_res = rmsnorm.rmsnorm(raw, w, 1e-6, res, scales=scales)
-    assert torch.equal(got, plain)
-    assert (got_res is None) == (not residual) and (not residual or torch.equal(got_res,
-                                                                                plain_res))
+    # In float32 on the GPU the scaling and the residual add may contract into one multiply-add
+    # (one rounding fewer); a half dtype rounds in between, so the bits are the same there.
+    same = torch.equal if dtype != torch.float32 or DEV == "cpu" else (
+        lambda a, b: _rel(a, b) < 1e-6)
+    assert same(got, plain)
+    assert (got_res is None) == (not residual) and (not residual or same(got_res, plain_res))
     got_q, got_res = rmsnorm.rmsnorm_quantized(raw, w, 1e-6, res, scales=scales)
     _same_quantized(got_q, rmsnorm.rmsnorm_quantized(scaled, w, 1e-6, res)[0])
-    assert not residual or torch.equal(got_res, plain_res)
+    assert not residual or same(got_res, plain_res)
     with pytest.raises(ValueError, match="row scales"):
         rmsnorm.rmsnorm(raw, w, 1e-6, res, scales=ProductScales(scales.row[:2], scales.col))
 
@@ -256,8 +259,10 @@ def test_rotary_store_scales_an_unscaled_qkv_product(fp8_cache: bool) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul_quantized_equals_quantizing_the_activation(dtype: torch.dtype) -> None:
-    x = (torch.randn(5, 2 * 700, device=DEV) * 3).to(dtype)
+@pytest.mark.parametrize("d", [700, 5000])  # one pass of columns; two, the second ragged
+def test_silu_and_mul_quantized_equals_quantizing_the_activation(dtype: torch.dtype,
+                                                                  d: int) -> None:
+    x = (torch.randn(5, 2 * d, device=DEV) * 3).to(dtype)
     x[2] = 0.0  # an all-zero row: the smallest scale, zeros
     got = activation.silu_and_mul_quantized(x)
     _same_quantized(got, kernels.quantize_tokens(activation.silu_and_mul(x)))
@@ -397,14 +402,15 @@ def test_gpu_unscaled_fp8_products_fold_their_scales(tiny_model,  # type: ignore
     """Hopper's "auto" FP8 GEMM takes the projections of 65-512 rows unscaled, and their scales
     go to the kernels that read them (the rotary K/V store for QKV, the next norm for o_proj
     and down_proj at tp=1, SiLU-and-mul for gate/up): not one rescale launch, in eager steps
-    or in the decode graphs' capture; the tokens mostly those of cuBLASLt's rowwise GEMMs."""
+    or in the decode graphs' capture; the next-token distributions those of cuBLASLt's rowwise
+    GEMMs (the prefill's 350 rows and the decode step's 70), up to bfloat16 rounding."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the per-shape FP8 GEMM is Hopper's")
     from minisgl import LLM, SamplingParams
     from minisgl.models import quantization
     path: Path = tiny_model("llama")  # no q/k norms: the rotary kernel stores K/V
     prompts = torch.randint(10, 40000, (70, 5), generator=torch.Generator().manual_seed(3))
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=5)
     calls = {"rescale": 0, "unscaled_mm": 0}
 
     def counted(name: str) -> object:
@@ -420,12 +426,21 @@ def test_gpu_unscaled_fp8_products_fold_their_scales(tiny_model,  # type: ignore
     def run() -> list:
         with LLM(str(path), device="cuda", dtype="bfloat16", quantization="fp8",
                  max_kv_tokens=4096, show_progress=False) as llm:
-            return [o.token_ids for o in llm.generate(prompts.tolist(), params)]
+            return [o.logprobs for o in llm.generate(prompts.tolist(), params)]
     auto = run()
     assert calls["unscaled_mm"] > 0 and calls["rescale"] == 0, calls
     monkeypatch.setattr(quantization, "fp8_gemm", lambda device, dtype: "scaled_mm")
     rowwise = run()
-    assert sum(a == b for a, b in zip(auto, rowwise)) >= 2 * len(auto) / 3
+    close = compared = 0
+    for steps_a, steps_b in zip(auto, rowwise):
+        for a, b in zip(steps_a, steps_b):  # each step while the two sequences agree
+            pa, pb = dict(zip(a.top_ids, a.top_logprobs)), dict(zip(b.top_ids, b.top_logprobs))
+            shared = set(pa) & set(pb)
+            compared += 1
+            close += len(shared) >= 3 and max(abs(pa[t] - pb[t]) for t in shared) < 0.25
+            if a.top_ids[0] != b.top_ids[0]:
+                break
+    assert close >= 0.9 * compared, (close, compared)
 
 
 @pytest.mark.gpu

@@ -6,14 +6,17 @@ launch. This module imports triton: only GPU paths (and the CPU interpreter test
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.fp8 import Quantized, empty_quantized, quantize_row_store
+from minisgl.kernels.fp8 import Quantized, amax_scale, empty_quantized, quantize_values
 from minisgl.kernels.pdl import launch_options, pdl_enter
+
+# Columns per pass of the quantizing SiLU kernel: 16 warps of 8 values per array in flight.
+_SILU_QUANT_BLOCK = 4096
 
 
 @triton.jit
@@ -48,34 +51,53 @@ def silu_and_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
 
 
 @triton.jit
+def _act_f32(x_row, rs, cs_ptr, cols, mask, d, SCALED: tl.constexpr):
+    """silu(gate) * up at `cols` of one [gate | up] row, rounded to its dtype, as float32
+    (masked lanes 0). SCALED: the row is an unscaled FP8 product; gate and up are first
+    x * rs * cs[col], rounded to x's dtype (the scaled product's values)."""
+    ty = x_row.dtype.element_ty
+    gate = tl.load(x_row + cols, mask=mask, other=0.0)
+    up = tl.load(x_row + d + cols, mask=mask, other=0.0)
+    if SCALED:
+        gate = (gate.to(tl.float32) * rs * tl.load(cs_ptr + cols, mask=mask, other=0.0)).to(ty)
+        up = (up.to(tl.float32) * rs * tl.load(cs_ptr + d + cols, mask=mask, other=0.0)).to(ty)
+    return silu_mul_f32(gate, up).to(ty).to(tl.float32)
+
+
+@triton.jit
 def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, rs_ptr, cs_ptr, d, SCALED: tl.constexpr,
                            BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Program `row`: silu(gate) * up rounded to x's dtype, quantized per row: the whole row
-    in registers (BLOCK >= d), then its FP8 values at q and its scale at s[row]. SCALED: x is
-    an unscaled FP8 product; gate and up are first x * rs[row] * cs[col], rounded to x's
-    dtype (the scaled product's values)."""
+    """Program `row`: silu(gate) * up rounded to x's dtype, quantized per row as
+    fp8.quantize_row_store does, in two passes of BLOCK columns: the amax, then the FP8 values
+    (the row read again, from L2) and the scale at s[row]. Holding a 14,336-wide row whole in
+    registers took a multiprocessor per program: a decode batch of 137 rows ran in two waves
+    (RESULTS.md, fourteenth session). SCALED: see `_act_f32`."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < d
-    gate = tl.load(x_ptr + row * 2 * d + cols, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * 2 * d + d + cols, mask=mask, other=0.0)
-    if SCALED:
-        r = tl.load(rs_ptr + row)
-        ty = x_ptr.dtype.element_ty
-        gate = (gate.to(tl.float32) * r * tl.load(cs_ptr + cols, mask=mask, other=0.0)).to(ty)
-        up = (up.to(tl.float32) * r * tl.load(cs_ptr + d + cols, mask=mask, other=0.0)).to(ty)
-    act = silu_mul_f32(gate, up).to(x_ptr.dtype.element_ty).to(tl.float32)
-    quantize_row_store(act, cols, mask, q_ptr + row * d, s_ptr + row)
+    x_row = x_ptr + row * 2 * d
+    rs = tl.load(rs_ptr + row) if SCALED else 1.0
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for c0 in range(0, d, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(_act_f32(x_row, rs, cs_ptr, cols, cols < d, d, SCALED)))
+    scale = amax_scale(tl.max(amax, axis=0))
+    for c0 in range(0, d, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = cols < d
+        q = quantize_values(_act_f32(x_row, rs, cs_ptr, cols, mask, d, SCALED), scale)
+        tl.store(q_ptr + row * d + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
 
 
 def silu_and_mul_quantized(x: torch.Tensor, pdl: bool = False,
                            row_scale: Optional[torch.Tensor] = None,
-                           col_scale: Optional[torch.Tensor] = None) -> Quantized:
+                           col_scale: Optional[torch.Tensor] = None,
+                           tiles: Optional[Tuple[int, int]] = None) -> Quantized:
     """x = [gate | up] (contiguous, rows [..., 2d]) -> silu(gate) * up as FP8 rows [M, d] and
     their scales [M, 1]: fp8.quantize_tokens of `silu_and_mul(x)`, exactly, in one launch.
     With `row_scale` [M] and `col_scale` [2d]: x is an unscaled FP8 product
-    (fp8.unscaled_mm) and its scales are applied first, as fp8.rescale would."""
+    (fp8.unscaled_mm) and its scales are applied first, as fp8.rescale would. `tiles`:
+    (columns per pass, warps) instead of the default (scripts/bench_kernels.py --what silu)."""
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d)
     scaled = row_scale is not None and col_scale is not None
@@ -84,9 +106,10 @@ def silu_and_mul_quantized(x: torch.Tensor, pdl: bool = False,
         raise ValueError(f"silu_and_mul_quantized takes both scales or neither: {x2.shape[0]} "
                          f"row scales and {2 * d} column scales")
     out = empty_quantized(x2.shape[0], d, x.device)
-    block = triton.next_power_of_2(d)
+    block = min(_SILU_QUANT_BLOCK, triton.next_power_of_2(d))
+    block, warps = tiles if tiles is not None else (block, max(4, min(16, block // 256)))
     _silu_mul_quant_kernel[(x2.shape[0],)](
         x2, out.values, out.scales, row_scale if scaled else out.scales,
         col_scale if scaled else out.scales, d, SCALED=scaled, BLOCK=block, PDL=pdl,
-        num_warps=min(16, max(4, block // 512)), **launch_options(pdl))
+        num_warps=warps, **launch_options(pdl))
     return out

@@ -64,14 +64,27 @@ _MIN_AMAX = tl.constexpr(MIN_AMAX)
 
 
 @triton.jit
+def amax_scale(amax):
+    """A row's dynamic scale from its largest magnitude: amax / 448 (a tiny floor for zeros)."""
+    return tl.maximum(amax, _MIN_AMAX) / _MAX
+
+
+@triton.jit
+def quantize_values(x, scale):
+    """x (float32) / scale, saturated to +-448 and rounded onto the float8_e4m3fn grid (still
+    float32; the cast after it is exact): the one formula of every per-row quantization here."""
+    return _round_e4m3(tl.minimum(tl.maximum(x / scale, -_MAX), _MAX))
+
+
+@triton.jit
 def quantize_row_store(x, cols, mask, q_row_ptr, s_ptr):
     """A row held whole in registers (float32, masked lanes zero), quantized as
     `quantize_tokens` quantizes it: its FP8 values stored at q_row_ptr[cols], its scale at
     s_ptr. The kernels that produce a W8A8 projection's input (the RMSNorm, SiLU-and-mul)
     call it instead of storing the row, so the quantization costs no launch of its own."""
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), _MIN_AMAX) / _MAX
-    q = _round_e4m3(tl.minimum(tl.maximum(x / scale, -_MAX), _MAX))
-    tl.store(q_row_ptr + cols, q.to(q_row_ptr.dtype.element_ty), mask=mask)
+    scale = amax_scale(tl.max(tl.abs(x), axis=0))
+    tl.store(q_row_ptr + cols, quantize_values(x, scale).to(q_row_ptr.dtype.element_ty),
+             mask=mask)
     tl.store(s_ptr, scale)
 
 
@@ -93,8 +106,7 @@ def empty_quantized(m: int, k: int, device: torch.device) -> Quantized:
 
 @triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, k, stride_x, stride_s, GROUP,
-                       STATIC: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
-                       MIN_AMAX: tl.constexpr):
+                       STATIC: tl.constexpr, BLOCK: tl.constexpr):
     """Program (row, g): columns [g * GROUP, (g + 1) * GROUP) of row `row` (GROUP = k: the
     whole row). The scale is amax / FP8_MAX over them, or *static_ptr with STATIC; it is stored
     at s[row, g], and x / scale, saturated, at q."""
@@ -112,13 +124,12 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, k, stride_x, stride_s, G
             cols = k0 + tl.arange(0, BLOCK)
             x = tl.load(x_row + cols, mask=cols < stop, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / FP8_MAX
+        scale = amax_scale(tl.max(amax, axis=0))
     for k0 in range(start, stop, BLOCK):
         cols = k0 + tl.arange(0, BLOCK)
         mask = cols < stop
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        q = _round_e4m3(tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX))
-        tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_row + cols, quantize_values(x, scale).to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_s + g, scale)
 
 
@@ -136,8 +147,7 @@ def _quantize(x: torch.Tensor, group: int, static_scale: Optional[torch.Tensor])
     static = static_scale if static_scale is not None else scales
     _quant_rows_kernel[(m, groups)](
         x, values, scales, static, k, x.stride(0), scales.stride(0), group,
-        STATIC=static_scale is not None, BLOCK=block, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
-        num_warps=4 if block <= 1024 else 8)
+        STATIC=static_scale is not None, BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return Quantized(values, scales)
 
 
