@@ -229,6 +229,14 @@ if [ "$MODE" = fold ]; then  # after gguf-stage, carrying .gpucache/gguf/part1: 
   step offline_bf16 100 python3 scripts/bench_offline.py --model $L8
   step fp8_profile 100 python3 scripts/bench_latency.py --model $L8 --batch-sizes 137 --context 100-1700 --prefill 16384 --steps 10 --profile $FP8
 fi
+if [ "$MODE" = silu ]; then  # the two-pass quantizing SiLU: its tiles, then the FP8 steps and offline run
+  L8=configs/models/llama-3.1-8b; FP8="--quantization fp8 --kv-cache-dtype fp8_e4m3"
+  step fp8_kernel_tests 150 python3 -m pytest -q tests/test_fp8_kernels.py
+  step silu_tiles 90 python3 scripts/bench_kernels.py --what silu --linear-rows 64,137,256
+  step fp8_latency 110 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,64,137,256 --steps 30 $FP8
+  step offline_fp8 100 python3 scripts/bench_offline.py --model $L8 $FP8
+  step fp8_profile 100 python3 scripts/bench_latency.py --model $L8 --batch-sizes 137 --context 100-1700 --steps 10 --profile $FP8
+fi
 if [ "$MODE" = vllm-stage ]; then
   mkdir -p /tmp/vllm_parts && cp .peer/part01 /tmp/vllm_parts/ && echo "part01 staged"
 fi
