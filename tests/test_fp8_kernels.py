@@ -219,7 +219,12 @@ def test_norms_scale_an_unscaled_product(dtype: torch.dtype, residual: bool) -> 
     assert same(got, plain)
     assert (got_res is None) == (not residual) and (not residual or same(got_res, plain_res))
     got_q, got_res = rmsnorm.rmsnorm_quantized(raw, w, 1e-6, res, scales=scales)
-    _same_quantized(got_q, rmsnorm.rmsnorm_quantized(scaled, w, 1e-6, res)[0])
+    want_q = rmsnorm.rmsnorm_quantized(scaled, w, 1e-6, res)[0]
+    if same is torch.equal:
+        _same_quantized(got_q, want_q)
+    else:  # an input a rounding apart may land on the next FP8 value
+        deq = lambda q: q.values.float() * q.scales  # noqa: E731
+        assert _rel(deq(got_q), deq(want_q)) < 1e-2
     assert not residual or same(got_res, plain_res)
     with pytest.raises(ValueError, match="row scales"):
         rmsnorm.rmsnorm(raw, w, 1e-6, res, scales=ProductScales(scales.row[:2], scales.col))

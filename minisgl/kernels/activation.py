@@ -65,26 +65,34 @@ def _act_f32(x_row, rs, cs_ptr, cols, mask, d, SCALED: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, rs_ptr, cs_ptr, d, SCALED: tl.constexpr,
-                           BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_mul_quant_kernel(x_ptr, act_ptr, q_ptr, s_ptr, rs_ptr, cs_ptr, d,
+                           SCALED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program `row`: silu(gate) * up rounded to x's dtype, quantized per row as
-    fp8.quantize_row_store does, in two passes of BLOCK columns: the amax, then the FP8 values
-    (the row read again, from L2) and the scale at s[row]. Holding a 14,336-wide row whole in
-    registers took a multiprocessor per program: a decode batch of 137 rows ran in two waves
-    (RESULTS.md, fourteenth session). SCALED: see `_act_f32`."""
+    fp8.quantize_row_store does, in two passes of BLOCK columns: the activation into the
+    scratch row act[row] (x's dtype) and its amax, then the FP8 values from the scratch (read
+    back from L2 by the threads that wrote it) and the scale at s[row]. Holding a 14,336-wide
+    row whole in registers took a multiprocessor per program (a decode batch of 137 rows ran
+    in two waves); recomputing the activation in the second pass doubled a kernel bound by
+    arithmetic (RESULTS.md, fourteenth session). SCALED: see `_act_f32`."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * 2 * d
+    act_row = act_ptr + row * d
     rs = tl.load(rs_ptr + row) if SCALED else 1.0
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for c0 in range(0, d, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
-        amax = tl.maximum(amax, tl.abs(_act_f32(x_row, rs, cs_ptr, cols, cols < d, d, SCALED)))
+        mask = cols < d
+        act = _act_f32(x_row, rs, cs_ptr, cols, mask, d, SCALED)
+        tl.store(act_row + cols, act.to(act_ptr.dtype.element_ty), mask=mask)
+        amax = tl.maximum(amax, tl.abs(act))
     scale = amax_scale(tl.max(amax, axis=0))
+    tl.debug_barrier()  # the scratch row is written before any thread reads it back
     for c0 in range(0, d, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
         mask = cols < d
-        q = quantize_values(_act_f32(x_row, rs, cs_ptr, cols, mask, d, SCALED), scale)
+        act = tl.load(act_row + cols, mask=mask, other=0.0).to(tl.float32)
+        q = quantize_values(act, scale)
         tl.store(q_ptr + row * d + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
 
@@ -106,10 +114,11 @@ def silu_and_mul_quantized(x: torch.Tensor, pdl: bool = False,
         raise ValueError(f"silu_and_mul_quantized takes both scales or neither: {x2.shape[0]} "
                          f"row scales and {2 * d} column scales")
     out = empty_quantized(x2.shape[0], d, x.device)
+    scratch = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
     block = min(_SILU_QUANT_BLOCK, triton.next_power_of_2(d))
     block, warps = tiles if tiles is not None else (block, max(4, min(16, block // 256)))
     _silu_mul_quant_kernel[(x2.shape[0],)](
-        x2, out.values, out.scales, row_scale if scaled else out.scales,
+        x2, scratch, out.values, out.scales, row_scale if scaled else out.scales,
         col_scale if scaled else out.scales, d, SCALED=scaled, BLOCK=block, PDL=pdl,
         num_warps=warps, **launch_options(pdl))
     return out
