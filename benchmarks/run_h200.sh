@@ -237,6 +237,16 @@ if [ "$MODE" = silu ]; then  # the two-pass quantizing SiLU: its tiles, then the
   step offline_fp8 100 python3 scripts/bench_offline.py --model $L8 $FP8
   step fp8_profile 100 python3 scripts/bench_latency.py --model $L8 --batch-sizes 137 --context 100-1700 --steps 10 --profile $FP8
 fi
+if [ "$MODE" = silu2 ]; then  # after gguf-stage, carrying .gpucache/gguf/part1: the FP8 tests, the SiLU, the runs
+  default_model_gguf
+  export MINISGL_CACHE_DIR=/tmp/mcache
+  L8=configs/models/llama-3.1-8b; FP8="--quantization fp8 --kv-cache-dtype fp8_e4m3"
+  step fp8_tests 200 python3 -m pytest -q tests/test_fp8_kernels.py tests/test_fp8_kv.py tests/test_triton_attention.py tests/test_fp8.py -k "fp8 or quant or scale or silu"
+  step silu_tiles 60 python3 scripts/bench_kernels.py --what silu --linear-rows 137,256
+  step fp8_latency 110 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,64,137,256 --steps 30 $FP8
+  step offline_fp8 100 python3 scripts/bench_offline.py --model $L8 $FP8
+  step offline_bf16 100 python3 scripts/bench_offline.py --model $L8
+fi
 if [ "$MODE" = vllm-stage ]; then
   mkdir -p /tmp/vllm_parts && cp .peer/part01 /tmp/vllm_parts/ && echo "part01 staged"
 fi
