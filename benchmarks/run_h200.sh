@@ -247,6 +247,12 @@ if [ "$MODE" = silu2 ]; then  # after gguf-stage, carrying .gpucache/gguf/part1:
   step offline_fp8 100 python3 scripts/bench_offline.py --model $L8 $FP8
   step offline_bf16 100 python3 scripts/bench_offline.py --model $L8
 fi
+if [ "$MODE" = verify ]; then  # after gguf-stage, carrying .gpucache/gguf/part1: the GPU tests of the session's end
+  default_model_gguf
+  export MINISGL_CACHE_DIR=/tmp/mcache
+  step gpu_tests 190 python3 -m pytest -q -m gpu tests/test_gpu.py -k "not tp2"
+  step fp8_tests 250 python3 -m pytest -q tests/test_fp8.py
+fi
 if [ "$MODE" = vllm-stage ]; then
   mkdir -p /tmp/vllm_parts && cp .peer/part01 /tmp/vllm_parts/ && echo "part01 staged"
 fi
