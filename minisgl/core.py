@@ -431,6 +431,9 @@ class Batch:
 
     `extend_lens[i]` new tokens of `reqs[i]` are computed, starting at position `prefix_lens[i]`.
     A request whose `sample[i]` is False is a partial prefill chunk: its logits are not sampled.
+    A mixed step is a prefill batch whose last `num_decode` requests are running ones decoding
+    their next token (one new token each, its input on the device only, as in a decode batch;
+    longest first, ties by uid): see scheduler.Scheduler.schedule.
     """
 
     phase: Phase
@@ -438,6 +441,7 @@ class Batch:
     prefix_lens: List[int]
     extend_lens: List[int]
     sample: List[bool]
+    num_decode: int = 0
     # Filled by the engine when the batch is prepared for a forward pass.
     input_ids: Optional[torch.Tensor] = None
     positions: Optional[torch.Tensor] = None
@@ -455,6 +459,12 @@ class Batch:
     @property
     def seq_lens(self) -> List[int]:
         return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+
+    @property
+    def first_decode(self) -> int:
+        """Index of the first request that decodes one token: 0 in a decode batch, the end of
+        the prefill requests in a mixed step, the batch size in a plain prefill."""
+        return 0 if self.phase is Phase.DECODE else self.size - self.num_decode
 
 
 class StepResult(NamedTuple):

@@ -7,7 +7,7 @@ page table; its next token is a hash of that context (`next_token`). So a reques
 `reference(prompt, n)` exactly when every page-table entry the scheduler wrote points at the
 right KV, through chunking, prefix sharing, eviction and retraction. Like the real engine, a
 decode batch's input is the row's last sampled token (`last`), which with overlap the host has
-not seen yet.
+not seen yet; so is a mixed step's decode rows' (Batch.num_decode).
 """
 
 from __future__ import annotations
@@ -52,10 +52,12 @@ def fake_logprob(token: int) -> TokenLogprobs:
 
 
 class Step(NamedTuple):
-    """One launched batch as the engine saw it: per request (uid, prefix, extend, sample)."""
+    """One launched batch as the engine saw it: per request (uid, prefix, extend, sample), and
+    how many of them (the last) decode alongside a prefill."""
 
     phase: Phase
     reqs: List[Tuple[int, int, int, bool]]
+    num_decode: int = 0
 
 
 class FakeLaunch(NamedTuple):
@@ -95,7 +97,7 @@ class FakeEngine:
         logprobs = [fake_logprob(t) if s and r.params.logprobs is not None else None
                     for r, t, s in zip(batch.reqs, tokens, batch.sample)]
         self.steps.append(Step(batch.phase, [(r.uid, p, e, s) for r, p, e, s in zip(
-            batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample)]))
+            batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample)], batch.num_decode))
         launched = FakeLaunch(len(self.steps) - 1,
                               StepResult(tokens, logprobs, self._prompt_logprobs(batch)))
         self.pending.append(launched)
@@ -109,8 +111,10 @@ class FakeEngine:
 
     def _write_kv(self, batch: Batch) -> None:
         new: List[int] = []
-        for req, prefix, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
-            if batch.phase is Phase.DECODE:
+        for i, (req, prefix, ext) in enumerate(zip(batch.reqs, batch.prefix_lens,
+                                                   batch.extend_lens)):
+            if i >= batch.first_decode:
+                assert ext == 1 and prefix == req.device_len - 1, "a decode row's one new token"
                 new.append(self.last[req.table_row])
             else:
                 new.extend(req.token_ids[prefix:prefix + ext])
@@ -145,6 +149,7 @@ class Harness:
     max_running_requests: int = 4
     max_prefill_tokens: int = 64
     overlap: bool = False
+    mixed: bool = False  # mixed steps (SchedulerConfig.mixed_steps)
     decode_reserve_tokens: Optional[int] = None
     cache: str = "radix"
     max_context: int = 1024
@@ -156,6 +161,7 @@ class Harness:
                                   max_running_requests=self.max_running_requests)
         cfg = SchedulerConfig(engine_cfg, max_prefill_tokens=self.max_prefill_tokens,
                               cache=self.cache, overlap=self.overlap,
+                              mixed_steps=self.mixed,
                               decode_reserve_tokens=self.decode_reserve_tokens)
         self.engine = FakeEngine(self.num_pages, self.page_size, self.max_running_requests,
                                  self.max_context)

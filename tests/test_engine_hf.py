@@ -71,3 +71,16 @@ def test_concurrency_does_not_change_tokens(tiny_model: Callable[..., Path], max
              max_running_requests=max_running, max_kv_tokens=8192, show_progress=False) as llm:
         outs = llm.generate(prompts, GREEDY32)
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 32)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_mixed_steps_do_not_change_tokens(tiny_model: Callable[..., Path],
+                                          overlap: bool) -> None:
+    """Mixed steps (SchedulerConfig.mixed_steps): with three rows for sixteen requests, each
+    newcomer's prompt chunks run in the same steps as the others' decodes; tokens unchanged."""
+    path = tiny_model("qwen3")
+    prompts = mixed_prompts(16, seed=4)
+    with LLM(str(path), page_size=4, max_prefill_tokens=16, overlap=overlap, mixed_steps=True,
+             max_running_requests=3, max_kv_tokens=4096, show_progress=False) as llm:
+        outs = llm.generate(prompts, GREEDY32)
+    assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 32)

@@ -19,8 +19,11 @@ from minisgl.tokenizer.detokenize_worker import Detokenizer
 TOL = 1e-4
 
 
-@pytest.mark.parametrize("overlap,chunk", [(False, 8192), (True, 16)])
-def test_logprobs_equal_hf(tiny_model: Callable[..., Path], overlap: bool, chunk: int) -> None:
+@pytest.mark.parametrize("overlap,chunk,mixed", [(False, 8192, False), (True, 16, True)])
+def test_logprobs_equal_hf(tiny_model: Callable[..., Path], overlap: bool, chunk: int,
+                           mixed: bool) -> None:
+    """Also with mixed steps: prompts chunked at 16 tokens, the ones already answered decode
+    alongside the others' chunks."""
     path = tiny_model("llama")
     prompts = mixed_prompts(6, seed=3)
     # Greedy with 5 alternatives, sampled (raw logprobs: before temperature) with none, and
@@ -29,7 +32,7 @@ def test_logprobs_equal_hf(tiny_model: Callable[..., Path], overlap: bool, chunk
               SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True, logprobs=0),
               SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 2
     with LLM(str(path), page_size=4, max_prefill_tokens=chunk, overlap=overlap,
-             max_kv_tokens=4096, show_progress=False) as llm:
+             mixed_steps=mixed, max_kv_tokens=4096, show_progress=False) as llm:
         outs = llm.generate(prompts, params)
     for prompt, p, out in zip(prompts, params, outs):
         if p.logprobs is None:

@@ -145,19 +145,66 @@ def test_kv_pressure_retracts_the_newest_request(cache: str,
     _at_rest(h)
 
 
-@pytest.mark.parametrize("cache,overlap", [("radix", False), ("radix", True), ("naive", True)])
-def test_retraction_under_pressure_keeps_every_token(cache: str, overlap: bool) -> None:
+@pytest.mark.parametrize("cache,overlap,mixed", [("radix", False, False), ("radix", True, False),
+                                                 ("naive", True, False), ("radix", True, True)])
+def test_retraction_under_pressure_keeps_every_token(cache: str, overlap: bool,
+                                                     mixed: bool) -> None:
     rng = random.Random(5)
     system = _prompt(7, 12)
     prompts = [system + [rng.randrange(100, 40000) for _ in range(rng.randrange(1, 12))]
                for _ in range(16)]
     h = Harness(num_pages=40, page_size=4, max_running_requests=12, cache=cache,
-                overlap=overlap, decode_reserve_tokens=4)
+                overlap=overlap, mixed=mixed, decode_reserve_tokens=4)
     for uid, prompt in enumerate(prompts):
         h.submit(uid, prompt, max_tokens=30)
     h.run()
     assert h.tokens == {uid: reference(p, 30) for uid, p in enumerate(prompts)}
     assert h.accounting().retracted_requests > 0
+    _at_rest(h)
+
+
+# --- mixed steps -----------------------------------------------------------------------------
+def _prefill_part(step: Step) -> List[Tuple[int, int, int, bool]]:
+    return step.reqs[:len(step.reqs) - step.num_decode] if step.phase is P else []
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_mixed_steps_decode_alongside_a_chunked_prompt(overlap: bool) -> None:
+    """Requests already decoding advance in every step of a later prompt's prefill: each
+    chunk takes the budget less their rows, and every token is the reference's."""
+    h = Harness(mixed=True, overlap=overlap, max_prefill_tokens=16)
+    early = [_prompt(3, 5), _prompt(40, 6)]
+    for uid, prompt in enumerate(early):
+        h.submit(uid, prompt, max_tokens=20)
+    for _ in range(4):
+        h.step()
+    late = _prompt(90, 40)
+    h.submit(2, late, max_tokens=3)
+    h.run()
+    assert h.tokens == {0: reference(early[0], 20), 1: reference(early[1], 20),
+                        2: reference(late, 3)}
+    chunks = [s for s in h.engine.steps if any(r[0] == 2 for r in _prefill_part(s))]
+    assert [[r[2] for r in _prefill_part(s)] for s in chunks] == [[14], [14], [12]]
+    assert all(s.phase is P and s.num_decode == 2 for s in chunks)
+    assert all(r[2] == 1 and r[3] for s in chunks for r in s.reqs[-2:])
+    _at_rest(h)
+
+
+def test_too_many_decoding_requests_get_a_step_of_their_own() -> None:
+    """Decode rows ride along a prefill only while they take at most half its budget."""
+    h = Harness(mixed=True, max_prefill_tokens=4, max_running_requests=4)
+    early = [_prompt(3 + 10 * i, 3) for i in range(3)]
+    for uid, prompt in enumerate(early):
+        h.submit(uid, prompt, max_tokens=12)
+    for _ in range(3):
+        h.step()
+    h.submit(3, _prompt(90, 8), max_tokens=2)
+    h.run()
+    assert h.tokens == {**{uid: reference(p, 12) for uid, p in enumerate(early)},
+                        3: reference(_prompt(90, 8), 2)}
+    assert all(s.num_decode * 2 <= 4 for s in h.engine.steps)
+    late = [s for s in h.engine.steps if any(r[0] == 3 for r in _prefill_part(s))]
+    assert len(late) == 2 and all(s.num_decode == 0 for s in late)  # three decode meanwhile
     _at_rest(h)
 
 

@@ -59,9 +59,10 @@ def _slots_for(pages: List[int], length: int, page_size: int) -> List[int]:
 
 def make_case(dtype: torch.dtype, device: str, page_size: int, heads: int, kv_heads: int,
               head_dim: int, prefix_lens: List[int], extend_lens: List[int], phase: Phase,
-              seed: int, kv_dtype: Optional[torch.dtype] = None) -> Case:
+              seed: int, kv_dtype: Optional[torch.dtype] = None, num_decode: int = 0) -> Case:
     """Build a random batch; every request's pages are scattered over a shuffled pool.
-    `kv_dtype`: the pool's (FP8: with FP8_SCALES), else `dtype`."""
+    `kv_dtype`: the pool's (FP8: with FP8_SCALES), else `dtype`. `num_decode`: the last
+    requests decode alongside the prefill (a mixed step)."""
     rng = random.Random(seed)
     gen = torch.Generator(device).manual_seed(seed)  # on the device: GPU pools are large
     seqs = [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -89,7 +90,8 @@ def make_case(dtype: torch.dtype, device: str, page_size: int, heads: int, kv_he
         table[row, :seq] = torch.tensor(slots, dtype=torch.int32)
         out_slots.extend(slots[prefix:])
         reqs.append(Req(i, [0] * seq, seq, SamplingParams(), (), table_row=row))
-    batch = Batch(phase, reqs, list(prefix_lens), list(extend_lens), [True] * n)
+    batch = Batch(phase, reqs, list(prefix_lens), list(extend_lens), [True] * n,
+                  num_decode=num_decode)
     batch.out_slots = torch.tensor(out_slots, dtype=torch.int64, device=device)
     t = sum(extend_lens)
     q, k, v = (torch.randn((t, h, head_dim), generator=gen, device=device).to(dtype)
@@ -130,11 +132,12 @@ def reference(case: Case, heads: int, kv_heads: int, head_dim: int, layer: int
 def run_and_compare(dtype: torch.dtype, device: str, page_size: int, heads: int, kv_heads: int,
                     head_dim: int, prefix_lens: List[int], extend_lens: List[int], phase: Phase,
                     seed: int = 0, min_split_tokens: int = 16, num_sms: int = 64,
-                    kv_dtype: Optional[torch.dtype] = None, backend_name: str = "triton"
-                    ) -> None:
-    """`backend_name`: the backend under test ("torch": the CPU path, on an FP8 pool)."""
+                    kv_dtype: Optional[torch.dtype] = None, backend_name: str = "triton",
+                    num_decode: int = 0) -> None:
+    """`backend_name`: the backend under test ("torch": the CPU path, on an FP8 pool).
+    `num_decode`: see make_case (the reference runs the batch as a plain prefill)."""
     case = make_case(dtype, device, page_size, heads, kv_heads, head_dim, prefix_lens,
-                     extend_lens, phase, seed, kv_dtype)
+                     extend_lens, phase, seed, kv_dtype, num_decode)
     layer = 1
     ref, ref_pool = reference(case, heads, kv_heads, head_dim, layer)
     if backend_name == "torch":
@@ -189,6 +192,19 @@ def test_extend_small(dtype: torch.dtype, page_size: int, heads: int, kv_heads: 
     extend = [9, 13, 40, 1, 70]
     run_and_compare(dtype, "cuda" if HAS_CUDA else "cpu", page_size, heads, kv_heads, 32,
                     prefix, extend, Phase.PREFILL, seed=page_size * heads)
+
+
+@pytest.mark.parametrize("dtype,page_size,kv_dtype", [
+    (torch.float32, 1, None), (torch.bfloat16, 16, None), (torch.float16, 16, None),
+    (torch.bfloat16, 16, FP8_KV_DTYPE)], ids=["f32-p1", "bf16-p16", "f16-p16", "bf16-fp8kv"])
+def test_mixed_step_small(dtype: torch.dtype, page_size: int,
+                          kv_dtype: Optional[torch.dtype]) -> None:
+    """A mixed step: prompts (a fresh one, a chunk after a prefix, a one-token chunk) then four
+    requests decoding one token each, whose attention runs the decode kernel (with splits):
+    the same as the whole batch through the extend path of the reference."""
+    run_and_compare(dtype, "cuda" if HAS_CUDA else "cpu", page_size, 8, 2, 32,
+                    [0, 21, 48, 5, 17, 90], [9, 13, 1, 1, 1, 1], Phase.PREFILL,
+                    seed=page_size + 11, kv_dtype=kv_dtype, num_decode=4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

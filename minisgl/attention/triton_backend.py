@@ -38,6 +38,11 @@ class TritonMeta:
     o_part: Optional[torch.Tensor]  # decode scratch [batch, heads, splits, d] float32
     lse_part: Optional[torch.Tensor]  # decode scratch [batch, heads, splits] float32
     dense: bool = False  # one fresh prompt: torch's fused attention (TritonBackend.dense_prefill)
+    # A mixed step (Batch.num_decode): this metadata is the prefill requests', whose tokens are
+    # q's first `decode_from` rows; the decode rows after them run the decode kernel over
+    # `decode_part` (the extend kernel would read K/V once per query head, not per KV head).
+    decode_part: Optional["TritonMeta"] = None
+    decode_from: int = 0
 
 
 class TritonBackend(AttentionBackend):
@@ -86,22 +91,49 @@ class TritonBackend(AttentionBackend):
             starts.append(start)
             start += ext
         seq_lens = batch.seq_lens
+        first = batch.first_decode
+        decode = batch.phase is Phase.DECODE
+        if not decode and batch.num_decode:  # a mixed step: its prefill part, its decode part
+            n, d = max(first, batch.num_decode), batch.num_decode
+            pad = lambda xs: [*xs, *[0] * (n - len(xs))]  # noqa: E731 (one copy: equal rows)
+            dev = rows_to_device([pad(rows[:first]), pad(batch.prefix_lens[:first]),
+                                  pad(batch.extend_lens[:first]), pad(seq_lens[:first]),
+                                  pad(starts[:first]), pad(rows[first:]), pad(seq_lens[first:])],
+                                 torch.int32, self.device)
+            part = self._decode_meta(dev[5, :d], dev[6, :d], max(seq_lens[first:]))
+            batch.attn_meta = TritonMeta(False, *(dev[i, :first] for i in range(5)),
+                                         max(batch.extend_lens[:first]), None, None,
+                                         decode_part=part, decode_from=starts[first])
+            return
         # One copy for the whole batch, each row 16-byte aligned (see utils.rows_to_device).
         dev = rows_to_device([rows, batch.prefix_lens, batch.extend_lens, seq_lens, starts],
                              torch.int32, self.device)
-        decode = batch.phase is Phase.DECODE
-        o_part = lse_part = None
         if decode:
-            splits = self.num_splits(batch.size, max(seq_lens, default=1))
-            o_part = torch.empty((batch.size, self.num_heads, splits, self.head_dim),
-                                 dtype=torch.float32, device=self.device)
-            lse_part = torch.empty((batch.size, self.num_heads, splits), dtype=torch.float32,
-                                   device=self.device)
-        dense = (not decode and batch.size == 1 and batch.prefix_lens[0] == 0
+            batch.attn_meta = self._decode_meta(dev[0], dev[3], max(seq_lens, default=1),
+                                                dev[1], dev[2], dev[4])
+            return
+        dense = (batch.size == 1 and batch.prefix_lens[0] == 0
                  and batch.extend_lens[0] >= self.dense_prefill_tokens
                  and self.device.type == "cuda")
-        batch.attn_meta = TritonMeta(decode, dev[0], dev[1], dev[2], dev[3], dev[4],
-                                     max(batch.extend_lens, default=0), o_part, lse_part, dense)
+        batch.attn_meta = TritonMeta(False, dev[0], dev[1], dev[2], dev[3], dev[4],
+                                     max(batch.extend_lens, default=0), None, None, dense)
+
+    def _decode_meta(self, rows: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                     prefix_lens: Optional[torch.Tensor] = None,
+                     extend_lens: Optional[torch.Tensor] = None,
+                     q_starts: Optional[torch.Tensor] = None) -> TritonMeta:
+        """Decode metadata for requests at these page-table rows (one new token each), with
+        the flash-decoding split scratch sized for them. The decode kernels read only the rows
+        and sequence lengths (and the scratch); the other fields describe the batch."""
+        bs = rows.shape[0]
+        splits = self.num_splits(bs, max_seq_len)
+        o_part = torch.empty((bs, self.num_heads, splits, self.head_dim), dtype=torch.float32,
+                             device=self.device)
+        lse_part = torch.empty((bs, self.num_heads, splits), dtype=torch.float32,
+                               device=self.device)
+        return TritonMeta(True, rows, rows if prefix_lens is None else prefix_lens,
+                          rows if extend_lens is None else extend_lens, seq_lens,
+                          rows if q_starts is None else q_starts, 1, o_part, lse_part)
 
     # --- CUDA graphs (engine/cuda_graph.py): metadata over the graph's static inputs ---------
     def init_graph_buffers(self, max_bs: int) -> None:
@@ -162,17 +194,26 @@ class TritonBackend(AttentionBackend):
             q = q.contiguous()  # the kernels index the head dimension densely
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.decode:
-            assert meta.o_part is not None and meta.lse_part is not None
-            decode_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens,
-                             meta.o_part, meta.lse_part, out, self.scale, self.min_split_tokens,
-                             pdl=pdl, k_scale=k_scale, v_scale=v_scale)
+            self._decode(q, k_cache, v_cache, meta, out, pdl, k_scale, v_scale)
         elif meta.dense and k_cache.dtype == q.dtype:
             return self.dense_prefill(q, k_cache, v_cache, batch)
         else:
-            extend_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.prefix_lens,
-                             meta.extend_lens, meta.q_starts, meta.max_extend, out, self.scale,
-                             k_scale=k_scale, v_scale=v_scale)
+            n = meta.decode_from if meta.decode_part is not None else q.shape[0]
+            extend_attention(q[:n], k_cache, v_cache, self.page_table, meta.rows,
+                             meta.prefix_lens, meta.extend_lens, meta.q_starts, meta.max_extend,
+                             out[:n], self.scale, k_scale=k_scale, v_scale=v_scale)
+            if meta.decode_part is not None:
+                self._decode(q[n:], k_cache, v_cache, meta.decode_part, out[n:], False,
+                             k_scale, v_scale)
         return out.reshape(q.shape[0], -1)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: TritonMeta, out: torch.Tensor, pdl: bool, k_scale: float,
+                v_scale: float) -> None:
+        assert meta.o_part is not None and meta.lse_part is not None
+        decode_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens,
+                         meta.o_part, meta.lse_part, out, self.scale, self.min_split_tokens,
+                         pdl=pdl, k_scale=k_scale, v_scale=v_scale)
 
     def dense_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       batch: Batch) -> torch.Tensor:

@@ -390,6 +390,11 @@ class Engine:
             batch.input_ids = self.last_tokens[rows]
             return
         ids: List[int] = []
-        for req, prefix, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+        first_decode = batch.first_decode
+        for req, prefix, ext in zip(batch.reqs[:first_decode], batch.prefix_lens,
+                                    batch.extend_lens):
             ids.extend(req.token_ids[prefix:prefix + ext])  # prompt tokens: known on the host
         batch.input_ids = to_device(ids, torch.int64, dev)
+        if batch.num_decode:  # a mixed step's decode rows, sampled last: as a decode batch's
+            batch.input_ids = torch.cat([batch.input_ids,
+                                         self.last_tokens[rows[-batch.num_decode:]]])

@@ -50,13 +50,15 @@ class PrefillManager:
             outputs = min(outputs, self.decode_reserve)
         return -(-(len(req.token_ids) + outputs) // self.cache.page_size)
 
-    def schedule(self, admitted: Callable[[Req], None]) -> Optional[Batch]:
+    def schedule(self, admitted: Callable[[Req], None], share: int = 0) -> Optional[Batch]:
         """Build the next prefill batch (allocating its pages), or None. `admitted(req)` maps a
-        newly admitted request's cached prefix into the page table."""
+        newly admitted request's cached prefix into the page table. `share`: tokens of the
+        budget that decode rows riding along the batch take (a mixed step; less than the
+        budget)."""
         self._admit(admitted)
         reqs: List[Req] = []
         prefix, extend, sample = [], [], []
-        left = self.budget
+        left = self.budget - share
         for req in self.prefilling:
             if left == 0:
                 break

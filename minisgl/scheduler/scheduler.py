@@ -101,6 +101,8 @@ class Scheduler:
         self._batch_matcher: Any = None  # an xgrammar.BatchGrammarMatcher, made on first use
         self.stopped = False
         self.overlap = cfg.overlap if cfg.overlap is not None else engine.device.type == "cuda"
+        self.mixed = (cfg.mixed_steps if cfg.mixed_steps is not None
+                      else engine.device.type == "cuda")
         self.inflight: Optional[InFlight] = None
         self.deferred: List[Req] = []  # finished, retired once the in-flight batch completes
         self.totals = {"prompt": 0, "generated": 0, "cached": 0, "prefilled": 0, "retracted": 0}
@@ -173,16 +175,18 @@ class Scheduler:
     def _launch(self, batch: Batch) -> InFlight:
         batch.launched_at = time.perf_counter()
         batch.masked = any(s and r.grammar is not None for r, s in zip(batch.reqs, batch.sample))
+        first_decode = batch.first_decode
         if batch.phase is Phase.PREFILL and logger.isEnabledFor(logging.DEBUG):
             # what a first token waited for
-            logger.debug("rank %d: prefill of %d tokens: requests %s", self.rank,
-                         sum(batch.extend_lens), ", ".join(
+            logger.debug("rank %d: prefill of %d tokens: requests %s; %d decoding alongside",
+                         self.rank, sum(batch.extend_lens[:first_decode]), ", ".join(
                              f"{r.uid} ({ext}{'' if s else ', a chunk'})" for r, ext, s in
-                             zip(batch.reqs, batch.extend_lens, batch.sample)))
+                             list(zip(batch.reqs, batch.extend_lens, batch.sample))[
+                                 :first_decode]), batch.num_decode)
         launched = self.engine.launch(batch)
-        for req, ext, sample in zip(batch.reqs, batch.extend_lens, batch.sample):
+        for i, (req, ext, sample) in enumerate(zip(batch.reqs, batch.extend_lens, batch.sample)):
             req.cached_len += ext
-            if batch.phase is Phase.DECODE:
+            if i >= first_decode:
                 req.device_len += 1
             elif sample:  # last prompt chunk: the request decodes from the next step on
                 req.device_len += 1
@@ -315,8 +319,14 @@ class Scheduler:
 
     # --- batches -------------------------------------------------------------------------------
     def schedule(self) -> Optional[Batch]:
-        """Prefill first (new requests get their first token soon), else decode everyone."""
-        batch = self.prefill.schedule(self._admitted)
+        """Prefill first (new requests get their first token soon), else decode everyone. With
+        mixed steps the running requests decode in the prefill's step too (`_mix`): a prompt
+        then never holds back the tokens of those already answering."""
+        decoding = self.decode.schedule() if self.mixed else None
+        share = decoding.size if decoding is not None else 0
+        if share * 2 > self.prefill.budget:  # too many to ride along: a step of their own
+            decoding, share = None, 0
+        batch = self.prefill.schedule(self._admitted, share)
         if batch is None:
             self._make_room()
             batch = self.decode.schedule()
@@ -324,8 +334,27 @@ class Scheduler:
                 return None
             for req in batch.reqs:
                 self.cache.grow(req, req.device_len)
+        elif decoding is not None:
+            batch = self._mix(batch, decoding)
         self._write_slots(batch)
         return batch
+
+    def _mix(self, prefill: Batch, decoding: Batch) -> Batch:
+        """The prefill batch with the decode batch's requests appended (a mixed step,
+        Batch.num_decode), where their new tokens' pages fit without retracting anyone (the
+        pages they need beyond their reservations are free); else the prefill alone, and a
+        decode step of their own follows (which may retract, `_make_room`)."""
+        ps = self.cache.page_size
+        need = sum(1 for r in decoding.reqs
+                   if r.device_len > len(r.pages) * ps and r.reserved_pages == 0)
+        if need > self.cache.unreserved_pages:
+            return prefill
+        for req in decoding.reqs:
+            self.cache.grow(req, req.device_len)
+        return Batch(Phase.PREFILL, prefill.reqs + decoding.reqs,
+                     prefill.prefix_lens + decoding.prefix_lens,
+                     prefill.extend_lens + decoding.extend_lens,
+                     prefill.sample + decoding.sample, num_decode=decoding.size)
 
     def _admitted(self, req: Req) -> None:
         """A request just got its page-table row: map its cached prefix there, and let the
@@ -397,11 +426,12 @@ class Scheduler:
         for i, entries in result.prompt_logprobs.items():  # (usually none: no per-request lookup)
             batch.reqs[i].prompt_logprobs.extend(entries)
         out: List[TokenOut] = []
-        for req, ext, sample, tok, lp in zip(batch.reqs, batch.extend_lens, batch.sample,
-                                             result.tokens, result.logprobs):
+        first_decode = batch.first_decode
+        for i, (req, ext, sample, tok, lp) in enumerate(zip(
+                batch.reqs, batch.extend_lens, batch.sample, result.tokens, result.logprobs)):
             if req.finish_reason is not None:
                 continue  # finished or aborted while this batch was in flight
-            if batch.phase is Phase.PREFILL:
+            if i < first_decode:
                 self.totals["prefilled"] += ext
             if not sample:  # a chunk of a long prompt: share its finished pages already
                 self._rewrite_pages(req, self.cache.share_prefix(req))
