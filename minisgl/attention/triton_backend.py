@@ -100,7 +100,10 @@ class TritonBackend(AttentionBackend):
                                   pad(batch.extend_lens[:first]), pad(seq_lens[:first]),
                                   pad(starts[:first]), pad(rows[first:]), pad(seq_lens[first:])],
                                  torch.int32, self.device)
-            part = self._decode_meta(dev[5, :d], dev[6, :d], max(seq_lens[first:]))
+            # Unsplit, as large decode graphs run: the kernel variants the capture compiled (an
+            # eager split count per step made new ones compile mid-serving; RESULTS.md,
+            # fourteenth session, command 8).
+            part = self._decode_meta(dev[5, :d], dev[6, :d], max(seq_lens[first:]), splits=1)
             batch.attn_meta = TritonMeta(False, *(dev[i, :first] for i in range(5)),
                                          max(batch.extend_lens[:first]), None, None,
                                          decode_part=part, decode_from=starts[first])
@@ -121,12 +124,14 @@ class TritonBackend(AttentionBackend):
     def _decode_meta(self, rows: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                      prefix_lens: Optional[torch.Tensor] = None,
                      extend_lens: Optional[torch.Tensor] = None,
-                     q_starts: Optional[torch.Tensor] = None) -> TritonMeta:
+                     q_starts: Optional[torch.Tensor] = None,
+                     splits: Optional[int] = None) -> TritonMeta:
         """Decode metadata for requests at these page-table rows (one new token each), with
-        the flash-decoding split scratch sized for them. The decode kernels read only the rows
-        and sequence lengths (and the scratch); the other fields describe the batch."""
+        the flash-decoding split scratch sized for them (`splits`, else `num_splits`'s). The
+        decode kernels read only the rows and sequence lengths (and the scratch); the other
+        fields describe the batch."""
         bs = rows.shape[0]
-        splits = self.num_splits(bs, max_seq_len)
+        splits = splits or self.num_splits(bs, max_seq_len)
         o_part = torch.empty((bs, self.num_heads, splits, self.head_dim), dtype=torch.float32,
                              device=self.device)
         lse_part = torch.empty((bs, self.num_heads, splits), dtype=torch.float32,
@@ -202,9 +207,9 @@ class TritonBackend(AttentionBackend):
             extend_attention(q[:n], k_cache, v_cache, self.page_table, meta.rows,
                              meta.prefix_lens, meta.extend_lens, meta.q_starts, meta.max_extend,
                              out[:n], self.scale, k_scale=k_scale, v_scale=v_scale)
-            if meta.decode_part is not None:
-                self._decode(q[n:], k_cache, v_cache, meta.decode_part, out[n:], False,
-                             k_scale, v_scale)
+            if meta.decode_part is not None:  # PDL as in the graphs: the same variant
+                self._decode(q[n:], k_cache, v_cache, meta.decode_part, out[n:],
+                             self.policy.pdl, k_scale, v_scale)
         return out.reshape(q.shape[0], -1)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -31,10 +31,11 @@ class SchedulerConfig:
               "off on CPU",
         alias=Alias("disable-overlap", False, "the same as --no-overlap: plan each step only "
                                               "after the previous step's tokens arrive"))
-    mixed_steps: Optional[bool] = setting(
-        None, "the running requests decode their next token in the same step as a prefill "
-              "(their rows ride along the chunk), so a prompt never stalls them; unset: on "
-              "with CUDA, off on CPU")
+    mixed_steps: bool = setting(
+        False, "the running requests decode their next token in the same step as a prefill "
+               "(their rows ride along the chunk), so a prompt does not stall them (off by "
+               "default until measured again on a GPU: benchmarks/RESULTS.md, fourteenth "
+               "session)")
     decode_reserve_tokens: Optional[int] = setting(
         None, "reserve KV for at most this many output tokens per request at admission, "
               "retracting the newest requests (their KV goes to the prefix cache) and "
