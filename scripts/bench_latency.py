@@ -43,7 +43,8 @@ import torch
 from minisgl.core import Batch, Phase, Req, SamplingParams, StructuredOutput
 from minisgl.distributed import destroy_process_groups, init_process_groups
 from minisgl.engine import Engine, EngineConfig
-from minisgl.grammar import GrammarCache, RequestGrammar, TokenizerSource, fill_bitmask
+from minisgl.grammar import GrammarCache, TokenizerSource
+from minisgl.grammar.matcher import RequestGrammar, fill_bitmask
 from minisgl.layers import blas
 from minisgl.layers.moe import Experts
 from minisgl.models.default_model import default_model_path

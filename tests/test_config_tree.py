@@ -202,3 +202,4 @@ def test_rank_config_resolves_the_device_and_fills_the_runtime_values() -> None:
     assert (rank.engine.tp_info.rank, rank.engine.tp_info.size) == (1, 2)
     assert rank.engine.dist_init_method == "tcp://127.0.0.1:9" and not rank.engine.show_progress
     assert values(rank) == {**values(cfg.scheduler), "device": rank.engine.device}
+

@@ -122,3 +122,15 @@ def test_signal_stops_everything(tmp_path: Path, tiny_qwen3: Path, sig: int) -> 
     assert result.code == 0 and result.seconds < 10.0, result
     assert gone(srv.children)
     assert runtime_dirs(tmp_path) == []  # no stale socket files
+
+
+def test_the_api_server_and_the_tokenizer_import_no_torch() -> None:
+    """Their processes never touch a tensor: torch would cost each some 2 s and 300 MB at every
+    start (the distributed package loads its names lazily; grammar exports the compiler's)."""
+    import subprocess
+    import sys
+    code = ("import sys, minisgl.server.api, minisgl.tokenizer.tokenize_worker, "
+            "minisgl.tokenizer.detokenize_worker; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -22,7 +22,7 @@ from structured_schemas import SCHEMAS
 
 from minisgl import LLM, SamplingParams, StructuredOutput
 from minisgl.engine.sampler import apply_token_bitmask
-from minisgl.grammar import full_bitmask
+from minisgl.grammar.matcher import full_bitmask
 from minisgl.server.structured import FieldError, constraint
 
 MAX_TOKENS = 64  # every schema's greedy answer ends well within it

@@ -30,7 +30,8 @@ from torch.distributed import ProcessGroup
 from minisgl.core import (Batch, FinishReason, Limits, Phase, Req, RequestError, SamplingParams,
                           StepResult, check_request)
 from minisgl.distributed import check_same_across_ranks, min_over_ranks, true_on_all_ranks
-from minisgl.grammar import GrammarCache, RequestGrammar, TokenizerSource, fill_bitmask
+from minisgl.grammar import GrammarCache, TokenizerSource
+from minisgl.grammar.matcher import RequestGrammar, fill_bitmask
 from minisgl.utils import offline_prefill_tokens, rows_to_device
 from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
