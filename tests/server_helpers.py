@@ -14,6 +14,7 @@ offline `LLM`'s greedy texts and token counts (tp=1, in-process).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import queue
 import re
@@ -285,15 +286,23 @@ def _stream(client: openai.OpenAI, model: str, messages: list) -> Tuple[str, Opt
     return text, used
 
 
-def check_same_as_tp1(server: Server, model_dir: Optional[Path]) -> None:
+@functools.lru_cache(maxsize=None)
+def _tp1_answers(model_dir: Optional[Path]) -> Tuple[Tuple[str, int], ...]:
+    """The offline tp=1 engine's greedy answers to CHATS (text, tokens), once per model: four
+    tests serve the same tiny model at other tp / dp / node counts."""
     with LLM(None if model_dir is None else str(model_dir), max_kv_tokens=8192,
              show_progress=False) as llm:
         refs = llm.chat(CHATS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    return tuple((r.text, len(r.token_ids)) for r in refs)
+
+
+def check_same_as_tp1(server: Server, model_dir: Optional[Path]) -> None:
+    refs = _tp1_answers(model_dir)
     client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
                            timeout=300)
     model = client.models.list().data[0].id
     with ThreadPoolExecutor(len(CHATS)) as pool:
         got: List[Tuple[str, Optional[int]]] = list(
             pool.map(lambda m: _stream(client, model, m), CHATS))
-    assert [g[0] for g in got] == [r.text for r in refs]
-    assert [g[1] for g in got] == [len(r.token_ids) for r in refs]
+    assert [g[0] for g in got] == [text for text, _ in refs]
+    assert [g[1] for g in got] == [n for _, n in refs]

@@ -224,15 +224,17 @@ def test_served_names_are_checked() -> None:
 
 def test_serving_flags(tiny_qwen3: Path, tmp_path: Path) -> None:
     """--max-model-len caps what the API reports and accepts; --served-model-name gives
-    aliases; --chat-template replaces the model's template."""
+    aliases; --chat-template replaces the model's template. At the default log level,
+    uvicorn's "Application startup complete" does not pose as readiness in the log."""
     import httpx
     from transformers import AutoTokenizer
     from server_helpers import CPU_ARGS, run_serve, serving
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}A:")
     args = ["--model", str(tiny_qwen3), "--max-model-len", "128", "--served-model-name",
-            "first,second", "--chat-template", str(template), *CPU_ARGS]
+            "first,second", "--chat-template", str(template), *CPU_ARGS[:4]]
     with serving(args, tmp_path / "run") as srv:
+        assert "application startup complete" not in srv.stderr().lower()
         models = httpx.get(f"{srv.base_url}/models", timeout=10).json()["data"]
         assert [m["id"] for m in models] == ["first", "second"]
         assert {m["max_model_len"] for m in models} == {128}
@@ -391,16 +393,6 @@ def test_startup_progress_in_the_shell(tiny_qwen3: Path, tmp_path: Path) -> None
     assert any("rank0: KV pool sized:" in s for s in steps), out
     assert any("all 1 ranks ready" in s for s in steps), out
     assert "startup complete" not in (out + err).lower()
-
-
-def test_startup_progress_logged_by_default(tiny_qwen3: Path, tmp_path: Path) -> None:
-    from server_helpers import Server
-    srv = Server.start(["--model", str(tiny_qwen3), "--device", "cpu", "--max-kv-tokens",
-                        "8192"], tmp_path / "run")
-    try:
-        assert "application startup complete" not in srv.stderr().lower()
-    finally:
-        assert srv.stop().code == 0
 
 
 # --- the web chat page -------------------------------------------------------------------------------
