@@ -359,6 +359,13 @@ def unscaled_product(a: Quantized, w: Fp8Weight, dtype: torch.dtype
                            ProductScales(a.scales, w.scale))
 
 
+def apply_scales(product: torch.Tensor, scales: ProductScales) -> torch.Tensor:
+    """An unscaled product's value, in its dtype: product * scales.row * scales.col in one
+    launch (kernels/fp8.rescale), where no kernel that reads it next takes the scales."""
+    from minisgl.kernels import fp8 as kernels
+    return kernels.rescale(product, scales.row, scales.col, None, product.dtype)
+
+
 def _plan(a: Quantized, w: Fp8Weight, dtype: torch.dtype) -> RowwisePlan:
     """How a rowwise product of this shape runs under the spec's GEMM: "scaled_mm" takes
     torch._scaled_mm where it applies (bfloat16 out, K and N multiples of 16), "auto"

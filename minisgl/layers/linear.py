@@ -146,8 +146,7 @@ class RescaledProduct(NamedTuple):
     scales: ProductScales
 
     def finish(self, partial: torch.Tensor) -> torch.Tensor:
-        from minisgl.kernels import fp8
-        return fp8.rescale(partial, self.scales.row, self.scales.col, None, partial.dtype)
+        return fp8_weights.apply_scales(partial, self.scales)
 
     def reduce_norm(self, partial: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
                     ) -> Normed:
@@ -225,10 +224,8 @@ class Projected(NamedTuple):
 
     def scaled(self) -> torch.Tensor:
         """The output itself: `out`, or (scales given) out rescaled by kernels/fp8.rescale."""
-        if self.scales is None:
-            return self.out
-        from minisgl.kernels import fp8
-        return fp8.rescale(self.out, self.scales.row, self.scales.col, None, self.out.dtype)
+        return self.out if self.scales is None else fp8_weights.apply_scales(self.out,
+                                                                             self.scales)
 
 
 class ColumnParallelLinear(_Fp8Layer):
@@ -280,32 +277,32 @@ class ColumnParallelLinear(_Fp8Layer):
         return self.weight.shape[1] <= gemv.NORM_GEMV_MAX_K
 
     def forward_normed(self, stream: ResidualStream, norm: RMSNorm) -> Normed:
-        """(this layer applied to norm(h), h) for the stream's hidden state h. Where
-        `fuses_norm`, the norm and the residual add run inside the GEMV (gemv.norm_gemv):
-        one launch instead of two."""
-        if self.fuses_norm(stream, norm):
-            from minisgl.kernels import gemv
-            return gemv.norm_gemv(stream.reduced(), stream.residual, norm.weight, norm.eps,
-                                  self.weight, self.bias, pdl=self.policy.pdl,
-                                  weight_scale=self._gemv_scale())
-        if self.takes_quantized(stream.partial) and norm.policy.fused:
-            a, h = stream.normed_quantized(norm)
-            return Normed(self.forward_quantized(a, h.dtype), h)
-        x, h = stream.normed(norm)
-        return Normed(self(x), h)
+        """(this layer applied to norm(h), h) for the stream's hidden state h: see
+        `forward_normed_unscaled`, its scales applied where it returns them."""
+        proj = self.forward_normed_unscaled(stream, norm)
+        return Normed(proj.scaled(), proj.residual)
 
     def forward_normed_unscaled(self, stream: ResidualStream, norm: RMSNorm) -> Projected:
-        """`forward_normed`, except that an FP8 product taken unscaled (layers/fp8's
-        unscaled_product: Hopper, decode-batch rows; no bias) is returned so, with its scales,
-        for the kernel that reads it next to apply (SiLU-and-mul, the rotary embedding)."""
-        if (self.bias is None and self.takes_quantized(stream.partial)
-                and norm.policy.fused):
+        """(this layer applied to norm(h), h) for the stream's hidden state h. Where
+        `fuses_norm`, the norm and the residual add run inside the GEMV (gemv.norm_gemv):
+        one launch instead of two. FP8 (`takes_quantized`): the norm kernel quantizes its
+        output, and a product taken unscaled (layers/fp8's unscaled_product: Hopper,
+        decode-batch rows; no bias) is returned so, with its scales, for the kernel that
+        reads it next to apply (SiLU-and-mul, the rotary embedding)."""
+        if self.fuses_norm(stream, norm):
+            from minisgl.kernels import gemv
+            return Projected(*gemv.norm_gemv(stream.reduced(), stream.residual, norm.weight,
+                                             norm.eps, self.weight, self.bias,
+                                             pdl=self.policy.pdl,
+                                             weight_scale=self._gemv_scale()))
+        if self.takes_quantized(stream.partial) and norm.policy.fused:
             a, h = stream.normed_quantized(norm)
-            raw = self.unscaled_product(a, h.dtype)
+            raw = self.unscaled_product(a, h.dtype) if self.bias is None else None
             if raw is not None:
                 return Projected(raw.product, h, raw.scales)
             return Projected(self.forward_quantized(a, h.dtype), h)
-        return Projected(*self.forward_normed(stream, norm))
+        x, h = stream.normed(norm)
+        return Projected(self(x), h)
 
     def forward_quantized(self, a: Quantized, dtype: torch.dtype) -> torch.Tensor:
         """This layer on rows already quantized per token (see takes_quantized): [M, N] in

@@ -322,7 +322,7 @@ class Scheduler:
         """Prefill first (new requests get their first token soon), else decode everyone. With
         mixed steps the running requests decode in the prefill's step too (`_mix`): a prompt
         then never holds back the tokens of those already answering."""
-        decoding = self.decode.schedule() if self.mixed else None
+        decoding = self.decode.schedule() if self.mixed and self.prefill.num_waiting else None
         share = decoding.size if decoding is not None else 0
         if share * 2 > self.prefill.budget:  # too many to ride along: a step of their own
             decoding, share = None, 0
@@ -344,10 +344,7 @@ class Scheduler:
         Batch.num_decode), where their new tokens' pages fit without retracting anyone (the
         pages they need beyond their reservations are free); else the prefill alone, and a
         decode step of their own follows (which may retract, `_make_room`)."""
-        ps = self.cache.page_size
-        need = sum(1 for r in decoding.reqs
-                   if r.device_len > len(r.pages) * ps and r.reserved_pages == 0)
-        if need > self.cache.unreserved_pages:
+        if self._new_pages(decoding.reqs) > self.cache.unreserved_pages:
             return prefill
         for req in decoding.reqs:
             self.cache.grow(req, req.device_len)
@@ -366,12 +363,9 @@ class Scheduler:
         """Before a decode step: when the running requests' pages beyond their reservations do
         not fit, retract the newest admitted requests (largest uid: deterministic, and the
         oldest request always fits alone, so it always progresses)."""
-        ps = self.cache.page_size
         while True:
             running = self.decode.running.values()
-            need = sum(1 for r in self.decode.decoding()
-                       if r.device_len > len(r.pages) * ps and r.reserved_pages == 0)
-            if need <= self.cache.unreserved_pages:
+            if self._new_pages(self.decode.decoding()) <= self.cache.unreserved_pages:
                 return
             if self.inflight is not None:  # retraction needs every batch using it finished
                 self._finish_inflight()
@@ -380,6 +374,13 @@ class Scheduler:
             if len(admitted) <= 1:
                 return
             self._retract(admitted[-1])
+
+    def _new_pages(self, decoding: List[Req]) -> int:
+        """Pages a decode step of `decoding` takes beyond their reservations: one for each
+        request whose next token starts a page and that has none reserved."""
+        ps = self.cache.page_size
+        return sum(1 for r in decoding
+                   if r.device_len > len(r.pages) * ps and r.reserved_pages == 0)
 
     def _retract(self, req: Req) -> None:
         """Free an admitted request's resources and queue it again at the front: its computed
