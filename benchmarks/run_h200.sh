@@ -271,6 +271,26 @@ if [ "$MODE" = mixed ]; then  # mixed steps: their attention on CUDA, the online
   kill -TERM $S; wait $S
   step offline_bf16 100 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b
 fi
+if [ "$MODE" = mixed2 ]; then  # mixed steps on (the unsplit decode rows, the eager warm-up): online, offline
+  # carrying .gpucache/llama8b-smoltok; the same prompts as vllm-online's at each rate
+  step mixed_tests 90 python3 -m pytest -q tests/test_triton_attention.py -k mixed
+  M=.gpucache/llama8b-smoltok
+  python3 -m minisgl --model "$M" --load-format dummy --port 8123 --log-level debug --mixed-steps > "$OUT/serve.log" 2>&1 &
+  S=$!
+  if up 8123 $S; then
+    step online_minisgl_mixed 200 python3 scripts/bench_online.py --base-url http://127.0.0.1:8123 --rates 1,4,16,inf --num-requests 32 --max-duration 60 --vocab-size 49152 --dump "$OUT/online_minisgl.jsonl"
+  else echo "minisgl's server did not come up" | tee -a "$OUT/summary.txt"; fi
+  kill -TERM $S; wait $S
+  grep -m3 "warmed up\|engine ready" "$OUT/serve.log" | tee -a "$OUT/summary.txt"
+  step offline_bf16_mixed 100 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --mixed-steps
+  step offline_bf16 100 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b
+fi
+if [ "$MODE" = fp8b1 ]; then  # where an FP8 batch-1 step goes, and the batch-1 FP8 tilings
+  L8=configs/models/llama-3.1-8b; FP8="--quantization fp8 --kv-cache-dtype fp8_e4m3"
+  step fp8_b1_profile 120 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1 --steps 30 --profile $FP8
+  step fp8_normlin 150 python3 scripts/bench_kernels.py --what fp8normlinear
+  step fp8_gemv 150 python3 scripts/bench_kernels.py --what fp8linear --linear-rows 1
+fi
 if [ "$MODE" = vllm-stage ]; then
   mkdir -p /tmp/vllm_parts && cp .peer/part01 /tmp/vllm_parts/ && echo "part01 staged"
 fi

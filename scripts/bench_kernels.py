@@ -19,6 +19,8 @@ a few replays; every call reads inputs larger than the L2 cache, as in a real st
   quantization, _scaled_mm per tensor, the Triton scaled GEMM (its tiles swept with
   --fp8-sweep), "auto" (the model's choice on Hopper, kernels/fp8.rowwise_plan); at one row
   the FP8 GEMV over its rows per program.
+- `fp8normlinear`: the batch-1 norm GEMVs (QKV with rotary and an FP8 K/V store, gate/up with
+  SiLU; tp 1) with FP8 weights over their rows (pairs) per program and warps.
 - `silu`: the FP8 MLP's quantizing SiLU-and-mul on an unscaled gate/up product at each
   --linear-rows, over its (columns per pass, warps).
 - `moe`: one MoE layer of the model (a mixture-of-experts config) at each of --moe-rows token
@@ -451,6 +453,53 @@ def bench_fp8_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
             del ws
 
 
+def bench_fp8_norm_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
+    """See the module's doc (`fp8normlinear`); tb_s counts the FP8 weight bytes. With FP8
+    weights a program of the bf16 tiling streams half the bytes for the same norm of its input
+    row, so wider programs may pay here where they did not in bf16."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    x, res = (torch.randn((1, h), dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    nw = torch.rand(h, dtype=torch.bfloat16, device="cuda") + 0.5
+    rotary = RotaryEmbedding(d, 4096, cfg.rope_theta, cfg.rope_scaling).cuda()
+    pos, slot = (torch.tensor([1000], device="cuda") for _ in range(2))
+    n_q, n_kv = cfg.num_heads, cfg.num_kv_heads
+    caches = [torch.zeros((2048, n_kv, d), dtype=fp8_kernels.FP8, device="cuda")
+              for _ in range(2)]
+    rope = QKVRope(pos, rotary.cos, rotary.sin, n_q, n_kv, KVTarget(*caches, slot))
+    for name, n, k in projections(cfg, 1):
+        if name not in ("qkv", "gate_up"):
+            continue
+        copies = max(2, -(-(512 << 20) // (n * k)))
+        ws = [_random_fp8_weight(n, k) for _ in range(copies)]
+        variants: Dict[str, Callable[[Tuple[torch.Tensor, torch.Tensor]], object]] = {}
+        for rows, warps in itertools.product((2, 4, 8, 16), (4, 8)):
+            variants[f"norm_gemv r{rows} w{warps}"] = (
+                lambda w, r=rows, nw_=warps: gemv.norm_gemv(
+                    x, res, nw, 1e-5, w[0], pdl=True, weight_scale=w[1], rows=r,
+                    num_warps=nw_))
+        for pairs, warps in itertools.product((1, 2, 4, 8), (2, 4, 8)):
+            if name == "qkv":
+                variants[f"norm_qkv_rope p{pairs} w{warps}"] = (
+                    lambda w, p=pairs, nw_=warps: gemv.norm_qkv_rope(
+                        x, res, nw, 1e-5, w[0], None, rope, pdl=True, weight_scale=w[1],
+                        pairs=p, num_warps=nw_))
+            else:
+                variants[f"norm_gate_up_silu p{pairs} w{warps}"] = (
+                    lambda w, p=pairs, nw_=warps: gemv.norm_gate_up_silu(
+                        x, res, nw, 1e-5, w[0], pdl=True, weight_scale=w[1], pairs=p,
+                        num_warps=nw_))
+        for label, fn in variants.items():
+            state = iter(itertools.cycle(ws))
+            try:
+                us = time_graph(lambda fn=fn: fn(next(state)), copies, args.reps)
+            except Exception as exc:
+                print(f"fp8normlin {name} {label}: {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            report("fp8normlin", {"proj": name, "n": n, "k": k, "impl": label}, us,
+                   tb_s=round(n * k / us / 1e6, 2))
+        del ws
+
+
 def bench_silu(cfg: ModelConfig, args: argparse.Namespace) -> None:
     """The quantizing SiLU-and-mul of an FP8 MLP at each of --linear-rows, on an unscaled
     gate/up product with its scales (the decode path on Hopper), at each (columns per pass,
@@ -576,6 +625,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         bench_prefill_gemm(cfg, args)
     if "fp8linear" in what:
         bench_fp8_linear(cfg, args)
+    if "fp8normlinear" in what:
+        bench_fp8_norm_linear(cfg, args)
     if "silu" in what:
         bench_silu(cfg, args)
     if "decode" in what:

@@ -84,3 +84,21 @@ def test_mixed_steps_do_not_change_tokens(tiny_model: Callable[..., Path],
              max_running_requests=3, max_kv_tokens=4096, show_progress=False) as llm:
         outs = llm.generate(prompts, GREEDY32)
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 32)
+
+
+def test_eager_warmup_leaves_no_trace(tiny_model: Callable[..., Path]) -> None:
+    """The start-up warm-up (engine/warmup.py; on CUDA at every start) runs its junk batches
+    through the spare row and the scratch slot: run here on the CPU, it leaves the tokens of
+    later requests and the KV accounting as they were."""
+    from minisgl.engine.warmup import warmup_shapes
+    path = tiny_model("qwen3", max_position_embeddings=2048)
+    prompts = mixed_prompts(4, seed=5)
+    with LLM(str(path), page_size=4, max_kv_tokens=4096, mixed_steps=True,
+             show_progress=False) as llm:
+        engine = llm._backend.engine  # type: ignore[attr-defined]
+        assert len(warmup_shapes(512, engine.max_context)) == 4, engine.max_context
+        before = llm.check_accounting()
+        engine._warm_up_eager()
+        assert llm.check_accounting() == before
+        outs = llm.generate(prompts, GREEDY32)
+    assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 32)

@@ -289,9 +289,13 @@ def test_fp8_gemv_equals_gemv_on_the_dequantized_weight(n: int, k: int, bias: bo
         gemv.gemv(x, w.float(), b, weight_scale=ws)
 
 
-def test_fp8_norm_gemvs_equal_their_dense_kernels_on_dequantized_weights() -> None:
+@pytest.mark.parametrize("rows,pairs", [(4, 2), (16, 8)])
+def test_fp8_norm_gemvs_equal_their_dense_kernels_on_dequantized_weights(rows: int,
+                                                                         pairs: int) -> None:
     """norm_gemv, norm_gate_up_silu and norm_qkv_rope with FP8 weights and row scales equal the
-    same kernels on the dequantized float32 weights (up to where the scale multiplies)."""
+    same kernels on the dequantized float32 weights (up to where the scale multiplies), at the
+    default tiling and at wider programs (the gate/up rows then not a multiple of a
+    program's)."""
     dtype = DTYPES[-1]
     k = 96
     nw = torch.rand(k, device=DEV).to(dtype) + 0.5
@@ -300,9 +304,9 @@ def test_fp8_norm_gemvs_equal_their_dense_kernels_on_dequantized_weights() -> No
     w, ws = _fp8_weight(40, k)
     dense = fp8.dequantize(w, ws, None, dtype)
     tol = TOL[dtype]
-    got = gemv.norm_gemv(x, res, nw, 1e-6, w, None, weight_scale=ws)
+    got = gemv.norm_gemv(x, res, nw, 1e-6, w, None, weight_scale=ws, rows=rows)
     assert _rel(got.out, gemv.norm_gemv(x, res, nw, 1e-6, dense, None).out) < tol
-    got = gemv.norm_gate_up_silu(x, res, nw, 1e-6, w, None, weight_scale=ws)
+    got = gemv.norm_gate_up_silu(x, res, nw, 1e-6, w, None, weight_scale=ws, pairs=pairs)
     want = activation.silu_and_mul(gemv.norm_gemv(x, res, nw, 1e-6, dense, None).out)
     assert _rel(got.out, want) < tol
     heads, kv_heads, dim = 2, 1, 32
@@ -314,7 +318,7 @@ def test_fp8_norm_gemvs_equal_their_dense_kernels_on_dequantized_weights() -> No
     caches = [torch.zeros(4, kv_heads, dim, device=DEV).to(dtype) for _ in range(4)]
     got = gemv.norm_qkv_rope(x, res, nw, 1e-6, w, None, QKVRope(
         pos, rope.cos, rope.sin, heads, kv_heads, KVTarget(caches[0], caches[1], slot)),
-        weight_scale=ws)
+        weight_scale=ws, pairs=pairs)
     want = gemv.norm_gemv(x, res, nw, 1e-6, dense, None)
     q, kk, v = want.out.view(1, -1, dim).split([heads, kv_heads, kv_heads], dim=1)
     rotary.rotary_qk_(q, kk, pos, rope.cos, rope.sin,

@@ -28,6 +28,7 @@ from minisgl.engine.prefill_graph import PrefillGraphs, capture_prefill_graphs
 from minisgl.engine.sampler import (LogprobTensors, add_logit_bias, apply_token_bitmask,
                                     greedy, mask_to_allowed_tokens, sample_requests,
                                     suppress_early_stops)
+from minisgl.engine.warmup import warmup_batches, warmup_shapes
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
 from minisgl.kvcache.pool import FP8_KV_DTYPE, KVScales
@@ -208,10 +209,26 @@ class Engine:
                 self.model, self.backend, cfg.prefill_graph_tokens, self.page_table,
                 self.pool.scratch_slot)
         if self.device.type == "cuda":
+            self._warm_up_eager()
             self._warm_up_sampler()
         logger.info("rank %d: engine ready: %d KV pages of %d tokens (%s), backend %s, pdl %s",
                     cfg.tp_info.rank, self.num_pages, cfg.page_size, kv_dtype, cfg.backend_name,
                     "on" if self.policy.pdl else "off")
+
+    def _warm_up_eager(self) -> None:
+        """Run each eager step shape of warmup.py once (junk tokens, the spare row, the scratch
+        slot), so that Triton compiles its kernel variants now and not inside a first request;
+        every rank runs the same batches in the same order."""
+        start = time.perf_counter()
+        graph_tokens = self.prefill_graphs.max_tokens if self.prefill_graphs else 0
+        shapes = warmup_shapes(graph_tokens, self.max_context)
+        for batch in warmup_batches(shapes, self.cfg.max_running_requests,
+                                    self.pool.scratch_slot, self.device):
+            self.forward(batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        logger.info("rank %d: eager steps warmed up (%d shapes) in %.2f s",
+                    self.cfg.tp_info.rank, len(shapes), time.perf_counter() - start)
 
     @torch.inference_mode()
     def _warm_up_sampler(self) -> None:

@@ -202,30 +202,31 @@ def _norm_gemv_io(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight
 def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
               eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
               pdl: bool = False, num_warps: int = 4, num_stages: int = 1,
-              weight_scale: Optional[torch.Tensor] = None) -> Normed:
+              weight_scale: Optional[torch.Tensor] = None, rows: int = _GEMV_ROWS) -> Normed:
     """`gemv(rmsnorm(x + residual), weight, bias)` in one launch, for one row x of K <=
     NORM_GEMV_MAX_K features (the norm's roundings are `rmsnorm`'s), and the new residual
-    x + residual (a new tensor; x itself without a residual). `num_warps`, `num_stages`: the
-    tiling, there for scripts/bench_kernels.py's sweep (the layers take the defaults). FP8
-    weights with `weight_scale`, as `gemv`."""
+    x + residual (a new tensor; x itself without a residual). `num_warps`, `num_stages`,
+    `rows` (output rows a program, a power of two): the tiling, there for
+    scripts/bench_kernels.py's sweep (the layers take the defaults). FP8 weights with
+    `weight_scale`, as `gemv`."""
     n, k = weight.shape
     x, res, out, res_out = _norm_gemv_io(x, residual, norm_weight, weight, n, weight_scale)
-    _norm_gemv_kernel[(triton.cdiv(n, _GEMV_ROWS),)](
+    _norm_gemv_kernel[(triton.cdiv(n, rows),)](
         x, res, norm_weight, weight, _or(weight_scale, weight), _or(bias, weight), out, res_out,
         n, k, weight.stride(0), eps, HAS_RES=residual is not None,
         HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=_GEMV_ROWS, BLOCK_K=triton.next_power_of_2(k), PDL=pdl, num_warps=num_warps,
+        BLOCK_N=rows, BLOCK_K=triton.next_power_of_2(k), PDL=pdl, num_warps=num_warps,
         num_stages=num_stages, **launch_options(pdl))
     return Normed(out, res_out)
 
 
-# The two kernels below give each program two pairs of rows, (lo[0], hi[0]) and (lo[1], hi[1]),
+# The two kernels below give each program PAIRS pairs of rows (lo[i], hi[i]) (two by default)
 # that its epilogue combines: a rotary pair (rows j and j + head_dim / 2 of a head) or a gate row
 # and its up row. The products are rounded to the output dtype first, as the GEMV's output would
 # be, so the results equal the separate rotary / SiLU kernels'.
 @triton.jit
 def _pair_tiles(w_ptr, lo_rows, hi_rows, cols, n, k, stride_wn):
-    """The weight rows of both halves of the program's two pairs (loaded before the wait)."""
+    """The weight rows of both halves of the program's pairs (loaded before the wait)."""
     return (_gemv_tile(w_ptr, lo_rows, cols, n, k, stride_wn),
             _gemv_tile(w_ptr, hi_rows, cols, n, k, stride_wn))
 
@@ -249,11 +250,13 @@ def _pair_products(w_lo, w_hi, x, s_ptr, b_ptr, lo_rows, hi_rows, n, HAS_SCALE: 
 @triton.jit
 def _norm_gate_up_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_out_ptr, d,
                          k, stride_wn, eps, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """Program p: out[2p, 2p + 1] = silu(gate) * up, gate / up the rows 2p, 2p + 1 and d + 2p,
-    d + 2p + 1 of rmsnorm(h) W^T + b (W = [gate; up], 2d rows; with d odd the last program's
-    second gate row is an up row, whose result is not stored)."""
-    i = tl.program_id(0) * 2 + tl.arange(0, 2)
+                         HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr,
+                         PDL: tl.constexpr):
+    """Program p: out[i] = silu(gate_i) * up_i for i in [PAIRS p, PAIRS (p + 1)), gate_i / up_i
+    the rows i and d + i of rmsnorm(h) W^T + b (W = [gate; up], 2d rows; where d is not a
+    multiple of PAIRS the last program's gate rows past d are up rows, whose results are not
+    stored)."""
+    i = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
     cols = tl.arange(0, BLOCK_K)
     w_gate, w_up = _pair_tiles(w_ptr, i, d + i, cols, 2 * d, k, stride_wn)  # before the wait
     pdl_enter(PDL)
@@ -267,21 +270,24 @@ def _norm_gate_up_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, r
 def norm_gate_up_silu(x: torch.Tensor, residual: Optional[torch.Tensor],
                       norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                       bias: Optional[torch.Tensor] = None, pdl: bool = False,
-                      weight_scale: Optional[torch.Tensor] = None) -> Normed:
+                      weight_scale: Optional[torch.Tensor] = None, pairs: int = 2,
+                      num_warps: int = 4) -> Normed:
     """The gated MLP's first half for one token in one launch: silu(gate) * up for [gate | up]
     = rmsnorm(x + residual) W^T + b, W = [gate rows; up rows] (an even number of rows);
     equal to `norm_gemv` followed by `silu_and_mul`. Also the new residual, as `norm_gemv`.
-    FP8 weights with `weight_scale`, as `gemv`."""
+    FP8 weights with `weight_scale`, as `gemv`. `pairs` ((gate, up) row pairs a program, a
+    power of two), `num_warps`: the tiling (scripts/bench_kernels.py sweeps it)."""
     n, k = weight.shape
     if n % 2:
         raise ValueError(f"gate/up weight needs an even number of rows, got {n}")
     d = n // 2
     x, res, out, res_out = _norm_gemv_io(x, residual, norm_weight, weight, d, weight_scale)
-    _norm_gate_up_kernel[(triton.cdiv(d, 2),)](
+    _norm_gate_up_kernel[(triton.cdiv(d, pairs),)](
         x, res, norm_weight, weight, _or(weight_scale, weight), _or(bias, weight), out, res_out,
         d, k, weight.stride(0), eps, HAS_RES=residual is not None,
         HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
-        BLOCK_K=triton.next_power_of_2(k), PDL=pdl, num_warps=4, **launch_options(pdl))
+        BLOCK_K=triton.next_power_of_2(k), PAIRS=pairs, PDL=pdl, num_warps=num_warps,
+        **launch_options(pdl))
     return Normed(out, res_out)
 
 
@@ -291,14 +297,14 @@ def _norm_qkv_rope_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, 
                           stride_wn, stride_cs, eps, n_q, n_kv, k_scale, v_scale,
                           HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
                           HAS_BIAS: tl.constexpr, HALF: tl.constexpr, BLOCK_K: tl.constexpr,
-                          QUANT: tl.constexpr, PDL: tl.constexpr):
-    """Program p: rotary pairs j, j + 1 of head p // (HALF // 2), j = 2 * (p % (HALF // 2)), of
-    the fused QKV projection of rmsnorm(h): q pairs rotated into out, k pairs rotated into the
-    k cache at this token's slot, v pairs copied to the v cache there (k and v also into out,
-    unrotated, as the separate kernels leave them). QUANT (FP8 caches): k / k_scale and
+                          QUANT: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr):
+    """Program p: rotary pairs j .. j + PAIRS - 1 of head p // (HALF // PAIRS), j = PAIRS *
+    (p % (HALF // PAIRS)), of the fused QKV projection of rmsnorm(h): q pairs rotated into
+    out, k pairs rotated into the k cache at this token's slot, v pairs copied to the v cache
+    there (k and v also into out, unrotated, as the separate kernels leave them). QUANT (FP8 caches): k / k_scale and
     v / v_scale quantized as store_kv does."""
-    head = tl.program_id(0) // (HALF // 2)
-    j = (tl.program_id(0) % (HALF // 2)) * 2 + tl.arange(0, 2)
+    head = tl.program_id(0) // (HALF // PAIRS)
+    j = (tl.program_id(0) % (HALF // PAIRS)) * PAIRS + tl.arange(0, PAIRS)
     cols = tl.arange(0, BLOCK_K)
     lo_rows = head * (2 * HALF) + j
     w_lo, w_hi = _pair_tiles(w_ptr, lo_rows, lo_rows + HALF, cols, n, k, stride_wn)
@@ -334,19 +340,21 @@ def _norm_qkv_rope_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, 
 
 def norm_qkv_rope(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
                   eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor], rope: QKVRope,
-                  pdl: bool = False, weight_scale: Optional[torch.Tensor] = None) -> Normed:
+                  pdl: bool = False, weight_scale: Optional[torch.Tensor] = None,
+                  pairs: int = 2, num_warps: int = 4) -> Normed:
     """One token's attention input in one launch: qkv = rmsnorm(x + residual) W^T + b as
     `norm_gemv`, then q rotated in place (rotate-half), and the rotated k and v written to the
     KV cache as `rotary.rotary_qk_(..., store=...)` does, quantized for FP8 caches (k and v
     stay unrotated in qkv). W's
     rows are the q heads, then k, then v, head_dim (a power of two, at least 4) rows each. FP8
-    weights with `weight_scale`, as `gemv`."""
+    weights with `weight_scale`, as `gemv`. `pairs` (rotary pairs a program, a power of two of
+    at most head_dim / 2), `num_warps`: the tiling (scripts/bench_kernels.py sweeps it)."""
     n, k = weight.shape
     dim = rope.cos.shape[1]
     heads = rope.n_q + 2 * rope.n_kv
-    if dim & (dim - 1) or dim < 4 or n != heads * dim:
+    if dim & (dim - 1) or dim < 2 * pairs or n != heads * dim:
         raise ValueError(f"norm_qkv_rope takes {heads} heads of a power-of-two head_dim ({dim}, "
-                         f"at least 4) in its weight, got {n} rows")
+                         f"at least {2 * pairs}) in its weight, got {n} rows")
     k_cache, v_cache, slots = rope.target.k_cache, rope.target.v_cache, rope.target.slots
     caches = (k_cache, v_cache)
     if (any(c.shape[1:] != (rope.n_kv, dim) or not c.is_contiguous() for c in caches)
@@ -362,12 +370,12 @@ def norm_qkv_rope(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight
                          f"{tuple(rope.sin.shape)}, {rope.positions.numel()} positions, "
                          f"{slots.numel()} slots")
     x, res, out, res_out = _norm_gemv_io(x, residual, norm_weight, weight, n, weight_scale)
-    _norm_qkv_rope_kernel[(n // 4,)](
+    _norm_qkv_rope_kernel[(n // (2 * pairs),)](
         x, res, norm_weight, weight, _or(weight_scale, weight), _or(bias, weight), out, res_out,
         rope.positions, rope.cos, rope.sin, slots, k_cache, v_cache, n, k,
         weight.stride(0), k_cache.stride(0), eps, rope.n_q, rope.n_kv, rope.target.k_scale,
         rope.target.v_scale, HAS_RES=residual is not None,
         HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None, HALF=dim // 2,
-        BLOCK_K=triton.next_power_of_2(k), QUANT=rope.target.quantized, PDL=pdl, num_warps=4,
-        **launch_options(pdl))
+        BLOCK_K=triton.next_power_of_2(k), QUANT=rope.target.quantized, PAIRS=pairs, PDL=pdl,
+        num_warps=num_warps, **launch_options(pdl))
     return Normed(out, res_out)
