@@ -2,8 +2,8 @@
 
 Each launcher is a node (`--nnodes 2 --node-rank R --dist-init-addr 127.0.0.1:P`), with its own
 runtime directory. Node 0 serves HTTP; node 1 runs only its ranks. Covered: the greedy outputs
-of tp=1 at tp=2 and tp=4 (KV heads replicated: the tiny Qwen3 has 2), either start order, a node
-that never arrives, a rank killed on node 1 while requests are in flight, and the start-up
+of tp=1 at tp=4 (KV heads replicated: the tiny Qwen3 has 2), either start order, a node that
+never arrives, a rank killed on node 1 while requests are in flight (tp=2), and the start-up
 checks of the cluster settings.
 """
 
@@ -86,23 +86,20 @@ def _host_address() -> str:
     return "127.0.0.1"
 
 
-def test_tp2_over_two_nodes_node1_started_first(tmp_path: Path, tiny_qwen3: Path) -> None:
-    """Also: every TCP endpoint of the launchers and ranks (node 0's store, rank 0's broadcast,
-    gloo on both nodes) listens on the address given, none on a wildcard."""
+def test_tp4_over_two_nodes_node1_started_first(tmp_path: Path, tiny_qwen3: Path) -> None:
+    """Two ranks a node, the tiny Qwen3's 2 KV heads replicated over 4 ranks, node 1's launcher
+    waiting for node 0's store; tp=1's greedy answers. Also: every TCP endpoint of the
+    launchers and ranks (node 0's store, rank 0's broadcast, gloo on both nodes) listens on the
+    address given, none on a wildcard. (Node 0 first: test_kill_9_of_a_rank_on_node_1.)"""
     host = _host_address()
-    with two_nodes(tiny_qwen3, 2, tmp_path, first=1, host=host) as (head, worker):
-        assert "rank 1 joined" in worker.ready_line, worker.ready_line
+    with two_nodes(tiny_qwen3, 4, tmp_path, first=1, host=host) as (head, worker):
+        assert "ranks 2-3 joined" in worker.ready_line, worker.ready_line
+        assert httpx.get(f"{head.url}/health").status_code == 200
         check_same_as_tp1(head, tiny_qwen3)
         ranks = [p for p in head.children + worker.children if comm(p).startswith("minisgl-rank")]
         found = listeners([head.proc.pid, worker.proc.pid, *ranks])
-        assert len(ranks) == 2 and {lst.pid for lst in found} >= {head.proc.pid, *ranks}, found
+        assert len(ranks) == 4 and {lst.pid for lst in found} >= {head.proc.pid, *ranks}, found
         assert all(lst.address == host for lst in found), (host, found)
-
-
-def test_tp4_over_two_nodes_kv_heads_replicated(tmp_path: Path, tiny_qwen3: Path) -> None:
-    with two_nodes(tiny_qwen3, 4, tmp_path, first=0) as (head, worker):
-        assert httpx.get(f"{head.url}/health").status_code == 200
-        check_same_as_tp1(head, tiny_qwen3)
 
 
 # --- a node that never arrives --------------------------------------------------------------------
@@ -131,10 +128,10 @@ def _generate(url: str, stream: bool) -> httpx.Response:
 
 def test_kill_9_of_a_rank_on_node_1(tmp_path: Path, tiny_qwen3: Path) -> None:
     _, where = _addr()
-    worker_start = Server.begin(node_args(tiny_qwen3, 2, 1, where), tmp_path / "node1",
-                                NODE_READY)
-    head = Server.start(node_args(tiny_qwen3, 2, 0, where), tmp_path / "node0")
-    worker = worker_start.ready()
+    head_start = Server.begin(node_args(tiny_qwen3, 2, 0, where), tmp_path / "node0")
+    worker = Server.begin(node_args(tiny_qwen3, 2, 1, where), tmp_path / "node1",
+                          NODE_READY).ready()
+    head = head_start.ready()
     try:
         plain: Dict[str, httpx.Response] = {}
         sender = threading.Thread(target=lambda: plain.update(r=_generate(head.url, False)))

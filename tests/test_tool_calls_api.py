@@ -6,6 +6,7 @@ in either shape, and bad tools are 400s naming the field while the service goes 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Tuple
 
@@ -78,20 +79,22 @@ def _calls(out: Any) -> List[Tuple[str, str]]:
 
 
 def test_required_calls_parse_and_validate_streamed_alike(client: openai.OpenAI) -> None:
+    """The three requests run at once (one batch: a third of the time on two cores)."""
     kw: Dict[str, Any] = dict(model=_model(client), messages=ASK, tools=TOOLS,
                               tool_choice="required", temperature=0, max_tokens=160)
-    out = client.chat.completions.create(**kw).choices[0]
+    one_call = {**kw, "parallel_tool_calls": False, "temperature": 0.8, "seed": 5}
+    with ThreadPoolExecutor(3) as pool:
+        plain = pool.submit(lambda: client.chat.completions.create(**kw).choices[0])
+        stream = pool.submit(lambda: _streamed(client, **kw))
+        single = pool.submit(lambda: client.chat.completions.create(**one_call).choices[0])
+        out, (content, streamed, reason), one = plain.result(), stream.result(), single.result()
     assert out.finish_reason == "tool_calls"
     calls = _calls(out)
     _check_calls(calls, list(SCHEMAS))
-    content, streamed, reason = _streamed(client, **kw)
     assert (streamed, reason) == (calls, "tool_calls")
     assert (content or None) == out.message.content
-    # one call only
-    kw.update(parallel_tool_calls=False, temperature=0.8, seed=5)
-    out = client.chat.completions.create(**kw).choices[0]
-    assert out.finish_reason == "tool_calls" and len(_calls(out)) == 1
-    _check_calls(_calls(out), list(SCHEMAS))
+    assert one.finish_reason == "tool_calls" and len(_calls(one)) == 1
+    _check_calls(_calls(one), list(SCHEMAS))
 
 
 def test_named_function_is_called_with_valid_arguments(client: openai.OpenAI) -> None:
@@ -99,11 +102,14 @@ def test_named_function_is_called_with_valid_arguments(client: openai.OpenAI) ->
                               tool_choice={"type": "function",
                                            "function": {"name": "get_weather"}},
                               temperature=0.8, seed=1, max_tokens=80)
-    out = client.chat.completions.create(**kw).choices[0]
+    with ThreadPoolExecutor(2) as pool:
+        stream = pool.submit(lambda: _streamed(client, **kw))
+        out = client.chat.completions.create(**kw).choices[0]
+        streamed = stream.result()
     calls = _calls(out)
     assert len(calls) == 1 and out.finish_reason == "tool_calls"
     _check_calls(calls, ["get_weather"])
-    assert _streamed(client, **kw)[1:] == (calls, "tool_calls")
+    assert streamed[1:] == (calls, "tool_calls")
 
 
 def test_auto_answers_with_content_or_calls(client: openai.OpenAI) -> None:

@@ -31,10 +31,11 @@ def _generate(path: Path, tp: int, prompts: List[List[int]], params: SamplingPar
         return [o.token_ids for o in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("model,tp", [("default", 3), ("qwen3", 2), ("qwen3", 4)])
-def test_tp_greedy_matches_tp1_and_hf(model: str, tp: int, default_model_dir: Path,
-                                      tiny_model: Callable[..., Path]) -> None:
-    path = default_model_dir if model == "default" else tiny_model("qwen3")
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_greedy_matches_tp1_and_hf(tp: int, tiny_model: Callable[..., Path]) -> None:
+    """(The default model at tp=3, an uneven head split: test_structured_output's
+    test_tp3_equals_tp1_and_hf, on one start of three ranks with its constrained answers.)"""
+    path = tiny_model("qwen3")
     prompts = mixed_prompts(8, seed=4, lengths=(2, 9, 40, 75))
     ref = hf_greedy(path, prompts, GREEDY.max_tokens)
     assert _generate(path, 1, prompts, GREEDY) == ref
