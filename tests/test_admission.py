@@ -12,15 +12,15 @@ from typing import Any, Dict, List
 
 import pytest
 
-from minisgl.core import Limits, SamplingParams
+from minisgl.core import Limits, SamplingParams, StructuredOutput
 from minisgl.message.types import SchedulerStats, TextRequest, TokenizeRequest
 from minisgl.server.admission import Deadline, Queued
 from minisgl.server.auth import bearer, key_matches
 from minisgl.server.hosts import host_name, is_loopback
 from minisgl.server.protocol import ApiError
-from minisgl.tokenizer.long_prompts import LongPrompts
 from minisgl.tokenizer.queued import QueuedTokens
-from minisgl.tokenizer.tokenize_worker import Tokenizer
+from minisgl.tokenizer.slow_requests import LONG_PROMPT_CHARS, SlowRequests
+from minisgl.tokenizer.tokenize_worker import Tokenizer, is_slow
 
 
 def test_queued_requests_limit_counts_choices_until_their_first_chunk() -> None:
@@ -116,8 +116,21 @@ def test_prompt_longer_than_the_context_can_hold_is_refused_without_tokenizing()
     assert vocab.encoded == ["a" * 9]
 
 
-def test_long_prompts_run_beside_the_loop_and_aborted_ones_are_dropped() -> None:
-    pool = LongPrompts(2)
+def test_long_prompts_and_constraints_are_the_slow_requests() -> None:
+    """The loop hands these to its threads: a long prompt (tokenizing it) and any constrained
+    request (compiling its grammar: xgrammar's set-up on the first, seconds)."""
+    plain = SamplingParams(max_tokens=4)
+    json_params = SamplingParams(max_tokens=4, structured=StructuredOutput("json_object"))
+    assert not is_slow(TokenizeRequest(1, plain, text="short"))
+    assert is_slow(TokenizeRequest(2, json_params, text="short"))
+    assert is_slow(TokenizeRequest(3, json_params, input_ids=[1, 2]))
+    assert is_slow(TokenizeRequest(4, plain, text="a" * (LONG_PROMPT_CHARS + 1)))
+    assert is_slow(TextRequest(5, text="a" * (LONG_PROMPT_CHARS + 1)))
+    assert not is_slow(TextRequest(6, text="short"))
+
+
+def test_slow_requests_run_beside_the_loop_and_aborted_ones_are_dropped() -> None:
+    pool = SlowRequests(2)
     gate = threading.Event()
 
     class Msg:

@@ -124,13 +124,32 @@ def test_signal_stops_everything(tmp_path: Path, tiny_qwen3: Path, sig: int) -> 
     assert runtime_dirs(tmp_path) == []  # no stale socket files
 
 
-def test_the_api_server_and_the_tokenizer_import_no_torch() -> None:
+def test_the_api_server_and_the_tokenizer_import_no_torch(default_model_dir: Path) -> None:
     """Their processes never touch a tensor: torch would cost each some 2 s and 300 MB at every
-    start (the distributed package loads its names lazily; grammar exports the compiler's)."""
+    start (the distributed package loads its names lazily; grammar exports the compiler's; the
+    tokenizer's class is found without AutoTokenizer's module, which imports torch)."""
     import subprocess
     import sys
-    code = ("import sys, minisgl.server.api, minisgl.tokenizer.tokenize_worker, "
-            "minisgl.tokenizer.detokenize_worker; print('torch' in sys.modules)")
+    code = ("import sys, pathlib, minisgl.server.api, minisgl.tokenizer.tokenize_worker, "
+            "minisgl.tokenizer.detokenize_worker; "
+            "from minisgl.tokenizer.text import load_tokenizer; "
+            f"load_tokenizer(pathlib.Path({str(default_model_dir)!r})); "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_the_tokenizer_is_the_one_auto_tokenizer_loads(default_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from minisgl.tokenizer.text import load_tokenizer
+    ours, auto = load_tokenizer(default_model_dir), AutoTokenizer.from_pretrained(
+        str(default_model_dir))
+    assert type(ours) is type(auto)
+    texts = ["Hello, world!", " leading space", "naïve café 🍵\n\ttabs", "<|im_start|>user"]
+    assert [ours.encode(t) for t in texts] == [auto.encode(t) for t in texts]
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert (ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            == auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
+    assert ours.all_special_tokens == auto.all_special_tokens and len(ours) == len(auto)

@@ -88,9 +88,10 @@ class ServerConfig:
                                      "the largest request body accepted (413 beyond)")
     body_timeout: float = setting(30.0, "seconds a client may take to send a request's body "
                                         "(408 and the connection closed after)")
-    tokenizer_threads: int = setting(2, "threads that tokenize long prompts beside the "
-                                        "tokenizer's loop, so that short ones are not held up "
-                                        "behind them")
+    tokenizer_threads: int = setting(2, "threads that prepare long prompts and compile "
+                                        "structured-output constraints beside the "
+                                        "tokenizer's loop, so that other requests are not "
+                                        "held up behind them")
     watchdog_timeout: float = setting(
         300.0, "seconds a scheduler step (its collectives included) may run, and a process may "
                "show no sign of life (stopped, frozen), before the service stops as if it had "

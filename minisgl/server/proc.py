@@ -184,6 +184,7 @@ def _poll_ready(child: Child, on_step: Callable[[Child, str], None]) -> None:
             if status != "ready":
                 raise ChildStartupError(f"{child.name} failed to start: {info}", child, str(info))
             child.info = info
+            logger.debug("%s ready", child.name)
             return
     except (EOFError, OSError):
         pass

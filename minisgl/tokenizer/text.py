@@ -18,11 +18,30 @@ def load_tokenizer(path: Path, chat_template: Optional[str] = None) -> Optional[
     prompts only). `chat_template` (Jinja text) replaces the model's own."""
     if not has_tokenizer(path):
         return None
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer = tokenizer_class(path).from_pretrained(str(path))
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def tokenizer_class(path: Path) -> Any:
+    """The class `AutoTokenizer` picks for the model directory, found without importing torch
+    where it can be: `tokenizer_config.json`'s `tokenizer_class` as transformers exports it
+    (the same class AutoTokenizer resolves the name to). Otherwise AutoTokenizer itself, whose
+    module loads the model's config code and with it torch (some 2 s and 300 MB in each
+    tokenizer process, on the service's start-up path)."""
+    import transformers
+    config = path / "tokenizer_config.json"
+    name = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if isinstance(name, str) and name.isidentifier():
+        try:
+            cls = getattr(transformers, name)
+        except (AttributeError, ImportError):
+            cls = None
+        # A placeholder class stands in where an optional dependency is missing.
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase):
+            return cls
+    return transformers.AutoTokenizer
 
 
 def model_chat_template(path: Path) -> Optional[str]:

@@ -6,11 +6,12 @@ chat template, or ids as given), checks the request against the ranks' limits
 sends, in this order, a `DetokenizeInit` to the detokenizer and a `UserMsg` to rank 0. A request
 that fails the checks goes back to the API server as an error `ReplyChunk` (status 400) and never
 reaches the scheduler; one refused by `--max-queued-tokens` (queued.py) gets status 429. A prompt
-longer in characters than the context could ever hold is refused before it is tokenized, and
-long prompts are tokenized on threads (long_prompts.py) while the loop goes on with short ones.
+longer in characters than the context could ever hold is refused before it is tokenized.
 A structured-output constraint is compiled here too (xgrammar, cached by (kind, spec)), so one
 that does not compile is refused (error param "structured": the API names the field it came
-from) before any rank sees it; the ranks compile it again for their matchers.
+from) before any rank sees it; the ranks compile it again for their matchers. Long prompts and
+constrained requests are prepared on threads (slow_requests.py) while the loop goes on with
+the others.
 `AbortRequest` becomes an `AbortMsg` to rank 0.
 
 With data-parallel replicas, "rank 0" is the rank 0 of the replica the router picks
@@ -27,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
@@ -41,7 +43,7 @@ from minisgl.message.startup import report_startup
 from minisgl.message.types import (AbortMsg, AbortRequest, DetokenizeInit, ReplyBatch, ReplyChunk,
                                    SchedulerStats, TextRequest, TokenizeRequest, UserMsg)
 from minisgl.tokenizer.incremental import PROMPT_CONTEXT_TOKENS
-from minisgl.tokenizer.long_prompts import LONG_PROMPT_CHARS, LongPrompts
+from minisgl.tokenizer.slow_requests import LONG_PROMPT_CHARS, SlowRequests
 from minisgl.tokenizer.queued import QueuedTokens
 from minisgl.tokenizer.router import Router
 from minisgl.tokenizer.text import load_tokenizer
@@ -60,7 +62,7 @@ class TokenizerConfig:
     api_addr: str  # PUSH to the API server (rejections)
     chat_template: Optional[str] = None  # Jinja text replacing the model's own
     max_queued_tokens: Optional[int] = None  # per replica (queued.py); None: no limit
-    threads: int = 2  # threads for long prompts (long_prompts.py)
+    threads: int = 2  # threads for long prompts and constraints (slow_requests.py)
 
 
 class _NoTokenizer(Exception):
@@ -81,6 +83,13 @@ def longest_token_chars(tokenizer: Any) -> int:
     (byte-level BPE spells each byte as one character, SentencePiece's '▁' is the space it
     stands for, WordPiece adds '##')."""
     return max((len(t) for t in tokenizer.get_vocab()), default=1)
+
+
+def is_slow(req: Union[TokenizeRequest, TextRequest]) -> bool:
+    """A request the loop hands to a thread (slow_requests.py): a long prompt, or a
+    constraint to compile."""
+    constrained = isinstance(req, TokenizeRequest) and req.params.structured is not None
+    return constrained or prompt_chars(req) > LONG_PROMPT_CHARS
 
 
 def prompt_chars(req: Union[TokenizeRequest, TextRequest]) -> int:
@@ -104,6 +113,7 @@ class Tokenizer:
         # A prompt's ids must be ones the model embeds and the detokenizer can render.
         self.limits = limits._replace(vocab_size=min(self.vocab, limits.vocab_size))
         self._grammar_error: Optional[Callable[[StructuredOutput], Optional[str]]] = None
+        self._grammar_lock = threading.Lock()
         token_chars = longest_token_chars(tokenizer) if tokenizer is not None else 1
         self.max_prompt_chars = limits.max_context * token_chars
 
@@ -111,8 +121,9 @@ class Tokenizer:
         """Why the constraint does not compile for this model's vocabulary, or None."""
         if self.tokenizer is None:
             return "this model has no tokenizer: structured output needs one"
-        if self._grammar_error is None:  # built on the first constraint: xgrammar's set-up
-            self._grammar_error = make_checker(self.tokenizer, self.limits.vocab_size)
+        with self._grammar_lock:  # the slow-request threads ask at once
+            if self._grammar_error is None:  # built on the first constraint: xgrammar's set-up
+                self._grammar_error = make_checker(self.tokenizer, self.limits.vocab_size)
         return self._grammar_error(structured)
 
     def chars_error(self, req: Union[TokenizeRequest, TextRequest]) -> Optional[str]:
@@ -250,29 +261,30 @@ def _sockets(cfg: TokenizerConfig, ctx: zmq.Context) -> Sockets:
 class Serving:
     """The tokenizer's loop: messages from the API server (and stats from the detokenizer) in;
     inits to the detokenizer, requests and aborts to the replicas, rejections to the API
-    server out. Long prompts are prepared on `LongPrompts` threads meanwhile."""
+    server out. Slow requests (long prompts, constraints) are prepared on `SlowRequests`
+    threads meanwhile."""
 
     def __init__(self, cfg: TokenizerConfig, sockets: Sockets, logic: Tokenizer) -> None:
         self.logic = logic
         self.inbox, self.to_backends, self.to_detok, self.to_api = sockets
         self.router = Router(len(self.to_backends), logic.limits.page_size)
         self.queued = QueuedTokens(len(self.to_backends), cfg.max_queued_tokens)
-        self.long = LongPrompts(cfg.threads)
+        self.slow = SlowRequests(cfg.threads)
 
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.inbox.sock, zmq.POLLIN)
-        poller.register(self.long.fileno(), zmq.POLLIN)
+        poller.register(self.slow.fileno(), zmq.POLLIN)
         while True:
             poller.poll()
-            for msg, result in self.long.finished():
+            for msg, result in self.slow.finished():
                 self.finish(msg, result)
             while not self.inbox.empty():
                 self.handle(self.inbox.get())
 
     def handle(self, msg: Any) -> None:
         if isinstance(msg, AbortRequest):
-            self.long.cancel(msg.uid)
+            self.slow.cancel(msg.uid)
             for to_backend in self.to_backends:
                 to_backend.put(AbortMsg(msg.uid))
         elif isinstance(msg, SchedulerStats):
@@ -280,8 +292,8 @@ class Serving:
             self.queued.update(msg)
         elif isinstance(msg, (TextRequest, TokenizeRequest)):
             work = self.logic.answer if isinstance(msg, TextRequest) else self.logic.prepare
-            if prompt_chars(msg) > LONG_PROMPT_CHARS:
-                self.long.submit(msg, work)
+            if is_slow(msg):
+                self.slow.submit(msg, work)
             else:
                 self.finish(msg, work(msg))
         else:

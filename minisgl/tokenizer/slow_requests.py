@@ -1,11 +1,13 @@
-"""Long prompts tokenized on threads beside the tokenizer's loop, so short ones never wait.
+"""Slow requests prepared on threads beside the tokenizer's loop, so the others never wait.
 
-The tokenizer's loop hands a request of more than `LONG_PROMPT_CHARS` characters to
-`LongPrompts.submit` with the function that prepares it, and goes on with the next message.
-The Rust tokenizers release the GIL while they encode, so the loop keeps tokenizing short
-prompts meanwhile. A finished job is queued and the loop woken through a pipe whose read end
+Two kinds are slow: a prompt of more than `LONG_PROMPT_CHARS` characters, and a request with a
+structured-output constraint, whose grammar the tokenizer compiles to refuse one that does not
+(xgrammar's set-up, torch's import with it, on the first; each new schema's compilation after).
+The tokenizer's loop hands such a request to `SlowRequests.submit` with the function that
+prepares it, and goes on with the next message. The Rust tokenizers and xgrammar's compiler
+release the GIL while they work, so the loop keeps preparing the other requests meanwhile. A finished job is queued and the loop woken through a pipe whose read end
 it polls beside its socket (`fileno`); `finished()` hands back the results, in completion order,
-without those whose uid was `cancel`led (aborted while being tokenized), and returns the memory
+without those whose uid was `cancel`led (aborted while being prepared), and returns the memory
 a long prompt took to the system (`malloc_trim`), so the tokenizer's RSS goes back down.
 """
 
@@ -35,7 +37,7 @@ def _trim_heap() -> None:
         pass
 
 
-class LongPrompts:
+class SlowRequests:
     def __init__(self, threads: int) -> None:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
         self._done: "queue.SimpleQueue[Tuple[Any, Any]]" = queue.SimpleQueue()
