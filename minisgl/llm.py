@@ -30,7 +30,7 @@ from minisgl.distributed.comm import Communicator
 from minisgl.engine import Engine
 from minisgl.message import AbortMsg, BatchTokenOut, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.message.queue import PullQueue, PushQueue
-from minisgl.layers.linear import check_head_split
+from minisgl.distributed.info import check_head_split
 from minisgl.models import ModelConfig
 from minisgl.models.path import resolve_model_path
 from minisgl.scheduler.config import SchedulerConfig
@@ -42,7 +42,7 @@ from minisgl.server.proc import (Child, ChildStartupError, first_dead, spawn, st
 from minisgl.tokenizer.incremental import IncrementalDecoder, StopMatcher
 from minisgl.tokenizer.text import load_tokenizer
 from minisgl.settings import build
-from minisgl.utils import free_port
+from minisgl.distributed.bind import free_port
 
 logger = logging.getLogger(__name__)
 Prompt = Union[str, List[int]]

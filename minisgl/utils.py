@@ -1,30 +1,17 @@
-"""Small stateless helpers used across layers: device and dtype names, free ports, host-to-device
-copies of host lists (pinned, aligned rows), the offline prefill chunk."""
+"""Small stateless helpers used across layers: the compute dtype, host-to-device copies of host
+lists (pinned, aligned rows), the offline prefill chunk, a temporarily changed torch setting."""
 
 from __future__ import annotations
 
 import array
 import contextlib
-import socket
 from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 
+from minisgl.devices import dtype_name
+
 T = TypeVar("T")
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-DTYPE_NAMES = ("auto", *_DTYPES)  # what resolve_dtype takes (and None, as "auto")
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but no CUDA device is available")
-    return device
 
 
 def offline_prefill_tokens(device: torch.device) -> int:
@@ -41,12 +28,8 @@ def offline_prefill_tokens(device: torch.device) -> int:
 
 
 def resolve_dtype(dtype: Optional[str], device: str) -> torch.dtype:
-    """None/"auto": float32 on CPU (exact comparison with the reference), bfloat16 on GPU."""
-    if dtype in (None, "auto"):
-        return torch.bfloat16 if device == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
+    """The compute dtype for a dtype setting on a resolved device (devices.dtype_name)."""
+    return getattr(torch, dtype_name(dtype, device))
 
 
 # Typecodes of the standard library's arrays that hold each dtype's values exactly.
@@ -111,12 +94,6 @@ def copy_from_host(dst: torch.Tensor, values: Sequence[Any]) -> None:
     """dst[...] = values (a host list of dst's shape), through pinned memory like `to_device`,
     into an existing device tensor (e.g. a CUDA graph's static input)."""
     dst.copy_(host_tensor(values, dst.dtype, pin=dst.is_cuda), non_blocking=True)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -344,7 +344,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"needs {args.tp} CUDA GPUs, found "
               f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
         return 2
-    from minisgl.utils import free_port
+    from minisgl.distributed.bind import free_port
     deadline = time.monotonic() + args.timeout_s
     init_method = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")

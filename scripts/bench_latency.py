@@ -51,7 +51,7 @@ from minisgl.models.default_model import default_model_path
 from minisgl.tokenizer.text import has_tokenizer
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.settings import add_flags, build, from_namespace
-from minisgl.utils import free_port
+from minisgl.distributed.bind import free_port
 
 # Set by the script from the batch sizes and contexts it times.
 _SCRIPT_SET = ("max_running_requests", "max_kv_tokens", "load_format")

@@ -33,7 +33,8 @@ from minisgl.message import SchedulerStats
 from minisgl.models import ModelConfig
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.settings import add_flags, build, from_namespace
-from minisgl.utils import offline_prefill_tokens, resolve_device
+from minisgl.devices import resolve_device
+from minisgl.utils import offline_prefill_tokens
 
 # HF continuous batching's share of free GPU memory for its KV cache: its default (0.9) ran out
 # of memory in its own prefill on the 256-request workload of the 8B shape (H200).

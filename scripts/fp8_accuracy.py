@@ -30,7 +30,8 @@ from minisgl.distributed import destroy_process_groups, init_process_groups
 from minisgl.engine import Engine, EngineConfig
 from minisgl.models.path import resolve_model_path
 from minisgl.tokenizer.text import load_tokenizer
-from minisgl.utils import free_port, to_device
+from minisgl.distributed.bind import free_port
+from minisgl.utils import to_device
 
 TEXT = Path(__file__).parent / "data" / "two_cities.txt"
 

@@ -19,7 +19,7 @@ from minisgl.distributed.symm_allreduce import symm_mem_problem
 from minisgl.engine import EngineConfig
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.server.args import parse_args
-from minisgl.utils import free_port
+from minisgl.distributed.bind import free_port
 from script_loader import load_script
 from spawn_ranks import spawn_ranks
 from tiny_models import build_tiny

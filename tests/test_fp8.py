@@ -20,7 +20,8 @@ from minisgl.distributed import Communicator, DistributedInfo
 from minisgl.layers import fp8
 from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl.models import ModelConfig, model_class
-from minisgl.models.quantization import parse_quantization, quant_plan
+from minisgl.models.checkpoint_quant import CheckpointFp8, parse_quantization
+from minisgl.models.quantization import quant_plan
 from minisgl.models.weights import init_dummy, iter_checkpoint
 from recording_source import RecordingSource
 
@@ -187,10 +188,10 @@ def test_quantization_config_rules() -> None:
             "rest": {"targets": ["Linear"], "weights": {**weights, "strategy": "channel"},
                      "input_activations": dynamic}}}})
     assert q is not None
-    assert q.spec_for("model.layers.0.self_attn.q_proj") == fp8.Fp8Spec(block=(128, 128))
-    assert q.spec_for("model.layers.0.mlp.up_proj") == fp8.Fp8Spec()
+    assert q.spec_for("model.layers.0.self_attn.q_proj") == CheckpointFp8(block=(128, 128))
+    assert q.spec_for("model.layers.0.mlp.up_proj") == CheckpointFp8()
     assert q.spec_for("model.layers.0.mlp.down_proj") is None
-    assert q.spec_for("model.layers.1.mlp.down_proj") == fp8.Fp8Spec()
+    assert q.spec_for("model.layers.1.mlp.down_proj") == CheckpointFp8()
     assert q.spec_for("model.layers.3.self_attn.o_proj") is None
     assert q.spec_for("model.layers.31.self_attn.o_proj") is not None
     plan = quant_plan(q, None, torch.device("cpu"), torch.float32)

@@ -30,7 +30,7 @@ from shutdown_helpers import listeners
 
 from minisgl.distributed.bind import address_towards, is_loopback
 from minisgl.distributed.store import parse_tcp
-from minisgl.utils import free_port
+from minisgl.distributed.bind import free_port
 
 TIMEOUT = ("--dist-timeout", "30")
 

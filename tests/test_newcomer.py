@@ -335,7 +335,7 @@ def test_readme_install_and_default_model_facts(default_model_dir: Path) -> None
     """The README's install starts in a virtualenv, takes torch's CPU build from PyTorch's CPU
     index, says the default model is a Q4_1 GGUF and names the tp values it allows, which are
     the ones the head split accepts."""
-    from minisgl.layers.linear import check_head_split
+    from minisgl.distributed.info import check_head_split
     from minisgl.models import ModelConfig
     text = README.read_text()
     install = text[text.index("## Two commands"):text.index("## Offline API")]

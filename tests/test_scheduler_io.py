@@ -22,7 +22,7 @@ from minisgl.distributed import DistributedInfo
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.types import TokenOut, UserMsg
 from minisgl.scheduler.io import ZmqIO
-from minisgl.utils import free_port
+from minisgl.distributed.bind import free_port
 from spawn_ranks import spawn_ranks
 
 TOTAL = 1000

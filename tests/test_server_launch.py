@@ -124,13 +124,17 @@ def test_signal_stops_everything(tmp_path: Path, tiny_qwen3: Path, sig: int) -> 
     assert runtime_dirs(tmp_path) == []  # no stale socket files
 
 
-def test_the_api_server_and_the_tokenizer_import_no_torch(default_model_dir: Path) -> None:
+def test_the_launcher_api_server_and_tokenizers_import_no_torch(default_model_dir: Path) -> None:
     """Their processes never touch a tensor: torch would cost each some 2 s and 300 MB at every
-    start (the distributed package loads its names lazily; grammar exports the compiler's; the
-    tokenizer's class is found without AutoTokenizer's module, which imports torch)."""
+    start (the distributed, models and engine packages load their torch names lazily; the
+    configs' names and checks are torch-free modules, devices.py, distributed/modes.py,
+    models/checkpoint_quant.py; grammar exports the compiler's; the tokenizer's class is found
+    without AutoTokenizer's module, which imports torch). A one-node CPU launcher needs none:
+    "auto" and "cuda" devices import it to ask for a GPU, several nodes for the TCP store."""
     import subprocess
     import sys
-    code = ("import sys, pathlib, minisgl.server.api, minisgl.tokenizer.tokenize_worker, "
+    code = ("import sys, pathlib, minisgl.server.launch, minisgl.server.api, "
+            "minisgl.tokenizer.tokenize_worker, "
             "minisgl.tokenizer.detokenize_worker; "
             "from minisgl.tokenizer.text import load_tokenizer; "
             f"load_tokenizer(pathlib.Path({str(default_model_dir)!r})); "

@@ -117,7 +117,7 @@ def _diverge(rank: int, port: int, out: "mp.Queue[str]") -> None:
 
 
 def test_lockstep_check_detects_divergence() -> None:
-    from minisgl.utils import free_port
+    from minisgl.distributed.bind import free_port
     with spawn_ranks(_diverge, 2, free_port()) as ranks:
         msgs = [ranks.out.get(timeout=60) for _ in ranks.procs]
     assert all(m.startswith("ranks diverged on tokens") for m in msgs), msgs
@@ -144,7 +144,7 @@ def test_sharded_loading_reads_only_slices(default_model_dir: Path, tp: int) -> 
 def test_heads_not_divisible_fail_at_start(default_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="cannot split 9 attention heads over tp=2"):
         LLM(str(default_model_dir), tp=2)
-    from minisgl.layers.linear import check_head_split
+    from minisgl.distributed.info import check_head_split
     check_head_split(36, 3, 9)  # more ranks than KV heads: each KV head is replicated
     with pytest.raises(ValueError, match="cannot split 3 KV heads over tp=2"):
         check_head_split(36, 3, 2)

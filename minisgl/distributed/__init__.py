@@ -1,8 +1,9 @@
 """Rank info, tensor-parallel communicators and the CPU control group.
 
 The names below are loaded from their modules on first use (a module `__getattr__`, PEP 562),
-so that `bind` (addresses and sockets) imports without torch: the API server and the launcher
-use it and never touch a tensor, and torch costs a process some 2 s and 300 MB to import."""
+so that `bind` (addresses and sockets), `info` (ranks, shards, the head split) and `modes` (the
+allreduce setting) import without torch: the API server and the launcher use them and never
+touch a tensor, and torch costs a process some 2 s and 300 MB to import."""
 
 from __future__ import annotations
 
@@ -13,23 +14,22 @@ if TYPE_CHECKING:
     from minisgl.distributed.comm import (Communicator, ProcessGroups, check_same_across_ranks,
                                           destroy_process_groups, init_process_groups,
                                           min_over_ranks, true_on_all_ranks)
-    from minisgl.distributed.info import DistributedInfo, Shard
-    from minisgl.distributed.symm_allreduce import (ALLREDUCE_MODES, DEFAULT_SYMM_MAX_BYTES,
-                                                    SYMM_MODES, SymmMemAllReduce,
-                                                    check_allreduce_mode)
+    from minisgl.distributed.info import DistributedInfo, Shard, check_head_split
+    from minisgl.distributed.modes import ALLREDUCE_MODES, SYMM_MODES, check_allreduce_mode
+    from minisgl.distributed.symm_allreduce import DEFAULT_SYMM_MAX_BYTES, SymmMemAllReduce
 
 _MODULE_OF: Dict[str, str] = {
     **dict.fromkeys(["Communicator", "ProcessGroups", "check_same_across_ranks",
                      "destroy_process_groups", "init_process_groups", "min_over_ranks",
                      "true_on_all_ranks"], "comm"),
-    **dict.fromkeys(["DistributedInfo", "Shard"], "info"),
-    **dict.fromkeys(["ALLREDUCE_MODES", "DEFAULT_SYMM_MAX_BYTES", "SYMM_MODES",
-                     "SymmMemAllReduce", "check_allreduce_mode"], "symm_allreduce"),
+    **dict.fromkeys(["DistributedInfo", "Shard", "check_head_split"], "info"),
+    **dict.fromkeys(["ALLREDUCE_MODES", "SYMM_MODES", "check_allreduce_mode"], "modes"),
+    **dict.fromkeys(["DEFAULT_SYMM_MAX_BYTES", "SymmMemAllReduce"], "symm_allreduce"),
 }
 __all__ = ["ALLREDUCE_MODES", "Communicator", "DEFAULT_SYMM_MAX_BYTES", "DistributedInfo",
            "ProcessGroups", "SYMM_MODES", "Shard", "SymmMemAllReduce", "check_allreduce_mode",
-           "check_same_across_ranks", "destroy_process_groups", "init_process_groups",
-           "min_over_ranks", "true_on_all_ranks"]
+           "check_head_split", "check_same_across_ranks", "destroy_process_groups",
+           "init_process_groups", "min_over_ranks", "true_on_all_ranks"]
 
 
 def __getattr__(name: str) -> Any:

@@ -58,6 +58,14 @@ def address_towards(host: str) -> str:
         raise ValueError(f"no local address reaches {host!r}: {e.strerror or e}") from None
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a rendezvous's or a test server's; another process
+    may take it before the caller binds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
     """A TCP socket bound to `host`:`port` and listening (OSError when it cannot be)."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]

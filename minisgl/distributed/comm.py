@@ -25,8 +25,8 @@ import torch.distributed as dist
 from minisgl.distributed.bind import address_towards, listening_socket, pin_gloo
 from minisgl.distributed.info import DistributedInfo
 from minisgl.distributed.store import connect, parse_tcp
-from minisgl.distributed.symm_allreduce import (DEFAULT_SYMM_MAX_BYTES, SYMM_MODES,
-                                                SymmMemAllReduce, check_allreduce_mode)
+from minisgl.distributed.modes import SYMM_MODES, check_allreduce_mode
+from minisgl.distributed.symm_allreduce import DEFAULT_SYMM_MAX_BYTES, SymmMemAllReduce
 from minisgl.kernels.policy import KernelPolicy
 
 logger = logging.getLogger(__name__)

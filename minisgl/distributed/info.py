@@ -1,4 +1,4 @@
-"""Which rank this process is, among how many."""
+"""Which rank this process is, among how many, and how a model's heads split over them."""
 
 from __future__ import annotations
 
@@ -34,3 +34,13 @@ class Shard:
     @property
     def stop(self) -> int:
         return self.start + self.size
+
+
+def check_head_split(num_heads: int, num_kv_heads: int, tp: int) -> None:
+    """Fail at start-up, naming the numbers, when the heads cannot be split over `tp` ranks."""
+    if num_heads % tp != 0:
+        raise ValueError(f"cannot split {num_heads} attention heads over tp={tp}: "
+                         f"tp must divide the number of attention heads")
+    if num_kv_heads % tp != 0 and tp % num_kv_heads != 0:
+        raise ValueError(f"cannot split {num_kv_heads} KV heads over tp={tp}: tp must divide the "
+                         f"KV heads or be a multiple of them (attention heads: {num_heads})")

@@ -13,11 +13,12 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from typing import Callable, Tuple
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Callable, Tuple
 
 from minisgl.distributed.bind import split_host_port
+
+if TYPE_CHECKING:  # imported on the first connection: a one-node launcher never needs torch
+    import torch.distributed as dist
 
 BEAT_INTERVAL_S = 0.5
 
@@ -32,6 +33,7 @@ def connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     """A client connection to the store at host:port, retried until it is up or `timeout_s`
     passes (then torch's DistStoreError / DistNetworkError); `timeout_s` also bounds every
     later call."""
+    import torch.distributed as dist
     return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
 

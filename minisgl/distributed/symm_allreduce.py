@@ -46,10 +46,6 @@ from minisgl.kernels.types import PeerBuffers
 
 logger = logging.getLogger(__name__)
 
-# "symm-fused": "symm", plus the all-reduce fused with the residual add and RMSNorm that follow
-# it (SymmMemAllReduce.all_reduce_rmsnorm). Opt-in until measured; "auto" never fuses.
-ALLREDUCE_MODES = ("auto", "nccl", "symm", "symm-fused")
-SYMM_MODES = ("symm", "symm-fused")  # symmetric memory required: start-up fails without it
 # Largest tensor (bytes) sent through symmetric memory; bigger ones (prefill) use NCCL. 2 MiB is
 # the decode batch of 256 tokens at hidden 4096 in bfloat16 (the default largest decode graph of
 # an 8B model); beyond that one-shot reads grow with the world size while NCCL's fixed cost stops
@@ -69,17 +65,6 @@ _FUSED_MAX_COLS = 16384
 # A live peer can be seconds late (its first call JIT-compiles the kernel); a dead or diverged
 # one never comes.
 DEFAULT_SPIN_LIMIT = 1 << 26
-
-
-def check_allreduce_mode(mode: str, device_type: str) -> None:
-    """Raise ValueError for an unknown mode, or for 'symm' / 'symm-fused' off CUDA (symmetric
-    memory is CUDA only; 'auto' is the mode that quietly uses gloo / NCCL where it is
-    unavailable)."""
-    if mode not in ALLREDUCE_MODES:
-        raise ValueError(f"allreduce must be one of {', '.join(ALLREDUCE_MODES)}, got {mode!r}")
-    if mode in SYMM_MODES and device_type != "cuda":
-        raise ValueError(f"allreduce {mode!r} needs CUDA (symmetric memory), but the device is "
-                         f"{device_type!r}; use 'auto' or 'nccl'")
 
 
 def symm_mem_problem(device: torch.device) -> Optional[str]:

@@ -8,15 +8,16 @@ rank's config is the same but for `tp_info.rank`.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
-
-from minisgl.distributed import ALLREDUCE_MODES, DistributedInfo, check_allreduce_mode
-from minisgl.models.quantization import QUANTIZATIONS
-from minisgl.kvcache.pool import KV_CACHE_DTYPES, kv_dtype
+from minisgl.devices import DTYPE_NAMES, KV_CACHE_DTYPES, resolve_device
+from minisgl.distributed.info import DistributedInfo
+from minisgl.distributed.modes import ALLREDUCE_MODES, check_allreduce_mode
+from minisgl.models.checkpoint_quant import QUANTIZATIONS
 from minisgl.settings import check_choices, setting
-from minisgl.utils import DTYPE_NAMES, resolve_device, resolve_dtype
+
+if TYPE_CHECKING:  # imported where a torch value is asked for: the launcher reads this config
+    import torch
 
 PDL_MODES = ("auto", "on", "off")
 DEVICES = ("auto", "cpu", "cuda")
@@ -181,6 +182,7 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
         device = resolve_device(self.device) if self.device == "auto" else self.device
         if device == "cuda":
             index = self.tp_info.rank if self.device_index is None else self.device_index
@@ -189,11 +191,13 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        from minisgl.utils import resolve_dtype
         return resolve_dtype(self.dtype, self.torch_device.type)
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:
         """The KV pool's dtype (`kv_cache_dtype` resolved against the model's)."""
+        from minisgl.kvcache.pool import kv_dtype
         return kv_dtype(self.kv_cache_dtype, self.torch_dtype)
 
     @property

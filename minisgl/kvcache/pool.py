@@ -15,10 +15,10 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
+from minisgl.devices import KV_CACHE_DTYPES
+
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_KV_MAX = 448.0  # the largest finite float8_e4m3fn
-# The spellings of `--kv-cache-dtype`: the model's dtype, or FP8 e4m3 (vLLM's names).
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
 
 
 def kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:

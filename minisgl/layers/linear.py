@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl.distributed import Communicator, DistributedInfo, Shard
+from minisgl.distributed import Communicator, DistributedInfo, Shard, check_head_split
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kernels.types import KVTarget, Normed, ProductScales, QKVRope
 from minisgl.layers import blas
@@ -379,16 +379,6 @@ class QKVParallelLinear(ColumnParallelLinear):
         q = self.num_local_heads * self.head_dim
         kv = self.num_local_kv_heads * self.head_dim
         return [q, kv, kv]
-
-
-def check_head_split(num_heads: int, num_kv_heads: int, tp: int) -> None:
-    """Fail at start-up, naming the numbers, when the heads cannot be split over `tp` ranks."""
-    if num_heads % tp != 0:
-        raise ValueError(f"cannot split {num_heads} attention heads over tp={tp}: "
-                         f"tp must divide the number of attention heads")
-    if num_kv_heads % tp != 0 and tp % num_kv_heads != 0:
-        raise ValueError(f"cannot split {num_kv_heads} KV heads over tp={tp}: tp must divide the "
-                         f"KV heads or be a multiple of them (attention heads: {num_heads})")
 
 
 class RowParallelLinear(_Fp8Layer):

@@ -1,31 +1,45 @@
-"""Model classes by Hugging Face architecture name, and their config."""
+"""Model classes by Hugging Face architecture name, and their config.
+
+`ModelConfig` imports without torch (the launcher reads a model's shape before any rank starts
+and never touches a tensor); the model classes load on first use (`model_class`, and a module
+`__getattr__` for `CausalLM`, PEP 562), as `minisgl.distributed` loads its names."""
 
 from __future__ import annotations
 
-from typing import Dict, Type
+import importlib
+from typing import TYPE_CHECKING, Any, Dict, Type
 
 from minisgl.models.config import ModelConfig
-from minisgl.models.decoder import CausalLM
-from minisgl.models.llama import LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM
-from minisgl.models.qwen import (Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM,
-                                 Qwen3MoeForCausalLM)
 
-MODEL_CLASSES: Dict[str, Type[CausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "MixtralForCausalLM": MixtralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+if TYPE_CHECKING:
+    from minisgl.models.decoder import CausalLM
+
+# Architecture name (config.json's) -> the module under minisgl.models defining that class.
+_MODULE_OF: Dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "MixtralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen",
+    "Qwen2MoeForCausalLM": "qwen",
+    "Qwen3ForCausalLM": "qwen",
+    "Qwen3MoeForCausalLM": "qwen",
 }
+ARCHITECTURES = tuple(sorted(_MODULE_OF))
 
 
 def model_class(architecture: str) -> Type[CausalLM]:
-    if architecture not in MODEL_CLASSES:
+    """The class serving `architecture`; ValueError naming the supported ones otherwise."""
+    if architecture not in _MODULE_OF:
         raise ValueError(f"unsupported architecture {architecture!r}; "
-                         f"supported: {', '.join(sorted(MODEL_CLASSES))}")
-    return MODEL_CLASSES[architecture]
+                         f"supported: {', '.join(ARCHITECTURES)}")
+    return getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[architecture]}"),
+                   architecture)
 
 
-__all__ = ["CausalLM", "MODEL_CLASSES", "ModelConfig", "model_class"]
+def __getattr__(name: str) -> Any:
+    if name == "CausalLM":
+        return importlib.import_module(f"{__name__}.decoder").CausalLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["ARCHITECTURES", "CausalLM", "ModelConfig", "model_class"]

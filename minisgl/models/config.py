@@ -4,7 +4,7 @@ Mixture-of-experts shapes take the names of both families: Qwen2/Qwen3-MoE (`num
 `moe_intermediate_size`, `norm_topk_prob`, `decoder_sparse_step`, `mlp_only_layers`, Qwen2-MoE's
 `shared_expert_intermediate_size`) and Mixtral (`num_local_experts`, whose `intermediate_size`
 is the expert's and whose top-k weights are always renormalized). A dense model has
-num_experts 0. An FP8 checkpoint's `quantization_config` is read by models/quantization.py
+num_experts 0. An FP8 checkpoint's `quantization_config` is read by models/checkpoint_quant.py
 (an unsupported one is refused here, naming it).
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
-from minisgl.models.quantization import CheckpointQuant, parse_quantization
+from minisgl.models.checkpoint_quant import CheckpointQuant, parse_quantization
 
 @dataclass(frozen=True)
 class ModelConfig:

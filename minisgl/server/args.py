@@ -25,7 +25,7 @@ from minisgl.server.reasoning import REASONING_PARSERS
 from minisgl.server.tool_calls import TOOL_CALL_PARSERS
 from minisgl.settings import add_flags, build, check_choices, check_values, section, setting
 from minisgl.settings import values as setting_values
-from minisgl.utils import resolve_device
+from minisgl.devices import resolve_device
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -28,15 +28,16 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional
 
 from minisgl.distributed.bind import listening_socket
 from minisgl.distributed.store import BEAT_INTERVAL_S, connect
 from minisgl.models.config import ModelConfig
 from minisgl.server.proc import StartupError
 from minisgl.server.topology import ClusterConfig, resolve_host
+
+if TYPE_CHECKING:  # imported when node 0 opens the store: a one-node launcher never needs torch
+    import torch.distributed as dist
 
 logger = logging.getLogger("minisgl.launcher")
 FAILURE_KEY = "failure"
@@ -107,6 +108,7 @@ class Cluster:
             raise StartupError(problem)
 
     def _open_store(self, deadline: float, should_stop: Callable[[], bool]) -> dist.TCPStore:
+        import torch.distributed as dist
         timeout = datetime.timedelta(seconds=self.cfg.dist_timeout)
         if self.cfg.is_head:
             try:  # on the given address only (torch's own socket would take every address)

@@ -34,7 +34,8 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, NamedTuple, NoReturn, Optional, Sequence
 
-from minisgl.layers.linear import check_head_split
+from minisgl.devices import dtype_name
+from minisgl.distributed.info import check_head_split
 from minisgl.log import exit_now, setup_logging
 from minisgl.models.config import ModelConfig
 from minisgl.models.path import resolve_model_path
@@ -43,7 +44,6 @@ from minisgl.server.cluster import Cluster, fingerprint
 from minisgl.server.proc import StartupError
 from minisgl.server.service import Service
 from minisgl.settings import values as setting_values
-from minisgl.utils import resolve_dtype
 from minisgl.tokenizer.text import read_chat_template
 
 logger = logging.getLogger("minisgl.launcher")
@@ -72,7 +72,7 @@ def node_fingerprint(cfg: ServerConfig, model: ModelConfig) -> Dict[str, str]:
     device = cfg.resolved_device
     settings: Dict[str, Any] = dict(setting_values(cfg.scheduler))
     settings["device"] = device
-    settings["dtype"] = str(resolve_dtype(cfg.engine.dtype, device)).removeprefix("torch.")
+    settings["dtype"] = dtype_name(cfg.engine.dtype, device)
     cl = cfg.cluster
     settings.update(dp=cl.dp, nnodes=cl.nnodes, dist_broadcast_port=cl.dist_broadcast_port)
     return fingerprint(settings, model)
