@@ -307,22 +307,48 @@ def bench_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
             del ws
 
 
+class NormInputs(NamedTuple):
+    """One token's input to a norm GEMV (bf16) and the rotary tables of a QKV projection."""
+
+    x: torch.Tensor
+    residual: torch.Tensor
+    norm_weight: torch.Tensor
+    rotary: RotaryEmbedding
+    position: torch.Tensor
+    slot: torch.Tensor
+
+
+def _norm_inputs(cfg: ModelConfig) -> NormInputs:
+    h = cfg.hidden_size
+    x, res = (torch.randn((1, h), dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    nw = torch.rand(h, dtype=torch.bfloat16, device="cuda") + 0.5
+    rotary = RotaryEmbedding(cfg.head_dim, 4096, cfg.rope_theta, cfg.rope_scaling).cuda()
+    pos, slot = (torch.tensor([1000], device="cuda") for _ in range(2))
+    return NormInputs(x, res, nw, rotary, pos, slot)
+
+
+def _rope(inputs: NormInputs, cfg: ModelConfig, tp: int, cache_dtype: torch.dtype) -> QKVRope:
+    """The QKV GEMV's rotary and K/V store at the inputs' position and slot, into caches of
+    `cache_dtype` (this rank's KV heads at `tp`)."""
+    n_q, n_kv = cfg.num_heads // tp, max(1, cfg.num_kv_heads // tp)
+    caches = [torch.zeros((2048, n_kv, cfg.head_dim), dtype=cache_dtype, device="cuda")
+              for _ in range(2)]
+    return QKVRope(inputs.position, inputs.rotary.cos, inputs.rotary.sin, n_q, n_kv,
+                   KVTarget(*caches, inputs.slot))
+
+
 def bench_norm_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
     """The batch-1 projections that follow an RMSNorm (QKV, gate_up; tp 1 and 2), all with PDL:
     the norm kernel then the GEMV, against the norm inside the GEMV at each launch width; and
     the whole chain (norm, GEMV, then rotary with the K/V store or SiLU-and-mul) against the one
     kernel that fuses it."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    x, res = (torch.randn((1, h), dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    nw = torch.rand(h, dtype=torch.bfloat16, device="cuda") + 0.5
-    rotary = RotaryEmbedding(d, 4096, cfg.rope_theta, cfg.rope_scaling).cuda()
-    pos, slot = (torch.tensor([1000], device="cuda") for _ in range(2))
+    d = cfg.head_dim
+    inputs = _norm_inputs(cfg)
+    x, res, nw, rotary, pos, _ = inputs
     for tp in (1, 2):
         n_q, n_kv = cfg.num_heads // tp, max(1, cfg.num_kv_heads // tp)
-        caches = [torch.zeros((2048, n_kv, d), dtype=torch.bfloat16, device="cuda")
-                  for _ in range(2)]
-        target = KVTarget(*caches, slot)
-        rope = QKVRope(pos, rotary.cos, rotary.sin, n_q, n_kv, target)
+        rope = _rope(inputs, cfg, tp, torch.bfloat16)
+        target = rope.target
 
         def store(qkv: torch.Tensor) -> object:
             q, k, v = (t.view(1, -1, d) for t in qkv.split([n_q * d, n_kv * d, n_kv * d], -1))
@@ -457,15 +483,9 @@ def bench_fp8_norm_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
     """See the module's doc (`fp8normlinear`); tb_s counts the FP8 weight bytes. With FP8
     weights a program of the bf16 tiling streams half the bytes for the same norm of its input
     row, so wider programs may pay here where they did not in bf16."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    x, res = (torch.randn((1, h), dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    nw = torch.rand(h, dtype=torch.bfloat16, device="cuda") + 0.5
-    rotary = RotaryEmbedding(d, 4096, cfg.rope_theta, cfg.rope_scaling).cuda()
-    pos, slot = (torch.tensor([1000], device="cuda") for _ in range(2))
-    n_q, n_kv = cfg.num_heads, cfg.num_kv_heads
-    caches = [torch.zeros((2048, n_kv, d), dtype=fp8_kernels.FP8, device="cuda")
-              for _ in range(2)]
-    rope = QKVRope(pos, rotary.cos, rotary.sin, n_q, n_kv, KVTarget(*caches, slot))
+    inputs = _norm_inputs(cfg)
+    x, res, nw = inputs.x, inputs.residual, inputs.norm_weight
+    rope = _rope(inputs, cfg, 1, fp8_kernels.FP8)
     for name, n, k in projections(cfg, 1):
         if name not in ("qkv", "gate_up"):
             continue

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from minisgl.core import StructuredOutput
-from minisgl.tokenizer.text import load_tokenizer
 
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 Compiled = Any  # an xgrammar.CompiledGrammar (xgrammar is imported on first use)
@@ -107,8 +106,9 @@ class TokenizerSource:
     def info(self) -> Any:
         import xgrammar as xgr
         tokenizer = self.tokenizer
-        if tokenizer is None:  # as the tokenizer process loads it: the same vocabulary
-            tokenizer = load_tokenizer(Path(str(self.model_path)))
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(str(Path(str(self.model_path))))
         return xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.stop_ids) or None)
 

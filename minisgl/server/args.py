@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from minisgl.devices import resolve_device
 from minisgl.engine import EngineConfig
 from minisgl.models.path import model_name
 from minisgl.scheduler.config import SchedulerConfig
@@ -25,7 +26,6 @@ from minisgl.server.reasoning import REASONING_PARSERS
 from minisgl.server.tool_calls import TOOL_CALL_PARSERS
 from minisgl.settings import add_flags, build, check_choices, check_values, section, setting
 from minisgl.settings import values as setting_values
-from minisgl.devices import resolve_device
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -35,6 +35,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 import zmq
 
 from minisgl.core import Limits
+from minisgl.distributed.bind import free_port
 from minisgl.distributed.store import BEAT_INTERVAL_S, rank_beat_key
 from minisgl.message.codec import encode
 from minisgl.message.startup import PEER_EXIT
@@ -53,7 +54,6 @@ from minisgl.server.topology import Wiring, rank_name
 from minisgl.tokenizer.detokenize_worker import DetokenizerConfig, run_detokenizer
 from minisgl.tokenizer.text import model_chat_template, read_chat_template
 from minisgl.tokenizer.tokenize_worker import TokenizerConfig, run_tokenizer
-from minisgl.distributed.bind import free_port
 
 logger = logging.getLogger("minisgl.launcher")
 _GRACEFUL_STOP_S = 4.0  # ranks get this long to act on ShutdownMsg, then SIGTERM, 2 s, SIGKILL

@@ -5,8 +5,9 @@ structured-output constraint, whose grammar the tokenizer compiles to refuse one
 (xgrammar's set-up, torch's import with it, on the first; each new schema's compilation after).
 The tokenizer's loop hands such a request to `SlowRequests.submit` with the function that
 prepares it, and goes on with the next message. The Rust tokenizers and xgrammar's compiler
-release the GIL while they work, so the loop keeps preparing the other requests meanwhile. A finished job is queued and the loop woken through a pipe whose read end
-it polls beside its socket (`fileno`); `finished()` hands back the results, in completion order,
+release the GIL while they work, so the loop keeps preparing the other requests meanwhile. A
+finished job is queued and the loop woken through a pipe whose read end it polls beside its
+socket (`fileno`); `finished()` hands back the results, in completion order,
 without those whose uid was `cancel`led (aborted while being prepared), and returns the memory
 a long prompt took to the system (`malloc_trim`), so the tokenizer's RSS goes back down.
 """

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
@@ -112,18 +111,17 @@ class Tokenizer:
         self.vocab = len(tokenizer) if tokenizer is not None else limits.vocab_size
         # A prompt's ids must be ones the model embeds and the detokenizer can render.
         self.limits = limits._replace(vocab_size=min(self.vocab, limits.vocab_size))
-        self._grammar_error: Optional[Callable[[StructuredOutput], Optional[str]]] = None
-        self._grammar_lock = threading.Lock()
+        # The checker's cache builds xgrammar's compiler on its first constraint (its own lock:
+        # the slow-request threads may ask at once).
+        self._grammar_error: Optional[Callable[[StructuredOutput], Optional[str]]] = (
+            None if tokenizer is None else make_checker(tokenizer, self.limits.vocab_size))
         token_chars = longest_token_chars(tokenizer) if tokenizer is not None else 1
         self.max_prompt_chars = limits.max_context * token_chars
 
     def structured_error(self, structured: StructuredOutput) -> Optional[str]:
         """Why the constraint does not compile for this model's vocabulary, or None."""
-        if self.tokenizer is None:
+        if self._grammar_error is None:
             return "this model has no tokenizer: structured output needs one"
-        with self._grammar_lock:  # the slow-request threads ask at once
-            if self._grammar_error is None:  # built on the first constraint: xgrammar's set-up
-                self._grammar_error = make_checker(self.tokenizer, self.limits.vocab_size)
         return self._grammar_error(structured)
 
     def chars_error(self, req: Union[TokenizeRequest, TextRequest]) -> Optional[str]:
