@@ -307,7 +307,10 @@ if [ "$MODE" = vllm-offline ]; then  # the standard offline workload, Llama-3.1-
   step vllm_offline_qwen 420 bash .peer/peer.sh offline --model configs/models/qwen3-8b ${PEER_FLAGS:-}
 fi
 if [ "$MODE" = vllm-online ]; then  # both OpenAI servers, the same streamed workload (bench_online)
-  # Also carry .whl-vllm (the server's packages the bundle lacks), gathered once with
+  # Carry .peer/part02, .peer/SHA256SUMS, .peer/extra-ct.tar.xz, .peer/run_vllm_peer.py, .whl
+  # (with jsonschema's wheels: `bash ../shared/device/wheels.sh jsonschema
+  # jsonschema-specifications referencing rpds-py attrs`; the image lacks them), .gpucache and
+  # .whl-vllm (the server's packages the bundle lacks), gathered once with
   #   python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl-vllm \
   #     prometheus_client prometheus-fastapi-instrumentator model-hosting-container-standards \
@@ -326,8 +329,9 @@ if [ "$MODE" = vllm-online ]; then  # both OpenAI servers, the same streamed wor
     step online_vllm 300 python3 scripts/bench_online.py --base-url http://127.0.0.1:8124 --model m --rates $RATES --num-requests $N --max-duration 60 --vocab-size 49152 --dump "$OUT/online_vllm.jsonl"
   else echo "vLLM's server did not come up:" | tee -a "$OUT/summary.txt"; tail -n 20 "$OUT/vllm_serve.log" | tee -a "$OUT/summary.txt"; fi
   kill -TERM $V; sleep 2; gpu_free
-  # debug logs: each request's queueing and every prefill step, timestamped (see --dump)
-  python3 -m minisgl --model "$M" --load-format dummy --port 8123 --log-level debug > "$OUT/serve.log" 2>&1 &
+  # debug logs: each request's queueing and every prefill step, timestamped (see --dump);
+  # MINISGL_FLAGS go to minisgl's server line only (e.g. --mixed-steps)
+  python3 -m minisgl --model "$M" --load-format dummy --port 8123 --log-level debug ${MINISGL_FLAGS:-} > "$OUT/serve.log" 2>&1 &
   S=$!
   if up 8123 $S; then
     step online_minisgl 300 python3 scripts/bench_online.py --base-url http://127.0.0.1:8123 --rates $RATES --num-requests $N --max-duration 60 --vocab-size 49152 --dump "$OUT/online_minisgl.jsonl"

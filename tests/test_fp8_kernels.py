@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -289,13 +290,13 @@ def test_fp8_gemv_equals_gemv_on_the_dequantized_weight(n: int, k: int, bias: bo
         gemv.gemv(x, w.float(), b, weight_scale=ws)
 
 
-@pytest.mark.parametrize("rows,pairs", [(4, 2), (16, 8)])
-def test_fp8_norm_gemvs_equal_their_dense_kernels_on_dequantized_weights(rows: int,
-                                                                         pairs: int) -> None:
+@pytest.mark.parametrize("rows,pairs", [(4, None), (16, 8)])
+def test_fp8_norm_gemvs_equal_their_dense_kernels_on_dequantized_weights(
+        rows: int, pairs: Optional[int]) -> None:
     """norm_gemv, norm_gate_up_silu and norm_qkv_rope with FP8 weights and row scales equal the
     same kernels on the dequantized float32 weights (up to where the scale multiplies), at the
-    default tiling and at wider programs (the gate/up rows then not a multiple of a
-    program's)."""
+    default tiling (FP8's: gemv.default_pairs) and at wider programs (the gate/up rows then
+    not a multiple of a program's)."""
     dtype = DTYPES[-1]
     k = 96
     nw = torch.rand(k, device=DEV).to(dtype) + 0.5

@@ -220,10 +220,18 @@ def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: to
     return Normed(out, res_out)
 
 
-# The two kernels below give each program PAIRS pairs of rows (lo[i], hi[i]) (two by default)
-# that its epilogue combines: a rotary pair (rows j and j + head_dim / 2 of a head) or a gate row
-# and its up row. The products are rounded to the output dtype first, as the GEMV's output would
-# be, so the results equal the separate rotary / SiLU kernels'.
+# The two kernels below give each program PAIRS pairs of rows (lo[i], hi[i]) that its epilogue
+# combines: a rotary pair (rows j and j + head_dim / 2 of a head) or a gate row and its up row.
+# The products are rounded to the output dtype first, as the GEMV's output would be, so the
+# results equal the separate rotary / SiLU kernels'.
+def default_pairs(weight: torch.Tensor) -> int:
+    """Row pairs a program for the two pair kernels: 2 for 16-bit weights, 4 for FP8 (a program
+    then streams as many weight bytes as the 16-bit tiling; Llama-3.1-8B shape on one H200,
+    4 warps: gate/up 32.3 us against 34.7 at 2 pairs, QKV with rotary 10.8 against 11.0;
+    RESULTS.md, sixteenth session)."""
+    return 4 if weight.dtype == torch.float8_e4m3fn else 2
+
+
 @triton.jit
 def _pair_tiles(w_ptr, lo_rows, hi_rows, cols, n, k, stride_wn):
     """The weight rows of both halves of the program's pairs (loaded before the wait)."""
@@ -270,13 +278,15 @@ def _norm_gate_up_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, r
 def norm_gate_up_silu(x: torch.Tensor, residual: Optional[torch.Tensor],
                       norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                       bias: Optional[torch.Tensor] = None, pdl: bool = False,
-                      weight_scale: Optional[torch.Tensor] = None, pairs: int = 2,
-                      num_warps: int = 4) -> Normed:
+                      weight_scale: Optional[torch.Tensor] = None,
+                      pairs: Optional[int] = None, num_warps: int = 4) -> Normed:
     """The gated MLP's first half for one token in one launch: silu(gate) * up for [gate | up]
     = rmsnorm(x + residual) W^T + b, W = [gate rows; up rows] (an even number of rows);
     equal to `norm_gemv` followed by `silu_and_mul`. Also the new residual, as `norm_gemv`.
     FP8 weights with `weight_scale`, as `gemv`. `pairs` ((gate, up) row pairs a program, a
-    power of two), `num_warps`: the tiling (scripts/bench_kernels.py sweeps it)."""
+    power of two; default_pairs unless given), `num_warps`: the tiling
+    (scripts/bench_kernels.py sweeps it)."""
+    pairs = pairs or default_pairs(weight)
     n, k = weight.shape
     if n % 2:
         raise ValueError(f"gate/up weight needs an even number of rows, got {n}")
@@ -341,16 +351,18 @@ def _norm_qkv_rope_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, 
 def norm_qkv_rope(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
                   eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor], rope: QKVRope,
                   pdl: bool = False, weight_scale: Optional[torch.Tensor] = None,
-                  pairs: int = 2, num_warps: int = 4) -> Normed:
+                  pairs: Optional[int] = None, num_warps: int = 4) -> Normed:
     """One token's attention input in one launch: qkv = rmsnorm(x + residual) W^T + b as
     `norm_gemv`, then q rotated in place (rotate-half), and the rotated k and v written to the
     KV cache as `rotary.rotary_qk_(..., store=...)` does, quantized for FP8 caches (k and v
     stay unrotated in qkv). W's
     rows are the q heads, then k, then v, head_dim (a power of two, at least 4) rows each. FP8
     weights with `weight_scale`, as `gemv`. `pairs` (rotary pairs a program, a power of two of
-    at most head_dim / 2), `num_warps`: the tiling (scripts/bench_kernels.py sweeps it)."""
+    at most head_dim / 2; default_pairs unless given), `num_warps`: the tiling
+    (scripts/bench_kernels.py sweeps it)."""
     n, k = weight.shape
     dim = rope.cos.shape[1]
+    pairs = pairs or min(default_pairs(weight), max(1, dim // 2))
     heads = rope.n_q + 2 * rope.n_kv
     if dim & (dim - 1) or dim < 2 * pairs or n != heads * dim:
         raise ValueError(f"norm_qkv_rope takes {heads} heads of a power-of-two head_dim ({dim}, "
