@@ -46,6 +46,8 @@ def parse_args(argv: List[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--lengths", default="512,2048,8192", help="prompt lengths, comma-separated")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--prefill-graph-tokens", type=int, default=None,
+                   help="the engine's prefill CUDA graph limit (default: the engine's)")
     p.add_argument("--rows", type=int, default=15, help="kernels and host ranges to list")
     p.add_argument("--trace-dir", default=None, help="keep the Chrome traces here")
     p.add_argument("--cprofile", type=int, default=0, metavar="CALLS",
@@ -148,8 +150,10 @@ def host_profile(llm: LLM, prompts: List[List[int]], rows: int) -> str:
 
 def main(argv: List[str] | None = None) -> None:
     args = parse_args(argv)
+    graphs = ({} if args.prefill_graph_tokens is None
+              else {"prefill_graph_tokens": args.prefill_graph_tokens})
     llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype,
-              show_progress=False)
+              show_progress=False, **graphs)
     vocab = llm.vocab_size
     rng = random.Random(0)
     results = []

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from minisgl.engine.cuda_graph import graph_sizes, input_rows, static_input_blocks
+from minisgl.engine.prefill_graph import MIN_TOKENS as MIN_BUCKET, bucket_sizes
 from minisgl.utils import aligned_width
 
 
@@ -40,3 +41,17 @@ def test_input_rows_rejects_a_batch_wider_than_the_block() -> None:
         input_rows([1, 2, 3], [0, 0, 0], pad_row=0, width=2)
     with pytest.raises(ValueError, match="2 rows and 1 positions"):
         input_rows([1, 2], [0], pad_row=0, width=4)
+
+
+def test_prefill_buckets_pad_by_less_than_half_and_stay_multiples_of_16() -> None:
+    """Prefill graph buckets: 64, 96, 128, 192, ... up to the limit; every prompt longer than
+    the smallest bucket is padded by less than half its length, and every size is a multiple
+    of 16 (one Triton variant per bucket)."""
+    assert bucket_sizes(1024) == [64, 96, 128, 192, 256, 384, 512, 768, 1024]
+    assert bucket_sizes(700) == [64, 96, 128, 192, 256, 384, 512]
+    assert bucket_sizes(63) == [] and bucket_sizes(64) == [64]
+    sizes = bucket_sizes(1 << 14)
+    assert all(n % 16 == 0 for n in sizes)
+    for length in range(MIN_BUCKET + 1, sizes[-1] + 1):
+        bucket = next(n for n in sizes if n >= length)
+        assert bucket - length < length / 2, (length, bucket)

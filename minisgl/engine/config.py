@@ -81,11 +81,11 @@ class EngineConfig:
     cuda_graph_max_bs: int = setting(256, "capture decode CUDA graphs for batch sizes up to N, "
                                           "so that a decode step is one graph launch instead "
                                           "of one launch per kernel (0: none; GPU only)")
-    prefill_graph_tokens: int = setting(512, "capture CUDA graphs for prefills of one request of "
-                                             "up to N new tokens (buckets of 64, 128, ...), so "
-                                             "that a short prompt's first token does not wait "
-                                             "for the host to launch each kernel (0: none; GPU, "
-                                             "triton backend only)")
+    prefill_graph_tokens: int = setting(1024, "capture CUDA graphs for prefills of one request "
+                                              "of up to N new tokens (buckets of 64, 96, 128, "
+                                              "192, ...), so that a prompt's first token "
+                                              "does not wait for the host to launch each "
+                                              "kernel (0: none; GPU, triton backend only)")
     allreduce: str = setting("auto", "tensor-parallel all-reduce: auto (symmetric-memory "
                                      "one-shot for small tensors where CUDA offers it, else "
                                      "NCCL / gloo), nccl (the process group's own), symm "

@@ -1,9 +1,12 @@
 """CUDA graphs for short prefills of one request.
 
-A prefill of a few hundred tokens runs each of its several hundred kernels for less time than
-the host takes to launch it (tens of microseconds of Python and Triton dispatch each), so on a
-slow host the device waits: the time to first token of a short prompt is launch-bound. One graph
-per token bucket (powers of two from `MIN_TOKENS` up to `max_tokens`) replays the whole forward,
+A prefill of up to about a thousand tokens runs each of its several hundred kernels for less
+time than the host takes to launch it (tens of microseconds of Python and Triton dispatch each),
+so the device waits: the time to first token of such a prompt is launch-bound (on an H200 with
+the Llama-3.1-8B shape, served prompts of 553-927 tokens waited 49-61 ms for their first token
+eagerly, against 20-26 ms for 217-505 tokens through graphs; RESULTS.md, sixteenth session). One
+graph per token bucket (`bucket_sizes`: 64, 96, 128, 192, ... up to `max_tokens`) replays the
+whole forward,
 LM head included, for a batch of exactly one request whose new tokens end in a sampled token
 (a whole prompt or its last chunk, after any cached prefix). Longer prefills, batches of several
 requests, and requests that want prompt log-probabilities run eagerly.
@@ -50,10 +53,15 @@ class PrefillReplayed(NamedTuple):
 
 
 def bucket_sizes(max_tokens: int) -> List[int]:
-    """MIN_TOKENS, 2 * MIN_TOKENS, ... up to max_tokens (empty below MIN_TOKENS)."""
+    """MIN_TOKENS, 1.5 and 2 times that, 1.5 and 2 times that, ... (64, 96, 128, 192, ...) up
+    to max_tokens (empty below MIN_TOKENS): a prompt is padded by less than half its length,
+    and a power of two's prompt fills its bucket. Every size is a multiple of 16 (Triton
+    specializes integer arguments on that, as it does for the eager steps' counts)."""
     sizes, n = [], MIN_TOKENS
     while n <= max_tokens:
         sizes.append(n)
+        if n * 3 // 2 <= max_tokens:
+            sizes.append(n * 3 // 2)
         n *= 2
     return sizes
 
