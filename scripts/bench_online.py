@@ -83,8 +83,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dump", default=None, metavar="FILE",
                    help="also write one JSON line per request (rate, when it was sent, its "
-                        "prompt and output lengths, TTFT, end to end, error): what an outlier "
-                        "of the percentiles was")
+                        "prompt and output lengths, TTFT, end to end, its non-empty chunks "
+                        "and the gaps between them, error): what an outlier of the "
+                        "percentiles was (fewer chunks than output tokens: tokens that "
+                        "arrived together or whose text was held back)")
     return p.parse_args(argv)
 
 
@@ -178,6 +180,8 @@ def request_record(rate: float, spec: RequestSpec, sent_s: float,
             "max_tokens": spec.max_tokens, "ok": res is not None and res.ok,
             "ttft_ms": ms(res.ttft) if res else None, "e2e_ms": ms(res.e2e) if res else None,
             "output_tokens": res.output_tokens if res else 0,
+            "chunks": (len(res.itls) + 1 if res and not math.isnan(res.ttft) else 0),
+            "itl_ms": [round(x * 1e3, 1) for x in res.itls] if res else [],
             "error": res.error if res else "unfinished"}
 
 

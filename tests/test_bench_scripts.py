@@ -223,7 +223,8 @@ class _StreamingCompletions(BaseHTTPRequestHandler):
 def test_bench_online_dumps_every_request(tmp_path: Path,
                                           capsys: pytest.CaptureFixture) -> None:
     """bench_online against a streaming stub: the summary's RESULT line per rate, and --dump's
-    one record per request (when sent, lengths, TTFT), the material for explaining a p99."""
+    one record per request (when sent, lengths, TTFT, its chunks and the gaps between them),
+    the material for explaining a p99."""
     bench = load_script("bench_online")
     server = ThreadingHTTPServer(("127.0.0.1", 0), _StreamingCompletions)
     server.bodies = []  # type: ignore[attr-defined]
@@ -245,3 +246,4 @@ def test_bench_online_dumps_every_request(tmp_path: Path,
     for r in records:
         assert r["ok"] and r["output_tokens"] == 3 and 2 <= r["prompt_len"] <= 5
         assert 0 <= r["sent_ms"] <= r["sent_ms"] + r["ttft_ms"] and r["ttft_ms"] <= r["e2e_ms"]
+        assert r["chunks"] == 3 and len(r["itl_ms"]) == 2 and min(r["itl_ms"]) >= 0

@@ -28,6 +28,7 @@ from minisgl.cpu_threads import choose_threads
 from minisgl.distributed import destroy_process_groups, init_process_groups
 from minisgl.distributed.store import parse_tcp, rank_beat_key, start_heartbeat
 from minisgl.engine import Engine, EngineConfig
+from minisgl.gc_heap import freeze_startup_heap
 from minisgl.log import exit_now
 from minisgl.message.pulse import Pulse
 from minisgl.message.startup import PEER_EXIT, report_startup
@@ -154,6 +155,7 @@ def run_rank(cfg: SchedulerConfig, conn: Any, pulse: Optional[Pulse] = None) -> 
                               timer.post if timer is not None else None)
         if timer is not None:
             timer.start()
+    freeze_startup_heap(log, name)
     conn.send(("ready", name, {"limits": scheduler.limits,
                                "torch_threads": torch.get_num_threads()}))
     try:

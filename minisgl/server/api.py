@@ -30,6 +30,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from minisgl.gc_heap import freeze_startup_heap
 from minisgl.log import exit_now
 from minisgl.message.startup import report_startup
 from minisgl.message.types import ReplyChunk
@@ -423,8 +424,11 @@ def serve_forever(cfg: ApiConfig, sock: Any, is_healthy: Callable[[], bool],
 
 
 def run_api(cfg: ApiConfig, sock: Any, log_level: str, conn: Any) -> None:
-    """Process entry: serve; report ("ready", "api", {}) once listening or ("error", ...)."""
+    """Process entry: serve; report ("ready", "api", {}) once listening (the start-up heap
+    frozen: gc_heap.py) or ("error", ...)."""
+    def ready() -> None:
+        freeze_startup_heap(logger, "api")
+        conn.send(("ready", "api", {}))
     with report_startup(conn, "api", logger):
-        serve_forever(cfg, sock, HealthFile(cfg.health_file).is_up,
-                      lambda: conn.send(("ready", "api", {})), log_level)
+        serve_forever(cfg, sock, HealthFile(cfg.health_file).is_up, ready, log_level)
     exit_now(0)  # every reply is out: the launcher need not wait for the teardown

@@ -26,6 +26,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 import zmq
 
 from minisgl.core import FinishReason, TokenLogprobs
+from minisgl.gc_heap import freeze_startup_heap
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.startup import report_startup
 from minisgl.message.types import (AbortMsg, BatchTokenOut, DetokenizeInit, ReplyBatch,
@@ -179,6 +180,7 @@ def run_detokenizer(cfg: DetokenizerConfig, conn: Any) -> None:
         to_backends = [PushQueue(ctx, a, bind=False) for a in cfg.backend_addrs]
         to_router = (PushQueue(ctx, cfg.tokenizer_addr, bind=False)
                      if cfg.tokenizer_addr is not None else None)
+    freeze_startup_heap(logger, "detokenizer")
     conn.send(("ready", "detokenizer", {}))
     while True:
         msg = inbox.get()

@@ -36,6 +36,7 @@ import zmq
 
 from minisgl.core import (Limits, RequestError, SamplingParams, StructuredOutput, TooLong,
                           check_request, prompt_error)
+from minisgl.gc_heap import freeze_startup_heap
 from minisgl.grammar import make_checker
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.startup import report_startup
@@ -339,6 +340,7 @@ def run_tokenizer(cfg: TokenizerConfig, conn: Any) -> None:
     with report_startup(conn, "tokenizer", logger):
         tokenizer = load_tokenizer(Path(cfg.model_path), cfg.chat_template)
         sockets = _sockets(cfg, zmq.Context())
+    freeze_startup_heap(logger, "tokenizer")
     conn.send(("ready", "tokenizer", {}))
     try:
         _, limits = conn.recv()  # a core.Limits
