@@ -77,7 +77,8 @@ class PrefillGraphs:
         self.backend = backend
         self.page_table = page_table
         self.scratch_slot = scratch_slot
-        self.sizes = bucket_sizes(max_tokens)
+        # a bucket longer than a page-table row (the context length) would index past it
+        self.sizes = bucket_sizes(min(max_tokens, page_table.shape[1]))
         device = page_table.device
         self.blocks = {n: torch.zeros(n + _HEADER, dtype=torch.int64, device=device)
                        for n in self.sizes}
@@ -133,7 +134,8 @@ def capture_prefill_graphs(model: CausalLM, backend: object, max_tokens: int,
                            ) -> Optional[PrefillGraphs]:
     """The prefill graphs, or None (logged) where none apply: no bucket, a backend without
     the contract, or a model whose prefill cannot be captured."""
-    if not bucket_sizes(max_tokens) or not hasattr(backend, "prefill_graph_meta"):
+    if (not bucket_sizes(min(max_tokens, page_table.shape[1]))
+            or not hasattr(backend, "prefill_graph_meta")):
         return None
     try:
         return PrefillGraphs(model, backend, max_tokens,  # type: ignore[arg-type]
