@@ -52,11 +52,14 @@ class PrefillReplayed(NamedTuple):
     rows: torch.Tensor  # [1] int64: the request's page-table row (static buffer view)
 
 
-def bucket_sizes(max_tokens: int) -> List[int]:
+def bucket_sizes(max_tokens: int, context: Optional[int] = None) -> List[int]:
     """MIN_TOKENS, 1.5 and 2 times that, 1.5 and 2 times that, ... (64, 96, 128, 192, ...) up
-    to max_tokens (empty below MIN_TOKENS): a prompt is padded by less than half its length,
-    and a power of two's prompt fills its bucket. Every size is a multiple of 16 (Triton
-    specializes integer arguments on that, as it does for the eager steps' counts)."""
+    to max_tokens and the `context` length (a page-table row: a longer bucket would index
+    past it), empty below MIN_TOKENS: a prompt is padded by less than half its length, and a
+    power of two's prompt fills its bucket. Every size is a multiple of 16 (Triton specializes
+    integer arguments on that, as it does for the eager steps' counts)."""
+    if context is not None:
+        max_tokens = min(max_tokens, context)
     sizes, n = [], MIN_TOKENS
     while n <= max_tokens:
         sizes.append(n)
@@ -77,8 +80,7 @@ class PrefillGraphs:
         self.backend = backend
         self.page_table = page_table
         self.scratch_slot = scratch_slot
-        # a bucket longer than a page-table row (the context length) would index past it
-        self.sizes = bucket_sizes(min(max_tokens, page_table.shape[1]))
+        self.sizes = bucket_sizes(max_tokens, page_table.shape[1])
         device = page_table.device
         self.blocks = {n: torch.zeros(n + _HEADER, dtype=torch.int64, device=device)
                        for n in self.sizes}
@@ -134,8 +136,8 @@ def capture_prefill_graphs(model: CausalLM, backend: object, max_tokens: int,
                            ) -> Optional[PrefillGraphs]:
     """The prefill graphs, or None (logged) where none apply: no bucket, a backend without
     the contract, or a model whose prefill cannot be captured."""
-    if (not bucket_sizes(min(max_tokens, page_table.shape[1]))
-            or not hasattr(backend, "prefill_graph_meta")):
+    if not bucket_sizes(max_tokens, page_table.shape[1]) or not hasattr(backend,
+                                                                          "prefill_graph_meta"):
         return None
     try:
         return PrefillGraphs(model, backend, max_tokens,  # type: ignore[arg-type]
