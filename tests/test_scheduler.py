@@ -5,7 +5,9 @@ tokens equal `reference` only if every slot the scheduler mapped holds the right
 
 from __future__ import annotations
 
+import logging
 import random
+import re
 from typing import List, Tuple
 
 import pytest
@@ -99,6 +101,26 @@ def test_long_prompts_are_split_into_chunks_of_max_prefill_tokens() -> None:
         Step(P, [(1, 8, 12, True)]), _decode((0, 40), (1, 20))]
     assert h.tokens == {0: reference(prompts[0], 5), 1: reference(prompts[1], 7)}
     _at_rest(h)
+
+
+def test_each_prefill_step_logs_its_launch_and_completion(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """At debug level a prefill step is two lines: what it launches (before the launch: what a
+    first token waited for), then its host launch time and when its results were in, so a
+    served log tells a host-bound prefill from a device-bound one."""
+    h = Harness(max_prefill_tokens=16)
+    h.submit(0, _prompt(1, 20), max_tokens=2)
+    with caplog.at_level(logging.DEBUG, logger="minisgl.scheduler.scheduler"):
+        h.run()
+    lines = [r.getMessage() for r in caplog.records if "prefill of" in r.getMessage()]
+    assert len(lines) == 4, lines
+    assert lines[0] == ("rank 0: prefill of 16 tokens: requests 0 (16, a chunk); "
+                        "0 decoding alongside")
+    assert lines[2] == "rank 0: prefill of 4 tokens: requests 0 (4); 0 decoding alongside"
+    for done, n in (lines[1], 16), (lines[3], 4):
+        m = re.fullmatch(rf"rank 0: prefill of {n} tokens done ([0-9.]+) ms after its launch "
+                         r"began \(the host launched it in ([0-9.]+) ms\)", done)
+        assert m is not None and 0 <= float(m[2]) <= float(m[1]), done
 
 
 def test_prompt_logprobs_are_gathered_over_the_chunks() -> None:

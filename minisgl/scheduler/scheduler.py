@@ -54,6 +54,7 @@ class InFlight(NamedTuple):
     launched: Any  # the engine's handle, for StepEngine.collect
     batch: Batch
     uids: FrozenSet[int]
+    launch_s: float = 0.0  # the host's time in StepEngine.launch (all of an eager forward's)
 
 
 class Accounting(NamedTuple):
@@ -184,6 +185,7 @@ class Scheduler:
                              list(zip(batch.reqs, batch.extend_lens, batch.sample))[
                                  :first_decode]), batch.num_decode)
         launched = self.engine.launch(batch)
+        launch_s = time.perf_counter() - batch.launched_at
         for i, (req, ext, sample) in enumerate(zip(batch.reqs, batch.extend_lens, batch.sample)):
             req.cached_len += ext
             if i >= first_decode:
@@ -192,7 +194,7 @@ class Scheduler:
                 req.device_len += 1
                 self.prefill.prefilling.remove(req)
                 self.decode.add(req)
-        return InFlight(launched, batch, frozenset(r.uid for r in batch.reqs))
+        return InFlight(launched, batch, frozenset(r.uid for r in batch.reqs), launch_s)
 
     def _sample_masked(self, inflight: InFlight) -> InFlight:
         """Hand the engine the bitmask of a launched masked batch, built from the matchers
@@ -242,6 +244,12 @@ class Scheduler:
         self.steps[batch.phase] += 1
         self.busy_s[batch.phase] += now - max(self._last_done, batch.launched_at)
         self._last_done = now
+        if batch.phase is Phase.PREFILL and logger.isEnabledFor(logging.DEBUG):
+            # host-bound (launch ~ done) or device-bound: what the first tokens waited for
+            logger.debug("rank %d: prefill of %d tokens done %.1f ms after its launch began "
+                         "(the host launched it in %.1f ms)", self.rank,
+                         sum(batch.extend_lens[:batch.first_decode]),
+                         (now - batch.launched_at) * 1e3, inflight.launch_s * 1e3)
         if self.cfg.check_lockstep:
             uids = [r.uid for r in batch.reqs]
             slots = batch.out_slots.tolist() if batch.out_slots is not None else []
