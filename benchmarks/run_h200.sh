@@ -291,6 +291,32 @@ if [ "$MODE" = fp8b1 ]; then  # where an FP8 batch-1 step goes, and the batch-1 
   step fp8_normlin 150 python3 scripts/bench_kernels.py --what fp8normlinear
   step fp8_gemv 150 python3 scripts/bench_kernels.py --what fp8linear --linear-rows 1
 fi
+if [ "$MODE" = hostprof ]; then  # a served prefill: eager against graphed, host against device
+  # Carrying .gpucache and .whl with py-spy (`bash ../shared/device/wheels.sh jsonschema
+  # jsonschema-specifications referencing rpds-py attrs py-spy`). The server's debug log has a
+  # line per prefill step with its host launch time and when its results were in; py-spy
+  # samples rank 0 (its Python stacks, native frames too) over the eager run at 4 req/s.
+  M=.gpucache/llama8b-smoltok
+  for g in 0 1024; do
+    python3 -m minisgl --model "$M" --load-format dummy --port 8123 --log-level debug \
+      --prefill-graph-tokens $g > "$OUT/serve_g$g.log" 2>&1 &
+    S=$!
+    if up 8123 $S; then
+      SPY=
+      if [ $g = 0 ] && [ -x /tmp/site/bin/py-spy ]; then
+        /tmp/site/bin/py-spy record --native -r 200 -d 25 -f speedscope \
+          -o "$OUT/rank0_eager.json" -p "$(pgrep -x minisgl-rank0)" > "$OUT/pyspy.log" 2>&1 &
+        SPY=$!
+      fi
+      step online_g$g 150 python3 scripts/bench_online.py --base-url http://127.0.0.1:8123 --rates 4,16 --num-requests 32 --max-duration 60 --vocab-size 49152 --dump "$OUT/online_g$g.jsonl"
+      # tokens, ms to the results, ms of host launch: one prefill step a line
+      sed -n 's/.*prefill of \([0-9]*\) tokens done \([0-9.]*\) ms.* in \([0-9.]*\) ms)$/\1 \2 \3/p' \
+        "$OUT/serve_g$g.log" > "$OUT/prefill_g$g.txt"
+      [ -n "$SPY" ] && wait "$SPY"
+    else echo "minisgl's server did not come up (graphs $g)" | tee -a "$OUT/summary.txt"; fi
+    kill -TERM $S; wait $S
+  done
+fi
 if [ "$MODE" = vllm-stage ]; then
   mkdir -p /tmp/vllm_parts && cp .peer/part01 /tmp/vllm_parts/ && echo "part01 staged"
 fi
