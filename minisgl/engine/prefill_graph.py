@@ -6,10 +6,9 @@ so the device waits: the time to first token of such a prompt is launch-bound (o
 the Llama-3.1-8B shape, served prompts of 553-927 tokens waited 49-61 ms for their first token
 eagerly, against 20-26 ms for 217-505 tokens through graphs; RESULTS.md, sixteenth session). One
 graph per token bucket (`bucket_sizes`: 64, 96, 128, 192, ... up to `max_tokens`) replays the
-whole forward,
-LM head included, for a batch of exactly one request whose new tokens end in a sampled token
-(a whole prompt or its last chunk, after any cached prefix). Longer prefills, batches of several
-requests, and requests that want prompt log-probabilities run eagerly.
+whole forward, LM head included, for a batch of exactly one request whose new tokens end in a
+sampled token (a whole prompt or its last chunk, after any cached prefix). Longer prefills,
+batches of several requests, and requests that want prompt log-probabilities run eagerly.
 
 Inputs: one static int64 block per bucket of N tokens, filled by ONE host-to-device copy before a
 replay: the N input ids (padded with 0), then the request's page-table row, cached prefix length,
