@@ -10,16 +10,15 @@ import subprocess
 import sys
 
 _CHILD = """
-import gc, json, logging, time
+import gc, json, logging
 import torch, transformers  # what a rank imports before it serves
 from minisgl.gc_heap import freeze_startup_heap
 logging.basicConfig(level="DEBUG")
 before = len(gc.get_objects())
-start = time.perf_counter(); gc.collect(); full_ms = (time.perf_counter() - start) * 1e3
 frozen = freeze_startup_heap(logging.getLogger("t"), "test")
 served = [[i] for i in range(1000)]  # what serving allocates afterwards stays collectable
 print(json.dumps({"before": before, "frozen": frozen, "after": len(gc.get_objects()),
-                  "full_ms": full_ms, "count": gc.get_freeze_count()}))
+                  "count": gc.get_freeze_count()}))
 """
 
 

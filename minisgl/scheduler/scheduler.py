@@ -54,7 +54,7 @@ class InFlight(NamedTuple):
     launched: Any  # the engine's handle, for StepEngine.collect
     batch: Batch
     uids: FrozenSet[int]
-    launch_s: float = 0.0  # the host's time in StepEngine.launch (all of an eager forward's)
+    launch_s: float  # the host's time in StepEngine.launch (all of an eager forward's)
 
 
 class Accounting(NamedTuple):
