@@ -356,11 +356,23 @@ if [ "$MODE" = vllm-online ]; then  # both OpenAI servers, the same streamed wor
   else echo "vLLM's server did not come up:" | tee -a "$OUT/summary.txt"; tail -n 20 "$OUT/vllm_serve.log" | tee -a "$OUT/summary.txt"; fi
   kill -TERM $V; sleep 2; gpu_free
   # debug logs: each request's queueing and every prefill step, timestamped (see --dump);
-  # MINISGL_FLAGS go to minisgl's server line only (e.g. --mixed-steps)
-  python3 -m minisgl --model "$M" --load-format dummy --port 8123 --log-level debug ${MINISGL_FLAGS:-} > "$OUT/serve.log" 2>&1 &
-  S=$!
-  if up 8123 $S; then
-    step online_minisgl 300 python3 scripts/bench_online.py --base-url http://127.0.0.1:8123 --rates $RATES --num-requests $N --max-duration 60 --vocab-size 49152 --dump "$OUT/online_minisgl.jsonl"
-  else echo "minisgl's server did not come up" | tee -a "$OUT/summary.txt"; fi
-  kill -TERM $S; wait $S
+  # MINISGL_FLAGS go to minisgl's server line only (e.g. --mixed-steps); MINISGL_FLAGS2, where
+  # set, a second minisgl server after the first (same prompts: an A/B in one lease)
+  i=0
+  for flags in "${MINISGL_FLAGS:-}" ${MINISGL_FLAGS2:+"$MINISGL_FLAGS2"}; do
+    i=$((i + 1))
+    echo "minisgl server $i: ${flags:-defaults}" | tee -a "$OUT/summary.txt"
+    python3 -m minisgl --model "$M" --load-format dummy --port 8123 --log-level debug $flags > "$OUT/serve$i.log" 2>&1 &
+    S=$!
+    if up 8123 $S; then
+      grep -m2 "prefill CUDA graphs\|engine ready" "$OUT/serve$i.log" | tee -a "$OUT/summary.txt"
+      step online_minisgl$i 300 python3 scripts/bench_online.py --base-url http://127.0.0.1:8123 --rates $RATES --num-requests $N --max-duration 60 --vocab-size 49152 --dump "$OUT/online_minisgl$i.jsonl"
+    else echo "minisgl's server did not come up" | tee -a "$OUT/summary.txt"; fi
+    kill -TERM $S; wait $S
+  done
+fi
+if [ "$MODE" = mixed-stage ]; then  # vLLM's part01 staged, then the mixed prefill graphs' tests
+  mkdir -p /tmp/vllm_parts && cp .peer/part01 /tmp/vllm_parts/ && echo "part01 staged"
+  step mixed_graph_tests 300 python3 -m pytest -q -m gpu tests/test_gpu.py -k "prefill_graphs or mixed"
+  step mixed_body_tests 150 python3 -m pytest -q tests/test_triton_attention.py -k "mixed"
 fi

@@ -68,7 +68,8 @@ class _InProcess:
         info = cfg.engine.tp_info
         if cfg.engine.cpu_threads is not None:  # this is the caller's process: only when asked
             set_cpu_threads(cfg.engine, logger)
-        self.engine = Engine(cfg.engine, ProcessGroups(Communicator(info), None))
+        self.engine = Engine(cfg.engine, ProcessGroups(Communicator(info), None),
+                             mixed_rows=cfg.mixed_rows)
         self.io = LocalIO()
         self.scheduler = Scheduler(cfg, self.engine, self.io)
         self.limits: Limits = self.scheduler.limits

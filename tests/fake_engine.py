@@ -69,8 +69,11 @@ class FakeEngine:
     """Satisfies minisgl.scheduler.engine_api.StepEngine on the CPU (see the module doc)."""
 
     def __init__(self, num_pages: int, page_size: int, max_running_requests: int,
-                 max_context: int) -> None:
+                 max_context: int, mix_limit: Optional[int] = None) -> None:
+        """`mix_limit`: the most decode rows `mixes` accepts along a one-prompt batch (as a
+        GPU engine's mixed graphs do); None: every mixed step."""
         self.device = torch.device("cpu")
+        self.mix_limit = mix_limit
         self.num_pages = num_pages
         self.max_context = max_context
         self.vocab_size = VOCAB
@@ -86,6 +89,9 @@ class FakeEngine:
 
     def start_request(self, req: Req) -> None:
         self.row_owner[req.table_row] = req.uid
+
+    def mixes(self, prefill: Batch, num_decode: int) -> bool:
+        return self.mix_limit is None or (prefill.size == 1 and num_decode <= self.mix_limit)
 
     def launch(self, batch: Batch) -> FakeLaunch:
         assert batch.out_slots is not None and len(batch.out_slots) == sum(batch.extend_lens)
@@ -150,6 +156,7 @@ class Harness:
     max_prefill_tokens: int = 64
     overlap: bool = False
     mixed: bool = False  # mixed steps (SchedulerConfig.mixed_steps)
+    mix_limit: Optional[int] = None  # FakeEngine.mixes
     decode_reserve_tokens: Optional[int] = None
     cache: str = "radix"
     max_context: int = 1024
@@ -164,7 +171,7 @@ class Harness:
                               mixed_steps=self.mixed,
                               decode_reserve_tokens=self.decode_reserve_tokens)
         self.engine = FakeEngine(self.num_pages, self.page_size, self.max_running_requests,
-                                 self.max_context)
+                                 self.max_context, self.mix_limit)
         self.io = LocalIO()
         self.sched = Scheduler(cfg, self.engine, self.io)
 

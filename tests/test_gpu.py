@@ -236,3 +236,30 @@ def test_gpu_engine_warms_the_greedy_sampler_at_start(tiny_qwen3: Path,
     monkeypatch.setattr(engine_mod, "greedy", spy)
     with LLM(str(tiny_qwen3), device="cuda", dtype="bfloat16", show_progress=False):
         assert seen == [torch.bfloat16, torch.float32]
+
+
+def test_mixed_prefill_graphs_match_separate_steps(tiny_qwen3: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mixed steps on CUDA replay prefill graphs that carry the running requests' decode rows
+    (three page-table rows for ten requests: each newcomer's prompt joins the two still
+    decoding); float32 tokens, greedy and seeded sampling, equal those of separate steps."""
+    from minisgl.engine.prefill_graph import PrefillGraphs
+    seen: list = []
+    replay = PrefillGraphs.replay
+
+    def counted(self: PrefillGraphs, batch: object) -> object:
+        seen.append(batch.num_decode)  # type: ignore[attr-defined]
+        return replay(self, batch)  # type: ignore[arg-type]
+    monkeypatch.setattr(PrefillGraphs, "replay", counted)
+    prompts = mixed_prompts(10, seed=11)
+    params = [SamplingParams(max_tokens=5 + 4 * i, ignore_eos=True,
+                             temperature=0.0 if i % 2 else 0.8, seed=i) for i in range(10)]
+
+    def run(mixed: bool) -> list:
+        with LLM(str(tiny_qwen3), device="cuda", dtype="float32", mixed_steps=mixed,
+                 max_running_requests=3, show_progress=False) as llm:  # type: ignore[arg-type]
+            return [o.token_ids for o in llm.generate(prompts, params)]
+    separate = run(False)
+    assert not any(seen)
+    assert run(True) == separate
+    assert any(seen), seen  # some prompt had decode rows riding along its graph

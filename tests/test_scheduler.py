@@ -230,6 +230,32 @@ def test_too_many_decoding_requests_get_a_step_of_their_own() -> None:
     _at_rest(h)
 
 
+def test_steps_mix_only_where_the_engine_says_they_run_well() -> None:
+    """StepEngine.mixes decides (on a GPU: whether a prefill graph replays the step): with the
+    engine accepting one prompt and at most two decode rows, three running requests get a
+    decode step of their own beside every chunk, two ride along; tokens unchanged."""
+    h = Harness(mixed=True, mix_limit=2, max_prefill_tokens=64, max_running_requests=4)
+    early = [_prompt(3 + 10 * i, 3) for i in range(3)]
+    for uid, prompt in enumerate(early):
+        h.submit(uid, prompt, max_tokens=12 + 20 * (uid == 0))
+    for _ in range(3):
+        h.step()
+    h.submit(3, _prompt(90, 8), max_tokens=4)
+    for _ in range(12):
+        h.step()
+    h.submit(4, _prompt(50, 8), max_tokens=4)
+    h.run()
+    assert h.tokens == {**{uid: reference(p, 12 + 20 * (uid == 0))
+                           for uid, p in enumerate(early)},
+                        3: reference(_prompt(90, 8), 4), 4: reference(_prompt(50, 8), 4)}
+    assert all(s.num_decode <= 2 for s in h.engine.steps)
+    first = [s for s in h.engine.steps if any(r[0] == 3 for r in _prefill_part(s))]
+    second = [s for s in h.engine.steps if any(r[0] == 4 for r in _prefill_part(s))]
+    assert [s.num_decode for s in first] == [0]  # three running: apart
+    assert [s.num_decode for s in second] == [1]  # uid 0 alone still running: mixed
+    _at_rest(h)
+
+
 # --- abort -----------------------------------------------------------------------------------
 def test_abort_of_a_waiting_request_frees_nothing_it_never_took() -> None:
     h = Harness(max_running_requests=1)

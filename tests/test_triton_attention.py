@@ -14,7 +14,7 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
@@ -476,3 +476,67 @@ def test_store_kv_from_qkv_views() -> None:
     want_k.index_copy_(0, slots.long(), k)
     want_v.index_copy_(0, slots.long(), v)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_mixed_prefill_graph_body_matches_the_eager_mixed_step(
+        tiny_model: Callable[..., Path], family: str) -> None:
+    """What a mixed prefill graph holds (engine/prefill_graph.PrefillGraphs.run over the block
+    `fill` writes: a prompt chunk after a cached prefix, padded to its bucket, and two decode
+    rows padded to eight), run eagerly here: its logits are the eager mixed step's, and its
+    padding writes only the scratch slot. On CUDA the graphs themselves: tests/test_gpu.py."""
+    from minisgl.distributed import DistributedInfo, ProcessGroups
+    from minisgl.distributed.comm import Communicator
+    from minisgl.engine import Engine, EngineConfig
+    from minisgl.engine.prefill_graph import PrefillGraphs
+    info = DistributedInfo(0, 1)
+    device = "cuda" if HAS_CUDA else "cpu"
+    engine = Engine(EngineConfig(model_path=str(tiny_model(family)), tp_info=info,
+                                 device=device, dtype="float32", attention_backend="triton",
+                                 max_kv_tokens=1024, page_size=1, max_running_requests=4,
+                                 cuda_graph_max_bs=0, prefill_graph_tokens=0, pdl="off",
+                                 fused_ops=False),
+                    ProcessGroups(Communicator(info), None))
+    rng = random.Random(7)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    lens = {0: 70, 1: 20, 2: 33}  # row: known tokens
+    reqs = {row: Req(row, [rng.randrange(3, 200) for _ in range(n)], n, greedy, (),
+                     table_row=row) for row, n in lens.items()}
+    for row, n in lens.items():  # slot = 128 * row + position
+        engine.page_table[row, :n + 1] = torch.arange(128 * row, 128 * row + n + 1)
+
+    def prefill(row: int, start: int, end: int, batch_reqs: Sequence[Req] = ()) -> Batch:
+        batch = Batch(Phase.PREFILL, [reqs[row], *batch_reqs], [start, *(lens[r.table_row]
+                                                                        for r in batch_reqs)],
+                      [end - start, *[1] * len(batch_reqs)], [True] * (1 + len(batch_reqs)),
+                      num_decode=len(batch_reqs))
+        slots = [128 * row + p for p in range(start, end)]
+        slots += [128 * r.table_row + lens[r.table_row] for r in batch_reqs]
+        batch.out_slots = torch.tensor(slots, device=device)
+        return batch
+    # rows 1 and 2 prefilled (their last token's K/V comes with their decode row), row 0's
+    # first 16 tokens cached
+    for row, (start, end) in {1: (0, 20), 2: (0, 33), 0: (0, 16)}.items():
+        engine.forward(prefill(row, start, end))
+    for row in (1, 2):  # the decode rows' input: the token the engine sampled, on the device
+        reqs[row].token_ids.append(int(engine.last_tokens[row]))
+    mixed = prefill(0, 16, 70, [reqs[1], reqs[2]])
+    eager = engine._forward(mixed, [0, 1, 2]).logits.clone()
+    scratch = engine.pool.scratch_slot
+    engine.pool.k[:, scratch].zero_()
+    before = engine.pool.k.clone()
+    graphs = PrefillGraphs(engine.model, engine.backend, 128,  # type: ignore[arg-type]
+                           engine.page_table, scratch, engine.last_tokens, max_decode_rows=8,
+                           capture=lambda keys, run, dev: ({}, {}))
+    assert graphs.keys == [(n, d) for n in (64, 96, 128) for d in (0, 8)]
+    assert graphs.can_run(mixed) and not graphs.can_run(mixed, joining=7)
+    key = graphs.fill(mixed)
+    assert key == (64, 8)
+    body = graphs.run(key)
+    assert body.shape[0] == 9
+    torch.testing.assert_close(body[:3], eager, rtol=1e-5, atol=1e-5)
+    written = [*range(16, 70), 128 + 20, 256 + 33]  # the step's own slots, rewritten
+    untouched = torch.ones(before.shape[1], dtype=torch.bool)
+    untouched[[*written, scratch]] = False
+    assert torch.equal(engine.pool.k[:, untouched], before[:, untouched])
+    assert bool(engine.pool.k[:, scratch].ne(0).any())  # the padding rows' K went there

@@ -11,7 +11,7 @@ them: no device reads, no host syncs).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -170,12 +170,18 @@ class TritonBackend(AttentionBackend):
         return TritonMeta(True, rows, positions, self._graph_ones[:bs], seq_lens,
                           self._graph_starts[:bs], 1, o_part, lse_part)
 
-    def prefill_graph_meta(self, meta: torch.Tensor, max_extend: int) -> TritonMeta:
+    def prefill_graph_meta(self, meta: torch.Tensor, max_extend: int,
+                           decode: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+                           ) -> TritonMeta:
         """Metadata for a prefill CUDA graph (engine/prefill_graph.py) over the static int32
         block `meta` [5, 4]: rows, prefix lens, extend lens, seq lens and query starts in
-        column 0, one request, at most `max_extend` new tokens (it sizes the grid)."""
+        column 0, one request, at most `max_extend` new tokens (it sizes the grid). `decode`:
+        the page-table rows and sequence lengths of decode rows after q's first `max_extend`
+        rows (a mixed step), attended unsplit as an eager mixed step's are."""
+        part = None if decode is None else self._decode_meta(*decode, 1, splits=1)
         return TritonMeta(False, meta[0, :1], meta[1, :1], meta[2, :1], meta[3, :1],
-                          meta[4, :1], max_extend, None, None)
+                          meta[4, :1], max_extend, None, None, decode_part=part,
+                          decode_from=max_extend)
 
     def kv_target(self, layer: int, batch: Batch) -> Optional[KVTarget]:
         """The pool's layer caches, the batch's slots and the layer's scales (an FP8 pool):

@@ -22,7 +22,8 @@ tensors (no host values baked in).
 from __future__ import annotations
 
 import logging
-from typing import Callable, Dict, List, NamedTuple, Protocol, Sequence, Tuple
+from typing import (Callable, Dict, List, NamedTuple, Protocol, Sequence, Tuple,
+                    TypeVar)
 
 import torch
 
@@ -86,15 +87,18 @@ def input_rows(rows: Sequence[int], positions: Sequence[int], pad_row: int, widt
             [*(p + 1 for p in positions), *[1] * pad]]
 
 
+K = TypeVar("K", int, Tuple[int, int])
+
+
 @torch.inference_mode()
-def capture_graphs(sizes: Sequence[int], run: Callable[[int], torch.Tensor], device: torch.device
-                   ) -> Tuple[Dict[int, torch.cuda.CUDAGraph], Dict[int, torch.Tensor]]:
-    """One graph of `run(n)` for each n in `sizes`, and the output tensor each replay refills.
-    Captured largest first on a side stream, all sharing one memory pool (the later, smaller
-    graphs reuse the largest one's memory), each after a warm-up run (Triton compiles, the
-    caching allocator settles)."""
-    graphs: Dict[int, torch.cuda.CUDAGraph] = {}
-    outputs: Dict[int, torch.Tensor] = {}
+def capture_graphs(sizes: Sequence[K], run: Callable[[K], torch.Tensor], device: torch.device
+                   ) -> Tuple[Dict[K, torch.cuda.CUDAGraph], Dict[K, torch.Tensor]]:
+    """One graph of `run(n)` for each key n in `sizes`, and the output tensor each replay
+    refills. Captured largest first (descending keys; a tuple's first item leads) on a side
+    stream, all sharing one memory pool (the later, smaller graphs reuse the largest one's
+    memory), each after a warm-up run (Triton compiles, the caching allocator settles)."""
+    graphs: Dict[K, torch.cuda.CUDAGraph] = {}
+    outputs: Dict[K, torch.Tensor] = {}
     pool = None
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))

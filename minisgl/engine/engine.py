@@ -154,9 +154,11 @@ def _tokens(launched: Launched) -> List[int]:
 
 class Engine:
     def __init__(self, cfg: EngineConfig, groups: ProcessGroups,
-                 on_progress: Callable[[str], None] = lambda text: None) -> None:
+                 on_progress: Callable[[str], None] = lambda text: None,
+                 mixed_rows: int = 0) -> None:
         """`on_progress` hears each start-up step as it ends (weights loaded, KV pages sized,
-        decode graphs captured), for a launcher to show."""
+        decode graphs captured), for a launcher to show. `mixed_rows`: the most decode rows a
+        mixed step's prefill graph carries (the scheduler's, where it mixes; 0: none)."""
         self.cfg = cfg
         start = time.perf_counter()
         self.device = cfg.torch_device
@@ -207,7 +209,8 @@ class Engine:
         if self.device.type == "cuda" and cfg.prefill_graph_tokens > 0:
             self.prefill_graphs = capture_prefill_graphs(
                 self.model, self.backend, cfg.prefill_graph_tokens, self.page_table,
-                self.pool.scratch_slot)
+                self.pool.scratch_slot, self.last_tokens,
+                min(mixed_rows, cfg.max_running_requests))
         if self.device.type == "cuda":
             self._warm_up_eager()
             self._warm_up_sampler()
@@ -279,6 +282,17 @@ class Engine:
     @property
     def eos_token_ids(self) -> Tuple[int, ...]:
         return self.model_cfg.eos_token_ids
+
+    def mixes(self, prefill: Batch, num_decode: int) -> bool:
+        """Whether a step of `prefill` with `num_decode` running requests' decode rows riding
+        along should run (StepEngine.mixes): where prefill graphs run, only a step that one of
+        them replays (an eager mixed step loses the graph and costs more than the decode step
+        it saves: RESULTS.md, sixteenth session); elsewhere always. Reads only the batch and
+        the config, so ranks agree."""
+        if self.prefill_graphs is None:
+            return True
+        return (self.prefill_graphs.can_run(prefill, joining=num_decode)
+                and prompt_rows(prefill) is None)
 
     @torch.inference_mode()
     def launch(self, batch: Batch) -> Launched:

@@ -33,9 +33,14 @@ class SchedulerConfig:
                                               "after the previous step's tokens arrive"))
     mixed_steps: bool = setting(
         False, "the running requests decode their next token in the same step as a prefill "
-               "(their rows ride along the chunk), so a prompt does not stall them (off by "
-               "default until measured again on a GPU: benchmarks/RESULTS.md, fourteenth "
-               "session)")
+               "(their rows ride along the chunk), so a prompt does not stall them. On CUDA "
+               "with prefill graphs, only steps that one graph replays mix (one prompt of up "
+               "to prefill_graph_tokens, up to mixed_graph_rows running requests); the others "
+               "run as separate prefill and decode steps")
+    mixed_graph_rows: int = setting(
+        64, "with mixed_steps on CUDA: capture prefill graphs that carry up to N running "
+            "requests' decode rows (buckets of 8, 16, 32, ...; 0: no mixed graphs, so no "
+            "step mixes where prefill graphs run)")
     decode_reserve_tokens: Optional[int] = setting(
         None, "reserve KV for at most this many output tokens per request at admission, "
               "retracting the newest requests (their KV goes to the prefix cache) and "
@@ -57,10 +62,17 @@ class SchedulerConfig:
     replica: int = 0  # which data-parallel replica this rank belongs to (in its stats)
     node_ranks: int = 0  # rank processes its launcher runs on this host (0: tp); CPU threads
 
+    @property
+    def mixed_rows(self) -> int:
+        """The most decode rows the engine's mixed-step graphs carry (0: mixed steps off)."""
+        return self.mixed_graph_rows if self.mixed_steps else 0
+
     def __post_init__(self) -> None:
         check_choices(self)
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.mixed_graph_rows < 0:
+            raise ValueError(f"mixed_graph_rows must be >= 0, got {self.mixed_graph_rows}")
         if not self.stats_interval > 0:
             raise ValueError(f"stats_interval must be > 0 seconds, got {self.stats_interval}")
         if self.decode_reserve_tokens is not None and self.decode_reserve_tokens < 0:

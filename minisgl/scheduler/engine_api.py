@@ -54,6 +54,11 @@ class StepEngine(Protocol):
         """`req` was admitted into page-table row `req.table_row`: set up the row's
         per-request state (e.g. penalty counts from `req.token_ids`)."""
 
+    def mixes(self, prefill: Batch, num_decode: int) -> bool:
+        """Whether to run `prefill` (a prefill batch) with `num_decode` running requests'
+        decode rows appended, as one mixed step (SchedulerConfig.mixed_steps), rather than
+        the two steps apart. Must depend only on the batch and the config (ranks agree)."""
+
     def launch(self, batch: Batch) -> Any:
         """Start `batch` (without waiting for it, where the device allows); the returned handle is
         opaque to the scheduler, which passes it to `collect`."""

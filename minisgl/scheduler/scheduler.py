@@ -350,9 +350,11 @@ class Scheduler:
     def _mix(self, prefill: Batch, decoding: Batch) -> Batch:
         """The prefill batch with the decode batch's requests appended (a mixed step,
         Batch.num_decode), where their new tokens' pages fit without retracting anyone (the
-        pages they need beyond their reservations are free); else the prefill alone, and a
-        decode step of their own follows (which may retract, `_make_room`)."""
-        if self._new_pages(decoding.reqs) > self.cache.unreserved_pages:
+        pages they need beyond their reservations are free) and the engine runs such a step
+        well (StepEngine.mixes); else the prefill alone, and a decode step of their own
+        follows (which may retract, `_make_room`)."""
+        if (self._new_pages(decoding.reqs) > self.cache.unreserved_pages
+                or not self.engine.mixes(prefill, decoding.size)):
             return prefill
         for req in decoding.reqs:
             self.cache.grow(req, req.device_len)
