@@ -371,8 +371,8 @@ if [ "$MODE" = vllm-online ]; then  # both OpenAI servers, the same streamed wor
     kill -TERM $S; wait $S
   done
 fi
-if [ "$MODE" = mixed-stage ]; then  # vLLM's part01 staged, then the mixed prefill graphs' tests
-  mkdir -p /tmp/vllm_parts && cp .peer/part01 /tmp/vllm_parts/ && echo "part01 staged"
+if [ "$MODE" = mixed-tests ]; then  # the mixed prefill graphs' tests, carrying .gpucache, .whl
+  export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache  # the tokenizer alone: the tests build tiny models
   step mixed_graph_tests 300 python3 -m pytest -q -m gpu tests/test_gpu.py -k "prefill_graphs or mixed"
   step mixed_body_tests 150 python3 -m pytest -q tests/test_triton_attention.py -k "mixed"
 fi
