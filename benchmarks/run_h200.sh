@@ -373,6 +373,10 @@ if [ "$MODE" = vllm-online ]; then  # both OpenAI servers, the same streamed wor
 fi
 if [ "$MODE" = mixed-tests ]; then  # the mixed prefill graphs' tests, carrying .gpucache, .whl
   export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache  # the tokenizer alone: the tests build tiny models
-  step mixed_graph_tests 300 python3 -m pytest -q -m gpu tests/test_gpu.py -k "prefill_graphs or mixed"
+  step mixed_graph_tests 300 python3 -m pytest -q -m gpu tests/test_gpu.py -k "${TESTS_K:-prefill_graphs or mixed}"
   step mixed_body_tests 150 python3 -m pytest -q tests/test_triton_attention.py -k "mixed"
+  if [ -n "${OFFLINE_AB:-}" ]; then  # offline, mixed steps on (the CUDA default) and off
+    step offline_mixed 150 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b
+    step offline_plain 150 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --no-mixed-steps
+  fi
 fi

@@ -183,6 +183,22 @@ def test_overlap_flags_and_the_disable_overlap_key(tmp_path: Path) -> None:
     assert parse_args(["--config", str(f), "--disable-overlap"]).scheduler.overlap is False
 
 
+def test_mixed_steps_resolve_by_device_and_size_the_engine_graphs() -> None:
+    """Unset: on with CUDA, off on CPU; the engine's mixed graphs carry mixed_graph_rows decode
+    rows where steps mix, none where they do not."""
+    assert parse_args([]).scheduler.mixed_steps is None
+    assert parse_args(["--no-mixed-steps"]).scheduler.mixed_steps is False
+    on = parse_args(["--mixed-steps", "--mixed-graph-rows", "24"]).scheduler
+    assert on.mixed and on.mixed_rows == 24
+    cpu = SchedulerConfig(EngineConfig(device="cpu"))
+    assert not cpu.mixed and cpu.mixed_rows == 0
+    cuda = SchedulerConfig(EngineConfig(device="cuda"))
+    assert cuda.mixed and cuda.mixed_rows == 64
+    assert SchedulerConfig(EngineConfig(device="cuda"), mixed_steps=False).mixed_rows == 0
+    with pytest.raises(ValueError, match="mixed_graph_rows must be >= 0, got -1"):
+        SchedulerConfig(mixed_graph_rows=-1)
+
+
 def test_bench_flags_come_from_the_tree() -> None:
     """A script's flags over a tree of its own defaults: every setting, with real defaults."""
     p = argparse.ArgumentParser()

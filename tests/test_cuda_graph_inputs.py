@@ -44,17 +44,21 @@ def test_input_rows_rejects_a_batch_wider_than_the_block() -> None:
 
 
 def test_prefill_buckets_pad_by_less_than_half_and_stay_multiples_of_16() -> None:
-    """Prefill graph buckets: 64, 96, 128, 192, ... up to the limit and the context length (a
-    1,024-token bucket over 512-token page-table rows indexed past them on a GPU); every prompt
-    longer than the smallest bucket is padded by less than half its length, and every size is a
-    multiple of 16 (one Triton variant per bucket)."""
-    assert bucket_sizes(1024) == [64, 96, 128, 192, 256, 384, 512, 768, 1024]
-    assert bucket_sizes(700) == [64, 96, 128, 192, 256, 384, 512]
+    """Prefill graph buckets: 64, 96, 128, 192, 256, then steps of 64 (from 1,024 an eighth)
+    up to the limit and the context length (a 1,024-token bucket over 512-token page-table
+    rows indexed past them on a GPU); every prompt longer than the smallest bucket is padded
+    by less than half its length, from 256 tokens on by at most 64 or an eighth, and every
+    size is a multiple of 16 (one Triton variant per bucket)."""
+    assert bucket_sizes(1024) == [64, 96, 128, 192, 256, *range(320, 1025, 64)]
+    assert bucket_sizes(700) == [64, 96, 128, 192, 256, *range(320, 641, 64)]
     assert bucket_sizes(63) == [] and bucket_sizes(64) == [64]
     assert bucket_sizes(1024, context=512) == bucket_sizes(512)  # no bucket past a table row
     assert bucket_sizes(1024, context=700) == bucket_sizes(700)
     sizes = bucket_sizes(1 << 14)
+    assert len(sizes) < 50 and sizes[-1] == 1 << 14
     assert all(n % 16 == 0 for n in sizes)
     for length in range(MIN_BUCKET + 1, sizes[-1] + 1):
         bucket = next(n for n in sizes if n >= length)
         assert bucket - length < length / 2, (length, bucket)
+        if length > 256:
+            assert bucket - length < max(64, length / 8), (length, bucket)

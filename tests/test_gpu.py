@@ -126,12 +126,12 @@ def test_prefill_graphs_match_eager_fresh_and_after_a_cached_prefix(
 
     def run(tokens: int) -> list:
         with LLM(str(tiny_qwen3), device="cuda", dtype="float32", prefill_graph_tokens=tokens,
-                 show_progress=False) as llm:  # type: ignore[arg-type]
+                 mixed_steps=False, show_progress=False) as llm:  # type: ignore[arg-type]
             return [(llm.generate([p], GREEDY)[0].token_ids,
                      llm.generate([p[:-1]], params)[0].token_ids) for p in prompts]
     with caplog.at_level(logging.INFO, logger="minisgl.engine.prefill_graph"):
         graphs = run(512)
-    assert "captured 7 prefill CUDA graphs" in caplog.text  # 64, 96, ... 384, 512
+    assert "captured 9 prefill CUDA graphs" in caplog.text  # 64, 96, 128, 192, 256, ... 512
     assert graphs == run(0)
 
 

@@ -83,9 +83,10 @@ class EngineConfig:
                                           "of one launch per kernel (0: none; GPU only)")
     prefill_graph_tokens: int = setting(1024, "capture CUDA graphs for prefills of one request "
                                               "of up to N new tokens (buckets of 64, 96, 128, "
-                                              "192, ...), so that a prompt's first token "
-                                              "does not wait for the host to launch each "
-                                              "kernel (0: none; GPU, triton backend only)")
+                                              "192, 256, then every 64), so that a prompt's "
+                                              "first token does not wait for the host to "
+                                              "launch each kernel (0: none; GPU, triton "
+                                              "backend only)")
     allreduce: str = setting("auto", "tensor-parallel all-reduce: auto (symmetric-memory "
                                      "one-shot for small tensors where CUDA offers it, else "
                                      "NCCL / gloo), nccl (the process group's own), symm "

@@ -6,7 +6,7 @@ so the device waits: the time to first token of such a prompt is launch-bound (o
 the Llama-3.1-8B shape, served prompts of 553-927 tokens waited 49-61 ms for their first token
 eagerly, against 20-26 ms for 217-505 tokens through graphs; RESULTS.md, sixteenth session). One
 graph per key (n, d) replays the whole forward, LM head included, for a batch of exactly one
-request whose new tokens (at most n: `bucket_sizes` 64, 96, 128, 192, ...) end in a sampled
+request whose new tokens (at most n: `bucket_sizes` 64, 96, ..., 256, 320, ...) end in a sampled
 token (a whole prompt or its last chunk, after any cached prefix), followed by at most d decode
 rows (a mixed step, Batch.num_decode: `decode_row_sizes` 8, 16, 32, ...; d = 0 is the plain
 prefill). Longer prefills, batches of several prompts, mixed steps with more decode rows, and
@@ -47,6 +47,7 @@ from minisgl.utils import copy_from_host
 logger = logging.getLogger(__name__)
 
 MIN_TOKENS = 64
+FINE_FROM, FINE_STEP = 256, 64  # bucket_sizes: steps of 64 from 256 tokens on
 MIN_DECODE_ROWS = 8
 _FIELDS = 3  # prefix length, new tokens, last new token's index
 
@@ -67,19 +68,22 @@ class PrefillReplayed(NamedTuple):
 
 
 def bucket_sizes(max_tokens: int, context: Optional[int] = None) -> List[int]:
-    """MIN_TOKENS, 1.5 and 2 times that, 1.5 and 2 times that, ... (64, 96, 128, 192, ...) up
-    to max_tokens and the `context` length (a page-table row: a longer bucket would index
-    past it), empty below MIN_TOKENS: a prompt is padded by less than half its length, and a
-    power of two's prompt fills its bucket. Every size is a multiple of 16 (Triton specializes
-    integer arguments on that, as it does for the eager steps' counts)."""
+    """MIN_TOKENS (64) and up, each bucket the last plus a step: below FINE_FROM (256) the
+    largest power of two up to half the last (64, 96, 128, 192, 256), then 64 (320, 384, ...,
+    1,024), then from 1,024 the largest power of two up to an eighth of the last; up to
+    max_tokens and the `context` length (a page-table row: a longer bucket would index past
+    it), empty below MIN_TOKENS. A prompt is padded by less than half its length, and from
+    FINE_FROM on by at most 64 tokens or an eighth (the padding is computed: a 385-token
+    prompt in a 512 bucket took a third longer than it needed, RESULTS.md, seventeenth
+    session). Every size is a multiple of 16 (Triton specializes integer arguments on that, as
+    it does for the eager steps' counts)."""
     if context is not None:
         max_tokens = min(max_tokens, context)
     sizes, n = [], MIN_TOKENS
     while n <= max_tokens:
         sizes.append(n)
-        if n * 3 // 2 <= max_tokens:
-            sizes.append(n * 3 // 2)
-        n *= 2
+        half, eighth = 1 << ((n // 2).bit_length() - 1), 1 << ((n // 8).bit_length() - 1)
+        n += half if n < FINE_FROM else max(FINE_STEP, eighth)
     return sizes
 
 

@@ -31,12 +31,12 @@ class SchedulerConfig:
               "off on CPU",
         alias=Alias("disable-overlap", False, "the same as --no-overlap: plan each step only "
                                               "after the previous step's tokens arrive"))
-    mixed_steps: bool = setting(
-        False, "the running requests decode their next token in the same step as a prefill "
-               "(their rows ride along the chunk), so a prompt does not stall them. On CUDA "
-               "with prefill graphs, only steps that one graph replays mix (one prompt of up "
-               "to prefill_graph_tokens, up to mixed_graph_rows running requests); the others "
-               "run as separate prefill and decode steps")
+    mixed_steps: Optional[bool] = setting(
+        None, "the running requests decode their next token in the same step as a prefill "
+              "(their rows ride along the chunk), so a prompt does not stall them. On CUDA "
+              "with prefill graphs, only steps that one graph replays mix (one prompt of up "
+              "to prefill_graph_tokens, up to mixed_graph_rows running requests); the others "
+              "run as separate prefill and decode steps. unset: on with CUDA, off on CPU")
     mixed_graph_rows: int = setting(
         64, "with mixed_steps on CUDA: capture prefill graphs that carry up to N running "
             "requests' decode rows (buckets of 8, 16, 32, ...; 0: no mixed graphs, so no "
@@ -63,9 +63,16 @@ class SchedulerConfig:
     node_ranks: int = 0  # rank processes its launcher runs on this host (0: tp); CPU threads
 
     @property
+    def mixed(self) -> bool:
+        """mixed_steps resolved: where unset, on with CUDA."""
+        if self.mixed_steps is not None:
+            return self.mixed_steps
+        return self.engine.torch_device.type == "cuda"
+
+    @property
     def mixed_rows(self) -> int:
         """The most decode rows the engine's mixed-step graphs carry (0: mixed steps off)."""
-        return self.mixed_graph_rows if self.mixed_steps else 0
+        return self.mixed_graph_rows if self.mixed else 0
 
     def __post_init__(self) -> None:
         check_choices(self)

@@ -103,7 +103,7 @@ class Scheduler:
         self._batch_matcher: Any = None  # an xgrammar.BatchGrammarMatcher, made on first use
         self.stopped = False
         self.overlap = cfg.overlap if cfg.overlap is not None else engine.device.type == "cuda"
-        self.mixed = cfg.mixed_steps
+        self.mixed = cfg.mixed
         self.inflight: Optional[InFlight] = None
         self.deferred: List[Req] = []  # finished, retired once the in-flight batch completes
         self.totals = {"prompt": 0, "generated": 0, "cached": 0, "prefilled": 0, "retracted": 0}
