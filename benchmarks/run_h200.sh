@@ -371,6 +371,12 @@ if [ "$MODE" = vllm-online ]; then  # both OpenAI servers, the same streamed wor
     kill -TERM $S; wait $S
   done
 fi
+if [ "$MODE" = mixed-fp8 ]; then  # carrying .gpucache, .whl: FP8 with the mixed graphs; TTFT by bucket
+  export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache  # the tokenizer alone: the tests build tiny models
+  step mixed_graph_tests 150 python3 -m pytest -q -m gpu tests/test_gpu.py -k "mixed"
+  step ttft_buckets 100 python3 scripts/profile_ttft.py --lengths 385,593,1000 --repeats 3 --rows 5
+  step offline_fp8 120 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8_e4m3
+fi
 if [ "$MODE" = mixed-tests ]; then  # the mixed prefill graphs' tests, carrying .gpucache, .whl
   export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache  # the tokenizer alone: the tests build tiny models
   step mixed_graph_tests 300 python3 -m pytest -q -m gpu tests/test_gpu.py -k "${TESTS_K:-prefill_graphs or mixed}"

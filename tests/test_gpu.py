@@ -238,11 +238,13 @@ def test_gpu_engine_warms_the_greedy_sampler_at_start(tiny_qwen3: Path,
         assert seen == [torch.bfloat16, torch.float32]
 
 
-def test_mixed_prefill_graphs_match_separate_steps(tiny_qwen3: Path,
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_mixed_prefill_graphs_match_separate_steps(tiny_qwen3: Path, quantization: object,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Mixed steps on CUDA replay prefill graphs that carry the running requests' decode rows
     (three page-table rows for ten requests: each newcomer's prompt joins the two still
-    decoding); float32 tokens, greedy and seeded sampling, equal those of separate steps."""
+    decoding); float32 tokens, greedy and seeded sampling, equal those of separate steps, with
+    16-bit weights and with FP8 ones (W8A8: per-token activation scales keep rows apart)."""
     from minisgl.engine.prefill_graph import PrefillGraphs
     seen: list = []
     replay = PrefillGraphs.replay
@@ -257,7 +259,8 @@ def test_mixed_prefill_graphs_match_separate_steps(tiny_qwen3: Path,
 
     def run(mixed: bool) -> list:
         with LLM(str(tiny_qwen3), device="cuda", dtype="float32", mixed_steps=mixed,
-                 max_running_requests=3, show_progress=False) as llm:  # type: ignore[arg-type]
+                 quantization=quantization, max_running_requests=3,
+                 show_progress=False) as llm:  # type: ignore[arg-type]
             return [o.token_ids for o in llm.generate(prompts, params)]
     separate = run(False)
     assert not any(seen)
