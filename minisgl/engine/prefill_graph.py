@@ -73,9 +73,9 @@ def bucket_sizes(max_tokens: int, context: Optional[int] = None) -> List[int]:
     1,024), then from 1,024 the largest power of two up to an eighth of the last; up to
     max_tokens and the `context` length (a page-table row: a longer bucket would index past
     it), empty below MIN_TOKENS. A prompt is padded by less than half its length, and from
-    FINE_FROM on by at most 64 tokens or an eighth (the padding is computed: a 385-token
-    prompt in a 512 bucket took a third longer than it needed, RESULTS.md, seventeenth
-    session). Every size is a multiple of 16 (Triton specializes integer arguments on that, as
+    FINE_FROM on by at most 64 tokens or an eighth (padding rows are computed like real ones:
+    a 385-token prompt in a 512 bucket did a third more work than it needed; RESULTS.md,
+    seventeenth session). Every size is a multiple of 16 (Triton specializes integer arguments on that, as
     it does for the eager steps' counts)."""
     if context is not None:
         max_tokens = min(max_tokens, context)
@@ -89,8 +89,9 @@ def bucket_sizes(max_tokens: int, context: Optional[int] = None) -> List[int]:
 
 def decode_row_sizes(max_rows: int) -> List[int]:
     """Decode-row buckets of the mixed graphs: MIN_DECODE_ROWS, twice that, ... up to max_rows
-    (and max_rows itself); empty for 0. A padding decode row costs a few microseconds (its
-    attention reads one slot), so coarse buckets keep the graph count small."""
+    (and max_rows itself); empty for 0. A padding decode row is one more row of the step's
+    projections (a prompt bucket has hundreds) and an attention over one slot, so coarse
+    buckets keep the graph count small at little cost."""
     sizes, d = [], MIN_DECODE_ROWS
     while d < max_rows:
         sizes.append(d)
