@@ -184,8 +184,8 @@ def test_overlap_flags_and_the_disable_overlap_key(tmp_path: Path) -> None:
 
 
 def test_mixed_steps_resolve_by_device_and_size_the_engine_graphs() -> None:
-    """Unset: on with CUDA, off on CPU; the engine's mixed graphs carry mixed_graph_rows decode
-    rows where steps mix, none where they do not."""
+    """Unset: on with CUDA and prefill graphs, else off; the engine's mixed graphs carry
+    mixed_graph_rows decode rows where steps mix, none where they do not."""
     assert parse_args([]).scheduler.mixed_steps is None
     assert parse_args(["--no-mixed-steps"]).scheduler.mixed_steps is False
     on = parse_args(["--mixed-steps", "--mixed-graph-rows", "24"]).scheduler
@@ -194,6 +194,7 @@ def test_mixed_steps_resolve_by_device_and_size_the_engine_graphs() -> None:
     assert not cpu.mixed and cpu.mixed_rows == 0
     cuda = SchedulerConfig(EngineConfig(device="cuda"))
     assert cuda.mixed and cuda.mixed_rows == 64
+    assert not SchedulerConfig(EngineConfig(device="cuda", prefill_graph_tokens=0)).mixed
     assert SchedulerConfig(EngineConfig(device="cuda"), mixed_steps=False).mixed_rows == 0
     with pytest.raises(ValueError, match="mixed_graph_rows must be >= 0, got -1"):
         SchedulerConfig(mixed_graph_rows=-1)

@@ -36,7 +36,8 @@ class SchedulerConfig:
               "(their rows ride along the chunk), so a prompt does not stall them. On CUDA "
               "with prefill graphs, only steps that one graph replays mix (one prompt of up "
               "to prefill_graph_tokens, up to mixed_graph_rows running requests); the others "
-              "run as separate prefill and decode steps. unset: on with CUDA, off on CPU")
+              "run as separate prefill and decode steps. unset: on with CUDA and prefill "
+              "graphs (an eager mixed step costs more than it saves there), else off")
     mixed_graph_rows: int = setting(
         64, "with mixed_steps on CUDA: capture prefill graphs that carry up to N running "
             "requests' decode rows (buckets of 8, 16, 32, ...; 0: no mixed graphs, so no "
@@ -64,10 +65,10 @@ class SchedulerConfig:
 
     @property
     def mixed(self) -> bool:
-        """mixed_steps resolved: where unset, on with CUDA."""
+        """mixed_steps resolved: where unset, on with CUDA and prefill graphs."""
         if self.mixed_steps is not None:
             return self.mixed_steps
-        return self.engine.torch_device.type == "cuda"
+        return self.engine.torch_device.type == "cuda" and self.engine.prefill_graph_tokens > 0
 
     @property
     def mixed_rows(self) -> int:
