@@ -352,12 +352,13 @@ if [ "$MODE" = vllm-online ]; then  # both OpenAI servers, the same streamed wor
     > "$OUT/vllm_serve.log" 2>&1 &
   V=$!
   if up 8124 $V; then
-    step online_vllm 300 python3 scripts/bench_online.py --base-url http://127.0.0.1:8124 --model m --rates $RATES --num-requests $N --max-duration 60 --vocab-size 49152 --dump "$OUT/online_vllm.jsonl"
+    step online_vllm 300 python3 scripts/bench_online.py --base-url http://127.0.0.1:8124 --model m --rates $RATES --num-requests $N --max-duration 60 --vocab-size 49152 --dump "$OUT/online_vllm.jsonl" ${BENCH_FLAGS:-}
   else echo "vLLM's server did not come up:" | tee -a "$OUT/summary.txt"; tail -n 20 "$OUT/vllm_serve.log" | tee -a "$OUT/summary.txt"; fi
   kill -TERM $V; sleep 2; gpu_free
   # debug logs: each request's queueing and every prefill step, timestamped (see --dump);
   # MINISGL_FLAGS go to minisgl's server line only (e.g. --mixed-steps); MINISGL_FLAGS2, where
-  # set, a second minisgl server after the first (same prompts: an A/B in one lease)
+  # set, a second minisgl server after the first (same prompts: an A/B in one lease);
+  # BENCH_FLAGS go to every bench_online (e.g. --token-gaps: ITL per token as well)
   i=0
   for flags in "${MINISGL_FLAGS:-}" ${MINISGL_FLAGS2:+"$MINISGL_FLAGS2"}; do
     i=$((i + 1))
@@ -366,7 +367,7 @@ if [ "$MODE" = vllm-online ]; then  # both OpenAI servers, the same streamed wor
     S=$!
     if up 8123 $S; then
       grep -m2 "prefill CUDA graphs\|engine ready" "$OUT/serve$i.log" | tee -a "$OUT/summary.txt"
-      step online_minisgl$i 300 python3 scripts/bench_online.py --base-url http://127.0.0.1:8123 --rates $RATES --num-requests $N --max-duration 60 --vocab-size 49152 --dump "$OUT/online_minisgl$i.jsonl"
+      step online_minisgl$i 300 python3 scripts/bench_online.py --base-url http://127.0.0.1:8123 --rates $RATES --num-requests $N --max-duration 60 --vocab-size 49152 --dump "$OUT/online_minisgl$i.jsonl" ${BENCH_FLAGS:-}
     else echo "minisgl's server did not come up" | tee -a "$OUT/summary.txt"; fi
     kill -TERM $S; wait $S
   done

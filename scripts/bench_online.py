@@ -6,7 +6,9 @@ random token-id prompts (or random words with --prompt-kind text) with input and
 uniform in [--min-len, --max-len], greedy, ignore_eos. Measures time to first token (TTFT), the
 gaps between streamed chunks (ITL), end-to-end latency (p50/p90/p99) and throughput. Each rate
 is bounded by --num-requests and --max-duration; requests still running at the deadline are
-cancelled and counted as unfinished.
+cancelled and counted as unfinished. With --token-gaps the ITL is also reported per token
+(itl_token_ms): a chunk's gap split over the tokens it carried, so that tokens held back as
+incomplete characters (random weights emit byte pieces) do not count as one long gap.
 
     ./serve --model ... &
     PYTHONPATH=. python scripts/bench_online.py --base-url http://127.0.0.1:8000 --rates 1,4,16
@@ -45,7 +47,16 @@ class RequestResult:
     ttft: float = math.nan  # seconds from sending to the first non-empty chunk
     e2e: float = math.nan  # seconds from sending to the end of the stream
     itls: List[float] = field(default_factory=list)  # gaps between non-empty chunks
+    # Tokens each non-empty chunk carried, where the chunk's usage says (--token-gaps: vLLM's
+    # continuous_usage_stats); 1 where it gives none.
+    chunk_tokens: List[int] = field(default_factory=list)
     output_tokens: int = 0
+
+    def token_gaps(self) -> List[float]:
+        """The gap before each token after the first chunk's: a chunk's gap split evenly over
+        the tokens it carried (a token held back, e.g. an incomplete UTF-8 character, arrives
+        with the next one: one chunk, two tokens, two gaps of half its wait)."""
+        return [gap / k for gap, k in zip(self.itls, self.chunk_tokens[1:]) for _ in range(k)]
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,8 @@ class RateSummary:
     itl_ms: Dict[str, float]
     e2e_ms: Dict[str, float]
     first_error: str
+    # Per token (RequestResult.token_gaps): meaningful with --token-gaps, else the chunks'.
+    itl_token_ms: Dict[str, float]
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -81,6 +94,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="do not send the (non-OpenAI) ignore_eos extension field")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--token-gaps", action="store_true",
+                   help="ask for usage on every chunk (vLLM's continuous_usage_stats, which "
+                        "minisgl serves too) and report the gaps per token as well "
+                        "(itl_token_ms): a chunk that carries two tokens, one of them held "
+                        "back as an incomplete character, counts as two gaps of half its wait")
     p.add_argument("--dump", default=None, metavar="FILE",
                    help="also write one JSON line per request (rate, when it was sent, its "
                         "prompt and output lengths, TTFT, end to end, its non-empty chunks "
@@ -108,6 +126,8 @@ def request_body(args: argparse.Namespace, spec: RequestSpec) -> Dict[str, Any]:
     body: Dict[str, Any] = {"model": args.model, "prompt": spec.prompt,
                             "max_tokens": spec.max_tokens, "temperature": 0.0, "stream": True,
                             "stream_options": {"include_usage": True}}
+    if args.token_gaps:
+        body["stream_options"]["continuous_usage_stats"] = True
     if not args.no_ignore_eos:
         body["ignore_eos"] = True
     return body
@@ -119,6 +139,7 @@ async def send(client: httpx.AsyncClient, url: str, body: Dict[str, Any]) -> Req
     start = time.perf_counter()
     last = start
     chunks = 0
+    counted = 0  # completion tokens as of the last non-empty chunk
     try:
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
@@ -135,11 +156,14 @@ async def send(client: httpx.AsyncClient, url: str, body: Dict[str, Any]) -> Req
                     res.error = str(chunk["error"])[:200]
                     return res
                 usage = chunk.get("usage")
-                if usage and usage.get("completion_tokens") is not None:
+                told = usage is not None and usage.get("completion_tokens") is not None
+                if told:
                     res.output_tokens = int(usage["completion_tokens"])
                 choices = chunk.get("choices") or []
                 if not choices or not choices[0].get("text"):
                     continue  # usage-only chunk, or text held back (incomplete UTF-8)
+                res.chunk_tokens.append(max(1, res.output_tokens - counted) if told else 1)
+                counted = res.output_tokens
                 now = time.perf_counter()
                 if chunks == 0:
                     res.ttft = now - start
@@ -182,6 +206,7 @@ def request_record(rate: float, spec: RequestSpec, sent_s: float,
             "output_tokens": res.output_tokens if res else 0,
             "chunks": (len(res.itls) + 1 if res and not math.isnan(res.ttft) else 0),
             "itl_ms": [round(x * 1e3, 1) for x in res.itls] if res else [],
+            "chunk_tokens": list(res.chunk_tokens) if res else [],
             "error": res.error if res else "unfinished"}
 
 
@@ -225,8 +250,8 @@ async def run_rate(args: argparse.Namespace, rate: float, specs: List[RequestSpe
         output_tok_s=round(sum(r.output_tokens for r in ok) / duration, 1),
         ttft_ms=percentiles([r.ttft for r in ok]),
         itl_ms=percentiles([x for r in ok for x in r.itls]),
-        e2e_ms=percentiles([r.e2e for r in ok]), first_error=errors[0] if errors else ""),
-        records)
+        e2e_ms=percentiles([r.e2e for r in ok]), first_error=errors[0] if errors else "",
+        itl_token_ms=percentiles([x for r in ok for x in r.token_gaps()])), records)
 
 
 def _no_nan(d: Dict[str, Any]) -> Dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable, List
@@ -218,6 +219,56 @@ class _StreamingCompletions(BaseHTTPRequestHandler):
 
     def log_message(self, *args: object) -> None:
         pass
+
+
+class _HeldBackCompletions(BaseHTTPRequestHandler):
+    """Streams as a server with continuous usage does when a token's text is held back: "a"
+    (1 token), an empty chunk (token 2 held back), "bc" (tokens 2 and 3), then usage."""
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        usage = body["stream_options"].get("continuous_usage_stats", False)
+        for text, tokens in (("a", 1), ("", 2), ("bc", 3)):
+            chunk: dict = {"choices": [{"text": text}]}
+            if usage:
+                chunk["usage"] = {"completion_tokens": tokens}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+            time.sleep(0.02)
+        self.wfile.write(b'data: {"choices": [], "usage": {"completion_tokens": 3}}\n\n')
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("token_gaps", [False, True])
+def test_bench_online_token_gaps_split_a_held_back_chunk(token_gaps: bool, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    """--token-gaps asks for usage on every chunk and splits the gap of a chunk that carried
+    two tokens (one held back) into two; without it each chunk counts as one token."""
+    bench = load_script("bench_online")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _HeldBackCompletions)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    dump = tmp_path / "requests.jsonl"
+    try:
+        bench.main(["--base-url", f"http://127.0.0.1:{server.server_address[1]}", "--model",
+                    "m", "--rates", "inf", "--num-requests", "2", "--min-len", "2",
+                    "--max-len", "3", "--dump", str(dump),
+                    *(["--token-gaps"] if token_gaps else [])])
+    finally:
+        server.shutdown()
+    records = [json.loads(line) for line in dump.read_text().splitlines()]
+    (result,) = _result_lines(capsys.readouterr().out)
+    for r in records:
+        assert r["output_tokens"] == 3 and r["chunks"] == 2 and len(r["itl_ms"]) == 1
+        assert r["chunk_tokens"] == ([1, 2] if token_gaps else [1, 1])
+        assert r["itl_ms"][0] >= 30  # two sleeps of 20 ms between "a" and "bc"
+    gap, per_token = result["itl_ms"]["p50"], result["itl_token_ms"]["p50"]
+    assert per_token == (pytest.approx(gap / 2, rel=0.02) if token_gaps else gap)
 
 
 def test_bench_online_dumps_every_request(tmp_path: Path,
