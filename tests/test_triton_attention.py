@@ -540,3 +540,5 @@ def test_mixed_prefill_graph_body_matches_the_eager_mixed_step(
     untouched[[*written, scratch]] = False
     assert torch.equal(engine.pool.k[:, untouched], before[:, untouched])
     assert bool(engine.pool.k[:, scratch].ne(0).any())  # the padding rows' K went there
+    # every graph's logits in one buffer (the capture-time block of (64, 0) writes slot 0)
+    assert graphs.run((64, 0)).data_ptr() == body.data_ptr()

@@ -123,6 +123,10 @@ class PrefillGraphs:
         self.blocks = {(n, d): torch.zeros(n + 2 * d + 1 + _FIELDS, dtype=torch.int64,
                                            device=device) for n, d in self.keys}
         self.graphs: Dict[Key, torch.cuda.CUDAGraph] = {}
+        # Every graph's logits land in this one buffer (graphs never run at once, and a
+        # replay's logits are sampled before the next launch): 85 graphs' own outputs held
+        # ~0.55 GB at a 128K vocabulary, out of the memory the KV pool leaves.
+        self.out: Optional[torch.Tensor] = None
         self.logits: Dict[Key, torch.Tensor] = {}
         self._capture_all(capture, device)
 
@@ -136,7 +140,7 @@ class PrefillGraphs:
 
     def run(self, key: Key) -> torch.Tensor:
         """The forward a graph of `key` holds, over its static block (what `fill` wrote):
-        logits [1 + d, vocab]."""
+        logits [1 + d, vocab], a view of the buffer all graphs share (`out`)."""
         n, d = key
         block = self.blocks[key]
         ids, rows = block[:n], block[n:n + 1 + d]
@@ -161,7 +165,13 @@ class PrefillGraphs:
                       num_decode=d)
         batch.out_slots = slots
         batch.attn_meta = self.backend.prefill_graph_meta(meta, n, decode)
-        return self.model(ids, positions, batch, self.backend, last)  # type: ignore[arg-type]
+        logits = self.model(ids, positions, batch, self.backend, last)  # type: ignore[arg-type]
+        if self.out is None:  # at the first run, eager (capture_graphs warms up first)
+            self.out = torch.empty((1 + self.max_decode_rows, logits.shape[1]),
+                                   dtype=logits.dtype, device=logits.device)
+        out = self.out[:1 + d]
+        out.copy_(logits)
+        return out
 
     def _capture_all(self, capture: Capture, device: torch.device) -> None:
         for n, d in self.keys:  # capture-time values: a whole bucket of new tokens
