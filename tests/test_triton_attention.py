@@ -10,6 +10,7 @@ rounds them), so the tolerance again measures only the attention's own rounding.
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 from dataclasses import dataclass
@@ -530,6 +531,9 @@ def test_mixed_prefill_graph_body_matches_the_eager_mixed_step(
                            capture=lambda keys, run, dev: ({}, {}))
     assert graphs.keys == [(n, d) for n in (64, 96, 128) for d in (0, 8)]
     assert graphs.can_run(mixed) and not graphs.can_run(mixed, joining=7)
+    unsampled = copy.copy(mixed)
+    unsampled.sample = [True, False, True]  # the graph samples every row: eager instead
+    assert not graphs.can_run(unsampled)
     key = graphs.fill(mixed)
     assert key == (64, 8)
     body = graphs.run(key)

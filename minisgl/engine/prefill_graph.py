@@ -186,7 +186,7 @@ class PrefillGraphs:
         """One prompt of at most max_tokens new tokens ending in a sampled token, then at most
         max_decode_rows decode rows (every one sampled, as decode rows are): those of `batch`
         and `joining` more (the scheduler asking before it mixes a step)."""
-        return (batch.phase is Phase.PREFILL and batch.first_decode == 1 and batch.sample[0]
+        return (batch.phase is Phase.PREFILL and batch.first_decode == 1 and all(batch.sample)
                 and batch.extend_lens[0] <= self.max_tokens
                 and batch.num_decode + joining <= self.max_decode_rows)
 
