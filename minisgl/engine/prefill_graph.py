@@ -75,8 +75,8 @@ def bucket_sizes(max_tokens: int, context: Optional[int] = None) -> List[int]:
     it), empty below MIN_TOKENS. A prompt is padded by less than half its length, and from
     FINE_FROM on by at most 64 tokens or an eighth (padding rows are computed like real ones:
     a 385-token prompt in a 512 bucket did a third more work than it needed; RESULTS.md,
-    seventeenth session). Every size is a multiple of 16 (Triton specializes integer arguments on that, as
-    it does for the eager steps' counts)."""
+    seventeenth session). Every size is a multiple of 16 (Triton specializes integer arguments
+    on that, as it does for the eager steps' counts)."""
     if context is not None:
         max_tokens = min(max_tokens, context)
     sizes, n = [], MIN_TOKENS
@@ -173,10 +173,21 @@ class PrefillGraphs:
         out.copy_(logits)
         return out
 
+    def _values(self, key: Key, ids: List[int], rows: List[int], prefix: int,
+                positions: List[int]) -> List[int]:
+        """A block's host values (the layout `run` reads): the prompt's new ids padded to n,
+        the prompt's and decode rows' page-table rows and the decode rows' positions padded to
+        d (the spare row at position 0), and the prompt's prefix, new-token count and last
+        new token's index in between."""
+        n, d = key
+        pad = d - len(positions)
+        return [*ids, *[0] * (n - len(ids)), *rows, *[self.spare_row] * pad,
+                prefix, len(ids), len(ids) - 1, *positions, *[0] * pad]
+
     def _capture_all(self, capture: Capture, device: torch.device) -> None:
-        for n, d in self.keys:  # capture-time values: a whole bucket of new tokens
-            self.blocks[n, d].copy_(torch.tensor(
-                [*[0] * n, *[self.spare_row] * (1 + d), 0, n, n - 1, *[0] * d]))
+        for key in self.keys:  # capture-time values: a whole bucket of new tokens, the spare row
+            self.blocks[key].copy_(torch.tensor(
+                self._values(key, [0] * key[0], [self.spare_row], 0, [])))
         self.graphs, self.logits = capture(self.keys, self.run, device)
         logger.info("captured %d prefill CUDA graphs (one request, %d..%d tokens; with up to "
                     "%d decode rows riding along: %s)", len(self.keys), self.sizes[0],
@@ -194,15 +205,12 @@ class PrefillGraphs:
         """Write a batch `can_run` accepts into the static block of its graph; that graph's
         key (the buckets of its prompt tokens and decode rows)."""
         req, prefix, ext = batch.reqs[0], batch.prefix_lens[0], batch.extend_lens[0]
-        k = batch.num_decode
-        n = next(s for s in self.sizes if s >= ext)
-        d = next(s for s in [0, *self.decode_sizes] if s >= k)
-        values: List[int] = req.token_ids[prefix:prefix + ext]
-        copy_from_host(self.blocks[n, d], [
-            *values, *[0] * (n - ext), req.table_row, *(r.table_row for r in batch.reqs[1:]),
-            *[self.spare_row] * (d - k), prefix, ext, ext - 1, *batch.prefix_lens[1:],
-            *[0] * (d - k)])
-        return n, d
+        key = (next(s for s in self.sizes if s >= ext),
+               next(s for s in [0, *self.decode_sizes] if s >= batch.num_decode))
+        copy_from_host(self.blocks[key], self._values(
+            key, req.token_ids[prefix:prefix + ext], [r.table_row for r in batch.reqs], prefix,
+            batch.prefix_lens[1:]))
+        return key
 
     def replay(self, batch: Batch) -> PrefillReplayed:
         n, d = key = self.fill(batch)
