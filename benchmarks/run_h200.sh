@@ -231,7 +231,7 @@ if [ "$MODE" = fold ]; then  # after gguf-stage, carrying .gpucache/gguf/part1: 
   L8=configs/models/llama-3.1-8b; FP8="--quantization fp8 --kv-cache-dtype fp8_e4m3"
   step fp8_gpu_tests 170 python3 -m pytest -q tests/test_fp8_kernels.py tests/test_fp8_kv.py
   step fp8_latency 110 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,64,137,256 --steps 30 $FP8
-  step offline_fp8 100 python3 scripts/bench_offline.py --model $L8 $FP8
+  step offline_fp8 130 python3 scripts/bench_offline.py --model $L8 $FP8
   step offline_bf16 100 python3 scripts/bench_offline.py --model $L8
   step fp8_profile 100 python3 scripts/bench_latency.py --model $L8 --batch-sizes 137 --context 100-1700 --prefill 16384 --steps 10 --profile $FP8
 fi
@@ -240,7 +240,7 @@ if [ "$MODE" = silu ]; then  # the two-pass quantizing SiLU: its tiles, then the
   step fp8_kernel_tests 150 python3 -m pytest -q tests/test_fp8_kernels.py
   step silu_tiles 90 python3 scripts/bench_kernels.py --what silu --linear-rows 64,137,256
   step fp8_latency 110 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,64,137,256 --steps 30 $FP8
-  step offline_fp8 100 python3 scripts/bench_offline.py --model $L8 $FP8
+  step offline_fp8 130 python3 scripts/bench_offline.py --model $L8 $FP8
   step fp8_profile 100 python3 scripts/bench_latency.py --model $L8 --batch-sizes 137 --context 100-1700 --steps 10 --profile $FP8
 fi
 if [ "$MODE" = silu2 ]; then  # after gguf-stage, carrying .gpucache/gguf/part1: the FP8 tests, the SiLU, the runs
@@ -250,7 +250,7 @@ if [ "$MODE" = silu2 ]; then  # after gguf-stage, carrying .gpucache/gguf/part1:
   step fp8_tests 200 python3 -m pytest -q tests/test_fp8_kernels.py tests/test_fp8_kv.py tests/test_triton_attention.py tests/test_fp8.py -k "fp8 or quant or scale or silu"
   step silu_tiles 60 python3 scripts/bench_kernels.py --what silu --linear-rows 137,256
   step fp8_latency 110 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,64,137,256 --steps 30 $FP8
-  step offline_fp8 100 python3 scripts/bench_offline.py --model $L8 $FP8
+  step offline_fp8 130 python3 scripts/bench_offline.py --model $L8 $FP8
   step offline_bf16 100 python3 scripts/bench_offline.py --model $L8
 fi
 if [ "$MODE" = verify ]; then  # after gguf-stage, carrying .gpucache/gguf/part1: the GPU tests of the session's end
@@ -331,6 +331,21 @@ if [ "$MODE" = vllm-offline ]; then  # the standard offline workload, Llama-3.1-
   vllm_unpack || exit 2
   step vllm_offline_llama 420 bash .peer/peer.sh offline ${PEER_FLAGS:-}
   step vllm_offline_qwen 420 bash .peer/peer.sh offline --model configs/models/qwen3-8b ${PEER_FLAGS:-}
+fi
+if [ "$MODE" = vllm-offline-more ]; then  # issue 24's other offline rows: 1,000 requests, a shared prefix
+  vllm_unpack || exit 2
+  step vllm_offline_1000 290 bash .peer/peer.sh offline --num-prompts 1000 ${PEER_FLAGS:-}
+  step vllm_offline_prefix 290 bash .peer/peer.sh offline --shared-prefix 2000 --num-prompts 64 --min-len 100 --max-len 300 ${PEER_FLAGS:-}
+fi
+if [ "$MODE" = checks ]; then  # carrying .gpucache, .whl: GPU tests; batch 256 profiled; FP8 against bf16 offline
+  export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache  # the tokenizer alone: the tests build tiny models
+  L8=configs/models/llama-3.1-8b; FP8="--quantization fp8 --kv-cache-dtype fp8_e4m3"
+  step gpu_tests 200 python3 -m pytest -q -m gpu tests/test_gpu.py -k "${TESTS_K:-not tp2}"
+  step mixed_body_tests 100 python3 -m pytest -q tests/test_triton_attention.py -k "mixed"
+  step b256_profile 100 python3 scripts/bench_latency.py --model $L8 --batch-sizes 256 --steps 30 --profile
+  step offline_bf16 100 python3 scripts/bench_offline.py --model $L8
+  step offline_fp8 130 python3 scripts/bench_offline.py --model $L8 $FP8
+  step offline_fp8_plain 130 python3 scripts/bench_offline.py --model $L8 $FP8 --no-mixed-steps
 fi
 if [ "$MODE" = vllm-online ]; then  # both OpenAI servers, the same streamed workload (bench_online)
   # Carry .peer/part02, .peer/SHA256SUMS, .peer/extra-ct.tar.xz, .peer/run_vllm_peer.py, .whl
