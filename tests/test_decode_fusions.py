@@ -17,10 +17,11 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from minisgl.distributed import Communicator, DistributedInfo  # noqa: E402
-from minisgl.kernels import gemv  # noqa: E402
+from minisgl.kernels import gemv, rotary  # noqa: E402
 from minisgl.kernels.policy import KernelPolicy  # noqa: E402
 from minisgl.kernels.types import KVTarget  # noqa: E402
 from minisgl.layers import linear  # noqa: E402
+from minisgl.layers.rotary import RotaryEmbedding  # noqa: E402
 from minisgl.models.config import ModelConfig  # noqa: E402
 from minisgl.models.decoder import CausalLM  # noqa: E402
 from minisgl.models.llama import LlamaForCausalLM  # noqa: E402
@@ -82,9 +83,10 @@ def _random_reference(cls: type, cfg: ModelConfig, info: DistributedInfo) -> Cau
 
 
 def _record_gemvs(monkeypatch: pytest.MonkeyPatch) -> List[str]:
-    """The GEMV kernels the model launches from now on, by name (" fp8" appended where they
-    read FP8 weights), run without PDL, and every one-row projection taking the GEMV (as on
-    CUDA)."""
+    """The GEMV and rotary kernels the model launches from now on, by name (" fp8" appended
+    where they read FP8 weights; " norms" and " store" where the rotary kernel applies q/k norms
+    and stores K/V), run without PDL, every one-row projection taking the GEMV and the rotary
+    kernel taking CPU tensors (as on CUDA)."""
     calls: List[str] = []
 
     def without_pdl(kernel: Callable[..., Any]) -> Callable[..., Any]:
@@ -95,6 +97,17 @@ def _record_gemvs(monkeypatch: pytest.MonkeyPatch) -> List[str]:
         return run
     for name in ("gemv", "norm_gemv", "norm_gate_up_silu", "norm_qkv_rope"):
         monkeypatch.setattr(gemv, name, without_pdl(getattr(gemv, name)))
+    rotate = rotary.rotary_qk_
+
+    def rotary_without_pdl(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                           cos: torch.Tensor, sin: torch.Tensor, pdl: bool = False,
+                           store: Any = None, scales: Any = None, norms: Any = None) -> Any:
+        calls.append("rotary" + (" norms" if norms is not None else "")
+                     + (" store" if store is not None else ""))
+        return rotate(q, k, positions, cos, sin, False, store, scales, norms)
+    monkeypatch.setattr(rotary, "rotary_qk_", rotary_without_pdl)
+    monkeypatch.setattr(RotaryEmbedding, "_fusable",
+                        lambda self, *xs: all(x.stride(2) == 1 for x in xs))
     monkeypatch.setattr(linear, "takes_gemv",
                         lambda x, policy: policy.gemv and x.numel() == x.shape[-1])
     return calls
@@ -106,8 +119,9 @@ def _record_gemvs(monkeypatch: pytest.MonkeyPatch) -> List[str]:
 def test_batch1_fused_decoder_matches_unfused(cls: type, bias: bool, target: bool,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Llama (rotary + K/V store fused into QKV when the backend offers a KV target), Qwen2
-    (the same with QKV bias), Qwen3 (per-head q/k norms: only the norm is fused into QKV): the
-    logits and every cache slot equal the unfused model's, and the fused kernels did run."""
+    (the same with QKV bias), Qwen3 (per-head q/k norms: the norm is fused into QKV, the q/k
+    norms into the rotary kernel that stores K/V): the logits and every cache slot equal the
+    unfused model's, and the fused kernels did run."""
     cfg, info = _config(bias), DistributedInfo(0, 1)
     ref = _random_reference(cls, cfg, info)
     fused = cls(cfg, info, Communicator(info), KernelPolicy(fused=True, pdl=True))
@@ -118,8 +132,13 @@ def test_batch1_fused_decoder_matches_unfused(cls: type, bias: bool, target: boo
 
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    qkv_kernel = "norm_qkv_rope" if target and cls is not Qwen3ForCausalLM else "norm_gemv"
+    qwen3 = cls is Qwen3ForCausalLM
+    qkv_kernel = "norm_qkv_rope" if target and not qwen3 else "norm_gemv"
     assert calls.count(qkv_kernel) >= LAYERS and calls.count("norm_gate_up_silu") == LAYERS
+    rotation = {(True, True): "rotary norms store", (False, True): None,
+                (True, False): "rotary", (False, False): "rotary"}[(qwen3, target)]
+    assert [c for c in calls if c.startswith("rotary")] == ([rotation] * LAYERS if rotation
+                                                            else [])
 
 
 @pytest.mark.parametrize("cls,bias,target", [(LlamaForCausalLM, False, True),

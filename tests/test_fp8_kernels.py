@@ -20,7 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from minisgl.kernels import activation, attention, gemv, rmsnorm, rotary  # noqa: E402
 from minisgl.kernels import fp8 as kernels  # noqa: E402
-from minisgl.kernels.types import KVStore, KVTarget, ProductScales, QKVRope  # noqa: E402
+from minisgl.kernels.types import HeadNorms, KVStore, KVTarget, ProductScales, QKVRope  # noqa: E402
 from minisgl.layers import fp8  # noqa: E402
 from minisgl.layers.rotary import RotaryEmbedding  # noqa: E402
 
@@ -232,9 +232,11 @@ def test_norms_scale_an_unscaled_product(dtype: torch.dtype, residual: bool) -> 
 
 
 @pytest.mark.parametrize("fp8_cache", [False, True])
-def test_rotary_store_scales_an_unscaled_qkv_product(fp8_cache: bool) -> None:
+@pytest.mark.parametrize("with_norms", [False, True])
+def test_rotary_store_scales_an_unscaled_qkv_product(fp8_cache: bool, with_norms: bool) -> None:
     """The rotary K/V store given an unscaled QKV product and its scales (QKV taken unscaled):
-    q (scaled and rotated) and the cache contents equal rescaling the product first."""
+    q (scaled and rotated) and the cache contents equal rescaling the product first; with
+    Qwen3's q/k norms too (applied after the scales)."""
     dtype = DTYPES[-1]
     heads, kv_heads, dim, tokens = 4, 2, 32, 3
     width = (heads + 2 * kv_heads) * dim
@@ -250,13 +252,17 @@ def test_rotary_store_scales_an_unscaled_qkv_product(fp8_cache: bool) -> None:
                 t.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)]
     caches = (_fp8_caches(8, kv_heads, dim) if fp8_cache else
               [torch.zeros(8, kv_heads, dim, device=DEV, dtype=dtype) for _ in range(4)])
+    norms = (HeadNorms(torch.rand(dim, device=DEV).add(0.5).to(dtype),
+                       torch.rand(dim, device=DEV).add(0.5).to(dtype), 1e-6)
+             if with_norms else None)
     q, kk, v = split(raw.clone())
     rotary.rotary_qk_(q, kk, pos, rope.cos, rope.sin,
                       store=KVStore(v, KVTarget(caches[0], caches[1], slots, 0.5, 2.0)),
-                      scales=scales)
+                      scales=scales, norms=norms)
     q2, k2, v2 = split(kernels.rescale(raw, scales.row, scales.col, None, dtype))
     rotary.rotary_qk_(q2, k2, pos, rope.cos, rope.sin,
-                      store=KVStore(v2, KVTarget(caches[2], caches[3], slots, 0.5, 2.0)))
+                      store=KVStore(v2, KVTarget(caches[2], caches[3], slots, 0.5, 2.0)),
+                      norms=norms)
     assert torch.equal(q, q2)
     assert torch.equal(caches[0].float(), caches[2].float())
     assert torch.equal(caches[1].float(), caches[3].float())

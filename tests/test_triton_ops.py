@@ -18,7 +18,7 @@ from minisgl.kernels import activation, argmax, gemv, rmsnorm, rotary  # noqa: E
 import torch.nn.functional as F  # noqa: E402
 
 from minisgl.kernels.policy import KernelPolicy  # noqa: E402
-from minisgl.kernels.types import KVStore, KVTarget, QKVRope  # noqa: E402
+from minisgl.kernels.types import HeadNorms, KVStore, KVTarget, QKVRope  # noqa: E402
 from minisgl.layers.activation import silu_and_mul  # noqa: E402
 from minisgl.distributed import DistributedInfo  # noqa: E402
 from minisgl.layers.linear import ColumnParallelLinear, ResidualStream, project  # noqa: E402
@@ -105,6 +105,46 @@ def test_rotary_stores_k_and_v_into_the_cache(dtype: torch.dtype, heads: int, kv
     rest = torch.ones(num_slots, dtype=torch.bool, device=DEV)
     rest[slots.long()] = False
     assert torch.equal(k_cache[rest], k_before[rest]) and torch.equal(v_cache[rest], v_before[rest])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (6, 1, 64), (8, 8, 128)])
+@pytest.mark.parametrize("store", [True, False])
+def test_rotary_applies_per_head_norms(dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
+                                       store: bool) -> None:
+    """Qwen3's q/k norms in the rotary kernel (`norms`): q normed and rotated in place, k's
+    norm rotated into the cache (store) or in place, as the RMSNorm layer then the rotary
+    layer give them; v and the other slots untouched; weights of another size refused."""
+    rope = RotaryEmbedding(dim, 256, 10000.0, None).to(DEV)
+    q_norm, k_norm = RMSNorm(dim, 1e-6).to(DEV), RMSNorm(dim, 1e-6).to(DEV)
+    q_norm.weight.data = torch.rand(dim, device=DEV).add(0.5).to(dtype)
+    k_norm.weight.data = torch.rand(dim, device=DEV).add(0.5).to(dtype)
+    tokens, num_slots = 5, 16
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=DEV) * 3).to(dtype)
+    q, k, v = (x.view(tokens, -1, dim) for x in
+               qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+    pos = torch.randint(0, 256, (tokens,), device=DEV)
+    want_q, want_k = rope(pos, q_norm(q.contiguous()), k_norm(k.contiguous()))
+    norms = HeadNorms(q_norm.weight, k_norm.weight, 1e-6)
+    v_before, k_before = v.clone(), k.clone()
+    slots = torch.randperm(num_slots, device=DEV)[:tokens].to(torch.int32)
+    k_cache = torch.zeros(num_slots, kv_heads, dim, device=DEV, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    kv = KVStore(v, KVTarget(k_cache, v_cache, slots)) if store else None
+    rotary.rotary_qk_(q, k, pos, rope.cos, rope.sin, store=kv, norms=norms)
+    _close(q, want_q, dtype)
+    if store:
+        _close(k_cache[slots.long()], want_k, dtype)
+        assert torch.equal(v_cache[slots.long()], v) and torch.equal(k, k_before)
+        rest = torch.ones(num_slots, dtype=torch.bool, device=DEV)
+        rest[slots.long()] = False
+        assert not k_cache[rest].any() and not v_cache[rest].any()
+    else:
+        _close(k, want_k, dtype)
+    assert torch.equal(v, v_before)
+    with pytest.raises(ValueError, match=f"head norms take \\[{dim}\\] weights"):
+        rotary.rotary_qk_(q, k, pos, rope.cos, rope.sin,
+                          norms=HeadNorms(norms.q_weight[:-1], norms.k_weight, 1e-6))
 
 
 def test_rotate_into_cache_declines_where_the_kernel_does_not_apply() -> None:

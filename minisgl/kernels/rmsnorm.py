@@ -2,11 +2,12 @@
 the tail every RMSNorm kernel shares: normalize one row held in registers (and store it).
 
 The tail is shared by `rmsnorm` (the norm after a finished all-reduce), gemv.py (the norm inside
-the one-token GEMV) and allreduce.py (the norm fused into the all-reduce), so that all round in
-exactly the same places. It must stay the only copy of this arithmetic. The reduction order of
-`tl.sum` also follows the kernel's launch width: the norm kernels launch with `rmsnorm_warps`, so
-a fused all-reduce step gives the same bits as the two-kernel one; the GEMV launches with its own
-width, so its norm can differ from theirs in the last bit. This module imports triton: only GPU
+the one-token GEMV), allreduce.py (the norm fused into the all-reduce) and rotary.py (the per-head
+q/k norms before the rotation), so that all round in exactly the same places. It must stay the
+only copy of this arithmetic. The reduction order of `tl.sum` also follows the kernel's launch
+width: the norm kernels launch with `rmsnorm_warps`, so a fused all-reduce step gives the same
+bits as the two-kernel one; the GEMV and the rotary kernel sum in their own order, so their norms
+can differ from the RMSNorm kernel's in the last bit. This module imports triton: only GPU
 paths (and the CPU interpreter tests) import it.
 """
 
@@ -29,15 +30,26 @@ def rmsnorm_warps(block: int) -> int:
 
 
 @triton.jit
+def rms_inv(sum_squares, n_cols, eps):
+    """1 / sqrt(mean(x^2) + eps) from the float32 sum of squares of a row's n_cols values."""
+    return 1.0 / tl.sqrt(sum_squares / n_cols + eps)
+
+
+@triton.jit
+def rms_apply(xf, inv, w, dtype: tl.constexpr):
+    """xf (float32) times its row's `inv` rounded to `dtype`, then times the weight w in
+    float32 and rounded again (the reference implementation's two roundings)."""
+    normed = (xf * inv).to(dtype)
+    return (normed.to(tl.float32) * w.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def rmsnorm_row(x, w_ptr, cols, mask, n_cols, eps):
     """rmsnorm(x) * w in x's dtype: x [BLOCK] in the output dtype (masked lanes zero); float32
-    math, x * rsqrt(mean(x^2) + eps) rounded to the dtype, then times the weight in float32 and
-    rounded again (the reference implementation's two roundings)."""
+    math (`rms_inv`, `rms_apply`)."""
     xf = x.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    normed = (xf * inv).to(x.dtype)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    return (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype)
+    inv = rms_inv(tl.sum(xf * xf, axis=0), n_cols, eps)
+    return rms_apply(xf, inv, tl.load(w_ptr + cols, mask=mask, other=0.0), x.dtype)
 
 
 @triton.jit

@@ -54,6 +54,16 @@ class ProductScales(NamedTuple):
     col: torch.Tensor  # [N] float32, the weight's per-output-row scales
 
 
+class HeadNorms(NamedTuple):
+    """Per-head RMSNorms of q and k before the rotary embedding (Qwen3's q_norm / k_norm): each
+    head's [head_dim] vector normed and scaled by one weight shared by all heads, rounded as the
+    RMSNorm layer rounds (kernels/rmsnorm.rms_apply)."""
+
+    q_weight: torch.Tensor  # [head_dim]
+    k_weight: torch.Tensor  # [head_dim]
+    eps: float
+
+
 class QKVRope(NamedTuple):
     """What `gemv.norm_qkv_rope` needs besides the projection: the token's position, the rotary
     cos / sin caches (float32 [max_positions, head_dim]), the head counts, and where its K/V

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from minisgl.kernels.policy import KernelPolicy
-from minisgl.kernels.types import KVStore, KVTarget, ProductScales
+from minisgl.kernels.types import HeadNorms, KVStore, KVTarget, ProductScales
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch.Tensor:
@@ -66,17 +66,20 @@ class RotaryEmbedding(nn.Module):
 
     def rotate_into_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                           v: torch.Tensor, target: KVTarget,
-                          scales: Optional[ProductScales] = None) -> bool:
+                          scales: Optional[ProductScales] = None,
+                          norms: Optional[HeadNorms] = None) -> bool:
         """Rotate q in place and write the rotated k and v to the target's caches at its slots
         (k itself is left as it is), in one launch; True when done, False where the fused
         kernel does not apply (nothing done: the caller rotates with `forward` and stores K/V
         itself). `scales`: q, k, v are views of an unscaled FP8 QKV product, scaled in the
-        same launch (kernels/rotary.rotary_qk_); q ends scaled, k and v stay unscaled."""
+        same launch (kernels/rotary.rotary_qk_); q ends scaled, k and v stay unscaled.
+        `norms`: q's and k's per-head RMSNorms, applied in the same launch before the
+        rotation (q ends normed)."""
         if not self._fusable(q, k, v):
             return False
         from minisgl.kernels import rotary
         rotary.rotary_qk_(q, k, positions, self.cos, self.sin, self.policy.pdl,
-                          KVStore(v, target), scales)
+                          KVStore(v, target), scales, norms)
         return True
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

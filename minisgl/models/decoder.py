@@ -26,6 +26,7 @@ from minisgl.attention import AttentionBackend
 from minisgl.core import Batch
 from minisgl.distributed import Communicator, DistributedInfo
 from minisgl.kernels.policy import KernelPolicy
+from minisgl.kernels.types import HeadNorms
 from minisgl.layers.activation import silu_and_mul, silu_and_mul_quantized
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.fp8 import SCALE_PARAMS, Fp8Spec, finish_loading
@@ -105,28 +106,30 @@ class Attention(nn.Module):
         """norm, QKV projection, q/k norms, rotary, and the K/V store where a kernel before
         attention can do it: all in the QKV GEMV at batch 1 without q/k norms, else the rotary
         kernel stores K/V (backends with a KV target; it also applies the scales of an FP8
-        product taken unscaled), else attention does. Where K/V are stored, the returned k
-        and v are not read again (and may be unscaled)."""
+        product taken unscaled, and the q/k norms), else attention does. Where K/V are stored,
+        the returned k and v are not read again (and may be unscaled)."""
         target = backend.kv_target(self.layer, batch)
-        fuse = target is not None and self.q_norm is None  # q/k norms precede the rotary
-        if fuse:
+        if target is not None and self.q_norm is None:  # the GEMV has no q/k norms
             fused = self.qkv_proj.forward_normed_rotary(stream, norm, self.rotary, positions,
-                                                        target)  # type: ignore[arg-type]
+                                                        target)
             if fused is not None:
                 return AttentionInput(*self._heads(fused.out), fused.residual, stored=True)
         proj = self.qkv_proj.forward_normed_unscaled(stream, norm)
-        if fuse:
+        if target is not None:
             q, k, v = self._heads(proj.out)
-            if self.rotary.rotate_into_cache(positions, q, k, v, target,  # type: ignore[arg-type]
-                                             proj.scales):
+            if self.rotary.rotate_into_cache(positions, q, k, v, target, proj.scales,
+                                             self._head_norms()):
                 return AttentionInput(q, k, v, proj.residual, stored=True)
         q, k, v = self._heads(proj.scaled())
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-            if target is not None and self.rotary.rotate_into_cache(positions, q, k, v, target):
-                return AttentionInput(q, k, v, proj.residual, stored=True)
         q, k = self.rotary(positions, q, k)
         return AttentionInput(q, k, v, proj.residual, stored=False)
+
+    def _head_norms(self) -> Optional[HeadNorms]:
+        if self.q_norm is None or self.k_norm is None:
+            return None
+        return HeadNorms(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
     def _heads(self, qkv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = (t.view(t.shape[0], -1, self.head_dim)
