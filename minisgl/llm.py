@@ -341,7 +341,7 @@ class LLM:
     def _encode(self, prompt: Prompt) -> List[int]:
         if isinstance(prompt, str):
             return list(self._need_tokenizer().encode(prompt, add_special_tokens=False))
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not set(map(type, prompt)) <= {int}:  # bool (an int subclass) is refused too
             raise ValueError("a token-id prompt must be a list of integers")
         return list(prompt)
 

@@ -45,9 +45,10 @@ def host_tensor(values: Sequence[Any], dtype: torch.dtype, pin: bool = False) ->
     nested = bool(values) and isinstance(values[0], (list, tuple))
     if code is None or not values or (nested and not values[0]):
         return torch.tensor(values, dtype=dtype, pin_memory=pin)
-    flat = array.array(code)
-    for row in (values if nested else [values]):
-        flat.extend(row)
+    rows = values if nested else [values]
+    flat = array.array(code, rows[0])
+    for row in rows[1:]:
+        flat += array.array(code, row)  # the constructor reads a list about twice as fast as extend
     host = torch.frombuffer(flat, dtype=dtype)
     if nested:
         host = host.view(len(values), -1)

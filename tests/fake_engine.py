@@ -75,6 +75,7 @@ class FakeEngine:
         self.device = torch.device("cpu")
         self.mix_limit = mix_limit
         self.num_pages = num_pages
+        self.page_size = page_size
         self.max_context = max_context
         self.vocab_size = VOCAB
         self.eos_token_ids: Tuple[int, ...] = ()
@@ -95,6 +96,10 @@ class FakeEngine:
 
     def launch(self, batch: Batch) -> FakeLaunch:
         assert batch.out_slots is not None and len(batch.out_slots) == sum(batch.extend_lens)
+        ps = self.page_size  # position p of a request sits in its page p // ps, at p % ps
+        assert batch.out_slots.tolist() == [
+            req.pages[p // ps] * ps + p % ps for req, start, n in
+            zip(batch.reqs, batch.prefix_lens, batch.extend_lens) for p in range(start, start + n)]
         for req in batch.reqs:
             assert self.row_owner[req.table_row] == req.uid, "start_request was not called"
         self._write_kv(batch)

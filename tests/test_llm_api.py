@@ -8,6 +8,7 @@ from typing import Iterator
 import pytest
 
 from minisgl import LLM, SamplingParams
+from minisgl.core import prompt_error
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +112,9 @@ def test_per_prompt_params(llm: LLM) -> None:
     ("hi", SamplingParams(max_tokens=9000), r"prompt tokens plus max_tokens 9000 = \d+ exceeds "
                                             r"the context length 8192"),
     ([10, 99999999], SamplingParams(max_tokens=4), "prompt 1: token id 99999999 is outside"),
+    ([10, -1, 99999999], SamplingParams(max_tokens=4), "prompt 1: token id -1 is outside"),
+    ([10, True], SamplingParams(max_tokens=4), "a token-id prompt must be a list of integers"),
+    ([10, 2.5], SamplingParams(max_tokens=4), "a token-id prompt must be a list of integers"),
 ])
 def test_bad_input_raises_and_leaks_nothing(llm: LLM, prompt: object, params: SamplingParams,
                                             match: str) -> None:
@@ -165,3 +169,15 @@ def test_closed_llm_releases_its_engine(default_model_dir: Path) -> None:
         llm.generate("Hi", SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="closed"):
         llm.check_accounting()
+
+
+@pytest.mark.parametrize("ids,error", [
+    ([5, 0, 49151], None), ([True, 3], None), ([], "the prompt is empty"),
+    ([5, 49152, -1], "token id 49152 is outside the vocabulary [0, 49152)"),
+    ([5, -1, 49152], "token id -1 is outside the vocabulary [0, 49152)"),
+    ([5, 2.0, "x"], "token id 2.0 is outside the vocabulary [0, 49152)"),
+])
+def test_prompt_error_names_the_first_bad_id(ids: list, error: object) -> None:
+    """The check every path makes (LLM, tokenizer, scheduler): the fast path for valid ids and
+    the message naming the first bad one agree with checking id by id."""
+    assert prompt_error(ids, 49152) == error

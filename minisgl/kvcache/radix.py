@@ -17,6 +17,7 @@ Contract (the scheduler's cache is the only caller; see base.py):
 - What eviction may do: remove unlocked leaves (reference count 0), least recently used first,
   ties broken by node creation order. A parent whose last child goes becomes a candidate in turn.
   Locked nodes are never touched, so pages a live request matched stay valid until it unlocks.
+- Token ids are Python ints (a request's list): keys are tuples of them, hashed by value.
 - Determinism: recency is a logical clock bumped once per `match_prefix`, `insert` or
   `insert_and_match` call, never wall time; children live in insertion-ordered dicts; so every
   tensor-parallel rank that makes the same calls holds the same tree and evicts the same pages.
@@ -139,7 +140,7 @@ class RadixCacheManager(CacheManager):
             raise ValueError(f"insert: {len(token_ids)} tokens do not fill {len(pages)} pages "
                              f"of size {self.page_size}")
         now = self._tick()
-        toks = tuple(map(int, token_ids))
+        toks = tuple(token_ids)  # ints (see the module docstring)
         node, i, duplicates, held = self._root, 0, [], []
         while i < len(pages):
             pos = i * self.page_size
@@ -192,7 +193,7 @@ class RadixCacheManager(CacheManager):
 
     def _full_pages(self, token_ids: Sequence[int]) -> Tuple[int, ...]:
         usable = len(token_ids) // self.page_size * self.page_size
-        return tuple(map(int, token_ids[:usable]))
+        return tuple(token_ids[:usable])
 
     def _page_key(self, toks: Tuple[int, ...], pos: int) -> PageKey:
         return toks[pos:pos + self.page_size]

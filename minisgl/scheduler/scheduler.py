@@ -414,8 +414,10 @@ class Scheduler:
         for req, start, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
             rows.extend([req.table_row] * n)
             cols.extend(range(start, start + n))
-            pages = req.pages
-            slots.extend(pages[p // ps] * ps + p % ps for p in range(start, start + n))
+            pages, end = req.pages, start + n
+            for page in range(start // ps, (end - 1) // ps + 1):  # a run of slots a page
+                base = (pages[page] - page) * ps  # position p of this page: slot base + p
+                slots.extend(range(base + max(start, page * ps), base + min(end, page * ps + ps)))
         # One host-to-device copy for all three (aligned rows: the slots go to Triton kernels);
         # int32 indexes the page table directly.
         packed = rows_to_device([rows, cols, slots], torch.int32, self.engine.device)
