@@ -347,10 +347,12 @@ if [ "$MODE" = checks ]; then  # carrying .gpucache, .whl: GPU tests; batch 256 
   step offline_fp8 130 python3 scripts/bench_offline.py --model $L8 $FP8
   step offline_fp8_plain 130 python3 scripts/bench_offline.py --model $L8 $FP8 --no-mixed-steps
 fi
-if [ "$MODE" = qknorm ]; then  # carrying .gpucache (with qknorm_decoder.patch), .whl: Qwen3's q/k norms in the rotary kernel
+if [ "$MODE" = qknorm ]; then  # carrying .gpucache (with the patch below), .whl: Qwen3's q/k norms in the rotary kernel
   export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache  # the tokenizer alone: the tests build tiny models
   step qknorm_tests 150 python3 -m pytest -q tests/test_triton_ops.py tests/test_fp8_kernels.py tests/test_gpu.py -k "rotary or float32_matches_cpu"
-  # the A/B: the same tree with the decoder's call reverted (separate q/k norm kernels)
+  # the A/B: the same tree with the decoder's call reverted (separate q/k norm kernels); the
+  # patch is made here beforehand, as git is stale on the device:
+  #   git diff c0cff9b~1 c0cff9b -- minisgl/models/decoder.py > .gpucache/qknorm_decoder.patch
   rm -rf /tmp/base && cp -r "$PWD" /tmp/base && (cd /tmp/base && patch -s -R -p1 < .gpucache/qknorm_decoder.patch)
   step qwen3_offline_before 110 env PYTHONPATH=/tmp/site:/tmp/base python3 /tmp/base/scripts/bench_offline.py --model configs/models/qwen3-8b
   step qwen3_offline_after 110 python3 scripts/bench_offline.py --model configs/models/qwen3-8b
