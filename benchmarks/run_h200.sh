@@ -357,6 +357,19 @@ if [ "$MODE" = qknorm ]; then  # carrying .gpucache (with the patch below), .whl
   step qwen3_offline_before 110 env PYTHONPATH=/tmp/site:/tmp/base python3 /tmp/base/scripts/bench_offline.py --model configs/models/qwen3-8b
   step qwen3_offline_after 110 python3 scripts/bench_offline.py --model configs/models/qwen3-8b
 fi
+if [ "$MODE" = fp8prof ]; then  # where an FP8 decode step goes at the offline run's regime, against bf16
+  L8=configs/models/llama-3.1-8b; FP8="--quantization fp8 --kv-cache-dtype fp8_e4m3"
+  step fp8_regime_profile 150 python3 scripts/bench_latency.py --model $L8 $FP8 --batch-sizes 137,256 --context 100-1700 --steps 20 --profile
+  step bf16_regime_profile 150 python3 scripts/bench_latency.py --model $L8 --batch-sizes 137 --context 100-1700 --steps 20 --profile
+  step offline_fp8 130 python3 scripts/bench_offline.py --model $L8 $FP8
+fi
+if [ "$MODE" = fp8bits ]; then  # FP8 KV tiles converted by bits against the instruction
+  L8=configs/models/llama-3.1-8b; FP8="--quantization fp8 --kv-cache-dtype fp8_e4m3"
+  step bits_tests 200 python3 -m pytest -q tests/test_triton_attention.py tests/test_fp8_kernels.py -k "fp8 or bits"
+  step decode_fp8_tiles 300 python3 scripts/bench_kernels.py --what decode --kv-dtype fp8 --batch-sizes 137,256
+  step fp8_regime 120 python3 scripts/bench_latency.py --model $L8 $FP8 --batch-sizes 1,137,256 --context 100-1700 --steps 20
+  step offline_fp8 130 python3 scripts/bench_offline.py --model $L8 $FP8
+fi
 if [ "$MODE" = vllm-online ]; then  # both OpenAI servers, the same streamed workload (bench_online)
   # Carry .peer/part02, .peer/SHA256SUMS, .peer/extra-ct.tar.xz, .peer/run_vllm_peer.py, .whl
   # (with jsonschema's wheels: `bash ../shared/device/wheels.sh jsonschema
