@@ -363,7 +363,8 @@ if [ "$MODE" = fp8prof ]; then  # where an FP8 decode step goes at the offline r
   step bf16_regime_profile 150 python3 scripts/bench_latency.py --model $L8 --batch-sizes 137 --context 100-1700 --steps 20 --profile
   step offline_fp8 130 python3 scripts/bench_offline.py --model $L8 $FP8
 fi
-if [ "$MODE" = fp8bits ]; then  # FP8 KV tiles converted by bits against the instruction
+if [ "$MODE" = fp8bits ]; then  # FP8 KV tiles converted by bits against the instruction (carry .gpucache)
+  export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache
   L8=configs/models/llama-3.1-8b; FP8="--quantization fp8 --kv-cache-dtype fp8_e4m3"
   step bits_tests 200 python3 -m pytest -q tests/test_triton_attention.py tests/test_fp8_kernels.py -k "fp8 or bits"
   step decode_fp8_tiles 300 python3 scripts/bench_kernels.py --what decode --kv-dtype fp8 --batch-sizes 137,256

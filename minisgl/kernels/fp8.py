@@ -58,7 +58,7 @@ _INTERPRETING = _ROUND_BY_HAND  # the interpreter runs no inline assembly either
 # of exponent and mantissa shift down one place to sit under float16's 5-bit exponent. e4m3's
 # exponent bias is 7 and float16's 15, so the result is the value times 2^-8, exactly
 # (subnormals included: e4m3's 2^-9 step becomes float16's subnormal 2^-17).
-_E4M3_TO_F16_ASM = """{
+_E4M3_TO_F16_ASM = tl.constexpr("""{
 .reg .b32 lo, hi;
 prmt.b32 lo, $2, 0, 0x1404;
 prmt.b32 hi, $2, 0, 0x3424;
@@ -70,7 +70,7 @@ and.b32 lo, lo, 0x80008000;
 and.b32 hi, hi, 0x80008000;
 or.b32 $0, $0, lo;
 or.b32 $1, $1, hi;
-}"""
+}""")
 E4M3_BITS_SCALE = 256.0  # e4m3_bits_to_f16(b) * this == the float8_e4m3fn value of b
 
 
