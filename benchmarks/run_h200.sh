@@ -369,6 +369,7 @@ if [ "$MODE" = fp8bits ]; then  # FP8 KV tiles converted by bits against the ins
   step bits_tests 200 python3 -m pytest -q tests/test_triton_attention.py tests/test_fp8_kernels.py -k "fp8 or bits"
   step decode_fp8_tiles 300 python3 scripts/bench_kernels.py --what decode --kv-dtype fp8 --batch-sizes 137,256
   step fp8_regime 120 python3 scripts/bench_latency.py --model $L8 $FP8 --batch-sizes 1,137,256 --context 100-1700 --steps 20
+  step bf16_regime 120 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,137,256 --context 100-1700 --steps 20
   step offline_fp8 130 python3 scripts/bench_offline.py --model $L8 $FP8
 fi
 if [ "$MODE" = vllm-online ]; then  # both OpenAI servers, the same streamed workload (bench_online)

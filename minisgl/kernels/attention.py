@@ -84,6 +84,47 @@ def _kv_tile(raw, q, FP8_BITS: tl.constexpr):
 
 
 @triton.jit
+def _load_tile(ptrs, mask_n, mask_d, q, FP8_BITS: tl.constexpr, MASKED: tl.constexpr,
+               FULL_D: tl.constexpr):
+    """A K/V tile through `ptrs`, masked by its tokens (MASKED) and head columns (not FULL_D)
+    only where a mask can be false: an unmasked load compiles to fewer instructions."""
+    if MASKED:
+        raw = tl.load(ptrs, mask=mask_n & mask_d, other=0.0)
+    elif FULL_D:
+        raw = tl.load(ptrs)
+    else:
+        raw = tl.load(ptrs, mask=mask_d, other=0.0)
+    return _kv_tile(raw, q, FP8_BITS)
+
+
+@triton.jit
+def _decode_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, end, scale_log2, kvh, stride_ks,
+                 stride_kh, stride_vs, stride_vh, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, F32_DOT: tl.constexpr, FP8_BITS: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """Fold tokens [n0, n0 + BLOCK_N) of one request into the running softmax of its query
+    heads. MASKED: the tile reaches past `end` (the split's last); the others run unmasked."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_n = pos < end
+    mask_d = offs_d < HEAD_DIM
+    if MASKED:
+        slots = tl.load(pt_row + pos, mask=mask_n, other=0).to(tl.int64)
+    else:
+        slots = tl.load(pt_row + pos).to(tl.int64)
+    k = _load_tile(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
+                   mask_n[None, :], mask_d[:, None], q, FP8_BITS, MASKED,
+                   HEAD_DIM == BLOCK_D)  # [D, N]
+    qk = _dot(q, k, F32_DOT) * scale_log2
+    if MASKED:
+        qk = tl.where(mask_n[None, :], qk, _NEG)
+    v = _load_tile(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                   mask_n[:, None], mask_d[None, :], q, FP8_BITS, MASKED,
+                   HEAD_DIM == BLOCK_D)  # [N, D]
+    return _online_softmax_step(qk, v, acc, m_i, l_i, F32_DOT)
+
+
+@triton.jit
 def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, page_table_ptr, rows_ptr, seq_lens_ptr, o_part_ptr, lse_part_ptr,
         out_ptr, scale_log2, v_scale, num_splits, min_split,
@@ -113,7 +154,6 @@ def _decode_split_kernel(
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + offs_h
     mask_h = offs_h < GROUP
@@ -126,19 +166,17 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     pt_row = page_table_ptr + row * stride_pt
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        mask_n = pos < end
-        slots = tl.load(pt_row + pos, mask=mask_n, other=0).to(tl.int64)
-        k = _kv_tile(tl.load(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh
-                             + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0),
-                     q, FP8_BITS)  # [D, N]
-        qk = _dot(q, k, F32_DOT)
-        qk = tl.where(mask_n[None, :], qk * scale_log2, _NEG)
-        v = _kv_tile(tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh
-                             + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0),
-                     q, FP8_BITS)  # [N, D]
-        acc, m_i, l_i = _online_softmax_step(qk, v, acc, m_i, l_i, F32_DOT)
+    # Whole tiles without masks (the instructions a token costs bound the FP8 kernel: half
+    # the bytes a token of bf16), then the split's last, partial tile masked.
+    whole = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(start, whole, BLOCK_N):
+        acc, m_i, l_i = _decode_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, end,
+                                     scale_log2, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
+                                     BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, FP8_BITS, False)
+    if whole < end:
+        acc, m_i, l_i = _decode_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, whole, end,
+                                     scale_log2, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
+                                     BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, FP8_BITS, True)
 
     # An empty split (zero iterations) writes finite junk that the reduce kernel masks out.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
