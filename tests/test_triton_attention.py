@@ -306,43 +306,6 @@ def test_extend_fp8_kv() -> None:
                     [9, 40, 1], Phase.PREFILL, seed=5, kv_dtype=FP8_KV_DTYPE)
 
 
-@pytest.mark.parametrize("batch,splits", [(3, 4), (6, 1)])
-def test_fp8_tiles_by_bits_equal_the_conversion_instruction(batch: int, splits: int) -> None:
-    """float16 tiles of an FP8 pool converted by integer operations (2^-8 of the values, both
-    scales times 256) give the conversion instruction's outputs bit for bit: decode (split and
-    unsplit) and extend, bf16 queries, per-layer scales."""
-    from minisgl.kernels.attention import decode_attention, extend_attention
-    gen = torch.Generator().manual_seed(batch)
-    device = "cuda" if HAS_CUDA else "cpu"
-    heads, kv_heads, d = 8, 2, 32
-    lens = [int(x) for x in torch.randint(1, 70, (batch,), generator=gen)]
-    slots = batch * 80  # tokens in random slots: the kernels index the pool token by token
-    kv = [(torch.randn((slots, kv_heads, d), generator=gen) * 40).to(FP8_KV_DTYPE).to(device)
-          for _ in range(2)]
-    table = torch.randperm(slots, generator=gen)[:batch * 80].reshape(batch, 80)
-    table = table.to(torch.int32).to(device)
-    rows = torch.arange(batch, dtype=torch.int32, device=device)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    q = torch.randn((batch, heads, d), generator=gen).to(torch.bfloat16).to(device)
-    outs = []
-    for bits in (False, True):
-        o_part = torch.empty((batch, heads, splits, d), dtype=torch.float32, device=device)
-        lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=device)
-        out = torch.empty_like(q)
-        decode_attention(q, *kv, table, rows, seq_lens, o_part, lse, out, d ** -0.5,
-                         k_scale=0.03, v_scale=0.02, fp8_bits=bits)
-        ext = torch.empty((sum(lens), heads, d), dtype=torch.bfloat16, device=device)
-        qx = torch.randn(ext.shape, generator=torch.Generator().manual_seed(7)).to(ext)
-        starts = torch.tensor([0] + lens[:-1], device=device).cumsum(0).to(torch.int32)
-        extend_attention(qx, *kv, table, rows, torch.zeros_like(seq_lens), seq_lens, starts,
-                         max(lens), ext, d ** -0.5, k_scale=0.03, v_scale=0.02, fp8_bits=bits)
-        outs.append((out, ext))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    with pytest.raises(ValueError, match="float16 tiles"):
-        decode_attention(q.float(), *kv, table, rows, seq_lens, o_part, lse, out.float(),
-                         d ** -0.5, fp8_bits=True)
-
-
 @pytest.mark.parametrize("phase", [Phase.DECODE, Phase.PREFILL])
 def test_torch_backend_fp8_kv(phase: Phase) -> None:
     """The CPU backend dequantizes an FP8 pool on read (scales folded into the softmax scale

@@ -27,14 +27,14 @@ module imports triton: only the Triton attention backend (a GPU path) and tests 
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from minisgl.kernels.dot import dot as _dot, f32_dot as _f32_dot
-from minisgl.kernels.fp8 import E4M3_BITS_SCALE, e4m3_bits_to_f16, quantize_kv
+from minisgl.kernels.fp8 import quantize_kv
 from minisgl.kernels.pdl import launch_options, pdl_enter
 from minisgl.kernels.types import DecodeTiles, ExtendTiles
 
@@ -74,57 +74,6 @@ def _tile_dtype(q, F16_TILES: tl.constexpr):
 
 
 @triton.jit
-def _kv_tile(raw, q, FP8_BITS: tl.constexpr):
-    """A loaded K/V tile in the query's dtype. FP8_BITS: `raw` holds an FP8 pool's bit
-    patterns (uint8) and the tile is float16 at 2^-8 of their values (fp8.e4m3_bits_to_f16;
-    the launcher multiplies both scales by E4M3_BITS_SCALE, which is exact)."""
-    if FP8_BITS:
-        return e4m3_bits_to_f16(raw)
-    return raw.to(q.dtype)
-
-
-@triton.jit
-def _load_tile(ptrs, mask_n, mask_d, q, FP8_BITS: tl.constexpr, MASKED: tl.constexpr,
-               FULL_D: tl.constexpr):
-    """A K/V tile through `ptrs`, masked by its tokens (MASKED) and head columns (not FULL_D)
-    only where a mask can be false: an unmasked load compiles to fewer instructions."""
-    if MASKED:
-        raw = tl.load(ptrs, mask=mask_n & mask_d, other=0.0)
-    elif FULL_D:
-        raw = tl.load(ptrs)
-    else:
-        raw = tl.load(ptrs, mask=mask_d, other=0.0)
-    return _kv_tile(raw, q, FP8_BITS)
-
-
-@triton.jit
-def _decode_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, end, scale_log2, kvh, stride_ks,
-                 stride_kh, stride_vs, stride_vh, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, F32_DOT: tl.constexpr, FP8_BITS: tl.constexpr,
-                 MASKED: tl.constexpr):
-    """Fold tokens [n0, n0 + BLOCK_N) of one request into the running softmax of its query
-    heads. MASKED: the tile reaches past `end` (the split's last); the others run unmasked."""
-    pos = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_n = pos < end
-    mask_d = offs_d < HEAD_DIM
-    if MASKED:
-        slots = tl.load(pt_row + pos, mask=mask_n, other=0).to(tl.int64)
-    else:
-        slots = tl.load(pt_row + pos).to(tl.int64)
-    k = _load_tile(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
-                   mask_n[None, :], mask_d[:, None], q, FP8_BITS, MASKED,
-                   HEAD_DIM == BLOCK_D)  # [D, N]
-    qk = _dot(q, k, F32_DOT) * scale_log2
-    if MASKED:
-        qk = tl.where(mask_n[None, :], qk, _NEG)
-    v = _load_tile(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-                   mask_n[:, None], mask_d[None, :], q, FP8_BITS, MASKED,
-                   HEAD_DIM == BLOCK_D)  # [N, D]
-    return _online_softmax_step(qk, v, acc, m_i, l_i, F32_DOT)
-
-
-@triton.jit
 def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, page_table_ptr, rows_ptr, seq_lens_ptr, o_part_ptr, lse_part_ptr,
         out_ptr, scale_log2, v_scale, num_splits, min_split,
@@ -132,8 +81,7 @@ def _decode_split_kernel(
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
-        DIRECT: tl.constexpr, F16_TILES: tl.constexpr, FP8_BITS: tl.constexpr,
-        PDL: tl.constexpr):
+        DIRECT: tl.constexpr, F16_TILES: tl.constexpr, PDL: tl.constexpr):
     """Program (kv_head, split, b): partial attention of the GROUP query heads of `kv_head`.
     DIRECT (a single split): the partial result is the answer; write it to `out`.
     `scale_log2` includes the K scale; the partial output is multiplied by `v_scale`.
@@ -154,6 +102,7 @@ def _decode_split_kernel(
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
+    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + offs_h
     mask_h = offs_h < GROUP
@@ -166,17 +115,17 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     pt_row = page_table_ptr + row * stride_pt
-    # Whole tiles without masks (the instructions a token costs bound the FP8 kernel: half
-    # the bytes a token of bf16), then the split's last, partial tile masked.
-    whole = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-    for n0 in range(start, whole, BLOCK_N):
-        acc, m_i, l_i = _decode_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, end,
-                                     scale_log2, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
-                                     BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, FP8_BITS, False)
-    if whole < end:
-        acc, m_i, l_i = _decode_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, whole, end,
-                                     scale_log2, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
-                                     BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, FP8_BITS, True)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        mask_n = pos < end
+        slots = tl.load(pt_row + pos, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(q.dtype)  # [D, N]
+        qk = _dot(q, k, F32_DOT)
+        qk = tl.where(mask_n[None, :], qk * scale_log2, _NEG)
+        v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)  # [N, D]
+        acc, m_i, l_i = _online_softmax_step(qk, v, acc, m_i, l_i, F32_DOT)
 
     # An empty split (zero iterations) writes finite junk that the reduce kernel masks out.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -222,7 +171,7 @@ def _decode_reduce_kernel(
 def _extend_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, hi, q_pos, scale_log2, kvh,
                  stride_ks, stride_kh, stride_vs, stride_vh, BLOCK_N: tl.constexpr,
                  BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, F32_DOT: tl.constexpr,
-                 FP8_BITS: tl.constexpr, MASKED: tl.constexpr):
+                 MASKED: tl.constexpr):
     """Fold keys [n0, n0 + BLOCK_N) into the running softmax of one block of queries.
     MASKED: the block holds keys at or past `hi` or after some query (the causal diagonal);
     otherwise every query sees every key and no mask is computed."""
@@ -232,21 +181,19 @@ def _extend_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, hi, q_pos, scale_lo
     if MASKED:
         mask_n = offs_n < hi
         slots = tl.load(pt_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-        k = _kv_tile(tl.load(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh
-                             + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0),
-                     q, FP8_BITS)  # [D, N]
-        v = _kv_tile(tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh
-                             + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0),
-                     q, FP8_BITS)  # [N, D]
+        k = tl.load(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(q.dtype)  # [D, N]
+        v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)  # [N, D]
         qk = _dot(q, k, F32_DOT)
         causal = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
         qk = tl.where(causal, qk * scale_log2, _NEG)
     else:
         slots = tl.load(pt_row + offs_n).to(tl.int64)
-        k = _kv_tile(tl.load(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh
-                             + offs_d[:, None], mask=mask_d[:, None], other=0.0), q, FP8_BITS)
-        v = _kv_tile(tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh
-                             + offs_d[None, :], mask=mask_d[None, :], other=0.0), q, FP8_BITS)
+        k = tl.load(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
+                    mask=mask_d[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                    mask=mask_d[None, :], other=0.0).to(q.dtype)
         qk = _dot(q, k, F32_DOT) * scale_log2
     return _online_softmax_step(qk, v, acc, m_i, l_i, F32_DOT)
 
@@ -259,7 +206,7 @@ def _extend_kernel(
         stride_ot, stride_oh,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
-        F16_TILES: tl.constexpr, FP8_BITS: tl.constexpr):
+        F16_TILES: tl.constexpr):
     """Program (b, head, m): new tokens [m_block*BLOCK_M, +BLOCK_M) of request b, causal, where
     m_block counts down from the last block as m counts up. Programs start in grid order, and a
     block's work grows with its position (causal), so the longest start first and the last wave
@@ -296,11 +243,11 @@ def _extend_kernel(
     for n0 in range(0, full, BLOCK_N):
         acc, m_i, l_i = _extend_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, hi, q_pos,
                                      scale_log2, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
-                                     BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, FP8_BITS, False)
+                                     BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, False)
     for n0 in range(full, hi, BLOCK_N):
         acc, m_i, l_i = _extend_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, hi, q_pos,
                                      scale_log2, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
-                                     BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, FP8_BITS, True)
+                                     BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, True)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
     tl.store(o_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -313,33 +260,8 @@ def f16_tiles_apply(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
 
 
-class _KvRead(NamedTuple):
-    """What a kernel reads an FP8 pool through: the caches (uint8 views with FP8_BITS), the
-    scales it folds in and its two tile flags."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    k_scale: float
-    v_scale: float
-    f16: bool
-    bits: bool
-
-
-def _kv_read(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float,
-             v_scale: float, f16_tiles: Optional[bool], fp8_bits: Optional[bool]) -> _KvRead:
-    """float16 tiles where `f16_tiles` (None: where f16_tiles_apply); converted by bits
-    (fp8.e4m3_bits_to_f16) where `fp8_bits` (None: whenever float16 tiles are read from an
-    FP8 pool), with both scales times E4M3_BITS_SCALE to undo its 2^-8."""
-    f16 = f16_tiles_apply(q, k_cache) if f16_tiles is None else f16_tiles
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    bits = (f16 and fp8) if fp8_bits is None else fp8_bits
-    if not bits:
-        return _KvRead(k_cache, v_cache, k_scale, v_scale, f16, False)
-    if not (f16 and fp8):
-        raise ValueError(f"FP8 tiles by bits need float16 tiles of a float8_e4m3fn pool; got "
-                         f"f16_tiles={f16} over a {k_cache.dtype} pool")
-    return _KvRead(k_cache.view(torch.uint8), v_cache.view(torch.uint8),
-                   k_scale * E4M3_BITS_SCALE, v_scale * E4M3_BITS_SCALE, True, True)
+def _f16(asked: Optional[bool], q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return f16_tiles_apply(q, k_cache) if asked is None else asked
 
 
 def decode_tiles(dtype: torch.dtype, head_dim: int, num_splits: int, batch: int = 0,
@@ -384,8 +306,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scale: float, min_split_tokens: int = 0,
                      tiles: Optional[DecodeTiles] = None, pdl: bool = False,
                      k_scale: float = 1.0, v_scale: float = 1.0,
-                     f16_tiles: Optional[bool] = None,
-                     fp8_bits: Optional[bool] = None) -> None:
+                     f16_tiles: Optional[bool] = None) -> None:
     """One query token per request.
 
     q/out [B, heads, d] (last dim contiguous); k/v_cache [slots, kv_heads, d] (one layer);
@@ -398,8 +319,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     `pdl`: launch with programmatic dependent launch (pdl.py). `k_scale` / `v_scale`: the
     layer's scales of an FP8 pool (the caches hold K / k_scale, V / v_scale); 1.0 otherwise.
     `f16_tiles`: compute in float16 tiles (see _tile_dtype); None: where `f16_tiles_apply`.
-    `fp8_bits`: convert an FP8 pool's tiles by integer operations (see _kv_read); the results
-    equal the conversion instruction's.
     """
     batch, num_heads, head_dim = q.shape
     if batch > _MAX_GRID_Z:
@@ -409,20 +328,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = num_heads // num_kv_heads
     num_splits = o_part.shape[2]
     block_d = _block_d(head_dim)
-    kv = _kv_read(q, k_cache, v_cache, k_scale, v_scale, f16_tiles, fp8_bits)
-    tiles = tiles or decode_tiles(q.dtype, head_dim, num_splits, batch, kv.f16)
+    f16 = _f16(f16_tiles, q, k_cache)
+    tiles = tiles or decode_tiles(q.dtype, head_dim, num_splits, batch, f16)
     min_split = triton.cdiv(max(min_split_tokens, 1), tiles.block_n) * tiles.block_n
     direct = num_splits == 1  # one split: no merge pass (the large-batch case)
     _decode_split_kernel[(num_kv_heads, num_splits, batch)](
-        q, kv.k, kv.v, page_table, rows, seq_lens, o_part, lse_part, out,
-        scale * kv.k_scale * _LOG2E, kv.v_scale, num_splits, min_split,
+        q, k_cache, v_cache, page_table, rows, seq_lens, o_part, lse_part, out,
+        scale * k_scale * _LOG2E, v_scale, num_splits, min_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, F32_DOT=_f32_dot(q), DIRECT=direct,
-        F16_TILES=kv.f16, FP8_BITS=kv.bits, PDL=pdl,
+        F16_TILES=f16, PDL=pdl,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl))
     if direct:
         return
@@ -439,15 +358,14 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      extend_lens: torch.Tensor, q_starts: torch.Tensor, max_extend: int,
                      out: torch.Tensor, scale: float, tiles: Optional[ExtendTiles] = None,
                      k_scale: float = 1.0, v_scale: float = 1.0,
-                     f16_tiles: Optional[bool] = None,
-                     fp8_bits: Optional[bool] = None) -> None:
+                     f16_tiles: Optional[bool] = None) -> None:
     """New tokens attend causally to their request's cached prefix and to each other.
 
     q/out [T, heads, d] (last dim contiguous), request i's tokens at rows
     [q_starts[i], q_starts[i] + extend_lens[i]); all K/V (prefix and new) are read from the pool
     through page_table[rows[i], :prefix_lens[i] + extend_lens[i]]; the int32 per-request tensors
     are on q's device; `max_extend` bounds extend_lens (it sizes the grid). `k_scale` /
-    `v_scale`, `f16_tiles`, `fp8_bits`: as for `decode_attention`.
+    `v_scale`, `f16_tiles`: as for `decode_attention`.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     batch = rows.shape[0]
@@ -455,15 +373,14 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return
     group = num_heads // k_cache.shape[1]
     tiles = tiles or extend_tiles(q.dtype, head_dim, max_extend)
-    kv = _kv_read(q, k_cache, v_cache, k_scale, v_scale, f16_tiles, fp8_bits)
     grid = (batch, num_heads, triton.cdiv(max_extend, tiles.block_m))
     _extend_kernel[grid](
-        q, kv.k, kv.v, out, page_table, rows, prefix_lens, extend_lens, q_starts,
-        scale * kv.k_scale * _LOG2E, kv.v_scale,
+        q, k_cache, v_cache, out, page_table, rows, prefix_lens, extend_lens, q_starts,
+        scale * k_scale * _LOG2E, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), page_table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim,
-        BLOCK_D=_block_d(head_dim), F32_DOT=_f32_dot(q), F16_TILES=kv.f16, FP8_BITS=kv.bits,
+        BLOCK_D=_block_d(head_dim), F32_DOT=_f32_dot(q), F16_TILES=_f16(f16_tiles, q, k_cache),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 

@@ -16,8 +16,6 @@ GEMMs.
   bfloat16 output and K, N multiples of 16.
 - `unscaled_mm` + `rescale`: the same product by torch._scaled_mm's (much faster) tensorwise
   kernels, unscaled, and the scales applied after; `rowwise_plan` picks among the three.
-- `e4m3_bits_to_f16`: FP8 bit patterns to float16 by integer operations (the attention
-  kernels' reads of an FP8 KV pool).
 
 Nothing here reads a value back to the host or sizes a tensor from data, so the decode CUDA
 graphs capture them. This module imports triton; layers import it only for CUDA tensors (and
@@ -51,27 +49,6 @@ class Quantized(NamedTuple):
 # them (RESULTS.md, fourteenth session).
 _ROUND_BY_HAND = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower()
                               in ("1", "true", "on", "yes"))
-_INTERPRETING = _ROUND_BY_HAND  # the interpreter runs no inline assembly either
-
-# Four e4m3 bytes (one 32-bit register) to four float16 values in two registers: each byte b
-# goes to the high byte of a 16-bit half (prmt), then the sign stays at bit 15 and the 7 bits
-# of exponent and mantissa shift down one place to sit under float16's 5-bit exponent. e4m3's
-# exponent bias is 7 and float16's 15, so the result is the value times 2^-8, exactly
-# (subnormals included: e4m3's 2^-9 step becomes float16's subnormal 2^-17).
-_E4M3_TO_F16_ASM = tl.constexpr("""{
-.reg .b32 lo, hi;
-prmt.b32 lo, $2, 0, 0x1404;
-prmt.b32 hi, $2, 0, 0x3424;
-shr.b32 $0, lo, 1;
-shr.b32 $1, hi, 1;
-and.b32 $0, $0, 0x3F803F80;
-and.b32 $1, $1, 0x3F803F80;
-and.b32 lo, lo, 0x80008000;
-and.b32 hi, hi, 0x80008000;
-or.b32 $0, $0, lo;
-or.b32 $1, $1, hi;
-}""")
-E4M3_BITS_SCALE = 256.0  # e4m3_bits_to_f16(b) * this == the float8_e4m3fn value of b
 
 
 @triton.jit
@@ -90,21 +67,6 @@ def _round_e4m3(y):
     odd = (whole - 2.0 * tl.floor(whole * 0.5)) == 1.0
     r = tl.where((rest > 0.5) | ((rest == 0.5) & odd), whole + 1.0, whole) * step
     return tl.where(y < 0, -r, r)
-
-
-@triton.jit
-def e4m3_bits_to_f16(bits):
-    """float8_e4m3fn bit patterns (a uint8 tensor) as float16 values 2^-8 times theirs
-    (`E4M3_BITS_SCALE`), exactly, for every finite value: three integer operations for two
-    values (prmt, shift, and-or) in place of the conversion instruction, which the FP8 decode
-    attention kernel was bound by (RESULTS.md, twelfth and nineteenth sessions). NaN patterns
-    (0x7f, 0xff) give finite junk; a pool holds none."""
-    if _INTERPRETING:
-        h = bits.to(tl.uint16)
-        h = ((h & 0x80) << 8) | ((h & 0x7F) << 7)
-        return h.to(tl.float16, bitcast=True)
-    return tl.inline_asm_elementwise(_E4M3_TO_F16_ASM, "=r,=r,r", [bits], dtype=tl.float16,
-                                     is_pure=True, pack=4)
 
 
 _MAX = tl.constexpr(FP8_MAX)
