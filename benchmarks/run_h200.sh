@@ -372,6 +372,15 @@ if [ "$MODE" = fp8bits ]; then  # FP8 KV tiles converted by bits against the ins
   step bf16_regime 120 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,137,256 --context 100-1700 --steps 20
   step offline_fp8 130 python3 scripts/bench_offline.py --model $L8 $FP8
 fi
+if [ "$MODE" = silusplit ]; then  # the quantizing SiLU split over programs at decode batches (carry .gpucache)
+  export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache
+  L8=configs/models/llama-3.1-8b; FP8="--quantization fp8 --kv-cache-dtype fp8_e4m3"
+  step silu_tests 120 python3 -m pytest -q tests/test_fp8_kernels.py -k "silu or gpu"
+  step silu_kernels 90 python3 scripts/bench_kernels.py --what silu --linear-rows 1,137,256
+  step fp8_regime 100 python3 scripts/bench_latency.py --model $L8 $FP8 --batch-sizes 1,137,256 --context 100-1700 --steps 20
+  step offline_fp8 90 python3 scripts/bench_offline.py --model $L8 $FP8
+  step offline_bf16 90 python3 scripts/bench_offline.py --model $L8
+fi
 if [ "$MODE" = vllm-online ]; then  # both OpenAI servers, the same streamed workload (bench_online)
   # Carry .peer/part02, .peer/SHA256SUMS, .peer/extra-ct.tar.xz, .peer/run_vllm_peer.py, .whl
   # (with jsonschema's wheels: `bash ../shared/device/wheels.sh jsonschema

@@ -532,11 +532,16 @@ def bench_silu(cfg: ModelConfig, args: argparse.Namespace) -> None:
               for _ in range(copies)]
         rs = torch.rand((rows, 1), device="cuda") * 0.01
         cs = torch.rand(2 * d, device="cuda") * 0.01
-        for tiles in ((2048, 8), (4096, 8), (4096, 16), (8192, 16), (16384, 16), None):
+        # One program a row (columns per pass, warps), then each row split over programs
+        # (columns per program, warps; two launches).
+        cases = [(False, t) for t in ((4096, 16), None)] + [
+            (True, t) for t in ((1024, 4), (2048, 4), (2048, 8), (4096, 8))]
+        for split, tiles in cases:
             state = iter(itertools.cycle(xs))
-            us = time_graph(lambda t=tiles: silu_and_mul_quantized(next(state), False, rs, cs,
-                                                                   t), copies, args.reps)
-            report("silu", {"rows": rows, "d": d, "tiles": str(tiles or "default")}, us,
+            us = time_graph(lambda t=tiles, sp=split: silu_and_mul_quantized(
+                next(state), False, rs, cs, t, sp), copies, args.reps)
+            report("silu", {"rows": rows, "d": d, "split": split,
+                            "tiles": str(tiles or "default")}, us,
                    tb_s=round(rows * 5 * d / us / 1e6, 2))
         del xs
 

@@ -134,13 +134,16 @@ def test_rescale_applies_row_and_column_scales(dtype: torch.dtype, bias: bool) -
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul_quantized_scales_an_unscaled_product(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("split", [False, True], ids=["row", "split"])
+def test_silu_and_mul_quantized_scales_an_unscaled_product(dtype: torch.dtype,
+                                                           split: bool) -> None:
     """With the product's scales, the SiLU kernel equals rescaling first, then the plain
-    quantized SiLU."""
+    quantized SiLU (one program a row, or each row over several)."""
     raw = (torch.randn(4, 2 * 4500, device=DEV) * 50).to(dtype)
     rs, cs = torch.rand(4, 1, device=DEV) * 0.1, torch.rand(9000, device=DEV) * 0.1
-    got = activation.silu_and_mul_quantized(raw, row_scale=rs, col_scale=cs)
-    want = activation.silu_and_mul_quantized(kernels.rescale(raw, rs, cs, None, dtype))
+    got = activation.silu_and_mul_quantized(raw, row_scale=rs, col_scale=cs, split=split)
+    want = activation.silu_and_mul_quantized(kernels.rescale(raw, rs, cs, None, dtype),
+                                             split=not split)
     _same_quantized(got, want)
     with pytest.raises(ValueError, match="both scales or neither"):
         activation.silu_and_mul_quantized(raw, row_scale=rs)
@@ -271,14 +274,29 @@ def test_rotary_store_scales_an_unscaled_qkv_product(fp8_cache: bool, with_norms
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [700, 5000])  # one pass of columns; two, the second ragged
-def test_silu_and_mul_quantized_equals_quantizing_the_activation(dtype: torch.dtype,
-                                                                  d: int) -> None:
+@pytest.mark.parametrize("d", [700, 5000])  # one pass (part) of columns; several, the last ragged
+@pytest.mark.parametrize("split", [False, True], ids=["row", "split"])
+def test_silu_and_mul_quantized_equals_quantizing_the_activation(dtype: torch.dtype, d: int,
+                                                                  split: bool) -> None:
+    """Each path (one program a row; a row split over programs of 2,048 columns, whose parts'
+    amax make the scale) equals quantizing the activation, bit for bit."""
     x = (torch.randn(5, 2 * d, device=DEV) * 3).to(dtype)
     x[2] = 0.0  # an all-zero row: the smallest scale, zeros
-    got = activation.silu_and_mul_quantized(x)
+    x[3, d - 1] = 500.0  # the row's largest value in its last, ragged part
+    got = activation.silu_and_mul_quantized(x, split=split)
     _same_quantized(got, kernels.quantize_tokens(activation.silu_and_mul(x)))
     assert torch.all(got.values[2].float() == 0)
+
+
+def test_silu_and_mul_quantized_splits_decode_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to SPLIT_MAX_ROWS rows take the split path by default, more one program a row."""
+    calls = []
+    real = activation._split_silu_quant
+    monkeypatch.setattr(activation, "_split_silu_quant",
+                        lambda *a: calls.append(a) or real(*a))
+    for rows in (3, activation.SPLIT_MAX_ROWS + 1):
+        activation.silu_and_mul_quantized(torch.zeros(rows, 64, device=DEV))
+    assert [a[0].shape[0] for a in calls] == [3]
 
 
 @pytest.mark.parametrize("n,k,bias", [(10, 64, False), (7, 300, True), (9, 4096, True)])

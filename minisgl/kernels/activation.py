@@ -1,7 +1,7 @@
 """SiLU-and-mul in Triton: the gated MLP's activation on CUDA, one launch, and the one copy of
 its formula, which the gate/up GEMV's epilogue (gemv.py) shares so that both round alike;
-`silu_and_mul_quantized` also quantizes it per row for an FP8 down projection, in the same
-launch. This module imports triton: only GPU paths (and the CPU interpreter tests) import it.
+`silu_and_mul_quantized` also quantizes it per row for an FP8 down projection (one launch, or
+two with each row split over programs at decode batch sizes). This module imports triton: only GPU paths (and the CPU interpreter tests) import it.
 """
 
 from __future__ import annotations
@@ -97,15 +97,63 @@ def _silu_mul_quant_kernel(x_ptr, act_ptr, q_ptr, s_ptr, rs_ptr, cs_ptr, d,
     tl.store(s_ptr + row, scale)
 
 
+@triton.jit
+def _silu_mul_part_kernel(x_ptr, act_ptr, amax_ptr, rs_ptr, cs_ptr, d, parts,
+                          SCALED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, p): columns [p * BLOCK, +BLOCK) of the row's activation into the scratch
+    row act[row] (x's dtype), and their largest magnitude at amax[row, p]."""
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    cols = part * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    rs = tl.load(rs_ptr + row) if SCALED else 1.0
+    act = _act_f32(x_ptr + row * 2 * d, rs, cs_ptr, cols, mask, d, SCALED)
+    tl.store(act_ptr + row * d + cols, act.to(act_ptr.dtype.element_ty), mask=mask)
+    tl.store(amax_ptr + row * parts + part, tl.max(tl.abs(act), axis=0))
+
+
+@triton.jit
+def _quant_part_kernel(act_ptr, amax_ptr, q_ptr, s_ptr, d, parts, BLOCK: tl.constexpr,
+                       PARTS: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, p): the row's scale from its parts' amax (program 0 stores it at s[row]),
+    and columns [p * BLOCK, +BLOCK) of the scratch row quantized by it."""
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    offs = tl.arange(0, PARTS)
+    amax = tl.max(tl.load(amax_ptr + row * parts + offs, mask=offs < parts, other=0.0), axis=0)
+    scale = amax_scale(amax)
+    cols = part * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    act = tl.load(act_ptr + row * d + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(q_ptr + row * d + cols, quantize_values(act, scale).to(q_ptr.dtype.element_ty),
+             mask=mask)
+    if part == 0:
+        tl.store(s_ptr + row, scale)
+
+
+# Up to this many rows (decode batches) the quantizing SiLU splits each row over programs of
+# _SPLIT_BLOCK columns, in two launches (activation and amax per part, then the FP8 values):
+# one program a row left most multiprocessors idle at 137 rows (10 us a layer, RESULTS.md,
+# nineteenth session). More rows (prefill) fill the GPU with one program a row.
+SPLIT_MAX_ROWS = 512
+_SPLIT_BLOCK = 2048
+
+
 def silu_and_mul_quantized(x: torch.Tensor, pdl: bool = False,
                            row_scale: Optional[torch.Tensor] = None,
                            col_scale: Optional[torch.Tensor] = None,
-                           tiles: Optional[Tuple[int, int]] = None) -> Quantized:
+                           tiles: Optional[Tuple[int, int]] = None,
+                           split: Optional[bool] = None) -> Quantized:
     """x = [gate | up] (contiguous, rows [..., 2d]) -> silu(gate) * up as FP8 rows [M, d] and
-    their scales [M, 1]: fp8.quantize_tokens of `silu_and_mul(x)`, exactly, in one launch.
+    their scales [M, 1]: fp8.quantize_tokens of `silu_and_mul(x)`, exactly.
     With `row_scale` [M] and `col_scale` [2d]: x is an unscaled FP8 product
-    (fp8.unscaled_mm) and its scales are applied first, as fp8.rescale would. `tiles`:
-    (columns per pass, warps) instead of the default (scripts/bench_kernels.py --what silu)."""
+    (fp8.unscaled_mm) and its scales are applied first, as fp8.rescale would. `split`: each
+    row over several programs in two launches (None: up to SPLIT_MAX_ROWS rows), else one
+    program a row in one launch; both give the same bits. `tiles`: (columns per pass, or per
+    program with `split`; warps) instead of the default (scripts/bench_kernels.py --what
+    silu)."""
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d)
     scaled = row_scale is not None and col_scale is not None
@@ -115,6 +163,10 @@ def silu_and_mul_quantized(x: torch.Tensor, pdl: bool = False,
                          f"row scales and {2 * d} column scales")
     out = empty_quantized(x2.shape[0], d, x.device)
     scratch = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
+    if split if split is not None else x2.shape[0] <= SPLIT_MAX_ROWS:
+        _split_silu_quant(x2, scratch, out, row_scale if scaled else None,
+                          col_scale if scaled else None, pdl, tiles)
+        return out
     block = min(_SILU_QUANT_BLOCK, triton.next_power_of_2(d))
     block, warps = tiles if tiles is not None else (block, max(4, min(16, block // 256)))
     _silu_mul_quant_kernel[(x2.shape[0],)](
@@ -122,3 +174,24 @@ def silu_and_mul_quantized(x: torch.Tensor, pdl: bool = False,
         col_scale if scaled else out.scales, d, SCALED=scaled, BLOCK=block, PDL=pdl,
         num_warps=warps, **launch_options(pdl))
     return out
+
+
+def _split_silu_quant(x2: torch.Tensor, scratch: torch.Tensor, out: Quantized,
+                      row_scale: Optional[torch.Tensor], col_scale: Optional[torch.Tensor],
+                      pdl: bool, tiles: Optional[Tuple[int, int]]) -> None:
+    """silu_and_mul_quantized with each row over ceil(d / BLOCK) programs: the activation and
+    each part's amax, then the FP8 values by the row's largest amax (max is exact in any
+    order: the same scale, the same bits as one program a row)."""
+    m, d = scratch.shape
+    block = min(_SPLIT_BLOCK, triton.next_power_of_2(d))
+    block, warps = tiles if tiles is not None else (block, 4)
+    parts = triton.cdiv(d, block)
+    amax = torch.empty((m, parts), dtype=torch.float32, device=x2.device)
+    scaled = row_scale is not None and col_scale is not None
+    _silu_mul_part_kernel[(m, parts)](
+        x2, scratch, amax, row_scale if scaled else amax, col_scale if scaled else amax, d,
+        parts, SCALED=scaled, BLOCK=block, PDL=pdl, num_warps=warps, **launch_options(pdl))
+    _quant_part_kernel[(m, parts)](
+        scratch, amax, out.values, out.scales, d, parts, BLOCK=block,
+        PARTS=max(2, triton.next_power_of_2(parts)), PDL=pdl, num_warps=warps,
+        **launch_options(pdl))
