@@ -133,12 +133,12 @@ def _quant_part_kernel(act_ptr, amax_ptr, q_ptr, s_ptr, d, parts, BLOCK: tl.cons
         tl.store(s_ptr + row, scale)
 
 
-# Up to this many rows (decode batches) the quantizing SiLU splits each row over programs of
-# _SPLIT_BLOCK columns, in two launches (activation and amax per part, then the FP8 values):
-# one program a row left most multiprocessors idle at 137 rows (10 us a layer, RESULTS.md,
-# nineteenth session). More rows (prefill) fill the GPU with one program a row.
-SPLIT_MAX_ROWS = 512
-_SPLIT_BLOCK = 2048
+# Up to this many rows (small decode batches) the quantizing SiLU splits each row over
+# programs of _SPLIT_BLOCK columns, in two launches (activation and amax per part, then the
+# FP8 values). On an H200 at d = 14,336 (RESULTS.md, nineteenth session): 1 row 6.67 -> 3.15
+# us, 137 rows 10.05 -> 7.86; at 256 rows one program a row is faster (10.86 against 11.63).
+SPLIT_MAX_ROWS = 192
+_SPLIT_BLOCK = 1024
 
 
 def silu_and_mul_quantized(x: torch.Tensor, pdl: bool = False,
