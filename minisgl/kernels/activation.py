@@ -1,7 +1,8 @@
 """SiLU-and-mul in Triton: the gated MLP's activation on CUDA, one launch, and the one copy of
 its formula, which the gate/up GEMV's epilogue (gemv.py) shares so that both round alike;
 `silu_and_mul_quantized` also quantizes it per row for an FP8 down projection (one launch, or
-two with each row split over programs at decode batch sizes). This module imports triton: only GPU paths (and the CPU interpreter tests) import it.
+two with each row split over programs at decode batch sizes). This module imports triton: only
+GPU paths (and the CPU interpreter tests) import it.
 """
 
 from __future__ import annotations
