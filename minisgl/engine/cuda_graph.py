@@ -41,7 +41,8 @@ class GraphableBackend(Protocol):
                    seq_lens: torch.Tensor) -> object: ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                batch: Batch) -> torch.Tensor: ...
+                batch: Batch, kv_stored: bool = False,
+                prefetch: Sequence[torch.Tensor] = ()) -> torch.Tensor: ...
 
 
 class Replayed(NamedTuple):
