@@ -372,16 +372,6 @@ if [ "$MODE" = fp8bits ]; then  # FP8 KV tiles converted by bits against the ins
   step bf16_regime 120 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,137,256 --context 100-1700 --steps 20
   step offline_fp8 130 python3 scripts/bench_offline.py --model $L8 $FP8
 fi
-if [ "$MODE" = l2pf ]; then  # the L2 prefetch from small-batch decode attention: MiB 0 / 24 / 40, A/B/C then again
-  L8=configs/models/llama-3.1-8b; FP8="--quantization fp8 --kv-cache-dtype fp8_e4m3"
-  LAT="python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,16 --steps 50 --cuda-graph-max-bs 16"
-  i=0
-  for run in "fp8 0" "fp8 24" "fp8 40" "bf16 0" "bf16 32" "fp8 0" "fp8 24" "fp8 40"; do
-    set -- $run; i=$((i + 1)); flags=""; [ "$1" = fp8 ] && flags=$FP8
-    step "lat${i}_$1_pf$2" 75 $LAT $flags --l2-prefetch-mib "$2"
-  done
-  step l2pf_tests 120 python3 -m pytest -q tests/test_l2_prefetch.py tests/test_triton_attention.py -k "prefetch or decode_gpu_fp8"
-fi
 if [ "$MODE" = silusplit ]; then  # the quantizing SiLU split over programs at decode batches (carry .gpucache)
   export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache
   L8=configs/models/llama-3.1-8b; FP8="--quantization fp8 --kv-cache-dtype fp8_e4m3"

@@ -39,15 +39,12 @@ class _CacheBackend:
     def __init__(self, k: torch.Tensor, v: torch.Tensor, target: bool) -> None:
         self.k, self.v, self.target = k, v, target
         self.slots = torch.tensor([NEW_SLOT], dtype=torch.int32)
-        self.prefetched: List[Tuple[torch.Tensor, ...]] = []  # each forward's prefetch hint
 
     def kv_target(self, layer: int, batch: Any) -> Any:
         return KVTarget(self.k[layer], self.v[layer], self.slots) if self.target else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: Any,
-                kv_stored: bool = False, prefetch: Tuple[torch.Tensor, ...] = ()
-                ) -> torch.Tensor:
-        self.prefetched.append(tuple(prefetch))
+                kv_stored: bool = False) -> torch.Tensor:
         if not kv_stored:
             self.k[layer][NEW_SLOT], self.v[layer][NEW_SLOT] = k[0], v[0]
         keys = self.k[layer][CONTEXT].repeat_interleave(HEADS // KV_HEADS, 1)  # [L, heads, d]
@@ -175,25 +172,3 @@ def test_batch1_fused_decoder_reads_fp8_weights(cls: type, bias: bool, target: b
     assert calls.count(qkv_kernel) == LAYERS and calls.count("norm_gate_up_silu fp8") == LAYERS
     assert calls.count("gemv fp8") == 2 * LAYERS  # o_proj, down_proj
     assert calls.count("gemv") == 1  # the LM head, dense
-
-
-def test_attention_is_told_the_weights_streamed_next() -> None:
-    """Each layer hands its attention backend, as the L2 prefetch hint, o_proj's weight and
-    then the gate and up halves of gate/up's (AttentionBackend.forward's `prefetch`), in the
-    order the kernels after attention read them."""
-    cfg, info = _config(False), DistributedInfo(0, 1)
-    model = _random_reference(LlamaForCausalLM, cfg, info)
-    gen = torch.Generator().manual_seed(1)
-    backend = _CacheBackend(torch.randn(LAYERS, SLOTS, KV_HEADS, DIM, generator=gen),
-                            torch.randn(LAYERS, SLOTS, KV_HEADS, DIM, generator=gen), False)
-    with torch.no_grad():
-        model(torch.tensor([5]), torch.tensor([POSITION]), None,  # type: ignore[arg-type]
-              backend, None)  # type: ignore[arg-type]
-    assert len(backend.prefetched) == LAYERS
-    for layer, hint in zip(model.model.layers, backend.prefetched):
-        gate_up = layer.mlp.gate_up_proj.weight
-        inter = cfg.intermediate_size
-        assert [(t.data_ptr(), t.shape) for t in hint] == [
-            (layer.self_attn.o_proj.weight.data_ptr(), layer.self_attn.o_proj.weight.shape),
-            (gate_up.data_ptr(), (inter, cfg.hidden_size)),
-            (gate_up[inter:].data_ptr(), (inter, cfg.hidden_size))]

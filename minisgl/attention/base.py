@@ -11,7 +11,7 @@ target (`kv_target`), so that a fused kernel before it (rotary embedding) writes
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -41,10 +41,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                batch: Batch, kv_stored: bool = False,
-                prefetch: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+                batch: Batch, kv_stored: bool = False) -> torch.Tensor:
         """q [T, heads, d], k/v [T, kv_heads, d] for the batch's T new tokens -> [T, heads * d].
         `kv_stored`: the caller already wrote k/v to `kv_target(layer, batch)` (k/v are then
-        not read). `prefetch`: dense weights the caller streams next, in order of need; a
-        backend may warm their first bytes into the GPU's L2 while it attends (a hint: it
-        changes no result; backends without such a path ignore it)."""
+        not read)."""

@@ -19,7 +19,7 @@ made in float32 and cast to the query's dtype.
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Sequence
+from typing import List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -65,8 +65,7 @@ class TorchBackend(AttentionBackend):
         batch.attn_meta = TorchMeta(slots, masks, pads, starts)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                batch: Batch, kv_stored: bool = False,
-                prefetch: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+                batch: Batch, kv_stored: bool = False) -> torch.Tensor:
         if not kv_stored:  # this backend names no kv_target, so callers never store for it
             self.pool.store(layer, batch.out_slots, k, v)
         meta: TorchMeta = batch.attn_meta  # type: ignore[assignment]

@@ -11,7 +11,7 @@ them: no device reads, no host syncs).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -19,7 +19,6 @@ from minisgl.attention.base import AttentionBackend
 from minisgl.core import Batch, Phase
 from minisgl.kernels.attention import decode_attention, extend_attention, store_kv
 from minisgl.kernels.policy import KernelPolicy
-from minisgl.kernels.prefetch import prefetch_ranges
 from minisgl.kernels.types import KVTarget
 from minisgl.kvcache import KVPool
 from minisgl.utils import rows_to_device
@@ -194,10 +193,7 @@ class TritonBackend(AttentionBackend):
                         self.pool.scales.k[layer], self.pool.scales.v[layer])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                batch: Batch, kv_stored: bool = False,
-                prefetch: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-        """As AttentionBackend.forward. `prefetch` is warmed into L2 by split decode batches
-        (small batches, whose attention is latency-bound) where policy.l2_prefetch allows."""
+                batch: Batch, kv_stored: bool = False) -> torch.Tensor:
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         meta: TritonMeta = batch.attn_meta  # type: ignore[assignment]
         pdl = self.policy.pdl and meta.decode  # prefill kernels are long: nothing to overlap
@@ -209,8 +205,7 @@ class TritonBackend(AttentionBackend):
             q = q.contiguous()  # the kernels index the head dimension densely
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.decode:
-            self._decode(q, k_cache, v_cache, meta, out, pdl, k_scale, v_scale,
-                         self._prefetch(meta, prefetch))
+            self._decode(q, k_cache, v_cache, meta, out, pdl, k_scale, v_scale)
         elif meta.dense and k_cache.dtype == q.dtype:
             return self.dense_prefill(q, k_cache, v_cache, batch)
         else:
@@ -223,23 +218,13 @@ class TritonBackend(AttentionBackend):
                              self.policy.pdl, k_scale, v_scale)
         return out.reshape(q.shape[0], -1)
 
-    def _prefetch(self, meta: TritonMeta, weights: Sequence[torch.Tensor]
-                  ) -> Tuple[Tuple[int, int], ...]:
-        """The L2 prefetch ranges of a decode launch: only split batches (the small ones,
-        latency-bound; an unsplit batch is large and streams its own KV), within the policy's
-        byte budget."""
-        budget = self.policy.l2_prefetch
-        if not weights or budget <= 0 or meta.o_part is None or meta.o_part.shape[2] == 1:
-            return ()
-        return prefetch_ranges(weights, budget)
-
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: TritonMeta, out: torch.Tensor, pdl: bool, k_scale: float,
-                v_scale: float, prefetch: Sequence[Tuple[int, int]] = ()) -> None:
+                v_scale: float) -> None:
         assert meta.o_part is not None and meta.lse_part is not None
         decode_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens,
                          meta.o_part, meta.lse_part, out, self.scale, self.min_split_tokens,
-                         pdl=pdl, k_scale=k_scale, v_scale=v_scale, prefetch=prefetch)
+                         pdl=pdl, k_scale=k_scale, v_scale=v_scale)
 
     def dense_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       batch: Batch) -> torch.Tensor:

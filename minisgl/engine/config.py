@@ -78,11 +78,6 @@ class EngineConfig:
                                "auto: on with CUDA, fused_ops and compute capability 9.0+; on: "
                                "required (start-up fails where it cannot be); off",
                        choices=PDL_MODES)
-    l2_prefetch_mib: int = setting(24, "with PDL: MiB of the next projections' weights (o_proj, "
-                                       "then gate/up's first rows) that a small decode "
-                                       "batch's attention prefetches into the GPU's L2 cache "
-                                       "while it runs, its latency leaving the memory idle "
-                                       "(0: none)")
     cuda_graph_max_bs: int = setting(256, "capture decode CUDA graphs for batch sizes up to N, "
                                           "so that a decode step is one graph launch instead "
                                           "of one launch per kernel (0: none; GPU only)")
@@ -143,9 +138,6 @@ class EngineConfig:
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0 (0: no graphs), got "
                              f"{self.cuda_graph_max_bs}")
-        if self.l2_prefetch_mib < 0:
-            raise ValueError(f"l2_prefetch_mib must be >= 0 (0: none), got "
-                             f"{self.l2_prefetch_mib}")
         if self.prefill_graph_tokens < 0:
             raise ValueError(f"prefill_graph_tokens must be >= 0 (0: no graphs), got "
                              f"{self.prefill_graph_tokens}")

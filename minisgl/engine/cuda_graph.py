@@ -41,8 +41,7 @@ class GraphableBackend(Protocol):
                    seq_lens: torch.Tensor) -> object: ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                batch: Batch, kv_stored: bool = False,
-                prefetch: Sequence[torch.Tensor] = ()) -> torch.Tensor: ...
+                batch: Batch) -> torch.Tensor: ...
 
 
 class Replayed(NamedTuple):

@@ -108,12 +108,9 @@ def check_kv_cache_dtype(cfg: EngineConfig, device: torch.device) -> None:
 def kernel_policy(cfg: EngineConfig, device: torch.device) -> KernelPolicy:
     """The kernels this rank's model, attention backend and sampler launch, decided once at
     start-up: the fused Triton kernels where cfg.fused_ops asks for them on CUDA, PDL where
-    `use_pdl` allows it (and raises as it does), the L2 prefetch of cfg.l2_prefetch_mib with
-    PDL (the same GPUs). Depends only on the config and the GPU model,
+    `use_pdl` allows it (and raises as it does). Depends only on the config and the GPU model,
     so ranks of one machine agree."""
-    pdl = use_pdl(cfg, device)
-    return KernelPolicy(fused=cfg.fused_ops and device.type == "cuda", pdl=pdl,
-                        l2_prefetch=cfg.l2_prefetch_mib << 20 if pdl else 0)
+    return KernelPolicy(fused=cfg.fused_ops and device.type == "cuda", pdl=use_pdl(cfg, device))
 
 
 def pages_that_fit(cfg: EngineConfig, model_cfg: ModelConfig, kv_heads: int,

@@ -27,7 +27,7 @@ module imports triton: only the Triton attention backend (a GPU path) and tests 
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Optional
 
 import torch
 import triton
@@ -36,7 +36,6 @@ import triton.language as tl
 from minisgl.kernels.dot import dot as _dot, f32_dot as _f32_dot
 from minisgl.kernels.fp8 import quantize_kv
 from minisgl.kernels.pdl import launch_options, pdl_enter
-from minisgl.kernels.prefetch import NO_PREFETCH, l2_prefetch, plan_l2_prefetch, prefetch_args
 from minisgl.kernels.types import DecodeTiles, ExtendTiles
 
 _LOG2E = 1.4426950408889634
@@ -80,11 +79,9 @@ def _decode_split_kernel(
         out_ptr, scale_log2, v_scale, num_splits, min_split,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
-        pf_a0, pf_n0, pf_f0, pf_a1, pf_n1, pf_f1, pf_a2, pf_n2, pf_f2, pf_chunk,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
-        DIRECT: tl.constexpr, F16_TILES: tl.constexpr, PDL: tl.constexpr,
-        PREFETCH: tl.constexpr, PF_PER_PROGRAM: tl.constexpr):
+        DIRECT: tl.constexpr, F16_TILES: tl.constexpr, PDL: tl.constexpr):
     """Program (kv_head, split, b): partial attention of the GROUP query heads of `kv_head`.
     DIRECT (a single split): the partial result is the answer; write it to `out`.
     `scale_log2` includes the K scale; the partial output is multiplied by `v_scale`.
@@ -92,15 +89,7 @@ def _decode_split_kernel(
     The KV head is the fastest grid axis and the request the slowest, so blocks start request
     by request in batch order: a batch ordered longest first is scheduled longest job first (the
     last wave holds the short requests), and a request's heads, which share each token's DRAM
-    rows, are read at the same time.
-
-    PREFETCH: first issue this program's share of the L2 prefetch plan `pf_*` (prefetch.py):
-    the weights the next kernels stream, warmed while this latency-bound kernel runs."""
-    if PREFETCH:
-        program = tl.program_id(0) + tl.num_programs(0) * (
-            tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
-        l2_prefetch(program, pf_a0, pf_n0, pf_f0, pf_a1, pf_n1, pf_f1, pf_a2, pf_n2, pf_f2,
-                    pf_chunk, PER_PROGRAM=PF_PER_PROGRAM)
+    rows, are read at the same time."""
     pdl_enter(PDL)
     kvh = tl.program_id(0)
     split = tl.program_id(1)
@@ -317,8 +306,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scale: float, min_split_tokens: int = 0,
                      tiles: Optional[DecodeTiles] = None, pdl: bool = False,
                      k_scale: float = 1.0, v_scale: float = 1.0,
-                     f16_tiles: Optional[bool] = None,
-                     prefetch: Sequence[Tuple[int, int]] = ()) -> None:
+                     f16_tiles: Optional[bool] = None) -> None:
     """One query token per request.
 
     q/out [B, heads, d] (last dim contiguous); k/v_cache [slots, kv_heads, d] (one layer);
@@ -331,8 +319,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     `pdl`: launch with programmatic dependent launch (pdl.py). `k_scale` / `v_scale`: the
     layer's scales of an FP8 pool (the caches hold K / k_scale, V / v_scale); 1.0 otherwise.
     `f16_tiles`: compute in float16 tiles (see _tile_dtype); None: where `f16_tiles_apply`.
-    `prefetch`: (address, bytes) ranges of weights to warm into L2 first (prefetch.py; CUDA,
-    compute capability 9.0+, never under the interpreter); () for none.
     """
     batch, num_heads, head_dim = q.shape
     if batch > _MAX_GRID_Z:
@@ -346,9 +332,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     tiles = tiles or decode_tiles(q.dtype, head_dim, num_splits, batch, f16)
     min_split = triton.cdiv(max(min_split_tokens, 1), tiles.block_n) * tiles.block_n
     direct = num_splits == 1  # one split: no merge pass (the large-batch case)
-    per_program = 32 * tiles.num_warps
-    plan = (plan_l2_prefetch(prefetch, num_kv_heads * num_splits * batch, per_program)
-            if prefetch else NO_PREFETCH)
     _decode_split_kernel[(num_kv_heads, num_splits, batch)](
         q, k_cache, v_cache, page_table, rows, seq_lens, o_part, lse_part, out,
         scale * k_scale * _LOG2E, v_scale, num_splits, min_split,
@@ -356,10 +339,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
-        *prefetch_args(plan),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, F32_DOT=_f32_dot(q), DIRECT=direct,
-        F16_TILES=f16, PDL=pdl, PREFETCH=plan.total > 0, PF_PER_PROGRAM=per_program,
+        F16_TILES=f16, PDL=pdl,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl))
     if direct:
         return

@@ -17,8 +17,7 @@ steps.
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import (ClassVar, Iterable, Mapping, NamedTuple, Optional, Sequence, Set, Tuple,
-                    Union)
+from typing import ClassVar, Iterable, Mapping, NamedTuple, Optional, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -97,13 +96,9 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
 
     def forward(self, stream: ResidualStream, norm: RMSNorm, positions: torch.Tensor,
-                batch: Batch, backend: AttentionBackend,
-                then: Sequence[torch.Tensor] = ()) -> ResidualStream:
-        """`then`: the weights streamed after o_proj's (the MLP's), which the backend may
-        warm into L2 after o_proj's own while it attends (AttentionBackend.forward)."""
+                batch: Batch, backend: AttentionBackend) -> ResidualStream:
         qkv = self._qkv(stream, norm, positions, batch, backend)
-        out = backend.forward(qkv.q, qkv.k, qkv.v, self.layer, batch, kv_stored=qkv.stored,
-                              prefetch=(self.o_proj.weight, *then))
+        out = backend.forward(qkv.q, qkv.k, qkv.v, self.layer, batch, kv_stored=qkv.stored)
         return self.o_proj.forward_stream(out, qkv.residual)
 
     def _qkv(self, stream: ResidualStream, norm: RMSNorm, positions: torch.Tensor, batch: Batch,
@@ -158,13 +153,6 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, info, comm,
                                            traits.policy, traits.fp8(prefix, "down_proj"))
 
-    @property
-    def first_read(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The gate and up halves of gate/up's weight, which its first kernel reads side by
-        side from their first rows on (the weights worth warming into L2 before it)."""
-        w = self.gate_up_proj.weight
-        return w[:w.shape[0] // 2], w[w.shape[0] // 2:]
-
     def forward(self, stream: ResidualStream, norm: RMSNorm) -> ResidualStream:
         """W8A8 (FP8 gate/up and down scaled per row, dynamic activations) with no launch of
         its own besides the GEMMs: the norm quantizes gate/up's input, the SiLU kernel
@@ -205,8 +193,7 @@ class DecoderLayer(nn.Module):
                 backend: AttentionBackend) -> ResidualStream:
         """The stream after the previous layer (or the embeddings) -> the stream after this
         one; each sublayer applies its own norm to the stream it takes."""
-        then = self.mlp.first_read if isinstance(self.mlp, MLP) else ()
-        stream = self.self_attn(stream, self.input_layernorm, positions, batch, backend, then)
+        stream = self.self_attn(stream, self.input_layernorm, positions, batch, backend)
         return self.mlp(stream, self.post_attention_layernorm)
 
 
