@@ -372,18 +372,6 @@ if [ "$MODE" = fp8bits ]; then  # FP8 KV tiles converted by bits against the ins
   step bf16_regime 120 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,137,256 --context 100-1700 --steps 20
   step offline_fp8 130 python3 scripts/bench_offline.py --model $L8 $FP8
 fi
-if [ "$MODE" = halves ]; then  # decode attention with the head dimension in two parts (carry .gpucache)
-  # .gpucache/halves.patch makes d_parts 2 the FP8 default: `git diff` of decode_tiles after
-  # changing its two float16-tile DecodeTiles(128, ...) to end in ", 2)".
-  L8=configs/models/llama-3.1-8b; FP8="--quantization fp8 --kv-cache-dtype fp8_e4m3"
-  step halves_tests 150 python3 -m pytest -q tests/test_triton_attention.py -k "two_parts or refuse_parts or fp8"
-  step halves_sweep 220 python3 scripts/bench_kernels.py --what decode --kv-dtype fp8 --batch-sizes 137,256
-  step offline_fp8_whole 110 python3 scripts/bench_offline.py --model $L8 $FP8
-  patch -p1 < .gpucache/halves.patch
-  step offline_fp8_halves 110 python3 scripts/bench_offline.py --model $L8 $FP8
-  patch -R -p1 < .gpucache/halves.patch
-  step offline_bf16 110 python3 scripts/bench_offline.py --model $L8
-fi
 if [ "$MODE" = silusplit ]; then  # the quantizing SiLU split over programs at decode batches (carry .gpucache)
   export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache
   L8=configs/models/llama-3.1-8b; FP8="--quantization fp8 --kv-cache-dtype fp8_e4m3"
