@@ -168,18 +168,16 @@ def bench_decode(shape: Shape, args: argparse.Namespace) -> None:
         # first, (64, 2, 3) (now the default) beat (128, 4, 3) by 1-1.5%.
         # FP8: float16 tiles (kernels/attention._tile_dtype; they beat bfloat16 tiles by
         # 1.2-1.5x at every tile, thirteenth session) over fewer tiles, so that batch 256 fits
-        # in a few minutes (27 tiles ran past 100 s, twelfth session); 256-token tiles are left
-        # out to keep the sweep of both head-dimension splits short.
+        # in a few minutes (27 tiles ran past 100 s, twelfth session).
         fp8 = args.kv_dtype == "fp8"
-        # FP8 tiles with the head dimension in one part and in two (DecodeTiles.d_parts).
-        grid = (((64, 128), (2, 4), (2, 3), split_choices, (True,), (1, 2)) if fp8 else
-                ((32, 64, 128), (1, 2, 4), (2, 3, 4), split_choices, (None,), (1,)))
-        for block_n, warps, stages, splits, f16, parts in itertools.product(*grid):
+        grid = (((64, 128, 256), (2, 4), (2, 3), split_choices, (True,)) if fp8 else
+                ((32, 64, 128), (1, 2, 4), (2, 3, 4), split_choices, (None,)))
+        for block_n, warps, stages, splits, f16 in itertools.product(*grid):
             o_part = torch.empty((bs, shape.heads, splits, shape.head_dim), dtype=torch.float32,
                                  device="cuda")
             lse = torch.empty((bs, shape.heads, splits), dtype=torch.float32, device="cuda")
             out = torch.empty_like(q)
-            tiles = DecodeTiles(block_n, warps, stages, parts)
+            tiles = DecodeTiles(block_n, warps, stages)
             scale = shape.head_dim ** -0.5
 
             def run() -> None:
@@ -195,7 +193,7 @@ def bench_decode(shape: Shape, args: argparse.Namespace) -> None:
             err = (out.float() - ref.float()).abs().max().item()
             report("decode", {"batch": bs, "kv": args.kv_dtype, "block_n": block_n,
                               "warps": warps, "stages": stages, "splits": splits,
-                              "f16_tiles": f16, "d_parts": parts}, us,
+                              "f16_tiles": f16}, us,
                    gb_s=round(gb / us * 1e6, 1), max_err=round(err, 4))
 
 

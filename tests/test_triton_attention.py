@@ -29,7 +29,6 @@ pytest.importorskip("triton")
 from minisgl.attention import TorchBackend  # noqa: E402
 from minisgl.attention.triton_backend import TritonBackend  # noqa: E402
 from minisgl.core import Batch, Phase, Req, SamplingParams  # noqa: E402
-from minisgl.kernels.types import DecodeTiles  # noqa: E402
 from minisgl.kvcache import KVPool  # noqa: E402
 from minisgl.kvcache.pool import FP8_KV_DTYPE, KVScales, dequantize, quantize  # noqa: E402
 
@@ -282,45 +281,6 @@ def test_metadata_rows_are_16_byte_aligned(n: int) -> None:
         assert t.data_ptr() % 16 == 0, name
     assert meta.extend_lens.tolist() == [3] * n
     assert meta.q_starts.tolist() == [3 * i for i in range(n)]
-
-
-@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, None), (torch.bfloat16, None),
-                                            (torch.bfloat16, FP8_KV_DTYPE)],
-                         ids=["f32", "bf16", "bf16-fp8kv"])
-@pytest.mark.parametrize("split", [True, False])
-def test_decode_head_dim_in_two_parts(dtype: torch.dtype, kv_dtype: Optional[torch.dtype],
-                                      split: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """DecodeTiles.d_parts 2 (K and V loaded, converted and multiplied half the head dimension
-    at a time, two accumulators): the same answer as the reference, split and unsplit, and the
-    kernel did take that path."""
-    from minisgl.kernels import attention as kernels
-    chosen: List[DecodeTiles] = []
-    whole = kernels.decode_tiles
-
-    def halves(*args: object, **kwargs: object) -> DecodeTiles:
-        chosen.append(whole(*args, **kwargs)._replace(d_parts=2))  # type: ignore[arg-type]
-        return chosen[-1]
-    monkeypatch.setattr(kernels, "decode_tiles", halves)
-    device = "cuda" if HAS_CUDA else "cpu"
-    head_dim, prefix = (128, [3000, 700, 90, 1]) if HAS_CUDA else (32, [0, 7, 40, 90])
-    run_and_compare(dtype, device, 16, 8, 2, head_dim, prefix, [1] * len(prefix),
-                    Phase.DECODE, seed=3, kv_dtype=kv_dtype,
-                    **({} if split else {"min_split_tokens": 1 << 16, "num_sms": 1}))
-    assert chosen and chosen[-1].d_parts == 2
-
-
-def test_decode_tiles_refuse_parts_they_cannot_run() -> None:
-    from minisgl.kernels.attention import decode_attention
-    case = make_case(torch.float32, "cuda" if HAS_CUDA else "cpu", 16, 4, 2, 16, [5], [1],
-                     Phase.DECODE, 0)
-    o_part = torch.empty((1, 4, 1, 16), device=case.q.device)
-    lse = torch.empty((1, 4, 1), device=case.q.device)
-    rows = torch.zeros(1, dtype=torch.int32, device=case.q.device)
-    for tiles in (DecodeTiles(32, 4, 2, 3), DecodeTiles(32, 4, 2, 2)):  # 3 parts; 8-wide halves
-        with pytest.raises(ValueError, match="parts"):
-            decode_attention(case.q, case.pool.k[0], case.pool.v[0], case.page_table, rows,
-                             rows + 6, o_part, lse, torch.empty_like(case.q), 0.25,
-                             tiles=tiles)
 
 
 # --- FP8 KV cache --------------------------------------------------------------------------------

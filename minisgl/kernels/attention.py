@@ -81,11 +81,9 @@ def _decode_split_kernel(
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
-        DIRECT: tl.constexpr, F16_TILES: tl.constexpr, PDL: tl.constexpr,
-        D_PARTS: tl.constexpr):
+        DIRECT: tl.constexpr, F16_TILES: tl.constexpr, PDL: tl.constexpr):
     """Program (kv_head, split, b): partial attention of the GROUP query heads of `kv_head`.
-    DIRECT (a single split): the partial result is the answer; write it to `out`. D_PARTS 2:
-    the head dimension in two halves (_decode_loop_halves; BLOCK_D even).
+    DIRECT (a single split): the partial result is the answer; write it to `out`.
     `scale_log2` includes the K scale; the partial output is multiplied by `v_scale`.
 
     The KV head is the fastest grid axis and the request the slowest, so blocks start request
@@ -104,130 +102,43 @@ def _decode_split_kernel(
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + offs_h
     mask_h = offs_h < GROUP
-    pt_row = page_table_ptr + row * stride_pt
-    q_row = q_ptr + b * stride_qt + heads[:, None] * stride_qh
-    k_head = k_ptr + kvh * stride_kh
-    v_head = v_ptr + kvh * stride_vh
-    if D_PARTS == 1:
-        offs_d = tl.arange(0, BLOCK_D)
-        q = _tile_dtype(tl.load(q_row + offs_d[None, :], mask=mask_h[:, None]
-                                & (offs_d < HEAD_DIM)[None, :], other=0.0), F16_TILES)
-        acc, m_i, l_i = _decode_loop(q, k_head, v_head, pt_row, start, end, scale_log2,
-                                     offs_d, stride_ks, stride_vs, BLOCK_N, HEAD_DIM, F32_DOT)
-        _decode_store(acc, m_i, l_i, v_scale, heads, mask_h, offs_d, b, split, o_part_ptr,
-                      lse_part_ptr, out_ptr, stride_ob, stride_oh, stride_os, stride_lb,
-                      stride_lh, stride_out_t, stride_out_h, HEAD_DIM, DIRECT, True)
-    else:
-        lo = tl.arange(0, BLOCK_D // 2)
-        hi = BLOCK_D // 2 + lo
-        q_lo = _tile_dtype(tl.load(q_row + lo[None, :], mask=mask_h[:, None]
-                                   & (lo < HEAD_DIM)[None, :], other=0.0), F16_TILES)
-        q_hi = _tile_dtype(tl.load(q_row + hi[None, :], mask=mask_h[:, None]
-                                   & (hi < HEAD_DIM)[None, :], other=0.0), F16_TILES)
-        acc_lo, acc_hi, m_i, l_i = _decode_loop_halves(
-            q_lo, q_hi, k_head, v_head, pt_row, start, end, scale_log2, lo, hi, stride_ks,
-            stride_vs, BLOCK_N, HEAD_DIM, F32_DOT)
-        _decode_store(acc_lo, m_i, l_i, v_scale, heads, mask_h, lo, b, split, o_part_ptr,
-                      lse_part_ptr, out_ptr, stride_ob, stride_oh, stride_os, stride_lb,
-                      stride_lh, stride_out_t, stride_out_h, HEAD_DIM, DIRECT, True)
-        _decode_store(acc_hi, m_i, l_i, v_scale, heads, mask_h, hi, b, split, o_part_ptr,
-                      lse_part_ptr, out_ptr, stride_ob, stride_oh, stride_os, stride_lb,
-                      stride_lh, stride_out_t, stride_out_h, HEAD_DIM, DIRECT, False)
-
-
-@triton.jit
-def _kv_tile(head_ptr, slots, stride_s, mask_n, offs_d, HEAD_DIM: tl.constexpr,
-             ty: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Columns `offs_d` of the tokens at `slots` of one KV head, as [D, N] (TRANSPOSED: K for
-    q @ k) or [N, D] (V), converted to `ty`; masked tokens and columns read 0."""
     mask_d = offs_d < HEAD_DIM
-    if TRANSPOSED:
-        t = tl.load(head_ptr + slots[None, :] * stride_s + offs_d[:, None],
-                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-    else:
-        t = tl.load(head_ptr + slots[:, None] * stride_s + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-    return t.to(ty)
+    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    q = _tile_dtype(q, F16_TILES)
 
-
-@triton.jit
-def _decode_loop(q, k_head, v_head, pt_row, start, end, scale_log2, offs_d, stride_ks, stride_vs,
-                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, F32_DOT: tl.constexpr):
-    """Flash attention of the rows of q over tokens [start, end) of a page-table row: the
-    unnormalised output, the row max and the row sum (base 2)."""
-    m_i = tl.full([q.shape[0]], _NEG, dtype=tl.float32)
-    l_i = tl.zeros([q.shape[0]], dtype=tl.float32)
-    acc = tl.zeros([q.shape[0], q.shape[1]], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], _NEG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    pt_row = page_table_ptr + row * stride_pt
     for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
+        pos = n0 + offs_n
         mask_n = pos < end
         slots = tl.load(pt_row + pos, mask=mask_n, other=0).to(tl.int64)
-        k = _kv_tile(k_head, slots, stride_ks, mask_n, offs_d, HEAD_DIM, q.dtype, True)
-        qk = tl.where(mask_n[None, :], _dot(q, k, F32_DOT) * scale_log2, _NEG)
-        v = _kv_tile(v_head, slots, stride_vs, mask_n, offs_d, HEAD_DIM, q.dtype, False)
-        acc, m_i, l_i = _online_softmax_step(qk, v, acc, m_i, l_i, F32_DOT)
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _decode_loop_halves(q_lo, q_hi, k_head, v_head, pt_row, start, end, scale_log2, lo, hi,
-                        stride_ks, stride_vs, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        F32_DOT: tl.constexpr):
-    """_decode_loop with the head dimension in two halves (columns `lo`, `hi`): each K and V
-    tile is loaded and converted half at a time, two dots summing the scores and two
-    accumulators, so a tile holds half the registers (a converted [128, 128] FP8 tile spilled
-    at 2 warps and held occupancy to 4 programs a multiprocessor at 255 registers a thread)."""
-    m_i = tl.full([q_lo.shape[0]], _NEG, dtype=tl.float32)
-    l_i = tl.zeros([q_lo.shape[0]], dtype=tl.float32)
-    acc_lo = tl.zeros([q_lo.shape[0], q_lo.shape[1]], dtype=tl.float32)
-    acc_hi = tl.zeros([q_lo.shape[0], q_lo.shape[1]], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        mask_n = pos < end
-        slots = tl.load(pt_row + pos, mask=mask_n, other=0).to(tl.int64)
-        qk = _dot(q_lo, _kv_tile(k_head, slots, stride_ks, mask_n, lo, HEAD_DIM, q_lo.dtype,
-                                 True), F32_DOT)
-        qk += _dot(q_hi, _kv_tile(k_head, slots, stride_ks, mask_n, hi, HEAD_DIM, q_lo.dtype,
-                                  True), F32_DOT)
+        k = tl.load(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(q.dtype)  # [D, N]
+        qk = _dot(q, k, F32_DOT)
         qk = tl.where(mask_n[None, :], qk * scale_log2, _NEG)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(q_lo.dtype)
-        acc_lo = acc_lo * alpha[:, None] + _dot(
-            p, _kv_tile(v_head, slots, stride_vs, mask_n, lo, HEAD_DIM, q_lo.dtype, False),
-            F32_DOT)
-        acc_hi = acc_hi * alpha[:, None] + _dot(
-            p, _kv_tile(v_head, slots, stride_vs, mask_n, hi, HEAD_DIM, q_lo.dtype, False),
-            F32_DOT)
-        m_i = m_new
-    return acc_lo, acc_hi, m_i, l_i
+        v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)  # [N, D]
+        acc, m_i, l_i = _online_softmax_step(qk, v, acc, m_i, l_i, F32_DOT)
 
-
-@triton.jit
-def _decode_store(acc, m_i, l_i, v_scale, heads, mask_h, offs_d, b, split, o_part_ptr,
-                  lse_part_ptr, out_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                  stride_out_t, stride_out_h, HEAD_DIM: tl.constexpr, DIRECT: tl.constexpr,
-                  WITH_LSE: tl.constexpr):
-    """Columns `offs_d` of a program's result: DIRECT, the output; else the split's
-    normalised partial output and (WITH_LSE) its log-sum-exp. An empty split (zero
-    iterations) writes finite junk that the reduce kernel masks out."""
+    # An empty split (zero iterations) writes finite junk that the reduce kernel masks out.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None] * v_scale
-    mask = mask_h[:, None] & (offs_d < HEAD_DIM)[None, :]
+    lse = m_i + tl.log2(l_safe)
     if DIRECT:
         tl.store(out_ptr + b * stride_out_t + heads[:, None] * stride_out_h + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=mask)
+                 o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
     else:
         o_ptrs = (o_part_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
                   + offs_d[None, :])
-        tl.store(o_ptrs, o, mask=mask)
-        if WITH_LSE:
-            tl.store(lse_part_ptr + b * stride_lb + heads * stride_lh + split,
-                     m_i + tl.log2(l_safe), mask=mask_h)
+        tl.store(o_ptrs, o, mask=mask_h[:, None] & mask_d[None, :])
+        tl.store(lse_part_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
 
 
 @triton.jit
@@ -419,9 +330,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_d = _block_d(head_dim)
     f16 = _f16(f16_tiles, q, k_cache)
     tiles = tiles or decode_tiles(q.dtype, head_dim, num_splits, batch, f16)
-    if tiles.d_parts not in (1, 2) or (tiles.d_parts == 2 and block_d < 32):
-        raise ValueError(f"decode tiles split the head dimension in 1 or 2 parts of at least 16 "
-                         f"columns; got {tiles.d_parts} parts of a {block_d}-wide head")
     min_split = triton.cdiv(max(min_split_tokens, 1), tiles.block_n) * tiles.block_n
     direct = num_splits == 1  # one split: no merge pass (the large-batch case)
     _decode_split_kernel[(num_kv_heads, num_splits, batch)](
@@ -433,7 +341,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, F32_DOT=_f32_dot(q), DIRECT=direct,
-        F16_TILES=f16, PDL=pdl, D_PARTS=tiles.d_parts,
+        F16_TILES=f16, PDL=pdl,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl))
     if direct:
         return

@@ -81,7 +81,6 @@ class DecodeTiles(NamedTuple):
     block_n: int  # KV tokens per loop iteration
     num_warps: int
     num_stages: int = 2
-    d_parts: int = 1  # the head dimension loaded and multiplied in 1 or 2 parts
 
 
 class ExtendTiles(NamedTuple):
