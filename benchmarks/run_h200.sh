@@ -372,6 +372,25 @@ if [ "$MODE" = fp8bits ]; then  # FP8 KV tiles converted by bits against the ins
   step bf16_regime 120 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,137,256 --context 100-1700 --steps 20
   step offline_fp8 130 python3 scripts/bench_offline.py --model $L8 $FP8
 fi
+if [ "$MODE" = splittiles ]; then  # small-batch decode: the split attention's tile and split cap in the model
+  # Each run edits this copy's defaults (decode_tiles' split tile, TritonBackend.max_splits)
+  # with sed and restores them: the tile chosen in a kernel sweep alone may not be the best
+  # next to the GEMVs that PDL overlaps with it.
+  L8=configs/models/llama-3.1-8b; FP8="--quantization fp8 --kv-cache-dtype fp8_e4m3"
+  A=minisgl/kernels/attention.py; T=minisgl/attention/triton_backend.py
+  cp $A /tmp/attention.py.orig; cp $T /tmp/triton_backend.py.orig
+  i=0
+  for run in "fp8 64,8 32" "fp8 64,4 32" "fp8 32,4 32" "fp8 64,2 32" "fp8 128,4 32" "fp8 64,8 16" \
+             "fp8 64,8 32" "bf16 64,8 32" "bf16 64,4 32" "bf16 32,4 32"; do
+    set -- $run; i=$((i + 1)); flags=""; [ "$1" = fp8 ] && flags=$FP8
+    cp /tmp/attention.py.orig $A; cp /tmp/triton_backend.py.orig $T
+    sed -i "s/^    return DecodeTiles(64, 8)$/    return DecodeTiles($2)/" $A
+    sed -i "s/^    max_splits: int = 32$/    max_splits: int = $3/" $T
+    grep -q "return DecodeTiles($2)" $A && grep -q "max_splits: int = $3" $T || { echo "sed missed: $run"; continue; }
+    step "split${i}_$1_${2/,/x}_s$3" 60 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,16 --steps 100 --cuda-graph-max-bs 16 $flags
+  done
+  cp /tmp/attention.py.orig $A; cp /tmp/triton_backend.py.orig $T
+fi
 if [ "$MODE" = silusplit ]; then  # the quantizing SiLU split over programs at decode batches (carry .gpucache)
   export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache
   L8=configs/models/llama-3.1-8b; FP8="--quantization fp8 --kv-cache-dtype fp8_e4m3"
