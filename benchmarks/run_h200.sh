@@ -380,8 +380,11 @@ if [ "$MODE" = splittiles ]; then  # small-batch decode: the split attention's t
   A=minisgl/kernels/attention.py; T=minisgl/attention/triton_backend.py
   cp $A /tmp/attention.py.orig; cp $T /tmp/triton_backend.py.orig
   i=0
-  for run in "fp8 64,8 32" "fp8 64,4 32" "fp8 32,4 32" "fp8 64,2 32" "fp8 128,4 32" "fp8 64,8 16" \
-             "fp8 64,8 32" "bf16 64,8 32" "bf16 64,4 32" "bf16 32,4 32"; do
+  # RUNS: "dtype tile splits" triples; the tile edit reaches the pools whose split tile is
+  # (64, 8) (since the twentieth session, bf16 pools only).
+  RUNS=${RUNS:-"fp8 64,8 32|fp8 64,4 32|fp8 32,4 32|fp8 64,2 32|fp8 128,4 32|fp8 64,8 16|fp8 64,8 32|bf16 64,8 32|bf16 64,4 32|bf16 32,4 32"}
+  IFS='|' read -ra runs <<< "$RUNS"
+  for run in "${runs[@]}"; do
     set -- $run; i=$((i + 1)); flags=""; [ "$1" = fp8 ] && flags=$FP8
     cp /tmp/attention.py.orig $A; cp /tmp/triton_backend.py.orig $T
     sed -i "s/^    return DecodeTiles(64, 8)$/    return DecodeTiles($2)/" $A

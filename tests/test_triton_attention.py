@@ -258,6 +258,16 @@ def test_graph_metadata_matches_prepare(dtype: torch.dtype) -> None:
     torch.testing.assert_close(out[:n].float(), ref, atol=ATOL[dtype], rtol=ATOL[dtype])
 
 
+def test_decode_tile_policy() -> None:
+    """The split (small-batch) tile: 2 warps over an FP8 pool read in float16 tiles, 8 warps
+    over a 16-bit pool (each the faster in the model; RESULTS.md, twentieth session)."""
+    from minisgl.kernels.attention import decode_tiles
+    assert decode_tiles(torch.bfloat16, 128, 8, 1, f16_tiles=True) == DecodeTiles(64, 2)
+    assert decode_tiles(torch.bfloat16, 128, 8, 1) == DecodeTiles(64, 8)
+    assert decode_tiles(torch.bfloat16, 256, 8, 1, f16_tiles=True) == DecodeTiles(64, 8)
+    assert decode_tiles(torch.bfloat16, 128, 1, 256, f16_tiles=True) == DecodeTiles(128, 2, 2)
+
+
 def test_split_count_policy() -> None:
     case = make_case(torch.float32, "cpu", 16, 8, 2, 32, [10], [1], Phase.DECODE, 0)
     backend = TritonBackend(case.pool, case.page_table, 8, 2, 32, 1.0)

@@ -272,7 +272,10 @@ def decode_tiles(dtype: torch.dtype, head_dim: int, num_splits: int, batch: int 
     ahead of (128, 4, 3) and far ahead of 8 warps or 256 tokens; split (small batches)
     (64, 8, 2) was fastest. FP8 pools in float16 tiles, unsplit: 128 tokens per iteration,
     4 warps and 3 stages below 128 requests (49.6 us at 64, against 64.4 for (64, 2, 3)),
-    2 warps and 2 stages from 128 up (149.9 us at 256; RESULTS.md, thirteenth session).
+    2 warps and 2 stages from 128 up (149.9 us at 256; RESULTS.md, thirteenth session); split
+    (small batches), (64, 2, 2): timed in the model, where PDL overlaps it with the GEMVs around
+    it, the batch-16 FP8 step took 3.87 ms against 4.01 with (64, 8) (RESULTS.md, twentieth
+    session; bf16 pools keep (64, 8), which won there).
     float32 (IEEE dots run on FMA units, not tensor cores): the tile that compiles without
     register spills for sm_90."""
     if dtype == torch.float32:
@@ -281,6 +284,8 @@ def decode_tiles(dtype: torch.dtype, head_dim: int, num_splits: int, batch: int 
         if f16_tiles:
             return DecodeTiles(128, 4, 3) if batch < 128 else DecodeTiles(128, 2, 2)
         return DecodeTiles(64, 2, 3)
+    if f16_tiles and head_dim <= 128:
+        return DecodeTiles(64, 2)
     return DecodeTiles(64, 8)
 
 
