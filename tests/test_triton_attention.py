@@ -29,6 +29,7 @@ pytest.importorskip("triton")
 from minisgl.attention import TorchBackend  # noqa: E402
 from minisgl.attention.triton_backend import TritonBackend  # noqa: E402
 from minisgl.core import Batch, Phase, Req, SamplingParams  # noqa: E402
+from minisgl.kernels.types import DecodeTiles  # noqa: E402
 from minisgl.kvcache import KVPool  # noqa: E402
 from minisgl.kvcache.pool import FP8_KV_DTYPE, KVScales, dequantize, quantize  # noqa: E402
 
