@@ -176,13 +176,14 @@ def bench_decode(shape: Shape, args: argparse.Namespace) -> None:
             o_part = torch.empty((bs, shape.heads, splits, shape.head_dim), dtype=torch.float32,
                                  device="cuda")
             lse = torch.empty((bs, shape.heads, splits), dtype=torch.float32, device="cuda")
+            arrivals = torch.zeros((bs, shape.kv_heads), dtype=torch.int32, device="cuda")
             out = torch.empty_like(q)
             tiles = DecodeTiles(block_n, warps, stages)
             scale = shape.head_dim ** -0.5
 
             def run() -> None:
                 decode_attention(q, kv.k, kv.v, kv.page_table, kv.rows, seq_lens, o_part, lse,
-                                 out, scale, 64, tiles, f16_tiles=f16)
+                                 out, scale, 64, tiles, f16_tiles=f16, arrivals=arrivals)
             try:
                 us = time_graph(run, 20, args.reps)
             except Exception as exc:  # a tile that does not compile (resources) is skipped

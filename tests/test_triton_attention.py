@@ -29,6 +29,7 @@ pytest.importorskip("triton")
 from minisgl.attention import TorchBackend  # noqa: E402
 from minisgl.attention.triton_backend import TritonBackend  # noqa: E402
 from minisgl.core import Batch, Phase, Req, SamplingParams  # noqa: E402
+from minisgl.kernels.policy import KernelPolicy  # noqa: E402
 from minisgl.kernels.types import DecodeTiles  # noqa: E402
 from minisgl.kvcache import KVPool  # noqa: E402
 from minisgl.kvcache.pool import FP8_KV_DTYPE, KVScales, dequantize, quantize  # noqa: E402
@@ -217,6 +218,47 @@ def test_decode_single_split_writes_output_directly(dtype: torch.dtype) -> None:
     prefix = [0, 7, 40, 90]
     case_args = (dtype, "cpu", 16, 8, 2, 32, prefix, [1] * 4, Phase.DECODE)
     run_and_compare(*case_args, min_split_tokens=4096, num_sms=1)
+
+
+def _split_backend(case: Case, heads: int, kv_heads: int, head_dim: int,
+                   policy: Optional[KernelPolicy] = None) -> TritonBackend:
+    """A backend over the case's pool that splits every request's KV (16-token splits)."""
+    backend = TritonBackend(case.pool, case.page_table, heads, kv_heads, head_dim,
+                            head_dim ** -0.5, policy or KernelPolicy())
+    backend.num_sms, backend.min_split_tokens = 64, 16
+    return backend
+
+
+def test_split_merge_resets_its_counters() -> None:
+    """The last split program of each (request, KV head) merges the splits and resets its
+    counter: after a launch the counters are zero again, so a second launch over the same
+    scratch (as every layer and every graph replay does) gives the same output."""
+    device = "cuda" if HAS_CUDA else "cpu"
+    case = make_case(torch.float32, device, 16, 8, 2, 32, [5, 40, 90], [1] * 3, Phase.DECODE, 3)
+    backend = _split_backend(case, 8, 2, 32)
+    backend.prepare(case.batch)
+    meta = case.batch.attn_meta
+    assert meta.o_part.shape[2] > 1 and meta.arrivals is not None
+    first = backend.forward(case.q, case.k, case.v, 1, case.batch)
+    assert torch.count_nonzero(meta.arrivals) == 0
+    again = backend.forward(case.q, case.k, case.v, 1, case.batch, kv_stored=True)
+    assert torch.equal(first, again)
+
+
+def test_split_decode_refuses_missing_counters() -> None:
+    """A split launch without its counters (or with the wrong shape) is refused with the shapes
+    it needs, before anything runs."""
+    from minisgl.kernels.attention import decode_attention
+    case = make_case(torch.float32, "cpu", 16, 8, 2, 32, [5, 40], [1] * 2, Phase.DECODE, 4)
+    backend = _split_backend(case, 8, 2, 32)
+    backend.prepare(case.batch)
+    meta = case.batch.attn_meta
+    args = (case.q, case.pool.k[0], case.pool.v[0], case.page_table, meta.rows, meta.seq_lens,
+            meta.o_part, meta.lse_part, torch.empty_like(case.q), 32 ** -0.5)
+    with pytest.raises(ValueError, match=r"int32 \[2, 2\] of zeros; got None"):
+        decode_attention(*args)
+    with pytest.raises(ValueError, match=r"\[2, 2\] of zeros; got \(torch.int32, \(2, 4\)\)"):
+        decode_attention(*args, arrivals=torch.zeros((2, 4), dtype=torch.int32))
 
 
 @pytest.mark.parametrize("phase", [Phase.DECODE, Phase.PREFILL])
@@ -428,6 +470,38 @@ def test_extend_gpu_fp8_kv(page_size: int, heads: int, kv_heads: int) -> None:
     extend = [1024, 1] + [rng.randint(1, 600) for _ in range(10)]
     run_and_compare(torch.bfloat16, "cuda", page_size, heads, kv_heads, 128, prefix, extend,
                     Phase.PREFILL, seed=heads, kv_dtype=FP8_KV_DTYPE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs compute capability 9.0+ (PDL)")
+@pytest.mark.parametrize("kv_dtype", [None, FP8_KV_DTYPE], ids=["bf16", "fp8kv"])
+@pytest.mark.parametrize("batch_size", [1, 16])
+def test_split_decode_with_pdl_in_graph_is_bit_identical(kv_dtype: Optional[torch.dtype],
+                                                          batch_size: int) -> None:
+    """The split kernel under PDL (first tile prefetched into L2 before the wait, the merge by
+    the last program to finish) gives the bits of the plain launch, replay after replay of a
+    CUDA graph (the merge's counters reset by each launch)."""
+    rng = random.Random(batch_size)
+    prefix = [rng.randint(0, 2000) for _ in range(batch_size)]
+    case = make_case(torch.bfloat16, "cuda", 16, 32, 8, 128, prefix, [1] * batch_size,
+                     Phase.DECODE, 9, kv_dtype)
+    plain = _split_backend(case, 32, 8, 128)
+    plain.prepare(case.batch)
+    want = plain.forward(case.q, case.k, case.v, 1, case.batch)
+    pdl = _split_backend(case, 32, 8, 128, KernelPolicy(fused=True, pdl=True))
+    pdl.prepare(case.batch)
+    assert case.batch.attn_meta.o_part.shape[2] > 1
+    pdl.forward(case.q, case.k, case.v, 1, case.batch, kv_stored=True)  # compile outside
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = pdl.forward(case.q, case.k, case.v, 1, case.batch, kv_stored=True)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+    assert torch.count_nonzero(case.batch.attn_meta.arrivals) == 0
 
 
 # --- end to end: the engine with each backend ----------------------------------------------------

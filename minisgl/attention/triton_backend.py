@@ -37,6 +37,8 @@ class TritonMeta:
     max_extend: int
     o_part: Optional[torch.Tensor]  # decode scratch [batch, heads, splits, d] float32
     lse_part: Optional[torch.Tensor]  # decode scratch [batch, heads, splits] float32
+    # The split merge's counters, int32 [batch, kv_heads], zero between launches (split only)
+    arrivals: Optional[torch.Tensor] = None
     dense: bool = False  # one fresh prompt: torch's fused attention (TritonBackend.dense_prefill)
     # A mixed step (Batch.num_decode): this metadata is the prefill requests', whose tokens are
     # q's first `decode_from` rows; the decode rows after them run the decode kernel over
@@ -136,20 +138,26 @@ class TritonBackend(AttentionBackend):
                              device=self.device)
         lse_part = torch.empty((bs, self.num_heads, splits), dtype=torch.float32,
                                device=self.device)
+        arrivals = (torch.zeros((bs, self.num_kv_heads), dtype=torch.int32, device=self.device)
+                    if splits > 1 else None)
         return TritonMeta(True, rows, rows if prefix_lens is None else prefix_lens,
                           rows if extend_lens is None else extend_lens, seq_lens,
-                          rows if q_starts is None else q_starts, 1, o_part, lse_part)
+                          rows if q_starts is None else q_starts, 1, o_part, lse_part,
+                          arrivals=arrivals)
 
     # --- CUDA graphs (engine/cuda_graph.py): metadata over the graph's static inputs ---------
     def init_graph_buffers(self, max_bs: int) -> None:
         """Allocate what decode graphs of up to `max_bs` requests share: the split scratch (one
-        flat buffer serves every size: graphs never run at the same time) and the constant
-        per-request extend lengths (1) and query starts (0, 1, 2, ...)."""
+        flat buffer serves every size: graphs never run at the same time), the split merge's
+        counters (zeros, which every launch leaves zero) and the constant per-request extend
+        lengths (1) and query starts (0, 1, 2, ...)."""
         most = max(bs * self._graph_splits(bs) for bs in range(1, max_bs + 1))
         self._graph_o = torch.empty(most * self.num_heads * self.head_dim, dtype=torch.float32,
                                     device=self.device)
         self._graph_lse = torch.empty(most * self.num_heads, dtype=torch.float32,
                                       device=self.device)
+        self._graph_arrivals = torch.zeros(max_bs * self.num_kv_heads, dtype=torch.int32,
+                                           device=self.device)
         self._graph_ones = torch.ones(max_bs, dtype=torch.int32, device=self.device)
         self._graph_starts = torch.arange(max_bs, dtype=torch.int32, device=self.device)
 
@@ -167,8 +175,9 @@ class TritonBackend(AttentionBackend):
         h, d = self.num_heads, self.head_dim
         o_part = self._graph_o[:bs * h * splits * d].view(bs, h, splits, d)
         lse_part = self._graph_lse[:bs * h * splits].view(bs, h, splits)
+        arrivals = self._graph_arrivals[:bs * self.num_kv_heads].view(bs, self.num_kv_heads)
         return TritonMeta(True, rows, positions, self._graph_ones[:bs], seq_lens,
-                          self._graph_starts[:bs], 1, o_part, lse_part)
+                          self._graph_starts[:bs], 1, o_part, lse_part, arrivals=arrivals)
 
     def prefill_graph_meta(self, meta: torch.Tensor, max_extend: int,
                            decode: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
@@ -224,7 +233,7 @@ class TritonBackend(AttentionBackend):
         assert meta.o_part is not None and meta.lse_part is not None
         decode_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens,
                          meta.o_part, meta.lse_part, out, self.scale, self.min_split_tokens,
-                         pdl=pdl, k_scale=k_scale, v_scale=v_scale)
+                         pdl=pdl, k_scale=k_scale, v_scale=v_scale, arrivals=meta.arrivals)
 
     def dense_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       batch: Batch) -> torch.Tensor:

@@ -6,11 +6,11 @@ base 2 (the scale is pre-multiplied by log2(e)); outputs are cast back to the qu
 
 - Decode (one new token per request), flash-decoding: `_decode_split_kernel` runs one program per
   (KV head, KV split, request) over all query heads that share the KV head (GQA: K/V are read once
-  per group) and writes a normalised partial output plus its log-sum-exp; `_decode_reduce_kernel`
-  merges the splits. With a single split (large batches) the first kernel writes the output
-  itself and the merge pass is skipped. The split length is derived from each request's own
-  length inside the kernel, so the grid depends only on (batch size, num_splits), never on the
-  lengths.
+  per group) and writes a normalised partial output plus its log-sum-exp; the last program of
+  a request's KV head to finish merges its splits, in the same launch. With a single split
+  (large batches) each program writes its output itself. The split length is derived from each
+  request's own length inside the kernel, so the grid depends only on (batch size,
+  num_splits), never on the lengths.
 - Extend (prefill chunks after a cached prefix): `_extend_kernel` runs one program per (request,
   query head, block of new tokens) and attends causally over the prefix and the new tokens, all
   read from the pool (the new K/V must be stored first).
@@ -74,30 +74,75 @@ def _tile_dtype(q, F16_TILES: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(addr, size):
+    """Bring `size` bytes (a multiple of 16; none where 0) at each address `addr` into L2.
+    L2 is where every multiprocessor's writes land, so this may run before a PDL wait even on
+    data the previous kernel is still writing: it only warms the cache."""
+    return tl.inline_asm_elementwise(
+        "{\n.reg .pred p;\nsetp.gt.s32 p, $2, 0;\n"
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.b32 $0, 0;\n}",
+        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _split_len(seq_len, num_splits, min_split, BLOCK_N: tl.constexpr):
+    """Tokens a split of a request of `seq_len` tokens covers (whole tiles, at least
+    min_split): the split kernel and the merge share this arithmetic."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split)
+
+
+@triton.jit
+def _merge_head(o_part_ptr, lse_part_ptr, out_ptr, b, h, num_valid, stride_ob, stride_oh,
+                stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
+                BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[b, h] = the first `num_valid` splits' partial outputs weighted by their log-sum-exp.
+    Reads at L2 (.cg): the partials were written by other multiprocessors during this launch."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < num_valid
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(lse_part_ptr + b * stride_lb + h * stride_lh + offs_s, mask=mask_s,
+                  other=_NEG, cache_modifier=".cg")
+    w = tl.where(mask_s, tl.exp2(lse - tl.max(lse, 0)), 0.0)
+    o = tl.load(o_part_ptr + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os
+                + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0,
+                cache_modifier=".cg")
+    merged = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + b * stride_out_t + h * stride_out_h + offs_d,
+             merged.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+@triton.jit
 def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, page_table_ptr, rows_ptr, seq_lens_ptr, o_part_ptr, lse_part_ptr,
-        out_ptr, scale_log2, v_scale, num_splits, min_split,
+        arrivals_ptr, out_ptr, scale_log2, v_scale, num_splits, min_split,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
-        DIRECT: tl.constexpr, F16_TILES: tl.constexpr, PDL: tl.constexpr):
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+        F32_DOT: tl.constexpr, DIRECT: tl.constexpr, F16_TILES: tl.constexpr,
+        PDL: tl.constexpr):
     """Program (kv_head, split, b): partial attention of the GROUP query heads of `kv_head`.
-    DIRECT (a single split): the partial result is the answer; write it to `out`.
-    `scale_log2` includes the K scale; the partial output is multiplied by `v_scale`.
+    DIRECT (a single split): the partial result is the answer; write it to `out`. Otherwise
+    the partials go to the scratch and the request's last split program to finish (counted in
+    `arrivals[b, kv_head]`, which it resets to 0 for the next launch) merges them into `out`:
+    no second launch. `scale_log2` includes the K scale; the partial output is multiplied by
+    `v_scale`.
+
+    Split launches under PDL prefetch their first tile's K/V into L2 before the wait (pdl.py:
+    the page table, rows and lengths they read there are the step's inputs).
 
     The KV head is the fastest grid axis and the request the slowest, so blocks start request
     by request in batch order: a batch ordered longest first is scheduled longest job first (the
     last wave holds the short requests), and a request's heads, which share each token's DRAM
     rows, are read at the same time."""
-    pdl_enter(PDL)
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
     row = tl.load(rows_ptr + b).to(tl.int64)
     # A padded entry (seq_len 0) reads token 0 of its row instead of dividing by zero.
     seq_len = tl.maximum(tl.load(seq_lens_ptr + b), 1)
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split)
+    split_len = _split_len(seq_len, num_splits, min_split, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -107,6 +152,15 @@ def _decode_split_kernel(
     heads = kvh * GROUP + offs_h
     mask_h = offs_h < GROUP
     mask_d = offs_d < HEAD_DIM
+    pt_row = page_table_ptr + row * stride_pt
+    if PDL and not DIRECT:  # small batches, latency-bound: the first tile's K/V into L2
+        # while the previous kernel finishes
+        pos = start + offs_n
+        first = tl.load(pt_row + pos, mask=pos < end, other=0).to(tl.int64)
+        size = tl.where(pos < end, HEAD_DIM * k_ptr.dtype.element_ty.primitive_bitwidth // 8, 0)
+        _prefetch_l2(k_ptr + first * stride_ks + kvh * stride_kh, size)
+        _prefetch_l2(v_ptr + first * stride_vs + kvh * stride_vh, size)
+    pdl_enter(PDL)
     q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_h[:, None] & mask_d[None, :], other=0.0)
     q = _tile_dtype(q, F16_TILES)
@@ -114,7 +168,6 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], _NEG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    pt_row = page_table_ptr + row * stride_pt
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         mask_n = pos < end
@@ -127,7 +180,7 @@ def _decode_split_kernel(
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)  # [N, D]
         acc, m_i, l_i = _online_softmax_step(qk, v, acc, m_i, l_i, F32_DOT)
 
-    # An empty split (zero iterations) writes finite junk that the reduce kernel masks out.
+    # An empty split (no token) writes finite junk that the merge masks out.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None] * v_scale
     lse = m_i + tl.log2(l_safe)
@@ -139,32 +192,17 @@ def _decode_split_kernel(
                   + offs_d[None, :])
         tl.store(o_ptrs, o, mask=mask_h[:, None] & mask_d[None, :])
         tl.store(lse_part_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-        o_part_ptr, lse_part_ptr, out_ptr, seq_lens_ptr, num_splits, min_split,
-        stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
-        BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    """Program (b, head): merge the non-empty splits by their log-sum-exp weights."""
-    pdl_enter(PDL)
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    seq_len = tl.maximum(tl.load(seq_lens_ptr + b), 1)
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split)
-    num_valid = tl.cdiv(seq_len, split_len)  # same arithmetic as the split kernel
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < num_valid
-    mask_d = offs_d < HEAD_DIM
-    lse = tl.load(lse_part_ptr + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=_NEG)
-    w = tl.where(mask_s, tl.exp2(lse - tl.max(lse, 0)), 0.0)
-    o = tl.load(o_part_ptr + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os
-                + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + b * stride_out_t + h * stride_out_h + offs_d,
-             out.to(out_ptr.dtype.element_ty), mask=mask_d)
+        # Every thread's partial is stored before the count is published (release), and the
+        # last program's reads follow its count (acquire).
+        tl.debug_barrier()
+        counter = arrivals_ptr + b * tl.num_programs(0) + kvh
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            tl.store(counter, 0)
+            num_valid = tl.cdiv(seq_len, split_len)
+            for g in range(GROUP):  # not unrolled: one head's partials in registers at a time
+                _merge_head(o_part_ptr, lse_part_ptr, out_ptr, b, kvh * GROUP + g, num_valid,
+                            stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                            stride_out_t, stride_out_h, BLOCK_S, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -311,19 +349,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scale: float, min_split_tokens: int = 0,
                      tiles: Optional[DecodeTiles] = None, pdl: bool = False,
                      k_scale: float = 1.0, v_scale: float = 1.0,
-                     f16_tiles: Optional[bool] = None) -> None:
+                     f16_tiles: Optional[bool] = None,
+                     arrivals: Optional[torch.Tensor] = None) -> None:
     """One query token per request.
 
     q/out [B, heads, d] (last dim contiguous); k/v_cache [slots, kv_heads, d] (one layer);
     page_table [rows, ctx] int32; rows/seq_lens [B] int32 (seq_len counts the new token, whose
     K/V must already be in the pool); o_part [B, heads, S, d] and lse_part [B, heads, S] float32
-    scratch, where S = num_splits. Request b's KV is cut into at most S splits of
-    max(ceil(seq_len / S), min_split_tokens) tokens (rounded up to the tile), computed in the
-    kernels from the device lengths: launches depend only on shapes (graph-capturable). Requests
-    in decreasing length run fastest (longest job first; see the split kernel).
-    `pdl`: launch with programmatic dependent launch (pdl.py). `k_scale` / `v_scale`: the
-    layer's scales of an FP8 pool (the caches hold K / k_scale, V / v_scale); 1.0 otherwise.
-    `f16_tiles`: compute in float16 tiles (see _tile_dtype); None: where `f16_tiles_apply`.
+    scratch, where S = num_splits; with S > 1 also `arrivals`, int32 [B, kv_heads] of zeros,
+    which every launch leaves zero (the merge's counters: the split kernel). Request b's KV is
+    cut into at most S splits of max(ceil(seq_len / S), min_split_tokens) tokens (rounded up
+    to the tile), computed in the kernel from the device lengths: the launch depends only on
+    shapes (graph-capturable). Requests in decreasing length run fastest (longest job first;
+    see the split kernel). `pdl`: launch with programmatic dependent launch (pdl.py); the
+    kernel then reads K/V other than the newest token's before the wait, so nothing between
+    the forward pass's start and the kernel before this one may write the pool or the page
+    table. `k_scale` / `v_scale`: the layer's scales of an FP8 pool (the caches hold K /
+    k_scale, V / v_scale); 1.0 otherwise. `f16_tiles`: compute in float16 tiles (see
+    _tile_dtype); None: where `f16_tiles_apply`.
     """
     batch, num_heads, head_dim = q.shape
     if batch > _MAX_GRID_Z:
@@ -332,30 +375,28 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     num_splits = o_part.shape[2]
+    direct = num_splits == 1  # one split: the kernel writes the output itself
+    if not direct and (arrivals is None or arrivals.dtype != torch.int32
+                       or arrivals.shape != (batch, num_kv_heads) or not arrivals.is_contiguous()):
+        got = None if arrivals is None else (arrivals.dtype, tuple(arrivals.shape))
+        raise ValueError(f"decode_attention over {num_splits} splits needs `arrivals`, a "
+                         f"contiguous int32 [{batch}, {num_kv_heads}] of zeros; got {got}")
     block_d = _block_d(head_dim)
     f16 = _f16(f16_tiles, q, k_cache)
     tiles = tiles or decode_tiles(q.dtype, head_dim, num_splits, batch, f16)
     min_split = triton.cdiv(max(min_split_tokens, 1), tiles.block_n) * tiles.block_n
-    direct = num_splits == 1  # one split: no merge pass (the large-batch case)
     _decode_split_kernel[(num_kv_heads, num_splits, batch)](
-        q, k_cache, v_cache, page_table, rows, seq_lens, o_part, lse_part, out,
+        q, k_cache, v_cache, page_table, rows, seq_lens, o_part, lse_part,
+        o_part if arrivals is None else arrivals, out,
         scale * k_scale * _LOG2E, v_scale, num_splits, min_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, F32_DOT=_f32_dot(q), DIRECT=direct,
-        F16_TILES=f16, PDL=pdl,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        F32_DOT=_f32_dot(q), DIRECT=direct, F16_TILES=f16, PDL=pdl,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl))
-    if direct:
-        return
-    _decode_reduce_kernel[(batch, num_heads)](
-        o_part, lse_part, out, seq_lens, num_splits, min_split,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_N=tiles.block_n,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, PDL=pdl, num_warps=4, **launch_options(pdl))
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

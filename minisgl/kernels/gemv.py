@@ -318,14 +318,18 @@ def _norm_qkv_rope_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, 
     cols = tl.arange(0, BLOCK_K)
     lo_rows = head * (2 * HALF) + j
     w_lo, w_hi = _pair_tiles(w_ptr, lo_rows, lo_rows + HALF, cols, n, k, stride_wn)
+    # The rotary factors (two dependent reads) and the slot before the wait too: the position
+    # and slot are the step's inputs, complete before the forward pass's first (ordinary)
+    # launch, and the tables are constant (pdl.py)
+    pos = tl.load(pos_ptr).to(tl.int64)
+    c = tl.load(cos_ptr + pos * (2 * HALF) + j)
+    s = tl.load(sin_ptr + pos * (2 * HALF) + j)
+    slot = tl.load(slots_ptr).to(tl.int64)
     pdl_enter(PDL)
     x = _normed_row(x_ptr, res_ptr, nw_ptr, res_out_ptr, cols, k, eps, HAS_RES)
     ty = out_ptr.dtype.element_ty
     lo, hi = _pair_products(w_lo, w_hi, x, s_ptr, b_ptr, lo_rows, lo_rows + HALF, n, HAS_SCALE,
                             HAS_BIAS, ty)
-    pos = tl.load(pos_ptr).to(tl.int64)
-    c = tl.load(cos_ptr + pos * (2 * HALF) + j)
-    s = tl.load(sin_ptr + pos * (2 * HALF) + j)
     rot_lo = (lo * c - hi * s).to(ty)
     rot_hi = (hi * c + lo * s).to(ty)
     heads = head + tl.zeros_like(j)  # the pair's shape for the masks
@@ -337,7 +341,6 @@ def _norm_qkv_rope_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, 
         rot_lo, rot_hi = quantize_kv(rot_lo, k_scale), quantize_kv(rot_hi, k_scale)
         v_lo, v_hi = quantize_kv(v_lo, v_scale), quantize_kv(v_hi, v_scale)
     cache_ty = k_cache_ptr.dtype.element_ty
-    slot = tl.load(slots_ptr).to(tl.int64)
     is_k = (heads >= n_q) & (heads < n_q + n_kv)
     k_row = k_cache_ptr + slot * stride_cs + (heads - n_q) * (2 * HALF) + j
     tl.store(k_row, rot_lo.to(cache_ty), mask=is_k)

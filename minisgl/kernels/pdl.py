@@ -5,6 +5,12 @@ it must execute `gdc_wait` (which returns once that kernel has completed and its
 visible) before it reads or writes anything earlier kernels touch. Every PDL kernel here executes
 it, so ordering stays transitive along a chain of them; kernels without PDL (cuBLAS, NCCL, torch)
 keep ordinary stream order. This module imports triton: only GPU kernel modules import it.
+
+What a kernel may read before its wait: parameters (weights, scales, constant tables) and the
+step's inputs (positions, slots, the page table, lengths), which are complete before the forward
+pass's first kernel (the embedding lookup, an ordinary launch) starts; and any address as an L2
+prefetch, which fetches no stale data (L2 is where every multiprocessor's writes land). Never
+activations, nor the KV pool's newest tokens.
 """
 
 from __future__ import annotations
