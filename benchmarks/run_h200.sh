@@ -394,6 +394,26 @@ if [ "$MODE" = splittiles ]; then  # small-batch decode: the split attention's t
   done
   cp /tmp/attention.py.orig $A; cp /tmp/triton_backend.py.orig $T
 fi
+if [ "$MODE" = splitmerge ]; then  # small-batch decode: the split kernel's own merge, A/B (carry .gpucache)
+  # "old": the kernels before it, copied into .gpucache/before/ (same paths) and swapped in
+  # for its runs; TESTS=0 skips the CUDA tests, ROUNDS sets the A/B rounds.
+  L8=configs/models/llama-3.1-8b; FP8="--quantization fp8 --kv-cache-dtype fp8_e4m3"
+  files=$(cd .gpucache/before && find minisgl -name '*.py')
+  mkdir -p /tmp/new && for f in $files; do mkdir -p /tmp/new/$(dirname $f); cp $f /tmp/new/$f; done
+  if [ "${TESTS:-1}" != 0 ]; then
+    step merge_tests 240 python3 -m pytest -q tests/test_triton_attention.py -k "decode or split"
+    step pdl_tests 180 python3 -m pytest -q -m gpu tests/test_gpu.py -k "pdl or fused"
+  fi
+  for i in $(seq ${ROUNDS:-1}); do
+    for code in new old; do
+      src=/tmp/new; [ $code = old ] && src=.gpucache/before
+      for f in $files; do cp $src/$f $f; done
+      step "${code}${i}_fp8" 90 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,16 --steps 100 --cuda-graph-max-bs 16 $FP8
+      step "${code}${i}_bf16" 90 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,16 --steps 100 --cuda-graph-max-bs 16
+    done
+  done
+  for f in $files; do cp /tmp/new/$f $f; done
+fi
 if [ "$MODE" = silusplit ]; then  # the quantizing SiLU split over programs at decode batches (carry .gpucache)
   export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache
   L8=configs/models/llama-3.1-8b; FP8="--quantization fp8 --kv-cache-dtype fp8_e4m3"
