@@ -153,11 +153,13 @@ def _decode_split_kernel(
     mask_h = offs_h < GROUP
     mask_d = offs_d < HEAD_DIM
     pt_row = page_table_ptr + row * stride_pt
-    if PDL and not DIRECT:  # small batches, latency-bound: the first tile's K/V into L2
-        # while the previous kernel finishes
+    ROW_BYTES: tl.constexpr = HEAD_DIM * k_ptr.dtype.element_ty.primitive_bitwidth // 8
+    # Small batches (latency-bound): the first tile's K/V into L2 while the previous kernel
+    # finishes, where a head's row is whole 16-byte units (the bulk prefetch's alignment)
+    if PDL and not DIRECT and ROW_BYTES % 16 == 0:
         pos = start + offs_n
         first = tl.load(pt_row + pos, mask=pos < end, other=0).to(tl.int64)
-        size = tl.where(pos < end, HEAD_DIM * k_ptr.dtype.element_ty.primitive_bitwidth // 8, 0)
+        size = tl.where(pos < end, ROW_BYTES, 0)
         _prefetch_l2(k_ptr + first * stride_ks + kvh * stride_kh, size)
         _prefetch_l2(v_ptr + first * stride_vs + kvh * stride_vh, size)
     pdl_enter(PDL)
@@ -361,10 +363,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     cut into at most S splits of max(ceil(seq_len / S), min_split_tokens) tokens (rounded up
     to the tile), computed in the kernel from the device lengths: the launch depends only on
     shapes (graph-capturable). Requests in decreasing length run fastest (longest job first;
-    see the split kernel). `pdl`: launch with programmatic dependent launch (pdl.py); the
-    kernel then reads K/V other than the newest token's before the wait, so nothing between
-    the forward pass's start and the kernel before this one may write the pool or the page
-    table. `k_scale` / `v_scale`: the layer's scales of an FP8 pool (the caches hold K /
+    see the split kernel). `pdl`: launch with programmatic dependent launch (pdl.py); split
+    launches then read the page table, rows and lengths before the wait (the step's inputs)
+    and prefetch K/V into L2. `k_scale` / `v_scale`: the layer's scales of an FP8 pool (the caches hold K /
     k_scale, V / v_scale); 1.0 otherwise. `f16_tiles`: compute in float16 tiles (see
     _tile_dtype); None: where `f16_tiles_apply`.
     """
