@@ -479,17 +479,19 @@ def test_extend_gpu_fp8_kv(page_size: int, heads: int, kv_heads: int) -> None:
 @pytest.mark.parametrize("batch_size", [1, 16])
 def test_split_decode_with_pdl_in_graph_is_bit_identical(kv_dtype: Optional[torch.dtype],
                                                           batch_size: int) -> None:
-    """The split kernel under PDL (first tile prefetched into L2 before the wait, the merge by
-    the last program to finish) gives the bits of the plain launch, replay after replay of a
+    """The split kernel under PDL (rows and lengths read before the wait, the merge by the
+    last program to finish) gives the bits of the plain launch, replay after replay of a
     CUDA graph (the merge's counters reset by each launch)."""
     rng = random.Random(batch_size)
     prefix = [rng.randint(0, 2000) for _ in range(batch_size)]
     case = make_case(torch.bfloat16, "cuda", 16, 32, 8, 128, prefix, [1] * batch_size,
                      Phase.DECODE, 9, kv_dtype)
     plain = _split_backend(case, 32, 8, 128)
+    pdl = _split_backend(case, 32, 8, 128, KernelPolicy(fused=True, pdl=True))
+    # Enough multiprocessors that batch 16 splits too (64 would give one split a request)
+    plain.num_sms = pdl.num_sms = 64 * batch_size
     plain.prepare(case.batch)
     want = plain.forward(case.q, case.k, case.v, 1, case.batch)
-    pdl = _split_backend(case, 32, 8, 128, KernelPolicy(fused=True, pdl=True))
     pdl.prepare(case.batch)
     assert case.batch.attn_meta.o_part.shape[2] > 1
     pdl.forward(case.q, case.k, case.v, 1, case.batch, kv_stored=True)  # compile outside

@@ -74,17 +74,6 @@ def _tile_dtype(q, F16_TILES: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(addr, size):
-    """Bring `size` bytes (a multiple of 16; none where 0) at each address `addr` into L2.
-    L2 is where every multiprocessor's writes land, so this may run before a PDL wait even on
-    data the previous kernel is still writing: it only warms the cache."""
-    return tl.inline_asm_elementwise(
-        "{\n.reg .pred p;\nsetp.gt.s32 p, $2, 0;\n"
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.b32 $0, 0;\n}",
-        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _split_len(seq_len, num_splits, min_split, BLOCK_N: tl.constexpr):
     """Tokens a split of a request of `seq_len` tokens covers (whole tiles, at least
     min_split): the split kernel and the merge share this arithmetic."""
@@ -129,8 +118,8 @@ def _decode_split_kernel(
     no second launch. `scale_log2` includes the K scale; the partial output is multiplied by
     `v_scale`.
 
-    Split launches under PDL prefetch their first tile's K/V into L2 before the wait (pdl.py:
-    the page table, rows and lengths they read there are the step's inputs).
+    Under PDL the rows and lengths are read before the wait (the step's inputs, pdl.py); an L2
+    prefetch of the first tile there was measured slower (bf16 batch 1 +3%; RESULTS.md).
 
     The KV head is the fastest grid axis and the request the slowest, so blocks start request
     by request in batch order: a batch ordered longest first is scheduled longest job first (the
@@ -153,15 +142,6 @@ def _decode_split_kernel(
     mask_h = offs_h < GROUP
     mask_d = offs_d < HEAD_DIM
     pt_row = page_table_ptr + row * stride_pt
-    ROW_BYTES: tl.constexpr = HEAD_DIM * k_ptr.dtype.element_ty.primitive_bitwidth // 8
-    # Small batches (latency-bound): the first tile's K/V into L2 while the previous kernel
-    # finishes, where a head's row is whole 16-byte units (the bulk prefetch's alignment)
-    if PDL and not DIRECT and ROW_BYTES % 16 == 0:
-        pos = start + offs_n
-        first = tl.load(pt_row + pos, mask=pos < end, other=0).to(tl.int64)
-        size = tl.where(pos < end, ROW_BYTES, 0)
-        _prefetch_l2(k_ptr + first * stride_ks + kvh * stride_kh, size)
-        _prefetch_l2(v_ptr + first * stride_vs + kvh * stride_vh, size)
     pdl_enter(PDL)
     q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_h[:, None] & mask_d[None, :], other=0.0)
@@ -363,9 +343,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     cut into at most S splits of max(ceil(seq_len / S), min_split_tokens) tokens (rounded up
     to the tile), computed in the kernel from the device lengths: the launch depends only on
     shapes (graph-capturable). Requests in decreasing length run fastest (longest job first;
-    see the split kernel). `pdl`: launch with programmatic dependent launch (pdl.py); split
-    launches then read the page table, rows and lengths before the wait (the step's inputs)
-    and prefetch K/V into L2. `k_scale` / `v_scale`: the layer's scales of an FP8 pool (the caches hold K /
+    see the split kernel). `pdl`: launch with programmatic dependent launch (pdl.py). `k_scale` / `v_scale`: the layer's scales of an FP8 pool (the caches hold K /
     k_scale, V / v_scale); 1.0 otherwise. `f16_tiles`: compute in float16 tiles (see
     _tile_dtype); None: where `f16_tiles_apply`.
     """

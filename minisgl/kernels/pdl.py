@@ -8,9 +8,8 @@ keep ordinary stream order. This module imports triton: only GPU kernel modules 
 
 What a kernel may read before its wait: parameters (weights, scales, constant tables) and the
 step's inputs (positions, slots, the page table, lengths), which are complete before the forward
-pass's first kernel (the embedding lookup, an ordinary launch) starts; and any address as an L2
-prefetch, which fetches no stale data (L2 is where every multiprocessor's writes land). Never
-activations, nor the KV pool's newest tokens.
+pass's first kernel (the embedding lookup, an ordinary launch) starts. Never activations, nor
+the KV pool's newest tokens.
 """
 
 from __future__ import annotations
