@@ -295,7 +295,9 @@ def decode_tiles(dtype: torch.dtype, head_dim: int, num_splits: int, batch: int 
     2 warps and 2 stages from 128 up (149.9 us at 256; RESULTS.md, thirteenth session); split
     (small batches), (64, 2, 2): timed in the model, where PDL overlaps it with the GEMVs around
     it, the batch-16 FP8 step took 3.87 ms against 4.01 with (64, 8) (RESULTS.md, twentieth
-    session; bf16 pools keep (64, 8), which won there).
+    session). bf16 pools split the same way since the kernel merges its own splits: (64, 8)
+    won with a separate reduce launch, (64, 2, 2) with the merge (bf16 step 4.27 -> 4.10 ms at
+    batch 1, 5.15 -> 5.03 at 16; twenty-second session).
     float32 (IEEE dots run on FMA units, not tensor cores): the tile that compiles without
     register spills for sm_90."""
     if dtype == torch.float32:
@@ -304,7 +306,7 @@ def decode_tiles(dtype: torch.dtype, head_dim: int, num_splits: int, batch: int 
         if f16_tiles:
             return DecodeTiles(128, 4, 3) if batch < 128 else DecodeTiles(128, 2, 2)
         return DecodeTiles(64, 2, 3)
-    if f16_tiles and head_dim <= 128:
+    if head_dim <= 128:
         return DecodeTiles(64, 2)
     return DecodeTiles(64, 8)
 
