@@ -289,8 +289,8 @@ def decode_tiles(dtype: torch.dtype, head_dim: int, num_splits: int, batch: int 
     """Half types, from tile sweeps (scripts/bench_kernels.py --what decode; 32/8 heads, d 128,
     pages of 16, contexts 100-1700, requests longest first). bf16 pools: unsplit (large
     batches) 64 tokens per iteration, 2 warps, 3 stages came closest to the memory bandwidth,
-    ahead of (128, 4, 3) and far ahead of 8 warps or 256 tokens; split (small batches)
-    (64, 8, 2) was fastest. FP8 pools in float16 tiles, unsplit: 128 tokens per iteration,
+    ahead of (128, 4, 3) and far ahead of 8 warps or 256 tokens; split (small batches): see
+    below. FP8 pools in float16 tiles, unsplit: 128 tokens per iteration,
     4 warps and 3 stages below 128 requests (49.6 us at 64, against 64.4 for (64, 2, 3)),
     2 warps and 2 stages from 128 up (149.9 us at 256; RESULTS.md, thirteenth session); split
     (small batches), (64, 2, 2): timed in the model, where PDL overlaps it with the GEMVs around
@@ -345,8 +345,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     cut into at most S splits of max(ceil(seq_len / S), min_split_tokens) tokens (rounded up
     to the tile), computed in the kernel from the device lengths: the launch depends only on
     shapes (graph-capturable). Requests in decreasing length run fastest (longest job first;
-    see the split kernel). `pdl`: launch with programmatic dependent launch (pdl.py). `k_scale` / `v_scale`: the layer's scales of an FP8 pool (the caches hold K /
-    k_scale, V / v_scale); 1.0 otherwise. `f16_tiles`: compute in float16 tiles (see
+    see the split kernel). `pdl`: launch with programmatic dependent launch (pdl.py).
+    `k_scale` / `v_scale`: the layer's scales of an FP8 pool (the caches hold K / k_scale,
+    V / v_scale); 1.0 otherwise. `f16_tiles`: compute in float16 tiles (see
     _tile_dtype); None: where `f16_tiles_apply`.
     """
     batch, num_heads, head_dim = q.shape
