@@ -28,7 +28,7 @@ import triton.language as tl
 from minisgl.kernels.activation import silu_mul_f32
 from minisgl.kernels.fp8 import quantize_kv
 from minisgl.kernels.pdl import launch_options, pdl_enter
-from minisgl.kernels.rmsnorm import rmsnorm_row
+from minisgl.kernels.rmsnorm import rmsnorm_row_w
 from minisgl.kernels.types import Normed, QKVRope
 
 
@@ -70,12 +70,34 @@ def _gemv_tile(w_ptr, rows, cols, n, k, stride_wn):
 
 
 @triton.jit
-def _gemv_store(acc, rows, n, s_ptr, b_ptr, out_ptr, HAS_SCALE: tl.constexpr,
-                HAS_BIAS: tl.constexpr):
+def _row_params(s_ptr, b_ptr, rows, n, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The rows' weight scales and biases in float32 (zeros where there are none). Parameters:
+    a kernel loads them before its PDL wait, so that no load follows its sums (measured on
+    one H200: RESULTS.md, twenty-third session)."""
+    zeros = tl.zeros_like(rows).to(tl.float32)
+    scale = zeros
+    bias = zeros
     if HAS_SCALE:
-        acc *= tl.load(s_ptr + rows, mask=rows < n, other=0.0)
+        scale = tl.load(s_ptr + rows, mask=rows < n, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + rows, mask=rows < n, other=0.0).to(tl.float32)
+        bias = tl.load(b_ptr + rows, mask=rows < n, other=0.0).to(tl.float32)
+    return scale, bias
+
+
+@triton.jit
+def _scaled(acc, scale, bias, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """acc * scale + bias, each where there is one (`_row_params`)."""
+    if HAS_SCALE:
+        acc *= scale
+    if HAS_BIAS:
+        acc += bias
+    return acc
+
+
+@triton.jit
+def _gemv_store(acc, rows, n, scale, bias, out_ptr, HAS_SCALE: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+    acc = _scaled(acc, scale, bias, HAS_SCALE, HAS_BIAS)
     tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < n)
 
 
@@ -88,6 +110,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, n, k, stride_wn, HAS_SCALE
     # The weights are never written during a forward pass: their first tile may be read before
     # the wait; x (the previous kernel's output) only after it.
     w = _gemv_tile(w_ptr, rows, cols, n, k, stride_wn)
+    scale, bias = _row_params(s_ptr, b_ptr, rows, n, HAS_SCALE, HAS_BIAS)
     pdl_enter(PDL)
     x = tl.load(x_ptr + cols, mask=cols < k, other=0.0).to(tl.float32)
     acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
@@ -96,7 +119,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, n, k, stride_wn, HAS_SCALE
         w = _gemv_tile(w_ptr, rows, cols, n, k, stride_wn)
         x = tl.load(x_ptr + cols, mask=cols < k, other=0.0).to(tl.float32)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    _gemv_store(acc, rows, n, s_ptr, b_ptr, out_ptr, HAS_SCALE, HAS_BIAS)
+    _gemv_store(acc, rows, n, scale, bias, out_ptr, HAS_SCALE, HAS_BIAS)
 
 
 def _check_gemv(x: torch.Tensor, weight: torch.Tensor,
@@ -133,6 +156,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     return out
 
 
+def _fp8(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float8_e4m3fn
+
+
 def _or(t: Optional[torch.Tensor], other: torch.Tensor) -> torch.Tensor:
     """An optional tensor argument of a kernel: any pointer stands in for a missing one (the
     kernel's HAS_* flag keeps it unread)."""
@@ -151,31 +178,48 @@ NORM_GEMV_MAX_K = 4096
 
 
 @triton.jit
-def _normed_row(x_ptr, res_ptr, nw_ptr, res_out_ptr, cols, k, eps, HAS_RES: tl.constexpr):
+def _enter_with_norm_weight(nw_ptr, cols, k, EARLY: tl.constexpr, PDL: tl.constexpr):
+    """`pdl_enter`, and the norm's weight (a parameter) loaded before the wait (EARLY) or after
+    it. Early pays with FP8 weights (batch-1 step 2.536 -> 2.491 ms) and costs with 16-bit
+    ones (4.088 -> 4.121: twice the weight registers held across the wait; one H200,
+    RESULTS.md, twenty-third session)."""
+    if EARLY:
+        nw = tl.load(nw_ptr + cols, mask=cols < k, other=0.0)
+        pdl_enter(PDL)
+    else:
+        pdl_enter(PDL)
+        nw = tl.load(nw_ptr + cols, mask=cols < k, other=0.0)
+    return nw
+
+
+@triton.jit
+def _normed_row(x_ptr, res_ptr, nw, res_out_ptr, cols, k, eps, HAS_RES: tl.constexpr):
     """The norm GEMV's input in float32: rmsnorm(h) * nw for h = x + res (x alone without
-    HAS_RES), rounded as the RMSNorm kernel rounds; program 0 also stores h at res_out."""
+    HAS_RES), rounded as the RMSNorm kernel rounds; program 0 also stores h at res_out. `nw`:
+    `_enter_with_norm_weight`."""
     mask = cols < k
     h = tl.load(x_ptr + cols, mask=mask, other=0.0)
     if HAS_RES:
         h = h + tl.load(res_ptr + cols, mask=mask, other=0.0)
         if tl.program_id(0) == 0:
             tl.store(res_out_ptr + cols, h, mask=mask)
-    return rmsnorm_row(h, nw_ptr, cols, mask, k, eps).to(tl.float32)
+    return rmsnorm_row_w(h, nw, k, eps).to(tl.float32)
 
 
 @triton.jit
 def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_out_ptr, n, k,
                       stride_wn, eps, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PDL: tl.constexpr):
+                      EARLY_NW: tl.constexpr, PDL: tl.constexpr):
     """Program p: rows [p * BLOCK_N, +BLOCK_N) of rmsnorm(h) W^T + b for h = x + res (x alone
     without HAS_RES); program 0 also stores h at res_out."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     w = _gemv_tile(w_ptr, rows, cols, n, k, stride_wn)  # before the wait, as in _gemv_kernel
-    pdl_enter(PDL)
-    x = _normed_row(x_ptr, res_ptr, nw_ptr, res_out_ptr, cols, k, eps, HAS_RES)
-    _gemv_store(tl.sum(w.to(tl.float32) * x[None, :], axis=1), rows, n, s_ptr, b_ptr, out_ptr,
+    scale, bias = _row_params(s_ptr, b_ptr, rows, n, HAS_SCALE, HAS_BIAS)
+    nw = _enter_with_norm_weight(nw_ptr, cols, k, EARLY_NW, PDL)
+    x = _normed_row(x_ptr, res_ptr, nw, res_out_ptr, cols, k, eps, HAS_RES)
+    _gemv_store(tl.sum(w.to(tl.float32) * x[None, :], axis=1), rows, n, scale, bias, out_ptr,
                 HAS_SCALE, HAS_BIAS)
 
 
@@ -218,7 +262,8 @@ def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: to
         x, res, norm_weight, weight, _or(weight_scale, weight), _or(bias, weight), out, res_out,
         n, k, weight.stride(0), eps, HAS_RES=residual is not None,
         HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=rows, BLOCK_K=triton.next_power_of_2(k), PDL=pdl, num_warps=num_warps,
+        BLOCK_N=rows, BLOCK_K=triton.next_power_of_2(k), EARLY_NW=_fp8(weight), PDL=pdl,
+        num_warps=num_warps,
         num_stages=num_stages, **launch_options(pdl))
     return Normed(out, res_out)
 
@@ -243,18 +288,14 @@ def _pair_tiles(w_ptr, lo_rows, hi_rows, cols, n, k, stride_wn):
 
 
 @triton.jit
-def _pair_products(w_lo, w_hi, x, s_ptr, b_ptr, lo_rows, hi_rows, n, HAS_SCALE: tl.constexpr,
+def _pair_products(w_lo, w_hi, x, s_lo, b_lo, s_hi, b_hi, HAS_SCALE: tl.constexpr,
                    HAS_BIAS: tl.constexpr, ty: tl.constexpr):
-    """Both halves' products (scaled, + bias), rounded to `ty` as the GEMV output is, in
-    float32."""
-    lo = tl.sum(w_lo.to(tl.float32) * x[None, :], axis=1)
-    hi = tl.sum(w_hi.to(tl.float32) * x[None, :], axis=1)
-    if HAS_SCALE:
-        lo *= tl.load(s_ptr + lo_rows, mask=lo_rows < n, other=0.0)
-        hi *= tl.load(s_ptr + hi_rows, mask=hi_rows < n, other=0.0)
-    if HAS_BIAS:
-        lo += tl.load(b_ptr + lo_rows, mask=lo_rows < n, other=0.0).to(tl.float32)
-        hi += tl.load(b_ptr + hi_rows, mask=hi_rows < n, other=0.0).to(tl.float32)
+    """Both halves' products (scaled, + bias: each half's `_row_params`), rounded to `ty` as
+    the GEMV output is, in float32."""
+    lo = _scaled(tl.sum(w_lo.to(tl.float32) * x[None, :], axis=1), s_lo, b_lo, HAS_SCALE,
+                 HAS_BIAS)
+    hi = _scaled(tl.sum(w_hi.to(tl.float32) * x[None, :], axis=1), s_hi, b_hi, HAS_SCALE,
+                 HAS_BIAS)
     return lo.to(ty).to(tl.float32), hi.to(ty).to(tl.float32)
 
 
@@ -262,7 +303,7 @@ def _pair_products(w_lo, w_hi, x, s_ptr, b_ptr, lo_rows, hi_rows, n, HAS_SCALE: 
 def _norm_gate_up_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_out_ptr, d,
                          k, stride_wn, eps, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
                          HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr,
-                         PDL: tl.constexpr):
+                         EARLY_NW: tl.constexpr, PDL: tl.constexpr):
     """Program p: out[i] = silu(gate_i) * up_i for i in [PAIRS p, PAIRS (p + 1)), gate_i / up_i
     the rows i and d + i of rmsnorm(h) W^T + b (W = [gate; up], 2d rows; where d is not a
     multiple of PAIRS the last program's gate rows past d are up rows, whose results are not
@@ -270,9 +311,11 @@ def _norm_gate_up_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, r
     i = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
     cols = tl.arange(0, BLOCK_K)
     w_gate, w_up = _pair_tiles(w_ptr, i, d + i, cols, 2 * d, k, stride_wn)  # before the wait
-    pdl_enter(PDL)
-    x = _normed_row(x_ptr, res_ptr, nw_ptr, res_out_ptr, cols, k, eps, HAS_RES)
-    gate, up = _pair_products(w_gate, w_up, x, s_ptr, b_ptr, i, d + i, 2 * d, HAS_SCALE,
+    s_gate, b_gate = _row_params(s_ptr, b_ptr, i, 2 * d, HAS_SCALE, HAS_BIAS)
+    s_up, b_up = _row_params(s_ptr, b_ptr, d + i, 2 * d, HAS_SCALE, HAS_BIAS)
+    nw = _enter_with_norm_weight(nw_ptr, cols, k, EARLY_NW, PDL)
+    x = _normed_row(x_ptr, res_ptr, nw, res_out_ptr, cols, k, eps, HAS_RES)
+    gate, up = _pair_products(w_gate, w_up, x, s_gate, b_gate, s_up, b_up, HAS_SCALE,
                               HAS_BIAS, out_ptr.dtype.element_ty)
     act = silu_mul_f32(gate, up)
     tl.store(out_ptr + i, act.to(out_ptr.dtype.element_ty), mask=i < d)
@@ -299,8 +342,8 @@ def norm_gate_up_silu(x: torch.Tensor, residual: Optional[torch.Tensor],
         x, res, norm_weight, weight, _or(weight_scale, weight), _or(bias, weight), out, res_out,
         d, k, weight.stride(0), eps, HAS_RES=residual is not None,
         HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
-        BLOCK_K=triton.next_power_of_2(k), PAIRS=pairs, PDL=pdl, num_warps=num_warps,
-        **launch_options(pdl))
+        BLOCK_K=triton.next_power_of_2(k), PAIRS=pairs, EARLY_NW=_fp8(weight), PDL=pdl,
+        num_warps=num_warps, **launch_options(pdl))
     return Normed(out, res_out)
 
 
@@ -310,7 +353,8 @@ def _norm_qkv_rope_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, 
                           stride_wn, stride_cs, eps, n_q, n_kv, k_scale, v_scale,
                           HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
                           HAS_BIAS: tl.constexpr, HALF: tl.constexpr, BLOCK_K: tl.constexpr,
-                          QUANT: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr):
+                          QUANT: tl.constexpr, PAIRS: tl.constexpr, EARLY_NW: tl.constexpr,
+                          PDL: tl.constexpr):
     """Program p: rotary pairs j .. j + PAIRS - 1 of head p // (HALF // PAIRS), j = PAIRS *
     (p % (HALF // PAIRS)), of the fused QKV projection of rmsnorm(h): q pairs rotated into
     out, k pairs rotated into the k cache at this token's slot, v pairs copied to the v cache
@@ -328,11 +372,12 @@ def _norm_qkv_rope_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, 
     c = tl.load(cos_ptr + pos * (2 * HALF) + j)
     s = tl.load(sin_ptr + pos * (2 * HALF) + j)
     slot = tl.load(slots_ptr).to(tl.int64)
-    pdl_enter(PDL)
-    x = _normed_row(x_ptr, res_ptr, nw_ptr, res_out_ptr, cols, k, eps, HAS_RES)
+    s_lo, b_lo = _row_params(s_ptr, b_ptr, lo_rows, n, HAS_SCALE, HAS_BIAS)
+    s_hi, b_hi = _row_params(s_ptr, b_ptr, lo_rows + HALF, n, HAS_SCALE, HAS_BIAS)
+    nw = _enter_with_norm_weight(nw_ptr, cols, k, EARLY_NW, PDL)
+    x = _normed_row(x_ptr, res_ptr, nw, res_out_ptr, cols, k, eps, HAS_RES)
     ty = out_ptr.dtype.element_ty
-    lo, hi = _pair_products(w_lo, w_hi, x, s_ptr, b_ptr, lo_rows, lo_rows + HALF, n, HAS_SCALE,
-                            HAS_BIAS, ty)
+    lo, hi = _pair_products(w_lo, w_hi, x, s_lo, b_lo, s_hi, b_hi, HAS_SCALE, HAS_BIAS, ty)
     rot_lo = (lo * c - hi * s).to(ty)
     rot_hi = (hi * c + lo * s).to(ty)
     heads = head + tl.zeros_like(j)  # the pair's shape for the masks
@@ -394,6 +439,6 @@ def norm_qkv_rope(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight
         weight.stride(0), k_cache.stride(0), eps, rope.n_q, rope.n_kv, rope.target.k_scale,
         rope.target.v_scale, HAS_RES=residual is not None,
         HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None, HALF=dim // 2,
-        BLOCK_K=triton.next_power_of_2(k), QUANT=rope.target.quantized, PAIRS=pairs, PDL=pdl,
-        num_warps=num_warps, **launch_options(pdl))
+        BLOCK_K=triton.next_power_of_2(k), QUANT=rope.target.quantized, PAIRS=pairs,
+        EARLY_NW=_fp8(weight), PDL=pdl, num_warps=num_warps, **launch_options(pdl))
     return Normed(out, res_out)

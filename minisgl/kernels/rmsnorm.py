@@ -47,9 +47,16 @@ def rms_apply(xf, inv, w, dtype: tl.constexpr):
 def rmsnorm_row(x, w_ptr, cols, mask, n_cols, eps):
     """rmsnorm(x) * w in x's dtype: x [BLOCK] in the output dtype (masked lanes zero); float32
     math (`rms_inv`, `rms_apply`)."""
+    return rmsnorm_row_w(x, tl.load(w_ptr + cols, mask=mask, other=0.0), n_cols, eps)
+
+
+@triton.jit
+def rmsnorm_row_w(x, w, n_cols, eps):
+    """`rmsnorm_row` with its weight already loaded (w [BLOCK], masked lanes zero): a kernel
+    under PDL loads it before its wait (a parameter), not after the sum of squares."""
     xf = x.to(tl.float32)
     inv = rms_inv(tl.sum(xf * xf, axis=0), n_cols, eps)
-    return rms_apply(xf, inv, tl.load(w_ptr + cols, mask=mask, other=0.0), x.dtype)
+    return rms_apply(xf, inv, w, x.dtype)
 
 
 @triton.jit
