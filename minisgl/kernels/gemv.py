@@ -122,14 +122,18 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, n, k, stride_wn, HAS_SCALE
     _gemv_store(acc, rows, n, scale, bias, out_ptr, HAS_SCALE, HAS_BIAS)
 
 
+def _fp8(weight: torch.Tensor) -> bool:
+    """FP8 (float8_e4m3fn) weights: scaled per row, and tiled as such."""
+    return weight.dtype == torch.float8_e4m3fn
+
+
 def _check_gemv(x: torch.Tensor, weight: torch.Tensor,
                 weight_scale: Optional[torch.Tensor] = None) -> None:
     n, k = weight.shape
     if x.numel() != k or weight.stride(1) != 1:
         raise ValueError(f"gemv takes one row of {k} features and a row-major weight, got x "
                          f"{tuple(x.shape)}, weight strides {weight.stride()}")
-    fp8 = weight.dtype == torch.float8_e4m3fn
-    if fp8 != (weight_scale is not None) or (weight_scale is not None and (
+    if _fp8(weight) != (weight_scale is not None) or (weight_scale is not None and (
             weight_scale.shape != (n,) or weight_scale.dtype != torch.float32
             or not weight_scale.is_contiguous())):
         got = None if weight_scale is None else (weight_scale.dtype, tuple(weight_scale.shape))
@@ -147,17 +151,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     _check_gemv(x, weight, weight_scale)
     n, k = weight.shape
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    tiles = tiles or gemv_tiles(k, weight.dtype == torch.float8_e4m3fn)
+    tiles = tiles or gemv_tiles(k, _fp8(weight))
     _gemv_kernel[(triton.cdiv(n, tiles.rows),)](
         x.contiguous(), weight, _or(weight_scale, weight), _or(bias, weight), out, n, k,
         weight.stride(0), HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
         BLOCK_N=tiles.rows, BLOCK_K=tiles.block_k, PDL=pdl, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, **launch_options(pdl))
     return out
-
-
-def _fp8(weight: torch.Tensor) -> bool:
-    return weight.dtype == torch.float8_e4m3fn
 
 
 def _or(t: Optional[torch.Tensor], other: torch.Tensor) -> torch.Tensor:
@@ -263,8 +263,7 @@ def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: to
         n, k, weight.stride(0), eps, HAS_RES=residual is not None,
         HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
         BLOCK_N=rows, BLOCK_K=triton.next_power_of_2(k), EARLY_NW=_fp8(weight), PDL=pdl,
-        num_warps=num_warps,
-        num_stages=num_stages, **launch_options(pdl))
+        num_warps=num_warps, num_stages=num_stages, **launch_options(pdl))
     return Normed(out, res_out)
 
 
@@ -277,7 +276,7 @@ def default_pairs(weight: torch.Tensor) -> int:
     then streams as many weight bytes as the 16-bit tiling; Llama-3.1-8B shape on one H200,
     4 warps: gate/up 32.3 us against 34.7 at 2 pairs, QKV with rotary 10.8 against 11.0;
     RESULTS.md, sixteenth session)."""
-    return 4 if weight.dtype == torch.float8_e4m3fn else 2
+    return 4 if _fp8(weight) else 2
 
 
 @triton.jit
