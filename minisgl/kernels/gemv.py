@@ -178,16 +178,21 @@ NORM_GEMV_MAX_K = 4096
 
 
 @triton.jit
-def _enter_with_norm_weight(nw_ptr, cols, k, EARLY: tl.constexpr, PDL: tl.constexpr):
-    """`pdl_enter`, and the norm's weight (a parameter) loaded before the wait (EARLY) or after
-    it. Early pays with FP8 weights (batch-1 step 2.536 -> 2.491 ms) and costs with 16-bit
-    ones (4.088 -> 4.121: twice the weight registers held across the wait; one H200,
-    RESULTS.md, twenty-third session)."""
+def _norm_weight_early(nw_ptr, cols, k, EARLY: tl.constexpr):
+    """The norm's weight (a parameter) loaded before the PDL wait where EARLY, else a
+    placeholder that `_norm_weight_late` replaces after it. Early pays with FP8 weights
+    (batch-1 step 2.536 -> 2.491 ms) and costs with 16-bit ones (4.088 -> 4.121: twice the
+    weight registers held across the wait; one H200, RESULTS.md, twenty-third session)."""
+    nw = tl.zeros_like(cols).to(nw_ptr.dtype.element_ty)
     if EARLY:
         nw = tl.load(nw_ptr + cols, mask=cols < k, other=0.0)
-        pdl_enter(PDL)
-    else:
-        pdl_enter(PDL)
+    return nw
+
+
+@triton.jit
+def _norm_weight_late(nw, nw_ptr, cols, k, EARLY: tl.constexpr):
+    """After the wait: `nw` from `_norm_weight_early`, or the weight loaded now."""
+    if not EARLY:
         nw = tl.load(nw_ptr + cols, mask=cols < k, other=0.0)
     return nw
 
@@ -196,7 +201,7 @@ def _enter_with_norm_weight(nw_ptr, cols, k, EARLY: tl.constexpr, PDL: tl.conste
 def _normed_row(x_ptr, res_ptr, nw, res_out_ptr, cols, k, eps, HAS_RES: tl.constexpr):
     """The norm GEMV's input in float32: rmsnorm(h) * nw for h = x + res (x alone without
     HAS_RES), rounded as the RMSNorm kernel rounds; program 0 also stores h at res_out. `nw`:
-    `_enter_with_norm_weight`."""
+    `_norm_weight_early`."""
     mask = cols < k
     h = tl.load(x_ptr + cols, mask=mask, other=0.0)
     if HAS_RES:
@@ -217,7 +222,9 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_
     cols = tl.arange(0, BLOCK_K)
     w = _gemv_tile(w_ptr, rows, cols, n, k, stride_wn)  # before the wait, as in _gemv_kernel
     scale, bias = _row_params(s_ptr, b_ptr, rows, n, HAS_SCALE, HAS_BIAS)
-    nw = _enter_with_norm_weight(nw_ptr, cols, k, EARLY_NW, PDL)
+    nw = _norm_weight_early(nw_ptr, cols, k, EARLY_NW)
+    pdl_enter(PDL)
+    nw = _norm_weight_late(nw, nw_ptr, cols, k, EARLY_NW)
     x = _normed_row(x_ptr, res_ptr, nw, res_out_ptr, cols, k, eps, HAS_RES)
     _gemv_store(tl.sum(w.to(tl.float32) * x[None, :], axis=1), rows, n, scale, bias, out_ptr,
                 HAS_SCALE, HAS_BIAS)
@@ -312,7 +319,9 @@ def _norm_gate_up_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, r
     w_gate, w_up = _pair_tiles(w_ptr, i, d + i, cols, 2 * d, k, stride_wn)  # before the wait
     s_gate, b_gate = _row_params(s_ptr, b_ptr, i, 2 * d, HAS_SCALE, HAS_BIAS)
     s_up, b_up = _row_params(s_ptr, b_ptr, d + i, 2 * d, HAS_SCALE, HAS_BIAS)
-    nw = _enter_with_norm_weight(nw_ptr, cols, k, EARLY_NW, PDL)
+    nw = _norm_weight_early(nw_ptr, cols, k, EARLY_NW)
+    pdl_enter(PDL)
+    nw = _norm_weight_late(nw, nw_ptr, cols, k, EARLY_NW)
     x = _normed_row(x_ptr, res_ptr, nw, res_out_ptr, cols, k, eps, HAS_RES)
     gate, up = _pair_products(w_gate, w_up, x, s_gate, b_gate, s_up, b_up, HAS_SCALE,
                               HAS_BIAS, out_ptr.dtype.element_ty)
@@ -373,7 +382,9 @@ def _norm_qkv_rope_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, 
     slot = tl.load(slots_ptr).to(tl.int64)
     s_lo, b_lo = _row_params(s_ptr, b_ptr, lo_rows, n, HAS_SCALE, HAS_BIAS)
     s_hi, b_hi = _row_params(s_ptr, b_ptr, lo_rows + HALF, n, HAS_SCALE, HAS_BIAS)
-    nw = _enter_with_norm_weight(nw_ptr, cols, k, EARLY_NW, PDL)
+    nw = _norm_weight_early(nw_ptr, cols, k, EARLY_NW)
+    pdl_enter(PDL)
+    nw = _norm_weight_late(nw, nw_ptr, cols, k, EARLY_NW)
     x = _normed_row(x_ptr, res_ptr, nw, res_out_ptr, cols, k, eps, HAS_RES)
     ty = out_ptr.dtype.element_ty
     lo, hi = _pair_products(w_lo, w_hi, x, s_lo, b_lo, s_hi, b_hi, HAS_SCALE, HAS_BIAS, ty)
