@@ -507,6 +507,129 @@ def test_split_decode_with_pdl_in_graph_is_bit_identical(kv_dtype: Optional[torc
     assert torch.count_nonzero(case.batch.attn_meta.arrivals) == 0
 
 
+# --- the attention and the GEMV after it in one launch (batch 1) ------------------------------------
+def _projected_case(dtype: torch.dtype, device: str, kv_dtype: Optional[torch.dtype],
+                    fp8_weight: bool, split: bool, heads: int = 8, kv_heads: int = 2,
+                    head_dim: int = 32, context: int = 40, out_features: int = 48, seed: int = 5
+                    ) -> Tuple[Case, TritonBackend, torch.Tensor, Optional[torch.Tensor]]:
+    """One decode request whose new K/V are already in the pool (as the fused QKV kernel
+    leaves them), its backend prepared (`split`: 16-token splits, else one), and an o_proj
+    weight [out_features, heads * head_dim] (FP8 with float32 row scales, or q's dtype)."""
+    from minisgl.layers.fp8 import quantize_rows
+    case = make_case(dtype, device, 16, heads, kv_heads, head_dim, [context - 1], [1],
+                     Phase.DECODE, seed, kv_dtype)
+    backend = _split_backend(case, heads, kv_heads, head_dim)
+    if not split:
+        backend.min_split_tokens = 4096
+    backend.prepare(case.batch)
+    backend.forward(case.q, case.k, case.v, 0, case.batch)  # stores the new token's K/V
+    gen = torch.Generator(device).manual_seed(seed)
+    w = torch.randn((out_features, heads * head_dim), generator=gen, device=device) * 0.1
+    if fp8_weight:
+        fp8, scale = quantize_rows(w)
+        return case, backend, fp8, scale
+    return case, backend, w.to(dtype), None
+
+
+def _attention_then_gemv(case: Case, backend: TritonBackend, weight: torch.Tensor,
+                         scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """The two kernels that decode_attention_gemv fuses, at its tiles (layer 0)."""
+    from minisgl.kernels.attention import decode_attention
+    from minisgl.kernels.attention_gemv import fused_tiles
+    from minisgl.kernels.gemv import gemv
+    meta = case.batch.attn_meta
+    pool = case.pool
+    tiles = fused_tiles(case.q, pool.k[0], weight, meta.o_part.shape[2])
+    attn = torch.empty_like(case.q)
+    decode_attention(case.q, pool.k[0], pool.v[0], case.page_table, meta.rows, meta.seq_lens,
+                     meta.o_part, meta.lse_part, attn, backend.scale, backend.min_split_tokens,
+                     tiles.attention, k_scale=pool.scales.k[0], v_scale=pool.scales.v[0],
+                     arrivals=meta.arrivals)
+    return gemv(attn.reshape(1, -1), weight, weight_scale=scale, tiles=tiles.gemv)
+
+
+def _attention_gemv(case: Case, backend: TritonBackend, weight: torch.Tensor,
+                    scale: Optional[torch.Tensor], pdl: bool = False) -> torch.Tensor:
+    from minisgl.kernels.attention_gemv import decode_attention_gemv
+    meta = case.batch.attn_meta
+    pool = case.pool
+    return decode_attention_gemv(case.q, pool.k[0], pool.v[0], case.page_table, meta.rows,
+                                 meta.seq_lens, meta.o_part, meta.lse_part, meta.arrivals,
+                                 backend._gemv_counters, weight, scale, backend.scale,
+                                 backend.min_split_tokens, pdl, pool.scales.k[0],
+                                 pool.scales.v[0])
+
+
+@pytest.mark.parametrize("dtype,kv_dtype,fp8_weight,split", [
+    (torch.float32, None, False, True), (torch.float32, None, True, False),
+    (torch.bfloat16, FP8_KV_DTYPE, True, True), (torch.bfloat16, None, False, False)],
+    ids=["f32-split", "f32-fp8w-direct", "fp8kv-fp8w-split", "bf16-direct"])
+def test_attention_gemv_equals_the_two_kernels(dtype: torch.dtype,
+                                               kv_dtype: Optional[torch.dtype],
+                                               fp8_weight: bool, split: bool) -> None:
+    """The batch-1 attention + o_proj launch gives the bits of decode_attention followed by
+    the GEMV at the same tiles, and leaves its counters (and the split merge's) zero, so the
+    next layer's launch, or a graph replay, starts clean."""
+    device = "cuda" if HAS_CUDA else "cpu"
+    case, backend, w, scale = _projected_case(dtype, device, kv_dtype, fp8_weight, split)
+    assert (case.batch.attn_meta.o_part.shape[2] > 1) == split
+    want = _attention_then_gemv(case, backend, w, scale)
+    for _ in range(2):
+        got = _attention_gemv(case, backend, w, scale)
+        assert torch.equal(got, want)
+        assert torch.count_nonzero(backend._gemv_counters) == 0
+        if split:
+            assert torch.count_nonzero(case.batch.attn_meta.arrivals) == 0
+
+
+def test_attention_gemv_refuses_what_it_cannot_run() -> None:
+    """More than one request, a weight of the wrong width, or missing counters: a ValueError
+    with the shapes, before anything runs."""
+    from minisgl.kernels.attention_gemv import decode_attention_gemv
+    case, backend, w, scale = _projected_case(torch.float32, "cpu", None, False, True)
+    meta = case.batch.attn_meta
+    pool = case.pool
+
+    def call(q: torch.Tensor, weight: torch.Tensor, counters: torch.Tensor) -> None:
+        decode_attention_gemv(q, pool.k[0], pool.v[0], case.page_table, meta.rows,
+                              meta.seq_lens, meta.o_part, meta.lse_part, meta.arrivals,
+                              counters, weight, None, backend.scale)
+
+    counters = backend._gemv_counters
+    with pytest.raises(ValueError, match=r"q \[1, heads, d\].*got q \(2, 8, 32\)"):
+        call(case.q.expand(2, -1, -1), w, counters)
+    with pytest.raises(ValueError, match=r"weight \(48, 128\)"):
+        call(case.q, w[:, :128], counters)
+    with pytest.raises(ValueError, match=r"int32 \[3\] of zeros; got torch.int64"):
+        call(case.q, w, torch.zeros(3, dtype=torch.int64))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs compute capability 9.0+ (PDL)")
+@pytest.mark.parametrize("kv_dtype,fp8_weight", [(None, False), (FP8_KV_DTYPE, True)],
+                         ids=["bf16", "fp8"])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "direct"])
+def test_attention_gemv_with_pdl_in_graph_is_bit_identical(kv_dtype: Optional[torch.dtype],
+                                                            fp8_weight: bool,
+                                                            split: bool) -> None:
+    """Llama-3.1-8B's attention shape and o_proj, launched with PDL inside a CUDA graph: the
+    bits of the two plain kernels, replay after replay."""
+    case, backend, w, scale = _projected_case(torch.bfloat16, "cuda", kv_dtype, fp8_weight,
+                                              split, 32, 8, 128, 1500, 4096)
+    want = _attention_then_gemv(case, backend, w, scale)
+    _attention_gemv(case, backend, w, scale, pdl=True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _attention_gemv(case, backend, w, scale, pdl=True)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+    assert torch.count_nonzero(backend._gemv_counters) == 0
+
+
 # --- end to end: the engine with each backend ----------------------------------------------------
 def _tiny_checkpoint(root: Path) -> Path:
     """A random tiny Qwen3 checkpoint without a tokenizer (no downloads). Weights of std 0.1,
