@@ -39,14 +39,6 @@ class AttentionBackend(ABC):
         `kv_stored=True` to it; None (the default): `forward` stores them."""
         return None
 
-    def forward_projected(self, q: torch.Tensor, layer: int, batch: Batch, weight: torch.Tensor,
-                          weight_scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """attention(q) W^T, [T, N], in one launch where the backend has one for this batch
-        (K/V already written to `kv_target`; W [N, heads * d], FP8 with float32 row scales
-        `weight_scale`, else dense); None otherwise (the default), nothing computed: the
-        caller runs `forward` and the projection."""
-        return None
-
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 batch: Batch, kv_stored: bool = False) -> torch.Tensor:

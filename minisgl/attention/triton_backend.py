@@ -18,7 +18,6 @@ import torch
 from minisgl.attention.base import AttentionBackend
 from minisgl.core import Batch, Phase
 from minisgl.kernels.attention import decode_attention, extend_attention, store_kv
-from minisgl.kernels.attention_gemv import COUNTERS, decode_attention_gemv
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kernels.types import KVTarget
 from minisgl.kvcache import KVPool
@@ -78,9 +77,6 @@ class TritonBackend(AttentionBackend):
         # Read once: the decode split count aims to fill the GPU's multiprocessors.
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 8)
-        # The attention + GEMV launch's counters: zeros that every launch leaves zero, shared
-        # by every layer and graph (launches on one stream never overlap).
-        self._gemv_counters = torch.zeros(COUNTERS, dtype=torch.int32, device=self.device)
 
     def num_splits(self, batch_size: int, max_seq_len: int) -> int:
         """KV splits per (request, KV head): about two waves of programs, none too short."""
@@ -230,19 +226,6 @@ class TritonBackend(AttentionBackend):
                 self._decode(q[n:], k_cache, v_cache, meta.decode_part, out[n:],
                              self.policy.pdl, k_scale, v_scale)
         return out.reshape(q.shape[0], -1)
-
-    def forward_projected(self, q: torch.Tensor, layer: int, batch: Batch, weight: torch.Tensor,
-                          weight_scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """One decode request with the policy's `attention_gemv`: kernels/attention_gemv.py."""
-        meta: TritonMeta = batch.attn_meta  # type: ignore[assignment]
-        if not (self.policy.attention_gemv and meta.decode and q.shape[0] == 1):
-            return None
-        assert meta.o_part is not None and meta.lse_part is not None
-        return decode_attention_gemv(
-            q, self.pool.k[layer], self.pool.v[layer], self.page_table, meta.rows,
-            meta.seq_lens, meta.o_part, meta.lse_part, meta.arrivals, self._gemv_counters,
-            weight, weight_scale, self.scale, self.min_split_tokens, self.policy.pdl,
-            self.pool.scales.k[layer], self.pool.scales.v[layer])
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: TritonMeta, out: torch.Tensor, pdl: bool, k_scale: float,

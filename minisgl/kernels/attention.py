@@ -111,7 +111,12 @@ def _decode_split_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
         F32_DOT: tl.constexpr, DIRECT: tl.constexpr, F16_TILES: tl.constexpr,
         PDL: tl.constexpr):
-    """Program (kv_head, split, b): `_split_attention` of the GROUP query heads of `kv_head`.
+    """Program (kv_head, split, b): partial attention of the GROUP query heads of `kv_head`.
+    DIRECT (a single split): the partial result is the answer; write it to `out`. Otherwise
+    the partials go to the scratch and the request's last split program to finish (counted in
+    `arrivals[b, kv_head]`, which it resets to 0 for the next launch) merges them into `out`:
+    no second launch. `scale_log2` includes the K scale; the partial output is multiplied by
+    `v_scale`.
 
     Under PDL the rows and lengths are read before the wait (the step's inputs, pdl.py); an L2
     prefetch of the first tile there was measured slower (bf16 batch 1 +3%; RESULTS.md).
@@ -124,35 +129,8 @@ def _decode_split_kernel(
     split = tl.program_id(1)
     b = tl.program_id(2)
     row = tl.load(rows_ptr + b).to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + b)
-    pdl_enter(PDL)
-    _split_attention(
-        q_ptr, k_ptr, v_ptr, page_table_ptr, o_part_ptr, lse_part_ptr, arrivals_ptr, out_ptr,
-        scale_log2, v_scale, num_splits, min_split, kvh, split, b, row, seq_len,
-        tl.num_programs(0), stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
-        stride_pt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t,
-        stride_out_h, GROUP, BLOCK_H, BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_S, F32_DOT, DIRECT,
-        F16_TILES)
-
-
-@triton.jit
-def _split_attention(
-        q_ptr, k_ptr, v_ptr, page_table_ptr, o_part_ptr, lse_part_ptr, arrivals_ptr, out_ptr,
-        scale_log2, v_scale, num_splits, min_split, kvh, split, b, row, seq_len, num_kv_heads,
-        stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
-        stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
-        GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-        F32_DOT: tl.constexpr, DIRECT: tl.constexpr, F16_TILES: tl.constexpr):
-    """Split `split` of request b (page-table row `row`, `seq_len` tokens) for the GROUP query
-    heads of `kv_head`; the caller has passed its PDL wait. DIRECT (a single split): the
-    partial result is the answer; write it to `out`. Otherwise the partials go to the scratch
-    and the request's last split program to finish (counted in `arrivals[b, kv_head]`, which
-    it resets to 0 for the next launch) merges them into `out`: no second launch.
-    `scale_log2` includes the K scale; the partial output is multiplied by `v_scale`. Returns
-    whether this program wrote the final output of its KV head's query heads."""
     # A padded entry (seq_len 0) reads token 0 of its row instead of dividing by zero.
-    seq_len = tl.maximum(seq_len, 1)
+    seq_len = tl.maximum(tl.load(seq_lens_ptr + b), 1)
     split_len = _split_len(seq_len, num_splits, min_split, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -164,6 +142,7 @@ def _split_attention(
     mask_h = offs_h < GROUP
     mask_d = offs_d < HEAD_DIM
     pt_row = page_table_ptr + row * stride_pt
+    pdl_enter(PDL)
     q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_h[:, None] & mask_d[None, :], other=0.0)
     q = _tile_dtype(q, F16_TILES)
@@ -190,7 +169,6 @@ def _split_attention(
     if DIRECT:
         tl.store(out_ptr + b * stride_out_t + heads[:, None] * stride_out_h + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
-        last = seq_len > 0
     else:
         o_ptrs = (o_part_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
                   + offs_d[None, :])
@@ -199,16 +177,14 @@ def _split_attention(
         # Every thread's partial is stored before the count is published (release), and the
         # last program's reads follow its count (acquire).
         tl.debug_barrier()
-        counter = arrivals_ptr + b * num_kv_heads + kvh
-        last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1
-        if last:
+        counter = arrivals_ptr + b * tl.num_programs(0) + kvh
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
             tl.store(counter, 0)
             num_valid = tl.cdiv(seq_len, split_len)
             for g in range(GROUP):  # not unrolled: one head's partials in registers at a time
                 _merge_head(o_part_ptr, lse_part_ptr, out_ptr, b, kvh * GROUP + g, num_valid,
                             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                             stride_out_t, stride_out_h, BLOCK_S, HEAD_DIM, BLOCK_D)
-    return last
 
 
 @triton.jit

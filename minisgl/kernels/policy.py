@@ -33,10 +33,3 @@ class KernelPolicy:
         without it the GEMV merely ties cuBLAS inside the model; with it
         each GEMV's first weight tile streams while the previous kernel finishes."""
         return self.pdl
-
-    @property
-    def attention_gemv(self) -> bool:
-        """Whether a batch-1 decode runs its attention and the GEMV after it (o_proj) in one
-        launch (kernels/attention_gemv.py): o_proj's weights stream while the attention, which
-        is latency-bound at one request, computes. With the GEMV."""
-        return self.gemv

@@ -178,11 +178,6 @@ def all_reduce_norm(comm: Communicator, partial: torch.Tensor, bias: Optional[to
     return cast(Normed, norm(y if bias is None else y + bias, residual))
 
 
-class GemvOperands(NamedTuple):
-    weight: torch.Tensor  # [N, K], dense or FP8
-    scale: Optional[torch.Tensor]  # FP8: float32 [N] row scales
-
-
 class ResidualStream(NamedTuple):
     """The residual stream between two sublayers, before the RMSNorm that opens the next one:
     the hidden state is h = reduce(partial) + residual, where reduce is `reducer.finish` (the
@@ -444,14 +439,6 @@ class RowParallelLinear(_Fp8Layer):
             if raw is not None:
                 return ResidualStream(raw.product, residual, RescaledProduct(raw.scales))
         return ResidualStream(self.forward_quantized(a, dtype), residual, self)
-
-    def gemv_operands(self, x: torch.Tensor) -> Optional[GemvOperands]:
-        """What the one-token GEMV reads for input x (`project`): this rank's weight and its
-        FP8 row scales; None where x does not take the GEMV. `forward(x, reduce=False)` is
-        gemv(x, *operands)."""
-        if not (takes_gemv(x, self.policy) and gemv_reads(self.quantized())):
-            return None
-        return GemvOperands(self.weight, self._gemv_scale())
 
     def finish(self, partial: torch.Tensor) -> torch.Tensor:
         """The output from the partial product: all-reduce (a collective), then the bias."""

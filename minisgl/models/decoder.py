@@ -98,12 +98,6 @@ class Attention(nn.Module):
     def forward(self, stream: ResidualStream, norm: RMSNorm, positions: torch.Tensor,
                 batch: Batch, backend: AttentionBackend) -> ResidualStream:
         qkv = self._qkv(stream, norm, positions, batch, backend)
-        if qkv.stored:  # batch 1: attention and o_proj in one launch where the backend can
-            operands = self.o_proj.gemv_operands(qkv.q.flatten(1))  # o_proj's input's shape
-            if operands is not None:
-                partial = backend.forward_projected(qkv.q, self.layer, batch, *operands)
-                if partial is not None:
-                    return ResidualStream(partial, qkv.residual, self.o_proj)
         out = backend.forward(qkv.q, qkv.k, qkv.v, self.layer, batch, kv_stored=qkv.stored)
         return self.o_proj.forward_stream(out, qkv.residual)
 
