@@ -15,6 +15,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
 pytest.importorskip("triton")
+# The kernels get CPU tensors, which only the interpreter runs; a CUDA machine compiles them for
+# the GPU instead (the interpreter is chosen once per process), and runs this path for real in
+# test_gpu.py.
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
+                                reason="a CPU-interpreter test (CPU tensors through Triton)")
 
 from minisgl.distributed import Communicator, DistributedInfo  # noqa: E402
 from minisgl.kernels import gemv, rotary  # noqa: E402
