@@ -321,6 +321,24 @@ def test_split_count_policy() -> None:
     assert backend.num_splits(1, 10 ** 7) <= backend.max_splits
 
 
+def test_prefill_metadata_keeps_its_fields_apart() -> None:
+    """TritonMeta's optional fields are keyword-only: when `arrivals` was added before `dense`,
+    prepare's positional call put the dense flag into `arrivals` and the long-prompt path of
+    torch's fused attention went silently unused (8,192-token first token 229.5 ms against
+    213.6 with it on one H200; RESULTS.md, twenty-fifth session). A prefill's metadata carries
+    no split counters, and on the CPU no dense flag (that path needs CUDA)."""
+    from minisgl.attention.triton_backend import TritonMeta
+    case = make_case(torch.float32, "cpu", 16, 8, 2, 32, [0], [1100], Phase.PREFILL, 0)
+    backend = TritonBackend(case.pool, case.page_table, 8, 2, 32, 1.0)
+    backend.prepare(case.batch)
+    meta = case.batch.attn_meta
+    assert meta.arrivals is None and meta.dense is False and meta.decode_part is None
+    rows = meta.rows
+    with pytest.raises(TypeError):
+        TritonMeta(False, rows, rows, rows, rows, rows, 1, None, None, True)  # type: ignore[misc]
+    assert TritonMeta(False, rows, rows, rows, rows, rows, 1, None, None, dense=True).dense
+
+
 @pytest.mark.parametrize("n", [1, 3, 5, 6])
 def test_metadata_rows_are_16_byte_aligned(n: int) -> None:
     """Triton builds a kernel variant per pointer alignment: metadata rows at unaligned offsets

@@ -10,7 +10,7 @@ them: no device reads, no host syncs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import List, Optional, Tuple
 
 import torch
@@ -37,6 +37,9 @@ class TritonMeta:
     max_extend: int
     o_part: Optional[torch.Tensor]  # decode scratch [batch, heads, splits, d] float32
     lse_part: Optional[torch.Tensor]  # decode scratch [batch, heads, splits] float32
+    # Keyword-only from here: a field added above them once shifted `dense` into `arrivals`
+    # positionally, which silently turned the dense prefill off (twenty-fifth session).
+    _: KW_ONLY
     # The split merge's counters, int32 [batch, kv_heads], zero between launches (split only)
     arrivals: Optional[torch.Tensor] = None
     dense: bool = False  # one fresh prompt: torch's fused attention (TritonBackend.dense_prefill)
@@ -121,7 +124,7 @@ class TritonBackend(AttentionBackend):
                  and batch.extend_lens[0] >= self.dense_prefill_tokens
                  and self.device.type == "cuda")
         batch.attn_meta = TritonMeta(False, dev[0], dev[1], dev[2], dev[3], dev[4],
-                                     max(batch.extend_lens, default=0), None, None, dense)
+                                     max(batch.extend_lens, default=0), None, None, dense=dense)
 
     def _decode_meta(self, rows: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                      prefix_lens: Optional[torch.Tensor] = None,
