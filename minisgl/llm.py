@@ -67,7 +67,7 @@ class _InProcess:
     def __init__(self, cfg: SchedulerConfig) -> None:
         info = cfg.engine.tp_info
         if cfg.engine.cpu_threads is not None:  # this is the caller's process: only when asked
-            set_cpu_threads(cfg.engine, logger)
+            set_cpu_threads(cfg.engine, 1, logger)  # the only rank on this host
         self.engine = Engine(cfg.engine, ProcessGroups(Communicator(info), None),
                              mixed_rows=cfg.mixed_rows)
         self.io = LocalIO()

@@ -70,13 +70,21 @@ def test_rank_uses_omp_num_threads(tiny_qwen3: Path, monkeypatch: pytest.MonkeyP
         assert len(out[0].token_ids) == 2
 
 
-def test_rank_uses_cpu_threads_setting(tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch
-                                       ) -> None:
+@pytest.mark.parametrize("tp", [1, 2])
+def test_rank_uses_cpu_threads_setting(tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch,
+                                       tp: int) -> None:
+    """cpu_threads wins over OMP_NUM_THREADS in every rank; at tp=1 the rank is the caller's
+    own process (its torch pool is restored after, for the rest of the suite)."""
+    import torch
     from minisgl import LLM
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    with LLM(str(tiny_qwen3), tp=2, device="cpu", cpu_threads=1, show_progress=False,
-             max_kv_tokens=1024) as llm:
-        assert llm.torch_threads == (1, 1)
+    before = torch.get_num_threads()
+    try:
+        with LLM(str(tiny_qwen3), tp=tp, device="cpu", cpu_threads=1, show_progress=False,
+                 max_kv_tokens=1024) as llm:
+            assert llm.torch_threads == (1,) * tp
+    finally:
+        torch.set_num_threads(before)
 
 
 # --- the suite's memory ---------------------------------------------------------------------------
