@@ -102,3 +102,24 @@ def test_eager_warmup_leaves_no_trace(tiny_model: Callable[..., Path]) -> None:
         assert llm.check_accounting() == before
         outs = llm.generate(prompts, GREEDY32)
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 32)
+
+
+@pytest.mark.parametrize("tensor", ["model.layers.0.self_attn.o_proj.bias",
+                                    "model.layers.1.self_attn.q_proj.bias"])
+def test_checkpoint_bias_the_config_lacks_is_refused_naming_it(
+        tiny_model: Callable[..., Path], tmp_path: Path, tensor: str) -> None:
+    """A checkpoint tensor for a bias the config gives the layer none of (row- and
+    column-parallel layers): a start-up error naming the tensor, not an attribute error."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    src = tiny_model("llama")
+    dst = tmp_path / "with-bias"
+    shutil.copytree(src, dst)
+    files = sorted(dst.glob("*.safetensors"))
+    tensors = load_file(str(files[0]))
+    tensors[tensor] = torch.zeros(8)
+    save_file(tensors, str(files[0]), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{tensor}.*config gives it none"):
+        LLM(str(dst), device="cpu", show_progress=False, max_kv_tokens=256)

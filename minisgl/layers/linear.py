@@ -76,11 +76,27 @@ def _row_scale(quant: Optional[Fp8Weight]) -> Optional[torch.Tensor]:
     return None if quant is None else quant.scale
 
 
+def _loaded_bias(layer: "_Fp8Layer") -> torch.Tensor:
+    """The bias a checkpoint tensor loads into; ValueError where the model's config gives the
+    layer none (the loader names the tensor)."""
+    if layer.bias is None:
+        raise ValueError(f"the checkpoint has a bias for this {type(layer).__name__}, but the "
+                         f"model's config gives it none (e.g. attention_bias / mlp_bias false)")
+    return layer.bias
+
+
 class _Fp8Layer(nn.Module):
     """What the column- and row-parallel layers share about FP8 weights: `fp8`, their spec
     (None: dense weights, as after a weight-only layer's `finish_loading`)."""
 
     fp8: Optional[Fp8Spec]
+    # Set by _make_weight / fp8_weights.make_params (parameters, or buffers when quantizing
+    # online); declared so that their type is a tensor's, not nn.Module's __getattr__ union.
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    input_scale: torch.Tensor
+    bias: Optional[torch.Tensor]
+    policy: KernelPolicy
 
     def _make_weight(self, out_features: int, in_features: int) -> None:
         if self.fp8 is None:
@@ -321,6 +337,8 @@ class ColumnParallelLinear(_Fp8Layer):
                                       weight_scale=self._gemv_scale())
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
+        if param == "bias":
+            _loaded_bias(self)
         shard, off = self.shards[shard_id], self.offsets[shard_id]
         what = f"{param}[{shard_id}]"
         if self.fp8 is None or param == "bias":
@@ -456,7 +474,7 @@ class RowParallelLinear(_Fp8Layer):
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
         if param == "bias":
-            copy_into(self.bias.data, src.read(), "bias")
+            copy_into(_loaded_bias(self).data, src.read(), "bias")
         elif self.fp8 is None:
             copy_into(self.weight.data, src.read(1, self.shard.start, self.shard.stop), param)
         elif param == "weight":

@@ -45,6 +45,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    cos: torch.Tensor  # buffers [max_positions, head_dim] float32 (register_buffer)
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: Optional[dict], policy: KernelPolicy = KernelPolicy()) -> None:
         """`policy`: the fused kernel where `policy.fused`, launched with programmatic dependent
