@@ -322,9 +322,10 @@ def check_request(ids: Sequence[int], params: SamplingParams, limits: Limits) ->
     if error is not None:
         raise RequestError(error, "structured")
     n = len(ids)
-    if params.max_tokens is None:
-        params = dataclasses.replace(params, max_tokens=_auto_max_tokens(n, params, limits))
     m = params.max_tokens
+    if m is None:
+        m = _auto_max_tokens(n, params, limits)
+        params = dataclasses.replace(params, max_tokens=m)
     if n + m > limits.max_context:
         raise TooLong(n, m, limits, in_pool=False)
     if n + m > limits.kv_capacity:  # more tokens than the pages hold: more pages than there are
@@ -391,6 +392,15 @@ class Req:
     grammar: object = None
 
     @property
+    def max_tokens(self) -> int:
+        """params.max_tokens, which `check_request` resolved before the request was built."""
+        m = self.params.max_tokens
+        if m is None:
+            raise RuntimeError(f"request {self.uid} was built from params that did not pass "
+                               f"check_request (max_tokens unresolved)")
+        return m
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
         """Its prompt's log-probabilities are still to be computed (a retracted request that
         already sent them computes them no more)."""
@@ -408,7 +418,7 @@ class Req:
         """Every token it may produce (max_tokens) has been launched: with overlap its last one
         may still be in flight, and no further step can be of use to it. A function of the
         request's lengths only, so every rank agrees."""
-        return self.device_len - self.prompt_len >= self.params.max_tokens
+        return self.device_len - self.prompt_len >= self.max_tokens
 
     def append_token(self, token: int) -> Optional[FinishReason]:
         """Record a sampled token and return why the request finished, if it did."""
@@ -417,7 +427,7 @@ class Req:
             self.eos_ids + self.params.stop_token_ids)
         if token in stop_ids:
             self.finish_reason = FinishReason.STOP
-        elif self.output_len >= self.params.max_tokens:
+        elif self.output_len >= self.max_tokens:
             self.finish_reason = FinishReason.LENGTH
         return self.finish_reason
 

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 import zmq
@@ -318,10 +318,10 @@ class LLM:
                  ) -> List[GenerateOutput]:
         """One output per prompt, in order (`params.n` of them for n > 1, consecutive).
         `params`: one for all, or one per prompt."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        ids = [self._encode(p) for p in prompts]  # type: ignore[union-attr]
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts)
+                                              and isinstance(prompts[0], int))
+        batch = cast(Sequence[Prompt], [prompts] if single else prompts)
+        ids = [self._encode(p) for p in batch]
         return self._run(ids, self._per_prompt(params, len(ids)))
 
     def chat(self, messages: Union[List[Dict[str, str]], List[List[Dict[str, str]]]],
@@ -436,7 +436,7 @@ class LLM:
                 continue
             stopped = w is not None and w.stopped
             outputs.append(GenerateOutput(
-                w.text if stopped else decode(t), t,  # type: ignore[union-attr]
+                w.text if stopped else decode(t), t,
                 FinishReason.STOP.value if stopped else d.finish_reason or "", d.prompt_tokens,
                 d.cached_tokens, lp if p.logprobs is not None else None, plp))
         return outputs

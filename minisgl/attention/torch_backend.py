@@ -67,7 +67,7 @@ class TorchBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 batch: Batch, kv_stored: bool = False) -> torch.Tensor:
         if not kv_stored:  # this backend names no kv_target, so callers never store for it
-            self.pool.store(layer, batch.out_slots, k, v)
+            self.pool.store(layer, batch.out_slots, k, v)  # type: ignore[arg-type]
         meta: TorchMeta = batch.attn_meta  # type: ignore[assignment]
         out = torch.empty_like(q)
         k_all, v_all = self.pool.k[layer], self.pool.v[layer]

@@ -109,7 +109,8 @@ class TritonBackend(AttentionBackend):
             # eager split count per step made new ones compile mid-serving; RESULTS.md,
             # fourteenth session, command 8).
             part = self._decode_meta(dev[5, :d], dev[6, :d], max(seq_lens[first:]), splits=1)
-            batch.attn_meta = TritonMeta(False, *(dev[i, :first] for i in range(5)),
+            batch.attn_meta = TritonMeta(False, dev[0, :first], dev[1, :first], dev[2, :first],
+                                         dev[3, :first], dev[4, :first],
                                          max(batch.extend_lens[:first]), None, None,
                                          decode_part=part, decode_from=starts[first])
             return

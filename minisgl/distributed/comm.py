@@ -17,7 +17,7 @@ import datetime
 import logging
 import zlib
 from array import array
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -110,7 +110,7 @@ def init_process_groups(info: DistributedInfo, device: torch.device, init_method
         return ProcessGroups(Communicator(info), None)
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    kwargs: Dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
     host, port = parse_tcp(init_method)
     pin_gloo(address_towards(host))
     if store_prefix is None:
@@ -146,7 +146,10 @@ def _symm_all_reduce(mode: str, info: DistributedInfo, device: torch.device,
     """The symmetric-memory all-reduce the mode asks for, or None (same answer on every rank)."""
     if mode == "nccl" or device.type != "cuda":  # on CPU "auto" is plain gloo, nothing to log
         return None
-    symm, why = SymmMemAllReduce.create(dist.group.WORLD, cpu_group, device, max_bytes,
+    world = dist.group.WORLD
+    if world is None:
+        raise RuntimeError("the symmetric all-reduce needs the default process group, made first")
+    symm, why = SymmMemAllReduce.create(world, cpu_group, device, max_bytes,
                                         fused=mode == "symm-fused")
     if symm is None:
         if mode in SYMM_MODES:

@@ -144,7 +144,7 @@ class DecodeGraphs:
         batch.out_slots = self.page_table[rows, positions]
         batch.attn_meta = self.backend.graph_meta(rows, positions, seq_lens)
         return self.model(self.last_tokens[rows], positions, batch,
-                          self.backend, None)  # type: ignore[arg-type]
+                          self.backend, None)
 
     def _capture_all(self, device: torch.device) -> None:
         self.graphs, self.logits = capture_graphs(self.sizes, self._run, device)

@@ -12,6 +12,7 @@ import copy
 import itertools
 import logging
 import time
+from pathlib import Path
 from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -41,6 +42,13 @@ from minisgl.utils import temporarily, to_device
 
 logger = logging.getLogger(__name__)
 _CPU_DEFAULT_KV_TOKENS = 16384
+
+
+class DeviceInputs(NamedTuple):
+    """A batch's model inputs on the device (Engine._prepare_inputs)."""
+
+    ids: torch.Tensor  # [tokens] int64
+    positions: torch.Tensor  # [tokens] int64
 
 
 class Forwarded(NamedTuple):
@@ -166,12 +174,11 @@ class Engine:
             torch.cuda.set_device(self.device)
         self.policy = kernel_policy(cfg, self.device)
         check_kv_cache_dtype(cfg, self.device)
-        self.model_cfg = ModelConfig.from_dir(cfg.model_path)
+        self.model_cfg = ModelConfig.from_dir(Path(cfg.model_path))
         self.model, kv_scales = self._load_model(groups)
         on_progress(f"weights loaded in {time.perf_counter() - start:.1f} s")
         self.max_context = cfg.context_length(self.model_cfg.max_context)
-        qkv = self.model.model.layers[0].self_attn.qkv_proj
-        local_kv_heads, local_heads = qkv.num_local_kv_heads, qkv.num_local_heads
+        local_kv_heads, local_heads = self.model.model.local_heads
         self.num_pages = min_over_ranks(
             pages_that_fit(cfg, self.model_cfg, local_kv_heads, self.device), groups.cpu_group)
         kv_dtype = cfg.kv_torch_dtype
@@ -268,7 +275,7 @@ class Engine:
             init_dummy(model, self.cfg.seed)
         else:
             show = self.cfg.show_progress and self.cfg.tp_info.is_primary
-            model.load_weights(scales.filter(iter_checkpoint(self.cfg.model_path, show)))
+            model.load_weights(scales.filter(iter_checkpoint(Path(self.cfg.model_path), show)))
         if self.cfg.kv_torch_dtype == FP8_KV_DTYPE and scales.found == 0:
             logger.warning("rank %d: the checkpoint gives no KV cache scales: the FP8 KV cache "
                            "uses 1.0 for every layer (K/V beyond +-448 saturate)",
@@ -353,16 +360,15 @@ class Engine:
             logits, rows = self.prefill_graphs.replay(batch)
             return Forwarded(logits, rows, None, None)
         rows = to_device([batch.reqs[i].table_row for i in sampled], torch.int64, self.device)
-        self._prepare_inputs(batch, rows)
+        ids, positions = self._prepare_inputs(batch, rows)
         self.backend.prepare(batch)
         ends = list(itertools.accumulate(batch.extend_lens))  # one past each request's last
         logit_rows = to_device([ends[i] - 1 for i in sampled], torch.int64, self.device)
         prompt = prompt_rows(batch)
         if prompt is None:
-            logits = self.model(batch.input_ids, batch.positions, batch, self.backend,
-                                logit_rows)
+            logits = self.model(ids, positions, batch, self.backend, logit_rows)
             return Forwarded(logits, rows, None, None)
-        hidden = self.model.hidden(batch.input_ids, batch.positions, batch, self.backend)
+        hidden = self.model.hidden(ids, positions, batch, self.backend)
         return Forwarded(self.model.lm_head(hidden[logit_rows]), rows, prompt,
                          prompt_logprobs(self.model.lm_head, hidden, prompt,
                                          self.cfg.tp_info.is_primary))
@@ -409,9 +415,9 @@ class Engine:
         """Launch and collect the tokens: the synchronous path."""
         return self.collect(self.launch(batch)).tokens
 
-    def _prepare_inputs(self, batch: Batch, rows: torch.Tensor) -> None:
-        """Positions and input ids on the device; `rows` are the page-table rows of the sampled
-        requests, which for a decode batch are all of them, in order."""
+    def _prepare_inputs(self, batch: Batch, rows: torch.Tensor) -> DeviceInputs:
+        """Positions and input ids on the device, also set on `batch`; `rows` are the page-table
+        rows of the sampled requests, which for a decode batch are all of them, in order."""
         dev = self.device
         positions: List[int] = []
         for prefix, ext in zip(batch.prefix_lens, batch.extend_lens):
@@ -419,7 +425,7 @@ class Engine:
         batch.positions = to_device(positions, torch.int64, dev)
         if batch.phase is Phase.DECODE:  # the newest token may still be on the device only
             batch.input_ids = self.last_tokens[rows]
-            return
+            return DeviceInputs(batch.input_ids, batch.positions)
         ids: List[int] = []
         first_decode = batch.first_decode
         for req, prefix, ext in zip(batch.reqs[:first_decode], batch.prefix_lens,
@@ -429,3 +435,4 @@ class Engine:
         if batch.num_decode:  # a mixed step's decode rows, sampled last: as a decode batch's
             batch.input_ids = torch.cat([batch.input_ids,
                                          self.last_tokens[rows[-batch.num_decode:]]])
+        return DeviceInputs(batch.input_ids, batch.positions)

@@ -165,7 +165,7 @@ class PrefillGraphs:
                       num_decode=d)
         batch.out_slots = slots
         batch.attn_meta = self.backend.prefill_graph_meta(meta, n, decode)
-        logits = self.model(ids, positions, batch, self.backend, last)  # type: ignore[arg-type]
+        logits = self.model(ids, positions, batch, self.backend, last)
         if self.out is None:  # at the first run, eager (capture_graphs warms up first)
             self.out = torch.empty((1 + self.max_decode_rows, logits.shape[1]),
                                    dtype=logits.dtype, device=logits.device)
@@ -230,7 +230,7 @@ def capture_prefill_graphs(model: CausalLM, backend: object, max_tokens: int,
                                                                           "prefill_graph_meta"):
         return None
     try:
-        return PrefillGraphs(model, backend, max_tokens,  # type: ignore[arg-type]
+        return PrefillGraphs(model, backend, max_tokens,
                              page_table, scratch_slot, last_tokens, max_decode_rows)
     except RuntimeError as e:  # e.g. a host sync inside the forward: eager prefill still works
         logger.warning("prefill CUDA graphs not captured, prefill runs eagerly: %s", e)

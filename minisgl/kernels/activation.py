@@ -158,8 +158,9 @@ def silu_and_mul_quantized(x: torch.Tensor, pdl: bool = False,
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d)
     scaled = row_scale is not None and col_scale is not None
-    if (row_scale is None) != (col_scale is None) or scaled and (
-            row_scale.numel() != x2.shape[0] or col_scale.numel() != 2 * d):
+    if (row_scale is None) != (col_scale is None) or (
+            row_scale is not None and col_scale is not None
+            and (row_scale.numel() != x2.shape[0] or col_scale.numel() != 2 * d)):
         raise ValueError(f"silu_and_mul_quantized takes both scales or neither: {x2.shape[0]} "
                          f"row scales and {2 * d} column scales")
     out = empty_quantized(x2.shape[0], d, x.device)

@@ -290,6 +290,8 @@ def scaled_mm(a: Quantized, weight: torch.Tensor, weight_scale: torch.Tensor,
     if weight.shape[1] != k or weight.stride(1) != 1 or weight.dtype != FP8:
         raise ValueError(f"scaled_mm takes an FP8 weight [N, {k}] with dense rows, got "
                          f"{weight.dtype} {tuple(weight.shape)}, strides {weight.stride()}")
+    want_a: Tuple[int, ...]
+    want_w: Tuple[int, ...]
     if block is None:
         want_a, want_w = (m, 1), (n,)
     else:

@@ -141,7 +141,9 @@ class RadixCacheManager(CacheManager):
                              f"of size {self.page_size}")
         now = self._tick()
         toks = tuple(token_ids)  # ints (see the module docstring)
-        node, i, duplicates, held = self._root, 0, [], []
+        node, i = self._root, 0
+        duplicates: List[int] = []
+        held: List[int] = []
         while i < len(pages):
             pos = i * self.page_size
             child = node.children.get(self._page_key(toks, pos))

@@ -20,7 +20,7 @@ is harmless: lockstep needs identical batches, not identical kernels.
 from __future__ import annotations
 
 from typing import (Callable, ContextManager, Dict, Iterable, List, NamedTuple, Optional,
-                    Sequence, Tuple)
+                    Protocol, Sequence, Tuple, cast)
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +41,8 @@ def preferred_library(library: str) -> ContextManager[None]:
     """torch's process-wide BLAS preference set to `library` inside the block, restored after
     (also on error)."""
     prefer = torch.backends.cuda.preferred_blas_library
-    return temporarily(prefer, prefer, library)
+    # The getter returns torch's enum and the setter takes it or a name: one value type to mypy.
+    return temporarily(prefer, prefer, library)  # type: ignore[arg-type]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -92,6 +93,13 @@ def cuda_timer(reps: int = 20, warmup: int = 3) -> Timer:
     return time_us
 
 
+class Tunable(Protocol):
+    """A layer `tune` applies to: a 2-D weight and its table of rows -> library."""
+
+    weight: torch.Tensor
+    blas_by_rows: Dict[int, str]
+
+
 class Tuned(NamedTuple):
     """What one `tune` timed (its choices live in the layers' tables: see `describe`)."""
 
@@ -99,14 +107,14 @@ class Tuned(NamedTuple):
     pairs: int  # (shape, rows) pairs timed
 
 
-def tune(layers: Iterable[torch.nn.Module], rows: Sequence[int], timer: Timer) -> Tuned:
+def tune(layers: Iterable[Tunable], rows: Sequence[int], timer: Timer) -> Tuned:
     """Fill each layer's `blas_by_rows` (rows -> library) for every row count in `rows`.
 
     `layers` are modules with a 2-D `weight` and a dict `blas_by_rows` (the linear layers and
     the LM head); layers with equal weight shape and dtype share one timing. Only cuBLASLt's
     wins are stored: a missing entry means the default. Timed without bias: with one, torch's
     addmm may take cuBLASLt's bias epilogue whatever the preference."""
-    groups: Dict[Tuple[Tuple[int, ...], torch.dtype], List[torch.nn.Module]] = {}
+    groups: Dict[Tuple[Tuple[int, ...], torch.dtype], List[Tunable]] = {}
     for layer in layers:
         groups.setdefault((tuple(layer.weight.shape), layer.weight.dtype), []).append(layer)
     for (shape, dtype), members in groups.items():
@@ -122,10 +130,11 @@ def tune(layers: Iterable[torch.nn.Module], rows: Sequence[int], timer: Timer) -
     return Tuned(len(groups), len(groups) * len(rows))
 
 
-def tunable_layers(model: torch.nn.Module) -> List[torch.nn.Module]:
+def tunable_layers(model: torch.nn.Module) -> List[Tunable]:
     """The modules `tune` applies to: those carrying a `blas_by_rows` table whose weight is in
     a BLAS dtype (FP8 layers run their own GEMMs: layers/fp8.py)."""
-    return [m for m in model.modules() if isinstance(getattr(m, "blas_by_rows", None), dict)
+    return [cast(Tunable, m) for m in model.modules()
+            if isinstance(getattr(m, "blas_by_rows", None), dict)
             and m.weight.dtype != torch.float8_e4m3fn]
 
 

@@ -59,7 +59,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if tied_to is not None:
             self.weight = tied_to.weight
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.comm.all_gather_last_dim(project(hidden, self.weight, None, self.policy,
                                                        self.blas_by_rows))
         return logits[..., : self.vocab_size]

@@ -24,7 +24,7 @@ FP8 GEMV with bfloat16 activations (kernels/gemv.py, layers/linear.project).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional, Protocol, Sequence, Tuple, cast
 
 import torch
 from torch import nn
@@ -265,18 +265,43 @@ def load_row_scale(scale: torch.Tensor, spec: Fp8Spec, src: TensorSource, in_sha
                          f"({scale.shape[0]}), got shape {shape}")
 
 
-def fp8_layers(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
+class Fp8Layer(Protocol):
+    """A linear layer holding FP8 weights (`make_params` gave it its tensors; input_scale only
+    with static activations)."""
+
+    fp8: Optional[Fp8Spec]
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    input_scale: torch.Tensor
+
+    def named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]: ...
+
+
+def fp8_layers(model: nn.Module) -> Iterator[Tuple[str, Fp8Layer]]:
     """(name, module) of every linear layer holding FP8 weights."""
     for name, module in model.named_modules():
         if isinstance(getattr(module, "fp8", None), Fp8Spec):
-            yield name, module
+            yield name, cast(Fp8Layer, module)
+
+
+def _spec(module: Fp8Layer) -> Fp8Spec:
+    if module.fp8 is None:
+        raise RuntimeError("an FP8 layer's spec is gone: it was dequantized already")
+    return module.fp8
+
+
+def _unit(w: Fp8Weight) -> torch.Tensor:
+    """The weight's unit scale, which `_plan` requires for a tensorwise product."""
+    if w.unit is None:
+        raise RuntimeError("a tensorwise FP8 product needs the layer's unit scale")
+    return w.unit
 
 
 @torch.no_grad()
-def fill_random(module: nn.Module, gen: torch.Generator, std: float) -> None:
+def fill_random(module: Fp8Layer, gen: torch.Generator, std: float) -> None:
     """Random FP8 weights (normal, `std`, quantized as the spec's scales are laid out) and, for
     static activations, an activation scale that holds values up to 8."""
-    spec: Fp8Spec = module.fp8  # type: ignore[assignment]
+    spec = _spec(module)
     w = torch.empty(module.weight.shape, dtype=torch.float32, device=module.weight.device)
     w.normal_(0.0, std, generator=gen)
     q, scale = quantize_rows(w) if spec.block is None else quantize_blocks(w, spec.block)
@@ -296,7 +321,7 @@ def finish_loading(model: nn.Module) -> None:
     if any(m.weight.is_cuda for _, m in layers):
         torch.cuda.empty_cache()
     for _, module in layers:
-        spec: Fp8Spec = module.fp8  # type: ignore[assignment]
+        spec = _spec(module)
         if not spec.weight_only:
             continue
         dense = dequantize(module.weight.data, module.weight_scale.data, spec.block, spec.dtype)
@@ -339,7 +364,7 @@ def rowwise_product(a: Quantized, w: Fp8Weight, bias: Optional[torch.Tensor],
     from minisgl.kernels import fp8 as kernels
     plan = _plan(a, w, dtype)
     if plan.kind == "tensorwise":
-        return kernels.rescale(kernels.unscaled_mm(a.values, w.weight, w.unit), a.scales,
+        return kernels.rescale(kernels.unscaled_mm(a.values, w.weight, _unit(w)), a.scales,
                                w.scale, bias, dtype)
     if plan.kind == "cublaslt":
         return kernels.rowwise_mm(a, w.weight, w.scale, bias)
@@ -355,7 +380,7 @@ def unscaled_product(a: Quantized, w: Fp8Weight, dtype: torch.dtype
     if w.spec.block is not None or _plan(a, w, dtype).kind != "tensorwise":
         return None
     from minisgl.kernels import fp8 as kernels
-    return UnscaledProduct(kernels.unscaled_mm(a.values, w.weight, w.unit),
+    return UnscaledProduct(kernels.unscaled_mm(a.values, w.weight, _unit(w)),
                            ProductScales(a.scales, w.scale))
 
 

@@ -71,7 +71,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
 
 def _from_wire(obj: Any) -> Any:
     if isinstance(obj, dict) and "t" in obj and "f" in obj:
-        cls = _TYPES.get(obj["t"])
+        cls: Any = _TYPES.get(obj["t"])  # Any: mypy does not see a class as Hashable
         if cls is None:
             raise ValueError(f"unknown message type {obj['t']!r}")
         wire, tuples = obj["f"], _tuple_fields(cls)

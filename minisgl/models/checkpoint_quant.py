@@ -144,10 +144,11 @@ def _ct_spec(group: str, weights: Dict[str, Any], acts: Optional[Dict[str, Any]]
                              f"strategy {acts.get('strategy')!r}")
         if static and block is not None:
             raise ValueError(f"{where}: block weights take dynamic activations only")
-        group = acts.get("group_size")
-        if block is not None and group not in (None, block[1]):
+        group_size = acts.get("group_size")
+        if block is not None and group_size not in (None, block[1]):
             raise ValueError(f"{where}: activations of block weights are scaled per 1 x "
-                             f"{block[1]} group (the block's width), got group_size {group}")
+                             f"{block[1]} group (the block's width), got group_size "
+                             f"{group_size}")
     return CheckpointFp8(block=block, static_input=static)
 
 

@@ -197,6 +197,13 @@ class DecoderLayer(nn.Module):
         return self.mlp(stream, self.post_attention_layernorm)
 
 
+class LocalHeads(NamedTuple):
+    """The attention heads one rank holds (KV heads replicated where tp exceeds them)."""
+
+    kv_heads: int
+    heads: int
+
+
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, traits: "Traits", info: DistributedInfo,
                  comm: Communicator) -> None:
@@ -204,9 +211,10 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, info, comm)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.rope_theta, cfg.rope_scaling,
                                  traits.policy)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, traits, rotary, info, comm)
-            for i in range(cfg.num_layers))
+        layers = [DecoderLayer(cfg, i, traits, rotary, info, comm) for i in range(cfg.num_layers)]
+        qkv = layers[0].self_attn.qkv_proj
+        self.local_heads = LocalHeads(qkv.num_local_kv_heads, qkv.num_local_heads)
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, traits.policy)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,

@@ -45,7 +45,7 @@ class PrefillManager:
     def pages_for(self, req: Req) -> int:
         """Pages reserved at admission: the known tokens plus the outputs still to come (at most
         `decode_reserve` of them)."""
-        outputs = req.params.max_tokens - req.output_len
+        outputs = req.max_tokens - req.output_len
         if self.decode_reserve is not None:
             outputs = min(outputs, self.decode_reserve)
         return -(-(len(req.token_ids) + outputs) // self.cache.page_size)

@@ -113,7 +113,7 @@ def _main_left_alone() -> Iterator[None]:
     (and a script read from stdin cannot be run again at all). Spawn reads `__spec__` and
     `__file__` of `__main__` while `start` runs; they are put back at once."""
     main = sys.modules.get("__main__")
-    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__")
+    saved: Dict[str, Any] = {k: main.__dict__[k] for k in ("__spec__", "__file__")
              if main is not None and k in main.__dict__}
     try:
         if main is not None:

@@ -13,7 +13,7 @@ it is known, so the concatenation of the parts equals splitting the whole text a
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import List, NamedTuple, Optional
 
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 THINK_START, THINK_END = "<think>", "</think>"
@@ -45,7 +45,8 @@ class ReasoningSplitter:
 
     def feed(self, text: str) -> Parts:
         buf, self.held = self.held + text, ""
-        reasoning, content = [], []
+        reasoning: List[str] = []
+        content: List[str] = []
         while buf:
             if self.done:
                 content.append(buf)

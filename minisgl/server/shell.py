@@ -12,7 +12,7 @@ import json
 import sys
 import urllib.error
 import urllib.request
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Generator, List, Optional
 
 HELP = ("commands: /reset clears the conversation, /temperature X sets the sampling "
         "temperature, /exit quits (or Ctrl-D)")
@@ -24,7 +24,7 @@ def _write_stdout(text: str) -> None:
 
 
 def stream_chat(url: str, model: str, messages: List[Dict[str, str]], temperature: float,
-                timeout_s: float = 600.0) -> Iterator[str]:
+                timeout_s: float = 600.0) -> Generator[str, None, None]:
     """Yield the reply's text deltas. Raises RuntimeError with the server's message on an error.
     Closing the generator early closes the connection, which aborts the request."""
     body = json.dumps({"model": model, "messages": messages, "stream": True,

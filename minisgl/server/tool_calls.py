@@ -101,7 +101,7 @@ class ToolCallDelta(NamedTuple):
     """A streamed call's piece: the first of a call carries `id` and `name`, later ones pieces
     of its arguments."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # OpenAI's name; shadows tuple.index, never called
     id: Optional[str]
     name: Optional[str]
     arguments: str

@@ -129,7 +129,7 @@ class ClusterConfig:
 def resolve_host(host: str) -> str:
     """`host` as a numeric address; ValueError naming it when it does not resolve."""
     try:
-        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+        return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
     except socket.gaierror as e:
         raise ValueError(f"cannot resolve host {host!r}: {e.strerror}") from None
 

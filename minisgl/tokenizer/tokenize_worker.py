@@ -290,7 +290,8 @@ class Serving:
             self.router.update(msg)
             self.queued.update(msg)
         elif isinstance(msg, (TextRequest, TokenizeRequest)):
-            work = self.logic.answer if isinstance(msg, TextRequest) else self.logic.prepare
+            work: Callable[[Any], Any] = (self.logic.answer if isinstance(msg, TextRequest)
+                                          else self.logic.prepare)
             if is_slow(msg):
                 self.slow.submit(msg, work)
             else:
@@ -308,10 +309,10 @@ class Serving:
         elif result.params is None:
             self.reject(msg.uid, result.error, 400, len(result.input_ids), result.error_param)
         else:
-            self.send(msg, result)
+            self.send(msg, result.input_ids, result.params)
 
-    def send(self, msg: TokenizeRequest, prep: Prepared) -> None:
-        ids = prep.input_ids
+    def send(self, msg: TokenizeRequest, ids: List[int], params: SamplingParams) -> None:
+        """Route an accepted request (its ids and resolved params) to a replica."""
         replica = self.router.route(ids, len(ids))
         logger.debug("request %d: %d prompt tokens, %d queued at replica %d", msg.uid, len(ids),
                      self.queued.queued(replica), replica)
@@ -319,11 +320,11 @@ class Serving:
             self.reject(msg.uid, f"{self.queued.queued(replica)} prompt tokens queued, the limit "
                                  f"is {self.queued.limit}", 429, len(ids))
             return
-        whole = msg.echo or prep.params.prompt_logprobs is not None
+        whole = msg.echo or params.prompt_logprobs is not None
         self.to_detok.put(DetokenizeInit(msg.uid, ids[-PROMPT_CONTEXT_TOKENS:], tuple(msg.stop),
                                          msg.skip_special_tokens, ids if whole else None,
                                          msg.no_stop_trim, msg.echo))
-        self.to_backends[replica].put(UserMsg(msg.uid, ids, prep.params))
+        self.to_backends[replica].put(UserMsg(msg.uid, ids, params))
         self.queued.sent(replica, len(ids))
 
     def reject(self, uid: int, error: Optional[str], status: int, prompt_tokens: int,
