@@ -104,12 +104,20 @@ def test_eager_warmup_leaves_no_trace(tiny_model: Callable[..., Path]) -> None:
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 32)
 
 
-@pytest.mark.parametrize("tensor", ["model.layers.0.self_attn.o_proj.bias",
-                                    "model.layers.1.self_attn.q_proj.bias"])
-def test_checkpoint_bias_the_config_lacks_is_refused_naming_it(
-        tiny_model: Callable[..., Path], tmp_path: Path, tensor: str) -> None:
-    """A checkpoint tensor for a bias the config gives the layer none of (row- and
-    column-parallel layers): a start-up error naming the tensor, not an attribute error."""
+@pytest.mark.parametrize("tensor,match", [
+    ("model.layers.0.self_attn.o_proj.bias", "has no 'bias' .*attention_bias"),
+    ("model.layers.1.self_attn.q_proj.bias", "has no 'bias' .*attention_bias"),
+    ("model.norm.bias", r"model.norm \(RMSNorm\) has no 'bias'; it has \['weight'\]"),
+    ("model.layers.0.input_layernorm.bias", "RMSNorm.* has no 'bias'"),
+    ("model.layers.7.mlp.down_proj.weight", "no module model.layers.7.mlp.down_proj .* 2 layers"),
+    ("model.layers.0.mlp.act_fn.weight", "no module model.layers.0.mlp.act_fn"),
+])
+def test_checkpoint_tensor_the_model_lacks_is_refused_naming_it(
+        tiny_model: Callable[..., Path], tmp_path: Path, tensor: str, match: str) -> None:
+    """A checkpoint tensor with no place in the model the config describes (a bias a layer
+    has none of, more layers, an unknown module): a start-up error naming the tensor. Before,
+    an RMSNorm loaded a `bias` tensor into its weight without a word, and the others raised
+    attribute errors naming no tensor."""
     import shutil
 
     import torch
@@ -119,7 +127,7 @@ def test_checkpoint_bias_the_config_lacks_is_refused_naming_it(
     shutil.copytree(src, dst)
     files = sorted(dst.glob("*.safetensors"))
     tensors = load_file(str(files[0]))
-    tensors[tensor] = torch.zeros(8)
+    tensors[tensor] = torch.zeros(64)
     save_file(tensors, str(files[0]), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=rf"{tensor}.*config gives it none"):
+    with pytest.raises(ValueError, match=rf"checkpoint tensor {tensor} has no place.*{match}"):
         LLM(str(dst), device="cpu", show_progress=False, max_kv_tokens=256)

@@ -197,6 +197,19 @@ class DecoderLayer(nn.Module):
         return self.mlp(stream, self.post_attention_layernorm)
 
 
+def _check_has_tensor(name: str, module_name: str, module: nn.Module, param: str) -> None:
+    """ValueError unless `param` is one of `module`'s own parameters or buffers: a layer's
+    `load` takes the name as given (an RMSNorm would load a `bias` tensor into its weight)."""
+    own = ({n for n, _ in module.named_parameters(recurse=False)}
+           | {n for n, _ in module.named_buffers(recurse=False)})
+    if param not in own:
+        hint = (" (the config gives it none: attention_bias / mlp_bias)"
+                if param == "bias" and hasattr(module, "bias") else "")
+        raise ValueError(f"checkpoint tensor {name} has no place in this model: "
+                         f"{module_name} ({type(module).__name__}) has no {param!r}{hint}; "
+                         f"it has {sorted(own)}")
+
+
 class LocalHeads(NamedTuple):
     """The attention heads one rank holds (KV heads replicated where tp exceeds them)."""
 
@@ -281,11 +294,12 @@ class CausalLM(nn.Module):
             if target is None:
                 continue
             module_name, param, shard = target
-            module = self.get_submodule(module_name)
+            module = self._module_for(name, module_name)
             if param in SCALE_PARAMS and getattr(module, "fp8", None) is None:
                 raise ValueError(f"checkpoint tensor {name} is an FP8 scale, but minisgl keeps "
                                  f"{module_name} unquantized (FP8 applies to the decoder's dense "
                                  f"projections; quantization config: {self.cfg.quantization})")
+            _check_has_tensor(name, module_name, module, param)
             try:
                 module.load(param, src, shard)  # type: ignore[operator]
             except ValueError as e:
@@ -296,6 +310,16 @@ class CausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:4]}")
         finish_loading(self)
+
+    def _module_for(self, name: str, module_name: str) -> nn.Module:
+        """The module checkpoint tensor `name` loads into; ValueError where this model has
+        none (a checkpoint of more layers or other modules than config.json describes)."""
+        try:
+            return self.get_submodule(module_name)
+        except AttributeError:
+            raise ValueError(f"checkpoint tensor {name} has no place in this model: no module "
+                             f"{module_name} in {self.cfg.architecture} of {self.cfg.num_layers} "
+                             f"layers (does config.json describe this checkpoint?)") from None
 
     def _target(self, name: str) -> Optional[Tuple[str, str, int]]:
         if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
