@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import array
 import contextlib
-from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -108,3 +108,17 @@ def temporarily(get: Callable[[], T], put: Callable[[T], Any], value: T) -> Iter
         yield
     finally:
         put(before)
+
+
+def checked_out(out: Optional[torch.Tensor], shape: Tuple[int, ...], like: torch.Tensor
+                ) -> torch.Tensor:
+    """`out` where it is a contiguous tensor of `shape` in `like`'s dtype on its device (else
+    ValueError with what it is); a new tensor of that kind where it is None."""
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if (tuple(out.shape) != tuple(shape) or out.dtype != like.dtype or out.device != like.device
+            or not out.is_contiguous()):
+        raise ValueError(f"an output tensor must be a contiguous {like.dtype} {list(shape)} on "
+                         f"{like.device}; got {out.dtype} {list(out.shape)} on {out.device}"
+                         f"{'' if out.is_contiguous() else ', not contiguous'}")
+    return out

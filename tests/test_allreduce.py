@@ -140,7 +140,25 @@ def _gloo_rank(rank: int, port: int, out: Any) -> None:
         x = torch.arange(8, dtype=torch.float32).view(2, 4) * (rank + 1)
         y = groups.comm.all_reduce(x)
         assert torch.equal(y, torch.arange(8, dtype=torch.float32).view(2, 4) * 3), y
+        # the LM head's gather into a row slice of a graph's logits buffer
+        x = torch.arange(8, dtype=torch.float32).view(2, 4) * (rank + 1)  # reduced in place
+        buffer = torch.zeros(5, 8)
+        got = groups.comm.all_gather_last_dim(x, out=buffer[:2])
+        want = torch.cat([torch.arange(8.0).view(2, 4), torch.arange(8.0).view(2, 4) * 2], -1)
+        assert got.data_ptr() == buffer.data_ptr() and torch.equal(got, want), got
+        assert torch.equal(groups.comm.all_gather_last_dim(x), want)
+        assert not buffer[2:].any()
     _report(rank, out, body)
+
+
+def test_gather_at_tp1_takes_no_out() -> None:
+    """At tp = 1 the gather is the identity: an `out` there would be left unwritten, so it is
+    refused (the LM head writes its product into `out` itself)."""
+    comm = Communicator(DistributedInfo(0, 1))
+    x = torch.ones(2, 3)
+    assert comm.all_gather_last_dim(x) is x
+    with pytest.raises(ValueError, match="tp = 1"):
+        comm.all_gather_last_dim(x, out=torch.empty(2, 3))
 
 
 def test_auto_on_cpu_is_gloo() -> None:

@@ -10,6 +10,7 @@ import torch
 
 from hf_reference import mixed_prompts
 from minisgl import LLM, SamplingParams
+from minisgl.core import Batch, Phase, Req
 from tiny_models import build_tiny
 
 pytestmark = pytest.mark.gpu
@@ -110,6 +111,38 @@ def test_gpu_cuda_graphs_match_eager_with_padding_and_sampling(tiny_qwen3: Path)
                  show_progress=False) as llm:  # type: ignore[arg-type]
             return [o.token_ids for o in llm.generate(prompts, params)]
     assert run(16) == run(0)
+
+
+def test_decode_graphs_write_their_logits_into_one_buffer(tiny_qwen3: Path) -> None:
+    """Every decode graph's logits are a view of the first rows of one [max_bs, vocab] buffer
+    (engine/cuda_graph.logits_buffer), not an output of its own (those held 1.08 GB at sizes up
+    to 256 and a 128K vocabulary); a replay's rows equal the eager forward's."""
+    from minisgl.distributed import DistributedInfo, ProcessGroups
+    from minisgl.distributed.comm import Communicator
+    from minisgl.engine import Engine, EngineConfig
+    info = DistributedInfo(0, 1)
+    engine = Engine(EngineConfig(model_path=str(tiny_qwen3), tp_info=info, device="cuda",
+                                 dtype="float32", max_kv_tokens=512, page_size=1,
+                                 max_running_requests=32, cuda_graph_max_bs=32,
+                                 prefill_graph_tokens=0),
+                    ProcessGroups(Communicator(info), None))
+    graphs = engine.graphs
+    assert graphs is not None and graphs.out.shape[0] == 32
+    assert {t.data_ptr() for t in graphs.logits.values()} == {graphs.out.data_ptr()}
+    assert all(t.shape[0] == bs for bs, t in graphs.logits.items())
+    reqs = [Req(i, [5 + i], 1, GREEDY, (), table_row=i) for i in range(3)]
+    for req in reqs:  # row i: slots 4i (the prompt's one token) and 4i + 1 (the decoded one)
+        engine.page_table[req.table_row, :2] = torch.tensor([4 * req.table_row,
+                                                             4 * req.table_row + 1])
+        prefill = Batch(Phase.PREFILL, [req], [0], [1], [True])
+        prefill.out_slots = engine.page_table[req.table_row, :1].long()
+        engine.forward(prefill)
+    decode = Batch(Phase.DECODE, reqs, [1] * 3, [1] * 3, [True] * 3)
+    decode.out_slots = engine.page_table[:3, 1].long()
+    replayed = engine._forward(decode, [0, 1, 2]).logits.clone()
+    engine.graphs = None
+    eager = engine._forward(decode, [0, 1, 2]).logits
+    torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)
 
 
 def test_prefill_graphs_match_eager_fresh_and_after_a_cached_prefix(

@@ -369,6 +369,36 @@ def test_project_takes_gemv_only_with_pdl_for_one_half_precision_cuda_row() -> N
         assert torch.equal(project(two, wh, policy=GEMV), F.linear(two, wh))
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_project_into_out_equals_a_new_tensor(bias: bool) -> None:
+    """`out` (what CUDA graphs give the LM head, to share one logits buffer): the GEMV and the
+    BLAS GEMM write the same bits into a row slice of a larger buffer as into a new tensor, and
+    a wrong buffer is refused with its shape, dtype and layout."""
+    dtypes = [(torch.float32, KernelPolicy())] + ([(torch.bfloat16, GEMV)] if DEV == "cuda"
+                                                  else [])
+    for dtype, policy in dtypes:
+        w = torch.randn(40, 64, device=DEV).to(dtype)
+        b = torch.randn(40, device=DEV).to(dtype) if bias else None
+        buffer = torch.full((8, 40), float("nan"), device=DEV, dtype=dtype)
+        for rows in (1, 3):
+            x = torch.randn(rows, 64, device=DEV).to(dtype)
+            got = project(x, w, b, policy, out=buffer[:rows])
+            assert got.data_ptr() == buffer.data_ptr()
+            assert torch.equal(got, project(x, w, b, policy))
+        one = torch.randn(1, 64, device=DEV)
+        assert torch.equal(gemv.gemv(one, w.float(), out=buffer[:1].float()),
+                           gemv.gemv(one, w.float()))
+    x, w = torch.randn(2, 64, device=DEV), torch.randn(40, 64, device=DEV)
+    bad = {"torch.float32 [2, 40]": torch.empty(2, 41, device=DEV),
+           "float16": torch.empty(2, 40, device=DEV, dtype=torch.float16),
+           "not contiguous": torch.empty(40, 2, device=DEV).t()}
+    for words, out in bad.items():
+        with pytest.raises(ValueError, match=words.replace("[", r"\[")):
+            project(x, w, out=out)
+    with pytest.raises(ValueError, match="float16"):
+        gemv.gemv(x[:1], w, out=torch.empty(1, 40, device=DEV, dtype=torch.float16))
+
+
 def test_every_pdl_kernel_waits_for_its_predecessor() -> None:
     """The PDL invariant (kernels/pdl.py): a kernel that may be launched with programmatic
     dependent launch must execute pdl_enter (gdc_wait) in every program, or its successors'

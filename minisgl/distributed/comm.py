@@ -28,6 +28,7 @@ from minisgl.distributed.store import connect, parse_tcp
 from minisgl.distributed.modes import SYMM_MODES, check_allreduce_mode
 from minisgl.distributed.symm_allreduce import DEFAULT_SYMM_MAX_BYTES, SymmMemAllReduce
 from minisgl.kernels.policy import KernelPolicy
+from minisgl.utils import checked_out
 
 logger = logging.getLogger(__name__)
 
@@ -75,13 +76,22 @@ class Communicator:
             return None
         return self.symm.all_reduce_rmsnorm(x, residual, norm_weight, eps, policy)
 
-    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's `x` along the last dimension, in rank order."""
+    def all_gather_last_dim(self, x: torch.Tensor, out: Optional[torch.Tensor] = None
+                            ) -> torch.Tensor:
+        """Concatenate every rank's `x` along the last dimension, in rank order (into `out`
+        where given: x's shape with tp times its last dimension, x's dtype; at tp = 1, x itself
+        is the result and `out` must be unset)."""
         if self.info.size == 1:
+            if out is not None:
+                raise ValueError("at tp = 1 the gather returns its input; write it into `out` "
+                                 "where it is computed")
             return x
         parts = [torch.empty_like(x) for _ in range(self.info.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        if out is None:
+            return torch.cat(parts, dim=-1)
+        shape = (*x.shape[:-1], self.info.size * x.shape[-1])
+        return torch.cat(parts, dim=-1, out=checked_out(out, shape, x))
 
 
 class ProcessGroups(NamedTuple):

@@ -87,6 +87,16 @@ def input_rows(rows: Sequence[int], positions: Sequence[int], pad_row: int, widt
             [*(p + 1 for p in positions), *[1] * pad]]
 
 
+def logits_buffer(model: CausalLM, rows: int, device: torch.device) -> torch.Tensor:
+    """[rows, padded vocabulary] in the LM head's dtype: the one buffer that a family of graphs
+    writes its logits into, each graph its first rows. Graphs never replay at once, and a
+    replay's logits are sampled before the next launch (the scheduler's loop), so one buffer
+    serves them all: the decode graphs' own outputs held 1.08 GB at batch sizes up to 256 and a
+    128K vocabulary, outside the KV pool's budget."""
+    head = model.lm_head
+    return torch.empty((rows, head.padded_vocab), dtype=head.weight.dtype, device=device)
+
+
 K = TypeVar("K", int, Tuple[int, int])
 
 
@@ -134,6 +144,7 @@ class DecodeGraphs:
         self.blocks = static_input_blocks(self.sizes, pad_row, device)
         self.inputs = {bs: block[:, :bs] for bs, block in self.blocks.items()}
         backend.init_graph_buffers(self.max_bs)
+        self.out = logits_buffer(model, self.max_bs, device)
         self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: Dict[int, torch.Tensor] = {}
         self._capture_all(device)
@@ -143,8 +154,8 @@ class DecodeGraphs:
         batch = Batch(Phase.DECODE, [], [0] * bs, [1] * bs, [True] * bs)
         batch.out_slots = self.page_table[rows, positions]
         batch.attn_meta = self.backend.graph_meta(rows, positions, seq_lens)
-        return self.model(self.last_tokens[rows], positions, batch,
-                          self.backend, None)
+        return self.model(self.last_tokens[rows], positions, batch, self.backend, None,
+                          out=self.out[:bs])
 
     def _capture_all(self, device: torch.device) -> None:
         self.graphs, self.logits = capture_graphs(self.sizes, self._run, device)

@@ -40,7 +40,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Protocol, Tuple
 import torch
 
 from minisgl.core import Batch, Phase
-from minisgl.engine.cuda_graph import capture_graphs
+from minisgl.engine.cuda_graph import capture_graphs, logits_buffer
 from minisgl.models import CausalLM
 from minisgl.utils import copy_from_host
 
@@ -123,10 +123,8 @@ class PrefillGraphs:
         self.blocks = {(n, d): torch.zeros(n + 2 * d + 1 + _FIELDS, dtype=torch.int64,
                                            device=device) for n, d in self.keys}
         self.graphs: Dict[Key, torch.cuda.CUDAGraph] = {}
-        # Every graph's logits land in this one buffer (graphs never run at once, and a
-        # replay's logits are sampled before the next launch): 85 graphs' own outputs held
-        # ~0.55 GB at a 128K vocabulary, out of the memory the KV pool leaves.
-        self.out: Optional[torch.Tensor] = None
+        # 85 graphs' own logits held ~0.55 GB at a 128K vocabulary: they share one buffer.
+        self.out = logits_buffer(model, 1 + self.max_decode_rows, device)
         self.logits: Dict[Key, torch.Tensor] = {}
         self._capture_all(capture, device)
 
@@ -140,7 +138,7 @@ class PrefillGraphs:
 
     def run(self, key: Key) -> torch.Tensor:
         """The forward a graph of `key` holds, over its static block (what `fill` wrote):
-        logits [1 + d, vocab], a view of the buffer all graphs share (`out`)."""
+        logits [1 + d, vocab], a view of the buffer all graphs share (`out`, logits_buffer)."""
         n, d = key
         block = self.blocks[key]
         ids, rows = block[:n], block[n:n + 1 + d]
@@ -165,13 +163,7 @@ class PrefillGraphs:
                       num_decode=d)
         batch.out_slots = slots
         batch.attn_meta = self.backend.prefill_graph_meta(meta, n, decode)
-        logits = self.model(ids, positions, batch, self.backend, last)
-        if self.out is None:  # at the first run, eager (capture_graphs warms up first)
-            self.out = torch.empty((1 + self.max_decode_rows, logits.shape[1]),
-                                   dtype=logits.dtype, device=logits.device)
-        out = self.out[:1 + d]
-        out.copy_(logits)
-        return out
+        return self.model(ids, positions, batch, self.backend, last, out=self.out[:1 + d])
 
     def _values(self, key: Key, ids: List[int], rows: List[int], prefix: int,
                 positions: List[int]) -> List[int]:

@@ -30,6 +30,7 @@ from minisgl.kernels.fp8 import quantize_kv
 from minisgl.kernels.pdl import launch_options, pdl_enter
 from minisgl.kernels.rmsnorm import rmsnorm_row_w
 from minisgl.kernels.types import Normed, QKVRope
+from minisgl.utils import checked_out
 
 
 # --- plain ----------------------------------------------------------------------------------------
@@ -143,14 +144,16 @@ def _check_gemv(x: torch.Tensor, weight: torch.Tensor,
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
          pdl: bool = False, weight_scale: Optional[torch.Tensor] = None,
-         tiles: Optional[GemvTiles] = None) -> torch.Tensor:
+         tiles: Optional[GemvTiles] = None, out: Optional[torch.Tensor] = None
+         ) -> torch.Tensor:
     """x W^T + b for a single row x [..., K] (one token); weight [N, K] with dense rows (FP8
     with `weight_scale` [N], see the module's doc). Sums in float32 and rounds once (the last
     bit can differ from cuBLAS). `tiles`: gemv_tiles(K) unless given (scripts/bench_kernels.py
-    sweeps them)."""
+    sweeps them). `out`: where given, the result is written there and returned (x's shape
+    with N last, x's dtype, contiguous)."""
     _check_gemv(x, weight, weight_scale)
     n, k = weight.shape
-    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    out = checked_out(out, (*x.shape[:-1], n), x)
     tiles = tiles or gemv_tiles(k, _fp8(weight))
     _gemv_kernel[(triton.cdiv(n, tiles.rows),)](
         x.contiguous(), weight, _or(weight_scale, weight), _or(bias, weight), out, n, k,

@@ -25,7 +25,7 @@ from typing import (Callable, ContextManager, Dict, Iterable, List, NamedTuple, 
 import torch
 import torch.nn.functional as F
 
-from minisgl.utils import temporarily
+from minisgl.utils import checked_out, temporarily
 
 DEFAULT = "cublas"
 LIBRARIES = (DEFAULT, "cublaslt")
@@ -46,14 +46,29 @@ def preferred_library(library: str) -> ContextManager[None]:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-           library: Optional[str]) -> torch.Tensor:
+           library: Optional[str], out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear(x, weight, bias), with `library` preferred for a CUDA input when given (None:
     torch's current preference, cuBLAS unless the user changed it; off CUDA there is no BLAS
-    choice to make, and a CPU build of torch refuses to prefer cuBLASLt)."""
+    choice to make, and a CPU build of torch refuses to prefer cuBLASLt). `out`: where given,
+    the result is written there and returned (utils.checked_out), by the same GEMM F.linear
+    runs (mm, or addmm with a bias, over x's rows)."""
     if library is None or not x.is_cuda:
-        return F.linear(x, weight, bias)
+        return _linear(x, weight, bias, out)
     with preferred_library(library):
+        return _linear(x, weight, bias, out)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+            out: Optional[torch.Tensor]) -> torch.Tensor:
+    if out is None:
         return F.linear(x, weight, bias)
+    out = checked_out(out, (*x.shape[:-1], weight.shape[0]), x)
+    rows, into = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+    if bias is None:
+        torch.mm(rows, weight.t(), out=into)
+    else:
+        torch.addmm(bias, rows, weight.t(), out=into)
+    return out
 
 
 def pick(us: Dict[str, float]) -> str:

@@ -59,7 +59,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         if tied_to is not None:
             self.weight = tied_to.weight
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.comm.all_gather_last_dim(project(hidden, self.weight, None, self.policy,
-                                                       self.blas_by_rows))
+    def forward(self, hidden: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits [rows, vocab_size] of `hidden` [rows, hidden], in its dtype: a view of `out`
+        [rows, padded_vocab] where given (the logits land there, every rank's gathered), else of
+        a new tensor."""
+        if self.tp == 1:
+            logits = project(hidden, self.weight, None, self.policy, self.blas_by_rows, out=out)
+        else:
+            logits = self.comm.all_gather_last_dim(project(hidden, self.weight, None, self.policy,
+                                                           self.blas_by_rows), out=out)
         return logits[..., : self.vocab_size]

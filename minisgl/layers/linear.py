@@ -55,21 +55,27 @@ def gemv_reads(quant: Optional[Fp8Weight]) -> bool:
 def project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
             policy: KernelPolicy = KernelPolicy(),
             blas_by_rows: Optional[Dict[int, str]] = None,
-            quant: Optional[Fp8Weight] = None) -> torch.Tensor:
+            quant: Optional[Fp8Weight] = None, out: Optional[torch.Tensor] = None
+            ) -> torch.Tensor:
     """x W^T + b. Where `takes_gemv(x, policy)` and `gemv_reads(quant)`, the Triton GEMV of
     kernels/gemv.py (reading FP8 weights and their row scales where `quant` gives them; x stays
     in its dtype),
     launched with programmatic dependent launch so that its weights stream while the previous
     kernel finishes; else with FP8 weights (`quant`, whose weight is `weight`) the W8A8 GEMM of
     layers/fp8.linear; anything else F.linear, by the BLAS library `blas_by_rows` names for
-    x's row count (layers/blas.py; cuBLAS where it names none)."""
+    x's row count (layers/blas.py; cuBLAS where it names none). `out`: where given, the
+    product lands there (utils.checked_out) instead of in a new tensor, for the GEMV and the
+    BLAS GEMM (the LM head's paths); the W8A8 GEMM takes none."""
     if takes_gemv(x, policy) and gemv_reads(quant):
         from minisgl.kernels import gemv
-        return gemv.gemv(x, weight, bias, pdl=policy.pdl, weight_scale=_row_scale(quant))
+        return gemv.gemv(x, weight, bias, pdl=policy.pdl, weight_scale=_row_scale(quant),
+                         out=out)
     if quant is not None:
+        if out is not None:
+            raise ValueError("the FP8 W8A8 GEMM writes a new tensor; it takes no `out`")
         return fp8_weights.linear(x, quant, bias)
     library = blas_by_rows.get(x.numel() // x.shape[-1]) if blas_by_rows else None
-    return blas.linear(x, weight, bias, library)
+    return blas.linear(x, weight, bias, library, out)
 
 
 def _row_scale(quant: Optional[Fp8Weight]) -> Optional[torch.Tensor]:

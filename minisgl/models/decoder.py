@@ -276,13 +276,16 @@ class CausalLM(nn.Module):
         return self.model(ids, positions, batch, backend)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
-                backend: AttentionBackend, logit_rows: Optional[torch.Tensor]) -> torch.Tensor:
+                backend: AttentionBackend, logit_rows: Optional[torch.Tensor],
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits [len(logit_rows), vocab] in the model's dtype for the chosen token rows only
-        (every row when `logit_rows` is None, as in decode); the sampler upcasts where needed."""
+        (every row when `logit_rows` is None, as in decode); the sampler upcasts where needed.
+        `out`: where given, [those rows, lm_head.padded_vocab] that the logits land in (the
+        result is its view): CUDA graphs of every size share one such buffer."""
         hidden = self.hidden(ids, positions, batch, backend)
         if logit_rows is not None:
             hidden = hidden[logit_rows]
-        return self.lm_head(hidden)
+        return self.lm_head(hidden, out)
 
     def load_weights(self, tensors: Iterable[Tuple[str, TensorSource]]) -> None:
         """Load every parameter from (checkpoint name, source) pairs; raise naming any missing,
