@@ -61,6 +61,9 @@ def reference(moe_model: Callable[[str], Path]) -> Callable[[str], List[List[int
 
 
 def _generate(path: Path, **settings: object) -> List[List[int]]:
+    """Greedy tokens of the prompts, on the CPU in float32 (the exact comparison with Hugging
+    Face) unless `settings` name a device and dtype."""
+    settings = {"device": "cpu", "dtype": "float32", **settings}
     with LLM(str(path), max_kv_tokens=4096, show_progress=False, **settings) as llm:
         return [o.token_ids for o in llm.generate(_prompts(), GREEDY)]
 
@@ -219,6 +222,28 @@ def test_route_matches_torch(experts: int, top_k: int, renormalize: bool) -> Non
     torch.testing.assert_close(got.weights, want.weights, rtol=1e-5, atol=1e-6)
     assert torch.equal(got.counts.long().cpu(),
                        torch.bincount(want.ids.flatten().cpu(), minlength=experts))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy meets NaN
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (60, 4)])
+def test_route_keeps_nan_rows_in_range(experts: int, top_k: int) -> None:
+    """Router logits of NaN or inf (a CUDA graph's padding rows compute junk; an activation
+    can overflow) still choose k distinct experts in range, so the sort and the grouped GEMMs
+    never index past their buffers (on an H200 a prefill graph's padding rows sent an expert
+    id of 8 of 8 into the counts: an illegal memory access); finite rows are unaffected."""
+    from minisgl.kernels import moe
+    logits = _layer(6, 4, 4, experts, torch.float32)["logits"]
+    logits[1] = float("nan")
+    logits[2, 3] = float("nan")
+    logits[3, 0] = float("inf")
+    logits[4] = float("inf")
+    got = moe.route(logits, top_k, False)
+    ids = got.ids.long().cpu()
+    assert int(ids.min()) >= 0 and int(ids.max()) < experts, ids
+    assert all(len(set(row.tolist())) == top_k for row in ids), ids
+    assert torch.equal(got.counts.long().cpu(), torch.bincount(ids.flatten(), minlength=experts))
+    for row in (0, 5):
+        assert torch.equal(ids[row], route(logits[row:row + 1], top_k, False).ids[0].cpu())
 
 
 @pytest.mark.parametrize("tokens,hidden,inter,experts,top_k", [

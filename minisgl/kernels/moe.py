@@ -93,6 +93,13 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, ranks_ptr, num_e
                      other=-float("inf")).to(tl.float32)
     p = tl.exp(logits - tl.max(logits, 0))
     probs = p / tl.sum(p, 0)
+    # A row of NaN (an overflowed activation, or junk in a CUDA graph's padding rows) must
+    # still pick experts in range: NaN equals nothing, so `pick` would be BLOCK_E and the
+    # counts' atomic add would write past their end. NaN ranks below every probability (-1),
+    # lanes past the experts and experts already picked below that (-2); the row's output
+    # stays NaN (its experts see its NaN activations).
+    probs = tl.where(probs == probs, probs, -1.0)
+    probs = tl.where(experts < num_experts, probs, -2.0)
     choices = tl.arange(0, BLOCK_K)
     top = tl.zeros([BLOCK_K], dtype=tl.float32)
     top_ids = tl.zeros([BLOCK_K], dtype=tl.int32)
@@ -101,7 +108,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, ranks_ptr, num_e
         pick = tl.min(tl.where(probs == best, experts, BLOCK_E), 0)  # ties: the lower expert
         top = tl.where(choices == j, best, top)
         top_ids = tl.where(choices == j, pick, top_ids)
-        probs = tl.where(experts == pick, -1.0, probs)
+        probs = tl.where(experts == pick, -2.0, probs)
     if RENORMALIZE:
         top = top / tl.sum(tl.where(choices < TOP_K, top, 0.0), 0)
     live = choices < TOP_K
