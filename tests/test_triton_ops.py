@@ -357,6 +357,23 @@ def test_argmax_rows_ties_take_the_first_index() -> None:
         argmax.argmax_rows(x.t())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_of_nan_rows_stay_inside_the_row(dtype: torch.dtype) -> None:
+    """A row that overflowed (NaN, or +inf) still gives an index inside it, the first NaN or
+    +inf, which is torch's answer where the row has no +inf before its first NaN: an index past
+    the vocabulary would be fed back as the next step's token."""
+    n = 10_000  # three chunks, the last one partly masked
+    x = torch.randn(5, n, device=DEV).to(dtype)
+    x[0] = float("nan")
+    x[1, [9_999, 6_000]] = float("nan")
+    x[2, 4_100] = float("inf")
+    x[3, :] = float("-inf")
+    got = argmax.argmax_rows(x).tolist()
+    assert got[:3] == [0, 6_000, 4_100] == x.argmax(dim=-1).tolist()[:3]
+    assert 0 <= got[3] < n
+    assert got[4] == int(x[4].argmax())
+
+
 def test_project_takes_gemv_only_with_pdl_for_one_half_precision_cuda_row() -> None:
     """The layers' dispatch: CPU, float32, multi-row inputs and pdl off stay on F.linear."""
     w, x = torch.randn(6, 32, device=DEV), torch.randn(1, 32, device=DEV)

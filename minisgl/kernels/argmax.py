@@ -16,9 +16,11 @@ def _argmax_chunk_kernel(x_ptr, val_ptr, idx_ptr, n, stride_x, num_chunks,
     first index."""
     row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < n, other=float("-inf"))
-    val, idx = tl.max(x.to(tl.float32), axis=0, return_indices=True,
-                      return_indices_tie_break_left=True)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
+    # NaN is the largest value, as torch.argmax has it: NaN compares false, and a reduction
+    # meeting it could end on a masked lane past the vocabulary (a token id no embedding has).
+    x = tl.where(x != x, float("inf"), x)
+    val, idx = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(val_ptr + row * num_chunks + chunk, val)
     tl.store(idx_ptr + row * num_chunks + chunk, chunk * BLOCK + idx)
 
@@ -41,8 +43,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, dim=-1) for x [B, N] (rows with unit column stride), int64 [B]: the first
     index of each row's maximum. Two launches: chunks of 4,096 columns in parallel, then a merge,
     because torch's one-block-per-row reduction leaves the GPU almost idle on a batch-1 row of a
-    large vocabulary. Rows holding
-    NaN are unspecified (the sampler's logits are finite)."""
+    large vocabulary. A row holding NaN or +inf gives the first index of either (torch gives
+    the first NaN's), always inside the row: an overflowed row samples a real token id."""
     if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] == 0:
         raise ValueError(f"argmax_rows takes [rows, columns] with unit column stride, got shape "
                          f"{tuple(x.shape)}, strides {x.stride()}")
