@@ -30,6 +30,7 @@ from minisgl.distributed.comm import Communicator
 from minisgl.engine import Engine
 from minisgl.message import AbortMsg, BatchTokenOut, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.message.queue import PullQueue, PushQueue
+from minisgl.message.types import AccountingMsg, AccountingReply
 from minisgl.distributed.info import check_head_split
 from minisgl.models import ModelConfig
 from minisgl.models.path import resolve_model_path
@@ -137,6 +138,7 @@ class _RankProcesses:
                                        self.run_dir))
         self.requests = PushQueue(self.ctx, addr("backend"), bind=False)
         self.stats: Optional[SchedulerStats] = None  # rank 0's latest
+        self.accounting_seq = 0  # AccountingMsg numbers, so a reply meets its request
         self.closed = False
         try:
             wait_ready(self.children, should_stop=lambda: False)
@@ -167,20 +169,44 @@ class _RankProcesses:
                                f"(exit code {dead.process.exitcode}); stopped the other ranks")
 
     def submit(self, msg: Any) -> None:
+        self._check_open()
         self.requests.put(msg)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this LLM is closed")
 
     def drain(self) -> None:
         """Nothing to wait for: the rank processes finish their in-flight batch by themselves."""
 
     def poll(self) -> List[TokenOut]:
         try:
-            batch: BatchTokenOut = self.results.get(timeout_ms=500)
+            msg = self.results.get(timeout_ms=500)
         except TimeoutError:
             self.check_alive()
             return []
-        if batch.stats is not None and (self.stats is None or batch.stats.seq > self.stats.seq):
-            self.stats = batch.stats  # the newest: rank 0's timer sends them too
-        return list(batch.items)
+        if not isinstance(msg, BatchTokenOut):  # a reply `accounting` gave up on
+            return []
+        if msg.stats is not None and (self.stats is None or msg.stats.seq > self.stats.seq):
+            self.stats = msg.stats  # the newest: rank 0's timer sends them too
+        return list(msg.items)
+
+    def accounting(self) -> Accounting:
+        """Every rank checks its KV pages at one step (a rank whose pages do not balance
+        raises, ends, and the others are stopped: RuntimeError here); rank 0's numbers."""
+        self.accounting_seq += 1
+        self.requests.put(AccountingMsg(self.accounting_seq))
+        while True:
+            try:
+                msg = self.results.get(timeout_ms=500)
+            except TimeoutError:
+                self.check_alive()
+                continue
+            if isinstance(msg, AccountingReply) and msg.seq == self.accounting_seq:
+                return Accounting.of_reply(msg)
+            if isinstance(msg, BatchTokenOut) and msg.items:
+                raise RuntimeError(f"check_accounting runs between generate calls; rank 0 "
+                                   f"sent {len(msg.items)} token outputs meanwhile")
 
     def close(self, graceful: bool = True) -> None:
         """Stop the ranks (gracefully: a ShutdownMsg ends them all at the same step) and remove
@@ -276,13 +302,12 @@ class LLM:
         """The scheduler's resources between calls of `generate` / `chat` (KV pages by place,
         reserved pages, page-table rows, live requests, evictions and retractions so far).
         Raises RuntimeError naming the numbers when the pages do not balance (free + in use +
-        cached != total). tp=1 only: with tp>1 every rank process runs the same check before it
-        waits for input, and a mismatch ends it (the next call then raises)."""
-        if not isinstance(self._backend, _InProcess):
-            raise NotImplementedError(
-                "LLM.check_accounting needs tp=1: with tp>1 each rank checks its own KV pages "
-                "before it waits for input (a mismatch ends the rank, and the next call raises)")
+        cached != total). With tp>1 every rank checks its own at the same step (rank 0's
+        numbers come back; ranks agree, as they schedule alike), and a rank whose pages do not
+        balance ends: RuntimeError naming it, the other ranks stopped."""
         self._backend._check_open()
+        if isinstance(self._backend, _RankProcesses):
+            return self._backend.accounting()
         return self._backend.scheduler.accounting()
 
     @property

@@ -63,6 +63,8 @@ SAMPLES: Dict[str, Any] = {
     "ReplyBatch": [T.ReplyBatch(chunks=[CHUNK], stats=STATS), T.ReplyBatch(chunks=[])],
     "ServiceDown": [T.ServiceDown("node 1: rank1 (pid 7) was killed by signal 9")],
     "Drain": [T.Drain(30.0), T.Drain(0.0)],
+    "AccountingMsg": [T.AccountingMsg(seq=3)],
+    "AccountingReply": [T.AccountingReply(3, 100, 20, 8, 128, 4, 250, 257, 1, 12, 2)],
 }
 
 

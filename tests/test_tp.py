@@ -8,7 +8,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable, List, Tuple
 
 import pytest
 import torch
@@ -18,6 +18,7 @@ from minisgl import LLM, SamplingParams
 from minisgl.distributed import Communicator, DistributedInfo
 from minisgl.models import ModelConfig, model_class
 from minisgl.models.weights import iter_checkpoint
+from minisgl.scheduler.scheduler import Accounting
 from recording_source import RecordingSource
 from spawn_ranks import spawn_ranks
 
@@ -26,9 +27,16 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 def _generate(path: Path, tp: int, prompts: List[List[int]], params: SamplingParams,
               overlap: bool = False) -> List[List[int]]:
+    return _generate_and_account(path, tp, prompts, params, overlap)[0]
+
+
+def _generate_and_account(path: Path, tp: int, prompts: List[List[int]], params: SamplingParams,
+                          overlap: bool = False) -> Tuple[List[List[int]], Accounting]:
+    """The tokens, and the scheduler's accounting after them (every rank checks its own)."""
     with LLM(str(path), tp=tp, page_size=4, max_kv_tokens=4096, show_progress=False,
              check_lockstep=tp > 1, overlap=overlap) as llm:
-        return [o.token_ids for o in llm.generate(prompts, params)]
+        tokens = [o.token_ids for o in llm.generate(prompts, params)]
+        return tokens, llm.check_accounting()
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -38,8 +46,12 @@ def test_tp_greedy_matches_tp1_and_hf(tp: int, tiny_model: Callable[..., Path]) 
     path = tiny_model("qwen3")
     prompts = mixed_prompts(8, seed=4, lengths=(2, 9, 40, 75))
     ref = hf_greedy(path, prompts, GREEDY.max_tokens)
-    assert _generate(path, 1, prompts, GREEDY) == ref
-    assert _generate(path, tp, prompts, GREEDY) == ref
+    tokens, accounting = _generate_and_account(path, 1, prompts, GREEDY)
+    assert tokens == ref
+    # ranks schedule alike: rank 0's accounting is tp=1's (pages, rows, evictions), at rest
+    assert _generate_and_account(path, tp, prompts, GREEDY) == (ref, accounting)
+    assert accounting.live_requests == 0 and accounting.reserved_pages == 0
+    assert accounting.free_rows == accounting.total_rows
 
 
 def test_tp_overlap_scheduling_matches_hf(tiny_model: Callable[..., Path]) -> None:
@@ -161,4 +173,6 @@ def test_killed_rank_ends_the_others(tiny_model: Callable[..., Path]) -> None:
     assert time.monotonic() - start < 30
     with pytest.raises(RuntimeError, match="died"):
         llm.generate([[5, 6, 7]], GREEDY)
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.check_accounting()
     llm.close()

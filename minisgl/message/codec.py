@@ -25,7 +25,8 @@ _TYPES: Dict[str, Type[Any]] = {
     for cls in (T.TokenizeRequest, T.AbortRequest, T.UserMsg, T.AbortMsg, T.ShutdownMsg,
                 T.TokenOut, T.BatchTokenOut, T.SchedulerStats, T.ReplyChunk, SamplingParams,
                 T.DetokenizeInit, T.ReplyBatch, TokenLogprobs, T.TokenLogprobText,
-                T.TextRequest, T.ServiceDown, T.Drain, StructuredOutput)
+                T.TextRequest, T.ServiceDown, T.Drain, StructuredOutput, T.AccountingMsg,
+                T.AccountingReply)
 }
 
 

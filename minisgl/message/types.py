@@ -1,7 +1,8 @@
 """Every message that crosses a process boundary, as plain frozen dataclasses.
 
 Flow: API server -> tokenizer (`TokenizeRequest`, `AbortRequest`) -> scheduler rank 0 (`UserMsg`,
-`AbortMsg`) -> detokenizer (`TokenOut`, `BatchTokenOut`) -> API server (`ReplyChunk`).
+`AbortMsg`) -> detokenizer (`TokenOut`, `BatchTokenOut`) -> API server (`ReplyChunk`). The
+offline API at tp > 1 stands in for the tokenizer and detokenizer (and sends `AccountingMsg`).
 Rank 0 forwards the raw bytes of backend messages verbatim to the other ranks, so a backend
 message must decode to the same object on every rank (no process-local state inside).
 """
@@ -80,6 +81,15 @@ class ShutdownMsg:
     """Ends every rank's loop at the same step (rank 0 forwards it like any other message)."""
 
 
+@dataclass(frozen=True)
+class AccountingMsg:
+    """The offline API (tp > 1) -> every rank at the same step: check the KV accounting
+    (Scheduler.accounting; a rank whose pages do not balance raises and ends), and rank 0
+    answers with an `AccountingReply` of the same `seq`."""
+
+    seq: int
+
+
 # --- scheduler rank 0 -> detokenizer ------------------------------------------------------------
 @dataclass(frozen=True)
 class TokenOut:
@@ -129,6 +139,24 @@ class SchedulerStats:
     # Numbers rank 0's stats in the order taken: stats come with replies and on a timer (two
     # sockets), and a reader keeps the latest.
     seq: int = 0
+
+
+@dataclass(frozen=True)
+class AccountingReply:
+    """Rank 0's answer to an `AccountingMsg`: scheduler.Accounting's numbers, flat (the
+    scheduler converts both ways)."""
+
+    seq: int
+    free_pages: int
+    in_use_pages: int
+    cached_pages: int
+    total_pages: int
+    reserved_pages: int
+    free_rows: int
+    total_rows: int
+    live_requests: int
+    evicted_pages: int
+    retracted_requests: int
 
 
 @dataclass(frozen=True)

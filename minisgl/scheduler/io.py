@@ -1,6 +1,7 @@
 """The scheduler's input and output (the seed protocol).
 
-The loop calls only `receive(blocking, on_idle)` and `send(outs, stats)`. Which implementation it
+The loop calls only `receive(blocking, on_idle)` and `send(outs, stats)` (and `post(msg)` to
+answer a control message). Which implementation it
 gets is chosen when the scheduler is built:
 
 - `LocalIO`: offline single-rank mode; the caller puts messages in and takes results out.
@@ -35,6 +36,10 @@ class SchedulerIO(Protocol):
 
     def send(self, outs: List[TokenOut], stats: Optional[SchedulerStats]) -> None: ...
 
+    def post(self, msg: object) -> None:
+        """Rank 0: one reply to a control message (AccountingReply) on the results socket;
+        the other ranks drop it."""
+
     def close(self) -> None: ...
 
 
@@ -44,6 +49,7 @@ class LocalIO:
     def __init__(self) -> None:
         self.inbox: Deque[Any] = deque()
         self.outbox: List[TokenOut] = []
+        self.posted: List[object] = []  # replies to control messages
         self.stats: Optional[SchedulerStats] = None
 
     def receive(self, blocking: bool, on_idle: Callable[[], None]) -> List[Any]:
@@ -56,6 +62,9 @@ class LocalIO:
     def send(self, outs: List[TokenOut], stats: Optional[SchedulerStats]) -> None:
         self.outbox.extend(outs)
         self.stats = stats or self.stats
+
+    def post(self, msg: object) -> None:
+        self.posted.append(msg)
 
     def close(self) -> None:
         pass
@@ -132,6 +141,10 @@ class ZmqIO:
         if self.push is None or (not outs and stats is None):
             return  # only rank 0 replies: every rank sampled the same tokens
         self.push.put(BatchTokenOut(outs, stats))
+
+    def post(self, msg: object) -> None:
+        if self.push is not None:
+            self.push.put(msg)
 
     def close(self) -> None:
         for q in (self.pull, self.push, self.pub, self.sub):

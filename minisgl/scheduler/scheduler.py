@@ -35,6 +35,7 @@ from minisgl.grammar.matcher import RequestGrammar, fill_bitmask
 from minisgl.utils import offline_prefill_tokens, rows_to_device
 from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
+from minisgl.message.types import AccountingMsg, AccountingReply
 from minisgl.message.pulse import Pulse
 from minisgl.scheduler.cache import PageCache, PageCounts
 from minisgl.scheduler.config import SchedulerConfig
@@ -70,6 +71,19 @@ class Accounting(NamedTuple):
     live_requests: int
     evicted_pages: int
     retracted_requests: int
+
+    def reply(self, seq: int) -> AccountingReply:
+        """These numbers as rank 0's answer to AccountingMsg `seq`."""
+        p = self.pages
+        return AccountingReply(seq, p.free, p.in_use, p.cached, p.total, self.reserved_pages,
+                               self.free_rows, self.total_rows, self.live_requests,
+                               self.evicted_pages, self.retracted_requests)
+
+    @classmethod
+    def of_reply(cls, reply: AccountingReply) -> "Accounting":
+        counts = (reply.free_pages, reply.in_use_pages, reply.cached_pages, reply.total_pages)
+        return cls(PageCounts(*counts), reply.reserved_pages, reply.free_rows, reply.total_rows,
+                   reply.live_requests, reply.evicted_pages, reply.retracted_requests)
 
 
 class Scheduler:
@@ -282,6 +296,8 @@ class Scheduler:
             self.abort(msg.uid)
         elif isinstance(msg, ShutdownMsg):
             self.stopped = True
+        elif isinstance(msg, AccountingMsg):  # every rank checks; rank 0's io posts the reply
+            self.io.post(self.accounting().reply(msg.seq))
         else:
             logger.error("rank %d: ignoring unknown message %r", self.rank, type(msg).__name__)
 
