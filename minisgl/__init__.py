@@ -3,7 +3,12 @@
 `from minisgl import LLM, SamplingParams` is the offline API; `./serve` starts the service.
 """
 
+from typing import TYPE_CHECKING
+
 from minisgl.core import SamplingParams, StructuredOutput, TokenLogprobs
+
+if TYPE_CHECKING:  # type checkers see the class; at run time `__getattr__` imports it late
+    from minisgl.llm import LLM
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutput", "TokenLogprobs"]
 
