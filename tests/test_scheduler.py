@@ -373,6 +373,25 @@ def test_a_request_whose_tokens_are_all_launched_joins_no_more_batches(overlap: 
 
 
 # --- accounting ------------------------------------------------------------------------------
+def test_an_accounting_message_is_answered_at_rest() -> None:
+    """AccountingMsg (the offline API's check at tp > 1, reaching every rank at one step) taken
+    while requests run, with a batch in flight: no reply until the scheduler rests (check_idle),
+    then one per message, with the at-rest numbers."""
+    from minisgl.message.types import AccountingMsg
+    from minisgl.scheduler.scheduler import Accounting
+    h = Harness(overlap=True)
+    h.submit(0, _prompt(1, 5), max_tokens=4)
+    h.step()
+    h.io.inbox.append(AccountingMsg(7))
+    h.step()  # taken mid-work
+    assert h.sched.has_work and not h.io.posted
+    h.io.inbox.append(AccountingMsg(8))
+    h.run()  # its last step finds no work left: the idle check answers both
+    assert [r.seq for r in h.io.posted] == [7, 8]
+    assert {Accounting.of_reply(r) for r in h.io.posted} == {h.accounting()}
+    _at_rest(h)
+
+
 def test_a_leaked_page_fails_the_idle_check() -> None:
     h = Harness(cache="naive")
     h.submit(0, _prompt(1, 5), max_tokens=3)

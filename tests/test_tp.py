@@ -59,7 +59,11 @@ def test_tp_overlap_scheduling_matches_hf(tiny_model: Callable[..., Path]) -> No
     path = tiny_model("qwen3")
     prompts = mixed_prompts(8, seed=8, lengths=(2, 9, 40, 75))
     stops = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    assert _generate(path, 2, prompts, stops, overlap=True) == hf_greedy(path, prompts, 12)
+    tokens, accounting = _generate_and_account(path, 2, prompts, stops, overlap=True)
+    assert tokens == hf_greedy(path, prompts, 12)
+    # answered at rest (the next time the ranks wait for input): nothing live or reserved
+    assert accounting.live_requests == accounting.reserved_pages == accounting.pages.in_use == 0
+    assert accounting.free_rows == accounting.total_rows
 
 
 def test_tp_logprobs_come_from_rank0_and_match_tp1(tiny_model: Callable[..., Path]) -> None:

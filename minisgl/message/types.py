@@ -83,9 +83,9 @@ class ShutdownMsg:
 
 @dataclass(frozen=True)
 class AccountingMsg:
-    """The offline API (tp > 1) -> every rank at the same step: check the KV accounting
-    (Scheduler.accounting; a rank whose pages do not balance raises and ends), and rank 0
-    answers with an `AccountingReply` of the same `seq`."""
+    """The offline API (tp > 1) -> every rank at the same step: at the next rest (no work,
+    nothing in flight) check the KV accounting (Scheduler.check_idle; a rank whose pages do not
+    balance raises and ends), and rank 0 answers with an `AccountingReply` of the same `seq`."""
 
     seq: int
 

@@ -128,6 +128,7 @@ class Scheduler:
         self._last_done = 0.0
         self.wait_s = 0.0
         self.received = 0  # UserMsgs taken so far
+        self.accounting_asked: List[int] = []  # AccountingMsg seqs check_idle answers
         self._stats_seq = 0
         self.on_stats = on_stats
         if on_stats is not None:
@@ -275,8 +276,13 @@ class Scheduler:
         self.io.send(outs, self._posted_stats())  # after the retires: they see the freed pages
 
     def check_idle(self) -> None:
-        """Called before blocking for input: every page must be accounted for."""
-        self.accounting()
+        """Called before blocking for input (no work, nothing in flight; every rank at the same
+        step): every page must be accounted for. AccountingMsgs taken since get their reply
+        now, at rest, as the offline API's tp=1 check sees it after its drain."""
+        accounting = self.accounting()
+        for seq in self.accounting_asked:
+            self.io.post(accounting.reply(seq))
+        self.accounting_asked.clear()
 
     def accounting(self) -> Accounting:
         """The scheduler's resources, between steps; raises RuntimeError naming the numbers
@@ -296,8 +302,8 @@ class Scheduler:
             self.abort(msg.uid)
         elif isinstance(msg, ShutdownMsg):
             self.stopped = True
-        elif isinstance(msg, AccountingMsg):  # every rank checks; rank 0's io posts the reply
-            self.io.post(self.accounting().reply(msg.seq))
+        elif isinstance(msg, AccountingMsg):  # answered at rest (check_idle)
+            self.accounting_asked.append(msg.seq)
         else:
             logger.error("rank %d: ignoring unknown message %r", self.rank, type(msg).__name__)
 
