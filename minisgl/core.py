@@ -455,9 +455,8 @@ class Batch:
     extend_lens: List[int]
     sample: List[bool]
     num_decode: int = 0
-    # Filled by the engine when the batch is prepared for a forward pass.
-    input_ids: Optional[torch.Tensor] = None
-    positions: Optional[torch.Tensor] = None
+    # Filled when the batch is prepared for a forward pass (the scheduler's slots, the
+    # backend's metadata).
     out_slots: Optional[torch.Tensor] = None
     attn_meta: object = None
     launched_at: float = 0.0  # scheduler's clock at launch: step-time statistics only

@@ -179,29 +179,30 @@ class _RankProcesses:
     def drain(self) -> None:
         """Nothing to wait for: the rank processes finish their in-flight batch by themselves."""
 
-    def poll(self) -> List[TokenOut]:
+    def _receive(self) -> object:
+        """Rank 0's next message within half a second (None: none came, and every rank is
+        alive); a BatchTokenOut's stats are kept."""
         try:
             msg = self.results.get(timeout_ms=500)
         except TimeoutError:
             self.check_alive()
-            return []
-        if not isinstance(msg, BatchTokenOut):  # a reply `accounting` gave up on
-            return []
-        if msg.stats is not None and (self.stats is None or msg.stats.seq > self.stats.seq):
+            return None
+        if isinstance(msg, BatchTokenOut) and msg.stats is not None and (
+                self.stats is None or msg.stats.seq > self.stats.seq):
             self.stats = msg.stats  # the newest: rank 0's timer sends them too
-        return list(msg.items)
+        return msg
+
+    def poll(self) -> List[TokenOut]:
+        msg = self._receive()
+        return list(msg.items) if isinstance(msg, BatchTokenOut) else []
 
     def accounting(self) -> Accounting:
-        """Every rank checks its KV pages at one step (a rank whose pages do not balance
+        """Every rank checks its KV pages at its next rest (a rank whose pages do not balance
         raises, ends, and the others are stopped: RuntimeError here); rank 0's numbers."""
         self.accounting_seq += 1
         self.requests.put(AccountingMsg(self.accounting_seq))
         while True:
-            try:
-                msg = self.results.get(timeout_ms=500)
-            except TimeoutError:
-                self.check_alive()
-                continue
+            msg = self._receive()
             if isinstance(msg, AccountingReply) and msg.seq == self.accounting_seq:
                 return Accounting.of_reply(msg)
             if isinstance(msg, BatchTokenOut) and msg.items:

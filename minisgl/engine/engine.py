@@ -416,23 +416,21 @@ class Engine:
         return self.collect(self.launch(batch)).tokens
 
     def _prepare_inputs(self, batch: Batch, rows: torch.Tensor) -> DeviceInputs:
-        """Positions and input ids on the device, also set on `batch`; `rows` are the page-table
-        rows of the sampled requests, which for a decode batch are all of them, in order."""
+        """Input ids and positions on the device; `rows` are the page-table rows of the sampled
+        requests, which for a decode batch are all of them, in order."""
         dev = self.device
-        positions: List[int] = []
+        host_positions: List[int] = []
         for prefix, ext in zip(batch.prefix_lens, batch.extend_lens):
-            positions.extend(range(prefix, prefix + ext))
-        batch.positions = to_device(positions, torch.int64, dev)
+            host_positions.extend(range(prefix, prefix + ext))
+        positions = to_device(host_positions, torch.int64, dev)
         if batch.phase is Phase.DECODE:  # the newest token may still be on the device only
-            batch.input_ids = self.last_tokens[rows]
-            return DeviceInputs(batch.input_ids, batch.positions)
+            return DeviceInputs(self.last_tokens[rows], positions)
         ids: List[int] = []
         first_decode = batch.first_decode
         for req, prefix, ext in zip(batch.reqs[:first_decode], batch.prefix_lens,
                                     batch.extend_lens):
             ids.extend(req.token_ids[prefix:prefix + ext])  # prompt tokens: known on the host
-        batch.input_ids = to_device(ids, torch.int64, dev)
+        input_ids = to_device(ids, torch.int64, dev)
         if batch.num_decode:  # a mixed step's decode rows, sampled last: as a decode batch's
-            batch.input_ids = torch.cat([batch.input_ids,
-                                         self.last_tokens[rows[-batch.num_decode:]]])
-        return DeviceInputs(batch.input_ids, batch.positions)
+            input_ids = torch.cat([input_ids, self.last_tokens[rows[-batch.num_decode:]]])
+        return DeviceInputs(input_ids, positions)
