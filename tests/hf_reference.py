@@ -1,4 +1,7 @@
-"""Greedy reference tokens from Hugging Face transformers (float32, CPU)."""
+"""Greedy reference tokens from Hugging Face transformers (float32, CPU).
+
+A test comparing with them builds its LLM with device="cpu" (float32 there): "auto" would pick
+CUDA on a GPU machine, where the default dtype is bf16 and the tokens cannot match."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ def default_reference(default_model_dir: Path, default_prompts: List[List[int]]
 def test_default_model_matches_hf(default_model_dir: Path, default_prompts: List[List[int]],
                                   default_reference: List[List[int]], page_size: int,
                                   chunk: int) -> None:
-    with LLM(str(default_model_dir), page_size=page_size, max_prefill_tokens=chunk,
+    with LLM(str(default_model_dir), device="cpu", page_size=page_size, max_prefill_tokens=chunk,
              max_kv_tokens=4096, show_progress=False) as llm:
         outs = llm.generate(default_prompts, GREEDY32)
     assert [o.token_ids for o in outs] == default_reference
@@ -53,7 +53,7 @@ def test_default_model_matches_hf(default_model_dir: Path, default_prompts: List
 def test_tiny_families_match_hf(tiny_model: Callable[..., Path], family: str) -> None:
     path = tiny_model(family)
     prompts = mixed_prompts(4, seed=1)
-    with LLM(str(path), page_size=4, max_kv_tokens=2048, show_progress=False) as llm:
+    with LLM(str(path), device="cpu", page_size=4, max_kv_tokens=2048, show_progress=False) as llm:
         outs = llm.generate(prompts, GREEDY32)
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 32)
 
@@ -67,8 +67,9 @@ def test_concurrency_does_not_change_tokens(tiny_model: Callable[..., Path], max
     decides one step behind: extra tokens dropped, resources freed a step late)."""
     path = tiny_model("qwen3")
     prompts = mixed_prompts(16, seed=2)
-    with LLM(str(path), page_size=page_size, max_prefill_tokens=chunk, overlap=overlap,
-             max_running_requests=max_running, max_kv_tokens=8192, show_progress=False) as llm:
+    with LLM(str(path), device="cpu", page_size=page_size, max_prefill_tokens=chunk,
+             overlap=overlap, max_running_requests=max_running, max_kv_tokens=8192,
+             show_progress=False) as llm:
         outs = llm.generate(prompts, GREEDY32)
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 32)
 
@@ -80,8 +81,9 @@ def test_mixed_steps_do_not_change_tokens(tiny_model: Callable[..., Path],
     newcomer's prompt chunks run in the same steps as the others' decodes; tokens unchanged."""
     path = tiny_model("qwen3")
     prompts = mixed_prompts(16, seed=4)
-    with LLM(str(path), page_size=4, max_prefill_tokens=16, overlap=overlap, mixed_steps=True,
-             max_running_requests=3, max_kv_tokens=4096, show_progress=False) as llm:
+    with LLM(str(path), device="cpu", page_size=4, max_prefill_tokens=16, overlap=overlap,
+             mixed_steps=True, max_running_requests=3, max_kv_tokens=4096,
+             show_progress=False) as llm:
         outs = llm.generate(prompts, GREEDY32)
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 32)
 
@@ -93,7 +95,7 @@ def test_eager_warmup_leaves_no_trace(tiny_model: Callable[..., Path]) -> None:
     from minisgl.engine.warmup import warmup_shapes
     path = tiny_model("qwen3", max_position_embeddings=2048)
     prompts = mixed_prompts(4, seed=5)
-    with LLM(str(path), page_size=4, max_kv_tokens=4096, mixed_steps=True,
+    with LLM(str(path), device="cpu", page_size=4, max_kv_tokens=4096, mixed_steps=True,
              show_progress=False) as llm:
         engine = llm._backend.engine  # type: ignore[attr-defined]
         assert len(warmup_shapes(512, engine.max_context)) == 4, engine.max_context

@@ -31,7 +31,7 @@ def test_logprobs_equal_hf(tiny_model: Callable[..., Path], overlap: bool, chunk
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5),
               SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True, logprobs=0),
               SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 2
-    with LLM(str(path), page_size=4, max_prefill_tokens=chunk, overlap=overlap,
+    with LLM(str(path), device="cpu", page_size=4, max_prefill_tokens=chunk, overlap=overlap,
              mixed_steps=mixed, max_kv_tokens=4096, show_progress=False) as llm:
         outs = llm.generate(prompts, params)
     for prompt, p, out in zip(prompts, params, outs):
@@ -92,7 +92,7 @@ def test_prompt_logprobs_equal_hf(tiny_model: Callable[..., Path], chunk: int) -
     prompts = mixed_prompts(3, seed=5, lengths=(9, 30, 17))
     params = [SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=k)
               for k in (0, 3, None)]
-    with LLM(str(path), page_size=4, max_prefill_tokens=chunk, max_kv_tokens=4096,
+    with LLM(str(path), device="cpu", page_size=4, max_prefill_tokens=chunk, max_kv_tokens=4096,
              show_progress=False) as llm:
         llm.generate(prompts, SamplingParams(max_tokens=1))  # now the cache holds them
         outs = llm.generate(prompts, params)
@@ -127,7 +127,7 @@ def test_prompt_logprobs_survive_retraction(tiny_model: Callable[..., Path]) -> 
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
     runs = []
     for kv, reserve in ((4096, None), (400, 4)):
-        with LLM(str(path), page_size=4, max_kv_tokens=kv, max_running_requests=12,
+        with LLM(str(path), device="cpu", page_size=4, max_kv_tokens=kv, max_running_requests=12,
                  max_prefill_tokens=16, overlap=True, decode_reserve_tokens=reserve,
                  show_progress=False) as llm:
             runs.append(llm.generate(prompts, params))

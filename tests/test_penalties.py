@@ -34,8 +34,8 @@ def test_penalties_match_hf(tiny_model: Callable[..., Path], penalty: Dict[str, 
     prompts = mixed_prompts(4, seed=4, lengths=(3, 17, 40))
     plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     # Penalized and plain requests share batches; chunks of 16 split the longer prompts.
-    with LLM(str(path), page_size=4, max_prefill_tokens=16, overlap=True, max_kv_tokens=4096,
-             show_progress=False) as llm:
+    with LLM(str(path), device="cpu", page_size=4, max_prefill_tokens=16, overlap=True,
+             max_kv_tokens=4096, show_progress=False) as llm:
         outs = llm.generate(prompts + prompts, [_params(penalty)] * 4 + [plain] * 4)
     assert [o.token_ids for o in outs[:4]] == hf_greedy(path, prompts, 24, **penalty)
     assert [o.token_ids for o in outs[4:]] == hf_greedy(path, prompts, 24)
@@ -49,7 +49,7 @@ def test_default_model_repetition_penalty_matches_hf(default_model_dir: Path) ->
                                                    add_special_tokens=False)
     penalty = {"repetition_penalty": 1.5, "frequency_penalty": 0.3}
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, **penalty)
-    with LLM(str(default_model_dir), page_size=4, max_kv_tokens=2048,
+    with LLM(str(default_model_dir), device="cpu", page_size=4, max_kv_tokens=2048,
              show_progress=False) as llm:
         first, again = (llm.generate([ids], params)[0] for _ in range(2))
     assert again.cached_tokens > 0  # the second run starts from the prefix cache
@@ -64,7 +64,7 @@ def test_penalties_survive_retraction(tiny_model: Callable[..., Path]) -> None:
     prompts = mixed_prompts(12, seed=12, lengths=(20, 24))
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
                             frequency_penalty=0.8, repetition_penalty=1.1)
-    with LLM(str(path), page_size=4, max_kv_tokens=400, max_running_requests=12,
+    with LLM(str(path), device="cpu", page_size=4, max_kv_tokens=400, max_running_requests=12,
              overlap=True, decode_reserve_tokens=4, show_progress=False) as llm:
         got = [o.token_ids for o in llm.generate(prompts, params)]
         assert llm.check_accounting().retracted_requests > 0
@@ -89,7 +89,7 @@ def test_logit_bias_moves_the_choice(tiny_model: Callable[..., Path]) -> None:
     path = tiny_model("llama")
     prompts = mixed_prompts(2, seed=21)
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
-    with LLM(str(path), page_size=4, overlap=True, max_kv_tokens=2048,
+    with LLM(str(path), device="cpu", page_size=4, overlap=True, max_kv_tokens=2048,
              show_progress=False) as llm:
         plain = llm.generate(prompts, greedy)
         top = plain[0].logprobs[0].top_ids  # type: ignore[index]
@@ -125,7 +125,7 @@ def test_allowed_token_ids_mask_the_choice(tiny_model: Callable[..., Path]) -> N
               SamplingParams(max_tokens=6, temperature=3.0, seed=2, ignore_eos=True,
                              allowed_token_ids=list(allowed[:2])),
               SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)]
-    with LLM(str(path), page_size=4, overlap=True, max_kv_tokens=2048,
+    with LLM(str(path), device="cpu", page_size=4, overlap=True, max_kv_tokens=2048,
              show_progress=False) as llm:
         greedy, sampled, plain = llm.generate(prompts, params)
         for bad, words in (((), "must not be empty"), ((5, -2), "-2"),
@@ -155,7 +155,7 @@ def test_min_tokens_holds_back_eos_as_hf_min_new_tokens(default_model_dir: Path)
     ids = tok.apply_chat_template([{"role": "user", "content": "Say hi."}],
                                   add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    with LLM(str(default_model_dir), max_kv_tokens=2048, show_progress=False) as llm:
+    with LLM(str(default_model_dir), device="cpu", max_kv_tokens=2048, show_progress=False) as llm:
         free, held = llm.generate([ids, ids], [
             SamplingParams(max_tokens=48, temperature=0.0),
             SamplingParams(max_tokens=48, temperature=0.0, min_tokens=30)])

@@ -26,7 +26,7 @@ def _shared_prompts(n: int, prefix_len: int, seed: int) -> List[List[int]]:
 def _run(path: Path, cache: str, page_size: int, tp: int, batches: List[List[List[int]]],
          evictions: Optional[List[int]] = None, **kw: object) -> List[List[int]]:
     out: List[List[int]] = []
-    with LLM(str(path), cache=cache, page_size=page_size, tp=tp, show_progress=False,
+    with LLM(str(path), device="cpu", cache=cache, page_size=page_size, tp=tp, show_progress=False,
              **{"max_kv_tokens": 8192, **kw}) as llm:  # type: ignore[arg-type]
         for prompts in batches:
             out += [o.token_ids for o in llm.generate(prompts, GREEDY)]
@@ -122,7 +122,7 @@ def test_overlap_with_radix_eviction_and_stops(tiny_model: Callable[..., Path]) 
     results = []
     evicted: List[int] = []  # pages each run's cache evicted
     for overlap in (False, True):
-        with LLM(str(path), page_size=4, max_kv_tokens=512, max_running_requests=6,
+        with LLM(str(path), device="cpu", page_size=4, max_kv_tokens=512, max_running_requests=6,
                  overlap=overlap, show_progress=False) as llm:
             ref = [o.token_ids for o in llm.generate(prompts, GREEDY)]
             stops = SamplingParams(max_tokens=8, temperature=0.0,
@@ -142,8 +142,8 @@ def test_retraction_under_optimistic_admission(tiny_model: Callable[..., Path], 
     path = tiny_model("qwen3")
     prompts = _shared_prompts(16, 20, seed=12)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    with LLM(str(path), page_size=4, max_kv_tokens=400, max_running_requests=12, cache=cache,
-             overlap=overlap, decode_reserve_tokens=4, show_progress=False) as llm:
+    with LLM(str(path), device="cpu", page_size=4, max_kv_tokens=400, max_running_requests=12,
+             cache=cache, overlap=overlap, decode_reserve_tokens=4, show_progress=False) as llm:
         got = [o.token_ids for o in llm.generate(prompts, params)]
         acct = llm.check_accounting()
         assert acct.retracted_requests > 0 and acct.reserved_pages == 0

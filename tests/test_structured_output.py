@@ -212,7 +212,7 @@ def test_tp3_equals_tp1_and_hf(schema_answers: Dict[Tuple[str, bool], str],
               for _, schema in TP3_SCHEMAS]
     prompts = mixed_prompts(8, seed=4, lengths=(2, 9, 40, 75))
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    with LLM(None, tp=3, max_kv_tokens=4096, page_size=4, check_lockstep=True,
+    with LLM(None, device="cpu", tp=3, max_kv_tokens=4096, page_size=4, check_lockstep=True,
              show_progress=False) as llm:
         outs = llm.chat([_ask(name) for name, _ in TP3_SCHEMAS], params)
         plain = [o.token_ids for o in llm.generate(prompts, greedy)]
@@ -237,8 +237,8 @@ def test_tp2_constrained_ranks_agree(tiny_model: Callable[..., Path]) -> None:
     params = _lockstep_params()
     outs = []
     for tp in (2, 1):
-        with LLM(str(tiny_model("qwen3")), tp=tp, max_kv_tokens=2048, check_lockstep=tp > 1,
-                 show_progress=False) as llm:
+        with LLM(str(tiny_model("qwen3")), device="cpu", tp=tp, max_kv_tokens=2048,
+                 check_lockstep=tp > 1, show_progress=False) as llm:
             outs.append([o.token_ids for o in llm.generate(prompts, params)])
     assert outs[0] == outs[1]
 
@@ -247,8 +247,8 @@ def test_tp2_constrained_ranks_agree(tiny_model: Callable[..., Path]) -> None:
 def small_pool_llm(default_model_dir: Path) -> Iterator[LLM]:
     """Overlap scheduling on (the mask of step N+1 built while step N's results come in) and a
     pool small enough that decoding retracts requests."""
-    with LLM(None, max_kv_tokens=256, page_size=16, decode_reserve_tokens=8, overlap=True,
-             show_progress=False) as llm:
+    with LLM(None, device="cpu", max_kv_tokens=256, page_size=16, decode_reserve_tokens=8,
+             overlap=True, show_progress=False) as llm:
         yield llm
 
 

@@ -33,7 +33,7 @@ def _generate(path: Path, tp: int, prompts: List[List[int]], params: SamplingPar
 def _generate_and_account(path: Path, tp: int, prompts: List[List[int]], params: SamplingParams,
                           overlap: bool = False) -> Tuple[List[List[int]], Accounting]:
     """The tokens, and the scheduler's accounting after them (every rank checks its own)."""
-    with LLM(str(path), tp=tp, page_size=4, max_kv_tokens=4096, show_progress=False,
+    with LLM(str(path), device="cpu", tp=tp, page_size=4, max_kv_tokens=4096, show_progress=False,
              check_lockstep=tp > 1, overlap=overlap) as llm:
         tokens = [o.token_ids for o in llm.generate(prompts, params)]
         return tokens, llm.check_accounting()
@@ -76,8 +76,8 @@ def test_tp_logprobs_come_from_rank0_and_match_tp1(tiny_model: Callable[..., Pat
                             prompt_logprobs=2)
     outs = []
     for tp in (1, 2):  # prompt chunks of 16: every rank runs the LM head over the prompt rows
-        with LLM(str(path), tp=tp, page_size=4, max_kv_tokens=4096, show_progress=False,
-                 max_prefill_tokens=16, overlap=True) as llm:
+        with LLM(str(path), device="cpu", tp=tp, page_size=4, max_kv_tokens=4096,
+                 show_progress=False, max_prefill_tokens=16, overlap=True) as llm:
             outs.append(llm.generate(prompts, params))
     for one, two in zip(*outs):
         assert one.token_ids == two.token_ids
@@ -112,8 +112,8 @@ def test_tp_allowed_token_ids_match_tp1(tiny_model: Callable[..., Path]) -> None
                              allowed_token_ids=allowed)] * 2
     outs = []
     for tp in (1, 2):
-        with LLM(str(path), tp=tp, page_size=4, max_kv_tokens=2048, show_progress=False,
-                 check_lockstep=tp > 1) as llm:
+        with LLM(str(path), device="cpu", tp=tp, page_size=4, max_kv_tokens=2048,
+                 show_progress=False, check_lockstep=tp > 1) as llm:
             outs.append([o.token_ids for o in llm.generate(prompts, params)])
     assert outs[0] == outs[1]
     assert all(set(t) <= set(p.allowed_token_ids or ()) for t, p in zip(outs[1], params))
@@ -167,7 +167,7 @@ def test_heads_not_divisible_fail_at_start(default_model_dir: Path) -> None:
 
 
 def test_killed_rank_ends_the_others(tiny_model: Callable[..., Path]) -> None:
-    llm = LLM(str(tiny_model("qwen3")), tp=2, max_kv_tokens=1024, show_progress=False)
+    llm = LLM(str(tiny_model("qwen3")), device="cpu", tp=2, max_kv_tokens=1024, show_progress=False)
     procs = llm.rank_processes
     assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
     os.kill(procs[1].pid, signal.SIGKILL)
