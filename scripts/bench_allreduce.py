@@ -35,7 +35,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
@@ -238,10 +238,12 @@ def measure_rank(rank: int, args: argparse.Namespace, init_method: str) -> Dict[
     max_bytes = max(DEFAULT_SYMM_MAX_BYTES, -(-largest // 16) * 16)
     groups = init_process_groups(DistributedInfo(rank, world), device, init_method,
                                  args.dist_timeout_s, allreduce="nccl")
-    methods = Methods(None)
+    methods: Optional[Methods] = Methods(None)  # None in the finally
     try:
-        symm, why = SymmMemAllReduce.create(dist.group.WORLD, groups.cpu_group, device, max_bytes,
-                                            fused=True)
+        # Neither group is None: --tp >= 2 (parse_args), so init_process_groups made both.
+        symm, why = SymmMemAllReduce.create(cast(dist.ProcessGroup, dist.group.WORLD),
+                                            cast(dist.ProcessGroup, groups.cpu_group), device,
+                                            max_bytes, fused=True)
         methods = Methods(symm)
         names = [m for m in METHODS if m != "symm" or symm is not None]
         rows = []

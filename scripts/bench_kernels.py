@@ -88,8 +88,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def time_graph(fn: Callable[[], None], calls: int, reps: int) -> float:
-    """Median microseconds of one `fn()` when `calls` of them run back to back in a graph."""
+def time_graph(fn: Callable[[], object], calls: int, reps: int) -> float:
+    """Median microseconds of one `fn()` when `calls` of them run back to back in a graph (what
+    `fn` returns is dropped)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -335,7 +336,7 @@ def _rope(inputs: NormInputs, cfg: ModelConfig, tp: int, cache_dtype: torch.dtyp
     caches = [torch.zeros((2048, n_kv, cfg.head_dim), dtype=cache_dtype, device="cuda")
               for _ in range(2)]
     return QKVRope(inputs.position, inputs.rotary.cos, inputs.rotary.sin, n_q, n_kv,
-                   KVTarget(*caches, inputs.slot))
+                   KVTarget(caches[0], caches[1], inputs.slot))
 
 
 def bench_norm_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
@@ -365,9 +366,10 @@ def bench_norm_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
                 "rmsnorm+gemv": lambda w: gemv.gemv(
                     rmsnorm.rmsnorm(x, nw, 1e-5, res, pdl=True)[0], w, pdl=True)}
             for warps, stages in itertools.product((4, 8, 16), (1, 2)):
-                variants[f"norm_gemv w{warps} st{stages}"] = (
-                    lambda w, nw_=warps, st=stages: gemv.norm_gemv(
-                        x, res, nw, 1e-5, w, pdl=True, num_warps=nw_, num_stages=st))
+                def norm_gemv(w: torch.Tensor, nw_: int = warps, st: int = stages) -> object:
+                    return gemv.norm_gemv(x, res, nw, 1e-5, w, pdl=True, num_warps=nw_,
+                                          num_stages=st)
+                variants[f"norm_gemv w{warps} st{stages}"] = norm_gemv
             if name == "qkv":
                 variants["rmsnorm+gemv+rotary_store"] = lambda w: store(gemv.gemv(
                     rmsnorm.rmsnorm(x, nw, 1e-5, res, pdl=True)[0], w, pdl=True))
@@ -431,16 +433,21 @@ def _fp8_variants(x: torch.Tensor, n: int, k: int, rows: int, sweep: bool
         for bn, bk, (warps, stages) in itertools.product((32, 64, 128), (128, 256),
                                                          ((4, 4), (8, 3))):
             t = fp8_kernels.ScaledMmTiles(bm, bn, bk, warps, stages)
-            v[f"triton_{bm}x{bn}x{bk}_w{warps}_s{stages}"] = (
-                lambda w, t=t: fp8_kernels.scaled_mm(a, w[0], w[1], None, torch.bfloat16,
-                                                     tiles=t))
+
+            def triton_scaled_mm(w: Tuple[torch.Tensor, torch.Tensor],
+                                 t: fp8_kernels.ScaledMmTiles = t) -> torch.Tensor:
+                return fp8_kernels.scaled_mm(a, w[0], w[1], None, torch.bfloat16, tiles=t)
+            v[f"triton_{bm}x{bn}x{bk}_w{warps}_s{stages}"] = triton_scaled_mm
     if rows == 1:
         for r, bk, warps in itertools.product((4, 8, 16), (2048, 4096, 8192), (4, 8)):
             if bk > triton.next_power_of_2(k):
                 continue
-            t = gemv.GemvTiles(bk, warps, 1 if k % bk == 0 else 2, r)
-            v[f"gemv_r{r}_k{bk}_w{warps}"] = (
-                lambda w, t=t: gemv.gemv(x, w[0], pdl=True, weight_scale=w[1], tiles=t))
+            gt = gemv.GemvTiles(bk, warps, 1 if k % bk == 0 else 2, r)  # `t` is ScaledMmTiles
+
+            def fp8_gemv(w: Tuple[torch.Tensor, torch.Tensor],
+                         t: gemv.GemvTiles = gt) -> torch.Tensor:
+                return gemv.gemv(x, w[0], pdl=True, weight_scale=w[1], tiles=t)
+            v[f"gemv_r{r}_k{bk}_w{warps}"] = fp8_gemv
     return v
 
 
@@ -456,17 +463,24 @@ def bench_fp8_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
             dense = [torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
                      for _ in range(max(2, copies // 2))]
             case = {"proj": name, "rows": rows, "n": n, "k": k}
-            us = time_graph(lambda st=iter(itertools.cycle(dense)): torch.nn.functional.linear(
-                x, next(st)), len(dense), args.reps)
+
+            def bf16_cublas(st: Iterator[torch.Tensor] = iter(itertools.cycle(dense))
+                            ) -> torch.Tensor:
+                return torch.nn.functional.linear(x, next(st))
+            us = time_graph(bf16_cublas, len(dense), args.reps)
             report("fp8lin", {**case, "impl": "bf16_cublas"}, us,
                    tb_s=round(n * k * 2 / us / 1e6, 2),
                    tflops=round(2 * rows * n * k / us / 1e6, 1))
-            del dense
+            del dense, bf16_cublas  # the function's iterator holds the copies too: free both
             ref = (x.float() @ (ws[0][0].float() * ws[0][1][:, None]).t())
             for label, fn in _fp8_variants(x, n, k, rows, args.fp8_sweep).items():
                 state = iter(itertools.cycle(ws))
+
+                def run(fn: Callable[[Tuple[torch.Tensor, torch.Tensor]], torch.Tensor] = fn
+                        ) -> None:
+                    fn(next(state))
                 try:
-                    us = time_graph(lambda fn=fn: fn(next(state)), copies, args.reps)
+                    us = time_graph(run, copies, args.reps)
                     out = fn(ws[0])
                     err = ((out.float() - ref).abs().max().item()
                            if out.shape == ref.shape else float("nan"))
@@ -494,25 +508,31 @@ def bench_fp8_norm_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
         ws = [_random_fp8_weight(n, k) for _ in range(copies)]
         variants: Dict[str, Callable[[Tuple[torch.Tensor, torch.Tensor]], object]] = {}
         for rows, warps in itertools.product((2, 4, 8, 16), (4, 8)):
-            variants[f"norm_gemv r{rows} w{warps}"] = (
-                lambda w, r=rows, nw_=warps: gemv.norm_gemv(
-                    x, res, nw, 1e-5, w[0], pdl=True, weight_scale=w[1], rows=r,
-                    num_warps=nw_))
+            def norm_gemv(w: Tuple[torch.Tensor, torch.Tensor], r: int = rows,
+                          nw_: int = warps) -> object:
+                return gemv.norm_gemv(x, res, nw, 1e-5, w[0], pdl=True, weight_scale=w[1],
+                                      rows=r, num_warps=nw_)
+            variants[f"norm_gemv r{rows} w{warps}"] = norm_gemv
         for pairs, warps in itertools.product((1, 2, 4, 8), (2, 4, 8)):
             if name == "qkv":
-                variants[f"norm_qkv_rope p{pairs} w{warps}"] = (
-                    lambda w, p=pairs, nw_=warps: gemv.norm_qkv_rope(
-                        x, res, nw, 1e-5, w[0], None, rope, pdl=True, weight_scale=w[1],
-                        pairs=p, num_warps=nw_))
+                def norm_qkv_rope(w: Tuple[torch.Tensor, torch.Tensor], p: int = pairs,
+                                  nw_: int = warps) -> object:
+                    return gemv.norm_qkv_rope(x, res, nw, 1e-5, w[0], None, rope, pdl=True,
+                                              weight_scale=w[1], pairs=p, num_warps=nw_)
+                variants[f"norm_qkv_rope p{pairs} w{warps}"] = norm_qkv_rope
             else:
-                variants[f"norm_gate_up_silu p{pairs} w{warps}"] = (
-                    lambda w, p=pairs, nw_=warps: gemv.norm_gate_up_silu(
-                        x, res, nw, 1e-5, w[0], pdl=True, weight_scale=w[1], pairs=p,
-                        num_warps=nw_))
+                def norm_gate_up_silu(w: Tuple[torch.Tensor, torch.Tensor], p: int = pairs,
+                                      nw_: int = warps) -> object:
+                    return gemv.norm_gate_up_silu(x, res, nw, 1e-5, w[0], pdl=True,
+                                                  weight_scale=w[1], pairs=p, num_warps=nw_)
+                variants[f"norm_gate_up_silu p{pairs} w{warps}"] = norm_gate_up_silu
         for label, fn in variants.items():
             state = iter(itertools.cycle(ws))
+
+            def run(fn: Callable[[Tuple[torch.Tensor, torch.Tensor]], object] = fn) -> None:
+                fn(next(state))
             try:
-                us = time_graph(lambda fn=fn: fn(next(state)), copies, args.reps)
+                us = time_graph(run, copies, args.reps)
             except Exception as exc:
                 print(f"fp8normlin {name} {label}: {type(exc).__name__}: {str(exc)[:120]}")
                 continue
@@ -539,8 +559,10 @@ def bench_silu(cfg: ModelConfig, args: argparse.Namespace) -> None:
             (True, t) for t in ((1024, 4), (2048, 4), (2048, 8), (4096, 8))]
         for split, tiles in cases:
             state = iter(itertools.cycle(xs))
-            us = time_graph(lambda t=tiles, sp=split: silu_and_mul_quantized(
-                next(state), False, rs, cs, t, sp), copies, args.reps)
+
+            def silu(t: Optional[Tuple[int, int]] = tiles, sp: bool = split) -> object:
+                return silu_and_mul_quantized(next(state), False, rs, cs, t, sp)
+            us = time_graph(silu, copies, args.reps)
             report("silu", {"rows": rows, "d": d, "split": split,
                             "tiles": str(tiles or "default")}, us,
                    tb_s=round(rows * 5 * d / us / 1e6, 2))

@@ -204,8 +204,12 @@ def load_hf_model(args: argparse.Namespace) -> Any:
     dtype = {None: torch.bfloat16 if device == "cuda" else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     if args.load_format == "auto":
-        return AutoModelForCausalLM.from_pretrained(
-            args.model, dtype=dtype, attn_implementation=args.peer_attn).to(device).eval()
+        # Any: PreTrainedModel.to is decorated with functools.wraps, and typeshed's _Wrapped has
+        # no __get__ (python/typeshed#10653), so mypy takes `device` for `self`. Not an ignore:
+        # transformers 4.x's from_pretrained returns Any, where the ignore would be unused.
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=dtype, attn_implementation=args.peer_attn)
+        return model.to(device).eval()
     cfg = AutoConfig.from_pretrained(args.model)
     torch.manual_seed(args.seed)
     with torch.device(device):  # initialise on the device: an 8B model's CPU init takes minutes
@@ -245,6 +249,7 @@ def hf_batching_options(gen: Any, on_cuda: bool, cuda_graph: bool = True,
     padding, HF may capture a graph per new batch shape: whether graphs help it on a workload is
     measured, not assumed (--peer-cuda-graph). `extra` (--peer-cb-option) sets further fields; one this transformers
     does not have raises ValueError naming it."""
+    wanted: Dict[str, Any]  # the fields' own types (bool, float, int), each passed as it is
     if on_cuda:
         wanted = {"use_cuda_graph": cuda_graph, "use_async_batching": True,
                   "max_memory_percent": memory_percent, "default_compile_level": HF_COMPILE_LEVEL}

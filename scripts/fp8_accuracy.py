@@ -60,11 +60,12 @@ def text_logits(engine: Engine, ids: List[int]) -> torch.Tensor:
     engine.page_table[0, :n] = torch.arange(n, dtype=torch.int32, device=dev)
     batch = Batch(Phase.PREFILL, [req], [0], [n], [True])
     batch.out_slots = torch.arange(n, dtype=torch.int64, device=dev)
-    batch.input_ids = to_device(ids, torch.int64, dev)
-    batch.positions = torch.arange(n, dtype=torch.int64, device=dev)
+    # The model's inputs, as Engine._prepare_inputs makes them (no longer Batch fields).
+    input_ids = to_device(ids, torch.int64, dev)
+    positions = torch.arange(n, dtype=torch.int64, device=dev)
     with torch.inference_mode():
         engine.backend.prepare(batch)
-        hidden = engine.model.hidden(batch.input_ids, batch.positions, batch, engine.backend)
+        hidden = engine.model.hidden(input_ids, positions, batch, engine.backend)
         return engine.model.lm_head(hidden).float()[:, :engine.vocab_size]
 
 
@@ -101,8 +102,11 @@ def compare(ref: torch.Tensor, fp8: torch.Tensor, ids: List[int]) -> Dict[str, f
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     model_path = str(resolve_model_path(args.model))
-    ids = load_tokenizer(Path(model_path)).encode(args.text.read_text(),
-                                                  add_special_tokens=False)[:args.max_tokens]
+    tokenizer = load_tokenizer(Path(model_path))
+    if tokenizer is None:
+        raise SystemExit(f"{model_path} has no tokenizer files, so the text cannot be read: "
+                         "measure a model directory with its tokenizer")
+    ids = tokenizer.encode(args.text.read_text(), add_special_tokens=False)[:args.max_tokens]
     base = EngineConfig(device=args.device, dtype=args.dtype, max_kv_tokens=len(ids) + 64,
                         max_running_requests=1, cuda_graph_max_bs=0, show_progress=False)
     ref = run_engine(base, model_path, ids)
