@@ -23,6 +23,7 @@ from structured_schemas import SCHEMAS
 
 from minisgl import LLM, SamplingParams, StructuredOutput
 from minisgl.engine.sampler import apply_token_bitmask
+from minisgl.grammar.compiler import GrammarCache, TokenizerSource
 from minisgl.grammar.matcher import full_bitmask
 from minisgl.server.structured import FieldError, constraint
 
@@ -88,6 +89,22 @@ def test_bitmask_masks_only_cleared_bits() -> None:
     out = apply_token_bitmask(logits, mask)
     assert torch.equal(out[0], logits[0])  # an all-set row is untouched
     assert out[1].isfinite().nonzero().flatten().tolist() == [0, 2, 69]
+
+
+@pytest.mark.parametrize("structured", [StructuredOutput("json_object"), (constraint(
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "any"}}})
+    or pytest.fail()).structured])
+def test_json_object_admits_only_objects(default_model_dir: Path,
+                                         structured: StructuredOutput) -> None:
+    """json_object (and a json_schema without a schema) is any JSON object, as OpenAI promises:
+    not an array, a string or null (xgrammar's built-in JSON grammar let "[null]" through)."""
+    import xgrammar as xgr
+    assert structured.kind == "json_object"
+    compiled = GrammarCache(TokenizerSource(model_path=str(default_model_dir))).check(structured)
+    assert xgr.GrammarMatcher(compiled).accept_string('{"a": [1, {"b": null}], "c": "d"}')
+    assert xgr.GrammarMatcher(compiled).accept_string("{}")
+    for bad in ("[null]", "null", '"text"', "3"):
+        assert not xgr.GrammarMatcher(compiled).accept_string(bad), bad
 
 
 # --- the service ----------------------------------------------------------------------------------

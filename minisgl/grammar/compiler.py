@@ -8,7 +8,8 @@ worker thread, so a compilation never stalls the decode loop). Compilation is a 
 
 How a kind becomes a grammar (as vLLM and SGLang do it): json -> `compile_json_schema` (compact
 JSON: no free whitespace between tokens, so a model cannot spend its budget on blanks);
-json_object -> xgrammar's built-in JSON grammar; regex -> `compile_regex`; grammar -> EBNF
+json_object -> the schema {"type": "object"} (xgrammar's built-in JSON grammar would also take an
+array, a string or a number: "[null]" came back; OpenAI promises an object); regex -> `compile_regex`; grammar -> EBNF
 (GBNF) with root rule `root`; choice -> an EBNF alternation of the quoted strings;
 structural_tag -> `compile_structural_tag` on the JSON.
 """
@@ -26,6 +27,7 @@ from minisgl.core import StructuredOutput
 
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 Compiled = Any  # an xgrammar.CompiledGrammar (xgrammar is imported on first use)
+_ANY_OBJECT = '{"type": "object"}'  # json_object: any keys and values (strict_mode off)
 
 
 class GrammarError(ValueError):
@@ -74,7 +76,8 @@ def compile_structured(compiler: Any, structured: StructuredOutput) -> Compiled:
         if kind == "json":
             return compiler.compile_json_schema(_json_schema(spec), any_whitespace=False)
         if kind == "json_object":
-            return compiler.compile_builtin_json_grammar()
+            return compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False,
+                                                strict_mode=False)
         if kind == "regex":
             return compiler.compile_regex(spec)
         if kind == "grammar":
