@@ -365,8 +365,8 @@ class LLM:
         return self.tokenizer
 
     def _encode(self, prompt: Prompt) -> List[int]:
-        if isinstance(prompt, str):
-            return list(self._need_tokenizer().encode(prompt, add_special_tokens=False))
+        if isinstance(prompt, str):  # with BOS where the tokenizer adds one, as vLLM and HF do
+            return list(self._need_tokenizer().encode(prompt, add_special_tokens=True))
         if not set(map(type, prompt)) <= {int}:  # bool (an int subclass) is refused too
             raise ValueError("a token-id prompt must be a list of integers")
         return list(prompt)

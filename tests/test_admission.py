@@ -38,6 +38,15 @@ def test_queued_requests_limit_counts_choices_until_their_first_chunk() -> None:
     Queued(None).admit(range(10_000))
 
 
+def test_a_request_larger_than_the_queue_limit_is_a_400_not_a_retry() -> None:
+    """More choices than the limit could never be admitted: a 400 naming n, not a 429 that
+    tells the client to retry forever (even into an empty queue)."""
+    with pytest.raises(ApiError) as e:
+        Queued(2).admit([1, 2, 3])
+    assert e.value.status == 400 and e.value.param == "n" and not e.value.headers
+    assert "3 completions" in e.value.message and "2" in e.value.message
+
+
 def test_deadline_from_the_server_timeout_and_the_client_header() -> None:
     now = 100.0
     assert Deadline.of({}, None, stream=False, now=now) == Deadline()

@@ -7,6 +7,8 @@ from typing import Iterator
 
 import pytest
 
+from bos_tokenizer import with_bos
+
 from minisgl import LLM, SamplingParams
 from minisgl.core import prompt_error
 
@@ -40,6 +42,17 @@ def test_generate_accepts_text_and_ids(llm: LLM) -> None:
     assert by_text.token_ids == by_ids.token_ids and len(by_ids.token_ids) == 8
     assert by_text.text == llm.tokenizer.decode(by_text.token_ids, skip_special_tokens=True)
     assert by_text.prompt_tokens == len(ids)
+
+
+def test_text_prompts_get_the_tokenizers_bos(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A text prompt is encoded with the tokenizer's special tokens, as vLLM's LLM.generate and
+    Hugging Face's tokenizer(text) do: Llama-3 and Mistral prompts start with their BOS (the
+    default model's tokenizer adds none)."""
+    ids = llm.tokenizer.encode("The capital of France is", add_special_tokens=False)
+    monkeypatch.setattr(llm, "tokenizer", with_bos(llm.tokenizer))
+    out = llm.generate("The capital of France is", SamplingParams(max_tokens=1))[0]
+    assert out.prompt_tokens == len(ids) + 1
+    _pages_balanced(llm)
 
 
 def test_seeded_sampling(llm: LLM) -> None:

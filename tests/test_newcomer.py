@@ -246,6 +246,9 @@ def test_serving_flags(tiny_qwen3: Path, tmp_path: Path) -> None:
         models = httpx.get(f"{srv.base_url}/models", timeout=10).json()["data"]
         assert [m["id"] for m in models] == ["first", "second"]
         assert {m["max_model_len"] for m in models} == {128}
+        for name in ("first", "second"):  # each name's own card, as the list shows it
+            card = httpx.get(f"{srv.base_url}/models/{name}", timeout=10).json()
+            assert card == next(m for m in models if m["id"] == name)
         r = httpx.post(f"{srv.url}/tokenize", json={
             "model": "second", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
         assert r.status_code == 200, r.text

@@ -289,6 +289,19 @@ def test_tokenize_token_strs_tokenizer_info_version_model_card(server: Server,
         client.models.retrieve("gpt-17")
 
 
+def test_null_fields_are_their_defaults(server: Server) -> None:
+    """OpenAI's schema lets n, stream, echo and include_usage be null (the Python SDK sends
+    None through extra_body, other clients write null): served as the defaults."""
+    r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": PARIS, "max_tokens": 2,
+                                               "n": None, "stream": None})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2,
+                                          "echo": None, "stream": True,
+                                          "stream_options": {"include_usage": None}})
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+    assert '"usage"' not in r.text
+
+
 # --- item 8: matched_stop, no_stop_trim ------------------------------------------------------------
 def test_matched_stop_and_no_stop_trim(client: openai.OpenAI, tokenizer: Any) -> None:
     kw: Dict[str, Any] = dict(model=MODEL, messages=PARIS, temperature=0, max_tokens=30)
@@ -296,6 +309,9 @@ def test_matched_stop_and_no_stop_trim(client: openai.OpenAI, tokenizer: Any) ->
     assert r.choices[0].message.content == "The capital of France is "
     assert r.choices[0].model_extra["matched_stop"] == "Paris"
     r = client.chat.completions.create(**kw, stop=["Paris"], extra_body={"no_stop_trim": True})
+    assert r.choices[0].message.content == "The capital of France is Paris"
+    r = client.chat.completions.create(**kw, stop=["Paris"],  # vLLM's name for it
+                                       extra_body={"include_stop_str_in_output": True})
     assert r.choices[0].message.content == "The capital of France is Paris"
     streamed = list(client.chat.completions.create(**kw, stop=["Paris"], stream=True,
                                                    extra_body={"no_stop_trim": True}))

@@ -293,6 +293,7 @@ def test_models_health_metrics(client: openai.OpenAI, server: Server, model: str
     assert model == "SmolLM2-135M-Instruct"
     assert client.models.retrieve(model).id == model
     assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.head(f"{server.url}/health").status_code == 200  # a probe's HEAD too
     # rank 0 pushes its state on a timer: the pool's size is known before any request
     assert server.wait_metrics(lambda m: m["minisgl_kv_pages_total"] == 512
                                )["minisgl_kv_pages_total"] == 512

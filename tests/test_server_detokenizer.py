@@ -8,6 +8,8 @@ from typing import Any, List
 
 import pytest
 
+from bos_tokenizer import with_bos
+
 from minisgl.core import Limits, SamplingParams
 from minisgl.message.types import DetokenizeInit, TokenizeRequest, TokenOut
 from minisgl.tokenizer.detokenize_worker import Detokenizer
@@ -175,6 +177,28 @@ def test_text_requests_answer_without_generating(bpe: Any) -> None:
     bare = Tokenizer(None, _limits(max_context=64, kv_capacity=64)).answer(
         TextRequest(4, input_ids=[1]))
     assert bare.error is not None and "no tokenizer" in bare.error
+
+
+def test_special_tokens_are_added_where_the_request_asks(bpe: Any) -> None:
+    """TokenizeRequest / TextRequest add_special_tokens: a text prompt gets the tokenizer's BOS
+    (completions' default); chat messages get it in front of the template's own tokens (vLLM's
+    add_special_tokens on a chat); neither without it."""
+    from minisgl.message.types import TextRequest
+    tok = with_bos(bpe)
+    bos = tok.convert_tokens_to_ids("<|endoftext|>")
+    logic = Tokenizer(tok, _limits(max_context=64, kv_capacity=64))
+    p = SamplingParams(max_tokens=4)
+    plain = bpe.encode("Hello world", add_special_tokens=False)
+    assert logic.prepare(TokenizeRequest(1, p, text="Hello world", add_special_tokens=True)
+                         ).input_ids == [bos, *plain]
+    assert logic.prepare(TokenizeRequest(2, p, text="Hello world")).input_ids == plain
+    assert logic.answer(TextRequest(3, text="Hello world", add_special_tokens=True)
+                        ).token_ids == [bos, *plain]
+    chat = [{"role": "user", "content": "hi"}]
+    templated = logic.prepare(TokenizeRequest(4, p, messages=chat)).input_ids
+    assert templated[0] != bos
+    assert logic.prepare(TokenizeRequest(5, p, messages=chat, add_special_tokens=True)
+                         ).input_ids == [bos, *templated]
 
 
 def test_logprob_tokens_carry_the_bytes_of_partial_characters(bpe: Any) -> None:

@@ -37,6 +37,8 @@ class TokenizeRequest:
     continue_final_message: bool = False
     template_kwargs_json: Optional[str] = None
     tools_json: Optional[str] = None  # the tools for the chat template (a JSON list)
+    # the tokenizer's special tokens (BOS) added to `text`, or to the templated messages' text
+    add_special_tokens: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class TextRequest:
     template_kwargs_json: Optional[str] = None
     tools_json: Optional[str] = None  # the tools for the chat template (a JSON list)
     return_token_strs: bool = False  # tokenize: the reply's `token_strs` has each token's piece
+    add_special_tokens: bool = False  # as in TokenizeRequest
     # Nothing to tokenize: the reply's `text` is the tokenizer's description as a JSON object.
     info: bool = False
 

@@ -39,9 +39,13 @@ class Queued:
         self.uids: Set[int] = set()
 
     def admit(self, uids: Iterable[int]) -> None:
-        """Count `uids` as queued, or raise `overloaded()` if that passes the limit (a request
-        is let in whole or not at all)."""
+        """Count `uids` as queued, or raise `overloaded()` (429) if that passes the limit now,
+        ApiError 400 if it always would (a request is let in whole or not at all)."""
         new = list(uids)
+        if self.limit is not None and len(new) > self.limit:  # no retry could let it in
+            raise ApiError(400, f"the request asks for {len(new)} completions (prompts times "
+                                f"n), more than the {self.limit} this server queues at once "
+                                f"(--max-queued-requests)", "n")
         if self.limit is not None and len(self.uids) + len(new) > self.limit:
             raise overloaded(f"{len(self.uids)} requests queued, the limit is {self.limit}")
         self.uids.update(new)

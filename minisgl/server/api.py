@@ -356,7 +356,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> Dict[str, Any]:
         check_model(name)
-        return model_card()
+        return {**model_card(), "id": name}  # an alias's card, as /v1/models lists it
 
     chat_page = CHAT_PAGE.read_text()
 
@@ -365,7 +365,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         """The web chat page (one static file; it talks to /v1/chat/completions)."""
         return HTMLResponse(chat_page)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes that read no body
     async def health() -> Response:
         if is_healthy():
             return JSONResponse({"status": "ok"})

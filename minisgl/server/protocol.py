@@ -94,8 +94,9 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
+    # null is false (OpenAI's schema allows it; vLLM takes it)
+    include_usage: Optional[bool] = None
+    continuous_usage_stats: Optional[bool] = None  # vLLM's: usage on every chunk
 
 
 class _Sampling(_Body):
@@ -114,14 +115,15 @@ class _Sampling(_Body):
     stop_token_ids: Optional[List[int]] = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False  # SGLang's: the matched stop string stays in the text
+    include_stop_str_in_output: bool = False  # vLLM's name for the same
     allowed_token_ids: Optional[List[int]] = None  # vLLM's: sampling picks only among them
 
 
 class _OpenAI(_Sampling):
     model: Optional[str] = None
     max_completion_tokens: Optional[int] = None
-    n: int = 1
-    stream: bool = False
+    n: Optional[int] = None  # null: 1, as OpenAI's schema and vLLM read it
+    stream: Optional[bool] = None  # null: false
     stream_options: Optional[StreamOptions] = None
     logprobs: Union[None, bool, int] = None
     logit_bias: Optional[Dict[str, float]] = None
@@ -160,11 +162,15 @@ class _Tools(_Body):
 class ChatRequest(_OpenAI, _ChatTemplate, _Tools):
     messages: List[ChatMessage]
     top_logprobs: Optional[int] = None
+    # vLLM's: special tokens (BOS) added to the templated text too; the template writes its own
+    add_special_tokens: bool = False
 
 
 class CompletionRequest(_OpenAI):
     prompt: Union[str, List[str], List[int], List[List[int]]]
-    echo: bool = False
+    echo: Optional[bool] = None  # null: false
+    # vLLM's and Hugging Face's default: a text prompt gets the tokenizer's special tokens (BOS)
+    add_special_tokens: bool = True
 
 
 class TokenizeBody(_ChatTemplate, _Tools):
@@ -175,6 +181,8 @@ class TokenizeBody(_ChatTemplate, _Tools):
     prompt: Optional[str] = None
     messages: Optional[List[ChatMessage]] = None
     return_token_strs: bool = False
+    # None: as the generation endpoints tokenize (a prompt with special tokens, messages without)
+    add_special_tokens: Optional[bool] = None
 
 
 class DetokenizeBody(_Body):
@@ -202,13 +210,16 @@ class Template:
 @dataclass(frozen=True)
 class Prompt:
     """Exactly one of `text`, `messages`, `input_ids` is set; `template` and `tools_json` (the
-    tools for the chat template, a JSON list) go with messages."""
+    tools for the chat template, a JSON list) go with messages. `add_special_tokens`: the
+    tokenizer adds its special tokens (BOS) to the text, or to the templated messages' text
+    (as vLLM: text prompts yes by default, chat no, since templates write their own)."""
 
     text: Optional[str] = None
     messages: Optional[List[Dict[str, Any]]] = None
     input_ids: Optional[List[int]] = None
     template: Template = Template()
     tools_json: Optional[str] = None
+    add_special_tokens: bool = False
 
 
 @dataclass(frozen=True)
@@ -239,6 +250,7 @@ class Job:
 
 
 M = TypeVar("M", bound=BaseModel)
+_TOO_DEEP = object()  # what parse_body's JSON decoder could not recurse into
 
 
 def parse_body(raw: bytes, model: Type[M]) -> M:
@@ -251,9 +263,9 @@ def parse_body(raw: bytes, model: Type[M]) -> M:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        obj = None  # nested far too deep for the parser
-    if obj is None or _deeper_than(obj, text, MAX_JSON_DEPTH):
+    except RecursionError:  # nested far too deep for the parser
+        obj = _TOO_DEEP
+    if obj is _TOO_DEEP or _deeper_than(obj, text, MAX_JSON_DEPTH):
         raise ApiError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels "
                             f"deep")
     if not isinstance(obj, dict):
@@ -303,10 +315,13 @@ def _check_ids(name: str, ids: Sequence[int]) -> None:
 
 
 def _sampling(body: _Sampling, max_tokens: Optional[int], logprobs: Optional[int] = None,
-              logit_bias: Optional[Dict[int, float]] = None) -> SamplingParams:
+              logit_bias: Optional[Dict[int, float]] = None, max_name: str = "max_tokens"
+              ) -> SamplingParams:
+    """The request's SamplingParams; ApiError(400) naming the field at fault (`max_name`: the
+    field max_tokens came from)."""
     for name in ("top_k", "seed", "min_tokens"):
         _check_int(name, getattr(body, name))
-    _check_int("max_tokens", max_tokens, _INT32)
+    _check_int(max_name, max_tokens, _INT32)
     _check_ids("stop_token_ids", body.stop_token_ids or ())
     allowed = body.allowed_token_ids
     _check_ids("allowed_token_ids", allowed or ())
@@ -325,7 +340,10 @@ def _sampling(body: _Sampling, max_tokens: Optional[int], logprobs: Optional[int
     try:
         params.validate()
     except ValueError as e:
-        raise ApiError(400, str(e), str(e).split(" ", 1)[0]) from None
+        message = str(e)
+        if message.startswith("max_tokens "):
+            message = max_name + message[len("max_tokens"):]
+        raise ApiError(400, message, message.split(" ", 1)[0]) from None
     return params
 
 
@@ -382,18 +400,21 @@ def _logit_bias(body: _OpenAI) -> Optional[Dict[int, float]]:
 
 def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: int) -> Job:
     logprobs, logit_bias, continuous, prompt_logprobs = None, None, False, None
+    max_name = "max_tokens"
     if isinstance(body, GenerateRequest):
         sampling, n, stream, include_usage = body.sampling_params, 1, body.stream, False
         max_tokens = sampling.max_tokens
     else:
-        sampling, n, stream = body, body.n, body.stream
+        sampling, n, stream = body, 1 if body.n is None else body.n, bool(body.stream)
         if body.stream_options is not None and not stream:
             raise ApiError(400, "stream_options is only allowed when stream is true",
                            "stream_options")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
-            else body.max_tokens
+        if body.max_completion_tokens is not None:  # OpenAI's newer name wins; errors use it
+            max_tokens, max_name = body.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens = body.max_tokens
         logprobs, logit_bias = _logprobs(body), _logit_bias(body)
         prompt_logprobs = _prompt_logprobs(body)
         for name, value in (body.model_extra or {}).items():
@@ -410,11 +431,12 @@ def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: in
         found = constraint(extra if isinstance(body, GenerateRequest) else body.model_extra or {})
     except FieldError as e:
         raise ApiError(400, str(e), e.param) from None
-    params = _sampling(sampling, max_tokens, logprobs, logit_bias)
+    params = _sampling(sampling, max_tokens, logprobs, logit_bias, max_name)
     if found is not None:
         params = dataclasses.replace(params, structured=found.structured)
     job = Job(prompts, params, n, _stop_strings(sampling.stop), sampling.skip_special_tokens,
-              stream, include_usage, no_stop_trim=sampling.no_stop_trim,
+              stream, include_usage,
+              no_stop_trim=sampling.no_stop_trim or sampling.include_stop_str_in_output,
               structured_param=found.param if found is not None else None)
     if not isinstance(body, GenerateRequest):
         job = dataclasses.replace(job, params=dataclasses.replace(
@@ -435,7 +457,7 @@ def _message_text(i: int, msg: ChatMessage) -> str:
             raise ApiError(400, f"messages.{i}.content.{j}: only text content parts are "
                                 f"supported, got type {part.type!r}", f"messages.{i}.content")
         parts.append(part.text)
-    return "".join(parts)
+    return "\n".join(parts)  # as vLLM joins a message's text parts
 
 
 def _message(i: int, msg: ChatMessage) -> Dict[str, Any]:
@@ -479,7 +501,8 @@ def _chat_prompt(body: Union[ChatRequest, TokenizeBody], messages: List[ChatMess
     texts = [_message(i, m) for i, m in enumerate(messages)]
     return Prompt(messages=texts, template=Template(
         body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs),
-        tools_json=tools.template_json() if tools is not None else None)
+        tools_json=tools.template_json() if tools is not None else None,
+        add_special_tokens=bool(body.add_special_tokens))
 
 
 def chat_job(body: ChatRequest, max_n: int, tool_parser: Optional[str] = None) -> Job:
@@ -506,7 +529,7 @@ def tokenize_prompt(body: TokenizeBody) -> Prompt:
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "exactly one of prompt and messages must be given", "prompt")
     if body.messages is None:
-        return Prompt(text=body.prompt)
+        return Prompt(text=body.prompt, add_special_tokens=body.add_special_tokens is not False)
     return _chat_prompt(body, body.messages, _tools(body))
 
 
@@ -527,7 +550,8 @@ def completion_job(body: CompletionRequest, max_n: int) -> Job:
         raise ApiError(400, "prompt: must not be empty", "prompt")
     if len(raw) > MAX_PROMPTS:
         raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts, got {len(raw)}", "prompt")
-    prompts = [Prompt(text=p) if isinstance(p, str) else Prompt(input_ids=list(p)) for p in raw]
+    prompts = [Prompt(text=p, add_special_tokens=body.add_special_tokens) if isinstance(p, str)
+               else Prompt(input_ids=list(p)) for p in raw]
     for p in prompts:
         _check_ids("prompt", p.input_ids or ())
     if any(p.input_ids is not None and not p.input_ids or p.text == "" for p in prompts):
@@ -535,7 +559,7 @@ def completion_job(body: CompletionRequest, max_n: int) -> Job:
     if body.max_tokens is None and body.max_completion_tokens is None:
         body = body.model_copy(update={"max_tokens": COMPLETION_MAX_TOKENS})
     job = _job(body, prompts, max_n)
-    if not body.echo:
+    if not body.echo:  # None (null) too
         return job
     # echo with logprobs: the prompt's tokens get theirs too (OpenAI's legacy completions), as
     # many alternatives as either field asks for
@@ -550,6 +574,7 @@ def generate_job(body: GenerateRequest) -> Job:
     if body.input_ids is not None and not body.input_ids or body.text == "":
         raise ApiError(400, "the prompt must not be empty", "input_ids")
     _check_ids("input_ids", body.input_ids or ())
+    # SGLang's /generate tokenizes text with the tokenizer's special tokens
     prompt = Prompt(input_ids=body.input_ids) if body.input_ids is not None else Prompt(
-        text=body.text)
+        text=body.text, add_special_tokens=True)
     return _job(body, [prompt], 1)

@@ -104,7 +104,8 @@ class RequestStreams:
                                            p.messages, p.input_ids, job.stop,
                                            job.skip_special_tokens, job.echo, job.no_stop_trim,
                                            t.add_generation_prompt, t.continue_final_message,
-                                           _kwargs_json(t.kwargs), p.tools_json))
+                                           _kwargs_json(t.kwargs), p.tools_json,
+                                           p.add_special_tokens))
         except ApiError:
             self.release(stream)
             raise
@@ -122,7 +123,8 @@ class RequestStreams:
                                    p.template.add_generation_prompt,
                                    p.template.continue_final_message,
                                    _kwargs_json(p.template.kwargs), p.tools_json,
-                                   return_token_strs, info=prompt is None))
+                                   return_token_strs, p.add_special_tokens,
+                                   info=prompt is None))
         except ApiError:
             self.release(stream)
             raise

@@ -147,9 +147,12 @@ class Tokenizer:
                 kwargs["tools"] = json.loads(req.tools_json)
             out = self.tokenizer.apply_chat_template(
                 template_messages(req.messages), add_generation_prompt=req.add_generation_prompt,
-                tokenize=True, **kwargs)
+                tokenize=not req.add_special_tokens, **kwargs)
+            if req.add_special_tokens:  # vLLM's: the templated text encoded with them
+                return list(self.tokenizer.encode(out, add_special_tokens=True))
             return list(out["input_ids"] if hasattr(out, "keys") else out)
-        return list(self.tokenizer.encode(req.text or "", add_special_tokens=False))
+        return list(self.tokenizer.encode(req.text or "",
+                                          add_special_tokens=req.add_special_tokens))
 
     def info(self) -> Dict[str, Any]:
         """GET /tokenizer_info: the tokenizer's class, special tokens and chat template."""

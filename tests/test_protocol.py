@@ -1,0 +1,76 @@
+"""Request bodies as vLLM's and OpenAI's clients send them, parsed into jobs without a server:
+null where OpenAI's schema allows it, vLLM's field names for features this server has under
+SGLang's, the field an error names, how a message's text parts join, and which prompts get the
+tokenizer's special tokens."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict
+
+import pytest
+
+from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, GenerateRequest,
+                                     TokenizeBody, chat_job, completion_job, generate_job,
+                                     parse_body, tokenize_prompt)
+
+CHAT: Dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _chat(**extra: Any) -> ChatRequest:
+    return parse_body(json.dumps({**CHAT, **extra}).encode(), ChatRequest)
+
+
+def _completion(**extra: Any) -> CompletionRequest:
+    return parse_body(json.dumps({"model": "m", "prompt": "hi", **extra}).encode(),
+                      CompletionRequest)
+
+
+def test_null_is_the_default_where_openai_allows_it() -> None:
+    job = chat_job(_chat(n=None, stream=None, max_tokens=2), 4)
+    assert (job.n, job.stream, job.include_usage) == (1, False, False)
+    streamed = chat_job(_chat(stream=True, stream_options={"include_usage": None,
+                                                           "continuous_usage_stats": None}), 4)
+    assert (streamed.stream, streamed.include_usage, streamed.continuous_usage) == (
+        True, False, False)
+    assert completion_job(_completion(echo=None, n=None), 4).echo is False
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string() -> None:
+    """vLLM's include_stop_str_in_output is SGLang's no_stop_trim."""
+    assert chat_job(_chat(stop=["!"], include_stop_str_in_output=True), 4).no_stop_trim
+    assert completion_job(_completion(include_stop_str_in_output=True), 4).no_stop_trim
+    assert not chat_job(_chat(stop=["!"]), 4).no_stop_trim
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("value", [0, -3, 2 ** 40])
+def test_a_max_tokens_error_names_the_field_sent(field: str, value: int) -> None:
+    with pytest.raises(ApiError) as e:
+        chat_job(_chat(**{field: value}), 4)
+    assert e.value.status == 400 and e.value.param == field
+    assert e.value.message.startswith(field + " ") and str(value) in e.value.message
+
+
+def test_text_parts_join_with_newlines() -> None:
+    """As vLLM: ["Hello", "World"] is "Hello\\nWorld", not "HelloWorld"."""
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "World"}]
+    job = chat_job(_chat(messages=[{"role": "user", "content": parts}]), 4)
+    assert job.prompts[0].messages == [{"role": "user", "content": "Hello\nWorld"}]
+
+
+def test_special_tokens_go_to_text_prompts_not_to_templated_chats() -> None:
+    """vLLM's defaults of add_special_tokens: completions, /tokenize of a prompt and SGLang's
+    /generate text add the tokenizer's special tokens (BOS); a chat does not (its template
+    writes them), unless the request asks; token ids are taken as they are."""
+    assert completion_job(_completion(), 4).prompts[0].add_special_tokens
+    assert not completion_job(_completion(add_special_tokens=False), 4).prompts[0]\
+        .add_special_tokens
+    assert not chat_job(_chat(), 4).prompts[0].add_special_tokens
+    assert chat_job(_chat(add_special_tokens=True), 4).prompts[0].add_special_tokens
+    assert generate_job(GenerateRequest(text="hi")).prompts[0].add_special_tokens
+    assert not generate_job(GenerateRequest(input_ids=[5])).prompts[0].add_special_tokens
+    assert tokenize_prompt(TokenizeBody(prompt="hi")).add_special_tokens
+    assert not tokenize_prompt(TokenizeBody(prompt="hi", add_special_tokens=False))\
+        .add_special_tokens
+    assert not tokenize_prompt(TokenizeBody(messages=CHAT["messages"])).add_special_tokens
