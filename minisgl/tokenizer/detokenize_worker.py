@@ -137,8 +137,9 @@ class Detokenizer:
         """`chunk` with the prompt (the request's first chunk only): its text when echoed, and
         its tokens' log-probabilities where rank 0 sent them (null for the first token)."""
         ids, req.prompt_ids = req.prompt_ids or [], None
-        # The prompt as the client wrote it, special tokens included (its logprobs list them,
-        # and their text_offsets index this text), without clean-up of spaces.
+        # The prompt's tokens decoded, special tokens included (its logprobs list them, and
+        # their text_offsets index this text; a BOS the tokenizer added shows too, unlike vLLM,
+        # whose offsets then miss the text), without clean-up of spaces.
         text = None if not req.echo else ("" if self.tokenizer is None else
                                           self.tokenizer.decode(ids, skip_special_tokens=False,
                                                                 clean_up_tokenization_spaces=False))
