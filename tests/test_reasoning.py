@@ -80,3 +80,20 @@ def test_chat_formatter_puts_thinking_into_reasoning_content(parser: Any) -> Non
         message["reasoning_content"]
     assert "".join(d["delta"].get("content", "") for d in deltas) == message["content"]
     assert [d["finish_reason"] for d in deltas][-1] == "stop"
+
+
+def test_think_tags_send_no_empty_chunk() -> None:
+    """The tags' characters, held back by the parser, send no chunk of their own (vLLM skips
+    them): every chunk has a delta or the finish reason, and the stream joins as before."""
+    fmt = ChatFormatter("m", _job(True), "qwen3")
+    choice = Choice()
+    deltas: List[Dict[str, Any]] = []
+    for c in _chunks(QWEN, 1):
+        choice.add(c)
+        deltas += [json.loads(line[6:])["choices"][0] for line in fmt.delta(0, c, choice)]
+    assert all(d["delta"] or d["finish_reason"] is not None for d in deltas)
+    # one per character outside the tags (the last one's also carries the finish reason)
+    assert len(deltas) == len(QWEN) - len("<think></think>")
+    assert "".join(d["delta"].get("reasoning_content", "") for d in deltas) == \
+        "\nThe user asks 2+2.\n"
+    assert "".join(d["delta"].get("content", "") for d in deltas) == "\n\nIt is 4."

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 
 from minisgl.core import SamplingParams
-from minisgl.message.types import ReplyChunk
+from minisgl.message.types import ReplyChunk, TokenLogprobText
 from minisgl.server.protocol import ApiError, ChatRequest, Job, Prompt, chat_job
 from minisgl.server.responses import ChatFormatter, Choice
 from minisgl.server.tool_calls import (FORMATS, Parsed, ToolCall, ToolCallStreamer,
@@ -53,14 +53,21 @@ CASES: List[Tuple[Any, str, Optional[str], List[Tuple[str, str]]]] = [
      [("add", '{"a": 1}'), ("get_weather", '{"city": "Oslo"}')]),
     (LLAMA, 'A set {"x": 1} is not a call.', 'A set {"x": 1} is not a call.', []),
 ]
-# malformed calls: all of the text is content
-MALFORMED = [
-    (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 1}\n</tool_call>'),
-    (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 1'),
-    (HERMES, 'hi <tool_call>not json</tool_call>'),
-    (HERMES, '<tool_call>\n{"name": "add", "arguments": [1]}\n</tool_call>'),
-    (LLAMA, '{"name": 7, "parameters": {}}'),
-    (LLAMA, '{"name": "add", "parameters": {"a": tru}}'),
+# malformed or cut-off calls: before the name is read, all of the text is content; after it, a
+# call with its arguments as far as written (what a stream has sent by then), and the text from
+# the fault on is content
+MALFORMED: List[Tuple[Any, str, Optional[str], List[Tuple[str, str]]]] = [
+    (HERMES, 'hi <tool_call>not json</tool_call>', 'hi <tool_call>not json</tool_call>', []),
+    (HERMES, '<tool_call>\n{"name": "no', '<tool_call>\n{"name": "no', []),
+    (LLAMA, '{"name": 7, "parameters": {}}', '{"name": 7, "parameters": {}}', []),
+    (HERMES, '<tool_call>\n{"name": "now", "arguments": ', None, [("now", "")]),
+    (HERMES, 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1', "Sure.\n",
+     [("add", '{"a": 1')]),
+    (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 1}\n</tool_call>', "</tool_call>",
+     [("add", '{"a": 1}')]),
+    (HERMES, '<tool_call>\n{"name": "add", "arguments": [1]}\n</tool_call>', None,
+     [("add", "[1]")]),
+    (LLAMA, '{"name": "add", "parameters": {"a": tru}}', None, [("add", '{"a": tru}')]),
 ]
 
 
@@ -106,9 +113,24 @@ def test_arguments_stream_incrementally_after_the_name() -> None:
     assert calls == [("add", '{"a": 12, "b": 30}')]
 
 
-@pytest.mark.parametrize("fmt,text", MALFORMED)
-def test_malformed_calls_are_left_as_content(fmt: Any, text: str) -> None:
-    assert parse_tool_calls(fmt, text) == Parsed(text, [])
+@pytest.mark.parametrize("fmt,text,content,calls", MALFORMED)
+def test_malformed_calls_split_alike_streamed_or_not(fmt: Any, text: str, content: Optional[str],
+                                                     calls: List[Tuple[str, str]]) -> None:
+    """Whether a call is one does not depend on where the text is split: a fault found in the
+    same piece as the name still leaves a call (the old parse made it content when unsplit)."""
+    assert parse_tool_calls(fmt, text) == Parsed(content, [ToolCall(*c) for c in calls])
+    for step in (1, 2, 3, 7, len(text)):
+        assert _stream(fmt, text, step)[:2] == (content, calls), step
+
+
+def test_a_call_never_announced_takes_no_index() -> None:
+    """Streamed calls are numbered 0, 1, ... with no gap where a malformed call was content;
+    with `max_calls` 1 that call does not use up the one call allowed."""
+    text = 'a <tool_call>oops</tool_call> <tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    for max_calls in (None, 1):
+        content, calls, deltas = _stream(HERMES, text, 4, max_calls)
+        assert (content, calls) == ("a <tool_call>oops</tool_call> ", [("b", "{}")])
+        assert {d["index"] for d in deltas} == {0}
 
 
 def test_a_malformed_call_never_announced_streams_as_content() -> None:
@@ -255,15 +277,18 @@ def test_tool_constraints_compile_and_admit_only_the_tools(fmt: Any, good: str) 
 
 
 # --- response shapes --------------------------------------------------------------------------
-def _tool_job(stream: bool, choice: str = "auto") -> Job:
+def _tool_job(stream: bool, choice: str = "auto", logprobs: Optional[int] = None) -> Job:
     tools = parse_tools([WEATHER, ADD], choice, None)
-    return Job([Prompt(messages=[{"role": "user", "content": "?"}])], SamplingParams(), 1, (),
-               True, stream, False, tools=tools)
+    return Job([Prompt(messages=[{"role": "user", "content": "?"}])],
+               SamplingParams(logprobs=logprobs), 1, (), True, stream, False, tools=tools)
 
 
-def _chunks(text: str, step: int, reason: str = "stop") -> List[ReplyChunk]:
+def _chunks(text: str, step: int, reason: str = "stop",
+            logprobs: bool = False) -> List[ReplyChunk]:
+    """One chunk per `step` characters, as if each were a token (with its logprob if asked)."""
     pieces = [text[i:i + step] for i in range(0, len(text), step)]
-    return [ReplyChunk(0, p, [i], reason if i == len(pieces) - 1 else None, 3, i + 1)
+    return [ReplyChunk(0, p, [i], reason if i == len(pieces) - 1 else None, 3, i + 1,
+                       logprobs=[TokenLogprobText(p, -0.5)] if logprobs else [])
             for i, p in enumerate(pieces)]
 
 
@@ -272,21 +297,53 @@ CALL_TEXT = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"cit
              '</tool_call>')
 
 
-def _full(text: str, reason: str = "stop", choice: str = "auto") -> Dict[str, Any]:
-    fmt = ChatFormatter("m", _tool_job(False, choice))
+def _full(text: str, reason: str = "stop", choice: str = "auto",
+          parser: Optional[str] = None) -> Dict[str, Any]:
+    fmt = ChatFormatter("m", _tool_job(False, choice), parser)
     c = Choice()
     for chunk in _chunks(text, 5, reason):
         c.add(chunk)
     return fmt.full([c])["choices"][0]
 
 
-def _streamed(text: str, reason: str = "stop") -> List[Dict[str, Any]]:
-    fmt = ChatFormatter("m", _tool_job(True))
+def _streamed(text: str, reason: str = "stop", choice: str = "auto",
+              parser: Optional[str] = None, step: int = 3,
+              logprobs: bool = False) -> List[Dict[str, Any]]:
+    """The choice items of the stream's delta chunks (the role chunk aside)."""
+    fmt = ChatFormatter("m", _tool_job(True, choice, 0 if logprobs else None), parser)
     c, out = Choice(), []
-    for chunk in _chunks(text, 3, reason):
+    for chunk in _chunks(text, step, reason, logprobs):
         c.add(chunk)
         out += [json.loads(line[6:])["choices"][0] for line in fmt.delta(0, chunk, c)]
     return out
+
+
+def _joined(deltas: List[Dict[str, Any]], parser: Optional[str] = None) -> Dict[str, Any]:
+    """A stream's deltas joined as a client does: content and reasoning concatenated, each
+    call's name and arguments by its index; in the plain response's shape (see `_plain`)."""
+    texts = {k: "".join(d["delta"].get(k, "") for d in deltas)
+             for k in ("content", "reasoning_content")}
+    message: Dict[str, Any] = {"role": "assistant", "content": texts["content"] or None}
+    if parser is not None:
+        message["reasoning_content"] = texts["reasoning_content"] or None
+    calls: Dict[int, Dict[str, str]] = {}
+    for d in deltas:
+        for tc in d["delta"].get("tool_calls", []):
+            entry = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+            entry["name"] += tc["function"].get("name") or ""
+            entry["arguments"] += tc["function"]["arguments"]
+    if calls:
+        assert sorted(calls) == list(range(len(calls)))
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return {"message": message, "finish_reason": deltas[-1]["finish_reason"]}
+
+
+def _plain(item: Dict[str, Any]) -> Dict[str, Any]:
+    """A plain response's choice as `_joined` builds it: the calls' functions (ids differ)."""
+    message = dict(item["message"])
+    if "tool_calls" in message:
+        message["tool_calls"] = [c["function"] for c in message["tool_calls"]]
+    return {"message": message, "finish_reason": item["finish_reason"]}
 
 
 def test_chat_response_with_tool_calls_streamed_and_not() -> None:
@@ -304,23 +361,60 @@ def test_chat_response_with_tool_calls_streamed_and_not() -> None:
     deltas = _streamed(CALL_TEXT)
     assert deltas[-1]["finish_reason"] == "tool_calls"
     assert all(d["finish_reason"] is None for d in deltas[:-1])
-    assert "".join(d["delta"].get("content", "") for d in deltas) == "Checking.\n"
-    joined: Dict[int, Dict[str, str]] = {}
-    for d in deltas:
-        for tc in d["delta"].get("tool_calls", []):
-            entry = joined.setdefault(tc["index"], {"name": "", "arguments": ""})
-            entry["name"] += tc["function"].get("name") or ""
-            entry["arguments"] += tc["function"]["arguments"]
-    assert [joined[i] for i in sorted(joined)] == [c["function"] for c in calls]
+    assert _joined(deltas) == _plain(item)
 
 
-def test_chat_response_without_a_call_or_cut_off_is_content() -> None:
+def test_chat_response_without_a_call_or_cut_off_before_its_name_is_content() -> None:
     assert _full("It is sunny.")["message"] == {"role": "assistant", "content": "It is sunny."}
     assert _full("It is sunny.")["finish_reason"] == "stop"
-    cut = '<tool_call>\n{"name": "add", "arguments": {"a": 1'
+    cut = '<tool_call>\n{"name": "ad'
     item = _full(cut, reason="length")
     assert item["message"] == {"role": "assistant", "content": cut}
     assert item["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+@pytest.mark.parametrize("parser", [None, "qwen3"])
+def test_streamed_deltas_join_into_the_plain_response_whole_or_cut_off(
+        choice: str, parser: Optional[str]) -> None:
+    """The audit's case: cut off by max_tokens after a call's name, the plain response has
+    that call (as the stream sent it, arguments so far) and finish_reason "length", not the
+    raw text as content. And for the whole output and for it cut off after every character,
+    the stream joins into the plain response, however it is split into tokens."""
+    cut = '<tool_call>\n{"name": "now", "arguments": '
+    want = {"message": {"role": "assistant", "content": None,
+                        "tool_calls": [{"name": "now", "arguments": ""}]},
+            "finish_reason": "length"}
+    assert _plain(_full(cut, "length", choice)) == want
+    assert _joined(_streamed(cut, "length", choice)) == want
+    text = ("<think>\nNeed the weather.\n</think>\n\n" if parser else "") + CALL_TEXT
+    for end in range(1, len(text) + 1):
+        reason = "stop" if end == len(text) else "length"
+        plain = _plain(_full(text[:end], reason, choice, parser))
+        for step in (1, 4):
+            deltas = _streamed(text[:end], reason, choice, parser, step)
+            assert _joined(deltas, parser) == plain, (end, step)
+    assert plain["finish_reason"] == "tool_calls" and len(plain["message"]["tool_calls"]) == 2
+
+
+@pytest.mark.parametrize("parser", [None, "qwen3"])
+def test_held_back_text_sends_no_empty_chunk(parser: Optional[str]) -> None:
+    """Text the tool-call or reasoning parser holds back (a call's markup, `<think>`) sends no
+    chunk of its own, as in vLLM: every chunk has a delta or the finish reason, and the stream
+    still joins into the plain response. With logprobs asked, each token's chunk is sent (the
+    logprobs of held-back text ride on an empty delta)."""
+    text = ("<think>\nNeed the weather.\n</think>\n\n" if parser else "") + CALL_TEXT
+    plain = _plain(_full(text, parser=parser))
+    for step in (1, 3):
+        deltas = _streamed(text, parser=parser, step=step)
+        assert all(d["delta"] or d["finish_reason"] is not None for d in deltas)
+        assert len(deltas) < len(text) / step / 2  # most of the text is markup, held back
+        assert _joined(deltas, parser) == plain
+        with_logprobs = _streamed(text, parser=parser, step=step, logprobs=True)
+        assert len(with_logprobs) == len(_chunks(text, step))
+        assert ["".join(t["token"] for t in d["logprobs"]["content"]) for d in with_logprobs] \
+            == [c.text for c in _chunks(text, step)]
+        assert _joined(with_logprobs, parser) == plain
 
 
 def test_tool_choice_none_leaves_the_output_alone() -> None:

@@ -231,6 +231,10 @@ class _OpenAIFormatter(Formatter):
     @abstractmethod
     def _logprobs(self, entries: Sequence[TokenLogprobText], offset: int) -> Dict[str, Any]: ...
 
+    @abstractmethod
+    def _has_text(self, item: Dict[str, Any]) -> bool:
+        """Whether a streamed choice item built by `_chunk_item` carries any output."""
+
     def _choice_logprobs(self, choice: Choice) -> Optional[Dict[str, Any]]:
         return self._logprobs(choice.logprobs, 0) if self.wants_logprobs else None
 
@@ -248,8 +252,10 @@ class _OpenAIFormatter(Formatter):
         return sse(body)
 
     def delta(self, index: int, chunk: ReplyChunk, choice: Choice) -> Iterator[str]:
-        # A token whose text is held back (an incomplete character, a possible stop string)
-        # still sends its logprobs.
+        """The chunk's streamed item, or nothing where it carries no output (text held back by
+        the detokenizer or by a parser), no logprobs, no finish reason and no prompt
+        logprobs, as in vLLM. A token whose text is held back (an incomplete character, a
+        possible stop string, markup) still sends its logprobs."""
         echoed = chunk.prompt_logprobs if chunk.prompt_text is not None else []
         entries = [*echoed, *chunk.logprobs]  # an echoed prompt goes first
         text = (chunk.prompt_text or "") + chunk.text
@@ -259,8 +265,9 @@ class _OpenAIFormatter(Formatter):
             logprobs = self._logprobs(entries, start)
         reason = chunk.finish_reason
         prompt = self._chunk_prompt_logprobs(chunk)
-        if text or logprobs is not None or reason is not None or prompt:
-            item = {**self._chunk_item(index, text, reason, logprobs), **prompt}
+        # Built for every chunk: the chat parsers must see all the text, and may hold it back.
+        item = {**self._chunk_item(index, text, reason, logprobs), **prompt}
+        if self._has_text(item) or logprobs is not None or reason is not None or prompt:
             if reason is not None:
                 item["matched_stop"] = chunk.matched_stop
             yield self._chunk(index, choice, item)
@@ -316,6 +323,8 @@ class ChatFormatter(_OpenAIFormatter):
         return {**super().full(choices), **self._prompt_logprobs(choices[0])}
 
     def _item(self, index: int, choice: Choice) -> Dict[str, Any]:
+        """The choice's message: what its stream would have sent, joined (the tool-call parser
+        reads the content the same way in both modes, server/tool_calls.py)."""
         parts = split_reasoning(self.reasoning_parser, "".join(choice.text))
         message: Dict[str, Any] = {"role": "assistant", "content": parts.content}
         if self.reasoning_parser is not None:
@@ -326,8 +335,8 @@ class ChatFormatter(_OpenAIFormatter):
             streamer.feed(parts.content)
             streamer.finish()
             parsed = streamer.parsed()
+            message["content"] = parsed.content
             if parsed.calls:
-                message["content"] = parsed.content
                 message["tool_calls"] = [call_dict(c) for c in parsed.calls]
                 reason = "tool_calls" if reason == "stop" else reason
         return {"index": index, "message": message,
@@ -366,6 +375,9 @@ class ChatFormatter(_OpenAIFormatter):
             delta["content"] = content
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
+    def _has_text(self, item: Dict[str, Any]) -> bool:
+        return bool(item["delta"])
+
 
 class CompletionFormatter(_OpenAIFormatter):
     id_prefix = "cmpl"
@@ -387,3 +399,6 @@ class CompletionFormatter(_OpenAIFormatter):
     def _chunk_item(self, index: int, text: Optional[str], reason: Optional[str],
                     logprobs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
+
+    def _has_text(self, item: Dict[str, Any]) -> bool:
+        return bool(item["text"])

@@ -10,13 +10,18 @@ Formats (the names vLLM and SGLang use):
   writes before calls (a special token, so usually skipped by the detokenizer) is dropped.
 
 Contract, one parse for both modes: the whole text goes through `ToolCallStreamer` at once for
-a plain response, delta by delta for a stream, so the streamed deltas join into exactly the
-unstreamed calls and content. A call's `arguments` is its arguments object as the model wrote
-it (raw JSON text, which parses). Content is the text outside the calls, except text that is
-only whitespace (around and between calls). A text with any malformed call (JSON that does not
-parse, a name that is not a string, arguments that are not an object, a call cut off) is all
-content with no calls. A stream cannot take back what it sent: there a call found malformed
-after it was announced (its name sent) stays a call, and the text after the fault is content.
+a plain response, delta by delta for a stream, and however the text is split the streamed deltas
+join into exactly the unstreamed calls and content. A call's `arguments` is its arguments
+object as the model wrote it (raw JSON text). Content is the text outside the calls, except
+text that is only whitespace (around and between calls).
+
+A stream sends a call (its id and name) as soon as its name has been read, and cannot take it
+back, so in both modes a call is a call from that point on (as in vLLM, whose plain responses
+follow its streams): a call cut off by the end of the output (finish_reason "length") keeps the
+arguments written so far, which do not parse; one found malformed later (JSON that does not
+parse, arguments that are not an object) keeps them as written, and the text from the fault on
+is content. A call that is cut off or breaks before its name is read (or whose name is not a
+string) is content, start tag and all.
 """
 
 from __future__ import annotations
@@ -146,7 +151,7 @@ class _Call:
     """One call's JSON object being scanned, character by character: the top-level keys and
     the raw text of their values."""
 
-    index: int
+    index: int  # its place among the output's calls, should it be announced
     arguments_keys: Tuple[str, ...]
     raw: List[str] = field(default_factory=list)
     depth: int = 0
@@ -158,8 +163,9 @@ class _Call:
     value_start: int = -1
     values: Dict[str, str] = field(default_factory=dict)
     error: Optional[str] = None
-    id: Optional[str] = None  # set once announced
-    sent_arguments: int = 0  # characters of the arguments value streamed
+    id: Optional[str] = None  # set once announced, with the name sent
+    sent_name: str = ""
+    sent_arguments: str = ""  # the arguments streamed so far (all of them once it has ended)
 
     @property
     def closed(self) -> bool:
@@ -281,23 +287,6 @@ class _Call:
             return ""
         return "".join(self.raw[self.value_start:])
 
-    def problem(self) -> Optional[str]:
-        """Why this closed call is not a valid one, or None."""
-        if self.error is not None:
-            return self.error
-        if not self.closed:
-            return "the call is cut off"
-        try:
-            obj = json.loads("".join(self.raw))
-        except json.JSONDecodeError as e:
-            return f"not valid JSON: {e}"
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return "the call has no name"
-        key = self.arguments_key
-        if key is not None and not isinstance(obj.get(key), dict):
-            return f"{key} is not an object"
-        return None
-
 
 class ToolCallStreamer:
     """One choice's output, delta by delta, split into content and calls in `fmt`.
@@ -305,15 +294,14 @@ class ToolCallStreamer:
     `feed(text)` returns the content and call deltas that text completes; `finish()` the rest
     at the end of the output. Text that may be the start of a call (a partial start tag, a
     `{` that may open `{"name":`) is held back until known, and so is whitespace-only text until
-    something else follows it in the same stretch of content. After finish, `calls` holds every
-    call and `parsed()` the plain response's view of the whole text. With `max_calls`, the
-    calls after the first `max_calls` are dropped (`parallel_tool_calls: false`)."""
+    something else follows it in the same stretch of content. After finish, `parsed()` is what
+    the stream sent, joined: the plain response. With `max_calls`, the calls after the first
+    `max_calls` are dropped (`parallel_tool_calls: false`)."""
 
     def __init__(self, fmt: ToolCallFormat, max_calls: Optional[int] = None) -> None:
         self.fmt = fmt
         self.max_calls = max_calls
-        self.calls: List[_Call] = []
-        self.text: List[str] = []  # everything fed, for the all-content fallback
+        self.calls: List[_Call] = []  # every call read, announced or not
         self.content: List[str] = []  # content sent
         self._held = ""  # text not yet known to be content or a call
         self._spaces = ""  # whitespace-only content waiting for more
@@ -326,7 +314,6 @@ class ToolCallStreamer:
 
     # --- the state machine ------------------------------------------------------------------
     def feed(self, text: str) -> StreamPiece:
-        self.text.append(text)
         buf, self._held = self._held + text, ""
         while buf:
             if self._call is not None:
@@ -342,7 +329,8 @@ class ToolCallStreamer:
 
     def finish(self) -> StreamPiece:
         """The end of the output: held text is content (whitespace alone is dropped); a call
-        cut off before it was announced is content too."""
+        cut off before it was announced is content too (one announced was sent all the
+        arguments read, when the last text was fed)."""
         held, self._held = self._held, ""
         if self._call is not None:
             call = self._call
@@ -365,7 +353,8 @@ class ToolCallStreamer:
             self._held = buf[len(buf) - keep:]
             return ""
         self._content(buf[:at], content)
-        self._call = _Call(len(self.calls), self.fmt.arguments_keys)
+        # A call never announced is not one: only the announced ones count.
+        self._call = _Call(self._announced, self.fmt.arguments_keys)
         self._spaces, self._live = "", False
         return buf[at + skip:]
 
@@ -401,7 +390,9 @@ class ToolCallStreamer:
 
     def _feed_call(self, buf: str) -> str:
         """The call's characters; returns what follows its object. A call that turns out
-        malformed before it was announced goes back to being content."""
+        malformed before it was announced goes back to being content; one that turns out
+        malformed after its name is read is announced there (and sent the arguments read), so
+        that where the text is split does not decide whether it is a call."""
         call = self._call
         assert call is not None
         for i, ch in enumerate(buf):
@@ -415,6 +406,7 @@ class ToolCallStreamer:
                 return buf[i + 1:]
             if call.error is not None:  # the faulty character goes on as text
                 call.raw.pop()
+                self._deltas.extend(self._call_deltas(call))
                 self._end_call()
                 if call.id is None and not self._extra(call):
                     self._abandon(call)
@@ -450,43 +442,36 @@ class ToolCallStreamer:
         if end.startswith(stripped):
             self._held = buf
             return ""
-        self._after_call = False
-        self.calls[-1].error = self.calls[-1].error or f"no {end} after the call"
+        self._after_call = False  # no end tag: the call stands, what follows is text
         return stripped
 
     def _call_deltas(self, call: _Call) -> List[ToolCallDelta]:
-        """What `call` (being read, or just closed) adds to the stream."""
-        if call.error is not None or self._extra(call):
+        """What `call` (being read, just closed, or just found malformed) adds to the stream:
+        its announcement once its name is read, then the arguments read since."""
+        if self._extra(call):
             return []
-        out = []
         if call.id is None:
             name = call.name
             if name is None:
                 return []
-            call.id = new_call_id()
+            call.id, call.sent_name = new_call_id(), name
             self._announced += 1
-            args = call.arguments_so_far()
-            call.sent_arguments = len(args)
-            return [ToolCallDelta(call.index, call.id, name, args)]
+            call.sent_arguments = call.arguments_so_far()
+            return [ToolCallDelta(call.index, call.id, name, call.sent_arguments)]
         args = call.arguments_so_far()
-        if len(args) > call.sent_arguments:
-            out.append(ToolCallDelta(call.index, None, None, args[call.sent_arguments:]))
-            call.sent_arguments = len(args)
-        return out
+        # (arguments that no longer extend what was sent, e.g. a second arguments key, are
+        # not sent: a stream cannot take back what it sent)
+        if len(args) <= len(call.sent_arguments) or not args.startswith(call.sent_arguments):
+            return []
+        delta, call.sent_arguments = args[len(call.sent_arguments):], args
+        return [ToolCallDelta(call.index, None, None, delta)]
 
     # --- the whole output ---------------------------------------------------------------------
     def parsed(self) -> Parsed:
-        """After `finish`: the content and calls of the whole text, or all of it as content when
-        a call is malformed (or there are none)."""
-        calls = self.calls[:self.max_calls]
-        if not calls or any(c.problem() is not None for c in calls):
-            text = "".join(self.text)
-            for marker in self.fmt.markers:
-                text = text.replace(marker, "")
-            return Parsed(text if text.strip() else None, [])
+        """After `finish`: the content and the calls sent, as the joined stream has them."""
         content = "".join(self.content)
-        return Parsed(content or None,
-                      [ToolCall(c.name or "", c.arguments_so_far()) for c in calls])
+        return Parsed(content or None, [ToolCall(c.sent_name, c.sent_arguments)
+                                        for c in self.calls if c.id is not None])
 
     @property
     def any_call(self) -> bool:
