@@ -99,6 +99,21 @@ class SamplingParams:
     stop: Tuple[str, ...] = ()
     n: int = 1
 
+    def __post_init__(self) -> None:
+        """The sequences as vLLM's users write them (lists, a single stop string, None for
+        none) stored as the tuples the rest of the engine reads; anything else is left for
+        `validate` to name."""
+        def store(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+        if self.stop is None or isinstance(self.stop, str):
+            store("stop", () if self.stop is None else (self.stop,))
+        if self.stop_token_ids is None:
+            store("stop_token_ids", ())
+        for name in ("stop", "stop_token_ids", "allowed_token_ids"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                store(name, tuple(value))
+
     def validate(self) -> None:
         """Raise ValueError naming the offending value. The rules for every field are here; it
         runs once, where the params are built from user input (the HTTP API, `LLM`)."""
@@ -110,19 +125,27 @@ class SamplingParams:
         error = _min_tokens_error(self.min_tokens, self.max_tokens)
         if error is not None:
             raise ValueError(error)
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
-            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got "
+                             f"{self.temperature!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (all tokens) or a positive integer, got "
+                             f"{self.top_k!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if self.seed is not None and (not isinstance(self.seed, int)
                                       or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.stop_token_ids, (str, bytes, dict)) or not isinstance(
+                self.stop_token_ids, Sequence):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got "
+                             f"{self.stop_token_ids!r}")
         for tok in self.stop_token_ids:
-            if not isinstance(tok, int) or tok < 0:
+            if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {tok!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -143,8 +166,10 @@ class SamplingParams:
         if error is not None:
             raise ValueError(error)
         self._validate_allowed_token_ids()
-        if isinstance(self.stop, str) or any(not isinstance(x, str) or not x for x in self.stop):
-            raise ValueError(f"stop must be a sequence of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop, tuple) or any(not isinstance(x, str) or not x
+                                                   for x in self.stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got "
+                             f"{self.stop!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
 

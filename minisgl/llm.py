@@ -46,7 +46,8 @@ from minisgl.settings import build
 from minisgl.distributed.bind import free_port
 
 logger = logging.getLogger(__name__)
-Prompt = Union[str, List[int]]
+# Text, token ids, or vLLM's TextPrompt / TokensPrompt: {"prompt": text} / {"prompt_token_ids": ids}
+Prompt = Union[str, List[int], Dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -228,6 +229,22 @@ class _RankProcesses:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
+def _chat_message(i: int, message: Any) -> Dict[str, Any]:
+    """Message i for the chat template: a role, and content as text (a list of text parts
+    joined with newlines, as the server and vLLM join them); ValueError naming what is wrong."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ValueError(f"message {i} must be a dict with a role, got {message!r:.80}")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = [part.get("text") if isinstance(part, dict) and part.get("type") == "text"
+                 else None for part in content]
+        if any(not isinstance(t, str) for t in texts):
+            raise ValueError(f"message {i}: only text content parts are supported, got "
+                             f"{content!r:.80}")
+        return {**message, "content": "\n".join(texts)}  # type: ignore[arg-type]
+    return message
+
+
 class _StopWatch:
     """One request's stop strings, matched on its text as it grows (as the detokenizer does
     for the server): once one appears, `text` is the output before it and `stopped` is set."""
@@ -344,18 +361,34 @@ class LLM:
                  ) -> List[GenerateOutput]:
         """One output per prompt, in order (`params.n` of them for n > 1, consecutive).
         `params`: one for all, or one per prompt."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts)
-                                              and isinstance(prompts[0], int))
+        single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
+                                                      and isinstance(prompts[0], int))
+        if not single and not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a prompt or a list of them, got "
+                             f"{type(prompts).__name__}")
         batch = cast(Sequence[Prompt], [prompts] if single else prompts)
         ids = [self._encode(p) for p in batch]
         return self._run(ids, self._per_prompt(params, len(ids)))
 
-    def chat(self, messages: Union[List[Dict[str, str]], List[List[Dict[str, str]]]],
-             params: Union[None, SamplingParams, Sequence[SamplingParams]] = None
-             ) -> List[GenerateOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+    def chat(self, messages: Union[List[Dict[str, Any]], List[List[Dict[str, Any]]]],
+             params: Union[None, SamplingParams, Sequence[SamplingParams]] = None, *,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: Optional[Dict[str, Any]] = None,
+             tools: Optional[List[Dict[str, Any]]] = None) -> List[GenerateOutput]:
+        """Apply the model's chat template to one conversation or a list of them (vLLM's
+        keywords: `tools` reach the template only; the output is not parsed for calls). A
+        message's content is text or a list of text parts, joined with newlines as the
+        server and vLLM join them."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be "
+                             "true (pass add_generation_prompt=False)")
+        template = dict(chat_template_kwargs or {}, add_generation_prompt=add_generation_prompt)
+        if continue_final_message:
+            template["continue_final_message"] = True
+        if tools is not None:
+            template["tools"] = tools
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        ids = [self._chat_ids(c) for c in convs]  # type: ignore[arg-type]
+        ids = [self._chat_ids(c, template) for c in convs]  # type: ignore[arg-type]
         return self._run(ids, self._per_prompt(params, len(ids)))
 
     # --- internals ---------------------------------------------------------------------------
@@ -365,17 +398,30 @@ class LLM:
         return self.tokenizer
 
     def _encode(self, prompt: Prompt) -> List[int]:
+        if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+            if set(prompt) == {"prompt_token_ids"}:
+                prompt = prompt["prompt_token_ids"]
+            elif set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"a dict prompt is {{'prompt': text}} or "
+                                 f"{{'prompt_token_ids': ids}}, got keys {sorted(prompt)}")
         if isinstance(prompt, str):  # with BOS where the tokenizer adds one, as vLLM and HF do
             return list(self._need_tokenizer().encode(prompt, add_special_tokens=True))
-        if not set(map(type, prompt)) <= {int}:  # bool (an int subclass) is refused too
+        if not isinstance(prompt, (list, tuple)) or not set(map(type, prompt)) <= {int}:
+            # bool (an int subclass) is refused too
             raise ValueError("a token-id prompt must be a list of integers")
         return list(prompt)
 
-    def _chat_ids(self, conversation: List[Dict[str, str]]) -> List[int]:
+    def _chat_ids(self, conversation: List[Dict[str, Any]],
+                  template: Optional[Dict[str, Any]] = None) -> List[int]:
+        """The conversation's prompt ids; `template`: the chat template's keywords (a new
+        assistant turn by default)."""
+        template = {"add_generation_prompt": True} if template is None else template
         if not conversation:
             raise ValueError("a chat needs at least one message")
-        out = self._need_tokenizer().apply_chat_template(conversation, add_generation_prompt=True,
-                                                 tokenize=True)
+        messages = [_chat_message(i, m) for i, m in enumerate(conversation)]
+        out = self._need_tokenizer().apply_chat_template(messages, tokenize=True, **template)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
     @staticmethod
@@ -430,7 +476,40 @@ class LLM:
             self._backend.submit(UserMsg(uid, ids, dataclasses.replace(p, stop=(), n=1)))
         bar = tqdm(total=len(prompts), desc="generating", unit="req",
                    disable=not self.show_progress or len(prompts) < 8)
-        left = len(prompts)
+        try:
+            self._collect(slot, tokens, logprobs, prompt_logprobs, done, stops, bar)
+        except BaseException:  # KeyboardInterrupt too: leave no request behind
+            self._cancel([uid for uid, i in slot.items() if done[i] is None])
+            raise
+        finally:
+            bar.close()
+        self._backend.drain()
+        errors = [(i, d.error) for i, d in enumerate(done) if d is not None and d.error]
+        if errors:  # checked up front, so only a scheduler-side limit can get here
+            raise ValueError(f"prompt {errors[0][0]} rejected: {errors[0][1]}")
+        decode = (lambda t: "") if self.tokenizer is None else (  # noqa: E731
+            lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
+        outputs = []
+        for t, lp, plp, d, p, w in zip(tokens, logprobs, prompt_logprobs, done, params, stops):
+            if d is None:
+                continue
+            stopped = w is not None and w.stopped
+            # a stop token (EOS, stop_token_ids) is not rendered, as the server renders it
+            shown = t[:-1] if d.finish_reason == FinishReason.STOP.value and t else t
+            outputs.append(GenerateOutput(
+                w.text if stopped else decode(shown), t,
+                FinishReason.STOP.value if stopped else d.finish_reason or "", d.prompt_tokens,
+                d.cached_tokens, lp if p.logprobs is not None else None, plp))
+        return outputs
+
+    def _collect(self, slot: Dict[int, int], tokens: List[List[int]],
+                 logprobs: List[List[TokenLogprobs]],
+                 prompt_logprobs: List[Optional[List[TokenLogprobs]]],
+                 done: List[Optional[TokenOut]], stops: List[Optional["_StopWatch"]],
+                 bar: Any) -> None:
+        """Poll until every request in `slot` (uid -> index) has its final out, filling the
+        lists at each index; a request whose stop string matched is aborted."""
+        left = sum(d is None for d in done)
         while left:
             for out in self._backend.poll():
                 i = slot[out.uid]
@@ -449,20 +528,17 @@ class LLM:
                     done[i] = out
                     left -= 1
                     bar.update(1)
-        bar.close()
+
+    def _cancel(self, uids: List[int]) -> None:
+        """Abort `uids` (submitted, not finished) and wait for each one's final out, so that
+        their KV pages are free and none of their outs reaches a later call."""
+        if not uids or self._backend.closed:
+            return
+        for uid in uids:
+            self._backend.submit(AbortMsg(uid))
+        left = set(uids)
+        while left:
+            for out in self._backend.poll():
+                if out.finish_reason is not None or out.error:
+                    left.discard(out.uid)
         self._backend.drain()
-        errors = [(i, d.error) for i, d in enumerate(done) if d is not None and d.error]
-        if errors:  # checked up front, so only a scheduler-side limit can get here
-            raise ValueError(f"prompt {errors[0][0]} rejected: {errors[0][1]}")
-        decode = (lambda t: "") if self.tokenizer is None else (  # noqa: E731
-            lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
-        outputs = []
-        for t, lp, plp, d, p, w in zip(tokens, logprobs, prompt_logprobs, done, params, stops):
-            if d is None:
-                continue
-            stopped = w is not None and w.stopped
-            outputs.append(GenerateOutput(
-                w.text if stopped else decode(t), t,
-                FinishReason.STOP.value if stopped else d.finish_reason or "", d.prompt_tokens,
-                d.cached_tokens, lp if p.logprobs is not None else None, plp))
-        return outputs

@@ -194,3 +194,77 @@ def test_prompt_error_names_the_first_bad_id(ids: list, error: object) -> None:
     """The check every path makes (LLM, tokenizer, scheduler): the fast path for valid ids and
     the message naming the first bad one agree with checking id by id."""
     assert prompt_error(ids, 49152) == error
+
+
+def test_stop_token_ids_as_a_list_and_their_text_left_out(llm: LLM) -> None:
+    """vLLM writes stop_token_ids as a list; a stop token ends the output without its text (as
+    the server renders it), while token_ids keep it. Before, a list broke the scheduler for
+    every later call."""
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ref = llm.generate("Count: 1, 2, 3,", greedy)[0].token_ids
+    stop_at = ref[3]
+    first = ref.index(stop_at)
+    out = llm.generate("Count: 1, 2, 3,", SamplingParams(max_tokens=12, temperature=0,
+                                                         stop_token_ids=[stop_at]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == ref[:first + 1]
+    assert out.text == llm.tokenizer.decode(ref[:first], skip_special_tokens=True)
+    _pages_balanced(llm)
+    assert llm.generate("hi", SamplingParams(max_tokens=2))[0].token_ids  # still serving
+
+
+def test_an_interrupted_generate_leaves_nothing_behind(llm: LLM,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C in the middle of generate (KeyboardInterrupt out of a poll): the requests are
+    aborted and their outs drained, so the pages balance and the next call works. Before,
+    every later call raised KeyError on a stale uid."""
+    backend = llm._backend  # type: ignore[attr-defined]
+    polls = {"n": 0}
+    real_poll = backend.poll
+
+    def poll() -> object:
+        polls["n"] += 1
+        if polls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_poll()
+    monkeypatch.setattr(backend, "poll", poll)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["Once upon a time"] * 3, SamplingParams(max_tokens=32, ignore_eos=True))
+    _pages_balanced(llm)
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert len(llm.generate("Hello", p)[0].token_ids) == 6
+
+
+def test_vllm_dict_prompts(llm: LLM) -> None:
+    """vLLM's TextPrompt / TokensPrompt dicts are prompts (before, a dict was iterated as a
+    batch of its keys' text)."""
+    p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    ids = llm.tokenizer.encode("The capital of France is", add_special_tokens=True)
+    by_ids = llm.generate({"prompt_token_ids": ids}, p)[0]
+    by_text = llm.generate([{"prompt": "The capital of France is"}], p)[0]
+    assert by_ids.token_ids == by_text.token_ids == llm.generate([ids], p)[0].token_ids
+    for bad, match in (({"text": "hi"}, "a dict prompt is"),
+                       ({"prompt": "hi", "multi_modal_data": {}}, "a dict prompt is"),
+                       (None, "prompts must be a prompt or a list"),
+                       ([3.5], "a token-id prompt must be a list of integers")):
+        with pytest.raises(ValueError, match=match):
+            llm.generate(bad, p)  # type: ignore[arg-type]
+    _pages_balanced(llm)
+
+
+def test_chat_takes_text_parts_and_vllms_template_options(llm: LLM) -> None:
+    p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "World"}]
+    a = llm.chat([{"role": "user", "content": parts}], p)[0]
+    b = llm.chat([{"role": "user", "content": "Hello\nWorld"}], p)[0]
+    assert a.token_ids == b.token_ids and a.prompt_tokens == b.prompt_tokens
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello th"}]
+    cont = llm.chat(conv, p, add_generation_prompt=False, continue_final_message=True)[0]
+    new = llm.chat(conv, p)[0]
+    assert cont.prompt_tokens < new.prompt_tokens  # no end of turn, no new assistant header
+    with pytest.raises(ValueError, match="message 0 must be a dict with a role"):
+        llm.chat([{"content": "hi"}], p)
+    with pytest.raises(ValueError, match="only text content parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], p)
+    with pytest.raises(ValueError, match="cannot both be true"):
+        llm.chat(conv, p, continue_final_message=True)
+    _pages_balanced(llm)

@@ -294,7 +294,7 @@ def test_offline_stop_strings(tiny_llm) -> None:
         max_tokens=24, temperature=0.0, ignore_eos=True, stop=["never-there"]))[0]
     assert (unmatched.text, unmatched.finish_reason) == (full.text, full.finish_reason)
     assert tiny_llm.check_accounting().live_requests == 0
-    with pytest.raises(ValueError, match="stop must be a sequence of non-empty strings"):
+    with pytest.raises(ValueError, match="stop must be a string or a list of non-empty strings"):
         tiny_llm.generate([[5]], SamplingParams(stop=("",)))
 
 

@@ -20,6 +20,9 @@ from minisgl.kernels.policy import KernelPolicy
 from minisgl.utils import to_device
 
 _MASK32 = 0xFFFFFFFF
+# vLLM's floor for a positive temperature: logits / 1e-39 overflow to inf, and the argmax of a
+# row of infs is its first token, not the most likely one.
+MIN_TEMPERATURE = 1e-2
 # Odd multipliers below 2**31 keep every product of a 32-bit value inside int64 (no overflow).
 _MUL = (0x7FEB352D, 0x2C1B3C6D, 0x297A2D39)
 
@@ -78,11 +81,13 @@ def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.T
 
 
 def _filter(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
-    """Set to -inf every logit outside the top-k / top-p / min-p sets (rows scaled already)."""
+    """Set to -inf every logit outside the top-k / top-p / min-p sets (rows scaled already).
+    In Hugging Face's and vLLM's order: top-p (and min-p) over the distribution that top-k
+    leaves, renormalized."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
     drop = (s.top_k.unsqueeze(1) > 0) & (rank >= s.top_k.unsqueeze(1))
-    probs = sorted_logits.softmax(dim=-1)
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
     drop |= before > s.top_p.unsqueeze(1)
     drop |= probs < s.min_p.unsqueeze(1) * probs[:, :1]
@@ -106,7 +111,7 @@ def sample(logits: torch.Tensor, s: SamplingTensors, policy: KernelPolicy = Kern
     greedy_tokens = greedy(logits, policy)
     if s.all_greedy:
         return greedy_tokens
-    scaled = logits / s.temperature.unsqueeze(1)
+    scaled = logits / s.temperature.clamp_min(MIN_TEMPERATURE).unsqueeze(1)
     if s.any_filter:
         scaled = _filter(scaled, s)
     gumbel = -torch.log(-torch.log(uniform_noise(s.seed, s.step, logits.shape[-1])))
