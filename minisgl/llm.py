@@ -249,20 +249,24 @@ class _StopWatch:
     """One request's stop strings, matched on its text as it grows (as the detokenizer does
     for the server): once one appears, `text` is the output before it and `stopped` is set."""
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str], min_tokens: int = 0) -> None:
         self.decoder = IncrementalDecoder(tokenizer, (), skip_special_tokens=True)
         self.matcher = StopMatcher(stop)
+        self.min_tokens = min_tokens  # stop strings count only after more tokens than this
+        self.tokens = 0
         self.text = ""
         self.stopped = False
 
     def push(self, out: TokenOut, final: bool) -> bool:
         """Take a token out; True when a stop string has just ended the request."""
         text = ""
+        if out.token >= 0:
+            self.tokens += 1
         if out.token >= 0 and out.finish_reason != FinishReason.STOP.value:
             text = self.decoder.push(out.token)  # a stop token is not rendered
         if final:
             text += self.decoder.flush()
-        result = self.matcher.feed(text)
+        result = self.matcher.feed(text, self.tokens > self.min_tokens)
         self.text += result.text
         self.stopped = result.stopped
         if final and not self.stopped:
@@ -471,7 +475,8 @@ class LLM:
         logprobs: List[List[TokenLogprobs]] = [[] for _ in prompts]
         prompt_logprobs: List[Optional[List[TokenLogprobs]]] = [None] * len(prompts)
         done: List[Optional[TokenOut]] = [None] * len(prompts)
-        stops = [_StopWatch(self.tokenizer, p.stop) if p.stop else None for p in params]
+        stops = [_StopWatch(self.tokenizer, p.stop, p.min_tokens) if p.stop else None
+                 for p in params]
         for uid, ids, p in zip(uids, prompts, params):
             self._backend.submit(UserMsg(uid, ids, dataclasses.replace(p, stop=(), n=1)))
         bar = tqdm(total=len(prompts), desc="generating", unit="req",

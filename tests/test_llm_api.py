@@ -268,3 +268,21 @@ def test_chat_takes_text_parts_and_vllms_template_options(llm: LLM) -> None:
     with pytest.raises(ValueError, match="cannot both be true"):
         llm.chat(conv, p, continue_final_message=True)
     _pages_balanced(llm)
+
+
+def test_min_tokens_holds_stop_strings_back(llm: LLM) -> None:
+    """As vLLM: a stop string ending within the first min_tokens tokens does not end the
+    output; the next one does."""
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    full = llm.generate("Count: 1, 2, 3,", greedy)[0]
+    first = full.text.index(",")
+    upto = next(n for n in range(1, len(full.token_ids) + 1)
+                if "," in llm.tokenizer.decode(full.token_ids[:n]))  # tokens through it
+    plain = llm.generate("Count: 1, 2, 3,", SamplingParams(
+        max_tokens=16, temperature=0, stop=[","]))[0]
+    held = llm.generate("Count: 1, 2, 3,", SamplingParams(
+        max_tokens=16, temperature=0, stop=[","], min_tokens=upto))[0]
+    assert plain.text == full.text[:first]
+    assert held.text == full.text[:full.text.index(",", first + 1)]
+    assert held.finish_reason == "stop"
+    _pages_balanced(llm)

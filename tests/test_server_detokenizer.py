@@ -96,6 +96,21 @@ def test_stop_matcher_across_deltas() -> None:
     m = StopMatcher(["lo w", "o"])
     assert m.feed("hello world") == ("hel", True)  # the earliest match wins
     assert StopMatcher([]).feed("anything") == ("anything", False)
+    m = StopMatcher(["ab"])  # not armed (min_tokens): nothing stops, a partial stop is held
+    assert m.feed("xab", armed=False) == ("xab", False)
+    assert m.feed("ya", armed=False) == ("y", False)
+    assert m.feed("b", armed=True) == ("", True)  # completed once armed: it stops
+
+
+def test_min_tokens_holds_stop_strings_back(bpe: Any) -> None:
+    """vLLM's min_tokens also holds stop strings back: one ending within the first
+    min_tokens tokens does not count, the next one does."""
+    ids = bpe.encode(" a. b. c. d.", add_special_tokens=False)
+    dot = ids.index(bpe.encode(".", add_special_tokens=False)[0])
+    d = Detokenizer(bpe)
+    d.init(DetokenizeInit(1, [5, 6], (".",), True, min_tokens=dot + 1))
+    r = d.render([TokenOut(1, t, None, 3) for t in ids])
+    assert "".join(c.text for c in r.chunks) == " a. b" and r.aborts == [1]
 
 
 def _outs(uid: int, tokens: List[int], last_reason: str) -> List[TokenOut]:

@@ -251,6 +251,8 @@ class DetokenizeInit:
     prompt_ids: Optional[List[int]] = None
     no_stop_trim: bool = False  # a matched stop string stays in the text
     echo: bool = False  # the reply starts with the prompt's text
+    # vLLM's min_tokens: no stop string ends the output before more tokens than this are out
+    min_tokens: int = 0
 
 
 @dataclass(frozen=True)

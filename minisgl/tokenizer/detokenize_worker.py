@@ -58,6 +58,7 @@ class _Request:
     prompt_ids: Optional[List[int]] = None
     echo: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int = 0  # stop strings count only after more tokens than this
 
 
 class Rendered(NamedTuple):
@@ -80,7 +81,7 @@ class Detokenizer:
         self.requests[msg.uid] = _Request(
             IncrementalDecoder(self.tokenizer, msg.prompt_tail, msg.skip_special_tokens),
             StopMatcher(msg.stop, msg.no_stop_trim), prompt_ids=msg.prompt_ids, echo=msg.echo,
-            skip_special_tokens=msg.skip_special_tokens)
+            skip_special_tokens=msg.skip_special_tokens, min_tokens=msg.min_tokens)
         return self.render(self.pending.pop(msg.uid, []))
 
     def render(self, outs: List[TokenOut]) -> Rendered:
@@ -118,7 +119,7 @@ class Detokenizer:
                 text = req.decoder.push(out.token)
         if out.finish_reason is not None:
             text += req.decoder.flush()
-        text, stopped = req.matcher.feed(text)
+        text, stopped = req.matcher.feed(text, req.completion_tokens > req.min_tokens)
         reason = out.finish_reason
         stop: Union[None, int, str] = req.matcher.matched
         if stopped:

@@ -88,13 +88,16 @@ class StopMatcher:
         self.held = ""
         self.matched: Optional[str] = None
 
-    def feed(self, text: str) -> StopResult:
+    def feed(self, text: str, armed: bool = True) -> StopResult:
+        """The text that is out, given the next `text`. Not `armed` (vLLM's min_tokens: fewer
+        tokens out than that), no stop string ends the output yet, though the tail that may
+        begin one is still held, so that one completed once armed ends it."""
         buf = self.held + text
         if not self.stops:
             self.held = ""
             return StopResult(buf, False)
         hits = [(i, -len(s), s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
-        if hits:
+        if hits and armed:
             self.held = ""
             at, _, self.matched = min(hits)  # the earliest; of those there, the longest
             return StopResult(buf[:at + len(self.matched) if self.keep else at], True)

@@ -326,7 +326,7 @@ class Serving:
         whole = msg.echo or params.prompt_logprobs is not None
         self.to_detok.put(DetokenizeInit(msg.uid, ids[-PROMPT_CONTEXT_TOKENS:], tuple(msg.stop),
                                          msg.skip_special_tokens, ids if whole else None,
-                                         msg.no_stop_trim, msg.echo))
+                                         msg.no_stop_trim, msg.echo, params.min_tokens))
         self.to_backends[replica].put(UserMsg(msg.uid, ids, params))
         self.queued.sent(replica, len(ids))
 
