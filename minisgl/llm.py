@@ -31,7 +31,6 @@ from minisgl.engine import Engine
 from minisgl.message import AbortMsg, BatchTokenOut, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.types import AccountingMsg, AccountingReply
-from minisgl.distributed.info import check_head_split
 from minisgl.models import ModelConfig
 from minisgl.models.path import resolve_model_path
 from minisgl.scheduler.config import SchedulerConfig
@@ -292,7 +291,7 @@ class LLM:
                                              cfg.engine.download_dir)
         self.tokenizer = load_tokenizer(self.model_path)
         self.model_config = ModelConfig.from_dir(self.model_path)
-        check_head_split(self.model_config.num_heads, self.model_config.num_kv_heads, tp)
+        self.model_config.check_tp(tp)
         engine = dataclasses.replace(cfg.engine.for_rank(str(self.model_path), 0),
                                      show_progress=show_progress)
         cfg = dataclasses.replace(cfg, engine=engine)

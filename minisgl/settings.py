@@ -214,9 +214,20 @@ def check_values(root: Any, raw: Mapping[str, Any], where: str) -> Dict[str, Any
                 raise ValueError(f"{key} must be of type bool, got {value!r}")
             if value:
                 out[aliases[name].name] = aliases[name].alias.value  # type: ignore[union-attr]
+        elif _negated(name, by_name) is not None:  # a `--no-X` flag's name: X turned off
+            if not isinstance(value, bool):
+                raise ValueError(f"{key} must be of type bool, got {value!r}")
+            out[name[len("no_"):]] = not value
         else:
             raise ValueError(f"{where}: unknown setting {key!r}")
     return out
+
+
+def _negated(name: str, by_name: Mapping[str, Setting]) -> Optional[Setting]:
+    """The setting whose `--no-...` flag `name` is (a bool on by default, or an optional
+    one: `_add_flag` gives both a `--no-` flag), or None."""
+    s = by_name.get(name[len("no_"):]) if name.startswith("no_") else None
+    return s if s is not None and s.type is bool and (s.optional or s.value) else None
 
 
 def build(root: T, raw: Mapping[str, Any], where: str) -> T:

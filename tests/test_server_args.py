@@ -34,6 +34,19 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     assert parse_args([]).model_name(Path("/x/SomeModel")) == "SomeModel"
 
 
+def test_a_files_keys_are_the_flag_names_no_flags_too(tmp_path: Path) -> None:
+    """`--no-fused-ops` is `no-fused-ops = true` in a file, as the README says keys are the
+    long flag names (before: "unknown setting")."""
+    f = tmp_path / "c.toml"
+    f.write_text("no-fused-ops = true\nno_overlap = false\n")
+    sched = parse_args(["--config", str(f)]).scheduler_config(
+        Path("unused"), 0, "tcp://127.0.0.1:1", "ipc://a", "ipc://b", "ipc://c")
+    assert sched.engine.fused_ops is False and sched.overlap is True
+    f.write_text('no-fused-ops = "yes"\n')
+    with pytest.raises(ValueError, match="no-fused-ops must be of type bool"):
+        parse_args(["--config", str(f)])
+
+
 @pytest.mark.parametrize("text,match", [
     ("tpp = 2\n", "unknown setting 'tpp'"),
     ('tp = "two"\n', "tp must be of type int"),

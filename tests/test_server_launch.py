@@ -28,6 +28,32 @@ def test_bad_model_path(tmp_path: Path) -> None:
     assert runtime_dirs(tmp_path) == []
 
 
+def test_a_config_without_a_needed_key_is_named(tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    r = run_serve(["--model", str(model), "--port", "0"], tmp_path)
+    line = error_line(r.stderr)
+    assert r.returncode == 1 and "config.json has no" in line and "'num_attention_heads'" in line
+    assert runtime_dirs(tmp_path) == []
+
+
+def test_a_model_without_tokenizer_files_is_said_at_start(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Such a model serves token-id prompts only: the launcher says so at start-up, so that a
+    copy that lost its tokenizer does not come up healthy without a word."""
+    from minisgl.server.args import parse_args
+    from minisgl.server.launch import _prepare
+    from tiny_models import build_tiny
+    build_tiny("qwen3", tmp_path / "m", None)
+    prep = _prepare(parse_args(["--model", str(tmp_path / "m"), "--device", "cpu", "--port",
+                                "0"]))
+    if prep.sock is not None:
+        prep.sock.close()
+    assert any("has no tokenizer files: only token-id prompts" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_port_in_use(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -48,6 +74,8 @@ def test_bad_setting_exits_2(tmp_path: Path) -> None:
 @pytest.mark.parametrize("flags,words", [
     (["--pdl", "on"], "pdl 'on' needs device 'cuda'"),
     (["--tune-gemms"], "tune_gemms tunes the decode CUDA graphs"),
+    # before, the service came up healthy and its first request brought it down
+    (["--attention-backend", "triton"], "attention backend 'triton' needs device 'cuda'"),
 ])
 def test_a_combination_the_engine_refuses_exits_2(tmp_path: Path, flags: List[str],
                                                   words: str) -> None:
@@ -58,11 +86,14 @@ def test_a_combination_the_engine_refuses_exits_2(tmp_path: Path, flags: List[st
     assert runtime_dirs(tmp_path) == []
 
 
-def test_tp_not_dividing_the_heads(tmp_path: Path, default_model_dir: Path) -> None:
-    r = run_serve([*tp_args(2), "--port", "0"], tmp_path)
+@pytest.mark.parametrize("tp,words", [(2, "9 attention heads"),
+                                      (9, "intermediate_size 1536")])
+def test_tp_not_dividing_the_heads_or_the_mlp(tmp_path: Path, default_model_dir: Path, tp: int,
+                                             words: str) -> None:
+    r = run_serve([*tp_args(tp), "--port", "0"], tmp_path)
     assert r.returncode == 1
     line = error_line(r.stderr)
-    assert "9 attention heads" in line and "tp=2" in line, line
+    assert words in line and f"tp={tp}" in line, line
     assert len(r.stderr.strip().splitlines()) == 1  # caught before any rank starts
     assert runtime_dirs(tmp_path) == []
 
@@ -122,6 +153,24 @@ def test_signal_stops_everything(tmp_path: Path, tiny_qwen3: Path, sig: int) -> 
     assert result.code == 0 and result.seconds < 10.0, result
     assert gone(srv.children)
     assert runtime_dirs(tmp_path) == []  # no stale socket files
+
+
+def test_sigterm_during_start_up_exits_0(tmp_path: Path, tiny_qwen3: Path) -> None:
+    """A scale-down while the model loads is a stop, not a failure: exit 0, nothing left
+    behind (before: "interrupted during start-up", exit 1)."""
+    from server_helpers import _launch
+    err = tmp_path / "err.log"
+    proc, lines = _launch(["--model", str(tiny_qwen3), *CPU_ARGS], tmp_path, err)
+    try:
+        line = lines.get(timeout=60)  # the first start-up step ("minisgl starting: ...")
+        assert line is not None and line.startswith("minisgl starting"), (line, err.read_text())
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0, err.read_text()[-2000:]
+    assert runtime_dirs(tmp_path) == []
 
 
 def test_the_launcher_api_server_and_tokenizers_import_no_torch(default_model_dir: Path) -> None:

@@ -3,6 +3,8 @@ lockstep, sharded loading, clear start-up errors, and a dead rank ending the oth
 
 from __future__ import annotations
 
+import dataclasses
+
 import multiprocessing as mp
 import os
 import signal
@@ -164,6 +166,21 @@ def test_heads_not_divisible_fail_at_start(default_model_dir: Path) -> None:
     check_head_split(36, 3, 9)  # more ranks than KV heads: each KV head is replicated
     with pytest.raises(ValueError, match="cannot split 3 KV heads over tp=2"):
         check_head_split(36, 3, 2)
+
+
+def test_an_mlp_width_tp_does_not_divide_fails_at_start(default_model_dir: Path) -> None:
+    """The default model's heads split over 9 ranks but its MLP width (1,536) does not: refused
+    before any rank starts, naming the numbers (before, rank 2 failed loading its weights)."""
+    from minisgl.models.config import ModelConfig
+    with pytest.raises(ValueError, match="cannot split the MLP's intermediate_size 1536 over "
+                                         "tp=9"):
+        LLM(str(default_model_dir), tp=9)
+    shape = ModelConfig.from_dir(default_model_dir)
+    shape.check_tp(3)
+    moe = dataclasses.replace(shape, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=100, decoder_sparse_step=1)
+    with pytest.raises(ValueError, match="moe_intermediate_size 100 over tp=3"):
+        moe.check_tp(3)  # every layer sparse: the dense width is not used, the experts' is
 
 
 def test_killed_rank_ends_the_others(tiny_model: Callable[..., Path]) -> None:

@@ -153,6 +153,9 @@ class EngineConfig:
         if self.pdl == "on" and (self.device != "cuda" or not self.fused_ops):
             raise ValueError(f"pdl 'on' needs device 'cuda' and fused_ops (got device "
                              f"{self.device!r}, fused_ops {self.fused_ops}); use 'auto' or 'off'")
+        if self.attention_backend == "triton" and self.device != "cuda":
+            raise ValueError(f"attention backend 'triton' needs device 'cuda' (got device "
+                             f"{self.device!r}); use 'auto' or 'torch'")
         if self.tune_gemms and (self.device != "cuda" or self.cuda_graph_max_bs < 1
                                 or self.backend_name != "triton"):
             # Graphs are captured with the Triton backend only (engine/cuda_graph.py).

@@ -61,6 +61,21 @@ class ModelConfig:
     def max_context(self) -> int:
         return self.max_position_embeddings
 
+    def check_tp(self, tp: int) -> None:
+        """ValueError naming the numbers when the model cannot be split over `tp` ranks: its
+        heads (distributed.info.check_head_split), and the MLP widths its layers use, which
+        the column-parallel projections split evenly."""
+        from minisgl.distributed.info import check_head_split
+        check_head_split(self.num_heads, self.num_kv_heads, tp)
+        widths = {"moe_intermediate_size": self.moe_intermediate_size if self.num_experts else 0,
+                  "shared_expert_intermediate_size": self.shared_expert_intermediate_size}
+        if not all(self.is_sparse(i) for i in range(self.num_layers)):
+            widths["intermediate_size"] = self.intermediate_size
+        for name, width in widths.items():
+            if width and width % tp:
+                raise ValueError(f"cannot split the MLP's {name} {width} over tp={tp}: tp "
+                                 f"must divide it")
+
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer` (from 0) routes its tokens to experts instead of the
         dense MLP: as Hugging Face's Qwen-MoE decoders decide."""
@@ -110,7 +125,11 @@ class ModelConfig:
         cfg = json.loads(config_file.read_text())
         gen_file = config_file.parent / "generation_config.json"
         gen = json.loads(gen_file.read_text()) if gen_file.is_file() else None
-        return cls.from_dict(cfg, gen)
+        try:
+            return cls.from_dict(cfg, gen)
+        except KeyError as e:  # a bare KeyError says only the key
+            raise ValueError(f"{config_file} has no {e.args[0]!r}, which a model's config "
+                             f"needs") from None
 
 
 def _moe_fields(cfg: Dict[str, Any], arch: str) -> Dict[str, Any]:

@@ -21,9 +21,10 @@ class SchedulerConfig:
     # Every rank must use the same chunk: an unset one is the minimum over ranks of their
     # devices' offline defaults.
     max_prefill_tokens: Optional[int] = setting(
-        None, "tokens per prefill step (longer prompts are chunked); unset: the offline "
-              "default for the device (utils.offline_prefill_tokens: 16384 on CUDA GPUs of 70 "
-              "GiB or more, A100s aside, else 8192)")
+        None, "tokens per prefill step (longer prompts are chunked); the server's stays at "
+              "8192, as a longer chunk delays the running requests' next token; LLM()'s, unset, "
+              "is the device's offline default (utils.offline_prefill_tokens: 16384 on CUDA "
+              "GPUs of 70 GiB or more, A100s aside, else 8192)")
     cache: str = setting("radix", "prefix cache: radix (requests reuse the KV of prompt "
                                   "prefixes seen before) or naive (none)", choices=CACHES)
     overlap: Optional[bool] = setting(

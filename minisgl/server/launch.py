@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any, Dict, NamedTuple, NoReturn, Optional, Sequence
 
 from minisgl.devices import dtype_name
-from minisgl.distributed.info import check_head_split
 from minisgl.log import exit_now, setup_logging
 from minisgl.models.config import ModelConfig
 from minisgl.models.path import resolve_model_path
@@ -44,7 +43,7 @@ from minisgl.server.cluster import Cluster, fingerprint
 from minisgl.server.proc import StartupError
 from minisgl.server.service import Service
 from minisgl.settings import values as setting_values
-from minisgl.tokenizer.text import read_chat_template
+from minisgl.tokenizer.text import has_tokenizer, read_chat_template
 
 logger = logging.getLogger("minisgl.launcher")
 
@@ -104,7 +103,10 @@ def _prepare(cfg: ServerConfig) -> Prepared:
         model_path = resolve_model_path(cfg.model, cfg.engine.revision,
                                                 cfg.engine.download_dir)
         shape = ModelConfig.from_dir(model_path)  # a readable config.json, before anything starts
-        check_head_split(shape.num_heads, shape.num_kv_heads, cfg.engine.tp)
+        shape.check_tp(cfg.engine.tp)
+        if not has_tokenizer(model_path):
+            logger.warning("%s has no tokenizer files: only token-id prompts can be served "
+                           "(text and chat requests get a 400)", model_path)
         if cfg.cluster.multi_node:
             cfg.cluster.broadcast_tcp_addr(0)  # noqa: B018  (node 0's host resolves)
         cfg.engine.context_length(shape.max_context)
@@ -168,7 +170,11 @@ def _run(cfg: ServerConfig, service: Service, signals: "Signals") -> int:
     try:
         service.start(stop.is_set)
     except StartupError as e:
-        return _fail(service.fail_start(e))
+        message = service.fail_start(e)
+        if stop.is_set():  # a signal asked to stop (a scale-down while loading): not a failure
+            logger.info("stopped during start-up")
+            return 0
+        return _fail(message)
     print(_ready_line(cfg, service), flush=True)
     if cfg.shell and cfg.cluster.is_head:
         return _run_shell(service, stop)

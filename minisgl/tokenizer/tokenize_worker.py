@@ -320,8 +320,9 @@ class Serving:
         logger.debug("request %d: %d prompt tokens, %d queued at replica %d", msg.uid, len(ids),
                      self.queued.queued(replica), replica)
         if not self.queued.admits(replica, len(ids)):
-            self.reject(msg.uid, f"{self.queued.queued(replica)} prompt tokens queued, the limit "
-                                 f"is {self.queued.limit}", 429, len(ids))
+            self.reject(msg.uid, f"{self.queued.queued(replica)} prompt tokens queued and this "
+                                 f"request's {len(ids)} would pass the limit of "
+                                 f"{self.queued.limit}", 429, len(ids))
             return
         whole = msg.echo or params.prompt_logprobs is not None
         self.to_detok.put(DetokenizeInit(msg.uid, ids[-PROMPT_CONTEXT_TOKENS:], tuple(msg.stop),
