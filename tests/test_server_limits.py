@@ -114,9 +114,12 @@ def _overloaded(r: httpx.Response) -> None:
 def test_beyond_max_queued_requests_429_and_streams_refused_before_200(server: Server) -> None:
     hold = Hold(server)
     waiting = [_in_background(server, _chat()) for _ in range(MAX_QUEUED_REQUESTS)]
+    rejected = 'minisgl_requests_finished_total{reason="rejected"}'
     try:
         _wait_waiting(server, MAX_QUEUED_REQUESTS)
+        before = _metrics(server).get(rejected, 0)
         _overloaded(_post(server, "/v1/chat/completions", _chat()))
+        assert _metrics(server)[rejected] == before + 1  # counted as refused for load
         with httpx.stream("POST", f"{server.url}/v1/chat/completions", headers=AUTH,
                           json=_chat(stream=True), timeout=30) as r:
             r.read()
@@ -147,7 +150,14 @@ def test_beyond_max_queued_tokens_429(server: Server) -> None:
         hold.close()
     t.join(60)
     assert out and out[0].status_code == 200
-    _idle(server)
+    m = _idle(server)
+    # refused for load, not failed (before: counted as "error", beside client mistakes)
+    assert m['minisgl_requests_finished_total{reason="rejected"}'] >= 2
+    bad = _post(server, "/v1/chat/completions", _chat(max_tokens=10 ** 6))
+    assert bad.status_code == 400, bad.text
+    m = _metrics(server)
+    assert m['minisgl_requests_finished_total{reason="invalid"}'] >= 1
+    assert 'minisgl_requests_finished_total{reason="error"}' not in m
 
 
 def test_many_requests_at_once_are_admitted_or_told_to_retry(server: Server) -> None:

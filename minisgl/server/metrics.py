@@ -97,8 +97,8 @@ class Metrics:
     def _stats(self, replica: int) -> SchedulerStats:
         return self.scheduler.get(replica) or SchedulerStats()
 
-    def count_finished(self, reason: str) -> None:
-        self.finished[reason] = self.finished.get(reason, 0) + 1
+    def count_finished(self, reason: str, count: int = 1) -> None:
+        self.finished[reason] = self.finished.get(reason, 0) + count
 
     def render(self) -> str:
         lines: List[str] = []
@@ -110,7 +110,8 @@ class Metrics:
                 lines += [f'{name}{{replica="{d}"}} {getattr(self._stats(d), attr)}'
                           for d in range(self.replicas)]
         name = "minisgl_requests_finished_total"
-        lines += [f"# HELP {name} Requests finished, by reason.", f"# TYPE {name} counter"]
+        lines += [f"# HELP {name} Requests finished, by reason (stop, length, abort; rejected "
+                  f"for load, invalid input, error).", f"# TYPE {name} counter"]
         lines += [f'{name}{{reason="{r}"}} {c}' for r, c in sorted(self.finished.items())]
         lines += self.ttft.render() + self.itl.render()
         return "\n".join(lines) + "\n"

@@ -93,7 +93,12 @@ class RequestStreams:
 
     def submit(self, job: Job) -> RequestStream:
         stream = RequestStream([next(self._uids) for _ in range(len(job.prompts) * job.n)])
-        self.queued.admit(stream.uids)
+        try:
+            self.queued.admit(stream.uids)
+        except ApiError as e:
+            if e.status == 429:  # counted as the tokenizer's overload refusals are
+                self.metrics.count_finished("rejected", len(stream.uids))
+            raise
         for uid in stream.uids:
             self._streams[uid] = stream
         try:
@@ -199,7 +204,7 @@ class RequestStreams:
             stream.unfinished.discard(chunk.uid)
             del self._streams[chunk.uid]
             if stream.measured:
-                self.metrics.count_finished("error" if chunk.error else chunk.finish_reason or "")
+                self.metrics.count_finished(_reason(chunk))
         stream.queue.put_nowait(chunk)
 
     def close(self) -> None:
@@ -207,6 +212,17 @@ class RequestStreams:
         self._pull.close(linger=0)
         self._ctx.term()
         self._actx.term()
+
+
+def _reason(chunk: ReplyChunk) -> str:
+    """How a request ended, for /metrics: its finish reason, or for an error whether the
+    service refused it for load (rejected: 429), for what it asked (invalid: another 4xx), or
+    failed it (error)."""
+    if chunk.error is None:
+        return chunk.finish_reason or ""
+    if chunk.error_status == 429:
+        return "rejected"
+    return "invalid" if 400 <= chunk.error_status < 500 else "error"
 
 
 def _down_message(reason: str) -> str:
