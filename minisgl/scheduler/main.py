@@ -97,6 +97,19 @@ def is_peer_failure(e: BaseException) -> bool:
     return isinstance(e, dist.DistError) or "gloo" in str(e)
 
 
+def log_failure(log: logging.Logger, rank: int, e: BaseException) -> int:
+    """Log why this rank's loop ended, one event, and return its exit status: a failure of its
+    own with its traceback (1); one that only followed another rank's (`is_peer_failure`) in
+    one line (`PEER_EXIT`): its traceback shows only a broken connection, on every follower."""
+    if is_peer_failure(e):
+        text = str(e).strip()
+        log.error("rank %d failed (another rank failed first): %s", rank,
+                  text.splitlines()[0] if text else type(e).__name__)
+        return PEER_EXIT
+    log.error("rank %d failed", rank, exc_info=e)
+    return 1
+
+
 def _beat(cfg: SchedulerConfig, log: logging.Logger) -> None:
     """Multi-node: this rank's heartbeat in node 0's store, which its launcher watches (a hung
     rank stops beating). Losing the store means node 0 is gone: exit."""
@@ -161,10 +174,7 @@ def run_rank(cfg: SchedulerConfig, conn: Any, pulse: Optional[Pulse] = None) -> 
     try:
         scheduler.run_forever(pulse)
     except BaseException as e:
-        peer = is_peer_failure(e)
-        log.error("rank %d failed%s", rank, " (another rank failed first)" if peer else "",
-                  exc_info=True)
-        sys.exit(PEER_EXIT if peer else 1)
+        sys.exit(log_failure(log, rank, e))
     if timer is not None:
         timer.close()
     io.close()

@@ -2,10 +2,14 @@
 
 Node 0's launcher hosts the torch.distributed TCP store at `--dist-init-addr`
 (`distributed/store.py`); the other launchers connect to it, in any order, within
-`--dist-timeout`. Each writes its node's fingerprint (the model's shape and every setting the
-ranks must share: `fingerprint`) under `node/N`, waits until every node has, and compares them
-with node 0's: a node that never arrives or a fingerprint that differs is a `StartupError` on
-every node that came, naming the address and the missing nodes, or both values.
+`--dist-timeout`. A node waiting for node 0's store probes its port with a plain socket
+before it connects (torch's client logs a warning and a C++ stack for every failed attempt).
+Each writes its node's fingerprint (the model's shape and every setting the ranks must share:
+`fingerprint`) under `node/N`, waits until every node has, and compares them with node 0's: a
+node that never arrives or a fingerprint that differs is a `StartupError` on every node that
+came, naming the address and the missing nodes, or both values. Node 0 giving up writes its
+reason under `failure` and keeps the store up until the nodes that came have read it (they
+answer `left/N`), so that none sees the store close under it.
 
 While the service runs, a watcher thread per launcher (its own store connection) beats
 `beat/nodeN` every `BEAT_INTERVAL_S` and finds, in this order of precedence:
@@ -14,6 +18,11 @@ While the service runs, a watcher thread per launcher (its own store connection)
 - a launcher that stopped beating for `dist_timeout` (node 0 watches every node, the others
   node 0), or one of this node's ranks that did (a hung rank: `distributed/store.py` beats);
 - the store gone (only node 0's launcher can take it away: node 0 is gone).
+A node whose rank only followed another's failure (`PEER_EXIT`) and that found no cause itself
+does not report that follower: it writes it under `secondary` (`report_secondary`) and waits for
+node 0, the one launcher that watches every node's heartbeat, to decide (`_decide`): a node
+whose launcher went silent (the usual cause: that node was killed and its ranks with it), else,
+after `_DECIDE_S`, that report. So a follower never wins over the node that failed first.
 Node 0 writes `shutdown` before a clean stop, so its ranks ending is no failure elsewhere; each
 other node answers `left/N` once it saw it, and node 0 keeps the store up until they all have
 (`await_departures`, bounded).
@@ -26,6 +35,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import socket
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional
@@ -41,9 +51,14 @@ if TYPE_CHECKING:  # imported when node 0 opens the store: a one-node launcher n
 
 logger = logging.getLogger("minisgl.launcher")
 FAILURE_KEY = "failure"
+SECONDARY_KEY = "secondary"  # the first report of a failure that only followed another's
 SHUTDOWN_KEY = "shutdown"
 _MET_WAIT_S = 5.0  # node 0 waits this long for every node to have compared, before failing
-_LEAVE_WAIT_S = 3.0  # and this long, on a clean stop, for every node to have seen it
+_LEAVE_WAIT_S = 3.0  # and this long, on a clean stop or a failed meeting, for every node to see it
+_PROBE_EVERY_S = 0.2  # a node waiting for node 0's store probes its port this often
+_SILENT_S = 3 * BEAT_INTERVAL_S  # a launcher this long without a beat, amid a failure, is gone
+_DECIDE_S = 2.0  # node 0 names a follower's report after this long with no silent node
+_AWAIT_DECISION_S = 3 * _DECIDE_S  # a follower's node waits this long for node 0's decision
 # Settings a node may choose for itself: the KV pool is agreed at start-up (the minimum over
 # ranks), and GEMM tuning only picks a library per rank.
 NODE_LOCAL_SETTINGS = frozenset({"mem_fraction", "max_kv_tokens", "tune_gemms"})
@@ -74,6 +89,20 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+def node_gone(node: int) -> str:
+    """The failure named when node `node`'s launcher went silent while ranks failed."""
+    return f"node {node}'s launcher stopped answering (the node is gone)"
+
+
+def _accepts(host: str, port: int, timeout_s: float) -> bool:
+    """Whether something accepts TCP connections at host:port (the probe is closed at once)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 class Cluster:
     """One launcher's link to the others. `meet` once, then `start_watch`; `failure` is what
     the watcher found (None while all is well); `close` last (node 0's closes the store)."""
@@ -86,28 +115,67 @@ class Cluster:
         self.prints = prints
         self.store: Optional[dist.TCPStore] = None
         self._found: Optional[str] = None  # the watcher's finding
+        self._secondary_since: Optional[float] = None  # node 0: when it saw a follower's report
         self._shutdown = False
         self._closed = threading.Event()
         self._ranks: Dict[str, str] = {}  # beat key -> "rank3 (pid 1234)"
         self._beats: Dict[str, List[float]] = {}  # beat key -> [value, when it last changed]
 
     # --- start-up ------------------------------------------------------------------------------
-    def meet(self, should_stop: Callable[[], bool]) -> None:
-        """Join the other nodes and compare fingerprints (StartupError on a failure)."""
+    def meet(self, should_stop: Callable[[], bool],
+             show: Callable[[str], None] = logger.info) -> None:
+        """Join the other nodes and compare fingerprints (StartupError on a failure, with a
+        one-line reason, also when node 0 gives up or goes away meanwhile). `show` gets one line
+        for each wait that does not end at once: node 0 not up yet, nodes not arrived yet."""
         deadline = time.monotonic() + self.cfg.dist_timeout
-        self.store = self._open_store(deadline, should_stop)
+        self.store = self._open_store(deadline, should_stop, show)
+        try:
+            prints = self._exchange(deadline, should_stop, show)
+        except StartupError as e:
+            if self.cfg.is_head:
+                self._give_up(str(e))
+            else:
+                self._leave()
+            raise
+        except RuntimeError as e:  # torch's DistError: node 0's store closed under this node
+            if self.cfg.is_head:
+                raise
+            raise StartupError(f"node 0 closed the meeting at {self.addr} before every node "
+                               f"arrived (node 0 is gone): {_first_line(e)}") from None
+        problem = mismatch(prints)
+        if problem is not None:
+            raise StartupError(problem)
+
+    def _exchange(self, deadline: float, should_stop: Callable[[], bool],
+                  show: Callable[[str], None]) -> Dict[int, Dict[str, str]]:
+        """Write this node's fingerprint, wait for every node's, and return them by node."""
+        assert self.store is not None
         self.store.set(f"node/{self.node}", json.dumps(self.prints))
-        self._wait_for("node", deadline, should_stop)
+        self._wait_for("node", deadline, should_stop, show)
         prints = {n: json.loads(self.store.get(f"node/{n}")) for n in range(self.cfg.nnodes)}
         self.store.set(f"met/{self.node}", "1")
         if self.cfg.is_head:  # keep the store up until every node has read the fingerprints
             with contextlib.suppress(StartupError, RuntimeError):
                 self._wait_for("met", time.monotonic() + _MET_WAIT_S, should_stop)
-        problem = mismatch(prints)
-        if problem is not None:
-            raise StartupError(problem)
+        return prints
 
-    def _open_store(self, deadline: float, should_stop: Callable[[], bool]) -> dist.TCPStore:
+    def _give_up(self, message: str) -> None:
+        """Node 0 failing the meeting: tell the nodes that came why (else they would see the
+        store close under them) and keep the store up until they have read it (bounded)."""
+        assert self.store is not None
+        with contextlib.suppress(StartupError, RuntimeError):
+            came = [n for n in range(1, self.cfg.nnodes) if self.store.check([f"node/{n}"])]
+            self.store.set(FAILURE_KEY, message)
+            self._wait_for("left", time.monotonic() + _LEAVE_WAIT_S, lambda: False, nodes=came)
+
+    def _leave(self) -> None:
+        """A node other than 0 failing the meeting: node 0 need not wait for it to read why."""
+        with contextlib.suppress(RuntimeError):
+            if self.store is not None:
+                self.store.set(f"left/{self.node}", "1")
+
+    def _open_store(self, deadline: float, should_stop: Callable[[], bool],
+                    show: Callable[[str], None]) -> dist.TCPStore:
         import torch.distributed as dist
         timeout = datetime.timedelta(seconds=self.cfg.dist_timeout)
         if self.cfg.is_head:
@@ -119,6 +187,7 @@ class Cluster:
             except (OSError, RuntimeError, ValueError) as e:
                 raise StartupError(f"cannot listen for the other nodes on {self.addr}: "
                                    f"{_first_line(e)}") from None
+        shown = False
         while True:  # short attempts, so that a signal is noticed
             if should_stop():
                 raise StartupError("interrupted during start-up")
@@ -126,6 +195,13 @@ class Cluster:
             if left <= 0:
                 raise StartupError(f"node {self.node} could not reach node 0 at {self.addr} "
                                    f"within {self.cfg.dist_timeout:g} s (dist_timeout)")
+            if not _accepts(self.host, self.port, min(1.0, left)):
+                if not shown:
+                    show(f"waiting for node 0 at {self.addr} (up to "
+                         f"{self.cfg.dist_timeout:g} s, dist_timeout)")
+                    shown = True
+                time.sleep(min(_PROBE_EVERY_S, left))
+                continue
             try:
                 store = connect(self.host, self.port, min(1.0, left))
             except (RuntimeError, ValueError):  # torch's DistError is a RuntimeError
@@ -133,13 +209,20 @@ class Cluster:
             store.set_timeout(timeout)
             return store
 
-    def _wait_for(self, prefix: str, deadline: float, should_stop: Callable[[], bool]) -> None:
+    def _wait_for(self, prefix: str, deadline: float, should_stop: Callable[[], bool],
+                  show: Optional[Callable[[str], None]] = None,
+                  nodes: Optional[List[int]] = None) -> None:
+        """Until each of `nodes` (every node by default) has written `prefix/N`; `show` gets one
+        line if some have not at the first look. StartupError once `should_stop`, past
+        `deadline`, or (on another node) when node 0 gave up (`_give_up`: its reason)."""
         assert self.store is not None
+        nodes = list(range(self.cfg.nnodes)) if nodes is None else nodes
         while True:
-            missing = [n for n in range(self.cfg.nnodes)
-                       if not self.store.check([f"{prefix}/{n}"])]
+            missing = [n for n in nodes if not self.store.check([f"{prefix}/{n}"])]
             if not missing:
                 return
+            if not self.cfg.is_head and self.store.check([FAILURE_KEY]):
+                raise StartupError(f"node 0: {self.store.get(FAILURE_KEY).decode()}")
             if should_stop():
                 raise StartupError("interrupted during start-up")
             if time.monotonic() > deadline:
@@ -148,6 +231,10 @@ class Cluster:
                     f"{_nodes(missing)} of {self.cfg.nnodes} did not arrive at {self.addr} "
                     f"within {self.cfg.dist_timeout:g} s (dist_timeout; arrived: "
                     f"{_nodes(came)})")
+            if show is not None:
+                show(f"waiting for {_nodes(missing)} to arrive at {self.addr} (up to "
+                     f"{self.cfg.dist_timeout:g} s, dist_timeout)")
+                show = None
             time.sleep(0.1)
 
     # --- while serving -------------------------------------------------------------------------
@@ -175,6 +262,25 @@ class Cluster:
         except RuntimeError:  # the store is gone: nobody else to tell
             return message
 
+    def report_secondary(self, message: str) -> str:
+        """Report a failure that only followed another's (a rank that exited with PEER_EXIT,
+        its cause not seen here) and return what every node names: node 0's decision
+        (`_decide`), or, if none comes within `_AWAIT_DECISION_S`, the first report."""
+        if self.store is None:
+            return message
+        deadline = time.monotonic() + _AWAIT_DECISION_S
+        try:
+            self.store.compare_set(SECONDARY_KEY, "", message)
+            while time.monotonic() < deadline:
+                if self.store.check([FAILURE_KEY]):
+                    return self.store.get(FAILURE_KEY).decode()
+                if self._found is not None:  # the watcher found a cause it does not write
+                    return self.report(self._found)
+                time.sleep(0.1)
+        except RuntimeError:  # the store is gone: node 0 is
+            return self._found or self._lost()
+        return self.report(message)
+
     def announce_shutdown(self) -> None:
         with contextlib.suppress(RuntimeError):  # the store is gone: nobody else to tell
             if self.store is not None:
@@ -187,7 +293,7 @@ class Cluster:
                 self.store.set(f"left/{self.node}", "1")
                 self._wait_for("left", time.monotonic() + _LEAVE_WAIT_S, lambda: False)
 
-    def silent_nodes(self, for_s: float) -> List[int]:
+    def _silent_nodes(self, for_s: float) -> List[int]:
         """The watched nodes whose launcher has not beaten for `for_s` seconds."""
         now = time.monotonic()
         return [int(key.rsplit("node", 1)[1]) for key, (_, since) in list(self._beats.items())
@@ -222,11 +328,35 @@ class Cluster:
                     self._found = (f"{stale} stopped answering for "
                                    f"{self.cfg.dist_timeout:g} s (dist_timeout)")
                     return
+                decided = self._decide(store) if self.cfg.is_head else None
+                if decided is not None:
+                    self._found = store.compare_set(FAILURE_KEY, "", decided).decode()
+                    return
                 self._closed.wait(BEAT_INTERVAL_S)
         except Exception as e:
             if not self._closed.is_set():
                 logger.debug("the store at %s failed: %s", self.addr, _first_line(e))
-                self._found = f"lost the connection to node 0 at {self.addr}: node 0 is gone"
+                self._found = self._lost()
+
+    def _lost(self) -> str:
+        return f"lost the connection to node 0 at {self.addr}: node 0 is gone"
+
+    def _decide(self, store: dist.TCPStore) -> Optional[str]:
+        """Node 0, once a node reported a failure that only followed another's: what every node
+        names, when known. A launcher silent for `_SILENT_S` (this turn's beats are read) is
+        the cause; with none for `_DECIDE_S`, the follower's report stands (a primary failure
+        would have been reported at once, and the follower's node waited a grace for one)."""
+        if not store.check([SECONDARY_KEY]):
+            return None
+        now = time.monotonic()
+        if self._secondary_since is None:
+            self._secondary_since = now
+        silent = self._silent_nodes(_SILENT_S)
+        if silent:
+            return node_gone(silent[0])
+        if now - self._secondary_since >= _DECIDE_S:
+            return store.get(SECONDARY_KEY).decode()
+        return None
 
     def _stale(self, store: dist.TCPStore, named: Dict[str, str]) -> Optional[str]:
         """The first of the watched beats that stood still for dist_timeout, by its name."""

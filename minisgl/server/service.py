@@ -7,12 +7,13 @@ nodes a `Cluster` links the launchers (meeting, failure reports, heartbeats).
 
 A failure ends the whole service. The launcher that sees it names the process that failed
 first: a rank that exited with `PEER_EXIT` only followed another's failure, so its launcher
-waits up to `_FOLLOWER_GRACE_S` for the one that caused it (here, or reported by another node,
-or a node that went silent) before naming the follower. A child that is stopped or frozen, or a
-rank's step that runs past `watchdog_timeout`, is a failure too (`watchdog.py`). Node 0 then
-tells the API server (`ServiceDown`: every request in flight gets an error reply), stops the
-other children at once, and gives the API server up to `_API_EXIT_S` to send those replies and
-exit by itself.
+waits up to `_FOLLOWER_GRACE_S` for the one that caused it (here, or reported by another node);
+over several nodes it then leaves the decision to node 0, which names a node that went
+silent, and only with none the follower (`Cluster.report_secondary`). A child that is stopped
+or frozen, or a rank's step that runs past `watchdog_timeout`, is a failure too
+(`watchdog.py`). Node 0 then tells the API server (`ServiceDown`: every request in flight gets
+an error reply), stops the other children at once, and gives the API server up to
+`_API_EXIT_S` to send those replies and exit by itself.
 
 A clean stop on node 0 (SIGTERM, SIGINT) drains first (`drain`): /health answers 503, the API
 server refuses new requests and gives those in flight `shutdown_timeout` to finish, ends the
@@ -36,7 +37,7 @@ import zmq
 
 from minisgl.core import Limits
 from minisgl.distributed.bind import free_port
-from minisgl.distributed.store import BEAT_INTERVAL_S, rank_beat_key
+from minisgl.distributed.store import rank_beat_key
 from minisgl.message.codec import encode
 from minisgl.message.startup import PEER_EXIT
 from minisgl.message.types import Drain, ServiceDown, ShutdownMsg
@@ -70,6 +71,13 @@ def show_step(text: str) -> None:
 
 class OtherNodeFailed(StartupError):
     """Another node reported a failure during start-up (the message is its report)."""
+
+
+class Cause(NamedTuple):
+    """What a launcher blames for a dead child, in words; `secondary`: only a rank that
+    followed another's failure, whose cause was not seen here."""
+    text: str
+    secondary: bool = False
 
 
 class Addresses(NamedTuple):
@@ -153,7 +161,7 @@ class Service:
         ready. Ranks and workers load in parallel; the tokenizer gets the ranks' context length
         and KV capacity once they are known."""
         if self.link is not None:
-            self.link.meet(should_stop)
+            self.link.meet(should_stop, show_step)
             self.met = True
             self.link.start_watch()
         level = self.cfg.effective_log_level
@@ -272,7 +280,7 @@ class Service:
         words), else whether every child shows signs of life."""
         dead = first_dead(children)
         if dead is not None:
-            return Verdict(self._report(self._cause(dead)), False)
+            return Verdict(self._blame(dead), False)
         found = self.link.failure() if self.link is not None else None
         if found is not None:
             return Verdict(found, False)
@@ -281,26 +289,31 @@ class Service:
             return Verdict(self._report(self._name(verdict.failure)), False)
         return verdict
 
-    def _cause(self, dead: Child) -> str:
+    def _blame(self, dead: Child) -> str:
+        """The failure every node names for `dead` (`_cause`), reported to the other nodes; a
+        follower's goes through node 0's decision, so that it never wins over the cause."""
+        cause = self._cause(dead)
+        if cause.secondary and self.link is not None:
+            return self.link.report_secondary(cause.text)
+        return self._report(cause.text)
+
+    def _cause(self, dead: Child) -> Cause:
         """What to blame for `dead`: itself, or, if it only followed another's failure, that
-        failure once it shows (here, from another node, or a node gone silent)."""
+        failure once it shows within `_FOLLOWER_GRACE_S` (here, or from another node), else
+        the follower, as secondary."""
         if dead.process.exitcode != PEER_EXIT:
-            return self._name(dead.describe_death())
+            return Cause(self._name(dead.describe_death()))
         deadline = time.monotonic() + _FOLLOWER_GRACE_S
         while time.monotonic() < deadline:
             first = next((c for c in self.children
                           if not c.alive and c.process.exitcode != PEER_EXIT), None)
             if first is not None:
-                return self._name(first.describe_death())
+                return Cause(self._name(first.describe_death()))
             found = self.link.failure() if self.link is not None else None
             if found is not None:
-                return found
+                return Cause(found)
             time.sleep(0.1)
-        if self.link is not None:
-            silent = self.link.silent_nodes(3 * BEAT_INTERVAL_S)
-            if silent:
-                return f"node {silent[0]}'s launcher stopped answering (the node is gone)"
-        return self._name(f"{dead.describe_death()} after another rank failed")
+        return Cause(self._name(f"{dead.describe_death()} after another rank failed"), True)
 
     def _report(self, message: str) -> str:
         return self.link.report(message) if self.link is not None else message
