@@ -78,9 +78,11 @@ def test_bad_setting_exits_2(tmp_path: Path) -> None:
     (["--attention-backend", "triton"], "attention backend 'triton' needs device 'cuda'"),
 ])
 def test_a_combination_the_engine_refuses_exits_2(tmp_path: Path, flags: List[str],
-                                                  words: str) -> None:
+                                                  words: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Settings only the engine's config can judge fail before anything starts, like any other
     bad setting: one line, exit 2, no runtime directory left."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter's tests set it
     r = run_serve([*flags, "--device", "cpu", "--port", "0"], tmp_path)
     assert r.returncode == 2 and words in error_line(r.stderr)
     assert runtime_dirs(tmp_path) == []
