@@ -8,8 +8,8 @@ from typing import Any, Dict
 import pytest
 import torch
 
-from minisgl.core import SamplingParams
-from minisgl.engine.sampler import SamplingTensors, _filter, sample
+from minisgl.core import Req, SamplingParams
+from minisgl.engine.sampler import SamplingTensors, _filter, make_sampling_tensors, sample
 
 
 def _tensors(rows: int, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0,
@@ -49,7 +49,8 @@ def test_a_tiny_temperature_samples_the_most_likely_token() -> None:
     logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(1))
     best = torch.randint(1, 100, (8,), generator=torch.Generator().manual_seed(2))
     logits[torch.arange(8), best] = logits.max() + 1.0  # a margin of 100 once scaled
-    s = _tensors(8, temperature=1e-39)._replace(any_filter=False)
+    reqs = [Req(i, [5], 1, SamplingParams(temperature=1e-39, seed=i), ()) for i in range(8)]
+    s = make_sampling_tensors(reqs, 0, torch.device("cpu"))
     assert torch.equal(sample(logits, s), best)
 
 

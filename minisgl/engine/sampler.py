@@ -52,7 +52,8 @@ def make_sampling_tensors(reqs: List[Req], engine_seed: int, device: torch.devic
     def t(values: list, dtype: torch.dtype) -> torch.Tensor:
         return to_device(values, dtype, device)
     return SamplingTensors(
-        temperature=t([1.0 if g else p.temperature for p, g in zip(ps, greedy)], torch.float32),
+        temperature=t([1.0 if g else max(p.temperature, MIN_TEMPERATURE)
+                       for p, g in zip(ps, greedy)], torch.float32),
         top_k=t([p.top_k for p in ps], torch.int64),
         top_p=t([p.top_p for p in ps], torch.float32),
         min_p=t([p.min_p for p in ps], torch.float32),
@@ -111,7 +112,7 @@ def sample(logits: torch.Tensor, s: SamplingTensors, policy: KernelPolicy = Kern
     greedy_tokens = greedy(logits, policy)
     if s.all_greedy:
         return greedy_tokens
-    scaled = logits / s.temperature.clamp_min(MIN_TEMPERATURE).unsqueeze(1)
+    scaled = logits / s.temperature.unsqueeze(1)
     if s.any_filter:
         scaled = _filter(scaled, s)
     gumbel = -torch.log(-torch.log(uniform_noise(s.seed, s.step, logits.shape[-1])))

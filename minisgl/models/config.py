@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
+from minisgl.distributed.info import check_head_split
 from minisgl.models.checkpoint_quant import CheckpointQuant, parse_quantization
 
 @dataclass(frozen=True)
@@ -65,7 +66,6 @@ class ModelConfig:
         """ValueError naming the numbers when the model cannot be split over `tp` ranks: its
         heads (distributed.info.check_head_split), and the MLP widths its layers use, which
         the column-parallel projections split evenly."""
-        from minisgl.distributed.info import check_head_split
         check_head_split(self.num_heads, self.num_kv_heads, tp)
         widths = {"moe_intermediate_size": self.moe_intermediate_size if self.num_experts else 0,
                   "shared_expert_intermediate_size": self.shared_expert_intermediate_size}
