@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from minisgl.core import Req, SamplingParams
-from minisgl.engine.sampler import SamplingTensors, _filter, make_sampling_tensors, sample
+from minisgl.engine.sampler import (SamplingTensors, _filter, make_sampling_tensors,
+                                    request_seed, sample)
 
 
 def _tensors(rows: int, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0,
@@ -52,6 +53,18 @@ def test_a_tiny_temperature_samples_the_most_likely_token() -> None:
     reqs = [Req(i, [5], 1, SamplingParams(temperature=1e-39, seed=i), ()) for i in range(8)]
     s = make_sampling_tensors(reqs, 0, torch.device("cpu"))
     assert torch.equal(sample(logits, s), best)
+
+
+def test_seeds_differing_in_either_half_give_different_noise() -> None:
+    """The 64-bit seed is hashed, not folded: 1 and 2**32 (and -1 and 0) once shared a stream."""
+    seeds = [0, 1, 2**32, 2**32 + 1, -1, -(2**32), 2**63, 7 << 40, *range(2, 2000)]
+    got = {request_seed(Req(0, [5], 1, SamplingParams(seed=s), ()), 0) for s in seeds}
+    assert len(got) == len(seeds) and all(0 <= g < 2**32 for g in got)
+    logits = torch.zeros(2, 1000)
+    reqs = [Req(0, [5], 1, SamplingParams(temperature=1.0, seed=s), ()) for s in (1, 2**32)]
+    first, second = sample(logits, make_sampling_tensors(reqs, 0, torch.device("cpu")))
+    again = sample(logits[:1], make_sampling_tensors(reqs[:1], 0, torch.device("cpu")))
+    assert first != second and again.tolist() == [first]
 
 
 def test_params_take_lists_a_single_stop_string_and_none() -> None:

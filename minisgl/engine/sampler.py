@@ -20,6 +20,7 @@ from minisgl.kernels.policy import KernelPolicy
 from minisgl.utils import to_device
 
 _MASK32 = 0xFFFFFFFF
+_MASK64 = (1 << 64) - 1
 # vLLM's floor for a positive temperature: logits / 1e-39 overflow to inf, and the argmax of a
 # row of infs is its first token, not the most likely one.
 MIN_TEMPERATURE = 1e-2
@@ -40,9 +41,15 @@ class SamplingTensors(NamedTuple):
 
 
 def request_seed(req: Req, engine_seed: int) -> int:
+    """The request's 32-bit noise seed: its own seed (any int, negative too), else its uid mixed
+    with the engine's, taken to 64 bits and through SplitMix64's finalizer (a bijection), whose
+    top half is kept. So no two seeds collide by construction (1 and 2**32 did when the halves
+    were XORed), only by chance, 1 in 2**32."""
     seed = req.params.seed if req.params.seed is not None else (engine_seed << 32) ^ (req.uid + 1)
-    seed &= (1 << 64) - 1
-    return (seed ^ (seed >> 32)) & _MASK32
+    z = seed & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 32
 
 
 def make_sampling_tensors(reqs: List[Req], engine_seed: int, device: torch.device

@@ -289,7 +289,8 @@ class ChatFormatter(_OpenAIFormatter):
     into `message.reasoning_content` / `delta.reasoning_content`, the rest into `content`. With
     tools that the output may call (`job.tools.parsed`), that rest is read for calls in the
     `tool_parser` format (server/tool_calls.py): `message.tool_calls` / `delta.tool_calls`, and
-    finish_reason "tool_calls" when an output with calls ended by itself."""
+    finish_reason "tool_calls" when an output with calls ended by itself ("stop" for a named
+    function, as OpenAI)."""
 
     id_prefix = "chatcmpl"
     prompt_param = "messages"
@@ -338,7 +339,7 @@ class ChatFormatter(_OpenAIFormatter):
             message["content"] = parsed.content
             if parsed.calls:
                 message["tool_calls"] = [call_dict(c) for c in parsed.calls]
-                reason = "tool_calls" if reason == "stop" else reason
+                reason = self._called(reason)
         return {"index": index, "message": message,
                 "logprobs": self._choice_logprobs(choice), "finish_reason": reason}
 
@@ -368,12 +369,17 @@ class ChatFormatter(_OpenAIFormatter):
             content, calls = piece.content, [d.as_dict() for d in piece.calls]
             if reason is not None:
                 content += streamer.finish().content
-                reason = "tool_calls" if reason == "stop" and streamer.any_call else reason
+                reason = self._called(reason) if streamer.any_call else reason
             if calls:
                 delta["tool_calls"] = calls
         if content:
             delta["content"] = content
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+
+    def _called(self, reason: Optional[str]) -> Optional[str]:
+        """The finish reason of an output with calls: a natural stop becomes the tools'."""
+        assert self.job.tools is not None
+        return self.job.tools.called_reason if reason == "stop" else reason
 
     def _has_text(self, item: Dict[str, Any]) -> bool:
         return bool(item["delta"])

@@ -61,6 +61,12 @@ class Tools:
         return self.choice != "none"
 
     @property
+    def called_reason(self) -> str:
+        """The finish_reason of an output that ended by itself after its calls: "tool_calls",
+        except for a named function, where OpenAI (and vLLM) say "stop"."""
+        return "stop" if self.choice == "function" else "tool_calls"
+
+    @property
     def max_calls(self) -> Optional[int]:
         return None if self.parallel and self.choice != "function" else 1
 
