@@ -17,6 +17,13 @@ FAMILIES: Dict[str, dict] = {
     "llama3": dict(arch="LlamaConfig", tie_word_embeddings=False, rope_theta=500000.0,
                    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                      high_freq_factor=4.0, original_max_position_embeddings=64)),
+    # YaRN as Qwen2.5 / Qwen3 documents it for long context (a pretraining length below the
+    # prompts, so both the interpolated and the kept frequencies matter), and linear scaling.
+    "qwen2_yarn": dict(arch="Qwen2Config", tie_word_embeddings=True,
+                       rope_scaling=dict(rope_type="yarn", factor=4.0,
+                                         original_max_position_embeddings=64)),
+    "llama_linear": dict(arch="LlamaConfig", tie_word_embeddings=False,
+                         rope_scaling=dict(type="linear", factor=2.0)),
     "mistral": dict(arch="MistralConfig", tie_word_embeddings=False, sliding_window=None),
     "qwen2": dict(arch="Qwen2Config", tie_word_embeddings=True),
     "qwen3": dict(arch="Qwen3Config", tie_word_embeddings=False, head_dim=32),

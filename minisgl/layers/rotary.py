@@ -1,13 +1,18 @@
-"""Rotary position embedding (neox / rotate-half layout) with optional "llama3" frequency scaling.
+"""Rotary position embedding (neox / rotate-half layout) with the frequency scalings checkpoints
+ask for in `rope_scaling` / `rope_parameters`: "llama3" (Llama 3.1+), "yarn" (Qwen2.5 / Qwen3 past
+32K), "linear" (position interpolation).
 
 cos/sin are precomputed in float32 for every position up to the context length, the same way the
-reference implementation computes them, so float32 outputs match it exactly.
+reference implementation computes them, so float32 outputs match it exactly. YaRN's attention
+factor multiplies both tables, as Hugging Face applies it. Dynamic NTK is refused: its frequencies
+change with the longest sequence in a batch, so no static table (nor a KV cache written under
+earlier frequencies) reproduces it.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -16,15 +21,64 @@ from minisgl.kernels.policy import KernelPolicy
 from minisgl.kernels.types import HeadNorms, KVStore, KVTarget, ProductScales
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch.Tensor:
-    """Inverse frequencies; raises ValueError for a rope type we do not implement."""
+class RopeFrequencies(NamedTuple):
+    inv_freq: torch.Tensor  # [head_dim // 2] float32
+    scale: float  # multiplies cos and sin (YaRN's attention factor; 1 elsewhere)
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: Optional[dict],
+                     max_positions: int) -> RopeFrequencies:
+    """Inverse frequencies and the cos/sin scale of `scaling` (ModelConfig's: its type under
+    `rope_type`); raises ValueError for a type we do not implement. `max_positions`: the
+    checkpoint's `max_position_embeddings`, YaRN's pretraining length where the scaling does
+    not give one."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    kind = (scaling or {}).get("rope_type", "default")
     if kind == "default":
-        return inv_freq
+        return RopeFrequencies(inv_freq, 1.0)
+    assert scaling is not None
+    if kind == "linear":
+        return RopeFrequencies(inv_freq / scaling["factor"], 1.0)
     if kind == "llama3":
-        return _llama3_scale(inv_freq, scaling)  # type: ignore[arg-type]
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, llama3)")
+        return RopeFrequencies(_llama3_scale(inv_freq, scaling), 1.0)
+    if kind == "yarn":
+        return _yarn(head_dim, theta, scaling, max_positions)
+    raise ValueError(f"unsupported rope scaling type {kind!r}")
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(head_dim: int, theta: float, s: dict, max_positions: int) -> RopeFrequencies:
+    """YaRN (arXiv 2309.00071): frequencies that complete fewer than `beta_slow` turns over the
+    pretraining length are interpolated by `factor`, those that complete more than `beta_fast`
+    are kept, a linear ramp blends the dimensions between; the attention factor (from `factor`,
+    or `mscale` / `mscale_all_dim`, unless given) scales cos and sin. Hugging Face's arithmetic,
+    step for step, so float32 tables match it."""
+    old_len = s.get("original_max_position_embeddings") or max_positions
+    factor = s.get("factor") or max_positions / old_len
+    attention = s.get("attention_factor")
+    if attention is None:
+        mscale, all_dim = s.get("mscale"), s.get("mscale_all_dim")
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim)
+                     if mscale and all_dim else _yarn_mscale(factor))
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def turns_dim(turns: float) -> float:  # the dimension completing `turns` over old_len
+        return head_dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = turns_dim(beta_fast), turns_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as the reference: no division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    keep = 1 - ramp  # 1: extrapolate (the frequency as trained), 0: interpolate
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+    return RopeFrequencies(inv_freq, float(attention))
 
 
 def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -49,18 +103,22 @@ class RotaryEmbedding(nn.Module):
     sin: torch.Tensor
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: Optional[dict], policy: KernelPolicy = KernelPolicy()) -> None:
-        """`policy`: the fused kernel where `policy.fused`, launched with programmatic dependent
-        launch where `policy.pdl`."""
+                 scaling: Optional[dict], policy: KernelPolicy = KernelPolicy(),
+                 trained_positions: Optional[int] = None) -> None:
+        """Tables for positions below `max_positions` (the context length). `trained_positions`:
+        the checkpoint's `max_position_embeddings` (YaRN's default pretraining length; default
+        `max_positions`). `policy`: the fused kernel where `policy.fused`, launched with
+        programmatic dependent launch where `policy.pdl`."""
         super().__init__()
         # The fused kernel needs a power-of-two head_dim; other sizes take the torch path.
         self.fused = policy.fused and head_dim & (head_dim - 1) == 0
         self.policy = policy
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        inv_freq, scale = rope_frequencies(head_dim, theta, scaling,
+                                           trained_positions or max_positions)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
     def _fusable(self, *xs: torch.Tensor) -> bool:
         """The fused kernel applies: CUDA, each token's heads one dense block."""

@@ -6,6 +6,10 @@ Mixture-of-experts shapes take the names of both families: Qwen2/Qwen3-MoE (`num
 is the expert's and whose top-k weights are always renormalized). A dense model has
 num_experts 0. An FP8 checkpoint's `quantization_config` is read by models/checkpoint_quant.py
 (an unsupported one is refused here, naming it).
+
+The context length (`max_context`) is vLLM's: `max_position_embeddings`, stretched by a "yarn"
+(to `original_max_position_embeddings` x factor) or "linear" rope scaling, and cut to a sliding
+window where one is used (attention over the full context is exact only inside it).
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from typing import Any, Dict, Optional, Tuple
 
 from minisgl.distributed.info import check_head_split
 from minisgl.models.checkpoint_quant import CheckpointQuant, parse_quantization
+
+# The rope scalings layers/rotary.py implements.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -45,6 +52,7 @@ class ModelConfig:
     mlp_only_layers: Tuple[int, ...] = ()  # layers that stay dense
     shared_expert_intermediate_size: int = 0  # the sigmoid-gated shared expert; 0: none
     quantization: Optional[CheckpointQuant] = None  # the checkpoint's FP8 layout; None: dense
+    sliding_window: Optional[int] = None  # where used; None: full attention
 
     def __post_init__(self) -> None:
         if self.num_experts < 0:
@@ -57,10 +65,24 @@ class ModelConfig:
                              f"experts, got {self.moe_intermediate_size}")
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        kind = (self.rope_scaling or {}).get("rope_type", "default")
+        if kind not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope scaling type {kind!r} (supported: "
+                             f"{', '.join(ROPE_TYPES)})")
+        if kind in ("linear", "yarn") and (self.rope_scaling or {}).get("factor", 1) <= 0:
+            raise ValueError(f"rope scaling factor must be > 0, got {self.rope_scaling}")
 
     @property
     def max_context(self) -> int:
-        return self.max_position_embeddings
+        """The longest sequence served (see the module's docstring)."""
+        scaling = self.rope_scaling or {}
+        length = self.max_position_embeddings
+        if scaling.get("rope_type") == "yarn" and scaling.get("factor"):
+            trained = scaling.get("original_max_position_embeddings") or length
+            length = max(length, int(trained * scaling["factor"]))
+        elif scaling.get("rope_type") == "linear":
+            length = int(length * scaling["factor"])
+        return min(length, self.sliding_window) if self.sliding_window else length
 
     def check_tp(self, tp: int) -> None:
         """ValueError naming the numbers when the model cannot be split over `tp` ranks: its
@@ -88,12 +110,7 @@ class ModelConfig:
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
-                                              else None)
-        max_pos = cfg.get("max_position_embeddings", 2048)
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        if window:  # full attention is exact while no sequence exceeds the window
-            max_pos = min(max_pos, int(window))
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -105,14 +122,15 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            rope_scaling=scaling,
-            max_position_embeddings=max_pos,
+            rope_scaling=_rope_scaling(cfg.get("rope_scaling") or rope),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             eos_token_ids=_eos_ids(cfg, generation or {}),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             quantization=parse_quantization(cfg),
+            sliding_window=int(window) if window else None,
             **_moe_fields(cfg, arch),
         )
 
@@ -130,6 +148,13 @@ class ModelConfig:
         except KeyError as e:  # a bare KeyError says only the key
             raise ValueError(f"{config_file} has no {e.args[0]!r}, which a model's config "
                              f"needs") from None
+
+
+def _rope_scaling(raw: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The scaling with its type under `rope_type` (older configs say `type`), None without
+    one (Hugging Face 5's `rope_parameters` hold the theta of an unscaled rope too)."""
+    kind = raw.get("rope_type", raw.get("type", "default"))
+    return None if kind == "default" else {**raw, "rope_type": kind}
 
 
 def _moe_fields(cfg: Dict[str, Any], arch: str) -> Dict[str, Any]:

@@ -223,7 +223,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, info, comm)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.rope_theta, cfg.rope_scaling,
-                                 traits.policy)
+                                 traits.policy, cfg.max_position_embeddings)
         layers = [DecoderLayer(cfg, i, traits, rotary, info, comm) for i in range(cfg.num_layers)]
         qkv = layers[0].self_attn.qkv_proj
         self.local_heads = LocalHeads(qkv.num_local_kv_heads, qkv.num_local_heads)
