@@ -226,12 +226,9 @@ def _unpermute_qk(w: Any, n_head: int) -> Any:
 
 
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
-    """Write a float32 Hugging Face Llama directory for the llama-architecture GGUF file."""
-    import numpy as np
-    import torch
-    from gguf import GGUFReader, dequantize
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer
+    """Write a float32 Hugging Face Llama directory for the llama-architecture GGUF file:
+    its weights, config.json / generation_config.json, and its tokenizer."""
+    from gguf import GGUFReader
 
     reader = GGUFReader(gguf_path)
     meta = _gguf_metadata(reader)
@@ -240,19 +237,64 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
         raise RuntimeError(f"{gguf_path}: expected a llama GGUF, got architecture {arch!r}")
     if any(k.startswith("llama.rope.scaling") for k in meta):
         raise RuntimeError(f"{gguf_path}: rope scaling is not supported by this converter")
+    config = _gguf_config(reader, meta)
+    out.mkdir(parents=True)
+    _write_weights(gguf_path, reader, config, out)
+    _write_json(out / "config.json", config)
+    ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    _write_json(out / "generation_config.json", ids)
+    _write_tokenizer(gguf_path, config, out)
 
-    n_layer = int(meta["llama.block_count"])
-    hidden = int(meta["llama.embedding_length"])
+
+def _gguf_config(reader: Any, meta: dict[str, Any]) -> dict[str, Any]:
+    """The Hugging Face config.json of the GGUF's llama model (float32)."""
+    import numpy as np
     n_head = int(meta["llama.attention.head_count"])
-    n_kv = int(meta.get("llama.attention.head_count_kv", n_head))
-    head_dim = int(meta.get("llama.rope.dimension_count", hidden // n_head))
-    ffn = int(meta["llama.feed_forward_length"])
-    vocab = int(meta.get("llama.vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data)))
-    bos_id = int(meta["tokenizer.ggml.bos_token_id"])
+    hidden = int(meta["llama.embedding_length"])
     eos_id = int(meta["tokenizer.ggml.eos_token_id"])
-    pad_id = int(meta.get("tokenizer.ggml.padding_token_id", eos_id))
-    tied = all(t.name != "output.weight" for t in reader.tensors)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": int(meta["tokenizer.ggml.bos_token_id"]),
+        "eos_token_id": eos_id,
+        "pad_token_id": int(meta.get("tokenizer.ggml.padding_token_id", eos_id)),
+        "head_dim": int(meta.get("llama.rope.dimension_count", hidden // n_head)),
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": int(meta["llama.feed_forward_length"]),
+        "max_position_embeddings": int(meta["llama.context_length"]),
+        "mlp_bias": False,
+        "num_attention_heads": n_head,
+        "num_hidden_layers": int(meta["llama.block_count"]),
+        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", n_head)),
+        "pretraining_tp": 1,
+        # the float32 value's shortest decimal (1e-05), as the reference config writes it
+        "rms_norm_eps": float(str(np.float32(meta["llama.attention.layer_norm_rms_epsilon"]))),
+        "rope_scaling": None,
+        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
+        "torch_dtype": "float32",
+        "use_cache": True,
+        "vocab_size": int(meta.get("llama.vocab_size",
+                                   len(reader.fields["tokenizer.ggml.tokens"].data))),
+    }
 
+
+def _write_weights(gguf_path: Path, reader: Any, config: dict[str, Any], out: Path) -> None:
+    """model.safetensors: every GGUF tensor dequantized to float32 under its Hugging Face name,
+    q/k un-permuted to the rotate-half layout; each shape checked against `config`."""
+    import numpy as np
+    import torch
+    from gguf import dequantize
+    from safetensors.torch import save_file
+
+    hidden, ffn, vocab = (config["hidden_size"], config["intermediate_size"],
+                          config["vocab_size"])
+    n_head, n_kv, head_dim = (config["num_attention_heads"], config["num_key_value_heads"],
+                              config["head_dim"])
     per_layer = {  # gguf suffix -> (HF suffix, expected shape, heads to un-permute)
         "attn_norm.weight": ("input_layernorm.weight", (hidden,), 0),
         "ffn_norm.weight": ("post_attention_layernorm.weight", (hidden,), 0),
@@ -269,7 +311,7 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
         "output_norm.weight": ("model.norm.weight", (hidden,), 0),
         "output.weight": ("lm_head.weight", (vocab, hidden), 0),
     }
-    for i in range(n_layer):
+    for i in range(config["num_hidden_layers"]):
         for suffix, (hf, shape, heads) in per_layer.items():
             names[f"blk.{i}.{suffix}"] = (f"model.layers.{i}.{hf}", shape, heads)
 
@@ -284,48 +326,17 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
         if heads:
             w = _unpermute_qk(w, heads)
         tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(w))
+    tied = config["tie_word_embeddings"]
     expected = {hf for g, (hf, _, _) in names.items() if g != "output.weight" or not tied}
     if set(tensors) != expected:
         raise RuntimeError(f"{gguf_path}: missing tensors {sorted(expected - set(tensors))[:5]}")
-
-    out.mkdir(parents=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     os.chmod(out / "model.safetensors", 0o644)  # safetensors creates it 0600; keep it shareable
-    del tensors
 
-    eps = float(str(np.float32(meta["llama.attention.layer_norm_rms_epsilon"])))  # 1e-05
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": pad_id,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "hidden_size": hidden,
-        "initializer_range": 0.02,
-        "intermediate_size": ffn,
-        "max_position_embeddings": int(meta["llama.context_length"]),
-        "mlp_bias": False,
-        "num_attention_heads": n_head,
-        "num_hidden_layers": n_layer,
-        "num_key_value_heads": n_kv,
-        "pretraining_tp": 1,
-        "rms_norm_eps": eps,
-        "rope_scaling": None,
-        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
-        "tie_word_embeddings": tied,
-        "torch_dtype": "float32",
-        "use_cache": True,
-        "vocab_size": vocab,
-    }
-    _write_json(out / "config.json", config)
-    _write_json(
-        out / "generation_config.json",
-        {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id},
-    )
+
+def _write_tokenizer(gguf_path: Path, config: dict[str, Any], out: Path) -> None:
+    """The GGUF's tokenizer, saved with a chat template, its BOS/EOS the GGUF's ids."""
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     if not tokenizer.chat_template:
@@ -334,7 +345,8 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     tokenizer.model_max_length = config["max_position_embeddings"]
     # The GGUF's ids are the truth: transformers versions differ in which special tokens
     # their GGUF tokenizer conversion names (5.17 named <|im_start|> eos, id 1; the GGUF says 2).
-    for what, want in (("bos", bos_id), ("eos", eos_id)):
+    for what in ("bos", "eos"):
+        want = config[f"{what}_token_id"]
         token = tokenizer.convert_ids_to_tokens(want)
         if not isinstance(token, str) or tokenizer.convert_tokens_to_ids(token) != want:
             raise RuntimeError(f"{gguf_path}: the tokenizer has no {what} token of id {want}")
