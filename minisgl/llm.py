@@ -32,6 +32,7 @@ from minisgl.message import AbortMsg, BatchTokenOut, SchedulerStats, ShutdownMsg
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.types import AccountingMsg, AccountingReply
 from minisgl.models import ModelConfig
+from minisgl.models.generation import sampling_defaults
 from minisgl.models.path import resolve_model_path
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.io import LocalIO
@@ -281,15 +282,20 @@ class LLM:
     `utils.offline_prefill_tokens` (16,384 on large GPUs), resolved in the scheduler ranks, so
     this process leaves CUDA alone. An unknown keyword or a bad value is a ValueError naming it.
     `show_progress`: progress bars while loading and generating; `log_level`: the rank
-    processes' (tp > 1)."""
+    processes' (tp > 1). `generation_config`: where the params of a call given none come from
+    (`get_default_sampling_params`): "auto" (the model's generation_config.json recommends
+    temperature, top_p, top_k, min_p, repetition_penalty, as in vLLM), "none" (SamplingParams'
+    own defaults), or a directory holding a generation_config.json."""
 
     def __init__(self, model: Optional[str] = None, *, show_progress: bool = True,
-                 log_level: str = "WARNING", **overrides: Any) -> None:
+                 log_level: str = "WARNING", generation_config: str = "auto",
+                 **overrides: Any) -> None:
         cfg = build(SchedulerConfig(), overrides, "LLM()")
         tp = cfg.engine.tp
         self.model_path = resolve_model_path(model, cfg.engine.revision,
                                              cfg.engine.download_dir)
         self.tokenizer = load_tokenizer(self.model_path)
+        self.sampling_defaults = sampling_defaults(generation_config, self.model_path)
         self.model_config = ModelConfig.from_dir(self.model_path)
         self.model_config.check_tp(tp)
         engine = dataclasses.replace(cfg.engine.for_rank(str(self.model_path), 0),
@@ -304,6 +310,11 @@ class LLM:
     @property
     def max_context(self) -> int:
         return self._backend.limits.max_context
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The params of a `generate` / `chat` call given none (vLLM's method): SamplingParams'
+        defaults with the model's recommended sampling (`generation_config`)."""
+        return self.sampling_defaults.params()
 
     @property
     def limits(self) -> Limits:
@@ -427,11 +438,10 @@ class LLM:
         out = self._need_tokenizer().apply_chat_template(messages, tokenize=True, **template)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
-    @staticmethod
-    def _per_prompt(params: Union[None, SamplingParams, Sequence[SamplingParams]], n: int
+    def _per_prompt(self, params: Union[None, SamplingParams, Sequence[SamplingParams]], n: int
                     ) -> List[SamplingParams]:
         if params is None:
-            params = SamplingParams()
+            params = self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             return [params] * n
         if len(params) != n:

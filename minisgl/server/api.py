@@ -34,6 +34,7 @@ from minisgl.gc_heap import freeze_startup_heap
 from minisgl.log import exit_now
 from minisgl.message.startup import report_startup
 from minisgl.message.types import ReplyChunk
+from minisgl.models.generation import SamplingDefaults
 from minisgl.server.admission import Deadline, overloaded
 from minisgl.server.auth import AccessCheck
 from minisgl.server.limits import BodyLimits
@@ -75,6 +76,8 @@ class ApiConfig:
     request_timeout: Optional[float] = None  # seconds, admission.Deadline
     max_request_bytes: int = 32 << 20  # limits.py
     body_timeout: float = 30.0  # seconds to receive a body, limits.py
+    # what a request leaves unset takes (models/generation.py: the model's recommendation)
+    sampling_defaults: SamplingDefaults = SamplingDefaults()
 
 
 class ClientGone(Exception):
@@ -275,15 +278,16 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     async def chat(request: Request) -> Response:
         body = parse_body(await json_body(request), ChatRequest)
         check_model(body.model)
-        fmt = ChatFormatter(cfg.model_name, chat_job(body, cfg.max_n, cfg.tool_call_parser),
-                            cfg.reasoning_parser, cfg.tool_call_parser)
+        job = chat_job(body, cfg.max_n, cfg.tool_call_parser, cfg.sampling_defaults)
+        fmt = ChatFormatter(cfg.model_name, job, cfg.reasoning_parser, cfg.tool_call_parser)
         return await run(request, fmt)
 
     @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         body = parse_body(await json_body(request), CompletionRequest)
         check_model(body.model)
-        fmt = CompletionFormatter(cfg.model_name, completion_job(body, cfg.max_n))
+        job = completion_job(body, cfg.max_n, cfg.sampling_defaults)
+        fmt = CompletionFormatter(cfg.model_name, job)
         return await run(request, fmt)
 
     stored = ResponseStore()
@@ -293,14 +297,15 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         body = parse_body(await json_body(request), ResponsesRequest)
         check_model(body.model)
         messages = response_messages(body, stored)
-        fmt = ResponsesFormatter(cfg.model_name, responses_job(body, messages, cfg.max_n), body,
-                                 messages, stored)
+        job = responses_job(body, messages, cfg.max_n, cfg.sampling_defaults)
+        fmt = ResponsesFormatter(cfg.model_name, job, body, messages, stored)
         return await run(request, fmt)
 
     @app.post("/generate", openapi_extra=body_schema(GenerateRequest))
     async def generate(request: Request) -> Response:
         body = parse_body(await json_body(request), GenerateRequest)
-        return await run(request, GenerateFormatter(cfg.model_name, generate_job(body)))
+        job = generate_job(body, cfg.sampling_defaults)
+        return await run(request, GenerateFormatter(cfg.model_name, job))
 
     async def text_endpoint(request: Request, body_type: Any, prompt_of: Callable[[Any], Prompt],
                             reply: Callable[[ReplyChunk], Dict[str, Any]]) -> Response:

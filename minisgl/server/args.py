@@ -56,6 +56,11 @@ class ServerConfig:
                                                      "the hub id, or the directory name)")
     chat_template: Optional[str] = setting(None, "a Jinja chat template file that replaces the "
                                                  "model's own")
+    generation_config: str = setting(
+        "auto", "the sampling defaults of requests that leave temperature, top_p, top_k, "
+                "min_p or repetition_penalty unset: auto (the model's generation_config.json "
+                "recommends them, as in vLLM and SGLang; OpenAI's neutral values where it "
+                "does not), none (OpenAI's), or a directory holding a generation_config.json")
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8000, "HTTP port (0: pick a free one; the ready line names it)")
     max_n: int = setting(8, "the largest n (choices per request) a request may ask for")

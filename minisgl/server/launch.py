@@ -37,6 +37,7 @@ from typing import Any, Dict, NamedTuple, NoReturn, Optional, Sequence
 from minisgl.devices import dtype_name
 from minisgl.log import exit_now, setup_logging
 from minisgl.models.config import ModelConfig
+from minisgl.models.generation import sampling_defaults
 from minisgl.models.path import resolve_model_path
 from minisgl.server.args import ServerConfig, describe, parse_args
 from minisgl.server.cluster import Cluster, fingerprint
@@ -112,6 +113,11 @@ def _prepare(cfg: ServerConfig) -> Prepared:
         cfg.engine.context_length(shape.max_context)
         if cfg.chat_template is not None:
             read_chat_template(cfg.chat_template)
+        changed = sampling_defaults(cfg.generation_config, model_path).changed
+        if changed:
+            logger.info("sampling defaults from the model's generation config: %s "
+                        "(--generation-config none for OpenAI's)",
+                        ", ".join(f"{k}={v}" for k, v in changed.items()))
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise StartupError(str(e)) from None
     sock = bind_http(cfg.host, cfg.port) if cfg.cluster.is_head else None

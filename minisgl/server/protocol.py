@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, T
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from minisgl.core import MAX_LOGPROBS, SamplingParams
+from minisgl.models.generation import SamplingDefaults
 from minisgl.server.tool_calls import tool_call_format
 from minisgl.server.tools import ToolError, Tools, assistant_tool_calls, parse_tools
 from minisgl.server.structured import FieldError, constraint
@@ -314,11 +315,11 @@ def _check_ids(name: str, ids: Sequence[int]) -> None:
         _check_int(name, t, _INT32)
 
 
-def _sampling(body: _Sampling, max_tokens: Optional[int], logprobs: Optional[int] = None,
-              logit_bias: Optional[Dict[int, float]] = None, max_name: str = "max_tokens"
-              ) -> SamplingParams:
-    """The request's SamplingParams; ApiError(400) naming the field at fault (`max_name`: the
-    field max_tokens came from)."""
+def _sampling(body: _Sampling, max_tokens: Optional[int], defaults: SamplingDefaults,
+              logprobs: Optional[int] = None, logit_bias: Optional[Dict[int, float]] = None,
+              max_name: str = "max_tokens") -> SamplingParams:
+    """The request's SamplingParams, `defaults` where it leaves a field unset (or null);
+    ApiError(400) naming the field at fault (`max_name`: the field max_tokens came from)."""
     for name in ("top_k", "seed", "min_tokens"):
         _check_int(name, getattr(body, name))
     _check_int(max_name, max_tokens, _INT32)
@@ -326,14 +327,16 @@ def _sampling(body: _Sampling, max_tokens: Optional[int], logprobs: Optional[int
     allowed = body.allowed_token_ids
     _check_ids("allowed_token_ids", allowed or ())
     params = SamplingParams(
-        max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=-1 if body.top_k is None else body.top_k,
-        min_p=0.0 if body.min_p is None else body.min_p,
+        max_tokens=max_tokens,
+        temperature=defaults.temperature if body.temperature is None else body.temperature,
+        top_p=defaults.top_p if body.top_p is None else body.top_p,
+        top_k=defaults.top_k if body.top_k is None else body.top_k,
+        min_p=defaults.min_p if body.min_p is None else body.min_p,
         seed=body.seed, ignore_eos=body.ignore_eos,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        repetition_penalty=(defaults.repetition_penalty if body.repetition_penalty is None
+                            else body.repetition_penalty),
         min_tokens=body.min_tokens,
         stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs,
         logit_bias=logit_bias, allowed_token_ids=None if allowed is None else tuple(allowed))
@@ -398,7 +401,8 @@ def _logit_bias(body: _OpenAI) -> Optional[Dict[int, float]]:
     return {int(k): v for k, v in body.logit_bias.items()}
 
 
-def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: int) -> Job:
+def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: int,
+         defaults: SamplingDefaults) -> Job:
     logprobs, logit_bias, continuous, prompt_logprobs = None, None, False, None
     max_name = "max_tokens"
     if isinstance(body, GenerateRequest):
@@ -431,7 +435,7 @@ def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: in
         found = constraint(extra if isinstance(body, GenerateRequest) else body.model_extra or {})
     except FieldError as e:
         raise ApiError(400, str(e), e.param) from None
-    params = _sampling(sampling, max_tokens, logprobs, logit_bias, max_name)
+    params = _sampling(sampling, max_tokens, defaults, logprobs, logit_bias, max_name)
     if found is not None:
         params = dataclasses.replace(params, structured=found.structured)
     job = Job(prompts, params, n, _stop_strings(sampling.stop), sampling.skip_special_tokens,
@@ -505,12 +509,13 @@ def _chat_prompt(body: Union[ChatRequest, TokenizeBody], messages: List[ChatMess
         add_special_tokens=bool(body.add_special_tokens))
 
 
-def chat_job(body: ChatRequest, max_n: int, tool_parser: Optional[str] = None) -> Job:
+def chat_job(body: ChatRequest, max_n: int, tool_parser: Optional[str] = None,
+             defaults: SamplingDefaults = SamplingDefaults()) -> Job:
     """A chat request's job. With tools, `tool_parser` (a `tool_calls.TOOL_CALL_PARSERS` name,
     "hermes" when None) is the format calls are read in and, for "required" or a named function,
-    enforced in."""
+    enforced in. `defaults`: the sampling of fields the request leaves unset (every job's)."""
     tools = _tools(body)
-    job = _job(body, [_chat_prompt(body, body.messages, tools)], max_n)
+    job = _job(body, [_chat_prompt(body, body.messages, tools)], max_n, defaults)
     if tools is None:
         return job
     calls = tools.constraint(tool_call_format(tool_parser or "hermes"))
@@ -542,7 +547,8 @@ def _is_ids(x: Any) -> bool:
     return isinstance(x, list) and all(isinstance(t, int) for t in x)
 
 
-def completion_job(body: CompletionRequest, max_n: int) -> Job:
+def completion_job(body: CompletionRequest, max_n: int,
+                   defaults: SamplingDefaults = SamplingDefaults()) -> Job:
     raw: Sequence[Any] = body.prompt
     if isinstance(raw, str) or (_is_ids(raw) and raw):
         raw = [raw]
@@ -558,7 +564,7 @@ def completion_job(body: CompletionRequest, max_n: int) -> Job:
         raise ApiError(400, "prompt: must not be empty", "prompt")
     if body.max_tokens is None and body.max_completion_tokens is None:
         body = body.model_copy(update={"max_tokens": COMPLETION_MAX_TOKENS})
-    job = _job(body, prompts, max_n)
+    job = _job(body, prompts, max_n, defaults)
     if not body.echo:  # None (null) too
         return job
     # echo with logprobs: the prompt's tokens get theirs too (OpenAI's legacy completions), as
@@ -568,7 +574,8 @@ def completion_job(body: CompletionRequest, max_n: int) -> Job:
     return dataclasses.replace(job, params=params, echo=True)
 
 
-def generate_job(body: GenerateRequest) -> Job:
+def generate_job(body: GenerateRequest, defaults: SamplingDefaults = SamplingDefaults()
+                 ) -> Job:
     if (body.input_ids is None) == (body.text is None):
         raise ApiError(400, "exactly one of input_ids and text must be given", "input_ids")
     if body.input_ids is not None and not body.input_ids or body.text == "":
@@ -577,4 +584,4 @@ def generate_job(body: GenerateRequest) -> Job:
     # SGLang's /generate tokenizes text with the tokenizer's special tokens
     prompt = Prompt(input_ids=body.input_ids) if body.input_ids is not None else Prompt(
         text=body.text, add_special_tokens=True)
-    return _job(body, [prompt], 1)
+    return _job(body, [prompt], 1, defaults)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from minisgl.message.types import ReplyChunk
+from minisgl.models.generation import SamplingDefaults
 from minisgl.server.protocol import ApiError, ChatRequest, Job, chat_job
 from minisgl.server.responses import Choice, Formatter
 
@@ -99,7 +100,8 @@ def response_messages(body: ResponsesRequest, store: ResponseStore) -> Messages:
     return messages
 
 
-def responses_job(body: ResponsesRequest, messages: Messages, max_n: int) -> Job:
+def responses_job(body: ResponsesRequest, messages: Messages, max_n: int,
+                  defaults: SamplingDefaults = SamplingDefaults()) -> Job:
     for name, value in (body.model_extra or {}).items():
         inert = _INERT.get(name)
         if inert is not None and not inert(value):
@@ -111,7 +113,7 @@ def responses_job(body: ResponsesRequest, messages: Messages, max_n: int) -> Job
     except ValidationError as e:
         raise ApiError(400, f"input: {e.errors()[0]['msg']}", "input") from None
     try:
-        return chat_job(chat, max_n)
+        return chat_job(chat, max_n, defaults=defaults)
     except ApiError as e:
         param = {"max_tokens": "max_output_tokens", "messages": "input"}.get(e.param or "",
                                                                                e.param)

@@ -42,6 +42,7 @@ from minisgl.message.codec import encode
 from minisgl.message.startup import PEER_EXIT
 from minisgl.message.types import Drain, ServiceDown, ShutdownMsg
 from minisgl.models.config import ModelConfig
+from minisgl.models.generation import sampling_defaults
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.api import ApiConfig, run_api
 from minisgl.server.args import ServerConfig
@@ -219,7 +220,9 @@ class Service:
                             api_key=c.resolved_api_key, loopback_only=c.on_loopback,
                             max_queued_requests=c.max_queued_requests,
                             request_timeout=c.request_timeout,
-                            max_request_bytes=c.max_request_bytes, body_timeout=c.body_timeout)
+                            max_request_bytes=c.max_request_bytes, body_timeout=c.body_timeout,
+                            sampling_defaults=sampling_defaults(c.generation_config,
+                                                                Path(self.model_path)))
         tok_cfg = TokenizerConfig(path, a.tokenizer, a.backends, a.detokenizer, a.api, template,
                                   c.max_queued_tokens, c.tokenizer_threads)
         # The tokenizer needs the replicas' stats to route (several) or to count queued tokens.
