@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -38,11 +39,12 @@ from minisgl.models.generation import SamplingDefaults
 from minisgl.server.admission import Deadline, overloaded
 from minisgl.server.auth import AccessCheck
 from minisgl.server.limits import BodyLimits
+from minisgl.server.request_log import REQUEST_ID_HEADER, RequestLog
 from minisgl.server.health import HealthFile
 from minisgl.server.metrics import Metrics
 from minisgl.server.openapi import App, body as body_schema
 from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeBody,
-                                     GenerateRequest, Prompt, TokenizeBody, chat_job,
+                                     GenerateRequest, Job, Prompt, TokenizeBody, chat_job,
                                      completion_job, detokenize_prompt, generate_job, parse_body,
                                      tokenize_prompt)
 from minisgl.server.responses import (ChatFormatter, Choice, CompletionFormatter, Formatter,
@@ -78,6 +80,7 @@ class ApiConfig:
     body_timeout: float = 30.0  # seconds to receive a body, limits.py
     # what a request leaves unset takes (models/generation.py: the model's recommendation)
     sampling_defaults: SamplingDefaults = SamplingDefaults()
+    log_requests: bool = True  # one access-log line per request (request_log.py)
 
 
 class ClientGone(Exception):
@@ -165,6 +168,7 @@ async def run_job(request: Request, streams: RequestStreams, fmt: Formatter,
                   request_timeout: Optional[float] = None) -> Response:
     deadline = Deadline.of(request.headers, request_timeout, fmt.job.stream)
     stream = streams.submit(fmt.job)
+    request.state.uids = stream.uids  # for the access log (request_log.py)
     choices = [Choice() for _ in stream.uids]
     waiter = Waiter(stream, request, deadline)
     try:
@@ -265,6 +269,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     _install_error_handlers(app)
     app.add_middleware(BodyLimits, max_bytes=cfg.max_request_bytes, timeout_s=cfg.body_timeout)
     app.add_middleware(AccessCheck, api_key=cfg.api_key, loopback_only=cfg.loopback_only)
+    app.add_middleware(RequestLog, enabled=cfg.log_requests)  # outermost: sees every answer
 
     def check_model(name: Optional[str]) -> None:
         if name is not None and name != cfg.model_name and name not in cfg.aliases:
@@ -274,11 +279,18 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     async def run(request: Request, fmt: Formatter) -> Response:
         return await run_job(request, streams, fmt, cfg.request_timeout)
 
+    def client_id(request: Request, job: Job) -> Job:
+        """The job with the client's X-Request-Id, which its response id is built from (as
+        vLLM builds it); a generated id is left to the formatter."""
+        given = request.headers.get(REQUEST_ID_HEADER)
+        return job if given is None else dataclasses.replace(job, request_id=given)
+
     @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatRequest))
     async def chat(request: Request) -> Response:
         body = parse_body(await json_body(request), ChatRequest)
         check_model(body.model)
-        job = chat_job(body, cfg.max_n, cfg.tool_call_parser, cfg.sampling_defaults)
+        job = client_id(request, chat_job(body, cfg.max_n, cfg.tool_call_parser,
+                                          cfg.sampling_defaults))
         fmt = ChatFormatter(cfg.model_name, job, cfg.reasoning_parser, cfg.tool_call_parser)
         return await run(request, fmt)
 
@@ -286,7 +298,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     async def completions(request: Request) -> Response:
         body = parse_body(await json_body(request), CompletionRequest)
         check_model(body.model)
-        job = completion_job(body, cfg.max_n, cfg.sampling_defaults)
+        job = client_id(request, completion_job(body, cfg.max_n, cfg.sampling_defaults))
         fmt = CompletionFormatter(cfg.model_name, job)
         return await run(request, fmt)
 
@@ -304,7 +316,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     @app.post("/generate", openapi_extra=body_schema(GenerateRequest))
     async def generate(request: Request) -> Response:
         body = parse_body(await json_body(request), GenerateRequest)
-        job = generate_job(body, cfg.sampling_defaults)
+        job = client_id(request, generate_job(body, cfg.sampling_defaults))
         return await run(request, GenerateFormatter(cfg.model_name, job))
 
     async def text_endpoint(request: Request, body_type: Any, prompt_of: Callable[[Any], Prompt],

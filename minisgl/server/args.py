@@ -66,6 +66,9 @@ class ServerConfig:
     max_n: int = setting(8, "the largest n (choices per request) a request may ask for")
     log_level: str = setting("info", "log level of every process", choices=LOG_LEVELS,
                              any_case=True)
+    log_requests: bool = setting(True, "one INFO line per HTTP request (client, method, path, "
+                                       "status, milliseconds, its X-Request-Id and scheduler "
+                                       "uids)")
     shell: bool = setting(False, "chat with the model in this terminal")
     reasoning_parser: Optional[str] = setting(
         None, "split a reasoning model's chat output: the <think> part goes into "

@@ -244,6 +244,8 @@ class Job:
     # vLLM's prompt_logprobs as asked (alternatives per prompt token), for the reply's shape;
     # params.prompt_logprobs, what the engine computes, may be larger (an echo's logprobs).
     prompt_logprobs: Optional[int] = None
+    # the client's X-Request-Id (server/request_log.py): the response id is built from it
+    request_id: Optional[str] = None
 
     def choice_params(self, i: int) -> SamplingParams:
         """Choice i of a prompt: the request's seed shifted by i, so choices differ."""

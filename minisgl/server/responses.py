@@ -163,7 +163,7 @@ class Formatter(ABC):
 
     def __init__(self, model: str, job: Job) -> None:
         self.model, self.job = model, job
-        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.id = f"{self.id_prefix}-{job.request_id or uuid.uuid4().hex}"
         self.created = int(time.time())
 
     @abstractmethod

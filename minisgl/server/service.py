@@ -221,6 +221,7 @@ class Service:
                             max_queued_requests=c.max_queued_requests,
                             request_timeout=c.request_timeout,
                             max_request_bytes=c.max_request_bytes, body_timeout=c.body_timeout,
+                            log_requests=c.log_requests,
                             sampling_defaults=sampling_defaults(c.generation_config,
                                                                 Path(self.model_path)))
         tok_cfg = TokenizerConfig(path, a.tokenizer, a.backends, a.detokenizer, a.api, template,

@@ -1,0 +1,99 @@
+"""Request ids and the access log: one line per HTTP request, for operators.
+
+`RequestLog` is the outermost ASGI middleware:
+- every request has an id: the client's `X-Request-Id` header (vLLM's and most proxies'
+  convention; 1 to `MAX_ID_CHARS` printable ASCII characters, else a 400 naming the header), or
+  a fresh one. Handlers read it from `request.state.request_id` (a completion's `id` is built
+  from it, as vLLM builds it), and every response carries it back in `X-Request-Id`;
+- with `enabled`, when the response has gone out (a stream's last event), or the client left,
+  one INFO line names the client, method, path, status ("unfinished" where the response did
+  not end: the client left, or the server failed), the time from the request's arrival,
+  the request id and the scheduler uids of its choices (`request.state.uids`, set by the job
+  runner), so that a client's id leads to the uids in the other processes' logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, Dict, List, Optional
+
+from minisgl.server.limits import App, Message, Receive, Scope, Send, header, send_error
+from minisgl.server.protocol import ApiError
+
+logger = logging.getLogger("minisgl.api")
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_ID_CHARS = 128
+
+
+def bad_request_id(value: str) -> Optional[ApiError]:
+    """Why a client's request id cannot be used (it is echoed and logged), or None."""
+    if 0 < len(value) <= MAX_ID_CHARS and value.isascii() and value.isprintable():
+        return None
+    return ApiError(400, f"the {REQUEST_ID_HEADER} header must be 1 to {MAX_ID_CHARS} "
+                         f"printable ASCII characters, got {len(value)} characters",
+                    REQUEST_ID_HEADER)
+
+
+def request_state(scope: Scope) -> Dict[str, Any]:
+    """The request's `request.state` (Starlette keeps it in the scope)."""
+    state: Dict[str, Any] = scope.setdefault("state", {})
+    return state
+
+
+class RequestLog:
+    def __init__(self, app: App, enabled: bool) -> None:
+        self.app, self.enabled = app, enabled
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.monotonic()
+        given = header(scope, REQUEST_ID_HEADER.lower().encode())
+        error = None if given is None else bad_request_id(given)
+        rid = given if given is not None and error is None else uuid.uuid4().hex
+        status: List[int] = []
+        if error is not None:
+            await send_error(self._tagged(send, rid, status), error)
+            self._log(scope, rid, status, start, done=True)
+            return
+        request_state(scope)["request_id"] = rid
+        done = False
+
+        async def send_tagged(message: Message) -> None:
+            nonlocal done
+            await self._tagged(send, rid, status)(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                done = True
+                self._log(scope, rid, status, start, done)
+
+        try:
+            await self.app(scope, receive, send_tagged)
+        finally:
+            if not done:  # the client left before the response ended, or the app failed
+                self._log(scope, rid, status, start, done)
+
+    @staticmethod
+    def _tagged(send: Send, rid: str, status: List[int]) -> Send:
+        """`send`, adding the id header to the response's start and noting its status."""
+        async def tagged(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (b"x-request-id", rid.encode())]}
+            await send(message)
+        return tagged
+
+    def _log(self, scope: Scope, rid: str, status: List[int], start: float, done: bool) -> None:
+        if not self.enabled:
+            return
+        client = scope.get("client")
+        who = f"{client[0]}:{client[1]}" if client else "-"
+        uids = request_state(scope).get("uids")
+        code = str(status[0]) if status else "-"
+        logger.info("%s %s %s %s%s %.1f ms request_id=%s%s", who, scope.get("method", "-"),
+                    scope.get("path", "-"), code, "" if done else " (unfinished)",
+                    (time.monotonic() - start) * 1000, rid,
+                    f" uids={','.join(map(str, uids))}" if uids else "")

@@ -1,0 +1,120 @@
+"""Request ids and the access log (server/request_log.py): the client's X-Request-Id comes back
+in the header and in the completion's id, a bad one is a 400 naming the header, and one line
+per request names its status, id and scheduler uids, also when the client leaves mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from pathlib import Path
+from typing import Iterator, List, Union
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from minisgl.server.request_log import MAX_ID_CHARS, RequestLog
+from server_helpers import CPU_ARGS, Server
+
+
+def _app(enabled: bool = True) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/echo")
+    async def echo(request: Request) -> JSONResponse:
+        request.state.uids = [7, 8]
+        return JSONResponse({"id": request.state.request_id})
+
+    app.add_middleware(RequestLog, enabled=enabled)
+    return app
+
+
+def _get(app: FastAPI, path: str, **headers: Union[str, bytes]) -> httpx.Response:
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, client=("10.0.0.9", 4321))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.get(path, headers=headers)
+    return asyncio.run(go())
+
+
+def test_the_clients_id_is_used_echoed_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="minisgl.api"):
+        r = _get(_app(), "/echo", **{"X-Request-Id": "trace-42"})
+    assert r.json() == {"id": "trace-42"} and r.headers["x-request-id"] == "trace-42"
+    line, = [m for m in caplog.messages if "request_id=trace-42" in m]
+    assert re.fullmatch(r"10\.0\.0\.9:4321 GET /echo 200 [\d.]+ ms request_id=trace-42 "
+                        r"uids=7,8", line), line
+
+
+def test_a_request_without_an_id_gets_one(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="minisgl.api"):
+        r = _get(_app(), "/echo")
+        missing = _get(_app(), "/nowhere")
+    rid = r.headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", rid) and r.json() == {"id": rid}
+    assert missing.status_code == 404 and missing.headers["x-request-id"]
+    assert any(" GET /nowhere 404 " in m for m in caplog.messages)
+
+
+@pytest.mark.parametrize("bad", ["x" * (MAX_ID_CHARS + 1), "tab\there", "caf\u00e9"])
+def test_a_bad_id_is_a_400_naming_the_header(bad: str) -> None:
+    r = _get(_app(), "/echo", **{"X-Request-Id": bad.encode()})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "X-Request-Id" and "printable ASCII" in error["message"]
+    assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])  # not the bad one
+
+
+def test_no_lines_when_disabled(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="minisgl.api"):
+        r = _get(_app(enabled=False), "/echo", **{"X-Request-Id": "quiet"})
+    assert r.headers["x-request-id"] == "quiet"
+    assert not [m for m in caplog.messages if "request_id=" in m]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    args: List[str] = [a if a != "warning" else "info" for a in CPU_ARGS]
+    srv = Server.start(args, tmp_path_factory.mktemp("log"))
+    yield srv
+    srv.stop()
+
+
+def _wait_for_line(server: Server, needle: str, timeout_s: float = 20.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = [line for line in server.stderr().splitlines() if needle in line]
+        if found:
+            return found[-1]
+        time.sleep(0.1)
+    raise AssertionError(f"no log line with {needle!r}:\n{server.stderr()[-2000:]}")
+
+
+def test_served_completions_take_the_id(server: Server) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    r = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=60,
+                   headers={"X-Request-Id": "job-7"})
+    assert r.status_code == 200 and r.json()["id"] == "chatcmpl-job-7"
+    assert r.headers["x-request-id"] == "job-7"
+    line = _wait_for_line(server, "request_id=job-7")
+    assert re.search(r"POST /v1/chat/completions 200 [\d.]+ ms request_id=job-7 uids=\d+$",
+                     line), line
+    r = httpx.post(f"{server.base_url}/completions", timeout=60, headers={"X-Request-Id": "c"},
+                   json={"prompt": "Hi", "max_tokens": 2, "n": 2})
+    assert r.json()["id"] == "cmpl-c"
+    assert re.search(r"request_id=c uids=\d+,\d+$", _wait_for_line(server, "request_id=c "
+                                                                   "uids"))
+
+
+def test_a_stream_the_client_leaves_is_logged_unfinished(server: Server) -> None:
+    body = {"messages": [{"role": "user", "content": "Count to a thousand."}],
+            "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/chat/completions", json=body, timeout=60,
+                      headers={"X-Request-Id": "gone-1"}) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())
+    line = _wait_for_line(server, "request_id=gone-1")
+    assert " 200 (unfinished) " in line and "uids=" in line
