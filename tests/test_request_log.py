@@ -68,6 +68,21 @@ def test_a_bad_id_is_a_400_naming_the_header(bad: str) -> None:
     assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])  # not the bad one
 
 
+def test_probes_are_logged_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    app = _app()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({})
+
+    with caplog.at_level(logging.INFO, logger="minisgl.api"):
+        _get(app, "/health")
+    assert not [m for m in caplog.messages if "/health" in m]
+    with caplog.at_level(logging.DEBUG, logger="minisgl.api"):
+        _get(app, "/health")
+    assert [r.levelno for r in caplog.records if "/health" in r.getMessage()] == [logging.DEBUG]
+
+
 def test_no_lines_when_disabled(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="minisgl.api"):
         r = _get(_app(enabled=False), "/echo", **{"X-Request-Id": "quiet"})

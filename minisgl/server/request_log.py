@@ -9,7 +9,9 @@
   one INFO line names the client, method, path, status ("unfinished" where the response did
   not end: the client left, or the server failed), the time from the request's arrival,
   the request id and the scheduler uids of its choices (`request.state.uids`, set by the job
-  runner), so that a client's id leads to the uids in the other processes' logs.
+  runner), so that a client's id leads to the uids in the other processes' logs. Probes and
+  scrapes (`QUIET_PATHS`) are logged at DEBUG: a load balancer's health checks every few
+  seconds would bury the requests.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from minisgl.server.protocol import ApiError
 logger = logging.getLogger("minisgl.api")
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_ID_CHARS = 128
+QUIET_PATHS = frozenset({"/health", "/metrics"})
 
 
 def bad_request_id(value: str) -> Optional[ApiError]:
@@ -93,7 +96,9 @@ class RequestLog:
         who = f"{client[0]}:{client[1]}" if client else "-"
         uids = request_state(scope).get("uids")
         code = str(status[0]) if status else "-"
-        logger.info("%s %s %s %s%s %.1f ms request_id=%s%s", who, scope.get("method", "-"),
-                    scope.get("path", "-"), code, "" if done else " (unfinished)",
-                    (time.monotonic() - start) * 1000, rid,
-                    f" uids={','.join(map(str, uids))}" if uids else "")
+        path = scope.get("path", "-")
+        level = logging.DEBUG if path in QUIET_PATHS else logging.INFO
+        logger.log(level, "%s %s %s %s%s %.1f ms request_id=%s%s", who, scope.get("method", "-"),
+                   path, code, "" if done else " (unfinished)",
+                   (time.monotonic() - start) * 1000, rid,
+                   f" uids={','.join(map(str, uids))}" if uids else "")
