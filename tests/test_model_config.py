@@ -65,3 +65,55 @@ def test_yarn_tables_carry_the_attention_factor() -> None:
     angle = torch.atan2(yarn.sin[1], yarn.cos[1])  # position 1: the inverse frequencies
     assert torch.allclose(angle[0], torch.atan2(plain.sin[1], plain.cos[1])[0])
     assert torch.allclose(angle[15], torch.atan2(plain.sin[1], plain.cos[1])[15] / 4)
+
+
+# Each family's transformers config class; a hand-written config.json of the family: only the
+# fields a model cannot do without, the others left to the family's defaults, plus every bias
+# switch (the families whose Hugging Face layers read one get the bias, the others ignore it).
+HF_CONFIGS = {"LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
+              "MixtralForCausalLM": "MixtralConfig", "Qwen2ForCausalLM": "Qwen2Config",
+              "Qwen2MoeForCausalLM": "Qwen2MoeConfig", "Qwen3ForCausalLM": "Qwen3Config",
+              "Qwen3MoeForCausalLM": "Qwen3MoeConfig"}
+_MOE_FIELDS = {"MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
+               "Qwen2MoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=16,
+                                           shared_expert_intermediate_size=16),
+               "Qwen3MoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=16)}
+
+
+@pytest.mark.parametrize("arch", sorted(HF_CONFIGS))
+def test_a_minimal_config_reads_as_transformers_reads_it(arch: str, tmp_path: Path) -> None:
+    """Absent fields take the family's transformers defaults (Mixtral's rope_theta 1e6 and
+    eps 1e-5, Mistral's 4096 window, Qwen3's head_dim 128: before, the generic ones, wrong
+    tokens or a failed load), and the bias switches count where the family's Hugging Face
+    layers read them (Mistral/Mixtral/Qwen ignore mlp_bias, Qwen2-MoE's q/k/v bias is
+    `qkv_bias`: before, a load missing biases): the checkpoint transformers saves for the
+    config loads, every tensor in place with its shape."""
+    import transformers
+
+    from minisgl.distributed import Communicator, DistributedInfo
+    from minisgl.models import model_class
+    from minisgl.models.weights import iter_checkpoint
+    raw = dict(architectures=[arch], vocab_size=64, hidden_size=64, intermediate_size=32,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               attention_bias=True, mlp_bias=True, qkv_bias=False, **_MOE_FIELDS.get(arch, {}))
+    hf_cfg = getattr(transformers, HF_CONFIGS[arch])(**raw)
+    transformers.AutoModelForCausalLM.from_config(hf_cfg).save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(raw))  # as written by hand
+    cfg = ModelConfig.from_dir(tmp_path)
+    hf_head_dim = getattr(hf_cfg, "head_dim", None) or 64 // 4
+    assert (cfg.head_dim, cfg.rope_theta, cfg.rms_norm_eps, cfg.sliding_window) == (
+        hf_head_dim, hf_cfg.rope_parameters["rope_theta"], hf_cfg.rms_norm_eps,
+        getattr(hf_cfg, "sliding_window", None) or None)
+    info = DistributedInfo(0, 1)
+    model_class(arch)(cfg, info, Communicator(info)).load_weights(iter_checkpoint(tmp_path, False))
+
+
+@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "gelu", "relu"])
+def test_an_activation_other_than_silu_is_refused_naming_it(act: str) -> None:
+    """The MLPs and experts (and their fused kernels) apply SiLU: before, a checkpoint asking
+    for another activation was served with SiLU, without a word."""
+    with pytest.raises(ValueError, match=f"unsupported hidden_act '{act}'.*silu, swish"):
+        _config(hidden_act=act)
+    assert _config(hidden_act="swish").hidden_act == "swish"  # transformers' SiLU too

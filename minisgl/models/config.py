@@ -7,6 +7,11 @@ is the expert's and whose top-k weights are always renormalized). A dense model 
 num_experts 0. An FP8 checkpoint's `quantization_config` is read by models/checkpoint_quant.py
 (an unsupported one is refused here, naming it).
 
+Fields are read as each family's Hugging Face model reads them: a field absent from config.json
+takes that family's transformers default (`_FAMILY_DEFAULTS`), the bias fields count only for
+the families whose layers have them (Mistral and Mixtral have no biases, only Llama has MLP
+biases, Qwen2-MoE's q/k/v bias is its `qkv_bias`), and a `hidden_act` other than SiLU is refused.
+
 The context length (`max_context`) is vLLM's: `max_position_embeddings`, stretched by a "yarn"
 (to `original_max_position_embeddings` x factor) or "linear" rope scaling, and cut to a sliding
 window where one is used (attention over the full context is exact only inside it).
@@ -24,6 +29,24 @@ from minisgl.models.checkpoint_quant import CheckpointQuant, parse_quantization
 
 # The rope scalings layers/rotary.py implements.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# The MLP and expert activations the layers implement (transformers' names for SiLU).
+HIDDEN_ACTS = ("silu", "swish")
+
+# transformers' defaults for the fields a family's config class sets otherwise than the generic
+# defaults of `ModelConfig.from_dict` (save_pretrained writes them all, a hand-written config.json
+# may not): Mistral's window, Mixtral's theta and eps, Qwen3's head_dim, Qwen's window switch.
+_FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
+    "MistralForCausalLM": {"sliding_window": 4096},
+    "MixtralForCausalLM": {"rope_theta": 1e6, "rms_norm_eps": 1e-5},
+    "Qwen2ForCausalLM": {"use_sliding_window": False},
+    "Qwen2MoeForCausalLM": {"use_sliding_window": False},
+    "Qwen3ForCausalLM": {"head_dim": 128, "use_sliding_window": False},
+    "Qwen3MoeForCausalLM": {"use_sliding_window": False},
+}
+# The families whose attention projections take `attention_bias` (Qwen2's are fixed: q/k/v
+# bias, none on o; Mistral's and Mixtral's have none), and whose MLP takes `mlp_bias`.
+_ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_MLP_BIAS = ("LlamaForCausalLM",)
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -40,8 +63,8 @@ class ModelConfig:
     rope_scaling: Optional[Dict[str, Any]]
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
-    mlp_bias: bool
+    attention_bias: bool  # bias on q, k, v and o (families that read it; see from_dict)
+    mlp_bias: bool  # bias on the dense MLP's projections (Llama only)
     eos_token_ids: Tuple[int, ...]
     torch_dtype: Optional[str]
     num_experts: int = 0  # routed experts of a sparse layer; 0: a dense model
@@ -53,8 +76,13 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # the sigmoid-gated shared expert; 0: none
     quantization: Optional[CheckpointQuant] = None  # the checkpoint's FP8 layout; None: dense
     sliding_window: Optional[int] = None  # where used; None: full attention
+    qkv_bias: bool = True  # Qwen2's q/k/v bias (always on; Qwen2-MoE's `qkv_bias`)
+    hidden_act: str = "silu"  # the MLP's activation: one of HIDDEN_ACTS
 
     def __post_init__(self) -> None:
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}: minisgl's MLPs and "
+                             f"experts apply SiLU (supported: {', '.join(HIDDEN_ACTS)})")
         if self.num_experts < 0:
             raise ValueError(f"num_experts must be >= 0, got {self.num_experts}")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -107,7 +135,11 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: Dict[str, Any], generation: Optional[Dict[str, Any]] = None
                   ) -> "ModelConfig":
+        """The model of config.json `cfg` (and generation_config.json `generation`), as its
+        family's Hugging Face model reads it (see the module's docstring). A rope_theta inside
+        `rope_parameters` wins over a top-level one, as transformers 5 merges them."""
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        cfg = {**_FAMILY_DEFAULTS.get(arch, {}), **cfg}
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or {}
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
@@ -121,12 +153,14 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_theta=float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0),
             rope_scaling=_rope_scaling(cfg.get("rope_scaling") or rope),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            attention_bias=arch in _ATTENTION_BIAS and bool(cfg.get("attention_bias", False)),
+            mlp_bias=arch in _MLP_BIAS and bool(cfg.get("mlp_bias", False)),
+            qkv_bias=bool(cfg.get("qkv_bias", True)) if arch == "Qwen2MoeForCausalLM" else True,
+            hidden_act=cfg.get("hidden_act") or "silu",
             eos_token_ids=_eos_ids(cfg, generation or {}),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             quantization=parse_quantization(cfg),

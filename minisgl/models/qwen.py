@@ -1,6 +1,6 @@
-"""The Qwen family: Qwen2 (bias on Q, K, V only) and Qwen3 (per-head RMSNorm on Q and K), and
-their mixture-of-experts variants (Qwen2-MoE with its shared expert, Qwen3-MoE), whose sparse
-layers the config names (ModelConfig.is_sparse)."""
+"""The Qwen family: Qwen2 (bias on Q, K, V only; Qwen2-MoE's `qkv_bias` may turn it off) and
+Qwen3 (per-head RMSNorm on Q and K), and their mixture-of-experts variants (Qwen2-MoE with its
+shared expert, Qwen3-MoE), whose sparse layers the config names (ModelConfig.is_sparse)."""
 
 from minisgl.models.config import ModelConfig
 from minisgl.models.decoder import CausalLM, Traits
@@ -9,7 +9,7 @@ from minisgl.models.decoder import CausalLM, Traits
 class Qwen2ForCausalLM(CausalLM):
     @classmethod
     def traits(cls, cfg: ModelConfig) -> Traits:
-        return Traits(qkv_bias=True, o_bias=False, qk_norm=False)
+        return Traits(qkv_bias=cfg.qkv_bias, o_bias=False, qk_norm=False)
 
 
 class Qwen3ForCausalLM(CausalLM):
