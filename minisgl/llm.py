@@ -371,10 +371,12 @@ class LLM:
 
     # --- public API ------------------------------------------------------------------------------
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
-                 params: Union[None, SamplingParams, Sequence[SamplingParams]] = None
-                 ) -> List[GenerateOutput]:
-        """One output per prompt, in order (`params.n` of them for n > 1, consecutive).
-        `params`: one for all, or one per prompt."""
+                 sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                 *, use_tqdm: Optional[bool] = None) -> List[GenerateOutput]:
+        """One output per prompt, in order (`n` of them for n > 1, consecutive).
+        `sampling_params`: one for all, or one per prompt (None: the default,
+        `get_default_sampling_params`). `use_tqdm`: a progress bar over the requests (None:
+        `show_progress`'s choice). vLLM's names, so that its callers' keywords work."""
         single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
                                                       and isinstance(prompts[0], int))
         if not single and not isinstance(prompts, (list, tuple)):
@@ -382,17 +384,18 @@ class LLM:
                              f"{type(prompts).__name__}")
         batch = cast(Sequence[Prompt], [prompts] if single else prompts)
         ids = [self._encode(p) for p in batch]
-        return self._run(ids, self._per_prompt(params, len(ids)))
+        return self._run(ids, self._per_prompt(sampling_params, len(ids)), use_tqdm)
 
     def chat(self, messages: Union[List[Dict[str, Any]], List[List[Dict[str, Any]]]],
-             params: Union[None, SamplingParams, Sequence[SamplingParams]] = None, *,
-             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+             *, use_tqdm: Optional[bool] = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
              chat_template_kwargs: Optional[Dict[str, Any]] = None,
              tools: Optional[List[Dict[str, Any]]] = None) -> List[GenerateOutput]:
-        """Apply the model's chat template to one conversation or a list of them (vLLM's
-        keywords: `tools` reach the template only; the output is not parsed for calls). A
-        message's content is text or a list of text parts, joined with newlines as the
-        server and vLLM join them."""
+        """Apply the model's chat template to one conversation or a list of them, then
+        `generate` (vLLM's keywords: `tools` reach the template only; the output is not parsed
+        for calls). A message's content is text or a list of text parts, joined with newlines
+        as the server and vLLM join them."""
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be "
                              "true (pass add_generation_prompt=False)")
@@ -403,7 +406,7 @@ class LLM:
             template["tools"] = tools
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         ids = [self._chat_ids(c, template) for c in convs]  # type: ignore[arg-type]
-        return self._run(ids, self._per_prompt(params, len(ids)))
+        return self._run(ids, self._per_prompt(sampling_params, len(ids)), use_tqdm)
 
     # --- internals ---------------------------------------------------------------------------
     def _need_tokenizer(self) -> Any:
@@ -471,10 +474,11 @@ class LLM:
         if error is not None:
             raise ValueError(f"structured: {error}")
 
-    def _run(self, prompts: List[List[int]], params: List[SamplingParams]
-             ) -> List[GenerateOutput]:
+    def _run(self, prompts: List[List[int]], params: List[SamplingParams],
+             use_tqdm: Optional[bool] = None) -> List[GenerateOutput]:
         """Outputs of every prompt's `n` choices, choice j of prompt p right after choice j-1
-        (`params.n` = 1: one output per prompt)."""
+        (`params.n` = 1: one output per prompt). The progress bar shows where `use_tqdm` says,
+        or, when None, where `show_progress` does and there are 8 requests or more."""
         params = [self._check(i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
         prompts = [ids for ids, p in zip(prompts, params) for _ in range(p.n)]
         params = [p.choice(j) for p in params for j in range(p.n)]
@@ -488,8 +492,8 @@ class LLM:
                  for p in params]
         for uid, ids, p in zip(uids, prompts, params):
             self._backend.submit(UserMsg(uid, ids, dataclasses.replace(p, stop=(), n=1)))
-        bar = tqdm(total=len(prompts), desc="generating", unit="req",
-                   disable=not self.show_progress or len(prompts) < 8)
+        show = self.show_progress and len(prompts) >= 8 if use_tqdm is None else use_tqdm
+        bar = tqdm(total=len(prompts), desc="generating", unit="req", disable=not show)
         try:
             self._collect(slot, tokens, logprobs, prompt_logprobs, done, stops, bar)
         except BaseException:  # KeyboardInterrupt too: leave no request behind

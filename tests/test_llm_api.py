@@ -113,6 +113,19 @@ def test_per_prompt_params(llm: LLM) -> None:
         llm.generate(["a", "b", "c"], [SamplingParams(), SamplingParams()])
 
 
+def test_vllm_keywords(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's callers write `sampling_params=` and `use_tqdm=`: the same outputs, a bar on
+    request (even for one prompt) and none when told."""
+    greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    capsys.readouterr()
+    out = llm.generate("a", sampling_params=greedy, use_tqdm=True)
+    assert out[0].token_ids == llm.generate("a", greedy)[0].token_ids
+    assert "generating" in capsys.readouterr().err
+    chat = [{"role": "user", "content": "Hi"}]
+    assert len(llm.chat(chat, sampling_params=greedy, use_tqdm=False)[0].token_ids) == 3
+    assert "generating" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("prompt,params,match", [
     ("", SamplingParams(max_tokens=4), "prompt 1: the prompt is empty"),
     ([], SamplingParams(max_tokens=4), "prompt 1: the prompt is empty"),
