@@ -1,8 +1,9 @@
 """User settings declared once, as dataclass fields: CLI flags, TOML keys and keywords follow.
 
 A config *section* is a frozen dataclass. A field made by `setting(default, help, ...)` is a user
-setting: its metadata carries the help text and, where needed, the allowed values and an extra
-flag spelling. A field made by `section(factory)` nests another section, whose settings belong to
+setting: its metadata carries the help text and, where needed, the allowed values, an extra
+flag that sets a fixed value (`alias`) and other names for the setting itself (`also`: vLLM's and
+SGLang's, so that their users' command lines, config files and keywords work unchanged). A field made by `section(factory)` nests another section, whose settings belong to
 the same tree. Any other field is a runtime value (a rank's place, an address, a resolved path)
 that whoever starts a rank fills in with `dataclasses.replace`; it is not user-settable.
 
@@ -10,7 +11,8 @@ From a tree (an instance of the root section, whose values are the defaults):
 - `add_flags` declares one argparse flag per setting (`--max-kv-tokens`; a bool whose default is
   False is `--x`, one whose default is True is `--no-x`, an Optional[bool] is `--x` / `--no-x`);
 - `check_values` validates a mapping of settings (a TOML file, keywords): keys take dashes or
-  underscores, an unknown key or a value of the wrong type is a ValueError naming the key;
+  underscores and any of a setting's names, an unknown key, a value of the wrong type or one
+  setting given under two names is a ValueError naming the keys;
 - `build` returns the tree with those values: each section is constructed again, innermost first,
   so its own `__post_init__` judges the values (the one place each check is written);
 - `names` and `values` list the settings and their values.
@@ -32,6 +34,7 @@ _HELP = "help"
 _CHOICES = "choices"
 _ANY_CASE = "any_case"
 _ALIAS = "alias"
+_ALSO = "also"
 _SECTION = "section"
 _TYPES = (bool, int, float, str)
 _METAVARS = {int: "N", float: "X"}
@@ -46,15 +49,22 @@ class Alias(NamedTuple):
 
 
 def setting(default: Any, help: str, *, choices: Optional[Sequence[str]] = None,
-            any_case: bool = False, alias: Optional[Alias] = None) -> Any:
+            any_case: bool = False, alias: Optional[Alias] = None,
+            also: Sequence[str] = ()) -> Any:
     """A user-settable field. `choices`: the allowed values, checked by `check_choices` (case
-    aside where `any_case`); None passes where the default is None."""
+    aside where `any_case`); None passes where the default is None. `also`: other names of
+    the setting (dashed), each a flag and a key taking its value (not for a bool that is on
+    by default: its flag is `--no-NAME`)."""
+    if also and isinstance(default, bool) and default:
+        raise TypeError(f"setting {also}: a bool on by default takes no other names")
     metadata: Dict[str, Any] = {_HELP: help}
     if choices is not None:
         metadata[_CHOICES] = tuple(choices)
         metadata[_ANY_CASE] = any_case
     if alias is not None:
         metadata[_ALIAS] = alias
+    if also:
+        metadata[_ALSO] = tuple(also)
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -72,10 +82,21 @@ class Setting(NamedTuple):
     help: str
     choices: Optional[Tuple[str, ...]]
     alias: Optional[Alias]
+    also: Tuple[str, ...]  # other names, dashed
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
+
+    @property
+    def flags(self) -> List[str]:
+        """The setting's own flag, then one per other name."""
+        return [self.flag, *("--" + a for a in self.also)]
+
+    @property
+    def keys(self) -> List[str]:
+        """Every name that sets it in a mapping (underscored): its own and the others."""
+        return [self.name, *(a.replace("-", "_") for a in self.also)]
 
 
 def _value_type(hint: Any, where: str) -> Tuple[type, bool]:
@@ -96,7 +117,8 @@ def _walk(node: Any, path: Tuple[str, ...]) -> Iterator[Setting]:
         elif _HELP in f.metadata:
             base, optional = _value_type(hints[f.name], f.name)
             yield Setting(f.name, path, base, optional, getattr(node, f.name), f.metadata[_HELP],
-                          f.metadata.get(_CHOICES), f.metadata.get(_ALIAS))
+                          f.metadata.get(_CHOICES), f.metadata.get(_ALIAS),
+                          f.metadata.get(_ALSO, ()))
 
 
 def settings_of(root: Any) -> List[Setting]:
@@ -104,7 +126,7 @@ def settings_of(root: Any) -> List[Setting]:
     out = list(_walk(root, ()))
     seen: Dict[str, Setting] = {}
     for s in out:
-        for name in (s.name, *((s.alias.name.replace("-", "_"),) if s.alias else ())):
+        for name in (*s.keys, *((s.alias.name.replace("-", "_"),) if s.alias else ())):
             if name in seen:
                 raise TypeError(f"setting {name!r} is declared twice in {type(root).__name__}")
             seen[name] = s
@@ -162,15 +184,15 @@ def add_flags(parser: argparse.ArgumentParser, root: Any, *, skip: Iterable[str]
 def _add_flag(group: Any, s: Setting, default: Any) -> None:
     common = dict(dest=s.name, default=default)
     if s.type is bool and s.optional:
-        group.add_argument(s.flag, action=argparse.BooleanOptionalAction, help=_help(s),
+        group.add_argument(*s.flags, action=argparse.BooleanOptionalAction, help=_help(s),
                            **common)
     elif s.type is bool and s.value:
         group.add_argument("--no-" + s.flag[2:], action="store_false",
                            help=f"turn off {s.name}: {_help(s)}", **common)
     elif s.type is bool:
-        group.add_argument(s.flag, action="store_true", help=_help(s), **common)
+        group.add_argument(*s.flags, action="store_true", help=_help(s), **common)
     else:
-        group.add_argument(s.flag, type=s.type, choices=s.choices, help=_help(s),
+        group.add_argument(*s.flags, type=s.type, choices=s.choices, help=_help(s),
                            metavar=_METAVARS.get(s.type) if s.choices is None else None, **common)
     if s.alias is not None:
         group.add_argument("--" + s.alias.name, action="store_const", const=s.alias.value,
@@ -195,29 +217,39 @@ def _checked(s: Setting, key: str, value: Any) -> Any:
 
 
 def check_values(root: Any, raw: Mapping[str, Any], where: str) -> Dict[str, Any]:
-    """`raw` as {setting name: value}: keys with dashes or underscores, aliases applied, each
-    value of its setting's type (an int where a float is wanted becomes one). Raises ValueError
-    naming an unknown key (`where` says whose) or a value of the wrong type."""
+    """`raw` as {setting name: value}: keys with dashes or underscores, other names and
+    aliases applied, each value of its setting's type (an int where a float is wanted becomes
+    one). Raises ValueError naming an unknown key (`where` says whose), a value of the wrong
+    type, or two keys that set one setting (`tp` and `tensor-parallel-size`; `overlap` and
+    `disable-overlap`)."""
     by_name: Dict[str, Setting] = {}
+    by_key: Dict[str, Setting] = {}
     aliases: Dict[str, Setting] = {}
     for s in settings_of(root):
         by_name[s.name] = s
+        by_key.update((k, s) for k in s.keys)
         if s.alias is not None:
             aliases[s.alias.name.replace("-", "_")] = s
     out: Dict[str, Any] = {}
+    given_as: Dict[str, str] = {}  # setting name -> the key that gave it
+
+    def give(s: Setting, key: str, value: Any) -> None:
+        if s.name in given_as:
+            raise ValueError(f"{where}: {given_as[s.name]!r} and {key!r} both set {s.name}")
+        given_as[s.name], out[s.name] = key, value
+
     for key, value in raw.items():
         name = key.replace("-", "_")
-        if name in by_name:
-            out[name] = _checked(by_name[name], key, value)
-        elif name in aliases:
+        if name in by_key:
+            give(by_key[name], key, _checked(by_key[name], key, value))
+        elif name in aliases or _negated(name, by_name) is not None:
             if not isinstance(value, bool):
                 raise ValueError(f"{key} must be of type bool, got {value!r}")
-            if value:
-                out[aliases[name].name] = aliases[name].alias.value  # type: ignore[union-attr]
-        elif _negated(name, by_name) is not None:  # a `--no-X` flag's name: X turned off
-            if not isinstance(value, bool):
-                raise ValueError(f"{key} must be of type bool, got {value!r}")
-            out[name[len("no_"):]] = not value
+            if name in aliases and value:  # false leaves the setting as it is
+                s = aliases[name]
+                give(s, key, s.alias.value)  # type: ignore[union-attr]
+            elif name not in aliases:  # a `--no-X` flag's name: X turned off
+                give(by_name[name[len("no_"):]], key, not value)
         else:
             raise ValueError(f"{where}: unknown setting {key!r}")
     return out

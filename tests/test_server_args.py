@@ -12,7 +12,8 @@ from minisgl.distributed import DistributedInfo
 from minisgl.engine import EngineConfig
 from minisgl.engine.engine import use_pdl
 from minisgl.server.args import ServerConfig, load_file, parse_args
-from minisgl.settings import values
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.settings import build, values
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -60,6 +61,32 @@ def test_bad_file_names_the_setting(tmp_path: Path, text: str, match: str) -> No
     f.write_text(text)
     with pytest.raises(ValueError, match=match):
         parse_args(["--config", str(f)])
+
+
+def test_vllm_and_sglang_names_work_on_the_command_line_in_files_and_keywords(
+        tmp_path: Path) -> None:
+    """A vLLM or SGLang user's `serve MODEL --tensor-parallel-size 2 --max-num-seqs 64` (and
+    the same keys in a file) mean ours; one setting under two names is refused."""
+    cfg = parse_args(["org/model", "--tensor-parallel-size", "2", "--max-num-seqs", "64",
+                      "--block-size", "32", "--context-length", "4096", "--dp-size", "2",
+                      "--chunked-prefill-size", "2048", "--disable-log-requests"])
+    assert (cfg.model, cfg.engine.tp, cfg.engine.max_running_requests, cfg.engine.page_size,
+            cfg.engine.max_model_len, cfg.cluster.dp, cfg.scheduler.max_prefill_tokens,
+            cfg.log_requests) == ("org/model", 2, 64, 32, 4096, 2, 2048, False)
+    assert parse_args(["--model-path", "x", "--tp-size", "4"]).engine.tp == 4
+    f = tmp_path / "c.toml"
+    f.write_text('model-path = "x"\ntensor_parallel_size = 2\n')
+    assert parse_args(["--config", str(f)]).engine.tp == 2
+    assert build(SchedulerConfig(), {"tensor_parallel_size": 2}, "LLM()").engine.tp == 2
+    with pytest.raises(ValueError, match="the model is given twice: 'a' and --model 'b'"):
+        parse_args(["a", "--model", "b"])
+    for text, match in (("tp = 2\ntensor-parallel-size = 4\n",
+                         "'tp' and 'tensor-parallel-size' both set tp"),
+                        ("overlap = true\ndisable-overlap = true\n",
+                         "'overlap' and 'disable-overlap' both set overlap")):
+        f.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            parse_args(["--config", str(f)])
 
 
 def test_bad_flags() -> None:

@@ -32,7 +32,8 @@ class EngineConfig:
     model_path: str = ""  # the resolved model directory
     tp_info: DistributedInfo = DistributedInfo(0, 1)  # this rank among `tp`
     tp: int = setting(1, "tensor-parallel size: the model is split over this many ranks, one "
-                         "process and one device each")
+                         "process and one device each",
+                      also=("tensor-parallel-size", "tp-size"))
     # A rank's config holds the resolved device; checks that need the device wait until then.
     device: str = setting("auto", "auto (CUDA where present, else CPU), cpu or cuda (rank r "
                                   "uses cuda:r; over several nodes, its index among its "
@@ -42,15 +43,16 @@ class EngineConfig:
                                          "auto: bfloat16 on CUDA, float32 on CPU (exact "
                                          "comparison with Hugging Face)", choices=DTYPE_NAMES)
     max_model_len: Optional[int] = setting(None, "context length in tokens (prompt and output), "
-                                                 "at most the model's own; unset: the model's")
+                                                 "at most the model's own; unset: the model's",
+                                           also=("context-length",))
     kv_cache_dtype: str = setting("auto", "dtype of the KV cache: auto (the model's dtype) or "
                                           "fp8_e4m3 (fp8; FP8 e4m3 with per-layer K and V "
                                           "scales from the checkpoint, 1.0 where it gives none: "
                                           "twice the tokens in the same memory; CUDA needs "
                                           "compute capability 8.9+)", choices=KV_CACHE_DTYPES)
-    page_size: int = setting(16, "tokens per KV-cache page")
+    page_size: int = setting(16, "tokens per KV-cache page", also=("block-size",))
     max_running_requests: int = setting(256, "the most requests in flight at once (rows of the "
-                                             "page table)")
+                                             "page table)", also=("max-num-seqs",))
     max_kv_tokens: Optional[int] = setting(None, "KV pool capacity in tokens; unset: on CPU the "
                                                  "memory of 16384 tokens in the model's dtype, "
                                                  "on GPU the mem_fraction share of the memory "

@@ -24,7 +24,8 @@ class SchedulerConfig:
         None, "tokens per prefill step (longer prompts are chunked); the server's stays at "
               "8192, as a longer chunk delays the running requests' next token; LLM()'s, unset, "
               "is the device's offline default (utils.offline_prefill_tokens: 16384 on CUDA "
-              "GPUs of 70 GiB or more, A100s aside, else 8192)")
+              "GPUs of 70 GiB or more, A100s aside, else 8192)",
+        also=("chunked-prefill-size",))
     cache: str = setting("radix", "prefix cache: radix (requests reuse the KV of prompt "
                                   "prefixes seen before) or naive (none)", choices=CACHES)
     overlap: Optional[bool] = setting(

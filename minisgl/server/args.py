@@ -24,7 +24,8 @@ from minisgl.server.hosts import is_loopback
 from minisgl.server.topology import ClusterConfig, Wiring
 from minisgl.server.reasoning import REASONING_PARSERS
 from minisgl.server.tool_calls import TOOL_CALL_PARSERS
-from minisgl.settings import add_flags, build, check_choices, check_values, section, setting
+from minisgl.settings import (Alias, add_flags, build, check_choices, check_values, section,
+                              setting)
 from minisgl.settings import values as setting_values
 
 if sys.version_info >= (3, 11):
@@ -49,7 +50,7 @@ class ServerConfig:
     model: Optional[str] = setting(None, "local Hugging Face model directory, or a hub model id "
                                          "ORG/NAME (downloaded into the hub cache, or read from "
                                          "it with HF_HUB_OFFLINE=1; default: the bundled "
-                                         "SmolLM2-135M-Instruct)")
+                                         "SmolLM2-135M-Instruct)", also=("model-path",))
     served_model_name: Optional[str] = setting(None, "model name in the API, or several names "
                                                      "separated by commas: replies carry the "
                                                      "first, requests may name any (default: "
@@ -68,7 +69,9 @@ class ServerConfig:
                              any_case=True)
     log_requests: bool = setting(True, "one INFO line per HTTP request (client, method, path, "
                                        "status, milliseconds, its X-Request-Id and scheduler "
-                                       "uids)")
+                                       "uids)",
+                                 alias=Alias("disable-log-requests", False,
+                                             "the same as --no-log-requests (vLLM's name)"))
     shell: bool = setting(False, "chat with the model in this terminal")
     reasoning_parser: Optional[str] = setting(
         None, "split a reasoning model's chat output: the <think> part goes into "
@@ -208,6 +211,8 @@ def _parser(root: ServerConfig) -> argparse.ArgumentParser:
                                 description="Serve a model over an OpenAI-compatible HTTP API.")
     p.add_argument("--config", type=Path, default=argparse.SUPPRESS,
                    help="TOML file of settings (flags override it)")
+    p.add_argument("model_arg", nargs="?", metavar="MODEL", default=argparse.SUPPRESS,
+                   help="the model, as --model gives it (`serve MODEL`, as `vllm serve MODEL`)")
     add_flags(p, root, given_only=True)  # only flags actually given override the file
     return p
 
@@ -228,6 +233,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> ServerConfig:
     argparse itself exits with status 2 on malformed flags."""
     root = ServerConfig()
     given = vars(_parser(root).parse_args(argv))
+    if "model_arg" in given:
+        if "model" in given:
+            raise ValueError(f"the model is given twice: {given['model_arg']!r} and --model "
+                             f"{given['model']!r}")
+        given["model"] = given.pop("model_arg")
     settings: Dict[str, Any] = {}
     path = given.pop("config", None)
     if path is not None:

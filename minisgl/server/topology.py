@@ -48,7 +48,7 @@ class ClusterConfig:
     dp: int = setting(1, "data-parallel replicas: independent copies of the model (each of tp "
                          "ranks) behind one API server; each request goes to the replica most "
                          "likely to hold its prompt's prefix in its cache, else to the least "
-                         "loaded")
+                         "loaded", also=("data-parallel-size", "dp-size"))
     nnodes: int = setting(1, "nodes the ranks are spread over: each runs tp/nnodes ranks of "
                              "every replica; node 0 also runs the API server")
     node_rank: int = setting(0, "this node's index in [0, nnodes): 0 serves HTTP, the others "
