@@ -226,21 +226,46 @@ def test_stream_past_its_deadline_ends_with_an_error_event() -> None:
 
 def test_a_full_tokenizer_queue_is_a_429(tmp_path: Any) -> None:
     """The API server's socket to the tokenizer holds a bounded number of messages: past it a
-    request is told to retry (429), not failed with a 5xx."""
+    request is told to retry (429), not failed with a 5xx. A request refused so, or while the
+    server drains (503), counts in /metrics once per choice by that answer (rejected, error),
+    not as aborted, and no abort is sent for a choice that never went out (before: each
+    counted "abort", with an abort sent, or logged as unsendable, for every choice)."""
+    import zmq
+
+    from minisgl.message.codec import decode
+    from minisgl.message.types import AbortRequest
     from minisgl.server.metrics import Metrics
     from minisgl.server.protocol import CompletionRequest, completion_job
     from minisgl.server.streams import RequestStreams
 
     streams = RequestStreams(f"ipc://{tmp_path}/nobody", f"ipc://{tmp_path}/api", Metrics())
-    job = completion_job(CompletionRequest.model_validate({"prompt": "hi"}), 1)
+    job = completion_job(CompletionRequest.model_validate({"prompt": "hi", "n": 2}), 2)
+    ctx = zmq.Context()
+    tokenizer = ctx.socket(zmq.PULL)
     try:
         with pytest.raises(ApiError) as e:
             for _ in range(100_000):  # nobody reads: the socket's high-water mark is reached
                 streams.submit(job)
         assert e.value.status == 429 and e.value.kind == "rate_limit_error"
         assert "tokenizer" in e.value.message and e.value.headers["Retry-After"] == "1"
+        assert streams.metrics.finished == {"rejected": 2}
+
+        tokenizer.bind(f"ipc://{tmp_path}/nobody")  # the tokenizer comes: the queue empties
+        while tokenizer.poll(1000):
+            tokenizer.recv()
+        streams.draining = True
+        with pytest.raises(ApiError) as e:
+            streams.submit(job)
+        assert e.value.status == 503
+        assert streams.metrics.finished == {"rejected": 2, "error": 2}
+        sent = []
+        while tokenizer.poll(200):
+            sent.append(decode(tokenizer.recv()))
+        assert not any(isinstance(m, AbortRequest) for m in sent), sent
     finally:
         streams.close()
+        tokenizer.close(linger=0)
+        ctx.term()
 
 
 def test_scheduler_posts_its_state_before_a_prefill_and_after_each_step() -> None:

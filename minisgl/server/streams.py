@@ -101,6 +101,7 @@ class RequestStreams:
             raise
         for uid in stream.uids:
             self._streams[uid] = stream
+        sent = 0
         try:
             for k, uid in enumerate(stream.uids):
                 p = job.prompts[k // job.n]
@@ -111,8 +112,9 @@ class RequestStreams:
                                            t.add_generation_prompt, t.continue_final_message,
                                            _kwargs_json(t.kwargs), p.tools_json,
                                            p.add_special_tokens))
-        except ApiError:
-            self.release(stream)
+                sent += 1
+        except ApiError as e:
+            self._refuse(stream, sent, e.status)
             raise
         return stream
 
@@ -136,13 +138,33 @@ class RequestStreams:
         return stream
 
     def release(self, stream: RequestStream) -> None:
-        """Abort the stream's unfinished uids and forget the stream (idempotent)."""
-        for uid in sorted(stream.unfinished if stream.measured else ()):  # text: nothing runs
+        """Abort the stream's unfinished uids (each counted as finished by "abort") and forget
+        the stream (idempotent)."""
+        unfinished = sorted(stream.unfinished if stream.measured else ())  # text: nothing runs
+        self._abort(unfinished)
+        for _ in unfinished:
+            self.metrics.count_finished("abort")
+        self._forget(stream)
+
+    def _refuse(self, stream: RequestStream, sent: int, status: int) -> None:
+        """`submit` could not send the whole request (its answer: `status`): abort the first
+        `sent` uids, which went out, count every uid once as that refusal (`_status_reason`:
+        not an abort, nothing was served) and forget the stream."""
+        self._abort(stream.uids[:sent])
+        if stream.measured:
+            self.metrics.count_finished(_status_reason(status), len(stream.uids))
+        self._forget(stream)
+
+    def _abort(self, uids: List[int]) -> None:
+        """Tell the tokenizer (and through it the scheduler) to stop `uids`."""
+        for uid in uids:
             try:
                 self._push.send(encode(AbortRequest(uid)), zmq.NOBLOCK)
             except zmq.Again:
                 logger.error("could not send the abort of request %d (queue full)", uid)
-            self.metrics.count_finished("abort")
+
+    def _forget(self, stream: RequestStream) -> None:
+        """Drop the stream's uids: later replies for them are dropped, none counts as queued."""
         stream.unfinished.clear()
         for uid in stream.uids:
             self._streams.pop(uid, None)
@@ -220,9 +242,15 @@ def _reason(chunk: ReplyChunk) -> str:
     failed it (error)."""
     if chunk.error is None:
         return chunk.finish_reason or ""
-    if chunk.error_status == 429:
+    return _status_reason(chunk.error_status)
+
+
+def _status_reason(status: int) -> str:
+    """How a request answered with error `status` ended, for /metrics: rejected for load (429),
+    invalid input (another 4xx) or error."""
+    if status == 429:
         return "rejected"
-    return "invalid" if 400 <= chunk.error_status < 500 else "error"
+    return "invalid" if 400 <= status < 500 else "error"
 
 
 def _down_message(reason: str) -> str:
