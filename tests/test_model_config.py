@@ -117,3 +117,35 @@ def test_an_activation_other_than_silu_is_refused_naming_it(act: str) -> None:
     with pytest.raises(ValueError, match=f"unsupported hidden_act '{act}'.*silu, swish"):
         _config(hidden_act=act)
     assert _config(hidden_act="swish").hidden_act == "swish"  # transformers' SiLU too
+
+
+def test_llama3_scaling_without_its_pretraining_length_takes_max_positions() -> None:
+    """Hugging Face's llama3 scaling defaults `original_max_position_embeddings` to
+    max_position_embeddings; before, building the rotary tables raised a bare KeyError."""
+    import transformers
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from minisgl.layers.rotary import rope_frequencies
+    raw = dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=64,
+               intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=512, rope_theta=500000.0,
+               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0})
+    cfg = ModelConfig.from_dict(raw)
+    ours = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                            cfg.max_position_embeddings)
+    hf = LlamaRotaryEmbedding(transformers.LlamaConfig(**raw))
+    assert torch.equal(ours.inv_freq, hf.inv_freq)
+
+
+@pytest.mark.parametrize("changes", [
+    {"partial_rotary_factor": 0.5},
+    {"rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                                               "partial_rotary_factor": 0.25}},
+])
+def test_a_partial_rotary_factor_is_refused_naming_it(changes: Dict[str, Any]) -> None:
+    """Hugging Face's rope turns only that fraction of each head's dimensions (moving a
+    top-level factor into rope_parameters); before, every dimension was turned silently."""
+    with pytest.raises(ValueError, match="unsupported partial_rotary_factor 0.(5|25)"):
+        _config(**changes)
+    assert _config(partial_rotary_factor=1.0).head_dim == 128

@@ -30,8 +30,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling: Optional[dict],
                      max_positions: int) -> RopeFrequencies:
     """Inverse frequencies and the cos/sin scale of `scaling` (ModelConfig's: its type under
     `rope_type`); raises ValueError for a type we do not implement. `max_positions`: the
-    checkpoint's `max_position_embeddings`, YaRN's pretraining length where the scaling does
-    not give one."""
+    checkpoint's `max_position_embeddings`, YaRN's and llama3's pretraining length where the
+    scaling does not give one."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "default":
@@ -40,7 +40,7 @@ def rope_frequencies(head_dim: int, theta: float, scaling: Optional[dict],
     if kind == "linear":
         return RopeFrequencies(inv_freq / scaling["factor"], 1.0)
     if kind == "llama3":
-        return RopeFrequencies(_llama3_scale(inv_freq, scaling), 1.0)
+        return RopeFrequencies(_llama3_scale(inv_freq, scaling, max_positions), 1.0)
     if kind == "yarn":
         return _yarn(head_dim, theta, scaling, max_positions)
     raise ValueError(f"unsupported rope scaling type {kind!r}")
@@ -81,9 +81,11 @@ def _yarn(head_dim: int, theta: float, s: dict, max_positions: int) -> RopeFrequ
     return RopeFrequencies(inv_freq, float(attention))
 
 
-def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+def _llama3_scale(inv_freq: torch.Tensor, s: dict, max_positions: int) -> torch.Tensor:
+    """Llama 3.1's frequency scaling; the pretraining length defaults to `max_positions` (the
+    checkpoint's max_position_embeddings), as Hugging Face's does."""
     factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_len = s["original_max_position_embeddings"]
+    old_len = s.get("original_max_position_embeddings") or max_positions
     low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)

@@ -10,7 +10,8 @@ num_experts 0. An FP8 checkpoint's `quantization_config` is read by models/check
 Fields are read as each family's Hugging Face model reads them: a field absent from config.json
 takes that family's transformers default (`_FAMILY_DEFAULTS`), the bias fields count only for
 the families whose layers have them (Mistral and Mixtral have no biases, only Llama has MLP
-biases, Qwen2-MoE's q/k/v bias is its `qkv_bias`), and a `hidden_act` other than SiLU is refused.
+biases, Qwen2-MoE's q/k/v bias is its `qkv_bias`), and a `hidden_act` other than SiLU or a
+`partial_rotary_factor` other than 1 is refused.
 
 The context length (`max_context`) is vLLM's: `max_position_embeddings`, stretched by a "yarn"
 (to `original_max_position_embeddings` x factor) or "linear" rope scaling, and cut to a sliding
@@ -142,6 +143,11 @@ class ModelConfig:
         cfg = {**_FAMILY_DEFAULTS.get(arch, {}), **cfg}
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or {}
+        partial = (cfg.get("rope_scaling") or rope).get("partial_rotary_factor",
+                                                         cfg.get("partial_rotary_factor"))
+        if partial not in (None, 1):  # Hugging Face's rope then turns only the first dimensions
+            raise ValueError(f"unsupported partial_rotary_factor {partial!r}: minisgl's rotary "
+                             f"embedding turns every dimension of a head")
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         return cls(
             architecture=arch,
