@@ -268,6 +268,46 @@ def test_a_full_tokenizer_queue_is_a_429(tmp_path: Any) -> None:
         ctx.term()
 
 
+def test_an_abort_the_full_tokenizer_queue_refuses_goes_out_later(tmp_path: Any) -> None:
+    """A client that leaves while the API server's socket to the tokenizer is full: the abort
+    waits and goes out as soon as the socket takes messages, before the next request (before:
+    it was dropped with an error line, and the request ran on to its end, holding its KV
+    pages)."""
+    import zmq
+
+    from minisgl.message.codec import decode
+    from minisgl.message.types import AbortRequest
+    from minisgl.server.metrics import Metrics
+    from minisgl.server.protocol import CompletionRequest, completion_job
+    from minisgl.server.streams import RequestStreams
+
+    streams = RequestStreams(f"ipc://{tmp_path}/tok", f"ipc://{tmp_path}/api", Metrics())
+    job = completion_job(CompletionRequest.model_validate({"prompt": "hi"}), 1)
+    ctx = zmq.Context()
+    tokenizer = ctx.socket(zmq.PULL)
+    try:
+        left = streams.submit(job)
+        with pytest.raises(ApiError):
+            for _ in range(100_000):  # nobody reads: the socket's high-water mark is reached
+                streams.submit(job)
+        streams.release(left)  # the client goes away: the socket takes no abort now
+        tokenizer.bind(f"ipc://{tmp_path}/tok")  # the tokenizer catches up
+        got = []
+        while tokenizer.poll(1000):
+            got.append(decode(tokenizer.recv()))
+        assert got and not any(isinstance(m, AbortRequest) for m in got)
+        after = streams.submit(job)
+        got = []
+        while tokenizer.poll(200):
+            got.append(decode(tokenizer.recv()))
+        assert [(type(m).__name__, m.uid) for m in got] == [
+            ("AbortRequest", left.uids[0]), ("TokenizeRequest", after.uids[0])]
+    finally:
+        streams.close()
+        tokenizer.close(linger=0)
+        ctx.term()
+
+
 def test_scheduler_posts_its_state_before_a_prefill_and_after_each_step() -> None:
     """What rank 0's stats timer sends: before a prefill's forward its request is counted
     (waiting, pages held) although no reply carries that; the numbers only grow (`seq`), and

@@ -5,7 +5,9 @@
 arrive, in order, per uid. The caller owns the stream and must `release` it when done (in a
 `finally`): release sends an `AbortRequest` for every uid that has not finished (client gone,
 error in a sibling choice), which frees the request's KV pages in the scheduler. Sends are
-synchronous and never await, so release is safe inside cancelled tasks.
+synchronous and never await, so release is safe inside cancelled tasks. An abort the
+tokenizer's full socket does not take waits, in order, and goes out before anything else is
+sent and whenever a reply comes (a request left running keeps replying), so none is lost.
 
 `serve_replies` (one task per app) reads `ReplyBatch`es from the detokenizer and tokenizer,
 updates the metrics (time to first token, inter-token latency, scheduler stats) and routes chunks.
@@ -21,12 +23,13 @@ request in flight has its last chunk: the server can then close and exit.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set
+from typing import Deque, Dict, List, Optional, Set
 
 import zmq
 import zmq.asyncio
@@ -77,6 +80,7 @@ class RequestStreams:
         self._pull.bind(api_addr)
         self._uids = itertools.count()
         self._streams: Dict[int, RequestStream] = {}
+        self._unsent_aborts: Deque[int] = collections.deque()  # uids, oldest first
         self.down: Optional[str] = None  # why the service stopped (ServiceDown), if it did
         self.draining = False  # a Drain came: no new requests
         self.finished = asyncio.Event()  # set once stopped or drained: nothing is in flight
@@ -86,6 +90,8 @@ class RequestStreams:
             raise ApiError(503, _down_message(self.down), kind="server_error")
         if self.draining:
             raise ApiError(503, "the server is shutting down", kind="server_error")
+        if not self._flush_aborts():
+            raise overloaded("the tokenizer's queue is full")
         try:
             self._push.send(encode(msg), zmq.NOBLOCK)
         except zmq.Again:
@@ -156,12 +162,24 @@ class RequestStreams:
         self._forget(stream)
 
     def _abort(self, uids: List[int]) -> None:
-        """Tell the tokenizer (and through it the scheduler) to stop `uids`."""
-        for uid in uids:
+        """Tell the tokenizer (and through it the scheduler) to stop `uids`: now, or those its
+        full socket does not take as soon as it does (`_flush_aborts`)."""
+        waited = bool(self._unsent_aborts)
+        self._unsent_aborts.extend(uids)
+        if not self._flush_aborts() and not waited:
+            logger.warning("the tokenizer's queue is full: %d abort(s) wait to be sent",
+                           len(self._unsent_aborts))
+
+    def _flush_aborts(self) -> bool:
+        """Send the waiting aborts, oldest first, as far as the socket takes them; True once
+        none is left."""
+        while self._unsent_aborts:
             try:
-                self._push.send(encode(AbortRequest(uid)), zmq.NOBLOCK)
+                self._push.send(encode(AbortRequest(self._unsent_aborts[0])), zmq.NOBLOCK)
             except zmq.Again:
-                logger.error("could not send the abort of request %d (queue full)", uid)
+                return False
+            self._unsent_aborts.popleft()
+        return True
 
     def _forget(self, stream: RequestStream) -> None:
         """Drop the stream's uids: later replies for them are dropped, none counts as queued."""
@@ -173,6 +191,7 @@ class RequestStreams:
     async def serve_replies(self) -> None:
         while True:
             msg = decode(await self._pull.recv())
+            self._flush_aborts()
             if isinstance(msg, ServiceDown):
                 self.fail_all(msg.reason)
                 self.finished.set()
