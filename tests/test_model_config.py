@@ -85,8 +85,8 @@ _MOE_FIELDS = {"MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_t
 @pytest.mark.parametrize("arch", sorted(HF_CONFIGS))
 def test_a_minimal_config_reads_as_transformers_reads_it(arch: str, tmp_path: Path) -> None:
     """Absent fields take the family's transformers defaults (Mixtral's rope_theta 1e6 and
-    eps 1e-5, Mistral's 4096 window, Qwen3's head_dim 128: before, the generic ones, wrong
-    tokens or a failed load), and the bias switches count where the family's Hugging Face
+    eps 1e-5, Mistral's 4096 window, Qwen3's head_dim 128, the context lengths: before, the
+    generic ones, wrong tokens or a failed load), and the bias switches count where the family's Hugging Face
     layers read them (Mistral/Mixtral/Qwen ignore mlp_bias, Qwen2-MoE's q/k/v bias is
     `qkv_bias`: before, a load missing biases): the checkpoint transformers saves for the
     config loads, every tensor in place with its shape."""
@@ -103,9 +103,10 @@ def test_a_minimal_config_reads_as_transformers_reads_it(arch: str, tmp_path: Pa
     (tmp_path / "config.json").write_text(json.dumps(raw))  # as written by hand
     cfg = ModelConfig.from_dir(tmp_path)
     hf_head_dim = getattr(hf_cfg, "head_dim", None) or 64 // 4
-    assert (cfg.head_dim, cfg.rope_theta, cfg.rms_norm_eps, cfg.sliding_window) == (
+    assert (cfg.head_dim, cfg.rope_theta, cfg.rms_norm_eps, cfg.sliding_window,
+            cfg.max_position_embeddings) == (
         hf_head_dim, hf_cfg.rope_parameters["rope_theta"], hf_cfg.rms_norm_eps,
-        getattr(hf_cfg, "sliding_window", None) or None)
+        getattr(hf_cfg, "sliding_window", None) or None, hf_cfg.max_position_embeddings)
     info = DistributedInfo(0, 1)
     model_class(arch)(cfg, info, Communicator(info)).load_weights(iter_checkpoint(tmp_path, False))
 

@@ -35,14 +35,17 @@ HIDDEN_ACTS = ("silu", "swish")
 
 # transformers' defaults for the fields a family's config class sets otherwise than the generic
 # defaults of `ModelConfig.from_dict` (save_pretrained writes them all, a hand-written config.json
-# may not): Mistral's window, Mixtral's theta and eps, Qwen3's head_dim, Qwen's window switch.
+# may not): Mistral's window, Mixtral's theta and eps, Qwen3's head_dim, Qwen's window switch,
+# the context lengths.
+_QWEN = {"max_position_embeddings": 32768, "use_sliding_window": False}
 _FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
-    "MistralForCausalLM": {"sliding_window": 4096},
-    "MixtralForCausalLM": {"rope_theta": 1e6, "rms_norm_eps": 1e-5},
-    "Qwen2ForCausalLM": {"use_sliding_window": False},
-    "Qwen2MoeForCausalLM": {"use_sliding_window": False},
-    "Qwen3ForCausalLM": {"head_dim": 128, "use_sliding_window": False},
-    "Qwen3MoeForCausalLM": {"use_sliding_window": False},
+    "MistralForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096},
+    "MixtralForCausalLM": {"max_position_embeddings": 131072, "rope_theta": 1e6,
+                           "rms_norm_eps": 1e-5},
+    "Qwen2ForCausalLM": _QWEN,
+    "Qwen2MoeForCausalLM": _QWEN,
+    "Qwen3ForCausalLM": {**_QWEN, "head_dim": 128},
+    "Qwen3MoeForCausalLM": _QWEN,
 }
 # The families whose attention projections take `attention_bias` (Qwen2's are fixed: q/k/v
 # bias, none on o; Mistral's and Mixtral's have none), and whose MLP takes `mlp_bias`.
