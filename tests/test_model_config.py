@@ -35,8 +35,16 @@ def test_yarn_stretches_the_context_as_qwen_documents() -> None:
     ({"rope_scaling": None, "rope_parameters": {"rope_type": "linear", "factor": 0.5,
                                                 "rope_theta": 1e6}}, 20480),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, 81920),  # trained: max_position
-    ({"sliding_window": 4096, "use_sliding_window": True}, 4096),
-    ({"sliding_window": 4096, "use_sliding_window": False}, 40960),
+    ({"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 30}, 4096),
+    ({"sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 30}, 40960),
+    # as transformers decides: Qwen slides only from layer max_window_layers on (36: none),
+    # config.json's layer_types say it where given, Llama ignores the key
+    ({"sliding_window": 4096, "use_sliding_window": True}, 40960),
+    ({"sliding_window": 4096, "use_sliding_window": True,
+      "layer_types": ["full_attention"] * 35 + ["sliding_attention"]}, 4096),
+    ({"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 30,
+      "layer_types": ["full_attention"] * 36}, 40960),
+    ({"sliding_window": 4096, "architectures": ["LlamaForCausalLM"]}, 40960),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}, 40960),
 ])

@@ -51,6 +51,9 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
 # bias, none on o; Mistral's and Mixtral's have none), and whose MLP takes `mlp_bias`.
 _ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _MLP_BIAS = ("LlamaForCausalLM",)
+# The families whose attention may slide (see `_window`).
+_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
+             "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -151,7 +154,6 @@ class ModelConfig:
         if partial not in (None, 1):  # Hugging Face's rope then turns only the first dimensions
             raise ValueError(f"unsupported partial_rotary_factor {partial!r}: minisgl's rotary "
                              f"embedding turns every dimension of a head")
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -173,7 +175,7 @@ class ModelConfig:
             eos_token_ids=_eos_ids(cfg, generation or {}),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             quantization=parse_quantization(cfg),
-            sliding_window=int(window) if window else None,
+            sliding_window=_window(cfg, arch),
             **_moe_fields(cfg, arch),
         )
 
@@ -191,6 +193,23 @@ class ModelConfig:
         except KeyError as e:  # a bare KeyError says only the key
             raise ValueError(f"{config_file} has no {e.args[0]!r}, which a model's config "
                              f"needs") from None
+
+
+def _window(cfg: Dict[str, Any], arch: str) -> Optional[int]:
+    """The sliding window some layer attends within, as the family's transformers model
+    decides (its `layer_types` where config.json lists them; Qwen2/Qwen3 slide only from layer
+    `max_window_layers` on; Llama ignores the key), or None: every layer sees the whole
+    context."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    if not window or arch not in _WINDOWED:
+        return None
+    types = cfg.get("layer_types")
+    if types is not None:
+        return int(window) if "sliding_attention" in types else None
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and (
+            cfg.get("max_window_layers", 28) >= cfg["num_hidden_layers"]):
+        return None
+    return int(window)
 
 
 def _rope_scaling(raw: Dict[str, Any]) -> Optional[Dict[str, Any]]:
