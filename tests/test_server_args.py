@@ -168,3 +168,8 @@ def test_graph_and_overlap_flags_reach_the_engine_and_scheduler() -> None:
         parse_args(["--cuda-graph-max-bs", "-1"])
     with pytest.raises(ValueError, match="cuda_graph_max_bs must be >= 0"):
         EngineConfig("m", DistributedInfo(0, 1), cuda_graph_max_bs=-1)
+    graphs = default.engine
+    assert (graphs.decode_graph_max_bs, graphs.prefill_graph_max_tokens) == (256, 1024)
+    for flag in ("--enforce-eager", "--disable-cuda-graph"):  # vLLM's and SGLang's names
+        eager = sched(flag, "--cuda-graph-max-bs", "32", "--mixed-steps").engine
+        assert (eager.decode_graph_max_bs, eager.prefill_graph_max_tokens) == (0, 0)

@@ -91,6 +91,11 @@ class EngineConfig:
                                               "first token does not wait for the host to "
                                               "launch each kernel (0: none; GPU, triton "
                                               "backend only)")
+    enforce_eager: bool = setting(False, "no CUDA graphs at all: the same as "
+                                         "--cuda-graph-max-bs 0 --prefill-graph-tokens 0 "
+                                         "(vLLM's --enforce-eager, SGLang's "
+                                         "--disable-cuda-graph)",
+                                  also=("disable-cuda-graph",))
     allreduce: str = setting("auto", "tensor-parallel all-reduce: auto (symmetric-memory "
                                      "one-shot for small tensors where CUDA offers it, else "
                                      "NCCL / gloo), nccl (the process group's own), symm "
@@ -189,6 +194,16 @@ class EngineConfig:
             raise ValueError(f"max_model_len {self.max_model_len} is above the model's context "
                              f"length {model_max}")
         return self.max_model_len
+
+    @property
+    def decode_graph_max_bs(self) -> int:
+        """The largest batch a decode CUDA graph is captured for (0: none)."""
+        return 0 if self.enforce_eager else self.cuda_graph_max_bs
+
+    @property
+    def prefill_graph_max_tokens(self) -> int:
+        """The longest one-request prefill a CUDA graph is captured for (0: none)."""
+        return 0 if self.enforce_eager else self.prefill_graph_tokens
 
     @property
     def torch_device(self) -> torch.device:

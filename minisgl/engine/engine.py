@@ -201,10 +201,10 @@ class Engine:
             scale=self.model_cfg.head_dim ** -0.5,
             **({"policy": self.policy} if cfg.backend_name == "triton" else {}))
         self.graphs: Optional[DecodeGraphs] = None
-        graph_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
+        graph_bs = min(cfg.decode_graph_max_bs, cfg.max_running_requests)
         if cfg.tune_gemms:  # before the capture, which records the kernels chosen
             self._tune_gemms(graph_sizes(graph_bs))
-        if (self.device.type == "cuda" and cfg.cuda_graph_max_bs > 0
+        if (self.device.type == "cuda" and cfg.decode_graph_max_bs > 0
                 and hasattr(self.backend, "init_graph_buffers")):
             self.graphs = DecodeGraphs(
                 self.model, self.backend,  # type: ignore[arg-type]
@@ -213,9 +213,9 @@ class Engine:
                 last_tokens=self.last_tokens)
             on_progress(f"decode CUDA graphs captured for batch sizes up to {graph_bs}")
         self.prefill_graphs: Optional[PrefillGraphs] = None
-        if self.device.type == "cuda" and cfg.prefill_graph_tokens > 0:
+        if self.device.type == "cuda" and cfg.prefill_graph_max_tokens > 0:
             self.prefill_graphs = capture_prefill_graphs(
-                self.model, self.backend, cfg.prefill_graph_tokens, self.page_table,
+                self.model, self.backend, cfg.prefill_graph_max_tokens, self.page_table,
                 self.pool.scratch_slot, self.last_tokens,
                 min(mixed_rows, cfg.max_running_requests))
         if self.device.type == "cuda":

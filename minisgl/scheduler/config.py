@@ -70,7 +70,7 @@ class SchedulerConfig:
         """mixed_steps resolved: where unset, on with CUDA and prefill graphs."""
         if self.mixed_steps is not None:
             return self.mixed_steps
-        return self.engine.torch_device.type == "cuda" and self.engine.prefill_graph_tokens > 0
+        return self.engine.torch_device.type == "cuda" and self.engine.prefill_graph_max_tokens > 0
 
     @property
     def mixed_rows(self) -> int:
