@@ -67,7 +67,9 @@ def test_penalties_survive_retraction(tiny_model: Callable[..., Path]) -> None:
     with LLM(str(path), device="cpu", page_size=4, max_kv_tokens=400, max_running_requests=12,
              overlap=True, decode_reserve_tokens=4, show_progress=False) as llm:
         got = [o.token_ids for o in llm.generate(prompts, params)]
-        assert llm.check_accounting().retracted_requests > 0
+        retracted = llm.check_accounting().retracted_requests
+        assert retracted > 0
+        assert llm.stats is not None and llm.stats.retracted_requests_total == retracted
     assert got == hf_greedy(path, prompts, 40, repetition_penalty=1.1, frequency_penalty=0.8)
 
 

@@ -306,12 +306,20 @@ def test_models_health_metrics(client: openai.OpenAI, server: Server, model: str
                  "minisgl_decode_steps_total", "minisgl_decode_seconds_total",
                  "minisgl_device_wait_seconds_total",
                  "minisgl_time_to_first_token_seconds_bucket",
-                 "minisgl_inter_token_latency_seconds_count"):
+                 "minisgl_inter_token_latency_seconds_count", "minisgl_num_preemptions_total",
+                 "minisgl_kv_pages_evicted_total", "minisgl_e2e_request_latency_seconds_bucket",
+                 "minisgl_request_prompt_tokens_bucket",
+                 "minisgl_request_generation_tokens_bucket"):
         assert f"\n{name}" in text
     m = server.metrics()
     assert m["minisgl_kv_pages_total"] == 512
     assert m["minisgl_time_to_first_token_seconds_count"] >= 1
     assert m["minisgl_prefill_steps_total"] >= 1 and m["minisgl_decode_steps_total"] >= 1
+    # the completion above: 2 tokens, ended by length (other tests' requests may add to these)
+    assert m["minisgl_e2e_request_latency_seconds_count"] >= 1
+    assert m['minisgl_request_generation_tokens_bucket{le="2.0"}'] >= 1
+    completed = m["minisgl_e2e_request_latency_seconds_count"]
+    assert m["minisgl_request_prompt_tokens_count"] == completed
 
 
 # --- disconnects free the KV pages ----------------------------------------------------------------

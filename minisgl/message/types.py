@@ -127,6 +127,10 @@ class SchedulerStats:
     generated_tokens_total: int = 0
     cached_tokens_total: int = 0
     prefilled_tokens_total: int = 0
+    # Running requests retracted to make room for the others (they wait again, their KV in the
+    # prefix cache), and prefix-cache pages evicted to make room: the pool's pressure.
+    retracted_requests_total: int = 0
+    evicted_pages_total: int = 0
     # Forward passes by phase and the wall time each phase kept the device busy (a batch counts
     # from its launch, or from the previous batch's completion if later, to its completion).
     prefill_steps_total: int = 0

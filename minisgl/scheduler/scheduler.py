@@ -541,6 +541,8 @@ class Scheduler:
             generated_tokens_total=self.totals["generated"],
             cached_tokens_total=self.totals["cached"],
             prefilled_tokens_total=self.totals["prefilled"],
+            retracted_requests_total=self.totals["retracted"],
+            evicted_pages_total=self.cache.evicted_pages,
             prefill_steps_total=self.steps[Phase.PREFILL],
             decode_steps_total=self.steps[Phase.DECODE],
             prefill_seconds_total=self.busy_s[Phase.PREFILL],

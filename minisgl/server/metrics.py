@@ -17,6 +17,10 @@ from minisgl.message.types import SchedulerStats
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# Tokens per request: 1, 2, 5, 10, 20, 50, ... up to a million (past any context served).
+_TOKEN_BUCKETS = tuple(float(m * 10 ** e) for e in range(7) for m in (1, 2, 5) if m * 10 ** e
+                       <= 1_000_000)
 
 # SchedulerStats field -> (metric name, type, help)
 _SCHEDULER_METRICS: Dict[str, Tuple[str, str, str]] = {
@@ -35,6 +39,11 @@ _SCHEDULER_METRICS: Dict[str, Tuple[str, str, str]] = {
                             "Prompt tokens served from the prefix cache."),
     "prefilled_tokens_total": ("minisgl_prefill_tokens_total", "counter",
                                "Prompt tokens computed in prefill batches."),
+    "retracted_requests_total": ("minisgl_num_preemptions_total", "counter",
+                                 "Running requests retracted (preempted) for KV room; each "
+                                 "waits again and recomputes what the prefix cache lost."),
+    "evicted_pages_total": ("minisgl_kv_pages_evicted_total", "counter",
+                            "Prefix-cache KV pages evicted for room."),
     "prefill_steps_total": ("minisgl_prefill_steps_total", "counter", "Prefill forward passes."),
     "decode_steps_total": ("minisgl_decode_steps_total", "counter", "Decode forward passes."),
     "prefill_seconds_total": ("minisgl_prefill_seconds_total", "counter",
@@ -84,6 +93,15 @@ class Metrics:
     itl: Histogram = field(default_factory=lambda: Histogram(
         "minisgl_inter_token_latency_seconds",
         "Time between consecutive output tokens of a request.", _ITL_BUCKETS))
+    e2e: Histogram = field(default_factory=lambda: Histogram(
+        "minisgl_e2e_request_latency_seconds",
+        "Time from a request's arrival to its last token, of requests that finished by stop "
+        "or length.", _E2E_BUCKETS))
+    prompt_tokens: Histogram = field(default_factory=lambda: Histogram(
+        "minisgl_request_prompt_tokens", "Prompt tokens per finished request.", _TOKEN_BUCKETS))
+    generation_tokens: Histogram = field(default_factory=lambda: Histogram(
+        "minisgl_request_generation_tokens", "Generated tokens per finished request.",
+        _TOKEN_BUCKETS))
     finished: Dict[str, int] = field(default_factory=dict)  # by finish reason (and "error")
 
     def update(self, stats: Optional[SchedulerStats]) -> None:
@@ -100,6 +118,13 @@ class Metrics:
     def count_finished(self, reason: str, count: int = 1) -> None:
         self.finished[reason] = self.finished.get(reason, 0) + count
 
+    def observe_completed(self, seconds: float, prompt_tokens: int, generated: int) -> None:
+        """A request (one choice) that finished by stop or length, `seconds` after it
+        arrived."""
+        self.e2e.observe(seconds)
+        self.prompt_tokens.observe(prompt_tokens)
+        self.generation_tokens.observe(generated)
+
     def render(self) -> str:
         lines: List[str] = []
         for attr, (name, kind, help_text) in _SCHEDULER_METRICS.items():
@@ -113,5 +138,7 @@ class Metrics:
         lines += [f"# HELP {name} Requests finished, by reason (stop, length, abort; rejected "
                   f"for load, invalid input, error).", f"# TYPE {name} counter"]
         lines += [f'{name}{{reason="{r}"}} {c}' for r, c in sorted(self.finished.items())]
-        lines += self.ttft.render() + self.itl.render()
+        for histogram in (self.ttft, self.itl, self.e2e, self.prompt_tokens,
+                          self.generation_tokens):
+            lines += histogram.render()
         return "\n".join(lines) + "\n"

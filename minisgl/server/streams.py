@@ -246,6 +246,9 @@ class RequestStreams:
             del self._streams[chunk.uid]
             if stream.measured:
                 self.metrics.count_finished(_reason(chunk))
+                if chunk.finish_reason in ("stop", "length") and chunk.error is None:
+                    self.metrics.observe_completed(now - stream.created, chunk.prompt_tokens,
+                                                   chunk.completion_tokens)
         stream.queue.put_nowait(chunk)
 
     def close(self) -> None:
