@@ -38,6 +38,24 @@ def test_gpu_float32_matches_cpu(tiny_qwen3: Path, backend: str) -> None:
     assert _run(tiny_qwen3, device="cuda", dtype="float32", attention_backend=backend) == cpu
 
 
+@pytest.mark.parametrize("family", ["qwen2_yarn", "llama_linear"])
+def test_gpu_scaled_rope_matches_cpu(family: str, tmp_path: Path) -> None:
+    """YaRN's and linear scaling's tables (YaRN's attention factor in cos and sin) reach the
+    fused rotary kernel on CUDA as the CPU's torch rotation reads them."""
+    path = build_tiny(family, tmp_path / family, None)
+    assert _run(path, device="cuda", dtype="float32") == _run(path, device="cpu",
+                                                                dtype="float32")
+
+
+def test_enforce_eager_captures_no_graph_and_keeps_the_tokens(tiny_qwen3: Path) -> None:
+    with LLM(str(tiny_qwen3), device="cuda", dtype="float32", enforce_eager=True,
+             show_progress=False) as llm:
+        engine = llm._backend.engine  # type: ignore[union-attr]
+        assert engine.graphs is None and engine.prefill_graphs is None
+        eager = [o.token_ids for o in llm.generate(mixed_prompts(8, seed=6), GREEDY)]
+    assert eager == _run(tiny_qwen3, device="cuda", dtype="float32")
+
+
 def test_gpu_logprobs_match_cpu(tiny_qwen3: Path) -> None:
     """Log-probabilities on CUDA (decode graphs replayed, fused ops, float32) equal the CPU's:
     the graphs' logits feed them as the eager path's do."""
@@ -198,7 +216,7 @@ def test_pdl_bf16_batch1_gemv_path_is_deterministic(tiny_qwen3: Path) -> None:
 
 
 @pytest.mark.skipif(not _pdl_device(), reason="needs compute capability 9.0+")
-@pytest.mark.parametrize("family", ["qwen2", "llama3", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "llama3", "qwen3", "qwen2_yarn"])
 def test_bf16_batch1_fused_projections_match_the_unfused_path(family: str,
                                                               tmp_path: Path) -> None:
     """At batch 1 in bf16 with PDL each layer's norms run inside the QKV and gate/up GEMVs and,
