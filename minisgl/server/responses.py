@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from minisgl.message.types import ReplyChunk, TokenLogprobText
 from minisgl.server.protocol import Job
 from minisgl.server.reasoning import ReasoningSplitter, split_reasoning
-from minisgl.server.tool_calls import ToolCallStreamer, call_dict, tool_call_format
+from minisgl.server.tool_calls import CallStreamer, call_dict, tool_call_format
 
 
 @dataclass
@@ -305,14 +305,14 @@ class ChatFormatter(_OpenAIFormatter):
         tools = job.tools
         self.tool_format = (tool_call_format(tool_parser or "hermes")
                             if tools is not None and tools.parsed else None)
-        self.streamers: Dict[int, ToolCallStreamer] = {}
+        self.streamers: Dict[int, CallStreamer] = {}
 
-    def _streamer(self, index: int) -> Optional[ToolCallStreamer]:
+    def _streamer(self, index: int) -> Optional[CallStreamer]:
         if self.tool_format is None:
             return None
         if index not in self.streamers:
             assert self.job.tools is not None
-            self.streamers[index] = ToolCallStreamer(self.tool_format, self.job.tools.max_calls)
+            self.streamers[index] = self.job.tools.streamer(self.tool_format)
         return self.streamers[index]
 
     def _logprobs(self, entries: Sequence[TokenLogprobText], offset: int) -> Dict[str, Any]:

@@ -8,6 +8,9 @@ Formats (the names vLLM and SGLang use):
 - `llama3_json` (Llama 3.1 / 3.2 / 3.3): each call is a bare `{"name": "NAME", "parameters":
   {...}}` (or `"arguments"`), calls separated by `;` or whitespace; the `<|python_tag|>` Llama
   writes before calls (a special token, so usually skipped by the detokenizer) is dropped.
+- `qwen3_coder` (Qwen3-Coder): XML calls, `<tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n
+  </parameter>\n</function>\n</tool_call>`, read by server/tool_calls_xml.py (its values
+  converted to the types the tools' schemas declare; its own notes on streaming).
 
 Contract, one parse for both modes: the whole text goes through `ToolCallStreamer` at once for
 a plain response, delta by delta for a stream, and however the text is split the streamed deltas
@@ -30,9 +33,9 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Tuple
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder")
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,8 @@ class ToolCallFormat:
     """How a model writes calls. `start` opens a call and `end` closes it ("" for none: the call
     is its JSON object, found by `opener`); `markers` are dropped from content;
     `arguments_keys` name the arguments field (the first is the one the model is made to write);
-    `separator` goes between constrained parallel calls."""
+    `separator` goes between constrained parallel calls. `xml`: the calls are XML
+    (server/tool_calls_xml.py), not JSON; `call_prefix` / `call_suffix` are the JSON formats'."""
 
     name: str
     start: str
@@ -48,6 +52,7 @@ class ToolCallFormat:
     arguments_keys: Tuple[str, ...]
     separator: str
     markers: Tuple[str, ...] = ()
+    xml: bool = False
 
     def call_prefix(self, function: str) -> str:
         """The text that opens a call of `function`, up to its arguments object."""
@@ -65,6 +70,8 @@ FORMATS: Dict[str, ToolCallFormat] = {
     "hermes": ToolCallFormat("hermes", "<tool_call>", "</tool_call>", ("arguments",), "\n"),
     "llama3_json": ToolCallFormat("llama3_json", "", "", ("parameters", "arguments"), "; ",
                                   markers=("<|python_tag|>",)),
+    "qwen3_coder": ToolCallFormat("qwen3_coder", "<tool_call>", "</tool_call>", ("arguments",),
+                                  "\n", xml=True),
 }
 
 
@@ -77,10 +84,13 @@ def tool_call_format(name: str) -> ToolCallFormat:
 
 
 def default_tool_call_parser(chat_template: Optional[str]) -> str:
-    """The parser for a chat template: `llama3_json` for Llama 3.x's templates (they write
+    """The parser for a chat template: `qwen3_coder` for Qwen3-Coder's (it writes calls as
+    `<function=NAME>` and `<parameter=NAME>`), `llama3_json` for Llama 3.x's (they write
     `<|python_tag|>` or `"parameters"`), else `hermes`, the most common format (Qwen, Hermes,
     SmolLM3), also for templates that do not render tools at all."""
     text = chat_template or ""
+    if "<function=" in text and "<parameter=" in text:
+        return "qwen3_coder"
     if "<tool_call>" in text:
         return "hermes"
     if "<|python_tag|>" in text or '"parameters"' in text:
@@ -126,6 +136,22 @@ class StreamPiece(NamedTuple):
     calls: List[ToolCallDelta]
 
 
+class CallStreamer(Protocol):
+    """What reads one choice's output for calls, in any format: `ToolCallStreamer` (JSON),
+    `tool_calls_xml.XmlToolCallStreamer` (XML). `feed` returns the content and call deltas a
+    delta completes, `finish` the rest at the end of the output; then `parsed` is the stream
+    joined (the plain response), and `any_call` says whether a call was announced."""
+
+    def feed(self, text: str) -> StreamPiece: ...
+
+    def finish(self) -> StreamPiece: ...
+
+    def parsed(self) -> Parsed: ...
+
+    @property
+    def any_call(self) -> bool: ...
+
+
 _SPACES = " \t\r\n"
 _OPENER = re.compile(r'\{\s*"name"\s*:')
 
@@ -138,7 +164,7 @@ def _opener_prefix(tail: str) -> bool:
     return '"name"'.startswith(rest)
 
 
-def _tag_tail(buf: str, tag: str) -> int:
+def tag_tail(buf: str, tag: str) -> int:
     """Length of the longest suffix of `buf` that is a proper prefix of `tag`."""
     for k in range(min(len(tag) - 1, len(buf)), 0, -1):
         if buf.endswith(tag[:k]):
@@ -367,9 +393,9 @@ class ToolCallStreamer:
 
     def _possible_start(self, buf: str) -> int:
         """Length of the tail of `buf` that may still become a call's start (or a marker)."""
-        keep = max([_tag_tail(buf, m) for m in self.fmt.markers] + [0])
+        keep = max([tag_tail(buf, m) for m in self.fmt.markers] + [0])
         if self.fmt.start:
-            return max(keep, _tag_tail(buf, self.fmt.start))
+            return max(keep, tag_tail(buf, self.fmt.start))
         at = buf.rfind("{")
         while at >= 0:
             if _opener_prefix(buf[at:]):

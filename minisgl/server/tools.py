@@ -12,7 +12,10 @@ parsed for calls, and the grammar that enforces calls).
   `{"type": "function", "function": {"name": NAME}}` (exactly one call of NAME).
 - "required" and a named function are enforced by the grammar: an xgrammar structural tag in the
   parser's own format (`tool_calls.ToolCallFormat`), each call's arguments constrained by its
-  function's schema, so every call parses and validates. The output starts with a call.
+  function's schema, so every call parses and validates. The output starts with a call. For the
+  XML format (`qwen3_coder`) the arguments are xgrammar's Qwen XML parameters (`json_schema` with
+  style "qwen_xml": strings as raw text, other values as JSON), which the parser converts back
+  by the same schema.
 """
 
 from __future__ import annotations
@@ -25,13 +28,17 @@ from typing import Any, Dict, List, Optional, Tuple
 import jsonschema
 
 from minisgl.core import StructuredOutput
-from minisgl.server.tool_calls import ToolCallFormat
+from minisgl.server.tool_calls import CallStreamer, ToolCallFormat, ToolCallStreamer
+from minisgl.server.tool_calls_xml import XmlToolCallStreamer, tool_schemas
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 _CHOICES = ("none", "auto", "required")
 # Blanks allowed in a row inside enforced arguments: room for `{"a": 1}` or `{ "a": 1 }`, none
 # for a small model to spend its whole budget on (unbounded, xgrammar's default, it can).
 _MAX_WHITESPACE = 2
+# Qwen3-Coder's call, around its parameters (what its chat template writes).
+_XML_BEGIN = "<tool_call>\n<function={name}>\n"
+_XML_END = "</function>\n</tool_call>"
 # A function without parameters takes none: its arguments are always {}.
 _NO_PARAMETERS: Dict[str, Any] = {"type": "object", "properties": {},
                                   "additionalProperties": False}
@@ -79,6 +86,25 @@ class Tools:
     def template_json(self) -> str:
         return json.dumps(list(self.tools), ensure_ascii=False)
 
+    def streamer(self, fmt: ToolCallFormat) -> CallStreamer:
+        """A reader of one choice's output for calls in `fmt` (the XML format converts values
+        by these tools' schemas)."""
+        if fmt.xml:
+            return XmlToolCallStreamer(tool_schemas(self.tools), self.max_calls)
+        return ToolCallStreamer(fmt, self.max_calls)
+
+    def _call_tag(self, fmt: ToolCallFormat, name: str) -> Dict[str, Any]:
+        """The structural tag of one call of `name` in `fmt`."""
+        if fmt.xml:
+            return {"type": "tag", "begin": _XML_BEGIN.format(name=name),
+                    "content": {"type": "json_schema", "json_schema": self.parameters(name),
+                                "style": "qwen_xml", "max_whitespace_cnt": _MAX_WHITESPACE},
+                    "end": _XML_END}
+        return {"type": "tag", "begin": fmt.call_prefix(name),
+                "content": {"type": "json_schema", "json_schema": self.parameters(name),
+                            "max_whitespace_cnt": _MAX_WHITESPACE},
+                "end": fmt.call_suffix}
+
     def constraint(self, fmt: ToolCallFormat) -> Optional[StructuredOutput]:
         """The grammar of the calls "required" or a named function asks for, in `fmt`: a
         structural tag (xgrammar's JSON), or None when the output is free."""
@@ -86,10 +112,7 @@ class Tools:
             return None
         names = [self.forced] if self.forced is not None else [
             t["function"]["name"] for t in self.tools]
-        tags = [{"type": "tag", "begin": fmt.call_prefix(name),
-                 "content": {"type": "json_schema", "json_schema": self.parameters(name),
-                             "max_whitespace_cnt": _MAX_WHITESPACE},
-                 "end": fmt.call_suffix} for name in names]
+        tags = [self._call_tag(fmt, name) for name in names]
         if self.max_calls == 1 and len(tags) == 1:
             form: Dict[str, Any] = tags[0]
         else:
