@@ -158,6 +158,9 @@ def test_value_conversion_keeps_strings_as_written() -> None:
     assert convert_value("  two spaces\n", {"type": "string"}, root) == "  two spaces\n"
     assert convert_value("null", {"type": "string"}, root) == "null"
     assert convert_value(" c ", {"enum": ["c", "f"]}, root) == "c"
+    assert convert_value(" AB\n", {"type": "string", "pattern": "^[A-Z]+$"}, root) == "AB"
+    assert convert_value("7", {"$ref": "#/$defs/N"}, {"$defs": {"N": {"type": "integer"}}}) == 7
+    assert convert_value("7", {"$ref": "#/$defs/Missing"}, root) == "7"
     assert convert_value("3", None, root) == "3"
     assert convert_value("3", {"enum": [1, 3]}, root) == 3
     # one newline at each end is the template's, the rest is the value's

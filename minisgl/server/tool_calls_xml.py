@@ -36,6 +36,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+import jsonschema
+
 from minisgl.server.tool_calls import (Parsed, StreamPiece, ToolCall, ToolCallDelta, new_call_id,
                                        tag_tail)
 
@@ -54,15 +56,21 @@ _JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "st
                (type(None), "null"), (list, "array"), (dict, "object"))
 
 
-def _resolve(schema: Any, root: Mapping[str, Any], depth: int = 0) -> Any:
-    """`schema` with a local `$ref` ("#/$defs/X", "#/definitions/X") followed."""
-    while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and depth < 16:
+def _resolve(schema: Any, root: Mapping[str, Any]) -> Any:
+    """`schema` with a local `$ref` ("#/$defs/X", "#/definitions/X") followed (None where it
+    does not resolve, or is not local)."""
+    for _ in range(16):  # a chain of references, not a loop
+        ref = schema.get("$ref") if isinstance(schema, dict) else None
+        if not isinstance(ref, str):
+            return schema
+        if not ref.startswith("#"):
+            return None
         node: Any = root
-        for part in schema["$ref"].lstrip("#").strip("/").split("/"):
-            node = node.get(part.replace("~1", "/").replace("~0", "~")) \
-                if isinstance(node, dict) and part else (node if not part else None)
-        schema, depth = node, depth + 1
-    return schema
+        for part in filter(None, ref[1:].split("/")):
+            key = part.replace("~1", "/").replace("~0", "~")
+            node = node.get(key) if isinstance(node, dict) else None
+        schema = node
+    return None
 
 
 def _value_type(value: Any) -> str:
@@ -88,18 +96,16 @@ def declared_types(schema: Any, root: Mapping[str, Any]) -> List[str]:
     return [_value_type(v) for v in values]
 
 
-def _allowed_strings(schema: Any, root: Mapping[str, Any]) -> List[str]:
-    """The strings an `enum` / `const` (of `schema` or its members) lists."""
+def _satisfies(value: str, schema: Any, root: Mapping[str, Any]) -> bool:
+    """Whether the string `value` validates against `schema` (False where it cannot be
+    checked, e.g. a `$ref` that does not resolve)."""
     schema = _resolve(schema, root)
     if not isinstance(schema, dict):
-        return []
-    enum = schema.get("enum")
-    values = list(enum) if isinstance(enum, list) else []
-    values += [schema["const"]] if "const" in schema else []
-    for key in ("anyOf", "oneOf", "allOf"):
-        for member in schema.get(key) or []:
-            values += _allowed_strings(member, root)
-    return [v for v in values if isinstance(v, str)]
+        return True
+    try:
+        return bool(jsonschema.validators.validator_for(schema)(schema).is_valid(value))
+    except Exception:  # an unresolvable $ref: its kind of error depends on jsonschema's version
+        return False
 
 
 def _as_type(text: str, kind: str) -> Tuple[bool, Any]:
@@ -130,17 +136,19 @@ def convert_value(text: str, schema: Any, root: Mapping[str, Any]) -> Any:
     """A parameter's text as the type its `schema` declares (`root`: the tool's parameters
     schema, for `$ref`): null, boolean, integer, number, object or array where the text reads as
     one of the declared types (tried in that order), else the text itself, a string. A string
-    that is not among the strings an `enum` / `const` lists but is once stripped of surrounding
-    whitespace is stripped. A parameter the schema does not describe is a string."""
+    that does not satisfy its schema (an `enum`, a `pattern`, a length) but does once stripped of
+    surrounding whitespace is stripped (xgrammar's Qwen XML lets whitespace surround a value).
+    A parameter the schema does not describe is a string."""
     types = declared_types(schema, root)
     for kind in ("null", "boolean", "integer", "number", "object", "array"):
         if kind in types:
             ok, value = _as_type(text, kind)
             if ok:
                 return value
-    allowed = _allowed_strings(schema, root)
-    if allowed and text not in allowed and text.strip() in allowed:
-        return text.strip()
+    word = text.strip()
+    if word != text and schema is not None and not _satisfies(text, schema, root) \
+            and _satisfies(word, schema, root):
+        return word
     return text
 
 

@@ -15,7 +15,9 @@ parsed for calls, and the grammar that enforces calls).
   function's schema, so every call parses and validates. The output starts with a call. For the
   XML format (`qwen3_coder`) the arguments are xgrammar's Qwen XML parameters (`json_schema` with
   style "qwen_xml": strings as raw text, other values as JSON), which the parser converts back
-  by the same schema.
+  by the same schema. One gap there: xgrammar lets a string with `minLength` / `maxLength` hold
+  `</parameter>` and counts a newline around it toward its length either way, so such a string
+  may come back cut at `</parameter>` or a newline shorter than its `minLength`.
 """
 
 from __future__ import annotations
