@@ -41,7 +41,7 @@ from minisgl.scheduler.scheduler import Accounting, Scheduler
 from minisgl.server.proc import (Child, ChildStartupError, first_dead, spawn, stop_children,
                                  wait_ready)
 from minisgl.tokenizer.incremental import IncrementalDecoder, StopMatcher
-from minisgl.tokenizer.text import load_tokenizer
+from minisgl.tokenizer.text import load_tokenizer, resolve_tokenizer_path
 from minisgl.settings import build
 from minisgl.distributed.bind import free_port
 
@@ -285,22 +285,26 @@ class LLM:
     processes' (tp > 1). `generation_config`: where the params of a call given none come from
     (`get_default_sampling_params`): "auto" (the model's generation_config.json recommends
     temperature, top_p, top_k, min_p, repetition_penalty, as in vLLM), "none" (SamplingParams'
-    own defaults), or a directory holding a generation_config.json."""
+    own defaults), or a directory holding a generation_config.json. `tokenizer`: a directory or
+    hub id whose tokenizer (and chat template) replaces the model's, as the server's
+    `--tokenizer`."""
 
     def __init__(self, model: Optional[str] = None, *, show_progress: bool = True,
                  log_level: str = "WARNING", generation_config: str = "auto",
-                 **overrides: Any) -> None:
+                 tokenizer: Optional[str] = None, **overrides: Any) -> None:
         cfg = build(SchedulerConfig(), overrides, "LLM()")
         tp = cfg.engine.tp
         self.model_path = resolve_model_path(model, cfg.engine.revision,
                                              cfg.engine.download_dir)
-        self.tokenizer = load_tokenizer(self.model_path)
+        tokenizer_path = resolve_tokenizer_path(tokenizer, self.model_path,
+                                                cfg.engine.download_dir)
+        self.tokenizer = load_tokenizer(tokenizer_path)
         self.sampling_defaults = sampling_defaults(generation_config, self.model_path)
         self.model_config = ModelConfig.from_dir(self.model_path)
         self.model_config.check_tp(tp)
         engine = dataclasses.replace(cfg.engine.for_rank(str(self.model_path), 0),
                                      show_progress=show_progress)
-        cfg = dataclasses.replace(cfg, engine=engine)
+        cfg = dataclasses.replace(cfg, engine=engine, tokenizer_path=str(tokenizer_path))
         self.show_progress = show_progress
         self._backend = _InProcess(cfg) if tp == 1 else _RankProcesses(cfg, tp, log_level)
         self._uids = itertools.count()

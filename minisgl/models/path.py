@@ -15,11 +15,13 @@ from typing import Optional, Tuple
 
 from minisgl.models.default_model import default_model_path
 
+# What loading a tokenizer reads (its config.json too: some tokenizers pick their class by it).
+TOKENIZER_FILES: Tuple[str, ...] = ("config.json", "tokenizer*", "special_tokens_map.json",
+                                    "vocab.json", "merges.txt", "*.model", "*.jinja",
+                                    "chat_template.json")
 # What loading a model reads: weights, configs, tokenizer files and chat templates.
-HUB_FILES: Tuple[str, ...] = ("*.safetensors", "*.safetensors.index.json", "config.json",
-                              "generation_config.json", "tokenizer*", "special_tokens_map.json",
-                              "vocab.json", "merges.txt", "*.model", "*.jinja",
-                              "chat_template.json")
+HUB_FILES: Tuple[str, ...] = ("*.safetensors", "*.safetensors.index.json",
+                              "generation_config.json", *TOKENIZER_FILES)
 _TRUE = ("1", "on", "yes", "true")
 
 
@@ -39,15 +41,17 @@ def _offline() -> bool:
 
 
 def download_model(model_id: str, revision: Optional[str] = None,
-                   download_dir: Optional[str] = None) -> Path:
+                   download_dir: Optional[str] = None, files: Tuple[str, ...] = HUB_FILES
+                   ) -> Path:
     """The local snapshot of hub model `model_id` at `revision` (None: the default branch),
-    downloaded into the hub cache (`download_dir`, else huggingface_hub's default) where
-    missing. FileNotFoundError naming the id when it is neither cached nor downloadable."""
+    its `files` (patterns) downloaded into the hub cache (`download_dir`, else
+    huggingface_hub's default) where missing. FileNotFoundError naming the id when it is
+    neither cached nor downloadable."""
     from huggingface_hub import snapshot_download
     offline = _offline()
     try:
         folder = snapshot_download(model_id, revision=revision, cache_dir=download_dir,
-                                   allow_patterns=list(HUB_FILES), local_files_only=offline)
+                                   allow_patterns=list(files), local_files_only=offline)
     except Exception as e:  # noqa: BLE001  (hub errors, invalid ids, network failures)
         where = f"revision {revision!r} of " if revision else ""
         how = ("HF_HUB_OFFLINE is set and it is not in the local cache" if offline else
@@ -58,10 +62,7 @@ def download_model(model_id: str, revision: Optional[str] = None,
             f"model {model_id!r} is not a local directory, and {where}the Hugging Face hub model "
             f"{model_id!r} is not available: {how} (cache: {cache}; {type(e).__name__}: "
             f"{detail})") from None
-    path = Path(str(folder))
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"hub model {model_id!r} has no config.json (snapshot {path})")
-    return path
+    return Path(str(folder))
 
 
 def resolve_model_path(model: Optional[str], revision: Optional[str] = None,
@@ -74,7 +75,10 @@ def resolve_model_path(model: Optional[str], revision: Optional[str] = None,
     if (path / "config.json").is_file():
         return path
     if looks_like_hub_id(model):
-        return download_model(model, revision, download_dir)
+        path = download_model(model, revision, download_dir)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"hub model {model!r} has no config.json (snapshot {path})")
+        return path
     raise FileNotFoundError(f"model path {model!r} is not a directory with a config.json "
                             f"(models are local Hugging Face directories or hub ids ORG/NAME)")
 
@@ -84,3 +88,4 @@ def model_name(model: Optional[str], path: Path) -> str:
     if model is not None and not (Path(model).expanduser() / "config.json").is_file():
         return model
     return path.name
+

@@ -64,6 +64,8 @@ class SchedulerConfig:
     subscriber_timeout_s: float = 60.0
     replica: int = 0  # which data-parallel replica this rank belongs to (in its stats)
     node_ranks: int = 0  # rank processes its launcher runs on this host (0: tp); CPU threads
+    # The tokenizer grammars compile against (--tokenizer's directory); "": the model's.
+    tokenizer_path: str = ""
 
     @property
     def mixed(self) -> bool:

@@ -112,7 +112,7 @@ class Scheduler:
         # Constrained requests whose grammar compiles, in arrival order (not yet queued).
         self.compiling: List[Tuple[Req, "Future[Any]"]] = []
         self.grammars = GrammarCache(TokenizerSource(
-            model_path=cfg.engine.model_path, vocab_size=engine.vocab_size,
+            model_path=cfg.tokenizer_path or cfg.engine.model_path, vocab_size=engine.vocab_size,
             stop_ids=engine.eos_token_ids))
         self._batch_matcher: Any = None  # an xgrammar.BatchGrammarMatcher, made on first use
         self.stopped = False

@@ -55,6 +55,10 @@ class ServerConfig:
                                                      "separated by commas: replies carry the "
                                                      "first, requests may name any (default: "
                                                      "the hub id, or the directory name)")
+    tokenizer: Optional[str] = setting(None, "a local directory or hub id ORG/NAME whose "
+                                             "tokenizer and chat template are used instead "
+                                             "of the model's (only its tokenizer files are "
+                                             "downloaded)")
     chat_template: Optional[str] = setting(None, "a Jinja chat template file that replaces the "
                                                  "model's own")
     generation_config: str = setting(
@@ -193,9 +197,11 @@ class ServerConfig:
 
     def scheduler_config(self, model_path: Path, rank: int, dist_init_method: str,
                          backend_addr: str, detokenizer_addr: str, broadcast_addr: str,
-                         wiring: Wiring = Wiring()) -> SchedulerConfig:
+                         wiring: Wiring = Wiring(), tokenizer_path: Optional[Path] = None
+                         ) -> SchedulerConfig:
         """Rank `rank`'s config (of replica `wiring.replica`); the default wiring is one
-        replica on one machine."""
+        replica on one machine. `tokenizer_path`: --tokenizer's directory (None: the
+        model's)."""
         engine = replace(self.engine.for_rank(str(model_path), rank, dist_init_method),
                          show_progress=False, device_index=wiring.device_index,
                          dist_store_prefix=wiring.store_prefix,
@@ -204,7 +210,8 @@ class ServerConfig:
                        detokenizer_addr=detokenizer_addr, broadcast_addr=broadcast_addr,
                        broadcast_remote_addr=wiring.broadcast_remote, replica=wiring.replica,
                        node_ranks=wiring.node_ranks,
-                       subscriber_timeout_s=self.cluster.dist_timeout)
+                       subscriber_timeout_s=self.cluster.dist_timeout,
+                       tokenizer_path=str(tokenizer_path or model_path))
 
 
 def _parser(root: ServerConfig) -> argparse.ArgumentParser:

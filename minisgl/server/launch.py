@@ -44,7 +44,7 @@ from minisgl.server.cluster import Cluster, fingerprint
 from minisgl.server.proc import StartupError
 from minisgl.server.service import Service
 from minisgl.settings import values as setting_values
-from minisgl.tokenizer.text import has_tokenizer, read_chat_template
+from minisgl.tokenizer.text import has_tokenizer, read_chat_template, resolve_tokenizer_path
 
 logger = logging.getLogger("minisgl.launcher")
 
@@ -94,6 +94,7 @@ def _fail(message: str) -> int:
 
 class Prepared(NamedTuple):
     model_path: Path
+    tokenizer_path: Path  # the model's, or --tokenizer's
     model: ModelConfig
     sock: Optional[socket.socket]  # node 0's HTTP socket; None on the other nodes
 
@@ -105,9 +106,12 @@ def _prepare(cfg: ServerConfig) -> Prepared:
                                                 cfg.engine.download_dir)
         shape = ModelConfig.from_dir(model_path)  # a readable config.json, before anything starts
         shape.check_tp(cfg.engine.tp)
-        if not has_tokenizer(model_path):
+        tokenizer_path = resolve_tokenizer_path(cfg.tokenizer, model_path,
+                                                cfg.engine.download_dir)
+        if not has_tokenizer(tokenizer_path):
             logger.warning("%s has no tokenizer files: only token-id prompts can be served "
-                           "(text and chat requests get a 400)", model_path)
+                           "(text and chat requests get a 400; --tokenizer names another)",
+                           model_path)
         if cfg.cluster.multi_node:
             cfg.cluster.broadcast_tcp_addr(0)  # noqa: B018  (node 0's host resolves)
         cfg.engine.context_length(shape.max_context)
@@ -121,7 +125,7 @@ def _prepare(cfg: ServerConfig) -> Prepared:
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise StartupError(str(e)) from None
     sock = bind_http(cfg.host, cfg.port) if cfg.cluster.is_head else None
-    return Prepared(model_path, shape, sock)
+    return Prepared(model_path, tokenizer_path, shape, sock)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -143,7 +147,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     link = (Cluster(cfg.cluster, node_fingerprint(cfg, prep.model))
             if cfg.cluster.multi_node else None)
     signals = Signals(threading.Event(), threading.Event())
-    service = Service(cfg, prep.model_path, prep.sock, link)
+    service = Service(cfg, prep.model_path, prep.sock, link, prep.tokenizer_path)
     _install_signal_handlers(signals, shell=cfg.shell and cfg.cluster.is_head)
     try:
         return _run(cfg, service, signals)

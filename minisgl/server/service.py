@@ -124,9 +124,10 @@ class Service:
     call after a failed `start`. `sock` (the bound HTTP socket) is None on nodes other than 0."""
 
     def __init__(self, cfg: ServerConfig, model_path: Path, sock: Optional[socket.socket],
-                 link: Optional[Cluster] = None) -> None:
+                 link: Optional[Cluster] = None, tokenizer_path: Optional[Path] = None) -> None:
         self.cfg = cfg
         self.model_path = model_path
+        self.tokenizer_path = tokenizer_path or model_path  # --tokenizer's, resolved
         self.model_name = cfg.model_name(model_path)
         self.sock = sock
         self.link = link
@@ -204,7 +205,7 @@ class Service:
                 broadcast = broadcast if cl.is_head else remote  # rank 0 is on node 0
             out.append(self.cfg.scheduler_config(self.model_path, p.rank, inits[p.replica],
                                                  a.backends[p.replica], a.detokenizer,
-                                                 broadcast, wiring))
+                                                 broadcast, wiring, self.tokenizer_path))
         return out
 
     def _spawn_workers(self, level: str) -> None:
@@ -213,7 +214,7 @@ class Service:
         c = self.cfg
         template = None if c.chat_template is None else read_chat_template(c.chat_template)
         tool_parser = c.tool_call_parser or default_tool_call_parser(
-            template if template is not None else model_chat_template(Path(self.model_path)))
+            template if template is not None else model_chat_template(self.tokenizer_path))
         api_cfg = ApiConfig(self.model_name, context, c.max_n, a.tokenizer, a.api,
                             self.health_file, dp, root=path, reasoning_parser=c.reasoning_parser,
                             tool_call_parser=tool_parser, aliases=c.model_aliases,
@@ -224,14 +225,15 @@ class Service:
                             log_requests=c.log_requests,
                             sampling_defaults=sampling_defaults(c.generation_config,
                                                                 Path(self.model_path)))
-        tok_cfg = TokenizerConfig(path, a.tokenizer, a.backends, a.detokenizer, a.api, template,
+        tok_cfg = TokenizerConfig(str(self.tokenizer_path), a.tokenizer, a.backends, a.detokenizer, a.api, template,
                                   c.max_queued_tokens, c.tokenizer_threads)
         # The tokenizer needs the replicas' stats to route (several) or to count queued tokens.
         stats_to = a.tokenizer if dp > 1 or c.max_queued_tokens is not None else None
         self.workers = [
             spawn("tokenizer", run_tokenizer, (tok_cfg,), level, self.run_dir),
             spawn("detokenizer", run_detokenizer,
-                  (DetokenizerConfig(path, a.detokenizer, a.backends, a.api, stats_to),),
+                  (DetokenizerConfig(str(self.tokenizer_path), a.detokenizer, a.backends,
+                                     a.api, stats_to),),
                   level, self.run_dir),
             spawn("api", run_api, (api_cfg, self.sock, level), level, self.run_dir),
         ]

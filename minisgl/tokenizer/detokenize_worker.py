@@ -40,7 +40,7 @@ logger = logging.getLogger("minisgl.detokenizer")
 
 @dataclass(frozen=True)
 class DetokenizerConfig:
-    model_path: str
+    tokenizer_path: str  # the model's directory, or --tokenizer's
     detokenizer_addr: str  # PULL, bound here: rank 0's BatchTokenOut, the tokenizer's inits
     backend_addrs: Tuple[str, ...]  # PUSH to each replica's rank 0: aborts of stopped requests
     api_addr: str  # PUSH to the API server: ReplyBatch
@@ -175,7 +175,7 @@ def run_detokenizer(cfg: DetokenizerConfig, conn: Any) -> None:
     """Process entry: load the tokenizer, bind, report ("ready", "detokenizer", {}), loop forever
     (the launcher ends the process)."""
     with report_startup(conn, "detokenizer", logger):
-        state = Detokenizer(load_tokenizer(Path(cfg.model_path)))
+        state = Detokenizer(load_tokenizer(Path(cfg.tokenizer_path)))
         ctx = zmq.Context()
         inbox = PullQueue(ctx, cfg.detokenizer_addr, bind=True)
         to_api = PushQueue(ctx, cfg.api_addr, bind=False)

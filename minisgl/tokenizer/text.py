@@ -1,5 +1,5 @@
-"""Loading a model directory's tokenizer (the tokenizer processes are the only places that know
-text)."""
+"""Loading a model directory's tokenizer, or another directory's or hub id's (`--tokenizer`;
+the tokenizer processes are the only places that know text)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,24 @@ from typing import Any, Optional
 def has_tokenizer(path: Path) -> bool:
     return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model",
                                              "tokenizer_config.json"))
+
+
+def resolve_tokenizer_path(tokenizer: Optional[str], model_path: Path,
+                           download_dir: Optional[str] = None) -> Path:
+    """Where the tokenizer (and the chat template) comes from: `model_path` when `tokenizer`
+    is None, else a local directory or a hub id (only its tokenizer files are downloaded).
+    FileNotFoundError naming it when it holds no tokenizer."""
+    from minisgl.models.path import TOKENIZER_FILES, download_model, looks_like_hub_id
+    if tokenizer is None:
+        return model_path
+    path = Path(tokenizer).expanduser()
+    if not path.is_dir() and looks_like_hub_id(tokenizer):
+        path = download_model(tokenizer, None, download_dir, TOKENIZER_FILES)
+    if not has_tokenizer(path):
+        raise FileNotFoundError(f"tokenizer {tokenizer!r} is not a directory with tokenizer "
+                                f"files (tokenizer.json, tokenizer.model or "
+                                f"tokenizer_config.json) nor a hub id that has them")
+    return path
 
 
 def load_tokenizer(path: Path, chat_template: Optional[str] = None) -> Optional[Any]:

@@ -53,7 +53,7 @@ logger = logging.getLogger("minisgl.tokenizer")
 
 @dataclass(frozen=True)
 class TokenizerConfig:
-    model_path: str
+    tokenizer_path: str  # the model's directory, or --tokenizer's
     # PULL, bound here: TokenizeRequest / AbortRequest from the API server (and the replicas'
     # SchedulerStats from the detokenizer, with several replicas)
     tokenizer_addr: str
@@ -343,7 +343,7 @@ def run_tokenizer(cfg: TokenizerConfig, conn: Any) -> None:
     ("limits", core.Limits) from the launcher (sent once every rank is ready;
     requests wait in the socket until then) and serve forever (the launcher ends the process)."""
     with report_startup(conn, "tokenizer", logger):
-        tokenizer = load_tokenizer(Path(cfg.model_path), cfg.chat_template)
+        tokenizer = load_tokenizer(Path(cfg.tokenizer_path), cfg.chat_template)
         sockets = _sockets(cfg, zmq.Context())
     freeze_startup_heap(logger, "tokenizer")
     conn.send(("ready", "tokenizer", {}))
