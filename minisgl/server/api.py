@@ -1,7 +1,8 @@
 """The HTTP front end: an OpenAI-compatible API on FastAPI, served by uvicorn on uvloop.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /generate (token ids in and out),
-POST /v1/responses, POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /v1/models, GET /v1/models/{id},
+POST /v1/responses, POST /v1/messages and POST /v1/messages/count_tokens (Anthropic's Messages
+API, whose errors take Anthropic's shape: anthropic_api.py), POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /v1/models, GET /v1/models/{id},
 GET /version, GET /health (200 only while the launcher reports every process up), GET /metrics.
 A POST body must be JSON: another declared content type gets a 415.
 In front of the routes: the API key and Host checks (auth.py), then the body's size and read
@@ -37,6 +38,9 @@ from minisgl.message.startup import report_startup
 from minisgl.message.types import ReplyChunk
 from minisgl.models.generation import SamplingDefaults
 from minisgl.server.admission import Deadline, overloaded
+from minisgl.server.anthropic_api import (COUNT_TOKENS_PATH, MESSAGES_PATH, CountTokensRequest,
+                                          MessagesFormatter, MessagesRequest, count_tokens_prompt,
+                                          error_body, messages_job)
 from minisgl.server.auth import AccessCheck
 from minisgl.server.limits import BodyLimits
 from minisgl.server.request_log import REQUEST_ID_HEADER, RequestLog
@@ -71,7 +75,8 @@ class ApiConfig:
     reasoning_parser: Optional[str] = None  # server/reasoning.py: splits chat output
     tool_call_parser: str = "hermes"  # server/tool_calls.py: reads (and enforces) tool calls
     aliases: Tuple[str, ...] = ()  # more names requests may give the model
-    # clients must send it as a Bearer token (auth.py); not in the repr, which logs may show
+    # clients must send it as a Bearer token, or as x-api-key on the Messages API (auth.py);
+    # not in the repr, which logs may show
     api_key: Optional[str] = field(default=None, repr=False)
     loopback_only: bool = False  # listening on loopback: Host headers must name it
     max_queued_requests: Optional[int] = None  # admission.py
@@ -204,12 +209,12 @@ async def _events(stream: RequestStream, fmt: Formatter, choices: List[Choice],
     while buffered or stream.unfinished or not stream.queue.empty():
         chunk = buffered.pop(0) if buffered else await stream.get(deadline.timeout(True))
         if chunk is None:  # past the deadline: an error event ends it (the release aborts)
-            yield sse(deadline.error().body())
-            yield "data: [DONE]\n\n"
+            for line in _stream_error(fmt, deadline.error()):
+                yield line
             return
         if chunk.error is not None:  # the service failed mid-stream: an error event ends it
-            yield sse(_chunk_error(chunk).body())
-            yield "data: [DONE]\n\n"
+            for line in _stream_error(fmt, _chunk_error(chunk)):
+                yield line
             return
         i = stream.index[chunk.uid]
         choices[i].add(chunk)
@@ -219,26 +224,39 @@ async def _events(stream: RequestStream, fmt: Formatter, choices: List[Choice],
         yield line
 
 
+def _stream_error(fmt: Formatter, e: ApiError) -> Iterator[str]:
+    """The lines that end a stream that failed after it began: the Messages API's `error`
+    event, elsewhere an OpenAI error body as a data line, then `[DONE]`."""
+    if isinstance(fmt, MessagesFormatter):
+        yield from fmt.error_events(e)
+        return
+    yield sse(e.body())
+    yield "data: [DONE]\n\n"
+
+
 # --- the app --------------------------------------------------------------------------------------
-def _error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
+def _error_response(e: ApiError, request: Request) -> JSONResponse:
+    """The error's response, in the shape the request's path speaks (anthropic_api.error_body:
+    Anthropic's on the Messages API, OpenAI's elsewhere)."""
+    return JSONResponse(error_body(e, request.url.path), status_code=e.status,
+                        headers=e.headers or None)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        return _error_response(exc)
+        return _error_response(exc, request)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         msg = f"{exc.detail}: {request.method} {request.url.path}"
-        return _error_response(ApiError(exc.status_code, msg, kind=kind))
+        return _error_response(ApiError(exc.status_code, msg, kind=kind), request)
 
     async def internal_error(request: Request, exc: Exception) -> Response:
         logger.exception("internal error in %s %s", request.method, request.url.path)
         return _error_response(ApiError(500, f"internal server error: {type(exc).__name__}",
-                                        kind="server_error"))
+                                        kind="server_error"), request)
 
     async def client_gone(request: Request, exc: Exception) -> Response:
         return Response(status_code=499)  # gone while its body was read: nobody to answer
@@ -264,8 +282,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
 
     app = App(title="minisgl", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.streams = streams  # serve_forever exits once they are `finished`
-    app.body_models += [ChatRequest, CompletionRequest, ResponsesRequest, GenerateRequest,
-                        TokenizeBody, DetokenizeBody]
+    app.body_models += [ChatRequest, CompletionRequest, ResponsesRequest, MessagesRequest,
+                        CountTokensRequest, GenerateRequest, TokenizeBody, DetokenizeBody]
     _install_error_handlers(app)
     app.add_middleware(BodyLimits, max_bytes=cfg.max_request_bytes, timeout_s=cfg.body_timeout)
     app.add_middleware(AccessCheck, api_key=cfg.api_key, loopback_only=cfg.loopback_only)
@@ -312,6 +330,27 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         job = responses_job(body, messages, cfg.max_n, cfg.sampling_defaults)
         fmt = ResponsesFormatter(cfg.model_name, job, body, messages, stored)
         return await run(request, fmt)
+
+    @app.post(MESSAGES_PATH, openapi_extra=body_schema(MessagesRequest))
+    async def messages(request: Request) -> Response:
+        body = parse_body(await json_body(request), MessagesRequest)
+        check_model(body.model)
+        job = client_id(request, messages_job(body, cfg.max_n, cfg.tool_call_parser,
+                                              cfg.sampling_defaults))
+        fmt = MessagesFormatter(cfg.model_name, job, cfg.reasoning_parser, cfg.tool_call_parser)
+        return await run(request, fmt)
+
+    @app.post(COUNT_TOKENS_PATH, openapi_extra=body_schema(CountTokensRequest))
+    async def count_tokens(request: Request) -> Response:
+        """The prompt tokens a messages request with this body would have."""
+        body = parse_body(await json_body(request), CountTokensRequest)
+        check_model(body.model)
+        try:
+            chunk = await run_text(request, streams,
+                                   count_tokens_prompt(body, cfg.tool_call_parser))
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse({"input_tokens": len(chunk.token_ids)})
 
     @app.post("/generate", openapi_extra=body_schema(GenerateRequest))
     async def generate(request: Request) -> Response:

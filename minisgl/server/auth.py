@@ -2,8 +2,10 @@
 
 `AccessCheck` is ASGI middleware around the app:
 - with an API key, every endpoint but `OPEN_PATHS` (/health and /metrics, for probes and
-  scrapers) needs `Authorization: Bearer KEY`; the key is compared in constant time
-  (`hmac.compare_digest`), and a missing or wrong one gets OpenAI's 401 (`invalid_api_key`);
+  scrapers) needs `Authorization: Bearer KEY`, and the Messages API's paths take `x-api-key:
+  KEY` too (what Anthropic's clients send); the key is compared in constant time
+  (`hmac.compare_digest`, every header given compared), and a missing or wrong one gets a 401:
+  OpenAI's `invalid_api_key`, Anthropic's `authentication_error` on its paths;
 - when the server listens on loopback only, a request whose Host header is not a loopback
   name (localhost, 127.x.y.z, [::1], with or without a port) gets a 403: a web page whose
   name an attacker re-points at 127.0.0.1 (DNS rebinding) would otherwise reach the server
@@ -15,8 +17,9 @@ form or text/plain POST, which a browser sends without asking, is never served.
 from __future__ import annotations
 
 import hmac
-from typing import Optional
+from typing import List, Optional
 
+from minisgl.server.anthropic_api import ANTHROPIC_PATHS
 from minisgl.server.hosts import host_name, is_loopback
 from minisgl.server.limits import App, Receive, Scope, Send, header, send_error
 from minisgl.server.protocol import ApiError
@@ -37,12 +40,25 @@ def key_matches(given: Optional[str], key: str) -> bool:
     return hmac.compare_digest((given or "").encode(), key.encode())
 
 
-def unauthorized(given: Optional[str]) -> ApiError:
-    message = ("You didn't provide an API key. You need to provide your API key in an "
-               "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
-               if given is None else "Incorrect API key provided.")
+def unauthorized(given: Optional[str], anthropic: bool = False) -> ApiError:
+    """The 401 of a missing (`given` None) or wrong key; `anthropic`: on the Messages API."""
+    if anthropic:
+        message = ("x-api-key header is required" if given is None else "invalid x-api-key")
+    else:
+        message = ("You didn't provide an API key. You need to provide your API key in an "
+                   "Authorization header using Bearer auth (i.e. Authorization: Bearer "
+                   "YOUR_KEY)." if given is None else "Incorrect API key provided.")
     return ApiError(401, message, code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"})
+
+
+def given_keys(scope: Scope) -> List[str]:
+    """The keys a request presents: its Bearer token and, on the Messages API's paths, its
+    `x-api-key` header."""
+    keys = [bearer(header(scope, b"authorization"))]
+    if scope.get("path", "") in ANTHROPIC_PATHS:
+        keys.append(header(scope, b"x-api-key"))
+    return [k for k in keys if k is not None]
 
 
 class AccessCheck:
@@ -53,7 +69,7 @@ class AccessCheck:
         if scope["type"] == "http":
             error = self.refusal(scope)
             if error is not None:
-                await send_error(send, error)
+                await send_error(send, error, scope.get("path", ""))
                 return
         await self.app(scope, receive, send)
 
@@ -65,8 +81,11 @@ class AccessCheck:
                 return ApiError(403, f"the Host header {host!r} is not a loopback name; this "
                                      f"server listens on loopback only", "Host",
                                 code="invalid_host")
-        if self.api_key is not None and scope.get("path", "") not in OPEN_PATHS:
-            given = bearer(header(scope, b"authorization"))
-            if not key_matches(given, self.api_key):
-                return unauthorized(given)
+        path = scope.get("path", "")
+        if self.api_key is not None and path not in OPEN_PATHS:
+            given = given_keys(scope)
+            # every key compared (no early exit): the time tells nothing of which one matched
+            matched = [key_matches(k, self.api_key) for k in given]
+            if not any(matched):
+                return unauthorized(given[0] if given else None, path in ANTHROPIC_PATHS)
         return None

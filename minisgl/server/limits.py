@@ -15,6 +15,7 @@ import asyncio
 import json
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
 
+from minisgl.server.anthropic_api import error_body
 from minisgl.server.protocol import ApiError
 
 Scope = Dict[str, Any]
@@ -44,9 +45,10 @@ def header(scope: Scope, name: bytes) -> Optional[str]:
     return None
 
 
-async def send_error(send: Send, e: ApiError) -> None:
-    """A whole JSON error response, straight on the ASGI connection."""
-    body = json.dumps(e.body()).encode()
+async def send_error(send: Send, e: ApiError, path: str = "") -> None:
+    """A whole JSON error response, straight on the ASGI connection, in the shape the request's
+    `path` speaks (anthropic_api.error_body)."""
+    body = json.dumps(error_body(e, path)).encode()
     headers: List[Tuple[bytes, bytes]] = [(b"content-type", b"application/json"),
                                           (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in e.headers.items()]
@@ -66,10 +68,10 @@ class BodyLimits:
         if declared is not None:
             if not declared.strip().isdigit():
                 await send_error(send, ApiError(400, f"invalid Content-Length {declared!r}",
-                                                headers=_CLOSE))
+                                                headers=_CLOSE), scope.get("path", ""))
                 return
             if int(declared) > self.max_bytes:
-                await send_error(send, too_large(self.max_bytes))
+                await send_error(send, too_large(self.max_bytes), scope.get("path", ""))
                 return
         await self.app(scope, self._bounded(receive), send)
 

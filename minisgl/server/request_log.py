@@ -59,7 +59,7 @@ class RequestLog:
         rid = given if given is not None and error is None else uuid.uuid4().hex
         status: List[int] = []
         if error is not None:
-            await send_error(self._tagged(send, rid, status), error)
+            await send_error(self._tagged(send, rid, status), error, scope.get("path", ""))
             self._log(scope, rid, status, start, done=True)
             return
         request_state(scope)["request_id"] = rid
