@@ -98,6 +98,8 @@ def _fold(events: List[Dict[str, Any]]) -> Dict[str, Any]:
             delta = e["delta"]
             if delta["type"] == "text_delta":
                 blocks[-1]["text"] += delta["text"]
+            elif delta["type"] == "thinking_delta":
+                blocks[-1]["thinking"] += delta["thinking"]
             else:
                 assert delta["type"] == "input_json_delta"
                 partial += delta["partial_json"]
@@ -324,3 +326,72 @@ def test_api_key_from_x_api_key_or_bearer(server: Server, model: str) -> None:
     r = _post(server, "/v1/chat/completions", {"model": model, "max_tokens": 1, "messages": PARIS},
               {"x-api-key": KEY})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+# --- in process: the formatter and the error shapes ------------------------------------------
+def _formatted(chunks: List[str], reasoning: str, **body: Any
+               ) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
+    """The plain message and the stream's events of one output given as `chunks` (text pieces,
+    the last ending it by EOS), formatted in process."""
+    from minisgl.message.types import ReplyChunk
+    from minisgl.server.anthropic_api import MessagesFormatter, MessagesRequest, messages_job
+    from minisgl.server.responses import Choice
+
+    request = MessagesRequest.model_validate({"model": "m", "max_tokens": 64,
+                                              "messages": PARIS, **body})
+    replies = [ReplyChunk(0, text, prompt_tokens=7, completion_tokens=k + 1,
+                          finish_reason="stop" if k == len(chunks) - 1 else None)
+               for k, text in enumerate(chunks)]
+
+    def formatter() -> MessagesFormatter:
+        return MessagesFormatter("m", messages_job(request, 1), reasoning, "hermes")
+    plain, whole = formatter(), Choice()
+    for reply in replies:
+        whole.add(reply)
+    message = plain.full([whole])
+    streamed, choice = formatter(), Choice(prompt_tokens=7)
+    lines = list(streamed.opening(0, choice))
+    for reply in replies:
+        choice.add(reply)
+        lines += streamed.delta(0, reply, choice)
+    lines += streamed.closing([choice])
+    return message, [json.loads(line.split("\n")[1].removeprefix("data: ")) for line in lines]
+
+
+def test_reasoning_is_a_thinking_block_and_calls_follow_text() -> None:
+    """With a reasoning parser the thinking part is a thinking block; text, then a call, each a
+    block of its own, streamed as the plain message has them."""
+    chunks = ["<think>", "Paris, ", "surely.</think>", "Let me", " check.\n<tool_call>\n",
+              '{"name": "get_weather", "arguments": ', '{"city": "Paris", ',
+              '"unit": "celsius"}}\n</tool_call>', ""]
+    message, events = _formatted(chunks, "qwen3", tools=TOOLS)
+    assert [b["type"] for b in message["content"]] == ["thinking", "text", "tool_use"]
+    assert message["content"][0]["thinking"] == "Paris, surely."
+    assert message["content"][1]["text"].strip() == "Let me check."
+    assert message["content"][2]["input"] == {"city": "Paris", "unit": "celsius"}
+    assert message["stop_reason"] == "tool_use"
+    assert message["usage"] == {"input_tokens": 7, "output_tokens": len(chunks)}
+    assert _without_ids(_fold(events)) == _without_ids(message)
+
+
+def test_error_shapes_by_path() -> None:
+    """Anthropic's error types on the Messages API's paths (the server's 429 is its load:
+    overloaded_error), OpenAI's bodies elsewhere; a failed stream ends with an error event."""
+    from minisgl.server.admission import overloaded
+    from minisgl.server.anthropic_api import MessagesFormatter, MessagesRequest, error_body
+    from minisgl.server.anthropic_api import messages_job
+    from minisgl.server.limits import too_large
+    from minisgl.server.protocol import ApiError
+
+    cases = [(overloaded("full"), "overloaded_error"), (too_large(10), "request_too_large"),
+             (ApiError(401, "no"), "authentication_error"), (ApiError(503, "down"), "api_error"),
+             (ApiError(422, "bad"), "invalid_request_error")]
+    for e, kind in cases:
+        assert error_body(e, "/v1/messages") == {"type": "error", "error": {
+            "type": kind, "message": e.message}}
+        assert error_body(e, "/v1/chat/completions") == e.body()
+    request = MessagesRequest.model_validate({"model": "m", "max_tokens": 4, "messages": PARIS})
+    fmt = MessagesFormatter("m", messages_job(request, 1))
+    assert list(fmt.error_events(ApiError(503, "down"))) == [
+        'event: error\ndata: {"type": "error", "error": {"type": "api_error", '
+        '"message": "down"}}\n\n']

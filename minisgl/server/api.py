@@ -157,15 +157,15 @@ async def json_body(request: Request) -> bytes:
 
 
 async def run_text(request: Request, streams: RequestStreams, prompt: Optional[Prompt],
-                   return_token_strs: bool = False) -> ReplyChunk:
+                   return_token_strs: bool = False, prompt_param: str = "prompt") -> ReplyChunk:
     """A tokenize / detokenize / info round trip through the tokenizer process: its one
-    reply."""
+    reply (an error about the prompt names `prompt_param`)."""
     stream = streams.submit_text(prompt, return_token_strs)
     try:
         chunk = await Waiter(stream, request).next()
     finally:
         streams.release(stream)
-    _check(chunk)
+    _check(chunk, prompt_param)
     return chunk
 
 
@@ -347,7 +347,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         check_model(body.model)
         try:
             chunk = await run_text(request, streams,
-                                   count_tokens_prompt(body, cfg.tool_call_parser))
+                                   count_tokens_prompt(body, cfg.tool_call_parser),
+                                   prompt_param="messages")
         except ClientGone:
             return Response(status_code=499)
         return JSONResponse({"input_tokens": len(chunk.token_ids)})
