@@ -1,11 +1,12 @@
 """User settings declared once, as dataclass fields: CLI flags, TOML keys and keywords follow.
 
 A config *section* is a frozen dataclass. A field made by `setting(default, help, ...)` is a user
-setting: its metadata carries the help text and, where needed, the allowed values, an extra
-flag that sets a fixed value (`alias`) and other names for the setting itself (`also`: vLLM's and
-SGLang's, so that their users' command lines, config files and keywords work unchanged). A field made by `section(factory)` nests another section, whose settings belong to
-the same tree. Any other field is a runtime value (a rank's place, an address, a resolved path)
-that whoever starts a rank fills in with `dataclasses.replace`; it is not user-settable.
+setting: its metadata carries the help text and, where needed, the allowed values, an extra flag
+that sets a fixed value (`alias`) and other names for the setting itself (`also`: vLLM's and
+SGLang's, so that their users' command lines, config files and keywords work unchanged). A field
+made by `section(factory)` nests another section, whose settings belong to the same tree. Any other
+field is a runtime value (a rank's place, an address, a resolved path) that whoever starts a rank
+fills in with `dataclasses.replace`; it is not user-settable.
 
 From a tree (an instance of the root section, whose values are the defaults):
 - `add_flags` declares one argparse flag per setting (`--max-kv-tokens`; a bool whose default is

@@ -16,8 +16,9 @@ exactly as a chat request:
   ("required"), `tool` (a named function) or `none`, `disable_parallel_tool_use` is
   `parallel_tool_calls: false`. `any` and `tool` are enforced by the grammar (tools.py).
 - `stop_sequences`, `temperature`, `top_p`, `top_k`, `max_tokens` (required), `stream`;
-  `metadata`, `cache_control`, `service_tier` and the like have no effect (`_INERT`). Documented fields this server does not serve
-  (`thinking`, `output_config`, `container`, `mcp_servers`, ...) are a 400 naming them unless
+  `metadata`, `cache_control`, `service_tier` and the like have no effect (`_INERT`).
+  Documented fields this server does not serve (`thinking`, `output_config`, `container`,
+  `mcp_servers`, ...) are a 400 naming them unless
   their value asks for nothing, and so is any field the API does not have (as Anthropic's own
   API answers).
 
