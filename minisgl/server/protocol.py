@@ -515,12 +515,19 @@ def chat_job(body: ChatRequest, max_n: int, tool_parser: Optional[str] = None,
              defaults: SamplingDefaults = SamplingDefaults()) -> Job:
     """A chat request's job. With tools, `tool_parser` (a `tool_calls.TOOL_CALL_PARSERS` name,
     "hermes" when None) is the format calls are read in and, for "required" or a named function,
-    enforced in. `defaults`: the sampling of fields the request leaves unset (every job's)."""
+    enforced in; for `mistral`, whose call marker is a special token, the output keeps special
+    tokens unless the request sets `skip_special_tokens`. `defaults`: the sampling of fields the
+    request leaves unset (every job's)."""
     tools = _tools(body)
     job = _job(body, [_chat_prompt(body, body.messages, tools)], max_n, defaults)
     if tools is None:
         return job
-    calls = tools.constraint(tool_call_format(tool_parser or "hermes"))
+    fmt = tool_call_format(tool_parser or "hermes")
+    if fmt.array and tools.parsed and "skip_special_tokens" not in body.model_fields_set:
+        # Mistral's [TOOL_CALLS] is a special token: kept in the text (as vLLM does), calls
+        # after content are found by it (the parser reads calls without it only at the start)
+        job = dataclasses.replace(job, skip_special_tokens=False)
+    calls = tools.constraint(fmt)
     if calls is not None:
         if job.params.structured is not None:
             raise ApiError(400, f"tool_choice {json.dumps(body.tool_choice)} constrains the "

@@ -338,7 +338,9 @@ class ChatFormatter(_OpenAIFormatter):
             parsed = streamer.parsed()
             message["content"] = parsed.content
             if parsed.calls:
-                message["tool_calls"] = [call_dict(c) for c in parsed.calls]
+                assert self.tool_format is not None  # (a streamer implies one)
+                message["tool_calls"] = [call_dict(c, self.tool_format.new_id())
+                                         for c in parsed.calls]
                 reason = self._called(reason)
         return {"index": index, "message": message,
                 "logprobs": self._choice_logprobs(choice), "finish_reason": reason}

@@ -11,6 +11,10 @@ Formats (the names vLLM and SGLang use):
 - `qwen3_coder` (Qwen3-Coder): XML calls, `<tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n
   </parameter>\n</function>\n</tool_call>`, read by server/tool_calls_xml.py (its values
   converted to the types the tools' schemas declare; its own notes on streaming).
+- `mistral` (Mistral-7B-Instruct-v0.3, Mistral-Nemo, Mistral-Small, Mixtral-8x22B):
+  `[TOOL_CALLS] [{"name": "NAME", "arguments": {...}}, ...]`, a JSON array of calls after a
+  special token the detokenizer may skip (v11+ tokenizers: `[TOOL_CALLS]NAME[ARGS]{...}` per
+  call), read by server/tool_calls_mistral.py; its call ids are 9 letters and digits.
 
 Contract, one parse for both modes: the whole text goes through `ToolCallStreamer` at once for
 a plain response, delta by delta for a stream, and however the text is split the streamed deltas
@@ -30,12 +34,14 @@ string) is content, start tag and all.
 from __future__ import annotations
 
 import json
+import random
 import re
+import string
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Tuple
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "mistral")
 
 
 @dataclass(frozen=True)
@@ -44,7 +50,9 @@ class ToolCallFormat:
     is its JSON object, found by `opener`); `markers` are dropped from content;
     `arguments_keys` name the arguments field (the first is the one the model is made to write);
     `separator` goes between constrained parallel calls. `xml`: the calls are XML
-    (server/tool_calls_xml.py), not JSON; `call_prefix` / `call_suffix` are the JSON formats'."""
+    (server/tool_calls_xml.py), not JSON; `array`: the calls are a JSON array after `start`
+    (server/tool_calls_mistral.py), their ids 9 letters and digits; `call_prefix` /
+    `call_suffix` are the JSON formats' (one call object, in `array` without `start`)."""
 
     name: str
     start: str
@@ -53,17 +61,22 @@ class ToolCallFormat:
     separator: str
     markers: Tuple[str, ...] = ()
     xml: bool = False
+    array: bool = False
 
     def call_prefix(self, function: str) -> str:
         """The text that opens a call of `function`, up to its arguments object."""
         key = self.arguments_keys[0]
         prefix = f'{{"name": {json.dumps(function, ensure_ascii=False)}, "{key}": '
-        return f"{self.start}\n{prefix}" if self.start else prefix
+        return f"{self.start}\n{prefix}" if self.start and not self.array else prefix
 
     @property
     def call_suffix(self) -> str:
         """The text that closes a call after its arguments object."""
         return f"}}\n{self.end}" if self.end else "}"
+
+    def new_id(self) -> str:
+        """A new call's id in this format's style."""
+        return mistral_call_id() if self.array else new_call_id()
 
 
 FORMATS: Dict[str, ToolCallFormat] = {
@@ -72,6 +85,7 @@ FORMATS: Dict[str, ToolCallFormat] = {
                                   markers=("<|python_tag|>",)),
     "qwen3_coder": ToolCallFormat("qwen3_coder", "<tool_call>", "</tool_call>", ("arguments",),
                                   "\n", xml=True),
+    "mistral": ToolCallFormat("mistral", "[TOOL_CALLS]", "", ("arguments",), ", ", array=True),
 }
 
 
@@ -85,12 +99,15 @@ def tool_call_format(name: str) -> ToolCallFormat:
 
 def default_tool_call_parser(chat_template: Optional[str]) -> str:
     """The parser for a chat template: `qwen3_coder` for Qwen3-Coder's (it writes calls as
-    `<function=NAME>` and `<parameter=NAME>`), `llama3_json` for Llama 3.x's (they write
-    `<|python_tag|>` or `"parameters"`), else `hermes`, the most common format (Qwen, Hermes,
-    SmolLM3), also for templates that do not render tools at all."""
+    `<function=NAME>` and `<parameter=NAME>`), `mistral` for Mistral's (they write
+    `[TOOL_CALLS]`), `llama3_json` for Llama 3.x's (they write `<|python_tag|>` or
+    `"parameters"`), else `hermes`, the most common format (Qwen, Hermes, SmolLM3), also for
+    templates that do not render tools at all."""
     text = chat_template or ""
     if "<function=" in text and "<parameter=" in text:
         return "qwen3_coder"
+    if "[TOOL_CALLS]" in text:
+        return "mistral"
     if "<tool_call>" in text:
         return "hermes"
     if "<|python_tag|>" in text or '"parameters"' in text:
@@ -100,6 +117,12 @@ def default_tool_call_parser(chat_template: Optional[str]) -> str:
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def mistral_call_id() -> str:
+    """A call id Mistral's chat templates accept in the conversation sent back: 9 letters and
+    digits (they refuse any other)."""
+    return "".join(random.choices(_ID_ALPHABET, k=9))
 
 
 class ToolCall(NamedTuple):
@@ -153,6 +176,7 @@ class CallStreamer(Protocol):
 
 
 _SPACES = " \t\r\n"
+_ID_ALPHABET = string.ascii_letters + string.digits
 _OPENER = re.compile(r'\{\s*"name"\s*:')
 
 

@@ -17,7 +17,10 @@ parsed for calls, and the grammar that enforces calls).
   style "qwen_xml": strings as raw text, other values as JSON), which the parser converts back
   by the same schema. One gap there: xgrammar lets a string with `minLength` / `maxLength` hold
   `</parameter>` and counts a newline around it toward its length either way, so such a string
-  may come back cut at `</parameter>` or a newline shorter than its `minLength`.
+  may come back cut at `</parameter>` or a newline shorter than its `minLength`. For the
+  array format (`mistral`) the grammar is the template's `[TOOL_CALLS] [CALL, ...]` (the marker
+  is one token of Mistral's vocabularies, which xgrammar matches by its text), the space before
+  `[` optional (the templates differ).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import jsonschema
 
 from minisgl.core import StructuredOutput
 from minisgl.server.tool_calls import CallStreamer, ToolCallFormat, ToolCallStreamer
+from minisgl.server.tool_calls_mistral import MistralToolCallStreamer
 from minisgl.server.tool_calls_xml import XmlToolCallStreamer, tool_schemas
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -93,6 +97,8 @@ class Tools:
         by these tools' schemas)."""
         if fmt.xml:
             return XmlToolCallStreamer(tool_schemas(self.tools), self.max_calls)
+        if fmt.array:
+            return MistralToolCallStreamer(self.max_calls)
         return ToolCallStreamer(fmt, self.max_calls)
 
     def _call_tag(self, fmt: ToolCallFormat, name: str) -> Dict[str, Any]:
@@ -120,8 +126,19 @@ class Tools:
         else:
             form = {"type": "tags_with_separator", "tags": tags, "separator": fmt.separator,
                     "at_least_one": True, "stop_after_first": self.max_calls == 1}
+        if fmt.array:
+            form = _in_array(fmt, form)
         spec = json.dumps({"type": "structural_tag", "format": form}, ensure_ascii=False)
         return StructuredOutput("structural_tag", spec)
+
+
+def _in_array(fmt: ToolCallFormat, calls: Dict[str, Any]) -> Dict[str, Any]:
+    """`calls` (one call's tag, or calls with separators) as the array format writes them:
+    `START [` (the space optional), the calls, `]`."""
+    def text(value: str) -> Dict[str, Any]:
+        return {"type": "const_string", "value": value}
+    opening = {"type": "or", "elements": [text(f"{fmt.start} ["), text(f"{fmt.start}[")]}
+    return {"type": "sequence", "elements": [opening, calls, text("]")]}
 
 
 def _check_parameters(where: str, params: Any) -> None:
