@@ -6,18 +6,20 @@ each format, streamed in pieces of every size and joined equal to the plain pars
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
 from minisgl.core import SamplingParams
-from minisgl.message.types import ReplyChunk, TokenLogprobText
 from minisgl.server.protocol import ApiError, ChatRequest, Job, Prompt, chat_job
-from minisgl.server.responses import ChatFormatter, Choice
+from minisgl.server.responses import ChatFormatter
 from minisgl.server.tool_calls import (FORMATS, Parsed, ToolCall, ToolCallStreamer,
                                        default_tool_call_parser, parse_tool_calls)
 from minisgl.server.tools import Tools, parse_tools
 from minisgl.tokenizer.tokenize_worker import template_messages
+from tool_call_checks import (Streamed, call_id_ok, check_splits, full_choice, joined_choice,
+                              plain_choice, reply_chunks, stream_in_pieces, streamed_choices)
 
 HERMES, LLAMA = FORMATS["hermes"], FORMATS["llama3_json"]
 WEATHER = {"type": "function", "function": {
@@ -71,39 +73,19 @@ MALFORMED: List[Tuple[Any, str, Optional[str], List[Tuple[str, str]]]] = [
 ]
 
 
-def _stream(fmt: Any, text: str, step: int, max_calls: Optional[int] = None
-            ) -> Tuple[Optional[str], List[Tuple[str, str]], List[Dict[str, Any]]]:
-    """The output fed `step` characters at a time: the content and calls the deltas join into,
-    and the deltas."""
-    streamer = ToolCallStreamer(fmt, max_calls)
-    content, deltas = [], []
-    for i in range(0, len(text), step):
-        piece = streamer.feed(text[i:i + step])
-        content.append(piece.content)
-        deltas += [d.as_dict() for d in piece.calls]
-    content.append(streamer.finish().content)
-    calls: Dict[int, List[str]] = {}
-    for d in deltas:
-        call = calls.setdefault(d["index"], ["", ""])
-        if "id" in d:
-            assert call == ["", ""] and d["id"].startswith("call_") and d["type"] == "function"
-            call[0] = d["function"]["name"]
-        else:
-            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
-        call[1] += d["function"]["arguments"]
-    return "".join(content) or None, [tuple(c) for _, c in sorted(calls.items())], deltas
+def _stream(fmt: Any, text: str, step: int, max_calls: Optional[int] = None) -> Streamed:
+    """The output fed `step` characters at a time (tool_call_checks.stream_in_pieces)."""
+    return stream_in_pieces(ToolCallStreamer(fmt, max_calls), text, step, call_id_ok)
 
 
 @pytest.mark.parametrize("fmt,text,content,calls", CASES)
 def test_parsers_split_content_and_calls_alike_streamed_or_not(fmt: Any, text: str,
                                                               content: Optional[str],
                                                               calls: List[Tuple[str, str]]) -> None:
-    assert parse_tool_calls(fmt, text) == Parsed(content, [ToolCall(*c) for c in calls])
+    check_splits(parse_tool_calls(fmt, text), partial(_stream, fmt), text, content, calls,
+                 (1, 2, 3, 7, len(text)))
     for call in calls:
         json.loads(call[1])
-    for step in (1, 2, 3, 7, len(text)):
-        got_content, got_calls, _ = _stream(fmt, text, step)
-        assert (got_content, got_calls) == (content, calls), step
 
 
 def test_arguments_stream_incrementally_after_the_name() -> None:
@@ -118,9 +100,8 @@ def test_malformed_calls_split_alike_streamed_or_not(fmt: Any, text: str, conten
                                                      calls: List[Tuple[str, str]]) -> None:
     """Whether a call is one does not depend on where the text is split: a fault found in the
     same piece as the name still leaves a call (the old parse made it content when unsplit)."""
-    assert parse_tool_calls(fmt, text) == Parsed(content, [ToolCall(*c) for c in calls])
-    for step in (1, 2, 3, 7, len(text)):
-        assert _stream(fmt, text, step)[:2] == (content, calls), step
+    check_splits(parse_tool_calls(fmt, text), partial(_stream, fmt), text, content, calls,
+                 (1, 2, 3, 7, len(text)))
 
 
 def test_a_call_never_announced_takes_no_index() -> None:
@@ -283,15 +264,6 @@ def _tool_job(stream: bool, choice: str = "auto", logprobs: Optional[int] = None
                SamplingParams(logprobs=logprobs), 1, (), True, stream, False, tools=tools)
 
 
-def _chunks(text: str, step: int, reason: str = "stop",
-            logprobs: bool = False) -> List[ReplyChunk]:
-    """One chunk per `step` characters, as if each were a token (with its logprob if asked)."""
-    pieces = [text[i:i + step] for i in range(0, len(text), step)]
-    return [ReplyChunk(0, p, [i], reason if i == len(pieces) - 1 else None, 3, i + 1,
-                       logprobs=[TokenLogprobText(p, -0.5)] if logprobs else [])
-            for i, p in enumerate(pieces)]
-
-
 CALL_TEXT = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
              '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n'
              '</tool_call>')
@@ -299,11 +271,8 @@ CALL_TEXT = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"cit
 
 def _full(text: str, reason: str = "stop", choice: str = "auto",
           parser: Optional[str] = None) -> Dict[str, Any]:
-    fmt = ChatFormatter("m", _tool_job(False, choice), parser)
-    c = Choice()
-    for chunk in _chunks(text, 5, reason):
-        c.add(chunk)
-    return fmt.full([c])["choices"][0]
+    return full_choice(ChatFormatter("m", _tool_job(False, choice), parser),
+                       reply_chunks(text, 5, reason))
 
 
 def _streamed(text: str, reason: str = "stop", choice: str = "auto",
@@ -311,39 +280,18 @@ def _streamed(text: str, reason: str = "stop", choice: str = "auto",
               logprobs: bool = False) -> List[Dict[str, Any]]:
     """The choice items of the stream's delta chunks (the role chunk aside)."""
     fmt = ChatFormatter("m", _tool_job(True, choice, 0 if logprobs else None), parser)
-    c, out = Choice(), []
-    for chunk in _chunks(text, step, reason, logprobs):
-        c.add(chunk)
-        out += [json.loads(line[6:])["choices"][0] for line in fmt.delta(0, chunk, c)]
-    return out
+    return streamed_choices(fmt, reply_chunks(text, step, reason, logprobs))
 
 
 def _joined(deltas: List[Dict[str, Any]], parser: Optional[str] = None) -> Dict[str, Any]:
-    """A stream's deltas joined as a client does: content and reasoning concatenated, each
-    call's name and arguments by its index; in the plain response's shape (see `_plain`)."""
-    texts = {k: "".join(d["delta"].get(k, "") for d in deltas)
-             for k in ("content", "reasoning_content")}
-    message: Dict[str, Any] = {"role": "assistant", "content": texts["content"] or None}
-    if parser is not None:
-        message["reasoning_content"] = texts["reasoning_content"] or None
-    calls: Dict[int, Dict[str, str]] = {}
-    for d in deltas:
-        for tc in d["delta"].get("tool_calls", []):
-            entry = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
-            entry["name"] += tc["function"].get("name") or ""
-            entry["arguments"] += tc["function"]["arguments"]
-    if calls:
-        assert sorted(calls) == list(range(len(calls)))
-        message["tool_calls"] = [calls[i] for i in sorted(calls)]
-    return {"message": message, "finish_reason": deltas[-1]["finish_reason"]}
+    """A stream's deltas joined as a client does (with reasoning where there is a reasoning
+    parser); in the plain response's shape (see `_plain`)."""
+    return joined_choice(deltas, call_id_ok, reasoning=parser is not None)
 
 
 def _plain(item: Dict[str, Any]) -> Dict[str, Any]:
     """A plain response's choice as `_joined` builds it: the calls' functions (ids differ)."""
-    message = dict(item["message"])
-    if "tool_calls" in message:
-        message["tool_calls"] = [c["function"] for c in message["tool_calls"]]
-    return {"message": message, "finish_reason": item["finish_reason"]}
+    return plain_choice(item, call_id_ok)
 
 
 def test_chat_response_with_tool_calls_streamed_and_not() -> None:
@@ -411,9 +359,9 @@ def test_held_back_text_sends_no_empty_chunk(parser: Optional[str]) -> None:
         assert len(deltas) < len(text) / step / 2  # most of the text is markup, held back
         assert _joined(deltas, parser) == plain
         with_logprobs = _streamed(text, parser=parser, step=step, logprobs=True)
-        assert len(with_logprobs) == len(_chunks(text, step))
+        assert len(with_logprobs) == len(reply_chunks(text, step))
         assert ["".join(t["token"] for t in d["logprobs"]["content"]) for d in with_logprobs] \
-            == [c.text for c in _chunks(text, step)]
+            == [c.text for c in reply_chunks(text, step)]
         assert _joined(with_logprobs, parser) == plain
 
 
@@ -486,20 +434,12 @@ def test_the_models_own_template_is_read_without_the_tokenizer(tmp_path: Any) ->
 
 def test_tool_calls_after_the_thinking_of_a_reasoning_model() -> None:
     text = "<think>\nNeed the weather.\n</think>\n\n" + CALL_TEXT
-    fmt = ChatFormatter("m", _tool_job(False), "qwen3")
-    c = Choice()
-    for chunk in _chunks(text, 4):
-        c.add(chunk)
-    item = fmt.full([c])["choices"][0]
+    item = full_choice(ChatFormatter("m", _tool_job(False), "qwen3"), reply_chunks(text, 4))
     assert item["message"]["reasoning_content"] == "\nNeed the weather.\n"
     assert item["message"]["content"] == "\n\nChecking.\n"
     assert [t["function"]["name"] for t in item["message"]["tool_calls"]] == ["get_weather",
                                                                               "add"]
-    stream = ChatFormatter("m", _tool_job(True), "qwen3")
-    c, deltas = Choice(), []
-    for chunk in _chunks(text, 3):
-        c.add(chunk)
-        deltas += [json.loads(line[6:])["choices"][0] for line in stream.delta(0, chunk, c)]
+    deltas = streamed_choices(ChatFormatter("m", _tool_job(True), "qwen3"), reply_chunks(text, 3))
     assert "".join(d["delta"].get("reasoning_content", "") for d in deltas) == \
         "\nNeed the weather.\n"
     assert "".join(d["delta"].get("content", "") for d in deltas) == "\n\nChecking.\n"

@@ -12,13 +12,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 
 from minisgl.core import SamplingParams
-from minisgl.message.types import ReplyChunk
 from minisgl.server.protocol import ChatRequest, Job, Prompt, chat_job
-from minisgl.server.responses import ChatFormatter, Choice
 from minisgl.server.tool_calls import FORMATS, Parsed, ToolCall, default_tool_call_parser
 from minisgl.server.tool_calls_xml import (XmlToolCallStreamer, convert_value,
                                            parse_xml_tool_calls, tool_schemas)
 from minisgl.server.tools import parse_tools
+from tool_call_checks import (Streamed, call_id_ok, chat_plain, check_chats_alike_cut_off,
+                              check_cut_offs, check_splits, stream_in_pieces)
 
 QWEN = FORMATS["qwen3_coder"]
 WEATHER = {"type": "function", "function": {
@@ -84,50 +84,23 @@ MALFORMED: List[Tuple[str, Optional[str], List[Tuple[str, str]]]] = [
 ]
 
 
-def _stream(text: str, step: int, max_calls: Optional[int] = None
-            ) -> Tuple[Optional[str], List[Tuple[str, str]], List[Dict[str, Any]]]:
-    """The output fed `step` characters at a time: the content and calls the deltas join into,
-    and the deltas."""
-    streamer = XmlToolCallStreamer(SCHEMAS, max_calls)
-    content, deltas = [], []
-    for i in range(0, len(text), step):
-        piece = streamer.feed(text[i:i + step])
-        content.append(piece.content)
-        deltas += [d.as_dict() for d in piece.calls]
-    content.append(streamer.finish().content)
-    calls: Dict[int, List[str]] = {}
-    for d in deltas:
-        entry = calls.setdefault(d["index"], ["", ""])
-        if "id" in d:
-            assert entry == ["", ""] and d["id"].startswith("call_")
-            entry[0] = d["function"]["name"]
-        else:
-            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
-        entry[1] += d["function"]["arguments"]
-    assert streamer.parsed() == Parsed("".join(content) or None,
-                                       [ToolCall(*c) for _, c in sorted(calls.items())])
-    return "".join(content) or None, [tuple(c) for _, c in sorted(calls.items())], deltas
+def _stream(text: str, step: int, max_calls: Optional[int] = None) -> Streamed:
+    """The output fed `step` characters at a time (tool_call_checks.stream_in_pieces)."""
+    return stream_in_pieces(XmlToolCallStreamer(SCHEMAS, max_calls), text, step, call_id_ok)
 
 
 @pytest.mark.parametrize("text,content,calls", CASES + MALFORMED)
 def test_every_split_gives_the_whole_outputs_calls_and_content(
         text: str, content: Optional[str], calls: List[Tuple[str, str]]) -> None:
-    assert parse_xml_tool_calls(text, SCHEMAS) == Parsed(content, [ToolCall(*c) for c in calls])
-    for step in range(1, len(text) + 1):
-        assert _stream(text, step)[:2] == (content, calls), step
+    check_splits(parse_xml_tool_calls(text, SCHEMAS), _stream, text, content, calls,
+                 range(1, len(text) + 1))
 
 
 @pytest.mark.parametrize("text", [c[0] for c in CASES])
 def test_whole_calls_have_arguments_that_parse_and_cut_offs_split_alike(text: str) -> None:
     """A finished call's arguments are a JSON object; the output cut off anywhere parses the
     same streamed (in pieces of 1 and 5) as whole."""
-    for c in parse_xml_tool_calls(text, SCHEMAS).calls:
-        assert isinstance(json.loads(c.arguments), dict)
-    for end in range(len(text) + 1):
-        whole = parse_xml_tool_calls(text[:end], SCHEMAS)
-        for step in (1, 5):
-            got = _stream(text[:end], step)
-            assert got[:2] == (whole.content, [tuple(c) for c in whole.calls]), (end, step)
+    check_cut_offs(lambda t: parse_xml_tool_calls(t, SCHEMAS), _stream, text, (1, 5))
 
 
 def test_a_call_is_announced_when_its_name_ends_and_sends_a_parameter_at_a_time() -> None:
@@ -250,51 +223,11 @@ def _job(stream: bool) -> Job:
                True, stream, False, tools=parse_tools(TOOLS, "auto", None))
 
 
-def _chunks(text: str, step: int, reason: str) -> List[ReplyChunk]:
-    pieces = [text[i:i + step] for i in range(0, len(text), step)]
-    return [ReplyChunk(0, p, [i], reason if i == len(pieces) - 1 else None, 3, i + 1)
-            for i, p in enumerate(pieces)]
-
-
-def _plain(text: str, reason: str) -> Dict[str, Any]:
-    fmt, c = ChatFormatter("m", _job(False), None, "qwen3_coder"), Choice()
-    for chunk in _chunks(text, 5, reason):
-        c.add(chunk)
-    item = fmt.full([c])["choices"][0]
-    message = dict(item["message"])
-    if "tool_calls" in message:
-        assert all(t["id"].startswith("call_") for t in message["tool_calls"])
-        message["tool_calls"] = [t["function"] for t in message["tool_calls"]]
-    return {"message": message, "finish_reason": item["finish_reason"]}
-
-
-def _joined(text: str, reason: str, step: int) -> Dict[str, Any]:
-    fmt, c, deltas = ChatFormatter("m", _job(True), None, "qwen3_coder"), Choice(), []
-    for chunk in _chunks(text, step, reason):
-        c.add(chunk)
-        deltas += [json.loads(line[6:])["choices"][0] for line in fmt.delta(0, chunk, c)]
-    content = "".join(d["delta"].get("content", "") for d in deltas)
-    message: Dict[str, Any] = {"role": "assistant", "content": content or None}
-    calls: Dict[int, Dict[str, str]] = {}
-    for d in deltas:
-        for tc in d["delta"].get("tool_calls", []):
-            entry = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
-            entry["name"] += tc["function"].get("name") or ""
-            entry["arguments"] += tc["function"]["arguments"]
-    if calls:
-        message["tool_calls"] = [calls[i] for i in sorted(calls)]
-    return {"message": message, "finish_reason": deltas[-1]["finish_reason"]}
-
-
 def test_chat_responses_streamed_and_plain_alike_whole_or_cut_off() -> None:
     text = "Checking.\n" + call("get_weather", ("city", "Paris"), ("days", "2")) + "\n" + \
         call("typed", ("b", "false"))
-    whole = _plain(text, "stop")
+    whole = chat_plain(_job, "qwen3_coder", text, "stop", call_id_ok)
     assert whole == {"message": {"role": "assistant", "content": "Checking.\n", "tool_calls": [
         {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'},
         {"name": "typed", "arguments": '{"b": false}'}]}, "finish_reason": "tool_calls"}
-    for end in range(1, len(text) + 1):
-        reason = "stop" if end == len(text) else "length"
-        plain = _plain(text[:end], reason)
-        for step in (1, 6):
-            assert _joined(text[:end], reason, step) == plain, (end, step)
+    check_chats_alike_cut_off(_job, "qwen3_coder", text, call_id_ok)

@@ -39,7 +39,7 @@ import re
 import string
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, Generic, List, NamedTuple, Optional, Protocol, Tuple, TypeVar
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "mistral")
 
@@ -338,7 +338,148 @@ class _Call:
         return "".join(self.raw[self.value_start:])
 
 
-class ToolCallStreamer:
+C = TypeVar("C")  # a streamer's record of one call being read
+
+
+class StreamerBase(Generic[C]):
+    """What every format's streamer shares: the feed loop over its states, content (whitespace
+    held until more arrives), the calls announced and their deltas, and `parsed` / `any_call`.
+
+    A subclass reads the text in states: `_states` maps each state's name to its handler, which
+    takes the unread text and returns what it leaves (putting what may still grow into markup in
+    `_held`), and `_state` names the current one (or it overrides `_step`). It ends the output
+    in `_finish`. It sends content through `_content`, announces a call with
+    `_announce` and sends more of its arguments with `_send_arguments`: `parsed()` is these
+    joined, so it is the stream joined by construction. Calls past `max_calls` (`_extra`) are
+    never announced."""
+
+    def __init__(self, max_calls: Optional[int] = None) -> None:
+        self.max_calls = max_calls
+        self.calls: List[C] = []  # every call read, announced or not
+        self.content: List[str] = []  # content sent
+        self.sent: List[Tuple[str, str]] = []  # (name, arguments) of each announced call
+        self._call: Optional[C] = None  # the call being read
+        self._state = "text"  # the state whose handler reads the text next
+        self._states: Dict[str, Callable[[str], str]] = {}  # each state's handler, by name
+        self._held = ""  # text not yet known to be content or part of a call
+        self._spaces = ""  # whitespace-only content waiting for more
+        self._live = False  # this stretch of content has had more than whitespace
+        self._announced = 0
+        self._pending: List[str] = []  # content of the current feed
+        self._deltas: List[ToolCallDelta] = []  # call deltas of the current feed
+
+    # --- the interface ------------------------------------------------------------------------
+    def feed(self, text: str) -> StreamPiece:
+        """The content and call deltas `text` (the next delta of the output) completes."""
+        buf, self._held = self._held + text, ""
+        while buf:
+            buf = self._step(buf)
+        return self._flush()
+
+    def finish(self) -> StreamPiece:
+        """The end of the output: the content what was held back turns out to be (`_finish`);
+        no call deltas (a call announced was sent all it read when its text was fed)."""
+        held, self._held = self._held, ""
+        self._finish(held)
+        return self._flush()
+
+    def parsed(self) -> Parsed:
+        """After `finish`: the content and the calls sent, as the joined stream has them."""
+        content = "".join(self.content)
+        return Parsed(content or None, [ToolCall(n, a) for n, a in self.sent])
+
+    @property
+    def any_call(self) -> bool:
+        """Whether a call has been announced in the stream."""
+        return self._announced > 0
+
+    # --- for the formats ----------------------------------------------------------------------
+    def _step(self, buf: str) -> str:
+        """The current state's handler on the unread text `buf`; returns what it leaves."""
+        return self._states[self._state](buf)
+
+    def _finish(self, held: str) -> None:
+        """The end of the output, with `held` the text held back: what is content."""
+        raise NotImplementedError
+
+    def _new_id(self) -> str:
+        """A new call's id (the format's style)."""
+        return new_call_id()
+
+    def _flush(self) -> StreamPiece:
+        """The content and call deltas gathered since the last flush."""
+        content, self._pending = "".join(self._pending), []
+        deltas, self._deltas = self._deltas, []
+        return StreamPiece(content, deltas)
+
+    def _content(self, text: str) -> None:
+        """`text` is content: sent, except that whitespace-only text at the start of a stretch
+        of content waits (with the whitespace after it) until text other than whitespace
+        follows; calls starting drop it (`_break_content`)."""
+        if not text:
+            return
+        if not self._live:
+            if not text.strip():
+                self._spaces += text
+                return
+            text, self._spaces, self._live = self._spaces + text, "", True
+        self._pending.append(text)
+        self.content.append(text)
+
+    def _break_content(self) -> None:
+        """The stretch of content ends (calls start): whitespace waiting in it is dropped."""
+        self._spaces, self._live = "", False
+
+    @property
+    def _current(self) -> C:
+        """The call being read (there must be one)."""
+        assert self._call is not None
+        return self._call
+
+    def _end_call(self) -> None:
+        """The call being read ends (closed, broken or cut off): it joins `calls`."""
+        self.calls.append(self._current)
+        self._call = None
+
+    def _extra(self, index: int) -> bool:
+        """Whether the call at `index` is past `max_calls` (dropped, never announced)."""
+        return self.max_calls is not None and index >= self.max_calls
+
+    def _announce(self, index: int, name: str, arguments: str) -> str:
+        """A call's name is read: its id, name and first `arguments` go out; returns its id."""
+        call_id = self._new_id()
+        self._announced += 1
+        self.sent.append((name, arguments))
+        self._deltas.append(ToolCallDelta(index, call_id, name, arguments))
+        return call_id
+
+    def _send_arguments(self, index: int, arguments: str) -> None:
+        """More of announced call `index`'s arguments go out."""
+        name, sent = self.sent[index]
+        self.sent[index] = (name, sent + arguments)
+        self._deltas.append(ToolCallDelta(index, None, None, arguments))
+
+    def _json_call_deltas(self, call: _Call) -> None:
+        """What a JSON `call` (being read, just closed, or just found malformed) adds to the
+        stream: its announcement once its name is read, then the arguments read since (none
+        past `max_calls`)."""
+        if self._extra(call.index):
+            return
+        if call.id is None:
+            name = call.name
+            if name is not None:
+                call.sent_name, call.sent_arguments = name, call.arguments_so_far()
+                call.id = self._announce(call.index, name, call.sent_arguments)
+            return
+        args = call.arguments_so_far()
+        # (arguments that no longer extend what was sent, e.g. a second arguments key, are
+        # not sent: a stream cannot take back what it sent)
+        if len(args) > len(call.sent_arguments) and args.startswith(call.sent_arguments):
+            delta, call.sent_arguments = args[len(call.sent_arguments):], args
+            self._send_arguments(call.index, delta)
+
+
+class ToolCallStreamer(StreamerBase[_Call]):
     """One choice's output, delta by delta, split into content and calls in `fmt`.
 
     `feed(text)` returns the content and call deltas that text completes; `finish()` the rest
@@ -349,63 +490,44 @@ class ToolCallStreamer:
     `max_calls` are dropped (`parallel_tool_calls: false`)."""
 
     def __init__(self, fmt: ToolCallFormat, max_calls: Optional[int] = None) -> None:
+        super().__init__(max_calls)
         self.fmt = fmt
-        self.max_calls = max_calls
-        self.calls: List[_Call] = []  # every call read, announced or not
-        self.content: List[str] = []  # content sent
-        self._held = ""  # text not yet known to be content or a call
-        self._spaces = ""  # whitespace-only content waiting for more
-        self._live = False  # this stretch of content has had more than whitespace
-        self._call: Optional[_Call] = None  # the call being read
         self._after_call = False  # between a call's object and its end tag
-        self._announced = 0
-        self._pending: List[str] = []  # content of the current feed
-        self._deltas: List[ToolCallDelta] = []  # call deltas of the current feed
 
     # --- the state machine ------------------------------------------------------------------
-    def feed(self, text: str) -> StreamPiece:
-        buf, self._held = self._held + text, ""
-        while buf:
-            if self._call is not None:
-                buf = self._feed_call(buf)
-                continue
-            if self._after_call:
-                buf = self._feed_after_call(buf)
-                continue
-            buf = self._feed_text(buf, self._pending)
-        content, self._pending = "".join(self._pending), []
-        deltas, self._deltas = self._deltas, []
-        return StreamPiece(content, deltas)
+    def _step(self, buf: str) -> str:
+        if self._call is not None:
+            return self._feed_call(buf)
+        if self._after_call:
+            return self._feed_after_call(buf)
+        return self._feed_text(buf)
 
-    def finish(self) -> StreamPiece:
-        """The end of the output: held text is content (whitespace alone is dropped); a call
-        cut off before it was announced is content too (one announced was sent all the
-        arguments read, when the last text was fed)."""
-        held, self._held = self._held, ""
+    def _finish(self, held: str) -> None:
+        """Held text is content (whitespace alone is dropped); a call cut off before it was
+        announced is content too (one announced was sent all the arguments read, when the last
+        text was fed)."""
         if self._call is not None:
             call = self._call
             self._end_call()
-            if call.id is None and not self._extra(call):
+            if call.id is None and not self._extra(call.index):
                 self._abandon(call)
         elif not self._after_call and held:
-            self._content(held, self._pending)
-        content, self._pending = "".join(self._pending), []
-        return StreamPiece(content, [])
+            self._content(held)
 
-    def _feed_text(self, buf: str, content: List[str]) -> str:
+    def _feed_text(self, buf: str) -> str:
         """Content up to the next call's start; returns what is left after it."""
         for marker in self.fmt.markers:
             buf = buf.replace(marker, "")
         at, skip = self._find_start(buf)
         if at < 0:
             keep = self._possible_start(buf)
-            self._content(buf[:len(buf) - keep], content)
+            self._content(buf[:len(buf) - keep])
             self._held = buf[len(buf) - keep:]
             return ""
-        self._content(buf[:at], content)
+        self._content(buf[:at])
         # A call never announced is not one: only the announced ones count.
+        self._break_content()
         self._call = _Call(self._announced, self.fmt.arguments_keys)
-        self._spaces, self._live = "", False
         return buf[at + skip:]
 
     def _find_start(self, buf: str) -> Tuple[int, int]:
@@ -427,54 +549,34 @@ class ToolCallStreamer:
             at = buf.rfind("{", 0, at)
         return keep
 
-    def _content(self, text: str, out: List[str]) -> None:
-        if not text:
-            return
-        if not self._live:
-            if not text.strip():
-                self._spaces += text
-                return
-            text, self._spaces, self._live = self._spaces + text, "", True
-        out.append(text)
-        self.content.append(text)
-
     def _feed_call(self, buf: str) -> str:
         """The call's characters; returns what follows its object. A call that turns out
         malformed before it was announced goes back to being content; one that turns out
         malformed after its name is read is announced there (and sent the arguments read), so
         that where the text is split does not decide whether it is a call."""
-        call = self._call
-        assert call is not None
+        call = self._current
         for i, ch in enumerate(buf):
             call.feed(ch)
             if call.closed:
-                self._deltas.extend(self._call_deltas(call))
+                self._json_call_deltas(call)
                 self._end_call()
                 self._after_call = True
-                if call.id is None and not self._extra(call):
+                if call.id is None and not self._extra(call.index):
                     self._abandon(call)
                 return buf[i + 1:]
             if call.error is not None:  # the faulty character goes on as text
                 call.raw.pop()
-                self._deltas.extend(self._call_deltas(call))
+                self._json_call_deltas(call)
                 self._end_call()
-                if call.id is None and not self._extra(call):
+                if call.id is None and not self._extra(call.index):
                     self._abandon(call)
                 return buf[i:]
-        self._deltas.extend(self._call_deltas(call))
+        self._json_call_deltas(call)
         return ""
-
-    def _extra(self, call: _Call) -> bool:
-        return self.max_calls is not None and call.index >= self.max_calls
-
-    def _end_call(self) -> None:
-        assert self._call is not None
-        self.calls.append(self._call)
-        self._call = None
 
     def _abandon(self, call: _Call) -> None:
         """An unannounced call's text, start tag and all, is content after all."""
-        self._content(self.fmt.start + "".join(call.raw), self._pending)
+        self._content(self.fmt.start + "".join(call.raw))
 
     def _feed_after_call(self, buf: str) -> str:
         """Whitespace, then the end tag (or anything else: the rest is text again); without an
@@ -494,39 +596,6 @@ class ToolCallStreamer:
             return ""
         self._after_call = False  # no end tag: the call stands, what follows is text
         return stripped
-
-    def _call_deltas(self, call: _Call) -> List[ToolCallDelta]:
-        """What `call` (being read, just closed, or just found malformed) adds to the stream:
-        its announcement once its name is read, then the arguments read since."""
-        if self._extra(call):
-            return []
-        if call.id is None:
-            name = call.name
-            if name is None:
-                return []
-            call.id, call.sent_name = new_call_id(), name
-            self._announced += 1
-            call.sent_arguments = call.arguments_so_far()
-            return [ToolCallDelta(call.index, call.id, name, call.sent_arguments)]
-        args = call.arguments_so_far()
-        # (arguments that no longer extend what was sent, e.g. a second arguments key, are
-        # not sent: a stream cannot take back what it sent)
-        if len(args) <= len(call.sent_arguments) or not args.startswith(call.sent_arguments):
-            return []
-        delta, call.sent_arguments = args[len(call.sent_arguments):], args
-        return [ToolCallDelta(call.index, None, None, delta)]
-
-    # --- the whole output ---------------------------------------------------------------------
-    def parsed(self) -> Parsed:
-        """After `finish`: the content and the calls sent, as the joined stream has them."""
-        content = "".join(self.content)
-        return Parsed(content or None, [ToolCall(c.sent_name, c.sent_arguments)
-                                        for c in self.calls if c.id is not None])
-
-    @property
-    def any_call(self) -> bool:
-        """Whether a call has been announced in the stream."""
-        return self._announced > 0
 
 
 def parse_tool_calls(fmt: ToolCallFormat, text: str, max_calls: Optional[int] = None) -> Parsed:

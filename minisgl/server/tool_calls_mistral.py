@@ -28,10 +28,10 @@ Mistral's chat templates refuse any other id in the conversation sent back.
 from __future__ import annotations
 
 import re
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
-from minisgl.server.tool_calls import (Parsed, StreamPiece, ToolCall, ToolCallDelta, _Call,
-                                       _opener_prefix, mistral_call_id, tag_tail)
+from minisgl.server.tool_calls import (Parsed, StreamerBase, _Call, _opener_prefix,
+                                       mistral_call_id, tag_tail)
 
 MARKER = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
@@ -96,48 +96,28 @@ class _Args:
             self.depth -= 1
 
 
-class MistralToolCallStreamer:
+class MistralToolCallStreamer(StreamerBase[_Call]):
     """One choice's output, delta by delta, split into content and `mistral` calls; the
     interface and guarantees of `tool_calls.ToolCallStreamer`. With `max_calls`, the calls after
-    the first `max_calls` are dropped (`parallel_tool_calls: false`)."""
+    the first `max_calls` are dropped (`parallel_tool_calls: false`). `calls` holds the array
+    calls read (announced or not), `sent` every call announced (v11 ones too)."""
 
     def __init__(self, max_calls: Optional[int] = None) -> None:
-        self.max_calls = max_calls
-        self.calls: List[_Call] = []  # every array call read, announced or not
-        self.sent: List[Tuple[str, str]] = []  # (name, arguments) of each announced call
-        self.content: List[str] = []  # content sent
+        super().__init__(max_calls)
         # text, marker (after it: `[` or a v11 name?), item (before an object), call (in one),
         # between (after one: `,` or `]`), header (a v11 name), args (a v11 arguments object)
-        self._state = "text"
-        self._held = ""  # text not yet known to be content or markup
+        self._states = {"text": self._on_text, "marker": self._on_marker, "item": self._on_item,
+                        "call": self._on_call, "between": self._on_between,
+                        "header": self._on_header, "args": self._on_args}
         self._markup = ""  # markup read since the last call: content if no call follows
-        self._call: Optional[_Call] = None
         self._args: Optional[_Args] = None  # a v11 call's arguments being read
         self._args_id: Optional[str] = None  # its id (None: past max_calls, dropped)
         self._after_call = False  # the current array has had a call (sent or dropped)
         self._begun = False  # the output has had content other than whitespace, or a call
-        self._spaces = ""  # whitespace-only content waiting for more
-        self._live = False  # this stretch of content has had more than whitespace
-        self._announced = 0
-        self._pending: List[str] = []  # content of the current feed
-        self._deltas: List[ToolCallDelta] = []  # call deltas of the current feed
 
-    # --- the interface ----------------------------------------------------------------------
-    def feed(self, text: str) -> StreamPiece:
-        buf, self._held = self._held + text, ""
-        states = {"text": self._on_text, "marker": self._on_marker, "item": self._on_item,
-                  "call": self._on_call, "between": self._on_between,
-                  "header": self._on_header, "args": self._on_args}
-        while buf:
-            buf = states[self._state](buf)
-        content, self._pending = "".join(self._pending), []
-        deltas, self._deltas = self._deltas, []
-        return StreamPiece(content, deltas)
-
-    def finish(self) -> StreamPiece:
-        """The end of the output: held text is content, and so is markup and a call cut off
-        before its name was read; a call announced keeps the arguments sent."""
-        held, self._held = self._held, ""
+    def _finish(self, held: str) -> None:
+        """Held text is content, and so is markup and a call cut off before its name was read;
+        a call announced keeps the arguments sent."""
         if self._state == "text":
             self._content(held)
         elif self._state == "call":
@@ -148,18 +128,6 @@ class MistralToolCallStreamer:
         # (after a call, in "item" or "between", what is left is separators; in "args", a
         # v11 call's arguments were sent as read)
         self._state, self._markup, self._args = "text", "", None
-        content, self._pending = "".join(self._pending), []
-        return StreamPiece(content, [])
-
-    def parsed(self) -> Parsed:
-        """After `finish`: the content and the calls sent, as the joined stream has them."""
-        content = "".join(self.content)
-        return Parsed(content or None, [ToolCall(n, a) for n, a in self.sent])
-
-    @property
-    def any_call(self) -> bool:
-        """Whether a call has been announced in the stream."""
-        return self._announced > 0
 
     # --- the states: each takes the unread text and returns what it leaves -------------------
     def _on_text(self, buf: str) -> str:
@@ -215,18 +183,18 @@ class MistralToolCallStreamer:
         for i, ch in enumerate(buf):
             call.feed(ch)
             if call.closed:
-                self._array_call_deltas(call)
+                self._json_call_deltas(call)
                 self._close_call(call)
                 # an object that is not a call ends the calls: the rest is text
                 self._state = "between" if self._after_call else "text"
                 return buf[i + 1:]
             if call.error is not None:  # the faulty character goes on as text
                 call.raw.pop()
-                self._array_call_deltas(call)
+                self._json_call_deltas(call)
                 self._close_call(call)
                 self._state = "text"
                 return buf[i:]
-        self._array_call_deltas(call)
+        self._json_call_deltas(call)
         return ""
 
     def _on_between(self, buf: str) -> str:
@@ -257,7 +225,8 @@ class MistralToolCallStreamer:
             return ""
         match = _HEADER.fullmatch(header + part)
         assert match is not None
-        self._args_id = self._announce(match.group(1), "")
+        index, self._markup = self._announced, ""
+        self._args_id = None if self._extra(index) else self._announce(index, match.group(1), "")
         self._args, self._state = _Args(), "args"
         return buf[end:]
 
@@ -275,30 +244,19 @@ class MistralToolCallStreamer:
         return ""
 
     # --- helpers ---------------------------------------------------------------------------------
-    @property
-    def _current(self) -> _Call:
-        assert self._call is not None
-        return self._call
-
-    def _extra(self, index: int) -> bool:
-        return self.max_calls is not None and index >= self.max_calls
+    def _new_id(self) -> str:
+        return mistral_call_id()
 
     def _start_calls(self, opener: str) -> None:
         """Calls begin at `opener` (the marker, or a bare array's `[`)."""
         self._markup, self._begun, self._after_call = opener, True, False
-        self._spaces, self._live = "", False
+        self._break_content()
 
     def _content(self, text: str) -> None:
-        if not text:
-            return
+        """As `StreamerBase._content`; content other than whitespace also ends the chance of a
+        bare array of calls (`_begun`)."""
         self._begun = self._begun or bool(text.strip())
-        if not self._live:
-            if not text.strip():
-                self._spaces += text
-                return
-            text, self._spaces, self._live = self._spaces + text, "", True
-        self._pending.append(text)
-        self.content.append(text)
+        super()._content(text)
 
     def _broken(self, rest: str) -> str:
         """The calls end at a fault: the markup read since the last call is content, and so
@@ -311,50 +269,21 @@ class MistralToolCallStreamer:
     def _close_call(self, call: _Call) -> None:
         """An array's call ends (closed, broken or cut off): one never announced is content,
         markup before it included, unless it is past `max_calls` (dropped)."""
-        self.calls.append(call)
-        self._call = None
+        self._end_call()
         self._after_call = call.id is not None or self._extra(call.index)
         if not self._after_call:
             self._content(self._markup + "".join(call.raw))
         self._markup = ""
 
-    def _announce(self, name: str, arguments: str) -> Optional[str]:
-        """A call's name is read: its id and first delta go out (None and nothing for a call
-        past `max_calls`, dropped)."""
-        index, self._markup = self._announced, ""
-        if self._extra(index):
-            return None
-        call_id = mistral_call_id()
-        self._announced += 1
-        self.sent.append((name, arguments))
-        self._deltas.append(ToolCallDelta(index, call_id, name, arguments))
-        return call_id
+    def _announce(self, index: int, name: str, arguments: str) -> str:
+        """As `StreamerBase._announce`; the markup before the call is the call's."""
+        self._markup = ""
+        return super()._announce(index, name, arguments)
 
     def _more_arguments(self, call_id: Optional[str], arguments: str) -> None:
         """More of the last announced call's arguments (none for a dropped call)."""
-        if call_id is None or not arguments:
-            return
-        name, sent = self.sent[-1]
-        self.sent[-1] = (name, sent + arguments)
-        self._deltas.append(ToolCallDelta(self._announced - 1, None, None, arguments))
-
-    def _array_call_deltas(self, call: _Call) -> None:
-        """What an array's `call` adds to the stream: its announcement once its name is read,
-        then the arguments read since."""
-        if self._extra(call.index):
-            return
-        if call.id is None:
-            name = call.name
-            if name is not None:
-                call.sent_name, call.sent_arguments = name, call.arguments_so_far()
-                call.id = self._announce(name, call.sent_arguments)
-            return
-        args = call.arguments_so_far()
-        # (arguments that no longer extend what was sent, e.g. a second arguments key, are
-        # not sent: a stream cannot take back what it sent)
-        if len(args) > len(call.sent_arguments) and args.startswith(call.sent_arguments):
-            delta, call.sent_arguments = args[len(call.sent_arguments):], args
-            self._more_arguments(call.id, delta)
+        if call_id is not None and arguments:
+            self._send_arguments(self._announced - 1, arguments)
 
 
 def parse_mistral_tool_calls(text: str, max_calls: Optional[int] = None) -> Parsed:

@@ -38,8 +38,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import jsonschema
 
-from minisgl.server.tool_calls import (Parsed, StreamPiece, ToolCall, ToolCallDelta, new_call_id,
-                                       tag_tail)
+from minisgl.server.tool_calls import Parsed, StreamerBase, tag_tail
 
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
@@ -181,10 +180,9 @@ class _XmlCall:
     params: int = 0  # parameters written into the arguments
     param: Optional[str] = None  # the name of the parameter whose value is being read
     value: List[str] = field(default_factory=list)
-    sent_arguments: str = ""
 
 
-class XmlToolCallStreamer:
+class XmlToolCallStreamer(StreamerBase[_XmlCall]):
     """One choice's output, delta by delta, split into content and `qwen3_coder` calls; the
     interface and guarantees of `tool_calls.ToolCallStreamer`. `schemas` maps each tool's name to
     its parameters schema (a call of another name takes its values as strings); with
@@ -192,55 +190,24 @@ class XmlToolCallStreamer:
 
     def __init__(self, schemas: Mapping[str, Mapping[str, Any]],
                  max_calls: Optional[int] = None) -> None:
+        super().__init__(max_calls)
         self.schemas = schemas
-        self.max_calls = max_calls
-        self.calls: List[_XmlCall] = []  # every call read, announced or not
-        self.content: List[str] = []  # content sent
-        self._state = "text"  # text, open, name, body, pname, value, after
-        self._call: Optional[_XmlCall] = None
-        self._held = ""  # text not yet known to be content or part of a call
-        self._spaces = ""  # whitespace-only content waiting for more
-        self._live = False  # this stretch of content has had more than whitespace
-        self._announced = 0
-        self._pending: List[str] = []  # content of the current feed
-        self._deltas: List[ToolCallDelta] = []  # call deltas of the current feed
+        # text, open, name, body, pname, value, after
+        self._states = {"text": self._on_text, "open": self._on_open, "name": self._on_name,
+                        "body": self._on_body, "pname": self._on_pname, "value": self._on_value,
+                        "after": self._on_after}
 
-    def feed(self, text: str) -> StreamPiece:
-        buf, self._held = self._held + text, ""
-        states = {"text": self._on_text, "open": self._on_open, "name": self._on_name,
-                  "body": self._on_body, "pname": self._on_pname, "value": self._on_value,
-                  "after": self._on_after}
-        while buf:
-            buf = states[self._state](buf)
-        content, self._pending = "".join(self._pending), []
-        deltas, self._deltas = self._deltas, []
-        return StreamPiece(content, deltas)
-
-    def finish(self) -> StreamPiece:
-        """The end of the output: held text is content, and so is a call cut off before its
-        name was read; a call announced keeps the arguments sent."""
-        held, self._held = self._held, ""
+    def _finish(self, held: str) -> None:
+        """Held text is content, and so is a call cut off before its name was read; a call
+        announced keeps the arguments sent."""
         call = self._call
         if self._state == "text":
             self._content(held)
-        elif call is not None and call.id is None and not self._extra(call):
+        elif call is not None and call.id is None and not self._extra(call.index):
             self._content(call.raw + (held if self._state in ("open", "name") else ""))
         if call is not None:
             self._end_call()
         self._state = "text"
-        content, self._pending = "".join(self._pending), []
-        return StreamPiece(content, [])
-
-    def parsed(self) -> Parsed:
-        """After `finish`: the content and the calls sent, as the joined stream has them."""
-        content = "".join(self.content)
-        return Parsed(content or None, [ToolCall(c.name or "", c.sent_arguments)
-                                        for c in self.calls if c.id is not None])
-
-    @property
-    def any_call(self) -> bool:
-        """Whether a call has been announced in the stream."""
-        return self._announced > 0
 
     # --- the states: each takes the unread text and returns what it leaves -------------------
     def _on_text(self, buf: str) -> str:
@@ -254,7 +221,7 @@ class XmlToolCallStreamer:
             return ""
         at, tag = min(starts)
         self._content(buf[:at])
-        self._spaces, self._live = "", False
+        self._break_content()
         self._call = _XmlCall(self._announced, raw=tag)
         self._state = "open" if tag == CALL_START else "name"
         return buf[at + len(tag):]
@@ -292,10 +259,8 @@ class XmlToolCallStreamer:
         if not name:
             return self._not_a_call(buf[end + 1:])
         call.name = name
-        if not self._extra(call):
-            call.id = new_call_id()
-            self._announced += 1
-            self._deltas.append(ToolCallDelta(call.index, call.id, name, ""))
+        if not self._extra(call.index):
+            call.id = self._announce(call.index, name, "")
         self._state = "body"
         return buf[end + 1:]
 
@@ -359,30 +324,11 @@ class XmlToolCallStreamer:
         return ""
 
     # --- helpers ---------------------------------------------------------------------------------
-    @property
-    def _current(self) -> _XmlCall:
-        assert self._call is not None
-        return self._call
-
-    def _extra(self, call: _XmlCall) -> bool:
-        return self.max_calls is not None and call.index >= self.max_calls
-
-    def _content(self, text: str) -> None:
-        if not text:
-            return
-        if not self._live:
-            if not text.strip():
-                self._spaces += text
-                return
-            text, self._spaces, self._live = self._spaces + text, "", True
-        self._pending.append(text)
-        self.content.append(text)
-
     def _not_a_call(self, rest: str) -> str:
         """A call broken before its name was read: its text is content (unless it is a call
         past `max_calls`, dropped); reading goes on with `rest` as text."""
         call = self._current
-        if not self._extra(call):
+        if not self._extra(call.index):
             self._content(call.raw)
         self._end_call()
         self._state = "text"
@@ -394,15 +340,11 @@ class XmlToolCallStreamer:
         self._state = "text"
         return rest
 
-    def _end_call(self) -> None:
-        self.calls.append(self._current)
-        self._call = None
-
     def _send(self, arguments: str) -> None:
+        """More of the current call's arguments (sent where it was announced)."""
         call = self._current
-        call.sent_arguments += arguments
         if call.id is not None:
-            self._deltas.append(ToolCallDelta(call.index, None, None, arguments))
+            self._send_arguments(call.index, arguments)
 
     def _add_parameter(self, call: _XmlCall) -> None:
         """The finished parameter, converted to its schema's type, into the arguments."""
