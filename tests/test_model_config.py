@@ -119,6 +119,23 @@ def test_a_minimal_config_reads_as_transformers_reads_it(arch: str, tmp_path: Pa
     model_class(arch)(cfg, info, Communicator(info)).load_weights(iter_checkpoint(tmp_path, False))
 
 
+@pytest.mark.parametrize("arch", sorted(HF_CONFIGS))
+def test_absent_kv_heads_and_shared_expert_take_the_familys_defaults(arch: str) -> None:
+    """Without `num_key_value_heads` a family's transformers class has its own count (Qwen2's
+    32, Qwen3-MoE's 4, Llama's the head count; before, always the head count), and Qwen2-MoE
+    without `shared_expert_intermediate_size` has a shared expert of 5632 (before, none)."""
+    import transformers
+    raw = dict(architectures=[arch], vocab_size=64, hidden_size=1024, intermediate_size=32,
+               num_hidden_layers=2, num_attention_heads=64, head_dim=16,
+               **{k: v for k, v in _MOE_FIELDS.get(arch, {}).items()
+                  if k != "shared_expert_intermediate_size"})
+    hf_cfg = getattr(transformers, HF_CONFIGS[arch])(**raw)
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.num_kv_heads == hf_cfg.num_key_value_heads
+    assert cfg.shared_expert_intermediate_size == getattr(
+        hf_cfg, "shared_expert_intermediate_size", 0)
+
+
 @pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "gelu", "relu"])
 def test_an_activation_other_than_silu_is_refused_naming_it(act: str) -> None:
     """The MLPs and experts (and their fused kernels) apply SiLU: before, a checkpoint asking

@@ -36,16 +36,18 @@ HIDDEN_ACTS = ("silu", "swish")
 # transformers' defaults for the fields a family's config class sets otherwise than the generic
 # defaults of `ModelConfig.from_dict` (save_pretrained writes them all, a hand-written config.json
 # may not): Mistral's window, Mixtral's theta and eps, Qwen3's head_dim, Qwen's window switch,
-# the context lengths.
+# the context lengths, the KV head counts (Llama's: the head count), Qwen2-MoE's shared expert.
 _QWEN = {"max_position_embeddings": 32768, "use_sliding_window": False}
 _FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
-    "MistralForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096},
+    "MistralForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096,
+                           "num_key_value_heads": 8},
     "MixtralForCausalLM": {"max_position_embeddings": 131072, "rope_theta": 1e6,
-                           "rms_norm_eps": 1e-5},
-    "Qwen2ForCausalLM": _QWEN,
-    "Qwen2MoeForCausalLM": _QWEN,
-    "Qwen3ForCausalLM": {**_QWEN, "head_dim": 128},
-    "Qwen3MoeForCausalLM": _QWEN,
+                           "rms_norm_eps": 1e-5, "num_key_value_heads": 8},
+    "Qwen2ForCausalLM": {**_QWEN, "num_key_value_heads": 32},
+    "Qwen2MoeForCausalLM": {**_QWEN, "num_key_value_heads": 16,
+                            "shared_expert_intermediate_size": 5632},
+    "Qwen3ForCausalLM": {**_QWEN, "head_dim": 128, "num_key_value_heads": 32},
+    "Qwen3MoeForCausalLM": {**_QWEN, "num_key_value_heads": 4},
 }
 # The families whose attention projections take `attention_bias` (Qwen2's are fixed: q/k/v
 # bias, none on o; Mistral's and Mixtral's have none), and whose MLP takes `mlp_bias`.
