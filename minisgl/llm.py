@@ -1,4 +1,5 @@
-"""The offline API: `LLM(...).generate(prompts, params)` and `.chat(messages, params)`.
+"""The offline API: `LLM(...).generate(prompts, sampling_params)` and
+`.chat(messages, sampling_params)`.
 
 With tp=1 the scheduler and engine run in this process behind in-process queues; with tp>1 one
 process per rank is spawned and this process plays tokenizer and detokenizer over ZMQ, exactly as
