@@ -34,6 +34,7 @@ string) is content, start tag and all.
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 import random
 import re
 import string
@@ -341,7 +342,7 @@ class _Call:
 C = TypeVar("C")  # a streamer's record of one call being read
 
 
-class StreamerBase(Generic[C]):
+class StreamerBase(ABC, Generic[C]):
     """What every format's streamer shares: the feed loop over its states, content (whitespace
     held until more arrives), the calls announced and their deltas, and `parsed` / `any_call`.
 
@@ -398,9 +399,9 @@ class StreamerBase(Generic[C]):
         """The current state's handler on the unread text `buf`; returns what it leaves."""
         return self._states[self._state](buf)
 
+    @abstractmethod
     def _finish(self, held: str) -> None:
         """The end of the output, with `held` the text held back: what is content."""
-        raise NotImplementedError
 
     def _new_id(self) -> str:
         """A new call's id (the format's style)."""
