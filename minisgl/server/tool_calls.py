@@ -198,6 +198,26 @@ def tag_tail(buf: str, tag: str) -> int:
 
 
 @dataclass
+class JsonString:
+    """Whether JSON text, read character by character, is inside a string. The escapes are why
+    this is more than counting quotes: a quote after an odd run of backslashes is text."""
+
+    inside: bool = False
+    escape: bool = False
+
+    def ends_with(self, ch: str) -> bool:
+        """Reads `ch`, a character inside a string; True when it is the closing quote."""
+        if self.escape:
+            self.escape = False
+        elif ch == "\\":
+            self.escape = True
+        elif ch == '"':
+            self.inside = False
+            return True
+        return False
+
+
+@dataclass
 class _Call:
     """One call's JSON object being scanned, character by character: the top-level keys and
     the raw text of their values."""
@@ -206,8 +226,7 @@ class _Call:
     arguments_keys: Tuple[str, ...]
     raw: List[str] = field(default_factory=list)
     depth: int = 0
-    in_string: bool = False
-    escape: bool = False
+    string: JsonString = field(default_factory=JsonString)
     phase: str = "open"  # open, key, colon, value, comma, done
     key: Optional[str] = None
     key_start: int = -1
@@ -227,15 +246,9 @@ class _Call:
             return
         pos = len(self.raw)
         self.raw.append(ch)
-        if self.in_string:
-            if self.escape:
-                self.escape = False
-            elif ch == "\\":
-                self.escape = True
-            elif ch == '"':
-                self.in_string = False
-                if self.depth == 1:
-                    self._string_ended(pos)
+        if self.string.inside:
+            if self.string.ends_with(ch) and self.depth == 1:
+                self._string_ended(pos)
             return
         if ch.isspace():
             if self.depth == 1 and self.phase == "value" and self.value_start >= 0 \
@@ -252,7 +265,7 @@ class _Call:
             self._top_level(ch, pos)
             return
         if ch == '"':
-            self.in_string = True
+            self.string.inside = True
         elif ch in "{[":
             self.depth += 1
         elif ch in "}]":
@@ -266,7 +279,7 @@ class _Call:
             self._value_ended(pos)  # a number or literal ends at the next , or }
         if self.phase == "key":
             if ch == '"':
-                self.in_string, self.key_start = True, pos
+                self.string.inside, self.key_start = True, pos
             elif ch == "}" and not self.values:
                 self.phase, self.depth = "done", 0
             else:
@@ -280,7 +293,7 @@ class _Call:
             if self.value_start < 0:
                 self.value_start = pos
                 if ch == '"':
-                    self.in_string = True
+                    self.string.inside = True
                 elif ch in "{[":
                     self.depth += 1
                 elif ch in ",}]":

@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 from typing import List, Optional
 
-from minisgl.server.tool_calls import (Parsed, StreamerBase, _Call, _opener_prefix,
+from minisgl.server.tool_calls import (JsonString, Parsed, StreamerBase, _Call, _opener_prefix,
                                        mistral_call_id, tag_tail)
 
 MARKER = "[TOOL_CALLS]"
@@ -72,8 +72,7 @@ class _Args:
     def __init__(self) -> None:
         self.raw: List[str] = []
         self.depth = 0
-        self.in_string = False
-        self.escape = False
+        self.string = JsonString()
 
     @property
     def closed(self) -> bool:
@@ -81,15 +80,10 @@ class _Args:
 
     def feed(self, ch: str) -> None:
         self.raw.append(ch)
-        if self.in_string:
-            if self.escape:
-                self.escape = False
-            elif ch == "\\":
-                self.escape = True
-            elif ch == '"':
-                self.in_string = False
+        if self.string.inside:
+            self.string.ends_with(ch)
         elif ch == '"':
-            self.in_string = True
+            self.string.inside = True
         elif ch in "{[":
             self.depth += 1
         elif ch in "}]":
