@@ -378,7 +378,8 @@ def test_error_shapes_by_path() -> None:
     """Anthropic's error types on the Messages API's paths (the server's 429 is its load:
     overloaded_error), OpenAI's bodies elsewhere; a failed stream ends with an error event."""
     from minisgl.server.admission import overloaded
-    from minisgl.server.anthropic_api import MessagesFormatter, MessagesRequest, error_body
+    from minisgl.server.anthropic_api import MessagesFormatter, MessagesRequest
+    from minisgl.server.error_shapes import error_body
     from minisgl.server.anthropic_api import messages_job
     from minisgl.server.limits import too_large
     from minisgl.server.protocol import ApiError

@@ -27,7 +27,7 @@ The reply (`MessagesFormatter`) is a `message` with `text`, `tool_use` (`id` "to
 events (`message_start`, `content_block_start` / `_delta` / `_stop`, `message_delta`,
 `message_stop`). The plain message is built by folding the very events a stream of the same
 output sends (`fold_events`), so the two always agree. Errors on these paths take Anthropic's
-shape (`error_body`), in the handlers and in the middleware alike.
+shape (error_shapes.py), in the handlers and in the middleware alike.
 """
 
 from __future__ import annotations
@@ -42,12 +42,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from minisgl.message.types import ReplyChunk
 from minisgl.models.generation import SamplingDefaults
+from minisgl.server.error_shapes import anthropic_error_body
 from minisgl.server.protocol import ApiError, ChatRequest, Job, Prompt, chat_job
 from minisgl.server.responses import ChatFormatter, Choice
 
-MESSAGES_PATH = "/v1/messages"
-COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
-ANTHROPIC_PATHS = frozenset({MESSAGES_PATH, COUNT_TOKENS_PATH})
 # Fields of Anthropic's API this server does not serve, each with the test for a value that asks
 # for nothing (accepted); `metadata` (declared) and these inert ones have no effect at all.
 _UNSERVED: Dict[str, Callable[[Any], bool]] = {
@@ -63,24 +61,6 @@ _UNSERVED: Dict[str, Callable[[Any], bool]] = {
 _INERT = frozenset({"service_tier", "inference_geo", "speed", "cache_control", "workspace_id",
                     "user_profile_id"})
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
-# Anthropic's error type for each status (429 here is the server's load, never a client quota)
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                403: "permission_error", 404: "not_found_error", 408: "timeout_error",
-                413: "request_too_large", 429: "overloaded_error"}
-
-
-# --- errors -------------------------------------------------------------------------------------
-def anthropic_error_body(e: ApiError) -> Dict[str, Any]:
-    """`{"type": "error", "error": {"type", "message"}}`: the type Anthropic gives the status
-    (another 4xx: invalid_request_error, a 5xx: api_error)."""
-    kind = _ERROR_TYPES.get(e.status, "api_error" if e.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": e.message}}
-
-
-def error_body(e: ApiError, path: str) -> Dict[str, Any]:
-    """The error body a client of `path` reads: Anthropic's on the Messages API's paths, OpenAI's
-    (`e.body()`) everywhere else."""
-    return anthropic_error_body(e) if path in ANTHROPIC_PATHS else e.body()
 
 
 # --- request bodies -----------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /generate (token ids in and out), POST
 /v1/responses, POST /v1/messages and POST /v1/messages/count_tokens (Anthropic's Messages API, whose
-errors take Anthropic's shape: anthropic_api.py), POST /tokenize, POST /detokenize, GET
+errors take Anthropic's shape: error_shapes.py), POST /tokenize, POST /detokenize, GET
 /tokenizer_info, GET /v1/models, GET /v1/models/{id}, GET /version, GET /health (200 only while the
 launcher reports every process up), GET /metrics.
 A POST body must be JSON: another declared content type gets a 415.
@@ -39,10 +39,10 @@ from minisgl.message.startup import report_startup
 from minisgl.message.types import ReplyChunk
 from minisgl.models.generation import SamplingDefaults
 from minisgl.server.admission import Deadline, overloaded
-from minisgl.server.anthropic_api import (COUNT_TOKENS_PATH, MESSAGES_PATH, CountTokensRequest,
-                                          MessagesFormatter, MessagesRequest, count_tokens_prompt,
-                                          error_body, messages_job)
+from minisgl.server.anthropic_api import (CountTokensRequest, MessagesFormatter, MessagesRequest,
+                                          count_tokens_prompt, messages_job)
 from minisgl.server.auth import AccessCheck
+from minisgl.server.error_shapes import COUNT_TOKENS_PATH, MESSAGES_PATH, error_body
 from minisgl.server.limits import BodyLimits
 from minisgl.server.request_log import REQUEST_ID_HEADER, RequestLog
 from minisgl.server.health import HealthFile
@@ -237,7 +237,7 @@ def _stream_error(fmt: Formatter, e: ApiError) -> Iterator[str]:
 
 # --- the app --------------------------------------------------------------------------------------
 def _error_response(e: ApiError, request: Request) -> JSONResponse:
-    """The error's response, in the shape the request's path speaks (anthropic_api.error_body:
+    """The error's response, in the shape the request's path speaks (error_shapes.error_body:
     Anthropic's on the Messages API, OpenAI's elsewhere)."""
     return JSONResponse(error_body(e, request.url.path), status_code=e.status,
                         headers=e.headers or None)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hmac
 from typing import List, Optional
 
-from minisgl.server.anthropic_api import ANTHROPIC_PATHS
+from minisgl.server.error_shapes import ANTHROPIC_PATHS
 from minisgl.server.hosts import host_name, is_loopback
 from minisgl.server.limits import App, Receive, Scope, Send, header, send_error
 from minisgl.server.protocol import ApiError

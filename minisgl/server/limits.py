@@ -15,7 +15,7 @@ import asyncio
 import json
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
 
-from minisgl.server.anthropic_api import error_body
+from minisgl.server.error_shapes import error_body
 from minisgl.server.protocol import ApiError
 
 Scope = Dict[str, Any]
@@ -47,7 +47,7 @@ def header(scope: Scope, name: bytes) -> Optional[str]:
 
 async def send_error(send: Send, e: ApiError, path: str = "") -> None:
     """A whole JSON error response, straight on the ASGI connection, in the shape the request's
-    `path` speaks (anthropic_api.error_body)."""
+    `path` speaks (error_shapes.error_body)."""
     body = json.dumps(error_body(e, path)).encode()
     headers: List[Tuple[bytes, bytes]] = [(b"content-type", b"application/json"),
                                           (b"content-length", str(len(body)).encode())]
