@@ -207,6 +207,8 @@ def test_stream_past_its_deadline_ends_with_an_error_event() -> None:
     from minisgl.server.responses import ChatFormatter, Choice
     from minisgl.server.streams import RequestStream
 
+    stream_reason: List[str] = []
+
     async def run() -> List[str]:
         job = chat_job(ChatRequest.model_validate(
             {"messages": [{"role": "user", "content": "hi"}], "stream": True}), 1)
@@ -217,9 +219,11 @@ def test_stream_past_its_deadline_ends_with_an_error_event() -> None:
         lines = [line async for line in _events(stream, ChatFormatter("m", job), [Choice()],
                                                  first, deadline)]
         assert 0.15 < time.monotonic() - t0 < 5
+        stream_reason.append(stream.abort_reason)
         return lines
 
     lines = asyncio.run(run())
+    assert stream_reason == ["timeout"]  # how the release counts it in /metrics
     assert lines[-1] == "data: [DONE]\n\n"
     assert '"request_timeout"' in lines[-2] and "Hel" in "".join(lines[:-2])
 

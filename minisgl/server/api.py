@@ -110,6 +110,7 @@ class Waiter:
         while True:
             left = self.deadline.left(started=False)
             if left <= 0:
+                self.stream.abort_reason = "timeout"
                 raise self.deadline.error()
             if time.monotonic() >= self.next_check:
                 if await self.request.is_disconnected():
@@ -210,6 +211,7 @@ async def _events(stream: RequestStream, fmt: Formatter, choices: List[Choice],
     while buffered or stream.unfinished or not stream.queue.empty():
         chunk = buffered.pop(0) if buffered else await stream.get(deadline.timeout(True))
         if chunk is None:  # past the deadline: an error event ends it (the release aborts)
+            stream.abort_reason = "timeout"
             for line in _stream_error(fmt, deadline.error()):
                 yield line
             return

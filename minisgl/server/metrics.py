@@ -135,8 +135,9 @@ class Metrics:
                 lines += [f'{name}{{replica="{d}"}} {getattr(self._stats(d), attr)}'
                           for d in range(self.replicas)]
         name = "minisgl_requests_finished_total"
-        lines += [f"# HELP {name} Requests finished, by reason (stop, length, abort; rejected "
-                  f"for load, invalid input, error).", f"# TYPE {name} counter"]
+        lines += [f"# HELP {name} Requests finished, by reason (stop, length, abort, timeout: "
+                  f"past its deadline; rejected for load, invalid input, error).",
+                  f"# TYPE {name} counter"]
         lines += [f'{name}{{reason="{r}"}} {c}' for r, c in sorted(self.finished.items())]
         for histogram in (self.ttft, self.itl, self.e2e, self.prompt_tokens,
                           self.generation_tokens):

@@ -52,6 +52,8 @@ class RequestStream:
     unfinished: Set[int] = field(default_factory=set)
     last_token_at: Dict[int, float] = field(default_factory=dict)
     measured: bool = True  # counts in the latency and finish metrics (generation does)
+    # how `release` counts the uids still running: "timeout" once the request's deadline passed
+    abort_reason: str = "abort"
 
     def __post_init__(self) -> None:
         self.unfinished = set(self.uids)
@@ -144,12 +146,12 @@ class RequestStreams:
         return stream
 
     def release(self, stream: RequestStream) -> None:
-        """Abort the stream's unfinished uids (each counted as finished by "abort") and forget
-        the stream (idempotent)."""
+        """Abort the stream's unfinished uids (each counted as finished by its
+        `abort_reason`) and forget the stream (idempotent)."""
         unfinished = sorted(stream.unfinished if stream.measured else ())  # text: nothing runs
         self._abort(unfinished)
         for _ in unfinished:
-            self.metrics.count_finished("abort")
+            self.metrics.count_finished(stream.abort_reason)
         self._forget(stream)
 
     def _refuse(self, stream: RequestStream, sent: int, status: int) -> None:
