@@ -255,3 +255,41 @@ def test_chat_responses_streamed_and_plain_alike_whole_or_cut_off(marker: str) -
         {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'},
         {"name": "now", "arguments": "{}"}]}, "finish_reason": "tool_calls"}
     check_chats_alike_cut_off(_job, "mistral", text, _ID.fullmatch)
+
+
+def test_conversation_call_ids_become_ones_mistrals_template_takes() -> None:
+    """OpenAI's and Anthropic's call ids (and a missing one) are not 9 letters and digits, which
+    Mistral's templates refuse: with the `mistral` parser every call id in the conversation
+    is mapped to 9 letters and digits, a call and its answer alike, two ids apart, and a
+    9-character id as it is; the other parsers pass ids on unchanged."""
+    from jinja2 import Environment
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(message)
+
+    long_ids = ["call_" + "a" * 24, "toolu_01ABCDEF", "abcdefghi"]
+    messages = [{"role": "user", "content": "?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": i, "type": "function",
+                     "function": {"name": "get_weather", "arguments": "{}"}}
+                    for i in long_ids] + [{"type": "function",
+                                           "function": {"name": "get_weather",
+                                                        "arguments": "{}"}}]}]
+    messages += [{"role": "tool", "tool_call_id": i, "content": "sunny"} for i in long_ids]
+    body = ChatRequest.model_validate({"messages": messages, "tools": TOOLS})
+    sent = chat_job(body, 1, "mistral").prompts[0].messages
+    assert sent is not None
+    ids = [c["id"] for c in sent[1]["tool_calls"]]
+    assert all(_ID.fullmatch(i) for i in ids) and len(set(ids)) == 4
+    assert ids[2] == "abcdefghi"
+    assert [m["tool_call_id"] for m in sent[2:]] == ids[:3]
+    env = Environment()
+    env.globals["raise_exception"] = raise_exception
+    template = env.from_string(MISTRAL_TEMPLATE)
+    out = template.render(loop_messages=sent, user_messages=[sent[0]], tools=None)
+    assert all(f'"id": "{i}"' in out for i in ids)
+    with pytest.raises(ValueError, match="length 9"):  # what the ids were
+        template.render(loop_messages=body.model_dump()["messages"][:2],
+                        user_messages=[sent[0]], tools=None)
+    hermes = chat_job(body, 1, "hermes").prompts[0].messages
+    assert hermes is not None and hermes[1]["tool_calls"][0]["id"] == long_ids[0]
