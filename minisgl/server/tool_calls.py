@@ -36,10 +36,10 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from abc import ABC, abstractmethod
 import re
 import string
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Generic, List, NamedTuple, Optional, Protocol, Tuple, TypeVar
 
