@@ -225,7 +225,8 @@ class Service:
                             log_requests=c.log_requests,
                             sampling_defaults=sampling_defaults(c.generation_config,
                                                                 Path(self.model_path)))
-        tok_cfg = TokenizerConfig(str(self.tokenizer_path), a.tokenizer, a.backends, a.detokenizer, a.api, template,
+        tok_cfg = TokenizerConfig(str(self.tokenizer_path), a.tokenizer, a.backends, a.detokenizer,
+                                  a.api, template,
                                   c.max_queued_tokens, c.tokenizer_threads)
         # The tokenizer needs the replicas' stats to route (several) or to count queued tokens.
         stats_to = a.tokenizer if dp > 1 or c.max_queued_tokens is not None else None

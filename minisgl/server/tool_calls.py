@@ -41,7 +41,8 @@ import string
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Generic, List, NamedTuple, Optional, Protocol, Tuple, TypeVar
+from typing import (Any, Callable, Dict, Generic, List, NamedTuple, Optional, Protocol, Tuple,
+                    TypeVar)
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "mistral")
 
