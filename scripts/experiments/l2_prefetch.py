@@ -22,7 +22,6 @@ chain's ordering stays transitive. Outputs are checked equal to the chain withou
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
 from typing import Callable, List, Tuple
@@ -36,7 +35,10 @@ LINE = 128
 
 @triton.jit
 def _prefetch_kernel(ptr, nbytes, CHUNK: tl.constexpr, PER_PROG: tl.constexpr,
-                     BULK: tl.constexpr):
+                     BULK: tl.constexpr, LATE: tl.constexpr):
+    if LATE:  # issue the prefetches once QKV is done: inside the attention's window
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     offs = (pid * PER_PROG + tl.arange(0, PER_PROG)).to(tl.int64) * CHUNK
     live = (offs < nbytes).to(tl.int32)
@@ -52,19 +54,20 @@ def _prefetch_kernel(ptr, nbytes, CHUNK: tl.constexpr, PER_PROG: tl.constexpr,
             "{ .reg .pred p; setp.ne.b32 p, $2, 0; "
             "@p prefetch.global.L2::evict_last [$1]; mov.b32 $0, 0; }",
             "=r,l,r", [addr, live], dtype=tl.int32, is_pure=False, pack=1)
-    # PDL: the attention after this may launch once every prefetch is issued and the kernel
-    # before (QKV) has finished, so that the chain's ordering stays transitive
-    tl.extra.cuda.gdc_wait()
-    tl.extra.cuda.gdc_launch_dependents()
+    if not LATE:
+        # early: issued while QKV may still stream; the attention after this may launch once
+        # the kernel before (QKV) has finished, so that the chain's ordering stays transitive
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
-def prefetch(spans: List[Tuple[object, int]], chunk: int, bulk: bool, per_prog: int = 64
-             ) -> None:
+def prefetch(spans: List[Tuple[object, int]], chunk: int, bulk: bool, late: bool,
+             per_prog: int = 64) -> None:
     """Issue L2 prefetches over each (tensor, bytes) span, from the tensor's first byte."""
     for t, nbytes in spans:
         chunks = triton.cdiv(nbytes, chunk)
         _prefetch_kernel[(triton.cdiv(chunks, per_prog),)](
-            t, nbytes, CHUNK=chunk, PER_PROG=per_prog, BULK=bulk, num_warps=2,
+            t, nbytes, CHUNK=chunk, PER_PROG=per_prog, BULK=bulk, LATE=late, num_warps=2,
             launch_pdl=True)
 
 
@@ -73,8 +76,10 @@ def compile_only() -> None:
     from triton.compiler import ASTSource
     for bulk in (True, False):
         src = ASTSource(_prefetch_kernel, {"ptr": "*u8", "nbytes": "i64", "CHUNK": "constexpr",
-                                           "PER_PROG": "constexpr", "BULK": "constexpr"},
-                        {"CHUNK": 4096 if bulk else LINE, "PER_PROG": 64, "BULK": bulk})
+                                           "PER_PROG": "constexpr", "BULK": "constexpr",
+                                           "LATE": "constexpr"},
+                        {"CHUNK": 4096 if bulk else LINE, "PER_PROG": 64, "BULK": bulk,
+                         "LATE": True})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2})
         ptx = k.asm["ptx"]
         lines = [ln.strip() for ln in ptx.splitlines()]
@@ -142,22 +147,23 @@ def run_on_gpu(layers: int, context: int) -> None:
     say(f"{layers} layers, context {context}: no prefetch {base:8.1f} us "
         f"({base / layers:.2f} us a layer)")
     o_bytes = HIDDEN * HIDDEN
-    for bulk, chunk, extra_mb in itertools.product((True, False), (4096, 65536), (0, 8, 16)):
-        if not bulk and chunk != 4096:
-            continue
-        size = chunk if bulk else LINE
-
-        def pre(m: dict, size: int = size, bulk: bool = bulk, extra_mb: int = extra_mb) -> None:
+    variants = [(True, 4096, 0, True), (True, 4096, 0, False), (True, 65536, 0, True),
+                (False, LINE, 0, True), (True, 4096, 8, True), (True, 4096, 16, True),
+                (False, LINE, 16, True)]
+    for bulk, size, extra_mb, late in variants:
+        def pre(m: dict, size: int = size, bulk: bool = bulk, extra_mb: int = extra_mb,
+                late: bool = late) -> None:
             spans = [(m["o"][0], o_bytes)]
             if extra_mb:
                 spans.append((m["gu"][0], extra_mb << 20))
-            prefetch(spans, size, bulk)
+            prefetch(spans, size, bulk, late)
         try:
             got = step(pre).float()
             torch.cuda.synchronize()
             diff = (got - ref).abs().max().item()
             us = time_graph(lambda: step(pre), 1, 30)
-            say(f"{'bulk' if bulk else 'line'} chunk {size:6d} o_proj + {extra_mb:2d} MB of "
+            say(f"{'bulk' if bulk else 'line'} {'late ' if late else 'early'} chunk {size:6d} "
+                f"o_proj + {extra_mb:2d} MB of "
                 f"gate/up: {us:8.1f} us ({us / layers:.2f} a layer, {us - base:+.1f} us)  "
                 f"max |diff| {diff:.3g}")
         except Exception as e:  # a variant that does not compile or launch: say so, go on
