@@ -52,7 +52,35 @@ Prompt = Union[str, List[int], Dict[str, Any]]
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """vLLM's `Logprob`: one token's log-probability and its rank in the model's distribution
+    (1: the most likely; None where not computed). `decoded_token` is always None here."""
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """vLLM's `CompletionOutput`, one choice of a request as `GenerateOutput.outputs` shows it:
+    `logprobs` in vLLM's shape, one {token id: Logprob} per output token holding the sampled
+    token and the k most likely ones (None where params.logprobs was not set)."""
+    index: int
+    text: str
+    token_ids: List[int]
+    cumulative_logprob: Optional[float]
+    logprobs: Optional[List[Dict[int, Logprob]]]
+    finish_reason: str
+    stop_reason: Union[None, int, str] = None
+
+
+@dataclass(frozen=True)
 class GenerateOutput:
+    """One choice of one prompt. The fields after `prompt_logprobs` and the properties are
+    vLLM's `RequestOutput` names, so that a script ported from vLLM reads
+    `out.outputs[0].text`, `out.prompt_token_ids` and `out.request_id` unchanged. One
+    difference stays: with n > 1 there is one GenerateOutput per choice (consecutive, `index`
+    0..n-1, the same `request_id`), where vLLM gives one per prompt with n `outputs`."""
     text: str
     token_ids: List[int]
     finish_reason: str
@@ -62,6 +90,46 @@ class GenerateOutput:
     logprobs: Optional[List[TokenLogprobs]] = None
     # One per prompt token after the first where params.prompt_logprobs was set, else None.
     prompt_logprobs: Optional[List[TokenLogprobs]] = None
+    prompt_token_ids: List[int] = dataclasses.field(default_factory=list)
+    index: int = 0  # the choice, 0..n-1
+    request_id: str = ""  # the same for a prompt's n choices, distinct across prompts
+    prompt: Optional[str] = None  # the prompt's text where it was given as text, else None
+    # What ended the output when a stop string (the string) or a stop_token_ids token (the id)
+    # did; None for EOS, a grammar's end, or max_tokens (vLLM's stop_reason).
+    stop_reason: Union[None, int, str] = None
+
+    @property
+    def finished(self) -> bool:
+        """Always True: `generate` returns finished outputs only."""
+        return True
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """vLLM's name for `cached_tokens`."""
+        return self.cached_tokens
+
+    @property
+    def cumulative_logprob(self) -> Optional[float]:
+        """The sum of the output tokens' log-probabilities where params.logprobs was set, else
+        None (as vLLM, which computes it only when logprobs are asked for)."""
+        if self.logprobs is None:
+            return None
+        return float(sum(lp.logprob for lp in self.logprobs))
+
+    @property
+    def outputs(self) -> List[CompletionOutput]:
+        """This choice as vLLM's one-element `RequestOutput.outputs` (see the class's note on
+        n > 1)."""
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = []
+            for token, lp in zip(self.token_ids, self.logprobs):
+                step = {t: Logprob(v, r) for r, (t, v) in
+                        enumerate(zip(lp.top_ids, lp.top_logprobs), start=1)}
+                step.setdefault(token, Logprob(lp.logprob, lp.rank))
+                logprobs.append(step)
+        return [CompletionOutput(self.index, self.text, self.token_ids, self.cumulative_logprob,
+                                 logprobs, self.finish_reason, self.stop_reason)]
 
 
 class _InProcess:
@@ -389,7 +457,9 @@ class LLM:
                              f"{type(prompts).__name__}")
         batch = cast(Sequence[Prompt], [prompts] if single else prompts)
         ids = [self._encode(p) for p in batch]
-        return self._run(ids, self._per_prompt(sampling_params, len(ids)), use_tqdm)
+        texts = [p if isinstance(p, str) else p.get("prompt") if isinstance(p, dict) else None
+                 for p in batch]
+        return self._run(ids, self._per_prompt(sampling_params, len(ids)), use_tqdm, texts)
 
     def chat(self, messages: Union[List[Dict[str, Any]], List[List[Dict[str, Any]]]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
@@ -480,14 +550,20 @@ class LLM:
             raise ValueError(f"structured: {error}")
 
     def _run(self, prompts: List[List[int]], params: List[SamplingParams],
-             use_tqdm: Optional[bool] = None) -> List[GenerateOutput]:
+             use_tqdm: Optional[bool] = None,
+             texts: Optional[Sequence[Optional[str]]] = None) -> List[GenerateOutput]:
         """Outputs of every prompt's `n` choices, choice j of prompt p right after choice j-1
         (`params.n` = 1: one output per prompt). The progress bar shows where `use_tqdm` says,
-        or, when None, where `show_progress` does and there are 8 requests or more."""
+        or, when None, where `show_progress` does and there are 8 requests or more. `texts`:
+        each prompt's text where it was given as text (the outputs' `prompt`)."""
         params = [self._check(i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
-        prompts = [ids for ids, p in zip(prompts, params) for _ in range(p.n)]
-        params = [p.choice(j) for p in params for j in range(p.n)]
+        texts = [None] * len(prompts) if texts is None else list(texts)
+        # (prompt, choice) of each request, in submission order
+        origin = [(i, j) for i, p in enumerate(params) for j in range(p.n)]
+        prompts = [prompts[i] for i, _ in origin]
+        params = [params[i].choice(j) for i, j in origin]
         uids = [next(self._uids) for _ in prompts]
+        request_ids = {i: str(uid) for (i, j), uid in zip(origin, uids) if j == 0}
         slot = {uid: i for i, uid in enumerate(uids)}
         tokens: List[List[int]] = [[] for _ in prompts]
         logprobs: List[List[TokenLogprobs]] = [[] for _ in prompts]
@@ -509,20 +585,28 @@ class LLM:
         self._backend.drain()
         errors = [(i, d.error) for i, d in enumerate(done) if d is not None and d.error]
         if errors:  # checked up front, so only a scheduler-side limit can get here
-            raise ValueError(f"prompt {errors[0][0]} rejected: {errors[0][1]}")
+            raise ValueError(f"prompt {origin[errors[0][0]][0]} rejected: {errors[0][1]}")
         decode = (lambda t: "") if self.tokenizer is None else (  # noqa: E731
             lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
         outputs = []
-        for t, lp, plp, d, p, w in zip(tokens, logprobs, prompt_logprobs, done, params, stops):
+        for t, lp, plp, d, p, w, (i, j), ids in zip(tokens, logprobs, prompt_logprobs, done,
+                                                     params, stops, origin, prompts):
             if d is None:
                 continue
             stopped = w is not None and w.stopped
             # a stop token (EOS, stop_token_ids) is not rendered, as the server renders it
-            shown = t[:-1] if d.finish_reason == FinishReason.STOP.value and t else t
+            stop_token = d.finish_reason == FinishReason.STOP.value and bool(t)
+            shown = t[:-1] if stop_token else t
+            reason: Union[None, int, str] = None
+            if stopped:
+                reason = w.matcher.matched if w is not None else None
+            elif stop_token and t[-1] in p.stop_token_ids:
+                reason = t[-1]
             outputs.append(GenerateOutput(
                 w.text if stopped else decode(shown), t,
                 FinishReason.STOP.value if stopped else d.finish_reason or "", d.prompt_tokens,
-                d.cached_tokens, lp if p.logprobs is not None else None, plp))
+                d.cached_tokens, lp if p.logprobs is not None else None, plp, ids, j,
+                request_ids[i], texts[i], reason))
         return outputs
 
     def _collect(self, slot: Dict[int, int], tokens: List[List[int]],

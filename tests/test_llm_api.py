@@ -299,3 +299,44 @@ def test_min_tokens_holds_stop_strings_back(llm: LLM) -> None:
     assert held.text == full.text[:full.text.index(",", first + 1)]
     assert held.finish_reason == "stop"
     _pages_balanced(llm)
+
+
+def test_vllm_request_output_names(llm: LLM) -> None:
+    """A script ported from vLLM reads `out.outputs[0].text`, `.prompt_token_ids`,
+    `.request_id`, `.cumulative_logprob` and logprobs as {token id: Logprob} (before, every
+    one was an AttributeError); with n > 1 the choices share a request_id and count `index`."""
+    ids = llm.tokenizer.encode("Count: 1, 2, 3,", add_special_tokens=True)
+    p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
+    text, by_ids = llm.generate(["Count: 1, 2, 3,", {"prompt_token_ids": ids}], p)
+    assert text.prompt == "Count: 1, 2, 3," and by_ids.prompt is None
+    assert text.prompt_token_ids == by_ids.prompt_token_ids == ids
+    assert text.request_id != by_ids.request_id and text.finished
+    assert text.num_cached_tokens == text.cached_tokens
+    [choice] = text.outputs
+    assert (choice.index, choice.text, choice.token_ids, choice.finish_reason) == (
+        0, text.text, text.token_ids, "length")
+    assert text.logprobs is not None and choice.logprobs is not None
+    assert choice.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in text.logprobs))
+    for token, step, lp in zip(choice.token_ids, choice.logprobs, text.logprobs):
+        assert step[token].logprob == lp.logprob and step[token].rank == lp.rank
+        assert set(lp.top_ids) <= set(step) and len(step) <= 3
+    assert llm.generate("a", SamplingParams(max_tokens=2))[0].outputs[0].cumulative_logprob \
+        is None  # as vLLM: only where logprobs are asked for
+    n2 = llm.generate(["a", "b"], SamplingParams(max_tokens=2, seed=1, n=2))
+    assert [o.index for o in n2] == [0, 1, 0, 1]
+    assert n2[0].request_id == n2[1].request_id != n2[2].request_id == n2[3].request_id
+    _pages_balanced(llm)
+
+
+def test_vllm_stop_reason(llm: LLM) -> None:
+    """stop_reason (vLLM's): the stop string or stop token id that ended the output, None when
+    max_tokens did."""
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    ref = llm.generate("Count: 1, 2, 3,", greedy)[0]
+    assert ref.stop_reason is None and ref.finish_reason == "length"
+    by_str = llm.generate("Count: 1, 2, 3,", SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True, stop=[",", "never"]))[0]
+    assert (by_str.finish_reason, by_str.outputs[0].stop_reason) == ("stop", ",")
+    by_id = llm.generate("Count: 1, 2, 3,", SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True, stop_token_ids=[ref.token_ids[2]]))[0]
+    assert (by_id.finish_reason, by_id.stop_reason) == ("stop", ref.token_ids[2])
