@@ -316,11 +316,13 @@ def _chat_message(i: int, message: Any) -> Dict[str, Any]:
 
 class _StopWatch:
     """One request's stop strings, matched on its text as it grows (as the detokenizer does
-    for the server): once one appears, `text` is the output before it and `stopped` is set."""
+    for the server): once one appears, `text` is the output before it (through it, `keep`:
+    vLLM's include_stop_str_in_output) and `stopped` is set."""
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str], min_tokens: int = 0) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str], min_tokens: int = 0,
+                 keep: bool = False) -> None:
         self.decoder = IncrementalDecoder(tokenizer, (), skip_special_tokens=True)
-        self.matcher = StopMatcher(stop)
+        self.matcher = StopMatcher(stop, keep)
         self.min_tokens = min_tokens  # stop strings count only after more tokens than this
         self.tokens = 0
         self.text = ""
@@ -569,8 +571,8 @@ class LLM:
         logprobs: List[List[TokenLogprobs]] = [[] for _ in prompts]
         prompt_logprobs: List[Optional[List[TokenLogprobs]]] = [None] * len(prompts)
         done: List[Optional[TokenOut]] = [None] * len(prompts)
-        stops = [_StopWatch(self.tokenizer, p.stop, p.min_tokens) if p.stop else None
-                 for p in params]
+        stops = [_StopWatch(self.tokenizer, p.stop, p.min_tokens, p.include_stop_str_in_output)
+                 if p.stop else None for p in params]
         for uid, ids, p in zip(uids, prompts, params):
             self._backend.submit(UserMsg(uid, ids, dataclasses.replace(p, stop=(), n=1)))
         show = self.show_progress and len(prompts) >= 8 if use_tqdm is None else use_tqdm

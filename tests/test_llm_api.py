@@ -340,3 +340,19 @@ def test_vllm_stop_reason(llm: LLM) -> None:
     by_id = llm.generate("Count: 1, 2, 3,", SamplingParams(
         max_tokens=8, temperature=0, ignore_eos=True, stop_token_ids=[ref.token_ids[2]]))[0]
     assert (by_id.finish_reason, by_id.stop_reason) == ("stop", ref.token_ids[2])
+
+
+def test_include_stop_str_in_output(llm: LLM) -> None:
+    """vLLM's include_stop_str_in_output keeps the matched stop string at the end of the text
+    (before, SamplingParams refused the keyword: TypeError); a non-bool is a ValueError naming
+    it."""
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    full = llm.generate("Count: 1, 2, 3,", greedy)[0].text
+    kept = llm.generate("Count: 1, 2, 3,", SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True, stop=[","],
+        include_stop_str_in_output=True))[0]
+    assert kept.text == full[:full.index(",") + 1] and kept.finish_reason == "stop"
+    with pytest.raises(ValueError, match="include_stop_str_in_output must be true or false, "
+                                         "got 'yes'"):
+        llm.generate("hi", SamplingParams(include_stop_str_in_output="yes"))  # type: ignore
+    _pages_balanced(llm)
