@@ -73,7 +73,8 @@ class SamplingParams:
     `allowed_token_ids` (vLLM's), when set, is the only tokens sampling may pick, greedy or
     random (a mask over the logits; the log-probabilities stay the model's own).
     `stop` (strings that end the output, which leaves them out unless
-    `include_stop_str_in_output`, vLLM's) and `n` (choices per prompt) are read by `LLM` only. `max_tokens=None` asks for as many tokens as fit: `check_request`
+    `include_stop_str_in_output`, vLLM's), `n` (choices per prompt) and `skip_special_tokens`
+    (vLLM's: False renders special tokens in the text) are read by `LLM` only. `max_tokens=None` asks for as many tokens as fit: `check_request`
     resolves it against the engine's limits, so every `Req` and every params past that check has
     an integer.
     """
@@ -99,6 +100,7 @@ class SamplingParams:
     stop: Tuple[str, ...] = ()
     n: int = 1
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         """The sequences as vLLM's users write them (lists, a single stop string, None for
@@ -173,9 +175,9 @@ class SamplingParams:
                              f"{self.stop!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if not isinstance(self.include_stop_str_in_output, bool):
-            raise ValueError(f"include_stop_str_in_output must be true or false, got "
-                             f"{self.include_stop_str_in_output!r}")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
     def choice(self, i: int) -> "SamplingParams":
         """Choice i of n: the seed shifted by i (where one is set), so the choices differ."""

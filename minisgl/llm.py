@@ -320,8 +320,8 @@ class _StopWatch:
     vLLM's include_stop_str_in_output) and `stopped` is set."""
 
     def __init__(self, tokenizer: Any, stop: Sequence[str], min_tokens: int = 0,
-                 keep: bool = False) -> None:
-        self.decoder = IncrementalDecoder(tokenizer, (), skip_special_tokens=True)
+                 keep: bool = False, skip_special_tokens: bool = True) -> None:
+        self.decoder = IncrementalDecoder(tokenizer, (), skip_special_tokens)
         self.matcher = StopMatcher(stop, keep)
         self.min_tokens = min_tokens  # stop strings count only after more tokens than this
         self.tokens = 0
@@ -571,8 +571,8 @@ class LLM:
         logprobs: List[List[TokenLogprobs]] = [[] for _ in prompts]
         prompt_logprobs: List[Optional[List[TokenLogprobs]]] = [None] * len(prompts)
         done: List[Optional[TokenOut]] = [None] * len(prompts)
-        stops = [_StopWatch(self.tokenizer, p.stop, p.min_tokens, p.include_stop_str_in_output)
-                 if p.stop else None for p in params]
+        stops = [_StopWatch(self.tokenizer, p.stop, p.min_tokens, p.include_stop_str_in_output,
+                            p.skip_special_tokens) if p.stop else None for p in params]
         for uid, ids, p in zip(uids, prompts, params):
             self._backend.submit(UserMsg(uid, ids, dataclasses.replace(p, stop=(), n=1)))
         show = self.show_progress and len(prompts) >= 8 if use_tqdm is None else use_tqdm
@@ -588,8 +588,8 @@ class LLM:
         errors = [(i, d.error) for i, d in enumerate(done) if d is not None and d.error]
         if errors:  # checked up front, so only a scheduler-side limit can get here
             raise ValueError(f"prompt {origin[errors[0][0]][0]} rejected: {errors[0][1]}")
-        decode = (lambda t: "") if self.tokenizer is None else (  # noqa: E731
-            lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
+        decode = (lambda t, skip: "") if self.tokenizer is None else (  # noqa: E731
+            lambda t, skip: self.tokenizer.decode(t, skip_special_tokens=skip))
         outputs = []
         for t, lp, plp, d, p, w, (i, j), ids in zip(tokens, logprobs, prompt_logprobs, done,
                                                      params, stops, origin, prompts):
@@ -605,7 +605,7 @@ class LLM:
             elif stop_token and t[-1] in p.stop_token_ids:
                 reason = t[-1]
             outputs.append(GenerateOutput(
-                w.text if stopped else decode(shown), t,
+                w.text if stopped else decode(shown, p.skip_special_tokens), t,
                 FinishReason.STOP.value if stopped else d.finish_reason or "", d.prompt_tokens,
                 d.cached_tokens, lp if p.logprobs is not None else None, plp, ids, j,
                 request_ids[i], texts[i], reason))

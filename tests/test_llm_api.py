@@ -356,3 +356,20 @@ def test_include_stop_str_in_output(llm: LLM) -> None:
                                          "got 'yes'"):
         llm.generate("hi", SamplingParams(include_stop_str_in_output="yes"))  # type: ignore
     _pages_balanced(llm)
+
+
+def test_skip_special_tokens_false_renders_them(llm: LLM) -> None:
+    """vLLM's skip_special_tokens=False keeps special tokens in the text (before, SamplingParams
+    refused the keyword: TypeError), with or without stop strings; True (the default) drops
+    them."""
+    start = llm.tokenizer.convert_ids_to_tokens(1)  # <|im_start|>: special, not an EOS
+    forced = dict(max_tokens=3, temperature=0, ignore_eos=True, allowed_token_ids=[1])
+    assert llm.generate("Hi", SamplingParams(**forced))[0].text == ""
+    shown = llm.generate("Hi", SamplingParams(**forced, skip_special_tokens=False))[0]
+    assert shown.token_ids == [1, 1, 1] and shown.text == start * 3
+    watched = llm.generate("Hi", SamplingParams(**forced, skip_special_tokens=False,
+                                                stop=["never"]))[0]
+    assert watched.text == start * 3
+    with pytest.raises(ValueError, match="skip_special_tokens must be true or false, got 0"):
+        llm.generate("hi", SamplingParams(skip_special_tokens=0))  # type: ignore[arg-type]
+    _pages_balanced(llm)
