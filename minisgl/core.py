@@ -73,8 +73,9 @@ class SamplingParams:
     `allowed_token_ids` (vLLM's), when set, is the only tokens sampling may pick, greedy or
     random (a mask over the logits; the log-probabilities stay the model's own).
     `stop` (strings that end the output, which leaves them out unless
-    `include_stop_str_in_output`, vLLM's), `n` (choices per prompt) and `skip_special_tokens`
-    (vLLM's: False renders special tokens in the text) are read by `LLM` only. `max_tokens=None` asks for as many tokens as fit: `check_request`
+    `include_stop_str_in_output`, vLLM's), `n` (choices per prompt), `skip_special_tokens`
+    (vLLM's: False renders special tokens in the text) and `detokenize` (vLLM's: False leaves
+    the text empty, and takes no stop strings) are read by `LLM` only. `max_tokens=None` asks for as many tokens as fit: `check_request`
     resolves it against the engine's limits, so every `Req` and every params past that check has
     an integer.
     """
@@ -101,6 +102,7 @@ class SamplingParams:
     n: int = 1
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         """The sequences as vLLM's users write them (lists, a single stop string, None for
@@ -175,9 +177,12 @@ class SamplingParams:
                              f"{self.stop!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError(f"stop strings need detokenize=True, got stop={list(self.stop)!r} "
+                             f"with detokenize=False")
 
     def choice(self, i: int) -> "SamplingParams":
         """Choice i of n: the seed shifted by i (where one is set), so the choices differ."""

@@ -605,7 +605,8 @@ class LLM:
             elif stop_token and t[-1] in p.stop_token_ids:
                 reason = t[-1]
             outputs.append(GenerateOutput(
-                w.text if stopped else decode(shown, p.skip_special_tokens), t,
+                w.text if stopped else decode(shown, p.skip_special_tokens) if p.detokenize
+                else "", t,
                 FinishReason.STOP.value if stopped else d.finish_reason or "", d.prompt_tokens,
                 d.cached_tokens, lp if p.logprobs is not None else None, plp, ids, j,
                 request_ids[i], texts[i], reason))

@@ -373,3 +373,17 @@ def test_skip_special_tokens_false_renders_them(llm: LLM) -> None:
     with pytest.raises(ValueError, match="skip_special_tokens must be true or false, got 0"):
         llm.generate("hi", SamplingParams(skip_special_tokens=0))  # type: ignore[arg-type]
     _pages_balanced(llm)
+
+
+def test_detokenize_false_leaves_the_text_empty(llm: LLM) -> None:
+    """vLLM's detokenize=False: token ids only, the text empty (before, SamplingParams refused
+    the keyword: TypeError); stop strings need the text, so they are a ValueError with it."""
+    p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    ref = llm.generate("Hi", p)[0]
+    out = llm.generate("Hi", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                                            detokenize=False))[0]
+    assert out.token_ids == ref.token_ids and ref.text and out.text == ""
+    with pytest.raises(ValueError, match=r"stop strings need detokenize=True, got "
+                                         r"stop=\['\\n'\] with detokenize=False"):
+        llm.generate("Hi", SamplingParams(stop="\n", detokenize=False))
+    _pages_balanced(llm)

@@ -82,7 +82,9 @@ def test_round_trip(name: str) -> None:
 
 def test_token_ids_are_packed_as_int32() -> None:
     msg = T.UserMsg(uid=1, input_ids=list(range(70000, 71000)), params=SamplingParams())
-    assert len(codec.encode(msg)) < 1000 * 4 + 400  # plain msgpack: 5 bytes per id above 65535
+    # plain msgpack: 5 bytes per id above 65535; ~500 bytes for the rest, mostly the params'
+    # field names
+    assert len(codec.encode(msg)) < 1000 * 4 + 500
 
 
 def test_unknown_type_is_rejected() -> None:
