@@ -75,9 +75,9 @@ class SamplingParams:
     `stop` (strings that end the output, which leaves them out unless
     `include_stop_str_in_output`, vLLM's), `n` (choices per prompt), `skip_special_tokens`
     (vLLM's: False renders special tokens in the text) and `detokenize` (vLLM's: False leaves
-    the text empty, and takes no stop strings) are read by `LLM` only. `max_tokens=None` asks for as many tokens as fit: `check_request`
-    resolves it against the engine's limits, so every `Req` and every params past that check has
-    an integer.
+    the text empty, and takes no stop strings) are read by `LLM` only. `max_tokens=None` asks
+    for as many tokens as fit: `check_request` resolves it against the engine's limits, so
+    every `Req` and every params past that check has an integer.
     """
 
     max_tokens: Optional[int] = 16
