@@ -259,10 +259,14 @@ def test_chat_responses_streamed_and_plain_alike_whole_or_cut_off(marker: str) -
 
 def test_conversation_call_ids_become_ones_mistrals_template_takes() -> None:
     """OpenAI's and Anthropic's call ids (and a missing one) are not 9 letters and digits, which
-    Mistral's templates refuse: with the `mistral` parser every call id in the conversation
-    is mapped to 9 letters and digits, a call and its answer alike, two ids apart, and a
-    9-character id as it is; the other parsers pass ids on unchanged."""
+    Mistral's templates refuse: where the chat template is Mistral's, the tokenizer maps every
+    call id in the conversation to 9 letters and digits (chat, /tokenize and count_tokens
+    alike), a call and its answer alike, two ids apart, and a 9-character id as it is; other
+    templates get ids unchanged."""
     from jinja2 import Environment
+
+    from minisgl.tokenizer.text import takes_mistral_call_ids
+    from minisgl.tokenizer.tokenize_worker import template_messages
 
     def raise_exception(message: str) -> None:
         raise ValueError(message)
@@ -277,8 +281,11 @@ def test_conversation_call_ids_become_ones_mistrals_template_takes() -> None:
                                                         "arguments": "{}"}}]}]
     messages += [{"role": "tool", "tool_call_id": i, "content": "sunny"} for i in long_ids]
     body = ChatRequest.model_validate({"messages": messages, "tools": TOOLS})
-    sent = chat_job(body, 1, "mistral").prompts[0].messages
-    assert sent is not None
+    job_messages = chat_job(body, 1, "mistral").prompts[0].messages
+    assert job_messages is not None
+    assert takes_mistral_call_ids(MISTRAL_TEMPLATE)
+    assert not takes_mistral_call_ids("{{ '<tool_call>' }}") and not takes_mistral_call_ids(None)
+    sent = template_messages(job_messages, mistral_ids=True)
     ids = [c["id"] for c in sent[1]["tool_calls"]]
     assert all(_ID.fullmatch(i) for i in ids) and len(set(ids)) == 4
     assert ids[2] == "abcdefghi"
@@ -291,5 +298,5 @@ def test_conversation_call_ids_become_ones_mistrals_template_takes() -> None:
     with pytest.raises(ValueError, match="length 9"):  # what the ids were
         template.render(loop_messages=body.model_dump()["messages"][:2],
                         user_messages=[sent[0]], tools=None)
-    hermes = chat_job(body, 1, "hermes").prompts[0].messages
-    assert hermes is not None and hermes[1]["tool_calls"][0]["id"] == long_ids[0]
+    hermes = template_messages(job_messages)
+    assert hermes[1]["tool_calls"][0]["id"] == long_ids[0]

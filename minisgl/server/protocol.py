@@ -22,7 +22,6 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from minisgl.core import MAX_LOGPROBS, SamplingParams
 from minisgl.models.generation import SamplingDefaults
 from minisgl.server.tool_calls import tool_call_format
-from minisgl.server.tool_calls_mistral import with_mistral_call_ids
 from minisgl.server.tools import ToolError, Tools, assistant_tool_calls, parse_tools
 from minisgl.server.structured import FieldError, constraint
 
@@ -517,17 +516,13 @@ def chat_job(body: ChatRequest, max_n: int, tool_parser: Optional[str] = None,
     """A chat request's job. With tools, `tool_parser` (a `tool_calls.TOOL_CALL_PARSERS` name,
     "hermes" when None) is the format calls are read in and, for "required" or a named function,
     enforced in; for `mistral`, whose call marker is a special token, the output keeps special
-    tokens unless the request sets `skip_special_tokens`, and the conversation's call ids
-    become ones its templates take (9 letters and digits). `defaults`: the sampling of fields the
+    tokens unless the request sets `skip_special_tokens`. `defaults`: the sampling of fields the
     request leaves unset (every job's)."""
     tools = _tools(body)
-    fmt = tool_call_format(tool_parser or "hermes")
-    prompt = _chat_prompt(body, body.messages, tools)
-    if fmt.array and prompt.messages is not None:  # its templates take no other call ids
-        prompt = dataclasses.replace(prompt, messages=with_mistral_call_ids(prompt.messages))
-    job = _job(body, [prompt], max_n, defaults)
+    job = _job(body, [_chat_prompt(body, body.messages, tools)], max_n, defaults)
     if tools is None:
         return job
+    fmt = tool_call_format(tool_parser or "hermes")
     if fmt.array and tools.parsed and "skip_special_tokens" not in body.model_fields_set:
         # Mistral's [TOOL_CALLS] is a special token: kept in the text (as vLLM does), calls
         # after content are found by it (the parser reads calls without it only at the start)

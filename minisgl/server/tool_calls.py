@@ -33,7 +33,6 @@ string) is content, start tag and all.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import re
@@ -126,21 +125,6 @@ def mistral_call_id() -> str:
     """A call id Mistral's chat templates accept in the conversation sent back: 9 letters and
     digits (they refuse any other)."""
     return "".join(random.choices(_ID_ALPHABET, k=9))
-
-
-def as_mistral_call_id(call_id: str) -> str:
-    """`call_id` as Mistral's chat templates accept it: itself when 9 letters and digits, else
-    9 letters and digits derived from all of it, so that a call and the tool message answering
-    it still match and two ids stay apart (OpenAI's `call_...` ids, Anthropic's `toolu_...`,
-    ids from another server). vLLM keeps the last 9 characters instead, which may share."""
-    if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
-        return call_id
-    n = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
-    digits = []
-    for _ in range(9):
-        n, d = divmod(n, len(_ID_ALPHABET))
-        digits.append(_ID_ALPHABET[d])
-    return "".join(digits)
 
 
 class ToolCall(NamedTuple):

@@ -28,10 +28,10 @@ Mistral's chat templates refuse any other id in the conversation sent back.
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
 
 from minisgl.server.tool_calls import (JsonString, Parsed, StreamerBase, _Call, _opener_prefix,
-                                       as_mistral_call_id, mistral_call_id, tag_tail)
+                                       mistral_call_id, tag_tail)
 
 MARKER = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
@@ -64,23 +64,6 @@ def _header_may_grow(text: str) -> bool:
     ident = _ID_CHARS.match(rest, len(CALL_ID))
     after = rest[ident.end():] if ident else ""
     return not after or (ident is not None and ident.group() != "" and ARGS.startswith(after))
-
-
-def with_mistral_call_ids(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """The chat messages with every call id (an assistant's `tool_calls[].id`, a tool
-    message's `tool_call_id`) as Mistral's chat templates accept it (`as_mistral_call_id`);
-    the messages given are not changed."""
-    out = []
-    for msg in messages:
-        msg = dict(msg)
-        if isinstance(msg.get("tool_call_id"), str):
-            msg["tool_call_id"] = as_mistral_call_id(msg["tool_call_id"])
-        if isinstance(msg.get("tool_calls"), list):
-            msg["tool_calls"] = [{**c, "id": as_mistral_call_id(c["id"])}
-                                 if isinstance(c, dict) and isinstance(c.get("id"), str) else c
-                                 for c in msg["tool_calls"]]
-        out.append(msg)
-    return out
 
 
 class _Args:
