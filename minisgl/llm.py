@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import gc
 import itertools
+import json
 import logging
 import shutil
 import tempfile
@@ -41,6 +42,8 @@ from minisgl.scheduler.main import run_rank, set_cpu_threads
 from minisgl.scheduler.scheduler import Accounting, Scheduler
 from minisgl.server.proc import (Child, ChildStartupError, first_dead, spawn, stop_children,
                                  wait_ready)
+from minisgl.server.tools import assistant_tool_calls
+from minisgl.tokenizer.chat_template import chat_prompt_ids
 from minisgl.tokenizer.incremental import IncrementalDecoder, StopMatcher
 from minisgl.tokenizer.text import load_tokenizer, resolve_tokenizer_path
 from minisgl.settings import build
@@ -299,8 +302,10 @@ class _RankProcesses:
 
 
 def _chat_message(i: int, message: Any) -> Dict[str, Any]:
-    """Message i for the chat template: a role, and content as text (a list of text parts
-    joined with newlines, as the server and vLLM join them); ValueError naming what is wrong."""
+    """Message i for the chat template: a role, content as text (a list of text parts joined
+    with newlines, as the server and vLLM join them) and an assistant's `tool_calls` checked as
+    the server checks them (`arguments` JSON text, or an object as vLLM also takes them);
+    ValueError naming what is wrong."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ValueError(f"message {i} must be a dict with a role, got {message!r:.80}")
     content = message.get("content")
@@ -310,7 +315,16 @@ def _chat_message(i: int, message: Any) -> Dict[str, Any]:
         if any(not isinstance(t, str) for t in texts):
             raise ValueError(f"message {i}: only text content parts are supported, got "
                              f"{content!r:.80}")
-        return {**message, "content": "\n".join(texts)}  # type: ignore[arg-type]
+        message = {**message, "content": "\n".join(texts)}  # type: ignore[arg-type]
+    calls = message.get("tool_calls")
+    if calls is not None:
+        as_text = [{**c, "function": {**c["function"],
+                                      "arguments": json.dumps(c["function"]["arguments"])}}
+                   if isinstance(c, dict) and isinstance(c.get("function"), dict)
+                   and isinstance(c["function"].get("arguments"), dict) else c
+                   for c in calls] if isinstance(calls, list) else calls
+        message = {**message, "tool_calls": assistant_tool_calls(f"messages[{i}].tool_calls",
+                                                                 as_text)}
     return message
 
 
@@ -468,11 +482,13 @@ class LLM:
              *, use_tqdm: Optional[bool] = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
              chat_template_kwargs: Optional[Dict[str, Any]] = None,
-             tools: Optional[List[Dict[str, Any]]] = None) -> List[GenerateOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then
-        `generate` (vLLM's keywords: `tools` reach the template only; the output is not parsed
-        for calls). A message's content is text or a list of text parts, joined with newlines
-        as the server and vLLM join them."""
+             tools: Optional[List[Dict[str, Any]]] = None,
+             chat_template: Optional[str] = None) -> List[GenerateOutput]:
+        """Apply the model's chat template (`chat_template`: Jinja text in its place) to one
+        conversation or a list of them, then `generate` (vLLM's keywords: `tools` reach the
+        template only; the output is not parsed for calls). A message's content is text or a
+        list of text parts, joined with newlines as the server and vLLM join them; the
+        messages reach the template as the server hands them over (`chat_template.py`)."""
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be "
                              "true (pass add_generation_prompt=False)")
@@ -481,6 +497,8 @@ class LLM:
             template["continue_final_message"] = True
         if tools is not None:
             template["tools"] = tools
+        if chat_template is not None:
+            template["chat_template"] = chat_template
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         ids = [self._chat_ids(c, template) for c in convs]  # type: ignore[arg-type]
         return self._run(ids, self._per_prompt(sampling_params, len(ids)), use_tqdm)
@@ -515,8 +533,7 @@ class LLM:
         if not conversation:
             raise ValueError("a chat needs at least one message")
         messages = [_chat_message(i, m) for i, m in enumerate(conversation)]
-        out = self._need_tokenizer().apply_chat_template(messages, tokenize=True, **template)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        return chat_prompt_ids(self._need_tokenizer(), messages, **template)
 
     def _per_prompt(self, params: Union[None, SamplingParams, Sequence[SamplingParams]], n: int
                     ) -> List[SamplingParams]:

@@ -283,6 +283,47 @@ def test_chat_takes_text_parts_and_vllms_template_options(llm: LLM) -> None:
     _pages_balanced(llm)
 
 
+_CALLS_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %} [call {{ c.id }} {{ c.function.name }} "
+    "{{ c.function.arguments | tojson }}]{% endfor %}"
+    "{% if m.tool_call_id %} (answers {{ m.tool_call_id }}){% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def test_chat_hands_tool_calls_to_the_template_as_the_server_does(llm: LLM) -> None:
+    """An assistant's call arguments reach the template as an object, whether given as JSON
+    text (OpenAI's form) or as an object (vLLM's offline form also takes it); a Mistral
+    template (it writes [TOOL_CALLS]) gets call ids of 9 letters and digits, a call and its
+    answer alike; bad calls raise naming the field, and nothing is left allocated."""
+    p = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+    def conv(arguments: object) -> list:
+        return [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_abc123xyz000", "type": "function",
+                     "function": {"name": "get_weather", "arguments": arguments}}]},
+                {"role": "tool", "tool_call_id": "call_abc123xyz000", "content": "sunny"}]
+
+    def prompt(arguments: object, template: str = _CALLS_TEMPLATE) -> str:
+        out = llm.chat(conv(arguments), p, chat_template=template)[0]
+        return llm.tokenizer.decode(out.prompt_token_ids)
+
+    as_text = prompt('{"city": "Paris"}')
+    assert '[call call_abc123xyz000 get_weather {"city": "Paris"}]' in as_text
+    assert as_text.endswith("tool: sunny (answers call_abc123xyz000)assistant:")
+    assert prompt({"city": "Paris"}) == as_text
+    mistral = prompt('{"city": "Paris"}', "{# [TOOL_CALLS] #}" + _CALLS_TEMPLATE)
+    mapped = mistral.split("[call ")[1].split(" ")[0]
+    assert len(mapped) == 9 and mapped.isalnum() and f"(answers {mapped})" in mistral
+    with pytest.raises(ValueError, match=r"messages\[1\].tool_calls\[0\].function.arguments: "
+                                         "not valid JSON"):
+        prompt("{city")
+    with pytest.raises(ValueError, match=r"messages\[1\].tool_calls\[0\]: must be"):
+        llm.chat(conv("{}")[:1] + [{"role": "assistant", "tool_calls": [{"id": "x"}]}], p)
+    _pages_balanced(llm)
+
+
 def test_min_tokens_holds_stop_strings_back(llm: LLM) -> None:
     """As vLLM: a stop string ending within the first min_tokens tokens does not end the
     output; the next one does."""

@@ -17,7 +17,7 @@ from minisgl.server.responses import ChatFormatter
 from minisgl.server.tool_calls import (FORMATS, Parsed, ToolCall, ToolCallStreamer,
                                        default_tool_call_parser, parse_tool_calls)
 from minisgl.server.tools import Tools, parse_tools
-from minisgl.tokenizer.tokenize_worker import template_messages
+from minisgl.tokenizer.chat_template import template_messages
 from tool_call_checks import (Streamed, call_id_ok, check_splits, full_choice, joined_choice,
                               plain_choice, reply_chunks, stream_in_pieces, streamed_choices)
 

@@ -265,8 +265,8 @@ def test_conversation_call_ids_become_ones_mistrals_template_takes() -> None:
     templates get ids unchanged."""
     from jinja2 import Environment
 
-    from minisgl.tokenizer.text import takes_mistral_call_ids
-    from minisgl.tokenizer.tokenize_worker import template_messages
+    from minisgl.tokenizer.chat_template import takes_mistral_call_ids
+    from minisgl.tokenizer.chat_template import template_messages
 
     def raise_exception(message: str) -> None:
         raise ValueError(message)

@@ -3,9 +3,7 @@ the tokenizer processes are the only places that know text)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import string
 from pathlib import Path
 from typing import Any, Optional
 
@@ -88,27 +86,3 @@ def read_chat_template(path: str) -> str:
         return Path(path).expanduser().read_text()
     except OSError as e:
         raise ValueError(f"cannot read chat template {path!r}: {e.strerror}") from None
-
-
-_ID_CHARS = string.ascii_letters + string.digits
-
-
-def takes_mistral_call_ids(chat_template: Any) -> bool:
-    """Whether a chat template is Mistral's (it writes `[TOOL_CALLS]`), which refuses any call
-    id but 9 letters and digits."""
-    return isinstance(chat_template, str) and "[TOOL_CALLS]" in chat_template
-
-
-def as_mistral_call_id(call_id: str) -> str:
-    """`call_id` as Mistral's chat templates accept it: itself when 9 letters and digits, else
-    9 letters and digits derived from all of it, so that a call and the tool message answering
-    it still match and two ids stay apart (OpenAI's `call_...` ids, Anthropic's `toolu_...`,
-    ids from another server). vLLM keeps the last 9 characters instead, which may share."""
-    if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
-        return call_id
-    n = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
-    digits = []
-    for _ in range(9):
-        n, d = divmod(n, len(_ID_CHARS))
-        digits.append(_ID_CHARS[d])
-    return "".join(digits)

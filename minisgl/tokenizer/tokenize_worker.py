@@ -46,8 +46,8 @@ from minisgl.tokenizer.incremental import PROMPT_CONTEXT_TOKENS
 from minisgl.tokenizer.slow_requests import LONG_PROMPT_CHARS, SlowRequests
 from minisgl.tokenizer.queued import QueuedTokens
 from minisgl.tokenizer.router import Router
-from minisgl.tokenizer.text import (as_mistral_call_id, load_tokenizer,
-                                    takes_mistral_call_ids)
+from minisgl.tokenizer.chat_template import chat_prompt_ids
+from minisgl.tokenizer.text import load_tokenizer
 
 logger = logging.getLogger("minisgl.tokenizer")
 
@@ -110,8 +110,6 @@ class Tokenizer:
 
     def __init__(self, tokenizer: Optional[Any], limits: Limits) -> None:
         self.tokenizer = tokenizer
-        # Mistral's templates refuse other call ids: template_messages maps them
-        self.mistral_ids = takes_mistral_call_ids(getattr(tokenizer, "chat_template", None))
         self.vocab = len(tokenizer) if tokenizer is not None else limits.vocab_size
         # A prompt's ids must be ones the model embeds and the detokenizer can render.
         self.limits = limits._replace(vocab_size=min(self.vocab, limits.vocab_size))
@@ -148,13 +146,8 @@ class Tokenizer:
                 kwargs["continue_final_message"] = True
             if req.tools_json is not None:
                 kwargs["tools"] = json.loads(req.tools_json)
-            out = self.tokenizer.apply_chat_template(
-                template_messages(req.messages, self.mistral_ids),
-                add_generation_prompt=req.add_generation_prompt,
-                tokenize=not req.add_special_tokens, **kwargs)
-            if req.add_special_tokens:  # vLLM's: the templated text encoded with them
-                return list(self.tokenizer.encode(out, add_special_tokens=True))
-            return list(out["input_ids"] if hasattr(out, "keys") else out)
+            return chat_prompt_ids(self.tokenizer, req.messages, req.add_special_tokens,
+                                   add_generation_prompt=req.add_generation_prompt, **kwargs)
         return list(self.tokenizer.encode(req.text or "",
                                           add_special_tokens=req.add_special_tokens))
 
@@ -222,38 +215,6 @@ class Tokenizer:
             if error is not None:
                 return Prepared(ids, None, error, "structured")
         return Prepared(ids, params, None)
-
-
-def template_messages(messages: List[dict], mistral_ids: bool = False) -> List[dict]:
-    """The messages as chat templates take them: an assistant's tool calls with their
-    `arguments` as objects (OpenAI sends JSON text; templates write `arguments | tojson` or
-    iterate over them, as vLLM hands them over); with `mistral_ids` (Mistral's templates:
-    text.takes_mistral_call_ids), every call id (`tool_calls[].id`, `tool_call_id`) as
-    `text.as_mistral_call_id` gives it."""
-    out = []
-    for m in messages:
-        calls = m.get("tool_calls")
-        if calls:
-            m = {**m, "tool_calls": [
-                {**c, "function": {**c["function"],
-                                   "arguments": json.loads(c["function"]["arguments"])}}
-                for c in calls]}
-        if mistral_ids:
-            m = _mistral_ids(m)
-        out.append(m)
-    return out
-
-
-def _mistral_ids(m: dict) -> dict:
-    """Message `m` with its call ids as Mistral's templates take them."""
-    m = dict(m)
-    if isinstance(m.get("tool_call_id"), str):
-        m["tool_call_id"] = as_mistral_call_id(m["tool_call_id"])
-    if isinstance(m.get("tool_calls"), list):
-        m["tool_calls"] = [{**c, "id": as_mistral_call_id(c["id"])}
-                           if isinstance(c, dict) and isinstance(c.get("id"), str) else c
-                           for c in m["tool_calls"]]
-    return m
 
 
 def _too_long(e: TooLong) -> str:
