@@ -1,7 +1,9 @@
 """msgpack encoding of the messages in `types`, behind a type tag.
 
-Wire format: a msgpack map `{"t": <type name>, "f": {field: value}}`. Lists of token ids are
-packed as little-endian int32 bytes (`ExtType` 1), four bytes a token instead of up to nine.
+Wire format: a msgpack map `{"t": <type name>, "f": {field: value}}`, a field left out where
+it holds its class's plain default (the same type and value: decoding gives it back), so that
+a request's params cost only what it sets. Lists of token ids are packed as little-endian
+int32 bytes (`ExtType` 1), four bytes a token instead of up to nine.
 `decode(encode(m)) == m` for every message type (tested).
 """
 
@@ -42,6 +44,13 @@ def _tuple_fields(cls: Type[Any]) -> FrozenSet[str]:
     return frozenset(f.name for f in dataclasses.fields(cls) if "Tuple" in str(f.type))
 
 
+@functools.lru_cache(maxsize=None)
+def _plain_defaults(cls: Type[Any]) -> Dict[str, Any]:
+    """The fields with a plain default (not a factory's), and that default."""
+    return {f.name: f.default for f in dataclasses.fields(cls)
+            if f.default is not dataclasses.MISSING}
+
+
 def _pack_ids(ids: Any) -> msgpack.ExtType:
     buf = array("i", ids)
     if buf.itemsize != 4:  # pragma: no cover - every supported platform has 4-byte int
@@ -52,8 +61,13 @@ def _pack_ids(ids: Any) -> msgpack.ExtType:
 def _to_wire(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         fields = {}
+        defaults = _plain_defaults(type(obj))
         for name in _field_names(type(obj)):
             value = getattr(obj, name)
+            if name in defaults:
+                default = defaults[name]
+                if type(value) is type(default) and value == default:
+                    continue
             if name in _TOKEN_FIELDS and value is not None:
                 fields[name] = _pack_ids(value)
             else:
