@@ -9,7 +9,7 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import Iterator, List, Union
+from typing import Dict, Iterator, List, Tuple, Union
 
 import httpx
 import pytest
@@ -20,7 +20,8 @@ from minisgl.server.request_log import MAX_ID_CHARS, RequestLog
 from server_helpers import CPU_ARGS, Server
 
 
-def _app(enabled: bool = True) -> FastAPI:
+def _app(enabled: bool = True, counts: Union[None, Dict[Tuple[str, str], int]] = None
+         ) -> FastAPI:
     app = FastAPI()
 
     @app.get("/echo")
@@ -28,7 +29,15 @@ def _app(enabled: bool = True) -> FastAPI:
         request.state.uids = [7, 8]
         return JSONResponse({"id": request.state.request_id})
 
-    app.add_middleware(RequestLog, enabled=enabled)
+    @app.get("/models/{name:path}")
+    async def model(name: str) -> JSONResponse:
+        return JSONResponse({"name": name})
+
+    def count(route: str, status: str) -> None:
+        if counts is not None:
+            counts[route, status] = counts.get((route, status), 0) + 1
+
+    app.add_middleware(RequestLog, enabled=enabled, count=count)
     return app
 
 
@@ -90,6 +99,20 @@ def test_no_lines_when_disabled(caplog: pytest.LogCaptureFixture) -> None:
     assert not [m for m in caplog.messages if "request_id=" in m]
 
 
+def test_every_answer_is_counted_by_route_and_status() -> None:
+    """Each request is counted once, under the route as declared (a path parameter's value
+    never becomes a label), refusals before routing included; no route is "other"."""
+    counts: Dict[Tuple[str, str], int] = {}
+    app = _app(enabled=False, counts=counts)
+    _get(app, "/echo")
+    _get(app, "/echo", **{"X-Request-Id": b"tab\there"})  # refused before routing
+    _get(app, "/models/org/name-1")
+    _get(app, "/models/org/name-2")
+    _get(app, "/nowhere")
+    assert counts == {("/echo", "200"): 1, ("/echo", "400"): 1,
+                      ("/models/{name:path}", "200"): 2, ("other", "404"): 1}
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     args: List[str] = [a if a != "warning" else "info" for a in CPU_ARGS]
@@ -133,3 +156,18 @@ def test_a_stream_the_client_leaves_is_logged_unfinished(server: Server) -> None
         next(r.iter_lines())
     line = _wait_for_line(server, "request_id=gone-1")
     assert " 200 (unfinished) " in line and "uids=" in line
+
+
+def test_refusals_before_the_scheduler_reach_the_metrics(server: Server) -> None:
+    """A body that fails parsing never gets a uid, so only the HTTP counter sees it."""
+    def count(status: str) -> int:
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        found = re.search(r'^minisgl_http_requests_total\{path="/v1/chat/completions",'
+                          rf'status="{status}"\}} (\d+)$', text, re.M)
+        return int(found.group(1)) if found else 0
+
+    before = count("400")
+    r = httpx.post(f"{server.base_url}/chat/completions", timeout=10,
+                   json={"messages": "not a list"})
+    assert r.status_code == 400
+    assert count("400") == before + 1

@@ -290,7 +290,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     _install_error_handlers(app)
     app.add_middleware(BodyLimits, max_bytes=cfg.max_request_bytes, timeout_s=cfg.body_timeout)
     app.add_middleware(AccessCheck, api_key=cfg.api_key, loopback_only=cfg.loopback_only)
-    app.add_middleware(RequestLog, enabled=cfg.log_requests)  # outermost: sees every answer
+    # outermost: sees every answer
+    app.add_middleware(RequestLog, enabled=cfg.log_requests, count=metrics.count_http)
 
     def check_model(name: Optional[str]) -> None:
         if name is not None and name != cfg.model_name and name not in cfg.aliases:

@@ -103,6 +103,7 @@ class Metrics:
         "minisgl_request_generation_tokens", "Generated tokens per finished request.",
         _TOKEN_BUCKETS))
     finished: Dict[str, int] = field(default_factory=dict)  # by finish reason (and "error")
+    http: Dict[Tuple[str, str], int] = field(default_factory=dict)  # by (route, status)
 
     def update(self, stats: Optional[SchedulerStats]) -> None:
         """Keep the newer of `stats` and those held (they come on two paths, see seq)."""
@@ -117,6 +118,12 @@ class Metrics:
 
     def count_finished(self, reason: str, count: int = 1) -> None:
         self.finished[reason] = self.finished.get(reason, 0) + count
+
+    def count_http(self, route: str, status: str) -> None:
+        """An HTTP request answered (`status`: its code, or "unfinished" where the client left
+        or the server failed before the answer ended) on `route` (request_log.route_label)."""
+        key = (route, status)
+        self.http[key] = self.http.get(key, 0) + 1
 
     def observe_completed(self, seconds: float, prompt_tokens: int, generated: int) -> None:
         """A request (one choice) that finished by stop or length, `seconds` after it
@@ -139,6 +146,12 @@ class Metrics:
                   f"past its deadline; rejected for load, invalid input, error).",
                   f"# TYPE {name} counter"]
         lines += [f'{name}{{reason="{r}"}} {c}' for r, c in sorted(self.finished.items())]
+        name = "minisgl_http_requests_total"
+        lines += [f"# HELP {name} HTTP requests answered, by route and status (unfinished: the "
+                  f"client left or the server failed before the answer ended).",
+                  f"# TYPE {name} counter"]
+        lines += [f'{name}{{path="{p}",status="{s}"}} {c}'
+                  for (p, s), c in sorted(self.http.items())]
         for histogram in (self.ttft, self.itl, self.e2e, self.prompt_tokens,
                           self.generation_tokens):
             lines += histogram.render()

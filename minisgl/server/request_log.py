@@ -11,7 +11,10 @@
   the request id and the scheduler uids of its choices (`request.state.uids`, set by the job
   runner), so that a client's id leads to the uids in the other processes' logs. Probes and
   scrapes (`QUIET_PATHS`) are logged at DEBUG: a load balancer's health checks every few
-  seconds would bury the requests.
+  seconds would bury the requests;
+- every request, logged or not, is handed to `count` with its route (`route_label`) and its
+  status, once: the /metrics counter of HTTP answers, refusals before any request reached
+  the scheduler (a bad body's 400, a 401, a 413) included.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from minisgl.server.limits import App, Message, Receive, Scope, Send, header, send_error
 from minisgl.server.protocol import ApiError
@@ -39,6 +42,22 @@ def bad_request_id(value: str) -> Optional[ApiError]:
                     REQUEST_ID_HEADER)
 
 
+def route_label(scope: Scope) -> str:
+    """The request's route as its app declares it (`/v1/models/{name:path}`, not the model's
+    name: a bounded set of labels), its path where routing never ran but the path is a route's
+    (a 401 before it), else "other" (no such route)."""
+    routes = getattr(scope.get("app"), "routes", ())
+    endpoint = scope.get("endpoint")
+    path = scope.get("path", "")
+    for route in routes:
+        template = getattr(route, "path", None)
+        if endpoint is not None and getattr(route, "endpoint", None) is endpoint:
+            return str(template)
+        if endpoint is None and template == path:
+            return path
+    return "other"
+
+
 def request_state(scope: Scope) -> Dict[str, Any]:
     """The request's `request.state` (Starlette keeps it in the scope)."""
     state: Dict[str, Any] = scope.setdefault("state", {})
@@ -46,8 +65,9 @@ def request_state(scope: Scope) -> Dict[str, Any]:
 
 
 class RequestLog:
-    def __init__(self, app: App, enabled: bool) -> None:
-        self.app, self.enabled = app, enabled
+    def __init__(self, app: App, enabled: bool,
+                 count: Optional[Callable[[str, str], None]] = None) -> None:
+        self.app, self.enabled, self.count = app, enabled, count
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -90,12 +110,14 @@ class RequestLog:
         return tagged
 
     def _log(self, scope: Scope, rid: str, status: List[int], start: float, done: bool) -> None:
+        code = str(status[0]) if status else "-"
+        if self.count is not None:
+            self.count(route_label(scope), code if done else "unfinished")
         if not self.enabled:
             return
         client = scope.get("client")
         who = f"{client[0]}:{client[1]}" if client else "-"
         uids = request_state(scope).get("uids")
-        code = str(status[0]) if status else "-"
         path = scope.get("path", "-")
         level = logging.DEBUG if path in QUIET_PATHS else logging.INFO
         logger.log(level, "%s %s %s %s%s %.1f ms request_id=%s%s", who, scope.get("method", "-"),
