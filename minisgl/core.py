@@ -190,6 +190,13 @@ class SamplingParams:
             return self
         return dataclasses.replace(self, seed=self.seed + i)
 
+    def for_engine(self) -> "SamplingParams":
+        """These params as the ranks get them: the fields `LLM` reads itself (stop strings, n,
+        include_stop_str_in_output, skip_special_tokens, detokenize) at their defaults, so
+        that they cost nothing on the wire (message.codec leaves defaults out)."""
+        return dataclasses.replace(self, stop=(), n=1, include_stop_str_in_output=False,
+                                   skip_special_tokens=True, detokenize=True)
+
     def _validate_logit_bias(self) -> None:
         bias = self.logit_bias
         if bias is None:

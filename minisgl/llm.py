@@ -56,8 +56,9 @@ Prompt = Union[str, List[int], Dict[str, Any]]
 
 @dataclass(frozen=True)
 class Logprob:
-    """vLLM's `Logprob`: one token's log-probability and its rank in the model's distribution
-    (1: the most likely; None where not computed). `decoded_token` is always None here."""
+    """vLLM's `Logprob`: one token's log-probability, its rank in the model's distribution
+    (1: the most likely; None where not computed) and the token decoded on its own, special
+    tokens included (None with `detokenize=False` or without a tokenizer)."""
     logprob: float
     rank: Optional[int] = None
     decoded_token: Optional[str] = None
@@ -77,13 +78,23 @@ class CompletionOutput:
     stop_reason: Union[None, int, str] = None
 
 
+def _vllm_step(token: int, lp: TokenLogprobs, texts: Dict[int, str]) -> Dict[int, Logprob]:
+    """One position's log-probabilities as vLLM gives them: the token there first, then the
+    k most likely (one entry where it is among them)."""
+    step = {token: Logprob(lp.logprob, lp.rank, texts.get(token))}
+    for rank, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
+        step.setdefault(t, Logprob(v, rank, texts.get(t)))
+    return step
+
+
 @dataclass(frozen=True)
 class GenerateOutput:
-    """One choice of one prompt. The fields after `prompt_logprobs` and the properties are
-    vLLM's `RequestOutput` names, so that a script ported from vLLM reads
-    `out.outputs[0].text`, `out.prompt_token_ids` and `out.request_id` unchanged. One
-    difference stays: with n > 1 there is one GenerateOutput per choice (consecutive, `index`
-    0..n-1, the same `request_id`), where vLLM gives one per prompt with n `outputs`."""
+    """One choice of one prompt. The fields after `prompt_token_logprobs` and the properties
+    are vLLM's `RequestOutput` names, so that a script ported from vLLM reads
+    `out.outputs[0].text`, `out.prompt_logprobs`, `out.prompt_token_ids` and `out.request_id`
+    unchanged. One difference stays: with n > 1 there is one GenerateOutput per choice
+    (consecutive, `index` 0..n-1, the same `request_id`), where vLLM gives one per prompt with
+    n `outputs`."""
     text: str
     token_ids: List[int]
     finish_reason: str
@@ -91,8 +102,9 @@ class GenerateOutput:
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache
     # One per token of token_ids where the request's params.logprobs was set, else None.
     logprobs: Optional[List[TokenLogprobs]] = None
-    # One per prompt token after the first where params.prompt_logprobs was set, else None.
-    prompt_logprobs: Optional[List[TokenLogprobs]] = None
+    # One per prompt token after the first where params.prompt_logprobs was set, else None
+    # (`prompt_logprobs` gives them in vLLM's shape).
+    prompt_token_logprobs: Optional[List[TokenLogprobs]] = None
     prompt_token_ids: List[int] = dataclasses.field(default_factory=list)
     index: int = 0  # the choice, 0..n-1
     request_id: str = ""  # the same for a prompt's n choices, distinct across prompts
@@ -100,6 +112,8 @@ class GenerateOutput:
     # What ended the output when a stop string (the string) or a stop_token_ids token (the id)
     # did; None for EOS, a grammar's end, or max_tokens (vLLM's stop_reason).
     stop_reason: Union[None, int, str] = None
+    # Each token id in the log-probabilities decoded on its own (Logprob.decoded_token).
+    decoded_tokens: Dict[int, str] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def finished(self) -> bool:
@@ -120,17 +134,23 @@ class GenerateOutput:
         return float(sum(lp.logprob for lp in self.logprobs))
 
     @property
+    def prompt_logprobs(self) -> Optional[List[Optional[Dict[int, Logprob]]]]:
+        """vLLM's `RequestOutput.prompt_logprobs`: one entry per prompt token, None for the
+        first (nothing precedes it), then {token id: Logprob} holding the prompt token and the
+        k most likely there; None where params.prompt_logprobs was not set."""
+        if self.prompt_token_logprobs is None:
+            return None
+        steps = zip(self.prompt_token_ids[1:], self.prompt_token_logprobs)
+        return [None, *(_vllm_step(t, lp, self.decoded_tokens) for t, lp in steps)]
+
+    @property
     def outputs(self) -> List[CompletionOutput]:
         """This choice as vLLM's one-element `RequestOutput.outputs` (see the class's note on
         n > 1)."""
         logprobs = None
         if self.logprobs is not None:
-            logprobs = []
-            for token, lp in zip(self.token_ids, self.logprobs):
-                step = {t: Logprob(v, r) for r, (t, v) in
-                        enumerate(zip(lp.top_ids, lp.top_logprobs), start=1)}
-                step.setdefault(token, Logprob(lp.logprob, lp.rank))
-                logprobs.append(step)
+            logprobs = [_vllm_step(t, lp, self.decoded_tokens)
+                        for t, lp in zip(self.token_ids, self.logprobs)]
         return [CompletionOutput(self.index, self.text, self.token_ids, self.cumulative_logprob,
                                  logprobs, self.finish_reason, self.stop_reason)]
 
@@ -393,6 +413,7 @@ class LLM:
         self.show_progress = show_progress
         self._backend = _InProcess(cfg) if tp == 1 else _RankProcesses(cfg, tp, log_level)
         self._uids = itertools.count()
+        self._token_texts: Dict[int, str] = {}  # token id -> decoded alone (Logprob's)
         self._grammar_error: Optional[Callable[[StructuredOutput], Optional[str]]] = None
         self._finalizer = weakref.finalize(self, self._backend.close)
 
@@ -591,7 +612,7 @@ class LLM:
         stops = [_StopWatch(self.tokenizer, p.stop, p.min_tokens, p.include_stop_str_in_output,
                             p.skip_special_tokens) if p.stop else None for p in params]
         for uid, ids, p in zip(uids, prompts, params):
-            self._backend.submit(UserMsg(uid, ids, dataclasses.replace(p, stop=(), n=1)))
+            self._backend.submit(UserMsg(uid, ids, p.for_engine()))
         show = self.show_progress and len(prompts) >= 8 if use_tqdm is None else use_tqdm
         bar = tqdm(total=len(prompts), desc="generating", unit="req", disable=not show)
         try:
@@ -621,13 +642,31 @@ class LLM:
                 reason = w.matcher.matched if w is not None else None
             elif stop_token and t[-1] in p.stop_token_ids:
                 reason = t[-1]
+            lp_or_none = lp if p.logprobs is not None else None
             outputs.append(GenerateOutput(
                 w.text if stopped else decode(shown, p.skip_special_tokens) if p.detokenize
                 else "", t,
                 FinishReason.STOP.value if stopped else d.finish_reason or "", d.prompt_tokens,
-                d.cached_tokens, lp if p.logprobs is not None else None, plp, ids, j,
-                request_ids[i], texts[i], reason))
+                d.cached_tokens, lp_or_none, plp, ids, j, request_ids[i], texts[i], reason,
+                self._decoded_tokens(t, lp_or_none, ids, plp) if p.detokenize else {}))
         return outputs
+
+    def _decoded_tokens(self, tokens: List[int], logprobs: Optional[List[TokenLogprobs]],
+                        prompt: List[int], prompt_logprobs: Optional[List[TokenLogprobs]]
+                        ) -> Dict[int, str]:
+        """Every token id in an output's log-probabilities, decoded on its own with special
+        tokens (as the server renders them), from a cache kept for the LLM's life."""
+        if self.tokenizer is None:
+            return {}
+        ids: List[int] = []
+        for owned, lps in ((tokens, logprobs), (prompt[1:], prompt_logprobs)):
+            for t, lp in zip(owned, lps or ()):
+                ids.append(t)
+                ids.extend(lp.top_ids)
+        for t in ids:
+            if t not in self._token_texts:
+                self._token_texts[t] = self.tokenizer.decode([t], skip_special_tokens=False)
+        return {t: self._token_texts[t] for t in ids}
 
     def _collect(self, slot: Dict[int, int], tokens: List[List[int]],
                  logprobs: List[List[TokenLogprobs]],

@@ -361,8 +361,16 @@ def test_vllm_request_output_names(llm: LLM) -> None:
     for token, step, lp in zip(choice.token_ids, choice.logprobs, text.logprobs):
         assert step[token].logprob == lp.logprob and step[token].rank == lp.rank
         assert set(lp.top_ids) <= set(step) and len(step) <= 3
+    for step in choice.logprobs:
+        assert all(v.decoded_token == llm.tokenizer.decode([t]) for t, v in step.items())
     assert llm.generate("a", SamplingParams(max_tokens=2))[0].outputs[0].cumulative_logprob \
         is None  # as vLLM: only where logprobs are asked for
+    scored = llm.generate({"prompt_token_ids": ids}, SamplingParams(
+        max_tokens=1, temperature=0, prompt_logprobs=1, detokenize=False))[0]
+    assert scored.prompt_logprobs is not None and scored.prompt_logprobs[0] is None
+    assert len(scored.prompt_logprobs) == len(ids)
+    entry = scored.prompt_logprobs[1]  # as lm-eval-harness reads a continuation's scores
+    assert entry is not None and entry[ids[1]].decoded_token is None  # detokenize=False
     n2 = llm.generate(["a", "b"], SamplingParams(max_tokens=2, seed=1, n=2))
     assert [o.index for o in n2] == [0, 1, 0, 1]
     assert n2[0].request_id == n2[1].request_id != n2[2].request_id == n2[3].request_id

@@ -5,7 +5,7 @@ none, through chunked prefill and overlap scheduling; the detokenizer renders th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import pytest
 import torch
@@ -96,19 +96,36 @@ def test_prompt_logprobs_equal_hf(tiny_model: Callable[..., Path], chunk: int) -
              show_progress=False) as llm:
         llm.generate(prompts, SamplingParams(max_tokens=1))  # now the cache holds them
         outs = llm.generate(prompts, params)
-    assert outs[2].prompt_logprobs is None and outs[2].cached_tokens > 0
+    assert outs[2].prompt_token_logprobs is None and outs[2].prompt_logprobs is None
+    assert outs[2].cached_tokens > 0
     for prompt, p, out in zip(prompts[:2], params, outs):
-        assert out.cached_tokens == 0 and out.prompt_logprobs is not None
-        assert len(out.prompt_logprobs) == len(prompt) - 1
+        lps = out.prompt_token_logprobs
+        assert out.cached_tokens == 0 and lps is not None
+        assert len(lps) == len(prompt) - 1
         ref = hf_logprobs(path, prompt[:1], prompt[1:])  # position q predicts prompt[q + 1]
         chosen = ref.gather(1, torch.tensor(prompt[1:]).view(-1, 1)).squeeze(1)
-        assert [lp.logprob for lp in out.prompt_logprobs] == pytest.approx(chosen.tolist(),
-                                                                          abs=TOL)
-        _check_ranks([lp.rank for lp in out.prompt_logprobs], ref, chosen)
+        assert [lp.logprob for lp in lps] == pytest.approx(chosen.tolist(), abs=TOL)
+        _check_ranks([lp.rank for lp in lps], ref, chosen)
         top_values, top_ids = ref.topk(p.prompt_logprobs or 0, dim=-1)
-        assert [list(lp.top_ids) for lp in out.prompt_logprobs] == top_ids.tolist()
-        for lp, values in zip(out.prompt_logprobs, top_values.tolist()):
+        assert [list(lp.top_ids) for lp in lps] == top_ids.tolist()
+        for lp, values in zip(lps, top_values.tolist()):
             assert list(lp.top_logprobs) == pytest.approx(values, abs=TOL)
+        _check_vllm_shape(out.prompt_logprobs, prompt, lps)
+
+
+def _check_vllm_shape(entries: Optional[List[Optional[Dict[int, Any]]]], prompt: List[int],
+                      lps: List[TokenLogprobs]) -> None:
+    """vLLM's RequestOutput.prompt_logprobs, which lm-eval-harness reads for log-likelihoods:
+    one entry per prompt token, None first, then {id: Logprob} with the prompt token first
+    and the top k after it, ranks counted from 1."""
+    assert entries is not None and len(entries) == len(prompt) and entries[0] is None
+    for token, entry, lp in zip(prompt[1:], entries[1:], lps):
+        assert entry is not None and next(iter(entry)) == token
+        assert (entry[token].logprob, entry[token].rank) == (lp.logprob, lp.rank)
+        assert set(entry) == {token, *lp.top_ids}
+        for rank, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
+            assert entry[t].logprob == (lp.logprob if t == token else v)
+            assert entry[t].rank == (lp.rank if t == token else rank)
 
 
 def _check_ranks(ranks: List[Optional[int]], ref: torch.Tensor, chosen: torch.Tensor) -> None:
@@ -135,6 +152,7 @@ def test_prompt_logprobs_survive_retraction(tiny_model: Callable[..., Path]) -> 
     assert retracted > 0
     for calm, pressed, prompt in zip(*runs, prompts):
         assert pressed.token_ids == calm.token_ids
-        assert len(pressed.prompt_logprobs) == len(prompt) - 1  # type: ignore[arg-type]
-        assert [lp.logprob for lp in pressed.prompt_logprobs] == pytest.approx(  # type: ignore
-            [lp.logprob for lp in calm.prompt_logprobs], abs=TOL)  # type: ignore[union-attr]
+        again, once = pressed.prompt_token_logprobs, calm.prompt_token_logprobs
+        assert again is not None and once is not None and len(again) == len(prompt) - 1
+        assert [lp.logprob for lp in again] == pytest.approx([lp.logprob for lp in once],
+                                                             abs=TOL)
