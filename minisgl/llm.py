@@ -36,6 +36,7 @@ from minisgl.message.types import AccountingMsg, AccountingReply
 from minisgl.models import ModelConfig
 from minisgl.models.generation import sampling_defaults
 from minisgl.models.path import resolve_model_path
+from minisgl.outputs import CompletionOutput, GenerateOutput
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.io import LocalIO
 from minisgl.scheduler.main import run_rank, set_cpu_threads
@@ -52,107 +53,6 @@ from minisgl.distributed.bind import free_port
 logger = logging.getLogger(__name__)
 # Text, token ids, or vLLM's TextPrompt / TokensPrompt: {"prompt": text} / {"prompt_token_ids": ids}
 Prompt = Union[str, List[int], Dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class Logprob:
-    """vLLM's `Logprob`: one token's log-probability, its rank in the model's distribution
-    (1: the most likely; None where not computed) and the token decoded on its own, special
-    tokens included (None with `detokenize=False` or without a tokenizer)."""
-    logprob: float
-    rank: Optional[int] = None
-    decoded_token: Optional[str] = None
-
-
-@dataclass(frozen=True)
-class CompletionOutput:
-    """vLLM's `CompletionOutput`, one choice of a request as `GenerateOutput.outputs` shows it:
-    `logprobs` in vLLM's shape, one {token id: Logprob} per output token holding the sampled
-    token and the k most likely ones (None where params.logprobs was not set)."""
-    index: int
-    text: str
-    token_ids: List[int]
-    cumulative_logprob: Optional[float]
-    logprobs: Optional[List[Dict[int, Logprob]]]
-    finish_reason: str
-    stop_reason: Union[None, int, str] = None
-
-
-def _vllm_step(token: int, lp: TokenLogprobs, texts: Dict[int, str]) -> Dict[int, Logprob]:
-    """One position's log-probabilities as vLLM gives them: the token there first, then the
-    k most likely (one entry where it is among them)."""
-    step = {token: Logprob(lp.logprob, lp.rank, texts.get(token))}
-    for rank, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
-        step.setdefault(t, Logprob(v, rank, texts.get(t)))
-    return step
-
-
-@dataclass(frozen=True)
-class GenerateOutput:
-    """One choice of one prompt. The fields after `prompt_token_logprobs` and the properties
-    are vLLM's `RequestOutput` names, so that a script ported from vLLM reads
-    `out.outputs[0].text`, `out.prompt_logprobs`, `out.prompt_token_ids` and `out.request_id`
-    unchanged. One difference stays: with n > 1 there is one GenerateOutput per choice
-    (consecutive, `index` 0..n-1, the same `request_id`), where vLLM gives one per prompt with
-    n `outputs`."""
-    text: str
-    token_ids: List[int]
-    finish_reason: str
-    prompt_tokens: int
-    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
-    # One per token of token_ids where the request's params.logprobs was set, else None.
-    logprobs: Optional[List[TokenLogprobs]] = None
-    # One per prompt token after the first where params.prompt_logprobs was set, else None
-    # (`prompt_logprobs` gives them in vLLM's shape).
-    prompt_token_logprobs: Optional[List[TokenLogprobs]] = None
-    prompt_token_ids: List[int] = dataclasses.field(default_factory=list)
-    index: int = 0  # the choice, 0..n-1
-    request_id: str = ""  # the same for a prompt's n choices, distinct across prompts
-    prompt: Optional[str] = None  # the prompt's text where it was given as text, else None
-    # What ended the output when a stop string (the string) or a stop_token_ids token (the id)
-    # did; None for EOS, a grammar's end, or max_tokens (vLLM's stop_reason).
-    stop_reason: Union[None, int, str] = None
-    # Each token id in the log-probabilities decoded on its own (Logprob.decoded_token).
-    decoded_tokens: Dict[int, str] = dataclasses.field(default_factory=dict, repr=False)
-
-    @property
-    def finished(self) -> bool:
-        """Always True: `generate` returns finished outputs only."""
-        return True
-
-    @property
-    def num_cached_tokens(self) -> int:
-        """vLLM's name for `cached_tokens`."""
-        return self.cached_tokens
-
-    @property
-    def cumulative_logprob(self) -> Optional[float]:
-        """The sum of the output tokens' log-probabilities where params.logprobs was set, else
-        None (as vLLM, which computes it only when logprobs are asked for)."""
-        if self.logprobs is None:
-            return None
-        return float(sum(lp.logprob for lp in self.logprobs))
-
-    @property
-    def prompt_logprobs(self) -> Optional[List[Optional[Dict[int, Logprob]]]]:
-        """vLLM's `RequestOutput.prompt_logprobs`: one entry per prompt token, None for the
-        first (nothing precedes it), then {token id: Logprob} holding the prompt token and the
-        k most likely there; None where params.prompt_logprobs was not set."""
-        if self.prompt_token_logprobs is None:
-            return None
-        steps = zip(self.prompt_token_ids[1:], self.prompt_token_logprobs)
-        return [None, *(_vllm_step(t, lp, self.decoded_tokens) for t, lp in steps)]
-
-    @property
-    def outputs(self) -> List[CompletionOutput]:
-        """This choice as vLLM's one-element `RequestOutput.outputs` (see the class's note on
-        n > 1)."""
-        logprobs = None
-        if self.logprobs is not None:
-            logprobs = [_vllm_step(t, lp, self.decoded_tokens)
-                        for t, lp in zip(self.token_ids, self.logprobs)]
-        return [CompletionOutput(self.index, self.text, self.token_ids, self.cumulative_logprob,
-                                 logprobs, self.finish_reason, self.stop_reason)]
 
 
 class _InProcess:
@@ -483,7 +383,7 @@ class LLM:
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                  *, use_tqdm: Optional[bool] = None) -> List[GenerateOutput]:
-        """One output per prompt, in order (`n` of them for n > 1, consecutive).
+        """One output per prompt, in order, its `n` choices in `outputs` (vLLM's layout).
         `sampling_params`: one for all, or one per prompt (None: the default,
         `get_default_sampling_params`). `use_tqdm`: a progress bar over the requests (None:
         `show_progress`'s choice). vLLM's names, so that its callers' keywords work."""
@@ -592,8 +492,8 @@ class LLM:
     def _run(self, prompts: List[List[int]], params: List[SamplingParams],
              use_tqdm: Optional[bool] = None,
              texts: Optional[Sequence[Optional[str]]] = None) -> List[GenerateOutput]:
-        """Outputs of every prompt's `n` choices, choice j of prompt p right after choice j-1
-        (`params.n` = 1: one output per prompt). The progress bar shows where `use_tqdm` says,
+        """One output per prompt, in order, holding its `n` choices (each its own request to
+        the scheduler, choice j seeded `seed + j`). The progress bar shows where `use_tqdm` says,
         or, when None, where `show_progress` does and there are 8 requests or more. `texts`:
         each prompt's text where it was given as text (the outputs' `prompt`)."""
         params = [self._check(i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
@@ -628,11 +528,9 @@ class LLM:
             raise ValueError(f"prompt {origin[errors[0][0]][0]} rejected: {errors[0][1]}")
         decode = (lambda t, skip: "") if self.tokenizer is None else (  # noqa: E731
             lambda t, skip: self.tokenizer.decode(t, skip_special_tokens=skip))
-        outputs = []
-        for t, lp, plp, d, p, w, (i, j), ids in zip(tokens, logprobs, prompt_logprobs, done,
-                                                     params, stops, origin, prompts):
-            if d is None:
-                continue
+        choices: List[List[CompletionOutput]] = [[] for _ in texts]
+        for t, lp, d, p, w, (i, j) in zip(tokens, logprobs, done, params, stops, origin):
+            assert d is not None  # _collect returns once every request is done
             stopped = w is not None and w.stopped
             # a stop token (EOS, stop_token_ids) is not rendered, as the server renders it
             stop_token = d.finish_reason == FinishReason.STOP.value and bool(t)
@@ -643,26 +541,34 @@ class LLM:
             elif stop_token and t[-1] in p.stop_token_ids:
                 reason = t[-1]
             lp_or_none = lp if p.logprobs is not None else None
+            text = (w.text if stopped else decode(shown, p.skip_special_tokens) if p.detokenize
+                    else "")
+            choices[i].append(CompletionOutput(
+                j, text, t, FinishReason.STOP.value if stopped else d.finish_reason or "",
+                reason, lp_or_none,
+                self._decoded_tokens(t, lp_or_none) if p.detokenize else {}))
+        outputs = []
+        for k, (i, j) in enumerate(origin):
+            if j > 0:
+                continue
+            first, plp = done[k], prompt_logprobs[k]
+            assert first is not None
             outputs.append(GenerateOutput(
-                w.text if stopped else decode(shown, p.skip_special_tokens) if p.detokenize
-                else "", t,
-                FinishReason.STOP.value if stopped else d.finish_reason or "", d.prompt_tokens,
-                d.cached_tokens, lp_or_none, plp, ids, j, request_ids[i], texts[i], reason,
-                self._decoded_tokens(t, lp_or_none, ids, plp) if p.detokenize else {}))
+                choices[i], first.prompt_tokens, first.cached_tokens, prompts[k],
+                request_ids[i], texts[i], plp,
+                self._decoded_tokens(prompts[k][1:], plp) if params[k].detokenize else {}))
         return outputs
 
-    def _decoded_tokens(self, tokens: List[int], logprobs: Optional[List[TokenLogprobs]],
-                        prompt: List[int], prompt_logprobs: Optional[List[TokenLogprobs]]
+    def _decoded_tokens(self, tokens: List[int], logprobs: Optional[List[TokenLogprobs]]
                         ) -> Dict[int, str]:
-        """Every token id in an output's log-probabilities, decoded on its own with special
-        tokens (as the server renders them), from a cache kept for the LLM's life."""
-        if self.tokenizer is None:
+        """Every token id in the log-probabilities of `tokens` decoded on its own, special
+        tokens included (as the server renders them), from a cache kept for the LLM's life."""
+        if self.tokenizer is None or logprobs is None:
             return {}
         ids: List[int] = []
-        for owned, lps in ((tokens, logprobs), (prompt[1:], prompt_logprobs)):
-            for t, lp in zip(owned, lps or ()):
-                ids.append(t)
-                ids.extend(lp.top_ids)
+        for t, lp in zip(tokens, logprobs):
+            ids.append(t)
+            ids.extend(lp.top_ids)
         for t in ids:
             if t not in self._token_texts:
                 self._token_texts[t] = self.tokenizer.decode([t], skip_special_tokens=False)

@@ -345,7 +345,8 @@ def test_min_tokens_holds_stop_strings_back(llm: LLM) -> None:
 def test_vllm_request_output_names(llm: LLM) -> None:
     """A script ported from vLLM reads `out.outputs[0].text`, `.prompt_token_ids`,
     `.request_id`, `.cumulative_logprob` and logprobs as {token id: Logprob} (before, every
-    one was an AttributeError); with n > 1 the choices share a request_id and count `index`."""
+    one was an AttributeError); with n > 1, one output per prompt holds its choices, as in
+    vLLM."""
     ids = llm.tokenizer.encode("Count: 1, 2, 3,", add_special_tokens=True)
     p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
     text, by_ids = llm.generate(["Count: 1, 2, 3,", {"prompt_token_ids": ids}], p)
@@ -372,8 +373,9 @@ def test_vllm_request_output_names(llm: LLM) -> None:
     entry = scored.prompt_logprobs[1]  # as lm-eval-harness reads a continuation's scores
     assert entry is not None and entry[ids[1]].decoded_token is None  # detokenize=False
     n2 = llm.generate(["a", "b"], SamplingParams(max_tokens=2, seed=1, n=2))
-    assert [o.index for o in n2] == [0, 1, 0, 1]
-    assert n2[0].request_id == n2[1].request_id != n2[2].request_id == n2[3].request_id
+    assert len(n2) == 2 and n2[0].request_id != n2[1].request_id
+    assert [[c.index for c in o.outputs] for o in n2] == [[0, 1], [0, 1]]
+    assert n2[1].prompt == "b" and n2[1].text == n2[1].outputs[0].text
     _pages_balanced(llm)
 
 

@@ -301,11 +301,11 @@ def test_offline_stop_strings(tiny_llm) -> None:
 def test_offline_n(tiny_llm) -> None:
     from minisgl import SamplingParams
     outs = tiny_llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=6, seed=5, n=3))
-    assert len(outs) == 6
+    assert len(outs) == 2 and [len(o.outputs) for o in outs] == [3, 3]  # vLLM's layout
     for j in range(3):
         alone = tiny_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, seed=5 + j))[0]
-        assert outs[j].token_ids == alone.token_ids
-    assert outs[3].prompt_tokens == 2
+        assert outs[0].outputs[j].token_ids == alone.token_ids
+    assert outs[1].prompt_tokens == 2
     with pytest.raises(ValueError, match="n must be an integer >= 1"):
         tiny_llm.generate([[5]], SamplingParams(n=0))
 
