@@ -72,7 +72,9 @@ class SamplingParams:
     sampling, and a grammar that reaches its end finishes the request with "stop".
     `allowed_token_ids` (vLLM's), when set, is the only tokens sampling may pick, greedy or
     random (a mask over the logits; the log-probabilities stay the model's own).
-    `stop` (strings that end the output, which leaves them out unless
+    `truncate_prompt_tokens=k` (vLLM's) keeps only the prompt's last k tokens (-1: the
+    context length's worth; `truncate_prompt`). `stop` (strings that end the output, which
+    leaves them out unless
     `include_stop_str_in_output`, vLLM's), `n` (choices per prompt), `skip_special_tokens`
     (vLLM's: False renders special tokens in the text) and `detokenize` (vLLM's: False leaves
     the text empty, and takes no stop strings) are read by `LLM` only. `max_tokens=None` asks
@@ -97,6 +99,8 @@ class SamplingParams:
     min_tokens: int = 0
     structured: Optional[StructuredOutput] = None
     allowed_token_ids: Optional[Tuple[int, ...]] = None
+    # Read where the prompt is tokenized (the tokenizer process, `LLM`), not by the ranks.
+    truncate_prompt_tokens: Optional[int] = None
     # Offline only (`LLM`): the server takes them per HTTP request, outside the params.
     stop: Tuple[str, ...] = ()
     n: int = 1
@@ -175,6 +179,11 @@ class SamplingParams:
                                                    for x in self.stop):
             raise ValueError(f"stop must be a string or a list of non-empty strings, got "
                              f"{self.stop!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool)
+                              or not (k == -1 or k >= 1)):
+            raise ValueError(f"truncate_prompt_tokens must be -1 (the context length) or an "
+                             f"integer >= 1, got {k!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         for name in ("include_stop_str_in_output", "skip_special_tokens", "detokenize"):
@@ -192,10 +201,12 @@ class SamplingParams:
 
     def for_engine(self) -> "SamplingParams":
         """These params as the ranks get them: the fields `LLM` reads itself (stop strings, n,
-        include_stop_str_in_output, skip_special_tokens, detokenize) at their defaults, so
-        that they cost nothing on the wire (message.codec leaves defaults out)."""
+        include_stop_str_in_output, skip_special_tokens, detokenize, truncate_prompt_tokens)
+        at their defaults, so that they cost nothing on the wire (message.codec leaves
+        defaults out)."""
         return dataclasses.replace(self, stop=(), n=1, include_stop_str_in_output=False,
-                                   skip_special_tokens=True, detokenize=True)
+                                   skip_special_tokens=True, detokenize=True,
+                                   truncate_prompt_tokens=None)
 
     def _validate_logit_bias(self) -> None:
         bias = self.logit_bias
@@ -342,6 +353,20 @@ def _auto_max_tokens(prompt_tokens: int, params: SamplingParams, limits: Limits)
     if error is not None:
         raise RequestError(error, "min_tokens")
     return max_tokens
+
+
+def truncate_prompt(ids: List[int], params: SamplingParams, limits: Limits) -> List[int]:
+    """The prompt as `params.truncate_prompt_tokens` leaves it: its last k tokens (-1: the
+    context length), as vLLM truncates (from the left, so the end of a conversation stays);
+    RequestError naming both numbers where k is more than the context holds."""
+    k = params.truncate_prompt_tokens
+    if k is None:
+        return ids
+    k = limits.max_context if k == -1 else k
+    if k > limits.max_context:
+        raise RequestError(f"truncate_prompt_tokens ({k}) is more than the model's maximum "
+                           f"context length ({limits.max_context})", "truncate_prompt_tokens")
+    return ids[-k:] if len(ids) > k else ids
 
 
 def check_request(ids: Sequence[int], params: SamplingParams, limits: Limits) -> SamplingParams:

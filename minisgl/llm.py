@@ -18,14 +18,15 @@ import shutil
 import tempfile
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union, cast
+from typing import (Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union,
+                    cast)
 
 import torch
 import zmq
 from tqdm import tqdm
 
 from minisgl.core import (FinishReason, Limits, SamplingParams, StructuredOutput, TokenLogprobs,
-                          check_request)
+                          check_request, truncate_prompt)
 from minisgl.grammar import make_checker
 from minisgl.distributed import DistributedInfo, ProcessGroups
 from minisgl.distributed.comm import Communicator
@@ -248,6 +249,11 @@ def _chat_message(i: int, message: Any) -> Dict[str, Any]:
     return message
 
 
+class _Checked(NamedTuple):
+    ids: List[int]
+    params: SamplingParams
+
+
 class _StopWatch:
     """One request's stop strings, matched on its text as it grows (as the detokenizer does
     for the server): once one appears, `text` is the output before it (through it, `keep`:
@@ -466,16 +472,18 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts")
         return list(params)
 
-    def _check(self, i: int, ids: List[int], p: SamplingParams) -> SamplingParams:
-        """The params to submit prompt i with (max_tokens resolved); ValueError naming the
-        prompt and the values when it cannot be served."""
+    def _check(self, i: int, ids: List[int], p: SamplingParams) -> "_Checked":
+        """Prompt i's ids (truncated where its params ask) and the params to submit it with
+        (max_tokens resolved); ValueError naming the prompt and the values when it cannot be
+        served."""
         try:
             p.validate()
             if p.stop and self.tokenizer is None:
                 raise ValueError(f"{self.model_path} has no tokenizer: stop strings need one")
             if p.structured is not None:
                 self._check_structured(p.structured)
-            return check_request(ids, p, self._backend.limits)
+            ids = truncate_prompt(ids, p, self._backend.limits)
+            return _Checked(ids, check_request(ids, p, self._backend.limits))
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
 
@@ -496,7 +504,8 @@ class LLM:
         the scheduler, choice j seeded `seed + j`). The progress bar shows where `use_tqdm` says,
         or, when None, where `show_progress` does and there are 8 requests or more. `texts`:
         each prompt's text where it was given as text (the outputs' `prompt`)."""
-        params = [self._check(i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
+        checked = [self._check(i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
+        prompts, params = [c.ids for c in checked], [c.params for c in checked]
         texts = [None] * len(prompts) if texts is None else list(texts)
         # (prompt, choice) of each request, in submission order
         origin = [(i, j) for i, p in enumerate(params) for j in range(p.n)]

@@ -438,3 +438,24 @@ def test_detokenize_false_leaves_the_text_empty(llm: LLM) -> None:
                                          r"stop=\['\\n'\] with detokenize=False"):
         llm.generate("Hi", SamplingParams(stop="\n", detokenize=False))
     _pages_balanced(llm)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(llm: LLM) -> None:
+    """vLLM's SamplingParams.truncate_prompt_tokens: the last k prompt tokens are served
+    (-1: the context's worth); more than the context holds is refused naming both numbers."""
+    ids = llm.tokenizer.encode("One two three four five six", add_special_tokens=False)
+    greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    cut = llm.generate([ids], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
+                                             truncate_prompt_tokens=2))[0]
+    assert cut.prompt_token_ids == ids[-2:] and cut.prompt_tokens == 2
+    assert cut.token_ids == llm.generate([ids[-2:]], greedy)[0].token_ids
+    whole = llm.generate([ids], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1))[0]
+    assert whole.prompt_token_ids == ids
+    context = llm.limits.max_context
+    with pytest.raises(ValueError, match=rf"prompt 0: truncate_prompt_tokens \({context + 1}\) "
+                                         rf"is more than the model's maximum context length "
+                                         rf"\({context}\)"):
+        llm.generate([ids], SamplingParams(truncate_prompt_tokens=context + 1))
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1"):
+        llm.generate([ids], SamplingParams(truncate_prompt_tokens=0))
+    _pages_balanced(llm)

@@ -172,7 +172,7 @@ def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI) -> None:
 
 # --- defect 4: refusals name the field -------------------------------------------------------------
 REFUSED = [
-    ("use_beam_search", True), ("truncate_prompt_tokens", 5),
+    ("use_beam_search", True), ("bad_words", ["a"]),
     ("guided_whitespace_pattern", " *"), ("guided_decoding_backend", "outlines"),
     ("stop_regex", ["a+"]), ("cache_salt", "abc"),
     ("spaces_between_special_tokens", False), ("echo", True), ("chat_template", "{{ 1 }}"),
@@ -490,3 +490,51 @@ def test_bad_allowed_token_ids_and_prompt_logprobs(server: Server, client: opena
     with pytest.raises(openai.BadRequestError, match=param):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stream=True,
                                   extra_body=fields)
+
+
+# --- vLLM's truncate_prompt_tokens and return_tokens_as_token_ids ---------------------------------
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client: openai.OpenAI, server: Server,
+                                                      tokenizer: Any) -> None:
+    """As vLLM: the prompt's last k tokens are served (usage counts them), the same output as
+    a prompt of those tokens alone; k larger than the prompt changes nothing; chat too."""
+    ids = tokenizer.encode("One two three four five six seven eight", add_special_tokens=False)
+    kw: Dict[str, Any] = dict(model=MODEL, max_tokens=4, temperature=0)
+    cut = client.completions.create(prompt=ids, **kw, extra_body={"truncate_prompt_tokens": 3})
+    alone = client.completions.create(prompt=ids[-3:], **kw)
+    assert cut.usage.prompt_tokens == 3 and cut.choices[0].text == alone.choices[0].text
+    whole = client.completions.create(prompt=ids, **kw, extra_body={"truncate_prompt_tokens": 99})
+    assert whole.usage.prompt_tokens == len(ids)
+    chat = client.chat.completions.create(messages=PARIS, **kw,
+                                          extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
+    for bad, words in ((0, "-1 (the context length) or an integer >= 1, got 0"),
+                       (10 ** 6, "(1000000) is more than the model's maximum context length"),
+                       (True, "")):
+        r = _post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2,
+                                              "truncate_prompt_tokens": bad})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "truncate_prompt_tokens" and words in error["message"], error
+
+
+def test_return_tokens_as_token_ids(client: openai.OpenAI, tokenizer: Any) -> None:
+    """As vLLM: every log-probability token (top ones too, an echoed prompt's too) is
+    "token_id:N", its bytes that string's; text and offsets follow the strings."""
+    kw: Dict[str, Any] = dict(model=MODEL, max_tokens=4, temperature=0, logprobs=True,
+                              top_logprobs=2)
+    plain = client.chat.completions.create(messages=PARIS, **kw)
+    as_ids = client.chat.completions.create(messages=PARIS, **kw,
+                                            extra_body={"return_tokens_as_token_ids": True})
+    assert as_ids.choices[0].message.content == plain.choices[0].message.content
+    for mine, theirs in zip(as_ids.choices[0].logprobs.content, plain.choices[0].logprobs.content):
+        tid = int(re.fullmatch(r"token_id:(\d+)", mine.token).group(1))  # type: ignore[union-attr]
+        assert tokenizer.decode([tid]) == theirs.token and mine.logprob == theirs.logprob
+        assert mine.bytes == list(mine.token.encode())
+        assert all(re.fullmatch(r"token_id:\d+", t.token) for t in mine.top_logprobs)
+    echo = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
+                                     echo=True, logprobs=1,
+                                     extra_body={"return_tokens_as_token_ids": True})
+    lp = echo.choices[0].logprobs
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    assert lp.tokens[:len(ids)] == [f"token_id:{t}" for t in ids]
+    assert lp.text_offset[1] == len(lp.tokens[0])

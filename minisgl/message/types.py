@@ -39,6 +39,7 @@ class TokenizeRequest:
     tools_json: Optional[str] = None  # the tools for the chat template (a JSON list)
     # the tokenizer's special tokens (BOS) added to `text`, or to the templated messages' text
     add_special_tokens: bool = False
+    tokens_as_ids: bool = False  # log-probability tokens rendered "token_id:N" (DetokenizeInit)
 
 
 @dataclass(frozen=True)
@@ -257,6 +258,9 @@ class DetokenizeInit:
     echo: bool = False  # the reply starts with the prompt's text
     # vLLM's min_tokens: no stop string ends the output before more tokens than this are out
     min_tokens: int = 0
+    # vLLM's return_tokens_as_token_ids: every log-probability token (prompt_logprobs' too)
+    # rendered "token_id:N", as for a model without a tokenizer
+    tokens_as_ids: bool = False
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,6 @@ _UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
     "use_beam_search": lambda v: v in (None, False),
     "length_penalty": lambda v: v in (None, 1, 1.0),
     "bad_words": lambda v: not v,
-    "truncate_prompt_tokens": lambda v: v is None,
     "cache_salt": lambda v: v is None,
     "guided_decoding_backend": lambda v: v in (None, "auto", "xgrammar"),
     "guided_whitespace_pattern": lambda v: v is None,
@@ -64,7 +63,6 @@ _UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
     "documents": lambda v: not v,
     "chat_template": lambda v: v is None,
     "echo": lambda v: not v,  # in a chat request (completions take it)
-    "return_tokens_as_token_ids": lambda v: not v,
 }
 # SGLang's and vLLM's flag for keeping special tokens' spaces is HF's decode option, which
 # the fast tokenizers this server loads do not implement: only its default is served.
@@ -129,6 +127,9 @@ class _OpenAI(_Sampling):
     logprobs: Union[None, bool, int] = None
     logit_bias: Optional[Dict[str, float]] = None
     prompt_logprobs: Optional[int] = None  # vLLM's: the prompt tokens' log-probabilities
+    truncate_prompt_tokens: Optional[int] = None  # vLLM's: keep the prompt's last k tokens
+    # vLLM's: log-probability tokens as "token_id:N" (null: the server's --return-tokens-as-...)
+    return_tokens_as_token_ids: Optional[bool] = None
 
 
 class TextPart(_Body):
@@ -246,6 +247,8 @@ class Job:
     prompt_logprobs: Optional[int] = None
     # the client's X-Request-Id (server/request_log.py): the response id is built from it
     request_id: Optional[str] = None
+    # vLLM's return_tokens_as_token_ids: log-probability tokens rendered as "token_id:N"
+    tokens_as_ids: bool = False
 
     def choice_params(self, i: int) -> SamplingParams:
         """Choice i of a prompt: the request's seed shifted by i, so choices differ."""
@@ -319,7 +322,7 @@ def _check_ids(name: str, ids: Sequence[int]) -> None:
 
 def _sampling(body: _Sampling, max_tokens: Optional[int], defaults: SamplingDefaults,
               logprobs: Optional[int] = None, logit_bias: Optional[Dict[int, float]] = None,
-              max_name: str = "max_tokens") -> SamplingParams:
+              max_name: str = "max_tokens", truncate: Optional[int] = None) -> SamplingParams:
     """The request's SamplingParams, `defaults` where it leaves a field unset (or null);
     ApiError(400) naming the field at fault (`max_name`: the field max_tokens came from)."""
     for name in ("top_k", "seed", "min_tokens"):
@@ -341,7 +344,8 @@ def _sampling(body: _Sampling, max_tokens: Optional[int], defaults: SamplingDefa
                             else body.repetition_penalty),
         min_tokens=body.min_tokens,
         stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs,
-        logit_bias=logit_bias, allowed_token_ids=None if allowed is None else tuple(allowed))
+        logit_bias=logit_bias, allowed_token_ids=None if allowed is None else tuple(allowed),
+        truncate_prompt_tokens=truncate)
     try:
         params.validate()
     except ValueError as e:
@@ -437,7 +441,8 @@ def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: in
         found = constraint(extra if isinstance(body, GenerateRequest) else body.model_extra or {})
     except FieldError as e:
         raise ApiError(400, str(e), e.param) from None
-    params = _sampling(sampling, max_tokens, defaults, logprobs, logit_bias, max_name)
+    truncate = None if isinstance(body, GenerateRequest) else body.truncate_prompt_tokens
+    params = _sampling(sampling, max_tokens, defaults, logprobs, logit_bias, max_name, truncate)
     if found is not None:
         params = dataclasses.replace(params, structured=found.structured)
     job = Job(prompts, params, n, _stop_strings(sampling.stop), sampling.skip_special_tokens,
@@ -447,7 +452,8 @@ def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: in
     if not isinstance(body, GenerateRequest):
         job = dataclasses.replace(job, params=dataclasses.replace(
             job.params, prompt_logprobs=prompt_logprobs), continuous_usage=continuous,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs,
+            tokens_as_ids=bool(body.return_tokens_as_token_ids))
     return job
 
 

@@ -59,6 +59,7 @@ class _Request:
     echo: bool = False
     skip_special_tokens: bool = True
     min_tokens: int = 0  # stop strings count only after more tokens than this
+    tokens_as_ids: bool = False  # log-probability tokens rendered "token_id:N"
 
 
 class Rendered(NamedTuple):
@@ -81,7 +82,8 @@ class Detokenizer:
         self.requests[msg.uid] = _Request(
             IncrementalDecoder(self.tokenizer, msg.prompt_tail, msg.skip_special_tokens),
             StopMatcher(msg.stop, msg.no_stop_trim), prompt_ids=msg.prompt_ids, echo=msg.echo,
-            skip_special_tokens=msg.skip_special_tokens, min_tokens=msg.min_tokens)
+            skip_special_tokens=msg.skip_special_tokens, min_tokens=msg.min_tokens,
+            tokens_as_ids=msg.tokens_as_ids)
         return self.render(self.pending.pop(msg.uid, []))
 
     def render(self, outs: List[TokenOut]) -> Rendered:
@@ -114,7 +116,7 @@ class Detokenizer:
             req.completion_tokens += 1
             ids = [out.token]
             if out.logprobs is not None:
-                logprobs = [self._logprob_text(out.token, out.logprobs)]
+                logprobs = [self._logprob_text(out.token, out.logprobs, req.tokens_as_ids)]
             if out.finish_reason != FinishReason.STOP.value:  # a stop token is not rendered
                 text = req.decoder.push(out.token)
         if out.finish_reason is not None:
@@ -146,20 +148,24 @@ class Detokenizer:
                                                                 clean_up_tokenization_spaces=False))
         entries: List[TokenLogprobText] = []
         if out.prompt_logprobs is not None and ids:
-            first, raw = self._token_text(ids[0])
+            first, raw = self._token_text(ids[0], req.tokens_as_ids)
             entries.append(TokenLogprobText(first, None, token_bytes=raw, token_id=ids[0]))
-            entries += [self._logprob_text(t, lp) for t, lp in zip(ids[1:], out.prompt_logprobs)]
+            entries += [self._logprob_text(t, lp, req.tokens_as_ids)
+                        for t, lp in zip(ids[1:], out.prompt_logprobs)]
         return dataclasses.replace(chunk, prompt_text=text, prompt_logprobs=entries)
 
-    def _logprob_text(self, token: int, lp: TokenLogprobs) -> TokenLogprobText:
-        text, raw = self._token_text(token)
-        tops = [self._token_text(t) for t in lp.top_ids]
+    def _logprob_text(self, token: int, lp: TokenLogprobs, as_ids: bool = False
+                      ) -> TokenLogprobText:
+        text, raw = self._token_text(token, as_ids)
+        tops = [self._token_text(t, as_ids) for t in lp.top_ids]
         return TokenLogprobText(text, lp.logprob, tuple(t for t, _ in tops), lp.top_logprobs,
                                 raw, tuple(b for _, b in tops), token, lp.top_ids, lp.rank)
 
-    def _token_text(self, token: int) -> Tuple[str, Optional[bytes]]:
+    def _token_text(self, token: int, as_id: bool = False) -> Tuple[str, Optional[bytes]]:
         """One token decoded on its own, special tokens included, and its bytes where the text
-        is not them (cached)."""
+        is not them (cached); with `as_id` (or without a tokenizer), "token_id:N"."""
+        if as_id:
+            return f"token_id:{token}", None
         entry = self.token_texts.get(token)
         if entry is None:
             if self.tokenizer is None:

@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 import zmq
 
 from minisgl.core import (Limits, RequestError, SamplingParams, StructuredOutput, TooLong,
-                          check_request, prompt_error)
+                          check_request, prompt_error, truncate_prompt)
 from minisgl.gc_heap import freeze_startup_heap
 from minisgl.grammar import make_checker
 from minisgl.message.queue import PullQueue, PushQueue
@@ -205,6 +205,7 @@ class Tokenizer:
         except Exception as e:  # a chat template may reject a conversation (roles, content)
             return Prepared([], None, f"cannot apply the chat template: {e}", "messages")
         try:
+            ids = truncate_prompt(ids, req.params, self.limits)
             params = check_request(ids, req.params, self.limits)
         except TooLong as e:
             return Prepared(ids, None, _too_long(e), e.param)
@@ -308,7 +309,8 @@ class Serving:
         whole = msg.echo or params.prompt_logprobs is not None
         self.to_detok.put(DetokenizeInit(msg.uid, ids[-PROMPT_CONTEXT_TOKENS:], tuple(msg.stop),
                                          msg.skip_special_tokens, ids if whole else None,
-                                         msg.no_stop_trim, msg.echo, params.min_tokens))
+                                         msg.no_stop_trim, msg.echo, params.min_tokens,
+                                         msg.tokens_as_ids))
         self.to_backends[replica].put(UserMsg(msg.uid, ids, params))
         self.queued.sent(replica, len(ids))
 
