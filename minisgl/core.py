@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # messages import this module: the tokenizer and API processe
 # The most alternatives a request may ask log-probabilities for (vLLM's default cap, and
 # OpenAI's top_logprobs bound).
 MAX_LOGPROBS = 20
+MAX_CACHE_SALT_CHARS = 256  # a salt names a tenant: a key, not a document
 MAX_LOGIT_BIAS = 1024  # token entries in one request's logit_bias
 
 StructuredKind = Literal["json", "json_object", "regex", "grammar", "choice", "structural_tag"]
@@ -72,6 +73,9 @@ class SamplingParams:
     sampling, and a grammar that reaches its end finishes the request with "stop".
     `allowed_token_ids` (vLLM's), when set, is the only tokens sampling may pick, greedy or
     random (a mask over the logits; the log-probabilities stay the model's own).
+    `cache_salt` (vLLM's) keeps the request's prefix-cache entries apart from those of
+    requests with another salt or none (a tenant cannot learn another's prompts from how fast
+    a shared prefix is served); at most MAX_CACHE_SALT_CHARS characters.
     `truncate_prompt_tokens=k` (vLLM's) keeps only the prompt's last k tokens (-1: the
     context length's worth; `truncate_prompt`). `stop` (strings that end the output, which
     leaves them out unless
@@ -99,6 +103,8 @@ class SamplingParams:
     min_tokens: int = 0
     structured: Optional[StructuredOutput] = None
     allowed_token_ids: Optional[Tuple[int, ...]] = None
+    # vLLM's: the prefix cache's namespace (base.py); the router keys replicas by it too.
+    cache_salt: Optional[str] = None
     # Read where the prompt is tokenized (the tokenizer process, `LLM`), not by the ranks.
     truncate_prompt_tokens: Optional[int] = None
     # Offline only (`LLM`): the server takes them per HTTP request, outside the params.
@@ -179,6 +185,11 @@ class SamplingParams:
                                                    for x in self.stop):
             raise ValueError(f"stop must be a string or a list of non-empty strings, got "
                              f"{self.stop!r}")
+        salt = self.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not 0 < len(salt)
+                                 <= MAX_CACHE_SALT_CHARS):
+            raise ValueError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} "
+                             f"characters, got {salt!r:.60}")
         k = self.truncate_prompt_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool)
                               or not (k == -1 or k >= 1)):

@@ -31,6 +31,9 @@ def test_prefix_keys_cover_doubling_page_counts_and_all_full_pages() -> None:
     assert prefix_keys(ids[:PAGE - 1], PAGE) == []
     assert prefix_keys(ids, PAGE)[:4] == prefix_keys(ids[:8 * PAGE], PAGE)
     assert prefix_keys([9, *ids[1:]], PAGE)[0] != prefix_keys(ids, PAGE)[0]
+    salted = prefix_keys(ids, PAGE, "tenant-a")  # cached apart, so remembered apart
+    assert not set(salted) & set(prefix_keys(ids, PAGE) + prefix_keys(ids, PAGE, "tenant-b"))
+    assert salted == prefix_keys(ids, PAGE, "tenant-a")
 
 
 def test_router_follows_the_prefix_unless_its_holder_is_overloaded() -> None:

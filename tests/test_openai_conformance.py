@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import httpx
 import openai
@@ -174,7 +174,7 @@ def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI) -> None:
 REFUSED = [
     ("use_beam_search", True), ("bad_words", ["a"]),
     ("guided_whitespace_pattern", " *"), ("guided_decoding_backend", "outlines"),
-    ("stop_regex", ["a+"]), ("cache_salt", "abc"),
+    ("stop_regex", ["a+"]),
     ("spaces_between_special_tokens", False), ("echo", True), ("chat_template", "{{ 1 }}"),
 ]
 
@@ -538,3 +538,24 @@ def test_return_tokens_as_token_ids(client: openai.OpenAI, tokenizer: Any) -> No
     ids = tokenizer.encode(PROMPT, add_special_tokens=False)
     assert lp.tokens[:len(ids)] == [f"token_id:{t}" for t in ids]
     assert lp.text_offset[1] == len(lp.tokens[0])
+
+
+def test_cache_salt_scopes_the_prefix_cache(client: openai.OpenAI, server: Server) -> None:
+    """vLLM's cache_salt: a cached prompt is a hit only under the salt it was cached with
+    (usage's cached_tokens says so); a bad salt is a 400 naming it."""
+    messages = [{"role": "user", "content": "Name three colours of the rainbow, please. " * 8}]
+
+    def cached(salt: Optional[str]) -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                           extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    # unsalted: at most the chat template's system prompt that other tests' chats cached
+    unsalted = cached(None)
+    assert cached("tenant-b") == 0
+    assert cached("tenant-a") == cached(None) > unsalted  # each now holds the whole prompt
+    for bad in ("", "x" * 257, 5):
+        r = _post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2, "cache_salt": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text

@@ -60,6 +60,28 @@ def test_repeated_request_skips_cached_prefill(tiny_model: Callable[..., Path]) 
     assert prefilled == len(prompt) - again.cached_tokens
 
 
+def test_cache_salt_keeps_tenants_apart(tiny_model: Callable[..., Path]) -> None:
+    """vLLM's cache_salt: a prompt cached under one salt is a hit only for requests with that
+    salt (so a tenant cannot time another's prompts); outputs never change; pages balance."""
+    prompt = _shared_prompts(1, 100, seed=4)[0]
+
+    def salted(salt: Optional[str]) -> SamplingParams:
+        return SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, cache_salt=salt)
+
+    with LLM(str(tiny_model("qwen3")), page_size=16, max_kv_tokens=4096,
+             show_progress=False) as llm:
+        first = llm.generate([prompt], salted("a"))[0]
+        others = [llm.generate([prompt], salted(s))[0] for s in (None, "b", "a")]
+        s = llm.check_accounting()
+        with pytest.raises(ValueError, match="cache_salt must be a string of 1 to 256"):
+            llm.generate([prompt], salted(""))
+    assert first.cached_tokens == 0
+    assert [o.cached_tokens for o in others[:2]] == [0, 0]
+    assert others[2].cached_tokens >= len(prompt) - 16
+    assert all(o.token_ids == first.token_ids for o in others)
+    assert s.live_requests == 0 and s.free_rows == s.total_rows
+
+
 def test_long_prompt_chunks_are_shared_while_running() -> None:
     """(The scheduler on the fake engine: the test steps it batch by batch.)"""
     prompt = _shared_prompts(1, 300, seed=4)[0]

@@ -244,6 +244,32 @@ def test_stats_consistent() -> None:
     assert cache._audit() == cache.stats() == CacheStats(0, 0)
 
 
+def test_salts_keep_prefixes_apart() -> None:
+    """A prefix cached under one salt (vLLM's cache_salt) matches only under it: not under
+    another salt, not under none; the same tokens under two salts are two entries, not
+    duplicates; eviction ranks every salt's leaves together and forgets emptied salts."""
+    cache = RadixCacheManager(2)
+    toks = [1, 2, 3, 4]
+    assert cache.insert(toks, [0, 1], salt="a") == []
+    assert cache.match_prefix(toks).pages == []
+    assert cache.match_prefix(toks, salt="b").pages == []
+    assert cache.match_prefix(toks, salt="a").pages == [0, 1]
+    assert cache.insert(toks, [2, 3], salt="b") == []  # its own copy, not a duplicate
+    assert cache.insert(toks, [4, 5]) == []
+    assert cache.match_prefix(toks, salt="b").pages == [2, 3]
+    assert cache._audit() == CacheStats(6, 6)
+    held = cache.match_prefix(toks, salt="b")
+    cache.lock(held.handle)
+    assert sorted(cache.evict(1)) == [0, 1]  # "a"'s entry was used least recently
+    assert "a" not in cache._roots and cache.match_prefix(toks, salt="a").pages == []
+    assert sorted(cache.evict(10)) == [4, 5]  # "b"'s is locked
+    cache.unlock(held.handle)
+    assert sorted(cache.evict(10)) == [2, 3]
+    assert list(cache._roots) == [None] and cache._audit() == CacheStats(0, 0)
+    inserted = cache.insert_and_match(toks, [6, 7], salt="c")
+    assert inserted.match.pages == [6, 7] and cache.match_prefix(toks).pages == []
+
+
 # ---------------------------------------------------------------------- randomized simulation
 
 

@@ -10,6 +10,8 @@ Ownership contract (the scheduler's cache in scheduler/cache.py is the only call
   not locked.
 - `evict` may only drop unlocked pages; it returns them and the caller puts them on the free list.
 - Every decision is a pure function of the calls made (no clocks), so all ranks agree.
+- `salt` (vLLM's cache_salt) names a namespace: a prefix cached under one salt never matches a
+  request under another (or none), so tenants cannot probe each other's prompts by timing.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class CacheManager(ABC):
         self.page_size = page_size
 
     @abstractmethod
-    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch: ...
+    def match_prefix(self, token_ids: Sequence[int], salt: Optional[str] = None
+                     ) -> PrefixMatch: ...
 
     @abstractmethod
     def lock(self, handle: Optional[object]) -> None: ...
@@ -49,14 +52,16 @@ class CacheManager(ABC):
     def unlock(self, handle: Optional[object]) -> None: ...
 
     @abstractmethod
-    def insert(self, token_ids: Sequence[int], pages: List[int]) -> List[int]:
+    def insert(self, token_ids: Sequence[int], pages: List[int], salt: Optional[str] = None
+               ) -> List[int]:
         """Cache `pages` (len(token_ids) == len(pages) * page_size); return the duplicates."""
 
-    def insert_and_match(self, token_ids: Sequence[int], pages: List[int]) -> Inserted:
+    def insert_and_match(self, token_ids: Sequence[int], pages: List[int],
+                         salt: Optional[str] = None) -> Inserted:
         """`insert`, then `match_prefix` of the same tokens (which now match in full). Managers
         that can do both in one walk override this."""
-        duplicates = self.insert(token_ids, pages)
-        return Inserted(duplicates, self.match_prefix(token_ids))
+        duplicates = self.insert(token_ids, pages, salt)
+        return Inserted(duplicates, self.match_prefix(token_ids, salt))
 
     @abstractmethod
     def evict(self, num_pages: int) -> List[int]:

@@ -10,7 +10,8 @@ from minisgl.kvcache.base import CacheManager, CacheStats, PrefixMatch
 class NaiveCacheManager(CacheManager):
     shares_prefixes = False
 
-    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
+    def match_prefix(self, token_ids: Sequence[int], salt: Optional[str] = None
+                     ) -> PrefixMatch:
         return PrefixMatch(None, [])
 
     def lock(self, handle: Optional[object]) -> None:
@@ -19,7 +20,8 @@ class NaiveCacheManager(CacheManager):
     def unlock(self, handle: Optional[object]) -> None:
         pass
 
-    def insert(self, token_ids: Sequence[int], pages: List[int]) -> List[int]:
+    def insert(self, token_ids: Sequence[int], pages: List[int], salt: Optional[str] = None
+               ) -> List[int]:
         return list(pages)
 
     def evict(self, num_pages: int) -> List[int]:

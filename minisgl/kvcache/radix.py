@@ -17,6 +17,9 @@ Contract (the scheduler's cache is the only caller; see base.py):
 - What eviction may do: remove unlocked leaves (reference count 0), least recently used first,
   ties broken by node creation order. A parent whose last child goes becomes a candidate in turn.
   Locked nodes are never touched, so pages a live request matched stay valid until it unlocks.
+- Salts: each `salt` (None included) has its own root, made on its first insert and dropped
+  when eviction empties it (but None's), so a prefix matches only under the salt it was cached
+  with; eviction ranks every root's leaves together.
 - Token ids are Python ints (a request's list): keys are tuples of them, hashed by value.
 - Determinism: recency is a logical clock bumped once per `match_prefix`, `insert` or
   `insert_and_match` call, never wall time; children live in insertion-ordered dicts; so every
@@ -50,7 +53,7 @@ class _Node:
         self.evicted = False
 
     def path_to_root(self) -> Iterator[_Node]:
-        """This node and its ancestors, excluding the root."""
+        """This node and its ancestors, excluding the root (a salt's root included)."""
         node: Optional[_Node] = self
         while node is not None and node.parent is not None:
             yield node
@@ -64,14 +67,16 @@ class RadixCacheManager(CacheManager):
         super().__init__(page_size)
         self._clock = 0
         self._next_uid = 1
-        self._root = _Node((), [], None, 0, 0)
+        self._roots: Dict[Optional[str], _Node] = {None: _Node((), [], None, 0, 0)}
         self._cached_pages = 0
         self._evictable_pages = 0
 
     # ------------------------------------------------------------------ public API
 
-    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
-        """Longest cached page-aligned prefix of `token_ids`; a trailing partial page is ignored.
+    def match_prefix(self, token_ids: Sequence[int], salt: Optional[str] = None
+                     ) -> PrefixMatch:
+        """Longest page-aligned prefix of `token_ids` cached under `salt`; a trailing partial
+        page is ignored.
 
         Returns the matched pages (a fresh list) and a handle naming the deepest matched node
         (None when nothing matched). If the match ends inside a node, the node is split there.
@@ -79,7 +84,10 @@ class RadixCacheManager(CacheManager):
         """
         now = self._tick()
         toks = self._full_pages(token_ids)
-        node, pos, pages = self._root, 0, []
+        root = self._roots.get(salt)
+        if root is None:
+            return PrefixMatch(None, [])
+        node, pos, pages = root, 0, []
         while pos < len(toks):
             child = node.children.get(self._page_key(toks, pos))
             if child is None:
@@ -90,7 +98,7 @@ class RadixCacheManager(CacheManager):
             pages.extend(child.pages)
             node, pos = child, pos + len(child.key)
         self._touch(node, now)
-        return PrefixMatch(None if node is self._root else node, pages)
+        return PrefixMatch(None if node is root else node, pages)
 
     def lock(self, handle: Optional[object]) -> None:
         """Pin the handle's node and its ancestors against eviction. None is a no-op."""
@@ -119,8 +127,10 @@ class RadixCacheManager(CacheManager):
             if n.ref == 0:
                 self._evictable_pages += len(n.pages)
 
-    def insert(self, token_ids: Sequence[int], pages: List[int]) -> List[int]:
-        """Cache `pages` for `token_ids` (len(token_ids) must be len(pages) * page_size).
+    def insert(self, token_ids: Sequence[int], pages: List[int], salt: Optional[str] = None
+               ) -> List[int]:
+        """Cache `pages` for `token_ids` (len(token_ids) must be len(pages) * page_size) under
+        `salt`.
 
         Walks the tree along `token_ids`. For each page position the tree already covers:
         - if the tree holds the same page id there, the page is simply already the tree's (the
@@ -131,9 +141,10 @@ class RadixCacheManager(CacheManager):
         caller's remaining pages. Returns the duplicates in position order. Raises ValueError on
         a length mismatch. The whole path counts as used now for LRU.
         """
-        return self.insert_and_match(token_ids, pages).duplicates
+        return self.insert_and_match(token_ids, pages, salt).duplicates
 
-    def insert_and_match(self, token_ids: Sequence[int], pages: List[int]) -> Inserted:
+    def insert_and_match(self, token_ids: Sequence[int], pages: List[int],
+                         salt: Optional[str] = None) -> Inserted:
         """`insert`, also returning the tree's pages along the inserted path and a handle on its
         last node: what `match_prefix(token_ids)` would return next, without a second walk."""
         if len(token_ids) != len(pages) * self.page_size:
@@ -141,7 +152,10 @@ class RadixCacheManager(CacheManager):
                              f"of size {self.page_size}")
         now = self._tick()
         toks = tuple(token_ids)  # ints (see the module docstring)
-        node, i = self._root, 0
+        root = self._roots.get(salt)
+        if root is None:
+            root = self._roots[salt] = _Node((), [], None, 0, 0)
+        node, i = root, 0
         duplicates: List[int] = []
         held: List[int] = []
         while i < len(pages):
@@ -158,7 +172,7 @@ class RadixCacheManager(CacheManager):
             held.extend(child.pages)
             node, i = child, i + n
         self._touch(node, now)
-        return Inserted(duplicates, PrefixMatch(None if node is self._root else node, held))
+        return Inserted(duplicates, PrefixMatch(None if node is root else node, held))
 
     def evict(self, num_pages: int) -> List[int]:
         """Drop unlocked leaves, least recently used first (ties: oldest node first), until at
@@ -173,8 +187,9 @@ class RadixCacheManager(CacheManager):
             parent = node.parent
             assert parent is not None
             freed.extend(self._remove_leaf(node))
-            if parent is not self._root and self._is_evictable_leaf(parent):
+            if self._is_evictable_leaf(parent):
                 heapq.heappush(heap, self._heap_entry(parent))
+        self._drop_empty_roots()
         return freed
 
     def stats(self) -> CacheStats:
@@ -258,9 +273,16 @@ class RadixCacheManager(CacheManager):
         self._evictable_pages -= len(node.pages)
         return node.pages
 
+    def _drop_empty_roots(self) -> None:
+        """Forget the salts whose every prefix was evicted (a salt costs nothing once unused)."""
+        for salt in [s for s, r in self._roots.items() if s is not None and not r.children]:
+            del self._roots[salt]
+
     def _iter_nodes(self) -> Iterator[_Node]:
-        """Every non-root node, depth first in child insertion order (deterministic)."""
-        stack = list(reversed(self._root.children.values()))
+        """Every non-root node, depth first in child insertion order, root by root in salt
+        insertion order (deterministic)."""
+        stack = [c for root in reversed(self._roots.values())
+                 for c in reversed(root.children.values())]
         while stack:
             node = stack.pop()
             yield node

@@ -55,9 +55,14 @@ class PageCache:
         """Available pages not promised to an admitted request."""
         return self.available_pages - self.reserved_pages
 
-    def match(self, token_ids: Sequence[int]) -> PrefixMatch:
-        # The last prompt token must be computed to get logits, so never match all of them.
-        return self.manager.match_prefix(token_ids[: len(token_ids) - 1])
+    def match(self, req: Req) -> PrefixMatch:
+        """The cached prefix of `req`'s tokens under its cache_salt: none where it asks for
+        prompt log-probabilities (they need every prompt token's logits), and never the last
+        token (computing it gives the logits of the first output token)."""
+        if req.wants_prompt_logprobs:
+            return PrefixMatch(None, [])
+        tokens = req.token_ids
+        return self.manager.match_prefix(tokens[: len(tokens) - 1], req.params.cache_salt)
 
     def allocate(self, n: int) -> List[int]:
         if n > len(self._free):
@@ -97,7 +102,7 @@ class PageCache:
         req.reserved_pages = 0
         full = req.cached_len // self.page_size
         keep = req.token_ids[: full * self.page_size]
-        self.release(self.manager.insert(keep, req.pages[:full]))
+        self.release(self.manager.insert(keep, req.pages[:full], req.params.cache_salt))
         self.release(req.pages[full:])
         self.manager.unlock(req.cache_handle)
         req.pages, req.num_prefix_pages, req.cache_handle = [], 0, None
@@ -112,7 +117,8 @@ class PageCache:
         if not self.manager.shares_prefixes or full <= req.num_prefix_pages:
             return []
         tokens = req.token_ids[: full * self.page_size]
-        duplicates, match = self.manager.insert_and_match(tokens, req.pages[:full])
+        duplicates, match = self.manager.insert_and_match(tokens, req.pages[:full],
+                                                          req.params.cache_salt)
         self.manager.lock(match.handle)
         self.manager.unlock(req.cache_handle)
         changed = [i for i in range(full) if req.pages[i] != match.pages[i]]

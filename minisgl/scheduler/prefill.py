@@ -79,8 +79,7 @@ class PrefillManager:
         # max_running_requests rows.
         while self.waiting and self.rows.available > 0:
             req = self.waiting[0]
-            # Prompt log-probabilities need every prompt token's logits: no cached prefix.
-            match = self.cache.match([] if req.wants_prompt_logprobs else req.token_ids)
+            match = self.cache.match(req)
             self.cache.manager.lock(match.handle)
             need = self.pages_for(req) - len(match.pages)
             if need > self.cache.unreserved_pages:

@@ -52,7 +52,6 @@ _UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
     "use_beam_search": lambda v: v in (None, False),
     "length_penalty": lambda v: v in (None, 1, 1.0),
     "bad_words": lambda v: not v,
-    "cache_salt": lambda v: v is None,
     "guided_decoding_backend": lambda v: v in (None, "auto", "xgrammar"),
     "guided_whitespace_pattern": lambda v: v is None,
     "stop_regex": lambda v: not v,
@@ -128,6 +127,7 @@ class _OpenAI(_Sampling):
     logit_bias: Optional[Dict[str, float]] = None
     prompt_logprobs: Optional[int] = None  # vLLM's: the prompt tokens' log-probabilities
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: keep the prompt's last k tokens
+    cache_salt: Optional[str] = None  # vLLM's: the prefix cache's namespace for this request
     # vLLM's: log-probability tokens as "token_id:N" (null: the server's --return-tokens-as-...)
     return_tokens_as_token_ids: Optional[bool] = None
 
@@ -322,7 +322,8 @@ def _check_ids(name: str, ids: Sequence[int]) -> None:
 
 def _sampling(body: _Sampling, max_tokens: Optional[int], defaults: SamplingDefaults,
               logprobs: Optional[int] = None, logit_bias: Optional[Dict[int, float]] = None,
-              max_name: str = "max_tokens", truncate: Optional[int] = None) -> SamplingParams:
+              max_name: str = "max_tokens", truncate: Optional[int] = None,
+              cache_salt: Optional[str] = None) -> SamplingParams:
     """The request's SamplingParams, `defaults` where it leaves a field unset (or null);
     ApiError(400) naming the field at fault (`max_name`: the field max_tokens came from)."""
     for name in ("top_k", "seed", "min_tokens"):
@@ -345,7 +346,7 @@ def _sampling(body: _Sampling, max_tokens: Optional[int], defaults: SamplingDefa
         min_tokens=body.min_tokens,
         stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs,
         logit_bias=logit_bias, allowed_token_ids=None if allowed is None else tuple(allowed),
-        truncate_prompt_tokens=truncate)
+        truncate_prompt_tokens=truncate, cache_salt=cache_salt)
     try:
         params.validate()
     except ValueError as e:
@@ -441,8 +442,10 @@ def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: in
         found = constraint(extra if isinstance(body, GenerateRequest) else body.model_extra or {})
     except FieldError as e:
         raise ApiError(400, str(e), e.param) from None
-    truncate = None if isinstance(body, GenerateRequest) else body.truncate_prompt_tokens
-    params = _sampling(sampling, max_tokens, defaults, logprobs, logit_bias, max_name, truncate)
+    truncate, salt = ((None, None) if isinstance(body, GenerateRequest)
+                      else (body.truncate_prompt_tokens, body.cache_salt))
+    params = _sampling(sampling, max_tokens, defaults, logprobs, logit_bias, max_name,
+                       truncate, salt)
     if found is not None:
         params = dataclasses.replace(params, structured=found.structured)
     job = Job(prompts, params, n, _stop_strings(sampling.stop), sampling.skip_special_tokens,

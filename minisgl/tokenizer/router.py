@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from minisgl.message.types import SchedulerStats
 
@@ -26,9 +26,11 @@ SLACK_PAGES = 16  # a holder this far (in KV pages) above the least loaded is st
 DEFAULT_CAPACITY = 1 << 16  # prefix keys remembered
 
 
-def prefix_keys(ids: Sequence[int], page_size: int) -> List[bytes]:
+def prefix_keys(ids: Sequence[int], page_size: int, salt: Optional[str] = None
+                ) -> List[bytes]:
     """Hashes of the first 1, 2, 4, ... full pages of `ids` and of all its full pages, shortest
-    first (none when the prompt is shorter than a page)."""
+    first (none when the prompt is shorter than a page), under `salt` (a request's cache_salt:
+    its prefixes are cached apart, so they are remembered apart)."""
     pages = len(ids) // page_size
     cuts: List[int] = []
     n = 1
@@ -39,6 +41,8 @@ def prefix_keys(ids: Sequence[int], page_size: int) -> List[bytes]:
         cuts.append(pages)
     keys: List[bytes] = []
     hasher, done = hashlib.blake2b(digest_size=16), 0
+    if salt is not None:
+        hasher.update(b"salt:" + salt.encode() + b"\0")
     for cut in cuts:
         hasher.update(array("q", ids[done * page_size:cut * page_size]).tobytes())
         done = cut
@@ -68,12 +72,12 @@ class Router:
             self.reported[d] = stats.kv_pages_used * self.page_size + stats.waiting_tokens
             self.routed[d] = 0
 
-    def route(self, ids: Sequence[int], tokens: int) -> int:
-        """The replica for a request with prompt `ids` that will hold about `tokens` tokens
-        (prompt and output); remembers the choice for the request's prefixes."""
+    def route(self, ids: Sequence[int], tokens: int, salt: Optional[str] = None) -> int:
+        """The replica for a request with prompt `ids` (and cache_salt `salt`) that will hold
+        about `tokens` tokens (prompt and output); remembers the choice for its prefixes."""
         if self.replicas == 1:
             return 0
-        keys = prefix_keys(ids, self.page_size)
+        keys = prefix_keys(ids, self.page_size, salt)
         least = min(range(self.replicas), key=lambda d: (self.load(d), d))
         chosen = least
         for key in reversed(keys):  # the longest prefix a replica served last
