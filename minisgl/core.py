@@ -105,6 +105,9 @@ class SamplingParams:
     allowed_token_ids: Optional[Tuple[int, ...]] = None
     # vLLM's: the prefix cache's namespace (base.py); the router keys replicas by it too.
     cache_salt: Optional[str] = None
+    # vLLM's: with --scheduling-policy priority, lower values are admitted first (and retracted
+    # last); under the default first-come-first-served policy it must stay 0.
+    priority: int = 0
     # Read where the prompt is tokenized (the tokenizer process, `LLM`), not by the ranks.
     truncate_prompt_tokens: Optional[int] = None
     # Offline only (`LLM`): the server takes them per HTTP request, outside the params.
@@ -190,6 +193,8 @@ class SamplingParams:
                                  <= MAX_CACHE_SALT_CHARS):
             raise ValueError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} "
                              f"characters, got {salt!r:.60}")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
         k = self.truncate_prompt_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool)
                               or not (k == -1 or k >= 1)):
@@ -304,6 +309,8 @@ class Limits(NamedTuple):
     num_pages: int
     page_size: int
     max_prefill_tokens: int  # new tokens one prefill batch takes at most (the chunk size)
+    # --scheduling-policy priority: requests' `priority` orders the queue (else it must be 0)
+    priority_scheduling: bool = False
 
     @property
     def kv_capacity(self) -> int:
@@ -400,6 +407,10 @@ def check_request(ids: Sequence[int], params: SamplingParams, limits: Limits) ->
     error = _structured_error(params.structured)
     if error is not None:
         raise RequestError(error, "structured")
+    if params.priority != 0 and not limits.priority_scheduling:
+        raise RequestError(f"priority {params.priority} needs the priority scheduling policy "
+                           f"(--scheduling-policy priority); this engine serves first come, "
+                           f"first served", "priority")
     n = len(ids)
     m = params.max_tokens
     if m is None:

@@ -388,11 +388,14 @@ class LLM:
     # --- public API ------------------------------------------------------------------------------
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-                 *, use_tqdm: Optional[bool] = None) -> List[GenerateOutput]:
+                 *, use_tqdm: Optional[bool] = None,
+                 priority: Optional[Sequence[int]] = None) -> List[GenerateOutput]:
         """One output per prompt, in order, its `n` choices in `outputs` (vLLM's layout).
         `sampling_params`: one for all, or one per prompt (None: the default,
         `get_default_sampling_params`). `use_tqdm`: a progress bar over the requests (None:
-        `show_progress`'s choice). vLLM's names, so that its callers' keywords work."""
+        `show_progress`'s choice). `priority`: one per prompt, under `scheduling_policy=
+        "priority"` (SamplingParams.priority). vLLM's names, so that its callers' keywords
+        work."""
         single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
                                                       and isinstance(prompts[0], int))
         if not single and not isinstance(prompts, (list, tuple)):
@@ -402,7 +405,13 @@ class LLM:
         ids = [self._encode(p) for p in batch]
         texts = [p if isinstance(p, str) else p.get("prompt") if isinstance(p, dict) else None
                  for p in batch]
-        return self._run(ids, self._per_prompt(sampling_params, len(ids)), use_tqdm, texts)
+        params = self._per_prompt(sampling_params, len(ids))
+        if priority is not None:
+            if isinstance(priority, (str, bytes)) or len(priority) != len(ids):
+                raise ValueError(f"priority must give one value per prompt ({len(ids)}), got "
+                                 f"{priority!r:.80}")
+            params = [dataclasses.replace(p, priority=v) for p, v in zip(params, priority)]
+        return self._run(ids, params, use_tqdm, texts)
 
     def chat(self, messages: Union[List[Dict[str, Any]], List[List[Dict[str, Any]]]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,

@@ -164,6 +164,7 @@ class Harness:
     mix_limit: Optional[int] = None  # FakeEngine.mixes
     decode_reserve_tokens: Optional[int] = None
     cache: str = "radix"
+    scheduling_policy: str = "fcfs"
     max_context: int = 1024
     tokens: Dict[int, List[int]] = field(default_factory=dict)  # every token sent, by uid
     outs: List[TokenOut] = field(default_factory=list)  # everything sent, in order
@@ -174,7 +175,8 @@ class Harness:
         cfg = SchedulerConfig(engine_cfg, max_prefill_tokens=self.max_prefill_tokens,
                               cache=self.cache, overlap=self.overlap,
                               mixed_steps=self.mixed,
-                              decode_reserve_tokens=self.decode_reserve_tokens)
+                              decode_reserve_tokens=self.decode_reserve_tokens,
+                              scheduling_policy=self.scheduling_policy)
         self.engine = FakeEngine(self.num_pages, self.page_size, self.max_running_requests,
                                  self.max_context, self.mix_limit)
         self.io = LocalIO()

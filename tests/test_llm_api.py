@@ -459,3 +459,21 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(llm: LLM) -> None:
     with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1"):
         llm.generate([ids], SamplingParams(truncate_prompt_tokens=0))
     _pages_balanced(llm)
+
+
+def test_priority_needs_the_priority_policy(llm: LLM, tiny_qwen3: Path) -> None:
+    """vLLM's `priority=` keyword: refused naming the policy under first come, first served;
+    served under scheduling_policy="priority" (the same tokens: it orders, never changes)."""
+    greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"prompt 1: priority 2 needs the priority scheduling "
+                                         r"policy \(--scheduling-policy priority\)"):
+        llm.generate(["a", "b"], greedy, priority=[0, 2])
+    with pytest.raises(ValueError, match="one value per prompt"):
+        llm.generate(["a", "b"], greedy, priority=[0])
+    _pages_balanced(llm)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    with LLM(str(tiny_qwen3), device="cpu", scheduling_policy="priority", max_running_requests=1,
+             show_progress=False) as ranked:
+        urgent_last = ranked.generate(prompts, greedy, priority=[3, 2, -1])
+        plain = ranked.generate(prompts, greedy)
+    assert [o.token_ids for o in urgent_last] == [o.token_ids for o in plain]

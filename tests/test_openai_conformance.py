@@ -559,3 +559,15 @@ def test_cache_salt_scopes_the_prefix_cache(client: openai.OpenAI, server: Serve
     for bad in ("", "x" * 257, 5):
         r = _post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2, "cache_salt": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+
+
+def test_priority_under_first_come_first_served(server: Server) -> None:
+    """vLLM's priority: 0 is served; another value under the default policy is a 400 naming
+    the field and the policy that would take it."""
+    for path, body in (("/v1/chat/completions", {"messages": PARIS}),
+                       ("/v1/completions", {"prompt": PROMPT})):
+        assert _post(server, path, {**body, "max_tokens": 2, "priority": 0}).status_code == 200
+        r = _post(server, path, {**body, "max_tokens": 2, "priority": 3})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "priority" and "--scheduling-policy priority" in error["message"]

@@ -73,6 +73,48 @@ def test_admission_reserves_kv_for_the_whole_request_in_arrival_order() -> None:
     _at_rest(h)
 
 
+def test_priority_policy_admits_the_lowest_priority_value_first() -> None:
+    """--scheduling-policy priority (vLLM's): waiting requests are admitted by priority, then
+    arrival; a running request is never displaced by a more urgent arrival."""
+    h = Harness(max_running_requests=1, scheduling_policy="priority")
+    h.submit(0, _prompt(1, 4), max_tokens=2, priority=7)
+    h.step()
+    for uid, priority in ((1, 5), (2, 1), (3, 1), (4, -1)):
+        h.submit(uid, _prompt(100 * uid, 4), max_tokens=2, priority=priority)
+    h.step()
+    assert [r.uid for r in h.sched.prefill.waiting] == [4, 2, 3, 1]
+    h.run()
+    admitted = [s.reqs[0][0] for s in h.engine.steps if s.phase is P]
+    assert admitted == [0, 4, 2, 3, 1]
+    _at_rest(h)
+
+
+def test_fcfs_refuses_a_priority() -> None:
+    """A priority means nothing first come, first served: refused naming the policy, as vLLM
+    refuses it, rather than silently ignored."""
+    h = Harness()
+    h.submit(0, _prompt(1, 4), max_tokens=2, priority=2)
+    h.run()
+    assert h.outs[-1].error is not None and "--scheduling-policy priority" in h.outs[-1].error
+    _at_rest(h)
+
+
+def test_priority_policy_retracts_the_lowest_priority_first() -> None:
+    """Under KV pressure the priority policy retracts the least urgent request (here the
+    older one), where first-come-first-served retracts the newest."""
+    h = Harness(num_pages=7, page_size=4, decode_reserve_tokens=0, scheduling_policy="priority")
+    prompts = [_prompt(1, 8), _prompt(101, 8)]
+    for uid, (prompt, priority) in enumerate(zip(prompts, (3, 0))):
+        h.submit(uid, prompt, max_tokens=8, priority=priority)
+    for _ in range(6):
+        h.step()
+    assert [r.uid for r in h.sched.prefill.waiting] == [0]
+    h.run()
+    assert h.tokens == {uid: reference(p, 8) for uid, p in enumerate(prompts)}
+    assert h.accounting().retracted_requests == 1
+    _at_rest(h)
+
+
 @pytest.mark.parametrize("prompt_len,max_tokens,num_pages,numbers", [
     (60, 8, 64, ("68", "64")),  # beyond the context length (64)
     (30, 8, 8, ("10", "8")),  # more pages (10) than the pool holds (8)

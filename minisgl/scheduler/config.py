@@ -13,6 +13,7 @@ from minisgl.engine import EngineConfig
 from minisgl.settings import Alias, check_choices, section, setting
 
 CACHES = ("radix", "naive")
+POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,11 @@ class SchedulerConfig:
         64, "with mixed_steps on CUDA: capture prefill graphs that carry up to N running "
             "requests' decode rows (buckets of 8, 16, 32, ...; 0: no mixed graphs, so no "
             "step mixes where prefill graphs run)")
+    scheduling_policy: str = setting(
+        "fcfs", "which waiting request is admitted next: fcfs (arrival order, none overtakes) "
+                "or priority (vLLM's: the lowest request `priority` first, then arrival; KV "
+                "pressure retracts the lowest-priority request first); under fcfs a request "
+                "with a priority other than 0 is refused", choices=POLICIES)
     decode_reserve_tokens: Optional[int] = setting(
         None, "reserve KV for at most this many output tokens per request at admission, "
               "retracting the newest requests (their KV goes to the prefix cache) and "

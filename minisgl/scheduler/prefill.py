@@ -1,6 +1,8 @@
 """Admission and chunked prefill.
 
-Waiting requests are admitted in arrival order (no overtaking, so none starves). Admission
+Waiting requests are admitted in arrival order (no overtaking, so none starves), or with the
+priority policy in `order`: the lowest `params.priority` first, then arrival (uid), as vLLM's
+priority policy (a stream of urgent requests may starve the others, as there). Admission
 reserves KV pages for the uncached prompt plus the request's output: all of max_tokens by
 default, so a running request never runs out of pages, or at most `decode_reserve_tokens` of
 them, in which case a decode step that outgrows the pool retracts the newest requests
@@ -11,7 +13,7 @@ chunk, and it stays at the head of the queue.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Deque, List, Optional
+from typing import Callable, Deque, List, Optional, Tuple
 
 from minisgl.core import Batch, Phase, Req
 from minisgl.scheduler.cache import PageCache
@@ -20,7 +22,7 @@ from minisgl.scheduler.table import TableRows
 
 class PrefillManager:
     def __init__(self, cache: PageCache, rows: TableRows, max_prefill_tokens: int,
-                 decode_reserve: Optional[int] = None) -> None:
+                 decode_reserve: Optional[int] = None, by_priority: bool = False) -> None:
         self.cache = cache
         self.rows = rows  # one per admitted request: their number caps the running requests
         self.budget = max_prefill_tokens
@@ -28,15 +30,36 @@ class PrefillManager:
         self.waiting_tokens = 0  # their tokens (a request's do not change while it waits)
         self.prefilling: Deque[Req] = deque()  # admitted, prompt not fully computed
         self.decode_reserve = decode_reserve
+        self.by_priority = by_priority
+
+    def order(self, req: Req) -> Tuple[int, int]:
+        """A request's place in the queue, the same on every rank: its uid (arrival), after
+        its priority under the priority policy."""
+        return (req.params.priority if self.by_priority else 0, req.uid)
 
     def add(self, req: Req) -> None:
-        self.waiting.append(req)
+        """Queue a new request: last, or by priority after those that come before it."""
+        if self.by_priority:
+            self._insert(req)
+        else:
+            self.waiting.append(req)
         self.waiting_tokens += len(req.token_ids)
 
     def requeue(self, req: Req) -> None:
-        """A retracted request waits again, at the head of the queue."""
-        self.waiting.appendleft(req)
+        """A retracted request waits again: at the head of the queue (it arrived before every
+        waiting one), or by priority in its place."""
+        if self.by_priority:
+            self._insert(req)
+        else:
+            self.waiting.appendleft(req)
         self.waiting_tokens += len(req.token_ids)
+
+    def _insert(self, req: Req) -> None:
+        """Put `req` in `order` among the waiting (from the back: most arrivals go last)."""
+        key, i = self.order(req), len(self.waiting)
+        while i > 0 and self.order(self.waiting[i - 1]) > key:
+            i -= 1
+        self.waiting.insert(i, req)
 
     @property
     def num_waiting(self) -> int:

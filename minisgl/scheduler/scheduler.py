@@ -104,9 +104,11 @@ class Scheduler:
         # Every rank must agree on the chunk size (batches are built alike on every rank).
         chunk = cfg.max_prefill_tokens or min_over_ranks(offline_prefill_tokens(engine.device),
                                                          cpu_group)
+        by_priority = cfg.scheduling_policy == "priority"
         self.limits = Limits(engine.max_context, engine.vocab_size, engine.num_pages, page_size,
-                             chunk)
-        self.prefill = PrefillManager(self.cache, self.rows, chunk, cfg.decode_reserve_tokens)
+                             chunk, by_priority)
+        self.prefill = PrefillManager(self.cache, self.rows, chunk, cfg.decode_reserve_tokens,
+                                      by_priority)
         self.decode = DecodeManager()
         self.reqs: Dict[int, Req] = {}  # every live request by uid
         # Constrained requests whose grammar compiles, in arrival order (not yet queued).
@@ -393,8 +395,9 @@ class Scheduler:
 
     def _make_room(self) -> None:
         """Before a decode step: when the running requests' pages beyond their reservations do
-        not fit, retract the newest admitted requests (largest uid: deterministic, and the
-        oldest request always fits alone, so it always progresses)."""
+        not fit, retract the last admitted request in queue order (`PrefillManager.order`:
+        the newest, by largest uid; by priority, the lowest-priority one first): deterministic,
+        and the first request always fits alone, so it always progresses."""
         while True:
             running = self.decode.running.values()
             if self._new_pages(self.decode.decoding()) <= self.cache.unreserved_pages:
@@ -402,7 +405,7 @@ class Scheduler:
             if self.inflight is not None:  # retraction needs every batch using it finished
                 self._finish_inflight()
                 continue
-            admitted = sorted([*running, *self.prefill.prefilling], key=lambda r: r.uid)
+            admitted = sorted([*running, *self.prefill.prefilling], key=self.prefill.order)
             if len(admitted) <= 1:
                 return
             self._retract(admitted[-1])

@@ -128,6 +128,7 @@ class _OpenAI(_Sampling):
     prompt_logprobs: Optional[int] = None  # vLLM's: the prompt tokens' log-probabilities
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: keep the prompt's last k tokens
     cache_salt: Optional[str] = None  # vLLM's: the prefix cache's namespace for this request
+    priority: int = 0  # vLLM's: lower first, under --scheduling-policy priority
     # vLLM's: log-probability tokens as "token_id:N" (null: the server's --return-tokens-as-...)
     return_tokens_as_token_ids: Optional[bool] = None
 
@@ -322,9 +323,9 @@ def _check_ids(name: str, ids: Sequence[int]) -> None:
 
 def _sampling(body: _Sampling, max_tokens: Optional[int], defaults: SamplingDefaults,
               logprobs: Optional[int] = None, logit_bias: Optional[Dict[int, float]] = None,
-              max_name: str = "max_tokens", truncate: Optional[int] = None,
-              cache_salt: Optional[str] = None) -> SamplingParams:
-    """The request's SamplingParams, `defaults` where it leaves a field unset (or null);
+              max_name: str = "max_tokens", **fields: Any) -> SamplingParams:
+    """The request's SamplingParams, `defaults` where it leaves a field unset (or null), and
+    `fields` (SamplingParams fields the request gives outside `body`, as they are);
     ApiError(400) naming the field at fault (`max_name`: the field max_tokens came from)."""
     for name in ("top_k", "seed", "min_tokens"):
         _check_int(name, getattr(body, name))
@@ -346,7 +347,7 @@ def _sampling(body: _Sampling, max_tokens: Optional[int], defaults: SamplingDefa
         min_tokens=body.min_tokens,
         stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs,
         logit_bias=logit_bias, allowed_token_ids=None if allowed is None else tuple(allowed),
-        truncate_prompt_tokens=truncate, cache_salt=cache_salt)
+        **fields)
     try:
         params.validate()
     except ValueError as e:
@@ -442,10 +443,11 @@ def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: in
         found = constraint(extra if isinstance(body, GenerateRequest) else body.model_extra or {})
     except FieldError as e:
         raise ApiError(400, str(e), e.param) from None
-    truncate, salt = ((None, None) if isinstance(body, GenerateRequest)
-                      else (body.truncate_prompt_tokens, body.cache_salt))
+    fields = {} if isinstance(body, GenerateRequest) else dict(
+        truncate_prompt_tokens=body.truncate_prompt_tokens, cache_salt=body.cache_salt,
+        priority=body.priority)
     params = _sampling(sampling, max_tokens, defaults, logprobs, logit_bias, max_name,
-                       truncate, salt)
+                       **fields)
     if found is not None:
         params = dataclasses.replace(params, structured=found.structured)
     job = Job(prompts, params, n, _stop_strings(sampling.stop), sampling.skip_special_tokens,
