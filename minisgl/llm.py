@@ -190,11 +190,12 @@ class _RankProcesses:
         msg = self._receive()
         return list(msg.items) if isinstance(msg, BatchTokenOut) else []
 
-    def accounting(self) -> Accounting:
+    def accounting(self, reset_prefix_cache: bool = False) -> Accounting:
         """Every rank checks its KV pages at its next rest (a rank whose pages do not balance
-        raises, ends, and the others are stopped: RuntimeError here); rank 0's numbers."""
+        raises, ends, and the others are stopped: RuntimeError here), having first dropped its
+        prefix cache where `reset_prefix_cache`; rank 0's numbers."""
         self.accounting_seq += 1
-        self.requests.put(AccountingMsg(self.accounting_seq))
+        self.requests.put(AccountingMsg(self.accounting_seq, reset_prefix_cache))
         while True:
             msg = self._receive()
             if isinstance(msg, AccountingReply) and msg.seq == self.accounting_seq:
@@ -358,6 +359,16 @@ class LLM:
             return self._backend.accounting()
         return self._backend.scheduler.accounting()
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix (vLLM's method: cold-cache benchmarks, or after the prompts
+        of one tenant), on every rank, between calls of `generate` / `chat`; True when done."""
+        self._backend._check_open()
+        if isinstance(self._backend, _RankProcesses):
+            self._backend.accounting(reset_prefix_cache=True)
+        else:
+            self._backend.scheduler.cache.drop_unused()
+        return True
+
     @property
     def torch_threads(self) -> Tuple[int, ...]:
         """The torch thread count of each rank (`cpu_threads` setting): this process's own with
@@ -369,6 +380,11 @@ class LLM:
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
+
+    def get_tokenizer(self) -> Any:
+        """The tokenizer prompts are encoded with (vLLM's method, which scripts use to apply
+        the chat template themselves); ValueError for a model without one."""
+        return self._need_tokenizer()
 
     @property
     def stats(self) -> Optional[SchedulerStats]:

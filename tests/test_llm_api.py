@@ -353,6 +353,7 @@ def test_vllm_request_output_names(llm: LLM) -> None:
     assert text.prompt == "Count: 1, 2, 3," and by_ids.prompt is None
     assert text.prompt_token_ids == by_ids.prompt_token_ids == ids
     assert text.request_id != by_ids.request_id and text.finished
+    assert llm.get_tokenizer() is llm.tokenizer
     assert text.num_cached_tokens == text.cached_tokens
     [choice] = text.outputs
     assert (choice.index, choice.text, choice.token_ids, choice.finish_reason) == (

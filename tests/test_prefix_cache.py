@@ -82,6 +82,24 @@ def test_cache_salt_keeps_tenants_apart(tiny_model: Callable[..., Path]) -> None
     assert s.live_requests == 0 and s.free_rows == s.total_rows
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_reset_prefix_cache_drops_every_cached_prefix(tiny_model: Callable[..., Path],
+                                                      tp: int) -> None:
+    """vLLM's LLM.reset_prefix_cache: between calls, every rank drops its cached pages (not
+    counted as evictions), so the next request computes its whole prompt again."""
+    prompt = _shared_prompts(1, 100, seed=6)[0]
+    with LLM(str(tiny_model("qwen3")), page_size=16, max_kv_tokens=4096, tp=tp,
+             show_progress=False) as llm:
+        llm.generate([prompt], GREEDY)
+        assert llm.generate([prompt], GREEDY)[0].cached_tokens > 0
+        assert llm.check_accounting().pages.cached > 0
+        assert llm.reset_prefix_cache() is True
+        after = llm.check_accounting()
+        assert (after.pages.cached, after.evicted_pages) == (0, 0)
+        assert after.pages.free == after.pages.total
+        assert llm.generate([prompt], GREEDY)[0].cached_tokens == 0
+
+
 def test_long_prompt_chunks_are_shared_while_running() -> None:
     """(The scheduler on the fake engine: the test steps it batch by batch.)"""
     prompt = _shared_prompts(1, 300, seed=4)[0]

@@ -150,7 +150,7 @@ def test_echo_with_prompt_logprobs_matches_offline_llm(client: openai.OpenAI, mo
     ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
     ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, logprobs=1,
                                                 prompt_logprobs=1))[0]
-    assert ref.prompt_logprobs is not None and len(ref.prompt_logprobs) == len(ids) - 1
+    assert ref.prompt_token_logprobs is not None and len(ref.prompt_token_logprobs) == len(ids) - 1
     resp = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=2,
                                      logprobs=1, echo=True)
     choice = resp.choices[0]
@@ -158,7 +158,7 @@ def test_echo_with_prompt_logprobs_matches_offline_llm(client: openai.OpenAI, mo
     lp = choice.logprobs
     assert len(lp.tokens) == len(ids) + 2 and "".join(lp.tokens) == choice.text
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    want = [e.logprob for e in ref.prompt_logprobs + (ref.logprobs or [])]
+    want = [e.logprob for e in ref.prompt_token_logprobs + (ref.logprobs or [])]
     assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
 

@@ -86,10 +86,10 @@ def test_tp_logprobs_come_from_rank0_and_match_tp1(tiny_model: Callable[..., Pat
         assert [lp.top_ids for lp in one.logprobs] == [lp.top_ids for lp in two.logprobs]
         assert [lp.logprob for lp in two.logprobs] == pytest.approx(
             [lp.logprob for lp in one.logprobs], abs=1e-4)
-        assert [lp.top_ids for lp in one.prompt_logprobs] == [
-            lp.top_ids for lp in two.prompt_logprobs]
-        assert [lp.logprob for lp in two.prompt_logprobs] == pytest.approx(
-            [lp.logprob for lp in one.prompt_logprobs], abs=1e-4)
+        assert [lp.top_ids for lp in one.prompt_token_logprobs] == [
+            lp.top_ids for lp in two.prompt_token_logprobs]
+        assert [lp.logprob for lp in two.prompt_token_logprobs] == pytest.approx(
+            [lp.logprob for lp in one.prompt_token_logprobs], abs=1e-4)
 
 
 def test_tp_seeded_sampling_ranks_agree(tiny_model: Callable[..., Path]) -> None:

@@ -89,9 +89,12 @@ class ShutdownMsg:
 class AccountingMsg:
     """The offline API (tp > 1) -> every rank at the same step: at the next rest (no work,
     nothing in flight) check the KV accounting (Scheduler.check_idle; a rank whose pages do not
-    balance raises and ends), and rank 0 answers with an `AccountingReply` of the same `seq`."""
+    balance raises and ends), and rank 0 answers with an `AccountingReply` of the same `seq`.
+    With `reset_prefix_cache`, every rank first drops its whole prefix cache (at rest no live
+    request holds any of it), as `LLM.reset_prefix_cache` asks."""
 
     seq: int
+    reset_prefix_cache: bool = False
 
 
 # --- scheduler rank 0 -> detokenizer ------------------------------------------------------------

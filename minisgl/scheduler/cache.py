@@ -64,6 +64,13 @@ class PageCache:
         tokens = req.token_ids
         return self.manager.match_prefix(tokens[: len(tokens) - 1], req.params.cache_salt)
 
+    def drop_unused(self) -> int:
+        """Free every cached page no live request holds (the whole cache at rest); not counted
+        as evictions, which are for room. Returns how many."""
+        pages = self.manager.evict(self.num_pages)
+        self._free.extend(pages)
+        return len(pages)
+
     def allocate(self, n: int) -> List[int]:
         if n > len(self._free):
             evicted = self.manager.evict(n - len(self._free))

@@ -130,7 +130,7 @@ class Scheduler:
         self._last_done = 0.0
         self.wait_s = 0.0
         self.received = 0  # UserMsgs taken so far
-        self.accounting_asked: List[int] = []  # AccountingMsg seqs check_idle answers
+        self.accounting_asked: List[AccountingMsg] = []  # check_idle answers them
         self._stats_seq = 0
         self.on_stats = on_stats
         if on_stats is not None:
@@ -280,10 +280,14 @@ class Scheduler:
     def check_idle(self) -> None:
         """Called before blocking for input (no work, nothing in flight; every rank at the same
         step): every page must be accounted for. AccountingMsgs taken since get their reply
-        now, at rest, as the offline API's tp=1 check sees it after its drain."""
+        now, at rest, as the offline API's tp=1 check sees it after its drain; one that asks
+        drops the prefix cache first."""
+        if any(m.reset_prefix_cache for m in self.accounting_asked):
+            dropped = self.cache.drop_unused()
+            logger.info("rank %d: prefix cache reset (%d pages freed)", self.rank, dropped)
         accounting = self.accounting()
-        for seq in self.accounting_asked:
-            self.io.post(accounting.reply(seq))
+        for msg in self.accounting_asked:
+            self.io.post(accounting.reply(msg.seq))
         self.accounting_asked.clear()
 
     def accounting(self) -> Accounting:
@@ -305,7 +309,7 @@ class Scheduler:
         elif isinstance(msg, ShutdownMsg):
             self.stopped = True
         elif isinstance(msg, AccountingMsg):  # answered at rest (check_idle)
-            self.accounting_asked.append(msg.seq)
+            self.accounting_asked.append(msg)
         else:
             logger.error("rank %d: ignoring unknown message %r", self.rank, type(msg).__name__)
 
