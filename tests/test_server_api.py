@@ -209,6 +209,73 @@ def test_generate_stream_returns_token_ids(server: Server, llm: LLM) -> None:
     assert text == ref.text
 
 
+def test_generate_speaks_sglangs_fields(server: Server, llm: LLM) -> None:
+    """SGLang's /generate as RL frameworks call it: max_new_tokens and min_new_tokens in
+    sampling_params, `rid`, and `return_logprob` with `top_logprobs_num`,
+    `logprob_start_len` and `return_text_in_logprobs`, read back from `output_ids` and
+    `meta_info` ((logprob, token id, text) triples); the same numbers as the offline API's."""
+    prompt = "The capital of France is"
+    ids = llm.tokenizer.encode(prompt, add_special_tokens=True)
+    ref = llm.generate([ids], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                             logprobs=2, prompt_logprobs=2))[0]
+    body = {"input_ids": ids, "rid": "rollout-7", "return_logprob": True,
+            "top_logprobs_num": 2, "logprob_start_len": 1, "return_text_in_logprobs": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}}
+    r = _post(server, "/generate", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    meta = out["meta_info"]
+    assert out["output_ids"] == out["token_ids"] == ref.token_ids
+    assert meta["id"] == "rollout-7"
+    assert meta["finish_reason"] == {"type": "length", "length": 5}
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(ids), 5)
+    want = [[lp.logprob, t, llm.tokenizer.decode([t])] for t, lp in zip(ref.token_ids,
+                                                                          ref.logprobs or [])]
+    got = meta["output_token_logprobs"]
+    assert [g[1:] for g in got] == [w[1:] for w in want]
+    assert [g[0] for g in got] == pytest.approx([w[0] for w in want], abs=1e-4)
+    assert [[t[1] for t in tops] for tops in meta["output_top_logprobs"]] == [
+        list(lp.top_ids) for lp in ref.logprobs or []]
+    prompt_lps = ref.prompt_token_logprobs or []
+    # from prompt position 1: every entry has its logprob (position 0's would be null)
+    assert [e[1] for e in meta["input_token_logprobs"]] == ids[1:]
+    assert [e[0] for e in meta["input_token_logprobs"]] == pytest.approx(
+        [lp.logprob for lp in prompt_lps], abs=1e-4)
+    assert len(meta["input_top_logprobs"]) == len(ids) - 1
+    plain = _post(server, "/generate", {"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 2, "min_new_tokens": 2, "temperature": 0}}).json()
+    assert len(plain["output_ids"]) == 2 and "output_token_logprobs" not in plain["meta_info"]
+    for bad, param in (({"sampling_params": {"max_new_tokens": 2, "max_tokens": 2}},
+                        "max_new_tokens"),
+                       ({"sampling_params": {"max_new_tokens": "2"}}, "max_new_tokens"),
+                       ({"sampling_params": {"n": 2}}, "n"),
+                       ({"return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+                       ({"lora_path": "adapter"}, "lora_path")):
+        r = _post(server, "/generate", {"input_ids": ids, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_generate_streams_sglangs_meta_info(server: Server) -> None:
+    """Streamed, each chunk carries what is new: its tokens' log-probabilities (the prompt's on
+    the first chunk), the finish reason on the last."""
+    body = {"text": "Hello, my name is", "stream": True, "return_logprob": True,
+            "logprob_start_len": 0, "sampling_params": {"temperature": 0, "max_new_tokens": 4,
+                                                        "ignore_eos": True}}
+    events = []
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    metas = [e["meta_info"] for e in events]
+    assert sum(len(m["output_token_logprobs"]) for m in metas) == 4
+    assert [len(e["output_ids"]) for e in events] == [
+        len(m["output_token_logprobs"]) for m in metas]
+    assert metas[0]["input_token_logprobs"][0][0] is None  # the first prompt token's
+    assert not any(m["input_token_logprobs"] for m in metas[1:])
+    assert metas[-1]["finish_reason"] == {"type": "length", "length": 4}
+    assert all(m["finish_reason"] is None for m in metas[:-1])
+
+
 # --- stop strings, n, seeds, cached tokens --------------------------------------------------------
 @pytest.mark.parametrize("stop", ["s Par", "apit", "France is"])
 def test_stop_strings_across_tokens_are_trimmed(client: openai.OpenAI, model: str,

@@ -194,10 +194,83 @@ class DetokenizeBody(_Body):
 
 
 class GenerateRequest(_Body):
+    """SGLang's /generate body (the fields served; others that ask for something: 400)."""
+
     input_ids: Optional[List[int]] = None
     text: Optional[str] = None
     sampling_params: _Sampling = _Sampling()
     stream: bool = False
+    rid: Optional[str] = None  # the request's id (meta_info.id), as X-Request-Id
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: the output's only; k: prompt tokens from k on too
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+
+
+# SGLang's /generate fields this server does not serve, with the values that ask for nothing.
+_GENERATE_UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
+    "token_ids_logprob": lambda v: not v,
+    "return_hidden_states": lambda v: v in (None, False),
+    "lora_path": lambda v: v is None,
+    "lora_id": lambda v: v is None,
+    "image_data": lambda v: not v,
+    "video_data": lambda v: not v,
+    "audio_data": lambda v: not v,
+    "input_embeds": lambda v: v is None,
+    "custom_logit_processor": lambda v: v is None,
+    "session_params": lambda v: v is None,
+    "bootstrap_host": lambda v: v is None,
+    "data_parallel_rank": lambda v: v is None,
+}
+
+
+# SGLang's sampling_params names for fields this server calls otherwise.
+_SGLANG_SAMPLING_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+                          "sampling_seed": "seed"}
+# SGLang sampling_params this server does not serve, with the values that ask for nothing.
+_SGLANG_SAMPLING_UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
+    "n": lambda v: v in (None, 1),
+    "logit_bias": lambda v: not v,
+    "custom_params": lambda v: not v,
+    "stop_regex": lambda v: not v,
+    "stream_interval": lambda v: v is None,
+}
+
+
+def _sglang_sampling(sampling: _Sampling) -> _Sampling:
+    """/generate's sampling_params with SGLang's names (max_new_tokens, min_new_tokens,
+    sampling_seed) as this server's, checked like the rest; ApiError(400) naming a field given
+    under both names, or one asking for what is not served."""
+    extra = dict(sampling.model_extra or {})
+    for name, inert in _SGLANG_SAMPLING_UNSUPPORTED.items():
+        if name in extra and not inert(extra[name]):
+            raise ApiError(400, f"sampling_params.{name} is not supported by this server", name)
+    given = sampling.model_dump(exclude_unset=True)
+    renamed = {}  # ours -> theirs, for errors
+    for theirs, ours in _SGLANG_SAMPLING_NAMES.items():
+        if theirs in extra:
+            if ours in given:
+                raise ApiError(400, f"sampling_params: {theirs} and {ours} are the same field; "
+                                    f"give one", theirs)
+            given[ours], renamed[ours] = extra.pop(theirs), theirs
+    if not renamed:
+        return sampling
+    try:
+        return _Sampling.model_validate({**given, **extra})
+    except ValidationError as e:
+        err = e.errors()[0]
+        name = renamed.get(str(err["loc"][0]), str(err["loc"][0]))
+        raise ApiError(400, f"sampling_params.{name}: {err['msg']}", name) from None
+
+
+@dataclass(frozen=True)
+class GenerateLogprobs:
+    """SGLang's return_logprob options of a /generate job: prompt tokens from `start` on
+    (-1: none), the `top` most likely at each position, each token's text where `text`."""
+
+    start: int
+    top: int
+    text: bool
 
 
 # --- the parsed job -----------------------------------------------------------------------------
@@ -250,6 +323,7 @@ class Job:
     request_id: Optional[str] = None
     # vLLM's return_tokens_as_token_ids: log-probability tokens rendered as "token_id:N"
     tokens_as_ids: bool = False
+    generate_logprobs: Optional[GenerateLogprobs] = None  # /generate's return_logprob
 
     def choice_params(self, i: int) -> SamplingParams:
         """Choice i of a prompt: the request's seed shifted by i, so choices differ."""
@@ -601,7 +675,27 @@ def generate_job(body: GenerateRequest, defaults: SamplingDefaults = SamplingDef
     if body.input_ids is not None and not body.input_ids or body.text == "":
         raise ApiError(400, "the prompt must not be empty", "input_ids")
     _check_ids("input_ids", body.input_ids or ())
+    for name, value in (body.model_extra or {}).items():
+        inert = _GENERATE_UNSUPPORTED.get(name)
+        if inert is not None and not inert(value):
+            raise ApiError(400, f"{name} is not supported by this server", name)
+    body = body.model_copy(update={"sampling_params": _sglang_sampling(body.sampling_params)})
     # SGLang's /generate tokenizes text with the tokenizer's special tokens
     prompt = Prompt(input_ids=body.input_ids) if body.input_ids is not None else Prompt(
         text=body.text, add_special_tokens=True)
-    return _job(body, [prompt], 1, defaults)
+    job = _job(body, [prompt], 1, defaults)
+    if body.rid is not None:
+        job = dataclasses.replace(job, request_id=body.rid)
+    if not body.return_logprob:
+        return job
+    if body.logprob_start_len < -1:
+        raise ApiError(400, f"logprob_start_len must be -1 (the output only) or a prompt "
+                            f"position >= 0, got {body.logprob_start_len}", "logprob_start_len")
+    if not 0 <= body.top_logprobs_num <= MAX_LOGPROBS:
+        raise ApiError(400, f"top_logprobs_num must be between 0 and {MAX_LOGPROBS}, got "
+                            f"{body.top_logprobs_num}", "top_logprobs_num")
+    k = body.top_logprobs_num
+    params = dataclasses.replace(job.params, logprobs=k,
+                                 prompt_logprobs=k if body.logprob_start_len >= 0 else None)
+    return dataclasses.replace(job, params=params, generate_logprobs=GenerateLogprobs(
+        body.logprob_start_len, k, body.return_text_in_logprobs))

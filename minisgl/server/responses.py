@@ -15,6 +15,7 @@ import anyio
 from fastapi.responses import StreamingResponse
 
 from minisgl.message.types import ReplyChunk, TokenLogprobText
+from minisgl.server import generate_meta
 from minisgl.server.protocol import Job
 from minisgl.server.reasoning import ReasoningSplitter, split_reasoning
 from minisgl.server.tool_calls import CallStreamer, call_dict, tool_call_format
@@ -181,7 +182,10 @@ class Formatter(ABC):
 
 
 class GenerateFormatter(Formatter):
-    """The native /generate format: text and token ids, one object per chunk, no choices."""
+    """The /generate format: text and token ids, one object per chunk, no choices; SGLang's
+    `output_ids` and `meta_info` (server/generate_meta.py) beside our own fields. Streamed,
+    each chunk carries what is new (SGLang's incremental streaming output), log-probabilities
+    included: the prompt's on the first chunk."""
 
     id_prefix = "gen"
     prompt_param = "input_ids"
@@ -189,11 +193,28 @@ class GenerateFormatter(Formatter):
     def full(self, choices: List[Choice]) -> Dict[str, Any]:
         c = choices[0]
         return {"id": self.id, "text": "".join(c.text), "token_ids": c.token_ids,
-                "finish_reason": c.finish_reason, "usage": usage(choices, self.job.n)}
+                "output_ids": c.token_ids, "finish_reason": c.finish_reason,
+                "usage": usage(choices, self.job.n),
+                "meta_info": self._meta(c, c.finish_reason, c.matched_stop, c.prompt_logprobs,
+                                        c.logprobs)}
 
     def delta(self, index: int, chunk: ReplyChunk, choice: Choice) -> Iterator[str]:
         yield sse({"id": self.id, "text": chunk.text, "token_ids": list(chunk.token_ids),
-                   "finish_reason": chunk.finish_reason})
+                   "output_ids": list(chunk.token_ids), "finish_reason": chunk.finish_reason,
+                   "meta_info": self._meta(choice, chunk.finish_reason, chunk.matched_stop,
+                                           chunk.prompt_logprobs, chunk.logprobs)})
+
+    def _meta(self, c: Choice, reason: Optional[str], matched: Union[None, int, str],
+              prompt: Sequence[TokenLogprobText], output: Sequence[TokenLogprobText]
+              ) -> Dict[str, Any]:
+        meta: Dict[str, Any] = {
+            "id": self.job.request_id or self.id,
+            "finish_reason": generate_meta.finish_reason(reason, matched, c.completion_tokens),
+            "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+            "cached_tokens": c.cached_tokens}
+        if self.job.generate_logprobs is not None:
+            meta.update(generate_meta.logprob_fields(self.job.generate_logprobs, prompt, output))
+        return meta
 
     def closing(self, choices: List[Choice]) -> Iterator[str]:
         yield "data: [DONE]\n\n"
