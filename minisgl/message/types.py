@@ -40,6 +40,7 @@ class TokenizeRequest:
     # the tokenizer's special tokens (BOS) added to `text`, or to the templated messages' text
     add_special_tokens: bool = False
     tokens_as_ids: bool = False  # log-probability tokens rendered "token_id:N" (DetokenizeInit)
+    return_token_ids: bool = False  # the first reply chunk carries the prompt's ids
 
 
 @dataclass(frozen=True)
@@ -221,6 +222,8 @@ class ReplyChunk:
     # In the final chunk of a request ended by a stop string or a stop token: which one.
     matched_stop: Union[None, int, str] = None
     token_strs: Optional[List[str]] = None  # a tokenize reply asked for the tokens' pieces
+    # In the request's first chunk only, where it asked (return_token_ids): the prompt's ids.
+    prompt_ids: Optional[List[int]] = None
 
 
 @dataclass(frozen=True)
@@ -264,6 +267,7 @@ class DetokenizeInit:
     # vLLM's return_tokens_as_token_ids: every log-probability token (prompt_logprobs' too)
     # rendered "token_id:N", as for a model without a tokenizer
     tokens_as_ids: bool = False
+    return_prompt_ids: bool = False  # the first chunk carries `prompt_ids` (return_token_ids)
 
 
 @dataclass(frozen=True)

@@ -205,7 +205,8 @@ async def _events(stream: RequestStream, fmt: Formatter, choices: List[Choice],
     for i in range(len(choices)):
         head = next(c for c in first if stream.index[c.uid] == i)
         for line in fmt.opening(i, Choice(prompt_tokens=head.prompt_tokens,
-                                          prompt_logprobs=list(head.prompt_logprobs))):
+                                          prompt_logprobs=list(head.prompt_logprobs),
+                                          prompt_ids=head.prompt_ids)):
             yield line
     buffered = list(first)
     while buffered or stream.unfinished or not stream.queue.empty():

@@ -131,6 +131,8 @@ class _OpenAI(_Sampling):
     priority: int = 0  # vLLM's: lower first, under --scheduling-policy priority
     # vLLM's: log-probability tokens as "token_id:N" (null: the server's --return-tokens-as-...)
     return_tokens_as_token_ids: Optional[bool] = None
+    # vLLM's: the prompt's and each choice's token ids beside the text
+    return_token_ids: Optional[bool] = None
 
 
 class TextPart(_Body):
@@ -324,6 +326,7 @@ class Job:
     # vLLM's return_tokens_as_token_ids: log-probability tokens rendered as "token_id:N"
     tokens_as_ids: bool = False
     generate_logprobs: Optional[GenerateLogprobs] = None  # /generate's return_logprob
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and token_ids in the reply
 
     def choice_params(self, i: int) -> SamplingParams:
         """Choice i of a prompt: the request's seed shifted by i, so choices differ."""
@@ -532,7 +535,8 @@ def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: in
         job = dataclasses.replace(job, params=dataclasses.replace(
             job.params, prompt_logprobs=prompt_logprobs), continuous_usage=continuous,
             prompt_logprobs=prompt_logprobs,
-            tokens_as_ids=bool(body.return_tokens_as_token_ids))
+            tokens_as_ids=bool(body.return_tokens_as_token_ids),
+            return_token_ids=bool(body.return_token_ids))
     return job
 
 

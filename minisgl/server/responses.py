@@ -35,11 +35,14 @@ class Choice:
     logprob_chars: int = 0  # length of the logprobs' token texts: the next text_offset
     matched_stop: Union[None, int, str] = None  # the stop string or token id that ended it
     prompt_logprobs: List[TokenLogprobText] = field(default_factory=list)  # one per prompt token
+    prompt_ids: Optional[List[int]] = None  # where the request asked (return_token_ids)
 
     def add(self, chunk: ReplyChunk) -> None:
         """Accumulate a chunk; an echoed prompt goes first, into text and logprobs alike."""
         if chunk.prompt_logprobs:
             self.prompt_logprobs = list(chunk.prompt_logprobs)
+        if chunk.prompt_ids is not None:
+            self.prompt_ids = list(chunk.prompt_ids)
         if chunk.prompt_text is not None:
             self.text.append(chunk.prompt_text)
             self.logprobs.extend(chunk.prompt_logprobs)
@@ -260,9 +263,17 @@ class _OpenAIFormatter(Formatter):
         return self._logprobs(choice.logprobs, 0) if self.wants_logprobs else None
 
     def full(self, choices: List[Choice]) -> Dict[str, Any]:
-        items = [{**self._item(i, c), "matched_stop": c.matched_stop}
-                 for i, c in enumerate(choices)]
+        items = [{**self._item(i, c), "matched_stop": c.matched_stop,
+                  **self._token_ids(c.token_ids)} for i, c in enumerate(choices)]
         return {**self._envelope(self.full_object, items), "usage": usage(choices, self.job.n)}
+
+    def _token_ids(self, ids: Sequence[int]) -> Dict[str, Any]:
+        """A choice item's `token_ids` (vLLM's return_token_ids): all of them, or a chunk's."""
+        return {"token_ids": list(ids)} if self.job.return_token_ids else {}
+
+    def _prompt_token_ids(self, ids: Optional[List[int]]) -> Dict[str, Any]:
+        """The prompt's `prompt_token_ids` (vLLM's return_token_ids), where it came."""
+        return {"prompt_token_ids": ids} if self.job.return_token_ids and ids else {}
 
     def _chunk(self, index: int, choice: Choice, item: Dict[str, Any],
                top: Optional[Dict[str, Any]] = None) -> str:
@@ -287,8 +298,10 @@ class _OpenAIFormatter(Formatter):
         reason = chunk.finish_reason
         prompt = self._chunk_prompt_logprobs(chunk)
         # Built for every chunk: the chat parsers must see all the text, and may hold it back.
-        item = {**self._chunk_item(index, text, reason, logprobs), **prompt}
-        if self._has_text(item) or logprobs is not None or reason is not None or prompt:
+        item = {**self._chunk_item(index, text, reason, logprobs), **prompt,
+                **self._token_ids(chunk.token_ids)}
+        ids = self.job.return_token_ids and bool(chunk.token_ids)  # ids of held-back text too
+        if self._has_text(item) or logprobs is not None or reason is not None or prompt or ids:
             if reason is not None:
                 item["matched_stop"] = chunk.matched_stop
             yield self._chunk(index, choice, item)
@@ -342,7 +355,8 @@ class ChatFormatter(_OpenAIFormatter):
     def full(self, choices: List[Choice]) -> Dict[str, Any]:
         """vLLM's chat response carries the prompt's log-probabilities once, at the top (every
         choice has the same prompt)."""
-        return {**super().full(choices), **self._prompt_logprobs(choices[0])}
+        return {**super().full(choices), **self._prompt_logprobs(choices[0]),
+                **self._prompt_token_ids(choices[0].prompt_ids)}
 
     def _item(self, index: int, choice: Choice) -> Dict[str, Any]:
         """The choice's message: what its stream would have sent, joined (the tool-call parser
@@ -372,7 +386,8 @@ class ChatFormatter(_OpenAIFormatter):
         yield self._chunk(index, choice, {
             "index": index, "delta": {"role": "assistant", "content": ""},
             "logprobs": None, "finish_reason": None},
-            self._prompt_logprobs(choice) if index == 0 else {})
+            {**self._prompt_logprobs(choice), **self._prompt_token_ids(choice.prompt_ids)}
+            if index == 0 else {})
 
     def _chunk_item(self, index: int, text: Optional[str], reason: Optional[str],
                     logprobs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -418,12 +433,14 @@ class CompletionFormatter(_OpenAIFormatter):
     def _item(self, index: int, choice: Choice) -> Dict[str, Any]:
         return {"index": index, "text": "".join(choice.text),
                 "logprobs": self._choice_logprobs(choice), "finish_reason": choice.finish_reason,
-                **self._prompt_logprobs(choice)}
+                **self._prompt_logprobs(choice), **self._prompt_token_ids(choice.prompt_ids)}
 
     def _chunk_prompt_logprobs(self, chunk: ReplyChunk) -> Dict[str, Any]:
-        if not chunk.prompt_logprobs:
-            return {}
-        return self._prompt_logprobs(Choice(prompt_logprobs=list(chunk.prompt_logprobs)))
+        """A choice's first chunk carries the prompt's log-probabilities and ids where asked."""
+        out = self._prompt_token_ids(chunk.prompt_ids)
+        if chunk.prompt_logprobs:
+            out.update(self._prompt_logprobs(Choice(prompt_logprobs=list(chunk.prompt_logprobs))))
+        return out
 
     def _chunk_item(self, index: int, text: Optional[str], reason: Optional[str],
                     logprobs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:

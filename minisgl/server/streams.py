@@ -119,7 +119,8 @@ class RequestStreams:
                                            job.skip_special_tokens, job.echo, job.no_stop_trim,
                                            t.add_generation_prompt, t.continue_final_message,
                                            _kwargs_json(t.kwargs), p.tools_json,
-                                           p.add_special_tokens, job.tokens_as_ids))
+                                           p.add_special_tokens, job.tokens_as_ids,
+                                           job.return_token_ids))
                 sent += 1
         except ApiError as e:
             self._refuse(stream, sent, e.status)

@@ -60,6 +60,7 @@ class _Request:
     skip_special_tokens: bool = True
     min_tokens: int = 0  # stop strings count only after more tokens than this
     tokens_as_ids: bool = False  # log-probability tokens rendered "token_id:N"
+    return_prompt_ids: bool = False  # the first chunk carries the prompt's ids
 
 
 class Rendered(NamedTuple):
@@ -83,7 +84,7 @@ class Detokenizer:
             IncrementalDecoder(self.tokenizer, msg.prompt_tail, msg.skip_special_tokens),
             StopMatcher(msg.stop, msg.no_stop_trim), prompt_ids=msg.prompt_ids, echo=msg.echo,
             skip_special_tokens=msg.skip_special_tokens, min_tokens=msg.min_tokens,
-            tokens_as_ids=msg.tokens_as_ids)
+            tokens_as_ids=msg.tokens_as_ids, return_prompt_ids=msg.return_prompt_ids)
         return self.render(self.pending.pop(msg.uid, []))
 
     def render(self, outs: List[TokenOut]) -> Rendered:
@@ -152,7 +153,8 @@ class Detokenizer:
             entries.append(TokenLogprobText(first, None, token_bytes=raw, token_id=ids[0]))
             entries += [self._logprob_text(t, lp, req.tokens_as_ids)
                         for t, lp in zip(ids[1:], out.prompt_logprobs)]
-        return dataclasses.replace(chunk, prompt_text=text, prompt_logprobs=entries)
+        return dataclasses.replace(chunk, prompt_text=text, prompt_logprobs=entries,
+                                   prompt_ids=ids if req.return_prompt_ids else None)
 
     def _logprob_text(self, token: int, lp: TokenLogprobs, as_ids: bool = False
                       ) -> TokenLogprobText:

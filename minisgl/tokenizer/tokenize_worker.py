@@ -306,11 +306,11 @@ class Serving:
                                  f"request's {len(ids)} would pass the limit of "
                                  f"{self.queued.limit}", 429, len(ids))
             return
-        whole = msg.echo or params.prompt_logprobs is not None
+        whole = msg.echo or params.prompt_logprobs is not None or msg.return_token_ids
         self.to_detok.put(DetokenizeInit(msg.uid, ids[-PROMPT_CONTEXT_TOKENS:], tuple(msg.stop),
                                          msg.skip_special_tokens, ids if whole else None,
                                          msg.no_stop_trim, msg.echo, params.min_tokens,
-                                         msg.tokens_as_ids))
+                                         msg.tokens_as_ids, msg.return_token_ids))
         self.to_backends[replica].put(UserMsg(msg.uid, ids, params))
         self.queued.sent(replica, len(ids))
 
