@@ -141,8 +141,14 @@ def test_served_completions_take_the_id(server: Server) -> None:
     assert re.search(r"POST /v1/chat/completions 200 [\d.]+ ms request_id=job-7 uids=\d+$",
                      line), line
     r = httpx.post(f"{server.base_url}/completions", timeout=60, headers={"X-Request-Id": "c"},
-                   json={"prompt": "Hi", "max_tokens": 2, "n": 2})
-    assert r.json()["id"] == "cmpl-c"
+                   json={"prompt": "Hi", "max_tokens": 2, "n": 2, "request_id": "body"})
+    assert r.json()["id"] == "cmpl-c"  # the header wins over vLLM's body field
+    r = httpx.post(f"{server.base_url}/chat/completions", timeout=60,
+                   json={**body, "request_id": "from-body"})
+    assert r.json()["id"] == "chatcmpl-from-body"
+    r = httpx.post(f"{server.base_url}/chat/completions", timeout=60,
+                   json={**body, "request_id": "tab\there"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
     assert re.search(r"request_id=c uids=\d+,\d+$", _wait_for_line(server, "request_id=c "
                                                                    "uids"))
 

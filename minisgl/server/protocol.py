@@ -69,6 +69,18 @@ _SPACES_BETWEEN_SPECIAL_TOKENS = "spaces_between_special_tokens"
 
 
 
+MAX_ID_CHARS = 128  # a client's request id: echoed in headers and ids, and logged
+
+
+def request_id_error(value: str, what: str, param: str) -> Optional["ApiError"]:
+    """Why a client's request id (`what`, e.g. "the X-Request-Id header") cannot be used, or
+    None: 1 to MAX_ID_CHARS printable ASCII characters."""
+    if 0 < len(value) <= MAX_ID_CHARS and value.isascii() and value.isprintable():
+        return None
+    return ApiError(400, f"{what} must be 1 to {MAX_ID_CHARS} printable ASCII characters, got "
+                         f"{len(value)} characters", param)
+
+
 class ApiError(Exception):
     """An HTTP error with an OpenAI error body; `headers` go on the response (Retry-After,
     WWW-Authenticate, ...)."""
@@ -133,6 +145,7 @@ class _OpenAI(_Sampling):
     return_tokens_as_token_ids: Optional[bool] = None
     # vLLM's: the prompt's and each choice's token ids beside the text
     return_token_ids: Optional[bool] = None
+    request_id: Optional[str] = None  # vLLM's: the response id's base (X-Request-Id wins)
 
 
 class TextPart(_Body):
@@ -536,8 +549,16 @@ def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: in
             job.params, prompt_logprobs=prompt_logprobs), continuous_usage=continuous,
             prompt_logprobs=prompt_logprobs,
             tokens_as_ids=bool(body.return_tokens_as_token_ids),
-            return_token_ids=bool(body.return_token_ids))
+            return_token_ids=bool(body.return_token_ids), request_id=_body_request_id(body))
     return job
+
+
+def _body_request_id(body: _OpenAI) -> Optional[str]:
+    rid = body.request_id
+    error = None if rid is None else request_id_error(rid, "request_id", "request_id")
+    if error is not None:
+        raise error
+    return rid
 
 
 def _message_text(i: int, msg: ChatMessage) -> str:
@@ -689,6 +710,9 @@ def generate_job(body: GenerateRequest, defaults: SamplingDefaults = SamplingDef
         text=body.text, add_special_tokens=True)
     job = _job(body, [prompt], 1, defaults)
     if body.rid is not None:
+        error = request_id_error(body.rid, "rid", "rid")
+        if error is not None:
+            raise error
         job = dataclasses.replace(job, request_id=body.rid)
     if not body.return_logprob:
         return job

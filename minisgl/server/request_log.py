@@ -25,21 +25,18 @@ import uuid
 from typing import Any, Callable, Dict, List, Optional
 
 from minisgl.server.limits import App, Message, Receive, Scope, Send, header, send_error
-from minisgl.server.protocol import ApiError
+from minisgl.server.protocol import MAX_ID_CHARS, ApiError, request_id_error
+
+__all__ = ["MAX_ID_CHARS", "REQUEST_ID_HEADER", "RequestLog", "bad_request_id", "route_label"]
 
 logger = logging.getLogger("minisgl.api")
 REQUEST_ID_HEADER = "X-Request-Id"
-MAX_ID_CHARS = 128
 QUIET_PATHS = frozenset({"/health", "/metrics"})
 
 
 def bad_request_id(value: str) -> Optional[ApiError]:
-    """Why a client's request id cannot be used (it is echoed and logged), or None."""
-    if 0 < len(value) <= MAX_ID_CHARS and value.isascii() and value.isprintable():
-        return None
-    return ApiError(400, f"the {REQUEST_ID_HEADER} header must be 1 to {MAX_ID_CHARS} "
-                         f"printable ASCII characters, got {len(value)} characters",
-                    REQUEST_ID_HEADER)
+    """Why a client's request id header cannot be used (it is echoed and logged), or None."""
+    return request_id_error(value, f"the {REQUEST_ID_HEADER} header", REQUEST_ID_HEADER)
 
 
 def route_label(scope: Scope) -> str:
