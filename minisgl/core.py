@@ -23,6 +23,8 @@ if TYPE_CHECKING:  # messages import this module: the tokenizer and API processe
 # OpenAI's top_logprobs bound).
 MAX_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 256  # a salt names a tenant: a key, not a document
+MAX_BAD_WORDS = 128  # bad_words per request (each costs a comparison per decode step)
+MAX_BAD_WORD_TOKENS = 16  # tokens in one bad word (the engine keeps that much history a row)
 MAX_LOGIT_BIAS = 1024  # token entries in one request's logit_bias
 
 StructuredKind = Literal["json", "json_object", "regex", "grammar", "choice", "structural_tag"]
@@ -73,6 +75,10 @@ class SamplingParams:
     sampling, and a grammar that reaches its end finishes the request with "stop".
     `allowed_token_ids` (vLLM's), when set, is the only tokens sampling may pick, greedy or
     random (a mask over the logits; the log-probabilities stay the model's own).
+    `bad_words` (vLLM's) are words the output never writes as the tokenizer spells them (with
+    and without a leading space): `bad_word_ids`, at most MAX_BAD_WORDS words of at most
+    MAX_BAD_WORD_TOKENS tokens; the engine bans a word's last token where the output ends
+    with the rest of it (engine/bad_words.py).
     `cache_salt` (vLLM's) keeps the request's prefix-cache entries apart from those of
     requests with another salt or none (a tenant cannot learn another's prompts from how fast
     a shared prefix is served); at most MAX_CACHE_SALT_CHARS characters.
@@ -103,6 +109,10 @@ class SamplingParams:
     min_tokens: int = 0
     structured: Optional[StructuredOutput] = None
     allowed_token_ids: Optional[Tuple[int, ...]] = None
+    # vLLM's bad_words as token sequences (tokenizer/bad_words.py fills them from `bad_words`
+    # where the prompt is tokenized): a sequence's last token is banned right after the rest
+    # of it was generated (a one-token word: always).
+    bad_word_ids: Tuple[Tuple[int, ...], ...] = ()
     # vLLM's: the prefix cache's namespace (base.py); the router keys replicas by it too.
     cache_salt: Optional[str] = None
     # vLLM's: with --scheduling-policy priority, lower values are admitted first (and retracted
@@ -110,6 +120,7 @@ class SamplingParams:
     priority: int = 0
     # Read where the prompt is tokenized (the tokenizer process, `LLM`), not by the ranks.
     truncate_prompt_tokens: Optional[int] = None
+    bad_words: Tuple[str, ...] = ()  # vLLM's: words the output never writes (as bad_word_ids)
     # Offline only (`LLM`): the server takes them per HTTP request, outside the params.
     stop: Tuple[str, ...] = ()
     n: int = 1
@@ -127,10 +138,15 @@ class SamplingParams:
             store("stop", () if self.stop is None else (self.stop,))
         if self.stop_token_ids is None:
             store("stop_token_ids", ())
-        for name in ("stop", "stop_token_ids", "allowed_token_ids"):
+        if self.bad_words is None:
+            store("bad_words", ())
+        for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
             value = getattr(self, name)
             if isinstance(value, list):
                 store(name, tuple(value))
+        ids = self.bad_word_ids
+        if isinstance(ids, (list, tuple)) and all(isinstance(w, (list, tuple)) for w in ids):
+            store("bad_word_ids", tuple(tuple(w) for w in ids))
 
     def validate(self) -> None:
         """Raise ValueError naming the offending value. The rules for every field are here; it
@@ -184,6 +200,7 @@ class SamplingParams:
         if error is not None:
             raise ValueError(error)
         self._validate_allowed_token_ids()
+        self._validate_bad_words()
         if not isinstance(self.stop, tuple) or any(not isinstance(x, str) or not x
                                                    for x in self.stop):
             raise ValueError(f"stop must be a string or a list of non-empty strings, got "
@@ -217,12 +234,12 @@ class SamplingParams:
 
     def for_engine(self) -> "SamplingParams":
         """These params as the ranks get them: the fields `LLM` reads itself (stop strings, n,
-        include_stop_str_in_output, skip_special_tokens, detokenize, truncate_prompt_tokens)
-        at their defaults, so that they cost nothing on the wire (message.codec leaves
-        defaults out)."""
+        include_stop_str_in_output, skip_special_tokens, detokenize, truncate_prompt_tokens,
+        bad_words, whose ids travel) at their defaults, so that they cost nothing on the wire
+        (message.codec leaves defaults out)."""
         return dataclasses.replace(self, stop=(), n=1, include_stop_str_in_output=False,
                                    skip_special_tokens=True, detokenize=True,
-                                   truncate_prompt_tokens=None)
+                                   truncate_prompt_tokens=None, bad_words=())
 
     def _validate_logit_bias(self) -> None:
         bias = self.logit_bias
@@ -256,6 +273,25 @@ class SamplingParams:
             raise ValueError(f"allowed_token_ids must be non-negative token ids, got "
                              f"{', '.join(repr(t) for t in bad[:8])}")
 
+    def _validate_bad_words(self) -> None:
+        words = self.bad_words
+        if not isinstance(words, tuple) or any(not isinstance(w, str) or not w.strip()
+                                               for w in words):
+            raise ValueError(f"bad_words must be a list of words (non-blank strings), got "
+                             f"{words!r:.80}")
+        ids = self.bad_word_ids
+        if len(words) > MAX_BAD_WORDS or len(ids) > 2 * MAX_BAD_WORDS:
+            raise ValueError(f"bad_words takes at most {MAX_BAD_WORDS} words, got "
+                             f"{len(words) or len(ids)}")
+        for seq in ids:
+            if not isinstance(seq, tuple) or not seq or any(
+                    not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in seq):
+                raise ValueError(f"bad_word_ids must be non-empty sequences of token ids, got "
+                                 f"{seq!r:.80}")
+            if len(seq) > MAX_BAD_WORD_TOKENS:
+                raise ValueError(f"a bad word may be at most {MAX_BAD_WORD_TOKENS} tokens long, "
+                                 f"got one of {len(seq)}")
+
     @property
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
@@ -267,7 +303,8 @@ class SamplingParams:
         bias, no allowed-token mask, no logprobs (cached: the engine asks for every request at
         every step)."""
         return not (self.has_penalties or self.logit_bias or self.logprobs is not None
-                    or self.min_tokens > 0 or self.allowed_token_ids is not None)
+                    or self.min_tokens > 0 or self.allowed_token_ids is not None
+                    or bool(self.bad_word_ids))
 
     @property
     def is_greedy(self) -> bool:
@@ -397,7 +434,8 @@ def check_request(ids: Sequence[int], params: SamplingParams, limits: Limits) ->
         raise RequestError(error, "prompt")
     for name, tokens in (("logit_bias", params.logit_bias or {}),
                          ("stop_token_ids", params.stop_token_ids),
-                         ("allowed_token_ids", params.allowed_token_ids or ())):
+                         ("allowed_token_ids", params.allowed_token_ids or ()),
+                         ("bad_words", [t for w in params.bad_word_ids for t in w])):
         outside = list(dict.fromkeys(str(t) for t in tokens if t >= limits.vocab_size))
         if outside:
             many = len(outside) > 1

@@ -45,6 +45,7 @@ from minisgl.scheduler.scheduler import Accounting, Scheduler
 from minisgl.server.proc import (Child, ChildStartupError, first_dead, spawn, stop_children,
                                  wait_ready)
 from minisgl.server.tools import assistant_tool_calls
+from minisgl.tokenizer.bad_words import with_bad_word_ids
 from minisgl.tokenizer.chat_template import chat_prompt_ids
 from minisgl.tokenizer.incremental import IncrementalDecoder, StopMatcher
 from minisgl.tokenizer.text import load_tokenizer, resolve_tokenizer_path
@@ -508,6 +509,7 @@ class LLM:
             if p.structured is not None:
                 self._check_structured(p.structured)
             ids = truncate_prompt(ids, p, self._backend.limits)
+            p = with_bad_word_ids(self.tokenizer, p)
             return _Checked(ids, check_request(ids, p, self._backend.limits))
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None

@@ -24,6 +24,7 @@ from minisgl.engine.config import EngineConfig
 from minisgl.engine.cuda_graph import DecodeGraphs, graph_sizes
 from minisgl.engine.logprobs import (PromptRows, prompt_entries, prompt_logprobs, prompt_rows,
                                      sampled_entries, sampled_logprobs)
+from minisgl.engine.bad_words import BadWords
 from minisgl.engine.penalties import Penalties
 from minisgl.engine.prefill_graph import PrefillGraphs, capture_prefill_graphs
 from minisgl.engine.sampler import (LogprobTensors, add_logit_bias, apply_token_bitmask,
@@ -195,6 +196,7 @@ class Engine:
                                        device=self.device)
         self.penalties = Penalties(cfg.max_running_requests + 1, self.model_cfg.vocab_size,
                                    self.device)
+        self.bad_words = BadWords(cfg.max_running_requests + 1, self.device)
         self.backend: AttentionBackend = make_backend(
             cfg.backend_name, pool=self.pool, page_table=self.page_table, num_heads=local_heads,
             num_kv_heads=local_kv_heads, head_dim=self.model_cfg.head_dim,
@@ -377,7 +379,7 @@ class Engine:
                 bitmask: Optional[torch.Tensor] = None
                 ) -> Tuple[torch.Tensor, Optional[LogprobTensors]]:
         """Tokens for `reqs` (row i of `logits`, page-table row rows[i]) after their penalties,
-        logit bias, allowed tokens, min_tokens and grammar bitmask, recorded as the rows' newest
+        logit bias, allowed tokens, min_tokens, bad words and grammar bitmask, recorded as the rows' newest
         tokens; and their log-probabilities (of the raw logits) where asked."""
         mask = None if bitmask is None else bitmask.to(self.device, non_blocking=True)
         if all(r.params.raw_sampling for r in reqs):  # the common case: one pass to find out
@@ -387,11 +389,13 @@ class Engine:
             return tokens, None
         adjusted = add_logit_bias(self.penalties.apply(logits, rows, reqs), reqs)
         adjusted = suppress_early_stops(mask_to_allowed_tokens(adjusted, reqs), reqs)
+        adjusted = self.bad_words.apply(adjusted, rows, reqs)
         if mask is not None:
             adjusted = apply_token_bitmask(adjusted, mask)
         tokens = sample_requests(adjusted, reqs, self.cfg.seed, self.policy)
         self.last_tokens[rows] = tokens
         self.penalties.record(rows, tokens, reqs)
+        self.bad_words.record(rows, tokens, reqs)
         return tokens, sampled_logprobs(logits, tokens, reqs, self.cfg.tp_info.is_primary)
 
     def start_request(self, req: Req) -> None:
@@ -400,6 +404,8 @@ class Engine:
         if req.params.has_penalties:
             self.penalties.start(req.table_row, req.token_ids[:req.prompt_len],
                                  req.token_ids[req.prompt_len:])
+        if req.params.bad_word_ids:
+            self.bad_words.start(req.table_row, req.token_ids[req.prompt_len:])
 
     @staticmethod
     def collect(launched: Launched) -> StepResult:

@@ -51,7 +51,6 @@ _UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
     # vLLM and SGLang extensions
     "use_beam_search": lambda v: v in (None, False),
     "length_penalty": lambda v: v in (None, 1, 1.0),
-    "bad_words": lambda v: not v,
     "guided_decoding_backend": lambda v: v in (None, "auto", "xgrammar"),
     "guided_whitespace_pattern": lambda v: v is None,
     "stop_regex": lambda v: not v,
@@ -141,6 +140,7 @@ class _OpenAI(_Sampling):
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: keep the prompt's last k tokens
     cache_salt: Optional[str] = None  # vLLM's: the prefix cache's namespace for this request
     priority: int = 0  # vLLM's: lower first, under --scheduling-policy priority
+    bad_words: Optional[List[str]] = None  # vLLM's: words the output never writes
     # vLLM's: log-probability tokens as "token_id:N" (null: the server's --return-tokens-as-...)
     return_tokens_as_token_ids: Optional[bool] = None
     # vLLM's: the prompt's and each choice's token ids beside the text
@@ -535,7 +535,7 @@ def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: in
         raise ApiError(400, str(e), e.param) from None
     fields = {} if isinstance(body, GenerateRequest) else dict(
         truncate_prompt_tokens=body.truncate_prompt_tokens, cache_salt=body.cache_salt,
-        priority=body.priority)
+        priority=body.priority, bad_words=tuple(body.bad_words or ()))
     params = _sampling(sampling, max_tokens, defaults, logprobs, logit_bias, max_name,
                        **fields)
     if found is not None:

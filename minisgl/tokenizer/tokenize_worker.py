@@ -46,6 +46,7 @@ from minisgl.tokenizer.incremental import PROMPT_CONTEXT_TOKENS
 from minisgl.tokenizer.slow_requests import LONG_PROMPT_CHARS, SlowRequests
 from minisgl.tokenizer.queued import QueuedTokens
 from minisgl.tokenizer.router import Router
+from minisgl.tokenizer.bad_words import with_bad_word_ids
 from minisgl.tokenizer.chat_template import chat_prompt_ids
 from minisgl.tokenizer.text import load_tokenizer
 
@@ -206,7 +207,8 @@ class Tokenizer:
             return Prepared([], None, f"cannot apply the chat template: {e}", "messages")
         try:
             ids = truncate_prompt(ids, req.params, self.limits)
-            params = check_request(ids, req.params, self.limits)
+            params = check_request(ids, with_bad_word_ids(self.tokenizer, req.params),
+                                   self.limits)
         except TooLong as e:
             return Prepared(ids, None, _too_long(e), e.param)
         except RequestError as e:
