@@ -326,3 +326,23 @@ def test_mixed_prefill_graphs_match_separate_steps(tiny_qwen3: Path, quantizatio
     else:
         assert [len(t) for t in mixed] == [len(t) for t in separate]
         assert sum(a[:8] == b[:8] for a, b in zip(mixed, separate)) >= 2 * len(mixed) / 3
+
+
+def test_gpu_bad_words_and_priority_match_cpu(tiny_qwen3: Path) -> None:
+    """bad_words' device-side history under CUDA graphs and overlap (the newest token only on
+    the device), and the priority policy, give the CPU's float32 tokens."""
+    prompts = mixed_prompts(6, seed=8)
+    free = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def run(device: str) -> List[List[int]]:
+        with LLM(str(tiny_qwen3), device=device, dtype="float32", show_progress=False,
+                 scheduling_policy="priority") as llm:
+            ref = llm.generate(prompts, free)
+            words = [[ref[i].token_ids[3:5], ref[i].token_ids[:1]] for i in range(len(prompts))]
+            params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                     bad_word_ids=tuple(tuple(w) for w in ws))
+                      for ws in words]
+            return [o.token_ids for o in llm.generate(prompts, params,
+                                                      priority=list(range(6, 0, -1)))]
+
+    assert run("cuda") == run("cpu")
