@@ -74,6 +74,9 @@ def test_vllm_and_sglang_names_work_on_the_command_line_in_files_and_keywords(
             cfg.engine.max_model_len, cfg.cluster.dp, cfg.scheduler.max_prefill_tokens,
             cfg.log_requests) == ("org/model", 2, 64, 32, 4096, 2, 2048, False)
     assert parse_args(["--model-path", "x", "--tp-size", "4"]).engine.tp == 4
+    vllm_chunk = parse_args(["x", "--max-num-batched-tokens", "4096", "--disable-radix-cache"])
+    assert (vllm_chunk.scheduler.max_prefill_tokens, vllm_chunk.scheduler.cache) == (4096,
+                                                                                     "naive")
     f = tmp_path / "c.toml"
     f.write_text('model-path = "x"\ntensor_parallel_size = 2\n')
     assert parse_args(["--config", str(f)]).engine.tp == 2

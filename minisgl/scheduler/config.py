@@ -26,9 +26,11 @@ class SchedulerConfig:
               "8192, as a longer chunk delays the running requests' next token; LLM()'s, unset, "
               "is the device's offline default (utils.offline_prefill_tokens: 16384 on CUDA "
               "GPUs of 70 GiB or more, A100s aside, else 8192)",
-        also=("chunked-prefill-size",))
+        also=("chunked-prefill-size", "max-num-batched-tokens"))
     cache: str = setting("radix", "prefix cache: radix (requests reuse the KV of prompt "
-                                  "prefixes seen before) or naive (none)", choices=CACHES)
+                                  "prefixes seen before) or naive (none)", choices=CACHES,
+                         alias=Alias("disable-radix-cache", "naive",
+                                     "SGLang's name for --cache naive: no prefix cache"))
     overlap: Optional[bool] = setting(
         None, "plan step N+1 on the CPU while the device runs step N; unset: on with CUDA, "
               "off on CPU",
