@@ -210,13 +210,14 @@ class SamplingParams:
                                  <= MAX_CACHE_SALT_CHARS):
             raise ValueError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} "
                              f"characters, got {salt!r:.60}")
-        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
-            raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        if (not isinstance(self.priority, int) or isinstance(self.priority, bool)
+                or not -2 ** 63 <= self.priority < 2 ** 63):  # what a message carries
+            raise ValueError(f"priority must be a 64-bit integer, got {self.priority!r}")
         k = self.truncate_prompt_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool)
-                              or not (k == -1 or k >= 1)):
+                              or not (k == -1 or 1 <= k < 2 ** 31)):
             raise ValueError(f"truncate_prompt_tokens must be -1 (the context length) or an "
-                             f"integer >= 1, got {k!r}")
+                             f"integer from 1 to 2**31 - 1, got {k!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         for name in ("include_stop_str_in_output", "skip_special_tokens", "detokenize"):

@@ -240,6 +240,9 @@ def _chat_message(i: int, message: Any) -> Dict[str, Any]:
                              f"{content!r:.80}")
         message = {**message, "content": "\n".join(texts)}  # type: ignore[arg-type]
     calls = message.get("tool_calls")
+    if calls is not None and message["role"] != "assistant":
+        raise ValueError(f"message {i}: only assistant messages make tool calls, got role "
+                         f"{message['role']!r}")
     if calls is not None:
         as_text = [{**c, "function": {**c["function"],
                                       "arguments": json.dumps(c["function"]["arguments"])}}
@@ -547,14 +550,16 @@ class LLM:
         done: List[Optional[TokenOut]] = [None] * len(prompts)
         stops = [_StopWatch(self.tokenizer, p.stop, p.min_tokens, p.include_stop_str_in_output,
                             p.skip_special_tokens) if p.stop else None for p in params]
-        for uid, ids, p in zip(uids, prompts, params):
-            self._backend.submit(UserMsg(uid, ids, p.for_engine()))
         show = self.show_progress and len(prompts) >= 8 if use_tqdm is None else use_tqdm
         bar = tqdm(total=len(prompts), desc="generating", unit="req", disable=not show)
+        submitted = 0
         try:
+            for uid, ids, p in zip(uids, prompts, params):
+                self._backend.submit(UserMsg(uid, ids, p.for_engine()))
+                submitted += 1
             self._collect(slot, tokens, logprobs, prompt_logprobs, done, stops, bar)
         except BaseException:  # KeyboardInterrupt too: leave no request behind
-            self._cancel([uid for uid, i in slot.items() if done[i] is None])
+            self._cancel([uid for uid in uids[:submitted] if done[slot[uid]] is None])
             raise
         finally:
             bar.close()

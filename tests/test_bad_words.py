@@ -48,6 +48,17 @@ def test_the_engine_bans_a_words_last_token_after_the_rest() -> None:
     assert bw.apply(logits, rows, [plain, plain]) is logits
 
 
+@pytest.mark.parametrize("order", [1, -1])
+def test_words_sharing_a_last_token_never_undo_each_others_ban(order: int) -> None:
+    """("Paris", "in Paris"): the one-token word bans always, whatever the other's prefix
+    and the order the words come in (a review found the second one's miss undid it)."""
+    bw = BadWords(rows=2, device=torch.device("cpu"))
+    bw.start(1, [3])
+    req = _req([(9,), (7, 9)][::order])
+    out = bw.apply(torch.zeros(1, 12), torch.tensor([1]), [req])
+    assert torch.isinf(out[0]).nonzero().flatten().tolist() == [9]
+
+
 def test_a_word_of_the_longest_length_spans_the_whole_history() -> None:
     word = list(range(100, 100 + MAX_BAD_WORD_TOKENS))
     bw = BadWords(rows=2, device=torch.device("cpu"))
@@ -87,6 +98,9 @@ def test_offline_outputs_never_write_a_bad_word(default_model_dir: Path, overlap
         assert not any(_contains(no_paris.token_ids, tok.encode(w, add_special_tokens=False))
                        for w in ("Paris", " Paris"))
         assert "capital of France" not in no_phrase.text and "capital of" in no_phrase.text
+        both = llm.chat(PARIS, SamplingParams(max_tokens=30, temperature=0,
+                                              bad_words=["Paris", "in Paris"]))[0]
+        assert "Paris" not in both.text
         assert untouched.token_ids == ref.token_ids
         s = llm.check_accounting()
         assert s.live_requests == 0 and s.free_rows == s.total_rows

@@ -321,6 +321,8 @@ def test_chat_hands_tool_calls_to_the_template_as_the_server_does(llm: LLM) -> N
         prompt("{city")
     with pytest.raises(ValueError, match=r"messages\[1\].tool_calls\[0\]: must be"):
         llm.chat(conv("{}")[:1] + [{"role": "assistant", "tool_calls": [{"id": "x"}]}], p)
+    with pytest.raises(ValueError, match="message 0: only assistant messages make tool calls"):
+        llm.chat([{**conv("{}")[1], "role": "user"}], p)
     _pages_balanced(llm)
 
 

@@ -268,6 +268,10 @@ def test_salts_keep_prefixes_apart() -> None:
     assert list(cache._roots) == [None] and cache._audit() == CacheStats(0, 0)
     inserted = cache.insert_and_match(toks, [6, 7], salt="c")
     assert inserted.match.pages == [6, 7] and cache.match_prefix(toks).pages == []
+    for i in range(100):  # requests shorter than a page make no root (they used to stay)
+        assert cache.insert([], [], salt=f"tenant-{i}") == []
+    assert list(cache._roots) == [None, "c"]
+    cache._audit()
 
 
 # ---------------------------------------------------------------------- randomized simulation

@@ -221,7 +221,8 @@ def test_generate_speaks_sglangs_fields(server: Server, llm: LLM) -> None:
     body = {"input_ids": ids, "rid": "rollout-7", "return_logprob": True,
             "top_logprobs_num": 2, "logprob_start_len": 1, "return_text_in_logprobs": True,
             "sampling_params": {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}}
-    r = _post(server, "/generate", body)
+    r = httpx.post(f"{server.url}/generate", json=body, timeout=120,
+                   headers={"X-Request-Id": "proxy-42"})  # a proxy's: rid still wins
     assert r.status_code == 200, r.text
     out = r.json()
     meta = out["meta_info"]
@@ -248,6 +249,8 @@ def test_generate_speaks_sglangs_fields(server: Server, llm: LLM) -> None:
     for bad, param in (({"sampling_params": {"max_new_tokens": 2, "max_tokens": 2}},
                         "max_new_tokens"),
                        ({"sampling_params": {"max_new_tokens": "2"}}, "max_new_tokens"),
+                       ({"sampling_params": {"max_new_tokens": 2 ** 40}}, "max_new_tokens"),
+                       ({"sampling_params": {"sampling_seed": 2 ** 70}}, "sampling_seed"),
                        ({"sampling_params": {"n": 2}}, "n"),
                        ({"return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
                        ({"lora_path": "adapter"}, "lora_path")):

@@ -362,3 +362,26 @@ def test_short_request_not_held_up_behind_a_long_prompt(server: Server) -> None:
     # turn, the short request would answer only after the long one.
     assert done["short"] < done["long"], (done["short"] - t0, done["long"] - t0)
     assert _rss_kb(tokenizer) < rss_before + 200_000  # kB: the long prompt's memory returned
+
+
+@pytest.mark.parametrize("field", ["priority", "truncate_prompt_tokens"])
+def test_integers_beyond_a_message_are_400s_that_hold_no_place(server: Server,
+                                                               field: str) -> None:
+    """A number too large for a message's 64 bits used to fail after the request took its
+    place in the queue (a 500, and the place never given back: after MAX_QUEUED_REQUESTS of
+    them every request got a 429). Now: a 400 naming the field, and nothing held."""
+    for _ in range(MAX_QUEUED_REQUESTS + 1):
+        r = _post(server, "/v1/chat/completions", _chat(**{field: 2 ** 64}))
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field
+    assert _post(server, "/v1/chat/completions", _chat()).status_code == 200
+
+
+def test_a_prompt_to_truncate_may_be_longer_than_any_context(server: Server) -> None:
+    """truncate_prompt_tokens (vLLM's): a prompt the character check would refuse is
+    tokenized and cut to its last tokens, as vLLM cuts it."""
+    words = "hi " * (MAX_PROMPT_CHARS // 3 + 1)
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": words, "max_tokens": 2,
+                                          "truncate_prompt_tokens": 16})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 16

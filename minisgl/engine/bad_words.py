@@ -62,11 +62,11 @@ class BadWords:
         last = to_device(lasts, torch.int64, self.device)
         seen = self.history[rows.long()[index]]
         match = ((prefix == seen) | (prefix == _ANY)).all(dim=-1)
-        out = logits.float().clone()
-        banned = torch.where(match, torch.full_like(out[index, last], float("-inf")),
-                             out[index, last])
-        out[index, last] = banned  # a word listed twice writes the same value twice
-        return out
+        # Words may share a last token ("Paris", "in Paris"): count the matches per cell, so
+        # that one word's miss never undoes another's ban (duplicate writes race on a GPU).
+        hits = torch.zeros(logits.shape, dtype=torch.int32, device=logits.device)
+        hits.index_put_((index, last), match.to(torch.int32), accumulate=True)
+        return logits.float().masked_fill(hits > 0, float("-inf"))
 
     def record(self, rows: torch.Tensor, tokens: torch.Tensor, reqs: List[Req]) -> None:
         """Push the sampled `tokens` (row i of `rows` is reqs[i]) into the history of the

@@ -151,6 +151,8 @@ class RadixCacheManager(CacheManager):
             raise ValueError(f"insert: {len(token_ids)} tokens do not fill {len(pages)} pages "
                              f"of size {self.page_size}")
         now = self._tick()
+        if not pages:  # a request shorter than a page: no root made for its salt
+            return Inserted([], PrefixMatch(None, []))
         toks = tuple(token_ids)  # ints (see the module docstring)
         root = self._roots.get(salt)
         if root is None:
@@ -300,4 +302,5 @@ class RadixCacheManager(CacheManager):
             cached += len(node.pages)
             evictable += len(node.pages) if node.ref == 0 else 0
         assert (cached, evictable) == (self._cached_pages, self._evictable_pages)
+        assert all(root.children for salt, root in self._roots.items() if salt is not None)
         return CacheStats(cached, evictable)

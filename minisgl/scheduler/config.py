@@ -54,7 +54,8 @@ class SchedulerConfig:
                 "with a priority other than 0 is refused", choices=POLICIES)
     decode_reserve_tokens: Optional[int] = setting(
         None, "reserve KV for at most this many output tokens per request at admission, "
-              "retracting the newest requests (their KV goes to the prefix cache) and "
+              "retracting the newest requests (by priority: the least urgent; their KV goes to "
+              "the prefix cache) and "
               "re-queueing them when decode outgrows the pool; unset: reserve all of "
               "max_tokens, so nothing is retracted")
     check_lockstep: bool = setting(False, "every step, the ranks compare their batch uids, KV "

@@ -361,7 +361,10 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     @app.post("/generate", openapi_extra=body_schema(GenerateRequest))
     async def generate(request: Request) -> Response:
         body = parse_body(await json_body(request), GenerateRequest)
-        job = client_id(request, generate_job(body, cfg.sampling_defaults))
+        job = generate_job(body, cfg.sampling_defaults)
+        # SGLang echoes `rid` (RL frameworks key rollouts by it); a proxy's X-Request-Id
+        # must not replace it, and still names the response in the log and its header.
+        job = job if body.rid is not None else client_id(request, job)
         return await run(request, GenerateFormatter(cfg.model_name, job))
 
     async def text_endpoint(request: Request, body_type: Any, prompt_of: Callable[[Any], Prompt],

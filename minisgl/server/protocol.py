@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
+from typing import (Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Type, TypeVar,
+                    Union)
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -141,7 +142,7 @@ class _OpenAI(_Sampling):
     cache_salt: Optional[str] = None  # vLLM's: the prefix cache's namespace for this request
     priority: int = 0  # vLLM's: lower first, under --scheduling-policy priority
     bad_words: Optional[List[str]] = None  # vLLM's: words the output never writes
-    # vLLM's: log-probability tokens as "token_id:N" (null: the server's --return-tokens-as-...)
+    # vLLM's: log-probability tokens as "token_id:N"
     return_tokens_as_token_ids: Optional[bool] = None
     # vLLM's: the prompt's and each choice's token ids beside the text
     return_token_ids: Optional[bool] = None
@@ -252,7 +253,12 @@ _SGLANG_SAMPLING_UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
 }
 
 
-def _sglang_sampling(sampling: _Sampling) -> _Sampling:
+class _SGLangSampling(NamedTuple):
+    sampling: _Sampling
+    renamed: Dict[str, str]  # our field -> the SGLang name the request used for it
+
+
+def _sglang_sampling(sampling: _Sampling) -> _SGLangSampling:
     """/generate's sampling_params with SGLang's names (max_new_tokens, min_new_tokens,
     sampling_seed) as this server's, checked like the rest; ApiError(400) naming a field given
     under both names, or one asking for what is not served."""
@@ -269,9 +275,9 @@ def _sglang_sampling(sampling: _Sampling) -> _Sampling:
                                     f"give one", theirs)
             given[ours], renamed[ours] = extra.pop(theirs), theirs
     if not renamed:
-        return sampling
+        return _SGLangSampling(sampling, renamed)
     try:
-        return _Sampling.model_validate({**given, **extra})
+        return _SGLangSampling(_Sampling.model_validate({**given, **extra}), renamed)
     except ValidationError as e:
         err = e.errors()[0]
         name = renamed.get(str(err["loc"][0]), str(err["loc"][0]))
@@ -704,11 +710,18 @@ def generate_job(body: GenerateRequest, defaults: SamplingDefaults = SamplingDef
         inert = _GENERATE_UNSUPPORTED.get(name)
         if inert is not None and not inert(value):
             raise ApiError(400, f"{name} is not supported by this server", name)
-    body = body.model_copy(update={"sampling_params": _sglang_sampling(body.sampling_params)})
+    sampling, renamed = _sglang_sampling(body.sampling_params)
+    body = body.model_copy(update={"sampling_params": sampling})
     # SGLang's /generate tokenizes text with the tokenizer's special tokens
     prompt = Prompt(input_ids=body.input_ids) if body.input_ids is not None else Prompt(
         text=body.text, add_special_tokens=True)
-    job = _job(body, [prompt], 1, defaults)
+    try:
+        job = _job(body, [prompt], 1, defaults)
+    except ApiError as e:  # an error about a field the request named otherwise names it so
+        theirs = renamed.get(e.param or "")
+        if theirs is None:
+            raise
+        raise ApiError(e.status, e.message.replace(e.param or "", theirs, 1), theirs) from None
     if body.rid is not None:
         error = request_id_error(body.rid, "rid", "rid")
         if error is not None:

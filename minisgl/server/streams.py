@@ -122,8 +122,8 @@ class RequestStreams:
                                            p.add_special_tokens, job.tokens_as_ids,
                                            job.return_token_ids))
                 sent += 1
-        except ApiError as e:
-            self._refuse(stream, sent, e.status)
+        except BaseException as e:  # a request that cannot be sent must not hold its place
+            self._refuse(stream, sent, e.status if isinstance(e, ApiError) else 500)
             raise
         return stream
 

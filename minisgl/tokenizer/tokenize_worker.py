@@ -196,7 +196,9 @@ class Tokenizer:
         words for the context: clients match them)."""
         if self.tokenizer is None and req.stop:
             return Prepared([], None, _NoTokenizer.message)
-        too_long = self.chars_error(req)
+        # A prompt to truncate may be any length: only the body limit bounds its tokenizing.
+        asks_truncation = req.params.truncate_prompt_tokens is not None
+        too_long = None if asks_truncation else self.chars_error(req)
         if too_long is not None:
             return Prepared([], None, too_long, "prompt")
         try:
