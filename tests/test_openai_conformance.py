@@ -172,7 +172,7 @@ def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI) -> None:
 
 # --- defect 4: refusals name the field -------------------------------------------------------------
 REFUSED = [
-    ("use_beam_search", True), ("bad_words", ["a"]),
+    ("use_beam_search", True), ("length_penalty", 2.0),
     ("guided_whitespace_pattern", " *"), ("guided_decoding_backend", "outlines"),
     ("stop_regex", ["a+"]),
     ("spaces_between_special_tokens", False), ("echo", True), ("chat_template", "{{ 1 }}"),
@@ -507,7 +507,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(client: openai.OpenAI, ser
     chat = client.chat.completions.create(messages=PARIS, **kw,
                                           extra_body={"truncate_prompt_tokens": 5})
     assert chat.usage.prompt_tokens == 5
-    for bad, words in ((0, "-1 (the context length) or an integer >= 1, got 0"),
+    for bad, words in ((0, "-1 (the context length) or an integer from 1 to 2**31 - 1, got 0"),
                        (10 ** 6, "(1000000) is more than the model's maximum context length"),
                        (True, "")):
         r = _post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2,
