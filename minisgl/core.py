@@ -13,7 +13,8 @@ import enum
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Literal, NamedTuple, Optional, Sequence, Tuple, get_args
+from typing import (TYPE_CHECKING, Any, Dict, List, Literal, NamedTuple, Optional, Sequence,
+                    Tuple, Union, get_args)
 
 if TYPE_CHECKING:  # messages import this module: the tokenizer and API processes need no torch
     import torch
@@ -52,6 +53,25 @@ class StructuredOutput:
         if self.kind != "json_object" and not self.spec:
             return f"structured output kind {self.kind} needs a spec"
         return None
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's `StructuredOutputsParams`, for scripts ported from vLLM: one of `json` (a
+    schema, as an object or its text), `regex`, `choice`, `grammar`, `json_object` (True) or
+    `structural_tag`; `LLM` reads it into a `StructuredOutput` as the server reads the same
+    request field (server/structured.py). The options are taken as given (xgrammar is the only
+    backend; its JSON is compact); a `whitespace_pattern` is refused."""
+    json: Union[None, str, Dict[str, Any]] = None
+    regex: Optional[str] = None
+    choice: Optional[List[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Optional[str] = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +141,9 @@ class SamplingParams:
     # Read where the prompt is tokenized (the tokenizer process, `LLM`), not by the ranks.
     truncate_prompt_tokens: Optional[int] = None
     bad_words: Tuple[str, ...] = ()  # vLLM's: words the output never writes (as bad_word_ids)
+    # vLLM's name for a constraint (StructuredOutputsParams, or its fields as a dict): `LLM`
+    # reads it into `structured`.
+    structured_outputs: Union[None, StructuredOutputsParams, Dict[str, Any]] = None
     # Offline only (`LLM`): the server takes them per HTTP request, outside the params.
     stop: Tuple[str, ...] = ()
     n: int = 1
@@ -201,6 +224,13 @@ class SamplingParams:
             raise ValueError(error)
         self._validate_allowed_token_ids()
         self._validate_bad_words()
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, (StructuredOutputsParams, dict)):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict "
+                             f"of its fields, got {type(so).__name__}")
+        if so is not None and self.structured is not None:
+            raise ValueError("structured and structured_outputs both constrain the output; "
+                             "give one")
         if not isinstance(self.stop, tuple) or any(not isinstance(x, str) or not x
                                                    for x in self.stop):
             raise ValueError(f"stop must be a string or a list of non-empty strings, got "
@@ -240,7 +270,8 @@ class SamplingParams:
         (message.codec leaves defaults out)."""
         return dataclasses.replace(self, stop=(), n=1, include_stop_str_in_output=False,
                                    skip_special_tokens=True, detokenize=True,
-                                   truncate_prompt_tokens=None, bad_words=())
+                                   truncate_prompt_tokens=None, bad_words=(),
+                                   structured_outputs=None)
 
     def _validate_logit_bias(self) -> None:
         bias = self.logit_bias

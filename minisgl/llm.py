@@ -25,8 +25,8 @@ import torch
 import zmq
 from tqdm import tqdm
 
-from minisgl.core import (FinishReason, Limits, SamplingParams, StructuredOutput, TokenLogprobs,
-                          check_request, truncate_prompt)
+from minisgl.core import (FinishReason, Limits, SamplingParams, StructuredOutput,
+                          StructuredOutputsParams, TokenLogprobs, check_request, truncate_prompt)
 from minisgl.grammar import make_checker
 from minisgl.distributed import DistributedInfo, ProcessGroups
 from minisgl.distributed.comm import Communicator
@@ -44,6 +44,7 @@ from minisgl.scheduler.main import run_rank, set_cpu_threads
 from minisgl.scheduler.scheduler import Accounting, Scheduler
 from minisgl.server.proc import (Child, ChildStartupError, first_dead, spawn, stop_children,
                                  wait_ready)
+from minisgl.server.structured import FieldError, constraint
 from minisgl.server.tools import assistant_tool_calls
 from minisgl.tokenizer.bad_words import with_bad_word_ids
 from minisgl.tokenizer.chat_template import chat_prompt_ids
@@ -252,6 +253,27 @@ def _chat_message(i: int, message: Any) -> Dict[str, Any]:
         message = {**message, "tool_calls": assistant_tool_calls(f"messages[{i}].tool_calls",
                                                                  as_text)}
     return message
+
+
+def _read_structured_outputs(p: SamplingParams) -> SamplingParams:
+    """`p` with vLLM's `structured_outputs` read into `structured`, as the server reads the
+    request field of that name; ValueError naming what is wrong."""
+    so = p.structured_outputs
+    if so is None:
+        return p
+    fields = dataclasses.asdict(so) if isinstance(so, StructuredOutputsParams) else dict(so)
+    given = {k: v for k, v in fields.items() if v is not None}
+    if given.get("whitespace_pattern") is not None:
+        raise ValueError("structured_outputs: whitespace_pattern is not supported (xgrammar's "
+                         "JSON is compact)")
+    try:
+        found = constraint({"structured_outputs": given})
+    except FieldError as e:
+        raise ValueError(str(e)) from None
+    if found is None:
+        raise ValueError("structured_outputs: asks for no constraint (set json, regex, choice, "
+                         "grammar, json_object or structural_tag)")
+    return dataclasses.replace(p, structured=found.structured, structured_outputs=None)
 
 
 class _Checked(NamedTuple):
@@ -509,6 +531,7 @@ class LLM:
             p.validate()
             if p.stop and self.tokenizer is None:
                 raise ValueError(f"{self.model_path} has no tokenizer: stop strings need one")
+            p = _read_structured_outputs(p)
             if p.structured is not None:
                 self._check_structured(p.structured)
             ids = truncate_prompt(ids, p, self._backend.limits)

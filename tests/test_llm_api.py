@@ -480,3 +480,33 @@ def test_priority_needs_the_priority_policy(llm: LLM, tiny_qwen3: Path) -> None:
         urgent_last = ranked.generate(prompts, greedy, priority=[3, 2, -1])
         plain = ranked.generate(prompts, greedy)
     assert [o.token_ids for o in urgent_last] == [o.token_ids for o in plain]
+
+
+def test_vllms_structured_outputs_params(llm: LLM) -> None:
+    """vLLM's `SamplingParams(structured_outputs=StructuredOutputsParams(...))` (or a dict of
+    its fields) constrains as `structured` does; what it cannot serve raises naming it."""
+    import json
+
+    from minisgl import StructuredOutput, StructuredOutputsParams
+    cities = ["Paris", "London", "Berlin"]
+    kw = dict(max_tokens=8, temperature=0)
+    paris = [{"role": "user", "content": "What is the capital of France?"}]
+    vllm_style = llm.chat(paris, SamplingParams(
+        **kw, structured_outputs=StructuredOutputsParams(choice=cities)))[0]
+    ours = llm.chat(paris, SamplingParams(
+        **kw, structured=StructuredOutput("choice", json.dumps(cities))))[0]
+    assert vllm_style.text in cities and vllm_style.token_ids == ours.token_ids
+    digits = llm.generate("Count:", SamplingParams(**kw, structured_outputs={
+        "regex": "[0-9]{3}", "disable_any_whitespace": True}))[0]
+    assert len(digits.text) == 3 and digits.text.isdigit()
+    for bad, match in (
+            (dict(structured_outputs=StructuredOutputsParams(regex="a", whitespace_pattern=" ")),
+             "whitespace_pattern is not supported"),
+            (dict(structured_outputs=StructuredOutputsParams()), "asks for no constraint"),
+            (dict(structured_outputs={"regex": "a", "choice": ["b"]}), "sets two constraints"),
+            (dict(structured_outputs={"json": 5}), "a JSON schema must be an object"),
+            (dict(structured_outputs=StructuredOutputsParams(regex="a"),
+                  structured=StructuredOutput("regex", "b")), "both constrain the output")):
+        with pytest.raises(ValueError, match=match):
+            llm.generate("a", SamplingParams(max_tokens=2, **bad))  # type: ignore[arg-type]
+    _pages_balanced(llm)
