@@ -251,10 +251,39 @@ def test_generate_speaks_sglangs_fields(server: Server, llm: LLM) -> None:
                        ({"sampling_params": {"max_new_tokens": "2"}}, "max_new_tokens"),
                        ({"sampling_params": {"max_new_tokens": 2 ** 40}}, "max_new_tokens"),
                        ({"sampling_params": {"sampling_seed": 2 ** 70}}, "sampling_seed"),
-                       ({"sampling_params": {"n": 2}}, "n"),
                        ({"return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
                        ({"lora_path": "adapter"}, "lora_path")):
         r = _post(server, "/generate", {"input_ids": ids, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_generate_takes_sglangs_batches_and_n(server: Server, llm: LLM) -> None:
+    """A list of texts or of id lists, and sampling_params.n: a list of results, prompt-major
+    (as SGLang), each with its index; the same tokens as the offline API, streamed or not."""
+    texts = ["The capital of France is", "Hello, my name is"]
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    refs = llm.generate(texts, greedy)
+    sp = {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}
+    out = _post(server, "/generate", {"text": texts, "sampling_params": sp}).json()
+    assert [o["index"] for o in out] == [0, 1]
+    assert [o["output_ids"] for o in out] == [r.token_ids for r in refs]
+    ids = [r.prompt_token_ids for r in refs]
+    two = _post(server, "/generate", {"input_ids": ids, "sampling_params": {**sp, "n": 2}})
+    assert [(o["index"], o["output_ids"]) for o in two.json()] == [
+        (k, refs[k // 2].token_ids) for k in range(4)]
+    events: List[dict] = []
+    with httpx.stream("POST", f"{server.url}/generate", timeout=60,
+                      json={"text": texts, "stream": True, "sampling_params": sp}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    for k, ref in enumerate(refs):
+        assert [t for e in events if e["index"] == k for t in e["output_ids"]] == ref.token_ids
+    for bad, param in (({"text": texts, "rid": "one"}, "rid"),
+                       ({"text": ["a"] * 65}, "text"),
+                       ({"text": ["a", ""]}, "text"),
+                       ({"input_ids": [[1], []]}, "input_ids"),
+                       ({"text": "a", "sampling_params": {"n": 0}}, "n")):
+        r = _post(server, "/generate", bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 

@@ -361,7 +361,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     @app.post("/generate", openapi_extra=body_schema(GenerateRequest))
     async def generate(request: Request) -> Response:
         body = parse_body(await json_body(request), GenerateRequest)
-        job = generate_job(body, cfg.sampling_defaults)
+        job = generate_job(body, cfg.sampling_defaults, cfg.max_n)
         # SGLang echoes `rid` (RL frameworks key rollouts by it); a proxy's X-Request-Id
         # must not replace it, and still names the response in the log and its header.
         job = job if body.rid is not None else client_id(request, job)

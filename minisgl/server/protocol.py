@@ -210,10 +210,11 @@ class DetokenizeBody(_Body):
 
 
 class GenerateRequest(_Body):
-    """SGLang's /generate body (the fields served; others that ask for something: 400)."""
+    """SGLang's /generate body (the fields served; others that ask for something: 400): one
+    prompt, or a batch (a list of texts or of id lists)."""
 
-    input_ids: Optional[List[int]] = None
-    text: Optional[str] = None
+    input_ids: Union[None, List[int], List[List[int]]] = None
+    text: Union[None, str, List[str]] = None
     sampling_params: _Sampling = _Sampling()
     stream: bool = False
     rid: Optional[str] = None  # the request's id (meta_info.id), as X-Request-Id
@@ -245,7 +246,6 @@ _SGLANG_SAMPLING_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min
                           "sampling_seed": "seed"}
 # SGLang sampling_params this server does not serve, with the values that ask for nothing.
 _SGLANG_SAMPLING_UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
-    "n": lambda v: v in (None, 1),
     "logit_bias": lambda v: not v,
     "custom_params": lambda v: not v,
     "stop_regex": lambda v: not v,
@@ -510,7 +510,11 @@ def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: in
     logprobs, logit_bias, continuous, prompt_logprobs = None, None, False, None
     max_name = "max_tokens"
     if isinstance(body, GenerateRequest):
-        sampling, n, stream, include_usage = body.sampling_params, 1, body.stream, False
+        sampling, stream, include_usage = body.sampling_params, body.stream, False
+        n = (sampling.model_extra or {}).get("n")
+        n = 1 if n is None else n
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_n:
+            raise ApiError(400, f"n must be between 1 and {max_n}, got {n!r}", "n")
         max_tokens = sampling.max_tokens
     else:
         sampling, n, stream = body, 1 if body.n is None else body.n, bool(body.stream)
@@ -699,24 +703,43 @@ def completion_job(body: CompletionRequest, max_n: int,
     return dataclasses.replace(job, params=params, echo=True)
 
 
-def generate_job(body: GenerateRequest, defaults: SamplingDefaults = SamplingDefaults()
-                 ) -> Job:
+def _generate_prompts(body: GenerateRequest) -> List[Prompt]:
+    """The prompts of a /generate body: text tokenized with the tokenizer's special tokens
+    (SGLang's), ids as given; ApiError naming an empty one."""
+    if body.text is not None:
+        texts = [body.text] if isinstance(body.text, str) else body.text
+        if not texts or any(t == "" for t in texts):
+            raise ApiError(400, "the prompt must not be empty", "text")
+        return [Prompt(text=t, add_special_tokens=True) for t in texts]
+    ids = body.input_ids or []
+    batch = [ids] if not ids or isinstance(ids[0], int) else ids
+    if not batch or any(not p for p in batch):
+        raise ApiError(400, "the prompt must not be empty", "input_ids")
+    for p in batch:
+        _check_ids("input_ids", p)
+    return [Prompt(input_ids=list(p)) for p in batch]
+
+
+def generate_job(body: GenerateRequest, defaults: SamplingDefaults = SamplingDefaults(),
+                 max_n: int = 1) -> Job:
+    """SGLang's /generate request's job: its prompt, or its batch of them (each with n
+    choices, prompt-major as SGLang orders them)."""
     if (body.input_ids is None) == (body.text is None):
         raise ApiError(400, "exactly one of input_ids and text must be given", "input_ids")
-    if body.input_ids is not None and not body.input_ids or body.text == "":
-        raise ApiError(400, "the prompt must not be empty", "input_ids")
-    _check_ids("input_ids", body.input_ids or ())
+    prompts = _generate_prompts(body)
+    if len(prompts) > MAX_PROMPTS:
+        field = "text" if body.text is not None else "input_ids"
+        raise ApiError(400, f"{field}: at most {MAX_PROMPTS} prompts, got {len(prompts)}", field)
+    if len(prompts) > 1 and body.rid is not None:
+        raise ApiError(400, "rid names one request; a batch has no single id", "rid")
     for name, value in (body.model_extra or {}).items():
         inert = _GENERATE_UNSUPPORTED.get(name)
         if inert is not None and not inert(value):
             raise ApiError(400, f"{name} is not supported by this server", name)
     sampling, renamed = _sglang_sampling(body.sampling_params)
     body = body.model_copy(update={"sampling_params": sampling})
-    # SGLang's /generate tokenizes text with the tokenizer's special tokens
-    prompt = Prompt(input_ids=body.input_ids) if body.input_ids is not None else Prompt(
-        text=body.text, add_special_tokens=True)
     try:
-        job = _job(body, [prompt], 1, defaults)
+        job = _job(body, prompts, max_n, defaults)
     except ApiError as e:  # an error about a field the request named otherwise names it so
         theirs = renamed.get(e.param or "")
         if theirs is None:

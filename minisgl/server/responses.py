@@ -171,7 +171,7 @@ class Formatter(ABC):
         self.created = int(time.time())
 
     @abstractmethod
-    def full(self, choices: List[Choice]) -> Dict[str, Any]: ...
+    def full(self, choices: List[Choice]) -> Union[Dict[str, Any], List[Dict[str, Any]]]: ...
 
     def opening(self, index: int, choice: Choice) -> Iterator[str]:
         """`choice` holds only the prompt's token count and log-probabilities."""
@@ -186,32 +186,48 @@ class Formatter(ABC):
 
 class GenerateFormatter(Formatter):
     """The /generate format: text and token ids, one object per chunk, no choices; SGLang's
-    `output_ids` and `meta_info` (server/generate_meta.py) beside our own fields. Streamed,
-    each chunk carries what is new (SGLang's incremental streaming output), log-probabilities
-    included: the prompt's on the first chunk."""
+    `output_ids` and `meta_info` (server/generate_meta.py) beside our own fields. A batch, or
+    n > 1, answers a list of those objects (prompt-major, as SGLang), each with its `index`.
+    Streamed, each chunk carries what is new (SGLang's incremental streaming output),
+    log-probabilities included: the prompt's on the first chunk."""
 
     id_prefix = "gen"
     prompt_param = "input_ids"
 
-    def full(self, choices: List[Choice]) -> Dict[str, Any]:
-        c = choices[0]
-        return {"id": self.id, "text": "".join(c.text), "token_ids": c.token_ids,
+    @property
+    def single(self) -> bool:
+        return len(self.job.prompts) * self.job.n == 1
+
+    def full(self, choices: List[Choice]) -> Union[Dict[str, Any], List[Dict[str, Any]]]:
+        items = [{**self._item(i, c), "usage": usage([c], 1)} for i, c in enumerate(choices)]
+        if self.single:
+            return {**items[0], "usage": usage(choices, self.job.n)}
+        return items
+
+    def _item(self, index: int, c: Choice) -> Dict[str, Any]:
+        item = {"id": self._id(index, self.id), "text": "".join(c.text), "token_ids": c.token_ids,
                 "output_ids": c.token_ids, "finish_reason": c.finish_reason,
-                "usage": usage(choices, self.job.n),
-                "meta_info": self._meta(c, c.finish_reason, c.matched_stop, c.prompt_logprobs,
-                                        c.logprobs)}
+                "meta_info": self._meta(index, c, c.finish_reason, c.matched_stop,
+                                        c.prompt_logprobs, c.logprobs)}
+        return item if self.single else {**item, "index": index}
 
     def delta(self, index: int, chunk: ReplyChunk, choice: Choice) -> Iterator[str]:
-        yield sse({"id": self.id, "text": chunk.text, "token_ids": list(chunk.token_ids),
-                   "output_ids": list(chunk.token_ids), "finish_reason": chunk.finish_reason,
-                   "meta_info": self._meta(choice, chunk.finish_reason, chunk.matched_stop,
-                                           chunk.prompt_logprobs, chunk.logprobs)})
+        event = {"id": self._id(index, self.id), "text": chunk.text,
+                 "token_ids": list(chunk.token_ids),
+                 "output_ids": list(chunk.token_ids), "finish_reason": chunk.finish_reason,
+                 "meta_info": self._meta(index, choice, chunk.finish_reason, chunk.matched_stop,
+                                         chunk.prompt_logprobs, chunk.logprobs)}
+        yield sse(event if self.single else {**event, "index": index})
 
-    def _meta(self, c: Choice, reason: Optional[str], matched: Union[None, int, str],
-              prompt: Sequence[TokenLogprobText], output: Sequence[TokenLogprobText]
-              ) -> Dict[str, Any]:
+    def _id(self, index: int, base: str) -> str:
+        """Choice `index`'s id: `base`, suffixed with the index in a batch or n > 1."""
+        return base if self.single else f"{base}-{index}"
+
+    def _meta(self, index: int, c: Choice, reason: Optional[str],
+              matched: Union[None, int, str], prompt: Sequence[TokenLogprobText],
+              output: Sequence[TokenLogprobText]) -> Dict[str, Any]:
         meta: Dict[str, Any] = {
-            "id": self.job.request_id or self.id,
+            "id": self._id(index, self.job.request_id or self.id),  # SGLang's rid
             "finish_reason": generate_meta.finish_reason(reason, matched, c.completion_tokens),
             "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
             "cached_tokens": c.cached_tokens}
