@@ -113,6 +113,9 @@ class SamplingParams:
     """
 
     max_tokens: Optional[int] = 16
+    # What max_tokens=None resolves to at most (the model's max_new_tokens); None: an eighth
+    # of the KV pool, at least 256 (check_request).
+    default_max_tokens: Optional[int] = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -179,6 +182,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        cap = self.default_max_tokens
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise ValueError(f"default_max_tokens (max_new_tokens) must be an integer >= 1, "
+                             f"got {cap!r}")
         error = _min_tokens_error(self.min_tokens, self.max_tokens)
         if error is not None:
             raise ValueError(error)
@@ -428,14 +435,16 @@ class TooLong(RequestError):
 
 def _auto_max_tokens(prompt_tokens: int, params: SamplingParams, limits: Limits) -> int:
     """What `max_tokens=None` stands for: the rest of the context (and of the KV pool, which
-    must hold the whole request), capped at an eighth of that limit (at least 256), since
-    admission may reserve KV for the whole of max_tokens and requests without one should still
-    run side by side. RequestError when no token fits or min_tokens does not."""
+    must hold the whole request), capped at `params.default_max_tokens` (the model's
+    max_new_tokens) or else an eighth of that limit (at least 256), since admission may reserve
+    KV for the whole of max_tokens and requests without one should still run side by side.
+    RequestError when no token fits or min_tokens does not."""
     limit = min(limits.max_context, limits.kv_capacity)
     if prompt_tokens >= limit:
         raise RequestError(f"the prompt has {prompt_tokens} tokens, which leaves no room for "
                            f"output in the context length of {limit} tokens", "prompt")
-    max_tokens = min(limit - prompt_tokens, max(256, limit // 8))
+    cap = params.default_max_tokens
+    max_tokens = min(limit - prompt_tokens, max(256, limit // 8) if cap is None else cap)
     error = _min_tokens_error(params.min_tokens, max_tokens)
     if error is not None:
         raise RequestError(error, "min_tokens")

@@ -75,10 +75,11 @@ def test_offline_calls_without_params_take_the_recommendation(greedy_model: Path
     with LLM(str(greedy_model), device="cpu", max_kv_tokens=1024, show_progress=False) as llm:
         defaults = llm.get_default_sampling_params()
         assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.0, 0.5, 20)
-        assert defaults.max_tokens == SamplingParams().max_tokens  # max_new_tokens is not read
+        # max_new_tokens caps an unset max_tokens (as vLLM's default max_tokens)
+        assert (defaults.max_tokens, defaults.default_max_tokens) == (None, 7)
         prompt = [5, 6, 7, 8]
         greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16))
-        assert llm.generate(prompt)[0].token_ids == greedy[0].token_ids
+        assert llm.generate(prompt)[0].token_ids == greedy[0].token_ids[:7]
     with LLM(str(greedy_model), device="cpu", max_kv_tokens=1024, show_progress=False,
              generation_config="none") as llm:
         assert llm.get_default_sampling_params() == SamplingParams()
@@ -105,6 +106,22 @@ def test_requests_that_leave_sampling_unset_take_the_recommendation(
         r = httpx.post(f"{srv.url}/generate", timeout=60, json={
             "input_ids": [5, 6, 7, 8], "sampling_params": {"max_tokens": 12, "seed": 3}})
         assert r.status_code == 200 and r.json()["text"] == greedy
+        # max_new_tokens (7) caps a request without max_tokens; a request's own value wins,
+        # and completions keep OpenAI's explicit default of 16
+        for path, body, want in (
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, 7),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                          "max_tokens": 9}, 9),
+                ("/v1/completions", {"prompt": [5, 6]}, 16),
+                ("/generate", {"input_ids": [5, 6]}, 7)):
+            fields = {"ignore_eos": True}
+            if path == "/generate":
+                body = {**body, "sampling_params": fields}
+            else:
+                body = {**body, **fields}
+            r = httpx.post(f"{srv.url}{path}", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == want, (path, body)
     finally:
         srv.stop()
 

@@ -441,6 +441,7 @@ def _sampling(body: _Sampling, max_tokens: Optional[int], defaults: SamplingDefa
         repetition_penalty=(defaults.repetition_penalty if body.repetition_penalty is None
                             else body.repetition_penalty),
         min_tokens=body.min_tokens,
+        default_max_tokens=defaults.max_tokens,
         stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs,
         logit_bias=logit_bias, allowed_token_ids=None if allowed is None else tuple(allowed),
         **fields)
