@@ -81,13 +81,15 @@ def test_yarn_tables_carry_the_attention_factor() -> None:
 HF_CONFIGS = {"LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
               "MixtralForCausalLM": "MixtralConfig", "Qwen2ForCausalLM": "Qwen2Config",
               "Qwen2MoeForCausalLM": "Qwen2MoeConfig", "Qwen3ForCausalLM": "Qwen3Config",
-              "Qwen3MoeForCausalLM": "Qwen3MoeConfig"}
+              "Qwen3MoeForCausalLM": "Qwen3MoeConfig", "Phi3ForCausalLM": "Phi3Config"}
 _MOE_FIELDS = {"MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
                "Qwen2MoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2,
                                            moe_intermediate_size=16,
                                            shared_expert_intermediate_size=16),
                "Qwen3MoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2,
-                                           moe_intermediate_size=16)}
+                                           moe_intermediate_size=16),
+               # not MoE: Phi3Config's default pad and EOS ids (32000) lie beyond this vocabulary
+               "Phi3ForCausalLM": dict(pad_token_id=0, eos_token_id=2)}
 
 
 @pytest.mark.parametrize("arch", sorted(HF_CONFIGS))

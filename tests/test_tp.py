@@ -56,6 +56,25 @@ def test_tp_greedy_matches_tp1_and_hf(tp: int, tiny_model: Callable[..., Path]) 
     assert accounting.free_rows == accounting.total_rows
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_fused_checkpoint_tensors_shard_like_separate_ones(
+        tp: int, tiny_model: Callable[..., Path]) -> None:
+    """Phi-3's checkpoints fuse q/k/v and gate/up: each rank reads only its rows of each part
+    (K/V replicated at tp=4 over 2 KV heads), and the tokens are HF's at every tp."""
+    path = tiny_model("phi3")
+    prompts = mixed_prompts(6, seed=9, lengths=(3, 20, 50))
+    ref = hf_greedy(path, prompts, GREEDY.max_tokens)
+    assert _generate_and_account(path, tp, prompts, GREEDY)[0] == ref
+    cfg = ModelConfig.from_dir(path)
+    info = DistributedInfo(tp - 1, tp)
+    model = model_class(cfg.architecture)(cfg, info, Communicator(info))
+    reads: list = []
+    model.load_weights((n, RecordingSource(s, reads)) for n, s in iter_checkpoint(path, False))
+    fused = [(name, full, got) for name, full, got in reads
+             if "qkv_proj" in name or "gate_up_proj" in name]
+    assert fused and all(len(got) == 2 and got[0] < full[0] for _, full, got in fused)
+
+
 def test_tp_overlap_scheduling_matches_hf(tiny_model: Callable[..., Path]) -> None:
     """Overlap scheduling (one step behind) keeps every rank in lockstep and the tokens exact."""
     path = tiny_model("qwen3")

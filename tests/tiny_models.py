@@ -37,6 +37,9 @@ FAMILIES: Dict[str, dict] = {
                       shared_expert_intermediate_size=48),
     "mixtral": dict(arch="MixtralConfig", tie_word_embeddings=False, num_local_experts=8,
                     num_experts_per_tok=2, intermediate_size=48, sliding_window=None),
+    # Phi-3 / Phi-4: checkpoints with fused qkv_proj and gate_up_proj tensors.
+    "phi3": dict(arch="Phi3Config", tie_word_embeddings=False, sliding_window=None,
+                 pad_token_id=0),
 }
 
 

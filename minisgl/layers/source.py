@@ -33,3 +33,24 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
                          f"{dst.dtype} (is it missing from the quantization config's ignore "
                          f"list, or is the layer one minisgl does not quantize?)")
     dst.copy_(src.to(dtype=dst.dtype))
+
+
+class RowsOf:
+    """Rows [start, start + size) of a checkpoint tensor, as a source of their own: one of the
+    projections a checkpoint fuses along dim 0 (Phi-3's qkv_proj, gate_up_proj), read as
+    lazily as the whole (a rank still reads only its slice)."""
+
+    def __init__(self, src: TensorSource, start: int, size: int) -> None:
+        self.src, self.start, self.size = src, start, size
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return (self.size, *self.src.shape[1:])
+
+    def read(self, dim: Optional[int] = None, start: int = 0, stop: int = 0) -> torch.Tensor:
+        if dim == 0:
+            return self.src.read(0, self.start + start, self.start + stop)
+        rows = self.src.read(0, self.start, self.start + self.size)
+        if dim is None:
+            return rows
+        return rows.narrow(dim, start, stop - start)

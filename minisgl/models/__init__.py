@@ -19,6 +19,7 @@ _MODULE_OF: Dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "MixtralForCausalLM": "llama",
+    "Phi3ForCausalLM": "phi3",
     "Qwen2ForCausalLM": "qwen",
     "Qwen2MoeForCausalLM": "qwen",
     "Qwen3ForCausalLM": "qwen",

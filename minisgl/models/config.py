@@ -48,6 +48,8 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
                             "shared_expert_intermediate_size": 5632},
     "Qwen3ForCausalLM": {**_QWEN, "head_dim": 128, "num_key_value_heads": 32},
     "Qwen3MoeForCausalLM": {**_QWEN, "num_key_value_heads": 4},
+    "Phi3ForCausalLM": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+                        "vocab_size": 32064},
 }
 # The families whose attention projections take `attention_bias` (Qwen2's are fixed: q/k/v
 # bias, none on o; Mistral's and Mixtral's have none), and whose MLP takes `mlp_bias`.
@@ -55,7 +57,7 @@ _ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
 _MLP_BIAS = ("LlamaForCausalLM",)
 # The families whose attention may slide (see `_window`).
 _WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
-             "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+             "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM")
 
 @dataclass(frozen=True)
 class ModelConfig:

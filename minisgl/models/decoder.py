@@ -1,5 +1,5 @@
 """The decoder shared by every supported family (Llama, Mistral, Mixtral, Qwen2, Qwen3 and their
-MoE variants).
+MoE variants, Phi-3).
 
 Families differ only in small traits (QKV bias, per-head q/k RMSNorm), given by their model
 classes, and in the shape of the layer after attention: the dense MLP, or for the layers
@@ -16,8 +16,10 @@ steps.
 
 from __future__ import annotations
 
+import itertools
+import math
 from types import MappingProxyType
-from typing import ClassVar, Iterable, Mapping, NamedTuple, Optional, Set, Tuple, Union
+from typing import ClassVar, Iterable, List, Mapping, NamedTuple, Optional, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -35,7 +37,7 @@ from minisgl.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowP
 from minisgl.layers.moe import MoEShape, SparseMoE, expert_param
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
-from minisgl.layers.source import TensorSource
+from minisgl.layers.source import RowsOf, TensorSource
 from minisgl.models.config import ModelConfig
 from minisgl.models.quantization import QuantPlan
 
@@ -241,12 +243,15 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """Base of every model class: the decoder plus the LM head, and checkpoint loading.
 
-    Subclasses override `traits` with their family's differences, and `checkpoint_renames`
+    Subclasses override `traits` with their family's differences, `checkpoint_renames`
     where their checkpoints name modules differently (each component of a tensor's name found
-    there is replaced before the name is matched to a parameter).
+    there is replaced before the name is matched to a parameter), and `checkpoint_fused` where
+    a checkpoint tensor fuses projections along its rows (each part then loads as the
+    checkpoint tensor of that name would: `_unfused`).
     """
 
     checkpoint_renames: ClassVar[Mapping[str, str]] = MappingProxyType({})
+    checkpoint_fused: ClassVar[Mapping[str, Tuple[str, ...]]] = MappingProxyType({})
 
     @classmethod
     def traits(cls, cfg: ModelConfig) -> "Traits":
@@ -292,7 +297,7 @@ class CausalLM(nn.Module):
         and any FP8 scale of a layer that is not FP8. Then the weight-only FP8 layers are
         dequantized (layers/fp8.finish_loading)."""
         loaded: Set[str] = set()
-        for name, src in tensors:
+        for name, src in (part for tensor in tensors for part in self._unfused(*tensor)):
             target = self._target(name)
             if target is None:
                 continue
@@ -313,6 +318,31 @@ class CausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:4]}")
         finish_loading(self)
+
+    def _unfused(self, name: str, src: TensorSource) -> List[Tuple[str, TensorSource]]:
+        """Checkpoint tensor `name` as (name, source) pairs: itself, or where it fuses
+        projections (`checkpoint_fused`) each projection's rows under that projection's name
+        (a scale of one value, shared by the parts, goes to each as it is)."""
+        *path, param = name.split(".")
+        parts = self.checkpoint_fused.get(path[-1]) if path else None
+        if parts is None:
+            return [(name, src)]
+        sizes = [self._rows_of(part) for part in parts]
+        if src.shape[:1] != (sum(sizes),) and math.prod(src.shape) != 1:
+            raise ValueError(f"checkpoint tensor {name} has {src.shape[0] if src.shape else 1} "
+                             f"rows, but {' + '.join(parts)} take {' + '.join(map(str, sizes))}")
+        starts = itertools.accumulate([0, *sizes[:-1]])
+        return [(".".join([*path[:-1], part, param]),
+                 src if math.prod(src.shape) == 1 else RowsOf(src, start, size))
+                for part, start, size in zip(parts, starts, sizes)]
+
+    def _rows_of(self, projection: str) -> int:
+        """The output rows of one unsharded projection a checkpoint may fuse."""
+        c = self.cfg
+        rows = {"q_proj": c.num_heads * c.head_dim, "k_proj": c.num_kv_heads * c.head_dim,
+                "v_proj": c.num_kv_heads * c.head_dim, "gate_proj": c.intermediate_size,
+                "up_proj": c.intermediate_size}
+        return rows[projection]
 
     def _module_for(self, name: str, module_name: str) -> nn.Module:
         """The module checkpoint tensor `name` loads into; ValueError where this model has
