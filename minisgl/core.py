@@ -113,7 +113,7 @@ class SamplingParams:
     """
 
     max_tokens: Optional[int] = 16
-    # What max_tokens=None resolves to at most (the model's max_new_tokens); None: an eighth
+    # What max_tokens=None resolves to at most (the model's max_new_tokens), besides an eighth
     # of the KV pool, at least 256 (check_request).
     default_max_tokens: Optional[int] = None
     temperature: float = 1.0
@@ -435,16 +435,17 @@ class TooLong(RequestError):
 
 def _auto_max_tokens(prompt_tokens: int, params: SamplingParams, limits: Limits) -> int:
     """What `max_tokens=None` stands for: the rest of the context (and of the KV pool, which
-    must hold the whole request), capped at `params.default_max_tokens` (the model's
-    max_new_tokens) or else an eighth of that limit (at least 256), since admission may reserve
-    KV for the whole of max_tokens and requests without one should still run side by side.
-    RequestError when no token fits or min_tokens does not."""
+    must hold the whole request), capped at an eighth of that limit (at least 256), since
+    admission may reserve KV for the whole of max_tokens and requests without one should still
+    run side by side, and at `params.default_max_tokens` (the model's max_new_tokens) where
+    that is lower. RequestError when no token fits or min_tokens does not."""
     limit = min(limits.max_context, limits.kv_capacity)
     if prompt_tokens >= limit:
         raise RequestError(f"the prompt has {prompt_tokens} tokens, which leaves no room for "
                            f"output in the context length of {limit} tokens", "prompt")
-    cap = params.default_max_tokens
-    max_tokens = min(limit - prompt_tokens, max(256, limit // 8) if cap is None else cap)
+    max_tokens = min(limit - prompt_tokens, max(256, limit // 8))
+    if params.default_max_tokens is not None:
+        max_tokens = min(max_tokens, params.default_max_tokens)
     error = _min_tokens_error(params.min_tokens, max_tokens)
     if error is not None:
         raise RequestError(error, "min_tokens")

@@ -322,8 +322,8 @@ class LLM:
     `show_progress`: progress bars while loading and generating; `log_level`: the rank
     processes' (tp > 1). `generation_config`: where the params of a call given none come from
     (`get_default_sampling_params`): "auto" (the model's generation_config.json recommends
-    temperature, top_p, top_k, min_p, repetition_penalty, as in vLLM), "none" (SamplingParams'
-    own defaults), or a directory holding a generation_config.json. `tokenizer`: a directory or
+    temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens as a cap on an
+    unset max_tokens, as in vLLM), "none" (SamplingParams' own defaults), or a directory holding a generation_config.json. `tokenizer`: a directory or
     hub id whose tokenizer (and chat template) replaces the model's, as the server's
     `--tokenizer`."""
 

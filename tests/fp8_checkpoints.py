@@ -20,7 +20,9 @@ from safetensors.torch import save_file
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# (Phi-3's checkpoints fuse q/k/v into qkv_proj and gate/up into gate_up_proj.)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               "qkv_proj", "gate_up_proj")
 
 
 class Group(NamedTuple):

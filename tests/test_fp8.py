@@ -85,6 +85,37 @@ def test_fp8_checkpoint_matches_hf_on_its_dequantized_weights(
     assert _generate(ckpt.fp8, 2, prompts) == ref
 
 
+PHI3_FORMATS: Dict[str, Fp8Format] = {
+    # the fused tensors' per-channel scales split with their rows; an ignore list naming the
+    # checkpoint's own fused layer (not q_proj: no such layer in a Phi-3 checkpoint)
+    "ct-channel": Fp8Format("compressed-tensors", (Group("Linear", "channel", False),),
+                            ("model.layers.1.self_attn.qkv_proj",),
+                            ("lm_head", "model.layers.1.self_attn.qkv_proj")),
+    "ct-tensor-static": Fp8Format("compressed-tensors", (Group("Linear", "tensor", True),), (),
+                                  ("lm_head",)),
+    # block scales: a row per 128 rows, split where every part is whole blocks
+    "fp8-block": Fp8Format("fp8", (Group("Linear", "block", False),),
+                           ("model.layers.1.mlp.gate_up_proj",),
+                           ("model.layers.1.mlp.gate_up_proj",)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PHI3_FORMATS))
+def test_phi3_fused_fp8_checkpoints_match_hf(tiny_model: Callable[..., Path],
+                                             tmp_path: Path, name: str) -> None:
+    """Phi-3's fused qkv_proj / gate_up_proj in FP8: scales per tensor, per channel and per
+    block split with the parts' rows, and the quantization config's lists matched against the
+    checkpoint's own (fused) layer names; tp=1 and tp=2 give HF's tokens on the dequantized
+    twin."""
+    fmt = PHI3_FORMATS[name]
+    shape = BLOCK_SHAPE if name == "fp8-block" else {}
+    ckpt = write_fp8(tiny_model("phi3", **shape), tmp_path / name, fmt)
+    prompts = mixed_prompts(3, seed=5, lengths=(2, 9, 30))
+    ref = hf_greedy(ckpt.dequantized, prompts, GREEDY.max_tokens)
+    assert _generate(ckpt.fp8, 1, prompts) == ref
+    assert _generate(ckpt.fp8, 2, prompts) == ref
+
+
 def test_fp8_loading_keeps_scales_per_part_and_the_largest_input_scale(
         written: Callable[[str], Written]) -> None:
     """On a CUDA-like (not weight-only) plan the layers stay FP8: the fused QKV keeps q's, k's

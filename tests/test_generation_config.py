@@ -132,3 +132,19 @@ def test_an_unreadable_generation_config_stops_the_start(greedy_model: Path,
                      str(tmp_path / "nowhere")], tmp_path, timeout_s=60)
     assert run.returncode == 1
     assert "generation_config" in run.stderr and "nowhere/generation_config.json" in run.stderr
+
+
+def test_max_new_tokens_only_lowers_what_an_unset_max_tokens_gets() -> None:
+    """The eighth-of-the-pool cap (requests without max_tokens side by side) stays: a larger
+    max_new_tokens does not raise it (a review found it did), a smaller one lowers it."""
+    from minisgl.core import Limits, check_request
+    limits = Limits(max_context=32768, vocab_size=100, num_pages=2048, page_size=16,
+                    max_prefill_tokens=8192)
+    ids = list(range(10))
+
+    def resolved(cap: object) -> object:
+        return check_request(ids, SamplingParams(max_tokens=None, default_max_tokens=cap),
+                             limits).max_tokens
+
+    assert resolved(None) == resolved(30000) == 32768 // 8
+    assert resolved(100) == 100

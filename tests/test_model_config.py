@@ -177,3 +177,15 @@ def test_a_partial_rotary_factor_is_refused_naming_it(changes: Dict[str, Any]) -
     with pytest.raises(ValueError, match="unsupported partial_rotary_factor 0.(5|25)"):
         _config(**changes)
     assert _config(partial_rotary_factor=1.0).head_dim == 128
+
+
+@pytest.mark.parametrize("kind", ["longrope", "su", "yarn"])
+def test_phi3_scalings_are_its_longrope_and_refused(kind: str) -> None:
+    """transformers' Phi3Config reads Phi-3's older "su" and "yarn" as "longrope" (the 128K
+    variants', Phi-3.5's): refused naming it, not served as another scaling."""
+    raw = dict(architectures=["Phi3ForCausalLM"], vocab_size=64, hidden_size=64,
+               intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+               rope_scaling={"type": kind, "long_factor": [1.0] * 8, "short_factor": [1.0] * 8,
+                             "factor": 4.0})
+    with pytest.raises(ValueError, match="unsupported rope scaling type 'longrope'"):
+        ModelConfig.from_dict(raw)

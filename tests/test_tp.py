@@ -70,9 +70,17 @@ def test_fused_checkpoint_tensors_shard_like_separate_ones(
     model = model_class(cfg.architecture)(cfg, info, Communicator(info))
     reads: list = []
     model.load_weights((n, RecordingSource(s, reads)) for n, s in iter_checkpoint(path, False))
-    fused = [(name, full, got) for name, full, got in reads
-             if "qkv_proj" in name or "gate_up_proj" in name]
-    assert fused and all(len(got) == 2 and got[0] < full[0] for _, full, got in fused)
+    kv_heads = max(1, cfg.num_kv_heads // tp)  # replicated where tp exceeds the KV heads
+    want = {"qkv_proj": (cfg.num_heads // tp + 2 * kv_heads) * cfg.head_dim,
+            "gate_up_proj": 2 * cfg.intermediate_size // tp}
+    rows: dict = {}
+    for name, _, got in reads:
+        fused = next((f for f in want if f"{f}.weight" in name), None)
+        if fused is not None:
+            rows[name] = rows.get(name, 0) + got[0]
+    assert len(rows) == 2 * cfg.num_layers
+    assert all(n == want["qkv_proj" if "qkv" in name else "gate_up_proj"]
+               for name, n in rows.items()), rows  # each rank: its rows of each part only
 
 
 def test_tp_overlap_scheduling_matches_hf(tiny_model: Callable[..., Path]) -> None:

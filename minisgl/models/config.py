@@ -169,7 +169,7 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0),
-            rope_scaling=_rope_scaling(cfg.get("rope_scaling") or rope),
+            rope_scaling=_rope_scaling(cfg.get("rope_scaling") or rope, arch),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=arch in _ATTENTION_BIAS and bool(cfg.get("attention_bias", False)),
@@ -216,10 +216,13 @@ def _window(cfg: Dict[str, Any], arch: str) -> Optional[int]:
     return int(window)
 
 
-def _rope_scaling(raw: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+def _rope_scaling(raw: Dict[str, Any], arch: str = "") -> Optional[Dict[str, Any]]:
     """The scaling with its type under `rope_type` (older configs say `type`), None without
-    one (Hugging Face 5's `rope_parameters` hold the theta of an unscaled rope too)."""
+    one (Hugging Face 5's `rope_parameters` hold the theta of an unscaled rope too). Phi-3's
+    older "su" and "yarn" are its "longrope", as transformers' Phi3Config reads them."""
     kind = raw.get("rope_type", raw.get("type", "default"))
+    if arch == "Phi3ForCausalLM" and kind in ("su", "yarn"):
+        kind = "longrope"
     return None if kind == "default" else {**raw, "rope_type": kind}
 
 

@@ -50,10 +50,17 @@ class Traits(NamedTuple):
     qk_norm: bool
     policy: KernelPolicy = KernelPolicy()
     quant: Optional[QuantPlan] = None
+    # parts -> the one checkpoint layer holding them (CausalLM.checkpoint_fused, reversed)
+    fused_names: Mapping[Tuple[str, ...], str] = MappingProxyType({})
 
     def fp8(self, prefix: str, *parts: str) -> Optional[Fp8Spec]:
-        """The FP8 format of the projection fusing checkpoint layers `prefix`.`part`."""
-        return None if self.quant is None else self.quant.spec_for(prefix, parts)
+        """The FP8 format of the projection fusing checkpoint layers `prefix`.`part`, asked
+        under the checkpoint's own layer name where it fuses them (its quantization config's
+        ignore and target lists name that one)."""
+        if self.quant is None:
+            return None
+        fused = self.fused_names.get(parts)
+        return self.quant.spec_for(prefix, (fused,) if fused is not None else parts)
 
 
 # checkpoint module name -> (our fused module, shard index)
@@ -269,7 +276,9 @@ class CausalLM(nn.Module):
                              f"would need FP8 expert kernels; --quantization fp8 of a dense "
                              f"checkpoint quantizes their attention and dense MLPs only")
         self.cfg = cfg
-        self.model = DecoderModel(cfg, self.traits(cfg)._replace(policy=policy, quant=quant),
+        fused_names = {parts: name for name, parts in self.checkpoint_fused.items()}
+        traits = self.traits(cfg)._replace(policy=policy, quant=quant, fused_names=fused_names)
+        self.model = DecoderModel(cfg, traits,
                                   info, comm)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, info, comm, tied_to=tied,
@@ -328,9 +337,15 @@ class CausalLM(nn.Module):
         if parts is None:
             return [(name, src)]
         sizes = [self._rows_of(part) for part in parts]
-        if src.shape[:1] != (sum(sizes),) and math.prod(src.shape) != 1:
-            raise ValueError(f"checkpoint tensor {name} has {src.shape[0] if src.shape else 1} "
-                             f"rows, but {' + '.join(parts)} take {' + '.join(map(str, sizes))}")
+        rows, total = (src.shape[0] if src.shape else 1), sum(sizes)
+        if rows != total and math.prod(src.shape) != 1:
+            # a block scale: a row per block of rows, where every part is whole blocks
+            block = total // rows if rows and total % rows == 0 else 0
+            if not block or any(size % block for size in sizes):
+                raise ValueError(f"checkpoint tensor {name} has {rows} rows, but "
+                                 f"{' + '.join(parts)} take {' + '.join(map(str, sizes))} "
+                                 f"(a block scale splits only where each part is whole blocks)")
+            sizes = [size // block for size in sizes]
         starts = itertools.accumulate([0, *sizes[:-1]])
         return [(".".join([*path[:-1], part, param]),
                  src if math.prod(src.shape) == 1 else RowsOf(src, start, size))

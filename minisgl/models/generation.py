@@ -6,8 +6,9 @@ With `generation_config` "auto" (the default, as vLLM's `--generation-config aut
 `--sampling-defaults model`), a request that leaves one of them unset gets the model's value
 instead of OpenAI's neutral default; "none" keeps OpenAI's defaults; any other value is a
 directory whose `generation_config.json` is read instead. A request's own values always win.
-`max_new_tokens` caps what an unset max_tokens resolves to (the rest of the context, as vLLM
-takes the smaller of the two; core.SamplingParams.default_max_tokens). HF's `do_sample` and
+`max_new_tokens` caps what an unset max_tokens resolves to (core.SamplingParams
+.default_max_tokens; vLLM takes the smaller of it and the rest of the context; here the
+eighth-of-the-pool cap, which keeps requests side by side, stays too). HF's `do_sample` and
 `max_length` are not read (vLLM reads neither).
 """
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from typing import (Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Type, TypeVar,
                     Union)
@@ -741,11 +742,14 @@ def generate_job(body: GenerateRequest, defaults: SamplingDefaults = SamplingDef
     body = body.model_copy(update={"sampling_params": sampling})
     try:
         job = _job(body, prompts, max_n, defaults)
-    except ApiError as e:  # an error about a field the request named otherwise names it so
+    except ApiError as e:  # an error about fields the request named otherwise names them so
         theirs = renamed.get(e.param or "")
         if theirs is None:
             raise
-        raise ApiError(e.status, e.message.replace(e.param or "", theirs, 1), theirs) from None
+        message = e.message
+        for ours, name in renamed.items():
+            message = re.sub(rf"\b{ours}\b", name, message)
+        raise ApiError(e.status, message, theirs) from None
     if body.rid is not None:
         error = request_id_error(body.rid, "rid", "rid")
         if error is not None:
