@@ -76,12 +76,12 @@ def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) ->
     srv.stop()
 
 
-@pytest.mark.parametrize("seed,hostile", [(1, True), (2, False)])
+@pytest.mark.parametrize("seed,hostile,count", [(1, True, 100), (2, False, 50)])
 def test_random_bodies_get_200s_or_4xx_and_leave_nothing_held(server: Server, seed: int,
-                                                              hostile: bool) -> None:
+                                                              hostile: bool, count: int) -> None:
     rng = random.Random(seed)
     statuses: Dict[int, int] = {}
-    for _ in range(80):
+    for _ in range(count):
         path = rng.choice(["/v1/chat/completions", "/v1/completions", "/generate"])
         raw = json.dumps(_body(rng, path, hostile))  # NaN as JSON's NaN, as clients send it
         r = httpx.post(server.url + path, content=raw, timeout=60,
@@ -93,7 +93,7 @@ def test_random_bodies_get_200s_or_4xx_and_leave_nothing_held(server: Server, se
         elif '"stream": true' in raw:
             assert '"server_error"' not in r.text, (raw[:300], r.text[-300:])
     if not hostile:  # the valid combinations were mostly served
-        assert statuses.get(200, 0) >= 25, statuses
+        assert statuses.get(200, 0) >= 15, statuses
     deadline = time.monotonic() + 20
     while True:
         text = httpx.get(server.url + "/metrics", timeout=10).text
