@@ -245,14 +245,19 @@ def _chat_message(i: int, message: Any) -> Dict[str, Any]:
         raise ValueError(f"message {i}: only assistant messages make tool calls, got role "
                          f"{message['role']!r}")
     if calls is not None:
-        as_text = [{**c, "function": {**c["function"],
-                                      "arguments": json.dumps(c["function"]["arguments"])}}
-                   if isinstance(c, dict) and isinstance(c.get("function"), dict)
-                   and isinstance(c["function"].get("arguments"), dict) else c
-                   for c in calls] if isinstance(calls, list) else calls
+        as_text = [_arguments_as_text(c) for c in calls] if isinstance(calls, list) else calls
         message = {**message, "tool_calls": assistant_tool_calls(f"messages[{i}].tool_calls",
                                                                  as_text)}
     return message
+
+
+def _arguments_as_text(call: Any) -> Any:
+    """A tool call with `arguments` given as an object (vLLM's offline chat takes them so) as
+    the JSON text the server's check expects; anything else as it is, for the check to name."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if isinstance(fn, dict) and isinstance(fn.get("arguments"), dict):
+        return {**call, "function": {**fn, "arguments": json.dumps(fn["arguments"])}}
+    return call
 
 
 def _read_structured_outputs(p: SamplingParams) -> SamplingParams:
@@ -323,9 +328,9 @@ class LLM:
     processes' (tp > 1). `generation_config`: where the params of a call given none come from
     (`get_default_sampling_params`): "auto" (the model's generation_config.json recommends
     temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens as a cap on an
-    unset max_tokens, as in vLLM), "none" (SamplingParams' own defaults), or a directory holding a generation_config.json. `tokenizer`: a directory or
-    hub id whose tokenizer (and chat template) replaces the model's, as the server's
-    `--tokenizer`."""
+    unset max_tokens, as in vLLM), "none" (SamplingParams' own defaults), or a directory
+    holding a generation_config.json. `tokenizer`: a directory or hub id whose tokenizer (and
+    chat template) replaces the model's, as the server's `--tokenizer`."""
 
     def __init__(self, model: Optional[str] = None, *, show_progress: bool = True,
                  log_level: str = "WARNING", generation_config: str = "auto",

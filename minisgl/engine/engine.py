@@ -379,8 +379,8 @@ class Engine:
                 bitmask: Optional[torch.Tensor] = None
                 ) -> Tuple[torch.Tensor, Optional[LogprobTensors]]:
         """Tokens for `reqs` (row i of `logits`, page-table row rows[i]) after their penalties,
-        logit bias, allowed tokens, min_tokens, bad words and grammar bitmask, recorded as the rows' newest
-        tokens; and their log-probabilities (of the raw logits) where asked."""
+        logit bias, allowed tokens, min_tokens, bad words and grammar bitmask, recorded as the
+        rows' newest tokens; and their log-probabilities (of the raw logits) where asked."""
         mask = None if bitmask is None else bitmask.to(self.device, non_blocking=True)
         if all(r.params.raw_sampling for r in reqs):  # the common case: one pass to find out
             masked = logits if mask is None else apply_token_bitmask(logits, mask)
