@@ -281,6 +281,19 @@ def _read_structured_outputs(p: SamplingParams) -> SamplingParams:
     return dataclasses.replace(p, structured=found.structured, structured_outputs=None)
 
 
+def _finals(done: List[Optional[TokenOut]], prompt_of: List[int]) -> List[TokenOut]:
+    """Every request's final out (`_collect` returns once all came); ValueError naming the
+    prompt of one the scheduler rejected (checked up front, so only a scheduler-side limit
+    gets there)."""
+    finals = [d for d in done if d is not None]
+    if len(finals) != len(done):
+        raise RuntimeError(f"{len(done) - len(finals)} requests never finished")
+    errors = [(k, d.error) for k, d in enumerate(finals) if d.error]
+    if errors:
+        raise ValueError(f"prompt {prompt_of[errors[0][0]]} rejected: {errors[0][1]}")
+    return finals
+
+
 class _Checked(NamedTuple):
     ids: List[int]
     params: SamplingParams
@@ -592,41 +605,42 @@ class LLM:
         finally:
             bar.close()
         self._backend.drain()
-        errors = [(i, d.error) for i, d in enumerate(done) if d is not None and d.error]
-        if errors:  # checked up front, so only a scheduler-side limit can get here
-            raise ValueError(f"prompt {origin[errors[0][0]][0]} rejected: {errors[0][1]}")
-        decode = (lambda t, skip: "") if self.tokenizer is None else (  # noqa: E731
-            lambda t, skip: self.tokenizer.decode(t, skip_special_tokens=skip))
+        finals = _finals(done, [i for i, _ in origin])
         choices: List[List[CompletionOutput]] = [[] for _ in texts]
-        for t, lp, d, p, w, (i, j) in zip(tokens, logprobs, done, params, stops, origin):
-            assert d is not None  # _collect returns once every request is done
-            stopped = w is not None and w.stopped
-            # a stop token (EOS, stop_token_ids) is not rendered, as the server renders it
-            stop_token = d.finish_reason == FinishReason.STOP.value and bool(t)
-            shown = t[:-1] if stop_token else t
-            reason: Union[None, int, str] = None
-            if stopped:
-                reason = w.matcher.matched if w is not None else None
-            elif stop_token and t[-1] in p.stop_token_ids:
-                reason = t[-1]
-            lp_or_none = lp if p.logprobs is not None else None
-            text = (w.text if stopped else decode(shown, p.skip_special_tokens) if p.detokenize
-                    else "")
-            choices[i].append(CompletionOutput(
-                j, text, t, FinishReason.STOP.value if stopped else d.finish_reason or "",
-                reason, lp_or_none,
-                self._decoded_tokens(t, lp_or_none) if p.detokenize else {}))
+        for t, lp, d, p, w, (i, j) in zip(tokens, logprobs, finals, params, stops, origin):
+            choices[i].append(self._completion(j, t, lp, d, p, w))
         outputs = []
         for k, (i, j) in enumerate(origin):
             if j > 0:
                 continue
-            first, plp = done[k], prompt_logprobs[k]
-            assert first is not None
+            first, plp = finals[k], prompt_logprobs[k]
             outputs.append(GenerateOutput(
                 choices[i], first.prompt_tokens, first.cached_tokens, prompts[k],
                 request_ids[i], texts[i], plp,
                 self._decoded_tokens(prompts[k][1:], plp) if params[k].detokenize else {}))
         return outputs
+
+    def _completion(self, index: int, tokens: List[int], logprobs: List[TokenLogprobs],
+                    final: TokenOut, p: SamplingParams, watch: Optional["_StopWatch"]
+                    ) -> CompletionOutput:
+        """One finished choice: its text as the server renders it (a stop token, EOS or one
+        of stop_token_ids, left out; cut at a matched stop string) and what ended it."""
+        stopped = watch is not None and watch.stopped
+        stop_token = final.finish_reason == FinishReason.STOP.value and bool(tokens)
+        reason: Union[None, int, str] = None
+        if watch is not None and stopped:
+            reason = watch.matcher.matched
+            text = watch.text
+        else:
+            if stop_token and tokens[-1] in p.stop_token_ids:
+                reason = tokens[-1]
+            shown = tokens[:-1] if stop_token else tokens
+            text = (self.tokenizer.decode(shown, skip_special_tokens=p.skip_special_tokens)
+                    if p.detokenize and self.tokenizer is not None else "")
+        own = logprobs if p.logprobs is not None else None
+        return CompletionOutput(
+            index, text, tokens, FinishReason.STOP.value if stopped else final.finish_reason or "",
+            reason, own, self._decoded_tokens(tokens, own) if p.detokenize else {})
 
     def _decoded_tokens(self, tokens: List[int], logprobs: Optional[List[TokenLogprobs]]
                         ) -> Dict[int, str]:

@@ -82,6 +82,26 @@ def request_id_error(value: str, what: str, param: str) -> Optional["ApiError"]:
                          f"{len(value)} characters", param)
 
 
+def _refuse_unsupported(fields: Dict[str, Any], table: Dict[str, Callable[[Any], bool]],
+                        where: str = "") -> None:
+    """ApiError(400) naming the first field of `fields` that `table` lists with a value that
+    asks for something (its check says whether a value asks for nothing); `where`: the
+    field's place, as "sampling_params."."""
+    for name, value in fields.items():
+        inert = table.get(name)
+        if inert is not None and not inert(value):
+            raise ApiError(400, f"{where}{name} is not supported by this server", name)
+
+
+def _checked_id(value: Optional[str], param: str) -> Optional[str]:
+    """A request id from the body (vLLM's request_id, SGLang's rid), checked as the
+    X-Request-Id header is; None where none was given."""
+    error = None if value is None else request_id_error(value, param, param)
+    if error is not None:
+        raise error
+    return value
+
+
 class ApiError(Exception):
     """An HTTP error with an OpenAI error body; `headers` go on the response (Retry-After,
     WWW-Authenticate, ...)."""
@@ -264,9 +284,7 @@ def _sglang_sampling(sampling: _Sampling) -> _SGLangSampling:
     sampling_seed) as this server's, checked like the rest; ApiError(400) naming a field given
     under both names, or one asking for what is not served."""
     extra = dict(sampling.model_extra or {})
-    for name, inert in _SGLANG_SAMPLING_UNSUPPORTED.items():
-        if name in extra and not inert(extra[name]):
-            raise ApiError(400, f"sampling_params.{name} is not supported by this server", name)
+    _refuse_unsupported(extra, _SGLANG_SAMPLING_UNSUPPORTED, "sampling_params.")
     given = sampling.model_dump(exclude_unset=True)
     renamed = {}  # ours -> theirs, for errors
     for theirs, ours in _SGLANG_SAMPLING_NAMES.items():
@@ -531,10 +549,7 @@ def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: in
             max_tokens = body.max_tokens
         logprobs, logit_bias = _logprobs(body), _logit_bias(body)
         prompt_logprobs = _prompt_logprobs(body)
-        for name, value in (body.model_extra or {}).items():
-            inert = _UNSUPPORTED.get(name)
-            if inert is not None and not inert(value):
-                raise ApiError(400, f"{name} is not supported by this server", name)
+        _refuse_unsupported(body.model_extra or {}, _UNSUPPORTED)
         if not 1 <= n <= max_n:
             raise ApiError(400, f"n must be between 1 and {max_n}, got {n}", "n")
     extra = sampling.model_extra or {}
@@ -561,16 +576,8 @@ def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: in
             job.params, prompt_logprobs=prompt_logprobs), continuous_usage=continuous,
             prompt_logprobs=prompt_logprobs,
             tokens_as_ids=bool(body.return_tokens_as_token_ids),
-            return_token_ids=bool(body.return_token_ids), request_id=_body_request_id(body))
+            return_token_ids=bool(body.return_token_ids), request_id=_checked_id(body.request_id, "request_id"))
     return job
-
-
-def _body_request_id(body: _OpenAI) -> Optional[str]:
-    rid = body.request_id
-    error = None if rid is None else request_id_error(rid, "request_id", "request_id")
-    if error is not None:
-        raise error
-    return rid
 
 
 def _message_text(i: int, msg: ChatMessage) -> str:
@@ -734,10 +741,7 @@ def generate_job(body: GenerateRequest, defaults: SamplingDefaults = SamplingDef
         raise ApiError(400, f"{field}: at most {MAX_PROMPTS} prompts, got {len(prompts)}", field)
     if len(prompts) > 1 and body.rid is not None:
         raise ApiError(400, "rid names one request; a batch has no single id", "rid")
-    for name, value in (body.model_extra or {}).items():
-        inert = _GENERATE_UNSUPPORTED.get(name)
-        if inert is not None and not inert(value):
-            raise ApiError(400, f"{name} is not supported by this server", name)
+    _refuse_unsupported(body.model_extra or {}, _GENERATE_UNSUPPORTED)
     sampling, renamed = _sglang_sampling(body.sampling_params)
     body = body.model_copy(update={"sampling_params": sampling})
     try:
@@ -750,10 +754,7 @@ def generate_job(body: GenerateRequest, defaults: SamplingDefaults = SamplingDef
         for ours, name in renamed.items():
             message = re.sub(rf"\b{ours}\b", name, message)
         raise ApiError(e.status, message, theirs) from None
-    if body.rid is not None:
-        error = request_id_error(body.rid, "rid", "rid")
-        if error is not None:
-            raise error
+    if _checked_id(body.rid, "rid") is not None:
         job = dataclasses.replace(job, request_id=body.rid)
     if not body.return_logprob:
         return job

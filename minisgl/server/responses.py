@@ -199,10 +199,9 @@ class GenerateFormatter(Formatter):
         return len(self.job.prompts) * self.job.n == 1
 
     def full(self, choices: List[Choice]) -> Union[Dict[str, Any], List[Dict[str, Any]]]:
-        items = [{**self._item(i, c), "usage": usage([c], 1)} for i, c in enumerate(choices)]
         if self.single:
-            return {**items[0], "usage": usage(choices, self.job.n)}
-        return items
+            return {**self._item(0, choices[0]), "usage": usage(choices, self.job.n)}
+        return [{**self._item(i, c), "usage": usage([c], 1)} for i, c in enumerate(choices)]
 
     def _item(self, index: int, c: Choice) -> Dict[str, Any]:
         item = {"id": self._id(index, self.id), "text": "".join(c.text), "token_ids": c.token_ids,
