@@ -88,6 +88,38 @@ def test_mixed_steps_do_not_change_tokens(tiny_model: Callable[..., Path],
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 32)
 
 
+# Sliding windows shorter than the prompts: every layer (Mistral, Phi-3, Mixtral), the layers
+# from max_window_layers on (Qwen2: layer 1 only), Qwen2-MoE's even layers below it (layer 0).
+WINDOWED = {"mistral": dict(sliding_window=8), "phi3": dict(sliding_window=8),
+            "mixtral": dict(sliding_window=8),
+            "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+            "qwen2_moe": dict(use_sliding_window=True, sliding_window=8, max_window_layers=2)}
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_sliding_windows_match_hf(tiny_model: Callable[..., Path], family: str) -> None:
+    """A window of 8 tokens: prompts of 3-23 tokens and 24 new ones each, fresh and chunked (5
+    tokens a chunk: each chunk after a prefix longer than the window), then the same prompts
+    behind a shared 30-token prefix that the cache holds: the greedy tokens of transformers,
+    whose mask keeps the window where the context is longer (none is cut: 512)."""
+    path = tiny_model(family, **WINDOWED[family])
+    prompts = mixed_prompts(4, seed=6, lengths=(3, 9, 17, 20))
+    shared = mixed_prompts(1, seed=7, lengths=(30,))[0]
+    later = [shared + p for p in prompts]
+    with LLM(str(path), device="cpu", page_size=4, max_prefill_tokens=5, max_kv_tokens=2048,
+             show_progress=False) as llm:
+        assert llm.max_context == 512
+        first = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0,
+                                                     ignore_eos=True))
+        llm.generate([shared], SamplingParams(max_tokens=1))
+        second = llm.generate(later, SamplingParams(max_tokens=24, temperature=0.0,
+                                                    ignore_eos=True))
+        assert all(o.num_cached_tokens >= 28 for o in second), [o.num_cached_tokens
+                                                                 for o in second]
+    assert [o.token_ids for o in first] == hf_greedy(path, prompts, 24)
+    assert [o.token_ids for o in second] == hf_greedy(path, later, 24)
+
+
 def test_eager_warmup_leaves_no_trace(tiny_model: Callable[..., Path]) -> None:
     """The start-up warm-up (engine/warmup.py; on CUDA at every start) runs its junk batches
     through the spare row and the scratch slot: run here on the CPU, it leaves the tokens of

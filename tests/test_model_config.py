@@ -1,6 +1,7 @@
 """The context length and rope scaling read from config.json, as vLLM reads them: YaRN and
-linear scaling stretch it, a used sliding window cuts it, an unimplemented scaling is refused
-naming its type. (Numerics of every scaling against Hugging Face: test_engine_hf.py.)"""
+linear scaling stretch it, a sliding window does not cut it (the layers that slide, read as
+transformers reads them, mask it), an unimplemented scaling is refused naming its type.
+(Numerics of every scaling and window against Hugging Face: test_engine_hf.py.)"""
 
 from __future__ import annotations
 
@@ -35,21 +36,62 @@ def test_yarn_stretches_the_context_as_qwen_documents() -> None:
     ({"rope_scaling": None, "rope_parameters": {"rope_type": "linear", "factor": 0.5,
                                                 "rope_theta": 1e6}}, 20480),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, 81920),  # trained: max_position
-    ({"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 30}, 4096),
-    ({"sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 30}, 40960),
-    # as transformers decides: Qwen slides only from layer max_window_layers on (36: none),
-    # config.json's layer_types say it where given, Llama ignores the key
-    ({"sliding_window": 4096, "use_sliding_window": True}, 40960),
-    ({"sliding_window": 4096, "use_sliding_window": True,
-      "layer_types": ["full_attention"] * 35 + ["sliding_attention"]}, 4096),
-    ({"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 30,
-      "layer_types": ["full_attention"] * 36}, 40960),
-    ({"sliding_window": 4096, "architectures": ["LlamaForCausalLM"]}, 40960),
+    # a sliding window (here in layers 30-35) leaves the context whole: the layers mask it
+    ({"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 30}, 40960),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}, 40960),
 ])
 def test_context_length(changes: Dict[str, Any], context: int) -> None:
     assert _config(**changes).max_context == context
+
+
+@pytest.mark.parametrize("changes,windows", [
+    ({"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 30},
+     (0,) * 30 + (4096,) * 6),
+    ({"sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 30}, ()),
+    # as transformers decides: Qwen slides only from layer max_window_layers on (36: none),
+    # config.json's layer_types say it where given, Llama ignores the key
+    ({"sliding_window": 4096, "use_sliding_window": True}, ()),
+    ({"sliding_window": 4096, "use_sliding_window": True,
+      "layer_types": ["full_attention"] * 35 + ["sliding_attention"]}, (0,) * 35 + (4096,)),
+    ({"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 30,
+      "layer_types": ["full_attention"] * 36}, ()),
+    ({"sliding_window": 4096, "architectures": ["LlamaForCausalLM"]}, ()),
+    ({"sliding_window": 2047, "architectures": ["Phi3ForCausalLM"]}, (2047,) * 36),
+])
+def test_layer_windows(changes: Dict[str, Any], windows: tuple) -> None:
+    cfg = _config(**changes)
+    assert cfg.layer_windows == windows
+    assert cfg.sliding_window == (max(windows) if windows else None)
+
+
+def test_a_layer_types_list_of_the_wrong_length_is_refused() -> None:
+    with pytest.raises(ValueError, match="each of the 36 layers a window"):
+        _config(sliding_window=4096, use_sliding_window=True,
+                layer_types=["sliding_attention"] * 35)
+
+
+@pytest.mark.parametrize("arch,fields", [
+    ("Qwen2ForCausalLM", dict(use_sliding_window=True, max_window_layers=3)),
+    ("Qwen3ForCausalLM", dict(use_sliding_window=True, max_window_layers=2)),
+    ("Qwen2MoeForCausalLM", dict(use_sliding_window=True, max_window_layers=4)),
+    ("Qwen3MoeForCausalLM", dict(use_sliding_window=True)),
+    ("MistralForCausalLM", dict()),
+    ("Phi3ForCausalLM", dict(sliding_window=64)),
+])
+def test_layer_windows_are_transformers_layers(arch: str, fields: Dict[str, Any]) -> None:
+    """Each layer slides where the family's transformers attention module slides: its config's
+    `layer_types` where it has them, else every layer."""
+    import transformers
+    raw = dict(architectures=[arch], vocab_size=64, hidden_size=64, intermediate_size=32,
+               num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+               **_MOE_FIELDS.get(arch, {}), **fields)
+    hf = getattr(transformers, HF_CONFIGS[arch])(**raw)
+    types = getattr(hf, "layer_types", None) or ["sliding_attention"] * 6
+    want = tuple(hf.sliding_window if t == "sliding_attention" and hf.sliding_window else 0
+                 for t in types)
+    assert ModelConfig.from_dict(raw).layer_windows == (want if any(want) else ())
+    assert any(want)
 
 
 @pytest.mark.parametrize("scaling,match", [

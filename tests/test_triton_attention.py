@@ -110,10 +110,11 @@ def _as_float32(pool: KVPool, cache: torch.Tensor, scales: Tuple[float, ...]) ->
                         for i in range(cache.shape[0])])
 
 
-def reference(case: Case, heads: int, kv_heads: int, head_dim: int, layer: int
-              ) -> Tuple[torch.Tensor, KVPool]:
+def reference(case: Case, heads: int, kv_heads: int, head_dim: int, layer: int,
+              windows: Tuple[int, ...] = ()) -> Tuple[torch.Tensor, KVPool]:
     """TorchBackend in float32 on copies of the case's pool and inputs (an FP8 pool's values
-    dequantized, the new K/V rounded as an FP8 store rounds them)."""
+    dequantized, the new K/V rounded as an FP8 store rounds them); `windows`: the layers'
+    sliding windows."""
     src = case.pool
     pool = KVPool(NUM_LAYERS, src.num_pages, src.page_size, kv_heads, head_dim, torch.float32,
                   src.k.device)
@@ -123,7 +124,8 @@ def reference(case: Case, heads: int, kv_heads: int, head_dim: int, layer: int
     if src.quantized:
         k = dequantize(quantize(k, src.scales.k[layer]), src.scales.k[layer], torch.float32)
         v = dequantize(quantize(v, src.scales.v[layer]), src.scales.v[layer], torch.float32)
-    backend = TorchBackend(pool, case.page_table, heads, kv_heads, head_dim, head_dim ** -0.5)
+    backend = TorchBackend(pool, case.page_table, heads, kv_heads, head_dim, head_dim ** -0.5,
+                           windows)
     batch = Batch(case.batch.phase, case.batch.reqs, case.batch.prefix_lens,
                   case.batch.extend_lens, case.batch.sample)
     batch.out_slots = case.batch.out_slots
@@ -136,19 +138,21 @@ def run_and_compare(dtype: torch.dtype, device: str, page_size: int, heads: int,
                     head_dim: int, prefix_lens: List[int], extend_lens: List[int], phase: Phase,
                     seed: int = 0, min_split_tokens: int = 16, num_sms: int = 64,
                     kv_dtype: Optional[torch.dtype] = None, backend_name: str = "triton",
-                    num_decode: int = 0) -> None:
+                    num_decode: int = 0, window: int = 0) -> None:
     """`backend_name`: the backend under test ("torch": the CPU path, on an FP8 pool).
-    `num_decode`: see make_case (the reference runs the batch as a plain prefill)."""
+    `num_decode`: see make_case (the reference runs the batch as a plain prefill). `window`:
+    the sliding window of the layer compared (layer 1; layer 0 has none)."""
     case = make_case(dtype, device, page_size, heads, kv_heads, head_dim, prefix_lens,
                      extend_lens, phase, seed, kv_dtype, num_decode)
     layer = 1
-    ref, ref_pool = reference(case, heads, kv_heads, head_dim, layer)
+    windows = (0, window) if window else ()
+    ref, ref_pool = reference(case, heads, kv_heads, head_dim, layer, windows)
     if backend_name == "torch":
         backend = TorchBackend(case.pool, case.page_table, heads, kv_heads, head_dim,
-                               head_dim ** -0.5)
+                               head_dim ** -0.5, windows)
     else:
         backend = TritonBackend(case.pool, case.page_table, heads, kv_heads, head_dim,
-                                head_dim ** -0.5)
+                                head_dim ** -0.5, windows=windows)
         if not HAS_CUDA:  # exercise flash-decoding splits on the interpreter's short sequences
             backend.num_sms = num_sms
         backend.min_split_tokens = min_split_tokens
@@ -208,6 +212,89 @@ def test_mixed_step_small(dtype: torch.dtype, page_size: int,
     run_and_compare(dtype, "cuda" if HAS_CUDA else "cpu", page_size, 8, 2, 32,
                     [0, 21, 48, 5, 17, 90], [9, 13, 1, 1, 1, 1], Phase.PREFILL,
                     seed=page_size + 11, kv_dtype=kv_dtype, num_decode=4)
+
+
+# --- sliding windows ------------------------------------------------------------------------------
+def naive_windowed(case: Case, heads: int, kv_heads: int, head_dim: int, layer: int,
+                   window: int) -> torch.Tensor:
+    """Float32 attention, one query at a time, of each new token at position p over the keys at
+    positions p - window + 1 .. p (transformers' sliding-window mask), from the case's pool with
+    the new K/V put in their slots: a reference that shares no code with the backends."""
+    k_all, v_all = case.pool.k[layer].float().clone(), case.pool.v[layer].float().clone()
+    k_all[case.batch.out_slots] = case.k.float()
+    v_all[case.batch.out_slots] = case.v.float()
+    out, t = [], 0
+    for req, prefix, ext in zip(case.batch.reqs, case.batch.prefix_lens, case.batch.extend_lens):
+        for p in range(prefix, prefix + ext):
+            slots = case.page_table[req.table_row, max(0, p - window + 1):p + 1].long()
+            k = k_all[slots].repeat_interleave(heads // kv_heads, 1)  # [n, heads, d]
+            v = v_all[slots].repeat_interleave(heads // kv_heads, 1)
+            w = torch.softmax(torch.einsum("hd,nhd->hn", case.q[t].float(), k)
+                              * head_dim ** -0.5, dim=-1)
+            out.append(torch.einsum("hn,nhd->hd", w, v).reshape(-1))
+            t += 1
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("phase", [Phase.DECODE, Phase.PREFILL])
+@pytest.mark.parametrize("window", [1, 5, 24])
+def test_torch_backend_window_is_the_masked_attention(phase: Phase, window: int) -> None:
+    """TorchBackend with a sliding window (the reference of the Triton tests below) equals the
+    one-query-at-a-time float32 attention over each token's window: requests shorter than the
+    window, a decode past it, fresh prompts and chunks after a prefix longer and shorter than
+    their own length."""
+    prefix = [0, 5, 17, 40, 3] if phase is Phase.PREFILL else [0, 5, 17, 40, 63]
+    extend = [9, 13, 40, 30, 1] if phase is Phase.PREFILL else [1] * 5
+    case = make_case(torch.float32, "cpu", 4, 8, 2, 32, prefix, extend, phase, seed=window)
+    want = naive_windowed(case, 8, 2, 32, 1, window)
+    got, _ = reference(case, 8, 2, 32, 1, (0, window))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    full, _ = reference(case, 8, 2, 32, 1)
+    assert not torch.allclose(full, want, atol=1e-3)  # the window changes the answer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [5, 24, 70])
+def test_decode_window(dtype: torch.dtype, window: int) -> None:
+    """Split decode (16-token splits over each request's window) and unsplit decode of a
+    sliding-window layer: requests shorter than the window, at it and far past it."""
+    device = "cuda" if HAS_CUDA else "cpu"
+    prefix = [0, 5, 23, 24, 40, 90]
+    run_and_compare(dtype, device, 16, 8, 2, 32, prefix, [1] * len(prefix), Phase.DECODE,
+                    seed=window, window=window)
+    if not HAS_CUDA:
+        run_and_compare(dtype, "cpu", 16, 8, 2, 32, prefix, [1] * len(prefix), Phase.DECODE,
+                        seed=window, min_split_tokens=4096, num_sms=1, window=window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("window", [5, 24, 100])
+def test_extend_window(dtype: torch.dtype, page_size: int, window: int) -> None:
+    """The extend kernel of a sliding-window layer: windows shorter than a tile (5), between
+    (24) and longer than the chunks (100); fresh prompts, chunks after prefixes, a one-token
+    chunk, a chunk of several tiles after a long prefix."""
+    run_and_compare(dtype, "cuda" if HAS_CUDA else "cpu", page_size, 8, 2, 32,
+                    [0, 21, 0, 48, 7, 130], [9, 13, 70, 1, 40, 66], Phase.PREFILL,
+                    seed=window + page_size, window=window)
+
+
+def test_mixed_step_window_fp8_kv() -> None:
+    """A mixed step over an FP8 pool in a sliding-window layer: the prompts' extend kernel and
+    the decode rows' split kernel both keep to the window."""
+    run_and_compare(torch.bfloat16, "cuda" if HAS_CUDA else "cpu", 16, 8, 2, 32,
+                    [0, 21, 48, 5, 17, 90], [30, 13, 1, 1, 1, 1], Phase.PREFILL, seed=2,
+                    kv_dtype=FP8_KV_DTYPE, num_decode=4, window=20)
+
+
+def test_window_lengths_are_checked() -> None:
+    """A window list that does not cover the pool's layers, or a negative window, is refused
+    with the numbers."""
+    case = make_case(torch.float32, "cpu", 16, 8, 2, 32, [3], [1], Phase.DECODE, 0)
+    with pytest.raises(ValueError, match=r"each of the pool's 2 layers a window >= 0, got \(8,\)"):
+        TorchBackend(case.pool, case.page_table, 8, 2, 32, 1.0, (8,))
+    with pytest.raises(ValueError, match=r"got \(0, -1\)"):
+        TritonBackend(case.pool, case.page_table, 8, 2, 32, 1.0, windows=(0, -1))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -6,12 +6,17 @@ per layer, `forward` stores the new tokens' K/V into their slots and attends ove
 whole sequence (cached prefix plus new tokens, causally). A backend may instead name its K/V
 target (`kv_target`), so that a fused kernel before it (rotary embedding) writes K/V there and
 `forward` is told so (`kv_stored`): one launch fewer per layer.
+
+A layer with a sliding window W (`window(layer)`, 0: none) attends, for a token at position p,
+only to positions p - W + 1 .. p (transformers' `kv_idx > q_idx - window`). Its K/V stay in the
+pool like every layer's: the window is a mask, so the prefix cache and the page accounting do
+not depend on it.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -22,13 +27,25 @@ from minisgl.kvcache import KVPool
 
 class AttentionBackend(ABC):
     def __init__(self, pool: KVPool, page_table: torch.Tensor, num_heads: int,
-                 num_kv_heads: int, head_dim: int, scale: float) -> None:
+                 num_kv_heads: int, head_dim: int, scale: float,
+                 windows: Sequence[int] = ()) -> None:
+        """`windows`: each layer's sliding window, 0 for full attention (ModelConfig's
+        `layer_windows`); empty: no layer slides."""
+        layers = pool.k.shape[0]
+        if windows and (len(windows) != layers or min(windows) < 0):
+            raise ValueError(f"windows must give each of the pool's {layers} layers "
+                             f"a window >= 0, got {tuple(windows)}")
         self.pool = pool
         self.page_table = page_table  # [rows, max_context] int32 slot ids, written by the scheduler
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.windows = tuple(windows)
+
+    def window(self, layer: int) -> int:
+        """The sliding window of `layer`; 0: it attends to the whole sequence."""
+        return self.windows[layer] if self.windows else 0
 
     @abstractmethod
     def prepare(self, batch: Batch) -> None:

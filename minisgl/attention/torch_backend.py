@@ -14,12 +14,15 @@ less than a mask's full [new, seq] work. After a longer prefix a [new, seq] addi
 head dimension) is made once per batch in the KV dtype, so no layer converts one again. An FP8 pool's K/V are read back in the query's dtype
 (exactly: every float8_e4m3fn value is a bfloat16, float16 and float32 value) with the layer's
 K scale folded into the softmax scale and its V scale applied to the output; its masks are
-made in float32 and cast to the query's dtype.
+made in float32 and cast to the query's dtype. A sliding-window layer (base.py) attends one
+new token to its window's tail of the keys, several through a mask that also cuts what lies
+before each one's window (keys from the first one's window on): the plans are made once per
+batch for each window the layers use.
 """
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,41 +31,54 @@ from minisgl.attention.base import AttentionBackend
 from minisgl.core import Batch
 
 
+class Attend(NamedTuple):
+    """How one request's new tokens attend in layers of one window (a SDPA call)."""
+
+    slots: torch.Tensor  # slot ids of the keys attended: the sequence, or its window's tail
+    # A [new, keys] additive mask (0: attend, -inf: not), or None where none is needed.
+    mask: Optional[torch.Tensor]
+    # None, or causal attention with this many zero queries before the new ones (the prefix
+    # positions; 0 from position 0).
+    causal_pad: Optional[int]
+
+
 class TorchMeta(NamedTuple):
-    slots: List[torch.Tensor]  # per request: slot ids of its whole sequence (prefix + new)
-    # Per request: a [new, seq] additive mask (0: attend, -inf: not) for several new tokens
-    # after a prefix at least as long; None where no mask is needed.
-    masks: List[Optional[torch.Tensor]]
-    # Per request: None, or causal attention with this many zero queries before the new ones
-    # (the prefix positions; 0 from position 0).
-    causal_pad: List[Optional[int]]
     q_starts: List[int]
+    plans: Dict[int, List[Attend]]  # per window the layers use (0: full), one per request
 
 
 class TorchBackend(AttentionBackend):
     def prepare(self, batch: Batch) -> None:
-        rows = [r.table_row for r in batch.reqs]
-        slots: List[torch.Tensor] = []
-        masks: List[Optional[torch.Tensor]] = []
-        pads: List[Optional[int]] = []
-        starts: List[int] = []
-        start = 0
+        starts = [0]
+        for ext in batch.extend_lens[:-1]:
+            starts.append(starts[-1] + ext)
+        plans: Dict[int, List[Attend]] = {}
+        for window in sorted(set(self.windows) | {0}):
+            plans[window] = [self._attend(row, prefix, ext, window) for row, prefix, ext in
+                             zip([r.table_row for r in batch.reqs], batch.prefix_lens,
+                                 batch.extend_lens)]
+        batch.attn_meta = TorchMeta(starts, plans)
+
+    def _attend(self, row: int, prefix: int, ext: int, window: int) -> Attend:
+        """The call for `ext` new tokens after `prefix` cached ones, within `window` (0:
+        none). A window longer than the sequence is no window; one token's window is the
+        sequence's tail; several tokens' keys start at the first one's window and a mask cuts
+        each query's (as it cuts the causal future after a prefix at least as long)."""
+        seq = prefix + ext
         device = self.page_table.device
-        for row, prefix, ext in zip(rows, batch.prefix_lens, batch.extend_lens):
-            seq = prefix + ext
-            slots.append(self.page_table[row, :seq].to(torch.int64))
-            pads.append(prefix if 1 < ext and prefix < ext else None)
-            if 1 < ext <= prefix:
-                q_pos = torch.arange(prefix, seq, device=device).unsqueeze(1)
-                later = torch.arange(seq, device=device).unsqueeze(0) > q_pos
-                dtype = torch.float32 if self.pool.quantized else self.pool.k.dtype
-                masks.append(torch.zeros(later.shape, dtype=dtype, device=device
-                                         ).masked_fill_(later, float("-inf")))
-            else:
-                masks.append(None)
-            starts.append(start)
-            start += ext
-        batch.attn_meta = TorchMeta(slots, masks, pads, starts)
+        lo = max(0, prefix - window + 1) if window else 0  # the first new token's window
+        slots = self.page_table[row, lo:seq].to(torch.int64)
+        windowed = bool(window) and seq > window and ext > 1
+        if not windowed and not 1 < ext <= prefix:
+            return Attend(slots, None, prefix if 1 < ext and prefix < ext else None)
+        q_pos = torch.arange(prefix, seq, device=device).unsqueeze(1)
+        k_pos = torch.arange(lo, seq, device=device).unsqueeze(0)
+        hidden = k_pos > q_pos
+        if windowed:
+            hidden |= k_pos <= q_pos - window
+        dtype = torch.float32 if self.pool.quantized else self.pool.k.dtype
+        mask = torch.zeros(hidden.shape, dtype=dtype, device=device)
+        return Attend(slots, mask.masked_fill_(hidden, float("-inf")), None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 batch: Batch, kv_stored: bool = False) -> torch.Tensor:
@@ -74,17 +90,16 @@ class TorchBackend(AttentionBackend):
         scale, v_scale = self.scale, None
         if self.pool.quantized:
             scale, v_scale = scale * self.pool.scales.k[layer], self.pool.scales.v[layer]
-        for i, ext in enumerate(batch.extend_lens):
-            s = meta.q_starts[i]
-            pad = meta.causal_pad[i]
+        for s, ext, plan in zip(meta.q_starts, batch.extend_lens, meta.plans[self.window(layer)]):
+            pad = plan.causal_pad
             qi = q[s:s + ext]
             if pad:
                 qi = torch.cat([qi.new_zeros((pad, *qi.shape[1:])), qi])
             qi = qi.transpose(0, 1).unsqueeze(0)  # [1, heads, (pad +) new, d]
             # index_select: indexing float8 tensors with a tensor takes a slow path on CPU
-            ki = k_all.index_select(0, meta.slots[i]).to(q.dtype).transpose(0, 1).unsqueeze(0)
-            vi = v_all.index_select(0, meta.slots[i]).to(q.dtype).transpose(0, 1).unsqueeze(0)
-            mask = meta.masks[i]
+            ki = k_all.index_select(0, plan.slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+            vi = v_all.index_select(0, plan.slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+            mask = plan.mask
             if mask is not None and mask.dtype != q.dtype:
                 mask = mask.to(q.dtype)
             oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask,

@@ -11,7 +11,7 @@ them: no device reads, no host syncs).
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -68,10 +68,11 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, pool: KVPool, page_table: torch.Tensor, num_heads: int,
                  num_kv_heads: int, head_dim: int, scale: float,
-                 policy: KernelPolicy = KernelPolicy()) -> None:
+                 policy: KernelPolicy = KernelPolicy(), windows: Sequence[int] = ()) -> None:
         """`policy.pdl`: the decode kernels (K/V store, attention) use programmatic dependent
-        launch (kernels/pdl.py); the caller checks the device supports it."""
-        super().__init__(pool, page_table, num_heads, num_kv_heads, head_dim, scale)
+        launch (kernels/pdl.py); the caller checks the device supports it. `windows`: as for
+        AttentionBackend."""
+        super().__init__(pool, page_table, num_heads, num_kv_heads, head_dim, scale, windows)
         self.policy = policy
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
@@ -121,8 +122,10 @@ class TritonBackend(AttentionBackend):
             batch.attn_meta = self._decode_meta(dev[0], dev[3], max(seq_lens, default=1),
                                                 dev[1], dev[2], dev[4])
             return
+        # Torch's causal kernel has no window: a prompt longer than some layer's runs paged.
         dense = (batch.size == 1 and batch.prefix_lens[0] == 0
-                 and batch.extend_lens[0] >= self.dense_prefill_tokens
+                 and self.dense_prefill_tokens <= batch.extend_lens[0]
+                 <= min((w for w in self.windows if w), default=batch.extend_lens[0])
                  and self.device.type == "cuda")
         batch.attn_meta = TritonMeta(False, dev[0], dev[1], dev[2], dev[3], dev[4],
                                      max(batch.extend_lens, default=0), None, None, dense=dense)
@@ -218,26 +221,28 @@ class TritonBackend(AttentionBackend):
             q = q.contiguous()  # the kernels index the head dimension densely
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.decode:
-            self._decode(q, k_cache, v_cache, meta, out, pdl, k_scale, v_scale)
+            self._decode(q, k_cache, v_cache, meta, out, pdl, k_scale, v_scale, layer)
         elif meta.dense and k_cache.dtype == q.dtype:
             return self.dense_prefill(q, k_cache, v_cache, batch)
         else:
             n = meta.decode_from if meta.decode_part is not None else q.shape[0]
             extend_attention(q[:n], k_cache, v_cache, self.page_table, meta.rows,
                              meta.prefix_lens, meta.extend_lens, meta.q_starts, meta.max_extend,
-                             out[:n], self.scale, k_scale=k_scale, v_scale=v_scale)
+                             out[:n], self.scale, k_scale=k_scale, v_scale=v_scale,
+                             window=self.window(layer))
             if meta.decode_part is not None:  # PDL as in the graphs: the same variant
                 self._decode(q[n:], k_cache, v_cache, meta.decode_part, out[n:],
-                             self.policy.pdl, k_scale, v_scale)
+                             self.policy.pdl, k_scale, v_scale, layer)
         return out.reshape(q.shape[0], -1)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: TritonMeta, out: torch.Tensor, pdl: bool, k_scale: float,
-                v_scale: float) -> None:
+                v_scale: float, layer: int) -> None:
         assert meta.o_part is not None and meta.lse_part is not None
         decode_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens,
                          meta.o_part, meta.lse_part, out, self.scale, self.min_split_tokens,
-                         pdl=pdl, k_scale=k_scale, v_scale=v_scale, arrivals=meta.arrivals)
+                         pdl=pdl, k_scale=k_scale, v_scale=v_scale, arrivals=meta.arrivals,
+                         window=self.window(layer))
 
     def dense_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       batch: Batch) -> torch.Tensor:

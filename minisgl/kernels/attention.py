@@ -17,6 +17,11 @@ base 2 (the scale is pre-multiplied by log2(e)); outputs are cast back to the qu
 
 The K/V store (`store_kv`) writes the new tokens' K/V into their slots first, in one launch.
 
+A sliding-window layer's launches pass its `window` (WINDOW, a compile-time constant: with 0,
+full attention, the loops are the unwindowed kernels'): decode splits cover each request's last
+`window` tokens; extend blocks start at their first query's window and mask the tiles that lie
+before a later query's.
+
 An FP8 (float8_e4m3fn) pool holds K / k_scale and V / v_scale (per layer, per tensor; see
 kvcache/pool.py): `store_kv` divides, clamps to +-448 and rounds; the attention kernels convert
 each loaded tile to the query's dtype (exact) and fold the scales in where they cost nothing:
@@ -110,13 +115,14 @@ def _decode_split_kernel(
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
         F32_DOT: tl.constexpr, DIRECT: tl.constexpr, F16_TILES: tl.constexpr,
-        PDL: tl.constexpr):
+        PDL: tl.constexpr, WINDOW: tl.constexpr):
     """Program (kv_head, split, b): partial attention of the GROUP query heads of `kv_head`.
     DIRECT (a single split): the partial result is the answer; write it to `out`. Otherwise
     the partials go to the scratch and the request's last split program to finish (counted in
     `arrivals[b, kv_head]`, which it resets to 0 for the next launch) merges them into `out`:
     no second launch. `scale_log2` includes the K scale; the partial output is multiplied by
-    `v_scale`.
+    `v_scale`. WINDOW > 0 (a sliding-window layer): the splits cover only the last WINDOW
+    tokens.
 
     Under PDL the rows and lengths are read before the wait (the step's inputs, pdl.py); an L2
     prefetch of the first tile there was measured slower (bf16 batch 1 +3%; RESULTS.md).
@@ -131,8 +137,11 @@ def _decode_split_kernel(
     row = tl.load(rows_ptr + b).to(tl.int64)
     # A padded entry (seq_len 0) reads token 0 of its row instead of dividing by zero.
     seq_len = tl.maximum(tl.load(seq_lens_ptr + b), 1)
-    split_len = _split_len(seq_len, num_splits, min_split, BLOCK_N)
-    start = split * split_len
+    lo = seq_len * 0
+    if WINDOW > 0:
+        lo = tl.maximum(seq_len - WINDOW, 0)
+    split_len = _split_len(seq_len - lo, num_splits, min_split, BLOCK_N)
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -180,7 +189,7 @@ def _decode_split_kernel(
         counter = arrivals_ptr + b * tl.num_programs(0) + kvh
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
             tl.store(counter, 0)
-            num_valid = tl.cdiv(seq_len, split_len)
+            num_valid = tl.cdiv(seq_len - lo, split_len)
             for g in range(GROUP):  # not unrolled: one head's partials in registers at a time
                 _merge_head(o_part_ptr, lse_part_ptr, out_ptr, b, kvh * GROUP + g, num_valid,
                             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
@@ -191,10 +200,11 @@ def _decode_split_kernel(
 def _extend_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, hi, q_pos, scale_log2, kvh,
                  stride_ks, stride_kh, stride_vs, stride_vh, BLOCK_N: tl.constexpr,
                  BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, F32_DOT: tl.constexpr,
-                 MASKED: tl.constexpr):
+                 MASKED: tl.constexpr, WINDOW: tl.constexpr):
     """Fold keys [n0, n0 + BLOCK_N) into the running softmax of one block of queries.
-    MASKED: the block holds keys at or past `hi` or after some query (the causal diagonal);
-    otherwise every query sees every key and no mask is computed."""
+    MASKED: the block holds keys at or past `hi`, after some query (the causal diagonal) or,
+    with WINDOW > 0, before some query's window; otherwise every query sees every key and no
+    mask is computed."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
@@ -207,6 +217,8 @@ def _extend_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, hi, q_pos, scale_lo
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)  # [N, D]
         qk = _dot(q, k, F32_DOT)
         causal = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if WINDOW > 0:
+            causal = causal & (offs_n[None, :] > q_pos[:, None] - WINDOW)
         qk = tl.where(causal, qk * scale_log2, _NEG)
     else:
         slots = tl.load(pt_row + offs_n).to(tl.int64)
@@ -226,12 +238,14 @@ def _extend_kernel(
         stride_ot, stride_oh,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
-        F16_TILES: tl.constexpr):
+        F16_TILES: tl.constexpr, WINDOW: tl.constexpr):
     """Program (b, head, m): new tokens [m_block*BLOCK_M, +BLOCK_M) of request b, causal, where
     m_block counts down from the last block as m counts up. Programs start in grid order, and a
     block's work grows with its position (causal), so the longest start first and the last wave
     is short (as with the decode batch's longest-first order).
-    `scale_log2` includes the K scale; the output is multiplied by `v_scale`."""
+    `scale_log2` includes the K scale; the output is multiplied by `v_scale`. WINDOW > 0 (a
+    sliding-window layer): keys start at the block's first query's window, and the tiles
+    that lie before some later query's window run masked."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     m0 = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M
@@ -256,22 +270,41 @@ def _extend_kernel(
     hi = tl.minimum(prefix + ext, prefix + m0 + BLOCK_M)
     hi = tl.where(m0 < ext, hi, 0)
     full = tl.minimum((prefix + m0) // BLOCK_N * BLOCK_N, hi // BLOCK_N * BLOCK_N)
+    # With a window: keys from the tile of the first query's window on; those before `edge`
+    # (the first tile inside the last query's window) run masked.
+    lo = full * 0
+    edge = full * 0
+    if WINDOW > 0:
+        lo = tl.maximum(prefix + m0 - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        edge = tl.maximum(tl.cdiv(tl.maximum(hi - WINDOW, 0), BLOCK_N) * BLOCK_N, lo)
+    edge = tl.minimum(edge, full)
     m_i = tl.full([BLOCK_M], _NEG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     pt_row = page_table_ptr + row * stride_pt
-    for n0 in range(0, full, BLOCK_N):
+    for n0 in range(lo, edge, BLOCK_N):
         acc, m_i, l_i = _extend_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, hi, q_pos,
                                      scale_log2, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
-                                     BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, False)
-    for n0 in range(full, hi, BLOCK_N):
+                                     BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, True, WINDOW)
+    for n0 in range(tl.maximum(edge, lo), full, BLOCK_N):
         acc, m_i, l_i = _extend_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, hi, q_pos,
                                      scale_log2, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
-                                     BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, True)
+                                     BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, False, WINDOW)
+    for n0 in range(tl.maximum(full, lo), hi, BLOCK_N):
+        acc, m_i, l_i = _extend_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, hi, q_pos,
+                                     scale_log2, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
+                                     BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, True, WINDOW)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
     tl.store(o_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def _window(window: int) -> int:
+    """The kernels' WINDOW: a layer's sliding window (0: none), checked once here."""
+    if window < 0:
+        raise ValueError(f"a sliding window must be >= 0 (0: none), got {window}")
+    return window
 
 
 def f16_tiles_apply(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -334,7 +367,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      tiles: Optional[DecodeTiles] = None, pdl: bool = False,
                      k_scale: float = 1.0, v_scale: float = 1.0,
                      f16_tiles: Optional[bool] = None,
-                     arrivals: Optional[torch.Tensor] = None) -> None:
+                     arrivals: Optional[torch.Tensor] = None, window: int = 0) -> None:
     """One query token per request.
 
     q/out [B, heads, d] (last dim contiguous); k/v_cache [slots, kv_heads, d] (one layer);
@@ -348,7 +381,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     see the split kernel). `pdl`: launch with programmatic dependent launch (pdl.py).
     `k_scale` / `v_scale`: the layer's scales of an FP8 pool (the caches hold K / k_scale,
     V / v_scale); 1.0 otherwise. `f16_tiles`: compute in float16 tiles (see
-    _tile_dtype); None: where `f16_tiles_apply`.
+    _tile_dtype); None: where `f16_tiles_apply`. `window` > 0: a sliding-window layer's,
+    attending to each request's last `window` tokens only.
     """
     batch, num_heads, head_dim = q.shape
     if batch > _MAX_GRID_Z:
@@ -377,7 +411,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        F32_DOT=_f32_dot(q), DIRECT=direct, F16_TILES=f16, PDL=pdl,
+        F32_DOT=_f32_dot(q), DIRECT=direct, F16_TILES=f16, PDL=pdl, WINDOW=_window(window),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl))
 
 
@@ -386,14 +420,15 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      extend_lens: torch.Tensor, q_starts: torch.Tensor, max_extend: int,
                      out: torch.Tensor, scale: float, tiles: Optional[ExtendTiles] = None,
                      k_scale: float = 1.0, v_scale: float = 1.0,
-                     f16_tiles: Optional[bool] = None) -> None:
+                     f16_tiles: Optional[bool] = None, window: int = 0) -> None:
     """New tokens attend causally to their request's cached prefix and to each other.
 
     q/out [T, heads, d] (last dim contiguous), request i's tokens at rows
     [q_starts[i], q_starts[i] + extend_lens[i]); all K/V (prefix and new) are read from the pool
     through page_table[rows[i], :prefix_lens[i] + extend_lens[i]]; the int32 per-request tensors
     are on q's device; `max_extend` bounds extend_lens (it sizes the grid). `k_scale` /
-    `v_scale`, `f16_tiles`: as for `decode_attention`.
+    `v_scale`, `f16_tiles`: as for `decode_attention`. `window` > 0: a sliding-window
+    layer's, where the token at position p attends to positions p - window + 1 .. p only.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     batch = rows.shape[0]
@@ -409,7 +444,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache.stride(0), v_cache.stride(1), page_table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim), F32_DOT=_f32_dot(q), F16_TILES=_f16(f16_tiles, q, k_cache),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        WINDOW=_window(window), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 @triton.jit

@@ -14,8 +14,9 @@ biases, Qwen2-MoE's q/k/v bias is its `qkv_bias`), and a `hidden_act` other than
 `partial_rotary_factor` other than 1 is refused.
 
 The context length (`max_context`) is vLLM's: `max_position_embeddings`, stretched by a "yarn"
-(to `original_max_position_embeddings` x factor) or "linear" rope scaling, and cut to a sliding
-window where one is used (attention over the full context is exact only inside it).
+(to `original_max_position_embeddings` x factor) or "linear" rope scaling. A sliding window
+does not cut it: the layers that slide (`layer_windows`, as the family's transformers model
+decides) attend only to their window's last tokens, which the attention backends mask.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ HIDDEN_ACTS = ("silu", "swish")
 # defaults of `ModelConfig.from_dict` (save_pretrained writes them all, a hand-written config.json
 # may not): Mistral's window, Mixtral's theta and eps, Qwen3's head_dim, Qwen's window switch,
 # the context lengths, the KV head counts (Llama's: the head count), Qwen2-MoE's shared expert.
-_QWEN = {"max_position_embeddings": 32768, "use_sliding_window": False}
+_QWEN = {"max_position_embeddings": 32768, "use_sliding_window": False, "sliding_window": 4096}
 _FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
     "MistralForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096,
                            "num_key_value_heads": 8},
@@ -55,9 +56,13 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
 # bias, none on o; Mistral's and Mixtral's have none), and whose MLP takes `mlp_bias`.
 _ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _MLP_BIAS = ("LlamaForCausalLM",)
-# The families whose attention may slide (see `_window`).
+# The families whose attention may slide (see `_layer_windows`).
 _WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
              "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM")
+# The families whose config class lists `layer_types` (the others slide in every layer), and
+# those whose `use_sliding_window` switches the window on (the others ignore the key).
+_LAYER_TYPED = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM")
+_SWITCHED = (*_LAYER_TYPED, "Qwen3MoeForCausalLM")
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -86,7 +91,9 @@ class ModelConfig:
     mlp_only_layers: Tuple[int, ...] = ()  # layers that stay dense
     shared_expert_intermediate_size: int = 0  # the sigmoid-gated shared expert; 0: none
     quantization: Optional[CheckpointQuant] = None  # the checkpoint's FP8 layout; None: dense
-    sliding_window: Optional[int] = None  # where used; None: full attention
+    # Per decoder layer: the tokens its attention sees (its own and those before it, as
+    # transformers' `kv_idx > q_idx - window`), 0: the whole context; () where none slides.
+    layer_windows: Tuple[int, ...] = ()
     qkv_bias: bool = True  # Qwen2's q/k/v bias (always on; Qwen2-MoE's `qkv_bias`)
     hidden_act: str = "silu"  # the MLP's activation: one of HIDDEN_ACTS
 
@@ -102,6 +109,10 @@ class ModelConfig:
         if self.num_experts and self.moe_intermediate_size < 1:
             raise ValueError(f"moe_intermediate_size must be >= 1 with {self.num_experts} "
                              f"experts, got {self.moe_intermediate_size}")
+        if self.layer_windows and (len(self.layer_windows) != self.num_layers
+                                   or min(self.layer_windows) < 0):
+            raise ValueError(f"layer_windows must give each of the {self.num_layers} layers a "
+                             f"window >= 0, got {self.layer_windows}")
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
         kind = (self.rope_scaling or {}).get("rope_type", "default")
@@ -121,7 +132,13 @@ class ModelConfig:
             length = max(length, int(trained * scaling["factor"]))
         elif scaling.get("rope_type") == "linear":
             length = int(length * scaling["factor"])
-        return min(length, self.sliding_window) if self.sliding_window else length
+        return length
+
+    @property
+    def sliding_window(self) -> Optional[int]:
+        """The window of the layers that slide; None where every layer sees the whole
+        context."""
+        return max(self.layer_windows, default=0) or None
 
     def check_tp(self, tp: int) -> None:
         """ValueError naming the numbers when the model cannot be split over `tp` ranks: its
@@ -179,7 +196,7 @@ class ModelConfig:
             eos_token_ids=_eos_ids(cfg, generation or {}),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             quantization=parse_quantization(cfg),
-            sliding_window=_window(cfg, arch),
+            layer_windows=_layer_windows(cfg, arch),
             **_moe_fields(cfg, arch),
         )
 
@@ -199,21 +216,28 @@ class ModelConfig:
                              f"needs") from None
 
 
-def _window(cfg: Dict[str, Any], arch: str) -> Optional[int]:
-    """The sliding window some layer attends within, as the family's transformers model
-    decides (its `layer_types` where config.json lists them; Qwen2/Qwen3 slide only from layer
-    `max_window_layers` on; Llama ignores the key), or None: every layer sees the whole
-    context."""
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-    if not window or arch not in _WINDOWED:
-        return None
-    types = cfg.get("layer_types")
+def _layer_windows(cfg: Dict[str, Any], arch: str) -> Tuple[int, ...]:
+    """Each layer's sliding window (0: none) as the family's transformers model decides: none
+    unless `use_sliding_window` where the family's config reads it; config.json's
+    `layer_types` where the family's config reads them; else Qwen2/Qwen3 slide
+    from layer `max_window_layers` on, Qwen2-MoE in its even layers below it, the other
+    windowed families in every layer; Llama ignores the key. () where no layer slides."""
+    window = cfg.get("sliding_window")
+    if not window or arch not in _WINDOWED or (arch in _SWITCHED
+                                               and not cfg.get("use_sliding_window")):
+        return ()
+    layers = range(cfg["num_hidden_layers"])
+    bound = cfg.get("max_window_layers", 28)
+    types = cfg.get("layer_types") if arch in _LAYER_TYPED else None
     if types is not None:
-        return int(window) if "sliding_attention" in types else None
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and (
-            cfg.get("max_window_layers", 28) >= cfg["num_hidden_layers"]):
-        return None
-    return int(window)
+        slides = [t == "sliding_attention" for t in types]
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        slides = [i >= bound for i in layers]
+    elif arch == "Qwen2MoeForCausalLM":
+        slides = [i % 2 == 0 and i < bound for i in layers]
+    else:
+        slides = [True for _ in layers]
+    return tuple(int(window) if s else 0 for s in slides) if any(slides) else ()
 
 
 def _rope_scaling(raw: Dict[str, Any], arch: str = "") -> Optional[Dict[str, Any]]:

@@ -10,7 +10,8 @@ class LlamaForCausalLM(CausalLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral is the Llama decoder; a sliding window caps the context (see ModelConfig)."""
+    """Mistral is the Llama decoder; its sliding window (every layer) is the attention
+    backends' mask (ModelConfig.layer_windows)."""
 
 
 class MixtralForCausalLM(MistralForCausalLM):

@@ -10,8 +10,8 @@ from minisgl.models.decoder import CausalLM
 
 
 class Phi3ForCausalLM(CausalLM):
-    """No biases, no q/k norm; a sliding window, where config.json sets one, caps the
-    context (ModelConfig)."""
+    """No biases, no q/k norm; a sliding window where config.json sets one (every layer; the
+    attention backends mask it, ModelConfig.layer_windows)."""
 
     checkpoint_fused = MappingProxyType({"qkv_proj": ("q_proj", "k_proj", "v_proj"),
                                          "gate_up_proj": ("gate_proj", "up_proj")})
