@@ -579,6 +579,26 @@ def test_extend_gpu_fp8_kv(page_size: int, heads: int, kv_heads: int) -> None:
 
 
 @pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("kv_dtype", [None, FP8_KV_DTYPE], ids=["bf16", "fp8kv"])
+@pytest.mark.parametrize("window", [1000, 4096])
+def test_window_gpu(kv_dtype: Optional[torch.dtype], window: int) -> None:
+    """Sliding-window decode (batch 1 split, batch 64) and extend (prefills after prefixes
+    longer than the window, a fresh 2,048-token prompt) at the model's shapes, against the
+    reference."""
+    rng = random.Random(window)
+    for batch_size in (1, 64):
+        prefix = [rng.randint(0, 6000) for _ in range(batch_size)]
+        run_and_compare(torch.bfloat16, "cuda", 16, 32, 8, 128, prefix, [1] * batch_size,
+                        Phase.DECODE, seed=batch_size, min_split_tokens=256,
+                        kv_dtype=kv_dtype, window=window)
+    prefix = [0, 0] + [rng.randint(0, 6000) for _ in range(6)]
+    extend = [2048, 1] + [rng.randint(1, 900) for _ in range(6)]
+    run_and_compare(torch.bfloat16, "cuda", 16, 32, 8, 128, prefix, extend, Phase.PREFILL,
+                    seed=window, kv_dtype=kv_dtype, window=window)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability()[0] < 9,
                     reason="needs compute capability 9.0+ (PDL)")
 @pytest.mark.parametrize("kv_dtype", [None, FP8_KV_DTYPE], ids=["bf16", "fp8kv"])
