@@ -120,6 +120,19 @@ def test_sliding_windows_match_hf(tiny_model: Callable[..., Path], family: str) 
     assert [o.token_ids for o in second] == hf_greedy(path, later, 24)
 
 
+def test_gemma3_multimodal_checkpoint_serves_its_text_decoder(tmp_path: Path) -> None:
+    """Gemma3ForConditionalGeneration (Gemma 3 4B-27B): the language model's tensors load from
+    under `language_model.model.` (the vision tower's and projector's are skipped) and text
+    prompts give transformers' greedy tokens of the whole multimodal model."""
+    from tiny_models import build_tiny_gemma3_multimodal
+    path = build_tiny_gemma3_multimodal(tmp_path / "gemma3-mm")
+    prompts = mixed_prompts(3, seed=8, lengths=(5, 19, 33))
+    with LLM(str(path), device="cpu", page_size=4, max_prefill_tokens=16, max_kv_tokens=2048,
+             show_progress=False) as llm:
+        outs = llm.generate(prompts, GREEDY32)
+    assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 32)
+
+
 def test_eager_warmup_leaves_no_trace(tiny_model: Callable[..., Path]) -> None:
     """The start-up warm-up (engine/warmup.py; on CUDA at every start) runs its junk batches
     through the spare row and the scratch slot: run here on the CPU, it leaves the tokens of

@@ -49,10 +49,13 @@ def test_gpu_scaled_rope_matches_cpu(family: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("family,window", [
     ("mistral", dict(sliding_window=16)),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1))])
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+    ("gemma3", dict())])
 def test_gpu_sliding_window_matches_cpu(family: str, window: dict, tmp_path: Path) -> None:
-    """A 16-token window (every layer; Qwen2's second only) on CUDA (Triton kernels, decode
-    graphs with splits, chunked prefill) gives the CPU's float32 tokens."""
+    """A 16-token window (every layer; Qwen2's second only), and Gemma 3's tiny model (8
+    tokens in its first and last layers, sandwich norms, GELU, two rotary tables) on CUDA
+    (Triton kernels, decode graphs with splits, chunked prefill) give the CPU's float32
+    tokens."""
     path = build_tiny(family, tmp_path / family, None, **window)
     assert _run(path, device="cuda", dtype="float32", max_prefill_tokens=48) == _run(
         path, device="cpu", dtype="float32", max_prefill_tokens=48)

@@ -180,11 +180,12 @@ def test_absent_kv_heads_and_shared_expert_take_the_familys_defaults(arch: str) 
         hf_cfg, "shared_expert_intermediate_size", 0)
 
 
-@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "gelu", "relu"])
-def test_an_activation_other_than_silu_is_refused_naming_it(act: str) -> None:
-    """The MLPs and experts (and their fused kernels) apply SiLU: before, a checkpoint asking
+@pytest.mark.parametrize("act", ["gelu", "relu"])
+def test_an_activation_the_mlps_lack_is_refused_naming_it(act: str) -> None:
+    """The MLPs apply SiLU or GELU's tanh approximation (Gemma's): before, a checkpoint asking
     for another activation was served with SiLU, without a word."""
-    with pytest.raises(ValueError, match=f"unsupported hidden_act '{act}'.*silu, swish"):
+    with pytest.raises(ValueError, match=f"unsupported hidden_act '{act}'.*silu, swish, "
+                                         f"gelu_pytorch_tanh"):
         _config(hidden_act=act)
     assert _config(hidden_act="swish").hidden_act == "swish"  # transformers' SiLU too
 
@@ -231,3 +232,65 @@ def test_phi3_scalings_are_its_longrope_and_refused(kind: str) -> None:
                              "factor": 4.0})
     with pytest.raises(ValueError, match="unsupported rope scaling type 'longrope'"):
         ModelConfig.from_dict(raw)
+
+
+# Gemma 3 4B's config.json as published: its text_config lists only what differs from
+# Gemma3TextConfig's defaults (transformers 4 keys: rope_scaling, no layer_types).
+GEMMA3_4B = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+             "eos_token_id": [1, 106], "mm_tokens_per_image": 256,
+             "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                             "model_type": "gemma3_text", "num_hidden_layers": 34,
+                             "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                             "sliding_window": 1024},
+             "vision_config": {"model_type": "siglip_vision_model"}}
+
+
+def test_gemma3_multimodal_config_reads_as_transformers_reads_it() -> None:
+    """The decoder of Gemma 3 4B: transformers' defaults for what text_config leaves out, the
+    five-sliding-one-full layers, the full layers' linearly scaled rope (1e6) and the sliding
+    ones' own theta (1e4), the attention scale of query_pre_attn_scalar, GELU (tanh), and the
+    context transformers serves (128K: the scaling is not applied again, as in vLLM)."""
+    import transformers
+    hf = transformers.Gemma3Config(text_config=GEMMA3_4B["text_config"]).text_config
+    cfg = ModelConfig.from_dict(GEMMA3_4B)
+    assert (cfg.architecture, cfg.vocab_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.num_layers, cfg.hidden_act, cfg.tie_word_embeddings) == (
+        "Gemma3ForConditionalGeneration", hf.vocab_size, hf.num_attention_heads,
+        hf.num_key_value_heads, hf.head_dim, 34, hf.hidden_activation, True)
+    assert cfg.layer_windows == tuple(1024 if t == "sliding_attention" else 0
+                                      for t in hf.layer_types)
+    assert cfg.layer_windows[:6] == (1024,) * 5 + (0,)
+    full, local = hf.rope_parameters["full_attention"], hf.rope_parameters["sliding_attention"]
+    assert (cfg.rope_theta, cfg.rope_scaling["rope_type"], cfg.rope_scaling["factor"]) == (
+        full["rope_theta"], "linear", 8.0)
+    assert cfg.local_rope_theta == local["rope_theta"] == 10000.0
+    assert cfg.attention_scale == hf.query_pre_attn_scalar ** -0.5
+    assert cfg.max_context == hf.max_position_embeddings == 131072
+    assert cfg.eos_token_ids == (1, 106)
+
+
+def test_gemma3_transformers5_keys_read_alike() -> None:
+    """The same decoder as transformers 5 writes it (per-layer-type rope_parameters,
+    layer_types) reads to the same config."""
+    import transformers
+    text = transformers.Gemma3TextConfig(**GEMMA3_4B["text_config"]).to_dict()
+    written = {**GEMMA3_4B, "text_config": text}
+    assert ModelConfig.from_dict(written) == ModelConfig.from_dict(GEMMA3_4B)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"final_logit_softcapping": 30.0}, "unsupported final_logit_softcapping 30.0"),
+    ({"attn_logit_softcapping": 50.0}, "unsupported attn_logit_softcapping 50.0"),
+    ({"use_bidirectional_attention": True}, "unsupported use_bidirectional_attention"),
+    ({"hidden_activation": "relu"}, "unsupported hidden_act 'relu'"),
+])
+def test_gemma3_features_minisgl_lacks_are_refused(change: Dict[str, Any], match: str) -> None:
+    raw = {**GEMMA3_4B, "text_config": {**GEMMA3_4B["text_config"], **change}}
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_dict(raw)
+
+
+def test_experts_refuse_an_activation_other_than_silu() -> None:
+    with pytest.raises(ValueError, match="for experts: minisgl's experts apply SiLU"):
+        _config(architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=16, hidden_act="gelu_pytorch_tanh")

@@ -56,6 +56,14 @@ def test_tp_greedy_matches_tp1_and_hf(tp: int, tiny_model: Callable[..., Path]) 
     assert accounting.free_rows == accounting.total_rows
 
 
+def test_tp2_gemma3_matches_hf(tiny_model: Callable[..., Path]) -> None:
+    """Gemma 3 at tp=2: its sandwich norms all-reduce each sublayer's output before norming
+    it, and its sliding-window layers keep their window on every rank."""
+    path = tiny_model("gemma3")
+    prompts = mixed_prompts(4, seed=9, lengths=(3, 12, 30))
+    assert _generate(path, 2, prompts, GREEDY) == hf_greedy(path, prompts, GREEDY.max_tokens)
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_fused_checkpoint_tensors_shard_like_separate_ones(
         tp: int, tiny_model: Callable[..., Path]) -> None:

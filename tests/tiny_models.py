@@ -40,6 +40,16 @@ FAMILIES: Dict[str, dict] = {
     # Phi-3 / Phi-4: checkpoints with fused qkv_proj and gate_up_proj tensors.
     "phi3": dict(arch="Phi3Config", tie_word_embeddings=False, sliding_window=None,
                  pad_token_id=0),
+    # Gemma 3: sliding (8 tokens, rope theta 1e4), full (linear scaling), sliding layers;
+    # an attention scale other than head_dim's; norms (1 + weight) random like the rest.
+    "gemma3": dict(arch="Gemma3TextConfig", tie_word_embeddings=True, head_dim=32,
+                   num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=24,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                       "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default",
+                                                          "rope_theta": 1e4}},
+                   random_norms=True),
 }
 
 
@@ -50,15 +60,37 @@ def build_tiny(family: str, out: Path, tokenizer_dir: Optional[Path], seed: int 
     import transformers
     spec = dict(FAMILIES[family])
     config_cls = getattr(transformers, spec.pop("arch"))
+    random_norms = spec.pop("random_norms", False)
     config = config_cls(**{**BASE, **spec, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     with torch.no_grad():  # larger than default init, so logits are well separated
         for name, p in model.named_parameters():
-            if "norm" not in name:
+            if random_norms or "norm" not in name:
                 p.normal_(0.0, 0.1)
     model.save_pretrained(out, safe_serialization=True)
     for f in tokenizer_dir.iterdir() if tokenizer_dir is not None else []:
         if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
             shutil.copy(f, out / f.name)
+    return out
+
+
+def build_tiny_gemma3_multimodal(out: Path, seed: int = 0) -> Path:
+    """A random Gemma3ForConditionalGeneration: the "gemma3" family's text decoder beside a
+    one-layer vision tower and projector (tensors under `language_model.model.*`,
+    `vision_tower.*` and `multi_modal_projector.*`, as the published checkpoints name them)."""
+    import transformers
+    spec = dict(FAMILIES["gemma3"])
+    spec.pop("arch"), spec.pop("random_norms")
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=transformers.Gemma3TextConfig(
+        **{**BASE, **spec}), vision_config=vision, mm_tokens_per_image=4)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.1)
+    model.save_pretrained(out, safe_serialization=True)
     return out

@@ -25,6 +25,13 @@ def silu_and_mul(x: torch.Tensor, policy: KernelPolicy = KernelPolicy()) -> torc
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] along the last dimension; returns gelu(gate) * up with GELU's tanh
+    approximation (transformers' "gelu_pytorch_tanh", Gemma's MLP), in torch ops."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def silu_and_mul_quantized(x: torch.Tensor, policy: KernelPolicy,
                            scales: Optional[ProductScales] = None) -> Quantized:
     """silu(gate) * up quantized per token, in one Triton kernel, for an FP8 down projection

@@ -18,12 +18,16 @@ if TYPE_CHECKING:  # kernels/fp8.py imports triton: only CUDA paths load it
 
 class RMSNorm(nn.Module):
     """`policy.fused`: on CUDA tensors, one Triton kernel (kernels/rmsnorm.py) instead of torch
-    ops, launched with programmatic dependent launch where `policy.pdl`."""
+    ops, launched with programmatic dependent launch where `policy.pdl`. `offset`: added to
+    the checkpoint's weight as it loads (Gemma's norms multiply by 1 + weight; the sum is
+    taken in float32 and rounded once to the model's dtype)."""
 
-    def __init__(self, dim: int, eps: float, policy: KernelPolicy = KernelPolicy()) -> None:
+    def __init__(self, dim: int, eps: float, policy: KernelPolicy = KernelPolicy(),
+                 offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
         self.policy = policy
+        self.offset = offset
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,4 +69,6 @@ class RMSNorm(nn.Module):
         return q, (x if new_residual is None else new_residual)
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
-        copy_into(self.weight.data, src.read(), "norm weight")
+        weight = src.read()
+        copy_into(self.weight.data, weight.float() + self.offset if self.offset else weight,
+                  "norm weight")

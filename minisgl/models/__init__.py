@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 # Architecture name (config.json's) -> the module under minisgl.models defining that class.
 _MODULE_OF: Dict[str, str] = {
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "MixtralForCausalLM": "llama",

@@ -14,7 +14,8 @@ biases, Qwen2-MoE's q/k/v bias is its `qkv_bias`), and a `hidden_act` other than
 `partial_rotary_factor` other than 1 is refused.
 
 The context length (`max_context`) is vLLM's: `max_position_embeddings`, stretched by a "yarn"
-(to `original_max_position_embeddings` x factor) or "linear" rope scaling. A sliding window
+(to `original_max_position_embeddings` x factor) or "linear" rope scaling (not Gemma 3's,
+whose positions count the stretch already). A sliding window
 does not cut it: the layers that slide (`layer_windows`, as the family's transformers model
 decides) attend only to their window's last tokens, which the attention backends mask.
 """
@@ -31,14 +32,23 @@ from minisgl.models.checkpoint_quant import CheckpointQuant, parse_quantization
 
 # The rope scalings layers/rotary.py implements.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# The MLP and expert activations the layers implement (transformers' names for SiLU).
-HIDDEN_ACTS = ("silu", "swish")
+# The MLP activations the layers implement (transformers' names for SiLU, and Gemma's GELU
+# with the tanh approximation); experts apply SiLU only.
+SILU_ACTS = ("silu", "swish")
+HIDDEN_ACTS = (*SILU_ACTS, "gelu_pytorch_tanh")
 
 # transformers' defaults for the fields a family's config class sets otherwise than the generic
 # defaults of `ModelConfig.from_dict` (save_pretrained writes them all, a hand-written config.json
 # may not): Mistral's window, Mixtral's theta and eps, Qwen3's head_dim, Qwen's window switch,
 # the context lengths, the KV head counts (Llama's: the head count), Qwen2-MoE's shared expert.
 _QWEN = {"max_position_embeddings": 32768, "use_sliding_window": False, "sliding_window": 4096}
+_GEMMA3 = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+           "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+           "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+           "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+           "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
+           "rope_theta": 1e6, "rope_local_base_freq": 10000.0}
+GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 _FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
     "MistralForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096,
                            "num_key_value_heads": 8},
@@ -51,6 +61,9 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
     "Qwen3MoeForCausalLM": {**_QWEN, "num_key_value_heads": 4},
     "Phi3ForCausalLM": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
                         "vocab_size": 32064},
+    # Gemma3TextConfig's: a multimodal checkpoint's text_config lists few fields
+    "Gemma3ForCausalLM": _GEMMA3,
+    "Gemma3ForConditionalGeneration": _GEMMA3,
 }
 # The families whose attention projections take `attention_bias` (Qwen2's are fixed: q/k/v
 # bias, none on o; Mistral's and Mixtral's have none), and whose MLP takes `mlp_bias`.
@@ -58,11 +71,12 @@ _ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
 _MLP_BIAS = ("LlamaForCausalLM",)
 # The families whose attention may slide (see `_layer_windows`).
 _WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
-             "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM")
+             "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM",
+             *GEMMA3)
 # The families whose config class lists `layer_types` (the others slide in every layer), and
 # those whose `use_sliding_window` switches the window on (the others ignore the key).
-_LAYER_TYPED = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM")
-_SWITCHED = (*_LAYER_TYPED, "Qwen3MoeForCausalLM")
+_LAYER_TYPED = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", *GEMMA3)
+_SWITCHED = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -96,11 +110,19 @@ class ModelConfig:
     layer_windows: Tuple[int, ...] = ()
     qkv_bias: bool = True  # Qwen2's q/k/v bias (always on; Qwen2-MoE's `qkv_bias`)
     hidden_act: str = "silu"  # the MLP's activation: one of HIDDEN_ACTS
+    # Gemma 3: the attention's scores are scaled by query_pre_attn_scalar ** -0.5 (None:
+    # head_dim's), and its sliding-window layers rotate with this theta, unscaled (None: every
+    # layer rotates with rope_theta and rope_scaling).
+    query_pre_attn_scalar: Optional[float] = None
+    local_rope_theta: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.hidden_act not in HIDDEN_ACTS:
-            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}: minisgl's MLPs and "
-                             f"experts apply SiLU (supported: {', '.join(HIDDEN_ACTS)})")
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (supported: "
+                             f"{', '.join(HIDDEN_ACTS)})")
+        if self.num_experts and self.hidden_act not in SILU_ACTS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r} for experts: "
+                             f"minisgl's experts apply SiLU")
         if self.num_experts < 0:
             raise ValueError(f"num_experts must be >= 0, got {self.num_experts}")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -127,12 +149,19 @@ class ModelConfig:
         """The longest sequence served (see the module's docstring)."""
         scaling = self.rope_scaling or {}
         length = self.max_position_embeddings
+        if self.architecture in GEMMA3:  # its max_position_embeddings are the scaled ones
+            return length
         if scaling.get("rope_type") == "yarn" and scaling.get("factor"):
             trained = scaling.get("original_max_position_embeddings") or length
             length = max(length, int(trained * scaling["factor"]))
         elif scaling.get("rope_type") == "linear":
             length = int(length * scaling["factor"])
         return length
+
+    @property
+    def attention_scale(self) -> float:
+        """What the attention multiplies q.k by."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def sliding_window(self) -> Optional[int]:
@@ -168,6 +197,8 @@ class ModelConfig:
         `rope_parameters` wins over a top-level one, as transformers 5 merges them."""
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         cfg = {**_FAMILY_DEFAULTS.get(arch, {}), **cfg}
+        if arch in GEMMA3:
+            cfg = _gemma3(cfg)
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or {}
         partial = (cfg.get("rope_scaling") or rope).get("partial_rotary_factor",
@@ -197,6 +228,8 @@ class ModelConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             quantization=parse_quantization(cfg),
             layer_windows=_layer_windows(cfg, arch),
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            local_rope_theta=cfg.get("local_rope_theta"),
             **_moe_fields(cfg, arch),
         )
 
@@ -238,6 +271,42 @@ def _layer_windows(cfg: Dict[str, Any], arch: str) -> Tuple[int, ...]:
     else:
         slides = [True for _ in layers]
     return tuple(int(window) if s else 0 for s in slides) if any(slides) else ()
+
+
+def _gemma3(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """Gemma 3's config.json in the keys `from_dict` reads: a multimodal checkpoint's decoder
+    fields come from its `text_config` (the vision tower is not served); `hidden_activation`
+    is the MLP's activation; `layer_types` default to every `sliding_window_pattern`-th layer
+    full, the others sliding; the full layers' rope (`rope_theta`, `rope_scaling`) and the
+    sliding ones' (`rope_local_base_freq`) are read from transformers 5's per-layer-type
+    `rope_parameters` where given. Softcapped attention or logits (Gemma 2's) and
+    bidirectional attention are refused."""
+    text = {**cfg, **(cfg.get("text_config") or {})}
+    if "eos_token_id" in cfg:  # a multimodal checkpoint's own, not its decoder config's default
+        text["eos_token_id"] = cfg["eos_token_id"]
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if text.get(key) is not None:
+            raise ValueError(f"unsupported {key} {text[key]!r}: minisgl's attention and LM "
+                             f"head do not softcap (Gemma 3 checkpoints set none)")
+    if text.get("use_bidirectional_attention"):
+        raise ValueError("unsupported use_bidirectional_attention: minisgl's attention is "
+                         "causal")
+    layers = text["num_hidden_layers"]
+    pattern = int(text.get("sliding_window_pattern") or 6)
+    types = text.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    per_type = text.get("rope_parameters") or {}
+    if "full_attention" in per_type:
+        full = per_type["full_attention"]
+        local = per_type.get("sliding_attention") or {}
+    else:
+        full = {"rope_theta": text["rope_theta"], **(text.get("rope_scaling") or {})}
+        local = {"rope_theta": text["rope_local_base_freq"]}
+    if _rope_scaling(local) is not None:
+        raise ValueError(f"unsupported rope scaling of the sliding-window layers: {local}")
+    return {**text, "hidden_act": text["hidden_activation"], "layer_types": types,
+            "rope_parameters": {"rope_theta": 1e6, **full}, "rope_scaling": None,
+            "local_rope_theta": float(local.get("rope_theta", 10000.0))}
 
 
 def _rope_scaling(raw: Dict[str, Any], arch: str = "") -> Optional[Dict[str, Any]]:

@@ -1,8 +1,9 @@
 """The decoder shared by every supported family (Llama, Mistral, Mixtral, Qwen2, Qwen3 and their
-MoE variants, Phi-3).
+MoE variants, Phi-3, Gemma 3).
 
-Families differ only in small traits (QKV bias, per-head q/k RMSNorm), given by their model
-classes, and in the shape of the layer after attention: the dense MLP, or for the layers
+Families differ only in small traits (QKV bias, per-head q/k RMSNorm; Gemma's scaled
+embeddings, 1 + weight norms and sandwich norms), given by their model classes, in the MLP's
+activation (ModelConfig.hidden_act), and in the shape of the layer after attention: the dense MLP, or for the layers
 `ModelConfig.is_sparse` names the mixture of experts (layers/moe.py). Tensor parallelism lives
 in the layers: attention heads, MLP columns and every expert's columns are split over ranks,
 and the row-parallel projections (and the MoE layer) all-reduce. Every such all-reduce (o_proj,
@@ -11,7 +12,9 @@ the next layer's input_layernorm, the final norm), so sublayers pass each other 
 `ResidualStream`: the partial product, un-reduced, with the residual. Its consumer does the
 all-reduce, the add and the norm in the fewest kernels it can: inside its own one-token GEMV
 (batch 1), in one fused all-reduce + norm kernel where the communicator offers one, else as two
-steps.
+steps. Gemma's sandwich norms (`Traits.sandwich_norms`) norm each sublayer's output before it
+joins the residual: that output is reduced on its own, normed, and passed on as a stream with
+nothing left to reduce.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from __future__ import annotations
 import itertools
 import math
 from types import MappingProxyType
-from typing import ClassVar, Iterable, List, Mapping, NamedTuple, Optional, Set, Tuple, Union
+from typing import (ClassVar, Iterable, List, Mapping, NamedTuple, Optional, Set, Tuple, Union,
+                    cast)
 
 import torch
 from torch import nn
@@ -29,7 +33,7 @@ from minisgl.core import Batch
 from minisgl.distributed import Communicator, DistributedInfo
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kernels.types import HeadNorms
-from minisgl.layers.activation import silu_and_mul, silu_and_mul_quantized
+from minisgl.layers.activation import gelu_tanh_and_mul, silu_and_mul, silu_and_mul_quantized
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.fp8 import SCALE_PARAMS, Fp8Spec, finish_loading
 from minisgl.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
@@ -38,7 +42,7 @@ from minisgl.layers.moe import MoEShape, SparseMoE, expert_param
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.layers.source import RowsOf, TensorSource
-from minisgl.models.config import ModelConfig
+from minisgl.models.config import SILU_ACTS, ModelConfig
 from minisgl.models.quantization import QuantPlan
 
 class Traits(NamedTuple):
@@ -52,6 +56,12 @@ class Traits(NamedTuple):
     quant: Optional[QuantPlan] = None
     # parts -> the one checkpoint layer holding them (CausalLM.checkpoint_fused, reversed)
     fused_names: Mapping[Tuple[str, ...], str] = MappingProxyType({})
+    norm_offset: float = 0.0  # added to every RMSNorm's weight as it loads (Gemma: 1)
+    embed_scale: Optional[float] = None  # the embeddings' factor (Gemma: sqrt(hidden_size))
+    sandwich_norms: bool = False  # Gemma: norms after attention and the MLP too (see above)
+
+    def norm(self, dim: int, eps: float) -> RMSNorm:
+        return RMSNorm(dim, eps, self.policy, self.norm_offset)
 
     def fp8(self, prefix: str, *parts: str) -> Optional[Fp8Spec]:
         """The FP8 format of the projection fusing checkpoint layers `prefix`.`part`, asked
@@ -98,9 +108,8 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
                                         traits.o_bias, info, comm, traits.policy,
                                         traits.fp8(prefix, "o_proj"))
-        norm = lambda: RMSNorm(cfg.head_dim, cfg.rms_norm_eps, traits.policy)  # noqa: E731
-        self.q_norm = norm() if traits.qk_norm else None
-        self.k_norm = norm() if traits.qk_norm else None
+        self.q_norm = traits.norm(cfg.head_dim, cfg.rms_norm_eps) if traits.qk_norm else None
+        self.k_norm = traits.norm(cfg.head_dim, cfg.rms_norm_eps) if traits.qk_norm else None
         self.rotary = rotary
         self.head_dim = cfg.head_dim
 
@@ -147,14 +156,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Gated MLP; `forward` takes the stream before its norm and returns the stream after
-    down_proj (its partial product, not yet all-reduced)."""
+    """Gated MLP (SiLU, or GELU with the tanh approximation: ModelConfig.hidden_act);
+    `forward` takes the stream before its norm and returns the stream after down_proj (its
+    partial product, not yet all-reduced)."""
 
     def __init__(self, cfg: ModelConfig, info: DistributedInfo, comm: Communicator,
                  traits: "Traits", prefix: str) -> None:
         """`prefix`: the checkpoint's name of this MLP (model.layers.N.mlp)."""
         super().__init__()
         self.policy = traits.policy
+        self.silu = cfg.hidden_act in SILU_ACTS
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias,
                                                  info, traits.policy,
@@ -166,7 +177,12 @@ class MLP(nn.Module):
         """W8A8 (FP8 gate/up and down scaled per row, dynamic activations) with no launch of
         its own besides the GEMMs: the norm quantizes gate/up's input, the SiLU kernel
         applies gate/up's scales where its product is taken unscaled and quantizes down's
-        input, and down's scales go to the next norm (RowParallelLinear's streams)."""
+        input, and down's scales go to the next norm (RowParallelLinear's streams). GELU runs
+        in torch ops between the projections."""
+        if not self.silu:
+            proj = self.gate_up_proj.forward_normed_unscaled(stream, norm)
+            return self.down_proj.forward_stream(gelu_tanh_and_mul(proj.scaled()),
+                                                 proj.residual)
         fused = self.gate_up_proj.forward_normed_silu(stream, norm)  # batch 1: one kernel
         if fused is not None:
             return self.down_proj.forward_stream(fused.out, fused.residual)
@@ -190,10 +206,13 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, traits: "Traits", rotary: RotaryEmbedding,
                  info: DistributedInfo, comm: Communicator) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, traits.policy)
+        norm = lambda: traits.norm(cfg.hidden_size, cfg.rms_norm_eps)  # noqa: E731
+        self.input_layernorm = norm()
         self.self_attn = Attention(cfg, layer, traits, rotary, info, comm)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
-                                                traits.policy)
+        # Gemma's norm of the attention's output (its sandwich); the MLP's input norm otherwise
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm() if traits.sandwich_norms else None
+        self.post_feedforward_layernorm = norm() if traits.sandwich_norms else None
         self.mlp: Union[MLP, SparseMoE] = (
             SparseMoE(moe_shape(cfg), info, comm, traits.policy) if cfg.is_sparse(layer)
             else MLP(cfg, info, comm, traits, f"model.layers.{layer}.mlp"))
@@ -203,7 +222,17 @@ class DecoderLayer(nn.Module):
         """The stream after the previous layer (or the embeddings) -> the stream after this
         one; each sublayer applies its own norm to the stream it takes."""
         stream = self.self_attn(stream, self.input_layernorm, positions, batch, backend)
-        return self.mlp(stream, self.post_attention_layernorm)
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            return self.mlp(stream, self.post_attention_layernorm)
+        stream = _normed_output(stream, self.post_attention_layernorm)
+        stream = self.mlp(stream, self.pre_feedforward_layernorm)
+        return _normed_output(stream, self.post_feedforward_layernorm)
+
+
+def _normed_output(stream: ResidualStream, norm: RMSNorm) -> ResidualStream:
+    """A sandwich norm: the sublayer's output (reduced here) normed before it joins the
+    residual, which the next norm adds."""
+    return ResidualStream(cast(torch.Tensor, norm(stream.reduced())), stream.residual, None)
 
 
 def _check_has_tensor(name: str, module_name: str, module: nn.Module, param: str) -> None:
@@ -231,17 +260,27 @@ class DecoderModel(nn.Module):
                  comm: Communicator) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, info, comm)
+        self.embed_scale = traits.embed_scale
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.rope_theta, cfg.rope_scaling,
                                  traits.policy, cfg.max_position_embeddings)
-        layers = [DecoderLayer(cfg, i, traits, rotary, info, comm) for i in range(cfg.num_layers)]
+        local = rotary  # the sliding-window layers' (Gemma 3: their own theta, unscaled)
+        if cfg.local_rope_theta is not None:
+            local = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.local_rope_theta, None,
+                                    traits.policy, cfg.max_position_embeddings)
+        windows = cfg.layer_windows or (0,) * cfg.num_layers
+        layers = [DecoderLayer(cfg, i, traits, local if windows[i] else rotary, info, comm)
+                  for i in range(cfg.num_layers)]
         qkv = layers[0].self_attn.qkv_proj
         self.local_heads = LocalHeads(qkv.num_local_kv_heads, qkv.num_local_heads)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, traits.policy)
+        self.norm = traits.norm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
                 backend: AttentionBackend) -> torch.Tensor:
-        stream = ResidualStream(self.embed_tokens(ids), None, None)
+        h = self.embed_tokens(ids)
+        if self.embed_scale is not None:  # the factor rounded to the model's dtype, as in HF
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype).item()
+        stream = ResidualStream(h, None, None)
         for layer in self.layers:
             stream = layer(stream, positions, batch, backend)
         return stream.normed(self.norm)[0]
@@ -252,12 +291,16 @@ class CausalLM(nn.Module):
 
     Subclasses override `traits` with their family's differences, `checkpoint_renames`
     where their checkpoints name modules differently (each component of a tensor's name found
-    there is replaced before the name is matched to a parameter), and `checkpoint_fused` where
-    a checkpoint tensor fuses projections along its rows (each part then loads as the
-    checkpoint tensor of that name would: `_unfused`).
+    there is replaced before the name is matched to a parameter), `checkpoint_prefixes` where
+    the decoder's tensors sit under another prefix (a multimodal checkpoint's language model:
+    the first prefix a name starts with is replaced; None skips the tensor, e.g. a vision
+    tower not served), and `checkpoint_fused` where a checkpoint tensor fuses projections
+    along its rows (each part then loads as the checkpoint tensor of that name would:
+    `_unfused`).
     """
 
     checkpoint_renames: ClassVar[Mapping[str, str]] = MappingProxyType({})
+    checkpoint_prefixes: ClassVar[Mapping[str, Optional[str]]] = MappingProxyType({})
     checkpoint_fused: ClassVar[Mapping[str, Tuple[str, ...]]] = MappingProxyType({})
 
     @classmethod
@@ -306,7 +349,9 @@ class CausalLM(nn.Module):
         and any FP8 scale of a layer that is not FP8. Then the weight-only FP8 layers are
         dequantized (layers/fp8.finish_loading)."""
         loaded: Set[str] = set()
-        for name, src in (part for tensor in tensors for part in self._unfused(*tensor)):
+        own = ((self._own_name(name), src) for name, src in tensors)
+        for name, src in (part for name, src in own if name is not None
+                          for part in self._unfused(name, src)):
             target = self._target(name)
             if target is None:
                 continue
@@ -327,6 +372,14 @@ class CausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:4]}")
         finish_loading(self)
+
+    def _own_name(self, name: str) -> Optional[str]:
+        """Checkpoint tensor `name` with its prefix replaced (`checkpoint_prefixes`); None: the
+        tensor is not loaded."""
+        for prefix, replacement in self.checkpoint_prefixes.items():
+            if name.startswith(prefix):
+                return None if replacement is None else replacement + name[len(prefix):]
+        return name
 
     def _unfused(self, name: str, src: TensorSource) -> List[Tuple[str, TensorSource]]:
         """Checkpoint tensor `name` as (name, source) pairs: itself, or where it fuses
