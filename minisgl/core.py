@@ -102,6 +102,9 @@ class SamplingParams:
     `cache_salt` (vLLM's) keeps the request's prefix-cache entries apart from those of
     requests with another salt or none (a tenant cannot learn another's prompts from how fast
     a shared prefix is served); at most MAX_CACHE_SALT_CHARS characters.
+    `lora_name` names the LoRA adapter the request runs with (one the engine loaded:
+    `Limits.lora_adapters`; None: the base model); its prefix-cache entries are the adapter's
+    own (`prefix_namespace`).
     `truncate_prompt_tokens=k` (vLLM's) keeps only the prompt's last k tokens (-1: the
     context length's worth; `truncate_prompt`). `stop` (strings that end the output, which
     leaves them out unless
@@ -141,6 +144,7 @@ class SamplingParams:
     # vLLM's: with --scheduling-policy priority, lower values are admitted first (and retracted
     # last); under the default first-come-first-served policy it must stay 0.
     priority: int = 0
+    lora_name: Optional[str] = None  # the LoRA adapter (by its registered name); None: none
     # Read where the prompt is tokenized (the tokenizer process, `LLM`), not by the ranks.
     truncate_prompt_tokens: Optional[int] = None
     bad_words: Tuple[str, ...] = ()  # vLLM's: words the output never writes (as bad_word_ids)
@@ -247,6 +251,11 @@ class SamplingParams:
                                  <= MAX_CACHE_SALT_CHARS):
             raise ValueError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} "
                              f"characters, got {salt!r:.60}")
+        name = self.lora_name
+        if name is not None and (not isinstance(name, str) or not 0 < len(name)
+                                 <= MAX_CACHE_SALT_CHARS):
+            raise ValueError(f"lora_name must be a string of 1 to {MAX_CACHE_SALT_CHARS} "
+                             f"characters, got {name!r:.60}")
         if (not isinstance(self.priority, int) or isinstance(self.priority, bool)
                 or not -2 ** 63 <= self.priority < 2 ** 63):  # what a message carries
             raise ValueError(f"priority must be a 64-bit integer, got {self.priority!r}")
@@ -263,6 +272,14 @@ class SamplingParams:
         if self.stop and not self.detokenize:
             raise ValueError(f"stop strings need detokenize=True, got stop={list(self.stop)!r} "
                              f"with detokenize=False")
+
+    @property
+    def prefix_namespace(self) -> Optional[str]:
+        """The prefix cache's namespace of this request (kvcache/base.py): its cache_salt and
+        its LoRA adapter, whose K/V differ from the base model's; None: the shared one."""
+        if self.lora_name is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00lora:{self.lora_name}"
 
     def choice(self, i: int) -> "SamplingParams":
         """Choice i of n: the seed shifted by i (where one is set), so the choices differ."""
@@ -387,6 +404,8 @@ class Limits(NamedTuple):
     max_prefill_tokens: int  # new tokens one prefill batch takes at most (the chunk size)
     # --scheduling-policy priority: requests' `priority` orders the queue (else it must be 0)
     priority_scheduling: bool = False
+    # The LoRA adapters loaded, by name; a request's adapter runs in slot index(name).
+    lora_adapters: Tuple[str, ...] = ()
 
     @property
     def kv_capacity(self) -> int:
@@ -487,6 +506,10 @@ def check_request(ids: Sequence[int], params: SamplingParams, limits: Limits) ->
     error = _structured_error(params.structured)
     if error is not None:
         raise RequestError(error, "structured")
+    if params.lora_name is not None and params.lora_name not in limits.lora_adapters:
+        loaded = ", ".join(limits.lora_adapters) or "none"
+        raise RequestError(f"LoRA adapter {params.lora_name!r} is not loaded (loaded: "
+                           f"{loaded})", "model")
     if params.priority != 0 and not limits.priority_scheduling:
         raise RequestError(f"priority {params.priority} needs the priority scheduling policy "
                            f"(--scheduling-policy priority); this engine serves first come, "
@@ -630,6 +653,9 @@ class Batch:
     out_slots: Optional[torch.Tensor] = None
     attn_meta: object = None
     launched_at: float = 0.0  # scheduler's clock at launch: step-time statistics only
+    # The tokens whose requests run with a LoRA adapter (the engine's, per forward); None or
+    # no segments: none does.
+    lora: Optional["LoraRows"] = None
     # Some sampled request is constrained (Req.grammar): the engine's launch runs the forward
     # only, and sampling waits for the token bitmask (StepEngine.sample).
     masked: bool = False
@@ -647,6 +673,24 @@ class Batch:
         """Index of the first request that decodes one token: 0 in a decode batch, the end of
         the prefill requests in a mixed step, the batch size in a plain prefill."""
         return 0 if self.phase is Phase.DECODE else self.size - self.num_decode
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's name for the LoRA adapter an offline request runs with (`LLM.generate`'s
+    `lora_request`): `lora_name` must be one the `LLM` loaded (`lora_modules`), and
+    `lora_path`, where given, that adapter's directory; `lora_int_id` is vLLM's id, unused."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""
+
+
+class LoraRows(NamedTuple):
+    """A forward's tokens by LoRA adapter: (slot, int64 row indices on the device) for each
+    adapter some token runs with, in slot order (layers/lora.py adds each one's delta)."""
+
+    segments: Tuple[Tuple[int, torch.Tensor], ...]
 
 
 class StepResult(NamedTuple):

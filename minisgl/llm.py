@@ -18,6 +18,7 @@ import shutil
 import tempfile
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import (Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union,
                     cast)
 
@@ -25,7 +26,7 @@ import torch
 import zmq
 from tqdm import tqdm
 
-from minisgl.core import (FinishReason, Limits, SamplingParams, StructuredOutput,
+from minisgl.core import (FinishReason, Limits, LoRARequest, SamplingParams, StructuredOutput,
                           StructuredOutputsParams, TokenLogprobs, check_request, truncate_prompt)
 from minisgl.grammar import make_checker
 from minisgl.distributed import DistributedInfo, ProcessGroups
@@ -56,6 +57,7 @@ from minisgl.distributed.bind import free_port
 logger = logging.getLogger(__name__)
 # Text, token ids, or vLLM's TextPrompt / TokensPrompt: {"prompt": text} / {"prompt_token_ids": ids}
 Prompt = Union[str, List[int], Dict[str, Any]]
+LoraRequests = Union[None, LoRARequest, Sequence[Optional[LoRARequest]]]
 
 
 class _InProcess:
@@ -348,7 +350,11 @@ class LLM:
     def __init__(self, model: Optional[str] = None, *, show_progress: bool = True,
                  log_level: str = "WARNING", generation_config: str = "auto",
                  tokenizer: Optional[str] = None, **overrides: Any) -> None:
+        if isinstance(overrides.get("lora_modules"), dict):  # {name: path}, as the flag's text
+            overrides["lora_modules"] = ",".join(f"{name}={path}" for name, path
+                                                 in overrides["lora_modules"].items())
         cfg = build(SchedulerConfig(), overrides, "LLM()")
+        self._lora_adapters = cfg.engine.lora_adapters
         tp = cfg.engine.tp
         self.model_path = resolve_model_path(model, cfg.engine.revision,
                                              cfg.engine.download_dir)
@@ -449,13 +455,15 @@ class LLM:
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                  *, use_tqdm: Optional[bool] = None,
-                 priority: Optional[Sequence[int]] = None) -> List[GenerateOutput]:
+                 priority: Optional[Sequence[int]] = None,
+                 lora_request: LoraRequests = None) -> List[GenerateOutput]:
         """One output per prompt, in order, its `n` choices in `outputs` (vLLM's layout).
         `sampling_params`: one for all, or one per prompt (None: the default,
         `get_default_sampling_params`). `use_tqdm`: a progress bar over the requests (None:
         `show_progress`'s choice). `priority`: one per prompt, under `scheduling_policy=
-        "priority"` (SamplingParams.priority). vLLM's names, so that its callers' keywords
-        work."""
+        "priority"` (SamplingParams.priority). `lora_request`: the LoRA adapter of every
+        prompt, or one per prompt (None: the base model; SamplingParams.lora_name). vLLM's
+        names, so that its callers' keywords work."""
         single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
                                                       and isinstance(prompts[0], int))
         if not single and not isinstance(prompts, (list, tuple)):
@@ -471,7 +479,7 @@ class LLM:
                 raise ValueError(f"priority must give one value per prompt ({len(ids)}), got "
                                  f"{priority!r:.80}")
             params = [dataclasses.replace(p, priority=v) for p, v in zip(params, priority)]
-        return self._run(ids, params, use_tqdm, texts)
+        return self._run(ids, self._with_lora(params, lora_request), use_tqdm, texts)
 
     def chat(self, messages: Union[List[Dict[str, Any]], List[List[Dict[str, Any]]]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
@@ -479,7 +487,8 @@ class LLM:
              continue_final_message: bool = False,
              chat_template_kwargs: Optional[Dict[str, Any]] = None,
              tools: Optional[List[Dict[str, Any]]] = None,
-             chat_template: Optional[str] = None) -> List[GenerateOutput]:
+             chat_template: Optional[str] = None,
+             lora_request: LoraRequests = None) -> List[GenerateOutput]:
         """Apply the model's chat template (`chat_template`: Jinja text in its place) to one
         conversation or a list of them, then `generate` (vLLM's keywords: `tools` reach the
         template only; the output is not parsed for calls). A message's content is text or a
@@ -497,7 +506,8 @@ class LLM:
             template["chat_template"] = chat_template
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         ids = [self._chat_ids(c, template) for c in convs]  # type: ignore[arg-type]
-        return self._run(ids, self._per_prompt(sampling_params, len(ids)), use_tqdm)
+        params = self._per_prompt(sampling_params, len(ids))
+        return self._run(ids, self._with_lora(params, lora_request), use_tqdm)
 
     # --- internals ---------------------------------------------------------------------------
     def _need_tokenizer(self) -> Any:
@@ -530,6 +540,30 @@ class LLM:
             raise ValueError("a chat needs at least one message")
         messages = [_chat_message(i, m) for i, m in enumerate(conversation)]
         return chat_prompt_ids(self._need_tokenizer(), messages, **template)
+
+    def _with_lora(self, params: List[SamplingParams], requests: LoraRequests
+                   ) -> List[SamplingParams]:
+        """The params with each prompt's adapter (`generate`'s lora_request); ValueError for
+        an adapter this LLM did not load, or loaded from another directory."""
+        if requests is None:
+            return params
+        per_prompt = [requests] * len(params) if isinstance(requests, LoRARequest) else requests
+        if len(per_prompt) != len(params):
+            raise ValueError(f"lora_request must be one LoRARequest or one per prompt "
+                             f"({len(params)}), got {len(per_prompt)}")
+        loaded = dict(self._lora_adapters)
+        out = []
+        for p, req in zip(params, per_prompt):
+            if req is not None and req.lora_name not in loaded:
+                raise ValueError(f"LoRA adapter {req.lora_name!r} is not loaded (loaded: "
+                                 f"{', '.join(loaded) or 'none'}): minisgl loads adapters at "
+                                 f"start-up, LLM(..., lora_modules={{name: path}})")
+            if req is not None and req.lora_path and not _same_dir(req.lora_path,
+                                                                   loaded[req.lora_name]):
+                raise ValueError(f"LoRA adapter {req.lora_name!r} was loaded from "
+                                 f"{loaded[req.lora_name]}, not {req.lora_path}")
+            out.append(p if req is None else dataclasses.replace(p, lora_name=req.lora_name))
+        return out
 
     def _per_prompt(self, params: Union[None, SamplingParams, Sequence[SamplingParams]], n: int
                     ) -> List[SamplingParams]:
@@ -697,3 +731,7 @@ class LLM:
                 if out.finish_reason is not None or out.error:
                     left.discard(out.uid)
         self._backend.drain()
+
+
+def _same_dir(a: str, b: str) -> bool:
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()

@@ -6,36 +6,43 @@ CUDA on a GPU machine, where the default dtype is bf16 and the tokens cannot mat
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 _MODELS: Dict[str, object] = {}
 
 
-def _hf_model(model_dir: Path) -> object:
+def _hf_model(model_dir: Path, adapter: Optional[Path] = None) -> object:
+    """The model (with the PEFT LoRA adapter at `adapter` applied, on a copy of its own)."""
     from transformers import AutoModelForCausalLM
-    key = str(model_dir)
+    key = f"{model_dir}|{adapter}"
     if key not in _MODELS:
-        _MODELS[key] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if adapter is not None:
+            import peft
+            model = peft.PeftModel.from_pretrained(model, adapter)
+        _MODELS[key] = model.eval()
     return _MODELS[key]
 
 
 def hf_greedy(model_dir: Path, prompts: List[List[int]], new_tokens: int,
               repetition_penalty: float = 1.0, frequency_penalty: float = 0.0,
-              presence_penalty: float = 0.0) -> List[List[int]]:
+              presence_penalty: float = 0.0, adapter: Optional[Path] = None
+              ) -> List[List[int]]:
     """`new_tokens` greedy tokens per prompt, EOS ignored (one prompt at a time: no padding).
     The penalties: HF's own repetition processor, then `OutputPenalties` (HF has no frequency
-    or presence penalty of its own)."""
+    or presence penalty of its own). `adapter`: a PEFT LoRA adapter applied to the model."""
     from transformers import LogitsProcessorList
-    model = _hf_model(model_dir)
+    model = _hf_model(model_dir, adapter)
     out = []
     with torch.no_grad():
         for ids in prompts:
             extra = LogitsProcessorList()
             if frequency_penalty or presence_penalty:
                 extra.append(OutputPenalties(len(ids), frequency_penalty, presence_penalty))
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens,  # type: ignore
+            gen = model.generate(input_ids=torch.tensor([ids]),  # type: ignore
+                                 max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, do_sample=False, top_k=None,
                                  top_p=None, temperature=None,
                                  repetition_penalty=repetition_penalty, logits_processor=extra)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -93,4 +93,27 @@ def build_tiny_gemma3_multimodal(out: Path, seed: int = 0) -> Path:
         for p in model.parameters():
             p.normal_(0.0, 0.1)
     model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_tiny_lora(base: Path, out: Path, seed: int, rank: int = 8, alpha: float = 16.0,
+                    targets: Tuple[str, ...] = LORA_TARGETS, **config: object) -> Path:
+    """A PEFT LoRA adapter of the model at `base` with random A and B (PEFT's own init makes
+    B zero: a no-op adapter), saved as PEFT saves one (adapter_config.json,
+    adapter_model.safetensors). `config`: more LoraConfig fields (use_rslora, ...)."""
+    import peft
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    lora = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
+                           init_lora_weights=False, **config)  # type: ignore[arg-type]
+    torch.manual_seed(seed)
+    adapted = peft.get_peft_model(model, lora)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.2)
+    adapted.save_pretrained(out)
     return out

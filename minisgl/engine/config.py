@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Tuple
 
 from minisgl.devices import DTYPE_NAMES, KV_CACHE_DTYPES, resolve_device
 from minisgl.distributed.info import DistributedInfo
@@ -66,6 +66,16 @@ class EngineConfig:
               "says is FP8 (compressed-tensors, fp8) is read as it is. unset: as the "
               "checkpoint is. FP8 on CUDA needs compute capability 8.9 or newer",
         choices=QUANTIZATIONS)
+    lora_modules: Optional[str] = setting(
+        None, "LoRA adapters served beside the base model, NAME=PATH pairs separated by commas "
+              "(PEFT directories: adapter_config.json, adapter_model.safetensors); a request "
+              "runs with one by naming it as its model (offline: lora_request or "
+              "SamplingParams.lora_name). All load at start-up on every rank; dense models "
+              "with unquantized weights only", also=("lora-paths",))
+    max_lora_rank: int = setting(16, "the largest rank a LoRA adapter may have (the adapters' "
+                                     "buffers are sized for it)")
+    enable_lora: bool = setting(False, "vLLM's switch: here a check that --lora-modules names "
+                                       "adapters (they load at start-up only)")
     load_format: str = setting("auto", "auto (the model directory's safetensors) or dummy "
                                        "(random weights from config.json alone, for benchmarks "
                                        "of large shapes)", choices=LOAD_FORMATS)
@@ -130,6 +140,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
+        adapters = self.lora_adapters  # parsed now: a malformed entry fails at start-up
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
         if self.page_size < 1:
@@ -150,6 +161,11 @@ class EngineConfig:
         if self.prefill_graph_tokens < 0:
             raise ValueError(f"prefill_graph_tokens must be >= 0 (0: no graphs), got "
                              f"{self.prefill_graph_tokens}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.enable_lora and not adapters:
+            raise ValueError("enable_lora needs lora_modules (NAME=PATH,...): minisgl loads "
+                             "LoRA adapters at start-up only")
         if self.allreduce == "symm-fused" and not self.fused_ops:
             raise ValueError("allreduce 'symm-fused' fuses the all-reduce into the Triton "
                              "RMSNorm and needs fused_ops; use 'symm' without them")
@@ -184,6 +200,24 @@ class EngineConfig:
         return replace(self, model_path=model_path, tp_info=DistributedInfo(rank, self.tp),
                        device=resolve_device(self.device),
                        dist_init_method=dist_init_method or self.dist_init_method)
+
+    @property
+    def lora_adapters(self) -> Tuple[Tuple[str, str], ...]:
+        """(name, path) of each adapter of `lora_modules`, in order (slot i: the i-th);
+        ValueError naming an entry that is not NAME=PATH or a name given twice."""
+        pairs = []
+        for item in (self.lora_modules or "").split(","):
+            if not item.strip():
+                continue
+            name, eq, path = item.strip().partition("=")
+            if not eq or not name.strip() or not path.strip():
+                raise ValueError(f"lora_modules entry {item.strip()!r} is not NAME=PATH")
+            pairs.append((name.strip(), path.strip()))
+        names = [n for n, _ in pairs]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"lora_modules names {', '.join(twice)} more than once")
+        return tuple(pairs)
 
     def context_length(self, model_max: int) -> int:
         """The context length: `max_model_len` where set, else the model's `model_max`.

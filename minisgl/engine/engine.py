@@ -22,6 +22,7 @@ from minisgl.core import Batch, Phase, Req, StepResult
 from minisgl.distributed import ProcessGroups, min_over_ranks
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.cuda_graph import DecodeGraphs, graph_sizes
+from minisgl.engine.lora import lora_rows
 from minisgl.engine.logprobs import (PromptRows, prompt_entries, prompt_logprobs, prompt_rows,
                                      sampled_entries, sampled_logprobs)
 from minisgl.engine.bad_words import BadWords
@@ -35,7 +36,9 @@ from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
 from minisgl.kvcache.pool import FP8_KV_DTYPE, KVScales
 from minisgl.layers import blas
+from minisgl.layers.lora import LoraShape
 from minisgl.models import CausalLM, ModelConfig, model_class
+from minisgl.models.lora import load_adapters, read_adapter
 from minisgl.models.quantization import quant_plan
 from minisgl.models.kv_scales import KVScaleCollector
 from minisgl.models.weights import init_dummy, iter_checkpoint
@@ -270,19 +273,28 @@ class Engine:
         quant = quant_plan(self.model_cfg.quantization, self.cfg.quantization, self.device,
                            self.cfg.torch_dtype)
         dtype = temporarily(torch.get_default_dtype, torch.set_default_dtype, self.cfg.torch_dtype)
+        adapters = [read_adapter(name, path, self.cfg.max_lora_rank)
+                    for name, path in self.cfg.lora_adapters]
+        lora = LoraShape(len(adapters), self.cfg.max_lora_rank) if adapters else None
         with torch.device(self.device), dtype:
-            model = cls(self.model_cfg, self.cfg.tp_info, groups.comm, self.policy, quant)
+            model = cls(self.model_cfg, self.cfg.tp_info, groups.comm, self.policy, quant, lora)
         scales = KVScaleCollector(self.model_cfg.num_layers)
         if self.cfg.load_format == "dummy":
             init_dummy(model, self.cfg.seed)
         else:
             show = self.cfg.show_progress and self.cfg.tp_info.is_primary
             model.load_weights(scales.filter(iter_checkpoint(Path(self.cfg.model_path), show)))
+        load_adapters(model, adapters)
         if self.cfg.kv_torch_dtype == FP8_KV_DTYPE and scales.found == 0:
             logger.warning("rank %d: the checkpoint gives no KV cache scales: the FP8 KV cache "
                            "uses 1.0 for every layer (K/V beyond +-448 saturate)",
                            self.cfg.tp_info.rank)
         return model.eval(), scales.scales()
+
+    @property
+    def lora_names(self) -> Tuple[str, ...]:
+        """The LoRA adapters loaded, in slot order (the config's)."""
+        return tuple(name for name, _ in self.cfg.lora_adapters)
 
     @property
     def vocab_size(self) -> int:
@@ -353,7 +365,11 @@ class Engine:
 
     def _forward(self, batch: Batch, sampled: List[int]) -> Forwarded:
         """The model on `batch`: a decode graph's replay where one fits, else eager (with the
-        prompt log-probabilities of the requests collecting them)."""
+        prompt log-probabilities of the requests collecting them; always where some request
+        runs with a LoRA adapter, which the graphs do not hold)."""
+        batch.lora = lora_rows(batch, self.lora_names, self.device)
+        if batch.lora is not None:
+            return self._forward_eager(batch, sampled)
         if self.graphs is not None and self.graphs.can_run(batch):
             logits, rows = self.graphs.replay(batch)  # decode: every request is sampled
             return Forwarded(logits, rows, None, None)
@@ -361,6 +377,9 @@ class Engine:
                 and prompt_rows(batch) is None):
             logits, rows = self.prefill_graphs.replay(batch)
             return Forwarded(logits, rows, None, None)
+        return self._forward_eager(batch, sampled)
+
+    def _forward_eager(self, batch: Batch, sampled: List[int]) -> Forwarded:
         rows = to_device([batch.reqs[i].table_row for i in sampled], torch.int64, self.device)
         ids, positions = self._prepare_inputs(batch, rows)
         self.backend.prepare(batch)

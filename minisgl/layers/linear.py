@@ -8,6 +8,10 @@ before it (`forward_normed*`, taking a ResidualStream), SiLU-and-mul after gate/
 the rotary embedding and the K/V store. That is why these layers see norms, the rotary caches and
 the KV cache layout: the kernel that fuses them is the projection's.
 
+Built with a `LoraShape` (layers/lora.py), a layer holds LoRA adapters' pairs too, and
+`forward_lora` / `forward_stream(..., lora)` add their deltas to the tokens that run with one
+(the plain product: the fused paths above take no adapter).
+
 Built with an `Fp8Spec` (layers/fp8.py), the column- and row-parallel layers hold FP8 weights
 and their scales, load their shards of them (or quantize their shard of a dense checkpoint), and
 multiply by them on CUDA; on the CPU they are dequantized once loaded and run as dense layers.
@@ -21,12 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl.core import LoraRows
 from minisgl.distributed import Communicator, DistributedInfo, Shard, check_head_split
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kernels.types import KVTarget, Normed, ProductScales, QKVRope
 from minisgl.layers import blas
 from minisgl.layers import fp8 as fp8_weights
 from minisgl.layers.fp8 import Fp8Spec, Fp8Weight
+from minisgl.layers.lora import LoraShape, LoraSlots
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.layers.source import TensorSource, copy_into
@@ -256,13 +262,14 @@ class ColumnParallelLinear(_Fp8Layer):
     across ranks separately, so shard `i` of every rank is contiguous in the local weight.
     `shards`: this rank's rows of each output, where they are not an even split over ranks.
     `fp8`: FP8 weights in that format (see _Fp8Layer); with blocks, every shard must hold
-    whole blocks (ValueError naming the numbers).
+    whole blocks (ValueError naming the numbers). `lora`: LoRA adapter slots (one pair per
+    output part).
     """
 
     def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool,
                  info: DistributedInfo, policy: KernelPolicy = KernelPolicy(),
-                 fp8: Optional[Fp8Spec] = None, shards: Optional[Sequence[Shard]] = None
-                 ) -> None:
+                 fp8: Optional[Fp8Spec] = None, shards: Optional[Sequence[Shard]] = None,
+                 lora: Optional[LoraShape] = None) -> None:
         super().__init__()
         self.info = info
         self.policy = policy  # see project()
@@ -278,6 +285,7 @@ class ColumnParallelLinear(_Fp8Layer):
                                           info.size, type(self).__name__)
         self._make_weight(local_out, in_features)
         self.bias = _empty(local_out) if bias else None
+        self.lora = None if lora is None else LoraSlots(lora, in_features, self.shards)
 
     @property
     def parts(self) -> List[fp8_weights.Part]:
@@ -287,6 +295,11 @@ class ColumnParallelLinear(_Fp8Layer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return project(x, self.weight, self.bias, self.policy, self.blas_by_rows,
                        self.quantized())
+
+    def forward_lora(self, x: torch.Tensor, rows: LoraRows) -> torch.Tensor:
+        """The layer on x plus the LoRA deltas of the tokens `rows` names."""
+        y = self(x)
+        return y if self.lora is None else self.lora.add_delta(y, x, rows)
 
     def fuses_norm(self, stream: ResidualStream, norm: RMSNorm) -> bool:
         """Whether this layer runs on `norm(stream)` as one norm GEMV kernel (batch 1, GEMV
@@ -368,7 +381,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
                  info: DistributedInfo, policy: KernelPolicy = KernelPolicy(),
-                 fp8: Optional[Fp8Spec] = None) -> None:
+                 fp8: Optional[Fp8Spec] = None, lora: Optional[LoraShape] = None) -> None:
         check_head_split(num_heads, num_kv_heads, info.size)
         self.num_local_heads = num_heads // info.size
         self.num_local_kv_heads = max(1, num_kv_heads // info.size)
@@ -376,7 +389,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         kv = Shard(kv_start, self.num_local_kv_heads * head_dim)
         q = info.shard(num_heads * head_dim, "linear output features")
         super().__init__(hidden, [num_heads * head_dim] + [num_kv_heads * head_dim] * 2, bias,
-                         info, policy, fp8, shards=[q, kv, kv])
+                         info, policy, fp8, shards=[q, kv, kv], lora=lora)
         self.head_dim = head_dim
 
     def forward_normed_rotary(self, stream: ResidualStream, norm: RMSNorm,
@@ -408,11 +421,12 @@ class RowParallelLinear(_Fp8Layer):
     Where an RMSNorm follows (o_proj, down_proj), the decoder takes the partial product
     (`forward(x, reduce=False)`) and hands it to `reduce_norm`, which can do the all-reduce,
     the residual add and the norm in one kernel (Communicator.all_reduce_rmsnorm).
-    `fp8`: FP8 weights (see _Fp8Layer); each rank's scales are its own shard's."""
+    `fp8`: FP8 weights (see _Fp8Layer); each rank's scales are its own shard's. `lora`: LoRA
+    adapter slots (A split over ranks like the weight's columns)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, info: DistributedInfo,
                  comm: Communicator, policy: KernelPolicy = KernelPolicy(),
-                 fp8: Optional[Fp8Spec] = None) -> None:
+                 fp8: Optional[Fp8Spec] = None, lora: Optional[LoraShape] = None) -> None:
         super().__init__()
         self.policy = policy  # see project()
         self.blas_by_rows: Dict[int, str] = {}  # see project(); filled by blas.tune
@@ -425,6 +439,8 @@ class RowParallelLinear(_Fp8Layer):
                                           type(self).__name__)
         self._make_weight(out_features, self.shard.size)
         self.bias = _empty(out_features) if bias else None
+        self.lora = (None if lora is None else
+                     LoraSlots(lora, self.shard.size, [Shard(0, out_features)]))
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """The layer's output; with `reduce=False` only this rank's partial product (no
@@ -439,11 +455,15 @@ class RowParallelLinear(_Fp8Layer):
         takes_quantized), [M, N] in `dtype`: as forward(x, reduce=False)."""
         return self._quantized_product(a, dtype, None)
 
-    def forward_stream(self, x: torch.Tensor, residual: Optional[torch.Tensor]
-                       ) -> ResidualStream:
+    def forward_stream(self, x: torch.Tensor, residual: Optional[torch.Tensor],
+                       lora: Optional[LoraRows] = None) -> ResidualStream:
         """The residual stream after this layer on x: ResidualStream(forward(x,
-        reduce=False), residual, self), or (FP8, `takes_quantized`) `forward_quantized_stream`
-        of x quantized per token."""
+        reduce=False), residual, self), the LoRA deltas of the tokens `lora` names added to
+        the partial product (each rank's share: the all-reduce sums them), or (FP8,
+        `takes_quantized`) `forward_quantized_stream` of x quantized per token."""
+        if lora is not None and self.lora is not None:
+            partial = self.lora.add_delta(self(x, reduce=False), x, lora)
+            return ResidualStream(partial, residual, self)
         if self.takes_quantized(x):
             from minisgl.kernels import fp8
             a = fp8.quantize_tokens(x.reshape(-1, x.shape[-1]).contiguous(), None)

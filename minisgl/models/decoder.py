@@ -15,6 +15,10 @@ all-reduce, the add and the norm in the fewest kernels it can: inside its own on
 steps. Gemma's sandwich norms (`Traits.sandwich_norms`) norm each sublayer's output before it
 joins the residual: that output is reduced on its own, normed, and passed on as a stream with
 nothing left to reduce.
+
+A batch where some tokens run with a LoRA adapter (`Batch.lora`; the model built with
+`Traits.lora`) takes the plain path through each projection, the adapters' deltas added
+(layers/lora.py): norms, products and rotary as separate steps, none of the fused kernels.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 from torch import nn
 
 from minisgl.attention import AttentionBackend
-from minisgl.core import Batch
+from minisgl.core import Batch, LoraRows
 from minisgl.distributed import Communicator, DistributedInfo
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kernels.types import HeadNorms
@@ -38,6 +42,7 @@ from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.fp8 import SCALE_PARAMS, Fp8Spec, finish_loading
 from minisgl.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                    ResidualStream)
+from minisgl.layers.lora import LoraShape
 from minisgl.layers.moe import MoEShape, SparseMoE, expert_param
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
@@ -59,6 +64,7 @@ class Traits(NamedTuple):
     norm_offset: float = 0.0  # added to every RMSNorm's weight as it loads (Gemma: 1)
     embed_scale: Optional[float] = None  # the embeddings' factor (Gemma: sqrt(hidden_size))
     sandwich_norms: bool = False  # Gemma: norms after attention and the MLP too (see above)
+    lora: Optional[LoraShape] = None  # the LoRA adapter slots of every dense projection
 
     def norm(self, dim: int, eps: float) -> RMSNorm:
         return RMSNorm(dim, eps, self.policy, self.norm_offset)
@@ -104,10 +110,11 @@ class Attention(nn.Module):
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
                                           cfg.num_kv_heads, traits.qkv_bias, info,
                                           traits.policy,
-                                          traits.fp8(prefix, "q_proj", "k_proj", "v_proj"))
+                                          traits.fp8(prefix, "q_proj", "k_proj", "v_proj"),
+                                          traits.lora)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
                                         traits.o_bias, info, comm, traits.policy,
-                                        traits.fp8(prefix, "o_proj"))
+                                        traits.fp8(prefix, "o_proj"), traits.lora)
         self.q_norm = traits.norm(cfg.head_dim, cfg.rms_norm_eps) if traits.qk_norm else None
         self.k_norm = traits.norm(cfg.head_dim, cfg.rms_norm_eps) if traits.qk_norm else None
         self.rotary = rotary
@@ -115,9 +122,21 @@ class Attention(nn.Module):
 
     def forward(self, stream: ResidualStream, norm: RMSNorm, positions: torch.Tensor,
                 batch: Batch, backend: AttentionBackend) -> ResidualStream:
-        qkv = self._qkv(stream, norm, positions, batch, backend)
+        qkv = (self._qkv(stream, norm, positions, batch, backend) if batch.lora is None
+               else self._qkv_lora(stream, norm, positions, batch.lora))
         out = backend.forward(qkv.q, qkv.k, qkv.v, self.layer, batch, kv_stored=qkv.stored)
-        return self.o_proj.forward_stream(out, qkv.residual)
+        return self.o_proj.forward_stream(out, qkv.residual, batch.lora)
+
+    def _qkv_lora(self, stream: ResidualStream, norm: RMSNorm, positions: torch.Tensor,
+                  rows: LoraRows) -> AttentionInput:
+        """`_qkv` step by step, the LoRA deltas of `rows` added to the projection; attention
+        stores K/V."""
+        x, residual = stream.normed(norm)
+        q, k, v = self._heads(self.qkv_proj.forward_lora(x, rows))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return AttentionInput(q, k, v, residual, stored=False)
 
     def _qkv(self, stream: ResidualStream, norm: RMSNorm, positions: torch.Tensor, batch: Batch,
              backend: AttentionBackend) -> AttentionInput:
@@ -169,16 +188,25 @@ class MLP(nn.Module):
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias,
                                                  info, traits.policy,
-                                                 traits.fp8(prefix, "gate_proj", "up_proj"))
+                                                 traits.fp8(prefix, "gate_proj", "up_proj"),
+                                                 lora=traits.lora)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, info, comm,
-                                           traits.policy, traits.fp8(prefix, "down_proj"))
+                                           traits.policy, traits.fp8(prefix, "down_proj"),
+                                           traits.lora)
 
-    def forward(self, stream: ResidualStream, norm: RMSNorm) -> ResidualStream:
+    def forward(self, stream: ResidualStream, norm: RMSNorm,
+                lora: Optional[LoraRows] = None) -> ResidualStream:
         """W8A8 (FP8 gate/up and down scaled per row, dynamic activations) with no launch of
         its own besides the GEMMs: the norm quantizes gate/up's input, the SiLU kernel
         applies gate/up's scales where its product is taken unscaled and quantizes down's
         input, and down's scales go to the next norm (RowParallelLinear's streams). GELU runs
-        in torch ops between the projections."""
+        in torch ops between the projections. `lora`: the plain path with the LoRA deltas of
+        these tokens."""
+        if lora is not None:
+            x, residual = stream.normed(norm)
+            gate_up = self.gate_up_proj.forward_lora(x, lora)
+            act = silu_and_mul(gate_up, self.policy) if self.silu else gelu_tanh_and_mul(gate_up)
+            return self.down_proj.forward_stream(act, residual, lora)
         if not self.silu:
             proj = self.gate_up_proj.forward_normed_unscaled(stream, norm)
             return self.down_proj.forward_stream(gelu_tanh_and_mul(proj.scaled()),
@@ -223,10 +251,15 @@ class DecoderLayer(nn.Module):
         one; each sublayer applies its own norm to the stream it takes."""
         stream = self.self_attn(stream, self.input_layernorm, positions, batch, backend)
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
-            return self.mlp(stream, self.post_attention_layernorm)
+            return self._mlp(stream, self.post_attention_layernorm, batch)
         stream = _normed_output(stream, self.post_attention_layernorm)
-        stream = self.mlp(stream, self.pre_feedforward_layernorm)
+        stream = self._mlp(stream, self.pre_feedforward_layernorm, batch)
         return _normed_output(stream, self.post_feedforward_layernorm)
+
+    def _mlp(self, stream: ResidualStream, norm: RMSNorm, batch: Batch) -> ResidualStream:
+        if isinstance(self.mlp, MLP):
+            return self.mlp(stream, norm, batch.lora)
+        return self.mlp(stream, norm)  # experts take no adapter (CausalLM refuses the pair)
 
 
 def _normed_output(stream: ResidualStream, norm: RMSNorm) -> ResidualStream:
@@ -308,11 +341,17 @@ class CausalLM(nn.Module):
         return Traits(qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=False)
 
     def __init__(self, cfg: ModelConfig, info: DistributedInfo, comm: Communicator,
-                 policy: KernelPolicy = KernelPolicy(), quant: Optional[QuantPlan] = None
-                 ) -> None:
-        """`policy`: the kernels every layer launches; `quant`: the FP8 projections (see
-        Traits)."""
+                 policy: KernelPolicy = KernelPolicy(), quant: Optional[QuantPlan] = None,
+                 lora: Optional[LoraShape] = None) -> None:
+        """`policy`: the kernels every layer launches; `quant`: the FP8 projections; `lora`:
+        LoRA adapter slots in every dense projection (see Traits). LoRA with FP8 weights or
+        experts is refused, naming them."""
         super().__init__()
+        if lora is not None and (cfg.num_experts or quant is not None):
+            what = (f"{cfg.num_experts} experts" if cfg.num_experts
+                    else "FP8 weights (--quantization fp8 or an FP8 checkpoint)")
+            raise ValueError(f"LoRA adapters apply to dense models with unquantized weights; "
+                             f"this {cfg.architecture} has {what}")
         if cfg.num_experts and quant is not None and quant.checkpoint is not None:
             raise ValueError(f"FP8 checkpoints of mixture-of-experts models are not supported "
                              f"({cfg.architecture}, {cfg.num_experts} experts): their experts "
@@ -320,7 +359,8 @@ class CausalLM(nn.Module):
                              f"checkpoint quantizes their attention and dense MLPs only")
         self.cfg = cfg
         fused_names = {parts: name for name, parts in self.checkpoint_fused.items()}
-        traits = self.traits(cfg)._replace(policy=policy, quant=quant, fused_names=fused_names)
+        traits = self.traits(cfg)._replace(policy=policy, quant=quant, fused_names=fused_names,
+                                           lora=lora)
         self.model = DecoderModel(cfg, traits,
                                   info, comm)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
@@ -372,6 +412,41 @@ class CausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:4]}")
         finish_loading(self)
+
+    def projection_parts(self, module: str) -> List[Tuple[str, int, slice]]:
+        """Where checkpoint module `module` (e.g. model.layers.0.self_attn.q_proj) lives in
+        this model: (our module's name, its output part, the checkpoint rows of that part)
+        for each part (several where the checkpoint fuses projections); [] for a module this
+        model does not hold (a vision tower) or that is no projection."""
+        own = self._own_name(f"{module}.weight")
+        if own is None:
+            return []
+        *path, _ = own.split(".")
+        parts = self.checkpoint_fused.get(path[-1]) if path else None
+        names = [".".join([*path[:-1], p]) for p in parts] if parts else [".".join(path)]
+        sizes = [self._rows_of(n.rsplit(".", 1)[-1]) for n in names] if parts else [0]
+        found: List[Tuple[str, int, slice]] = []
+        start = 0
+        for name, size in zip(names, sizes):
+            target = self._target(f"{name}.weight")
+            if target is None or not isinstance(self._submodule(target[0]),
+                                                (ColumnParallelLinear, RowParallelLinear)):
+                return []
+            rows = slice(start, start + size) if parts else slice(None)
+            found.append((target[0], target[2], rows))
+            start += size
+        return found
+
+    def serves(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` is one this model loads (not one of a part it
+        skips, e.g. a multimodal checkpoint's vision tower: `checkpoint_prefixes`)."""
+        return self._own_name(name) is not None
+
+    def _submodule(self, name: str) -> Optional[nn.Module]:
+        try:
+            return self.get_submodule(name)
+        except AttributeError:
+            return None
 
     def _own_name(self, name: str) -> Optional[str]:
         """Checkpoint tensor `name` with its prefix replaced (`checkpoint_prefixes`); None: the

@@ -106,7 +106,8 @@ class Scheduler:
                                                          cpu_group)
         by_priority = cfg.scheduling_policy == "priority"
         self.limits = Limits(engine.max_context, engine.vocab_size, engine.num_pages, page_size,
-                             chunk, by_priority)
+                             chunk, by_priority,
+                             tuple(name for name, _ in cfg.engine.lora_adapters))
         self.prefill = PrefillManager(self.cache, self.rows, chunk, cfg.decode_reserve_tokens,
                                       by_priority)
         self.decode = DecodeManager()

@@ -76,6 +76,8 @@ class ApiConfig:
     reasoning_parser: Optional[str] = None  # server/reasoning.py: splits chat output
     tool_call_parser: str = "hermes"  # server/tool_calls.py: reads (and enforces) tool calls
     aliases: Tuple[str, ...] = ()  # more names requests may give the model
+    # (name, directory) of each LoRA adapter: a request naming one as its model runs with it
+    lora_adapters: Tuple[Tuple[str, str], ...] = ()
     # clients must send it as a Bearer token, or as x-api-key on the Messages API (auth.py);
     # not in the repr, which logs may show
     api_key: Optional[str] = field(default=None, repr=False)
@@ -294,10 +296,22 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     # outermost: sees every answer
     app.add_middleware(RequestLog, enabled=cfg.log_requests, count=metrics.count_http)
 
-    def check_model(name: Optional[str]) -> None:
+    adapters = dict(cfg.lora_adapters)
+
+    def check_model(name: Optional[str]) -> Optional[str]:
+        """The LoRA adapter a request's model names (None: the base model); ApiError 404 for
+        a name this server does not serve."""
+        if name is not None and name in adapters:
+            return name
         if name is not None and name != cfg.model_name and name not in cfg.aliases:
+            extra = f" and the LoRA adapters {', '.join(adapters)}" if adapters else ""
             raise ApiError(404, f"The model `{name}` does not exist. This server serves "
-                                f"`{cfg.model_name}`.", "model", "model_not_found")
+                                f"`{cfg.model_name}`{extra}.", "model", "model_not_found")
+        return None
+
+    def with_lora(job: Job, lora: Optional[str]) -> Job:
+        return job if lora is None else dataclasses.replace(
+            job, params=dataclasses.replace(job.params, lora_name=lora))
 
     async def run(request: Request, fmt: Formatter) -> Response:
         return await run_job(request, streams, fmt, cfg.request_timeout)
@@ -311,18 +325,20 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatRequest))
     async def chat(request: Request) -> Response:
         body = parse_body(await json_body(request), ChatRequest)
-        check_model(body.model)
-        job = client_id(request, chat_job(body, cfg.max_n, cfg.tool_call_parser,
-                                          cfg.sampling_defaults))
-        fmt = ChatFormatter(cfg.model_name, job, cfg.reasoning_parser, cfg.tool_call_parser)
+        lora = check_model(body.model)
+        job = client_id(request, with_lora(chat_job(body, cfg.max_n, cfg.tool_call_parser,
+                                                    cfg.sampling_defaults), lora))
+        fmt = ChatFormatter(lora or cfg.model_name, job, cfg.reasoning_parser,
+                            cfg.tool_call_parser)
         return await run(request, fmt)
 
     @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         body = parse_body(await json_body(request), CompletionRequest)
-        check_model(body.model)
-        job = client_id(request, completion_job(body, cfg.max_n, cfg.sampling_defaults))
-        fmt = CompletionFormatter(cfg.model_name, job)
+        lora = check_model(body.model)
+        job = client_id(request, with_lora(completion_job(body, cfg.max_n,
+                                                          cfg.sampling_defaults), lora))
+        fmt = CompletionFormatter(lora or cfg.model_name, job)
         return await run(request, fmt)
 
     stored = ResponseStore()
@@ -330,19 +346,20 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     @app.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest))
     async def responses(request: Request) -> Response:
         body = parse_body(await json_body(request), ResponsesRequest)
-        check_model(body.model)
+        lora = check_model(body.model)
         messages = response_messages(body, stored)
-        job = responses_job(body, messages, cfg.max_n, cfg.sampling_defaults)
-        fmt = ResponsesFormatter(cfg.model_name, job, body, messages, stored)
+        job = with_lora(responses_job(body, messages, cfg.max_n, cfg.sampling_defaults), lora)
+        fmt = ResponsesFormatter(lora or cfg.model_name, job, body, messages, stored)
         return await run(request, fmt)
 
     @app.post(MESSAGES_PATH, openapi_extra=body_schema(MessagesRequest))
     async def messages(request: Request) -> Response:
         body = parse_body(await json_body(request), MessagesRequest)
-        check_model(body.model)
-        job = client_id(request, messages_job(body, cfg.max_n, cfg.tool_call_parser,
-                                              cfg.sampling_defaults))
-        fmt = MessagesFormatter(cfg.model_name, job, cfg.reasoning_parser, cfg.tool_call_parser)
+        lora = check_model(body.model)
+        job = client_id(request, with_lora(messages_job(body, cfg.max_n, cfg.tool_call_parser,
+                                                        cfg.sampling_defaults), lora))
+        fmt = MessagesFormatter(lora or cfg.model_name, job, cfg.reasoning_parser,
+                                cfg.tool_call_parser)
         return await run(request, fmt)
 
     @app.post(COUNT_TOKENS_PATH, openapi_extra=body_schema(CountTokensRequest))
@@ -361,7 +378,11 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     @app.post("/generate", openapi_extra=body_schema(GenerateRequest))
     async def generate(request: Request) -> Response:
         body = parse_body(await json_body(request), GenerateRequest)
-        job = generate_job(body, cfg.sampling_defaults, cfg.max_n)
+        lora = None if body.lora_path is None else check_model(body.lora_path)
+        if body.lora_path is not None and lora is None:
+            raise ApiError(400, f"lora_path {body.lora_path!r} names no LoRA adapter (loaded: "
+                                f"{', '.join(adapters) or 'none'})", "lora_path")
+        job = with_lora(generate_job(body, cfg.sampling_defaults, cfg.max_n), lora)
         # SGLang echoes `rid` (RL frameworks key rollouts by it); a proxy's X-Request-Id
         # must not replace it, and still names the response in the log and its header.
         job = job if body.rid is not None else client_id(request, job)
@@ -416,7 +437,9 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     @app.get("/v1/models")
     async def models() -> Dict[str, Any]:
         return {"object": "list",
-                "data": [model_card()] + [{**model_card(), "id": a} for a in cfg.aliases]}
+                "data": [model_card()] + [{**model_card(), "id": a} for a in cfg.aliases]
+                + [{**model_card(), "id": name, "root": path, "parent": cfg.model_name}
+                   for name, path in cfg.lora_adapters]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> Dict[str, Any]:

@@ -243,13 +243,13 @@ class GenerateRequest(_Body):
     logprob_start_len: int = -1  # -1: the output's only; k: prompt tokens from k on too
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+    lora_path: Optional[str] = None  # SGLang's: the name of a loaded LoRA adapter
 
 
 # SGLang's /generate fields this server does not serve, with the values that ask for nothing.
 _GENERATE_UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
     "token_ids_logprob": lambda v: not v,
     "return_hidden_states": lambda v: v in (None, False),
-    "lora_path": lambda v: v is None,
     "lora_id": lambda v: v is None,
     "image_data": lambda v: not v,
     "video_data": lambda v: not v,

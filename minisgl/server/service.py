@@ -223,6 +223,7 @@ class Service:
                             request_timeout=c.request_timeout,
                             max_request_bytes=c.max_request_bytes, body_timeout=c.body_timeout,
                             log_requests=c.log_requests,
+                            lora_adapters=c.engine.lora_adapters,
                             sampling_defaults=sampling_defaults(c.generation_config,
                                                                 Path(self.model_path)))
         tok_cfg = TokenizerConfig(str(self.tokenizer_path), a.tokenizer, a.backends, a.detokenizer,

@@ -302,7 +302,7 @@ class Serving:
 
     def send(self, msg: TokenizeRequest, ids: List[int], params: SamplingParams) -> None:
         """Route an accepted request (its ids and resolved params) to a replica."""
-        replica = self.router.route(ids, len(ids), params.cache_salt)
+        replica = self.router.route(ids, len(ids), params.prefix_namespace)
         logger.debug("request %d: %d prompt tokens, %d queued at replica %d", msg.uid, len(ids),
                      self.queued.queued(replica), replica)
         if not self.queued.admits(replica, len(ids)):

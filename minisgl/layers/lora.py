@@ -1,0 +1,90 @@
+"""LoRA adapters of one projection: the low-rank deltas some of a batch's tokens add.
+
+A projection fusing several checkpoint layers (QKV, gate/up) holds one adapter pair per part.
+The parts' A matrices are stacked along the rank, and B is block-diagonal over them (zeros
+between the parts), so that a token's delta for every part is two matrix products:
+delta = (x A^T) B^T, with A [parts * rank, in] and B [out, parts * rank], the adapter's
+scaling folded into B. Slot s of the buffers holds adapter s (models/lora.py loads them); an
+adapter of a smaller rank is zero-padded, which adds nothing.
+
+Tensor parallelism follows the weight's split: a column-parallel layer's ranks hold all of A
+and their rows of B (each part's shard, as the weight's); a row-parallel layer's ranks hold
+their columns of A and all of B, so each rank's delta is a partial sum that the layer's
+all-reduce completes with its product.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from minisgl.core import LoraRows
+from minisgl.distributed import Shard
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """The adapters a model holds: `slots` of them (every one resident), each of rank at most
+    `max_rank`."""
+
+    slots: int
+    max_rank: int
+
+    def __post_init__(self) -> None:
+        if self.slots < 1 or self.max_rank < 1:
+            raise ValueError(f"LoRA needs at least one adapter slot and a rank >= 1, got "
+                             f"{self.slots} slots of rank {self.max_rank}")
+
+
+class LoraSlots(nn.Module):
+    """A [slots, parts * max_rank, in_local] and B [slots, out_local, parts * max_rank] of one
+    projection (see the module's docstring); zeros until an adapter loads into a slot."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+    def __init__(self, shape: LoraShape, in_local: int, out_shards: Sequence[Shard]) -> None:
+        """`out_shards`: this rank's rows of each part of the output, in the order of the
+        weight's local rows (a row-parallel layer: one part, all its rows)."""
+        super().__init__()
+        self.max_rank = shape.max_rank
+        self.out_shards = list(out_shards)
+        self.offsets = [sum(s.size for s in self.out_shards[:i])
+                        for i in range(len(self.out_shards))]
+        cols = len(self.out_shards) * shape.max_rank
+        out_local = sum(s.size for s in self.out_shards)
+        self.register_buffer("a", torch.zeros(shape.slots, cols, in_local), persistent=False)
+        self.register_buffer("b", torch.zeros(shape.slots, out_local, cols), persistent=False)
+
+    def load(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor,
+             scaling: float) -> None:
+        """Adapter `slot`'s pair for output `part`: a [rank, in_local] (this rank's columns
+        already cut where the layer is row-parallel), b [part's full rows, rank], whose rows
+        this rank keeps as the weight's; the rank padded up to max_rank."""
+        rank = a.shape[0]
+        if rank > self.max_rank or b.shape[1] != rank or a.shape[1] != self.a.shape[2]:
+            raise ValueError(f"LoRA pair of shapes A {tuple(a.shape)}, B {tuple(b.shape)} does "
+                             f"not fit rank <= {self.max_rank}, {self.a.shape[2]} inputs")
+        shard = self.out_shards[part]
+        if b.shape[0] < shard.stop:
+            raise ValueError(f"LoRA B has {b.shape[0]} rows; this projection's part {part} "
+                             f"needs rows {shard.start}..{shard.stop}")
+        cols = slice(part * self.max_rank, part * self.max_rank + rank)
+        rows = slice(self.offsets[part], self.offsets[part] + shard.size)
+        self.a[slot, cols] = a.to(self.a.dtype)
+        self.b[slot, rows, cols] = (b[shard.start:shard.stop].float() * scaling).to(self.b.dtype)
+
+    def add_delta(self, y: torch.Tensor, x: torch.Tensor, rows: LoraRows) -> torch.Tensor:
+        """y (the projection of x, [T, out_local]) plus each adapter's delta on its tokens'
+        rows of x ([T, in_local]); y itself where no token has an adapter."""
+        if not rows.segments:
+            return y
+        y = y.clone()
+        for slot, index in rows.segments:
+            xs = x.index_select(0, index)
+            delta = (xs @ self.a[slot].t()) @ self.b[slot].t()
+            y.index_add_(0, index, delta.to(y.dtype))
+        return y

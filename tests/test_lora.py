@@ -1,0 +1,181 @@
+"""LoRA adapters (PEFT's format) served beside the base model: greedy tokens equal to PEFT's on
+Hugging Face transformers (float32, CPU) per request, with requests of several adapters and of
+none in the same batches, chunked prefills and the prefix cache; at tp=2; vLLM's offline
+`lora_request`; the HTTP API's `model` field; and clear refusals of what cannot be served."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import httpx
+import pytest
+
+from hf_reference import hf_greedy, mixed_prompts
+from minisgl import LLM, LoRARequest, SamplingParams
+from server_helpers import CPU_ARGS, serving
+from tiny_models import build_tiny_lora
+
+pytest.importorskip("peft")
+
+NEW = 12
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model: Callable[..., Path]) -> Path:
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def adapters(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
+    """"all": every projection, rank 8; "few": q, v and down, rank 4 with rsLoRA's scaling."""
+    root = tmp_path_factory.mktemp("lora")
+    return {"all": build_tiny_lora(base, root / "all", 1),
+            "few": build_tiny_lora(base, root / "few", 2, rank=4,
+                                   targets=("q_proj", "v_proj", "down_proj"), use_rslora=True)}
+
+
+def _modules(adapters: Dict[str, Path]) -> str:
+    return ",".join(f"{name}={path}" for name, path in adapters.items())
+
+
+def _expected(base: Path, adapters: Dict[str, Path], prompts: List[List[int]],
+              names: List[Optional[str]]) -> List[List[int]]:
+    """PEFT's tokens for each prompt under its adapter (None: the base model)."""
+    return [hf_greedy(base, [p], NEW, adapter=None if n is None else adapters[n])[0]
+            for p, n in zip(prompts, names)]
+
+
+def test_adapters_and_base_in_one_batch_match_peft(base: Path,
+                                                   adapters: Dict[str, Path]) -> None:
+    """Nine prompts, three per adapter and three on the base model, in one call (one batch,
+    5-token prefill chunks, pages of 4), then the same prompts with the adapters swapped: a
+    prefix the cache holds for one adapter (or the base) is never reused by another, whose
+    K/V differ."""
+    prompts = mixed_prompts(9, seed=3, lengths=(3, 14, 30))
+    names: List[Optional[str]] = [None, "all", "few"] * 3
+    swapped: List[Optional[str]] = ["all", "few", None] * 3
+    with LLM(str(base), device="cpu", page_size=4, max_prefill_tokens=5, max_kv_tokens=4096,
+             show_progress=False, lora_modules=_modules(adapters)) as llm:
+        first = llm.generate(prompts, [SamplingParams(max_tokens=NEW, temperature=0.0,
+                                                      ignore_eos=True, lora_name=n)
+                                       for n in names])
+        second = llm.generate(prompts, [SamplingParams(max_tokens=NEW, temperature=0.0,
+                                                       ignore_eos=True, lora_name=n)
+                                        for n in swapped])
+        assert llm.check_accounting().live_requests == 0
+    assert [o.token_ids for o in first] == _expected(base, adapters, prompts, names)
+    assert [o.token_ids for o in second] == _expected(base, adapters, prompts, swapped)
+    # a prompt shared by two adapters within one run reuses nothing across them
+    assert all(o.cached_tokens == 0 for o in second)
+
+
+def test_tp2_adapters_match_peft(base: Path, adapters: Dict[str, Path]) -> None:
+    """tp=2: each rank holds A whole and its rows of B (q/k/v, gate/up), or its columns of A
+    and B whole (o, down: the all-reduce sums the deltas)."""
+    prompts = mixed_prompts(4, seed=4, lengths=(5, 21))
+    names: List[Optional[str]] = ["all", "few", None, "all"]
+    with LLM(str(base), device="cpu", tp=2, page_size=4, max_kv_tokens=4096,
+             show_progress=False, lora_modules=_modules(adapters)) as llm:
+        outs = llm.generate(prompts, [SamplingParams(max_tokens=NEW, temperature=0.0,
+                                                     ignore_eos=True, lora_name=n)
+                                      for n in names])
+    assert [o.token_ids for o in outs] == _expected(base, adapters, prompts, names)
+
+
+def test_vllm_lora_request(base: Path, adapters: Dict[str, Path]) -> None:
+    """vLLM's `generate(..., lora_request=LoRARequest(name, id, path))`, for all prompts or one
+    each, in `chat` too; an adapter not loaded, or loaded from another directory, is a
+    ValueError naming it."""
+    prompts = mixed_prompts(2, seed=5, lengths=(6, 11))
+    with LLM(str(base), device="cpu", page_size=4, max_kv_tokens=2048, show_progress=False,
+             lora_modules={k: str(v) for k, v in adapters.items()}) as llm:
+        one = llm.generate(prompts, GREEDY, lora_request=LoRARequest("few", 1,
+                                                                     str(adapters["few"])))
+        each = llm.generate(prompts, GREEDY, lora_request=[LoRARequest("all", 2), None])
+        chat = llm.chat([{"role": "user", "content": "Hi"}], GREEDY,
+                        lora_request=LoRARequest("all", 2))
+        with pytest.raises(ValueError, match="'other' is not loaded .*lora_modules"):
+            llm.generate(prompts, GREEDY, lora_request=LoRARequest("other", 3, "/x"))
+        with pytest.raises(ValueError, match="'few' was loaded from .*, not /elsewhere"):
+            llm.generate(prompts, GREEDY, lora_request=LoRARequest("few", 1, "/elsewhere"))
+        with pytest.raises(ValueError, match="'nope' is not loaded"):
+            llm.generate(prompts, SamplingParams(lora_name="nope"))
+        assert llm.generate(prompts[:1], GREEDY)[0].token_ids  # still serving
+    assert [o.token_ids for o in one] == _expected(base, adapters, prompts, ["few", "few"])
+    assert [o.token_ids for o in each] == _expected(base, adapters, prompts, ["all", None])
+    assert len(chat[0].outputs[0].token_ids) == NEW
+
+
+def _refusal(base: Path, adapter: Path, match: str, **kw: object) -> None:
+    with pytest.raises(Exception, match=match):
+        with LLM(str(base), device="cpu", max_kv_tokens=1024, show_progress=False,
+                 lora_modules=f"bad={adapter}", **kw):
+            pass
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"use_dora": True}, "use_dora=True is not supported"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save .* is not supported"),
+    ({"r": 32}, r"rank 32 is not in \[1, 16\] \(--max-lora-rank\)"),
+    ({"bias": "all"}, "bias='all' is not supported"),
+])
+def test_adapters_minisgl_cannot_apply_are_refused_at_start(
+        base: Path, adapters: Dict[str, Path], tmp_path: Path, change: dict, match: str) -> None:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    cfg = json.loads((adapters["few"] / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**cfg, **change}))
+    (bad / "adapter_model.safetensors").write_bytes(
+        (adapters["few"] / "adapter_model.safetensors").read_bytes())
+    _refusal(base, bad, f"LoRA adapter 'bad': {match}")
+
+
+def test_adapted_modules_and_models_minisgl_cannot_serve_are_refused(
+        base: Path, adapters: Dict[str, Path], tiny_model: Callable[..., Path],
+        tmp_path: Path) -> None:
+    """An adapter of the embeddings, a missing directory, a malformed list, LoRA on a
+    mixture of experts or FP8 weights: each a start-up error naming it."""
+    embed = build_tiny_lora(base, tmp_path / "embed", 4, targets=("embed_tokens", "q_proj"))
+    _refusal(base, embed, "tensor .*embed_tokens.* is not a LoRA A or B weight")
+    _refusal(base, tmp_path / "missing", "LoRA adapter 'bad': no adapter_config.json")
+    with pytest.raises(ValueError, match="lora_modules entry 'x' is not NAME=PATH"):
+        LLM(str(base), device="cpu", lora_modules="x")
+    with pytest.raises(ValueError, match="lora_modules names a more than once"):
+        LLM(str(base), device="cpu", lora_modules="a=/p,a=/q")
+    with pytest.raises(ValueError, match="enable_lora needs lora_modules"):
+        LLM(str(base), device="cpu", enable_lora=True)
+    _refusal(base, adapters["few"], "dense models with unquantized weights; this "
+             "LlamaForCausalLM has FP8 weights", quantization="fp8")
+    _refusal(tiny_model("qwen3_moe"), adapters["few"], "this Qwen3MoeForCausalLM has 8 experts")
+
+
+def test_http_model_field_picks_the_adapter(base: Path, adapters: Dict[str, Path],
+                                            tmp_path: Path) -> None:
+    """Over HTTP an adapter is a model: /v1/models lists it (its parent the base model), a
+    completion naming it runs with it (and says so in its `model`), SGLang's /generate takes
+    its `lora_path`, and a name neither served nor loaded is a 404."""
+    prompt = mixed_prompts(1, seed=6, lengths=(9,))[0]
+    want = _expected(base, adapters, [prompt, prompt], ["all", None])
+    args = ["--model", str(base), *CPU_ARGS, "--lora-modules", _modules(adapters)]
+    with serving(args, tmp_path) as srv:
+        models = httpx.get(f"{srv.url}/v1/models").json()["data"]
+        assert [(m["id"], m["parent"]) for m in models[1:]] == [("all", models[0]["id"]),
+                                                                 ("few", models[0]["id"])]
+        body = {"prompt": prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        out = httpx.post(f"{srv.url}/v1/completions", json={**body, "model": "all"},
+                         timeout=60).json()
+        assert out["model"] == "all" and out["choices"][0]["token_ids"] == want[0]
+        plain = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).json()
+        assert plain["choices"][0]["token_ids"] == want[1]
+        gen = httpx.post(f"{srv.url}/generate", json={
+            "input_ids": prompt, "lora_path": "all", "sampling_params": {
+                "max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}}, timeout=60).json()
+        assert gen["output_ids"] == want[0]
+        missing = httpx.post(f"{srv.url}/v1/completions", json={**body, "model": "nope"},
+                             timeout=60)
+        assert missing.status_code == 404
+        assert "LoRA adapters all, few" in missing.json()["error"]["message"]
