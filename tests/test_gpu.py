@@ -61,6 +61,25 @@ def test_gpu_sliding_window_matches_cpu(family: str, window: dict, tmp_path: Pat
         path, device="cpu", dtype="float32", max_prefill_tokens=48)
 
 
+def test_gpu_lora_matches_cpu(tmp_path: Path) -> None:
+    """LoRA on CUDA (float32): requests of two adapters and of none, decoding side by side
+    (batches with adapter tokens run eager, the base model's alone replay decode graphs), give
+    the CPU's tokens."""
+    from tiny_models import write_lora
+    path = build_tiny("llama", tmp_path / "llama", None)
+    modules = ",".join(f"a{i}={write_lora(path, tmp_path / f'a{i}', i)}" for i in (1, 2))
+    prompts = mixed_prompts(6, seed=6)
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                             lora_name=[None, "a1", "a2"][i % 3]) for i in range(6)]
+
+    def run(device: str) -> List[List[int]]:
+        with LLM(str(path), device=device, dtype="float32", lora_modules=modules,
+                 show_progress=False) as llm:
+            return [o.token_ids for o in llm.generate(prompts, params)]
+
+    assert run("cuda") == run("cpu")
+
+
 def test_enforce_eager_captures_no_graph_and_keeps_the_tokens(tiny_qwen3: Path) -> None:
     with LLM(str(tiny_qwen3), device="cuda", dtype="float32", enforce_eager=True,
              show_progress=False) as llm:

@@ -15,7 +15,7 @@ import pytest
 from hf_reference import hf_greedy, mixed_prompts
 from minisgl import LLM, LoRARequest, SamplingParams
 from server_helpers import CPU_ARGS, serving
-from tiny_models import build_tiny_lora
+from tiny_models import build_tiny_lora, write_lora
 
 pytest.importorskip("peft")
 
@@ -83,6 +83,41 @@ def test_tp2_adapters_match_peft(base: Path, adapters: Dict[str, Path]) -> None:
                                                      ignore_eos=True, lora_name=n)
                                       for n in names])
     assert [o.token_ids for o in outs] == _expected(base, adapters, prompts, names)
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma3_multimodal"])
+def test_fused_and_multimodal_checkpoints_adapters_match_peft(
+        family: str, tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    """Phi-3's adapters adapt its fused qkv_proj and gate_up_proj (B's rows split per part,
+    A shared); a Gemma 3 multimodal checkpoint's adapter also adapts the vision tower, whose
+    pairs are skipped (text prompts never reach it)."""
+    from tiny_models import build_tiny_gemma3_multimodal
+    if family == "phi3":
+        model = tiny_model("phi3")
+        targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    else:
+        model = build_tiny_gemma3_multimodal(tmp_path / "gemma3")
+        targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                   "down_proj")
+    adapter = build_tiny_lora(model, tmp_path / "adapter", 7, targets=targets)
+    prompts = mixed_prompts(2, seed=7, lengths=(4, 19))
+    with LLM(str(model), device="cpu", page_size=4, max_kv_tokens=2048, show_progress=False,
+             lora_modules=f"x={adapter}") as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0.0,
+                                                    ignore_eos=True, lora_name="x"))
+    assert [o.token_ids for o in outs] == hf_greedy(model, prompts, NEW, adapter=adapter)
+
+
+def test_hand_written_adapter_reads_as_peft_reads_it(base: Path, tmp_path: Path) -> None:
+    """The adapter the GPU tests write without PEFT (tiny_models.write_lora) is one PEFT
+    applies as minisgl does."""
+    adapter = write_lora(base, tmp_path / "hand", 9)
+    prompts = mixed_prompts(2, seed=8, lengths=(7, 15))
+    with LLM(str(base), device="cpu", page_size=4, max_kv_tokens=2048, show_progress=False,
+             lora_modules=f"hand={adapter}") as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0.0,
+                                                    ignore_eos=True, lora_name="hand"))
+    assert [o.token_ids for o in outs] == hf_greedy(base, prompts, NEW, adapter=adapter)
 
 
 def test_vllm_lora_request(base: Path, adapters: Dict[str, Path]) -> None:

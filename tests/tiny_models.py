@@ -117,3 +117,33 @@ def build_tiny_lora(base: Path, out: Path, seed: int, rank: int = 8, alpha: floa
                 p.normal_(0.0, 0.2)
     adapted.save_pretrained(out)
     return out
+
+
+def write_lora(base: Path, out: Path, seed: int, rank: int = 8, alpha: float = 16.0) -> Path:
+    """The files PEFT saves for a LoRA adapter of every projection of the Llama-shaped model
+    at `base`, written without PEFT (the GPU machine has none; tests/test_lora.py checks that
+    PEFT reads them alike): random A [rank, in] and B [out, rank] in float32."""
+    import json
+    from safetensors.torch import save_file
+    cfg = json.loads((base / "config.json").read_text())
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head, cfg["num_key_value_heads"] * head
+    shapes = {"self_attn.q_proj": (hidden, q), "self_attn.k_proj": (hidden, kv),
+              "self_attn.v_proj": (hidden, kv), "self_attn.o_proj": (q, hidden),
+              "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter),
+              "mlp.down_proj": (inter, hidden)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for module, (fan_in, fan_out) in shapes.items():
+            name = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * 0.2
+            tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.2
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "bias": "none",
+        "target_modules": sorted({m.split(".")[-1] for m in shapes}),
+        "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base)}))
+    return out
