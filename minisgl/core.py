@@ -251,11 +251,11 @@ class SamplingParams:
                                  <= MAX_CACHE_SALT_CHARS):
             raise ValueError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} "
                              f"characters, got {salt!r:.60}")
-        name = self.lora_name
-        if name is not None and (not isinstance(name, str) or not 0 < len(name)
+        lora = self.lora_name
+        if lora is not None and (not isinstance(lora, str) or not 0 < len(lora)
                                  <= MAX_CACHE_SALT_CHARS):
             raise ValueError(f"lora_name must be a string of 1 to {MAX_CACHE_SALT_CHARS} "
-                             f"characters, got {name!r:.60}")
+                             f"characters, got {lora!r:.60}")
         if (not isinstance(self.priority, int) or isinstance(self.priority, bool)
                 or not -2 ** 63 <= self.priority < 2 ** 63):  # what a message carries
             raise ValueError(f"priority must be a 64-bit integer, got {self.priority!r}")

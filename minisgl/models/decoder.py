@@ -205,8 +205,9 @@ class MLP(nn.Module):
         if lora is not None:
             x, residual = stream.normed(norm)
             gate_up = self.gate_up_proj.forward_lora(x, lora)
-            act = silu_and_mul(gate_up, self.policy) if self.silu else gelu_tanh_and_mul(gate_up)
-            return self.down_proj.forward_stream(act, residual, lora)
+            gated = (silu_and_mul(gate_up, self.policy) if self.silu
+                     else gelu_tanh_and_mul(gate_up))
+            return self.down_proj.forward_stream(gated, residual, lora)
         if not self.silu:
             proj = self.gate_up_proj.forward_normed_unscaled(stream, norm)
             return self.down_proj.forward_stream(gelu_tanh_and_mul(proj.scaled()),
