@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="a CPU-interpreter test (CPU tensors through Triton)")
 
+from minisgl.core import Batch, Phase  # noqa: E402
 from minisgl.distributed import Communicator, DistributedInfo  # noqa: E402
 from minisgl.kernels import gemv, rotary  # noqa: E402
 from minisgl.kernels.policy import KernelPolicy  # noqa: E402
@@ -73,7 +74,8 @@ def _step(model: CausalLM, target: bool) -> Tuple[torch.Tensor, torch.Tensor, to
     k = torch.randn(LAYERS, SLOTS, KV_HEADS, DIM, generator=gen)
     v = torch.randn(LAYERS, SLOTS, KV_HEADS, DIM, generator=gen)
     with torch.no_grad():
-        logits = model(torch.tensor([5]), torch.tensor([POSITION]), None,  # type: ignore[arg-type]
+        batch = Batch(Phase.DECODE, [], [POSITION], [1], [True])  # the fake backend's
+        logits = model(torch.tensor([5]), torch.tensor([POSITION]), batch,
                        _CacheBackend(k, v, target), None)  # type: ignore[arg-type]
     return logits, k, v
 

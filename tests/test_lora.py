@@ -72,6 +72,22 @@ def test_adapters_and_base_in_one_batch_match_peft(base: Path,
     assert all(o.cached_tokens == 0 for o in second)
 
 
+@pytest.mark.parametrize("kw", [dict(mixed_steps=True, max_prefill_tokens=16),
+                                dict(overlap=True)], ids=["mixed", "overlap"])
+def test_adapters_in_mixed_steps_and_overlap(base: Path, adapters: Dict[str, Path],
+                                             kw: dict) -> None:
+    """Three rows for six requests: newcomers' chunks join the others' decodes in mixed steps,
+    or the scheduler decides a step ahead (overlap); each request keeps its adapter."""
+    prompts = mixed_prompts(6, seed=11)
+    names: List[Optional[str]] = [None, "all", "few"] * 2
+    with LLM(str(base), device="cpu", page_size=4, max_kv_tokens=4096, show_progress=False,
+             max_running_requests=3, lora_modules=_modules(adapters), **kw) as llm:
+        outs = llm.generate(prompts, [SamplingParams(max_tokens=NEW, temperature=0.0,
+                                                     ignore_eos=True, lora_name=n)
+                                      for n in names])
+    assert [o.token_ids for o in outs] == _expected(base, adapters, prompts, names)
+
+
 def test_tp2_adapters_match_peft(base: Path, adapters: Dict[str, Path]) -> None:
     """tp=2: each rank holds A whole and its rows of B (q/k/v, gate/up), or its columns of A
     and B whole (o, down: the all-reduce sums the deltas)."""
@@ -214,3 +230,10 @@ def test_http_model_field_picks_the_adapter(base: Path, adapters: Dict[str, Path
                              timeout=60)
         assert missing.status_code == 404
         assert "LoRA adapters all, few" in missing.json()["error"]["message"]
+
+
+def test_an_adapter_named_like_the_served_model_is_refused() -> None:
+    from minisgl.server.args import ServerConfig
+    from minisgl.settings import build
+    with pytest.raises(ValueError, match="x names both the served model and a LoRA adapter"):
+        build(ServerConfig(), {"served_model_name": "m,x", "lora_paths": "x=/p"}, "serve")

@@ -15,7 +15,7 @@ def lora_rows(batch: Batch, adapters: Sequence[str], device: torch.device
     """The batch's token rows by adapter slot (slot i: `adapters[i]`, the config's order on
     every rank); None where no request names one. Request i's tokens are rows
     [sum(extend_lens[:i]), + extend_lens[i]) of the forward, as the engine lays them out. A
-    name outside `adapters` is a KeyError: check_request refused such requests before."""
+    name outside `adapters` is a ValueError: check_request refused such requests before."""
     if not adapters:
         return None
     slots: Dict[int, List[int]] = {}

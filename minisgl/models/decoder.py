@@ -1,19 +1,19 @@
 """The decoder shared by every supported family (Llama, Mistral, Mixtral, Qwen2, Qwen3 and their
 MoE variants, Phi-3, Gemma 3).
 
-Families differ only in small traits (QKV bias, per-head q/k RMSNorm; Gemma's scaled
-embeddings, 1 + weight norms and sandwich norms), given by their model classes, in the MLP's
-activation (ModelConfig.hidden_act), and in the shape of the layer after attention: the dense MLP, or for the layers
-`ModelConfig.is_sparse` names the mixture of experts (layers/moe.py). Tensor parallelism lives
-in the layers: attention heads, MLP columns and every expert's columns are split over ranks,
-and the row-parallel projections (and the MoE layer) all-reduce. Every such all-reduce (o_proj,
-down_proj, the experts') is followed by a residual add and an RMSNorm (post_attention_layernorm,
-the next layer's input_layernorm, the final norm), so sublayers pass each other a
-`ResidualStream`: the partial product, un-reduced, with the residual. Its consumer does the
-all-reduce, the add and the norm in the fewest kernels it can: inside its own one-token GEMV
-(batch 1), in one fused all-reduce + norm kernel where the communicator offers one, else as two
-steps. Gemma's sandwich norms (`Traits.sandwich_norms`) norm each sublayer's output before it
-joins the residual: that output is reduced on its own, normed, and passed on as a stream with
+Families differ only in small traits (QKV bias, per-head q/k RMSNorm; Gemma's scaled embeddings,
+1 + weight norms and sandwich norms), given by their model classes, in the MLP's activation
+(ModelConfig.hidden_act), and in the shape of the layer after attention: the dense MLP, or for
+the layers `ModelConfig.is_sparse` names the mixture of experts (layers/moe.py). Tensor
+parallelism lives in the layers: attention heads, MLP columns and every expert's columns are
+split over ranks, and the row-parallel projections (and the MoE layer) all-reduce. Every such
+all-reduce (o_proj, down_proj, the experts') is followed by a residual add and an RMSNorm
+(post_attention_layernorm, the next layer's input_layernorm, the final norm), so sublayers pass
+each other a `ResidualStream`: the partial product, un-reduced, with the residual. Its consumer
+does the all-reduce, the add and the norm in the fewest kernels it can: inside its own one-token
+GEMV (batch 1), in one fused all-reduce + norm kernel where the communicator offers one, else as
+two steps. Gemma's sandwich norms (`Traits.sandwich_norms`) norm each sublayer's output before
+it joins the residual: that output is reduced on its own, normed, and passed on as a stream with
 nothing left to reduce.
 
 A batch where some tokens run with a LoRA adapter (`Batch.lora`; the model built with

@@ -144,6 +144,10 @@ class ServerConfig:
         if any(not name for name in self.served_names):
             raise ValueError(f"served_model_name must be names separated by commas, got "
                              f"{self.served_model_name!r}")
+        both = sorted({n for n, _ in self.engine.lora_adapters} & set(self.served_names))
+        if both:  # a request's model must name one thing
+            raise ValueError(f"{', '.join(both)} names both the served model and a LoRA "
+                             f"adapter (served_model_name, lora_modules)")
 
     # --- derived values ------------------------------------------------------------------------
     @property
