@@ -230,6 +230,10 @@ def test_http_model_field_picks_the_adapter(base: Path, adapters: Dict[str, Path
                              timeout=60)
         assert missing.status_code == 404
         assert "LoRA adapters all, few" in missing.json()["error"]["message"]
+        bad = httpx.post(f"{srv.url}/generate", json={"input_ids": prompt, "lora_path": "nope"},
+                         timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+        assert "(loaded: all, few)" in bad.json()["error"]["message"]
 
 
 def test_an_adapter_named_like_the_served_model_is_refused() -> None:

@@ -378,11 +378,10 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     @app.post("/generate", openapi_extra=body_schema(GenerateRequest))
     async def generate(request: Request) -> Response:
         body = parse_body(await json_body(request), GenerateRequest)
-        lora = None if body.lora_path is None else check_model(body.lora_path)
-        if body.lora_path is not None and lora is None:
+        if body.lora_path is not None and body.lora_path not in adapters:
             raise ApiError(400, f"lora_path {body.lora_path!r} names no LoRA adapter (loaded: "
                                 f"{', '.join(adapters) or 'none'})", "lora_path")
-        job = with_lora(generate_job(body, cfg.sampling_defaults, cfg.max_n), lora)
+        job = with_lora(generate_job(body, cfg.sampling_defaults, cfg.max_n), body.lora_path)
         # SGLang echoes `rid` (RL frameworks key rollouts by it); a proxy's X-Request-Id
         # must not replace it, and still names the response in the log and its header.
         job = job if body.rid is not None else client_id(request, job)
