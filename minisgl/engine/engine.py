@@ -179,6 +179,8 @@ class Engine:
         self.policy = kernel_policy(cfg, self.device)
         check_kv_cache_dtype(cfg, self.device)
         self.model_cfg = ModelConfig.from_dir(Path(cfg.model_path))
+        # The LoRA adapters, in slot order (the config's, on every rank)
+        self.lora_names = tuple(name for name, _ in cfg.lora_adapters)
         self.model, kv_scales = self._load_model(groups)
         on_progress(f"weights loaded in {time.perf_counter() - start:.1f} s")
         self.max_context = cfg.context_length(self.model_cfg.max_context)
@@ -290,11 +292,6 @@ class Engine:
                            "uses 1.0 for every layer (K/V beyond +-448 saturate)",
                            self.cfg.tp_info.rank)
         return model.eval(), scales.scales()
-
-    @property
-    def lora_names(self) -> Tuple[str, ...]:
-        """The LoRA adapters loaded, in slot order (the config's)."""
-        return tuple(name for name, _ in self.cfg.lora_adapters)
 
     @property
     def vocab_size(self) -> int:
