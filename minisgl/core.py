@@ -102,6 +102,9 @@ class SamplingParams:
     `cache_salt` (vLLM's) keeps the request's prefix-cache entries apart from those of
     requests with another salt or none (a tenant cannot learn another's prompts from how fast
     a shared prefix is served); at most MAX_CACHE_SALT_CHARS characters.
+    `embed` (vLLM's pooling, served at /v1/embeddings and `LLM.embed`) asks for the prompt's
+    embedding instead of text: the final norm's hidden state of its last token, L2-normalized,
+    sent with the request's one token (max_tokens 1), which is not an output.
     `lora_name` names the LoRA adapter the request runs with (one the engine loaded:
     `Limits.lora_adapters`; None: the base model); its prefix-cache entries are the adapter's
     own (`prefix_namespace`).
@@ -145,6 +148,7 @@ class SamplingParams:
     # last); under the default first-come-first-served policy it must stay 0.
     priority: int = 0
     lora_name: Optional[str] = None  # the LoRA adapter (by its registered name); None: none
+    embed: bool = False  # the prompt's embedding, not text (see above)
     # Read where the prompt is tokenized (the tokenizer process, `LLM`), not by the ranks.
     truncate_prompt_tokens: Optional[int] = None
     bad_words: Tuple[str, ...] = ()  # vLLM's: words the output never writes (as bad_word_ids)
@@ -251,6 +255,11 @@ class SamplingParams:
                                  <= MAX_CACHE_SALT_CHARS):
             raise ValueError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} "
                              f"characters, got {salt!r:.60}")
+        if not isinstance(self.embed, bool):
+            raise ValueError(f"embed must be true or false, got {self.embed!r}")
+        if self.embed and self.max_tokens != 1:
+            raise ValueError(f"an embedding request computes its prompt only: max_tokens must "
+                             f"be 1, got {self.max_tokens!r}")
         lora = self.lora_name
         if lora is not None and (not isinstance(lora, str) or not 0 < len(lora)
                                  <= MAX_CACHE_SALT_CHARS):
@@ -705,3 +714,6 @@ class StepResult(NamedTuple):
     tokens: List[int]
     logprobs: List[Optional[TokenLogprobs]]
     prompt_logprobs: Dict[int, List[TokenLogprobs]]
+    # batch index -> the embedding of a request that asked (params.embed): float32 values,
+    # little-endian bytes (primary rank only)
+    embeddings: Optional[Dict[int, bytes]] = None

@@ -17,6 +17,7 @@ import logging
 import shutil
 import tempfile
 import weakref
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import (Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union,
@@ -38,7 +39,8 @@ from minisgl.message.types import AccountingMsg, AccountingReply
 from minisgl.models import ModelConfig
 from minisgl.models.generation import sampling_defaults
 from minisgl.models.path import resolve_model_path
-from minisgl.outputs import CompletionOutput, GenerateOutput
+from minisgl.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
+                             GenerateOutput)
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.io import LocalIO
 from minisgl.scheduler.main import run_rank, set_cpu_threads
@@ -58,6 +60,22 @@ logger = logging.getLogger(__name__)
 # Text, token ids, or vLLM's TextPrompt / TokensPrompt: {"prompt": text} / {"prompt_token_ids": ids}
 Prompt = Union[str, List[int], Dict[str, Any]]
 LoraRequests = Union[None, LoRARequest, Sequence[Optional[LoRARequest]]]
+
+
+class _Collected(NamedTuple):
+    """Every request of one `_collected` call, in submission order: its (prompt, choice), ids
+    and params, what came back (tokens, log-probabilities, the final TokenOut) and its stop
+    watch; and the request id of each prompt."""
+
+    origin: List[Tuple[int, int]]
+    prompts: List[List[int]]
+    params: List[SamplingParams]
+    tokens: List[List[int]]
+    logprobs: List[List[TokenLogprobs]]
+    prompt_logprobs: List[Optional[List[TokenLogprobs]]]
+    finals: List[TokenOut]
+    stops: List[Optional["_StopWatch"]]
+    request_ids: Dict[int, str]
 
 
 class _InProcess:
@@ -609,9 +627,56 @@ class LLM:
         the scheduler, choice j seeded `seed + j`). The progress bar shows where `use_tqdm` says,
         or, when None, where `show_progress` does and there are 8 requests or more. `texts`:
         each prompt's text where it was given as text (the outputs' `prompt`)."""
+        texts = [None] * len(prompts) if texts is None else list(texts)
+        collected = self._collected(prompts, params, use_tqdm)
+        origin, prompts, params = collected.origin, collected.prompts, collected.params
+        tokens, logprobs, finals = collected.tokens, collected.logprobs, collected.finals
+        choices: List[List[CompletionOutput]] = [[] for _ in texts]
+        for t, lp, d, p, w, (i, j) in zip(tokens, logprobs, finals, params, collected.stops,
+                                          origin):
+            choices[i].append(self._completion(j, t, lp, d, p, w))
+        outputs = []
+        for k, (i, j) in enumerate(origin):
+            if j > 0:
+                continue
+            first, plp = finals[k], collected.prompt_logprobs[k]
+            outputs.append(GenerateOutput(
+                choices[i], first.prompt_tokens, first.cached_tokens, prompts[k],
+                collected.request_ids[i], texts[i], plp,
+                self._decoded_tokens(prompts[k][1:], plp) if params[k].detokenize else {}))
+        return outputs
+
+    def embed(self, prompts: Union[Prompt, Sequence[Prompt]], *,
+              use_tqdm: Optional[bool] = None,
+              lora_request: LoraRequests = None) -> List[EmbeddingRequestOutput]:
+        """vLLM's `LLM.embed`: each prompt's embedding (the final norm's hidden state of its
+        last token, L2-normalized: vLLM's default pooling of a decoder model), in order. A
+        prompt is text (special tokens added, as the tokenizer adds them) or token ids;
+        `lora_request` as for `generate`."""
+        single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
+                                                      and isinstance(prompts[0], int))
+        batch = cast(Sequence[Prompt], [prompts] if single else prompts)
+        ids = [self._encode(p) for p in batch]
+        params = self._with_lora([SamplingParams(max_tokens=1, temperature=0.0, embed=True)]
+                                 * len(ids), lora_request)
+        collected = self._collected(ids, params, use_tqdm)
+        out = []
+        for k, final in enumerate(collected.finals):
+            if final.embedding is None:
+                raise RuntimeError(f"request {k} ended without its embedding")
+            values = array("f")
+            values.frombytes(final.embedding)
+            out.append(EmbeddingRequestOutput(collected.request_ids[k],
+                                              EmbeddingOutput(values.tolist()),
+                                              collected.prompts[k]))
+        return out
+
+    def _collected(self, prompts: List[List[int]], params: List[SamplingParams],
+                   use_tqdm: Optional[bool]) -> "_Collected":
+        """Submit each prompt's `n` requests (choice j seeded `seed + j`) and wait for all;
+        see `_run`."""
         checked = [self._check(i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
         prompts, params = [c.ids for c in checked], [c.params for c in checked]
-        texts = [None] * len(prompts) if texts is None else list(texts)
         # (prompt, choice) of each request, in submission order
         origin = [(i, j) for i, p in enumerate(params) for j in range(p.n)]
         prompts = [prompts[i] for i, _ in origin]
@@ -639,20 +704,8 @@ class LLM:
         finally:
             bar.close()
         self._backend.drain()
-        finals = _finals(done, [i for i, _ in origin])
-        choices: List[List[CompletionOutput]] = [[] for _ in texts]
-        for t, lp, d, p, w, (i, j) in zip(tokens, logprobs, finals, params, stops, origin):
-            choices[i].append(self._completion(j, t, lp, d, p, w))
-        outputs = []
-        for k, (i, j) in enumerate(origin):
-            if j > 0:
-                continue
-            first, plp = finals[k], prompt_logprobs[k]
-            outputs.append(GenerateOutput(
-                choices[i], first.prompt_tokens, first.cached_tokens, prompts[k],
-                request_ids[i], texts[i], plp,
-                self._decoded_tokens(prompts[k][1:], plp) if params[k].detokenize else {}))
-        return outputs
+        return _Collected(origin, prompts, params, tokens, logprobs, prompt_logprobs,
+                          _finals(done, [i for i, _ in origin]), stops, request_ids)
 
     def _completion(self, index: int, tokens: List[int], logprobs: List[TokenLogprobs],
                     final: TokenOut, p: SamplingParams, watch: Optional["_StopWatch"]

@@ -125,3 +125,27 @@ class GenerateOutput:
             return None
         steps = zip(self.prompt_token_ids[1:], self.prompt_token_logprobs)
         return [None, *(vllm_step(t, lp, self.decoded_tokens) for t, lp in steps)]
+
+
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    """vLLM's `EmbeddingOutput`: the prompt's embedding (the final norm's hidden state of its
+    last token, L2-normalized)."""
+    embedding: List[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(frozen=True)
+class EmbeddingRequestOutput:
+    """vLLM's `EmbeddingRequestOutput`: one per prompt of `LLM.embed`, in order."""
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: List[int]
+    finished: bool = True
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

@@ -80,6 +80,19 @@ def test_gpu_lora_matches_cpu(tmp_path: Path) -> None:
     assert run("cuda") == run("cpu")
 
 
+def test_gpu_embeddings_match_cpu(tiny_qwen3: Path) -> None:
+    """Embeddings on CUDA (float32, prefill graphs on: an embedding request runs eager) equal
+    the CPU's, beside requests for text."""
+    prompts = mixed_prompts(6, seed=7)
+
+    def run(device: str) -> torch.Tensor:
+        with LLM(str(tiny_qwen3), device=device, dtype="float32", show_progress=False) as llm:
+            llm.generate(prompts[:2], GREEDY)
+            return torch.tensor([o.outputs.embedding for o in llm.embed(prompts)])
+
+    torch.testing.assert_close(run("cuda"), run("cpu"), atol=1e-4, rtol=1e-3)
+
+
 def test_enforce_eager_captures_no_graph_and_keeps_the_tokens(tiny_qwen3: Path) -> None:
     with LLM(str(tiny_qwen3), device="cuda", dtype="float32", enforce_eager=True,
              show_progress=False) as llm:

@@ -524,7 +524,7 @@ BAD_REQUESTS = [
     ("detokenize an id outside the vocabulary", "/detokenize", {"tokens": [1, 10 ** 6]}, 400),
     ("detokenize tokens not ids", "/detokenize", {"tokens": "abc"}, 400),
     ("tokenize for another model", "/tokenize", {"model": "gpt-17", "prompt": "a"}, 404),
-    ("unknown route", "/v1/embeddings", {"input": "x"}, 404),
+    ("unknown route", "/v1/audio/speech", {"input": "x"}, 404),
 ]
 
 
@@ -570,3 +570,30 @@ def test_shell_chats_with_history_and_reset(server: Server, model: str) -> None:
     run_shell(server.url, model, read=lambda prompt: next(lines), write=out.append)
     text = "".join(out)
     assert "Paris" in text and "(conversation cleared)" in text and "usage:" in text
+
+
+# --- embeddings -------------------------------------------------------------------------------
+def test_embeddings_match_offline_llm(client: openai.OpenAI, model: str, llm: LLM,
+                                      server: Server) -> None:
+    """POST /v1/embeddings through the official client (which asks for base64 and decodes it)
+    and as floats: each input's embedding is the offline `LLM.embed`'s, in order, with the
+    prompt tokens counted; what cannot be served is a 400 naming its field."""
+    texts = ["The capital of France is", "Hello there"]
+    want = llm.embed(texts)
+    got = client.embeddings.create(model=model, input=texts)
+    assert [d.index for d in got.data] == [0, 1] and got.model == model
+    for d, w in zip(got.data, want):
+        assert d.embedding == pytest.approx(w.outputs.embedding, abs=1e-6)
+    assert got.usage.prompt_tokens == sum(w.prompt_tokens for w in want)
+    ids = want[1].prompt_token_ids
+    floats = _post(server, "/v1/embeddings", {"input": ids, "encoding_format": "float"}).json()
+    assert floats["object"] == "list" and floats["data"][0]["object"] == "embedding"
+    assert floats["data"][0]["embedding"] == pytest.approx(want[1].outputs.embedding, abs=1e-6)
+    for bad, param in (({"input": ""}, "input"), ({"input": []}, "input"),
+                       ({"input": "x", "dimensions": 8}, "dimensions"),
+                       ({"input": "x", "pooling": "mean"}, "pooling"),
+                       ({"input": "x", "encoding_format": "int8"}, "encoding_format")):
+        r = _post(server, "/v1/embeddings", bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = _post(server, "/v1/embeddings", {"input": "x", "model": "nope"})
+    assert r.status_code == 404

@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 from pathlib import Path
-from typing import Callable, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -62,6 +62,10 @@ class Forwarded(NamedTuple):
     rows: torch.Tensor  # page-table rows of the sampled requests
     prompt: Optional[PromptRows]
     prompt_logprobs: Optional[LogprobTensors]
+    # [len(embed_rows), hidden] float32: the embeddings of the requests that asked
+    # (params.embed) at these batch indices (primary rank only)
+    embeddings: Optional[torch.Tensor] = None
+    embed_rows: Tuple[int, ...] = ()
 
 
 class Pending(NamedTuple):
@@ -88,6 +92,9 @@ class Launched(NamedTuple):
     prompt_logprobs: Optional[LogprobTensors] = None
     # A masked batch between `launch` and `sample`.
     pending: Optional[Pending] = None
+    # Forwarded's embeddings, on the host like `tokens` (primary rank only)
+    embeddings: Optional[torch.Tensor] = None
+    embed_rows: Tuple[int, ...] = ()
 
 
 def use_pdl(cfg: EngineConfig, device: torch.device) -> bool:
@@ -150,6 +157,17 @@ def _to_pinned(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
+
+
+def _embeddings(launched: Launched) -> Optional[Dict[int, bytes]]:
+    """Batch index -> float32 little-endian bytes of each embedding the batch computed (after
+    `done`, as the tokens)."""
+    if launched.embeddings is None:
+        return None
+    if launched.done is not None:
+        launched.done.synchronize()
+    vectors = launched.embeddings.cpu().numpy().astype("<f4")
+    return {i: vectors[j].tobytes() for j, i in enumerate(launched.embed_rows)}
 
 
 def _tokens(launched: Launched) -> List[int]:
@@ -350,13 +368,16 @@ class Engine:
             tokens, logprobs = self._sample(fwd.logits, fwd.rows, reqs, bitmask)
         if self.device.type != "cuda" or (tokens is None and fwd.prompt_logprobs is None):
             return Launched(batch, sampled, tokens, None, logprobs, fwd.prompt,
-                            fwd.prompt_logprobs)
+                            fwd.prompt_logprobs, embeddings=fwd.embeddings,
+                            embed_rows=fwd.embed_rows)
         pinned = lambda t: None if t is None else LogprobTensors(  # noqa: E731
             *(_to_pinned(x) for x in t))
         host = None if tokens is None else _to_pinned(tokens)
+        embeddings = None if fwd.embeddings is None else _to_pinned(fwd.embeddings)
         done = torch.cuda.Event()
         launched = Launched(batch, sampled, host, done, pinned(logprobs), fwd.prompt,
-                            pinned(fwd.prompt_logprobs))
+                            pinned(fwd.prompt_logprobs), embeddings=embeddings,
+                            embed_rows=fwd.embed_rows)
         done.record()  # after every copy above
         return launched
 
@@ -365,8 +386,9 @@ class Engine:
         prompt log-probabilities of the requests collecting them; always where some request
         runs with a LoRA adapter, which the graphs do not hold)."""
         batch.lora = lora_rows(batch, self.lora_names, self.device)
-        if batch.lora is not None:
-            return self._forward_eager(batch, sampled)
+        embed = tuple(i for i in sampled if batch.reqs[i].params.embed)
+        if batch.lora is not None or embed:
+            return self._forward_eager(batch, sampled, embed)
         if self.graphs is not None and self.graphs.can_run(batch):
             logits, rows = self.graphs.replay(batch)  # decode: every request is sampled
             return Forwarded(logits, rows, None, None)
@@ -376,20 +398,28 @@ class Engine:
             return Forwarded(logits, rows, None, None)
         return self._forward_eager(batch, sampled)
 
-    def _forward_eager(self, batch: Batch, sampled: List[int]) -> Forwarded:
+    def _forward_eager(self, batch: Batch, sampled: List[int],
+                       embed: Tuple[int, ...] = ()) -> Forwarded:
+        """The model on `batch`, eager; with `embed` (batch indices of sampled requests that
+        asked for embeddings), those requests' last hidden states normalized too."""
         rows = to_device([batch.reqs[i].table_row for i in sampled], torch.int64, self.device)
         ids, positions = self._prepare_inputs(batch, rows)
         self.backend.prepare(batch)
         ends = list(itertools.accumulate(batch.extend_lens))  # one past each request's last
         logit_rows = to_device([ends[i] - 1 for i in sampled], torch.int64, self.device)
         prompt = prompt_rows(batch)
-        if prompt is None:
+        if prompt is None and not embed:
             logits = self.model(ids, positions, batch, self.backend, logit_rows)
             return Forwarded(logits, rows, None, None)
         hidden = self.model.hidden(ids, positions, batch, self.backend)
-        return Forwarded(self.model.lm_head(hidden[logit_rows]), rows, prompt,
-                         prompt_logprobs(self.model.lm_head, hidden, prompt,
-                                         self.cfg.tp_info.is_primary))
+        last = hidden[logit_rows]
+        embeddings = None
+        if embed and self.cfg.tp_info.is_primary:  # the hidden state is whole on every rank
+            picked = to_device([sampled.index(i) for i in embed], torch.int64, self.device)
+            embeddings = torch.nn.functional.normalize(last[picked].float(), dim=-1)
+        plp = None if prompt is None else prompt_logprobs(self.model.lm_head, hidden, prompt,
+                                                          self.cfg.tp_info.is_primary)
+        return Forwarded(self.model.lm_head(last), rows, prompt, plp, embeddings, embed)
 
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor, reqs: List[Req],
                 bitmask: Optional[torch.Tensor] = None
@@ -431,7 +461,8 @@ class Engine:
         return StepResult(
             _tokens(launched),
             sampled_entries(batch, launched.sampled, launched.logprobs, launched.done),
-            prompt_entries(batch, launched.prompt, launched.prompt_logprobs, launched.done))
+            prompt_entries(batch, launched.prompt, launched.prompt_logprobs, launched.done),
+            _embeddings(launched))
 
     def forward(self, batch: Batch) -> List[int]:
         """Launch and collect the tokens: the synchronous path."""

@@ -113,6 +113,7 @@ class TokenOut:
     # With the first output token, when the request asked (params.prompt_logprobs): one per
     # prompt token after the first.
     prompt_logprobs: Optional[List[TokenLogprobs]] = None
+    embedding: Optional[bytes] = None  # params.embed: float32 little-endian (StepResult)
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,7 @@ class ReplyChunk:
     token_strs: Optional[List[str]] = None  # a tokenize reply asked for the tokens' pieces
     # In the request's first chunk only, where it asked (return_token_ids): the prompt's ids.
     prompt_ids: Optional[List[int]] = None
+    embedding: Optional[bytes] = None  # an embedding request's (TokenOut.embedding)
 
 
 @dataclass(frozen=True)

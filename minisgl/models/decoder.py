@@ -82,6 +82,8 @@ class Traits(NamedTuple):
 # checkpoint module name -> (our fused module, shard index)
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+# the decoder's tensors as a checkpoint of the bare decoder (no `model.` prefix) names them
+_DECODER_TENSORS = ("layers.", "embed_tokens.", "norm.")
 # checkpoint parameter name -> ours: Hugging Face's block scales multiply the weight, as
 # compressed-tensors' weight_scale does (the inverse of the quantization's divisor)
 _PARAM_RENAMES = {"weight_scale_inv": "weight_scale"}
@@ -450,11 +452,14 @@ class CausalLM(nn.Module):
             return None
 
     def _own_name(self, name: str) -> Optional[str]:
-        """Checkpoint tensor `name` with its prefix replaced (`checkpoint_prefixes`); None: the
-        tensor is not loaded."""
+        """Checkpoint tensor `name` with its prefix replaced (`checkpoint_prefixes`; a
+        checkpoint saved from the bare decoder, as embedding models are, names its tensors
+        without `model.`); None: the tensor is not loaded."""
         for prefix, replacement in self.checkpoint_prefixes.items():
             if name.startswith(prefix):
                 return None if replacement is None else replacement + name[len(prefix):]
+        if name.startswith(_DECODER_TENSORS):
+            return f"model.{name}"
         return name
 
     def _unfused(self, name: str, src: TensorSource) -> List[Tuple[str, TensorSource]]:

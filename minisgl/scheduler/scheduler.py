@@ -489,7 +489,8 @@ class Scheduler:
             if req.output_len == 1 and req.params.prompt_logprobs is not None:
                 prompt_lp, req.prompt_logprobs = req.prompt_logprobs, []
             out.append(TokenOut(req.uid, tok, reason.value if reason else None, req.prompt_len,
-                                req.prefix_hit, logprobs=lp, prompt_logprobs=prompt_lp))
+                                req.prefix_hit, logprobs=lp, prompt_logprobs=prompt_lp,
+                                embedding=(result.embeddings or {}).get(i)))
             if reason is not None:
                 logger.debug("rank %d: request %d finished (%s, %d tokens, %d cached)", self.rank,
                              req.uid, reason.value, req.output_len, req.prefix_hit)

@@ -48,6 +48,8 @@ from minisgl.server.request_log import REQUEST_ID_HEADER, RequestLog
 from minisgl.server.health import HealthFile
 from minisgl.server.metrics import Metrics
 from minisgl.server.openapi import App, body as body_schema
+from minisgl.server.embeddings import (EMBEDDINGS_PATH, EmbeddingFormatter, EmbeddingRequest,
+                                       embeddings_job)
 from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeBody,
                                      GenerateRequest, Job, Prompt, TokenizeBody, chat_job,
                                      completion_job, detokenize_prompt, generate_job, parse_body,
@@ -78,6 +80,7 @@ class ApiConfig:
     aliases: Tuple[str, ...] = ()  # more names requests may give the model
     # (name, directory) of each LoRA adapter: a request naming one as its model runs with it
     lora_adapters: Tuple[Tuple[str, str], ...] = ()
+    hidden_size: int = 0  # the model's: an embedding's length
     # clients must send it as a Bearer token, or as x-api-key on the Messages API (auth.py);
     # not in the repr, which logs may show
     api_key: Optional[str] = field(default=None, repr=False)
@@ -289,7 +292,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     app = App(title="minisgl", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.streams = streams  # serve_forever exits once they are `finished`
     app.body_models += [ChatRequest, CompletionRequest, ResponsesRequest, MessagesRequest,
-                        CountTokensRequest, GenerateRequest, TokenizeBody, DetokenizeBody]
+                        CountTokensRequest, GenerateRequest, TokenizeBody, DetokenizeBody,
+                        EmbeddingRequest]
     _install_error_handlers(app)
     app.add_middleware(BodyLimits, max_bytes=cfg.max_request_bytes, timeout_s=cfg.body_timeout)
     app.add_middleware(AccessCheck, api_key=cfg.api_key, loopback_only=cfg.loopback_only)
@@ -340,6 +344,14 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
                                                           cfg.sampling_defaults), lora))
         fmt = CompletionFormatter(lora or cfg.model_name, job)
         return await run(request, fmt)
+
+    @app.post(EMBEDDINGS_PATH, openapi_extra=body_schema(EmbeddingRequest))
+    async def embeddings(request: Request) -> Response:
+        body = parse_body(await json_body(request), EmbeddingRequest)
+        lora = check_model(body.model)
+        job = client_id(request, with_lora(embeddings_job(body, cfg.hidden_size), lora))
+        return await run(request, EmbeddingFormatter(lora or cfg.model_name, job,
+                                                     body.encoding_format))
 
     stored = ResponseStore()
 

@@ -36,9 +36,12 @@ class Choice:
     matched_stop: Union[None, int, str] = None  # the stop string or token id that ended it
     prompt_logprobs: List[TokenLogprobText] = field(default_factory=list)  # one per prompt token
     prompt_ids: Optional[List[int]] = None  # where the request asked (return_token_ids)
+    embedding: Optional[bytes] = None  # an embedding request's (float32 little-endian)
 
     def add(self, chunk: ReplyChunk) -> None:
         """Accumulate a chunk; an echoed prompt goes first, into text and logprobs alike."""
+        if chunk.embedding is not None:
+            self.embedding = chunk.embedding
         if chunk.prompt_logprobs:
             self.prompt_logprobs = list(chunk.prompt_logprobs)
         if chunk.prompt_ids is not None:

@@ -210,7 +210,8 @@ class Service:
 
     def _spawn_workers(self, level: str) -> None:
         a, path, dp = self.addrs, str(self.model_path), self.cfg.cluster.dp
-        context = self.cfg.engine.context_length(ModelConfig.from_dir(self.model_path).max_context)
+        shape = ModelConfig.from_dir(self.model_path)
+        context = self.cfg.engine.context_length(shape.max_context)
         c = self.cfg
         template = None if c.chat_template is None else read_chat_template(c.chat_template)
         tool_parser = c.tool_call_parser or default_tool_call_parser(
@@ -224,6 +225,7 @@ class Service:
                             max_request_bytes=c.max_request_bytes, body_timeout=c.body_timeout,
                             log_requests=c.log_requests,
                             lora_adapters=c.engine.lora_adapters,
+                            hidden_size=shape.hidden_size,
                             sampling_defaults=sampling_defaults(c.generation_config,
                                                                 Path(self.model_path)))
         tok_cfg = TokenizerConfig(str(self.tokenizer_path), a.tokenizer, a.backends, a.detokenizer,

@@ -132,7 +132,8 @@ class Detokenizer:
             if reason == FinishReason.STOP.value and out.token >= 0:
                 stop = out.token  # an EOS or stop token id ended it
         chunk = ReplyChunk(out.uid, text, ids, reason, out.prompt_tokens, req.completion_tokens,
-                           req.cached_tokens, logprobs=logprobs, matched_stop=stop)
+                           req.cached_tokens, logprobs=logprobs, matched_stop=stop,
+                           embedding=out.embedding)
         if req.prompt_ids is not None:
             chunk = self._with_prompt(chunk, req, out)
         return chunk, stopped and out.finish_reason is None

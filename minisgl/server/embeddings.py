@@ -1,0 +1,101 @@
+"""OpenAI's embeddings endpoint (POST /v1/embeddings): its body, the job it runs, its response.
+
+Each input (a string, or a list of token ids; one or a list of them) is one request of the
+scheduler with `params.embed`: its prompt is computed and the final norm's hidden state of its
+last token, L2-normalized (vLLM's default pooling of a decoder model), comes back instead of
+text. `encoding_format` "float" answers lists of numbers, "base64" the float32 little-endian
+bytes in base64 (what the official client asks for by default and decodes). `dimensions`
+(a shortened embedding) is refused: a model not trained for it (Matryoshka) gives no
+meaningful prefix. Text is tokenized with the tokenizer's special tokens, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import base64
+from array import array
+from typing import Any, Dict, Iterator, List, Literal, Optional, Union
+
+from minisgl.core import SamplingParams
+from minisgl.message.types import ReplyChunk
+from minisgl.server.protocol import (MAX_PROMPTS, ApiError, Job, Prompt, _Body, _check_ids,
+                                     _checked_id, _is_ids)
+from minisgl.server.responses import Choice, Formatter
+
+EMBEDDINGS_PATH = "/v1/embeddings"
+
+
+class EmbeddingRequest(_Body):
+    input: Union[str, List[str], List[int], List[List[int]]]
+    model: Optional[str] = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None
+    user: Optional[str] = None
+    # vLLM's extensions
+    truncate_prompt_tokens: Optional[int] = None
+    add_special_tokens: bool = True
+    request_id: Optional[str] = None
+
+
+def embeddings_job(body: EmbeddingRequest, hidden_size: int) -> Job:
+    """The requests of an embeddings body; ApiError(400) naming the field that cannot be
+    served (an empty input, more than MAX_PROMPTS inputs, `dimensions`, an unknown field)."""
+    extra = sorted(body.model_extra or {})
+    if extra:
+        raise ApiError(400, f"{extra[0]} is not supported by this server's embeddings",
+                       extra[0])
+    if body.dimensions is not None and body.dimensions != hidden_size:
+        raise ApiError(400, f"dimensions {body.dimensions}: this model's embeddings have "
+                            f"{hidden_size} and cannot be shortened", "dimensions")
+    raw: List[Any] = list(body.input) if isinstance(body.input, list) else [body.input]
+    if isinstance(body.input, list) and _is_ids(body.input) and body.input:
+        raw = [body.input]
+    if not raw or any(p == "" or p == [] for p in raw):
+        raise ApiError(400, "input: must not be empty", "input")
+    if len(raw) > MAX_PROMPTS:
+        raise ApiError(400, f"input: at most {MAX_PROMPTS} inputs, got {len(raw)}", "input")
+    prompts = [Prompt(text=p, add_special_tokens=body.add_special_tokens) if isinstance(p, str)
+               else Prompt(input_ids=list(p)) for p in raw]
+    for p in prompts:
+        _check_ids("input", p.input_ids or ())
+    params = SamplingParams(max_tokens=1, temperature=0.0, embed=True,
+                            truncate_prompt_tokens=body.truncate_prompt_tokens)
+    try:
+        params.validate()
+    except ValueError as e:
+        raise ApiError(400, str(e), "truncate_prompt_tokens") from None
+    return Job(prompts, params, n=1, stop=(), skip_special_tokens=True, stream=False,
+               include_usage=False, request_id=_checked_id(body.request_id, "request_id"))
+
+
+class EmbeddingFormatter(Formatter):
+    """OpenAI's list of embeddings, one per input in order, and the prompt tokens used."""
+
+    id_prefix = "embd"
+    prompt_param = "input"
+
+    def __init__(self, model: str, job: Job, encoding: str) -> None:
+        super().__init__(model, job)
+        self.encoding = encoding
+
+    def full(self, choices: List[Choice]) -> Dict[str, Any]:
+        tokens = sum(c.prompt_tokens for c in choices)
+        return {"id": self.id, "object": "list", "created": self.created, "model": self.model,
+                "data": [{"object": "embedding", "index": i, "embedding": self._vector(c)}
+                         for i, c in enumerate(choices)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    def _vector(self, choice: Choice) -> Union[str, List[float]]:
+        if choice.embedding is None:
+            raise ApiError(500, "the engine returned no embedding", code="internal_error",
+                           kind="server_error")
+        if self.encoding == "base64":
+            return base64.b64encode(choice.embedding).decode("ascii")
+        values = array("f")
+        values.frombytes(choice.embedding)
+        return values.tolist()
+
+    def delta(self, index: int, chunk: ReplyChunk, choice: Choice) -> Iterator[str]:
+        return iter(())  # never streamed
+
+    def closing(self, choices: List[Choice]) -> Iterator[str]:
+        return iter(())
