@@ -250,21 +250,17 @@ class SamplingParams:
                                                    for x in self.stop):
             raise ValueError(f"stop must be a string or a list of non-empty strings, got "
                              f"{self.stop!r}")
-        salt = self.cache_salt
-        if salt is not None and (not isinstance(salt, str) or not 0 < len(salt)
-                                 <= MAX_CACHE_SALT_CHARS):
-            raise ValueError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} "
-                             f"characters, got {salt!r:.60}")
+        for name in ("cache_salt", "lora_name"):  # names: keys, not documents
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not 0 < len(value)
+                                      <= MAX_CACHE_SALT_CHARS):
+                raise ValueError(f"{name} must be a string of 1 to {MAX_CACHE_SALT_CHARS} "
+                                 f"characters, got {value!r:.60}")
         if not isinstance(self.embed, bool):
             raise ValueError(f"embed must be true or false, got {self.embed!r}")
         if self.embed and self.max_tokens != 1:
             raise ValueError(f"an embedding request computes its prompt only: max_tokens must "
                              f"be 1, got {self.max_tokens!r}")
-        lora = self.lora_name
-        if lora is not None and (not isinstance(lora, str) or not 0 < len(lora)
-                                 <= MAX_CACHE_SALT_CHARS):
-            raise ValueError(f"lora_name must be a string of 1 to {MAX_CACHE_SALT_CHARS} "
-                             f"characters, got {lora!r:.60}")
         if (not isinstance(self.priority, int) or isinstance(self.priority, bool)
                 or not -2 ** 63 <= self.priority < 2 ** 63):  # what a message carries
             raise ValueError(f"priority must be a 64-bit integer, got {self.priority!r}")

@@ -115,8 +115,12 @@ def test_fused_and_multimodal_checkpoints_adapters_match_peft(
         model = build_tiny_gemma3_multimodal(tmp_path / "gemma3")
         targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                    "down_proj")
-    adapter = build_tiny_lora(model, tmp_path / "adapter", 7, targets=targets)
-    prompts = mixed_prompts(2, seed=7, lengths=(4, 19))
+    _check_one_adapter(model, build_tiny_lora(model, tmp_path / "adapter", 7, targets=targets),
+                       mixed_prompts(2, seed=7, lengths=(4, 19)))
+
+
+def _check_one_adapter(model: Path, adapter: Path, prompts: List[List[int]]) -> None:
+    """`model` serving `adapter` alone gives PEFT's greedy tokens for `prompts`."""
     with LLM(str(model), device="cpu", page_size=4, max_kv_tokens=2048, show_progress=False,
              lora_modules=f"x={adapter}") as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0.0,
@@ -127,13 +131,8 @@ def test_fused_and_multimodal_checkpoints_adapters_match_peft(
 def test_hand_written_adapter_reads_as_peft_reads_it(base: Path, tmp_path: Path) -> None:
     """The adapter the GPU tests write without PEFT (tiny_models.write_lora) is one PEFT
     applies as minisgl does."""
-    adapter = write_lora(base, tmp_path / "hand", 9)
-    prompts = mixed_prompts(2, seed=8, lengths=(7, 15))
-    with LLM(str(base), device="cpu", page_size=4, max_kv_tokens=2048, show_progress=False,
-             lora_modules=f"hand={adapter}") as llm:
-        outs = llm.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0.0,
-                                                    ignore_eos=True, lora_name="hand"))
-    assert [o.token_ids for o in outs] == hf_greedy(base, prompts, NEW, adapter=adapter)
+    _check_one_adapter(base, write_lora(base, tmp_path / "hand", 9),
+                       mixed_prompts(2, seed=8, lengths=(7, 15)))
 
 
 def test_vllm_lora_request(base: Path, adapters: Dict[str, Path]) -> None:

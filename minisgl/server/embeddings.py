@@ -17,8 +17,7 @@ from typing import Any, Dict, Iterator, List, Literal, Optional, Union
 
 from minisgl.core import SamplingParams
 from minisgl.message.types import ReplyChunk
-from minisgl.server.protocol import (MAX_PROMPTS, ApiError, Job, Prompt, _Body, _check_ids,
-                                     _checked_id, _is_ids)
+from minisgl.server.protocol import ApiError, Job, _Body, _checked_id, listed_prompts
 from minisgl.server.responses import Choice, Formatter
 
 EMBEDDINGS_PATH = "/v1/embeddings"
@@ -46,17 +45,7 @@ def embeddings_job(body: EmbeddingRequest, hidden_size: int) -> Job:
     if body.dimensions is not None and body.dimensions != hidden_size:
         raise ApiError(400, f"dimensions {body.dimensions}: this model's embeddings have "
                             f"{hidden_size} and cannot be shortened", "dimensions")
-    raw: List[Any] = list(body.input) if isinstance(body.input, list) else [body.input]
-    if isinstance(body.input, list) and _is_ids(body.input) and body.input:
-        raw = [body.input]
-    if not raw or any(p == "" or p == [] for p in raw):
-        raise ApiError(400, "input: must not be empty", "input")
-    if len(raw) > MAX_PROMPTS:
-        raise ApiError(400, f"input: at most {MAX_PROMPTS} inputs, got {len(raw)}", "input")
-    prompts = [Prompt(text=p, add_special_tokens=body.add_special_tokens) if isinstance(p, str)
-               else Prompt(input_ids=list(p)) for p in raw]
-    for p in prompts:
-        _check_ids("input", p.input_ids or ())
+    prompts = listed_prompts(body.input, "input", body.add_special_tokens)
     params = SamplingParams(max_tokens=1, temperature=0.0, embed=True,
                             truncate_prompt_tokens=body.truncate_prompt_tokens)
     try:

@@ -685,21 +685,27 @@ def _is_ids(x: Any) -> bool:
     return isinstance(x, list) and all(isinstance(t, int) for t in x)
 
 
-def completion_job(body: CompletionRequest, max_n: int,
-                   defaults: SamplingDefaults = SamplingDefaults()) -> Job:
-    raw: Sequence[Any] = body.prompt
+def listed_prompts(raw: Any, param: str, add_special_tokens: bool) -> List[Prompt]:
+    """A body's prompt field (a string, token ids, or a list of either) as prompts; ApiError
+    (400) naming `param` for an empty one, more than MAX_PROMPTS, or an id outside int32."""
     if isinstance(raw, str) or (_is_ids(raw) and raw):
         raw = [raw]
     if not raw:
-        raise ApiError(400, "prompt: must not be empty", "prompt")
+        raise ApiError(400, f"{param}: must not be empty", param)
     if len(raw) > MAX_PROMPTS:
-        raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts, got {len(raw)}", "prompt")
-    prompts = [Prompt(text=p, add_special_tokens=body.add_special_tokens) if isinstance(p, str)
+        raise ApiError(400, f"{param}: at most {MAX_PROMPTS} prompts, got {len(raw)}", param)
+    prompts = [Prompt(text=p, add_special_tokens=add_special_tokens) if isinstance(p, str)
                else Prompt(input_ids=list(p)) for p in raw]
     for p in prompts:
-        _check_ids("prompt", p.input_ids or ())
+        _check_ids(param, p.input_ids or ())
     if any(p.input_ids is not None and not p.input_ids or p.text == "" for p in prompts):
-        raise ApiError(400, "prompt: must not be empty", "prompt")
+        raise ApiError(400, f"{param}: must not be empty", param)
+    return prompts
+
+
+def completion_job(body: CompletionRequest, max_n: int,
+                   defaults: SamplingDefaults = SamplingDefaults()) -> Job:
+    prompts = listed_prompts(body.prompt, "prompt", body.add_special_tokens)
     if body.max_tokens is None and body.max_completion_tokens is None:
         body = body.model_copy(update={"max_tokens": COMPLETION_MAX_TOKENS})
     job = _job(body, prompts, max_n, defaults)
