@@ -39,6 +39,7 @@ from minisgl.message.types import AccountingMsg, AccountingReply
 from minisgl.models import ModelConfig
 from minisgl.models.generation import sampling_defaults
 from minisgl.models.path import resolve_model_path
+from minisgl.models.pooling import pooling_refusal
 from minisgl.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
                              GenerateOutput)
 from minisgl.scheduler.config import SchedulerConfig
@@ -653,6 +654,9 @@ class LLM:
         last token, L2-normalized: vLLM's default pooling of a decoder model), in order. A
         prompt is text (special tokens added, as the tokenizer adds them) or token ids;
         `lora_request` as for `generate`."""
+        refusal = pooling_refusal(self.model_path)
+        if refusal is not None:
+            raise ValueError(refusal)
         single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
                                                       and isinstance(prompts[0], int))
         batch = cast(Sequence[Prompt], [prompts] if single else prompts)

@@ -102,3 +102,32 @@ def test_a_checkpoint_of_the_bare_decoder_loads(tiny_model: Callable[..., Path],
         outs = llm.embed(prompts)
     torch.testing.assert_close(_vectors(outs), hf_embeddings(path, prompts), atol=1e-5,
                                rtol=1e-4)
+
+
+@pytest.mark.parametrize("modes,refused", [({"pooling_mode_lasttoken": True}, None),
+                                           ({"pooling_mode_mean_tokens": True}, "mean_tokens"),
+                                           ({"pooling_mode_cls_token": True}, "cls_token")])
+def test_sentence_transformers_pooling_other_than_last_is_refused(
+        tiny_model: Callable[..., Path], tmp_path: Path, modes: dict,
+        refused: str) -> None:
+    """A sentence-transformers checkpoint whose Pooling module pools otherwise than by the
+    last token (its vectors would not be the model's) gets a ValueError naming its pooling;
+    by the last token, embeddings as usual."""
+    import json
+    import shutil
+    path = tmp_path / "st"
+    shutil.copytree(tiny_model("qwen3"), path)
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"}]))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode_lasttoken": False, **modes}))
+    with LLM(str(path), device="cpu", max_kv_tokens=1024, show_progress=False) as llm:
+        if refused is None:
+            assert len(llm.embed([[5, 6, 7]])[0].outputs.embedding) == 64
+        else:
+            with pytest.raises(ValueError, match=f"pooling is {refused}; minisgl embeds by "
+                                                 f"the last token only"):
+                llm.embed([[5, 6, 7]])

@@ -81,6 +81,7 @@ class ApiConfig:
     # (name, directory) of each LoRA adapter: a request naming one as its model runs with it
     lora_adapters: Tuple[Tuple[str, str], ...] = ()
     hidden_size: int = 0  # the model's: an embedding's length
+    embedding_refusal: Optional[str] = None  # why embeddings cannot be served (pooling.py)
     # clients must send it as a Bearer token, or as x-api-key on the Messages API (auth.py);
     # not in the repr, which logs may show
     api_key: Optional[str] = field(default=None, repr=False)
@@ -349,6 +350,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     async def embeddings(request: Request) -> Response:
         body = parse_body(await json_body(request), EmbeddingRequest)
         lora = check_model(body.model)
+        if cfg.embedding_refusal is not None:
+            raise ApiError(400, cfg.embedding_refusal, "model")
         job = client_id(request, with_lora(embeddings_job(body, cfg.hidden_size), lora))
         return await run(request, EmbeddingFormatter(lora or cfg.model_name, job,
                                                      body.encoding_format))

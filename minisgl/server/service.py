@@ -43,6 +43,7 @@ from minisgl.message.startup import PEER_EXIT
 from minisgl.message.types import Drain, ServiceDown, ShutdownMsg
 from minisgl.models.config import ModelConfig
 from minisgl.models.generation import sampling_defaults
+from minisgl.models.pooling import pooling_refusal
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.api import ApiConfig, run_api
 from minisgl.server.args import ServerConfig
@@ -226,6 +227,7 @@ class Service:
                             log_requests=c.log_requests,
                             lora_adapters=c.engine.lora_adapters,
                             hidden_size=shape.hidden_size,
+                            embedding_refusal=pooling_refusal(Path(self.model_path)),
                             sampling_defaults=sampling_defaults(c.generation_config,
                                                                 Path(self.model_path)))
         tok_cfg = TokenizerConfig(str(self.tokenizer_path), a.tokenizer, a.backends, a.detokenizer,

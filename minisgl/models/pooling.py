@@ -1,0 +1,41 @@
+"""Whether a model's embeddings are the ones minisgl computes (its last token's final hidden
+state, L2-normalized), as its sentence-transformers files say.
+
+A sentence-transformers checkpoint lists its modules in `modules.json`; its Pooling module's
+`config.json` names the pooling (`pooling_mode_lasttoken`, `..._mean_tokens`,
+`..._cls_token`, ...). A model without those files is pooled by the last token, as vLLM
+pools a decoder model by default. Any other pooling is refused where embeddings are asked for
+(its vectors would differ from the model's), naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+_POOLING_MODULE = "sentence_transformers.models.Pooling"
+_LAST = "pooling_mode_lasttoken"
+
+
+def pooling_refusal(model_dir: Path) -> Optional[str]:
+    """Why this model's embeddings cannot be served (its pooling is not the last token's),
+    or None."""
+    modules_file = Path(model_dir) / "modules.json"
+    if not modules_file.is_file():
+        return None
+    try:
+        modules = json.loads(modules_file.read_text())
+        pooling = next((m for m in modules if m.get("type") == _POOLING_MODULE), None)
+        if pooling is None:
+            return None
+        config = json.loads((Path(model_dir) / pooling.get("path", "") / "config.json")
+                            .read_text())
+    except (OSError, ValueError, AttributeError) as e:
+        return f"{modules_file} or its Pooling module's config.json cannot be read: {e}"
+    modes = sorted(k.removeprefix("pooling_mode_") for k, v in config.items()
+                   if k.startswith("pooling_mode_") and v is True)
+    if modes == [_LAST.removeprefix("pooling_mode_")]:
+        return None
+    return (f"this model's sentence-transformers pooling is {', '.join(modes) or 'none'}; "
+            f"minisgl embeds by the last token only")
