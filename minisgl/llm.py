@@ -18,7 +18,6 @@ import shutil
 import tempfile
 import weakref
 from array import array
-from dataclasses import dataclass
 from pathlib import Path
 from typing import (Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union,
                     cast)

@@ -10,9 +10,9 @@ from typing import Any, Dict
 
 import pytest
 
-from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, GenerateRequest,
-                                     TokenizeBody, chat_job, completion_job, generate_job,
-                                     parse_body, tokenize_prompt)
+from minisgl.server.generate_request import GenerateRequest, generate_job
+from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, TokenizeBody,
+                                     chat_job, completion_job, parse_body, tokenize_prompt)
 
 CHAT: Dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

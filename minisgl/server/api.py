@@ -50,10 +50,10 @@ from minisgl.server.metrics import Metrics
 from minisgl.server.openapi import App, body as body_schema
 from minisgl.server.embeddings import (EMBEDDINGS_PATH, EmbeddingFormatter, EmbeddingRequest,
                                        embeddings_job)
+from minisgl.server.generate_request import GenerateRequest, generate_job
 from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeBody,
-                                     GenerateRequest, Job, Prompt, TokenizeBody, chat_job,
-                                     completion_job, detokenize_prompt, generate_job, parse_body,
-                                     tokenize_prompt)
+                                     Job, Prompt, TokenizeBody, chat_job, completion_job,
+                                     detokenize_prompt, parse_body, tokenize_prompt)
 from minisgl.server.responses import (ChatFormatter, Choice, CompletionFormatter, Formatter,
                                       GenerateFormatter, SSEResponse, sse)
 from minisgl.server.responses_api import (ResponsesFormatter, ResponsesRequest, ResponseStore,

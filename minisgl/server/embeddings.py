@@ -17,13 +17,13 @@ from typing import Any, Dict, Iterator, List, Literal, Optional, Union
 
 from minisgl.core import SamplingParams
 from minisgl.message.types import ReplyChunk
-from minisgl.server.protocol import ApiError, Job, _Body, _checked_id, listed_prompts
+from minisgl.server.protocol import ApiError, Body, Job, checked_id, listed_prompts
 from minisgl.server.responses import Choice, Formatter
 
 EMBEDDINGS_PATH = "/v1/embeddings"
 
 
-class EmbeddingRequest(_Body):
+class EmbeddingRequest(Body):
     input: Union[str, List[str], List[int], List[List[int]]]
     model: Optional[str] = None
     encoding_format: Literal["float", "base64"] = "float"
@@ -53,7 +53,7 @@ def embeddings_job(body: EmbeddingRequest, hidden_size: int) -> Job:
     except ValueError as e:
         raise ApiError(400, str(e), "truncate_prompt_tokens") from None
     return Job(prompts, params, n=1, stop=(), skip_special_tokens=True, stream=False,
-               include_usage=False, request_id=_checked_id(body.request_id, "request_id"))
+               include_usage=False, request_id=checked_id(body.request_id, "request_id"))
 
 
 class EmbeddingFormatter(Formatter):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from dataclasses import dataclass
 from typing import (Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Type, TypeVar,
                     Union)
@@ -82,7 +81,7 @@ def request_id_error(value: str, what: str, param: str) -> Optional["ApiError"]:
                          f"{len(value)} characters", param)
 
 
-def _refuse_unsupported(fields: Dict[str, Any], table: Dict[str, Callable[[Any], bool]],
+def refuse_unsupported(fields: Dict[str, Any], table: Dict[str, Callable[[Any], bool]],
                         where: str = "") -> None:
     """ApiError(400) naming the first field of `fields` that `table` lists with a value that
     asks for something (its check says whether a value asks for nothing); `where`: the
@@ -93,7 +92,7 @@ def _refuse_unsupported(fields: Dict[str, Any], table: Dict[str, Callable[[Any],
             raise ApiError(400, f"{where}{name} is not supported by this server", name)
 
 
-def _checked_id(value: Optional[str], param: str) -> Optional[str]:
+def checked_id(value: Optional[str], param: str) -> Optional[str]:
     """A request id from the body (vLLM's request_id, SGLang's rid), checked as the
     X-Request-Id header is; None where none was given."""
     error = None if value is None else request_id_error(value, param, param)
@@ -120,17 +119,17 @@ class ApiError(Exception):
 
 
 # --- request bodies ------------------------------------------------------------------------------
-class _Body(BaseModel):
+class Body(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     # null is false (OpenAI's schema allows it; vLLM takes it)
     include_usage: Optional[bool] = None
     continuous_usage_stats: Optional[bool] = None  # vLLM's: usage on every chunk
 
 
-class _Sampling(_Body):
+class SamplingBody(Body):
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
@@ -150,7 +149,7 @@ class _Sampling(_Body):
     allowed_token_ids: Optional[List[int]] = None  # vLLM's: sampling picks only among them
 
 
-class _OpenAI(_Sampling):
+class _OpenAI(SamplingBody):
     model: Optional[str] = None
     max_completion_tokens: Optional[int] = None
     n: Optional[int] = None  # null: 1, as OpenAI's schema and vLLM read it
@@ -170,12 +169,12 @@ class _OpenAI(_Sampling):
     request_id: Optional[str] = None  # vLLM's: the response id's base (X-Request-Id wins)
 
 
-class TextPart(_Body):
+class TextPart(Body):
     type: str
     text: Optional[str] = None
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     role: str
     content: Union[None, str, List[TextPart]] = None
     tool_calls: Any = None  # an assistant's calls (checked by tools.assistant_tool_calls)
@@ -183,7 +182,7 @@ class ChatMessage(_Body):
     name: Optional[str] = None
 
 
-class _ChatTemplate(_Body):
+class _ChatTemplate(Body):
     """How chat messages go through the model's chat template (vLLM's fields)."""
 
     add_generation_prompt: bool = True
@@ -191,7 +190,7 @@ class _ChatTemplate(_Body):
     chat_template_kwargs: Optional[Dict[str, Any]] = None
 
 
-class _Tools(_Body):
+class _Tools(Body):
     """Function tools (checked by tools.parse_tools, which names the field at fault)."""
 
     tools: Any = None
@@ -225,82 +224,9 @@ class TokenizeBody(_ChatTemplate, _Tools):
     add_special_tokens: Optional[bool] = None
 
 
-class DetokenizeBody(_Body):
+class DetokenizeBody(Body):
     model: Optional[str] = None
     tokens: List[int]
-
-
-class GenerateRequest(_Body):
-    """SGLang's /generate body (the fields served; others that ask for something: 400): one
-    prompt, or a batch (a list of texts or of id lists)."""
-
-    input_ids: Union[None, List[int], List[List[int]]] = None
-    text: Union[None, str, List[str]] = None
-    sampling_params: _Sampling = _Sampling()
-    stream: bool = False
-    rid: Optional[str] = None  # the request's id (meta_info.id), as X-Request-Id
-    return_logprob: bool = False
-    logprob_start_len: int = -1  # -1: the output's only; k: prompt tokens from k on too
-    top_logprobs_num: int = 0
-    return_text_in_logprobs: bool = False
-    lora_path: Optional[str] = None  # SGLang's: the name of a loaded LoRA adapter
-
-
-# SGLang's /generate fields this server does not serve, with the values that ask for nothing.
-_GENERATE_UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
-    "token_ids_logprob": lambda v: not v,
-    "return_hidden_states": lambda v: v in (None, False),
-    "lora_id": lambda v: v is None,
-    "image_data": lambda v: not v,
-    "video_data": lambda v: not v,
-    "audio_data": lambda v: not v,
-    "input_embeds": lambda v: v is None,
-    "custom_logit_processor": lambda v: v is None,
-    "session_params": lambda v: v is None,
-    "bootstrap_host": lambda v: v is None,
-    "data_parallel_rank": lambda v: v is None,
-}
-
-
-# SGLang's sampling_params names for fields this server calls otherwise.
-_SGLANG_SAMPLING_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
-                          "sampling_seed": "seed"}
-# SGLang sampling_params this server does not serve, with the values that ask for nothing.
-_SGLANG_SAMPLING_UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
-    "logit_bias": lambda v: not v,
-    "custom_params": lambda v: not v,
-    "stop_regex": lambda v: not v,
-    "stream_interval": lambda v: v is None,
-}
-
-
-class _SGLangSampling(NamedTuple):
-    sampling: _Sampling
-    renamed: Dict[str, str]  # our field -> the SGLang name the request used for it
-
-
-def _sglang_sampling(sampling: _Sampling) -> _SGLangSampling:
-    """/generate's sampling_params with SGLang's names (max_new_tokens, min_new_tokens,
-    sampling_seed) as this server's, checked like the rest; ApiError(400) naming a field given
-    under both names, or one asking for what is not served."""
-    extra = dict(sampling.model_extra or {})
-    _refuse_unsupported(extra, _SGLANG_SAMPLING_UNSUPPORTED, "sampling_params.")
-    given = sampling.model_dump(exclude_unset=True)
-    renamed = {}  # ours -> theirs, for errors
-    for theirs, ours in _SGLANG_SAMPLING_NAMES.items():
-        if theirs in extra:
-            if ours in given:
-                raise ApiError(400, f"sampling_params: {theirs} and {ours} are the same field; "
-                                    f"give one", theirs)
-            given[ours], renamed[ours] = extra.pop(theirs), theirs
-    if not renamed:
-        return _SGLangSampling(sampling, renamed)
-    try:
-        return _SGLangSampling(_Sampling.model_validate({**given, **extra}), renamed)
-    except ValidationError as e:
-        err = e.errors()[0]
-        name = renamed.get(str(err["loc"][0]), str(err["loc"][0]))
-        raise ApiError(400, f"sampling_params.{name}: {err['msg']}", name) from None
 
 
 @dataclass(frozen=True)
@@ -431,12 +357,12 @@ def _check_int(name: str, value: Optional[int], limit: int = _INT64) -> None:
         raise ApiError(400, f"{name} is out of range: {value}", name)
 
 
-def _check_ids(name: str, ids: Sequence[int]) -> None:
+def check_ids(name: str, ids: Sequence[int]) -> None:
     for t in ids:
         _check_int(name, t, _INT32)
 
 
-def _sampling(body: _Sampling, max_tokens: Optional[int], defaults: SamplingDefaults,
+def _sampling(body: SamplingBody, max_tokens: Optional[int], defaults: SamplingDefaults,
               logprobs: Optional[int] = None, logit_bias: Optional[Dict[int, float]] = None,
               max_name: str = "max_tokens", **fields: Any) -> SamplingParams:
     """The request's SamplingParams, `defaults` where it leaves a field unset (or null), and
@@ -445,9 +371,9 @@ def _sampling(body: _Sampling, max_tokens: Optional[int], defaults: SamplingDefa
     for name in ("top_k", "seed", "min_tokens"):
         _check_int(name, getattr(body, name))
     _check_int(max_name, max_tokens, _INT32)
-    _check_ids("stop_token_ids", body.stop_token_ids or ())
+    check_ids("stop_token_ids", body.stop_token_ids or ())
     allowed = body.allowed_token_ids
-    _check_ids("allowed_token_ids", allowed or ())
+    check_ids("allowed_token_ids", allowed or ())
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=defaults.temperature if body.temperature is None else body.temperature,
@@ -525,59 +451,74 @@ def _logit_bias(body: _OpenAI) -> Optional[Dict[int, float]]:
     return {int(k): v for k, v in body.logit_bias.items()}
 
 
-def _job(body: Union[_OpenAI, GenerateRequest], prompts: List[Prompt], max_n: int,
-         defaults: SamplingDefaults) -> Job:
-    logprobs, logit_bias, continuous, prompt_logprobs = None, None, False, None
-    max_name = "max_tokens"
-    if isinstance(body, GenerateRequest):
-        sampling, stream, include_usage = body.sampling_params, body.stream, False
-        n = (sampling.model_extra or {}).get("n")
-        n = 1 if n is None else n
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_n:
-            raise ApiError(400, f"n must be between 1 and {max_n}, got {n!r}", "n")
-        max_tokens = sampling.max_tokens
-    else:
-        sampling, n, stream = body, 1 if body.n is None else body.n, bool(body.stream)
-        if body.stream_options is not None and not stream:
-            raise ApiError(400, "stream_options is only allowed when stream is true",
-                           "stream_options")
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
-        if body.max_completion_tokens is not None:  # OpenAI's newer name wins; errors use it
-            max_tokens, max_name = body.max_completion_tokens, "max_completion_tokens"
-        else:
-            max_tokens = body.max_tokens
-        logprobs, logit_bias = _logprobs(body), _logit_bias(body)
-        prompt_logprobs = _prompt_logprobs(body)
-        _refuse_unsupported(body.model_extra or {}, _UNSUPPORTED)
-        if not 1 <= n <= max_n:
-            raise ApiError(400, f"n must be between 1 and {max_n}, got {n}", "n")
+class JobShape(NamedTuple):
+    """What an endpoint reads from its body before the part every endpoint shares
+    (`shaped_job`): the sampling fields, the choices, streaming, max_tokens (and the name it
+    came under, for errors), and what only some endpoints give."""
+
+    sampling: SamplingBody
+    n: int
+    stream: bool
+    include_usage: bool
+    max_tokens: Optional[int]
+    max_name: str = "max_tokens"
+    logprobs: Optional[int] = None
+    logit_bias: Optional[Dict[int, float]] = None
+    # where the structured-output fields are (structured.constraint)
+    structured_fields: Optional[Dict[str, Any]] = None
+    params: Optional[Dict[str, Any]] = None  # more SamplingParams fields, as they are
+
+
+def shaped_job(shape: JobShape, prompts: List[Prompt], defaults: SamplingDefaults) -> Job:
+    """The job of `prompts` with `shape`'s sampling: SamplingParams (`defaults` where the body
+    leaves a field unset), the structured-output constraint, the stop strings; ApiError(400)
+    naming the field at fault."""
+    sampling = shape.sampling
     extra = sampling.model_extra or {}
     if extra.get(_SPACES_BETWEEN_SPECIAL_TOKENS, True) is not True:
         raise ApiError(400, f"{_SPACES_BETWEEN_SPECIAL_TOKENS}: only true is supported",
                        _SPACES_BETWEEN_SPECIAL_TOKENS)
     try:
-        found = constraint(extra if isinstance(body, GenerateRequest) else body.model_extra or {})
+        found = constraint(extra if shape.structured_fields is None else shape.structured_fields)
     except FieldError as e:
         raise ApiError(400, str(e), e.param) from None
-    fields = {} if isinstance(body, GenerateRequest) else dict(
-        truncate_prompt_tokens=body.truncate_prompt_tokens, cache_salt=body.cache_salt,
-        priority=body.priority, bad_words=tuple(body.bad_words or ()))
-    params = _sampling(sampling, max_tokens, defaults, logprobs, logit_bias, max_name,
-                       **fields)
+    params = _sampling(sampling, shape.max_tokens, defaults, shape.logprobs, shape.logit_bias,
+                       shape.max_name, **(shape.params or {}))
     if found is not None:
         params = dataclasses.replace(params, structured=found.structured)
-    job = Job(prompts, params, n, _stop_strings(sampling.stop), sampling.skip_special_tokens,
-              stream, include_usage,
-              no_stop_trim=sampling.no_stop_trim or sampling.include_stop_str_in_output,
-              structured_param=found.param if found is not None else None)
-    if not isinstance(body, GenerateRequest):
-        job = dataclasses.replace(job, params=dataclasses.replace(
-            job.params, prompt_logprobs=prompt_logprobs), continuous_usage=continuous,
-            prompt_logprobs=prompt_logprobs,
-            tokens_as_ids=bool(body.return_tokens_as_token_ids),
-            return_token_ids=bool(body.return_token_ids), request_id=_checked_id(body.request_id, "request_id"))
-    return job
+    return Job(prompts, params, shape.n, _stop_strings(sampling.stop),
+               sampling.skip_special_tokens, shape.stream, shape.include_usage,
+               no_stop_trim=sampling.no_stop_trim or sampling.include_stop_str_in_output,
+               structured_param=found.param if found is not None else None)
+
+
+def _job(body: _OpenAI, prompts: List[Prompt], max_n: int, defaults: SamplingDefaults) -> Job:
+    """An OpenAI body's job (chat, completions, responses, messages)."""
+    n, stream = 1 if body.n is None else body.n, bool(body.stream)
+    if body.stream_options is not None and not stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true",
+                       "stream_options")
+    options = body.stream_options
+    max_tokens, max_name = body.max_tokens, "max_tokens"
+    if body.max_completion_tokens is not None:  # OpenAI's newer name wins; errors use it
+        max_tokens, max_name = body.max_completion_tokens, "max_completion_tokens"
+    logprobs, logit_bias = _logprobs(body), _logit_bias(body)
+    prompt_logprobs = _prompt_logprobs(body)
+    refuse_unsupported(body.model_extra or {}, _UNSUPPORTED)
+    if not 1 <= n <= max_n:
+        raise ApiError(400, f"n must be between 1 and {max_n}, got {n}", "n")
+    shape = JobShape(body, n, stream, bool(options and options.include_usage), max_tokens,
+                     max_name, logprobs, logit_bias, body.model_extra or {}, dict(
+                         truncate_prompt_tokens=body.truncate_prompt_tokens,
+                         cache_salt=body.cache_salt, priority=body.priority,
+                         bad_words=tuple(body.bad_words or ())))
+    job = shaped_job(shape, prompts, defaults)
+    return dataclasses.replace(
+        job, params=dataclasses.replace(job.params, prompt_logprobs=prompt_logprobs),
+        continuous_usage=bool(options and options.continuous_usage_stats),
+        prompt_logprobs=prompt_logprobs, tokens_as_ids=bool(body.return_tokens_as_token_ids),
+        return_token_ids=bool(body.return_token_ids),
+        request_id=checked_id(body.request_id, "request_id"))
 
 
 def _message_text(i: int, msg: ChatMessage) -> str:
@@ -677,7 +618,7 @@ def tokenize_prompt(body: TokenizeBody) -> Prompt:
 
 
 def detokenize_prompt(body: DetokenizeBody) -> Prompt:
-    _check_ids("tokens", body.tokens)
+    check_ids("tokens", body.tokens)
     return Prompt(input_ids=list(body.tokens))
 
 
@@ -697,7 +638,7 @@ def listed_prompts(raw: Any, param: str, add_special_tokens: bool) -> List[Promp
     prompts = [Prompt(text=p, add_special_tokens=add_special_tokens) if isinstance(p, str)
                else Prompt(input_ids=list(p)) for p in raw]
     for p in prompts:
-        _check_ids(param, p.input_ids or ())
+        check_ids(param, p.input_ids or ())
     if any(p.input_ids is not None and not p.input_ids or p.text == "" for p in prompts):
         raise ApiError(400, f"{param}: must not be empty", param)
     return prompts
@@ -716,62 +657,3 @@ def completion_job(body: CompletionRequest, max_n: int,
     asked = [k for k in (job.params.logprobs, job.prompt_logprobs) if k is not None]
     params = dataclasses.replace(job.params, prompt_logprobs=max(asked) if asked else None)
     return dataclasses.replace(job, params=params, echo=True)
-
-
-def _generate_prompts(body: GenerateRequest) -> List[Prompt]:
-    """The prompts of a /generate body: text tokenized with the tokenizer's special tokens
-    (SGLang's), ids as given; ApiError naming an empty one."""
-    if body.text is not None:
-        texts = [body.text] if isinstance(body.text, str) else body.text
-        if not texts or any(t == "" for t in texts):
-            raise ApiError(400, "the prompt must not be empty", "text")
-        return [Prompt(text=t, add_special_tokens=True) for t in texts]
-    ids = body.input_ids or []
-    batch = [ids] if not ids or isinstance(ids[0], int) else ids
-    if not batch or any(not p for p in batch):
-        raise ApiError(400, "the prompt must not be empty", "input_ids")
-    for p in batch:
-        _check_ids("input_ids", p)
-    return [Prompt(input_ids=list(p)) for p in batch]
-
-
-def generate_job(body: GenerateRequest, defaults: SamplingDefaults = SamplingDefaults(),
-                 max_n: int = 1) -> Job:
-    """SGLang's /generate request's job: its prompt, or its batch of them (each with n
-    choices, prompt-major as SGLang orders them)."""
-    if (body.input_ids is None) == (body.text is None):
-        raise ApiError(400, "exactly one of input_ids and text must be given", "input_ids")
-    prompts = _generate_prompts(body)
-    if len(prompts) > MAX_PROMPTS:
-        field = "text" if body.text is not None else "input_ids"
-        raise ApiError(400, f"{field}: at most {MAX_PROMPTS} prompts, got {len(prompts)}", field)
-    if len(prompts) > 1 and body.rid is not None:
-        raise ApiError(400, "rid names one request; a batch has no single id", "rid")
-    _refuse_unsupported(body.model_extra or {}, _GENERATE_UNSUPPORTED)
-    sampling, renamed = _sglang_sampling(body.sampling_params)
-    body = body.model_copy(update={"sampling_params": sampling})
-    try:
-        job = _job(body, prompts, max_n, defaults)
-    except ApiError as e:  # an error about fields the request named otherwise names them so
-        theirs = renamed.get(e.param or "")
-        if theirs is None:
-            raise
-        message = e.message
-        for ours, name in renamed.items():
-            message = re.sub(rf"\b{ours}\b", name, message)
-        raise ApiError(e.status, message, theirs) from None
-    if _checked_id(body.rid, "rid") is not None:
-        job = dataclasses.replace(job, request_id=body.rid)
-    if not body.return_logprob:
-        return job
-    if body.logprob_start_len < -1:
-        raise ApiError(400, f"logprob_start_len must be -1 (the output only) or a prompt "
-                            f"position >= 0, got {body.logprob_start_len}", "logprob_start_len")
-    if not 0 <= body.top_logprobs_num <= MAX_LOGPROBS:
-        raise ApiError(400, f"top_logprobs_num must be between 0 and {MAX_LOGPROBS}, got "
-                            f"{body.top_logprobs_num}", "top_logprobs_num")
-    k = body.top_logprobs_num
-    params = dataclasses.replace(job.params, logprobs=k,
-                                 prompt_logprobs=k if body.logprob_start_len >= 0 else None)
-    return dataclasses.replace(job, params=params, generate_logprobs=GenerateLogprobs(
-        body.logprob_start_len, k, body.return_text_in_logprobs))
