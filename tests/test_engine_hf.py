@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Callable, List
 
 import pytest
+import torch
 
 from hf_reference import hf_greedy, mixed_prompts
 from minisgl import LLM, SamplingParams
@@ -120,6 +121,24 @@ def test_sliding_windows_match_hf(tiny_model: Callable[..., Path], family: str) 
     assert [o.token_ids for o in second] == hf_greedy(path, later, 24)
 
 
+def test_gemma2_softcapped_logits_and_scores_match_hf(tiny_model: Callable[..., Path]) -> None:
+    """Gemma 2's tanh softcaps (scores at 2, logits at 3 on the tiny model): the greedy tokens
+    (which the scores' cap changes) and the log-probabilities (which the logits' cap changes:
+    greedy tokens alone cannot see a monotonic cap) equal transformers'."""
+    from hf_reference import hf_logprobs
+    path = tiny_model("gemma2")
+    prompts = mixed_prompts(3, seed=9, lengths=(4, 19, 33))
+    with LLM(str(path), device="cpu", page_size=4, max_prefill_tokens=7, max_kv_tokens=2048,
+             show_progress=False) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0,
+                                                    ignore_eos=True, logprobs=2))
+    assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 16)
+    for prompt, out in zip(prompts, outs):
+        ref = hf_logprobs(path, prompt, out.token_ids)
+        chosen = ref.gather(1, torch.tensor(out.token_ids).view(-1, 1)).squeeze(1)
+        assert [lp.logprob for lp in out.logprobs] == pytest.approx(chosen.tolist(), abs=1e-4)
+
+
 def test_gemma3_multimodal_checkpoint_serves_its_text_decoder(tmp_path: Path) -> None:
     """Gemma3ForConditionalGeneration (Gemma 3 4B-27B): the language model's tensors load from
     under `language_model.model.` (the vision tower's and projector's are skipped) and text
@@ -167,7 +186,6 @@ def test_checkpoint_tensor_the_model_lacks_is_refused_naming_it(
     attribute errors naming no tensor."""
     import shutil
 
-    import torch
     from safetensors.torch import load_file, save_file
     src = tiny_model("llama")
     dst = tmp_path / "with-bias"

@@ -50,7 +50,7 @@ def test_gpu_scaled_rope_matches_cpu(family: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("family,window", [
     ("mistral", dict(sliding_window=16)),
     ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
-    ("gemma3", dict())])
+    ("gemma3", dict()), ("gemma2", dict())])
 def test_gpu_sliding_window_matches_cpu(family: str, window: dict, tmp_path: Path) -> None:
     """A 16-token window (every layer; Qwen2's second only), and Gemma 3's tiny model (8
     tokens in its first and last layers, sandwich norms, GELU, two rotary tables) on CUDA

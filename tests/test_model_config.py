@@ -279,8 +279,6 @@ def test_gemma3_transformers5_keys_read_alike() -> None:
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"final_logit_softcapping": 30.0}, "unsupported final_logit_softcapping 30.0"),
-    ({"attn_logit_softcapping": 50.0}, "unsupported attn_logit_softcapping 50.0"),
     ({"use_bidirectional_attention": True}, "unsupported use_bidirectional_attention"),
     ({"hidden_activation": "relu"}, "unsupported hidden_act 'relu'"),
 ])
@@ -294,3 +292,24 @@ def test_experts_refuse_an_activation_other_than_silu() -> None:
     with pytest.raises(ValueError, match="for experts: minisgl's experts apply SiLU"):
         _config(architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
                 moe_intermediate_size=16, hidden_act="gelu_pytorch_tanh")
+
+
+def test_gemma2_config_reads_as_transformers_reads_it() -> None:
+    """Gemma 2 from a config.json listing only its shape: transformers' defaults for the rest,
+    every other layer sliding, one rope for all, both softcaps."""
+    import transformers
+    raw = {"architectures": ["Gemma2ForCausalLM"], "hidden_size": 3584,
+           "intermediate_size": 14336, "num_hidden_layers": 42, "num_attention_heads": 16,
+           "num_key_value_heads": 8}
+    hf = transformers.Gemma2Config(**raw)
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.layer_windows == tuple(hf.sliding_window if t == "sliding_attention" else 0
+                                      for t in hf.layer_types)
+    assert cfg.layer_windows[:2] == (4096, 0)
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (
+        hf.attn_logit_softcapping, hf.final_logit_softcapping) == (50.0, 30.0)
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling) == (
+        hf.rope_parameters["rope_theta"], None, None)
+    assert (cfg.vocab_size, cfg.head_dim, cfg.hidden_act, cfg.max_context) == (
+        hf.vocab_size, hf.head_dim, hf.hidden_activation, hf.max_position_embeddings)
+    assert cfg.attention_scale == hf.query_pre_attn_scalar ** -0.5

@@ -11,6 +11,7 @@ rounds them), so the tolerance again measures only the attention's own rounding.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import random
 from dataclasses import dataclass
@@ -111,10 +112,11 @@ def _as_float32(pool: KVPool, cache: torch.Tensor, scales: Tuple[float, ...]) ->
 
 
 def reference(case: Case, heads: int, kv_heads: int, head_dim: int, layer: int,
-              windows: Tuple[int, ...] = ()) -> Tuple[torch.Tensor, KVPool]:
+              windows: Tuple[int, ...] = (), softcap: float = 0.0
+              ) -> Tuple[torch.Tensor, KVPool]:
     """TorchBackend in float32 on copies of the case's pool and inputs (an FP8 pool's values
     dequantized, the new K/V rounded as an FP8 store rounds them); `windows`: the layers'
-    sliding windows."""
+    sliding windows; `softcap`: the scores' cap."""
     src = case.pool
     pool = KVPool(NUM_LAYERS, src.num_pages, src.page_size, kv_heads, head_dim, torch.float32,
                   src.k.device)
@@ -125,7 +127,7 @@ def reference(case: Case, heads: int, kv_heads: int, head_dim: int, layer: int,
         k = dequantize(quantize(k, src.scales.k[layer]), src.scales.k[layer], torch.float32)
         v = dequantize(quantize(v, src.scales.v[layer]), src.scales.v[layer], torch.float32)
     backend = TorchBackend(pool, case.page_table, heads, kv_heads, head_dim, head_dim ** -0.5,
-                           windows)
+                           windows, softcap)
     batch = Batch(case.batch.phase, case.batch.reqs, case.batch.prefix_lens,
                   case.batch.extend_lens, case.batch.sample)
     batch.out_slots = case.batch.out_slots
@@ -138,21 +140,22 @@ def run_and_compare(dtype: torch.dtype, device: str, page_size: int, heads: int,
                     head_dim: int, prefix_lens: List[int], extend_lens: List[int], phase: Phase,
                     seed: int = 0, min_split_tokens: int = 16, num_sms: int = 64,
                     kv_dtype: Optional[torch.dtype] = None, backend_name: str = "triton",
-                    num_decode: int = 0, window: int = 0) -> None:
+                    num_decode: int = 0, window: int = 0, softcap: float = 0.0) -> None:
     """`backend_name`: the backend under test ("torch": the CPU path, on an FP8 pool).
     `num_decode`: see make_case (the reference runs the batch as a plain prefill). `window`:
-    the sliding window of the layer compared (layer 1; layer 0 has none)."""
+    the sliding window of the layer compared (layer 1; layer 0 has none). `softcap`: the
+    scores' cap (Gemma 2's)."""
     case = make_case(dtype, device, page_size, heads, kv_heads, head_dim, prefix_lens,
                      extend_lens, phase, seed, kv_dtype, num_decode)
     layer = 1
     windows = (0, window) if window else ()
-    ref, ref_pool = reference(case, heads, kv_heads, head_dim, layer, windows)
+    ref, ref_pool = reference(case, heads, kv_heads, head_dim, layer, windows, softcap)
     if backend_name == "torch":
         backend = TorchBackend(case.pool, case.page_table, heads, kv_heads, head_dim,
-                               head_dim ** -0.5, windows)
+                               head_dim ** -0.5, windows, softcap)
     else:
         backend = TritonBackend(case.pool, case.page_table, heads, kv_heads, head_dim,
-                                head_dim ** -0.5, windows=windows)
+                                head_dim ** -0.5, windows=windows, softcap=softcap)
         if not HAS_CUDA:  # exercise flash-decoding splits on the interpreter's short sequences
             backend.num_sms = num_sms
         backend.min_split_tokens = min_split_tokens
@@ -216,21 +219,26 @@ def test_mixed_step_small(dtype: torch.dtype, page_size: int,
 
 # --- sliding windows ------------------------------------------------------------------------------
 def naive_windowed(case: Case, heads: int, kv_heads: int, head_dim: int, layer: int,
-                   window: int) -> torch.Tensor:
+                   window: int, softcap: float = 0.0) -> torch.Tensor:
     """Float32 attention, one query at a time, of each new token at position p over the keys at
-    positions p - window + 1 .. p (transformers' sliding-window mask), from the case's pool with
-    the new K/V put in their slots: a reference that shares no code with the backends."""
+    positions p - window + 1 .. p (transformers' sliding-window mask; window 0: all before it),
+    scores capped to softcap * tanh(s / softcap) where `softcap` is given, from the case's
+    pool with the new K/V put in their slots: a reference that shares no code with the
+    backends."""
     k_all, v_all = case.pool.k[layer].float().clone(), case.pool.v[layer].float().clone()
     k_all[case.batch.out_slots] = case.k.float()
     v_all[case.batch.out_slots] = case.v.float()
     out, t = [], 0
     for req, prefix, ext in zip(case.batch.reqs, case.batch.prefix_lens, case.batch.extend_lens):
         for p in range(prefix, prefix + ext):
-            slots = case.page_table[req.table_row, max(0, p - window + 1):p + 1].long()
+            lo = max(0, p - window + 1) if window else 0
+            slots = case.page_table[req.table_row, lo:p + 1].long()
             k = k_all[slots].repeat_interleave(heads // kv_heads, 1)  # [n, heads, d]
             v = v_all[slots].repeat_interleave(heads // kv_heads, 1)
-            w = torch.softmax(torch.einsum("hd,nhd->hn", case.q[t].float(), k)
-                              * head_dim ** -0.5, dim=-1)
+            scores = torch.einsum("hd,nhd->hn", case.q[t].float(), k) * head_dim ** -0.5
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            w = torch.softmax(scores, dim=-1)
             out.append(torch.einsum("hn,nhd->hd", w, v).reshape(-1))
             t += 1
     return torch.stack(out)
@@ -285,6 +293,39 @@ def test_mixed_step_window_fp8_kv() -> None:
     run_and_compare(torch.bfloat16, "cuda" if HAS_CUDA else "cpu", 16, 8, 2, 32,
                     [0, 21, 48, 5, 17, 90], [30, 13, 1, 1, 1, 1], Phase.PREFILL, seed=2,
                     kv_dtype=FP8_KV_DTYPE, num_decode=4, window=20)
+
+
+@pytest.mark.parametrize("phase", [Phase.DECODE, Phase.PREFILL])
+@pytest.mark.parametrize("window", [0, 5])
+def test_torch_backend_softcap_is_the_capped_attention(phase: Phase, window: int) -> None:
+    """Gemma 2's softcapped scores in the CPU backend (with and without a window) equal the
+    one-query-at-a-time reference, and differ from uncapped attention."""
+    prefix = [0, 5, 17, 40, 3] if phase is Phase.PREFILL else [0, 5, 17, 40, 63]
+    extend = [9, 13, 40, 30, 1] if phase is Phase.PREFILL else [1] * 5
+    case = make_case(torch.float32, "cpu", 4, 8, 2, 32, prefix, extend, phase, seed=window + 1)
+    case = dataclasses.replace(case, q=case.q * 8)  # scores large enough for a cap of 2 to bite
+    want = naive_windowed(case, 8, 2, 32, 1, window, softcap=2.0)
+    got, _ = reference(case, 8, 2, 32, 1, (0, window) if window else (), softcap=2.0)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    plain, _ = reference(case, 8, 2, 32, 1, (0, window) if window else ())
+    assert not torch.allclose(plain, want, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("phase", [Phase.DECODE, Phase.PREFILL])
+@pytest.mark.parametrize("window", [0, 24])
+def test_softcap_kernels(dtype: torch.dtype, phase: Phase, window: int) -> None:
+    """The decode (split) and extend kernels with softcapped scores, with and without a
+    window, against the CPU backend; and a mixed step over an FP8 pool."""
+    device = "cuda" if HAS_CUDA else "cpu"
+    prefix = [0, 5, 23, 40, 90] if phase is Phase.DECODE else [0, 21, 0, 48, 130]
+    extend = [1] * 5 if phase is Phase.DECODE else [9, 13, 70, 1, 66]
+    run_and_compare(dtype, device, 16, 8, 2, 32, prefix, extend, phase, seed=window + 3,
+                    window=window, softcap=2.0)
+    if phase is Phase.PREFILL and window:
+        run_and_compare(torch.bfloat16, device, 16, 8, 2, 32, [0, 21, 48, 5, 17, 90],
+                        [30, 13, 1, 1, 1, 1], Phase.PREFILL, seed=4, kv_dtype=FP8_KV_DTYPE,
+                        num_decode=4, window=window, softcap=2.0)
 
 
 def test_window_lengths_are_checked() -> None:

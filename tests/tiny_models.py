@@ -50,6 +50,11 @@ FAMILIES: Dict[str, dict] = {
                                     "sliding_attention": {"rope_type": "default",
                                                           "rope_theta": 1e4}},
                    random_norms=True),
+    # Gemma 2: sliding (8 tokens), full, sliding layers; softcaps small enough to bite on
+    # random weights
+    "gemma2": dict(arch="Gemma2Config", tie_word_embeddings=True, head_dim=32,
+                   num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=24,
+                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0, random_norms=True),
 }
 
 

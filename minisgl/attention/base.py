@@ -10,7 +10,8 @@ target (`kv_target`), so that a fused kernel before it (rotary embedding) writes
 A layer with a sliding window W (`window(layer)`, 0: none) attends, for a token at position p,
 only to positions p - W + 1 .. p (transformers' `kv_idx > q_idx - window`). Its K/V stay in the
 pool like every layer's: the window is a mask, so the prefix cache and the page accounting do
-not depend on it.
+not depend on it. With a `softcap` c (Gemma's attn_logit_softcapping) a score s (q.k times the
+scale) becomes c * tanh(s / c) before the softmax.
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ from minisgl.kvcache import KVPool
 class AttentionBackend(ABC):
     def __init__(self, pool: KVPool, page_table: torch.Tensor, num_heads: int,
                  num_kv_heads: int, head_dim: int, scale: float,
-                 windows: Sequence[int] = ()) -> None:
+                 windows: Sequence[int] = (), softcap: float = 0.0) -> None:
         """`windows`: each layer's sliding window, 0 for full attention (ModelConfig's
-        `layer_windows`); empty: no layer slides."""
+        `layer_windows`); empty: no layer slides. `softcap`: the scores' tanh cap (0:
+        none)."""
+        if softcap < 0:
+            raise ValueError(f"softcap must be >= 0 (0: none), got {softcap}")
         layers = pool.k.shape[0]
         if windows and (len(windows) != layers or min(windows) < 0):
             raise ValueError(f"windows must give each of the pool's {layers} layers "
@@ -42,6 +46,7 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
         self.scale = scale
         self.windows = tuple(windows)
+        self.softcap = softcap
 
     def window(self, layer: int) -> int:
         """The sliding window of `layer`; 0: it attends to the whole sequence."""

@@ -14,7 +14,9 @@ less than a mask's full [new, seq] work. After a longer prefix a [new, seq] addi
 head dimension) is made once per batch in the KV dtype, so no layer converts one again. An FP8 pool's K/V are read back in the query's dtype
 (exactly: every float8_e4m3fn value is a bfloat16, float16 and float32 value) with the layer's
 K scale folded into the softmax scale and its V scale applied to the output; its masks are
-made in float32 and cast to the query's dtype. A sliding-window layer (base.py) attends one
+made in float32 and cast to the query's dtype. Softcapped scores (base.py) take a plain
+matmul-softmax path with a mask for every multi-token extend, as SDPA cannot cap them. A
+sliding-window layer (base.py) attends one
 new token to its window's tail of the keys, several through a mask that also cuts what lies
 before each one's window (keys from the first one's window on): the plans are made once per
 batch for each window the layers use.
@@ -69,7 +71,7 @@ class TorchBackend(AttentionBackend):
         lo = max(0, prefix - window + 1) if window else 0  # the first new token's window
         slots = self.page_table[row, lo:seq].to(torch.int64)
         windowed = bool(window) and seq > window and ext > 1
-        if not windowed and not 1 < ext <= prefix:
+        if not windowed and not 1 < ext <= prefix and not (self.softcap and ext > 1):
             return Attend(slots, None, prefix if 1 < ext and prefix < ext else None)
         q_pos = torch.arange(prefix, seq, device=device).unsqueeze(1)
         k_pos = torch.arange(lo, seq, device=device).unsqueeze(0)
@@ -102,10 +104,28 @@ class TorchBackend(AttentionBackend):
             mask = plan.mask
             if mask is not None and mask.dtype != q.dtype:
                 mask = mask.to(q.dtype)
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask,
-                                                is_causal=pad is not None, scale=scale,
-                                                enable_gqa=self.num_heads != self.num_kv_heads)
+            if self.softcap:
+                oi = _softcapped_attention(qi, ki, vi, mask, scale, self.softcap)
+            else:
+                oi = F.scaled_dot_product_attention(
+                    qi, ki, vi, attn_mask=mask, is_causal=pad is not None, scale=scale,
+                    enable_gqa=self.num_heads != self.num_kv_heads)
             if v_scale is not None:
                 oi = oi * v_scale
             out[s:s + ext] = oi[0, :, pad or 0:].transpose(0, 1)
         return out.reshape(q.shape[0], -1)
+
+
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          mask: Optional[torch.Tensor], scale: float, cap: float
+                          ) -> torch.Tensor:
+    """Attention whose scores are capped (cap * tanh(s / cap)), which SDPA does not do: as
+    transformers' eager attention computes it (scores in the query's dtype, the softmax in
+    float32). q [1, heads, new, d], k/v [1, kv_heads, keys, d]; `mask` [new, keys] additive
+    (None: one query, every key visible)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / cap) * cap
+    if mask is not None:
+        scores = scores + mask
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v

@@ -68,11 +68,13 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, pool: KVPool, page_table: torch.Tensor, num_heads: int,
                  num_kv_heads: int, head_dim: int, scale: float,
-                 policy: KernelPolicy = KernelPolicy(), windows: Sequence[int] = ()) -> None:
+                 policy: KernelPolicy = KernelPolicy(), windows: Sequence[int] = (),
+                 softcap: float = 0.0) -> None:
         """`policy.pdl`: the decode kernels (K/V store, attention) use programmatic dependent
-        launch (kernels/pdl.py); the caller checks the device supports it. `windows`: as for
-        AttentionBackend."""
-        super().__init__(pool, page_table, num_heads, num_kv_heads, head_dim, scale, windows)
+        launch (kernels/pdl.py); the caller checks the device supports it. `windows`,
+        `softcap`: as for AttentionBackend."""
+        super().__init__(pool, page_table, num_heads, num_kv_heads, head_dim, scale, windows,
+                         softcap)
         self.policy = policy
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
@@ -122,8 +124,9 @@ class TritonBackend(AttentionBackend):
             batch.attn_meta = self._decode_meta(dev[0], dev[3], max(seq_lens, default=1),
                                                 dev[1], dev[2], dev[4])
             return
-        # Torch's causal kernel has no window: a prompt longer than some layer's runs paged.
-        dense = (batch.size == 1 and batch.prefix_lens[0] == 0
+        # Torch's causal kernel has no window and no softcap: a prompt longer than some
+        # layer's window, or any of a softcapped model, runs paged.
+        dense = (batch.size == 1 and batch.prefix_lens[0] == 0 and not self.softcap
                  and self.dense_prefill_tokens <= batch.extend_lens[0]
                  <= min((w for w in self.windows if w), default=batch.extend_lens[0])
                  and self.device.type == "cuda")
@@ -229,7 +232,7 @@ class TritonBackend(AttentionBackend):
             extend_attention(q[:n], k_cache, v_cache, self.page_table, meta.rows,
                              meta.prefix_lens, meta.extend_lens, meta.q_starts, meta.max_extend,
                              out[:n], self.scale, k_scale=k_scale, v_scale=v_scale,
-                             window=self.window(layer))
+                             window=self.window(layer), softcap=self.softcap)
             if meta.decode_part is not None:  # PDL as in the graphs: the same variant
                 self._decode(q[n:], k_cache, v_cache, meta.decode_part, out[n:],
                              self.policy.pdl, k_scale, v_scale, layer)
@@ -242,7 +245,7 @@ class TritonBackend(AttentionBackend):
         decode_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens,
                          meta.o_part, meta.lse_part, out, self.scale, self.min_split_tokens,
                          pdl=pdl, k_scale=k_scale, v_scale=v_scale, arrivals=meta.arrivals,
-                         window=self.window(layer))
+                         window=self.window(layer), softcap=self.softcap)
 
     def dense_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       batch: Batch) -> torch.Tensor:

@@ -224,6 +224,7 @@ class Engine:
             cfg.backend_name, pool=self.pool, page_table=self.page_table, num_heads=local_heads,
             num_kv_heads=local_kv_heads, head_dim=self.model_cfg.head_dim,
             scale=self.model_cfg.attention_scale, windows=self.model_cfg.layer_windows,
+            softcap=self.model_cfg.attn_logit_softcapping or 0.0,
             **({"policy": self.policy} if cfg.backend_name == "triton" else {}))
         self.graphs: Optional[DecodeGraphs] = None
         graph_bs = min(cfg.decode_graph_max_bs, cfg.max_running_requests)

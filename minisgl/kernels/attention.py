@@ -48,6 +48,7 @@ _MAX_GRID_Z = 65535  # CUDA's limit on a grid's y and z axes
 # A finite "minus infinity": masked scores use it so that no row ever computes inf - inf (NaN);
 # any garbage it lets into a row is erased (alpha = 0) by the first real score.
 _NEG = tl.constexpr(-1.0e30)
+_LOG2E_C = tl.constexpr(_LOG2E)
 
 
 def _block_d(head_dim: int) -> int:
@@ -64,6 +65,16 @@ def _online_softmax_step(qk, v, acc, m_i, l_i, F32_DOT: tl.constexpr):
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _scores(qk, scale_log2, SOFTCAP: tl.constexpr):
+    """Base-2 scores of raw dot products; with SOFTCAP > 0 (Gemma's softcapping) the natural
+    scores s are capped to SOFTCAP * tanh(s / SOFTCAP) first (tanh(x) = 2 sigmoid(2x) - 1)."""
+    if SOFTCAP > 0:
+        s = qk * (scale_log2 / _LOG2E_C) / SOFTCAP
+        return (2.0 * tl.sigmoid(2.0 * s) - 1.0) * (SOFTCAP * _LOG2E_C)
+    return qk * scale_log2
 
 
 @triton.jit
@@ -115,7 +126,7 @@ def _decode_split_kernel(
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
         F32_DOT: tl.constexpr, DIRECT: tl.constexpr, F16_TILES: tl.constexpr,
-        PDL: tl.constexpr, WINDOW: tl.constexpr):
+        PDL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     """Program (kv_head, split, b): partial attention of the GROUP query heads of `kv_head`.
     DIRECT (a single split): the partial result is the answer; write it to `out`. Otherwise
     the partials go to the scratch and the request's last split program to finish (counted in
@@ -166,7 +177,7 @@ def _decode_split_kernel(
         k = tl.load(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
                     mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(q.dtype)  # [D, N]
         qk = _dot(q, k, F32_DOT)
-        qk = tl.where(mask_n[None, :], qk * scale_log2, _NEG)
+        qk = tl.where(mask_n[None, :], _scores(qk, scale_log2, SOFTCAP), _NEG)
         v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)  # [N, D]
         acc, m_i, l_i = _online_softmax_step(qk, v, acc, m_i, l_i, F32_DOT)
@@ -200,7 +211,7 @@ def _decode_split_kernel(
 def _extend_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, hi, q_pos, scale_log2, kvh,
                  stride_ks, stride_kh, stride_vs, stride_vh, BLOCK_N: tl.constexpr,
                  BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, F32_DOT: tl.constexpr,
-                 MASKED: tl.constexpr, WINDOW: tl.constexpr):
+                 MASKED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     """Fold keys [n0, n0 + BLOCK_N) into the running softmax of one block of queries.
     MASKED: the block holds keys at or past `hi`, after some query (the causal diagonal) or,
     with WINDOW > 0, before some query's window; otherwise every query sees every key and no
@@ -219,14 +230,14 @@ def _extend_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, hi, q_pos, scale_lo
         causal = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
         if WINDOW > 0:
             causal = causal & (offs_n[None, :] > q_pos[:, None] - WINDOW)
-        qk = tl.where(causal, qk * scale_log2, _NEG)
+        qk = tl.where(causal, _scores(qk, scale_log2, SOFTCAP), _NEG)
     else:
         slots = tl.load(pt_row + offs_n).to(tl.int64)
         k = tl.load(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
                     mask=mask_d[:, None], other=0.0).to(q.dtype)
         v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
                     mask=mask_d[None, :], other=0.0).to(q.dtype)
-        qk = _dot(q, k, F32_DOT) * scale_log2
+        qk = _scores(_dot(q, k, F32_DOT), scale_log2, SOFTCAP)
     return _online_softmax_step(qk, v, acc, m_i, l_i, F32_DOT)
 
 
@@ -238,7 +249,7 @@ def _extend_kernel(
         stride_ot, stride_oh,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
-        F16_TILES: tl.constexpr, WINDOW: tl.constexpr):
+        F16_TILES: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     """Program (b, head, m): new tokens [m_block*BLOCK_M, +BLOCK_M) of request b, causal, where
     m_block counts down from the last block as m counts up. Programs start in grid order, and a
     block's work grows with its position (causal), so the longest start first and the last wave
@@ -285,15 +296,18 @@ def _extend_kernel(
     for n0 in range(lo, edge, BLOCK_N):
         acc, m_i, l_i = _extend_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, hi, q_pos,
                                      scale_log2, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
-                                     BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, True, WINDOW)
+                                     BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, True, WINDOW,
+                                     SOFTCAP)
     for n0 in range(tl.maximum(edge, lo), full, BLOCK_N):
         acc, m_i, l_i = _extend_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, hi, q_pos,
                                      scale_log2, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
-                                     BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, False, WINDOW)
+                                     BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, False, WINDOW,
+                                     SOFTCAP)
     for n0 in range(tl.maximum(full, lo), hi, BLOCK_N):
         acc, m_i, l_i = _extend_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, hi, q_pos,
                                      scale_log2, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
-                                     BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, True, WINDOW)
+                                     BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, True, WINDOW,
+                                     SOFTCAP)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
     tl.store(o_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -367,7 +381,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      tiles: Optional[DecodeTiles] = None, pdl: bool = False,
                      k_scale: float = 1.0, v_scale: float = 1.0,
                      f16_tiles: Optional[bool] = None,
-                     arrivals: Optional[torch.Tensor] = None, window: int = 0) -> None:
+                     arrivals: Optional[torch.Tensor] = None, window: int = 0,
+                     softcap: float = 0.0) -> None:
     """One query token per request.
 
     q/out [B, heads, d] (last dim contiguous); k/v_cache [slots, kv_heads, d] (one layer);
@@ -382,7 +397,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     `k_scale` / `v_scale`: the layer's scales of an FP8 pool (the caches hold K / k_scale,
     V / v_scale); 1.0 otherwise. `f16_tiles`: compute in float16 tiles (see
     _tile_dtype); None: where `f16_tiles_apply`. `window` > 0: a sliding-window layer's,
-    attending to each request's last `window` tokens only.
+    attending to each request's last `window` tokens only. `softcap` > 0: scores capped to
+    softcap * tanh(s / softcap) (Gemma's).
     """
     batch, num_heads, head_dim = q.shape
     if batch > _MAX_GRID_Z:
@@ -412,6 +428,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         F32_DOT=_f32_dot(q), DIRECT=direct, F16_TILES=f16, PDL=pdl, WINDOW=_window(window),
+        SOFTCAP=float(softcap),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(pdl))
 
 
@@ -420,7 +437,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      extend_lens: torch.Tensor, q_starts: torch.Tensor, max_extend: int,
                      out: torch.Tensor, scale: float, tiles: Optional[ExtendTiles] = None,
                      k_scale: float = 1.0, v_scale: float = 1.0,
-                     f16_tiles: Optional[bool] = None, window: int = 0) -> None:
+                     f16_tiles: Optional[bool] = None, window: int = 0,
+                     softcap: float = 0.0) -> None:
     """New tokens attend causally to their request's cached prefix and to each other.
 
     q/out [T, heads, d] (last dim contiguous), request i's tokens at rows
@@ -429,6 +447,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     are on q's device; `max_extend` bounds extend_lens (it sizes the grid). `k_scale` /
     `v_scale`, `f16_tiles`: as for `decode_attention`. `window` > 0: a sliding-window
     layer's, where the token at position p attends to positions p - window + 1 .. p only.
+    `softcap`: as for `decode_attention`.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     batch = rows.shape[0]
@@ -444,7 +463,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache.stride(0), v_cache.stride(1), page_table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim), F32_DOT=_f32_dot(q), F16_TILES=_f16(f16_tiles, q, k_cache),
-        WINDOW=_window(window), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        WINDOW=_window(window), SOFTCAP=float(softcap), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 @triton.jit

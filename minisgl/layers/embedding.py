@@ -48,13 +48,15 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the full vocabulary on every rank; `tied_to` shares the embedding's rows;
-    `policy`: see layers/linear.project."""
+    `policy`: see layers/linear.project; `softcap`: the logits are capped to
+    softcap * tanh(logits / softcap) (Gemma's final_logit_softcapping; None: not)."""
 
     def __init__(self, vocab_size: int, hidden: int, info: DistributedInfo, comm: Communicator,
                  tied_to: Optional[VocabParallelEmbedding] = None,
-                 policy: KernelPolicy = KernelPolicy()) -> None:
+                 policy: KernelPolicy = KernelPolicy(), softcap: Optional[float] = None) -> None:
         super().__init__(vocab_size, hidden, info, comm)
         self.policy = policy
+        self.softcap = softcap
         self.blas_by_rows: Dict[int, str] = {}  # see layers/linear.project; filled by blas.tune
         if tied_to is not None:
             self.weight = tied_to.weight
@@ -68,4 +70,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         else:
             logits = self.comm.all_gather_last_dim(project(hidden, self.weight, None, self.policy,
                                                            self.blas_by_rows), out=out)
-        return logits[..., : self.vocab_size]
+        logits = logits[..., : self.vocab_size]
+        if self.softcap:  # in place: the logits stay where `out` put them
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
+        return logits

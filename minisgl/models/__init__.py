@@ -16,8 +16,9 @@ if TYPE_CHECKING:
 
 # Architecture name (config.json's) -> the module under minisgl.models defining that class.
 _MODULE_OF: Dict[str, str] = {
-    "Gemma3ForCausalLM": "gemma3",
-    "Gemma3ForConditionalGeneration": "gemma3",
+    "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",
+    "Gemma3ForConditionalGeneration": "gemma",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "MixtralForCausalLM": "llama",

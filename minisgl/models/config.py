@@ -48,7 +48,11 @@ _GEMMA3 = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
            "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
            "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
            "rope_theta": 1e6, "rope_local_base_freq": 10000.0}
+_GEMMA2 = {**_GEMMA3, "vocab_size": 256000, "max_position_embeddings": 8192,
+           "rope_theta": 10000.0, "sliding_window_pattern": 2,
+           "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+GEMMA = ("Gemma2ForCausalLM", *GEMMA3)
 _FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
     "MistralForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096,
                            "num_key_value_heads": 8},
@@ -62,6 +66,7 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
     "Phi3ForCausalLM": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
                         "vocab_size": 32064},
     # Gemma3TextConfig's: a multimodal checkpoint's text_config lists few fields
+    "Gemma2ForCausalLM": _GEMMA2,
     "Gemma3ForCausalLM": _GEMMA3,
     "Gemma3ForConditionalGeneration": _GEMMA3,
 }
@@ -72,10 +77,10 @@ _MLP_BIAS = ("LlamaForCausalLM",)
 # The families whose attention may slide (see `_layer_windows`).
 _WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
              "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM",
-             *GEMMA3)
+             *GEMMA)
 # The families whose config class lists `layer_types` (the others slide in every layer), and
 # those whose `use_sliding_window` switches the window on (the others ignore the key).
-_LAYER_TYPED = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", *GEMMA3)
+_LAYER_TYPED = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", *GEMMA)
 _SWITCHED = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 @dataclass(frozen=True)
@@ -115,6 +120,10 @@ class ModelConfig:
     # layer rotates with rope_theta and rope_scaling).
     query_pre_attn_scalar: Optional[float] = None
     local_rope_theta: Optional[float] = None
+    # Gemma's tanh softcapping: scores s -> cap * tanh(s / cap) before the softmax, and the
+    # logits alike (None: none)
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.hidden_act not in HIDDEN_ACTS:
@@ -197,8 +206,8 @@ class ModelConfig:
         `rope_parameters` wins over a top-level one, as transformers 5 merges them."""
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         cfg = {**_FAMILY_DEFAULTS.get(arch, {}), **cfg}
-        if arch in GEMMA3:
-            cfg = _gemma3(cfg)
+        if arch in GEMMA:
+            cfg = _gemma(cfg, arch)
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or {}
         partial = (cfg.get("rope_scaling") or rope).get("partial_rotary_factor",
@@ -230,6 +239,8 @@ class ModelConfig:
             layer_windows=_layer_windows(cfg, arch),
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
             local_rope_theta=cfg.get("local_rope_theta"),
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
             **_moe_fields(cfg, arch),
         )
 
@@ -273,21 +284,18 @@ def _layer_windows(cfg: Dict[str, Any], arch: str) -> Tuple[int, ...]:
     return tuple(int(window) if s else 0 for s in slides) if any(slides) else ()
 
 
-def _gemma3(cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """Gemma 3's config.json in the keys `from_dict` reads: a multimodal checkpoint's decoder
-    fields come from its `text_config` (the vision tower is not served); `hidden_activation`
-    is the MLP's activation; `layer_types` default to every `sliding_window_pattern`-th layer
-    full, the others sliding; the full layers' rope (`rope_theta`, `rope_scaling`) and the
-    sliding ones' (`rope_local_base_freq`) are read from transformers 5's per-layer-type
-    `rope_parameters` where given. Softcapped attention or logits (Gemma 2's) and
-    bidirectional attention are refused."""
+def _gemma(cfg: Dict[str, Any], arch: str) -> Dict[str, Any]:
+    """Gemma 2's and 3's config.json in the keys `from_dict` reads: a multimodal checkpoint's
+    decoder fields come from its `text_config` (the vision tower is not served);
+    `hidden_activation` is the MLP's activation; `layer_types` default to every
+    `sliding_window_pattern`-th layer full (Gemma 2: every second, Gemma 3: every sixth), the
+    others sliding. Gemma 3's full layers' rope (`rope_theta`, `rope_scaling`) and sliding
+    ones' (`rope_local_base_freq`) are read from transformers 5's per-layer-type
+    `rope_parameters` where given; Gemma 2's one rope is every layer's. Bidirectional
+    attention is refused."""
     text = {**cfg, **(cfg.get("text_config") or {})}
     if "eos_token_id" in cfg:  # a multimodal checkpoint's own, not its decoder config's default
         text["eos_token_id"] = cfg["eos_token_id"]
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if text.get(key) is not None:
-            raise ValueError(f"unsupported {key} {text[key]!r}: minisgl's attention and LM "
-                             f"head do not softcap (Gemma 3 checkpoints set none)")
     if text.get("use_bidirectional_attention"):
         raise ValueError("unsupported use_bidirectional_attention: minisgl's attention is "
                          "causal")
@@ -295,6 +303,9 @@ def _gemma3(cfg: Dict[str, Any]) -> Dict[str, Any]:
     pattern = int(text.get("sliding_window_pattern") or 6)
     types = text.get("layer_types") or [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    text = {**text, "hidden_act": text["hidden_activation"], "layer_types": types}
+    if arch not in GEMMA3:
+        return text
     per_type = text.get("rope_parameters") or {}
     if "full_attention" in per_type:
         full = per_type["full_attention"]
@@ -304,8 +315,7 @@ def _gemma3(cfg: Dict[str, Any]) -> Dict[str, Any]:
         local = {"rope_theta": text["rope_local_base_freq"]}
     if _rope_scaling(local) is not None:
         raise ValueError(f"unsupported rope scaling of the sliding-window layers: {local}")
-    return {**text, "hidden_act": text["hidden_activation"], "layer_types": types,
-            "rope_parameters": {"rope_theta": 1e6, **full}, "rope_scaling": None,
+    return {**text, "rope_parameters": {"rope_theta": 1e6, **full}, "rope_scaling": None,
             "local_rope_theta": float(local.get("rope_theta", 10000.0))}
 
 

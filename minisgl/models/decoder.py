@@ -368,7 +368,7 @@ class CausalLM(nn.Module):
                                   info, comm)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, info, comm, tied_to=tied,
-                                      policy=policy)
+                                      policy=policy, softcap=cfg.final_logit_softcapping)
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
                backend: AttentionBackend) -> torch.Tensor:
