@@ -5,14 +5,14 @@
 
 from typing import TYPE_CHECKING
 
-from minisgl.core import (LoRARequest, SamplingParams, StructuredOutput, StructuredOutputsParams,
-                          TokenLogprobs)
+from minisgl.core import (LoRARequest, PoolingParams, SamplingParams, StructuredOutput,
+                          StructuredOutputsParams, TokenLogprobs)
 
 if TYPE_CHECKING:  # type checkers see the class; at run time `__getattr__` imports it late
     from minisgl.llm import LLM
 
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutput", "StructuredOutputsParams",
-           "TokenLogprobs"]
+__all__ = ["LLM", "LoRARequest", "PoolingParams", "SamplingParams", "StructuredOutput",
+           "StructuredOutputsParams", "TokenLogprobs"]
 
 
 def __getattr__(name: str) -> object:

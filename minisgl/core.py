@@ -681,6 +681,14 @@ class Batch:
 
 
 @dataclass(frozen=True)
+class PoolingParams:
+    """vLLM's options of an embedding (`LLM.embed`'s pooling_params): `dimensions` cuts a
+    Matryoshka model's embeddings to their first values, normalized again (None: whole)."""
+
+    dimensions: Optional[int] = None
+
+
+@dataclass(frozen=True)
 class LoRARequest:
     """vLLM's name for the LoRA adapter an offline request runs with (`LLM.generate`'s
     `lora_request`): `lora_name` must be one the `LLM` loaded (`lora_modules`), and

@@ -26,8 +26,9 @@ import torch
 import zmq
 from tqdm import tqdm
 
-from minisgl.core import (FinishReason, Limits, LoRARequest, SamplingParams, StructuredOutput,
-                          StructuredOutputsParams, TokenLogprobs, check_request, truncate_prompt)
+from minisgl.core import (FinishReason, Limits, LoRARequest, PoolingParams, SamplingParams,
+                          StructuredOutput, StructuredOutputsParams, TokenLogprobs,
+                          check_request, truncate_prompt)
 from minisgl.grammar import make_checker
 from minisgl.distributed import DistributedInfo, ProcessGroups
 from minisgl.distributed.comm import Communicator
@@ -38,7 +39,7 @@ from minisgl.message.types import AccountingMsg, AccountingReply
 from minisgl.models import ModelConfig
 from minisgl.models.generation import sampling_defaults
 from minisgl.models.path import resolve_model_path
-from minisgl.models.pooling import pooling_refusal
+from minisgl.models.pooling import dimensions_error, pooling_refusal, shortened
 from minisgl.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
                              GenerateOutput)
 from minisgl.scheduler.config import SchedulerConfig
@@ -371,6 +372,8 @@ class LLM:
         if isinstance(overrides.get("lora_modules"), dict):  # {name: path}, as the flag's text
             overrides["lora_modules"] = ",".join(f"{name}={path}" for name, path
                                                  in overrides["lora_modules"].items())
+        if isinstance(overrides.get("hf_overrides"), dict):  # vLLM's dict, as the flag's JSON
+            overrides["hf_overrides"] = json.dumps(overrides["hf_overrides"])
         cfg = build(SchedulerConfig(), overrides, "LLM()")
         self._lora_adapters = cfg.engine.lora_adapters
         tp = cfg.engine.tp
@@ -380,7 +383,7 @@ class LLM:
                                                 cfg.engine.download_dir)
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.sampling_defaults = sampling_defaults(generation_config, self.model_path)
-        self.model_config = ModelConfig.from_dir(self.model_path)
+        self.model_config = ModelConfig.from_dir(self.model_path, cfg.engine.hf_override_dict)
         self.model_config.check_tp(tp)
         engine = dataclasses.replace(cfg.engine.for_rank(str(self.model_path), 0),
                                      show_progress=show_progress)
@@ -647,13 +650,18 @@ class LLM:
         return outputs
 
     def embed(self, prompts: Union[Prompt, Sequence[Prompt]], *,
-              use_tqdm: Optional[bool] = None,
-              lora_request: LoraRequests = None) -> List[EmbeddingRequestOutput]:
+              use_tqdm: Optional[bool] = None, lora_request: LoraRequests = None,
+              pooling_params: Optional[PoolingParams] = None) -> List[EmbeddingRequestOutput]:
         """vLLM's `LLM.embed`: each prompt's embedding (the final norm's hidden state of its
         last token, L2-normalized: vLLM's default pooling of a decoder model), in order. A
         prompt is text (special tokens added, as the tokenizer adds them) or token ids;
-        `lora_request` as for `generate`."""
+        `lora_request` as for `generate`; `pooling_params.dimensions` cuts a Matryoshka
+        model's embeddings (normalized again). ValueError for what cannot be served."""
         refusal = pooling_refusal(self.model_path)
+        dims = None if pooling_params is None else pooling_params.dimensions
+        if refusal is None and dims is not None:
+            refusal = dimensions_error(dims, self.model_config.matryoshka_dimensions,
+                                       self.model_config.hidden_size)
         if refusal is not None:
             raise ValueError(refusal)
         single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
@@ -670,7 +678,7 @@ class LLM:
             values = array("f")
             values.frombytes(final.embedding)
             out.append(EmbeddingRequestOutput(collected.request_ids[k],
-                                              EmbeddingOutput(values.tolist()),
+                                              EmbeddingOutput(shortened(values, dims)),
                                               collected.prompts[k]))
         return out
 

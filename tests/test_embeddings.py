@@ -131,3 +131,42 @@ def test_sentence_transformers_pooling_other_than_last_is_refused(
             with pytest.raises(ValueError, match=f"pooling is {refused}; minisgl embeds by "
                                                  f"the last token only"):
                 llm.embed([[5, 6, 7]])
+
+
+def test_matryoshka_dimensions(tiny_model: Callable[..., Path]) -> None:
+    """A model config.json (or vLLM's hf_overrides) calls Matryoshka: an embedding cut to its
+    first k values, normalized again; k outside its list, or any k for another model, is a
+    ValueError naming it."""
+    from minisgl import PoolingParams
+    path = tiny_model("qwen3")
+    prompts = mixed_prompts(2, seed=15, lengths=(6, 13))
+    want = torch.nn.functional.normalize(hf_embeddings(path, prompts)[:, :16], dim=-1)
+    with LLM(str(path), device="cpu", max_kv_tokens=1024, show_progress=False,
+             hf_overrides={"matryoshka_dimensions": [16, 32]}) as llm:
+        cut = llm.embed(prompts, pooling_params=PoolingParams(dimensions=16))
+        with pytest.raises(ValueError, match="may be cut to 16, 32"):
+            llm.embed(prompts, pooling_params=PoolingParams(dimensions=12))
+    torch.testing.assert_close(_vectors(cut), want, atol=1e-5, rtol=1e-4)
+    with LLM(str(path), device="cpu", max_kv_tokens=1024, show_progress=False) as llm:
+        with pytest.raises(ValueError, match="not a Matryoshka model"):
+            llm.embed(prompts, pooling_params=PoolingParams(dimensions=16))
+
+
+def test_http_formatter_cuts_and_encodes() -> None:
+    """The endpoint's response: dimensions cut (any length for `is_matryoshka`), floats or
+    base64 of the same float32 values."""
+    import base64
+    from array import array
+    from minisgl.server.embeddings import EmbeddingFormatter, EmbeddingRequest, embeddings_job
+    from minisgl.server.protocol import ApiError
+    from minisgl.server.responses import Choice
+    vector = array("f", [3.0, 4.0, 12.0]).tobytes()
+    job = embeddings_job(EmbeddingRequest(input=[1, 2], dimensions=2), 3, matryoshka=())
+    choice = Choice(prompt_tokens=2, embedding=vector)
+    floats = EmbeddingFormatter("m", job, "float", 2).full([choice])
+    assert floats["data"][0]["embedding"] == pytest.approx([0.6, 0.8])
+    assert floats["usage"] == {"prompt_tokens": 2, "total_tokens": 2}
+    raw = EmbeddingFormatter("m", job, "base64", 2).full([choice])["data"][0]["embedding"]
+    assert array("f", base64.b64decode(raw)).tolist() == pytest.approx([0.6, 0.8])
+    with pytest.raises(ApiError, match="cannot be shortened"):
+        embeddings_job(EmbeddingRequest(input=[1, 2], dimensions=2), 3)

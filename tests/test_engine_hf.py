@@ -196,3 +196,24 @@ def test_checkpoint_tensor_the_model_lacks_is_refused_naming_it(
     save_file(tensors, str(files[0]), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"checkpoint tensor {tensor} has no place.*{match}"):
         LLM(str(dst), device="cpu", show_progress=False, max_kv_tokens=256)
+
+
+def test_hf_overrides_reach_the_model(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    """`hf_overrides` (vLLM's) turn Qwen2's sliding window on in layer 1: the tokens of
+    transformers loading a config.json edited alike."""
+    import json
+    import shutil
+    path = tiny_model("qwen2")
+    changes = {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}
+    edited = tmp_path / "edited"
+    shutil.copytree(path, edited)
+    cfg = json.loads((edited / "config.json").read_text())
+    cfg.pop("layer_types", None)  # transformers 5 writes them; they would override the change
+    (edited / "config.json").write_text(json.dumps({**cfg, **changes}))
+    prompts = mixed_prompts(3, seed=10, lengths=(5, 21, 30))
+    with LLM(str(path), device="cpu", page_size=4, max_kv_tokens=2048, show_progress=False,
+             hf_overrides={**changes, "layer_types": None}) as llm:
+        outs = llm.generate(prompts, GREEDY32)
+    want = hf_greedy(edited, prompts, 32)
+    assert [o.token_ids for o in outs] == want
+    assert want != hf_greedy(path, prompts, 32)  # the override changed the answer

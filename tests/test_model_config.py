@@ -313,3 +313,21 @@ def test_gemma2_config_reads_as_transformers_reads_it() -> None:
     assert (cfg.vocab_size, cfg.head_dim, cfg.hidden_act, cfg.max_context) == (
         hf.vocab_size, hf.head_dim, hf.hidden_activation, hf.max_position_embeddings)
     assert cfg.attention_scale == hf.query_pre_attn_scalar ** -0.5
+
+
+def test_hf_overrides_replace_config_keys() -> None:
+    """vLLM's hf_overrides: keys that replace config.json's, a multimodal checkpoint's
+    text_config's too; the setting must be a JSON object."""
+    from minisgl.engine.config import EngineConfig
+    cfg = _config(sliding_window=4096, use_sliding_window=False, max_window_layers=30)
+    assert cfg.layer_windows == ()
+    over = ModelConfig.from_dict({**QWEN3_8B, "sliding_window": 4096, "max_window_layers": 30},
+                                 overrides={"use_sliding_window": True, "is_matryoshka": True})
+    assert over.layer_windows == (0,) * 30 + (4096,) * 6 and over.matryoshka_dimensions == ()
+    gemma = ModelConfig.from_dict(GEMMA3_4B, overrides={"sliding_window": 512})
+    assert max(gemma.layer_windows) == 512
+    assert EngineConfig(hf_overrides='{"a": 1}').hf_override_dict == {"a": 1}
+    with pytest.raises(ValueError, match="hf_overrides is not JSON"):
+        EngineConfig(hf_overrides="{a")
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        EngineConfig(hf_overrides="[1]")

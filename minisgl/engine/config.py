@@ -7,10 +7,11 @@ rank's config is the same but for `tp_info.rank`.
 
 from __future__ import annotations
 
+import json
 import os
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from minisgl.devices import DTYPE_NAMES, KV_CACHE_DTYPES, resolve_device
 from minisgl.distributed.info import DistributedInfo
@@ -66,6 +67,10 @@ class EngineConfig:
               "says is FP8 (compressed-tensors, fp8) is read as it is. unset: as the "
               "checkpoint is. FP8 on CUDA needs compute capability 8.9 or newer",
         choices=QUANTIZATIONS)
+    hf_overrides: Optional[str] = setting(
+        None, "vLLM's: a JSON object of config.json keys that replace the model's (a "
+              "multimodal checkpoint's text_config's too), e.g. '{\"is_matryoshka\": true}' "
+              "or a rope_scaling with its max_position_embeddings")
     lora_modules: Optional[str] = setting(
         None, "LoRA adapters served beside the base model, NAME=PATH pairs separated by commas "
               "(PEFT directories: adapter_config.json, adapter_model.safetensors); a request "
@@ -141,6 +146,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check_choices(self)
         adapters = self.lora_adapters  # parsed now: a malformed entry fails at start-up
+        self.hf_override_dict  # noqa: B018 (parsed now, as the adapters)
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
         if self.page_size < 1:
@@ -200,6 +206,21 @@ class EngineConfig:
         return replace(self, model_path=model_path, tp_info=DistributedInfo(rank, self.tp),
                        device=resolve_device(self.device),
                        dist_init_method=dist_init_method or self.dist_init_method)
+
+    @property
+    def hf_override_dict(self) -> Dict[str, Any]:
+        """`hf_overrides` parsed (empty where unset); ValueError where it is not a JSON
+        object."""
+        if self.hf_overrides is None:
+            return {}
+        try:
+            value = json.loads(self.hf_overrides)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"hf_overrides is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"hf_overrides must be a JSON object of config.json keys, got "
+                             f"{self.hf_overrides!r:.80}")
+        return value
 
     @property
     def lora_adapters(self) -> Tuple[Tuple[str, str], ...]:

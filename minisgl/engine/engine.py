@@ -196,7 +196,7 @@ class Engine:
             torch.cuda.set_device(self.device)
         self.policy = kernel_policy(cfg, self.device)
         check_kv_cache_dtype(cfg, self.device)
-        self.model_cfg = ModelConfig.from_dir(Path(cfg.model_path))
+        self.model_cfg = ModelConfig.from_dir(Path(cfg.model_path), cfg.hf_override_dict)
         # The LoRA adapters, in slot order (the config's, on every rank)
         self.lora_names = tuple(name for name, _ in cfg.lora_adapters)
         self.model, kv_scales = self._load_model(groups)

@@ -124,6 +124,9 @@ class ModelConfig:
     # logits alike (None: none)
     attn_logit_softcapping: Optional[float] = None
     final_logit_softcapping: Optional[float] = None
+    # Matryoshka embeddings (vLLM's `is_matryoshka` / `matryoshka_dimensions`): the lengths an
+    # embedding may be cut to (then normalized again); () any, None: not a Matryoshka model.
+    matryoshka_dimensions: Optional[Tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
         if self.hidden_act not in HIDDEN_ACTS:
@@ -199,11 +202,17 @@ class ModelConfig:
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
-    def from_dict(cls, cfg: Dict[str, Any], generation: Optional[Dict[str, Any]] = None
-                  ) -> "ModelConfig":
+    def from_dict(cls, cfg: Dict[str, Any], generation: Optional[Dict[str, Any]] = None,
+                  overrides: Optional[Dict[str, Any]] = None) -> "ModelConfig":
         """The model of config.json `cfg` (and generation_config.json `generation`), as its
         family's Hugging Face model reads it (see the module's docstring). A rope_theta inside
-        `rope_parameters` wins over a top-level one, as transformers 5 merges them."""
+        `rope_parameters` wins over a top-level one, as transformers 5 merges them.
+        `overrides`: vLLM's hf_overrides, config.json keys that replace the file's (a
+        multimodal checkpoint's text_config's too)."""
+        if overrides:
+            cfg = {**cfg, **overrides}
+            if isinstance(cfg.get("text_config"), dict):
+                cfg["text_config"] = {**cfg["text_config"], **overrides}
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         cfg = {**_FAMILY_DEFAULTS.get(arch, {}), **cfg}
         if arch in GEMMA:
@@ -241,11 +250,14 @@ class ModelConfig:
             local_rope_theta=cfg.get("local_rope_theta"),
             attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            matryoshka_dimensions=_matryoshka(cfg),
             **_moe_fields(cfg, arch),
         )
 
     @classmethod
-    def from_dir(cls, path: Path) -> "ModelConfig":
+    def from_dir(cls, path: Path, overrides: Optional[Dict[str, Any]] = None) -> "ModelConfig":
+        """The model of directory `path` (its config.json and generation_config.json);
+        `overrides` as for `from_dict`."""
         path = Path(path)
         config_file = path / "config.json" if path.is_dir() else path
         if not config_file.is_file():
@@ -254,10 +266,19 @@ class ModelConfig:
         gen_file = config_file.parent / "generation_config.json"
         gen = json.loads(gen_file.read_text()) if gen_file.is_file() else None
         try:
-            return cls.from_dict(cfg, gen)
+            return cls.from_dict(cfg, gen, overrides)
         except KeyError as e:  # a bare KeyError says only the key
             raise ValueError(f"{config_file} has no {e.args[0]!r}, which a model's config "
                              f"needs") from None
+
+
+def _matryoshka(cfg: Dict[str, Any]) -> Optional[Tuple[int, ...]]:
+    """The embedding lengths a Matryoshka model allows, as vLLM reads them: the listed
+    `matryoshka_dimensions`, () for any with `is_matryoshka`, else None."""
+    dims = cfg.get("matryoshka_dimensions")
+    if dims:
+        return tuple(int(d) for d in dims)
+    return () if cfg.get("is_matryoshka") else None
 
 
 def _layer_windows(cfg: Dict[str, Any], arch: str) -> Tuple[int, ...]:

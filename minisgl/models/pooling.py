@@ -1,5 +1,6 @@
 """Whether a model's embeddings are the ones minisgl computes (its last token's final hidden
-state, L2-normalized), as its sentence-transformers files say.
+state, L2-normalized), as its sentence-transformers files say; and a Matryoshka model's
+embeddings cut to fewer dimensions.
 
 A sentence-transformers checkpoint lists its modules in `modules.json`; its Pooling module's
 `config.json` names the pooling (`pooling_mode_lasttoken`, `..._mean_tokens`,
@@ -11,8 +12,9 @@ pools a decoder model by default. Any other pooling is refused where embeddings 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional, Sequence, Tuple
 
 _POOLING_MODULE = "sentence_transformers.models.Pooling"
 _LAST = "pooling_mode_lasttoken"
@@ -39,3 +41,27 @@ def pooling_refusal(model_dir: Path) -> Optional[str]:
         return None
     return (f"this model's sentence-transformers pooling is {', '.join(modes) or 'none'}; "
             f"minisgl embeds by the last token only")
+
+
+def dimensions_error(dimensions: int, allowed: Optional[Tuple[int, ...]],
+                     hidden_size: int) -> Optional[str]:
+    """Why an embedding cannot be cut to `dimensions` (vLLM's Matryoshka check): a model not
+    trained for it (`allowed` None: ModelConfig.matryoshka_dimensions), a length it does not
+    list, or one outside [1, hidden_size]; None where it can."""
+    if allowed is None:
+        return (f"dimensions {dimensions}: this model's embeddings cannot be shortened (not a "
+                f"Matryoshka model; --hf-overrides '{{\"is_matryoshka\": true}}' says it is)")
+    if not 1 <= dimensions <= hidden_size or (allowed and dimensions not in allowed):
+        listed = ", ".join(map(str, allowed)) if allowed else f"1 to {hidden_size}"
+        return f"dimensions {dimensions}: this model's embeddings may be cut to {listed}"
+    return None
+
+
+def shortened(values: Sequence[float], dimensions: Optional[int]) -> List[float]:
+    """An embedding's first `dimensions` values, L2-normalized again (None: all of it, as
+    it is)."""
+    if dimensions is None:
+        return list(values)
+    head = list(values[:dimensions])
+    norm = math.sqrt(sum(v * v for v in head)) or 1.0
+    return [v / norm for v in head]

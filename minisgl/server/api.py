@@ -82,6 +82,7 @@ class ApiConfig:
     lora_adapters: Tuple[Tuple[str, str], ...] = ()
     hidden_size: int = 0  # the model's: an embedding's length
     embedding_refusal: Optional[str] = None  # why embeddings cannot be served (pooling.py)
+    matryoshka: Optional[Tuple[int, ...]] = None  # ModelConfig.matryoshka_dimensions
     # clients must send it as a Bearer token, or as x-api-key on the Messages API (auth.py);
     # not in the repr, which logs may show
     api_key: Optional[str] = field(default=None, repr=False)
@@ -352,9 +353,10 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         lora = check_model(body.model)
         if cfg.embedding_refusal is not None:
             raise ApiError(400, cfg.embedding_refusal, "model")
-        job = client_id(request, with_lora(embeddings_job(body, cfg.hidden_size), lora))
+        job = client_id(request, with_lora(embeddings_job(body, cfg.hidden_size,
+                                                          cfg.matryoshka), lora))
         return await run(request, EmbeddingFormatter(lora or cfg.model_name, job,
-                                                     body.encoding_format))
+                                                     body.encoding_format, body.dimensions))
 
     stored = ResponseStore()
 

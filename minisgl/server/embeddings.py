@@ -5,18 +5,20 @@ scheduler with `params.embed`: its prompt is computed and the final norm's hidde
 last token, L2-normalized (vLLM's default pooling of a decoder model), comes back instead of
 text. `encoding_format` "float" answers lists of numbers, "base64" the float32 little-endian
 bytes in base64 (what the official client asks for by default and decodes). `dimensions`
-(a shortened embedding) is refused: a model not trained for it (Matryoshka) gives no
-meaningful prefix. Text is tokenized with the tokenizer's special tokens, as vLLM does.
+cuts a Matryoshka model's embeddings (ModelConfig.matryoshka_dimensions) to their first values,
+normalized again; other models' are refused (a prefix of theirs means nothing). Text is
+tokenized with the tokenizer's special tokens, as vLLM does.
 """
 
 from __future__ import annotations
 
 import base64
 from array import array
-from typing import Any, Dict, Iterator, List, Literal, Optional, Union
+from typing import Any, Dict, Iterator, List, Literal, Optional, Tuple, Union
 
 from minisgl.core import SamplingParams
 from minisgl.message.types import ReplyChunk
+from minisgl.models.pooling import dimensions_error, shortened
 from minisgl.server.protocol import ApiError, Body, Job, checked_id, listed_prompts
 from minisgl.server.responses import Choice, Formatter
 
@@ -35,16 +37,19 @@ class EmbeddingRequest(Body):
     request_id: Optional[str] = None
 
 
-def embeddings_job(body: EmbeddingRequest, hidden_size: int) -> Job:
+def embeddings_job(body: EmbeddingRequest, hidden_size: int,
+                   matryoshka: Optional[Tuple[int, ...]] = None) -> Job:
     """The requests of an embeddings body; ApiError(400) naming the field that cannot be
-    served (an empty input, more than MAX_PROMPTS inputs, `dimensions`, an unknown field)."""
+    served (an empty input, more than MAX_PROMPTS inputs, `dimensions` the model does not
+    allow: `matryoshka`, pooling.dimensions_error; an unknown field)."""
     extra = sorted(body.model_extra or {})
     if extra:
         raise ApiError(400, f"{extra[0]} is not supported by this server's embeddings",
                        extra[0])
-    if body.dimensions is not None and body.dimensions != hidden_size:
-        raise ApiError(400, f"dimensions {body.dimensions}: this model's embeddings have "
-                            f"{hidden_size} and cannot be shortened", "dimensions")
+    error = (None if body.dimensions is None
+             else dimensions_error(body.dimensions, matryoshka, hidden_size))
+    if error is not None:
+        raise ApiError(400, error, "dimensions")
     prompts = listed_prompts(body.input, "input", body.add_special_tokens)
     params = SamplingParams(max_tokens=1, temperature=0.0, embed=True,
                             truncate_prompt_tokens=body.truncate_prompt_tokens)
@@ -62,9 +67,10 @@ class EmbeddingFormatter(Formatter):
     id_prefix = "embd"
     prompt_param = "input"
 
-    def __init__(self, model: str, job: Job, encoding: str) -> None:
+    def __init__(self, model: str, job: Job, encoding: str,
+                 dimensions: Optional[int] = None) -> None:
         super().__init__(model, job)
-        self.encoding = encoding
+        self.encoding, self.dimensions = encoding, dimensions
 
     def full(self, choices: List[Choice]) -> Dict[str, Any]:
         tokens = sum(c.prompt_tokens for c in choices)
@@ -77,10 +83,12 @@ class EmbeddingFormatter(Formatter):
         if choice.embedding is None:
             raise ApiError(500, "the engine returned no embedding", code="internal_error",
                            kind="server_error")
-        if self.encoding == "base64":
-            return base64.b64encode(choice.embedding).decode("ascii")
         values = array("f")
         values.frombytes(choice.embedding)
+        if self.dimensions is not None:
+            values = array("f", shortened(values, self.dimensions))
+        if self.encoding == "base64":
+            return base64.b64encode(values.tobytes()).decode("ascii")
         return values.tolist()
 
     def delta(self, index: int, chunk: ReplyChunk, choice: Choice) -> Iterator[str]:

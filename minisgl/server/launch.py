@@ -104,7 +104,8 @@ def _prepare(cfg: ServerConfig) -> Prepared:
         cfg.resolved_device  # noqa: B018  (raises for cuda without a GPU)
         model_path = resolve_model_path(cfg.model, cfg.engine.revision,
                                                 cfg.engine.download_dir)
-        shape = ModelConfig.from_dir(model_path)  # a readable config.json, before anything starts
+        # a readable config.json, before anything starts
+        shape = ModelConfig.from_dir(model_path, cfg.engine.hf_override_dict)
         shape.check_tp(cfg.engine.tp)
         tokenizer_path = resolve_tokenizer_path(cfg.tokenizer, model_path,
                                                 cfg.engine.download_dir)

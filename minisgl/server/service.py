@@ -211,7 +211,7 @@ class Service:
 
     def _spawn_workers(self, level: str) -> None:
         a, path, dp = self.addrs, str(self.model_path), self.cfg.cluster.dp
-        shape = ModelConfig.from_dir(self.model_path)
+        shape = ModelConfig.from_dir(self.model_path, self.cfg.engine.hf_override_dict)
         context = self.cfg.engine.context_length(shape.max_context)
         c = self.cfg
         template = None if c.chat_template is None else read_chat_template(c.chat_template)
@@ -228,6 +228,7 @@ class Service:
                             lora_adapters=c.engine.lora_adapters,
                             hidden_size=shape.hidden_size,
                             embedding_refusal=pooling_refusal(Path(self.model_path)),
+                            matryoshka=shape.matryoshka_dimensions,
                             sampling_defaults=sampling_defaults(c.generation_config,
                                                                 Path(self.model_path)))
         tok_cfg = TokenizerConfig(str(self.tokenizer_path), a.tokenizer, a.backends, a.detokenizer,
