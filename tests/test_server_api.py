@@ -10,6 +10,7 @@ from typing import Iterator, List
 import httpx
 import openai
 import pytest
+import torch
 
 from server_helpers import Server, api_server, openai_client
 
@@ -597,3 +598,29 @@ def test_embeddings_match_offline_llm(client: openai.OpenAI, model: str, llm: LL
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     r = _post(server, "/v1/embeddings", {"input": "x", "model": "nope"})
     assert r.status_code == 404
+
+
+def test_score_and_rerank_are_cosines_of_the_embeddings(llm: LLM, server: Server) -> None:
+    """vLLM's /score and the Jina/Cohere /rerank: the cosine similarity of two texts'
+    embeddings (the offline `LLM.embed`'s), pairs as vLLM forms them, reranked best first."""
+    query, docs = "Where is Paris?", ["Paris is in France.", "Bananas are yellow.", "Hi"]
+    vectors = [torch.tensor(o.outputs.embedding) for o in llm.embed([query, *docs])]
+    want = [float(vectors[0] @ v) for v in vectors[1:]]
+    score = _post(server, "/score", {"text_1": query, "text_2": docs}).json()
+    assert [d["index"] for d in score["data"]] == [0, 1, 2]
+    assert [d["score"] for d in score["data"]] == pytest.approx(want, abs=1e-5)
+    pairwise = _post(server, "/v1/score", {"text_1": [query, docs[0]],
+                                           "text_2": [docs[0], docs[0]]}).json()
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx([want[0], 1.0], abs=1e-5)
+    ranked = _post(server, "/v1/rerank", {"query": query, "documents": docs, "top_n": 2}).json()
+    order = sorted(range(3), key=lambda i: -want[i])[:2]
+    assert [r["index"] for r in ranked["results"]] == order
+    assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx(
+        [want[i] for i in order], abs=1e-5)
+    assert ranked["results"][0]["document"] == {"text": docs[order[0]]}
+    for path, bad, param in (("/score", {"text_1": ["a", "b"], "text_2": ["c"]}, "text_2"),
+                             ("/rerank", {"query": "q", "documents": []}, "documents"),
+                             ("/rerank", {"query": "q", "documents": ["d"], "top_n": 0},
+                              "top_n")):
+        r = _post(server, path, bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

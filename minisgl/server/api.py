@@ -51,6 +51,8 @@ from minisgl.server.openapi import App, body as body_schema
 from minisgl.server.embeddings import (EMBEDDINGS_PATH, EmbeddingFormatter, EmbeddingRequest,
                                        embeddings_job)
 from minisgl.server.generate_request import GenerateRequest, generate_job
+from minisgl.server.scores import (RERANK_PATHS, SCORE_PATHS, RerankFormatter, RerankRequest,
+                                   ScoreFormatter, ScoreRequest, rerank_pairs, score_pairs)
 from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeBody,
                                      Job, Prompt, TokenizeBody, chat_job, completion_job,
                                      detokenize_prompt, parse_body, tokenize_prompt)
@@ -295,7 +297,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     app.state.streams = streams  # serve_forever exits once they are `finished`
     app.body_models += [ChatRequest, CompletionRequest, ResponsesRequest, MessagesRequest,
                         CountTokensRequest, GenerateRequest, TokenizeBody, DetokenizeBody,
-                        EmbeddingRequest]
+                        EmbeddingRequest, ScoreRequest, RerankRequest]
     _install_error_handlers(app)
     app.add_middleware(BodyLimits, max_bytes=cfg.max_request_bytes, timeout_s=cfg.body_timeout)
     app.add_middleware(AccessCheck, api_key=cfg.api_key, loopback_only=cfg.loopback_only)
@@ -350,13 +352,37 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     @app.post(EMBEDDINGS_PATH, openapi_extra=body_schema(EmbeddingRequest))
     async def embeddings(request: Request) -> Response:
         body = parse_body(await json_body(request), EmbeddingRequest)
-        lora = check_model(body.model)
-        if cfg.embedding_refusal is not None:
-            raise ApiError(400, cfg.embedding_refusal, "model")
+        lora = embedding_model(body.model)
         job = client_id(request, with_lora(embeddings_job(body, cfg.hidden_size,
                                                           cfg.matryoshka), lora))
         return await run(request, EmbeddingFormatter(lora or cfg.model_name, job,
                                                      body.encoding_format, body.dimensions))
+
+    def embedding_model(name: Optional[str]) -> Optional[str]:
+        """check_model, and a 400 where this model's embeddings cannot be served."""
+        lora = check_model(name)
+        if cfg.embedding_refusal is not None:
+            raise ApiError(400, cfg.embedding_refusal, "model")
+        return lora
+
+    async def score(request: Request) -> Response:
+        body = parse_body(await json_body(request), ScoreRequest)
+        lora = embedding_model(body.model)
+        pairs = score_pairs(body)
+        job = client_id(request, with_lora(pairs.job, lora))
+        return await run(request, ScoreFormatter(lora or cfg.model_name, job, pairs))
+
+    async def rerank(request: Request) -> Response:
+        body = parse_body(await json_body(request), RerankRequest)
+        lora = embedding_model(body.model)
+        pairs = rerank_pairs(body)
+        job = client_id(request, with_lora(pairs.job, lora))
+        return await run(request, RerankFormatter(lora or cfg.model_name, job, pairs, body))
+
+    for path in SCORE_PATHS:
+        app.post(path, openapi_extra=body_schema(ScoreRequest))(score)
+    for path in RERANK_PATHS:
+        app.post(path, openapi_extra=body_schema(RerankRequest))(rerank)
 
     stored = ResponseStore()
 

@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterator, List, Literal, Optional, Tuple, Union
 from minisgl.core import SamplingParams
 from minisgl.message.types import ReplyChunk
 from minisgl.models.pooling import dimensions_error, shortened
-from minisgl.server.protocol import ApiError, Body, Job, checked_id, listed_prompts
+from minisgl.server.protocol import ApiError, Body, Job, Prompt, checked_id, listed_prompts
 from minisgl.server.responses import Choice, Formatter
 
 EMBEDDINGS_PATH = "/v1/embeddings"
@@ -50,15 +50,33 @@ def embeddings_job(body: EmbeddingRequest, hidden_size: int,
              else dimensions_error(body.dimensions, matryoshka, hidden_size))
     if error is not None:
         raise ApiError(400, error, "dimensions")
-    prompts = listed_prompts(body.input, "input", body.add_special_tokens)
+    return embedding_job(listed_prompts(body.input, "input", body.add_special_tokens),
+                         body.truncate_prompt_tokens, body.request_id)
+
+
+def embedding_job(prompts: List[Prompt], truncate: Optional[int],
+                  request_id: Optional[str]) -> Job:
+    """One embedding request per prompt (in order), each truncated to its last `truncate`
+    tokens where given; ApiError(400) naming a bad truncate_prompt_tokens or request_id."""
     params = SamplingParams(max_tokens=1, temperature=0.0, embed=True,
-                            truncate_prompt_tokens=body.truncate_prompt_tokens)
+                            truncate_prompt_tokens=truncate)
     try:
         params.validate()
     except ValueError as e:
         raise ApiError(400, str(e), "truncate_prompt_tokens") from None
     return Job(prompts, params, n=1, stop=(), skip_special_tokens=True, stream=False,
-               include_usage=False, request_id=checked_id(body.request_id, "request_id"))
+               include_usage=False, request_id=checked_id(request_id, "request_id"))
+
+
+def vector(choice: Choice) -> array:
+    """A finished embedding request's vector (float32 values); ApiError(500) where the
+    engine sent none."""
+    if choice.embedding is None:
+        raise ApiError(500, "the engine returned no embedding", code="internal_error",
+                       kind="server_error")
+    values = array("f")
+    values.frombytes(choice.embedding)
+    return values
 
 
 class EmbeddingFormatter(Formatter):
@@ -80,11 +98,7 @@ class EmbeddingFormatter(Formatter):
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     def _vector(self, choice: Choice) -> Union[str, List[float]]:
-        if choice.embedding is None:
-            raise ApiError(500, "the engine returned no embedding", code="internal_error",
-                           kind="server_error")
-        values = array("f")
-        values.frombytes(choice.embedding)
+        values = vector(choice)
         if self.dimensions is not None:
             values = array("f", shortened(values, self.dimensions))
         if self.encoding == "base64":

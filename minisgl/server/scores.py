@@ -1,0 +1,138 @@
+"""vLLM's score API (/score, /v1/score) and the rerank API of Jina and Cohere (/rerank,
+/v1/rerank) over the embeddings (embeddings.py): a pair's score is the cosine similarity of
+its two texts' embeddings, which are unit vectors, so their dot product; vLLM answers the same
+for an embedding model, which has no scoring head.
+
+Score: `text_1` one text and `text_2` one or a list (each paired with text_1), or two lists
+of one length (paired in order). Rerank: `query` and `documents`, answered best first, the
+`top_n` best (all where unset). Every distinct text is embedded once, as one request.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+
+from minisgl.message.types import ReplyChunk
+from minisgl.server.embeddings import embedding_job, vector
+from minisgl.server.protocol import MAX_PROMPTS, ApiError, Body, Job, Prompt
+from minisgl.server.responses import Choice, Formatter
+
+SCORE_PATHS = ("/score", "/v1/score")
+RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
+
+
+class ScoreRequest(Body):
+    text_1: Union[str, List[str]]
+    text_2: Union[str, List[str]]
+    model: Optional[str] = None
+    truncate_prompt_tokens: Optional[int] = None
+    request_id: Optional[str] = None
+
+
+class RerankRequest(Body):
+    query: str
+    documents: List[str]
+    model: Optional[str] = None
+    top_n: Optional[int] = None
+    return_documents: bool = True
+    truncate_prompt_tokens: Optional[int] = None
+    request_id: Optional[str] = None
+
+
+class Pairs:
+    """The distinct texts a body embeds (`job`), and its pairs as indices into them."""
+
+    def __init__(self, firsts: List[str], seconds: List[str], body: Any) -> None:
+        extra = sorted(body.model_extra or {})
+        if extra:
+            raise ApiError(400, f"{extra[0]} is not supported by this server's scoring",
+                           extra[0])
+        texts = list(dict.fromkeys(firsts + seconds))
+        if any(not t for t in texts):
+            raise ApiError(400, "the texts must not be empty", "text_1")
+        if len(texts) > MAX_PROMPTS:
+            raise ApiError(400, f"at most {MAX_PROMPTS} distinct texts, got {len(texts)}",
+                           "text_2")
+        index = {t: i for i, t in enumerate(texts)}
+        self.pairs = [(index[a], index[b]) for a, b in zip(firsts, seconds)]
+        self.job = embedding_job([Prompt(text=t, add_special_tokens=True) for t in texts],
+                                 body.truncate_prompt_tokens, body.request_id)
+
+    def scores(self, choices: List[Choice]) -> List[float]:
+        vectors = [vector(c) for c in choices]
+        return [sum(x * y for x, y in zip(vectors[a], vectors[b])) for a, b in self.pairs]
+
+
+def score_pairs(body: ScoreRequest) -> Pairs:
+    """ApiError(400) naming the field where the texts do not pair."""
+    firsts = [body.text_1] if isinstance(body.text_1, str) else list(body.text_1)
+    seconds = [body.text_2] if isinstance(body.text_2, str) else list(body.text_2)
+    if not firsts or not seconds:
+        raise ApiError(400, "text_1 and text_2 must not be empty", "text_1")
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    if len(firsts) != len(seconds):
+        raise ApiError(400, f"text_1 has {len(firsts)} texts and text_2 {len(seconds)}: give "
+                            f"one text_1, or lists of one length", "text_2")
+    return Pairs(firsts, seconds, body)
+
+
+def rerank_pairs(body: RerankRequest) -> Pairs:
+    if not body.documents:
+        raise ApiError(400, "documents must not be empty", "documents")
+    if body.top_n is not None and body.top_n < 1:
+        raise ApiError(400, f"top_n must be >= 1, got {body.top_n}", "top_n")
+    return Pairs([body.query] * len(body.documents), list(body.documents), body)
+
+
+def _usage(choices: List[Choice]) -> Dict[str, int]:
+    tokens = sum(c.prompt_tokens for c in choices)
+    return {"prompt_tokens": tokens, "total_tokens": tokens}
+
+
+class _PairFormatter(Formatter):
+    """Never streamed."""
+
+    prompt_param = "text_1"
+
+    def __init__(self, model: str, job: Job, pairs: Pairs) -> None:
+        """`job`: `pairs.job` as the endpoint sends it (with the client's id, an adapter)."""
+        super().__init__(model, job)
+        self.pairs = pairs
+
+    def delta(self, index: int, chunk: ReplyChunk, choice: Choice) -> Iterator[str]:
+        return iter(())
+
+    def closing(self, choices: List[Choice]) -> Iterator[str]:
+        return iter(())
+
+
+class ScoreFormatter(_PairFormatter):
+    id_prefix = "score"
+
+    def full(self, choices: List[Choice]) -> Dict[str, Any]:
+        return {"id": self.id, "object": "list", "created": self.created, "model": self.model,
+                "data": [{"index": i, "object": "score", "score": s}
+                         for i, s in enumerate(self.pairs.scores(choices))],
+                "usage": _usage(choices)}
+
+
+class RerankFormatter(_PairFormatter):
+    id_prefix = "rerank"
+    prompt_param = "documents"
+
+    def __init__(self, model: str, job: Job, pairs: Pairs, body: RerankRequest) -> None:
+        super().__init__(model, job, pairs)
+        self.body = body
+
+    def full(self, choices: List[Choice]) -> Dict[str, Any]:
+        ranked: List[Tuple[int, float]] = sorted(enumerate(self.pairs.scores(choices)),
+                                                 key=lambda e: -e[1])
+        results = []
+        for i, score in ranked[:self.body.top_n]:
+            entry: Dict[str, Any] = {"index": i, "relevance_score": score}
+            if self.body.return_documents:
+                entry["document"] = {"text": self.body.documents[i]}
+            results.append(entry)
+        return {"id": self.id, "model": self.model, "usage": _usage(choices),
+                "results": results}
