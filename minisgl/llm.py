@@ -41,7 +41,7 @@ from minisgl.models.generation import sampling_defaults
 from minisgl.models.path import resolve_model_path
 from minisgl.models.pooling import dimensions_error, pooling_refusal, shortened
 from minisgl.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
-                             GenerateOutput)
+                             GenerateOutput, ScoringOutput, ScoringRequestOutput)
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.io import LocalIO
 from minisgl.scheduler.main import run_rank, set_cpu_threads
@@ -681,6 +681,26 @@ class LLM:
                                               EmbeddingOutput(shortened(values, dims)),
                                               collected.prompts[k]))
         return out
+
+    def score(self, text_1: Union[str, Sequence[str]], text_2: Union[str, Sequence[str]], *,
+              use_tqdm: Optional[bool] = None, lora_request: LoraRequests = None
+              ) -> List[ScoringRequestOutput]:
+        """vLLM's `LLM.score` of an embedding model: the cosine similarity of each pair's
+        embeddings, pairs as vLLM forms them (one text_1 with each text_2, or two lists of
+        one length in order); ValueError where they do not pair."""
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if not seconds or len(firsts) != len(seconds):
+            raise ValueError(f"score pairs one text_1 with each text_2, or two lists of one "
+                             f"length; got {len(firsts)} and {len(seconds)} texts")
+        texts = list(dict.fromkeys([*firsts, *seconds]))
+        vectors = {t: o.outputs.embedding for t, o in
+                   zip(texts, self.embed(texts, use_tqdm=use_tqdm, lora_request=lora_request))}
+        return [ScoringRequestOutput(str(i), ScoringOutput(
+            sum(x * y for x, y in zip(vectors[a], vectors[b])))) for i, (a, b)
+            in enumerate(zip(firsts, seconds))]
 
     def _collected(self, prompts: List[List[int]], params: List[SamplingParams],
                    use_tqdm: Optional[bool]) -> "_Collected":

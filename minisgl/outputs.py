@@ -149,3 +149,17 @@ class EmbeddingRequestOutput:
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class ScoringOutput:
+    """vLLM's `ScoringOutput`: a pair's score (here the cosine similarity of embeddings)."""
+    score: float
+
+
+@dataclass(frozen=True)
+class ScoringRequestOutput:
+    """vLLM's `ScoringRequestOutput`: one per pair of `LLM.score`, in order."""
+    request_id: str
+    outputs: ScoringOutput
+    finished: bool = True

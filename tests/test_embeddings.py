@@ -170,3 +170,18 @@ def test_http_formatter_cuts_and_encodes() -> None:
     assert array("f", base64.b64decode(raw)).tolist() == pytest.approx([0.6, 0.8])
     with pytest.raises(ApiError, match="cannot be shortened"):
         embeddings_job(EmbeddingRequest(input=[1, 2], dimensions=2), 3)
+
+
+def test_offline_score_is_the_cosine_of_the_embeddings(tiny_model: Callable[..., Path]) -> None:
+    """vLLM's `LLM.score`: one text against several, and two lists in order."""
+    path = tiny_model("qwen3")
+    with LLM(str(path), device="cpu", max_kv_tokens=1024, show_progress=False) as llm:
+        vectors = _vectors(llm.embed(["a query", "doc one", "doc two"]))
+        one = llm.score("a query", ["doc one", "doc two"])
+        pairs = llm.score(["a query", "doc one"], ["doc two", "doc one"])
+        with pytest.raises(ValueError, match="got 2 and 3 texts"):
+            llm.score(["a", "b"], ["c", "d", "e"])
+    assert [o.outputs.score for o in one] == pytest.approx(
+        [float(vectors[0] @ vectors[1]), float(vectors[0] @ vectors[2])], abs=1e-5)
+    assert [o.outputs.score for o in pairs] == pytest.approx(
+        [float(vectors[0] @ vectors[2]), 1.0], abs=1e-5)

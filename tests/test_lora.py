@@ -221,6 +221,9 @@ def test_http_model_field_picks_the_adapter(base: Path, adapters: Dict[str, Path
         assert out["model"] == "all" and out["choices"][0]["token_ids"] == want[0]
         plain = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).json()
         assert plain["choices"][0]["token_ids"] == want[1]
+        sglang = httpx.post(f"{srv.url}/v1/completions", json={**body, "lora_path": "all"},
+                            timeout=60).json()  # SGLang's field in an OpenAI body
+        assert sglang["choices"][0]["token_ids"] == want[0]
         gen = httpx.post(f"{srv.url}/generate", json={
             "input_ids": prompt, "lora_path": "all", "sampling_params": {
                 "max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}}, timeout=60).json()

@@ -55,7 +55,6 @@ _UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
     "guided_decoding_backend": lambda v: v in (None, "auto", "xgrammar"),
     "guided_whitespace_pattern": lambda v: v is None,
     "stop_regex": lambda v: not v,
-    "lora_path": lambda v: v is None,
     "lora_request": lambda v: v is None,
     "return_hidden_states": lambda v: v in (None, False),
     "mm_processor_kwargs": lambda v: not v,
