@@ -281,29 +281,31 @@ def _extend_kernel(
     hi = tl.minimum(prefix + ext, prefix + m0 + BLOCK_M)
     hi = tl.where(m0 < ext, hi, 0)
     full = tl.minimum((prefix + m0) // BLOCK_N * BLOCK_N, hi // BLOCK_N * BLOCK_N)
-    # With a window: keys from the tile of the first query's window on; those before `edge`
-    # (the first tile inside the last query's window) run masked.
-    lo = full * 0
-    edge = full * 0
-    if WINDOW > 0:
-        lo = tl.maximum(prefix + m0 - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
-        edge = tl.maximum(tl.cdiv(tl.maximum(hi - WINDOW, 0), BLOCK_N) * BLOCK_N, lo)
-    edge = tl.minimum(edge, full)
     m_i = tl.full([BLOCK_M], _NEG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     pt_row = page_table_ptr + row * stride_pt
-    for n0 in range(lo, edge, BLOCK_N):
-        acc, m_i, l_i = _extend_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, hi, q_pos,
-                                     scale_log2, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
-                                     BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, True, WINDOW,
-                                     SOFTCAP)
-    for n0 in range(tl.maximum(edge, lo), full, BLOCK_N):
+    # With a window: keys from the tile of the first query's window on (`tail` starts the
+    # diagonal's tiles no earlier); those before `edge`, the first tile inside every query's
+    # window, run masked. Without one (compiled out) the loops are the plain two.
+    edge = full * 0
+    tail = full
+    if WINDOW > 0:
+        start = tl.maximum(prefix + m0 - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        edge = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(hi - WINDOW, 0), BLOCK_N) * BLOCK_N,
+                                     start), full)
+        tail = tl.maximum(full, start)
+        for n0 in range(start, edge, BLOCK_N):
+            acc, m_i, l_i = _extend_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, hi, q_pos,
+                                         scale_log2, kvh, stride_ks, stride_kh, stride_vs,
+                                         stride_vh, BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, True,
+                                         WINDOW, SOFTCAP)
+    for n0 in range(edge, full, BLOCK_N):
         acc, m_i, l_i = _extend_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, hi, q_pos,
                                      scale_log2, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
                                      BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, False, WINDOW,
                                      SOFTCAP)
-    for n0 in range(tl.maximum(full, lo), hi, BLOCK_N):
+    for n0 in range(tail, hi, BLOCK_N):
         acc, m_i, l_i = _extend_step(q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, n0, hi, q_pos,
                                      scale_log2, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
                                      BLOCK_N, BLOCK_D, HEAD_DIM, F32_DOT, True, WINDOW,
