@@ -387,7 +387,8 @@ class Engine:
         prompt log-probabilities of the requests collecting them; always where some request
         runs with a LoRA adapter, which the graphs do not hold)."""
         batch.lora = lora_rows(batch, self.lora_names, self.device)
-        embed = tuple(i for i in sampled if batch.reqs[i].params.embed)
+        embed = () if batch.phase is Phase.DECODE else tuple(  # embeddings end at prefill
+            i for i in sampled if batch.reqs[i].params.embed)
         if batch.lora is not None or embed:
             return self._forward_eager(batch, sampled, embed)
         if self.graphs is not None and self.graphs.can_run(batch):
