@@ -243,3 +243,18 @@ def test_an_adapter_named_like_the_served_model_is_refused() -> None:
     from minisgl.settings import build
     with pytest.raises(ValueError, match="x names both the served model and a LoRA adapter"):
         build(ServerConfig(), {"served_model_name": "m,x", "lora_paths": "x=/p"}, "serve")
+
+
+def test_lora_modules_take_vllms_json_form() -> None:
+    """vLLM's `--lora-modules '{"name": ..., "path": ..., "base_model_name": ...}'` (or a
+    list of such objects) names the adapters as NAME=PATH pairs do."""
+    from minisgl.engine.config import EngineConfig
+    one = '{"name": "a", "path": "/p", "base_model_name": "m"}'
+    assert EngineConfig(lora_modules=one).lora_adapters == (("a", "/p"),)
+    both = '[{"name": "a", "path": "/p"}, {"name": "b", "path": "/q"}]'
+    assert EngineConfig(lora_modules=both).lora_adapters == EngineConfig(
+        lora_modules="a=/p, b=/q").lora_adapters
+    with pytest.raises(ValueError, match='has no "name" and "path" strings'):
+        EngineConfig(lora_modules='{"name": 1}')
+    with pytest.raises(ValueError, match="lora_modules is not JSON"):
+        EngineConfig(lora_modules="{name")

@@ -11,7 +11,7 @@ import json
 import os
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from minisgl.devices import DTYPE_NAMES, KV_CACHE_DTYPES, resolve_device
 from minisgl.distributed.info import DistributedInfo
@@ -224,10 +224,13 @@ class EngineConfig:
 
     @property
     def lora_adapters(self) -> Tuple[Tuple[str, str], ...]:
-        """(name, path) of each adapter of `lora_modules`, in order (slot i: the i-th);
-        ValueError naming an entry that is not NAME=PATH or a name given twice."""
-        pairs = []
-        for item in (self.lora_modules or "").split(","):
+        """(name, path) of each adapter of `lora_modules`, in order (slot i: the i-th):
+        NAME=PATH entries separated by commas, or vLLM's JSON form (an object with "name" and
+        "path", or a list of them); ValueError naming an entry that is neither, or a name
+        given twice."""
+        text = (self.lora_modules or "").strip()
+        pairs = _json_modules(text) if text.startswith(("{", "[")) else []
+        for item in [] if pairs else text.split(","):
             if not item.strip():
                 continue
             name, eq, path = item.strip().partition("=")
@@ -285,3 +288,21 @@ class EngineConfig:
         if self.attention_backend != "auto":
             return self.attention_backend
         return "triton" if self.device == "cuda" else "torch"
+
+
+def _json_modules(text: str) -> List[Tuple[str, str]]:
+    """vLLM's JSON form of lora_modules: {"name": ..., "path": ...} or a list of those (other
+    keys, e.g. base_model_name, are vLLM's and not read); ValueError naming what is off."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"lora_modules is not JSON: {e}") from None
+    entries = value if isinstance(value, list) else [value]
+    pairs = []
+    for entry in entries:
+        if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                and isinstance(entry.get("path"), str) and entry["name"] and entry["path"]):
+            raise ValueError(f"lora_modules entry {entry!r:.80} has no \"name\" and "
+                             f"\"path\" strings")
+        pairs.append((entry["name"], entry["path"]))
+    return pairs
