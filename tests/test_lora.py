@@ -14,7 +14,7 @@ import pytest
 
 from hf_reference import hf_greedy, mixed_prompts
 from minisgl import LLM, LoRARequest, SamplingParams
-from server_helpers import CPU_ARGS, serving
+from server_helpers import CPU_ARGS, error_line, run_serve, runtime_dirs, serving
 from tiny_models import build_tiny_lora, write_lora
 
 pytest.importorskip("peft")
@@ -258,3 +258,14 @@ def test_lora_modules_take_vllms_json_form() -> None:
         EngineConfig(lora_modules='{"name": 1}')
     with pytest.raises(ValueError, match="lora_modules is not JSON"):
         EngineConfig(lora_modules="{name")
+
+
+def test_the_launcher_names_a_bad_adapter_before_any_rank_starts(base: Path,
+                                                                 tmp_path: Path) -> None:
+    """`serve` reads every adapter's config before it starts anything: one error line, exit
+    1, nothing left behind (the launcher imports no torch for it)."""
+    r = run_serve(["--model", str(base), *CPU_ARGS, "--port", "0", "--lora-modules",
+                   f"x={tmp_path / 'missing'}"], tmp_path)
+    assert r.returncode == 1
+    assert "LoRA adapter 'x': no adapter_config.json" in error_line(r.stderr)
+    assert "Traceback" not in r.stderr and runtime_dirs(tmp_path) == []

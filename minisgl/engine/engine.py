@@ -38,7 +38,8 @@ from minisgl.kvcache.pool import FP8_KV_DTYPE, KVScales
 from minisgl.layers import blas
 from minisgl.layers.lora import LoraShape
 from minisgl.models import CausalLM, ModelConfig, model_class
-from minisgl.models.lora import load_adapters, read_adapter
+from minisgl.models.lora import load_adapters
+from minisgl.models.lora_config import read_adapter
 from minisgl.models.quantization import quant_plan
 from minisgl.models.kv_scales import KVScaleCollector
 from minisgl.models.weights import init_dummy, iter_checkpoint

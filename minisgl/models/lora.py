@@ -1,22 +1,16 @@
-"""LoRA adapters in PEFT's format: read, checked, and loaded into a model's adapter slots.
+"""LoRA adapters in PEFT's format loaded into a model's adapter slots (their configs are read
+and checked by lora_config.py).
 
-An adapter directory holds `adapter_config.json` (PEFT's LoraConfig) and
-`adapter_model.safetensors`, whose tensors are `base_model.model.<module>.lora_A.weight`
+An adapter's `adapter_model.safetensors` holds `base_model.model.<module>.lora_A.weight`
 [rank, in] and `...lora_B.weight` [out, rank] for each adapted projection. Every adapter is
-read at start-up on every rank (the same files, the same order: slot i is the i-th adapter
-everywhere); what minisgl cannot apply exactly is refused there, naming it: DoRA, biases,
-`modules_to_save`, per-module rank or alpha patterns, Conv1D layouts, and adapted modules
-that are not the decoder's dense projections (embeddings, the LM head, experts); those of a
-part of the checkpoint the model does not serve (a vision tower) are skipped. The scaling
-is PEFT's: lora_alpha / rank, or lora_alpha / sqrt(rank) with `use_rslora`.
+loaded at start-up on every rank (the same files, the same order: slot i is the i-th adapter
+everywhere); adapted modules that are not the decoder's dense projections (embeddings, the LM
+head, experts) are refused, naming them; those of a part of the checkpoint the model does
+not serve (a vision tower) are skipped.
 """
 
 from __future__ import annotations
 
-import json
-import math
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -25,50 +19,9 @@ from safetensors import safe_open
 from minisgl.layers.linear import RowParallelLinear
 from minisgl.layers.lora import LoraSlots
 from minisgl.models.decoder import CausalLM
+from minisgl.models.lora_config import WEIGHTS_FILE, LoraAdapter
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-_PREFIX = "base_model.model."
-# PEFT options whose non-default values change what the adapter computes
-_UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none"}
-
-
-@dataclass(frozen=True)
-class LoraAdapter:
-    """One adapter as its config describes it (`read_adapter` checked it)."""
-
-    name: str
-    path: Path
-    rank: int
-    scaling: float
-
-
-def read_adapter(name: str, path: str, max_rank: int) -> LoraAdapter:
-    """The adapter at directory `path`, served as `name`; ValueError naming the problem (a
-    missing file, a rank above `max_rank`, an option minisgl cannot apply)."""
-    root = Path(path).expanduser()
-    config_file, weights = root / CONFIG_FILE, root / WEIGHTS_FILE
-    for f in (config_file, weights):
-        if not f.is_file():
-            raise ValueError(f"LoRA adapter {name!r}: no {f.name} in {root}")
-    cfg = json.loads(config_file.read_text())
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"LoRA adapter {name!r}: peft_type {cfg.get('peft_type')!r} is not "
-                         f"LORA")
-    for key, default in _UNSUPPORTED.items():
-        if cfg.get(key, default) not in (default, None):
-            raise ValueError(f"LoRA adapter {name!r}: {key}={cfg[key]!r} is not supported "
-                             f"(only {key}={default!r})")
-    for key in ("modules_to_save", "rank_pattern", "alpha_pattern"):
-        if cfg.get(key):
-            raise ValueError(f"LoRA adapter {name!r}: {key} {cfg[key]!r} is not supported")
-    rank = cfg.get("r")
-    if not isinstance(rank, int) or not 1 <= rank <= max_rank:
-        raise ValueError(f"LoRA adapter {name!r}: rank {rank!r} is not in [1, {max_rank}] "
-                         f"(--max-lora-rank)")
-    alpha = float(cfg.get("lora_alpha", 8))
-    scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
-    return LoraAdapter(name, root, rank, scaling)
+_PREFIX = "base_model.model."  # PEFT's tensor names start so
 
 
 def load_adapters(model: CausalLM, adapters: Sequence[LoraAdapter]) -> None:

@@ -37,6 +37,7 @@ from typing import Any, Dict, NamedTuple, NoReturn, Optional, Sequence
 from minisgl.devices import dtype_name
 from minisgl.log import exit_now, setup_logging
 from minisgl.models.config import ModelConfig
+from minisgl.models.lora_config import read_adapter
 from minisgl.models.generation import sampling_defaults
 from minisgl.models.path import resolve_model_path
 from minisgl.server.args import ServerConfig, describe, parse_args
@@ -107,6 +108,8 @@ def _prepare(cfg: ServerConfig) -> Prepared:
         # a readable config.json, before anything starts
         shape = ModelConfig.from_dir(model_path, cfg.engine.hf_override_dict)
         shape.check_tp(cfg.engine.tp)
+        for name, path in cfg.engine.lora_adapters:  # each rank reads them again, and loads
+            read_adapter(name, path, cfg.engine.max_lora_rank)
         tokenizer_path = resolve_tokenizer_path(cfg.tokenizer, model_path,
                                                 cfg.engine.download_dir)
         if not has_tokenizer(tokenizer_path):
