@@ -67,6 +67,7 @@ class Traits(NamedTuple):
     lora: Optional[LoraShape] = None  # the LoRA adapter slots of every dense projection
 
     def norm(self, dim: int, eps: float) -> RMSNorm:
+        """An RMSNorm of this family (its weight offset) launching this policy's kernels."""
         return RMSNorm(dim, eps, self.policy, self.norm_offset)
 
     def fp8(self, prefix: str, *parts: str) -> Optional[Fp8Spec]:
@@ -260,6 +261,8 @@ class DecoderLayer(nn.Module):
         return _normed_output(stream, self.post_feedforward_layernorm)
 
     def _mlp(self, stream: ResidualStream, norm: RMSNorm, batch: Batch) -> ResidualStream:
+        """The layer's MLP or experts on the stream; the dense MLP with the batch's LoRA
+        adapters."""
         if isinstance(self.mlp, MLP):
             return self.mlp(stream, norm, batch.lora)
         return self.mlp(stream, norm)  # experts take no adapter (CausalLM refuses the pair)
@@ -446,6 +449,7 @@ class CausalLM(nn.Module):
         return self._own_name(name) is not None
 
     def _submodule(self, name: str) -> Optional[nn.Module]:
+        """The module of that name, or None where this model has none."""
         try:
             return self.get_submodule(name)
         except AttributeError:

@@ -17,6 +17,8 @@ from minisgl.models.decoder import CausalLM, Traits
 
 
 class Gemma2ForCausalLM(CausalLM):
+    """Gemma 2: the Gemma decoder without q/k norms (its softcaps are the config's)."""
+
     @classmethod
     def traits(cls, cfg: ModelConfig) -> Traits:
         return Traits(qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=False,
@@ -24,6 +26,8 @@ class Gemma2ForCausalLM(CausalLM):
 
 
 class Gemma3ForCausalLM(CausalLM):
+    """Gemma 3's text decoder: Gemma 2's with per-head q/k norms."""
+
     @classmethod
     def traits(cls, cfg: ModelConfig) -> Traits:
         return Gemma2ForCausalLM.traits(cfg)._replace(qk_norm=True)

@@ -42,6 +42,9 @@ def load_adapters(model: CausalLM, adapters: Sequence[LoraAdapter]) -> None:
 
 def _load_pair(model: CausalLM, adapter: LoraAdapter, module: str, name: str, slot: int,
                part: int, a: torch.Tensor, b: torch.Tensor) -> None:
+    """Adapter `slot`'s pair of checkpoint module `module` into output `part` of our layer
+    `name`: A cut to this rank's columns where the layer is row-parallel (B's rows are cut by
+    the slots); ValueError naming the shapes that do not fit."""
     layer = model.get_submodule(name)
     slots = getattr(layer, "lora", None)
     if not isinstance(slots, LoraSlots):

@@ -330,6 +330,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         return path
 
     def with_lora(job: Job, lora: Optional[str]) -> Job:
+        """The job's requests run with adapter `lora` (None: as they are)."""
         return job if lora is None else dataclasses.replace(
             job, params=dataclasses.replace(job.params, lora_name=lora))
 

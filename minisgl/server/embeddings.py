@@ -26,6 +26,8 @@ EMBEDDINGS_PATH = "/v1/embeddings"
 
 
 class EmbeddingRequest(Body):
+    """OpenAI's embeddings body, with vLLM's extensions."""
+
     input: Union[str, List[str], List[int], List[List[int]]]
     model: Optional[str] = None
     encoding_format: Literal["float", "base64"] = "float"

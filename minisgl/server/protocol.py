@@ -119,6 +119,8 @@ class ApiError(Exception):
 
 # --- request bodies ------------------------------------------------------------------------------
 class Body(BaseModel):
+    """A request body: strict types, unknown fields kept (each endpoint decides on them)."""
+
     model_config = ConfigDict(extra="allow", strict=True)
 
 

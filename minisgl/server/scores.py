@@ -22,6 +22,8 @@ RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
 
 
 class ScoreRequest(Body):
+    """vLLM's score body."""
+
     text_1: Union[str, List[str]]
     text_2: Union[str, List[str]]
     model: Optional[str] = None
@@ -30,6 +32,8 @@ class ScoreRequest(Body):
 
 
 class RerankRequest(Body):
+    """Jina's and Cohere's rerank body (`return_documents`: each result carries its text)."""
+
     query: str
     documents: List[str]
     model: Optional[str] = None
@@ -59,6 +63,7 @@ class Pairs:
                                  body.truncate_prompt_tokens, body.request_id)
 
     def scores(self, choices: List[Choice]) -> List[float]:
+        """Each pair's score from the job's finished choices (one per distinct text)."""
         vectors = [vector(c) for c in choices]
         return [sum(x * y for x, y in zip(vectors[a], vectors[b])) for a, b in self.pairs]
 
@@ -78,6 +83,8 @@ def score_pairs(body: ScoreRequest) -> Pairs:
 
 
 def rerank_pairs(body: RerankRequest) -> Pairs:
+    """The query paired with each document; ApiError(400) naming an empty documents list or
+    a top_n below 1."""
     if not body.documents:
         raise ApiError(400, "documents must not be empty", "documents")
     if body.top_n is not None and body.top_n < 1:
