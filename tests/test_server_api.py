@@ -624,3 +624,14 @@ def test_score_and_rerank_are_cosines_of_the_embeddings(llm: LLM, server: Server
                               "top_n")):
         r = _post(server, path, bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_embeddings_take_a_client_sized_batch(server: Server) -> None:
+    """Clients batch documents (LangChain: up to 1,000 inputs a request): 200 inputs get 200
+    embeddings in order; more than OpenAI's 2,048 is a 400 naming `input`."""
+    inputs = [[5 + i % 50, 6 + i % 7] for i in range(200)]
+    out = _post(server, "/v1/embeddings", {"input": inputs, "encoding_format": "base64"}).json()
+    assert [d["index"] for d in out["data"]] == list(range(200))
+    assert out["usage"]["prompt_tokens"] == 400
+    r = _post(server, "/v1/embeddings", {"input": [[5]] * 2049})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"

@@ -23,6 +23,9 @@ from minisgl.server.protocol import ApiError, Body, Job, Prompt, checked_id, lis
 from minisgl.server.responses import Choice, Formatter
 
 EMBEDDINGS_PATH = "/v1/embeddings"
+# OpenAI's limit on one embeddings request's inputs (clients batch documents up to it, e.g.
+# LangChain's 1,000); each is a request of its own to the scheduler
+MAX_INPUTS = 2048
 
 
 class EmbeddingRequest(Body):
@@ -42,7 +45,7 @@ class EmbeddingRequest(Body):
 def embeddings_job(body: EmbeddingRequest, hidden_size: int,
                    matryoshka: Optional[Tuple[int, ...]] = None) -> Job:
     """The requests of an embeddings body; ApiError(400) naming the field that cannot be
-    served (an empty input, more than MAX_PROMPTS inputs, `dimensions` the model does not
+    served (an empty input, more than MAX_INPUTS inputs, `dimensions` the model does not
     allow: `matryoshka`, pooling.dimensions_error; an unknown field)."""
     extra = sorted(body.model_extra or {})
     if extra:
@@ -52,7 +55,8 @@ def embeddings_job(body: EmbeddingRequest, hidden_size: int,
              else dimensions_error(body.dimensions, matryoshka, hidden_size))
     if error is not None:
         raise ApiError(400, error, "dimensions")
-    return embedding_job(listed_prompts(body.input, "input", body.add_special_tokens),
+    return embedding_job(listed_prompts(body.input, "input", body.add_special_tokens,
+                                        MAX_INPUTS),
                          body.truncate_prompt_tokens, body.request_id)
 
 

@@ -627,15 +627,16 @@ def _is_ids(x: Any) -> bool:
     return isinstance(x, list) and all(isinstance(t, int) for t in x)
 
 
-def listed_prompts(raw: Any, param: str, add_special_tokens: bool) -> List[Prompt]:
+def listed_prompts(raw: Any, param: str, add_special_tokens: bool,
+                   limit: int = MAX_PROMPTS) -> List[Prompt]:
     """A body's prompt field (a string, token ids, or a list of either) as prompts; ApiError
-    (400) naming `param` for an empty one, more than MAX_PROMPTS, or an id outside int32."""
+    (400) naming `param` for an empty one, more than `limit`, or an id outside int32."""
     if isinstance(raw, str) or (_is_ids(raw) and raw):
         raw = [raw]
     if not raw:
         raise ApiError(400, f"{param}: must not be empty", param)
-    if len(raw) > MAX_PROMPTS:
-        raise ApiError(400, f"{param}: at most {MAX_PROMPTS} prompts, got {len(raw)}", param)
+    if len(raw) > limit:
+        raise ApiError(400, f"{param}: at most {limit} prompts, got {len(raw)}", param)
     prompts = [Prompt(text=p, add_special_tokens=add_special_tokens) if isinstance(p, str)
                else Prompt(input_ids=list(p)) for p in raw]
     for p in prompts:

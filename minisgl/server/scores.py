@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from minisgl.message.types import ReplyChunk
-from minisgl.server.embeddings import embedding_job, vector
-from minisgl.server.protocol import MAX_PROMPTS, ApiError, Body, Job, Prompt
+from minisgl.server.embeddings import MAX_INPUTS, embedding_job, vector
+from minisgl.server.protocol import ApiError, Body, Job, Prompt
 from minisgl.server.responses import Choice, Formatter
 
 SCORE_PATHS = ("/score", "/v1/score")
@@ -54,8 +54,8 @@ class Pairs:
         texts = list(dict.fromkeys(firsts + seconds))
         if any(not t for t in texts):
             raise ApiError(400, "the texts must not be empty", "text_1")
-        if len(texts) > MAX_PROMPTS:
-            raise ApiError(400, f"at most {MAX_PROMPTS} distinct texts, got {len(texts)}",
+        if len(texts) > MAX_INPUTS:
+            raise ApiError(400, f"at most {MAX_INPUTS} distinct texts, got {len(texts)}",
                            "text_2")
         index = {t: i for i, t in enumerate(texts)}
         self.pairs = [(index[a], index[b]) for a, b in zip(firsts, seconds)]
