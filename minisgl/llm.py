@@ -39,7 +39,7 @@ from minisgl.message.types import AccountingMsg, AccountingReply
 from minisgl.models import ModelConfig
 from minisgl.models.generation import sampling_defaults
 from minisgl.models.path import resolve_model_path
-from minisgl.models.pooling import dimensions_error, pooling_refusal, shortened
+from minisgl.models.pooling import dimensions_error, paired_texts, pooling_refusal, shortened
 from minisgl.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
                              GenerateOutput, ScoringOutput, ScoringRequestOutput)
 from minisgl.scheduler.config import SchedulerConfig
@@ -384,6 +384,7 @@ class LLM:
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.sampling_defaults = sampling_defaults(generation_config, self.model_path)
         self.model_config = ModelConfig.from_dir(self.model_path, cfg.engine.hf_override_dict)
+        self._embedding_refusal = pooling_refusal(self.model_path)  # read once: files
         self.model_config.check_tp(tp)
         engine = dataclasses.replace(cfg.engine.for_rank(str(self.model_path), 0),
                                      show_progress=show_progress)
@@ -485,12 +486,7 @@ class LLM:
         "priority"` (SamplingParams.priority). `lora_request`: the LoRA adapter of every
         prompt, or one per prompt (None: the base model; SamplingParams.lora_name). vLLM's
         names, so that its callers' keywords work."""
-        single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
-                                                      and isinstance(prompts[0], int))
-        if not single and not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a prompt or a list of them, got "
-                             f"{type(prompts).__name__}")
-        batch = cast(Sequence[Prompt], [prompts] if single else prompts)
+        batch = _prompt_list(prompts)
         ids = [self._encode(p) for p in batch]
         texts = [p if isinstance(p, str) else p.get("prompt") if isinstance(p, dict) else None
                  for p in batch]
@@ -657,17 +653,14 @@ class LLM:
         prompt is text (special tokens added, as the tokenizer adds them) or token ids;
         `lora_request` as for `generate`; `pooling_params.dimensions` cuts a Matryoshka
         model's embeddings (normalized again). ValueError for what cannot be served."""
-        refusal = pooling_refusal(self.model_path)
+        refusal = self._embedding_refusal
         dims = None if pooling_params is None else pooling_params.dimensions
         if refusal is None and dims is not None:
             refusal = dimensions_error(dims, self.model_config.matryoshka_dimensions,
                                        self.model_config.hidden_size)
         if refusal is not None:
             raise ValueError(refusal)
-        single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
-                                                      and isinstance(prompts[0], int))
-        batch = cast(Sequence[Prompt], [prompts] if single else prompts)
-        ids = [self._encode(p) for p in batch]
+        ids = [self._encode(p) for p in _prompt_list(prompts)]
         params = self._with_lora([SamplingParams(max_tokens=1, temperature=0.0, embed=True)]
                                  * len(ids), lora_request)
         collected = self._collected(ids, params, use_tqdm)
@@ -688,13 +681,7 @@ class LLM:
         """vLLM's `LLM.score` of an embedding model: the cosine similarity of each pair's
         embeddings, pairs as vLLM forms them (one text_1 with each text_2, or two lists of
         one length in order); ValueError where they do not pair."""
-        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
-        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
-        if len(firsts) == 1:
-            firsts = firsts * len(seconds)
-        if not seconds or len(firsts) != len(seconds):
-            raise ValueError(f"score pairs one text_1 with each text_2, or two lists of one "
-                             f"length; got {len(firsts)} and {len(seconds)} texts")
+        firsts, seconds = paired_texts(text_1, text_2)
         texts = list(dict.fromkeys([*firsts, *seconds]))
         vectors = {t: o.outputs.embedding for t, o in
                    zip(texts, self.embed(texts, use_tqdm=use_tqdm, lora_request=lora_request))}
@@ -819,3 +806,14 @@ class LLM:
 
 def _same_dir(a: str, b: str) -> bool:
     return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def _prompt_list(prompts: Any) -> Sequence[Prompt]:
+    """One prompt (text, token ids, a vLLM prompt dict) or a list of them, as a list;
+    ValueError for anything else."""
+    single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
+                                                  and isinstance(prompts[0], int))
+    if not single and not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a prompt or a list of them, got "
+                         f"{type(prompts).__name__}")
+    return cast(Sequence[Prompt], [prompts] if single else prompts)

@@ -135,11 +135,7 @@ class Attention(nn.Module):
         """`_qkv` step by step, the LoRA deltas of `rows` added to the projection; attention
         stores K/V."""
         x, residual = stream.normed(norm)
-        q, k, v = self._heads(self.qkv_proj.forward_lora(x, rows))
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return AttentionInput(q, k, v, residual, stored=False)
+        return self._rotated(self.qkv_proj.forward_lora(x, rows), residual, positions)
 
     def _qkv(self, stream: ResidualStream, norm: RMSNorm, positions: torch.Tensor, batch: Batch,
              backend: AttentionBackend) -> AttentionInput:
@@ -160,11 +156,17 @@ class Attention(nn.Module):
             if self.rotary.rotate_into_cache(positions, q, k, v, target, proj.scales,
                                              self._head_norms()):
                 return AttentionInput(q, k, v, proj.residual, stored=True)
-        q, k, v = self._heads(proj.scaled())
+        return self._rotated(proj.scaled(), proj.residual, positions)
+
+    def _rotated(self, qkv: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor
+                 ) -> AttentionInput:
+        """The projection's heads with their q/k norms and rotary applied in torch ops (or
+        the rotary kernel); attention stores K/V."""
+        q, k, v = self._heads(qkv)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return AttentionInput(q, k, v, proj.residual, stored=False)
+        return AttentionInput(q, k, v, residual, stored=False)
 
     def _head_norms(self) -> Optional[HeadNorms]:
         if self.q_norm is None or self.k_norm is None:

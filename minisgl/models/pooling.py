@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 _POOLING_MODULE = "sentence_transformers.models.Pooling"
 _LAST = "pooling_mode_lasttoken"
@@ -65,3 +65,17 @@ def shortened(values: Sequence[float], dimensions: Optional[int]) -> List[float]
     head = list(values[:dimensions])
     norm = math.sqrt(sum(v * v for v in head)) or 1.0
     return [v / norm for v in head]
+
+
+def paired_texts(text_1: Union[str, Sequence[str]], text_2: Union[str, Sequence[str]]
+                 ) -> Tuple[List[str], List[str]]:
+    """vLLM's score pairs: one text_1 with each text_2, or two lists of one length in order;
+    ValueError naming the counts otherwise (or where either is empty)."""
+    firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+    seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    if not seconds or len(firsts) != len(seconds):
+        raise ValueError(f"score pairs one text_1 with each text_2, or two lists of one "
+                         f"length; got {len(firsts)} and {len(seconds)} texts")
+    return firsts, seconds

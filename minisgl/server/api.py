@@ -317,11 +317,10 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
                                 f"`{cfg.model_name}`{extra}.", "model", "model_not_found")
         return None
 
-    def adapter_of(model: Optional[str], extra: Optional[Dict[str, Any]]) -> Optional[str]:
+    def adapter_of(model: Optional[str], path: Any) -> Optional[str]:
         """The LoRA adapter a body asks for: SGLang's `lora_path` (a loaded adapter's name;
         ApiError 400 naming the field for another), else its model's (check_model)."""
         lora = check_model(model)
-        path = (extra or {}).get("lora_path")
         if path is None:
             return lora
         if not isinstance(path, str) or path not in adapters:
@@ -346,7 +345,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatRequest))
     async def chat(request: Request) -> Response:
         body = parse_body(await json_body(request), ChatRequest)
-        lora = adapter_of(body.model, body.model_extra)
+        lora = adapter_of(body.model, (body.model_extra or {}).get("lora_path"))
         job = client_id(request, with_lora(chat_job(body, cfg.max_n, cfg.tool_call_parser,
                                                     cfg.sampling_defaults), lora))
         fmt = ChatFormatter(lora or cfg.model_name, job, cfg.reasoning_parser,
@@ -356,7 +355,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         body = parse_body(await json_body(request), CompletionRequest)
-        lora = adapter_of(body.model, body.model_extra)
+        lora = adapter_of(body.model, (body.model_extra or {}).get("lora_path"))
         job = client_id(request, with_lora(completion_job(body, cfg.max_n,
                                                           cfg.sampling_defaults), lora))
         fmt = CompletionFormatter(lora or cfg.model_name, job)
@@ -434,7 +433,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     @app.post("/generate", openapi_extra=body_schema(GenerateRequest))
     async def generate(request: Request) -> Response:
         body = parse_body(await json_body(request), GenerateRequest)
-        lora = adapter_of(None, {"lora_path": body.lora_path})
+        lora = adapter_of(None, body.lora_path)
         job = with_lora(generate_job(body, cfg.sampling_defaults, cfg.max_n), lora)
         # SGLang echoes `rid` (RL frameworks key rollouts by it); a proxy's X-Request-Id
         # must not replace it, and still names the response in the log and its header.

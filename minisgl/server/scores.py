@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from minisgl.message.types import ReplyChunk
+from minisgl.models.pooling import paired_texts
 from minisgl.server.embeddings import MAX_INPUTS, embedding_job, vector
 from minisgl.server.protocol import ApiError, Body, Job, Prompt
 from minisgl.server.responses import Choice, Formatter
@@ -69,16 +70,11 @@ class Pairs:
 
 
 def score_pairs(body: ScoreRequest) -> Pairs:
-    """ApiError(400) naming the field where the texts do not pair."""
-    firsts = [body.text_1] if isinstance(body.text_1, str) else list(body.text_1)
-    seconds = [body.text_2] if isinstance(body.text_2, str) else list(body.text_2)
-    if not firsts or not seconds:
-        raise ApiError(400, "text_1 and text_2 must not be empty", "text_1")
-    if len(firsts) == 1:
-        firsts = firsts * len(seconds)
-    if len(firsts) != len(seconds):
-        raise ApiError(400, f"text_1 has {len(firsts)} texts and text_2 {len(seconds)}: give "
-                            f"one text_1, or lists of one length", "text_2")
+    """ApiError(400) naming text_2 where the texts do not pair (pooling.paired_texts)."""
+    try:
+        firsts, seconds = paired_texts(body.text_1, body.text_2)
+    except ValueError as e:
+        raise ApiError(400, str(e), "text_2") from None
     return Pairs(firsts, seconds, body)
 
 
