@@ -105,9 +105,9 @@ class SamplingParams:
     `embed` (vLLM's pooling, served at /v1/embeddings and `LLM.embed`) asks for the prompt's
     embedding instead of text: the final norm's hidden state of its last token, L2-normalized,
     sent with the request's one token (max_tokens 1), which is not an output.
-    `lora_name` names the LoRA adapter the request runs with (one the engine loaded:
-    `Limits.lora_adapters`; None: the base model); its prefix-cache entries are the adapter's
-    own (`prefix_namespace`).
+    `lora_name` names the LoRA adapter the request runs with (one loaded at the time the
+    scheduler takes the request, at start-up or since; None: the base model); its prefix-cache
+    entries are the adapter's own (`prefix_namespace`, and per load: `Req.prefix_namespace`).
     `truncate_prompt_tokens=k` (vLLM's) keeps only the prompt's last k tokens (-1: the
     context length's worth; `truncate_prompt`). `stop` (strings that end the output, which
     leaves them out unless
@@ -409,8 +409,9 @@ class Limits(NamedTuple):
     max_prefill_tokens: int  # new tokens one prefill batch takes at most (the chunk size)
     # --scheduling-policy priority: requests' `priority` orders the queue (else it must be 0)
     priority_scheduling: bool = False
-    # The LoRA adapters loaded, by name; a request's adapter runs in slot index(name).
-    lora_adapters: Tuple[str, ...] = ()
+    # LoRA adapter slots (0: LoRA is off). Which adapters they hold changes at run time, so a
+    # request's adapter name is checked by the scheduler as it takes the request.
+    lora_slots: int = 0
 
     @property
     def kv_capacity(self) -> int:
@@ -511,10 +512,10 @@ def check_request(ids: Sequence[int], params: SamplingParams, limits: Limits) ->
     error = _structured_error(params.structured)
     if error is not None:
         raise RequestError(error, "structured")
-    if params.lora_name is not None and params.lora_name not in limits.lora_adapters:
-        loaded = ", ".join(limits.lora_adapters) or "none"
-        raise RequestError(f"LoRA adapter {params.lora_name!r} is not loaded (loaded: "
-                           f"{loaded})", "model")
+    if params.lora_name is not None and limits.lora_slots == 0:
+        raise RequestError(f"LoRA adapter {params.lora_name!r} asked for, but this engine "
+                           f"serves none (start it with --enable-lora or --lora-modules)",
+                           "model")
     if params.priority != 0 and not limits.priority_scheduling:
         raise RequestError(f"priority {params.priority} needs the priority scheduling policy "
                            f"(--scheduling-policy priority); this engine serves first come, "
@@ -588,6 +589,17 @@ class Req:
     # With params.structured: its matcher (a minisgl.grammar.RequestGrammar), set when its
     # grammar has compiled, before it is queued for admission.
     grammar: object = None
+    # With params.lora_name: the slot and load of that adapter when the scheduler took the
+    # request (it keeps them until it retires, whatever is loaded or unloaded meanwhile).
+    lora: Optional["LoraBinding"] = None
+
+    @property
+    def prefix_namespace(self) -> Optional[str]:
+        """Its prefix-cache namespace: the params' (`SamplingParams.prefix_namespace`),
+        and with an adapter that adapter's load, so that an adapter unloaded and loaded again
+        under the same name (other weights, perhaps) never matches its predecessor's K/V."""
+        base = self.params.prefix_namespace
+        return base if self.lora is None else f"{base}\x00load:{self.lora.load}"
 
     @property
     def max_tokens(self) -> int:
@@ -691,12 +703,22 @@ class PoolingParams:
 @dataclass(frozen=True)
 class LoRARequest:
     """vLLM's name for the LoRA adapter an offline request runs with (`LLM.generate`'s
-    `lora_request`): `lora_name` must be one the `LLM` loaded (`lora_modules`), and
-    `lora_path`, where given, that adapter's directory; `lora_int_id` is vLLM's id, unused."""
+    `lora_request`, `LLM.add_lora`): `lora_name` one the `LLM` loaded (`lora_modules`,
+    `add_lora`), or, with `lora_path` (its PEFT directory), one it loads on first use;
+    `lora_int_id` is vLLM's id, unused."""
 
     lora_name: str
     lora_int_id: int = 0
     lora_path: str = ""
+
+
+class LoraBinding(NamedTuple):
+    """A request's LoRA adapter as the scheduler resolved its name: the engine slot holding
+    it and the adapter's load number (counted alike on every rank: the same loads in the
+    same order)."""
+
+    slot: int
+    load: int
 
 
 class LoraRows(NamedTuple):

@@ -18,9 +18,10 @@ import shutil
 import tempfile
 import weakref
 from array import array
+from collections import OrderedDict
 from pathlib import Path
-from typing import (Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union,
-                    cast)
+from typing import (Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple,
+                    Union, cast)
 
 import torch
 import zmq
@@ -35,9 +36,10 @@ from minisgl.distributed.comm import Communicator
 from minisgl.engine import Engine
 from minisgl.message import AbortMsg, BatchTokenOut, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.message.queue import PullQueue, PushQueue
-from minisgl.message.types import AccountingMsg, AccountingReply
+from minisgl.message.types import AccountingMsg, AccountingReply, AdapterMsg
 from minisgl.models import ModelConfig
 from minisgl.models.generation import sampling_defaults
+from minisgl.models.lora_config import read_adapter
 from minisgl.models.path import resolve_model_path
 from minisgl.models.pooling import dimensions_error, paired_texts, pooling_refusal, shortened
 from minisgl.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
@@ -375,7 +377,10 @@ class LLM:
         if isinstance(overrides.get("hf_overrides"), dict):  # vLLM's dict, as the flag's JSON
             overrides["hf_overrides"] = json.dumps(overrides["hf_overrides"])
         cfg = build(SchedulerConfig(), overrides, "LLM()")
-        self._lora_adapters = cfg.engine.lora_adapters
+        # The LoRA adapters loaded (name -> directory), least recently used first
+        self._adapters: "OrderedDict[str, str]" = OrderedDict(cfg.engine.lora_adapters)
+        self._lora_slots = cfg.engine.lora_slots
+        self._lora_runtime, self._max_lora_rank = cfg.engine.lora_runtime, cfg.engine.max_lora_rank
         tp = cfg.engine.tp
         self.model_path = resolve_model_path(model, cfg.engine.revision,
                                              cfg.engine.download_dir)
@@ -560,27 +565,92 @@ class LLM:
 
     def _with_lora(self, params: List[SamplingParams], requests: LoraRequests
                    ) -> List[SamplingParams]:
-        """The params with each prompt's adapter (`generate`'s lora_request); ValueError for
-        an adapter this LLM did not load, or loaded from another directory."""
+        """The params with each prompt's adapter (`generate`'s lora_request), loading those
+        not loaded that give a lora_path (as vLLM does; `add_lora`); ValueError for one that
+        gives none, or names an adapter loaded from another directory."""
         if requests is None:
             return params
         per_prompt = [requests] * len(params) if isinstance(requests, LoRARequest) else requests
         if len(per_prompt) != len(params):
             raise ValueError(f"lora_request must be one LoRARequest or one per prompt "
                              f"({len(params)}), got {len(per_prompt)}")
-        loaded = dict(self._lora_adapters)
-        out = []
-        for p, req in zip(params, per_prompt):
-            if req is not None and req.lora_name not in loaded:
-                raise ValueError(f"LoRA adapter {req.lora_name!r} is not loaded (loaded: "
-                                 f"{', '.join(loaded) or 'none'}): minisgl loads adapters at "
-                                 f"start-up, LLM(..., lora_modules={{name: path}})")
-            if req is not None and req.lora_path and not _same_dir(req.lora_path,
-                                                                   loaded[req.lora_name]):
-                raise ValueError(f"LoRA adapter {req.lora_name!r} was loaded from "
-                                 f"{loaded[req.lora_name]}, not {req.lora_path}")
-            out.append(p if req is None else dataclasses.replace(p, lora_name=req.lora_name))
-        return out
+        wanted = {r.lora_name for r in per_prompt if r is not None}
+        for req in dict.fromkeys(r for r in per_prompt if r is not None):
+            self._ensure_loaded(req, wanted)
+        return [p if req is None else dataclasses.replace(p, lora_name=req.lora_name)
+                for p, req in zip(params, per_prompt)]
+
+    def _ensure_loaded(self, req: LoRARequest, keep: Set[str]) -> None:
+        """Adapter `req` loaded (most recently used now): loaded already from its lora_path
+        (if it gives one), or loaded now, unloading the least recently used adapter outside
+        `keep` (the call's) where every slot is taken."""
+        name, path = req.lora_name, req.lora_path
+        if name in self._adapters:
+            if path and not _same_dir(path, self._adapters[name]):
+                raise ValueError(f"LoRA adapter {name!r} was loaded from "
+                                 f"{self._adapters[name]}, not {path}")
+            self._adapters.move_to_end(name)
+            return
+        if not path:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded (loaded: "
+                             f"{', '.join(self._adapters) or 'none'}) and the LoRARequest "
+                             f"gives no lora_path to load it from")
+        self._check_loadable(name, path)  # before anything is unloaded for it
+        if len(self._adapters) >= self._lora_slots > 0:
+            idle = next((n for n in self._adapters if n not in keep), None)
+            if idle is None:
+                raise ValueError(f"this call's {len(keep)} LoRA adapters do not fit the "
+                                 f"{self._lora_slots} slots (LLM(..., max_loras=N))")
+            self.remove_lora(idle)
+        self.add_lora(req)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load adapter `lora_request.lora_name` from its `lora_path` on every rank (vLLM's
+        `add_lora`); False where that name is loaded already. ValueError why it cannot load
+        (no LoRA slots: `LLM(..., enable_lora=True)`; every slot taken: `remove_lora`; the
+        adapter's files)."""
+        name, path = lora_request.lora_name, lora_request.lora_path
+        if name in self._adapters:
+            return False
+        if not path:
+            raise ValueError(f"LoRA adapter {name!r}: add_lora needs its lora_path")
+        self._check_loadable(name, path)
+        self._adapter_change(AdapterMsg(next(self._uids), name, str(path)))
+        self._adapters[name] = str(path)
+        return True
+
+    def _check_loadable(self, name: str, path: str) -> None:
+        """ValueError where adapter `name` at `path` cannot load, as far as this process can
+        tell (LoRA at run time off; its config: models/lora_config.py); the ranks check the
+        rest (its tensors)."""
+        if not self._lora_runtime:
+            raise ValueError("loading LoRA adapters at run time needs --enable-lora (or "
+                             "--max-loras) at start-up: LLM(..., enable_lora=True)")
+        read_adapter(name, path, self._max_lora_rank)
+
+    def remove_lora(self, name: str) -> bool:
+        """Unload adapter `name` on every rank; False where it was not loaded."""
+        if name not in self._adapters:
+            return False
+        self._adapter_change(AdapterMsg(next(self._uids), name))
+        del self._adapters[name]
+        return True
+
+    def list_loras(self) -> List[str]:
+        """The names of the adapters loaded, least recently used first."""
+        return list(self._adapters)
+
+    def _adapter_change(self, msg: AdapterMsg) -> None:
+        """Send `msg` to the ranks and wait for rank 0's answer (between calls: no request
+        is in flight); ValueError with its error."""
+        self._backend.submit(msg)
+        while True:
+            for out in self._backend.poll():
+                if out.uid == msg.uid:
+                    self._backend.drain()
+                    if out.error is not None:
+                        raise ValueError(out.error)
+                    return
 
     def _per_prompt(self, params: Union[None, SamplingParams, Sequence[SamplingParams]], n: int
                     ) -> List[SamplingParams]:

@@ -8,10 +8,16 @@ page table; its next token is a hash of that context (`next_token`). So a reques
 right KV, through chunking, prefix sharing, eviction and retraction. Like the real engine, a
 decode batch's input is the row's last sampled token (`last`), which with overlap the host has
 not seen yet; so is a mixed step's decode rows' (Batch.num_decode).
+
+LoRA adapters: `load_adapter` gives the slot a code (a hash of the adapter's path; a path
+ending in "bad" fails), and a request bound to the slot writes its tokens into the KV pool
+shifted by `SHIFT * code` (`lora_reference`), so its tokens show which adapter each of its
+steps saw, and a prefix cached under another adapter (or another load) gives other tokens.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -23,6 +29,7 @@ from minisgl.distributed import DistributedInfo
 from minisgl.engine import EngineConfig
 from minisgl.engine.logprobs import prompt_rows
 from minisgl.message import AbortMsg, TokenOut, UserMsg
+from minisgl.message.types import AdapterMsg
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.io import LocalIO
 from minisgl.scheduler.scheduler import Accounting, Scheduler
@@ -44,6 +51,26 @@ def reference(prompt: Sequence[int], n: int) -> List[int]:
     for _ in range(n):
         seq.append(next_token(seq))
     return seq[len(prompt):]
+
+
+SHIFT = 7_919  # prime, so no adapter's shift vanishes in next_token's modulo
+
+
+def adapter_code(path: str) -> int:
+    """The code the fake engine gives an adapter loaded from `path`."""
+    return 1 + zlib.crc32(path.encode()) % 997
+
+
+def lora_reference(prompt: Sequence[int], n: int, path: Optional[str]) -> List[int]:
+    """The `n` tokens the fake generates after `prompt` with the adapter of `path` (None:
+    none) bound throughout."""
+    shift = SHIFT * adapter_code(path) if path is not None else 0
+    seq = [t + shift for t in prompt]
+    out: List[int] = []
+    for _ in range(n):
+        out.append(next_token(seq))
+        seq.append(out[-1] + shift)
+    return out
 
 
 def fake_logprob(token: int) -> TokenLogprobs:
@@ -87,6 +114,18 @@ class FakeEngine:
         self.steps: List[Step] = []
         self.pending: Deque[FakeLaunch] = deque()  # launched, not yet collected
         self.most_pending = 0
+        self.slot_codes: Dict[int, int] = {}  # LoRA slot -> its adapter's code (loaded ones)
+
+    def load_adapter(self, slot: int, name: str, path: str) -> None:
+        if path.endswith("bad"):
+            raise ValueError(f"LoRA adapter {name!r}: no adapter_config.json in {path}")
+        self.slot_codes[slot] = adapter_code(path)
+
+    def clear_adapter(self, slot: int) -> None:
+        self.slot_codes.pop(slot, None)
+
+    def _shift(self, req: Req) -> int:
+        return 0 if req.lora is None else SHIFT * self.slot_codes[req.lora.slot]
 
     def start_request(self, req: Req) -> None:
         self.row_owner[req.table_row] = req.uid
@@ -126,9 +165,9 @@ class FakeEngine:
                                                    batch.extend_lens)):
             if i >= batch.first_decode:
                 assert ext == 1 and prefix == req.device_len - 1, "a decode row's one new token"
-                new.append(self.last[req.table_row])
+                new.append(self.last[req.table_row] + self._shift(req))
             else:
-                new.extend(req.token_ids[prefix:prefix + ext])
+                new.extend(t + self._shift(req) for t in req.token_ids[prefix:prefix + ext])
         self.kv[batch.out_slots.long()] = torch.tensor(new, dtype=torch.int64)
 
     def _sample(self, req: Req, seq_len: int) -> int:
@@ -165,13 +204,15 @@ class Harness:
     decode_reserve_tokens: Optional[int] = None
     cache: str = "radix"
     scheduling_policy: str = "fcfs"
+    max_loras: int = 0  # LoRA adapter slots (EngineConfig.max_loras)
     max_context: int = 1024
     tokens: Dict[int, List[int]] = field(default_factory=dict)  # every token sent, by uid
     outs: List[TokenOut] = field(default_factory=list)  # everything sent, in order
 
     def __post_init__(self) -> None:
         engine_cfg = EngineConfig("fake", DistributedInfo(0, 1), page_size=self.page_size,
-                                  max_running_requests=self.max_running_requests)
+                                  max_running_requests=self.max_running_requests,
+                                  max_loras=self.max_loras)
         cfg = SchedulerConfig(engine_cfg, max_prefill_tokens=self.max_prefill_tokens,
                               cache=self.cache, overlap=self.overlap,
                               mixed_steps=self.mixed,
@@ -189,6 +230,10 @@ class Harness:
 
     def abort(self, uid: int) -> None:
         self.io.inbox.append(AbortMsg(uid))
+
+    def adapter(self, uid: int, name: str, path: Optional[str] = None) -> None:
+        """Load LoRA adapter `name` from `path` (None: unload it), as message `uid`."""
+        self.io.inbox.append(AdapterMsg(uid, name, path))
 
     def step(self) -> List[TokenOut]:
         s = self.sched

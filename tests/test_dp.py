@@ -3,7 +3,7 @@
 The router's logic is checked alone (tokenizer/router.py); the service is checked through HTTP
 on the CPU with a random tiny Qwen3: greedy tokens equal to the offline engine's, both replicas
 serving (their metrics carry a `replica` label), a repeated prompt served from one replica's
-prefix cache, and `--dp 2 --tp 2`.
+prefix cache, a LoRA adapter loaded at run time on both replicas, and `--dp 2 --tp 2`.
 """
 
 from __future__ import annotations
@@ -11,13 +11,15 @@ from __future__ import annotations
 import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import httpx
 
 from server_helpers import CPU_ARGS, check_same_as_tp1, serving
 
-from minisgl import LLM, SamplingParams
+from tiny_models import write_lora
+
+from minisgl import LLM, LoRARequest, SamplingParams
 from minisgl.message.types import SchedulerStats
 from minisgl.tokenizer.router import SLACK_PAGES, Router, prefix_keys
 
@@ -64,8 +66,9 @@ def _prompts(n: int, seed: int = 0) -> List[List[int]]:
     return [[rng.randrange(3, 4000) for _ in range(rng.randrange(4, 40))] for _ in range(n)]
 
 
-def _generate(url: str, ids: List[int], max_tokens: int) -> dict:
-    body = {"input_ids": ids, "sampling_params": {"max_tokens": max_tokens, "temperature": 0}}
+def _generate(url: str, ids: List[int], max_tokens: int, lora: Optional[str] = None) -> dict:
+    body = {"input_ids": ids, "sampling_params": {"max_tokens": max_tokens, "temperature": 0},
+            "lora_path": lora}
     r = httpx.post(f"{url}/generate", json=body, timeout=300)
     assert r.status_code == 200, r.text
     return r.json()
@@ -74,18 +77,29 @@ def _generate(url: str, ids: List[int], max_tokens: int) -> dict:
 def test_dp2_matches_the_offline_engine_and_uses_both_replicas(tmp_path: Path,
                                                                tiny_qwen3: Path) -> None:
     prompts = _prompts(32)
-    with LLM(str(tiny_qwen3), max_kv_tokens=8192, show_progress=False) as llm:
-        refs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
-    with serving(["--model", str(tiny_qwen3), "--dp", "2", *CPU_ARGS], tmp_path) as srv:
+    adapter = write_lora(tiny_qwen3, tmp_path / "adapter", seed=3)
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    with LLM(str(tiny_qwen3), max_kv_tokens=8192, show_progress=False, enable_lora=True) as llm:
+        refs = llm.generate(prompts, greedy)
+        lora_refs = llm.generate(prompts, greedy, lora_request=LoRARequest("a", 1, str(adapter)))
+    assert sum(a.token_ids != b.token_ids for a, b in zip(refs, lora_refs)) > 16
+    with serving(["--model", str(tiny_qwen3), "--dp", "2", "--enable-lora", *CPU_ARGS],
+                 tmp_path) as srv:
         assert httpx.get(f"{srv.url}/health").status_code == 200
         with ThreadPoolExecutor(len(prompts)) as pool:
             got = list(pool.map(lambda p: _generate(srv.url, p, 8), prompts))
         assert [g["token_ids"] for g in got] == [r.token_ids for r in refs]
+        r = httpx.post(f"{srv.url}/v1/load_lora_adapter", timeout=60,
+                       json={"lora_name": "a", "lora_path": str(adapter)})
+        assert r.status_code == 200, r.text
+        with ThreadPoolExecutor(len(prompts)) as pool:  # both replicas serve "a"
+            got = list(pool.map(lambda p: _generate(srv.url, p, 8, "a"), prompts))
+        assert [g["token_ids"] for g in got] == [r.token_ids for r in lora_refs]
         name = "minisgl_generation_tokens_total"
         m = srv.wait_metrics(lambda m: sum(m.get(f'{name}{{replica="{d}"}}', 0)
-                                           for d in (0, 1)) >= 8 * len(prompts))
+                                           for d in (0, 1)) >= 16 * len(prompts))
         per_replica = [m.get(f'{name}{{replica="{d}"}}', 0) for d in (0, 1)]
-        assert all(n > 0 for n in per_replica) and sum(per_replica) == 8 * len(prompts), m
+        assert all(n > 0 for n in per_replica) and sum(per_replica) == 16 * len(prompts), m
         assert name not in m  # every scheduler line carries its replica
         long_prompt = _prompts(1, seed=7)[0] * 6  # well over a few KV pages
         cached = [_generate(srv.url, long_prompt, 2)["usage"]["prompt_tokens_details"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_reference import mixed_prompts
-from minisgl import LLM, SamplingParams
+from minisgl import LLM, LoRARequest, SamplingParams
 from minisgl.core import Batch, Phase, Req
 from tiny_models import build_tiny
 
@@ -64,17 +64,21 @@ def test_gpu_sliding_window_matches_cpu(family: str, window: dict, tmp_path: Pat
 def test_gpu_lora_matches_cpu(tmp_path: Path) -> None:
     """LoRA on CUDA (float32): requests of two adapters and of none, decoding side by side
     (batches with adapter tokens run eager, the base model's alone replay decode graphs), give
-    the CPU's tokens."""
+    the CPU's tokens; the second adapter loads at run time into a slot a former one used."""
     from tiny_models import write_lora
     path = build_tiny("llama", tmp_path / "llama", None)
-    modules = ",".join(f"a{i}={write_lora(path, tmp_path / f'a{i}', i)}" for i in (1, 2))
+    a1, a2, a3 = (str(write_lora(path, tmp_path / f"a{i}", i)) for i in (1, 2, 3))
     prompts = mixed_prompts(6, seed=6)
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
                              lora_name=[None, "a1", "a2"][i % 3]) for i in range(6)]
 
     def run(device: str) -> List[List[int]]:
-        with LLM(str(path), device=device, dtype="float32", lora_modules=modules,
-                 show_progress=False) as llm:
+        with LLM(str(path), device=device, dtype="float32", lora_modules=f"a1={a1}",
+                 max_loras=2, show_progress=False) as llm:
+            llm.add_lora(LoRARequest("a3", 3, a3))
+            llm.generate(prompts[:2], GREEDY, lora_request=LoRARequest("a3"))
+            llm.remove_lora("a3")
+            llm.add_lora(LoRARequest("a2", 2, a2))  # into a3's slot
             return [o.token_ids for o in llm.generate(prompts, params)]
 
     assert run("cuda") == run("cpu")

@@ -92,16 +92,27 @@ def test_adapters_in_mixed_steps_and_overlap(base: Path, adapters: Dict[str, Pat
     assert [o.token_ids for o in outs] == _expected(base, adapters, prompts, names)
 
 
-def test_tp2_adapters_match_peft(base: Path, adapters: Dict[str, Path]) -> None:
+def test_tp2_adapters_match_peft(base: Path, adapters: Dict[str, Path], tmp_path: Path) -> None:
     """tp=2: each rank holds A whole and its rows of B (q/k/v, gate/up), or its columns of A
-    and B whole (o, down: the all-reduce sums the deltas)."""
+    and B whole (o, down: the all-reduce sums the deltas). "few" loads at run time on both
+    ranks; a load that fails (a truncated file) leaves both ranks as they were."""
     prompts = mixed_prompts(4, seed=4, lengths=(5, 21))
     names: List[Optional[str]] = ["all", "few", None, "all"]
     with LLM(str(base), device="cpu", tp=2, page_size=4, max_kv_tokens=4096,
-             show_progress=False, lora_modules=_modules(adapters)) as llm:
-        outs = llm.generate(prompts, [SamplingParams(max_tokens=NEW, temperature=0.0,
-                                                     ignore_eos=True, lora_name=n)
-                                      for n in names])
+             show_progress=False, lora_modules={"all": str(adapters["all"])},
+             max_loras=3) as llm:
+        few = LoRARequest("few", 2, str(adapters["few"]))
+        outs = llm.generate(prompts, GREEDY, lora_request=[None if n is None else (
+            few if n == "few" else LoRARequest(n)) for n in names])
+        broken = tmp_path / "broken"
+        broken.mkdir()
+        for f in adapters["few"].iterdir():
+            cut = 200 if f.suffix == ".safetensors" else None
+            (broken / f.name).write_bytes(f.read_bytes()[:cut])
+        with pytest.raises(ValueError, match="SafetensorError"):
+            llm.add_lora(LoRARequest("late", 3, str(broken)))
+        assert llm.list_loras() == ["all", "few"]
+        assert llm.check_accounting().live_requests == 0
     assert [o.token_ids for o in outs] == _expected(base, adapters, prompts, names)
 
 
@@ -141,8 +152,8 @@ def test_hand_written_adapter_reads_as_peft_reads_it(base: Path, tmp_path: Path)
 
 def test_vllm_lora_request(base: Path, adapters: Dict[str, Path]) -> None:
     """vLLM's `generate(..., lora_request=LoRARequest(name, id, path))`, for all prompts or one
-    each, in `chat` too; an adapter not loaded, or loaded from another directory, is a
-    ValueError naming it."""
+    each, in `chat` too; an adapter not loaded and given no path (or a path that holds none),
+    or loaded from another directory, is a ValueError naming it."""
     prompts = mixed_prompts(2, seed=5, lengths=(6, 11))
     with LLM(str(base), device="cpu", page_size=4, max_kv_tokens=2048, show_progress=False,
              lora_modules={k: str(v) for k, v in adapters.items()}) as llm:
@@ -151,7 +162,9 @@ def test_vllm_lora_request(base: Path, adapters: Dict[str, Path]) -> None:
         each = llm.generate(prompts, GREEDY, lora_request=[LoRARequest("all", 2), None])
         chat = llm.chat([{"role": "user", "content": "Hi"}], GREEDY,
                         lora_request=LoRARequest("all", 2))
-        with pytest.raises(ValueError, match="'other' is not loaded .*lora_modules"):
+        with pytest.raises(ValueError, match="'other' is not loaded .*gives no lora_path"):
+            llm.generate(prompts, GREEDY, lora_request=LoRARequest("other", 3))
+        with pytest.raises(ValueError, match="at run time needs --enable-lora"):
             llm.generate(prompts, GREEDY, lora_request=LoRARequest("other", 3, "/x"))
         with pytest.raises(ValueError, match="'few' was loaded from .*, not /elsewhere"):
             llm.generate(prompts, GREEDY, lora_request=LoRARequest("few", 1, "/elsewhere"))
@@ -161,6 +174,33 @@ def test_vllm_lora_request(base: Path, adapters: Dict[str, Path]) -> None:
     assert [o.token_ids for o in one] == _expected(base, adapters, prompts, ["few", "few"])
     assert [o.token_ids for o in each] == _expected(base, adapters, prompts, ["all", None])
     assert len(chat[0].outputs[0].token_ids) == NEW
+
+
+def test_adapters_load_at_run_time_least_recently_used_out(
+        base: Path, adapters: Dict[str, Path], tmp_path: Path) -> None:
+    """vLLM's offline LoRA: `LLM(enable_lora=True)` starts with no adapter, and a
+    LoRARequest's lora_path loads it on first use; with every slot taken the least recently
+    used adapter the call does not need is unloaded. A failed load changes nothing; the
+    prefix cache never serves one adapter's K/V to another loaded into the same slot."""
+    prompts = mixed_prompts(2, seed=8, lengths=(9, 17))
+    a, f = (LoRARequest(n, i, str(adapters[n])) for i, n in ((1, "all"), (2, "few")))
+    with LLM(str(base), device="cpu", page_size=4, max_kv_tokens=2048, show_progress=False,
+             enable_lora=True) as llm:
+        first = llm.generate(prompts, GREEDY, lora_request=a)
+        second = llm.generate(prompts, GREEDY, lora_request=f)  # "all" out, "few" in slot 0
+        assert llm.list_loras() == ["few"]
+        with pytest.raises(ValueError, match="2 LoRA adapters do not fit the 1 slots"):
+            llm.generate(prompts, GREEDY, lora_request=[a, f])
+        with pytest.raises(ValueError, match="no adapter_config.json"):
+            llm.add_lora(LoRARequest("gone", 3, str(tmp_path / "missing")))
+        assert not llm.add_lora(f) and llm.list_loras() == ["few"]
+        assert llm.remove_lora("few") and not llm.remove_lora("few")
+        third = llm.generate(prompts, GREEDY, lora_request=a)  # back in the same slot
+        assert all(o.cached_tokens == 0 for o in second + third)
+        assert llm.check_accounting().live_requests == 0
+    assert [o.token_ids for o in first] == _expected(base, adapters, prompts, ["all"] * 2)
+    assert [o.token_ids for o in second] == _expected(base, adapters, prompts, ["few"] * 2)
+    assert [o.token_ids for o in third] == [o.token_ids for o in first]
 
 
 def _refusal(base: Path, adapter: Path, match: str, **kw: object) -> None:
@@ -199,8 +239,8 @@ def test_adapted_modules_and_models_minisgl_cannot_serve_are_refused(
         LLM(str(base), device="cpu", lora_modules="x")
     with pytest.raises(ValueError, match="lora_modules names a more than once"):
         LLM(str(base), device="cpu", lora_modules="a=/p,a=/q")
-    with pytest.raises(ValueError, match="enable_lora needs lora_modules"):
-        LLM(str(base), device="cpu", enable_lora=True)
+    with pytest.raises(ValueError, match="max_loras 1 is fewer than the 2 adapters"):
+        LLM(str(base), device="cpu", lora_modules="a=/p,b=/q", max_loras=1)
     _refusal(base, adapters["few"], "dense models with unquantized weights; this "
              "LlamaForCausalLM has FP8 weights", quantization="fp8")
     _refusal(tiny_model("qwen3_moe"), adapters["few"], "this Qwen3MoeForCausalLM has 8 experts")
@@ -210,10 +250,12 @@ def test_http_model_field_picks_the_adapter(base: Path, adapters: Dict[str, Path
                                             tmp_path: Path) -> None:
     """Over HTTP an adapter is a model: /v1/models lists it (its parent the base model), a
     completion naming it runs with it (and says so in its `model`), SGLang's /generate takes
-    its `lora_path`, and a name neither served nor loaded is a 404."""
+    its `lora_path`, and a name neither served nor loaded is a 404. Adapters load and unload
+    at run time through vLLM's and SGLang's endpoints, each refusal a 4xx naming why."""
     prompt = mixed_prompts(1, seed=6, lengths=(9,))[0]
-    want = _expected(base, adapters, [prompt, prompt], ["all", None])
-    args = ["--model", str(base), *CPU_ARGS, "--lora-modules", _modules(adapters)]
+    want = _expected(base, adapters, [prompt, prompt, prompt], ["all", None, "few"])
+    args = ["--model", str(base), *CPU_ARGS, "--lora-modules", _modules(adapters),
+            "--max-loras", "3"]
     with serving(args, tmp_path) as srv:
         models = httpx.get(f"{srv.url}/v1/models").json()["data"]
         assert [(m["id"], m["parent"]) for m in models[1:]] == [("all", models[0]["id"]),
@@ -240,6 +282,35 @@ def test_http_model_field_picks_the_adapter(base: Path, adapters: Dict[str, Path
                          timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
         assert "(loaded: all, few)" in bad.json()["error"]["message"]
+        _load_and_unload_at_run_time(srv.url, adapters, {**body, "model": "late"}, want[2])
+
+
+def _load_and_unload_at_run_time(url: str, adapters: Dict[str, Path], body: dict,
+                                 want: List[int]) -> None:
+    """With "all" and "few" loaded into 3 slots: "late" (few's files) loads, serves, refuses
+    to load twice; a missing directory and a fourth adapter are refused; "late" unloads and
+    is gone."""
+    load = {"lora_name": "late", "lora_path": str(adapters["few"])}
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json=load, timeout=60)
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'late' added successfully."
+    again = httpx.post(f"{url}/v1/load_lora_adapter", json=load, timeout=60)
+    assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+    assert "late" in [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
+    out = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    assert out["model"] == "late" and out["choices"][0]["token_ids"] == want
+    missing = httpx.post(f"{url}/load_lora_adapter", timeout=60,
+                         json={"lora_name": "x", "lora_path": "/nonexistent"})
+    assert missing.status_code == 400 and not missing.json()["success"]
+    assert "no adapter_config.json in /nonexistent" in missing.json()["error_message"]
+    full = httpx.post(f"{url}/load_lora_adapter", timeout=60,
+                      json={"lora_name": "fourth", "lora_path": str(adapters["all"])})
+    assert "every one of the 3 LoRA adapter slots is taken" in full.json()["error_message"]
+    gone = httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "late"}, timeout=60)
+    assert gone.json() == {"success": True, "error_message": "", "loaded_adapters": {
+        "all": str(adapters["all"]), "few": str(adapters["few"])}}
+    twice = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=60)
+    assert twice.status_code == 404
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 404
 
 
 def test_an_adapter_named_like_the_served_model_is_refused() -> None:
@@ -262,6 +333,18 @@ def test_lora_modules_take_vllms_json_form() -> None:
         EngineConfig(lora_modules='{"name": 1}')
     with pytest.raises(ValueError, match="lora_modules is not JSON"):
         EngineConfig(lora_modules="{name")
+
+
+def test_lora_lists_take_several_words_as_vllm_and_sglang_do() -> None:
+    """`--lora-modules a=/p b=/q` (vLLM; SGLang's --lora-paths too), JSON objects likewise;
+    the words after the list stay flags and the model."""
+    from minisgl.server.args import parse_args
+    cfg = parse_args(["--lora-modules", "a=/p", "b=/q", "--max-loras", "3", "m"])
+    assert cfg.engine.lora_adapters == (("a", "/p"), ("b", "/q"))
+    assert cfg.engine.max_loras == 3 and cfg.model == "m"
+    objs = ['{"name": "a", "path": "/p"}', '{"name": "b", "path": "/q"}']
+    assert parse_args(["--lora-paths", *objs, "m"]).engine.lora_adapters == (
+        ("a", "/p"), ("b", "/q"))
 
 
 def test_the_launcher_names_a_bad_adapter_before_any_rank_starts(base: Path,

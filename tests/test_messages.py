@@ -67,6 +67,8 @@ SAMPLES: Dict[str, Any] = {
     "Drain": [T.Drain(30.0), T.Drain(0.0)],
     "AccountingMsg": [T.AccountingMsg(seq=3)],
     "AccountingReply": [T.AccountingReply(3, 100, 20, 8, 128, 4, 250, 257, 1, 12, 2)],
+    "AdapterMsg": [T.AdapterMsg(7, "sql", "/adapters/sql"), T.AdapterMsg(8, "sql")],
+    "AdapterRequest": [T.AdapterRequest(1, T.AdapterMsg(9, "é", "/a b/ü"))],
 }
 
 

@@ -75,12 +75,18 @@ class EngineConfig:
         None, "LoRA adapters served beside the base model, NAME=PATH pairs separated by commas "
               "(PEFT directories: adapter_config.json, adapter_model.safetensors); a request "
               "runs with one by naming it as its model (offline: lora_request or "
-              "SamplingParams.lora_name). All load at start-up on every rank; dense models "
-              "with unquantized weights only", also=("lora-paths",))
+              "SamplingParams.lora_name). They load at start-up on every rank; more load and "
+              "unload at run time (/v1/load_lora_adapter, /v1/unload_lora_adapter; offline: "
+              "LLM.add_lora). Dense models with unquantized weights only",
+        also=("lora-paths",))
     max_lora_rank: int = setting(16, "the largest rank a LoRA adapter may have (the adapters' "
                                      "buffers are sized for it)")
-    enable_lora: bool = setting(False, "vLLM's switch: here a check that --lora-modules names "
-                                       "adapters (they load at start-up only)")
+    max_loras: int = setting(
+        0, "LoRA adapter slots: how many adapters may be loaded at once (each slot's buffers "
+           "are allocated at start-up). 0: as many as lora_modules names, and at least 1 with "
+           "enable_lora", also=("max-loaded-loras",))
+    enable_lora: bool = setting(False, "serve LoRA adapters: with no lora_modules, the slots "
+                                       "(max_loras) start empty and adapters load at run time")
     load_format: str = setting("auto", "auto (the model directory's safetensors) or dummy "
                                        "(random weights from config.json alone, for benchmarks "
                                        "of large shapes)", choices=LOAD_FORMATS)
@@ -169,9 +175,11 @@ class EngineConfig:
                              f"{self.prefill_graph_tokens}")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
-        if self.enable_lora and not adapters:
-            raise ValueError("enable_lora needs lora_modules (NAME=PATH,...): minisgl loads "
-                             "LoRA adapters at start-up only")
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
+        if 0 < self.max_loras < len(adapters):
+            raise ValueError(f"max_loras {self.max_loras} is fewer than the {len(adapters)} "
+                             f"adapters lora_modules names (each loaded adapter takes a slot)")
         if self.allreduce == "symm-fused" and not self.fused_ops:
             raise ValueError("allreduce 'symm-fused' fuses the all-reduce into the Triton "
                              "RMSNorm and needs fused_ops; use 'symm' without them")
@@ -221,6 +229,19 @@ class EngineConfig:
             raise ValueError(f"hf_overrides must be a JSON object of config.json keys, got "
                              f"{self.hf_overrides!r:.80}")
         return value
+
+    @property
+    def lora_slots(self) -> int:
+        """LoRA adapter slots of the model (0: LoRA off): max_loras where set, else one per
+        lora_modules adapter, at least one with enable_lora."""
+        wanted = self.max_loras or len(self.lora_adapters)
+        return max(wanted, 1) if self.enable_lora or self.max_loras else wanted
+
+    @property
+    def lora_runtime(self) -> bool:
+        """Adapters may load at run time (HTTP, LLM.add_lora): asked for by enable_lora or
+        max_loras (vLLM's rule: LoRA needs its switch), not by lora_modules alone."""
+        return self.enable_lora or self.max_loras > 0
 
     @property
     def lora_adapters(self) -> Tuple[Tuple[str, str], ...]:

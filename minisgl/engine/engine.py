@@ -38,7 +38,7 @@ from minisgl.kvcache.pool import FP8_KV_DTYPE, KVScales
 from minisgl.layers import blas
 from minisgl.layers.lora import LoraShape
 from minisgl.models import CausalLM, ModelConfig, model_class
-from minisgl.models.lora import load_adapters
+from minisgl.models.lora import clear_slot, load_adapter, load_adapters
 from minisgl.models.lora_config import read_adapter
 from minisgl.models.quantization import quant_plan
 from minisgl.models.kv_scales import KVScaleCollector
@@ -198,8 +198,6 @@ class Engine:
         self.policy = kernel_policy(cfg, self.device)
         check_kv_cache_dtype(cfg, self.device)
         self.model_cfg = ModelConfig.from_dir(Path(cfg.model_path), cfg.hf_override_dict)
-        # The LoRA adapters, in slot order (the config's, on every rank)
-        self.lora_names = tuple(name for name, _ in cfg.lora_adapters)
         self.model, kv_scales = self._load_model(groups)
         on_progress(f"weights loaded in {time.perf_counter() - start:.1f} s")
         self.max_context = cfg.context_length(self.model_cfg.max_context)
@@ -297,7 +295,8 @@ class Engine:
         dtype = temporarily(torch.get_default_dtype, torch.set_default_dtype, self.cfg.torch_dtype)
         adapters = [read_adapter(name, path, self.cfg.max_lora_rank)
                     for name, path in self.cfg.lora_adapters]
-        lora = LoraShape(len(adapters), self.cfg.max_lora_rank) if adapters else None
+        slots = self.cfg.lora_slots
+        lora = LoraShape(slots, self.cfg.max_lora_rank) if slots else None
         with torch.device(self.device), dtype:
             model = cls(self.model_cfg, self.cfg.tp_info, groups.comm, self.policy, quant, lora)
         scales = KVScaleCollector(self.model_cfg.num_layers)
@@ -312,6 +311,19 @@ class Engine:
                            "uses 1.0 for every layer (K/V beyond +-448 saturate)",
                            self.cfg.tp_info.rank)
         return model.eval(), scales.scales()
+
+    def load_adapter(self, slot: int, name: str, path: str) -> None:
+        """LoRA adapter `name` from PEFT directory `path` into `slot` (the scheduler's
+        choice, alike on every rank; no launched batch uses the slot). ValueError or the
+        files' own error why not; the slot is then left empty."""
+        adapter = read_adapter(name, path, self.cfg.max_lora_rank)
+        with torch.no_grad():
+            load_adapter(self.model, slot, adapter)
+
+    def clear_adapter(self, slot: int) -> None:
+        """Empty LoRA `slot` (a load that failed on another rank)."""
+        with torch.no_grad():
+            clear_slot(self.model, slot)
 
     @property
     def vocab_size(self) -> int:
@@ -387,7 +399,7 @@ class Engine:
         """The model on `batch`: a decode graph's replay where one fits, else eager (with the
         prompt log-probabilities of the requests collecting them; always where some request
         runs with a LoRA adapter, which the graphs do not hold)."""
-        batch.lora = lora_rows(batch, self.lora_names, self.device)
+        batch.lora = lora_rows(batch, self.device)
         embed = () if batch.phase is Phase.DECODE else tuple(  # embeddings end at prefill
             i for i in sampled if batch.reqs[i].params.embed)
         if batch.lora is not None or embed:

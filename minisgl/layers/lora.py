@@ -27,8 +27,8 @@ from minisgl.distributed import Shard
 
 @dataclass(frozen=True)
 class LoraShape:
-    """The adapters a model holds: `slots` of them (every one resident), each of rank at most
-    `max_rank`."""
+    """The adapters a model can hold: `slots` of them (every one resident), each of rank at
+    most `max_rank`."""
 
     slots: int
     max_rank: int
@@ -76,6 +76,11 @@ class LoraSlots(nn.Module):
         rows = slice(self.offsets[part], self.offsets[part] + shard.size)
         self.a[slot, cols] = a.to(self.a.dtype)
         self.b[slot, rows, cols] = (b[shard.start:shard.stop].float() * scaling).to(self.b.dtype)
+
+    def clear(self, slot: int) -> None:
+        """Zero adapter `slot`'s pairs (none loaded there)."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, rows: LoraRows) -> torch.Tensor:
         """y (the projection of x, [T, out_local]) plus each adapter's delta on its tokens'

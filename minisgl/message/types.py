@@ -1,7 +1,7 @@
 """Every message that crosses a process boundary, as plain frozen dataclasses.
 
-Flow: API server -> tokenizer (`TokenizeRequest`, `AbortRequest`) -> scheduler rank 0 (`UserMsg`,
-`AbortMsg`) -> detokenizer (`TokenOut`, `BatchTokenOut`) -> API server (`ReplyChunk`). The
+Flow: API server -> tokenizer (`TokenizeRequest`, `AbortRequest`, `AdapterRequest`) -> scheduler
+rank 0 (`UserMsg`, `AbortMsg`, `AdapterMsg`) -> detokenizer (`TokenOut`, `BatchTokenOut`) -> API server (`ReplyChunk`). The
 offline API at tp > 1 stands in for the tokenizer and detokenizer (and sends `AccountingMsg`).
 Rank 0 forwards the raw bytes of backend messages verbatim to the other ranks, so a backend
 message must decode to the same object on every rank (no process-local state inside).
@@ -68,6 +68,16 @@ class AbortRequest:
     uid: int
 
 
+@dataclass(frozen=True)
+class AdapterRequest:
+    """API server -> tokenizer: `AdapterMsg` `change` for data-parallel replica `replica`
+    (the API server sends one per replica, each with a uid of its own, and gathers their
+    answers)."""
+
+    replica: int
+    change: "AdapterMsg"
+
+
 # --- tokenizer -> scheduler (the "backend" messages rank 0 forwards to other ranks) -----------
 @dataclass(frozen=True)
 class UserMsg:
@@ -96,6 +106,22 @@ class AccountingMsg:
 
     seq: int
     reset_prefix_cache: bool = False
+
+
+@dataclass(frozen=True)
+class AdapterMsg:
+    """Load LoRA adapter `name` from PEFT directory `path` into a free slot, or unload it
+    (`path` None), on every rank of a replica at the same step (rank 0 forwards it like any
+    other message). A load reads the files on every rank and the ranks agree (gloo) that
+    each one holds it, or none keeps it. Unloading takes the name at once (later requests
+    naming it are refused); its slot stays taken until the requests that run with it finish.
+    Rank 0 answers with one final `TokenOut` of `uid`: finish_reason "stop", or `error`
+    saying why nothing changed. Before the request, the tokenizer sends the detokenizer a
+    `DetokenizeInit` of the uid, as for a prompt."""
+
+    uid: int
+    name: str
+    path: Optional[str] = None
 
 
 # --- scheduler rank 0 -> detokenizer ------------------------------------------------------------

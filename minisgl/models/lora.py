@@ -2,9 +2,9 @@
 and checked by lora_config.py).
 
 An adapter's `adapter_model.safetensors` holds `base_model.model.<module>.lora_A.weight`
-[rank, in] and `...lora_B.weight` [out, rank] for each adapted projection. Every adapter is
-loaded at start-up on every rank (the same files, the same order: slot i is the i-th adapter
-everywhere); adapted modules that are not the decoder's dense projections (embeddings, the LM
+[rank, in] and `...lora_B.weight` [out, rank] for each adapted projection. Every rank loads
+the same adapter into the same slot (at start-up slot i holds lora_modules' i-th; at run
+time the scheduler picks the slot, alike on every rank); adapted modules that are not the decoder's dense projections (embeddings, the LM
 head, experts) are refused, naming them; those of a part of the checkpoint the model does
 not serve (a vision tower) are skipped.
 """
@@ -25,10 +25,21 @@ _PREFIX = "base_model.model."  # PEFT's tensor names start so
 
 
 def load_adapters(model: CausalLM, adapters: Sequence[LoraAdapter]) -> None:
-    """Load adapter i into slot i of every projection it adapts (the others keep zeros): A
-    and B of each checkpoint module, cut to this rank's share (layers/lora.py)."""
+    """Load adapter i into slot i (start-up: every slot still zero)."""
     for slot, adapter in enumerate(adapters):
-        for module, (a, b) in _pairs(adapter).items():
+        load_adapter(model, slot, adapter)
+
+
+def load_adapter(model: CausalLM, slot: int, adapter: LoraAdapter) -> None:
+    """Load `adapter` into `slot` of every projection it adapts, after zeroing the slot
+    everywhere (what a former adapter left must not stay where this one adapts less): A and B
+    of each checkpoint module, cut to this rank's share (layers/lora.py). On an error (a
+    ValueError naming it, or the files' own) the slot is left zero. The caller sees that no
+    batch in flight uses the slot; the writes go in stream order after launched work."""
+    pairs = _pairs(adapter)  # read (and checked) before the slot changes
+    clear_slot(model, slot)
+    try:
+        for module, (a, b) in pairs.items():
             if not model.serves(f"{module}.weight"):
                 continue  # a part of the checkpoint not served (a vision tower's layers)
             parts = model.projection_parts(module)
@@ -38,6 +49,16 @@ def load_adapters(model: CausalLM, adapters: Sequence[LoraAdapter]) -> None:
                                  f"adapts q/k/v/o and gate/up/down)")
             for name, part, rows in parts:
                 _load_pair(model, adapter, module, name, slot, part, a, b[rows])
+    except BaseException:
+        clear_slot(model, slot)
+        raise
+
+
+def clear_slot(model: CausalLM, slot: int) -> None:
+    """Zero `slot` of every projection's LoRA buffers (no delta from it anywhere)."""
+    for module in model.modules():
+        if isinstance(module, LoraSlots):
+            module.clear(slot)
 
 
 def _load_pair(model: CausalLM, adapter: LoraAdapter, module: str, name: str, slot: int,

@@ -57,13 +57,13 @@ class PageCache:
 
     def match(self, req: Req) -> PrefixMatch:
         """The cached prefix of `req`'s tokens in its namespace (its cache_salt and LoRA
-        adapter: SamplingParams.prefix_namespace): none where it asks for prompt
+        adapter load: Req.prefix_namespace): none where it asks for prompt
         log-probabilities (they need every prompt token's logits), and never the last token
         (computing it gives the logits of the first output token)."""
         if req.wants_prompt_logprobs:
             return PrefixMatch(None, [])
         tokens = req.token_ids
-        return self.manager.match_prefix(tokens[: len(tokens) - 1], req.params.prefix_namespace)
+        return self.manager.match_prefix(tokens[: len(tokens) - 1], req.prefix_namespace)
 
     def drop_unused(self) -> int:
         """Free every cached page no live request holds (the whole cache at rest); not counted
@@ -110,7 +110,7 @@ class PageCache:
         req.reserved_pages = 0
         full = req.cached_len // self.page_size
         keep = req.token_ids[: full * self.page_size]
-        self.release(self.manager.insert(keep, req.pages[:full], req.params.prefix_namespace))
+        self.release(self.manager.insert(keep, req.pages[:full], req.prefix_namespace))
         self.release(req.pages[full:])
         self.manager.unlock(req.cache_handle)
         req.pages, req.num_prefix_pages, req.cache_handle = [], 0, None
@@ -126,7 +126,7 @@ class PageCache:
             return []
         tokens = req.token_ids[: full * self.page_size]
         duplicates, match = self.manager.insert_and_match(tokens, req.pages[:full],
-                                                          req.params.prefix_namespace)
+                                                          req.prefix_namespace)
         self.manager.lock(match.handle)
         self.manager.unlock(req.cache_handle)
         changed = [i for i in range(full) if req.pages[i] != match.pages[i]]

@@ -70,3 +70,10 @@ class StepEngine(Protocol):
 
     def collect(self, launched: Any) -> StepResult:
         """Wait for a launched batch and return its tokens and log-probabilities."""
+
+    def load_adapter(self, slot: int, name: str, path: str) -> None:
+        """Load LoRA adapter `name` (PEFT directory `path`) into `slot`, which no live
+        request is bound to; an exception says why not (the slot is left empty)."""
+
+    def clear_adapter(self, slot: int) -> None:
+        """Empty LoRA `slot` (its load failed on another rank)."""

@@ -35,8 +35,9 @@ from minisgl.grammar.matcher import RequestGrammar, fill_bitmask
 from minisgl.utils import offline_prefill_tokens, rows_to_device
 from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
-from minisgl.message.types import AccountingMsg, AccountingReply
+from minisgl.message.types import AccountingMsg, AccountingReply, AdapterMsg
 from minisgl.message.pulse import Pulse
+from minisgl.scheduler.adapters import AdapterTable
 from minisgl.scheduler.cache import PageCache, PageCounts
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
@@ -106,8 +107,9 @@ class Scheduler:
                                                          cpu_group)
         by_priority = cfg.scheduling_policy == "priority"
         self.limits = Limits(engine.max_context, engine.vocab_size, engine.num_pages, page_size,
-                             chunk, by_priority,
-                             tuple(name for name, _ in cfg.engine.lora_adapters))
+                             chunk, by_priority, cfg.engine.lora_slots)
+        self.adapters = AdapterTable(cfg.engine.lora_slots,
+                                     [name for name, _ in cfg.engine.lora_adapters])
         self.prefill = PrefillManager(self.cache, self.rows, chunk, cfg.decode_reserve_tokens,
                                       by_priority)
         self.decode = DecodeManager()
@@ -311,6 +313,10 @@ class Scheduler:
             self.stopped = True
         elif isinstance(msg, AccountingMsg):  # answered at rest (check_idle)
             self.accounting_asked.append(msg)
+        elif isinstance(msg, AdapterMsg):
+            error = self._unload(msg.name) if msg.path is None else self._load(msg.name, msg.path)
+            self.io.send([TokenOut(msg.uid, finish_reason=FinishReason.STOP.value)
+                          if error is None else TokenOut(msg.uid, error=error)], None)
         else:
             logger.error("rank %d: ignoring unknown message %r", self.rank, type(msg).__name__)
 
@@ -321,9 +327,45 @@ class Scheduler:
             raise RequestError(f"duplicate request id {msg.uid}")
         return check_request(msg.input_ids, msg.params, self.limits)
 
+    def _load(self, name: str, path: str) -> Optional[str]:
+        """Load LoRA adapter `name` from `path` into a free slot on every rank (AdapterMsg):
+        None, or why nothing changed. Every rank reads the files; the slot is kept only where
+        every rank loaded it (a rank's error is logged there; rank 0's is the reply's)."""
+        if not self.cfg.engine.lora_runtime:
+            return ("loading LoRA adapters at run time needs --enable-lora (or --max-loras) "
+                    "at start-up")
+        if name in self.adapters.loaded:
+            return f"LoRA adapter {name!r} is already loaded"
+        slot = self.adapters.free_slot(r.lora for r in [*self.reqs.values(), *self.deferred])
+        if slot is None:
+            return self.adapters.full_error()
+        error = None
+        try:
+            self.engine.load_adapter(slot, name, path)
+        except Exception as e:  # the files' errors too: every rank must reach the vote below
+            error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            logger.warning("rank %d: LoRA adapter %r from %s not loaded: %s", self.rank, name,
+                           path, error)
+        if min_over_ranks(int(error is None), self.cpu_group) == 0:  # all ranks hold it, or none
+            self.engine.clear_adapter(slot)
+            return error or (f"LoRA adapter {name!r} failed to load on another rank (its "
+                             f"log says why)")
+        self.adapters.add(name, slot)
+        logger.info("rank %d: LoRA adapter %r loaded from %s into slot %d", self.rank, name,
+                    path, slot)
+        return None
+
+    def _unload(self, name: str) -> Optional[str]:
+        """Unload LoRA adapter `name` (AdapterMsg): None, or why not."""
+        if not self.adapters.remove(name):
+            return f"LoRA adapter {name!r} is not loaded"
+        logger.info("rank %d: LoRA adapter %r unloaded", self.rank, name)
+        return None
+
     def _add(self, msg: UserMsg) -> None:
         try:
             params = self.validate(msg)
+            lora = self.adapters.bind(params.lora_name)
         except RequestError as e:
             logger.info("rank %d: rejected request %d: %s", self.rank, msg.uid, e)
             self.io.send([TokenOut(msg.uid, error=str(e))], None)
@@ -331,7 +373,7 @@ class Scheduler:
         logger.debug("rank %d: request %d queued (%d prompt tokens, max_tokens %d)", self.rank,
                      msg.uid, len(msg.input_ids), params.max_tokens)
         req = Req(msg.uid, list(msg.input_ids), len(msg.input_ids), params,
-                  self.engine.eos_token_ids)
+                  self.engine.eos_token_ids, lora=lora)
         self.reqs[req.uid] = req
         if params.structured is not None:
             self.compiling.append((req, self.grammars.submit(params.structured)))

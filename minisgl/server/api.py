@@ -60,6 +60,7 @@ from minisgl.server.responses import (ChatFormatter, Choice, CompletionFormatter
                                       GenerateFormatter, SSEResponse, sse)
 from minisgl.server.responses_api import (ResponsesFormatter, ResponsesRequest, ResponseStore,
                                           response_messages, responses_job)
+from minisgl.server.lora_admin import Adapters, install_adapter_routes
 from minisgl.server.streams import RequestStream, RequestStreams
 
 logger = logging.getLogger("minisgl.api")
@@ -80,8 +81,11 @@ class ApiConfig:
     reasoning_parser: Optional[str] = None  # server/reasoning.py: splits chat output
     tool_call_parser: str = "hermes"  # server/tool_calls.py: reads (and enforces) tool calls
     aliases: Tuple[str, ...] = ()  # more names requests may give the model
-    # (name, directory) of each LoRA adapter: a request naming one as its model runs with it
+    # (name, directory) of each LoRA adapter loaded at start-up: a request naming one as its
+    # model runs with it; with lora_runtime, more load at run time (lora_admin.py)
     lora_adapters: Tuple[Tuple[str, str], ...] = ()
+    lora_runtime: bool = False
+    max_lora_rank: int = 16
     hidden_size: int = 0  # the model's: an embedding's length
     embedding_refusal: Optional[str] = None  # why embeddings cannot be served (pooling.py)
     matryoshka: Optional[Tuple[int, ...]] = None  # ModelConfig.matryoshka_dimensions
@@ -304,7 +308,10 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     # outermost: sees every answer
     app.add_middleware(RequestLog, enabled=cfg.log_requests, count=metrics.count_http)
 
-    adapters = dict(cfg.lora_adapters)
+    loras = Adapters(streams, cfg.replicas, cfg.lora_runtime, cfg.max_lora_rank,
+                     cfg.lora_adapters, (cfg.model_name, *cfg.aliases))
+    adapters = loras.paths  # changes as adapters load and unload
+    install_adapter_routes(app, loras, json_body)
 
     def check_model(name: Optional[str]) -> Optional[str]:
         """The LoRA adapter a request's model names (None: the base model); ApiError 404 for
@@ -491,7 +498,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         return {"object": "list",
                 "data": [model_card()] + [{**model_card(), "id": a} for a in cfg.aliases]
                 + [{**model_card(), "id": name, "root": path, "parent": cfg.model_name}
-                   for name, path in cfg.lora_adapters]}
+                   for name, path in adapters.items()]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> Dict[str, Any]:

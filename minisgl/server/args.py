@@ -240,11 +240,33 @@ def load_file(path: Path) -> Dict[str, Any]:
     return check_values(ServerConfig(), raw, f"config file {str(path)!r}")
 
 
+_LIST_FLAGS = ("--lora-modules", "--lora-paths")  # vLLM and SGLang take several words
+
+
+def joined_lists(argv: Sequence[str]) -> List[str]:
+    """`argv` with the words after a LoRA list flag that are entries of it (NAME=PATH, or
+    vLLM's JSON objects) joined by commas into one value, as vLLM's and SGLang's
+    `--lora-modules a=/p b=/q` give them; every other word as it is."""
+    out: List[str] = []
+    joining = False
+    for word in argv:
+        entry = "=" in word or word.lstrip().startswith("{")
+        if joining and entry and not word.startswith("-"):
+            out[-1] = (f"[{out[-1].strip('[]')},{word}]" if word.lstrip().startswith("{")
+                       else f"{out[-1]},{word}")
+            continue
+        joining = bool(out) and out[-1] in _LIST_FLAGS and entry and not word.startswith("-")
+        out.append(word)
+    return out
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> ServerConfig:
-    """The config from `argv` (default sys.argv[1:]). Raises ValueError on a bad setting;
-    argparse itself exits with status 2 on malformed flags."""
+    """The config from `argv` (default sys.argv[1:]; a LoRA list's words joined:
+    `joined_lists`). Raises ValueError on a bad setting; argparse itself exits with status 2
+    on malformed flags."""
     root = ServerConfig()
-    given = vars(_parser(root).parse_args(argv))
+    words = joined_lists(sys.argv[1:] if argv is None else argv)
+    given = vars(_parser(root).parse_args(words))
     if "model_arg" in given:
         if "model" in given:
             raise ValueError(f"the model is given twice: {given['model_arg']!r} and --model "

@@ -226,6 +226,8 @@ class Service:
                             max_request_bytes=c.max_request_bytes, body_timeout=c.body_timeout,
                             log_requests=c.log_requests,
                             lora_adapters=c.engine.lora_adapters,
+                            lora_runtime=c.engine.lora_runtime,
+                            max_lora_rank=c.engine.max_lora_rank,
                             hidden_size=shape.hidden_size,
                             embedding_refusal=pooling_refusal(Path(self.model_path)),
                             matryoshka=shape.matryoshka_dimensions,

@@ -35,8 +35,8 @@ import zmq
 import zmq.asyncio
 
 from minisgl.message.codec import decode, encode
-from minisgl.message.types import (AbortRequest, Drain, ReplyBatch, ReplyChunk, ServiceDown,
-                                   TextRequest, TokenizeRequest)
+from minisgl.message.types import (AbortRequest, AdapterMsg, AdapterRequest, Drain, ReplyBatch,
+                                   ReplyChunk, ServiceDown, TextRequest, TokenizeRequest)
 from minisgl.server.admission import Queued, overloaded
 from minisgl.server.metrics import Metrics
 from minisgl.server.protocol import ApiError, Job, Prompt
@@ -141,6 +141,22 @@ class RequestStreams:
                                    _kwargs_json(p.template.kwargs), p.tools_json,
                                    return_token_strs, p.add_special_tokens,
                                    info=prompt is None))
+        except ApiError:
+            self.release(stream)
+            raise
+        return stream
+
+    def submit_adapter(self, name: str, path: Optional[str], replicas: List[int]
+                       ) -> RequestStream:
+        """Load (`path`) or unload LoRA adapter `name` on each of `replicas`
+        (message.AdapterRequest, a uid each, in that order): one final reply per replica,
+        outside the generation metrics."""
+        stream = RequestStream([next(self._uids) for _ in replicas], measured=False)
+        for uid in stream.uids:
+            self._streams[uid] = stream
+        try:
+            for replica, uid in zip(replicas, stream.uids):
+                self._send(AdapterRequest(replica, AdapterMsg(uid, name, path)))
         except ApiError:
             self.release(stream)
             raise
