@@ -77,6 +77,17 @@ class ServerConfig:
                                  alias=Alias("disable-log-requests", False,
                                              "the same as --no-log-requests (vLLM's name)"))
     shell: bool = setting(False, "chat with the model in this terminal")
+    batch_input: Optional[str] = setting(
+        None, "run an OpenAI batch file and exit (vLLM's run-batch): JSON lines of {custom_id, "
+              "method: POST, url, body} (url: /v1/chat/completions, /v1/completions, "
+              "/v1/embeddings, /v1/responses, /v1/messages, /v1/score, /v1/rerank), sent "
+              "through this server's own API, which then listens on a free loopback port",
+        also=("input-file",))
+    batch_output: Optional[str] = setting(
+        None, "where batch_input's answers go: a JSON line per request in the input's order "
+              "({id, custom_id, response: {status_code, request_id, body}, error})",
+        also=("output-file",))
+    batch_concurrency: int = setting(256, "batch_input's requests in flight at once")
     reasoning_parser: Optional[str] = setting(
         None, "split a reasoning model's chat output: the <think> part goes into "
               "reasoning_content", choices=REASONING_PARSERS)
@@ -144,6 +155,13 @@ class ServerConfig:
         if any(not name for name in self.served_names):
             raise ValueError(f"served_model_name must be names separated by commas, got "
                              f"{self.served_model_name!r}")
+        if (self.batch_input is None) != (self.batch_output is None):
+            raise ValueError("batch_input and batch_output go together (--batch-input IN "
+                             "--batch-output OUT)")
+        if self.batch_input is not None and self.shell:
+            raise ValueError("shell and batch_input exclude each other")
+        if self.batch_concurrency < 1:
+            raise ValueError(f"batch_concurrency must be >= 1, got {self.batch_concurrency}")
         both = sorted({n for n, _ in self.engine.lora_adapters} & set(self.served_names))
         if both:  # a request's model must name one thing
             raise ValueError(f"{', '.join(both)} names both the served model and a LoRA "
@@ -156,9 +174,9 @@ class ServerConfig:
 
     @property
     def effective_log_level(self) -> str:
-        """The log level of every process: the shell keeps the terminal for the chat
-        (warnings only, unless debug was asked for)."""
-        if self.shell and self.log_level.lower() == "info":
+        """The log level of every process: the shell keeps the terminal for the chat, a batch
+        run for its progress bar (warnings only, unless debug was asked for)."""
+        if (self.shell or self.batch_input) and self.log_level.lower() == "info":
             return "warning"
         return self.log_level
 

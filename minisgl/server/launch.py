@@ -20,7 +20,8 @@ the same step, on every node), the other children are terminated, stragglers kil
 (other nodes then exit 0 too). A second signal ends the requests in flight and stops at once.
 Every exit path
 removes the runtime directory. Start-up failures print one `serve: error: ...` line and exit 1;
-bad settings exit 2.
+bad settings exit 2. With --shell (a chat in the terminal) or --batch-input (an OpenAI batch
+file, batch_file.py) node 0 runs that over its own API once ready, then stops the service.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ import signal
 import socket
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Dict, NamedTuple, NoReturn, Optional, Sequence
+from typing import Any, Callable, Dict, NamedTuple, NoReturn, Optional, Sequence
 
 from minisgl.devices import dtype_name
 from minisgl.log import exit_now, setup_logging
@@ -41,6 +43,7 @@ from minisgl.models.lora_config import read_adapter
 from minisgl.models.generation import sampling_defaults
 from minisgl.models.path import resolve_model_path
 from minisgl.server.args import ServerConfig, describe, parse_args
+from minisgl.server.batch_file import check_paths
 from minisgl.server.cluster import Cluster, fingerprint
 from minisgl.server.proc import StartupError
 from minisgl.server.service import Service
@@ -121,6 +124,8 @@ def _prepare(cfg: ServerConfig) -> Prepared:
         cfg.engine.context_length(shape.max_context)
         if cfg.chat_template is not None:
             read_chat_template(cfg.chat_template)
+        if cfg.batch_input is not None:
+            check_paths(Path(cfg.batch_input), Path(cfg.batch_output or ""))
         changed = sampling_defaults(cfg.generation_config, model_path).changed
         if changed:
             logger.info("sampling defaults from the model's generation config: %s "
@@ -137,6 +142,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     here or on another node, or a start-up failure (exit 1), or a bad setting (exit 2)."""
     try:
         cfg = parse_args(argv)
+        if cfg.batch_input is not None:  # the batch's own API: private, on a free port
+            cfg = replace(cfg, host="127.0.0.1", port=0)
         cfg.check_combination()
     except ValueError as e:
         return _fail(str(e)) + 1  # 2, like argparse's own usage errors
@@ -192,6 +199,8 @@ def _run(cfg: ServerConfig, service: Service, signals: "Signals") -> int:
     print(_ready_line(cfg, service), flush=True)
     if cfg.shell and cfg.cluster.is_head:
         return _run_shell(service, stop)
+    if cfg.batch_input is not None and cfg.cluster.is_head:
+        return _run_batch(cfg, service, stop)
     failure = service.watch(stop)
     if failure is None and stop.is_set() and cfg.cluster.is_head:
         logger.info("shutting down: draining the requests in flight (up to %g s; a second "
@@ -206,6 +215,34 @@ def _run(cfg: ServerConfig, service: Service, signals: "Signals") -> int:
 def _run_shell(service: Service, stop: threading.Event) -> int:
     from minisgl.server.shell import run_shell
 
+    def shell() -> int:
+        run_shell(service.url, service.model_name)
+        return 0
+
+    return _supervised(service, stop, shell)
+
+
+def _run_batch(cfg: ServerConfig, service: Service, stop: threading.Event) -> int:
+    """--batch-input: the batch through the service's API, then stop (exit 0 once the output
+    is written, whatever its requests' answers; 1 if a file fails)."""
+    from minisgl.server.batch_file import run_batch, summary_line
+
+    def batch() -> int:
+        src, dst = check_paths(Path(cfg.batch_input or ""), Path(cfg.batch_output or ""))
+        try:
+            summary = run_batch(service.url, src, dst, cfg.resolved_api_key,
+                                cfg.batch_concurrency)
+        except OSError as e:
+            return _fail(f"batch: {e}")
+        print(summary_line(summary, dst), flush=True)
+        return 0
+
+    return _supervised(service, stop, batch)
+
+
+def _supervised(service: Service, stop: threading.Event, work: Callable[[], int]) -> int:
+    """`work`'s status while a thread watches the service (a failure ends the process with
+    status 1); then the service is asked to stop."""
     def watch() -> None:
         failure = service.watch(stop)
         if failure is not None:
@@ -215,11 +252,10 @@ def _run_shell(service: Service, stop: threading.Event) -> int:
     watcher = threading.Thread(target=watch, daemon=True, name="supervisor")
     watcher.start()
     try:
-        run_shell(service.url, service.model_name)
+        return work()
     finally:
         stop.set()
         watcher.join()
-    return 0
 
 
 class _Terminated(Exception):
