@@ -592,14 +592,27 @@ class Req:
     # With params.lora_name: the slot and load of that adapter when the scheduler took the
     # request (it keeps them until it retires, whatever is loaded or unloaded meanwhile).
     lora: Optional["LoraBinding"] = None
+    # A longrope model's sequence past its pretraining length (StepEngine.long_rope_from): its
+    # every token rotates with the long factors, so its K/V are not a shorter sequence's. Set
+    # as the scheduler takes a longer prompt, or as it prefills a sequence again that grew
+    # past that length.
+    long_rope: bool = False
 
     @property
     def prefix_namespace(self) -> Optional[str]:
-        """Its prefix-cache namespace: the params' (`SamplingParams.prefix_namespace`),
-        and with an adapter that adapter's load, so that an adapter unloaded and loaded again
-        under the same name (other weights, perhaps) never matches its predecessor's K/V."""
+        """Its prefix-cache namespace: the params' (`SamplingParams.prefix_namespace`);
+        with an adapter, that adapter's load, so that an adapter unloaded and loaded again
+        under the same name (other weights, perhaps) never matches its predecessor's K/V;
+        with `long_rope`, a namespace of its own."""
         base = self.params.prefix_namespace
-        return base if self.lora is None else f"{base}\x00load:{self.lora.load}"
+        if self.lora is None and not self.long_rope:
+            return base
+        parts = ["-" if base is None else f"ns:{base}"]  # no namespace apart from any one
+        if self.lora is not None:
+            parts.append(f"load:{self.lora.load}")
+        if self.long_rope:
+            parts.append("longrope")
+        return "\x00".join(parts)
 
     @property
     def max_tokens(self) -> int:

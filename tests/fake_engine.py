@@ -106,6 +106,7 @@ class FakeEngine:
         self.max_context = max_context
         self.vocab_size = VOCAB
         self.eos_token_ids: Tuple[int, ...] = ()
+        self.long_rope_from = 0
         rows = max_running_requests + 1
         self.page_table = torch.zeros((rows, max_context), dtype=torch.int32)
         self.kv = torch.full((num_pages * page_size,), -1, dtype=torch.int64)

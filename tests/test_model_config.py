@@ -96,7 +96,7 @@ def test_layer_windows_are_transformers_layers(arch: str, fields: Dict[str, Any]
 
 @pytest.mark.parametrize("scaling,match", [
     ({"rope_type": "dynamic", "factor": 2.0}, "unsupported rope scaling type 'dynamic'"),
-    ({"type": "longrope", "factor": 2.0}, "unsupported rope scaling type 'longrope'"),
+    ({"type": "longrope", "factor": 2.0}, "longrope short_factor must list 64 factors"),
     ({"rope_type": "yarn", "factor": -1.0}, "rope scaling factor must be > 0"),
 ])
 def test_unimplemented_or_bad_scaling_is_refused(scaling: Dict[str, Any], match: str) -> None:
@@ -209,29 +209,34 @@ def test_llama3_scaling_without_its_pretraining_length_takes_max_positions() -> 
     assert torch.equal(ours.inv_freq, hf.inv_freq)
 
 
-@pytest.mark.parametrize("changes", [
-    {"partial_rotary_factor": 0.5},
-    {"rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
-                                               "partial_rotary_factor": 0.25}},
+@pytest.mark.parametrize("changes,dims", [
+    ({"partial_rotary_factor": 0.5}, 64),
+    ({"rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                                                "partial_rotary_factor": 0.25}}, 32),
+    ({"partial_rotary_factor": 1.0}, 128),
 ])
-def test_a_partial_rotary_factor_is_refused_naming_it(changes: Dict[str, Any]) -> None:
-    """Hugging Face's rope turns only that fraction of each head's dimensions (moving a
-    top-level factor into rope_parameters); before, every dimension was turned silently."""
-    with pytest.raises(ValueError, match="unsupported partial_rotary_factor 0.(5|25)"):
-        _config(**changes)
-    assert _config(partial_rotary_factor=1.0).head_dim == 128
+def test_a_partial_rotary_factor_turns_that_share_of_a_head(changes: Dict[str, Any],
+                                                            dims: int) -> None:
+    """Hugging Face's rope turns only that fraction of each head's dimensions (a top-level
+    factor or one in rope_parameters); a share that is no even count is refused."""
+    cfg = _config(**changes)
+    assert cfg.rotary_dims == dims and cfg.head_dim == 128
+    with pytest.raises(ValueError, match="an even count up to head_dim 128, got 3"):
+        _config(partial_rotary_factor=3 / 128)
 
 
 @pytest.mark.parametrize("kind", ["longrope", "su", "yarn"])
-def test_phi3_scalings_are_its_longrope_and_refused(kind: str) -> None:
+def test_phi3_scalings_are_its_longrope(kind: str) -> None:
     """transformers' Phi3Config reads Phi-3's older "su" and "yarn" as "longrope" (the 128K
-    variants', Phi-3.5's): refused naming it, not served as another scaling."""
+    variants', Phi-3.5's), with the top-level original_max_position_embeddings."""
     raw = dict(architectures=["Phi3ForCausalLM"], vocab_size=64, hidden_size=64,
                intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+               original_max_position_embeddings=4096, max_position_embeddings=131072,
                rope_scaling={"type": kind, "long_factor": [1.0] * 8, "short_factor": [1.0] * 8,
                              "factor": 4.0})
-    with pytest.raises(ValueError, match="unsupported rope scaling type 'longrope'"):
-        ModelConfig.from_dict(raw)
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "longrope"
+    assert cfg.long_rope_from == 4096 and cfg.max_context == 131072
 
 
 # Gemma 3 4B's config.json as published: its text_config lists only what differs from

@@ -40,6 +40,19 @@ FAMILIES: Dict[str, dict] = {
     # Phi-3 / Phi-4: checkpoints with fused qkv_proj and gate_up_proj tensors.
     "phi3": dict(arch="Phi3Config", tie_word_embeddings=False, sliding_window=None,
                  pad_token_id=0),
+    # Phi-3.5 / Phi-3-128K's longrope (a pretraining length of 32: prompts past it, and decodes
+    # crossing it), and Phi-4-mini's partial rotary embedding (3/4 of each head) with it.
+    "phi3_longrope": dict(arch="Phi3Config", tie_word_embeddings=False, sliding_window=None,
+                          pad_token_id=0, original_max_position_embeddings=32,
+                          rope_scaling=dict(rope_type="longrope",
+                                            short_factor=[1.0 + 0.1 * i for i in range(8)],
+                                            long_factor=[1.5 + 0.7 * i for i in range(8)])),
+    "phi4_mini": dict(arch="Phi3Config", tie_word_embeddings=True, sliding_window=None,
+                      pad_token_id=0, original_max_position_embeddings=32,
+                      partial_rotary_factor=0.75,
+                      rope_scaling=dict(rope_type="longrope",
+                                        short_factor=[1.0 + 0.2 * i for i in range(6)],
+                                        long_factor=[2.0 + 0.9 * i for i in range(6)])),
     # Gemma 3: sliding (8 tokens, rope theta 1e4), full (linear scaling), sliding layers;
     # an attention scale other than head_dim's; norms (1 + weight) random like the rest.
     "gemma3": dict(arch="Gemma3TextConfig", tie_word_embeddings=True, head_dim=32,

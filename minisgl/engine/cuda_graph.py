@@ -154,7 +154,8 @@ class DecodeGraphs:
         batch = Batch(Phase.DECODE, [], [0] * bs, [1] * bs, [True] * bs)
         batch.out_slots = self.page_table[rows, positions]
         batch.attn_meta = self.backend.graph_meta(rows, positions, seq_lens)
-        return self.model(self.last_tokens[rows], positions, batch, self.backend, None,
+        return self.model(self.last_tokens[rows], self.model.rope_index.of_positions(positions),
+                          batch, self.backend, None,
                           out=self.out[:bs])
 
     def _capture_all(self, device: torch.device) -> None:

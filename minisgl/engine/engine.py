@@ -330,6 +330,10 @@ class Engine:
         return self.model_cfg.vocab_size
 
     @property
+    def long_rope_from(self) -> int:
+        return self.model_cfg.long_rope_from
+
+    @property
     def eos_token_ids(self) -> Tuple[int, ...]:
         return self.model_cfg.eos_token_ids
 
@@ -484,12 +488,14 @@ class Engine:
         return self.collect(self.launch(batch)).tokens
 
     def _prepare_inputs(self, batch: Batch, rows: torch.Tensor) -> DeviceInputs:
-        """Input ids and positions on the device; `rows` are the page-table rows of the sampled
-        requests, which for a decode batch are all of them, in order."""
+        """Input ids and rope indices (positions, but for longrope: layers/rotary.RopeIndex) on
+        the device; `rows` are the page-table rows of the sampled requests, which for a decode
+        batch are all of them, in order."""
         dev = self.device
+        rope = self.model.rope_index  # the model takes rope indices (longrope's differ)
         host_positions: List[int] = []
-        for prefix, ext in zip(batch.prefix_lens, batch.extend_lens):
-            host_positions.extend(range(prefix, prefix + ext))
+        for req, prefix, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            host_positions.extend(rope.host(prefix, ext, req.long_rope))
         positions = to_device(host_positions, torch.int64, dev)
         if batch.phase is Phase.DECODE:  # the newest token may still be on the device only
             return DeviceInputs(self.last_tokens[rows], positions)

@@ -163,7 +163,8 @@ class PrefillGraphs:
                       num_decode=d)
         batch.out_slots = slots
         batch.attn_meta = self.backend.prefill_graph_meta(meta, n, decode)
-        return self.model(ids, positions, batch, self.backend, last, out=self.out[:1 + d])
+        return self.model(ids, self.model.rope_index.of_positions(positions), batch,
+                          self.backend, last, out=self.out[:1 + d])
 
     def _values(self, key: Key, ids: List[int], rows: List[int], prefix: int,
                 positions: List[int]) -> List[int]:
@@ -188,10 +189,13 @@ class PrefillGraphs:
     def can_run(self, batch: Batch, joining: int = 0) -> bool:
         """One prompt of at most max_tokens new tokens ending in a sampled token, then at most
         max_decode_rows decode rows (every one sampled, as decode rows are): those of `batch`
-        and `joining` more (the scheduler asking before it mixes a step)."""
+        and `joining` more (the scheduler asking before it mixes a step); not a long longrope
+        sequence's, whose tokens all take the long table (Req.long_rope; the graph derives
+        rope indices from positions alone)."""
         return (batch.phase is Phase.PREFILL and batch.first_decode == 1 and all(batch.sample)
                 and batch.extend_lens[0] <= self.max_tokens
-                and batch.num_decode + joining <= self.max_decode_rows)
+                and batch.num_decode + joining <= self.max_decode_rows
+                and not batch.reqs[0].long_rope)
 
     def fill(self, batch: Batch) -> Key:
         """Write a batch `can_run` accepts into the static block of its graph; that graph's

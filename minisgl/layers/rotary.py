@@ -1,6 +1,17 @@
 """Rotary position embedding (neox / rotate-half layout) with the frequency scalings checkpoints
 ask for in `rope_scaling` / `rope_parameters`: "llama3" (Llama 3.1+), "yarn" (Qwen2.5 / Qwen3 past
-32K), "linear" (position interpolation).
+32K), "linear" (position interpolation), "longrope" (Phi-3 128K, Phi-3.5, Phi-4-mini). A partial
+rotary embedding (Phi-4-mini) turns the first `rotary_dim` dimensions of each head only.
+
+Longrope has two tables: short factors for positions below its pretraining length k, long ones
+for every position. Callers index the tables with rope indices (`RopeIndex`): every token of a
+sequence longer than k rotates with the long table (index p + k), every token of a shorter one
+with the short table (index p), as transformers' Phi-3 generation does (it recomputes a
+sequence's cache with the long factors when the sequence grows past k; the scheduler does so
+by prefilling it again: `Req.long_rope`). A decode token at or past k is thus in a long
+sequence and one below k in a short one, so its index follows from its position alone
+(`RopeIndex.of_positions`, which CUDA graphs apply); a prefill's tokens take their request's
+(`RopeIndex.host`).
 
 cos/sin are precomputed in float32 for every position up to the context length, the same way the
 reference implementation computes them, so float32 outputs match it exactly. YaRN's attention
@@ -12,7 +23,7 @@ earlier frequencies) reproduces it.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -22,16 +33,37 @@ from minisgl.kernels.types import HeadNorms, KVStore, KVTarget, ProductScales
 
 
 class RopeFrequencies(NamedTuple):
-    inv_freq: torch.Tensor  # [head_dim // 2] float32
-    scale: float  # multiplies cos and sin (YaRN's attention factor; 1 elsewhere)
+    inv_freq: torch.Tensor  # [rotary_dim // 2] float32
+    scale: float  # multiplies cos and sin (YaRN's and longrope's attention factor; 1 elsewhere)
+
+
+class RopeIndex(NamedTuple):
+    """Rope indices of positions (see the module's docstring); `long_from` k is longrope's
+    pretraining length, 0 without longrope (the index is the position)."""
+
+    long_from: int = 0
+
+    def of_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Indices of decode tokens (and of a short sequence's prompt tokens, all below k): a
+        decode token at or past k belongs to a long sequence, one below k to a short one."""
+        if not self.long_from:
+            return positions
+        return positions + self.long_from * (positions >= self.long_from)
+
+    def host(self, start: int, count: int, long: bool) -> List[int]:
+        """Indices of positions start.. (`count` of them) of a sequence that is long (its
+        every token takes the long table) or not."""
+        shift = self.long_from if long else 0
+        return list(range(start + shift, start + shift + count))
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: Optional[dict],
-                     max_positions: int) -> RopeFrequencies:
+                     max_positions: int, long: bool = False) -> RopeFrequencies:
     """Inverse frequencies and the cos/sin scale of `scaling` (ModelConfig's: its type under
-    `rope_type`); raises ValueError for a type we do not implement. `max_positions`: the
-    checkpoint's `max_position_embeddings`, YaRN's and llama3's pretraining length where the
-    scaling does not give one."""
+    `rope_type`) over `head_dim` dimensions (the rotary ones); raises ValueError for a type we
+    do not implement. `max_positions`: the checkpoint's `max_position_embeddings`, YaRN's and
+    llama3's pretraining length where the scaling does not give one. `long`: longrope's long
+    factors (else its short ones)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "default":
@@ -43,7 +75,24 @@ def rope_frequencies(head_dim: int, theta: float, scaling: Optional[dict],
         return RopeFrequencies(_llama3_scale(inv_freq, scaling, max_positions), 1.0)
     if kind == "yarn":
         return _yarn(head_dim, theta, scaling, max_positions)
+    if kind == "longrope":
+        return _longrope(head_dim, theta, scaling, max_positions, long)
     raise ValueError(f"unsupported rope scaling type {kind!r}")
+
+
+def _longrope(head_dim: int, theta: float, s: dict, max_positions: int,
+              long: bool) -> RopeFrequencies:
+    """LongRoPE (Phi-3): each frequency divided by its factor (short or long); the attention
+    factor from the stretch max_positions / pretraining length unless given. Hugging Face's
+    arithmetic, so float32 tables match it."""
+    old_len = s["original_max_position_embeddings"]
+    factor = s.get("factor") or max_positions / old_len
+    attention = s.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+    ext = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32)
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return RopeFrequencies(1.0 / (ext * theta ** shape), float(attention))
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -100,27 +149,50 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _turned(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dims: int) -> torch.Tensor:
+    """x with its first `dims` dimensions rotated (the rest as they are)."""
+    if dims == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    turn, keep = x[..., :dims], x[..., dims:]
+    return torch.cat([turn * cos + _rotate_half(turn) * sin, keep], dim=-1)
+
+
 class RotaryEmbedding(nn.Module):
-    cos: torch.Tensor  # buffers [max_positions, head_dim] float32 (register_buffer)
+    cos: torch.Tensor  # buffers [rope indices, rotary_dim] float32 (register_buffer)
     sin: torch.Tensor
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: Optional[dict], policy: KernelPolicy = KernelPolicy(),
-                 trained_positions: Optional[int] = None) -> None:
-        """Tables for positions below `max_positions` (the context length). `trained_positions`:
-        the checkpoint's `max_position_embeddings` (YaRN's default pretraining length; default
-        `max_positions`). `policy`: the fused kernel where `policy.fused`, launched with
-        programmatic dependent launch where `policy.pdl`."""
+                 trained_positions: Optional[int] = None,
+                 rotary_dim: Optional[int] = None) -> None:
+        """Tables for positions below `max_positions` (the context length; longrope's short
+        table below its pretraining length before them: `RopeIndex`). `trained_positions`: the
+        checkpoint's `max_position_embeddings` (YaRN's default pretraining length; default
+        `max_positions`). `rotary_dim`: the leading dimensions of a head that turn (default
+        all). `policy`: the fused kernel where `policy.fused`, launched with programmatic
+        dependent launch where `policy.pdl`."""
         super().__init__()
-        # The fused kernel needs a power-of-two head_dim; other sizes take the torch path.
-        self.fused = policy.fused and head_dim & (head_dim - 1) == 0
+        self.rotary_dim = rotary_dim or head_dim
+        # The fused kernels need a power-of-two head_dim turned whole; else the torch path.
+        self.fused = (policy.fused and head_dim & (head_dim - 1) == 0
+                      and self.rotary_dim == head_dim)
         self.policy = policy
-        inv_freq, scale = rope_frequencies(head_dim, theta, scaling,
-                                           trained_positions or max_positions)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        trained = trained_positions or max_positions
+        self.index = RopeIndex((scaling or {}).get("original_max_position_embeddings", 0)
+                               if (scaling or {}).get("rope_type") == "longrope" else 0)
+        long = bool(self.index.long_from)
+        tables = [self._table(theta, scaling, trained, max_positions, long)]
+        if self.index.long_from:  # the short table first: indices below k
+            tables.insert(0, self._table(theta, scaling, trained, self.index.long_from, False))
+        self.register_buffer("cos", torch.cat([c for c, _ in tables]), persistent=False)
+        self.register_buffer("sin", torch.cat([s for _, s in tables]), persistent=False)
+
+    def _table(self, theta: float, scaling: Optional[dict], trained: int, positions: int,
+               long: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        inv_freq, scale = rope_frequencies(self.rotary_dim, theta, scaling, trained, long)
+        freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scale, persistent=False)
-        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+        return emb.cos() * scale, emb.sin() * scale
 
     def _fusable(self, *xs: torch.Tensor) -> bool:
         """The fused kernel applies: CUDA, each token's heads one dense block."""
@@ -154,4 +226,4 @@ class RotaryEmbedding(nn.Module):
             return rotary.rotary_qk_(q, k, positions, self.cos, self.sin, self.policy.pdl)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return _turned(q, cos, sin, self.rotary_dim), _turned(k, cos, sin, self.rotary_dim)

@@ -10,8 +10,15 @@ num_experts 0. An FP8 checkpoint's `quantization_config` is read by models/check
 Fields are read as each family's Hugging Face model reads them: a field absent from config.json
 takes that family's transformers default (`_FAMILY_DEFAULTS`), the bias fields count only for
 the families whose layers have them (Mistral and Mixtral have no biases, only Llama has MLP
-biases, Qwen2-MoE's q/k/v bias is its `qkv_bias`), and a `hidden_act` other than SiLU or a
-`partial_rotary_factor` other than 1 is refused.
+biases, Qwen2-MoE's q/k/v bias is its `qkv_bias`), and a `hidden_act` other than SiLU or GELU
+(tanh) is refused. A `partial_rotary_factor` below 1 (Phi-4-mini) turns only the first
+`rotary_dim` dimensions of each head.
+
+Phi-3's "longrope" (the 128K variants, Phi-3.5, Phi-4-mini; older configs say "su" or "yarn")
+rotates with `short_factor` frequencies while a sequence is at most
+`original_max_position_embeddings` tokens long and with `long_factor` ones beyond, as
+transformers decides per forward: a prompt longer than that rotates all its tokens with the
+long factors, a shorter one its tokens from that length on (`long_rope_from`).
 
 The context length (`max_context`) is vLLM's: `max_position_embeddings`, stretched by a "yarn"
 (to `original_max_position_embeddings` x factor) or "linear" rope scaling (not Gemma 3's,
@@ -31,7 +38,7 @@ from minisgl.distributed.info import check_head_split
 from minisgl.models.checkpoint_quant import CheckpointQuant, parse_quantization
 
 # The rope scalings layers/rotary.py implements.
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # The MLP activations the layers implement (transformers' names for SiLU, and Gemma's GELU
 # with the tanh approximation); experts apply SiLU only.
 SILU_ACTS = ("silu", "swish")
@@ -127,6 +134,8 @@ class ModelConfig:
     # Matryoshka embeddings (vLLM's `is_matryoshka` / `matryoshka_dimensions`): the lengths an
     # embedding may be cut to (then normalized again); () any, None: not a Matryoshka model.
     matryoshka_dimensions: Optional[Tuple[int, ...]] = None
+    # The dimensions of a head the rotary embedding turns (the first ones; 0: all of them)
+    rotary_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.hidden_act not in HIDDEN_ACTS:
@@ -155,6 +164,35 @@ class ModelConfig:
                              f"{', '.join(ROPE_TYPES)})")
         if kind in ("linear", "yarn") and (self.rope_scaling or {}).get("factor", 1) <= 0:
             raise ValueError(f"rope scaling factor must be > 0, got {self.rope_scaling}")
+        if not 0 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(f"the rotary dimensions must be an even count up to head_dim "
+                             f"{self.head_dim}, got {self.rotary_dim} (partial_rotary_factor)")
+        if kind == "longrope":
+            self._check_longrope(self.rope_scaling or {})
+
+    def _check_longrope(self, s: Dict[str, Any]) -> None:
+        half = self.rotary_dims // 2
+        for name in ("short_factor", "long_factor"):
+            factors = s.get(name)
+            if not isinstance(factors, list) or len(factors) != half:
+                raise ValueError(f"longrope {name} must list {half} factors (one per rotary "
+                                 f"frequency), got {factors!r:.80}")
+        if not isinstance(s.get("original_max_position_embeddings"), int):
+            raise ValueError("longrope needs original_max_position_embeddings (the pretraining "
+                             "length where the long factors take over)")
+
+    @property
+    def rotary_dims(self) -> int:
+        """The dimensions of a head the rotary embedding turns (the first ones)."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def long_rope_from(self) -> int:
+        """Longrope's pretraining length k: a sequence longer than k rotates with the long
+        factors (see the module's docstring); 0 without longrope."""
+        s = self.rope_scaling or {}
+        return int(s["original_max_position_embeddings"]) if s.get("rope_type") == "longrope" \
+            else 0
 
     @property
     def max_context(self) -> int:
@@ -218,12 +256,15 @@ class ModelConfig:
         if arch in GEMMA:
             cfg = _gemma(cfg, arch)
         heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rope = cfg.get("rope_parameters") or {}
         partial = (cfg.get("rope_scaling") or rope).get("partial_rotary_factor",
                                                          cfg.get("partial_rotary_factor"))
-        if partial not in (None, 1):  # Hugging Face's rope then turns only the first dimensions
-            raise ValueError(f"unsupported partial_rotary_factor {partial!r}: minisgl's rotary "
-                             f"embedding turns every dimension of a head")
+        scaling = _rope_scaling(cfg.get("rope_scaling") or rope, arch)
+        if scaling is not None and scaling["rope_type"] == "longrope":
+            original = scaling.get("original_max_position_embeddings",
+                                   cfg.get("original_max_position_embeddings"))
+            scaling = {**scaling, "original_max_position_embeddings": original}
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -232,10 +273,11 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0),
-            rope_scaling=_rope_scaling(cfg.get("rope_scaling") or rope, arch),
+            rope_scaling=scaling,
+            rotary_dim=0 if partial in (None, 1) else int(head_dim * partial),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=arch in _ATTENTION_BIAS and bool(cfg.get("attention_bias", False)),

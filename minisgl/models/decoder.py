@@ -45,7 +45,7 @@ from minisgl.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowP
 from minisgl.layers.lora import LoraShape
 from minisgl.layers.moe import MoEShape, SparseMoE, expert_param
 from minisgl.layers.norm import RMSNorm
-from minisgl.layers.rotary import RotaryEmbedding
+from minisgl.layers.rotary import RopeIndex, RotaryEmbedding
 from minisgl.layers.source import RowsOf, TensorSource
 from minisgl.models.config import SILU_ACTS, ModelConfig
 from minisgl.models.quantization import QuantPlan
@@ -303,11 +303,12 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, info, comm)
         self.embed_scale = traits.embed_scale
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.rope_theta, cfg.rope_scaling,
-                                 traits.policy, cfg.max_position_embeddings)
+                                 traits.policy, cfg.max_position_embeddings, cfg.rotary_dims)
         local = rotary  # the sliding-window layers' (Gemma 3: their own theta, unscaled)
         if cfg.local_rope_theta is not None:
             local = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.local_rope_theta, None,
-                                    traits.policy, cfg.max_position_embeddings)
+                                    traits.policy, cfg.max_position_embeddings, cfg.rotary_dims)
+        self.rope_index = rotary.index
         windows = cfg.layer_windows or (0,) * cfg.num_layers
         layers = [DecoderLayer(cfg, i, traits, local if windows[i] else rotary, info, comm)
                   for i in range(cfg.num_layers)]
@@ -375,9 +376,16 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, info, comm, tied_to=tied,
                                       policy=policy, softcap=cfg.final_logit_softcapping)
 
+    @property
+    def rope_index(self) -> RopeIndex:
+        """How positions become the rope indices `forward` and `hidden` take."""
+        return self.model.rope_index
+
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
                backend: AttentionBackend) -> torch.Tensor:
-        """The final (normed) hidden state of every token row, before the LM head."""
+        """The final (normed) hidden state of every token row, before the LM head.
+        `positions`: the tokens' rope indices (`rope_index`; their positions but for
+        longrope)."""
         return self.model(ids, positions, batch, backend)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,

@@ -1,8 +1,8 @@
-"""The Phi-3 family as Phi3ForCausalLM serves it (Phi-3 mini and medium 4K, Phi-4): the Llama
-decoder, whose checkpoints fuse q/k/v into `qkv_proj` and gate/up into `gate_up_proj` (rows in
-that order, as Hugging Face's Phi3 splits them). The "longrope" scaling of the 128K variants
-and Phi-3.5, and Phi-4-mini's partial rotary embedding, are refused at start-up
-(ModelConfig)."""
+"""The Phi-3 family as Phi3ForCausalLM serves it (Phi-3 mini and medium 4K and 128K, Phi-3.5,
+Phi-4, Phi-4-mini): the Llama decoder, whose checkpoints fuse q/k/v into `qkv_proj` and gate/up
+into `gate_up_proj` (rows in that order, as Hugging Face's Phi3 splits them). The 128K
+variants' "longrope" scaling and Phi-4-mini's partial rotary embedding are the rotary layer's
+(layers/rotary.py, ModelConfig)."""
 
 from types import MappingProxyType
 

@@ -47,6 +47,12 @@ class StepEngine(Protocol):
     def vocab_size(self) -> int: ...
 
     @property
+    def long_rope_from(self) -> int:
+        """Longrope's pretraining length k (0: none): every token of a sequence longer than k
+        rotates otherwise than a shorter one's (`Req.long_rope`): the scheduler keeps their
+        prefix-cache entries apart and prefills a sequence again as it grows past k."""
+
+    @property
     def eos_token_ids(self) -> Tuple[int, ...]:
         """Token ids that end a request (unless its params ignore EOS)."""
 

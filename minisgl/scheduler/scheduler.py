@@ -373,7 +373,8 @@ class Scheduler:
         logger.debug("rank %d: request %d queued (%d prompt tokens, max_tokens %d)", self.rank,
                      msg.uid, len(msg.input_ids), params.max_tokens)
         req = Req(msg.uid, list(msg.input_ids), len(msg.input_ids), params,
-                  self.engine.eos_token_ids, lora=lora)
+                  self.engine.eos_token_ids, lora=lora,
+                  long_rope=0 < self.engine.long_rope_from < len(msg.input_ids))
         self.reqs[req.uid] = req
         if params.structured is not None:
             self.compiling.append((req, self.grammars.submit(params.structured)))
@@ -401,6 +402,7 @@ class Scheduler:
         """Prefill first (new requests get their first token soon), else decode everyone. With
         mixed steps the running requests decode in the prefill's step too (`_mix`): a prompt
         then never holds back the tokens of those already answering."""
+        self._restart_long_rope()
         decoding = self.decode.schedule() if self.mixed and self.prefill.num_waiting else None
         share = decoding.size if decoding is not None else 0
         if share * 2 > self.prefill.budget:  # too many to ride along: a step of their own
@@ -464,18 +466,40 @@ class Scheduler:
         return sum(1 for r in decoding
                    if r.device_len > len(r.pages) * ps and r.reserved_pages == 0)
 
-    def _retract(self, req: Req) -> None:
+    def _retract(self, req: Req, for_room: bool = True) -> None:
         """Free an admitted request's resources and queue it again at the front: its computed
-        KV goes to the prefix cache, so re-admission recomputes little (with radix)."""
+        KV goes to the prefix cache, so re-admission recomputes little (with radix).
+        `for_room`: counted and logged as a retraction for KV pages (else the caller says
+        why)."""
         if not self.decode.remove(req):
             self.prefill.prefilling.remove(req)
         self._free_admitted(req)
         req.cached_len = 0
         req.device_len = len(req.token_ids)
         self.prefill.requeue(req)
-        self.totals["retracted"] += 1
-        logger.info("rank %d: retracted request %d (%d tokens) to free KV pages", self.rank,
-                    req.uid, req.device_len)
+        if for_room:
+            self.totals["retracted"] += 1
+            logger.info("rank %d: retracted request %d (%d tokens) to free KV pages",
+                        self.rank, req.uid, req.device_len)
+
+    def _restart_long_rope(self) -> None:
+        """Longrope (StepEngine.long_rope_from k): a running request whose next decode would
+        make its sequence longer than k is prefilled again, every token then rotating with
+        the long factors, as transformers' Phi-3 generation recomputes its cache there (the
+        K/V so far rotated with the short ones). A function of the requests' lengths, so every
+        rank restarts the same requests at the same step."""
+        k = self.engine.long_rope_from
+        crossing = [r for r in self.decode.running.values()
+                    if k and not r.long_rope and r.device_len > k and not r.all_launched]
+        if not crossing:
+            return
+        self._finish_inflight()  # retraction needs every batch using it finished
+        for req in sorted(crossing, key=self.prefill.order):
+            if req.finish_reason is None and req.uid in self.decode.running:
+                self._retract(req, for_room=False)
+                req.long_rope = True
+                logger.debug("rank %d: request %d passed %d tokens: prefilled again with "
+                             "longrope's long factors", self.rank, req.uid, k)
 
     def _write_slots(self, batch: Batch) -> None:
         """Map the batch's new tokens to KV slots in the page table; set `batch.out_slots`."""
