@@ -94,6 +94,8 @@ def test_mixed_steps_do_not_change_tokens(tiny_model: Callable[..., Path],
 WINDOWED = {"mistral": dict(sliding_window=8), "phi3": dict(sliding_window=8),
             "mixtral": dict(sliding_window=8),
             "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+            # SmolLM3 slides in its NoPE layers (the fourth) where use_sliding_window says so
+            "smollm3": dict(use_sliding_window=True, sliding_window=8),
             "qwen2_moe": dict(use_sliding_window=True, sliding_window=8, max_window_layers=2)}
 
 

@@ -336,3 +336,22 @@ def test_hf_overrides_replace_config_keys() -> None:
         EngineConfig(hf_overrides="{a")
     with pytest.raises(ValueError, match="must be a JSON object"):
         EngineConfig(hf_overrides="[1]")
+
+
+@pytest.mark.parametrize("changes", [{}, {"use_sliding_window": True, "sliding_window": 64},
+                                     {"no_rope_layers": [1, 0, 1, 1, 0, 1, 1, 1]},
+                                     {"no_rope_layer_interval": 3}])
+def test_smollm3_nope_layers_and_windows_are_read_as_transformers_derives_them(
+        changes: Dict[str, Any]) -> None:
+    """SmolLM3's config class derives `no_rope_layers` (every fourth layer rotates nothing) and
+    `layer_types` (with use_sliding_window, the NoPE layers slide) where config.json lacks
+    them: the same per-layer rope and windows as its model."""
+    import transformers
+    raw = dict(architectures=["SmolLM3ForCausalLM"], vocab_size=64, hidden_size=64,
+               intermediate_size=32, num_hidden_layers=8, num_attention_heads=4, **changes)
+    cfg = ModelConfig.from_dict(raw)
+    hf = transformers.SmolLM3Config(**{k: v for k, v in raw.items() if k != "architectures"})
+    assert cfg.rope_layers == tuple(bool(f) for f in hf.no_rope_layers)
+    windows = tuple(hf.sliding_window if t == "sliding_attention" else 0 for t in hf.layer_types)
+    assert cfg.layer_windows == (windows if any(windows) else ())
+    assert cfg.rope_theta == 2e6 and cfg.tie_word_embeddings

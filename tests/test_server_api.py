@@ -194,20 +194,21 @@ def test_tokenize_and_detokenize(server: Server, llm: LLM) -> None:
 
 
 def test_generate_stream_returns_token_ids(server: Server, llm: LLM) -> None:
+    """As SGLang streams by default, each chunk repeats the text and ids so far (a client
+    prints `text[len(seen):]`); the last has them all."""
     ref = llm.generate("Hello, my name is", SamplingParams(temperature=0, max_tokens=6))[0]
     body = {"text": "Hello, my name is", "stream": True,
             "sampling_params": {"temperature": 0, "max_tokens": 6}}
-    ids: List[int] = []
-    text = ""
     with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                event = json.loads(line[6:])
-                ids += event["token_ids"]
-                text += event["text"]
-    assert ids == ref.token_ids
-    assert text == ref.text
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert len(events) > 1
+    for before, after in zip(events, events[1:]):
+        assert after["text"].startswith(before["text"])
+        assert after["output_ids"][:len(before["output_ids"])] == before["output_ids"]
+    assert events[-1]["output_ids"] == events[-1]["token_ids"] == ref.token_ids
+    assert events[-1]["text"] == ref.text
 
 
 def test_generate_speaks_sglangs_fields(server: Server, llm: LLM) -> None:
@@ -278,7 +279,7 @@ def test_generate_takes_sglangs_batches_and_n(server: Server, llm: LLM) -> None:
         events = [json.loads(line[6:]) for line in r.iter_lines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
     for k, ref in enumerate(refs):
-        assert [t for e in events if e["index"] == k for t in e["output_ids"]] == ref.token_ids
+        assert [e for e in events if e["index"] == k][-1]["output_ids"] == ref.token_ids
     for bad, param in (({"text": texts, "rid": "one"}, "rid"),
                        ({"text": ["a"] * 65}, "text"),
                        ({"text": ["a", ""]}, "text"),
@@ -289,8 +290,8 @@ def test_generate_takes_sglangs_batches_and_n(server: Server, llm: LLM) -> None:
 
 
 def test_generate_streams_sglangs_meta_info(server: Server) -> None:
-    """Streamed, each chunk carries what is new: its tokens' log-probabilities (the prompt's on
-    the first chunk), the finish reason on the last."""
+    """Streamed, each chunk's meta_info holds the log-probabilities so far (the prompt's in
+    every chunk, as SGLang's), the finish reason on the last."""
     body = {"text": "Hello, my name is", "stream": True, "return_logprob": True,
             "logprob_start_len": 0, "sampling_params": {"temperature": 0, "max_new_tokens": 4,
                                                         "ignore_eos": True}}
@@ -300,11 +301,10 @@ def test_generate_streams_sglangs_meta_info(server: Server) -> None:
         events = [json.loads(line[6:]) for line in r.iter_lines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
     metas = [e["meta_info"] for e in events]
-    assert sum(len(m["output_token_logprobs"]) for m in metas) == 4
+    assert len(metas[-1]["output_token_logprobs"]) == 4
     assert [len(e["output_ids"]) for e in events] == [
         len(m["output_token_logprobs"]) for m in metas]
-    assert metas[0]["input_token_logprobs"][0][0] is None  # the first prompt token's
-    assert not any(m["input_token_logprobs"] for m in metas[1:])
+    assert all(m["input_token_logprobs"][0][0] is None for m in metas)  # the first prompt token's
     assert metas[-1]["finish_reason"] == {"type": "length", "length": 4}
     assert all(m["finish_reason"] is None for m in metas[:-1])
 
@@ -635,3 +635,26 @@ def test_embeddings_take_a_client_sized_batch(server: Server) -> None:
     assert out["usage"]["prompt_tokens"] == 400
     r = _post(server, "/v1/embeddings", {"input": [[5]] * 2049})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+
+
+def test_generate_streams_only_what_is_new_when_asked() -> None:
+    """--incremental-streaming-output (SGLang's): each chunk carries its own text and ids;
+    by default each repeats all so far. The formatter alone, over two chunks."""
+    from minisgl.core import SamplingParams as Params
+    from minisgl.message.types import ReplyChunk
+    from minisgl.server.protocol import Job, Prompt
+    from minisgl.server.responses import Choice, GenerateFormatter
+    job = Job([Prompt(input_ids=[1, 2])], Params(max_tokens=2), 1, (), True, True, False)
+    chunks = [ReplyChunk(0, "Hel", [7], prompt_tokens=2), ReplyChunk(0, "lo", [8], "length")]
+
+    def events(incremental: bool) -> List[dict]:
+        fmt, choice, out = GenerateFormatter("m", job, incremental), Choice(), []
+        for c in chunks:
+            choice.add(c)
+            out += [json.loads(line[6:]) for line in fmt.delta(0, c, choice)]
+        return out
+
+    assert [(e["text"], e["output_ids"]) for e in events(True)] == [("Hel", [7]), ("lo", [8])]
+    assert [(e["text"], e["output_ids"]) for e in events(False)] == [("Hel", [7]),
+                                                                    ("Hello", [7, 8])]
+    assert [e["finish_reason"] for e in events(False)] == [None, "length"]

@@ -40,6 +40,9 @@ FAMILIES: Dict[str, dict] = {
     # Phi-3 / Phi-4: checkpoints with fused qkv_proj and gate_up_proj tensors.
     "phi3": dict(arch="Phi3Config", tie_word_embeddings=False, sliding_window=None,
                  pad_token_id=0),
+    # SmolLM3: every fourth layer rotates nothing (NoPE); four layers, so one of them is.
+    "smollm3": dict(arch="SmolLM3Config", tie_word_embeddings=True, num_hidden_layers=4,
+                    pad_token_id=0),
     # Phi-3.5 / Phi-3-128K's longrope (a pretraining length of 32: prompts past it, and decodes
     # crossing it), and Phi-4-mini's partial rotary embedding (3/4 of each head) with it.
     "phi3_longrope": dict(arch="Phi3Config", tie_word_embeddings=False, sliding_window=None,

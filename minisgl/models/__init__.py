@@ -27,6 +27,7 @@ _MODULE_OF: Dict[str, str] = {
     "Qwen2MoeForCausalLM": "qwen",
     "Qwen3ForCausalLM": "qwen",
     "Qwen3MoeForCausalLM": "qwen",
+    "SmolLM3ForCausalLM": "llama",
 }
 ARCHITECTURES = tuple(sorted(_MODULE_OF))
 

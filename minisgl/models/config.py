@@ -12,7 +12,8 @@ takes that family's transformers default (`_FAMILY_DEFAULTS`), the bias fields c
 the families whose layers have them (Mistral and Mixtral have no biases, only Llama has MLP
 biases, Qwen2-MoE's q/k/v bias is its `qkv_bias`), and a `hidden_act` other than SiLU or GELU
 (tanh) is refused. A `partial_rotary_factor` below 1 (Phi-4-mini) turns only the first
-`rotary_dim` dimensions of each head.
+`rotary_dim` dimensions of each head; SmolLM3's `no_rope_layers` (every fourth layer by
+default) turn none (`rope_layers`).
 
 Phi-3's "longrope" (the 128K variants, Phi-3.5, Phi-4-mini; older configs say "su" or "yarn")
 rotates with `short_factor` frequencies while a sequence is at most
@@ -72,6 +73,9 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
     "Qwen3MoeForCausalLM": {**_QWEN, "num_key_value_heads": 4},
     "Phi3ForCausalLM": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
                         "vocab_size": 32064},
+    "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "rope_theta": 2e6,
+                           "vocab_size": 128256, "num_key_value_heads": 4,
+                           "tie_word_embeddings": True, "use_sliding_window": False},
     # Gemma3TextConfig's: a multimodal checkpoint's text_config lists few fields
     "Gemma2ForCausalLM": _GEMMA2,
     "Gemma3ForCausalLM": _GEMMA3,
@@ -79,16 +83,19 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
 }
 # The families whose attention projections take `attention_bias` (Qwen2's are fixed: q/k/v
 # bias, none on o; Mistral's and Mixtral's have none), and whose MLP takes `mlp_bias`.
-_ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-_MLP_BIAS = ("LlamaForCausalLM",)
+_ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                   "SmolLM3ForCausalLM")
+_MLP_BIAS = ("LlamaForCausalLM", "SmolLM3ForCausalLM")
 # The families whose attention may slide (see `_layer_windows`).
 _WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
              "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM",
-             *GEMMA)
+             "SmolLM3ForCausalLM", *GEMMA)
 # The families whose config class lists `layer_types` (the others slide in every layer), and
 # those whose `use_sliding_window` switches the window on (the others ignore the key).
-_LAYER_TYPED = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", *GEMMA)
-_SWITCHED = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_LAYER_TYPED = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
+                "SmolLM3ForCausalLM", *GEMMA)
+_SWITCHED = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+             "SmolLM3ForCausalLM")
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -136,6 +143,9 @@ class ModelConfig:
     matryoshka_dimensions: Optional[Tuple[int, ...]] = None
     # The dimensions of a head the rotary embedding turns (the first ones; 0: all of them)
     rotary_dim: int = 0
+    # Per decoder layer: whether it rotates q and k at all (SmolLM3's NoPE layers do not);
+    # () where every layer does.
+    rope_layers: Tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         if self.hidden_act not in HIDDEN_ACTS:
@@ -152,6 +162,9 @@ class ModelConfig:
         if self.num_experts and self.moe_intermediate_size < 1:
             raise ValueError(f"moe_intermediate_size must be >= 1 with {self.num_experts} "
                              f"experts, got {self.moe_intermediate_size}")
+        if self.rope_layers and len(self.rope_layers) != self.num_layers:
+            raise ValueError(f"no_rope_layers must give each of the {self.num_layers} layers a "
+                             f"flag, got {len(self.rope_layers)}")
         if self.layer_windows and (len(self.layer_windows) != self.num_layers
                                    or min(self.layer_windows) < 0):
             raise ValueError(f"layer_windows must give each of the {self.num_layers} layers a "
@@ -255,6 +268,8 @@ class ModelConfig:
         cfg = {**_FAMILY_DEFAULTS.get(arch, {}), **cfg}
         if arch in GEMMA:
             cfg = _gemma(cfg, arch)
+        if arch == "SmolLM3ForCausalLM":
+            cfg = _smollm3(cfg)
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rope = cfg.get("rope_parameters") or {}
@@ -293,6 +308,8 @@ class ModelConfig:
             attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
             matryoshka_dimensions=_matryoshka(cfg),
+            rope_layers=(tuple(bool(f) for f in cfg["no_rope_layers"])
+                         if arch == "SmolLM3ForCausalLM" else ()),
             **_moe_fields(cfg, arch),
         )
 
@@ -345,6 +362,19 @@ def _layer_windows(cfg: Dict[str, Any], arch: str) -> Tuple[int, ...]:
     else:
         slides = [True for _ in layers]
     return tuple(int(window) if s else 0 for s in slides) if any(slides) else ()
+
+
+def _smollm3(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """SmolLM3's config.json with what its config class derives: `no_rope_layers` (1: the
+    layer rotates; default every `no_rope_layer_interval`-th layer, 4th, does not) and
+    `layer_types` (with `use_sliding_window`, the layers without rope slide)."""
+    layers = cfg["num_hidden_layers"]
+    interval = int(cfg.get("no_rope_layer_interval") or 4)
+    rope = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    window = cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None
+    types = cfg.get("layer_types") or ["sliding_attention" if window and not r else
+                                       "full_attention" for r in rope[:layers]]
+    return {**cfg, "no_rope_layers": list(rope[:layers]), "layer_types": types}
 
 
 def _gemma(cfg: Dict[str, Any], arch: str) -> Dict[str, Any]:

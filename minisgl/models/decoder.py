@@ -105,8 +105,10 @@ class Attention(nn.Module):
     """Self-attention; `forward` takes the stream before the layer's input norm and returns the
     stream after o_proj (its partial product, not yet all-reduced)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, traits: "Traits", rotary: RotaryEmbedding,
-                 info: DistributedInfo, comm: Communicator) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, traits: "Traits",
+                 rotary: Optional[RotaryEmbedding], info: DistributedInfo,
+                 comm: Communicator) -> None:
+        """`rotary`: None for a layer that rotates nothing (SmolLM3's NoPE layers)."""
         super().__init__()
         self.layer = layer
         prefix = f"model.layers.{layer}.self_attn"
@@ -144,17 +146,17 @@ class Attention(nn.Module):
         kernel stores K/V (backends with a KV target; it also applies the scales of an FP8
         product taken unscaled, and the q/k norms), else attention does. Where K/V are stored,
         the returned k and v are not read again (and may be unscaled)."""
-        target = backend.kv_target(self.layer, batch)
-        if target is not None and self.q_norm is None:  # the GEMV has no q/k norms
-            fused = self.qkv_proj.forward_normed_rotary(stream, norm, self.rotary, positions,
-                                                        target)
+        rotary = self.rotary  # None: nothing rotates, attention stores K/V
+        target = backend.kv_target(self.layer, batch) if rotary is not None else None
+        if target is not None and rotary is not None and self.q_norm is None:  # no q/k norms
+            fused = self.qkv_proj.forward_normed_rotary(stream, norm, rotary, positions, target)
             if fused is not None:
                 return AttentionInput(*self._heads(fused.out), fused.residual, stored=True)
         proj = self.qkv_proj.forward_normed_unscaled(stream, norm)
-        if target is not None:
+        if target is not None and rotary is not None:
             q, k, v = self._heads(proj.out)
-            if self.rotary.rotate_into_cache(positions, q, k, v, target, proj.scales,
-                                             self._head_norms()):
+            if rotary.rotate_into_cache(positions, q, k, v, target, proj.scales,
+                                        self._head_norms()):
                 return AttentionInput(q, k, v, proj.residual, stored=True)
         return self._rotated(proj.scaled(), proj.residual, positions)
 
@@ -165,7 +167,8 @@ class Attention(nn.Module):
         q, k, v = self._heads(qkv)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k)
         return AttentionInput(q, k, v, residual, stored=False)
 
     def _head_norms(self) -> Optional[HeadNorms]:
@@ -237,8 +240,9 @@ def moe_shape(cfg: ModelConfig) -> MoEShape:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, traits: "Traits", rotary: RotaryEmbedding,
-                 info: DistributedInfo, comm: Communicator) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, traits: "Traits",
+                 rotary: Optional[RotaryEmbedding], info: DistributedInfo,
+                 comm: Communicator) -> None:
         super().__init__()
         norm = lambda: traits.norm(cfg.hidden_size, cfg.rms_norm_eps)  # noqa: E731
         self.input_layernorm = norm()
@@ -310,7 +314,9 @@ class DecoderModel(nn.Module):
                                     traits.policy, cfg.max_position_embeddings, cfg.rotary_dims)
         self.rope_index = rotary.index
         windows = cfg.layer_windows or (0,) * cfg.num_layers
-        layers = [DecoderLayer(cfg, i, traits, local if windows[i] else rotary, info, comm)
+        turns = cfg.rope_layers or (True,) * cfg.num_layers  # SmolLM3's NoPE layers: False
+        layers = [DecoderLayer(cfg, i, traits, (local if windows[i] else rotary)
+                               if turns[i] else None, info, comm)
                   for i in range(cfg.num_layers)]
         qkv = layers[0].self_attn.qkv_proj
         self.local_heads = LocalHeads(qkv.num_local_kv_heads, qkv.num_local_heads)

@@ -1,4 +1,5 @@
-"""The Llama family: Llama 2/3.x (incl. "llama3" rope scaling), SmolLM2, Mistral, Mixtral."""
+"""The Llama family: Llama 2/3.x (incl. "llama3" rope scaling), SmolLM2 and SmolLM3, Mistral,
+Mixtral."""
 
 from types import MappingProxyType
 
@@ -7,6 +8,11 @@ from minisgl.models.decoder import CausalLM
 
 class LlamaForCausalLM(CausalLM):
     """Optional attention/MLP bias from the config; no q/k norm."""
+
+
+class SmolLM3ForCausalLM(LlamaForCausalLM):
+    """The Llama decoder whose every fourth layer (ModelConfig.rope_layers) rotates nothing
+    (NoPE); with use_sliding_window those layers slide."""
 
 
 class MistralForCausalLM(LlamaForCausalLM):

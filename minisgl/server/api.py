@@ -86,6 +86,7 @@ class ApiConfig:
     lora_adapters: Tuple[Tuple[str, str], ...] = ()
     lora_runtime: bool = False
     max_lora_rank: int = 16
+    incremental_streaming_output: bool = False  # /generate streams what is new (SGLang's)
     hidden_size: int = 0  # the model's: an embedding's length
     embedding_refusal: Optional[str] = None  # why embeddings cannot be served (pooling.py)
     matryoshka: Optional[Tuple[int, ...]] = None  # ModelConfig.matryoshka_dimensions
@@ -445,7 +446,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         # SGLang echoes `rid` (RL frameworks key rollouts by it); a proxy's X-Request-Id
         # must not replace it, and still names the response in the log and its header.
         job = job if body.rid is not None else client_id(request, job)
-        return await run(request, GenerateFormatter(cfg.model_name, job))
+        return await run(request, GenerateFormatter(cfg.model_name, job,
+                                                     cfg.incremental_streaming_output))
 
     async def text_endpoint(request: Request, body_type: Any, prompt_of: Callable[[Any], Prompt],
                             reply: Callable[[ReplyChunk], Dict[str, Any]]) -> Response:

@@ -77,6 +77,10 @@ class ServerConfig:
                                  alias=Alias("disable-log-requests", False,
                                              "the same as --no-log-requests (vLLM's name)"))
     shell: bool = setting(False, "chat with the model in this terminal")
+    incremental_streaming_output: bool = setting(
+        False, "SGLang's: a streamed /generate chunk carries only what is new (text, "
+               "output_ids, log-probabilities); by default each repeats everything so far, as "
+               "SGLang's does")
     batch_input: Optional[str] = setting(
         None, "run an OpenAI batch file and exit (vLLM's run-batch): JSON lines of {custom_id, "
               "method: POST, url, body} (url: /v1/chat/completions, /v1/completions, "

@@ -191,11 +191,17 @@ class GenerateFormatter(Formatter):
     """The /generate format: text and token ids, one object per chunk, no choices; SGLang's
     `output_ids` and `meta_info` (server/generate_meta.py) beside our own fields. A batch, or
     n > 1, answers a list of those objects (prompt-major, as SGLang), each with its `index`.
-    Streamed, each chunk carries what is new (SGLang's incremental streaming output),
-    log-probabilities included: the prompt's on the first chunk."""
+    Streamed, each chunk repeats everything so far (the text, the ids, the log-probabilities),
+    as SGLang streams by default; with `incremental` (SGLang's
+    --incremental-streaming-output) it carries only what is new (the prompt's
+    log-probabilities on the first chunk)."""
 
     id_prefix = "gen"
     prompt_param = "input_ids"
+
+    def __init__(self, model: str, job: Job, incremental: bool = False) -> None:
+        super().__init__(model, job)
+        self.incremental = incremental
 
     @property
     def single(self) -> bool:
@@ -214,6 +220,13 @@ class GenerateFormatter(Formatter):
         return item if self.single else {**item, "index": index}
 
     def delta(self, index: int, chunk: ReplyChunk, choice: Choice) -> Iterator[str]:
+        if not self.incremental:  # the choice so far, this chunk's finish
+            event = {**self._item(index, choice), "finish_reason": chunk.finish_reason}
+            event["meta_info"] = self._meta(index, choice, chunk.finish_reason,
+                                            chunk.matched_stop, choice.prompt_logprobs,
+                                            choice.logprobs)
+            yield sse(event)
+            return
         event = {"id": self._id(index, self.id), "text": chunk.text,
                  "token_ids": list(chunk.token_ids),
                  "output_ids": list(chunk.token_ids), "finish_reason": chunk.finish_reason,

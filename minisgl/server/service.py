@@ -228,6 +228,7 @@ class Service:
                             lora_adapters=c.engine.lora_adapters,
                             lora_runtime=c.engine.lora_runtime,
                             max_lora_rank=c.engine.max_lora_rank,
+                            incremental_streaming_output=c.incremental_streaming_output,
                             hidden_size=shape.hidden_size,
                             embedding_refusal=pooling_refusal(Path(self.model_path)),
                             matryoshka=shape.matryoshka_dimensions,
