@@ -21,7 +21,7 @@ if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
 fi
 if [ "$MODE" = newtests ]; then  # the thirty-first session's GPU cases, first of all (~3 min)
   step new_kernel_tests 240 python3 -m pytest -q tests/test_triton_attention.py -k "window or softcap"
-  step new_engine_tests 300 python3 -m pytest -q -m gpu tests/test_gpu.py -k "sliding or lora or embeddings or longrope"
+  step new_engine_tests 300 python3 -m pytest -q -m gpu tests/test_gpu.py -k "sliding or lora or embeddings or rope_variants"
 fi
 if [ "$MODE" = kernels ]; then  # attention tiles, batch-1 projections, prefill GEMMs
   step kernels_8b 300 python3 scripts/bench_kernels.py --model configs/models/llama-3.1-8b

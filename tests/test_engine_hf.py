@@ -123,12 +123,15 @@ def test_sliding_windows_match_hf(tiny_model: Callable[..., Path], family: str) 
     assert [o.token_ids for o in second] == hf_greedy(path, later, 24)
 
 
-def test_gemma2_softcapped_logits_and_scores_match_hf(tiny_model: Callable[..., Path]) -> None:
-    """Gemma 2's tanh softcaps (scores at 2, logits at 3 on the tiny model): the greedy tokens
-    (which the scores' cap changes) and the log-probabilities (which the logits' cap changes:
-    greedy tokens alone cannot see a monotonic cap) equal transformers'."""
+@pytest.mark.parametrize("family", ["gemma2", "granite"])
+def test_logit_transforms_match_hf_in_log_probabilities(tiny_model: Callable[..., Path],
+                                                        family: str) -> None:
+    """Gemma 2's tanh softcaps (scores at 2, logits at 3 on the tiny model) and Granite's
+    multipliers (logits divided by 2.5): the greedy tokens (which the scores' cap and the
+    other multipliers change) and the log-probabilities (which a monotonic change of the
+    logits alone changes: greedy tokens cannot see it) equal transformers'."""
     from hf_reference import hf_logprobs
-    path = tiny_model("gemma2")
+    path = tiny_model(family)
     prompts = mixed_prompts(3, seed=9, lengths=(4, 19, 33))
     with LLM(str(path), device="cpu", page_size=4, max_prefill_tokens=7, max_kv_tokens=2048,
              show_progress=False) as llm:

@@ -116,16 +116,20 @@ def test_tp2_adapters_match_peft(base: Path, adapters: Dict[str, Path], tmp_path
     assert [o.token_ids for o in outs] == _expected(base, adapters, prompts, names)
 
 
-@pytest.mark.parametrize("family", ["phi3", "gemma3_multimodal"])
+@pytest.mark.parametrize("family", ["phi3", "gemma3_multimodal", "granite"])
 def test_fused_and_multimodal_checkpoints_adapters_match_peft(
         family: str, tiny_model: Callable[..., Path], tmp_path: Path) -> None:
     """Phi-3's adapters adapt its fused qkv_proj and gate_up_proj (B's rows split per part,
     A shared); a Gemma 3 multimodal checkpoint's adapter also adapts the vision tower, whose
-    pairs are skipped (text prompts never reach it)."""
+    pairs are skipped (text prompts never reach it); Granite's o_proj and down_proj deltas
+    take its residual multiplier, as their outputs do."""
     from tiny_models import build_tiny_gemma3_multimodal
     if family == "phi3":
         model = tiny_model("phi3")
         targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    elif family == "granite":
+        model = tiny_model("granite")
+        targets = ("q_proj", "o_proj", "down_proj")
     else:
         model = build_tiny_gemma3_multimodal(tmp_path / "gemma3")
         targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",

@@ -40,6 +40,10 @@ FAMILIES: Dict[str, dict] = {
     # Phi-3 / Phi-4: checkpoints with fused qkv_proj and gate_up_proj tensors.
     "phi3": dict(arch="Phi3Config", tie_word_embeddings=False, sliding_window=None,
                  pad_token_id=0),
+    # IBM Granite 3.x: the Llama decoder with its four multipliers (mild ones: Granite-3-8B's
+    # 12 / 0.22 on random tiny weights would make every token the same).
+    "granite": dict(arch="GraniteConfig", tie_word_embeddings=True, embedding_multiplier=1.7,
+                    residual_multiplier=0.6, attention_multiplier=0.3, logits_scaling=2.5),
     # SmolLM3: every fourth layer rotates nothing (NoPE); four layers, so one of them is.
     "smollm3": dict(arch="SmolLM3Config", tie_word_embeddings=True, num_hidden_layers=4,
                     pad_token_id=0),

@@ -49,14 +49,17 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the full vocabulary on every rank; `tied_to` shares the embedding's rows;
     `policy`: see layers/linear.project; `softcap`: the logits are capped to
-    softcap * tanh(logits / softcap) (Gemma's final_logit_softcapping; None: not)."""
+    softcap * tanh(logits / softcap) (Gemma's final_logit_softcapping; None: not); `divisor`:
+    the logits are divided by it (Granite's logits_scaling)."""
 
     def __init__(self, vocab_size: int, hidden: int, info: DistributedInfo, comm: Communicator,
                  tied_to: Optional[VocabParallelEmbedding] = None,
-                 policy: KernelPolicy = KernelPolicy(), softcap: Optional[float] = None) -> None:
+                 policy: KernelPolicy = KernelPolicy(), softcap: Optional[float] = None,
+                 divisor: float = 1.0) -> None:
         super().__init__(vocab_size, hidden, info, comm)
         self.policy = policy
         self.softcap = softcap
+        self.divisor = divisor
         self.blas_by_rows: Dict[int, str] = {}  # see layers/linear.project; filled by blas.tune
         if tied_to is not None:
             self.weight = tied_to.weight
@@ -71,6 +74,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = self.comm.all_gather_last_dim(project(hidden, self.weight, None, self.policy,
                                                            self.blas_by_rows), out=out)
         logits = logits[..., : self.vocab_size]
+        if self.divisor != 1.0:  # in place, as the softcap
+            logits.div_(self.divisor)
         if self.softcap:  # in place: the logits stay where `out` put them
             logits.div_(self.softcap).tanh_().mul_(self.softcap)
         return logits

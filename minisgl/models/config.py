@@ -13,7 +13,8 @@ the families whose layers have them (Mistral and Mixtral have no biases, only Ll
 biases, Qwen2-MoE's q/k/v bias is its `qkv_bias`), and a `hidden_act` other than SiLU or GELU
 (tanh) is refused. A `partial_rotary_factor` below 1 (Phi-4-mini) turns only the first
 `rotary_dim` dimensions of each head; SmolLM3's `no_rope_layers` (every fourth layer by
-default) turn none (`rope_layers`).
+default) turn none (`rope_layers`). Granite's four multipliers (embeddings, sublayer outputs,
+attention scores, logits) are read for Granite only.
 
 Phi-3's "longrope" (the 128K variants, Phi-3.5, Phi-4-mini; older configs say "su" or "yarn")
 rotates with `short_factor` frequencies while a sequence is at most
@@ -84,8 +85,8 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
 # The families whose attention projections take `attention_bias` (Qwen2's are fixed: q/k/v
 # bias, none on o; Mistral's and Mixtral's have none), and whose MLP takes `mlp_bias`.
 _ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                   "SmolLM3ForCausalLM")
-_MLP_BIAS = ("LlamaForCausalLM", "SmolLM3ForCausalLM")
+                   "SmolLM3ForCausalLM", "GraniteForCausalLM")
+_MLP_BIAS = ("LlamaForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM")
 # The families whose attention may slide (see `_layer_windows`).
 _WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
              "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM",
@@ -146,6 +147,13 @@ class ModelConfig:
     # Per decoder layer: whether it rotates q and k at all (SmolLM3's NoPE layers do not);
     # () where every layer does.
     rope_layers: Tuple[bool, ...] = ()
+    # Granite's multipliers: of the embeddings, of each sublayer's output before it joins the
+    # residual stream, of the attention's scores (instead of head_dim ** -0.5; None: that),
+    # and the divisor of the logits.
+    embedding_multiplier: Optional[float] = None
+    residual_multiplier: float = 1.0
+    attention_multiplier: Optional[float] = None
+    logits_scaling: float = 1.0
 
     def __post_init__(self) -> None:
         if self.hidden_act not in HIDDEN_ACTS:
@@ -224,6 +232,8 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         """What the attention multiplies q.k by."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
@@ -310,6 +320,7 @@ class ModelConfig:
             matryoshka_dimensions=_matryoshka(cfg),
             rope_layers=(tuple(bool(f) for f in cfg["no_rope_layers"])
                          if arch == "SmolLM3ForCausalLM" else ()),
+            **_granite_fields(cfg, arch),
             **_moe_fields(cfg, arch),
         )
 
@@ -362,6 +373,16 @@ def _layer_windows(cfg: Dict[str, Any], arch: str) -> Tuple[int, ...]:
     else:
         slides = [True for _ in layers]
     return tuple(int(window) if s else 0 for s in slides) if any(slides) else ()
+
+
+def _granite_fields(cfg: Dict[str, Any], arch: str) -> Dict[str, Any]:
+    """Granite's multipliers (its config class's defaults: 1) where the family reads them."""
+    if arch != "GraniteForCausalLM":
+        return {}
+    return dict(embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+                residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+                attention_multiplier=float(cfg.get("attention_multiplier", 1.0)),
+                logits_scaling=float(cfg.get("logits_scaling", 1.0)))
 
 
 def _smollm3(cfg: Dict[str, Any]) -> Dict[str, Any]:

@@ -63,6 +63,7 @@ class Traits(NamedTuple):
     fused_names: Mapping[Tuple[str, ...], str] = MappingProxyType({})
     norm_offset: float = 0.0  # added to every RMSNorm's weight as it loads (Gemma: 1)
     embed_scale: Optional[float] = None  # the embeddings' factor (Gemma: sqrt(hidden_size))
+    embed_scale_rounded: bool = True  # the factor rounded to the dtype first (Gemma; Granite not)
     sandwich_norms: bool = False  # Gemma: norms after attention and the MLP too (see above)
     lora: Optional[LoraShape] = None  # the LoRA adapter slots of every dense projection
 
@@ -306,6 +307,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, info, comm)
         self.embed_scale = traits.embed_scale
+        self.embed_scale_rounded = traits.embed_scale_rounded
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.rope_theta, cfg.rope_scaling,
                                  traits.policy, cfg.max_position_embeddings, cfg.rotary_dims)
         local = rotary  # the sliding-window layers' (Gemma 3: their own theta, unscaled)
@@ -326,8 +328,10 @@ class DecoderModel(nn.Module):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
                 backend: AttentionBackend) -> torch.Tensor:
         h = self.embed_tokens(ids)
-        if self.embed_scale is not None:  # the factor rounded to the model's dtype, as in HF
-            h = h * torch.tensor(self.embed_scale, dtype=h.dtype).item()
+        if self.embed_scale is not None:  # Gemma's rounded to the model's dtype, as in HF
+            scale = self.embed_scale
+            h = h * (torch.tensor(scale, dtype=h.dtype).item() if self.embed_scale_rounded
+                     else scale)
         stream = ResidualStream(h, None, None)
         for layer in self.layers:
             stream = layer(stream, positions, batch, backend)
@@ -380,7 +384,8 @@ class CausalLM(nn.Module):
                                   info, comm)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, info, comm, tied_to=tied,
-                                      policy=policy, softcap=cfg.final_logit_softcapping)
+                                      policy=policy, softcap=cfg.final_logit_softcapping,
+                                      divisor=cfg.logits_scaling)
 
     @property
     def rope_index(self) -> RopeIndex:
@@ -433,7 +438,31 @@ class CausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:4]}")
+        self._fold_residual_multiplier()
         finish_loading(self)
+
+    def output_multiplier(self, name: str) -> float:
+        """What the output of our projection `name` is multiplied by before it joins the
+        residual stream (Granite's residual_multiplier on o_proj and down_proj; else 1),
+        which LoRA adapters' deltas there take too."""
+        last = name.rsplit(".", 1)[-1]
+        return self.cfg.residual_multiplier if last in ("o_proj", "down_proj") else 1.0
+
+    @torch.no_grad()
+    def _fold_residual_multiplier(self) -> None:
+        """Granite's residual_multiplier m folded into the layers whose output it scales:
+        m (x W^T + b) = x (m W)^T + m b; an FP8 layer's weight scale takes it (dequantized,
+        its weight is weight * scale)."""
+        m = self.cfg.residual_multiplier
+        if m == 1.0:
+            return
+        for name, module in self.named_modules():
+            if self.output_multiplier(name) == 1.0 or not hasattr(module, "weight"):
+                continue
+            scale = getattr(module, "weight_scale", None) if getattr(module, "fp8", None) else None
+            (scale if scale is not None else module.weight).mul_(m)
+            if getattr(module, "bias", None) is not None:
+                module.bias.mul_(m)
 
     def projection_parts(self, module: str) -> List[Tuple[str, int, slice]]:
         """Where checkpoint module `module` (e.g. model.layers.0.self_attn.q_proj) lives in

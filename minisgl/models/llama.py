@@ -1,9 +1,10 @@
-"""The Llama family: Llama 2/3.x (incl. "llama3" rope scaling), SmolLM2 and SmolLM3, Mistral,
-Mixtral."""
+"""The Llama family: Llama 2/3.x (incl. "llama3" rope scaling), SmolLM2 and SmolLM3, Granite,
+Mistral, Mixtral."""
 
 from types import MappingProxyType
 
-from minisgl.models.decoder import CausalLM
+from minisgl.models.config import ModelConfig
+from minisgl.models.decoder import CausalLM, Traits
 
 
 class LlamaForCausalLM(CausalLM):
@@ -13,6 +14,18 @@ class LlamaForCausalLM(CausalLM):
 class SmolLM3ForCausalLM(LlamaForCausalLM):
     """The Llama decoder whose every fourth layer (ModelConfig.rope_layers) rotates nothing
     (NoPE); with use_sliding_window those layers slide."""
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    """IBM Granite 3.x: the Llama decoder with four multipliers (ModelConfig): the embeddings'
+    (as given, not rounded to the dtype as Gemma's), the attention's scale, the logits'
+    divisor (the LM head's), and each sublayer's output's, folded into o_proj and down_proj
+    as they load (and into LoRA adapters' B of those)."""
+
+    @classmethod
+    def traits(cls, cfg: ModelConfig) -> Traits:
+        return super().traits(cfg)._replace(embed_scale=cfg.embedding_multiplier,
+                                            embed_scale_rounded=False)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -80,7 +80,7 @@ def _load_pair(model: CausalLM, adapter: LoraAdapter, module: str, name: str, sl
                              f"inputs, the layer {full}")
         a = a[:, layer.shard.start:layer.shard.stop]
     try:
-        slots.load(slot, part, a, b, adapter.scaling)
+        slots.load(slot, part, a, b, adapter.scaling * model.output_multiplier(name))
     except ValueError as e:
         raise ValueError(f"LoRA adapter {adapter.name!r}, {module}: {e}") from None
 
