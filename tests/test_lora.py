@@ -239,8 +239,8 @@ def test_adapted_modules_and_models_minisgl_cannot_serve_are_refused(
     embed = build_tiny_lora(base, tmp_path / "embed", 4, targets=("embed_tokens", "q_proj"))
     _refusal(base, embed, "tensor .*embed_tokens.* is not a LoRA A or B weight")
     _refusal(base, tmp_path / "missing", "LoRA adapter 'bad': no adapter_config.json")
-    with pytest.raises(ValueError, match="lora_modules entry 'x' is not NAME=PATH"):
-        LLM(str(base), device="cpu", lora_modules="x")
+    with pytest.raises(ValueError, match="lora_modules entry '=/p' is not NAME=PATH"):
+        LLM(str(base), device="cpu", lora_modules="=/p")
     with pytest.raises(ValueError, match="lora_modules names a more than once"):
         LLM(str(base), device="cpu", lora_modules="a=/p,a=/q")
     with pytest.raises(ValueError, match="max_loras 1 is fewer than the 2 adapters"):
@@ -337,6 +337,9 @@ def test_lora_modules_take_vllms_json_form() -> None:
         EngineConfig(lora_modules='{"name": 1}')
     with pytest.raises(ValueError, match="lora_modules is not JSON"):
         EngineConfig(lora_modules="{name")
+    # SGLang's bare path: the adapter named by it
+    assert EngineConfig(lora_modules="/a/sql, b=/q").lora_adapters == (("/a/sql", "/a/sql"),
+                                                                       ("b", "/q"))
 
 
 def test_lora_lists_take_several_words_as_vllm_and_sglang_do() -> None:

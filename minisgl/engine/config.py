@@ -246,16 +246,19 @@ class EngineConfig:
     @property
     def lora_adapters(self) -> Tuple[Tuple[str, str], ...]:
         """(name, path) of each adapter of `lora_modules`, in order (slot i: the i-th):
-        NAME=PATH entries separated by commas, or vLLM's JSON form (an object with "name" and
-        "path", or a list of them); ValueError naming an entry that is neither, or a name
-        given twice."""
+        NAME=PATH entries separated by commas (a bare PATH names the adapter by its path, as
+        SGLang's --lora-paths), or vLLM's JSON form (an object with "name" and "path", or a
+        list of them); ValueError naming an entry that is none of these, or a name given
+        twice."""
         text = (self.lora_modules or "").strip()
         pairs = _json_modules(text) if text.startswith(("{", "[")) else []
         for item in [] if pairs else text.split(","):
             if not item.strip():
                 continue
             name, eq, path = item.strip().partition("=")
-            if not eq or not name.strip() or not path.strip():
+            if not eq:  # SGLang's bare path: the adapter is named by it
+                name = path = item.strip()
+            if not name.strip() or not path.strip():
                 raise ValueError(f"lora_modules entry {item.strip()!r} is not NAME=PATH")
             pairs.append((name.strip(), path.strip()))
         names = [n for n, _ in pairs]

@@ -268,7 +268,8 @@ _LIST_FLAGS = ("--lora-modules", "--lora-paths")  # vLLM and SGLang take several
 def joined_lists(argv: Sequence[str]) -> List[str]:
     """`argv` with the words after a LoRA list flag that are entries of it (NAME=PATH, or
     vLLM's JSON objects) joined by commas into one value, as vLLM's and SGLang's
-    `--lora-modules a=/p b=/q` give them; every other word as it is."""
+    `--lora-modules a=/p b=/q` give them; every other word as it is (a bare path after the
+    first is taken for the model, as `serve MODEL` reads it)."""
     out: List[str] = []
     joining = False
     for word in argv:
