@@ -300,3 +300,45 @@ def test_conversation_call_ids_become_ones_mistrals_template_takes() -> None:
                         user_messages=[sent[0]], tools=None)
     hermes = template_messages(job_messages)
     assert hermes[1]["tool_calls"][0]["id"] == long_ids[0]
+
+
+# --- the same array reader with other markers: Granite 3.x and Phi-4-mini ----------------------
+@pytest.mark.parametrize("name,marker", [("granite", "<|tool_call|>"),
+                                         ("phi4_mini_json", "functools")])
+def test_granite_and_phi4_mini_calls_read_streamed_and_whole(name: str, marker: str) -> None:
+    """Their marker, then the JSON array Mistral's calls use: calls whole and in pieces, content
+    before; the marker without an array is content (no v11 form here); call ids are OpenAI's."""
+    fmt = FORMATS[name]
+
+    def stream(text: str, step: int, max_calls: Optional[int] = None) -> Streamed:
+        return stream_in_pieces(MistralToolCallStreamer(max_calls, fmt), text, step,
+                                lambda i: i.startswith("call_"))
+
+    cases = [(f"{marker}[{PARIS}, {NESTED}]", None,
+              [("get_weather", '{"city": "Paris", "unit": "c"}'),
+               ("now", '{"q": "a ] } [ {", "l": [1, {"x": []}]}')]),
+             (f'Checking.{marker} [{{"name": "now", "arguments": {{}}}}]', "Checking.",
+              [("now", "{}")]),
+             (f"[{PARIS}]", None, [("get_weather", '{"city": "Paris", "unit": "c"}')]),
+             (f'{marker}now[ARGS]{{}}', f'{marker}now[ARGS]{{}}', []),
+             ("[TOOL_CALLS] [1]", "[TOOL_CALLS] [1]", [])]
+    for text, content, calls in cases:
+        check_splits(parse_mistral_tool_calls(text, None, fmt), stream, text, content, calls,
+                     range(1, len(text) + 1))
+
+
+def test_granite_and_phi4_mini_templates_pick_their_formats_and_enforce_them() -> None:
+    xgr = pytest.importorskip("xgrammar")
+    assert default_tool_call_parser("{{ '<|tool_call|>' + tool_calls|tojson }}") == "granite"
+    assert default_tool_call_parser("{{ 'functools[' }}") == "phi4_mini_json"
+    vocab = [chr(i) for i in range(32, 127)] + ["\n", "<|tool_call|>", "</s>"]
+    info = xgr.TokenizerInfo(vocab, stop_token_ids=[len(vocab) - 1])
+    tools = parse_tools(TOOLS, "required", None)
+    assert tools is not None
+    for name, marker in (("granite", "<|tool_call|>"), ("phi4_mini_json", "functools")):
+        structured = tools.constraint(FORMATS[name])
+        assert structured is not None
+        grammar = xgr.GrammarCompiler(info, max_threads=1).compile_structural_tag(
+            structured.spec)
+        assert _accepts(xgr, grammar, len(vocab) - 1, f"{marker}[{PARIS}]")
+        assert not _accepts(xgr, grammar, len(vocab) - 1, f"[TOOL_CALLS] [{PARIS}]")

@@ -99,7 +99,9 @@ class ServerConfig:
         None, "the format chat output's tool calls are read (and, for tool_choice \"required\" "
               "or a named function, enforced) in (default: from the chat template: "
               "qwen3_coder for Qwen3-Coder's XML calls, mistral for Mistral's [TOOL_CALLS], "
-              "llama3_json for Llama 3.x's, else hermes)", choices=TOOL_CALL_PARSERS)
+              "granite for Granite 3.x's <|tool_call|>, phi4_mini_json for Phi-4-mini's "
+              "functools[...], llama3_json for Llama 3.x's, else hermes)",
+        choices=TOOL_CALL_PARSERS)
     # --- exposure and limits of the HTTP API (server/auth.py, limits.py, admission.py) ------
     api_key: Optional[str] = setting(
         None, f"clients must send `Authorization: Bearer KEY` to every endpoint but /health and "

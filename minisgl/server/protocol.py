@@ -586,9 +586,9 @@ def chat_job(body: ChatRequest, max_n: int, tool_parser: Optional[str] = None,
              defaults: SamplingDefaults = SamplingDefaults()) -> Job:
     """A chat request's job. With tools, `tool_parser` (a `tool_calls.TOOL_CALL_PARSERS` name,
     "hermes" when None) is the format calls are read in and, for "required" or a named function,
-    enforced in; for `mistral`, whose call marker is a special token, the output keeps special
-    tokens unless the request sets `skip_special_tokens`. `defaults`: the sampling of fields the
-    request leaves unset (every job's)."""
+    enforced in; for the array formats (`mistral`, `granite`: their call marker is a special
+    token), the output keeps special tokens unless the request sets `skip_special_tokens`.
+    `defaults`: the sampling of fields the request leaves unset (every job's)."""
     tools = _tools(body)
     job = _job(body, [_chat_prompt(body, body.messages, tools)], max_n, defaults)
     if tools is None:

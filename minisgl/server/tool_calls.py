@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 from typing import (Any, Callable, Dict, Generic, List, NamedTuple, Optional, Protocol, Tuple,
                     TypeVar)
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "mistral")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "mistral", "granite",
+                     "phi4_mini_json")
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,10 @@ class ToolCallFormat:
     `arguments_keys` name the arguments field (the first is the one the model is made to write);
     `separator` goes between constrained parallel calls. `xml`: the calls are XML
     (server/tool_calls_xml.py), not JSON; `array`: the calls are a JSON array after `start`
-    (server/tool_calls_mistral.py), their ids 9 letters and digits; `call_prefix` /
-    `call_suffix` are the JSON formats' (one call object, in `array` without `start`)."""
+    (server/tool_calls_mistral.py); `named_calls`: Mistral v11's `START NAME[ARGS]{...}` too;
+    `short_ids`: call ids of 9 letters and digits (Mistral's templates take no others);
+    `call_prefix` / `call_suffix` are the JSON formats' (one call object, in `array` without
+    `start`)."""
 
     name: str
     start: str
@@ -64,6 +67,8 @@ class ToolCallFormat:
     markers: Tuple[str, ...] = ()
     xml: bool = False
     array: bool = False
+    named_calls: bool = False
+    short_ids: bool = False
 
     def call_prefix(self, function: str) -> str:
         """The text that opens a call of `function`, up to its arguments object."""
@@ -78,7 +83,7 @@ class ToolCallFormat:
 
     def new_id(self) -> str:
         """A new call's id in this format's style."""
-        return mistral_call_id() if self.array else new_call_id()
+        return mistral_call_id() if self.short_ids else new_call_id()
 
 
 FORMATS: Dict[str, ToolCallFormat] = {
@@ -87,7 +92,13 @@ FORMATS: Dict[str, ToolCallFormat] = {
                                   markers=("<|python_tag|>",)),
     "qwen3_coder": ToolCallFormat("qwen3_coder", "<tool_call>", "</tool_call>", ("arguments",),
                                   "\n", xml=True),
-    "mistral": ToolCallFormat("mistral", "[TOOL_CALLS]", "", ("arguments",), ", ", array=True),
+    "mistral": ToolCallFormat("mistral", "[TOOL_CALLS]", "", ("arguments",), ", ", array=True,
+                              named_calls=True, short_ids=True),
+    # IBM Granite 3.x: `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]`
+    "granite": ToolCallFormat("granite", "<|tool_call|>", "", ("arguments",), ", ", array=True),
+    # Phi-4-mini: `functools[{"name": ..., "arguments": {...}}, ...]`
+    "phi4_mini_json": ToolCallFormat("phi4_mini_json", "functools", "", ("arguments",), ", ",
+                                     array=True),
 }
 
 
@@ -102,14 +113,19 @@ def tool_call_format(name: str) -> ToolCallFormat:
 def default_tool_call_parser(chat_template: Optional[str]) -> str:
     """The parser for a chat template: `qwen3_coder` for Qwen3-Coder's (it writes calls as
     `<function=NAME>` and `<parameter=NAME>`), `mistral` for Mistral's (they write
-    `[TOOL_CALLS]`), `llama3_json` for Llama 3.x's (they write `<|python_tag|>` or
-    `"parameters"`), else `hermes`, the most common format (Qwen, Hermes, SmolLM3), also for
-    templates that do not render tools at all."""
+    `[TOOL_CALLS]`), `granite` for Granite 3.x's (`<|tool_call|>`), `phi4_mini_json` for
+    Phi-4-mini's (`functools[`), `llama3_json` for Llama 3.x's (they write `<|python_tag|>`
+    or `"parameters"`), else `hermes`, the most common format (Qwen, Hermes, SmolLM3), also
+    for templates that do not render tools at all."""
     text = chat_template or ""
     if "<function=" in text and "<parameter=" in text:
         return "qwen3_coder"
     if "[TOOL_CALLS]" in text:
         return "mistral"
+    if "<|tool_call|>" in text:
+        return "granite"
+    if "functools[" in text:
+        return "phi4_mini_json"
     if "<tool_call>" in text:
         return "hermes"
     if "<|python_tag|>" in text or '"parameters"' in text:

@@ -1,6 +1,8 @@
-"""The `mistral` tool-call format (Mistral-7B-Instruct-v0.3, Mistral-Nemo, Mistral-Small,
-Mixtral-8x22B): calls read into OpenAI calls streamed or not (the contract of
-server/tool_calls.py).
+"""The array tool-call formats: `mistral` (Mistral-7B-Instruct-v0.3, Mistral-Nemo,
+Mistral-Small, Mixtral-8x22B), and with their own markers `granite` (`<|tool_call|>`, Granite
+3.x) and `phi4_mini_json` (`functools`, Phi-4-mini): calls read into OpenAI calls streamed or
+not (the contract of server/tool_calls.py). Below, `[TOOL_CALLS]` stands for the format's
+marker; the v11 form and 9-character ids are Mistral's only.
 
 The model writes `[TOOL_CALLS]` and then a JSON array of call objects,
     [TOOL_CALLS] [{"name": "NAME", "arguments": {...}}, {"name": ..., "arguments": ...}]
@@ -30,10 +32,10 @@ from __future__ import annotations
 import re
 from typing import List, Optional
 
-from minisgl.server.tool_calls import (JsonString, Parsed, StreamerBase, _Call, _opener_prefix,
-                                       mistral_call_id, tag_tail)
+from minisgl.server.tool_calls import (FORMATS, JsonString, Parsed, StreamerBase,
+                                       ToolCallFormat, _Call, _opener_prefix, tag_tail)
 
-MARKER = "[TOOL_CALLS]"
+MISTRAL = FORMATS["mistral"]
 ARGS = "[ARGS]"
 CALL_ID = "[CALL_ID]"
 _ARRAY_OPENER = re.compile(r'\[\s*\{\s*"name"\s*:')
@@ -91,13 +93,16 @@ class _Args:
 
 
 class MistralToolCallStreamer(StreamerBase[_Call]):
-    """One choice's output, delta by delta, split into content and `mistral` calls; the
-    interface and guarantees of `tool_calls.ToolCallStreamer`. With `max_calls`, the calls after
-    the first `max_calls` are dropped (`parallel_tool_calls: false`). `calls` holds the array
-    calls read (announced or not), `sent` every call announced (v11 ones too)."""
+    """One choice's output, delta by delta, split into content and calls of array format `fmt`
+    (`mistral` by default); the interface and guarantees of `tool_calls.ToolCallStreamer`.
+    With `max_calls`, the calls after the first `max_calls` are dropped
+    (`parallel_tool_calls: false`). `calls` holds the array calls read (announced or not),
+    `sent` every call announced (v11 ones too)."""
 
-    def __init__(self, max_calls: Optional[int] = None) -> None:
+    def __init__(self, max_calls: Optional[int] = None, fmt: ToolCallFormat = MISTRAL) -> None:
         super().__init__(max_calls)
+        self.fmt = fmt
+        self.marker = fmt.start
         # text, marker (after it: `[` or a v11 name?), item (before an object), call (in one),
         # between (after one: `,` or `]`), header (a v11 name), args (a v11 arguments object)
         self._states = {"text": self._on_text, "marker": self._on_marker, "item": self._on_item,
@@ -126,7 +131,7 @@ class MistralToolCallStreamer(StreamerBase[_Call]):
     # --- the states: each takes the unread text and returns what it leaves -------------------
     def _on_text(self, buf: str) -> str:
         """Content up to the marker (or, at the start of the output, a bare array of calls)."""
-        at = buf.find(MARKER)
+        at = buf.find(self.marker)
         bare = None if self._begun else _ARRAY_OPENER.match(buf, len(buf) - len(buf.lstrip()))
         if bare is not None and (at < 0 or bare.start() < at):
             self._content(buf[:bare.start()])
@@ -135,10 +140,10 @@ class MistralToolCallStreamer(StreamerBase[_Call]):
             return buf[bare.start() + 1:]
         if at >= 0:
             self._content(buf[:at])
-            self._start_calls(MARKER)
+            self._start_calls(self.marker)
             self._state = "marker"
-            return buf[at + len(MARKER):]
-        keep = tag_tail(buf, MARKER)
+            return buf[at + len(self.marker):]
+        keep = tag_tail(buf, self.marker)
         stripped = buf.lstrip()
         if not self._begun and stripped.startswith("[") and _array_may_open(stripped):
             keep = max(keep, len(stripped))
@@ -156,6 +161,8 @@ class MistralToolCallStreamer(StreamerBase[_Call]):
             self._markup += "["
             self._state = "item"
             return rest[1:]
+        if not self.fmt.named_calls:  # only Mistral writes NAME[ARGS]{...}
+            return self._broken(rest)
         self._state = "header"
         return rest
 
@@ -208,7 +215,7 @@ class MistralToolCallStreamer(StreamerBase[_Call]):
 
     def _on_header(self, buf: str) -> str:
         """A v11 call's name (and `[CALL_ID]ID`, `[ARGS]`) up to its arguments' `{`."""
-        header = self._markup[self._markup.index(MARKER) + len(MARKER):].lstrip()
+        header = self._markup[self._markup.index(self.marker) + len(self.marker):].lstrip()
         end = buf.find("{")
         part = buf if end < 0 else buf[:end]
         if not _header_may_grow(header + part) or (
@@ -239,7 +246,7 @@ class MistralToolCallStreamer(StreamerBase[_Call]):
 
     # --- helpers ---------------------------------------------------------------------------------
     def _new_id(self) -> str:
-        return mistral_call_id()
+        return self.fmt.new_id()
 
     def _start_calls(self, opener: str) -> None:
         """Calls begin at `opener` (the marker, or a bare array's `[`)."""
@@ -280,9 +287,11 @@ class MistralToolCallStreamer(StreamerBase[_Call]):
             self._send_arguments(self._announced - 1, arguments)
 
 
-def parse_mistral_tool_calls(text: str, max_calls: Optional[int] = None) -> Parsed:
-    """The content and calls of a whole output (see the module's contract)."""
-    streamer = MistralToolCallStreamer(max_calls)
+def parse_mistral_tool_calls(text: str, max_calls: Optional[int] = None,
+                             fmt: ToolCallFormat = MISTRAL) -> Parsed:
+    """The content and calls of a whole output in array format `fmt` (see the module's
+    contract)."""
+    streamer = MistralToolCallStreamer(max_calls, fmt)
     streamer.feed(text)
     streamer.finish()
     return streamer.parsed()

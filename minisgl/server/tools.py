@@ -98,7 +98,7 @@ class Tools:
         if fmt.xml:
             return XmlToolCallStreamer(tool_schemas(self.tools), self.max_calls)
         if fmt.array:
-            return MistralToolCallStreamer(self.max_calls)
+            return MistralToolCallStreamer(self.max_calls, fmt)
         return ToolCallStreamer(fmt, self.max_calls)
 
     def _call_tag(self, fmt: ToolCallFormat, name: str) -> Dict[str, Any]:
