@@ -38,6 +38,7 @@ from minisgl.kvcache.pool import FP8_KV_DTYPE, KVScales
 from minisgl.layers import blas
 from minisgl.layers.lora import LoraShape
 from minisgl.models import CausalLM, ModelConfig, model_class
+from minisgl.models.int_weights import dense_int_weights
 from minisgl.models.lora import clear_slot, load_adapter, load_adapters
 from minisgl.models.lora_config import read_adapter
 from minisgl.models.quantization import quant_plan
@@ -290,6 +291,7 @@ class Engine:
         """The model with its weights, and the KV cache scales its checkpoint gives (1.0 for
         the layers it gives none; for dummy weights, all)."""
         cls = model_class(self.model_cfg.architecture)
+        self.model_cfg.check_quantization(self.cfg.quantization)
         quant = quant_plan(self.model_cfg.quantization, self.cfg.quantization, self.device,
                            self.cfg.torch_dtype)
         dtype = temporarily(torch.get_default_dtype, torch.set_default_dtype, self.cfg.torch_dtype)
@@ -304,7 +306,10 @@ class Engine:
             init_dummy(model, self.cfg.seed)
         else:
             show = self.cfg.show_progress and self.cfg.tp_info.is_primary
-            model.load_weights(scales.filter(iter_checkpoint(Path(self.cfg.model_path), show)))
+            tensors = iter_checkpoint(Path(self.cfg.model_path), show)
+            if self.model_cfg.int_quant is not None:  # AWQ / GPTQ: dense as they load
+                tensors = dense_int_weights(tensors, self.model_cfg.int_quant)
+            model.load_weights(scales.filter(tensors))
         load_adapters(model, adapters)
         if self.cfg.kv_torch_dtype == FP8_KV_DTYPE and scales.found == 0:
             logger.warning("rank %d: the checkpoint gives no KV cache scales: the FP8 KV cache "

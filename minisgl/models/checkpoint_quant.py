@@ -24,6 +24,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
+from minisgl.models.int_quant import INT_METHODS
+
 QUANTIZATIONS = ("fp8",)  # what the `quantization` setting takes (None: the checkpoint's)
 _CT_FORMATS = ("float-quantized", "naive-quantized")
 
@@ -91,9 +93,11 @@ def parse_quantization(cfg: Dict[str, Any]) -> Optional[CheckpointQuant]:
         return _compressed_tensors(q)
     if method == "fp8":
         return _hf_fp8(q)
+    if method in INT_METHODS:  # integer weights: models/int_quant.py
+        return None
     raise ValueError(f"config.json's quantization_config has quant_method {method!r}, which "
                      f"minisgl does not read; supported: 'compressed-tensors' (FP8 "
-                     f"float-quantized) and 'fp8'")
+                     f"float-quantized), 'fp8', 'awq' and 'gptq'")
 
 
 def _compressed_tensors(q: Dict[str, Any]) -> CheckpointQuant:

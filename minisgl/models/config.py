@@ -4,8 +4,8 @@ Mixture-of-experts shapes take the names of both families: Qwen2/Qwen3-MoE (`num
 `moe_intermediate_size`, `norm_topk_prob`, `decoder_sparse_step`, `mlp_only_layers`, Qwen2-MoE's
 `shared_expert_intermediate_size`) and Mixtral (`num_local_experts`, whose `intermediate_size`
 is the expert's and whose top-k weights are always renormalized). A dense model has
-num_experts 0. An FP8 checkpoint's `quantization_config` is read by models/checkpoint_quant.py
-(an unsupported one is refused here, naming it).
+num_experts 0. An FP8 checkpoint's `quantization_config` is read by models/checkpoint_quant.py,
+an AWQ or GPTQ one's by models/int_quant.py (an unsupported one is refused here, naming it).
 
 Fields are read as each family's Hugging Face model reads them: a field absent from config.json
 takes that family's transformers default (`_FAMILY_DEFAULTS`), the bias fields count only for
@@ -38,6 +38,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from minisgl.distributed.info import check_head_split
 from minisgl.models.checkpoint_quant import CheckpointQuant, parse_quantization
+from minisgl.models.int_quant import IntQuant, parse_int_quant
 
 # The rope scalings layers/rotary.py implements.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -125,6 +126,7 @@ class ModelConfig:
     mlp_only_layers: Tuple[int, ...] = ()  # layers that stay dense
     shared_expert_intermediate_size: int = 0  # the sigmoid-gated shared expert; 0: none
     quantization: Optional[CheckpointQuant] = None  # the checkpoint's FP8 layout; None: dense
+    int_quant: Optional[IntQuant] = None  # its AWQ / GPTQ integer weights (int_quant.py)
     # Per decoder layer: the tokens its attention sees (its own and those before it, as
     # transformers' `kv_idx > q_idx - window`), 0: the whole context; () where none slides.
     layer_windows: Tuple[int, ...] = ()
@@ -201,6 +203,14 @@ class ModelConfig:
         if not isinstance(s.get("original_max_position_embeddings"), int):
             raise ValueError("longrope needs original_max_position_embeddings (the pretraining "
                              "length where the long factors take over)")
+
+    def check_quantization(self, setting: Optional[str]) -> None:
+        """ValueError where the `quantization` setting cannot apply to this checkpoint: FP8
+        over AWQ / GPTQ integer weights would quantize their dequantized values again."""
+        if setting is not None and self.int_quant is not None:
+            raise ValueError(f"quantization {setting!r} over this checkpoint's "
+                             f"{self.int_quant.describe()} weights is not supported: serve it "
+                             f"as it is (no --quantization)")
 
     @property
     def rotary_dims(self) -> int:
@@ -312,6 +322,7 @@ class ModelConfig:
             eos_token_ids=_eos_ids(cfg, generation or {}),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             quantization=parse_quantization(cfg),
+            int_quant=parse_int_quant(cfg.get("quantization_config") or {}),
             layer_windows=_layer_windows(cfg, arch),
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
             local_rope_theta=cfg.get("local_rope_theta"),
