@@ -342,3 +342,38 @@ def test_granite_and_phi4_mini_templates_pick_their_formats_and_enforce_them() -
             structured.spec)
         assert _accepts(xgr, grammar, len(vocab) - 1, f"{marker}[{PARIS}]")
         assert not _accepts(xgr, grammar, len(vocab) - 1, f"[TOOL_CALLS] [{PARIS}]")
+
+
+def test_v11_templates_enforce_calls_as_v11_models_write_them() -> None:
+    """Mistral's v11 tokenizers' templates (they write `[ARGS]`) pick `mistral_v11`: read as
+    `mistral`, and "required" / a named function enforced as `[TOOL_CALLS]NAME[ARGS]{...}`
+    per call (the form those models are trained on), not as an array."""
+    from minisgl.server.tool_calls import mistral_variant
+    v11 = '{{- "[TOOL_CALLS]" + tool_call.function.name + "[ARGS]" + arguments }}'
+    assert default_tool_call_parser(v11) == "mistral_v11"
+    assert mistral_variant("mistral", v11) == "mistral_v11"
+    assert mistral_variant("mistral", MISTRAL_TEMPLATE) == "mistral"
+    assert mistral_variant("hermes", v11) == "hermes"
+    xgr = pytest.importorskip("xgrammar")
+    vocab = [chr(i) for i in range(32, 127)] + ["\n", "[TOOL_CALLS]", "[ARGS]", "</s>"]
+    info = xgr.TokenizerInfo(vocab, stop_token_ids=[len(vocab) - 1])
+    fmt = FORMATS["mistral_v11"]
+    for choice, good, bad in (
+            ("required", ['[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+                          '[TOOL_CALLS]now[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{"city": "R"}'],
+             [f"[TOOL_CALLS] [{PARIS}]", '[TOOL_CALLS]get_weather[ARGS]{"unit": "c"}',
+              '[TOOL_CALLS]now[ARGS]{} [TOOL_CALLS]now[ARGS]{}']),
+            ({"type": "function", "function": {"name": "now"}}, ["[TOOL_CALLS]now[ARGS]{}"],
+             ["[TOOL_CALLS]now[ARGS]{}[TOOL_CALLS]now[ARGS]{}",
+              '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'])):
+        tools = parse_tools(TOOLS, choice, None)
+        assert tools is not None
+        structured = tools.constraint(fmt)
+        assert structured is not None
+        grammar = xgr.GrammarCompiler(info, max_threads=1).compile_structural_tag(
+            structured.spec)
+        for text in good:
+            assert _accepts(xgr, grammar, len(vocab) - 1, text), text
+            assert parse_mistral_tool_calls(text, None, fmt).calls
+        for text in bad:
+            assert not _accepts(xgr, grammar, len(vocab) - 1, text), text

@@ -52,7 +52,7 @@ from minisgl.server.health import HealthFile
 from minisgl.server.proc import (Child, StartupError, first_dead, new_pulse, spawn, stop_children,
                                  wait_ready)
 from minisgl.server.watchdog import Verdict, judge
-from minisgl.server.tool_calls import default_tool_call_parser
+from minisgl.server.tool_calls import default_tool_call_parser, mistral_variant
 from minisgl.server.topology import Wiring, rank_name
 from minisgl.tokenizer.detokenize_worker import DetokenizerConfig, run_detokenizer
 from minisgl.tokenizer.text import model_chat_template, read_chat_template
@@ -215,8 +215,10 @@ class Service:
         context = self.cfg.engine.context_length(shape.max_context)
         c = self.cfg
         template = None if c.chat_template is None else read_chat_template(c.chat_template)
-        tool_parser = c.tool_call_parser or default_tool_call_parser(
-            template if template is not None else model_chat_template(self.tokenizer_path))
+        chat_template = (template if template is not None
+                         else model_chat_template(self.tokenizer_path))
+        tool_parser = mistral_variant(c.tool_call_parser or default_tool_call_parser(
+            chat_template), chat_template)
         api_cfg = ApiConfig(self.model_name, context, c.max_n, a.tokenizer, a.api,
                             self.health_file, dp, root=path, reasoning_parser=c.reasoning_parser,
                             tool_call_parser=tool_parser, aliases=c.model_aliases,

@@ -54,7 +54,9 @@ class ToolCallFormat:
     `arguments_keys` name the arguments field (the first is the one the model is made to write);
     `separator` goes between constrained parallel calls. `xml`: the calls are XML
     (server/tool_calls_xml.py), not JSON; `array`: the calls are a JSON array after `start`
-    (server/tool_calls_mistral.py); `named_calls`: Mistral v11's `START NAME[ARGS]{...}` too;
+    (server/tool_calls_mistral.py); `named_calls`: Mistral v11's `START NAME[ARGS]{...}` too,
+    and with `enforce_named` enforced calls take that form (each with its marker, nothing
+    between them) instead of the array;
     `short_ids`: call ids of 9 letters and digits (Mistral's templates take no others);
     `call_prefix` / `call_suffix` are the JSON formats' (one call object, in `array` without
     `start`)."""
@@ -69,6 +71,7 @@ class ToolCallFormat:
     array: bool = False
     named_calls: bool = False
     short_ids: bool = False
+    enforce_named: bool = False
 
     def call_prefix(self, function: str) -> str:
         """The text that opens a call of `function`, up to its arguments object."""
@@ -94,6 +97,11 @@ FORMATS: Dict[str, ToolCallFormat] = {
                                   "\n", xml=True),
     "mistral": ToolCallFormat("mistral", "[TOOL_CALLS]", "", ("arguments",), ", ", array=True,
                               named_calls=True, short_ids=True),
+    # Mistral's v11 tokenizers' templates (Mistral-Small-3.1+, Magistral, Devstral): read as
+    # `mistral`, enforced as they write calls, `[TOOL_CALLS]NAME[ARGS]{...}` each
+    "mistral_v11": ToolCallFormat("mistral_v11", "[TOOL_CALLS]", "", ("arguments",), "",
+                                  array=True, named_calls=True, short_ids=True,
+                                  enforce_named=True),
     # IBM Granite 3.x: `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]`
     "granite": ToolCallFormat("granite", "<|tool_call|>", "", ("arguments",), ", ", array=True),
     # Phi-4-mini: `functools[{"name": ..., "arguments": {...}}, ...]`
@@ -121,7 +129,7 @@ def default_tool_call_parser(chat_template: Optional[str]) -> str:
     if "<function=" in text and "<parameter=" in text:
         return "qwen3_coder"
     if "[TOOL_CALLS]" in text:
-        return "mistral"
+        return mistral_variant("mistral", text)
     if "<|tool_call|>" in text:
         return "granite"
     if "functools[" in text:
@@ -131,6 +139,14 @@ def default_tool_call_parser(chat_template: Optional[str]) -> str:
     if "<|python_tag|>" in text or '"parameters"' in text:
         return "llama3_json"
     return "hermes"
+
+
+def mistral_variant(parser: str, chat_template: Optional[str]) -> str:
+    """`parser`, or for `mistral` with a template of Mistral's v11 tokenizers (it writes
+    `[ARGS]`) the `mistral_v11` format: the same reader, the calls enforced in that form."""
+    if parser == "mistral" and "[ARGS]" in (chat_template or ""):
+        return "mistral_v11"
+    return parser
 
 
 def new_call_id() -> str:

@@ -103,6 +103,11 @@ class Tools:
 
     def _call_tag(self, fmt: ToolCallFormat, name: str) -> Dict[str, Any]:
         """The structural tag of one call of `name` in `fmt`."""
+        if fmt.enforce_named:  # Mistral v11: [TOOL_CALLS]NAME[ARGS]{...}, each call
+            return {"type": "tag", "begin": f"{fmt.start}{name}[ARGS]",
+                    "content": {"type": "json_schema", "json_schema": self.parameters(name),
+                                "max_whitespace_cnt": _MAX_WHITESPACE},
+                    "end": ""}
         if fmt.xml:
             return {"type": "tag", "begin": _XML_BEGIN.format(name=name),
                     "content": {"type": "json_schema", "json_schema": self.parameters(name),
@@ -126,7 +131,7 @@ class Tools:
         else:
             form = {"type": "tags_with_separator", "tags": tags, "separator": fmt.separator,
                     "at_least_one": True, "stop_after_first": self.max_calls == 1}
-        if fmt.array:
+        if fmt.array and not fmt.enforce_named:
             form = _in_array(fmt, form)
         spec = json.dumps({"type": "structural_tag", "format": form}, ensure_ascii=False)
         return StructuredOutput("structural_tag", spec)
