@@ -157,6 +157,29 @@ def test_gemma3_multimodal_checkpoint_serves_its_text_decoder(tmp_path: Path) ->
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 32)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_mistral3_multimodal_checkpoint_serves_its_text_decoder(tmp_path: Path,
+                                                               tied: bool) -> None:
+    """Mistral3ForConditionalGeneration (Mistral-Small-3.1 / 3.2): its Mistral text decoder
+    loads from under `language_model.` (the Pixtral tower and projector skipped), with the
+    fields of its `text_config` (the LM head tied where the top level says so, as
+    transformers ties it); text prompts give the multimodal model's greedy tokens."""
+    import transformers
+    from tiny_models import build_tiny_mistral3_multimodal
+    path = build_tiny_mistral3_multimodal(tmp_path / "mistral3", tied=tied)
+    prompts = mixed_prompts(3, seed=8, lengths=(5, 19, 33))
+    with LLM(str(path), device="cpu", page_size=4, max_prefill_tokens=16, max_kv_tokens=2048,
+             show_progress=False) as llm:
+        outs = llm.generate(prompts, GREEDY32)
+    hf = transformers.Mistral3ForConditionalGeneration.from_pretrained(path,
+                                                                       dtype=torch.float32)
+    with torch.no_grad():
+        want = [hf.generate(input_ids=torch.tensor([p]), max_new_tokens=32, min_new_tokens=32,
+                            do_sample=False, top_k=None, top_p=None,
+                            temperature=None)[0, len(p):].tolist() for p in prompts]
+    assert [o.token_ids for o in outs] == want
+
+
 def test_eager_warmup_leaves_no_trace(tiny_model: Callable[..., Path]) -> None:
     """The start-up warm-up (engine/warmup.py; on CUDA at every start) runs its junk batches
     through the spare row and the scratch slot: run here on the CPU, it leaves the tokens of

@@ -121,6 +121,29 @@ def build_tiny_gemma3_multimodal(out: Path, seed: int = 0) -> Path:
     return out
 
 
+def build_tiny_mistral3_multimodal(out: Path, seed: int = 0, tied: bool = False) -> Path:
+    """A random Mistral3ForConditionalGeneration (Mistral-Small-3.1's architecture): a Mistral
+    text decoder beside a one-layer Pixtral vision tower and projector, saved as transformers
+    saves it (`language_model.model.*`, `language_model.lm_head.*` unless `tied`,
+    `vision_tower.*`)."""
+    import transformers
+    text = transformers.MistralConfig(**{**BASE, "sliding_window": None,
+                                         "tie_word_embeddings": False})
+    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=1, num_attention_heads=2,
+                                              image_size=28, patch_size=14)
+    config = transformers.Mistral3Config(text_config=text, vision_config=vision,
+                                         tie_word_embeddings=tied)
+    torch.manual_seed(seed)
+    model = transformers.Mistral3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -22,6 +22,7 @@ _MODULE_OF: Dict[str, str] = {
     "GraniteForCausalLM": "llama",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
+    "Mistral3ForConditionalGeneration": "llama",
     "MixtralForCausalLM": "llama",
     "Phi3ForCausalLM": "phi3",
     "Qwen2ForCausalLM": "qwen",

@@ -62,6 +62,9 @@ _GEMMA2 = {**_GEMMA3, "vocab_size": 256000, "max_position_embeddings": 8192,
            "rope_theta": 10000.0, "sliding_window_pattern": 2,
            "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+# Multimodal checkpoints served as their text decoder, and the family that decoder is
+# (Gemma 3's is read by `_gemma`)
+_TEXT_FAMILY = {"Mistral3ForConditionalGeneration": "MistralForCausalLM"}
 GEMMA = ("Gemma2ForCausalLM", *GEMMA3)
 _FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
     "MistralForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096,
@@ -284,7 +287,10 @@ class ModelConfig:
             cfg = {**cfg, **overrides}
             if isinstance(cfg.get("text_config"), dict):
                 cfg["text_config"] = {**cfg["text_config"], **overrides}
-        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        declared = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        arch = _TEXT_FAMILY.get(declared, declared)  # the family a decoder's fields follow
+        if declared in _TEXT_FAMILY:
+            cfg = _text_decoder(cfg)
         cfg = {**_FAMILY_DEFAULTS.get(arch, {}), **cfg}
         if arch in GEMMA:
             cfg = _gemma(cfg, arch)
@@ -301,7 +307,7 @@ class ModelConfig:
                                    cfg.get("original_max_position_embeddings"))
             scaling = {**scaling, "original_max_position_embeddings": original}
         return cls(
-            architecture=arch,
+            architecture=declared,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -384,6 +390,17 @@ def _layer_windows(cfg: Dict[str, Any], arch: str) -> Tuple[int, ...]:
     else:
         slides = [True for _ in layers]
     return tuple(int(window) if s else 0 for s in slides) if any(slides) else ()
+
+
+def _text_decoder(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """A multimodal checkpoint's config.json as its text decoder's (`text_config` over the
+    top level, which keeps the quantization config, an explicit eos and whether the LM head
+    is the embeddings: transformers ties the whole model's by its top-level flag)."""
+    text = {**cfg, **(cfg.get("text_config") or {})}
+    for key in ("eos_token_id", "quantization_config", "tie_word_embeddings"):
+        if key in cfg:
+            text[key] = cfg[key]
+    return text
 
 
 def _granite_fields(cfg: Dict[str, Any], arch: str) -> Dict[str, Any]:

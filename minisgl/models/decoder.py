@@ -84,6 +84,14 @@ class Traits(NamedTuple):
 # checkpoint module name -> (our fused module, shard index)
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+# A multimodal checkpoint's language model, under the prefixes published checkpoints use
+# (transformers 4's, which transformers saves still) and transformers 5's own; its vision tower
+# and projector are not served (CausalLM.checkpoint_prefixes)
+MULTIMODAL_TEXT_PREFIXES: Mapping[str, Optional[str]] = MappingProxyType({
+    "language_model.model.": "model.", "model.language_model.": "model.",
+    "language_model.lm_head.": "lm_head.", "vision_tower.": None,
+    "model.vision_tower.": None, "multi_modal_projector.": None,
+    "model.multi_modal_projector.": None})
 # the decoder's tensors as a checkpoint of the bare decoder (no `model.` prefix) names them
 _DECODER_TENSORS = ("layers.", "embed_tokens.", "norm.")
 # checkpoint parameter name -> ours: Hugging Face's block scales multiply the weight, as

@@ -10,10 +10,8 @@ Gemma 3: five to one full, with their own unscaled rope theta), and Gemma 2's ta
 softcapping of the attention scores and of the logits.
 """
 
-from types import MappingProxyType
-
 from minisgl.models.config import ModelConfig
-from minisgl.models.decoder import CausalLM, Traits
+from minisgl.models.decoder import MULTIMODAL_TEXT_PREFIXES, CausalLM, Traits
 
 
 class Gemma2ForCausalLM(CausalLM):
@@ -37,8 +35,4 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     """The language model's tensors are `language_model.model.*` in the published checkpoints
     (transformers 4) and `model.language_model.*` as transformers 5 saves them."""
 
-    checkpoint_prefixes = MappingProxyType({
-        "language_model.model.": "model.", "model.language_model.": "model.",
-        "language_model.lm_head.": "lm_head.", "vision_tower.": None,
-        "model.vision_tower.": None, "multi_modal_projector.": None,
-        "model.multi_modal_projector.": None})
+    checkpoint_prefixes = MULTIMODAL_TEXT_PREFIXES

@@ -4,7 +4,7 @@ Mistral, Mixtral."""
 from types import MappingProxyType
 
 from minisgl.models.config import ModelConfig
-from minisgl.models.decoder import CausalLM, Traits
+from minisgl.models.decoder import MULTIMODAL_TEXT_PREFIXES, CausalLM, Traits
 
 
 class LlamaForCausalLM(CausalLM):
@@ -31,6 +31,15 @@ class GraniteForCausalLM(LlamaForCausalLM):
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral is the Llama decoder; its sliding window (every layer) is the attention
     backends' mask (ModelConfig.layer_windows)."""
+
+
+class Mistral3ForConditionalGeneration(MistralForCausalLM):
+    """Mistral-Small-3.1 / 3.2 (and Devstral's, Magistral's multimodal checkpoints): their text
+    decoder, a Mistral one. Its tensors are `language_model.model.*` as published (and as
+    transformers saves them), `model.language_model.*` in transformers 5's own layout; the
+    vision tower and projector are not served (text prompts only)."""
+
+    checkpoint_prefixes = MULTIMODAL_TEXT_PREFIXES
 
 
 class MixtralForCausalLM(MistralForCausalLM):
