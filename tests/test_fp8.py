@@ -235,7 +235,7 @@ def test_quantization_config_rules() -> None:
 
 # --- bad input ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("quantization,match", [
-    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
      "format 'pack-quantized'"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized",
