@@ -236,8 +236,8 @@ def test_quantization_config_rules() -> None:
 # --- bad input ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("quantization,match", [
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
-     "format 'pack-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "marlin-24", "config_groups": {}},
+     "format 'marlin-24'"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized",
       "config_groups": {"g": {"targets": ["Linear"], "weights": {
           "type": "int", "num_bits": 8, "strategy": "channel"}}}}, "type 'int' with 8 bits"),

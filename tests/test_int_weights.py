@@ -1,8 +1,9 @@
-"""AWQ and GPTQ checkpoints (integer weights, dequantized as they load) against Hugging Face
-transformers: a tiny Llama whose projections are quantized here, packed as AutoAWQ and
-AutoGPTQ pack them (the packers below follow their code, apart from ours that unpacks), and a
-dense checkpoint of the same dequantized weights for transformers; greedy tokens must agree,
-at tp=1 and tp=2 (each rank dequantizing only its slice), with GPTQ's act-order too."""
+"""AWQ, GPTQ and compressed-tensors pack-quantized checkpoints (integer weights, dequantized as
+they load) against Hugging Face transformers: a tiny Llama whose projections are quantized
+here, packed as AutoAWQ, AutoGPTQ and compressed-tensors pack them (the packers below follow
+their code, apart from ours that unpacks), and a dense checkpoint of the same dequantized
+weights for transformers; greedy tokens must agree, at tp=1 and tp=2 (each rank dequantizing
+only its slice), with act-order too."""
 
 from __future__ import annotations
 
@@ -64,6 +65,12 @@ def pack_gptq_cols(ints: np.ndarray, bits: int) -> torch.Tensor:
     return _words(out)
 
 
+def pack_ct(ints: np.ndarray, bits: int) -> torch.Tensor:
+    """compressed-tensors' pack_to_int32 of signed [out, in] values: each plus 2^(bits - 1),
+    packed along the columns, value j of a word at bits j*bits."""
+    return pack_gptq_cols(ints + (1 << (bits - 1)), bits)
+
+
 def _quantize(weight: torch.Tensor, rng: np.random.Generator, bits: int, act_order: bool,
               min_zero: int = 0
               ) -> Tuple[np.ndarray, np.ndarray, torch.Tensor, np.ndarray, torch.Tensor]:
@@ -98,7 +105,16 @@ def _write(base: Path, out: Path, dense_out: Path, method: str, bits: int = 4,
         v1 = method == "gptq" and not v2
         q, z, s, g, dense = _quantize(tensors[name], rng, bits, act_order, int(v1))
         tensors[name] = dense
-        if method == "awq":
+        if method == "ct":  # symmetric: the value q - 2^(bits - 1), no zero points
+            half = 1 << (bits - 1)
+            dense = (torch.from_numpy(q - half).float() * s.float()[torch.from_numpy(g)]).t()
+            tensors[name] = dense.contiguous()
+            quant.update({f"{prefix}.weight_packed": pack_ct((q - half).T, bits),
+                          f"{prefix}.weight_scale": s.t().contiguous(),
+                          f"{prefix}.weight_shape": torch.tensor(list(dense.shape))})
+            if act_order:
+                quant[f"{prefix}.weight_g_idx"] = torch.from_numpy(g.astype(np.int32))
+        elif method == "awq":
             quant.update({f"{prefix}.qweight": pack_awq(q), f"{prefix}.qzeros": pack_awq(z),
                           f"{prefix}.scales": s})
         else:
@@ -111,7 +127,13 @@ def _write(base: Path, out: Path, dense_out: Path, method: str, bits: int = 4,
         shutil.copytree(base, target)
         save_file(payload, str(target / "model.safetensors"))
     cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = (
+    ct = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+          "ignore": ["lm_head"], "config_groups": {"group_0": {
+              "targets": ["Linear"], "input_activations": None,
+              "weights": {"num_bits": bits, "type": "int", "symmetric": True,
+                          "strategy": "group", "group_size": GROUP,
+                          "actorder": "group" if act_order else None}}}}
+    cfg["quantization_config"] = ct if method == "ct" else (
         {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True,
          "version": "gemm"} if method == "awq" else
         {"quant_method": "gptq", "bits": bits, "group_size": GROUP, "desc_act": act_order,
@@ -121,7 +143,7 @@ def _write(base: Path, out: Path, dense_out: Path, method: str, bits: int = 4,
 
 @pytest.mark.parametrize("method,bits,act_order,v2,tp", [
     ("awq", 4, False, False, 1), ("awq", 4, False, False, 2), ("gptq", 4, True, False, 2),
-    ("gptq", 8, False, True, 1)])
+    ("gptq", 8, False, True, 1), ("ct", 4, False, False, 2), ("ct", 8, True, False, 1)])
 def test_int_checkpoints_match_hf_on_their_dequantized_weights(
         tiny_model: Callable[..., Path], tmp_path: Path, method: str, bits: int,
         act_order: bool, v2: bool, tp: int) -> None:
@@ -175,6 +197,13 @@ def test_a_slice_dequantizes_as_the_whole_does(method: str) -> None:
     ({"quant_method": "gptq", "bits": 4, "dynamic": {"x": {}}}, "`dynamic` overrides"),
     ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "'marlin'"),
     ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "g": {"weights": {"num_bits": 4, "type": "int", "symmetric": False,
+                          "strategy": "group", "group_size": 16}}}},
+     "asymmetric integer weights"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "g": {"weights": {"num_bits": 4, "type": "int", "strategy": "channel"},
+              "input_activations": {"num_bits": 8}}}}, "W4A8"),
 ])
 def test_int_layouts_minisgl_cannot_read_are_refused(q: dict, match: str) -> None:
     raw = dict(vocab_size=64, hidden_size=64, intermediate_size=32, num_hidden_layers=1,

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from minisgl.models.int_quant import INT_METHODS
+from minisgl.models.int_quant import CT_PACKED, INT_METHODS
 
 QUANTIZATIONS = ("fp8",)  # what the `quantization` setting takes (None: the checkpoint's)
 _CT_FORMATS = ("float-quantized", "naive-quantized")
@@ -100,11 +100,13 @@ def parse_quantization(cfg: Dict[str, Any]) -> Optional[CheckpointQuant]:
                      f"float-quantized), 'fp8', 'awq' and 'gptq'")
 
 
-def _compressed_tensors(q: Dict[str, Any]) -> CheckpointQuant:
+def _compressed_tensors(q: Dict[str, Any]) -> Optional[CheckpointQuant]:
     fmt = q.get("format")
+    if fmt == CT_PACKED:  # integer weights: models/int_quant.py
+        return None
     if fmt not in _CT_FORMATS:
         raise ValueError(f"compressed-tensors format {fmt!r} is not supported; supported: "
-                         f"{', '.join(_CT_FORMATS)} (FP8 weights)")
+                         f"{', '.join(_CT_FORMATS)} (FP8 weights), {CT_PACKED} (integers)")
     groups = []
     for name, group in (q.get("config_groups") or {}).items():
         if group.get("format", fmt) not in _CT_FORMATS:

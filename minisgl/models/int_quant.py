@@ -11,8 +11,14 @@ Formats read:
   / 32] packed along the outputs (stored minus one in the original `checkpoint_format`
   "gptq", as they are in "gptq_v2"), `scales` [groups, out], and with `desc_act` (act-order)
   `g_idx` [in], each input feature's group.
-A weight is w[o, i] = (q[i, o] - z[g(i), o]) * s[g(i), o]. Layers without `qweight` in the
-checkpoint (the LM head, those in `modules_to_not_convert`) are dense as usual.
+- compressed-tensors `pack-quantized` (llm-compressor's W4A16 / W8A16, the "...quantized.w4a16"
+  checkpoints): symmetric integer weights per group or per output channel, activations left
+  alone; `weight_packed` [out, in * bits / 32] int32 packed along the input features, each
+  value stored plus 2^(bits - 1), `weight_scale` [out, groups], `weight_shape`, and with
+  act-order `weight_g_idx` [in].
+A weight is w[o, i] = (q[i, o] - z[g(i), o]) * s[g(i), o] (compressed-tensors: z the constant
+2^(bits - 1)). Layers without packed weights in the checkpoint (the LM head, those ignored)
+are dense as usual.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 INT_METHODS = ("awq", "gptq")
+CT_PACKED = "pack-quantized"  # compressed-tensors' format of integer weights
 
 
 @dataclass(frozen=True)
@@ -39,15 +46,21 @@ class IntQuant:
         """Values packed in one int32."""
         return 32 // self.bits
 
+    @property
+    def label(self) -> str:
+        return "compressed-tensors" if self.method == "compressed-tensors" else self.method.upper()
+
     def describe(self) -> str:
         group = f"groups of {self.group_size}" if self.group_size else "one group per row"
-        return f"{self.method.upper()} {self.bits}-bit, {group}"
+        return f"{self.label} {self.bits}-bit, {group}"
 
 
 def parse_int_quant(q: Dict[str, Any]) -> Optional[IntQuant]:
     """The integer layout of a `quantization_config`; None for another method. ValueError
     naming what is not supported."""
     method = q.get("quant_method")
+    if method == "compressed-tensors" and q.get("format") == CT_PACKED:
+        return _compressed_tensors(q)
     if method not in INT_METHODS:
         return None
     bits = q.get("bits", q.get("w_bit"))
@@ -74,3 +87,34 @@ def parse_int_quant(q: Dict[str, Any]) -> Optional[IntQuant]:
         raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported; supported: 'gptq', "
                          f"'gptq_v2'")
     return IntQuant("gptq", int(bits), group, 1 if fmt == "gptq" else 0)
+
+
+def _compressed_tensors(q: Dict[str, Any]) -> IntQuant:
+    """compressed-tensors' pack-quantized layout: every config group's weights alike (one
+    layout for the model), symmetric integers per group or channel, no activation
+    quantization."""
+    specs = set()
+    for name, group in (q.get("config_groups") or {}).items():
+        w = group.get("weights") or {}
+        where = f"compressed-tensors group {name!r}"
+        if group.get("input_activations") is not None:
+            raise ValueError(f"{where}: quantized input activations (W{w.get('num_bits')}A"
+                             f"{group['input_activations'].get('num_bits')}) are not "
+                             f"supported; supported: weight-only integers (W4A16, W8A16)")
+        if w.get("type") != "int" or w.get("num_bits") not in (4, 8):
+            raise ValueError(f"{where}: weights of type {w.get('type')!r} with "
+                             f"{w.get('num_bits')} bits are not supported in "
+                             f"{CT_PACKED}; supported: 4- and 8-bit int")
+        if not w.get("symmetric", True):
+            raise ValueError(f"{where}: asymmetric integer weights are not supported")
+        strategy = w.get("strategy")
+        if strategy not in ("group", "channel"):
+            raise ValueError(f"{where}: weight strategy {strategy!r} is not supported; "
+                             f"supported: group, channel")
+        size = int(w.get("group_size") or 0) if strategy == "group" else 0
+        specs.add((int(w["num_bits"]), size))
+    if len(specs) != 1:
+        raise ValueError(f"compressed-tensors {CT_PACKED} needs one weight layout for the "
+                         f"model, got {sorted(specs) or 'none'}")
+    bits, size = specs.pop()
+    return IntQuant("compressed-tensors", bits, size)

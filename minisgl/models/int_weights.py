@@ -1,9 +1,11 @@
-"""AWQ and GPTQ integer weights (models/int_quant.py) dequantized as they load: each quantized
-layer's `qweight`, `qzeros`, `scales` (and GPTQ's `g_idx`) become one dense `weight` source
-that dequantizes only the slice a rank reads (its rows or columns, widened to whole packed
-words), in float32, as w[o, i] = (q[i, o] - z[g(i), o]) * s[g(i), o]. The model then holds
-dense weights in its dtype (weight-only semantics on every device: the memory of the dense
-model; no integer kernels yet).
+"""AWQ, GPTQ and compressed-tensors integer weights (models/int_quant.py) dequantized as they
+load: each quantized layer's parts (AWQ / GPTQ: `qweight`, `qzeros`, `scales`, GPTQ's
+`g_idx`; compressed-tensors: `weight_packed`, `weight_scale`, `weight_shape`,
+`weight_g_idx`) become one dense `weight` source that dequantizes only the slice a rank reads
+(its rows or columns, widened to whole packed words), in float32, as
+w[o, i] = (q[i, o] - z[g(i), o]) * s[g(i), o]. The model then holds dense weights in its dtype
+(weight-only semantics on every device: the memory of the dense model; no integer kernels
+yet).
 """
 
 from __future__ import annotations
@@ -15,7 +17,11 @@ import torch
 from minisgl.layers.source import TensorSource
 from minisgl.models.int_quant import IntQuant
 
-_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+_PARTS = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+          "compressed-tensors": ("weight_packed", "weight_scale", "weight_shape",
+                                 "weight_g_idx")}
+_REQUIRED = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales"),
+             "compressed-tensors": ("weight_packed", "weight_scale")}
 # AWQ packs the 8 outputs of a word interleaved: output j of a word is value _AWQ_ORDER[j]
 _AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 
@@ -28,7 +34,7 @@ def dense_int_weights(tensors: Iterator[Tuple[str, TensorSource]], spec: IntQuan
     layers: Dict[str, Dict[str, TensorSource]] = {}
     for name, src in tensors:
         prefix, _, part = name.rpartition(".")
-        if part in _PARTS:
+        if part in _PARTS[spec.method]:
             layers.setdefault(prefix, {})[part] = src
         else:
             yield name, src
@@ -58,25 +64,34 @@ class IntWeightSource:
     """The dense weight [out, in] of one quantized layer (see the module's docstring)."""
 
     def __init__(self, name: str, parts: Dict[str, TensorSource], spec: IntQuant) -> None:
-        missing = [p for p in ("qweight", "qzeros", "scales") if p not in parts]
+        missing = [p for p in _REQUIRED[spec.method] if p not in parts]
         if missing:
-            raise ValueError(f"{spec.method.upper()} layer {name} lacks {', '.join(missing)} "
-                             f"in the checkpoint")
+            raise ValueError(f"{spec.label} layer {name} lacks {', '.join(missing)} in the "
+                             f"checkpoint")
         self.name, self.parts, self.spec = name, parts, spec
-        q, s = parts["qweight"].shape, parts["scales"].shape
+        self.ct = spec.method == "compressed-tensors"
         n = spec.per_word
-        awq = spec.method == "awq"
-        self.in_features = q[0] if awq else q[0] * n
-        self.out_features = q[1] * n if awq else q[1]
+        if self.ct:  # [out, in / n] and [out, groups]
+            q = parts["weight_packed"].shape
+            shape = parts.get("weight_shape")
+            self.out_features, self.in_features = ((int(d) for d in shape.read().tolist())
+                                                   if shape is not None else (q[0], q[1] * n))
+            s = tuple(reversed(parts["weight_scale"].shape))
+        else:
+            q, s = parts["qweight"].shape, parts["scales"].shape
+            awq = spec.method == "awq"
+            self.in_features = q[0] if awq else q[0] * n
+            self.out_features = q[1] * n if awq else q[1]
         groups = -(-self.in_features // spec.group_size) if spec.group_size else 1
-        g_idx = parts.get("g_idx")
+        g_idx = parts.get("weight_g_idx" if self.ct else "g_idx")
         if len(s) != 2 or s[1] != self.out_features or (s[0] != groups and g_idx is None):
-            raise ValueError(f"{spec.describe()} layer {name}: qweight {tuple(q)} and scales "
-                             f"{tuple(s)} do not fit together ({self.in_features} inputs, "
-                             f"{self.out_features} outputs, {groups} groups expected)")
+            raise ValueError(f"{spec.describe()} layer {name}: packed weight {tuple(q)} and "
+                             f"scales {tuple(s)} do not fit together ({self.in_features} "
+                             f"inputs, {self.out_features} outputs, {groups} groups expected)")
         if g_idx is not None and tuple(g_idx.shape) != (self.in_features,):
-            raise ValueError(f"GPTQ layer {name}: g_idx {tuple(g_idx.shape)} for "
+            raise ValueError(f"{spec.label} layer {name}: g_idx {tuple(g_idx.shape)} for "
                              f"{self.in_features} inputs")
+        self.g_idx = g_idx
 
     @property
     def shape(self) -> Tuple[int, ...]:
@@ -91,13 +106,23 @@ class IntWeightSource:
             raise ValueError(f"cannot slice {self.name}'s weight along dim {dim}")
         q = self._values(outs, ins)  # [inputs, outputs]
         groups = self._groups(ins)
-        scales = self.parts["scales"].read(1, *outs).float()
-        zeros = self._zeros(outs).float() + self.spec.zero_offset
+        if self.ct:  # symmetric: every value stored plus 2^(bits - 1)
+            scales = _block(self.parts["weight_scale"], outs,
+                            (0, self.parts["weight_scale"].shape[1])).float().t()
+            zeros = torch.full_like(scales, float(1 << (self.spec.bits - 1)))
+        else:
+            scales = self.parts["scales"].read(1, *outs).float()
+            zeros = self._zeros(outs).float() + self.spec.zero_offset
         return ((q.float() - zeros[groups]) * scales[groups]).t().contiguous()
 
     def _values(self, outs: Tuple[int, int], ins: Tuple[int, int]) -> torch.Tensor:
         """The integer values of inputs x outputs, [inputs, outputs]."""
         n, bits = self.spec.per_word, self.spec.bits
+        if self.ct:  # [out, in / n]: the outputs, whole words of inputs
+            lo, hi = ins[0] // n, -(-ins[1] // n)
+            vals = _unpack(_block(self.parts["weight_packed"], outs, (lo, hi)), bits,
+                           along_rows=False)
+            return vals[:, ins[0] - lo * n:ins[1] - lo * n].t()
         if self.spec.method == "awq":  # [in, out / n]: the inputs, whole words of outputs
             lo, hi = outs[0] // n, -(-outs[1] // n)
             words = _block(self.parts["qweight"], ins, (lo, hi))
@@ -118,9 +143,8 @@ class IntWeightSource:
 
     def _groups(self, ins: Tuple[int, int]) -> torch.Tensor:
         """Each input's group, for inputs `ins`."""
-        g_idx = self.parts.get("g_idx")
-        if g_idx is not None:
-            return g_idx.read(0, *ins).to(torch.int64)
+        if self.g_idx is not None:
+            return self.g_idx.read(0, *ins).to(torch.int64)
         size = self.spec.group_size or self.in_features
         return torch.arange(ins[0], ins[1]) // size
 
