@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 from typing import Any, Dict, List
@@ -96,3 +97,50 @@ def test_batch_settings_are_checked_before_anything_starts(tmp_path: Path) -> No
 def test_lines_that_are_not_requests_say_why(text: str, error: str) -> None:
     line = parse_line(text, 3)
     assert line.error is not None and error in line.error
+
+
+def test_openai_files_and_batches_run_through_the_server(tiny_qwen3: Path,
+                                                         tmp_path: Path) -> None:
+    """OpenAI's Batch API with its own client: upload, create, poll until done, read the
+    output (2xx answers) and error (the rest) files; unknown ids are 404s."""
+    import openai
+    from server_helpers import serving
+    lines = [_line("a", "/v1/completions", {"prompt": PROMPT, "max_tokens": 4,
+                                            "temperature": 0, "return_token_ids": True}),
+             _line("b", "/v1/completions", {"prompt": "x", "max_tokens": -1}),
+             _line("c", "/v1/embeddings", {"input": "other endpoint"})]
+    with serving(["--model", str(tiny_qwen3), *CPU_ARGS], tmp_path) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+        uploaded = client.files.create(file=("in.jsonl", "\n".join(lines).encode()),
+                                       purpose="batch")
+        assert uploaded.bytes == len("\n".join(lines))
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                      completion_window="24h")
+        for _ in range(600):
+            batch = client.batches.retrieve(batch.id)
+            if batch.status in ("completed", "failed", "cancelled"):
+                break
+            time.sleep(0.1)
+        assert batch.status == "completed", batch
+        assert batch.request_counts is not None
+        assert (batch.request_counts.total, batch.request_counts.completed,
+                batch.request_counts.failed) == (3, 1, 2)
+        assert batch.output_file_id is not None and batch.error_file_id is not None
+        good = [json.loads(x) for x in client.files.content(batch.output_file_id).text.split("\n")
+                if x]
+        bad = [json.loads(x) for x in client.files.content(batch.error_file_id).text.split("\n")
+               if x]
+        assert [g["custom_id"] for g in good] == ["a"]
+        assert len(good[0]["response"]["body"]["choices"][0]["token_ids"]) == 4
+        assert [b["custom_id"] for b in bad] == ["b", "c"]
+        assert bad[0]["response"]["status_code"] == 400
+        assert "not the batch's endpoint" in bad[1]["error"]["message"]
+        assert [b.id for b in client.batches.list().data] == [batch.id]
+        with pytest.raises(openai.NotFoundError):
+            client.batches.retrieve("batch_nope")
+        with pytest.raises(openai.BadRequestError):
+            client.batches.create(input_file_id=uploaded.id, endpoint="/v1/models",
+                                  completion_window="24h")
+        assert client.files.delete(uploaded.id).deleted
+        with pytest.raises(openai.NotFoundError):
+            client.files.retrieve(uploaded.id)

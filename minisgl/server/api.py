@@ -60,6 +60,7 @@ from minisgl.server.responses import (ChatFormatter, Choice, CompletionFormatter
                                       GenerateFormatter, SSEResponse, sse)
 from minisgl.server.responses_api import (ResponsesFormatter, ResponsesRequest, ResponseStore,
                                           response_messages, responses_job)
+from minisgl.server.batches_api import Batches, install_batch_routes
 from minisgl.server.lora_admin import Adapters, install_adapter_routes
 from minisgl.server.streams import RequestStream, RequestStreams
 
@@ -87,6 +88,7 @@ class ApiConfig:
     lora_runtime: bool = False
     max_lora_rank: int = 16
     incremental_streaming_output: bool = False  # /generate streams what is new (SGLang's)
+    max_file_bytes: int = 512 << 20  # the Files API's files held in all (batches_api.py)
     hidden_size: int = 0  # the model's: an embedding's length
     embedding_refusal: Optional[str] = None  # why embeddings cannot be served (pooling.py)
     matryoshka: Optional[Tuple[int, ...]] = None  # ModelConfig.matryoshka_dimensions
@@ -313,6 +315,9 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
                      cfg.lora_adapters, (cfg.model_name, *cfg.aliases))
     adapters = loras.paths  # changes as adapters load and unload
     install_adapter_routes(app, loras, json_body)
+    app.state.self_url = ""  # serve_forever sets it: the batches' requests go there
+    install_batch_routes(app, Batches(cfg.max_file_bytes, cfg.api_key),
+                         lambda: str(app.state.self_url), json_body)
 
     def check_model(name: Optional[str]) -> Optional[str]:
         """The LoRA adapter a request's model names (None: the base model); ApiError 404 for
@@ -535,6 +540,13 @@ def _not_startup_lines(record: logging.LogRecord) -> bool:
     return "application startup" not in record.getMessage().lower()
 
 
+def _loopback_url(address: Any) -> str:
+    """This server's URL from its socket's address, a wildcard address as loopback."""
+    host, port = address[0], address[1]
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def serve_forever(cfg: ApiConfig, sock: Any, is_healthy: Callable[[], bool],
                   on_listening: Callable[[], None], log_level: str) -> None:
     """Serve on the already bound socket `sock` until the process is terminated or the
@@ -551,6 +563,7 @@ def serve_forever(cfg: ApiConfig, sock: Any, is_healthy: Callable[[], bool],
 
     logging.getLogger("uvicorn.error").addFilter(_not_startup_lines)
     app = create_app(cfg, is_healthy)
+    app.state.self_url = _loopback_url(sock.getsockname())
     config = uvicorn.Config(app, log_config=None, access_log=False,
                             lifespan="on", log_level=log_level.lower(),
                             timeout_graceful_shutdown=1)
