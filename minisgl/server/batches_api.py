@@ -71,9 +71,11 @@ class BatchJob:
     output_file_id: Optional[str] = None
     error_file_id: Optional[str] = None
     cancel: bool = False
+    errors: Optional[Dict[str, Any]] = None  # why the job failed (OpenAI's `errors`)
 
     def card(self) -> Dict[str, Any]:
-        out = {"id": self.id, "object": "batch", "endpoint": self.endpoint, "errors": None,
+        out = {"id": self.id, "object": "batch", "endpoint": self.endpoint,
+               "errors": self.errors,
                "input_file_id": self.input_file_id,
                "completion_window": self.completion_window, "status": self.status,
                "output_file_id": self.output_file_id, "error_file_id": self.error_file_id,
@@ -149,8 +151,18 @@ class Batches:
         job = BatchJob(f"batch_{uuid.uuid4().hex}", source.id, body.endpoint,
                        body.completion_window, body.metadata)
         self.jobs[job.id] = job
-        self._tasks.append(asyncio.ensure_future(self._run(job, source.data, base_url)))
+        self._tasks = [t for t in self._tasks if not t.done()]  # kept while they run
+        self._tasks.append(asyncio.ensure_future(self._guarded(job, source.data, base_url)))
         return job
+
+    async def _guarded(self, job: BatchJob, data: bytes, base_url: str) -> None:
+        """`_run`; an unexpected error fails the job, saying so, instead of leaving it."""
+        try:
+            await self._run(job, data, base_url)
+        except Exception as e:  # noqa: BLE001 (any: the job must end)
+            job.status, job.times["failed_at"] = "failed", int(time.time())
+            job.errors = {"object": "list", "data": [{"code": "server_error",
+                                                      "message": f"{type(e).__name__}: {e}"}]}
 
     async def _run(self, job: BatchJob, data: bytes, base_url: str) -> None:
         """Send the job's lines (those for another endpoint than the job's are errors) and
