@@ -61,13 +61,15 @@ def test_gpu_sliding_window_matches_cpu(family: str, window: dict, tmp_path: Pat
         path, device="cpu", dtype="float32", max_prefill_tokens=48)
 
 
-@pytest.mark.parametrize("family", ["phi3_longrope", "phi4_mini", "smollm3", "granite"])
+@pytest.mark.parametrize("family", ["phi3_longrope", "phi4_mini", "smollm3", "granite",
+                                    "glm4"])
 def test_gpu_rope_variants_and_multipliers_match_cpu(family: str, tmp_path: Path) -> None:
     """Longrope on CUDA: rope indices through the fused rotary kernels (phi3_longrope: whole
     heads of 16) or torch's partial rotation (phi4_mini), decode graphs deriving them from
     positions, prefill graphs for short prompts only, sequences prefilled again past 32
     tokens; SmolLM3's NoPE layer (attention stores its K/V); Granite's multipliers (folded
-    into o_proj and down_proj, through the batch-1 GEMVs): the CPU's float32 tokens."""
+    into o_proj and down_proj, through the batch-1 GEMVs); GLM-4's interleaved half-head
+    rotation and sandwich norms: the CPU's float32 tokens."""
     path = build_tiny(family, tmp_path / family, None)
     assert _run(path, device="cuda", dtype="float32") == _run(path, device="cpu",
                                                               dtype="float32")

@@ -40,6 +40,11 @@ FAMILIES: Dict[str, dict] = {
     # Phi-3 / Phi-4: checkpoints with fused qkv_proj and gate_up_proj tensors.
     "phi3": dict(arch="Phi3Config", tie_word_embeddings=False, sliding_window=None,
                  pad_token_id=0),
+    # GLM-4-0414: sandwich norms, q/k/v biases, fused gate/up, rotary over half of each head
+    # in GPT-J's interleaved layout
+    # (norms random, so that each of the four must load where it belongs)
+    "glm4": dict(arch="Glm4Config", tie_word_embeddings=False, head_dim=16, pad_token_id=0,
+                 eos_token_id=2, random_norms=True),
     # IBM Granite 3.x: the Llama decoder with its four multipliers (mild ones: Granite-3-8B's
     # 12 / 0.22 on random tiny weights would make every token the same).
     "granite": dict(arch="GraniteConfig", tie_word_embeddings=True, embedding_multiplier=1.7,

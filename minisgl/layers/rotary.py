@@ -149,12 +149,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _turned(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dims: int) -> torch.Tensor:
-    """x with its first `dims` dimensions rotated (the rest as they are)."""
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """Each pair (x0, x1) of neighbouring dimensions as (-x1, x0)."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def _turned(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dims: int,
+            interleaved: bool = False) -> torch.Tensor:
+    """x with its first `dims` dimensions rotated (the rest as they are): their two halves,
+    or with `interleaved` their neighbouring pairs."""
+    rotate = _rotate_pairs if interleaved else _rotate_half
     if dims == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
+        return x * cos + rotate(x) * sin
     turn, keep = x[..., :dims], x[..., dims:]
-    return torch.cat([turn * cos + _rotate_half(turn) * sin, keep], dim=-1)
+    return torch.cat([turn * cos + rotate(turn) * sin, keep], dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -164,18 +172,20 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: Optional[dict], policy: KernelPolicy = KernelPolicy(),
                  trained_positions: Optional[int] = None,
-                 rotary_dim: Optional[int] = None) -> None:
+                 rotary_dim: Optional[int] = None, interleaved: bool = False) -> None:
         """Tables for positions below `max_positions` (the context length; longrope's short
         table below its pretraining length before them: `RopeIndex`). `trained_positions`: the
         checkpoint's `max_position_embeddings` (YaRN's default pretraining length; default
         `max_positions`). `rotary_dim`: the leading dimensions of a head that turn (default
-        all). `policy`: the fused kernel where `policy.fused`, launched with programmatic
+        all). `interleaved`: neighbouring pairs turn (GPT-J's layout, GLM-4's), not the two
+        halves. `policy`: the fused kernel where `policy.fused`, launched with programmatic
         dependent launch where `policy.pdl`."""
         super().__init__()
         self.rotary_dim = rotary_dim or head_dim
-        # The fused kernels need a power-of-two head_dim turned whole; else the torch path.
+        self.interleaved = interleaved
+        # The fused kernels need a power-of-two head_dim turned whole, halves; else torch's.
         self.fused = (policy.fused and head_dim & (head_dim - 1) == 0
-                      and self.rotary_dim == head_dim)
+                      and self.rotary_dim == head_dim and not interleaved)
         self.policy = policy
         trained = trained_positions or max_positions
         self.index = RopeIndex((scaling or {}).get("original_max_position_embeddings", 0)
@@ -191,7 +201,9 @@ class RotaryEmbedding(nn.Module):
                long: bool) -> Tuple[torch.Tensor, torch.Tensor]:
         inv_freq, scale = rope_frequencies(self.rotary_dim, theta, scaling, trained, long)
         freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
+        # each frequency twice: side by side for the interleaved pairs, else once per half
+        emb = (freqs.repeat_interleave(2, dim=-1) if self.interleaved
+               else torch.cat((freqs, freqs), dim=-1))
         return emb.cos() * scale, emb.sin() * scale
 
     def _fusable(self, *xs: torch.Tensor) -> bool:
@@ -226,4 +238,5 @@ class RotaryEmbedding(nn.Module):
             return rotary.rotary_qk_(q, k, positions, self.cos, self.sin, self.policy.pdl)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _turned(q, cos, sin, self.rotary_dim), _turned(k, cos, sin, self.rotary_dim)
+        return (_turned(q, cos, sin, self.rotary_dim, self.interleaved),
+                _turned(k, cos, sin, self.rotary_dim, self.interleaved))

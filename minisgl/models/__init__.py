@@ -19,6 +19,7 @@ _MODULE_OF: Dict[str, str] = {
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
     "Gemma3ForConditionalGeneration": "gemma",
+    "Glm4ForCausalLM": "glm4",
     "GraniteForCausalLM": "llama",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",

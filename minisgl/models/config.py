@@ -13,7 +13,8 @@ the families whose layers have them (Mistral and Mixtral have no biases, only Ll
 biases, Qwen2-MoE's q/k/v bias is its `qkv_bias`), and a `hidden_act` other than SiLU or GELU
 (tanh) is refused. A `partial_rotary_factor` below 1 (Phi-4-mini) turns only the first
 `rotary_dim` dimensions of each head; SmolLM3's `no_rope_layers` (every fourth layer by
-default) turn none (`rope_layers`). Granite's four multipliers (embeddings, sublayer outputs,
+default) turn none (`rope_layers`); GLM-4 turns neighbouring pairs (`rotary_interleaved`).
+Granite's four multipliers (embeddings, sublayer outputs,
 attention scores, logits) are read for Granite only.
 
 Phi-3's "longrope" (the 128K variants, Phi-3.5, Phi-4-mini; older configs say "su" or "yarn")
@@ -78,6 +79,10 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
     "Qwen3MoeForCausalLM": {**_QWEN, "num_key_value_heads": 4},
     "Phi3ForCausalLM": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
                         "vocab_size": 32064},
+    "Glm4ForCausalLM": {"max_position_embeddings": 131072, "rms_norm_eps": 1.5625e-7,
+                        "vocab_size": 151552, "num_key_value_heads": 2, "head_dim": 128,
+                        "attention_bias": True, "partial_rotary_factor": 0.5,
+                        "eos_token_id": [151329, 151336, 151338]},
     "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "rope_theta": 2e6,
                            "vocab_size": 128256, "num_key_value_heads": 4,
                            "tie_word_embeddings": True, "use_sliding_window": False},
@@ -89,7 +94,7 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
 # The families whose attention projections take `attention_bias` (Qwen2's are fixed: q/k/v
 # bias, none on o; Mistral's and Mixtral's have none), and whose MLP takes `mlp_bias`.
 _ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                   "SmolLM3ForCausalLM", "GraniteForCausalLM")
+                   "SmolLM3ForCausalLM", "GraniteForCausalLM", "Glm4ForCausalLM")
 _MLP_BIAS = ("LlamaForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM")
 # The families whose attention may slide (see `_layer_windows`).
 _WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
@@ -149,6 +154,9 @@ class ModelConfig:
     matryoshka_dimensions: Optional[Tuple[int, ...]] = None
     # The dimensions of a head the rotary embedding turns (the first ones; 0: all of them)
     rotary_dim: int = 0
+    # The rotary embedding turns neighbouring pairs of dimensions (GLM-4's GPT-J layout), not
+    # the two halves (the NeoX layout everyone else uses)
+    rotary_interleaved: bool = False
     # Per decoder layer: whether it rotates q and k at all (SmolLM3's NoPE layers do not);
     # () where every layer does.
     rope_layers: Tuple[bool, ...] = ()
@@ -337,6 +345,7 @@ class ModelConfig:
             matryoshka_dimensions=_matryoshka(cfg),
             rope_layers=(tuple(bool(f) for f in cfg["no_rope_layers"])
                          if arch == "SmolLM3ForCausalLM" else ()),
+            rotary_interleaved=arch == "Glm4ForCausalLM",
             **_granite_fields(cfg, arch),
             **_moe_fields(cfg, arch),
         )

@@ -317,7 +317,8 @@ class DecoderModel(nn.Module):
         self.embed_scale = traits.embed_scale
         self.embed_scale_rounded = traits.embed_scale_rounded
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.rope_theta, cfg.rope_scaling,
-                                 traits.policy, cfg.max_position_embeddings, cfg.rotary_dims)
+                                 traits.policy, cfg.max_position_embeddings, cfg.rotary_dims,
+                                 cfg.rotary_interleaved)
         local = rotary  # the sliding-window layers' (Gemma 3: their own theta, unscaled)
         if cfg.local_rope_theta is not None:
             local = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.local_rope_theta, None,
