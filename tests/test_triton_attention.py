@@ -682,13 +682,10 @@ def _tiny_checkpoint(root: Path) -> Path:
         vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
         tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
+    from tiny_models import save_randomized
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.1)
-    model.save_pretrained(root, safe_serialization=True)
+    save_randomized(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32),
+                    root)
     return root
 
 

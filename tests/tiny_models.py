@@ -83,6 +83,16 @@ FAMILIES: Dict[str, dict] = {
 }
 
 
+def save_randomized(model: torch.nn.Module, out: Path, random_norms: bool = False) -> None:
+    """Save `model` with its weights drawn N(0, 0.1), larger than their default init so that
+    logits are well separated (norm weights kept at one unless `random_norms`)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if random_norms or "norm" not in name:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(out, safe_serialization=True)
+
+
 def build_tiny(family: str, out: Path, tokenizer_dir: Optional[Path], seed: int = 0,
                **overrides: object) -> Path:
     """Save a random tiny model of `family` into `out`, with the default model's tokenizer when
@@ -94,11 +104,7 @@ def build_tiny(family: str, out: Path, tokenizer_dir: Optional[Path], seed: int 
     config = config_cls(**{**BASE, **spec, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    with torch.no_grad():  # larger than default init, so logits are well separated
-        for name, p in model.named_parameters():
-            if random_norms or "norm" not in name:
-                p.normal_(0.0, 0.1)
-    model.save_pretrained(out, safe_serialization=True)
+    save_randomized(model, out, random_norms)
     for f in tokenizer_dir.iterdir() if tokenizer_dir is not None else []:
         if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
             shutil.copy(f, out / f.name)
@@ -140,12 +146,7 @@ def build_tiny_mistral3_multimodal(out: Path, seed: int = 0, tied: bool = False)
     config = transformers.Mistral3Config(text_config=text, vision_config=vision,
                                          tie_word_embeddings=tied)
     torch.manual_seed(seed)
-    model = transformers.Mistral3ForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.1)
-    model.save_pretrained(out, safe_serialization=True)
+    save_randomized(transformers.Mistral3ForConditionalGeneration(config), out)
     return out
 
 
