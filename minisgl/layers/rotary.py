@@ -1,4 +1,5 @@
-"""Rotary position embedding (neox / rotate-half layout) with the frequency scalings checkpoints
+"""Rotary position embedding (neox / rotate-half layout; GLM-4's GPT-J interleaved pairs in torch
+ops) with the frequency scalings checkpoints
 ask for in `rope_scaling` / `rope_parameters`: "llama3" (Llama 3.1+), "yarn" (Qwen2.5 / Qwen3 past
 32K), "linear" (position interpolation), "longrope" (Phi-3 128K, Phi-3.5, Phi-4-mini). A partial
 rotary embedding (Phi-4-mini) turns the first `rotary_dim` dimensions of each head only.
