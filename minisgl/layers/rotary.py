@@ -1,8 +1,8 @@
-"""Rotary position embedding (neox / rotate-half layout; GLM-4's GPT-J interleaved pairs in torch
-ops) with the frequency scalings checkpoints
-ask for in `rope_scaling` / `rope_parameters`: "llama3" (Llama 3.1+), "yarn" (Qwen2.5 / Qwen3 past
-32K), "linear" (position interpolation), "longrope" (Phi-3 128K, Phi-3.5, Phi-4-mini). A partial
-rotary embedding (Phi-4-mini) turns the first `rotary_dim` dimensions of each head only.
+"""Rotary position embedding (neox / rotate-half layout; GLM-4's GPT-J interleaved pairs in
+torch ops) with the frequency scalings checkpoints ask for in `rope_scaling` /
+`rope_parameters`: "llama3" (Llama 3.1+), "yarn" (Qwen2.5 / Qwen3 past 32K), "linear" (position
+interpolation), "longrope" (Phi-3 128K, Phi-3.5, Phi-4-mini). A partial rotary embedding
+(Phi-4-mini, GLM-4) turns the first `rotary_dim` dimensions of each head only.
 
 Longrope has two tables: short factors for positions below its pretraining length k, long ones
 for every position. Callers index the tables with rope indices (`RopeIndex`): every token of a
