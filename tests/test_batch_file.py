@@ -136,6 +136,9 @@ def test_openai_files_and_batches_run_through_the_server(tiny_qwen3: Path,
         assert bad[0]["response"]["status_code"] == 400
         assert "not the batch's endpoint" in bad[1]["error"]["message"]
         assert [b.id for b in client.batches.list().data] == [batch.id]
+        metrics = srv.metrics()
+        assert metrics['minisgl_batches{status="completed"}'] == 1
+        assert metrics["minisgl_batch_file_bytes"] > len("\n".join(lines))
         with pytest.raises(openai.NotFoundError):
             client.batches.retrieve("batch_nope")
         with pytest.raises(openai.BadRequestError):

@@ -300,6 +300,7 @@ def _load_and_unload_at_run_time(url: str, adapters: Dict[str, Path], body: dict
     again = httpx.post(f"{url}/v1/load_lora_adapter", json=load, timeout=60)
     assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
     assert "late" in [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
+    assert "minisgl_lora_adapters_loaded 3" in httpx.get(f"{url}/metrics").text
     out = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
     assert out["model"] == "late" and out["choices"][0]["token_ids"] == want
     missing = httpx.post(f"{url}/load_lora_adapter", timeout=60,

@@ -316,8 +316,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     adapters = loras.paths  # changes as adapters load and unload
     install_adapter_routes(app, loras, json_body)
     app.state.self_url = ""  # serve_forever sets it: the batches' requests go there
-    install_batch_routes(app, Batches(cfg.max_file_bytes, cfg.api_key),
-                         lambda: str(app.state.self_url), json_body)
+    batches = Batches(cfg.max_file_bytes, cfg.api_key)
+    install_batch_routes(app, batches, lambda: str(app.state.self_url), json_body)
 
     def check_model(name: Optional[str]) -> Optional[str]:
         """The LoRA adapter a request's model names (None: the base model); ApiError 404 for
@@ -527,7 +527,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return PlainTextResponse(metrics.render(),
+        return PlainTextResponse(metrics.render([loras.gauge(), *batches.gauges()]),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

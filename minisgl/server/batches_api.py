@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
 from minisgl.server.batch_file import BATCH_URLS, parse_line, send
+from minisgl.server.metrics import Gauge
 from minisgl.server.openapi import App
 from minisgl.server.protocol import ApiError, Body, parse_body
 
@@ -118,6 +119,16 @@ class Batches:
         self.files: Dict[str, StoredFile] = {}
         self.jobs: Dict[str, BatchJob] = {}
         self._tasks: List["asyncio.Task[None]"] = []
+
+    def gauges(self) -> List[Gauge]:
+        """`minisgl_batches` by status and `minisgl_batch_file_bytes` for /metrics."""
+        counts: Dict[Optional[str], float] = {}
+        for job in self.jobs.values():
+            counts[job.status] = counts.get(job.status, 0) + 1
+        return [Gauge("minisgl_batches", "Batch jobs of the Batch API, by status.", counts,
+                      "status"),
+                Gauge("minisgl_batch_file_bytes", "Bytes of the Files API's files held.",
+                      {None: sum(len(f.data) for f in self.files.values())})]
 
     def add_file(self, filename: str, purpose: str, data: bytes) -> StoredFile:
         held = sum(len(f.data) for f in self.files.values())

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.requests import Request
 
 from minisgl.models.lora_config import read_adapter
+from minisgl.server.metrics import Gauge
 from minisgl.server.openapi import App, body as body_schema
 from minisgl.server.protocol import ApiError, Body, parse_body
 from minisgl.server.streams import RequestStreams
@@ -51,6 +52,12 @@ class Adapters:
         self.paths: Dict[str, str] = dict(initial)
         self.taken = set(taken)
         self._lock = asyncio.Lock()
+
+    def gauge(self) -> Gauge:
+        """`minisgl_lora_adapters_loaded` for /metrics."""
+        return Gauge("minisgl_lora_adapters_loaded",
+                     "LoRA adapters loaded (every data-parallel replica holds the same).",
+                     {None: len(self.paths)})
 
     async def load(self, name: str, path: str, inplace: bool = False) -> None:
         """Load adapter `name` from `path` on every replica (with `inplace`, in place of the

@@ -11,7 +11,7 @@ One `Metrics` object per app (built in the app factory); not thread-safe (event-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from minisgl.message.types import SchedulerStats
 
@@ -132,7 +132,9 @@ class Metrics:
         self.prompt_tokens.observe(prompt_tokens)
         self.generation_tokens.observe(generated)
 
-    def render(self) -> str:
+    def render(self, gauges: Sequence["Gauge"] = ()) -> str:
+        """The exposition text; `gauges`: more, the API server's own (LoRA adapters, batch
+        jobs)."""
         lines: List[str] = []
         for attr, (name, kind, help_text) in _SCHEDULER_METRICS.items():
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
@@ -155,4 +157,22 @@ class Metrics:
         for histogram in (self.ttft, self.itl, self.e2e, self.prompt_tokens,
                           self.generation_tokens):
             lines += histogram.render()
+        for gauge in gauges:
+            lines += gauge.render()
         return "\n".join(lines) + "\n"
+
+
+class Gauge(NamedTuple):
+    """A gauge's current values by label value (one unlabelled value under the key None)."""
+
+    name: str
+    help: str
+    values: Mapping[Optional[str], float]
+    label: str = ""
+
+    def render(self) -> List[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} gauge"]
+        for key, value in sorted(self.values.items(), key=lambda kv: str(kv[0])):
+            labels = "" if key is None else f'{{{self.label}="{key}"}}'
+            lines.append(f"{self.name}{labels} {value}")
+        return lines
