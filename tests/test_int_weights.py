@@ -142,7 +142,7 @@ def _write(base: Path, out: Path, dense_out: Path, method: str, bits: int = 4,
 
 
 @pytest.mark.parametrize("method,bits,act_order,v2,tp", [
-    ("awq", 4, False, False, 1), ("awq", 4, False, False, 2), ("gptq", 4, True, False, 2),
+    ("awq", 4, False, False, 2), ("gptq", 4, True, False, 2),
     ("gptq", 8, False, True, 1), ("ct", 4, False, False, 2), ("ct", 8, True, False, 1)])
 def test_int_checkpoints_match_hf_on_their_dequantized_weights(
         tiny_model: Callable[..., Path], tmp_path: Path, method: str, bits: int,

@@ -26,8 +26,8 @@ def _greedy(n: int = NEW) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("family,kw", [
-    ("phi3_longrope", {}), ("phi3_longrope", {"max_prefill_tokens": 16, "overlap": True}),
+@pytest.mark.parametrize("family,kw", [  # (the defaults: test_engine_hf's tiny families)
+    ("phi3_longrope", {"max_prefill_tokens": 16, "overlap": True}),
     ("phi4_mini", {"max_prefill_tokens": 16}), ("phi4_mini", {"mixed_steps": True})])
 def test_longrope_matches_hf(tiny_model: Callable[..., Path], family: str, kw: dict) -> None:
     """Prompts of 12 and 20 tokens decode past 32 (one of 32 exactly, too); those of 40 and 70
