@@ -21,7 +21,7 @@ import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, Sequence, Set, Tuple
 
 from tqdm import tqdm
 
@@ -114,6 +114,23 @@ def send(base_url: str, line: BatchLine, api_key: Optional[str]) -> Dict[str, An
     return out
 
 
+def answered(out: Dict[str, Any]) -> bool:
+    """Whether an output object (`send`'s) holds a 2xx answer."""
+    return out["response"] is not None and 200 <= out["response"]["status_code"] < 300
+
+
+def send_all(base_url: str, lines: Sequence[BatchLine], api_key: Optional[str],
+             concurrency: int, stopped: Callable[[], bool] = lambda: False
+             ) -> Iterator[Dict[str, Any]]:
+    """Each line's output object (`send`), in the lines' order, `concurrency` requests in
+    flight; once `stopped()` says so, lines not sent yet are skipped (no object)."""
+    def one(line: BatchLine) -> Optional[Dict[str, Any]]:
+        return None if stopped() else send(base_url, line, api_key)
+
+    with ThreadPoolExecutor(max(1, concurrency)) as pool:
+        yield from (out for out in pool.map(one, lines) if out is not None)
+
+
 def run_batch(base_url: str, input_path: Path, output_path: Path, api_key: Optional[str],
               concurrency: int = 256, show_progress: bool = True) -> BatchSummary:
     """Send every request of `input_path` to the server at `base_url` and write the answers
@@ -121,21 +138,19 @@ def run_batch(base_url: str, input_path: Path, output_path: Path, api_key: Optio
     be read or written."""
     lines = list(read_lines(input_path))
     tmp = output_path.with_name(f".{output_path.name}.{os.getpid()}.tmp")
-    counts: List[int] = [0, 0]
+    ok = 0
     try:
         with open(tmp, "w", encoding="utf-8") as f, \
-                ThreadPoolExecutor(max(1, concurrency)) as pool, \
                 tqdm(total=len(lines), desc="batch", unit="req", disable=not show_progress) as bar:
-            for out in pool.map(lambda line: send(base_url, line, api_key), lines):
-                ok = out["response"] is not None and 200 <= out["response"]["status_code"] < 300
-                counts[0 if ok else 1] += 1
+            for out in send_all(base_url, lines, api_key, concurrency):
+                ok += answered(out)
                 f.write(json.dumps(out, ensure_ascii=False) + "\n")
                 bar.update(1)
         os.replace(tmp, output_path)
     finally:
         if tmp.exists():
             tmp.unlink()
-    return BatchSummary(len(lines), counts[0], counts[1])
+    return BatchSummary(len(lines), ok, len(lines) - ok)
 
 
 def summary_line(summary: BatchSummary, output_path: Path) -> str:

@@ -18,17 +18,15 @@ import asyncio
 import email.parser
 import email.policy
 import json
-import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
 
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
-from minisgl.server.batch_file import BATCH_URLS, parse_line, send
+from minisgl.server.batch_file import BATCH_URLS, answered, parse_line, send_all
 from minisgl.server.metrics import Gauge
 from minisgl.server.openapi import App
 from minisgl.server.protocol import ApiError, Body, parse_body
@@ -120,6 +118,11 @@ class Batches:
         self.jobs: Dict[str, BatchJob] = {}
         self._tasks: List["asyncio.Task[None]"] = []
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the files held."""
+        return sum(len(f.data) for f in self.files.values())
+
     def gauges(self) -> List[Gauge]:
         """`minisgl_batches` by status and `minisgl_batch_file_bytes` for /metrics."""
         counts: Dict[Optional[str], float] = {}
@@ -128,10 +131,10 @@ class Batches:
         return [Gauge("minisgl_batches", "Batch jobs of the Batch API, by status.", counts,
                       "status"),
                 Gauge("minisgl_batch_file_bytes", "Bytes of the Files API's files held.",
-                      {None: sum(len(f.data) for f in self.files.values())})]
+                      {None: self.held_bytes})]
 
     def add_file(self, filename: str, purpose: str, data: bytes) -> StoredFile:
-        held = sum(len(f.data) for f in self.files.values())
+        held = self.held_bytes
         if held + len(data) > self.max_bytes:
             raise ApiError(413, f"the server holds {held} bytes of files; this one's "
                                 f"{len(data)} would pass its {self.max_bytes}: delete some")
@@ -187,8 +190,10 @@ class Batches:
         job.status, job.times["in_progress_at"] = "in_progress", int(time.time())
         outs = await asyncio.to_thread(self._send_all, job, lines, base_url)
         job.times["finalizing_at"] = int(time.time())
-        good = [o for o in outs if o["response"] and 200 <= o["response"]["status_code"] < 300]
-        bad = [o for o in outs if o not in good]
+        good: List[Dict[str, Any]] = []
+        bad: List[Dict[str, Any]] = []
+        for out in outs:
+            (good if answered(out) else bad).append(out)
         if good:
             job.output_file_id = self._results(job, "output", good)
         if bad:
@@ -197,20 +202,14 @@ class Batches:
         job.times["cancelled_at" if job.cancel else "completed_at"] = int(time.time())
 
     def _send_all(self, job: BatchJob, lines: List[Any], base_url: str) -> List[Dict[str, Any]]:
-        """Each line's output object, in order (none for a line not sent: cancelled)."""
-        counting = threading.Lock()
-
-        def one(line: Any) -> Dict[str, Any]:
-            if job.cancel:
-                return {}
-            out = send(base_url, line, self.api_key)
-            ok = out["response"] is not None and 200 <= out["response"]["status_code"] < 300
-            with counting:
-                job.counts["completed" if ok else "failed"] += 1
-            return out
-
-        with ThreadPoolExecutor(self.concurrency) as pool:
-            return [o for o in pool.map(one, lines) if o]
+        """Each line's output object, in order (none for a line not sent: cancelled), the
+        job's counts kept as they come."""
+        outs: List[Dict[str, Any]] = []
+        for out in send_all(base_url, lines, self.api_key, self.concurrency,
+                            lambda: job.cancel):
+            job.counts["completed" if answered(out) else "failed"] += 1
+            outs.append(out)
+        return outs
 
     def _results(self, job: BatchJob, kind: str, outs: List[Dict[str, Any]]) -> str:
         data = "".join(json.dumps(o, ensure_ascii=False) + "\n" for o in outs).encode()
