@@ -39,7 +39,7 @@ from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.types import AccountingMsg, AccountingReply, AdapterMsg
 from minisgl.models import ModelConfig
 from minisgl.models.generation import sampling_defaults
-from minisgl.models.lora_config import read_adapter
+from minisgl.models.lora_config import check_runtime_load
 from minisgl.models.path import resolve_model_path
 from minisgl.models.pooling import dimensions_error, paired_texts, pooling_refusal, shortened
 from minisgl.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
@@ -623,10 +623,7 @@ class LLM:
         """ValueError where adapter `name` at `path` cannot load, as far as this process can
         tell (LoRA at run time off; its config: models/lora_config.py); the ranks check the
         rest (its tensors)."""
-        if not self._lora_runtime:
-            raise ValueError("loading LoRA adapters at run time needs --enable-lora (or "
-                             "--max-loras) at start-up: LLM(..., enable_lora=True)")
-        read_adapter(name, path, self._max_lora_rank)
+        check_runtime_load(name, path, self._lora_runtime, self._max_lora_rank)
 
     def remove_lora(self, name: str) -> bool:
         """Unload adapter `name` on every rank; False where it was not loaded."""

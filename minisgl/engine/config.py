@@ -234,8 +234,7 @@ class EngineConfig:
     def lora_slots(self) -> int:
         """LoRA adapter slots of the model (0: LoRA off): max_loras where set, else one per
         lora_modules adapter, at least one with enable_lora."""
-        wanted = self.max_loras or len(self.lora_adapters)
-        return max(wanted, 1) if self.enable_lora or self.max_loras else wanted
+        return max(self.max_loras or len(self.lora_adapters), int(self.lora_runtime))
 
     @property
     def lora_runtime(self) -> bool:

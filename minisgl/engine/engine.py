@@ -199,6 +199,7 @@ class Engine:
         self.policy = kernel_policy(cfg, self.device)
         check_kv_cache_dtype(cfg, self.device)
         self.model_cfg = ModelConfig.from_dir(Path(cfg.model_path), cfg.hf_override_dict)
+        self.lora_slots = cfg.lora_slots  # 0: no LoRA (and no adapter scan per forward)
         self.model, kv_scales = self._load_model(groups)
         on_progress(f"weights loaded in {time.perf_counter() - start:.1f} s")
         self.max_context = cfg.context_length(self.model_cfg.max_context)
@@ -297,8 +298,7 @@ class Engine:
         dtype = temporarily(torch.get_default_dtype, torch.set_default_dtype, self.cfg.torch_dtype)
         adapters = [read_adapter(name, path, self.cfg.max_lora_rank)
                     for name, path in self.cfg.lora_adapters]
-        slots = self.cfg.lora_slots
-        lora = LoraShape(slots, self.cfg.max_lora_rank) if slots else None
+        lora = LoraShape(self.lora_slots, self.cfg.max_lora_rank) if self.lora_slots else None
         with torch.device(self.device), dtype:
             model = cls(self.model_cfg, self.cfg.tp_info, groups.comm, self.policy, quant, lora)
         scales = KVScaleCollector(self.model_cfg.num_layers)
@@ -408,7 +408,7 @@ class Engine:
         """The model on `batch`: a decode graph's replay where one fits, else eager (with the
         prompt log-probabilities of the requests collecting them; always where some request
         runs with a LoRA adapter, which the graphs do not hold)."""
-        batch.lora = lora_rows(batch, self.device)
+        batch.lora = lora_rows(batch, self.device) if self.lora_slots else None
         embed = () if batch.phase is Phase.DECODE else tuple(  # embeddings end at prefill
             i for i in sampled if batch.reqs[i].params.embed)
         if batch.lora is not None or embed:

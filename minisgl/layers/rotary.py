@@ -24,7 +24,7 @@ earlier frequencies) reproduces it.
 from __future__ import annotations
 
 import math
-from typing import List, NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -51,11 +51,11 @@ class RopeIndex(NamedTuple):
             return positions
         return positions + self.long_from * (positions >= self.long_from)
 
-    def host(self, start: int, count: int, long: bool) -> List[int]:
+    def host(self, start: int, count: int, long: bool) -> range:
         """Indices of positions start.. (`count` of them) of a sequence that is long (its
         every token takes the long table) or not."""
         shift = self.long_from if long else 0
-        return list(range(start + shift, start + shift + count))
+        return range(start + shift, start + shift + count)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: Optional[dict],

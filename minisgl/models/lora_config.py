@@ -16,6 +16,8 @@ from pathlib import Path
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # PEFT options whose non-default values change what the adapter computes
+# Why an adapter cannot load at run time where LoRA was not asked for at start-up
+RUNTIME_OFF = "loading LoRA adapters at run time needs --enable-lora (or --max-loras) at start-up"
 _UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none"}
 
 
@@ -55,3 +57,12 @@ def read_adapter(name: str, path: str, max_rank: int) -> LoraAdapter:
     alpha = float(cfg.get("lora_alpha", 8))
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     return LoraAdapter(name, root, rank, scaling)
+
+
+def check_runtime_load(name: str, path: str, runtime: bool, max_rank: int) -> LoraAdapter:
+    """Adapter `name` at `path` as a run-time load would take it (its config read and
+    checked, `read_adapter`); ValueError where run-time loads are off (`runtime`:
+    EngineConfig.lora_runtime) or the config refuses. The ranks check its tensors."""
+    if not runtime:
+        raise ValueError(RUNTIME_OFF)
+    return read_adapter(name, path, max_rank)

@@ -37,6 +37,7 @@ from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.message.types import AccountingMsg, AccountingReply, AdapterMsg
 from minisgl.message.pulse import Pulse
+from minisgl.models.lora_config import RUNTIME_OFF
 from minisgl.scheduler.adapters import AdapterTable
 from minisgl.scheduler.cache import PageCache, PageCounts
 from minisgl.scheduler.config import SchedulerConfig
@@ -110,6 +111,7 @@ class Scheduler:
                              chunk, by_priority, cfg.engine.lora_slots)
         self.adapters = AdapterTable(cfg.engine.lora_slots,
                                      [name for name, _ in cfg.engine.lora_adapters])
+        self.long_rope_from = engine.long_rope_from  # 0: no longrope (_restart_long_rope)
         self.prefill = PrefillManager(self.cache, self.rows, chunk, cfg.decode_reserve_tokens,
                                       by_priority)
         self.decode = DecodeManager()
@@ -332,8 +334,7 @@ class Scheduler:
         None, or why nothing changed. Every rank reads the files; the slot is kept only where
         every rank loaded it (a rank's error is logged there; rank 0's is the reply's)."""
         if not self.cfg.engine.lora_runtime:
-            return ("loading LoRA adapters at run time needs --enable-lora (or --max-loras) "
-                    "at start-up")
+            return RUNTIME_OFF
         if name in self.adapters.loaded:
             return f"LoRA adapter {name!r} is already loaded"
         slot = self.adapters.free_slot(r.lora for r in [*self.reqs.values(), *self.deferred])
@@ -374,7 +375,7 @@ class Scheduler:
                      msg.uid, len(msg.input_ids), params.max_tokens)
         req = Req(msg.uid, list(msg.input_ids), len(msg.input_ids), params,
                   self.engine.eos_token_ids, lora=lora,
-                  long_rope=0 < self.engine.long_rope_from < len(msg.input_ids))
+                  long_rope=0 < self.long_rope_from < len(msg.input_ids))
         self.reqs[req.uid] = req
         if params.structured is not None:
             self.compiling.append((req, self.grammars.submit(params.structured)))
@@ -488,9 +489,11 @@ class Scheduler:
         the long factors, as transformers' Phi-3 generation recomputes its cache there (the
         K/V so far rotated with the short ones). A function of the requests' lengths, so every
         rank restarts the same requests at the same step."""
-        k = self.engine.long_rope_from
+        k = self.long_rope_from
+        if not k:  # every other model: nothing to look at, every step
+            return
         crossing = [r for r in self.decode.running.values()
-                    if k and not r.long_rope and r.device_len > k and not r.all_launched]
+                    if not r.long_rope and r.device_len > k and not r.all_launched]
         if not crossing:
             return
         self._finish_inflight()  # retraction needs every batch using it finished

@@ -23,7 +23,7 @@ from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence, Tup
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.requests import Request
 
-from minisgl.models.lora_config import read_adapter
+from minisgl.models.lora_config import RUNTIME_OFF, check_runtime_load
 from minisgl.server.metrics import Gauge
 from minisgl.server.openapi import App, body as body_schema
 from minisgl.server.protocol import ApiError, Body, parse_body
@@ -64,13 +64,12 @@ class Adapters:
         one of that name); ApiError (400) why not, after which nothing changed (an in-place
         load that fails leaves the name unloaded)."""
         if not self.runtime:
-            raise ApiError(400, "loading LoRA adapters at run time needs --enable-lora (or "
-                                "--max-loras) at start-up", "lora_name")
+            raise ApiError(400, RUNTIME_OFF, "lora_name")
         if not name.strip() or name in self.taken:
             raise ApiError(400, f"{name!r} cannot name a LoRA adapter (it is empty, or a name "
                                 f"of the served model)", "lora_name")
         try:  # the config's refusals here, quickly; the ranks read every file again
-            read_adapter(name, path, self.max_rank)
+            check_runtime_load(name, path, self.runtime, self.max_rank)
         except ValueError as e:
             raise ApiError(400, str(e), "lora_path") from None
         async with self._lock:
