@@ -220,12 +220,8 @@ class GenerateFormatter(Formatter):
         return item if self.single else {**item, "index": index}
 
     def delta(self, index: int, chunk: ReplyChunk, choice: Choice) -> Iterator[str]:
-        if not self.incremental:  # the choice so far, this chunk's finish
-            event = {**self._item(index, choice), "finish_reason": chunk.finish_reason}
-            event["meta_info"] = self._meta(index, choice, chunk.finish_reason,
-                                            chunk.matched_stop, choice.prompt_logprobs,
-                                            choice.logprobs)
-            yield sse(event)
+        if not self.incremental:  # the choice so far (its finish is this chunk's)
+            yield sse(self._item(index, choice))
             return
         event = {"id": self._id(index, self.id), "text": chunk.text,
                  "token_ids": list(chunk.token_ids),
