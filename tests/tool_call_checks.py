@@ -1,5 +1,5 @@
 """Checks the tool-call parsers' tests share (tests/test_tool_calls.py, test_tool_calls_xml.py,
-test_tool_calls_mistral.py): a streamer fed an output in pieces of a size, its deltas joined as a
+test_tool_calls_array.py): a streamer fed an output in pieces of a size, its deltas joined as a
 client joins them; the whole output against every split of it and against it cut off anywhere;
 and chat responses (ChatFormatter) streamed and plain, the stream joined into the plain
 response's shape."""

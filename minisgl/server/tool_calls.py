@@ -14,7 +14,7 @@ Formats (the names vLLM and SGLang use):
 - `mistral` (Mistral-7B-Instruct-v0.3, Mistral-Nemo, Mistral-Small, Mixtral-8x22B):
   `[TOOL_CALLS] [{"name": "NAME", "arguments": {...}}, ...]`, a JSON array of calls after a
   special token the detokenizer may skip (v11+ tokenizers: `[TOOL_CALLS]NAME[ARGS]{...}` per
-  call), read by server/tool_calls_mistral.py; its call ids are 9 letters and digits.
+  call), read by server/tool_calls_array.py; its call ids are 9 letters and digits.
 
 Contract, one parse for both modes: the whole text goes through `ToolCallStreamer` at once for
 a plain response, delta by delta for a stream, and however the text is split the streamed deltas
@@ -54,7 +54,7 @@ class ToolCallFormat:
     `arguments_keys` name the arguments field (the first is the one the model is made to write);
     `separator` goes between constrained parallel calls. `xml`: the calls are XML
     (server/tool_calls_xml.py), not JSON; `array`: the calls are a JSON array after `start`
-    (server/tool_calls_mistral.py); `named_calls`: Mistral v11's `START NAME[ARGS]{...}` too,
+    (server/tool_calls_array.py); `named_calls`: Mistral v11's `START NAME[ARGS]{...}` too,
     and with `enforce_named` enforced calls take that form (each with its marker, nothing
     between them) instead of the array;
     `short_ids`: call ids of 9 letters and digits (Mistral's templates take no others);

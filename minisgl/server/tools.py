@@ -34,7 +34,7 @@ import jsonschema
 
 from minisgl.core import StructuredOutput
 from minisgl.server.tool_calls import CallStreamer, ToolCallFormat, ToolCallStreamer
-from minisgl.server.tool_calls_mistral import MistralToolCallStreamer
+from minisgl.server.tool_calls_array import ArrayToolCallStreamer
 from minisgl.server.tool_calls_xml import XmlToolCallStreamer, tool_schemas
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -98,7 +98,7 @@ class Tools:
         if fmt.xml:
             return XmlToolCallStreamer(tool_schemas(self.tools), self.max_calls)
         if fmt.array:
-            return MistralToolCallStreamer(self.max_calls, fmt)
+            return ArrayToolCallStreamer(self.max_calls, fmt)
         return ToolCallStreamer(fmt, self.max_calls)
 
     def _call_tag(self, fmt: ToolCallFormat, name: str) -> Dict[str, Any]:

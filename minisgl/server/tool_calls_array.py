@@ -92,7 +92,7 @@ class _Args:
             self.depth -= 1
 
 
-class MistralToolCallStreamer(StreamerBase[_Call]):
+class ArrayToolCallStreamer(StreamerBase[_Call]):
     """One choice's output, delta by delta, split into content and calls of array format `fmt`
     (`mistral` by default); the interface and guarantees of `tool_calls.ToolCallStreamer`.
     With `max_calls`, the calls after the first `max_calls` are dropped
@@ -287,11 +287,11 @@ class MistralToolCallStreamer(StreamerBase[_Call]):
             self._send_arguments(self._announced - 1, arguments)
 
 
-def parse_mistral_tool_calls(text: str, max_calls: Optional[int] = None,
+def parse_array_tool_calls(text: str, max_calls: Optional[int] = None,
                              fmt: ToolCallFormat = MISTRAL) -> Parsed:
     """The content and calls of a whole output in array format `fmt` (see the module's
     contract)."""
-    streamer = MistralToolCallStreamer(max_calls, fmt)
+    streamer = ArrayToolCallStreamer(max_calls, fmt)
     streamer.feed(text)
     streamer.finish()
     return streamer.parsed()

@@ -1,4 +1,4 @@
-"""The `mistral` tool-call format without a model (server/tool_calls_mistral.py): hand-written
+"""The `mistral` tool-call format without a model (server/tool_calls_array.py): hand-written
 Mistral outputs, with the `[TOOL_CALLS]` marker and without it (a detokenizer that skips special
 tokens drops it), parsed whole and streamed in pieces of every size (joined equal to the whole);
 the v11 form; cut-off and malformed calls; `max_calls`; content with brackets passed through;
@@ -17,7 +17,7 @@ import pytest
 from minisgl.core import SamplingParams
 from minisgl.server.protocol import ChatRequest, Job, Prompt, chat_job
 from minisgl.server.tool_calls import FORMATS, TOOL_CALL_PARSERS, default_tool_call_parser
-from minisgl.server.tool_calls_mistral import MistralToolCallStreamer, parse_mistral_tool_calls
+from minisgl.server.tool_calls_array import ArrayToolCallStreamer, parse_array_tool_calls
 from minisgl.server.tools import parse_tools
 from tool_call_checks import (Streamed, chat_plain, check_chats_alike_cut_off, check_cut_offs,
                               check_splits, stream_in_pieces)
@@ -84,13 +84,13 @@ MALFORMED: List[Tuple[str, Optional[str], List[Tuple[str, str]]]] = [
 
 def _stream(text: str, step: int, max_calls: Optional[int] = None) -> Streamed:
     """The output fed `step` characters at a time (tool_call_checks.stream_in_pieces)."""
-    return stream_in_pieces(MistralToolCallStreamer(max_calls), text, step, _ID.fullmatch)
+    return stream_in_pieces(ArrayToolCallStreamer(max_calls), text, step, _ID.fullmatch)
 
 
 @pytest.mark.parametrize("text,content,calls", CASES + MALFORMED)
 def test_every_split_gives_the_whole_outputs_calls_and_content(
         text: str, content: Optional[str], calls: List[Tuple[str, str]]) -> None:
-    check_splits(parse_mistral_tool_calls(text), _stream, text, content, calls,
+    check_splits(parse_array_tool_calls(text), _stream, text, content, calls,
                  range(1, len(text) + 1))
 
 
@@ -98,11 +98,11 @@ def test_every_split_gives_the_whole_outputs_calls_and_content(
 def test_cut_offs_anywhere_split_alike(text: str) -> None:
     """The output cut off anywhere parses the same streamed (in pieces of 1 and 4) as whole;
     a finished call's arguments parse."""
-    check_cut_offs(parse_mistral_tool_calls, _stream, text, (1, 4))
+    check_cut_offs(parse_array_tool_calls, _stream, text, (1, 4))
 
 
 def test_a_call_is_announced_when_its_name_is_read() -> None:
-    streamer = MistralToolCallStreamer()
+    streamer = ArrayToolCallStreamer()
     assert streamer.feed('[TOOL_CALLS] [{"name": "no').calls == []
     piece = streamer.feed('w", ')
     assert [(d.index, d.name, d.arguments) for d in piece.calls] == [(0, "now", "")]
@@ -112,11 +112,11 @@ def test_a_call_is_announced_when_its_name_is_read() -> None:
 
 
 def test_content_with_brackets_is_not_held_back() -> None:
-    streamer = MistralToolCallStreamer()
+    streamer = ArrayToolCallStreamer()
     assert streamer.feed("Steps: [1] open").content == "Steps: [1] open"
     assert streamer.feed(" [").content == " "  # "[" may open [TOOL_CALLS]
     assert streamer.feed("2] go").content == "[2] go"
-    start = MistralToolCallStreamer()
+    start = ArrayToolCallStreamer()
     assert start.feed("[").content == ""  # may open a bare array of calls
     assert start.feed("[x]").content == "[[x]"
 
@@ -125,9 +125,9 @@ def test_content_with_brackets_is_not_held_back() -> None:
     f"[TOOL_CALLS] [{PARIS}, {NESTED}, {PARIS}]",
     '[TOOL_CALLS]now[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{"city": "R"}[TOOL_CALLS]now[ARGS]{}'])
 def test_max_calls_keeps_only_the_first_call(text: str) -> None:
-    whole = parse_mistral_tool_calls(text, max_calls=1)
+    whole = parse_array_tool_calls(text, max_calls=1)
     assert len(whole.calls) == 1 and whole.content is None
-    assert whole.calls[0] == parse_mistral_tool_calls(text).calls[0]
+    assert whole.calls[0] == parse_array_tool_calls(text).calls[0]
     for step in (1, 3, len(text)):
         assert _stream(text, step, 1)[:2] == (None, [tuple(whole.calls[0])])
 
@@ -193,7 +193,7 @@ def test_required_calls_are_enforced_as_the_template_writes_them() -> None:
             '[TOOL_CALLS] [{"name": "now", "arguments": {}}, {"name": "now", "arguments": {}}]']
     for text in good:
         assert _accepts(xgr, grammar, eos, text), text
-        parsed = parse_mistral_tool_calls(text)
+        parsed = parse_array_tool_calls(text)
         assert parsed.calls and parsed.content is None
     for bad in ("Sure. " + good[0], f"[{PARIS}]", "[TOOL_CALLS] []",
                 '[TOOL_CALLS] [{"name": "sub", "arguments": {}}]',
@@ -311,7 +311,7 @@ def test_granite_and_phi4_mini_calls_read_streamed_and_whole(name: str, marker: 
     fmt = FORMATS[name]
 
     def stream(text: str, step: int, max_calls: Optional[int] = None) -> Streamed:
-        return stream_in_pieces(MistralToolCallStreamer(max_calls, fmt), text, step,
+        return stream_in_pieces(ArrayToolCallStreamer(max_calls, fmt), text, step,
                                 lambda i: i.startswith("call_"))
 
     cases = [(f"{marker}[{PARIS}, {NESTED}]", None,
@@ -323,7 +323,7 @@ def test_granite_and_phi4_mini_calls_read_streamed_and_whole(name: str, marker: 
              (f'{marker}now[ARGS]{{}}', f'{marker}now[ARGS]{{}}', []),
              ("[TOOL_CALLS] [1]", "[TOOL_CALLS] [1]", [])]
     for text, content, calls in cases:
-        check_splits(parse_mistral_tool_calls(text, None, fmt), stream, text, content, calls,
+        check_splits(parse_array_tool_calls(text, None, fmt), stream, text, content, calls,
                      range(1, len(text) + 1))
 
 
@@ -374,6 +374,6 @@ def test_v11_templates_enforce_calls_as_v11_models_write_them() -> None:
             structured.spec)
         for text in good:
             assert _accepts(xgr, grammar, len(vocab) - 1, text), text
-            assert parse_mistral_tool_calls(text, None, fmt).calls
+            assert parse_array_tool_calls(text, None, fmt).calls
         for text in bad:
             assert not _accepts(xgr, grammar, len(vocab) - 1, text), text
