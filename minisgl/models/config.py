@@ -401,12 +401,15 @@ def _layer_windows(cfg: Dict[str, Any], arch: str) -> Tuple[int, ...]:
     return tuple(int(window) if s else 0 for s in slides) if any(slides) else ()
 
 
-def _text_decoder(cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """A multimodal checkpoint's config.json as its text decoder's (`text_config` over the
-    top level, which keeps the quantization config, an explicit eos and whether the LM head
-    is the embeddings: transformers ties the whole model's by its top-level flag)."""
+def _text_decoder(cfg: Dict[str, Any],
+                  kept: Tuple[str, ...] = ("eos_token_id", "quantization_config",
+                                           "tie_word_embeddings")) -> Dict[str, Any]:
+    """A multimodal checkpoint's config.json as its text decoder's: `text_config` over the
+    top level, whose `kept` keys win (by default its quantization config, an explicit eos,
+    and whether the LM head is the embeddings: transformers ties the whole model's by its
+    top-level flag)."""
     text = {**cfg, **(cfg.get("text_config") or {})}
-    for key in ("eos_token_id", "quantization_config", "tie_word_embeddings"):
+    for key in kept:
         if key in cfg:
             text[key] = cfg[key]
     return text
@@ -444,9 +447,8 @@ def _gemma(cfg: Dict[str, Any], arch: str) -> Dict[str, Any]:
     ones' (`rope_local_base_freq`) are read from transformers 5's per-layer-type
     `rope_parameters` where given; Gemma 2's one rope is every layer's. Bidirectional
     attention is refused."""
-    text = {**cfg, **(cfg.get("text_config") or {})}
-    if "eos_token_id" in cfg:  # a multimodal checkpoint's own, not its decoder config's default
-        text["eos_token_id"] = cfg["eos_token_id"]
+    # a multimodal checkpoint's own eos, not its decoder config's default
+    text = _text_decoder(cfg, ("eos_token_id",))
     if text.get("use_bidirectional_attention"):
         raise ValueError("unsupported use_bidirectional_attention: minisgl's attention is "
                          "causal")
