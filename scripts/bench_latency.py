@@ -46,7 +46,7 @@ from minisgl.engine import Engine, EngineConfig
 from minisgl.grammar import GrammarCache, TokenizerSource
 from minisgl.grammar.matcher import RequestGrammar, fill_bitmask
 from minisgl.layers import blas
-from minisgl.layers.moe import Experts
+from minisgl.layers.experts import Experts
 from minisgl.models.default_model import default_model_path
 from minisgl.tokenizer.text import has_tokenizer
 from minisgl.scheduler.decode import DecodeManager

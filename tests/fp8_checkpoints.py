@@ -12,7 +12,7 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from safetensors import safe_open
@@ -20,9 +20,10 @@ from safetensors.torch import save_file
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-# (Phi-3's checkpoints fuse q/k/v into qkv_proj and gate/up into gate_up_proj.)
+# (Phi-3's checkpoints fuse q/k/v into qkv_proj and gate/up into gate_up_proj; Mixtral's
+# experts name gate, down and up w1, w2, w3.)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-               "qkv_proj", "gate_up_proj")
+               "qkv_proj", "gate_up_proj", "w1", "w2", "w3")
 
 
 class Group(NamedTuple):
@@ -161,3 +162,18 @@ def write_config(out: Path, dense: Path, quantization: Optional[Dict[str, object
     for name in files:
         shutil.copy(dense / name, out / name)
     return out
+
+
+def cached_writer(source: Callable[[str], Tuple[Path, Fp8Format]], out: Callable[[str], Path]
+                  ) -> Callable[[str], Written]:
+    """name -> the FP8 checkpoint (and twin) of `source(name)`'s dense checkpoint and format,
+    written once under `out(name)` (a module fixture's cache)."""
+    cache: Dict[str, Written] = {}
+
+    def make(name: str) -> Written:
+        if name not in cache:
+            dense, fmt = source(name)
+            cache[name] = write_fp8(dense, out(name), fmt)
+        return cache[name]
+
+    return make

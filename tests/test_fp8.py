@@ -8,12 +8,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Callable, Dict
+from typing import Callable, Dict, Tuple
 
 import pytest
 import torch
 
-from fp8_checkpoints import Fp8Format, Group, Written, write_config, write_fp8
+from fp8_checkpoints import Fp8Format, Group, Written, cached_writer, write_config, write_fp8
 from hf_reference import hf_greedy, mixed_prompts
 from minisgl import LLM, SamplingParams
 from minisgl.distributed import Communicator, DistributedInfo
@@ -52,17 +52,12 @@ FORMATS: Dict[str, Fp8Format] = {
 @pytest.fixture(scope="module")
 def written(tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
             ) -> Callable[[str], Written]:
-    cache: Dict[str, Written] = {}
+    def source(name: str) -> Tuple[Path, Fp8Format]:
+        fmt = FORMATS[name]
+        block = fmt.groups[0].weights == "block"
+        return (tiny_model("qwen3", **BLOCK_SHAPE) if block else tiny_model("qwen3")), fmt
 
-    def make(name: str) -> Written:
-        if name not in cache:
-            fmt = FORMATS[name]
-            block = fmt.groups[0].weights == "block"
-            dense = tiny_model("qwen3", **BLOCK_SHAPE) if block else tiny_model("qwen3")
-            cache[name] = write_fp8(dense, tmp_path_factory.mktemp(name), fmt)
-        return cache[name]
-
-    return make
+    return cached_writer(source, tmp_path_factory.mktemp)
 
 
 def _generate(path: Path, tp: int, prompts: list) -> list:

@@ -23,7 +23,8 @@ if not torch.cuda.is_available():
 from hf_reference import hf_greedy, mixed_prompts  # noqa: E402
 from minisgl import LLM, SamplingParams  # noqa: E402
 from minisgl.distributed import Communicator, DistributedInfo  # noqa: E402
-from minisgl.layers.moe import expert_param, experts_torch, route  # noqa: E402
+from minisgl.layers.experts import expert_param  # noqa: E402
+from minisgl.layers.moe import experts_torch, route  # noqa: E402
 from minisgl.models import ModelConfig, model_class  # noqa: E402
 from minisgl.models.weights import iter_checkpoint  # noqa: E402
 
@@ -140,6 +141,11 @@ def test_expert_checkpoint_names() -> None:
         "model.layers.3.mlp.experts", "w13", 15)
     assert target("model.layers.3.mlp.experts.7.down_proj.weight") == (
         "model.layers.3.mlp.experts", "w2", 7)
+    assert target("model.layers.3.mlp.experts.7.up_proj.weight_scale") == (
+        "model.layers.3.mlp.experts", "w13_weight_scale", 15)
+    assert target("model.layers.3.mlp.experts.7.down_proj.input_scale") == (
+        "model.layers.3.mlp.experts", "w2_input_scale", 7)
+    assert target("model.layers.3.mlp.experts.7.down_proj.bias") is None
     assert target("model.layers.3.mlp.gate_proj.weight") is None
     assert target("model.layers.3.mlp.shared_expert.gate_proj.weight") is None
 

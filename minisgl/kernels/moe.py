@@ -16,6 +16,11 @@ One MoE layer on M token rows with top-k routing over E experts runs:
    one expert's rows (programs past the padded length return at once).
 4. the sum over the k choices of each row.
 
+FP8 experts (`ExpertScales`) run W8A8 as the dense FP8 projections do (kernels/fp8.py): each
+GEMM's input is quantized first, per token (or by the checkpoint's static scale), or per 1 x Bk
+group where the weights are scaled per Bn x Bk block; the products are taken in FP8 and the
+scales applied in float32, per K tile with blocks (the K tile is then Bk) or once at the end.
+
 Within an expert's run the pairs' order follows the atomics and may vary between runs; every
 output row is computed on its own, so the results do not. They sum in float32 and round once
 per GEMM, so they equal the torch path (layers/moe.py) up to rounding. This module imports
@@ -24,7 +29,7 @@ triton: only GPU paths (and the CPU interpreter tests) import it.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 import triton
@@ -32,7 +37,8 @@ import triton.language as tl
 
 from minisgl.kernels.activation import silu_mul_f32
 from minisgl.kernels.dot import dot, f32_dot
-from minisgl.kernels.types import GemmTiles, MoETiles
+from minisgl.kernels.fp8 import Quantized, quantize_groups, quantize_tokens
+from minisgl.kernels.types import FP8, ExpertScales, GemmTiles, MoETiles
 
 _COUNT_BLOCK = 1024  # pairs per program of the count and scatter kernels
 _OFFSETS_CHUNK = 128  # blocks (and sentinel stores / 8) per step of the one offsets program
@@ -210,14 +216,21 @@ def align(routing: Routing, block_m: int) -> Aligned:
 
 @triton.jit
 def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ptr, expert_ids_ptr,
-                         total_ptr, pairs, n, k, stride_am, stride_we, stride_wn, stride_cm,
+                         total_ptr, as_ptr, ws_ptr, pairs, n, k, stride_am, stride_we,
+                         stride_wn, stride_cm, stride_as, stride_se, stride_sn, up_rows,
                          A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
-                         MUL_WEIGHT: tl.constexpr, F32_DOT: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr):
+                         MUL_WEIGHT: tl.constexpr, F32_DOT: tl.constexpr, SCALES: tl.constexpr,
+                         GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """c[pair, :n] = a[pair // A_ROW_DIV] W[expert]^T for one block of one expert's pairs:
     with GATED, W's rows [0, n) are the gate and [n, 2n) the up projection, and c is
-    silu(gate) * up; with MUL_WEIGHT, c is scaled by the pair's routing weight."""
+    silu(gate) * up; with MUL_WEIGHT, c is scaled by the pair's routing weight.
+
+    SCALES 0: a and W in the compute dtype. 1: FP8, a scaled per row (as[row]) and W per
+    output row (ws[expert, r]), applied once after the sum over K. 2: FP8 in blocks, a scaled
+    per row and K tile (as[row, kt]) and W per GROUP_N rows and K tile (ws[expert, r //
+    GROUP_N, kt]; BLOCK_K is the block's width), applied to each tile's product. The up
+    projection's scales start `up_rows` scale rows after the gate's."""
     pid = tl.program_id(0)
     blocks_m = tl.num_programs(0) // tl.cdiv(n, BLOCK_N)
     blocks_n = tl.cdiv(n, BLOCK_N)
@@ -231,28 +244,48 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ptr, expert_id
     pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     live = pair < pairs
     pair = pair.to(tl.int64)
+    a_rows = pair // A_ROW_DIV
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
     red = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + (pair // A_ROW_DIV)[:, None] * stride_am + red[None, :]
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + red[None, :]
     w_ptrs = w_ptr + expert * stride_we + cols.to(tl.int64)[None, :] * stride_wn + red[:, None]
+    s_gate = ws_ptr + expert * stride_se + (cols // GROUP_N).to(tl.int64) * stride_sn
+    s_up = s_gate + up_rows * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
         in_k = red < k - k0
         a = tl.load(a_ptrs, mask=live[:, None] & in_k[None, :], other=0.0)
-        w_mask = in_k[:, None] & (cols < n)[None, :]
-        acc += dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), F32_DOT)
-        if GATED:
-            acc_up += dot(a, tl.load(w_ptrs + n * stride_wn, mask=w_mask, other=0.0), F32_DOT)
+        w_mask = in_k[:, None] & col_ok[None, :]
+        if SCALES == 2:
+            kt = k0 // BLOCK_K
+            a_s = tl.load(as_ptr + a_rows * stride_as + kt, mask=live, other=0.0)[:, None]
+            w_s = tl.load(s_gate + kt, mask=col_ok, other=0.0)[None, :]
+            acc += dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), F32_DOT) * a_s * w_s
+            if GATED:
+                w_s = tl.load(s_up + kt, mask=col_ok, other=0.0)[None, :]
+                acc_up += dot(a, tl.load(w_ptrs + n * stride_wn, mask=w_mask, other=0.0),
+                              F32_DOT) * a_s * w_s
+        else:
+            acc += dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), F32_DOT)
+            if GATED:
+                acc_up += dot(a, tl.load(w_ptrs + n * stride_wn, mask=w_mask, other=0.0),
+                              F32_DOT)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if SCALES == 1:
+        a_s = tl.load(as_ptr + a_rows * stride_as, mask=live, other=0.0)[:, None]
+        acc *= a_s * tl.load(s_gate, mask=col_ok, other=0.0)[None, :]
+        if GATED:
+            acc_up *= a_s * tl.load(s_up, mask=col_ok, other=0.0)[None, :]
     if GATED:
         acc = silu_mul_f32(acc, acc_up)
     if MUL_WEIGHT:
         acc *= tl.load(weights_ptr + pair, mask=live, other=0.0)[:, None]
     tl.store(c_ptr + pair[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=live[:, None] & (cols < n)[None, :])
+             mask=live[:, None] & col_ok[None, :])
 
 
 def fit_shared_memory(tiles: GemmTiles, dtype: torch.dtype) -> GemmTiles:
@@ -266,48 +299,110 @@ def fit_shared_memory(tiles: GemmTiles, dtype: torch.dtype) -> GemmTiles:
                           num_stages=min(tiles.num_stages, 2))
 
 
-def grouped_gemm(a: torch.Tensor, w: torch.Tensor, aligned: Aligned, pairs: int, a_row_div: int,
-                 tiles: GemmTiles, gated: bool, weights: Optional[torch.Tensor] = None
-                 ) -> torch.Tensor:
+class WeightScales(NamedTuple):
+    """An FP8 grouped GEMM's weight scales: [E, N] per output row, or [E, ceil(N / Bn),
+    ceil(K / Bk)] per `block` (Bn, Bk); for a gated GEMM [E, 2, ...], the gate's then the
+    up projection's."""
+
+    scales: torch.Tensor
+    block: Optional[Tuple[int, int]]
+
+
+def _scale_operands(w_scales: WeightScales, gated: bool, e: int, n: int, k: int
+                    ) -> Tuple[torch.Tensor, int]:
+    """The weight scales as [E, rows, ...] (gated: gate's rows, then up's) and where up's
+    rows start; ValueError naming the shapes where they do not fit the weight."""
+    s, block = w_scales
+    per = (n,) if block is None else (triton.cdiv(n, block[0]), triton.cdiv(k, block[1]))
+    want = (e, 2, *per) if gated else (e, *per)
+    if tuple(s.shape) != want or not s.is_contiguous():
+        raise ValueError(f"FP8 expert weights [{e}, {'2 x ' if gated else ''}{n}, {k}] with "
+                         f"{'block ' + str(block) if block else 'per-row'} scales want dense "
+                         f"scales {want}, got {tuple(s.shape)} (strides {s.stride()})")
+    return (s.flatten(1, 2) if gated else s), per[0]
+
+
+def grouped_gemm(a: Union[torch.Tensor, Quantized], w: torch.Tensor, aligned: Aligned,
+                 pairs: int, a_row_div: int, tiles: GemmTiles, gated: bool,
+                 weights: Optional[torch.Tensor] = None,
+                 w_scales: Optional[WeightScales] = None,
+                 out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """[pairs, n]: row p is a[p // a_row_div] times the weights w[expert of p] [E, n or 2n, K]
-    (gated: silu(gate) * up with n = w.shape[1] // 2), times weights[p] where given."""
+    (gated: silu(gate) * up with n = w.shape[1] // 2), times weights[p] where given.
+    FP8 weights take `w_scales` and `a` quantized (kernels/fp8.py: per row, or per 1 x Bk
+    group with block scales); the output is `out_dtype` (default: a's dtype)."""
     n = w.shape[1] // 2 if gated else w.shape[1]
-    k = w.shape[2]
-    if a.stride(-1) != 1 or w.stride(-1) != 1:
-        raise ValueError(f"grouped_gemm needs row-major operands, got strides {a.stride()} "
+    e, k = w.shape[0], w.shape[2]
+    values = a.values if isinstance(a, Quantized) else a
+    if values.stride(-1) != 1 or w.stride(-1) != 1:
+        raise ValueError(f"grouped_gemm needs row-major operands, got strides {values.stride()} "
                          f"and {w.stride()}")
-    out = torch.empty((pairs, n), dtype=a.dtype, device=a.device)
+    if (w_scales is None) != (w.dtype != FP8) or isinstance(a, Quantized) != (w.dtype == FP8):
+        raise ValueError(f"grouped_gemm multiplies FP8 weights (with their scales) by quantized "
+                         f"activations, or neither; got {w.dtype} weights, scales "
+                         f"{'given' if w_scales else 'none'}, activations "
+                         f"{'quantized' if isinstance(a, Quantized) else values.dtype}")
+    out = torch.empty((pairs, n), dtype=out_dtype or values.dtype, device=values.device)
     blocks = aligned.expert_ids.numel()
     if pairs == 0:
         return out
-    tiles = fit_shared_memory(tiles, a.dtype)
+    tiles = fit_shared_memory(tiles, values.dtype)
+    scales, up_rows, a_scales, mode, group_n = out, 0, out, 0, 1
+    if w_scales is not None and isinstance(a, Quantized):
+        scales, up_rows = _scale_operands(w_scales, gated, e, n, k)
+        a_scales = a.scales
+        mode = 1 if w_scales.block is None else 2
+        if w_scales.block is not None:
+            group_n = w_scales.block[0]
+            tiles = tiles._replace(block_k=w_scales.block[1])
     grid = (blocks * triton.cdiv(n, tiles.block_n),)
     _grouped_gemm_kernel[grid](
-        a, w, out, weights if weights is not None else out, aligned.sorted_ids,
-        aligned.expert_ids, aligned.total, pairs, n, k, a.stride(0), w.stride(0), w.stride(1),
-        out.stride(0), A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=weights is not None,
-        F32_DOT=f32_dot(a), BLOCK_M=aligned.block_m, BLOCK_N=tiles.block_n,
+        values, w, out, weights if weights is not None else out, aligned.sorted_ids,
+        aligned.expert_ids, aligned.total, a_scales, scales, pairs, n, k, values.stride(0),
+        w.stride(0), w.stride(1), out.stride(0), a_scales.stride(0), scales.stride(0),
+        scales.stride(1) if mode else 0, up_rows, A_ROW_DIV=a_row_div, GATED=gated,
+        MUL_WEIGHT=weights is not None, F32_DOT=f32_dot(values), SCALES=mode,
+        GROUP_N=group_n, BLOCK_M=aligned.block_m, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     return out
 
 
+def _quantize(x: torch.Tensor, block: Optional[Tuple[int, int]],
+              static: Optional[torch.Tensor]) -> Quantized:
+    """A grouped GEMM's FP8 input: per 1 x Bk group for block scales, else per row (or by the
+    static scale)."""
+    x = x.contiguous()
+    return quantize_groups(x, block[1]) if block is not None else quantize_tokens(x, static)
+
+
 def fused_experts(x: torch.Tensor, routing: Routing, w13: torch.Tensor, w2: torch.Tensor,
-                  tiles: Optional[MoETiles] = None) -> torch.Tensor:
+                  tiles: Optional[MoETiles] = None,
+                  scales: Optional[ExpertScales] = None) -> torch.Tensor:
     """sum over j of weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, j]:
-    x [M, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I] -> [M, H] in x's dtype."""
+    x [M, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I] -> [M, H] in x's dtype.
+    FP8 experts take their `scales`; each GEMM's input is then quantized (W8A8)."""
     m, top_k = routing.ids.shape
     tiles = tiles or moe_tiles(m, top_k, w13.shape[0])
     aligned = align(routing, tiles.block_m)
     pairs = m * top_k
-    act = grouped_gemm(x, w13, aligned, pairs, top_k, tiles.gate_up, gated=True)
-    out = grouped_gemm(act, w2, aligned, pairs, 1, tiles.down, gated=False,
-                       weights=routing.weights)
+    if scales is None:
+        act = grouped_gemm(x, w13, aligned, pairs, top_k, tiles.gate_up, gated=True)
+        out = grouped_gemm(act, w2, aligned, pairs, 1, tiles.down, gated=False,
+                           weights=routing.weights)
+        return out.view(m, top_k, -1).sum(dim=1)
+    act = grouped_gemm(_quantize(x, scales.block, scales.w13_input), w13, aligned, pairs,
+                       top_k, tiles.gate_up, gated=True,
+                       w_scales=WeightScales(scales.w13, scales.block), out_dtype=x.dtype)
+    out = grouped_gemm(_quantize(act, scales.block, scales.w2_input), w2, aligned, pairs, 1,
+                       tiles.down, gated=False, weights=routing.weights,
+                       w_scales=WeightScales(scales.w2, scales.block), out_dtype=x.dtype)
     return out.view(m, top_k, -1).sum(dim=1)
 
 
 def fused_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              top_k: int, renormalize: bool, tiles: Optional[MoETiles] = None) -> torch.Tensor:
+              top_k: int, renormalize: bool, tiles: Optional[MoETiles] = None,
+              scales: Optional[ExpertScales] = None) -> torch.Tensor:
     """The MoE layer's experts on x [M, H] with router logits [M, E]: `route` then
     `fused_experts`."""
-    return fused_experts(x, route(logits, top_k, renormalize), w13, w2, tiles)
+    return fused_experts(x, route(logits, top_k, renormalize), w13, w2, tiles, scales)

@@ -1,6 +1,6 @@
 """The small types the kernels share with their callers: where a layer's new K/V go, what a norm
 with a residual add returns, what the fused QKV kernel needs besides the projection, the
-attention and MoE kernels' tilings and the fused all-reduce's view of its peers' buffers.
+attention and MoE kernels' tilings, FP8 experts' scales and the fused all-reduce's view of its peers' buffers.
 
 They live here, below every caller, so that no import runs upward; this module imports torch
 only, so layers, attention and distributed import it at the top (the kernel modules themselves
@@ -9,7 +9,7 @@ import triton, and only GPU paths import them).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -107,6 +107,22 @@ class MoETiles(NamedTuple):
     block_m: int
     gate_up: GemmTiles
     down: GemmTiles
+
+
+class ExpertScales(NamedTuple):
+    """What FP8 experts' weights are multiplied by (w = fp8 * scale, broadcast) and how their
+    inputs are quantized (layers/experts.Experts lays them out; kernels/moe.py reads them).
+
+    `block` None: per output row, w13 [E, 2, I] (gate's rows, then up's) and w2 [E, H]; the
+    inputs per token, or by the static per-tensor `w13_input` / `w2_input` [1]. `block` (Bn,
+    Bk): w13 [E, 2, ceil(I / Bn), ceil(H / Bk)], w2 [E, ceil(H / Bn), ceil(I / Bk)]; the inputs
+    per 1 x Bk group."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    block: Optional[Tuple[int, int]] = None
+    w13_input: Optional[torch.Tensor] = None
+    w2_input: Optional[torch.Tensor] = None
 
 
 class PeerBuffers(NamedTuple):

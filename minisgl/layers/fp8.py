@@ -274,14 +274,26 @@ class Fp8Layer(Protocol):
     weight_scale: torch.Tensor
     input_scale: torch.Tensor
 
+
+class Fp8Module(Protocol):
+    """A module holding FP8 weights while `fp8` is a spec: the linear layers (one weight and its
+    scales, as here) and the MoE experts (layers/experts.py, their own layout); each fills and
+    dequantizes its own tensors."""
+
+    fp8: Optional[Fp8Spec]
+
     def named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]: ...
 
+    def fill_fp8_random(self, gen: torch.Generator, std: float) -> None: ...
 
-def fp8_layers(model: nn.Module) -> Iterator[Tuple[str, Fp8Layer]]:
-    """(name, module) of every linear layer holding FP8 weights."""
+    def dequantize_fp8(self) -> None: ...
+
+
+def fp8_layers(model: nn.Module) -> Iterator[Tuple[str, Fp8Module]]:
+    """(name, module) of every module holding FP8 weights."""
     for name, module in model.named_modules():
         if isinstance(getattr(module, "fp8", None), Fp8Spec):
-            yield name, cast(Fp8Layer, module)
+            yield name, cast(Fp8Module, module)
 
 
 def _spec(module: Fp8Layer) -> Fp8Spec:
@@ -299,8 +311,8 @@ def _unit(w: Fp8Weight) -> torch.Tensor:
 
 @torch.no_grad()
 def fill_random(module: Fp8Layer, gen: torch.Generator, std: float) -> None:
-    """Random FP8 weights (normal, `std`, quantized as the spec's scales are laid out) and, for
-    static activations, an activation scale that holds values up to 8."""
+    """A linear layer's random FP8 weights (normal, `std`, quantized as the spec's scales are
+    laid out) and, for static activations, an activation scale that holds values up to 8."""
     spec = _spec(module)
     w = torch.empty(module.weight.shape, dtype=torch.float32, device=module.weight.device)
     w.normal_(0.0, std, generator=gen)
@@ -312,24 +324,31 @@ def fill_random(module: Fp8Layer, gen: torch.Generator, std: float) -> None:
 
 
 @torch.no_grad()
+def dequantize_layer(module: Fp8Layer) -> None:
+    """A weight-only linear layer dequantized to its compute dtype: a plain dense layer from
+    then on (its spec None); any other layer is left as it is."""
+    spec = _spec(module)
+    if not spec.weight_only:
+        return
+    dense = dequantize(module.weight.data, module.weight_scale.data, spec.block, spec.dtype)
+    del module.weight_scale
+    if spec.static_input:
+        del module.input_scale
+    module.weight = _param(dense)
+    module.fp8 = None
+
+
+@torch.no_grad()
 def finish_loading(model: nn.Module) -> None:
-    """After every weight is in: the weight-only layers dequantized to their compute dtype (and
-    plain dense layers from then on); the others stay FP8. On CUDA the quantization's
+    """After every weight is in: the weight-only modules dequantized to their compute dtype (and
+    plain dense ones from then on); the others stay FP8. On CUDA the quantization's
     temporaries go back to the driver, so the KV pool sizes itself from the memory truly free
     (torch.cuda.mem_get_info counts the allocator's cached blocks as used)."""
     layers = list(fp8_layers(model))
-    if any(m.weight.is_cuda for _, m in layers):
+    if any(p.is_cuda for _, m in layers for _, p in m.named_parameters()):
         torch.cuda.empty_cache()
     for _, module in layers:
-        spec = _spec(module)
-        if not spec.weight_only:
-            continue
-        dense = dequantize(module.weight.data, module.weight_scale.data, spec.block, spec.dtype)
-        del module.weight_scale
-        if spec.static_input:
-            del module.input_scale
-        module.weight = _param(dense)
-        module.fp8 = None
+        module.dequantize_fp8()
 
 
 def linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor]) -> torch.Tensor:

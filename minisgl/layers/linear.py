@@ -115,6 +115,16 @@ class _Fp8Layer(nn.Module):
         else:
             fp8_weights.make_params(self, self.fp8, out_features, in_features)
 
+    def fill_fp8_random(self, gen: torch.Generator, std: float) -> None:
+        """Random FP8 weights (layers/fp8.fill_random); dense layers are not touched."""
+        if self.fp8 is not None:
+            fp8_weights.fill_random(self, gen, std)
+
+    def dequantize_fp8(self) -> None:
+        """Weight-only FP8 weights made dense (layers/fp8.dequantize_layer)."""
+        if self.fp8 is not None:
+            fp8_weights.dequantize_layer(self)
+
     def quantized(self) -> Optional[Fp8Weight]:
         """The FP8 weight and scales `project` multiplies by; None for dense weights."""
         if self.fp8 is None:

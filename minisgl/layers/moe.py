@@ -9,14 +9,15 @@ them: its output is a partial sum, and one all-reduce per layer (the ResidualStr
 with the next residual add and RMSNorm where the communicator can) completes it. The shared
 expert's partial sum joins the same all-reduce.
 
-Experts run as the fused Triton kernels of kernels/moe.py on CUDA tensors with `policy.fused`,
-else as the torch path here, which is the reference (float32 on CPU: Hugging Face's loop over
-the experts that received tokens).
+Experts (layers/experts.py: their weights, FP8 or dense) run as the fused Triton kernels of
+kernels/moe.py on CUDA tensors with `policy.fused`, else as the torch path here, which is the
+reference (float32 on CPU: Hugging Face's loop over the experts that received tokens; FP8
+experts dequantized one at a time).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -26,16 +27,14 @@ from minisgl.distributed import Communicator, DistributedInfo
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kernels.types import Normed
 from minisgl.layers.activation import silu_and_mul
+from minisgl.layers.experts import Experts, ExpertsShape
+from minisgl.layers.fp8 import Fp8Spec
 from minisgl.layers.linear import (ColumnParallelLinear, ReplicatedLinear, ResidualStream,
                                    RowParallelLinear, all_reduce_norm, finish_norm_quantized)
 from minisgl.layers.norm import RMSNorm
-from minisgl.layers.source import TensorSource, copy_into
 
 if TYPE_CHECKING:  # kernels/fp8.py imports triton: only CUDA paths load it
     from minisgl.kernels.fp8 import Quantized
-
-# checkpoint name of an expert's projection -> (our parameter, its place in the expert's shards)
-_EXPERT_PROJ = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
 
 
 class MoEShape(NamedTuple):
@@ -65,6 +64,19 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> TopK:
     return TopK(weights, ids)
 
 
+# expert -> its (w13, w2) in the compute dtype
+ExpertWeights = Callable[[int], Tuple[torch.Tensor, torch.Tensor]]
+
+
+class MoEFp8(NamedTuple):
+    """The FP8 formats of a MoE layer's parts (None: dense): the routed experts, and the shared
+    expert's gate/up and down projections. The routers stay dense."""
+
+    experts: Optional[Fp8Spec] = None
+    shared_gate_up: Optional[Fp8Spec] = None
+    shared_down: Optional[Fp8Spec] = None
+
+
 def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     return F.linear(silu_and_mul(F.linear(x, w13)), w2)
 
@@ -72,61 +84,28 @@ def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tenso
 def experts_torch(x: torch.Tensor, topk: TopK, w13: torch.Tensor, w2: torch.Tensor
                   ) -> torch.Tensor:
     """sum over j of weights[t, j] * expert_{ids[t, j]}(x[t]) for x [T, H], w13 [E, 2I, H]
-    (gate rows, then up rows), w2 [E, H, I]. On the CPU only the experts that received tokens
-    run, on those tokens, accumulated expert by expert (as Hugging Face does); on CUDA every
-    expert runs on every token with the weight of the tokens that did not choose it zero, so
-    that no step waits for the device (decode CUDA graphs capture it)."""
+    (gate rows, then up rows), w2 [E, H, I]: `experts_torch_by` over these tensors."""
+    return experts_torch_by(x, topk, lambda e: (w13[e], w2[e]), w13.shape[0])
+
+
+def experts_torch_by(x: torch.Tensor, topk: TopK, weights_of: ExpertWeights,
+                     num_experts: int) -> torch.Tensor:
+    """The experts' weighted sum with each expert's weights from `weights_of` (FP8 experts
+    dequantize one expert at a time). On the CPU only the experts that received tokens run, on
+    those tokens, accumulated expert by expert (as Hugging Face does); on CUDA every expert runs
+    on every token with the weight of the tokens that did not choose it zero, so that no step
+    waits for the device (decode CUDA graphs capture it)."""
     out = torch.zeros_like(x)
     if x.is_cuda:
-        for e in range(w13.shape[0]):
+        for e in range(num_experts):
             weight = (topk.weights * (topk.ids == e)).sum(dim=-1, keepdim=True)
-            out += (_expert(x, w13[e], w2[e]).float() * weight).to(x.dtype)
+            out += (_expert(x, *weights_of(e)).float() * weight).to(x.dtype)
         return out
     for e in torch.unique(topk.ids).tolist():
         token, choice = torch.where(topk.ids == e)
-        y = _expert(x[token], w13[e], w2[e]).float() * topk.weights[token, choice, None]
+        y = _expert(x[token], *weights_of(e)).float() * topk.weights[token, choice, None]
         out.index_add_(0, token, y.to(x.dtype))
     return out
-
-
-class Experts(nn.Module):
-    """The routed experts' weights: this rank's slice of every expert's intermediate features,
-    w13 [E, 2 * I/tp, H] (gate rows, then up rows) and w2 [E, H, I/tp]."""
-
-    def __init__(self, shape: MoEShape, info: DistributedInfo) -> None:
-        super().__init__()
-        self.shard = info.shard(shape.intermediate, "expert intermediate features")
-        local = self.shard.size
-        self.w13 = nn.Parameter(torch.empty(shape.num_experts, 2 * local, shape.hidden),
-                                requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(shape.num_experts, shape.hidden, local),
-                               requires_grad=False)
-
-    def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
-        """`shard_id` as `expert_param` numbers it: 2 * expert + (0 gate, 1 up) for w13,
-        the expert for w2."""
-        s = self.shard
-        if param == "w13":
-            expert, half = divmod(shard_id, 2)
-            dst = self.w13.data[expert, half * s.size:(half + 1) * s.size]
-            copy_into(dst, src.read(0, s.start, s.stop), f"w13[{expert}][{half}]")
-        elif param == "w2":
-            copy_into(self.w2.data[shard_id], src.read(1, s.start, s.stop), f"w2[{shard_id}]")
-        else:
-            raise ValueError(f"experts have parameters w13 and w2, not {param!r}")
-
-
-def expert_param(path: List[str], param: str) -> Optional[Tuple[str, str, int]]:
-    """(module, parameter, shard) of a checkpoint tensor `path`.`param` of one expert,
-    `...experts.N.{gate_proj,up_proj,down_proj}.weight` (Hugging Face's per-expert names); None
-    for any other name."""
-    if len(path) < 3 or path[-3] != "experts" or not path[-2].isdigit():
-        return None
-    if path[-1] not in _EXPERT_PROJ or param != "weight":
-        return None
-    ours, half = _EXPERT_PROJ[path[-1]]
-    expert = int(path[-2])
-    return ".".join(path[:-2]), ours, 2 * expert + half if ours == "w13" else expert
 
 
 class SharedExpert(nn.Module):
@@ -134,12 +113,13 @@ class SharedExpert(nn.Module):
     rank's partial sum."""
 
     def __init__(self, hidden: int, intermediate: int, info: DistributedInfo,
-                 comm: Communicator, policy: KernelPolicy) -> None:
+                 comm: Communicator, policy: KernelPolicy, fp8: MoEFp8 = MoEFp8()) -> None:
         super().__init__()
         self.policy = policy
         self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], False,
-                                                 info, policy)
-        self.down_proj = RowParallelLinear(intermediate, hidden, False, info, comm, policy)
+                                                 info, policy, fp8=fp8.shared_gate_up)
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, info, comm, policy,
+                                           fp8=fp8.shared_down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.policy), reduce=False)
@@ -151,18 +131,19 @@ class SparseMoE(nn.Module):
     layer is its own reducer)."""
 
     def __init__(self, shape: MoEShape, info: DistributedInfo, comm: Communicator,
-                 policy: KernelPolicy = KernelPolicy()) -> None:
+                 policy: KernelPolicy = KernelPolicy(), fp8: MoEFp8 = MoEFp8()) -> None:
         super().__init__()
         self.shape = shape
         self.policy = policy
         self.comm = comm
         self.gate = ReplicatedLinear(shape.hidden, shape.num_experts, False)  # the router
-        self.experts = Experts(shape, info)
+        self.experts = Experts(ExpertsShape(shape.num_experts, shape.hidden, shape.intermediate),
+                               info, fp8.experts)
         self.shared_expert: Optional[SharedExpert] = None
         self.shared_expert_gate: Optional[ReplicatedLinear] = None
         if shape.shared_intermediate:
             self.shared_expert = SharedExpert(shape.hidden, shape.shared_intermediate, info,
-                                              comm, policy)
+                                              comm, policy, fp8)
             self.shared_expert_gate = ReplicatedLinear(shape.hidden, 1, False)
 
     def forward(self, stream: ResidualStream, norm: RMSNorm) -> ResidualStream:
@@ -172,13 +153,14 @@ class SparseMoE(nn.Module):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the block's output on x [T, H]."""
         logits = self.gate(x)
-        w13, w2 = self.experts.w13, self.experts.w2
+        experts = self.experts
         if self.policy.fused and x.is_cuda:
             from minisgl.kernels import moe
-            out = moe.fused_moe(x, logits, w13, w2, self.shape.top_k, self.shape.renormalize)
+            out = moe.fused_moe(x, logits, experts.w13, experts.w2, self.shape.top_k,
+                                self.shape.renormalize, scales=experts.scales())
         else:
-            out = experts_torch(x, route(logits, self.shape.top_k, self.shape.renormalize),
-                                w13, w2)
+            out = experts_torch_by(x, route(logits, self.shape.top_k, self.shape.renormalize),
+                                   experts.dense, self.shape.num_experts)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

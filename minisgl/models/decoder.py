@@ -43,7 +43,8 @@ from minisgl.layers.fp8 import SCALE_PARAMS, Fp8Spec, finish_loading
 from minisgl.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                    ResidualStream)
 from minisgl.layers.lora import LoraShape
-from minisgl.layers.moe import MoEShape, SparseMoE, expert_param
+from minisgl.layers.experts import expert_param
+from minisgl.layers.moe import MoEFp8, MoEShape, SparseMoE
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RopeIndex, RotaryEmbedding
 from minisgl.layers.source import RowsOf, TensorSource
@@ -61,6 +62,8 @@ class Traits(NamedTuple):
     quant: Optional[QuantPlan] = None
     # parts -> the one checkpoint layer holding them (CausalLM.checkpoint_fused, reversed)
     fused_names: Mapping[Tuple[str, ...], str] = MappingProxyType({})
+    # our module names -> the checkpoint's (CausalLM.checkpoint_renames, reversed)
+    checkpoint_names: Mapping[str, str] = MappingProxyType({})
     norm_offset: float = 0.0  # added to every RMSNorm's weight as it loads (Gemma: 1)
     embed_scale: Optional[float] = None  # the embeddings' factor (Gemma: sqrt(hidden_size))
     embed_scale_rounded: bool = True  # the factor rounded to the dtype first (Gemma; Granite not)
@@ -79,6 +82,23 @@ class Traits(NamedTuple):
             return None
         fused = self.fused_names.get(parts)
         return self.quant.spec_for(prefix, (fused,) if fused is not None else parts)
+
+    def moe_fp8(self, prefix: str) -> MoEFp8:
+        """The FP8 formats of MoE layer `prefix`'s parts, asked under the checkpoint's names
+        (Mixtral's block_sparse_moe.experts.N.w1): the routed experts have one format, that of
+        expert 0's projections, and ValueError where its gate/up and down differ."""
+        if self.quant is None:
+            return MoEFp8()
+        ours = f"{prefix}.experts.0".split(".")
+        theirs = ".".join(self.checkpoint_names.get(p, p) for p in ours)
+        gate, up, down = (self.checkpoint_names.get(p, p)
+                          for p in ("gate_proj", "up_proj", "down_proj"))
+        gate_up = self.quant.spec_for(theirs, (gate, up))
+        if gate_up != self.quant.spec_for(theirs, (down,)):
+            raise ValueError(f"{theirs}: the checkpoint quantizes the experts' {gate}/{up} and "
+                             f"{down} differently; FP8 experts take one format")
+        return MoEFp8(gate_up, self.fp8(f"{prefix}.shared_expert", "gate_proj", "up_proj"),
+                      self.fp8(f"{prefix}.shared_expert", "down_proj"))
 
 
 # checkpoint module name -> (our fused module, shard index)
@@ -261,7 +281,8 @@ class DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = norm() if traits.sandwich_norms else None
         self.post_feedforward_layernorm = norm() if traits.sandwich_norms else None
         self.mlp: Union[MLP, SparseMoE] = (
-            SparseMoE(moe_shape(cfg), info, comm, traits.policy) if cfg.is_sparse(layer)
+            SparseMoE(moe_shape(cfg), info, comm, traits.policy,
+                      traits.moe_fp8(f"model.layers.{layer}.mlp")) if cfg.is_sparse(layer)
             else MLP(cfg, info, comm, traits, f"model.layers.{layer}.mlp"))
 
     def forward(self, stream: ResidualStream, positions: torch.Tensor, batch: Batch,
@@ -380,15 +401,11 @@ class CausalLM(nn.Module):
                     else "FP8 weights (--quantization fp8 or an FP8 checkpoint)")
             raise ValueError(f"LoRA adapters apply to dense models with unquantized weights; "
                              f"this {cfg.architecture} has {what}")
-        if cfg.num_experts and quant is not None and quant.checkpoint is not None:
-            raise ValueError(f"FP8 checkpoints of mixture-of-experts models are not supported "
-                             f"({cfg.architecture}, {cfg.num_experts} experts): their experts "
-                             f"would need FP8 expert kernels; --quantization fp8 of a dense "
-                             f"checkpoint quantizes their attention and dense MLPs only")
         self.cfg = cfg
         fused_names = {parts: name for name, parts in self.checkpoint_fused.items()}
-        traits = self.traits(cfg)._replace(policy=policy, quant=quant, fused_names=fused_names,
-                                           lora=lora)
+        traits = self.traits(cfg)._replace(
+            policy=policy, quant=quant, fused_names=fused_names, lora=lora,
+            checkpoint_names={ours: theirs for theirs, ours in self.checkpoint_renames.items()})
         self.model = DecoderModel(cfg, traits,
                                   info, comm)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
@@ -433,10 +450,10 @@ class CausalLM(nn.Module):
                 continue
             module_name, param, shard = target
             module = self._module_for(name, module_name)
-            if param in SCALE_PARAMS and getattr(module, "fp8", None) is None:
+            if param.endswith(SCALE_PARAMS) and getattr(module, "fp8", None) is None:
                 raise ValueError(f"checkpoint tensor {name} is an FP8 scale, but minisgl keeps "
-                                 f"{module_name} unquantized (FP8 applies to the decoder's dense "
-                                 f"projections; quantization config: {self.cfg.quantization})")
+                                 f"{module_name} unquantized (FP8 applies to the decoder's projections "
+                                 f"and experts; quantization config: {self.cfg.quantization})")
             _check_has_tensor(name, module_name, module, param)
             try:
                 module.load(param, src, shard)  # type: ignore[operator]

@@ -2,9 +2,9 @@
 (models/checkpoint_quant.py) combined with the `quantization` setting and the device into one
 plan that the decoder asks per layer.
 
-Only the decoder's dense projections (QKV, O, gate/up, down) are FP8; embeddings, the LM head,
-routers and mixture-of-experts experts stay in the compute dtype (a checkpoint with FP8 tensors
-there is refused when it loads).
+The decoder's projections (QKV, O, gate/up, down) and mixture-of-experts experts (routed and
+shared) may be FP8; embeddings, the LM head and the routers stay in the compute dtype (a
+checkpoint with FP8 tensors there is refused when it loads).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Safetensors: every rank opens the files itself and reads only its slices (`get_slice`), one
 tensor at a time, so its peak memory is about its shard plus one slice. Dummy: random values
 drawn directly into this rank's (already sharded) parameters; FP8 layers get random weights
-quantized as their format lays out its scales (layers/fp8.fill_random).
+quantized as their format lays out its scales (their `fill_fp8_random`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from minisgl.layers.fp8 import fill_random, finish_loading, fp8_layers
+from minisgl.layers.fp8 import finish_loading, fp8_layers
 from minisgl.layers.source import TensorSource
 
 logger = logging.getLogger(__name__)
@@ -81,5 +81,5 @@ def init_dummy(model: nn.Module, seed: int) -> None:
         else:
             p.normal_(0.0, 0.02, generator=gen)
     for _, module in quantized:
-        fill_random(module, gen, 0.02)
+        module.fill_fp8_random(gen, 0.02)
     finish_loading(model)

@@ -1,0 +1,210 @@
+"""The routed experts' weights of a mixture-of-experts layer: their tensor-parallel slices,
+their checkpoint names, and FP8 experts' scales.
+
+Each rank holds a 1/tp slice of every expert's intermediate features: w13 [E, 2 * I/tp, H]
+(gate rows, then up rows, split by output rows as ColumnParallelLinear splits them) and w2
+[E, H, I/tp] (split by input columns as RowParallelLinear).
+
+With an `Fp8Spec` the weights are float8_e4m3fn and carry scales laid out for the fused kernels
+(kernels/types.ExpertScales): w13_weight_scale [E, 2, I/tp] per output row (gate's, then up's)
+or [E, 2, ceil(I/tp / Bn), ceil(H / Bk)] per block; w2_weight_scale [E, H] or [E, ceil(H / Bn),
+ceil(I/tp / Bk)]. A checkpoint's per-tensor scale is written to its tensor's rows. With static
+activations, w13_input_scale and w2_input_scale [1] hold the largest of the experts' scales (as
+vLLM takes them: one quantization of a token serves every expert it is routed to). Online
+quantization takes each slice per output row as it loads. Where the spec is weight-only (the
+CPU) `dequantize_fp8` turns them back into dense weights once loaded.
+"""
+
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional, Tuple
+
+import torch
+from torch import nn
+
+from minisgl.distributed import DistributedInfo, Shard
+from minisgl.kernels.types import FP8, ExpertScales
+from minisgl.layers import fp8
+from minisgl.layers.fp8 import Fp8Spec, Part
+from minisgl.layers.source import TensorSource, copy_into
+
+# checkpoint name of an expert's projection -> (our weight, its place in the expert's shards)
+_EXPERT_PROJ = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
+# checkpoint parameter of an expert's projection -> the suffix of ours (w13_weight_scale, ...)
+_EXPERT_PARAMS = {"weight": "", "weight_scale": "_weight_scale", "input_scale": "_input_scale"}
+
+
+class ExpertsShape(NamedTuple):
+    """The routed experts' whole sizes (the layer holds its rank's slice)."""
+
+    num_experts: int
+    hidden: int
+    intermediate: int  # of one expert
+
+
+def expert_param(path: List[str], param: str) -> Optional[Tuple[str, str, int]]:
+    """(module, parameter, shard) of a checkpoint tensor `path`.`param` of one expert,
+    `...experts.N.{gate_proj,up_proj,down_proj}.{weight,weight_scale,input_scale}` (Hugging
+    Face's per-expert names); None for any other name."""
+    if len(path) < 3 or path[-3] != "experts" or not path[-2].isdigit():
+        return None
+    if path[-1] not in _EXPERT_PROJ or param not in _EXPERT_PARAMS:
+        return None
+    ours, half = _EXPERT_PROJ[path[-1]]
+    expert = int(path[-2])
+    shard = 2 * expert + half if ours == "w13" else expert
+    return ".".join(path[:-2]), ours + _EXPERT_PARAMS[param], shard
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class Experts(nn.Module):
+    """This rank's slice of every routed expert (see the module's docstring for the layout).
+    `fp8`: FP8 weights in that format; None: dense (and after a weight-only `dequantize_fp8`).
+    ValueError naming the numbers where a tp split would cut the spec's blocks."""
+
+    w13_weight_scale: torch.Tensor
+    w2_weight_scale: torch.Tensor
+    w13_input_scale: torch.Tensor
+    w2_input_scale: torch.Tensor
+
+    def __init__(self, shape: ExpertsShape, info: DistributedInfo,
+                 fp8_spec: Optional[Fp8Spec] = None) -> None:
+        super().__init__()
+        e, h, i = shape
+        self.shard = info.shard(i, "expert intermediate features")
+        self.intermediate = i
+        self.fp8 = fp8_spec
+        local = self.shard.size
+        dtype = FP8 if fp8_spec is not None else None
+        self.w13 = _param(torch.empty(e, 2 * local, h, dtype=dtype))
+        self.w2 = _param(torch.empty(e, h, local, dtype=dtype))
+        if fp8_spec is not None:
+            self._make_scales(fp8_spec, shape, info.size)
+
+    def _make_scales(self, spec: Fp8Spec, shape: ExpertsShape, tp: int) -> None:
+        e, h, i = shape
+        local = self.shard.size
+        if spec.block is not None:
+            bk = spec.block[1]
+            if bk < 16 or bk & (bk - 1):
+                raise ValueError(f"FP8 experts in {spec.block[0]}x{bk} blocks: the fused "
+                                 f"kernels take K blocks of a power of two from 16, not {bk}")
+            fp8.check_block_split(spec, [Part(self.shard, 0, i)], Shard(0, h), h, tp,
+                                  "the experts' gate and up projections")
+            fp8.check_block_split(spec, [Part(Shard(0, h), 0, h)], self.shard, i, tp,
+                                  "the experts' down projection")
+        s13 = torch.ones(e, 2, *spec.scale_shape(local, h), dtype=torch.float32)
+        s2 = torch.ones(e, *spec.scale_shape(h, local), dtype=torch.float32)
+        for name, scale in (("w13_weight_scale", s13), ("w2_weight_scale", s2)):
+            if spec.online:
+                self.register_buffer(name, scale, persistent=False)
+            else:
+                setattr(self, name, _param(scale))
+        if spec.static_input:
+            self.w13_input_scale = _param(torch.zeros(1, dtype=torch.float32))
+            self.w2_input_scale = _param(torch.zeros(1, dtype=torch.float32))
+
+    def scales(self) -> Optional[ExpertScales]:
+        """What the fused kernels multiply FP8 weights by; None for dense weights."""
+        if self.fp8 is None:
+            return None
+        static = self.fp8.static_input
+        return ExpertScales(self.w13_weight_scale, self.w2_weight_scale, self.fp8.block,
+                            self.w13_input_scale if static else None,
+                            self.w2_input_scale if static else None)
+
+    def dense(self, expert: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Expert `expert`'s (w13, w2) in the compute dtype: the weights as they are, or FP8
+        ones dequantized (the torch path's FP8 experts, one expert at a time)."""
+        if self.fp8 is None:
+            return self.w13[expert], self.w2[expert]
+        w13 = self.w13[expert].view(2, -1, self.w13.shape[-1])
+        gate_up = [fp8.dequantize(w13[j], self.w13_weight_scale[expert, j], self.fp8.block,
+                                  self.fp8.dtype) for j in range(2)]
+        down = fp8.dequantize(self.w2[expert], self.w2_weight_scale[expert], self.fp8.block,
+                              self.fp8.dtype)
+        return torch.cat(gate_up), down
+
+    # --- loading ----------------------------------------------------------------------------
+    def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
+        """`shard_id` as `expert_param` numbers it: 2 * expert + (0 gate, 1 up) for w13's
+        tensors, the expert for w2's."""
+        expert, half = divmod(shard_id, 2) if param.startswith("w13") else (shard_id, 0)
+        what = f"{param}[{expert}]" + (f"[{half}]" if param.startswith("w13") else "")
+        s = self.shard
+        spec = self.fp8
+        if param in ("w13", "w2"):
+            rows = (self.w13.data[expert, half * s.size:(half + 1) * s.size] if param == "w13"
+                    else self.w2.data[expert])
+            part = src.read(0, s.start, s.stop) if param == "w13" else src.read(1, s.start,
+                                                                                s.stop)
+            if spec is None:
+                copy_into(rows, part, what)
+            else:
+                fp8.load_weight(rows, self._row_scales(param, expert, half), spec, part, what)
+        elif spec is None:
+            raise ValueError(f"{what}: the experts are not FP8 (no such tensor to load)")
+        elif param == "w13_weight_scale" and not spec.online:
+            fp8.load_column_scale(self.w13_weight_scale.data[expert, half], spec, src,
+                                  Part(s, 0, self.intermediate), what)
+        elif param == "w2_weight_scale" and not spec.online:
+            fp8.load_row_scale(self.w2_weight_scale.data[expert], spec, src, s, what)
+        elif param in ("w13_input_scale", "w2_input_scale") and spec.static_input:
+            fp8.load_input_scale(getattr(self, param).data, src, what)
+        else:
+            raise ValueError(f"{what}: FP8 experts ({spec}) have no such tensor to load")
+
+    def _row_scales(self, param: str, expert: int, half: int) -> Optional[torch.Tensor]:
+        """Where online quantization writes a slice's per-row scales (None with blocks)."""
+        if self.fp8 is None or self.fp8.block is not None:
+            return None
+        if param == "w13":
+            return self.w13_weight_scale.data[expert, half]
+        return self.w2_weight_scale.data[expert]
+
+    # --- after loading ----------------------------------------------------------------------
+    @torch.no_grad()
+    def dequantize_fp8(self) -> None:
+        """Weight-only FP8 (the CPU): every expert dequantized to the compute dtype, the scales
+        dropped; the experts are dense from then on."""
+        spec = self.fp8
+        if spec is None or not spec.weight_only:
+            return
+        w13 = torch.empty(self.w13.shape, dtype=spec.dtype, device=self.w13.device)
+        w2 = torch.empty(self.w2.shape, dtype=spec.dtype, device=self.w2.device)
+        for e in range(self.w13.shape[0]):
+            w13[e], w2[e] = self.dense(e)
+        for name in ("w13_weight_scale", "w2_weight_scale", "w13_input_scale", "w2_input_scale"):
+            if hasattr(self, name):
+                delattr(self, name)
+        self.w13, self.w2 = _param(w13), _param(w2)
+        self.fp8 = None
+
+    @torch.no_grad()
+    def fill_fp8_random(self, gen: torch.Generator, std: float) -> None:
+        """Random FP8 experts (normal, `std`), quantized as the spec lays out their scales;
+        static activation scales that hold values up to 8."""
+        spec = self.fp8
+        if spec is None:
+            return
+        h = self.w13.shape[-1]
+        for e in range(self.w13.shape[0]):
+            halves = self.w13.data[e].view(2, -1, h)
+            for j in range(2):
+                self._fill(halves[j], self.w13_weight_scale.data[e, j], spec, gen, std)
+            self._fill(self.w2.data[e], self.w2_weight_scale.data[e], spec, gen, std)
+        if spec.static_input:
+            self.w13_input_scale.data.fill_(8.0 / fp8.FP8_MAX)
+            self.w2_input_scale.data.fill_(8.0 / fp8.FP8_MAX)
+
+    @staticmethod
+    def _fill(weight: torch.Tensor, scale: torch.Tensor, spec: Fp8Spec, gen: torch.Generator,
+              std: float) -> None:
+        w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+        w.normal_(0.0, std, generator=gen)
+        q, s = fp8.quantize_rows(w) if spec.block is None else fp8.quantize_blocks(w, spec.block)
+        weight.copy_(q)
+        scale.copy_(s)
