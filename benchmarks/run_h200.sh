@@ -22,6 +22,9 @@ fi
 if [ "$MODE" = newtests ]; then  # the thirty-first session's GPU cases, first of all (~3 min)
   step new_kernel_tests 240 python3 -m pytest -q tests/test_triton_attention.py -k "window or softcap"
   step new_engine_tests 300 python3 -m pytest -q -m gpu tests/test_gpu.py -k "sliding or lora or embeddings or rope_variants"
+  # the thirty-third session's FP8 experts (W8A8 fused MoE; dummy Qwen3-30B-A3B online and
+  # in 128 x 128 blocks)
+  step fp8_moe_tests 300 python3 -m pytest -q -m gpu tests/test_fp8_moe.py
 fi
 if [ "$MODE" = kernels ]; then  # attention tiles, batch-1 projections, prefill GEMMs
   step kernels_8b 300 python3 scripts/bench_kernels.py --model configs/models/llama-3.1-8b
@@ -156,6 +159,13 @@ if [ "$MODE" = moe ]; then  # MoE: kernel tests on CUDA, the layer's tiles, then
   step latency_30b_a3b 400 python3 scripts/bench_latency.py --model configs/models/qwen3-30b-a3b --steps 50 --prefill 8192 --profile
   step offline_30b_a3b 400 python3 scripts/bench_offline.py --model configs/models/qwen3-30b-a3b
 fi
+if [ "$MODE" = moe-fp8 ]; then  # FP8 experts: the kernels' tests on CUDA, then the 30B-A3B shape in bf16, online FP8 and 128 x 128 blocks
+  step fp8_moe_tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_moe.py
+  step offline_30b_a3b_bf16 400 python3 scripts/bench_offline.py --model configs/models/qwen3-30b-a3b --load-format dummy
+  step offline_30b_a3b_fp8_block 400 python3 scripts/bench_offline.py --model configs/models/qwen3-30b-a3b-fp8 --load-format dummy
+  step offline_30b_a3b_fp8_online 400 python3 scripts/bench_offline.py --model configs/models/qwen3-30b-a3b --load-format dummy --quantization fp8
+  step latency_30b_a3b_fp8_block 400 python3 scripts/bench_latency.py --model configs/models/qwen3-30b-a3b-fp8 --steps 50 --prefill 8192
+fi
 if [ "$MODE" = moesweep ]; then  # every tile of the grouped GEMMs at each block_m (Qwen3-30B-A3B, Mixtral)
   step moe_sweep_30b 600 python3 scripts/bench_kernels.py --model configs/models/qwen3-30b-a3b --what moe --moe-sweep --moe-rows 1,64,256,1024,8192
   step moe_sweep_mixtral 600 python3 scripts/bench_kernels.py --model configs/models/mixtral-8x7b --what moe --moe-sweep --moe-rows 1,64,256,8192
@@ -241,7 +251,7 @@ if [ "$MODE" = fulltests ] || [ "$MODE" = fulltests-fp8 ]; then  # after gguf-st
     step kernel_tests 280 python3 -m pytest -q -p no:cacheprovider tests/test_triton_ops.py tests/test_triton_attention.py
     step gpu_marked_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_allreduce.py -k "not tp2"
   else
-    step moe_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py
+    step moe_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py tests/test_fp8_moe.py
     step fp8_tests 380 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py tests/test_fp8.py tests/test_fp8_kv.py
   fi
 fi

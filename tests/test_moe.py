@@ -150,13 +150,16 @@ def test_expert_checkpoint_names() -> None:
     assert target("model.layers.3.mlp.shared_expert.gate_proj.weight") is None
 
 
-@pytest.mark.parametrize("config", ["qwen3-30b-a3b", "mixtral-8x7b"])
+@pytest.mark.parametrize("config", ["qwen3-30b-a3b", "qwen3-30b-a3b-fp8", "mixtral-8x7b"])
 def test_benchmark_configs_build_scaled_down(tmp_path: Path, config: str) -> None:
-    """The benchmark shapes build and generate with dummy weights (scaled down: on CPU)."""
+    """The benchmark shapes build and generate with dummy weights (scaled down: on CPU; the
+    FP8 one's 128 x 128 block experts weight-only; its q, k and v whole blocks)."""
     cfg = json.loads((CONFIGS / config / "config.json").read_text())
     cfg.update(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, vocab_size=512, intermediate_size=64,
                moe_intermediate_size=32)
+    if "quantization_config" in cfg:
+        cfg.update(num_key_value_heads=4, head_dim=32)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with LLM(str(tmp_path), load_format="dummy", max_kv_tokens=512, show_progress=False) as llm:
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
