@@ -250,7 +250,7 @@ def _fp8_experts(experts: int, hidden: int, inter: int, spec: fp8.Fp8Spec,
     layer = Experts(ExpertsShape(experts, hidden, inter), DistributedInfo(0, 1), spec)
     gen = torch.Generator(device=DEV).manual_seed(seed)
     layer.to(DEV)
-    layer.fill_fp8_random(gen, 0.1)  # static input scales: values up to 8
+    layer.fill_quantized_random(gen, 0.1)  # static input scales: values up to 8
     return layer
 
 

@@ -72,11 +72,13 @@ def pack_ct(ints: np.ndarray, bits: int) -> torch.Tensor:
 
 
 def _quantize(weight: torch.Tensor, rng: np.random.Generator, bits: int, act_order: bool,
-              min_zero: int = 0
+              min_zero: int = 0, shared_order: bool = False
               ) -> Tuple[np.ndarray, np.ndarray, torch.Tensor, np.ndarray, torch.Tensor]:
     """Random integers for a weight's shape: (values [in, out], zero points [groups, out] from
     `min_zero` (GPTQ's original format stores them minus one, so 0 cannot be), scales
-    [groups, out] (float16), each input's group, the dense weight [out, in] they make)."""
+    [groups, out] (float16), each input's group, the dense weight [out, in] they make).
+    `shared_order`: act-order's permutation is one per input width, as GPTQ's (from the
+    layer's inputs) is one for the projections that share them; else one per weight."""
     out_f, in_f = weight.shape
     top = (1 << bits) - 1
     groups = in_f // GROUP
@@ -85,13 +87,13 @@ def _quantize(weight: torch.Tensor, rng: np.random.Generator, bits: int, act_ord
     s = torch.from_numpy(rng.uniform(0.002, 0.02, size=(groups, out_f))).half()
     g = np.arange(in_f) // GROUP
     if act_order:
-        g = rng.permutation(g)
+        g = (np.random.default_rng(in_f) if shared_order else rng).permutation(g)
     dense = (torch.from_numpy(q - z[g]).float() * s.float()[torch.from_numpy(g)]).t()
     return q, z, s, g, dense.contiguous()
 
 
 def _write(base: Path, out: Path, dense_out: Path, method: str, bits: int = 4,
-           act_order: bool = False, v2: bool = False) -> None:
+           act_order: bool = False, v2: bool = False, shared_order: bool = False) -> None:
     """`out`: the base model with its projections quantized as `method` packs them;
     `dense_out`: the same model with those weights dequantized (transformers' reference)."""
     rng = np.random.default_rng(5)
@@ -103,7 +105,8 @@ def _write(base: Path, out: Path, dense_out: Path, method: str, bits: int = 4,
             quant[name] = tensors[name]
             continue
         v1 = method == "gptq" and not v2
-        q, z, s, g, dense = _quantize(tensors[name], rng, bits, act_order, int(v1))
+        q, z, s, g, dense = _quantize(tensors[name], rng, bits, act_order, int(v1),
+                                      shared_order)
         tensors[name] = dense
         if method == "ct":  # symmetric: the value q - 2^(bits - 1), no zero points
             half = 1 << (bits - 1)

@@ -94,8 +94,10 @@ class EngineConfig:
                                              "triton", choices=ATTENTION_BACKENDS)
     seed: int = setting(0, "seed of the dummy weights and of the sampling noise of requests "
                            "that give no seed of their own")
-    fused_ops: bool = setting(True, "fused Triton kernels for RMSNorm, SiLU-and-mul and rotary "
-                                    "embedding (CUDA only; elsewhere the torch ops run)")
+    fused_ops: bool = setting(True, "fused Triton kernels for RMSNorm, SiLU-and-mul, rotary "
+                                    "embedding, the MoE experts and packed AWQ / GPTQ weights "
+                                    "(CUDA only; elsewhere, or off, the torch ops run and "
+                                    "integer weights are dequantized as they load)")
     pdl: str = setting("auto", "programmatic dependent launch on the decode path: each Triton "
                                "kernel starts while the previous one finishes, and one-token "
                                "projections run as a Triton GEMV that streams its weights "

@@ -38,6 +38,7 @@ from minisgl.kvcache.pool import FP8_KV_DTYPE, KVScales
 from minisgl.layers import blas
 from minisgl.layers.lora import LoraShape
 from minisgl.models import CausalLM, ModelConfig, model_class
+from minisgl.models.int_plan import IntPlan, int_plan
 from minisgl.models.int_weights import dense_int_weights
 from minisgl.models.lora import clear_slot, load_adapter, load_adapters
 from minisgl.models.lora_config import read_adapter
@@ -300,7 +301,8 @@ class Engine:
                     for name, path in self.cfg.lora_adapters]
         lora = LoraShape(self.lora_slots, self.cfg.max_lora_rank) if self.lora_slots else None
         with torch.device(self.device), dtype:
-            model = cls(self.model_cfg, self.cfg.tp_info, groups.comm, self.policy, quant, lora)
+            model = cls(self.model_cfg, self.cfg.tp_info, groups.comm, self.policy, quant, lora,
+                        self._int_plan())
         scales = KVScaleCollector(self.model_cfg.num_layers)
         if self.cfg.load_format == "dummy":
             init_dummy(model, self.cfg.seed)
@@ -316,6 +318,19 @@ class Engine:
                            "uses 1.0 for every layer (K/V beyond +-448 saturate)",
                            self.cfg.tp_info.rank)
         return model.eval(), scales.scales()
+
+    def _int_plan(self) -> Optional[IntPlan]:
+        """The projections that keep an AWQ / GPTQ checkpoint's integers packed: on CUDA with
+        the fused kernels (models/int_plan.py); None elsewhere (dequantized as they load)."""
+        quant = self.model_cfg.int_quant
+        if quant is None or not self.policy.fused:
+            return None
+        dummy = self.cfg.load_format == "dummy"
+        plan = int_plan(quant, None if dummy else Path(self.cfg.model_path))
+        logger.info("rank %d: %s weights: %s projections kept packed (the rest dequantized)",
+                    self.cfg.tp_info.rank, quant.describe(),
+                    "all" if plan.packed is None else len(plan.packed))
+        return plan
 
     def load_adapter(self, slot: int, name: str, path: str) -> None:
         """LoRA adapter `name` from PEFT directory `path` into `slot` (the scheduler's

@@ -1,5 +1,6 @@
-"""The one matrix-product helper the tiled Triton kernels (attention, fused MoE) share: which
-operands a `tl.dot` takes, and the dot itself. This module imports triton: only GPU kernel
+"""The matrix-product helpers the tiled Triton kernels (attention, fused MoE, the FP8 and packed
+integer GEMMs) share: which operands a `tl.dot` takes, the dot itself, and the order of the
+output tiles. This module imports triton: only GPU kernel
 modules (and the CPU interpreter tests) import it.
 """
 
@@ -23,3 +24,17 @@ def dot(a, b, F32_DOT: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def swizzled_tile(pid, m, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SWIZZLE: tl.constexpr):
+    """(row block, column block) of program `pid` over an [m, n] output: the programs that
+    share a weight column block run close together, so its weights are read once from memory
+    for SWIZZLE row blocks."""
+    grid_m = tl.cdiv(m, BLOCK_M)
+    grid_n = tl.cdiv(n, BLOCK_N)
+    width = SWIZZLE * grid_n
+    first_m = (pid // width) * SWIZZLE
+    size_m = tl.minimum(grid_m - first_m, SWIZZLE)
+    return first_m + (pid % width) % size_m, (pid % width) // size_m

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels.dot import swizzled_tile
 from minisgl.kernels.types import FP8, FP8_MAX, FP8_MIN_AMAX as MIN_AMAX
 
 
@@ -235,16 +236,7 @@ def _scaled_mm_kernel(a_ptr, w_ptr, out_ptr, as_ptr, ws_ptr, bias_ptr, m, n, k, 
     and the scales multiply once at the end. BLOCKWISE: each K tile (BLOCK_K = the scale
     block's width) is scaled by a's group scale per row and w's block scale (row // GROUP_N)
     before it is added."""
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(m, BLOCK_M)
-    grid_n = tl.cdiv(n, BLOCK_N)
-    # Tiles sharing a weight column block run close together, so the weights are read once
-    # from memory for SWIZZLE row blocks.
-    width = SWIZZLE * grid_n
-    first_m = (pid // width) * SWIZZLE
-    size_m = tl.minimum(grid_m - first_m, SWIZZLE)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
+    pid_m, pid_n = swizzled_tile(tl.program_id(0), m, n, BLOCK_M, BLOCK_N, SWIZZLE)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)

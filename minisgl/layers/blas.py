@@ -147,10 +147,11 @@ def tune(layers: Iterable[Tunable], rows: Sequence[int], timer: Timer) -> Tuned:
 
 def tunable_layers(model: torch.nn.Module) -> List[Tunable]:
     """The modules `tune` applies to: those carrying a `blas_by_rows` table whose weight is in
-    a BLAS dtype (FP8 layers run their own GEMMs: layers/fp8.py)."""
+    a BLAS dtype (FP8 and packed integer layers run their own GEMMs: layers/fp8.py,
+    layers/packed.py)."""
     return [cast(Tunable, m) for m in model.modules()
             if isinstance(getattr(m, "blas_by_rows", None), dict)
-            and m.weight.dtype != torch.float8_e4m3fn]
+            and getattr(m, "packed", None) is None and m.weight.dtype != torch.float8_e4m3fn]
 
 
 def describe(model: torch.nn.Module) -> str:

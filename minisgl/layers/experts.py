@@ -184,7 +184,7 @@ class Experts(nn.Module):
         self.fp8 = None
 
     @torch.no_grad()
-    def fill_fp8_random(self, gen: torch.Generator, std: float) -> None:
+    def fill_quantized_random(self, gen: torch.Generator, std: float) -> None:
         """Random FP8 experts (normal, `std`), quantized as the spec lays out their scales;
         static activation scales that hold values up to 8."""
         spec = self.fp8

@@ -15,6 +15,9 @@ Built with a `LoraShape` (layers/lora.py), a layer holds LoRA adapters' pairs to
 Built with an `Fp8Spec` (layers/fp8.py), the column- and row-parallel layers hold FP8 weights
 and their scales, load their shards of them (or quantize their shard of a dense checkpoint), and
 multiply by them on CUDA; on the CPU they are dequantized once loaded and run as dense layers.
+Built with a `PackedSpec` (layers/packed.py: AWQ, GPTQ, compressed-tensors integers on the GPU)
+they hold the packed integers and multiply by them (kernels/int_mm.py); the batch-1 fusions
+(the GEMV with the norm, SiLU, rotary) read dense or FP8 weights only and step aside.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from minisgl.kernels.policy import KernelPolicy
 from minisgl.kernels.types import KVTarget, Normed, ProductScales, QKVRope
 from minisgl.layers import blas
 from minisgl.layers import fp8 as fp8_weights
+from minisgl.layers import packed as packed_weights
 from minisgl.layers.fp8 import Fp8Spec, Fp8Weight
+from minisgl.layers.packed import PackedSpec, PackedWeight
 from minisgl.layers.lora import LoraShape, LoraSlots
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
@@ -97,28 +102,58 @@ def _loaded_bias(layer: "_Fp8Layer") -> torch.Tensor:
 
 
 class _Fp8Layer(nn.Module):
-    """What the column- and row-parallel layers share about FP8 weights: `fp8`, their spec
-    (None: dense weights, as after a weight-only layer's `finish_loading`)."""
+    """What the column- and row-parallel layers share about quantized weights: `fp8`, their
+    FP8 spec (None: dense weights, as after a weight-only layer's `finish_loading`), or
+    `packed`, their packed integers' (None: not packed)."""
 
     fp8: Optional[Fp8Spec]
+    packed: Optional[PackedSpec] = None
     # Set by _make_weight / fp8_weights.make_params (parameters, or buffers when quantizing
     # online); declared so that their type is a tensor's, not nn.Module's __getattr__ union.
     weight: torch.Tensor
     weight_scale: torch.Tensor
     input_scale: torch.Tensor
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    g_idx: torch.Tensor
+    groups_loaded: bool
     bias: Optional[torch.Tensor]
     policy: KernelPolicy
+    blas_by_rows: Dict[int, str]
 
-    def _make_weight(self, out_features: int, in_features: int) -> None:
-        if self.fp8 is None:
-            self.weight = _empty(out_features, in_features)
+    def _make_weight(self, out_features: int, inputs: Shard, in_full: int) -> None:
+        """The layer's weight for `inputs` of the checkpoint's `in_full` input features."""
+        if self.packed is not None:
+            if self.fp8 is not None:
+                raise ValueError("a layer's weights are FP8 or packed integers, not both")
+            packed_weights.make_buffers(self, self.packed, out_features, inputs, in_full)
+            self.groups_loaded = False
+        elif self.fp8 is None:
+            self.weight = _empty(out_features, inputs.size)
         else:
-            fp8_weights.make_params(self, self.fp8, out_features, in_features)
+            fp8_weights.make_params(self, self.fp8, out_features, inputs.size)
 
-    def fill_fp8_random(self, gen: torch.Generator, std: float) -> None:
-        """Random FP8 weights (layers/fp8.fill_random); dense layers are not touched."""
+    def fill_quantized_random(self, gen: torch.Generator, std: float) -> None:
+        """Random FP8 or packed weights (layers/fp8.fill_random, layers/packed.fill_random);
+        dense layers are not touched."""
         if self.fp8 is not None:
             fp8_weights.fill_random(self, gen, std)
+        elif self.packed is not None:
+            packed_weights.fill_random(self, self.packed, gen, std)
+
+    def packed_weight(self) -> Optional[PackedWeight]:
+        """The packed integers the layer multiplies by; None where it holds none."""
+        if self.packed is None:
+            return None
+        return PackedWeight(self.qweight, self.scales, self.zeros, self.g_idx, self.packed)
+
+    def _product(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """x W^T + bias by whatever the layer holds: packed integers, else `project`."""
+        packed = self.packed_weight()
+        if packed is not None:
+            return packed_weights.linear(x, packed, bias)
+        return project(x, self.weight, bias, self.policy, self.blas_by_rows, self.quantized())
 
     def dequantize_fp8(self) -> None:
         """Weight-only FP8 weights made dense (layers/fp8.dequantize_layer)."""
@@ -279,12 +314,13 @@ class ColumnParallelLinear(_Fp8Layer):
     def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool,
                  info: DistributedInfo, policy: KernelPolicy = KernelPolicy(),
                  fp8: Optional[Fp8Spec] = None, shards: Optional[Sequence[Shard]] = None,
-                 lora: Optional[LoraShape] = None) -> None:
+                 lora: Optional[LoraShape] = None, packed: Optional[PackedSpec] = None) -> None:
         super().__init__()
         self.info = info
         self.policy = policy  # see project()
-        self.blas_by_rows: Dict[int, str] = {}  # see project(); filled by blas.tune
+        self.blas_by_rows = {}  # see project(); filled by blas.tune
         self.fp8 = fp8
+        self.packed = packed
         self.full_sizes = list(out_sizes)  # each output's rows in the checkpoint
         self.shards = (list(shards) if shards is not None else
                        [info.shard(n, "linear output features") for n in out_sizes])
@@ -293,7 +329,7 @@ class ColumnParallelLinear(_Fp8Layer):
         if fp8 is not None:
             fp8_weights.check_block_split(fp8, self.parts, Shard(0, in_features), in_features,
                                           info.size, type(self).__name__)
-        self._make_weight(local_out, in_features)
+        self._make_weight(local_out, Shard(0, in_features), in_features)
         self.bias = _empty(local_out) if bias else None
         self.lora = None if lora is None else LoraSlots(lora, in_features, self.shards)
 
@@ -303,8 +339,7 @@ class ColumnParallelLinear(_Fp8Layer):
                 for s, off, full in zip(self.shards, self.offsets, self.full_sizes)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(x, self.weight, self.bias, self.policy, self.blas_by_rows,
-                       self.quantized())
+        return self._product(x, self.bias)
 
     def forward_lora(self, x: torch.Tensor, rows: LoraRows) -> torch.Tensor:
         """The layer on x plus the LoRA deltas of the tokens `rows` names."""
@@ -314,8 +349,8 @@ class ColumnParallelLinear(_Fp8Layer):
     def fuses_norm(self, stream: ResidualStream, norm: RMSNorm) -> bool:
         """Whether this layer runs on `norm(stream)` as one norm GEMV kernel (batch 1, GEMV
         path, a fused-kind norm, rows that fit a program)."""
-        if not (takes_gemv(stream.partial, self.policy) and gemv_reads(self.quantized())
-                and norm.policy.fused):
+        if not (self.packed is None and takes_gemv(stream.partial, self.policy)
+                and gemv_reads(self.quantized()) and norm.policy.fused):
             return False
         from minisgl.kernels import gemv
         return self.weight.shape[1] <= gemv.NORM_GEMV_MAX_K
@@ -367,7 +402,10 @@ class ColumnParallelLinear(_Fp8Layer):
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
         shard, off = self.shards[shard_id], self.offsets[shard_id]
         what = f"{param}[{shard_id}]"
-        if self.fp8 is None or param == "bias":
+        if self.packed is not None and param == "weight":
+            packed_weights.load_columns(self, self.packed, src, shard.start, shard.stop, off,
+                                        what)
+        elif self.fp8 is None or param == "bias":
             dst = getattr(self, param)
             copy_into(dst.data[off:off + shard.size], src.read(0, shard.start, shard.stop),
                       what)
@@ -391,7 +429,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
                  info: DistributedInfo, policy: KernelPolicy = KernelPolicy(),
-                 fp8: Optional[Fp8Spec] = None, lora: Optional[LoraShape] = None) -> None:
+                 fp8: Optional[Fp8Spec] = None, lora: Optional[LoraShape] = None,
+                 packed: Optional[PackedSpec] = None) -> None:
         check_head_split(num_heads, num_kv_heads, info.size)
         self.num_local_heads = num_heads // info.size
         self.num_local_kv_heads = max(1, num_kv_heads // info.size)
@@ -399,7 +438,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         kv = Shard(kv_start, self.num_local_kv_heads * head_dim)
         q = info.shard(num_heads * head_dim, "linear output features")
         super().__init__(hidden, [num_heads * head_dim] + [num_kv_heads * head_dim] * 2, bias,
-                         info, policy, fp8, shards=[q, kv, kv], lora=lora)
+                         info, policy, fp8, shards=[q, kv, kv], lora=lora, packed=packed)
         self.head_dim = head_dim
 
     def forward_normed_rotary(self, stream: ResidualStream, norm: RMSNorm,
@@ -436,18 +475,20 @@ class RowParallelLinear(_Fp8Layer):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, info: DistributedInfo,
                  comm: Communicator, policy: KernelPolicy = KernelPolicy(),
-                 fp8: Optional[Fp8Spec] = None, lora: Optional[LoraShape] = None) -> None:
+                 fp8: Optional[Fp8Spec] = None, lora: Optional[LoraShape] = None,
+                 packed: Optional[PackedSpec] = None) -> None:
         super().__init__()
         self.policy = policy  # see project()
-        self.blas_by_rows: Dict[int, str] = {}  # see project(); filled by blas.tune
+        self.blas_by_rows = {}  # see project(); filled by blas.tune
         self.shard = info.shard(in_features, "linear input features")
         self.comm = comm
         self.tp = info.size
         self.fp8 = fp8
+        self.packed = packed
         if fp8 is not None:
             fp8_weights.check_block_split(fp8, [], self.shard, in_features, info.size,
                                           type(self).__name__)
-        self._make_weight(out_features, self.shard.size)
+        self._make_weight(out_features, self.shard, in_features)
         self.bias = _empty(out_features) if bias else None
         self.lora = (None if lora is None else
                      LoraSlots(lora, self.shard.size, [Shard(0, out_features)]))
@@ -456,8 +497,7 @@ class RowParallelLinear(_Fp8Layer):
         """The layer's output; with `reduce=False` only this rank's partial product (no
         all-reduce, no bias), which the caller must pass to `finish` or `reduce_norm` (e.g. in
         a ResidualStream)."""
-        partial = project(x, self.weight, None, self.policy, self.blas_by_rows,
-                          self.quantized())
+        partial = self._product(x, None)
         return self.finish(partial) if reduce else partial
 
     def forward_quantized(self, a: Quantized, dtype: torch.dtype) -> torch.Tensor:
@@ -508,6 +548,9 @@ class RowParallelLinear(_Fp8Layer):
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
         if param == "bias":
             copy_into(_loaded_bias(self).data, src.read(), "bias")
+        elif self.packed is not None and param == "weight":
+            packed_weights.load_rows(self, self.packed, src, self.shard.start, self.shard.stop,
+                                     param)
         elif self.fp8 is None:
             copy_into(self.weight.data, src.read(1, self.shard.start, self.shard.stop), param)
         elif param == "weight":

@@ -39,16 +39,18 @@ from minisgl.kernels.policy import KernelPolicy
 from minisgl.kernels.types import HeadNorms
 from minisgl.layers.activation import gelu_tanh_and_mul, silu_and_mul, silu_and_mul_quantized
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl.layers.experts import expert_param
 from minisgl.layers.fp8 import SCALE_PARAMS, Fp8Spec, finish_loading
 from minisgl.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                    ResidualStream)
 from minisgl.layers.lora import LoraShape
-from minisgl.layers.experts import expert_param
 from minisgl.layers.moe import MoEFp8, MoEShape, SparseMoE
 from minisgl.layers.norm import RMSNorm
+from minisgl.layers.packed import PackedSpec
 from minisgl.layers.rotary import RopeIndex, RotaryEmbedding
 from minisgl.layers.source import RowsOf, TensorSource
 from minisgl.models.config import SILU_ACTS, ModelConfig
+from minisgl.models.int_plan import IntPlan
 from minisgl.models.quantization import QuantPlan
 
 class Traits(NamedTuple):
@@ -69,6 +71,7 @@ class Traits(NamedTuple):
     embed_scale_rounded: bool = True  # the factor rounded to the dtype first (Gemma; Granite not)
     sandwich_norms: bool = False  # Gemma: norms after attention and the MLP too (see above)
     lora: Optional[LoraShape] = None  # the LoRA adapter slots of every dense projection
+    ints: Optional[IntPlan] = None  # the projections holding packed integers (GPU AWQ / GPTQ)
 
     def norm(self, dim: int, eps: float) -> RMSNorm:
         """An RMSNorm of this family (its weight offset) launching this policy's kernels."""
@@ -82,6 +85,14 @@ class Traits(NamedTuple):
             return None
         fused = self.fused_names.get(parts)
         return self.quant.spec_for(prefix, (fused,) if fused is not None else parts)
+
+    def packed(self, prefix: str, *parts: str) -> Optional[PackedSpec]:
+        """The packed integers of the projection fusing checkpoint layers `prefix`.`part`
+        (asked as `fp8` asks), or None."""
+        if self.ints is None:
+            return None
+        fused = self.fused_names.get(parts)
+        return self.ints.spec_for(prefix, (fused,) if fused is not None else parts)
 
     def moe_fp8(self, prefix: str) -> MoEFp8:
         """The FP8 formats of MoE layer `prefix`'s parts, asked under the checkpoint's names
@@ -145,10 +156,12 @@ class Attention(nn.Module):
                                           cfg.num_kv_heads, traits.qkv_bias, info,
                                           traits.policy,
                                           traits.fp8(prefix, "q_proj", "k_proj", "v_proj"),
-                                          traits.lora)
+                                          traits.lora,
+                                          traits.packed(prefix, "q_proj", "k_proj", "v_proj"))
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
                                         traits.o_bias, info, comm, traits.policy,
-                                        traits.fp8(prefix, "o_proj"), traits.lora)
+                                        traits.fp8(prefix, "o_proj"), traits.lora,
+                                        traits.packed(prefix, "o_proj"))
         self.q_norm = traits.norm(cfg.head_dim, cfg.rms_norm_eps) if traits.qk_norm else None
         self.k_norm = traits.norm(cfg.head_dim, cfg.rms_norm_eps) if traits.qk_norm else None
         self.rotary = rotary
@@ -226,10 +239,12 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias,
                                                  info, traits.policy,
                                                  traits.fp8(prefix, "gate_proj", "up_proj"),
-                                                 lora=traits.lora)
+                                                 lora=traits.lora,
+                                                 packed=traits.packed(prefix, "gate_proj",
+                                                                      "up_proj"))
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, info, comm,
                                            traits.policy, traits.fp8(prefix, "down_proj"),
-                                           traits.lora)
+                                           traits.lora, traits.packed(prefix, "down_proj"))
 
     def forward(self, stream: ResidualStream, norm: RMSNorm,
                 lora: Optional[LoraRows] = None) -> ResidualStream:
@@ -315,6 +330,8 @@ def _check_has_tensor(name: str, module_name: str, module: nn.Module, param: str
     `load` takes the name as given (an RMSNorm would load a `bias` tensor into its weight)."""
     own = ({n for n, _ in module.named_parameters(recurse=False)}
            | {n for n, _ in module.named_buffers(recurse=False)})
+    if getattr(module, "packed", None) is not None:
+        own.add("weight")  # one checkpoint weight fills the packed buffers (layers/packed.py)
     if param not in own:
         hint = (" (the config gives it none: attention_bias / mlp_bias)"
                 if param == "bias" and hasattr(module, "bias") else "")
@@ -391,10 +408,10 @@ class CausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, info: DistributedInfo, comm: Communicator,
                  policy: KernelPolicy = KernelPolicy(), quant: Optional[QuantPlan] = None,
-                 lora: Optional[LoraShape] = None) -> None:
+                 lora: Optional[LoraShape] = None, ints: Optional[IntPlan] = None) -> None:
         """`policy`: the kernels every layer launches; `quant`: the FP8 projections; `lora`:
-        LoRA adapter slots in every dense projection (see Traits). LoRA with FP8 weights or
-        experts is refused, naming them."""
+        LoRA adapter slots in every dense projection (see Traits); `ints`: the projections
+        holding packed integers. LoRA with FP8 weights or experts is refused, naming them."""
         super().__init__()
         if lora is not None and (cfg.num_experts or quant is not None):
             what = (f"{cfg.num_experts} experts" if cfg.num_experts
@@ -404,7 +421,7 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         fused_names = {parts: name for name, parts in self.checkpoint_fused.items()}
         traits = self.traits(cfg)._replace(
-            policy=policy, quant=quant, fused_names=fused_names, lora=lora,
+            policy=policy, quant=quant, fused_names=fused_names, lora=lora, ints=ints,
             checkpoint_names={ours: theirs for theirs, ours in self.checkpoint_renames.items()})
         self.model = DecoderModel(cfg, traits,
                                   info, comm)
@@ -452,15 +469,17 @@ class CausalLM(nn.Module):
             module = self._module_for(name, module_name)
             if param.endswith(SCALE_PARAMS) and getattr(module, "fp8", None) is None:
                 raise ValueError(f"checkpoint tensor {name} is an FP8 scale, but minisgl keeps "
-                                 f"{module_name} unquantized (FP8 applies to the decoder's projections "
-                                 f"and experts; quantization config: {self.cfg.quantization})")
+                                 f"{module_name} unquantized (FP8 applies to the decoder's "
+                                 f"projections and experts; quantization config: "
+                                 f"{self.cfg.quantization})")
             _check_has_tensor(name, module_name, module, param)
             try:
                 module.load(param, src, shard)  # type: ignore[operator]
             except ValueError as e:
                 raise ValueError(f"loading checkpoint tensor {name}: {e}") from None
             loaded.add(f"{module_name}.{param}")
-        expected = {n for n, _ in self.named_parameters()}
+        expected = {n for n, _ in self.named_parameters()} | {
+            f"{n}.weight" for n, m in self.named_modules() if getattr(m, "packed", None)}
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:4]}")
@@ -486,6 +505,8 @@ class CausalLM(nn.Module):
             if self.output_multiplier(name) == 1.0 or not hasattr(module, "weight"):
                 continue
             scale = getattr(module, "weight_scale", None) if getattr(module, "fp8", None) else None
+            if getattr(module, "packed", None) is not None:
+                scale = module.scales  # packed: w = (q - z) * scales
             (scale if scale is not None else module.weight).mul_(m)
             if getattr(module, "bias", None) is not None:
                 module.bias.mul_(m)

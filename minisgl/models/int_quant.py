@@ -40,6 +40,7 @@ class IntQuant:
     bits: int
     group_size: int
     zero_offset: int = 0
+    act_order: bool = False  # GPTQ's desc_act, compressed-tensors' actorder: g_idx permutes
 
     @property
     def per_word(self) -> int:
@@ -86,7 +87,8 @@ def parse_int_quant(q: Dict[str, Any]) -> Optional[IntQuant]:
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported; supported: 'gptq', "
                          f"'gptq_v2'")
-    return IntQuant("gptq", int(bits), group, 1 if fmt == "gptq" else 0)
+    return IntQuant("gptq", int(bits), group, 1 if fmt == "gptq" else 0,
+                    bool(q.get("desc_act", False)))
 
 
 def _compressed_tensors(q: Dict[str, Any]) -> IntQuant:
@@ -112,9 +114,9 @@ def _compressed_tensors(q: Dict[str, Any]) -> IntQuant:
             raise ValueError(f"{where}: weight strategy {strategy!r} is not supported; "
                              f"supported: group, channel")
         size = int(w.get("group_size") or 0) if strategy == "group" else 0
-        specs.add((int(w["num_bits"]), size))
+        specs.add((int(w["num_bits"]), size, w.get("actorder") not in (None, False)))
     if len(specs) != 1:
         raise ValueError(f"compressed-tensors {CT_PACKED} needs one weight layout for the "
                          f"model, got {sorted(specs) or 'none'}")
-    bits, size = specs.pop()
-    return IntQuant("compressed-tensors", bits, size)
+    bits, size, act_order = specs.pop()
+    return IntQuant("compressed-tensors", bits, size, act_order=act_order)

@@ -3,9 +3,9 @@ load: each quantized layer's parts (AWQ / GPTQ: `qweight`, `qzeros`, `scales`, G
 `g_idx`; compressed-tensors: `weight_packed`, `weight_scale`, `weight_shape`,
 `weight_g_idx`) become one dense `weight` source that dequantizes only the slice a rank reads
 (its rows or columns, widened to whole packed words), in float32, as
-w[o, i] = (q[i, o] - z[g(i), o]) * s[g(i), o]. The model then holds dense weights in its dtype
-(weight-only semantics on every device: the memory of the dense model; no integer kernels
-yet).
+w[o, i] = (q[i, o] - z[g(i), o]) * s[g(i), o]. A dense layer reads it so (the CPU, and layers
+models/int_plan.py leaves dense); a packed layer (the GPU) reads the same slice as integers
+(`int_block`) and packs them again (layers/packed.py).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
+from minisgl.layers.packed import IntBlock
 from minisgl.layers.source import TensorSource
 from minisgl.models.int_quant import IntQuant
 
@@ -100,12 +101,17 @@ class IntWeightSource:
     def read(self, dim: Optional[int] = None, start: int = 0, stop: int = 0) -> torch.Tensor:
         """Rows (dim 0: outputs) or columns (dim 1: inputs) [start, stop) of the weight, or
         all of it (dim None), dequantized in float32."""
+        q, scales, zeros, groups = self.int_block(dim, start, stop)
+        return ((q.float() - zeros[groups]) * scales[groups]).t().contiguous()
+
+    def int_block(self, dim: Optional[int], start: int, stop: int) -> IntBlock:
+        """The same slice as integers, with every group's scales and zero points of its
+        outputs and each input's group (layers/packed.py packs them again)."""
         outs = (0, self.out_features) if dim != 0 else (start, stop)
         ins = (0, self.in_features) if dim != 1 else (start, stop)
         if dim not in (None, 0, 1):
             raise ValueError(f"cannot slice {self.name}'s weight along dim {dim}")
         q = self._values(outs, ins)  # [inputs, outputs]
-        groups = self._groups(ins)
         if self.ct:  # symmetric: every value stored plus 2^(bits - 1)
             scales = _block(self.parts["weight_scale"], outs,
                             (0, self.parts["weight_scale"].shape[1])).float().t()
@@ -113,7 +119,7 @@ class IntWeightSource:
         else:
             scales = self.parts["scales"].read(1, *outs).float()
             zeros = self._zeros(outs).float() + self.spec.zero_offset
-        return ((q.float() - zeros[groups]) * scales[groups]).t().contiguous()
+        return IntBlock(q.to(torch.int32), scales.contiguous(), zeros, self._groups(ins))
 
     def _values(self, outs: Tuple[int, int], ins: Tuple[int, int]) -> torch.Tensor:
         """The integer values of inputs x outputs, [inputs, outputs]."""

@@ -3,21 +3,21 @@
 Safetensors: every rank opens the files itself and reads only its slices (`get_slice`), one
 tensor at a time, so its peak memory is about its shard plus one slice. Dummy: random values
 drawn directly into this rank's (already sharded) parameters; FP8 layers get random weights
-quantized as their format lays out its scales (their `fill_fp8_random`).
+quantized as their format lays out its scales (their `fill_quantized_random`).
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple, cast
 
 import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from minisgl.layers.fp8 import finish_loading, fp8_layers
+from minisgl.layers.fp8 import Fp8Module, finish_loading, fp8_layers
 from minisgl.layers.source import TensorSource
 
 logger = logging.getLogger(__name__)
@@ -66,11 +66,14 @@ def iter_checkpoint(model_dir: Path, show_progress: bool) -> Iterator[Tuple[str,
 
 @torch.no_grad()
 def init_dummy(model: nn.Module, seed: int) -> None:
-    """Random weights (normal, std 0.02; norm weights 1) in place, on the parameters' device;
-    then the weight-only FP8 layers dequantized, as after a checkpoint's loading."""
+    """Random weights (normal, std 0.02; norm weights 1) in place, on the parameters' device
+    (FP8 and packed layers fill their own, as their format lays them out); then the
+    weight-only FP8 layers dequantized, as after a checkpoint's loading."""
     gen_device = next(model.parameters()).device
     gen = torch.Generator(device=gen_device).manual_seed(seed)
-    quantized = list(fp8_layers(model))
+    quantized = list(fp8_layers(model)) + [
+        (name, cast(Fp8Module, m)) for name, m in model.named_modules()
+        if getattr(m, "packed", None) is not None]
     fp8_params = {f"{name}.{p}" for name, m in quantized for p, _ in m.named_parameters()
                   if p != "bias"}
     for name, p in model.named_parameters():
@@ -81,5 +84,5 @@ def init_dummy(model: nn.Module, seed: int) -> None:
         else:
             p.normal_(0.0, 0.02, generator=gen)
     for _, module in quantized:
-        module.fill_fp8_random(gen, 0.02)
+        module.fill_quantized_random(gen, 0.02)
     finish_loading(model)

@@ -1,0 +1,181 @@
+"""Packed integer weights (AWQ, GPTQ, compressed-tensors W4A16 / W8A16 kept packed on the GPU:
+layers/packed.py, kernels/int_mm.py, models/int_plan.py).
+
+The kernel equals the dequantized product through Triton's interpreter (4 and 8 bits, groups in
+order and permuted, inputs not a whole number of words or tiles). Every projection of a tiny
+Llama in each format, packed as each rank of tp=2 packs its share, gives the product of the
+dense layer the CPU dequantizes from the same checkpoint. The plan keeps fused layers whose
+act-order permutations differ dense. On a GPU: Hugging Face's greedy tokens in float32, and the
+weights' memory a quarter of the 16-bit model's.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, List, Tuple
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
+
+from hf_reference import hf_greedy, mixed_prompts  # noqa: E402
+from test_int_weights import _write  # noqa: E402
+
+from minisgl import LLM, SamplingParams  # noqa: E402
+from minisgl.distributed import Communicator, DistributedInfo  # noqa: E402
+from minisgl.layers import packed  # noqa: E402
+from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from minisgl.models import ModelConfig, model_class  # noqa: E402
+from minisgl.models.int_plan import int_plan  # noqa: E402
+from minisgl.models.int_weights import dense_int_weights  # noqa: E402
+from minisgl.models.weights import init_dummy, iter_checkpoint  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("bits,k,groups,act_order", [(4, 100, 7, True), (8, 64, 4, False),
+                                                     (4, 37, 1, False)])
+def test_int_mm_equals_the_dequantized_product(bits: int, k: int, groups: int,
+                                               act_order: bool) -> None:
+    """K not a whole number of words (37 = 4.6 words of 8) nor of tiles; a bias."""
+    from minisgl.kernels.int_mm import IntTiles, int_mm
+    g = torch.Generator().manual_seed(bits + k)
+    n, m = 40, 5
+    values = torch.randint(0, 1 << bits, (k, n), generator=g)
+    group = torch.arange(k) * groups // k
+    if act_order:
+        group = group[torch.randperm(k, generator=g)]
+    scales = torch.rand(groups, n, generator=g) * 0.02
+    zeros = torch.randint(0, 1 << bits, (groups, n), generator=g).half()
+    weight = ((values.float() - zeros.float()[group]) * scales[group]).t()
+    x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    args = [t.to(DEV) for t in (x, packed.pack(values, bits), scales, zeros,
+                                group.to(torch.int32))]
+    out = int_mm(*args, bits, bias.to(DEV), IntTiles(16, 16, 32, 4, 2))
+    torch.testing.assert_close(out.cpu(), x @ weight.t() + bias, rtol=1e-5, atol=1e-5)
+
+
+def test_pack_places_each_input_in_its_word() -> None:
+    values = torch.arange(16).view(16, 1) % 16
+    words = packed.pack(values, 4)
+    assert words.shape == (2, 1) and words.dtype == torch.int32
+    assert int(words[0, 0]) == 0x76543210
+    assert int(words[1, 0]) == (0xFEDCBA98 - (1 << 32))  # the sign bit set: a negative int32
+
+
+def _models(path: Path, rank: int, tp: int) -> Tuple[torch.nn.Module, torch.nn.Module]:
+    """(packed, dense) models of one rank loaded from the integer checkpoint at `path`."""
+    cfg = ModelConfig.from_dir(path)
+    info = DistributedInfo(rank, tp)
+    assert cfg.int_quant is not None
+    plan = int_plan(cfg.int_quant, path)
+    out = []
+    for ints in (plan, None):
+        model = model_class(cfg.architecture)(cfg, info, Communicator(info), ints=ints)
+        model.load_weights(dense_int_weights(iter_checkpoint(path, False), cfg.int_quant))
+        out.append(model)
+    return out[0], out[1]
+
+
+def _projections(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+
+
+@pytest.mark.parametrize("method,bits,act_order,v2", [
+    ("awq", 4, False, False), ("gptq", 4, True, False), ("gptq", 8, False, True),
+    ("ct", 4, True, False)])
+def test_packed_projections_equal_the_dequantized_ones(
+        tiny_model: Callable[..., Path], tmp_path: Path, method: str, bits: int,
+        act_order: bool, v2: bool) -> None:
+    """Each rank of tp=2 packs its share of every projection (QKV's and gate/up's parts side
+    by side, o's and down's inputs with the groups they use): its product equals the dense
+    layer's of the same rank."""
+    path = tmp_path / "int"
+    _write(tiny_model("llama"), path, tmp_path / "dense", method, bits, act_order, v2,
+           shared_order=True)
+    g = torch.Generator().manual_seed(0)
+    for rank in range(2):
+        packed_model, dense_model = _models(path, rank, 2)
+        layers = _projections(packed_model)
+        assert len(layers) == 4 * 2 and all(m.packed is not None for _, m in layers)
+        dense = dict(_projections(dense_model))
+        for name, layer in layers:
+            assert not hasattr(layer, "weight") and layer.qweight.dtype == torch.int32
+            x = torch.randn(3, layer.g_idx.shape[0], generator=g)
+            args = (x, False) if isinstance(layer, RowParallelLinear) else (x,)
+            torch.testing.assert_close(layer(*args), dense[name](*args), rtol=1e-5,
+                                       atol=1e-5, msg=f"{method} rank {rank} {name}")
+
+
+def test_act_order_parts_that_disagree_stay_dense(tiny_model: Callable[..., Path],
+                                                  tmp_path: Path) -> None:
+    """q, k, v (and gate, up) each with its own permutation cannot share one packed layer's
+    groups: the plan leaves them dense; o and down, unfused, stay packed."""
+    path = tmp_path / "int"
+    _write(tiny_model("llama"), path, tmp_path / "dense", "gptq", 4, act_order=True)
+    packed_model, _ = _models(path, 0, 1)
+    kinds = {name.rsplit(".", 1)[-1]: m.packed is not None
+             for name, m in _projections(packed_model)}
+    assert kinds == {"qkv_proj": False, "o_proj": True, "gate_up_proj": False,
+                     "down_proj": True}
+
+
+def test_dummy_packed_weights(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    """Dummy weights in a packed layout: random integers whose dequantized values spread as
+    the dense dummy weights do."""
+    path = tmp_path / "int"
+    _write(tiny_model("llama"), path, tmp_path / "dense", "awq")
+    cfg = ModelConfig.from_dir(path)
+    assert cfg.int_quant is not None
+    info = DistributedInfo(0, 1)
+    model = model_class(cfg.architecture)(cfg, info, Communicator(info),
+                                          ints=int_plan(cfg.int_quant, None))
+    init_dummy(model, seed=0)
+    layer = model.model.layers[0].mlp.down_proj
+    x = torch.eye(layer.g_idx.shape[0])
+    w = layer(x, False)  # the dequantized weight, transposed
+    assert 0.015 < float(w.std()) < 0.025 and abs(float(w.mean())) < 0.005
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method,bits,act_order", [("awq", 4, False), ("gptq", 4, True),
+                                                   ("ct", 8, False)])
+def test_packed_checkpoints_match_hf_on_gpu(tiny_model: Callable[..., Path], tmp_path: Path,
+                                            method: str, bits: int, act_order: bool) -> None:
+    """float32 on CUDA with the packed kernels and decode graphs: Hugging Face's tokens on the
+    dequantized twin, at tp=1 (and tp=2 where two GPUs are)."""
+    quantized, dense = tmp_path / "int", tmp_path / "dense"
+    _write(tiny_model("llama"), quantized, dense, method, bits, act_order, shared_order=True)
+    prompts = mixed_prompts(3, seed=12, lengths=(5, 17, 30))
+    want = hf_greedy(dense, prompts, 12)
+    for tp in (1, 2)[:torch.cuda.device_count()]:
+        with LLM(str(quantized), dtype="float32", tp=tp, max_kv_tokens=2048,
+                 show_progress=False) as llm:
+            got = [o.token_ids for o in llm.generate(prompts, SamplingParams(
+                max_tokens=12, temperature=0.0, ignore_eos=True))]
+        assert got == want, tp
+
+
+@pytest.mark.gpu
+def test_dummy_awq_llama_8b_holds_a_quarter_of_the_bytes() -> None:
+    """Llama-3.1-8B's shape with dummy AWQ weights: the projections' packed bytes about a
+    quarter of their bf16 bytes (plus scales), and it generates."""
+    import json
+    import tempfile
+    config = Path(__file__).resolve().parent.parent / "configs" / "models" / "llama-3.1-8b"
+    cfg = json.loads((config / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128,
+                                  "zero_point": True, "version": "gemm"}
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(cfg))
+        with LLM(tmp, load_format="dummy", max_kv_tokens=8192, show_progress=False) as llm:
+            out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True))
+            layers = _projections(llm.engine.model)  # type: ignore[attr-defined]
+            held = sum(b.numel() * b.element_size() for _, m in layers for b in m.buffers())
+            dense = sum(m.qweight.numel() * 8 * 2 for _, m in layers)
+    assert len(out[0].token_ids) == 8
+    assert 0.25 < held / dense < 0.30, held / dense
