@@ -25,6 +25,13 @@ if [ "$MODE" = newtests ]; then  # the thirty-first session's GPU cases, first o
   # the thirty-third session's FP8 experts (W8A8 fused MoE; dummy Qwen3-30B-A3B online and
   # in 128 x 128 blocks)
   step fp8_moe_tests 300 python3 -m pytest -q -m gpu tests/test_fp8_moe.py
+  # and its packed AWQ / GPTQ weights (the int_mm kernel on CUDA; HF's tokens in float32)
+  step int_packed_tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_int_packed.py
+fi
+if [ "$MODE" = int4 ]; then  # packed 4-bit weights: Llama-3.1-8B's shape in bf16 and dummy AWQ
+  step latency_8b_bf16 300 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --steps 50
+  step latency_8b_awq 300 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b-awq --steps 50
+  step offline_8b_awq 400 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b-awq --load-format dummy
 fi
 if [ "$MODE" = kernels ]; then  # attention tiles, batch-1 projections, prefill GEMMs
   step kernels_8b 300 python3 scripts/bench_kernels.py --model configs/models/llama-3.1-8b

@@ -162,20 +162,14 @@ def test_packed_checkpoints_match_hf_on_gpu(tiny_model: Callable[..., Path], tmp
 
 @pytest.mark.gpu
 def test_dummy_awq_llama_8b_holds_a_quarter_of_the_bytes() -> None:
-    """Llama-3.1-8B's shape with dummy AWQ weights: the projections' packed bytes about a
-    quarter of their bf16 bytes (plus scales), and it generates."""
-    import json
-    import tempfile
-    config = Path(__file__).resolve().parent.parent / "configs" / "models" / "llama-3.1-8b"
-    cfg = json.loads((config / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128,
-                                  "zero_point": True, "version": "gemm"}
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(cfg))
-        with LLM(tmp, load_format="dummy", max_kv_tokens=8192, show_progress=False) as llm:
-            out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True))
-            layers = _projections(llm.engine.model)  # type: ignore[attr-defined]
-            held = sum(b.numel() * b.element_size() for _, m in layers for b in m.buffers())
-            dense = sum(m.qweight.numel() * 8 * 2 for _, m in layers)
+    """Llama-3.1-8B's shape with dummy AWQ weights (configs/models/llama-3.1-8b-awq): the
+    projections' packed bytes about a quarter of their bf16 bytes (plus scales), and it
+    generates."""
+    config = Path(__file__).resolve().parent.parent / "configs" / "models" / "llama-3.1-8b-awq"
+    with LLM(str(config), load_format="dummy", max_kv_tokens=8192, show_progress=False) as llm:
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True))
+        layers = _projections(llm.engine.model)  # type: ignore[attr-defined]
+        held = sum(b.numel() * b.element_size() for _, m in layers for b in m.buffers())
+        dense = sum(m.qweight.numel() * 8 * 2 for _, m in layers)
     assert len(out[0].token_ids) == 8
     assert 0.25 < held / dense < 0.30, held / dense
