@@ -216,7 +216,7 @@ def test_bad_constraints_are_400_naming_the_field(server: Server, client: openai
 
 
 # --- offline: tp=3 against tp=1, lockstep at tp=2, mixed batches, bad input ----------------------
-TP3_SCHEMAS = [SCHEMAS[i] for i in (0, 3, 4, 11, 19)]
+TP3_SCHEMAS = [SCHEMAS[i] for i in (0, 11, 19)]
 
 
 def test_tp3_equals_tp1_and_hf(schema_answers: Dict[Tuple[str, bool], str],
@@ -227,7 +227,7 @@ def test_tp3_equals_tp1_and_hf(schema_answers: Dict[Tuple[str, bool], str],
     params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                              structured=StructuredOutput("json", json.dumps(schema)))
               for _, schema in TP3_SCHEMAS]
-    prompts = mixed_prompts(8, seed=4, lengths=(2, 9, 40, 75))
+    prompts = mixed_prompts(4, seed=4, lengths=(2, 9, 40, 75))
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     with LLM(None, device="cpu", tp=3, max_kv_tokens=4096, page_size=4, check_lockstep=True,
              show_progress=False) as llm:
