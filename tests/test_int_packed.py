@@ -4,7 +4,8 @@ layers/packed.py, kernels/int_mm.py, models/int_plan.py).
 The kernel equals the dequantized product through Triton's interpreter (4 and 8 bits, groups in
 order and permuted, inputs not a whole number of words or tiles). Every projection of a tiny
 Llama in each format, packed as each rank of tp=2 packs its share, gives the product of the
-dense layer the CPU dequantizes from the same checkpoint. The plan keeps fused layers whose
+dense layer the CPU dequantizes from the same checkpoint; so do a tiny Qwen3-MoE's packed
+experts through the fused grouped GEMMs. The plan keeps fused layers whose
 act-order permutations differ dense. On a GPU: Hugging Face's greedy tokens in float32, and the
 weights' memory a quarter of the 16-bit model's.
 """
@@ -111,6 +112,34 @@ def test_packed_projections_equal_the_dequantized_ones(
                                        atol=1e-5, msg=f"{method} rank {rank} {name}")
 
 
+@pytest.mark.parametrize("method,act_order", [("awq", False), ("gptq", True)])
+def test_packed_moe_experts_equal_the_dequantized_ones(
+        tiny_model: Callable[..., Path], tmp_path: Path, method: str, act_order: bool) -> None:
+    """A tiny Qwen3-MoE whose experts are quantized too: each rank of tp=2 packs its slice of
+    every expert (gate/up columns side by side, down's inputs with their groups); the fused
+    grouped GEMMs over the packed experts equal the dense experts' torch path, and the
+    layer's own torch path (each expert dequantized) does too."""
+    from minisgl.kernels import moe
+    from minisgl.kernels.types import GemmTiles, MoETiles
+    from minisgl.layers.moe import experts_torch, route
+    path = tmp_path / "int"
+    _write(tiny_model("qwen3_moe"), path, tmp_path / "dense", method, 4, act_order,
+           shared_order=True)
+    g = torch.Generator().manual_seed(1)
+    tiles = MoETiles(16, GemmTiles(16, 32, 4, 2), GemmTiles(32, 16, 4, 2, group_m=2))
+    for rank in range(2):
+        packed_model, dense_model = _models(path, rank, 2)
+        layer, dense = packed_model.model.layers[0].mlp, dense_model.model.layers[0].mlp
+        gemms = layer.experts.packed_gemms()
+        assert gemms is not None and not hasattr(layer.experts, "w13")
+        x = torch.randn(9, 64, generator=g)
+        topk = route(torch.randn(9, 8, generator=g), 2, True)
+        want = experts_torch(x, topk, dense.experts.w13, dense.experts.w2)
+        got = moe.fused_packed_experts(x, moe.routing_of(*topk, 8), *gemms, tiles)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.partial(x), dense.partial(x), rtol=1e-5, atol=1e-5)
+
+
 def test_act_order_parts_that_disagree_stay_dense(tiny_model: Callable[..., Path],
                                                   tmp_path: Path) -> None:
     """q, k, v (and gate, up) each with its own permutation cannot share one packed layer's
@@ -142,14 +171,16 @@ def test_dummy_packed_weights(tiny_model: Callable[..., Path], tmp_path: Path) -
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method,bits,act_order", [("awq", 4, False), ("gptq", 4, True),
-                                                   ("ct", 8, False)])
+@pytest.mark.parametrize("family,method,bits,act_order", [
+    ("llama", "awq", 4, False), ("llama", "gptq", 4, True), ("llama", "ct", 8, False),
+    ("qwen3_moe", "gptq", 4, True)])
 def test_packed_checkpoints_match_hf_on_gpu(tiny_model: Callable[..., Path], tmp_path: Path,
-                                            method: str, bits: int, act_order: bool) -> None:
-    """float32 on CUDA with the packed kernels and decode graphs: Hugging Face's tokens on the
-    dequantized twin, at tp=1 (and tp=2 where two GPUs are)."""
+                                            family: str, method: str, bits: int,
+                                            act_order: bool) -> None:
+    """float32 on CUDA with the packed kernels (experts too) and decode graphs: Hugging
+    Face's tokens on the dequantized twin, at tp=1 (and tp=2 where two GPUs are)."""
     quantized, dense = tmp_path / "int", tmp_path / "dense"
-    _write(tiny_model("llama"), quantized, dense, method, bits, act_order, shared_order=True)
+    _write(tiny_model(family), quantized, dense, method, bits, act_order, shared_order=True)
     prompts = mixed_prompts(3, seed=12, lengths=(5, 17, 30))
     want = hf_greedy(dense, prompts, 12)
     for tp in (1, 2)[:torch.cuda.device_count()]:

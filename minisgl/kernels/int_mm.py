@@ -81,6 +81,24 @@ def _int_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, m, n, k
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+def check_packed(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 zeros: torch.Tensor, g_idx: torch.Tensor, bits: int,
+                 experts: Optional[int] = None) -> None:
+    """ValueError naming the shapes unless x [M, K] (dense rows) and the packed operands fit
+    together (see the module's docstring; `experts`: each with a leading [E] of them)."""
+    k = x.shape[1]
+    lead = () if experts is None else (experts,)
+    n, groups = qweight.shape[-1], scales.shape[-2]
+    words = -(-k // (32 // bits)) if bits in (4, 8) else -1
+    shapes = [tuple(t.shape) for t in (qweight, scales, zeros, g_idx)]
+    want = [(*lead, words, n), (*lead, groups, n), (*lead, groups, n), (*lead, k)]
+    dense = all(t.is_contiguous() for t in (qweight, scales, zeros, g_idx))
+    if shapes != want or qweight.dtype != torch.int32 or x.stride(1) != 1 or not dense:
+        raise ValueError(f"x {tuple(x.shape)} (strides {x.stride()}) by {bits}-bit packed "
+                         f"weights wants dense qweight (int32), scales, zeros, g_idx of shapes "
+                         f"{want}; got {qweight.dtype} {shapes}")
+
+
 def int_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
            g_idx: torch.Tensor, bits: int, bias: Optional[torch.Tensor] = None,
            tiles: Optional[IntTiles] = None) -> torch.Tensor:
@@ -88,18 +106,7 @@ def int_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     [M, N] in x's dtype. ValueError naming the shapes where the parts do not fit."""
     m, k = x.shape
     n = qweight.shape[1]
-    per_word = 32 // bits
-    groups = scales.shape[0]
-    if (bits not in (4, 8) or qweight.dtype != torch.int32
-            or tuple(qweight.shape) != (triton.cdiv(k, per_word), n)
-            or tuple(scales.shape) != (groups, n) or tuple(zeros.shape) != (groups, n)
-            or tuple(g_idx.shape) != (k,) or x.stride(1) != 1 or not qweight.is_contiguous()
-            or not scales.is_contiguous() or not zeros.is_contiguous()):
-        raise ValueError(f"int_mm of x {tuple(x.shape)} (strides {x.stride()}) by {bits}-bit "
-                         f"weights wants qweight int32 [{triton.cdiv(k, per_word)}, N], scales "
-                         f"and zeros [G, N], g_idx [{k}], all dense; got {qweight.dtype} "
-                         f"{tuple(qweight.shape)}, {tuple(scales.shape)}, "
-                         f"{tuple(zeros.shape)}, {tuple(g_idx.shape)}")
+    check_packed(x, qweight, scales, zeros, g_idx, bits)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out

@@ -38,7 +38,8 @@ import triton.language as tl
 from minisgl.kernels.activation import silu_mul_f32
 from minisgl.kernels.dot import dot, f32_dot
 from minisgl.kernels.fp8 import Quantized, quantize_groups, quantize_tokens
-from minisgl.kernels.types import FP8, ExpertScales, GemmTiles, MoETiles
+from minisgl.kernels.int_mm import check_packed
+from minisgl.kernels.types import FP8, ExpertScales, GemmTiles, MoETiles, PackedGemm
 
 _COUNT_BLOCK = 1024  # pairs per program of the count and scatter kernels
 _OFFSETS_CHUNK = 128  # blocks (and sentinel stores / 8) per step of the one offsets program
@@ -215,6 +216,44 @@ def align(routing: Routing, block_m: int) -> Aligned:
 
 
 @triton.jit
+def _block_pid(n, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row block, column block) of this program: GROUP_M row blocks sweep the output
+    features together (L2 reuse of the weights)."""
+    pid = tl.program_id(0)
+    blocks_m = tl.num_programs(0) // tl.cdiv(n, BLOCK_N)
+    blocks_n = tl.cdiv(n, BLOCK_N)
+    group = pid // (GROUP_M * blocks_n)
+    first_m = group * GROUP_M
+    group_size = tl.minimum(blocks_m - first_m, GROUP_M)
+    return (first_m + (pid % (GROUP_M * blocks_n)) % group_size,
+            (pid % (GROUP_M * blocks_n)) // group_size)
+
+
+@triton.jit
+def _block_rows(sorted_ptr, expert_ids_ptr, pid_m, pid_n, pairs, n, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """The block's pairs (int64; `live` where not padding), its expert, its output columns
+    and which of them exist."""
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return (pair.to(tl.int64), pair < pairs, tl.load(expert_ids_ptr + pid_m).to(tl.int64),
+            cols, cols < n)
+
+
+@triton.jit
+def _finish_block(acc, acc_up, c_ptr, weights_ptr, pair, live, cols, col_ok, stride_cm,
+                  GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr):
+    """The block's epilogue: silu(gate) * up where GATED, the routing weight where
+    MUL_WEIGHT, stored at the pairs' rows."""
+    if GATED:
+        acc = silu_mul_f32(acc, acc_up)
+    if MUL_WEIGHT:
+        acc *= tl.load(weights_ptr + pair, mask=live, other=0.0)[:, None]
+    tl.store(c_ptr + pair[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=live[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ptr, expert_ids_ptr,
                          total_ptr, as_ptr, ws_ptr, pairs, n, k, stride_am, stride_we,
                          stride_wn, stride_cm, stride_as, stride_se, stride_sn, up_rows,
@@ -231,23 +270,12 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ptr, expert_id
     per row and K tile (as[row, kt]) and W per GROUP_N rows and K tile (ws[expert, r //
     GROUP_N, kt]; BLOCK_K is the block's width), applied to each tile's product. The up
     projection's scales start `up_rows` scale rows after the gate's."""
-    pid = tl.program_id(0)
-    blocks_m = tl.num_programs(0) // tl.cdiv(n, BLOCK_N)
-    blocks_n = tl.cdiv(n, BLOCK_N)
-    group = pid // (GROUP_M * blocks_n)
-    first_m = group * GROUP_M
-    group_size = tl.minimum(blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * blocks_n)) % group_size
-    pid_n = (pid % (GROUP_M * blocks_n)) // group_size
+    pid_m, pid_n = _block_pid(n, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
         return
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    live = pair < pairs
-    pair = pair.to(tl.int64)
+    pair, live, expert, cols, col_ok = _block_rows(sorted_ptr, expert_ids_ptr, pid_m, pid_n,
+                                                   pairs, n, BLOCK_M, BLOCK_N)
     a_rows = pair // A_ROW_DIV
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n
     red = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + red[None, :]
     w_ptrs = w_ptr + expert * stride_we + cols.to(tl.int64)[None, :] * stride_wn + red[:, None]
@@ -280,12 +308,63 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ptr, expert_id
         acc *= a_s * tl.load(s_gate, mask=col_ok, other=0.0)[None, :]
         if GATED:
             acc_up *= a_s * tl.load(s_up, mask=col_ok, other=0.0)[None, :]
-    if GATED:
-        acc = silu_mul_f32(acc, acc_up)
-    if MUL_WEIGHT:
-        acc *= tl.load(weights_ptr + pair, mask=live, other=0.0)[:, None]
-    tl.store(c_ptr + pair[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=live[:, None] & col_ok[None, :])
+    _finish_block(acc, acc_up, c_ptr, weights_ptr, pair, live, cols, col_ok, stride_cm, GATED,
+                  MUL_WEIGHT)
+
+
+@triton.jit
+def _int_tile(q_ptr, s_ptr, z_ptr, kk, groups, cols, mask, stride_qk, stride_sg,
+              BITS: tl.constexpr, dtype: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] tile of packed integer weights (inputs kk of columns cols, each
+    input's group in `groups`), dequantized in float32 and rounded to `dtype`."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    words = tl.load(q_ptr + (kk // PER_WORD).to(tl.int64)[:, None] * stride_qk + cols[None, :],
+                    mask=mask, other=0)
+    q = (words >> ((kk % PER_WORD) * BITS)[:, None]) & ((1 << BITS) - 1)
+    at = groups[:, None] * stride_sg + cols[None, :]
+    s = tl.load(s_ptr + at, mask=mask, other=0.0)
+    z = tl.load(z_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    return ((q.to(tl.float32) - z) * s).to(dtype)
+
+
+@triton.jit
+def _grouped_int_gemm_kernel(a_ptr, q_ptr, s_ptr, z_ptr, g_ptr, c_ptr, weights_ptr,
+                             sorted_ptr, expert_ids_ptr, total_ptr, pairs, n, k, stride_am,
+                             stride_qe, stride_qk, stride_se, stride_sg, stride_cm,
+                             A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
+                             MUL_WEIGHT: tl.constexpr, F32_DOT: tl.constexpr,
+                             BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """`_grouped_gemm_kernel` over packed integer experts (layers/experts.py's layout, that of
+    kernels/int_mm.py per expert): q [E, K / P, n or 2n] int32, scales and zeros [E, G, n or
+    2n], g [E, K] each input's group; with GATED the up projection's columns follow the
+    gate's."""
+    pid_m, pid_n = _block_pid(n, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    pair, live, expert, cols, col_ok = _block_rows(sorted_ptr, expert_ids_ptr, pid_m, pid_n,
+                                                   pairs, n, BLOCK_M, BLOCK_N)
+    red = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (pair // A_ROW_DIV)[:, None] * stride_am + red[None, :]
+    q_ptr += expert * stride_qe
+    s_ptr += expert * stride_se
+    z_ptr += expert * stride_se
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        kk = k0 + red
+        in_k = kk < k
+        a = tl.load(a_ptrs, mask=live[:, None] & in_k[None, :], other=0.0)
+        w_mask = in_k[:, None] & col_ok[None, :]
+        groups = tl.load(g_ptr + expert * k + kk, mask=in_k, other=0).to(tl.int64)
+        acc += dot(a, _int_tile(q_ptr, s_ptr, z_ptr, kk, groups, cols, w_mask, stride_qk,
+                                stride_sg, BITS, a.dtype), F32_DOT)
+        if GATED:
+            acc_up += dot(a, _int_tile(q_ptr, s_ptr, z_ptr, kk, groups, cols + n, w_mask,
+                                       stride_qk, stride_sg, BITS, a.dtype), F32_DOT)
+        a_ptrs += BLOCK_K
+    _finish_block(acc, acc_up, c_ptr, weights_ptr, pair, live, cols, col_ok, stride_cm, GATED,
+                  MUL_WEIGHT)
 
 
 def fit_shared_memory(tiles: GemmTiles, dtype: torch.dtype) -> GemmTiles:
@@ -366,6 +445,43 @@ def grouped_gemm(a: Union[torch.Tensor, Quantized], w: torch.Tensor, aligned: Al
         BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     return out
+
+
+def grouped_int_gemm(a: torch.Tensor, w: PackedGemm, aligned: Aligned, pairs: int,
+                     a_row_div: int, tiles: GemmTiles, gated: bool,
+                     weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`grouped_gemm` over packed integer experts: [pairs, n] in a's dtype."""
+    cols = w.qweight.shape[2]
+    n = cols // 2 if gated else cols
+    k = a.shape[1]
+    check_packed(a, w.qweight, w.scales, w.zeros, w.g_idx, w.bits, experts=w.qweight.shape[0])
+    out = torch.empty((pairs, n), dtype=a.dtype, device=a.device)
+    if pairs == 0:
+        return out
+    tiles = fit_shared_memory(tiles, a.dtype)
+    grid = (aligned.expert_ids.numel() * triton.cdiv(n, tiles.block_n),)
+    _grouped_int_gemm_kernel[grid](
+        a, w.qweight, w.scales, w.zeros, w.g_idx, out, weights if weights is not None else out,
+        aligned.sorted_ids, aligned.expert_ids, aligned.total, pairs, n, k, a.stride(0),
+        w.qweight.stride(0), w.qweight.stride(1), w.scales.stride(0), w.scales.stride(1),
+        out.stride(0), A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=weights is not None,
+        F32_DOT=f32_dot(a), BITS=w.bits, BLOCK_M=aligned.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
+    return out
+
+
+def fused_packed_experts(x: torch.Tensor, routing: Routing, w13: PackedGemm, w2: PackedGemm,
+                         tiles: Optional[MoETiles] = None) -> torch.Tensor:
+    """`fused_experts` over packed integer experts (weight-only: x stays in its dtype)."""
+    m, top_k = routing.ids.shape
+    tiles = tiles or moe_tiles(m, top_k, w13.qweight.shape[0])
+    aligned = align(routing, tiles.block_m)
+    pairs = m * top_k
+    act = grouped_int_gemm(x, w13, aligned, pairs, top_k, tiles.gate_up, gated=True)
+    out = grouped_int_gemm(act, w2, aligned, pairs, 1, tiles.down, gated=False,
+                           weights=routing.weights)
+    return out.view(m, top_k, -1).sum(dim=1)
 
 
 def _quantize(x: torch.Tensor, block: Optional[Tuple[int, int]],

@@ -125,6 +125,19 @@ class ExpertScales(NamedTuple):
     w2_input: Optional[torch.Tensor] = None
 
 
+class PackedGemm(NamedTuple):
+    """One grouped GEMM's packed integer experts (layers/experts.Experts lays them out,
+    kernels/moe.py reads them; per expert the layout of kernels/int_mm.py): w[e][n, k] =
+    (q - zeros[e, g[e, k], n]) * scales[e, g[e, k], n], q at bits (k % P) * bits of word
+    qweight[e, k // P, n], P = 32 / bits. A gated GEMM's columns: the gate's, then up's."""
+
+    qweight: torch.Tensor  # [E, ceil(K / P), N] int32
+    scales: torch.Tensor  # [E, G, N] float32
+    zeros: torch.Tensor  # [E, G, N] float16
+    g_idx: torch.Tensor  # [E, K] int32
+    bits: int
+
+
 class PeerBuffers(NamedTuple):
     """Where the fused all-reduce kernel (kernels/allreduce.py) finds every rank's buffer, as
     this process maps them.

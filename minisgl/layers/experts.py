@@ -13,19 +13,25 @@ activations, w13_input_scale and w2_input_scale [1] hold the largest of the expe
 vLLM takes them: one quantization of a token serves every expert it is routed to). Online
 quantization takes each slice per output row as it loads. Where the spec is weight-only (the
 CPU) `dequantize_fp8` turns them back into dense weights once loaded.
+
+With a `PackedSpec` (AWQ / GPTQ experts on the GPU) they hold, per GEMM, each expert's packed
+integers in layers/packed.py's layout (kernels/types.PackedGemm), each rank its slice: w13's
+columns (gate's, then up's) and w2's inputs with the groups they use.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
 
 from minisgl.distributed import DistributedInfo, Shard
-from minisgl.kernels.types import FP8, ExpertScales
-from minisgl.layers import fp8
+from minisgl.kernels.types import FP8, ExpertScales, PackedGemm
+from minisgl.layers import fp8, packed
 from minisgl.layers.fp8 import Fp8Spec, Part
+from minisgl.layers.packed import PackedSpec
 from minisgl.layers.source import TensorSource, copy_into
 
 # checkpoint name of an expert's projection -> (our weight, its place in the expert's shards)
@@ -60,29 +66,88 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
+@dataclass
+class _PackedView:
+    """One expert's packed tensors for one GEMM (views of the experts' buffers), as
+    layers/packed.py loads, fills and dequantizes a linear layer's."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    g_idx: torch.Tensor
+    groups_loaded: bool = False
+
+
 class Experts(nn.Module):
     """This rank's slice of every routed expert (see the module's docstring for the layout).
     `fp8`: FP8 weights in that format; None: dense (and after a weight-only `dequantize_fp8`).
+    `packed`: the checkpoint's integers kept packed (the GPU; see `packed_gemms`).
     ValueError naming the numbers where a tp split would cut the spec's blocks."""
 
     w13_weight_scale: torch.Tensor
     w2_weight_scale: torch.Tensor
     w13_input_scale: torch.Tensor
     w2_input_scale: torch.Tensor
+    # packed (`_make_packed`): per GEMM (13, 2) qweight, scales, zeros, g_idx
+    q13: torch.Tensor
+    s13: torch.Tensor
+    z13: torch.Tensor
+    g13: torch.Tensor
+    q2: torch.Tensor
+    s2: torch.Tensor
+    z2: torch.Tensor
+    g2: torch.Tensor
 
     def __init__(self, shape: ExpertsShape, info: DistributedInfo,
-                 fp8_spec: Optional[Fp8Spec] = None) -> None:
+                 fp8_spec: Optional[Fp8Spec] = None, packed: Optional[PackedSpec] = None
+                 ) -> None:
         super().__init__()
         e, h, i = shape
         self.shard = info.shard(i, "expert intermediate features")
         self.intermediate = i
         self.fp8 = fp8_spec
+        self.packed = packed
         local = self.shard.size
+        if packed is not None:
+            if fp8_spec is not None:
+                raise ValueError("experts' weights are FP8 or packed integers, not both")
+            self._make_packed(packed, shape)
+            return
         dtype = FP8 if fp8_spec is not None else None
         self.w13 = _param(torch.empty(e, 2 * local, h, dtype=dtype))
         self.w2 = _param(torch.empty(e, h, local, dtype=dtype))
         if fp8_spec is not None:
             self._make_scales(fp8_spec, shape, info.size)
+
+    @property
+    def checkpoint_params(self) -> Tuple[str, ...]:
+        """What the loader fills (packed buffers take the checkpoint's w13 / w2 tensors)."""
+        return ("w13", "w2")
+
+    def _make_packed(self, spec: PackedSpec, shape: ExpertsShape) -> None:
+        """Buffers per GEMM (kernels/types.PackedGemm): w13's columns the gate's, then up's."""
+        e, h, i = shape
+        local = self.shard.size
+        for name, k, n, groups in (("13", h, 2 * local, spec.groups(h, Shard(0, h))),
+                                   ("2", local, h, spec.groups(i, self.shard))):
+            self.register_buffer("q" + name, torch.zeros(e, -(-k // spec.per_word), n,
+                                                         dtype=torch.int32))
+            self.register_buffer("s" + name, torch.zeros(e, groups, n, dtype=torch.float32))
+            self.register_buffer("z" + name, torch.zeros(e, groups, n, dtype=torch.float16))
+            self.register_buffer("g" + name, torch.zeros(e, k, dtype=torch.int32))
+        self.loaded13 = [False] * e  # each expert's w13 groups set by its first part
+
+    def _view(self, gemm: str, expert: int) -> _PackedView:
+        q, s, z, g = (getattr(self, t + gemm)[expert] for t in "qszg")
+        return _PackedView(q, s, z, g, gemm == "13" and self.loaded13[expert])
+
+    def packed_gemms(self) -> Optional[Tuple[PackedGemm, PackedGemm]]:
+        """The packed experts' two GEMMs for the fused kernels; None unless packed."""
+        if self.packed is None:
+            return None
+        bits = self.packed.bits
+        return (PackedGemm(self.q13, self.s13, self.z13, self.g13, bits),
+                PackedGemm(self.q2, self.s2, self.z2, self.g2, bits))
 
     def _make_scales(self, spec: Fp8Spec, shape: ExpertsShape, tp: int) -> None:
         e, h, i = shape
@@ -118,7 +183,12 @@ class Experts(nn.Module):
 
     def dense(self, expert: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Expert `expert`'s (w13, w2) in the compute dtype: the weights as they are, or FP8
-        ones dequantized (the torch path's FP8 experts, one expert at a time)."""
+        or packed ones dequantized (the torch path, one expert at a time)."""
+        if self.packed is not None:  # float32: the caller rounds to its dtype
+            return (packed.dequantize(self._view("13", expert), self.packed.bits,
+                                      torch.float32),
+                    packed.dequantize(self._view("2", expert), self.packed.bits,
+                                      torch.float32))
         if self.fp8 is None:
             return self.w13[expert], self.w2[expert]
         w13 = self.w13[expert].view(2, -1, self.w13.shape[-1])
@@ -136,7 +206,13 @@ class Experts(nn.Module):
         what = f"{param}[{expert}]" + (f"[{half}]" if param.startswith("w13") else "")
         s = self.shard
         spec = self.fp8
-        if param in ("w13", "w2"):
+        if self.packed is not None and param == "w13":
+            view = self._view("13", expert)
+            packed.load_columns(view, self.packed, src, s.start, s.stop, half * s.size, what)
+            self.loaded13[expert] = view.groups_loaded
+        elif self.packed is not None and param == "w2":
+            packed.load_rows(self._view("2", expert), self.packed, src, s.start, s.stop, what)
+        elif param in ("w13", "w2"):
             rows = (self.w13.data[expert, half * s.size:(half + 1) * s.size] if param == "w13"
                     else self.w2.data[expert])
             part = src.read(0, s.start, s.stop) if param == "w13" else src.read(1, s.start,
@@ -185,8 +261,13 @@ class Experts(nn.Module):
 
     @torch.no_grad()
     def fill_quantized_random(self, gen: torch.Generator, std: float) -> None:
-        """Random FP8 experts (normal, `std`), quantized as the spec lays out their scales;
-        static activation scales that hold values up to 8."""
+        """Random FP8 experts (normal, `std`), quantized as the spec lays out their scales,
+        static activation scales that hold values up to 8; or random packed integers."""
+        if self.packed is not None:
+            for e in range(self.q13.shape[0]):
+                for gemm in ("13", "2"):
+                    packed.fill_random(self._view(gemm, e), self.packed, gen, std)
+            return
         spec = self.fp8
         if spec is None:
             return

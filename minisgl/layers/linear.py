@@ -142,6 +142,11 @@ class _Fp8Layer(nn.Module):
         elif self.packed is not None:
             packed_weights.fill_random(self, self.packed, gen, std)
 
+    @property
+    def checkpoint_params(self) -> Tuple[str, ...]:
+        """What the loader fills (packed buffers take the checkpoint's one weight)."""
+        return ("weight",)
+
     def packed_weight(self) -> Optional[PackedWeight]:
         """The packed integers the layer multiplies by; None where it holds none."""
         if self.packed is None:

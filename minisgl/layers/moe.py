@@ -32,6 +32,7 @@ from minisgl.layers.fp8 import Fp8Spec
 from minisgl.layers.linear import (ColumnParallelLinear, ReplicatedLinear, ResidualStream,
                                    RowParallelLinear, all_reduce_norm, finish_norm_quantized)
 from minisgl.layers.norm import RMSNorm
+from minisgl.layers.packed import PackedSpec
 
 if TYPE_CHECKING:  # kernels/fp8.py imports triton: only CUDA paths load it
     from minisgl.kernels.fp8 import Quantized
@@ -68,13 +69,24 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> TopK:
 ExpertWeights = Callable[[int], Tuple[torch.Tensor, torch.Tensor]]
 
 
-class MoEFp8(NamedTuple):
-    """The FP8 formats of a MoE layer's parts (None: dense): the routed experts, and the shared
-    expert's gate/up and down projections. The routers stay dense."""
+class MoEQuant(NamedTuple):
+    """The quantized formats of a MoE layer's parts (None: dense): FP8 or packed integers of
+    the routed experts and of the shared expert's gate/up and down projections. The routers
+    stay dense."""
 
     experts: Optional[Fp8Spec] = None
     shared_gate_up: Optional[Fp8Spec] = None
     shared_down: Optional[Fp8Spec] = None
+    experts_packed: Optional[PackedSpec] = None
+    shared_gate_up_packed: Optional[PackedSpec] = None
+    shared_down_packed: Optional[PackedSpec] = None
+
+
+def _weights(weights_of: ExpertWeights, expert: int, x: torch.Tensor
+             ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """An expert's weights in x's dtype (packed ones come dequantized in float32)."""
+    w13, w2 = weights_of(expert)
+    return w13.to(x.dtype), w2.to(x.dtype)
 
 
 def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -99,11 +111,12 @@ def experts_torch_by(x: torch.Tensor, topk: TopK, weights_of: ExpertWeights,
     if x.is_cuda:
         for e in range(num_experts):
             weight = (topk.weights * (topk.ids == e)).sum(dim=-1, keepdim=True)
-            out += (_expert(x, *weights_of(e)).float() * weight).to(x.dtype)
+            out += (_expert(x, *_weights(weights_of, e, x)).float() * weight).to(x.dtype)
         return out
     for e in torch.unique(topk.ids).tolist():
         token, choice = torch.where(topk.ids == e)
-        y = _expert(x[token], *weights_of(e)).float() * topk.weights[token, choice, None]
+        y = (_expert(x[token], *_weights(weights_of, e, x)).float()
+             * topk.weights[token, choice, None])
         out.index_add_(0, token, y.to(x.dtype))
     return out
 
@@ -113,13 +126,16 @@ class SharedExpert(nn.Module):
     rank's partial sum."""
 
     def __init__(self, hidden: int, intermediate: int, info: DistributedInfo,
-                 comm: Communicator, policy: KernelPolicy, fp8: MoEFp8 = MoEFp8()) -> None:
+                 comm: Communicator, policy: KernelPolicy, quant: MoEQuant = MoEQuant()
+                 ) -> None:
         super().__init__()
         self.policy = policy
         self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], False,
-                                                 info, policy, fp8=fp8.shared_gate_up)
+                                                 info, policy, fp8=quant.shared_gate_up,
+                                                 packed=quant.shared_gate_up_packed)
         self.down_proj = RowParallelLinear(intermediate, hidden, False, info, comm, policy,
-                                           fp8=fp8.shared_down)
+                                           fp8=quant.shared_down,
+                                           packed=quant.shared_down_packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.policy), reduce=False)
@@ -131,19 +147,19 @@ class SparseMoE(nn.Module):
     layer is its own reducer)."""
 
     def __init__(self, shape: MoEShape, info: DistributedInfo, comm: Communicator,
-                 policy: KernelPolicy = KernelPolicy(), fp8: MoEFp8 = MoEFp8()) -> None:
+                 policy: KernelPolicy = KernelPolicy(), quant: MoEQuant = MoEQuant()) -> None:
         super().__init__()
         self.shape = shape
         self.policy = policy
         self.comm = comm
         self.gate = ReplicatedLinear(shape.hidden, shape.num_experts, False)  # the router
         self.experts = Experts(ExpertsShape(shape.num_experts, shape.hidden, shape.intermediate),
-                               info, fp8.experts)
+                               info, quant.experts, quant.experts_packed)
         self.shared_expert: Optional[SharedExpert] = None
         self.shared_expert_gate: Optional[ReplicatedLinear] = None
         if shape.shared_intermediate:
             self.shared_expert = SharedExpert(shape.hidden, shape.shared_intermediate, info,
-                                              comm, policy, fp8)
+                                              comm, policy, quant)
             self.shared_expert_gate = ReplicatedLinear(shape.hidden, 1, False)
 
     def forward(self, stream: ResidualStream, norm: RMSNorm) -> ResidualStream:
@@ -154,7 +170,12 @@ class SparseMoE(nn.Module):
         """This rank's partial sum of the block's output on x [T, H]."""
         logits = self.gate(x)
         experts = self.experts
-        if self.policy.fused and x.is_cuda:
+        gemms = experts.packed_gemms()
+        if self.policy.fused and x.is_cuda and gemms is not None:
+            from minisgl.kernels import moe
+            out = moe.fused_packed_experts(
+                x, moe.route(logits, self.shape.top_k, self.shape.renormalize), *gemms)
+        elif self.policy.fused and x.is_cuda:
             from minisgl.kernels import moe
             out = moe.fused_moe(x, logits, experts.w13, experts.w2, self.shape.top_k,
                                 self.shape.renormalize, scales=experts.scales())

@@ -175,6 +175,21 @@ def load_rows(layer: PackedLayer, spec: PackedSpec, src: TensorSource, start: in
     layer.groups_loaded = True
 
 
+def unpack(qweight: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """`pack`'s inverse: [ceil(K / P), N] words -> [K, N] int32 values."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=qweight.device)
+    values = (qweight.unsqueeze(1) >> shifts.view(1, -1, 1)) & ((1 << bits) - 1)
+    return values.reshape(-1, qweight.shape[1])[:k]
+
+
+def dequantize(layer: PackedLayer, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """The dense weight [N, K] in `dtype` of packed tensors (computed in float32, rounded
+    once, as kernels/int_mm.py computes it)."""
+    values = unpack(layer.qweight, bits, layer.g_idx.shape[0]).float()
+    groups = layer.g_idx.long()
+    return ((values - layer.zeros.float()[groups]) * layer.scales[groups]).t().to(dtype)
+
+
 @torch.no_grad()
 def fill_random(layer: PackedLayer, spec: PackedSpec, gen: torch.Generator, std: float) -> None:
     """Random packed weights of about normal(0, `std`) values: uniform integers, zero points

@@ -44,7 +44,7 @@ from minisgl.layers.fp8 import SCALE_PARAMS, Fp8Spec, finish_loading
 from minisgl.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                    ResidualStream)
 from minisgl.layers.lora import LoraShape
-from minisgl.layers.moe import MoEFp8, MoEShape, SparseMoE
+from minisgl.layers.moe import MoEQuant, MoEShape, SparseMoE
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.packed import PackedSpec
 from minisgl.layers.rotary import RopeIndex, RotaryEmbedding
@@ -94,22 +94,34 @@ class Traits(NamedTuple):
         fused = self.fused_names.get(parts)
         return self.ints.spec_for(prefix, (fused,) if fused is not None else parts)
 
-    def moe_fp8(self, prefix: str) -> MoEFp8:
-        """The FP8 formats of MoE layer `prefix`'s parts, asked under the checkpoint's names
-        (Mixtral's block_sparse_moe.experts.N.w1): the routed experts have one format, that of
-        expert 0's projections, and ValueError where its gate/up and down differ."""
-        if self.quant is None:
-            return MoEFp8()
+    def moe_quant(self, prefix: str, num_experts: int) -> MoEQuant:
+        """The quantized formats of MoE layer `prefix`'s parts, asked under the checkpoint's
+        names (Mixtral's block_sparse_moe.experts.N.w1): the routed experts have one FP8
+        format, that of expert 0's projections (ValueError where its gate/up and down
+        differ), and are packed where every expert's projections are."""
         ours = f"{prefix}.experts.0".split(".")
         theirs = ".".join(self.checkpoint_names.get(p, p) for p in ours)
         gate, up, down = (self.checkpoint_names.get(p, p)
                           for p in ("gate_proj", "up_proj", "down_proj"))
-        gate_up = self.quant.spec_for(theirs, (gate, up))
-        if gate_up != self.quant.spec_for(theirs, (down,)):
-            raise ValueError(f"{theirs}: the checkpoint quantizes the experts' {gate}/{up} and "
-                             f"{down} differently; FP8 experts take one format")
-        return MoEFp8(gate_up, self.fp8(f"{prefix}.shared_expert", "gate_proj", "up_proj"),
-                      self.fp8(f"{prefix}.shared_expert", "down_proj"))
+        shared = f"{prefix}.shared_expert"
+        quant = MoEQuant()
+        if self.quant is not None:
+            gate_up = self.quant.spec_for(theirs, (gate, up))
+            if gate_up != self.quant.spec_for(theirs, (down,)):
+                raise ValueError(f"{theirs}: the checkpoint quantizes the experts' {gate}/{up} "
+                                 f"and {down} differently; FP8 experts take one format")
+            quant = quant._replace(experts=gate_up,
+                                   shared_gate_up=self.fp8(shared, "gate_proj", "up_proj"),
+                                   shared_down=self.fp8(shared, "down_proj"))
+        if self.ints is not None:
+            base = theirs.rpartition(".")[0]
+            packed = self.ints.spec_for(base, [f"{e}.{p}" for e in range(num_experts)
+                                               for p in (gate, up, down)])
+            quant = quant._replace(experts_packed=packed,
+                                   shared_gate_up_packed=self.packed(shared, "gate_proj",
+                                                                     "up_proj"),
+                                   shared_down_packed=self.packed(shared, "down_proj"))
+        return quant
 
 
 # checkpoint module name -> (our fused module, shard index)
@@ -297,7 +309,8 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = norm() if traits.sandwich_norms else None
         self.mlp: Union[MLP, SparseMoE] = (
             SparseMoE(moe_shape(cfg), info, comm, traits.policy,
-                      traits.moe_fp8(f"model.layers.{layer}.mlp")) if cfg.is_sparse(layer)
+                      traits.moe_quant(f"model.layers.{layer}.mlp", cfg.num_experts))
+            if cfg.is_sparse(layer)
             else MLP(cfg, info, comm, traits, f"model.layers.{layer}.mlp"))
 
     def forward(self, stream: ResidualStream, positions: torch.Tensor, batch: Batch,
@@ -330,8 +343,8 @@ def _check_has_tensor(name: str, module_name: str, module: nn.Module, param: str
     `load` takes the name as given (an RMSNorm would load a `bias` tensor into its weight)."""
     own = ({n for n, _ in module.named_parameters(recurse=False)}
            | {n for n, _ in module.named_buffers(recurse=False)})
-    if getattr(module, "packed", None) is not None:
-        own.add("weight")  # one checkpoint weight fills the packed buffers (layers/packed.py)
+    if getattr(module, "packed", None) is not None:  # checkpoint weights fill packed buffers
+        own.update(getattr(module, "checkpoint_params", ()))
     if param not in own:
         hint = (" (the config gives it none: attention_bias / mlp_bias)"
                 if param == "bias" and hasattr(module, "bias") else "")
@@ -479,7 +492,8 @@ class CausalLM(nn.Module):
                 raise ValueError(f"loading checkpoint tensor {name}: {e}") from None
             loaded.add(f"{module_name}.{param}")
         expected = {n for n, _ in self.named_parameters()} | {
-            f"{n}.weight" for n, m in self.named_modules() if getattr(m, "packed", None)}
+            f"{n}.{p}" for n, m in self.named_modules() if getattr(m, "packed", None)
+            for p in getattr(m, "checkpoint_params", ())}
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:4]}")
