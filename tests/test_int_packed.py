@@ -86,17 +86,19 @@ def _projections(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
 
 
-@pytest.mark.parametrize("method,bits,act_order,v2", [
-    ("awq", 4, False, False), ("gptq", 4, True, False), ("gptq", 8, False, True),
-    ("ct", 4, True, False)])
+@pytest.mark.parametrize("family,method,bits,act_order,v2", [
+    ("llama", "awq", 4, False, False), ("llama", "gptq", 4, True, False),
+    ("llama", "gptq", 8, False, True), ("llama", "ct", 4, True, False),
+    ("phi3", "awq", 4, False, False)])
 def test_packed_projections_equal_the_dequantized_ones(
-        tiny_model: Callable[..., Path], tmp_path: Path, method: str, bits: int,
+        tiny_model: Callable[..., Path], tmp_path: Path, family: str, method: str, bits: int,
         act_order: bool, v2: bool) -> None:
     """Each rank of tp=2 packs its share of every projection (QKV's and gate/up's parts side
-    by side, o's and down's inputs with the groups they use): its product equals the dense
+    by side, o's and down's inputs with the groups they use; Phi-3's checkpoint fuses them,
+    and each part's rows come out of the one packed tensor): its product equals the dense
     layer's of the same rank."""
     path = tmp_path / "int"
-    _write(tiny_model("llama"), path, tmp_path / "dense", method, bits, act_order, v2,
+    _write(tiny_model(family), path, tmp_path / "dense", method, bits, act_order, v2,
            shared_order=True)
     g = torch.Generator().manual_seed(0)
     for rank in range(2):
@@ -109,7 +111,7 @@ def test_packed_projections_equal_the_dequantized_ones(
             x = torch.randn(3, layer.g_idx.shape[0], generator=g)
             args = (x, False) if isinstance(layer, RowParallelLinear) else (x,)
             torch.testing.assert_close(layer(*args), dense[name](*args), rtol=1e-5,
-                                       atol=1e-5, msg=f"{method} rank {rank} {name}")
+                                       atol=1e-5, msg=f"{family} {method} {rank} {name}")
 
 
 @pytest.mark.parametrize("method,act_order", [("awq", False), ("gptq", True)])

@@ -25,7 +25,9 @@ from minisgl.models.int_quant import IntQuant
 from minisgl.models.int_weights import IntWeightSource
 
 GROUP = 16
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# (Phi-3's checkpoints fuse q/k/v into qkv_proj and gate/up into gate_up_proj.)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               "qkv_proj", "gate_up_proj")
 
 
 def _words(values: np.ndarray) -> torch.Tensor:
