@@ -38,12 +38,14 @@ from minisgl.message import AbortMsg, BatchTokenOut, SchedulerStats, ShutdownMsg
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.types import AccountingMsg, AccountingReply, AdapterMsg
 from minisgl.models import ModelConfig
+from minisgl.models.classifier import pair_score_error, probabilities, sigmoid
 from minisgl.models.generation import sampling_defaults
 from minisgl.models.lora_config import check_runtime_load
 from minisgl.models.path import resolve_model_path
 from minisgl.models.pooling import dimensions_error, paired_texts, pooling_refusal, shortened
-from minisgl.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
-                             GenerateOutput, ScoringOutput, ScoringRequestOutput)
+from minisgl.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput,
+                             EmbeddingOutput, EmbeddingRequestOutput, GenerateOutput,
+                             ScoringOutput, ScoringRequestOutput)
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.io import LocalIO
 from minisgl.scheduler.main import run_rank, set_cpu_threads
@@ -719,8 +721,12 @@ class LLM:
         last token, L2-normalized: vLLM's default pooling of a decoder model), in order. A
         prompt is text (special tokens added, as the tokenizer adds them) or token ids;
         `lora_request` as for `generate`; `pooling_params.dimensions` cuts a Matryoshka
-        model's embeddings (normalized again). ValueError for what cannot be served."""
+        model's embeddings (normalized again). ValueError for what cannot be served (a
+        classifier's embeddings among it)."""
         refusal = self._embedding_refusal
+        if self.model_config.classifier is not None:
+            refusal = (f"this model is a sequence classifier "
+                       f"({self.model_config.architecture}): use classify or score")
         dims = None if pooling_params is None else pooling_params.dimensions
         if refusal is None and dims is not None:
             refusal = dimensions_error(dims, self.model_config.matryoshka_dimensions,
@@ -728,6 +734,53 @@ class LLM:
         if refusal is not None:
             raise ValueError(refusal)
         ids = [self._encode(p) for p in _prompt_list(prompts)]
+        return [EmbeddingRequestOutput(rid, EmbeddingOutput(shortened(values, dims)), prompt)
+                for rid, values, prompt in self._pooled(ids, use_tqdm, lora_request)]
+
+    def classify(self, prompts: Union[Prompt, Sequence[Prompt]], *,
+                 use_tqdm: Optional[bool] = None, lora_request: LoraRequests = None
+                 ) -> List[ClassificationRequestOutput]:
+        """vLLM's `LLM.classify`: each prompt's label probabilities from a sequence
+        classification model (models/classifier.py), in order; prompts as for `embed`.
+        ValueError for a model without a classification head."""
+        if self.model_config.classifier is None:
+            raise ValueError(f"classify needs a sequence classification model; "
+                             f"{self.model_config.architecture} has no classification head")
+        ids = [self._encode(p) for p in _prompt_list(prompts)]
+        return [ClassificationRequestOutput(rid, ClassificationOutput(probabilities(values)),
+                                            prompt)
+                for rid, values, prompt in self._pooled(ids, use_tqdm, lora_request)]
+
+    def score(self, text_1: Union[str, Sequence[str]], text_2: Union[str, Sequence[str]], *,
+              use_tqdm: Optional[bool] = None, lora_request: LoraRequests = None
+              ) -> List[ScoringRequestOutput]:
+        """vLLM's `LLM.score`, pairs as vLLM forms them (one text_1 with each text_2, or two
+        lists of one length in order): a cross-encoder's (a one-label classifier: the
+        sigmoid of its logit on the pair, tokenized as the tokenizer pairs two texts), or an
+        embedding model's (the cosine similarity of the two embeddings). ValueError where
+        they do not pair, or for a classifier of several labels."""
+        firsts, seconds = paired_texts(text_1, text_2)
+        classifier = self.model_config.classifier
+        if classifier is not None:
+            refusal = pair_score_error(classifier)
+            if refusal is not None:
+                raise ValueError(refusal)
+            tokenizer = self._need_tokenizer()
+            ids = [list(tokenizer.encode(a, b, add_special_tokens=True))
+                   for a, b in zip(firsts, seconds)]
+            return [ScoringRequestOutput(rid, ScoringOutput(sigmoid(values[0])))
+                    for rid, values, _ in self._pooled(ids, use_tqdm, lora_request)]
+        texts = list(dict.fromkeys([*firsts, *seconds]))
+        vectors = {t: o.outputs.embedding for t, o in
+                   zip(texts, self.embed(texts, use_tqdm=use_tqdm, lora_request=lora_request))}
+        return [ScoringRequestOutput(str(i), ScoringOutput(
+            sum(x * y for x, y in zip(vectors[a], vectors[b])))) for i, (a, b)
+            in enumerate(zip(firsts, seconds))]
+
+    def _pooled(self, ids: List[List[int]], use_tqdm: Optional[bool],
+                lora_request: LoraRequests) -> List[Tuple[str, array, List[int]]]:
+        """(request id, pooled values, prompt) of each prompt run as an embedding request
+        (CausalLM.pooled: an embedding, or a classifier's logits), in order."""
         params = self._with_lora([SamplingParams(max_tokens=1, temperature=0.0, embed=True)]
                                  * len(ids), lora_request)
         collected = self._collected(ids, params, use_tqdm)
@@ -737,24 +790,8 @@ class LLM:
                 raise RuntimeError(f"request {k} ended without its embedding")
             values = array("f")
             values.frombytes(final.embedding)
-            out.append(EmbeddingRequestOutput(collected.request_ids[k],
-                                              EmbeddingOutput(shortened(values, dims)),
-                                              collected.prompts[k]))
+            out.append((collected.request_ids[k], values, collected.prompts[k]))
         return out
-
-    def score(self, text_1: Union[str, Sequence[str]], text_2: Union[str, Sequence[str]], *,
-              use_tqdm: Optional[bool] = None, lora_request: LoraRequests = None
-              ) -> List[ScoringRequestOutput]:
-        """vLLM's `LLM.score` of an embedding model: the cosine similarity of each pair's
-        embeddings, pairs as vLLM forms them (one text_1 with each text_2, or two lists of
-        one length in order); ValueError where they do not pair."""
-        firsts, seconds = paired_texts(text_1, text_2)
-        texts = list(dict.fromkeys([*firsts, *seconds]))
-        vectors = {t: o.outputs.embedding for t, o in
-                   zip(texts, self.embed(texts, use_tqdm=use_tqdm, lora_request=lora_request))}
-        return [ScoringRequestOutput(str(i), ScoringOutput(
-            sum(x * y for x, y in zip(vectors[a], vectors[b])))) for i, (a, b)
-            in enumerate(zip(firsts, seconds))]
 
     def _collected(self, prompts: List[List[int]], params: List[SamplingParams],
                    use_tqdm: Optional[bool]) -> "_Collected":

@@ -152,8 +152,29 @@ class EmbeddingRequestOutput:
 
 
 @dataclass(frozen=True)
+class ClassificationOutput:
+    """vLLM's `ClassificationOutput`: a prompt's label probabilities (softmax over two or more
+    labels, the sigmoid of one: models/classifier.probabilities)."""
+    probs: List[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(frozen=True)
+class ClassificationRequestOutput:
+    """vLLM's `ClassificationRequestOutput`: one per prompt of `LLM.classify`, in order."""
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: List[int]
+    finished: bool = True
+
+
+@dataclass(frozen=True)
 class ScoringOutput:
-    """vLLM's `ScoringOutput`: a pair's score (here the cosine similarity of embeddings)."""
+    """vLLM's `ScoringOutput`: a pair's score (the cosine similarity of an embedding model's
+    embeddings, or a one-label classifier's sigmoid on the pair: a cross-encoder)."""
     score: float
 
 

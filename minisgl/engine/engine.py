@@ -440,7 +440,8 @@ class Engine:
     def _forward_eager(self, batch: Batch, sampled: List[int],
                        embed: Tuple[int, ...] = ()) -> Forwarded:
         """The model on `batch`, eager; with `embed` (batch indices of sampled requests that
-        asked for embeddings), those requests' last hidden states normalized too."""
+        asked for embeddings), those requests' last hidden states pooled too (normalized, or a
+        classifier's logits: CausalLM.pooled)."""
         rows = to_device([batch.reqs[i].table_row for i in sampled], torch.int64, self.device)
         ids, positions = self._prepare_inputs(batch, rows)
         self.backend.prepare(batch)
@@ -455,7 +456,7 @@ class Engine:
         embeddings = None
         if embed and self.cfg.tp_info.is_primary:  # the hidden state is whole on every rank
             picked = to_device([sampled.index(i) for i in embed], torch.int64, self.device)
-            embeddings = torch.nn.functional.normalize(last[picked].float(), dim=-1)
+            embeddings = self.model.pooled(last[picked])
         plp = None if prompt is None else prompt_logprobs(self.model.lm_head, hidden, prompt,
                                                           self.cfg.tp_info.is_primary)
         return Forwarded(self.model.lm_head(last), rows, prompt, plp, embeddings, embed)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, Dict, Type
 
+from minisgl.models.classifier import CLASSIFIER_BASES
 from minisgl.models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -32,11 +33,14 @@ _MODULE_OF: Dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen",
     "SmolLM3ForCausalLM": "llama",
 }
-ARCHITECTURES = tuple(sorted(_MODULE_OF))
+ARCHITECTURES = tuple(sorted([*_MODULE_OF, *CLASSIFIER_BASES]))
 
 
 def model_class(architecture: str) -> Type[CausalLM]:
-    """The class serving `architecture`; ValueError naming the supported ones otherwise."""
+    """The class serving `architecture` (a sequence classifier: its causal LM's, which builds
+    the head its ModelConfig.classifier describes); ValueError naming the supported ones
+    otherwise."""
+    architecture = CLASSIFIER_BASES.get(architecture, architecture)
     if architecture not in _MODULE_OF:
         raise ValueError(f"unsupported architecture {architecture!r}; "
                          f"supported: {', '.join(ARCHITECTURES)}")

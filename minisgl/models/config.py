@@ -33,12 +33,14 @@ decides) attend only to their window's last tokens, which the attention backends
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from minisgl.distributed.info import check_head_split
 from minisgl.models.checkpoint_quant import CheckpointQuant, parse_quantization
+from minisgl.models.classifier import (CLASSIFIER_BASES, Classifier, parse_classifier,
+                                       with_token_ids)
 from minisgl.models.int_quant import IntQuant, parse_int_quant
 
 # The rope scalings layers/rotary.py implements.
@@ -167,6 +169,8 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: Optional[float] = None
     logits_scaling: float = 1.0
+    # A sequence classification head (models/classifier.py; None: a causal LM)
+    classifier: Optional[Classifier] = None
 
     def __post_init__(self) -> None:
         if self.hidden_act not in HIDDEN_ACTS:
@@ -296,7 +300,8 @@ class ModelConfig:
             if isinstance(cfg.get("text_config"), dict):
                 cfg["text_config"] = {**cfg["text_config"], **overrides}
         declared = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        arch = _TEXT_FAMILY.get(declared, declared)  # the family a decoder's fields follow
+        # the family a decoder's fields follow
+        arch = _TEXT_FAMILY.get(declared) or CLASSIFIER_BASES.get(declared) or declared
         if declared in _TEXT_FAMILY:
             cfg = _text_decoder(cfg)
         cfg = {**_FAMILY_DEFAULTS.get(arch, {}), **cfg}
@@ -348,6 +353,7 @@ class ModelConfig:
             rotary_interleaved=arch == "Glm4ForCausalLM",
             **_granite_fields(cfg, arch),
             **_moe_fields(cfg, arch),
+            classifier=parse_classifier(cfg, declared),
         )
 
     @classmethod
@@ -362,10 +368,13 @@ class ModelConfig:
         gen_file = config_file.parent / "generation_config.json"
         gen = json.loads(gen_file.read_text()) if gen_file.is_file() else None
         try:
-            return cls.from_dict(cfg, gen, overrides)
+            model = cls.from_dict(cfg, gen, overrides)
         except KeyError as e:  # a bare KeyError says only the key
             raise ValueError(f"{config_file} has no {e.args[0]!r}, which a model's config "
                              f"needs") from None
+        if model.classifier is None:
+            return model
+        return replace(model, classifier=with_token_ids(model.classifier, config_file.parent))
 
 
 def _matryoshka(cfg: Dict[str, Any]) -> Optional[Tuple[int, ...]]:

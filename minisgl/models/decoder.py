@@ -41,14 +41,14 @@ from minisgl.layers.activation import gelu_tanh_and_mul, silu_and_mul, silu_and_
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.experts import expert_param
 from minisgl.layers.fp8 import SCALE_PARAMS, Fp8Spec, finish_loading
-from minisgl.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                   ResidualStream)
+from minisgl.layers.linear import (ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
+                                   ResidualStream, RowParallelLinear)
 from minisgl.layers.lora import LoraShape
 from minisgl.layers.moe import MoEQuant, MoEShape, SparseMoE
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.packed import PackedSpec
 from minisgl.layers.rotary import RopeIndex, RotaryEmbedding
-from minisgl.layers.source import RowsOf, TensorSource
+from minisgl.layers.source import RowsOf, TensorSource, copy_into
 from minisgl.models.config import SILU_ACTS, ModelConfig
 from minisgl.models.int_plan import IntPlan
 from minisgl.models.quantization import QuantPlan
@@ -438,10 +438,40 @@ class CausalLM(nn.Module):
             checkpoint_names={ours: theirs for theirs, ours in self.checkpoint_renames.items()})
         self.model = DecoderModel(cfg, traits,
                                   info, comm)
-        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        tied = self.model.embed_tokens if self._lm_head_tied else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, info, comm, tied_to=tied,
                                       policy=policy, softcap=cfg.final_logit_softcapping,
                                       divisor=cfg.logits_scaling)
+        # a sequence classifier's head (models/classifier.py), on every rank
+        self.score = (None if cfg.classifier is None else
+                      ReplicatedLinear(cfg.hidden_size, cfg.classifier.num_labels, False))
+
+    @property
+    def _lm_head_tied(self) -> bool:
+        """The LM head is the embeddings' matrix: tied by the config, or a classifier's whose
+        checkpoint has no LM head (its logits only pick a token no one reads)."""
+        c = self.cfg.classifier
+        return self.cfg.tie_word_embeddings or (c is not None and not c.from_tokens)
+
+    def pooled(self, last: torch.Tensor) -> torch.Tensor:
+        """What an embedding request returns from its last token's final hidden state, float32:
+        a classifier's logits [labels], else the state L2-normalized (an embedding)."""
+        if self.score is None:
+            return torch.nn.functional.normalize(last.float(), dim=-1)
+        return self.score(last).float()
+
+    def _score_from_rows(self, name: str, src: TensorSource) -> bool:
+        """Build the classifier's head from the LM head's rows of its tokens where checkpoint
+        tensor `name` is the LM head's matrix (classifier_from_token); whether it was."""
+        c = self.cfg.classifier
+        head = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
+        if c is None or not c.from_tokens or name != head or self.score is None:
+            return False
+        rows = torch.cat([src.read(0, i, i + 1) for i in c.token_ids]).float()
+        if c.two_way:
+            rows = rows[1:2] - rows[0:1]
+        copy_into(self.score.weight.data, rows, f"{name} rows {list(c.token_ids)}")
+        return True
 
     @property
     def rope_index(self) -> RopeIndex:
@@ -475,6 +505,8 @@ class CausalLM(nn.Module):
         own = ((self._own_name(name), src) for name, src in tensors)
         for name, src in (part for name, src in own if name is not None
                           for part in self._unfused(name, src)):
+            if self._score_from_rows(name, src):
+                loaded.add("score.weight")
             target = self._target(name)
             if target is None:
                 continue
@@ -614,7 +646,7 @@ class CausalLM(nn.Module):
                              f"layers (does config.json describe this checkpoint?)") from None
 
     def _target(self, name: str) -> Optional[Tuple[str, str, int]]:
-        if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+        if "rotary_emb" in name or (name == "lm_head.weight" and self._lm_head_tied):
             return None
         *path, param = name.split(".")
         path = [self.checkpoint_renames.get(p, p) for p in path]

@@ -1,0 +1,125 @@
+"""Sequence classification models (models/classifier.py): a `*ForSequenceClassification`
+checkpoint's label probabilities, and a causal LM turned reranker by vLLM's hf_overrides
+(Qwen3-Reranker's "no" / "yes" recipe) scoring pairs as a cross-encoder, both against Hugging
+Face transformers in float32 on the CPU, at tp=1 and tp=2; what such a model cannot do is
+refused naming it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Callable, List
+
+import pytest
+import torch
+
+from hf_reference import mixed_prompts
+from minisgl import LLM
+from minisgl.models import ModelConfig
+from minisgl.models.classifier import parse_classifier, probabilities
+from tiny_models import BASE
+
+RERANKER = {"architectures": ["Qwen3ForSequenceClassification"],
+            "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
+
+
+@pytest.fixture(scope="module")
+def classifier_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A random tiny Qwen3ForSequenceClassification of three named labels, with the default
+    model's tokenizer."""
+    import transformers
+    out = tmp_path_factory.mktemp("classifier")
+    config = transformers.Qwen3Config(**{**BASE, "head_dim": 32, "pad_token_id": None},
+                                      id2label={0: "negative", 1: "neutral", 2: "positive"})
+    torch.manual_seed(3)
+    model = transformers.Qwen3ForSequenceClassification(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in default_model_dir.iterdir():
+        if f.name.startswith("tokenizer"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def _hf_logits(path: Path, prompts: List[List[int]], causal: bool = False) -> List[torch.Tensor]:
+    import transformers
+    cls = (transformers.AutoModelForCausalLM if causal
+           else transformers.AutoModelForSequenceClassification)
+    model = cls.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([ids])).logits[0, -1] if causal
+                else model(torch.tensor([ids])).logits[0] for ids in prompts]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_classifier_probabilities_match_hf(classifier_dir: Path, tp: int) -> None:
+    prompts = mixed_prompts(4, seed=9, lengths=(3, 11, 40))
+    want = [torch.softmax(x, dim=-1).tolist() for x in _hf_logits(classifier_dir, prompts)]
+    with LLM(str(classifier_dir), device="cpu", tp=tp, max_kv_tokens=1024,
+             show_progress=False) as llm:
+        assert llm.model_config.classifier is not None
+        assert llm.model_config.classifier.labels == ("negative", "neutral", "positive")
+        got = llm.classify(prompts)
+        assert [o.prompt_token_ids for o in got] == prompts
+        with pytest.raises(ValueError, match="sequence classifier .* use classify or score"):
+            llm.embed(["hello"])
+        with pytest.raises(ValueError, match="one-label classifier .* 3 labels"):
+            llm.score("a", ["b"])
+    for o, w in zip(got, want):
+        assert o.outputs.num_classes == 3
+        torch.testing.assert_close(torch.tensor(o.outputs.probs), torch.tensor(w),
+                                   rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_reranker_from_tokens_scores_pairs_as_hf_yes_over_no(
+        tiny_model: Callable[..., Path], tp: int) -> None:
+    """hf_overrides make a causal LM Qwen3-Reranker-style: a pair's score is the softmax
+    probability of "yes" against "no" at the last token of the pair's tokens (the tokenizer's
+    pair encoding of query and document), as the causal LM computes it."""
+    path = tiny_model("qwen3")
+    query, docs = "what is a cat", ["a cat is a small animal", "the stock market fell", "x"]
+    with LLM(str(path), device="cpu", tp=tp, max_kv_tokens=1024, show_progress=False,
+             hf_overrides=json.dumps(RERANKER)) as llm:
+        tokenizer = llm.get_tokenizer()
+        pairs = [list(tokenizer.encode(query, d, add_special_tokens=True)) for d in docs]
+        scores = [o.outputs.score for o in llm.score(query, docs)]
+        no, yes = (tokenizer.convert_tokens_to_ids(t) for t in ("no", "yes"))
+    logits = _hf_logits(path, pairs, causal=True)
+    want = [float(torch.softmax(x[[no, yes]], dim=-1)[1]) for x in logits]
+    assert scores == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert len(set(scores)) == 3
+
+
+def test_classifier_configs_read_as_vllm_reads_them() -> None:
+    arch = "Qwen3ForSequenceClassification"
+    assert parse_classifier({}, "Qwen3ForCausalLM") is None
+    assert parse_classifier({}, arch).labels == ("LABEL_0", "LABEL_1")  # HF's default two
+    assert parse_classifier({"num_labels": 1}, arch).labels == ("LABEL_0",)
+    two = parse_classifier({"classifier_from_token": ["no", "yes"], "method":
+                            "from_2_way_softmax"}, arch)
+    assert two.two_way and two.labels == ("score",)
+    assert parse_classifier({"classifier_from_token": ["a", "b", "c"]}, arch).num_labels == 3
+    with pytest.raises(ValueError, match="two classifier_from_token"):
+        parse_classifier({"classifier_from_token": ["yes"], "is_original_qwen3_reranker": 1},
+                         arch)
+    assert probabilities([0.0]) == [0.5]
+    assert probabilities([0.0, 0.0]) == [0.5, 0.5]
+
+
+def test_reranker_tokens_missing_from_the_vocabulary_are_refused(
+        tiny_model: Callable[..., Path]) -> None:
+    with pytest.raises(ValueError, match=r"classifier_from_token \['zzqqxx'\] not in"):
+        ModelConfig.from_dir(tiny_model("qwen3"), {**RERANKER,
+                                                   "classifier_from_token": ["no", "zzqqxx"]})
+
+
+def test_classify_needs_a_classifier(tiny_model: Callable[..., Path]) -> None:
+    with LLM(str(tiny_model("qwen3")), device="cpu", max_kv_tokens=512,
+             show_progress=False) as llm:
+        with pytest.raises(ValueError, match="classify needs a sequence classification model"):
+            llm.classify(["hello"])
