@@ -123,3 +123,43 @@ def test_classify_needs_a_classifier(tiny_model: Callable[..., Path]) -> None:
              show_progress=False) as llm:
         with pytest.raises(ValueError, match="classify needs a sequence classification model"):
             llm.classify(["hello"])
+
+
+def test_served_reranker_scores_reranks_and_classifies(tiny_model: Callable[..., Path],
+                                                       tmp_path: Path) -> None:
+    """The reranker served: /score and /rerank as a cross-encoder (each pair tokenized as the
+    tokenizer pairs two texts, then HF's yes-over-no), /classify its one label's sigmoid; the
+    embeddings endpoint refuses it, and a bad body gets a 400 naming its field."""
+    import httpx
+    from server_helpers import CPU_ARGS, serving
+    path = tiny_model("qwen3")
+    query, docs = "what is a cat", ["a cat is a small animal", "the stock market fell", "x"]
+    args = ["--model", str(path), *CPU_ARGS, "--hf-overrides", json.dumps(RERANKER)]
+    with serving(args, tmp_path) as srv:
+        post = lambda route, body: httpx.post(f"{srv.url}{route}", json=body,  # noqa: E731
+                                              timeout=60)
+        scores = [d["score"] for d in post("/score", {"text_1": query,
+                                                      "text_2": docs}).json()["data"]]
+        ranked = post("/v1/rerank", {"query": query, "documents": docs}).json()["results"]
+        classified = post("/classify", {"input": [query, "a dog"]}).json()
+        refused = post("/v1/embeddings", {"input": "hello"})
+        bad = post("/classify", {"input": []})
+    import transformers
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    pairs = [list(tokenizer.encode(query, d, add_special_tokens=True)) for d in docs]
+    no, yes = (tokenizer.convert_tokens_to_ids(t) for t in ("no", "yes"))
+    want = [float(torch.softmax(x[[no, yes]], dim=-1)[1])
+            for x in _hf_logits(path, pairs, causal=True)]
+    assert scores == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert [r["index"] for r in ranked] == sorted(range(3), key=lambda i: -want[i])
+    assert [r["relevance_score"] for r in ranked] == pytest.approx(sorted(want, reverse=True),
+                                                                    rel=1e-5, abs=1e-6)
+    ids = list(tokenizer.encode(query, add_special_tokens=True))
+    one = float(torch.softmax(_hf_logits(path, [ids], causal=True)[0][[no, yes]], dim=-1)[1])
+    entry = classified["data"][0]
+    assert (entry["label"], entry["num_classes"]) == ("score", 1)
+    assert entry["probs"] == pytest.approx([one], rel=1e-5, abs=1e-6)
+    assert classified["usage"]["prompt_tokens"] > len(ids)
+    assert refused.status_code == 400 and "sequence classifier" in refused.json()["error"][
+        "message"]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"

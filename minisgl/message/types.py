@@ -41,6 +41,8 @@ class TokenizeRequest:
     add_special_tokens: bool = False
     tokens_as_ids: bool = False  # log-probability tokens rendered "token_id:N" (DetokenizeInit)
     return_token_ids: bool = False  # the first reply chunk carries the prompt's ids
+    # a second text encoded with `text` as the tokenizer pairs two (a cross-encoder's pair)
+    text_pair: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from minisgl.gc_heap import freeze_startup_heap
 from minisgl.log import exit_now
 from minisgl.message.startup import report_startup
 from minisgl.message.types import ReplyChunk
+from minisgl.models.classifier import Classifier, pair_score_error
 from minisgl.models.generation import SamplingDefaults
 from minisgl.server.admission import Deadline, overloaded
 from minisgl.server.anthropic_api import (CountTokensRequest, MessagesFormatter, MessagesRequest,
@@ -48,6 +49,8 @@ from minisgl.server.request_log import REQUEST_ID_HEADER, RequestLog
 from minisgl.server.health import HealthFile
 from minisgl.server.metrics import Metrics
 from minisgl.server.openapi import App, body as body_schema
+from minisgl.server.classify import (CLASSIFY_PATHS, ClassifyFormatter, ClassifyRequest,
+                                     classify_job)
 from minisgl.server.embeddings import (EMBEDDINGS_PATH, EmbeddingFormatter, EmbeddingRequest,
                                        embeddings_job)
 from minisgl.server.generate_request import GenerateRequest, generate_job
@@ -91,6 +94,7 @@ class ApiConfig:
     max_file_bytes: int = 512 << 20  # the Files API's files held in all (batches_api.py)
     hidden_size: int = 0  # the model's: an embedding's length
     embedding_refusal: Optional[str] = None  # why embeddings cannot be served (pooling.py)
+    classifier: Optional[Classifier] = None  # a sequence classifier's head (classify.py)
     matryoshka: Optional[Tuple[int, ...]] = None  # ModelConfig.matryoshka_dimensions
     # clients must send it as a Bearer token, or as x-api-key on the Messages API (auth.py);
     # not in the repr, which logs may show
@@ -384,26 +388,53 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
                                                      body.encoding_format, body.dimensions))
 
     def embedding_model(name: Optional[str]) -> Optional[str]:
-        """check_model, and a 400 where this model's embeddings cannot be served."""
+        """check_model, and a 400 where this model's embeddings cannot be served (a
+        classifier's among them)."""
         lora = check_model(name)
+        if cfg.classifier is not None:
+            raise ApiError(400, "this model is a sequence classifier: use /classify, /score "
+                                "or /rerank", "model")
         if cfg.embedding_refusal is not None:
             raise ApiError(400, cfg.embedding_refusal, "model")
         return lora
 
+    def scoring_model(name: Optional[str]) -> Optional[str]:
+        """check_model, and a 400 where this model cannot score pairs: by embeddings (an
+        embedding model) or as a cross-encoder (a one-label classifier)."""
+        if cfg.classifier is None:
+            return embedding_model(name)
+        lora = check_model(name)
+        refusal = pair_score_error(cfg.classifier)
+        if refusal is not None:
+            raise ApiError(400, refusal, "model")
+        return lora
+
     async def score(request: Request) -> Response:
         body = parse_body(await json_body(request), ScoreRequest)
-        lora = embedding_model(body.model)
-        pairs = score_pairs(body)
+        lora = scoring_model(body.model)
+        pairs = score_pairs(body, cross=cfg.classifier is not None)
         job = client_id(request, with_lora(pairs.job, lora))
         return await run(request, ScoreFormatter(lora or cfg.model_name, job, pairs))
 
     async def rerank(request: Request) -> Response:
         body = parse_body(await json_body(request), RerankRequest)
-        lora = embedding_model(body.model)
-        pairs = rerank_pairs(body)
+        lora = scoring_model(body.model)
+        pairs = rerank_pairs(body, cross=cfg.classifier is not None)
         job = client_id(request, with_lora(pairs.job, lora))
         return await run(request, RerankFormatter(lora or cfg.model_name, job, pairs, body))
 
+    async def classify(request: Request) -> Response:
+        body = parse_body(await json_body(request), ClassifyRequest)
+        lora = check_model(body.model)
+        if cfg.classifier is None:
+            raise ApiError(400, "classification needs a sequence classification model; this "
+                                "one has no classification head", "model")
+        job = client_id(request, with_lora(classify_job(body), lora))
+        return await run(request, ClassifyFormatter(lora or cfg.model_name, job,
+                                                     cfg.classifier.labels))
+
+    for path in CLASSIFY_PATHS:
+        app.post(path, openapi_extra=body_schema(ClassifyRequest))(classify)
     for path in SCORE_PATHS:
         app.post(path, openapi_extra=body_schema(ScoreRequest))(score)
     for path in RERANK_PATHS:

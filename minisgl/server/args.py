@@ -84,7 +84,8 @@ class ServerConfig:
     batch_input: Optional[str] = setting(
         None, "run an OpenAI batch file and exit (vLLM's run-batch): JSON lines of {custom_id, "
               "method: POST, url, body} (url: /v1/chat/completions, /v1/completions, "
-              "/v1/embeddings, /v1/responses, /v1/messages, /v1/score, /v1/rerank), sent "
+              "/v1/embeddings, /v1/responses, /v1/messages, /v1/score, /v1/rerank, "
+              "/v1/classify), sent "
               "through this server's own API, which then listens on a free loopback port",
         also=("input-file",))
     batch_output: Optional[str] = setting(

@@ -26,7 +26,8 @@ from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, Sequence
 from tqdm import tqdm
 
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
-              "/v1/messages", "/v1/score", "/v1/rerank", "/score", "/rerank")
+              "/v1/messages", "/v1/score", "/v1/rerank", "/score", "/rerank", "/v1/classify",
+              "/classify")
 REQUEST_TIMEOUT_S = 3600.0  # one request of the batch; the server's own limits apply first
 
 

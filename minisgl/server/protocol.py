@@ -263,6 +263,7 @@ class Prompt:
     template: Template = Template()
     tools_json: Optional[str] = None
     add_special_tokens: bool = False
+    text_pair: Optional[str] = None  # with text: the pair's second text (cross-encoders)
 
 
 @dataclass(frozen=True)

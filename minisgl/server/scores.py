@@ -1,11 +1,14 @@
 """vLLM's score API (/score, /v1/score) and the rerank API of Jina and Cohere (/rerank,
-/v1/rerank) over the embeddings (embeddings.py): a pair's score is the cosine similarity of
-its two texts' embeddings, which are unit vectors, so their dot product; vLLM answers the same
-for an embedding model, which has no scoring head.
+/v1/rerank), as vLLM answers them. A cross-encoder (a one-label sequence classifier:
+models/classifier.py) reads each pair at once, its two texts tokenized as the tokenizer pairs
+them, and the pair's score is the sigmoid of its logit. Any other model scores by embeddings
+(embeddings.py): the cosine similarity of its two texts' embeddings, which are unit vectors,
+so their dot product.
 
 Score: `text_1` one text and `text_2` one or a list (each paired with text_1), or two lists
 of one length (paired in order). Rerank: `query` and `documents`, answered best first, the
-`top_n` best (all where unset). Every distinct text is embedded once, as one request.
+`top_n` best (all where unset). Every distinct text is embedded once, as one request; a
+cross-encoder runs one request a pair.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from minisgl.message.types import ReplyChunk
+from minisgl.models.classifier import sigmoid
 from minisgl.models.pooling import paired_texts
 from minisgl.server.embeddings import MAX_INPUTS, embedding_job, vector
 from minisgl.server.protocol import ApiError, Body, Job, Prompt
@@ -45,9 +49,11 @@ class RerankRequest(Body):
 
 
 class Pairs:
-    """The distinct texts a body embeds (`job`), and its pairs as indices into them."""
+    """What a body runs (`job`) and how its pairs' scores come out of it: with `cross`, one
+    request a pair (text_pair: the tokenizer's pair encoding); else one embedding per
+    distinct text, the pairs indices into them."""
 
-    def __init__(self, firsts: List[str], seconds: List[str], body: Any) -> None:
+    def __init__(self, firsts: List[str], seconds: List[str], body: Any, cross: bool) -> None:
         extra = sorted(body.model_extra or {})
         if extra:
             raise ApiError(400, f"{extra[0]} is not supported by this server's scoring",
@@ -55,37 +61,46 @@ class Pairs:
         texts = list(dict.fromkeys(firsts + seconds))
         if any(not t for t in texts):
             raise ApiError(400, "the texts must not be empty", "text_1")
-        if len(texts) > MAX_INPUTS:
-            raise ApiError(400, f"at most {MAX_INPUTS} distinct texts, got {len(texts)}",
-                           "text_2")
-        index = {t: i for i, t in enumerate(texts)}
-        self.pairs = [(index[a], index[b]) for a, b in zip(firsts, seconds)]
-        self.job = embedding_job([Prompt(text=t, add_special_tokens=True) for t in texts],
-                                 body.truncate_prompt_tokens, body.request_id)
+        runs = len(firsts) if cross else len(texts)
+        if runs > MAX_INPUTS:
+            raise ApiError(400, f"at most {MAX_INPUTS} {'pairs' if cross else 'distinct texts'}"
+                                f", got {runs}", "text_2")
+        self.cross = cross
+        if cross:
+            prompts = [Prompt(text=a, text_pair=b, add_special_tokens=True)
+                       for a, b in zip(firsts, seconds)]
+            self.pairs = [(i, i) for i in range(len(firsts))]
+        else:
+            index = {t: i for i, t in enumerate(texts)}
+            prompts = [Prompt(text=t, add_special_tokens=True) for t in texts]
+            self.pairs = [(index[a], index[b]) for a, b in zip(firsts, seconds)]
+        self.job = embedding_job(prompts, body.truncate_prompt_tokens, body.request_id)
 
     def scores(self, choices: List[Choice]) -> List[float]:
-        """Each pair's score from the job's finished choices (one per distinct text)."""
+        """Each pair's score from the job's finished choices."""
+        if self.cross:
+            return [sigmoid(vector(c)[0]) for c in choices]
         vectors = [vector(c) for c in choices]
         return [sum(x * y for x, y in zip(vectors[a], vectors[b])) for a, b in self.pairs]
 
 
-def score_pairs(body: ScoreRequest) -> Pairs:
+def score_pairs(body: ScoreRequest, cross: bool) -> Pairs:
     """ApiError(400) naming text_2 where the texts do not pair (pooling.paired_texts)."""
     try:
         firsts, seconds = paired_texts(body.text_1, body.text_2)
     except ValueError as e:
         raise ApiError(400, str(e), "text_2") from None
-    return Pairs(firsts, seconds, body)
+    return Pairs(firsts, seconds, body, cross)
 
 
-def rerank_pairs(body: RerankRequest) -> Pairs:
+def rerank_pairs(body: RerankRequest, cross: bool) -> Pairs:
     """The query paired with each document; ApiError(400) naming an empty documents list or
     a top_n below 1."""
     if not body.documents:
         raise ApiError(400, "documents must not be empty", "documents")
     if body.top_n is not None and body.top_n < 1:
         raise ApiError(400, f"top_n must be >= 1, got {body.top_n}", "top_n")
-    return Pairs([body.query] * len(body.documents), list(body.documents), body)
+    return Pairs([body.query] * len(body.documents), list(body.documents), body, cross)
 
 
 def _usage(choices: List[Choice]) -> Dict[str, int]:

@@ -234,6 +234,7 @@ class Service:
                             hidden_size=shape.hidden_size,
                             embedding_refusal=pooling_refusal(Path(self.model_path)),
                             matryoshka=shape.matryoshka_dimensions,
+                            classifier=shape.classifier,
                             sampling_defaults=sampling_defaults(c.generation_config,
                                                                 Path(self.model_path)))
         tok_cfg = TokenizerConfig(str(self.tokenizer_path), a.tokenizer, a.backends, a.detokenizer,

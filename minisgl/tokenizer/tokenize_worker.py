@@ -100,7 +100,8 @@ def is_slow(req: Union[TokenizeRequest, TextRequest]) -> bool:
 def prompt_chars(req: Union[TokenizeRequest, TextRequest]) -> int:
     """The characters of a request's text or chat messages' contents (0 for token ids)."""
     if req.text is not None:
-        return len(req.text)
+        pair = req.text_pair if isinstance(req, TokenizeRequest) else None
+        return len(req.text) + len(pair or "")
     return sum(len(m.get("content") or "") for m in req.messages or ()
                if isinstance(m.get("content"), str))
 
@@ -152,7 +153,8 @@ class Tokenizer:
                 kwargs["tools"] = json.loads(req.tools_json)
             return chat_prompt_ids(self.tokenizer, req.messages, req.add_special_tokens,
                                    add_generation_prompt=req.add_generation_prompt, **kwargs)
-        return list(self.tokenizer.encode(req.text or "",
+        pair = req.text_pair if isinstance(req, TokenizeRequest) else None
+        return list(self.tokenizer.encode(req.text or "", pair,
                                           add_special_tokens=req.add_special_tokens))
 
     def info(self) -> Dict[str, Any]:

@@ -1,0 +1,72 @@
+"""vLLM's classification API (POST /classify, /v1/classify) of a sequence classification model
+(models/classifier.py): each input's label probabilities (softmax over two or more labels, the
+sigmoid of one) and its most probable label.
+
+Each input (a string, token ids, or a list of either) is one embedding request of the
+scheduler, whose pooled values are the head's logits (CausalLM.pooled). Never streamed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+
+from minisgl.message.types import ReplyChunk
+from minisgl.models.classifier import probabilities
+from minisgl.server.embeddings import MAX_INPUTS, embedding_job, vector
+from minisgl.server.protocol import ApiError, Body, Job, listed_prompts
+from minisgl.server.responses import Choice, Formatter
+
+CLASSIFY_PATHS = ("/classify", "/v1/classify")
+
+
+class ClassifyRequest(Body):
+    """vLLM's classification body."""
+
+    input: Union[str, List[str], List[int], List[List[int]]]
+    model: Optional[str] = None
+    truncate_prompt_tokens: Optional[int] = None
+    add_special_tokens: bool = True
+    request_id: Optional[str] = None
+    user: Optional[str] = None
+
+
+def classify_job(body: ClassifyRequest) -> Job:
+    """One request per input, in order; ApiError(400) naming what cannot be served (an empty
+    input, more than MAX_INPUTS, an unknown field)."""
+    extra = sorted(body.model_extra or {})
+    if extra:
+        raise ApiError(400, f"{extra[0]} is not supported by this server's classification",
+                       extra[0])
+    return embedding_job(listed_prompts(body.input, "input", body.add_special_tokens,
+                                        MAX_INPUTS),
+                         body.truncate_prompt_tokens, body.request_id)
+
+
+class ClassifyFormatter(Formatter):
+    """vLLM's list of classifications, one per input in order."""
+
+    id_prefix = "classify"
+    prompt_param = "input"
+
+    def __init__(self, model: str, job: Job, labels: Tuple[str, ...]) -> None:
+        super().__init__(model, job)
+        self.labels = labels
+
+    def full(self, choices: List[Choice]) -> Dict[str, Any]:
+        tokens = sum(c.prompt_tokens for c in choices)
+        return {"id": self.id, "object": "list", "created": self.created, "model": self.model,
+                "data": [self._entry(i, c) for i, c in enumerate(choices)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
+                          "completion_tokens": 0}}
+
+    def _entry(self, index: int, choice: Choice) -> Dict[str, Any]:
+        probs = probabilities(vector(choice).tolist())
+        best = max(range(len(probs)), key=probs.__getitem__)
+        return {"index": index, "label": self.labels[best], "probs": probs,
+                "num_classes": len(probs)}
+
+    def delta(self, index: int, chunk: ReplyChunk, choice: Choice) -> Iterator[str]:
+        return iter(())  # never streamed
+
+    def closing(self, choices: List[Choice]) -> Iterator[str]:
+        return iter(())
