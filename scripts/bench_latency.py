@@ -36,7 +36,7 @@ import statistics
 import time
 from pathlib import Path
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -158,27 +158,42 @@ def experts_touched(num_experts: int, top_k: int, tokens: int) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
-def _expert_params(engine: Engine) -> Set[int]:
-    """ids of the routed experts' parameters (every MoE layer's)."""
-    return {id(p) for m in engine.model.modules() if isinstance(m, Experts)
-            for p in m.parameters()}
+def _weights(engine: Engine) -> Iterator[Tuple[str, torch.Tensor, int]]:
+    """(name, tensor, matrix entries it holds) of every weight a step reads: the parameters,
+    and packed integer layers' buffers (their words hold 32 / bits entries each; their
+    scales, zeros and groups hold none)."""
+    for name, p in engine.model.named_parameters():  # shared (tied) tensors are listed once
+        yield name, p, p.numel()
+    for module_name, m in engine.model.named_modules():
+        spec = getattr(m, "packed", None)
+        if spec is None:
+            continue
+        for name, b in m.named_buffers(recurse=False):
+            words = name.startswith("q")  # qweight (layers), q13 / q2 (experts)
+            yield f"{module_name}.{name}", b, b.numel() * spec.per_word if words else 0
+
+
+def _expert_weights(engine: Engine) -> Set[int]:
+    """ids of the routed experts' weights (every MoE layer's: parameters, or packed buffers)."""
+    return {id(t) for m in engine.model.modules() if isinstance(m, Experts)
+            for t in [*m.parameters(), *m.buffers()]}
 
 
 def weight_bytes_read(engine: Engine, batch: int) -> int:
-    """Bytes of this rank's parameters one decode step of `batch` tokens reads: each MoE
-    layer's routed experts count for the share `experts_touched` of them. An untied embedding
-    table is skipped: the lookup reads only the batch's rows (a tied one is read whole by the
-    LM head)."""
+    """Bytes of this rank's weights one decode step of `batch` tokens reads: each MoE layer's
+    routed experts count for the share `experts_touched` of them. An untied embedding table
+    is skipped: the lookup reads only the batch's rows (a tied one is read whole by the LM
+    head)."""
     cfg = engine.model_cfg
     tied = cfg.tie_word_embeddings
     share = (experts_touched(cfg.num_experts, cfg.num_experts_per_tok, batch) / cfg.num_experts
              if cfg.num_experts else 1.0)
-    experts = _expert_params(engine)
+    experts = _expert_weights(engine)
     total = 0.0
-    for name, p in engine.model.named_parameters():  # shared (tied) tensors are listed once
+    for name, t, _ in _weights(engine):
         if "embed_tokens" in name and not tied:
             continue
-        total += p.numel() * p.element_size() * (share if id(p) in experts else 1.0)
+        total += t.numel() * t.element_size() * (share if id(t) in experts else 1.0)
     return int(total)
 
 
@@ -186,11 +201,11 @@ def matrix_params_per_token(engine: Engine) -> float:
     """Weights of the matrices one token multiplies (embeddings and LM head aside): every dense
     projection, and of each MoE layer's experts the top_k / num_experts share it is routed to."""
     cfg = engine.model_cfg
-    experts = _expert_params(engine)
+    experts = _expert_weights(engine)
     active = cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 0.0
-    return sum(p.numel() * (active if id(p) in experts else 1.0)
-               for n, p in engine.model.named_parameters()
-               if (p.dim() == 2 or id(p) in experts) and "embed" not in n and "lm_head" not in n)
+    return sum(entries * (active if id(t) in experts else 1.0)
+               for n, t, entries in _weights(engine)
+               if (t.dim() == 2 or id(t) in experts) and "embed" not in n and "lm_head" not in n)
 
 
 def kv_bytes_read(engine: Engine, batch: Batch) -> int:

@@ -89,14 +89,15 @@ def _projections(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
 @pytest.mark.parametrize("family,method,bits,act_order,v2", [
     ("llama", "awq", 4, False, False), ("llama", "gptq", 4, True, False),
     ("llama", "gptq", 8, False, True), ("llama", "ct", 4, True, False),
-    ("phi3", "awq", 4, False, False)])
+    ("phi3", "awq", 4, False, False), ("granite", "gptq", 4, False, False)])
 def test_packed_projections_equal_the_dequantized_ones(
         tiny_model: Callable[..., Path], tmp_path: Path, family: str, method: str, bits: int,
         act_order: bool, v2: bool) -> None:
     """Each rank of tp=2 packs its share of every projection (QKV's and gate/up's parts side
     by side, o's and down's inputs with the groups they use; Phi-3's checkpoint fuses them,
-    and each part's rows come out of the one packed tensor): its product equals the dense
-    layer's of the same rank."""
+    and each part's rows come out of the one packed tensor; Granite's residual multiplier
+    folds into o's and down's scales): its product equals the dense layer's of the same
+    rank."""
     path = tmp_path / "int"
     _write(tiny_model(family), path, tmp_path / "dense", method, bits, act_order, v2,
            shared_order=True)

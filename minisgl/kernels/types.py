@@ -1,6 +1,7 @@
 """The small types the kernels share with their callers: where a layer's new K/V go, what a norm
 with a residual add returns, what the fused QKV kernel needs besides the projection, the
-attention and MoE kernels' tilings, FP8 experts' scales and the fused all-reduce's view of its peers' buffers.
+attention and MoE kernels' tilings, FP8 and packed experts' weights and the fused all-reduce's
+view of its peers' buffers.
 
 They live here, below every caller, so that no import runs upward; this module imports torch
 only, so layers, attention and distributed import it at the top (the kernel modules themselves

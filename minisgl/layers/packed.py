@@ -1,9 +1,9 @@
 """Packed integer weights of the linear layers (AWQ, GPTQ, compressed-tensors W4A16 / W8A16 on
 the GPU): how a layer holds them, loads its shard of them, and multiplies by them.
 
-A packed layer holds (as buffers) the layout kernels/int_mm.py reads: `qweight` [ceil(K / P), N] int32 (P =
-32 / bits values a word along the inputs), `scales` [G, N] float32, `zeros` [G, N] float16 and
-`g_idx` [K] int32, each input's group among this layer's G. The checkpoint's own packing
+A packed layer holds (as buffers) the layout kernels/int_mm.py reads: `qweight` [ceil(K / P),
+N] int32 (P = 32 / bits values a word along the inputs), `scales` [G, N] float32, `zeros` [G,
+N] float16 and `g_idx` [K] int32, each input's group among this layer's G. The checkpoint's own packing
 (AWQ's interleaved words, GPTQ's minus-one zero points, compressed-tensors' offset values) is
 undone by its source (models/int_weights.IntWeightSource.int_block), which hands over plain
 integers; the layer packs them again its one way, so every format runs the same kernel.

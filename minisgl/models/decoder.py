@@ -543,17 +543,22 @@ class CausalLM(nn.Module):
     def _fold_residual_multiplier(self) -> None:
         """Granite's residual_multiplier m folded into the layers whose output it scales:
         m (x W^T + b) = x (m W)^T + m b; an FP8 layer's weight scale takes it (dequantized,
-        its weight is weight * scale)."""
+        its weight is weight * scale), a packed layer's scales likewise ((q - z) * scales)."""
         m = self.cfg.residual_multiplier
         if m == 1.0:
             return
         for name, module in self.named_modules():
-            if self.output_multiplier(name) == 1.0 or not hasattr(module, "weight"):
+            if self.output_multiplier(name) == 1.0:
                 continue
-            scale = getattr(module, "weight_scale", None) if getattr(module, "fp8", None) else None
             if getattr(module, "packed", None) is not None:
-                scale = module.scales  # packed: w = (q - z) * scales
-            (scale if scale is not None else module.weight).mul_(m)
+                factor = module.scales
+            elif getattr(module, "fp8", None) is not None:
+                factor = module.weight_scale
+            elif hasattr(module, "weight"):
+                factor = module.weight
+            else:
+                continue
+            factor.mul_(m)
             if getattr(module, "bias", None) is not None:
                 module.bias.mul_(m)
 

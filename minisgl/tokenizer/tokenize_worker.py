@@ -153,8 +153,10 @@ class Tokenizer:
                 kwargs["tools"] = json.loads(req.tools_json)
             return chat_prompt_ids(self.tokenizer, req.messages, req.add_special_tokens,
                                    add_generation_prompt=req.add_generation_prompt, **kwargs)
-        pair = req.text_pair if isinstance(req, TokenizeRequest) else None
-        return list(self.tokenizer.encode(req.text or "", pair,
+        if isinstance(req, TokenizeRequest) and req.text_pair is not None:  # a cross-encoder's
+            return list(self.tokenizer.encode(req.text or "", req.text_pair,
+                                              add_special_tokens=req.add_special_tokens))
+        return list(self.tokenizer.encode(req.text or "",
                                           add_special_tokens=req.add_special_tokens))
 
     def info(self) -> Dict[str, Any]:
