@@ -285,6 +285,22 @@ def test_fused_fp8_experts_match_torch(spec: fp8.Fp8Spec, tokens: int, hidden: i
     assert float((got - unquantized).norm() / unquantized.norm()) < 0.1
 
 
+@pytest.mark.parametrize("block", [None, (128, 128)])
+def test_fused_fp8_experts_default_tiles(block: Optional[Tuple[int, int]]) -> None:
+    """The tiles the GPU runs (moe_tiles; with blocks the K tile is the block's width) over
+    experts of whole and partial blocks (320 = 2.5 blocks of 128)."""
+    from minisgl.kernels import moe
+    layer = _fp8_experts(4, 320, 128, fp8.Fp8Spec(block=block, dtype=torch.float32), seed=2)
+    scales = layer.scales()
+    assert scales is not None
+    g = torch.Generator(device=DEV).manual_seed(3)
+    x = torch.randn(5, 320, generator=g, device=DEV)
+    topk = route(torch.randn(5, 4, generator=g, device=DEV), 2, True)
+    got = moe.fused_experts(x, moe.routing_of(*topk, 4), layer.w13, layer.w2, scales=scales)
+    want = _reference(x, topk, layer, scales)
+    assert float((got - want).norm() / want.norm()) < 1e-5
+
+
 def test_grouped_gemm_refuses_mismatched_fp8_operands() -> None:
     from minisgl.kernels import moe
     layer = _fp8_experts(4, 32, 16, fp8.Fp8Spec(dtype=torch.float32), seed=0)

@@ -59,6 +59,23 @@ def test_int_mm_equals_the_dequantized_product(bits: int, k: int, groups: int,
     torch.testing.assert_close(out.cpu(), x @ weight.t() + bias, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("m", [1, 70])
+def test_int_mm_default_tiles(m: int) -> None:
+    """The tiles the GPU runs (int_tiles: 16 rows at decode, 128 at prefill) over a weight of
+    whole and partial tiles."""
+    from minisgl.kernels.int_mm import int_mm
+    g = torch.Generator().manual_seed(m)
+    k, n, groups = 320, 192, 5
+    values = torch.randint(0, 16, (k, n), generator=g)
+    group = torch.arange(k) // 64
+    scales, zeros = torch.rand(groups, n, generator=g) * 0.02, torch.full((groups, n), 8.0)
+    x = torch.randn(m, k, generator=g)
+    out = int_mm(*(t.to(DEV) for t in (x, packed.pack(values, 4), scales, zeros.half(),
+                                       group.to(torch.int32))), 4)
+    weight = (values.float() - 8.0) * scales[group]
+    torch.testing.assert_close(out.cpu(), x @ weight, rtol=1e-5, atol=1e-5)
+
+
 def test_pack_places_each_input_in_its_word() -> None:
     values = torch.arange(16).view(16, 1) % 16
     words = packed.pack(values, 4)
@@ -138,8 +155,9 @@ def test_packed_moe_experts_equal_the_dequantized_ones(
         x = torch.randn(9, 64, generator=g)
         topk = route(torch.randn(9, 8, generator=g), 2, True)
         want = experts_torch(x, topk, dense.experts.w13, dense.experts.w2)
-        got = moe.fused_packed_experts(x, moe.routing_of(*topk, 8), *gemms, tiles)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for chosen in (tiles, None):  # small tiles, and the GPU's (moe_tiles)
+            got = moe.fused_packed_experts(x, moe.routing_of(*topk, 8), *gemms, chosen)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(layer.partial(x), dense.partial(x), rtol=1e-5, atol=1e-5)
 
 
