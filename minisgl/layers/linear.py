@@ -93,7 +93,7 @@ def _row_scale(quant: Optional[Fp8Weight]) -> Optional[torch.Tensor]:
     return None if quant is None else quant.scale
 
 
-def _loaded_bias(layer: "_Fp8Layer") -> torch.Tensor:
+def _loaded_bias(layer: "_QuantizableLayer") -> torch.Tensor:
     """The bias a checkpoint tensor loads into. CausalLM.load_weights refuses a tensor its
     module has no place for before any `load`; this guards a direct caller."""
     if layer.bias is None:
@@ -101,7 +101,7 @@ def _loaded_bias(layer: "_Fp8Layer") -> torch.Tensor:
     return layer.bias
 
 
-class _Fp8Layer(nn.Module):
+class _QuantizableLayer(nn.Module):
     """What the column- and row-parallel layers share about quantized weights: `fp8`, their
     FP8 spec (None: dense weights, as after a weight-only layer's `finish_loading`), or
     `packed`, their packed integers' (None: not packed)."""
@@ -305,13 +305,13 @@ class Projected(NamedTuple):
                                                                              self.scales)
 
 
-class ColumnParallelLinear(_Fp8Layer):
+class ColumnParallelLinear(_QuantizableLayer):
     """y = x W^T + b with W split by output rows: this rank holds rows `out_sizes` slices.
 
     `out_sizes` lists the logical outputs fused into one matrix (e.g. gate and up); each is split
     across ranks separately, so shard `i` of every rank is contiguous in the local weight.
     `shards`: this rank's rows of each output, where they are not an even split over ranks.
-    `fp8`: FP8 weights in that format (see _Fp8Layer); with blocks, every shard must hold
+    `fp8`: FP8 weights in that format (see _QuantizableLayer); with blocks, every shard must hold
     whole blocks (ValueError naming the numbers). `lora`: LoRA adapter slots (one pair per
     output part).
     """
@@ -469,13 +469,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         return [q, kv, kv]
 
 
-class RowParallelLinear(_Fp8Layer):
+class RowParallelLinear(_QuantizableLayer):
     """y = all_reduce(x_local W_local^T) + b; the input features are split over ranks.
 
     Where an RMSNorm follows (o_proj, down_proj), the decoder takes the partial product
     (`forward(x, reduce=False)`) and hands it to `reduce_norm`, which can do the all-reduce,
     the residual add and the norm in one kernel (Communicator.all_reduce_rmsnorm).
-    `fp8`: FP8 weights (see _Fp8Layer); each rank's scales are its own shard's. `lora`: LoRA
+    `fp8`: FP8 weights (see _QuantizableLayer); each rank's scales are its own shard's. `lora`: LoRA
     adapter slots (A split over ranks like the weight's columns)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, info: DistributedInfo,
