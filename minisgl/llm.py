@@ -38,14 +38,15 @@ from minisgl.message import AbortMsg, BatchTokenOut, SchedulerStats, ShutdownMsg
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.types import AccountingMsg, AccountingReply, AdapterMsg
 from minisgl.models import ModelConfig
-from minisgl.models.classifier import pair_score_error, probabilities, sigmoid
+from minisgl.models.classifier import Classifier, pair_score_error, probabilities, sigmoid
 from minisgl.models.generation import sampling_defaults
 from minisgl.models.lora_config import check_runtime_load
 from minisgl.models.path import resolve_model_path
 from minisgl.models.pooling import dimensions_error, paired_texts, pooling_refusal, shortened
 from minisgl.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput,
                              EmbeddingOutput, EmbeddingRequestOutput, GenerateOutput,
-                             ScoringOutput, ScoringRequestOutput)
+                             PoolingOutput, PoolingRequestOutput, ScoringOutput,
+                             ScoringRequestOutput)
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.io import LocalIO
 from minisgl.scheduler.main import run_rank, set_cpu_threads
@@ -743,13 +744,29 @@ class LLM:
         """vLLM's `LLM.classify`: each prompt's label probabilities from a sequence
         classification model (models/classifier.py), in order; prompts as for `embed`.
         ValueError for a model without a classification head."""
-        if self.model_config.classifier is None:
-            raise ValueError(f"classify needs a sequence classification model; "
-                             f"{self.model_config.architecture} has no classification head")
+        self._classifier("classify")
         ids = [self._encode(p) for p in _prompt_list(prompts)]
         return [ClassificationRequestOutput(rid, ClassificationOutput(probabilities(values)),
                                             prompt)
                 for rid, values, prompt in self._pooled(ids, use_tqdm, lora_request)]
+
+    def reward(self, prompts: Union[Prompt, Sequence[Prompt]], *,
+               use_tqdm: Optional[bool] = None, lora_request: LoraRequests = None
+               ) -> List[PoolingRequestOutput]:
+        """vLLM's `LLM.reward`: each prompt's raw logits from a sequence classification model
+        (a reward model's reward: no activation), in order; prompts as for `embed`.
+        ValueError for a model without a classification head."""
+        self._classifier("reward")
+        ids = [self._encode(p) for p in _prompt_list(prompts)]
+        return [PoolingRequestOutput(rid, PoolingOutput(values.tolist()), prompt)
+                for rid, values, prompt in self._pooled(ids, use_tqdm, lora_request)]
+
+    def _classifier(self, what: str) -> Classifier:
+        """The model's classification head; ValueError naming `what` needs one."""
+        if self.model_config.classifier is None:
+            raise ValueError(f"{what} needs a sequence classification model; "
+                             f"{self.model_config.architecture} has no classification head")
+        return self.model_config.classifier
 
     def score(self, text_1: Union[str, Sequence[str]], text_2: Union[str, Sequence[str]], *,
               use_tqdm: Optional[bool] = None, lora_request: LoraRequests = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Union
+from typing import Dict, Generic, List, Optional, TypeVar, Union
 
 from minisgl.core import TokenLogprobs
 
@@ -138,17 +138,25 @@ class EmbeddingOutput:
         return len(self.embedding)
 
 
+PooledT = TypeVar("PooledT")
+
+
 @dataclass(frozen=True)
-class EmbeddingRequestOutput:
-    """vLLM's `EmbeddingRequestOutput`: one per prompt of `LLM.embed`, in order."""
+class PooledRequestOutput(Generic[PooledT]):
+    """What vLLM's pooling calls return for one prompt, in order: its id, its output and its
+    tokens."""
     request_id: str
-    outputs: EmbeddingOutput
+    outputs: PooledT
     prompt_token_ids: List[int]
     finished: bool = True
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+class EmbeddingRequestOutput(PooledRequestOutput[EmbeddingOutput]):
+    """vLLM's `EmbeddingRequestOutput`: one per prompt of `LLM.embed`."""
 
 
 @dataclass(frozen=True)
@@ -162,13 +170,19 @@ class ClassificationOutput:
         return len(self.probs)
 
 
+class ClassificationRequestOutput(PooledRequestOutput[ClassificationOutput]):
+    """vLLM's `ClassificationRequestOutput`: one per prompt of `LLM.classify`."""
+
+
 @dataclass(frozen=True)
-class ClassificationRequestOutput:
-    """vLLM's `ClassificationRequestOutput`: one per prompt of `LLM.classify`, in order."""
-    request_id: str
-    outputs: ClassificationOutput
-    prompt_token_ids: List[int]
-    finished: bool = True
+class PoolingOutput:
+    """vLLM's `PoolingOutput`: a prompt's raw pooled values (a classifier's logits: a reward
+    model's reward)."""
+    data: List[float]
+
+
+class PoolingRequestOutput(PooledRequestOutput[PoolingOutput]):
+    """vLLM's `PoolingRequestOutput`: one per prompt of `LLM.reward`."""
 
 
 @dataclass(frozen=True)

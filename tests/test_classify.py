@@ -7,6 +7,7 @@ refused naming it."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Callable, List
@@ -64,6 +65,7 @@ def test_classifier_probabilities_match_hf(classifier_dir: Path, tp: int) -> Non
         assert llm.model_config.classifier is not None
         assert llm.model_config.classifier.labels == ("negative", "neutral", "positive")
         got = llm.classify(prompts)
+        rewards = llm.reward(prompts)  # the raw logits
         assert [o.prompt_token_ids for o in got] == prompts
         with pytest.raises(ValueError, match="sequence classifier .* use classify or score"):
             llm.embed(["hello"])
@@ -73,6 +75,8 @@ def test_classifier_probabilities_match_hf(classifier_dir: Path, tp: int) -> Non
         assert o.outputs.num_classes == 3
         torch.testing.assert_close(torch.tensor(o.outputs.probs), torch.tensor(w),
                                    rtol=1e-5, atol=1e-6)
+    for r, logits in zip(rewards, _hf_logits(classifier_dir, prompts)):
+        torch.testing.assert_close(torch.tensor(r.outputs.data), logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -123,6 +127,8 @@ def test_classify_needs_a_classifier(tiny_model: Callable[..., Path]) -> None:
              show_progress=False) as llm:
         with pytest.raises(ValueError, match="classify needs a sequence classification model"):
             llm.classify(["hello"])
+        with pytest.raises(ValueError, match="reward needs a sequence classification model"):
+            llm.reward(["hello"])
 
 
 def test_served_reranker_scores_reranks_and_classifies(tiny_model: Callable[..., Path],
@@ -142,6 +148,7 @@ def test_served_reranker_scores_reranks_and_classifies(tiny_model: Callable[...,
                                                       "text_2": docs}).json()["data"]]
         ranked = post("/v1/rerank", {"query": query, "documents": docs}).json()["results"]
         classified = post("/classify", {"input": [query, "a dog"]}).json()
+        pooled = post("/pooling", {"input": query}).json()
         refused = post("/v1/embeddings", {"input": "hello"})
         bad = post("/classify", {"input": []})
     import transformers
@@ -160,6 +167,9 @@ def test_served_reranker_scores_reranks_and_classifies(tiny_model: Callable[...,
     assert (entry["label"], entry["num_classes"]) == ("score", 1)
     assert entry["probs"] == pytest.approx([one], rel=1e-5, abs=1e-6)
     assert classified["usage"]["prompt_tokens"] > len(ids)
+    (raw,) = pooled["data"][0]["data"]  # the logit itself
+    assert pooled["data"][0]["object"] == "pooling"
+    assert 1.0 / (1.0 + math.exp(-raw)) == pytest.approx(one, rel=1e-5, abs=1e-6)
     assert refused.status_code == 400 and "sequence classifier" in refused.json()["error"][
         "message"]
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"

@@ -602,7 +602,8 @@ def test_embeddings_match_offline_llm(client: openai.OpenAI, model: str, llm: LL
 
 def test_score_and_rerank_are_cosines_of_the_embeddings(llm: LLM, server: Server) -> None:
     """vLLM's /score and the Jina/Cohere /rerank: the cosine similarity of two texts'
-    embeddings (the offline `LLM.embed`'s), pairs as vLLM forms them, reranked best first."""
+    embeddings (the offline `LLM.embed`'s), pairs as vLLM forms them, reranked best first;
+    vLLM's /pooling: the embedding itself."""
     query, docs = "Where is Paris?", ["Paris is in France.", "Bananas are yellow.", "Hi"]
     vectors = [torch.tensor(o.outputs.embedding) for o in llm.embed([query, *docs])]
     want = [float(vectors[0] @ v) for v in vectors[1:]]
@@ -618,6 +619,8 @@ def test_score_and_rerank_are_cosines_of_the_embeddings(llm: LLM, server: Server
     assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx(
         [want[i] for i in order], abs=1e-5)
     assert ranked["results"][0]["document"] == {"text": docs[order[0]]}
+    pooled = _post(server, "/pooling", {"input": [query]}).json()  # vLLM's raw pooled output
+    assert pooled["data"][0]["data"] == pytest.approx(vectors[0].tolist(), abs=1e-5)
     for path, bad, param in (("/score", {"text_1": ["a", "b"], "text_2": ["c"]}, "text_2"),
                              ("/rerank", {"query": "q", "documents": []}, "documents"),
                              ("/rerank", {"query": "q", "documents": ["d"], "top_n": 0},

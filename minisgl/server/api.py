@@ -49,8 +49,8 @@ from minisgl.server.request_log import REQUEST_ID_HEADER, RequestLog
 from minisgl.server.health import HealthFile
 from minisgl.server.metrics import Metrics
 from minisgl.server.openapi import App, body as body_schema
-from minisgl.server.classify import (CLASSIFY_PATHS, ClassifyFormatter, ClassifyRequest,
-                                     classify_job)
+from minisgl.server.classify import (CLASSIFY_PATHS, POOLING_PATH, ClassifyFormatter,
+                                     ClassifyRequest, PoolingFormatter, classify_job)
 from minisgl.server.embeddings import (EMBEDDINGS_PATH, EmbeddingFormatter, EmbeddingRequest,
                                        embeddings_job)
 from minisgl.server.generate_request import GenerateRequest, generate_job
@@ -432,6 +432,15 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         job = client_id(request, with_lora(classify_job(body), lora))
         return await run(request, ClassifyFormatter(lora or cfg.model_name, job,
                                                      cfg.classifier.labels))
+
+    @app.post(POOLING_PATH, openapi_extra=body_schema(ClassifyRequest))
+    async def pooling(request: Request) -> Response:
+        body = parse_body(await json_body(request), ClassifyRequest)
+        lora = check_model(body.model)
+        if cfg.classifier is None and cfg.embedding_refusal is not None:
+            raise ApiError(400, cfg.embedding_refusal, "model")
+        job = client_id(request, with_lora(classify_job(body, "pooling"), lora))
+        return await run(request, PoolingFormatter(lora or cfg.model_name, job))
 
     for path in CLASSIFY_PATHS:
         app.post(path, openapi_extra=body_schema(ClassifyRequest))(classify)

@@ -1,6 +1,8 @@
 """vLLM's classification API (POST /classify, /v1/classify) of a sequence classification model
 (models/classifier.py): each input's label probabilities (softmax over two or more labels, the
-sigmoid of one) and its most probable label.
+sigmoid of one) and its most probable label; and its pooling API (POST /pooling): each input's
+raw pooled values (a classifier's logits, a reward model's reward; an embedding model's
+embedding).
 
 Each input (a string, token ids, or a list of either) is one embedding request of the
 scheduler, whose pooled values are the head's logits (CausalLM.pooled). Never streamed.
@@ -17,10 +19,11 @@ from minisgl.server.protocol import ApiError, Body, Job, listed_prompts
 from minisgl.server.responses import Choice, Formatter
 
 CLASSIFY_PATHS = ("/classify", "/v1/classify")
+POOLING_PATH = "/pooling"
 
 
 class ClassifyRequest(Body):
-    """vLLM's classification body."""
+    """vLLM's classification body (its pooling body alike)."""
 
     input: Union[str, List[str], List[int], List[List[int]]]
     model: Optional[str] = None
@@ -30,13 +33,12 @@ class ClassifyRequest(Body):
     user: Optional[str] = None
 
 
-def classify_job(body: ClassifyRequest) -> Job:
+def classify_job(body: ClassifyRequest, what: str = "classification") -> Job:
     """One request per input, in order; ApiError(400) naming what cannot be served (an empty
     input, more than MAX_INPUTS, an unknown field)."""
     extra = sorted(body.model_extra or {})
     if extra:
-        raise ApiError(400, f"{extra[0]} is not supported by this server's classification",
-                       extra[0])
+        raise ApiError(400, f"{extra[0]} is not supported by this server's {what}", extra[0])
     return embedding_job(listed_prompts(body.input, "input", body.add_special_tokens,
                                         MAX_INPUTS),
                          body.truncate_prompt_tokens, body.request_id)
@@ -64,6 +66,27 @@ class ClassifyFormatter(Formatter):
         best = max(range(len(probs)), key=probs.__getitem__)
         return {"index": index, "label": self.labels[best], "probs": probs,
                 "num_classes": len(probs)}
+
+    def delta(self, index: int, chunk: ReplyChunk, choice: Choice) -> Iterator[str]:
+        return iter(())  # never streamed
+
+    def closing(self, choices: List[Choice]) -> Iterator[str]:
+        return iter(())
+
+
+class PoolingFormatter(Formatter):
+    """vLLM's list of pooled outputs, one per input in order: the raw values."""
+
+    id_prefix = "pool"
+    prompt_param = "input"
+
+    def full(self, choices: List[Choice]) -> Dict[str, Any]:
+        tokens = sum(c.prompt_tokens for c in choices)
+        return {"id": self.id, "object": "list", "created": self.created, "model": self.model,
+                "data": [{"index": i, "object": "pooling", "data": vector(c).tolist()}
+                         for i, c in enumerate(choices)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
+                          "completion_tokens": 0}}
 
     def delta(self, index: int, chunk: ReplyChunk, choice: Choice) -> Iterator[str]:
         return iter(())  # never streamed
