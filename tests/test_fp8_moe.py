@@ -208,6 +208,9 @@ def test_fp8_expert_blocks_cut_by_tp_are_refused(tiny_model: Callable[..., Path]
 
 # --- the fused W8A8 kernels ---------------------------------------------------------------------
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# FP8 tensor-core products accumulate in fewer bits than float32 on the GPU (Hopper's FP8 MMA:
+# about 2e-4 off a float32 reference); the interpreter multiplies exactly
+FP8_TOL = 1e-5 if DEV == "cpu" else 1e-3
 
 
 def _quantized(x: torch.Tensor, group: Optional[int], static: Optional[torch.Tensor]
@@ -278,7 +281,7 @@ def test_fused_fp8_experts_match_torch(spec: fp8.Fp8Spec, tokens: int, hidden: i
                             scales)
     want = _reference(x, topk, layer, scales)
     err = float((got - want).norm() / want.norm())
-    assert err < 1e-5, err
+    assert err < FP8_TOL, err
     dense13 = torch.stack([layer.dense(e)[0] for e in range(experts)])
     dense2 = torch.stack([layer.dense(e)[1] for e in range(experts)])
     unquantized = experts_torch(x, topk, dense13, dense2)  # W8A16: the inputs' rounding only
@@ -298,7 +301,7 @@ def test_fused_fp8_experts_default_tiles(block: Optional[Tuple[int, int]]) -> No
     topk = route(torch.randn(5, 4, generator=g, device=DEV), 2, True)
     got = moe.fused_experts(x, moe.routing_of(*topk, 4), layer.w13, layer.w2, scales=scales)
     want = _reference(x, topk, layer, scales)
-    assert float((got - want).norm() / want.norm()) < 1e-5
+    assert float((got - want).norm() / want.norm()) < FP8_TOL
 
 
 def test_grouped_gemm_refuses_mismatched_fp8_operands() -> None:
@@ -354,6 +357,6 @@ def test_dummy_qwen3_30b_a3b_fp8_runs(config: str, quantization: Optional[str]) 
              quantization=quantization) as llm:
         outs = llm.generate([[1, 2, 3], list(range(10, 300))],
                             SamplingParams(max_tokens=8, ignore_eos=True))
-        experts = llm.engine.model.model.layers[0].mlp.experts  # type: ignore[attr-defined]
-        assert experts.w13.dtype == FP8
+        engine = llm._backend.engine  # type: ignore[attr-defined]
+        assert engine.model.model.layers[0].mlp.experts.w13.dtype == FP8
     assert [len(o.token_ids) for o in outs] == [8, 8]

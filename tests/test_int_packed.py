@@ -94,7 +94,7 @@ def _models(path: Path, rank: int, tp: int) -> Tuple[torch.nn.Module, torch.nn.M
     for ints in (plan, None):
         model = model_class(cfg.architecture)(cfg, info, Communicator(info), ints=ints)
         model.load_weights(dense_int_weights(iter_checkpoint(path, False), cfg.int_quant))
-        out.append(model)
+        out.append(model.to(DEV))  # packed layers run the kernel (on a CPU: the interpreter)
     return out[0], out[1]
 
 
@@ -126,7 +126,7 @@ def test_packed_projections_equal_the_dequantized_ones(
         dense = dict(_projections(dense_model))
         for name, layer in layers:
             assert not hasattr(layer, "weight") and layer.qweight.dtype == torch.int32
-            x = torch.randn(3, layer.g_idx.shape[0], generator=g)
+            x = torch.randn(3, layer.g_idx.shape[0], generator=g).to(DEV)
             args = (x, False) if isinstance(layer, RowParallelLinear) else (x,)
             torch.testing.assert_close(layer(*args), dense[name](*args), rtol=1e-5,
                                        atol=1e-5, msg=f"{family} {method} {rank} {name}")
@@ -152,8 +152,8 @@ def test_packed_moe_experts_equal_the_dequantized_ones(
         layer, dense = packed_model.model.layers[0].mlp, dense_model.model.layers[0].mlp
         gemms = layer.experts.packed_gemms()
         assert gemms is not None and not hasattr(layer.experts, "w13")
-        x = torch.randn(9, 64, generator=g)
-        topk = route(torch.randn(9, 8, generator=g), 2, True)
+        x = torch.randn(9, 64, generator=g).to(DEV)
+        topk = route(torch.randn(9, 8, generator=g).to(DEV), 2, True)
         want = experts_torch(x, topk, dense.experts.w13, dense.experts.w2)
         for chosen in (tiles, None):  # small tiles, and the GPU's (moe_tiles)
             got = moe.fused_packed_experts(x, moe.routing_of(*topk, 8), *gemms, chosen)
@@ -220,7 +220,7 @@ def test_dummy_awq_llama_8b_holds_a_quarter_of_the_bytes() -> None:
     config = Path(__file__).resolve().parent.parent / "configs" / "models" / "llama-3.1-8b-awq"
     with LLM(str(config), load_format="dummy", max_kv_tokens=8192, show_progress=False) as llm:
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True))
-        layers = _projections(llm.engine.model)  # type: ignore[attr-defined]
+        layers = _projections(llm._backend.engine.model)  # type: ignore[attr-defined]
         held = sum(b.numel() * b.element_size() for _, m in layers for b in m.buffers())
         dense = sum(m.qweight.numel() * 8 * 2 for _, m in layers)
     assert len(out[0].token_ids) == 8

@@ -42,6 +42,7 @@ from minisgl.kernels.int_mm import check_packed
 from minisgl.kernels.types import FP8, ExpertScales, GemmTiles, MoETiles, PackedGemm
 
 _COUNT_BLOCK = 1024  # pairs per program of the count and scatter kernels
+FP8_MIN_K = 32  # the smallest K tile of an FP8 tl.dot on the GPU (Hopper's FP8 MMA)
 _OFFSETS_CHUNK = 128  # blocks (and sentinel stores / 8) per step of the one offsets program
 
 # Tiles by the rows an expert receives on average, M * k / E, at which the tile stops paying:
@@ -431,6 +432,8 @@ def grouped_gemm(a: Union[torch.Tensor, Quantized], w: torch.Tensor, aligned: Al
         scales, up_rows = _scale_operands(w_scales, gated, e, n, k)
         a_scales = a.scales
         mode = 1 if w_scales.block is None else 2
+        # FP8 tensor-core products take K tiles of 32 or more; with blocks the K tile is Bk
+        tiles = tiles._replace(block_k=max(FP8_MIN_K, tiles.block_k))
         if w_scales.block is not None:
             group_n = w_scales.block[0]
             tiles = tiles._replace(block_k=w_scales.block[1])

@@ -154,9 +154,9 @@ class Experts(nn.Module):
         local = self.shard.size
         if spec.block is not None:
             bk = spec.block[1]
-            if bk < 16 or bk & (bk - 1):
+            if bk < 32 or bk & (bk - 1):
                 raise ValueError(f"FP8 experts in {spec.block[0]}x{bk} blocks: the fused "
-                                 f"kernels take K blocks of a power of two from 16, not {bk}")
+                                 f"kernels take K blocks of a power of two from 32, not {bk}")
             fp8.check_block_split(spec, [Part(self.shard, 0, i)], Shard(0, h), h, tp,
                                   "the experts' gate and up projections")
             fp8.check_block_split(spec, [Part(Shard(0, h), 0, h)], self.shard, i, tp,
