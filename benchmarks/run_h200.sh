@@ -28,6 +28,15 @@ if [ "$MODE" = newtests ]; then  # the thirty-first session's GPU cases, first o
   # and its packed AWQ / GPTQ weights (the int_mm kernel on CUDA; HF's tokens in float32)
   step int_packed_tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_int_packed.py
 fi
+if [ "$MODE" = quant-tests ]; then  # FP8 / packed experts and packed layers on CUDA (~8 min);
+  # carry .gpucache/mcache: a tokenizer-only copy of the default model's converted directory
+  # (its config, tokenizer and .minisgl-complete; the tiny models take its tokenizer)
+  export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache
+  step fp8_moe_all 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_moe.py
+  step int_packed_all 170 python3 -m pytest -q -p no:cacheprovider tests/test_int_packed.py
+  step moe_gpu_tokens 80 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py -k "gpu_float32"
+  step fp8_kernels 140 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py
+fi
 if [ "$MODE" = int4 ]; then  # packed 4-bit weights: Llama-3.1-8B's shape in bf16 and dummy AWQ
   step latency_8b_bf16 300 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --steps 50
   step latency_8b_awq 300 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b-awq --steps 50
