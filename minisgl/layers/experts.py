@@ -1,5 +1,5 @@
 """The routed experts' weights of a mixture-of-experts layer: their tensor-parallel slices,
-their checkpoint names, and FP8 experts' scales.
+their checkpoint names, FP8 experts' scales and packed experts' integers.
 
 Each rank holds a 1/tp slice of every expert's intermediate features: w13 [E, 2 * I/tp, H]
 (gate rows, then up rows, split by output rows as ColumnParallelLinear splits them) and w2

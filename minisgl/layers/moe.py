@@ -9,10 +9,10 @@ them: its output is a partial sum, and one all-reduce per layer (the ResidualStr
 with the next residual add and RMSNorm where the communicator can) completes it. The shared
 expert's partial sum joins the same all-reduce.
 
-Experts (layers/experts.py: their weights, FP8 or dense) run as the fused Triton kernels of
+Experts (layers/experts.py: their weights, dense, FP8 or packed) run as the fused Triton kernels of
 kernels/moe.py on CUDA tensors with `policy.fused`, else as the torch path here, which is the
 reference (float32 on CPU: Hugging Face's loop over the experts that received tokens; FP8
-experts dequantized one at a time).
+and packed experts dequantized one at a time).
 """
 
 from __future__ import annotations

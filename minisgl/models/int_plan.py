@@ -5,8 +5,8 @@ the checkpoint's own tensors before the model is built.
 A layer is packed where every checkpoint layer it fuses holds packed tensors (`qweight`, or
 compressed-tensors' `weight_packed`) and, with act-order, their `g_idx` agree (the fused
 layer's parts share its inputs, so they must share their order; real checkpoints do, as the
-order comes from those inputs). Anything else (a layer the config leaves dense, parts that
-disagree, the mixture-of-experts experts, whose fused kernels read dense or FP8 weights) is
+order comes from those inputs); a MoE layer's experts are packed where every expert's
+projections are. Anything else (a layer the config leaves dense, parts that disagree) is
 dequantized as it loads, as on the CPU, where nothing is packed.
 """
 
