@@ -19,6 +19,7 @@ from minisgl import LLM, SamplingParams
 from minisgl.distributed import Communicator, DistributedInfo
 from minisgl.layers import fp8
 from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
+from minisgl.layers.weight_format import WeightFormat
 from minisgl.models import ModelConfig, model_class
 from minisgl.models.checkpoint_quant import CheckpointFp8, parse_quantization
 from minisgl.models.quantization import quant_plan
@@ -272,15 +273,15 @@ def test_fp8_on_a_gpu_without_fp8_is_refused(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_block_split_across_ranks_is_refused_with_the_numbers() -> None:
-    spec = fp8.Fp8Spec(block=(128, 128))
+    spec = WeightFormat(fp8.Fp8Spec(block=(128, 128)))
     with pytest.raises(ValueError, match=r"rows \[192, 384\) of 384 at tp=2.*128-row blocks"):
-        ColumnParallelLinear(256, [384, 384], False, DistributedInfo(1, 2), fp8=spec)
+        ColumnParallelLinear(256, [384, 384], False, DistributedInfo(1, 2), fmt=spec)
     with pytest.raises(ValueError, match=r"input columns \[0, 192\) of 384 at tp=2"):
         RowParallelLinear(384, 256, False, DistributedInfo(0, 2),
-                          Communicator(DistributedInfo(0, 2)), fp8=spec)
-    ColumnParallelLinear(256, [512, 512], False, DistributedInfo(1, 2), fp8=spec)  # whole blocks
+                          Communicator(DistributedInfo(0, 2)), fmt=spec)
+    ColumnParallelLinear(256, [512, 512], False, DistributedInfo(1, 2), fmt=spec)  # whole blocks
     with pytest.raises(ValueError, match=r"output part 0 gets rows \[0, 200\) of 200 at tp=1"):
-        ColumnParallelLinear(256, [200, 200], False, DistributedInfo(0, 1), fp8=spec)
+        ColumnParallelLinear(256, [200, 200], False, DistributedInfo(0, 1), fmt=spec)
 
 
 def test_fp8_tensors_of_a_layer_left_dense_are_refused(written: Callable[[str], Written],

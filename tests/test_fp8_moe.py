@@ -30,6 +30,7 @@ from minisgl.kernels.types import FP8, FP8_MAX, ExpertScales  # noqa: E402
 from minisgl.layers import fp8  # noqa: E402
 from minisgl.layers.experts import Experts, ExpertsShape  # noqa: E402
 from minisgl.layers.moe import TopK, experts_torch, route  # noqa: E402
+from minisgl.layers.weight_format import WeightFormat  # noqa: E402
 from minisgl.models import ModelConfig, model_class  # noqa: E402
 from minisgl.models.quantization import QuantPlan, quant_plan  # noqa: E402
 from minisgl.models.weights import init_dummy, iter_checkpoint  # noqa: E402
@@ -189,7 +190,7 @@ def test_dummy_fp8_experts(tiny_model: Callable[..., Path]) -> None:
     info = DistributedInfo(0, 1)
     for weight_only in (False, True):
         experts = Experts(_shape(cfg), info,
-                          dataclasses.replace(block, weight_only=weight_only))
+                          WeightFormat(dataclasses.replace(block, weight_only=weight_only)))
         holder = torch.nn.ModuleDict({"experts": experts})
         init_dummy(holder, seed=0)
         w13 = experts.dense(0)[0] if not weight_only else experts.w13[0]
@@ -200,7 +201,7 @@ def test_dummy_fp8_experts(tiny_model: Callable[..., Path]) -> None:
 def test_fp8_expert_blocks_cut_by_tp_are_refused(tiny_model: Callable[..., Path]) -> None:
     cfg = ModelConfig.from_dir(tiny_model("qwen3_moe", **{**BLOCK_MOE,
                                                           "moe_intermediate_size": 384}))
-    block = fp8.Fp8Spec(block=(128, 128))
+    block = WeightFormat(fp8.Fp8Spec(block=(128, 128)))
     Experts(_shape(cfg), DistributedInfo(0, 3), block)  # 128 each: whole blocks
     with pytest.raises(ValueError, match=r"rows \[192, 384\) of 384 at tp=2.*128-row"):
         Experts(_shape(cfg), DistributedInfo(1, 2), block)
@@ -250,7 +251,8 @@ def _reference(x: torch.Tensor, topk: TopK, experts: Experts, scales: ExpertScal
 
 def _fp8_experts(experts: int, hidden: int, inter: int, spec: fp8.Fp8Spec,
                  seed: int) -> Experts:
-    layer = Experts(ExpertsShape(experts, hidden, inter), DistributedInfo(0, 1), spec)
+    layer = Experts(ExpertsShape(experts, hidden, inter), DistributedInfo(0, 1),
+                    WeightFormat(spec))
     gen = torch.Generator(device=DEV).manual_seed(seed)
     layer.to(DEV)
     layer.fill_quantized_random(gen, 0.1)  # static input scales: values up to 8

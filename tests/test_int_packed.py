@@ -28,7 +28,9 @@ from test_int_weights import _write  # noqa: E402
 from minisgl import LLM, SamplingParams  # noqa: E402
 from minisgl.distributed import Communicator, DistributedInfo  # noqa: E402
 from minisgl.layers import packed  # noqa: E402
+from minisgl.layers.fp8 import Fp8Spec  # noqa: E402
 from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from minisgl.layers.weight_format import WeightFormat  # noqa: E402
 from minisgl.models import ModelConfig, model_class  # noqa: E402
 from minisgl.models.int_plan import int_plan  # noqa: E402
 from minisgl.models.int_weights import dense_int_weights  # noqa: E402
@@ -82,6 +84,11 @@ def test_pack_places_each_input_in_its_word() -> None:
     assert words.shape == (2, 1) and words.dtype == torch.int32
     assert int(words[0, 0]) == 0x76543210
     assert int(words[1, 0]) == (0xFEDCBA98 - (1 << 32))  # the sign bit set: a negative int32
+
+
+def test_a_weight_format_is_fp8_or_packed_not_both() -> None:
+    with pytest.raises(ValueError, match="not both"):
+        WeightFormat(Fp8Spec(), packed.PackedSpec(4, 128))
 
 
 def _models(path: Path, rank: int, tp: int) -> Tuple[torch.nn.Module, torch.nn.Module]:

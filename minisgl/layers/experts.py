@@ -33,6 +33,7 @@ from minisgl.layers import fp8, packed
 from minisgl.layers.fp8 import Fp8Spec, Part
 from minisgl.layers.packed import PackedSpec
 from minisgl.layers.source import TensorSource, copy_into
+from minisgl.layers.weight_format import WeightFormat
 
 # checkpoint name of an expert's projection -> (our weight, its place in the expert's shards)
 _EXPERT_PROJ = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
@@ -80,8 +81,9 @@ class _PackedView:
 
 class Experts(nn.Module):
     """This rank's slice of every routed expert (see the module's docstring for the layout).
-    `fp8`: FP8 weights in that format; None: dense (and after a weight-only `dequantize_fp8`).
-    `packed`: the checkpoint's integers kept packed (the GPU; see `packed_gemms`).
+    `fmt.fp8`: FP8 weights in that format (`fp8` is None once dense: after a weight-only
+    `dequantize_fp8`); `fmt.packed`: the checkpoint's integers kept packed (the GPU; see
+    `packed_gemms`); neither: dense.
     ValueError naming the numbers where a tp split would cut the spec's blocks."""
 
     w13_weight_scale: torch.Tensor
@@ -99,19 +101,16 @@ class Experts(nn.Module):
     g2: torch.Tensor
 
     def __init__(self, shape: ExpertsShape, info: DistributedInfo,
-                 fp8_spec: Optional[Fp8Spec] = None, packed: Optional[PackedSpec] = None
-                 ) -> None:
+                 fmt: WeightFormat = WeightFormat()) -> None:
         super().__init__()
         e, h, i = shape
         self.shard = info.shard(i, "expert intermediate features")
         self.intermediate = i
-        self.fp8 = fp8_spec
-        self.packed = packed
+        self.fp8 = fp8_spec = fmt.fp8
+        self.packed = fmt.packed
         local = self.shard.size
-        if packed is not None:
-            if fp8_spec is not None:
-                raise ValueError("experts' weights are FP8 or packed integers, not both")
-            self._make_packed(packed, shape)
+        if fmt.packed is not None:
+            self._make_packed(fmt.packed, shape)
             return
         dtype = FP8 if fp8_spec is not None else None
         self.w13 = _param(torch.empty(e, 2 * local, h, dtype=dtype))

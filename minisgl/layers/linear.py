@@ -12,12 +12,13 @@ Built with a `LoraShape` (layers/lora.py), a layer holds LoRA adapters' pairs to
 `forward_lora` / `forward_stream(..., lora)` add their deltas to the tokens that run with one
 (the plain product: the fused paths above take no adapter).
 
-Built with an `Fp8Spec` (layers/fp8.py), the column- and row-parallel layers hold FP8 weights
-and their scales, load their shards of them (or quantize their shard of a dense checkpoint), and
-multiply by them on CUDA; on the CPU they are dequantized once loaded and run as dense layers.
-Built with a `PackedSpec` (layers/packed.py: AWQ, GPTQ, compressed-tensors integers on the GPU)
-they hold the packed integers and multiply by them (kernels/int_mm.py); the batch-1 fusions
-(the GEMV with the norm, SiLU, rotary) read dense or FP8 weights only and step aside.
+Built with a `WeightFormat` (layers/weight_format.py) naming an `Fp8Spec` (layers/fp8.py), the
+column- and row-parallel layers hold FP8 weights and their scales, load their shards of them (or
+quantize their shard of a dense checkpoint), and multiply by them on CUDA; on the CPU they are
+dequantized once loaded and run as dense layers. Naming a `PackedSpec` (layers/packed.py: AWQ,
+GPTQ, compressed-tensors integers on the GPU) they hold the packed integers and multiply by them
+(kernels/int_mm.py); the batch-1 fusions (the GEMV with the norm, SiLU, rotary) read dense or
+FP8 weights only and step aside.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from minisgl.layers.lora import LoraShape, LoraSlots
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.layers.source import TensorSource, copy_into
+from minisgl.layers.weight_format import WeightFormat
 
 if TYPE_CHECKING:  # kernels/fp8.py imports triton: only CUDA paths load it
     from minisgl.kernels.fp8 import Quantized
@@ -125,8 +127,6 @@ class _QuantizableLayer(nn.Module):
     def _make_weight(self, out_features: int, inputs: Shard, in_full: int) -> None:
         """The layer's weight for `inputs` of the checkpoint's `in_full` input features."""
         if self.packed is not None:
-            if self.fp8 is not None:
-                raise ValueError("a layer's weights are FP8 or packed integers, not both")
             packed_weights.make_buffers(self, self.packed, out_features, inputs, in_full)
             self.groups_loaded = False
         elif self.fp8 is None:
@@ -311,21 +311,21 @@ class ColumnParallelLinear(_QuantizableLayer):
     `out_sizes` lists the logical outputs fused into one matrix (e.g. gate and up); each is split
     across ranks separately, so shard `i` of every rank is contiguous in the local weight.
     `shards`: this rank's rows of each output, where they are not an even split over ranks.
-    `fp8`: FP8 weights in that format (see _QuantizableLayer); with blocks, every shard must hold
-    whole blocks (ValueError naming the numbers). `lora`: LoRA adapter slots (one pair per
+    `fmt`: how the weights are stored (see _QuantizableLayer); FP8 blocks must not straddle
+    shards (ValueError naming the numbers). `lora`: LoRA adapter slots (one pair per
     output part).
     """
 
     def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool,
                  info: DistributedInfo, policy: KernelPolicy = KernelPolicy(),
-                 fp8: Optional[Fp8Spec] = None, shards: Optional[Sequence[Shard]] = None,
-                 lora: Optional[LoraShape] = None, packed: Optional[PackedSpec] = None) -> None:
+                 fmt: WeightFormat = WeightFormat(), shards: Optional[Sequence[Shard]] = None,
+                 lora: Optional[LoraShape] = None) -> None:
         super().__init__()
         self.info = info
         self.policy = policy  # see project()
         self.blas_by_rows = {}  # see project(); filled by blas.tune
-        self.fp8 = fp8
-        self.packed = packed
+        self.fp8 = fp8 = fmt.fp8
+        self.packed = fmt.packed
         self.full_sizes = list(out_sizes)  # each output's rows in the checkpoint
         self.shards = (list(shards) if shards is not None else
                        [info.shard(n, "linear output features") for n in out_sizes])
@@ -434,8 +434,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
                  info: DistributedInfo, policy: KernelPolicy = KernelPolicy(),
-                 fp8: Optional[Fp8Spec] = None, lora: Optional[LoraShape] = None,
-                 packed: Optional[PackedSpec] = None) -> None:
+                 fmt: WeightFormat = WeightFormat(), lora: Optional[LoraShape] = None) -> None:
         check_head_split(num_heads, num_kv_heads, info.size)
         self.num_local_heads = num_heads // info.size
         self.num_local_kv_heads = max(1, num_kv_heads // info.size)
@@ -443,7 +442,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         kv = Shard(kv_start, self.num_local_kv_heads * head_dim)
         q = info.shard(num_heads * head_dim, "linear output features")
         super().__init__(hidden, [num_heads * head_dim] + [num_kv_heads * head_dim] * 2, bias,
-                         info, policy, fp8, shards=[q, kv, kv], lora=lora, packed=packed)
+                         info, policy, fmt, shards=[q, kv, kv], lora=lora)
         self.head_dim = head_dim
 
     def forward_normed_rotary(self, stream: ResidualStream, norm: RMSNorm,
@@ -475,21 +474,21 @@ class RowParallelLinear(_QuantizableLayer):
     Where an RMSNorm follows (o_proj, down_proj), the decoder takes the partial product
     (`forward(x, reduce=False)`) and hands it to `reduce_norm`, which can do the all-reduce,
     the residual add and the norm in one kernel (Communicator.all_reduce_rmsnorm).
-    `fp8`: FP8 weights (see _QuantizableLayer); each rank's scales are its own shard's. `lora`: LoRA
+    `fmt`: how the weights are stored (see _QuantizableLayer); each rank's scales are its own
+    shard's. `lora`: LoRA
     adapter slots (A split over ranks like the weight's columns)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, info: DistributedInfo,
                  comm: Communicator, policy: KernelPolicy = KernelPolicy(),
-                 fp8: Optional[Fp8Spec] = None, lora: Optional[LoraShape] = None,
-                 packed: Optional[PackedSpec] = None) -> None:
+                 fmt: WeightFormat = WeightFormat(), lora: Optional[LoraShape] = None) -> None:
         super().__init__()
         self.policy = policy  # see project()
         self.blas_by_rows = {}  # see project(); filled by blas.tune
         self.shard = info.shard(in_features, "linear input features")
         self.comm = comm
         self.tp = info.size
-        self.fp8 = fp8
-        self.packed = packed
+        self.fp8 = fp8 = fmt.fp8
+        self.packed = fmt.packed
         if fp8 is not None:
             fp8_weights.check_block_split(fp8, [], self.shard, in_features, info.size,
                                           type(self).__name__)

@@ -28,11 +28,10 @@ from minisgl.kernels.policy import KernelPolicy
 from minisgl.kernels.types import Normed
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.experts import Experts, ExpertsShape
-from minisgl.layers.fp8 import Fp8Spec
 from minisgl.layers.linear import (ColumnParallelLinear, ReplicatedLinear, ResidualStream,
                                    RowParallelLinear, all_reduce_norm, finish_norm_quantized)
 from minisgl.layers.norm import RMSNorm
-from minisgl.layers.packed import PackedSpec
+from minisgl.layers.weight_format import WeightFormat
 
 if TYPE_CHECKING:  # kernels/fp8.py imports triton: only CUDA paths load it
     from minisgl.kernels.fp8 import Quantized
@@ -70,16 +69,12 @@ ExpertWeights = Callable[[int], Tuple[torch.Tensor, torch.Tensor]]
 
 
 class MoEQuant(NamedTuple):
-    """The quantized formats of a MoE layer's parts (None: dense): FP8 or packed integers of
-    the routed experts and of the shared expert's gate/up and down projections. The routers
-    stay dense."""
+    """How a MoE layer's parts store their weights: the routed experts and the shared
+    expert's gate/up and down projections. The routers stay dense."""
 
-    experts: Optional[Fp8Spec] = None
-    shared_gate_up: Optional[Fp8Spec] = None
-    shared_down: Optional[Fp8Spec] = None
-    experts_packed: Optional[PackedSpec] = None
-    shared_gate_up_packed: Optional[PackedSpec] = None
-    shared_down_packed: Optional[PackedSpec] = None
+    experts: WeightFormat = WeightFormat()
+    shared_gate_up: WeightFormat = WeightFormat()
+    shared_down: WeightFormat = WeightFormat()
 
 
 def _weights(weights_of: ExpertWeights, expert: int, x: torch.Tensor
@@ -131,11 +126,9 @@ class SharedExpert(nn.Module):
         super().__init__()
         self.policy = policy
         self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], False,
-                                                 info, policy, fp8=quant.shared_gate_up,
-                                                 packed=quant.shared_gate_up_packed)
+                                                 info, policy, quant.shared_gate_up)
         self.down_proj = RowParallelLinear(intermediate, hidden, False, info, comm, policy,
-                                           fp8=quant.shared_down,
-                                           packed=quant.shared_down_packed)
+                                           quant.shared_down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.policy), reduce=False)
@@ -154,7 +147,7 @@ class SparseMoE(nn.Module):
         self.comm = comm
         self.gate = ReplicatedLinear(shape.hidden, shape.num_experts, False)  # the router
         self.experts = Experts(ExpertsShape(shape.num_experts, shape.hidden, shape.intermediate),
-                               info, quant.experts, quant.experts_packed)
+                               info, quant.experts)
         self.shared_expert: Optional[SharedExpert] = None
         self.shared_expert_gate: Optional[ReplicatedLinear] = None
         if shape.shared_intermediate:

@@ -49,6 +49,7 @@ from minisgl.layers.norm import RMSNorm
 from minisgl.layers.packed import PackedSpec
 from minisgl.layers.rotary import RopeIndex, RotaryEmbedding
 from minisgl.layers.source import RowsOf, TensorSource, copy_into
+from minisgl.layers.weight_format import WeightFormat
 from minisgl.models.config import SILU_ACTS, ModelConfig
 from minisgl.models.int_plan import IntPlan
 from minisgl.models.quantization import QuantPlan
@@ -77,25 +78,17 @@ class Traits(NamedTuple):
         """An RMSNorm of this family (its weight offset) launching this policy's kernels."""
         return RMSNorm(dim, eps, self.policy, self.norm_offset)
 
-    def fp8(self, prefix: str, *parts: str) -> Optional[Fp8Spec]:
-        """The FP8 format of the projection fusing checkpoint layers `prefix`.`part`, asked
+    def weight_format(self, prefix: str, *parts: str) -> WeightFormat:
+        """How the projection fusing checkpoint layers `prefix`.`part` stores its weights, asked
         under the checkpoint's own layer name where it fuses them (its quantization config's
         ignore and target lists name that one)."""
-        if self.quant is None:
-            return None
         fused = self.fused_names.get(parts)
-        return self.quant.spec_for(prefix, (fused,) if fused is not None else parts)
-
-    def packed(self, prefix: str, *parts: str) -> Optional[PackedSpec]:
-        """The packed integers of the projection fusing checkpoint layers `prefix`.`part`
-        (asked as `fp8` asks), or None."""
-        if self.ints is None:
-            return None
-        fused = self.fused_names.get(parts)
-        return self.ints.spec_for(prefix, (fused,) if fused is not None else parts)
+        names = (fused,) if fused is not None else parts
+        return WeightFormat(None if self.quant is None else self.quant.spec_for(prefix, names),
+                            None if self.ints is None else self.ints.spec_for(prefix, names))
 
     def moe_quant(self, prefix: str, num_experts: int) -> MoEQuant:
-        """The quantized formats of MoE layer `prefix`'s parts, asked under the checkpoint's
+        """How MoE layer `prefix`'s parts store their weights, asked under the checkpoint's
         names (Mixtral's block_sparse_moe.experts.N.w1): the routed experts have one FP8
         format, that of expert 0's projections (ValueError where its gate/up and down
         differ), and are packed where every expert's projections are."""
@@ -103,25 +96,21 @@ class Traits(NamedTuple):
         theirs = ".".join(self.checkpoint_names.get(p, p) for p in ours)
         gate, up, down = (self.checkpoint_names.get(p, p)
                           for p in ("gate_proj", "up_proj", "down_proj"))
-        shared = f"{prefix}.shared_expert"
-        quant = MoEQuant()
+        fp8: Optional[Fp8Spec] = None
         if self.quant is not None:
-            gate_up = self.quant.spec_for(theirs, (gate, up))
-            if gate_up != self.quant.spec_for(theirs, (down,)):
+            fp8 = self.quant.spec_for(theirs, (gate, up))
+            if fp8 != self.quant.spec_for(theirs, (down,)):
                 raise ValueError(f"{theirs}: the checkpoint quantizes the experts' {gate}/{up} "
                                  f"and {down} differently; FP8 experts take one format")
-            quant = quant._replace(experts=gate_up,
-                                   shared_gate_up=self.fp8(shared, "gate_proj", "up_proj"),
-                                   shared_down=self.fp8(shared, "down_proj"))
+        packed: Optional[PackedSpec] = None
         if self.ints is not None:
-            base = theirs.rpartition(".")[0]
-            packed = self.ints.spec_for(base, [f"{e}.{p}" for e in range(num_experts)
-                                               for p in (gate, up, down)])
-            quant = quant._replace(experts_packed=packed,
-                                   shared_gate_up_packed=self.packed(shared, "gate_proj",
-                                                                     "up_proj"),
-                                   shared_down_packed=self.packed(shared, "down_proj"))
-        return quant
+            packed = self.ints.spec_for(theirs.rpartition(".")[0],
+                                        [f"{e}.{p}" for e in range(num_experts)
+                                         for p in (gate, up, down)])
+        shared = f"{prefix}.shared_expert"
+        return MoEQuant(WeightFormat(fp8, packed),
+                        self.weight_format(shared, "gate_proj", "up_proj"),
+                        self.weight_format(shared, "down_proj"))
 
 
 # checkpoint module name -> (our fused module, shard index)
@@ -167,13 +156,12 @@ class Attention(nn.Module):
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
                                           cfg.num_kv_heads, traits.qkv_bias, info,
                                           traits.policy,
-                                          traits.fp8(prefix, "q_proj", "k_proj", "v_proj"),
-                                          traits.lora,
-                                          traits.packed(prefix, "q_proj", "k_proj", "v_proj"))
+                                          traits.weight_format(prefix, "q_proj", "k_proj",
+                                                               "v_proj"),
+                                          traits.lora)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
                                         traits.o_bias, info, comm, traits.policy,
-                                        traits.fp8(prefix, "o_proj"), traits.lora,
-                                        traits.packed(prefix, "o_proj"))
+                                        traits.weight_format(prefix, "o_proj"), traits.lora)
         self.q_norm = traits.norm(cfg.head_dim, cfg.rms_norm_eps) if traits.qk_norm else None
         self.k_norm = traits.norm(cfg.head_dim, cfg.rms_norm_eps) if traits.qk_norm else None
         self.rotary = rotary
@@ -250,13 +238,13 @@ class MLP(nn.Module):
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias,
                                                  info, traits.policy,
-                                                 traits.fp8(prefix, "gate_proj", "up_proj"),
-                                                 lora=traits.lora,
-                                                 packed=traits.packed(prefix, "gate_proj",
-                                                                      "up_proj"))
+                                                 traits.weight_format(prefix, "gate_proj",
+                                                                      "up_proj"),
+                                                 lora=traits.lora)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, info, comm,
-                                           traits.policy, traits.fp8(prefix, "down_proj"),
-                                           traits.lora, traits.packed(prefix, "down_proj"))
+                                           traits.policy,
+                                           traits.weight_format(prefix, "down_proj"),
+                                           traits.lora)
 
     def forward(self, stream: ResidualStream, norm: RMSNorm,
                 lora: Optional[LoraRows] = None) -> ResidualStream:
