@@ -98,6 +98,32 @@ def test_gpu_lora_matches_cpu(tmp_path: Path) -> None:
     assert run("cuda") == run("cpu")
 
 
+def test_gpu_lora_over_fp8_weights_and_experts(tmp_path: Path) -> None:
+    """LoRA over online FP8 weights on CUDA (bfloat16: the W8A8 products, the deltas added to
+    them; adapter batches eager, the base model's in decode graphs): the adapter's sequences
+    start mostly as over the bfloat16 weights, and not as the base model's. Over Qwen2-MoE's
+    fused experts (float32), an adapter of attention gives the CPU's tokens."""
+    from tiny_models import write_lora
+    path = build_tiny("llama", tmp_path / "llama", None)
+    adapter = str(write_lora(path, tmp_path / "a", 4))
+    prompts = mixed_prompts(6, seed=9)
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                             lora_name=name) for name in ("x", None)]
+
+    def run(model: Path, **kw: object) -> List[List[List[int]]]:
+        with LLM(str(model), lora_modules=f"x={adapter}", show_progress=False,
+                 **kw) as llm:  # type: ignore[arg-type]
+            return [[o.token_ids for o in llm.generate(prompts, p)] for p in params]
+    fp8, fp8_base = run(path, device="cuda", dtype="bfloat16", quantization="fp8")
+    dense, _ = run(path, device="cuda", dtype="bfloat16")
+    assert sum(a[0] == b[0] for a, b in zip(fp8, dense)) >= 4
+    assert sum(a[0] != b[0] for a, b in zip(fp8, fp8_base)) >= 3
+    moe = build_tiny("qwen2_moe", tmp_path / "moe", None)
+    adapter = str(write_lora(moe, tmp_path / "m", 5, targets=("q_proj", "v_proj", "o_proj")))
+    assert (run(moe, device="cuda", dtype="float32")
+            == run(moe, device="cpu", dtype="float32"))
+
+
 def test_gpu_embeddings_match_cpu(tiny_qwen3: Path) -> None:
     """Embeddings on CUDA (float32, prefill graphs on: an embedding request runs eager) equal
     the CPU's, beside requests for text."""

@@ -12,6 +12,8 @@ from typing import Callable, Dict, List, Optional
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from hf_reference import hf_greedy, mixed_prompts
 from minisgl import LLM, LoRARequest, SamplingParams
@@ -234,8 +236,8 @@ def test_adapters_minisgl_cannot_apply_are_refused_at_start(
 def test_adapted_modules_and_models_minisgl_cannot_serve_are_refused(
         base: Path, adapters: Dict[str, Path], tiny_model: Callable[..., Path],
         tmp_path: Path) -> None:
-    """An adapter of the embeddings, a missing directory, a malformed list, LoRA on a
-    mixture of experts or FP8 weights: each a start-up error naming it."""
+    """An adapter of the embeddings or of a mixture of experts' routed experts, a missing
+    directory, a malformed list: each a start-up error naming it."""
     embed = build_tiny_lora(base, tmp_path / "embed", 4, targets=("embed_tokens", "q_proj"))
     _refusal(base, embed, "tensor .*embed_tokens.* is not a LoRA A or B weight")
     _refusal(base, tmp_path / "missing", "LoRA adapter 'bad': no adapter_config.json")
@@ -245,9 +247,58 @@ def test_adapted_modules_and_models_minisgl_cannot_serve_are_refused(
         LLM(str(base), device="cpu", lora_modules="a=/p,a=/q")
     with pytest.raises(ValueError, match="max_loras 1 is fewer than the 2 adapters"):
         LLM(str(base), device="cpu", lora_modules="a=/p,b=/q", max_loras=1)
-    _refusal(base, adapters["few"], "dense models with unquantized weights; this "
-             "LlamaForCausalLM has FP8 weights", quantization="fp8")
-    _refusal(tiny_model("qwen3_moe"), adapters["few"], "this Qwen3MoeForCausalLM has 8 experts")
+    moe = tiny_model("qwen3_moe")
+    experts = build_tiny_lora(moe, tmp_path / "experts", 5, rank=4, targets=("q_proj",))
+    tensors = {f"base_model.model.model.layers.0.mlp.experts.3.up_proj.lora_{h}.weight": t
+               for h, t in (("A", torch.ones(4, 64)), ("B", torch.ones(32, 4)))}
+    save_file(tensors, str(experts / "adapter_model.safetensors"))
+    _refusal(moe, experts, "adapts model.layers.0.mlp.experts.3.up_proj, which is not one of "
+             "this model's projections that take adapters .*not a router or routed experts")
+
+
+def test_adapters_of_fp8_weights_match_peft_on_the_dequantized_twin(
+        base: Path, tmp_path: Path) -> None:
+    """An FP8 checkpoint (per-channel weight scales, tp=1 and tp=2: each rank's scales its
+    own rows' or columns') serving an adapter of every projection and the base model in one
+    batch: PEFT's tokens on the checkpoint's dequantized twin."""
+    from fp8_checkpoints import Fp8Format, Group, write_fp8
+    ckpt = write_fp8(base, tmp_path / "fp8", Fp8Format(
+        "compressed-tensors", (Group("Linear", "channel", False),), (), ("lm_head",)))
+    adapter = build_tiny_lora(ckpt.dequantized, tmp_path / "adapter", 6)
+    prompts = mixed_prompts(4, seed=9, lengths=(4, 23))
+    names: List[Optional[str]] = ["x", None, "x", "x"]
+    want = [hf_greedy(ckpt.dequantized, [p], NEW, adapter=adapter if n else None)[0]
+            for p, n in zip(prompts, names)]
+    assert want[0] != hf_greedy(ckpt.dequantized, prompts[:1], NEW)[0]  # the adapter counts
+    for tp in (1, 2):
+        with LLM(str(ckpt.fp8), device="cpu", tp=tp, page_size=4, max_kv_tokens=2048,
+                 show_progress=False, lora_modules=f"x={adapter}") as llm:
+            outs = llm.generate(prompts, [SamplingParams(max_tokens=NEW, temperature=0.0,
+                                                         ignore_eos=True, lora_name=n)
+                                          for n in names])
+        assert [o.token_ids for o in outs] == want, tp
+
+
+def test_adapters_of_a_mixture_of_experts_match_peft(tiny_model: Callable[..., Path],
+                                                     tmp_path: Path) -> None:
+    """Qwen2-MoE: an adapter of attention, the dense layer's MLP and the sparse layers'
+    shared expert (its delta inside the expert, under the expert's sigmoid gate), beside the
+    base model in one batch: PEFT's tokens."""
+    moe = tiny_model("qwen2_moe")
+    adapter = build_tiny_lora(moe, tmp_path / "adapter", 8, targets=(
+        "q_proj", "v_proj", "o_proj", "shared_expert.gate_proj", "shared_expert.up_proj",
+        "shared_expert.down_proj"))
+    prompts = mixed_prompts(3, seed=10, lengths=(5, 20))
+    names: List[Optional[str]] = ["x", None, "x"]
+    with LLM(str(moe), device="cpu", page_size=4, max_kv_tokens=2048, show_progress=False,
+             lora_modules=f"x={adapter}") as llm:
+        outs = llm.generate(prompts, [SamplingParams(max_tokens=NEW, temperature=0.0,
+                                                     ignore_eos=True, lora_name=n)
+                                      for n in names])
+    want = [hf_greedy(moe, [p], NEW, adapter=adapter if n else None)[0]
+            for p, n in zip(prompts, names)]
+    assert [o.token_ids for o in outs] == want
+    assert want[0] != hf_greedy(moe, prompts[:1], NEW)[0]  # the adapter counts
 
 
 def test_http_model_field_picks_the_adapter(base: Path, adapters: Dict[str, Path],

@@ -173,10 +173,12 @@ def build_tiny_lora(base: Path, out: Path, seed: int, rank: int = 8, alpha: floa
     return out
 
 
-def write_lora(base: Path, out: Path, seed: int, rank: int = 8, alpha: float = 16.0) -> Path:
-    """The files PEFT saves for a LoRA adapter of every projection of the Llama-shaped model
-    at `base`, written without PEFT (the GPU machine has none; tests/test_lora.py checks that
-    PEFT reads them alike): random A [rank, in] and B [out, rank] in float32."""
+def write_lora(base: Path, out: Path, seed: int, rank: int = 8, alpha: float = 16.0,
+               targets: Tuple[str, ...] = LORA_TARGETS) -> Path:
+    """The files PEFT saves for a LoRA adapter of the `targets` projections (default: every
+    one) of the Llama-shaped model at `base`, written without PEFT (the GPU machine has none;
+    tests/test_lora.py checks that PEFT reads them alike): random A [rank, in] and B
+    [out, rank] in float32."""
     import json
     from safetensors.torch import save_file
     cfg = json.loads((base / "config.json").read_text())
@@ -187,6 +189,7 @@ def write_lora(base: Path, out: Path, seed: int, rank: int = 8, alpha: float = 1
               "self_attn.v_proj": (hidden, kv), "self_attn.o_proj": (q, hidden),
               "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter),
               "mlp.down_proj": (inter, hidden)}
+    shapes = {m: s for m, s in shapes.items() if m.split(".")[-1] in targets}
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(cfg["num_hidden_layers"]):

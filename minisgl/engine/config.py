@@ -77,7 +77,8 @@ class EngineConfig:
               "runs with one by naming it as its model (offline: lora_request or "
               "SamplingParams.lora_name). They load at start-up on every rank; more load and "
               "unload at run time (/v1/load_lora_adapter, /v1/unload_lora_adapter; offline: "
-              "LLM.add_lora). Dense models with unquantized weights only",
+              "LLM.add_lora). They adapt attention and dense or shared-expert MLPs (16-bit, "
+              "FP8 or packed weights), not routed experts",
         also=("lora-paths",))
     max_lora_rank: int = setting(16, "the largest rank a LoRA adapter may have (the adapters' "
                                      "buffers are sized for it)")

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl.core import LoraRows
 from minisgl.distributed import Communicator, DistributedInfo
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kernels.types import Normed
@@ -30,6 +31,7 @@ from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.experts import Experts, ExpertsShape
 from minisgl.layers.linear import (ColumnParallelLinear, ReplicatedLinear, ResidualStream,
                                    RowParallelLinear, all_reduce_norm, finish_norm_quantized)
+from minisgl.layers.lora import LoraShape
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.weight_format import WeightFormat
 
@@ -118,29 +120,37 @@ def experts_torch_by(x: torch.Tensor, topk: TopK, weights_of: ExpertWeights,
 
 class SharedExpert(nn.Module):
     """A gated MLP every token runs, split over ranks as the dense MLP; `forward` returns this
-    rank's partial sum."""
+    rank's partial sum. `lora`: LoRA adapter slots in its projections, as the dense MLP's."""
 
     def __init__(self, hidden: int, intermediate: int, info: DistributedInfo,
-                 comm: Communicator, policy: KernelPolicy, quant: MoEQuant = MoEQuant()
-                 ) -> None:
+                 comm: Communicator, policy: KernelPolicy, quant: MoEQuant = MoEQuant(),
+                 lora: Optional[LoraShape] = None) -> None:
         super().__init__()
         self.policy = policy
         self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], False,
-                                                 info, policy, quant.shared_gate_up)
+                                                 info, policy, quant.shared_gate_up, lora=lora)
         self.down_proj = RowParallelLinear(intermediate, hidden, False, info, comm, policy,
-                                           quant.shared_down)
+                                           quant.shared_down, lora)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.policy), reduce=False)
+    def forward(self, x: torch.Tensor, lora: Optional[LoraRows] = None) -> torch.Tensor:
+        """`lora`: the LoRA deltas of the tokens it names added to each projection."""
+        if lora is None:
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.policy), reduce=False)
+        gated = silu_and_mul(self.gate_up_proj.forward_lora(x, lora), self.policy)
+        partial = self.down_proj(gated, reduce=False)
+        slots = self.down_proj.lora
+        return partial if slots is None else slots.add_delta(partial, gated, lora)
 
 
 class SparseMoE(nn.Module):
     """The MoE block of a decoder layer: `forward` takes the stream before its norm and
     returns the stream after the experts (this rank's partial sum, not yet all-reduced: the
-    layer is its own reducer)."""
+    layer is its own reducer). LoRA adapters (`lora`) adapt the shared expert's projections;
+    the routed experts and the routers take none (models/lora.py refuses such adapters)."""
 
     def __init__(self, shape: MoEShape, info: DistributedInfo, comm: Communicator,
-                 policy: KernelPolicy = KernelPolicy(), quant: MoEQuant = MoEQuant()) -> None:
+                 policy: KernelPolicy = KernelPolicy(), quant: MoEQuant = MoEQuant(),
+                 lora: Optional[LoraShape] = None) -> None:
         super().__init__()
         self.shape = shape
         self.policy = policy
@@ -152,15 +162,17 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate: Optional[ReplicatedLinear] = None
         if shape.shared_intermediate:
             self.shared_expert = SharedExpert(shape.hidden, shape.shared_intermediate, info,
-                                              comm, policy, quant)
+                                              comm, policy, quant, lora)
             self.shared_expert_gate = ReplicatedLinear(shape.hidden, 1, False)
 
-    def forward(self, stream: ResidualStream, norm: RMSNorm) -> ResidualStream:
+    def forward(self, stream: ResidualStream, norm: RMSNorm,
+                lora: Optional[LoraRows] = None) -> ResidualStream:
         x, residual = stream.normed(norm)
-        return ResidualStream(self.partial(x), residual, self)
+        return ResidualStream(self.partial(x, lora), residual, self)
 
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum of the block's output on x [T, H]."""
+    def partial(self, x: torch.Tensor, lora: Optional[LoraRows] = None) -> torch.Tensor:
+        """This rank's partial sum of the block's output on x [T, H] (`lora`: the adapters'
+        deltas of the tokens it names, in the shared expert)."""
         logits = self.gate(x)
         experts = self.experts
         gemms = experts.packed_gemms()
@@ -176,7 +188,7 @@ class SparseMoE(nn.Module):
             out = experts_torch_by(x, route(logits, self.shape.top_k, self.shape.renormalize),
                                    experts.dense, self.shape.num_experts)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, lora)
         return out
 
     def finish(self, partial: torch.Tensor) -> torch.Tensor:

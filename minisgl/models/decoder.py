@@ -71,7 +71,7 @@ class Traits(NamedTuple):
     embed_scale: Optional[float] = None  # the embeddings' factor (Gemma: sqrt(hidden_size))
     embed_scale_rounded: bool = True  # the factor rounded to the dtype first (Gemma; Granite not)
     sandwich_norms: bool = False  # Gemma: norms after attention and the MLP too (see above)
-    lora: Optional[LoraShape] = None  # the LoRA adapter slots of every dense projection
+    lora: Optional[LoraShape] = None  # LoRA slots of every projection but the routed experts
     ints: Optional[IntPlan] = None  # the projections holding packed integers (GPU AWQ / GPTQ)
 
     def norm(self, dim: int, eps: float) -> RMSNorm:
@@ -297,7 +297,8 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = norm() if traits.sandwich_norms else None
         self.mlp: Union[MLP, SparseMoE] = (
             SparseMoE(moe_shape(cfg), info, comm, traits.policy,
-                      traits.moe_quant(f"model.layers.{layer}.mlp", cfg.num_experts))
+                      traits.moe_quant(f"model.layers.{layer}.mlp", cfg.num_experts),
+                      traits.lora)
             if cfg.is_sparse(layer)
             else MLP(cfg, info, comm, traits, f"model.layers.{layer}.mlp"))
 
@@ -313,11 +314,9 @@ class DecoderLayer(nn.Module):
         return _normed_output(stream, self.post_feedforward_layernorm)
 
     def _mlp(self, stream: ResidualStream, norm: RMSNorm, batch: Batch) -> ResidualStream:
-        """The layer's MLP or experts on the stream; the dense MLP with the batch's LoRA
-        adapters."""
-        if isinstance(self.mlp, MLP):
-            return self.mlp(stream, norm, batch.lora)
-        return self.mlp(stream, norm)  # experts take no adapter (CausalLM refuses the pair)
+        """The layer's MLP or experts on the stream, with the batch's LoRA adapters (the
+        experts': in their shared expert)."""
+        return self.mlp(stream, norm, batch.lora)
 
 
 def _normed_output(stream: ResidualStream, norm: RMSNorm) -> ResidualStream:
@@ -411,14 +410,10 @@ class CausalLM(nn.Module):
                  policy: KernelPolicy = KernelPolicy(), quant: Optional[QuantPlan] = None,
                  lora: Optional[LoraShape] = None, ints: Optional[IntPlan] = None) -> None:
         """`policy`: the kernels every layer launches; `quant`: the FP8 projections; `lora`:
-        LoRA adapter slots in every dense projection (see Traits); `ints`: the projections
-        holding packed integers. LoRA with FP8 weights or experts is refused, naming them."""
+        LoRA adapter slots in every dense projection, whatever its weights hold (16-bit, FP8
+        or packed integers: the delta is added to the product), and in a MoE layer's shared
+        expert (see Traits); `ints`: the projections holding packed integers."""
         super().__init__()
-        if lora is not None and (cfg.num_experts or quant is not None):
-            what = (f"{cfg.num_experts} experts" if cfg.num_experts
-                    else "FP8 weights (--quantization fp8 or an FP8 checkpoint)")
-            raise ValueError(f"LoRA adapters apply to dense models with unquantized weights; "
-                             f"this {cfg.architecture} has {what}")
         self.cfg = cfg
         fused_names = {parts: name for name, parts in self.checkpoint_fused.items()}
         traits = self.traits(cfg)._replace(

@@ -4,9 +4,10 @@ and checked by lora_config.py).
 An adapter's `adapter_model.safetensors` holds `base_model.model.<module>.lora_A.weight`
 [rank, in] and `...lora_B.weight` [out, rank] for each adapted projection. Every rank loads
 the same adapter into the same slot (at start-up slot i holds lora_modules' i-th; at run
-time the scheduler picks the slot, alike on every rank); adapted modules that are not the decoder's dense projections (embeddings, the LM
-head, experts) are refused, naming them; those of a part of the checkpoint the model does
-not serve (a vision tower) are skipped.
+time the scheduler picks the slot, alike on every rank); adapted modules that are not the
+decoder's projections (embeddings, the LM head, a MoE layer's router or routed experts) are
+refused, naming them; those of a part of the checkpoint the model does not serve (a vision
+tower) are skipped.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ def load_adapter(model: CausalLM, slot: int, adapter: LoraAdapter) -> None:
             parts = model.projection_parts(module)
             if not parts:
                 raise ValueError(f"LoRA adapter {adapter.name!r} adapts {module}, which is "
-                                 f"not one of this model's dense projections (minisgl "
-                                 f"adapts q/k/v/o and gate/up/down)")
+                                 f"not one of this model's projections that take adapters "
+                                 f"(minisgl adapts q/k/v/o and the dense MLP's or shared "
+                                 f"expert's gate/up/down, not a router or routed experts)")
             for name, part, rows in parts:
                 _load_pair(model, adapter, module, name, slot, part, a, b[rows])
     except BaseException:
