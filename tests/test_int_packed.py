@@ -220,6 +220,27 @@ def test_packed_checkpoints_match_hf_on_gpu(tiny_model: Callable[..., Path], tmp
 
 
 @pytest.mark.gpu
+def test_lora_over_packed_weights_on_gpu_matches_the_cpu(tiny_model: Callable[..., Path],
+                                                        tmp_path: Path) -> None:
+    """float32: a GPTQ checkpoint kept packed on CUDA serving a LoRA adapter (the deltas added
+    to the int_mm products) beside the base model gives the CPU's tokens (there dequantized at
+    load: tests/test_lora.py checks those against PEFT)."""
+    from tiny_models import write_lora
+    quantized, dense = tmp_path / "int", tmp_path / "dense"
+    _write(tiny_model("llama"), quantized, dense, "gptq", 4, True, shared_order=True)
+    adapter = write_lora(dense, tmp_path / "adapter", 2)
+    prompts = mixed_prompts(4, seed=14, lengths=(5, 17))
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                             lora_name="x" if i % 2 == 0 else None) for i in range(4)]
+
+    def run(device: str) -> List[List[int]]:
+        with LLM(str(quantized), device=device, dtype="float32", max_kv_tokens=2048,
+                 lora_modules=f"x={adapter}", show_progress=False) as llm:
+            return [o.token_ids for o in llm.generate(prompts, params)]
+    assert run("cuda") == run("cpu")
+
+
+@pytest.mark.gpu
 def test_dummy_awq_llama_8b_holds_a_quarter_of_the_bytes() -> None:
     """Llama-3.1-8B's shape with dummy AWQ weights (configs/models/llama-3.1-8b-awq): the
     projections' packed bytes about a quarter of their bf16 bytes (plus scales), and it

@@ -140,13 +140,16 @@ def test_fused_and_multimodal_checkpoints_adapters_match_peft(
                        mixed_prompts(2, seed=7, lengths=(4, 19)))
 
 
-def _check_one_adapter(model: Path, adapter: Path, prompts: List[List[int]]) -> None:
-    """`model` serving `adapter` alone gives PEFT's greedy tokens for `prompts`."""
+def _check_one_adapter(model: Path, adapter: Path, prompts: List[List[int]],
+                       reference: Optional[Path] = None) -> None:
+    """`model` serving `adapter` alone gives PEFT's greedy tokens for `prompts` (on
+    `reference`, by default `model`)."""
     with LLM(str(model), device="cpu", page_size=4, max_kv_tokens=2048, show_progress=False,
              lora_modules=f"x={adapter}") as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0.0,
                                                     ignore_eos=True, lora_name="x"))
-    assert [o.token_ids for o in outs] == hf_greedy(model, prompts, NEW, adapter=adapter)
+    assert [o.token_ids for o in outs] == hf_greedy(reference or model, prompts, NEW,
+                                                    adapter=adapter)
 
 
 def test_hand_written_adapter_reads_as_peft_reads_it(base: Path, tmp_path: Path) -> None:
@@ -277,6 +280,18 @@ def test_adapters_of_fp8_weights_match_peft_on_the_dequantized_twin(
                                                          ignore_eos=True, lora_name=n)
                                           for n in names])
         assert [o.token_ids for o in outs] == want, tp
+
+
+def test_adapters_of_packed_integer_weights_match_peft_on_the_dequantized_twin(
+        base: Path, tmp_path: Path) -> None:
+    """An AWQ checkpoint (on the CPU dequantized at load; on the GPU kept packed:
+    tests/test_int_packed.py) serving an adapter: PEFT's tokens on its dequantized twin."""
+    from test_int_weights import _write
+    quantized, dense = tmp_path / "awq", tmp_path / "dense"
+    _write(base, quantized, dense, "awq")
+    adapter = build_tiny_lora(dense, tmp_path / "adapter", 3, targets=("k_proj", "up_proj"))
+    _check_one_adapter(quantized, adapter, mixed_prompts(2, seed=13, lengths=(6, 18)),
+                       reference=dense)
 
 
 def test_adapters_of_a_mixture_of_experts_match_peft(tiny_model: Callable[..., Path],
