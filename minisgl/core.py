@@ -24,6 +24,10 @@ if TYPE_CHECKING:  # messages import this module: the tokenizer and API processe
 # OpenAI's top_logprobs bound).
 MAX_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 256  # a salt names a tenant: a key, not a document
+# How an embedding pools the prompt's final hidden states (SamplingParams.pooling): its last
+# token's, their mean, or the first token's (sentence-transformers' lasttoken, mean_tokens and
+# cls_token; vLLM's LAST, MEAN and CLS)
+POOLINGS = ("last", "mean", "cls")
 MAX_BAD_WORDS = 128  # bad_words per request (each costs a comparison per decode step)
 MAX_BAD_WORD_TOKENS = 16  # tokens in one bad word (the engine keeps that much history a row)
 MAX_LOGIT_BIAS = 1024  # token entries in one request's logit_bias
@@ -103,8 +107,11 @@ class SamplingParams:
     requests with another salt or none (a tenant cannot learn another's prompts from how fast
     a shared prefix is served); at most MAX_CACHE_SALT_CHARS characters.
     `embed` (vLLM's pooling, served at /v1/embeddings and `LLM.embed`) asks for the prompt's
-    embedding instead of text: the final norm's hidden state of its last token, L2-normalized,
-    sent with the request's one token (max_tokens 1), which is not an output.
+    embedding instead of text: the final norm's hidden states pooled as `pooling` says (one of
+    POOLINGS: the last token's, the mean of all, the first token's; the model's own, which
+    `LLM` and the API server read from its files), L2-normalized, sent with the request's one
+    token (max_tokens 1), which is not an output. A pooling other than the last token's needs
+    every prompt token's hidden state: such a request reuses no cached prefix.
     `lora_name` names the LoRA adapter the request runs with (one loaded at the time the
     scheduler takes the request, at start-up or since; None: the base model); its prefix-cache
     entries are the adapter's own (`prefix_namespace`, and per load: `Req.prefix_namespace`).
@@ -149,6 +156,7 @@ class SamplingParams:
     priority: int = 0
     lora_name: Optional[str] = None  # the LoRA adapter (by its registered name); None: none
     embed: bool = False  # the prompt's embedding, not text (see above)
+    pooling: str = "last"  # how an embedding pools the prompt (one of POOLINGS)
     # Read where the prompt is tokenized (the tokenizer process, `LLM`), not by the ranks.
     truncate_prompt_tokens: Optional[int] = None
     bad_words: Tuple[str, ...] = ()  # vLLM's: words the output never writes (as bad_word_ids)
@@ -261,6 +269,9 @@ class SamplingParams:
         if self.embed and self.max_tokens != 1:
             raise ValueError(f"an embedding request computes its prompt only: max_tokens must "
                              f"be 1, got {self.max_tokens!r}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got "
+                             f"{self.pooling!r:.40}")
         if (not isinstance(self.priority, int) or isinstance(self.priority, bool)
                 or not -2 ** 63 <= self.priority < 2 ** 63):  # what a message carries
             raise ValueError(f"priority must be a 64-bit integer, got {self.priority!r}")
@@ -622,6 +633,12 @@ class Req:
             raise RuntimeError(f"request {self.uid} was built from params that did not pass "
                                f"check_request (max_tokens unresolved)")
         return m
+
+    @property
+    def pools_whole_prompt(self) -> bool:
+        """An embedding that pools every prompt token's hidden state (not the last token's
+        alone): computed from the first token, no cached prefix reused."""
+        return self.params.embed and self.params.pooling != "last"
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -42,7 +42,7 @@ from minisgl.models.classifier import Classifier, pair_score_error, probabilitie
 from minisgl.models.generation import sampling_defaults
 from minisgl.models.lora_config import check_runtime_load
 from minisgl.models.path import resolve_model_path
-from minisgl.models.pooling import dimensions_error, paired_texts, pooling_refusal, shortened
+from minisgl.models.pooling import dimensions_error, model_pooling, paired_texts, shortened
 from minisgl.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput,
                              EmbeddingOutput, EmbeddingRequestOutput, GenerateOutput,
                              PoolingOutput, PoolingRequestOutput, ScoringOutput,
@@ -392,7 +392,7 @@ class LLM:
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.sampling_defaults = sampling_defaults(generation_config, self.model_path)
         self.model_config = ModelConfig.from_dir(self.model_path, cfg.engine.hf_override_dict)
-        self._embedding_refusal = pooling_refusal(self.model_path)  # read once: files
+        self._pooling = model_pooling(self.model_path, cfg.engine.pooler_config)  # files: once
         self.model_config.check_tp(tp)
         engine = dataclasses.replace(cfg.engine.for_rank(str(self.model_path), 0),
                                      show_progress=show_progress)
@@ -718,13 +718,15 @@ class LLM:
     def embed(self, prompts: Union[Prompt, Sequence[Prompt]], *,
               use_tqdm: Optional[bool] = None, lora_request: LoraRequests = None,
               pooling_params: Optional[PoolingParams] = None) -> List[EmbeddingRequestOutput]:
-        """vLLM's `LLM.embed`: each prompt's embedding (the final norm's hidden state of its
-        last token, L2-normalized: vLLM's default pooling of a decoder model), in order. A
+        """vLLM's `LLM.embed`: each prompt's embedding (the final norm's hidden states pooled
+        as the model pools them: its last token's by default, as vLLM pools a decoder model;
+        the mean or the first token's where its sentence-transformers files or pooler_config
+        say; L2-normalized), in order. A
         prompt is text (special tokens added, as the tokenizer adds them) or token ids;
         `lora_request` as for `generate`; `pooling_params.dimensions` cuts a Matryoshka
         model's embeddings (normalized again). ValueError for what cannot be served (a
         classifier's embeddings among it)."""
-        refusal = self._embedding_refusal
+        refusal = self._pooling.refusal
         if self.model_config.classifier is not None:
             refusal = (f"this model is a sequence classifier "
                        f"({self.model_config.architecture}): use classify or score")
@@ -736,7 +738,8 @@ class LLM:
             raise ValueError(refusal)
         ids = [self._encode(p) for p in _prompt_list(prompts)]
         return [EmbeddingRequestOutput(rid, EmbeddingOutput(shortened(values, dims)), prompt)
-                for rid, values, prompt in self._pooled(ids, use_tqdm, lora_request)]
+                for rid, values, prompt in self._pooled(ids, use_tqdm, lora_request,
+                                                        self._pooling.mode)]
 
     def classify(self, prompts: Union[Prompt, Sequence[Prompt]], *,
                  use_tqdm: Optional[bool] = None, lora_request: LoraRequests = None
@@ -795,11 +798,13 @@ class LLM:
             in enumerate(zip(firsts, seconds))]
 
     def _pooled(self, ids: List[List[int]], use_tqdm: Optional[bool],
-                lora_request: LoraRequests) -> List[Tuple[str, array, List[int]]]:
+                lora_request: LoraRequests, pooling: str = "last"
+                ) -> List[Tuple[str, array, List[int]]]:
         """(request id, pooled values, prompt) of each prompt run as an embedding request
-        (CausalLM.pooled: an embedding, or a classifier's logits), in order."""
-        params = self._with_lora([SamplingParams(max_tokens=1, temperature=0.0, embed=True)]
-                                 * len(ids), lora_request)
+        pooled as `pooling` says (CausalLM.pooled: an embedding, or a classifier's logits of
+        the last token), in order."""
+        params = self._with_lora([SamplingParams(max_tokens=1, temperature=0.0, embed=True,
+                                                 pooling=pooling)] * len(ids), lora_request)
         collected = self._collected(ids, params, use_tqdm)
         out = []
         for k, final in enumerate(collected.finals):

@@ -1,6 +1,7 @@
-"""Embeddings (`LLM.embed`, params.embed): the final norm's hidden state of a prompt's last token,
-L2-normalized, equal to Hugging Face transformers' (float32, CPU) across chunked prefills, the
-prefix cache and tp=2; requests for text and for embeddings share the engine. (The HTTP
+"""Embeddings (`LLM.embed`, params.embed): the final norm's hidden state of a prompt's last token
+(or their mean, or the first token's, as a sentence-transformers model pools), L2-normalized,
+equal to Hugging Face transformers' (float32, CPU) across chunked prefills, the prefix cache and
+tp=2; requests for text and for embeddings share the engine. (The HTTP
 endpoint: test_server_api.py.)"""
 
 from __future__ import annotations
@@ -104,33 +105,118 @@ def test_a_checkpoint_of_the_bare_decoder_loads(tiny_model: Callable[..., Path],
                                rtol=1e-4)
 
 
-@pytest.mark.parametrize("modes,refused", [({"pooling_mode_lasttoken": True}, None),
-                                           ({"pooling_mode_mean_tokens": True}, "mean_tokens"),
-                                           ({"pooling_mode_cls_token": True}, "cls_token")])
-def test_sentence_transformers_pooling_other_than_last_is_refused(
-        tiny_model: Callable[..., Path], tmp_path: Path, modes: dict,
-        refused: str) -> None:
-    """A sentence-transformers checkpoint whose Pooling module pools otherwise than by the
-    last token (its vectors would not be the model's) gets a ValueError naming its pooling;
-    by the last token, embeddings as usual."""
+def _sentence_transformers(model: Path, out: Path, modes: dict) -> Path:
+    """A copy of `model` with sentence-transformers files whose Pooling module has `modes`."""
     import json
     import shutil
-    path = tmp_path / "st"
-    shutil.copytree(tiny_model("qwen3"), path)
-    (path / "modules.json").write_text(json.dumps([
+    shutil.copytree(model, out)
+    (out / "modules.json").write_text(json.dumps([
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling",
          "type": "sentence_transformers.models.Pooling"}]))
-    (path / "1_Pooling").mkdir()
-    (path / "1_Pooling" / "config.json").write_text(json.dumps(
+    (out / "1_Pooling").mkdir()
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(
         {"word_embedding_dimension": 64, "pooling_mode_lasttoken": False, **modes}))
-    with LLM(str(path), device="cpu", max_kv_tokens=1024, show_progress=False) as llm:
-        if refused is None:
-            assert len(llm.embed([[5, 6, 7]])[0].outputs.embedding) == 64
-        else:
-            with pytest.raises(ValueError, match=f"pooling is {refused}; minisgl embeds by "
-                                                 f"the last token only"):
+    return out
+
+
+def _hf_tokenizer(model_dir: Path) -> object:
+    import transformers
+    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def hf_pooled(model_dir: Path, prompts: List[List[int]], pooling: str) -> torch.Tensor:
+    """[prompts, hidden]: transformers' final hidden states of each prompt averaged over its
+    tokens ("mean") or its first token's ("cls"), L2-normalized (what sentence-transformers
+    computes for one unpadded input)."""
+    model = _hf_model(model_dir)
+    rows = []
+    with torch.no_grad():
+        for ids in prompts:
+            hidden = model.model(torch.tensor([ids])).last_hidden_state[0]  # type: ignore
+            rows.append(torch.nn.functional.normalize(
+                hidden.mean(0) if pooling == "mean" else hidden[0], dim=-1))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("mode,pooling", [("mean_tokens", "mean"), ("cls_token", "cls")])
+def test_mean_and_cls_pooling_match_hf(tiny_model: Callable[..., Path], tmp_path: Path,
+                                       mode: str, pooling: str) -> None:
+    """A sentence-transformers checkpoint pooling by the mean or the first token: its prompts
+    in 5-token chunks, beside requests for text, then again after a request for text cached
+    their prefixes (pooling the whole prompt reuses none: the vectors stay), at tp=1 and
+    tp=2: transformers' pooled states. /score's cosines pool alike."""
+    path = _sentence_transformers(tiny_model("qwen3"), tmp_path / "st", {f"pooling_mode_{mode}": True})
+    prompts = mixed_prompts(4, seed=15, lengths=(3, 17, 40))
+    want = hf_pooled(path, prompts, pooling)
+    assert not torch.allclose(want, hf_embeddings(path, prompts), atol=1e-3)
+    for tp in (1, 2):
+        with LLM(str(path), device="cpu", tp=tp, page_size=4, max_prefill_tokens=5,
+                 max_kv_tokens=4096, show_progress=False) as llm:
+            first = llm.embed(prompts)
+            llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0))
+            again = llm.embed(prompts)
+            assert llm.check_accounting().live_requests == 0
+        torch.testing.assert_close(_vectors(first), want, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(_vectors(again), want, atol=1e-5, rtol=1e-4)
+
+
+def test_served_embeddings_pool_as_the_model_does(tiny_model: Callable[..., Path],
+                                                  tmp_path: Path) -> None:
+    """Served, a mean-pooling model's /v1/embeddings, /pooling and /score pool by the mean
+    (transformers' pooled states, their cosines); --pooler-config CLS serves the first
+    token's state instead."""
+    import httpx
+    from server_helpers import CPU_ARGS, serving
+    model = tiny_model("qwen3")
+    path = _sentence_transformers(model, tmp_path / "st", {"pooling_mode_mean_tokens": True})
+    prompts = mixed_prompts(2, seed=17, lengths=(6, 13))
+    for extra, pooling in (([], "mean"), (["--pooler-config", '{"pooling_type": "cls"}'],
+                                          "cls")):
+        with serving(["--model", str(path), *CPU_ARGS, *extra], tmp_path) as srv:
+            post = lambda route, body: httpx.post(f"{srv.url}{route}", json=body,  # noqa: E731
+                                                  timeout=60).json()
+            got = post("/v1/embeddings", {"input": prompts, "encoding_format": "float"})
+            pooled = post("/pooling", {"input": prompts[:1]})
+            score = post("/score", {"text_1": "a b", "text_2": "c d e"})
+        want = hf_pooled(path, prompts, pooling)
+        torch.testing.assert_close(torch.tensor([d["embedding"] for d in got["data"]]), want,
+                                   atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(torch.tensor(pooled["data"][0]["data"]), want[0],
+                                   atol=1e-5, rtol=1e-4)
+        tokenizer = _hf_tokenizer(path)
+        a, b = hf_pooled(path, [tokenizer.encode(t) for t in ("a b", "c d e")], pooling)
+        assert score["data"][0]["score"] == pytest.approx(float(a @ b), abs=1e-5)
+
+
+def test_pooling_the_model_does_not_use_is_refused_and_pooler_config_overrides(
+        tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    """A Pooling module of another mode (max) or of several is a ValueError naming them;
+    vLLM's --pooler-config picks the pooling over the model's files (and a bad one is refused
+    at start-up, naming it)."""
+    model = tiny_model("qwen3")
+    for name, modes, named in (("max", {"pooling_mode_max_tokens": True}, "max_tokens"),
+                               ("two", {"pooling_mode_mean_tokens": True,
+                                        "pooling_mode_cls_token": True}, "cls_token, mean")):
+        path = _sentence_transformers(model, tmp_path / name, modes)
+        with LLM(str(path), device="cpu", max_kv_tokens=1024, show_progress=False) as llm:
+            with pytest.raises(ValueError, match=f"pooling is {named}.*; minisgl pools by "
+                                                 f"lasttoken, mean_tokens, cls_token"):
                 llm.embed([[5, 6, 7]])
+            assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))) == 1
+    prompts = mixed_prompts(2, seed=16, lengths=(9,))
+    with LLM(str(tmp_path / "max"), device="cpu", max_kv_tokens=1024, show_progress=False,
+             pooler_config='{"pooling_type": "MEAN"}') as llm:
+        torch.testing.assert_close(_vectors(llm.embed(prompts)),
+                                   hf_pooled(model, prompts, "mean"), atol=1e-5, rtol=1e-4)
+    for bad, named in (('{"pooling_type": "MAX"}', "pooling_type must be one of LAST, MEAN, "
+                                                    "CLS, got 'MAX'"),
+                       ('{"normalize": false}', "normalize is not supported"),
+                       ("[1]", "must be a JSON object")):
+        with pytest.raises(ValueError, match=named):
+            LLM(str(model), device="cpu", pooler_config=bad)
+    with pytest.raises(ValueError, match="pooling must be one of last, mean, cls"):
+        SamplingParams(embed=True, max_tokens=1, pooling="max").validate()
 
 
 def test_matryoshka_dimensions(tiny_model: Callable[..., Path]) -> None:

@@ -126,15 +126,19 @@ def test_gpu_lora_over_fp8_weights_and_experts(tmp_path: Path) -> None:
 
 def test_gpu_embeddings_match_cpu(tiny_qwen3: Path) -> None:
     """Embeddings on CUDA (float32, prefill graphs on: an embedding request runs eager) equal
-    the CPU's, beside requests for text."""
+    the CPU's, beside requests for text: by the last token, and by the mean over chunks of 16
+    (--pooler-config; engine/pooling.py's sums on the device)."""
     prompts = mixed_prompts(6, seed=7)
 
-    def run(device: str) -> torch.Tensor:
-        with LLM(str(tiny_qwen3), device=device, dtype="float32", show_progress=False) as llm:
+    def run(device: str, **kw: object) -> torch.Tensor:
+        with LLM(str(tiny_qwen3), device=device, dtype="float32", show_progress=False,
+                 **kw) as llm:  # type: ignore[arg-type]
             llm.generate(prompts[:2], GREEDY)
             return torch.tensor([o.outputs.embedding for o in llm.embed(prompts)])
 
     torch.testing.assert_close(run("cuda"), run("cpu"), atol=1e-4, rtol=1e-3)
+    mean = dict(pooler_config='{"pooling_type": "MEAN"}', max_prefill_tokens=16)
+    torch.testing.assert_close(run("cuda", **mean), run("cpu", **mean), atol=1e-4, rtol=1e-3)
 
 
 def test_enforce_eager_captures_no_graph_and_keeps_the_tokens(tiny_qwen3: Path) -> None:

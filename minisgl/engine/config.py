@@ -17,6 +17,7 @@ from minisgl.devices import DTYPE_NAMES, KV_CACHE_DTYPES, resolve_device
 from minisgl.distributed.info import DistributedInfo
 from minisgl.distributed.modes import ALLREDUCE_MODES, check_allreduce_mode
 from minisgl.models.checkpoint_quant import QUANTIZATIONS
+from minisgl.models.pooling import parse_pooler_config
 from minisgl.settings import check_choices, setting
 
 if TYPE_CHECKING:  # imported where a torch value is asked for: the launcher reads this config
@@ -71,6 +72,10 @@ class EngineConfig:
         None, "vLLM's: a JSON object of config.json keys that replace the model's (a "
               "multimodal checkpoint's text_config's too), e.g. '{\"is_matryoshka\": true}' "
               "or a rope_scaling with its max_position_embeddings")
+    pooler_config: Optional[str] = setting(
+        None, "vLLM's: how embeddings pool the prompt, a JSON object '{\"pooling_type\": "
+              "\"MEAN\"}' (LAST, MEAN or CLS); unset: the model's sentence-transformers "
+              "Pooling module's, else the last token's", also=("override-pooler-config",))
     lora_modules: Optional[str] = setting(
         None, "LoRA adapters served beside the base model, NAME=PATH pairs separated by commas "
               "(PEFT directories: adapter_config.json, adapter_model.safetensors); a request "
@@ -156,6 +161,7 @@ class EngineConfig:
         check_choices(self)
         adapters = self.lora_adapters  # parsed now: a malformed entry fails at start-up
         self.hf_override_dict  # noqa: B018 (parsed now, as the adapters)
+        parse_pooler_config(self.pooler_config)
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
         if self.page_size < 1:

@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -27,6 +27,7 @@ from minisgl.engine.logprobs import (PromptRows, prompt_entries, prompt_logprobs
                                      sampled_entries, sampled_logprobs)
 from minisgl.engine.bad_words import BadWords
 from minisgl.engine.penalties import Penalties
+from minisgl.engine.pooling import PromptPools, pooled_chunks
 from minisgl.engine.prefill_graph import PrefillGraphs, capture_prefill_graphs
 from minisgl.engine.sampler import (LogprobTensors, add_logit_bias, apply_token_bitmask,
                                     greedy, mask_to_allowed_tokens, sample_requests,
@@ -222,6 +223,8 @@ class Engine:
         self.penalties = Penalties(cfg.max_running_requests + 1, self.model_cfg.vocab_size,
                                    self.device)
         self.bad_words = BadWords(cfg.max_running_requests + 1, self.device)
+        self.pools = PromptPools(cfg.max_running_requests + 1, self.model_cfg.hidden_size,
+                                 self.device)
         self.backend: AttentionBackend = make_backend(
             cfg.backend_name, pool=self.pool, page_table=self.page_table, num_heads=local_heads,
             num_kv_heads=local_kv_heads, head_dim=self.model_cfg.head_dim,
@@ -426,8 +429,9 @@ class Engine:
         batch.lora = lora_rows(batch, self.device) if self.lora_slots else None
         embed = () if batch.phase is Phase.DECODE else tuple(  # embeddings end at prefill
             i for i in sampled if batch.reqs[i].params.embed)
-        if batch.lora is not None or embed:
-            return self._forward_eager(batch, sampled, embed)
+        chunks = pooled_chunks(batch)
+        if batch.lora is not None or embed or chunks:
+            return self._forward_eager(batch, sampled, embed, chunks)
         if self.graphs is not None and self.graphs.can_run(batch):
             logits, rows = self.graphs.replay(batch)  # decode: every request is sampled
             return Forwarded(logits, rows, None, None)
@@ -437,29 +441,45 @@ class Engine:
             return Forwarded(logits, rows, None, None)
         return self._forward_eager(batch, sampled)
 
-    def _forward_eager(self, batch: Batch, sampled: List[int],
-                       embed: Tuple[int, ...] = ()) -> Forwarded:
+    def _forward_eager(self, batch: Batch, sampled: List[int], embed: Tuple[int, ...] = (),
+                       chunks: Sequence[int] = ()) -> Forwarded:
         """The model on `batch`, eager; with `embed` (batch indices of sampled requests that
-        asked for embeddings), those requests' last hidden states pooled too (normalized, or a
-        classifier's logits: CausalLM.pooled)."""
+        asked for embeddings), those requests' embeddings too (their last hidden states, or
+        their `pools` for a whole-prompt pooling, through CausalLM.pooled: normalized, or a
+        classifier's logits); `chunks` (pooled_chunks) pooled into `pools` first."""
         rows = to_device([batch.reqs[i].table_row for i in sampled], torch.int64, self.device)
         ids, positions = self._prepare_inputs(batch, rows)
         self.backend.prepare(batch)
         ends = list(itertools.accumulate(batch.extend_lens))  # one past each request's last
         logit_rows = to_device([ends[i] - 1 for i in sampled], torch.int64, self.device)
         prompt = prompt_rows(batch)
-        if prompt is None and not embed:
+        if prompt is None and not embed and not chunks:
             logits = self.model(ids, positions, batch, self.backend, logit_rows)
             return Forwarded(logits, rows, None, None)
         hidden = self.model.hidden(ids, positions, batch, self.backend)
         last = hidden[logit_rows]
         embeddings = None
-        if embed and self.cfg.tp_info.is_primary:  # the hidden state is whole on every rank
+        if self.cfg.tp_info.is_primary:  # the hidden state is whole on every rank
+            self.pools.add(batch, hidden, chunks)
+        if embed and self.cfg.tp_info.is_primary:
             picked = to_device([sampled.index(i) for i in embed], torch.int64, self.device)
-            embeddings = self.model.pooled(last[picked])
+            embeddings = self.model.pooled(self._embedding_states(batch, last[picked], embed))
         plp = None if prompt is None else prompt_logprobs(self.model.lm_head, hidden, prompt,
                                                           self.cfg.tp_info.is_primary)
         return Forwarded(self.model.lm_head(last), rows, prompt, plp, embeddings, embed)
+
+    def _embedding_states(self, batch: Batch, last: torch.Tensor, embed: Tuple[int, ...]
+                          ) -> torch.Tensor:
+        """What CausalLM.pooled takes for the requests at batch indices `embed`: `last`, their
+        last tokens' hidden states, with those pooling their whole prompt replaced by their
+        pools (mean or first state, float32)."""
+        whole = [k for k, i in enumerate(embed) if batch.reqs[i].pools_whole_prompt]
+        if not whole:
+            return last
+        states = last.float()
+        states[to_device(whole, torch.int64, self.device)] = self.pools.pooled(
+            [batch.reqs[embed[k]] for k in whole])
+        return states
 
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor, reqs: List[Req],
                 bitmask: Optional[torch.Tensor] = None

@@ -436,12 +436,13 @@ class CausalLM(nn.Module):
         c = self.cfg.classifier
         return self.cfg.tie_word_embeddings or (c is not None and not c.from_tokens)
 
-    def pooled(self, last: torch.Tensor) -> torch.Tensor:
-        """What an embedding request returns from its last token's final hidden state, float32:
-        a classifier's logits [labels], else the state L2-normalized (an embedding)."""
+    def pooled(self, states: torch.Tensor) -> torch.Tensor:
+        """What an embedding request returns from its pooled final hidden state (its last
+        token's, or a mean: engine/pooling.py), float32: a classifier's logits [labels], else
+        the state L2-normalized (an embedding)."""
         if self.score is None:
-            return torch.nn.functional.normalize(last.float(), dim=-1)
-        return self.score(last).float()
+            return torch.nn.functional.normalize(states.float(), dim=-1)
+        return self.score(states.to(self.score.weight.dtype)).float()
 
     def _score_from_rows(self, name: str, src: TensorSource) -> bool:
         """Build the classifier's head from the LM head's rows of its tokens where checkpoint

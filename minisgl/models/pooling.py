@@ -1,12 +1,12 @@
-"""Whether a model's embeddings are the ones minisgl computes (its last token's final hidden
-state, L2-normalized), as its sentence-transformers files say; and a Matryoshka model's
-embeddings cut to fewer dimensions.
+"""How a model's embeddings pool its final hidden states, as its sentence-transformers files
+(or vLLM's --pooler-config) say; and a Matryoshka model's embeddings cut to fewer dimensions.
 
 A sentence-transformers checkpoint lists its modules in `modules.json`; its Pooling module's
 `config.json` names the pooling (`pooling_mode_lasttoken`, `..._mean_tokens`,
 `..._cls_token`, ...). A model without those files is pooled by the last token, as vLLM
-pools a decoder model by default. Any other pooling is refused where embeddings are asked for
-(its vectors would differ from the model's), naming it.
+pools a decoder model by default. The last token's, the mean and the first (CLS) token's are
+served (core.POOLINGS); any other pooling (max, weighted mean, several at once) is refused where
+embeddings are asked for (its vectors would differ from the model's), naming it.
 """
 
 from __future__ import annotations
@@ -14,33 +14,72 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
+
 
 _POOLING_MODULE = "sentence_transformers.models.Pooling"
-_LAST = "pooling_mode_lasttoken"
+# sentence-transformers' pooling modes (and vLLM's pooling types) -> ours
+_ST_MODES = {"lasttoken": "last", "mean_tokens": "mean", "cls_token": "cls"}
+_VLLM_TYPES = {"LAST": "last", "MEAN": "mean", "CLS": "cls"}
 
 
-def pooling_refusal(model_dir: Path) -> Optional[str]:
-    """Why this model's embeddings cannot be served (its pooling is not the last token's),
-    or None."""
-    modules_file = Path(model_dir) / "modules.json"
-    if not modules_file.is_file():
+class Pooling(NamedTuple):
+    """A model's pooling for embeddings: `mode`, one of core.POOLINGS; `refusal`: why its
+    embeddings cannot be served (its pooling is none of those), or None."""
+
+    mode: str = "last"
+    refusal: Optional[str] = None
+
+
+def parse_pooler_config(text: Optional[str]) -> Optional[str]:
+    """vLLM's --pooler-config JSON (`{"pooling_type": "MEAN"}`) -> our pooling mode (None:
+    not given, the model's own); ValueError naming a field or type minisgl does not take."""
+    if text is None:
         return None
     try:
+        config = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"pooler_config is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"pooler_config must be a JSON object, got {text!r:.80}")
+    other = sorted(set(config) - {"pooling_type"})
+    if other:
+        raise ValueError(f"pooler_config: {other[0]} is not supported (minisgl takes "
+                         f"pooling_type only)")
+    kind = config.get("pooling_type")
+    if not isinstance(kind, str) or kind.upper() not in _VLLM_TYPES:
+        raise ValueError(f"pooler_config: pooling_type must be one of "
+                         f"{', '.join(_VLLM_TYPES)}, got {kind!r:.40}")
+    return _VLLM_TYPES[kind.upper()]
+
+
+def model_pooling(model_dir: Path, pooler_config: Optional[str] = None) -> Pooling:
+    """The pooling of the model at `model_dir`: `pooler_config`'s type where given
+    (parse_pooler_config), else its sentence-transformers Pooling module's, else the last
+    token's."""
+    chosen = parse_pooler_config(pooler_config)
+    if chosen is not None:
+        return Pooling(chosen)
+    modules_file = Path(model_dir) / "modules.json"
+    if not modules_file.is_file():
+        return Pooling()
+    try:
         modules = json.loads(modules_file.read_text())
-        pooling = next((m for m in modules if m.get("type") == _POOLING_MODULE), None)
-        if pooling is None:
-            return None
-        config = json.loads((Path(model_dir) / pooling.get("path", "") / "config.json")
+        module = next((m for m in modules if m.get("type") == _POOLING_MODULE), None)
+        if module is None:
+            return Pooling()
+        config = json.loads((Path(model_dir) / module.get("path", "") / "config.json")
                             .read_text())
     except (OSError, ValueError, AttributeError) as e:
-        return f"{modules_file} or its Pooling module's config.json cannot be read: {e}"
+        return Pooling(refusal=f"{modules_file} or its Pooling module's config.json cannot "
+                               f"be read: {e}")
     modes = sorted(k.removeprefix("pooling_mode_") for k, v in config.items()
                    if k.startswith("pooling_mode_") and v is True)
-    if modes == [_LAST.removeprefix("pooling_mode_")]:
-        return None
-    return (f"this model's sentence-transformers pooling is {', '.join(modes) or 'none'}; "
-            f"minisgl embeds by the last token only")
+    if len(modes) == 1 and modes[0] in _ST_MODES:
+        return Pooling(_ST_MODES[modes[0]])
+    return Pooling(refusal=f"this model's sentence-transformers pooling is "
+                           f"{', '.join(modes) or 'none'}; minisgl pools by "
+                           f"{', '.join(_ST_MODES)} (one of them)")
 
 
 def dimensions_error(dimensions: int, allowed: Optional[Tuple[int, ...]],

@@ -58,9 +58,10 @@ class PageCache:
     def match(self, req: Req) -> PrefixMatch:
         """The cached prefix of `req`'s tokens in its namespace (its cache_salt and LoRA
         adapter load: Req.prefix_namespace): none where it asks for prompt
-        log-probabilities (they need every prompt token's logits), and never the last token
+        log-probabilities (they need every prompt token's logits) or pools every prompt
+        token's hidden state (an embedding: Req.pools_whole_prompt), and never the last token
         (computing it gives the logits of the first output token)."""
-        if req.wants_prompt_logprobs:
+        if req.wants_prompt_logprobs or req.pools_whole_prompt:
             return PrefixMatch(None, [])
         tokens = req.token_ids
         return self.manager.match_prefix(tokens[: len(tokens) - 1], req.prefix_namespace)

@@ -94,6 +94,7 @@ class ApiConfig:
     max_file_bytes: int = 512 << 20  # the Files API's files held in all (batches_api.py)
     hidden_size: int = 0  # the model's: an embedding's length
     embedding_refusal: Optional[str] = None  # why embeddings cannot be served (pooling.py)
+    pooling: str = "last"  # how the model's embeddings pool the prompt (pooling.py)
     classifier: Optional[Classifier] = None  # a sequence classifier's head (classify.py)
     matryoshka: Optional[Tuple[int, ...]] = None  # ModelConfig.matryoshka_dimensions
     # clients must send it as a Bearer token, or as x-api-key on the Messages API (auth.py);
@@ -383,7 +384,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         body = parse_body(await json_body(request), EmbeddingRequest)
         lora = embedding_model(body.model)
         job = client_id(request, with_lora(embeddings_job(body, cfg.hidden_size,
-                                                          cfg.matryoshka), lora))
+                                                          cfg.matryoshka, cfg.pooling), lora))
         return await run(request, EmbeddingFormatter(lora or cfg.model_name, job,
                                                      body.encoding_format, body.dimensions))
 
@@ -412,14 +413,14 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     async def score(request: Request) -> Response:
         body = parse_body(await json_body(request), ScoreRequest)
         lora = scoring_model(body.model)
-        pairs = score_pairs(body, cross=cfg.classifier is not None)
+        pairs = score_pairs(body, cfg.classifier is not None, cfg.pooling)
         job = client_id(request, with_lora(pairs.job, lora))
         return await run(request, ScoreFormatter(lora or cfg.model_name, job, pairs))
 
     async def rerank(request: Request) -> Response:
         body = parse_body(await json_body(request), RerankRequest)
         lora = scoring_model(body.model)
-        pairs = rerank_pairs(body, cross=cfg.classifier is not None)
+        pairs = rerank_pairs(body, cfg.classifier is not None, cfg.pooling)
         job = client_id(request, with_lora(pairs.job, lora))
         return await run(request, RerankFormatter(lora or cfg.model_name, job, pairs, body))
 
@@ -439,7 +440,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         lora = check_model(body.model)
         if cfg.classifier is None and cfg.embedding_refusal is not None:
             raise ApiError(400, cfg.embedding_refusal, "model")
-        job = client_id(request, with_lora(classify_job(body, "pooling"), lora))
+        job = client_id(request, with_lora(classify_job(
+            body, "pooling", "last" if cfg.classifier is not None else cfg.pooling), lora))
         return await run(request, PoolingFormatter(lora or cfg.model_name, job))
 
     for path in CLASSIFY_PATHS:

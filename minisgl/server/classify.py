@@ -33,15 +33,17 @@ class ClassifyRequest(Body):
     user: Optional[str] = None
 
 
-def classify_job(body: ClassifyRequest, what: str = "classification") -> Job:
-    """One request per input, in order; ApiError(400) naming what cannot be served (an empty
-    input, more than MAX_INPUTS, an unknown field)."""
+def classify_job(body: ClassifyRequest, what: str = "classification",
+                 pooling: str = "last") -> Job:
+    """One request per input, in order, pooled as `pooling` says (a classifier: its last
+    token); ApiError(400) naming what cannot be served (an empty input, more than
+    MAX_INPUTS, an unknown field)."""
     extra = sorted(body.model_extra or {})
     if extra:
         raise ApiError(400, f"{extra[0]} is not supported by this server's {what}", extra[0])
     return embedding_job(listed_prompts(body.input, "input", body.add_special_tokens,
                                         MAX_INPUTS),
-                         body.truncate_prompt_tokens, body.request_id)
+                         body.truncate_prompt_tokens, body.request_id, pooling)
 
 
 class ClassifyFormatter(Formatter):

@@ -43,9 +43,9 @@ class EmbeddingRequest(Body):
 
 
 def embeddings_job(body: EmbeddingRequest, hidden_size: int,
-                   matryoshka: Optional[Tuple[int, ...]] = None) -> Job:
-    """The requests of an embeddings body; ApiError(400) naming the field that cannot be
-    served (an empty input, more than MAX_INPUTS inputs, `dimensions` the model does not
+                   matryoshka: Optional[Tuple[int, ...]] = None, pooling: str = "last") -> Job:
+    """The requests of an embeddings body, pooled as `pooling` says (the model's:
+    models/pooling.py); ApiError(400) naming the field that cannot be served (an empty input, more than MAX_INPUTS inputs, `dimensions` the model does not
     allow: `matryoshka`, pooling.dimensions_error; an unknown field)."""
     extra = sorted(body.model_extra or {})
     if extra:
@@ -57,14 +57,15 @@ def embeddings_job(body: EmbeddingRequest, hidden_size: int,
         raise ApiError(400, error, "dimensions")
     return embedding_job(listed_prompts(body.input, "input", body.add_special_tokens,
                                         MAX_INPUTS),
-                         body.truncate_prompt_tokens, body.request_id)
+                         body.truncate_prompt_tokens, body.request_id, pooling)
 
 
 def embedding_job(prompts: List[Prompt], truncate: Optional[int],
-                  request_id: Optional[str]) -> Job:
-    """One embedding request per prompt (in order), each truncated to its last `truncate`
-    tokens where given; ApiError(400) naming a bad truncate_prompt_tokens or request_id."""
-    params = SamplingParams(max_tokens=1, temperature=0.0, embed=True,
+                  request_id: Optional[str], pooling: str = "last") -> Job:
+    """One embedding request per prompt (in order), pooled as `pooling` says (one of
+    core.POOLINGS), each truncated to its last `truncate` tokens where given; ApiError(400)
+    naming a bad truncate_prompt_tokens or request_id."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, embed=True, pooling=pooling,
                             truncate_prompt_tokens=truncate)
     try:
         params.validate()

@@ -53,7 +53,8 @@ class Pairs:
     request a pair (text_pair: the tokenizer's pair encoding); else one embedding per
     distinct text, the pairs indices into them."""
 
-    def __init__(self, firsts: List[str], seconds: List[str], body: Any, cross: bool) -> None:
+    def __init__(self, firsts: List[str], seconds: List[str], body: Any, cross: bool,
+                 pooling: str = "last") -> None:
         extra = sorted(body.model_extra or {})
         if extra:
             raise ApiError(400, f"{extra[0]} is not supported by this server's scoring",
@@ -74,7 +75,8 @@ class Pairs:
             index = {t: i for i, t in enumerate(texts)}
             prompts = [Prompt(text=t, add_special_tokens=True) for t in texts]
             self.pairs = [(index[a], index[b]) for a, b in zip(firsts, seconds)]
-        self.job = embedding_job(prompts, body.truncate_prompt_tokens, body.request_id)
+        self.job = embedding_job(prompts, body.truncate_prompt_tokens, body.request_id,
+                                 "last" if cross else pooling)
 
     def scores(self, choices: List[Choice]) -> List[float]:
         """Each pair's score from the job's finished choices."""
@@ -84,23 +86,25 @@ class Pairs:
         return [sum(x * y for x, y in zip(vectors[a], vectors[b])) for a, b in self.pairs]
 
 
-def score_pairs(body: ScoreRequest, cross: bool) -> Pairs:
-    """ApiError(400) naming text_2 where the texts do not pair (pooling.paired_texts)."""
+def score_pairs(body: ScoreRequest, cross: bool, pooling: str = "last") -> Pairs:
+    """The pairs to score (a cross-encoder's, or embeddings pooled as `pooling` says);
+    ApiError(400) naming text_2 where the texts do not pair (pooling.paired_texts)."""
     try:
         firsts, seconds = paired_texts(body.text_1, body.text_2)
     except ValueError as e:
         raise ApiError(400, str(e), "text_2") from None
-    return Pairs(firsts, seconds, body, cross)
+    return Pairs(firsts, seconds, body, cross, pooling)
 
 
-def rerank_pairs(body: RerankRequest, cross: bool) -> Pairs:
+def rerank_pairs(body: RerankRequest, cross: bool, pooling: str = "last") -> Pairs:
     """The query paired with each document; ApiError(400) naming an empty documents list or
     a top_n below 1."""
     if not body.documents:
         raise ApiError(400, "documents must not be empty", "documents")
     if body.top_n is not None and body.top_n < 1:
         raise ApiError(400, f"top_n must be >= 1, got {body.top_n}", "top_n")
-    return Pairs([body.query] * len(body.documents), list(body.documents), body, cross)
+    return Pairs([body.query] * len(body.documents), list(body.documents), body, cross,
+                 pooling)
 
 
 def _usage(choices: List[Choice]) -> Dict[str, int]:

@@ -43,7 +43,7 @@ from minisgl.message.startup import PEER_EXIT
 from minisgl.message.types import Drain, ServiceDown, ShutdownMsg
 from minisgl.models.config import ModelConfig
 from minisgl.models.generation import sampling_defaults
-from minisgl.models.pooling import pooling_refusal
+from minisgl.models.pooling import model_pooling
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.api import ApiConfig, run_api
 from minisgl.server.args import ServerConfig
@@ -219,6 +219,7 @@ class Service:
                          else model_chat_template(self.tokenizer_path))
         tool_parser = mistral_variant(c.tool_call_parser or default_tool_call_parser(
             chat_template), chat_template)
+        pooling = model_pooling(Path(self.model_path), c.engine.pooler_config)
         api_cfg = ApiConfig(self.model_name, context, c.max_n, a.tokenizer, a.api,
                             self.health_file, dp, root=path, reasoning_parser=c.reasoning_parser,
                             tool_call_parser=tool_parser, aliases=c.model_aliases,
@@ -232,7 +233,7 @@ class Service:
                             max_lora_rank=c.engine.max_lora_rank,
                             incremental_streaming_output=c.incremental_streaming_output,
                             hidden_size=shape.hidden_size,
-                            embedding_refusal=pooling_refusal(Path(self.model_path)),
+                            embedding_refusal=pooling.refusal, pooling=pooling.mode,
                             matryoshka=shape.matryoshka_dimensions,
                             classifier=shape.classifier,
                             sampling_defaults=sampling_defaults(c.generation_config,
