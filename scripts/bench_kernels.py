@@ -376,10 +376,10 @@ def bench_norm_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
                 variants["norm_qkv_rope"] = lambda w: gemv.norm_qkv_rope(
                     x, res, nw, 1e-5, w, None, rope, pdl=True)
             else:
-                variants["rmsnorm+gemv+silu"] = lambda w: activation.silu_and_mul(
+                variants["rmsnorm+gemv+silu"] = lambda w: activation.act_and_mul(
                     gemv.gemv(rmsnorm.rmsnorm(x, nw, 1e-5, res, pdl=True)[0], w,
                                      pdl=True), pdl=True)
-                variants["norm_gate_up_silu"] = lambda w: gemv.norm_gate_up_silu(
+                variants["norm_gate_up_act"] = lambda w: gemv.norm_gate_up_act(
                     x, res, nw, 1e-5, w, pdl=True)
             for label, fn in variants.items():
                 state = iter(itertools.cycle(ws))
@@ -523,7 +523,7 @@ def bench_fp8_norm_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
             else:
                 def norm_gate_up_silu(w: Tuple[torch.Tensor, torch.Tensor], p: int = pairs,
                                       nw_: int = warps) -> object:
-                    return gemv.norm_gate_up_silu(x, res, nw, 1e-5, w[0], pdl=True,
+                    return gemv.norm_gate_up_act(x, res, nw, 1e-5, w[0], pdl=True,
                                                   weight_scale=w[1], pairs=p, num_warps=nw_)
                 variants[f"norm_gate_up_silu p{pairs} w{warps}"] = norm_gate_up_silu
         for label, fn in variants.items():
@@ -545,7 +545,8 @@ def bench_silu(cfg: ModelConfig, args: argparse.Namespace) -> None:
     """The quantizing SiLU-and-mul of an FP8 MLP at each of --linear-rows, on an unscaled
     gate/up product with its scales (the decode path on Hopper), at each (columns per pass,
     warps); tb_s counts the bytes read once and written."""
-    from minisgl.kernels.activation import silu_and_mul_quantized
+    from minisgl.kernels.activation import act_and_mul_quantized
+    from minisgl.kernels.types import SILU
     d = cfg.intermediate_size
     for rows in args.linear_rows:
         copies = max(2, -(-(256 << 20) // (rows * 4 * d)))  # > 256 MiB of inputs: not from L2
@@ -561,7 +562,7 @@ def bench_silu(cfg: ModelConfig, args: argparse.Namespace) -> None:
             state = iter(itertools.cycle(xs))
 
             def silu(t: Optional[Tuple[int, int]] = tiles, sp: bool = split) -> object:
-                return silu_and_mul_quantized(next(state), False, rs, cs, t, sp)
+                return act_and_mul_quantized(next(state), SILU, False, rs, cs, t, sp)
             us = time_graph(silu, copies, args.reps)
             report("silu", {"rows": rows, "d": d, "split": split,
                             "tiles": str(tiles or "default")}, us,

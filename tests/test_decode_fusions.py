@@ -30,6 +30,7 @@ from minisgl.layers import linear  # noqa: E402
 from minisgl.layers.rotary import RotaryEmbedding  # noqa: E402
 from minisgl.models.config import ModelConfig  # noqa: E402
 from minisgl.models.decoder import CausalLM  # noqa: E402
+from minisgl.models.gemma import Gemma3ForCausalLM  # noqa: E402
 from minisgl.models.llama import LlamaForCausalLM  # noqa: E402
 from minisgl.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM  # noqa: E402
 
@@ -59,13 +60,13 @@ class _CacheBackend:
         return torch.einsum("hl,lhd->hd", scores.softmax(-1), values).reshape(1, -1)
 
 
-def _config(bias: bool) -> ModelConfig:
+def _config(bias: bool, hidden_act: str = "silu") -> ModelConfig:
     return ModelConfig(architecture="test", vocab_size=50, hidden_size=64, intermediate_size=96,
                        num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
                        rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
                        max_position_embeddings=64, tie_word_embeddings=False,
                        attention_bias=bias, mlp_bias=False, eos_token_ids=(2,),
-                       torch_dtype=None)
+                       torch_dtype=None, hidden_act=hidden_act)
 
 
 def _step(model: CausalLM, target: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -102,7 +103,7 @@ def _record_gemvs(monkeypatch: pytest.MonkeyPatch) -> List[str]:
                                             else " fp8"))
             return kernel(*args, **{**kwargs, "pdl": False})
         return run
-    for name in ("gemv", "norm_gemv", "norm_gate_up_silu", "norm_qkv_rope"):
+    for name in ("gemv", "norm_gemv", "norm_gate_up_act", "norm_qkv_rope"):
         monkeypatch.setattr(gemv, name, without_pdl(getattr(gemv, name)))
     rotate = rotary.rotary_qk_
 
@@ -121,15 +122,18 @@ def _record_gemvs(monkeypatch: pytest.MonkeyPatch) -> List[str]:
 
 
 @pytest.mark.parametrize("cls,bias", [(LlamaForCausalLM, False), (Qwen2ForCausalLM, True),
-                                      (Qwen3ForCausalLM, False)])
+                                      (Qwen3ForCausalLM, False), (Gemma3ForCausalLM, False)])
 @pytest.mark.parametrize("target", [True, False])
 def test_batch1_fused_decoder_matches_unfused(cls: type, bias: bool, target: bool,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Llama (rotary + K/V store fused into QKV when the backend offers a KV target), Qwen2
     (the same with QKV bias), Qwen3 (per-head q/k norms: the norm is fused into QKV, the q/k
-    norms into the rotary kernel that stores K/V): the logits and every cache slot equal the
+    norms into the rotary kernel that stores K/V), Gemma 3 (q/k norms as Qwen3's, sandwich
+    norms, GELU in the gate/up GEMV's epilogue): the logits and every cache slot equal the
     unfused model's, and the fused kernels did run."""
-    cfg, info = _config(bias), DistributedInfo(0, 1)
+    gemma = cls is Gemma3ForCausalLM
+    cfg = _config(bias, "gelu_pytorch_tanh" if gemma else "silu")
+    info = DistributedInfo(0, 1)
     ref = _random_reference(cls, cfg, info)
     fused = cls(cfg, info, Communicator(info), KernelPolicy(fused=True, pdl=True))
     fused.load_state_dict(ref.state_dict())
@@ -139,9 +143,9 @@ def test_batch1_fused_decoder_matches_unfused(cls: type, bias: bool, target: boo
 
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    qwen3 = cls is Qwen3ForCausalLM
+    qwen3 = cls in (Qwen3ForCausalLM, Gemma3ForCausalLM)  # q/k norms
     qkv_kernel = "norm_qkv_rope" if target and not qwen3 else "norm_gemv"
-    assert calls.count(qkv_kernel) >= LAYERS and calls.count("norm_gate_up_silu") == LAYERS
+    assert calls.count(qkv_kernel) >= LAYERS and calls.count("norm_gate_up_act") == LAYERS
     rotation = {(True, True): "rotary norms store", (False, True): None,
                 (True, False): "rotary", (False, False): "rotary"}[(qwen3, target)]
     assert [c for c in calls if c.startswith("rotary")] == ([rotation] * LAYERS if rotation
@@ -176,6 +180,6 @@ def test_batch1_fused_decoder_reads_fp8_weights(cls: type, bias: bool, target: b
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     qkv_kernel = "norm_qkv_rope fp8" if target else "norm_gemv fp8"
-    assert calls.count(qkv_kernel) == LAYERS and calls.count("norm_gate_up_silu fp8") == LAYERS
+    assert calls.count(qkv_kernel) == LAYERS and calls.count("norm_gate_up_act fp8") == LAYERS
     assert calls.count("gemv fp8") == 2 * LAYERS  # o_proj, down_proj
     assert calls.count("gemv") == 1  # the LM head, dense

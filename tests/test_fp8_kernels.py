@@ -20,7 +20,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from minisgl.kernels import activation, attention, gemv, rmsnorm, rotary  # noqa: E402
 from minisgl.kernels import fp8 as kernels  # noqa: E402
-from minisgl.kernels.types import HeadNorms, KVStore, KVTarget, ProductScales, QKVRope  # noqa: E402
+from minisgl.kernels.types import (GELU_TANH, SILU, HeadNorms, KVStore, KVTarget,  # noqa: E402
+                                   ProductScales, QKVRope)
 from minisgl.layers import fp8  # noqa: E402
 from minisgl.layers.rotary import RotaryEmbedding  # noqa: E402
 
@@ -135,18 +136,18 @@ def test_rescale_applies_row_and_column_scales(dtype: torch.dtype, bias: bool) -
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split", [False, True], ids=["row", "split"])
-def test_silu_and_mul_quantized_scales_an_unscaled_product(dtype: torch.dtype,
-                                                           split: bool) -> None:
-    """With the product's scales, the SiLU kernel equals rescaling first, then the plain
-    quantized SiLU (one program a row, or each row over several)."""
+def test_act_and_mul_quantized_scales_an_unscaled_product(dtype: torch.dtype,
+                                                          split: bool) -> None:
+    """With the product's scales, the activation kernel equals rescaling first, then the plain
+    quantized activation (one program a row, or each row over several)."""
     raw = (torch.randn(4, 2 * 4500, device=DEV) * 50).to(dtype)
     rs, cs = torch.rand(4, 1, device=DEV) * 0.1, torch.rand(9000, device=DEV) * 0.1
-    got = activation.silu_and_mul_quantized(raw, row_scale=rs, col_scale=cs, split=split)
-    want = activation.silu_and_mul_quantized(kernels.rescale(raw, rs, cs, None, dtype),
-                                             split=not split)
+    got = activation.act_and_mul_quantized(raw, row_scale=rs, col_scale=cs, split=split)
+    want = activation.act_and_mul_quantized(kernels.rescale(raw, rs, cs, None, dtype),
+                                            split=not split)
     _same_quantized(got, want)
     with pytest.raises(ValueError, match="both scales or neither"):
-        activation.silu_and_mul_quantized(raw, row_scale=rs)
+        activation.act_and_mul_quantized(raw, row_scale=rs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -275,27 +276,28 @@ def test_rotary_store_scales_an_unscaled_qkv_product(fp8_cache: bool, with_norms
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [700, 5000])  # one pass (part) of columns; several, the last ragged
-@pytest.mark.parametrize("split", [False, True], ids=["row", "split"])
-def test_silu_and_mul_quantized_equals_quantizing_the_activation(dtype: torch.dtype, d: int,
-                                                                  split: bool) -> None:
+@pytest.mark.parametrize("split,act", [(False, SILU), (True, SILU), (True, GELU_TANH)],
+                         ids=["row", "split", "split-gelu"])
+def test_act_and_mul_quantized_equals_quantizing_the_activation(dtype: torch.dtype, d: int,
+                                                                 split: bool, act: int) -> None:
     """Each path (one program a row; a row split over programs of 2,048 columns, whose parts'
-    amax make the scale) equals quantizing the activation, bit for bit."""
+    amax make the scale) equals quantizing the activation, bit for bit, SiLU or GELU."""
     x = (torch.randn(5, 2 * d, device=DEV) * 3).to(dtype)
     x[2] = 0.0  # an all-zero row: the smallest scale, zeros
     x[3, d - 1] = 500.0  # the row's largest value in its last, ragged part
-    got = activation.silu_and_mul_quantized(x, split=split)
-    _same_quantized(got, kernels.quantize_tokens(activation.silu_and_mul(x)))
+    got = activation.act_and_mul_quantized(x, act, split=split)
+    _same_quantized(got, kernels.quantize_tokens(activation.act_and_mul(x, act)))
     assert torch.all(got.values[2].float() == 0)
 
 
-def test_silu_and_mul_quantized_splits_decode_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_act_and_mul_quantized_splits_decode_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     """Up to SPLIT_MAX_ROWS rows take the split path by default, more one program a row."""
     calls = []
-    real = activation._split_silu_quant
-    monkeypatch.setattr(activation, "_split_silu_quant",
+    real = activation._split_act_quant
+    monkeypatch.setattr(activation, "_split_act_quant",
                         lambda *a: calls.append(a) or real(*a))
     for rows in (3, activation.SPLIT_MAX_ROWS + 1):
-        activation.silu_and_mul_quantized(torch.zeros(rows, 64, device=DEV))
+        activation.act_and_mul_quantized(torch.zeros(rows, 64, device=DEV))
     assert [a[0].shape[0] for a in calls] == [3]
 
 
@@ -317,7 +319,7 @@ def test_fp8_gemv_equals_gemv_on_the_dequantized_weight(n: int, k: int, bias: bo
 @pytest.mark.parametrize("rows,pairs", [(4, None), (16, 8)])
 def test_fp8_norm_gemvs_equal_their_dense_kernels_on_dequantized_weights(
         rows: int, pairs: Optional[int]) -> None:
-    """norm_gemv, norm_gate_up_silu and norm_qkv_rope with FP8 weights and row scales equal the
+    """norm_gemv, norm_gate_up_act and norm_qkv_rope with FP8 weights and row scales equal the
     same kernels on the dequantized float32 weights (up to where the scale multiplies), at the
     default tiling (FP8's: gemv.default_pairs) and at wider programs (the gate/up rows then
     not a multiple of a program's)."""
@@ -331,8 +333,8 @@ def test_fp8_norm_gemvs_equal_their_dense_kernels_on_dequantized_weights(
     tol = TOL[dtype]
     got = gemv.norm_gemv(x, res, nw, 1e-6, w, None, weight_scale=ws, rows=rows)
     assert _rel(got.out, gemv.norm_gemv(x, res, nw, 1e-6, dense, None).out) < tol
-    got = gemv.norm_gate_up_silu(x, res, nw, 1e-6, w, None, weight_scale=ws, pairs=pairs)
-    want = activation.silu_and_mul(gemv.norm_gemv(x, res, nw, 1e-6, dense, None).out)
+    got = gemv.norm_gate_up_act(x, res, nw, 1e-6, w, None, weight_scale=ws, pairs=pairs)
+    want = activation.act_and_mul(gemv.norm_gemv(x, res, nw, 1e-6, dense, None).out)
     assert _rel(got.out, want) < tol
     heads, kv_heads, dim = 2, 1, 32
     w, ws = _fp8_weight((heads + 2 * kv_heads) * dim, k)

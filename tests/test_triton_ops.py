@@ -19,7 +19,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from minisgl.kernels.policy import KernelPolicy  # noqa: E402
 from minisgl.kernels.types import HeadNorms, KVStore, KVTarget, QKVRope  # noqa: E402
-from minisgl.layers.activation import silu_and_mul  # noqa: E402
+from minisgl.kernels.types import GELU_TANH, SILU  # noqa: E402
+from minisgl.layers.activation import act_and_mul  # noqa: E402
 from minisgl.distributed import DistributedInfo  # noqa: E402
 from minisgl.layers.linear import ColumnParallelLinear, ResidualStream, project  # noqa: E402
 from minisgl.layers.norm import RMSNorm  # noqa: E402
@@ -53,9 +54,12 @@ def test_rmsnorm_with_and_without_residual(dtype: torch.dtype, rows: int, dim: i
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,d", [(1, 128), (4, 1536), (2, 1500)])
-def test_silu_and_mul(dtype: torch.dtype, rows: int, d: int) -> None:
-    x = torch.randn(rows, 2 * d, device=DEV).to(dtype)
-    _close(activation.silu_and_mul(x), silu_and_mul(x), dtype)
+@pytest.mark.parametrize("act", [SILU, GELU_TANH], ids=["silu", "gelu"])
+def test_act_and_mul(dtype: torch.dtype, rows: int, d: int, act: int) -> None:
+    """The kernel against torch's F.silu / F.gelu(approximate="tanh") (inputs up to +-30:
+    GELU's tanh saturates at both ends)."""
+    x = (torch.randn(rows, 2 * d, device=DEV) * 6).clamp(-30, 30).to(dtype)
+    _close(activation.act_and_mul(x, act), act_and_mul(x, act), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -280,25 +284,27 @@ def test_norm_qkv_rope_equals_the_three_kernels(dtype: torch.dtype, heads: int, 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d,k", [(8, 64), (13, 300), (40, 96)])
-@pytest.mark.parametrize("residual,bias", [(True, False), (False, True)])
-def test_norm_gate_up_silu_equals_norm_gemv_then_silu(dtype: torch.dtype, d: int, k: int,
-                                                      residual: bool, bias: bool) -> None:
+@pytest.mark.parametrize("residual,bias,act", [(True, False, SILU), (False, True, SILU),
+                                               (True, True, GELU_TANH)])
+def test_norm_gate_up_act_equals_norm_gemv_then_the_activation(
+        dtype: torch.dtype, d: int, k: int, residual: bool, bias: bool, act: int) -> None:
     """The MLP's first half at batch 1 in one launch (odd d: a program whose second gate row is
-    past the gate half) against norm_gemv then silu_and_mul (float32 up to summation order)."""
+    past the gate half) against norm_gemv then act_and_mul, SiLU or GELU (float32 up to
+    summation order)."""
     w = torch.randn(2 * d, k, device=DEV).to(dtype)
     nw = torch.rand(k, device=DEV).to(dtype) + 0.5
     b = torch.randn(2 * d, device=DEV).to(dtype) if bias else None
     x = torch.randn(1, k, device=DEV).to(dtype)
     res = torch.randn(1, k, device=DEV).to(dtype) if residual else None
-    got = gemv.norm_gate_up_silu(x, res, nw, 1e-6, w, b)
+    got = gemv.norm_gate_up_act(x, res, nw, 1e-6, w, b, act=act)
     want = gemv.norm_gemv(x, res, nw, 1e-6, w, b)
-    act = activation.silu_and_mul(want.out)
+    gated = activation.act_and_mul(want.out, act)
     assert got.out.shape == (1, d) and torch.equal(got.residual, want.residual)
-    _close(got.out, act, dtype)
+    _close(got.out, gated, dtype)
     if dtype == torch.float32:
-        assert torch.allclose(got.out, act, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(got.out, gated, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="even number of rows"):
-        gemv.norm_gate_up_silu(x, res, nw, 1e-6, w[1:])
+        gemv.norm_gate_up_act(x, res, nw, 1e-6, w[1:])
 
 
 def test_norm_gemv_refuses_rows_wider_than_a_program_holds() -> None:

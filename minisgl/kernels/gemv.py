@@ -5,8 +5,8 @@ that kernel's tail.
 
 - `gemv`: x W^T + b.
 - `norm_gemv`: the RMSNorm (with the residual add) before the projection, inside it.
-- `norm_gate_up_silu`: the same for the MLP's gate/up projection, with SiLU-and-mul in the
-  epilogue.
+- `norm_gate_up_act`: the same for the MLP's gate/up projection, with the gated activation
+  (SiLU or GELU) and the multiply in the epilogue.
 - `norm_qkv_rope`: the same for the QKV projection, with the rotary embedding and the K/V store
   in the epilogue.
 
@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.activation import silu_mul_f32
+from minisgl.kernels.activation import gated_f32
+from minisgl.kernels.types import SILU
 from minisgl.kernels.fp8 import quantize_kv
 from minisgl.kernels.pdl import launch_options, pdl_enter
 from minisgl.kernels.rmsnorm import rmsnorm_row_w
@@ -310,10 +311,10 @@ def _pair_products(w_lo, w_hi, x, s_lo, b_lo, s_hi, b_hi, HAS_SCALE: tl.constexp
 
 @triton.jit
 def _norm_gate_up_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_out_ptr, d,
-                         k, stride_wn, eps, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr,
-                         EARLY_NW: tl.constexpr, PDL: tl.constexpr):
-    """Program p: out[i] = silu(gate_i) * up_i for i in [PAIRS p, PAIRS (p + 1)), gate_i / up_i
+                         k, stride_wn, eps, ACT: tl.constexpr, HAS_RES: tl.constexpr,
+                         HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PAIRS: tl.constexpr, EARLY_NW: tl.constexpr, PDL: tl.constexpr):
+    """Program p: out[i] = act(gate_i) * up_i (activation.gated_f32) for i in [PAIRS p, PAIRS (p + 1)), gate_i / up_i
     the rows i and d + i of rmsnorm(h) W^T + b (W = [gate; up], 2d rows; where d is not a
     multiple of PAIRS the last program's gate rows past d are up rows, whose results are not
     stored)."""
@@ -328,18 +329,20 @@ def _norm_gate_up_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, r
     x = _normed_row(x_ptr, res_ptr, nw, res_out_ptr, cols, k, eps, HAS_RES)
     gate, up = _pair_products(w_gate, w_up, x, s_gate, b_gate, s_up, b_up, HAS_SCALE,
                               HAS_BIAS, out_ptr.dtype.element_ty)
-    act = silu_mul_f32(gate, up)
+    act = gated_f32(gate, up, ACT)
     tl.store(out_ptr + i, act.to(out_ptr.dtype.element_ty), mask=i < d)
 
 
-def norm_gate_up_silu(x: torch.Tensor, residual: Optional[torch.Tensor],
-                      norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                      bias: Optional[torch.Tensor] = None, pdl: bool = False,
-                      weight_scale: Optional[torch.Tensor] = None,
-                      pairs: Optional[int] = None, num_warps: int = 4) -> Normed:
-    """The gated MLP's first half for one token in one launch: silu(gate) * up for [gate | up]
-    = rmsnorm(x + residual) W^T + b, W = [gate rows; up rows] (an even number of rows);
-    equal to `norm_gemv` followed by `silu_and_mul`. Also the new residual, as `norm_gemv`.
+def norm_gate_up_act(x: torch.Tensor, residual: Optional[torch.Tensor],
+                     norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                     bias: Optional[torch.Tensor] = None, pdl: bool = False,
+                     weight_scale: Optional[torch.Tensor] = None,
+                     pairs: Optional[int] = None, num_warps: int = 4, act: int = SILU
+                     ) -> Normed:
+    """The gated MLP's first half for one token in one launch: act(gate) * up (`act`:
+    kernels/types.SILU or GELU_TANH) for [gate | up] = rmsnorm(x + residual) W^T + b, W =
+    [gate rows; up rows] (an even number of rows); equal to `norm_gemv` followed by
+    `activation.act_and_mul`. Also the new residual, as `norm_gemv`.
     FP8 weights with `weight_scale`, as `gemv`. `pairs` ((gate, up) row pairs a program, a
     power of two; default_pairs unless given), `num_warps`: the tiling
     (scripts/bench_kernels.py sweeps it)."""
@@ -351,7 +354,7 @@ def norm_gate_up_silu(x: torch.Tensor, residual: Optional[torch.Tensor],
     x, res, out, res_out = _norm_gemv_io(x, residual, norm_weight, weight, d, weight_scale)
     _norm_gate_up_kernel[(triton.cdiv(d, pairs),)](
         x, res, norm_weight, weight, _or(weight_scale, weight), _or(bias, weight), out, res_out,
-        d, k, weight.stride(0), eps, HAS_RES=residual is not None,
+        d, k, weight.stride(0), eps, ACT=act, HAS_RES=residual is not None,
         HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
         BLOCK_K=triton.next_power_of_2(k), PAIRS=pairs, EARLY_NW=_fp8(weight), PDL=pdl,
         num_warps=num_warps, **launch_options(pdl))

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.activation import silu_mul_f32
+from minisgl.kernels.activation import ACT_SILU, gated_f32
 from minisgl.kernels.dot import dot, f32_dot
 from minisgl.kernels.fp8 import Quantized, quantize_groups, quantize_tokens
 from minisgl.kernels.int_mm import check_packed
@@ -247,7 +247,7 @@ def _finish_block(acc, acc_up, c_ptr, weights_ptr, pair, live, cols, col_ok, str
     """The block's epilogue: silu(gate) * up where GATED, the routing weight where
     MUL_WEIGHT, stored at the pairs' rows."""
     if GATED:
-        acc = silu_mul_f32(acc, acc_up)
+        acc = gated_f32(acc, acc_up, ACT_SILU)  # every MoE family's
     if MUL_WEIGHT:
         acc *= tl.load(weights_ptr + pair, mask=live, other=0.0)[:, None]
     tl.store(c_ptr + pair[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),

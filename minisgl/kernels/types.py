@@ -1,4 +1,5 @@
-"""The small types the kernels share with their callers: where a layer's new K/V go, what a norm
+"""The small types the kernels share with their callers: the gated activations' codes, where a
+layer's new K/V go, what a norm
 with a residual add returns, what the fused QKV kernel needs besides the projection, the
 attention and MoE kernels' tilings, FP8 and packed experts' weights and the fused all-reduce's
 view of its peers' buffers.
@@ -13,6 +14,12 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Tuple
 
 import torch
+
+
+# The gated MLP's activations, act(gate) * up: the kernels' ACT codes (layers/activation.py maps
+# config names to them)
+SILU = 0
+GELU_TANH = 1  # GELU's tanh approximation (transformers' gelu_pytorch_tanh: Gemma)
 
 
 class KVTarget(NamedTuple):

@@ -1,4 +1,4 @@
-"""Gated activation of the fused gate/up projection."""
+"""Gated activation of the fused gate/up projection: act(gate) * up, act SiLU or GELU (tanh)."""
 
 from __future__ import annotations
 
@@ -8,39 +8,36 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.kernels.policy import KernelPolicy
-from minisgl.kernels.types import ProductScales
+from minisgl.kernels.types import GELU_TANH, SILU, ProductScales
 
 if TYPE_CHECKING:  # kernels/fp8.py imports triton: only CUDA paths load it
     from minisgl.kernels.fp8 import Quantized
 
 
-def silu_and_mul(x: torch.Tensor, policy: KernelPolicy = KernelPolicy()) -> torch.Tensor:
-    """x = [gate | up] along the last dimension; returns silu(gate) * up (`policy.fused`: one
-    Triton kernel on CUDA tensors, launched with programmatic dependent launch where
-    `policy.pdl`)."""
+def act_and_mul(x: torch.Tensor, act: int = SILU,
+                policy: KernelPolicy = KernelPolicy()) -> torch.Tensor:
+    """x = [gate | up] along the last dimension; returns act(gate) * up, act SiLU or GELU
+    with its tanh approximation (transformers' "gelu_pytorch_tanh": Gemma's MLP) by its code
+    (kernels/types.py). `policy.fused`: one Triton kernel on CUDA tensors, launched with
+    programmatic dependent launch where `policy.pdl`; else torch ops."""
     if policy.fused and x.is_cuda:
         from minisgl.kernels import activation
-        return activation.silu_and_mul(x.contiguous(), policy.pdl)
+        return activation.act_and_mul(x.contiguous(), act, policy.pdl)
     gate, up = x.chunk(2, dim=-1)
+    if act == GELU_TANH:
+        return F.gelu(gate, approximate="tanh") * up
     return F.silu(gate) * up
 
 
-def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x = [gate | up] along the last dimension; returns gelu(gate) * up with GELU's tanh
-    approximation (transformers' "gelu_pytorch_tanh", Gemma's MLP), in torch ops."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
-
-
-def silu_and_mul_quantized(x: torch.Tensor, policy: KernelPolicy,
-                           scales: Optional[ProductScales] = None) -> Quantized:
-    """silu(gate) * up quantized per token, in one Triton kernel, for an FP8 down projection
+def act_and_mul_quantized(x: torch.Tensor, act: int, policy: KernelPolicy,
+                          scales: Optional[ProductScales] = None) -> Quantized:
+    """act(gate) * up quantized per token, in one Triton kernel, for an FP8 down projection
     (RowParallelLinear.takes_quantized); with `scales`, x is an unscaled FP8 product
     (layers/fp8.UnscaledProduct) and the kernel scales it first. CUDA tensors and a
     fused policy only (ValueError otherwise)."""
     if not (policy.fused and x.is_cuda):
-        raise ValueError("silu_and_mul_quantized runs the fused kernel: CUDA tensors and a "
+        raise ValueError("act_and_mul_quantized runs the fused kernel: CUDA tensors and a "
                          "fused kernel policy")
     from minisgl.kernels import activation
     rows, cols = scales if scales is not None else (None, None)
-    return activation.silu_and_mul_quantized(x.contiguous(), policy.pdl, rows, cols)
+    return activation.act_and_mul_quantized(x.contiguous(), act, policy.pdl, rows, cols)

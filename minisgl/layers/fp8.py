@@ -370,7 +370,7 @@ def takes_tokens(w: Fp8Weight) -> bool:
     """Whether `linear` quantizes its input per token, dynamically (weights scaled per output
     row, no static activation scale): then the kernel that produces the input can quantize it
     on the way out instead (kernels/rmsnorm.rmsnorm_quantized,
-    kernels/activation.silu_and_mul_quantized), and `rowwise_product` finishes the product."""
+    kernels/activation.act_and_mul_quantized), and `rowwise_product` finishes the product."""
     return w.spec.block is None and not w.spec.static_input and not w.spec.weight_only
 
 

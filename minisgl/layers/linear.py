@@ -393,16 +393,17 @@ class ColumnParallelLinear(_QuantizableLayer):
         `dtype`, the bias added."""
         return self._quantized_product(a, dtype, self.bias)
 
-    def forward_normed_silu(self, stream: ResidualStream, norm: RMSNorm) -> Optional[Normed]:
-        """For a layer built with out_sizes [d, d] (gate, up): (silu(gate) * up of norm(h), h)
-        in one launch (gemv.norm_gate_up_silu) where `fuses_norm`; else None, having
-        done nothing."""
+    def forward_normed_act(self, stream: ResidualStream, norm: RMSNorm, act: int
+                           ) -> Optional[Normed]:
+        """For a layer built with out_sizes [d, d] (gate, up): (act(gate) * up of norm(h), h),
+        act by its code (kernels/types.SILU or GELU_TANH), in one launch
+        (gemv.norm_gate_up_act) where `fuses_norm`; else None, having done nothing."""
         if not self.fuses_norm(stream, norm):
             return None
         from minisgl.kernels import gemv
-        return gemv.norm_gate_up_silu(stream.reduced(), stream.residual, norm.weight,
-                                      norm.eps, self.weight, self.bias, pdl=self.policy.pdl,
-                                      weight_scale=self._gemv_scale())
+        return gemv.norm_gate_up_act(stream.reduced(), stream.residual, norm.weight,
+                                     norm.eps, self.weight, self.bias, pdl=self.policy.pdl,
+                                     weight_scale=self._gemv_scale(), act=act)
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
         shard, off = self.shards[shard_id], self.offsets[shard_id]

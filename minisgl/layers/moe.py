@@ -26,8 +26,8 @@ from torch import nn
 from minisgl.core import LoraRows
 from minisgl.distributed import Communicator, DistributedInfo
 from minisgl.kernels.policy import KernelPolicy
-from minisgl.kernels.types import Normed
-from minisgl.layers.activation import silu_and_mul
+from minisgl.kernels.types import SILU, Normed
+from minisgl.layers.activation import act_and_mul
 from minisgl.layers.experts import Experts, ExpertsShape
 from minisgl.layers.linear import (ColumnParallelLinear, ReplicatedLinear, ResidualStream,
                                    RowParallelLinear, all_reduce_norm, finish_norm_quantized)
@@ -87,7 +87,7 @@ def _weights(weights_of: ExpertWeights, expert: int, x: torch.Tensor
 
 
 def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    return F.linear(silu_and_mul(F.linear(x, w13)), w2)
+    return F.linear(act_and_mul(F.linear(x, w13)), w2)
 
 
 def experts_torch(x: torch.Tensor, topk: TopK, w13: torch.Tensor, w2: torch.Tensor
@@ -135,8 +135,9 @@ class SharedExpert(nn.Module):
     def forward(self, x: torch.Tensor, lora: Optional[LoraRows] = None) -> torch.Tensor:
         """`lora`: the LoRA deltas of the tokens it names added to each projection."""
         if lora is None:
-            return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.policy), reduce=False)
-        gated = silu_and_mul(self.gate_up_proj.forward_lora(x, lora), self.policy)
+            return self.down_proj(act_and_mul(self.gate_up_proj(x), SILU, self.policy),
+                                  reduce=False)
+        gated = act_and_mul(self.gate_up_proj.forward_lora(x, lora), SILU, self.policy)
         partial = self.down_proj(gated, reduce=False)
         slots = self.down_proj.lora
         return partial if slots is None else slots.add_delta(partial, gated, lora)

@@ -36,8 +36,8 @@ from minisgl.attention import AttentionBackend
 from minisgl.core import Batch, LoraRows
 from minisgl.distributed import Communicator, DistributedInfo
 from minisgl.kernels.policy import KernelPolicy
-from minisgl.kernels.types import HeadNorms
-from minisgl.layers.activation import gelu_tanh_and_mul, silu_and_mul, silu_and_mul_quantized
+from minisgl.kernels.types import GELU_TANH, SILU, HeadNorms
+from minisgl.layers.activation import act_and_mul, act_and_mul_quantized
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.experts import expert_param
 from minisgl.layers.fp8 import SCALE_PARAMS, Fp8Spec, finish_loading
@@ -234,7 +234,7 @@ class MLP(nn.Module):
         """`prefix`: the checkpoint's name of this MLP (model.layers.N.mlp)."""
         super().__init__()
         self.policy = traits.policy
-        self.silu = cfg.hidden_act in SILU_ACTS
+        self.act = SILU if cfg.hidden_act in SILU_ACTS else GELU_TANH  # config.HIDDEN_ACTS
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias,
                                                  info, traits.policy,
@@ -249,30 +249,23 @@ class MLP(nn.Module):
     def forward(self, stream: ResidualStream, norm: RMSNorm,
                 lora: Optional[LoraRows] = None) -> ResidualStream:
         """W8A8 (FP8 gate/up and down scaled per row, dynamic activations) with no launch of
-        its own besides the GEMMs: the norm quantizes gate/up's input, the SiLU kernel
+        its own besides the GEMMs: the norm quantizes gate/up's input, the activation kernel
         applies gate/up's scales where its product is taken unscaled and quantizes down's
-        input, and down's scales go to the next norm (RowParallelLinear's streams). GELU runs
-        in torch ops between the projections. `lora`: the plain path with the LoRA deltas of
-        these tokens."""
+        input, and down's scales go to the next norm (RowParallelLinear's streams). `lora`:
+        the plain path with the LoRA deltas of these tokens."""
         if lora is not None:
             x, residual = stream.normed(norm)
-            gate_up = self.gate_up_proj.forward_lora(x, lora)
-            gated = (silu_and_mul(gate_up, self.policy) if self.silu
-                     else gelu_tanh_and_mul(gate_up))
+            gated = act_and_mul(self.gate_up_proj.forward_lora(x, lora), self.act, self.policy)
             return self.down_proj.forward_stream(gated, residual, lora)
-        if not self.silu:
-            proj = self.gate_up_proj.forward_normed_unscaled(stream, norm)
-            return self.down_proj.forward_stream(gelu_tanh_and_mul(proj.scaled()),
-                                                 proj.residual)
-        fused = self.gate_up_proj.forward_normed_silu(stream, norm)  # batch 1: one kernel
+        fused = self.gate_up_proj.forward_normed_act(stream, norm, self.act)  # batch 1
         if fused is not None:
             return self.down_proj.forward_stream(fused.out, fused.residual)
         proj = self.gate_up_proj.forward_normed_unscaled(stream, norm)
         if self.down_proj.takes_quantized(proj.out):
-            act = silu_and_mul_quantized(proj.out, self.policy, proj.scales)
+            act = act_and_mul_quantized(proj.out, self.act, self.policy, proj.scales)
             return self.down_proj.forward_quantized_stream(act, proj.residual.dtype,
                                                            proj.residual)
-        return self.down_proj.forward_stream(silu_and_mul(proj.scaled(), self.policy),
+        return self.down_proj.forward_stream(act_and_mul(proj.scaled(), self.act, self.policy),
                                              proj.residual)
 
 
