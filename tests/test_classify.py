@@ -79,6 +79,27 @@ def test_classifier_probabilities_match_hf(classifier_dir: Path, tp: int) -> Non
         torch.testing.assert_close(torch.tensor(r.outputs.data), logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "glm4", "phi3", "qwen3_moe",
+                                    "mixtral", "smollm3"])
+def test_every_familys_classifier_matches_hf(family: str, tmp_path: Path) -> None:
+    """Each family's *ForSequenceClassification (Gemma 2's: reward models such as
+    Skywork-Reward-Gemma-2; its logit softcapping is the LM head's, not the score head's;
+    Phi-3's fused tensors; the mixtures of experts): HF's label probabilities and raw
+    logits."""
+    from tiny_models import build_tiny
+    path = build_tiny(family, tmp_path / family, None, labels=("bad", "good"))
+    prompts = mixed_prompts(3, seed=10, lengths=(4, 23))
+    with LLM(str(path), device="cpu", max_kv_tokens=1024, show_progress=False) as llm:
+        assert llm.model_config.classifier is not None
+        got = [o.outputs.probs for o in llm.classify(prompts)]
+        rewards = [o.outputs.data for o in llm.reward(prompts)]
+    logits = _hf_logits(path, prompts)
+    torch.testing.assert_close(torch.tensor(rewards), torch.stack(logits), rtol=1e-5,
+                               atol=1e-5)
+    torch.testing.assert_close(torch.tensor(got), torch.softmax(torch.stack(logits), -1),
+                               rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_reranker_from_tokens_scores_pairs_as_hf_yes_over_no(
         tiny_model: Callable[..., Path], tp: int) -> None:

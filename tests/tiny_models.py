@@ -94,16 +94,21 @@ def save_randomized(model: torch.nn.Module, out: Path, random_norms: bool = Fals
 
 
 def build_tiny(family: str, out: Path, tokenizer_dir: Optional[Path], seed: int = 0,
-               **overrides: object) -> Path:
+               labels: Tuple[str, ...] = (), **overrides: object) -> Path:
     """Save a random tiny model of `family` into `out`, with the default model's tokenizer when
-    `tokenizer_dir` is given (else token-id prompts only)."""
+    `tokenizer_dir` is given (else token-id prompts only); with `labels`, the family's
+    *ForSequenceClassification of those labels instead of its causal LM."""
     import transformers
     spec = dict(FAMILIES[family])
     config_cls = getattr(transformers, spec.pop("arch"))
     random_norms = spec.pop("random_norms", False)
+    if labels:
+        spec.update(id2label=dict(enumerate(labels)), pad_token_id=None)
     config = config_cls(**{**BASE, **spec, **overrides})
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    auto = (transformers.AutoModelForSequenceClassification if labels
+            else transformers.AutoModelForCausalLM)
+    model = auto.from_config(config, torch_dtype=torch.float32)
     save_randomized(model, out, random_norms)
     for f in tokenizer_dir.iterdir() if tokenizer_dir is not None else []:
         if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):

@@ -25,10 +25,18 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 # *ForSequenceClassification -> the causal LM whose decoder it is
 CLASSIFIER_BASES: Dict[str, str] = {
+    "Gemma2ForSequenceClassification": "Gemma2ForCausalLM",  # e.g. Skywork-Reward-Gemma-2
+    "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM",
+    "Glm4ForSequenceClassification": "Glm4ForCausalLM",
     "LlamaForSequenceClassification": "LlamaForCausalLM",
     "MistralForSequenceClassification": "MistralForCausalLM",
+    "MixtralForSequenceClassification": "MixtralForCausalLM",
+    "Phi3ForSequenceClassification": "Phi3ForCausalLM",
     "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen2MoeForSequenceClassification": "Qwen2MoeForCausalLM",
     "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+    "Qwen3MoeForSequenceClassification": "Qwen3MoeForCausalLM",
+    "SmolLM3ForSequenceClassification": "SmolLM3ForCausalLM",
 }
 
 
