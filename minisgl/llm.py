@@ -393,7 +393,7 @@ class LLM:
         self.sampling_defaults = sampling_defaults(generation_config, self.model_path)
         self.model_config = ModelConfig.from_dir(self.model_path, cfg.engine.hf_override_dict)
         self._pooling = model_pooling(self.model_path, cfg.engine.pooler_config)  # files: once
-        self.model_config.check_tp(tp)
+        self.model_config.check_tp(tp, cfg.engine.enable_expert_parallel)
         engine = dataclasses.replace(cfg.engine.for_rank(str(self.model_path), 0),
                                      show_progress=show_progress)
         cfg = dataclasses.replace(cfg, engine=engine, tokenizer_path=str(tokenizer_path))

@@ -51,6 +51,9 @@ CASES: Dict[str, Tuple[str, dict, Fp8Format]] = {
         ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
          "model.layers.0.self_attn.v_proj", "model.layers.0.self_attn.o_proj"),
         ("lm_head", r"re:.*layers\.0\.self_attn\..*"))),
+    # the same with experts of 128 features: tp=2 would cut each block (expert parallelism)
+    "qwen3_moe-block-ep": ("qwen3_moe", {**BLOCK_MOE, "moe_intermediate_size": 128}, Fp8Format(
+        "fp8", (Group("Linear", "block", False),), (), ("lm_head",))),
     # AutoFP8's per-tensor static scales on Mixtral's own expert names
     "mixtral-tensor-static": ("mixtral", {}, Fp8Format(
         "fp8", (Group("Linear", "tensor", True),), (), ())),
@@ -67,23 +70,27 @@ def written(tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFa
     return cached_writer(source, tmp_path_factory.mktemp)
 
 
-def _generate(path: Path, tp: int, prompts: List[List[int]]) -> List[List[int]]:
+def _generate(path: Path, tp: int, prompts: List[List[int]], expert_parallel: bool = False
+              ) -> List[List[int]]:
     with LLM(str(path), tp=tp, page_size=4, max_kv_tokens=1024, show_progress=False,
-             check_lockstep=tp > 1, device="cpu", dtype="float32") as llm:
+             check_lockstep=tp > 1, device="cpu", dtype="float32",
+             enable_expert_parallel=expert_parallel) as llm:
         return [o.token_ids for o in llm.generate(prompts, GREEDY)]
 
 
 @pytest.mark.parametrize("name,tps", [("qwen3_moe-block", (2,)), ("qwen2_moe-channel", (2,)),
-                                      ("mixtral-tensor-static", (1,))])
+                                      ("mixtral-tensor-static", (1,)),
+                                      ("qwen3_moe-block-ep", (2,))])
 def test_fp8_moe_checkpoints_match_hf_on_their_dequantized_weights(
         written: Callable[[str], Written], name: str, tps: Tuple[int, ...]) -> None:
     """Experts' FP8 weights and scales (per block, channel, tensor) sliced per rank and
-    dequantized: HF's greedy tokens on the dequantized twin."""
+    dequantized (or, "-ep", whole experts per rank: blocks tp=2 would cut, expert
+    parallelism keeps whole): HF's greedy tokens on the dequantized twin."""
     ckpt = written(name)
     prompts = mixed_prompts(3, seed=11, lengths=(2, 9, 33))
     ref = hf_greedy(ckpt.dequantized, prompts, GREEDY.max_tokens)
     for tp in tps:
-        assert _generate(ckpt.fp8, tp, prompts) == ref, tp
+        assert _generate(ckpt.fp8, tp, prompts, name.endswith("-ep")) == ref, tp
 
 
 def _kept_fp8(cfg: ModelConfig, quantization: Optional[str] = None) -> QuantPlan:
@@ -203,8 +210,11 @@ def test_fp8_expert_blocks_cut_by_tp_are_refused(tiny_model: Callable[..., Path]
                                                           "moe_intermediate_size": 384}))
     block = WeightFormat(fp8.Fp8Spec(block=(128, 128)))
     Experts(_shape(cfg), DistributedInfo(0, 3), block)  # 128 each: whole blocks
-    with pytest.raises(ValueError, match=r"rows \[192, 384\) of 384 at tp=2.*128-row"):
+    with pytest.raises(ValueError, match=r"rows \[192, 384\) of 384 at tp=2.*128-row.*"
+                                         r"--enable-expert-parallel"):
         Experts(_shape(cfg), DistributedInfo(1, 2), block)
+    held = Experts(_shape(cfg), DistributedInfo(1, 2), block, expert_parallel=True)
+    assert held.w13.shape == (4, 2 * 384, 256) and held.w13_weight_scale.shape == (4, 2, 3, 2)
 
 
 # --- the fused W8A8 kernels ---------------------------------------------------------------------

@@ -91,7 +91,8 @@ def test_a_weight_format_is_fp8_or_packed_not_both() -> None:
         WeightFormat(Fp8Spec(), packed.PackedSpec(4, 128))
 
 
-def _models(path: Path, rank: int, tp: int) -> Tuple[torch.nn.Module, torch.nn.Module]:
+def _models(path: Path, rank: int, tp: int, expert_parallel: bool = False
+            ) -> Tuple[torch.nn.Module, torch.nn.Module]:
     """(packed, dense) models of one rank loaded from the integer checkpoint at `path`."""
     cfg = ModelConfig.from_dir(path)
     info = DistributedInfo(rank, tp)
@@ -99,7 +100,8 @@ def _models(path: Path, rank: int, tp: int) -> Tuple[torch.nn.Module, torch.nn.M
     plan = int_plan(cfg.int_quant, path)
     out = []
     for ints in (plan, None):
-        model = model_class(cfg.architecture)(cfg, info, Communicator(info), ints=ints)
+        model = model_class(cfg.architecture)(cfg, info, Communicator(info), ints=ints,
+                                              expert_parallel=expert_parallel)
         model.load_weights(dense_int_weights(iter_checkpoint(path, False), cfg.int_quant))
         out.append(model.to(DEV))  # packed layers run the kernel (on a CPU: the interpreter)
     return out[0], out[1]
@@ -166,6 +168,35 @@ def test_packed_moe_experts_equal_the_dequantized_ones(
             got = moe.fused_packed_experts(x, moe.routing_of(*topk, 8), *gemms, chosen)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(layer.partial(x), dense.partial(x), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_experts_split_by_expert_parallelism_sum_to_all(
+        tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    """With expert parallelism each rank of tp=2 packs 4 of the 8 experts whole; the fused
+    grouped GEMMs over a rank's packed experts (owned_routing) and its layer's torch path,
+    summed over the ranks, equal the dense experts of all."""
+    from minisgl.kernels import moe
+    from minisgl.layers.moe import experts_torch, route
+    path = tmp_path / "int"
+    _write(tiny_model("qwen3_moe"), path, tmp_path / "dense", "gptq", 4, True,
+           shared_order=True)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 64, generator=g).to(DEV)
+    topk = route(torch.randn(9, 8, generator=g).to(DEV), 2, True)
+    fused, torch_path = [], []
+    for rank in range(2):
+        packed_model, dense_model = _models(path, rank, 2, expert_parallel=True)
+        layer = packed_model.model.layers[0].mlp
+        gemms = layer.experts.packed_gemms()
+        assert gemms is not None and gemms[0].qweight.shape[0] == 4
+        owned = moe.owned_routing(moe.routing_of(*topk, 8), 4 * rank, 4)
+        fused.append(moe.fused_packed_experts(x, owned, *gemms))
+        torch_path.append(layer.partial(x))
+    dense = _models(path, 0, 1)[1].model.layers[0].mlp
+    want = experts_torch(x, topk, dense.experts.w13, dense.experts.w2)
+    torch.testing.assert_close(fused[0] + fused[1], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch_path[0] + torch_path[1], dense.partial(x), rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_act_order_parts_that_disagree_stay_dense(tiny_model: Callable[..., Path],

@@ -89,6 +89,47 @@ def test_moe_tp2_equals_tp1(moe_model: Callable[[str], Path],
     assert got == reference(name)
 
 
+@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral"])
+def test_expert_parallel_tp2_matches_hf(moe_model: Callable[[str], Path],
+                                        reference: Callable[[str], List[List[int]]],
+                                        name: str) -> None:
+    """enable_expert_parallel at tp=2: each rank holds 4 of the 8 experts whole and runs the
+    tokens routed to them (attention and the shared expert still split by tensor
+    parallelism), one all-reduce per layer sums the ranks' experts: HF's tokens."""
+    got = _generate(moe_model(name), tp=2, page_size=16, max_prefill_tokens=40,
+                    check_lockstep=True, enable_expert_parallel=True)
+    assert got == reference(name)
+
+
+def test_expert_parallel_loads_whole_experts_of_this_rank(
+        moe_model: Callable[[str], Path], tiny_model: Callable[..., Path]) -> None:
+    """Rank r of 2 holds experts [4r, 4r + 4) whole (the others are never read); a model whose
+    experts tp does not divide is refused, naming the numbers, and a width tp does not divide
+    needs no split."""
+    path = moe_model("qwen3_moe")
+    cfg = ModelConfig.from_dir(path)
+    full = {n: s.read() for n, s in iter_checkpoint(path, False)}
+    for rank in range(2):
+        info = DistributedInfo(rank, 2)
+        model = model_class(cfg.architecture)(cfg, info, Communicator(info),
+                                              expert_parallel=True)
+        model.load_weights(iter_checkpoint(path, False))
+        experts = model.model.layers[0].mlp.experts  # type: ignore[union-attr]
+        assert experts.w13.shape[0] == 4 and experts.owned.start == 4 * rank
+        for local in range(4):
+            pre = f"model.layers.0.mlp.experts.{4 * rank + local}."
+            assert torch.equal(experts.w13[local], torch.cat(
+                [full[pre + "gate_proj.weight"], full[pre + "up_proj.weight"]]))
+            assert torch.equal(experts.w2[local], full[pre + "down_proj.weight"])
+    six = ModelConfig.from_dir(tiny_model("qwen3_moe", num_experts=6))
+    with pytest.raises(ValueError, match="1/4 of 6 routed experts .* tp must divide"):
+        six.check_tp(4, expert_parallel=True)
+    odd = ModelConfig.from_dir(tiny_model("qwen3_moe", moe_intermediate_size=30))
+    with pytest.raises(ValueError, match="moe_intermediate_size 30 over tp=4"):
+        odd.check_tp(4)
+    odd.check_tp(4, expert_parallel=True)
+
+
 def test_experts_load_only_this_ranks_slice(moe_model: Callable[[str], Path]) -> None:
     """At tp=2 rank r's w13 holds rows [r*I/2, (r+1)*I/2) of every expert's gate and up
     projections, its w2 those columns of the down projection, read as slices."""
@@ -269,6 +310,22 @@ def test_fused_experts_match_torch(tokens: int, hidden: int, inter: int, experts
     got = moe.fused_experts(t["x"], moe.routing_of(*topk, experts), t["w13"], t["w2"], tiles)
     torch.testing.assert_close(got, experts_torch(t["x"], topk, t["w13"], t["w2"]),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_fused_experts_of_each_ranks_own_experts_sum_to_all() -> None:
+    """Expert parallelism in the kernels: each of 3 ranks runs only the pairs of its own
+    experts (owned_routing: the rest go to an expert no block runs, their rows zero), and the
+    ranks' outputs sum to the fused experts of all (packed experts: test_int_packed.py)."""
+    from minisgl.kernels import moe
+    t = _layer(9, 64, 32, 6, torch.float32)
+    routing = moe.routing_of(*route(t["logits"], 2, True), 6)
+    tiles = moe.moe_tiles(9, 2, 6)
+    whole = moe.fused_experts(t["x"], routing, t["w13"], t["w2"], tiles)
+    parts = [moe.fused_experts(t["x"], moe.owned_routing(routing, 2 * r, 2),
+                               t["w13"][2 * r:2 * r + 2], t["w2"][2 * r:2 * r + 2], tiles)
+             for r in range(3)]
+    torch.testing.assert_close(sum(parts), whole, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(parts[0], whole, atol=1e-3)
 
 
 def test_fused_moe_default_tiles_match_torch() -> None:

@@ -72,6 +72,11 @@ class EngineConfig:
         None, "vLLM's: a JSON object of config.json keys that replace the model's (a "
               "multimodal checkpoint's text_config's too), e.g. '{\"is_matryoshka\": true}' "
               "or a rope_scaling with its max_position_embeddings")
+    enable_expert_parallel: bool = setting(
+        False, "vLLM's: a mixture of experts' routed experts split over the tensor-parallel "
+               "ranks whole, 1/tp of them each (every expert's GEMMs at full width; FP8 "
+               "blocks and packed groups never cut), instead of 1/tp of every expert",
+        also=("expert-parallel",))
     pooler_config: Optional[str] = setting(
         None, "vLLM's: how embeddings pool the prompt, a JSON object '{\"pooling_type\": "
               "\"MEAN\"}' (LAST, MEAN or CLS); unset: the model's sentence-transformers "

@@ -305,7 +305,7 @@ class Engine:
         lora = LoraShape(self.lora_slots, self.cfg.max_lora_rank) if self.lora_slots else None
         with torch.device(self.device), dtype:
             model = cls(self.model_cfg, self.cfg.tp_info, groups.comm, self.policy, quant, lora,
-                        self._int_plan())
+                        self._int_plan(), self.cfg.enable_expert_parallel)
         scales = KVScaleCollector(self.model_cfg.num_layers)
         if self.cfg.load_format == "dummy":
             init_dummy(model, self.cfg.seed)

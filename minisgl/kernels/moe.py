@@ -67,21 +67,26 @@ def moe_tiles(rows: int, top_k: int, num_experts: int) -> MoETiles:
 
 
 class Routing(NamedTuple):
-    """Each row's chosen experts and weights, and what `align` sorts them by."""
+    """Each row's chosen experts and weights, and what `align` sorts them by. `owned`: the
+    experts that run here are 0 .. owned - 1, and expert `owned` stands for every other
+    rank's (expert parallelism: `owned_routing`); None: all of them run here."""
 
     weights: torch.Tensor  # [M, k] float32
     ids: torch.Tensor  # [M, k] int32, each row's experts in descending weight
     counts: torch.Tensor  # [E] int32: pairs per expert
     ranks: torch.Tensor  # [M, k] int32: the pair's index among its expert's pairs
+    owned: Optional[int] = None
 
 
 class Aligned(NamedTuple):
-    """The pairs sorted by expert and padded to whole blocks of `block_m` rows."""
+    """The pairs sorted by expert and padded to whole blocks of `block_m` rows; `complete`:
+    every pair is in a block (else the grouped GEMMs zero the rows of those that are not)."""
 
     sorted_ids: torch.Tensor  # [blocks * block_m] int32 pair indices, sentinel M*k as padding
     expert_ids: torch.Tensor  # [blocks] int32: each block's expert
     total: torch.Tensor  # [1] int32: the padded length actually used
     block_m: int
+    complete: bool = True
 
 
 def padded_capacity(pairs: int, num_experts: int, block_m: int) -> int:
@@ -163,6 +168,16 @@ def routing_of(weights: torch.Tensor, ids: torch.Tensor, num_experts: int) -> Ro
     return Routing(weights.float().contiguous(), ids, counts, ranks)
 
 
+def owned_routing(routing: Routing, first: int, count: int) -> Routing:
+    """This rank's part of `routing` under expert parallelism, where it holds experts
+    [first, first + count): their pairs renumbered from 0, every other pair sent to expert
+    `count` (no block runs it: `align`) with weight 0."""
+    ids = routing.ids - first
+    mine = (ids >= 0) & (ids < count)
+    return routing_of(torch.where(mine, routing.weights, 0.0),
+                      torch.where(mine, ids, count), count + 1)._replace(owned=count)
+
+
 @triton.jit
 def _offsets_kernel(counts_ptr, starts_ptr, expert_ids_ptr, total_ptr, sorted_ptr, num_experts,
                     blocks, sentinel, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -189,18 +204,22 @@ def _offsets_kernel(counts_ptr, starts_ptr, expert_ids_ptr, total_ptr, sorted_pt
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, ranks_ptr, starts_ptr, sorted_ptr, pairs, BLOCK: tl.constexpr):
+def _scatter_kernel(ids_ptr, ranks_ptr, starts_ptr, sorted_ptr, pairs, num_experts,
+                    BLOCK: tl.constexpr):
+    """Each pair of the first `num_experts` experts to its place (other experts' stay out)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = offs < pairs
-    ids = tl.load(ids_ptr + offs, mask=live, other=0)
+    ids = tl.load(ids_ptr + offs, mask=offs < pairs, other=0)
+    live = (offs < pairs) & (ids < num_experts)
     dest = tl.load(starts_ptr + ids, mask=live, other=0) + tl.load(ranks_ptr + offs, mask=live,
                                                                     other=0)
     tl.store(sorted_ptr + dest, offs.to(tl.int32), mask=live)
 
 
 def align(routing: Routing, block_m: int) -> Aligned:
-    """The pairs of `routing` sorted by expert, each expert's run padded to whole blocks."""
-    pairs, e = routing.ids.numel(), routing.counts.numel()
+    """The pairs of `routing` sorted by expert, each expert's run padded to whole blocks (the
+    experts that run here: `routing.owned`)."""
+    pairs = routing.ids.numel()
+    e = routing.counts.numel() if routing.owned is None else routing.owned
     dev = routing.ids.device
     rows = padded_capacity(pairs, e, block_m)
     sorted_ids = torch.empty(rows, dtype=torch.int32, device=dev)
@@ -212,8 +231,8 @@ def align(routing: Routing, block_m: int) -> Aligned:
                           BLOCK_E=triton.next_power_of_2(e), CHUNK=_OFFSETS_CHUNK)
     if pairs:
         _scatter_kernel[(triton.cdiv(pairs, _COUNT_BLOCK),)](
-            routing.ids, routing.ranks, starts, sorted_ids, pairs, BLOCK=_COUNT_BLOCK)
-    return Aligned(sorted_ids, expert_ids, total, block_m)
+            routing.ids, routing.ranks, starts, sorted_ids, pairs, e, BLOCK=_COUNT_BLOCK)
+    return Aligned(sorted_ids, expert_ids, total, block_m, routing.owned is None)
 
 
 @triton.jit
@@ -402,6 +421,14 @@ def _scale_operands(w_scales: WeightScales, gated: bool, e: int, n: int, k: int
     return (s.flatten(1, 2) if gated else s), per[0]
 
 
+def _output(pairs: int, n: int, dtype: torch.dtype, device: torch.device, aligned: Aligned
+            ) -> torch.Tensor:
+    """A grouped GEMM's [pairs, n] output: zeros where some pair is in no block (another
+    rank's expert: its row sums into the combine as nothing), else left for the GEMM to fill."""
+    make = torch.empty if aligned.complete else torch.zeros
+    return make((pairs, n), dtype=dtype, device=device)
+
+
 def grouped_gemm(a: Union[torch.Tensor, Quantized], w: torch.Tensor, aligned: Aligned,
                  pairs: int, a_row_div: int, tiles: GemmTiles, gated: bool,
                  weights: Optional[torch.Tensor] = None,
@@ -422,7 +449,7 @@ def grouped_gemm(a: Union[torch.Tensor, Quantized], w: torch.Tensor, aligned: Al
                          f"activations, or neither; got {w.dtype} weights, scales "
                          f"{'given' if w_scales else 'none'}, activations "
                          f"{'quantized' if isinstance(a, Quantized) else values.dtype}")
-    out = torch.empty((pairs, n), dtype=out_dtype or values.dtype, device=values.device)
+    out = _output(pairs, n, out_dtype or values.dtype, values.device, aligned)
     blocks = aligned.expert_ids.numel()
     if pairs == 0:
         return out
@@ -458,7 +485,7 @@ def grouped_int_gemm(a: torch.Tensor, w: PackedGemm, aligned: Aligned, pairs: in
     n = cols // 2 if gated else cols
     k = a.shape[1]
     check_packed(a, w.qweight, w.scales, w.zeros, w.g_idx, w.bits, experts=w.qweight.shape[0])
-    out = torch.empty((pairs, n), dtype=a.dtype, device=a.device)
+    out = _output(pairs, n, a.dtype, a.device, aligned)
     if pairs == 0:
         return out
     tiles = fit_shared_memory(tiles, a.dtype)

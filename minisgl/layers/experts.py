@@ -3,7 +3,10 @@ their checkpoint names, FP8 experts' scales and packed experts' integers.
 
 Each rank holds a 1/tp slice of every expert's intermediate features: w13 [E, 2 * I/tp, H]
 (gate rows, then up rows, split by output rows as ColumnParallelLinear splits them) and w2
-[E, H, I/tp] (split by input columns as RowParallelLinear).
+[E, H, I/tp] (split by input columns as RowParallelLinear). With expert parallelism each rank
+holds instead 1/tp of the experts, whole: experts [r E/tp, (r + 1) E/tp) of rank r (`owned`),
+renumbered from 0, w13 [E/tp, 2I, H] and w2 [E/tp, H, I]; the formats below apply alike, with
+the rank's experts for E and the whole I for I/tp.
 
 With an `Fp8Spec` the weights are float8_e4m3fn and carry scales laid out for the fused kernels
 (kernels/types.ExpertScales): w13_weight_scale [E, 2, I/tp] per output row (gate's, then up's)
@@ -83,7 +86,8 @@ class Experts(nn.Module):
     """This rank's slice of every routed expert (see the module's docstring for the layout).
     `fmt.fp8`: FP8 weights in that format (`fp8` is None once dense: after a weight-only
     `dequantize_fp8`); `fmt.packed`: the checkpoint's integers kept packed (the GPU; see
-    `packed_gemms`); neither: dense.
+    `packed_gemms`); neither: dense. `expert_parallel`: this rank holds its 1/tp of the
+    experts whole (`owned`, global expert ids) instead of a slice of each.
     ValueError naming the numbers where a tp split would cut the spec's blocks."""
 
     w13_weight_scale: torch.Tensor
@@ -101,22 +105,28 @@ class Experts(nn.Module):
     g2: torch.Tensor
 
     def __init__(self, shape: ExpertsShape, info: DistributedInfo,
-                 fmt: WeightFormat = WeightFormat()) -> None:
+                 fmt: WeightFormat = WeightFormat(), expert_parallel: bool = False) -> None:
         super().__init__()
         e, h, i = shape
-        self.shard = info.shard(i, "expert intermediate features")
+        if expert_parallel:
+            self.owned = info.shard(e, "routed experts (expert parallelism)")
+            self.shard, split = Shard(0, i), 1
+        else:
+            self.owned = Shard(0, e)
+            self.shard, split = info.shard(i, "expert intermediate features"), info.size
         self.intermediate = i
         self.fp8 = fp8_spec = fmt.fp8
         self.packed = fmt.packed
         local = self.shard.size
+        held = ExpertsShape(self.owned.size, h, i)
         if fmt.packed is not None:
-            self._make_packed(fmt.packed, shape)
+            self._make_packed(fmt.packed, held)
             return
         dtype = FP8 if fp8_spec is not None else None
-        self.w13 = _param(torch.empty(e, 2 * local, h, dtype=dtype))
-        self.w2 = _param(torch.empty(e, h, local, dtype=dtype))
+        self.w13 = _param(torch.empty(held.num_experts, 2 * local, h, dtype=dtype))
+        self.w2 = _param(torch.empty(held.num_experts, h, local, dtype=dtype))
         if fp8_spec is not None:
-            self._make_scales(fp8_spec, shape, info.size)
+            self._make_scales(fp8_spec, held, split)
 
     @property
     def checkpoint_params(self) -> Tuple[str, ...]:
@@ -124,7 +134,8 @@ class Experts(nn.Module):
         return ("w13", "w2")
 
     def _make_packed(self, spec: PackedSpec, shape: ExpertsShape) -> None:
-        """Buffers per GEMM (kernels/types.PackedGemm): w13's columns the gate's, then up's."""
+        """Buffers per GEMM (kernels/types.PackedGemm) of the `shape.num_experts` experts held:
+        w13's columns the gate's, then up's."""
         e, h, i = shape
         local = self.shard.size
         for name, k, n, groups in (("13", h, 2 * local, spec.groups(h, Shard(0, h))),
@@ -149,6 +160,7 @@ class Experts(nn.Module):
                 PackedGemm(self.q2, self.s2, self.z2, self.g2, bits))
 
     def _make_scales(self, spec: Fp8Spec, shape: ExpertsShape, tp: int) -> None:
+        """The scales of the `shape.num_experts` experts held, each split over `tp` ranks."""
         e, h, i = shape
         local = self.shard.size
         if spec.block is not None:
@@ -156,10 +168,14 @@ class Experts(nn.Module):
             if bk < 32 or bk & (bk - 1):
                 raise ValueError(f"FP8 experts in {spec.block[0]}x{bk} blocks: the fused "
                                  f"kernels take K blocks of a power of two from 32, not {bk}")
-            fp8.check_block_split(spec, [Part(self.shard, 0, i)], Shard(0, h), h, tp,
-                                  "the experts' gate and up projections")
-            fp8.check_block_split(spec, [Part(Shard(0, h), 0, h)], self.shard, i, tp,
-                                  "the experts' down projection")
+            try:
+                fp8.check_block_split(spec, [Part(self.shard, 0, i)], Shard(0, h), h, tp,
+                                      "the experts' gate and up projections")
+                fp8.check_block_split(spec, [Part(Shard(0, h), 0, h)], self.shard, i, tp,
+                                      "the experts' down projection")
+            except ValueError as err:
+                raise ValueError(f"{err} (--enable-expert-parallel holds whole experts "
+                                 f"instead)") from None
         s13 = torch.ones(e, 2, *spec.scale_shape(local, h), dtype=torch.float32)
         s2 = torch.ones(e, *spec.scale_shape(h, local), dtype=torch.float32)
         for name, scale in (("w13_weight_scale", s13), ("w2_weight_scale", s2)):
@@ -200,9 +216,12 @@ class Experts(nn.Module):
     # --- loading ----------------------------------------------------------------------------
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
         """`shard_id` as `expert_param` numbers it: 2 * expert + (0 gate, 1 up) for w13's
-        tensors, the expert for w2's."""
+        tensors, the expert for w2's (global ids: another rank's expert is not read)."""
         expert, half = divmod(shard_id, 2) if param.startswith("w13") else (shard_id, 0)
         what = f"{param}[{expert}]" + (f"[{half}]" if param.startswith("w13") else "")
+        if not self.owned.start <= expert < self.owned.stop:
+            return
+        expert -= self.owned.start
         s = self.shard
         spec = self.fp8
         if self.packed is not None and param == "w13":

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.core import LoraRows
-from minisgl.distributed import Communicator, DistributedInfo
+from minisgl.distributed import Communicator, DistributedInfo, Shard
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kernels.types import SILU, Normed
 from minisgl.layers.activation import act_and_mul
@@ -66,6 +66,14 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> TopK:
     return TopK(weights, ids)
 
 
+def owned_topk(topk: TopK, owned: Shard) -> TopK:
+    """The choices of the experts `owned` holds (expert parallelism), renumbered from 0; every
+    other choice becomes expert `owned.size`, weight 0, which `experts_torch_by` skips."""
+    ids = topk.ids - owned.start
+    mine = (ids >= 0) & (ids < owned.size)
+    return TopK(torch.where(mine, topk.weights, 0.0), torch.where(mine, ids, owned.size))
+
+
 # expert -> its (w13, w2) in the compute dtype
 ExpertWeights = Callable[[int], Tuple[torch.Tensor, torch.Tensor]]
 
@@ -105,12 +113,14 @@ def experts_torch_by(x: torch.Tensor, topk: TopK, weights_of: ExpertWeights,
     on every token with the weight of the tokens that did not choose it zero, so that no step
     waits for the device (decode CUDA graphs capture it)."""
     out = torch.zeros_like(x)
-    if x.is_cuda:
+    if x.is_cuda:  # ids past num_experts (another rank's experts) match no e
         for e in range(num_experts):
             weight = (topk.weights * (topk.ids == e)).sum(dim=-1, keepdim=True)
             out += (_expert(x, *_weights(weights_of, e, x)).float() * weight).to(x.dtype)
         return out
     for e in torch.unique(topk.ids).tolist():
+        if e >= num_experts:  # another rank's experts (expert parallelism: owned_topk)
+            continue
         token, choice = torch.where(topk.ids == e)
         y = (_expert(x[token], *_weights(weights_of, e, x)).float()
              * topk.weights[token, choice, None])
@@ -147,18 +157,22 @@ class SparseMoE(nn.Module):
     """The MoE block of a decoder layer: `forward` takes the stream before its norm and
     returns the stream after the experts (this rank's partial sum, not yet all-reduced: the
     layer is its own reducer). LoRA adapters (`lora`) adapt the shared expert's projections;
-    the routed experts and the routers take none (models/lora.py refuses such adapters)."""
+    the routed experts and the routers take none (models/lora.py refuses such adapters).
+    `expert_parallel`: each rank holds 1/tp of the routed experts whole (layers/experts.py)
+    and runs the tokens routed to them; the all-reduce sums every rank's experts as it sums
+    the slices of tensor parallelism. Routing is replicated: every rank sees every token and
+    computes the same choices."""
 
     def __init__(self, shape: MoEShape, info: DistributedInfo, comm: Communicator,
                  policy: KernelPolicy = KernelPolicy(), quant: MoEQuant = MoEQuant(),
-                 lora: Optional[LoraShape] = None) -> None:
+                 lora: Optional[LoraShape] = None, expert_parallel: bool = False) -> None:
         super().__init__()
         self.shape = shape
         self.policy = policy
         self.comm = comm
         self.gate = ReplicatedLinear(shape.hidden, shape.num_experts, False)  # the router
         self.experts = Experts(ExpertsShape(shape.num_experts, shape.hidden, shape.intermediate),
-                               info, quant.experts)
+                               info, quant.experts, expert_parallel)
         self.shared_expert: Optional[SharedExpert] = None
         self.shared_expert_gate: Optional[ReplicatedLinear] = None
         if shape.shared_intermediate:
@@ -175,19 +189,21 @@ class SparseMoE(nn.Module):
         """This rank's partial sum of the block's output on x [T, H] (`lora`: the adapters'
         deltas of the tokens it names, in the shared expert)."""
         logits = self.gate(x)
-        experts = self.experts
-        gemms = experts.packed_gemms()
-        if self.policy.fused and x.is_cuda and gemms is not None:
+        experts, top_k, renorm = self.experts, self.shape.top_k, self.shape.renormalize
+        owned = experts.owned
+        if self.policy.fused and x.is_cuda:
             from minisgl.kernels import moe
-            out = moe.fused_packed_experts(
-                x, moe.route(logits, self.shape.top_k, self.shape.renormalize), *gemms)
-        elif self.policy.fused and x.is_cuda:
-            from minisgl.kernels import moe
-            out = moe.fused_moe(x, logits, experts.w13, experts.w2, self.shape.top_k,
-                                self.shape.renormalize, scales=experts.scales())
+            routing = moe.route(logits, top_k, renorm)
+            if owned.size != self.shape.num_experts:
+                routing = moe.owned_routing(routing, owned.start, owned.size)
+            tiles = moe.moe_tiles(x.shape[0], top_k, self.shape.num_experts)
+            gemms = experts.packed_gemms()
+            out = (moe.fused_packed_experts(x, routing, *gemms, tiles) if gemms is not None
+                   else moe.fused_experts(x, routing, experts.w13, experts.w2, tiles,
+                                          experts.scales()))
         else:
-            out = experts_torch_by(x, route(logits, self.shape.top_k, self.shape.renormalize),
-                                   experts.dense, self.shape.num_experts)
+            out = experts_torch_by(x, owned_topk(route(logits, top_k, renorm), owned),
+                                   experts.dense, owned.size)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, lora)
         return out

@@ -267,12 +267,17 @@ class ModelConfig:
         context."""
         return max(self.layer_windows, default=0) or None
 
-    def check_tp(self, tp: int) -> None:
+    def check_tp(self, tp: int, expert_parallel: bool = False) -> None:
         """ValueError naming the numbers when the model cannot be split over `tp` ranks: its
         heads (distributed.info.check_head_split), and the MLP widths its layers use, which
-        the column-parallel projections split evenly."""
+        the column-parallel projections split evenly; with `expert_parallel`, its routed
+        experts instead of their widths (each rank holds 1/tp of them whole)."""
         check_head_split(self.num_heads, self.num_kv_heads, tp)
-        widths = {"moe_intermediate_size": self.moe_intermediate_size if self.num_experts else 0,
+        if expert_parallel and self.num_experts % tp:
+            raise ValueError(f"cannot hold 1/{tp} of {self.num_experts} routed experts on each "
+                             f"rank (expert parallelism): tp must divide the experts")
+        routed = self.moe_intermediate_size if self.num_experts and not expert_parallel else 0
+        widths = {"moe_intermediate_size": routed,
                   "shared_expert_intermediate_size": self.shared_expert_intermediate_size}
         if not all(self.is_sparse(i) for i in range(self.num_layers)):
             widths["intermediate_size"] = self.intermediate_size

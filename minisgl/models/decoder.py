@@ -73,6 +73,7 @@ class Traits(NamedTuple):
     sandwich_norms: bool = False  # Gemma: norms after attention and the MLP too (see above)
     lora: Optional[LoraShape] = None  # LoRA slots of every projection but the routed experts
     ints: Optional[IntPlan] = None  # the projections holding packed integers (GPU AWQ / GPTQ)
+    expert_parallel: bool = False  # routed experts whole, 1/tp of them a rank (layers/moe.py)
 
     def norm(self, dim: int, eps: float) -> RMSNorm:
         """An RMSNorm of this family (its weight offset) launching this policy's kernels."""
@@ -291,7 +292,7 @@ class DecoderLayer(nn.Module):
         self.mlp: Union[MLP, SparseMoE] = (
             SparseMoE(moe_shape(cfg), info, comm, traits.policy,
                       traits.moe_quant(f"model.layers.{layer}.mlp", cfg.num_experts),
-                      traits.lora)
+                      traits.lora, traits.expert_parallel)
             if cfg.is_sparse(layer)
             else MLP(cfg, info, comm, traits, f"model.layers.{layer}.mlp"))
 
@@ -401,16 +402,19 @@ class CausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, info: DistributedInfo, comm: Communicator,
                  policy: KernelPolicy = KernelPolicy(), quant: Optional[QuantPlan] = None,
-                 lora: Optional[LoraShape] = None, ints: Optional[IntPlan] = None) -> None:
+                 lora: Optional[LoraShape] = None, ints: Optional[IntPlan] = None,
+                 expert_parallel: bool = False) -> None:
         """`policy`: the kernels every layer launches; `quant`: the FP8 projections; `lora`:
         LoRA adapter slots in every dense projection, whatever its weights hold (16-bit, FP8
         or packed integers: the delta is added to the product), and in a MoE layer's shared
-        expert (see Traits); `ints`: the projections holding packed integers."""
+        expert (see Traits); `ints`: the projections holding packed integers;
+        `expert_parallel`: the routed experts split over ranks whole (layers/moe.py)."""
         super().__init__()
         self.cfg = cfg
         fused_names = {parts: name for name, parts in self.checkpoint_fused.items()}
         traits = self.traits(cfg)._replace(
             policy=policy, quant=quant, fused_names=fused_names, lora=lora, ints=ints,
+            expert_parallel=expert_parallel,
             checkpoint_names={ours: theirs for theirs, ours in self.checkpoint_renames.items()})
         self.model = DecoderModel(cfg, traits,
                                   info, comm)

@@ -110,7 +110,7 @@ def _prepare(cfg: ServerConfig) -> Prepared:
                                                 cfg.engine.download_dir)
         # a readable config.json, before anything starts
         shape = ModelConfig.from_dir(model_path, cfg.engine.hf_override_dict)
-        shape.check_tp(cfg.engine.tp)
+        shape.check_tp(cfg.engine.tp, cfg.engine.enable_expert_parallel)
         shape.check_quantization(cfg.engine.quantization)
         for name, path in cfg.engine.lora_adapters:  # each rank reads them again, and loads
             read_adapter(name, path, cfg.engine.max_lora_rank)
