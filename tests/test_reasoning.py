@@ -17,6 +17,8 @@ from minisgl.server.responses import ChatFormatter, Choice
 
 QWEN = "<think>\nThe user asks 2+2.\n</think>\n\nIt is 4."
 R1 = "The user asks 2+2.\n</think>\n\nIt is 4."
+GRANITE = ("Here is my thought process:\nThe user asks 2+2.\nHere is my response:\nIt is 4. "
+           "Here is my response: stays.")
 
 
 @pytest.mark.parametrize("name,text,want", [
@@ -27,6 +29,10 @@ R1 = "The user asks 2+2.\n</think>\n\nIt is 4."
     ("deepseek-r1", "<think>" + R1, ("The user asks 2+2.\n", "\n\nIt is 4.")),
     ("deepseek-r1", "no end tag", ("no end tag", "")),
     ("qwen3", "a <thin b", ("", "a <thin b")),  # a partial tag that never completes
+    ("granite", GRANITE, ("\nThe user asks 2+2.\n", "\nIt is 4. Here is my response: stays.")),
+    ("granite", "Here's my thought process: a Here's my response: b", (" a ", " b")),
+    ("granite", "It is 4.", ("", "It is 4.")),  # thinking off
+    ("granite", "Here is my thought process: still", (" still", "")),
 ])
 def test_split_whole_and_streamed_agree(name: str, text: str, want: tuple) -> None:
     assert tuple(split_reasoning(name, text)) == want

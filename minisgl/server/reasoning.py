@@ -1,22 +1,45 @@
 """Reasoning models' output split into the thinking part and the answer (`--reasoning-parser`).
 
-Both formats put the thinking between `<think>` and `</think>`:
-- `qwen3`: the model writes both tags itself; text before a `<think>` (none, in practice) and
-  after the `</think>` is the answer. Without tags (thinking turned off through
-  `chat_template_kwargs: {"enable_thinking": false}`) everything is the answer.
-- `deepseek-r1`: the chat template already opened the `<think>`, so the output starts inside the
-  thinking part, up to `</think>` (a `<think>` the model repeats is dropped).
+Each format opens the thinking with a start marker and ends it with an end marker:
+- `qwen3`: `<think>` ... `</think>`, both written by the model; text before a `<think>` (none,
+  in practice) and after the `</think>` is the answer. Without tags (thinking turned off
+  through `chat_template_kwargs: {"enable_thinking": false}`) everything is the answer.
+- `deepseek-r1`: the same tags, but the chat template already opened the `<think>`, so the
+  output starts inside the thinking part, up to `</think>` (a `<think>` the model repeats is
+  dropped).
+- `granite`: Granite 3.2 / 3.3 with `chat_template_kwargs: {"thinking": true}` write
+  "Here is my thought process:" (or "Here's ...") before the thinking and "Here is my
+  response:" (or "Here's ...") before the answer, as vLLM's granite parser reads them; like
+  qwen3, text without the first marker is the answer.
 
-`ReasoningSplitter` works on streamed text deltas: a tag split over deltas is held back until
-it is known, so the concatenation of the parts equals splitting the whole text at once.
+`ReasoningSplitter` works on streamed text deltas: a marker split over deltas is held back
+until it is known, so the concatenation of the parts equals splitting the whole text at once.
 """
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
-REASONING_PARSERS = ("qwen3", "deepseek-r1")
 THINK_START, THINK_END = "<think>", "</think>"
+
+
+class Markers(NamedTuple):
+    """A format's markers, each with its spellings: `start` opens the thinking, `end` closes
+    it; `inside`: the output starts inside the thinking (the template opened it)."""
+
+    start: Tuple[str, ...]
+    end: Tuple[str, ...]
+    inside: bool = False
+
+
+_GRANITE_START = ("Here is my thought process:", "Here's my thought process:")
+_GRANITE_END = ("Here is my response:", "Here's my response:")
+FORMATS: Dict[str, Markers] = {
+    "qwen3": Markers((THINK_START,), (THINK_END,)),
+    "deepseek-r1": Markers((THINK_START,), (THINK_END,), inside=True),
+    "granite": Markers(_GRANITE_START, _GRANITE_END),
+}
+REASONING_PARSERS = tuple(FORMATS)
 
 
 class Parts(NamedTuple):
@@ -36,11 +59,12 @@ class ReasoningSplitter:
     """One choice's output, delta by delta, for the parser `name` (one of REASONING_PARSERS)."""
 
     def __init__(self, name: str) -> None:
-        if name not in REASONING_PARSERS:
+        if name not in FORMATS:
             raise ValueError(f"reasoning parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {name!r}")
-        self.thinking = name == "deepseek-r1"
-        self.done = False  # past the `</think>`: the rest is the answer
+        self.markers = FORMATS[name]
+        self.thinking = self.markers.inside
+        self.done = False  # past the end marker: the rest is the answer
         self.held = ""
 
     def feed(self, text: str) -> Parts:
@@ -51,14 +75,17 @@ class ReasoningSplitter:
             if self.done:
                 content.append(buf)
                 break
-            tags = (THINK_END, THINK_START) if self.thinking else (THINK_START,)
+            # inside the thinking a repeated start marker is dropped; outside, only a start
+            # marker counts
+            tags = (self.markers.end + self.markers.start if self.thinking
+                    else self.markers.start)
             hits = [(i, t) for i, t in ((buf.find(t), t) for t in tags) if i >= 0]
             side = reasoning if self.thinking else content
             if hits:
                 at, tag = min(hits)
                 side.append(buf[:at])
                 buf = buf[at + len(tag):]
-                if tag == THINK_END:
+                if tag in self.markers.end:
                     self.thinking, self.done = False, True
                 else:
                     self.thinking = True
@@ -70,7 +97,7 @@ class ReasoningSplitter:
         return Parts("".join(reasoning), "".join(content))
 
     def flush(self) -> Parts:
-        """The held-back text, at the end of the output (no tag completed it)."""
+        """The held-back text, at the end of the output (no marker completed it)."""
         held, self.held = self.held, ""
         return Parts(held, "") if self.thinking else Parts("", held)
 
