@@ -36,7 +36,7 @@ from minisgl.distributed.comm import Communicator
 from minisgl.engine import Engine
 from minisgl.message import AbortMsg, BatchTokenOut, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.message.queue import PullQueue, PushQueue
-from minisgl.message.types import AccountingMsg, AccountingReply, AdapterMsg
+from minisgl.message.types import AccountingMsg, AccountingReply, AdapterMsg, WeightsMsg
 from minisgl.models import ModelConfig
 from minisgl.models.classifier import Classifier, pair_score_error, probabilities, sigmoid
 from minisgl.models.generation import sampling_defaults
@@ -618,7 +618,7 @@ class LLM:
         if not path:
             raise ValueError(f"LoRA adapter {name!r}: add_lora needs its lora_path")
         self._check_loadable(name, path)
-        self._adapter_change(AdapterMsg(next(self._uids), name, str(path)))
+        self._change(AdapterMsg(next(self._uids), name, str(path)))
         self._adapters[name] = str(path)
         return True
 
@@ -632,7 +632,7 @@ class LLM:
         """Unload adapter `name` on every rank; False where it was not loaded."""
         if name not in self._adapters:
             return False
-        self._adapter_change(AdapterMsg(next(self._uids), name))
+        self._change(AdapterMsg(next(self._uids), name))
         del self._adapters[name]
         return True
 
@@ -640,7 +640,15 @@ class LLM:
         """The names of the adapters loaded, least recently used first."""
         return list(self._adapters)
 
-    def _adapter_change(self, msg: AdapterMsg) -> None:
+    def update_weights_from_disk(self, model_path: str) -> None:
+        """Reload every rank's weights from checkpoint directory `model_path` (SGLang's
+        `Engine.update_weights_from_disk`: a checkpoint of the served model's architecture and
+        shapes, e.g. a training step's); the prefix cache is dropped. ValueError why not (a
+        checkpoint of another shape, files that do not load), with the weights served
+        unchanged on every rank."""
+        self._change(WeightsMsg(next(self._uids), str(model_path)))
+
+    def _change(self, msg: Union[AdapterMsg, WeightsMsg]) -> None:
         """Send `msg` to the ranks and wait for rank 0's answer (between calls: no request
         is in flight); ValueError with its error."""
         self._backend.submit(msg)

@@ -13,6 +13,9 @@ LoRA adapters: `load_adapter` gives the slot a code (a hash of the adapter's pat
 ending in "bad" fails), and a request bound to the slot writes its tokens into the KV pool
 shifted by `SHIFT * code` (`lora_reference`), so its tokens show which adapter each of its
 steps saw, and a prefix cached under another adapter (or another load) gives other tokens.
+Weights: `reload_weights(path)` shifts every request's tokens alike, by the code of `path`
+(`lora_reference(prompt, n, path)`; the start-up path "fake": none); a path ending in "bad"
+fails before anything changes, one ending in "broken" after the weights changed.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from minisgl.distributed import DistributedInfo
 from minisgl.engine import EngineConfig
 from minisgl.engine.logprobs import prompt_rows
 from minisgl.message import AbortMsg, TokenOut, UserMsg
-from minisgl.message.types import AdapterMsg
+from minisgl.message.types import AdapterMsg, WeightsMsg
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.io import LocalIO
 from minisgl.scheduler.scheduler import Accounting, Scheduler
@@ -116,6 +119,8 @@ class FakeEngine:
         self.pending: Deque[FakeLaunch] = deque()  # launched, not yet collected
         self.most_pending = 0
         self.slot_codes: Dict[int, int] = {}  # LoRA slot -> its adapter's code (loaded ones)
+        self.weights_code = 0  # the weights' (reload_weights)
+        self.reloads: List[Optional[str]] = []  # every reload_weights path, in order
 
     def load_adapter(self, slot: int, name: str, path: str) -> None:
         if path.endswith("bad"):
@@ -125,8 +130,18 @@ class FakeEngine:
     def clear_adapter(self, slot: int) -> None:
         self.slot_codes.pop(slot, None)
 
+    def reload_weights(self, path: Optional[str]) -> None:
+        self.reloads.append(path)
+        if path is not None and path.endswith("bad"):
+            raise ValueError(f"{path}: the checkpoint's hidden_size is 8; the served model's "
+                             f"is 64")
+        self.weights_code = 0 if path in (None, "fake") else adapter_code(path)
+        if path is not None and path.endswith("broken"):
+            raise OSError(f"{path}: a truncated file")
+
     def _shift(self, req: Req) -> int:
-        return 0 if req.lora is None else SHIFT * self.slot_codes[req.lora.slot]
+        lora = 0 if req.lora is None else SHIFT * self.slot_codes[req.lora.slot]
+        return lora + SHIFT * self.weights_code
 
     def start_request(self, req: Req) -> None:
         self.row_owner[req.table_row] = req.uid
@@ -235,6 +250,10 @@ class Harness:
     def adapter(self, uid: int, name: str, path: Optional[str] = None) -> None:
         """Load LoRA adapter `name` from `path` (None: unload it), as message `uid`."""
         self.io.inbox.append(AdapterMsg(uid, name, path))
+
+    def weights(self, uid: int, path: str) -> None:
+        """Reload the weights from `path`, as message `uid`."""
+        self.io.inbox.append(WeightsMsg(uid, path))
 
     def step(self) -> List[TokenOut]:
         s = self.sched

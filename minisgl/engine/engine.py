@@ -307,20 +307,51 @@ class Engine:
             model = cls(self.model_cfg, self.cfg.tp_info, groups.comm, self.policy, quant, lora,
                         self._int_plan(), self.cfg.enable_expert_parallel)
         scales = KVScaleCollector(self.model_cfg.num_layers)
-        if self.cfg.load_format == "dummy":
-            init_dummy(model, self.cfg.seed)
-        else:
-            show = self.cfg.show_progress and self.cfg.tp_info.is_primary
-            tensors = iter_checkpoint(Path(self.cfg.model_path), show)
-            if self.model_cfg.int_quant is not None:  # AWQ / GPTQ: dense as they load
-                tensors = dense_int_weights(tensors, self.model_cfg.int_quant)
-            model.load_weights(scales.filter(tensors))
+        self._fill_weights(model, scales, None if self.cfg.load_format == "dummy"
+                           else self.cfg.model_path, self.cfg.show_progress)
+        self._reloadable = quant is None or not quant.runtime.weight_only
         load_adapters(model, adapters)
         if self.cfg.kv_torch_dtype == FP8_KV_DTYPE and scales.found == 0:
             logger.warning("rank %d: the checkpoint gives no KV cache scales: the FP8 KV cache "
                            "uses 1.0 for every layer (K/V beyond +-448 saturate)",
                            self.cfg.tp_info.rank)
         return model.eval(), scales.scales()
+
+    def _fill_weights(self, model: CausalLM, scales: KVScaleCollector, path: Optional[str],
+                      show: bool = False) -> None:
+        """`model`'s weights from checkpoint directory `path` (its KV cache scales into
+        `scales`), or random ones (`path` None: dummy weights, this engine's seed)."""
+        if path is None:
+            init_dummy(model, self.cfg.seed)
+            return
+        tensors = iter_checkpoint(Path(path), show and self.cfg.tp_info.is_primary)
+        if self.model_cfg.int_quant is not None:  # AWQ / GPTQ: dense as they load
+            tensors = dense_int_weights(tensors, self.model_cfg.int_quant)
+        model.load_weights(scales.filter(tensors))
+
+    @torch.no_grad()
+    def reload_weights(self, path: Optional[str]) -> None:
+        """The weights of checkpoint directory `path` in place of the served ones (None: the
+        start-up dummy weights again), written into the same tensors, so CUDA graphs and LoRA
+        adapters stay as they are; its KV cache scales are not read (the pool keeps its own).
+        ValueError, before any weight changes, where `path` is not a checkpoint of the served
+        model (ModelConfig.reload_error) or the served weights were changed at load in a way a
+        reload cannot repeat (FP8 dequantized on the CPU); any error after that leaves the
+        weights mixed, for the caller to restore."""
+        if not self._reloadable:
+            raise ValueError("weights cannot be reloaded here: this model's FP8 weights were "
+                             "dequantized as they loaded (weight-only FP8, the CPU's)")
+        if path is not None:
+            error = self.model_cfg.reload_error(
+                ModelConfig.from_dir(Path(path), self.cfg.hf_override_dict))
+            if error is not None:
+                raise ValueError(f"{path}: {error}")
+        for name, p in self.model.named_parameters():
+            if name.endswith("input_scale"):  # loading keeps the largest it sees (fused parts)
+                p.zero_()
+        self._fill_weights(self.model, KVScaleCollector(self.model_cfg.num_layers), path)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # a load's error surfaces here, not later
 
     def _int_plan(self) -> Optional[IntPlan]:
         """The projections that keep an AWQ / GPTQ checkpoint's integers packed: on CUDA with

@@ -1,7 +1,7 @@
 """Every message that crosses a process boundary, as plain frozen dataclasses.
 
-Flow: API server -> tokenizer (`TokenizeRequest`, `AbortRequest`, `AdapterRequest`) -> scheduler
-rank 0 (`UserMsg`, `AbortMsg`, `AdapterMsg`) -> detokenizer (`TokenOut`, `BatchTokenOut`) -> API server (`ReplyChunk`). The
+Flow: API server -> tokenizer (`TokenizeRequest`, `AbortRequest`, `ReplicaChange`) -> scheduler
+rank 0 (`UserMsg`, `AbortMsg`, `AdapterMsg`, `WeightsMsg`) -> detokenizer (`TokenOut`, `BatchTokenOut`) -> API server (`ReplyChunk`). The
 offline API at tp > 1 stands in for the tokenizer and detokenizer (and sends `AccountingMsg`).
 Rank 0 forwards the raw bytes of backend messages verbatim to the other ranks, so a backend
 message must decode to the same object on every rank (no process-local state inside).
@@ -71,13 +71,13 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
-class AdapterRequest:
-    """API server -> tokenizer: `AdapterMsg` `change` for data-parallel replica `replica`
-    (the API server sends one per replica, each with a uid of its own, and gathers their
-    answers)."""
+class ReplicaChange:
+    """API server -> tokenizer: `change` for data-parallel replica `replica`, a LoRA adapter's
+    (`AdapterMsg`) or the weights' (`WeightsMsg`); the API server sends one per replica, each
+    with a uid of its own, and gathers their answers."""
 
     replica: int
-    change: "AdapterMsg"
+    change: Union["AdapterMsg", "WeightsMsg"]
 
 
 # --- tokenizer -> scheduler (the "backend" messages rank 0 forwards to other ranks) -----------
@@ -124,6 +124,22 @@ class AdapterMsg:
     uid: int
     name: str
     path: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class WeightsMsg:
+    """Reload the weights of every rank of a replica from checkpoint directory `path` (of the
+    served model's architecture and shapes), as SGLang's update_weights_from_disk does; rank 0
+    forwards it like any other message. From its step on, the requests that arrive wait (they
+    are taken after the update, in order) while those already taken finish; then every rank
+    loads, and the ranks agree (gloo) that all of them did, or every rank loads the weights it
+    served before again. The prefix cache is dropped either way (its K/V came from the old
+    weights). Rank 0 answers with one final `TokenOut` of `uid`: finish_reason "stop", or
+    `error` saying why the weights did not change. Before the request, the tokenizer sends the
+    detokenizer a `DetokenizeInit` of the uid, as for a prompt."""
+
+    uid: int
+    path: str
 
 
 # --- scheduler rank 0 -> detokenizer ------------------------------------------------------------

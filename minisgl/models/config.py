@@ -33,7 +33,7 @@ decides) attend only to their window's last tokens, which the attention backends
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
@@ -218,6 +218,18 @@ class ModelConfig:
         if not isinstance(s.get("original_max_position_embeddings"), int):
             raise ValueError("longrope needs original_max_position_embeddings (the pretraining "
                              "length where the long factors take over)")
+
+    def reload_error(self, other: "ModelConfig") -> Optional[str]:
+        """Why the weights of a checkpoint whose config is `other` cannot replace this model's
+        in place: the first field that differs, with both values (the model would compute
+        otherwise, or its tensors have other shapes); None where they can. torch_dtype may
+        differ: weights are cast to the served dtype as they load."""
+        for f in fields(self):
+            ours, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.name != "torch_dtype" and ours != theirs:
+                return (f"the checkpoint's {f.name} is {theirs!r:.80}; the served model's is "
+                        f"{ours!r:.80}")
+        return None
 
     def check_quantization(self, setting: Optional[str]) -> None:
         """ValueError where the `quantization` setting cannot apply to this checkpoint: FP8

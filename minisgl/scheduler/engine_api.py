@@ -17,7 +17,7 @@ with a CPU fake and no model (tests/fake_engine.py). The contract, per step:
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Tuple
+from typing import Any, Optional, Protocol, Tuple
 
 import torch
 
@@ -83,3 +83,8 @@ class StepEngine(Protocol):
 
     def clear_adapter(self, slot: int) -> None:
         """Empty LoRA `slot` (its load failed on another rank)."""
+
+    def reload_weights(self, path: Optional[str]) -> None:
+        """The weights of checkpoint directory `path` (None: the start-up dummy weights) in
+        place of the served ones, with no request live; an exception says why not (raised
+        before any weight changed where the checkpoint does not fit the model)."""

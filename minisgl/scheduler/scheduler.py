@@ -35,7 +35,7 @@ from minisgl.grammar.matcher import RequestGrammar, fill_bitmask
 from minisgl.utils import offline_prefill_tokens, rows_to_device
 from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
-from minisgl.message.types import AccountingMsg, AccountingReply, AdapterMsg
+from minisgl.message.types import AccountingMsg, AccountingReply, AdapterMsg, WeightsMsg
 from minisgl.message.pulse import Pulse
 from minisgl.models.lora_config import RUNTIME_OFF
 from minisgl.scheduler.adapters import AdapterTable
@@ -136,6 +136,12 @@ class Scheduler:
         self.wait_s = 0.0
         self.received = 0  # UserMsgs taken so far
         self.accounting_asked: List[AccountingMsg] = []  # check_idle answers them
+        # A weight reload waiting for the live requests to finish (WeightsMsg), the requests
+        # that arrived since (taken after it, in order), and the checkpoint served (None: the
+        # start-up dummy weights), which a failed reload restores.
+        self.weights_update: Optional[WeightsMsg] = None
+        self.held: List[UserMsg] = []
+        self.weights_path = None if cfg.engine.load_format == "dummy" else cfg.engine.model_path
         self._stats_seq = 0
         self.on_stats = on_stats
         if on_stats is not None:
@@ -188,6 +194,8 @@ class Scheduler:
             self.inflight = self._sample_masked(self.inflight)
         if not self.overlap or self.stopped:
             self._finish_inflight()
+        if self.weights_update is not None and not self.has_work and not self.stopped:
+            self._update_weights(self.weights_update)
 
     def _finish_inflight(self) -> None:
         """Wait for the in-flight batch (if any) and process its results."""
@@ -306,10 +314,13 @@ class Scheduler:
 
     # --- input ---------------------------------------------------------------------------------
     def handle(self, msg: object) -> None:
-        if isinstance(msg, UserMsg):
+        if isinstance(msg, UserMsg) and self.weights_update is not None:
+            self.held.append(msg)  # taken after the reload (_update_weights)
+        elif isinstance(msg, UserMsg):
             self.received += 1
             self._add(msg)
         elif isinstance(msg, AbortMsg):
+            self._abort_held(msg.uid)
             self.abort(msg.uid)
         elif isinstance(msg, ShutdownMsg):
             self.stopped = True
@@ -317,8 +328,11 @@ class Scheduler:
             self.accounting_asked.append(msg)
         elif isinstance(msg, AdapterMsg):
             error = self._unload(msg.name) if msg.path is None else self._load(msg.name, msg.path)
-            self.io.send([TokenOut(msg.uid, finish_reason=FinishReason.STOP.value)
-                          if error is None else TokenOut(msg.uid, error=error)], None)
+            self._answer(msg.uid, error)
+        elif isinstance(msg, WeightsMsg) and self.weights_update is not None:
+            self._answer(msg.uid, "a weight reload is already waiting for the running requests")
+        elif isinstance(msg, WeightsMsg):
+            self.weights_update = msg  # done once no request is live (iterate)
         else:
             logger.error("rank %d: ignoring unknown message %r", self.rank, type(msg).__name__)
 
@@ -355,6 +369,50 @@ class Scheduler:
         logger.info("rank %d: LoRA adapter %r loaded from %s into slot %d", self.rank, name,
                     path, slot)
         return None
+
+    def _answer(self, uid: int, error: Optional[str]) -> None:
+        """The one final reply to a change (AdapterMsg, WeightsMsg): done, or why not."""
+        self.io.send([TokenOut(uid, finish_reason=FinishReason.STOP.value) if error is None
+                      else TokenOut(uid, error=error)], None)
+
+    def _abort_held(self, uid: int) -> None:
+        """A request held behind a weight reload is aborted before it was taken."""
+        held = [m for m in self.held if m.uid == uid]
+        if held:
+            self.held = [m for m in self.held if m.uid != uid]
+            self.io.send([TokenOut(uid, finish_reason=FinishReason.ABORT.value,
+                                   prompt_tokens=len(held[0].input_ids))], None)
+
+    def _update_weights(self, msg: WeightsMsg) -> None:
+        """The waiting reload, with no request live (every rank at the same step): the
+        weights from `msg.path` on every rank or, where some rank failed, those served before
+        again on every rank; the prefix cache dropped either way; then the held requests."""
+        self.weights_update = None
+        error = self._reload(msg.path)
+        dropped = self.cache.drop_unused()
+        logger.info("rank %d: weights %s (%d cached pages dropped)", self.rank,
+                    f"reloaded from {msg.path}" if error is None else "kept", dropped)
+        self._answer(msg.uid, error)
+        held, self.held = self.held, []
+        for user in held:
+            self.handle(user)
+
+    def _reload(self, path: str) -> Optional[str]:
+        """Every rank's weights from `path`, or (some rank failed) from `weights_path` again:
+        None, or why the weights did not change. A rank that cannot restore its weights
+        raises: it must not serve a mix of two checkpoints."""
+        error = None
+        try:
+            self.engine.reload_weights(path)
+        except Exception as e:  # the files' errors too: every rank must reach the vote below
+            error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            error = error if path in error else f"{path}: {error}"
+            logger.warning("rank %d: weights from %s not loaded: %s", self.rank, path, error)
+        if min_over_ranks(int(error is None), self.cpu_group) == 1:
+            self.weights_path = path
+            return None
+        self.engine.reload_weights(self.weights_path)
+        return error or "the weights failed to load on another rank (its log says why)"
 
     def _unload(self, name: str) -> Optional[str]:
         """Unload LoRA adapter `name` (AdapterMsg): None, or why not."""

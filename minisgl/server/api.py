@@ -65,6 +65,7 @@ from minisgl.server.responses_api import (ResponsesFormatter, ResponsesRequest, 
                                           response_messages, responses_job)
 from minisgl.server.batches_api import Batches, install_batch_routes
 from minisgl.server.lora_admin import Adapters, install_adapter_routes
+from minisgl.server.weights_admin import Weights, install_weights_routes
 from minisgl.server.streams import RequestStream, RequestStreams
 
 logger = logging.getLogger("minisgl.api")
@@ -90,6 +91,7 @@ class ApiConfig:
     lora_adapters: Tuple[Tuple[str, str], ...] = ()
     lora_runtime: bool = False
     max_lora_rank: int = 16
+    weights_path: Optional[str] = None  # the checkpoint served (None: dummy weights)
     incremental_streaming_output: bool = False  # /generate streams what is new (SGLang's)
     max_file_bytes: int = 512 << 20  # the Files API's files held in all (batches_api.py)
     hidden_size: int = 0  # the model's: an embedding's length
@@ -320,6 +322,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
                      cfg.lora_adapters, (cfg.model_name, *cfg.aliases))
     adapters = loras.paths  # changes as adapters load and unload
     install_adapter_routes(app, loras, json_body)
+    install_weights_routes(app, Weights(streams, cfg.replicas, cfg.weights_path), json_body)
     app.state.self_url = ""  # serve_forever sets it: the batches' requests go there
     batches = Batches(cfg.max_file_bytes, cfg.api_key)
     install_batch_routes(app, batches, lambda: str(app.state.self_url), json_body)

@@ -6,7 +6,7 @@ OpenAI's error body (400; 404 unloading a name not loaded). SGLang's: POST /load
 {"lora_name", "lora_path"} and POST /unload_lora_adapter {"lora_name"}, answered
 {"success", "error_message", "loaded_adapters": {name: path}} (200, or 400 on failure).
 
-Each change goes to every data-parallel replica (message.AdapterRequest, a uid each) and
+Each change goes to every data-parallel replica (message.ReplicaChange, a uid each) and
 waits for all their answers; a load that failed on some replica is unloaded again where it
 succeeded, so every replica serves the same adapters. Changes run one at a time (a lock) and
 this server's list changes only with the replicas' answers, so a request naming an adapter
@@ -23,6 +23,7 @@ from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence, Tup
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.requests import Request
 
+from minisgl.message.types import AdapterMsg
 from minisgl.models.lora_config import RUNTIME_OFF, check_runtime_load
 from minisgl.server.metrics import Gauge
 from minisgl.server.openapi import App, body as body_schema
@@ -105,16 +106,8 @@ class Adapters:
                       replicas: Optional[List[int]] = None) -> List[Optional[str]]:
         """Each replica's error (None: done) for loading (`path`) or unloading `name`."""
         targets = list(range(self.replicas)) if replicas is None else replicas
-        stream = self.streams.submit_adapter(name, path, targets)
-        errors: Dict[int, Optional[str]] = {}
-        try:
-            while len(errors) < len(targets):
-                chunk = await stream.get()
-                if chunk is not None:
-                    errors[stream.index[chunk.uid]] = chunk.error
-        finally:
-            self.streams.release(stream)
-        return [errors[i] for i in range(len(targets))]
+        return await self.streams.apply_change(lambda uid: AdapterMsg(uid, name, path),
+                                               targets)
 
 
 def install_adapter_routes(app: App, adapters: Adapters,

@@ -29,14 +29,15 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Optional, Set
+from typing import Callable, Deque, Dict, List, Optional, Set, Union
 
 import zmq
 import zmq.asyncio
 
 from minisgl.message.codec import decode, encode
-from minisgl.message.types import (AbortRequest, AdapterMsg, AdapterRequest, Drain, ReplyBatch,
-                                   ReplyChunk, ServiceDown, TextRequest, TokenizeRequest)
+from minisgl.message.types import (AbortRequest, AdapterMsg, Drain, ReplicaChange, ReplyBatch,
+                                   ReplyChunk, ServiceDown, TextRequest, TokenizeRequest,
+                                   WeightsMsg)
 from minisgl.server.admission import Queued, overloaded
 from minisgl.server.metrics import Metrics
 from minisgl.server.protocol import ApiError, Job, Prompt
@@ -146,21 +147,33 @@ class RequestStreams:
             raise
         return stream
 
-    def submit_adapter(self, name: str, path: Optional[str], replicas: List[int]
-                       ) -> RequestStream:
-        """Load (`path`) or unload LoRA adapter `name` on each of `replicas`
-        (message.AdapterRequest, a uid each, in that order): one final reply per replica,
-        outside the generation metrics."""
+    async def apply_change(self, change: Callable[[int], Union[AdapterMsg, WeightsMsg]],
+                           replicas: List[int]) -> List[Optional[str]]:
+        """`change(uid)` (a LoRA adapter's or the weights': message.ReplicaChange) sent to each
+        of `replicas`, a uid each, in that order, outside the generation metrics; each
+        replica's answer once all came: its error, or None where it made the change."""
         stream = RequestStream([next(self._uids) for _ in replicas], measured=False)
         for uid in stream.uids:
             self._streams[uid] = stream
+        errors: Dict[int, Optional[str]] = {}
         try:
             for replica, uid in zip(replicas, stream.uids):
-                self._send(AdapterRequest(replica, AdapterMsg(uid, name, path)))
-        except ApiError:
+                self._send(ReplicaChange(replica, change(uid)))
+            while len(errors) < len(replicas):
+                chunk = await stream.get()
+                if chunk is not None:
+                    errors[stream.index[chunk.uid]] = chunk.error
+        finally:
             self.release(stream)
-            raise
-        return stream
+        return [errors[i] for i in range(len(replicas))]
+
+    def abort_all(self) -> int:
+        """Abort every running generation request (their clients get finish_reason "abort");
+        how many."""
+        uids = sorted({uid for stream in self._streams.values() if stream.measured
+                       for uid in stream.unfinished})
+        self._abort(uids)
+        return len(uids)
 
     def release(self, stream: RequestStream) -> None:
         """Abort the stream's unfinished uids (each counted as finished by its

@@ -12,9 +12,10 @@ that does not compile is refused (error param "structured": the API names the fi
 from) before any rank sees it; the ranks compile it again for their matchers. Long prompts and
 constrained requests are prepared on threads (slow_requests.py) while the loop goes on with
 the others.
-`AbortRequest` becomes an `AbortMsg` to rank 0. `AdapterRequest` (load or unload a LoRA
-adapter) becomes its `AdapterMsg` to the rank 0 of the replica it names, after a
-`DetokenizeInit` of its uid (the answer comes back as a prompt's would).
+`AbortRequest` becomes an `AbortMsg` to rank 0. `ReplicaChange` (load or unload a LoRA
+adapter, reload the weights) becomes its `AdapterMsg` or `WeightsMsg` to the rank 0 of the
+replica it names, after a `DetokenizeInit` of its uid (the answer comes back as a prompt's
+would).
 
 With data-parallel replicas, "rank 0" is the rank 0 of the replica the router picks
 (`router.py`), which learns each replica's load from the `SchedulerStats` the detokenizer forwards
@@ -42,7 +43,7 @@ from minisgl.gc_heap import freeze_startup_heap
 from minisgl.grammar import make_checker
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.startup import report_startup
-from minisgl.message.types import (AbortMsg, AbortRequest, AdapterRequest, DetokenizeInit,
+from minisgl.message.types import (AbortMsg, AbortRequest, DetokenizeInit, ReplicaChange,
                                    ReplyBatch, ReplyChunk, SchedulerStats, TextRequest,
                                    TokenizeRequest, UserMsg)
 from minisgl.tokenizer.incremental import PROMPT_CONTEXT_TOKENS
@@ -282,7 +283,7 @@ class Serving:
             self.slow.cancel(msg.uid)
             for to_backend in self.to_backends:
                 to_backend.put(AbortMsg(msg.uid))
-        elif isinstance(msg, AdapterRequest):
+        elif isinstance(msg, ReplicaChange):
             self.to_detok.put(DetokenizeInit(msg.change.uid, []))
             self.to_backends[msg.replica].put(msg.change)
         elif isinstance(msg, SchedulerStats):

@@ -1,0 +1,84 @@
+"""The weights reloaded from a checkpoint over HTTP, as SGLang's endpoint does it (RL loops
+push each training step's checkpoint to the server this way).
+
+POST /update_weights_from_disk {"model_path", "load_format", "abort_all_requests"} is answered
+{"success", "message", "num_paused_requests"}: 200, or 400 with success false and why (a
+checkpoint of another architecture or shape, files that do not load). The reload goes to every
+data-parallel replica (message.ReplicaChange of a WeightsMsg, a uid each); each replica lets
+its running requests finish (or, with abort_all_requests, they end with finish_reason
+"abort"), holds new ones, reloads on all of its ranks or none, drops its prefix cache and
+answers. Where some replica failed and others reloaded, those go back to the checkpoint served
+before, so every replica serves the same weights. Reloads run one at a time (a lock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable, Callable, List, Optional
+
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+
+from minisgl.message.types import WeightsMsg
+from minisgl.server.openapi import App, body as body_schema
+from minisgl.server.protocol import ApiError, Body, parse_body
+from minisgl.server.streams import RequestStreams
+
+
+class UpdateWeightsBody(Body):
+    model_path: str
+    load_format: Optional[str] = None  # SGLang's: "auto" (the directory's safetensors) only
+    abort_all_requests: bool = False  # SGLang's: end the running requests instead of waiting
+
+
+class Weights:
+    """The checkpoint every replica serves (`path`; None: dummy weights) and its reloads."""
+
+    def __init__(self, streams: RequestStreams, replicas: int, path: Optional[str]) -> None:
+        self.streams, self.replicas, self.path = streams, replicas, path
+        self._lock = asyncio.Lock()
+
+    async def update(self, body: UpdateWeightsBody) -> None:
+        """Reload every replica from `body.model_path`; ApiError (400) why not, after which
+        every replica serves the weights it did (500 where one that reloaded cannot go back:
+        then the message names what each serves)."""
+        if body.load_format not in (None, "auto"):
+            raise ApiError(400, f"load_format {body.load_format!r} is not supported (auto: the "
+                                f"checkpoint directory's safetensors)", "load_format")
+        path = body.model_path
+        async with self._lock:
+            if body.abort_all_requests:
+                self.streams.abort_all()
+            errors = await self._change(path, list(range(self.replicas)))
+            if not any(errors):
+                self.path = path
+                return
+            error = next(e for e in errors if e)
+            done = [r for r, e in enumerate(errors) if e is None]
+            if done and (self.path is None or any(await self._change(self.path, done))):
+                raise ApiError(500, f"replicas {done} serve the weights of {path}, the others "
+                                    f"those served before ({self.path or 'dummy weights'}): "
+                                    f"{error}", "model_path")
+            raise ApiError(400, error, "model_path")
+
+    async def _change(self, path: str, replicas: List[int]) -> List[Optional[str]]:
+        return await self.streams.apply_change(lambda uid: WeightsMsg(uid, path), replicas)
+
+
+def install_weights_routes(app: App, weights: Weights,
+                           read_body: Callable[[Request], Awaitable[bytes]]) -> None:
+    """SGLang's POST /update_weights_from_disk (see the module's docstring); `read_body`: a
+    JSON body's bytes (api.json_body: 415 for another content type)."""
+    app.body_models.append(UpdateWeightsBody)
+
+    @app.post("/update_weights_from_disk", openapi_extra=body_schema(UpdateWeightsBody))
+    async def update_weights_from_disk(request: Request) -> Response:
+        body = parse_body(await read_body(request), UpdateWeightsBody)
+        try:
+            await weights.update(body)
+        except ApiError as e:
+            return JSONResponse({"success": False, "message": e.message,
+                                 "num_paused_requests": 0}, status_code=e.status)
+        return JSONResponse({"success": True, "message": f"Succeeded to update model weights "
+                                                         f"from {body.model_path}.",
+                             "num_paused_requests": 0})
