@@ -39,9 +39,9 @@ if [ "$MODE" = quant-tests ]; then  # FP8 / packed experts and packed layers on 
 fi
 if [ "$MODE" = s34 ]; then  # the thirty-fourth session's GPU cases (~6 min): LoRA over FP8,
   # packed and MoE weights; mean-pooled embeddings; the GELU in the fused kernels (Gemma);
-  # expert parallelism's kernels (each rank's own experts)
+  # expert parallelism's kernels (each rank's own experts); weights reloaded in place
   export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache
-  step s34_engine 260 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "lora or embeddings or sliding"
+  step s34_engine 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "lora or embeddings or sliding or reload"
   step s34_kernels 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_ops.py tests/test_fp8_kernels.py -k "act or gate_up"
   step s34_packed 120 python3 -m pytest -q -p no:cacheprovider tests/test_int_packed.py tests/test_moe.py -k "lora or parallelism or own_experts"
 fi

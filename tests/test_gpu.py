@@ -124,6 +124,32 @@ def test_gpu_lora_over_fp8_weights_and_experts(tmp_path: Path) -> None:
             == run(moe, device="cpu", dtype="float32"))
 
 
+def test_gpu_weights_reload_matches_cpu(tmp_path: Path) -> None:
+    """Weights reloaded in place on CUDA (float32, decode graphs captured before: they keep
+    reading the same tensors) give the CPU's tokens of the new checkpoint, and of the first
+    again after a reload that failed half way (a missing tensor)."""
+    from safetensors.torch import load_file, save_file
+    first = build_tiny("llama", tmp_path / "a", None)
+    second = build_tiny("llama", tmp_path / "b", None, seed=5)
+    partial = build_tiny("llama", tmp_path / "p", None, seed=6)
+    tensors = load_file(str(partial / "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, str(partial / "model.safetensors"))
+    prompts = mixed_prompts(4, seed=8)
+
+    def run(device: str) -> List[List[List[int]]]:
+        with LLM(str(first), device=device, dtype="float32", show_progress=False) as llm:
+            llm.update_weights_from_disk(str(second))
+            out = [[o.token_ids for o in llm.generate(prompts, GREEDY)]]
+            with pytest.raises(ValueError, match="missing 1 weights"):
+                llm.update_weights_from_disk(str(partial))
+            out.append([o.token_ids for o in llm.generate(prompts, GREEDY)])
+            return out
+
+    got = run("cuda")
+    assert got == run("cpu") and got[0] == got[1]
+
+
 def test_gpu_embeddings_match_cpu(tiny_qwen3: Path) -> None:
     """Embeddings on CUDA (float32, prefill graphs on: an embedding request runs eager) equal
     the CPU's, beside requests for text: by the last token, and by the mean over chunks of 16
