@@ -69,6 +69,7 @@ SAMPLES: Dict[str, Any] = {
     "AccountingReply": [T.AccountingReply(3, 100, 20, 8, 128, 4, 250, 257, 1, 12, 2)],
     "AdapterMsg": [T.AdapterMsg(7, "sql", "/adapters/sql"), T.AdapterMsg(8, "sql")],
     "WeightsMsg": [T.WeightsMsg(4, "/ckpt/step-100")],
+    "FlushCacheMsg": [T.FlushCacheMsg(5)],
     "ReplicaChange": [T.ReplicaChange(1, T.AdapterMsg(9, "é", "/a b/ü")),
                       T.ReplicaChange(0, T.WeightsMsg(3, "/w/ü"))],
 }

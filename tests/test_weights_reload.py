@@ -167,13 +167,14 @@ def test_served_reload_answers_as_sglang_does(checkpoints: List[Path], tmp_path:
     """POST /update_weights_from_disk: success and the second checkpoint's tokens (HF's);
     another shape, an unknown load_format, a missing field: success false with why (400),
     the weights served unchanged; abort_all_requests ends a long request at once instead of
-    waiting for it."""
+    waiting for it. The prefix cache flushed on its own (/flush_cache, /reset_prefix_cache);
+    vLLM's /ping."""
     import threading
 
     import httpx
     from server_helpers import CPU_ARGS, serving
     a, b, other = checkpoints
-    prompt = mixed_prompts(1, seed=19, lengths=(9,))[0]
+    prompt = mixed_prompts(1, seed=19, lengths=(40,))[0]
     with serving(["--model", str(a), *CPU_ARGS], tmp_path) as srv:
         def post(path: str, body: dict) -> httpx.Response:
             return httpx.post(f"{srv.url}{path}", json=body, timeout=120)
@@ -199,7 +200,7 @@ def test_served_reload_answers_as_sglang_does(checkpoints: List[Path], tmp_path:
 
         def stream_long() -> None:  # SGLang's stream: data lines of the output so far
             body = {"input_ids": prompt, "stream": True, "sampling_params": {
-                "max_new_tokens": 490, "temperature": 0, "ignore_eos": True}}
+                "max_new_tokens": 460, "temperature": 0, "ignore_eos": True}}
             with httpx.stream("POST", f"{srv.url}/generate", json=body, timeout=120) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
@@ -213,5 +214,19 @@ def test_served_reload_answers_as_sglang_does(checkpoints: List[Path], tmp_path:
         worker.join(60)
         assert r.json()["success"] is True and not worker.is_alive()
         assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort", chunks[-1]
-        assert len(chunks[-1]["output_ids"]) < 490
+        assert len(chunks[-1]["output_ids"]) < 460
         assert generate()["output_ids"] == hf_greedy(a, [prompt], 10)[0]
+        # the prefix cache flushed (SGLang's GET or POST /flush_cache, vLLM's reset)
+        assert srv.wait_metrics(lambda m: m["minisgl_kv_pages_cached"] > 0
+                                )["minisgl_kv_pages_cached"] > 0
+        for method, path in (("GET", "/flush_cache"), ("POST", "/reset_prefix_cache")):
+            r = httpx.request(method, f"{srv.url}{path}", timeout=60)
+            assert r.status_code == 200, r.text
+            assert srv.wait_metrics(lambda m: m["minisgl_kv_pages_cached"] == 0
+                                    )["minisgl_kv_pages_cached"] == 0
+            generate()
+        assert generate()["meta_info"]["cached_tokens"] > 0
+        assert httpx.post(f"{srv.url}/flush_cache").text == "Cache flushed.\n"
+        assert generate()["meta_info"]["cached_tokens"] == 0
+        assert [httpx.request(m, f"{srv.url}/ping").status_code for m in ("GET", "POST")] == [
+            200, 200]

@@ -28,7 +28,8 @@ _TYPES: Dict[str, Type[Any]] = {
                 T.TokenOut, T.BatchTokenOut, T.SchedulerStats, T.ReplyChunk, SamplingParams,
                 T.DetokenizeInit, T.ReplyBatch, TokenLogprobs, T.TokenLogprobText,
                 T.TextRequest, T.ServiceDown, T.Drain, StructuredOutput, T.AccountingMsg,
-                T.AccountingReply, T.ReplicaChange, T.AdapterMsg, T.WeightsMsg)
+                T.AccountingReply, T.ReplicaChange, T.AdapterMsg, T.WeightsMsg,
+                T.FlushCacheMsg)
 }
 
 

@@ -1,7 +1,7 @@
 """Every message that crosses a process boundary, as plain frozen dataclasses.
 
 Flow: API server -> tokenizer (`TokenizeRequest`, `AbortRequest`, `ReplicaChange`) -> scheduler
-rank 0 (`UserMsg`, `AbortMsg`, `AdapterMsg`, `WeightsMsg`) -> detokenizer (`TokenOut`, `BatchTokenOut`) -> API server (`ReplyChunk`). The
+rank 0 (`UserMsg`, `AbortMsg`, `AdapterMsg`, `WeightsMsg`, `FlushCacheMsg`) -> detokenizer (`TokenOut`, `BatchTokenOut`) -> API server (`ReplyChunk`). The
 offline API at tp > 1 stands in for the tokenizer and detokenizer (and sends `AccountingMsg`).
 Rank 0 forwards the raw bytes of backend messages verbatim to the other ranks, so a backend
 message must decode to the same object on every rank (no process-local state inside).
@@ -73,11 +73,12 @@ class AbortRequest:
 @dataclass(frozen=True)
 class ReplicaChange:
     """API server -> tokenizer: `change` for data-parallel replica `replica`, a LoRA adapter's
-    (`AdapterMsg`) or the weights' (`WeightsMsg`); the API server sends one per replica, each
-    with a uid of its own, and gathers their answers."""
+    (`AdapterMsg`), the weights' (`WeightsMsg`) or the prefix cache's (`FlushCacheMsg`); the
+    API server sends one per replica, each with a uid of its own, and gathers their
+    answers."""
 
     replica: int
-    change: Union["AdapterMsg", "WeightsMsg"]
+    change: Union["AdapterMsg", "WeightsMsg", "FlushCacheMsg"]
 
 
 # --- tokenizer -> scheduler (the "backend" messages rank 0 forwards to other ranks) -----------
@@ -140,6 +141,16 @@ class WeightsMsg:
 
     uid: int
     path: str
+
+
+@dataclass(frozen=True)
+class FlushCacheMsg:
+    """Drop every prefix-cache page no live request holds, on every rank of a replica at the
+    same step (SGLang's /flush_cache, vLLM's /reset_prefix_cache; the pages of running
+    requests stay theirs). Rank 0 answers with one final `TokenOut` of `uid`, finish_reason
+    "stop"; before, the tokenizer sends the detokenizer a `DetokenizeInit` of the uid."""
+
+    uid: int
 
 
 # --- scheduler rank 0 -> detokenizer ------------------------------------------------------------

@@ -35,7 +35,8 @@ from minisgl.grammar.matcher import RequestGrammar, fill_bitmask
 from minisgl.utils import offline_prefill_tokens, rows_to_device
 from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
-from minisgl.message.types import AccountingMsg, AccountingReply, AdapterMsg, WeightsMsg
+from minisgl.message.types import (AccountingMsg, AccountingReply, AdapterMsg, FlushCacheMsg,
+                                   WeightsMsg)
 from minisgl.message.pulse import Pulse
 from minisgl.models.lora_config import RUNTIME_OFF
 from minisgl.scheduler.adapters import AdapterTable
@@ -333,6 +334,10 @@ class Scheduler:
             self._answer(msg.uid, "a weight reload is already waiting for the running requests")
         elif isinstance(msg, WeightsMsg):
             self.weights_update = msg  # done once no request is live (iterate)
+        elif isinstance(msg, FlushCacheMsg):
+            dropped = self.cache.drop_unused()
+            logger.info("rank %d: prefix cache flushed (%d pages freed)", self.rank, dropped)
+            self._answer(msg.uid, None)
         else:
             logger.error("rank %d: ignoring unknown message %r", self.rank, type(msg).__name__)
 
@@ -371,9 +376,10 @@ class Scheduler:
         return None
 
     def _answer(self, uid: int, error: Optional[str]) -> None:
-        """The one final reply to a change (AdapterMsg, WeightsMsg): done, or why not."""
+        """The one final reply to a change (AdapterMsg, WeightsMsg, FlushCacheMsg): done, or
+        why not; with the stats, which a dropped cache changed."""
         self.io.send([TokenOut(uid, finish_reason=FinishReason.STOP.value) if error is None
-                      else TokenOut(uid, error=error)], None)
+                      else TokenOut(uid, error=error)], self._posted_stats())
 
     def _abort_held(self, uid: int) -> None:
         """A request held behind a weight reload is aborted before it was taken."""

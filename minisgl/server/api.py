@@ -65,7 +65,7 @@ from minisgl.server.responses_api import (ResponsesFormatter, ResponsesRequest, 
                                           response_messages, responses_job)
 from minisgl.server.batches_api import Batches, install_batch_routes
 from minisgl.server.lora_admin import Adapters, install_adapter_routes
-from minisgl.server.weights_admin import Weights, install_weights_routes
+from minisgl.server.state_admin import Weights, install_state_routes
 from minisgl.server.streams import RequestStream, RequestStreams
 
 logger = logging.getLogger("minisgl.api")
@@ -322,7 +322,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
                      cfg.lora_adapters, (cfg.model_name, *cfg.aliases))
     adapters = loras.paths  # changes as adapters load and unload
     install_adapter_routes(app, loras, json_body)
-    install_weights_routes(app, Weights(streams, cfg.replicas, cfg.weights_path), json_body)
+    install_state_routes(app, Weights(streams, cfg.replicas, cfg.weights_path), json_body)
     app.state.self_url = ""  # serve_forever sets it: the batches' requests go there
     batches = Batches(cfg.max_file_bytes, cfg.api_key)
     install_batch_routes(app, batches, lambda: str(app.state.self_url), json_body)
@@ -564,7 +564,9 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         """The web chat page (one static file; it talks to /v1/chat/completions)."""
         return HTMLResponse(chat_page)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes that read no body
+    # HEAD: probes that read no body; /ping: vLLM's (SageMaker's) name for it
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/ping", methods=["GET", "POST"])
     async def health() -> Response:
         if is_healthy():
             return JSONResponse({"status": "ok"})

@@ -35,14 +35,15 @@ import zmq
 import zmq.asyncio
 
 from minisgl.message.codec import decode, encode
-from minisgl.message.types import (AbortRequest, AdapterMsg, Drain, ReplicaChange, ReplyBatch,
-                                   ReplyChunk, ServiceDown, TextRequest, TokenizeRequest,
-                                   WeightsMsg)
+from minisgl.message.types import (AbortRequest, AdapterMsg, Drain, FlushCacheMsg, ReplicaChange,
+                                   ReplyBatch, ReplyChunk, ServiceDown, TextRequest,
+                                   TokenizeRequest, WeightsMsg)
 from minisgl.server.admission import Queued, overloaded
 from minisgl.server.metrics import Metrics
 from minisgl.server.protocol import ApiError, Job, Prompt
 
 logger = logging.getLogger("minisgl.api")
+ReplicaChangeMsg = Union[AdapterMsg, WeightsMsg, FlushCacheMsg]
 
 
 @dataclass(eq=False)
@@ -147,9 +148,10 @@ class RequestStreams:
             raise
         return stream
 
-    async def apply_change(self, change: Callable[[int], Union[AdapterMsg, WeightsMsg]],
+    async def apply_change(self, change: Callable[[int], ReplicaChangeMsg],
                            replicas: List[int]) -> List[Optional[str]]:
-        """`change(uid)` (a LoRA adapter's or the weights': message.ReplicaChange) sent to each
+        """`change(uid)` (a LoRA adapter's, the weights' or the prefix cache's:
+        message.ReplicaChange) sent to each
         of `replicas`, a uid each, in that order, outside the generation metrics; each
         replica's answer once all came: its error, or None where it made the change."""
         stream = RequestStream([next(self._uids) for _ in replicas], measured=False)

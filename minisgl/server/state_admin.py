@@ -1,6 +1,8 @@
-"""The weights reloaded from a checkpoint over HTTP, as SGLang's endpoint does it (RL loops
-push each training step's checkpoint to the server this way).
+"""The served state changed over HTTP: the weights reloaded from a checkpoint, and the prefix
+cache flushed.
 
+The weights, as SGLang's endpoint does it (RL loops push each training step's checkpoint to
+the server this way):
 POST /update_weights_from_disk {"model_path", "load_format", "abort_all_requests"} is answered
 {"success", "message", "num_paused_requests"}: 200, or 400 with success false and why (a
 checkpoint of another architecture or shape, files that do not load). The reload goes to every
@@ -9,6 +11,11 @@ its running requests finish (or, with abort_all_requests, they end with finish_r
 "abort"), holds new ones, reloads on all of its ranks or none, drops its prefix cache and
 answers. Where some replica failed and others reloaded, those go back to the checkpoint served
 before, so every replica serves the same weights. Reloads run one at a time (a lock).
+
+The prefix cache: SGLang's /flush_cache (GET or POST; 200 with a line of text) and vLLM's
+POST /reset_prefix_cache (200, empty) drop every cached page no running request holds, on
+every replica (message.FlushCacheMsg): what a benchmark does between runs, or an operator
+after a change the cache cannot see.
 """
 
 from __future__ import annotations
@@ -16,10 +23,10 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Callable, List, Optional
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.requests import Request
 
-from minisgl.message.types import WeightsMsg
+from minisgl.message.types import FlushCacheMsg, WeightsMsg
 from minisgl.server.openapi import App, body as body_schema
 from minisgl.server.protocol import ApiError, Body, parse_body
 from minisgl.server.streams import RequestStreams
@@ -65,11 +72,26 @@ class Weights:
         return await self.streams.apply_change(lambda uid: WeightsMsg(uid, path), replicas)
 
 
-def install_weights_routes(app: App, weights: Weights,
-                           read_body: Callable[[Request], Awaitable[bytes]]) -> None:
-    """SGLang's POST /update_weights_from_disk (see the module's docstring); `read_body`: a
-    JSON body's bytes (api.json_body: 415 for another content type)."""
+def install_state_routes(app: App, weights: Weights,
+                         read_body: Callable[[Request], Awaitable[bytes]]) -> None:
+    """SGLang's POST /update_weights_from_disk and /flush_cache, vLLM's /reset_prefix_cache
+    (see the module's docstring); `read_body`: a JSON body's bytes (api.json_body: 415 for
+    another content type)."""
     app.body_models.append(UpdateWeightsBody)
+
+    async def flush() -> None:
+        replicas = list(range(weights.replicas))
+        await weights.streams.apply_change(FlushCacheMsg, replicas)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        await flush()
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        await flush()
+        return Response(status_code=200)
 
     @app.post("/update_weights_from_disk", openapi_extra=body_schema(UpdateWeightsBody))
     async def update_weights_from_disk(request: Request) -> Response:
