@@ -167,8 +167,9 @@ def test_served_reload_answers_as_sglang_does(checkpoints: List[Path], tmp_path:
     """POST /update_weights_from_disk: success and the second checkpoint's tokens (HF's);
     another shape, an unknown load_format, a missing field: success false with why (400),
     the weights served unchanged; abort_all_requests ends a long request at once instead of
-    waiting for it. The prefix cache flushed on its own (/flush_cache, /reset_prefix_cache);
-    vLLM's /ping."""
+    waiting for it; /get_model_info names the checkpoint served. The prefix cache flushed on
+    its own (/flush_cache, /reset_prefix_cache); vLLM's /ping and SGLang's /health_generate
+    (a one-token generation through every process)."""
     import threading
 
     import httpx
@@ -184,8 +185,11 @@ def test_served_reload_answers_as_sglang_does(checkpoints: List[Path], tmp_path:
                 "max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}).json()
 
         assert generate()["output_ids"] == hf_greedy(a, [prompt], 10)[0]
+        info = httpx.get(f"{srv.url}/get_model_info").json()
+        assert info["model_path"] == str(a) and info["is_generation"] is True
         ok = post("/update_weights_from_disk", {"model_path": str(b)})
         assert ok.status_code == 200 and ok.json()["success"] is True, ok.text
+        assert httpx.get(f"{srv.url}/get_model_info").json()["model_path"] == str(b)
         assert generate()["output_ids"] == hf_greedy(b, [prompt], 10)[0]
         for body, says in (({"model_path": str(other)}, "hidden_size is 32"),
                            ({"model_path": str(a), "load_format": "dummy"}, "load_format"),
@@ -230,3 +234,31 @@ def test_served_reload_answers_as_sglang_does(checkpoints: List[Path], tmp_path:
         assert generate()["meta_info"]["cached_tokens"] == 0
         assert [httpx.request(m, f"{srv.url}/ping").status_code for m in ("GET", "POST")] == [
             200, 200]
+        probe = httpx.get(f"{srv.url}/health_generate", timeout=60)
+        assert probe.status_code == 200 and probe.json() == {"status": "ok"}
+
+
+def test_every_data_parallel_replica_reloads(checkpoints: List[Path], tmp_path: Path) -> None:
+    """--dp 2: one reload reaches both replicas (the router may send a prompt to either):
+    every request after it gets the second checkpoint's tokens; a refused reload leaves
+    both on it."""
+    import httpx
+    from server_helpers import CPU_ARGS, serving
+    a, b, other = checkpoints
+    prompts = mixed_prompts(6, seed=20, lengths=(7, 30))
+    want = hf_greedy(b, prompts, 8)
+    with serving(["--model", str(a), "--dp", "2", *CPU_ARGS], tmp_path) as srv:
+        def outputs() -> List[List[int]]:
+            return [httpx.post(f"{srv.url}/generate", timeout=60, json={
+                "input_ids": p, "sampling_params": {"max_new_tokens": 8, "temperature": 0,
+                                                    "ignore_eos": True}}).json()["output_ids"]
+                for p in prompts]
+        outputs()  # both replicas busy once on the first checkpoint (its cache too)
+        r = httpx.post(f"{srv.url}/update_weights_from_disk", json={"model_path": str(b)},
+                       timeout=120)
+        assert r.json()["success"] is True, r.text
+        assert outputs() == want
+        r = httpx.post(f"{srv.url}/update_weights_from_disk", json={"model_path": str(other)},
+                       timeout=120)
+        assert r.status_code == 400 and "hidden_size" in r.json()["message"]
+        assert outputs() == want

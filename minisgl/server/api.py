@@ -71,6 +71,10 @@ from minisgl.server.streams import RequestStream, RequestStreams
 logger = logging.getLogger("minisgl.api")
 CHAT_PAGE = Path(__file__).with_name("chat.html")
 _DISCONNECT_POLL_S = 0.5
+# /health_generate: one token of token id 0, within this many seconds (SGLang's probe)
+HEALTH_GENERATE_BODY = GenerateRequest.model_validate(
+    {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+HEALTH_GENERATE_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,7 @@ class ApiConfig:
     lora_runtime: bool = False
     max_lora_rank: int = 16
     weights_path: Optional[str] = None  # the checkpoint served (None: dummy weights)
+    tokenizer_path: str = ""  # the tokenizer's directory (SGLang's /get_model_info)
     incremental_streaming_output: bool = False  # /generate streams what is new (SGLang's)
     max_file_bytes: int = 512 << 20  # the Files API's files held in all (batches_api.py)
     hidden_size: int = 0  # the model's: an embedding's length
@@ -322,7 +327,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
                      cfg.lora_adapters, (cfg.model_name, *cfg.aliases))
     adapters = loras.paths  # changes as adapters load and unload
     install_adapter_routes(app, loras, json_body)
-    install_state_routes(app, Weights(streams, cfg.replicas, cfg.weights_path), json_body)
+    weights = Weights(streams, cfg.replicas, cfg.weights_path)  # its path follows reloads
+    install_state_routes(app, weights, json_body)
     app.state.self_url = ""  # serve_forever sets it: the batches' requests go there
     batches = Batches(cfg.max_file_bytes, cfg.api_key)
     install_batch_routes(app, batches, lambda: str(app.state.self_url), json_body)
@@ -571,6 +577,30 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         if is_healthy():
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        """SGLang's deep probe: healthy where a one-token generation goes through the whole
+        path (tokenizer, every rank of a replica, detokenizer) within HEALTH_GENERATE_S."""
+        if not is_healthy():
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        job = generate_job(HEALTH_GENERATE_BODY, cfg.sampling_defaults, cfg.max_n)
+        try:
+            answer = await asyncio.wait_for(run(request, GenerateFormatter(
+                cfg.model_name, job, False)), HEALTH_GENERATE_S)
+        except (asyncio.TimeoutError, ApiError):
+            answer = Response(status_code=503)
+        if answer.status_code != 200:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/get_model_info")
+    async def model_info() -> Dict[str, Any]:
+        """SGLang's: the checkpoint served (the last one reloaded: state_admin.py), its
+        tokenizer, and whether it generates text (a sequence classifier does not)."""
+        return {"model_path": weights.path or cfg.root, "tokenizer_path": cfg.tokenizer_path,
+                "is_generation": cfg.classifier is None, "preferred_sampling_params": None,
+                "weight_version": "default"}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

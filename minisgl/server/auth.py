@@ -1,8 +1,8 @@
 """Who may use the HTTP API: the API key and, on loopback, the Host header.
 
 `AccessCheck` is ASGI middleware around the app:
-- with an API key, every endpoint but `OPEN_PATHS` (/health, /ping and /metrics, for probes
-  and scrapers) needs `Authorization: Bearer KEY`, and the Messages API's paths take
+- with an API key, every endpoint but `OPEN_PATHS` (/health, /ping, /health_generate and
+  /metrics, for probes and scrapers) needs `Authorization: Bearer KEY`, and the Messages API's paths take
   `x-api-key: KEY` too (what Anthropic's clients send); the key is compared in constant time
   (`hmac.compare_digest`, every header given compared), and a missing or wrong one gets a 401:
   OpenAI's `invalid_api_key`, Anthropic's `authentication_error` on its paths;
@@ -24,7 +24,7 @@ from minisgl.server.hosts import host_name, is_loopback
 from minisgl.server.limits import App, Receive, Scope, Send, header, send_error
 from minisgl.server.protocol import ApiError
 
-OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/health_generate", "/metrics"})
 
 
 def bearer(value: Optional[str]) -> Optional[str]:

@@ -31,7 +31,7 @@ __all__ = ["MAX_ID_CHARS", "REQUEST_ID_HEADER", "RequestLog", "bad_request_id", 
 
 logger = logging.getLogger("minisgl.api")
 REQUEST_ID_HEADER = "X-Request-Id"
-QUIET_PATHS = frozenset({"/health", "/ping", "/metrics"})
+QUIET_PATHS = frozenset({"/health", "/ping", "/health_generate", "/metrics"})
 
 
 def bad_request_id(value: str) -> Optional[ApiError]:

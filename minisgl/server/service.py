@@ -231,6 +231,7 @@ class Service:
                             lora_adapters=c.engine.lora_adapters,
                             lora_runtime=c.engine.lora_runtime,
                             weights_path=None if c.engine.load_format == "dummy" else path,
+                            tokenizer_path=str(self.tokenizer_path),
                             max_lora_rank=c.engine.max_lora_rank,
                             incremental_streaming_output=c.incremental_streaming_output,
                             hidden_size=shape.hidden_size,
