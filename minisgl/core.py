@@ -443,6 +443,11 @@ def prompt_error(ids: Sequence[int], vocab_size: int) -> Optional[str]:
     return None
 
 
+class WeightsRefused(ValueError):
+    """A weight reload refused before any weight changed (a checkpoint that does not fit the
+    served model): nothing to restore (StepEngine.reload_weights)."""
+
+
 class RequestError(ValueError):
     """A request the engine cannot serve; the message names the values, `param` the request
     field they came from (an API error names it)."""

@@ -15,7 +15,8 @@ shifted by `SHIFT * code` (`lora_reference`), so its tokens show which adapter e
 steps saw, and a prefix cached under another adapter (or another load) gives other tokens.
 Weights: `reload_weights(path)` shifts every request's tokens alike, by the code of `path`
 (`lora_reference(prompt, n, path)`; the start-up path "fake": none); a path ending in "bad"
-fails before anything changes, one ending in "broken" after the weights changed.
+is refused before anything changes (WeightsRefused), one ending in "broken" fails after the
+weights changed.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from typing import Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from minisgl.core import Batch, Phase, Req, SamplingParams, StepResult, TokenLogprobs
+from minisgl.core import (Batch, Phase, Req, SamplingParams, StepResult, TokenLogprobs,
+                          WeightsRefused)
 from minisgl.distributed import DistributedInfo
 from minisgl.engine import EngineConfig
 from minisgl.engine.logprobs import prompt_rows
@@ -133,8 +135,8 @@ class FakeEngine:
     def reload_weights(self, path: Optional[str]) -> None:
         self.reloads.append(path)
         if path is not None and path.endswith("bad"):
-            raise ValueError(f"{path}: the checkpoint's hidden_size is 8; the served model's "
-                             f"is 64")
+            raise WeightsRefused(f"{path}: the checkpoint's hidden_size is 8; the served "
+                                 f"model's is 64")
         self.weights_code = 0 if path in (None, "fake") else adapter_code(path)
         if path is not None and path.endswith("broken"):
             raise OSError(f"{path}: a truncated file")

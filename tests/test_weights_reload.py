@@ -73,7 +73,8 @@ def test_a_failed_reload_restores_the_weights_served() -> None:
     h.run()
     assert _reply(h, 101) == "ok"
     assert "OSError: /ckpt/c-broken: a truncated file" in _reply(h, 102)
-    assert h.engine.reloads == ["/ckpt/bad", "fake", "/ckpt/b", "/ckpt/c-broken", "/ckpt/b"]
+    # a refusal changed nothing: no restore; a failure after changes: restored
+    assert h.engine.reloads == ["/ckpt/bad", "/ckpt/b", "/ckpt/c-broken", "/ckpt/b"]
     assert h.tokens[1] == lora_reference(PROMPT, 8, "/ckpt/b")
     assert h.sched.weights_path == "/ckpt/b"
 

@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from minisgl.attention import AttentionBackend, make_backend
-from minisgl.core import Batch, Phase, Req, StepResult
+from minisgl.core import Batch, Phase, Req, StepResult, WeightsRefused
 from minisgl.distributed import ProcessGroups, min_over_ranks
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.cuda_graph import DecodeGraphs, graph_sizes
@@ -334,18 +334,21 @@ class Engine:
         """The weights of checkpoint directory `path` in place of the served ones (None: the
         start-up dummy weights again), written into the same tensors, so CUDA graphs and LoRA
         adapters stay as they are; its KV cache scales are not read (the pool keeps its own).
-        ValueError, before any weight changes, where `path` is not a checkpoint of the served
-        model (ModelConfig.reload_error) or the served weights were changed at load in a way a
-        reload cannot repeat (FP8 dequantized on the CPU); any error after that leaves the
-        weights mixed, for the caller to restore."""
+        WeightsRefused, before any weight changes, where `path` is not a checkpoint of the
+        served model (its config.json unreadable, or other: ModelConfig.reload_error) or the
+        served weights were changed at load in a way a reload cannot repeat (FP8 dequantized on
+        the CPU); any error after that leaves the weights mixed, for the caller to restore."""
         if not self._reloadable:
-            raise ValueError("weights cannot be reloaded here: this model's FP8 weights were "
-                             "dequantized as they loaded (weight-only FP8, the CPU's)")
+            raise WeightsRefused("weights cannot be reloaded here: this model's FP8 weights "
+                                 "were dequantized as they loaded (weight-only FP8, the CPU's)")
         if path is not None:
-            error = self.model_cfg.reload_error(
-                ModelConfig.from_dir(Path(path), self.cfg.hf_override_dict))
+            try:
+                error = self.model_cfg.reload_error(
+                    ModelConfig.from_dir(Path(path), self.cfg.hf_override_dict))
+            except (OSError, ValueError) as e:
+                raise WeightsRefused(f"{path}: {e}") from None
             if error is not None:
-                raise ValueError(f"{path}: {error}")
+                raise WeightsRefused(f"{path}: {error}")
         for name, p in self.model.named_parameters():
             if name.endswith("input_scale"):  # loading keeps the largest it sees (fused parts)
                 p.zero_()

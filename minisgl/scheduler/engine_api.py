@@ -86,5 +86,5 @@ class StepEngine(Protocol):
 
     def reload_weights(self, path: Optional[str]) -> None:
         """The weights of checkpoint directory `path` (None: the start-up dummy weights) in
-        place of the served ones, with no request live; an exception says why not (raised
-        before any weight changed where the checkpoint does not fit the model)."""
+        place of the served ones, with no request live; an exception says why not
+        (core.WeightsRefused: before any weight changed)."""

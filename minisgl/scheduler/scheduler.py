@@ -28,7 +28,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from minisgl.core import (Batch, FinishReason, Limits, Phase, Req, RequestError, SamplingParams,
-                          StepResult, check_request)
+                          StepResult, WeightsRefused, check_request)
 from minisgl.distributed import check_same_across_ranks, min_over_ranks, true_on_all_ranks
 from minisgl.grammar import GrammarCache, TokenizerSource
 from minisgl.grammar.matcher import RequestGrammar, fill_bitmask
@@ -404,20 +404,23 @@ class Scheduler:
             self.handle(user)
 
     def _reload(self, path: str) -> Optional[str]:
-        """Every rank's weights from `path`, or (some rank failed) from `weights_path` again:
-        None, or why the weights did not change. A rank that cannot restore its weights
-        raises: it must not serve a mix of two checkpoints."""
-        error = None
+        """Every rank's weights from `path`, or (some rank failed) the weights each rank served
+        before (`weights_path`), reloaded where they changed (not where the reload was refused
+        before loading: core.WeightsRefused): None, or why the weights did not change. A rank
+        that cannot restore its weights raises: it must not serve a mix of two checkpoints."""
+        error, changed = None, True
         try:
             self.engine.reload_weights(path)
         except Exception as e:  # the files' errors too: every rank must reach the vote below
+            changed = not isinstance(e, WeightsRefused)
             error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
             error = error if path in error else f"{path}: {error}"
             logger.warning("rank %d: weights from %s not loaded: %s", self.rank, path, error)
         if min_over_ranks(int(error is None), self.cpu_group) == 1:
             self.weights_path = path
             return None
-        self.engine.reload_weights(self.weights_path)
+        if changed:
+            self.engine.reload_weights(self.weights_path)
         return error or "the weights failed to load on another rank (its log says why)"
 
     def _unload(self, name: str) -> Optional[str]:
