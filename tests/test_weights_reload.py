@@ -47,6 +47,8 @@ def test_a_reload_waits_for_the_running_requests_then_serves_the_new_weights(
     h.submit(2, PROMPT)  # held until the reload
     h.step()
     assert 2 not in h.sched.reqs and h.engine.reloads == []
+    stats = h.sched.stats()
+    assert stats.waiting == 1 and stats.waiting_tokens == len(PROMPT)
     h.run()
     assert h.tokens[1] == reference(PROMPT, 12)  # the old weights to its end
     assert _reply(h, 100) == "ok" and h.engine.reloads == ["/ckpt/b"]

@@ -678,8 +678,10 @@ class Scheduler:
         self._stats_seq += 1
         return SchedulerStats(
             running=len(self.decode.running),
-            waiting=self.prefill.num_waiting + len(self.compiling),
-            waiting_tokens=self.prefill.waiting_tokens,
+            # held behind a weight reload: waiting too (the router and /metrics see them)
+            waiting=self.prefill.num_waiting + len(self.compiling) + len(self.held),
+            waiting_tokens=self.prefill.waiting_tokens + sum(len(m.input_ids)
+                                                             for m in self.held),
             kv_pages_used=self.cache.num_pages - self.cache.free_pages - cache.cached_pages,
             kv_pages_total=self.cache.num_pages, kv_pages_cached=cache.cached_pages,
             prompt_tokens_total=self.totals["prompt"],
