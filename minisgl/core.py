@@ -157,6 +157,7 @@ class SamplingParams:
     lora_name: Optional[str] = None  # the LoRA adapter (by its registered name); None: none
     embed: bool = False  # the prompt's embedding, not text (see above)
     pooling: str = "last"  # how an embedding pools the prompt (one of POOLINGS)
+    normalize: bool = True  # an embedding L2-normalized (False: the pooled state as it is)
     # Read where the prompt is tokenized (the tokenizer process, `LLM`), not by the ranks.
     truncate_prompt_tokens: Optional[int] = None
     bad_words: Tuple[str, ...] = ()  # vLLM's: words the output never writes (as bad_word_ids)
@@ -272,6 +273,8 @@ class SamplingParams:
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got "
                              f"{self.pooling!r:.40}")
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be true or false, got {self.normalize!r:.40}")
         if (not isinstance(self.priority, int) or isinstance(self.priority, bool)
                 or not -2 ** 63 <= self.priority < 2 ** 63):  # what a message carries
             raise ValueError(f"priority must be a 64-bit integer, got {self.priority!r}")
@@ -730,9 +733,12 @@ class Batch:
 @dataclass(frozen=True)
 class PoolingParams:
     """vLLM's options of an embedding (`LLM.embed`'s pooling_params): `dimensions` cuts a
-    Matryoshka model's embeddings to their first values, normalized again (None: whole)."""
+    Matryoshka model's embeddings to their first values, normalized again (None: whole);
+    `normalize` False returns the pooled state as it is (None: the model's default,
+    models/pooling.Pooling.normalize)."""
 
     dimensions: Optional[int] = None
+    normalize: Optional[bool] = None
 
 
 @dataclass(frozen=True)

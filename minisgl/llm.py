@@ -739,15 +739,18 @@ class LLM:
             refusal = (f"this model is a sequence classifier "
                        f"({self.model_config.architecture}): use classify or score")
         dims = None if pooling_params is None else pooling_params.dimensions
+        normalize = (self._pooling.normalize if pooling_params is None
+                     or pooling_params.normalize is None else pooling_params.normalize)
         if refusal is None and dims is not None:
             refusal = dimensions_error(dims, self.model_config.matryoshka_dimensions,
                                        self.model_config.hidden_size)
         if refusal is not None:
             raise ValueError(refusal)
         ids = [self._encode(p) for p in _prompt_list(prompts)]
-        return [EmbeddingRequestOutput(rid, EmbeddingOutput(shortened(values, dims)), prompt)
+        return [EmbeddingRequestOutput(rid, EmbeddingOutput(shortened(values, dims, normalize)),
+                                       prompt)
                 for rid, values, prompt in self._pooled(ids, use_tqdm, lora_request,
-                                                        self._pooling.mode)]
+                                                        self._pooling.mode, normalize)]
 
     def classify(self, prompts: Union[Prompt, Sequence[Prompt]], *,
                  use_tqdm: Optional[bool] = None, lora_request: LoraRequests = None
@@ -806,13 +809,14 @@ class LLM:
             in enumerate(zip(firsts, seconds))]
 
     def _pooled(self, ids: List[List[int]], use_tqdm: Optional[bool],
-                lora_request: LoraRequests, pooling: str = "last"
+                lora_request: LoraRequests, pooling: str = "last", normalize: bool = True
                 ) -> List[Tuple[str, array, List[int]]]:
         """(request id, pooled values, prompt) of each prompt run as an embedding request
-        pooled as `pooling` says (CausalLM.pooled: an embedding, or a classifier's logits of
-        the last token), in order."""
+        pooled as `pooling` says (CausalLM.pooled: an embedding, normalized or not, or a
+        classifier's logits of the last token), in order."""
         params = self._with_lora([SamplingParams(max_tokens=1, temperature=0.0, embed=True,
-                                                 pooling=pooling)] * len(ids), lora_request)
+                                                 pooling=pooling, normalize=normalize)]
+                                 * len(ids), lora_request)
         collected = self._collected(ids, params, use_tqdm)
         out = []
         for k, final in enumerate(collected.finals):

@@ -161,6 +161,39 @@ def test_mean_and_cls_pooling_match_hf(tiny_model: Callable[..., Path], tmp_path
         torch.testing.assert_close(_vectors(again), want, atol=1e-5, rtol=1e-4)
 
 
+def test_embeddings_left_unnormalized_where_asked(tiny_model: Callable[..., Path],
+                                                   tmp_path: Path) -> None:
+    """normalize false, from --pooler-config (the model's default), PoolingParams or the
+    embeddings body (a request's own): the pooled state as transformers computes it, not
+    L2-normalized (a Matryoshka cut stays unnormalized too); the others normalized."""
+    import httpx
+    from server_helpers import CPU_ARGS, serving
+    from minisgl import PoolingParams
+    path = tiny_model("qwen3")
+    prompts = mixed_prompts(2, seed=21, lengths=(5, 14))
+    model = _hf_model(path)
+    with torch.no_grad():
+        raw = torch.stack([model.model(torch.tensor([p])).last_hidden_state[0].mean(0)
+                           for p in prompts])  # type: ignore
+    normed = torch.nn.functional.normalize(raw, dim=-1)
+    config = '{"pooling_type": "MEAN", "normalize": false}'
+    with LLM(str(path), device="cpu", max_kv_tokens=1024, show_progress=False,
+             pooler_config=config, hf_overrides='{"is_matryoshka": true}') as llm:
+        torch.testing.assert_close(_vectors(llm.embed(prompts)), raw, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(_vectors(llm.embed(prompts, pooling_params=PoolingParams(
+            normalize=True))), normed, atol=1e-5, rtol=1e-4)
+        cut = _vectors(llm.embed(prompts, pooling_params=PoolingParams(dimensions=8)))
+        torch.testing.assert_close(cut, raw[:, :8], atol=1e-5, rtol=1e-4)
+    with serving(["--model", str(path), *CPU_ARGS, "--pooler-config",
+                  '{"pooling_type": "MEAN"}'], tmp_path) as srv:
+        got = [httpx.post(f"{srv.url}/v1/embeddings", timeout=60, json={
+            "input": prompts, "normalize": flag}).json()["data"] for flag in (False, None)]
+    torch.testing.assert_close(torch.tensor([d["embedding"] for d in got[0]]), raw,
+                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.tensor([d["embedding"] for d in got[1]]), normed,
+                               atol=1e-5, rtol=1e-4)
+
+
 def test_served_embeddings_pool_as_the_model_does(tiny_model: Callable[..., Path],
                                                   tmp_path: Path) -> None:
     """Served, a mean-pooling model's /v1/embeddings, /pooling and /score pool by the mean
@@ -211,7 +244,8 @@ def test_pooling_the_model_does_not_use_is_refused_and_pooler_config_overrides(
                                    hf_pooled(model, prompts, "mean"), atol=1e-5, rtol=1e-4)
     for bad, named in (('{"pooling_type": "MAX"}', "pooling_type must be one of LAST, MEAN, "
                                                     "CLS, got 'MAX'"),
-                       ('{"normalize": false}', "normalize is not supported"),
+                       ('{"normalize": 1}', "normalize must be true or false"),
+                       ('{"softmax": true}', "softmax is not supported"),
                        ("[1]", "must be a JSON object")):
         with pytest.raises(ValueError, match=named):
             LLM(str(model), device="cpu", pooler_config=bad)

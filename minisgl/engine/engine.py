@@ -497,7 +497,10 @@ class Engine:
             self.pools.add(batch, hidden, chunks)
         if embed and self.cfg.tp_info.is_primary:
             picked = to_device([sampled.index(i) for i in embed], torch.int64, self.device)
-            embeddings = self.model.pooled(self._embedding_states(batch, last[picked], embed))
+            normalize = to_device([batch.reqs[i].params.normalize for i in embed], torch.bool,
+                                  self.device)
+            embeddings = self.model.pooled(self._embedding_states(batch, last[picked], embed),
+                                           normalize)
         plp = None if prompt is None else prompt_logprobs(self.model.lm_head, hidden, prompt,
                                                           self.cfg.tp_info.is_primary)
         return Forwarded(self.model.lm_head(last), rows, prompt, plp, embeddings, embed)

@@ -433,13 +433,17 @@ class CausalLM(nn.Module):
         c = self.cfg.classifier
         return self.cfg.tie_word_embeddings or (c is not None and not c.from_tokens)
 
-    def pooled(self, states: torch.Tensor) -> torch.Tensor:
-        """What an embedding request returns from its pooled final hidden state (its last
-        token's, or a mean: engine/pooling.py), float32: a classifier's logits [labels], else
-        the state L2-normalized (an embedding)."""
-        if self.score is None:
-            return torch.nn.functional.normalize(states.float(), dim=-1)
-        return self.score(states.to(self.score.weight.dtype)).float()
+    def pooled(self, states: torch.Tensor, normalize: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
+        """What embedding requests return from their pooled final hidden states [n, hidden]
+        (the last token's, or a mean: engine/pooling.py), float32: a classifier's logits
+        [labels], else the states L2-normalized (an embedding), each where `normalize` [n]
+        (bool; None: all) says."""
+        if self.score is not None:
+            return self.score(states.to(self.score.weight.dtype)).float()
+        states = states.float()
+        normed = torch.nn.functional.normalize(states, dim=-1)
+        return normed if normalize is None else torch.where(normalize[:, None], normed, states)
 
     def _score_from_rows(self, name: str, src: TensorSource) -> bool:
         """Build the classifier's head from the LM head's rows of its tokens where checkpoint

@@ -24,42 +24,60 @@ _VLLM_TYPES = {"LAST": "last", "MEAN": "mean", "CLS": "cls"}
 
 
 class Pooling(NamedTuple):
-    """A model's pooling for embeddings: `mode`, one of core.POOLINGS; `refusal`: why its
+    """A model's pooling for embeddings: `mode`, one of core.POOLINGS; `normalize`: its
+    embeddings L2-normalized (the default; a request may say otherwise); `refusal`: why its
     embeddings cannot be served (its pooling is none of those), or None."""
 
     mode: str = "last"
     refusal: Optional[str] = None
+    normalize: bool = True
 
 
-def parse_pooler_config(text: Optional[str]) -> Optional[str]:
-    """vLLM's --pooler-config JSON (`{"pooling_type": "MEAN"}`) -> our pooling mode (None:
-    not given, the model's own); ValueError naming a field or type minisgl does not take."""
+class PoolerChoice(NamedTuple):
+    """What --pooler-config sets (None: the model's own)."""
+
+    mode: Optional[str] = None
+    normalize: Optional[bool] = None
+
+
+def parse_pooler_config(text: Optional[str]) -> PoolerChoice:
+    """vLLM's --pooler-config JSON (`{"pooling_type": "MEAN", "normalize": false}`) -> our
+    pooling mode and normalization; ValueError naming a field or value minisgl does not
+    take."""
     if text is None:
-        return None
+        return PoolerChoice()
     try:
         config = json.loads(text)
     except ValueError as e:
         raise ValueError(f"pooler_config is not JSON: {e}") from None
     if not isinstance(config, dict):
         raise ValueError(f"pooler_config must be a JSON object, got {text!r:.80}")
-    other = sorted(set(config) - {"pooling_type"})
+    other = sorted(set(config) - {"pooling_type", "normalize"})
     if other:
         raise ValueError(f"pooler_config: {other[0]} is not supported (minisgl takes "
-                         f"pooling_type only)")
+                         f"pooling_type and normalize)")
     kind = config.get("pooling_type")
-    if not isinstance(kind, str) or kind.upper() not in _VLLM_TYPES:
+    if kind is not None and (not isinstance(kind, str) or kind.upper() not in _VLLM_TYPES):
         raise ValueError(f"pooler_config: pooling_type must be one of "
                          f"{', '.join(_VLLM_TYPES)}, got {kind!r:.40}")
-    return _VLLM_TYPES[kind.upper()]
+    normalize = config.get("normalize")
+    if normalize is not None and not isinstance(normalize, bool):
+        raise ValueError(f"pooler_config: normalize must be true or false, got "
+                         f"{normalize!r:.40}")
+    return PoolerChoice(None if kind is None else _VLLM_TYPES[kind.upper()], normalize)
 
 
 def model_pooling(model_dir: Path, pooler_config: Optional[str] = None) -> Pooling:
     """The pooling of the model at `model_dir`: `pooler_config`'s type where given
     (parse_pooler_config), else its sentence-transformers Pooling module's, else the last
-    token's."""
+    token's; normalized unless `pooler_config` says not."""
     chosen = parse_pooler_config(pooler_config)
-    if chosen is not None:
-        return Pooling(chosen)
+    pooling = _files_pooling(model_dir) if chosen.mode is None else Pooling(chosen.mode)
+    return pooling if chosen.normalize is None else pooling._replace(normalize=chosen.normalize)
+
+
+def _files_pooling(model_dir: Path) -> Pooling:
+    """The pooling model_dir's sentence-transformers files give (none: the last token's)."""
     modules_file = Path(model_dir) / "modules.json"
     if not modules_file.is_file():
         return Pooling()
@@ -96,12 +114,15 @@ def dimensions_error(dimensions: int, allowed: Optional[Tuple[int, ...]],
     return None
 
 
-def shortened(values: Sequence[float], dimensions: Optional[int]) -> List[float]:
-    """An embedding's first `dimensions` values, L2-normalized again (None: all of it, as
-    it is)."""
+def shortened(values: Sequence[float], dimensions: Optional[int], normalize: bool = True
+              ) -> List[float]:
+    """An embedding's first `dimensions` values, L2-normalized again where `normalize` (None:
+    all of it, as it is)."""
     if dimensions is None:
         return list(values)
     head = list(values[:dimensions])
+    if not normalize:
+        return head
     norm = math.sqrt(sum(v * v for v in head)) or 1.0
     return [v / norm for v in head]
 

@@ -39,6 +39,7 @@ from minisgl.message.startup import report_startup
 from minisgl.message.types import ReplyChunk
 from minisgl.models.classifier import Classifier, pair_score_error
 from minisgl.models.generation import SamplingDefaults
+from minisgl.models.pooling import Pooling
 from minisgl.server.admission import Deadline, overloaded
 from minisgl.server.anthropic_api import (CountTokensRequest, MessagesFormatter, MessagesRequest,
                                           count_tokens_prompt, messages_job)
@@ -101,7 +102,7 @@ class ApiConfig:
     max_file_bytes: int = 512 << 20  # the Files API's files held in all (batches_api.py)
     hidden_size: int = 0  # the model's: an embedding's length
     embedding_refusal: Optional[str] = None  # why embeddings cannot be served (pooling.py)
-    pooling: str = "last"  # how the model's embeddings pool the prompt (pooling.py)
+    pooling: Pooling = Pooling()  # how the model's embeddings pool the prompt (pooling.py)
     classifier: Optional[Classifier] = None  # a sequence classifier's head (classify.py)
     matryoshka: Optional[Tuple[int, ...]] = None  # ModelConfig.matryoshka_dimensions
     # clients must send it as a Bearer token, or as x-api-key on the Messages API (auth.py);
@@ -422,14 +423,14 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     async def score(request: Request) -> Response:
         body = parse_body(await json_body(request), ScoreRequest)
         lora = scoring_model(body.model)
-        pairs = score_pairs(body, cfg.classifier is not None, cfg.pooling)
+        pairs = score_pairs(body, cfg.classifier is not None, cfg.pooling.mode)
         job = client_id(request, with_lora(pairs.job, lora))
         return await run(request, ScoreFormatter(lora or cfg.model_name, job, pairs))
 
     async def rerank(request: Request) -> Response:
         body = parse_body(await json_body(request), RerankRequest)
         lora = scoring_model(body.model)
-        pairs = rerank_pairs(body, cfg.classifier is not None, cfg.pooling)
+        pairs = rerank_pairs(body, cfg.classifier is not None, cfg.pooling.mode)
         job = client_id(request, with_lora(pairs.job, lora))
         return await run(request, RerankFormatter(lora or cfg.model_name, job, pairs, body))
 
@@ -450,7 +451,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         if cfg.classifier is None and cfg.embedding_refusal is not None:
             raise ApiError(400, cfg.embedding_refusal, "model")
         job = client_id(request, with_lora(classify_job(
-            body, "pooling", "last" if cfg.classifier is not None else cfg.pooling), lora))
+            body, "pooling", "last" if cfg.classifier is not None else cfg.pooling.mode), lora))
         return await run(request, PoolingFormatter(lora or cfg.model_name, job))
 
     for path in CLASSIFY_PATHS:

@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, List, Literal, Optional, Tuple, Union
 
 from minisgl.core import SamplingParams
 from minisgl.message.types import ReplyChunk
-from minisgl.models.pooling import dimensions_error, shortened
+from minisgl.models.pooling import Pooling, dimensions_error, shortened
 from minisgl.server.protocol import ApiError, Body, Job, Prompt, checked_id, listed_prompts
 from minisgl.server.responses import Choice, Formatter
 
@@ -40,13 +40,17 @@ class EmbeddingRequest(Body):
     truncate_prompt_tokens: Optional[int] = None
     add_special_tokens: bool = True
     request_id: Optional[str] = None
+    normalize: Optional[bool] = None  # False: the pooled states as they are (None: the model's)
 
 
 def embeddings_job(body: EmbeddingRequest, hidden_size: int,
-                   matryoshka: Optional[Tuple[int, ...]] = None, pooling: str = "last") -> Job:
+                   matryoshka: Optional[Tuple[int, ...]] = None,
+                   pooling: Pooling = Pooling()) -> Job:
     """The requests of an embeddings body, pooled as `pooling` says (the model's:
-    models/pooling.py); ApiError(400) naming the field that cannot be served (an empty input, more than MAX_INPUTS inputs, `dimensions` the model does not
-    allow: `matryoshka`, pooling.dimensions_error; an unknown field)."""
+    models/pooling.py; `body.normalize` may override its normalization); ApiError(400)
+    naming the field that cannot be served (an empty input, more than MAX_INPUTS inputs,
+    `dimensions` the model does not allow: `matryoshka`, pooling.dimensions_error; an unknown
+    field)."""
     extra = sorted(body.model_extra or {})
     if extra:
         raise ApiError(400, f"{extra[0]} is not supported by this server's embeddings",
@@ -55,18 +59,20 @@ def embeddings_job(body: EmbeddingRequest, hidden_size: int,
              else dimensions_error(body.dimensions, matryoshka, hidden_size))
     if error is not None:
         raise ApiError(400, error, "dimensions")
+    normalize = pooling.normalize if body.normalize is None else body.normalize
     return embedding_job(listed_prompts(body.input, "input", body.add_special_tokens,
                                         MAX_INPUTS),
-                         body.truncate_prompt_tokens, body.request_id, pooling)
+                         body.truncate_prompt_tokens, body.request_id, pooling.mode, normalize)
 
 
 def embedding_job(prompts: List[Prompt], truncate: Optional[int],
-                  request_id: Optional[str], pooling: str = "last") -> Job:
+                  request_id: Optional[str], pooling: str = "last", normalize: bool = True
+                  ) -> Job:
     """One embedding request per prompt (in order), pooled as `pooling` says (one of
-    core.POOLINGS), each truncated to its last `truncate` tokens where given; ApiError(400)
-    naming a bad truncate_prompt_tokens or request_id."""
+    core.POOLINGS) and L2-normalized where `normalize`, each truncated to its last `truncate`
+    tokens where given; ApiError(400) naming a bad truncate_prompt_tokens or request_id."""
     params = SamplingParams(max_tokens=1, temperature=0.0, embed=True, pooling=pooling,
-                            truncate_prompt_tokens=truncate)
+                            normalize=normalize, truncate_prompt_tokens=truncate)
     try:
         params.validate()
     except ValueError as e:
@@ -96,6 +102,7 @@ class EmbeddingFormatter(Formatter):
                  dimensions: Optional[int] = None) -> None:
         super().__init__(model, job)
         self.encoding, self.dimensions = encoding, dimensions
+        self.normalize = job.params.normalize  # a cut embedding is normalized again, or not
 
     def full(self, choices: List[Choice]) -> Dict[str, Any]:
         tokens = sum(c.prompt_tokens for c in choices)
@@ -107,7 +114,7 @@ class EmbeddingFormatter(Formatter):
     def _vector(self, choice: Choice) -> Union[str, List[float]]:
         values = vector(choice)
         if self.dimensions is not None:
-            values = array("f", shortened(values, self.dimensions))
+            values = array("f", shortened(values, self.dimensions, self.normalize))
         if self.encoding == "base64":
             return base64.b64encode(values.tobytes()).decode("ascii")
         return values.tolist()

@@ -235,7 +235,7 @@ class Service:
                             max_lora_rank=c.engine.max_lora_rank,
                             incremental_streaming_output=c.incremental_streaming_output,
                             hidden_size=shape.hidden_size,
-                            embedding_refusal=pooling.refusal, pooling=pooling.mode,
+                            embedding_refusal=pooling.refusal, pooling=pooling,
                             matryoshka=shape.matryoshka_dimensions,
                             classifier=shape.classifier,
                             sampling_defaults=sampling_defaults(c.generation_config,
