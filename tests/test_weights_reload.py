@@ -170,7 +170,8 @@ def test_served_reload_answers_as_sglang_does(checkpoints: List[Path], tmp_path:
     """POST /update_weights_from_disk: success and the second checkpoint's tokens (HF's);
     another shape, an unknown load_format, a missing field: success false with why (400),
     the weights served unchanged; abort_all_requests ends a long request at once instead of
-    waiting for it; /get_model_info names the checkpoint served. The prefix cache flushed on
+    waiting for it, as SGLang's /abort_request ends one by its rid; /get_model_info names the
+    checkpoint served. The prefix cache flushed on
     its own (/flush_cache, /reset_prefix_cache); vLLM's /ping and SGLang's /health_generate
     (a one-token generation through every process)."""
     import threading
@@ -202,26 +203,37 @@ def test_served_reload_answers_as_sglang_does(checkpoints: List[Path], tmp_path:
             assert says in r.json()["message"], r.text
         assert post("/update_weights_from_disk", {}).status_code == 400
         assert generate()["output_ids"] == hf_greedy(b, [prompt], 10)[0]
-        chunks: List[dict] = []
-        started = threading.Event()
-
-        def stream_long() -> None:  # SGLang's stream: data lines of the output so far
-            body = {"input_ids": prompt, "stream": True, "sampling_params": {
+        def stream_long(chunks: List[dict], started: threading.Event) -> threading.Thread:
+            """A long streamed generation of rid "roll-1" (SGLang's data lines of the output
+            so far) on a thread; `started` once its first chunk came."""
+            body = {"input_ids": prompt, "stream": True, "rid": "roll-1", "sampling_params": {
                 "max_new_tokens": 460, "temperature": 0, "ignore_eos": True}}
-            with httpx.stream("POST", f"{srv.url}/generate", json=body, timeout=120) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        chunks.append(json.loads(line[6:]))
-                        started.set()
-        worker = threading.Thread(target=stream_long)
-        worker.start()
-        assert started.wait(60)
-        r = post("/update_weights_from_disk", {"model_path": str(a),
-                                               "abort_all_requests": True})
-        worker.join(60)
-        assert r.json()["success"] is True and not worker.is_alive()
-        assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort", chunks[-1]
-        assert len(chunks[-1]["output_ids"]) < 460
+
+            def run() -> None:
+                with httpx.stream("POST", f"{srv.url}/generate", json=body, timeout=120) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            chunks.append(json.loads(line[6:]))
+                            started.set()
+            worker = threading.Thread(target=run)
+            worker.start()
+            assert started.wait(60)
+            return worker
+
+        for stop in ({"model_path": str(a), "abort_all_requests": True}, {"rid": "roll-1"}):
+            chunks: List[dict] = []
+            worker = stream_long(chunks, threading.Event())
+            if "rid" in stop:  # SGLang's /abort_request by the request's rid
+                assert post("/abort_request", {"rid": "other"}).status_code == 200
+                r = post("/abort_request", stop)
+            else:
+                r = post("/update_weights_from_disk", stop)
+                assert r.json()["success"] is True
+            worker.join(60)
+            assert r.status_code == 200 and not worker.is_alive()
+            assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort", chunks[-1]
+            assert len(chunks[-1]["output_ids"]) < 460
+        assert post("/abort_request", {}).status_code == 400
         assert generate()["output_ids"] == hf_greedy(a, [prompt], 10)[0]
         # the prefix cache flushed (SGLang's GET or POST /flush_cache, vLLM's reset)
         assert srv.wait_metrics(lambda m: m["minisgl_kv_pages_cached"] > 0

@@ -329,7 +329,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     adapters = loras.paths  # changes as adapters load and unload
     install_adapter_routes(app, loras, json_body)
     weights = Weights(streams, cfg.replicas, cfg.weights_path)  # its path follows reloads
-    install_state_routes(app, weights, json_body)
+    install_state_routes(app, streams, weights, json_body)
     app.state.self_url = ""  # serve_forever sets it: the batches' requests go there
     batches = Batches(cfg.max_file_bytes, cfg.api_key)
     install_batch_routes(app, batches, lambda: str(app.state.self_url), json_body)

@@ -1,5 +1,5 @@
-"""The served state changed over HTTP: the weights reloaded from a checkpoint, and the prefix
-cache flushed.
+"""The served state changed over HTTP: the weights reloaded from a checkpoint, running requests
+aborted by id, and the prefix cache flushed.
 
 The weights, as SGLang's endpoint does it (RL loops push each training step's checkpoint to
 the server this way):
@@ -11,6 +11,10 @@ its running requests finish (or, with abort_all_requests, they end with finish_r
 "abort"), holds new ones, reloads on all of its ranks or none, drops its prefix cache and
 answers. Where some replica failed and others reloaded, those go back to the checkpoint served
 before, so every replica serves the same weights. Reloads run one at a time (a lock).
+
+Requests: SGLang's POST /abort_request {"rid"} ends the running request of that id (its
+`rid`, or the X-Request-Id it came with), {"abort_all": true} every one; the clients get
+finish_reason "abort" (what RL loops do with the rollouts of a step they cut short).
 
 The prefix cache: SGLang's /flush_cache (GET or POST; 200 with a line of text) and vLLM's
 POST /reset_prefix_cache (200, empty) drop every cached page no running request holds, on
@@ -36,6 +40,11 @@ class UpdateWeightsBody(Body):
     model_path: str
     load_format: Optional[str] = None  # SGLang's: "auto" (the directory's safetensors) only
     abort_all_requests: bool = False  # SGLang's: end the running requests instead of waiting
+
+
+class AbortBody(Body):
+    rid: str = ""
+    abort_all: bool = False
 
 
 class Weights:
@@ -72,16 +81,23 @@ class Weights:
         return await self.streams.apply_change(lambda uid: WeightsMsg(uid, path), replicas)
 
 
-def install_state_routes(app: App, weights: Weights,
+def install_state_routes(app: App, streams: RequestStreams, weights: Weights,
                          read_body: Callable[[Request], Awaitable[bytes]]) -> None:
-    """SGLang's POST /update_weights_from_disk and /flush_cache, vLLM's /reset_prefix_cache
-    (see the module's docstring); `read_body`: a JSON body's bytes (api.json_body: 415 for
+    """SGLang's POST /update_weights_from_disk, /abort_request and /flush_cache, vLLM's
+    /reset_prefix_cache (see the module's docstring); `read_body`: a JSON body's bytes (api.json_body: 415 for
     another content type)."""
-    app.body_models.append(UpdateWeightsBody)
+    app.body_models += [UpdateWeightsBody, AbortBody]
+
+    @app.post("/abort_request", openapi_extra=body_schema(AbortBody))
+    async def abort_request(request: Request) -> Response:
+        body = parse_body(await read_body(request), AbortBody)
+        if not body.abort_all and not body.rid:
+            raise ApiError(400, "abort_request needs a rid, or abort_all", "rid")
+        streams.abort_all(None if body.abort_all else body.rid)
+        return Response(status_code=200)
 
     async def flush() -> None:
-        replicas = list(range(weights.replicas))
-        await weights.streams.apply_change(FlushCacheMsg, replicas)
+        await streams.apply_change(FlushCacheMsg, list(range(weights.replicas)))
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:

@@ -54,6 +54,7 @@ class RequestStream:
     unfinished: Set[int] = field(default_factory=set)
     last_token_at: Dict[int, float] = field(default_factory=dict)
     measured: bool = True  # counts in the latency and finish metrics (generation does)
+    request_id: Optional[str] = None  # the client's (SGLang's rid, X-Request-Id): abort_request
     # how `release` counts the uids still running: "timeout" once the request's deadline passed
     abort_reason: str = "abort"
 
@@ -102,7 +103,8 @@ class RequestStreams:
             raise overloaded("the tokenizer's queue is full") from None
 
     def submit(self, job: Job) -> RequestStream:
-        stream = RequestStream([next(self._uids) for _ in range(len(job.prompts) * job.n)])
+        stream = RequestStream([next(self._uids) for _ in range(len(job.prompts) * job.n)],
+                               request_id=job.request_id)
         try:
             self.queued.admit(stream.uids)
         except ApiError as e:
@@ -169,10 +171,11 @@ class RequestStreams:
             self.release(stream)
         return [errors[i] for i in range(len(replicas))]
 
-    def abort_all(self) -> int:
-        """Abort every running generation request (their clients get finish_reason "abort");
-        how many."""
+    def abort_all(self, request_id: Optional[str] = None) -> int:
+        """Abort every running generation request, or (`request_id`) those of the client's
+        request of that id; their clients get finish_reason "abort". How many."""
         uids = sorted({uid for stream in self._streams.values() if stream.measured
+                       and (request_id is None or stream.request_id == request_id)
                        for uid in stream.unfinished})
         self._abort(uids)
         return len(uids)
