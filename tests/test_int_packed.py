@@ -223,8 +223,8 @@ def test_dummy_packed_weights(tiny_model: Callable[..., Path], tmp_path: Path) -
     model = model_class(cfg.architecture)(cfg, info, Communicator(info),
                                           ints=int_plan(cfg.int_quant, None))
     init_dummy(model, seed=0)
-    layer = model.model.layers[0].mlp.down_proj
-    x = torch.eye(layer.g_idx.shape[0])
+    layer = model.model.layers[0].mlp.down_proj.to(DEV)  # the kernel (on a CPU: interpreted)
+    x = torch.eye(layer.g_idx.shape[0], device=DEV)
     w = layer(x, False)  # the dequantized weight, transposed
     assert 0.015 < float(w.std()) < 0.025 and abs(float(w.mean())) < 0.005
 
