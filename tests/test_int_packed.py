@@ -26,7 +26,7 @@ from hf_reference import hf_greedy, mixed_prompts  # noqa: E402
 from test_int_weights import _write  # noqa: E402
 
 from minisgl import LLM, SamplingParams  # noqa: E402
-from minisgl.distributed import Communicator, DistributedInfo  # noqa: E402
+from minisgl.distributed import Communicator, DistributedInfo, Shard  # noqa: E402
 from minisgl.layers import packed  # noqa: E402
 from minisgl.layers.fp8 import Fp8Spec  # noqa: E402
 from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
@@ -173,10 +173,10 @@ def test_packed_moe_experts_equal_the_dequantized_ones(
 def test_packed_experts_split_by_expert_parallelism_sum_to_all(
         tiny_model: Callable[..., Path], tmp_path: Path) -> None:
     """With expert parallelism each rank of tp=2 packs 4 of the 8 experts whole; the fused
-    grouped GEMMs over a rank's packed experts (owned_routing) and its layer's torch path,
+    grouped GEMMs over a rank's packed experts (owned_topk) and its layer's torch path,
     summed over the ranks, equal the dense experts of all."""
     from minisgl.kernels import moe
-    from minisgl.layers.moe import experts_torch, route
+    from minisgl.layers.moe import experts_torch, owned_topk, route
     path = tmp_path / "int"
     _write(tiny_model("qwen3_moe"), path, tmp_path / "dense", "gptq", 4, True,
            shared_order=True)
@@ -189,7 +189,7 @@ def test_packed_experts_split_by_expert_parallelism_sum_to_all(
         layer = packed_model.model.layers[0].mlp
         gemms = layer.experts.packed_gemms()
         assert gemms is not None and gemms[0].qweight.shape[0] == 4
-        owned = moe.owned_routing(moe.routing_of(*topk, 8), 4 * rank, 4)
+        owned = moe.routing_of(*owned_topk(topk, Shard(4 * rank, 4)), 5, owned=4)
         fused.append(moe.fused_packed_experts(x, owned, *gemms))
         torch_path.append(layer.partial(x))
     dense = _models(path, 0, 1)[1].model.layers[0].mlp

@@ -22,9 +22,9 @@ if not torch.cuda.is_available():
 
 from hf_reference import hf_greedy, mixed_prompts  # noqa: E402
 from minisgl import LLM, SamplingParams  # noqa: E402
-from minisgl.distributed import Communicator, DistributedInfo  # noqa: E402
+from minisgl.distributed import Communicator, DistributedInfo, Shard  # noqa: E402
 from minisgl.layers.experts import expert_param  # noqa: E402
-from minisgl.layers.moe import experts_torch, route  # noqa: E402
+from minisgl.layers.moe import experts_torch, owned_topk, route  # noqa: E402
 from minisgl.models import ModelConfig, model_class  # noqa: E402
 from minisgl.models.weights import iter_checkpoint  # noqa: E402
 
@@ -314,14 +314,15 @@ def test_fused_experts_match_torch(tokens: int, hidden: int, inter: int, experts
 
 def test_fused_experts_of_each_ranks_own_experts_sum_to_all() -> None:
     """Expert parallelism in the kernels: each of 3 ranks runs only the pairs of its own
-    experts (owned_routing: the rest go to an expert no block runs, their rows zero), and the
+    experts (owned_topk: the rest go to an expert no block runs, their rows zero), and the
     ranks' outputs sum to the fused experts of all (packed experts: test_int_packed.py)."""
     from minisgl.kernels import moe
     t = _layer(9, 64, 32, 6, torch.float32)
-    routing = moe.routing_of(*route(t["logits"], 2, True), 6)
+    topk = route(t["logits"], 2, True)
     tiles = moe.moe_tiles(9, 2, 6)
-    whole = moe.fused_experts(t["x"], routing, t["w13"], t["w2"], tiles)
-    parts = [moe.fused_experts(t["x"], moe.owned_routing(routing, 2 * r, 2),
+    whole = moe.fused_experts(t["x"], moe.routing_of(*topk, 6), t["w13"], t["w2"], tiles)
+    parts = [moe.fused_experts(t["x"], moe.routing_of(*owned_topk(topk, Shard(2 * r, 2)), 3,
+                                                      owned=2),
                                t["w13"][2 * r:2 * r + 2], t["w2"][2 * r:2 * r + 2], tiles)
              for r in range(3)]
     torch.testing.assert_close(sum(parts), whole, rtol=1e-5, atol=1e-5)

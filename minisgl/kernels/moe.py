@@ -69,7 +69,7 @@ def moe_tiles(rows: int, top_k: int, num_experts: int) -> MoETiles:
 class Routing(NamedTuple):
     """Each row's chosen experts and weights, and what `align` sorts them by. `owned`: the
     experts that run here are 0 .. owned - 1, and expert `owned` stands for every other
-    rank's (expert parallelism: `owned_routing`); None: all of them run here."""
+    rank's (expert parallelism: `routing_of`); None: all of them run here."""
 
     weights: torch.Tensor  # [M, k] float32
     ids: torch.Tensor  # [M, k] int32, each row's experts in descending weight
@@ -156,26 +156,19 @@ def _count_kernel(ids_ptr, counts_ptr, ranks_ptr, pairs, BLOCK: tl.constexpr):
     tl.store(ranks_ptr + offs, ranks, mask=live)
 
 
-def routing_of(weights: torch.Tensor, ids: torch.Tensor, num_experts: int) -> Routing:
+def routing_of(weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
+               owned: Optional[int] = None) -> Routing:
     """The Routing of experts chosen elsewhere (ids [M, k], weights [M, k]): their counts and
-    ranks, as `route` makes them."""
+    ranks, as `route` makes them. `owned` (expert parallelism: layers/moe.owned_topk made the
+    choices): experts 0 .. owned - 1 run here, expert `owned` = num_experts - 1 holds the
+    pairs of other ranks' experts, which `align` lays out no block for."""
     ids = ids.to(torch.int32).contiguous()
     counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
     ranks = torch.empty_like(ids)
     if ids.numel():
         _count_kernel[(triton.cdiv(ids.numel(), _COUNT_BLOCK),)](
             ids, counts, ranks, ids.numel(), BLOCK=_COUNT_BLOCK)
-    return Routing(weights.float().contiguous(), ids, counts, ranks)
-
-
-def owned_routing(routing: Routing, first: int, count: int) -> Routing:
-    """This rank's part of `routing` under expert parallelism, where it holds experts
-    [first, first + count): their pairs renumbered from 0, every other pair sent to expert
-    `count` (no block runs it: `align`) with weight 0."""
-    ids = routing.ids - first
-    mine = (ids >= 0) & (ids < count)
-    return routing_of(torch.where(mine, routing.weights, 0.0),
-                      torch.where(mine, ids, count), count + 1)._replace(owned=count)
+    return Routing(weights.float().contiguous(), ids, counts, ranks, owned)
 
 
 @triton.jit

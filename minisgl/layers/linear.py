@@ -510,6 +510,12 @@ class RowParallelLinear(_QuantizableLayer):
         takes_quantized), [M, N] in `dtype`: as forward(x, reduce=False)."""
         return self._quantized_product(a, dtype, None)
 
+    def partial_lora(self, x: torch.Tensor, rows: LoraRows) -> torch.Tensor:
+        """forward(x, reduce=False) plus the LoRA deltas of the tokens `rows` names (each
+        rank's share: the all-reduce sums them)."""
+        partial = self(x, reduce=False)
+        return partial if self.lora is None else self.lora.add_delta(partial, x, rows)
+
     def forward_stream(self, x: torch.Tensor, residual: Optional[torch.Tensor],
                        lora: Optional[LoraRows] = None) -> ResidualStream:
         """The residual stream after this layer on x: ResidualStream(forward(x,
@@ -517,8 +523,7 @@ class RowParallelLinear(_QuantizableLayer):
         the partial product (each rank's share: the all-reduce sums them), or (FP8,
         `takes_quantized`) `forward_quantized_stream` of x quantized per token."""
         if lora is not None and self.lora is not None:
-            partial = self.lora.add_delta(self(x, reduce=False), x, lora)
-            return ResidualStream(partial, residual, self)
+            return ResidualStream(self.partial_lora(x, lora), residual, self)
         if self.takes_quantized(x):
             from minisgl.kernels import fp8
             a = fp8.quantize_tokens(x.reshape(-1, x.shape[-1]).contiguous(), None)

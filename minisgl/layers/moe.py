@@ -68,7 +68,8 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> TopK:
 
 def owned_topk(topk: TopK, owned: Shard) -> TopK:
     """The choices of the experts `owned` holds (expert parallelism), renumbered from 0; every
-    other choice becomes expert `owned.size`, weight 0, which `experts_torch_by` skips."""
+    other choice becomes expert `owned.size`, weight 0, which `experts_torch_by` skips and
+    the fused kernels lay out no block for (kernels/moe.routing_of's `owned`)."""
     ids = topk.ids - owned.start
     mine = (ids >= 0) & (ids < owned.size)
     return TopK(torch.where(mine, topk.weights, 0.0), torch.where(mine, ids, owned.size))
@@ -148,9 +149,7 @@ class SharedExpert(nn.Module):
             return self.down_proj(act_and_mul(self.gate_up_proj(x), SILU, self.policy),
                                   reduce=False)
         gated = act_and_mul(self.gate_up_proj.forward_lora(x, lora), SILU, self.policy)
-        partial = self.down_proj(gated, reduce=False)
-        slots = self.down_proj.lora
-        return partial if slots is None else slots.add_delta(partial, gated, lora)
+        return self.down_proj.partial_lora(gated, lora)
 
 
 class SparseMoE(nn.Module):
@@ -195,7 +194,8 @@ class SparseMoE(nn.Module):
             from minisgl.kernels import moe
             routing = moe.route(logits, top_k, renorm)
             if owned.size != self.shape.num_experts:
-                routing = moe.owned_routing(routing, owned.start, owned.size)
+                mine = owned_topk(TopK(routing.weights, routing.ids), owned)
+                routing = moe.routing_of(mine.weights, mine.ids, owned.size + 1, owned.size)
             tiles = moe.moe_tiles(x.shape[0], top_k, self.shape.num_experts)
             gemms = experts.packed_gemms()
             out = (moe.fused_packed_experts(x, routing, *gemms, tiles) if gemms is not None
