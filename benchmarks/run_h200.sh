@@ -45,6 +45,14 @@ if [ "$MODE" = s34 ]; then  # the thirty-fourth session's GPU cases (~6 min): Lo
   step s34_kernels 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_ops.py tests/test_fp8_kernels.py -k "act or gate_up"
   step s34_packed 120 python3 -m pytest -q -p no:cacheprovider tests/test_int_packed.py tests/test_moe.py -k "lora or parallelism or own_experts"
 fi
+if [ "$MODE" = s35 ]; then  # the thirty-fifth session's first lease (~8 min): every kernel test on
+  # CUDA (the windowed / soft-capped attention of the thirty-first session had not run there),
+  # Gemma end to end through the GELU kernels, and which CUDA toolchain the image has
+  export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache
+  step kernel_tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_triton_ops.py tests/test_triton_attention.py
+  step sliding_engine 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "sliding or rope_variants"
+  step toolchain 30 bash -c 'which nvcc ptxas; ls -d /usr/local/cuda* 2>&1; python3 -c "from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME)"'
+fi
 if [ "$MODE" = int4 ]; then  # packed 4-bit weights: Llama-3.1-8B's shape in bf16 and dummy AWQ
   step latency_8b_bf16 300 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --steps 50
   step latency_8b_awq 300 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b-awq --steps 50
