@@ -58,6 +58,14 @@ if [ "$MODE" = int4 ]; then  # packed 4-bit weights: Llama-3.1-8B's shape in bf1
   step latency_8b_awq 300 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b-awq --steps 50
   step offline_8b_awq 400 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b-awq --load-format dummy
 fi
+if [ "$MODE" = int4tune ]; then  # the packed product rewritten (thirty-fifth session): its tests on
+  # CUDA, its tiles at one token and at decode batches, then the 8B AWQ shape's steps (~8 min)
+  export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache
+  step int_packed_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_int_packed.py tests/test_moe.py -k "int or packed"
+  step int_sweep_1 150 python3 scripts/bench_kernels.py --what intlinear --linear-rows 1 --int-sweep
+  step int_sweep_b 120 python3 scripts/bench_kernels.py --what intlinear --linear-rows 16,137 --int-sweep
+  step latency_8b_awq 120 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b-awq --steps 50
+fi
 if [ "$MODE" = kernels ]; then  # attention tiles, batch-1 projections, prefill GEMMs
   step kernels_8b 300 python3 scripts/bench_kernels.py --model configs/models/llama-3.1-8b
 fi

@@ -23,6 +23,9 @@ a few replays; every call reads inputs larger than the L2 cache, as in a real st
   SiLU; tp 1) with FP8 weights over their rows (pairs) per program and warps.
 - `silu`: the FP8 MLP's quantizing SiLU-and-mul on an unscaled gate/up product at each
   --linear-rows, over its (columns per pass, warps).
+- `intlinear`: every projection (tp 1) with 4-bit packed weights in groups of 128 (AWQ's
+  layout after loading) at each --linear-rows: bf16 cuBLAS for reference, int_mm at its
+  default tiles, and with --int-sweep every tile of its sweep (the split of K at each).
 - `moe`: one MoE layer of the model (a mixture-of-experts config) at each of --moe-rows token
   rows: the fused kernel with its default tiles (kernels/moe.py) and its pieces; with
   --moe-sweep, every tile of the sweep for each grouped GEMM.
@@ -45,10 +48,12 @@ import triton
 from minisgl.kernels import activation, gemv, moe, rmsnorm
 from minisgl.kernels import fp8 as fp8_kernels
 from minisgl.kernels.attention import decode_attention, extend_attention
+from minisgl.kernels.int_mm import IntTiles, int_mm
 from minisgl.kernels.rotary import rotary_qk_
 from minisgl.kernels.types import (DecodeTiles, ExtendTiles, GemmTiles, KVStore, KVTarget,
                                    QKVRope)
 from minisgl.layers.fp8 import Fp8Spec, Fp8Weight, rowwise_product
+from minisgl.layers.packed import pack, unpack
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.models.config import ModelConfig
 
@@ -83,6 +88,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--moe-tp", type=int, default=1, help="moe: this rank's expert slice of tp")
     p.add_argument("--fp8-sweep", action="store_true",
                    help="fp8linear: sweep the Triton scaled GEMM's tiles")
+    p.add_argument("--int-sweep", action="store_true",
+                   help="intlinear: sweep the packed product's tiles and K splits")
     p.add_argument("--moe-sweep", action="store_true",
                    help="moe: also time every tile of the sweep for each grouped GEMM")
     return p.parse_args(argv)
@@ -577,6 +584,77 @@ def _random_fp8_weight(n: int, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows(w)
 
 
+# --- packed integer weights ----------------------------------------------------------------------
+def int_sweep(rows: int) -> Iterator[IntTiles]:
+    """The packed product's tiles timed with --int-sweep at `rows` token rows."""
+    if rows == 1:
+        for block_n, block_k, warps, stages, split in itertools.product(
+                (16, 32, 64), (64, 128), (2, 4), (2, 4), (1, 2, 4, 8)):
+            yield IntTiles(1, block_n, block_k, warps, stages, split)
+        return
+    block_m = min(128, max(16, triton.next_power_of_2(rows)))
+    for block_n, block_k, split in itertools.product((32, 64, 128), (64, 128), (1, 2, 4)):
+        yield IntTiles(block_m, block_n, block_k, 4 if block_m <= 64 else 8, 3, split)
+
+
+def _random_packed(n: int, k: int, group: int
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random 4-bit packed weight [n, k] (qweight, scales, zeros, g_idx) in groups of
+    `group`, on the GPU."""
+    values = torch.randint(0, 16, (k, n), device="cuda")
+    scales = torch.rand((k // group, n), device="cuda") * 0.004
+    zeros = torch.full((k // group, n), 8.0, device="cuda", dtype=torch.float16)
+    g_idx = (torch.arange(k, device="cuda") // group).to(torch.int32)
+    return pack(values, 4), scales, zeros, g_idx
+
+
+def bench_int_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
+    """See the module's doc (`intlinear`). tb_s counts the packed weight's bytes (half a byte
+    a weight, scales and zero points beside)."""
+    group = 128
+    for rows in args.linear_rows:
+        for name, n, k in projections(cfg, 1):
+            if name == "lm_head":
+                continue
+            nbytes = n * k // 2 + (k // group) * n * 6
+            copies = max(2, -(-(512 << 20) // nbytes))
+            ws = [_random_packed(n, k, group) for _ in range(copies)]
+            x = torch.randn((rows, k), dtype=torch.bfloat16, device="cuda")
+            case = {"proj": name, "rows": rows, "n": n, "k": k}
+            dense = [torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
+                     for _ in range(max(2, -(-(512 << 20) // (n * k * 2))))]
+
+            def bf16_cublas(st: Iterator[torch.Tensor] = iter(itertools.cycle(dense))
+                            ) -> torch.Tensor:
+                return torch.nn.functional.linear(x, next(st))
+            us = time_graph(bf16_cublas, len(dense), args.reps)
+            report("intlin", {**case, "impl": "bf16_cublas"}, us,
+                   tb_s=round(n * k * 2 / us / 1e6, 2))
+            del dense, bf16_cublas
+            q, sc, z, gi = ws[0]
+            ref = x.float() @ ((unpack(q, 4, k).float() - 8.0) * sc[gi.long()])
+            choices: List[Optional[IntTiles]] = [None]
+            if args.int_sweep:
+                choices += list(int_sweep(rows))
+            for tiles in choices:
+                state = iter(itertools.cycle(ws))
+
+                def run(t: Optional[IntTiles] = tiles) -> None:
+                    int_mm(x, *next(state), 4, tiles=t, group_size=group)
+                try:
+                    us = time_graph(run, copies, args.reps)
+                    err = (int_mm(x, *ws[0], 4, tiles=tiles, group_size=group).float()
+                           - ref).abs().max().item()
+                except Exception as exc:
+                    print(f"intlin {name} rows={rows} {tiles}: {type(exc).__name__}: "
+                          f"{str(exc)[:120]}")
+                    continue
+                label = "default" if tiles is None else "m{}n{}k{}w{}s{}x{}".format(*tiles)
+                report("intlin", {**case, "impl": label}, us,
+                       tb_s=round(nbytes / us / 1e6, 2), max_err=round(err, 4))
+            del ws
+
+
 # --- mixture of experts ---------------------------------------------------------------------------
 def moe_sweep(block_m: int) -> Iterator[GemmTiles]:
     """The grouped GEMM tiles timed with --moe-sweep for blocks of `block_m` rows."""
@@ -682,6 +760,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         bench_decode(shape, args)
     if "extend" in what:
         bench_extend(shape, args)
+    if "intlinear" in what:
+        bench_int_linear(cfg, args)
     if "moe" in what:
         bench_moe(cfg, args)
 

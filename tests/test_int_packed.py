@@ -39,11 +39,20 @@ from minisgl.models.weights import init_dummy, iter_checkpoint  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# (block_m, block_k, split_k): the tensor-core path and the one-row path (block_m 1), each
+# whole and with K split over programs (partials summed by the second kernel)
+_TILES = [(16, 32, 1), (16, 32, 3), (1, 32, 1), (1, 16, 4)]
+
+
+@pytest.mark.parametrize("tiles", _TILES, ids=lambda t: f"m{t[0]}k{t[1]}s{t[2]}")
 @pytest.mark.parametrize("bits,k,groups,act_order", [(4, 100, 7, True), (8, 64, 4, False),
-                                                     (4, 37, 1, False)])
+                                                     (4, 37, 1, False), (4, 128, 4, False)])
 def test_int_mm_equals_the_dequantized_product(bits: int, k: int, groups: int,
-                                               act_order: bool) -> None:
-    """K not a whole number of words (37 = 4.6 words of 8) nor of tiles; a bias."""
+                                               act_order: bool, tiles: Tuple[int, int, int]
+                                               ) -> None:
+    """K not a whole number of words (37 = 4.6 words of 8) nor of tiles; a bias; groups in
+    runs (told to the kernel by group_run: one row of scales a tile where a run holds whole
+    tiles) and permuted (read per input)."""
     from minisgl.kernels.int_mm import IntTiles, int_mm
     g = torch.Generator().manual_seed(bits + k)
     n, m = 40, 5
@@ -57,23 +66,37 @@ def test_int_mm_equals_the_dequantized_product(bits: int, k: int, groups: int,
     x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
     args = [t.to(DEV) for t in (x, packed.pack(values, bits), scales, zeros,
                                 group.to(torch.int32))]
-    out = int_mm(*args, bits, bias.to(DEV), IntTiles(16, 16, 32, 4, 2))
+    block_m, block_k, split = tiles
+    out = int_mm(*args, bits, bias.to(DEV), IntTiles(block_m, 16, block_k, 4, 2, split),
+                 group_size=packed.group_run(group))
     torch.testing.assert_close(out.cpu(), x @ weight.t() + bias, rtol=1e-5, atol=1e-5)
+
+
+def test_group_run_finds_groups_in_order() -> None:
+    """Runs of a power of two (one group: the next power of two of K); anything else 0."""
+    assert packed.group_run(torch.arange(256) // 128) == 128
+    assert packed.group_run(torch.zeros(100, dtype=torch.int64)) == 128
+    assert packed.group_run(torch.arange(128) * 4 // 128) == 32
+    assert packed.group_run(torch.arange(100) * 7 // 100) == 0  # runs of 14 / 15
+    assert packed.group_run((torch.arange(256) + 64) // 128) == 0  # a shard inside a group
+    assert packed.group_run(torch.arange(256).flip(0) // 128) == 0  # act-order
 
 
 @pytest.mark.parametrize("m", [1, 70])
 def test_int_mm_default_tiles(m: int) -> None:
-    """The tiles the GPU runs (int_tiles: 16 rows at decode, 128 at prefill) over a weight of
-    whole and partial tiles."""
-    from minisgl.kernels.int_mm import int_mm
+    """The tiles the GPU runs (int_tiles: the one-row path at one token, K split to fill the
+    machine; 128 rows at prefill) over a weight of whole and partial tiles, groups of 64 in
+    order."""
+    from minisgl.kernels.int_mm import int_mm, int_tiles
     g = torch.Generator().manual_seed(m)
     k, n, groups = 320, 192, 5
     values = torch.randint(0, 16, (k, n), generator=g)
     group = torch.arange(k) // 64
     scales, zeros = torch.rand(groups, n, generator=g) * 0.02, torch.full((groups, n), 8.0)
     x = torch.randn(m, k, generator=g)
+    assert int_tiles(m, n, k, 64).block_k == 64
     out = int_mm(*(t.to(DEV) for t in (x, packed.pack(values, 4), scales, zeros.half(),
-                                       group.to(torch.int32))), 4)
+                                       group.to(torch.int32))), 4, group_size=64)
     weight = (values.float() - 8.0) * scales[group]
     torch.testing.assert_close(out.cpu(), x @ weight, rtol=1e-5, atol=1e-5)
 

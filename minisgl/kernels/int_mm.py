@@ -29,56 +29,139 @@ from minisgl.kernels.dot import dot, f32_dot, swizzled_tile
 
 
 class IntTiles(NamedTuple):
+    """The packed product's tiling. `block_m` < 16: the one-row path (no tensor cores: a
+    decode step of one token is pure weight streaming); `split_k` > 1: programs split K too,
+    each writing a float32 partial that a second kernel sums in a fixed order (deterministic),
+    for products whose outputs alone give too few programs to stream the weight."""
+
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1
 
 
-def int_tiles(m: int) -> IntTiles:
-    """Tiles by the batch's rows: a decode batch of a few rows wastes little of a 16-row tile
-    (not yet tuned on a GPU)."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    return IntTiles(block_m, 64 if m <= 64 else 128, 64, 4 if block_m <= 64 else 8, 3)
+# The programs a product wants in flight to stream its weight at the memory's rate: about four
+# a multiprocessor of an H100 / H200 (132).
+_PROGRAMS = 512
+
+
+def int_tiles(m: int, n: int, k: int, group_size: int = 0) -> IntTiles:
+    """Tiles by the batch's rows (not yet tuned on a GPU): one row takes the no-tensor-core
+    path, a decode batch of a few rows wastes little of a 16-row tile; K tiles no wider than
+    a run of `group_size` inputs a group (int_mm's), so that each reads one row of scales; K
+    is split where the outputs give fewer than `_PROGRAMS` programs."""
+    if m == 1:
+        tiles = IntTiles(1, 32, 128, 4, 3)
+    else:
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+        tiles = IntTiles(block_m, 64 if m <= 64 else 128, 64, 4 if block_m <= 64 else 8, 3)
+    if group_size >= 16 and not group_size & (group_size - 1):
+        tiles = tiles._replace(block_k=min(tiles.block_k, group_size))
+    programs = triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n)
+    split = max(1, min(_PROGRAMS // programs, triton.cdiv(k, 4 * tiles.block_k)))
+    return tiles._replace(split_k=split)
 
 
 @triton.jit
-def _int_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, m, n, k, stride_xm,
-                   stride_qk, stride_sg, stride_om, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SWIZZLE: tl.constexpr):
-    """One [BLOCK_M, BLOCK_N] tile of out: each K tile's weights unpacked from their words
-    (a word serves P consecutive inputs), dequantized by their group's scale and zero point,
-    and multiplied."""
+def packed_values(q_ptr, k0, word_rows, cols, col_ok, stride_qk, BITS: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Inputs [k0, k0 + BLOCK_K) of columns `cols` as [BLOCK_K, BLOCK_N] integers, from the
+    BLOCK_K / P words that hold them (k0 and BLOCK_K multiples of P = 32 / BITS; words past
+    `word_rows` read as zeros): each word is loaded once and shifted P ways."""
     PER_WORD: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
+    at = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+    words = tl.load(q_ptr + at.to(tl.int64)[:, None] * stride_qk + cols[None, :],
+                    mask=(at < word_rows)[:, None] & col_ok[None, :], other=0,
+                    eviction_policy="evict_first")
+    shifts = tl.arange(0, PER_WORD) * BITS
+    q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+    return tl.reshape(q, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def group_params(s_ptr, z_ptr, g_ptr, k0, k, cols, col_ok, stride_sg, BLOCK_K: tl.constexpr,
+                 GROUP: tl.constexpr):
+    """Scales and zero points (float32) of inputs [k0, k0 + BLOCK_K): GROUP > 0 (inputs in
+    runs of GROUP a group, GROUP a multiple of BLOCK_K): the tile's one group, [1, BLOCK_N];
+    GROUP 0: each input's group read from g_idx, [BLOCK_K, BLOCK_N] (zero past k)."""
+    if GROUP > 0:
+        at = (k0 // GROUP) * stride_sg + cols[None, :]
+        mask = col_ok[None, :]
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        groups = tl.load(g_ptr + kk, mask=kk < k, other=0).to(tl.int64)
+        at = groups[:, None] * stride_sg + cols[None, :]
+        mask = (kk < k)[:, None] & col_ok[None, :]
+    s = tl.load(s_ptr + at, mask=mask, other=0.0)
+    z = tl.load(z_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
+def _rows_product(a, q, s, z, GROUP: tl.constexpr):
+    """a [BLOCK_M, BLOCK_K] (float32) times the tile's dequantized weights, without tensor
+    cores. One group a tile: s * (a q - z sum(a)), the integers' products scaled once per
+    column (as the batch-1 FP8 GEMV scales its sums), not each weight dequantized."""
+    if GROUP > 0:
+        t = tl.sum(a[:, :, None] * q.to(tl.float32)[None, :, :], axis=1)
+        return s * (t - tl.sum(a, axis=1)[:, None] * z)
+    else:
+        w = (q.to(tl.float32) - z) * s
+        return tl.sum(a[:, :, None] * w[None, :, :], axis=1)
+
+
+@triton.jit
+def _int_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, m, n, k, k_split,
+                   stride_xm, stride_qk, stride_sg, stride_om, stride_os, BITS: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                   SWIZZLE: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of out over inputs [s k_split, (s + 1) k_split) for split
+    s = program_id(1) (into out + s stride_os): each K tile's weights unpacked from their
+    words, dequantized by their group's scale and zero point (rounded to x's dtype for the
+    tensor cores), and multiplied."""
     pid_m, pid_n = swizzled_tile(tl.program_id(0), m, n, BLOCK_M, BLOCK_N, SWIZZLE)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < m
     col_ok = cols < n
     ks = tl.arange(0, BLOCK_K)
+    word_rows = tl.cdiv(k, 32 // BITS)
+    k_lo = tl.program_id(1) * k_split
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
+    for k0 in range(k_lo, tl.minimum(k, k_lo + k_split), BLOCK_K):
         kk = k0 + ks
-        in_k = kk < k
         a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + kk[None, :],
-                    mask=row_ok[:, None] & in_k[None, :], other=0.0)
-        w_mask = in_k[:, None] & col_ok[None, :]
-        words = tl.load(q_ptr + (kk // PER_WORD).to(tl.int64)[:, None] * stride_qk
-                        + cols[None, :], mask=w_mask, other=0)
-        q = (words >> ((kk % PER_WORD) * BITS)[:, None]) & MASK
-        group = tl.load(g_ptr + kk, mask=in_k, other=0).to(tl.int64)
-        at = group[:, None] * stride_sg + cols[None, :]
-        s = tl.load(s_ptr + at, mask=w_mask, other=0.0)
-        z = tl.load(z_ptr + at, mask=w_mask, other=0.0).to(tl.float32)
-        w = ((q.to(tl.float32) - z) * s).to(a.dtype)
-        acc += dot(a, w, F32_DOT)
+                    mask=row_ok[:, None] & (kk < k)[None, :], other=0.0)
+        q = packed_values(q_ptr, k0, word_rows, cols, col_ok, stride_qk, BITS, BLOCK_K,
+                          BLOCK_N)
+        s, z = group_params(s_ptr, z_ptr, g_ptr, k0, k, cols, col_ok, stride_sg, BLOCK_K,
+                            GROUP)
+        if BLOCK_M >= 16:
+            acc += dot(a, ((q.to(tl.float32) - z) * s).to(a.dtype), F32_DOT)
+        else:
+            acc += _rows_product(a.to(tl.float32), q, s, z, GROUP)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    out = (out_ptr + tl.program_id(1) * stride_os + rows.to(tl.int64)[:, None] * stride_om
+           + cols[None, :])
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(parts_ptr, bias_ptr, out_ptr, size, n, splits, HAS_BIAS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """out = the sum of the `splits` float32 partials [splits, size] in order, + bias."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < size
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(splits):
+        acc += tl.load(parts_ptr + s * size + i, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + i % n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def check_packed(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -99,23 +182,46 @@ def check_packed(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                          f"{want}; got {qweight.dtype} {shapes}")
 
 
+def _group_run(group_size: int, k: int, block_k: int) -> int:
+    """The kernel's GROUP for a caller's `group_size` (g_idx[i] == i // group_size for every
+    input; 0: unknown) and tile width: the run itself where whole tiles fit in it, else 0
+    (each input's group read from g_idx)."""
+    return group_size if group_size and group_size % block_k == 0 else 0
+
+
 def int_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
            g_idx: torch.Tensor, bits: int, bias: Optional[torch.Tensor] = None,
-           tiles: Optional[IntTiles] = None) -> torch.Tensor:
+           tiles: Optional[IntTiles] = None, group_size: int = 0) -> torch.Tensor:
     """x [M, K] times the packed weight (see the module's docstring) transposed, plus bias:
-    [M, N] in x's dtype. ValueError naming the shapes where the parts do not fit."""
+    [M, N] in x's dtype. `group_size`: the caller's word that g_idx[i] == i // group_size
+    for every input (layers/packed.group_run; 0: not known, g_idx is read per input).
+    ValueError naming the shapes where the parts do not fit."""
     m, k = x.shape
     n = qweight.shape[1]
     check_packed(x, qweight, scales, zeros, g_idx, bits)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    tiles = tiles or int_tiles(m)
-    grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n),)
+    tiles = tiles or int_tiles(m, n, k, group_size)
+    per_word = 32 // bits
+    if tiles.block_k % per_word:
+        raise ValueError(f"{bits}-bit words hold {per_word} inputs: a K tile of "
+                         f"{tiles.block_k} is not a whole number of words")
+    k_split = triton.cdiv(triton.cdiv(k, tiles.split_k), tiles.block_k) * tiles.block_k
+    splits = triton.cdiv(k, k_split)
+    parts = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32,
+                                                device=x.device)
+    grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n), splits)
     _int_mm_kernel[grid](
-        x, qweight, scales, zeros, g_idx, bias if bias is not None else scales, out, m, n, k,
-        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), BITS=bits,
-        HAS_BIAS=bias is not None, F32_DOT=f32_dot(x), BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SWIZZLE=8, num_warps=tiles.num_warps,
+        x, qweight, scales, zeros, g_idx, bias if bias is not None else scales, parts, m, n, k,
+        k_split, x.stride(0), qweight.stride(0), scales.stride(0), n, m * n, BITS=bits,
+        HAS_BIAS=bias is not None and splits == 1, F32_DOT=f32_dot(x), BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        GROUP=_group_run(group_size, k, tiles.block_k), SWIZZLE=8, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
+    if splits > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            parts, bias if bias is not None else parts, out, m * n, n, splits,
+            HAS_BIAS=bias is not None, BLOCK=block)
     return out

@@ -38,7 +38,7 @@ import triton.language as tl
 from minisgl.kernels.activation import ACT_SILU, gated_f32
 from minisgl.kernels.dot import dot, f32_dot
 from minisgl.kernels.fp8 import Quantized, quantize_groups, quantize_tokens
-from minisgl.kernels.int_mm import check_packed
+from minisgl.kernels.int_mm import check_packed, group_params, packed_values
 from minisgl.kernels.types import FP8, ExpertScales, GemmTiles, MoETiles, PackedGemm
 
 _COUNT_BLOCK = 1024  # pairs per program of the count and scatter kernels
@@ -326,17 +326,14 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ptr, expert_id
 
 
 @triton.jit
-def _int_tile(q_ptr, s_ptr, z_ptr, kk, groups, cols, mask, stride_qk, stride_sg,
-              BITS: tl.constexpr, dtype: tl.constexpr):
-    """A [BLOCK_K, BLOCK_N] tile of packed integer weights (inputs kk of columns cols, each
-    input's group in `groups`), dequantized in float32 and rounded to `dtype`."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    words = tl.load(q_ptr + (kk // PER_WORD).to(tl.int64)[:, None] * stride_qk + cols[None, :],
-                    mask=mask, other=0)
-    q = (words >> ((kk % PER_WORD) * BITS)[:, None]) & ((1 << BITS) - 1)
-    at = groups[:, None] * stride_sg + cols[None, :]
-    s = tl.load(s_ptr + at, mask=mask, other=0.0)
-    z = tl.load(z_ptr + at, mask=mask, other=0.0).to(tl.float32)
+def _int_tile(q_ptr, s_ptr, z_ptr, g_ptr, k0, k, cols, col_ok, stride_qk, stride_sg,
+              BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+              dtype: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] tile of one expert's packed integer weights (inputs from k0 of
+    columns cols; g_ptr: the expert's g_idx), dequantized in float32 and rounded to `dtype`."""
+    q = packed_values(q_ptr, k0, tl.cdiv(k, 32 // BITS), cols, col_ok, stride_qk, BITS,
+                      BLOCK_K, BLOCK_N)
+    s, z = group_params(s_ptr, z_ptr, g_ptr, k0, k, cols, col_ok, stride_sg, BLOCK_K, 0)
     return ((q.to(tl.float32) - z) * s).to(dtype)
 
 
@@ -364,17 +361,15 @@ def _grouped_int_gemm_kernel(a_ptr, q_ptr, s_ptr, z_ptr, g_ptr, c_ptr, weights_p
     z_ptr += expert * stride_se
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    g_ptr += expert * k
     for k0 in range(0, k, BLOCK_K):
-        kk = k0 + red
-        in_k = kk < k
-        a = tl.load(a_ptrs, mask=live[:, None] & in_k[None, :], other=0.0)
-        w_mask = in_k[:, None] & col_ok[None, :]
-        groups = tl.load(g_ptr + expert * k + kk, mask=in_k, other=0).to(tl.int64)
-        acc += dot(a, _int_tile(q_ptr, s_ptr, z_ptr, kk, groups, cols, w_mask, stride_qk,
-                                stride_sg, BITS, a.dtype), F32_DOT)
+        a = tl.load(a_ptrs, mask=live[:, None] & (k0 + red < k)[None, :], other=0.0)
+        acc += dot(a, _int_tile(q_ptr, s_ptr, z_ptr, g_ptr, k0, k, cols, col_ok, stride_qk,
+                                stride_sg, BITS, BLOCK_K, BLOCK_N, a.dtype), F32_DOT)
         if GATED:
-            acc_up += dot(a, _int_tile(q_ptr, s_ptr, z_ptr, kk, groups, cols + n, w_mask,
-                                       stride_qk, stride_sg, BITS, a.dtype), F32_DOT)
+            acc_up += dot(a, _int_tile(q_ptr, s_ptr, z_ptr, g_ptr, k0, k, cols + n, col_ok,
+                                       stride_qk, stride_sg, BITS, BLOCK_K, BLOCK_N, a.dtype),
+                          F32_DOT)
         a_ptrs += BLOCK_K
     _finish_block(acc, acc_up, c_ptr, weights_ptr, pair, live, cols, col_ok, stride_cm, GATED,
                   MUL_WEIGHT)

@@ -80,6 +80,7 @@ class _PackedView:
     zeros: torch.Tensor
     g_idx: torch.Tensor
     groups_loaded: bool = False
+    group_run: int = 0  # not kept: the grouped GEMMs read g_idx
 
 
 class Experts(nn.Module):

@@ -120,6 +120,7 @@ class _QuantizableLayer(nn.Module):
     zeros: torch.Tensor
     g_idx: torch.Tensor
     groups_loaded: bool
+    group_run: int
     bias: Optional[torch.Tensor]
     policy: KernelPolicy
     blas_by_rows: Dict[int, str]
@@ -129,6 +130,7 @@ class _QuantizableLayer(nn.Module):
         if self.packed is not None:
             packed_weights.make_buffers(self, self.packed, out_features, inputs, in_full)
             self.groups_loaded = False
+            self.group_run = 0
         elif self.fp8 is None:
             self.weight = _empty(out_features, inputs.size)
         else:
@@ -151,7 +153,8 @@ class _QuantizableLayer(nn.Module):
         """The packed integers the layer multiplies by; None where it holds none."""
         if self.packed is None:
             return None
-        return PackedWeight(self.qweight, self.scales, self.zeros, self.g_idx, self.packed)
+        return PackedWeight(self.qweight, self.scales, self.zeros, self.g_idx, self.packed,
+                            self.group_run)
 
     def _product(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """x W^T + bias by whatever the layer holds: packed integers, else `project`."""

@@ -84,6 +84,7 @@ class PackedWeight(NamedTuple):
     zeros: torch.Tensor
     g_idx: torch.Tensor
     spec: PackedSpec
+    group_run: int = 0  # `group_run(g_idx)`: g_idx[i] == i // group_run (0: read g_idx)
 
 
 def make_buffers(module: nn.Module, spec: PackedSpec, out_features: int, inputs: Shard,
@@ -133,6 +134,7 @@ class PackedLayer(Protocol):
     zeros: torch.Tensor
     g_idx: torch.Tensor
     groups_loaded: bool  # g_idx holds a loaded part's groups (False once built)
+    group_run: int  # group_run(g_idx) of what was loaded (0 once built)
 
 
 def load_columns(layer: PackedLayer, spec: PackedSpec, src: TensorSource, start: int,
@@ -153,6 +155,7 @@ def load_columns(layer: PackedLayer, spec: PackedSpec, src: TensorSource, start:
     if not layer.groups_loaded:
         layer.g_idx.data.copy_(g_idx)
         layer.groups_loaded = True
+        layer.group_run = group_run(block.groups)
     elif not torch.equal(layer.g_idx.data, g_idx):
         raise ValueError(f"{what}: its inputs' groups (act-order g_idx) differ from the other "
                          f"parts' of this fused layer, which share one")
@@ -173,6 +176,22 @@ def load_rows(layer: PackedLayer, spec: PackedSpec, src: TensorSource, start: in
     copy_into(layer.zeros.data[:hi - lo], block.zeros[lo:hi], f"{what} (zeros)")
     layer.g_idx.data.copy_((block.groups - lo).to(torch.int32))
     layer.groups_loaded = True
+    layer.group_run = group_run(block.groups - lo)
+
+
+def group_run(groups: torch.Tensor) -> int:
+    """R where groups[i] == i // R for every input i, R a power of two of at least 16 (a
+    run of R inputs a group, in order: the kernel then reads one row of scales a tile); 0
+    where there is no such R (act-order, a shard starting inside a group, odd sizes)."""
+    k = groups.numel()
+    if k == 0:
+        return 0
+    groups = groups.to(torch.int64).cpu()
+    ones = torch.nonzero(groups == 1)
+    run = int(ones[0, 0]) if ones.numel() else 1 << max(4, (k - 1).bit_length())
+    if run < 16 or run & (run - 1):
+        return 0
+    return run if torch.equal(groups, torch.arange(k) // run) else 0
 
 
 def unpack(qweight: torch.Tensor, bits: int, k: int) -> torch.Tensor:
@@ -202,6 +221,7 @@ def fill_random(layer: PackedLayer, spec: PackedSpec, gen: torch.Generator, std:
     layer.scales.data.fill_(std * (12.0 ** 0.5) / top)  # uniform over top steps: that std
     layer.g_idx.data.zero_()
     layer.groups_loaded = True
+    layer.group_run = group_run(layer.g_idx.new_zeros(layer.g_idx.shape))
 
 
 def linear(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -210,5 +230,6 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor]) -> to
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
-    out = int_mm(rows, w.qweight, w.scales, w.zeros, w.g_idx, w.spec.bits, bias)
+    out = int_mm(rows, w.qweight, w.scales, w.zeros, w.g_idx, w.spec.bits, bias,
+                 group_size=w.group_run)
     return out.view(*x.shape[:-1], out.shape[-1])
