@@ -158,6 +158,7 @@ def test_packed_projections_equal_the_dequantized_ones(
         dense = dict(_projections(dense_model))
         for name, layer in layers:
             assert not hasattr(layer, "weight") and layer.qweight.dtype == torch.int32
+            assert layer.group_run == (0 if act_order else 16), name  # packed.group_run
             x = torch.randn(3, layer.g_idx.shape[0], generator=g).to(DEV)
             args = (x, False) if isinstance(layer, RowParallelLinear) else (x,)
             torch.testing.assert_close(layer(*args), dense[name](*args), rtol=1e-5,
@@ -184,6 +185,8 @@ def test_packed_moe_experts_equal_the_dequantized_ones(
         layer, dense = packed_model.model.layers[0].mlp, dense_model.model.layers[0].mlp
         gemms = layer.experts.packed_gemms()
         assert gemms is not None and not hasattr(layer.experts, "w13")
+        # groups in order: one row of scales a K tile where the tile fits in a group
+        assert [w.group_run for w in gemms] == [0 if act_order else 16] * 2
         x = torch.randn(9, 64, generator=g).to(DEV)
         topk = route(torch.randn(9, 8, generator=g).to(DEV), 2, True)
         want = experts_torch(x, topk, dense.experts.w13, dense.experts.w2)

@@ -328,12 +328,13 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ptr, expert_id
 @triton.jit
 def _int_tile(q_ptr, s_ptr, z_ptr, g_ptr, k0, k, cols, col_ok, stride_qk, stride_sg,
               BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-              dtype: tl.constexpr):
+              GROUP: tl.constexpr, dtype: tl.constexpr):
     """A [BLOCK_K, BLOCK_N] tile of one expert's packed integer weights (inputs from k0 of
-    columns cols; g_ptr: the expert's g_idx), dequantized in float32 and rounded to `dtype`."""
+    columns cols; g_ptr: the expert's g_idx; GROUP: int_mm.group_params'), dequantized in
+    float32 and rounded to `dtype`."""
     q = packed_values(q_ptr, k0, tl.cdiv(k, 32 // BITS), cols, col_ok, stride_qk, BITS,
                       BLOCK_K, BLOCK_N)
-    s, z = group_params(s_ptr, z_ptr, g_ptr, k0, k, cols, col_ok, stride_sg, BLOCK_K, 0)
+    s, z = group_params(s_ptr, z_ptr, g_ptr, k0, k, cols, col_ok, stride_sg, BLOCK_K, GROUP)
     return ((q.to(tl.float32) - z) * s).to(dtype)
 
 
@@ -344,7 +345,8 @@ def _grouped_int_gemm_kernel(a_ptr, q_ptr, s_ptr, z_ptr, g_ptr, c_ptr, weights_p
                              A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
                              MUL_WEIGHT: tl.constexpr, F32_DOT: tl.constexpr,
                              BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                             GROUP: tl.constexpr):
     """`_grouped_gemm_kernel` over packed integer experts (layers/experts.py's layout, that of
     kernels/int_mm.py per expert): q [E, K / P, n or 2n] int32, scales and zeros [E, G, n or
     2n], g [E, K] each input's group; with GATED the up projection's columns follow the
@@ -365,10 +367,11 @@ def _grouped_int_gemm_kernel(a_ptr, q_ptr, s_ptr, z_ptr, g_ptr, c_ptr, weights_p
     for k0 in range(0, k, BLOCK_K):
         a = tl.load(a_ptrs, mask=live[:, None] & (k0 + red < k)[None, :], other=0.0)
         acc += dot(a, _int_tile(q_ptr, s_ptr, z_ptr, g_ptr, k0, k, cols, col_ok, stride_qk,
-                                stride_sg, BITS, BLOCK_K, BLOCK_N, a.dtype), F32_DOT)
+                                stride_sg, BITS, BLOCK_K, BLOCK_N, GROUP, a.dtype), F32_DOT)
         if GATED:
             acc_up += dot(a, _int_tile(q_ptr, s_ptr, z_ptr, g_ptr, k0, k, cols + n, col_ok,
-                                       stride_qk, stride_sg, BITS, BLOCK_K, BLOCK_N, a.dtype),
+                                       stride_qk, stride_sg, BITS, BLOCK_K, BLOCK_N, GROUP,
+                                       a.dtype),
                           F32_DOT)
         a_ptrs += BLOCK_K
     _finish_block(acc, acc_up, c_ptr, weights_ptr, pair, live, cols, col_ok, stride_cm, GATED,
@@ -484,7 +487,8 @@ def grouped_int_gemm(a: torch.Tensor, w: PackedGemm, aligned: Aligned, pairs: in
         w.qweight.stride(0), w.qweight.stride(1), w.scales.stride(0), w.scales.stride(1),
         out.stride(0), A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=weights is not None,
         F32_DOT=f32_dot(a), BITS=w.bits, BLOCK_M=aligned.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m, num_warps=tiles.num_warps,
+        BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+        GROUP=w.group_run if w.group_run % tiles.block_k == 0 else 0, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     return out
 

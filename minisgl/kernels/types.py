@@ -144,6 +144,7 @@ class PackedGemm(NamedTuple):
     zeros: torch.Tensor  # [E, G, N] float16
     g_idx: torch.Tensor  # [E, K] int32
     bits: int
+    group_run: int = 0  # g[e, k] == k // group_run for every expert (0: read g_idx)
 
 
 class PeerBuffers(NamedTuple):

@@ -25,7 +25,7 @@ columns (gate's, then up's) and w2's inputs with the groups they use.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -80,7 +80,12 @@ class _PackedView:
     zeros: torch.Tensor
     g_idx: torch.Tensor
     groups_loaded: bool = False
-    group_run: int = 0  # not kept: the grouped GEMMs read g_idx
+    group_run: int = 0
+
+
+def _common_run(runs: List[int]) -> int:
+    """The group run every expert shares (layers/packed.group_run), else 0."""
+    return runs[0] if runs and all(r == runs[0] for r in runs) else 0
 
 
 class Experts(nn.Module):
@@ -147,18 +152,28 @@ class Experts(nn.Module):
             self.register_buffer("z" + name, torch.zeros(e, groups, n, dtype=torch.float16))
             self.register_buffer("g" + name, torch.zeros(e, k, dtype=torch.int32))
         self.loaded13 = [False] * e  # each expert's w13 groups set by its first part
+        # each expert's layers/packed.group_run per GEMM, as loaded (0: not loaded)
+        self.runs: Dict[str, List[int]] = {"13": [0] * e, "2": [0] * e}
 
     def _view(self, gemm: str, expert: int) -> _PackedView:
         q, s, z, g = (getattr(self, t + gemm)[expert] for t in "qszg")
-        return _PackedView(q, s, z, g, gemm == "13" and self.loaded13[expert])
+        return _PackedView(q, s, z, g, gemm == "13" and self.loaded13[expert],
+                           self.runs[gemm][expert])
+
+    def _keep(self, gemm: str, expert: int, view: _PackedView) -> None:
+        """What loading or filling `view` learnt of the expert's groups."""
+        self.runs[gemm][expert] = view.group_run
+        if gemm == "13":
+            self.loaded13[expert] = view.groups_loaded
 
     def packed_gemms(self) -> Optional[Tuple[PackedGemm, PackedGemm]]:
         """The packed experts' two GEMMs for the fused kernels; None unless packed."""
         if self.packed is None:
             return None
         bits = self.packed.bits
-        return (PackedGemm(self.q13, self.s13, self.z13, self.g13, bits),
-                PackedGemm(self.q2, self.s2, self.z2, self.g2, bits))
+        run13, run2 = (_common_run(self.runs[gemm]) for gemm in ("13", "2"))
+        return (PackedGemm(self.q13, self.s13, self.z13, self.g13, bits, run13),
+                PackedGemm(self.q2, self.s2, self.z2, self.g2, bits, run2))
 
     def _make_scales(self, spec: Fp8Spec, shape: ExpertsShape, tp: int) -> None:
         """The scales of the `shape.num_experts` experts held, each split over `tp` ranks."""
@@ -228,9 +243,11 @@ class Experts(nn.Module):
         if self.packed is not None and param == "w13":
             view = self._view("13", expert)
             packed.load_columns(view, self.packed, src, s.start, s.stop, half * s.size, what)
-            self.loaded13[expert] = view.groups_loaded
+            self._keep("13", expert, view)
         elif self.packed is not None and param == "w2":
-            packed.load_rows(self._view("2", expert), self.packed, src, s.start, s.stop, what)
+            view = self._view("2", expert)
+            packed.load_rows(view, self.packed, src, s.start, s.stop, what)
+            self._keep("2", expert, view)
         elif param in ("w13", "w2"):
             rows = (self.w13.data[expert, half * s.size:(half + 1) * s.size] if param == "w13"
                     else self.w2.data[expert])
@@ -285,7 +302,9 @@ class Experts(nn.Module):
         if self.packed is not None:
             for e in range(self.q13.shape[0]):
                 for gemm in ("13", "2"):
-                    packed.fill_random(self._view(gemm, e), self.packed, gen, std)
+                    view = self._view(gemm, e)
+                    packed.fill_random(view, self.packed, gen, std)
+                    self._keep(gemm, e, view)
             return
         spec = self.fp8
         if spec is None:
