@@ -72,6 +72,29 @@ def test_int_mm_equals_the_dequantized_product(bits: int, k: int, groups: int,
     torch.testing.assert_close(out.cpu(), x @ weight.t() + bias, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int_mm_from_dense_rows_is_the_dequantized_product(act_order: bool) -> None:
+    """From DENSE_ROWS rows: the weight dequantized into a scratch (groups in runs or
+    permuted), then one dense product, with a bias."""
+    from minisgl.kernels.int_mm import DENSE_ROWS, dequantized, int_mm
+    g = torch.Generator().manual_seed(3)
+    k, n, groups, m = 192, 136, 3, DENSE_ROWS + 3
+    values = torch.randint(0, 16, (k, n), generator=g)
+    group = torch.arange(k) // 64
+    if act_order:
+        group = group[torch.randperm(k, generator=g)]
+    scales = torch.rand(groups, n, generator=g) * 0.02
+    zeros = torch.randint(0, 16, (groups, n), generator=g).half()
+    weight = (values.float() - zeros.float()[group]) * scales[group]
+    x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    args = [t.to(DEV) for t in (packed.pack(values, 4), scales, zeros, group.to(torch.int32))]
+    run = packed.group_run(group)
+    assert run == (0 if act_order else 64)
+    torch.testing.assert_close(dequantized(torch.float32, *args, 4, run).cpu(), weight)
+    out = int_mm(x.to(DEV), *args, 4, bias.to(DEV), group_size=run)
+    torch.testing.assert_close(out.cpu(), x @ weight + bias, rtol=1e-5, atol=1e-5)
+
+
 def test_group_run_finds_groups_in_order() -> None:
     """Runs of a power of two (one group: the next power of two of K); anything else 0."""
     assert packed.group_run(torch.arange(256) // 128) == 128

@@ -1,6 +1,9 @@
 """The product by packed integer weights (AWQ, GPTQ, compressed-tensors W4A16 / W8A16,
-repacked at load by layers/packed.py): out = x W^T + b with W dequantized tile by tile in
-registers, never whole in memory.
+repacked at load by layers/packed.py): out = x W^T + b. Up to `DENSE_ROWS` rows W is
+dequantized tile by tile in registers, never whole in memory (one row: without tensor cores,
+K split over programs); from there (prefill chunks, the largest decode batches) the product is
+compute-bound and cuBLAS's on W dequantized once into a scratch [K, N] beats any dequantizing
+tile (vLLM's AWQ path chooses the same at 256 rows).
 
 The weight of N outputs and K inputs is held as
 - `qweight` [ceil(K / P), N] int32: P = 32 / bits values a word along the inputs, input k of
@@ -11,7 +14,8 @@ The weight of N outputs and K inputs is held as
 - `g_idx` [K] int32: each input's group (act-order checkpoints permute them; else k // size).
 W[n, k] = (q[k, n] - zeros[g_idx[k], n]) * scales[g_idx[k], n], in float32, then rounded to x's
 dtype for the tensor-core product (as a dense checkpoint dequantized to that dtype is), which
-accumulates in float32.
+accumulates in float32. The one-row path multiplies x by (q - zero) unrounded and scales each
+group's sum once, as the batch-1 FP8 GEMV does.
 
 Nothing reads a value back to the host, so decode CUDA graphs capture it. This module imports
 triton: only GPU paths (and the CPU interpreter tests) import it.
@@ -42,26 +46,32 @@ class IntTiles(NamedTuple):
     split_k: int = 1
 
 
-# The programs a product wants in flight to stream its weight at the memory's rate: about four
-# a multiprocessor of an H100 / H200 (132).
-_PROGRAMS = 512
+# Rows from which the product is cuBLAS's on W dequantized into a scratch (module doc).
+DENSE_ROWS = 256
+# Programs a product wants in flight, K split to reach them (at most 8 ways at one row, 4 with
+# tensor cores): Llama-3.1-8B's projections at 4 bits, groups of 128, on an H100 (one row: QKV
+# 13.4 us at 8 splits against 40.1 unsplit, down 26.7 against 132.4, gate/up 38.7 at 4 or 8;
+# RESULTS.md, thirty-fifth session).
+_PROGRAMS = 2048
 
 
 def int_tiles(m: int, n: int, k: int, group_size: int = 0) -> IntTiles:
-    """Tiles by the batch's rows (not yet tuned on a GPU): one row takes the no-tensor-core
-    path, a decode batch of a few rows wastes little of a 16-row tile; K tiles no wider than
-    a run of `group_size` inputs a group (int_mm's), so that each reads one row of scales; K
-    is split where the outputs give fewer than `_PROGRAMS` programs."""
+    """Tiles by the batch's rows: one row takes the no-tensor-core path (64 columns, 128
+    inputs, 2 warps: the sweep's best at every projection), a decode batch of a few rows
+    wastes little of a 16-row tile; K tiles no wider than a run of `group_size` inputs a
+    group (int_mm's), so that each reads one row of scales; K is split where the outputs give
+    fewer than `_PROGRAMS` programs."""
     if m == 1:
-        tiles = IntTiles(1, 32, 128, 4, 3)
+        tiles, most = IntTiles(1, 64, 128, 2, 2), 8
     else:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
         tiles = IntTiles(block_m, 64 if m <= 64 else 128, 64, 4 if block_m <= 64 else 8, 3)
+        most = 4
     if group_size >= 16 and not group_size & (group_size - 1):
         tiles = tiles._replace(block_k=min(tiles.block_k, group_size))
     programs = triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n)
-    split = max(1, min(_PROGRAMS // programs, triton.cdiv(k, 4 * tiles.block_k)))
-    return tiles._replace(split_k=split)
+    split = min(most, _PROGRAMS // programs, triton.cdiv(k, 2 * tiles.block_k))
+    return tiles._replace(split_k=max(1, split))
 
 
 @triton.jit
@@ -78,6 +88,14 @@ def packed_values(q_ptr, k0, word_rows, cols, col_ok, stride_qk, BITS: tl.conste
     shifts = tl.arange(0, PER_WORD) * BITS
     q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
     return tl.reshape(q, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def centred(q, z):
+    """q - z in float32 (exact: both whole numbers below 2^8) for integers q and float32 zero
+    points z: q's bits put in the mantissa of 2^23 (an OR, where an int-to-float conversion
+    runs at a quarter of the ALU's rate on Hopper) and 2^23 + z subtracted."""
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - (z + 8388608.0)
 
 
 @triton.jit
@@ -102,14 +120,12 @@ def group_params(s_ptr, z_ptr, g_ptr, k0, k, cols, col_ok, stride_sg, BLOCK_K: t
 @triton.jit
 def _rows_product(a, q, s, z, GROUP: tl.constexpr):
     """a [BLOCK_M, BLOCK_K] (float32) times the tile's dequantized weights, without tensor
-    cores. One group a tile: s * (a q - z sum(a)), the integers' products scaled once per
-    column (as the batch-1 FP8 GEMV scales its sums), not each weight dequantized."""
+    cores. One group a tile: s * (a (q - z)), the products scaled once per column (as the
+    batch-1 FP8 GEMV scales its sums), not each weight."""
     if GROUP > 0:
-        t = tl.sum(a[:, :, None] * q.to(tl.float32)[None, :, :], axis=1)
-        return s * (t - tl.sum(a, axis=1)[:, None] * z)
+        return s * tl.sum(a[:, :, None] * centred(q, z)[None, :, :], axis=1)
     else:
-        w = (q.to(tl.float32) - z) * s
-        return tl.sum(a[:, :, None] * w[None, :, :], axis=1)
+        return tl.sum(a[:, :, None] * (centred(q, z) * s)[None, :, :], axis=1)
 
 
 @triton.jit
@@ -140,7 +156,7 @@ def _int_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, m, n, k
         s, z = group_params(s_ptr, z_ptr, g_ptr, k0, k, cols, col_ok, stride_sg, BLOCK_K,
                             GROUP)
         if BLOCK_M >= 16:
-            acc += dot(a, ((q.to(tl.float32) - z) * s).to(a.dtype), F32_DOT)
+            acc += dot(a, (centred(q, z) * s).to(a.dtype), F32_DOT)
         else:
             acc += _rows_product(a.to(tl.float32), q, s, z, GROUP)
     if HAS_BIAS:
@@ -148,6 +164,24 @@ def _int_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, m, n, k
     out = (out_ptr + tl.program_id(1) * stride_os + rows.to(tl.int64)[:, None] * stride_om
            + cols[None, :])
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _dequantize_kernel(q_ptr, s_ptr, z_ptr, g_ptr, w_ptr, n, k, stride_qk, stride_sg,
+                       BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP: tl.constexpr):
+    """Inputs [k0, k0 + BLOCK_K) x columns [n0, n0 + BLOCK_N) of W^T [K, N] (row-major, in
+    w's dtype), for k0 = program_id(0) BLOCK_K, n0 = program_id(1) BLOCK_N."""
+    k0 = tl.program_id(0) * BLOCK_K
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    kk = k0 + tl.arange(0, BLOCK_K)
+    q = packed_values(q_ptr, k0, tl.cdiv(k, 32 // BITS), cols, col_ok, stride_qk, BITS, BLOCK_K,
+                      BLOCK_N)
+    s, z = group_params(s_ptr, z_ptr, g_ptr, k0, k, cols, col_ok, stride_sg, BLOCK_K, GROUP)
+    w = (centred(q, z) * s).to(w_ptr.dtype.element_ty)
+    tl.store(w_ptr + kk.to(tl.int64)[:, None] * n + cols[None, :], w,
+             mask=(kk < k)[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -189,19 +223,46 @@ def _group_run(group_size: int, k: int, block_k: int) -> int:
     return group_size if group_size and group_size % block_k == 0 else 0
 
 
+def dequantized(x_dtype: torch.dtype, qweight: torch.Tensor, scales: torch.Tensor,
+                zeros: torch.Tensor, g_idx: torch.Tensor, bits: int, group_size: int = 0
+                ) -> torch.Tensor:
+    """W^T [K, N] in `x_dtype`, dequantized as the tensor-core path does (operands as
+    `int_mm`'s, not checked here)."""
+    k, n = g_idx.shape[0], qweight.shape[1]
+    w = torch.empty((k, n), dtype=x_dtype, device=qweight.device)
+    block_k = 64
+    _dequantize_kernel[(triton.cdiv(k, block_k), triton.cdiv(n, 128))](
+        qweight, scales, zeros, g_idx, w, n, k, qweight.stride(0), scales.stride(0), BITS=bits,
+        BLOCK_N=128, BLOCK_K=block_k, GROUP=_group_run(group_size, k, block_k), num_warps=4)
+    return w
+
+
+def _dense_product(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                   zeros: torch.Tensor, g_idx: torch.Tensor, bits: int,
+                   bias: Optional[torch.Tensor], group_size: int) -> torch.Tensor:
+    """x W^T + b by cuBLAS on W dequantized into a scratch (freed on return)."""
+    w = dequantized(x.dtype, qweight, scales, zeros, g_idx, bits, group_size)
+    if bias is None:
+        return x @ w
+    return torch.addmm(bias.to(x.dtype), x, w)
+
+
 def int_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
            g_idx: torch.Tensor, bits: int, bias: Optional[torch.Tensor] = None,
            tiles: Optional[IntTiles] = None, group_size: int = 0) -> torch.Tensor:
     """x [M, K] times the packed weight (see the module's docstring) transposed, plus bias:
-    [M, N] in x's dtype. `group_size`: the caller's word that g_idx[i] == i // group_size
-    for every input (layers/packed.group_run; 0: not known, g_idx is read per input).
-    ValueError naming the shapes where the parts do not fit."""
+    [M, N] in x's dtype; from DENSE_ROWS rows (unless `tiles` are given) cuBLAS's product on
+    the dequantized W (module doc). `group_size`: the caller's word that g_idx[i] == i //
+    group_size for every input (layers/packed.group_run; 0: not known, g_idx is read per
+    input). ValueError naming the shapes where the parts do not fit."""
     m, k = x.shape
     n = qweight.shape[1]
     check_packed(x, qweight, scales, zeros, g_idx, bits)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    if tiles is None and m >= DENSE_ROWS:
+        return _dense_product(x, qweight, scales, zeros, g_idx, bits, bias, group_size)
     tiles = tiles or int_tiles(m, n, k, group_size)
     per_word = 32 // bits
     if tiles.block_k % per_word:
