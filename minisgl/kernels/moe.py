@@ -38,7 +38,7 @@ import triton.language as tl
 from minisgl.kernels.activation import ACT_SILU, gated_f32
 from minisgl.kernels.dot import dot, f32_dot
 from minisgl.kernels.fp8 import Quantized, quantize_groups, quantize_tokens
-from minisgl.kernels.int_mm import check_packed, group_params, packed_values
+from minisgl.kernels.int_mm import centred, check_packed, group_params, packed_values
 from minisgl.kernels.types import FP8, ExpertScales, GemmTiles, MoETiles, PackedGemm
 
 _COUNT_BLOCK = 1024  # pairs per program of the count and scatter kernels
@@ -335,7 +335,7 @@ def _int_tile(q_ptr, s_ptr, z_ptr, g_ptr, k0, k, cols, col_ok, stride_qk, stride
     q = packed_values(q_ptr, k0, tl.cdiv(k, 32 // BITS), cols, col_ok, stride_qk, BITS,
                       BLOCK_K, BLOCK_N)
     s, z = group_params(s_ptr, z_ptr, g_ptr, k0, k, cols, col_ok, stride_sg, BLOCK_K, GROUP)
-    return ((q.to(tl.float32) - z) * s).to(dtype)
+    return (centred(q, z) * s).to(dtype)
 
 
 @triton.jit
