@@ -72,6 +72,7 @@ if [ "$MODE" = int4check ]; then  # after int4tune: the tuned tiles, the dense p
   step int_packed_tests 70 python3 -m pytest -q -p no:cacheprovider tests/test_int_packed.py -k "int_mm or dense_rows or hf_on_gpu"
   step int_default 45 python3 scripts/bench_kernels.py --what intlinear --linear-rows 1,137,256
   step latency_8b_awq 60 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b-awq --steps 30
+  [ "${INT4_OFFLINE:-1}" = 1 ] || exit 0
   step offline_8b_awq 100 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b-awq --load-format dummy
 fi
 if [ "$MODE" = kernels ]; then  # attention tiles, batch-1 projections, prefill GEMMs
