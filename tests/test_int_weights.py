@@ -217,6 +217,52 @@ def test_int_layouts_minisgl_cannot_read_are_refused(q: dict, match: str) -> Non
         ModelConfig.from_dict(raw)
 
 
+def test_quantization_setting_names_the_checkpoint_method() -> None:
+    """vLLM's method names as the `quantization` setting state what the checkpoint is: taken
+    where config.json agrees (the marlin names for the same checkpoints), refused naming both
+    where it does not, or where the checkpoint is not quantized."""
+    raw = dict(vocab_size=64, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+               num_attention_heads=4)
+    awq = ModelConfig.from_dict({**raw, "quantization_config": {"quant_method": "awq",
+                                                                 "bits": 4}})
+    gptq = ModelConfig.from_dict({**raw, "quantization_config": {"quant_method": "gptq",
+                                                                  "bits": 4}})
+    dense = ModelConfig.from_dict(raw)
+    for cfg, names in ((awq, ("awq", "awq_marlin")), (gptq, ("gptq", "gptq_marlin")),
+                       (dense, ("fp8",))):
+        for name in (None, *names):
+            cfg.check_quantization(name)
+    with pytest.raises(ValueError, match="'gptq_marlin' names a gptq checkpoint, but its "
+                                         "quant_method is 'awq'"):
+        awq.check_quantization("gptq_marlin")
+    with pytest.raises(ValueError, match="'compressed-tensors' names a compressed-tensors "
+                                         "checkpoint, but its quant_method is 'gptq'"):
+        gptq.check_quantization("compressed-tensors")
+    with pytest.raises(ValueError, match="'awq' names a awq checkpoint, but it has no "
+                                         "quantization_config"):
+        dense.check_quantization("awq")
+    with pytest.raises(ValueError, match="quantization must be one of fp8, awq, .* got 'int4'"):
+        dense.check_quantization("int4")
+
+
+def test_awq_setting_serves_the_awq_checkpoint(tiny_model: Callable[..., Path],
+                                               tmp_path: Path) -> None:
+    """`quantization="awq_marlin"` over an AWQ checkpoint serves it as it is (the same tokens
+    as unset); "gptq" over it is refused before anything loads."""
+    _write(tiny_model("llama"), tmp_path / "int", tmp_path / "dense", "awq")
+    prompts = [[1, 2, 3, 4]]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    tokens = []
+    for setting in (None, "awq_marlin"):
+        with LLM(str(tmp_path / "int"), device="cpu", quantization=setting,
+                 max_kv_tokens=256, show_progress=False) as llm:
+            tokens.append([o.token_ids for o in llm.generate(prompts, params)])
+    assert tokens[0] == tokens[1] and len(tokens[0][0]) == 4
+    with pytest.raises(ValueError, match="'gptq' names a gptq checkpoint"):
+        LLM(str(tmp_path / "int"), device="cpu", quantization="gptq", max_kv_tokens=256,
+            show_progress=False)
+
+
 def test_fp8_over_int_weights_is_refused(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
     _write(tiny_model("llama"), tmp_path / "int", tmp_path / "dense", "awq")
     with pytest.raises(ValueError, match="quantization 'fp8' over this checkpoint's AWQ"):

@@ -66,7 +66,10 @@ class EngineConfig:
               "checkpoint loads (dynamic per-token activation scales on CUDA; on the CPU the "
               "weights are dequantized again, weight-only); a checkpoint that config.json "
               "says is FP8 (compressed-tensors, fp8) is read as it is. unset: as the "
-              "checkpoint is. FP8 on CUDA needs compute capability 8.9 or newer",
+              "checkpoint is. FP8 on CUDA needs compute capability 8.9 or newer. vLLM's "
+              "names of checkpoint methods (awq, awq_marlin, gptq, gptq_marlin, "
+              "compressed-tensors) state what the checkpoint is: refused at start-up unless "
+              "its config.json agrees",
         choices=QUANTIZATIONS)
     hf_overrides: Optional[str] = setting(
         None, "vLLM's: a JSON object of config.json keys that replace the model's (a "

@@ -26,7 +26,20 @@ from typing import Any, Dict, Optional, Tuple
 
 from minisgl.models.int_quant import CT_PACKED, INT_METHODS
 
-QUANTIZATIONS = ("fp8",)  # what the `quantization` setting takes (None: the checkpoint's)
+ONLINE = "fp8"  # the one quantization done as a checkpoint loads
+# vLLM's names for the checkpoint methods read ("..._marlin" name its kernels for the same
+# checkpoints), each to the method it names: as the `quantization` setting they state what the
+# checkpoint is, and are checked against its config.json
+CHECKPOINT_NAMES: Dict[str, str] = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq",
+                                    "gptq_marlin": "gptq",
+                                    "compressed-tensors": "compressed-tensors"}
+QUANTIZATIONS = (ONLINE, *CHECKPOINT_NAMES)  # what the `quantization` setting takes
+
+
+def online(setting: Optional[str]) -> Optional[str]:
+    """The quantization a `quantization` setting asks to be done at load: ONLINE, or None
+    (unset, or a checkpoint method's name, which only states what the checkpoint is)."""
+    return setting if setting == ONLINE else None
 _CT_FORMATS = ("float-quantized", "naive-quantized")
 
 

@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from minisgl.distributed.info import check_head_split
-from minisgl.models.checkpoint_quant import CheckpointQuant, parse_quantization
+from minisgl.models.checkpoint_quant import (CHECKPOINT_NAMES, ONLINE, QUANTIZATIONS,
+                                             CheckpointQuant, parse_quantization)
 from minisgl.models.classifier import (CLASSIFIER_BASES, Classifier, parse_classifier,
                                        with_token_ids)
 from minisgl.models.int_quant import IntQuant, parse_int_quant
@@ -232,12 +233,30 @@ class ModelConfig:
         return None
 
     def check_quantization(self, setting: Optional[str]) -> None:
-        """ValueError where the `quantization` setting cannot apply to this checkpoint: FP8
-        over AWQ / GPTQ integer weights would quantize their dequantized values again."""
-        if setting is not None and self.int_quant is not None:
-            raise ValueError(f"quantization {setting!r} over this checkpoint's "
-                             f"{self.int_quant.describe()} weights is not supported: serve it "
-                             f"as it is (no --quantization)")
+        """ValueError where the `quantization` setting cannot apply to this checkpoint: one
+        it does not know; FP8 over AWQ / GPTQ integer weights (it would quantize their
+        dequantized values again); a checkpoint method's name (vLLM's: awq, gptq_marlin, ...)
+        that is not this checkpoint's, per its config.json."""
+        if setting is None:
+            return
+        if setting not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
+                             f"{setting!r}")
+        if setting == ONLINE:
+            if self.int_quant is not None:
+                raise ValueError(f"quantization {setting!r} over this checkpoint's "
+                                 f"{self.int_quant.describe()} weights is not supported: "
+                                 f"serve it as it is (no --quantization)")
+            return
+        method = (self.int_quant.method if self.int_quant is not None else
+                  self.quantization.method if self.quantization is not None else None)
+        if CHECKPOINT_NAMES[setting] != method:
+            what = (f"its quant_method is {method!r}" if method is not None
+                    else "it has no quantization_config (its weights are not quantized)")
+            raise ValueError(f"quantization {setting!r} names a {CHECKPOINT_NAMES[setting]} "
+                             f"checkpoint, but {what}: leave --quantization unset to serve "
+                             f"the checkpoint as it is, or give {ONLINE} to quantize "
+                             f"16-bit weights as they load")
 
     @property
     def rotary_dims(self) -> int:

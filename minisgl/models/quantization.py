@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from minisgl.layers.fp8 import Fp8Spec, fp8_gemm
-from minisgl.models.checkpoint_quant import QUANTIZATIONS, CheckpointQuant
+from minisgl.models.checkpoint_quant import QUANTIZATIONS, CheckpointQuant, online
 
 
 @dataclass(frozen=True)
@@ -46,12 +46,13 @@ class QuantPlan:
 def quant_plan(checkpoint: Optional[CheckpointQuant], quantization: Optional[str],
                device: torch.device, dtype: torch.dtype) -> Optional[QuantPlan]:
     """The plan for a checkpoint's layout and the `quantization` setting (None: the
-    checkpoint's; "fp8": the checkpoint's where it is FP8, else online) on `device`: None
+    checkpoint's, as is a checkpoint method's name, ModelConfig.check_quantization's to
+    check; "fp8": the checkpoint's where it is FP8, else online) on `device`: None
     where nothing is FP8. ValueError for a setting it does not know, or FP8 on a GPU
     without it (layers/fp8.fp8_gemm)."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    if checkpoint is None and quantization is None:
+    if checkpoint is None and online(quantization) is None:
         return None
     runtime = Fp8Spec(weight_only=device.type != "cuda", dtype=dtype,
                       gemm=fp8_gemm(device, dtype))
