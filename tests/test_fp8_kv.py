@@ -79,6 +79,26 @@ def test_fp8_pool_holds_twice_the_pages(default_model_dir: Path,
     assert pages(gpu, kv_cache_dtype="fp8", max_kv_tokens=1000) == pages(gpu, max_kv_tokens=1000)
 
 
+def test_gpu_memory_utilization_caps_the_instance() -> None:
+    """vLLM's gpu_memory_utilization: the pool takes mem_fraction of what the share of the
+    GPU's total leaves after what this process holds, never more than of the free memory;
+    nothing left is an error naming the numbers."""
+    from minisgl.engine.engine import gpu_kv_budget
+    gib = 1 << 30
+    assert gpu_kv_budget(60 * gib, 80 * gib, 16 * gib, 0.5, None) == 30 * gib
+    # two instances of 0.45 on one 80 GiB GPU: the first sees 64 free, the cap allows 36 - 16
+    assert gpu_kv_budget(64 * gib, 80 * gib, 16 * gib, 0.5, 0.45) == 10 * gib
+    # the second: the first's 36 GiB gone, 44 - 16 free, capped the same
+    assert gpu_kv_budget(28 * gib, 80 * gib, 16 * gib, 0.5, 0.45) == 10 * gib
+    # another process holds most of the GPU: the free memory is the limit
+    assert gpu_kv_budget(8 * gib, 80 * gib, 16 * gib, 0.5, 0.9) == 4 * gib
+    with pytest.raises(ValueError, match="allows this instance 16384 MiB of the GPU's 81920 "
+                                         "MiB; it already holds 17408 MiB"):
+        gpu_kv_budget(60 * gib, 80 * gib, 17 * gib, 0.5, 0.2)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+        EngineConfig(gpu_memory_utilization=1.5)
+
+
 class _Scalar:
     """A checkpoint tensor source holding `values`."""
 

@@ -61,6 +61,12 @@ class EngineConfig:
                                                  "free after the weights")
     mem_fraction: float = setting(0.85, "share of the GPU memory free after the weights that "
                                         "the KV pool takes (when max_kv_tokens is unset)")
+    gpu_memory_utilization: Optional[float] = setting(
+        None, "vLLM's: the share of the GPU's total memory this instance may hold in all "
+              "(weights, KV pool, activations), whatever other processes hold; the KV pool "
+              "then takes mem_fraction of what is left of it after the weights (and never "
+              "more than mem_fraction of the free memory). Two instances on one GPU: 0.45 "
+              "each. unset: no limit but the free memory")
     quantization: Optional[str] = setting(
         None, "fp8: the decoder's projections in FP8, quantized per output channel as the "
               "checkpoint loads (dynamic per-token activation scales on CUDA; on the CPU the "
@@ -185,6 +191,9 @@ class EngineConfig:
             raise ValueError(f"max_kv_tokens must be >= 1, got {self.max_kv_tokens}")
         if not 0 < self.mem_fraction < 1:
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0 (0: no graphs), got "
                              f"{self.cuda_graph_max_bs}")

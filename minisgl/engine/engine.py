@@ -141,8 +141,8 @@ def pages_that_fit(cfg: EngineConfig, model_cfg: ModelConfig, kv_heads: int,
     """This rank's KV page budget (ranks then agree on the minimum): `max_kv_tokens` where set,
     else a memory budget in bytes divided by the bytes of a page in the KV dtype, so that an
     FP8 cache holds twice the pages of a 16-bit one. The budget is, on a GPU, `mem_fraction` of
-    the memory free now (after the weights); elsewhere the memory of the default token count
-    in the model's dtype."""
+    the memory free now (after the weights), within `gpu_memory_utilization` where set
+    (gpu_kv_budget); elsewhere the memory of the default token count in the model's dtype."""
     if cfg.max_kv_tokens is not None:
         return -(-cfg.max_kv_tokens // cfg.page_size)
     shape = (model_cfg.num_layers, cfg.page_size, kv_heads, model_cfg.head_dim)
@@ -150,9 +150,27 @@ def pages_that_fit(cfg: EngineConfig, model_cfg: ModelConfig, kv_heads: int,
         budget = KVPool.bytes_per_page(*shape, cfg.torch_dtype) * (
             _CPU_DEFAULT_KV_TOKENS // cfg.page_size)
     else:
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * cfg.mem_fraction)
+        free, total = torch.cuda.mem_get_info(device)
+        held = torch.cuda.memory_reserved(device) if cfg.gpu_memory_utilization else 0
+        budget = gpu_kv_budget(free, total, held, cfg.mem_fraction, cfg.gpu_memory_utilization)
     return KVPool.pages_in(budget, *shape, cfg.kv_torch_dtype)
+
+
+def gpu_kv_budget(free: int, total: int, held: int, mem_fraction: float,
+                  utilization: Optional[float]) -> int:
+    """The KV pool's bytes on a GPU with `free` of `total` bytes free, `held` of them held by
+    this process (its weights; torch's allocator): `mem_fraction` of the memory left to it,
+    the free memory, or with `utilization` (vLLM's gpu_memory_utilization) at most that share
+    of `total` less what it holds. ValueError naming the numbers where nothing is left."""
+    if utilization is None:
+        return int(free * mem_fraction)
+    allowed = int(utilization * total)
+    left = min(free, allowed - held)
+    if left <= 0:
+        raise ValueError(f"gpu_memory_utilization {utilization} allows this instance "
+                         f"{allowed >> 20} MiB of the GPU's {total >> 20} MiB; it already "
+                         f"holds {held >> 20} MiB (its weights), leaving no KV cache")
+    return int(left * mem_fraction)
 
 
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:

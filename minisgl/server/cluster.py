@@ -61,7 +61,8 @@ _DECIDE_S = 2.0  # node 0 names a follower's report after this long with no sile
 _AWAIT_DECISION_S = 3 * _DECIDE_S  # a follower's node waits this long for node 0's decision
 # Settings a node may choose for itself: the KV pool is agreed at start-up (the minimum over
 # ranks), and GEMM tuning only picks a library per rank.
-NODE_LOCAL_SETTINGS = frozenset({"mem_fraction", "max_kv_tokens", "tune_gemms"})
+NODE_LOCAL_SETTINGS = frozenset({"mem_fraction", "gpu_memory_utilization", "max_kv_tokens",
+                                 "tune_gemms"})
 
 
 def fingerprint(settings: Mapping[str, Any], model: ModelConfig) -> Dict[str, str]:
