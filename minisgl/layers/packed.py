@@ -221,7 +221,7 @@ def fill_random(layer: PackedLayer, spec: PackedSpec, gen: torch.Generator, std:
     layer.scales.data.fill_(std * (12.0 ** 0.5) / top)  # uniform over top steps: that std
     layer.g_idx.data.zero_()
     layer.groups_loaded = True
-    layer.group_run = group_run(layer.g_idx.new_zeros(layer.g_idx.shape))
+    layer.group_run = group_run(torch.zeros(layer.g_idx.shape[0], dtype=torch.int64))
 
 
 def linear(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
