@@ -67,10 +67,12 @@ if [ "$MODE" = int4tune ]; then  # the packed product rewritten (thirty-fifth se
   step latency_8b_awq 120 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b-awq --steps 50
 fi
 if [ "$MODE" = int4check ]; then  # after int4tune: the tuned tiles, the dense path from 256 rows,
-  # the 2^23 conversion; its tests on CUDA, its kernels, the 8B AWQ shape's steps (~4 min)
+  # the 2^23 conversion; its tests on CUDA, its kernels (the tensor-core tiles with their
+  # operands swapped too), the 8B AWQ shape's steps (~6 min)
   export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache
   step int_packed_tests 70 python3 -m pytest -q -p no:cacheprovider tests/test_int_packed.py -k "int_mm or dense_rows or hf_on_gpu"
   step int_default 45 python3 scripts/bench_kernels.py --what intlinear --linear-rows 1,137,256
+  step int_swap_sweep 120 python3 scripts/bench_kernels.py --what intlinear --linear-rows 16,137 --int-sweep
   step latency_8b_awq 60 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b-awq --steps 30
   [ "${INT4_OFFLINE:-1}" = 1 ] || exit 0
   step offline_8b_awq 100 python3 scripts/bench_offline.py --model configs/models/llama-3.1-8b-awq --load-format dummy

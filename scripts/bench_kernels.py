@@ -593,8 +593,9 @@ def int_sweep(rows: int) -> Iterator[IntTiles]:
             yield IntTiles(1, block_n, block_k, warps, stages, split)
         return
     block_m = min(128, max(16, triton.next_power_of_2(rows)))
-    for block_n, block_k, split in itertools.product((32, 64, 128), (64, 128), (1, 2, 4)):
-        yield IntTiles(block_m, block_n, block_k, 4 if block_m <= 64 else 8, 3, split)
+    for block_n, block_k, split, swap in itertools.product((64, 128), (64, 128), (1, 2, 4),
+                                                           (False, True)):
+        yield IntTiles(block_m, block_n, block_k, 4 if block_m <= 64 else 8, 3, split, swap)
 
 
 def _random_packed(n: int, k: int, group: int
@@ -649,7 +650,8 @@ def bench_int_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
                     print(f"intlin {name} rows={rows} {tiles}: {type(exc).__name__}: "
                           f"{str(exc)[:120]}")
                     continue
-                label = "default" if tiles is None else "m{}n{}k{}w{}s{}x{}".format(*tiles)
+                label = "default" if tiles is None else "m{}n{}k{}w{}s{}x{}{}".format(
+                    *tiles[:6], "t" if tiles.swap else "")
                 report("intlin", {**case, "impl": label}, us,
                        tb_s=round(nbytes / us / 1e6, 2), max_err=round(err, 4))
             del ws

@@ -39,17 +39,20 @@ from minisgl.models.weights import init_dummy, iter_checkpoint  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-# (block_m, block_k, split_k): the tensor-core path and the one-row path (block_m 1), each
-# whole and with K split over programs (partials summed by the second kernel)
-_TILES = [(16, 32, 1), (16, 32, 3), (1, 32, 1), (1, 16, 4)]
+# (block_m, block_k, split_k, swap): the tensor-core path (also with its operands swapped) and
+# the one-row path (block_m 1), each whole and with K split over programs (partials summed by
+# the second kernel)
+_TILES = [(16, 32, 1, False), (16, 32, 3, False), (16, 32, 2, True), (1, 32, 1, False),
+          (1, 16, 4, False)]
 
 
-@pytest.mark.parametrize("tiles", _TILES, ids=lambda t: f"m{t[0]}k{t[1]}s{t[2]}")
+@pytest.mark.parametrize("tiles", _TILES, ids=lambda t: "m{}k{}s{}{}".format(*t[:3],
+                                                                            "t" * t[3]))
 @pytest.mark.parametrize("bits,k,groups,act_order", [(4, 100, 7, True), (8, 64, 4, False),
                                                      (4, 37, 1, False), (4, 128, 4, False)])
 def test_int_mm_equals_the_dequantized_product(bits: int, k: int, groups: int,
-                                               act_order: bool, tiles: Tuple[int, int, int]
-                                               ) -> None:
+                                               act_order: bool,
+                                               tiles: Tuple[int, int, int, bool]) -> None:
     """K not a whole number of words (37 = 4.6 words of 8) nor of tiles; a bias; groups in
     runs (told to the kernel by group_run: one row of scales a tile where a run holds whole
     tiles) and permuted (read per input)."""
@@ -66,8 +69,8 @@ def test_int_mm_equals_the_dequantized_product(bits: int, k: int, groups: int,
     x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
     args = [t.to(DEV) for t in (x, packed.pack(values, bits), scales, zeros,
                                 group.to(torch.int32))]
-    block_m, block_k, split = tiles
-    out = int_mm(*args, bits, bias.to(DEV), IntTiles(block_m, 16, block_k, 4, 2, split),
+    block_m, block_k, split, swap = tiles
+    out = int_mm(*args, bits, bias.to(DEV), IntTiles(block_m, 16, block_k, 4, 2, split, swap),
                  group_size=packed.group_run(group))
     torch.testing.assert_close(out.cpu(), x @ weight.t() + bias, rtol=1e-5, atol=1e-5)
 

@@ -44,6 +44,7 @@ class IntTiles(NamedTuple):
     num_warps: int
     num_stages: int
     split_k: int = 1
+    swap: bool = False  # with tensor cores: out^T = W x^T (the kernel's SWAP)
 
 
 # Rows from which the product is cuBLAS's on W dequantized into a scratch (module doc).
@@ -129,36 +130,58 @@ def _rows_product(a, q, s, z, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _operands(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, rows, row_ok, cols, col_ok, k0, k, stride_xm,
+              stride_qk, stride_sg, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
+              BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """K tile k0's operands: x's [BLOCK_M, BLOCK_K], the weights' integers [BLOCK_K, BLOCK_N]
+    and their scales and zero points (group_params)."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + kk[None, :],
+                mask=row_ok[:, None] & (kk < k)[None, :], other=0.0)
+    q = packed_values(q_ptr, k0, tl.cdiv(k, 32 // BITS), cols, col_ok, stride_qk, BITS,
+                      BLOCK_K, BLOCK_N)
+    s, z = group_params(s_ptr, z_ptr, g_ptr, k0, k, cols, col_ok, stride_sg, BLOCK_K, GROUP)
+    return a, q, s, z
+
+
+@triton.jit
 def _int_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, m, n, k, k_split,
                    stride_xm, stride_qk, stride_sg, stride_om, stride_os, BITS: tl.constexpr,
                    HAS_BIAS: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                   SWIZZLE: tl.constexpr):
+                   SWAP: tl.constexpr, SWIZZLE: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of out over inputs [s k_split, (s + 1) k_split) for split
     s = program_id(1) (into out + s stride_os): each K tile's weights unpacked from their
     words, dequantized by their group's scale and zero point (rounded to x's dtype for the
-    tensor cores), and multiplied."""
+    tensor cores), and multiplied. SWAP (tensor cores): out^T = W x^T, the dequantized tile
+    the product's first operand, which Hopper's MMA may take from registers (the second
+    comes through shared memory), x's the second."""
     pid_m, pid_n = swizzled_tile(tl.program_id(0), m, n, BLOCK_M, BLOCK_N, SWIZZLE)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < m
     col_ok = cols < n
-    ks = tl.arange(0, BLOCK_K)
-    word_rows = tl.cdiv(k, 32 // BITS)
     k_lo = tl.program_id(1) * k_split
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, tl.minimum(k, k_lo + k_split), BLOCK_K):
-        kk = k0 + ks
-        a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + kk[None, :],
-                    mask=row_ok[:, None] & (kk < k)[None, :], other=0.0)
-        q = packed_values(q_ptr, k0, word_rows, cols, col_ok, stride_qk, BITS, BLOCK_K,
-                          BLOCK_N)
-        s, z = group_params(s_ptr, z_ptr, g_ptr, k0, k, cols, col_ok, stride_sg, BLOCK_K,
-                            GROUP)
-        if BLOCK_M >= 16:
-            acc += dot(a, (centred(q, z) * s).to(a.dtype), F32_DOT)
-        else:
-            acc += _rows_product(a.to(tl.float32), q, s, z, GROUP)
+    k_hi = tl.minimum(k, k_lo + k_split)
+    if SWAP:
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            a, q, s, z = _operands(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, rows, row_ok, cols,
+                                   col_ok, k0, k, stride_xm, stride_qk, stride_sg, BITS,
+                                   BLOCK_K, BLOCK_N, GROUP)
+            w = (centred(q, z) * s).to(a.dtype)
+            acc_t += dot(tl.trans(w), tl.trans(a), F32_DOT)
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            a, q, s, z = _operands(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, rows, row_ok, cols,
+                                   col_ok, k0, k, stride_xm, stride_qk, stride_sg, BITS,
+                                   BLOCK_K, BLOCK_N, GROUP)
+            if BLOCK_M >= 16:
+                acc += dot(a, (centred(q, z) * s).to(a.dtype), F32_DOT)
+            else:
+                acc += _rows_product(a.to(tl.float32), q, s, z, GROUP)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = (out_ptr + tl.program_id(1) * stride_os + rows.to(tl.int64)[:, None] * stride_om
@@ -278,7 +301,8 @@ def int_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
         k_split, x.stride(0), qweight.stride(0), scales.stride(0), n, m * n, BITS=bits,
         HAS_BIAS=bias is not None and splits == 1, F32_DOT=f32_dot(x), BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        GROUP=_group_run(group_size, k, tiles.block_k), SWIZZLE=8, num_warps=tiles.num_warps,
+        GROUP=_group_run(group_size, k, tiles.block_k),
+        SWAP=tiles.swap and tiles.block_m >= 16, SWIZZLE=8, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     if splits > 1:
         block = 1024
