@@ -33,6 +33,9 @@ GRANITE = ("Here is my thought process:\nThe user asks 2+2.\nHere is my response
     ("granite", "Here's my thought process: a Here's my response: b", (" a ", " b")),
     ("granite", "It is 4.", ("", "It is 4.")),  # thinking off
     ("granite", "Here is my thought process: still", (" still", "")),
+    ("mistral", "[THINK]The user asks 2+2.[/THINK]It is 4.", ("The user asks 2+2.", "It is 4.")),
+    ("mistral", "It is 4.", ("", "It is 4.")),  # no thinking
+    ("mistral", "[THINK]a [/THIN", ("a [/THIN", "")),  # cut off inside the thinking
 ])
 def test_split_whole_and_streamed_agree(name: str, text: str, want: tuple) -> None:
     assert tuple(split_reasoning(name, text)) == want
@@ -50,6 +53,21 @@ def test_unknown_parser_is_refused() -> None:
         parse_args(["--reasoning-parser", "o1"])
     assert parse_args(["--reasoning-parser", "deepseek-r1"]).reasoning_parser == "deepseek-r1"
     assert parse_args([]).reasoning_parser is None
+
+
+@pytest.mark.parametrize("parser,body,keep", [
+    ("mistral", {}, True),  # [THINK] is a special token: kept for the splitter
+    ("mistral", {"skip_special_tokens": True}, False),  # the request's word stands
+    ("qwen3", {}, False), (None, {}, False)])
+def test_special_token_markers_keep_special_tokens(parser: Any, body: Dict[str, Any],
+                                                   keep: bool) -> None:
+    """A chat job under a parser whose markers are special tokens keeps them in its output
+    (skip_special_tokens false) unless the request says; the others skip them."""
+    from minisgl.server.protocol import ChatRequest, chat_job
+    request = ChatRequest.model_validate({"messages": [{"role": "user", "content": "2+2?"}],
+                                          **body})
+    job = chat_job(request, 4, reasoning_parser=parser)
+    assert job.skip_special_tokens is not keep
 
 
 def _job(stream: bool) -> Job:

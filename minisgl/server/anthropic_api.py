@@ -282,12 +282,13 @@ def chat_request(body: CountTokensRequest) -> ChatRequest:
 
 
 def messages_job(body: MessagesRequest, max_n: int, tool_parser: Optional[str] = None,
-                 defaults: SamplingDefaults = SamplingDefaults()) -> Job:
+                 defaults: SamplingDefaults = SamplingDefaults(),
+                 reasoning_parser: Optional[str] = None) -> Job:
     """A messages request's job: its chat request's, with the server's tool-call parser (the
-    format calls are read and enforced in) and sampling defaults."""
+    format calls are read and enforced in), sampling defaults and reasoning parser."""
     chat = chat_request(body)
     try:
-        return chat_job(chat, max_n, tool_parser, defaults)
+        return chat_job(chat, max_n, tool_parser, defaults, reasoning_parser)
     except ApiError as e:
         raise _anthropic_names(e) from None
 

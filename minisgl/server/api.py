@@ -375,7 +375,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         body = parse_body(await json_body(request), ChatRequest)
         lora = adapter_of(body.model, (body.model_extra or {}).get("lora_path"))
         job = client_id(request, with_lora(chat_job(body, cfg.max_n, cfg.tool_call_parser,
-                                                    cfg.sampling_defaults), lora))
+                                                    cfg.sampling_defaults,
+                                                    cfg.reasoning_parser), lora))
         fmt = ChatFormatter(lora or cfg.model_name, job, cfg.reasoning_parser,
                             cfg.tool_call_parser)
         return await run(request, fmt)
@@ -477,7 +478,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         body = parse_body(await json_body(request), MessagesRequest)
         lora = check_model(body.model)
         job = client_id(request, with_lora(messages_job(body, cfg.max_n, cfg.tool_call_parser,
-                                                        cfg.sampling_defaults), lora))
+                                                        cfg.sampling_defaults,
+                                                        cfg.reasoning_parser), lora))
         fmt = MessagesFormatter(lora or cfg.model_name, job, cfg.reasoning_parser,
                                 cfg.tool_call_parser)
         return await run(request, fmt)

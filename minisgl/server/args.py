@@ -95,7 +95,8 @@ class ServerConfig:
     batch_concurrency: int = setting(256, "batch_input's requests in flight at once")
     reasoning_parser: Optional[str] = setting(
         None, "split a reasoning model's chat output: the thinking part (<think>; Granite's "
-              "thought process) goes into reasoning_content", choices=REASONING_PARSERS)
+              "thought process; Magistral's [THINK], whose output then keeps special "
+              "tokens) goes into reasoning_content", choices=REASONING_PARSERS)
     tool_call_parser: Optional[str] = setting(
         None, "the format chat output's tool calls are read (and, for tool_choice \"required\" "
               "or a named function, enforced) in (default: from the chat template: "

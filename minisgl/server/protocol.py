@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from minisgl.core import MAX_LOGPROBS, SamplingParams
 from minisgl.models.generation import SamplingDefaults
+from minisgl.server.reasoning import keeps_special_tokens
 from minisgl.server.tool_calls import tool_call_format
 from minisgl.server.tools import ToolError, Tools, assistant_tool_calls, parse_tools
 from minisgl.server.structured import FieldError, constraint
@@ -584,21 +585,25 @@ def _chat_prompt(body: Union[ChatRequest, TokenizeBody], messages: List[ChatMess
 
 
 def chat_job(body: ChatRequest, max_n: int, tool_parser: Optional[str] = None,
-             defaults: SamplingDefaults = SamplingDefaults()) -> Job:
+             defaults: SamplingDefaults = SamplingDefaults(),
+             reasoning_parser: Optional[str] = None) -> Job:
     """A chat request's job. With tools, `tool_parser` (a `tool_calls.TOOL_CALL_PARSERS` name,
     "hermes" when None) is the format calls are read in and, for "required" or a named function,
-    enforced in; for the array formats (`mistral`, `granite`: their call marker is a special
-    token), the output keeps special tokens unless the request sets `skip_special_tokens`.
+    enforced in. The output keeps special tokens unless the request sets
+    `skip_special_tokens` where a marker to be read is one: the array formats' calls
+    (`mistral`, `granite`), the `reasoning_parser`'s tags (reasoning.keeps_special_tokens).
     `defaults`: the sampling of fields the request leaves unset (every job's)."""
     tools = _tools(body)
     job = _job(body, [_chat_prompt(body, body.messages, tools)], max_n, defaults)
-    if tools is None:
-        return job
-    fmt = tool_call_format(tool_parser or "hermes")
-    if fmt.array and tools.parsed and "skip_special_tokens" not in body.model_fields_set:
-        # Mistral's [TOOL_CALLS] is a special token: kept in the text (as vLLM does), calls
-        # after content are found by it (the parser reads calls without it only at the start)
+    fmt = None if tools is None else tool_call_format(tool_parser or "hermes")
+    # Mistral's [TOOL_CALLS] is a special token: kept in the text (as vLLM does), calls after
+    # content are found by it (the parser reads calls without it only at the start)
+    special_calls = fmt is not None and fmt.array and tools is not None and tools.parsed
+    if ((special_calls or keeps_special_tokens(reasoning_parser))
+            and "skip_special_tokens" not in body.model_fields_set):
         job = dataclasses.replace(job, skip_special_tokens=False)
+    if tools is None or fmt is None:
+        return job
     calls = tools.constraint(fmt)
     if calls is not None:
         if job.params.structured is not None:

@@ -11,6 +11,10 @@ Each format opens the thinking with a start marker and ends it with an end marke
   "Here is my thought process:" (or "Here's ...") before the thinking and "Here is my
   response:" (or "Here's ...") before the answer, as vLLM's granite parser reads them; like
   qwen3, text without the first marker is the answer.
+- `mistral`: Magistral (2507 and later) and Ministral reasoning models: `[THINK]` ... `[/THINK]`,
+  read as qwen3's tags are. Both are special tokens, which a decode skipping special tokens
+  drops: with this parser a chat's output keeps special tokens unless the request sets
+  `skip_special_tokens` (as vLLM's parser preserves them).
 
 `ReasoningSplitter` works on streamed text deltas: a marker split over deltas is held back
 until it is known, so the concatenation of the parts equals splitting the whole text at once.
@@ -25,11 +29,13 @@ THINK_START, THINK_END = "<think>", "</think>"
 
 class Markers(NamedTuple):
     """A format's markers, each with its spellings: `start` opens the thinking, `end` closes
-    it; `inside`: the output starts inside the thinking (the template opened it)."""
+    it; `inside`: the output starts inside the thinking (the template opened it); `special`:
+    the markers are the tokenizer's special tokens."""
 
     start: Tuple[str, ...]
     end: Tuple[str, ...]
     inside: bool = False
+    special: bool = False  # the markers are special tokens (keeps_special_tokens)
 
 
 _GRANITE_START = ("Here is my thought process:", "Here's my thought process:")
@@ -38,8 +44,15 @@ FORMATS: Dict[str, Markers] = {
     "qwen3": Markers((THINK_START,), (THINK_END,)),
     "deepseek-r1": Markers((THINK_START,), (THINK_END,), inside=True),
     "granite": Markers(_GRANITE_START, _GRANITE_END),
+    "mistral": Markers(("[THINK]",), ("[/THINK]",), special=True),
 }
 REASONING_PARSERS = tuple(FORMATS)
+
+
+def keeps_special_tokens(name: Optional[str]) -> bool:
+    """Whether a chat's output must keep special tokens for parser `name` (None: no parser)
+    to see its markers."""
+    return name is not None and FORMATS[name].special
 
 
 class Parts(NamedTuple):
