@@ -71,6 +71,7 @@ if [ "$MODE" = int4check ]; then  # after int4tune: the tuned tiles, the dense p
   # operands swapped too), the 8B AWQ shape's steps (~6 min)
   export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache
   step int_packed_tests 70 python3 -m pytest -q -p no:cacheprovider tests/test_int_packed.py -k "int_mm or dense_rows or hf_on_gpu"
+  step utilization_test 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k utilization
   step int_default 45 python3 scripts/bench_kernels.py --what intlinear --linear-rows 1,137,256
   step int_swap_sweep 120 python3 scripts/bench_kernels.py --what intlinear --linear-rows 16,137 --int-sweep
   step latency_8b_awq 60 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b-awq --steps 30

@@ -466,3 +466,24 @@ def test_gpu_bad_words_and_priority_match_cpu(tiny_qwen3: Path) -> None:
                                                       priority=list(range(6, 0, -1)))]
 
     assert run("cuda") == run("cpu")
+
+
+def test_gpu_memory_utilization_caps_the_instance(tiny_qwen3: Path) -> None:
+    """vLLM's gpu_memory_utilization on CUDA: everything the engine holds after start-up
+    (weights, the KV pool, graphs) stays within that share of the GPU's memory, the pool is
+    smaller than without it, and the engine serves; a share the weights already fill is
+    refused at start-up, naming the numbers."""
+    _, total = torch.cuda.mem_get_info()
+    kw = dict(device="cuda", show_progress=False, cuda_graph_max_bs=8)
+    with LLM(str(tiny_qwen3), **kw) as llm:  # type: ignore[arg-type]
+        free_pages = llm._backend.engine.num_pages  # type: ignore[attr-defined]
+    torch.cuda.empty_cache()
+    share = 0.1
+    with LLM(str(tiny_qwen3), gpu_memory_utilization=share, **kw) as llm:  # type: ignore[arg-type]
+        pages = llm._backend.engine.num_pages  # type: ignore[attr-defined]
+        assert torch.cuda.memory_reserved() <= share * total
+        assert len(llm.generate(["Hello"], GREEDY)[0].token_ids) == GREEDY.max_tokens
+    assert 0 < pages < free_pages
+    torch.cuda.empty_cache()
+    with pytest.raises(ValueError, match="gpu_memory_utilization 1e-06 allows this instance"):
+        LLM(str(tiny_qwen3), gpu_memory_utilization=1e-6, **kw)  # type: ignore[arg-type]
