@@ -42,7 +42,8 @@ from minisgl.models.classifier import Classifier, pair_score_error, probabilitie
 from minisgl.models.generation import sampling_defaults
 from minisgl.models.lora_config import check_runtime_load
 from minisgl.models.path import resolve_model_path
-from minisgl.models.pooling import dimensions_error, model_pooling, paired_texts, shortened
+from minisgl.models.pooling import (check_pooler_dimensions, dimensions_error, model_pooling,
+                                    paired_texts, shortened)
 from minisgl.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput,
                              EmbeddingOutput, EmbeddingRequestOutput, GenerateOutput,
                              PoolingOutput, PoolingRequestOutput, ScoringOutput,
@@ -393,6 +394,9 @@ class LLM:
         self.sampling_defaults = sampling_defaults(generation_config, self.model_path)
         self.model_config = ModelConfig.from_dir(self.model_path, cfg.engine.hf_override_dict)
         self._pooling = model_pooling(self.model_path, cfg.engine.pooler_config)  # files: once
+        check_pooler_dimensions(cfg.engine.pooler_config,
+                                self.model_config.matryoshka_dimensions,
+                                self.model_config.hidden_size)
         self.model_config.check_tp(tp, cfg.engine.enable_expert_parallel)
         engine = dataclasses.replace(cfg.engine.for_rank(str(self.model_path), 0),
                                      show_progress=show_progress)
@@ -738,7 +742,8 @@ class LLM:
         if self.model_config.classifier is not None:
             refusal = (f"this model is a sequence classifier "
                        f"({self.model_config.architecture}): use classify or score")
-        dims = None if pooling_params is None else pooling_params.dimensions
+        dims = (self._pooling.dimensions if pooling_params is None
+                or pooling_params.dimensions is None else pooling_params.dimensions)
         normalize = (self._pooling.normalize if pooling_params is None
                      or pooling_params.normalize is None else pooling_params.normalize)
         if refusal is None and dims is not None:

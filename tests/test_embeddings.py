@@ -194,6 +194,40 @@ def test_embeddings_left_unnormalized_where_asked(tiny_model: Callable[..., Path
                                atol=1e-5, rtol=1e-4)
 
 
+def test_pooler_config_dimensions_cut_by_default(tiny_model: Callable[..., Path],
+                                                 tmp_path: Path) -> None:
+    """vLLM's pooler_config `dimensions`: a Matryoshka model's embeddings cut to that length
+    (and normalized again) where a request names none, offline and served; a request's own
+    `dimensions` stands; a length the model does not allow is refused at start-up."""
+    import httpx
+    from server_helpers import CPU_ARGS, serving
+    from minisgl import PoolingParams
+    path = tiny_model("qwen3")
+    prompts = mixed_prompts(2, seed=23, lengths=(6, 11))
+    model = _hf_model(path)
+    with torch.no_grad():
+        raw = torch.stack([model.model(torch.tensor([p])).last_hidden_state[0, -1]
+                           for p in prompts])  # type: ignore
+    cut = [torch.nn.functional.normalize(raw[:, :d], dim=-1) for d in (8, 16)]
+    matryoshka = '{"is_matryoshka": true}'
+    with LLM(str(path), device="cpu", max_kv_tokens=1024, show_progress=False,
+             pooler_config='{"dimensions": 8}', hf_overrides=matryoshka) as llm:
+        torch.testing.assert_close(_vectors(llm.embed(prompts)), cut[0], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(_vectors(llm.embed(prompts, pooling_params=PoolingParams(
+            dimensions=16))), cut[1], atol=1e-5, rtol=1e-4)
+    with serving(["--model", str(path), *CPU_ARGS, "--pooler-config", '{"dimensions": 8}',
+                  "--hf-overrides", matryoshka], tmp_path) as srv:
+        got = [httpx.post(f"{srv.url}/v1/embeddings", timeout=60, json={
+            "input": prompts, **extra}).json()["data"] for extra in ({}, {"dimensions": 16})]
+    for data, want in zip(got, cut):
+        torch.testing.assert_close(torch.tensor([d["embedding"] for d in data]), want,
+                                   atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="dimensions 4096: this model's embeddings may be cut "
+                                         "to 1 to"):
+        LLM(str(path), device="cpu", pooler_config='{"dimensions": 4096}',
+            hf_overrides=matryoshka)
+
+
 def test_served_embeddings_pool_as_the_model_does(tiny_model: Callable[..., Path],
                                                   tmp_path: Path) -> None:
     """Served, a mean-pooling model's /v1/embeddings, /pooling and /score pool by the mean
@@ -246,6 +280,9 @@ def test_pooling_the_model_does_not_use_is_refused_and_pooler_config_overrides(
                                                     "CLS, got 'MAX'"),
                        ('{"normalize": 1}', "normalize must be true or false"),
                        ('{"softmax": true}', "softmax is not supported"),
+                       ('{"dimensions": 0}', "dimensions must be a positive integer"),
+                       ('{"dimensions": 8}', "pooler_config: dimensions 8: this model's "
+                                             "embeddings cannot be shortened"),
                        ("[1]", "must be a JSON object")):
         with pytest.raises(ValueError, match=named):
             LLM(str(model), device="cpu", pooler_config=bad)

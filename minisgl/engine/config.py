@@ -89,8 +89,9 @@ class EngineConfig:
     pooler_config: Optional[str] = setting(
         None, "vLLM's: how embeddings pool the prompt, a JSON object '{\"pooling_type\": "
               "\"MEAN\", \"normalize\": false}' (LAST, MEAN or CLS; normalize: L2, the "
-              "default); unset: the model's sentence-transformers Pooling module's, else the "
-              "last token's", also=("override-pooler-config",))
+              "default; dimensions: a Matryoshka model's embeddings cut to that length where "
+              "a request names none); unset: the model's sentence-transformers Pooling "
+              "module's, else the last token's", also=("override-pooler-config",))
     lora_modules: Optional[str] = setting(
         None, "LoRA adapters served beside the base model, NAME=PATH pairs separated by commas "
               "(PEFT directories: adapter_config.json, adapter_model.safetensors); a request "

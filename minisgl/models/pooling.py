@@ -26,11 +26,14 @@ _VLLM_TYPES = {"LAST": "last", "MEAN": "mean", "CLS": "cls"}
 class Pooling(NamedTuple):
     """A model's pooling for embeddings: `mode`, one of core.POOLINGS; `normalize`: its
     embeddings L2-normalized (the default; a request may say otherwise); `refusal`: why its
-    embeddings cannot be served (its pooling is none of those), or None."""
+    embeddings cannot be served (its pooling is none of those), or None; `dimensions`: the
+    length a Matryoshka model's embeddings are cut to where a request names none (None:
+    whole)."""
 
     mode: str = "last"
     refusal: Optional[str] = None
     normalize: bool = True
+    dimensions: Optional[int] = None
 
 
 class PoolerChoice(NamedTuple):
@@ -38,6 +41,7 @@ class PoolerChoice(NamedTuple):
 
     mode: Optional[str] = None
     normalize: Optional[bool] = None
+    dimensions: Optional[int] = None
 
 
 def parse_pooler_config(text: Optional[str]) -> PoolerChoice:
@@ -52,10 +56,10 @@ def parse_pooler_config(text: Optional[str]) -> PoolerChoice:
         raise ValueError(f"pooler_config is not JSON: {e}") from None
     if not isinstance(config, dict):
         raise ValueError(f"pooler_config must be a JSON object, got {text!r:.80}")
-    other = sorted(set(config) - {"pooling_type", "normalize"})
+    other = sorted(set(config) - {"pooling_type", "normalize", "dimensions"})
     if other:
         raise ValueError(f"pooler_config: {other[0]} is not supported (minisgl takes "
-                         f"pooling_type and normalize)")
+                         f"pooling_type, normalize and dimensions)")
     kind = config.get("pooling_type")
     if kind is not None and (not isinstance(kind, str) or kind.upper() not in _VLLM_TYPES):
         raise ValueError(f"pooler_config: pooling_type must be one of "
@@ -64,16 +68,32 @@ def parse_pooler_config(text: Optional[str]) -> PoolerChoice:
     if normalize is not None and not isinstance(normalize, bool):
         raise ValueError(f"pooler_config: normalize must be true or false, got "
                          f"{normalize!r:.40}")
-    return PoolerChoice(None if kind is None else _VLLM_TYPES[kind.upper()], normalize)
+    dims = config.get("dimensions")
+    if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or dims < 1):
+        raise ValueError(f"pooler_config: dimensions must be a positive integer, got "
+                         f"{dims!r:.40}")
+    return PoolerChoice(None if kind is None else _VLLM_TYPES[kind.upper()], normalize, dims)
 
 
 def model_pooling(model_dir: Path, pooler_config: Optional[str] = None) -> Pooling:
     """The pooling of the model at `model_dir`: `pooler_config`'s type where given
     (parse_pooler_config), else its sentence-transformers Pooling module's, else the last
-    token's; normalized unless `pooler_config` says not."""
+    token's; normalized unless `pooler_config` says not; cut to its `dimensions` where given
+    (check_pooler_dimensions checks them against the model)."""
     chosen = parse_pooler_config(pooler_config)
     pooling = _files_pooling(model_dir) if chosen.mode is None else Pooling(chosen.mode)
+    pooling = pooling._replace(dimensions=chosen.dimensions)
     return pooling if chosen.normalize is None else pooling._replace(normalize=chosen.normalize)
+
+
+def check_pooler_dimensions(pooler_config: Optional[str], allowed: Optional[Tuple[int, ...]],
+                            hidden_size: int) -> None:
+    """ValueError (at start-up) where pooler_config's `dimensions` is not a length the model's
+    embeddings may be cut to (dimensions_error)."""
+    dims = parse_pooler_config(pooler_config).dimensions
+    error = None if dims is None else dimensions_error(dims, allowed, hidden_size)
+    if error is not None:
+        raise ValueError(f"pooler_config: {error}")
 
 
 def _files_pooling(model_dir: Path) -> Pooling:

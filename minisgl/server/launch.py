@@ -42,6 +42,7 @@ from minisgl.models.config import ModelConfig
 from minisgl.models.lora_config import read_adapter
 from minisgl.models.generation import sampling_defaults
 from minisgl.models.path import resolve_model_path
+from minisgl.models.pooling import check_pooler_dimensions
 from minisgl.server.args import ServerConfig, describe, parse_args
 from minisgl.server.batch_file import check_paths
 from minisgl.server.cluster import Cluster, fingerprint
@@ -112,6 +113,8 @@ def _prepare(cfg: ServerConfig) -> Prepared:
         shape = ModelConfig.from_dir(model_path, cfg.engine.hf_override_dict)
         shape.check_tp(cfg.engine.tp, cfg.engine.enable_expert_parallel)
         shape.check_quantization(cfg.engine.quantization)
+        check_pooler_dimensions(cfg.engine.pooler_config, shape.matryoshka_dimensions,
+                                shape.hidden_size)
         for name, path in cfg.engine.lora_adapters:  # each rank reads them again, and loads
             read_adapter(name, path, cfg.engine.max_lora_rank)
         tokenizer_path = resolve_tokenizer_path(cfg.tokenizer, model_path,
