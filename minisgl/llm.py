@@ -742,8 +742,8 @@ class LLM:
         if self.model_config.classifier is not None:
             refusal = (f"this model is a sequence classifier "
                        f"({self.model_config.architecture}): use classify or score")
-        dims = (self._pooling.dimensions if pooling_params is None
-                or pooling_params.dimensions is None else pooling_params.dimensions)
+        dims = self._pooling.cut_to(None if pooling_params is None
+                                    else pooling_params.dimensions)
         normalize = (self._pooling.normalize if pooling_params is None
                      or pooling_params.normalize is None else pooling_params.normalize)
         if refusal is None and dims is not None:

@@ -239,10 +239,10 @@ def check_packed(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                          f"{want}; got {qweight.dtype} {shapes}")
 
 
-def _group_run(group_size: int, k: int, block_k: int) -> int:
-    """The kernel's GROUP for a caller's `group_size` (g_idx[i] == i // group_size for every
-    input; 0: unknown) and tile width: the run itself where whole tiles fit in it, else 0
-    (each input's group read from g_idx)."""
+def kernel_group(group_size: int, block_k: int) -> int:
+    """The kernels' GROUP (group_params) for a caller's `group_size` (g_idx[i] == i //
+    group_size for every input; 0: unknown) and K tile: the run itself where whole tiles fit
+    in it, else 0 (each input's group read from g_idx)."""
     return group_size if group_size and group_size % block_k == 0 else 0
 
 
@@ -256,7 +256,7 @@ def dequantized(x_dtype: torch.dtype, qweight: torch.Tensor, scales: torch.Tenso
     block_k = 64
     _dequantize_kernel[(triton.cdiv(k, block_k), triton.cdiv(n, 128))](
         qweight, scales, zeros, g_idx, w, n, k, qweight.stride(0), scales.stride(0), BITS=bits,
-        BLOCK_N=128, BLOCK_K=block_k, GROUP=_group_run(group_size, k, block_k), num_warps=4)
+        BLOCK_N=128, BLOCK_K=block_k, GROUP=kernel_group(group_size, block_k), num_warps=4)
     return w
 
 
@@ -281,11 +281,11 @@ def int_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     m, k = x.shape
     n = qweight.shape[1]
     check_packed(x, qweight, scales, zeros, g_idx, bits)
+    if tiles is None and m >= DENSE_ROWS:
+        return _dense_product(x, qweight, scales, zeros, g_idx, bits, bias, group_size)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    if tiles is None and m >= DENSE_ROWS:
-        return _dense_product(x, qweight, scales, zeros, g_idx, bits, bias, group_size)
     tiles = tiles or int_tiles(m, n, k, group_size)
     per_word = 32 // bits
     if tiles.block_k % per_word:
@@ -301,7 +301,7 @@ def int_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
         k_split, x.stride(0), qweight.stride(0), scales.stride(0), n, m * n, BITS=bits,
         HAS_BIAS=bias is not None and splits == 1, F32_DOT=f32_dot(x), BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        GROUP=_group_run(group_size, k, tiles.block_k),
+        GROUP=kernel_group(group_size, tiles.block_k),
         SWAP=tiles.swap and tiles.block_m >= 16, SWIZZLE=8, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     if splits > 1:

@@ -38,7 +38,8 @@ import triton.language as tl
 from minisgl.kernels.activation import ACT_SILU, gated_f32
 from minisgl.kernels.dot import dot, f32_dot
 from minisgl.kernels.fp8 import Quantized, quantize_groups, quantize_tokens
-from minisgl.kernels.int_mm import centred, check_packed, group_params, packed_values
+from minisgl.kernels.int_mm import (centred, check_packed, group_params, kernel_group,
+                                    packed_values)
 from minisgl.kernels.types import FP8, ExpertScales, GemmTiles, MoETiles, PackedGemm
 
 _COUNT_BLOCK = 1024  # pairs per program of the count and scatter kernels
@@ -488,7 +489,7 @@ def grouped_int_gemm(a: torch.Tensor, w: PackedGemm, aligned: Aligned, pairs: in
         out.stride(0), A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=weights is not None,
         F32_DOT=f32_dot(a), BITS=w.bits, BLOCK_M=aligned.block_m, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        GROUP=w.group_run if w.group_run % tiles.block_k == 0 else 0, num_warps=tiles.num_warps,
+        GROUP=kernel_group(w.group_run, tiles.block_k), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     return out
 

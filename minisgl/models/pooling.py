@@ -35,6 +35,11 @@ class Pooling(NamedTuple):
     normalize: bool = True
     dimensions: Optional[int] = None
 
+    def cut_to(self, requested: Optional[int]) -> Optional[int]:
+        """The length a request's embeddings are cut to: its own `dimensions`, else the
+        model's default (None: whole)."""
+        return self.dimensions if requested is None else requested
+
 
 class PoolerChoice(NamedTuple):
     """What --pooler-config sets (None: the model's own)."""

@@ -396,9 +396,9 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         lora = embedding_model(body.model)
         job = client_id(request, with_lora(embeddings_job(body, cfg.hidden_size,
                                                           cfg.matryoshka, cfg.pooling), lora))
-        dims = cfg.pooling.dimensions if body.dimensions is None else body.dimensions
         return await run(request, EmbeddingFormatter(lora or cfg.model_name, job,
-                                                     body.encoding_format, dims))
+                                                     body.encoding_format,
+                                                     cfg.pooling.cut_to(body.dimensions)))
 
     def embedding_model(name: Optional[str]) -> Optional[str]:
         """check_model, and a 400 where this model's embeddings cannot be served (a

@@ -595,14 +595,14 @@ def chat_job(body: ChatRequest, max_n: int, tool_parser: Optional[str] = None,
     `defaults`: the sampling of fields the request leaves unset (every job's)."""
     tools = _tools(body)
     job = _job(body, [_chat_prompt(body, body.messages, tools)], max_n, defaults)
-    fmt = None if tools is None else tool_call_format(tool_parser or "hermes")
+    fmt = tool_call_format(tool_parser or "hermes")
     # Mistral's [TOOL_CALLS] is a special token: kept in the text (as vLLM does), calls after
     # content are found by it (the parser reads calls without it only at the start)
-    special_calls = fmt is not None and fmt.array and tools is not None and tools.parsed
+    special_calls = tools is not None and tools.parsed and fmt.array
     if ((special_calls or keeps_special_tokens(reasoning_parser))
             and "skip_special_tokens" not in body.model_fields_set):
         job = dataclasses.replace(job, skip_special_tokens=False)
-    if tools is None or fmt is None:
+    if tools is None:
         return job
     calls = tools.constraint(fmt)
     if calls is not None:
