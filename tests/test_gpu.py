@@ -482,7 +482,7 @@ def test_gpu_memory_utilization_caps_the_instance(tiny_qwen3: Path) -> None:
     with LLM(str(tiny_qwen3), gpu_memory_utilization=share, **kw) as llm:  # type: ignore[arg-type]
         pages = llm._backend.engine.num_pages  # type: ignore[attr-defined]
         assert torch.cuda.memory_reserved() <= share * total
-        assert len(llm.generate(["Hello"], GREEDY)[0].token_ids) == GREEDY.max_tokens
+        assert len(llm.generate(mixed_prompts(1, seed=6), GREEDY)[0].token_ids) == GREEDY.max_tokens
     assert 0 < pages < free_pages
     torch.cuda.empty_cache()
     with pytest.raises(ValueError, match="gpu_memory_utilization 1e-06 allows this instance"):

@@ -57,13 +57,17 @@ _PROGRAMS = 2048
 
 
 def int_tiles(m: int, n: int, k: int, group_size: int = 0) -> IntTiles:
-    """Tiles by the batch's rows: one row takes the no-tensor-core path (64 columns, 128
-    inputs, 2 warps: the sweep's best at every projection), a decode batch of a few rows
-    wastes little of a 16-row tile; K tiles no wider than a run of `group_size` inputs a
-    group (int_mm's), so that each reads one row of scales; K is split where the outputs give
-    fewer than `_PROGRAMS` programs."""
+    """Tiles by the batch's rows: one row takes the no-tensor-core path (32 columns, 128
+    inputs, one warp, K split into runs of at least 512 inputs, at most 16: an H100's best at
+    every projection of Llama-3.1-8B's shape; RESULTS.md, thirty-sixth session); a decode
+    batch of a few rows wastes little of a 16-row tile; K tiles no wider than a run of
+    `group_size` inputs a group (int_mm's), so that each reads one row of scales; with
+    tensor cores K is split where the outputs give fewer than `_PROGRAMS` programs."""
     if m == 1:
-        tiles, most = IntTiles(1, 64, 128, 2, 2), 8
+        tiles = IntTiles(1, 32, 128, 1, 2)
+        if group_size >= 16 and not group_size & (group_size - 1):
+            tiles = tiles._replace(block_k=min(tiles.block_k, group_size))
+        return tiles._replace(split_k=max(1, min(16, triton.cdiv(k, 512))))
     else:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
         tiles = IntTiles(block_m, 64 if m <= 64 else 128, 64, 4 if block_m <= 64 else 8, 3)
@@ -127,6 +131,91 @@ def _rows_product(a, q, s, z, GROUP: tl.constexpr):
         return s * tl.sum(a[:, :, None] * centred(q, z)[None, :, :], axis=1)
     else:
         return tl.sum(a[:, :, None] * (centred(q, z) * s)[None, :, :], axis=1)
+
+
+@triton.jit
+def _top_placed(words, BITS: tl.constexpr):
+    """Words [BLOCK_W, 1, BLOCK_N] (uint32) -> [BLOCK_W, P, BLOCK_N] float32 1 + q / 2^BITS
+    for each of their P values q: the value rotated into the top of the mantissa and 1.0's
+    exponent put beside it (one shift and one LOP3 a value, where extracting q and converting
+    it takes four)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    TOP: tl.constexpr = 23 - BITS
+    MASK: tl.constexpr = ((1 << BITS) - 1) << TOP
+    j = tl.arange(0, PER_WORD)
+    left = ((TOP - BITS * j + 32) % 32).to(tl.uint32)[None, :, None]
+    right = ((32 - left) % 32).to(tl.uint32)
+    placed = (words << left) | (words >> right)
+    return ((placed & MASK) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _one_row_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, parts_ptr, out_ptr, arrivals_ptr,
+                    n, k, k_split, stride_xm, stride_qk, stride_sg, stride_om,
+                    BITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP: tl.constexpr, LAST_SUMS: tl.constexpr):
+    """Row r, columns [c BLOCK_N, (c + 1) BLOCK_N) of x W^T over inputs [s k_split, (s + 1)
+    k_split), for program_id(0) = r * column blocks + c and split s = program_id(1); groups
+    in runs of GROUP (a multiple of BLOCK_K: each K tile one group). Each value is read as
+    f = 1 + q / 2^BITS (`_top_placed`), so that a tile's sum is
+    sum x (q - z) = 2^BITS sum x f - (2^BITS + z) sum x, the zero point out of the loop
+    (float32 keeps 2^-24 of sum |x| f: ~4 bits fewer than multiplying by q - z, far below
+    a 16-bit output's rounding). One split: out, plus the bias. Several: the split's float32
+    partial at parts[s, r]; with LAST_SUMS the last program of the row's column block to
+    count itself in `arrivals` (which it resets to 0) sums the partials in split order, so
+    that the result does not depend on which finished last; without, `_sum_splits_kernel`
+    does, a launch later."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    BLOCK_W: tl.constexpr = BLOCK_K // PER_WORD
+    blocks = tl.cdiv(n, BLOCK_N)
+    row = tl.program_id(0) // blocks
+    cols = (tl.program_id(0) % blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    k_lo = tl.program_id(1) * k_split
+    k_hi = tl.minimum(k, k_lo + k_split)
+    word_rows = tl.cdiv(k, PER_WORD)
+    j = tl.arange(0, PER_WORD)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        at = k0 // PER_WORD + tl.arange(0, BLOCK_W)
+        # A 3-D load, so that each thread holds adjacent columns' words (one vector load)
+        # and reuses each input of x across them.
+        words = tl.load(q_ptr + at.to(tl.int64)[:, None, None] * stride_qk
+                        + cols[None, None, :],
+                        mask=(at < word_rows)[:, None, None] & col_ok[None, None, :], other=0,
+                        eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+        kk = k0 + tl.arange(0, BLOCK_W)[:, None] * PER_WORD + j[None, :]
+        x = tl.load(x_ptr + row * stride_xm + kk, mask=kk < k, other=0.0).to(tl.float32)
+        t = tl.sum(tl.sum(x[:, :, None] * _top_placed(words, BITS), axis=1), axis=0)
+        sx = tl.sum(tl.sum(x, axis=1), axis=0)
+        g = k0 // GROUP
+        s = tl.load(s_ptr + g * stride_sg + cols, mask=col_ok, other=0.0)
+        z = tl.load(z_ptr + g * stride_sg + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc += s * ((1 << BITS) * t - ((1 << BITS) + z) * sx)
+    splits = tl.num_programs(1)
+    if splits == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty),
+                 mask=col_ok)
+    else:
+        rows_n = tl.num_programs(0) // blocks * n
+        tl.store(parts_ptr + tl.program_id(1) * rows_n + row * n + cols, acc, mask=col_ok)
+        if LAST_SUMS:
+            # Every thread's partial is stored before the count is published (release); the
+            # last program's reads follow its count (acquire).
+            tl.debug_barrier()
+            counter = arrivals_ptr + tl.program_id(0)
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
+                tl.store(counter, 0)
+                total = tl.zeros([BLOCK_N], dtype=tl.float32)
+                for sp in range(splits):
+                    total += tl.load(parts_ptr + sp * rows_n + row * n + cols, mask=col_ok,
+                                     other=0.0)
+                if HAS_BIAS:
+                    total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+                tl.store(out_ptr + row * stride_om + cols, total.to(out_ptr.dtype.element_ty),
+                         mask=col_ok)
 
 
 @triton.jit
@@ -270,14 +359,33 @@ def _dense_product(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return torch.addmm(bias.to(x.dtype), x, w)
 
 
+def arrival_slots(n: int) -> int:
+    """The counters `int_mm`'s `arrivals` needs for N outputs at one row: one a column block
+    of the narrowest one-row tile (16 columns)."""
+    return triton.cdiv(n, 16)
+
+
+def check_arrivals(arrivals: torch.Tensor, blocks: int) -> None:
+    """ValueError unless `arrivals` is a dense int32 tensor of at least `blocks` counters."""
+    if (arrivals.dtype != torch.int32 or not arrivals.is_contiguous()
+            or arrivals.numel() < blocks):
+        raise ValueError(f"int_mm's arrivals are dense int32 counters, at least {blocks} of "
+                         f"them; got {arrivals.dtype} {tuple(arrivals.shape)}")
+
+
 def int_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
            g_idx: torch.Tensor, bits: int, bias: Optional[torch.Tensor] = None,
-           tiles: Optional[IntTiles] = None, group_size: int = 0) -> torch.Tensor:
+           tiles: Optional[IntTiles] = None, group_size: int = 0,
+           arrivals: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] times the packed weight (see the module's docstring) transposed, plus bias:
     [M, N] in x's dtype; from DENSE_ROWS rows (unless `tiles` are given) cuBLAS's product on
     the dequantized W (module doc). `group_size`: the caller's word that g_idx[i] == i //
     group_size for every input (layers/packed.group_run; 0: not known, g_idx is read per
-    input). ValueError naming the shapes where the parts do not fit."""
+    input). `arrivals`: int32 zeros, at least `arrival_slots(N)` of them, the caller's own
+    while the product runs (a layer's: no other launch uses them at the same time): with
+    them the one-row path's last program of each column block sums the K splits, with no
+    second launch (~3 us a product on an H100), and leaves them zeros. ValueError naming the
+    shapes where the parts do not fit."""
     m, k = x.shape
     n = qweight.shape[1]
     check_packed(x, qweight, scales, zeros, g_idx, bits)
@@ -296,14 +404,28 @@ def int_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     parts = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32,
                                                 device=x.device)
     grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n), splits)
-    _int_mm_kernel[grid](
-        x, qweight, scales, zeros, g_idx, bias if bias is not None else scales, parts, m, n, k,
-        k_split, x.stride(0), qweight.stride(0), scales.stride(0), n, m * n, BITS=bits,
-        HAS_BIAS=bias is not None and splits == 1, F32_DOT=f32_dot(x), BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        GROUP=kernel_group(group_size, tiles.block_k),
-        SWAP=tiles.swap and tiles.block_m >= 16, SWIZZLE=8, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+    group = kernel_group(group_size, tiles.block_k)
+    if tiles.block_m == 1 and group > 0:
+        counters = arrivals if splits > 1 else None
+        if counters is not None:
+            check_arrivals(counters, grid[0])
+        last_sums = counters is not None
+        _one_row_kernel[grid](
+            x, qweight, scales, zeros, bias if bias is not None else scales, parts, out,
+            counters if counters is not None else scales, n, k, k_split, x.stride(0), qweight.stride(0),
+            scales.stride(0), n, BITS=bits, HAS_BIAS=bias is not None, BLOCK_N=tiles.block_n,
+            BLOCK_K=tiles.block_k, GROUP=group, LAST_SUMS=last_sums,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        if splits == 1 or last_sums:
+            return out
+    else:
+        _int_mm_kernel[grid](
+            x, qweight, scales, zeros, g_idx, bias if bias is not None else scales, parts, m,
+            n, k, k_split, x.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
+            BITS=bits, HAS_BIAS=bias is not None and splits == 1, F32_DOT=f32_dot(x),
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP=group,
+            SWAP=tiles.swap and tiles.block_m >= 16, SWIZZLE=8, num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages)
     if splits > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](

@@ -119,6 +119,7 @@ class _QuantizableLayer(nn.Module):
     scales: torch.Tensor
     zeros: torch.Tensor
     g_idx: torch.Tensor
+    arrivals: torch.Tensor
     groups_loaded: bool
     group_run: int
     bias: Optional[torch.Tensor]
@@ -154,7 +155,7 @@ class _QuantizableLayer(nn.Module):
         if self.packed is None:
             return None
         return PackedWeight(self.qweight, self.scales, self.zeros, self.g_idx, self.packed,
-                            self.group_run)
+                            self.group_run, self.arrivals)
 
     def _product(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """x W^T + bias by whatever the layer holds: packed integers, else `project`."""

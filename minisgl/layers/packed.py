@@ -85,6 +85,7 @@ class PackedWeight(NamedTuple):
     g_idx: torch.Tensor
     spec: PackedSpec
     group_run: int = 0  # `group_run(g_idx)`: g_idx[i] == i // group_run (0: read g_idx)
+    arrivals: Optional[torch.Tensor] = None  # int_mm's counters, the layer's own
 
 
 def make_buffers(module: nn.Module, spec: PackedSpec, out_features: int, inputs: Shard,
@@ -98,6 +99,11 @@ def make_buffers(module: nn.Module, spec: PackedSpec, out_features: int, inputs:
     module.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float32))
     module.register_buffer("zeros", torch.zeros(groups, out_features, dtype=torch.float16))
     module.register_buffer("g_idx", torch.zeros(inputs.size, dtype=torch.int32))
+    # The one-row product's counters (int_mm's `arrivals`): state of the kernel, not the
+    # model, so no checkpoint holds them. Packed layers exist only where int_mm runs.
+    from minisgl.kernels.int_mm import arrival_slots
+    module.register_buffer("arrivals", torch.zeros(arrival_slots(out_features),
+                                                   dtype=torch.int32), persistent=False)
 
 
 def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -231,5 +237,5 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor]) -> to
     rows = x.reshape(-1, k)
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
     out = int_mm(rows, w.qweight, w.scales, w.zeros, w.g_idx, w.spec.bits, bias,
-                 group_size=w.group_run)
+                 group_size=w.group_run, arrivals=w.arrivals)
     return out.view(*x.shape[:-1], out.shape[-1])
