@@ -75,14 +75,16 @@ def test_int_mm_equals_the_dequantized_product(bits: int, k: int, groups: int,
     torch.testing.assert_close(out.cpu(), x @ weight.t() + bias, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("bits,k,split", [(4, 512, 4), (8, 192, 3), (4, 96, 1)])
-def test_int_mm_one_row_sums_its_splits_in_its_last_program(bits: int, k: int,
-                                                            split: int) -> None:
-    """One row, groups in order (the one-row kernel: values read as 1 + q / 2^bits, zero
-    points out of the loop), K split: with `arrivals` the last program of each column block
-    sums the partials, in split order, so the result has the bits of the two-launch sum; the
+def test_int_mm_sums_its_splits_in_its_last_program(bits: int, k: int, split: int,
+                                                    rows: int) -> None:
+    """Groups in order (one row: the one-row kernel, values read as 1 + q / 2^bits, zero
+    points out of the loop; five: the tensor-core tiles), K split: with `arrivals` the last
+    program of each output tile sums the partials, in split order, so the result has the
+    bits of the two-launch sum; the
     counters are zeros again after (twice, as a CUDA graph replays it); a bias; columns not
-    a whole number of blocks; too few counters refused."""
+    a whole number of blocks; too few counters: the two-launch sum; the wrong dtype refused."""
     from minisgl.kernels.int_mm import IntTiles, arrival_slots, int_mm
     g = torch.Generator().manual_seed(k)
     n, groups = 72, k // 32
@@ -91,10 +93,10 @@ def test_int_mm_one_row_sums_its_splits_in_its_last_program(bits: int, k: int,
     scales = torch.rand(groups, n, generator=g) * 0.02
     zeros = torch.randint(0, 1 << bits, (groups, n), generator=g).half()
     weight = (values.float() - zeros.float()[group]) * scales[group]
-    x, bias = torch.randn(1, k, generator=g), torch.randn(n, generator=g)
+    x, bias = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
     args = [t.to(DEV) for t in (x, packed.pack(values, bits), scales, zeros,
                                 group.to(torch.int32))]
-    tiles = IntTiles(1, 16, 32, 1, 2, split)
+    tiles = IntTiles(1 if rows == 1 else 16, 16, 32, 1 if rows == 1 else 4, 2, split)
     arrivals = torch.zeros(arrival_slots(n), dtype=torch.int32, device=DEV)
     two_launches = int_mm(*args, bits, bias.to(DEV), tiles, group_size=32)
     for _ in range(2):
@@ -102,9 +104,12 @@ def test_int_mm_one_row_sums_its_splits_in_its_last_program(bits: int, k: int,
         assert torch.equal(out, two_launches)
         assert not arrivals.any()
     torch.testing.assert_close(out.cpu(), x @ weight + bias, rtol=1e-5, atol=1e-5)
-    if split > 1:  # counters too few for the column blocks that use them
-        with pytest.raises(ValueError, match="at least 5 of them"):
-            int_mm(*args, bits, None, tiles, group_size=32, arrivals=arrivals[:4])
+    # Fewer counters than column blocks: the second launch sums, the counters untouched.
+    few = torch.zeros(4, dtype=torch.int32, device=DEV)
+    assert torch.equal(int_mm(*args, bits, bias.to(DEV), tiles, group_size=32, arrivals=few),
+                       two_launches) and not few.any()
+    with pytest.raises(ValueError, match="dense int32 counters"):
+        int_mm(*args, bits, None, tiles, group_size=32, arrivals=arrivals.long())
 
 
 @pytest.mark.parametrize("act_order", [False, True])

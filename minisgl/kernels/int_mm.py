@@ -150,6 +150,35 @@ def _top_placed(words, BITS: tl.constexpr):
 
 
 @triton.jit
+def _bias_row(bias_ptr, cols, col_ok, HAS_BIAS: tl.constexpr):
+    """The bias of columns `cols` in float32 (zeros without HAS_BIAS)."""
+    bias = tl.zeros_like(cols).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return bias
+
+
+@triton.jit
+def _last_sums(parts_ptr, offs, mask, split_size, counter_ptr, bias, out_ptrs):
+    """For every program of a product with K split over program_id(1), once it has stored
+    its float32 partial at parts_ptr + split * split_size + offs: the program that counts
+    itself last at `counter_ptr` (and resets it to 0 for the next launch) sums the partials
+    in split order, so that the result does not depend on which finished last, adds `bias`
+    (float32, broadcast) and stores at `out_ptrs`."""
+    # Every thread's partial is stored before the count is published (release); the last
+    # program's reads follow its count (acquire).
+    tl.debug_barrier()
+    splits = tl.num_programs(1)
+    if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == splits - 1:
+        tl.store(counter_ptr, 0)
+        total = tl.load(parts_ptr + offs, mask=mask, other=0.0)
+        for sp in range(1, splits):
+            total += tl.load(parts_ptr + sp * split_size + offs, mask=mask, other=0.0)
+        total += bias
+        tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _one_row_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, parts_ptr, out_ptr, arrivals_ptr,
                     n, k, k_split, stride_xm, stride_qk, stride_sg, stride_om,
                     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -192,30 +221,17 @@ def _one_row_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, parts_ptr, out_ptr, ar
         s = tl.load(s_ptr + g * stride_sg + cols, mask=col_ok, other=0.0)
         z = tl.load(z_ptr + g * stride_sg + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc += s * ((1 << BITS) * t - ((1 << BITS) + z) * sx)
-    splits = tl.num_programs(1)
-    if splits == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty),
+    bias = _bias_row(bias_ptr, cols, col_ok, HAS_BIAS)
+    if tl.num_programs(1) == 1:
+        tl.store(out_ptr + row * stride_om + cols, (acc + bias).to(out_ptr.dtype.element_ty),
                  mask=col_ok)
     else:
-        rows_n = tl.num_programs(0) // blocks * n
-        tl.store(parts_ptr + tl.program_id(1) * rows_n + row * n + cols, acc, mask=col_ok)
+        split_size = tl.num_programs(0) // blocks * n
+        offs = row * n + cols
+        tl.store(parts_ptr + tl.program_id(1) * split_size + offs, acc, mask=col_ok)
         if LAST_SUMS:
-            # Every thread's partial is stored before the count is published (release); the
-            # last program's reads follow its count (acquire).
-            tl.debug_barrier()
-            counter = arrivals_ptr + tl.program_id(0)
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
-                tl.store(counter, 0)
-                total = tl.zeros([BLOCK_N], dtype=tl.float32)
-                for sp in range(splits):
-                    total += tl.load(parts_ptr + sp * rows_n + row * n + cols, mask=col_ok,
-                                     other=0.0)
-                if HAS_BIAS:
-                    total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-                tl.store(out_ptr + row * stride_om + cols, total.to(out_ptr.dtype.element_ty),
-                         mask=col_ok)
+            _last_sums(parts_ptr, offs, col_ok, split_size, arrivals_ptr + tl.program_id(0),
+                       bias, out_ptr + row * stride_om + cols)
 
 
 @triton.jit
@@ -234,11 +250,12 @@ def _operands(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, rows, row_ok, cols, col_ok, k0,
 
 
 @triton.jit
-def _int_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, m, n, k, k_split,
-                   stride_xm, stride_qk, stride_sg, stride_om, stride_os, BITS: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                   SWAP: tl.constexpr, SWIZZLE: tl.constexpr):
+def _int_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, final_ptr,
+                   arrivals_ptr, m, n, k, k_split, stride_xm, stride_qk, stride_sg, stride_om,
+                   stride_os, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, GROUP: tl.constexpr, SWAP: tl.constexpr,
+                   SWIZZLE: tl.constexpr, LAST_SUMS: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of out over inputs [s k_split, (s + 1) k_split) for split
     s = program_id(1) (into out + s stride_os): each K tile's weights unpacked from their
     words, dequantized by their group's scale and zero point (rounded to x's dtype for the
@@ -271,11 +288,16 @@ def _int_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, m, n, k
                 acc += dot(a, (centred(q, z) * s).to(a.dtype), F32_DOT)
             else:
                 acc += _rows_product(a.to(tl.float32), q, s, z, GROUP)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = (out_ptr + tl.program_id(1) * stride_os + rows.to(tl.int64)[:, None] * stride_om
-           + cols[None, :])
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    bias = _bias_row(bias_ptr, cols, col_ok, HAS_BIAS)[None, :]
+    if tl.num_programs(1) == 1:
+        acc += bias
+    offs = rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    tl.store(out_ptr + tl.program_id(1) * stride_os + offs,
+             acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if LAST_SUMS:  # out_ptr holds the partials, final_ptr the result (dense [m, n])
+        _last_sums(out_ptr, offs, mask, stride_os, arrivals_ptr + tl.program_id(0), bias,
+                   final_ptr + offs)
 
 
 @triton.jit
@@ -360,17 +382,17 @@ def _dense_product(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 
 def arrival_slots(n: int) -> int:
-    """The counters `int_mm`'s `arrivals` needs for N outputs at one row: one a column block
-    of the narrowest one-row tile (16 columns)."""
+    """The counters a layer of N outputs gives `int_mm` (`arrivals`): one a 16-column block,
+    which covers the tiles of every split product `int_tiles` chooses (at one row 32 columns a
+    program; with tensor cores at most two row tiles of 128 columns below DENSE_ROWS)."""
     return triton.cdiv(n, 16)
 
 
-def check_arrivals(arrivals: torch.Tensor, blocks: int) -> None:
-    """ValueError unless `arrivals` is a dense int32 tensor of at least `blocks` counters."""
-    if (arrivals.dtype != torch.int32 or not arrivals.is_contiguous()
-            or arrivals.numel() < blocks):
-        raise ValueError(f"int_mm's arrivals are dense int32 counters, at least {blocks} of "
-                         f"them; got {arrivals.dtype} {tuple(arrivals.shape)}")
+def check_arrivals(arrivals: torch.Tensor) -> None:
+    """ValueError unless `arrivals` is a dense int32 tensor (int_mm's counters)."""
+    if arrivals.dtype != torch.int32 or not arrivals.is_contiguous():
+        raise ValueError(f"int_mm's arrivals are dense int32 counters; got {arrivals.dtype} "
+                         f"{tuple(arrivals.shape)} (strides {arrivals.stride()})")
 
 
 def int_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -381,10 +403,11 @@ def int_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     [M, N] in x's dtype; from DENSE_ROWS rows (unless `tiles` are given) cuBLAS's product on
     the dequantized W (module doc). `group_size`: the caller's word that g_idx[i] == i //
     group_size for every input (layers/packed.group_run; 0: not known, g_idx is read per
-    input). `arrivals`: int32 zeros, at least `arrival_slots(N)` of them, the caller's own
-    while the product runs (a layer's: no other launch uses them at the same time): with
-    them the one-row path's last program of each column block sums the K splits, with no
-    second launch (~3 us a product on an H100), and leaves them zeros. ValueError naming the
+    input). `arrivals`: int32 zeros (`arrival_slots(N)` of them), the caller's own while the
+    product runs (a layer's: no other launch uses them at the same time): where K is split
+    and there is a counter for each output tile, the last program of each tile sums the
+    splits, with no second launch (~3 us a product on an H100), and leaves them zeros; the
+    sum is in split order either way, so the bits do not change. ValueError naming the
     shapes where the parts do not fit."""
     m, k = x.shape
     n = qweight.shape[1]
@@ -405,28 +428,27 @@ def int_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
                                                 device=x.device)
     grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n), splits)
     group = kernel_group(group_size, tiles.block_k)
+    if arrivals is not None:
+        check_arrivals(arrivals)
+    last_sums = splits > 1 and arrivals is not None and arrivals.numel() >= grid[0]
+    bias_arg = bias if bias is not None else scales
+    counters_arg = arrivals if last_sums and arrivals is not None else scales
     if tiles.block_m == 1 and group > 0:
-        counters = arrivals if splits > 1 else None
-        if counters is not None:
-            check_arrivals(counters, grid[0])
-        last_sums = counters is not None
         _one_row_kernel[grid](
-            x, qweight, scales, zeros, bias if bias is not None else scales, parts, out,
-            counters if counters is not None else scales, n, k, k_split, x.stride(0), qweight.stride(0),
-            scales.stride(0), n, BITS=bits, HAS_BIAS=bias is not None, BLOCK_N=tiles.block_n,
-            BLOCK_K=tiles.block_k, GROUP=group, LAST_SUMS=last_sums,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-        if splits == 1 or last_sums:
-            return out
+            x, qweight, scales, zeros, bias_arg, parts, out, counters_arg, n, k, k_split,
+            x.stride(0), qweight.stride(0), scales.stride(0), n, BITS=bits,
+            HAS_BIAS=bias is not None, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+            GROUP=group, LAST_SUMS=last_sums, num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages)
     else:
         _int_mm_kernel[grid](
-            x, qweight, scales, zeros, g_idx, bias if bias is not None else scales, parts, m,
-            n, k, k_split, x.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
-            BITS=bits, HAS_BIAS=bias is not None and splits == 1, F32_DOT=f32_dot(x),
-            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP=group,
-            SWAP=tiles.swap and tiles.block_m >= 16, SWIZZLE=8, num_warps=tiles.num_warps,
-            num_stages=tiles.num_stages)
-    if splits > 1:
+            x, qweight, scales, zeros, g_idx, bias_arg, parts, out, counters_arg, m, n, k,
+            k_split, x.stride(0), qweight.stride(0), scales.stride(0), n, m * n, BITS=bits,
+            HAS_BIAS=bias is not None, F32_DOT=f32_dot(x), BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP=group,
+            SWAP=tiles.swap and tiles.block_m >= 16, SWIZZLE=8, LAST_SUMS=last_sums,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if splits > 1 and not last_sums:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
             parts, bias if bias is not None else parts, out, m * n, n, splits,
