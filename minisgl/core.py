@@ -735,10 +735,13 @@ class PoolingParams:
     """vLLM's options of an embedding (`LLM.embed`'s pooling_params): `dimensions` cuts a
     Matryoshka model's embeddings to their first values, normalized again (None: whole);
     `normalize` False returns the pooled state as it is (None: the model's default,
-    models/pooling.Pooling.normalize)."""
+    models/pooling.Pooling.normalize); `use_activation` (`LLM.classify`, a cross-encoder's
+    `LLM.score`) False answers the logits, not their probabilities (None: pooler_config's,
+    models/classifier.LogitActivation)."""
 
     dimensions: Optional[int] = None
     normalize: Optional[bool] = None
+    use_activation: Optional[bool] = None
 
 
 @dataclass(frozen=True)

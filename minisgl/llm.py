@@ -38,7 +38,7 @@ from minisgl.message import AbortMsg, BatchTokenOut, SchedulerStats, ShutdownMsg
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.types import AccountingMsg, AccountingReply, AdapterMsg, WeightsMsg
 from minisgl.models import ModelConfig
-from minisgl.models.classifier import Classifier, pair_score_error, probabilities, sigmoid
+from minisgl.models.classifier import Classifier, LogitActivation, pair_score_error
 from minisgl.models.generation import sampling_defaults
 from minisgl.models.lora_config import check_runtime_load
 from minisgl.models.path import resolve_model_path
@@ -742,6 +742,8 @@ class LLM:
         if self.model_config.classifier is not None:
             refusal = (f"this model is a sequence classifier "
                        f"({self.model_config.architecture}): use classify or score")
+        if pooling_params is not None and pooling_params.use_activation is not None:
+            refusal = "use_activation applies to classify and to a cross-encoder's score"
         dims = self._pooling.cut_to(None if pooling_params is None
                                     else pooling_params.dimensions)
         normalize = (self._pooling.normalize if pooling_params is None
@@ -758,16 +760,31 @@ class LLM:
                                                         self._pooling.mode, normalize)]
 
     def classify(self, prompts: Union[Prompt, Sequence[Prompt]], *,
-                 use_tqdm: Optional[bool] = None, lora_request: LoraRequests = None
+                 use_tqdm: Optional[bool] = None, lora_request: LoraRequests = None,
+                 pooling_params: Optional[PoolingParams] = None
                  ) -> List[ClassificationRequestOutput]:
         """vLLM's `LLM.classify`: each prompt's label probabilities from a sequence
-        classification model (models/classifier.py), in order; prompts as for `embed`.
-        ValueError for a model without a classification head."""
+        classification model (models/classifier.py), in order (its logits where
+        `pooling_params.use_activation` or pooler_config's says false); prompts as for
+        `embed`. ValueError for a model without a classification head, or embedding options
+        in `pooling_params`."""
         self._classifier("classify")
+        activation = self._logit_activation(pooling_params, "classify")
         ids = [self._encode(p) for p in _prompt_list(prompts)]
-        return [ClassificationRequestOutput(rid, ClassificationOutput(probabilities(values)),
-                                            prompt)
+        return [ClassificationRequestOutput(
+            rid, ClassificationOutput(activation.probabilities(values.tolist())), prompt)
                 for rid, values, prompt in self._pooled(ids, use_tqdm, lora_request)]
+
+    def _logit_activation(self, pooling_params: Optional[PoolingParams], what: str
+                          ) -> LogitActivation:
+        """pooler_config's LogitActivation with `pooling_params.use_activation`; ValueError
+        where `pooling_params` sets what only embeddings take."""
+        if pooling_params is None:
+            return self._pooling.logits
+        if pooling_params.dimensions is not None or pooling_params.normalize is not None:
+            raise ValueError(f"{what}: dimensions and normalize apply to embeddings; "
+                             f"pooling_params takes use_activation here")
+        return self._pooling.logits.for_request(pooling_params.use_activation)
 
     def reward(self, prompts: Union[Prompt, Sequence[Prompt]], *,
                use_tqdm: Optional[bool] = None, lora_request: LoraRequests = None
@@ -788,24 +805,30 @@ class LLM:
         return self.model_config.classifier
 
     def score(self, text_1: Union[str, Sequence[str]], text_2: Union[str, Sequence[str]], *,
-              use_tqdm: Optional[bool] = None, lora_request: LoraRequests = None
+              use_tqdm: Optional[bool] = None, lora_request: LoraRequests = None,
+              pooling_params: Optional[PoolingParams] = None
               ) -> List[ScoringRequestOutput]:
         """vLLM's `LLM.score`, pairs as vLLM forms them (one text_1 with each text_2, or two
         lists of one length in order): a cross-encoder's (a one-label classifier: the
         sigmoid of its logit on the pair, tokenized as the tokenizer pairs two texts), or an
         embedding model's (the cosine similarity of the two embeddings). ValueError where
-        they do not pair, or for a classifier of several labels."""
+        they do not pair, or for a classifier of several labels; `pooling_params` as for
+        `classify` (a cross-encoder's logit where use_activation is false), none for an
+        embedding model."""
         firsts, seconds = paired_texts(text_1, text_2)
         classifier = self.model_config.classifier
         if classifier is not None:
             refusal = pair_score_error(classifier)
             if refusal is not None:
                 raise ValueError(refusal)
+            activation = self._logit_activation(pooling_params, "score")
             tokenizer = self._need_tokenizer()
             ids = [list(tokenizer.encode(a, b, add_special_tokens=True))
                    for a, b in zip(firsts, seconds)]
-            return [ScoringRequestOutput(rid, ScoringOutput(sigmoid(values[0])))
+            return [ScoringRequestOutput(rid, ScoringOutput(activation.score(float(values[0]))))
                     for rid, values, _ in self._pooled(ids, use_tqdm, lora_request)]
+        if pooling_params is not None:
+            raise ValueError("score by embeddings (cosine similarity) takes no pooling_params")
         texts = list(dict.fromkeys([*firsts, *seconds]))
         vectors = {t: o.outputs.embedding for t, o in
                    zip(texts, self.embed(texts, use_tqdm=use_tqdm, lora_request=lora_request))}

@@ -1,5 +1,6 @@
-"""A checkpoint tensor source that logs what each read takes: the sharded-loading tests check
-that every rank reads only its own slice of each tensor."""
+"""Checkpoint tensor sources for tests: one that logs what each read takes (the
+sharded-loading tests check that every rank reads only its own slice of each tensor), and one
+of given values."""
 
 from __future__ import annotations
 
@@ -23,3 +24,17 @@ class RecordingSource:
         t = self.inner.read(dim, start, stop)  # type: ignore[attr-defined]
         self.log.append((self.inner.name, tuple(self.shape), tuple(t.shape)))  # type: ignore
         return t
+
+
+class ValuesSource:
+    """A checkpoint tensor source holding `values` (a scale's, say)."""
+
+    def __init__(self, *values: float) -> None:
+        self.values = torch.tensor(values)
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.values.shape)
+
+    def read(self, dim: object = None, start: int = 0, stop: int = 0) -> torch.Tensor:
+        return self.values

@@ -120,6 +120,50 @@ def test_reranker_from_tokens_scores_pairs_as_hf_yes_over_no(
     assert len(set(scores)) == 3
 
 
+def test_use_activation_and_logit_scaling(classifier_dir: Path) -> None:
+    """vLLM's pooler_config `use_activation` false (or its older `activation` / `softmax`):
+    classify answers the logits (HF's); `logit_mean` / `logit_sigma` standardize them before
+    the softmax; a call's `PoolingParams(use_activation=...)` overrides the config; embedding
+    options in a classify call, or use_activation in an embedding call, are refused."""
+    from minisgl import PoolingParams
+    prompts = mixed_prompts(3, seed=12, lengths=(4, 19))
+    logits = _hf_logits(classifier_dir, prompts)
+    kw = dict(device="cpu", max_kv_tokens=1024, show_progress=False)
+    config = '{"activation": false, "logit_mean": 0.5, "logit_sigma": 2.0}'
+    with LLM(str(classifier_dir), pooler_config=config, **kw) as llm:  # type: ignore[arg-type]
+        raw = [o.outputs.probs for o in llm.classify(prompts)]
+        scaled = [o.outputs.probs for o in llm.classify(
+            prompts, pooling_params=PoolingParams(use_activation=True))]
+        with pytest.raises(ValueError, match="dimensions and normalize apply to embeddings"):
+            llm.classify(prompts, pooling_params=PoolingParams(dimensions=4))
+    for got, want in zip(raw, logits):
+        torch.testing.assert_close(torch.tensor(got), (want - 0.5) / 2.0, rtol=1e-5, atol=1e-5)
+    for got, want in zip(scaled, logits):
+        torch.testing.assert_close(torch.tensor(got), torch.softmax((want - 0.5) / 2.0, -1),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_pooler_config_activation_settings_are_checked() -> None:
+    from minisgl.models.classifier import LogitActivation
+    from minisgl.models.pooling import parse_pooler_config
+    assert parse_pooler_config('{"softmax": false}').logits == LogitActivation(False)
+    assert parse_pooler_config('{"use_activation": true, "activation": true}').logits == (
+        LogitActivation())
+    assert parse_pooler_config('{"logit_mean": 1, "logit_sigma": 0.5}').logits == (
+        LogitActivation(True, 1.0, 0.5))
+    for bad, named in (('{"use_activation": "no"}', "use_activation must be true or false"),
+                       ('{"use_activation": true, "softmax": false}', "disagree"),
+                       ('{"logit_sigma": 0}', "logit_sigma must be above 0"),
+                       ('{"logit_mean": "1"}', "logit_mean must be a finite number"),
+                       ('{"logit_sigma": true}', "logit_sigma must be a finite number")):
+        with pytest.raises(ValueError, match=named):
+            parse_pooler_config(bad)
+    act = LogitActivation(False, 1.0, 2.0)
+    assert act.score(3.0) == 1.0 and act.probabilities([1.0, 5.0]) == [0.0, 2.0]
+    assert act.for_request(True).score(1.0) == 0.5
+    assert act.for_request(None) == act
+
+
 def test_classifier_configs_read_as_vllm_reads_them() -> None:
     arch = "Qwen3ForSequenceClassification"
     assert parse_classifier({}, "Qwen3ForCausalLM") is None
@@ -155,8 +199,9 @@ def test_classify_needs_a_classifier(tiny_model: Callable[..., Path]) -> None:
 def test_served_reranker_scores_reranks_and_classifies(tiny_model: Callable[..., Path],
                                                        tmp_path: Path) -> None:
     """The reranker served: /score and /rerank as a cross-encoder (each pair tokenized as the
-    tokenizer pairs two texts, then HF's yes-over-no), /classify its one label's sigmoid; the
-    embeddings endpoint refuses it, and a bad body gets a 400 naming its field."""
+    tokenizer pairs two texts, then HF's yes-over-no), /classify its one label's sigmoid (the
+    logits themselves with `use_activation` false, which /pooling refuses); the embeddings
+    endpoint refuses it, and a bad body gets a 400 naming its field."""
     import httpx
     from server_helpers import CPU_ARGS, serving
     path = tiny_model("qwen3")
@@ -172,6 +217,11 @@ def test_served_reranker_scores_reranks_and_classifies(tiny_model: Callable[...,
         pooled = post("/pooling", {"input": query}).json()
         refused = post("/v1/embeddings", {"input": "hello"})
         bad = post("/classify", {"input": []})
+        # vLLM's use_activation false: the cross-encoder's logit, classify's logits
+        raw_scores = [d["score"] for d in post("/score", {
+            "text_1": query, "text_2": docs, "use_activation": False}).json()["data"]]
+        raw_class = post("/classify", {"input": query, "use_activation": False}).json()
+        not_pooling = post("/pooling", {"input": query, "use_activation": False})
     import transformers
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
     pairs = [list(tokenizer.encode(query, d, add_special_tokens=True)) for d in docs]
@@ -194,3 +244,8 @@ def test_served_reranker_scores_reranks_and_classifies(tiny_model: Callable[...,
     assert refused.status_code == 400 and "sequence classifier" in refused.json()["error"][
         "message"]
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
+    assert [1.0 / (1.0 + math.exp(-x)) for x in raw_scores] == pytest.approx(
+        want, rel=1e-5, abs=1e-6)
+    assert raw_class["data"][0]["probs"] == pytest.approx([raw], rel=1e-5, abs=1e-6)
+    assert not_pooling.status_code == 400 and not_pooling.json()["error"][
+        "param"] == "use_activation"

@@ -279,7 +279,7 @@ def test_pooling_the_model_does_not_use_is_refused_and_pooler_config_overrides(
     for bad, named in (('{"pooling_type": "MAX"}', "pooling_type must be one of LAST, MEAN, "
                                                     "CLS, got 'MAX'"),
                        ('{"normalize": 1}', "normalize must be true or false"),
-                       ('{"softmax": true}', "softmax is not supported"),
+                       ('{"step_tag_id": 3}', "step_tag_id is not supported"),
                        ('{"dimensions": 0}', "dimensions must be a positive integer"),
                        ('{"dimensions": 8}', "pooler_config: dimensions 8: this model's "
                                              "embeddings cannot be shortened"),

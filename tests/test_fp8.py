@@ -24,7 +24,7 @@ from minisgl.models import ModelConfig, model_class
 from minisgl.models.checkpoint_quant import CheckpointFp8, parse_quantization
 from minisgl.models.quantization import quant_plan
 from minisgl.models.weights import init_dummy, iter_checkpoint
-from recording_source import RecordingSource
+from recording_source import RecordingSource, ValuesSource
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 # 128 x 128 blocks need every projection's dims to be whole blocks at tp=1 and tp=2
@@ -270,6 +270,22 @@ def test_fp8_on_a_gpu_without_fp8_is_refused(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
     plan = quant_plan(None, "fp8", torch.device("cuda", 0), torch.bfloat16)
     assert plan is not None and plan.runtime.gemm == "scaled_mm"
+
+
+def test_static_input_scale_restarts_at_each_load() -> None:
+    """A fused layer's static activation scale is the largest of its parts'; a load into
+    the same tensors (a reload) starts it from zero again (fp8.start_loading), so it takes
+    the new checkpoint's, not the larger of both."""
+    layer = ColumnParallelLinear(32, [16, 16], False, DistributedInfo(0, 1),
+                                 fmt=WeightFormat(fp8.Fp8Spec(static_input=True)))
+    for shard, value in ((0, 2.0), (1, 3.0)):
+        layer.load("input_scale", ValuesSource(value), shard)
+    assert float(layer.input_scale) == 3.0
+    fp8.start_loading(layer)
+    assert float(layer.input_scale) == 0.0
+    for shard, value in ((0, 0.5), (1, 0.25)):
+        layer.load("input_scale", ValuesSource(value), shard)
+    assert float(layer.input_scale) == 0.5
 
 
 def test_block_split_across_ranks_is_refused_with_the_numbers() -> None:

@@ -18,6 +18,7 @@ from minisgl.engine.engine import check_kv_cache_dtype, pages_that_fit
 from minisgl.kvcache.pool import FP8_KV_DTYPE, KVScales, quantize
 from minisgl.models import ModelConfig
 from minisgl.models.kv_scales import KVScaleCollector, kv_scale_target
+from recording_source import ValuesSource
 
 from script_loader import load_script
 
@@ -99,20 +100,6 @@ def test_gpu_memory_utilization_caps_the_instance() -> None:
         EngineConfig(gpu_memory_utilization=1.5)
 
 
-class _Scalar:
-    """A checkpoint tensor source holding `values`."""
-
-    def __init__(self, *values: float) -> None:
-        self.values = torch.tensor(values)
-
-    @property
-    def shape(self) -> tuple:
-        return tuple(self.values.shape)
-
-    def read(self, dim: object = None, start: int = 0, stop: int = 0) -> torch.Tensor:
-        return self.values
-
-
 def test_kv_scale_names_and_values() -> None:
     """vLLM's spellings of the per-layer scales are taken out of the stream the model loads;
     layers without one keep 1.0; malformed scales are refused by name."""
@@ -126,16 +113,16 @@ def test_kv_scale_names_and_values() -> None:
                   "model.layers.1.self_attn.k_proj.input_scale", "model.norm.weight"):
         assert kv_scale_target(other) is None, other
     collector = KVScaleCollector(3)
-    stream = [("model.layers.0.self_attn.k_proj.weight", _Scalar(1.0)),
-              ("model.layers.0.self_attn.k_scale", _Scalar(0.5)),
-              ("model.layers.2.self_attn.kv_scale", _Scalar(0.25)),
-              ("model.layers.0.self_attn.v_proj.output_scale", _Scalar(2.0))]
+    stream = [("model.layers.0.self_attn.k_proj.weight", ValuesSource(1.0)),
+              ("model.layers.0.self_attn.k_scale", ValuesSource(0.5)),
+              ("model.layers.2.self_attn.kv_scale", ValuesSource(0.25)),
+              ("model.layers.0.self_attn.v_proj.output_scale", ValuesSource(2.0))]
     assert [n for n, _ in collector.filter(stream)] == ["model.layers.0.self_attn.k_proj.weight"]
     assert collector.found == 4
     assert collector.scales() == KVScales((0.5, 1.0, 0.25), (2.0, 1.0, 0.25))
-    for bad, match in (([("model.layers.0.self_attn.k_scale", _Scalar(0.5, 0.5))], "one value"),
-                       ([("model.layers.0.self_attn.v_scale", _Scalar(0.0))], "positive"),
-                       ([("model.layers.7.self_attn.v_scale", _Scalar(1.0))], "layer 7")):
+    for bad, match in (([("model.layers.0.self_attn.k_scale", ValuesSource(0.5, 0.5))], "one value"),
+                       ([("model.layers.0.self_attn.v_scale", ValuesSource(0.0))], "positive"),
+                       ([("model.layers.7.self_attn.v_scale", ValuesSource(1.0))], "layer 7")):
         with pytest.raises(ValueError, match=match):
             list(KVScaleCollector(3).filter(bad))
 

@@ -204,6 +204,16 @@ def _tokens(launched: Launched) -> List[int]:
     return out
 
 
+class LoadedModel(NamedTuple):
+    """Engine._load_model's: the model, its checkpoint's KV cache scales, and whether
+    `reload_weights` can write other weights into it (not where FP8 weights were dequantized
+    as they loaded: a reload would need them FP8 again)."""
+
+    model: CausalLM
+    kv_scales: KVScales
+    reloadable: bool
+
+
 class Engine:
     def __init__(self, cfg: EngineConfig, groups: ProcessGroups,
                  on_progress: Callable[[str], None] = lambda text: None,
@@ -220,7 +230,7 @@ class Engine:
         check_kv_cache_dtype(cfg, self.device)
         self.model_cfg = ModelConfig.from_dir(Path(cfg.model_path), cfg.hf_override_dict)
         self.lora_slots = cfg.lora_slots  # 0: no LoRA (and no adapter scan per forward)
-        self.model, kv_scales = self._load_model(groups)
+        self.model, kv_scales, self._reloadable = self._load_model(groups)
         on_progress(f"weights loaded in {time.perf_counter() - start:.1f} s")
         self.max_context = cfg.context_length(self.model_cfg.max_context)
         local_kv_heads, local_heads = self.model.model.local_heads
@@ -310,9 +320,10 @@ class Engine:
                     "cuBLASLt chosen for: %s", self.cfg.tp_info.rank, tuned.shapes, len(rows),
                     time.perf_counter() - start, blas.describe(self.model))
 
-    def _load_model(self, groups: ProcessGroups) -> Tuple[CausalLM, KVScales]:
-        """The model with its weights, and the KV cache scales its checkpoint gives (1.0 for
-        the layers it gives none; for dummy weights, all)."""
+    def _load_model(self, groups: ProcessGroups) -> LoadedModel:
+        """The model with its weights, the KV cache scales its checkpoint gives (1.0 for the
+        layers it gives none; for dummy weights, all) and whether a reload can write other
+        weights into it."""
         cls = model_class(self.model_cfg.architecture)
         self.model_cfg.check_quantization(self.cfg.quantization)
         quant = quant_plan(self.model_cfg.quantization, self.cfg.quantization, self.device,
@@ -327,13 +338,13 @@ class Engine:
         scales = KVScaleCollector(self.model_cfg.num_layers)
         self._fill_weights(model, scales, None if self.cfg.load_format == "dummy"
                            else self.cfg.model_path, self.cfg.show_progress)
-        self._reloadable = quant is None or not quant.runtime.weight_only
         load_adapters(model, adapters)
         if self.cfg.kv_torch_dtype == FP8_KV_DTYPE and scales.found == 0:
             logger.warning("rank %d: the checkpoint gives no KV cache scales: the FP8 KV cache "
                            "uses 1.0 for every layer (K/V beyond +-448 saturate)",
                            self.cfg.tp_info.rank)
-        return model.eval(), scales.scales()
+        return LoadedModel(model.eval(), scales.scales(),
+                           quant is None or not quant.runtime.weight_only)
 
     def _fill_weights(self, model: CausalLM, scales: KVScaleCollector, path: Optional[str],
                       show: bool = False) -> None:
@@ -367,9 +378,6 @@ class Engine:
                 raise WeightsRefused(f"{path}: {e}") from None
             if error is not None:
                 raise WeightsRefused(f"{path}: {error}")
-        for name, p in self.model.named_parameters():
-            if name.endswith("input_scale"):  # loading keeps the largest it sees (fused parts)
-                p.zero_()
         self._fill_weights(self.model, KVScaleCollector(self.model_cfg.num_layers), path)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # a load's error surfaces here, not later

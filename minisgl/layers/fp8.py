@@ -282,7 +282,9 @@ class Fp8Module(Protocol):
 
     fp8: Optional[Fp8Spec]
 
-    def named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]: ...
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True
+                         ) -> Iterator[Tuple[str, nn.Parameter]]: ...
 
     def fill_quantized_random(self, gen: torch.Generator, std: float) -> None: ...
 
@@ -336,6 +338,17 @@ def dequantize_layer(module: Fp8Layer) -> None:
         del module.input_scale
     module.weight = _param(dense)
     module.fp8 = None
+
+
+@torch.no_grad()
+def start_loading(model: nn.Module) -> None:
+    """Before a checkpoint's tensors load: every static activation scale back to zero, since
+    loading keeps the largest of the fused parts' or experts' (load_input_scale); a reload of other
+    weights into the same tensors then takes its own, not the largest of both."""
+    for _, module in fp8_layers(model):
+        for name, scale in module.named_parameters(recurse=False):
+            if name.endswith("input_scale"):  # a layer's, or an expert GEMM's (w13_, w2_)
+                scale.zero_()
 
 
 @torch.no_grad()

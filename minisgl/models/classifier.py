@@ -12,7 +12,9 @@ is the softmax of the two tokens' logits.
 
 Probabilities as vLLM's classify returns them: softmax over two or more labels, the sigmoid of
 a single one; a pair's score (cross-encoder /score, /rerank) is the sigmoid of a one-label
-logit. Torch-free: the launcher and the API server read it.
+logit; vLLM's `use_activation` (false: the logits themselves) and `logit_mean` /
+`logit_sigma` (logits standardized first) as `LogitActivation`. Torch-free: the launcher and
+the API server read it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 # *ForSequenceClassification -> the causal LM whose decoder it is
 CLASSIFIER_BASES: Dict[str, str] = {
@@ -102,6 +104,36 @@ def _vocabulary(tokenizer: Dict[str, Any]) -> Dict[str, int]:
     for added in tokenizer.get("added_tokens") or ():
         vocab[added["content"]] = added["id"]
     return vocab
+
+
+class LogitActivation(NamedTuple):
+    """What a classifier's logits go through before they are answered as probabilities
+    (classify) or a pair's score (a cross-encoder's), as vLLM's pooler_config and requests
+    set it: (x - logit_mean) / logit_sigma, then, unless `use_activation` is False, the
+    activation (`probabilities`, `sigmoid`). A reward model's logits (LLM.reward, /pooling)
+    take none of this."""
+
+    use_activation: bool = True
+    logit_mean: float = 0.0
+    logit_sigma: float = 1.0
+
+    def for_request(self, use_activation: Optional[bool]) -> "LogitActivation":
+        """This, with a request's `use_activation` where it sets one."""
+        return self if use_activation is None else self._replace(use_activation=use_activation)
+
+    def _scaled(self, logits: Sequence[float]) -> List[float]:
+        return [(x - self.logit_mean) / self.logit_sigma for x in logits]
+
+    def probabilities(self, logits: Sequence[float]) -> List[float]:
+        """Classify's answer: each label's probability, or its scaled logit without the
+        activation."""
+        scaled = self._scaled(logits)
+        return probabilities(scaled) if self.use_activation else scaled
+
+    def score(self, logit: float) -> float:
+        """A cross-encoder pair's score: the sigmoid of its scaled logit (or that logit)."""
+        scaled = self._scaled([logit])[0]
+        return sigmoid(scaled) if self.use_activation else scaled
 
 
 def probabilities(logits: Sequence[float]) -> List[float]:

@@ -40,7 +40,7 @@ from minisgl.kernels.types import GELU_TANH, SILU, HeadNorms
 from minisgl.layers.activation import act_and_mul, act_and_mul_quantized
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.experts import expert_param
-from minisgl.layers.fp8 import SCALE_PARAMS, Fp8Spec, finish_loading
+from minisgl.layers.fp8 import SCALE_PARAMS, Fp8Spec, finish_loading, start_loading
 from minisgl.layers.linear import (ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
                                    ResidualStream, RowParallelLinear)
 from minisgl.layers.lora import LoraShape
@@ -485,7 +485,9 @@ class CausalLM(nn.Module):
     def load_weights(self, tensors: Iterable[Tuple[str, TensorSource]]) -> None:
         """Load every parameter from (checkpoint name, source) pairs; raise naming any missing,
         and any FP8 scale of a layer that is not FP8. Then the weight-only FP8 layers are
-        dequantized (layers/fp8.finish_loading)."""
+        dequantized (layers/fp8.finish_loading). A reload into the same tensors goes the same
+        way (static activation scales restarted: layers/fp8.start_loading)."""
+        start_loading(self)
         loaded: Set[str] = set()
         own = ((self._own_name(name), src) for name, src in tensors)
         for name, src in (part for name, src in own if name is not None

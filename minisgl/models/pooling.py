@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+from minisgl.models.classifier import LogitActivation
 
 
 _POOLING_MODULE = "sentence_transformers.models.Pooling"
@@ -28,12 +30,13 @@ class Pooling(NamedTuple):
     embeddings L2-normalized (the default; a request may say otherwise); `refusal`: why its
     embeddings cannot be served (its pooling is none of those), or None; `dimensions`: the
     length a Matryoshka model's embeddings are cut to where a request names none (None:
-    whole)."""
+    whole); `logits`: what a classifier's logits go through (classifier.LogitActivation)."""
 
     mode: str = "last"
     refusal: Optional[str] = None
     normalize: bool = True
     dimensions: Optional[int] = None
+    logits: LogitActivation = LogitActivation()  # a classifier's (pooler_config's)
 
     def cut_to(self, requested: Optional[int]) -> Optional[int]:
         """The length a request's embeddings are cut to: its own `dimensions`, else the
@@ -47,12 +50,21 @@ class PoolerChoice(NamedTuple):
     mode: Optional[str] = None
     normalize: Optional[bool] = None
     dimensions: Optional[int] = None
+    logits: LogitActivation = LogitActivation()
+
+
+# vLLM's names of the classify activation switch: `use_activation`, and the older `activation`
+# and `softmax` it still reads
+_ACTIVATION_KEYS = ("use_activation", "activation", "softmax")
+_KEYS = ("pooling_type", "normalize", "dimensions", *_ACTIVATION_KEYS, "logit_mean",
+         "logit_sigma")
 
 
 def parse_pooler_config(text: Optional[str]) -> PoolerChoice:
     """vLLM's --pooler-config JSON (`{"pooling_type": "MEAN", "normalize": false}`) -> our
-    pooling mode and normalization; ValueError naming a field or value minisgl does not
-    take."""
+    pooling mode, normalization, embedding length and classify settings (`use_activation`,
+    or its older names `activation` / `softmax`; `logit_mean`, `logit_sigma`); ValueError
+    naming a field or value minisgl does not take."""
     if text is None:
         return PoolerChoice()
     try:
@@ -61,10 +73,10 @@ def parse_pooler_config(text: Optional[str]) -> PoolerChoice:
         raise ValueError(f"pooler_config is not JSON: {e}") from None
     if not isinstance(config, dict):
         raise ValueError(f"pooler_config must be a JSON object, got {text!r:.80}")
-    other = sorted(set(config) - {"pooling_type", "normalize", "dimensions"})
+    other = sorted(set(config) - set(_KEYS))
     if other:
         raise ValueError(f"pooler_config: {other[0]} is not supported (minisgl takes "
-                         f"pooling_type, normalize and dimensions)")
+                         f"{', '.join(_KEYS)})")
     kind = config.get("pooling_type")
     if kind is not None and (not isinstance(kind, str) or kind.upper() not in _VLLM_TYPES):
         raise ValueError(f"pooler_config: pooling_type must be one of "
@@ -77,17 +89,43 @@ def parse_pooler_config(text: Optional[str]) -> PoolerChoice:
     if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or dims < 1):
         raise ValueError(f"pooler_config: dimensions must be a positive integer, got "
                          f"{dims!r:.40}")
-    return PoolerChoice(None if kind is None else _VLLM_TYPES[kind.upper()], normalize, dims)
+    return PoolerChoice(None if kind is None else _VLLM_TYPES[kind.upper()], normalize, dims,
+                        _logit_activation(config))
+
+
+def _logit_activation(config: Dict[str, Any]) -> LogitActivation:
+    """pooler_config's classify settings; ValueError naming a value of the wrong kind, a
+    logit_sigma not above 0, or activation switches that disagree."""
+    switches = {key: config[key] for key in _ACTIVATION_KEYS if config.get(key) is not None}
+    for key, value in switches.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"pooler_config: {key} must be true or false, got {value!r:.40}")
+    if len(set(switches.values())) > 1:
+        raise ValueError(f"pooler_config: {' and '.join(switches)} disagree")
+    numbers = {}
+    for key, default in (("logit_mean", 0.0), ("logit_sigma", 1.0)):
+        value = config.get(key, default)
+        value = default if value is None else value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
+                value):
+            raise ValueError(f"pooler_config: {key} must be a finite number, got {value!r:.40}")
+        numbers[key] = float(value)
+    if numbers["logit_sigma"] <= 0:
+        raise ValueError(f"pooler_config: logit_sigma must be above 0, got "
+                         f"{numbers['logit_sigma']}")
+    return LogitActivation(next(iter(switches.values()), True), numbers["logit_mean"],
+                           numbers["logit_sigma"])
 
 
 def model_pooling(model_dir: Path, pooler_config: Optional[str] = None) -> Pooling:
     """The pooling of the model at `model_dir`: `pooler_config`'s type where given
     (parse_pooler_config), else its sentence-transformers Pooling module's, else the last
     token's; normalized unless `pooler_config` says not; cut to its `dimensions` where given
-    (check_pooler_dimensions checks them against the model)."""
+    (check_pooler_dimensions checks them against the model); a classifier's logits as its
+    `use_activation`, `logit_mean` and `logit_sigma` say."""
     chosen = parse_pooler_config(pooler_config)
     pooling = _files_pooling(model_dir) if chosen.mode is None else Pooling(chosen.mode)
-    pooling = pooling._replace(dimensions=chosen.dimensions)
+    pooling = pooling._replace(dimensions=chosen.dimensions, logits=chosen.logits)
     return pooling if chosen.normalize is None else pooling._replace(normalize=chosen.normalize)
 
 

@@ -425,14 +425,16 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     async def score(request: Request) -> Response:
         body = parse_body(await json_body(request), ScoreRequest)
         lora = scoring_model(body.model)
-        pairs = score_pairs(body, cfg.classifier is not None, cfg.pooling.mode)
+        pairs = score_pairs(body, cfg.classifier is not None, cfg.pooling.mode,
+                            cfg.pooling.logits)
         job = client_id(request, with_lora(pairs.job, lora))
         return await run(request, ScoreFormatter(lora or cfg.model_name, job, pairs))
 
     async def rerank(request: Request) -> Response:
         body = parse_body(await json_body(request), RerankRequest)
         lora = scoring_model(body.model)
-        pairs = rerank_pairs(body, cfg.classifier is not None, cfg.pooling.mode)
+        pairs = rerank_pairs(body, cfg.classifier is not None, cfg.pooling.mode,
+                             cfg.pooling.logits)
         job = client_id(request, with_lora(pairs.job, lora))
         return await run(request, RerankFormatter(lora or cfg.model_name, job, pairs, body))
 
@@ -443,8 +445,9 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
             raise ApiError(400, "classification needs a sequence classification model; this "
                                 "one has no classification head", "model")
         job = client_id(request, with_lora(classify_job(body), lora))
-        return await run(request, ClassifyFormatter(lora or cfg.model_name, job,
-                                                     cfg.classifier.labels))
+        return await run(request, ClassifyFormatter(
+            lora or cfg.model_name, job, cfg.classifier.labels,
+            cfg.pooling.logits.for_request(body.use_activation)))
 
     @app.post(POOLING_PATH, openapi_extra=body_schema(ClassifyRequest))
     async def pooling(request: Request) -> Response:

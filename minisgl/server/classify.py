@@ -1,7 +1,7 @@
 """vLLM's classification API (POST /classify, /v1/classify) of a sequence classification model
 (models/classifier.py): each input's label probabilities (softmax over two or more labels, the
-sigmoid of one) and its most probable label; and its pooling API (POST /pooling): each input's
-raw pooled values (a classifier's logits, a reward model's reward; an embedding model's
+sigmoid of one; its logits where `use_activation` is false) and its most probable label; and
+its pooling API (POST /pooling): each input's raw pooled values (a classifier's logits, a reward model's reward; an embedding model's
 embedding).
 
 Each input (a string, token ids, or a list of either) is one embedding request of the
@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from minisgl.message.types import ReplyChunk
-from minisgl.models.classifier import probabilities
+from minisgl.models.classifier import LogitActivation
 from minisgl.server.embeddings import MAX_INPUTS, embedding_job, vector
 from minisgl.server.protocol import ApiError, Body, Job, listed_prompts
 from minisgl.server.responses import Choice, Formatter
@@ -31,6 +31,7 @@ class ClassifyRequest(Body):
     add_special_tokens: bool = True
     request_id: Optional[str] = None
     user: Optional[str] = None
+    use_activation: Optional[bool] = None  # classify: False answers the logits (vLLM's)
 
 
 def classify_job(body: ClassifyRequest, what: str = "classification",
@@ -39,6 +40,8 @@ def classify_job(body: ClassifyRequest, what: str = "classification",
     token); ApiError(400) naming what cannot be served (an empty input, more than
     MAX_INPUTS, an unknown field)."""
     extra = sorted(body.model_extra or {})
+    if what != "classification" and body.use_activation is not None:
+        extra.insert(0, "use_activation")
     if extra:
         raise ApiError(400, f"{extra[0]} is not supported by this server's {what}", extra[0])
     return embedding_job(listed_prompts(body.input, "input", body.add_special_tokens,
@@ -52,9 +55,12 @@ class ClassifyFormatter(Formatter):
     id_prefix = "classify"
     prompt_param = "input"
 
-    def __init__(self, model: str, job: Job, labels: Tuple[str, ...]) -> None:
+    def __init__(self, model: str, job: Job, labels: Tuple[str, ...],
+                 activation: LogitActivation = LogitActivation()) -> None:
+        """`activation`: the server's (pooler_config) with the request's `use_activation`."""
         super().__init__(model, job)
         self.labels = labels
+        self.activation = activation
 
     def full(self, choices: List[Choice]) -> Dict[str, Any]:
         tokens = sum(c.prompt_tokens for c in choices)
@@ -64,7 +70,7 @@ class ClassifyFormatter(Formatter):
                           "completion_tokens": 0}}
 
     def _entry(self, index: int, choice: Choice) -> Dict[str, Any]:
-        probs = probabilities(vector(choice).tolist())
+        probs = self.activation.probabilities(vector(choice).tolist())
         best = max(range(len(probs)), key=probs.__getitem__)
         return {"index": index, "label": self.labels[best], "probs": probs,
                 "num_classes": len(probs)}

@@ -1,7 +1,9 @@
 """vLLM's score API (/score, /v1/score) and the rerank API of Jina and Cohere (/rerank,
 /v1/rerank), as vLLM answers them. A cross-encoder (a one-label sequence classifier:
 models/classifier.py) reads each pair at once, its two texts tokenized as the tokenizer pairs
-them, and the pair's score is the sigmoid of its logit. Any other model scores by embeddings
+them, and the pair's score is the sigmoid of its logit (the logit itself where the request's
+or the server's `use_activation` is false; standardized first by pooler_config's
+`logit_mean` / `logit_sigma`). Any other model scores by embeddings
 (embeddings.py): the cosine similarity of its two texts' embeddings, which are unit vectors,
 so their dot product.
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from minisgl.message.types import ReplyChunk
-from minisgl.models.classifier import sigmoid
+from minisgl.models.classifier import LogitActivation
 from minisgl.models.pooling import paired_texts
 from minisgl.server.embeddings import MAX_INPUTS, embedding_job, vector
 from minisgl.server.protocol import ApiError, Body, Job, Prompt
@@ -34,6 +36,7 @@ class ScoreRequest(Body):
     model: Optional[str] = None
     truncate_prompt_tokens: Optional[int] = None
     request_id: Optional[str] = None
+    use_activation: Optional[bool] = None  # a cross-encoder's: False answers its logit
 
 
 class RerankRequest(Body):
@@ -46,6 +49,7 @@ class RerankRequest(Body):
     return_documents: bool = True
     truncate_prompt_tokens: Optional[int] = None
     request_id: Optional[str] = None
+    use_activation: Optional[bool] = None
 
 
 class Pairs:
@@ -54,11 +58,17 @@ class Pairs:
     distinct text, the pairs indices into them."""
 
     def __init__(self, firsts: List[str], seconds: List[str], body: Any, cross: bool,
-                 pooling: str = "last") -> None:
+                 pooling: str = "last", activation: LogitActivation = LogitActivation()
+                 ) -> None:
+        """`activation`: a cross-encoder's (the server's, with the body's `use_activation`,
+        which an embedding model's cosine similarity does not take: a 400)."""
         extra = sorted(body.model_extra or {})
+        if not cross and body.use_activation is not None:
+            extra.insert(0, "use_activation")
         if extra:
             raise ApiError(400, f"{extra[0]} is not supported by this server's scoring",
                            extra[0])
+        self.activation = activation.for_request(body.use_activation)
         texts = list(dict.fromkeys(firsts + seconds))
         if any(not t for t in texts):
             raise ApiError(400, "the texts must not be empty", "text_1")
@@ -81,22 +91,24 @@ class Pairs:
     def scores(self, choices: List[Choice]) -> List[float]:
         """Each pair's score from the job's finished choices."""
         if self.cross:
-            return [sigmoid(vector(c)[0]) for c in choices]
+            return [self.activation.score(vector(c)[0]) for c in choices]
         vectors = [vector(c) for c in choices]
         return [sum(x * y for x, y in zip(vectors[a], vectors[b])) for a, b in self.pairs]
 
 
-def score_pairs(body: ScoreRequest, cross: bool, pooling: str = "last") -> Pairs:
+def score_pairs(body: ScoreRequest, cross: bool, pooling: str = "last",
+                activation: LogitActivation = LogitActivation()) -> Pairs:
     """The pairs to score (a cross-encoder's, or embeddings pooled as `pooling` says);
     ApiError(400) naming text_2 where the texts do not pair (pooling.paired_texts)."""
     try:
         firsts, seconds = paired_texts(body.text_1, body.text_2)
     except ValueError as e:
         raise ApiError(400, str(e), "text_2") from None
-    return Pairs(firsts, seconds, body, cross, pooling)
+    return Pairs(firsts, seconds, body, cross, pooling, activation)
 
 
-def rerank_pairs(body: RerankRequest, cross: bool, pooling: str = "last") -> Pairs:
+def rerank_pairs(body: RerankRequest, cross: bool, pooling: str = "last",
+                 activation: LogitActivation = LogitActivation()) -> Pairs:
     """The query paired with each document; ApiError(400) naming an empty documents list or
     a top_n below 1."""
     if not body.documents:
@@ -104,7 +116,7 @@ def rerank_pairs(body: RerankRequest, cross: bool, pooling: str = "last") -> Pai
     if body.top_n is not None and body.top_n < 1:
         raise ApiError(400, f"top_n must be >= 1, got {body.top_n}", "top_n")
     return Pairs([body.query] * len(body.documents), list(body.documents), body, cross,
-                 pooling)
+                 pooling, activation)
 
 
 def _usage(choices: List[Choice]) -> Dict[str, int]:
