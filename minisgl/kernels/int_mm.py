@@ -49,11 +49,11 @@ class IntTiles(NamedTuple):
 
 # Rows from which the product is cuBLAS's on W dequantized into a scratch (module doc).
 DENSE_ROWS = 256
-# Programs a product wants in flight, K split to reach them (at most 8 ways at one row, 4 with
-# tensor cores): Llama-3.1-8B's projections at 4 bits, groups of 128, on an H100 (one row: QKV
-# 13.4 us at 8 splits against 40.1 unsplit, down 26.7 against 132.4, gate/up 38.7 at 4 or 8;
-# RESULTS.md, thirty-fifth session).
-_PROGRAMS = 2048
+# Programs a tensor-core product wants in flight, K split (at most 4 ways) to reach them:
+# Llama-3.1-8B's projections at 4 bits, groups of 128, 137 rows on an H100: QKV, o and down
+# best at 4 splits (192 to 384 programs), gate/up at 2 (896: 203.4 us against 227.1 at 4);
+# at 16 rows gate/up's 2 splits cost 2% (RESULTS.md, thirty-sixth session).
+_PROGRAMS = 1024
 
 
 def int_tiles(m: int, n: int, k: int, group_size: int = 0) -> IntTiles:
