@@ -15,7 +15,10 @@ The weight of N outputs and K inputs is held as
 W[n, k] = (q[k, n] - zeros[g_idx[k], n]) * scales[g_idx[k], n], in float32, then rounded to x's
 dtype for the tensor-core product (as a dense checkpoint dequantized to that dtype is), which
 accumulates in float32. The one-row path multiplies x by (q - zero) unrounded and scales each
-group's sum once, as the batch-1 FP8 GEMV does.
+group's sum once, as the batch-1 FP8 GEMV does (groups in order: each value read as
+1 + q / 2^bits, `_one_row_kernel`). Where K is split over programs, the partial sums add up
+in split order, by a second launch or, given the layer's counters (`arrivals`), by the last
+program of each output tile: the same bits either way.
 
 Nothing reads a value back to the host, so decode CUDA graphs capture it. This module imports
 triton: only GPU paths (and the CPU interpreter tests) import it.
@@ -257,9 +260,10 @@ def _int_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, final_p
                    BLOCK_K: tl.constexpr, GROUP: tl.constexpr, SWAP: tl.constexpr,
                    SWIZZLE: tl.constexpr, LAST_SUMS: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of out over inputs [s k_split, (s + 1) k_split) for split
-    s = program_id(1) (into out + s stride_os): each K tile's weights unpacked from their
-    words, dequantized by their group's scale and zero point (rounded to x's dtype for the
-    tensor cores), and multiplied. SWAP (tensor cores): out^T = W x^T, the dequantized tile
+    s = program_id(1) (into out + s stride_os; several splits: float32 partials, which with
+    LAST_SUMS the tile's last program sums into final_ptr): each K tile's weights unpacked
+    from their words, dequantized by their group's scale and zero point (rounded to x's dtype
+    for the tensor cores), and multiplied. SWAP (tensor cores): out^T = W x^T, the dequantized tile
     the product's first operand, which Hopper's MMA may take from registers (the second
     comes through shared memory), x's the second."""
     pid_m, pid_n = swizzled_tile(tl.program_id(0), m, n, BLOCK_M, BLOCK_N, SWIZZLE)
