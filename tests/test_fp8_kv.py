@@ -164,6 +164,32 @@ def test_checkpoint_kv_scales_load_and_are_used(tiny_model: Callable[..., Path],
     assert tokens["fp8"] == tokens["auto"]
 
 
+def test_a_reload_with_other_kv_scales_keeps_the_pools_and_says_so(
+        tiny_model: Callable[..., Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The FP8 pool's scales live in its pages and in the decode graphs: a weights reload
+    from a checkpoint giving other scales keeps them, and the warning names the layers; one
+    giving the same says nothing."""
+    import logging
+    from safetensors.torch import save_file
+    same, other = tmp_path / "same", tmp_path / "other"
+    for path, k0 in ((same, 0.05), (other, 0.5)):
+        shutil.copytree(tiny_model("llama"), path)
+        save_file({"model.layers.0.self_attn.k_scale": torch.tensor(k0)},
+                  str(path / "kv_scales.safetensors"))
+    with LLM(str(same), dtype="float32", kv_cache_dtype="fp8", max_kv_tokens=256,
+             show_progress=False) as llm:
+        pool = llm._backend.engine.pool  # type: ignore[attr-defined]
+        served = pool.scales
+        with caplog.at_level(logging.WARNING, logger="minisgl.engine.engine"):
+            llm.update_weights_from_disk(str(same))
+            assert "KV cache scales" not in caplog.text
+            llm.update_weights_from_disk(str(other))
+        assert pool.scales == served
+    assert "gives other KV cache scales" in caplog.text
+    assert f"layer 0 k: {float(torch.tensor(0.05)):g} -> 0.5" in caplog.text
+
+
 def test_default_model_with_fp8_kv(default_model_dir: Path) -> None:
     """The default model with an FP8 KV cache (scales 1.0): answers "Paris" over chunked
     prefill, answers the same again from the prefix cache, agrees with a float32 KV cache on

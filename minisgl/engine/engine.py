@@ -362,7 +362,8 @@ class Engine:
     def reload_weights(self, path: Optional[str]) -> None:
         """The weights of checkpoint directory `path` in place of the served ones (None: the
         start-up dummy weights again), written into the same tensors, so CUDA graphs and LoRA
-        adapters stay as they are; its KV cache scales are not read (the pool keeps its own).
+        adapters stay as they are; its KV cache scales are read but not taken (the pool keeps
+        its own: a warning names those that differ).
         WeightsRefused, before any weight changes, where `path` is not a checkpoint of the
         served model (its config.json unreadable, or other: ModelConfig.reload_error) or the
         served weights were changed at load in a way a reload cannot repeat (FP8 dequantized on
@@ -378,9 +379,18 @@ class Engine:
                 raise WeightsRefused(f"{path}: {e}") from None
             if error is not None:
                 raise WeightsRefused(f"{path}: {error}")
-        self._fill_weights(self.model, KVScaleCollector(self.model_cfg.num_layers), path)
+        scales = KVScaleCollector(self.model_cfg.num_layers)
+        self._fill_weights(self.model, scales, path)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # a load's error surfaces here, not later
+        changed = (self.pool.scales.differences(scales.scales())
+                   if path is not None and self.pool.dtype == FP8_KV_DTYPE else [])
+        if changed:
+            logger.warning("rank %d: %s gives other KV cache scales than the FP8 KV cache "
+                           "uses (%s%s): the cache keeps its own (its pages and CUDA graphs "
+                           "hold them); restart the service to take the checkpoint's",
+                           self.cfg.tp_info.rank, path, ", ".join(changed[:4]),
+                           f", {len(changed) - 4} more" if len(changed) > 4 else "")
 
     def _int_plan(self) -> Optional[IntPlan]:
         """The projections that keep an AWQ / GPTQ checkpoint's integers packed: on CUDA with

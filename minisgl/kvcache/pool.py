@@ -11,7 +11,7 @@ stores K/V as they are (the scales are then 1.0 and unused).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -43,6 +43,12 @@ class KVScales(NamedTuple):
     @staticmethod
     def ones(num_layers: int) -> "KVScales":
         return KVScales((1.0,) * num_layers, (1.0,) * num_layers)
+
+    def differences(self, other: "KVScales") -> List[str]:
+        """`layer L k: this -> other` for every scale `other` sets otherwise, K before V."""
+        return [f"layer {layer} {kind}: {a:g} -> {b:g}"
+                for kind, mine, theirs in (("k", self.k, other.k), ("v", self.v, other.v))
+                for layer, (a, b) in enumerate(zip(mine, theirs)) if a != b]
 
 
 def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
