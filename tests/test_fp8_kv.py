@@ -120,7 +120,8 @@ def test_kv_scale_names_and_values() -> None:
     assert [n for n, _ in collector.filter(stream)] == ["model.layers.0.self_attn.k_proj.weight"]
     assert collector.found == 4
     assert collector.scales() == KVScales((0.5, 1.0, 0.25), (2.0, 1.0, 0.25))
-    for bad, match in (([("model.layers.0.self_attn.k_scale", ValuesSource(0.5, 0.5))], "one value"),
+    for bad, match in (([("model.layers.0.self_attn.k_scale", ValuesSource(0.5, 0.5))],
+                        "one value"),
                        ([("model.layers.0.self_attn.v_scale", ValuesSource(0.0))], "positive"),
                        ([("model.layers.7.self_attn.v_scale", ValuesSource(1.0))], "layer 7")):
         with pytest.raises(ValueError, match=match):

@@ -343,8 +343,8 @@ def dequantize_layer(module: Fp8Layer) -> None:
 @torch.no_grad()
 def start_loading(model: nn.Module) -> None:
     """Before a checkpoint's tensors load: every static activation scale back to zero, since
-    loading keeps the largest of the fused parts' or experts' (load_input_scale); a reload of other
-    weights into the same tensors then takes its own, not the largest of both."""
+    loading keeps the largest of the fused parts' or experts' (load_input_scale); a reload of
+    other weights into the same tensors then takes its own, not the largest of both."""
     for _, module in fp8_layers(model):
         for name, scale in module.named_parameters(recurse=False):
             if name.endswith("input_scale"):  # a layer's, or an expert GEMM's (w13_, w2_)

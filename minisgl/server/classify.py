@@ -1,8 +1,8 @@
 """vLLM's classification API (POST /classify, /v1/classify) of a sequence classification model
 (models/classifier.py): each input's label probabilities (softmax over two or more labels, the
 sigmoid of one; its logits where `use_activation` is false) and its most probable label; and
-its pooling API (POST /pooling): each input's raw pooled values (a classifier's logits, a reward model's reward; an embedding model's
-embedding).
+its pooling API (POST /pooling): each input's raw pooled values (a classifier's logits, a
+reward model's reward; an embedding model's embedding).
 
 Each input (a string, token ids, or a list of either) is one embedding request of the
 scheduler, whose pooled values are the head's logits (CausalLM.pooled). Never streamed.
