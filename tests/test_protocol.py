@@ -6,6 +6,7 @@ tokenizer's special tokens."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Dict
 
 import pytest
@@ -74,3 +75,40 @@ def test_special_tokens_go_to_text_prompts_not_to_templated_chats() -> None:
     assert not tokenize_prompt(TokenizeBody(prompt="hi", add_special_tokens=False))\
         .add_special_tokens
     assert not tokenize_prompt(TokenizeBody(messages=CHAT["messages"])).add_special_tokens
+
+
+def test_reasoning_effort_reaches_the_chat_template_as_vllm_passes_it(
+        default_model_dir: Path) -> None:
+    """OpenAI's reasoning_effort (Chat Completions; the Responses API's reasoning.effort)
+    becomes the template's `reasoning_effort` and `enable_thinking` (false for "none"), the
+    request's own chat_template_kwargs winning; a value not OpenAI's, or a reasoning summary,
+    is a 400 naming the field; a template that reads them renders them."""
+    from transformers import AutoTokenizer
+    from minisgl.server.responses_api import ResponsesRequest, responses_job
+    from minisgl.tokenizer.chat_template import chat_prompt_ids
+    kwargs = chat_job(_chat(reasoning_effort="low"), 4).prompts[0].template.kwargs
+    assert kwargs == {"reasoning_effort": "low", "enable_thinking": True}
+    assert chat_job(_chat(reasoning_effort="none", chat_template_kwargs={"x": 1}), 4).prompts[
+        0].template.kwargs == {"reasoning_effort": "none", "enable_thinking": False, "x": 1}
+    assert chat_job(_chat(reasoning_effort="high", chat_template_kwargs={
+        "enable_thinking": False}), 4).prompts[0].template.kwargs["enable_thinking"] is False
+    assert chat_job(_chat(), 4).prompts[0].template.kwargs is None
+    with pytest.raises(ApiError) as e:
+        chat_job(_chat(reasoning_effort="extreme"), 4)
+    assert e.value.status == 400 and e.value.param == "reasoning_effort"
+
+    messages = [{"role": "user", "content": "hi"}]
+    respond = lambda reasoning: responses_job(  # noqa: E731
+        ResponsesRequest.model_validate({"input": "hi", "reasoning": reasoning}), messages, 4)
+    assert respond({"effort": "medium"}).prompts[0].template.kwargs["reasoning_effort"] == (
+        "medium")
+    for bad in ({"summary": "auto"}, {"effort": "extreme"}, {"effort": 3}):
+        with pytest.raises(ApiError) as e:
+            respond(bad)
+        assert e.value.status == 400 and e.value.param == "reasoning", bad
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir))
+    template = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+                "{% if enable_thinking %}<think>{% endif %}[{{ reasoning_effort }}]")
+    ids = chat_prompt_ids(tokenizer, messages, chat_template=template, **kwargs)
+    assert tokenizer.decode(ids) == "hi<think>[low]"

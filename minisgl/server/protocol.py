@@ -184,12 +184,34 @@ class ChatMessage(Body):
     name: Optional[str] = None
 
 
+# OpenAI's reasoning_effort values, as vLLM takes them
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
 class _ChatTemplate(Body):
-    """How chat messages go through the model's chat template (vLLM's fields)."""
+    """How chat messages go through the model's chat template (vLLM's fields; OpenAI's
+    `reasoning_effort`, which vLLM hands to the template: `template_kwargs`)."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+    reasoning_effort: Optional[str] = None
+
+
+def template_kwargs(kwargs: Optional[Dict[str, Any]], reasoning_effort: Optional[str]
+                    ) -> Optional[Dict[str, Any]]:
+    """The chat template's keywords: the request's `chat_template_kwargs`, and its
+    `reasoning_effort` as vLLM passes it on, as `reasoning_effort` (templates such as
+    gpt-oss's and Qwen's newest read it) and as `enable_thinking` (false for "none": Qwen3's,
+    Gemma's and DeepSeek's switch), each unless the request's own keywords set it. ApiError
+    (400) for an effort not among REASONING_EFFORTS."""
+    if reasoning_effort is None:
+        return kwargs
+    if reasoning_effort not in REASONING_EFFORTS:
+        raise ApiError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, "
+                            f"got {reasoning_effort!r:.40}", "reasoning_effort")
+    return {"reasoning_effort": reasoning_effort,
+            "enable_thinking": reasoning_effort != "none", **(kwargs or {})}
 
 
 class _Tools(Body):
@@ -579,7 +601,8 @@ def _chat_prompt(body: Union[ChatRequest, TokenizeBody], messages: List[ChatMess
                             f"{messages[-1].role!r}", "continue_final_message")
     texts = [_message(i, m) for i, m in enumerate(messages)]
     return Prompt(messages=texts, template=Template(
-        body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs),
+        body.add_generation_prompt, body.continue_final_message,
+        template_kwargs(body.chat_template_kwargs, body.reasoning_effort)),
         tools_json=tools.template_json() if tools is not None else None,
         add_special_tokens=bool(body.add_special_tokens))
 

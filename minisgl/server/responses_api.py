@@ -5,8 +5,9 @@ and its `input` (a string, or a list of messages with text content) become one c
 reply is a `response` object with one output message, or, streamed, the API's typed events
 (`response.created` ... `response.output_text.delta` ... `response.completed`). Finished
 conversations are kept in memory, the newest `ResponseStore.capacity` of them, so that a later
-request can continue one; `store: false` keeps none. Tools, structured text formats, reasoning
-options and background runs get a 400 naming the field.
+request can continue one; `store: false` keeps none. `reasoning.effort` goes to the chat
+template as Chat Completions' `reasoning_effort` does; tools, structured text formats, other
+reasoning options (summaries) and background runs get a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -23,11 +24,19 @@ from minisgl.server.protocol import ApiError, ChatRequest, Job, chat_job
 from minisgl.server.responses import Choice, Formatter
 
 Messages = List[Dict[str, str]]
+def _effort_only(reasoning: Any) -> bool:
+    """Whether a `reasoning` object sets nothing but `effort` (a string: the chat template's
+    reasoning_effort); reasoning summaries are not produced."""
+    return (isinstance(reasoning, dict) and set(reasoning) <= {"effort", "summary"}
+            and reasoning.get("summary") is None
+            and isinstance(reasoning.get("effort"), (str, type(None))))
+
+
 _INERT: Dict[str, Callable[[Any], bool]] = {
     "tools": lambda v: not v,
     "tool_choice": lambda v: v in (None, "none", "auto"),
     "text": lambda v: v is None or (v.get("format") or {"type": "text"}) == {"type": "text"},
-    "reasoning": lambda v: v is None,
+    "reasoning": lambda v: v is None or _effort_only(v),
     "background": lambda v: v in (None, False),
     "include": lambda v: not v,
     "prompt": lambda v: v is None,
@@ -106,8 +115,10 @@ def responses_job(body: ResponsesRequest, messages: Messages, max_n: int,
         inert = _INERT.get(name)
         if inert is not None and not inert(value):
             raise ApiError(400, f"{name} is not supported by this server", name)
+    reasoning = (body.model_extra or {}).get("reasoning") or {}
     fields = {"messages": messages, "max_tokens": body.max_output_tokens,
-              "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream}
+              "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream,
+              "reasoning_effort": reasoning.get("effort")}
     try:
         chat = ChatRequest.model_validate(fields)
     except ValidationError as e:
@@ -115,8 +126,8 @@ def responses_job(body: ResponsesRequest, messages: Messages, max_n: int,
     try:
         return chat_job(chat, max_n, defaults=defaults)
     except ApiError as e:
-        param = {"max_tokens": "max_output_tokens", "messages": "input"}.get(e.param or "",
-                                                                               e.param)
+        param = {"max_tokens": "max_output_tokens", "messages": "input",
+                 "reasoning_effort": "reasoning"}.get(e.param or "", e.param)
         raise ApiError(e.status, e.message.replace("max_tokens", "max_output_tokens"),
                        param) from None
 
