@@ -80,6 +80,37 @@ def test_fp8_pool_holds_twice_the_pages(default_model_dir: Path,
     assert pages(gpu, kv_cache_dtype="fp8", max_kv_tokens=1000) == pages(gpu, max_kv_tokens=1000)
 
 
+def test_kv_cache_memory_is_the_pools_bytes(default_model_dir: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's kv_cache_memory: the pool is the pages of the KV dtype in those bytes, on the
+    CPU and on a GPU whatever mem_fraction and gpu_memory_utilization say; less than a page,
+    more than the GPU's free memory, or with max_kv_tokens, is refused naming the numbers; an
+    engine built with it holds that many pages."""
+    model_cfg = ModelConfig.from_dir(str(default_model_dir))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, 80 << 30))
+    page = 2 * model_cfg.num_layers * 16 * 3 * model_cfg.head_dim  # bytes of an FP8 page
+
+    def pages(device: str, **kw: object) -> int:
+        cfg = EngineConfig(device=device, **kw)  # type: ignore[arg-type]
+        return pages_that_fit(cfg, model_cfg, 3, torch.device(device))
+
+    budget = 100 * page + 7
+    assert pages("cpu", kv_cache_memory=budget, kv_cache_dtype="fp8") == 100
+    assert pages("cpu", kv_cache_memory=budget, dtype="bf16") == 50
+    assert pages("cuda", kv_cache_memory=budget, dtype="bf16", mem_fraction=0.1,
+                 gpu_memory_utilization=0.01) == 50
+    with pytest.raises(ValueError, match=f"less than one KV page \\({page} bytes"):
+        pages("cpu", kv_cache_memory=page - 1, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="2048 MiB is more than the 1024 MiB free"):
+        pages("cuda", kv_cache_memory=2 << 30)
+    with pytest.raises(ValueError, match="kv_cache_memory .* or max_kv_tokens .*, not both"):
+        EngineConfig(kv_cache_memory=budget, max_kv_tokens=64)
+    monkeypatch.undo()
+    with LLM(str(default_model_dir), kv_cache_memory=budget, kv_cache_dtype="fp8",
+             show_progress=False) as llm:
+        assert llm._backend.engine.num_pages == 100  # type: ignore[attr-defined]
+
+
 def test_gpu_memory_utilization_caps_the_instance() -> None:
     """vLLM's gpu_memory_utilization: the pool takes mem_fraction of what the share of the
     GPU's total leaves after what this process holds, never more than of the free memory;

@@ -59,6 +59,11 @@ class EngineConfig:
                                                  "memory of 16384 tokens in the model's dtype, "
                                                  "on GPU the mem_fraction share of the memory "
                                                  "free after the weights")
+    kv_cache_memory: Optional[int] = setting(
+        None, "vLLM's --kv-cache-memory: the KV pool's size in bytes on each rank (its pages "
+              "of the KV dtype that fit), whatever mem_fraction and gpu_memory_utilization "
+              "say; refused where more than the free memory of the GPU or with "
+              "max_kv_tokens", also=("kv-cache-memory-bytes",))
     mem_fraction: float = setting(0.85, "share of the GPU memory free after the weights that "
                                         "the KV pool takes (when max_kv_tokens is unset)")
     gpu_memory_utilization: Optional[float] = setting(
@@ -190,6 +195,11 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_kv_tokens is not None and self.max_kv_tokens < 1:
             raise ValueError(f"max_kv_tokens must be >= 1, got {self.max_kv_tokens}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be >= 1 (bytes), got {self.kv_cache_memory}")
+        if self.kv_cache_memory is not None and self.max_kv_tokens is not None:
+            raise ValueError(f"set kv_cache_memory ({self.kv_cache_memory} bytes) or "
+                             f"max_kv_tokens ({self.max_kv_tokens}), not both")
         if not 0 < self.mem_fraction < 1:
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:

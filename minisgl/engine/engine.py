@@ -140,12 +140,15 @@ def pages_that_fit(cfg: EngineConfig, model_cfg: ModelConfig, kv_heads: int,
                    device: torch.device) -> int:
     """This rank's KV page budget (ranks then agree on the minimum): `max_kv_tokens` where set,
     else a memory budget in bytes divided by the bytes of a page in the KV dtype, so that an
-    FP8 cache holds twice the pages of a 16-bit one. The budget is, on a GPU, `mem_fraction` of
-    the memory free now (after the weights), within `gpu_memory_utilization` where set
-    (gpu_kv_budget); elsewhere the memory of the default token count in the model's dtype."""
+    FP8 cache holds twice the pages of a 16-bit one. The budget is `kv_cache_memory` where set;
+    else, on a GPU, `mem_fraction` of the memory free now (after the weights), within
+    `gpu_memory_utilization` where set (gpu_kv_budget); elsewhere the memory of the default
+    token count in the model's dtype."""
     if cfg.max_kv_tokens is not None:
         return -(-cfg.max_kv_tokens // cfg.page_size)
     shape = (model_cfg.num_layers, cfg.page_size, kv_heads, model_cfg.head_dim)
+    if cfg.kv_cache_memory is not None:
+        return _pages_of_bytes(cfg.kv_cache_memory, shape, cfg.kv_torch_dtype, device)
     if device.type != "cuda":
         budget = KVPool.bytes_per_page(*shape, cfg.torch_dtype) * (
             _CPU_DEFAULT_KV_TOKENS // cfg.page_size)
@@ -154,6 +157,23 @@ def pages_that_fit(cfg: EngineConfig, model_cfg: ModelConfig, kv_heads: int,
         held = torch.cuda.memory_reserved(device) if cfg.gpu_memory_utilization else 0
         budget = gpu_kv_budget(free, total, held, cfg.mem_fraction, cfg.gpu_memory_utilization)
     return KVPool.pages_in(budget, *shape, cfg.kv_torch_dtype)
+
+
+def _pages_of_bytes(budget: int, shape: Tuple[int, int, int, int], dtype: torch.dtype,
+                    device: torch.device) -> int:
+    """The pages of `shape` (layers, page size, KV heads, head dim) in `budget` bytes (vLLM's
+    kv_cache_memory); ValueError naming the numbers where that is not one page, or more than
+    the GPU's free memory."""
+    page = KVPool.bytes_per_page(*shape, dtype)
+    if budget < page:
+        raise ValueError(f"kv_cache_memory {budget} bytes is less than one KV page "
+                         f"({page} bytes: {shape[1]} tokens of {shape[0]} layers)")
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if budget > free:
+            raise ValueError(f"kv_cache_memory {budget >> 20} MiB is more than the "
+                             f"{free >> 20} MiB free on {device} after the weights")
+    return budget // page
 
 
 def gpu_kv_budget(free: int, total: int, held: int, mem_fraction: float,

@@ -62,7 +62,7 @@ _AWAIT_DECISION_S = 3 * _DECIDE_S  # a follower's node waits this long for node 
 # Settings a node may choose for itself: the KV pool is agreed at start-up (the minimum over
 # ranks), and GEMM tuning only picks a library per rank.
 NODE_LOCAL_SETTINGS = frozenset({"mem_fraction", "gpu_memory_utilization", "max_kv_tokens",
-                                 "tune_gemms"})
+                                 "kv_cache_memory", "tune_gemms"})
 
 
 def fingerprint(settings: Mapping[str, Any], model: ModelConfig) -> Dict[str, str]:
