@@ -34,7 +34,7 @@ import openai
 from minisgl import LLM, SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
-READY = re.compile(r"minisgl ready: (http://\S+)")
+READY = re.compile(r"minisgl ready: (https?://\S+)")
 NODE_READY = re.compile(r"minisgl node \d+ ready: ")
 CPU_ARGS = ("--device", "cpu", "--max-kv-tokens", "8192", "--log-level", "warning")
 

@@ -68,6 +68,7 @@ from minisgl.server.batches_api import Batches, install_batch_routes
 from minisgl.server.lora_admin import Adapters, install_adapter_routes
 from minisgl.server.state_admin import Weights, install_state_routes
 from minisgl.server.streams import RequestStream, RequestStreams
+from minisgl.server.tls import server_url
 
 logger = logging.getLogger("minisgl.api")
 CHAT_PAGE = Path(__file__).with_name("chat.html")
@@ -105,6 +106,7 @@ class ApiConfig:
     pooling: Pooling = Pooling()  # how the model's embeddings pool the prompt (pooling.py)
     classifier: Optional[Classifier] = None  # a sequence classifier's head (classify.py)
     matryoshka: Optional[Tuple[int, ...]] = None  # ModelConfig.matryoshka_dimensions
+    tls: Optional[Tuple[str, str]] = None  # (keyfile, certfile): HTTPS only (tls.py)
     # clients must send it as a Bearer token, or as x-api-key on the Messages API (auth.py);
     # not in the repr, which logs may show
     api_key: Optional[str] = field(default=None, repr=False)
@@ -624,11 +626,10 @@ def _not_startup_lines(record: logging.LogRecord) -> bool:
     return "application startup" not in record.getMessage().lower()
 
 
-def _loopback_url(address: Any) -> str:
+def _loopback_url(address: Any, tls: bool) -> str:
     """This server's URL from its socket's address, a wildcard address as loopback."""
     host, port = address[0], address[1]
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return server_url({"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host), port, tls)
 
 
 def serve_forever(cfg: ApiConfig, sock: Any, is_healthy: Callable[[], bool],
@@ -647,10 +648,12 @@ def serve_forever(cfg: ApiConfig, sock: Any, is_healthy: Callable[[], bool],
 
     logging.getLogger("uvicorn.error").addFilter(_not_startup_lines)
     app = create_app(cfg, is_healthy)
-    app.state.self_url = _loopback_url(sock.getsockname())
+    app.state.self_url = _loopback_url(sock.getsockname(), cfg.tls is not None)
+    keyfile, certfile = cfg.tls or (None, None)
     config = uvicorn.Config(app, log_config=None, access_log=False,
                             lifespan="on", log_level=log_level.lower(),
-                            timeout_graceful_shutdown=1)
+                            timeout_graceful_shutdown=1, ssl_keyfile=keyfile,
+                            ssl_certfile=certfile)
     server = _Server(config)
 
     async def main() -> None:

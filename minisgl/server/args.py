@@ -21,6 +21,7 @@ from minisgl.engine import EngineConfig
 from minisgl.models.path import model_name
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.hosts import is_loopback
+from minisgl.server.tls import check_tls
 from minisgl.server.topology import ClusterConfig, Wiring
 from minisgl.server.reasoning import REASONING_PARSERS
 from minisgl.server.tool_calls import TOOL_CALL_PARSERS
@@ -108,6 +109,10 @@ class ServerConfig:
     api_key: Optional[str] = setting(
         None, f"clients must send `Authorization: Bearer KEY` to every endpoint but /health and "
               f"/metrics; unset: the {API_KEY_ENV} environment variable, else no key")
+    ssl_keyfile: Optional[str] = setting(
+        None, "HTTPS: the private key (PEM) of ssl_certfile's certificate; the port then "
+              "speaks TLS only (vLLM's and SGLang's)")
+    ssl_certfile: Optional[str] = setting(None, "HTTPS: the certificate chain (PEM)")
     max_queued_requests: Optional[int] = setting(
         None, "requests accepted but not started (no first token yet) beyond which new ones "
               "are refused with 429 and Retry-After; unset: no limit")
@@ -163,6 +168,7 @@ class ServerConfig:
         if any(not name for name in self.served_names):
             raise ValueError(f"served_model_name must be names separated by commas, got "
                              f"{self.served_model_name!r}")
+        check_tls(self.ssl_keyfile, self.ssl_certfile)
         if (self.batch_input is None) != (self.batch_output is None):
             raise ValueError("batch_input and batch_output go together (--batch-input IN "
                              "--batch-output OUT)")
@@ -192,6 +198,11 @@ class ServerConfig:
     def resolved_api_key(self) -> Optional[str]:
         """The key clients must send: the setting, else the environment's, else None."""
         return self.api_key or os.environ.get(API_KEY_ENV) or None
+
+    @property
+    def tls(self) -> Optional[Tuple[str, str]]:
+        """(keyfile, certfile) where the port speaks HTTPS, else None."""
+        return check_tls(self.ssl_keyfile, self.ssl_certfile)
 
     @property
     def on_loopback(self) -> bool:

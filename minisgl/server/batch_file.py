@@ -25,6 +25,8 @@ from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, Sequence
 
 from tqdm import tqdm
 
+from minisgl.server.tls import loopback_open
+
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
               "/v1/messages", "/v1/score", "/v1/rerank", "/score", "/rerank", "/v1/classify",
               "/classify")
@@ -100,7 +102,7 @@ def send(base_url: str, line: BatchLine, api_key: Optional[str]) -> Dict[str, An
         headers["Authorization"] = f"Bearer {api_key}"
     req = urllib.request.Request(base_url + line.url, json.dumps(line.body).encode(), headers)
     try:
-        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
+        with loopback_open(req, REQUEST_TIMEOUT_S) as resp:
             status, raw = resp.status, resp.read()
     except urllib.error.HTTPError as e:
         status, raw = e.code, e.read()

@@ -54,6 +54,7 @@ from minisgl.server.proc import (Child, StartupError, first_dead, new_pulse, spa
 from minisgl.server.watchdog import Verdict, judge
 from minisgl.server.tool_calls import default_tool_call_parser, mistral_variant
 from minisgl.server.topology import Wiring, rank_name
+from minisgl.server.tls import server_url
 from minisgl.tokenizer.detokenize_worker import DetokenizerConfig, run_detokenizer
 from minisgl.tokenizer.text import model_chat_template, read_chat_template
 from minisgl.tokenizer.tokenize_worker import TokenizerConfig, run_tokenizer
@@ -151,8 +152,7 @@ class Service:
 
     @property
     def url(self) -> str:
-        host, port = self.cfg.host, self.port
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        return server_url(self.cfg.host, self.port, self.cfg.tls is not None)
 
     def _name(self, what: str) -> str:
         """A process or event as the error line names it: prefixed by its node over several."""
@@ -236,7 +236,7 @@ class Service:
                             incremental_streaming_output=c.incremental_streaming_output,
                             hidden_size=shape.hidden_size,
                             embedding_refusal=pooling.refusal, pooling=pooling,
-                            matryoshka=shape.matryoshka_dimensions,
+                            matryoshka=shape.matryoshka_dimensions, tls=c.tls,
                             classifier=shape.classifier,
                             sampling_defaults=sampling_defaults(c.generation_config,
                                                                 Path(self.model_path)))

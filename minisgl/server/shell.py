@@ -14,6 +14,8 @@ import urllib.error
 import urllib.request
 from typing import Callable, Dict, Generator, List, Optional
 
+from minisgl.server.tls import loopback_open
+
 HELP = ("commands: /reset clears the conversation, /temperature X sets the sampling "
         "temperature, /exit quits (or Ctrl-D)")
 
@@ -32,7 +34,7 @@ def stream_chat(url: str, model: str, messages: List[Dict[str, str]], temperatur
     req = urllib.request.Request(f"{url}/v1/chat/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     try:
-        resp = urllib.request.urlopen(req, timeout=timeout_s)
+        resp = loopback_open(req, timeout_s)
     except urllib.error.HTTPError as e:
         detail = json.loads(e.read() or b"{}").get("error", {}).get("message", e.reason)
         raise RuntimeError(f"HTTP {e.code}: {detail}") from None
