@@ -29,6 +29,7 @@ BODY_TIMEOUT_S = 1.0
 # SmolLM2's longest vocabulary entry is 81 characters: no prompt of more can fit 8192 tokens.
 MAX_PROMPT_CHARS = 8192 * 81
 SHORT = [{"role": "user", "content": "Hi"}]
+APP_ORIGIN = "https://app.example"  # --allowed-origins
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) ->
                         "--max-queued-tokens", str(MAX_QUEUED_TOKENS),
                         "--max-request-bytes", str(MAX_BYTES),
                         "--body-timeout", str(BODY_TIMEOUT_S), "--api-key", KEY,
+                        "--allowed-origins", APP_ORIGIN,
                         "--stats-interval", "0.2"], tmp_path_factory.mktemp("limits"))
     yield srv
     srv.stop()
@@ -268,6 +270,35 @@ def test_host_header_must_be_loopback_and_cross_origin_text_refused(server: Serv
                    headers={**AUTH, "Content-Type": "text/plain",
                             "Origin": "http://evil.example"}, timeout=10)
     assert r.status_code == 415
+
+
+def test_cors_answers_the_allowed_origin_only(server: Server) -> None:
+    """--allowed-origins: a preflight from that origin is answered (before the key check: it
+    carries none), and the answers carry its Access-Control-Allow-Origin; another origin's
+    preflight is refused and its answers carry none, so its page cannot read them. Settings
+    that cannot work are refused by name."""
+    from minisgl.server.args import parse_args
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    url = f"{server.url}/v1/chat/completions"
+    ok = httpx.options(url, headers={**preflight, "Origin": APP_ORIGIN}, timeout=10)
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == APP_ORIGIN
+    bad = httpx.options(url, headers={**preflight, "Origin": "https://evil.example"},
+                        timeout=10)
+    assert bad.status_code == 400 and "access-control-allow-origin" not in bad.headers
+    got = httpx.post(url, json=_chat(max_tokens=1), headers={**AUTH, "Origin": APP_ORIGIN},
+                     timeout=60)
+    assert got.status_code == 200 and got.headers["access-control-allow-origin"] == APP_ORIGIN
+    other = httpx.get(f"{server.url}/v1/models", headers={**AUTH, "Origin": "https://x.example"},
+                      timeout=10)
+    assert "access-control-allow-origin" not in other.headers
+    assert parse_args(["--allowed-origins", '["https://a.example", "http://b:3000/"]']
+                      ).origins == ("https://a.example", "http://b:3000")
+    for bad_value, named in (("*", "needs api_key"), ("a.example", "is not an origin"),
+                             ("https://a.example/app", "is not an origin"),
+                             ("[1]", "list of strings")):
+        with pytest.raises(ValueError, match=named):
+            parse_args(["--allowed-origins", bad_value])
 
 
 def test_openapi_describes_request_bodies(server: Server) -> None:

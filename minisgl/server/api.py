@@ -31,6 +31,7 @@ from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional,
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from minisgl.gc_heap import freeze_startup_heap
@@ -111,6 +112,7 @@ class ApiConfig:
     # not in the repr, which logs may show
     api_key: Optional[str] = field(default=None, repr=False)
     loopback_only: bool = False  # listening on loopback: Host headers must name it
+    allowed_origins: Tuple[str, ...] = ()  # CORS: web origins whose pages may call (cors.py)
     max_queued_requests: Optional[int] = None  # admission.py
     request_timeout: Optional[float] = None  # seconds, admission.Deadline
     max_request_bytes: int = 32 << 20  # limits.py
@@ -323,6 +325,10 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     _install_error_handlers(app)
     app.add_middleware(BodyLimits, max_bytes=cfg.max_request_bytes, timeout_s=cfg.body_timeout)
     app.add_middleware(AccessCheck, api_key=cfg.api_key, loopback_only=cfg.loopback_only)
+    if cfg.allowed_origins:  # preflights answered before the key and Host checks (cors.py)
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["X-Request-Id"])
     # outermost: sees every answer
     app.add_middleware(RequestLog, enabled=cfg.log_requests, count=metrics.count_http)
 

@@ -21,6 +21,7 @@ from minisgl.engine import EngineConfig
 from minisgl.models.path import model_name
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.hosts import is_loopback
+from minisgl.server.cors import parse_origins
 from minisgl.server.tls import check_tls
 from minisgl.server.topology import ClusterConfig, Wiring
 from minisgl.server.reasoning import REASONING_PARSERS
@@ -109,6 +110,10 @@ class ServerConfig:
     api_key: Optional[str] = setting(
         None, f"clients must send `Authorization: Bearer KEY` to every endpoint but /health and "
               f"/metrics; unset: the {API_KEY_ENV} environment variable, else no key")
+    allowed_origins: Optional[str] = setting(
+        None, "CORS: the web origins (https://app.example, comma-separated, or vLLM's JSON "
+              "list; * for any, which needs api_key) whose pages may call the API from a "
+              "browser; unset: none (a browser's cross-origin requests are not answered)")
     ssl_keyfile: Optional[str] = setting(
         None, "HTTPS: the private key (PEM) of ssl_certfile's certificate; the port then "
               "speaks TLS only (vLLM's and SGLang's)")
@@ -169,6 +174,9 @@ class ServerConfig:
             raise ValueError(f"served_model_name must be names separated by commas, got "
                              f"{self.served_model_name!r}")
         check_tls(self.ssl_keyfile, self.ssl_certfile)
+        if "*" in self.origins and self.resolved_api_key is None:
+            raise ValueError("allowed_origins * lets any web page use this server from its "
+                             "visitors' browsers: it needs api_key")
         if (self.batch_input is None) != (self.batch_output is None):
             raise ValueError("batch_input and batch_output go together (--batch-input IN "
                              "--batch-output OUT)")
@@ -198,6 +206,11 @@ class ServerConfig:
     def resolved_api_key(self) -> Optional[str]:
         """The key clients must send: the setting, else the environment's, else None."""
         return self.api_key or os.environ.get(API_KEY_ENV) or None
+
+    @property
+    def origins(self) -> Tuple[str, ...]:
+        """allowed_origins as a tuple (cors.parse_origins)."""
+        return parse_origins(self.allowed_origins)
 
     @property
     def tls(self) -> Optional[Tuple[str, str]]:
