@@ -396,3 +396,37 @@ def test_error_shapes_by_path() -> None:
     assert list(fmt.error_events(ApiError(503, "down"))) == [
         'event: error\ndata: {"type": "error", "error": {"type": "api_error", '
         '"message": "down"}}\n\n']
+
+
+def test_thinking_turns_the_templates_switch() -> None:
+    """Anthropic's `thinking`: "enabled" (with a budget Anthropic would take) and "adaptive"
+    turn the chat template's enable_thinking on, "disabled" off, absent leaves it alone (also
+    for count_tokens, which has no max_tokens); a budget below 1,024 or not below max_tokens,
+    or another type, is a 400 naming the field."""
+    from minisgl.server.anthropic_api import (CountTokensRequest, MessagesRequest,
+                                              count_tokens_prompt, messages_job)
+    from minisgl.server.protocol import ApiError
+
+    def kwargs(thinking: Any, max_tokens: int = 4096) -> Any:
+        body = {"model": "m", "max_tokens": max_tokens, "messages": PARIS}
+        if thinking is not None:
+            body["thinking"] = thinking
+        job = messages_job(MessagesRequest.model_validate(body), 1)
+        return job.prompts[0].template.kwargs
+
+    assert kwargs({"type": "enabled", "budget_tokens": 2048}) == {"enable_thinking": True}
+    assert kwargs({"type": "adaptive"}) == {"enable_thinking": True}
+    assert kwargs({"type": "disabled"}) == {"enable_thinking": False}
+    assert kwargs(None) is None
+    counted = count_tokens_prompt(CountTokensRequest.model_validate(
+        {"model": "m", "messages": PARIS, "thinking": {"type": "enabled",
+                                                       "budget_tokens": 9999}}))
+    assert counted.template.kwargs == {"enable_thinking": True}
+    for thinking, max_tokens, named in (
+            ({"type": "enabled", "budget_tokens": 512}, 4096, "thinking.budget_tokens"),
+            ({"type": "enabled"}, 4096, "thinking.budget_tokens"),
+            ({"type": "enabled", "budget_tokens": 2048}, 2048, "thinking.budget_tokens"),
+            ({"type": "on"}, 4096, "thinking.type"), ("yes", 4096, "thinking.type")):
+        with pytest.raises(ApiError) as e:
+            kwargs(thinking, max_tokens)
+        assert e.value.status == 400 and e.value.param == named, thinking

@@ -17,7 +17,10 @@ exactly as a chat request:
   `parallel_tool_calls: false`. `any` and `tool` are enforced by the grammar (tools.py).
 - `stop_sequences`, `temperature`, `top_p`, `top_k`, `max_tokens` (required), `stream`;
   `metadata`, `cache_control`, `service_tier` and the like have no effect (`_INERT`).
-  Documented fields this server does not serve (`thinking`, `output_config`, `container`,
+  `thinking` turns the chat template's `enable_thinking` on ("enabled", "adaptive") or off
+  ("disabled"); its `budget_tokens` is checked as Anthropic checks it but not enforced
+  (max_tokens bounds the reply).
+  Documented fields this server does not serve (`output_config`, `container`,
   `mcp_servers`, ...) are a 400 naming them unless
   their value asks for nothing, and so is any field the API does not have (as Anthropic's own
   API answers).
@@ -49,7 +52,6 @@ from minisgl.server.responses import ChatFormatter, Choice
 # Fields of Anthropic's API this server does not serve, each with the test for a value that asks
 # for nothing (accepted); `metadata` (declared) and these inert ones have no effect at all.
 _UNSERVED: Dict[str, Callable[[Any], bool]] = {
-    "thinking": lambda v: v is None or v == {"type": "disabled"},
     "output_config": lambda v: not v,
     "output_format": lambda v: v is None,
     "container": lambda v: v is None,
@@ -61,6 +63,7 @@ _UNSERVED: Dict[str, Callable[[Any], bool]] = {
 _INERT = frozenset({"service_tier", "inference_geo", "speed", "cache_control", "workspace_id",
                     "user_profile_id"})
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+_MIN_THINKING_BUDGET = 1024  # Anthropic's least budget_tokens
 
 
 # --- request bodies -----------------------------------------------------------------------------
@@ -81,6 +84,7 @@ class CountTokensRequest(_Body):
     system: Union[None, str, List[Dict[str, Any]]] = None
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Optional[Dict[str, Any]] = None
+    thinking: Any = None  # checked by _thinking, which names the field at fault
 
 
 class MessagesRequest(CountTokensRequest):
@@ -246,6 +250,31 @@ def _anthropic_names(e: ApiError) -> ApiError:
                     e.code, e.kind, e.headers)
 
 
+def _thinking(value: Any, max_tokens: Optional[int]) -> Optional[Dict[str, bool]]:
+    """The chat template keywords of Anthropic's `thinking`: `enable_thinking` true for
+    "enabled" or "adaptive", false for "disabled" (Qwen3's, GLM's, DeepSeek's switch); None
+    where it is absent. `budget_tokens` is checked as Anthropic checks it (at least 1,024 and
+    below max_tokens), not enforced: max_tokens bounds the whole reply. ApiError 400 naming
+    the field."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise ApiError(400, f"thinking.type: must be enabled, adaptive or disabled, got "
+                            f"{json.dumps(kind)}", "thinking.type")
+    if kind == "enabled":
+        budget = value.get("budget_tokens")
+        if isinstance(budget, bool) or not isinstance(budget, int) or (
+                budget < _MIN_THINKING_BUDGET):
+            raise ApiError(400, f"thinking.budget_tokens: must be an integer of at least "
+                                f"{_MIN_THINKING_BUDGET}, got {json.dumps(budget)}",
+                           "thinking.budget_tokens")
+        if max_tokens is not None and budget >= max_tokens:
+            raise ApiError(400, f"thinking.budget_tokens: must be less than max_tokens "
+                                f"({max_tokens}), got {budget}", "thinking.budget_tokens")
+    return {"enable_thinking": kind != "disabled"}
+
+
 def chat_request(body: CountTokensRequest) -> ChatRequest:
     """The chat request a messages request (or a count_tokens one) is served as; ApiError 400
     naming the field at fault."""
@@ -263,11 +292,13 @@ def chat_request(body: CountTokensRequest) -> ChatRequest:
         raise ApiError(400, f"messages.{len(body.messages) - 1}: a final assistant message (a "
                             f"prefill) must be text", f"messages.{len(body.messages) - 1}")
     choice, parallel = _tool_choice(body.tool_choice)
+    max_tokens = body.max_tokens if isinstance(body, MessagesRequest) else None
     fields: Dict[str, Any] = {
         "messages": messages, "add_generation_prompt": not prefill,
         "continue_final_message": prefill,
         "tools": [_tool(i, t) for i, t in enumerate(body.tools)] if body.tools else None,
-        "tool_choice": choice, "parallel_tool_calls": parallel}
+        "tool_choice": choice, "parallel_tool_calls": parallel,
+        "chat_template_kwargs": _thinking(body.thinking, max_tokens)}
     if isinstance(body, MessagesRequest):
         if body.max_tokens < 1:
             raise ApiError(400, f"max_tokens: must be at least 1, got {body.max_tokens}",
