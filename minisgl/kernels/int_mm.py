@@ -434,9 +434,12 @@ def int_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     group = kernel_group(group_size, tiles.block_k)
     if arrivals is not None:
         check_arrivals(arrivals)
-    last_sums = splits > 1 and arrivals is not None and arrivals.numel() >= grid[0]
+    # the counters where K is split and there is one for each output tile
+    counters = (arrivals if splits > 1 and arrivals is not None and arrivals.numel() >= grid[0]
+                else None)
+    last_sums = counters is not None
     bias_arg = bias if bias is not None else scales
-    counters_arg = arrivals if last_sums and arrivals is not None else scales
+    counters_arg = counters if counters is not None else scales
     if tiles.block_m == 1 and group > 0:
         _one_row_kernel[grid](
             x, qweight, scales, zeros, bias_arg, parts, out, counters_arg, n, k, k_split,

@@ -40,6 +40,8 @@ def online(setting: Optional[str]) -> Optional[str]:
     """The quantization a `quantization` setting asks to be done at load: ONLINE, or None
     (unset, or a checkpoint method's name, which only states what the checkpoint is)."""
     return setting if setting == ONLINE else None
+
+
 _CT_FORMATS = ("float-quantized", "naive-quantized")
 
 

@@ -214,8 +214,11 @@ class ServerConfig:
 
     @property
     def tls(self) -> Optional[Tuple[str, str]]:
-        """(keyfile, certfile) where the port speaks HTTPS, else None."""
-        return check_tls(self.ssl_keyfile, self.ssl_certfile)
+        """(keyfile, certfile) where the port speaks HTTPS, else None (both or neither, as
+        __post_init__'s check_tls made sure, having loaded them once)."""
+        if self.ssl_keyfile is None or self.ssl_certfile is None:
+            return None
+        return self.ssl_keyfile, self.ssl_certfile
 
     @property
     def on_loopback(self) -> bool:

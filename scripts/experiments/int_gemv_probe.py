@@ -1,43 +1,12 @@
-"""Throwaway probe (thirty-sixth session): one-row packed 4-bit products, the tree's int_mm
-against two rewrites of its inner loop (v2: 3-D tile, nibbles placed at the top of the
-mantissa by one shift, zero points folded out of the loop; v3: the same nibble by nibble,
-one FFMA a value). Prints us per product (weights rotated through > 200 MB, CUDA graph)."""
+"""Throwaway probe (thirty-sixth session): one-row packed 4-bit products at Llama-3.1-8B's
+shapes. v2 (a 3-D tile, each value placed at the top of the mantissa by one shift, zero points
+out of the loop) won and is now the tree's `int_mm._one_row_kernel`, timed here through
+`int_mm` at each of VARIANTS' tiles, with the split-sum kernel and with the layer's counters
+(`arrivals`: the last program sums); v3, kept below, is the same value by value with one FFMA
+each, which lost. Prints us per product (weights rotated through > 256 MB, CUDA graph)."""
 import sys
 import torch, triton, triton.language as tl
 from minisgl.kernels import int_mm as im
-
-
-@triton.jit
-def _v2(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, n, k, k_split, stride_qk, stride_sg, stride_os,
-        BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    PER_WORD: tl.constexpr = 32 // BITS
-    BLOCK_W: tl.constexpr = BLOCK_K // PER_WORD
-    TOP: tl.constexpr = 23 - BITS
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n
-    k_lo = tl.program_id(1) * k_split
-    k_hi = tl.minimum(k, k_lo + k_split)
-    j = tl.arange(0, PER_WORD)
-    left = ((TOP - BITS * j + 32) % 32).to(tl.uint32)
-    right = ((32 - left) % 32).to(tl.uint32)
-    mask: tl.constexpr = ((1 << BITS) - 1) << TOP
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        at = k0 // PER_WORD + tl.arange(0, BLOCK_W)
-        w3 = tl.load(q_ptr + at.to(tl.int64)[:, None, None] * stride_qk + cols[None, None, :],
-                     mask=col_ok[None, None, :], other=0,
-                     eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-        kk = k0 + tl.arange(0, BLOCK_W)[:, None] * PER_WORD + j[None, :]
-        x = tl.load(x_ptr + kk).to(tl.float32)
-        rot = (w3 << left[None, :, None]) | (w3 >> right[None, :, None])
-        f = ((rot & mask) | 0x3F800000).to(tl.float32, bitcast=True)
-        t = tl.sum(tl.sum(x[:, :, None] * f, axis=1), axis=0)
-        sx = tl.sum(tl.sum(x, axis=1), axis=0)
-        g = k0 // GROUP
-        s = tl.load(s_ptr + g * stride_sg + cols, mask=col_ok, other=0.0)
-        z = tl.load(z_ptr + g * stride_sg + cols, mask=col_ok, other=0.0).to(tl.float32)
-        acc += s * ((1 << BITS) * t - ((1 << BITS) + z) * sx)
-    tl.store(out_ptr + tl.program_id(1) * stride_os + cols, acc, mask=col_ok)
 
 
 @triton.jit
@@ -77,17 +46,17 @@ def _v3(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, n, k, k_split, stride_qk, stride_sg
     tl.store(out_ptr + tl.program_id(1) * stride_os + cols, acc, mask=col_ok)
 
 
-def run_variant(kern, x, w, split, bn, bk, warps, stages, parts, out, summed=True):
+def run_v3(x, w, split, bn, bk, warps, stages, parts, out):
+    """_v3 over K split `split` ways, its partials summed by int_mm's second kernel."""
     q, s, z = w
     k, n = x.shape[1], q.shape[1]
     k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     splits = triton.cdiv(k, k_split)
-    kern[(triton.cdiv(n, bn), splits)](x, q, s, z, parts, n, k, k_split, q.stride(0),
-                                       s.stride(0), n, BITS=4, BLOCK_N=bn, BLOCK_K=bk,
-                                       GROUP=128, num_warps=warps, num_stages=stages)
-    if summed:
-        im._sum_splits_kernel[(triton.cdiv(n, 1024),)](parts, parts, out, n, n, splits,
-                                                       HAS_BIAS=False, BLOCK=1024)
+    _v3[(triton.cdiv(n, bn), splits)](x, q, s, z, parts, n, k, k_split, q.stride(0),
+                                      s.stride(0), n, BITS=4, BLOCK_N=bn, BLOCK_K=bk,
+                                      GROUP=128, num_warps=warps, num_stages=stages)
+    im._sum_splits_kernel[(triton.cdiv(n, 1024),)](parts, parts, out, n, n, splits,
+                                                   HAS_BIAS=False, BLOCK=1024)
     return out
 
 
@@ -127,19 +96,22 @@ def main():
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
         ref = im.int_mm(x, *ws[0], g_idx, 4, group_size=128).float()
         res = {"int_mm": timed(lambda i: im.int_mm(x, *ws[i], g_idx, 4, group_size=128), copies)}
+        arrivals = torch.zeros(im.arrival_slots(n), dtype=torch.int32, device=dev)
+        for bn, bk, warps, split, stages in VARIANTS:
+            tiles = im.IntTiles(1, bn, bk, warps, stages, split)
+            tag = f"n{bn}k{bk}w{warps}x{split}s{stages}"
+            for counted, label in ((None, "v2_"), (arrivals, "v2_last_")):
+                fn = lambda i, t=tiles, c=counted: im.int_mm(x, *ws[i], g_idx, 4, tiles=t,
+                                                             group_size=128, arrivals=c)
+                res[label + tag] = timed(fn, copies)
         out = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
-        for kern, tag in ((_v2, "v2"),):
-            for bn, bk, warps, split, stages in VARIANTS:
-                parts = torch.empty(split, n, device=dev, dtype=torch.float32)
-                fn = lambda i: run_variant(kern, x, ws[i], split, bn, bk, warps, stages, parts, out)
-                got = fn(0).float()
-                err = (got - ref).abs().max().item() / ref.abs().max().item()
-                res[f"{tag}_n{bn}k{bk}w{warps}x{split}s{stages}"] = timed(fn, copies)
-                if (bn, bk, warps, split, stages) == VARIANTS[0]:
-                    res["nosum_" + f"n{bn}k{bk}w{warps}x{split}s{stages}"] = timed(
-                        lambda i: run_variant(kern, x, ws[i], split, bn, bk, warps, stages, parts, out, False), copies)
-                if err > 2e-2:
-                    print(f"  {name} {tag} n{bn}: rel err {err:.3g}")
+        bn, bk, warps, split, stages = VARIANTS[0]
+        parts = torch.empty(split, n, device=dev, dtype=torch.float32)
+        got = run_v3(x, ws[0], split, bn, bk, warps, stages, parts, out).float()
+        if (got - ref).abs().max().item() > 2e-2 * ref.abs().max().item():
+            print(f"  {name} v3: wrong")
+        res["v3_" + f"n{bn}k{bk}w{warps}x{split}s{stages}"] = timed(
+            lambda i: run_v3(x, ws[i], split, bn, bk, warps, stages, parts, out), copies)
         base = res["int_mm"]
         print(f"{name} ({n}x{k}, {nbytes / 1e6:.1f} MB): " + ", ".join(
             f"{k_}={v:.2f}" for k_, v in sorted(res.items(), key=lambda kv: kv[1]))
