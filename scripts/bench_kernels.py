@@ -48,7 +48,7 @@ import triton
 from minisgl.kernels import activation, gemv, moe, rmsnorm
 from minisgl.kernels import fp8 as fp8_kernels
 from minisgl.kernels.attention import decode_attention, extend_attention
-from minisgl.kernels.int_mm import IntTiles, int_mm
+from minisgl.kernels.int_mm import IntTiles, arrival_slots, int_mm
 from minisgl.kernels.rotary import rotary_qk_
 from minisgl.kernels.types import (DecodeTiles, ExtendTiles, GemmTiles, KVStore, KVTarget,
                                    QKVRope)
@@ -657,6 +657,12 @@ def bench_int_linear(cfg: ModelConfig, args: argparse.Namespace) -> None:
                     *tiles[:6], "t" if tiles.swap else "")
                 report("intlin", {**case, "impl": label}, us,
                        tb_s=round(nbytes / us / 1e6, 2), max_err=round(err, 4))
+                if tiles is None:  # as a layer runs it: its counters sum the K splits
+                    counters = torch.zeros(arrival_slots(n), dtype=torch.int32, device="cuda")
+                    us = time_graph(lambda: int_mm(x, *next(state), 4, group_size=group,
+                                                   arrivals=counters), copies, args.reps)
+                    report("intlin", {**case, "impl": "default_counters"}, us,
+                           tb_s=round(nbytes / us / 1e6, 2))
             del ws
 
 

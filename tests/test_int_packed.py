@@ -112,6 +112,19 @@ def test_int_mm_sums_its_splits_in_its_last_program(bits: int, k: int, split: in
         int_mm(*args, bits, None, tiles, group_size=32, arrivals=arrivals.long())
 
 
+def test_int_mm_sums_splits_in_the_kernel_only_up_to_64_row_tiles() -> None:
+    """The last program sums the K splits at one row and tiles of up to 64 rows, given a
+    counter for each output tile; 128-row tiles (where it was measured 25-35% slower) and too
+    few counters leave the sum to a second launch, as does an unsplit K."""
+    from minisgl.kernels.int_mm import IntTiles, sums_in_last_program
+    for block_m, want in ((1, True), (16, True), (64, True), (128, False)):
+        tiles = IntTiles(block_m, 64, 64, 4, 3, 4)
+        assert sums_in_last_program(tiles, 4, 100, 100) is want, block_m
+    tiles = IntTiles(64, 64, 64, 4, 3, 4)
+    assert not sums_in_last_program(tiles, 4, 99, 100)
+    assert not sums_in_last_program(tiles, 1, 100, 100)
+
+
 @pytest.mark.parametrize("act_order", [False, True])
 def test_int_mm_from_dense_rows_is_the_dequantized_product(act_order: bool) -> None:
     """From DENSE_ROWS rows: the weight dequantized into a scratch (groups in runs or
