@@ -596,6 +596,9 @@ def int_sweep(rows: int) -> Iterator[IntTiles]:
     for block_n, block_k, split, swap in itertools.product((64, 128), (64, 128), (1, 2, 4),
                                                            (False, True)):
         yield IntTiles(block_m, block_n, block_k, 4 if block_m <= 64 else 8, 3, split, swap)
+    if rows > 64:  # more, smaller row tiles: less of the last one padding, more dequantizing
+        for block_n, split in itertools.product((64, 128), (1, 2, 4)):
+            yield IntTiles(64, block_n, 64, 4, 3, split)
     if rows > 128:  # one row tile: each weight tile dequantized once, not twice
         for block_n, block_k, split in itertools.product((32, 64), (32, 64), (1, 2)):
             yield IntTiles(256, block_n, block_k, 8, 3, split)
