@@ -126,17 +126,6 @@ def group_params(s_ptr, z_ptr, g_ptr, k0, k, cols, col_ok, stride_sg, BLOCK_K: t
 
 
 @triton.jit
-def _next_zeros(z_ptr, k0, k_hi, cols, col_ok, stride_sg, BLOCK_K: tl.constexpr,
-                GROUP: tl.constexpr):
-    """The zero points (float32 [BLOCK_N]) of the K tile after k0's (groups in runs of
-    GROUP; past k_hi, the last tile's again), loaded a tile ahead of their use: the float16
-    row is 2 bytes a thread, a load Triton does not pipeline, and waiting for it in each
-    tile cost 1-6% a product at 1-137 rows (H100, RESULTS.md, thirty-seventh session)."""
-    g = tl.minimum(k0 + BLOCK_K, k_hi - 1) // GROUP
-    return tl.load(z_ptr + g * stride_sg + cols, mask=col_ok, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _rows_product(a, q, s, z, GROUP: tl.constexpr):
     """a [BLOCK_M, BLOCK_K] (float32) times the tile's dequantized weights, without tensor
     cores. One group a tile: s * (a (q - z)), the products scaled once per column (as the
@@ -219,7 +208,6 @@ def _one_row_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, parts_ptr, out_ptr, ar
     word_rows = tl.cdiv(k, PER_WORD)
     j = tl.arange(0, PER_WORD)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    z_next = _next_zeros(z_ptr, k_lo - BLOCK_K, k_hi, cols, col_ok, stride_sg, BLOCK_K, GROUP)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         at = k0 // PER_WORD + tl.arange(0, BLOCK_W)
         # A 3-D load, so that each thread holds adjacent columns' words (one vector load)
@@ -234,8 +222,7 @@ def _one_row_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, parts_ptr, out_ptr, ar
         sx = tl.sum(tl.sum(x, axis=1), axis=0)
         g = k0 // GROUP
         s = tl.load(s_ptr + g * stride_sg + cols, mask=col_ok, other=0.0)
-        z = z_next
-        z_next = _next_zeros(z_ptr, k0, k_hi, cols, col_ok, stride_sg, BLOCK_K, GROUP)
+        z = tl.load(z_ptr + g * stride_sg + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc += s * ((1 << BITS) * t - ((1 << BITS) + z) * sx)
     bias = _bias_row(bias_ptr, cols, col_ok, HAS_BIAS)
     if tl.num_programs(1) == 1:
@@ -253,23 +240,15 @@ def _one_row_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, parts_ptr, out_ptr, ar
 @triton.jit
 def _operands(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, rows, row_ok, cols, col_ok, k0, k, stride_xm,
               stride_qk, stride_sg, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
-              BLOCK_N: tl.constexpr, GROUP: tl.constexpr, NO_Z: tl.constexpr = False):
+              BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
     """K tile k0's operands: x's [BLOCK_M, BLOCK_K], the weights' integers [BLOCK_K, BLOCK_N]
-    and their scales and zero points (group_params); NO_Z (GROUP > 0, the caller loads the
-    zero points a tile ahead): the scales [1, BLOCK_N] and, in the zero points' place, the
-    scales again."""
+    and their scales and zero points (group_params)."""
     kk = k0 + tl.arange(0, BLOCK_K)
     a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + kk[None, :],
                 mask=row_ok[:, None] & (kk < k)[None, :], other=0.0)
     q = packed_values(q_ptr, k0, tl.cdiv(k, 32 // BITS), cols, col_ok, stride_qk, BITS,
                       BLOCK_K, BLOCK_N)
-    if NO_Z:
-        s = tl.load(s_ptr + (k0 // GROUP) * stride_sg + cols[None, :], mask=col_ok[None, :],
-                    other=0.0)
-        z = s
-    else:
-        s, z = group_params(s_ptr, z_ptr, g_ptr, k0, k, cols, col_ok, stride_sg, BLOCK_K,
-                            GROUP)
+    s, z = group_params(s_ptr, z_ptr, g_ptr, k0, k, cols, col_ok, stride_sg, BLOCK_K, GROUP)
     return a, q, s, z
 
 
@@ -305,19 +284,10 @@ def _int_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, final_p
         acc = tl.trans(acc_t)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        # groups in order: each tile's zero points loaded a tile ahead (see _next_zeros)
-        z_next = tl.zeros([1, BLOCK_N], dtype=tl.float32)
-        if GROUP > 0:
-            z_next = _next_zeros(z_ptr, k_lo - BLOCK_K, k_hi, cols, col_ok, stride_sg, BLOCK_K,
-                                 GROUP)[None, :]
         for k0 in range(k_lo, k_hi, BLOCK_K):
             a, q, s, z = _operands(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, rows, row_ok, cols,
                                    col_ok, k0, k, stride_xm, stride_qk, stride_sg, BITS,
-                                   BLOCK_K, BLOCK_N, GROUP, GROUP > 0)
-            if GROUP > 0:
-                z = z_next
-                z_next = _next_zeros(z_ptr, k0, k_hi, cols, col_ok, stride_sg, BLOCK_K,
-                                     GROUP)[None, :]
+                                   BLOCK_K, BLOCK_N, GROUP)
             if BLOCK_M >= 16:
                 acc += dot(a, (centred(q, z) * s).to(a.dtype), F32_DOT)
             else:
