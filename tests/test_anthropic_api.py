@@ -16,6 +16,7 @@ import httpx
 import jsonschema
 import pytest
 
+from formatter_helpers import chunks_of, plain_and_streamed
 from server_helpers import CPU_ARGS, Server
 
 KEY = "test-key"
@@ -333,28 +334,14 @@ def _formatted(chunks: List[str], reasoning: str, **body: Any
                ) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
     """The plain message and the stream's events of one output given as `chunks` (text pieces,
     the last ending it by EOS), formatted in process."""
-    from minisgl.message.types import ReplyChunk
     from minisgl.server.anthropic_api import MessagesFormatter, MessagesRequest, messages_job
-    from minisgl.server.responses import Choice
 
     request = MessagesRequest.model_validate({"model": "m", "max_tokens": 64,
                                               "messages": PARIS, **body})
-    replies = [ReplyChunk(0, text, prompt_tokens=7, completion_tokens=k + 1,
-                          finish_reason="stop" if k == len(chunks) - 1 else None)
-               for k, text in enumerate(chunks)]
 
     def formatter() -> MessagesFormatter:
         return MessagesFormatter("m", messages_job(request, 1), reasoning, "hermes")
-    plain, whole = formatter(), Choice()
-    for reply in replies:
-        whole.add(reply)
-    message = plain.full([whole])
-    streamed, choice = formatter(), Choice(prompt_tokens=7)
-    lines = list(streamed.opening(0, choice))
-    for reply in replies:
-        choice.add(reply)
-        lines += streamed.delta(0, reply, choice)
-    lines += streamed.closing([choice])
+    message, lines = plain_and_streamed(formatter, chunks_of(chunks))
     return message, [json.loads(line.split("\n")[1].removeprefix("data: ")) for line in lines]
 
 

@@ -6,6 +6,7 @@ Through the official `openai` client, and raw HTTP where the SDK has no field.""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -362,9 +363,34 @@ def test_responses_api_plain_streamed_and_continued(client: openai.OpenAI, serve
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model=MODEL, input="x", previous_response_id="resp-nope")
     bad = _post(server, "/v1/responses", {"input": "x", "tools": [{"type": "web_search"}]})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools.0.type"
     bad = _post(server, "/v1/responses", {"input": "x", "max_output_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_output_tokens"
+
+
+def test_responses_api_function_call_turn(client: openai.OpenAI) -> None:
+    """A required function call comes back as a function_call item (arguments valid for the
+    tool's schema), streamed as plain; its function_call_output, continuing the stored
+    response, reaches the model as the tool's message and the reply is a message."""
+    weather = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+               "parameters": {"type": "object", "properties": {"city": {
+                   "type": "string", "maxLength": 20}}, "required": ["city"],
+                   "additionalProperties": False}}
+    ask = dict(model=MODEL, input="What is the weather in Paris?", tools=[weather],
+               tool_choice="required", temperature=0, max_output_tokens=60)
+    r = client.responses.create(**ask)  # type: ignore[call-overload]
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert r.status == "completed" and len(calls) >= 1 and calls[0].name == "get_weather"
+    assert set(json.loads(calls[0].arguments)) == {"city"}
+    events = list(client.responses.create(**ask, stream=True))  # type: ignore[call-overload]
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.type, getattr(i, "arguments", None)) for i in done] == [
+        (i.type, getattr(i, "arguments", None)) for i in r.output]
+    more = client.responses.create(
+        model=MODEL, previous_response_id=r.id, temperature=0, max_output_tokens=8,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                "output": "sunny, 25 C"}])
+    assert more.output[0].type == "message" and more.usage.input_tokens > r.usage.input_tokens
 
 
 # --- item 6: vLLM's prompt_logprobs and allowed_token_ids ------------------------------------------

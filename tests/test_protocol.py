@@ -81,8 +81,8 @@ def test_reasoning_effort_reaches_the_chat_template_as_vllm_passes_it(
         default_model_dir: Path) -> None:
     """OpenAI's reasoning_effort (Chat Completions; the Responses API's reasoning.effort)
     becomes the template's `reasoning_effort` and `enable_thinking` (false for "none"), the
-    request's own chat_template_kwargs winning; a value not OpenAI's, or a reasoning summary,
-    is a 400 naming the field; a template that reads them renders them."""
+    request's own chat_template_kwargs winning; a value not OpenAI's, or a summary not one of
+    OpenAI's, is a 400 naming the field; a template that reads them renders them."""
     from transformers import AutoTokenizer
     from minisgl.server.responses_api import ResponsesRequest, responses_job
     from minisgl.tokenizer.chat_template import chat_prompt_ids
@@ -102,7 +102,9 @@ def test_reasoning_effort_reaches_the_chat_template_as_vllm_passes_it(
         ResponsesRequest.model_validate({"input": "hi", "reasoning": reasoning}), messages, 4)
     assert respond({"effort": "medium"}).prompts[0].template.kwargs["reasoning_effort"] == (
         "medium")
-    for bad in ({"summary": "auto"}, {"effort": "extreme"}, {"effort": 3}):
+    assert respond({"effort": "low", "summary": "auto"}).prompts[0].template.kwargs[
+        "reasoning_effort"] == "low"  # a summary is accepted (reasoning items carry no summary)
+    for bad in ({"summary": "long"}, {"effort": "extreme"}, {"effort": 3}):
         with pytest.raises(ApiError) as e:
             respond(bad)
         assert e.value.status == 400 and e.value.param == "reasoning", bad

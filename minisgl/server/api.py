@@ -63,8 +63,9 @@ from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, D
                                      detokenize_prompt, parse_body, tokenize_prompt)
 from minisgl.server.responses import (ChatFormatter, Choice, CompletionFormatter, Formatter,
                                       GenerateFormatter, SSEResponse, sse)
-from minisgl.server.responses_api import (ResponsesFormatter, ResponsesRequest, ResponseStore,
-                                          response_messages, responses_job)
+from minisgl.server.responses_api import (ResponsesRequest, ResponseStore, response_messages,
+                                          responses_job)
+from minisgl.server.responses_output import ResponsesFormatter
 from minisgl.server.batches_api import Batches, install_batch_routes
 from minisgl.server.lora_admin import Adapters, install_adapter_routes
 from minisgl.server.state_admin import Weights, install_state_routes
@@ -246,11 +247,11 @@ async def _events(stream: RequestStream, fmt: Formatter, choices: List[Choice],
         chunk = buffered.pop(0) if buffered else await stream.get(deadline.timeout(True))
         if chunk is None:  # past the deadline: an error event ends it (the release aborts)
             stream.abort_reason = "timeout"
-            for line in _stream_error(fmt, deadline.error()):
+            for line in fmt.error_events(deadline.error()):
                 yield line
             return
         if chunk.error is not None:  # the service failed mid-stream: an error event ends it
-            for line in _stream_error(fmt, _chunk_error(chunk)):
+            for line in fmt.error_events(_chunk_error(chunk)):
                 yield line
             return
         i = stream.index[chunk.uid]
@@ -259,16 +260,6 @@ async def _events(stream: RequestStream, fmt: Formatter, choices: List[Choice],
             yield line
     for line in fmt.closing(choices):
         yield line
-
-
-def _stream_error(fmt: Formatter, e: ApiError) -> Iterator[str]:
-    """The lines that end a stream that failed after it began: the Messages API's `error`
-    event, elsewhere an OpenAI error body as a data line, then `[DONE]`."""
-    if isinstance(fmt, MessagesFormatter):
-        yield from fmt.error_events(e)
-        return
-    yield sse(e.body())
-    yield "data: [DONE]\n\n"
 
 
 # --- the app --------------------------------------------------------------------------------------
@@ -481,8 +472,11 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         body = parse_body(await json_body(request), ResponsesRequest)
         lora = check_model(body.model)
         messages = response_messages(body, stored)
-        job = with_lora(responses_job(body, messages, cfg.max_n, cfg.sampling_defaults), lora)
-        fmt = ResponsesFormatter(lora or cfg.model_name, job, body, messages, stored)
+        job = client_id(request, with_lora(responses_job(
+            body, messages, cfg.max_n, cfg.sampling_defaults, cfg.tool_call_parser,
+            cfg.reasoning_parser), lora))
+        fmt = ResponsesFormatter(lora or cfg.model_name, job, body, messages, stored,
+                                 cfg.reasoning_parser, cfg.tool_call_parser)
         return await run(request, fmt)
 
     @app.post(MESSAGES_PATH, openapi_extra=body_schema(MessagesRequest))

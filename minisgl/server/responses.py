@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from minisgl.message.types import ReplyChunk, TokenLogprobText
 from minisgl.server import generate_meta
-from minisgl.server.protocol import Job
+from minisgl.server.protocol import ApiError, Job
 from minisgl.server.reasoning import ReasoningSplitter, split_reasoning
 from minisgl.server.tool_calls import CallStreamer, call_dict, tool_call_format
 
@@ -26,6 +26,7 @@ class Choice:
     """What one choice (one uid) produced so far."""
 
     text: List[str] = field(default_factory=list)
+    text_tokens: List[int] = field(default_factory=list)  # the tokens of each piece of `text`
     token_ids: List[int] = field(default_factory=list)
     finish_reason: Optional[str] = None
     prompt_tokens: int = 0
@@ -48,9 +49,11 @@ class Choice:
             self.prompt_ids = list(chunk.prompt_ids)
         if chunk.prompt_text is not None:
             self.text.append(chunk.prompt_text)
+            self.text_tokens.append(0)
             self.logprobs.extend(chunk.prompt_logprobs)
             self.logprob_chars += sum(len(e.token) for e in chunk.prompt_logprobs)
         self.text.append(chunk.text)
+        self.text_tokens.append(len(chunk.token_ids))
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
         self.logprob_chars += sum(len(e.token) for e in chunk.logprobs)
@@ -185,6 +188,12 @@ class Formatter(ABC):
 
     @abstractmethod
     def closing(self, choices: List[Choice]) -> Iterator[str]: ...
+
+    def error_events(self, e: ApiError) -> Iterator[str]:
+        """The lines that end a stream that failed after it began: an OpenAI error body as a
+        data line, then `[DONE]` (the Messages and Responses APIs send their error event)."""
+        yield sse(e.body())
+        yield "data: [DONE]\n\n"
 
 
 class GenerateFormatter(Formatter):

@@ -1,42 +1,51 @@
-"""OpenAI's Responses API (`POST /v1/responses`) on top of the chat path: text in, text out.
+"""OpenAI's Responses API (`POST /v1/responses`), request side: a request becomes the chat
+request it is served as (server/responses_output.py builds the reply).
 
 A request's `instructions` (a system message), the conversation of its `previous_response_id`
-and its `input` (a string, or a list of messages with text content) become one chat prompt; the
-reply is a `response` object with one output message, or, streamed, the API's typed events
-(`response.created` ... `response.output_text.delta` ... `response.completed`). Finished
-conversations are kept in memory, the newest `ResponseStore.capacity` of them, so that a later
-request can continue one; `store: false` keeps none. `reasoning.effort` goes to the chat
-template as Chat Completions' `reasoning_effort` does; tools, structured text formats, other
-reasoning options (summaries) and background runs get a 400 naming the field.
+and its `input` (a string, or a list of items: messages with text content, `function_call`
+items and their `function_call_output`s; earlier `reasoning` items are dropped, as chat
+templates drop earlier thinking) become one chat prompt. Function `tools` (the API's flat
+shape), `tool_choice` and `parallel_tool_calls` go to the chat path's tools (calls read in the
+server's --tool-call-parser format and, where required or named, enforced); `text.format`
+(json_object, json_schema) to its structured output; `reasoning.effort` to the chat template
+as Chat Completions' `reasoning_effort` does. Finished conversations are kept in memory, the
+newest `ResponseStore.capacity` of them, so that a later request can continue one; `store:
+false` keeps none. Hosted tools (web search, file search, MCP ...), `include`, background runs,
+prompt templates and conversations get a 400 naming the field.
 """
 
 from __future__ import annotations
 
 import collections
 import json
-from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+import re
+from typing import Any, Callable, Dict, List, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from minisgl.message.types import ReplyChunk
 from minisgl.models.generation import SamplingDefaults
 from minisgl.server.protocol import ApiError, ChatRequest, Job, chat_job
-from minisgl.server.responses import Choice, Formatter
 
-Messages = List[Dict[str, str]]
-def _effort_only(reasoning: Any) -> bool:
-    """Whether a `reasoning` object sets nothing but `effort` (a string: the chat template's
-    reasoning_effort); reasoning summaries are not produced."""
-    return (isinstance(reasoning, dict) and set(reasoning) <= {"effort", "summary"}
-            and reasoning.get("summary") is None
-            and isinstance(reasoning.get("effort"), (str, type(None))))
+Messages = List[Dict[str, Any]]
+REASONING_SUMMARIES = (None, "auto", "concise", "detailed")
+
+
+def _reasoning(value: Any) -> Optional[str]:
+    """The chat template's reasoning_effort of a `reasoning` object (effort and summary; the
+    summary is accepted, as clients send "auto" by default, but none is written: reasoning
+    items carry the model's own thinking as content). ApiError 400 naming `reasoning`."""
+    if value is None:
+        return None
+    if (not isinstance(value, dict) or not set(value) <= {"effort", "summary"}
+            or value.get("summary") not in REASONING_SUMMARIES
+            or not isinstance(value.get("effort"), (str, type(None)))):
+        raise ApiError(400, f"reasoning: an object of `effort` (a string) and `summary` (one "
+                            f"of auto, concise, detailed), got {json.dumps(value):.120}",
+                       "reasoning")
+    return value.get("effort")
 
 
 _INERT: Dict[str, Callable[[Any], bool]] = {
-    "tools": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none", "auto"),
-    "text": lambda v: v is None or (v.get("format") or {"type": "text"}) == {"type": "text"},
-    "reasoning": lambda v: v is None or _effort_only(v),
     "background": lambda v: v in (None, False),
     "include": lambda v: not v,
     "prompt": lambda v: v is None,
@@ -59,6 +68,11 @@ class ResponsesRequest(BaseModel):
     store: bool = True
     previous_response_id: Optional[str] = None
     metadata: Optional[Dict[str, str]] = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    text: Any = None
+    reasoning: Any = None
 
 
 class ResponseStore:
@@ -81,18 +95,59 @@ class ResponseStore:
             self._items.popitem(last=False)
 
 
-def _item_text(i: int, item: Dict[str, Any]) -> Dict[str, str]:
-    role, content = item.get("role"), item.get("content")
-    if item.get("type", "message") != "message" or not isinstance(role, str):
-        raise ApiError(400, f"input.{i}: only messages (role and content) are supported",
-                       "input")
+# --- input items -> chat messages -----------------------------------------------------------------
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _text(where: str, content: Any) -> str:
+    """A string, or text parts joined (images and files are not served)."""
     if isinstance(content, str):
-        return {"role": role, "content": content}
+        return content
     if not isinstance(content, list) or any(
-            not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text")
+            not isinstance(p, dict) or p.get("type") not in _TEXT_PARTS
             or not isinstance(p.get("text"), str) for p in content):
-        raise ApiError(400, f"input.{i}.content: only text parts are supported", "input")
-    return {"role": role, "content": "".join(p["text"] for p in content)}
+        raise ApiError(400, f"{where}: only text parts (input_text, output_text) are supported",
+                       where)
+    return "".join(p["text"] for p in content)
+
+
+def _strings(where: str, item: Dict[str, Any], *keys: str) -> List[str]:
+    values = [item.get(k) for k in keys]
+    missing = [k for k, v in zip(keys, values) if not isinstance(v, str)]
+    if missing:
+        raise ApiError(400, f"{where}.{missing[0]}: a {item.get('type')} item needs "
+                            f"{', '.join(keys)} (strings)", f"{where}.{missing[0]}")
+    return values  # type: ignore[return-value]
+
+
+def _input_messages(items: List[Dict[str, Any]]) -> Messages:
+    """Input items as chat messages, in order: a `function_call` joins the assistant message
+    just before it (or starts one), its `function_call_output` is a tool message."""
+    out: Messages = []
+    for i, item in enumerate(items):
+        where, kind = f"input.{i}", item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if not isinstance(role, str):
+                raise ApiError(400, f"{where}.role: a message needs a role", f"{where}.role")
+            out.append({"role": role, "content": _text(f"{where}.content", item.get("content"))})
+        elif kind == "function_call":
+            call_id, name, args = _strings(where, item, "call_id", "name", "arguments")
+            call = {"id": call_id, "type": "function",
+                    "function": {"name": name, "arguments": args}}
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            (call_id,) = _strings(where, item, "call_id")
+            out.append({"role": "tool", "tool_call_id": call_id,
+                        "content": _text(f"{where}.output", item.get("output"))})
+        elif kind != "reasoning":
+            raise ApiError(400, f"{where}.type: {json.dumps(kind)} items are not supported "
+                                f"(supported: message, function_call, function_call_output, "
+                                f"reasoning)", f"{where}.type")
+    return out
 
 
 def response_messages(body: ResponsesRequest, store: ResponseStore) -> Messages:
@@ -105,113 +160,92 @@ def response_messages(body: ResponsesRequest, store: ResponseStore) -> Messages:
     if isinstance(body.input, str):
         messages.append({"role": "user", "content": body.input})
     else:
-        messages += [_item_text(i, item) for i, item in enumerate(body.input)]
+        messages += _input_messages(body.input)
     return messages
 
 
+# --- tools and text formats -> chat's ---------------------------------------------------------------
+def _tool(i: int, tool: Any) -> Dict[str, Any]:
+    """A function tool (the API's flat shape) as chat's; the chat path checks its fields."""
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if kind != "function":
+        raise ApiError(400, f"tools.{i}.type: {json.dumps(kind)} tools are not served; only "
+                            f"function tools (name, description, parameters, strict)",
+                       f"tools.{i}.type")
+    fn = {k: tool.get(k) for k in ("name", "description", "parameters", "strict")}
+    return {"type": "function", "function": fn}
+
+
+def _tool_choice(choice: Any) -> Any:
+    """`tool_choice` as chat's: the same strings; {"type": "function", "name": ...} named."""
+    if choice is None or isinstance(choice, str):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    raise ApiError(400, f"tool_choice: none, auto, required or {{\"type\": \"function\", "
+                        f"\"name\": ...}}, got type {json.dumps(kind)}", "tool_choice")
+
+
+def _response_format(text: Any) -> Optional[Dict[str, Any]]:
+    """`text.format` as chat's response_format (None: plain text)."""
+    if text is None:
+        return None
+    if not isinstance(text, dict) or not set(text) <= {"format"}:
+        extra = sorted(set(text) - {"format"}) if isinstance(text, dict) else []
+        param = f"text.{extra[0]}" if extra else "text"
+        raise ApiError(400, f"{param}: only text.format is supported", param)
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise ApiError(400, "text.format: must be an object with a type", "text.format")
+    if fmt.get("type") != "json_schema":
+        return fmt  # text, json_object, or a type chat's check names
+    schema = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
+    return {"type": "json_schema", "json_schema": schema}
+
+
+_CHAT_TOOL_FIELD = re.compile(r"tools\[(\d+)\]\.function\.")
+
+
+def _responses_names(text: str) -> str:
+    """A chat path's field names in an error, as this API names them."""
+    text = _CHAT_TOOL_FIELD.sub(lambda m: f"tools.{m.group(1)}.", text)
+    for chat, ours in (("max_tokens", "max_output_tokens"), ("response_format", "text.format"),
+                       ("reasoning_effort", "reasoning")):
+        text = text.replace(chat, ours)
+    return text
+
+
 def responses_job(body: ResponsesRequest, messages: Messages, max_n: int,
-                  defaults: SamplingDefaults = SamplingDefaults()) -> Job:
+                  defaults: SamplingDefaults = SamplingDefaults(),
+                  tool_parser: Optional[str] = None,
+                  reasoning_parser: Optional[str] = None) -> Job:
+    """The request's job: the chat request it is served as, with the server's tool-call
+    parser, sampling defaults and reasoning parser. ApiError 400 naming the field (this
+    API's name for it)."""
     for name, value in (body.model_extra or {}).items():
         inert = _INERT.get(name)
         if inert is not None and not inert(value):
             raise ApiError(400, f"{name} is not supported by this server", name)
-    reasoning = (body.model_extra or {}).get("reasoning") or {}
+    tools = body.tools
+    if tools is not None and not isinstance(tools, list):
+        raise ApiError(400, "tools: must be a list of tools", "tools")
     fields = {"messages": messages, "max_tokens": body.max_output_tokens,
               "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream,
-              "reasoning_effort": reasoning.get("effort")}
+              "reasoning_effort": _reasoning(body.reasoning),
+              "tools": [_tool(i, t) for i, t in enumerate(tools)] if tools else None,
+              "tool_choice": _tool_choice(body.tool_choice),
+              "parallel_tool_calls": body.parallel_tool_calls,
+              "response_format": _response_format(body.text)}
     try:
         chat = ChatRequest.model_validate(fields)
     except ValidationError as e:
         raise ApiError(400, f"input: {e.errors()[0]['msg']}", "input") from None
     try:
-        return chat_job(chat, max_n, defaults=defaults)
+        return chat_job(chat, max_n, tool_parser, defaults, reasoning_parser)
     except ApiError as e:
-        param = {"max_tokens": "max_output_tokens", "messages": "input",
-                 "reasoning_effort": "reasoning"}.get(e.param or "", e.param)
-        raise ApiError(e.status, e.message.replace("max_tokens", "max_output_tokens"),
-                       param) from None
-
-
-def _event(kind: str, seq: int, **fields: Any) -> str:
-    body = {"type": kind, "sequence_number": seq, **fields}
-    return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-
-class ResponsesFormatter(Formatter):
-    """The `response` object, and the streamed events around the text deltas. The finished
-    conversation goes to `store` under the response id (unless `body.store` is false)."""
-
-    id_prefix = "resp"
-    prompt_param = "input"
-
-    def __init__(self, model: str, job: Job, body: ResponsesRequest, messages: Messages,
-                 store: ResponseStore) -> None:
-        super().__init__(model, job)
-        self.body, self.messages, self.store = body, messages, store
-        self.item_id = "msg-" + self.id.split("-", 1)[1]
-        self.seq = 0
-
-    def _message(self, text: str, status: str) -> Dict[str, Any]:
-        content = [] if status == "in_progress" and not text else [
-            {"type": "output_text", "text": text, "annotations": []}]
-        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant",
-                "content": content}
-
-    def _response(self, choice: Optional[Choice]) -> Dict[str, Any]:
-        body = self.body
-        out: Dict[str, Any] = {
-            "id": self.id, "object": "response", "created_at": self.created, "model": self.model,
-            "status": "in_progress", "output": [], "error": None, "incomplete_details": None,
-            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "previous_response_id": body.previous_response_id,
-            "temperature": self.job.params.temperature, "top_p": self.job.params.top_p,
-            "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
-            "text": {"format": {"type": "text"}}, "metadata": body.metadata or {},
-            "store": body.store, "usage": None}
-        if choice is None:
-            return out
-        text = "".join(choice.text)
-        incomplete = choice.finish_reason == "length"
-        out.update(status="incomplete" if incomplete else "completed",
-                   output=[self._message(text, "incomplete" if incomplete else "completed")],
-                   incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
-                   usage={"input_tokens": choice.prompt_tokens,
-                          "input_tokens_details": {"cached_tokens": choice.cached_tokens},
-                          "output_tokens": choice.completion_tokens,
-                          "output_tokens_details": {"reasoning_tokens": 0},
-                          "total_tokens": choice.prompt_tokens + choice.completion_tokens})
-        if self.body.store:
-            self.store.put(self.id, [*self.messages, {"role": "assistant", "content": text}])
-        return out
-
-    def full(self, choices: List[Choice]) -> Dict[str, Any]:
-        return self._response(choices[0])
-
-    def _next(self, kind: str, **fields: Any) -> str:
-        self.seq += 1
-        return _event(kind, self.seq - 1, **fields)
-
-    def opening(self, index: int, choice: Choice) -> Iterator[str]:
-        yield self._next("response.created", response=self._response(None))
-        yield self._next("response.in_progress", response=self._response(None))
-        yield self._next("response.output_item.added", output_index=0,
-                         item=self._message("", "in_progress"))
-        yield self._next("response.content_part.added", item_id=self.item_id, output_index=0,
-                         content_index=0,
-                         part={"type": "output_text", "text": "", "annotations": []})
-
-    def delta(self, index: int, chunk: ReplyChunk, choice: Choice) -> Iterator[str]:
-        if chunk.text:
-            yield self._next("response.output_text.delta", item_id=self.item_id,
-                             output_index=0, content_index=0, delta=chunk.text, logprobs=[])
-
-    def closing(self, choices: List[Choice]) -> Iterator[str]:
-        final = self._response(choices[0])
-        text = "".join(choices[0].text)
-        yield self._next("response.output_text.done", item_id=self.item_id, output_index=0,
-                         content_index=0, text=text, logprobs=[])
-        yield self._next("response.content_part.done", item_id=self.item_id, output_index=0,
-                         content_index=0, part=final["output"][0]["content"][0])
-        yield self._next("response.output_item.done", output_index=0, item=final["output"][0])
-        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
-        yield self._next(kind, response=final)
+        param = "input" if (e.param or "").startswith("messages") else e.param
+        raise ApiError(e.status, _responses_names(e.message),
+                       _responses_names(param) if param else None) from None

@@ -1,0 +1,252 @@
+"""OpenAI's Responses API, reply side: the `response` object, or its stream of typed events.
+
+Chat's formatter reads the output (the reasoning split off by the --reasoning-parser, tool
+calls parsed in the --tool-call-parser format: responses.ChatFormatter) and `_Items` turns
+what it reads into output items, in the order they came: a `reasoning` item (the model's
+thinking as `reasoning_text` content; no summary is written), a `message` with `output_text`,
+and a `function_call` item a call. Streamed, each item is announced
+(`response.output_item.added`), filled (`response.reasoning_text.delta`,
+`response.output_text.delta`, `response.function_call_arguments.delta`) and closed (`.done`
+events, `response.output_item.done`) before the next begins; a plain reply is what the stream
+would have built, chunk by chunk as the output came, so the two always agree.
+
+Usage counts the reasoning's tokens a chunk at a time (`ResponsesFormatter._feed`);
+`cache_write_tokens` is 0: OpenAI's count of prompt tokens written to its retained, billed
+cache has no counterpart here (the prefix cache keeps computed prompts while it has room).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Dict, Iterator, List, Optional
+
+from minisgl.message.types import ReplyChunk
+from minisgl.server.protocol import ApiError, Job
+from minisgl.server.responses import ChatFormatter, Choice
+from minisgl.server.responses_api import Messages, ResponsesRequest, ResponseStore
+
+_PARTS = {"reasoning": "reasoning_text", "message": "output_text"}
+_DELTA = {"reasoning": "response.reasoning_text.delta", "message": "response.output_text.delta"}
+_DONE = {"reasoning": "response.reasoning_text.done", "message": "response.output_text.done"}
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class _Items:
+    """The output items of one response, built from chat's streamed deltas (reasoning, content,
+    tool-call pieces) as Responses events (dicts without their sequence numbers): one item
+    open at a time, closed when another begins or the output ends. `items` holds every item
+    so far, its text as far as it came."""
+
+    def __init__(self) -> None:
+        self.items: List[Dict[str, Any]] = []
+        self.open = False  # whether the last item is still being written
+
+    @property
+    def _last(self) -> Dict[str, Any]:
+        return self.items[-1]
+
+    def _refs(self) -> Dict[str, Any]:
+        return {"item_id": self._last["id"], "output_index": len(self.items) - 1}
+
+    def _start(self, item: Dict[str, Any]) -> List[Dict[str, Any]]:
+        events = self.close("completed")
+        self.items.append(item)
+        self.open = True
+        events.append({"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                       "item": json.loads(json.dumps(item))})
+        if item["type"] in _PARTS:
+            events.append({"type": "response.content_part.added", **self._refs(),
+                           "content_index": 0, "part": self._part("")})
+        return events
+
+    def _part(self, text: str) -> Dict[str, Any]:
+        kind = _PARTS[self._last["type"]]
+        return ({"type": kind, "text": text, "annotations": []} if kind == "output_text"
+                else {"type": kind, "text": text})
+
+    def _new_text_item(self, kind: str) -> List[Dict[str, Any]]:
+        """Start a reasoning or message item with one empty content part."""
+        item: Dict[str, Any]
+        if kind == "reasoning":
+            item = {"type": "reasoning", "id": _item_id("rs"), "summary": [], "content": [],
+                    "encrypted_content": None, "status": "in_progress"}
+        else:
+            item = {"type": "message", "id": _item_id("msg"), "status": "in_progress",
+                    "role": "assistant", "content": []}
+        events = self._start(item)
+        item["content"].append(self._part(""))
+        return events
+
+    def _text(self, kind: str, piece: str) -> List[Dict[str, Any]]:
+        """`piece` appended to the open item of `kind` (one is started if not)."""
+        events: List[Dict[str, Any]] = []
+        if not (self.open and self._last["type"] == kind):
+            events = self._new_text_item(kind)
+        self._last["content"][0]["text"] += piece
+        extra: Dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+        events.append({"type": _DELTA[kind], **self._refs(), "content_index": 0,
+                       "delta": piece, **extra})
+        return events
+
+    def _arguments(self, piece: str) -> List[Dict[str, Any]]:
+        if not piece or not (self.open and self._last["type"] == "function_call"):
+            return []
+        self._last["arguments"] += piece
+        return [{"type": "response.function_call_arguments.delta", **self._refs(),
+                 "delta": piece}]
+
+    def feed(self, delta: Dict[str, Any]) -> List[Dict[str, Any]]:
+        """The events of one chat delta: its reasoning, then the arguments of the call under
+        way, then its content, then the calls it begins."""
+        events: List[Dict[str, Any]] = []
+        if delta.get("reasoning_content"):
+            events += self._text("reasoning", delta["reasoning_content"])
+        calls = delta.get("tool_calls") or []
+        for call in [c for c in calls if "id" not in c]:
+            events += self._arguments(call["function"].get("arguments") or "")
+        if delta.get("content"):
+            events += self._text("message", delta["content"])
+        for call in [c for c in calls if "id" in c]:
+            events += self._start({"type": "function_call", "id": _item_id("fc"),
+                                   "call_id": call["id"], "name": call["function"]["name"],
+                                   "arguments": "", "status": "in_progress"})
+            events += self._arguments(call["function"].get("arguments") or "")
+        return events
+
+    def close(self, status: str) -> List[Dict[str, Any]]:
+        """The events that close the open item, with `status` (completed, or incomplete where
+        the output was cut off)."""
+        if not self.open:
+            return []
+        self.open = False
+        item, refs = self._last, self._refs()
+        item["status"] = status
+        events: List[Dict[str, Any]] = []
+        if item["type"] in _PARTS:
+            part = item["content"][0]
+            extra: Dict[str, Any] = {"logprobs": []} if item["type"] == "message" else {}
+            events += [{"type": _DONE[item["type"]], **refs, "content_index": 0,
+                        "text": part["text"], **extra},
+                       {"type": "response.content_part.done", **refs, "content_index": 0,
+                        "part": dict(part)}]
+        else:
+            events.append({"type": "response.function_call_arguments.done", **refs,
+                           "name": item["name"], "arguments": item["arguments"]})
+        events.append({"type": "response.output_item.done", "output_index": refs["output_index"],
+                       "item": json.loads(json.dumps(item))})
+        return events
+
+    def finish(self, status: str) -> List[Dict[str, Any]]:
+        """Close the output; an output with no item gets an empty message (as OpenAI's)."""
+        events = [] if self.items else self._new_text_item("message")
+        return events + self.close(status)
+
+    def conversation_turn(self) -> Dict[str, Any]:
+        """The assistant message these items are in a chat conversation (what a later request
+        continuing this response sees; thinking is left out, as chat templates leave it)."""
+        text = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "message")
+        calls = [{"id": i["call_id"], "type": "function",
+                  "function": {"name": i["name"], "arguments": i["arguments"]}}
+                 for i in self.items if i["type"] == "function_call"]
+        return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+
+
+class ResponsesFormatter(ChatFormatter):
+    """The `response` object, or its stream of events (see the module's doc). The finished
+    conversation goes to `store` under the response id (unless `body.store` is false)."""
+
+    id_prefix = "resp"
+    prompt_param = "input"
+
+    def __init__(self, model: str, job: Job, body: ResponsesRequest, messages: Messages,
+                 store: ResponseStore, reasoning_parser: Optional[str] = None,
+                 tool_parser: Optional[str] = None) -> None:
+        super().__init__(model, job, reasoning_parser, tool_parser)
+        self.body, self.messages, self.store = body, messages, store
+        self.items = _Items()
+        self.seq = 0
+        self.thinking = False  # whether the output is inside its reasoning
+        self.reasoning_tokens = 0
+
+    def _feed(self, text: str, reason: Optional[str], tokens: int) -> List[Dict[str, Any]]:
+        """The events of one piece of output of `tokens` tokens. Its tokens count as
+        reasoning from the first reasoning text until content or a call begins (so counted a
+        chunk at a time: a chunk that holds the end of the thinking and the start of the
+        answer counts as answer)."""
+        delta = self._chunk_item(0, text, reason)["delta"]
+        self.thinking = (bool(delta.get("reasoning_content")) or self.thinking) and not (
+            delta.get("content") or delta.get("tool_calls"))
+        self.reasoning_tokens += tokens if self.thinking else 0
+        return self.items.feed(delta)
+
+    def _response(self, choice: Optional[Choice]) -> Dict[str, Any]:
+        """The response object: in progress (no choice yet), or final."""
+        body = self.body
+        reasoning = body.reasoning or {}
+        out: Dict[str, Any] = {
+            "id": self.id, "object": "response", "created_at": self.created, "model": self.model,
+            "status": "in_progress", "output": [], "error": None, "incomplete_details": None,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "previous_response_id": body.previous_response_id,
+            "temperature": self.job.params.temperature, "top_p": self.job.params.top_p,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
+            "tools": body.tools or [],
+            "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
+            "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
+            "metadata": body.metadata or {}, "store": body.store, "usage": None}
+        if choice is None:
+            return out
+        incomplete = choice.finish_reason == "length"
+        out.update(status="incomplete" if incomplete else "completed",
+                   output=json.loads(json.dumps(self.items.items)),
+                   incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
+                   usage={"input_tokens": choice.prompt_tokens,
+                          "input_tokens_details": {"cached_tokens": choice.cached_tokens,
+                                                   "cache_write_tokens": 0},
+                          "output_tokens": choice.completion_tokens,
+                          "output_tokens_details": {
+                              "reasoning_tokens": self.reasoning_tokens},
+                          "total_tokens": choice.prompt_tokens + choice.completion_tokens})
+        if self.body.store:
+            self.store.put(self.id, [*self.messages, self.items.conversation_turn()])
+        return out
+
+    def _end(self, choice: Choice) -> List[Dict[str, Any]]:
+        status = "incomplete" if choice.finish_reason == "length" else "completed"
+        events = self.items.finish(status)
+        final = self._response(choice)
+        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+        return [*events, {"type": kind, "response": final}]
+
+    def full(self, choices: List[Choice]) -> Dict[str, Any]:
+        choice = choices[0]
+        texts, tokens = choice.text or [""], choice.text_tokens or [0]
+        for k, (text, n) in enumerate(zip(texts, tokens)):
+            self._feed(text, choice.finish_reason if k == len(texts) - 1 else None, n)
+        return self._end(choice)[-1]["response"]
+
+    def _lines(self, events: List[Dict[str, Any]]) -> Iterator[str]:
+        for event in events:
+            event = {**event, "sequence_number": self.seq}
+            self.seq += 1
+            yield f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+    def opening(self, index: int, choice: Choice) -> Iterator[str]:
+        return self._lines([{"type": "response.created", "response": self._response(None)},
+                            {"type": "response.in_progress", "response": self._response(None)}])
+
+    def delta(self, index: int, chunk: ReplyChunk, choice: Choice) -> Iterator[str]:
+        return self._lines(self._feed(chunk.text, chunk.finish_reason, len(chunk.token_ids)))
+
+    def closing(self, choices: List[Choice]) -> Iterator[str]:
+        return self._lines(self._end(choices[0]))
+
+    def error_events(self, e: ApiError) -> Iterator[str]:
+        """What ends a stream that fails after it began: an `error` event."""
+        return self._lines([{"type": "error", "code": e.code, "message": e.message,
+                             "param": e.param}])

@@ -1,0 +1,217 @@
+"""OpenAI's Responses API in process: input items (messages, function calls and their outputs,
+reasoning) as chat messages; flat function tools, tool_choice and text.format as chat's; the
+reply's output items (reasoning, message, function_call) plain and streamed, every event and
+the response checked against the `openai` SDK's own types, the stream folding into the plain
+response; the stored conversation a later request continues; 400s naming this API's fields.
+(The served endpoint, end to end: tests/test_openai_conformance.py.)"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Tuple
+
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from formatter_helpers import chunks_of, plain_and_streamed
+
+from minisgl.server.protocol import ApiError
+from minisgl.server.responses_api import (ResponsesRequest, ResponseStore, response_messages,
+                                          responses_job)
+from minisgl.server.responses_output import ResponsesFormatter
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"], "additionalProperties": False},
+           "strict": True}
+EVENTS = TypeAdapter(ResponseStreamEvent)
+
+
+def _request(**body: Any) -> ResponsesRequest:
+    return ResponsesRequest.model_validate({"model": "m", "input": "hi", **body})
+
+
+def _error(fn: Any, *args: Any) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        fn(*args)
+    assert e.value.status == 400
+    return e.value
+
+
+def test_input_items_become_the_chat_conversation() -> None:
+    """Messages keep their roles (text parts joined); a function_call joins the assistant
+    message before it, its output is a tool message; earlier reasoning items are dropped;
+    instructions come first."""
+    items = [{"type": "message", "role": "user", "content": [
+                 {"type": "input_text", "text": "Weather in "}, {"type": "input_text",
+                                                                  "text": "Paris?"}]},
+             {"type": "reasoning", "id": "rs_1", "summary": []},
+             {"type": "message", "role": "assistant", "content": [
+                 {"type": "output_text", "text": "Checking."}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+              "arguments": '{"city": "Paris"}'},
+             {"type": "function_call", "call_id": "call_2", "name": "get_weather",
+              "arguments": '{"city": "Lyon"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+             {"role": "developer", "content": "Be brief."}]
+    got = response_messages(_request(input=items, instructions="You help."), ResponseStore())
+    calls = [{"id": f"call_{k}", "type": "function",
+              "function": {"name": "get_weather", "arguments": f'{{"city": "{city}"}}'}}
+             for k, city in ((1, "Paris"), (2, "Lyon"))]
+    assert got == [{"role": "system", "content": "You help."},
+                   {"role": "user", "content": "Weather in Paris?"},
+                   {"role": "assistant", "content": "Checking.", "tool_calls": calls},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+                   {"role": "developer", "content": "Be brief."}]
+    # a call with no assistant message before it starts one
+    only = response_messages(_request(input=[items[3]]), ResponseStore())
+    assert only == [{"role": "assistant", "content": "", "tool_calls": calls[:1]}]
+    for bad, param in (([{"type": "web_search_call"}], "input.0.type"),
+                       ([{"type": "function_call", "name": "f", "arguments": "{}"}],
+                        "input.0.call_id"),
+                       ([{"type": "function_call_output", "call_id": "c", "output": [
+                           {"type": "input_image", "image_url": "x"}]}], "input.0.output"),
+                       ([{"type": "message", "content": "x"}], "input.0.role")):
+        assert _error(response_messages, _request(input=bad), ResponseStore()).param == param
+
+
+def test_tools_tool_choice_and_text_format_reach_the_chat_path() -> None:
+    """Flat function tools are chat's tools (a named tool_choice constrains the output to that
+    call); text.format json_schema / json_object is chat's structured output; reasoning
+    summaries are accepted (none is written); the rest is a 400 naming this API's field."""
+    messages = [{"role": "user", "content": "hi"}]
+
+    def job(**body: Any) -> Any:
+        return responses_job(_request(**body), messages, 4)
+
+    j = job(tools=[WEATHER])
+    assert j.tools is not None and j.tools.parsed and j.params.structured is None
+    forced = job(tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"})
+    assert forced.params.structured is not None and forced.structured_param == "tools"
+    assert job(tools=[WEATHER], tool_choice="none").tools is not None
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    s = job(text={"format": {"type": "json_schema", "name": "a", "schema": schema,
+                             "strict": True}})
+    assert s.params.structured is not None and json.loads(s.params.structured.spec) == schema
+    assert job(text={"format": {"type": "json_object"}}).params.structured is not None
+    assert job(text={"format": {"type": "text"}}).params.structured is None
+    assert job(reasoning={"effort": "low", "summary": "auto"}).prompts[0].template.kwargs[
+        "reasoning_effort"] == "low"
+    cases = [({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+             ({"tools": [{**WEATHER, "name": "bad name"}]}, "tools.0.name"),
+             ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
+              "tool_choice"),
+             ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
+             ({"text": {"format": {"type": "grammar"}}}, "text.format"),
+             ({"text": {"verbosity": "low"}}, "text.verbosity"),
+             ({"reasoning": {"summary": "long"}}, "reasoning"),
+             ({"include": ["reasoning.encrypted_content"]}, "include"),
+             ({"max_output_tokens": 0}, "max_output_tokens")]
+    for body, param in cases:
+        with pytest.raises(ApiError) as e:
+            job(**body)
+        assert e.value.status == 400 and e.value.param == param, (body, e.value.message)
+
+
+def _formatted(chunks: List[str], reasoning: Any = None, finish: str = "stop", **body: Any
+               ) -> Tuple[Dict[str, Any], List[Dict[str, Any]], ResponseStore]:
+    """The plain response and the stream's events of one output given as `chunks` (text
+    pieces, the last ending it), formatted in process."""
+    request = _request(**body)
+    store = ResponseStore()
+    messages = response_messages(request, store)
+
+    def formatter() -> ResponsesFormatter:
+        return ResponsesFormatter("m", responses_job(request, messages, 1), request, messages,
+                                  store, reasoning, "hermes")
+    response, lines = plain_and_streamed(formatter, chunks_of(chunks, finish))
+    events = []
+    for line in lines:
+        name, data = line.strip().split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {event['type']}"
+        EVENTS.validate_python(event)  # the SDK's own event types
+        events.append(event)
+    Response.model_validate(response)
+    return response, events, store
+
+
+def _fold(events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The output a client assembles from the events (added items, their deltas)."""
+    output: List[Dict[str, Any]] = []
+    for e in events:
+        if e["type"] == "response.output_item.added":
+            output.append(json.loads(json.dumps(e["item"])))
+        elif e["type"] == "response.content_part.added":
+            output[e["output_index"]]["content"].append(dict(e["part"]))
+        elif e["type"] in ("response.output_text.delta", "response.reasoning_text.delta"):
+            output[e["output_index"]]["content"][e["content_index"]]["text"] += e["delta"]
+        elif e["type"] == "response.function_call_arguments.delta":
+            output[e["output_index"]]["arguments"] += e["delta"]
+        elif e["type"] == "response.output_item.done":
+            assert {**output[e["output_index"]], "status": e["item"]["status"]} == e["item"]
+            output[e["output_index"]] = e["item"]
+    return output
+
+
+def test_reasoning_text_and_calls_are_output_items_streamed_as_the_plain_response() -> None:
+    """With a reasoning parser and tools: a reasoning item (the thinking as reasoning_text), a
+    message, then a function_call per call, each opened, filled and closed in turn; sequence
+    numbers count from 0; the stream folds into the plain response's output; the stored turn
+    carries the calls, so that a function_call_output continues the conversation."""
+    chunks = ["<think>", "Paris, ", "surely.</think>", "Let me", " check.\n<tool_call>\n",
+              '{"name": "get_weather", "arguments": ', '{"city": "Paris"}}\n</tool_call>', ""]
+    response, events, store = _formatted(chunks, "qwen3", tools=[WEATHER])
+    output = response["output"]
+    assert [i["type"] for i in output] == ["reasoning", "message", "function_call"]
+    assert output[0]["content"] == [{"type": "reasoning_text", "text": "Paris, surely."}]
+    assert output[1]["content"][0]["text"].strip() == "Let me check."
+    call = output[2]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris"}
+    assert call["call_id"].startswith("call") and call["status"] == "completed"
+    usage = response["usage"]
+    assert response["status"] == "completed" and usage["output_tokens"] == len(chunks)
+    # "Paris, " and "surely.</think>" (a chunk, not the "<think>" before any reasoning text)
+    assert usage["output_tokens_details"]["reasoning_tokens"] == 2
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.completed"
+    strip = lambda items: [{k: v for k, v in i.items() if k not in ("id", "call_id")}  # noqa
+                           for i in items]
+    assert strip(_fold(events)) == strip(output)
+    assert strip(events[-1]["response"]["output"]) == strip(output)
+
+    turn = store.get(response["id"])[-1]
+    assert turn["role"] == "assistant" and turn["content"].strip() == "Let me check."
+    assert turn["tool_calls"][0]["id"] == call["call_id"]
+    follow = _request(previous_response_id=response["id"], input=[
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}])
+    messages = response_messages(follow, store)
+    assert messages[-2:] == [turn, {"role": "tool", "tool_call_id": call["call_id"],
+                                    "content": "sunny"}]
+
+
+def test_plain_text_empty_and_cut_off_outputs() -> None:
+    """Without a parser the text is one message; an empty output is one empty message; an
+    output cut off by max_output_tokens is incomplete, its message too."""
+    response, events, _ = _formatted(["Hello", " world", ""])
+    assert [i["type"] for i in response["output"]] == ["message"]
+    assert response["output"][0]["content"][0]["text"] == "Hello world"
+    response, events, _ = _formatted([""])
+    assert response["output"][0]["content"] == [
+        {"type": "output_text", "text": "", "annotations": []}]
+    assert [e["type"] for e in events].count("response.output_item.added") == 1
+    response, events, _ = _formatted(["Hel", "lo"], finish="length")
+    assert response["status"] == "incomplete" and response["output"][0]["status"] == "incomplete"
+    assert response["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert events[-1]["type"] == "response.incomplete"
+
+
+def test_a_failed_stream_ends_with_an_error_event() -> None:
+    request = _request()
+    fmt = ResponsesFormatter("m", responses_job(request, [{"role": "user", "content": "hi"}],
+                                                1), request, [], ResponseStore())
+    lines = list(fmt.error_events(ApiError(503, "down")))
+    event = json.loads(lines[0].split("\n")[1].removeprefix("data: "))
+    EVENTS.validate_python(event)
+    assert event["type"] == "error" and event["message"] == "down"
