@@ -30,6 +30,7 @@ BODY_TIMEOUT_S = 1.0
 MAX_PROMPT_CHARS = 8192 * 81
 SHORT = [{"role": "user", "content": "Hi"}]
 APP_ORIGIN = "https://app.example"  # --allowed-origins
+ROOT = "/minisgl"  # --root-path: requests come as a proxy forwards them, without it
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) ->
                         "--max-queued-tokens", str(MAX_QUEUED_TOKENS),
                         "--max-request-bytes", str(MAX_BYTES),
                         "--body-timeout", str(BODY_TIMEOUT_S), "--api-key", KEY,
-                        "--allowed-origins", APP_ORIGIN,
+                        "--allowed-origins", APP_ORIGIN, "--root-path", ROOT,
                         "--stats-interval", "0.2"], tmp_path_factory.mktemp("limits"))
     yield srv
     srv.stop()
@@ -416,3 +417,27 @@ def test_a_prompt_to_truncate_may_be_longer_than_any_context(server: Server) -> 
                                           "truncate_prompt_tokens": 16})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == 16
+
+
+def test_root_path_behind_a_proxy(server: Server) -> None:
+    """--root-path: requests as the proxy forwards them (its prefix removed) are served, their
+    paths tested as routes (the open /health, the Messages API's x-api-key and its error
+    shape); the OpenAPI document's servers and the chat page's requests name the prefix."""
+    assert httpx.get(f"{server.url}/openapi.json", headers=AUTH).json()["servers"] == [
+        {"url": ROOT}]
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # no key needed
+    assert f'const ROOT = "{ROOT}";' in httpx.get(f"{server.url}/", headers=AUTH).text
+    ask = {"model": MODEL, "max_tokens": 2, "messages": SHORT}
+    ok = httpx.post(f"{server.url}/v1/messages", json=ask, headers={"x-api-key": KEY},
+                    timeout=120)
+    assert ok.status_code == 200 and ok.json()["type"] == "message"
+    bad = httpx.post(f"{server.url}/v1/messages", json=ask, headers={"x-api-key": "no"},
+                     timeout=120)
+    assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(ValueError, match="root_path must be a path"):
+        from minisgl.server.args import parse_args
+        parse_args(["--root-path", "minisgl/"])
+    from minisgl.server.error_shapes import route_path
+    assert route_path({"path": "/minisgl/v1/models", "root_path": ROOT}) == "/v1/models"
+    assert route_path({"path": "/minisglx/v1", "root_path": ROOT}) == "/minisglx/v1"
+    assert route_path({"path": "/health"}) == "/health"

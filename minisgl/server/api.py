@@ -45,7 +45,7 @@ from minisgl.server.admission import Deadline, overloaded
 from minisgl.server.anthropic_api import (CountTokensRequest, MessagesFormatter, MessagesRequest,
                                           count_tokens_prompt, messages_job)
 from minisgl.server.auth import AccessCheck
-from minisgl.server.error_shapes import COUNT_TOKENS_PATH, MESSAGES_PATH, error_body
+from minisgl.server.error_shapes import COUNT_TOKENS_PATH, MESSAGES_PATH, error_body, route_path
 from minisgl.server.limits import BodyLimits
 from minisgl.server.request_log import REQUEST_ID_HEADER, RequestLog
 from minisgl.server.health import HealthFile
@@ -114,6 +114,7 @@ class ApiConfig:
     api_key: Optional[str] = field(default=None, repr=False)
     loopback_only: bool = False  # listening on loopback: Host headers must name it
     allowed_origins: Tuple[str, ...] = ()  # CORS: web origins whose pages may call (cors.py)
+    root_path: str = ""  # a reverse proxy's prefix, removed before it forwards (uvicorn's)
     max_queued_requests: Optional[int] = None  # admission.py
     request_timeout: Optional[float] = None  # seconds, admission.Deadline
     max_request_bytes: int = 32 << 20  # limits.py
@@ -266,7 +267,7 @@ async def _events(stream: RequestStream, fmt: Formatter, choices: List[Choice],
 def _error_response(e: ApiError, request: Request) -> JSONResponse:
     """The error's response, in the shape the request's path speaks (error_shapes.error_body:
     Anthropic's on the Messages API, OpenAI's elsewhere)."""
-    return JSONResponse(error_body(e, request.url.path), status_code=e.status,
+    return JSONResponse(error_body(e, route_path(request.scope)), status_code=e.status,
                         headers=e.headers or None)
 
 
@@ -576,8 +577,10 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
 
     @app.get("/")
     async def page() -> Response:
-        """The web chat page (one static file; it talks to /v1/chat/completions)."""
-        return HTMLResponse(chat_page)
+        """The web chat page (one static file; it talks to /v1/chat/completions, under the
+        proxy's prefix where there is one: --root-path, checked to be a plain path)."""
+        return HTMLResponse(chat_page.replace('const ROOT = "";',
+                                              f'const ROOT = "{cfg.root_path}";'))
 
     # HEAD: probes that read no body; /ping: vLLM's (SageMaker's) name for it
     @app.api_route("/health", methods=["GET", "HEAD"])
@@ -653,7 +656,7 @@ def serve_forever(cfg: ApiConfig, sock: Any, is_healthy: Callable[[], bool],
     config = uvicorn.Config(app, log_config=None, access_log=False,
                             lifespan="on", log_level=log_level.lower(),
                             timeout_graceful_shutdown=1, ssl_keyfile=keyfile,
-                            ssl_certfile=certfile)
+                            ssl_certfile=certfile, root_path=cfg.root_path)
     server = _Server(config)
 
     async def main() -> None:

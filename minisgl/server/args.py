@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -114,6 +115,11 @@ class ServerConfig:
         None, "CORS: the web origins (https://app.example, comma-separated, or vLLM's JSON "
               "list; * for any, which needs api_key) whose pages may call the API from a "
               "browser; unset: none (a browser's cross-origin requests are not answered)")
+    root_path: Optional[str] = setting(
+        None, "the path prefix (/minisgl) under which a reverse proxy serves the API, removing "
+              "it before it forwards: the OpenAPI document's `servers` and the web chat page's "
+              "requests name it (FastAPI's root_path; vLLM's --root-path); the routes stay "
+              "where they are")
     ssl_keyfile: Optional[str] = setting(
         None, "HTTPS: the private key (PEM) of ssl_certfile's certificate; the port then "
               "speaks TLS only (vLLM's and SGLang's)")
@@ -174,6 +180,10 @@ class ServerConfig:
             raise ValueError(f"served_model_name must be names separated by commas, got "
                              f"{self.served_model_name!r}")
         check_tls(self.ssl_keyfile, self.ssl_certfile)
+        if self.root_path is not None and not re.fullmatch(r"(/[\w.~%-]+)+", self.root_path):
+            raise ValueError(f"root_path must be a path of letters, digits and . ~ % - _ that "
+                             f"starts with / and does not end with one (/minisgl), got "
+                             f"{self.root_path!r}")
         if "*" in self.origins and self.resolved_api_key is None:
             raise ValueError("allowed_origins * lets any web page use this server from its "
                              "visitors' browsers: it needs api_key")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hmac
 from typing import List, Optional
 
-from minisgl.server.error_shapes import ANTHROPIC_PATHS
+from minisgl.server.error_shapes import ANTHROPIC_PATHS, route_path
 from minisgl.server.hosts import host_name, is_loopback
 from minisgl.server.limits import App, Receive, Scope, Send, header, send_error
 from minisgl.server.protocol import ApiError
@@ -56,7 +56,7 @@ def given_keys(scope: Scope) -> List[str]:
     """The keys a request presents: its Bearer token and, on the Messages API's paths, its
     `x-api-key` header."""
     keys = [bearer(header(scope, b"authorization"))]
-    if scope.get("path", "") in ANTHROPIC_PATHS:
+    if route_path(scope) in ANTHROPIC_PATHS:
         keys.append(header(scope, b"x-api-key"))
     return [k for k in keys if k is not None]
 
@@ -69,7 +69,7 @@ class AccessCheck:
         if scope["type"] == "http":
             error = self.refusal(scope)
             if error is not None:
-                await send_error(send, error, scope.get("path", ""))
+                await send_error(send, error, route_path(scope))
                 return
         await self.app(scope, receive, send)
 
@@ -81,7 +81,7 @@ class AccessCheck:
                 return ApiError(403, f"the Host header {host!r} is not a loopback name; this "
                                      f"server listens on loopback only", "Host",
                                 code="invalid_host")
-        path = scope.get("path", "")
+        path = route_path(scope)
         if self.api_key is not None and path not in OPEN_PATHS:
             given = given_keys(scope)
             # every key compared (no early exit): the time tells nothing of which one matched

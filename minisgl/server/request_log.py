@@ -24,6 +24,7 @@ import time
 import uuid
 from typing import Any, Callable, Dict, List, Optional
 
+from minisgl.server.error_shapes import route_path
 from minisgl.server.limits import App, Message, Receive, Scope, Send, header, send_error
 from minisgl.server.protocol import MAX_ID_CHARS, ApiError, request_id_error
 
@@ -45,7 +46,7 @@ def route_label(scope: Scope) -> str:
     (a 401 before it), else "other" (no such route)."""
     routes = getattr(scope.get("app"), "routes", ())
     endpoint = scope.get("endpoint")
-    path = scope.get("path", "")
+    path = route_path(scope)
     for route in routes:
         template = getattr(route, "path", None)
         if endpoint is not None and getattr(route, "endpoint", None) is endpoint:
@@ -76,7 +77,7 @@ class RequestLog:
         rid = given if given is not None and error is None else uuid.uuid4().hex
         status: List[int] = []
         if error is not None:
-            await send_error(self._tagged(send, rid, status), error, scope.get("path", ""))
+            await send_error(self._tagged(send, rid, status), error, route_path(scope))
             self._log(scope, rid, status, start, done=True)
             return
         request_state(scope)["request_id"] = rid
@@ -116,7 +117,7 @@ class RequestLog:
         who = f"{client[0]}:{client[1]}" if client else "-"
         uids = request_state(scope).get("uids")
         path = scope.get("path", "-")
-        level = logging.DEBUG if path in QUIET_PATHS else logging.INFO
+        level = logging.DEBUG if route_path(scope) in QUIET_PATHS else logging.INFO
         logger.log(level, "%s %s %s %s%s %.1f ms request_id=%s%s", who, scope.get("method", "-"),
                    path, code, "" if done else " (unfinished)",
                    (time.monotonic() - start) * 1000, rid,

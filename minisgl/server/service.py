@@ -224,7 +224,7 @@ class Service:
                             self.health_file, dp, root=path, reasoning_parser=c.reasoning_parser,
                             tool_call_parser=tool_parser, aliases=c.model_aliases,
                             api_key=c.resolved_api_key, loopback_only=c.on_loopback,
-                            allowed_origins=c.origins,
+                            allowed_origins=c.origins, root_path=c.root_path or "",
                             max_queued_requests=c.max_queued_requests,
                             request_timeout=c.request_timeout,
                             max_request_bytes=c.max_request_bytes, body_timeout=c.body_timeout,
