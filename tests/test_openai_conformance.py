@@ -356,6 +356,14 @@ def test_responses_api_plain_streamed_and_continued(client: openai.OpenAI, serve
         r.output_text
     assert events[-1].response.output_text == r.output_text
 
+    lp = client.responses.create(model=MODEL, input=PARIS[0]["content"], temperature=0,
+                                 instructions="Be brief.", max_output_tokens=12, top_logprobs=2,
+                                 include=["message.output_text.logprobs"])
+    part = lp.output[0].content[0]
+    assert part.text == r.output_text and "".join(e.token for e in part.logprobs) == part.text
+    assert len(part.logprobs) in (lp.usage.output_tokens, lp.usage.output_tokens - 1)  # EOS
+    assert all(len(e.top_logprobs) == 2 for e in part.logprobs)
+
     more = client.responses.create(model=MODEL, input="And of Germany?", temperature=0,
                                    max_output_tokens=4, previous_response_id=r.id)
     assert more.status == "incomplete" and more.incomplete_details.reason == "max_output_tokens"

@@ -16,7 +16,9 @@ from pydantic import TypeAdapter
 
 from formatter_helpers import chunks_of, plain_and_streamed
 
+from minisgl.message.types import ReplyChunk, TokenLogprobText
 from minisgl.server.protocol import ApiError
+from minisgl.server.responses import Choice
 from minisgl.server.responses_api import (ResponsesRequest, ResponseStore, response_messages,
                                           responses_job)
 from minisgl.server.responses_output import ResponsesFormatter
@@ -106,7 +108,6 @@ def test_tools_tool_choice_and_text_format_reach_the_chat_path() -> None:
              ({"text": {"format": {"type": "grammar"}}}, "text.format"),
              ({"text": {"verbosity": "low"}}, "text.verbosity"),
              ({"reasoning": {"summary": "long"}}, "reasoning"),
-             ({"include": ["reasoning.encrypted_content"]}, "include"),
              ({"max_output_tokens": 0}, "max_output_tokens")]
     for body, param in cases:
         with pytest.raises(ApiError) as e:
@@ -215,3 +216,45 @@ def test_a_failed_stream_ends_with_an_error_event() -> None:
     event = json.loads(lines[0].split("\n")[1].removeprefix("data: "))
     EVENTS.validate_python(event)
     assert event["type"] == "error" and event["message"] == "down"
+
+
+def test_logprobs_go_with_the_message_text() -> None:
+    """include ["message.output_text.logprobs"] with top_logprobs: each message token's entry
+    (chat's shape, the SDK's Logprob) on its delta and in the output text part, in order;
+    the reasoning's tokens give none; plain and streamed agree; without include, none."""
+    texts = ["<think>", "hm", "</think>", "Par", "is", ""]
+    replies = [ReplyChunk(0, t, [k], prompt_tokens=7, completion_tokens=k + 1,
+                          finish_reason="stop" if k == len(texts) - 1 else None,
+                          logprobs=[TokenLogprobText(t or "<eos>", -0.5 * k, ("a", "b"),
+                                                     (-1.0, -2.0))])
+               for k, t in enumerate(texts)]
+    request = _request(include=["message.output_text.logprobs"], top_logprobs=2)
+    messages = response_messages(request, ResponseStore())
+
+    def formatter() -> ResponsesFormatter:
+        return ResponsesFormatter("m", responses_job(request, messages, 1), request, messages,
+                                  ResponseStore(), "qwen3", "hermes")
+    response, lines = plain_and_streamed(formatter, replies)
+    Response.model_validate(response)
+    part = response["output"][1]["content"][0]
+    assert part["text"] == "Paris"
+    # the thinking's tokens, its tags included, give none
+    assert [e["token"] for e in part["logprobs"]] == ["Par", "is"]
+    assert part["logprobs"][0] == {"token": "Par", "logprob": -1.5, "bytes": list(b"Par"),
+                                   "top_logprobs": [
+                                       {"token": "a", "logprob": -1.0, "bytes": [97]},
+                                       {"token": "b", "logprob": -2.0, "bytes": [98]}]}
+    events = [json.loads(line.split("\n")[1].removeprefix("data: ")) for line in lines]
+    streamed = [e for d in events if d["type"] == "response.output_text.delta"
+                for e in d["logprobs"]]
+    assert streamed == part["logprobs"]
+    plain = _request()
+    assert "logprobs" not in ResponsesFormatter(
+        "m", responses_job(plain, messages, 1), plain, messages, ResponseStore()).full(
+        [Choice(text=["x"], text_tokens=[1], finish_reason="stop")])["output"][0]["content"][0]
+    with pytest.raises(ApiError) as e:
+        responses_job(_request(include=["reasoning.encrypted_content"]), messages, 1)
+    assert e.value.param == "include"
+    with pytest.raises(ApiError) as e:
+        responses_job(_request(top_logprobs=2), messages, 1)
+    assert e.value.param == "top_logprobs" and "include" in e.value.message

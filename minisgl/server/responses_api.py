@@ -10,8 +10,10 @@ server's --tool-call-parser format and, where required or named, enforced); `tex
 (json_object, json_schema) to its structured output; `reasoning.effort` to the chat template
 as Chat Completions' `reasoning_effort` does. Finished conversations are kept in memory, the
 newest `ResponseStore.capacity` of them, so that a later request can continue one; `store:
-false` keeps none. Hosted tools (web search, file search, MCP ...), `include`, background runs,
-prompt templates and conversations get a 400 naming the field.
+false` keeps none. `include: ["message.output_text.logprobs"]` with `top_logprobs` asks for the
+output text's log-probabilities as Chat Completions' logprobs. Hosted tools (web search, file
+search, MCP ...), other `include` values, background runs, prompt templates and conversations
+get a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -45,9 +47,22 @@ def _reasoning(value: Any) -> Optional[str]:
     return value.get("effort")
 
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def _logprobs(include: Any) -> bool:
+    """Whether `include` asks for the output text's log-probabilities (the one value served:
+    reasoning's encrypted content, tool results and the rest are not produced here)."""
+    if include is None:
+        return False
+    if not isinstance(include, list) or any(v != LOGPROBS_INCLUDE for v in include):
+        raise ApiError(400, f"include: only {LOGPROBS_INCLUDE!r} is served, got "
+                            f"{json.dumps(include):.120}", "include")
+    return bool(include)
+
+
 _INERT: Dict[str, Callable[[Any], bool]] = {
     "background": lambda v: v in (None, False),
-    "include": lambda v: not v,
     "prompt": lambda v: v is None,
     "conversation": lambda v: v is None,
     "truncation": lambda v: v in (None, "disabled"),
@@ -73,6 +88,8 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: Any = None
     text: Any = None
     reasoning: Any = None
+    include: Any = None
+    top_logprobs: Optional[int] = None
 
 
 class ResponseStore:
@@ -213,7 +230,8 @@ def _responses_names(text: str) -> str:
     """A chat path's field names in an error, as this API names them."""
     text = _CHAT_TOOL_FIELD.sub(lambda m: f"tools.{m.group(1)}.", text)
     for chat, ours in (("max_tokens", "max_output_tokens"), ("response_format", "text.format"),
-                       ("reasoning_effort", "reasoning")):
+                       ("reasoning_effort", "reasoning"),
+                       ("logprobs: true", f"include [{LOGPROBS_INCLUDE!r}]")):
         text = text.replace(chat, ours)
     return text
 
@@ -238,7 +256,8 @@ def responses_job(body: ResponsesRequest, messages: Messages, max_n: int,
               "tools": [_tool(i, t) for i, t in enumerate(tools)] if tools else None,
               "tool_choice": _tool_choice(body.tool_choice),
               "parallel_tool_calls": body.parallel_tool_calls,
-              "response_format": _response_format(body.text)}
+              "response_format": _response_format(body.text),
+              "logprobs": _logprobs(body.include) or None, "top_logprobs": body.top_logprobs}
     try:
         chat = ChatRequest.model_validate(fields)
     except ValidationError as e:

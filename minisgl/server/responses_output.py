@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
-from minisgl.message.types import ReplyChunk
+from minisgl.message.types import ReplyChunk, TokenLogprobText
 from minisgl.server.protocol import ApiError, Job
-from minisgl.server.responses import ChatFormatter, Choice
+from minisgl.server.responses import ChatFormatter, Choice, chat_logprobs
 from minisgl.server.responses_api import Messages, ResponsesRequest, ResponseStore
 
 _PARTS = {"reasoning": "reasoning_text", "message": "output_text"}
@@ -41,9 +41,10 @@ class _Items:
     open at a time, closed when another begins or the output ends. `items` holds every item
     so far, its text as far as it came."""
 
-    def __init__(self) -> None:
+    def __init__(self, logprobs: bool = False) -> None:
         self.items: List[Dict[str, Any]] = []
         self.open = False  # whether the last item is still being written
+        self.logprobs = logprobs  # whether message text carries its tokens' logprobs
 
     @property
     def _last(self) -> Dict[str, Any]:
@@ -65,8 +66,10 @@ class _Items:
 
     def _part(self, text: str) -> Dict[str, Any]:
         kind = _PARTS[self._last["type"]]
-        return ({"type": kind, "text": text, "annotations": []} if kind == "output_text"
-                else {"type": kind, "text": text})
+        if kind != "output_text":
+            return {"type": kind, "text": text}
+        return {"type": kind, "text": text, "annotations": [],
+                **({"logprobs": []} if self.logprobs else {})}
 
     def _new_text_item(self, kind: str) -> List[Dict[str, Any]]:
         """Start a reasoning or message item with one empty content part."""
@@ -81,13 +84,18 @@ class _Items:
         item["content"].append(self._part(""))
         return events
 
-    def _text(self, kind: str, piece: str) -> List[Dict[str, Any]]:
-        """`piece` appended to the open item of `kind` (one is started if not)."""
+    def _text(self, kind: str, piece: str, logprobs: Optional[List[Dict[str, Any]]] = None
+              ) -> List[Dict[str, Any]]:
+        """`piece` appended to the open item of `kind` (one is started if not), with its
+        tokens' `logprobs` (message text, where asked)."""
         events: List[Dict[str, Any]] = []
         if not (self.open and self._last["type"] == kind):
             events = self._new_text_item(kind)
-        self._last["content"][0]["text"] += piece
-        extra: Dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+        part = self._last["content"][0]
+        part["text"] += piece
+        if logprobs and "logprobs" in part:
+            part["logprobs"] += logprobs
+        extra: Dict[str, Any] = {"logprobs": logprobs or []} if kind == "message" else {}
         events.append({"type": _DELTA[kind], **self._refs(), "content_index": 0,
                        "delta": piece, **extra})
         return events
@@ -99,9 +107,10 @@ class _Items:
         return [{"type": "response.function_call_arguments.delta", **self._refs(),
                  "delta": piece}]
 
-    def feed(self, delta: Dict[str, Any]) -> List[Dict[str, Any]]:
+    def feed(self, delta: Dict[str, Any], logprobs: Optional[List[Dict[str, Any]]] = None
+             ) -> List[Dict[str, Any]]:
         """The events of one chat delta: its reasoning, then the arguments of the call under
-        way, then its content, then the calls it begins."""
+        way, then its content (with `logprobs`, its tokens'), then the calls it begins."""
         events: List[Dict[str, Any]] = []
         if delta.get("reasoning_content"):
             events += self._text("reasoning", delta["reasoning_content"])
@@ -109,7 +118,7 @@ class _Items:
         for call in [c for c in calls if "id" not in c]:
             events += self._arguments(call["function"].get("arguments") or "")
         if delta.get("content"):
-            events += self._text("message", delta["content"])
+            events += self._text("message", delta["content"], logprobs)
         for call in [c for c in calls if "id" in c]:
             events += self._start({"type": "function_call", "id": _item_id("fc"),
                                    "call_id": call["id"], "name": call["function"]["name"],
@@ -128,7 +137,8 @@ class _Items:
         events: List[Dict[str, Any]] = []
         if item["type"] in _PARTS:
             part = item["content"][0]
-            extra: Dict[str, Any] = {"logprobs": []} if item["type"] == "message" else {}
+            extra: Dict[str, Any] = ({"logprobs": part.get("logprobs", [])}
+                                     if item["type"] == "message" else {})
             events += [{"type": _DONE[item["type"]], **refs, "content_index": 0,
                         "text": part["text"], **extra},
                        {"type": "response.content_part.done", **refs, "content_index": 0,
@@ -167,21 +177,30 @@ class ResponsesFormatter(ChatFormatter):
                  tool_parser: Optional[str] = None) -> None:
         super().__init__(model, job, reasoning_parser, tool_parser)
         self.body, self.messages, self.store = body, messages, store
-        self.items = _Items()
+        self.items = _Items(self.wants_logprobs)
         self.seq = 0
+        self.pending: List[Dict[str, Any]] = []  # logprobs of tokens whose text is held back
         self.thinking = False  # whether the output is inside its reasoning
         self.reasoning_tokens = 0
 
-    def _feed(self, text: str, reason: Optional[str], tokens: int) -> List[Dict[str, Any]]:
-        """The events of one piece of output of `tokens` tokens. Its tokens count as
-        reasoning from the first reasoning text until content or a call begins (so counted a
-        chunk at a time: a chunk that holds the end of the thinking and the start of the
-        answer counts as answer)."""
+    def _feed(self, text: str, reason: Optional[str], tokens: int,
+              logprobs: Sequence[TokenLogprobText]) -> List[Dict[str, Any]]:
+        """The events of one piece of output of `tokens` tokens, `logprobs` theirs (where
+        asked: one entry a token). Tokens are placed a chunk at a time: they count as reasoning from
+        the first reasoning text until content or a call begins (a chunk that holds the end
+        of the thinking and the start of the answer counts as answer); where asked, their
+        logprobs go with the message text they end in (those of reasoning and calls are not
+        given, as OpenAI gives none)."""
         delta = self._chunk_item(0, text, reason)["delta"]
         self.thinking = (bool(delta.get("reasoning_content")) or self.thinking) and not (
             delta.get("content") or delta.get("tool_calls"))
         self.reasoning_tokens += tokens if self.thinking else 0
-        return self.items.feed(delta)
+        if logprobs and not self.thinking:
+            self.pending += chat_logprobs(logprobs)["content"]
+        placed = self.pending if delta.get("content") else None
+        if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
+            self.pending = []
+        return self.items.feed(delta, placed)
 
     def _response(self, choice: Optional[Choice]) -> Dict[str, Any]:
         """The response object: in progress (no choice yet), or final."""
@@ -225,9 +244,12 @@ class ResponsesFormatter(ChatFormatter):
 
     def full(self, choices: List[Choice]) -> Dict[str, Any]:
         choice = choices[0]
-        texts, tokens = choice.text or [""], choice.text_tokens or [0]
-        for k, (text, n) in enumerate(zip(texts, tokens)):
-            self._feed(text, choice.finish_reason if k == len(texts) - 1 else None, n)
+        texts, counts = choice.text or [""], choice.text_tokens or [0]
+        at = 0
+        for k, (text, n) in enumerate(zip(texts, counts)):
+            self._feed(text, choice.finish_reason if k == len(texts) - 1 else None, n,
+                       choice.logprobs[at:at + n])
+            at += n
         return self._end(choice)[-1]["response"]
 
     def _lines(self, events: List[Dict[str, Any]]) -> Iterator[str]:
@@ -241,7 +263,8 @@ class ResponsesFormatter(ChatFormatter):
                             {"type": "response.in_progress", "response": self._response(None)}])
 
     def delta(self, index: int, chunk: ReplyChunk, choice: Choice) -> Iterator[str]:
-        return self._lines(self._feed(chunk.text, chunk.finish_reason, len(chunk.token_ids)))
+        return self._lines(self._feed(chunk.text, chunk.finish_reason, len(chunk.token_ids),
+                                      chunk.logprobs))
 
     def closing(self, choices: List[Choice]) -> Iterator[str]:
         return self._lines(self._end(choices[0]))
