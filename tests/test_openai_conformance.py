@@ -370,6 +370,12 @@ def test_responses_api_plain_streamed_and_continued(client: openai.OpenAI, serve
     assert more.usage.input_tokens > r.usage.input_tokens + 4  # the conversation came along
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model=MODEL, input="x", previous_response_id="resp-nope")
+    assert client.responses.retrieve(more.id).model_dump() == more.model_dump()
+    client.responses.delete(more.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(more.id)
+    with pytest.raises(openai.NotFoundError):  # its conversation went with it
+        client.responses.create(model=MODEL, input="x", previous_response_id=more.id)
     bad = _post(server, "/v1/responses", {"input": "x", "tools": [{"type": "web_search"}]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools.0.type"
     bad = _post(server, "/v1/responses", {"input": "x", "max_output_tokens": 0})

@@ -182,6 +182,7 @@ def test_reasoning_text_and_calls_are_output_items_streamed_as_the_plain_respons
     assert strip(_fold(events)) == strip(output)
     assert strip(events[-1]["response"]["output"]) == strip(output)
 
+    assert store.stored(response["id"]).response == response  # GET /v1/responses/{id}
     turn = store.get(response["id"])[-1]
     assert turn["role"] == "assistant" and turn["content"].strip() == "Let me check."
     assert turn["tool_calls"][0]["id"] == call["call_id"]
@@ -258,3 +259,20 @@ def test_logprobs_go_with_the_message_text() -> None:
     with pytest.raises(ApiError) as e:
         responses_job(_request(top_logprobs=2), messages, 1)
     assert e.value.param == "top_logprobs" and "include" in e.value.message
+
+
+def test_the_store_keeps_the_newest_and_deletes() -> None:
+    """The newest `capacity` responses are kept (the oldest dropped first); a deleted one is
+    gone for GET and for previous_response_id alike, each a 404 (naming the field where a
+    request gave it)."""
+    store = ResponseStore(2)
+    for rid in "abc":
+        store.put(rid, [{"role": "user", "content": rid}], {"id": rid})
+    assert store.stored("c").response == {"id": "c"} and store.get("b")[0]["content"] == "b"
+    store.delete("b")
+    for fn, param in ((store.stored, None), (store.get, "previous_response_id"),
+                      (store.delete, None)):
+        for rid in "ab":
+            with pytest.raises(ApiError) as e:
+                fn(rid)
+            assert e.value.status == 404 and e.value.param == param

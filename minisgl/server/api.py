@@ -480,6 +480,16 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
                                  cfg.reasoning_parser, cfg.tool_call_parser)
         return await run(request, fmt)
 
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> Dict[str, Any]:
+        """A stored response as it was answered (store: true; the newest kept)."""
+        return stored.stored(response_id).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Dict[str, Any]:
+        stored.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
     @app.post(MESSAGES_PATH, openapi_extra=body_schema(MessagesRequest))
     async def messages(request: Request) -> Response:
         body = parse_body(await json_body(request), MessagesRequest)

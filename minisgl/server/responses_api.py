@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import json
 import re
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -92,24 +92,41 @@ class ResponsesRequest(BaseModel):
     top_logprobs: Optional[int] = None
 
 
+class Stored(NamedTuple):
+    messages: Messages  # the conversation, the response's turn last
+    response: Dict[str, Any]  # the response object as it was answered
+
+
 class ResponseStore:
-    """The newest `capacity` finished conversations by response id (oldest dropped first)."""
+    """The newest `capacity` finished responses by id (oldest dropped first): each one's
+    conversation (what `previous_response_id` continues) and its response object (what GET
+    /v1/responses/{id} answers). Only the API server's event loop touches it."""
 
     def __init__(self, capacity: int = 1024) -> None:
         self.capacity = capacity
-        self._items: "collections.OrderedDict[str, Messages]" = collections.OrderedDict()
+        self._items: "collections.OrderedDict[str, Stored]" = collections.OrderedDict()
 
-    def get(self, response_id: str) -> Messages:
+    def stored(self, response_id: str, param: Optional[str] = None) -> Stored:
+        """The response `response_id`; ApiError 404 naming `param` where it is not kept."""
         if response_id not in self._items:
-            raise ApiError(404, f"previous_response_id: no stored response {response_id!r} (the "
-                                f"server keeps the newest {self.capacity})",
-                           "previous_response_id", "response_not_found", "not_found_error")
+            where = f"{param}: no" if param else "No"
+            raise ApiError(404, f"{where} stored response {response_id!r} (the server keeps "
+                                f"the newest {self.capacity})", param, "response_not_found",
+                           "not_found_error")
         return self._items[response_id]
 
-    def put(self, response_id: str, messages: Messages) -> None:
-        self._items[response_id] = messages
+    def get(self, response_id: str) -> Messages:
+        """The conversation a request's previous_response_id continues."""
+        return self.stored(response_id, "previous_response_id").messages
+
+    def put(self, response_id: str, messages: Messages, response: Dict[str, Any]) -> None:
+        self._items[response_id] = Stored(messages, response)
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
+
+    def delete(self, response_id: str) -> None:
+        self.stored(response_id)
+        del self._items[response_id]
 
 
 # --- input items -> chat messages -----------------------------------------------------------------

@@ -17,6 +17,7 @@ cache has no counterpart here (the prefix cache keeps computed prompts while it 
 
 from __future__ import annotations
 
+import copy
 import json
 import uuid
 from typing import Any, Dict, Iterator, List, Optional, Sequence
@@ -58,7 +59,7 @@ class _Items:
         self.items.append(item)
         self.open = True
         events.append({"type": "response.output_item.added", "output_index": len(self.items) - 1,
-                       "item": json.loads(json.dumps(item))})
+                       "item": copy.deepcopy(item)})
         if item["type"] in _PARTS:
             events.append({"type": "response.content_part.added", **self._refs(),
                            "content_index": 0, "part": self._part("")})
@@ -147,7 +148,7 @@ class _Items:
             events.append({"type": "response.function_call_arguments.done", **refs,
                            "name": item["name"], "arguments": item["arguments"]})
         events.append({"type": "response.output_item.done", "output_index": refs["output_index"],
-                       "item": json.loads(json.dumps(item))})
+                       "item": copy.deepcopy(item)})
         return events
 
     def finish(self, status: str) -> List[Dict[str, Any]]:
@@ -222,7 +223,7 @@ class ResponsesFormatter(ChatFormatter):
             return out
         incomplete = choice.finish_reason == "length"
         out.update(status="incomplete" if incomplete else "completed",
-                   output=json.loads(json.dumps(self.items.items)),
+                   output=copy.deepcopy(self.items.items),
                    incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
                    usage={"input_tokens": choice.prompt_tokens,
                           "input_tokens_details": {"cached_tokens": choice.cached_tokens,
@@ -232,7 +233,8 @@ class ResponsesFormatter(ChatFormatter):
                               "reasoning_tokens": self.reasoning_tokens},
                           "total_tokens": choice.prompt_tokens + choice.completion_tokens})
         if self.body.store:
-            self.store.put(self.id, [*self.messages, self.items.conversation_turn()])
+            self.store.put(self.id, [*self.messages, self.items.conversation_turn()],
+                           copy.deepcopy(out))
         return out
 
     def _end(self, choice: Choice) -> List[Dict[str, Any]]:
