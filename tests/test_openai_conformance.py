@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -380,6 +381,40 @@ def test_responses_api_plain_streamed_and_continued(client: openai.OpenAI, serve
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools.0.type"
     bad = _post(server, "/v1/responses", {"input": "x", "max_output_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_output_tokens"
+
+
+def test_responses_api_background_polled_and_cancelled(client: openai.OpenAI,
+                                                      server: Server) -> None:
+    """background: answered at once in progress; polled with GET until it ends, with the
+    output a foreground request gives; a long one cancelled while it runs ends cancelled (its
+    job aborted: the server answers the next request); cancelling one that is not running
+    is a 400."""
+    ask = dict(model=MODEL, input=PARIS[0]["content"], temperature=0, max_output_tokens=12)
+    fg = client.responses.create(**ask)  # type: ignore[call-overload]
+    bg = client.responses.create(**ask, background=True)  # type: ignore[call-overload]
+    assert bg.status in ("in_progress", "completed") and bg.background
+    for _ in range(600):
+        got = client.responses.retrieve(bg.id)
+        if got.status != "in_progress":
+            break
+        time.sleep(0.05)
+    assert got.status == "completed" and got.output_text == fg.output_text
+    long = client.responses.create(model=MODEL, input="Tell me a very long story.",
+                                   max_output_tokens=2000, background=True)
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(
+        long.id).status == "cancelled"
+    for _ in range(200):  # its job aborted: nothing runs, no KV page is held
+        metrics = dict(line.rsplit(" ", 1) for line in httpx.get(
+            f"{server.url}/metrics", timeout=10).text.splitlines() if line[:1] not in "#")
+        if float(metrics["minisgl_num_requests_running"]) == float(
+                metrics["minisgl_kv_pages_used"]) == 0:
+            break
+        time.sleep(0.05)
+    assert float(metrics["minisgl_kv_pages_used"]) == 0
+    assert client.responses.create(**ask).output_text == fg.output_text  # type: ignore
+    bad = _post(server, f"/v1/responses/{fg.id}/cancel", {})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_id"
 
 
 def test_responses_api_function_call_turn(client: openai.OpenAI) -> None:

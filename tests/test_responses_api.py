@@ -276,3 +276,34 @@ def test_the_store_keeps_the_newest_and_deletes() -> None:
             with pytest.raises(ApiError) as e:
                 fn(rid)
             assert e.value.status == 404 and e.value.param == param
+
+
+def test_background_responses_are_stored_as_they_start_and_end() -> None:
+    """background: true needs store and no stream; its response is stored in progress (which
+    previous_response_id may not continue yet), then cancelled or failed with OpenAI's error
+    codes, each a valid SDK Response."""
+    messages = [{"role": "user", "content": "hi"}]
+    for body in ({"background": True, "stream": True}, {"background": True, "store": False}):
+        with pytest.raises(ApiError) as e:
+            responses_job(_request(**body), messages, 1)
+        assert e.value.status == 400 and e.value.param == "background"
+    request = _request(background=True)
+    store = ResponseStore()
+    fmt = ResponsesFormatter("m", responses_job(request, messages, 1), request, messages, store)
+    started = fmt.pending()
+    assert started["status"] == "in_progress" and started["background"] is True
+    assert store.stored(fmt.id).response == started
+    with pytest.raises(ApiError) as e:
+        store.get(fmt.id)
+    assert e.value.status == 400 and "in progress" in e.value.message
+    for status, error, code in (("cancelled", None, None),
+                                ("failed", ApiError(503, "down"), "server_error"),
+                                ("failed", ApiError(429, "busy"), "rate_limit_exceeded"),
+                                ("failed", ApiError(400, "too long"), "invalid_prompt")):
+        fmt.ended(status, error)
+        ended = store.stored(fmt.id).response
+        Response.model_validate(ended)
+        assert ended["status"] == status
+        assert ended["error"] == (None if error is None else {"code": code,
+                                                              "message": error.message})
+    assert store.get(fmt.id) == messages  # ended: a later request may continue it

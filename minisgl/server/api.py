@@ -65,6 +65,7 @@ from minisgl.server.responses import (ChatFormatter, Choice, CompletionFormatter
                                       GenerateFormatter, SSEResponse, sse)
 from minisgl.server.responses_api import (ResponsesRequest, ResponseStore, response_messages,
                                           responses_job)
+from minisgl.server.responses_background import BackgroundRuns
 from minisgl.server.responses_output import ResponsesFormatter
 from minisgl.server.batches_api import Batches, install_batch_routes
 from minisgl.server.lora_admin import Adapters, install_adapter_routes
@@ -467,6 +468,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         app.post(path, openapi_extra=body_schema(RerankRequest))(rerank)
 
     stored = ResponseStore()
+    background = BackgroundRuns(streams, cfg.request_timeout, lambda chunk, fmt: _check(
+        chunk, fmt.prompt_param, fmt.job.structured_param))
 
     @app.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest))
     async def responses(request: Request) -> Response:
@@ -478,7 +481,14 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
             cfg.reasoning_parser), lora))
         fmt = ResponsesFormatter(lora or cfg.model_name, job, body, messages, stored,
                                  cfg.reasoning_parser, cfg.tool_call_parser)
+        if body.background:
+            return JSONResponse(background.start(fmt))
         return await run(request, fmt)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Dict[str, Any]:
+        await background.cancel(response_id)
+        return stored.stored(response_id).response
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str) -> Dict[str, Any]:

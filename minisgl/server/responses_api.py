@@ -12,8 +12,9 @@ as Chat Completions' `reasoning_effort` does. Finished conversations are kept in
 newest `ResponseStore.capacity` of them, so that a later request can continue one; `store:
 false` keeps none. `include: ["message.output_text.logprobs"]` with `top_logprobs` asks for the
 output text's log-probabilities as Chat Completions' logprobs. Hosted tools (web search, file
-search, MCP ...), other `include` values, background runs, prompt templates and conversations
-get a 400 naming the field.
+search, MCP ...), other `include` values, prompt templates and conversations get a 400 naming
+the field. `background: true` runs the response after the request is answered
+(responses_background.py).
 """
 
 from __future__ import annotations
@@ -62,7 +63,6 @@ def _logprobs(include: Any) -> bool:
 
 
 _INERT: Dict[str, Callable[[Any], bool]] = {
-    "background": lambda v: v in (None, False),
     "prompt": lambda v: v is None,
     "conversation": lambda v: v is None,
     "truncation": lambda v: v in (None, "disabled"),
@@ -90,6 +90,7 @@ class ResponsesRequest(BaseModel):
     reasoning: Any = None
     include: Any = None
     top_logprobs: Optional[int] = None
+    background: Optional[bool] = None
 
 
 class Stored(NamedTuple):
@@ -116,8 +117,13 @@ class ResponseStore:
         return self._items[response_id]
 
     def get(self, response_id: str) -> Messages:
-        """The conversation a request's previous_response_id continues."""
-        return self.stored(response_id, "previous_response_id").messages
+        """The conversation a request's previous_response_id continues (ApiError 400 while
+        that response still runs in the background)."""
+        stored = self.stored(response_id, "previous_response_id")
+        if stored.response.get("status") == "in_progress":
+            raise ApiError(400, f"previous_response_id: response {response_id!r} is still in "
+                                f"progress", "previous_response_id")
+        return stored.messages
 
     def put(self, response_id: str, messages: Messages, response: Dict[str, Any]) -> None:
         self._items[response_id] = Stored(messages, response)
@@ -198,7 +204,7 @@ def response_messages(body: ResponsesRequest, store: ResponseStore) -> Messages:
     return messages
 
 
-# --- tools and text formats -> chat's ---------------------------------------------------------------
+# --- tools and text formats -> chat's ----------------------------------------------------------
 def _tool(i: int, tool: Any) -> Dict[str, Any]:
     """A function tool (the API's flat shape) as chat's; the chat path checks its fields."""
     kind = tool.get("type") if isinstance(tool, dict) else None
@@ -264,6 +270,9 @@ def responses_job(body: ResponsesRequest, messages: Messages, max_n: int,
         inert = _INERT.get(name)
         if inert is not None and not inert(value):
             raise ApiError(400, f"{name} is not supported by this server", name)
+    if body.background and (body.stream or not body.store):
+        raise ApiError(400, "background: a background response is stored and polled (store "
+                            "true, stream false)", "background")
     tools = body.tools
     if tools is not None and not isinstance(tools, list):
         raise ApiError(400, "tools: must be a list of tools", "tools")

@@ -180,7 +180,7 @@ class ResponsesFormatter(ChatFormatter):
         self.body, self.messages, self.store = body, messages, store
         self.items = _Items(self.wants_logprobs)
         self.seq = 0
-        self.pending: List[Dict[str, Any]] = []  # logprobs of tokens whose text is held back
+        self.held_logprobs: List[Dict[str, Any]] = []  # of tokens whose text is held back
         self.thinking = False  # whether the output is inside its reasoning
         self.reasoning_tokens = 0
 
@@ -197,10 +197,10 @@ class ResponsesFormatter(ChatFormatter):
             delta.get("content") or delta.get("tool_calls"))
         self.reasoning_tokens += tokens if self.thinking else 0
         if logprobs and not self.thinking:
-            self.pending += chat_logprobs(logprobs)["content"]
-        placed = self.pending if delta.get("content") else None
+            self.held_logprobs += chat_logprobs(logprobs)["content"]
+        placed = self.held_logprobs if delta.get("content") else None
         if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
-            self.pending = []
+            self.held_logprobs = []
         return self.items.feed(delta, placed)
 
     def _response(self, choice: Optional[Choice]) -> Dict[str, Any]:
@@ -218,7 +218,8 @@ class ResponsesFormatter(ChatFormatter):
             "tools": body.tools or [],
             "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
             "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
-            "metadata": body.metadata or {}, "store": body.store, "usage": None}
+            "metadata": body.metadata or {}, "store": body.store,
+            "background": body.background, "usage": None}
         if choice is None:
             return out
         incomplete = choice.finish_reason == "length"
@@ -236,6 +237,25 @@ class ResponsesFormatter(ChatFormatter):
             self.store.put(self.id, [*self.messages, self.items.conversation_turn()],
                            copy.deepcopy(out))
         return out
+
+    def pending(self) -> Dict[str, Any]:
+        """A background response as it starts: in progress, stored (GET polls it)."""
+        out = self._response(None)
+        self.store.put(self.id, self.messages, copy.deepcopy(out))
+        return out
+
+    def ended(self, status: str, error: Optional[ApiError] = None) -> None:
+        """Store a background response that ended without its output: cancelled, or failed
+        with `error` (in OpenAI's codes: the request's fault an invalid_prompt, overload
+        rate_limit_exceeded, the rest server_error)."""
+        out = self._response(None)
+        out["status"] = status
+        if error is not None:
+            code = ("rate_limit_exceeded" if error.status == 429 else
+                    "invalid_prompt" if 400 <= error.status < 500 and error.status != 408
+                    else "server_error")
+            out["error"] = {"code": code, "message": error.message}
+        self.store.put(self.id, self.messages, out)
 
     def _end(self, choice: Choice) -> List[Dict[str, Any]]:
         status = "incomplete" if choice.finish_reason == "length" else "completed"
