@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import typing
 from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional,
                     Sequence, Tuple, TypeVar)
@@ -67,6 +68,27 @@ def setting(default: Any, help: str, *, choices: Optional[Sequence[str]] = None,
     if also:
         metadata[_ALSO] = tuple(also)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def json_object(text: Optional[str], name: str, what: str = "",
+                keys: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """A setting whose value is a JSON object (`what` says of what; `keys`, where given, the
+    only keys it may have), parsed: empty where unset; ValueError naming the setting (and the
+    key) where it is not JSON, not an object or has another key."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object{' of ' + what if what else ''}, got "
+                         f"{text!r:.80}")
+    other = sorted(set(value) - set(keys)) if keys is not None else []
+    if other:
+        raise ValueError(f"{name}: {other[0]} is not supported (minisgl takes "
+                         f"{', '.join(keys or ())})")
+    return value
 
 
 def section(factory: Callable[[], Any]) -> Any:

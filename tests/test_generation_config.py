@@ -66,6 +66,25 @@ def test_a_bad_file_is_named(tmp_path: Path, content: str, match: str) -> None:
     assert str(tmp_path / "generation_config.json") in str(e.value)
 
 
+def test_overrides_set_over_the_file(tmp_path: Path) -> None:
+    """--override-generation-config (vLLM's): its keys over the file's (over none with
+    generation_config none or vLLM's "vllm"); a key minisgl does not apply, or a bad value,
+    is refused naming the setting (and the file it was set over)."""
+    (tmp_path / "generation_config.json").write_text(json.dumps(RECOMMENDED))
+    over = sampling_defaults("auto", tmp_path, '{"temperature": 1, "max_new_tokens": 64}')
+    assert over == SamplingDefaults(temperature=1.0, top_p=0.5, top_k=20, max_tokens=64)
+    for source in ("none", "vllm"):
+        assert sampling_defaults(source, tmp_path, '{"top_k": 0, "min_p": 0.1}') == (
+            SamplingDefaults(min_p=0.1))
+    with pytest.raises(ValueError, match="override_generation_config: do_sample is not supported"):
+        sampling_defaults("auto", tmp_path, '{"do_sample": true}')
+    with pytest.raises(ValueError, match="override_generation_config over generation_config: "
+                                         ".*temperature must be"):
+        sampling_defaults("auto", tmp_path, '{"temperature": -2}')
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        sampling_defaults("none", tmp_path, "[1]")
+
+
 def test_a_directory_without_the_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cannot read .*missing/generation_config.json"):
         sampling_defaults(str(tmp_path / "missing"), tmp_path)

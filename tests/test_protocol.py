@@ -114,3 +114,35 @@ def test_reasoning_effort_reaches_the_chat_template_as_vllm_passes_it(
                 "{% if enable_thinking %}<think>{% endif %}[{{ reasoning_effort }}]")
     ids = chat_prompt_ids(tokenizer, messages, chat_template=template, **kwargs)
     assert tokenizer.decode(ids) == "hi<think>[low]"
+
+
+def test_default_chat_template_kwargs_under_the_requests_own(default_model_dir: Path) -> None:
+    """--default-chat-template-kwargs (vLLM's): every chat prompt's template gets them, a
+    request's own chat_template_kwargs and reasoning_effort win; not a JSON object: refused
+    at start-up naming it."""
+    from minisgl.core import Limits
+    from minisgl.message.types import TextRequest
+    from minisgl.server.args import parse_args
+    from minisgl.tokenizer.text import load_tokenizer
+    from minisgl.tokenizer.tokenize_worker import Tokenizer
+    template = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+                "[{{ enable_thinking }} {{ reasoning_effort }}]")
+    tok = load_tokenizer(default_model_dir, template)
+    logic = Tokenizer(tok, Limits(max_context=1000, vocab_size=len(tok), num_pages=64,
+                                  page_size=16, max_prefill_tokens=1000),
+                      {"enable_thinking": False, "reasoning_effort": "low"})
+
+    def rendered(**fields: Any) -> str:
+        prompt = chat_job(_chat(**fields), 1).prompts[0]
+        kwargs = prompt.template.kwargs
+        reply = logic.answer(TextRequest(1, messages=prompt.messages,
+                                         template_kwargs_json=json.dumps(kwargs) if kwargs
+                                         else None))
+        assert reply.error is None
+        return str(tok.decode(reply.token_ids))
+
+    assert rendered().endswith("[False low]")
+    assert rendered(chat_template_kwargs={"enable_thinking": True}).endswith("[True low]")
+    assert rendered(reasoning_effort="high").endswith("[True high]")
+    with pytest.raises(ValueError, match="default_chat_template_kwargs must be a JSON object"):
+        parse_args(["--default-chat-template-kwargs", "[1]"])

@@ -1,6 +1,8 @@
 """A service under overload and hostile requests: admission (429), deadlines, body limits, the API
-key and the Host check, fresh /metrics, long prompts. One `serve` process (default model, CPU)
-for the module, with small limits: one request runs at a time, so the others queue."""
+key and the Host check, fresh /metrics, long prompts; and the settings a deployment sets
+(--root-path, --no-auto-tool-choice, --enable-force-include-usage). One `serve` process (default
+model, CPU) for the module, with small limits: one request runs at a time, so the others
+queue."""
 
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) ->
                         "--max-request-bytes", str(MAX_BYTES),
                         "--body-timeout", str(BODY_TIMEOUT_S), "--api-key", KEY,
                         "--allowed-origins", APP_ORIGIN, "--root-path", ROOT,
+                        "--no-auto-tool-choice", "--enable-force-include-usage",
                         "--stats-interval", "0.2"], tmp_path_factory.mktemp("limits"))
     yield srv
     srv.stop()
@@ -441,3 +444,27 @@ def test_root_path_behind_a_proxy(server: Server) -> None:
     assert route_path({"path": "/minisgl/v1/models", "root_path": ROOT}) == "/v1/models"
     assert route_path({"path": "/minisglx/v1", "root_path": ROOT}) == "/minisglx/v1"
     assert route_path({"path": "/health"}) == "/health"
+
+
+def test_tool_choice_auto_off_and_usage_forced(server: Server) -> None:
+    """--no-auto-tool-choice: tools with tool_choice auto (given, or the default with tools)
+    are a 400 naming tool_choice, on chat and the Responses API; required is served.
+    --enable-force-include-usage: a stream that did not ask still ends with its usage."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
+        "required": ["city"]}}}
+    for body in (_chat(tools=[weather]), _chat(tools=[weather], tool_choice="auto")):
+        r = _post(server, "/v1/chat/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+    flat = {"type": "function", **weather["function"]}
+    r = _post(server, "/v1/responses", {"model": MODEL, "input": "hi", "tools": [flat]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    ok = _post(server, "/v1/chat/completions", _chat(tools=[weather], tool_choice="required",
+                                                     max_tokens=30))
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["tool_calls"]
+    with httpx.stream("POST", f"{server.url}/v1/completions", headers=AUTH, timeout=60,
+                      json={"model": MODEL, "prompt": "Hi", "max_tokens": 3,
+                            "stream": True}) as r:
+        data = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "data: [DONE]"
+    assert json.loads(data[-2].removeprefix("data: "))["usage"]["completion_tokens"] == 3

@@ -18,7 +18,7 @@ from minisgl.distributed.info import DistributedInfo
 from minisgl.distributed.modes import ALLREDUCE_MODES, check_allreduce_mode
 from minisgl.models.checkpoint_quant import QUANTIZATIONS
 from minisgl.models.pooling import parse_pooler_config
-from minisgl.settings import check_choices, setting
+from minisgl.settings import check_choices, json_object, setting
 
 if TYPE_CHECKING:  # imported where a torch value is asked for: the launcher reads this config
     import torch
@@ -257,16 +257,7 @@ class EngineConfig:
     def hf_override_dict(self) -> Dict[str, Any]:
         """`hf_overrides` parsed (empty where unset); ValueError where it is not a JSON
         object."""
-        if self.hf_overrides is None:
-            return {}
-        try:
-            value = json.loads(self.hf_overrides)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"hf_overrides is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"hf_overrides must be a JSON object of config.json keys, got "
-                             f"{self.hf_overrides!r:.80}")
-        return value
+        return json_object(self.hf_overrides, "hf_overrides", "config.json keys")
 
     @property
     def lora_slots(self) -> int:

@@ -18,12 +18,13 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from minisgl.core import SamplingParams
+from minisgl.settings import json_object
 
 GENERATION_CONFIG = "generation_config.json"
-SOURCES = ("auto", "none")  # besides a directory
+SOURCES = ("auto", "none", "vllm")  # besides a directory ("vllm": vLLM's name for none)
 
 
 @dataclass(frozen=True)
@@ -55,15 +56,23 @@ class SamplingDefaults:
         return SamplingParams(**fields, max_tokens=None, default_max_tokens=cap)
 
 
-def sampling_defaults(source: str, model_dir: Path) -> SamplingDefaults:
-    """The defaults `source` names ("auto": `model_dir`'s generation_config.json, OpenAI's
-    defaults where it has none; "none"; or a directory holding one). ValueError naming the
-    file and the value for a missing directory file, bad JSON or a bad value."""
-    if source == "none":
-        return SamplingDefaults()
+_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+def check_generation_overrides(text: Optional[str]) -> Dict[str, Any]:
+    """override_generation_config (vLLM's) parsed: a JSON object of _KEYS; ValueError naming
+    the setting and the key where it is not (the values are checked with the defaults)."""
+    return json_object(text, "override_generation_config", "sampling defaults", _KEYS)
+
+
+def _file_values(source: str, model_dir: Path) -> Tuple[Dict[str, Any], Optional[Path]]:
+    """The sampling keys of the generation_config.json `source` names, and that file (none
+    for "none")."""
+    if source in ("none", "vllm"):
+        return {}, None
     path = (model_dir if source == "auto" else Path(source).expanduser()) / GENERATION_CONFIG
     if source == "auto" and not path.is_file():
-        return SamplingDefaults()
+        return {}, None
     try:
         raw = json.loads(path.read_text())
     except OSError as e:
@@ -73,10 +82,22 @@ def sampling_defaults(source: str, model_dir: Path) -> SamplingDefaults:
         raise ValueError(f"generation_config: {path} is not JSON: {e}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"generation_config: {path} must hold a JSON object")
-    fields = {f.name for f in dataclasses.fields(SamplingDefaults)} - {"max_tokens"}
-    given = {k: v for k, v in raw.items() if k in fields and v is not None}
-    if raw.get("max_new_tokens") is not None:
-        given["max_tokens"] = raw["max_new_tokens"]
+    return {k: v for k, v in raw.items() if k in _KEYS and v is not None}, path
+
+
+def sampling_defaults(source: str, model_dir: Path, overrides: Optional[str] = None
+                      ) -> SamplingDefaults:
+    """The defaults `source` names ("auto": `model_dir`'s generation_config.json, OpenAI's
+    defaults where it has none; "none", or vLLM's "vllm"; or a directory holding one), with
+    `overrides` (override_generation_config's JSON) set over them. ValueError naming the
+    file or the setting, and the value, for a missing directory file, bad JSON or a bad
+    value."""
+    from_file, path = _file_values(source, model_dir)
+    given = {**from_file, **check_generation_overrides(overrides)}
+    where = " over ".join([*(["override_generation_config"] if overrides else []),
+                           *([f"generation_config: {path}"] if path else [])])
+    if "max_new_tokens" in given:
+        given["max_tokens"] = given.pop("max_new_tokens")
     if isinstance(given.get("top_k"), int) and given["top_k"] == 0:
         given["top_k"] = -1  # Hugging Face's "no top-k"
     for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
@@ -86,5 +107,5 @@ def sampling_defaults(source: str, model_dir: Path) -> SamplingDefaults:
     try:
         defaults.params().validate()
     except ValueError as e:
-        raise ValueError(f"generation_config: {path}: {e}") from None
+        raise ValueError(f"{where}: {e}") from None
     return defaults

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from minisgl.models.classifier import LogitActivation
+from minisgl.settings import json_object
 
 
 _POOLING_MODULE = "sentence_transformers.models.Pooling"
@@ -67,16 +68,7 @@ def parse_pooler_config(text: Optional[str]) -> PoolerChoice:
     naming a field or value minisgl does not take."""
     if text is None:
         return PoolerChoice()
-    try:
-        config = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"pooler_config is not JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"pooler_config must be a JSON object, got {text!r:.80}")
-    other = sorted(set(config) - set(_KEYS))
-    if other:
-        raise ValueError(f"pooler_config: {other[0]} is not supported (minisgl takes "
-                         f"{', '.join(_KEYS)})")
+    config = json_object(text, "pooler_config", keys=_KEYS)
     kind = config.get("pooling_type")
     if kind is not None and (not isinstance(kind, str) or kind.upper() not in _VLLM_TYPES):
         raise ValueError(f"pooler_config: pooling_type must be one of "

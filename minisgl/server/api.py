@@ -123,6 +123,8 @@ class ApiConfig:
     # what a request leaves unset takes (models/generation.py: the model's recommendation)
     sampling_defaults: SamplingDefaults = SamplingDefaults()
     log_requests: bool = True  # one access-log line per request (request_log.py)
+    auto_tool_choice: bool = True  # tool_choice auto served (else a 400, as vLLM's default)
+    force_include_usage: bool = False  # every stream ends with its usage (vLLM's flag)
 
 
 class ClientGone(Exception):
@@ -363,7 +365,19 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
             job, params=dataclasses.replace(job.params, lora_name=lora))
 
     async def run(request: Request, fmt: Formatter) -> Response:
+        check_tool_choice(fmt.job)
+        if cfg.force_include_usage and fmt.job.stream:
+            fmt.job = dataclasses.replace(fmt.job, include_usage=True)
         return await run_job(request, streams, fmt, cfg.request_timeout)
+
+    def check_tool_choice(job: Job) -> None:
+        """ApiError 400 for tool_choice auto where the server reads no calls unasked
+        (--no-auto-tool-choice: vLLM without --enable-auto-tool-choice)."""
+        if not cfg.auto_tool_choice and job.tools is not None and job.tools.choice == "auto":
+            raise ApiError(400, "tool_choice \"auto\" (the default with tools) is off on this "
+                                "server (--no-auto-tool-choice; vLLM's --enable-auto-tool-choice "
+                                "turns it on): send \"none\", \"required\" or a named "
+                                "function", "tool_choice")
 
     def client_id(request: Request, job: Job) -> Job:
         """The job with the client's X-Request-Id, which its response id is built from (as
@@ -482,6 +496,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         fmt = ResponsesFormatter(lora or cfg.model_name, job, body, messages, stored,
                                  cfg.reasoning_parser, cfg.tool_call_parser)
         if body.background:
+            check_tool_choice(job)
             return JSONResponse(background.start(fmt))
         return await run(request, fmt)
 

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from minisgl.devices import resolve_device
 from minisgl.engine import EngineConfig
+from minisgl.models.generation import check_generation_overrides
 from minisgl.models.path import model_name
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.hosts import is_loopback
@@ -27,8 +28,8 @@ from minisgl.server.tls import check_tls
 from minisgl.server.topology import ClusterConfig, Wiring
 from minisgl.server.reasoning import REASONING_PARSERS
 from minisgl.server.tool_calls import TOOL_CALL_PARSERS
-from minisgl.settings import (Alias, add_flags, build, check_choices, check_values, section,
-                              setting)
+from minisgl.settings import (Alias, add_flags, build, check_choices, check_values,
+                              json_object, section, setting)
 from minisgl.settings import values as setting_values
 
 if sys.version_info >= (3, 11):
@@ -68,7 +69,16 @@ class ServerConfig:
         "auto", "the sampling defaults of requests that leave temperature, top_p, top_k, "
                 "min_p or repetition_penalty unset: auto (the model's generation_config.json "
                 "recommends them, as in vLLM and SGLang; OpenAI's neutral values where it "
-                "does not), none (OpenAI's), or a directory holding a generation_config.json")
+                "does not), none (OpenAI's; also vLLM's name, vllm), or a directory holding a "
+                "generation_config.json")
+    override_generation_config: Optional[str] = setting(
+        None, "vLLM's: a JSON object of sampling defaults set over generation_config's "
+              "('{\"temperature\": 0.6, \"max_new_tokens\": 512}': temperature, top_p, "
+              "top_k, min_p, repetition_penalty, max_new_tokens)")
+    default_chat_template_kwargs: Optional[str] = setting(
+        None, "vLLM's: a JSON object of chat template keywords every chat request gets "
+              "('{\"enable_thinking\": false}'); a request's own chat_template_kwargs (and "
+              "reasoning_effort, Anthropic's thinking) win")
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8000, "HTTP port (0: pick a free one; the ready line names it)")
     max_n: int = setting(8, "the largest n (choices per request) a request may ask for")
@@ -100,6 +110,14 @@ class ServerConfig:
         None, "split a reasoning model's chat output: the thinking part (<think>; Granite's "
               "thought process; Magistral's [THINK], whose output then keeps special "
               "tokens) goes into reasoning_content", choices=REASONING_PARSERS)
+    auto_tool_choice: bool = setting(
+        True, "tool_choice auto (a request's default where it gives tools) reads the output's "
+              "calls; off: such a request gets a 400 naming tool_choice, as vLLM without its "
+              "--enable-auto-tool-choice",
+        alias=Alias("enable-auto-tool-choice", True, "on, as by default (vLLM's flag)"))
+    enable_force_include_usage: bool = setting(
+        False, "vLLM's: every streamed chat, completion and Responses reply ends with its "
+               "usage, as if the request had asked (stream_options.include_usage)")
     tool_call_parser: Optional[str] = setting(
         None, "the format chat output's tool calls are read (and, for tool_choice \"required\" "
               "or a named function, enforced) in (default: from the chat template: "
@@ -180,6 +198,9 @@ class ServerConfig:
             raise ValueError(f"served_model_name must be names separated by commas, got "
                              f"{self.served_model_name!r}")
         check_tls(self.ssl_keyfile, self.ssl_certfile)
+        json_object(self.default_chat_template_kwargs, "default_chat_template_kwargs",
+                    "chat template keywords")
+        check_generation_overrides(self.override_generation_config)
         if self.root_path is not None and not re.fullmatch(r"(/[\w.~%-]+)+", self.root_path):
             raise ValueError(f"root_path must be a path of letters, digits and . ~ % - _ that "
                              f"starts with / and does not end with one (/minisgl), got "

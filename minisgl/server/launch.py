@@ -130,10 +130,13 @@ def _prepare(cfg: ServerConfig) -> Prepared:
             read_chat_template(cfg.chat_template)
         if cfg.batch_input is not None:
             check_paths(Path(cfg.batch_input), Path(cfg.batch_output or ""))
-        changed = sampling_defaults(cfg.generation_config, model_path).changed
+        changed = sampling_defaults(cfg.generation_config, model_path,
+                                    cfg.override_generation_config).changed
         if changed:
-            logger.info("sampling defaults from the model's generation config: %s "
+            logger.info("sampling defaults from the model's generation config%s: %s "
                         "(--generation-config none for OpenAI's)",
+                        " and --override-generation-config"
+                        if cfg.override_generation_config else "",
                         ", ".join(f"{k}={v}" for k, v in changed.items()))
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise StartupError(str(e)) from None

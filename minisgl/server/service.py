@@ -239,11 +239,15 @@ class Service:
                             embedding_refusal=pooling.refusal, pooling=pooling,
                             matryoshka=shape.matryoshka_dimensions, tls=c.tls,
                             classifier=shape.classifier,
-                            sampling_defaults=sampling_defaults(c.generation_config,
-                                                                Path(self.model_path)))
+                            sampling_defaults=sampling_defaults(
+                                c.generation_config, Path(self.model_path),
+                                c.override_generation_config),
+                            auto_tool_choice=c.auto_tool_choice,
+                            force_include_usage=c.enable_force_include_usage)
         tok_cfg = TokenizerConfig(str(self.tokenizer_path), a.tokenizer, a.backends, a.detokenizer,
                                   a.api, template,
-                                  c.max_queued_tokens, c.tokenizer_threads)
+                                  c.max_queued_tokens, c.tokenizer_threads,
+                                  default_template_kwargs=c.default_chat_template_kwargs)
         # The tokenizer needs the replicas' stats to route (several) or to count queued tokens.
         stats_to = a.tokenizer if dp > 1 or c.max_queued_tokens is not None else None
         self.workers = [

@@ -69,6 +69,8 @@ class TokenizerConfig:
     chat_template: Optional[str] = None  # Jinja text replacing the model's own
     max_queued_tokens: Optional[int] = None  # per replica (queued.py); None: no limit
     threads: int = 2  # threads for long prompts and constraints (slow_requests.py)
+    # JSON object: the chat template's keywords where a request sets none of its own
+    default_template_kwargs: Optional[str] = None
 
 
 class _NoTokenizer(Exception):
@@ -114,8 +116,11 @@ class Tokenizer:
     characters) can never fit the context, whatever its tokens: it is refused without
     tokenizing it, so that no request makes the tokenizer spend minutes and gigabytes."""
 
-    def __init__(self, tokenizer: Optional[Any], limits: Limits) -> None:
+    def __init__(self, tokenizer: Optional[Any], limits: Limits,
+                 template_defaults: Optional[Dict[str, Any]] = None) -> None:
         self.tokenizer = tokenizer
+        # the chat template's keywords (--default-chat-template-kwargs): a request's own win
+        self.template_defaults = dict(template_defaults or {})
         self.vocab = len(tokenizer) if tokenizer is not None else limits.vocab_size
         # A prompt's ids must be ones the model embeds and the detokenizer can render.
         self.limits = limits._replace(vocab_size=min(self.vocab, limits.vocab_size))
@@ -147,7 +152,8 @@ class Tokenizer:
         if self.tokenizer is None:
             raise _NoTokenizer()
         if req.messages is not None:
-            kwargs = json.loads(req.template_kwargs_json) if req.template_kwargs_json else {}
+            kwargs = {**self.template_defaults, **(
+                json.loads(req.template_kwargs_json) if req.template_kwargs_json else {})}
             if req.continue_final_message:  # older transformers do not know the keyword
                 kwargs["continue_final_message"] = True
             if req.tools_json is not None:
@@ -349,4 +355,5 @@ def run_tokenizer(cfg: TokenizerConfig, conn: Any) -> None:
         _, limits = conn.recv()  # a core.Limits
     except EOFError:  # the launcher is gone
         sys.exit(1)
-    Serving(cfg, sockets, Tokenizer(tokenizer, limits)).run()
+    defaults = json.loads(cfg.default_template_kwargs or "{}")  # checked by ServerConfig
+    Serving(cfg, sockets, Tokenizer(tokenizer, limits, defaults)).run()
