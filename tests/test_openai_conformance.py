@@ -412,6 +412,12 @@ def test_responses_api_background_polled_and_cancelled(client: openai.OpenAI,
             break
         time.sleep(0.05)
     assert float(metrics["minisgl_kv_pages_used"]) == 0
+    running = client.responses.create(model=MODEL, input="Tell me a very long story.",
+                                      max_output_tokens=2000, background=True)
+    client.responses.delete(running.id)  # stopped first: its end does not store it again
+    time.sleep(0.2)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(running.id)
     assert client.responses.create(**ask).output_text == fg.output_text  # type: ignore
     bad = _post(server, f"/v1/responses/{fg.id}/cancel", {})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_id"

@@ -62,7 +62,7 @@ from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, D
                                      Job, Prompt, TokenizeBody, chat_job, completion_job,
                                      detokenize_prompt, parse_body, tokenize_prompt)
 from minisgl.server.responses import (ChatFormatter, Choice, CompletionFormatter, Formatter,
-                                      GenerateFormatter, SSEResponse, sse)
+                                      GenerateFormatter, SSEResponse)
 from minisgl.server.responses_api import (ResponsesRequest, ResponseStore, response_messages,
                                           responses_job)
 from minisgl.server.responses_background import BackgroundRuns
@@ -512,6 +512,10 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Dict[str, Any]:
+        """Drop a stored response (one still running in the background is stopped first, so
+        that its end does not store it again)."""
+        stored.stored(response_id)  # a 404 for one not kept, before anything is stopped
+        await background.stop(response_id)
         stored.delete(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 

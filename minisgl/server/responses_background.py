@@ -65,9 +65,15 @@ class BackgroundRuns:
     async def cancel(self, response_id: str) -> None:
         """Stop a running background response (its stored status becomes cancelled);
         ApiError 400 where none of that id runs."""
-        task = self.tasks.get(response_id)
-        if task is None:
+        if response_id not in self.tasks:
             raise ApiError(400, f"response {response_id!r} is not a background response that is "
                                 f"still running", "response_id")
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await self.stop(response_id)
+
+    async def stop(self, response_id: str) -> None:
+        """Stop the background response `response_id` if it runs (its task has ended, and
+        stored it as cancelled, when this returns); nothing otherwise."""
+        task = self.tasks.get(response_id)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
