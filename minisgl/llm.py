@@ -369,11 +369,13 @@ class LLM:
     (`get_default_sampling_params`): "auto" (the model's generation_config.json recommends
     temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens as a cap on an
     unset max_tokens, as in vLLM), "none" (SamplingParams' own defaults), or a directory
-    holding a generation_config.json. `tokenizer`: a directory or hub id whose tokenizer (and
+    holding a generation_config.json; `override_generation_config` (vLLM's; a dict or its
+    JSON): those defaults set over it. `tokenizer`: a directory or hub id whose tokenizer (and
     chat template) replaces the model's, as the server's `--tokenizer`."""
 
     def __init__(self, model: Optional[str] = None, *, show_progress: bool = True,
                  log_level: str = "WARNING", generation_config: str = "auto",
+                 override_generation_config: Union[None, str, Dict[str, Any]] = None,
                  tokenizer: Optional[str] = None, **overrides: Any) -> None:
         if isinstance(overrides.get("lora_modules"), dict):  # {name: path}, as the flag's text
             overrides["lora_modules"] = ",".join(f"{name}={path}" for name, path
@@ -391,7 +393,10 @@ class LLM:
         tokenizer_path = resolve_tokenizer_path(tokenizer, self.model_path,
                                                 cfg.engine.download_dir)
         self.tokenizer = load_tokenizer(tokenizer_path)
-        self.sampling_defaults = sampling_defaults(generation_config, self.model_path)
+        if isinstance(override_generation_config, dict):
+            override_generation_config = json.dumps(override_generation_config)
+        self.sampling_defaults = sampling_defaults(generation_config, self.model_path,
+                                                   override_generation_config)
         self.model_config = ModelConfig.from_dir(self.model_path, cfg.engine.hf_override_dict)
         self._pooling = model_pooling(self.model_path, cfg.engine.pooler_config)  # files: once
         check_pooler_dimensions(cfg.engine.pooler_config,

@@ -102,6 +102,11 @@ def test_offline_calls_without_params_take_the_recommendation(greedy_model: Path
     with LLM(str(greedy_model), device="cpu", max_kv_tokens=1024, show_progress=False,
              generation_config="none") as llm:
         assert llm.get_default_sampling_params() == SamplingParams()
+    with LLM(str(greedy_model), device="cpu", max_kv_tokens=1024, show_progress=False,
+             override_generation_config={"top_k": 5, "max_new_tokens": 3}) as llm:
+        params = llm.get_default_sampling_params()  # the file's, with the overrides over them
+        assert (params.temperature, params.top_p, params.top_k) == (0.0, 0.5, 5)
+        assert len(llm.generate([5, 6, 7, 8])[0].token_ids) == 3
 
 
 def test_requests_that_leave_sampling_unset_take_the_recommendation(
