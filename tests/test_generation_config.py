@@ -1,11 +1,13 @@
 """The model's recommended sampling (generation_config.json) as request defaults, as vLLM's
 `--generation-config auto`: a request's own values win, "none" keeps OpenAI's defaults, a bad
-file or value is a start-up error naming it."""
+file or value is a start-up error naming it; --override-generation-config over them. (Its
+served case also checks the periodic stats line, its server logging at INFO.)"""
 
 from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict
 
@@ -112,7 +114,7 @@ def test_offline_calls_without_params_take_the_recommendation(greedy_model: Path
 def test_requests_that_leave_sampling_unset_take_the_recommendation(
         greedy_model: Path, tmp_path: Path) -> None:
     srv = Server.start(["--model", str(greedy_model), "--device", "cpu", "--max-kv-tokens",
-                        "2048", "--log-level", "info"], tmp_path)
+                        "2048", "--log-level", "info", "--log-stats-interval", "0.2"], tmp_path)
     try:
         assert "sampling defaults from the model's generation config: temperature=0.0, " \
                "top_p=0.5, top_k=20" in srv.stderr()
@@ -146,6 +148,13 @@ def test_requests_that_leave_sampling_unset_take_the_recommendation(
             r = httpx.post(f"{srv.url}{path}", json=body, timeout=60)
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == want, (path, body)
+        # --log-stats-interval: the periodic stats line came while requests ran
+        for _ in range(50):
+            if " stats: " in srv.stderr():
+                break
+            time.sleep(0.1)
+        line = next(ln for ln in srv.stderr().splitlines() if " stats: " in ln)
+        assert "[api]" in line and "tok/s" in line and "KV " in line, line
     finally:
         srv.stop()
 

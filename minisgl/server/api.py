@@ -67,6 +67,7 @@ from minisgl.server.responses_api import (ResponsesRequest, ResponseStore, respo
                                           responses_job)
 from minisgl.server.responses_background import BackgroundRuns
 from minisgl.server.responses_output import ResponsesFormatter
+from minisgl.server.stats_log import Totals, log_stats
 from minisgl.server.batches_api import Batches, install_batch_routes
 from minisgl.server.lora_admin import Adapters, install_adapter_routes
 from minisgl.server.state_admin import Weights, install_state_routes
@@ -125,6 +126,7 @@ class ApiConfig:
     log_requests: bool = True  # one access-log line per request (request_log.py)
     auto_tool_choice: bool = True  # tool_choice auto served (else a 400, as vLLM's default)
     force_include_usage: bool = False  # every stream ends with its usage (vLLM's flag)
+    log_stats_interval: Optional[float] = None  # seconds between stats lines (stats_log.py)
 
 
 class ClientGone(Exception):
@@ -307,9 +309,13 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(streams.serve_replies())
+        tasks = [asyncio.create_task(streams.serve_replies())]
+        if cfg.log_stats_interval is not None:
+            tasks.append(asyncio.create_task(log_stats(
+                lambda: Totals.of(metrics.scheduler.values()), cfg.log_stats_interval)))
         yield
-        task.cancel()
+        for task in tasks:
+            task.cancel()
         streams.close()
 
     app = App(title="minisgl", lifespan=lifespan, docs_url=None, redoc_url=None)

@@ -89,6 +89,12 @@ class ServerConfig:
                                        "uids)",
                                  alias=Alias("disable-log-requests", False,
                                              "the same as --no-log-requests (vLLM's name)"))
+    log_stats: bool = setting(True, "an INFO line every log_stats_interval seconds while the "
+                                    "service works: requests running and waiting, KV use, "
+                                    "prompt and generation throughput, prefix cache hits",
+                              alias=Alias("disable-log-stats", False,
+                                          "the same as --no-log-stats (vLLM's name)"))
+    log_stats_interval: float = setting(10.0, "seconds between log_stats' lines")
     shell: bool = setting(False, "chat with the model in this terminal")
     incremental_streaming_output: bool = setting(
         False, "SGLang's: a streamed /generate chunk carries only what is new (text, "
@@ -189,6 +195,9 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0 seconds, got {value}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
+        if not self.log_stats_interval > 0:
+            raise ValueError(f"log_stats_interval must be > 0 seconds, got "
+                             f"{self.log_stats_interval}")
         if not self.watchdog_timeout > 0:
             raise ValueError(f"watchdog_timeout must be > 0 seconds, got {self.watchdog_timeout}")
         if not self.shutdown_timeout >= 0:
