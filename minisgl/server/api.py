@@ -306,6 +306,9 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     metrics = Metrics(cfg.replicas)
     streams = RequestStreams(cfg.tokenizer_addr, cfg.api_addr, metrics, cfg.max_queued_requests)
     started = int(time.time())
+    stored = ResponseStore()  # the Responses API's, and its background runs
+    background = BackgroundRuns(streams, cfg.request_timeout, lambda chunk, fmt: _check(
+        chunk, fmt.prompt_param, fmt.job.structured_param))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -314,7 +317,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
             tasks.append(asyncio.create_task(log_stats(
                 lambda: Totals.of(metrics.scheduler.values()), cfg.log_stats_interval)))
         yield
-        for task in tasks:
+        for task in [*tasks, *background.tasks.values()]:
             task.cancel()
         streams.close()
 
@@ -486,10 +489,6 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         app.post(path, openapi_extra=body_schema(ScoreRequest))(score)
     for path in RERANK_PATHS:
         app.post(path, openapi_extra=body_schema(RerankRequest))(rerank)
-
-    stored = ResponseStore()
-    background = BackgroundRuns(streams, cfg.request_timeout, lambda chunk, fmt: _check(
-        chunk, fmt.prompt_param, fmt.job.structured_param))
 
     @app.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest))
     async def responses(request: Request) -> Response:
