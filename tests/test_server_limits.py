@@ -1,6 +1,7 @@
 """A service under overload and hostile requests: admission (429), deadlines, body limits, the API
 key and the Host check, fresh /metrics, long prompts; and the settings a deployment sets
-(--root-path, --no-auto-tool-choice, --enable-force-include-usage). One `serve` process (default
+(--root-path, --no-auto-tool-choice, --enable-force-include-usage,
+--return-tokens-as-token-ids). One `serve` process (default
 model, CPU) for the module, with small limits: one request runs at a time, so the others
 queue."""
 
@@ -44,6 +45,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) ->
                         "--body-timeout", str(BODY_TIMEOUT_S), "--api-key", KEY,
                         "--allowed-origins", APP_ORIGIN, "--root-path", ROOT,
                         "--no-auto-tool-choice", "--enable-force-include-usage",
+                        "--return-tokens-as-token-ids",
                         "--stats-interval", "0.2"], tmp_path_factory.mktemp("limits"))
     yield srv
     srv.stop()
@@ -446,10 +448,12 @@ def test_root_path_behind_a_proxy(server: Server) -> None:
     assert route_path({"path": "/health"}) == "/health"
 
 
-def test_tool_choice_auto_off_and_usage_forced(server: Server) -> None:
+def test_tool_choice_auto_off_usage_forced_tokens_as_ids(server: Server) -> None:
     """--no-auto-tool-choice: tools with tool_choice auto (given, or the default with tools)
     are a 400 naming tool_choice, on chat and the Responses API; required is served.
-    --enable-force-include-usage: a stream that did not ask still ends with its usage."""
+    --enable-force-include-usage: a stream that did not ask still ends with its usage.
+    --return-tokens-as-token-ids: logprob tokens as "token_id:N" unless the request says
+    false."""
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
         "required": ["city"]}}}
@@ -468,3 +472,11 @@ def test_tool_choice_auto_off_and_usage_forced(server: Server) -> None:
         data = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert data[-1] == "data: [DONE]"
     assert json.loads(data[-2].removeprefix("data: "))["usage"]["completion_tokens"] == 3
+
+    def tokens(**fields: object) -> list:
+        r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2,
+                                              "logprobs": 1, "temperature": 0, **fields})
+        assert r.status_code == 200, r.text
+        return list(r.json()["choices"][0]["logprobs"]["tokens"])
+    assert all(t.startswith("token_id:") for t in tokens())
+    assert not any(t.startswith("token_id:") for t in tokens(return_tokens_as_token_ids=False))

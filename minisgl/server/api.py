@@ -127,6 +127,7 @@ class ApiConfig:
     auto_tool_choice: bool = True  # tool_choice auto served (else a 400, as vLLM's default)
     force_include_usage: bool = False  # every stream ends with its usage (vLLM's flag)
     log_stats_interval: Optional[float] = None  # seconds between stats lines (stats_log.py)
+    return_tokens_as_token_ids: bool = False  # vLLM's: where a request leaves it unset
 
 
 class ClientGone(Exception):
@@ -374,10 +375,20 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
             job, params=dataclasses.replace(job.params, lora_name=lora))
 
     async def run(request: Request, fmt: Formatter) -> Response:
-        check_tool_choice(fmt.job)
-        if cfg.force_include_usage and fmt.job.stream:
-            fmt.job = dataclasses.replace(fmt.job, include_usage=True)
+        serve_as_set(fmt)
         return await run_job(request, streams, fmt, cfg.request_timeout)
+
+    def serve_as_set(fmt: Formatter) -> None:
+        """The server's settings over a formatter's job, before it is submitted: tool_choice
+        auto refused where it is off; a stream's usage forced (--enable-force-include-usage);
+        log-probability tokens as ids where the request left it to the server."""
+        check_tool_choice(fmt.job)
+        job = fmt.job
+        if cfg.force_include_usage and job.stream:
+            job = dataclasses.replace(job, include_usage=True)
+        if job.tokens_as_ids is None:
+            job = dataclasses.replace(job, tokens_as_ids=cfg.return_tokens_as_token_ids)
+        fmt.job = job
 
     def check_tool_choice(job: Job) -> None:
         """ApiError 400 for tool_choice auto where the server reads no calls unasked
@@ -501,7 +512,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         fmt = ResponsesFormatter(lora or cfg.model_name, job, body, messages, stored,
                                  cfg.reasoning_parser, cfg.tool_call_parser)
         if body.background:
-            check_tool_choice(job)
+            serve_as_set(fmt)
             return JSONResponse(background.start(fmt))
         return await run(request, fmt)
 

@@ -121,6 +121,10 @@ class ServerConfig:
               "calls; off: such a request gets a 400 naming tool_choice, as vLLM without its "
               "--enable-auto-tool-choice",
         alias=Alias("enable-auto-tool-choice", True, "on, as by default (vLLM's flag)"))
+    return_tokens_as_token_ids: bool = setting(
+        False, "vLLM's: log-probability tokens rendered as \"token_id:N\" in chat, "
+               "completion and Responses replies whose request leaves "
+               "return_tokens_as_token_ids unset")
     enable_force_include_usage: bool = setting(
         False, "vLLM's: every streamed chat, completion and Responses reply ends with its "
                "usage, as if the request had asked (stream_options.include_usage)")

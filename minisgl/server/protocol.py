@@ -313,7 +313,8 @@ class Job:
     # the client's X-Request-Id (server/request_log.py): the response id is built from it
     request_id: Optional[str] = None
     # vLLM's return_tokens_as_token_ids: log-probability tokens rendered as "token_id:N"
-    tokens_as_ids: bool = False
+    # (None: an OpenAI request that left it unset, which the server's setting decides)
+    tokens_as_ids: Optional[bool] = False
     generate_logprobs: Optional[GenerateLogprobs] = None  # /generate's return_logprob
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and token_ids in the reply
 
@@ -541,7 +542,7 @@ def _job(body: _OpenAI, prompts: List[Prompt], max_n: int, defaults: SamplingDef
     return dataclasses.replace(
         job, params=dataclasses.replace(job.params, prompt_logprobs=prompt_logprobs),
         continuous_usage=bool(options and options.continuous_usage_stats),
-        prompt_logprobs=prompt_logprobs, tokens_as_ids=bool(body.return_tokens_as_token_ids),
+        prompt_logprobs=prompt_logprobs, tokens_as_ids=body.return_tokens_as_token_ids,
         return_token_ids=bool(body.return_token_ids),
         request_id=checked_id(body.request_id, "request_id"))
 

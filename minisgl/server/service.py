@@ -243,6 +243,7 @@ class Service:
                                 c.generation_config, Path(self.model_path),
                                 c.override_generation_config),
                             auto_tool_choice=c.auto_tool_choice,
+                            return_tokens_as_token_ids=c.return_tokens_as_token_ids,
                             log_stats_interval=c.log_stats_interval if c.log_stats else None,
                             force_include_usage=c.enable_force_include_usage)
         tok_cfg = TokenizerConfig(str(self.tokenizer_path), a.tokenizer, a.backends, a.detokenizer,

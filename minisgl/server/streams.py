@@ -123,7 +123,7 @@ class RequestStreams:
                                            job.skip_special_tokens, job.echo, job.no_stop_trim,
                                            t.add_generation_prompt, t.continue_final_message,
                                            _kwargs_json(t.kwargs), p.tools_json,
-                                           p.add_special_tokens, job.tokens_as_ids,
+                                           p.add_special_tokens, bool(job.tokens_as_ids),
                                            job.return_token_ids, p.text_pair))
                 sent += 1
         except BaseException as e:  # a request that cannot be sent must not hold its place
