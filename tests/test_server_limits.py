@@ -442,7 +442,7 @@ def test_root_path_behind_a_proxy(server: Server) -> None:
     with pytest.raises(ValueError, match="root_path must be a path"):
         from minisgl.server.args import parse_args
         parse_args(["--root-path", "minisgl/"])
-    from minisgl.server.error_shapes import route_path
+    from minisgl.server.limits import route_path
     assert route_path({"path": "/minisgl/v1/models", "root_path": ROOT}) == "/v1/models"
     assert route_path({"path": "/minisglx/v1", "root_path": ROOT}) == "/minisglx/v1"
     assert route_path({"path": "/health"}) == "/health"

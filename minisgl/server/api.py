@@ -45,8 +45,8 @@ from minisgl.server.admission import Deadline, overloaded
 from minisgl.server.anthropic_api import (CountTokensRequest, MessagesFormatter, MessagesRequest,
                                           count_tokens_prompt, messages_job)
 from minisgl.server.auth import AccessCheck
-from minisgl.server.error_shapes import COUNT_TOKENS_PATH, MESSAGES_PATH, error_body, route_path
-from minisgl.server.limits import BodyLimits
+from minisgl.server.error_shapes import COUNT_TOKENS_PATH, MESSAGES_PATH, error_body
+from minisgl.server.limits import BodyLimits, route_path
 from minisgl.server.request_log import REQUEST_ID_HEADER, RequestLog
 from minisgl.server.health import HealthFile
 from minisgl.server.metrics import Metrics

@@ -19,9 +19,9 @@ from __future__ import annotations
 import hmac
 from typing import List, Optional
 
-from minisgl.server.error_shapes import ANTHROPIC_PATHS, route_path
+from minisgl.server.error_shapes import ANTHROPIC_PATHS
 from minisgl.server.hosts import host_name, is_loopback
-from minisgl.server.limits import App, Receive, Scope, Send, header, send_error
+from minisgl.server.limits import App, Receive, Scope, Send, header, route_path, send_error
 from minisgl.server.protocol import ApiError
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/health_generate", "/metrics"})

@@ -5,7 +5,7 @@ its own shape whichever layer refused the request."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping
+from typing import Any, Dict
 
 from minisgl.server.protocol import ApiError
 
@@ -16,16 +16,6 @@ ANTHROPIC_PATHS = frozenset({MESSAGES_PATH, COUNT_TOKENS_PATH})
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 403: "permission_error", 404: "not_found_error", 408: "timeout_error",
                 413: "request_too_large", 429: "overloaded_error"}
-
-
-def route_path(scope: Mapping[str, Any]) -> str:
-    """The request's path as the app's routes name it: behind a proxy that serves the API
-    under a prefix (--root-path; uvicorn puts the prefix in front of every path it receives,
-    as the ASGI spec has it), that prefix removed (as Starlette's router removes it)."""
-    path, root = str(scope.get("path", "")), str(scope.get("root_path", ""))
-    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
-        return path[len(root):]
-    return path
 
 
 def anthropic_error_body(e: ApiError) -> Dict[str, Any]:

@@ -7,13 +7,14 @@
   less than its `Content-Length`, or trickles it) gets a 408 and its connection is closed, so
   that no client can hold a connection and its handler forever.
 Once the body is in, the app's later `receive` calls (disconnect watching) pass through.
+`header` and `route_path` read a request's scope for this and the other middlewares.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
+from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, Tuple
 
 from minisgl.server.error_shapes import error_body
 from minisgl.server.protocol import ApiError
@@ -35,6 +36,16 @@ def too_large(max_bytes: int) -> ApiError:
 def too_slow(timeout_s: float) -> ApiError:
     return ApiError(408, f"the request body did not arrive within {timeout_s:g} s",
                     kind="invalid_request_error", code="request_timeout", headers=_CLOSE)
+
+
+def route_path(scope: Mapping[str, Any]) -> str:
+    """The request's path as the app's routes name it: behind a proxy that serves the API
+    under a prefix (--root-path; uvicorn puts the prefix in front of every path it receives,
+    as the ASGI spec has it), that prefix removed (as Starlette's router removes it)."""
+    path, root = str(scope.get("path", "")), str(scope.get("root_path", ""))
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):]
+    return path
 
 
 def header(scope: Scope, name: bytes) -> Optional[str]:

@@ -24,8 +24,8 @@ import time
 import uuid
 from typing import Any, Callable, Dict, List, Optional
 
-from minisgl.server.error_shapes import route_path
-from minisgl.server.limits import App, Message, Receive, Scope, Send, header, send_error
+from minisgl.server.limits import (App, Message, Receive, Scope, Send, header, route_path,
+                                   send_error)
 from minisgl.server.protocol import MAX_ID_CHARS, ApiError, request_id_error
 
 __all__ = ["MAX_ID_CHARS", "REQUEST_ID_HEADER", "RequestLog", "bad_request_id", "route_label"]

@@ -33,13 +33,9 @@ class Totals(NamedTuple):
 
     @classmethod
     def of(cls, stats: Iterable[SchedulerStats]) -> "Totals":
-        out = cls()
-        for s in stats:
-            out = cls(out.running + s.running, out.waiting + s.waiting,
-                      out.kv_used + s.kv_pages_used, out.kv_total + s.kv_pages_total,
-                      out.prompt + s.prompt_tokens_total, out.generated + s.generated_tokens_total,
-                      out.cached + s.cached_tokens_total)
-        return out
+        rows = [(s.running, s.waiting, s.kv_pages_used, s.kv_pages_total, s.prompt_tokens_total,
+                 s.generated_tokens_total, s.cached_tokens_total) for s in stats]
+        return cls(*(sum(column) for column in zip(*rows))) if rows else cls()
 
 
 def stats_line(before: Totals, now: Totals, seconds: float) -> Optional[str]:
