@@ -22,7 +22,9 @@ if TYPE_CHECKING:  # messages import this module: the tokenizer and API processe
 
 # The most alternatives a request may ask log-probabilities for (vLLM's default cap, and
 # OpenAI's top_logprobs bound).
-MAX_LOGPROBS = 20
+# vLLM's default --max-logprobs: the most log-probabilities a request may ask for per token,
+# where the engine's config leaves it (SchedulerConfig.max_logprobs).
+DEFAULT_MAX_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 256  # a salt names a tenant: a key, not a document
 # How an embedding pools the prompt's final hidden states (SamplingParams.pooling): its last
 # token's, their mean, or the first token's (sentence-transformers' lasttoken, mean_tokens and
@@ -84,8 +86,8 @@ class SamplingParams:
 
     `temperature == 0` (or `top_k == 1`) means greedy. `top_k <= 0` and `top_p == 1` and
     `min_p == 0` disable those filters. `seed` makes random sampling reproducible; without it the
-    request's uid seeds the noise (still identical on every rank). `logprobs=k` (0 to
-    MAX_LOGPROBS) returns each sampled token's log-probability and those of the k most likely
+    request's uid seeds the noise (still identical on every rank). `logprobs=k` (0 to the
+    engine's max_logprobs, 20 unless configured; check_request judges it) returns each sampled token's log-probability and those of the k most likely
     tokens (see TokenLogprobs); None returns none. The penalties (engine/penalties.py) push the
     logits away from tokens already seen: `repetition_penalty` > 0 (1: off) over prompt and
     output, `frequency_penalty` and `presence_penalty` in [-2, 2] (0: off) over the output.
@@ -231,9 +233,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or not 0 <= value <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got "
-                                 f"{value!r}")
+                                      or value < 0):
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
@@ -426,6 +427,9 @@ class Limits(NamedTuple):
     # LoRA adapter slots (0: LoRA is off). Which adapters they hold changes at run time, so a
     # request's adapter name is checked by the scheduler as it takes the request.
     lora_slots: int = 0
+    # The most log-probabilities a request may ask for per token (logprobs, prompt_logprobs):
+    # SchedulerConfig.max_logprobs resolved, never more than the vocabulary.
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
 
     @property
     def kv_capacity(self) -> int:
@@ -528,6 +532,11 @@ def check_request(ids: Sequence[int], params: SamplingParams, limits: Limits) ->
             raise RequestError(f"{name} token id{'s' if many else ''} {', '.join(outside)} "
                                f"{'are' if many else 'is'} outside the vocabulary "
                                f"[0, {limits.vocab_size})", name)
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and k > limits.max_logprobs:
+            raise RequestError(f"{name} asks for the {k} most likely tokens, more than this "
+                               f"engine returns (max_logprobs {limits.max_logprobs})", name)
     error = _structured_error(params.structured)
     if error is not None:
         raise RequestError(error, "structured")

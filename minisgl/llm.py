@@ -59,7 +59,8 @@ from minisgl.server.tools import assistant_tool_calls
 from minisgl.tokenizer.bad_words import with_bad_word_ids
 from minisgl.tokenizer.chat_template import chat_prompt_ids
 from minisgl.tokenizer.incremental import IncrementalDecoder, StopMatcher
-from minisgl.tokenizer.text import load_tokenizer, resolve_tokenizer_path
+from minisgl.tokenizer.text import (check_tokenizer_mode, load_tokenizer,
+                                    resolve_tokenizer_path)
 from minisgl.settings import build
 from minisgl.distributed.bind import free_port
 
@@ -371,12 +372,17 @@ class LLM:
     unset max_tokens, as in vLLM), "none" (SamplingParams' own defaults), or a directory
     holding a generation_config.json; `override_generation_config` (vLLM's; a dict or its
     JSON): those defaults set over it. `tokenizer`: a directory or hub id whose tokenizer (and
-    chat template) replaces the model's, as the server's `--tokenizer`."""
+    chat template) replaces the model's, as the server's `--tokenizer`; `tokenizer_mode`: vLLM's,
+    "auto" or "hf" (others are refused: text.check_tokenizer_mode). `hf_token`: what hub
+    downloads of the model and tokenizer are authorized with (vLLM's; None: huggingface_hub's
+    own, HF_TOKEN or the saved login)."""
 
     def __init__(self, model: Optional[str] = None, *, show_progress: bool = True,
                  log_level: str = "WARNING", generation_config: str = "auto",
                  override_generation_config: Union[None, str, Dict[str, Any]] = None,
-                 tokenizer: Optional[str] = None, **overrides: Any) -> None:
+                 tokenizer: Optional[str] = None, tokenizer_mode: str = "auto",
+                 hf_token: Optional[str] = None, **overrides: Any) -> None:
+        check_tokenizer_mode(tokenizer_mode)
         if isinstance(overrides.get("lora_modules"), dict):  # {name: path}, as the flag's text
             overrides["lora_modules"] = ",".join(f"{name}={path}" for name, path
                                                  in overrides["lora_modules"].items())
@@ -389,9 +395,9 @@ class LLM:
         self._lora_runtime, self._max_lora_rank = cfg.engine.lora_runtime, cfg.engine.max_lora_rank
         tp = cfg.engine.tp
         self.model_path = resolve_model_path(model, cfg.engine.revision,
-                                             cfg.engine.download_dir)
+                                             cfg.engine.download_dir, hf_token)
         tokenizer_path = resolve_tokenizer_path(tokenizer, self.model_path,
-                                                cfg.engine.download_dir)
+                                                cfg.engine.download_dir, hf_token)
         self.tokenizer = load_tokenizer(tokenizer_path)
         if isinstance(override_generation_config, dict):
             override_generation_config = json.dumps(override_generation_config)

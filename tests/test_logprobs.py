@@ -4,6 +4,8 @@ none, through chunked prefill and overlap scheduling; the detokenizer renders th
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -53,11 +55,39 @@ def test_logprobs_equal_hf(tiny_model: Callable[..., Path], overlap: bool, chunk
 
 def test_bad_logprobs_are_refused_with_the_numbers(tiny_model: Callable[..., Path]) -> None:
     with LLM(str(tiny_model("llama")), max_kv_tokens=1024, show_progress=False) as llm:
-        for bad in (21, -1, True, 2.0):
-            with pytest.raises(ValueError, match=r"logprobs must be an integer in \[0, 20\]"):
+        for bad in (-1, True, 2.0):
+            with pytest.raises(ValueError, match=r"logprobs must be an integer >= 0"):
                 llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=bad))  # type: ignore[arg-type]
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM's default cap, 20
+            with pytest.raises(ValueError, match=rf"{name} asks for the 21 most likely tokens, "
+                                                 rf"more than this engine returns "
+                                                 rf"\(max_logprobs 20\)"):
+                llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, **{name: 21}))
         out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=20))[0]
         assert out.logprobs is not None and all(len(lp.top_ids) == 20 for lp in out.logprobs)
+
+
+@pytest.mark.parametrize("cap", [64, -1])
+def test_max_logprobs_raises_the_cap(tiny_model: Callable[..., Path], cap: int) -> None:
+    """vLLM's max_logprobs: more alternatives than 20 where configured, the same values as the
+    full distribution's top k; -1 lets a request ask for the whole vocabulary and no more."""
+    path = tiny_model("llama")
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    k = vocab if cap == -1 else cap
+    with LLM(str(path), max_kv_tokens=1024, show_progress=False, max_logprobs=cap) as llm:
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=k,
+                                                       prompt_logprobs=k))[0]
+        assert out.logprobs is not None and all(len(lp.top_ids) == k for lp in out.logprobs)
+        assert out.prompt_token_logprobs is not None
+        assert all(len(lp.top_ids) == k for lp in out.prompt_token_logprobs)
+        first = out.logprobs[0]
+        assert list(first.top_logprobs) == sorted(first.top_logprobs, reverse=True)
+        if cap == -1:  # every token once: the probabilities sum to one
+            assert sorted(first.top_ids) == list(range(vocab))
+            assert sum(math.exp(v) for v in first.top_logprobs) == pytest.approx(1.0, abs=1e-4)
+        with pytest.raises(ValueError, match=rf"asks for the {k + 1} most likely tokens.*"
+                                             rf"max_logprobs {k}"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=k + 1))
 
 
 def test_detokenizer_renders_logprob_tokens(default_model_dir: Path) -> None:

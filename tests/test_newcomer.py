@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 
@@ -161,6 +161,31 @@ def test_unknown_hub_id_names_it(tmp_path: Path, offline: None) -> None:
     cache = _hub_cache(tmp_path / "hub", "acme/tiny", tmp_path / "src", {"main": COMMIT})
     with pytest.raises(FileNotFoundError, match="revision 'nope' of .*'acme/tiny'"):
         resolve_model_path("acme/tiny", "nope", str(cache))
+
+
+def test_hf_token_authorizes_the_hub_downloads(tiny_qwen3: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's --hf-token: every download of the model and of --tokenizer sends it (gated and
+    private models); the start-up log does not show it."""
+    import huggingface_hub
+    from minisgl.models.path import resolve_model_path
+    from minisgl.server.args import describe, parse_args
+    from minisgl.tokenizer.text import resolve_tokenizer_path
+    calls: List[Dict[str, Any]] = []
+
+    def snapshot_download(model_id: str, **kwargs: Any) -> str:
+        calls.append({"id": model_id, **kwargs})
+        return str(tiny_qwen3)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    cfg = parse_args(["--model", "acme/gated", "--tokenizer", "acme/tok",
+                      "--hf-token", "hf_secret"])
+    path = resolve_model_path(cfg.model, None, None, cfg.hf_token)
+    resolve_tokenizer_path(cfg.tokenizer, path, None, cfg.hf_token)
+    assert [(c["id"], c["token"]) for c in calls] == [("acme/gated", "hf_secret"),
+                                                      ("acme/tok", "hf_secret")]
+    assert "hf_token = <set>" in describe(cfg) and "hf_secret" not in "".join(describe(cfg))
+    resolve_model_path("acme/open")
+    assert calls[-1]["token"] is None  # huggingface_hub's own (HF_TOKEN, the saved login)
 
 
 def test_hub_files_are_what_loading_reads() -> None:

@@ -551,7 +551,9 @@ BAD_ITEM6 = [
     ({"allowed_token_ids": [5, 60000, 70000]}, "allowed_token_ids", "60000, 70000"),
     ({"allowed_token_ids": [-1]}, "allowed_token_ids", "-1"),
     ({"allowed_token_ids": "5"}, "allowed_token_ids", ""),
-    ({"prompt_logprobs": 21}, "prompt_logprobs", "between 0 and 20, got 21"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs",
+     "prompt_logprobs asks for the 21 most likely tokens, more than this engine returns "
+     "(max_logprobs 20)"),
     ({"prompt_logprobs": -1}, "prompt_logprobs", "got -1"),
     ({"prompt_logprobs": True}, "prompt_logprobs", ""),
 ]

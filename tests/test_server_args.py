@@ -74,6 +74,7 @@ def test_vllm_and_sglang_names_work_on_the_command_line_in_files_and_keywords(
             cfg.engine.max_model_len, cfg.cluster.dp, cfg.scheduler.max_prefill_tokens,
             cfg.log_requests) == ("org/model", 2, 64, 32, 4096, 2, 2048, False)
     assert parse_args(["--model-path", "x", "--tp-size", "4"]).engine.tp == 4
+    assert parse_args(["x", "--cuda-graph-sizes", "64"]).engine.cuda_graph_max_bs == 64
     vllm_chunk = parse_args(["x", "--max-num-batched-tokens", "4096", "--disable-radix-cache"])
     assert (vllm_chunk.scheduler.max_prefill_tokens, vllm_chunk.scheduler.cache) == (4096,
                                                                                      "naive")
@@ -90,6 +91,19 @@ def test_vllm_and_sglang_names_work_on_the_command_line_in_files_and_keywords(
         f.write_text(text)
         with pytest.raises(ValueError, match=match):
             parse_args(["--config", str(f)])
+
+
+def test_vllm_tokenizer_mode_auto_and_hf_served_others_refused(tmp_path: Path) -> None:
+    """vLLM's --tokenizer-mode: auto and hf are what minisgl does (transformers' tokenizer);
+    slow, mistral and custom are refused by name, on the command line and by LLM()."""
+    from minisgl import LLM
+    assert [parse_args(["--tokenizer-mode", m]).tokenizer_mode for m in ("auto", "hf")] == [
+        "auto", "hf"]
+    for mode in ("slow", "mistral", "custom"):
+        with pytest.raises(ValueError, match=rf"tokenizer_mode '{mode}' is not supported"):
+            parse_args(["--tokenizer-mode", mode])
+    with pytest.raises(ValueError, match="tokenizer_mode 'mistral' is not supported"):
+        LLM(str(tmp_path), tokenizer_mode="mistral")  # refused before the model is read
 
 
 def test_bad_flags() -> None:

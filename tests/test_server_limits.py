@@ -1,7 +1,7 @@
 """A service under overload and hostile requests: admission (429), deadlines, body limits, the API
 key and the Host check, fresh /metrics, long prompts; and the settings a deployment sets
 (--root-path, --no-auto-tool-choice, --enable-force-include-usage,
---return-tokens-as-token-ids). One `serve` process (default
+--return-tokens-as-token-ids, --max-logprobs). One `serve` process (default
 model, CPU) for the module, with small limits: one request runs at a time, so the others
 queue."""
 
@@ -33,6 +33,7 @@ BODY_TIMEOUT_S = 1.0
 MAX_PROMPT_CHARS = 8192 * 81
 SHORT = [{"role": "user", "content": "Hi"}]
 APP_ORIGIN = "https://app.example"  # --allowed-origins
+MAX_LOGPROBS = 30  # vLLM's default is 20
 ROOT = "/minisgl"  # --root-path: requests come as a proxy forwards them, without it
 
 
@@ -45,7 +46,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) ->
                         "--body-timeout", str(BODY_TIMEOUT_S), "--api-key", KEY,
                         "--allowed-origins", APP_ORIGIN, "--root-path", ROOT,
                         "--no-auto-tool-choice", "--enable-force-include-usage",
-                        "--return-tokens-as-token-ids",
+                        "--return-tokens-as-token-ids", "--max-logprobs", str(MAX_LOGPROBS),
                         "--stats-interval", "0.2"], tmp_path_factory.mktemp("limits"))
     yield srv
     srv.stop()
@@ -321,6 +322,29 @@ def test_openapi_describes_request_bodies(server: Server) -> None:
     assert schemas["ChatMessage"]["properties"]["role"]
 
 
+@pytest.mark.parametrize("flags,served", [([], True), (["--no-openapi"], False),
+                                           (["--disable-fastapi-docs"], False)])
+def test_disable_fastapi_docs_hides_the_openapi_document(tmp_path: Path, flags: List[str],
+                                                         served: bool) -> None:
+    """vLLM's --disable-fastapi-docs (minisgl's --no-openapi): no /openapi.json; the API
+    itself is unchanged (the app alone: no service behind it)."""
+    from fastapi.testclient import TestClient
+    from minisgl.server.api import ApiConfig, create_app
+    from minisgl.server.args import parse_args
+    openapi = parse_args(flags).openapi
+    assert openapi is served
+    cfg = ApiConfig("m", 2048, 1, f"ipc://{tmp_path}/tok", f"ipc://{tmp_path}/api",
+                    str(tmp_path / "health"), openapi=openapi)
+    client = TestClient(create_app(cfg, lambda: True))
+    r = client.get("/openapi.json")
+    assert r.status_code == (200 if served else 404), r.text
+    if served:  # OpenAPI's rule, which code generators rely on: one id per operation
+        ids = [op["operationId"] for ops in r.json()["paths"].values() for op in ops.values()]
+        assert len(ids) == len(set(ids)) and "health_ping_post" in ids
+    assert client.head("/health").status_code == client.post("/ping").status_code == 200
+    assert client.post("/v1/chat/completions", content=b"{").status_code == 400
+
+
 # --- hostile input --------------------------------------------------------------------------------
 @pytest.mark.parametrize("depth", [1000, 100_000])
 def test_deeply_nested_json_400(server: Server, depth: int) -> None:
@@ -480,3 +504,29 @@ def test_tool_choice_auto_off_usage_forced_tokens_as_ids(server: Server) -> None
         return list(r.json()["choices"][0]["logprobs"]["tokens"])
     assert all(t.startswith("token_id:") for t in tokens())
     assert not any(t.startswith("token_id:") for t in tokens(return_tokens_as_token_ids=False))
+
+
+def test_max_logprobs_is_the_cap_of_every_api(server: Server) -> None:
+    """--max-logprobs 30: 30 alternatives served (OpenAI's own cap is 20); 31 a 400 naming the
+    field each API calls it by, with the numbers; the service goes on."""
+    r = _post(server, "/v1/chat/completions", _chat(logprobs=True, top_logprobs=MAX_LOGPROBS))
+    assert r.status_code == 200, r.text
+    steps = r.json()["choices"][0]["logprobs"]["content"]
+    assert steps and all(len(s["top_logprobs"]) == MAX_LOGPROBS for s in steps)
+    over = MAX_LOGPROBS + 1
+    for path, body, param in (
+            ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=over), "top_logprobs"),
+            ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2,
+                                 "logprobs": over}, "logprobs"),
+            ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2,
+                                 "prompt_logprobs": over}, "prompt_logprobs"),
+            ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 2},
+                           "return_logprob": True, "top_logprobs_num": over},
+             "top_logprobs_num")):
+        r = _post(server, path, body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and error["message"] == (
+            f"{param} asks for the {over} most likely tokens, more than this engine returns "
+            f"(max_logprobs {MAX_LOGPROBS})"), error
+    assert _post(server, "/v1/chat/completions", _chat()).status_code == 200

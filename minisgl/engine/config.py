@@ -132,9 +132,12 @@ class EngineConfig:
                                "auto: on with CUDA, fused_ops and compute capability 9.0+; on: "
                                "required (start-up fails where it cannot be); off",
                        choices=PDL_MODES)
-    cuda_graph_max_bs: int = setting(256, "capture decode CUDA graphs for batch sizes up to N, "
-                                          "so that a decode step is one graph launch instead "
-                                          "of one launch per kernel (0: none; GPU only)")
+    cuda_graph_max_bs: int = setting(256, "capture decode CUDA graphs for batch sizes up to N "
+                                          "(1, 2, 4, then every 8, as vLLM's one-value "
+                                          "--cuda-graph-sizes N), so that a decode step is "
+                                          "one graph launch instead of one launch per kernel "
+                                          "(0: none; GPU only)",
+                                     also=("cuda-graph-sizes",))
     prefill_graph_tokens: int = setting(1024, "capture CUDA graphs for prefills of one request "
                                               "of up to N new tokens (buckets of 64, 96, 128, "
                                               "192, 256, then every 64), so that a prompt's "

@@ -41,17 +41,19 @@ def _offline() -> bool:
 
 
 def download_model(model_id: str, revision: Optional[str] = None,
-                   download_dir: Optional[str] = None, files: Tuple[str, ...] = HUB_FILES
-                   ) -> Path:
+                   download_dir: Optional[str] = None, files: Tuple[str, ...] = HUB_FILES,
+                   token: Optional[str] = None) -> Path:
     """The local snapshot of hub model `model_id` at `revision` (None: the default branch),
     its `files` (patterns) downloaded into the hub cache (`download_dir`, else
-    huggingface_hub's default) where missing. FileNotFoundError naming the id when it is
-    neither cached nor downloadable."""
+    huggingface_hub's default) where missing, authorized by `token` (None: huggingface_hub's
+    own, HF_TOKEN or the saved login; a gated or private model needs one).
+    FileNotFoundError naming the id when it is neither cached nor downloadable."""
     from huggingface_hub import snapshot_download
     offline = _offline()
     try:
         folder = snapshot_download(model_id, revision=revision, cache_dir=download_dir,
-                                   allow_patterns=list(files), local_files_only=offline)
+                                   allow_patterns=list(files), local_files_only=offline,
+                                   token=token)
     except Exception as e:  # noqa: BLE001  (hub errors, invalid ids, network failures)
         where = f"revision {revision!r} of " if revision else ""
         how = ("HF_HUB_OFFLINE is set and it is not in the local cache" if offline else
@@ -66,16 +68,17 @@ def download_model(model_id: str, revision: Optional[str] = None,
 
 
 def resolve_model_path(model: Optional[str], revision: Optional[str] = None,
-                       download_dir: Optional[str] = None) -> Path:
-    """A local Hugging Face directory, or a hub id (`download_model`); None means the bundled
-    default model (fetched and converted on first use)."""
+                       download_dir: Optional[str] = None, token: Optional[str] = None
+                       ) -> Path:
+    """A local Hugging Face directory, or a hub id (`download_model`, with `token`); None
+    means the bundled default model (fetched and converted on first use)."""
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
         return path
     if looks_like_hub_id(model):
-        path = download_model(model, revision, download_dir)
+        path = download_model(model, revision, download_dir, token=token)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"hub model {model!r} has no config.json (snapshot {path})")
         return path

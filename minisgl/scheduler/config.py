@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from minisgl.core import DEFAULT_MAX_LOGPROBS
 from minisgl.engine import EngineConfig
 from minisgl.settings import Alias, check_choices, section, setting
 
@@ -58,6 +59,10 @@ class SchedulerConfig:
               "the prefix cache) and "
               "re-queueing them when decode outgrows the pool; unset: reserve all of "
               "max_tokens, so nothing is retracted")
+    max_logprobs: int = setting(
+        DEFAULT_MAX_LOGPROBS, "the most log-probabilities a request may ask for per token "
+                              "(logprobs, top_logprobs, prompt_logprobs; vLLM's); -1: the "
+                              "whole vocabulary")
     check_lockstep: bool = setting(False, "every step, the ranks compare their batch uids, KV "
                                           "slots and sampled tokens and fail on a mismatch (a "
                                           "debugging aid: one collective per step)")
@@ -88,8 +93,17 @@ class SchedulerConfig:
         """The most decode rows the engine's mixed-step graphs carry (0: mixed steps off)."""
         return self.mixed_graph_rows if self.mixed else 0
 
+    def logprobs_cap(self, vocab_size: int) -> int:
+        """max_logprobs resolved for a vocabulary of `vocab_size` tokens (-1: all of it)."""
+        if self.max_logprobs == -1:
+            return vocab_size
+        return min(self.max_logprobs, vocab_size)
+
     def __post_init__(self) -> None:
         check_choices(self)
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary, got "
+                             f"{self.max_logprobs}")
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.mixed_graph_rows < 0:

@@ -23,6 +23,7 @@ import dataclasses
 import importlib.metadata
 import json
 import logging
+import re
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -117,6 +118,7 @@ class ApiConfig:
     loopback_only: bool = False  # listening on loopback: Host headers must name it
     allowed_origins: Tuple[str, ...] = ()  # CORS: web origins whose pages may call (cors.py)
     root_path: str = ""  # a reverse proxy's prefix, removed before it forwards (uvicorn's)
+    openapi: bool = True  # /openapi.json served (vLLM's --disable-fastapi-docs: not)
     max_queued_requests: Optional[int] = None  # admission.py
     request_timeout: Optional[float] = None  # seconds, admission.Deadline
     max_request_bytes: int = 32 << 20  # limits.py
@@ -162,24 +164,32 @@ class Waiter:
                 return chunk
 
 
-def _check(chunk: ReplyChunk, prompt_param: str = "prompt",
-           structured_param: Optional[str] = None) -> None:
+def _check(chunk: ReplyChunk, prompt_param: str = "prompt", job: Optional[Job] = None
+           ) -> None:
     """ApiError for an error reply, naming the field (a chat request's prompt is its
-    messages; a constraint that does not compile, the field it came from)."""
+    messages; a constraint that does not compile or a log-probability count, the field of
+    `job` it came from)."""
     if chunk.error is not None:
-        raise _chunk_error(chunk, prompt_param, structured_param)
+        raise _chunk_error(chunk, prompt_param, job)
 
 
-def _chunk_error(chunk: ReplyChunk, prompt_param: str = "prompt",
-                 structured_param: Optional[str] = None) -> ApiError:
+def _chunk_error(chunk: ReplyChunk, prompt_param: str = "prompt", job: Optional[Job] = None
+                 ) -> ApiError:
     """The ApiError of an error reply: a server error (5xx, the service stopped), overload (429,
-    from the tokenizer's admission) or the request's fault, naming the field."""
+    from the tokenizer's admission) or the request's fault, naming the field (the message's
+    leading name too, where the request calls it otherwise)."""
     if chunk.error_status == 429:
         return overloaded(chunk.error or "too many tokens queued")
     kind = "server_error" if chunk.error_status >= 500 else "invalid_request_error"
-    param = {"prompt": prompt_param, "structured": structured_param or "structured"}.get(
-        chunk.error_param or "", chunk.error_param)
-    return ApiError(chunk.error_status, chunk.error or "", param, kind=kind)
+    ours = chunk.error_param
+    if ours == "prompt":
+        param: Optional[str] = prompt_param
+    else:
+        param = job.field(ours) if job is not None and ours is not None else ours
+    message = chunk.error or ""
+    if ours and param != ours:
+        message = re.sub(rf"^{re.escape(ours)}\b", param or "", message)
+    return ApiError(chunk.error_status, message, param, kind=kind)
 
 
 def _version() -> str:
@@ -224,12 +234,12 @@ async def run_job(request: Request, streams: RequestStreams, fmt: Formatter,
             first: List[ReplyChunk] = []
             while len({c.uid for c in first}) < len(stream.uids):
                 first.append(await waiter.next())
-                _check(first[-1], fmt.prompt_param, fmt.job.structured_param)
+                _check(first[-1], fmt.prompt_param, fmt.job)
             return SSEResponse(_events(stream, fmt, choices, first, deadline),
                                on_close=lambda: streams.release(stream))
         while stream.unfinished or not stream.queue.empty():
             chunk = await waiter.next()
-            _check(chunk, fmt.prompt_param, fmt.job.structured_param)
+            _check(chunk, fmt.prompt_param, fmt.job)
             choices[stream.index[chunk.uid]].add(chunk)
         return JSONResponse(fmt.full(choices))
     except ClientGone:
@@ -309,7 +319,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     started = int(time.time())
     stored = ResponseStore()  # the Responses API's, and its background runs
     background = BackgroundRuns(streams, cfg.request_timeout, lambda chunk, fmt: _check(
-        chunk, fmt.prompt_param, fmt.job.structured_param))
+        chunk, fmt.prompt_param, fmt.job))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -322,7 +332,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
             task.cancel()
         streams.close()
 
-    app = App(title="minisgl", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = App(title="minisgl", lifespan=lifespan, docs_url=None, redoc_url=None,
+              openapi_url="/openapi.json" if cfg.openapi else None)
     app.state.streams = streams  # serve_forever exits once they are `finished`
     app.body_models += [ChatRequest, CompletionRequest, ResponsesRequest, MessagesRequest,
                         CountTokensRequest, GenerateRequest, TokenizeBody, DetokenizeBody,
@@ -638,8 +649,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
                                               f'const ROOT = "{cfg.root_path}";'))
 
     # HEAD: probes that read no body; /ping: vLLM's (SageMaker's) name for it
-    @app.api_route("/health", methods=["GET", "HEAD"])
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.each_method("/health", ["GET", "HEAD"])
+    @app.each_method("/ping", ["GET", "POST"])
     async def health() -> Response:
         if is_healthy():
             return JSONResponse({"status": "ok"})

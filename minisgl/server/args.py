@@ -28,6 +28,7 @@ from minisgl.server.tls import check_tls
 from minisgl.server.topology import ClusterConfig, Wiring
 from minisgl.server.reasoning import REASONING_PARSERS
 from minisgl.server.tool_calls import TOOL_CALL_PARSERS
+from minisgl.tokenizer.text import check_tokenizer_mode
 from minisgl.settings import (Alias, add_flags, build, check_choices, check_values,
                               json_object, section, setting)
 from minisgl.settings import values as setting_values
@@ -63,6 +64,13 @@ class ServerConfig:
                                              "tokenizer and chat template are used instead "
                                              "of the model's (only its tokenizer files are "
                                              "downloaded)")
+    hf_token: Optional[str] = setting(
+        None, "the Hugging Face token that downloads of a hub model id (and --tokenizer's) "
+              "send, for gated and private models (vLLM's); unset: huggingface_hub's own "
+              "(HF_TOKEN, or the login it saved); never logged")
+    tokenizer_mode: str = setting(
+        "auto", "vLLM's: auto or hf, both transformers' tokenizer of the model (the fast one "
+                "where there is one); vLLM's slow, mistral and custom are refused")
     chat_template: Optional[str] = setting(None, "a Jinja chat template file that replaces the "
                                                  "model's own")
     generation_config: str = setting(
@@ -148,6 +156,9 @@ class ServerConfig:
               "it before it forwards: the OpenAPI document's `servers` and the web chat page's "
               "requests name it (FastAPI's root_path; vLLM's --root-path); the routes stay "
               "where they are")
+    openapi: bool = setting(
+        True, "serve the API's OpenAPI document at /openapi.json",
+        alias=Alias("disable-fastapi-docs", False, "the same as --no-openapi (vLLM's name)"))
     ssl_keyfile: Optional[str] = setting(
         None, "HTTPS: the private key (PEM) of ssl_certfile's certificate; the port then "
               "speaks TLS only (vLLM's and SGLang's)")
@@ -211,6 +222,7 @@ class ServerConfig:
             raise ValueError(f"served_model_name must be names separated by commas, got "
                              f"{self.served_model_name!r}")
         check_tls(self.ssl_keyfile, self.ssl_certfile)
+        check_tokenizer_mode(self.tokenizer_mode)
         json_object(self.default_chat_template_kwargs, "default_chat_template_kwargs",
                     "chat template keywords")
         check_generation_overrides(self.override_generation_config)
@@ -378,7 +390,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> ServerConfig:
     return build(root, settings, "command line")
 
 
-_SECRET_SETTINGS = ("api_key",)
+_SECRET_SETTINGS = ("api_key", "hf_token")
 
 
 def _shown(name: str, value: Any) -> str:

@@ -11,7 +11,6 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Union
 
 from pydantic import ValidationError
 
-from minisgl.core import MAX_LOGPROBS
 from minisgl.models.generation import SamplingDefaults
 from minisgl.server.protocol import (MAX_PROMPTS, ApiError, Body, GenerateLogprobs, Job,
                                      JobShape, Prompt, SamplingBody, check_ids, checked_id,
@@ -144,11 +143,12 @@ def generate_job(body: GenerateRequest, defaults: SamplingDefaults = SamplingDef
     if body.logprob_start_len < -1:
         raise ApiError(400, f"logprob_start_len must be -1 (the output only) or a prompt "
                             f"position >= 0, got {body.logprob_start_len}", "logprob_start_len")
-    if not 0 <= body.top_logprobs_num <= MAX_LOGPROBS:
-        raise ApiError(400, f"top_logprobs_num must be between 0 and {MAX_LOGPROBS}, got "
+    if body.top_logprobs_num < 0:
+        raise ApiError(400, f"top_logprobs_num must be >= 0, got "
                             f"{body.top_logprobs_num}", "top_logprobs_num")
     k = body.top_logprobs_num
     params = dataclasses.replace(job.params, logprobs=k,
                                  prompt_logprobs=k if body.logprob_start_len >= 0 else None)
-    return dataclasses.replace(job, params=params, generate_logprobs=GenerateLogprobs(
+    return dataclasses.replace(job, params=params, logprobs_param="top_logprobs_num",
+                               generate_logprobs=GenerateLogprobs(
         body.logprob_start_len, k, body.return_text_in_logprobs))

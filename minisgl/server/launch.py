@@ -108,7 +108,7 @@ def _prepare(cfg: ServerConfig) -> Prepared:
     try:
         cfg.resolved_device  # noqa: B018  (raises for cuda without a GPU)
         model_path = resolve_model_path(cfg.model, cfg.engine.revision,
-                                                cfg.engine.download_dir)
+                                        cfg.engine.download_dir, cfg.hf_token)
         # a readable config.json, before anything starts
         shape = ModelConfig.from_dir(model_path, cfg.engine.hf_override_dict)
         shape.check_tp(cfg.engine.tp, cfg.engine.enable_expert_parallel)
@@ -118,7 +118,7 @@ def _prepare(cfg: ServerConfig) -> Prepared:
         for name, path in cfg.engine.lora_adapters:  # each rank reads them again, and loads
             read_adapter(name, path, cfg.engine.max_lora_rank)
         tokenizer_path = resolve_tokenizer_path(cfg.tokenizer, model_path,
-                                                cfg.engine.download_dir)
+                                                cfg.engine.download_dir, cfg.hf_token)
         if not has_tokenizer(tokenizer_path):
             logger.warning("%s has no tokenizer files: only token-id prompts can be served "
                            "(text and chat requests get a 400; --tokenizer names another)",

@@ -20,7 +20,7 @@ from typing import (Any, Callable, Dict, List, NamedTuple, Optional, Sequence, T
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from minisgl.core import MAX_LOGPROBS, SamplingParams
+from minisgl.core import SamplingParams
 from minisgl.models.generation import SamplingDefaults
 from minisgl.server.reasoning import keeps_special_tokens
 from minisgl.server.tool_calls import tool_call_format
@@ -307,6 +307,9 @@ class Job:
     tools: Optional[Tools] = None  # chat: the tools, and whether the output is read for calls
     # The request field params.structured came from: an error about it names that field.
     structured_param: Optional[str] = None
+    # The request field params.logprobs came from (chat's top_logprobs, /generate's
+    # top_logprobs_num): an error about it names that field.
+    logprobs_param: str = "logprobs"
     # vLLM's prompt_logprobs as asked (alternatives per prompt token), for the reply's shape;
     # params.prompt_logprobs, what the engine computes, may be larger (an echo's logprobs).
     prompt_logprobs: Optional[int] = None
@@ -317,6 +320,12 @@ class Job:
     tokens_as_ids: Optional[bool] = False
     generate_logprobs: Optional[GenerateLogprobs] = None  # /generate's return_logprob
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and token_ids in the reply
+
+    def field(self, param: str) -> str:
+        """The request field that an engine-side error's `param` (a SamplingParams field)
+        stands for in this request."""
+        named = {"structured": self.structured_param, "logprobs": self.logprobs_param}
+        return named.get(param) or param
 
     def choice_params(self, i: int) -> SamplingParams:
         """Choice i of a prompt: the request's seed shifted by i, so choices differ."""
@@ -440,22 +449,22 @@ def _logprobs(body: _OpenAI) -> Optional[int]:
     else:
         if isinstance(body.logprobs, bool):
             raise ApiError(400, f"logprobs: a completion request takes the number of most likely "
-                                f"tokens to return (0 to {MAX_LOGPROBS}), got "
+                                f"tokens to return (0 to the server's --max-logprobs), got "
                                 f"{json.dumps(body.logprobs)}",
                            "logprobs")
         k, name = body.logprobs, "logprobs"
-    if k is not None and not 0 <= k <= MAX_LOGPROBS:
-        raise ApiError(400, f"{name} must be between 0 and {MAX_LOGPROBS}, got {k}", name)
+    if k is not None and k < 0:
+        raise ApiError(400, f"{name} must be >= 0, got {k}", name)
     return k
 
 
 def _prompt_logprobs(body: _OpenAI) -> Optional[int]:
     """vLLM's prompt_logprobs: how many most likely tokens to return at each prompt position
-    besides the prompt token itself (0 to MAX_LOGPROBS), or None for none. vLLM's -1 (the
-    whole vocabulary) is refused."""
+    besides the prompt token itself (0 to the engine's max_logprobs, which the tokenizer
+    checks), or None for none. vLLM's -1 (the whole vocabulary) is refused."""
     k = body.prompt_logprobs
-    if k is not None and not 0 <= k <= MAX_LOGPROBS:
-        raise ApiError(400, f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {k}",
+    if k is not None and k < 0:
+        raise ApiError(400, f"prompt_logprobs must be >= 0, got {k}",
                        "prompt_logprobs")
     return k
 
@@ -543,6 +552,7 @@ def _job(body: _OpenAI, prompts: List[Prompt], max_n: int, defaults: SamplingDef
         job, params=dataclasses.replace(job.params, prompt_logprobs=prompt_logprobs),
         continuous_usage=bool(options and options.continuous_usage_stats),
         prompt_logprobs=prompt_logprobs, tokens_as_ids=body.return_tokens_as_token_ids,
+        logprobs_param="top_logprobs" if isinstance(body, ChatRequest) else "logprobs",
         return_token_ids=bool(body.return_token_ids),
         request_id=checked_id(body.request_id, "request_id"))
 

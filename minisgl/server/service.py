@@ -225,6 +225,7 @@ class Service:
                             tool_call_parser=tool_parser, aliases=c.model_aliases,
                             api_key=c.resolved_api_key, loopback_only=c.on_loopback,
                             allowed_origins=c.origins, root_path=c.root_path or "",
+                            openapi=c.openapi,
                             max_queued_requests=c.max_queued_requests,
                             request_timeout=c.request_timeout,
                             max_request_bytes=c.max_request_bytes, body_timeout=c.body_timeout,

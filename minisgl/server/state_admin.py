@@ -99,7 +99,7 @@ def install_state_routes(app: App, streams: RequestStreams, weights: Weights,
     async def flush() -> None:
         await streams.apply_change(FlushCacheMsg, list(range(weights.replicas)))
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.each_method("/flush_cache", ["GET", "POST"])
     async def flush_cache() -> Response:
         await flush()
         return PlainTextResponse("Cache flushed.\n")

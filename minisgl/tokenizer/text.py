@@ -8,22 +8,36 @@ from pathlib import Path
 from typing import Any, Optional
 
 
+# vLLM's --tokenizer-mode values that name what minisgl does: transformers' tokenizer for the
+# directory (its fast one where there is one). slow, mistral (mistral_common) and custom are not.
+TOKENIZER_MODES = ("auto", "hf")
+
+
+def check_tokenizer_mode(mode: str) -> None:
+    """ValueError naming `mode` where it is not one of TOKENIZER_MODES."""
+    if mode not in TOKENIZER_MODES:
+        raise ValueError(f"tokenizer_mode {mode!r} is not supported: minisgl loads the model's "
+                         f"tokenizer with transformers, its fast one where it has one "
+                         f"(tokenizer_mode {' or '.join(TOKENIZER_MODES)})")
+
+
 def has_tokenizer(path: Path) -> bool:
     return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model",
                                              "tokenizer_config.json"))
 
 
 def resolve_tokenizer_path(tokenizer: Optional[str], model_path: Path,
-                           download_dir: Optional[str] = None) -> Path:
+                           download_dir: Optional[str] = None, token: Optional[str] = None
+                           ) -> Path:
     """Where the tokenizer (and the chat template) comes from: `model_path` when `tokenizer`
-    is None, else a local directory or a hub id (only its tokenizer files are downloaded).
-    FileNotFoundError naming it when it holds no tokenizer."""
+    is None, else a local directory or a hub id (only its tokenizer files are downloaded,
+    authorized by `token`). FileNotFoundError naming it when it holds no tokenizer."""
     from minisgl.models.path import TOKENIZER_FILES, download_model, looks_like_hub_id
     if tokenizer is None:
         return model_path
     path = Path(tokenizer).expanduser()
     if not path.is_dir() and looks_like_hub_id(tokenizer):
-        path = download_model(tokenizer, None, download_dir, TOKENIZER_FILES)
+        path = download_model(tokenizer, None, download_dir, TOKENIZER_FILES, token)
     if not has_tokenizer(path):
         raise FileNotFoundError(f"tokenizer {tokenizer!r} is not a directory with tokenizer "
                                 f"files (tokenizer.json, tokenizer.model or "
