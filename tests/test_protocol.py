@@ -116,6 +116,30 @@ def test_reasoning_effort_reaches_the_chat_template_as_vllm_passes_it(
     assert tokenizer.decode(ids) == "hi<think>[low]"
 
 
+def test_assistant_thinking_reaches_the_chat_template(default_model_dir: Path) -> None:
+    """An assistant message's reasoning_content (or vLLM's newer `reasoning`) goes to the
+    template as reasoning_content, which templates such as Qwen3's render for the turns
+    after the last user message; on another role it is a 400 naming the field."""
+    from transformers import AutoTokenizer
+
+    from minisgl.tokenizer.chat_template import chat_prompt_ids
+    template = ("{% for m in messages %}{% if m.reasoning_content %}<think>"
+                "{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}|{% endfor %}")
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir))
+    for field in ("reasoning_content", "reasoning"):
+        job = chat_job(_chat(messages=[{"role": "user", "content": "hi"},
+                                       {"role": "assistant", "content": "yo",
+                                        field: "greet back"}]), 4)
+        messages = job.prompts[0].messages
+        assert messages[1] == {"role": "assistant", "content": "yo",
+                               "reasoning_content": "greet back"}
+        ids = chat_prompt_ids(tokenizer, messages, chat_template=template)
+        assert tokenizer.decode(ids) == "hi|<think>greet back</think>yo|"
+    with pytest.raises(ApiError) as e:
+        chat_job(_chat(messages=[{"role": "user", "content": "hi", "reasoning": "x"}]), 4)
+    assert e.value.status == 400 and e.value.param == "messages.0.reasoning"
+
+
 def test_default_chat_template_kwargs_under_the_requests_own(default_model_dir: Path) -> None:
     """--default-chat-template-kwargs (vLLM's): every chat prompt's template gets them, a
     request's own chat_template_kwargs and reasoning_effort win; not a JSON object: refused

@@ -151,7 +151,8 @@ def _fold(events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         elif e["type"] == "response.function_call_arguments.delta":
             output[e["output_index"]]["arguments"] += e["delta"]
         elif e["type"] == "response.output_item.done":
-            assert {**output[e["output_index"]], "status": e["item"]["status"]} == e["item"]
+            done = {k: e["item"][k] for k in ("status", "encrypted_content") if k in e["item"]}
+            assert {**output[e["output_index"]], **done} == e["item"]
             output[e["output_index"]] = e["item"]
     return output
 
@@ -191,6 +192,47 @@ def test_reasoning_text_and_calls_are_output_items_streamed_as_the_plain_respons
     messages = response_messages(follow, store)
     assert messages[-2:] == [turn, {"role": "tool", "tool_call_id": call["call_id"],
                                     "content": "sunny"}]
+
+
+def test_reasoning_round_trips_through_encrypted_content() -> None:
+    """include ["reasoning.encrypted_content"] (what Codex-style clients that keep no state
+    send): each reasoning item, plain and streamed, carries its thinking as encrypted_content;
+    sent back (without its content, as such clients do) it becomes the next assistant turn's
+    reasoning_content, before a message or a call alike. Content wins over the blob, another
+    provider's blob is dropped, and without include there is none."""
+    chunks = ["<think>", "Paris, ", "surely.</think>", "It is Paris.", ""]
+    response, events, store = _formatted(chunks, "qwen3", store=False,
+                                         include=["reasoning.encrypted_content"])
+    reasoning = response["output"][0]
+    blob = reasoning["encrypted_content"]
+    assert isinstance(blob, str) and "Paris" not in blob  # opaque to the client
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert done[0]["encrypted_content"] == blob and len(store._items) == 0  # store false
+    sent_back = {"type": "reasoning", "id": reasoning["id"], "summary": [],
+                 "encrypted_content": blob}
+    user = {"role": "user", "content": "Capital of France?"}
+    answer = {"type": "message", "role": "assistant",
+              "content": [{"type": "output_text", "text": "It is Paris."}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather",
+            "arguments": "{}"}
+    turn = response_messages(_request(input=[user, sent_back, answer]), ResponseStore())
+    assert turn[1] == {"role": "assistant", "content": "It is Paris.",
+                       "reasoning_content": "Paris, surely."}
+    called = response_messages(_request(input=[user, sent_back, call]), ResponseStore())
+    assert called[1]["reasoning_content"] == "Paris, surely." and called[1]["tool_calls"]
+    both = {**sent_back, "content": [{"type": "reasoning_text", "text": "shown"}]}
+    assert response_messages(_request(input=[user, both, answer]), ResponseStore())[1][
+        "reasoning_content"] == "shown"
+    foreign = {**sent_back, "encrypted_content": "gAAAAABoPaqueOtherProvider=="}
+    assert "reasoning_content" not in response_messages(
+        _request(input=[user, foreign, answer]), ResponseStore())[1]
+    bad = {**sent_back, "content": [{"type": "output_text", "text": "x"}]}
+    assert _error(response_messages, _request(input=[user, bad]), ResponseStore()).param == (
+        "input.1.content")
+    plain, _, kept = _formatted(chunks, "qwen3")
+    assert plain["output"][0]["encrypted_content"] is None
+    # a stored turn keeps its thinking the same way, for the chat template to keep or drop
+    assert kept.get(plain["id"])[-1]["reasoning_content"] == "Paris, surely."
 
 
 def test_plain_text_empty_and_cut_off_outputs() -> None:
@@ -254,7 +296,7 @@ def test_logprobs_go_with_the_message_text() -> None:
         "m", responses_job(plain, messages, 1), plain, messages, ResponseStore()).full(
         [Choice(text=["x"], text_tokens=[1], finish_reason="stop")])["output"][0]["content"][0]
     with pytest.raises(ApiError) as e:
-        responses_job(_request(include=["reasoning.encrypted_content"]), messages, 1)
+        responses_job(_request(include=["file_search_call.results"]), messages, 1)
     assert e.value.param == "include"
     with pytest.raises(ApiError) as e:
         responses_job(_request(top_logprobs=2), messages, 1)

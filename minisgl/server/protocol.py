@@ -182,6 +182,10 @@ class ChatMessage(Body):
     tool_calls: Any = None  # an assistant's calls (checked by tools.assistant_tool_calls)
     tool_call_id: Optional[str] = None  # a tool message answers this call
     name: Optional[str] = None
+    # an assistant's thinking, as vLLM takes it back (`reasoning`, its newer name, too): the
+    # chat template decides what of it to render (Qwen3's, the turns after the last user's)
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
 
 # OpenAI's reasoning_effort values, as vLLM takes them
@@ -574,9 +578,16 @@ def _message_text(i: int, msg: ChatMessage) -> str:
 
 def _message(i: int, msg: ChatMessage) -> Dict[str, Any]:
     """A message for the chat template: role and text, an assistant's `tool_calls` (arguments
-    as JSON text; the tokenizer hands them to the template as objects) and a tool message's
-    `tool_call_id`."""
+    as JSON text; the tokenizer hands them to the template as objects) and thinking (as
+    `reasoning_content`, the name templates read), and a tool message's `tool_call_id`."""
     out: Dict[str, Any] = {"role": msg.role, "content": _message_text(i, msg)}
+    for field in ("reasoning_content", "reasoning"):
+        thinking = getattr(msg, field)
+        if thinking is not None and msg.role != "assistant":
+            raise ApiError(400, f"messages.{i}.{field}: only assistant messages carry "
+                                f"thinking, got role {msg.role!r}", f"messages.{i}.{field}")
+        if thinking is not None:
+            out["reasoning_content"] = thinking
     if msg.tool_calls is not None:
         if msg.role != "assistant":
             raise ApiError(400, f"messages.{i}.tool_calls: only assistant messages make tool "

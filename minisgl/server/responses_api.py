@@ -3,15 +3,19 @@ request it is served as (server/responses_output.py builds the reply).
 
 A request's `instructions` (a system message), the conversation of its `previous_response_id`
 and its `input` (a string, or a list of items: messages with text content, `function_call`
-items and their `function_call_output`s; earlier `reasoning` items are dropped, as chat
-templates drop earlier thinking) become one chat prompt. Function `tools` (the API's flat
+items and their `function_call_output`s, `reasoning` items, whose thinking goes with the
+assistant turn after them as `reasoning_content` for the chat template to keep or drop) become
+one chat prompt. Function `tools` (the API's flat
 shape), `tool_choice` and `parallel_tool_calls` go to the chat path's tools (calls read in the
 server's --tool-call-parser format and, where required or named, enforced); `text.format`
 (json_object, json_schema) to its structured output; `reasoning.effort` to the chat template
 as Chat Completions' `reasoning_effort` does. Finished conversations are kept in memory, the
 newest `ResponseStore.capacity` of them, so that a later request can continue one; `store:
 false` keeps none. `include: ["message.output_text.logprobs"]` with `top_logprobs` asks for the
-output text's log-probabilities as Chat Completions' logprobs. Hosted tools (web search, file
+output text's log-probabilities as Chat Completions' logprobs; `include:
+["reasoning.encrypted_content"]` gives each reasoning item an `encrypted_content` that a
+client keeping no state (store false) sends back to continue with the thinking (encoded, not
+encrypted: `reasoning_blob`). Hosted tools (web search, file
 search, MCP ...), other `include` values, prompt templates and conversations get a 400 naming
 the field. `background: true` runs the response after the request is answered
 (responses_background.py).
@@ -19,9 +23,11 @@ the field. `background: true` runs the response after the request is answered
 
 from __future__ import annotations
 
+import base64
 import collections
 import json
 import re
+import zlib
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -49,17 +55,48 @@ def _reasoning(value: Any) -> Optional[str]:
 
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+REASONING_INCLUDE = "reasoning.encrypted_content"
+# What a reasoning item's encrypted_content holds here: its thinking, zlib-compressed, in URL-safe
+# base64 after this prefix. Encoded, not encrypted (the thinking is in the item's content too):
+# it only has to come back unchanged from a client that keeps no state (store false).
+_BLOB_PREFIX = "minisgl-reasoning-v1."
 
 
-def _logprobs(include: Any) -> bool:
-    """Whether `include` asks for the output text's log-probabilities (the one value served:
-    reasoning's encrypted content, tool results and the rest are not produced here)."""
+class Include(NamedTuple):
+    """What a request's `include` asks for beyond the defaults."""
+
+    logprobs: bool = False  # the output text's log-probabilities
+    reasoning: bool = False  # reasoning items' thinking as encrypted_content, to send back
+
+
+def parse_include(include: Any) -> Include:
+    """`include` read; ApiError 400 naming it for another value (tool results and the rest are
+    not produced here)."""
     if include is None:
-        return False
-    if not isinstance(include, list) or any(v != LOGPROBS_INCLUDE for v in include):
-        raise ApiError(400, f"include: only {LOGPROBS_INCLUDE!r} is served, got "
+        return Include()
+    served = (LOGPROBS_INCLUDE, REASONING_INCLUDE)
+    if not isinstance(include, list) or any(v not in served for v in include):
+        raise ApiError(400, f"include: only {' and '.join(map(repr, served))} are served, got "
                             f"{json.dumps(include):.120}", "include")
-    return bool(include)
+    return Include(LOGPROBS_INCLUDE in include, REASONING_INCLUDE in include)
+
+
+def reasoning_blob(thinking: str) -> str:
+    """A reasoning item's encrypted_content for `thinking` (see _BLOB_PREFIX)."""
+    packed = base64.urlsafe_b64encode(zlib.compress(thinking.encode("utf-8")))
+    return _BLOB_PREFIX + packed.decode("ascii")
+
+
+def blob_reasoning(blob: str) -> Optional[str]:
+    """The thinking of a `reasoning_blob`, or None for one this server did not write (another
+    provider's encrypted content: it cannot be read, so the turn goes on without it)."""
+    if not blob.startswith(_BLOB_PREFIX):
+        return None
+    try:
+        packed = base64.urlsafe_b64decode(blob[len(_BLOB_PREFIX):].encode("ascii"))
+        return zlib.decompress(packed).decode("utf-8")
+    except (ValueError, zlib.error):
+        return None
 
 
 _INERT: Dict[str, Callable[[Any], bool]] = {
@@ -160,30 +197,67 @@ def _strings(where: str, item: Dict[str, Any], *keys: str) -> List[str]:
     return values  # type: ignore[return-value]
 
 
+def _thinking(where: str, item: Dict[str, Any]) -> Optional[str]:
+    """A reasoning item's thinking: its reasoning_text content, else what its
+    encrypted_content holds where this server wrote it, else None (a summary is not the
+    thinking; another provider's encrypted content cannot be read)."""
+    content = item.get("content")
+    if content:
+        if not isinstance(content, list) or any(
+                not isinstance(p, dict) or p.get("type") != "reasoning_text"
+                or not isinstance(p.get("text"), str) for p in content):
+            raise ApiError(400, f"{where}.content: reasoning content is a list of "
+                                f"reasoning_text parts", f"{where}.content")
+        return "".join(p["text"] for p in content)
+    blob = item.get("encrypted_content")
+    if blob is not None and not isinstance(blob, str):
+        raise ApiError(400, f"{where}.encrypted_content: must be a string",
+                       f"{where}.encrypted_content")
+    return blob_reasoning(blob) if blob else None
+
+
+def _assistant(out: Messages, thinking: Optional[str]) -> Dict[str, Any]:
+    """The assistant message a call joins: the last message where it is the assistant's and
+    no thinking came between, else a new one (with the thinking that came before it)."""
+    if out and out[-1]["role"] == "assistant" and thinking is None:
+        return out[-1]
+    out.append({"role": "assistant", "content": "",
+                **({"reasoning_content": thinking} if thinking is not None else {})})
+    return out[-1]
+
+
 def _input_messages(items: List[Dict[str, Any]]) -> Messages:
     """Input items as chat messages, in order: a `function_call` joins the assistant message
-    just before it (or starts one), its `function_call_output` is a tool message."""
+    just before it (or starts one), its `function_call_output` is a tool message; a
+    `reasoning` item's thinking goes with the assistant message after it (as
+    `reasoning_content`, for the chat template), and is dropped where none follows."""
     out: Messages = []
+    thinking: Optional[str] = None  # of a reasoning item, until the model's next turn
     for i, item in enumerate(items):
         where, kind = f"input.{i}", item.get("type", "message")
         if kind == "message":
             role = item.get("role")
             if not isinstance(role, str):
                 raise ApiError(400, f"{where}.role: a message needs a role", f"{where}.role")
-            out.append({"role": role, "content": _text(f"{where}.content", item.get("content"))})
+            out.append({"role": role, "content": _text(f"{where}.content", item.get("content")),
+                        **({"reasoning_content": thinking}
+                           if role == "assistant" and thinking is not None else {})})
+            thinking = None
         elif kind == "function_call":
             call_id, name, args = _strings(where, item, "call_id", "name", "arguments")
             call = {"id": call_id, "type": "function",
                     "function": {"name": name, "arguments": args}}
-            if out and out[-1]["role"] == "assistant":
-                out[-1].setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            _assistant(out, thinking).setdefault("tool_calls", []).append(call)
+            thinking = None
         elif kind == "function_call_output":
             (call_id,) = _strings(where, item, "call_id")
             out.append({"role": "tool", "tool_call_id": call_id,
                         "content": _text(f"{where}.output", item.get("output"))})
-        elif kind != "reasoning":
+            thinking = None
+        elif kind == "reasoning":
+            more = _thinking(where, item)
+            thinking = more if thinking is None else thinking + (more or "")
+        else:
             raise ApiError(400, f"{where}.type: {json.dumps(kind)} items are not supported "
                                 f"(supported: message, function_call, function_call_output, "
                                 f"reasoning)", f"{where}.type")
@@ -283,7 +357,8 @@ def responses_job(body: ResponsesRequest, messages: Messages, max_n: int,
               "tool_choice": _tool_choice(body.tool_choice),
               "parallel_tool_calls": body.parallel_tool_calls,
               "response_format": _response_format(body.text),
-              "logprobs": _logprobs(body.include) or None, "top_logprobs": body.top_logprobs}
+              "logprobs": parse_include(body.include).logprobs or None,
+              "top_logprobs": body.top_logprobs}
     try:
         chat = ChatRequest.model_validate(fields)
     except ValidationError as e:

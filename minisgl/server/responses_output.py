@@ -3,7 +3,8 @@
 Chat's formatter reads the output (the reasoning split off by the --reasoning-parser, tool
 calls parsed in the --tool-call-parser format: responses.ChatFormatter) and `_Items` turns
 what it reads into output items, in the order they came: a `reasoning` item (the model's
-thinking as `reasoning_text` content; no summary is written), a `message` with `output_text`,
+thinking as `reasoning_text` content, and as `encrypted_content` where the request's
+`include` asks; no summary is written), a `message` with `output_text`,
 and a `function_call` item a call. Streamed, each item is announced
 (`response.output_item.added`), filled (`response.reasoning_text.delta`,
 `response.output_text.delta`, `response.function_call_arguments.delta`) and closed (`.done`
@@ -25,7 +26,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 from minisgl.message.types import ReplyChunk, TokenLogprobText
 from minisgl.server.protocol import ApiError, Job
 from minisgl.server.responses import ChatFormatter, Choice, chat_logprobs
-from minisgl.server.responses_api import Messages, ResponsesRequest, ResponseStore
+from minisgl.server.responses_api import (Messages, ResponsesRequest, ResponseStore,
+                                          parse_include, reasoning_blob)
 
 _PARTS = {"reasoning": "reasoning_text", "message": "output_text"}
 _DELTA = {"reasoning": "response.reasoning_text.delta", "message": "response.output_text.delta"}
@@ -42,10 +44,11 @@ class _Items:
     open at a time, closed when another begins or the output ends. `items` holds every item
     so far, its text as far as it came."""
 
-    def __init__(self, logprobs: bool = False) -> None:
+    def __init__(self, logprobs: bool = False, blobs: bool = False) -> None:
         self.items: List[Dict[str, Any]] = []
         self.open = False  # whether the last item is still being written
         self.logprobs = logprobs  # whether message text carries its tokens' logprobs
+        self.blobs = blobs  # whether a closed reasoning item carries its encrypted_content
 
     @property
     def _last(self) -> Dict[str, Any]:
@@ -135,6 +138,8 @@ class _Items:
         self.open = False
         item, refs = self._last, self._refs()
         item["status"] = status
+        if item["type"] == "reasoning" and self.blobs:
+            item["encrypted_content"] = reasoning_blob(item["content"][0]["text"])
         events: List[Dict[str, Any]] = []
         if item["type"] in _PARTS:
             part = item["content"][0]
@@ -158,12 +163,17 @@ class _Items:
 
     def conversation_turn(self) -> Dict[str, Any]:
         """The assistant message these items are in a chat conversation (what a later request
-        continuing this response sees; thinking is left out, as chat templates leave it)."""
-        text = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "message")
+        continuing this response sees: its thinking as `reasoning_content`, which the chat
+        template keeps or drops as it does for input reasoning items)."""
+        def text(kind: str) -> str:
+            return "".join(i["content"][0]["text"] for i in self.items if i["type"] == kind)
         calls = [{"id": i["call_id"], "type": "function",
                   "function": {"name": i["name"], "arguments": i["arguments"]}}
                  for i in self.items if i["type"] == "function_call"]
-        return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+        thinking = text("reasoning")
+        return {"role": "assistant", "content": text("message"),
+                **({"reasoning_content": thinking} if thinking else {}),
+                **({"tool_calls": calls} if calls else {})}
 
 
 class ResponsesFormatter(ChatFormatter):
@@ -178,7 +188,7 @@ class ResponsesFormatter(ChatFormatter):
                  tool_parser: Optional[str] = None) -> None:
         super().__init__(model, job, reasoning_parser, tool_parser)
         self.body, self.messages, self.store = body, messages, store
-        self.items = _Items(self.wants_logprobs)
+        self.items = _Items(self.wants_logprobs, parse_include(body.include).reasoning)
         self.seq = 0
         self.held_logprobs: List[Dict[str, Any]] = []  # of tokens whose text is held back
         self.thinking = False  # whether the output is inside its reasoning
