@@ -92,6 +92,7 @@ def test_chat_formatter_puts_thinking_into_reasoning_content(parser: Any) -> Non
         assert message == {"role": "assistant", "content": QWEN}
         return
     assert message["reasoning_content"] == "\nThe user asks 2+2.\n"
+    assert message["reasoning"] == message["reasoning_content"]  # vLLM's name, the same text
     assert message["content"] == "\n\nIt is 4."
 
     fmt = ChatFormatter("m", _job(True), parser)
@@ -100,8 +101,8 @@ def test_chat_formatter_puts_thinking_into_reasoning_content(parser: Any) -> Non
     for c in _chunks(QWEN, 3):
         choice.add(c)
         deltas += [json.loads(line[6:])["choices"][0] for line in fmt.delta(0, c, choice)]
-    assert "".join(d["delta"].get("reasoning_content", "") for d in deltas) == \
-        message["reasoning_content"]
+    for name in ("reasoning_content", "reasoning"):
+        assert "".join(d["delta"].get(name, "") for d in deltas) == message[name]
     assert "".join(d["delta"].get("content", "") for d in deltas) == message["content"]
     assert [d["finish_reason"] for d in deltas][-1] == "stop"
 

@@ -109,10 +109,11 @@ def joined_choice(deltas: List[Dict[str, Any]], id_ok: IdCheck,
     concatenated, each call's name and arguments by its index; in `plain_choice`'s shape.
     Asserts that call ids are ones `id_ok` takes and the calls are numbered 0, 1, ..."""
     texts = {k: "".join(d["delta"].get(k, "") for d in deltas)
-             for k in ("content", "reasoning_content")}
+             for k in ("content", "reasoning_content", "reasoning")}
     message: Dict[str, Any] = {"role": "assistant", "content": texts["content"] or None}
-    if reasoning:
+    if reasoning:  # both names carry the same text (vLLM's and SGLang's)
         message["reasoning_content"] = texts["reasoning_content"] or None
+        message["reasoning"] = texts["reasoning"] or None
     calls: Dict[int, Dict[str, str]] = {}
     for d in deltas:
         for tc in d["delta"].get("tool_calls", []):

@@ -356,7 +356,9 @@ class _OpenAIFormatter(Formatter):
 
 class ChatFormatter(_OpenAIFormatter):
     """With a `reasoning_parser` (server/reasoning.py), the thinking part of each choice goes
-    into `message.reasoning_content` / `delta.reasoning_content`, the rest into `content`. With
+    into `message.reasoning_content` / `delta.reasoning_content` (DeepSeek's and SGLang's name)
+    and, the same text, `reasoning` (vLLM's since 0.11, OpenRouter's): clients read one or the
+    other. The rest goes into `content`. With
     tools that the output may call (`job.tools.parsed`), that rest is read for calls in the
     `tool_parser` format (server/tool_calls.py): `message.tool_calls` / `delta.tool_calls`, and
     finish_reason "tool_calls" when an output with calls ended by itself ("stop" for a named
@@ -400,7 +402,7 @@ class ChatFormatter(_OpenAIFormatter):
         parts = split_reasoning(self.reasoning_parser, "".join(choice.text))
         message: Dict[str, Any] = {"role": "assistant", "content": parts.content}
         if self.reasoning_parser is not None:
-            message["reasoning_content"] = parts.reasoning or None
+            message["reasoning_content"] = message["reasoning"] = parts.reasoning or None
         reason = choice.finish_reason
         streamer = self._streamer(index)
         if streamer is not None:
@@ -436,7 +438,7 @@ class ChatFormatter(_OpenAIFormatter):
                 rest = splitter.flush()
                 reasoning, content = reasoning + rest.reasoning, content + rest.content
             if reasoning:
-                delta["reasoning_content"] = reasoning
+                delta["reasoning_content"] = delta["reasoning"] = reasoning
         streamer = self._streamer(index)
         if streamer is not None:
             piece = streamer.feed(content)
