@@ -417,3 +417,31 @@ def test_thinking_turns_the_templates_switch() -> None:
         with pytest.raises(ApiError) as e:
             kwargs(thinking, max_tokens)
         assert e.value.status == 400 and e.value.param == named, thinking
+
+
+def test_thinking_blocks_sent_back_reach_the_template_as_reasoning_content() -> None:
+    """Claude Code sends an assistant turn's thinking blocks back in a tool loop: they become
+    that turn's reasoning_content (the chat template keeps or drops them: Qwen3's keeps the
+    loop's); redacted thinking (another model's, encrypted) is dropped; a thinking block
+    without its text is a 400 naming it."""
+    from minisgl.server.anthropic_api import MessagesRequest, messages_job
+    from minisgl.server.protocol import ApiError
+    think = {"type": "thinking", "thinking": "Need the weather.", "signature": "sig"}
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+            "input": {"city": "Paris"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}
+
+    def chat(assistant: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        body = {"model": "m", "max_tokens": 8, "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": assistant},
+            {"role": "user", "content": [result]}]}
+        return messages_job(MessagesRequest.model_validate(body), 1).prompts[0].messages
+    turn = chat([think, call])[1]
+    assert turn["role"] == "assistant" and turn["reasoning_content"] == "Need the weather."
+    assert turn["tool_calls"][0]["function"]["name"] == "get_weather"
+    redacted = chat([{"type": "redacted_thinking", "data": "EuYBCkQ..."}, call])[1]
+    assert "reasoning_content" not in redacted and redacted["tool_calls"]
+    with pytest.raises(ApiError) as e:
+        chat([{"type": "thinking", "signature": "sig"}, call])
+    assert e.value.status == 400 and e.value.param == "messages.1.content.0.thinking"

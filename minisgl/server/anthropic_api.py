@@ -9,8 +9,9 @@ exactly as a chat request:
   `assistant`, each a string or blocks: `text`; an assistant's `tool_use` blocks are its OpenAI
   `tool_calls` (`input` as the arguments' JSON text); a user's `tool_result` blocks are `tool`
   messages (content a string or text blocks) before the rest of that user message; an
-  assistant's `thinking` / `redacted_thinking` blocks are dropped (chat templates drop past
-  reasoning). Any other block (`image`, `document`, ...) is a 400 naming it. A final assistant
+  assistant's `thinking` blocks are its `reasoning_content`, which the chat template keeps
+  (Qwen3's: a tool loop's, after the last user message) or drops; `redacted_thinking` blocks
+  (another model's, encrypted) are dropped. Any other block (`image`, `document`, ...) is a 400 naming it. A final assistant
   message is a prefill: the reply continues it (`continue_final_message`).
 - `tools` (`{name, description, input_schema}`) are function tools; `tool_choice` `auto`, `any`
   ("required"), `tool` (a named function) or `none`, `disable_parallel_tool_use` is
@@ -147,14 +148,17 @@ class _Turn:
     role: str
     texts: List[str] = field(default_factory=list)
     calls: List[Dict[str, Any]] = field(default_factory=list)
+    thinking: List[str] = field(default_factory=list)  # an assistant's thinking blocks
 
     def flush(self, out: List[Dict[str, Any]]) -> None:
-        if self.texts or self.calls:
+        if self.texts or self.calls or self.thinking:
             msg: Dict[str, Any] = {"role": self.role, "content": "\n".join(self.texts)}
+            if self.thinking:
+                msg["reasoning_content"] = "\n".join(self.thinking)
             if self.calls:
                 msg["tool_calls"] = self.calls
             out.append(msg)
-        self.texts, self.calls = [], []
+        self.texts, self.calls, self.thinking = [], [], []
 
 
 def _chat_messages(i: int, msg: InputMessage) -> List[Dict[str, Any]]:
@@ -180,11 +184,16 @@ def _chat_messages(i: int, msg: InputMessage) -> List[Dict[str, Any]]:
             turn.texts.append(_text_of(f"{where}.content", [block]))
         elif kind == "tool_use":
             turn.calls.append(_tool_call(at, block))
+        elif kind == "thinking":
+            if not isinstance(block.get("thinking"), str):
+                raise ApiError(400, f"{at}.thinking: a thinking block's text (a string)",
+                               f"{at}.thinking")
+            turn.thinking.append(block["thinking"])
         elif kind == "tool_result":
             turn.flush(out)
             out.append(_tool_message(at, block))
     turn.flush(out)
-    if not out:  # only thinking blocks, or no blocks: an empty turn keeps the alternation
+    if not out:  # only redacted thinking, or no blocks: an empty turn keeps the alternation
         out.append({"role": msg.role, "content": ""})
     return out
 
