@@ -20,10 +20,8 @@ if TYPE_CHECKING:  # messages import this module: the tokenizer and API processe
     import torch
 
 
-# The most alternatives a request may ask log-probabilities for (vLLM's default cap, and
-# OpenAI's top_logprobs bound).
-# vLLM's default --max-logprobs: the most log-probabilities a request may ask for per token,
-# where the engine's config leaves it (SchedulerConfig.max_logprobs).
+# The most alternatives a request may ask log-probabilities for where the engine's config
+# leaves it (SchedulerConfig.max_logprobs): vLLM's default cap, and OpenAI's top_logprobs bound.
 DEFAULT_MAX_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 256  # a salt names a tenant: a key, not a document
 # How an embedding pools the prompt's final hidden states (SamplingParams.pooling): its last
@@ -87,8 +85,9 @@ class SamplingParams:
     `temperature == 0` (or `top_k == 1`) means greedy. `top_k <= 0` and `top_p == 1` and
     `min_p == 0` disable those filters. `seed` makes random sampling reproducible; without it the
     request's uid seeds the noise (still identical on every rank). `logprobs=k` (0 to the
-    engine's max_logprobs, 20 unless configured; check_request judges it) returns each sampled token's log-probability and those of the k most likely
-    tokens (see TokenLogprobs); None returns none. The penalties (engine/penalties.py) push the
+    engine's max_logprobs, 20 unless configured; check_request judges it) returns each
+    sampled token's log-probability and those of the k most likely tokens (see
+    TokenLogprobs); None returns none. The penalties (engine/penalties.py) push the
     logits away from tokens already seen: `repetition_penalty` > 0 (1: off) over prompt and
     output, `frequency_penalty` and `presence_penalty` in [-2, 2] (0: off) over the output.
     `logit_bias` adds a bias in [-100, 100] to token ids' logits before sampling (OpenAI's).

@@ -372,6 +372,24 @@ def test_responses_api_plain_streamed_and_continued(client: openai.OpenAI, serve
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model=MODEL, input="x", previous_response_id="resp-nope")
     assert client.responses.retrieve(more.id).model_dump() == more.model_dump()
+    # the SDK's input_items.list: the input as items with ids, newest first by default
+    listed = client.responses.input_items.list(r.id)
+    assert [(i.type, i.role, i.content[0].text) for i in listed.data] == [
+        ("message", "user", PARIS[0]["content"])]
+    assert listed.data[0].id.startswith("msg_") and not listed.has_more
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+             *PARIS]
+    multi = client.responses.create(model=MODEL, input=turns, max_output_tokens=2)
+    pages = client.responses.input_items.list(multi.id, order="asc", limit=2)
+    assert [i.role for i in pages.data] == ["user", "assistant"] and pages.has_more
+    rest = client.responses.input_items.list(multi.id, order="asc", after=pages.data[-1].id)
+    assert [i.role for i in rest.data] == ["user"] and not rest.has_more
+    assert [i.id for i in client.responses.input_items.list(multi.id)] == [
+        i.id for i in [*pages.data, *rest.data][::-1]]  # all pages, newest first
+    bad = httpx.get(f"{server.url}/v1/responses/{multi.id}/input_items?limit=0", timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp-nope")
     client.responses.delete(more.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(more.id)

@@ -303,6 +303,40 @@ def test_logprobs_go_with_the_message_text() -> None:
     assert e.value.param == "top_logprobs" and "include" in e.value.message
 
 
+def test_input_items_listed_with_ids_a_page_at_a_time() -> None:
+    """GET /v1/responses/{id}/input_items: the request's input as the SDK's item types
+    (ids kept or given, messages' content as parts), newest first unless order asc; limit
+    and after page through them; bad parameters are 400s naming them."""
+    from openai.types.responses import ResponseItem
+    from minisgl.server.responses_api import input_items, items_page
+    items = input_items(_request(input=[
+        {"role": "user", "content": "Weather?"},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "message", "id": "msg_own", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]))
+    for item in items:
+        TypeAdapter(ResponseItem).validate_python(item)
+    assert [i["type"] for i in items] == ["message", "reasoning", "message", "function_call",
+                                          "function_call_output"]
+    assert items[0]["content"] == [{"type": "input_text", "text": "Weather?"}]
+    assert items[2]["id"] == "msg_own" and items[2]["content"][0]["type"] == "output_text"
+    assert len({i["id"] for i in items}) == 5
+    assert input_items(_request(input="hi"))[0]["content"] == [
+        {"type": "input_text", "text": "hi"}]
+    first = items_page(items, 2)
+    assert [i["id"] for i in first["data"]] == [items[4]["id"], items[3]["id"]]
+    assert first["has_more"] and first["last_id"] == items[3]["id"]
+    rest = items_page(items, 20, "desc", first["last_id"])
+    assert rest["data"] == items[2::-1] and not rest["has_more"]
+    assert items_page(items, "3", "asc")["data"] == items[:3]
+    for args, param in (((items, 0), "limit"), ((items, 101), "limit"),
+                        ((items, "x"), "limit"), ((items, 20, "up"), "order"),
+                        ((items, 20, "asc", "msg_none"), "after")):
+        assert _error(items_page, *args).param == param
+
+
 def test_the_store_keeps_the_newest_and_deletes() -> None:
     """The newest `capacity` responses are kept (the oldest dropped first); a deleted one is
     gone for GET and for previous_response_id alike, each a 404 (naming the field where a

@@ -11,8 +11,9 @@ exactly as a chat request:
   messages (content a string or text blocks) before the rest of that user message; an
   assistant's `thinking` blocks are its `reasoning_content`, which the chat template keeps
   (Qwen3's: a tool loop's, after the last user message) or drops; `redacted_thinking` blocks
-  (another model's, encrypted) are dropped. Any other block (`image`, `document`, ...) is a 400 naming it. A final assistant
-  message is a prefill: the reply continues it (`continue_final_message`).
+  (another model's, encrypted) are dropped. Any other block (`image`, `document`, ...) is a
+  400 naming it. A final assistant message is a prefill: the reply continues it
+  (`continue_final_message`).
 - `tools` (`{name, description, input_schema}`) are function tools; `tool_choice` `auto`, `any`
   ("required"), `tool` (a named function) or `none`, `disable_parallel_tool_use` is
   `parallel_tool_calls: false`. `any` and `tool` are enforced by the grammar (tools.py).

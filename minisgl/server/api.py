@@ -64,7 +64,8 @@ from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, D
                                      detokenize_prompt, parse_body, tokenize_prompt)
 from minisgl.server.responses import (ChatFormatter, Choice, CompletionFormatter, Formatter,
                                       GenerateFormatter, SSEResponse)
-from minisgl.server.responses_api import (ResponsesRequest, ResponseStore, response_messages,
+from minisgl.server.responses_api import (ResponsesRequest, ResponseStore, items_page,
+                                          response_messages,
                                           responses_job)
 from minisgl.server.responses_background import BackgroundRuns
 from minisgl.server.responses_output import ResponsesFormatter
@@ -536,6 +537,13 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     async def stored_response(response_id: str) -> Dict[str, Any]:
         """A stored response as it was answered (store: true; the newest kept)."""
         return stored.stored(response_id).response
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, limit: str = "20", order: str = "desc",
+                                   after: Optional[str] = None) -> Dict[str, Any]:
+        """A stored response's input items, a page at a time (the SDK's
+        `responses.input_items.list`)."""
+        return items_page(stored.stored(response_id).items, limit, order, after)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Dict[str, Any]:

@@ -149,6 +149,6 @@ def generate_job(body: GenerateRequest, defaults: SamplingDefaults = SamplingDef
     k = body.top_logprobs_num
     params = dataclasses.replace(job.params, logprobs=k,
                                  prompt_logprobs=k if body.logprob_start_len >= 0 else None)
+    shape = GenerateLogprobs(body.logprob_start_len, k, body.return_text_in_logprobs)
     return dataclasses.replace(job, params=params, logprobs_param="top_logprobs_num",
-                               generate_logprobs=GenerateLogprobs(
-        body.logprob_start_len, k, body.return_text_in_logprobs))
+                               generate_logprobs=shape)

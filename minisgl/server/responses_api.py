@@ -5,20 +5,20 @@ A request's `instructions` (a system message), the conversation of its `previous
 and its `input` (a string, or a list of items: messages with text content, `function_call`
 items and their `function_call_output`s, `reasoning` items, whose thinking goes with the
 assistant turn after them as `reasoning_content` for the chat template to keep or drop) become
-one chat prompt. Function `tools` (the API's flat
-shape), `tool_choice` and `parallel_tool_calls` go to the chat path's tools (calls read in the
-server's --tool-call-parser format and, where required or named, enforced); `text.format`
-(json_object, json_schema) to its structured output; `reasoning.effort` to the chat template
-as Chat Completions' `reasoning_effort` does. Finished conversations are kept in memory, the
-newest `ResponseStore.capacity` of them, so that a later request can continue one; `store:
-false` keeps none. `include: ["message.output_text.logprobs"]` with `top_logprobs` asks for the
-output text's log-probabilities as Chat Completions' logprobs; `include:
-["reasoning.encrypted_content"]` gives each reasoning item an `encrypted_content` that a
-client keeping no state (store false) sends back to continue with the thinking (encoded, not
-encrypted: `reasoning_blob`). Hosted tools (web search, file
-search, MCP ...), other `include` values, prompt templates and conversations get a 400 naming
-the field. `background: true` runs the response after the request is answered
-(responses_background.py).
+one chat prompt. Function `tools` (the API's flat shape), `tool_choice` and
+`parallel_tool_calls` go to the chat path's tools (calls read in the server's
+--tool-call-parser format and, where required or named, enforced); `text.format` (json_object,
+json_schema) to its structured output; `reasoning.effort` to the chat template as Chat
+Completions' `reasoning_effort` does. Finished conversations are kept in memory, the newest
+`ResponseStore.capacity` of them, so that a later request can continue one; `store: false`
+keeps none. `include: ["message.output_text.logprobs"]` with `top_logprobs` asks for the output
+text's log-probabilities as Chat Completions' logprobs; `include:
+["reasoning.encrypted_content"]` gives each reasoning item an `encrypted_content` that a client
+keeping no state (store false) sends back to continue with the thinking (encoded, not
+encrypted: `reasoning_blob`). A stored response's input items are listed by GET
+/v1/responses/{id}/input_items (`items_page`). Hosted tools (web search, file search, MCP ...), other `include`
+values, prompt templates and conversations get a 400 naming the field. `background: true` runs
+the response after the request is answered (responses_background.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import collections
 import json
 import re
 import zlib
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Union
+import uuid
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -133,6 +134,7 @@ class ResponsesRequest(BaseModel):
 class Stored(NamedTuple):
     messages: Messages  # the conversation, the response's turn last
     response: Dict[str, Any]  # the response object as it was answered
+    items: List[Dict[str, Any]]  # its request's input items (`input_items`)
 
 
 class ResponseStore:
@@ -162,8 +164,9 @@ class ResponseStore:
                                 f"progress", "previous_response_id")
         return stored.messages
 
-    def put(self, response_id: str, messages: Messages, response: Dict[str, Any]) -> None:
-        self._items[response_id] = Stored(messages, response)
+    def put(self, response_id: str, messages: Messages, response: Dict[str, Any],
+            items: Sequence[Dict[str, Any]] = ()) -> None:
+        self._items[response_id] = Stored(messages, response, list(items))
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
 
@@ -262,6 +265,63 @@ def _input_messages(items: List[Dict[str, Any]]) -> Messages:
                                 f"(supported: message, function_call, function_call_output, "
                                 f"reasoning)", f"{where}.type")
     return out
+
+
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                "reasoning": "rs"}
+
+
+def _listed(item: Dict[str, Any]) -> Dict[str, Any]:
+    """One input item as the API lists it: its id (the client's, else a new one), status
+    completed, a message's content as parts (input_text; an assistant's output_text)."""
+    kind = item.get("type", "message")
+    out = {**item, "type": kind, "status": "completed",
+           "id": item.get("id") or f"{_ID_PREFIXES[kind]}_{uuid.uuid4().hex}"}
+    if kind == "message":
+        parts = item["content"] if isinstance(item["content"], list) else [
+            {"text": item["content"]}]
+        out["content"] = [{"type": "output_text", "text": p["text"], "annotations": []}
+                          if item["role"] == "assistant" else
+                          {"type": "input_text", "text": p["text"]} for p in parts]
+    elif kind == "reasoning":
+        out.pop("status")
+        out.setdefault("summary", [])
+    return out
+
+
+def input_items(body: ResponsesRequest) -> List[Dict[str, Any]]:
+    """The request's `input` as items in order (a string: one user message), as GET
+    /v1/responses/{id}/input_items lists them. `input` was checked by `response_messages`."""
+    given = ([{"type": "message", "role": "user", "content": body.input}]
+             if isinstance(body.input, str) else body.input)
+    return [_listed(item) for item in given]
+
+
+def items_page(items: List[Dict[str, Any]], limit: Any = 20, order: Any = "desc",
+               after: Optional[str] = None) -> Dict[str, Any]:
+    """A page of a response's input items in the API's list shape: `limit` (1 to 100) of
+    them in `order` (asc: as given; desc, the default: newest first) after the item `after`;
+    ApiError 400 naming a bad parameter."""
+    try:
+        count = int(limit)
+    except (TypeError, ValueError):
+        count = 0
+    if not 1 <= count <= 100:
+        raise ApiError(400, f"limit must be an integer from 1 to 100, got {limit!r}", "limit")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order must be asc or desc, got {order!r}", "order")
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise ApiError(400, f"after: no input item {after!r} in this response", "after")
+        start = ids.index(after) + 1
+    page = ordered[start:start + count]
+    return {"object": "list", "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": start + count < len(ordered)}
 
 
 def response_messages(body: ResponsesRequest, store: ResponseStore) -> Messages:

@@ -27,7 +27,7 @@ from minisgl.message.types import ReplyChunk, TokenLogprobText
 from minisgl.server.protocol import ApiError, Job
 from minisgl.server.responses import ChatFormatter, Choice, chat_logprobs
 from minisgl.server.responses_api import (Messages, ResponsesRequest, ResponseStore,
-                                          parse_include, reasoning_blob)
+                                          input_items, parse_include, reasoning_blob)
 
 _PARTS = {"reasoning": "reasoning_text", "message": "output_text"}
 _DELTA = {"reasoning": "response.reasoning_text.delta", "message": "response.output_text.delta"}
@@ -188,6 +188,7 @@ class ResponsesFormatter(ChatFormatter):
                  tool_parser: Optional[str] = None) -> None:
         super().__init__(model, job, reasoning_parser, tool_parser)
         self.body, self.messages, self.store = body, messages, store
+        self.input_items = input_items(body)  # what GET .../input_items lists
         self.items = _Items(self.wants_logprobs, parse_include(body.include).reasoning)
         self.seq = 0
         self.held_logprobs: List[Dict[str, Any]] = []  # of tokens whose text is held back
@@ -245,13 +246,13 @@ class ResponsesFormatter(ChatFormatter):
                           "total_tokens": choice.prompt_tokens + choice.completion_tokens})
         if self.body.store:
             self.store.put(self.id, [*self.messages, self.items.conversation_turn()],
-                           copy.deepcopy(out))
+                           copy.deepcopy(out), self.input_items)
         return out
 
     def pending(self) -> Dict[str, Any]:
         """A background response as it starts: in progress, stored (GET polls it)."""
         out = self._response(None)
-        self.store.put(self.id, self.messages, copy.deepcopy(out))
+        self.store.put(self.id, self.messages, copy.deepcopy(out), self.input_items)
         return out
 
     def ended(self, status: str, error: Optional[ApiError] = None) -> None:
@@ -265,7 +266,7 @@ class ResponsesFormatter(ChatFormatter):
                     "invalid_prompt" if 400 <= error.status < 500 and error.status != 408
                     else "server_error")
             out["error"] = {"code": code, "message": error.message}
-        self.store.put(self.id, self.messages, out)
+        self.store.put(self.id, self.messages, out, self.input_items)
 
     def _end(self, choice: Choice) -> List[Dict[str, Any]]:
         status = "incomplete" if choice.finish_reason == "length" else "completed"
