@@ -397,7 +397,8 @@ class LLM:
         self.model_path = resolve_model_path(model, cfg.engine.revision,
                                              cfg.engine.download_dir, hf_token)
         tokenizer_path = resolve_tokenizer_path(tokenizer, self.model_path,
-                                                cfg.engine.download_dir, hf_token)
+                                                cfg.engine.download_dir, hf_token,
+                                                cfg.engine.tokenizer_revision)
         self.tokenizer = load_tokenizer(tokenizer_path)
         if isinstance(override_generation_config, dict):
             override_generation_config = json.dumps(override_generation_config)

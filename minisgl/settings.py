@@ -1,8 +1,8 @@
 """User settings declared once, as dataclass fields: CLI flags, TOML keys and keywords follow.
 
 A config *section* is a frozen dataclass. A field made by `setting(default, help, ...)` is a user
-setting: its metadata carries the help text and, where needed, the allowed values, an extra flag
-that sets a fixed value (`alias`) and other names for the setting itself (`also`: vLLM's and
+setting: its metadata carries the help text and, where needed, the allowed values, extra flags
+that each set a fixed value (`alias`) and other names for the setting itself (`also`: vLLM's and
 SGLang's, so that their users' command lines, config files and keywords work unchanged). A field
 made by `section(factory)` nests another section, whose settings belong to the same tree. Any other
 field is a runtime value (a rank's place, an address, a resolved path) that whoever starts a rank
@@ -28,7 +28,7 @@ import dataclasses
 import json
 import typing
 from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional,
-                    Sequence, Tuple, TypeVar)
+                    Sequence, Tuple, TypeVar, Union)
 
 T = TypeVar("T")
 
@@ -51,12 +51,13 @@ class Alias(NamedTuple):
 
 
 def setting(default: Any, help: str, *, choices: Optional[Sequence[str]] = None,
-            any_case: bool = False, alias: Optional[Alias] = None,
+            any_case: bool = False, alias: Union[None, Alias, Sequence[Alias]] = None,
             also: Sequence[str] = ()) -> Any:
     """A user-settable field. `choices`: the allowed values, checked by `check_choices` (case
-    aside where `any_case`); None passes where the default is None. `also`: other names of
-    the setting (dashed), each a flag and a key taking its value (not for a bool that is on
-    by default: its flag is `--no-NAME`)."""
+    aside where `any_case`); None passes where the default is None. `alias`: one or more flags
+    (and keys) that each set a fixed value. `also`: other names of the setting (dashed), each
+    a flag and a key taking its value (not for a bool that is on by default: its flag is
+    `--no-NAME`)."""
     if also and isinstance(default, bool) and default:
         raise TypeError(f"setting {also}: a bool on by default takes no other names")
     metadata: Dict[str, Any] = {_HELP: help}
@@ -64,7 +65,7 @@ def setting(default: Any, help: str, *, choices: Optional[Sequence[str]] = None,
         metadata[_CHOICES] = tuple(choices)
         metadata[_ANY_CASE] = any_case
     if alias is not None:
-        metadata[_ALIAS] = alias
+        metadata[_ALIAS] = (alias,) if isinstance(alias, Alias) else tuple(alias)
     if also:
         metadata[_ALSO] = tuple(also)
     return dataclasses.field(default=default, metadata=metadata)
@@ -104,7 +105,7 @@ class Setting(NamedTuple):
     value: Any  # in the tree it was read from (the default, where that is a root's)
     help: str
     choices: Optional[Tuple[str, ...]]
-    alias: Optional[Alias]
+    aliases: Tuple[Alias, ...]  # flags (and keys) that each set a fixed value
     also: Tuple[str, ...]  # other names, dashed
 
     @property
@@ -140,7 +141,7 @@ def _walk(node: Any, path: Tuple[str, ...]) -> Iterator[Setting]:
         elif _HELP in f.metadata:
             base, optional = _value_type(hints[f.name], f.name)
             yield Setting(f.name, path, base, optional, getattr(node, f.name), f.metadata[_HELP],
-                          f.metadata.get(_CHOICES), f.metadata.get(_ALIAS),
+                          f.metadata.get(_CHOICES), f.metadata.get(_ALIAS, ()),
                           f.metadata.get(_ALSO, ()))
 
 
@@ -149,7 +150,7 @@ def settings_of(root: Any) -> List[Setting]:
     out = list(_walk(root, ()))
     seen: Dict[str, Setting] = {}
     for s in out:
-        for name in (*s.keys, *((s.alias.name.replace("-", "_"),) if s.alias else ())):
+        for name in (*s.keys, *(a.name.replace("-", "_") for a in s.aliases)):
             if name in seen:
                 raise TypeError(f"setting {name!r} is declared twice in {type(root).__name__}")
             seen[name] = s
@@ -217,9 +218,9 @@ def _add_flag(group: Any, s: Setting, default: Any) -> None:
     else:
         group.add_argument(*s.flags, type=s.type, choices=s.choices, help=_help(s),
                            metavar=_METAVARS.get(s.type) if s.choices is None else None, **common)
-    if s.alias is not None:
-        group.add_argument("--" + s.alias.name, action="store_const", const=s.alias.value,
-                           help=s.alias.help.replace("%", "%%"), **common)
+    for alias in s.aliases:
+        group.add_argument("--" + alias.name, action="store_const", const=alias.value,
+                           help=alias.help.replace("%", "%%"), **common)
 
 
 def from_namespace(ns: argparse.Namespace, root: Any) -> Dict[str, Any]:
@@ -247,12 +248,11 @@ def check_values(root: Any, raw: Mapping[str, Any], where: str) -> Dict[str, Any
     `disable-overlap`)."""
     by_name: Dict[str, Setting] = {}
     by_key: Dict[str, Setting] = {}
-    aliases: Dict[str, Setting] = {}
+    aliases: Dict[str, Tuple[Setting, Alias]] = {}
     for s in settings_of(root):
         by_name[s.name] = s
         by_key.update((k, s) for k in s.keys)
-        if s.alias is not None:
-            aliases[s.alias.name.replace("-", "_")] = s
+        aliases.update((a.name.replace("-", "_"), (s, a)) for a in s.aliases)
     out: Dict[str, Any] = {}
     given_as: Dict[str, str] = {}  # setting name -> the key that gave it
 
@@ -269,8 +269,8 @@ def check_values(root: Any, raw: Mapping[str, Any], where: str) -> Dict[str, Any
             if not isinstance(value, bool):
                 raise ValueError(f"{key} must be of type bool, got {value!r}")
             if name in aliases and value:  # false leaves the setting as it is
-                s = aliases[name]
-                give(s, key, s.alias.value)  # type: ignore[union-attr]
+                s, alias = aliases[name]
+                give(s, key, alias.value)
             elif name not in aliases:  # a `--no-X` flag's name: X turned off
                 give(by_name[name[len("no_"):]], key, not value)
         else:

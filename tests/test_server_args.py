@@ -93,6 +93,31 @@ def test_vllm_and_sglang_names_work_on_the_command_line_in_files_and_keywords(
             parse_args(["--config", str(f)])
 
 
+def test_vllm_deployment_flags_mean_ours_or_are_refused_by_name() -> None:
+    """The flags of vLLM command lines people copy: those that ask for what minisgl does (or
+    permit what it never needs) are accepted, mapped onto its settings where they have one;
+    those that ask for what it does not serve are refused naming the setting."""
+    cfg = parse_args(["org/model", "--trust-remote-code", "--enable-prefix-caching",
+                      "--enable-chunked-prefill", "--max-num-batched-tokens", "4096",
+                      "--async-scheduling", "--disable-custom-all-reduce",
+                      "--load-format", "safetensors", "--pipeline-parallel-size", "1",
+                      "--distributed-executor-backend", "mp",
+                      "--tokenizer-revision", "v2"])
+    assert (cfg.engine.trust_remote_code, cfg.scheduler.cache, cfg.scheduler.overlap,
+            cfg.scheduler.max_prefill_tokens, cfg.engine.allreduce, cfg.engine.load_format,
+            cfg.engine.tokenizer_revision) == (True, "radix", True, 4096, "nccl",
+                                               "safetensors", "v2")
+    assert parse_args(["--no-enable-prefix-caching"]).scheduler.cache == "naive"
+    assert parse_args(["--no-async-scheduling"]).scheduler.overlap is False
+    assert build(SchedulerConfig(), {"trust_remote_code": True}, "LLM()").engine.trust_remote_code
+    for flags, named in ((["--no-enable-chunked-prefill"], "enable_chunked_prefill false"),
+                         (["--pipeline-parallel-size", "2"], "pipeline_parallel_size 2"),
+                         (["--distributed-executor-backend", "ray"],
+                          "distributed_executor_backend 'ray'")):
+        with pytest.raises(ValueError, match=named):
+            parse_args(flags)
+
+
 def test_vllm_tokenizer_mode_auto_and_hf_served_others_refused(tmp_path: Path) -> None:
     """vLLM's --tokenizer-mode: auto and hf are what minisgl does (transformers' tokenizer);
     slow, mistral and custom are refused by name, on the command line and by LLM()."""

@@ -1,7 +1,7 @@
 """A service under overload and hostile requests: admission (429), deadlines, body limits, the API
 key and the Host check, fresh /metrics, long prompts; and the settings a deployment sets
 (--root-path, --no-auto-tool-choice, --enable-force-include-usage,
---return-tokens-as-token-ids, --max-logprobs). One `serve` process (default
+--return-tokens-as-token-ids, --max-logprobs, --uvicorn-log-level). One `serve` process (default
 model, CPU) for the module, with small limits: one request runs at a time, so the others
 queue."""
 
@@ -47,6 +47,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) ->
                         "--allowed-origins", APP_ORIGIN, "--root-path", ROOT,
                         "--no-auto-tool-choice", "--enable-force-include-usage",
                         "--return-tokens-as-token-ids", "--max-logprobs", str(MAX_LOGPROBS),
+                        "--uvicorn-log-level", "warning",
                         "--stats-interval", "0.2"], tmp_path_factory.mktemp("limits"))
     yield srv
     srv.stop()
@@ -343,6 +344,35 @@ def test_disable_fastapi_docs_hides_the_openapi_document(tmp_path: Path, flags: 
         assert len(ids) == len(set(ids)) and "health_ping_post" in ids
     assert client.head("/health").status_code == client.post("/ping").status_code == 200
     assert client.post("/v1/chat/completions", content=b"{").status_code == 400
+
+
+def test_cors_methods_headers_and_credentials(tmp_path: Path) -> None:
+    """vLLM's --allowed-methods / --allowed-headers / --allow-credentials: a preflight asking
+    for a method or a header beyond them is refused (400), one within them answered, with
+    Access-Control-Allow-Credentials where allowed; by default any method and header, no
+    credentials; a bad entry is refused by name (the app alone: no service behind it)."""
+    from fastapi.testclient import TestClient
+    from minisgl.server.api import ApiConfig, create_app
+    from minisgl.server.args import parse_args
+    origin = ["--allowed-origins", APP_ORIGIN]
+
+    def preflight(flags: List[str], method: str, headers: str) -> httpx.Response:
+        cfg = ApiConfig("m", 2048, 1, f"ipc://{tmp_path}/tok", f"ipc://{tmp_path}/api",
+                        str(tmp_path / "health"), cors=parse_args([*origin, *flags]).cors)
+        return TestClient(create_app(cfg, lambda: True)).options(
+            "/v1/chat/completions", headers={"Origin": APP_ORIGIN,
+                                             "Access-Control-Request-Method": method,
+                                             "Access-Control-Request-Headers": headers})
+    narrow = ["--allowed-methods", "GET,POST", "--allowed-headers",
+              '["Authorization", "Content-Type"]', "--allow-credentials"]
+    ok = preflight(narrow, "POST", "authorization, content-type")
+    assert ok.status_code == 200 and ok.headers["access-control-allow-credentials"] == "true"
+    assert preflight(narrow, "DELETE", "authorization").status_code == 400
+    assert preflight(narrow, "POST", "x-other").status_code == 400
+    wide = preflight([], "DELETE", "x-other")
+    assert wide.status_code == 200 and "access-control-allow-credentials" not in wide.headers
+    with pytest.raises(ValueError, match="allowed_methods: 'GET POST' is not an HTTP method"):
+        parse_args([*origin, "--allowed-methods", "GET POST"])
 
 
 # --- hostile input --------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from minisgl.distributed.info import DistributedInfo
 from minisgl.distributed.modes import ALLREDUCE_MODES, check_allreduce_mode
 from minisgl.models.checkpoint_quant import QUANTIZATIONS
 from minisgl.models.pooling import parse_pooler_config
-from minisgl.settings import check_choices, json_object, setting
+from minisgl.settings import Alias, check_choices, json_object, setting
 
 if TYPE_CHECKING:  # imported where a torch value is asked for: the launcher reads this config
     import torch
@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # imported where a torch value is asked for: the launcher rea
 PDL_MODES = ("auto", "on", "off")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-LOAD_FORMATS = ("auto", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 @dataclass(frozen=True)
@@ -114,9 +114,13 @@ class EngineConfig:
            "enable_lora", also=("max-loaded-loras",))
     enable_lora: bool = setting(False, "serve LoRA adapters: with no lora_modules, the slots "
                                        "(max_loras) start empty and adapters load at run time")
-    load_format: str = setting("auto", "auto (the model directory's safetensors) or dummy "
-                                       "(random weights from config.json alone, for benchmarks "
-                                       "of large shapes)", choices=LOAD_FORMATS)
+    load_format: str = setting("auto", "auto or safetensors (the model directory's "
+                                       "safetensors) or dummy (random weights from config.json "
+                                       "alone, for benchmarks of large shapes)",
+                               choices=LOAD_FORMATS)
+    trust_remote_code: bool = setting(
+        False, "vLLM's: accepted, and it changes nothing: minisgl runs no code from a model's "
+               "repository (its own model files serve the architectures it supports)")
     attention_backend: str = setting("auto", "auto (triton on CUDA, torch on CPU), torch or "
                                              "triton", choices=ATTENTION_BACKENDS)
     seed: int = setting(0, "seed of the dummy weights and of the sampling noise of requests "
@@ -156,7 +160,9 @@ class EngineConfig:
                                      "only) or symm-fused (symm, with each all-reduce before an "
                                      "RMSNorm fused with the residual add and the norm into one "
                                      "Triton kernel; needs fused_ops; bit-identical to symm)",
-                             choices=ALLREDUCE_MODES)
+                             choices=ALLREDUCE_MODES,
+                             alias=Alias("disable-custom-all-reduce", "nccl",
+                                         "vLLM's: NCCL's all-reduce only (--allreduce nccl)"))
     tune_gemms: bool = setting(False, "time cuBLAS against cuBLASLt for every projection at "
                                       "every decode graph size at start-up and run each GEMM "
                                       "with the faster (CUDA, decode graphs and the triton "
@@ -170,6 +176,9 @@ class EngineConfig:
                                                "(applied on the CPU device, or wherever given)")
     revision: Optional[str] = setting(None, "branch, tag or commit of a Hugging Face hub model "
                                             "id (unset: the default branch)")
+    tokenizer_revision: Optional[str] = setting(
+        None, "branch, tag or commit of a hub id given as --tokenizer (vLLM's; unset: the "
+              "default branch)")
     download_dir: Optional[str] = setting(None, "hub cache directory that hub model ids are "
                                                 "downloaded into and read from (unset: "
                                                 "huggingface_hub's, under HF_HOME)")

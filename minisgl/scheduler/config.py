@@ -30,13 +30,23 @@ class SchedulerConfig:
         also=("chunked-prefill-size", "max-num-batched-tokens"))
     cache: str = setting("radix", "prefix cache: radix (requests reuse the KV of prompt "
                                   "prefixes seen before) or naive (none)", choices=CACHES,
-                         alias=Alias("disable-radix-cache", "naive",
-                                     "SGLang's name for --cache naive: no prefix cache"))
+                         alias=(Alias("disable-radix-cache", "naive",
+                                      "SGLang's name for --cache naive: no prefix cache"),
+                                Alias("enable-prefix-caching", "radix",
+                                      "vLLM's: the prefix cache, on by default (--cache radix)"),
+                                Alias("no-enable-prefix-caching", "naive",
+                                      "vLLM's name for --cache naive: no prefix cache")))
     overlap: Optional[bool] = setting(
         None, "plan step N+1 on the CPU while the device runs step N; unset: on with CUDA, "
               "off on CPU",
-        alias=Alias("disable-overlap", False, "the same as --no-overlap: plan each step only "
-                                              "after the previous step's tokens arrive"))
+        alias=(Alias("disable-overlap", False, "the same as --no-overlap: plan each step only "
+                                               "after the previous step's tokens arrive"),
+               Alias("async-scheduling", True, "vLLM's name for --overlap"),
+               Alias("no-async-scheduling", False, "vLLM's name for --no-overlap")))
+    enable_chunked_prefill: Optional[bool] = setting(
+        None, "vLLM's: prompts longer than max_prefill_tokens are always prefilled a chunk at a "
+              "time here, so --enable-chunked-prefill asks for what is done and "
+              "--no-enable-chunked-prefill is refused")
     mixed_steps: Optional[bool] = setting(
         None, "the running requests decode their next token in the same step as a prefill "
               "(their rows ride along the chunk), so a prompt does not stall them. On CUDA "
@@ -101,6 +111,10 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
+        if self.enable_chunked_prefill is False:
+            raise ValueError("enable_chunked_prefill false: minisgl always prefills a prompt "
+                             "longer than max_prefill_tokens in chunks (raise max_prefill_tokens "
+                             "for longer chunks)")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary, got "
                              f"{self.max_logprobs}")

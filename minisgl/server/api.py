@@ -46,6 +46,7 @@ from minisgl.server.admission import Deadline, overloaded
 from minisgl.server.anthropic_api import (CountTokensRequest, MessagesFormatter, MessagesRequest,
                                           count_tokens_prompt, messages_job)
 from minisgl.server.auth import AccessCheck
+from minisgl.server.cors import CorsPolicy
 from minisgl.server.error_shapes import COUNT_TOKENS_PATH, MESSAGES_PATH, error_body
 from minisgl.server.limits import BodyLimits, route_path
 from minisgl.server.request_log import REQUEST_ID_HEADER, RequestLog
@@ -117,7 +118,8 @@ class ApiConfig:
     # not in the repr, which logs may show
     api_key: Optional[str] = field(default=None, repr=False)
     loopback_only: bool = False  # listening on loopback: Host headers must name it
-    allowed_origins: Tuple[str, ...] = ()  # CORS: web origins whose pages may call (cors.py)
+    cors: CorsPolicy = CorsPolicy()  # web origins whose pages may call, and how (cors.py)
+    uvicorn_log_level: Optional[str] = None  # the HTTP server's own (None: the service's)
     root_path: str = ""  # a reverse proxy's prefix, removed before it forwards (uvicorn's)
     openapi: bool = True  # /openapi.json served (vLLM's --disable-fastapi-docs: not)
     max_queued_requests: Optional[int] = None  # admission.py
@@ -342,9 +344,11 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     _install_error_handlers(app)
     app.add_middleware(BodyLimits, max_bytes=cfg.max_request_bytes, timeout_s=cfg.body_timeout)
     app.add_middleware(AccessCheck, api_key=cfg.api_key, loopback_only=cfg.loopback_only)
-    if cfg.allowed_origins:  # preflights answered before the key and Host checks (cors.py)
-        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),
-                           allow_methods=["*"], allow_headers=["*"],
+    cors = cfg.cors
+    if cors.origins:  # preflights answered before the key and Host checks (cors.py)
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors.origins),
+                           allow_methods=list(cors.methods), allow_headers=list(cors.headers),
+                           allow_credentials=cors.credentials,
                            expose_headers=["X-Request-Id"])
     # outermost: sees every answer
     app.add_middleware(RequestLog, enabled=cfg.log_requests, count=metrics.count_http)
@@ -728,7 +732,8 @@ def serve_forever(cfg: ApiConfig, sock: Any, is_healthy: Callable[[], bool],
     app.state.self_url = _loopback_url(sock.getsockname(), cfg.tls is not None)
     keyfile, certfile = cfg.tls or (None, None)
     config = uvicorn.Config(app, log_config=None, access_log=False,
-                            lifespan="on", log_level=log_level.lower(),
+                            lifespan="on",
+                            log_level=(cfg.uvicorn_log_level or log_level).lower(),
                             timeout_graceful_shutdown=1, ssl_keyfile=keyfile,
                             ssl_certfile=certfile, root_path=cfg.root_path)
     server = _Server(config)

@@ -23,7 +23,7 @@ from minisgl.models.generation import check_generation_overrides
 from minisgl.models.path import model_name
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.hosts import is_loopback
-from minisgl.server.cors import parse_origins
+from minisgl.server.cors import CorsPolicy, parse_names, parse_origins
 from minisgl.server.tls import check_tls
 from minisgl.server.topology import ClusterConfig, Wiring
 from minisgl.server.reasoning import REASONING_PARSERS
@@ -39,6 +39,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # The server's prefill chunk, where the offline API's default follows the device (larger on big
 # GPUs): a longer chunk holds back the running requests' next token for longer.
 SERVER_PREFILL_TOKENS = 8192
@@ -92,6 +93,9 @@ class ServerConfig:
     max_n: int = setting(8, "the largest n (choices per request) a request may ask for")
     log_level: str = setting("info", "log level of every process", choices=LOG_LEVELS,
                              any_case=True)
+    uvicorn_log_level: Optional[str] = setting(
+        None, "the HTTP server's own log level (uvicorn's: its start-up, protocol and "
+              "connection errors; vLLM's); unset: log_level", choices=UVICORN_LOG_LEVELS)
     log_requests: bool = setting(True, "one INFO line per HTTP request (client, method, path, "
                                        "status, milliseconds, its X-Request-Id and scheduler "
                                        "uids)",
@@ -151,6 +155,15 @@ class ServerConfig:
         None, "CORS: the web origins (https://app.example, comma-separated, or vLLM's JSON "
               "list; * for any, which needs api_key) whose pages may call the API from a "
               "browser; unset: none (a browser's cross-origin requests are not answered)")
+    allowed_methods: Optional[str] = setting(
+        None, "CORS: the HTTP methods (comma-separated, or vLLM's JSON list) an allowed "
+              "origin's page may use; unset: any")
+    allowed_headers: Optional[str] = setting(
+        None, "CORS: the request headers (comma-separated, or vLLM's JSON list) an allowed "
+              "origin's page may send; unset: any")
+    allow_credentials: bool = setting(
+        False, "CORS: an allowed origin's page may send its cookies and HTTP authentication "
+               "(vLLM's)")
     root_path: Optional[str] = setting(
         None, "the path prefix (/minisgl) under which a reverse proxy serves the API, removing "
               "it before it forwards: the OpenAPI document's `servers` and the web chat page's "
@@ -230,6 +243,7 @@ class ServerConfig:
             raise ValueError(f"root_path must be a path of letters, digits and . ~ % - _ that "
                              f"starts with / and does not end with one (/minisgl), got "
                              f"{self.root_path!r}")
+        self.cors  # noqa: B018  (raises for a bad entry)
         if "*" in self.origins and self.resolved_api_key is None:
             raise ValueError("allowed_origins * lets any web page use this server from its "
                              "visitors' browsers: it needs api_key")
@@ -267,6 +281,13 @@ class ServerConfig:
     def origins(self) -> Tuple[str, ...]:
         """allowed_origins as a tuple (cors.parse_origins)."""
         return parse_origins(self.allowed_origins)
+
+    @property
+    def cors(self) -> CorsPolicy:
+        """The CORS settings, parsed (ValueError naming a bad entry)."""
+        return CorsPolicy(self.origins, parse_names(self.allowed_methods, "allowed_methods"),
+                          parse_names(self.allowed_headers, "allowed_headers"),
+                          self.allow_credentials)
 
     @property
     def tls(self) -> Optional[Tuple[str, str]]:

@@ -118,7 +118,8 @@ def _prepare(cfg: ServerConfig) -> Prepared:
         for name, path in cfg.engine.lora_adapters:  # each rank reads them again, and loads
             read_adapter(name, path, cfg.engine.max_lora_rank)
         tokenizer_path = resolve_tokenizer_path(cfg.tokenizer, model_path,
-                                                cfg.engine.download_dir, cfg.hf_token)
+                                                cfg.engine.download_dir, cfg.hf_token,
+                                                cfg.engine.tokenizer_revision)
         if not has_tokenizer(tokenizer_path):
             logger.warning("%s has no tokenizer files: only token-id prompts can be served "
                            "(text and chat requests get a 400; --tokenizer names another)",

@@ -60,6 +60,12 @@ class ClusterConfig:
     dist_broadcast_port: Optional[int] = setting(
         None, "first port of rank 0's broadcast to the ranks on other nodes, one per replica on "
               "node 0 (unset: dist_init_addr's PORT + 1)")
+    pipeline_parallel_size: int = setting(
+        1, "vLLM's: 1 only (pipeline parallelism is not served: --tp splits a model over the "
+           "GPUs, of one node or of --nnodes)", also=("pp-size",))
+    distributed_executor_backend: str = setting(
+        "mp", "vLLM's: mp, a process per rank, which is how minisgl always runs (ray and the "
+              "others are refused)")
     dist_timeout: float = setting(60.0, "seconds to wait for the other nodes and ranks at "
                                         "start-up and for a collective, and after which a "
                                         "silent node or rank stops the service")
@@ -72,6 +78,14 @@ class ClusterConfig:
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} is out of range for nnodes "
                              f"{self.nnodes}: it must be in [0, {self.nnodes})")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size {self.pipeline_parallel_size}: pipeline "
+                             f"parallelism is not served; split the model with --tp (over "
+                             f"nodes too, with --nnodes)")
+        if self.distributed_executor_backend != "mp":
+            raise ValueError(f"distributed_executor_backend "
+                             f"{self.distributed_executor_backend!r} is not served: minisgl's "
+                             f"launcher runs a process per rank (mp)")
         if not self.dist_timeout > 0:
             raise ValueError(f"dist_timeout must be > 0 seconds, got {self.dist_timeout}")
         if self.dist_broadcast_port is not None and not (

@@ -27,17 +27,18 @@ def has_tokenizer(path: Path) -> bool:
 
 
 def resolve_tokenizer_path(tokenizer: Optional[str], model_path: Path,
-                           download_dir: Optional[str] = None, token: Optional[str] = None
-                           ) -> Path:
+                           download_dir: Optional[str] = None, token: Optional[str] = None,
+                           revision: Optional[str] = None) -> Path:
     """Where the tokenizer (and the chat template) comes from: `model_path` when `tokenizer`
-    is None, else a local directory or a hub id (only its tokenizer files are downloaded,
-    authorized by `token`). FileNotFoundError naming it when it holds no tokenizer."""
+    is None, else a local directory or a hub id (only its tokenizer files are downloaded, at
+    `revision`, authorized by `token`). FileNotFoundError naming it when it holds no
+    tokenizer."""
     from minisgl.models.path import TOKENIZER_FILES, download_model, looks_like_hub_id
     if tokenizer is None:
         return model_path
     path = Path(tokenizer).expanduser()
     if not path.is_dir() and looks_like_hub_id(tokenizer):
-        path = download_model(tokenizer, None, download_dir, TOKENIZER_FILES, token)
+        path = download_model(tokenizer, revision, download_dir, TOKENIZER_FILES, token)
     if not has_tokenizer(path):
         raise FileNotFoundError(f"tokenizer {tokenizer!r} is not a directory with tokenizer "
                                 f"files (tokenizer.json, tokenizer.model or "
