@@ -391,20 +391,23 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
             job, params=dataclasses.replace(job.params, lora_name=lora))
 
     async def run(request: Request, fmt: Formatter) -> Response:
-        serve_as_set(fmt)
         return await run_job(request, streams, fmt, cfg.request_timeout)
 
-    def serve_as_set(fmt: Formatter) -> None:
-        """The server's settings over a formatter's job, before it is submitted: tool_choice
-        auto refused where it is off; a stream's usage forced (--enable-force-include-usage);
-        log-probability tokens as ids where the request left it to the server."""
-        check_tool_choice(fmt.job)
-        job = fmt.job
+    def served(job: Job, request: Optional[Request]) -> Job:
+        """The job as this server serves it, before its formatter is built (which reads it):
+        the client's X-Request-Id, where `request` gives one, which the response id is built
+        from (as vLLM builds it; else the formatter makes one); tool_choice auto refused where
+        it is off; a stream's usage forced (--enable-force-include-usage); log-probability
+        tokens as ids where the request left it to the server."""
+        check_tool_choice(job)
+        given = request.headers.get(REQUEST_ID_HEADER) if request is not None else None
+        if given is not None:
+            job = dataclasses.replace(job, request_id=given)
         if cfg.force_include_usage and job.stream:
             job = dataclasses.replace(job, include_usage=True)
         if job.tokens_as_ids is None:
             job = dataclasses.replace(job, tokens_as_ids=cfg.return_tokens_as_token_ids)
-        fmt.job = job
+        return job
 
     def check_tool_choice(job: Job) -> None:
         """ApiError 400 for tool_choice auto where the server reads no calls unasked
@@ -415,19 +418,13 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
                                 "turns it on): send \"none\", \"required\" or a named "
                                 "function", "tool_choice")
 
-    def client_id(request: Request, job: Job) -> Job:
-        """The job with the client's X-Request-Id, which its response id is built from (as
-        vLLM builds it); a generated id is left to the formatter."""
-        given = request.headers.get(REQUEST_ID_HEADER)
-        return job if given is None else dataclasses.replace(job, request_id=given)
-
     @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatRequest))
     async def chat(request: Request) -> Response:
         body = parse_body(await json_body(request), ChatRequest)
         lora = adapter_of(body.model, (body.model_extra or {}).get("lora_path"))
-        job = client_id(request, with_lora(chat_job(body, cfg.max_n, cfg.tool_call_parser,
-                                                    cfg.sampling_defaults,
-                                                    cfg.reasoning_parser), lora))
+        job = served(with_lora(chat_job(body, cfg.max_n, cfg.tool_call_parser,
+                                        cfg.sampling_defaults, cfg.reasoning_parser), lora),
+                     request)
         fmt = ChatFormatter(lora or cfg.model_name, job, cfg.reasoning_parser,
                             cfg.tool_call_parser)
         return await run(request, fmt)
@@ -436,8 +433,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     async def completions(request: Request) -> Response:
         body = parse_body(await json_body(request), CompletionRequest)
         lora = adapter_of(body.model, (body.model_extra or {}).get("lora_path"))
-        job = client_id(request, with_lora(completion_job(body, cfg.max_n,
-                                                          cfg.sampling_defaults), lora))
+        job = served(with_lora(completion_job(body, cfg.max_n, cfg.sampling_defaults), lora),
+                     request)
         fmt = CompletionFormatter(lora or cfg.model_name, job)
         return await run(request, fmt)
 
@@ -445,8 +442,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     async def embeddings(request: Request) -> Response:
         body = parse_body(await json_body(request), EmbeddingRequest)
         lora = embedding_model(body.model)
-        job = client_id(request, with_lora(embeddings_job(body, cfg.hidden_size,
-                                                          cfg.matryoshka, cfg.pooling), lora))
+        job = served(with_lora(embeddings_job(body, cfg.hidden_size, cfg.matryoshka,
+                                              cfg.pooling), lora), request)
         return await run(request, EmbeddingFormatter(lora or cfg.model_name, job,
                                                      body.encoding_format,
                                                      cfg.pooling.cut_to(body.dimensions)))
@@ -478,7 +475,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         lora = scoring_model(body.model)
         pairs = score_pairs(body, cfg.classifier is not None, cfg.pooling.mode,
                             cfg.pooling.logits)
-        job = client_id(request, with_lora(pairs.job, lora))
+        job = served(with_lora(pairs.job, lora), request)
         return await run(request, ScoreFormatter(lora or cfg.model_name, job, pairs))
 
     async def rerank(request: Request) -> Response:
@@ -486,7 +483,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         lora = scoring_model(body.model)
         pairs = rerank_pairs(body, cfg.classifier is not None, cfg.pooling.mode,
                              cfg.pooling.logits)
-        job = client_id(request, with_lora(pairs.job, lora))
+        job = served(with_lora(pairs.job, lora), request)
         return await run(request, RerankFormatter(lora or cfg.model_name, job, pairs, body))
 
     async def classify(request: Request) -> Response:
@@ -495,7 +492,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         if cfg.classifier is None:
             raise ApiError(400, "classification needs a sequence classification model; this "
                                 "one has no classification head", "model")
-        job = client_id(request, with_lora(classify_job(body), lora))
+        job = served(with_lora(classify_job(body), lora), request)
         return await run(request, ClassifyFormatter(
             lora or cfg.model_name, job, cfg.classifier.labels,
             cfg.pooling.logits.for_request(body.use_activation)))
@@ -506,8 +503,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         lora = check_model(body.model)
         if cfg.classifier is None and cfg.embedding_refusal is not None:
             raise ApiError(400, cfg.embedding_refusal, "model")
-        job = client_id(request, with_lora(classify_job(
-            body, "pooling", "last" if cfg.classifier is not None else cfg.pooling.mode), lora))
+        mode = "last" if cfg.classifier is not None else cfg.pooling.mode
+        job = served(with_lora(classify_job(body, "pooling", mode), lora), request)
         return await run(request, PoolingFormatter(lora or cfg.model_name, job))
 
     for path in CLASSIFY_PATHS:
@@ -522,13 +519,12 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         body = parse_body(await json_body(request), ResponsesRequest)
         lora = check_model(body.model)
         messages = response_messages(body, stored)
-        job = client_id(request, with_lora(responses_job(
+        job = served(with_lora(responses_job(
             body, messages, cfg.max_n, cfg.sampling_defaults, cfg.tool_call_parser,
-            cfg.reasoning_parser), lora))
+            cfg.reasoning_parser), lora), request)
         fmt = ResponsesFormatter(lora or cfg.model_name, job, body, messages, stored,
                                  cfg.reasoning_parser, cfg.tool_call_parser)
         if body.background:
-            serve_as_set(fmt)
             return JSONResponse(background.start(fmt))
         return await run(request, fmt)
 
@@ -562,9 +558,9 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     async def messages(request: Request) -> Response:
         body = parse_body(await json_body(request), MessagesRequest)
         lora = check_model(body.model)
-        job = client_id(request, with_lora(messages_job(body, cfg.max_n, cfg.tool_call_parser,
-                                                        cfg.sampling_defaults,
-                                                        cfg.reasoning_parser), lora))
+        job = served(with_lora(messages_job(body, cfg.max_n, cfg.tool_call_parser,
+                                            cfg.sampling_defaults, cfg.reasoning_parser), lora),
+                     request)
         fmt = MessagesFormatter(lora or cfg.model_name, job, cfg.reasoning_parser,
                                 cfg.tool_call_parser)
         return await run(request, fmt)
@@ -589,7 +585,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         job = with_lora(generate_job(body, cfg.sampling_defaults, cfg.max_n), lora)
         # SGLang echoes `rid` (RL frameworks key rollouts by it); a proxy's X-Request-Id
         # must not replace it, and still names the response in the log and its header.
-        job = job if body.rid is not None else client_id(request, job)
+        job = served(job, None if body.rid is not None else request)
         return await run(request, GenerateFormatter(cfg.model_name, job,
                                                      cfg.incremental_streaming_output))
 
