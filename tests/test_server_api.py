@@ -420,6 +420,43 @@ def test_models_health_metrics(client: openai.OpenAI, server: Server, model: str
     assert m['minisgl_request_generation_tokens_bucket{le="2.0"}'] >= 1
     completed = m["minisgl_e2e_request_latency_seconds_count"]
     assert m["minisgl_request_prompt_tokens_count"] == completed
+    # vLLM's names for the same values, as dashboards, autoscalers and gateways read them
+    tag, named = f'{{model_name="{model}",engine="0"}}', f'{{model_name="{model}"}}'
+    for ours, theirs in (("minisgl_num_requests_running", "vllm:num_requests_running"),
+                         ("minisgl_num_requests_waiting", "vllm:num_requests_waiting"),
+                         ("minisgl_prompt_tokens_total", "vllm:prompt_tokens_total"),
+                         ("minisgl_prompt_tokens_total", "vllm:prefix_cache_queries_total"),
+                         ("minisgl_cached_prompt_tokens_total", "vllm:prefix_cache_hits_total"),
+                         ("minisgl_generation_tokens_total", "vllm:generation_tokens_total"),
+                         ("minisgl_num_preemptions_total", "vllm:num_preemptions_total")):
+        assert m[theirs + tag] == m[ours], theirs
+    assert m["vllm:kv_cache_usage_perc" + tag] == pytest.approx(
+        m["minisgl_kv_pages_used"] / m["minisgl_kv_pages_total"])
+    for measure in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                    "request_generation_tokens"):
+        assert m[f"vllm:{measure}_count{named}"] == m[f"minisgl_{measure}_count"], measure
+    assert m[f'vllm:request_success_total{{model_name="{model}",finished_reason="length"}}'] == (
+        m['minisgl_requests_finished_total{reason="length"}'])
+
+
+def test_vllm_metric_lines_label_each_replica_and_escape_the_name() -> None:
+    """metrics_vllm: one line per data-parallel replica (engine label), vLLM's finish reasons
+    (a timeout counts as an abort), a model name with quotes escaped as the format requires."""
+    from minisgl.message.types import SchedulerStats
+    from minisgl.server.metrics import Metrics
+    metrics = Metrics(2, 'a"b')
+    metrics.update(SchedulerStats(running=3, kv_pages_used=5, kv_pages_total=20, replica=1,
+                                  seq=1))
+    metrics.count_finished("timeout")
+    metrics.count_finished("abort")
+    metrics.ttft.observe(0.03)
+    lines = metrics.render().splitlines()
+    assert 'vllm:num_requests_running{model_name="a\\"b",engine="1"} 3.0' in lines
+    assert 'vllm:num_requests_running{model_name="a\\"b",engine="0"} 0.0' in lines
+    assert 'vllm:kv_cache_usage_perc{model_name="a\\"b",engine="1"} 0.25' in lines
+    assert 'vllm:request_success_total{model_name="a\\"b",finished_reason="abort"} 2.0' in lines
+    assert 'vllm:time_to_first_token_seconds_bucket{model_name="a\\"b",le="0.05"} 1' in lines
+    assert 'vllm:time_to_first_token_seconds_count{model_name="a\\"b"} 1' in lines
 
 
 # --- disconnects free the KV pages ----------------------------------------------------------------

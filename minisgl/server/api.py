@@ -317,7 +317,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     """The app and all its state. `is_healthy` says whether every process of the service is up."""
-    metrics = Metrics(cfg.replicas)
+    metrics = Metrics(cfg.replicas, cfg.model_name)
     streams = RequestStreams(cfg.tokenizer_addr, cfg.api_addr, metrics, cfg.max_queued_requests)
     started = int(time.time())
     stored = ResponseStore()  # the Responses API's, and its background runs

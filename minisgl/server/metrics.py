@@ -5,6 +5,7 @@ detokenizer; rank 0 pushes them every `--stats-interval` seconds besides its rep
 are at most that old, or, during one long forward, as of that forward's launch), per
 data-parallel replica: with more than one, every scheduler line carries a
 `replica` label. Latency histograms are measured here, when replies arrive at the API server.
+The same values follow under vLLM's names and labels (metrics_vllm.py).
 One `Metrics` object per app (built in the app factory); not thread-safe (event-loop only).
 """
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from minisgl.message.types import SchedulerStats
+from minisgl.server.metrics_vllm import vllm_lines
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -74,18 +76,23 @@ class Histogram:
             if value <= upper:
                 self.counts[i] += 1
 
-    def render(self) -> List[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+    def render(self, name: Optional[str] = None, labels: str = "") -> List[str]:
+        """The exposition lines, under `name` (default its own) with `labels` (`k="v",...`)
+        on every line."""
+        name = name or self.name
+        tag, sep = (f"{{{labels}}}", ",") if labels else ("", "")
+        lines = [f"# HELP {name} {self.help}", f"# TYPE {name} histogram"]
         for upper, count in zip(self.buckets, self.counts):
-            lines.append(f'{self.name}_bucket{{le="{upper}"}} {count}')
-        lines += [f'{self.name}_bucket{{le="+Inf"}} {self.n}', f"{self.name}_sum {self.total}",
-                  f"{self.name}_count {self.n}"]
+            lines.append(f'{name}_bucket{{{labels}{sep}le="{upper}"}} {count}')
+        lines += [f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.n}',
+                  f"{name}_sum{tag} {self.total}", f"{name}_count{tag} {self.n}"]
         return lines
 
 
 @dataclass
 class Metrics:
     replicas: int = 1
+    model_name: str = ""  # the served name: vLLM's lines carry it (metrics_vllm.py)
     scheduler: Dict[int, SchedulerStats] = field(default_factory=dict)  # by replica
     ttft: Histogram = field(default_factory=lambda: Histogram(
         "minisgl_time_to_first_token_seconds",
@@ -159,6 +166,13 @@ class Metrics:
             lines += histogram.render()
         for gauge in gauges:
             lines += gauge.render()
+        lines += vllm_lines(self.model_name, [self._stats(d) for d in range(self.replicas)],
+                            self.finished, {
+                                "vllm:time_to_first_token_seconds": self.ttft,
+                                "vllm:inter_token_latency_seconds": self.itl,
+                                "vllm:e2e_request_latency_seconds": self.e2e,
+                                "vllm:request_prompt_tokens": self.prompt_tokens,
+                                "vllm:request_generation_tokens": self.generation_tokens})
         return "\n".join(lines) + "\n"
 
 

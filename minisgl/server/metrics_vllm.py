@@ -1,0 +1,79 @@
+"""vLLM's names for what /metrics serves (`vllm:num_requests_waiting`, ...), so that dashboards,
+autoscalers (KEDA, the HPA) and inference gateways (Kubernetes' Gateway API Inference Extension,
+llm-d) built for vLLM read minisgl unchanged.
+
+The values are the `minisgl_` lines' own (metrics.py), labelled as vLLM labels them: every line
+with `model_name` (the served name), the scheduler's also with `engine` (the data-parallel
+replica). KV cache usage counts the pages live requests hold, not those only the prefix cache
+keeps (vLLM counts cached blocks that no request uses as free: they are evicted on demand).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Callable, Dict, List, Mapping, Sequence, Tuple
+
+from minisgl.message.types import SchedulerStats
+
+if TYPE_CHECKING:  # metrics.py renders these lines: it imports this module
+    from minisgl.server.metrics import Histogram
+
+Value = Callable[[SchedulerStats], float]
+
+
+def _usage(s: SchedulerStats) -> float:
+    return s.kv_pages_used / s.kv_pages_total if s.kv_pages_total else 0.0
+
+
+_KV_HELP = "KV-cache usage. 1 means 100 percent usage."
+# vLLM name -> (type, help, value of one replica's stats)
+_SCHEDULER: Dict[str, Tuple[str, str, Value]] = {
+    "vllm:num_requests_running": ("gauge", "Number of requests in model execution batches.",
+                                  lambda s: s.running),
+    "vllm:num_requests_waiting": ("gauge", "Number of requests waiting to be processed.",
+                                  lambda s: s.waiting),
+    "vllm:kv_cache_usage_perc": ("gauge", _KV_HELP, _usage),
+    "vllm:gpu_cache_usage_perc": ("gauge", _KV_HELP + " (vLLM's older name)", _usage),
+    "vllm:prompt_tokens_total": ("counter", "Number of prefill tokens processed.",
+                                 lambda s: s.prompt_tokens_total),
+    "vllm:generation_tokens_total": ("counter", "Number of generation tokens processed.",
+                                     lambda s: s.generated_tokens_total),
+    "vllm:prefix_cache_queries_total": ("counter", "Prefix cache queries, in terms of number "
+                                                   "of queried tokens.",
+                                        lambda s: s.prompt_tokens_total),
+    "vllm:prefix_cache_hits_total": ("counter", "Prefix cache hits, in terms of number of "
+                                                "cached tokens.",
+                                     lambda s: s.cached_tokens_total),
+    "vllm:num_preemptions_total": ("counter", "Cumulative number of preemption from the "
+                                              "engine.",
+                                   lambda s: s.retracted_requests_total),
+}
+# vLLM's finished_reason -> minisgl's finish reasons it counts (metrics.Metrics.finished)
+_SUCCESS = {"stop": ("stop",), "length": ("length",), "abort": ("abort", "timeout")}
+
+
+def _labels(**labels: str) -> str:
+    """`{k="v",...}`, each value escaped as the exposition format escapes (\\, \", \n)."""
+    pairs = (f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in labels.items())
+    return "{" + ",".join(pairs) + "}"
+
+
+def vllm_lines(model: str, stats: Sequence[SchedulerStats], finished: Mapping[str, int],
+               histograms: Mapping[str, "Histogram"]) -> List[str]:
+    """The exposition lines under vLLM's names: the scheduler's of each replica (`stats`, in
+    replica order), requests finished by reason, and `histograms` (vLLM's name -> minisgl's
+    histogram of the same measure)."""
+    lines: List[str] = []
+    for name, (kind, help_text, value) in _SCHEDULER.items():
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        lines += [f"{name}{_labels(model_name=model, engine=str(d))} {float(value(s))}"
+                  for d, s in enumerate(stats)]
+    name = "vllm:request_success_total"
+    lines += [f"# HELP {name} Count of successfully processed requests.",
+              f"# TYPE {name} counter"]
+    lines += [f"{name}{_labels(model_name=model, finished_reason=reason)} "
+              f"{float(sum(finished.get(r, 0) for r in ours))}"
+              for reason, ours in _SUCCESS.items()]
+    for name, histogram in histograms.items():
+        lines += histogram.render(name, _labels(model_name=model)[1:-1])
+    return lines
