@@ -123,13 +123,16 @@ def test_yarn_tables_carry_the_attention_factor() -> None:
 HF_CONFIGS = {"LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
               "MixtralForCausalLM": "MixtralConfig", "Qwen2ForCausalLM": "Qwen2Config",
               "Qwen2MoeForCausalLM": "Qwen2MoeConfig", "Qwen3ForCausalLM": "Qwen3Config",
-              "Qwen3MoeForCausalLM": "Qwen3MoeConfig", "Phi3ForCausalLM": "Phi3Config"}
+              "Qwen3MoeForCausalLM": "Qwen3MoeConfig", "Phi3ForCausalLM": "Phi3Config",
+              "Glm4MoeForCausalLM": "Glm4MoeConfig"}
 _MOE_FIELDS = {"MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
                "Qwen2MoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2,
                                            moe_intermediate_size=16,
                                            shared_expert_intermediate_size=16),
                "Qwen3MoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2,
                                            moe_intermediate_size=16),
+               "Glm4MoeForCausalLM": dict(n_routed_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=16),
                # not MoE: Phi3Config's default pad and EOS ids (32000) lie beyond this vocabulary
                "Phi3ForCausalLM": dict(pad_token_id=0, eos_token_id=2)}
 
@@ -167,7 +170,8 @@ def test_a_minimal_config_reads_as_transformers_reads_it(arch: str, tmp_path: Pa
 def test_absent_kv_heads_and_shared_expert_take_the_familys_defaults(arch: str) -> None:
     """Without `num_key_value_heads` a family's transformers class has its own count (Qwen2's
     32, Qwen3-MoE's 4, Llama's the head count; before, always the head count), and Qwen2-MoE
-    without `shared_expert_intermediate_size` has a shared expert of 5632 (before, none)."""
+    without `shared_expert_intermediate_size` has a shared expert of 5632 (before, none);
+    GLM-4.5 without `n_shared_experts` has one."""
     import transformers
     raw = dict(architectures=[arch], vocab_size=64, hidden_size=1024, intermediate_size=32,
                num_hidden_layers=2, num_attention_heads=64, head_dim=16,
@@ -176,8 +180,11 @@ def test_absent_kv_heads_and_shared_expert_take_the_familys_defaults(arch: str) 
     hf_cfg = getattr(transformers, HF_CONFIGS[arch])(**raw)
     cfg = ModelConfig.from_dict(raw)
     assert cfg.num_kv_heads == hf_cfg.num_key_value_heads
+    # GLM-4.5's shared experts: n_shared_experts of the routed experts' width, one MLP
+    glm_shared = getattr(hf_cfg, "n_shared_experts", 0) * getattr(hf_cfg,
+                                                                  "moe_intermediate_size", 0)
     assert cfg.shared_expert_intermediate_size == getattr(
-        hf_cfg, "shared_expert_intermediate_size", 0)
+        hf_cfg, "shared_expert_intermediate_size", glm_shared)
 
 
 @pytest.mark.parametrize("act", ["gelu", "relu"])

@@ -35,7 +35,10 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 MODELS = {"qwen3_moe": ("qwen3_moe", {}),
           "qwen3_moe_raw_topk": ("qwen3_moe", {"norm_topk_prob": False}),
           "qwen2_moe": ("qwen2_moe", {}),
-          "mixtral": ("mixtral", {})}
+          "mixtral": ("mixtral", {}),
+          # GLM-4.5: sigmoid routing with a score correction, over groups; an ungated shared
+          # expert; a dense first layer
+          "glm4_moe": ("glm4_moe", {})}
 
 
 def _prompts() -> List[List[int]]:
@@ -79,7 +82,7 @@ def test_moe_models_match_hf(moe_model: Callable[[str], Path],
     assert got == reference(name)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "glm4_moe"])
 def test_moe_tp2_equals_tp1(moe_model: Callable[[str], Path],
                             reference: Callable[[str], List[List[int]]], name: str) -> None:
     """Each rank holds half of every expert's (and the shared expert's) intermediate features;
@@ -89,7 +92,7 @@ def test_moe_tp2_equals_tp1(moe_model: Callable[[str], Path],
     assert got == reference(name)
 
 
-@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral", "glm4_moe"])
 def test_expert_parallel_tp2_matches_hf(moe_model: Callable[[str], Path],
                                         reference: Callable[[str], List[List[int]]],
                                         name: str) -> None:
@@ -367,7 +370,7 @@ def test_fused_moe_on_gpu(dtype: torch.dtype, tokens: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "glm4_moe"])
 def test_fused_moe_tokens_on_gpu_float32(moe_model: Callable[[str], Path],
                                          reference: Callable[[str], List[List[int]]],
                                          name: str) -> None:
@@ -389,3 +392,35 @@ def test_dummy_qwen3_30b_a3b_bf16_runs() -> None:
         vocab = llm.vocab_size
     assert [len(o.token_ids) for o in outs] == [8, 8]
     assert all(0 <= t < vocab for o in outs for t in o.token_ids)
+
+
+def test_glm4_moe_skips_its_mtp_layer_and_checks_its_router(
+        moe_model: Callable[[str], Path], reference: Callable[[str], List[List[int]]],
+        tmp_path: Path) -> None:
+    """A GLM-4.5 checkpoint's multi-token-prediction layer (after the decoder's, config.json's
+    num_nextn_predict_layers) is skipped: Hugging Face's tokens; a tensor past those layers
+    still has no place. Groups the experts cannot be split into, or too few eligible
+    experts, are refused naming the numbers."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+    src = moe_model("glm4_moe")
+    model = tmp_path / "glm"
+    shutil.copytree(src, model)
+    config = json.loads((model / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    assert config["num_nextn_predict_layers"] == 1
+    save_file({f"model.layers.{layers}.eh_proj.weight": torch.randn(64, 128),
+               f"model.layers.{layers}.mlp.experts.0.up_proj.weight": torch.randn(32, 64)},
+              str(model / "model-mtp.safetensors"))
+    assert _generate(model, page_size=16, max_prefill_tokens=40) == reference("glm4_moe")
+    (model / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ValueError, match=f"model.layers.{layers}.eh_proj.weight has no place"):
+        _generate(model)
+    for fields, named in ((dict(n_group=3), "n_group 3 must divide the 8 routed experts"),
+                          (dict(topk_group=3), "topk_group 3 be in \\[1, n_group\\]"),
+                          (dict(n_group=4, topk_group=1, num_experts_per_tok=3),
+                           "leave fewer than num_experts_per_tok 3")):
+        with pytest.raises(ValueError, match=named):
+            ModelConfig.from_dict({**config, **fields})

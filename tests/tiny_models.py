@@ -45,6 +45,13 @@ FAMILIES: Dict[str, dict] = {
     # (norms random, so that each of the four must load where it belongs)
     "glm4": dict(arch="Glm4Config", tie_word_embeddings=False, head_dim=16, pad_token_id=0,
                  eos_token_id=2, random_norms=True),
+    # GLM-4.5: a dense first layer, then sigmoid routing over 2 groups of 4 experts (one group
+    # eligible), a shared expert, scaled weights; q/k biases, rotary over half of each head
+    "glm4_moe": dict(arch="Glm4MoeConfig", tie_word_embeddings=False, head_dim=16,
+                     num_hidden_layers=3, n_routed_experts=8, n_shared_experts=1,
+                     num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                     n_group=2, topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=True,
+                     partial_rotary_factor=0.5, attention_bias=True, random_norms=True),
     # IBM Granite 3.x: the Llama decoder with its four multipliers (mild ones: Granite-3-8B's
     # 12 / 0.22 on random tiny weights would make every token the same).
     "granite": dict(arch="GraniteConfig", tie_word_embeddings=True, embedding_multiplier=1.7,
@@ -90,6 +97,9 @@ def save_randomized(model: torch.nn.Module, out: Path, random_norms: bool = Fals
         for name, p in model.named_parameters():
             if random_norms or "norm" not in name:
                 p.normal_(0.0, 0.1)
+        for name, b in model.named_buffers():  # GLM-4.5's router correction is a buffer
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     model.save_pretrained(out, safe_serialization=True)
 
 

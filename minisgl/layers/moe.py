@@ -1,5 +1,8 @@
 """The tensor-parallel mixture-of-experts layer: a replicated router, the routed experts split
-like the dense MLP, and an optional sigmoid-gated shared expert (Qwen2-MoE).
+like the dense MLP, and an optional shared expert (Qwen2-MoE's sigmoid-gated, GLM-4.5's not).
+
+The router scores the experts by a softmax (Qwen, Mixtral: `route`) or by sigmoids
+(GLM-4.5, DeepSeek-V3's scheme: `route_grouped`).
 
 Each rank holds a 1/tp slice of every expert's intermediate features (gate and up split by
 output rows, down by input columns, as ColumnParallelLinear and RowParallelLinear split the
@@ -39,6 +42,15 @@ if TYPE_CHECKING:  # kernels/fp8.py imports triton: only CUDA paths load it
     from minisgl.kernels.fp8 import Quantized
 
 
+class RouterSpec(NamedTuple):
+    """How the router chooses (ModelConfig.moe_scoring and the fields after it)."""
+
+    scoring: str = "softmax"  # or "sigmoid" (route_grouped)
+    groups: int = 1  # sigmoid: the experts in this many groups ...
+    topk_groups: int = 1  # ... of which the best this many are eligible
+    scale: float = 1.0  # sigmoid: the chosen weights' factor (routed_scaling_factor)
+
+
 class MoEShape(NamedTuple):
     """What a MoE layer is built from (whole sizes: the layer takes its rank's slice)."""
 
@@ -48,6 +60,8 @@ class MoEShape(NamedTuple):
     intermediate: int  # of one routed expert
     renormalize: bool  # the top-k weights divided by their sum
     shared_intermediate: int = 0  # of the shared expert; 0: none
+    shared_gated: bool = True  # the shared expert's output times sigmoid(its gate's)
+    router: RouterSpec = RouterSpec()
 
 
 class TopK(NamedTuple):
@@ -64,6 +78,30 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> TopK:
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return TopK(weights, ids)
+
+
+def route_grouped(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
+                  spec: RouterSpec) -> TopK:
+    """Sigmoid routing (GLM-4.5's, DeepSeek-V3's) of float32 router `logits` [T, E]: each
+    expert's score is its sigmoid; the choice goes by score + `bias` (a learned per-expert
+    correction) among the experts of the `spec.topk_groups` groups (of `spec.groups`, E / groups
+    experts each) whose two best biased scores sum highest; the chosen experts' weights are
+    their plain scores, renormalized to sum to one where `renormalize`, then times
+    `spec.scale`. Tensor operations only (CUDA graphs capture it)."""
+    scores = logits.sigmoid()
+    choice = scores + bias
+    t, e = choice.shape
+    by_group = choice.view(t, spec.groups, e // spec.groups)
+    group_scores = by_group.topk(2, dim=-1).values.sum(dim=-1)
+    best = group_scores.topk(spec.topk_groups, dim=-1, sorted=False).indices
+    eligible = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    choice = choice.masked_fill(~eligible.repeat_interleave(e // spec.groups, dim=1),
+                                float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return TopK(weights * spec.scale, ids)
 
 
 def owned_topk(topk: TopK, owned: Shard) -> TopK:
@@ -152,6 +190,30 @@ class SharedExpert(nn.Module):
         return self.down_proj.partial_lora(gated, lora)
 
 
+class Router(ReplicatedLinear):
+    """The router's linear layer, replicated. A sigmoid router (`sigmoid`) also holds its
+    per-expert score correction (the checkpoint's `e_score_correction_bias`) and computes its
+    logits in float32, as Hugging Face's GLM-4.5 does: the choice turns on small differences
+    of the scores, which bf16 logits would blur."""
+
+    def __init__(self, hidden: int, num_experts: int, sigmoid: bool) -> None:
+        super().__init__(hidden, num_experts, False)
+        self.e_score_correction_bias: Optional[nn.Parameter] = None
+        if sigmoid:  # float32 whatever the model's dtype (the checkpoint keeps it so)
+            self.e_score_correction_bias = nn.Parameter(
+                torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
+
+    @property
+    def correction(self) -> Optional[torch.Tensor]:
+        """The sigmoid router's per-expert correction (None: a softmax router)."""
+        return self.e_score_correction_bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.e_score_correction_bias is None:
+            return super().forward(x)
+        return F.linear(x.float(), self.weight.float())
+
+
 class SparseMoE(nn.Module):
     """The MoE block of a decoder layer: `forward` takes the stream before its norm and
     returns the stream after the experts (this rank's partial sum, not yet all-reduced: the
@@ -169,7 +231,7 @@ class SparseMoE(nn.Module):
         self.shape = shape
         self.policy = policy
         self.comm = comm
-        self.gate = ReplicatedLinear(shape.hidden, shape.num_experts, False)  # the router
+        self.gate = Router(shape.hidden, shape.num_experts, shape.router.scoring == "sigmoid")
         self.experts = Experts(ExpertsShape(shape.num_experts, shape.hidden, shape.intermediate),
                                info, quant.experts, expert_parallel)
         self.shared_expert: Optional[SharedExpert] = None
@@ -177,6 +239,7 @@ class SparseMoE(nn.Module):
         if shape.shared_intermediate:
             self.shared_expert = SharedExpert(shape.hidden, shape.shared_intermediate, info,
                                               comm, policy, quant, lora)
+        if shape.shared_intermediate and shape.shared_gated:
             self.shared_expert_gate = ReplicatedLinear(shape.hidden, 1, False)
 
     def forward(self, stream: ResidualStream, norm: RMSNorm,
@@ -190,9 +253,14 @@ class SparseMoE(nn.Module):
         logits = self.gate(x)
         experts, top_k, renorm = self.experts, self.shape.top_k, self.shape.renormalize
         owned = experts.owned
+        grouped = self.gate.correction is not None
         if self.policy.fused and x.is_cuda:
             from minisgl.kernels import moe
-            routing = moe.route(logits, top_k, renorm)
+            if grouped:
+                chosen = self._grouped(logits)
+                routing = moe.routing_of(chosen.weights, chosen.ids, self.shape.num_experts)
+            else:
+                routing = moe.route(logits, top_k, renorm)
             if owned.size != self.shape.num_experts:
                 mine = owned_topk(TopK(routing.weights, routing.ids), owned)
                 routing = moe.routing_of(mine.weights, mine.ids, owned.size + 1, owned.size)
@@ -202,11 +270,19 @@ class SparseMoE(nn.Module):
                    else moe.fused_experts(x, routing, experts.w13, experts.w2, tiles,
                                           experts.scales()))
         else:
-            out = experts_torch_by(x, owned_topk(route(logits, top_k, renorm), owned),
-                                   experts.dense, owned.size)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, lora)
-        return out
+            chosen = self._grouped(logits) if grouped else route(logits, top_k, renorm)
+            out = experts_torch_by(x, owned_topk(chosen, owned), experts.dense, owned.size)
+        if self.shared_expert is None:
+            return out
+        shared = self.shared_expert(x, lora)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out + shared
+
+    def _grouped(self, logits: torch.Tensor) -> TopK:
+        assert self.gate.correction is not None  # a sigmoid router's (see Router)
+        return route_grouped(logits, self.gate.correction, self.shape.top_k,
+                             self.shape.renormalize, self.shape.router)
 
     def finish(self, partial: torch.Tensor) -> torch.Tensor:
         """The block's output from a partial sum: the all-reduce (a collective)."""

@@ -21,6 +21,7 @@ _MODULE_OF: Dict[str, str] = {
     "Gemma3ForCausalLM": "gemma",
     "Gemma3ForConditionalGeneration": "gemma",
     "Glm4ForCausalLM": "glm4",
+    "Glm4MoeForCausalLM": "glm4",
     "GraniteForCausalLM": "llama",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",

@@ -86,6 +86,14 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
                         "vocab_size": 151552, "num_key_value_heads": 2, "head_dim": 128,
                         "attention_bias": True, "partial_rotary_factor": 0.5,
                         "eos_token_id": [151329, 151336, 151338]},
+    # Glm4MoeConfig's (GLM-4.5-Air's shape; a config.json lists its own)
+    "Glm4MoeForCausalLM": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                           "vocab_size": 151552, "num_key_value_heads": 8,
+                           "partial_rotary_factor": 0.5, "n_routed_experts": 128,
+                           "n_shared_experts": 1, "num_experts_per_tok": 8,
+                           "moe_intermediate_size": 1408, "first_k_dense_replace": 1,
+                           "norm_topk_prob": True, "routed_scaling_factor": 1.0, "n_group": 1,
+                           "topk_group": 1},
     "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "rope_theta": 2e6,
                            "vocab_size": 128256, "num_key_value_heads": 4,
                            "tie_word_embeddings": True, "use_sliding_window": False},
@@ -97,7 +105,8 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
 # The families whose attention projections take `attention_bias` (Qwen2's are fixed: q/k/v
 # bias, none on o; Mistral's and Mixtral's have none), and whose MLP takes `mlp_bias`.
 _ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                   "SmolLM3ForCausalLM", "GraniteForCausalLM", "Glm4ForCausalLM")
+                   "SmolLM3ForCausalLM", "GraniteForCausalLM", "Glm4ForCausalLM",
+                   "Glm4MoeForCausalLM")
 _MLP_BIAS = ("LlamaForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM")
 # The families whose attention may slide (see `_layer_windows`).
 _WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
@@ -135,7 +144,21 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1
     decoder_sparse_step: int = 1  # every step-th layer is sparse (see `is_sparse`)
     mlp_only_layers: Tuple[int, ...] = ()  # layers that stay dense
-    shared_expert_intermediate_size: int = 0  # the sigmoid-gated shared expert; 0: none
+    shared_expert_intermediate_size: int = 0  # the shared expert; 0: none
+    shared_expert_gated: bool = True  # Qwen2-MoE's sigmoid gate on it (GLM-4.5's has none)
+    # How the router scores the experts: "softmax" (Qwen, Mixtral) or "sigmoid" (GLM-4.5,
+    # DeepSeek-V3's: sigmoid scores, a learned per-expert bias added only to choose, the
+    # experts in `moe_groups` groups of which the best `moe_topk_groups` (by their two best
+    # scores) are eligible, the chosen scores renormalized where norm_topk_prob and then
+    # multiplied by routed_scaling_factor)
+    moe_scoring: str = "softmax"
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    qk_norm: bool = False  # a per-head RMSNorm on q and k (GLM-4.5's use_qk_norm)
+    # Multi-token-prediction layers a checkpoint holds after the decoder's (GLM-4.5's
+    # num_nextn_predict_layers), which are not served: their tensors are skipped.
+    mtp_layers: int = 0
     quantization: Optional[CheckpointQuant] = None  # the checkpoint's FP8 layout; None: dense
     int_quant: Optional[IntQuant] = None  # its AWQ / GPTQ integer weights (int_quant.py)
     # Per decoder layer: the tokens its attention sees (its own and those before it, as
@@ -197,6 +220,7 @@ class ModelConfig:
                              f"window >= 0, got {self.layer_windows}")
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        self._check_router()
         kind = (self.rope_scaling or {}).get("rope_type", "default")
         if kind not in ROPE_TYPES:
             raise ValueError(f"unsupported rope scaling type {kind!r} (supported: "
@@ -298,6 +322,24 @@ class ModelConfig:
         context."""
         return max(self.layer_windows, default=0) or None
 
+    def _check_router(self) -> None:
+        """ValueError naming the numbers for a router that cannot choose: groups that do not
+        divide the experts, more eligible groups than groups, or fewer eligible experts than
+        the top-k."""
+        if self.moe_scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"unsupported MoE scoring {self.moe_scoring!r}")
+        if not self.num_experts or self.moe_scoring == "softmax":
+            return
+        groups, eligible = self.moe_groups, self.moe_topk_groups
+        if groups < 1 or self.num_experts % groups or not 1 <= eligible <= groups:
+            raise ValueError(f"n_group {groups} must divide the {self.num_experts} routed "
+                             f"experts, and topk_group {eligible} be in [1, n_group]")
+        per_group = self.num_experts // groups
+        if per_group < 2 or eligible * per_group < self.num_experts_per_tok:
+            raise ValueError(f"topk_group {eligible} of {groups} groups of {per_group} experts "
+                             f"leave fewer than num_experts_per_tok {self.num_experts_per_tok} "
+                             f"to choose from (a group is scored by its two best experts)")
+
     def check_tp(self, tp: int, expert_parallel: bool = False) -> None:
         """ValueError naming the numbers when the model cannot be split over `tp` ranks: its
         heads (distributed.info.check_head_split), and the MLP widths its layers use, which
@@ -387,6 +429,7 @@ class ModelConfig:
             rope_layers=(tuple(bool(f) for f in cfg["no_rope_layers"])
                          if arch == "SmolLM3ForCausalLM" else ()),
             rotary_interleaved=arch == "Glm4ForCausalLM",
+            qk_norm=arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False)),
             **_granite_fields(cfg, arch),
             **_moe_fields(cfg, arch),
             classifier=parse_classifier(cfg, declared),
@@ -527,9 +570,29 @@ def _rope_scaling(raw: Dict[str, Any], arch: str = "") -> Optional[Dict[str, Any
     return None if kind == "default" else {**raw, "rope_type": kind}
 
 
+def _glm4_moe_fields(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """GLM-4.5's mixture-of-experts fields: `n_routed_experts`, the first
+    `first_k_dense_replace` layers dense, `n_shared_experts` ungated shared experts (one MLP of
+    their summed width), sigmoid routing over `n_group` groups (ModelConfig.moe_scoring)."""
+    return dict(
+        num_experts=int(cfg["n_routed_experts"]),
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg["norm_topk_prob"]),
+        mlp_only_layers=tuple(range(int(cfg["first_k_dense_replace"]))),
+        shared_expert_intermediate_size=int(cfg["moe_intermediate_size"])
+        * int(cfg["n_shared_experts"] or 0),
+        shared_expert_gated=False, moe_scoring="sigmoid", moe_groups=int(cfg["n_group"]),
+        moe_topk_groups=int(cfg["topk_group"]),
+        routed_scaling_factor=float(cfg["routed_scaling_factor"]),
+        mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0))
+
+
 def _moe_fields(cfg: Dict[str, Any], arch: str) -> Dict[str, Any]:
     """The mixture-of-experts fields of a config.json, under either family's names (none for a
     dense model). Mixtral always renormalizes its top-k weights and has no dense layers."""
+    if arch == "Glm4MoeForCausalLM":
+        return _glm4_moe_fields(cfg)
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
     if not experts:
         return {}

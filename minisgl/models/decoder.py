@@ -44,7 +44,7 @@ from minisgl.layers.fp8 import SCALE_PARAMS, Fp8Spec, finish_loading, start_load
 from minisgl.layers.linear import (ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
                                    ResidualStream, RowParallelLinear)
 from minisgl.layers.lora import LoraShape
-from minisgl.layers.moe import MoEQuant, MoEShape, SparseMoE
+from minisgl.layers.moe import MoEQuant, MoEShape, RouterSpec, SparseMoE
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.packed import PackedSpec
 from minisgl.layers.rotary import RopeIndex, RotaryEmbedding
@@ -274,7 +274,9 @@ def moe_shape(cfg: ModelConfig) -> MoEShape:
     """The shape of the config's MoE layers."""
     return MoEShape(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
                     cfg.moe_intermediate_size, cfg.norm_topk_prob,
-                    cfg.shared_expert_intermediate_size)
+                    cfg.shared_expert_intermediate_size, cfg.shared_expert_gated,
+                    RouterSpec(cfg.moe_scoring, cfg.moe_groups, cfg.moe_topk_groups,
+                               cfg.routed_scaling_factor))
 
 
 class DecoderLayer(nn.Module):
