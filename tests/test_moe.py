@@ -194,7 +194,8 @@ def test_expert_checkpoint_names() -> None:
     assert target("model.layers.3.mlp.shared_expert.gate_proj.weight") is None
 
 
-@pytest.mark.parametrize("config", ["qwen3-30b-a3b", "qwen3-30b-a3b-fp8", "mixtral-8x7b"])
+@pytest.mark.parametrize("config", ["qwen3-30b-a3b", "qwen3-30b-a3b-fp8", "mixtral-8x7b",
+                                    "glm-4.5-air"])
 def test_benchmark_configs_build_scaled_down(tmp_path: Path, config: str) -> None:
     """The benchmark shapes build and generate with dummy weights (scaled down: on CPU; the
     FP8 one's 128 x 128 block experts weight-only; its q, k and v whole blocks)."""
