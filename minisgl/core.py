@@ -38,10 +38,18 @@ STRUCTURED_KINDS: Tuple[str, ...] = get_args(StructuredKind)
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """What the output must match; compiled by the grammar cache, enforced by a token bitmask."""
+    """What the output must match; compiled by the grammar cache, enforced by a token bitmask.
+    A reasoning model's thinking goes free (grammar/reasoning.py): `reasoning` names its
+    format (the API sets the server's --reasoning-parser), and the tokenizer resolves it to
+    `think_start` / `think_end` (the marker token ids; -1 end: constrained from the first
+    token) and `thinking` (the prompt left the output inside the thinking)."""
     kind: StructuredKind
     spec: str = ""   # json: the JSON schema as text; regex; grammar: EBNF (GBNF as xgrammar takes it);
                      # choice: a JSON list of strings; structural_tag: xgrammar's structural-tag JSON; json_object: ""
+    reasoning: str = ""
+    think_start: int = -1
+    think_end: int = -1
+    thinking: bool = False
 
     def shape_error(self) -> Optional[str]:
         """Why this is not a well-formed constraint (unknown kind, spec not text, a spec missing

@@ -32,6 +32,7 @@ from minisgl.core import (Batch, FinishReason, Limits, Phase, Req, RequestError,
 from minisgl.distributed import check_same_across_ranks, min_over_ranks, true_on_all_ranks
 from minisgl.grammar import GrammarCache, TokenizerSource
 from minisgl.grammar.matcher import RequestGrammar, fill_bitmask
+from minisgl.grammar.reasoning import ThinkGate
 from minisgl.utils import offline_prefill_tokens, rows_to_device
 from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
@@ -256,7 +257,10 @@ class Scheduler:
                 still.append((req, future))
                 continue
             try:
-                req.grammar = RequestGrammar(future.result(), self.engine.eos_token_ids)
+                s = req.params.structured
+                gate = (ThinkGate(s.think_start, s.think_end, s.thinking) if s is not None
+                        else ThinkGate())
+                req.grammar = RequestGrammar(future.result(), self.engine.eos_token_ids, gate)
             except Exception as e:  # the tokenizer compiled it: a different vocabulary?
                 # (the same failure on every rank: compiling is deterministic)
                 logger.error("rank %d: request %d: %s", self.rank, req.uid, e)

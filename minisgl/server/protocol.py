@@ -637,7 +637,21 @@ def chat_job(body: ChatRequest, max_n: int, tool_parser: Optional[str] = None,
     enforced in. The output keeps special tokens unless the request sets
     `skip_special_tokens` where a marker to be read is one: the array formats' calls
     (`mistral`, `granite`), the `reasoning_parser`'s tags (reasoning.keeps_special_tokens).
-    `defaults`: the sampling of fields the request leaves unset (every job's)."""
+    With a `reasoning_parser`, a constraint (structured output, or the calls' grammar) holds
+    after the thinking (core.StructuredOutput.reasoning). `defaults`: the sampling of fields
+    the request leaves unset (every job's)."""
+    job = _chat_job(body, max_n, tool_parser, defaults, reasoning_parser)
+    structured = job.params.structured
+    if structured is None or reasoning_parser is None:
+        return job
+    # a reasoning model's thinking goes free, the constraint holds after it (grammar/reasoning)
+    params = dataclasses.replace(job.params, structured=dataclasses.replace(
+        structured, reasoning=reasoning_parser))
+    return dataclasses.replace(job, params=params)
+
+
+def _chat_job(body: ChatRequest, max_n: int, tool_parser: Optional[str],
+              defaults: SamplingDefaults, reasoning_parser: Optional[str]) -> Job:
     tools = _tools(body)
     job = _job(body, [_chat_prompt(body, body.messages, tools)], max_n, defaults)
     fmt = tool_call_format(tool_parser or "hermes")

@@ -22,31 +22,13 @@ until it is known, so the concatenation of the parts equals splitting the whole 
 
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
-THINK_START, THINK_END = "<think>", "</think>"
+from minisgl.grammar.reasoning import (FORMATS, REASONING_PARSERS, THINK_END, THINK_START,
+                                      Markers)
 
-
-class Markers(NamedTuple):
-    """A format's markers, each with its spellings: `start` opens the thinking, `end` closes
-    it; `inside`: the output starts inside the thinking (the template opened it); `special`:
-    the markers are the tokenizer's special tokens."""
-
-    start: Tuple[str, ...]
-    end: Tuple[str, ...]
-    inside: bool = False
-    special: bool = False  # the markers are special tokens (keeps_special_tokens)
-
-
-_GRANITE_START = ("Here is my thought process:", "Here's my thought process:")
-_GRANITE_END = ("Here is my response:", "Here's my response:")
-FORMATS: Dict[str, Markers] = {
-    "qwen3": Markers((THINK_START,), (THINK_END,)),
-    "deepseek-r1": Markers((THINK_START,), (THINK_END,), inside=True),
-    "granite": Markers(_GRANITE_START, _GRANITE_END),
-    "mistral": Markers(("[THINK]",), ("[/THINK]",), special=True),
-}
-REASONING_PARSERS = tuple(FORMATS)
+__all__ = ["FORMATS", "Markers", "REASONING_PARSERS", "THINK_END", "THINK_START",
+           "ReasoningSplitter", "keeps_special_tokens", "split_reasoning"]
 
 
 def keeps_special_tokens(name: Optional[str]) -> bool:

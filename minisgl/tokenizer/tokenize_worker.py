@@ -28,6 +28,7 @@ text, chat and stop strings are rejected.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -41,6 +42,7 @@ from minisgl.core import (Limits, RequestError, SamplingParams, StructuredOutput
                           check_request, prompt_error, truncate_prompt)
 from minisgl.gc_heap import freeze_startup_heap
 from minisgl.grammar import make_checker
+from minisgl.grammar.reasoning import think_gate
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.startup import report_startup
 from minisgl.message.types import (AbortMsg, AbortRequest, DetokenizeInit, ReplicaChange,
@@ -233,7 +235,18 @@ class Tokenizer:
             error = self.structured_error(params.structured)
             if error is not None:
                 return Prepared(ids, None, error, "structured")
+            params = self.gated(params, ids)
         return Prepared(ids, params, None)
+
+    def gated(self, params: SamplingParams, ids: List[int]) -> SamplingParams:
+        """`params` with its constraint's thinking gate resolved for this prompt, where it
+        names a reasoning format (grammar/reasoning.think_gate)."""
+        structured = params.structured
+        if structured is None or not structured.reasoning or self.tokenizer is None:
+            return params
+        gate = think_gate(self.tokenizer, structured.reasoning, ids)
+        return dataclasses.replace(params, structured=dataclasses.replace(
+            structured, think_start=gate.start, think_end=gate.end, thinking=gate.thinking))
 
 
 def _too_long(e: TooLong) -> str:
