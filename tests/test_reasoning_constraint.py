@@ -127,3 +127,32 @@ def test_a_chat_constraint_of_a_reasoning_model_is_gated(model: Path) -> None:
     assert prepared.error is None, prepared.error
     gate = prepared.params.structured
     assert (gate.think_start, gate.think_end, gate.thinking) == (START, END, False)
+
+
+def test_enable_in_reasoning_constrains_from_the_first_token() -> None:
+    """vLLM's --structured-outputs-config: enable_in_reasoning drops the thinking gate (the
+    API's served jobs: protocol.constrained_from_the_start); a backend other than xgrammar,
+    or another reasoning parser than the server's, is refused by name; vLLM's parser names
+    deepseek_r1 and glm45 read as deepseek-r1's and qwen3's."""
+    from minisgl.grammar.reasoning import FORMATS
+    from minisgl.server.args import parse_args
+    from minisgl.server.protocol import (ChatRequest, chat_job, constrained_from_the_start,
+                                         parse_body)
+    body = parse_body(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                  "response_format": {"type": "json_object"}}).encode(),
+                      ChatRequest)
+    job = constrained_from_the_start(chat_job(body, 1, reasoning_parser="qwen3"))
+    assert job.params.structured.reasoning == "" and job.params.structured.kind == "json_object"
+    config = '{"backend": "xgrammar", "enable_in_reasoning": true, "reasoning_parser": "qwen3"}'
+    assert parse_args(["--reasoning-parser", "qwen3", "--structured-outputs-config",
+                       config]).constrain_in_reasoning
+    assert not parse_args([]).constrain_in_reasoning
+    for bad, named in (('{"backend": "guidance"}', "backend 'guidance' is not served"),
+                       ('{"reasoning_parser": "glm45"}', "must be the server's"),
+                       ('{"enable_in_reasoning": 1}', "enable_in_reasoning must be true"),
+                       ('{"guided": 1}', "guided is not supported")):
+        with pytest.raises(ValueError, match=named):
+            parse_args(["--structured-outputs-config", bad])
+    assert FORMATS["deepseek_r1"] == FORMATS["deepseek-r1"] and FORMATS["glm45"] == FORMATS[
+        "qwen3"]
+    assert parse_args(["--reasoning-parser", "glm45"]).reasoning_parser == "glm45"

@@ -39,11 +39,16 @@ class Markers(NamedTuple):
 
 _GRANITE_START = ("Here is my thought process:", "Here's my thought process:")
 _GRANITE_END = ("Here is my response:", "Here's my response:")
+_TAGS = Markers((THINK_START,), (THINK_END,))
+_R1 = Markers((THINK_START,), (THINK_END,), inside=True)
 FORMATS: Dict[str, Markers] = {
-    "qwen3": Markers((THINK_START,), (THINK_END,)),
-    "deepseek-r1": Markers((THINK_START,), (THINK_END,), inside=True),
+    "qwen3": _TAGS,
+    "deepseek-r1": _R1,
     "granite": Markers(_GRANITE_START, _GRANITE_END),
     "mistral": Markers(("[THINK]",), ("[/THINK]",), special=True),
+    # vLLM's names: its DeepSeek-R1 parser, and GLM-4.5's (Qwen3's tags, written by the model)
+    "deepseek_r1": _R1,
+    "glm45": _TAGS,
 }
 REASONING_PARSERS = tuple(FORMATS)
 

@@ -62,6 +62,7 @@ from minisgl.server.scores import (RERANK_PATHS, SCORE_PATHS, RerankFormatter, R
                                    ScoreFormatter, ScoreRequest, rerank_pairs, score_pairs)
 from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeBody,
                                      Job, Prompt, TokenizeBody, chat_job, completion_job,
+                                     constrained_from_the_start,
                                      detokenize_prompt, parse_body, tokenize_prompt)
 from minisgl.server.responses import (ChatFormatter, Choice, CompletionFormatter, Formatter,
                                       GenerateFormatter, SSEResponse)
@@ -97,6 +98,8 @@ class ApiConfig:
     replicas: int = 1  # data-parallel replicas (their scheduler metrics are labelled)
     root: str = ""  # the model's directory (vLLM's model card `root`); "" names the model
     reasoning_parser: Optional[str] = None  # server/reasoning.py: splits chat output
+    # vLLM's enable_in_reasoning: a reasoning model's constraint holds from its first token
+    constrain_in_reasoning: bool = False
     tool_call_parser: str = "hermes"  # server/tool_calls.py: reads (and enforces) tool calls
     aliases: Tuple[str, ...] = ()  # more names requests may give the model
     # (name, directory) of each LoRA adapter loaded at start-up: a request naming one as its
@@ -398,7 +401,9 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         the client's X-Request-Id, where `request` gives one, which the response id is built
         from (as vLLM builds it; else the formatter makes one); tool_choice auto refused where
         it is off; a stream's usage forced (--enable-force-include-usage); log-probability
-        tokens as ids where the request left it to the server."""
+        tokens as ids where the request left it to the server; a reasoning model's
+        constraint from its first token where configured (structured_outputs_config's
+        enable_in_reasoning)."""
         check_tool_choice(job)
         given = request.headers.get(REQUEST_ID_HEADER) if request is not None else None
         if given is not None:
@@ -407,7 +412,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
             job = dataclasses.replace(job, include_usage=True)
         if job.tokens_as_ids is None:
             job = dataclasses.replace(job, tokens_as_ids=cfg.return_tokens_as_token_ids)
-        return job
+        return constrained_from_the_start(job) if cfg.constrain_in_reasoning else job
 
     def check_tool_choice(job: Job) -> None:
         """ApiError 400 for tool_choice auto where the server reads no calls unasked

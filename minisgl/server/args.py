@@ -140,6 +140,13 @@ class ServerConfig:
     enable_force_include_usage: bool = setting(
         False, "vLLM's: every streamed chat, completion and Responses reply ends with its "
                "usage, as if the request had asked (stream_options.include_usage)")
+    structured_outputs_config: Optional[str] = setting(
+        None, "vLLM's: a JSON object of structured-output options: backend (auto or xgrammar, "
+              "the one served), enable_in_reasoning (true: a reasoning model's constraint holds "
+              "from its first token, thinking included; by default it holds after the "
+              "thinking), reasoning_parser (the --reasoning-parser's name, or empty), and "
+              "disable_any_whitespace, disable_additional_properties, disable_fallback (taken "
+              "as given: xgrammar's JSON is compact, and has no fallback)")
     tool_call_parser: Optional[str] = setting(
         None, "the format chat output's tool calls are read (and, for tool_choice \"required\" "
               "or a named function, enforced) in (default: from the chat template: "
@@ -239,6 +246,7 @@ class ServerConfig:
         json_object(self.default_chat_template_kwargs, "default_chat_template_kwargs",
                     "chat template keywords")
         check_generation_overrides(self.override_generation_config)
+        self.constrain_in_reasoning  # noqa: B018  (raises for a bad structured_outputs_config)
         if self.root_path is not None and not re.fullmatch(r"(/[\w.~%-]+)+", self.root_path):
             raise ValueError(f"root_path must be a path of letters, digits and . ~ % - _ that "
                              f"starts with / and does not end with one (/minisgl), got "
@@ -281,6 +289,31 @@ class ServerConfig:
     def origins(self) -> Tuple[str, ...]:
         """allowed_origins as a tuple (cors.parse_origins)."""
         return parse_origins(self.allowed_origins)
+
+    @property
+    def constrain_in_reasoning(self) -> bool:
+        """structured_outputs_config's enable_in_reasoning, its other keys checked (ValueError
+        naming one this server does not serve)."""
+        name = "structured_outputs_config"
+        options = json_object(self.structured_outputs_config, name, "structured-output options",
+                              ("backend", "enable_in_reasoning", "reasoning_parser",
+                               "disable_any_whitespace", "disable_additional_properties",
+                               "disable_fallback", "reasoning_parser_plugin"))
+        backend = options.get("backend", "auto")
+        if backend not in ("auto", "xgrammar"):
+            raise ValueError(f"{name}: backend {backend!r} is not served (auto or xgrammar: "
+                             f"minisgl compiles constraints with xgrammar)")
+        parser = options.get("reasoning_parser") or None
+        if parser is not None and parser != self.reasoning_parser:
+            raise ValueError(f"{name}: reasoning_parser {parser!r} must be the server's "
+                             f"--reasoning-parser ({self.reasoning_parser!r})")
+        if options.get("reasoning_parser_plugin"):
+            raise ValueError(f"{name}: reasoning_parser_plugin is not served")
+        for key, value in options.items():
+            if key not in ("backend", "reasoning_parser", "reasoning_parser_plugin") and (
+                    not isinstance(value, bool)):
+                raise ValueError(f"{name}: {key} must be true or false, got {value!r}")
+        return bool(options.get("enable_in_reasoning", False))
 
     @property
     def cors(self) -> CorsPolicy:

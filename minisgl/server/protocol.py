@@ -650,6 +650,17 @@ def chat_job(body: ChatRequest, max_n: int, tool_parser: Optional[str] = None,
     return dataclasses.replace(job, params=params)
 
 
+def constrained_from_the_start(job: Job) -> Job:
+    """The job with its constraint holding from the first token, a reasoning model's
+    thinking included (vLLM's enable_in_reasoning): no thinking gate."""
+    structured = job.params.structured
+    if structured is None or not structured.reasoning:
+        return job
+    params = dataclasses.replace(job.params, structured=dataclasses.replace(
+        structured, reasoning=""))
+    return dataclasses.replace(job, params=params)
+
+
 def _chat_job(body: ChatRequest, max_n: int, tool_parser: Optional[str],
               defaults: SamplingDefaults, reasoning_parser: Optional[str]) -> Job:
     tools = _tools(body)

@@ -222,6 +222,7 @@ class Service:
         pooling = model_pooling(Path(self.model_path), c.engine.pooler_config)
         api_cfg = ApiConfig(self.model_name, context, c.max_n, a.tokenizer, a.api,
                             self.health_file, dp, root=path, reasoning_parser=c.reasoning_parser,
+                            constrain_in_reasoning=c.constrain_in_reasoning,
                             tool_call_parser=tool_parser, aliases=c.model_aliases,
                             api_key=c.resolved_api_key, loopback_only=c.on_loopback,
                             cors=c.cors, uvicorn_log_level=c.uvicorn_log_level,
