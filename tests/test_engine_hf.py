@@ -96,7 +96,9 @@ WINDOWED = {"mistral": dict(sliding_window=8), "phi3": dict(sliding_window=8),
             "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
             # SmolLM3 slides in its NoPE layers (the fourth) where use_sliding_window says so
             "smollm3": dict(use_sliding_window=True, sliding_window=8),
-            "qwen2_moe": dict(use_sliding_window=True, sliding_window=8, max_window_layers=2)}
+            "qwen2_moe": dict(use_sliding_window=True, sliding_window=8, max_window_layers=2),
+            # dots.llm1 slides from layer max_window_layers on (its config's layer_types)
+            "dots1": dict(sliding_window=8, max_window_layers=1)}
 
 
 @pytest.mark.parametrize("family", sorted(WINDOWED))

@@ -124,7 +124,7 @@ HF_CONFIGS = {"LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralC
               "MixtralForCausalLM": "MixtralConfig", "Qwen2ForCausalLM": "Qwen2Config",
               "Qwen2MoeForCausalLM": "Qwen2MoeConfig", "Qwen3ForCausalLM": "Qwen3Config",
               "Qwen3MoeForCausalLM": "Qwen3MoeConfig", "Phi3ForCausalLM": "Phi3Config",
-              "Glm4MoeForCausalLM": "Glm4MoeConfig"}
+              "Glm4MoeForCausalLM": "Glm4MoeConfig", "Dots1ForCausalLM": "Dots1Config"}
 _MOE_FIELDS = {"MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
                "Qwen2MoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2,
                                            moe_intermediate_size=16,
@@ -133,6 +133,9 @@ _MOE_FIELDS = {"MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_t
                                            moe_intermediate_size=16),
                "Glm4MoeForCausalLM": dict(n_routed_experts=4, num_experts_per_tok=2,
                                           moe_intermediate_size=16),
+               # (transformers' Dots1 needs n_shared_experts: its default None fails)
+               "Dots1ForCausalLM": dict(n_routed_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=16, n_shared_experts=1),
                # not MoE: Phi3Config's default pad and EOS ids (32000) lie beyond this vocabulary
                "Phi3ForCausalLM": dict(pad_token_id=0, eos_token_id=2)}
 
@@ -158,10 +161,14 @@ def test_a_minimal_config_reads_as_transformers_reads_it(arch: str, tmp_path: Pa
     (tmp_path / "config.json").write_text(json.dumps(raw))  # as written by hand
     cfg = ModelConfig.from_dir(tmp_path)
     hf_head_dim = getattr(hf_cfg, "head_dim", None) or 64 // 4
+    # the window where a layer slides (dots.llm1's config keeps one that none of 2 layers uses)
+    types = getattr(hf_cfg, "layer_types", None) or ["sliding_attention"]
+    hf_window = (getattr(hf_cfg, "sliding_window", None) or None
+                 if "sliding_attention" in types else None)
     assert (cfg.head_dim, cfg.rope_theta, cfg.rms_norm_eps, cfg.sliding_window,
             cfg.max_position_embeddings) == (
-        hf_head_dim, hf_cfg.rope_parameters["rope_theta"], hf_cfg.rms_norm_eps,
-        getattr(hf_cfg, "sliding_window", None) or None, hf_cfg.max_position_embeddings)
+        hf_head_dim, hf_cfg.rope_parameters["rope_theta"], hf_cfg.rms_norm_eps, hf_window,
+        hf_cfg.max_position_embeddings)
     info = DistributedInfo(0, 1)
     model_class(arch)(cfg, info, Communicator(info)).load_weights(iter_checkpoint(tmp_path, False))
 

@@ -38,7 +38,9 @@ MODELS = {"qwen3_moe": ("qwen3_moe", {}),
           "mixtral": ("mixtral", {}),
           # GLM-4.5: sigmoid routing with a score correction, over groups; an ungated shared
           # expert; a dense first layer
-          "glm4_moe": ("glm4_moe", {})}
+          "glm4_moe": ("glm4_moe", {}),
+          # dots.llm1: the same routing under Qwen3's attention, weights not renormalized
+          "dots1": ("dots1", {})}
 
 
 def _prompts() -> List[List[int]]:

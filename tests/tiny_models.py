@@ -52,6 +52,13 @@ FAMILIES: Dict[str, dict] = {
                      num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
                      n_group=2, topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=True,
                      partial_rotary_factor=0.5, attention_bias=True, random_norms=True),
+    # dots.llm1: Qwen3's attention (q/k norms, biases on all four projections) with GLM-4.5's
+    # routing; top-k weights not renormalized
+    "dots1": dict(arch="Dots1Config", tie_word_embeddings=False, head_dim=16,
+                  num_hidden_layers=3, n_routed_experts=8, n_shared_experts=1,
+                  num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                  n_group=2, topk_group=1, routed_scaling_factor=2.0, norm_topk_prob=False,
+                  attention_bias=True, random_norms=True),
     # IBM Granite 3.x: the Llama decoder with its four multipliers (mild ones: Granite-3-8B's
     # 12 / 0.22 on random tiny weights would make every token the same).
     "granite": dict(arch="GraniteConfig", tie_word_embeddings=True, embedding_multiplier=1.7,

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 # Architecture name (config.json's) -> the module under minisgl.models defining that class.
 _MODULE_OF: Dict[str, str] = {
+    "Dots1ForCausalLM": "dots1",
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
     "Gemma3ForConditionalGeneration": "gemma",

@@ -94,6 +94,13 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
                            "moe_intermediate_size": 1408, "first_k_dense_replace": 1,
                            "norm_topk_prob": True, "routed_scaling_factor": 1.0, "n_group": 1,
                            "topk_group": 1},
+    # Dots1Config's (dots.llm1's shape)
+    "Dots1ForCausalLM": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+                         "vocab_size": 152064, "num_key_value_heads": 32,
+                         "moe_intermediate_size": 1408, "first_k_dense_replace": 0,
+                         "norm_topk_prob": False, "routed_scaling_factor": 1.0, "n_group": 1,
+                         "topk_group": 1, "n_shared_experts": 0, "sliding_window": 4096,
+                         "max_window_layers": 62},
     "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "rope_theta": 2e6,
                            "vocab_size": 128256, "num_key_value_heads": 4,
                            "tie_word_embeddings": True, "use_sliding_window": False},
@@ -102,20 +109,22 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
     "Gemma3ForCausalLM": _GEMMA3,
     "Gemma3ForConditionalGeneration": _GEMMA3,
 }
+# The families whose MoE routes by DeepSeek-V3's sigmoid scheme (`_sigmoid_moe_fields`)
+SIGMOID_MOE = ("Glm4MoeForCausalLM", "Dots1ForCausalLM")
 # The families whose attention projections take `attention_bias` (Qwen2's are fixed: q/k/v
 # bias, none on o; Mistral's and Mixtral's have none), and whose MLP takes `mlp_bias`.
 _ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                    "SmolLM3ForCausalLM", "GraniteForCausalLM", "Glm4ForCausalLM",
-                   "Glm4MoeForCausalLM")
+                   "Glm4MoeForCausalLM", "Dots1ForCausalLM")
 _MLP_BIAS = ("LlamaForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM")
 # The families whose attention may slide (see `_layer_windows`).
 _WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
              "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM",
-             "SmolLM3ForCausalLM", *GEMMA)
+             "SmolLM3ForCausalLM", "Dots1ForCausalLM", *GEMMA)
 # The families whose config class lists `layer_types` (the others slide in every layer), and
 # those whose `use_sliding_window` switches the window on (the others ignore the key).
 _LAYER_TYPED = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
-                "SmolLM3ForCausalLM", *GEMMA)
+                "SmolLM3ForCausalLM", "Dots1ForCausalLM", *GEMMA)
 _SWITCHED = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
              "SmolLM3ForCausalLM")
 
@@ -480,7 +489,7 @@ def _layer_windows(cfg: Dict[str, Any], arch: str) -> Tuple[int, ...]:
     types = cfg.get("layer_types") if arch in _LAYER_TYPED else None
     if types is not None:
         slides = [t == "sliding_attention" for t in types]
-    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Dots1ForCausalLM"):
         slides = [i >= bound for i in layers]
     elif arch == "Qwen2MoeForCausalLM":
         slides = [i % 2 == 0 and i < bound for i in layers]
@@ -570,10 +579,11 @@ def _rope_scaling(raw: Dict[str, Any], arch: str = "") -> Optional[Dict[str, Any
     return None if kind == "default" else {**raw, "rope_type": kind}
 
 
-def _glm4_moe_fields(cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """GLM-4.5's mixture-of-experts fields: `n_routed_experts`, the first
-    `first_k_dense_replace` layers dense, `n_shared_experts` ungated shared experts (one MLP of
-    their summed width), sigmoid routing over `n_group` groups (ModelConfig.moe_scoring)."""
+def _sigmoid_moe_fields(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """The mixture-of-experts fields of DeepSeek-V3's scheme (GLM-4.5, dots.llm1):
+    `n_routed_experts`, the first `first_k_dense_replace` layers dense, `n_shared_experts`
+    ungated shared experts (one MLP of their summed width), sigmoid routing over `n_group`
+    groups (ModelConfig.moe_scoring)."""
     return dict(
         num_experts=int(cfg["n_routed_experts"]),
         num_experts_per_tok=int(cfg["num_experts_per_tok"]),
@@ -591,8 +601,8 @@ def _glm4_moe_fields(cfg: Dict[str, Any]) -> Dict[str, Any]:
 def _moe_fields(cfg: Dict[str, Any], arch: str) -> Dict[str, Any]:
     """The mixture-of-experts fields of a config.json, under either family's names (none for a
     dense model). Mixtral always renormalizes its top-k weights and has no dense layers."""
-    if arch == "Glm4MoeForCausalLM":
-        return _glm4_moe_fields(cfg)
+    if arch in SIGMOID_MOE:
+        return _sigmoid_moe_fields(cfg)
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
     if not experts:
         return {}
