@@ -337,6 +337,7 @@ def test_disable_fastapi_docs_hides_the_openapi_document(tmp_path: Path, flags: 
     cfg = ApiConfig("m", 2048, 1, f"ipc://{tmp_path}/tok", f"ipc://{tmp_path}/api",
                     str(tmp_path / "health"), openapi=openapi)
     client = TestClient(create_app(cfg, lambda: True))
+    assert client.get("/health").headers["x-request-id"]  # every answer names its request
     r = client.get("/openapi.json")
     assert r.status_code == (200 if served else 404), r.text
     if served:  # OpenAPI's rule, which code generators rely on: one id per operation
@@ -344,6 +345,22 @@ def test_disable_fastapi_docs_hides_the_openapi_document(tmp_path: Path, flags: 
         assert len(ids) == len(set(ids)) and "health_ping_post" in ids
     assert client.head("/health").status_code == client.post("/ping").status_code == 200
     assert client.post("/v1/chat/completions", content=b"{").status_code == 400
+
+
+def test_request_id_headers_on_unless_turned_off(tmp_path: Path) -> None:
+    """vLLM's --enable-request-id-headers asks for what is done by default (X-Request-Id on
+    every answer, the client's where it sent one); --no-request-id-headers leaves it out."""
+    from fastapi.testclient import TestClient
+    from minisgl.server.api import ApiConfig, create_app
+    from minisgl.server.args import parse_args
+    for flags, echoed in ((["--enable-request-id-headers"], True), ([], True),
+                          (["--no-request-id-headers"], False)):
+        cfg = ApiConfig("m", 2048, 1, f"ipc://{tmp_path}/tok", f"ipc://{tmp_path}/api",
+                        str(tmp_path / "health"),
+                        request_id_headers=parse_args(flags).request_id_headers)
+        r = TestClient(create_app(cfg, lambda: True)).get(
+            "/health", headers={"X-Request-Id": "rid-7"})
+        assert r.headers.get("x-request-id") == ("rid-7" if echoed else None), flags
 
 
 def test_cors_methods_headers_and_credentials(tmp_path: Path) -> None:

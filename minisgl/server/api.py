@@ -125,6 +125,7 @@ class ApiConfig:
     uvicorn_log_level: Optional[str] = None  # the HTTP server's own (None: the service's)
     root_path: str = ""  # a reverse proxy's prefix, removed before it forwards (uvicorn's)
     openapi: bool = True  # /openapi.json served (vLLM's --disable-fastapi-docs: not)
+    request_id_headers: bool = True  # responses carry X-Request-Id (request_log.py)
     max_queued_requests: Optional[int] = None  # admission.py
     request_timeout: Optional[float] = None  # seconds, admission.Deadline
     max_request_bytes: int = 32 << 20  # limits.py
@@ -354,7 +355,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
                            allow_credentials=cors.credentials,
                            expose_headers=["X-Request-Id"])
     # outermost: sees every answer
-    app.add_middleware(RequestLog, enabled=cfg.log_requests, count=metrics.count_http)
+    app.add_middleware(RequestLog, enabled=cfg.log_requests, count=metrics.count_http,
+                       echo_id=cfg.request_id_headers)
 
     loras = Adapters(streams, cfg.replicas, cfg.lora_runtime, cfg.max_lora_rank,
                      cfg.lora_adapters, (cfg.model_name, *cfg.aliases))

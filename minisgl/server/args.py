@@ -176,6 +176,10 @@ class ServerConfig:
               "it before it forwards: the OpenAPI document's `servers` and the web chat page's "
               "requests name it (FastAPI's root_path; vLLM's --root-path); the routes stay "
               "where they are")
+    request_id_headers: bool = setting(
+        True, "every response carries its request's X-Request-Id header (the client's, else a "
+              "new id)",
+        alias=Alias("enable-request-id-headers", True, "on, as by default (vLLM's flag)"))
     openapi: bool = setting(
         True, "serve the API's OpenAPI document at /openapi.json",
         alias=Alias("disable-fastapi-docs", False, "the same as --no-openapi (vLLM's name)"))

@@ -4,7 +4,8 @@
 - every request has an id: the client's `X-Request-Id` header (vLLM's and most proxies'
   convention; 1 to `MAX_ID_CHARS` printable ASCII characters, else a 400 naming the header), or
   a fresh one. Handlers read it from `request.state.request_id` (a completion's `id` is built
-  from it, as vLLM builds it), and every response carries it back in `X-Request-Id`;
+  from it, as vLLM builds it), and every response carries it back in `X-Request-Id`
+  (unless `echo_id` is off);
 - with `enabled`, when the response has gone out (a stream's last event), or the client left,
   one INFO line names the client, method, path, status ("unfinished" where the response did
   not end: the client left, or the server failed), the time from the request's arrival,
@@ -63,9 +64,13 @@ def request_state(scope: Scope) -> Dict[str, Any]:
 
 
 class RequestLog:
+    """See the module's doc; `echo_id` false: responses do not carry the id back (the
+    --no-request-id-headers setting)."""
+
     def __init__(self, app: App, enabled: bool,
-                 count: Optional[Callable[[str, str], None]] = None) -> None:
-        self.app, self.enabled, self.count = app, enabled, count
+                 count: Optional[Callable[[str, str], None]] = None,
+                 echo_id: bool = True) -> None:
+        self.app, self.enabled, self.count, self.echo_id = app, enabled, count, echo_id
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -96,14 +101,15 @@ class RequestLog:
             if not done:  # the client left before the response ended, or the app failed
                 self._log(scope, rid, status, start, done)
 
-    @staticmethod
-    def _tagged(send: Send, rid: str, status: List[int]) -> Send:
-        """`send`, adding the id header to the response's start and noting its status."""
+    def _tagged(self, send: Send, rid: str, status: List[int]) -> Send:
+        """`send`, adding the id header to the response's start (where `echo_id`) and
+        noting its status."""
         async def tagged(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status.append(message["status"])
-                message = {**message, "headers": [*message.get("headers", ()),
-                                                  (b"x-request-id", rid.encode())]}
+                if self.echo_id:
+                    message = {**message, "headers": [*message.get("headers", ()),
+                                                      (b"x-request-id", rid.encode())]}
             await send(message)
         return tagged
 

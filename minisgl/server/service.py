@@ -227,7 +227,7 @@ class Service:
                             api_key=c.resolved_api_key, loopback_only=c.on_loopback,
                             cors=c.cors, uvicorn_log_level=c.uvicorn_log_level,
                             root_path=c.root_path or "",
-                            openapi=c.openapi,
+                            openapi=c.openapi, request_id_headers=c.request_id_headers,
                             max_queued_requests=c.max_queued_requests,
                             request_timeout=c.request_timeout,
                             max_request_bytes=c.max_request_bytes, body_timeout=c.body_timeout,
