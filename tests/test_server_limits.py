@@ -1,7 +1,8 @@
 """A service under overload and hostile requests: admission (429), deadlines, body limits, the API
 key and the Host check, fresh /metrics, long prompts; and the settings a deployment sets
 (--root-path, --no-auto-tool-choice, --enable-force-include-usage,
---return-tokens-as-token-ids, --max-logprobs, --uvicorn-log-level). One `serve` process (default
+--return-tokens-as-token-ids, --max-logprobs, --uvicorn-log-level,
+--no-prompt-tokens-details). One `serve` process (default
 model, CPU) for the module, with small limits: one request runs at a time, so the others
 queue."""
 
@@ -47,7 +48,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) ->
                         "--allowed-origins", APP_ORIGIN, "--root-path", ROOT,
                         "--no-auto-tool-choice", "--enable-force-include-usage",
                         "--return-tokens-as-token-ids", "--max-logprobs", str(MAX_LOGPROBS),
-                        "--uvicorn-log-level", "warning",
+                        "--uvicorn-log-level", "warning", "--no-prompt-tokens-details",
                         "--stats-interval", "0.2"], tmp_path_factory.mktemp("limits"))
     yield srv
     srv.stop()
@@ -524,7 +525,8 @@ def test_tool_choice_auto_off_usage_forced_tokens_as_ids(server: Server) -> None
     are a 400 naming tool_choice, on chat and the Responses API; required is served.
     --enable-force-include-usage: a stream that did not ask still ends with its usage.
     --return-tokens-as-token-ids: logprob tokens as "token_id:N" unless the request says
-    false."""
+    false. --no-prompt-tokens-details: usage without prompt_tokens_details."""
+    from minisgl.server.args import parse_args
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
         "required": ["city"]}}}
@@ -542,7 +544,13 @@ def test_tool_choice_auto_off_usage_forced_tokens_as_ids(server: Server) -> None
                             "stream": True}) as r:
         data = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert data[-1] == "data: [DONE]"
-    assert json.loads(data[-2].removeprefix("data: "))["usage"]["completion_tokens"] == 3
+    streamed_usage = json.loads(data[-2].removeprefix("data: "))["usage"]
+    assert streamed_usage["completion_tokens"] == 3
+    # --no-prompt-tokens-details (vLLM's default): usage without prompt_tokens_details
+    assert "prompt_tokens_details" not in streamed_usage
+    plain = _post(server, "/v1/chat/completions", _chat()).json()["usage"]
+    assert plain["prompt_tokens"] > 0 and "prompt_tokens_details" not in plain
+    assert parse_args(["--enable-prompt-tokens-details"]).prompt_tokens_details
 
     def tokens(**fields: object) -> list:
         r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2,

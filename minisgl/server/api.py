@@ -126,6 +126,7 @@ class ApiConfig:
     root_path: str = ""  # a reverse proxy's prefix, removed before it forwards (uvicorn's)
     openapi: bool = True  # /openapi.json served (vLLM's --disable-fastapi-docs: not)
     request_id_headers: bool = True  # responses carry X-Request-Id (request_log.py)
+    prompt_tokens_details: bool = True  # chat / completion usage carries cached_tokens
     max_queued_requests: Optional[int] = None  # admission.py
     request_timeout: Optional[float] = None  # seconds, admission.Deadline
     max_request_bytes: int = 32 << 20  # limits.py
@@ -403,7 +404,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         the client's X-Request-Id, where `request` gives one, which the response id is built
         from (as vLLM builds it; else the formatter makes one); tool_choice auto refused where
         it is off; a stream's usage forced (--enable-force-include-usage); log-probability
-        tokens as ids where the request left it to the server; a reasoning model's
+        tokens as ids where the request left it to the server; usage without its prompt
+        tokens' details where they are off; a reasoning model's
         constraint from its first token where configured (structured_outputs_config's
         enable_in_reasoning)."""
         check_tool_choice(job)
@@ -414,6 +416,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
             job = dataclasses.replace(job, include_usage=True)
         if job.tokens_as_ids is None:
             job = dataclasses.replace(job, tokens_as_ids=cfg.return_tokens_as_token_ids)
+        if not cfg.prompt_tokens_details:
+            job = dataclasses.replace(job, prompt_tokens_details=False)
         return constrained_from_the_start(job) if cfg.constrain_in_reasoning else job
 
     def check_tool_choice(job: Job) -> None:

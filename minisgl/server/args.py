@@ -176,6 +176,10 @@ class ServerConfig:
               "it before it forwards: the OpenAPI document's `servers` and the web chat page's "
               "requests name it (FastAPI's root_path; vLLM's --root-path); the routes stay "
               "where they are")
+    prompt_tokens_details: bool = setting(
+        True, "chat and completion usage carries prompt_tokens_details (cached_tokens: the "
+              "prompt tokens the prefix cache held)",
+        alias=Alias("enable-prompt-tokens-details", True, "on, as by default (vLLM's flag)"))
     request_id_headers: bool = setting(
         True, "every response carries its request's X-Request-Id header (the client's, else a "
               "new id)",

@@ -324,6 +324,7 @@ class Job:
     tokens_as_ids: Optional[bool] = False
     generate_logprobs: Optional[GenerateLogprobs] = None  # /generate's return_logprob
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and token_ids in the reply
+    prompt_tokens_details: bool = True  # OpenAI usage's (cached_tokens); the server decides
 
     def field(self, param: str) -> str:
         """The request field that an engine-side error's `param` (a SamplingParams field)

@@ -65,14 +65,17 @@ class Choice:
         self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
 
 
-def usage(choices: List[Choice], n: int) -> Dict[str, Any]:
-    """OpenAI usage: prompt tokens once per prompt (the first of its n choices)."""
+def usage(choices: List[Choice], n: int, details: bool = True) -> Dict[str, Any]:
+    """OpenAI usage: prompt tokens once per prompt (the first of its n choices), and with
+    `details` the prompt tokens' details (cached_tokens: those the prefix cache held)."""
     firsts = choices[::n]
     prompt = sum(c.prompt_tokens for c in firsts)
     completion = sum(c.completion_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in firsts)}}
+    out: Dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                           "total_tokens": prompt + completion}
+    if details:
+        out["prompt_tokens_details"] = {"cached_tokens": sum(c.cached_tokens for c in firsts)}
+    return out
 
 
 def choice_usage(choice: Choice) -> Dict[str, Any]:
@@ -301,7 +304,8 @@ class _OpenAIFormatter(Formatter):
     def full(self, choices: List[Choice]) -> Dict[str, Any]:
         items = [{**self._item(i, c), "matched_stop": c.matched_stop,
                   **self._token_ids(c.token_ids)} for i, c in enumerate(choices)]
-        return {**self._envelope(self.full_object, items), "usage": usage(choices, self.job.n)}
+        return {**self._envelope(self.full_object, items),
+                "usage": usage(choices, self.job.n, self.job.prompt_tokens_details)}
 
     def _token_ids(self, ids: Sequence[int]) -> Dict[str, Any]:
         """A choice item's `token_ids` (vLLM's return_token_ids): all of them, or a chunk's."""
@@ -350,7 +354,7 @@ class _OpenAIFormatter(Formatter):
     def closing(self, choices: List[Choice]) -> Iterator[str]:
         if self.job.include_usage:
             yield sse({**self._envelope(self.chunk_object, []),
-                       "usage": usage(choices, self.job.n)})
+                       "usage": usage(choices, self.job.n, self.job.prompt_tokens_details)})
         yield "data: [DONE]\n\n"
 
 

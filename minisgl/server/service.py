@@ -228,6 +228,7 @@ class Service:
                             cors=c.cors, uvicorn_log_level=c.uvicorn_log_level,
                             root_path=c.root_path or "",
                             openapi=c.openapi, request_id_headers=c.request_id_headers,
+                            prompt_tokens_details=c.prompt_tokens_details,
                             max_queued_requests=c.max_queued_requests,
                             request_timeout=c.request_timeout,
                             max_request_bytes=c.max_request_bytes, body_timeout=c.body_timeout,
