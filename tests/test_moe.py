@@ -373,7 +373,7 @@ def test_fused_moe_on_gpu(dtype: torch.dtype, tokens: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "glm4_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "glm4_moe", "dots1"])
 def test_fused_moe_tokens_on_gpu_float32(moe_model: Callable[[str], Path],
                                          reference: Callable[[str], List[List[int]]],
                                          name: str) -> None:

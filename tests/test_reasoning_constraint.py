@@ -46,9 +46,12 @@ def model(tiny_model: Callable[..., Path]) -> Path:
     return _with_think_tokens(tiny_model("qwen3"))
 
 
-@pytest.fixture(scope="module")
-def llm(model: Path) -> Any:
-    with LLM(str(model), device="cpu", max_kv_tokens=2048, show_progress=False) as offline:
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def llm(model: Path, request: pytest.FixtureRequest) -> Any:
+    """The tiny model in float32 on the CPU, and on CUDA (masked sampling after the decode
+    graphs, the bitmask pinned)."""
+    with LLM(str(model), device=request.param, dtype="float32", max_kv_tokens=2048,
+             show_progress=False) as offline:
         yield offline
 
 
