@@ -724,8 +724,8 @@ class Batch:
     out_slots: Optional[torch.Tensor] = None
     attn_meta: object = None
     launched_at: float = 0.0  # scheduler's clock at launch: step-time statistics only
-    # The tokens whose requests run with a LoRA adapter (the engine's, per forward); None or
-    # no segments: none does.
+    # The tokens whose requests run with a LoRA adapter (the engine's, per forward); None:
+    # none does.
     lora: Optional["LoraRows"] = None
     # Some sampled request is constrained (Req.grammar): the engine's launch runs the forward
     # only, and sampling waits for the token bitmask (StepEngine.sample).
@@ -782,10 +782,14 @@ class LoraBinding(NamedTuple):
 
 
 class LoraRows(NamedTuple):
-    """A forward's tokens by LoRA adapter: (slot, int64 row indices on the device) for each
-    adapter some token runs with, in slot order (layers/lora.py adds each one's delta)."""
+    """A forward's tokens by LoRA adapter (layers/lora.py adds the deltas). `mask[t, j]`: token
+    t runs with adapter `picks[j]` (bool [T, k] on the device; a row of False: the base model
+    alone). `picks`: the k adapter slots some token runs with (int64 on the device), or None
+    for every slot in slot order: the decode graphs' form, whose batches' adapters are not
+    known when they are captured."""
 
-    segments: Tuple[Tuple[int, torch.Tensor], ...]
+    mask: torch.Tensor
+    picks: Optional[torch.Tensor] = None
 
 
 class StepResult(NamedTuple):

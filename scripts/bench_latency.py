@@ -13,6 +13,10 @@ the dense ones plus the experts the batch's tokens touch: under uniform routing 
 k of E experts touch E * (1 - (1 - k/E)^B) of each MoE layer's experts on average. Prints a
 table and one line of JSON (prefixed "RESULT ").
 
+`--lora` runs every request with an adapter (slot 0 of `--enable-lora --max-lora-rank R`,
+random weights in every slot), as the LoRA family of decode graphs runs it; the roofline stays
+the base weights', so the difference to a run without `--lora` is the adapters' cost.
+
 `--json-schema FILE` also times every batch size with each request constrained by that JSON
 schema, as the scheduler runs structured output: the forward is launched, the previous step's
 tokens are accepted into the requests' xgrammar matchers and the bitmask of this step filled on
@@ -40,13 +44,14 @@ from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
-from minisgl.core import Batch, Phase, Req, SamplingParams, StructuredOutput
+from minisgl.core import Batch, LoraBinding, Phase, Req, SamplingParams, StructuredOutput
 from minisgl.distributed import destroy_process_groups, init_process_groups
 from minisgl.engine import Engine, EngineConfig
 from minisgl.grammar import GrammarCache, TokenizerSource
 from minisgl.grammar.matcher import RequestGrammar, fill_bitmask
 from minisgl.layers import blas
 from minisgl.layers.experts import Experts
+from minisgl.layers.lora import LoraSlots
 from minisgl.models.default_model import default_model_path
 from minisgl.tokenizer.text import has_tokenizer
 from minisgl.scheduler.decode import DecodeManager
@@ -108,6 +113,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
                    help="also time one prefill step of fresh prompts (lengths uniform in "
                         "[100, 1024], seeded) filling this many tokens, as the offline workload's")
+    p.add_argument("--lora", action="store_true",
+                   help="every request runs with a random adapter (needs --enable-lora)")
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="also time decode with every request constrained by this JSON schema")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
@@ -118,9 +125,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     add_flags(p, EngineConfig(), skip=_SCRIPT_SET)
     args = p.parse_args(argv)
     try:
-        engine_settings(args)
+        cfg = engine_settings(args)
     except ValueError as e:
         p.error(str(e))
+    if args.lora and not cfg.lora_slots:
+        p.error("--lora needs adapter slots: --enable-lora (and --max-lora-rank R)")
     return args
 
 
@@ -270,6 +279,22 @@ def decode_batch(engine: Engine, batch: int, spec: str, vocab: int, seed: int) -
     b.out_slots = torch.tensor([slots[r.uid][-1] for r in b.reqs], dtype=torch.int64,
                                device=engine.device)
     return b
+
+
+def random_adapters(engine: Engine) -> None:
+    """Every LoRA slot of every projection filled with random weights (a dummy adapter of the
+    full rank: the deltas are computed, never zeros)."""
+    for m in engine.model.modules():
+        if isinstance(m, LoraSlots):
+            m.a.normal_(std=0.02)
+            m.b.normal_(std=0.02)
+
+
+def with_adapter(batch: Batch) -> Batch:
+    """`batch` with every request bound to slot 0's adapter."""
+    for req in batch.reqs:
+        req.lora = LoraBinding(0, 1)
+    return batch
 
 
 def prefill_lengths(tokens: int, seed: int) -> List[int]:
@@ -425,13 +450,14 @@ def time_graph(engine: Engine, batch: Batch, steps: int) -> Optional[float]:
     """Median device milliseconds of the captured decode graph alone (its one input copy and the
     replay), without sampling and host work: separates GPU time from scheduling overhead. None
     without a graph for this batch (CPU, or larger than the largest graph)."""
-    if engine.graphs is None or not engine.graphs.can_run(batch):
+    lora = any(r.lora is not None for r in batch.reqs)
+    if engine.graphs is None or not engine.graphs.can_run(batch, lora):
         return None
     times = []
     for _ in range(steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        engine.graphs.replay(batch)
+        engine.graphs.replay(batch, lora)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
@@ -455,6 +481,8 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
         if args.tune_gemms and rank == 0:
             print(f"tuned GEMMs, cuBLASLt chosen for: {blas.describe(engine.model)}", flush=True)
         engine.pool.fill_normal_()  # random K/V: never time on zeros
+        if args.lora:
+            random_adapters(engine)
         dev = engine.device
         mib = args.copy_mib or (4096 if dev.type == "cuda" else 256)
         bandwidth = measure_copy_bandwidth(dev, mib << 20)
@@ -470,6 +498,8 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
         for bs in sizes:
             weights = weight_bytes_read(engine, bs)
             batch = decode_batch(engine, bs, args.context, engine.model_cfg.vocab_size, bs)
+            if args.lora:
+                with_adapter(batch)
             step = time_steps(engine, batch, args.steps, args.warmup)
             kv = kv_bytes_read(engine, batch)
             overlap = time_steps_overlapped(engine, batch, args.steps, args.warmup)
@@ -525,7 +555,7 @@ def print_table(args: argparse.Namespace, bandwidth: float, rows: List[Row], dev
         "copy_gb_s": round(bandwidth / 1e9, 1), "attention_backend": args.attention_backend,
         "pdl": args.pdl, "tune_gemms": args.tune_gemms,
         "allreduce": args.allreduce,
-        "json_schema": args.json_schema,
+        "json_schema": args.json_schema, "lora": args.lora, "max_lora_rank": args.max_lora_rank,
         "rows": [{**asdict(r), "pct_roofline": round(100 * r.efficiency, 1),
                   "json_overhead_pct": None if r.json_overhead is None
                   else round(100 * r.json_overhead, 1)} for r in rows]}))

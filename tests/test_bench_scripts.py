@@ -66,6 +66,22 @@ def test_bench_latency_rows(tiny_model: Callable[..., Path], tmp_path: Path,
             script.parse_args(["--batch-sizes", bad])
 
 
+def test_bench_latency_with_an_adapter_on_every_request(tiny_model: Callable[..., Path],
+                                                         capsys: pytest.CaptureFixture) -> None:
+    """--lora: every request runs with slot 0's random adapter (the deltas change the logits);
+    without adapter slots the flag is refused."""
+    script = load_script("bench_latency")
+    flags = ["--model", str(tiny_model("llama")), "--device", "cpu", "--batch-sizes", "1,3",
+             "--context", "8", "--steps", "2", "--warmup", "1", "--copy-mib", "8", "--lora"]
+    with pytest.raises(SystemExit):
+        script.parse_args(flags)
+    script.main([*flags, "--enable-lora", "--max-lora-rank", "4"])
+    (result,) = _result_lines(capsys.readouterr().out)
+    assert result["lora"] is True and result["max_lora_rank"] == 4
+    assert [r["batch"] for r in result["rows"]] == [1, 3]
+    assert all(r["step_ms"] > 0 for r in result["rows"])
+
+
 def test_bench_latency_moe_roofline_counts_touched_experts(
         tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """A mixture-of-experts shape (configs/models/qwen3-30b-a3b scaled down) runs, and its

@@ -1,7 +1,9 @@
 """The decode graphs' static inputs (engine/cuda_graph.py), checked on CPU: every row of every
 size's block starts 16-byte aligned (Triton builds a kernel variant per pointer alignment, so
 unaligned graph inputs built variants that eager decode never uses), blocks do not overlap, and
-a replay's host values pad each block with (pad_row, 0, 1)."""
+a replay's host values pad each block with (pad_row, 0, 1); a LoRA family's blocks carry each
+request's adapter slot in a fourth row (-1: none, and for padding), and the mask a LoRA graph
+builds from it marks each token's slot only."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import pytest
 import torch
 
 from minisgl.engine.cuda_graph import graph_sizes, input_rows, static_input_blocks
+from minisgl.engine.lora import graph_lora_rows
 from minisgl.engine.prefill_graph import MIN_TOKENS as MIN_BUCKET, bucket_sizes
 from minisgl.utils import aligned_width
 
@@ -37,10 +40,28 @@ def test_input_rows_pad_to_the_block_width() -> None:
 
 
 def test_input_rows_rejects_a_batch_wider_than_the_block() -> None:
-    with pytest.raises(ValueError, match="3 rows and 3 positions for a block of 2 columns"):
+    with pytest.raises(ValueError, match="3 rows, 3 positions and no adapter slots for a "
+                                         "block of 2 columns"):
         input_rows([1, 2, 3], [0, 0, 0], pad_row=0, width=2)
-    with pytest.raises(ValueError, match="2 rows and 1 positions"):
+    with pytest.raises(ValueError, match="2 rows, 1 positions"):
         input_rows([1, 2], [0], pad_row=0, width=4)
+    with pytest.raises(ValueError, match="2 rows, 2 positions and 1 adapter slots"):
+        input_rows([1, 2], [0, 0], pad_row=0, width=4, slots=[3])
+
+
+def test_lora_blocks_carry_adapter_slots_and_their_mask() -> None:
+    blocks = static_input_blocks([1, 8], pad_row=7, device=torch.device("cpu"), lora=True)
+    block = blocks[8]
+    assert block.shape == (4, aligned_width(8, torch.int32))
+    assert block[3].tolist() == [-1] * block.shape[1]
+    assert all(row.data_ptr() % 16 == 0 for row in block)
+    values = input_rows([3, 9, 4], [10, 0, 2], pad_row=5, width=8, slots=[2, -1, 0])
+    assert values[3] == [2, -1, 0] + [-1] * 5
+    block.copy_(torch.tensor(values, dtype=torch.int32))
+    rows = graph_lora_rows(block[3, :4], num_slots=3)
+    assert rows.picks is None
+    assert rows.mask.tolist() == [[False, False, True], [False] * 3, [True, False, False],
+                                  [False] * 3]
 
 
 def test_prefill_buckets_pad_by_less_than_half_and_stay_multiples_of_16() -> None:

@@ -267,7 +267,7 @@ def test_decode_graphs_write_their_logits_into_one_buffer(tiny_qwen3: Path) -> N
     graphs = engine.graphs
     assert graphs is not None and graphs.out.shape[0] == 32
     assert {t.data_ptr() for t in graphs.logits.values()} == {graphs.out.data_ptr()}
-    assert all(t.shape[0] == bs for bs, t in graphs.logits.items())
+    assert all(t.shape[0] == bs for (bs, _), t in graphs.logits.items())
     reqs = [Req(i, [5 + i], 1, GREEDY, (), table_row=i) for i in range(3)]
     for req in reqs:  # row i: slots 4i (the prompt's one token) and 4i + 1 (the decoded one)
         engine.page_table[req.table_row, :2] = torch.tensor([4 * req.table_row,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional
 
 import httpx
@@ -17,6 +18,11 @@ from safetensors.torch import save_file
 
 from hf_reference import hf_greedy, mixed_prompts
 from minisgl import LLM, LoRARequest, SamplingParams
+from minisgl.core import LoraBinding
+from minisgl.distributed import Shard
+from minisgl.engine.cuda_graph import DecodeGraphs
+from minisgl.engine.lora import graph_lora_rows, lora_rows
+from minisgl.layers.lora import LoraShape, LoraSlots
 from server_helpers import CPU_ARGS, error_line, run_serve, runtime_dirs, serving
 from tiny_models import build_tiny_lora, write_lora
 
@@ -91,6 +97,65 @@ def test_adapters_in_mixed_steps_and_overlap(base: Path, adapters: Dict[str, Pat
         outs = llm.generate(prompts, [SamplingParams(max_tokens=NEW, temperature=0.0,
                                                      ignore_eos=True, lora_name=n)
                                       for n in names])
+    assert [o.token_ids for o in outs] == _expected(base, adapters, prompts, names)
+
+
+def test_one_pair_of_products_gives_each_token_its_own_adapters_delta() -> None:
+    """A fused two-part projection with adapters in slots 0 and 2 (ranks 4 and 2, slot 1
+    empty): the eager rows (over the slots the batch uses) and a decode graph's rows (over
+    every slot) both add each token exactly its adapter's delta, none to a base token, and
+    leave the projection's output as it was."""
+    torch.manual_seed(0)
+    layer = LoraSlots(LoraShape(slots=3, max_rank=4), 10, [Shard(0, 6), Shard(0, 5)])
+    pairs = {}
+    for slot, rank in ((0, 4), (2, 2)):
+        for part, rows in ((0, 6), (1, 5)):
+            pairs[slot, part] = (torch.randn(rank, 10), torch.randn(rows, rank))
+            layer.load(slot, part, *pairs[slot, part], scaling=0.5)
+    token_slots = [2, -1, 0, 2, -1]
+    x, y = torch.randn(5, 10), torch.randn(5, 11)
+    before = y.clone()
+    expected = y.clone()
+    for t, slot in enumerate(token_slots):
+        for part, cols in ((0, slice(0, 6)), (1, slice(6, 11))):
+            if slot >= 0:
+                a, b = pairs[slot, part]
+                expected[t, cols] += 0.5 * (b @ (a @ x[t]))
+    reqs = [SimpleNamespace(lora=None if s < 0 else LoraBinding(s, 1)) for s in token_slots]
+    eager = lora_rows(SimpleNamespace(reqs=reqs, extend_lens=[1] * 5),  # type: ignore[arg-type]
+                      torch.device("cpu"))
+    assert eager is not None and eager.picks is not None and eager.picks.tolist() == [0, 2]
+    graph = graph_lora_rows(torch.tensor(token_slots, dtype=torch.int32), 3)
+    for rows in (eager, graph):
+        torch.testing.assert_close(layer.add_delta(y, x, rows), expected)
+    assert torch.equal(y, before)
+    layer.clear(2)
+    torch.testing.assert_close(layer.add_delta(y, x, graph)[[0, 3]], y[[0, 3]])
+
+
+@pytest.mark.gpu
+def test_adapters_in_decode_graphs_match_peft_on_gpu(base: Path, adapters: Dict[str, Path],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 on CUDA: batches with adapters decode in the LoRA family of CUDA graphs (one
+    adapter, two, and the base model beside them) and give PEFT's tokens; an adapter loaded
+    after the capture runs in the same graphs."""
+    replays: List[bool] = []
+    real = DecodeGraphs.replay
+
+    def counting(self: DecodeGraphs, batch: object, lora: bool = False) -> object:
+        replays.append(lora)
+        return real(self, batch, lora)  # type: ignore[arg-type]
+    monkeypatch.setattr(DecodeGraphs, "replay", counting)
+    prompts = mixed_prompts(6, seed=21)
+    names: List[Optional[str]] = ["all", None, "few", "all", "few", None]
+    with LLM(str(base), device="cuda", dtype="float32", page_size=4, max_kv_tokens=4096,
+             show_progress=False, lora_modules={"all": str(adapters["all"])},
+             max_loras=2) as llm:
+        llm.add_lora(LoRARequest("few", 2, str(adapters["few"])))
+        outs = llm.generate(prompts, GREEDY, lora_request=[
+            None if n is None else LoRARequest(n) for n in names])
+        assert llm.check_accounting().live_requests == 0
+    assert True in replays
     assert [o.token_ids for o in outs] == _expected(base, adapters, prompts, names)
 
 

@@ -14,6 +14,12 @@ KV slots `page_table[rows, positions]` (written by the scheduler before the laun
 requests use the spare page-table row `pad_row` at position 0, whose entry points at the pool's
 scratch slot, so they never touch a live request's cache.
 
+With LoRA slots (`lora_slots`), a second family of graphs runs the batches where some request
+has an adapter: the blocks get a fourth row, each request's adapter slot (-1: none, and for
+padding), from which the graph builds its `LoraRows` (engine/lora.py) over every slot. The
+base family keeps the fused kernels that LoRA's projections cannot take. Both families share
+one memory pool and one logits buffer.
+
 Contract with the attention backend (`GraphableBackend`): `init_graph_buffers(max_bs)` allocates
 what the graphs share; `graph_meta(rows, positions, seq_lens)` returns metadata viewing the static
 tensors (no host values baked in).
@@ -22,12 +28,13 @@ tensors (no host values baked in).
 from __future__ import annotations
 
 import logging
-from typing import (Callable, Dict, List, NamedTuple, Protocol, Sequence, Tuple,
+from typing import (Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple,
                     TypeVar)
 
 import torch
 
 from minisgl.core import Batch, Phase
+from minisgl.engine.lora import graph_lora_rows
 from minisgl.models import CausalLM
 from minisgl.utils import aligned_width, copy_from_host
 
@@ -59,32 +66,38 @@ def graph_sizes(max_bs: int) -> List[int]:
     return sorted(set(s for s in sizes if s <= max_bs))
 
 
-def static_input_blocks(sizes: Sequence[int], pad_row: int, device: torch.device
-                        ) -> Dict[int, torch.Tensor]:
-    """For each graph size, a contiguous int32 block [3, aligned_width(bs)] in one allocation,
-    every row 16-byte aligned, filled as all-padding (pad_row, position 0, length 1)."""
+def static_input_blocks(sizes: Sequence[int], pad_row: int, device: torch.device,
+                        lora: bool = False) -> Dict[int, torch.Tensor]:
+    """For each graph size, a contiguous int32 block [3, aligned_width(bs)] ([4, ...] with
+    `lora`) in one allocation, every row 16-byte aligned, filled as all-padding (pad_row,
+    position 0, length 1, adapter slot -1)."""
+    height = 4 if lora else 3
     widths = {bs: aligned_width(bs, torch.int32) for bs in sizes}
-    flat = torch.zeros(3 * sum(widths.values()), dtype=torch.int32, device=device)
+    flat = torch.zeros(height * sum(widths.values()), dtype=torch.int32, device=device)
     blocks: Dict[int, torch.Tensor] = {}
     offset = 0
     for bs, width in widths.items():
-        blocks[bs] = flat[offset:offset + 3 * width].view(3, width)
+        blocks[bs] = flat[offset:offset + height * width].view(height, width)
         blocks[bs][0].fill_(pad_row)
         blocks[bs][2].fill_(1)
-        offset += 3 * width
+        blocks[bs][3:].fill_(-1)
+        offset += height * width
     return blocks
 
 
-def input_rows(rows: Sequence[int], positions: Sequence[int], pad_row: int, width: int
-               ) -> List[List[int]]:
+def input_rows(rows: Sequence[int], positions: Sequence[int], pad_row: int, width: int,
+               slots: Optional[Sequence[int]] = None) -> List[List[int]]:
     """A block's host values: each request's page-table row, position and length (position + 1),
-    then padding requests (pad_row, 0, 1) up to `width` columns."""
+    then padding requests (pad_row, 0, 1) up to `width` columns; with `slots` (a LoRA block),
+    each request's adapter slot (-1: none) and -1 for the padding."""
     pad = width - len(rows)
-    if pad < 0 or len(positions) != len(rows):
-        raise ValueError(f"{len(rows)} rows and {len(positions)} positions for a block of "
-                         f"{width} columns")
-    return [[*rows, *[pad_row] * pad], [*positions, *[0] * pad],
-            [*(p + 1 for p in positions), *[1] * pad]]
+    if pad < 0 or len(positions) != len(rows) or (slots is not None and len(slots) != len(rows)):
+        raise ValueError(f"{len(rows)} rows, {len(positions)} positions and "
+                         f"{'no' if slots is None else len(slots)} adapter slots for a block "
+                         f"of {width} columns")
+    values = [[*rows, *[pad_row] * pad], [*positions, *[0] * pad],
+              [*(p + 1 for p in positions), *[1] * pad]]
+    return values if slots is None else [*values, [*slots, *[-1] * pad]]
 
 
 def logits_buffer(model: CausalLM, rows: int, device: torch.device) -> torch.Tensor:
@@ -127,51 +140,66 @@ def capture_graphs(sizes: Sequence[K], run: Callable[[K], torch.Tensor], device:
 
 class DecodeGraphs:
     """Captures at construction (the model, pool and page table must be ready); the engine calls
-    `replay` for decode batches of at most `max_bs` requests whose slots are in the page table."""
+    `replay` for decode batches of at most `max_bs` requests whose slots are in the page table,
+    and, with `lora_slots`, whose adapters are loaded in those slots. Graphs are keyed by
+    (batch size, 1 for the LoRA family else 0)."""
 
     def __init__(self, model: CausalLM, backend: GraphableBackend, max_bs: int,
                  page_table: torch.Tensor, pad_row: int, scratch_slot: int,
-                 last_tokens: torch.Tensor) -> None:
+                 last_tokens: torch.Tensor, lora_slots: int = 0) -> None:
         self.model = model
         self.backend = backend
         self.page_table = page_table
         self.last_tokens = last_tokens
+        self.lora_slots = lora_slots
         self.sizes = graph_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         self.pad_row = pad_row
         page_table[pad_row, 0] = scratch_slot  # padding requests write and read only there
         device = page_table.device
-        self.blocks = static_input_blocks(self.sizes, pad_row, device)
+        self.blocks = static_input_blocks(self.sizes, pad_row, device, lora=lora_slots > 0)
         self.inputs = {bs: block[:, :bs] for bs, block in self.blocks.items()}
         backend.init_graph_buffers(self.max_bs)
         self.out = logits_buffer(model, self.max_bs, device)
-        self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: Dict[int, torch.Tensor] = {}
+        self.graphs: Dict[Tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.logits: Dict[Tuple[int, int], torch.Tensor] = {}
         self._capture_all(device)
 
-    def _run(self, bs: int) -> torch.Tensor:
-        rows, positions, seq_lens = self.inputs[bs]
+    def _run(self, key: Tuple[int, int]) -> torch.Tensor:
+        bs, lora = key
+        rows, positions, seq_lens = self.inputs[bs][:3]
         batch = Batch(Phase.DECODE, [], [0] * bs, [1] * bs, [True] * bs)
         batch.out_slots = self.page_table[rows, positions]
         batch.attn_meta = self.backend.graph_meta(rows, positions, seq_lens)
+        if lora:
+            batch.lora = graph_lora_rows(self.inputs[bs][3], self.lora_slots)
         return self.model(self.last_tokens[rows], self.model.rope_index.of_positions(positions),
                           batch, self.backend, None,
                           out=self.out[:bs])
 
     def _capture_all(self, device: torch.device) -> None:
-        self.graphs, self.logits = capture_graphs(self.sizes, self._run, device)
-        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d)", len(self.sizes),
-                    self.sizes[0], self.max_bs)
+        families = (0, 1) if self.lora_slots else (0,)
+        keys = [(bs, lora) for bs in self.sizes for lora in families]
+        self.graphs, self.logits = capture_graphs(keys, self._run, device)
+        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d%s)", len(keys),
+                    self.sizes[0], self.max_bs, ", with and without LoRA" if self.lora_slots
+                    else "")
 
-    def can_run(self, batch: Batch) -> bool:
-        return batch.phase is Phase.DECODE and batch.size <= self.max_bs
+    def can_run(self, batch: Batch, lora: bool = False) -> bool:
+        """`lora`: some request of `batch` runs with an adapter."""
+        return (batch.phase is Phase.DECODE and batch.size <= self.max_bs
+                and (self.lora_slots > 0 or not lora))
 
-    def replay(self, batch: Batch) -> Replayed:
-        """Run a decode batch: one input copy, then the graph of the next size up."""
+    def replay(self, batch: Batch, lora: bool = False) -> Replayed:
+        """Run a decode batch: one input copy, then the graph of the next size up (the LoRA
+        family's where `lora`: some request runs with an adapter)."""
         n = batch.size
         bs = next(s for s in self.sizes if s >= n)
         block = self.blocks[bs]
+        slots = ([-1 if r.lora is None else r.lora.slot for r in batch.reqs]
+                 if self.lora_slots else None)
         copy_from_host(block, input_rows([r.table_row for r in batch.reqs], batch.prefix_lens,
-                                         self.pad_row, block.shape[1]))
-        self.graphs[bs].replay()
-        return Replayed(self.logits[bs][:n], block[0, :n])
+                                         self.pad_row, block.shape[1], slots))
+        key = (bs, int(lora))
+        self.graphs[key].replay()
+        return Replayed(self.logits[key][:n], block[0, :n])

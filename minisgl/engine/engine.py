@@ -289,7 +289,7 @@ class Engine:
                 self.model, self.backend,  # type: ignore[arg-type]
                 graph_bs, self.page_table,
                 pad_row=cfg.max_running_requests, scratch_slot=self.pool.scratch_slot,
-                last_tokens=self.last_tokens)
+                last_tokens=self.last_tokens, lora_slots=self.lora_slots)
             on_progress(f"decode CUDA graphs captured for batch sizes up to {graph_bs}")
         self.prefill_graphs: Optional[PrefillGraphs] = None
         if self.device.type == "cuda" and cfg.prefill_graph_max_tokens > 0:
@@ -513,18 +513,22 @@ class Engine:
         return launched
 
     def _forward(self, batch: Batch, sampled: List[int]) -> Forwarded:
-        """The model on `batch`: a decode graph's replay where one fits, else eager (with the
-        prompt log-probabilities of the requests collecting them; always where some request
-        runs with a LoRA adapter, which the graphs do not hold)."""
-        batch.lora = lora_rows(batch, self.device) if self.lora_slots else None
+        """The model on `batch`: a decode graph's replay where one fits (the LoRA family's
+        where some request runs with an adapter), else eager (with the prompt log-probabilities
+        of the requests collecting them). The prefill graphs take no adapters."""
+        lora = self.lora_slots > 0 and any(r.lora is not None for r in batch.reqs)
+        batch.lora = None
         embed = () if batch.phase is Phase.DECODE else tuple(  # embeddings end at prefill
             i for i in sampled if batch.reqs[i].params.embed)
         chunks = pooled_chunks(batch)
-        if batch.lora is not None or embed or chunks:
-            return self._forward_eager(batch, sampled, embed, chunks)
-        if self.graphs is not None and self.graphs.can_run(batch):
-            logits, rows = self.graphs.replay(batch)  # decode: every request is sampled
+        if not (embed or chunks) and self.graphs is not None and self.graphs.can_run(batch,
+                                                                                     lora):
+            logits, rows = self.graphs.replay(batch, lora)  # decode: every request is sampled
             return Forwarded(logits, rows, None, None)
+        if lora:
+            batch.lora = lora_rows(batch, self.device)
+        if lora or embed or chunks:
+            return self._forward_eager(batch, sampled, embed, chunks)
         if (self.prefill_graphs is not None and self.prefill_graphs.can_run(batch)
                 and prompt_rows(batch) is None):
             logits, rows = self.prefill_graphs.replay(batch)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 
@@ -10,17 +10,29 @@ from minisgl.core import Batch, LoraRows
 from minisgl.utils import to_device
 
 
+def adapter_mask(index: torch.Tensor, k: int) -> torch.Tensor:
+    """[T, k] bool from each token's adapter column `index` [T] (-1: none): True at
+    (t, index[t]). No host value: the decode graphs build it inside a replay."""
+    return index.unsqueeze(1) == torch.arange(k, dtype=index.dtype, device=index.device)
+
+
 def lora_rows(batch: Batch, device: torch.device) -> Optional[LoraRows]:
-    """The batch's token rows by adapter slot (`Req.lora`, which the scheduler bound as it
-    took the request); None where no request runs with one. Request i's tokens are rows
-    [sum(extend_lens[:i]), + extend_lens[i]) of the forward, as the engine lays them out."""
-    slots: Dict[int, List[int]] = {}
-    start = 0
-    for req, ext in zip(batch.reqs, batch.extend_lens):
-        if req.lora is not None:
-            slots.setdefault(req.lora.slot, []).extend(range(start, start + ext))
-        start += ext
-    if not slots:
+    """The batch's tokens by adapter (`Req.lora`, which the scheduler bound as it took the
+    request), over the slots they use; None where no request runs with one. Request i's tokens
+    are rows [sum(extend_lens[:i]), + extend_lens[i]) of the forward, as the engine lays them
+    out."""
+    picks = sorted({req.lora.slot for req in batch.reqs if req.lora is not None})
+    if not picks:
         return None
-    return LoraRows(tuple((slot, to_device(rows, torch.int64, device))
-                          for slot, rows in sorted(slots.items())))
+    column = {slot: j for j, slot in enumerate(picks)}
+    index: List[int] = []
+    for req, ext in zip(batch.reqs, batch.extend_lens):
+        index += [-1 if req.lora is None else column[req.lora.slot]] * ext
+    return LoraRows(adapter_mask(to_device(index, torch.int64, device), len(picks)),
+                    to_device(picks, torch.int64, device))
+
+
+def graph_lora_rows(slots: torch.Tensor, num_slots: int) -> LoraRows:
+    """A decode graph's rows: `slots` [bs] holds each request's adapter slot (-1: none), a
+    static input the replay fills; the mask spans every slot (picks None)."""
+    return LoraRows(adapter_mask(slots, num_slots))

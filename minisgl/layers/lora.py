@@ -7,6 +7,13 @@ delta = (x A^T) B^T, with A [parts * rank, in] and B [out, parts * rank], the ad
 scaling folded into B. Slot s of the buffers holds adapter s (models/lora.py loads them); an
 adapter of a smaller rank is zero-padded, which adds nothing.
 
+A batch's adapters take one pair of products together, whatever their number: the slots'
+A matrices stacked ([k * parts * rank, in]) give every token's low-rank input under each
+adapter, a mask (`LoraRows.mask`) zeroes all but its own adapter's (all of them for a token of
+the base model), and the slots' B matrices side by side ([out, k * parts * rank]) turn that into
+its delta. No host value enters, so the decode graphs capture it over every slot; the extra
+work is the other slots' rank-sized columns, small beside the projection itself.
+
 Tensor parallelism follows the weight's split: a column-parallel layer's ranks hold all of A
 and their rows of B (each part's shard, as the weight's); a row-parallel layer's ranks hold
 their columns of A and all of B, so each rank's delta is a partial sum that the layer's
@@ -40,8 +47,10 @@ class LoraShape:
 
 
 class LoraSlots(nn.Module):
-    """A [slots, parts * max_rank, in_local] and B [slots, out_local, parts * max_rank] of one
-    projection (see the module's docstring); zeros until an adapter loads into a slot."""
+    """A [slots, parts * max_rank, in_local] and B [out_local, slots, parts * max_rank] of one
+    projection (see the module's docstring: B's slots are inner so that all of them are one
+    [out_local, slots * parts * max_rank] matrix); zeros until an adapter loads into a slot.
+    Loads and clears write in place: captured graphs read the same tensors."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -57,7 +66,7 @@ class LoraSlots(nn.Module):
         cols = len(self.out_shards) * shape.max_rank
         out_local = sum(s.size for s in self.out_shards)
         self.register_buffer("a", torch.zeros(shape.slots, cols, in_local), persistent=False)
-        self.register_buffer("b", torch.zeros(shape.slots, out_local, cols), persistent=False)
+        self.register_buffer("b", torch.zeros(out_local, shape.slots, cols), persistent=False)
 
     def load(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor,
              scaling: float) -> None:
@@ -75,21 +84,19 @@ class LoraSlots(nn.Module):
         cols = slice(part * self.max_rank, part * self.max_rank + rank)
         rows = slice(self.offsets[part], self.offsets[part] + shard.size)
         self.a[slot, cols] = a.to(self.a.dtype)
-        self.b[slot, rows, cols] = (b[shard.start:shard.stop].float() * scaling).to(self.b.dtype)
+        self.b[rows, slot, cols] = (b[shard.start:shard.stop].float() * scaling).to(self.b.dtype)
 
     def clear(self, slot: int) -> None:
         """Zero adapter `slot`'s pairs (none loaded there)."""
         self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.b[:, slot].zero_()
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, rows: LoraRows) -> torch.Tensor:
-        """y (the projection of x, [T, out_local]) plus each adapter's delta on its tokens'
-        rows of x ([T, in_local]); y itself where no token has an adapter."""
-        if not rows.segments:
-            return y
-        y = y.clone()
-        for slot, index in rows.segments:
-            xs = x.index_select(0, index)
-            delta = (xs @ self.a[slot].t()) @ self.b[slot].t()
-            y.index_add_(0, index, delta.to(y.dtype))
-        return y
+        """y (the projection of x, [T, out_local]) plus each token's delta under its adapter
+        (`rows`; x [T, in_local]): a new tensor, y left as it was."""
+        a, b = self.a, self.b
+        if rows.picks is not None:
+            a, b = a.index_select(0, rows.picks), b.index_select(1, rows.picks)
+        low = (x @ a.reshape(-1, a.shape[2]).t()).view(x.shape[0], a.shape[0], a.shape[1])
+        low = low * rows.mask.unsqueeze(2).to(low.dtype)
+        return y + (low.flatten(1) @ b.reshape(b.shape[0], -1).t()).to(y.dtype)

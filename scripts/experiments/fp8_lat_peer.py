@@ -8,6 +8,11 @@ against vLLM's). Run on the GPU machine after `.peer/peer.sh` has unpacked vLLM:
 
     PYTHONPATH=/tmp/vsite python3 scripts/experiments/fp8_lat_peer.py --engine vllm
     PYTHONPATH=/tmp/site:$PWD python3 scripts/experiments/fp8_lat_peer.py --engine minisgl
+
+`--quantization none` keeps the bf16 weights; `--lora-rank R` writes a random PEFT adapter of
+rank R over every projection (once, to `--lora-dir`) and runs every request with it, both
+engines serving at most one adapter of that rank (vLLM's defaults: max_loras 1), so that the
+steps compare the engines' LoRA paths.
 """
 
 from __future__ import annotations
@@ -24,7 +29,39 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 Gen = Callable[[List[List[int]], List[int]], int]
 
 
-def vllm_engine(model: str, kv_dtype: str) -> Gen:
+def write_adapter(model: str, out: str, rank: int) -> str:
+    """A PEFT LoRA adapter of `rank` over q/k/v/o/gate/up/down of every layer of the
+    Llama-shaped `model`: random bf16 A and B (std 0.02), written once."""
+    import torch
+    from safetensors.torch import save_file
+    if os.path.exists(os.path.join(out, "adapter_config.json")):
+        return out
+    cfg = json.load(open(os.path.join(model, "config.json")))
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head, cfg["num_key_value_heads"] * head
+    shapes = {"self_attn.q_proj": (hidden, q), "self_attn.k_proj": (hidden, kv),
+              "self_attn.v_proj": (hidden, kv), "self_attn.o_proj": (q, hidden),
+              "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter),
+              "mlp.down_proj": (inter, hidden)}
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for module, (fan_in, fan_out) in shapes.items():
+            name = f"base_model.model.model.layers.{layer}.{module}"
+            for part, shape in (("lora_A", (rank, fan_in)), ("lora_B", (fan_out, rank))):
+                tensors[f"{name}.{part}.weight"] = (torch.randn(*shape, generator=g)
+                                                    * 0.02).bfloat16()
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, "adapter_model.safetensors"))
+    with open(os.path.join(out, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
+                   "target_modules": sorted(m.split(".")[-1] for m in shapes),
+                   "task_type": "CAUSAL_LM", "base_model_name_or_path": model}, f)
+    return out
+
+
+def vllm_engine(model: str, kv_dtype: str, quant: str, lora: str, rank: int) -> Gen:
     sys.path.insert(0, os.path.join(ROOT, ".peer"))
     import run_vllm_peer as rp  # .peer/: the peer bundle's own settings (env, LLM keywords)
     for k, v in rp.ENV_DEFAULTS.items():
@@ -32,28 +69,41 @@ def vllm_engine(model: str, kv_dtype: str) -> Gen:
     rp._shim_llguidance_if_unloadable()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    flags = ["--main", ROOT, "--model", model, "--quantization", "fp8"]
+    from vllm.lora.request import LoRARequest
+    flags = ["--main", ROOT, "--model", model]
+    if quant != "none":
+        flags += ["--quantization", quant]
     if kv_dtype != "auto":
         flags += ["--kv-cache-dtype", kv_dtype]
-    llm = LLM(**rp.llm_kwargs(rp.parse_args(flags), "default"))
+    kw = rp.llm_kwargs(rp.parse_args(flags), "default")
+    if lora:
+        kw.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
+    llm = LLM(**kw)
+    request = LoRARequest("bench", 1, lora) if lora else None
 
     def gen(prompts: List[List[int]], lens: List[int]) -> int:
         out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                            [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0,
-                                           detokenize=False) for n in lens], use_tqdm=False)
+                                           detokenize=False) for n in lens], use_tqdm=False,
+                           lora_request=request)
         return sum(len(o.outputs[0].token_ids) for o in out)
     return gen
 
 
-def minisgl_engine(model: str, kv_dtype: str) -> Gen:
+def minisgl_engine(model: str, kv_dtype: str, quant: str, lora: str, rank: int) -> Gen:
     sys.path.insert(0, ROOT)
     from minisgl import LLM, SamplingParams
-    llm = LLM(model=model, load_format="dummy", dtype="bfloat16", quantization="fp8",
-              kv_cache_dtype=kv_dtype, show_progress=False)
+    kw: dict = {} if quant == "none" else {"quantization": quant}
+    if lora:
+        kw.update(lora_modules={"bench": lora}, max_lora_rank=rank, max_loras=1)
+    llm = LLM(model=model, load_format="dummy", dtype="bfloat16", kv_cache_dtype=kv_dtype,
+              show_progress=False, **kw)
+    name = "bench" if lora else None
 
     def gen(prompts: List[List[int]], lens: List[int]) -> int:
         out = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0,
-                                                    ignore_eos=True) for n in lens])
+                                                    ignore_eos=True, lora_name=name)
+                                     for n in lens])
         return sum(len(o.token_ids) for o in out)
     return gen
 
@@ -64,10 +114,16 @@ def main() -> None:
     p.add_argument("--model", default=os.path.join(ROOT, "configs", "models", "llama-3.1-8b"))
     p.add_argument("--kv-cache-dtype", default="fp8_e4m3", help="auto: the model's dtype")
     p.add_argument("--batches", default="1,16")
+    p.add_argument("--quantization", default="fp8", help="none: the bf16 weights")
+    p.add_argument("--lora-rank", type=int, default=0, help="every request with an adapter "
+                   "of this rank (0: none)")
+    p.add_argument("--lora-dir", default="/tmp/lat_peer_lora")
     a = p.parse_args()
-    vocab = json.load(open(os.path.join(a.model, "config.json")))["vocab_size"]
+    model = os.path.abspath(a.model)
+    vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
+    lora = write_adapter(model, f"{a.lora_dir}_r{a.lora_rank}", a.lora_rank) if a.lora_rank else ""
     make = vllm_engine if a.engine == "vllm" else minisgl_engine
-    gen = make(os.path.abspath(a.model), a.kv_cache_dtype)
+    gen = make(model, a.kv_cache_dtype, a.quantization, lora, a.lora_rank)
     rows = []
     for bs in [int(x) for x in a.batches.split(",")]:
         rng = random.Random(1000 + bs)
@@ -85,10 +141,11 @@ def main() -> None:
             gen(fresh(), [257] * bs)
             best = min(best, (time.perf_counter() - t - short) / 256 * 1000)
         rows.append({"batch": bs, "step_ms": round(best, 3)})
-        print(f"[{a.engine}] FP8 weights, KV {a.kv_cache_dtype}, batch {bs}: decode step "
-              f"{best:.3f} ms", flush=True)
-    print("RESULT " + json.dumps({"engine": a.engine, "kv": a.kv_cache_dtype, "rows": rows}),
-          flush=True)
+        print(f"[{a.engine}] weights {a.quantization}, KV {a.kv_cache_dtype}, LoRA rank "
+              f"{a.lora_rank}, batch {bs}: decode step {best:.3f} ms", flush=True)
+    print("RESULT " + json.dumps({"engine": a.engine, "kv": a.kv_cache_dtype,
+                                  "quantization": a.quantization, "lora_rank": a.lora_rank,
+                                  "rows": rows}), flush=True)
     os._exit(0)  # vLLM's engine threads may hold the interpreter
 
 
