@@ -75,11 +75,20 @@ def test_gpu_rope_variants_and_multipliers_match_cpu(family: str, tmp_path: Path
                                                               dtype="float32")
 
 
-def test_gpu_lora_matches_cpu(tmp_path: Path) -> None:
+def test_gpu_lora_matches_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """LoRA on CUDA (float32): requests of two adapters and of none, decoding side by side
-    (batches with adapter tokens run eager, the base model's alone replay decode graphs), give
-    the CPU's tokens; the second adapter loads at run time into a slot a former one used."""
+    (batches with adapter tokens replay the LoRA family of decode graphs, the base model's
+    alone the other), give the CPU's tokens; the second adapter loads at run time, after the
+    capture, into a slot a former one used."""
+    from minisgl.engine.cuda_graph import DecodeGraphs
     from tiny_models import write_lora
+    replays: List[bool] = []
+    real = DecodeGraphs.replay
+
+    def counting(self: DecodeGraphs, batch: Batch, lora: bool = False) -> object:
+        replays.append(lora)
+        return real(self, batch, lora)
+    monkeypatch.setattr(DecodeGraphs, "replay", counting)
     path = build_tiny("llama", tmp_path / "llama", None)
     a1, a2, a3 = (str(write_lora(path, tmp_path / f"a{i}", i)) for i in (1, 2, 3))
     prompts = mixed_prompts(6, seed=6)
@@ -96,11 +105,12 @@ def test_gpu_lora_matches_cpu(tmp_path: Path) -> None:
             return [o.token_ids for o in llm.generate(prompts, params)]
 
     assert run("cuda") == run("cpu")
+    assert True in replays and False in replays
 
 
 def test_gpu_lora_over_fp8_weights_and_experts(tmp_path: Path) -> None:
     """LoRA over online FP8 weights on CUDA (bfloat16: the W8A8 products, the deltas added to
-    them; adapter batches eager, the base model's in decode graphs): the adapter's sequences
+    them; adapter batches in the LoRA decode graphs): the adapter's sequences
     start mostly as over the bfloat16 weights, and not as the base model's. Over Qwen2-MoE's
     fused experts (float32), an adapter of attention gives the CPU's tokens."""
     from tiny_models import write_lora

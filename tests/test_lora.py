@@ -20,7 +20,6 @@ from hf_reference import hf_greedy, mixed_prompts
 from minisgl import LLM, LoRARequest, SamplingParams
 from minisgl.core import LoraBinding
 from minisgl.distributed import Shard
-from minisgl.engine.cuda_graph import DecodeGraphs
 from minisgl.engine.lora import graph_lora_rows, lora_rows
 from minisgl.layers.lora import LoraShape, LoraSlots
 from server_helpers import CPU_ARGS, error_line, run_serve, runtime_dirs, serving
@@ -131,32 +130,6 @@ def test_one_pair_of_products_gives_each_token_its_own_adapters_delta() -> None:
     assert torch.equal(y, before)
     layer.clear(2)
     torch.testing.assert_close(layer.add_delta(y, x, graph)[[0, 3]], y[[0, 3]])
-
-
-@pytest.mark.gpu
-def test_adapters_in_decode_graphs_match_peft_on_gpu(base: Path, adapters: Dict[str, Path],
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """float32 on CUDA: batches with adapters decode in the LoRA family of CUDA graphs (one
-    adapter, two, and the base model beside them) and give PEFT's tokens; an adapter loaded
-    after the capture runs in the same graphs."""
-    replays: List[bool] = []
-    real = DecodeGraphs.replay
-
-    def counting(self: DecodeGraphs, batch: object, lora: bool = False) -> object:
-        replays.append(lora)
-        return real(self, batch, lora)  # type: ignore[arg-type]
-    monkeypatch.setattr(DecodeGraphs, "replay", counting)
-    prompts = mixed_prompts(6, seed=21)
-    names: List[Optional[str]] = ["all", None, "few", "all", "few", None]
-    with LLM(str(base), device="cuda", dtype="float32", page_size=4, max_kv_tokens=4096,
-             show_progress=False, lora_modules={"all": str(adapters["all"])},
-             max_loras=2) as llm:
-        llm.add_lora(LoRARequest("few", 2, str(adapters["few"])))
-        outs = llm.generate(prompts, GREEDY, lora_request=[
-            None if n is None else LoRARequest(n) for n in names])
-        assert llm.check_accounting().live_requests == 0
-    assert True in replays
-    assert [o.token_ids for o in outs] == _expected(base, adapters, prompts, names)
 
 
 def test_tp2_adapters_match_peft(base: Path, adapters: Dict[str, Path], tmp_path: Path) -> None:
