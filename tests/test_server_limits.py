@@ -49,6 +49,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) ->
                         "--no-auto-tool-choice", "--enable-force-include-usage",
                         "--return-tokens-as-token-ids", "--max-logprobs", str(MAX_LOGPROBS),
                         "--uvicorn-log-level", "warning", "--no-prompt-tokens-details",
+                        "--response-role", "bot",
                         "--stats-interval", "0.2"], tmp_path_factory.mktemp("limits"))
     yield srv
     srv.stop()
@@ -525,7 +526,9 @@ def test_tool_choice_auto_off_usage_forced_tokens_as_ids(server: Server) -> None
     are a 400 naming tool_choice, on chat and the Responses API; required is served.
     --enable-force-include-usage: a stream that did not ask still ends with its usage.
     --return-tokens-as-token-ids: logprob tokens as "token_id:N" unless the request says
-    false. --no-prompt-tokens-details: usage without prompt_tokens_details."""
+    false. --no-prompt-tokens-details: usage without prompt_tokens_details. --response-role
+    bot: chat messages and the stream's first delta name it, but where the request continues
+    its last message (add_generation_prompt false), which names its own."""
     from minisgl.server.args import parse_args
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
@@ -548,8 +551,20 @@ def test_tool_choice_auto_off_usage_forced_tokens_as_ids(server: Server) -> None
     assert streamed_usage["completion_tokens"] == 3
     # --no-prompt-tokens-details (vLLM's default): usage without prompt_tokens_details
     assert "prompt_tokens_details" not in streamed_usage
-    plain = _post(server, "/v1/chat/completions", _chat()).json()["usage"]
+    reply = _post(server, "/v1/chat/completions", _chat()).json()
+    plain = reply["usage"]
     assert plain["prompt_tokens"] > 0 and "prompt_tokens_details" not in plain
+    assert reply["choices"][0]["message"]["role"] == "bot"
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", headers=AUTH, timeout=60,
+                      json={**_chat(), "stream": True}) as r:
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+    assert json.loads(first[6:])["choices"][0]["delta"]["role"] == "bot"
+    continued = _post(server, "/v1/chat/completions", {
+        **_chat(), "messages": [*SHORT, {"role": "assistant", "content": "The"}],
+        "add_generation_prompt": False, "continue_final_message": True}).json()
+    assert continued["choices"][0]["message"]["role"] == "assistant", continued
+    with pytest.raises(ValueError, match="response_role must not be empty"):
+        parse_args(["--response-role", " "])
     assert parse_args(["--enable-prompt-tokens-details"]).prompt_tokens_details
 
     def tokens(**fields: object) -> list:

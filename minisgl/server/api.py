@@ -127,6 +127,7 @@ class ApiConfig:
     openapi: bool = True  # /openapi.json served (vLLM's --disable-fastapi-docs: not)
     request_id_headers: bool = True  # responses carry X-Request-Id (request_log.py)
     prompt_tokens_details: bool = True  # chat / completion usage carries cached_tokens
+    response_role: str = "assistant"  # the role chat replies name (vLLM's --response-role)
     max_queued_requests: Optional[int] = None  # admission.py
     request_timeout: Optional[float] = None  # seconds, admission.Deadline
     max_request_bytes: int = 32 << 20  # limits.py
@@ -437,7 +438,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
                                         cfg.sampling_defaults, cfg.reasoning_parser), lora),
                      request)
         fmt = ChatFormatter(lora or cfg.model_name, job, cfg.reasoning_parser,
-                            cfg.tool_call_parser)
+                            cfg.tool_call_parser, cfg.response_role)
         return await run(request, fmt)
 
     @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))

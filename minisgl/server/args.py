@@ -133,6 +133,10 @@ class ServerConfig:
               "calls; off: such a request gets a 400 naming tool_choice, as vLLM without its "
               "--enable-auto-tool-choice",
         alias=Alias("enable-auto-tool-choice", True, "on, as by default (vLLM's flag)"))
+    response_role: str = setting(
+        "assistant", "vLLM's: the role chat replies' messages name (message.role, the stream's "
+                     "first delta); a request that continues its last message "
+                     "(add_generation_prompt false) gets that message's role")
     return_tokens_as_token_ids: bool = setting(
         False, "vLLM's: log-probability tokens rendered as \"token_id:N\" in chat, "
                "completion and Responses replies whose request leaves "
@@ -246,6 +250,8 @@ class ServerConfig:
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got "
                              f"{self.shutdown_timeout}")
+        if not self.response_role.strip():
+            raise ValueError("response_role must not be empty")
         if any(not name for name in self.served_names):
             raise ValueError(f"served_model_name must be names separated by commas, got "
                              f"{self.served_model_name!r}")

@@ -325,6 +325,10 @@ class Job:
     generate_logprobs: Optional[GenerateLogprobs] = None  # /generate's return_logprob
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and token_ids in the reply
     prompt_tokens_details: bool = True  # OpenAI usage's (cached_tokens); the server decides
+    # chat: the role the reply's message names where the request continues its last message
+    # (add_generation_prompt false: that message's role, as vLLM); None: the server's
+    # response_role
+    role: Optional[str] = None
 
     def field(self, param: str) -> str:
         """The request field that an engine-side error's `param` (a SamplingParams field)
@@ -666,6 +670,8 @@ def _chat_job(body: ChatRequest, max_n: int, tool_parser: Optional[str],
               defaults: SamplingDefaults, reasoning_parser: Optional[str]) -> Job:
     tools = _tools(body)
     job = _job(body, [_chat_prompt(body, body.messages, tools)], max_n, defaults)
+    if not body.add_generation_prompt:
+        job = dataclasses.replace(job, role=body.messages[-1].role)
     fmt = tool_call_format(tool_parser or "hermes")
     # Mistral's [TOOL_CALLS] is a special token: kept in the text (as vLLM does), calls after
     # content are found by it (the parser reads calls without it only at the start)

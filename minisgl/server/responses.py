@@ -366,7 +366,8 @@ class ChatFormatter(_OpenAIFormatter):
     tools that the output may call (`job.tools.parsed`), that rest is read for calls in the
     `tool_parser` format (server/tool_calls.py): `message.tool_calls` / `delta.tool_calls`, and
     finish_reason "tool_calls" when an output with calls ended by itself ("stop" for a named
-    function, as OpenAI)."""
+    function, as OpenAI). `role`: the role each message names (vLLM's --response-role), unless
+    the job continues its last message (`Job.role`)."""
 
     id_prefix = "chatcmpl"
     prompt_param = "messages"
@@ -374,8 +375,9 @@ class ChatFormatter(_OpenAIFormatter):
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, model: str, job: Job, reasoning_parser: Optional[str] = None,
-                 tool_parser: Optional[str] = None) -> None:
+                 tool_parser: Optional[str] = None, role: str = "assistant") -> None:
         super().__init__(model, job)
+        self.role = job.role or role
         self.reasoning_parser = reasoning_parser
         self.splitters: Dict[int, ReasoningSplitter] = {}
         tools = job.tools
@@ -404,7 +406,7 @@ class ChatFormatter(_OpenAIFormatter):
         """The choice's message: what its stream would have sent, joined (the tool-call parser
         reads the content the same way in both modes, server/tool_calls.py)."""
         parts = split_reasoning(self.reasoning_parser, "".join(choice.text))
-        message: Dict[str, Any] = {"role": "assistant", "content": parts.content}
+        message: Dict[str, Any] = {"role": self.role, "content": parts.content}
         if self.reasoning_parser is not None:
             message["reasoning_content"] = message["reasoning"] = parts.reasoning or None
         reason = choice.finish_reason
@@ -426,7 +428,7 @@ class ChatFormatter(_OpenAIFormatter):
         """The role chunk of each choice; the stream's first also carries the prompt's
         log-probabilities where asked (as a chat response does, at the top)."""
         yield self._chunk(index, choice, {
-            "index": index, "delta": {"role": "assistant", "content": ""},
+            "index": index, "delta": {"role": self.role, "content": ""},
             "logprobs": None, "finish_reason": None},
             {**self._prompt_logprobs(choice), **self._prompt_token_ids(choice.prompt_ids)}
             if index == 0 else {})

@@ -229,6 +229,7 @@ class Service:
                             root_path=c.root_path or "",
                             openapi=c.openapi, request_id_headers=c.request_id_headers,
                             prompt_tokens_details=c.prompt_tokens_details,
+                            response_role=c.response_role,
                             max_queued_requests=c.max_queued_requests,
                             request_timeout=c.request_timeout,
                             max_request_bytes=c.max_request_bytes, body_timeout=c.body_timeout,
