@@ -58,10 +58,9 @@ def test_lora_blocks_carry_adapter_slots_and_their_mask() -> None:
     values = input_rows([3, 9, 4], [10, 0, 2], pad_row=5, width=8, slots=[2, -1, 0])
     assert values[3] == [2, -1, 0] + [-1] * 5
     block.copy_(torch.tensor(values, dtype=torch.int32))
-    rows = graph_lora_rows(block[3, :4], num_slots=3)
-    assert rows.picks is None
-    assert rows.mask.tolist() == [[False, False, True], [False] * 3, [True, False, False],
-                                  [False] * 3]
+    rows = graph_lora_rows(block[3, :4], num_slots=3, dtype=torch.bfloat16)
+    assert rows.picks is None and rows.mask.dtype == torch.bfloat16
+    assert rows.mask.tolist() == [[0, 0, 1], [0] * 3, [1, 0, 0], [0] * 3]
 
 
 def test_prefill_buckets_pad_by_less_than_half_and_stay_multiples_of_16() -> None:

@@ -122,9 +122,9 @@ def test_one_pair_of_products_gives_each_token_its_own_adapters_delta() -> None:
                 expected[t, cols] += 0.5 * (b @ (a @ x[t]))
     reqs = [SimpleNamespace(lora=None if s < 0 else LoraBinding(s, 1)) for s in token_slots]
     eager = lora_rows(SimpleNamespace(reqs=reqs, extend_lens=[1] * 5),  # type: ignore[arg-type]
-                      torch.device("cpu"))
+                      torch.device("cpu"), torch.float32)
     assert eager is not None and eager.picks is not None and eager.picks.tolist() == [0, 2]
-    graph = graph_lora_rows(torch.tensor(token_slots, dtype=torch.int32), 3)
+    graph = graph_lora_rows(torch.tensor(token_slots, dtype=torch.int32), 3, torch.float32)
     for rows in (eager, graph):
         torch.testing.assert_close(layer.add_delta(y, x, rows), expected)
     assert torch.equal(y, before)

@@ -146,12 +146,15 @@ class DecodeGraphs:
 
     def __init__(self, model: CausalLM, backend: GraphableBackend, max_bs: int,
                  page_table: torch.Tensor, pad_row: int, scratch_slot: int,
-                 last_tokens: torch.Tensor, lora_slots: int = 0) -> None:
+                 last_tokens: torch.Tensor, lora_slots: int = 0,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        """`dtype`: the activations' (the LoRA family's masks are in it)."""
         self.model = model
         self.backend = backend
         self.page_table = page_table
         self.last_tokens = last_tokens
         self.lora_slots = lora_slots
+        self.dtype = dtype
         self.sizes = graph_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         self.pad_row = pad_row
@@ -172,7 +175,7 @@ class DecodeGraphs:
         batch.out_slots = self.page_table[rows, positions]
         batch.attn_meta = self.backend.graph_meta(rows, positions, seq_lens)
         if lora:
-            batch.lora = graph_lora_rows(self.inputs[bs][3], self.lora_slots)
+            batch.lora = graph_lora_rows(self.inputs[bs][3], self.lora_slots, self.dtype)
         return self.model(self.last_tokens[rows], self.model.rope_index.of_positions(positions),
                           batch, self.backend, None,
                           out=self.out[:bs])

@@ -289,7 +289,7 @@ class Engine:
                 self.model, self.backend,  # type: ignore[arg-type]
                 graph_bs, self.page_table,
                 pad_row=cfg.max_running_requests, scratch_slot=self.pool.scratch_slot,
-                last_tokens=self.last_tokens, lora_slots=self.lora_slots)
+                last_tokens=self.last_tokens, lora_slots=self.lora_slots, dtype=cfg.torch_dtype)
             on_progress(f"decode CUDA graphs captured for batch sizes up to {graph_bs}")
         self.prefill_graphs: Optional[PrefillGraphs] = None
         if self.device.type == "cuda" and cfg.prefill_graph_max_tokens > 0:
@@ -526,7 +526,7 @@ class Engine:
             logits, rows = self.graphs.replay(batch, lora)  # decode: every request is sampled
             return Forwarded(logits, rows, None, None)
         if lora:
-            batch.lora = lora_rows(batch, self.device)
+            batch.lora = lora_rows(batch, self.device, self.cfg.torch_dtype)
         if lora or embed or chunks:
             return self._forward_eager(batch, sampled, embed, chunks)
         if (self.prefill_graphs is not None and self.prefill_graphs.can_run(batch)

@@ -98,5 +98,8 @@ class LoraSlots(nn.Module):
         if rows.picks is not None:
             a, b = a.index_select(0, rows.picks), b.index_select(1, rows.picks)
         low = (x @ a.reshape(-1, a.shape[2]).t()).view(x.shape[0], a.shape[0], a.shape[1])
-        low = low * rows.mask.unsqueeze(2).to(low.dtype)
-        return y + (low.flatten(1) @ b.reshape(b.shape[0], -1).t()).to(y.dtype)
+        low = (low * rows.mask.unsqueeze(2)).flatten(1)
+        b = b.reshape(b.shape[0], -1)
+        if y.dtype != low.dtype:
+            return y + (low @ b.t()).to(y.dtype)
+        return torch.addmm(y, low, b.t())  # one kernel: the product and the sum
