@@ -92,7 +92,7 @@ def test_gpu_lora_matches_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     path = build_tiny("llama", tmp_path / "llama", None)
     a1, a2, a3 = (str(write_lora(path, tmp_path / f"a{i}", i)) for i in (1, 2, 3))
     prompts = mixed_prompts(6, seed=6)
-    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+    params = [SamplingParams(max_tokens=24 - 2 * i, temperature=0.0, ignore_eos=True,
                              lora_name=[None, "a1", "a2"][i % 3]) for i in range(6)]
 
     def run(device: str) -> List[List[int]]:
@@ -102,6 +102,7 @@ def test_gpu_lora_matches_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
             llm.generate(prompts[:2], GREEDY, lora_request=LoRARequest("a3"))
             llm.remove_lora("a3")
             llm.add_lora(LoRARequest("a2", 2, a2))  # into a3's slot
+            # lengths 24, 22, ..., 14: the base model's request decodes alone at the end
             return [o.token_ids for o in llm.generate(prompts, params)]
 
     assert run("cuda") == run("cpu")
