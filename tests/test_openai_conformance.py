@@ -441,6 +441,49 @@ def test_responses_api_background_polled_and_cancelled(client: openai.OpenAI,
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_id"
 
 
+def test_conversations_api_carries_a_responses_conversation(client: openai.OpenAI,
+                                                           server: Server) -> None:
+    """The SDK's client.conversations: created with an item and metadata, retrieved; a
+    Responses request naming it sees its items (more input tokens than alone) and appends
+    its turn; items added, retrieved, listed and deleted; metadata updated; conversation with
+    previous_response_id a 400; once deleted, 404s for it and for a request naming it."""
+    question = PARIS[0]["content"]
+    conv = client.conversations.create(
+        items=[{"type": "message", "role": "user", "content": "Hi, I am Ann."}],
+        metadata={"topic": "names"})
+    assert conv.id.startswith("conv_") and conv.metadata == {"topic": "names"}
+    assert client.conversations.retrieve(conv.id).model_dump() == conv.model_dump()
+    r = client.responses.create(model=MODEL, conversation=conv.id, input=question,
+                                temperature=0, max_output_tokens=8)
+    alone = client.responses.create(model=MODEL, input=question, temperature=0,
+                                    max_output_tokens=8)
+    assert r.conversation is not None and r.conversation.id == conv.id
+    assert r.usage.input_tokens > alone.usage.input_tokens
+    listed = client.conversations.items.list(conv.id, order="asc")
+    assert [(i.type, i.role) for i in listed.data] == [  # type: ignore[union-attr]
+        ("message", "user"), ("message", "user"), ("message", "assistant")]
+    assert listed.data[-1].content[0].text == r.output_text  # type: ignore[union-attr]
+    added = client.conversations.items.create(conv.id, items=[
+        {"type": "message", "role": "user", "content": "Thanks."}])
+    (item,) = added.data
+    got = client.conversations.items.retrieve(item.id, conversation_id=conv.id)
+    assert got.content[0].text == "Thanks."  # type: ignore[union-attr]
+    assert client.conversations.items.delete(item.id, conversation_id=conv.id).id == conv.id
+    assert len(client.conversations.items.list(conv.id).data) == 3
+    assert client.conversations.update(conv.id, metadata={"topic": "capitals"}).metadata == {
+        "topic": "capitals"}
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=MODEL, conversation=conv.id, input="x",
+                                previous_response_id=r.id)
+    assert client.conversations.delete(conv.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.retrieve(conv.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL, conversation=conv.id, input="x")
+    bad = _post(server, "/v1/conversations", {"items": [{"type": "web_search_call"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "items.0.type"
+
+
 def test_responses_api_function_call_turn(client: openai.OpenAI) -> None:
     """A required function call comes back as a function_call item (arguments valid for the
     tool's schema), streamed as plain; its function_call_output, continuing the stored

@@ -383,3 +383,64 @@ def test_background_responses_are_stored_as_they_start_and_end() -> None:
         assert ended["error"] == (None if error is None else {"code": code,
                                                               "message": error.message})
     assert store.get(fmt.id) == messages  # ended: a later request may continue it
+
+
+def test_a_conversation_comes_before_the_input_and_records_each_turn() -> None:
+    """The Conversations API's store: items checked as a Responses input (400s naming the
+    item), kept with ids; a request naming the conversation (an id, or {"id": ...}) sees its
+    items after the instructions and before its input; the finished response names it and
+    its input and output items are appended (the SDK's ConversationItem types), once; a
+    conversation deleted while a response ran records nothing; previous_response_id and
+    conversation together are a 400; an unknown conversation a 404."""
+    from openai.types.conversations import ConversationItem
+    from minisgl.server.conversations import (MAX_ADDED, ConversationLink, ConversationStore,
+                                              checked_items, conversation_id)
+    convs = ConversationStore()
+    first = checked_items([{"role": "user", "content": "Hi, I am Ann."},
+                           {"type": "message", "role": "assistant",
+                            "content": [{"type": "output_text", "text": "Hello Ann."}]}])
+    conv = convs.create(first, {"topic": "names"})
+    assert conv.card() == {"id": conv.id, "object": "conversation",
+                           "created_at": conv.created_at, "metadata": {"topic": "names"}}
+    for value in (conv.id, {"id": conv.id}):
+        assert conversation_id(value) == conv.id
+    for bad in ({"id": 1}, {"id": conv.id, "x": 1}, "", 5):
+        assert _error(conversation_id, bad).param == "conversation"
+    assert _error(checked_items, [{"type": "web_search_call"}]).param == "items.0.type"
+    assert _error(checked_items, [{"role": "user", "content": "x"}] * (MAX_ADDED + 1)
+                  ).param == "items"
+
+    request = _request(input="What is my name?", instructions="Be brief.", conversation=conv.id)
+    store = ResponseStore()
+    messages = response_messages(request, store, convs.messages(conv.id))
+    assert messages == [{"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": "Hi, I am Ann."},
+                        {"role": "assistant", "content": "Hello Ann."},
+                        {"role": "user", "content": "What is my name?"}]
+    fmt = ResponsesFormatter("m", responses_job(request, messages, 1), request, messages, store,
+                             None, "hermes", ConversationLink(convs, conv.id))
+    whole = Choice()
+    for reply in chunks_of(["You are ", "Ann."], "stop"):
+        whole.add(reply)
+    response = fmt.full([whole])
+    Response.model_validate(response)
+    assert response["conversation"] == {"id": conv.id}
+    items = convs.get(conv.id).items
+    assert [(i["type"], i["role"]) for i in items] == [("message", "user"),
+                                                       ("message", "assistant")] * 2
+    assert items[2]["content"] == [{"type": "input_text", "text": "What is my name?"}]
+    assert items[3]["content"][0]["text"] == "You are Ann." and items[3] == response["output"][0]
+    for item in items:
+        TypeAdapter(ConversationItem).validate_python(item)
+    assert len({i["id"] for i in items}) == 4 and convs.item(conv.id, items[3]["id"]) == items[3]
+    assert convs.messages(conv.id)[-1] == {"role": "assistant", "content": "You are Ann."}
+
+    convs.delete(conv.id)
+    convs.record(conv.id, items)  # deleted while a response ran: nothing to record
+    for fn, args in ((convs.get, (conv.id,)), (convs.messages, (conv.id,)),
+                     (convs.item, (conv.id, items[0]["id"]))):
+        with pytest.raises(ApiError) as e:
+            fn(*args)  # type: ignore[operator]
+        assert e.value.status == 404
+    both = _request(conversation="conv_x", previous_response_id="resp_x")
+    assert _error(response_messages, both, store).param == "conversation"

@@ -1,7 +1,7 @@
 """The HTTP front end: an OpenAI-compatible API on FastAPI, served by uvicorn on uvloop.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /generate (token ids in and out), POST
-/v1/responses, POST /v1/messages and POST /v1/messages/count_tokens (Anthropic's Messages API, whose
+/v1/responses (and /v1/conversations: conversations.py), POST /v1/messages and POST /v1/messages/count_tokens (Anthropic's Messages API, whose
 errors take Anthropic's shape: error_shapes.py), POST /tokenize, POST /detokenize, GET
 /tokenizer_info, GET /v1/models, GET /v1/models/{id}, GET /version, GET /health (200 only while the
 launcher reports every process up), GET /metrics.
@@ -73,6 +73,8 @@ from minisgl.server.responses_background import BackgroundRuns
 from minisgl.server.responses_output import ResponsesFormatter
 from minisgl.server.stats_log import Totals, log_stats
 from minisgl.server.batches_api import Batches, install_batch_routes
+from minisgl.server.conversations import (ConversationLink, ConversationStore, conversation_id,
+                                          install_conversation_routes)
 from minisgl.server.lora_admin import Adapters, install_adapter_routes
 from minisgl.server.state_admin import Weights, install_state_routes
 from minisgl.server.streams import RequestStream, RequestStreams
@@ -327,6 +329,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     streams = RequestStreams(cfg.tokenizer_addr, cfg.api_addr, metrics, cfg.max_queued_requests)
     started = int(time.time())
     stored = ResponseStore()  # the Responses API's, and its background runs
+    conversations = ConversationStore()  # the Conversations API's (conversations.py)
     background = BackgroundRuns(streams, cfg.request_timeout, lambda chunk, fmt: _check(
         chunk, fmt.prompt_param, fmt.job))
 
@@ -369,6 +372,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     app.state.self_url = ""  # serve_forever sets it: the batches' requests go there
     batches = Batches(cfg.max_file_bytes, cfg.api_key)
     install_batch_routes(app, batches, lambda: str(app.state.self_url), json_body)
+    install_conversation_routes(app, conversations, json_body)
 
     def check_model(name: Optional[str]) -> Optional[str]:
         """The LoRA adapter a request's model names (None: the base model); ApiError 404 for
@@ -530,12 +534,15 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     async def responses(request: Request) -> Response:
         body = parse_body(await json_body(request), ResponsesRequest)
         lora = check_model(body.model)
-        messages = response_messages(body, stored)
+        conv = conversation_id(body.conversation)
+        messages = response_messages(body, stored, () if conv is None
+                                     else conversations.messages(conv))
         job = served(with_lora(responses_job(
             body, messages, cfg.max_n, cfg.sampling_defaults, cfg.tool_call_parser,
             cfg.reasoning_parser), lora), request)
         fmt = ResponsesFormatter(lora or cfg.model_name, job, body, messages, stored,
-                                 cfg.reasoning_parser, cfg.tool_call_parser)
+                                 cfg.reasoning_parser, cfg.tool_call_parser,
+                                 None if conv is None else ConversationLink(conversations, conv))
         if body.background:
             return JSONResponse(background.start(fmt))
         return await run(request, fmt)

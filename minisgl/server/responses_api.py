@@ -17,7 +17,8 @@ text's log-probabilities as Chat Completions' logprobs; `include:
 keeping no state (store false) sends back to continue with the thinking (encoded, not
 encrypted: `reasoning_blob`). A stored response's input items are listed by GET
 /v1/responses/{id}/input_items (`items_page`). Hosted tools (web search, file search, MCP ...), other `include`
-values, prompt templates and conversations get a 400 naming the field. `background: true` runs
+values and prompt templates get a 400 naming the field. A request's `conversation` (the
+Conversations API's: conversations.py) comes before its input, and its turn is recorded there. `background: true` runs
 the response after the request is answered (responses_background.py).
 """
 
@@ -102,7 +103,6 @@ def blob_reasoning(blob: str) -> Optional[str]:
 
 _INERT: Dict[str, Callable[[Any], bool]] = {
     "prompt": lambda v: v is None,
-    "conversation": lambda v: v is None,
     "truncation": lambda v: v in (None, "disabled"),
     "max_tool_calls": lambda v: v is None,
 }
@@ -129,6 +129,7 @@ class ResponsesRequest(BaseModel):
     include: Any = None
     top_logprobs: Optional[int] = None
     background: Optional[bool] = None
+    conversation: Any = None  # an id or {"id": ...} (conversations.conversation_id)
 
 
 class Stored(NamedTuple):
@@ -229,15 +230,16 @@ def _assistant(out: Messages, thinking: Optional[str]) -> Dict[str, Any]:
     return out[-1]
 
 
-def _input_messages(items: List[Dict[str, Any]]) -> Messages:
+def input_messages(items: List[Dict[str, Any]], param: str = "input") -> Messages:
     """Input items as chat messages, in order: a `function_call` joins the assistant message
     just before it (or starts one), its `function_call_output` is a tool message; a
     `reasoning` item's thinking goes with the assistant message after it (as
-    `reasoning_content`, for the chat template), and is dropped where none follows."""
+    `reasoning_content`, for the chat template), and is dropped where none follows. ApiError
+    400 names a bad item as `param`.i."""
     out: Messages = []
     thinking: Optional[str] = None  # of a reasoning item, until the model's next turn
     for i, item in enumerate(items):
-        where, kind = f"input.{i}", item.get("type", "message")
+        where, kind = f"{param}.{i}", item.get("type", "message")
         if kind == "message":
             role = item.get("role")
             if not isinstance(role, str):
@@ -271,7 +273,7 @@ _ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output":
                 "reasoning": "rs"}
 
 
-def _listed(item: Dict[str, Any]) -> Dict[str, Any]:
+def listed_item(item: Dict[str, Any]) -> Dict[str, Any]:
     """One input item as the API lists it: its id (the client's, else a new one), status
     completed, a message's content as parts (input_text; an assistant's output_text)."""
     kind = item.get("type", "message")
@@ -294,14 +296,14 @@ def input_items(body: ResponsesRequest) -> List[Dict[str, Any]]:
     /v1/responses/{id}/input_items lists them. `input` was checked by `response_messages`."""
     given = ([{"type": "message", "role": "user", "content": body.input}]
              if isinstance(body.input, str) else body.input)
-    return [_listed(item) for item in given]
+    return [listed_item(item) for item in given]
 
 
 def items_page(items: List[Dict[str, Any]], limit: Any = 20, order: Any = "desc",
-               after: Optional[str] = None) -> Dict[str, Any]:
-    """A page of a response's input items in the API's list shape: `limit` (1 to 100) of
-    them in `order` (asc: as given; desc, the default: newest first) after the item `after`;
-    ApiError 400 naming a bad parameter."""
+               after: Optional[str] = None, holder: str = "this response") -> Dict[str, Any]:
+    """A page of items (a response's input items, a conversation's) in the API's list shape:
+    `limit` (1 to 100) of them in `order` (asc: as given; desc, the default: newest first)
+    after the item `after`; ApiError 400 naming a bad parameter."""
     try:
         count = int(limit)
     except (TypeError, ValueError):
@@ -315,7 +317,7 @@ def items_page(items: List[Dict[str, Any]], limit: Any = 20, order: Any = "desc"
     if after is not None:
         ids = [item["id"] for item in ordered]
         if after not in ids:
-            raise ApiError(400, f"after: no input item {after!r} in this response", "after")
+            raise ApiError(400, f"after: no item {after!r} in {holder}", "after")
         start = ids.index(after) + 1
     page = ordered[start:start + count]
     return {"object": "list", "data": page,
@@ -324,17 +326,24 @@ def items_page(items: List[Dict[str, Any]], limit: Any = 20, order: Any = "desc"
             "has_more": start + count < len(ordered)}
 
 
-def response_messages(body: ResponsesRequest, store: ResponseStore) -> Messages:
-    """The whole conversation the request continues, its input last."""
+def response_messages(body: ResponsesRequest, store: ResponseStore,
+                      conversation: Sequence[Dict[str, Any]] = ()) -> Messages:
+    """The whole conversation the request continues, its input last: the instructions, the
+    stored turns of its previous_response_id, or `conversation` (the messages of the
+    Conversations API's conversation it names: conversations.py), then its input."""
+    if body.conversation is not None and body.previous_response_id is not None:
+        raise ApiError(400, "conversation and previous_response_id are mutually exclusive: "
+                            "give one", "conversation")
     messages: Messages = []
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})
+    messages += conversation
     if body.previous_response_id is not None:
         messages += [m for m in store.get(body.previous_response_id) if m["role"] != "system"]
     if isinstance(body.input, str):
         messages.append({"role": "user", "content": body.input})
     else:
-        messages += _input_messages(body.input)
+        messages += input_messages(body.input)
     return messages
 
 

@@ -24,6 +24,7 @@ import uuid
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from minisgl.message.types import ReplyChunk, TokenLogprobText
+from minisgl.server.conversations import ConversationLink
 from minisgl.server.protocol import ApiError, Job
 from minisgl.server.responses import ChatFormatter, Choice, chat_logprobs
 from minisgl.server.responses_api import (Messages, ResponsesRequest, ResponseStore,
@@ -185,9 +186,13 @@ class ResponsesFormatter(ChatFormatter):
 
     def __init__(self, model: str, job: Job, body: ResponsesRequest, messages: Messages,
                  store: ResponseStore, reasoning_parser: Optional[str] = None,
-                 tool_parser: Optional[str] = None) -> None:
+                 tool_parser: Optional[str] = None,
+                 conversation: Optional[ConversationLink] = None) -> None:
+        """`conversation`: the one the request continues, where its input and output items
+        are recorded once it ends with its output (completed or incomplete)."""
         super().__init__(model, job, reasoning_parser, tool_parser)
         self.body, self.messages, self.store = body, messages, store
+        self.conversation = conversation
         self.input_items = input_items(body)  # what GET .../input_items lists
         self.items = _Items(self.wants_logprobs, parse_include(body.include).reasoning)
         self.seq = 0
@@ -230,7 +235,9 @@ class ResponsesFormatter(ChatFormatter):
             "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
             "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
             "metadata": body.metadata or {}, "store": body.store,
-            "background": body.background, "usage": None}
+            "background": body.background, "usage": None,
+            "conversation": None if self.conversation is None else {
+                "id": self.conversation.id}}
         if choice is None:
             return out
         incomplete = choice.finish_reason == "length"
@@ -247,6 +254,9 @@ class ResponsesFormatter(ChatFormatter):
         if self.body.store:
             self.store.put(self.id, [*self.messages, self.items.conversation_turn()],
                            copy.deepcopy(out), self.input_items)
+        if self.conversation is not None:
+            self.conversation.store.record(self.conversation.id, [
+                *copy.deepcopy(self.input_items), *copy.deepcopy(self.items.items)])
         return out
 
     def pending(self) -> Dict[str, Any]:
