@@ -459,6 +459,33 @@ def test_lora_lists_take_several_words_as_vllm_and_sglang_do() -> None:
         ("a", "/p"), ("b", "/q"))
 
 
+def test_an_adapter_given_as_a_hub_id_is_fetched_and_served(
+        base: Path, adapters: Dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--lora-modules all=ORG/NAME` (vLLM's and SGLang's hub ids): the adapter's config and
+    weights come through huggingface_hub's snapshot (here a stand-in returning the local
+    copy) and it serves PEFT's tokens; an id the hub cannot give is a ValueError naming the
+    adapter and the id."""
+    import huggingface_hub
+    from minisgl.models.lora_config import read_adapter
+    asked: List[tuple] = []
+
+    def snapshot(repo_id: str, **kw: object) -> str:
+        asked.append((repo_id, tuple(kw["allow_patterns"])))  # type: ignore[arg-type]
+        if repo_id != "org/all-lora":
+            raise OSError(f"404 Client Error: {repo_id} not found")
+        return str(adapters["all"])
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+    assert read_adapter("all", "org/all-lora", 16).path == adapters["all"]
+    assert asked == [("org/all-lora", ("adapter_config.json", "adapter_model.safetensors"))]
+    with pytest.raises(ValueError, match="LoRA adapter 'x': model 'org/none' .*404"):
+        read_adapter("x", "org/none", 16)
+    prompts = mixed_prompts(2, seed=5)
+    with LLM(str(base), device="cpu", page_size=4, max_kv_tokens=2048, show_progress=False,
+             lora_modules={"all": "org/all-lora"}) as llm:
+        outs = llm.generate(prompts, GREEDY, lora_request=LoRARequest("all"))
+    assert [o.token_ids for o in outs] == _expected(base, adapters, prompts, ["all", "all"])
+
+
 def test_the_launcher_names_a_bad_adapter_before_any_rank_starts(base: Path,
                                                                  tmp_path: Path) -> None:
     """`serve` reads every adapter's config before it starts anything: one error line, exit

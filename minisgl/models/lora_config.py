@@ -4,6 +4,10 @@ loads one (models/lora.py). What minisgl cannot apply exactly is refused, naming
 biases, `modules_to_save`, per-module rank or alpha patterns, Conv1D layouts, a rank above
 --max-lora-rank. The scaling is PEFT's: lora_alpha / rank, or lora_alpha / sqrt(rank) with
 `use_rslora`.
+
+An adapter's path may also be a Hugging Face hub id (`ORG/NAME`), fetched into the hub cache
+as models are (models/path.py: only its config and weights), so that the launcher's check
+downloads it once and the ranks find it cached.
 """
 
 from __future__ import annotations
@@ -13,8 +17,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from minisgl.models.path import download_model, looks_like_hub_id
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+HUB_FILES = (CONFIG_FILE, WEIGHTS_FILE)  # what an adapter on the hub is fetched for
 # PEFT options whose non-default values change what the adapter computes
 # Why an adapter cannot load at run time where LoRA was not asked for at start-up
 RUNTIME_OFF = "loading LoRA adapters at run time needs --enable-lora (or --max-loras) at start-up"
@@ -32,9 +39,15 @@ class LoraAdapter:
 
 
 def read_adapter(name: str, path: str, max_rank: int) -> LoraAdapter:
-    """The adapter at directory `path`, served as `name`; ValueError naming the problem (a
-    missing file, a rank above `max_rank`, an option minisgl cannot apply)."""
+    """The adapter at directory `path` (or hub id: the module's doc), served as `name`;
+    ValueError naming the problem (a missing file, a hub id neither cached nor downloadable, a
+    rank above `max_rank`, an option minisgl cannot apply)."""
     root = Path(path).expanduser()
+    if not root.is_dir() and looks_like_hub_id(path):
+        try:
+            root = download_model(path, files=HUB_FILES)
+        except FileNotFoundError as e:
+            raise ValueError(f"LoRA adapter {name!r}: {e}") from None
     config_file, weights = root / CONFIG_FILE, root / WEIGHTS_FILE
     for f in (config_file, weights):
         if not f.is_file():

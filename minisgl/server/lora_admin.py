@@ -70,7 +70,9 @@ class Adapters:
             raise ApiError(400, f"{name!r} cannot name a LoRA adapter (it is empty, or a name "
                                 f"of the served model)", "lora_name")
         try:  # the config's refusals here, quickly; the ranks read every file again
-            check_runtime_load(name, path, self.runtime, self.max_rank)
+            # off the event loop: a hub id's adapter downloads here (the ranks find it cached)
+            await asyncio.to_thread(check_runtime_load, name, path, self.runtime,
+                                    self.max_rank)
         except ValueError as e:
             raise ApiError(400, str(e), "lora_path") from None
         async with self._lock:
