@@ -782,11 +782,11 @@ class LoraBinding(NamedTuple):
 
 
 class LoraRows(NamedTuple):
-    """A forward's tokens by LoRA adapter (layers/lora.py adds the deltas). `mask[t, j]`: 1 where
-    token t runs with adapter `picks[j]`, else 0 ([T, k] on the device, in the activations'
-    dtype; a row of zeros: the base model alone). `picks`: the k adapter slots some token runs with (int64 on the device), or None
-    for every slot in slot order: the decode graphs' form, whose batches' adapters are not
-    known when they are captured."""
+    """A forward's tokens by LoRA adapter (layers/lora.py adds the deltas). `mask[t, j]`: 1
+    where token t runs with adapter `picks[j]`, else 0 ([T, k] on the device, in the
+    activations' dtype; a row of zeros: the base model alone). `picks`: the k adapter slots
+    some token runs with (int64 on the device), or None for every slot in slot order: the
+    decode graphs' form, whose batches' adapters are not known when they are captured."""
 
     mask: torch.Tensor
     picks: Optional[torch.Tensor] = None

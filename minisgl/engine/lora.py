@@ -20,9 +20,8 @@ def adapter_mask(index: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tenso
 def lora_rows(batch: Batch, device: torch.device, dtype: torch.dtype) -> Optional[LoraRows]:
     """The batch's tokens by adapter (`Req.lora`, which the scheduler bound as it took the
     request), over the slots they use, the mask in `dtype` (the activations'); None where no
-    request runs with one. Request i's tokens
-    are rows [sum(extend_lens[:i]), + extend_lens[i]) of the forward, as the engine lays them
-    out."""
+    request runs with one. Request i's tokens are rows [sum(extend_lens[:i]), +
+    extend_lens[i]) of the forward, as the engine lays them out."""
     picks = sorted({req.lora.slot for req in batch.reqs if req.lora is not None})
     if not picks:
         return None

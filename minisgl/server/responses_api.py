@@ -16,10 +16,11 @@ text's log-probabilities as Chat Completions' logprobs; `include:
 ["reasoning.encrypted_content"]` gives each reasoning item an `encrypted_content` that a client
 keeping no state (store false) sends back to continue with the thinking (encoded, not
 encrypted: `reasoning_blob`). A stored response's input items are listed by GET
-/v1/responses/{id}/input_items (`items_page`). Hosted tools (web search, file search, MCP ...), other `include`
-values and prompt templates get a 400 naming the field. A request's `conversation` (the
-Conversations API's: conversations.py) comes before its input, and its turn is recorded there. `background: true` runs
-the response after the request is answered (responses_background.py).
+/v1/responses/{id}/input_items (`items_page`). Hosted tools (web search, file search, MCP
+...), other `include` values and prompt templates get a 400 naming the field. A request's
+`conversation` (the Conversations API's: conversations.py) comes before its input, and its
+turn is recorded there. `background: true` runs the response after the request is answered
+(responses_background.py).
 """
 
 from __future__ import annotations
