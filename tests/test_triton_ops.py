@@ -444,3 +444,43 @@ def test_every_pdl_kernel_waits_for_its_predecessor() -> None:
             checked.append(node.name)
     assert {"_rmsnorm_kernel", "_gemv_kernel", "_norm_gemv_kernel", "_norm_gate_up_kernel",
             "_norm_qkv_rope_kernel", "_decode_split_kernel", "_store_kv_kernel"} <= set(checked)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,slots,cols,n", [(1, 1, 48, 96), (5, 3, 16, 70),
+                                                (33, 2, 24, 130)])
+def test_lora_expand_adds_each_tokens_own_adapters_delta(dtype: torch.dtype, tokens: int,
+                                                         slots: int, cols: int, n: int) -> None:
+    """kernels/lora.expand_add: y + (low masked to each token's adapter) B^T in one kernel, as
+    torch's mask multiply and addmm give it (row and column counts off the block sizes; a
+    token of the base model gets y itself); on CUDA, LoraSlots under the fused policy (which
+    takes it) gives what it gives without."""
+    from minisgl.core import LoraRows
+    from minisgl.distributed import Shard
+    from minisgl.engine.lora import adapter_mask
+    from minisgl.kernels.lora import expand_add
+    from minisgl.layers.lora import LoraShape, LoraSlots
+    g = torch.Generator().manual_seed(tokens)
+    make = lambda *shape: torch.randn(*shape, generator=g).to(DEV, dtype)  # noqa: E731
+    low, b, y = make(tokens, slots * cols), make(n, slots * cols), make(tokens, n)
+    index = torch.tensor([(t % (slots + 1)) - 1 for t in range(tokens)], device=DEV)
+    mask = adapter_mask(index, slots, dtype)
+    want = torch.addmm(y.float(), (low.float().view(tokens, slots, cols)
+                                   * mask.float().unsqueeze(2)).flatten(1), b.float().t())
+    got = expand_add(y, low, mask, b, cols)
+    assert got.dtype == dtype and got.shape == y.shape
+    _close(got, want, dtype)
+    base = index < 0
+    if base.any():
+        assert torch.equal(got[base], y[base])
+    with pytest.raises(ValueError, match="LoRA expand"):
+        expand_add(y, low, mask, b[:, 1:], cols)
+    layer = LoraSlots(LoraShape(slots, cols), 8, [Shard(0, n)], GEMV).to(DEV, dtype)
+    layer.a.copy_(make(slots, cols, 8))
+    layer.b.copy_(b.view(n, slots, cols))
+    x = make(tokens, 8)
+    fused = layer.add_delta(y, x, LoraRows(mask))
+    plain = LoraSlots(LoraShape(slots, cols), 8, [Shard(0, n)]).to(DEV, dtype)
+    plain.a.copy_(layer.a)
+    plain.b.copy_(layer.b)
+    _close(fused, plain.add_delta(y, x, LoraRows(mask)), dtype)

@@ -340,7 +340,7 @@ class ColumnParallelLinear(_QuantizableLayer):
                                           info.size, type(self).__name__)
         self._make_weight(local_out, Shard(0, in_features), in_features)
         self.bias = _empty(local_out) if bias else None
-        self.lora = None if lora is None else LoraSlots(lora, in_features, self.shards)
+        self.lora = None if lora is None else LoraSlots(lora, in_features, self.shards, policy)
 
     @property
     def parts(self) -> List[fp8_weights.Part]:
@@ -500,7 +500,7 @@ class RowParallelLinear(_QuantizableLayer):
         self._make_weight(out_features, self.shard, in_features)
         self.bias = _empty(out_features) if bias else None
         self.lora = (None if lora is None else
-                     LoraSlots(lora, self.shard.size, [Shard(0, out_features)]))
+                     LoraSlots(lora, self.shard.size, [Shard(0, out_features)], policy))
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """The layer's output; with `reduce=False` only this rank's partial product (no

@@ -12,7 +12,9 @@ A matrices stacked ([k * parts * rank, in]) give every token's low-rank input un
 adapter, a mask (`LoraRows.mask`) zeroes all but its own adapter's (all of them for a token of
 the base model), and the slots' B matrices side by side ([out, k * parts * rank]) turn that into
 its delta. No host value enters, so the decode graphs capture it over every slot; the extra
-work is the other slots' rank-sized columns, small beside the projection itself.
+work is the other slots' rank-sized columns, small beside the projection itself. On CUDA with
+the fused kernels the mask and the expand product are one Triton kernel (kernels/lora.py),
+which adds the delta to the projection as it goes: two launches a projection, not three.
 
 Tensor parallelism follows the weight's split: a column-parallel layer's ranks hold all of A
 and their rows of B (each part's shard, as the weight's); a row-parallel layer's ranks hold
@@ -30,6 +32,7 @@ from torch import nn
 
 from minisgl.core import LoraRows
 from minisgl.distributed import Shard
+from minisgl.kernels.policy import KernelPolicy
 
 
 @dataclass(frozen=True)
@@ -55,10 +58,13 @@ class LoraSlots(nn.Module):
     a: torch.Tensor
     b: torch.Tensor
 
-    def __init__(self, shape: LoraShape, in_local: int, out_shards: Sequence[Shard]) -> None:
+    def __init__(self, shape: LoraShape, in_local: int, out_shards: Sequence[Shard],
+                 policy: KernelPolicy = KernelPolicy()) -> None:
         """`out_shards`: this rank's rows of each part of the output, in the order of the
-        weight's local rows (a row-parallel layer: one part, all its rows)."""
+        weight's local rows (a row-parallel layer: one part, all its rows). `policy.fused`:
+        the Triton expand on CUDA."""
         super().__init__()
+        self.policy = policy
         self.max_rank = shape.max_rank
         self.out_shards = list(out_shards)
         self.offsets = [sum(s.size for s in self.out_shards[:i])
@@ -97,9 +103,13 @@ class LoraSlots(nn.Module):
         a, b = self.a, self.b
         if rows.picks is not None:
             a, b = a.index_select(0, rows.picks), b.index_select(1, rows.picks)
-        low = (x @ a.reshape(-1, a.shape[2]).t()).view(x.shape[0], a.shape[0], a.shape[1])
-        low = (low * rows.mask.unsqueeze(2)).flatten(1)
+        low = x @ a.reshape(-1, a.shape[2]).t()  # [T, k * cols]
         b = b.reshape(b.shape[0], -1)
+        if self.policy.fused and y.is_cuda:
+            from minisgl.kernels import lora as kernels
+            if low.shape[1] <= kernels.MAX_LOW_COLUMNS:
+                return kernels.expand_add(y, low, rows.mask, b, a.shape[1])
+        low = (low.view(x.shape[0], a.shape[0], a.shape[1]) * rows.mask.unsqueeze(2)).flatten(1)
         if y.dtype != low.dtype:
             return y + (low @ b.t()).to(y.dtype)
         return torch.addmm(y, low, b.t())  # one kernel: the product and the sum

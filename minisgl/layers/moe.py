@@ -203,11 +203,6 @@ class Router(ReplicatedLinear):
             self.e_score_correction_bias = nn.Parameter(
                 torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
 
-    @property
-    def correction(self) -> Optional[torch.Tensor]:
-        """The sigmoid router's per-expert correction (None: a softmax router)."""
-        return self.e_score_correction_bias
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.e_score_correction_bias is None:
             return super().forward(x)
@@ -253,7 +248,7 @@ class SparseMoE(nn.Module):
         logits = self.gate(x)
         experts, top_k, renorm = self.experts, self.shape.top_k, self.shape.renormalize
         owned = experts.owned
-        grouped = self.gate.correction is not None
+        grouped = self.gate.e_score_correction_bias is not None
         if self.policy.fused and x.is_cuda:
             from minisgl.kernels import moe
             if grouped:
@@ -280,8 +275,8 @@ class SparseMoE(nn.Module):
         return out + shared
 
     def _grouped(self, logits: torch.Tensor) -> TopK:
-        assert self.gate.correction is not None  # a sigmoid router's (see Router)
-        return route_grouped(logits, self.gate.correction, self.shape.top_k,
+        assert self.gate.e_score_correction_bias is not None  # a sigmoid router's (see Router)
+        return route_grouped(logits, self.gate.e_score_correction_bias, self.shape.top_k,
                              self.shape.renormalize, self.shape.router)
 
     def finish(self, partial: torch.Tensor) -> torch.Tensor:
