@@ -14,7 +14,7 @@ if ! [ -f /tmp/vsite/.complete ]; then
 fi
 tar -xJf "$V/extra-ct.tar.xz" -C /tmp/vsite
 gpu_free() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader); do kill -9 "$p"; done; sleep 3; }
-for rank in 16 0; do
+for rank in ${RANKS:-16 0}; do
   env PYTHONPATH=/tmp/vsite HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 \
     VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_CACHE_ROOT=/tmp/vllm_cache \
     timeout -k 10 270 python3 scripts/experiments/fp8_lat_peer.py --engine vllm \
