@@ -57,7 +57,7 @@ from minisgl.server.proc import (Child, ChildStartupError, first_dead, spawn, st
 from minisgl.server.structured import FieldError, constraint
 from minisgl.server.tools import assistant_tool_calls
 from minisgl.tokenizer.bad_words import with_bad_word_ids
-from minisgl.tokenizer.chat_template import chat_prompt_ids
+from minisgl.tokenizer.chat_template import CONTENT_FORMATS, chat_prompt_ids
 from minisgl.tokenizer.incremental import IncrementalDecoder, StopMatcher
 from minisgl.tokenizer.text import (check_tokenizer_mode, load_tokenizer,
                                     resolve_tokenizer_path)
@@ -529,15 +529,21 @@ class LLM:
              chat_template_kwargs: Optional[Dict[str, Any]] = None,
              tools: Optional[List[Dict[str, Any]]] = None,
              chat_template: Optional[str] = None,
+             chat_template_content_format: str = "auto",
              lora_request: LoraRequests = None) -> List[GenerateOutput]:
         """Apply the model's chat template (`chat_template`: Jinja text in its place) to one
         conversation or a list of them, then `generate` (vLLM's keywords: `tools` reach the
         template only; the output is not parsed for calls). A message's content is text or a
         list of text parts, joined with newlines as the server and vLLM join them; the
-        messages reach the template as the server hands them over (`chat_template.py`)."""
+        messages reach the template as the server hands them over (`chat_template.py`: the
+        content as text or as one text part, per `chat_template_content_format`)."""
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be "
                              "true (pass add_generation_prompt=False)")
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of "
+                             f"{', '.join(CONTENT_FORMATS)}, got "
+                             f"{chat_template_content_format!r}")
         template = dict(chat_template_kwargs or {}, add_generation_prompt=add_generation_prompt)
         if continue_final_message:
             template["continue_final_message"] = True
@@ -546,7 +552,8 @@ class LLM:
         if chat_template is not None:
             template["chat_template"] = chat_template
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        ids = [self._chat_ids(c, template) for c in convs]  # type: ignore[arg-type]
+        ids = [self._chat_ids(c, template, chat_template_content_format)  # type: ignore[arg-type]
+               for c in convs]
         params = self._per_prompt(sampling_params, len(ids))
         return self._run(ids, self._with_lora(params, lora_request), use_tqdm)
 
@@ -573,14 +580,16 @@ class LLM:
         return list(prompt)
 
     def _chat_ids(self, conversation: List[Dict[str, Any]],
-                  template: Optional[Dict[str, Any]] = None) -> List[int]:
+                  template: Optional[Dict[str, Any]] = None, content_format: str = "auto"
+                  ) -> List[int]:
         """The conversation's prompt ids; `template`: the chat template's keywords (a new
         assistant turn by default)."""
         template = {"add_generation_prompt": True} if template is None else template
         if not conversation:
             raise ValueError("a chat needs at least one message")
         messages = [_chat_message(i, m) for i, m in enumerate(conversation)]
-        return chat_prompt_ids(self._need_tokenizer(), messages, **template)
+        return chat_prompt_ids(self._need_tokenizer(), messages, False, content_format,
+                               **template)
 
     def _with_lora(self, params: List[SamplingParams], requests: LoraRequests
                    ) -> List[SamplingParams]:

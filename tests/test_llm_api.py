@@ -280,6 +280,13 @@ def test_chat_takes_text_parts_and_vllms_template_options(llm: LLM) -> None:
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], p)
     with pytest.raises(ValueError, match="cannot both be true"):
         llm.chat(conv, p, continue_final_message=True)
+    # vLLM's chat_template_content_format: a template that loops over content parts
+    looped = ("{% for m in messages %}{% for c in m.content %}{{ c.text }}{% endfor %}"
+              "{% endfor %}")
+    assert llm.chat([{"role": "user", "content": "Hello"}], p, chat_template=looped)[
+        0].prompt_tokens > 0
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of"):
+        llm.chat(conv, p, chat_template_content_format="parts")
     _pages_balanced(llm)
 
 

@@ -140,6 +140,39 @@ def test_assistant_thinking_reaches_the_chat_template(default_model_dir: Path) -
     assert e.value.status == 400 and e.value.param == "messages.0.reasoning"
 
 
+def test_content_reaches_a_template_in_the_form_it_reads(default_model_dir: Path) -> None:
+    """--chat-template-content-format (vLLM's): auto gives a template that loops over a
+    message's content (multimodal models' templates) one text part, where a string would be
+    looped over character by character into nothing, and a template that prints the content
+    the text; string and openai force either (the server's setting, the offline LLM.chat's
+    keyword; a bad value is refused naming it)."""
+    from transformers import AutoTokenizer
+
+    from minisgl.server.args import parse_args
+    from minisgl.tokenizer.chat_template import chat_prompt_ids, detected_content_format
+    parts = ("{% for m in messages %}{% set content = m['content'] %}{% for p in content "
+             "| selectattr('type', 'equalto', 'text') %}{{ p.text }}{% endfor %}|{% endfor %}")
+    text = "{% for m in messages %}{{ m.content }}|{% endfor %}"
+    assert detected_content_format(parts) == "openai"
+    assert detected_content_format(text) == "string"
+    assert detected_content_format("{% for m in messages %}") == "string"  # fails at rendering
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir))
+    messages = chat_job(_chat(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]},
+        {"role": "assistant", "content": "yo"}]), 4).prompts[0].messages
+
+    def rendered(template: str, form: str) -> str:
+        return str(tokenizer.decode(chat_prompt_ids(tokenizer, messages, False, form,
+                                                    chat_template=template)))
+    assert rendered(parts, "auto") == rendered(parts, "openai") == "hi\nthere|yo|"
+    assert rendered(parts, "string") == "||"  # what a string-only server would send
+    assert rendered(text, "auto") == rendered(text, "string") == "hi\nthere|yo|"
+    assert parse_args(["--chat-template-content-format", "openai"]
+                      ).chat_template_content_format == "openai"
+    with pytest.raises(SystemExit):
+        parse_args(["--chat-template-content-format", "parts"])
+
+
 def test_default_chat_template_kwargs_under_the_requests_own(default_model_dir: Path) -> None:
     """--default-chat-template-kwargs (vLLM's): every chat prompt's template gets them, a
     request's own chat_template_kwargs and reasoning_effort win; not a JSON object: refused

@@ -27,6 +27,7 @@ from minisgl.server.cors import CorsPolicy, parse_names, parse_origins
 from minisgl.server.tls import check_tls
 from minisgl.server.topology import ClusterConfig, Wiring
 from minisgl.server.reasoning import REASONING_PARSERS
+from minisgl.tokenizer.chat_template import CONTENT_FORMATS
 from minisgl.server.tool_calls import TOOL_CALL_PARSERS
 from minisgl.tokenizer.text import check_tokenizer_mode
 from minisgl.settings import (Alias, add_flags, build, check_choices, check_values,
@@ -74,6 +75,11 @@ class ServerConfig:
                 "where there is one); vLLM's slow, mistral and custom are refused")
     chat_template: Optional[str] = setting(None, "a Jinja chat template file that replaces the "
                                                  "model's own")
+    chat_template_content_format: str = setting(
+        "auto", "vLLM's: how a message's content reaches the chat template: string (text), "
+                "openai (a list of parts, [{\"type\": \"text\", \"text\": ...}], as "
+                "templates of multimodal models loop over), or auto (openai where the template "
+                "loops over a message's content, else string)", choices=CONTENT_FORMATS)
     generation_config: str = setting(
         "auto", "the sampling defaults of requests that leave temperature, top_p, top_k, "
                 "min_p or repetition_penalty unset: auto (the model's generation_config.json "

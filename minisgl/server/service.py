@@ -254,7 +254,8 @@ class Service:
         tok_cfg = TokenizerConfig(str(self.tokenizer_path), a.tokenizer, a.backends, a.detokenizer,
                                   a.api, template,
                                   c.max_queued_tokens, c.tokenizer_threads,
-                                  default_template_kwargs=c.default_chat_template_kwargs)
+                                  default_template_kwargs=c.default_chat_template_kwargs,
+                                  content_format=c.chat_template_content_format)
         # The tokenizer needs the replicas' stats to route (several) or to count queued tokens.
         stats_to = a.tokenizer if dp > 1 or c.max_queued_tokens is not None else None
         self.workers = [

@@ -73,6 +73,7 @@ class TokenizerConfig:
     threads: int = 2  # threads for long prompts and constraints (slow_requests.py)
     # JSON object: the chat template's keywords where a request sets none of its own
     default_template_kwargs: Optional[str] = None
+    content_format: str = "auto"  # messages' content for the template (chat_template.py)
 
 
 class _NoTokenizer(Exception):
@@ -119,10 +120,12 @@ class Tokenizer:
     tokenizing it, so that no request makes the tokenizer spend minutes and gigabytes."""
 
     def __init__(self, tokenizer: Optional[Any], limits: Limits,
-                 template_defaults: Optional[Dict[str, Any]] = None) -> None:
+                 template_defaults: Optional[Dict[str, Any]] = None,
+                 content_format: str = "auto") -> None:
         self.tokenizer = tokenizer
         # the chat template's keywords (--default-chat-template-kwargs): a request's own win
         self.template_defaults = dict(template_defaults or {})
+        self.content_format = content_format  # --chat-template-content-format
         self.vocab = len(tokenizer) if tokenizer is not None else limits.vocab_size
         # A prompt's ids must be ones the model embeds and the detokenizer can render.
         self.limits = limits._replace(vocab_size=min(self.vocab, limits.vocab_size))
@@ -161,6 +164,7 @@ class Tokenizer:
             if req.tools_json is not None:
                 kwargs["tools"] = json.loads(req.tools_json)
             return chat_prompt_ids(self.tokenizer, req.messages, req.add_special_tokens,
+                                   self.content_format,
                                    add_generation_prompt=req.add_generation_prompt, **kwargs)
         if isinstance(req, TokenizeRequest) and req.text_pair is not None:  # a cross-encoder's
             return list(self.tokenizer.encode(req.text or "", req.text_pair,
@@ -369,4 +373,4 @@ def run_tokenizer(cfg: TokenizerConfig, conn: Any) -> None:
     except EOFError:  # the launcher is gone
         sys.exit(1)
     defaults = json.loads(cfg.default_template_kwargs or "{}")  # checked by ServerConfig
-    Serving(cfg, sockets, Tokenizer(tokenizer, limits, defaults)).run()
+    Serving(cfg, sockets, Tokenizer(tokenizer, limits, defaults, cfg.content_format)).run()
