@@ -102,7 +102,8 @@ def test_vllm_deployment_flags_mean_ours_or_are_refused_by_name() -> None:
                       "--async-scheduling", "--disable-custom-all-reduce",
                       "--load-format", "safetensors", "--pipeline-parallel-size", "1",
                       "--distributed-executor-backend", "mp",
-                      "--tokenizer-revision", "v2"])
+                      "--tokenizer-revision", "v2", "--swap-space", "4", "--enable-lora",
+                      "--max-cpu-loras", "2", "--fully-sharded-loras", "--lora-dtype", "auto"])
     assert (cfg.engine.trust_remote_code, cfg.scheduler.cache, cfg.scheduler.overlap,
             cfg.scheduler.max_prefill_tokens, cfg.engine.allreduce, cfg.engine.load_format,
             cfg.engine.tokenizer_revision) == (True, "radix", True, 4096, "nccl",
@@ -110,7 +111,15 @@ def test_vllm_deployment_flags_mean_ours_or_are_refused_by_name() -> None:
     assert parse_args(["--no-enable-prefix-caching"]).scheduler.cache == "naive"
     assert parse_args(["--no-async-scheduling"]).scheduler.overlap is False
     assert build(SchedulerConfig(), {"trust_remote_code": True}, "LLM()").engine.trust_remote_code
+    assert (cfg.engine.swap_space, cfg.engine.max_cpu_loras) == (4.0, 2)
+    assert parse_args(["--lora-dtype", "float32", "--device", "cpu"]).engine.lora_dtype
     for flags, named in ((["--no-enable-chunked-prefill"], "enable_chunked_prefill false"),
+                         (["--lora-dtype", "bfloat16", "--device", "cpu"],
+                          "lora_dtype 'bfloat16': adapters are held in the model's dtype "
+                          r"\(float32 here\)"),
+                         (["--max-loras", "3", "--max-cpu-loras", "1"],
+                          "max_cpu_loras 1 must be at least the 3 LoRA slots"),
+                         (["--swap-space", "-1"], "swap_space must be >= 0"),
                          (["--pipeline-parallel-size", "2"], "pipeline_parallel_size 2"),
                          (["--distributed-executor-backend", "ray"],
                           "distributed_executor_backend 'ray'")):

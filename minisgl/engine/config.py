@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-from minisgl.devices import DTYPE_NAMES, KV_CACHE_DTYPES, resolve_device
+from minisgl.devices import DTYPE_NAMES, KV_CACHE_DTYPES, dtype_name, resolve_device
 from minisgl.distributed.info import DistributedInfo
 from minisgl.distributed.modes import ALLREDUCE_MODES, check_allreduce_mode
 from minisgl.models.checkpoint_quant import QUANTIZATIONS
@@ -114,6 +114,19 @@ class EngineConfig:
            "enable_lora", also=("max-loaded-loras",))
     enable_lora: bool = setting(False, "serve LoRA adapters: with no lora_modules, the slots "
                                        "(max_loras) start empty and adapters load at run time")
+    lora_dtype: str = setting("auto", "vLLM's: the adapters' dtype, auto or the model's own "
+                                      "(minisgl holds them in the model's dtype; another is "
+                                      "refused at start-up)", choices=DTYPE_NAMES)
+    max_cpu_loras: Optional[int] = setting(
+        None, "vLLM's: accepted (at least max_loras), and it changes nothing: where vLLM keeps "
+              "that many adapters in CPU memory, minisgl reads an adapter's files at each "
+              "load (the OS page cache keeps the recent ones)")
+    fully_sharded_loras: bool = setting(
+        False, "vLLM's: accepted, and it changes nothing: each rank holds its share of the "
+               "adapters as it holds the weights' (layers/lora.py)")
+    swap_space: Optional[float] = setting(
+        None, "vLLM's (GiB): accepted, and it changes nothing, as in vLLM since 0.8: a "
+              "preempted request is computed again, not swapped to CPU memory")
     load_format: str = setting("auto", "auto or safetensors (the model directory's "
                                        "safetensors) or dummy (random weights from config.json "
                                        "alone, for benchmarks of large shapes)",
@@ -227,6 +240,11 @@ class EngineConfig:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.lora_slots:
+            raise ValueError(f"max_cpu_loras {self.max_cpu_loras} must be at least the "
+                             f"{self.lora_slots} LoRA slots (max_loras)")
+        if self.swap_space is not None and self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if 0 < self.max_loras < len(adapters):
             raise ValueError(f"max_loras {self.max_loras} is fewer than the {len(adapters)} "
                              f"adapters lora_modules names (each loaded adapter takes a slot)")
@@ -239,6 +257,10 @@ class EngineConfig:
     def _check_device(self) -> None:
         """The settings only a known device can judge."""
         check_allreduce_mode(self.allreduce, self.device)
+        model_dtype = dtype_name(self.dtype, self.device)
+        if self.lora_dtype != "auto" and dtype_name(self.lora_dtype, self.device) != model_dtype:
+            raise ValueError(f"lora_dtype {self.lora_dtype!r}: adapters are held in the "
+                             f"model's dtype ({model_dtype} here); pass auto or {model_dtype}")
         if self.pdl == "on" and (self.device != "cuda" or not self.fused_ops):
             raise ValueError(f"pdl 'on' needs device 'cuda' and fused_ops (got device "
                              f"{self.device!r}, fused_ops {self.fused_ops}); use 'auto' or 'off'")
