@@ -116,7 +116,8 @@ def test_every_answer_is_counted_by_route_and_status() -> None:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     args: List[str] = [a if a != "warning" else "info" for a in CPU_ARGS]
-    srv = Server.start(args, tmp_path_factory.mktemp("log"))
+    srv = Server.start([*args, "--enable-log-outputs", "--max-log-len", "12"],
+                       tmp_path_factory.mktemp("log"))
     yield srv
     srv.stop()
 
@@ -151,6 +152,27 @@ def test_served_completions_take_the_id(server: Server) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
     assert re.search(r"request_id=c uids=\d+,\d+$", _wait_for_line(server, "request_id=c "
                                                                    "uids"))
+
+
+def test_outputs_are_logged_cut_to_max_log_len(server: Server) -> None:
+    """--enable-log-outputs (vLLM's) with --max-log-len 12: a line per finished choice with
+    the request id, finish reason, tokens and the text's first 12 characters, plain and
+    streamed; --max-log-len below 0 is refused."""
+    from minisgl.server.args import parse_args
+    body = {"messages": [{"role": "user", "content": "Count to twenty."}], "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=60,
+                   headers={"X-Request-Id": "out-1"})
+    text = r.json()["choices"][0]["message"]["content"]
+    line = _wait_for_line(server, "request out-1 choice 0")
+    assert line.endswith(f"length, 12 tokens, output {text[:12]!r}"), (line, text)
+    with httpx.stream("POST", f"{server.base_url}/chat/completions", timeout=60,
+                      json={**body, "stream": True, "n": 2},
+                      headers={"X-Request-Id": "out-2"}) as s:
+        assert s.status_code == 200 and "data: [DONE]" in list(s.iter_lines())
+    assert "12 tokens" in _wait_for_line(server, "request out-2 choice 1")
+    with pytest.raises(ValueError, match="max_log_len must be >= 0"):
+        parse_args(["--max-log-len", "-1"])
 
 
 def test_a_stream_the_client_leaves_is_logged_unfinished(server: Server) -> None:

@@ -138,6 +138,8 @@ class ApiConfig:
     # what a request leaves unset takes (models/generation.py: the model's recommendation)
     sampling_defaults: SamplingDefaults = SamplingDefaults()
     log_requests: bool = True  # one access-log line per request (request_log.py)
+    log_outputs: bool = False  # a line per finished choice, its text (`log_output`)
+    max_log_len: Optional[int] = None  # characters of a logged output (None: all)
     auto_tool_choice: bool = True  # tool_choice auto served (else a 400, as vLLM's default)
     force_include_usage: bool = False  # every stream ends with its usage (vLLM's flag)
     log_stats_interval: Optional[float] = None  # seconds between stats lines (stats_log.py)
@@ -234,8 +236,27 @@ async def run_text(request: Request, streams: RequestStreams, prompt: Optional[P
     return chunk
 
 
+OnEnd = Callable[[Request, List[Choice]], None]
+
+
+def output_logger(max_len: Optional[int]) -> OnEnd:
+    """What --log-outputs does once a job's choices have all ended: one INFO line each (the
+    request id, the choice's index, finish reason, tokens and text, cut to `max_len`)."""
+    def log(request: Request, choices: List[Choice]) -> None:
+        rid = getattr(request.state, "request_id", "-")
+        for i, c in enumerate(choices):
+            text = "".join(c.text)
+            logger.info("request %s choice %d: %s, %d tokens, output %r", rid, i,
+                        c.finish_reason, c.completion_tokens,
+                        text if max_len is None else text[:max_len])
+    return log
+
+
 async def run_job(request: Request, streams: RequestStreams, fmt: Formatter,
-                  request_timeout: Optional[float] = None) -> Response:
+                  request_timeout: Optional[float] = None, on_end: Optional[OnEnd] = None
+                  ) -> Response:
+    """Submit the formatter's job and answer it (a stream, or the whole response); `on_end`
+    hears the choices once all have ended (not where the client left or it failed)."""
     deadline = Deadline.of(request.headers, request_timeout, fmt.job.stream)
     stream = streams.submit(fmt.job)
     request.state.uids = stream.uids  # for the access log (request_log.py)
@@ -247,12 +268,15 @@ async def run_job(request: Request, streams: RequestStreams, fmt: Formatter,
             while len({c.uid for c in first}) < len(stream.uids):
                 first.append(await waiter.next())
                 _check(first[-1], fmt.prompt_param, fmt.job)
-            return SSEResponse(_events(stream, fmt, choices, first, deadline),
+            ended = None if on_end is None else (lambda: on_end(request, choices))
+            return SSEResponse(_events(stream, fmt, choices, first, deadline, ended),
                                on_close=lambda: streams.release(stream))
         while stream.unfinished or not stream.queue.empty():
             chunk = await waiter.next()
             _check(chunk, fmt.prompt_param, fmt.job)
             choices[stream.index[chunk.uid]].add(chunk)
+        if on_end is not None:
+            on_end(request, choices)
         return JSONResponse(fmt.full(choices))
     except ClientGone:
         streams.release(stream)
@@ -263,8 +287,8 @@ async def run_job(request: Request, streams: RequestStreams, fmt: Formatter,
 
 
 async def _events(stream: RequestStream, fmt: Formatter, choices: List[Choice],
-                  first: List[ReplyChunk], deadline: Deadline = Deadline()
-                  ) -> AsyncIterator[str]:
+                  first: List[ReplyChunk], deadline: Deadline = Deadline(),
+                  ended: Optional[Callable[[], None]] = None) -> AsyncIterator[str]:
     for i in range(len(choices)):
         head = next(c for c in first if stream.index[c.uid] == i)
         for line in fmt.opening(i, Choice(prompt_tokens=head.prompt_tokens,
@@ -287,6 +311,8 @@ async def _events(stream: RequestStream, fmt: Formatter, choices: List[Choice],
         choices[i].add(chunk)
         for line in fmt.delta(i, chunk, choices[i]):
             yield line
+    if ended is not None:
+        ended()
     for line in fmt.closing(choices):
         yield line
 
@@ -402,8 +428,10 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         return job if lora is None else dataclasses.replace(
             job, params=dataclasses.replace(job.params, lora_name=lora))
 
+    on_end = output_logger(cfg.max_log_len) if cfg.log_outputs else None
+
     async def run(request: Request, fmt: Formatter) -> Response:
-        return await run_job(request, streams, fmt, cfg.request_timeout)
+        return await run_job(request, streams, fmt, cfg.request_timeout, on_end)
 
     def served(job: Job, request: Optional[Request]) -> Job:
         """The job as this server serves it, before its formatter is built (which reads it):

@@ -107,6 +107,13 @@ class ServerConfig:
                                        "uids)",
                                  alias=Alias("disable-log-requests", False,
                                              "the same as --no-log-requests (vLLM's name)"))
+    log_outputs: bool = setting(
+        False, "one INFO line per finished choice of a generating request: its request id, "
+               "finish reason, token count and text (cut to max_log_len characters); for "
+               "debugging, as outputs may hold what users would not have logged",
+        alias=Alias("enable-log-outputs", True, "the same as --log-outputs (vLLM's name)"))
+    max_log_len: Optional[int] = setting(
+        None, "vLLM's: the characters of an output log_outputs writes (unset: all)")
     log_stats: bool = setting(True, "an INFO line every log_stats_interval seconds while the "
                                     "service works: requests running and waiting, KV use, "
                                     "prompt and generation throughput, prefix cache hits",
@@ -256,6 +263,8 @@ class ServerConfig:
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got "
                              f"{self.shutdown_timeout}")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
         if not self.response_role.strip():
             raise ValueError("response_role must not be empty")
         if any(not name for name in self.served_names):
