@@ -107,6 +107,9 @@ class ServerConfig:
                                        "uids)",
                                  alias=Alias("disable-log-requests", False,
                                              "the same as --no-log-requests (vLLM's name)"))
+    api_server_count: int = setting(
+        1, "vLLM's: 1 (one API server process, on uvloop, serves every replica); more are "
+           "refused")
     log_outputs: bool = setting(
         False, "one INFO line per finished choice of a generating request: its request id, "
                "finish reason, token count and text (cut to max_log_len characters); for "
@@ -263,6 +266,9 @@ class ServerConfig:
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got "
                              f"{self.shutdown_timeout}")
+        if self.api_server_count != 1:
+            raise ValueError(f"api_server_count {self.api_server_count}: one API server "
+                             f"process serves every replica here; leave it at 1")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
         if not self.response_role.strip():
