@@ -488,6 +488,11 @@ class TooLong(RequestError):
         self.prompt_tokens, self.max_tokens, self.limits, self.in_pool = n, m, limits, in_pool
 
 
+class NoRoom(RequestError):
+    """The prompt alone fills the context (or the KV pool) of a request that left max_tokens
+    to the server: no output token fits."""
+
+
 def _auto_max_tokens(prompt_tokens: int, params: SamplingParams, limits: Limits) -> int:
     """What `max_tokens=None` stands for: the rest of the context (and of the KV pool, which
     must hold the whole request), capped at an eighth of that limit (at least 256), since
@@ -496,8 +501,8 @@ def _auto_max_tokens(prompt_tokens: int, params: SamplingParams, limits: Limits)
     that is lower. RequestError when no token fits or min_tokens does not."""
     limit = min(limits.max_context, limits.kv_capacity)
     if prompt_tokens >= limit:
-        raise RequestError(f"the prompt has {prompt_tokens} tokens, which leaves no room for "
-                           f"output in the context length of {limit} tokens", "prompt")
+        raise NoRoom(f"the prompt has {prompt_tokens} tokens, which leaves no room for "
+                     f"output in the context length of {limit} tokens", "prompt")
     max_tokens = min(limit - prompt_tokens, max(256, limit // 8))
     if params.default_max_tokens is not None:
         max_tokens = min(max_tokens, params.default_max_tokens)

@@ -444,3 +444,52 @@ def test_a_conversation_comes_before_the_input_and_records_each_turn() -> None:
         assert e.value.status == 404
     both = _request(conversation="conv_x", previous_response_id="resp_x")
     assert _error(response_messages, both, store).param == "conversation"
+
+
+def test_truncation_auto_drops_the_oldest_turns_until_the_prompt_fits(
+        default_model_dir: Any) -> None:
+    """truncation "auto": a conversation longer than the context loses its oldest whole
+    turns (a user message and what answered it), the fewest that make it fit, the system
+    message kept and the last turn never dropped; "disabled" (and unset) keeps the 400; where
+    the last turn alone does not fit, the 400 stands; a bad value is a 400 naming the field."""
+    from minisgl.core import Limits
+    from minisgl.message.types import TokenizeRequest
+    from minisgl.tokenizer.text import load_tokenizer
+    from minisgl.tokenizer.tokenize_worker import Tokenizer
+    from minisgl.tokenizer.truncation import fewest_dropped, split_turns
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    tok = load_tokenizer(default_model_dir, template)
+    logic = Tokenizer(tok, Limits(max_context=160, vocab_size=len(tok), num_pages=64,
+                                  page_size=16, max_prefill_tokens=1000))
+    turns = [[{"role": "user", "content": f"Question {i}: " + "word " * 20},
+              {"role": "assistant", "content": "", "tool_calls": [{
+                  "id": f"c{i}", "type": "function",
+                  "function": {"name": "f", "arguments": "{}"}}]},
+              {"role": "tool", "tool_call_id": f"c{i}", "content": "result " * 5},
+              {"role": "assistant", "content": f"Answer {i}."}] for i in range(4)]
+    system = {"role": "system", "content": "Be brief."}
+    messages = [system, *(m for t in turns for m in t), {"role": "user", "content": "Last?"}]
+    head, split = split_turns(messages)
+    assert head == [system] and len(split) == 5 and split[1] == turns[1]
+    assert fewest_dropped(messages, lambda ms: len(ms) <= 6) == [system, *turns[3],
+                                                                {"role": "user",
+                                                                 "content": "Last?"}]
+    assert fewest_dropped(messages, lambda ms: False) is None
+
+    def prepared(body: Dict[str, Any], convo: List[Dict[str, Any]]) -> Any:
+        job = responses_job(_request(**body), convo, 1)
+        p = job.prompts[0]
+        return logic.prepare(TokenizeRequest(1, job.params, messages=p.messages,
+                                             drop_oldest=p.drop_oldest))
+    assert "no room for output in the context length of 160" in prepared({}, messages).error
+    assert prepared({"truncation": "disabled"}, messages).error is not None
+    cut = prepared({"truncation": "auto", "max_output_tokens": 8}, messages)
+    assert cut.error is None and len(cut.input_ids) + 8 <= 160
+    text = tok.decode(cut.input_ids)
+    assert text.startswith("system: Be brief.") and "Last?" in text
+    assert "Question 0" not in text and "Question 3" in text  # whole turns, oldest first
+    assert text.count("tool:") == text.count("Question")  # no result without its call
+    huge = [system, {"role": "user", "content": "word " * 400}]
+    assert "no room for output" in prepared({"truncation": "auto"}, huge).error
+    assert _error(responses_job, _request(truncation="middle"), messages, 1).param == \
+        "truncation"

@@ -43,6 +43,7 @@ class TokenizeRequest:
     return_token_ids: bool = False  # the first reply chunk carries the prompt's ids
     # a second text encoded with `text` as the tokenizer pairs two (a cross-encoder's pair)
     text_pair: Optional[str] = None
+    drop_oldest: bool = False  # messages: the oldest turns dropped until the prompt fits
 
 
 @dataclass(frozen=True)

@@ -291,6 +291,9 @@ class Prompt:
     tools_json: Optional[str] = None
     add_special_tokens: bool = False
     text_pair: Optional[str] = None  # with text: the pair's second text (cross-encoders)
+    # messages: the oldest turns dropped until the prompt fits the context (the Responses
+    # API's truncation "auto"; tokenizer/truncation.py)
+    drop_oldest: bool = False
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,9 @@ text's log-probabilities as Chat Completions' logprobs; `include:
 keeping no state (store false) sends back to continue with the thinking (encoded, not
 encrypted: `reasoning_blob`). A stored response's input items are listed by GET
 /v1/responses/{id}/input_items (`items_page`). Hosted tools (web search, file search, MCP
-...), other `include` values and prompt templates get a 400 naming the field. A request's
+...), other `include` values and prompt templates get a 400 naming the field; `truncation:
+"auto"` drops the conversation's oldest turns where it outgrows the context
+(tokenizer/truncation.py). A request's
 `conversation` (the Conversations API's: conversations.py) comes before its input, and its
 turn is recorded there. `background: true` runs the response after the request is answered
 (responses_background.py).
@@ -26,6 +28,7 @@ turn is recorded there. `background: true` runs the response after the request i
 from __future__ import annotations
 
 import base64
+import dataclasses
 import collections
 import json
 import re
@@ -104,7 +107,6 @@ def blob_reasoning(blob: str) -> Optional[str]:
 
 _INERT: Dict[str, Callable[[Any], bool]] = {
     "prompt": lambda v: v is None,
-    "truncation": lambda v: v in (None, "disabled"),
     "max_tool_calls": lambda v: v is None,
 }
 
@@ -131,6 +133,7 @@ class ResponsesRequest(BaseModel):
     top_logprobs: Optional[int] = None
     background: Optional[bool] = None
     conversation: Any = None  # an id or {"id": ...} (conversations.conversation_id)
+    truncation: Optional[str] = None  # "auto": the oldest turns dropped to fit; "disabled"
 
 
 class Stored(NamedTuple):
@@ -433,9 +436,17 @@ def responses_job(body: ResponsesRequest, messages: Messages, max_n: int,
         chat = ChatRequest.model_validate(fields)
     except ValidationError as e:
         raise ApiError(400, f"input: {e.errors()[0]['msg']}", "input") from None
+    if body.truncation not in (None, "disabled", "auto"):
+        raise ApiError(400, f"truncation: must be auto or disabled, got {body.truncation!r}",
+                       "truncation")
     try:
-        return chat_job(chat, max_n, tool_parser, defaults, reasoning_parser)
+        job = chat_job(chat, max_n, tool_parser, defaults, reasoning_parser)
     except ApiError as e:
         param = "input" if (e.param or "").startswith("messages") else e.param
         raise ApiError(e.status, _responses_names(e.message),
                        _responses_names(param) if param else None) from None
+    if body.truncation != "auto":
+        return job
+    # the oldest turns go where the conversation outgrows the context (tokenizer/truncation.py)
+    return dataclasses.replace(job, prompts=[dataclasses.replace(p, drop_oldest=True)
+                                             for p in job.prompts])

@@ -235,6 +235,7 @@ class ResponsesFormatter(ChatFormatter):
             "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
             "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
             "metadata": body.metadata or {}, "store": body.store,
+            "truncation": body.truncation or "disabled",
             "background": body.background, "usage": None,
             "conversation": None if self.conversation is None else {
                 "id": self.conversation.id}}

@@ -124,7 +124,8 @@ class RequestStreams:
                                            t.add_generation_prompt, t.continue_final_message,
                                            _kwargs_json(t.kwargs), p.tools_json,
                                            p.add_special_tokens, bool(job.tokens_as_ids),
-                                           job.return_token_ids, p.text_pair))
+                                           job.return_token_ids, p.text_pair,
+                                           p.drop_oldest))
                 sent += 1
         except BaseException as e:  # a request that cannot be sent must not hold its place
             self._refuse(stream, sent, e.status if isinstance(e, ApiError) else 500)

@@ -38,8 +38,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import zmq
 
-from minisgl.core import (Limits, RequestError, SamplingParams, StructuredOutput, TooLong,
-                          check_request, prompt_error, truncate_prompt)
+from minisgl.core import (Limits, NoRoom, RequestError, SamplingParams, StructuredOutput,
+                          TooLong, check_request, prompt_error, truncate_prompt)
 from minisgl.gc_heap import freeze_startup_heap
 from minisgl.grammar import make_checker
 from minisgl.grammar.reasoning import think_gate
@@ -54,6 +54,7 @@ from minisgl.tokenizer.queued import QueuedTokens
 from minisgl.tokenizer.router import Router
 from minisgl.tokenizer.bad_words import with_bad_word_ids
 from minisgl.tokenizer.chat_template import chat_prompt_ids
+from minisgl.tokenizer.truncation import fewest_dropped
 from minisgl.tokenizer.text import load_tokenizer
 
 logger = logging.getLogger("minisgl.tokenizer")
@@ -217,7 +218,7 @@ class Tokenizer:
         if self.tokenizer is None and req.stop:
             return Prepared([], None, _NoTokenizer.message)
         # A prompt to truncate may be any length: only the body limit bounds its tokenizing.
-        asks_truncation = req.params.truncate_prompt_tokens is not None
+        asks_truncation = req.params.truncate_prompt_tokens is not None or req.drop_oldest
         too_long = None if asks_truncation else self.chars_error(req)
         if too_long is not None:
             return Prepared([], None, too_long, "prompt")
@@ -232,7 +233,9 @@ class Tokenizer:
             params = check_request(ids, with_bad_word_ids(self.tokenizer, req.params),
                                    self.limits)
         except TooLong as e:
-            return Prepared(ids, None, _too_long(e), e.param)
+            return self._cut(req) or Prepared(ids, None, _too_long(e), e.param)
+        except NoRoom as e:
+            return self._cut(req) or Prepared(ids, None, str(e), e.param)
         except RequestError as e:
             return Prepared(ids, None, str(e), e.param)
         if params.structured is not None:
@@ -241,6 +244,32 @@ class Tokenizer:
                 return Prepared(ids, None, error, "structured")
             params = self.gated(params, ids)
         return Prepared(ids, params, None)
+
+    def _cut(self, req: TokenizeRequest) -> Optional[Prepared]:
+        """A conversation too long for the context (or the KV pool) prepared with its fewest
+        oldest turns dropped (tokenizer/truncation.py), where it asks for that (`drop_oldest`)
+        and some cut fits; else None."""
+        if not req.drop_oldest or not req.messages:
+            return None
+        shorter = fewest_dropped(req.messages, lambda ms: self._fits(req, ms))
+        if shorter is None:
+            return None
+        return self.prepare(dataclasses.replace(req, messages=shorter, drop_oldest=False))
+
+    def _fits(self, req: TokenizeRequest, messages: List[dict]) -> bool:
+        """Whether `req` with these `messages` fits the context (a template that refuses
+        them: no)."""
+        try:
+            ids = self.encode(dataclasses.replace(req, messages=messages))
+            check_request(truncate_prompt(ids, req.params, self.limits), req.params,
+                          self.limits)
+        except (TooLong, NoRoom):
+            return False
+        except RequestError:
+            return True  # not a length: the final prepare reports it
+        except Exception:  # noqa: BLE001  (the template's refusal of this cut)
+            return False
+        return True
 
     def gated(self, params: SamplingParams, ids: List[int]) -> SamplingParams:
         """`params` with its constraint's thinking gate resolved for this prompt, where it
