@@ -10,7 +10,7 @@ against vLLM's). Run on the GPU machine after `.peer/peer.sh` has unpacked vLLM:
     PYTHONPATH=/tmp/site:$PWD python3 scripts/experiments/fp8_lat_peer.py --engine minisgl
 
 `--quantization none` keeps the bf16 weights; `--lora-rank R` writes a random PEFT adapter of
-rank R over every projection (once, to `--lora-dir`) and runs every request with it, both
+rank R over every projection (once, to `--lora-dir`; float32, as tests/tiny_models writes it) and runs every request with it, both
 engines serving at most one adapter of that rank (vLLM's defaults: max_loras 1), so that the
 steps compare the engines' LoRA paths.
 """
@@ -23,6 +23,7 @@ import os
 import random
 import sys
 import time
+from pathlib import Path
 from typing import Callable, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,33 +32,11 @@ Gen = Callable[[List[List[int]], List[int]], int]
 
 def write_adapter(model: str, out: str, rank: int) -> str:
     """A PEFT LoRA adapter of `rank` over q/k/v/o/gate/up/down of every layer of the
-    Llama-shaped `model`: random bf16 A and B (std 0.02), written once."""
-    import torch
-    from safetensors.torch import save_file
-    if os.path.exists(os.path.join(out, "adapter_config.json")):
-        return out
-    cfg = json.load(open(os.path.join(model, "config.json")))
-    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    head = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * head, cfg["num_key_value_heads"] * head
-    shapes = {"self_attn.q_proj": (hidden, q), "self_attn.k_proj": (hidden, kv),
-              "self_attn.v_proj": (hidden, kv), "self_attn.o_proj": (q, hidden),
-              "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter),
-              "mlp.down_proj": (inter, hidden)}
-    g = torch.Generator().manual_seed(0)
-    tensors = {}
-    for layer in range(cfg["num_hidden_layers"]):
-        for module, (fan_in, fan_out) in shapes.items():
-            name = f"base_model.model.model.layers.{layer}.{module}"
-            for part, shape in (("lora_A", (rank, fan_in)), ("lora_B", (fan_out, rank))):
-                tensors[f"{name}.{part}.weight"] = (torch.randn(*shape, generator=g)
-                                                    * 0.02).bfloat16()
-    os.makedirs(out, exist_ok=True)
-    save_file(tensors, os.path.join(out, "adapter_model.safetensors"))
-    with open(os.path.join(out, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
-                   "target_modules": sorted(m.split(".")[-1] for m in shapes),
-                   "task_type": "CAUSAL_LM", "base_model_name_or_path": model}, f)
+    Llama-shaped `model` (random A and B: tests/tiny_models.write_lora), written once."""
+    if not os.path.exists(os.path.join(out, "adapter_config.json")):
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        from tiny_models import write_lora
+        write_lora(Path(model), Path(out), seed=0, rank=rank, alpha=2.0 * rank)
     return out
 
 

@@ -6,19 +6,9 @@
 #     ".peer/extra-ct.tar.xz", ".peer/SHA256SUMS", ".peer/run_vllm_peer.py", ".whl",
 #     ".gpucache/mcache"])
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; V=$PWD/.peer
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-cp -f "$V"/part[0-9][0-9] /tmp/vllm_parts/ 2>/dev/null
-if ! [ -f /tmp/vsite/.complete ]; then
-  ( cd /tmp/vllm_parts && sha256sum -c "$V/SHA256SUMS" ) || { echo "vLLM parts missing"; exit 2; }
-  cat $(awk '{print "/tmp/vllm_parts/"$2}' "$V/SHA256SUMS") | tar -xJf - -C /tmp && touch /tmp/vsite/.complete
-fi
-tar -xJf "$V/extra-ct.tar.xz" -C /tmp/vsite
+. scripts/experiments/vllm_site.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-gpu_free() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader); do kill -9 "$p"; done; sleep 3; }
-env PYTHONPATH=/tmp/vsite HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 \
-  VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_CACHE_ROOT=/tmp/vllm_cache \
-  timeout -k 10 300 python3 scripts/experiments/fp8_lat_peer.py --engine vllm > "$OUT/vllm.log" 2>&1
+env $VLLM_ENV timeout -k 10 300 python3 scripts/experiments/fp8_lat_peer.py --engine vllm > "$OUT/vllm.log" 2>&1
 echo "vllm exit $?"; grep -E '^\[vllm\]' "$OUT/vllm.log"; gpu_free
 export PYTHONPATH=/tmp/site:$PWD MINISGL_CACHE_DIR=$PWD/.gpucache/mcache
 timeout -k 10 200 python3 scripts/experiments/fp8_lat_peer.py --engine minisgl > "$OUT/minisgl.log" 2>&1
