@@ -156,8 +156,9 @@ def test_served_completions_take_the_id(server: Server) -> None:
 
 def test_outputs_are_logged_cut_to_max_log_len(server: Server) -> None:
     """--enable-log-outputs (vLLM's) with --max-log-len 12: a line per finished choice with
-    the request id, finish reason, tokens and the text's first 12 characters, plain and
-    streamed; --max-log-len below 0 is refused."""
+    the request id, finish reason, tokens and the text's first 12 characters, plain,
+    streamed and a background response (under its response id); --max-log-len below 0 is
+    refused."""
     from minisgl.server.args import parse_args
     body = {"messages": [{"role": "user", "content": "Count to twenty."}], "max_tokens": 12,
             "temperature": 0, "ignore_eos": True}
@@ -171,6 +172,9 @@ def test_outputs_are_logged_cut_to_max_log_len(server: Server) -> None:
                       headers={"X-Request-Id": "out-2"}) as s:
         assert s.status_code == 200 and "data: [DONE]" in list(s.iter_lines())
     assert "12 tokens" in _wait_for_line(server, "request out-2 choice 1")
+    bg = httpx.post(f"{server.base_url}/responses", timeout=60, json={
+        "input": "Count to twenty.", "max_output_tokens": 5, "background": True}).json()
+    assert "5 tokens" in _wait_for_line(server, f"request {bg['id']} choice 0")  # its id
     with pytest.raises(ValueError, match="max_log_len must be >= 0"):
         parse_args(["--max-log-len", "-1"])
 

@@ -236,14 +236,13 @@ async def run_text(request: Request, streams: RequestStreams, prompt: Optional[P
     return chunk
 
 
-OnEnd = Callable[[Request, List[Choice]], None]
+OnEnd = Callable[[str, List[Choice]], None]  # (request id, the choices) once all ended
 
 
 def output_logger(max_len: Optional[int]) -> OnEnd:
     """What --log-outputs does once a job's choices have all ended: one INFO line each (the
     request id, the choice's index, finish reason, tokens and text, cut to `max_len`)."""
-    def log(request: Request, choices: List[Choice]) -> None:
-        rid = getattr(request.state, "request_id", "-")
+    def log(rid: str, choices: List[Choice]) -> None:
         for i, c in enumerate(choices):
             text = "".join(c.text)
             logger.info("request %s choice %d: %s, %d tokens, output %r", rid, i,
@@ -268,7 +267,8 @@ async def run_job(request: Request, streams: RequestStreams, fmt: Formatter,
             while len({c.uid for c in first}) < len(stream.uids):
                 first.append(await waiter.next())
                 _check(first[-1], fmt.prompt_param, fmt.job)
-            ended = None if on_end is None else (lambda: on_end(request, choices))
+            rid = getattr(request.state, "request_id", "-")
+            ended = None if on_end is None else (lambda: on_end(rid, choices))
             return SSEResponse(_events(stream, fmt, choices, first, deadline, ended),
                                on_close=lambda: streams.release(stream))
         while stream.unfinished or not stream.queue.empty():
@@ -276,7 +276,7 @@ async def run_job(request: Request, streams: RequestStreams, fmt: Formatter,
             _check(chunk, fmt.prompt_param, fmt.job)
             choices[stream.index[chunk.uid]].add(chunk)
         if on_end is not None:
-            on_end(request, choices)
+            on_end(getattr(request.state, "request_id", "-"), choices)
         return JSONResponse(fmt.full(choices))
     except ClientGone:
         streams.release(stream)
@@ -357,8 +357,9 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     started = int(time.time())
     stored = ResponseStore()  # the Responses API's, and its background runs
     conversations = ConversationStore()  # the Conversations API's (conversations.py)
+    on_end = output_logger(cfg.max_log_len) if cfg.log_outputs else None
     background = BackgroundRuns(streams, cfg.request_timeout, lambda chunk, fmt: _check(
-        chunk, fmt.prompt_param, fmt.job))
+        chunk, fmt.prompt_param, fmt.job), on_end)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -427,8 +428,6 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         """The job's requests run with adapter `lora` (None: as they are)."""
         return job if lora is None else dataclasses.replace(
             job, params=dataclasses.replace(job.params, lora_name=lora))
-
-    on_end = output_logger(cfg.max_log_len) if cfg.log_outputs else None
 
     async def run(request: Request, fmt: Formatter) -> Response:
         return await run_job(request, streams, fmt, cfg.request_timeout, on_end)

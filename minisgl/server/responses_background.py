@@ -30,8 +30,12 @@ class BackgroundRuns:
     it)."""
 
     def __init__(self, streams: RequestStreams, request_timeout: Optional[float],
-                 check: ChunkCheck) -> None:
+                 check: ChunkCheck,
+                 on_end: Optional[Callable[[str, List[Choice]], None]] = None) -> None:
+        """`on_end`: hears a run's response id and choices once they all ended (api.py's
+        --log-outputs)."""
         self.streams, self.request_timeout, self.check = streams, request_timeout, check
+        self.on_end = on_end
         self.tasks: Dict[str, "asyncio.Task[None]"] = {}
 
     def start(self, fmt: ResponsesFormatter) -> Dict[str, Any]:
@@ -53,6 +57,8 @@ class BackgroundRuns:
                     raise deadline.error()
                 self.check(chunk, fmt)
                 choices[stream.index[chunk.uid]].add(chunk)
+            if self.on_end is not None:
+                self.on_end(fmt.id, choices)
             fmt.full(choices)  # stores the response
         except ApiError as e:
             fmt.ended("failed", e)
