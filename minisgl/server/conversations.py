@@ -163,13 +163,17 @@ def install_conversation_routes(app: App, store: ConversationStore,
                              "first_id": data[0]["id"] if data else None,
                              "last_id": data[-1]["id"] if data else None, "has_more": False})
 
-    @app.post("/v1/conversations")
-    async def create_conversation(request: Request) -> Response:
+    async def conversation_body(request: Request) -> ConversationBody:
         body = parse_body(await read_body(request), ConversationBody)
         extra = sorted(body.model_extra or {})
         if extra:
             raise ApiError(400, f"{extra[0]}: not a field of a conversation (items, "
                                 f"metadata)", extra[0])
+        return body
+
+    @app.post("/v1/conversations")
+    async def create_conversation(request: Request) -> Response:
+        body = await conversation_body(request)
         conv = store.create(checked_items(body.items or []), check_metadata(body.metadata))
         return JSONResponse(conv.card())
 
@@ -179,7 +183,7 @@ def install_conversation_routes(app: App, store: ConversationStore,
 
     @app.post("/v1/conversations/{conversation_id}")
     async def update_conversation(conversation_id: str, request: Request) -> Response:
-        body = parse_body(await read_body(request), ConversationBody)
+        body = await conversation_body(request)
         if body.items is not None or "metadata" not in body.model_fields_set:
             raise ApiError(400, "metadata: an update sets a conversation's metadata (and "
                                 "nothing else)", "metadata")
