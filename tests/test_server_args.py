@@ -226,3 +226,24 @@ def test_graph_and_overlap_flags_reach_the_engine_and_scheduler() -> None:
     for flag in ("--enforce-eager", "--disable-cuda-graph"):  # vLLM's and SGLang's names
         eager = sched(flag, "--cuda-graph-max-bs", "32", "--mixed-steps").engine
         assert (eager.decode_graph_max_bs, eager.prefill_graph_max_tokens) == (0, 0)
+
+
+def test_vllm_compilation_config_sets_the_graphs_and_names_what_it_cannot() -> None:
+    """--compilation-config (vLLM's JSON): cudagraph_capture_sizes' largest or
+    max_cudagraph_capture_size bound the decode graphs, cudagraph_mode NONE captures none,
+    torch.compile's keys change nothing; --enforce-eager still wins; a key minisgl does not
+    know, or a bad value, is refused naming it."""
+    def graphs(*argv: str) -> int:
+        return parse_args(list(argv)).engine.decode_graph_max_bs
+    assert graphs("--compilation-config", '{"level": 3, "full_cuda_graph": true}') == 256
+    assert graphs("--compilation-config", '{"cudagraph_capture_sizes": [1, 2, 4, 48]}') == 48
+    assert graphs("--compilation-config", '{"max_cudagraph_capture_size": 64}') == 64
+    assert graphs("--compilation-config", '{"cudagraph_mode": "NONE"}') == 0
+    assert graphs("--enforce-eager", "--compilation-config",
+                  '{"cudagraph_capture_sizes": [8]}') == 0
+    for text, named in (('{"speculative": 1}', "speculative is not supported"),
+                        ('{"cudagraph_capture_sizes": []}', "cudagraph_capture_sizes must"),
+                        ('{"cudagraph_mode": 2}', "cudagraph_mode must be a name"),
+                        ("[3]", "must be a JSON object")):
+        with pytest.raises(ValueError, match=f"compilation_config.*{named}"):
+            parse_args(["--compilation-config", text])

@@ -161,6 +161,12 @@ class EngineConfig:
                                               "first token does not wait for the host to "
                                               "launch each kernel (0: none; GPU, triton "
                                               "backend only)")
+    compilation_config: Optional[str] = setting(
+        None, "vLLM's, a JSON object: its CUDA-graph keys apply (cudagraph_capture_sizes or "
+              "max_cudagraph_capture_size: decode graphs up to the largest size, as "
+              "cuda_graph_max_bs; cudagraph_mode NONE: none); its torch.compile keys (level, "
+              "mode, backend, ...) are accepted and change nothing: minisgl compiles no "
+              "graph of torch ops, its fused kernels are Triton's; another key is refused")
     enforce_eager: bool = setting(False, "no CUDA graphs at all: the same as "
                                          "--cuda-graph-max-bs 0 --prefill-graph-tokens 0 "
                                          "(vLLM's --enforce-eager, SGLang's "
@@ -248,6 +254,7 @@ class EngineConfig:
         if 0 < self.max_loras < len(adapters):
             raise ValueError(f"max_loras {self.max_loras} is fewer than the {len(adapters)} "
                              f"adapters lora_modules names (each loaded adapter takes a slot)")
+        compilation_graphs(self.compilation_config)  # parsed now: a bad one fails start-up
         if self.allreduce == "symm-fused" and not self.fused_ops:
             raise ValueError("allreduce 'symm-fused' fuses the all-reduce into the Triton "
                              "RMSNorm and needs fused_ops; use 'symm' without them")
@@ -341,8 +348,12 @@ class EngineConfig:
 
     @property
     def decode_graph_max_bs(self) -> int:
-        """The largest batch a decode CUDA graph is captured for (0: none)."""
-        return 0 if self.enforce_eager else self.cuda_graph_max_bs
+        """The largest batch a decode CUDA graph is captured for (0: none): enforce_eager's
+        none, else compilation_config's where it names one, else cuda_graph_max_bs."""
+        graphs = compilation_graphs(self.compilation_config)
+        if self.enforce_eager:
+            return 0
+        return self.cuda_graph_max_bs if graphs is None else graphs
 
     @property
     def prefill_graph_max_tokens(self) -> int:
@@ -392,3 +403,38 @@ def _json_modules(text: str) -> List[Tuple[str, str]]:
                              f"\"path\" strings")
         pairs.append((entry["name"], entry["path"]))
     return pairs
+
+
+# vLLM's compilation_config keys about torch.compile, which minisgl does not run
+_COMPILE_KEYS = ("level", "mode", "backend", "custom_ops", "splitting_ops", "use_inductor",
+                 "compile_sizes", "inductor_compile_config", "inductor_passes", "pass_config",
+                 "full_cuda_graph", "cudagraph_num_of_warmups", "use_cudagraph",
+                 "cudagraph_copy_inputs", "compile_cache_save_format", "debug_dump_path",
+                 "cache_dir")
+_GRAPH_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size", "cudagraph_mode")
+
+
+def compilation_graphs(text: Optional[str]) -> Optional[int]:
+    """The largest decode graph vLLM's `compilation_config` asks for (0: none), or None where
+    it says nothing of graphs; ValueError naming a bad value or a key minisgl does not take."""
+    name = "compilation_config"
+    cfg = json_object(text, name, "compilation options", (*_COMPILE_KEYS, *_GRAPH_KEYS))
+    mode = cfg.get("cudagraph_mode")
+    if mode is not None and not isinstance(mode, str):
+        raise ValueError(f"{name}: cudagraph_mode must be a name (NONE, FULL, PIECEWISE, ...), "
+                         f"got {mode!r}")
+    if mode is not None and mode.upper() == "NONE":
+        return 0
+    sizes = cfg.get("cudagraph_capture_sizes")
+    if sizes is not None and (not isinstance(sizes, list) or not sizes or any(
+            not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes)):
+        raise ValueError(f"{name}: cudagraph_capture_sizes must be a list of batch sizes >= 1, "
+                         f"got {sizes!r:.80}")
+    largest = cfg.get("max_cudagraph_capture_size")
+    if largest is not None and (not isinstance(largest, int) or isinstance(largest, bool)
+                                or largest < 0):
+        raise ValueError(f"{name}: max_cudagraph_capture_size must be an integer >= 0, got "
+                         f"{largest!r}")
+    if largest is not None:
+        return int(largest)
+    return max(sizes) if sizes is not None else None
