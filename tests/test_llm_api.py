@@ -15,8 +15,10 @@ from minisgl.core import prompt_error
 
 @pytest.fixture(scope="module")
 def llm(default_model_dir: Path) -> Iterator[LLM]:
-    with LLM(str(default_model_dir), max_kv_tokens=4096, page_size=16,
-             show_progress=False) as engine:
+    # vLLM's dict keywords go as their flags' JSON (compilation_config's torch.compile keys
+    # change nothing; the language model alone, as a multimodal limit of 0 says)
+    with LLM(str(default_model_dir), max_kv_tokens=4096, page_size=16, show_progress=False,
+             compilation_config={"level": 3}, limit_mm_per_prompt={"image": 0}) as engine:
         yield engine
 
 

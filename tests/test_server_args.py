@@ -104,7 +104,8 @@ def test_vllm_deployment_flags_mean_ours_or_are_refused_by_name() -> None:
                       "--distributed-executor-backend", "mp",
                       "--tokenizer-revision", "v2", "--swap-space", "4", "--enable-lora",
                       "--max-cpu-loras", "2", "--fully-sharded-loras", "--lora-dtype", "auto",
-                      "--api-server-count", "1"])
+                      "--api-server-count", "1", "--language-model-only",
+                      "--limit-mm-per-prompt", '{"image": 0, "video": {"count": 0}}'])
     assert (cfg.engine.trust_remote_code, cfg.scheduler.cache, cfg.scheduler.overlap,
             cfg.scheduler.max_prefill_tokens, cfg.engine.allreduce, cfg.engine.load_format,
             cfg.engine.tokenizer_revision) == (True, "radix", True, 4096, "nccl",
@@ -122,6 +123,8 @@ def test_vllm_deployment_flags_mean_ours_or_are_refused_by_name() -> None:
                           "max_cpu_loras 1 must be at least the 3 LoRA slots"),
                          (["--swap-space", "-1"], "swap_space must be >= 0"),
                          (["--api-server-count", "4"], "api_server_count 4"),
+                         (["--limit-mm-per-prompt", '{"image": 1}'],
+                          "limit_mm_per_prompt: image 1: multimodal inputs are not served"),
                          (["--pipeline-parallel-size", "2"], "pipeline_parallel_size 2"),
                          (["--distributed-executor-backend", "ray"],
                           "distributed_executor_backend 'ray'")):

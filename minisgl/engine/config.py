@@ -161,6 +161,14 @@ class EngineConfig:
                                               "first token does not wait for the host to "
                                               "launch each kernel (0: none; GPU, triton "
                                               "backend only)")
+    limit_mm_per_prompt: Optional[str] = setting(
+        None, "vLLM's, a JSON object of the multimodal inputs a prompt may hold by modality: "
+              "0 each ('{\"image\": 0, \"video\": 0}'), as minisgl serves a multimodal "
+              "checkpoint's language model alone (its vision tower is not loaded); more is "
+              "refused")
+    language_model_only: bool = setting(
+        False, "vLLM's: accepted, as what minisgl always does with a multimodal checkpoint "
+               "(its language model alone)")
     compilation_config: Optional[str] = setting(
         None, "vLLM's, a JSON object: its CUDA-graph keys apply (cudagraph_capture_sizes or "
               "max_cudagraph_capture_size: decode graphs up to the largest size, as "
@@ -255,6 +263,7 @@ class EngineConfig:
             raise ValueError(f"max_loras {self.max_loras} is fewer than the {len(adapters)} "
                              f"adapters lora_modules names (each loaded adapter takes a slot)")
         compilation_graphs(self.compilation_config)  # parsed now: a bad one fails start-up
+        check_no_multimodal(self.limit_mm_per_prompt)
         if self.allreduce == "symm-fused" and not self.fused_ops:
             raise ValueError("allreduce 'symm-fused' fuses the all-reduce into the Triton "
                              "RMSNorm and needs fused_ops; use 'symm' without them")
@@ -438,3 +447,15 @@ def compilation_graphs(text: Optional[str]) -> Optional[int]:
     if largest is not None:
         return int(largest)
     return max(sizes) if sizes is not None else None
+
+
+def check_no_multimodal(text: Optional[str]) -> None:
+    """vLLM's limit_mm_per_prompt as minisgl serves it: every modality at 0 (a count, or
+    {"count": 0}); ValueError naming a modality it allows more of."""
+    name = "limit_mm_per_prompt"
+    for modality, limit in json_object(text, name, "limits by modality").items():
+        count = limit.get("count") if isinstance(limit, dict) else limit
+        if count != 0 or isinstance(count, bool):
+            raise ValueError(f"{name}: {modality} {json.dumps(limit)}: multimodal inputs are "
+                             f"not served (a multimodal checkpoint's language model is): give "
+                             f"0")
