@@ -133,3 +133,33 @@ def test_adapter_table_binds_and_reuses_slots_in_order() -> None:
         table.bind("x")
     with pytest.raises(ValueError, match="2 LoRA adapters for 1 slots"):
         AdapterTable(1, ["a", "b"])
+
+
+def test_stats_name_the_running_and_waiting_adapters_for_lora_aware_gateways() -> None:
+    """With LoRA slots the scheduler's stats name the adapters its admitted requests run with
+    and those its waiting ones ask for, sorted, and its slots; /metrics renders them as vLLM's
+    `vllm:lora_requests_info` (what LoRA-aware gateways route by). Without slots: nothing."""
+    from minisgl.message.types import SchedulerStats
+    from minisgl.server.metrics_vllm import vllm_lines
+    h = Harness(max_loras=2, max_running_requests=1)
+    h.adapter(100, "b", "/adapters/b")
+    h.adapter(101, "a", "/adapters/a")
+    h.run()
+    h.submit(1, PROMPT, max_tokens=30, lora_name="b")
+    h.submit(2, PROMPT, lora_name="a")
+    h.submit(3, PROMPT)
+    h.step()
+    stats = h.sched.stats()
+    assert (stats.running_adapters, stats.waiting_adapters, stats.lora_slots) == (
+        ("b",), ("a",), 2)
+    assert stats.stats_time > 0
+    from minisgl.message.codec import decode, encode
+    assert decode(encode(stats)) == stats  # the stats cross to the API server as a message
+    line, = [x for x in vllm_lines("m", [stats], {}, {}) if x.startswith("vllm:lora_")]
+    assert line.startswith('vllm:lora_requests_info{max_lora="2",running_lora_adapters="b",'
+                           'waiting_lora_adapters="a",engine="0"} ')
+    h.run()
+    assert h.sched.stats().running_adapters == ()
+    plain = Harness().sched.stats()
+    assert (plain.running_adapters, plain.lora_slots) == ((), 0)
+    assert not [x for x in vllm_lines("m", [plain, SchedulerStats()], {}, {}) if "lora" in x]

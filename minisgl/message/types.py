@@ -208,6 +208,13 @@ class SchedulerStats:
     # Numbers rank 0's stats in the order taken: stats come with replies and on a timer (two
     # sockets), and a reader keeps the latest.
     seq: int = 0
+    # With LoRA slots: the adapters (by name, sorted) the admitted requests run with and those
+    # the waiting ones ask for, and the slots (vLLM's lora_requests_info, which LoRA-aware
+    # gateways route by)
+    running_adapters: Tuple[str, ...] = ()
+    waiting_adapters: Tuple[str, ...] = ()
+    lora_slots: int = 0
+    stats_time: float = 0.0  # time.time() when taken (lora_requests_info's value)
 
 
 @dataclass(frozen=True)

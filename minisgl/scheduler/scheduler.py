@@ -22,7 +22,8 @@ import concurrent.futures
 import logging
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
+from typing import (Any, Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional,
+                    Tuple)
 
 import torch
 from torch.distributed import ProcessGroup
@@ -700,4 +701,18 @@ class Scheduler:
             prefill_seconds_total=self.busy_s[Phase.PREFILL],
             decode_seconds_total=self.busy_s[Phase.DECODE], wait_seconds_total=self.wait_s,
             replica=self.cfg.replica, requests_received_total=self.received,
-            seq=self._stats_seq)
+            seq=self._stats_seq, **self._adapter_stats())
+
+    def _adapter_stats(self) -> Dict[str, Any]:
+        """The LoRA fields of the stats: the adapters running and waiting (names), the slots
+        and the time; none without LoRA slots (no scan of the requests per step)."""
+        slots = self.cfg.engine.lora_slots
+        if not slots:
+            return {}
+        def names(reqs: Iterable[Req]) -> Tuple[str, ...]:  # noqa: E306
+            return tuple(sorted({r.params.lora_name for r in reqs if r.params.lora_name}))
+        waiting = [*self.prefill.waiting, *(req for req, _ in self.compiling)]
+        queued = {r.uid for r in waiting}
+        return {"running_adapters": names(r for r in self.reqs.values() if r.uid not in queued),
+                "waiting_adapters": names(waiting), "lora_slots": slots,
+                "stats_time": time.time()}

@@ -76,4 +76,20 @@ def vllm_lines(model: str, stats: Sequence[SchedulerStats], finished: Mapping[st
               for reason, ours in _SUCCESS.items()]
     for name, histogram in histograms.items():
         lines += histogram.render(name, _labels(model_name=model)[1:-1])
+    return lines + _lora_lines(stats)
+
+
+def _lora_lines(stats: Sequence[SchedulerStats]) -> List[str]:
+    """vLLM's `vllm:lora_requests_info` where the replicas serve LoRA adapters: the adapters
+    running and waiting (comma-separated names) and the slots as labels, the time the stats
+    were taken as the value (LoRA-aware gateways read the newest series)."""
+    if not any(s.lora_slots for s in stats):
+        return []
+    name = "vllm:lora_requests_info"
+    lines = [f"# HELP {name} Running stats on lora requests.", f"# TYPE {name} gauge"]
+    for d, s in enumerate(stats):
+        labels = _labels(max_lora=str(s.lora_slots),
+                         running_lora_adapters=",".join(s.running_adapters),
+                         waiting_lora_adapters=",".join(s.waiting_adapters), engine=str(d))
+        lines.append(f"{name}{labels} {s.stats_time}")
     return lines
