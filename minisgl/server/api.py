@@ -138,7 +138,7 @@ class ApiConfig:
     # what a request leaves unset takes (models/generation.py: the model's recommendation)
     sampling_defaults: SamplingDefaults = SamplingDefaults()
     log_requests: bool = True  # one access-log line per request (request_log.py)
-    log_outputs: bool = False  # a line per finished choice, its text (`log_output`)
+    log_outputs: bool = False  # a line per finished choice, its text (`output_logger`)
     max_log_len: Optional[int] = None  # characters of a logged output (None: all)
     auto_tool_choice: bool = True  # tool_choice auto served (else a 400, as vLLM's default)
     force_include_usage: bool = False  # every stream ends with its usage (vLLM's flag)
@@ -260,6 +260,8 @@ async def run_job(request: Request, streams: RequestStreams, fmt: Formatter,
     stream = streams.submit(fmt.job)
     request.state.uids = stream.uids  # for the access log (request_log.py)
     choices = [Choice() for _ in stream.uids]
+    rid = getattr(request.state, "request_id", "-")
+    ended = None if on_end is None else (lambda: on_end(rid, choices))
     waiter = Waiter(stream, request, deadline)
     try:
         if fmt.job.stream:  # wait for every choice's first reply: errors still get a 4xx
@@ -267,16 +269,14 @@ async def run_job(request: Request, streams: RequestStreams, fmt: Formatter,
             while len({c.uid for c in first}) < len(stream.uids):
                 first.append(await waiter.next())
                 _check(first[-1], fmt.prompt_param, fmt.job)
-            rid = getattr(request.state, "request_id", "-")
-            ended = None if on_end is None else (lambda: on_end(rid, choices))
             return SSEResponse(_events(stream, fmt, choices, first, deadline, ended),
                                on_close=lambda: streams.release(stream))
         while stream.unfinished or not stream.queue.empty():
             chunk = await waiter.next()
             _check(chunk, fmt.prompt_param, fmt.job)
             choices[stream.index[chunk.uid]].add(chunk)
-        if on_end is not None:
-            on_end(getattr(request.state, "request_id", "-"), choices)
+        if ended is not None:
+            ended()
         return JSONResponse(fmt.full(choices))
     except ClientGone:
         streams.release(stream)
