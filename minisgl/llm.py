@@ -20,8 +20,8 @@ import weakref
 from array import array
 from collections import OrderedDict
 from pathlib import Path
-from typing import (Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple,
-                    Union, cast)
+from typing import (Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Set,
+                    Tuple, Union, cast)
 
 import torch
 import zmq
@@ -34,9 +34,11 @@ from minisgl.grammar import make_checker
 from minisgl.distributed import DistributedInfo, ProcessGroups
 from minisgl.distributed.comm import Communicator
 from minisgl.engine import Engine
+from minisgl.engine.sleep import TAGS as SLEEP_TAGS, check_level, check_tags
 from minisgl.message import AbortMsg, BatchTokenOut, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.message.queue import PullQueue, PushQueue
-from minisgl.message.types import AccountingMsg, AccountingReply, AdapterMsg, WeightsMsg
+from minisgl.message.types import (AccountingMsg, AccountingReply, AdapterMsg, SleepMsg,
+                                   WakeMsg, WeightsMsg)
 from minisgl.models import ModelConfig
 from minisgl.models.classifier import Classifier, LogitActivation, pair_score_error
 from minisgl.models.generation import sampling_defaults
@@ -418,6 +420,7 @@ class LLM:
         self._backend = _InProcess(cfg) if tp == 1 else _RankProcesses(cfg, tp, log_level)
         self._uids = itertools.count()
         self._token_texts: Dict[int, str] = {}  # token id -> decoded alone (Logprob's)
+        self._asleep: FrozenSet[str] = frozenset()  # sleep mode's parts asleep
         self._grammar_error: Optional[Callable[[StructuredOutput], Optional[str]]] = None
         self._finalizer = weakref.finalize(self, self._backend.close)
 
@@ -674,7 +677,29 @@ class LLM:
         unchanged on every rank."""
         self._change(WeightsMsg(next(self._uids), str(model_path)))
 
-    def _change(self, msg: Union[AdapterMsg, WeightsMsg]) -> None:
+    def sleep(self, level: int = 1) -> None:
+        """Hand back the device memory (vLLM's `LLM.sleep`; needs `enable_sleep_mode=True`):
+        level 1 keeps the weights in host memory, level 2 forgets them (reload them with
+        `update_weights_from_disk` after `wake_up(tags=["weights"])`); the KV cache and the
+        prefix cache are forgotten at either. ValueError naming a bad level, or sleep mode
+        off."""
+        self._change(SleepMsg(next(self._uids), check_level(level)))
+        self._asleep = frozenset(SLEEP_TAGS)
+
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Take the memory of the parts `tags` names ("weights", "kv_cache"; None: both)
+        again (vLLM's `LLM.wake_up`); generation waits until nothing is asleep. ValueError
+        naming an unknown tag, or why the engine could not (its device out of memory), with
+        the parts asleep as they were."""
+        named = check_tags(tags)
+        self._change(WakeMsg(next(self._uids), named))
+        self._asleep -= frozenset(named)
+
+    def is_sleeping(self) -> bool:
+        """Whether any part (weights, KV cache) is asleep."""
+        return bool(self._asleep)
+
+    def _change(self, msg: Union[AdapterMsg, WeightsMsg, SleepMsg, WakeMsg]) -> None:
         """Send `msg` to the ranks and wait for rank 0's answer (between calls: no request
         is in flight); ValueError with its error."""
         self._backend.submit(msg)
@@ -881,6 +906,9 @@ class LLM:
                    use_tqdm: Optional[bool]) -> "_Collected":
         """Submit each prompt's `n` requests (choice j seeded `seed + j`) and wait for all;
         see `_run`."""
+        if self._asleep:  # the ranks would hold the requests until a wake-up
+            raise RuntimeError(f"the engine is asleep ({', '.join(sorted(self._asleep))}): "
+                               f"call wake_up() before generating")
         checked = [self._check(i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
         prompts, params = [c.ids for c in checked], [c.params for c in checked]
         # (prompt, choice) of each request, in submission order

@@ -24,7 +24,7 @@ from __future__ import annotations
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Deque, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -34,7 +34,7 @@ from minisgl.distributed import DistributedInfo
 from minisgl.engine import EngineConfig
 from minisgl.engine.logprobs import prompt_rows
 from minisgl.message import AbortMsg, TokenOut, UserMsg
-from minisgl.message.types import AdapterMsg, WeightsMsg
+from minisgl.message.types import AdapterMsg, SleepMsg, WakeMsg, WeightsMsg
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.io import LocalIO
 from minisgl.scheduler.scheduler import Accounting, Scheduler
@@ -123,6 +123,25 @@ class FakeEngine:
         self.slot_codes: Dict[int, int] = {}  # LoRA slot -> its adapter's code (loaded ones)
         self.weights_code = 0  # the weights' (reload_weights)
         self.reloads: List[Optional[str]] = []  # every reload_weights path, in order
+        self.asleep: FrozenSet[str] = frozenset()  # sleep mode's parts asleep
+        self.sleeps: List[Tuple[int, Tuple[str, ...]]] = []  # every sleep's (level, parts)
+        self.wake_error: Optional[str] = None  # what the next wake_up raises (once)
+
+    def sleep(self, level: int, tags: Tuple[str, ...] = ("weights", "kv_cache")) -> int:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, not {level}")
+        awake = tuple(t for t in tags if t not in self.asleep)
+        self.asleep |= frozenset(awake)
+        self.sleeps.append((level, awake))
+        if level == 2 and "weights" in awake:
+            self.weights_code = -1  # forgotten: a reload must come before serving again
+        return 1 << 20
+
+    def wake_up(self, tags: Tuple[str, ...] = ()) -> None:
+        if self.wake_error is not None:
+            error, self.wake_error = self.wake_error, None
+            raise RuntimeError(error)
+        self.asleep -= frozenset(tags or ("weights", "kv_cache"))
 
     def load_adapter(self, slot: int, name: str, path: str) -> None:
         if path.endswith("bad"):
@@ -152,6 +171,7 @@ class FakeEngine:
         return self.mix_limit is None or (prefill.size == 1 and num_decode <= self.mix_limit)
 
     def launch(self, batch: Batch) -> FakeLaunch:
+        assert not self.asleep, f"a batch launched while {sorted(self.asleep)} sleep"
         assert batch.out_slots is not None and len(batch.out_slots) == sum(batch.extend_lens)
         ps = self.page_size  # position p of a request sits in its page p // ps, at p % ps
         assert batch.out_slots.tolist() == [
@@ -223,6 +243,7 @@ class Harness:
     cache: str = "radix"
     scheduling_policy: str = "fcfs"
     max_loras: int = 0  # LoRA adapter slots (EngineConfig.max_loras)
+    enable_sleep_mode: bool = True
     max_context: int = 1024
     tokens: Dict[int, List[int]] = field(default_factory=dict)  # every token sent, by uid
     outs: List[TokenOut] = field(default_factory=list)  # everything sent, in order
@@ -230,7 +251,8 @@ class Harness:
     def __post_init__(self) -> None:
         engine_cfg = EngineConfig("fake", DistributedInfo(0, 1), page_size=self.page_size,
                                   max_running_requests=self.max_running_requests,
-                                  max_loras=self.max_loras)
+                                  max_loras=self.max_loras,
+                                  enable_sleep_mode=self.enable_sleep_mode)
         cfg = SchedulerConfig(engine_cfg, max_prefill_tokens=self.max_prefill_tokens,
                               cache=self.cache, overlap=self.overlap,
                               mixed_steps=self.mixed,
@@ -256,6 +278,12 @@ class Harness:
     def weights(self, uid: int, path: str) -> None:
         """Reload the weights from `path`, as message `uid`."""
         self.io.inbox.append(WeightsMsg(uid, path))
+
+    def sleep(self, uid: int, level: int = 1) -> None:
+        self.io.inbox.append(SleepMsg(uid, level))
+
+    def wake(self, uid: int, *tags: str) -> None:
+        self.io.inbox.append(WakeMsg(uid, tags))
 
     def step(self) -> List[TokenOut]:
         s = self.sched

@@ -251,6 +251,9 @@ def test_served_reload_answers_as_sglang_does(checkpoints: List[Path], tmp_path:
             200, 200]
         probe = httpx.get(f"{srv.url}/health_generate", timeout=60)
         assert probe.status_code == 200 and probe.json() == {"status": "ok"}
+        # sleep mode's routes exist only with --enable-sleep-mode (test_sleep_mode.py)
+        assert httpx.post(f"{srv.url}/sleep").status_code == 404
+        assert httpx.get(f"{srv.url}/is_sleeping").status_code == 404
 
 
 def test_every_data_parallel_replica_reloads(checkpoints: List[Path], tmp_path: Path) -> None:

@@ -124,6 +124,11 @@ class EngineConfig:
     fully_sharded_loras: bool = setting(
         False, "vLLM's: accepted, and it changes nothing: each rank holds its share of the "
                "adapters as it holds the weights' (layers/lora.py)")
+    enable_sleep_mode: bool = setting(
+        False, "vLLM's: an idle engine may hand back its device memory and take it again "
+               "(/sleep, /wake_up, /is_sleeping over HTTP; LLM.sleep, wake_up, is_sleeping): "
+               "level 1 keeps the weights in host memory, level 2 forgets them (for a reload); "
+               "the KV cache is forgotten at either")
     swap_space: Optional[float] = setting(
         None, "vLLM's (GiB): accepted, and it changes nothing, as in vLLM since 0.8: a "
               "preempted request is computed again, not swapped to CPU memory")

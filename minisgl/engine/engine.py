@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -29,6 +29,8 @@ from minisgl.engine.bad_words import BadWords
 from minisgl.engine.penalties import Penalties
 from minisgl.engine.pooling import PromptPools, pooled_chunks
 from minisgl.engine.prefill_graph import PrefillGraphs, capture_prefill_graphs
+from minisgl.engine.sleep import (TAGS, WEIGHTS, Part, check_level, check_tags, tensors_part,
+                                  weights_part)
 from minisgl.engine.sampler import (LogprobTensors, add_logit_bias, apply_token_bitmask,
                                     greedy, mask_to_allowed_tokens, sample_requests,
                                     suppress_early_stops)
@@ -280,29 +282,97 @@ class Engine:
             softcap=self.model_cfg.attn_logit_softcapping or 0.0,
             **({"policy": self.policy} if cfg.backend_name == "triton" else {}))
         self.graphs: Optional[DecodeGraphs] = None
-        graph_bs = min(cfg.decode_graph_max_bs, cfg.max_running_requests)
-        if cfg.tune_gemms:  # before the capture, which records the kernels chosen
-            self._tune_gemms(graph_sizes(graph_bs))
-        if (self.device.type == "cuda" and cfg.decode_graph_max_bs > 0
-                and hasattr(self.backend, "init_graph_buffers")):
-            self.graphs = DecodeGraphs(
-                self.model, self.backend,  # type: ignore[arg-type]
-                graph_bs, self.page_table,
-                pad_row=cfg.max_running_requests, scratch_slot=self.pool.scratch_slot,
-                last_tokens=self.last_tokens, lora_slots=self.lora_slots, dtype=cfg.torch_dtype)
-            on_progress(f"decode CUDA graphs captured for batch sizes up to {graph_bs}")
         self.prefill_graphs: Optional[PrefillGraphs] = None
-        if self.device.type == "cuda" and cfg.prefill_graph_max_tokens > 0:
-            self.prefill_graphs = capture_prefill_graphs(
-                self.model, self.backend, cfg.prefill_graph_max_tokens, self.page_table,
-                self.pool.scratch_slot, self.last_tokens,
-                min(mixed_rows, cfg.max_running_requests))
+        self._mixed_rows = min(mixed_rows, cfg.max_running_requests)
+        if cfg.tune_gemms:  # before the capture, which records the kernels chosen
+            self._tune_gemms(graph_sizes(self._graph_bs))
+        self._capture_graphs(on_progress)
+        self._asleep: Dict[str, Part] = {}  # sleep mode: the parts asleep (sleep.TAGS)
         if self.device.type == "cuda":
             self._warm_up_eager()
             self._warm_up_sampler()
         logger.info("rank %d: engine ready: %d KV pages of %d tokens (%s), backend %s, pdl %s",
                     cfg.tp_info.rank, self.num_pages, cfg.page_size, kv_dtype, cfg.backend_name,
                     "on" if self.policy.pdl else "off")
+
+    @property
+    def _graph_bs(self) -> int:
+        return min(self.cfg.decode_graph_max_bs, self.cfg.max_running_requests)
+
+    def _capture_graphs(self, on_progress: Callable[[str], None]) -> None:
+        """Capture the decode and prefill CUDA graphs the config asks for (on CUDA), over the
+        tensors as they are now (at start-up, and after a wake-up: new addresses)."""
+        cfg = self.cfg
+        if (self.device.type == "cuda" and cfg.decode_graph_max_bs > 0
+                and hasattr(self.backend, "init_graph_buffers")):
+            self.graphs = DecodeGraphs(
+                self.model, self.backend,  # type: ignore[arg-type]
+                self._graph_bs, self.page_table,
+                pad_row=cfg.max_running_requests, scratch_slot=self.pool.scratch_slot,
+                last_tokens=self.last_tokens, lora_slots=self.lora_slots, dtype=cfg.torch_dtype)
+            on_progress(f"decode CUDA graphs captured for batch sizes up to {self._graph_bs}")
+        if self.device.type == "cuda" and cfg.prefill_graph_max_tokens > 0:
+            self.prefill_graphs = capture_prefill_graphs(
+                self.model, self.backend, cfg.prefill_graph_max_tokens, self.page_table,
+                self.pool.scratch_slot, self.last_tokens, self._mixed_rows)
+
+    @property
+    def asleep(self) -> FrozenSet[str]:
+        """The parts asleep (sleep.TAGS: "weights", "kv_cache"); empty while serving."""
+        return frozenset(self._asleep)
+
+    @torch.inference_mode()
+    def sleep(self, level: int, tags: Tuple[str, ...] = TAGS) -> int:
+        """Hand back the device memory of the parts `tags` names (sleep.TAGS) that are awake
+        (sleep.py): level 1 keeps a host copy of the weights, level 2 forgets the checkpoint's
+        (a reload fills them again); the KV cache is forgotten at either. The scheduler calls
+        it with no request live and the prefix cache dropped (every rank at the same step).
+        The CUDA graphs go too (captured again by the wake-up that leaves nothing asleep). The
+        bytes freed. ValueError naming the level where it is not 1 or 2, or where level 2
+        would forget weights no reload can restore (FP8 dequantized as they loaded)."""
+        level = check_level(level)
+        awake = [t for t in check_tags(tags) if t not in self._asleep]
+        if level == 2 and WEIGHTS in awake and not self._reloadable:
+            raise ValueError("sleep level 2 would forget weights no reload can restore: this "
+                             "model's FP8 weights were dequantized as they loaded (weight-only "
+                             "FP8, the CPU's); use level 1")
+        self.graphs = self.prefill_graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        freed = 0
+        for tag in awake:
+            part = (weights_part(self.model, self.device) if tag == WEIGHTS
+                    else tensors_part([self.pool.k, self.pool.v]))
+            freed += part.sleep(keep_checkpoint=level == 1, pin=self.device.type == "cuda")
+            self._asleep[tag] = part
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
+
+    @torch.inference_mode()
+    def wake_up(self, tags: Tuple[str, ...] = ()) -> None:
+        """Take the memory of the parts `tags` names (sleep.TAGS; empty: all) again, the
+        weights restored (zeroed where level 2 forgot them), the KV cache zeroed; once nothing
+        is asleep, the CUDA graphs are captured again. ValueError naming an unknown tag; an
+        error on the way (the device out of memory: another process took it meanwhile) leaves
+        the engine asleep as this call found it."""
+        woken: List[Tuple[str, Part]] = []
+        try:
+            for tag in check_tags(tags):
+                part = self._asleep.get(tag)
+                if part is not None:
+                    part.wake()  # raises with the part still asleep
+                    woken.append((tag, self._asleep.pop(tag)))
+            if not self._asleep:
+                self._capture_graphs(lambda text: None)
+        except Exception:
+            self.graphs = self.prefill_graphs = None
+            for tag, part in woken:
+                part.sleep(part.kept, pin=self.device.type == "cuda")
+                self._asleep[tag] = part
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise
 
     def _warm_up_eager(self) -> None:
         """Run each eager step shape of warmup.py once (junk tokens, the spare row, the scratch

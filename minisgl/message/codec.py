@@ -29,7 +29,7 @@ _TYPES: Dict[str, Type[Any]] = {
                 T.DetokenizeInit, T.ReplyBatch, TokenLogprobs, T.TokenLogprobText,
                 T.TextRequest, T.ServiceDown, T.Drain, StructuredOutput, T.AccountingMsg,
                 T.AccountingReply, T.ReplicaChange, T.AdapterMsg, T.WeightsMsg,
-                T.FlushCacheMsg)
+                T.FlushCacheMsg, T.SleepMsg, T.WakeMsg)
 }
 
 

@@ -1,7 +1,8 @@
 """Every message that crosses a process boundary, as plain frozen dataclasses.
 
 Flow: API server -> tokenizer (`TokenizeRequest`, `AbortRequest`, `ReplicaChange`) -> scheduler
-rank 0 (`UserMsg`, `AbortMsg`, `AdapterMsg`, `WeightsMsg`, `FlushCacheMsg`) -> detokenizer (`TokenOut`, `BatchTokenOut`) -> API server (`ReplyChunk`). The
+rank 0 (`UserMsg`, `AbortMsg`, `AdapterMsg`, `WeightsMsg`, `FlushCacheMsg`, `SleepMsg`,
+`WakeMsg`) -> detokenizer (`TokenOut`, `BatchTokenOut`) -> API server (`ReplyChunk`). The
 offline API at tp > 1 stands in for the tokenizer and detokenizer (and sends `AccountingMsg`).
 Rank 0 forwards the raw bytes of backend messages verbatim to the other ranks, so a backend
 message must decode to the same object on every rank (no process-local state inside).
@@ -74,12 +75,12 @@ class AbortRequest:
 @dataclass(frozen=True)
 class ReplicaChange:
     """API server -> tokenizer: `change` for data-parallel replica `replica`, a LoRA adapter's
-    (`AdapterMsg`), the weights' (`WeightsMsg`) or the prefix cache's (`FlushCacheMsg`); the
-    API server sends one per replica, each with a uid of its own, and gathers their
-    answers."""
+    (`AdapterMsg`), the weights' (`WeightsMsg`), the prefix cache's (`FlushCacheMsg`) or
+    sleep mode's (`SleepMsg`, `WakeMsg`); the API server sends one per replica, each with a
+    uid of its own, and gathers their answers."""
 
     replica: int
-    change: Union["AdapterMsg", "WeightsMsg", "FlushCacheMsg"]
+    change: Union["AdapterMsg", "WeightsMsg", "FlushCacheMsg", "SleepMsg", "WakeMsg"]
 
 
 # --- tokenizer -> scheduler (the "backend" messages rank 0 forwards to other ranks) -----------
@@ -152,6 +153,31 @@ class FlushCacheMsg:
     "stop"; before, the tokenizer sends the detokenizer a `DetokenizeInit` of the uid."""
 
     uid: int
+
+
+@dataclass(frozen=True)
+class SleepMsg:
+    """Sleep mode (vLLM's /sleep, engine/sleep.py): every rank of a replica hands back its
+    device memory at sleep `level` (1: the weights kept in host memory; 2: forgotten; the KV
+    cache forgotten at either). Like a `WeightsMsg`, it waits for the requests already taken
+    to finish, holding those that arrive; the prefix cache is dropped; the requests that arrive
+    while asleep wait until a `WakeMsg` leaves nothing asleep. Rank 0 answers with one final
+    `TokenOut` of `uid` (finish_reason "stop", or `error` why not); the tokenizer sends the
+    detokenizer a `DetokenizeInit` of the uid first, as for a prompt."""
+
+    uid: int
+    level: int = 1
+
+
+@dataclass(frozen=True)
+class WakeMsg:
+    """Sleep mode (vLLM's /wake_up): every rank of a replica takes the memory of the parts
+    `tags` names again ("weights", "kv_cache"; empty: both) and, once nothing is asleep,
+    captures its CUDA graphs and takes the held requests. The ranks agree (gloo) that all
+    woke, or each puts back to sleep what it woke. Answered as a `SleepMsg`."""
+
+    uid: int
+    tags: Tuple[str, ...] = ()
 
 
 # --- scheduler rank 0 -> detokenizer ------------------------------------------------------------

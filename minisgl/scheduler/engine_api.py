@@ -17,7 +17,7 @@ with a CPU fake and no model (tests/fake_engine.py). The contract, per step:
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Tuple
+from typing import Any, FrozenSet, Optional, Protocol, Tuple
 
 import torch
 
@@ -88,3 +88,16 @@ class StepEngine(Protocol):
         """The weights of checkpoint directory `path` (None: the start-up dummy weights) in
         place of the served ones, with no request live; an exception says why not
         (core.WeightsRefused: before any weight changed)."""
+
+    @property
+    def asleep(self) -> FrozenSet[str]:
+        """Sleep mode: the parts asleep ("weights", "kv_cache"); empty while serving."""
+
+    def sleep(self, level: int, tags: Tuple[str, ...] = ("weights", "kv_cache")) -> int:
+        """Hand back the memory of the awake parts `tags` names at sleep `level` (1: the
+        weights kept in host memory; 2: forgotten), with no request live and the prefix cache
+        dropped; the bytes freed. An exception says why not (nothing asleep that was not)."""
+
+    def wake_up(self, tags: Tuple[str, ...] = ()) -> None:
+        """Take the memory of the parts `tags` names (empty: all) again; an exception says
+        why not, with the parts asleep as before."""

@@ -23,7 +23,7 @@ import logging
 import time
 from concurrent.futures import Future
 from typing import (Any, Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional,
-                    Tuple)
+                    Tuple, Union)
 
 import torch
 from torch.distributed import ProcessGroup
@@ -38,7 +38,7 @@ from minisgl.utils import offline_prefill_tokens, rows_to_device
 from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.message.types import (AccountingMsg, AccountingReply, AdapterMsg, FlushCacheMsg,
-                                   WeightsMsg)
+                                   SleepMsg, WakeMsg, WeightsMsg)
 from minisgl.message.pulse import Pulse
 from minisgl.models.lora_config import RUNTIME_OFF
 from minisgl.scheduler.adapters import AdapterTable
@@ -140,10 +140,12 @@ class Scheduler:
         self.wait_s = 0.0
         self.received = 0  # UserMsgs taken so far
         self.accounting_asked: List[AccountingMsg] = []  # check_idle answers them
-        # A weight reload waiting for the live requests to finish (WeightsMsg), the requests
-        # that arrived since (taken after it, in order), and the checkpoint served (None: the
-        # start-up dummy weights), which a failed reload restores.
-        self.weights_update: Optional[WeightsMsg] = None
+        # A weight reload or a sleep waiting for the live requests to finish (WeightsMsg,
+        # SleepMsg), the requests that arrived since or while asleep (taken after it, or after
+        # the wake-up, in order), and the checkpoint served (None: the start-up dummy
+        # weights), which a failed reload restores.
+        self.at_rest: Optional[Union[WeightsMsg, SleepMsg]] = None
+        self.sleep_level = 0  # what the parts asleep slept at (Engine.asleep says which)
         self.held: List[UserMsg] = []
         self.weights_path = None if cfg.engine.load_format == "dummy" else cfg.engine.model_path
         self._stats_seq = 0
@@ -198,8 +200,12 @@ class Scheduler:
             self.inflight = self._sample_masked(self.inflight)
         if not self.overlap or self.stopped:
             self._finish_inflight()
-        if self.weights_update is not None and not self.has_work and not self.stopped:
-            self._update_weights(self.weights_update)
+        if self.at_rest is not None and not self.has_work and not self.stopped:
+            change, self.at_rest = self.at_rest, None
+            if isinstance(change, SleepMsg):
+                self._sleep(change)
+            else:
+                self._update_weights(change)
 
     def _finish_inflight(self) -> None:
         """Wait for the in-flight batch (if any) and process its results."""
@@ -321,8 +327,8 @@ class Scheduler:
 
     # --- input ---------------------------------------------------------------------------------
     def handle(self, msg: object) -> None:
-        if isinstance(msg, UserMsg) and self.weights_update is not None:
-            self.held.append(msg)  # taken after the reload (_update_weights)
+        if isinstance(msg, UserMsg) and (self.at_rest is not None or self.engine.asleep):
+            self.held.append(msg)  # taken after the reload or the wake-up (_take_held)
         elif isinstance(msg, UserMsg):
             self.received += 1
             self._add(msg)
@@ -336,10 +342,14 @@ class Scheduler:
         elif isinstance(msg, AdapterMsg):
             error = self._unload(msg.name) if msg.path is None else self._load(msg.name, msg.path)
             self._answer(msg.uid, error)
-        elif isinstance(msg, WeightsMsg) and self.weights_update is not None:
-            self._answer(msg.uid, "a weight reload is already waiting for the running requests")
-        elif isinstance(msg, WeightsMsg):
-            self.weights_update = msg  # done once no request is live (iterate)
+        elif isinstance(msg, (WeightsMsg, SleepMsg)):
+            error = self._at_rest_refusal(msg)
+            if error is not None:
+                self._answer(msg.uid, error)
+            else:
+                self.at_rest = msg  # done once no request is live (iterate)
+        elif isinstance(msg, WakeMsg):
+            self._answer(msg.uid, self._wake(msg))
         elif isinstance(msg, FlushCacheMsg):
             dropped = self.cache.drop_unused()
             logger.info("rank %d: prefix cache flushed (%d pages freed)", self.rank, dropped)
@@ -360,6 +370,8 @@ class Scheduler:
         every rank loaded it (a rank's error is logged there; rank 0's is the reply's)."""
         if not self.cfg.engine.lora_runtime:
             return RUNTIME_OFF
+        if "weights" in self.engine.asleep:
+            return "the weights are asleep: wake them up (wake_up with tag 'weights') first"
         if name in self.adapters.loaded:
             return f"LoRA adapter {name!r} is already loaded"
         slot = self.adapters.free_slot(r.lora for r in [*self.reqs.values(), *self.deferred])
@@ -399,15 +411,75 @@ class Scheduler:
         """The waiting reload, with no request live (every rank at the same step): the
         weights from `msg.path` on every rank or, where some rank failed, those served before
         again on every rank; the prefix cache dropped either way; then the held requests."""
-        self.weights_update = None
         error = self._reload(msg.path)
         dropped = self.cache.drop_unused()
         logger.info("rank %d: weights %s (%d cached pages dropped)", self.rank,
                     f"reloaded from {msg.path}" if error is None else "kept", dropped)
         self._answer(msg.uid, error)
+        self._take_held()
+
+    def _take_held(self) -> None:
+        """The requests held behind a reload or a sleep, in order (held again while asleep)."""
         held, self.held = self.held, []
         for user in held:
             self.handle(user)
+
+    def _at_rest_refusal(self, msg: Union[WeightsMsg, SleepMsg]) -> Optional[str]:
+        """Why a reload or a sleep is not queued (None: it is)."""
+        if self.at_rest is not None:
+            what = "a sleep" if isinstance(self.at_rest, SleepMsg) else "a weight reload"
+            return f"{what} is already waiting for the running requests to finish"
+        if isinstance(msg, SleepMsg) and not self.cfg.engine.enable_sleep_mode:
+            return "sleep mode is off: start the server with --enable-sleep-mode"
+        if isinstance(msg, WeightsMsg) and "weights" in self.engine.asleep:
+            return "the weights are asleep: wake them up (wake_up with tag 'weights') first"
+        return None
+
+    def _sleep(self, msg: SleepMsg) -> None:
+        """The waiting sleep, with no request live (every rank at the same step): the prefix
+        cache dropped (its K/V is forgotten), then every rank's engine asleep at `msg.level`
+        (Engine.sleep), or, where some rank failed, none. Requests wait while anything is
+        asleep (held)."""
+        dropped = self.cache.drop_unused()
+        before, error, freed = self.engine.asleep, None, 0
+        try:
+            freed = self.engine.sleep(msg.level)
+        except Exception as e:  # a host copy not made: every rank must reach the vote below
+            error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        if min_over_ranks(int(error is None), self.cpu_group) == 0:
+            slept = tuple(t for t in self.engine.asleep if t not in before)
+            if slept:  # this rank slept where another did not: awake as it was
+                self.engine.wake_up(slept)
+            self._answer(msg.uid, error or "sleep failed on another rank (its log says why)")
+            self._take_held()
+            return
+        self.sleep_level = msg.level
+        logger.info("rank %d: asleep (level %d; %s): %.2f GiB freed, %d cached pages dropped",
+                    self.rank, msg.level, ", ".join(sorted(self.engine.asleep)), freed / 2**30,
+                    dropped)
+        self._answer(msg.uid, None)
+
+    def _wake(self, msg: WakeMsg) -> Optional[str]:
+        """Wake the parts `msg.tags` names on every rank, or (some rank failed) none: None, or
+        why not. Once nothing is asleep, the held requests are taken."""
+        if self.at_rest is not None and isinstance(self.at_rest, SleepMsg):
+            return "a sleep is waiting for the running requests to finish"
+        before, error = self.engine.asleep, None
+        try:
+            self.engine.wake_up(tuple(msg.tags))
+        except Exception as e:  # out of memory, too: every rank must reach the vote below
+            error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            logger.warning("rank %d: wake-up failed: %s", self.rank, error)
+        if min_over_ranks(int(error is None), self.cpu_group) == 0:
+            woke = tuple(t for t in before if t not in self.engine.asleep)
+            if woke:  # this rank woke where another did not: asleep as it was
+                self.engine.sleep(self.sleep_level, woke)
+            return error or "wake-up failed on another rank (its log says why)"
+        logger.info("rank %d: %s", self.rank, "awake" if not self.engine.asleep else
+                    "still asleep: " + ", ".join(sorted(self.engine.asleep)))
+        if not self.engine.asleep:
+            self._take_held()
+        return None
 
     def _reload(self, path: str) -> Optional[str]:
         """Every rank's weights from `path`, or (some rank failed) the weights each rank served

@@ -77,6 +77,7 @@ from minisgl.server.batches_api import Batches, install_batch_routes
 from minisgl.server.conversations import (ConversationLink, ConversationStore, conversation_id,
                                           install_conversation_routes)
 from minisgl.server.lora_admin import Adapters, install_adapter_routes
+from minisgl.server.sleep_admin import Sleep, install_sleep_routes
 from minisgl.server.state_admin import Weights, install_state_routes
 from minisgl.server.streams import RequestStream, RequestStreams
 from minisgl.server.tls import server_url
@@ -111,6 +112,7 @@ class ApiConfig:
     lora_runtime: bool = False
     max_lora_rank: int = 16
     weights_path: Optional[str] = None  # the checkpoint served (None: dummy weights)
+    sleep_mode: bool = False  # /sleep, /wake_up, /is_sleeping served (sleep_admin.py)
     tokenizer_path: str = ""  # the tokenizer's directory (SGLang's /get_model_info)
     incremental_streaming_output: bool = False  # /generate streams what is new (SGLang's)
     max_file_bytes: int = 512 << 20  # the Files API's files held in all (batches_api.py)
@@ -397,6 +399,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     install_adapter_routes(app, loras, json_body)
     weights = Weights(streams, cfg.replicas, cfg.weights_path)  # its path follows reloads
     install_state_routes(app, streams, weights, json_body)
+    if cfg.sleep_mode:
+        install_sleep_routes(app, Sleep(streams, cfg.replicas))
     app.state.self_url = ""  # serve_forever sets it: the batches' requests go there
     batches = Batches(cfg.max_file_bytes, cfg.api_key)
     install_batch_routes(app, batches, lambda: str(app.state.self_url), json_body)

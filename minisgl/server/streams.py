@@ -37,13 +37,13 @@ import zmq.asyncio
 from minisgl.message.codec import decode, encode
 from minisgl.message.types import (AbortRequest, AdapterMsg, Drain, FlushCacheMsg, ReplicaChange,
                                    ReplyBatch, ReplyChunk, ServiceDown, TextRequest,
-                                   TokenizeRequest, WeightsMsg)
+                                   SleepMsg, TokenizeRequest, WakeMsg, WeightsMsg)
 from minisgl.server.admission import Queued, overloaded
 from minisgl.server.metrics import Metrics
 from minisgl.server.protocol import ApiError, Job, Prompt
 
 logger = logging.getLogger("minisgl.api")
-ReplicaChangeMsg = Union[AdapterMsg, WeightsMsg, FlushCacheMsg]
+ReplicaChangeMsg = Union[AdapterMsg, WeightsMsg, FlushCacheMsg, SleepMsg, WakeMsg]
 
 
 @dataclass(eq=False)

@@ -1,0 +1,158 @@
+"""Sleep mode: an idle engine hands its device memory back, and takes it again to serve.
+
+vLLM's two levels (`--enable-sleep-mode`): level 1 keeps a host copy of every tensor of the
+model and forgets the KV cache; level 2 forgets the checkpoint's tensors too (parameters and
+persistent buffers: a reload fills them again), keeping host copies of the model's other tensors
+(rotary tables, LoRA slots), which no checkpoint fills. Waking takes the memory again: a
+forgotten tensor comes back zeroed, a kept one copied back.
+
+How: every tensor is a view of some storage, and `resize_(0)` on a storage frees its memory
+while every tensor viewing it stays the same Python object (the modules, the attention backend
+and the KV pool keep their references and their views' shapes); resizing it back allocates
+anew. New memory has new addresses, so the engine drops its CUDA graphs before and captures
+them again after (Engine.sleep / Engine.wake_up). A tensor that no module or pool reaches is
+not freed (the engine logs how much memory stays in use).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple
+
+import torch
+from torch import nn
+
+WEIGHTS, KV_CACHE = "weights", "kv_cache"
+TAGS = (WEIGHTS, KV_CACHE)
+LEVELS = (1, 2)
+
+
+def check_level(level: object) -> int:
+    """`level` as a sleep level; ValueError naming it where it is not 1 or 2."""
+    if isinstance(level, bool) or level not in LEVELS:
+        raise ValueError(f"sleep level must be 1 (weights kept in host memory, KV cache "
+                         f"forgotten) or 2 (both forgotten), not {level!r}")
+    return int(level)  # type: ignore[call-overload]
+
+
+def check_tags(tags: Optional[Iterable[str]]) -> Tuple[str, ...]:
+    """The parts a wake-up names (None or empty: both), in TAGS order; ValueError naming an
+    unknown one."""
+    named = list(tags or TAGS)
+    unknown = [t for t in named if t not in TAGS]
+    if unknown:
+        raise ValueError(f"unknown wake_up tag {unknown[0]!r}: tags are "
+                         f"{', '.join(repr(t) for t in TAGS)}")
+    return tuple(t for t in TAGS if t in named)
+
+
+class Held(NamedTuple):
+    """One storage of a sleeping part: its size and, where kept, its bytes in host memory."""
+
+    storage: torch.UntypedStorage
+    nbytes: int
+    backup: Optional[torch.Tensor]  # uint8 host copy; None: forgotten (zeroed on waking)
+
+
+class Part:
+    """A set of storages that sleeps and wakes together (the weights, or the KV cache).
+
+    `storages`: each storage once, with whether its content is the checkpoint's (`forget` at
+    sleep then forgets it unless `keep_all`)."""
+
+    def __init__(self, storages: List[Tuple[torch.UntypedStorage, bool]]) -> None:
+        self.storages = storages
+        self.held: Optional[List[Held]] = None  # asleep: what waking restores
+        self.kept = True  # the last sleep kept the checkpoint's content
+
+    @property
+    def asleep(self) -> bool:
+        return self.held is not None
+
+    @property
+    def nbytes(self) -> int:
+        """The part's device bytes while awake."""
+        return sum(s.nbytes() for s, _ in self.storages) if self.held is None else sum(
+            h.nbytes for h in self.held)
+
+    def sleep(self, keep_checkpoint: bool, pin: bool) -> int:
+        """Free the part's memory: host copies first of what is kept (the non-checkpoint
+        storages always; the checkpoint's with `keep_checkpoint`), pinned with `pin`. The
+        bytes freed. Raises before freeing anything where a copy cannot be made."""
+        self.kept = keep_checkpoint
+        held = []
+        for storage, checkpoint in self.storages:
+            backup = None
+            if keep_checkpoint or not checkpoint:
+                backup = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+                backup.copy_(_bytes_of(storage))
+            held.append(Held(storage, storage.nbytes(), backup))
+        for h in held:
+            h.storage.resize_(0)
+        self.held = held
+        return sum(h.nbytes for h in held)
+
+    def wake(self) -> None:
+        """Allocate the part's memory again and restore it (zeros where forgotten). Raises
+        (e.g. the device is out of memory) with the part asleep as before."""
+        held = self.held
+        if held is None:
+            return
+        try:
+            for h in held:
+                h.storage.resize_(h.nbytes)
+                data = _bytes_of(h.storage)
+                if h.backup is None:
+                    data.zero_()
+                else:
+                    data.copy_(h.backup, non_blocking=True)
+        except Exception:
+            for h in held:
+                h.storage.resize_(0)
+            raise
+        if held and held[0].storage.device.type == "cuda":
+            torch.cuda.synchronize(held[0].storage.device)  # the pinned copies are read
+        self.held = None
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole storage."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _module_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+    """Every tensor a module of `model` holds: parameters, buffers and tensor attributes
+    (directly or in a list or tuple)."""
+    for module in model.modules():
+        yield from (p for p in module._parameters.values() if p is not None)
+        yield from (b for b in module._buffers.values() if b is not None)
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor):
+                yield value
+            elif isinstance(value, (list, tuple)):
+                yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+def _storage_key(t: torch.Tensor) -> Tuple[torch.device, int]:
+    return t.device, t.untyped_storage().data_ptr()
+
+
+def weights_part(model: nn.Module, device: torch.device) -> Part:
+    """The storages of `model` on `device` (each once; taken as it sleeps, since a load may
+    have replaced a tensor), those of its state dict (parameters, persistent buffers: what a
+    checkpoint fills) marked as the checkpoint's."""
+    checkpoint = {_storage_key(t) for t in model.state_dict(keep_vars=True).values()}
+    storages: Dict[Tuple[torch.device, int], Tuple[torch.UntypedStorage, bool]] = {}
+    for t in _module_tensors(model):
+        key = _storage_key(t)
+        if t.device != device or key[1] == 0 or key in storages:  # elsewhere, empty, or seen
+            continue
+        storages[key] = (t.untyped_storage(), key in checkpoint)
+    return Part(list(storages.values()))
+
+
+def tensors_part(tensors: Iterable[torch.Tensor]) -> Part:
+    """A part of `tensors`' storages (each once), all forgotten at sleep (the KV cache)."""
+    storages: Dict[Tuple[torch.device, int], Tuple[torch.UntypedStorage, bool]] = {}
+    for t in tensors:
+        storages.setdefault(_storage_key(t), (t.untyped_storage(), True))
+    return Part(list(storages.values()))

@@ -1,0 +1,228 @@
+"""Sleep mode (vLLM's `--enable-sleep-mode`): in the scheduler (a real Scheduler on the fake
+engine: tests/fake_engine.py), the engine's memory on the CPU, offline (`LLM.sleep` /
+`wake_up` against Hugging Face, tp=1 and tp=2) and over HTTP (/sleep, /wake_up, /is_sleeping).
+
+What must hold: a sleep waits for the running requests; nothing launches while any part is
+asleep, and requests that arrive then wait and run once a wake-up leaves nothing asleep; the
+prefix cache is forgotten; level 1 gives the same tokens after waking, level 2 those of the
+checkpoint reloaded in between; a failed wake-up leaves the parts asleep and can be retried;
+every change gets one final reply; the KV pages balance at every step.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Callable, List
+
+import pytest
+
+from hf_reference import hf_greedy, mixed_prompts
+from minisgl import LLM, SamplingParams
+from tests.fake_engine import Harness, lora_reference, reference
+
+PROMPT = list(range(1, 14))
+
+
+def _reply(h: Harness, uid: int) -> str:
+    end = h.finished(uid)
+    return "ok" if end.error is None and end.finish_reason == "stop" else str(end.error)
+
+
+# --- the scheduler --------------------------------------------------------------------------
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_sleep_waits_for_the_running_requests_and_holds_new_ones_until_woken(
+        overlap: bool) -> None:
+    h = Harness(overlap=overlap)
+    h.submit(1, PROMPT, max_tokens=12)
+    for _ in range(3):
+        h.step()
+    h.sleep(100, level=1)
+    h.submit(2, PROMPT)  # held: a sleep waits
+    h.run()
+    assert h.tokens[1] == reference(PROMPT, 12) and _reply(h, 100) == "ok"
+    assert h.engine.asleep == {"weights", "kv_cache"} and h.engine.sleeps == [
+        (1, ("weights", "kv_cache"))]
+    assert 2 not in h.tokens and h.sched.stats().waiting == 1
+    assert h.accounting().pages.cached == 0  # the prefix cache went with the KV cache
+    h.submit(3, PROMPT[:5])
+    h.run()
+    assert 3 not in h.tokens  # still asleep: nothing launched (the fake engine asserts it)
+    h.wake(101)
+    h.run()
+    assert _reply(h, 101) == "ok" and not h.engine.asleep
+    assert h.tokens[2] == reference(PROMPT, 8) and h.tokens[3] == reference(PROMPT[:5], 8)
+    assert max(o.cached_tokens for o in h.outs if o.uid == 2) == 0
+    assert h.accounting().live_requests == 0
+
+
+def test_level_2_wakes_the_weights_for_a_reload_then_the_kv_cache() -> None:
+    """The RL loop's order: sleep(2), wake the weights, reload them, wake the KV cache; a
+    reload while the weights sleep, or a LoRA load, is refused; requests wait for the last
+    wake-up and run on the reloaded weights."""
+    h = Harness(max_loras=1)
+    h.sleep(100, level=2)
+    h.run()
+    h.submit(1, PROMPT)
+    h.weights(101, "/ckpt/b")
+    h.adapter(102, "sql", "/adapters/sql")
+    h.run()
+    assert "the weights are asleep" in _reply(h, 101) and h.engine.reloads == []
+    assert "the weights are asleep" in _reply(h, 102)
+    h.wake(103, "weights")
+    h.weights(104, "/ckpt/b")
+    h.run()
+    assert _reply(h, 103) == "ok" and _reply(h, 104) == "ok" and h.engine.reloads == ["/ckpt/b"]
+    assert h.engine.asleep == {"kv_cache"} and 1 not in h.tokens
+    h.wake(105, "kv_cache")
+    h.run()
+    assert _reply(h, 105) == "ok"
+    assert h.tokens[1] == lora_reference(PROMPT, 8, "/ckpt/b")
+
+
+def test_a_failed_wake_up_stays_asleep_and_can_be_tried_again() -> None:
+    h = Harness()
+    h.sleep(100)
+    h.submit(1, PROMPT)
+    h.run()
+    h.engine.wake_error = "CUDA out of memory. Tried to allocate 14.96 GiB"
+    h.wake(101)
+    h.run()
+    assert "CUDA out of memory" in _reply(h, 101) and h.engine.asleep == {"weights",
+                                                                             "kv_cache"}
+    assert 1 not in h.tokens
+    h.wake(102)
+    h.run()
+    assert _reply(h, 102) == "ok" and h.tokens[1] == reference(PROMPT, 8)
+
+
+def test_changes_that_cannot_run_are_refused_and_held_requests_can_be_aborted() -> None:
+    h = Harness()
+    h.submit(1, PROMPT, max_tokens=12)
+    h.step()
+    h.sleep(100)
+    h.sleep(101)  # a second while the first waits
+    h.wake(102)  # a wake-up while a sleep waits
+    h.weights(103, "/ckpt/b")
+    h.submit(2, PROMPT)
+    h.step()
+    assert "a sleep is already waiting" in _reply(h, 101)
+    assert "a sleep is waiting" in _reply(h, 102)
+    assert "a sleep is already waiting" in _reply(h, 103)
+    h.abort(2)
+    h.run()
+    assert h.finished(2).finish_reason == "abort" and 2 not in h.tokens
+    assert _reply(h, 100) == "ok" and h.tokens[1] == reference(PROMPT, 12)
+    h.sleep(104, level=3)
+    h.run()
+    assert "sleep level must be 1 or 2" in _reply(h, 104)
+    off = Harness(enable_sleep_mode=False)
+    off.sleep(100)
+    off.submit(1, PROMPT)
+    off.run()
+    assert "start the server with --enable-sleep-mode" in _reply(off, 100)
+    assert off.tokens[1] == reference(PROMPT, 8)
+
+
+# --- the engine, offline --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def checkpoints(tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+                ) -> List[Path]:
+    """Two tiny Llama checkpoints of one shape (other random weights)."""
+    from tiny_models import build_tiny
+    return [tiny_model("llama"), build_tiny("llama", tmp_path_factory.mktemp("sleep") / "b",
+                                            None, seed=5)]
+
+
+def _tokens(llm: LLM, prompts: List[List[int]]) -> List[List[int]]:
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def _device_bytes(llm: LLM) -> int:
+    """What the tp=1 engine's weights and KV pool hold."""
+    engine = llm._backend.engine  # type: ignore[attr-defined]
+    tensors = [*engine.model.state_dict().values(), engine.pool.k, engine.pool.v]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors}.values())
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_offline_sleep_and_wake_give_hugging_faces_tokens(checkpoints: List[Path],
+                                                          tp: int) -> None:
+    """Level 1: the memory handed back (tp=1: every weight and KV byte), generation refused
+    while asleep, the same tokens after waking; level 2: the weights woken, reloaded from the
+    second checkpoint, then the KV cache: HF's tokens of that checkpoint."""
+    a, b = checkpoints
+    prompts = mixed_prompts(3, seed=23, lengths=(5, 21))
+    want_a, want_b = hf_greedy(a, prompts, 10), hf_greedy(b, prompts, 10)
+    with LLM(str(a), device="cpu", tp=tp, page_size=4, max_kv_tokens=2048,
+             enable_sleep_mode=True, show_progress=False) as llm:
+        assert _tokens(llm, prompts) == want_a and not llm.is_sleeping()
+        held = _device_bytes(llm) if tp == 1 else 0
+        llm.sleep(level=1)
+        assert llm.is_sleeping()
+        if tp == 1:
+            assert held > 0 and _device_bytes(llm) == 0
+        with pytest.raises(RuntimeError, match="asleep"):
+            llm.generate([[1, 2, 3]])
+        llm.wake_up()
+        assert _tokens(llm, prompts) == want_a and not llm.is_sleeping()
+        if tp == 1:
+            assert _device_bytes(llm) == held
+        llm.sleep(2)
+        llm.wake_up(tags=["weights"])
+        assert llm.is_sleeping()
+        llm.update_weights_from_disk(str(b))
+        llm.wake_up(tags=["kv_cache"])
+        assert _tokens(llm, prompts) == want_b
+        with pytest.raises(ValueError, match="sleep level must be 1"):
+            llm.sleep(0)
+        with pytest.raises(ValueError, match="unknown wake_up tag 'cuda_graph'"):
+            llm.wake_up(["cuda_graph"])
+        assert llm.check_accounting().live_requests == 0
+
+
+# --- over HTTP ------------------------------------------------------------------------------
+def test_served_sleep_and_wake_up_as_vllm_answers(checkpoints: List[Path],
+                                                  tmp_path: Path) -> None:
+    """POST /sleep?level=1, GET /is_sleeping, a request sent while asleep answered after POST
+    /wake_up with the tokens of before; bad levels and tags are 400s naming them; level 2
+    (a JSON body), the weights woken and reloaded, then the KV cache."""
+    import httpx
+    from server_helpers import CPU_ARGS, serving
+    a, b = checkpoints
+    prompt = mixed_prompts(1, seed=29, lengths=(30,))[0]
+    with serving(["--model", str(a), "--enable-sleep-mode", *CPU_ARGS], tmp_path) as srv:
+        def generate() -> List[int]:
+            r = httpx.post(f"{srv.url}/generate", json={"input_ids": prompt, "sampling_params": {
+                "max_new_tokens": 10, "temperature": 0, "ignore_eos": True}}, timeout=120)
+            return list(r.json()["output_ids"])
+
+        def post(path: str, **kwargs: object) -> httpx.Response:
+            return httpx.post(f"{srv.url}{path}", timeout=120, **kwargs)  # type: ignore[arg-type]
+
+        def sleeping() -> bool:
+            return bool(httpx.get(f"{srv.url}/is_sleeping").json()["is_sleeping"])
+
+        want = generate()
+        assert want == hf_greedy(a, [prompt], 10)[0] and not sleeping()
+        assert post("/sleep?level=1").status_code == 200 and sleeping()
+        got: List[List[int]] = []
+        waiting = threading.Thread(target=lambda: got.append(generate()))
+        waiting.start()
+        waiting.join(2)
+        assert waiting.is_alive()  # held while asleep
+        assert post("/wake_up").status_code == 200 and not sleeping()
+        waiting.join(60)
+        assert got == [want]
+        for path, says in (("/sleep?level=3", "sleep level must be 1"),
+                           ("/wake_up?tags=cuda_graph", "unknown wake_up tag 'cuda_graph'")):
+            r = post(path)
+            assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+        assert post("/sleep", json={"level": 2}).status_code == 200
+        assert post("/wake_up?tags=weights").status_code == 200 and sleeping()
+        r = post("/update_weights_from_disk", json={"model_path": str(b)})
+        assert r.json()["success"] is True, r.text
+        assert post("/wake_up?tags=kv_cache").status_code == 200 and not sleeping()
+        assert generate() == hf_greedy(b, [prompt], 10)[0]
