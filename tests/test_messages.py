@@ -70,8 +70,11 @@ SAMPLES: Dict[str, Any] = {
     "AdapterMsg": [T.AdapterMsg(7, "sql", "/adapters/sql"), T.AdapterMsg(8, "sql")],
     "WeightsMsg": [T.WeightsMsg(4, "/ckpt/step-100")],
     "FlushCacheMsg": [T.FlushCacheMsg(5)],
+    "SleepMsg": [T.SleepMsg(6, 2), T.SleepMsg(7)],
+    "WakeMsg": [T.WakeMsg(8, ("weights",)), T.WakeMsg(9)],
     "ReplicaChange": [T.ReplicaChange(1, T.AdapterMsg(9, "é", "/a b/ü")),
-                      T.ReplicaChange(0, T.WeightsMsg(3, "/w/ü"))],
+                      T.ReplicaChange(0, T.WeightsMsg(3, "/w/ü")),
+                      T.ReplicaChange(1, T.WakeMsg(4, ("kv_cache",)))],
 }
 
 

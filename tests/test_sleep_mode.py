@@ -226,3 +226,38 @@ def test_served_sleep_and_wake_up_as_vllm_answers(checkpoints: List[Path],
         assert r.json()["success"] is True, r.text
         assert post("/wake_up?tags=kv_cache").status_code == 200 and not sleeping()
         assert generate() == hf_greedy(b, [prompt], 10)[0]
+
+
+# --- CUDA -----------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_gpu_sleep_frees_the_memory_and_wakes_with_the_same_tokens(
+        checkpoints: List[Path]) -> None:
+    """On CUDA, decode and prefill graphs captured: level 1 frees at least the weights' and KV
+    pool's bytes (torch's allocator gives them back to the driver), and after the wake-up
+    (graphs captured again over the new addresses) the tokens are those of before; level 2
+    with the second checkpoint reloaded gives that checkpoint's tokens as a fresh engine
+    does."""
+    import torch
+    a, b = checkpoints
+    prompts = mixed_prompts(4, seed=31)
+
+    def used() -> int:
+        free, total = torch.cuda.mem_get_info()
+        return total - free
+
+    with LLM(str(b), show_progress=False) as fresh:
+        want_b = _tokens(fresh, prompts)
+    with LLM(str(a), enable_sleep_mode=True, show_progress=False) as llm:
+        engine = llm._backend.engine  # type: ignore[attr-defined]
+        want = _tokens(llm, prompts)
+        held = _device_bytes(llm)
+        before = used()
+        llm.sleep(1)
+        assert before - used() >= held and engine.graphs is None
+        llm.wake_up()
+        assert engine.graphs is not None and _tokens(llm, prompts) == want
+        llm.sleep(2)
+        llm.wake_up(["weights"])
+        llm.update_weights_from_disk(str(b))
+        llm.wake_up(["kv_cache"])
+        assert _tokens(llm, prompts) == want_b
