@@ -288,6 +288,7 @@ class Engine:
             self._tune_gemms(graph_sizes(self._graph_bs))
         self._capture_graphs(on_progress)
         self._asleep: Dict[str, Part] = {}  # sleep mode: the parts asleep (sleep.TAGS)
+        self._host_copy: Optional[torch.Tensor] = None  # the weights' (Part.sleep's buffer)
         if self.device.type == "cuda":
             self._warm_up_eager()
             self._warm_up_sampler()
@@ -340,13 +341,23 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         freed = 0
-        for tag in awake:
+        for tag in sorted(awake, key=TAGS.index, reverse=True):
+            # the KV cache first: pinning the weights' host copies takes some device memory
+            # (the driver maps them), which a full device does not have
             part = (weights_part(self.model, self.device) if tag == WEIGHTS
                     else tensors_part([self.pool.k, self.pool.v]))
-            freed += part.sleep(keep_checkpoint=level == 1, pin=self.device.type == "cuda")
+            freed += part.sleep(keep_checkpoint=level == 1, pin=self.device.type == "cuda",
+                                buffer=self._host_copy if tag == WEIGHTS else None)
+            if tag == WEIGHTS:  # kept for the next level-1 sleep (pinning is the slow part)
+                self._host_copy = part.buffer if level == 1 else None
             self._asleep[tag] = part
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+            logger.info("rank %d: asleep: %.2f GiB still allocated on %s (host copy %.2f GiB)",
+                        self.cfg.tp_info.rank, torch.cuda.memory_allocated(self.device) / 2**30,
+                        self.device, 0 if self._host_copy is None
+                        else self._host_copy.numel() / 2**30)
         return freed
 
     @torch.inference_mode()
@@ -368,7 +379,7 @@ class Engine:
         except Exception:
             self.graphs = self.prefill_graphs = None
             for tag, part in woken:
-                part.sleep(part.kept, pin=self.device.type == "cuda")
+                part.sleep(part.kept, pin=self.device.type == "cuda", buffer=part.buffer)
                 self._asleep[tag] = part
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -11,7 +11,11 @@ while every tensor viewing it stays the same Python object (the modules, the att
 and the KV pool keep their references and their views' shapes); resizing it back allocates
 anew. New memory has new addresses, so the engine drops its CUDA graphs before and captures
 them again after (Engine.sleep / Engine.wake_up). A tensor that no module or pool reaches is
-not freed (the engine logs how much memory stays in use).
+not freed (the engine logs how much memory stays allocated).
+
+The host copy is one buffer (pinned on a GPU), which the engine keeps after waking for the next
+level-1 sleep: an RL loop sleeps every step, and pinning the weights' size of host memory takes
+seconds where copying into it takes a fraction of one.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ def check_level(level: object) -> int:
     if isinstance(level, bool) or level not in LEVELS:
         raise ValueError(f"sleep level must be 1 (weights kept in host memory, KV cache "
                          f"forgotten) or 2 (both forgotten), not {level!r}")
-    return int(level)  # type: ignore[call-overload]
+    return LEVELS[LEVELS.index(level)]
 
 
 def check_tags(tags: Optional[Iterable[str]]) -> Tuple[str, ...]:
@@ -62,6 +66,7 @@ class Part:
     def __init__(self, storages: List[Tuple[torch.UntypedStorage, bool]]) -> None:
         self.storages = storages
         self.held: Optional[List[Held]] = None  # asleep: what waking restores
+        self.buffer: Optional[torch.Tensor] = None  # the host copies (Held.backup: views)
         self.kept = True  # the last sleep kept the checkpoint's content
 
     @property
@@ -74,21 +79,31 @@ class Part:
         return sum(s.nbytes() for s, _ in self.storages) if self.held is None else sum(
             h.nbytes for h in self.held)
 
-    def sleep(self, keep_checkpoint: bool, pin: bool) -> int:
-        """Free the part's memory: host copies first of what is kept (the non-checkpoint
-        storages always; the checkpoint's with `keep_checkpoint`), pinned with `pin`. The
-        bytes freed. Raises before freeing anything where a copy cannot be made."""
-        self.kept = keep_checkpoint
-        held = []
-        for storage, checkpoint in self.storages:
+    def sleep(self, keep_checkpoint: bool, pin: bool,
+              buffer: Optional[torch.Tensor] = None) -> int:
+        """Free the part's memory after copying to host memory what is kept (the
+        non-checkpoint storages always; the checkpoint's with `keep_checkpoint`): into
+        `buffer` (a uint8 host tensor) where it is large enough, else into a new one (pinned
+        with `pin`: pinning is the slow part, so a caller that sleeps again passes the last
+        one back: `self.buffer`). The bytes freed. Raises before freeing anything where the
+        copy cannot be made."""
+        kept = [keep_checkpoint or not checkpoint for _, checkpoint in self.storages]
+        need = sum(s.nbytes() for (s, _), k in zip(self.storages, kept) if k)
+        if buffer is None or buffer.numel() < need:
+            buffer = torch.empty(need, dtype=torch.uint8, pin_memory=pin)
+        held, offset = [], 0
+        for (storage, _), keep in zip(self.storages, kept):
             backup = None
-            if keep_checkpoint or not checkpoint:
-                backup = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
-                backup.copy_(_bytes_of(storage))
+            if keep:
+                backup = buffer[offset:offset + storage.nbytes()]
+                backup.copy_(_bytes_of(storage), non_blocking=True)
+                offset += storage.nbytes()
             held.append(Held(storage, storage.nbytes(), backup))
+        if held and held[0].storage.device.type == "cuda":
+            torch.cuda.synchronize(held[0].storage.device)  # copied before it is freed
         for h in held:
             h.storage.resize_(0)
-        self.held = held
+        self.held, self.buffer, self.kept = held, buffer, keep_checkpoint
         return sum(h.nbytes for h in held)
 
     def wake(self) -> None:

@@ -441,7 +441,7 @@ class Scheduler:
         (Engine.sleep), or, where some rank failed, none. Requests wait while anything is
         asleep (held)."""
         dropped = self.cache.drop_unused()
-        before, error, freed = self.engine.asleep, None, 0
+        before, error, freed, start = self.engine.asleep, None, 0, time.perf_counter()
         try:
             freed = self.engine.sleep(msg.level)
         except Exception as e:  # a host copy not made: every rank must reach the vote below
@@ -454,9 +454,9 @@ class Scheduler:
             self._take_held()
             return
         self.sleep_level = msg.level
-        logger.info("rank %d: asleep (level %d; %s): %.2f GiB freed, %d cached pages dropped",
-                    self.rank, msg.level, ", ".join(sorted(self.engine.asleep)), freed / 2**30,
-                    dropped)
+        logger.info("rank %d: asleep (level %d; %s): %.2f GiB freed in %.2f s, %d cached pages "
+                    "dropped", self.rank, msg.level, ", ".join(sorted(self.engine.asleep)),
+                    freed / 2**30, time.perf_counter() - start, dropped)
         self._answer(msg.uid, None)
 
     def _wake(self, msg: WakeMsg) -> Optional[str]:
@@ -464,7 +464,7 @@ class Scheduler:
         why not. Once nothing is asleep, the held requests are taken."""
         if self.at_rest is not None and isinstance(self.at_rest, SleepMsg):
             return "a sleep is waiting for the running requests to finish"
-        before, error = self.engine.asleep, None
+        before, error, start = self.engine.asleep, None, time.perf_counter()
         try:
             self.engine.wake_up(tuple(msg.tags))
         except Exception as e:  # out of memory, too: every rank must reach the vote below
@@ -475,8 +475,9 @@ class Scheduler:
             if woke:  # this rank woke where another did not: asleep as it was
                 self.engine.sleep(self.sleep_level, woke)
             return error or "wake-up failed on another rank (its log says why)"
-        logger.info("rank %d: %s", self.rank, "awake" if not self.engine.asleep else
-                    "still asleep: " + ", ".join(sorted(self.engine.asleep)))
+        logger.info("rank %d: %s in %.2f s", self.rank, "awake" if not self.engine.asleep else
+                    "woke " + ", ".join(t for t in before if t not in self.engine.asleep),
+                    time.perf_counter() - start)
         if not self.engine.asleep:
             self._take_held()
         return None
