@@ -33,12 +33,13 @@ from minisgl.core import (FinishReason, Limits, LoRARequest, PoolingParams, Samp
 from minisgl.grammar import make_checker
 from minisgl.distributed import DistributedInfo, ProcessGroups
 from minisgl.distributed.comm import Communicator
+from minisgl.distributed.weight_group import GroupSpec, check_dtype
 from minisgl.engine import Engine
 from minisgl.engine.sleep import TAGS as SLEEP_TAGS, check_level, check_tags
 from minisgl.message import AbortMsg, BatchTokenOut, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.message.queue import PullQueue, PushQueue
-from minisgl.message.types import (AccountingMsg, AccountingReply, AdapterMsg, SleepMsg,
-                                   WakeMsg, WeightsMsg)
+from minisgl.message.types import (AccountingMsg, AccountingReply, AdapterMsg, GroupMsg,
+                                   GroupWeightsMsg, SleepMsg, WakeMsg, WeightsMsg)
 from minisgl.models import ModelConfig
 from minisgl.models.classifier import Classifier, LogitActivation, pair_score_error
 from minisgl.models.generation import sampling_defaults
@@ -396,7 +397,7 @@ class LLM:
         self._adapters: "OrderedDict[str, str]" = OrderedDict(cfg.engine.lora_adapters)
         self._lora_slots = cfg.engine.lora_slots
         self._lora_runtime, self._max_lora_rank = cfg.engine.lora_runtime, cfg.engine.max_lora_rank
-        tp = cfg.engine.tp
+        tp = self._tp = cfg.engine.tp
         self.model_path = resolve_model_path(model, cfg.engine.revision,
                                              cfg.engine.download_dir, hf_token)
         tokenizer_path = resolve_tokenizer_path(tokenizer, self.model_path,
@@ -677,6 +678,41 @@ class LLM:
         unchanged on every rank."""
         self._change(WeightsMsg(next(self._uids), str(model_path)))
 
+    def init_weights_update_group(self, master_address: str, master_port: int,
+                                  rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group",
+                                  backend: str = "nccl") -> None:
+        """Join a trainer's process group for weight updates (SGLang's
+        `Engine.init_weights_update_group`; distributed/weight_group.py): the trainer is its
+        rank 0 and hosts its TCP store at (master_address, master_port); rank r of this
+        engine joins as rank_offset + r. Blocks until every member has joined. ValueError
+        naming a group that cannot hold the ranks, or why a rank could not join."""
+        spec = GroupSpec(master_address, master_port, rank_offset, world_size, group_name,
+                         backend)
+        spec.check(self._tp)
+        self._change(GroupMsg(next(self._uids), group_name, master_address, master_port,
+                              rank_offset, world_size, backend))
+
+    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                                        shapes: Sequence[Sequence[int]],
+                                        group_name: str = "weight_update_group") -> None:
+        """Receive the tensors the trainer broadcasts from rank 0 of group `group_name`, in
+        this order (checkpoint names, dtype names such as "bfloat16", whole shapes), into the
+        served weights; the others stay (a trainer may send the weights in buckets). The
+        prefix cache is dropped. ValueError why not (a tensor that is not a weight of the
+        model: every rank then serves the checkpoint it loaded last from disk)."""
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(f"names, dtypes and shapes must be as long as each other "
+                             f"({len(names)}, {len(dtypes)}, {len(shapes)})")
+        self._change(GroupWeightsMsg(next(self._uids), group_name, tuple(names),
+                                     tuple(check_dtype(d) for d in dtypes),
+                                     tuple(tuple(s) for s in shapes)))
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        """Leave the trainer's group `group_name`; ValueError where none of that name was
+        joined."""
+        self._change(GroupMsg(next(self._uids), group_name, leave=True))
+
     def sleep(self, level: int = 1) -> None:
         """Hand back the device memory (vLLM's `LLM.sleep`; needs `enable_sleep_mode=True`):
         level 1 keeps the weights in host memory, level 2 forgets them (reload them with
@@ -699,7 +735,8 @@ class LLM:
         """Whether any part (weights, KV cache) is asleep."""
         return bool(self._asleep)
 
-    def _change(self, msg: Union[AdapterMsg, WeightsMsg, SleepMsg, WakeMsg]) -> None:
+    def _change(self, msg: Union[AdapterMsg, WeightsMsg, SleepMsg, WakeMsg, GroupMsg,
+                                 GroupWeightsMsg]) -> None:
         """Send `msg` to the ranks and wait for rank 0's answer (between calls: no request
         is in flight); ValueError with its error."""
         self._backend.submit(msg)

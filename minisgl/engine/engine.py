@@ -20,6 +20,7 @@ import torch
 from minisgl.attention import AttentionBackend, make_backend
 from minisgl.core import Batch, Phase, Req, StepResult, WeightsRefused
 from minisgl.distributed import ProcessGroups, min_over_ranks
+from minisgl.distributed.weight_group import GroupSpec, WeightGroup, parse_dtype
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.cuda_graph import DecodeGraphs, graph_sizes
 from minisgl.engine.lora import lora_rows
@@ -40,6 +41,7 @@ from minisgl.kvcache import KVPool
 from minisgl.kvcache.pool import FP8_KV_DTYPE, KVScales
 from minisgl.layers import blas
 from minisgl.layers.lora import LoraShape
+from minisgl.layers.source import TensorOf
 from minisgl.models import CausalLM, ModelConfig, model_class
 from minisgl.models.int_plan import IntPlan, int_plan
 from minisgl.models.int_weights import dense_int_weights
@@ -289,6 +291,7 @@ class Engine:
         self._capture_graphs(on_progress)
         self._asleep: Dict[str, Part] = {}  # sleep mode: the parts asleep (sleep.TAGS)
         self._host_copy: Optional[torch.Tensor] = None  # the weights' (Part.sleep's buffer)
+        self._weight_groups: Dict[str, WeightGroup] = {}  # trainers' groups joined, by name
         if self.device.type == "cuda":
             self._warm_up_eager()
             self._warm_up_sampler()
@@ -492,6 +495,49 @@ class Engine:
                            "hold them); restart the service to take the checkpoint's",
                            self.cfg.tp_info.rank, path, ", ".join(changed[:4]),
                            f", {len(changed) - 4} more" if len(changed) > 4 else "")
+
+    def join_weight_group(self, spec: GroupSpec, rank: int) -> None:
+        """Join a trainer's group as `rank` (distributed/weight_group.py; blocks until every
+        member has joined). ValueError naming a group of that name already joined; the
+        store's or backend's error where joining fails."""
+        if spec.group_name in self._weight_groups:
+            raise ValueError(f"weight update group {spec.group_name!r} is already joined")
+        self._weight_groups[spec.group_name] = WeightGroup.join(spec, rank, self.device)
+        logger.info("rank %d: joined weight update group %r as rank %d of %d (%s)",
+                    self.cfg.tp_info.rank, spec.group_name, rank, spec.world_size, spec.backend)
+
+    def leave_weight_group(self, name: str) -> None:
+        """Forget group `name`; ValueError where none of that name was joined."""
+        if self._weight_groups.pop(name, None) is None:
+            raise ValueError(f"no weight update group {name!r}")
+
+    @torch.no_grad()
+    def weights_from_group(self, name: str, tensors: Sequence[Tuple[str, str, Tuple[int, ...]]]
+                           ) -> None:
+        """Receive (checkpoint name, dtype name, shape) `tensors`, in order, from the trainer
+        of group `name`, and load each into the served weights (this rank's shard; the others
+        stay), with no request live. Every tensor is received even where loading one fails
+        (the trainer sends them all), then the error is raised: ValueError naming a tensor
+        that is not a weight of this model or does not fit (the weights then mixed, for the
+        caller to restore); WeightsRefused, before any weight changed, naming a group not
+        joined or a model whose weights cannot change in part (CausalLM.partial_refusal)."""
+        group = self._weight_groups.get(name)
+        if group is None:
+            raise WeightsRefused(f"no weight update group {name!r} (init_weights_update_group "
+                                 f"first)")
+        received = group.receive_all([(n, parse_dtype(d), tuple(shape))
+                                      for n, d, shape in tensors])
+        try:
+            refusal = self.model.partial_refusal()
+            if refusal is not None:
+                raise WeightsRefused(f"weights cannot change in part: {refusal} (reload a "
+                                     f"whole checkpoint with update_weights_from_disk)")
+            self.model.load_weights(((n, TensorOf(t)) for n, t in received), complete=False)
+        finally:
+            for _ in received:  # what loading did not take
+                pass
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _int_plan(self) -> Optional[IntPlan]:
         """The projections that keep an AWQ / GPTQ checkpoint's integers packed: on CUDA with

@@ -54,3 +54,18 @@ class RowsOf:
         if dim is None:
             return rows
         return rows.narrow(dim, start, stop - start)
+
+
+class TensorOf:
+    """A whole tensor in memory as a source (weights a trainer pushed: a checkpoint tensor
+    received rather than read from a file)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    def read(self, dim: Optional[int] = None, start: int = 0, stop: int = 0) -> torch.Tensor:
+        return self.tensor if dim is None else self.tensor.narrow(dim, start, stop - start)

@@ -29,7 +29,7 @@ _TYPES: Dict[str, Type[Any]] = {
                 T.DetokenizeInit, T.ReplyBatch, TokenLogprobs, T.TokenLogprobText,
                 T.TextRequest, T.ServiceDown, T.Drain, StructuredOutput, T.AccountingMsg,
                 T.AccountingReply, T.ReplicaChange, T.AdapterMsg, T.WeightsMsg,
-                T.FlushCacheMsg, T.SleepMsg, T.WakeMsg)
+                T.FlushCacheMsg, T.SleepMsg, T.WakeMsg, T.GroupMsg, T.GroupWeightsMsg)
 }
 
 
@@ -43,6 +43,13 @@ def _field_names(cls: Type[Any]) -> Tuple[str, ...]:
 def _tuple_fields(cls: Type[Any]) -> FrozenSet[str]:
     """msgpack has no tuple: the tuple-typed fields get their type back on decode."""
     return frozenset(f.name for f in dataclasses.fields(cls) if "Tuple" in str(f.type))
+
+
+@functools.lru_cache(maxsize=None)
+def _nested_tuple_fields(cls: Type[Any]) -> FrozenSet[str]:
+    """Tuples of tuples (GroupWeightsMsg.shapes): their items get their type back too."""
+    return frozenset(f.name for f in dataclasses.fields(cls)
+                     if str(f.type).startswith("Tuple[Tuple["))
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,7 +102,10 @@ def _from_wire(obj: Any) -> Any:
         for name in _field_names(cls):
             if name in wire:
                 value = _from_wire(wire[name])
-                kwargs[name] = tuple(value) if name in tuples and isinstance(value, list) else value
+                if name in tuples and isinstance(value, list):
+                    value = tuple(tuple(v) for v in value) if name in _nested_tuple_fields(
+                        cls) else tuple(value)
+                kwargs[name] = value
         return cls(**kwargs)
     if isinstance(obj, list):
         return [_from_wire(x) for x in obj]

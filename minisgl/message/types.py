@@ -2,7 +2,7 @@
 
 Flow: API server -> tokenizer (`TokenizeRequest`, `AbortRequest`, `ReplicaChange`) -> scheduler
 rank 0 (`UserMsg`, `AbortMsg`, `AdapterMsg`, `WeightsMsg`, `FlushCacheMsg`, `SleepMsg`,
-`WakeMsg`) -> detokenizer (`TokenOut`, `BatchTokenOut`) -> API server (`ReplyChunk`). The
+`WakeMsg`, `GroupMsg`, `GroupWeightsMsg`) -> detokenizer (`TokenOut`, `BatchTokenOut`) -> API server (`ReplyChunk`). The
 offline API at tp > 1 stands in for the tokenizer and detokenizer (and sends `AccountingMsg`).
 Rank 0 forwards the raw bytes of backend messages verbatim to the other ranks, so a backend
 message must decode to the same object on every rank (no process-local state inside).
@@ -75,12 +75,13 @@ class AbortRequest:
 @dataclass(frozen=True)
 class ReplicaChange:
     """API server -> tokenizer: `change` for data-parallel replica `replica`, a LoRA adapter's
-    (`AdapterMsg`), the weights' (`WeightsMsg`), the prefix cache's (`FlushCacheMsg`) or
-    sleep mode's (`SleepMsg`, `WakeMsg`); the API server sends one per replica, each with a
-    uid of its own, and gathers their answers."""
+    (`AdapterMsg`), the weights' (`WeightsMsg`, `GroupMsg`, `GroupWeightsMsg`), the prefix
+    cache's (`FlushCacheMsg`) or sleep mode's (`SleepMsg`, `WakeMsg`); the API server sends
+    one per replica, each with a uid of its own, and gathers their answers."""
 
     replica: int
-    change: Union["AdapterMsg", "WeightsMsg", "FlushCacheMsg", "SleepMsg", "WakeMsg"]
+    change: Union["AdapterMsg", "WeightsMsg", "FlushCacheMsg", "SleepMsg", "WakeMsg",
+                  "GroupMsg", "GroupWeightsMsg"]
 
 
 # --- tokenizer -> scheduler (the "backend" messages rank 0 forwards to other ranks) -----------
@@ -178,6 +179,40 @@ class WakeMsg:
 
     uid: int
     tags: Tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class GroupMsg:
+    """Join a trainer's weight update group (SGLang's /init_weights_update_group;
+    distributed/weight_group.py), or with `leave` forget it (/destroy_weights_update_group),
+    on every rank of a replica at the same step: rank r of replica d joins as rank_offset +
+    d * tp + r of world_size. Joining
+    blocks until every member has (the trainer included); the ranks agree (gloo) that all
+    joined, or none stays. Answered as a `WeightsMsg`."""
+
+    uid: int
+    group_name: str
+    master_address: str = ""
+    master_port: int = 0
+    rank_offset: int = 0
+    world_size: int = 0
+    backend: str = "nccl"
+    leave: bool = False
+
+
+@dataclass(frozen=True)
+class GroupWeightsMsg:
+    """Receive weights the trainer of group `group_name` broadcasts (SGLang's
+    /update_weights_from_distributed): each (names[i], dtypes[i], shapes[i]) in order, whole,
+    every rank keeping its shard. Waits for the live requests as a `WeightsMsg` does; the
+    ranks agree that all loaded, or every rank reloads the checkpoint it served; the prefix
+    cache is dropped. Answered as a `WeightsMsg`."""
+
+    uid: int
+    group_name: str
+    names: Tuple[str, ...]
+    dtypes: Tuple[str, ...]
+    shapes: Tuple[Tuple[int, ...], ...]
 
 
 # --- scheduler rank 0 -> detokenizer ------------------------------------------------------------

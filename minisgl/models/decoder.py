@@ -40,7 +40,8 @@ from minisgl.kernels.types import GELU_TANH, SILU, HeadNorms
 from minisgl.layers.activation import act_and_mul, act_and_mul_quantized
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.experts import expert_param
-from minisgl.layers.fp8 import SCALE_PARAMS, Fp8Spec, finish_loading, start_loading
+from minisgl.layers.fp8 import (SCALE_PARAMS, Fp8Spec, finish_loading, fp8_layers,
+                                start_loading)
 from minisgl.layers.linear import (ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
                                    ResidualStream, RowParallelLinear)
 from minisgl.layers.lora import LoraShape
@@ -484,12 +485,16 @@ class CausalLM(nn.Module):
             hidden = hidden[logit_rows]
         return self.lm_head(hidden, out)
 
-    def load_weights(self, tensors: Iterable[Tuple[str, TensorSource]]) -> None:
+    def load_weights(self, tensors: Iterable[Tuple[str, TensorSource]],
+                     complete: bool = True) -> None:
         """Load every parameter from (checkpoint name, source) pairs; raise naming any missing,
         and any FP8 scale of a layer that is not FP8. Then the weight-only FP8 layers are
         dequantized (layers/fp8.finish_loading). A reload into the same tensors goes the same
-        way (static activation scales restarted: layers/fp8.start_loading)."""
-        start_loading(self)
+        way (static activation scales restarted: layers/fp8.start_loading). With `complete`
+        False (a trainer's bucket of weights) only the tensors given change, and none need be
+        missing: the caller refuses models whose loading spans tensors (`partial_refusal`)."""
+        if complete:
+            start_loading(self)
         loaded: Set[str] = set()
         own = ((self._own_name(name), src) for name, src in tensors)
         for name, src in (part for name, src in own if name is not None
@@ -512,6 +517,9 @@ class CausalLM(nn.Module):
             except ValueError as e:
                 raise ValueError(f"loading checkpoint tensor {name}: {e}") from None
             loaded.add(f"{module_name}.{param}")
+        if not complete:
+            self._fold_residual_multiplier(loaded)
+            return
         expected = {n for n, _ in self.named_parameters()} | {
             f"{n}.{p}" for n, m in self.named_modules() if getattr(m, "packed", None)
             for p in getattr(m, "checkpoint_params", ())}
@@ -521,6 +529,21 @@ class CausalLM(nn.Module):
         self._fold_residual_multiplier()
         finish_loading(self)
 
+    def partial_refusal(self) -> Optional[str]:
+        """Why some of this model's weights cannot change alone (load_weights' `complete`
+        False), or None: static FP8 activation scales (the largest over a layer's fused parts,
+        restarted only by a whole checkpoint), FP8 dequantized as it loaded, packed integer
+        weights (packed from a layer's tensors together)."""
+        for name, module in self.named_modules():
+            if getattr(module, "packed", None) is not None:
+                return f"{name} keeps packed integer weights, packed from all its tensors"
+            if getattr(module, "fp8", None) is not None and any(
+                    n.endswith("input_scale") for n, _ in module.named_parameters(recurse=False)):
+                return f"{name} has static FP8 activation scales, set by a whole checkpoint"
+        if any(True for _ in fp8_layers(self)) and not next(self.parameters()).is_cuda:
+            return "its FP8 weights were dequantized as they loaded (weight-only FP8, the CPU's)"
+        return None
+
     def output_multiplier(self, name: str) -> float:
         """What the output of our projection `name` is multiplied by before it joins the
         residual stream (Granite's residual_multiplier on o_proj and down_proj; else 1),
@@ -529,26 +552,31 @@ class CausalLM(nn.Module):
         return self.cfg.residual_multiplier if last in ("o_proj", "down_proj") else 1.0
 
     @torch.no_grad()
-    def _fold_residual_multiplier(self) -> None:
+    def _fold_residual_multiplier(self, loaded: Optional[Set[str]] = None) -> None:
         """Granite's residual_multiplier m folded into the layers whose output it scales:
         m (x W^T + b) = x (m W)^T + m b; an FP8 layer's weight scale takes it (dequantized,
-        its weight is weight * scale), a packed layer's scales likewise ((q - z) * scales)."""
+        its weight is weight * scale), a packed layer's scales likewise ((q - z) * scales).
+        `loaded`: the parameters ("module.param") just loaded, alone (the others hold it
+        folded already; an FP8 weight's load sets its scale too)."""
         m = self.cfg.residual_multiplier
         if m == 1.0:
             return
+        fresh = (lambda n, *params: True) if loaded is None else (  # noqa: E731
+            lambda n, *params: any(f"{n}.{p}" in loaded for p in params))
         for name, module in self.named_modules():
             if self.output_multiplier(name) == 1.0:
                 continue
             if getattr(module, "packed", None) is not None:
-                factor = module.scales
+                factor, fold = module.scales, fresh(name, "qweight", "scales")
             elif getattr(module, "fp8", None) is not None:
-                factor = module.weight_scale
+                factor, fold = module.weight_scale, fresh(name, "weight", "weight_scale")
             elif hasattr(module, "weight"):
-                factor = module.weight
+                factor, fold = module.weight, fresh(name, "weight")
             else:
                 continue
-            factor.mul_(m)
-            if getattr(module, "bias", None) is not None:
+            if fold:
+                factor.mul_(m)
+            if getattr(module, "bias", None) is not None and fresh(name, "bias"):
                 module.bias.mul_(m)
 
     def projection_parts(self, module: str) -> List[Tuple[str, int, slice]]:

@@ -17,11 +17,12 @@ with a CPU fake and no model (tests/fake_engine.py). The contract, per step:
 
 from __future__ import annotations
 
-from typing import Any, FrozenSet, Optional, Protocol, Tuple
+from typing import Any, FrozenSet, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from minisgl.core import Batch, Req, StepResult
+from minisgl.distributed.weight_group import GroupSpec
 
 
 class StepEngine(Protocol):
@@ -101,3 +102,16 @@ class StepEngine(Protocol):
     def wake_up(self, tags: Tuple[str, ...] = ()) -> None:
         """Take the memory of the parts `tags` names (empty: all) again; an exception says
         why not, with the parts asleep as before."""
+
+    def join_weight_group(self, spec: GroupSpec, rank: int) -> None:
+        """Join a trainer's weight update group as `rank` (blocks until every member has);
+        an exception says why not."""
+
+    def leave_weight_group(self, name: str) -> None:
+        """Leave group `name`; ValueError where none of that name was joined."""
+
+    def weights_from_group(self, name: str, tensors: Sequence[Tuple[str, str, Tuple[int, ...]]]
+                           ) -> None:
+        """Receive (name, dtype, shape) `tensors` from group `name`'s trainer into the served
+        weights, with no request live; WeightsRefused before any weight changed, another
+        exception after (the weights mixed)."""

@@ -31,6 +31,7 @@ from torch.distributed import ProcessGroup
 from minisgl.core import (Batch, FinishReason, Limits, Phase, Req, RequestError, SamplingParams,
                           StepResult, WeightsRefused, check_request)
 from minisgl.distributed import check_same_across_ranks, min_over_ranks, true_on_all_ranks
+from minisgl.distributed.weight_group import GroupSpec
 from minisgl.grammar import GrammarCache, TokenizerSource
 from minisgl.grammar.matcher import RequestGrammar, fill_bitmask
 from minisgl.grammar.reasoning import ThinkGate
@@ -38,7 +39,7 @@ from minisgl.utils import offline_prefill_tokens, rows_to_device
 from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.message.types import (AccountingMsg, AccountingReply, AdapterMsg, FlushCacheMsg,
-                                   SleepMsg, WakeMsg, WeightsMsg)
+                                   GroupMsg, GroupWeightsMsg, SleepMsg, WakeMsg, WeightsMsg)
 from minisgl.message.pulse import Pulse
 from minisgl.models.lora_config import RUNTIME_OFF
 from minisgl.scheduler.adapters import AdapterTable
@@ -144,7 +145,7 @@ class Scheduler:
         # SleepMsg), the requests that arrived since or while asleep (taken after it, or after
         # the wake-up, in order), and the checkpoint served (None: the start-up dummy
         # weights), which a failed reload restores.
-        self.at_rest: Optional[Union[WeightsMsg, SleepMsg]] = None
+        self.at_rest: Optional[Union[WeightsMsg, SleepMsg, GroupWeightsMsg]] = None
         self.sleep_level = 0  # what the parts asleep slept at (Engine.asleep says which)
         self.held: List[UserMsg] = []
         self.weights_path = None if cfg.engine.load_format == "dummy" else cfg.engine.model_path
@@ -204,6 +205,8 @@ class Scheduler:
             change, self.at_rest = self.at_rest, None
             if isinstance(change, SleepMsg):
                 self._sleep(change)
+            elif isinstance(change, GroupWeightsMsg):
+                self._weights_from_group(change)
             else:
                 self._update_weights(change)
 
@@ -342,7 +345,7 @@ class Scheduler:
         elif isinstance(msg, AdapterMsg):
             error = self._unload(msg.name) if msg.path is None else self._load(msg.name, msg.path)
             self._answer(msg.uid, error)
-        elif isinstance(msg, (WeightsMsg, SleepMsg)):
+        elif isinstance(msg, (WeightsMsg, SleepMsg, GroupWeightsMsg)):
             error = self._at_rest_refusal(msg)
             if error is not None:
                 self._answer(msg.uid, error)
@@ -350,6 +353,8 @@ class Scheduler:
                 self.at_rest = msg  # done once no request is live (iterate)
         elif isinstance(msg, WakeMsg):
             self._answer(msg.uid, self._wake(msg))
+        elif isinstance(msg, GroupMsg):
+            self._answer(msg.uid, self._group(msg))
         elif isinstance(msg, FlushCacheMsg):
             dropped = self.cache.drop_unused()
             logger.info("rank %d: prefix cache flushed (%d pages freed)", self.rank, dropped)
@@ -424,16 +429,69 @@ class Scheduler:
         for user in held:
             self.handle(user)
 
-    def _at_rest_refusal(self, msg: Union[WeightsMsg, SleepMsg]) -> Optional[str]:
+    def _at_rest_refusal(self, msg: Union[WeightsMsg, SleepMsg, GroupWeightsMsg]
+                         ) -> Optional[str]:
         """Why a reload or a sleep is not queued (None: it is)."""
         if self.at_rest is not None:
             what = "a sleep" if isinstance(self.at_rest, SleepMsg) else "a weight reload"
             return f"{what} is already waiting for the running requests to finish"
         if isinstance(msg, SleepMsg) and not self.cfg.engine.enable_sleep_mode:
             return "sleep mode is off: start the server with --enable-sleep-mode"
-        if isinstance(msg, WeightsMsg) and "weights" in self.engine.asleep:
+        if not isinstance(msg, SleepMsg) and "weights" in self.engine.asleep:
             return "the weights are asleep: wake them up (wake_up with tag 'weights') first"
         return None
+
+    def _group(self, msg: GroupMsg) -> Optional[str]:
+        """Join (or leave) a trainer's weight update group on every rank (GroupMsg): None, or
+        why not. A join some rank failed is left by the ranks that made it."""
+        if msg.leave:
+            try:
+                self.engine.leave_weight_group(msg.group_name)
+            except ValueError as e:  # the same on every rank: they joined together
+                return str(e)
+            logger.info("rank %d: left weight update group %r", self.rank, msg.group_name)
+            return None
+        spec = GroupSpec(msg.master_address, msg.master_port, msg.rank_offset, msg.world_size,
+                         msg.group_name, msg.backend)
+        error = None
+        try:
+            tp = self.cfg.engine.tp
+            self.engine.join_weight_group(spec, msg.rank_offset + self.cfg.replica * tp +
+                                          self.rank)
+        except Exception as e:  # the store's or the backend's too: every rank reaches the vote
+            error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            logger.warning("rank %d: weight update group %r not joined: %s", self.rank,
+                           msg.group_name, error)
+        if min_over_ranks(int(error is None), self.cpu_group) == 0:
+            if error is None:
+                self.engine.leave_weight_group(msg.group_name)
+            return error or "joining the group failed on another rank (its log says why)"
+        return None
+
+    def _weights_from_group(self, msg: GroupWeightsMsg) -> None:
+        """The waiting update from a trainer's group, with no request live (every rank at the
+        same step): every rank loads the tensors broadcast, or, where some rank failed after
+        weights changed, every rank reloads the checkpoint it served (the group's earlier
+        updates with it); the prefix cache dropped; then the held requests."""
+        error, changed = None, True
+        try:
+            self.engine.weights_from_group(msg.group_name,
+                                           list(zip(msg.names, msg.dtypes, msg.shapes)))
+        except Exception as e:  # every rank must reach the vote below
+            changed = not isinstance(e, WeightsRefused)
+            error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            logger.warning("rank %d: weights from group %r not loaded: %s", self.rank,
+                           msg.group_name, error)
+        if min_over_ranks(int(error is None), self.cpu_group) == 0:
+            if min_over_ranks(int(not changed), self.cpu_group) == 0:
+                self.engine.reload_weights(self.weights_path)
+            error = error or "the weights failed to load on another rank (its log says why)"
+        dropped = self.cache.drop_unused()
+        logger.info("rank %d: %d tensors from weight update group %r %s (%d cached pages "
+                    "dropped)", self.rank, len(msg.names), msg.group_name,
+                    "loaded" if error is None else "not loaded", dropped)
+        self._answer(msg.uid, error)
+        self._take_held()
 
     def _sleep(self, msg: SleepMsg) -> None:
         """The waiting sleep, with no request live (every rank at the same step): the prefix

@@ -113,6 +113,7 @@ class ApiConfig:
     max_lora_rank: int = 16
     weights_path: Optional[str] = None  # the checkpoint served (None: dummy weights)
     sleep_mode: bool = False  # /sleep, /wake_up, /is_sleeping served (sleep_admin.py)
+    tp: int = 1  # each replica's ranks (a trainer's weight update group holds them all)
     tokenizer_path: str = ""  # the tokenizer's directory (SGLang's /get_model_info)
     incremental_streaming_output: bool = False  # /generate streams what is new (SGLang's)
     max_file_bytes: int = 512 << 20  # the Files API's files held in all (batches_api.py)
@@ -398,7 +399,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     adapters = loras.paths  # changes as adapters load and unload
     install_adapter_routes(app, loras, json_body)
     weights = Weights(streams, cfg.replicas, cfg.weights_path)  # its path follows reloads
-    install_state_routes(app, streams, weights, json_body)
+    install_state_routes(app, streams, weights, cfg.tp, json_body)
     if cfg.sleep_mode:
         install_sleep_routes(app, Sleep(streams, cfg.replicas))
     app.state.self_url = ""  # serve_forever sets it: the batches' requests go there

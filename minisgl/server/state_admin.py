@@ -16,6 +16,18 @@ Requests: SGLang's POST /abort_request {"rid"} ends the running request of that 
 `rid`, or the X-Request-Id it came with), {"abort_all": true} every one; the clients get
 finish_reason "abort" (what RL loops do with the rollouts of a step they cut short).
 
+Weights pushed by a trainer over a process group (SGLang's, as RL loops with a separate trainer
+use them; distributed/weight_group.py): POST /init_weights_update_group {"master_address",
+"master_port", "rank_offset", "world_size", "group_name", "backend"} has every rank of every
+replica join the trainer's group (replica d's rank r as rank_offset + d * tp + r); POST
+/update_weights_from_distributed {"names", "dtypes", "shapes", "group_name",
+"abort_all_requests"} waits as a disk reload does, then every rank receives the tensors the
+trainer broadcasts and loads its shard (the trainer may send the weights in several such
+buckets); POST /destroy_weights_update_group {"group_name"} leaves it. Each is answered
+{"success", "message"}: 200, or 400 with success false and why (a group that cannot hold the
+ranks, a rank that could not join, a tensor that is not a weight of the model: after which
+every rank serves the checkpoint it loaded last from disk).
+
 The prefix cache: SGLang's /flush_cache (GET or POST; 200 with a line of text) and vLLM's
 POST /reset_prefix_cache (200, empty) drop every cached page no running request holds, on
 every replica (message.FlushCacheMsg): what a benchmark does between runs, or an operator
@@ -30,7 +42,8 @@ from typing import Awaitable, Callable, List, Optional
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.requests import Request
 
-from minisgl.message.types import FlushCacheMsg, WeightsMsg
+from minisgl.distributed.weight_group import GroupSpec, check_dtype
+from minisgl.message.types import FlushCacheMsg, GroupMsg, GroupWeightsMsg, WeightsMsg
 from minisgl.server.openapi import App, body as body_schema
 from minisgl.server.protocol import ApiError, Body, parse_body
 from minisgl.server.streams import RequestStreams
@@ -40,6 +53,29 @@ class UpdateWeightsBody(Body):
     model_path: str
     load_format: Optional[str] = None  # SGLang's: "auto" (the directory's safetensors) only
     abort_all_requests: bool = False  # SGLang's: end the running requests instead of waiting
+
+
+class InitGroupBody(Body):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class GroupWeightsBody(Body):
+    names: List[str]
+    dtypes: List[str]
+    shapes: List[List[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True  # SGLang's: the prefix cache is dropped either way
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None  # SGLang's: accepted, not kept
+
+
+class GroupBody(Body):
+    group_name: str = "weight_update_group"
 
 
 class AbortBody(Body):
@@ -80,13 +116,92 @@ class Weights:
     async def _change(self, path: str, replicas: List[int]) -> List[Optional[str]]:
         return await self.streams.apply_change(lambda uid: WeightsMsg(uid, path), replicas)
 
+    async def join_group(self, body: InitGroupBody, tp: int) -> None:
+        """Every replica's ranks join the trainer's group; ApiError (400) why not, no rank
+        joined then (those of replicas that had, leave)."""
+        spec = GroupSpec(body.master_address, body.master_port, body.rank_offset,
+                         body.world_size, body.group_name, body.backend)
+        try:
+            spec.check(self.replicas * tp)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        async with self._lock:
+            errors = await self.streams.apply_change(lambda uid: GroupMsg(
+                uid, body.group_name, body.master_address, body.master_port, body.rank_offset,
+                body.world_size, body.backend), list(range(self.replicas)))
+            if any(errors):
+                joined = [r for r, e in enumerate(errors) if e is None]
+                if joined:
+                    await self.streams.apply_change(
+                        lambda uid: GroupMsg(uid, body.group_name, leave=True), joined)
+                raise ApiError(400, next(e for e in errors if e), "master_address")
 
-def install_state_routes(app: App, streams: RequestStreams, weights: Weights,
+    async def from_group(self, body: GroupWeightsBody) -> None:
+        """Every replica receives the tensors the trainer broadcasts; ApiError (400) why not."""
+        if not len(body.names) == len(body.dtypes) == len(body.shapes):
+            raise ApiError(400, f"names, dtypes and shapes must be as long as each other "
+                                f"({len(body.names)}, {len(body.dtypes)}, {len(body.shapes)})",
+                           "names")
+        try:
+            dtypes = tuple(check_dtype(d) for d in body.dtypes)
+        except ValueError as e:
+            raise ApiError(400, str(e), "dtypes") from None
+        if any(d < 0 for shape in body.shapes for d in shape):
+            raise ApiError(400, "shapes must not hold negative sizes", "shapes")
+        async with self._lock:
+            if body.abort_all_requests:
+                self.streams.abort_all()
+            errors = await self.streams.apply_change(lambda uid: GroupWeightsMsg(
+                uid, body.group_name, tuple(body.names), dtypes,
+                tuple(tuple(s) for s in body.shapes)), list(range(self.replicas)))
+        if any(errors):
+            raise ApiError(400, next(e for e in errors if e), "names")
+
+    async def leave_group(self, body: GroupBody) -> None:
+        async with self._lock:
+            errors = await self.streams.apply_change(
+                lambda uid: GroupMsg(uid, body.group_name, leave=True),
+                list(range(self.replicas)))
+        if any(errors):
+            raise ApiError(400, next(e for e in errors if e), "group_name")
+
+
+def install_state_routes(app: App, streams: RequestStreams, weights: Weights, tp: int,
                          read_body: Callable[[Request], Awaitable[bytes]]) -> None:
-    """SGLang's POST /update_weights_from_disk, /abort_request and /flush_cache, vLLM's
-    /reset_prefix_cache (see the module's docstring); `read_body`: a JSON body's bytes (api.json_body: 415 for
-    another content type)."""
-    app.body_models += [UpdateWeightsBody, AbortBody]
+    """SGLang's POST /update_weights_from_disk, /init_weights_update_group,
+    /update_weights_from_distributed, /destroy_weights_update_group, /abort_request and
+    /flush_cache, vLLM's /reset_prefix_cache (see the module's docstring); `tp`: each
+    replica's ranks; `read_body`: a JSON body's bytes (api.json_body: 415 for another content
+    type)."""
+    app.body_models += [UpdateWeightsBody, AbortBody, InitGroupBody, GroupWeightsBody, GroupBody]
+
+    def answer(done: str, change: Awaitable[None]) -> Callable[[], Awaitable[Response]]:
+        async def run() -> Response:
+            try:
+                await change
+            except ApiError as e:
+                return JSONResponse({"success": False, "message": e.message},
+                                    status_code=e.status)
+            return JSONResponse({"success": True, "message": done})
+        return run
+
+    @app.post("/init_weights_update_group", openapi_extra=body_schema(InitGroupBody))
+    async def init_weights_update_group(request: Request) -> Response:
+        body = parse_body(await read_body(request), InitGroupBody)
+        return await answer("Succeeded to initialize the weight update group.",
+                            weights.join_group(body, tp))()
+
+    @app.post("/update_weights_from_distributed", openapi_extra=body_schema(GroupWeightsBody))
+    async def update_weights_from_distributed(request: Request) -> Response:
+        body = parse_body(await read_body(request), GroupWeightsBody)
+        return await answer("Succeeded to update the parameters from distributed.",
+                            weights.from_group(body))()
+
+    @app.post("/destroy_weights_update_group", openapi_extra=body_schema(GroupBody))
+    async def destroy_weights_update_group(request: Request) -> Response:
+        body = parse_body(await read_body(request), GroupBody)
+        return await answer("Succeeded to destroy the weight update group.",
+                            weights.leave_group(body))()
 
     @app.post("/abort_request", openapi_extra=body_schema(AbortBody))
     async def abort_request(request: Request) -> Response:

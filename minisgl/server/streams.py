@@ -35,7 +35,8 @@ import zmq
 import zmq.asyncio
 
 from minisgl.message.codec import decode, encode
-from minisgl.message.types import (AbortRequest, AdapterMsg, Drain, FlushCacheMsg, ReplicaChange,
+from minisgl.message.types import (AbortRequest, AdapterMsg, Drain, FlushCacheMsg, GroupMsg,
+                                   GroupWeightsMsg, ReplicaChange,
                                    ReplyBatch, ReplyChunk, ServiceDown, TextRequest,
                                    SleepMsg, TokenizeRequest, WakeMsg, WeightsMsg)
 from minisgl.server.admission import Queued, overloaded
@@ -43,7 +44,8 @@ from minisgl.server.metrics import Metrics
 from minisgl.server.protocol import ApiError, Job, Prompt
 
 logger = logging.getLogger("minisgl.api")
-ReplicaChangeMsg = Union[AdapterMsg, WeightsMsg, FlushCacheMsg, SleepMsg, WakeMsg]
+ReplicaChangeMsg = Union[AdapterMsg, WeightsMsg, FlushCacheMsg, SleepMsg, WakeMsg, GroupMsg,
+                         GroupWeightsMsg]
 
 
 @dataclass(eq=False)

@@ -1,0 +1,158 @@
+"""Weights pushed by a trainer over a process group (SGLang's init_weights_update_group /
+update_weights_from_distributed / destroy_weights_update_group): offline at tp=1 and tp=2 and
+over HTTP, with a gloo trainer in this process (rank 0: it hosts the TCP store and broadcasts,
+as an RL trainer does) and Hugging Face's tokens of the checkpoint it sends.
+
+What must hold: the ranks join the trainer's group and receive each tensor whole, keeping their
+shard; weights sent in buckets all land; a tensor that is not a weight of the model is an error
+naming it, after every tensor of the update was still received (the trainer never hangs), and
+every rank serves the checkpoint it loaded from disk; a bad group is refused before anyone
+waits on it.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from hf_reference import hf_greedy, mixed_prompts
+from minisgl import LLM, SamplingParams
+from minisgl.distributed.bind import free_port
+
+GROUP = "weight_update_group"
+
+
+class Trainer:
+    """Rank 0 of a weight update group on gloo, as a trainer makes it (the key layout of
+    torch's new_group: distributed/weight_group.py); joining and each broadcast run on a
+    thread, since they wait for the service's ranks."""
+
+    def __init__(self, world_size: int) -> None:
+        self.port = free_port()
+        self.world_size = world_size
+        self.group: object = None
+
+    def _run(self, work: Callable[[], None]) -> threading.Thread:
+        thread = threading.Thread(target=work, daemon=True)
+        thread.start()
+        return thread
+
+    def join(self) -> threading.Thread:
+        def work() -> None:  # the store waits for the service's ranks to connect
+            store = dist.TCPStore("127.0.0.1", self.port, self.world_size, is_master=True,
+                                  timeout=timedelta(seconds=60))
+            keys = dist.PrefixStore("cpu/", dist.PrefixStore(f"{GROUP}/", dist.PrefixStore(
+                GROUP, store)))
+            self.group = dist.ProcessGroupGloo(keys, 0, self.world_size, timedelta(seconds=60))
+        return self._run(work)
+
+    def broadcast(self, tensors: List[torch.Tensor]) -> threading.Thread:
+        def work() -> None:
+            for t in tensors:
+                self.group.broadcast([t.contiguous()], dist.BroadcastOptions()).wait()  # type: ignore
+        return self._run(work)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+                ) -> List[Path]:
+    from tiny_models import build_tiny
+    return [tiny_model("llama"), build_tiny("llama", tmp_path_factory.mktemp("wg") / "b",
+                                            None, seed=5)]
+
+
+def _update(push: Callable[[List[str], List[str], List[List[int]]], None], trainer: Trainer,
+            tensors: Dict[str, torch.Tensor], names: List[str]) -> threading.Thread:
+    """Send `names` of `tensors` as one update: the trainer broadcasting while `push` asks
+    the service to receive them; the trainer's thread (done once every tensor went)."""
+    sending = trainer.broadcast([tensors[n] for n in names])
+    push(names, [str(tensors[n].dtype).removeprefix("torch.") for n in names],
+         [list(tensors[n].shape) for n in names])
+    sending.join(60)
+    return sending
+
+
+def _tokens(llm: LLM, prompts: List[List[int]]) -> List[List[int]]:
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_offline_weights_from_a_trainers_group(checkpoints: List[Path], tp: int) -> None:
+    a, b = checkpoints
+    prompts = mixed_prompts(3, seed=37, lengths=(5, 21))
+    want_a, want_b = hf_greedy(a, prompts, 10), hf_greedy(b, prompts, 10)
+    tensors = load_file(str(b / "model.safetensors"))
+    names = sorted(tensors)
+    with LLM(str(a), device="cpu", tp=tp, page_size=4, max_kv_tokens=2048,
+             show_progress=False) as llm:
+        with pytest.raises(ValueError, match="cannot hold this service's"):
+            llm.init_weights_update_group("127.0.0.1", 1, 1, tp, backend="gloo")
+        trainer = Trainer(1 + tp)
+        joining = trainer.join()
+        llm.init_weights_update_group("127.0.0.1", trainer.port, 1, 1 + tp, backend="gloo")
+        joining.join(60)
+        push = llm.update_weights_from_distributed
+        half = len(names) // 2
+        for bucket in (names[:half], names[half:]):  # a trainer's buckets
+            assert not _update(push, trainer, tensors, bucket).is_alive()
+        assert _tokens(llm, prompts) == want_b
+        bad = dict(tensors, **{"model.layers.0.mlp.nothing.weight": torch.zeros(2, 3)})
+        with pytest.raises(ValueError, match="nothing"):
+            _update(push, trainer, bad, ["model.layers.0.mlp.nothing.weight", names[0]])
+        assert _tokens(llm, prompts) == want_a  # the checkpoint loaded from disk again
+        llm.destroy_weights_update_group()
+        with pytest.raises(ValueError, match="no weight update group"):
+            llm.destroy_weights_update_group()
+        assert llm.check_accounting().live_requests == 0
+
+
+def test_served_weights_from_a_trainers_group(checkpoints: List[Path], tmp_path: Path) -> None:
+    """The HTTP endpoints, SGLang's bodies and answers; bad bodies are 400s naming why."""
+    import httpx
+    from server_helpers import CPU_ARGS, serving
+    a, b = checkpoints
+    prompt = mixed_prompts(1, seed=41, lengths=(30,))[0]
+    tensors = load_file(str(b / "model.safetensors"))
+    names = sorted(tensors)
+    with serving(["--model", str(a), *CPU_ARGS], tmp_path) as srv:
+        def post(path: str, body: dict) -> httpx.Response:
+            return httpx.post(f"{srv.url}{path}", json=body, timeout=120)
+
+        def generate() -> List[int]:
+            r = post("/generate", {"input_ids": prompt, "sampling_params": {
+                "max_new_tokens": 10, "temperature": 0, "ignore_eos": True}})
+            return list(r.json()["output_ids"])
+
+        trainer = Trainer(2)
+        init = {"master_address": "127.0.0.1", "master_port": trainer.port, "rank_offset": 1,
+                "world_size": 2, "group_name": GROUP, "backend": "gloo"}
+        for change, says in (({"world_size": 1}, "cannot hold"), ({"backend": "mpi"}, "backend")):
+            r = post("/init_weights_update_group", dict(init, **change))
+            assert r.status_code == 400 and r.json()["success"] is False, r.text
+            assert says in r.json()["message"]
+        joining = trainer.join()
+        r = post("/init_weights_update_group", init)
+        assert r.status_code == 200 and r.json()["success"] is True, r.text
+        joining.join(60)
+
+        def push(names: List[str], dtypes: List[str], shapes: List[List[int]]) -> None:
+            r = post("/update_weights_from_distributed", {"names": names, "dtypes": dtypes,
+                                                          "shapes": shapes})
+            assert r.status_code == 200 and r.json()["success"] is True, r.text
+
+        assert not _update(push, trainer, tensors, names).is_alive()
+        assert generate() == hf_greedy(b, [prompt], 10)[0]
+        r = post("/update_weights_from_distributed", {"names": names[:1], "dtypes": ["fp4"],
+                                                      "shapes": [[1]]})
+        assert r.status_code == 400 and "unknown dtype 'fp4'" in r.json()["message"], r.text
+        assert post("/destroy_weights_update_group", {}).json()["success"] is True
+        r = post("/destroy_weights_update_group", {"group_name": GROUP})
+        assert r.status_code == 400 and "no weight update group" in r.json()["message"]
