@@ -56,7 +56,7 @@ fi
 if [ "$MODE" = s40 ]; then  # the fortieth session's (~8 min): sleep mode on CUDA (its test, then
   # Llama-3.1-8B's shape: memory handed back, sleep and wake-up times), and the batch-1 FP8 step
   export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache
-  step sleep_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_sleep_mode.py tests/test_gpu.py -k "sleep or reload"
+  step sleep_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_sleep_mode.py tests/test_weight_group.py tests/test_gpu.py -k "sleep or reload or gloo"
   step sleep_8b 240 python3 scripts/bench_sleep.py --model configs/models/llama-3.1-8b
   step fp8_b1 200 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --batch-sizes 1,16 --steps 100 --cuda-graph-max-bs 16 --quantization fp8 --kv-cache-dtype fp8_e4m3
 fi

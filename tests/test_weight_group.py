@@ -156,3 +156,22 @@ def test_served_weights_from_a_trainers_group(checkpoints: List[Path], tmp_path:
         assert post("/destroy_weights_update_group", {}).json()["success"] is True
         r = post("/destroy_weights_update_group", {"group_name": GROUP})
         assert r.status_code == 400 and "no weight update group" in r.json()["message"]
+
+
+@pytest.mark.gpu
+def test_gpu_weights_from_a_gloo_group(checkpoints: List[Path]) -> None:
+    """On CUDA (graphs captured over the weights, which change in place): the tensors received
+    on the host through gloo give the tokens of an engine that loaded that checkpoint."""
+    a, b = checkpoints
+    prompts = mixed_prompts(4, seed=43)
+    tensors = load_file(str(b / "model.safetensors"))
+    with LLM(str(b), show_progress=False) as fresh:
+        want = _tokens(fresh, prompts)
+    with LLM(str(a), show_progress=False) as llm:
+        trainer = Trainer(2)
+        joining = trainer.join()
+        llm.init_weights_update_group("127.0.0.1", trainer.port, 1, 2, backend="gloo")
+        joining.join(60)
+        assert not _update(llm.update_weights_from_distributed, trainer, tensors,
+                           sorted(tensors)).is_alive()
+        assert _tokens(llm, prompts) == want
