@@ -79,7 +79,9 @@ class WeightGroup:
                                                                              store))
         keys = dist.PrefixStore("cuda/" if on_gpu else "cpu/", prefixed)
         if on_gpu:
-            backend: object = dist.ProcessGroupNCCL(keys, rank, spec.world_size)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            backend: object = dist.ProcessGroupNCCL(keys, rank, spec.world_size, options)
             where = device
         else:
             backend = dist.ProcessGroupGloo(keys, rank, spec.world_size, timeout)
