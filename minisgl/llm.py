@@ -396,6 +396,7 @@ class LLM:
         # The LoRA adapters loaded (name -> directory), least recently used first
         self._adapters: "OrderedDict[str, str]" = OrderedDict(cfg.engine.lora_adapters)
         self._lora_slots = cfg.engine.lora_slots
+        self._cpu_backup = cfg.engine.enable_weights_cpu_backup
         self._lora_runtime, self._max_lora_rank = cfg.engine.lora_runtime, cfg.engine.max_lora_rank
         tp = self._tp = cfg.engine.tp
         self.model_path = resolve_model_path(model, cfg.engine.revision,
@@ -724,12 +725,24 @@ class LLM:
 
     def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
         """Take the memory of the parts `tags` names ("weights", "kv_cache"; None: both)
-        again (vLLM's `LLM.wake_up`); generation waits until nothing is asleep. ValueError
+        again (vLLM's `LLM.wake_up`); generating raises until nothing is asleep. ValueError
         naming an unknown tag, or why the engine could not (its device out of memory), with
         the parts asleep as they were."""
         named = check_tags(tags)
         self._change(WakeMsg(next(self._uids), named))
         self._asleep -= frozenset(named)
+
+    def release_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
+        """SGLang's `Engine.release_memory_occupation`: the parts `tags` names ("weights",
+        "kv_cache"; its "cuda_graph" beside them; None: all) asleep, the weights at level 1
+        with `enable_weights_cpu_backup=True`, else forgotten (level 2)."""
+        parts = _sglang_parts(tags)
+        self._change(SleepMsg(next(self._uids), 1 if self._cpu_backup else 2, parts))
+        self._asleep |= frozenset(parts)
+
+    def resume_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
+        """SGLang's `Engine.resume_memory_occupation`: `wake_up` of the parts named."""
+        self.wake_up(_sglang_parts(tags))
 
     def is_sleeping(self) -> bool:
         """Whether any part (weights, KV cache) is asleep."""
@@ -1055,6 +1068,16 @@ class LLM:
                 if out.finish_reason is not None or out.error:
                     left.discard(out.uid)
         self._backend.drain()
+
+
+def _sglang_parts(tags: Optional[Sequence[str]]) -> Tuple[str, ...]:
+    """The parts SGLang's memory-occupation tags name (its "cuda_graph" aside; None: all);
+    ValueError naming an unknown tag, or "cuda_graph" alone."""
+    named = tuple(t for t in (tags or SLEEP_TAGS) if t != "cuda_graph")
+    if not named:
+        raise ValueError("'cuda_graph' alone: CUDA graphs sleep and wake with the weights and "
+                         "the KV cache")
+    return check_tags(named)
 
 
 def _same_dir(a: str, b: str) -> bool:

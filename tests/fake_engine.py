@@ -127,10 +127,10 @@ class FakeEngine:
         self.sleeps: List[Tuple[int, Tuple[str, ...]]] = []  # every sleep's (level, parts)
         self.wake_error: Optional[str] = None  # what the next wake_up raises (once)
 
-    def sleep(self, level: int, tags: Tuple[str, ...] = ("weights", "kv_cache")) -> int:
+    def sleep(self, level: int, tags: Tuple[str, ...] = ()) -> int:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, not {level}")
-        awake = tuple(t for t in tags if t not in self.asleep)
+        awake = tuple(t for t in tags or ("weights", "kv_cache") if t not in self.asleep)
         self.asleep |= frozenset(awake)
         self.sleeps.append((level, awake))
         if level == 2 and "weights" in awake:

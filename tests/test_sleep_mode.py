@@ -19,6 +19,7 @@ import pytest
 
 from hf_reference import hf_greedy, mixed_prompts
 from minisgl import LLM, SamplingParams
+from minisgl.message.types import SleepMsg
 from tests.fake_engine import Harness, lora_reference, reference
 
 PROMPT = list(range(1, 14))
@@ -77,6 +78,22 @@ def test_level_2_wakes_the_weights_for_a_reload_then_the_kv_cache() -> None:
     h.wake(105, "kv_cache")
     h.run()
     assert _reply(h, 105) == "ok"
+    assert h.tokens[1] == lora_reference(PROMPT, 8, "/ckpt/b")
+
+
+def test_the_kv_cache_alone_can_sleep() -> None:
+    """SGLang's release of some parts: the KV cache asleep, the weights kept and reloadable;
+    requests wait for the wake-up."""
+    h = Harness()
+    h.io.inbox.append(SleepMsg(100, 2, ("kv_cache",)))
+    h.run()
+    h.submit(1, PROMPT)
+    h.weights(101, "/ckpt/b")
+    h.run()
+    assert h.engine.sleeps == [(2, ("kv_cache",))] and h.engine.asleep == {"kv_cache"}
+    assert _reply(h, 101) == "ok" and 1 not in h.tokens
+    h.wake(102, "kv_cache")
+    h.run()
     assert h.tokens[1] == lora_reference(PROMPT, 8, "/ckpt/b")
 
 
@@ -176,6 +193,12 @@ def test_offline_sleep_and_wake_give_hugging_faces_tokens(checkpoints: List[Path
         llm.update_weights_from_disk(str(b))
         llm.wake_up(tags=["kv_cache"])
         assert _tokens(llm, prompts) == want_b
+        llm.release_memory_occupation(["kv_cache", "cuda_graph"])  # SGLang's
+        assert llm.is_sleeping()
+        llm.resume_memory_occupation()
+        assert _tokens(llm, prompts) == want_b
+        with pytest.raises(ValueError, match="'cuda_graph' alone"):
+            llm.release_memory_occupation(["cuda_graph"])
         with pytest.raises(ValueError, match="sleep level must be 1"):
             llm.sleep(0)
         with pytest.raises(ValueError, match="unknown wake_up tag 'cuda_graph'"):
@@ -225,7 +248,25 @@ def test_served_sleep_and_wake_up_as_vllm_answers(checkpoints: List[Path],
         r = post("/update_weights_from_disk", json={"model_path": str(b)})
         assert r.json()["success"] is True, r.text
         assert post("/wake_up?tags=kv_cache").status_code == 200 and not sleeping()
-        assert generate() == hf_greedy(b, [prompt], 10)[0]
+        want_b = hf_greedy(b, [prompt], 10)[0]
+        assert generate() == want_b
+        # SGLang's: the KV cache alone; then all, the weights forgotten (no CPU backup), so
+        # the RL loop's order: the weights back, reloaded, then the KV cache
+        r = post("/release_memory_occupation", json={"tags": ["kv_cache"]})
+        assert r.status_code == 200 and r.json()["success"] is True and sleeping(), r.text
+        assert post("/resume_memory_occupation", json={}).status_code == 200
+        assert generate() == want_b and not sleeping()
+        assert post("/release_memory_occupation", json={}).status_code == 200
+        assert post("/resume_memory_occupation", json={"tags": ["weights"]}).status_code == 200
+        r = post("/update_weights_from_disk", json={"model_path": str(a)})
+        assert r.json()["success"] is True, r.text
+        assert post("/resume_memory_occupation", json={"tags": ["kv_cache", "cuda_graph"]}
+                    ).status_code == 200
+        assert generate() == want
+        for body, says in (({"tags": ["cuda_graph"]}, "'cuda_graph' alone"),
+                           ({"tags": ["gpu"]}, "unknown tag 'gpu'")):
+            r = post("/release_memory_occupation", json=body)
+            assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
 
 
 # --- CUDA -----------------------------------------------------------------------------------

@@ -126,9 +126,14 @@ class EngineConfig:
                "adapters as it holds the weights' (layers/lora.py)")
     enable_sleep_mode: bool = setting(
         False, "vLLM's: an idle engine may hand back its device memory and take it again "
-               "(/sleep, /wake_up, /is_sleeping over HTTP; LLM.sleep, wake_up, is_sleeping): "
-               "level 1 keeps the weights in host memory, level 2 forgets them (for a reload); "
-               "the KV cache is forgotten at either")
+               "(/sleep, /wake_up, /is_sleeping over HTTP; LLM.sleep, wake_up, is_sleeping; "
+               "SGLang's /release_memory_occupation, /resume_memory_occupation): level 1 keeps "
+               "the weights in host memory, level 2 forgets them (for a reload); the KV cache "
+               "is forgotten at either", also=("enable-memory-saver",))
+    enable_weights_cpu_backup: bool = setting(
+        False, "SGLang's: /release_memory_occupation keeps a host copy of the weights (sleep "
+               "level 1); without it they are forgotten (level 2: push or reload them before "
+               "serving again)")
     swap_space: Optional[float] = setting(
         None, "vLLM's (GiB): accepted, and it changes nothing, as in vLLM since 0.8: a "
               "preempted request is computed again, not swapped to CPU memory")

@@ -326,10 +326,11 @@ class Engine:
         return frozenset(self._asleep)
 
     @torch.inference_mode()
-    def sleep(self, level: int, tags: Tuple[str, ...] = TAGS) -> int:
-        """Hand back the device memory of the parts `tags` names (sleep.TAGS) that are awake
-        (sleep.py): level 1 keeps a host copy of the weights, level 2 forgets the checkpoint's
-        (a reload fills them again); the KV cache is forgotten at either. The scheduler calls
+    def sleep(self, level: int, tags: Tuple[str, ...] = ()) -> int:
+        """Hand back the device memory of the parts `tags` names (sleep.TAGS; empty: all) that
+        are awake (sleep.py): level 1 keeps a host copy of the weights, level 2 forgets the
+        checkpoint's (a reload fills them again); the KV cache is forgotten at either. The
+        scheduler calls
         it with no request live and the prefix cache dropped (every rank at the same step).
         The CUDA graphs go too (captured again by the wake-up that leaves nothing asleep). The
         bytes freed. ValueError naming the level where it is not 1 or 2, or where level 2

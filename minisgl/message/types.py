@@ -168,6 +168,7 @@ class SleepMsg:
 
     uid: int
     level: int = 1
+    tags: Tuple[str, ...] = ()  # the parts that sleep (SGLang's release: some); empty: all
 
 
 @dataclass(frozen=True)

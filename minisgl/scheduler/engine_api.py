@@ -94,10 +94,11 @@ class StepEngine(Protocol):
     def asleep(self) -> FrozenSet[str]:
         """Sleep mode: the parts asleep ("weights", "kv_cache"); empty while serving."""
 
-    def sleep(self, level: int, tags: Tuple[str, ...] = ("weights", "kv_cache")) -> int:
-        """Hand back the memory of the awake parts `tags` names at sleep `level` (1: the
-        weights kept in host memory; 2: forgotten), with no request live and the prefix cache
-        dropped; the bytes freed. An exception says why not (nothing asleep that was not)."""
+    def sleep(self, level: int, tags: Tuple[str, ...] = ()) -> int:
+        """Hand back the memory of the awake parts `tags` names (empty: all) at sleep `level`
+        (1: the weights kept in host memory; 2: forgotten), with no request live and the
+        prefix cache dropped; the bytes freed. An exception says why not (nothing asleep that
+        was not)."""
 
     def wake_up(self, tags: Tuple[str, ...] = ()) -> None:
         """Take the memory of the parts `tags` names (empty: all) again; an exception says

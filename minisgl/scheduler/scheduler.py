@@ -501,7 +501,7 @@ class Scheduler:
         dropped = self.cache.drop_unused()
         before, error, freed, start = self.engine.asleep, None, 0, time.perf_counter()
         try:
-            freed = self.engine.sleep(msg.level)
+            freed = self.engine.sleep(msg.level, tuple(msg.tags))
         except Exception as e:  # a host copy not made: every rank must reach the vote below
             error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         if min_over_ranks(int(error is None), self.cpu_group) == 0:

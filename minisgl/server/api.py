@@ -113,6 +113,7 @@ class ApiConfig:
     max_lora_rank: int = 16
     weights_path: Optional[str] = None  # the checkpoint served (None: dummy weights)
     sleep_mode: bool = False  # /sleep, /wake_up, /is_sleeping served (sleep_admin.py)
+    weights_cpu_backup: bool = False  # SGLang's release keeps the weights (sleep level 1)
     tp: int = 1  # each replica's ranks (a trainer's weight update group holds them all)
     tokenizer_path: str = ""  # the tokenizer's directory (SGLang's /get_model_info)
     incremental_streaming_output: bool = False  # /generate streams what is new (SGLang's)
@@ -401,7 +402,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     weights = Weights(streams, cfg.replicas, cfg.weights_path)  # its path follows reloads
     install_state_routes(app, streams, weights, cfg.tp, json_body)
     if cfg.sleep_mode:
-        install_sleep_routes(app, Sleep(streams, cfg.replicas))
+        install_sleep_routes(app, Sleep(streams, cfg.replicas), cfg.weights_cpu_backup,
+                             json_body)
     app.state.self_url = ""  # serve_forever sets it: the batches' requests go there
     batches = Batches(cfg.max_file_bytes, cfg.api_key)
     install_batch_routes(app, batches, lambda: str(app.state.self_url), json_body)

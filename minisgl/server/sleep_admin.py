@@ -12,6 +12,13 @@
   why, that replica asleep as it was.
 - GET /is_sleeping: {"is_sleeping": true} while any part of any replica sleeps.
 
+And SGLang's (`--enable-memory-saver` is the same flag): POST /release_memory_occupation
+{"tags": [...]} (none: all) puts the parts named to sleep, at level 1 with
+`--enable-weights-cpu-backup`, else 2 (SGLang forgets the weights unless backed up); POST
+/resume_memory_occupation {"tags": [...]} wakes them. Both answer 200 with SGLang's
+{"success": true, "message": ...}. Its "cuda_graph" tag is accepted beside the others (the
+graphs go and come back with them); alone it is a 400.
+
 A bad level or tag is a 400 naming it; without `--enable-sleep-mode` the routes do not exist
 (404), as in vLLM. Changes run one at a time (a lock).
 """
@@ -20,14 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import FrozenSet, List, Optional, Tuple
+from typing import Awaitable, Callable, FrozenSet, List, Optional, Tuple
 
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
 from minisgl.message.types import SleepMsg, WakeMsg
-from minisgl.server.openapi import App
-from minisgl.server.protocol import ApiError
+from minisgl.server.openapi import App, body as body_schema
+from minisgl.server.protocol import ApiError, Body, parse_body
 from minisgl.server.streams import RequestStreams
 
 _TAGS = ("weights", "kv_cache")  # engine/sleep.py's (the API server imports no torch)
@@ -45,14 +52,15 @@ class Sleep:
     def is_sleeping(self) -> bool:
         return any(self.asleep)
 
-    async def sleep(self, level: int) -> None:
-        """Every replica asleep at `level`; ApiError (500) naming a replica's error."""
+    async def sleep(self, level: int, tags: Tuple[str, ...] = ()) -> None:
+        """The parts `tags` names (empty: both) of every replica asleep at `level`; ApiError
+        (500) naming a replica's error."""
         async with self._lock:
-            errors = await self.streams.apply_change(lambda uid: SleepMsg(uid, level),
+            errors = await self.streams.apply_change(lambda uid: SleepMsg(uid, level, tags),
                                                      list(range(len(self.asleep))))
             for r, error in enumerate(errors):
                 if error is None:
-                    self.asleep[r] = frozenset(_TAGS)
+                    self.asleep[r] |= frozenset(tags or _TAGS)
             _raise_first(errors, "sleep")
 
     async def wake_up(self, tags: Tuple[str, ...]) -> None:
@@ -103,8 +111,45 @@ def _tags(request: Request) -> Tuple[str, ...]:
     return tuple(t for t in _TAGS if t in tags)
 
 
-def install_sleep_routes(app: App, sleep: Sleep) -> None:
-    """vLLM's POST /sleep, POST /wake_up and GET /is_sleeping (see the module's docstring)."""
+class TagsBody(Body):
+    tags: Optional[List[str]] = None
+
+
+def _sglang_tags(body: TagsBody) -> Tuple[str, ...]:
+    """The parts SGLang's body names (its "cuda_graph" aside); ApiError (400) naming an
+    unknown tag, or "cuda_graph" alone."""
+    tags = body.tags or list(_TAGS)
+    unknown = [t for t in tags if t not in (*_TAGS, "cuda_graph")]
+    if unknown:
+        raise ApiError(400, f"unknown tag {unknown[0]!r}: tags are 'weights', 'kv_cache' and "
+                            f"'cuda_graph'", "tags")
+    parts = tuple(t for t in _TAGS if t in tags)
+    if not parts:
+        raise ApiError(400, "'cuda_graph' alone: minisgl's CUDA graphs sleep and wake with the "
+                            "weights and the KV cache", "tags")
+    return parts
+
+
+def install_sleep_routes(app: App, sleep: Sleep, cpu_backup: bool,
+                         read_body: Callable[[Request], Awaitable[bytes]]) -> None:
+    """vLLM's POST /sleep, POST /wake_up and GET /is_sleeping, SGLang's POST
+    /release_memory_occupation and /resume_memory_occupation (see the module's docstring);
+    `cpu_backup`: SGLang's release keeps the weights in host memory."""
+    app.body_models.append(TagsBody)
+
+    async def tags_of(request: Request) -> Tuple[str, ...]:
+        raw = await read_body(request)
+        return _sglang_tags(parse_body(raw, TagsBody) if raw.strip() else TagsBody())
+
+    @app.post("/release_memory_occupation", openapi_extra=body_schema(TagsBody))
+    async def release_route(request: Request) -> Response:
+        await sleep.sleep(1 if cpu_backup else 2, await tags_of(request))
+        return JSONResponse({"success": True, "message": "Succeeded to release memory."})
+
+    @app.post("/resume_memory_occupation", openapi_extra=body_schema(TagsBody))
+    async def resume_route(request: Request) -> Response:
+        await sleep.wake_up(await tags_of(request))
+        return JSONResponse({"success": True, "message": "Succeeded to resume memory."})
 
     @app.post("/sleep")
     async def sleep_route(request: Request) -> Response:
