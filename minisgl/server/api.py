@@ -78,6 +78,7 @@ from minisgl.server.conversations import (ConversationLink, ConversationStore, c
                                           install_conversation_routes)
 from minisgl.server.lora_admin import Adapters, install_adapter_routes
 from minisgl.server.sleep_admin import Sleep, install_sleep_routes
+from minisgl.server.tracing import Traces
 from minisgl.server.state_admin import Weights, install_state_routes
 from minisgl.server.streams import RequestStream, RequestStreams
 from minisgl.server.tls import server_url
@@ -113,6 +114,7 @@ class ApiConfig:
     max_lora_rank: int = 16
     weights_path: Optional[str] = None  # the checkpoint served (None: dummy weights)
     sleep_mode: bool = False  # /sleep, /wake_up, /is_sleeping served (sleep_admin.py)
+    otlp_traces_endpoint: Optional[str] = None  # a span per request to it (tracing.py)
     weights_cpu_backup: bool = False  # SGLang's release keeps the weights (sleep level 1)
     tp: int = 1  # each replica's ranks (a trainer's weight update group holds them all)
     tokenizer_path: str = ""  # the tokenizer's directory (SGLang's /get_model_info)
@@ -358,6 +360,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     """The app and all its state. `is_healthy` says whether every process of the service is up."""
     metrics = Metrics(cfg.replicas, cfg.model_name)
     streams = RequestStreams(cfg.tokenizer_addr, cfg.api_addr, metrics, cfg.max_queued_requests)
+    if cfg.otlp_traces_endpoint is not None:
+        streams.traces = Traces(cfg.otlp_traces_endpoint, cfg.model_name)
     started = int(time.time())
     stored = ResponseStore()  # the Responses API's, and its background runs
     conversations = ConversationStore()  # the Conversations API's (conversations.py)
@@ -375,6 +379,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         for task in [*tasks, *background.tasks.values()]:
             task.cancel()
         streams.close()
+        if streams.traces is not None:
+            streams.traces.shutdown()
 
     app = App(title="minisgl", lifespan=lifespan, docs_url=None, redoc_url=None,
               openapi_url="/openapi.json" if cfg.openapi else None)
@@ -452,6 +458,10 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         given = request.headers.get(REQUEST_ID_HEADER) if request is not None else None
         if given is not None:
             job = dataclasses.replace(job, request_id=given)
+        if streams.traces is not None and request is not None:
+            job = dataclasses.replace(job, trace_headers=tuple(
+                (k, v) for k in ("traceparent", "tracestate")
+                if (v := request.headers.get(k)) is not None))
         if cfg.force_include_usage and job.stream:
             job = dataclasses.replace(job, include_usage=True)
         if job.tokens_as_ids is None:

@@ -25,6 +25,7 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.hosts import is_loopback
 from minisgl.server.cors import CorsPolicy, parse_names, parse_origins
 from minisgl.server.tls import check_tls
+from minisgl.server.tracing import check_installed as check_tracing
 from minisgl.server.topology import ClusterConfig, Wiring
 from minisgl.server.reasoning import REASONING_PARSERS
 from minisgl.tokenizer.chat_template import CONTENT_FORMATS
@@ -117,6 +118,11 @@ class ServerConfig:
         alias=Alias("enable-log-outputs", True, "the same as --log-outputs (vLLM's name)"))
     max_log_len: Optional[int] = setting(
         None, "vLLM's: the characters of an output log_outputs writes (unset: all)")
+    otlp_traces_endpoint: Optional[str] = setting(
+        None, "vLLM's: an OpenTelemetry collector's OTLP endpoint (e.g. "
+              "http://collector:4318/v1/traces) that gets a span per generation request, a "
+              "child of the client's W3C traceparent (server/tracing.py; needs pip install "
+              "opentelemetry-sdk opentelemetry-exporter-otlp-proto-http)")
     log_stats: bool = setting(True, "an INFO line every log_stats_interval seconds while the "
                                     "service works: requests running and waiting, KV use, "
                                     "prompt and generation throughput, prefix cache hits",
@@ -271,6 +277,8 @@ class ServerConfig:
                              f"process serves every replica here; leave it at 1")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
+        if self.otlp_traces_endpoint is not None:
+            check_tracing(self.otlp_traces_endpoint)
         if not self.response_role.strip():
             raise ValueError("response_role must not be empty")
         if any(not name for name in self.served_names):

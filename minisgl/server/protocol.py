@@ -322,6 +322,8 @@ class Job:
     prompt_logprobs: Optional[int] = None
     # the client's X-Request-Id (server/request_log.py): the response id is built from it
     request_id: Optional[str] = None
+    # the client's W3C trace context headers (traceparent, tracestate): tracing.py's parent
+    trace_headers: Tuple[Tuple[str, str], ...] = ()
     # vLLM's return_tokens_as_token_ids: log-probability tokens rendered as "token_id:N"
     # (None: an OpenAI request that left it unset, which the server's setting decides)
     tokens_as_ids: Optional[bool] = False

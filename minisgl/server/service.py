@@ -238,6 +238,7 @@ class Service:
                             lora_adapters=c.engine.lora_adapters,
                             lora_runtime=c.engine.lora_runtime,
                             sleep_mode=c.engine.enable_sleep_mode, tp=c.engine.tp,
+                            otlp_traces_endpoint=c.otlp_traces_endpoint,
                             weights_cpu_backup=c.engine.enable_weights_cpu_backup,
                             weights_path=None if c.engine.load_format == "dummy" else path,
                             tokenizer_path=str(self.tokenizer_path),

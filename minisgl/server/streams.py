@@ -29,7 +29,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Optional, Set, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Union
 
 import zmq
 import zmq.asyncio
@@ -42,6 +42,7 @@ from minisgl.message.types import (AbortRequest, AdapterMsg, Drain, FlushCacheMs
 from minisgl.server.admission import Queued, overloaded
 from minisgl.server.metrics import Metrics
 from minisgl.server.protocol import ApiError, Job, Prompt
+from minisgl.server.tracing import SpanRecord, Traces
 
 logger = logging.getLogger("minisgl.api")
 ReplicaChangeMsg = Union[AdapterMsg, WeightsMsg, FlushCacheMsg, SleepMsg, WakeMsg, GroupMsg,
@@ -59,6 +60,8 @@ class RequestStream:
     request_id: Optional[str] = None  # the client's (SGLang's rid, X-Request-Id): abort_request
     # how `release` counts the uids still running: "timeout" once the request's deadline passed
     abort_reason: str = "abort"
+    trace: Optional[SpanRecord] = None  # its span as it goes (tracing.py), where traced
+    choices: int = 1  # uids a prompt (its n): a prompt's tokens count once in the trace
 
     def __post_init__(self) -> None:
         self.unfinished = set(self.uids)
@@ -91,6 +94,7 @@ class RequestStreams:
         self.down: Optional[str] = None  # why the service stopped (ServiceDown), if it did
         self.draining = False  # a Drain came: no new requests
         self.finished = asyncio.Event()  # set once stopped or drained: nothing is in flight
+        self.traces: Optional[Traces] = None  # a span per generation request (tracing.py)
 
     def _send(self, msg: object) -> None:
         if self.down is not None:
@@ -106,7 +110,9 @@ class RequestStreams:
 
     def submit(self, job: Job) -> RequestStream:
         stream = RequestStream([next(self._uids) for _ in range(len(job.prompts) * job.n)],
-                               request_id=job.request_id)
+                               request_id=job.request_id, choices=job.n)
+        if self.traces is not None:
+            stream.trace = self.traces.begin(dict(job.trace_headers), _span_attributes(job))
         try:
             self.queued.admit(stream.uids)
         except ApiError as e:
@@ -191,6 +197,15 @@ class RequestStreams:
         for _ in unfinished:
             self.metrics.count_finished(stream.abort_reason)
         self._forget(stream)
+        if unfinished and stream.trace is not None and stream.trace.error is None:
+            stream.trace.error = stream.abort_reason
+        self._end_trace(stream)
+
+    def _end_trace(self, stream: RequestStream) -> None:
+        """The stream's span ended, once: at its last final chunk, or as it is released."""
+        trace, stream.trace = stream.trace, None
+        if trace is not None and self.traces is not None:
+            self.traces.end(trace)
 
     def _refuse(self, stream: RequestStream, sent: int, status: int) -> None:
         """`submit` could not send the whole request (its answer: `status`): abort the first
@@ -281,9 +296,13 @@ class RequestStreams:
             else:
                 self.metrics.itl.observe((now - last) / len(chunk.token_ids))
             stream.last_token_at[chunk.uid] = now
+        if stream.trace is not None:
+            _trace(stream.trace, chunk, now, stream.index[chunk.uid] % stream.choices == 0)
         if chunk.error is not None or chunk.finish_reason is not None:
             stream.unfinished.discard(chunk.uid)
             del self._streams[chunk.uid]
+            if not stream.unfinished:
+                self._end_trace(stream)
             if stream.measured:
                 self.metrics.count_finished(_reason(chunk))
                 if chunk.finish_reason in ("stop", "length") and chunk.error is None:
@@ -321,3 +340,30 @@ def _down_message(reason: str) -> str:
 
 def _kwargs_json(kwargs: Optional[dict]) -> Optional[str]:
     return None if kwargs is None else json.dumps(kwargs)
+
+
+def _span_attributes(job: Job) -> Dict[str, Any]:
+    """A generation request's span attributes known at its arrival (vLLM's names)."""
+    p = job.params
+    attributes: Dict[str, Any] = {"gen_ai.request.temperature": p.temperature,
+                                  "gen_ai.request.top_p": p.top_p,
+                                  "gen_ai.request.top_k": p.top_k, "gen_ai.request.n": job.n}
+    if p.max_tokens is not None:
+        attributes["gen_ai.request.max_tokens"] = p.max_tokens
+    if job.request_id is not None:
+        attributes["gen_ai.request.id"] = job.request_id
+    return attributes
+
+
+def _trace(record: SpanRecord, chunk: ReplyChunk, now: float, counts_prompt: bool) -> None:
+    """What a reply chunk adds to its request's span: the first token's time, a finished
+    choice's token counts (a prompt's once, by its first choice), an error or abort."""
+    if chunk.token_ids and record.first_token is None:
+        record.first_token = now
+    if chunk.error is not None or chunk.finish_reason is not None:
+        record.prompt_tokens += chunk.prompt_tokens if counts_prompt else 0
+        record.completion_tokens += chunk.completion_tokens
+        if chunk.error is not None:
+            record.error = chunk.error
+        elif chunk.finish_reason == "abort" and record.error is None:
+            record.error = "abort"
