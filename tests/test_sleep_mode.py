@@ -113,6 +113,29 @@ def test_a_failed_wake_up_stays_asleep_and_can_be_tried_again() -> None:
     assert _reply(h, 102) == "ok" and h.tokens[1] == reference(PROMPT, 8)
 
 
+def test_a_sleep_or_wake_up_another_rank_failed_is_undone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vote: where another rank failed, this one wakes what it put to sleep (and takes
+    the held requests), or puts back to sleep what it woke."""
+    h = Harness()
+    monkeypatch.setattr("minisgl.scheduler.changes.min_over_ranks", lambda v, g: 0)
+    h.sleep(100)
+    h.run()
+    h.submit(1, PROMPT)
+    h.run()
+    assert "sleep failed on another rank" in _reply(h, 100) and not h.engine.asleep
+    assert h.tokens[1] == reference(PROMPT, 8)
+    monkeypatch.undo()
+    h.sleep(101)
+    h.run()
+    monkeypatch.setattr("minisgl.scheduler.changes.min_over_ranks", lambda v, g: 0)
+    h.wake(102, "kv_cache")
+    h.run()
+    assert "wake-up failed on another rank" in _reply(h, 102)
+    assert h.engine.asleep == {"weights", "kv_cache"} and h.engine.sleeps[-1] == (
+        1, ("kv_cache",))
+
+
 def test_changes_that_cannot_run_are_refused_and_held_requests_can_be_aborted() -> None:
     h = Harness()
     h.submit(1, PROMPT, max_tokens=12)

@@ -78,12 +78,12 @@ def test_a_failed_reload_restores_the_weights_served() -> None:
     # a refusal changed nothing: no restore; a failure after changes: restored
     assert h.engine.reloads == ["/ckpt/bad", "/ckpt/b", "/ckpt/c-broken", "/ckpt/b"]
     assert h.tokens[1] == lora_reference(PROMPT, 8, "/ckpt/b")
-    assert h.sched.weights_path == "/ckpt/b"
+    assert h.sched.changes.weights_path == "/ckpt/b"
 
 
 def test_a_reload_another_rank_failed_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:
     h = Harness()
-    monkeypatch.setattr("minisgl.scheduler.scheduler.min_over_ranks", lambda v, g: 0)
+    monkeypatch.setattr("minisgl.scheduler.changes.min_over_ranks", lambda v, g: 0)
     h.weights(100, "/ckpt/b")
     h.submit(1, PROMPT)
     h.run()

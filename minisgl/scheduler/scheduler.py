@@ -29,9 +29,8 @@ import torch
 from torch.distributed import ProcessGroup
 
 from minisgl.core import (Batch, FinishReason, Limits, Phase, Req, RequestError, SamplingParams,
-                          StepResult, WeightsRefused, check_request)
+                          StepResult, check_request)
 from minisgl.distributed import check_same_across_ranks, min_over_ranks, true_on_all_ranks
-from minisgl.distributed.weight_group import GroupSpec
 from minisgl.grammar import GrammarCache, TokenizerSource
 from minisgl.grammar.matcher import RequestGrammar, fill_bitmask
 from minisgl.grammar.reasoning import ThinkGate
@@ -41,9 +40,9 @@ from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, Use
 from minisgl.message.types import (AccountingMsg, AccountingReply, AdapterMsg, FlushCacheMsg,
                                    GroupMsg, GroupWeightsMsg, SleepMsg, WakeMsg, WeightsMsg)
 from minisgl.message.pulse import Pulse
-from minisgl.models.lora_config import RUNTIME_OFF
 from minisgl.scheduler.adapters import AdapterTable
 from minisgl.scheduler.cache import PageCache, PageCounts
+from minisgl.scheduler.changes import WEIGHTS_ASLEEP, Changes
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.engine_api import StepEngine
@@ -141,14 +140,15 @@ class Scheduler:
         self.wait_s = 0.0
         self.received = 0  # UserMsgs taken so far
         self.accounting_asked: List[AccountingMsg] = []  # check_idle answers them
-        # A weight reload or a sleep waiting for the live requests to finish (WeightsMsg,
-        # SleepMsg), the requests that arrived since or while asleep (taken after it, or after
-        # the wake-up, in order), and the checkpoint served (None: the start-up dummy
-        # weights), which a failed reload restores.
+        # A reload or a sleep waiting for the live requests to finish (WeightsMsg,
+        # GroupWeightsMsg, SleepMsg), and the requests that arrived since or while asleep
+        # (taken after it, or after the wake-up, in order).
         self.at_rest: Optional[Union[WeightsMsg, SleepMsg, GroupWeightsMsg]] = None
-        self.sleep_level = 0  # what the parts asleep slept at (Engine.asleep says which)
         self.held: List[UserMsg] = []
-        self.weights_path = None if cfg.engine.load_format == "dummy" else cfg.engine.model_path
+        self.changes = Changes(engine, self.adapters, cfg.engine.lora_runtime, self.rank,
+                               cfg.replica * cfg.engine.tp + self.rank, cpu_group,
+                               None if cfg.engine.load_format == "dummy"
+                               else cfg.engine.model_path)
         self._stats_seq = 0
         self.on_stats = on_stats
         if on_stats is not None:
@@ -343,7 +343,9 @@ class Scheduler:
         elif isinstance(msg, AccountingMsg):  # answered at rest (check_idle)
             self.accounting_asked.append(msg)
         elif isinstance(msg, AdapterMsg):
-            error = self._unload(msg.name) if msg.path is None else self._load(msg.name, msg.path)
+            error = (self.changes.unload_adapter(msg.name) if msg.path is None else
+                     self.changes.load_adapter(msg.name, msg.path, (
+                         r.lora for r in [*self.reqs.values(), *self.deferred])))
             self._answer(msg.uid, error)
         elif isinstance(msg, (WeightsMsg, SleepMsg, GroupWeightsMsg)):
             error = self._at_rest_refusal(msg)
@@ -354,7 +356,7 @@ class Scheduler:
         elif isinstance(msg, WakeMsg):
             self._answer(msg.uid, self._wake(msg))
         elif isinstance(msg, GroupMsg):
-            self._answer(msg.uid, self._group(msg))
+            self._answer(msg.uid, self.changes.group(msg))
         elif isinstance(msg, FlushCacheMsg):
             dropped = self.cache.drop_unused()
             logger.info("rank %d: prefix cache flushed (%d pages freed)", self.rank, dropped)
@@ -368,35 +370,6 @@ class Scheduler:
         if msg.uid in self.reqs:
             raise RequestError(f"duplicate request id {msg.uid}")
         return check_request(msg.input_ids, msg.params, self.limits)
-
-    def _load(self, name: str, path: str) -> Optional[str]:
-        """Load LoRA adapter `name` from `path` into a free slot on every rank (AdapterMsg):
-        None, or why nothing changed. Every rank reads the files; the slot is kept only where
-        every rank loaded it (a rank's error is logged there; rank 0's is the reply's)."""
-        if not self.cfg.engine.lora_runtime:
-            return RUNTIME_OFF
-        if "weights" in self.engine.asleep:
-            return "the weights are asleep: wake them up (wake_up with tag 'weights') first"
-        if name in self.adapters.loaded:
-            return f"LoRA adapter {name!r} is already loaded"
-        slot = self.adapters.free_slot(r.lora for r in [*self.reqs.values(), *self.deferred])
-        if slot is None:
-            return self.adapters.full_error()
-        error = None
-        try:
-            self.engine.load_adapter(slot, name, path)
-        except Exception as e:  # the files' errors too: every rank must reach the vote below
-            error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-            logger.warning("rank %d: LoRA adapter %r from %s not loaded: %s", self.rank, name,
-                           path, error)
-        if min_over_ranks(int(error is None), self.cpu_group) == 0:  # all ranks hold it, or none
-            self.engine.clear_adapter(slot)
-            return error or (f"LoRA adapter {name!r} failed to load on another rank (its "
-                             f"log says why)")
-        self.adapters.add(name, slot)
-        logger.info("rank %d: LoRA adapter %r loaded from %s into slot %d", self.rank, name,
-                    path, slot)
-        return None
 
     def _answer(self, uid: int, error: Optional[str]) -> None:
         """The one final reply to a change (AdapterMsg, WeightsMsg, FlushCacheMsg): done, or
@@ -416,7 +389,7 @@ class Scheduler:
         """The waiting reload, with no request live (every rank at the same step): the
         weights from `msg.path` on every rank or, where some rank failed, those served before
         again on every rank; the prefix cache dropped either way; then the held requests."""
-        error = self._reload(msg.path)
+        error = self.changes.reload(msg.path)
         dropped = self.cache.drop_unused()
         logger.info("rank %d: weights %s (%d cached pages dropped)", self.rank,
                     f"reloaded from {msg.path}" if error is None else "kept", dropped)
@@ -438,54 +411,13 @@ class Scheduler:
         if isinstance(msg, SleepMsg) and not self.cfg.engine.enable_sleep_mode:
             return "sleep mode is off: start the server with --enable-sleep-mode"
         if not isinstance(msg, SleepMsg) and "weights" in self.engine.asleep:
-            return "the weights are asleep: wake them up (wake_up with tag 'weights') first"
-        return None
-
-    def _group(self, msg: GroupMsg) -> Optional[str]:
-        """Join (or leave) a trainer's weight update group on every rank (GroupMsg): None, or
-        why not. A join some rank failed is left by the ranks that made it."""
-        if msg.leave:
-            try:
-                self.engine.leave_weight_group(msg.group_name)
-            except ValueError as e:  # the same on every rank: they joined together
-                return str(e)
-            logger.info("rank %d: left weight update group %r", self.rank, msg.group_name)
-            return None
-        spec = GroupSpec(msg.master_address, msg.master_port, msg.rank_offset, msg.world_size,
-                         msg.group_name, msg.backend)
-        error = None
-        try:
-            tp = self.cfg.engine.tp
-            self.engine.join_weight_group(spec, msg.rank_offset + self.cfg.replica * tp +
-                                          self.rank)
-        except Exception as e:  # the store's or the backend's too: every rank reaches the vote
-            error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-            logger.warning("rank %d: weight update group %r not joined: %s", self.rank,
-                           msg.group_name, error)
-        if min_over_ranks(int(error is None), self.cpu_group) == 0:
-            if error is None:
-                self.engine.leave_weight_group(msg.group_name)
-            return error or "joining the group failed on another rank (its log says why)"
+            return WEIGHTS_ASLEEP
         return None
 
     def _weights_from_group(self, msg: GroupWeightsMsg) -> None:
         """The waiting update from a trainer's group, with no request live (every rank at the
-        same step): every rank loads the tensors broadcast, or, where some rank failed after
-        weights changed, every rank reloads the checkpoint it served (the group's earlier
-        updates with it); the prefix cache dropped; then the held requests."""
-        error, changed = None, True
-        try:
-            self.engine.weights_from_group(msg.group_name,
-                                           list(zip(msg.names, msg.dtypes, msg.shapes)))
-        except Exception as e:  # every rank must reach the vote below
-            changed = not isinstance(e, WeightsRefused)
-            error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-            logger.warning("rank %d: weights from group %r not loaded: %s", self.rank,
-                           msg.group_name, error)
-        if min_over_ranks(int(error is None), self.cpu_group) == 0:
-            if min_over_ranks(int(not changed), self.cpu_group) == 0:
-                self.engine.reload_weights(self.weights_path)
-            error = error or "the weights failed to load on another rank (its log says why)"
+        same step: Changes.from_group); the prefix cache dropped; then the held requests."""
+        error = self.changes.from_group(msg)
         dropped = self.cache.drop_unused()
         logger.info("rank %d: %d tensors from weight update group %r %s (%d cached pages "
                     "dropped)", self.rank, len(msg.names), msg.group_name,
@@ -495,77 +427,24 @@ class Scheduler:
 
     def _sleep(self, msg: SleepMsg) -> None:
         """The waiting sleep, with no request live (every rank at the same step): the prefix
-        cache dropped (its K/V is forgotten), then every rank's engine asleep at `msg.level`
-        (Engine.sleep), or, where some rank failed, none. Requests wait while anything is
-        asleep (held)."""
+        cache dropped (its K/V is forgotten), then every rank's engine asleep (Changes.sleep).
+        Requests wait while anything is asleep (held)."""
         dropped = self.cache.drop_unused()
-        before, error, freed, start = self.engine.asleep, None, 0, time.perf_counter()
-        try:
-            freed = self.engine.sleep(msg.level, tuple(msg.tags))
-        except Exception as e:  # a host copy not made: every rank must reach the vote below
-            error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-        if min_over_ranks(int(error is None), self.cpu_group) == 0:
-            slept = tuple(t for t in self.engine.asleep if t not in before)
-            if slept:  # this rank slept where another did not: awake as it was
-                self.engine.wake_up(slept)
-            self._answer(msg.uid, error or "sleep failed on another rank (its log says why)")
+        error = self.changes.sleep(msg)
+        logger.info("rank %d: %d cached pages dropped before sleeping", self.rank, dropped)
+        self._answer(msg.uid, error)
+        if error is not None:
             self._take_held()
-            return
-        self.sleep_level = msg.level
-        logger.info("rank %d: asleep (level %d; %s): %.2f GiB freed in %.2f s, %d cached pages "
-                    "dropped", self.rank, msg.level, ", ".join(sorted(self.engine.asleep)),
-                    freed / 2**30, time.perf_counter() - start, dropped)
-        self._answer(msg.uid, None)
 
     def _wake(self, msg: WakeMsg) -> Optional[str]:
-        """Wake the parts `msg.tags` names on every rank, or (some rank failed) none: None, or
-        why not. Once nothing is asleep, the held requests are taken."""
-        if self.at_rest is not None and isinstance(self.at_rest, SleepMsg):
+        """Wake the parts `msg.tags` names on every rank (Changes.wake): None, or why not.
+        Once nothing is asleep, the held requests are taken."""
+        if isinstance(self.at_rest, SleepMsg):
             return "a sleep is waiting for the running requests to finish"
-        before, error, start = self.engine.asleep, None, time.perf_counter()
-        try:
-            self.engine.wake_up(tuple(msg.tags))
-        except Exception as e:  # out of memory, too: every rank must reach the vote below
-            error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-            logger.warning("rank %d: wake-up failed: %s", self.rank, error)
-        if min_over_ranks(int(error is None), self.cpu_group) == 0:
-            woke = tuple(t for t in before if t not in self.engine.asleep)
-            if woke:  # this rank woke where another did not: asleep as it was
-                self.engine.sleep(self.sleep_level, woke)
-            return error or "wake-up failed on another rank (its log says why)"
-        logger.info("rank %d: %s in %.2f s", self.rank, "awake" if not self.engine.asleep else
-                    "woke " + ", ".join(t for t in before if t not in self.engine.asleep),
-                    time.perf_counter() - start)
-        if not self.engine.asleep:
+        error = self.changes.wake(msg)
+        if error is None and not self.engine.asleep:
             self._take_held()
-        return None
-
-    def _reload(self, path: str) -> Optional[str]:
-        """Every rank's weights from `path`, or (some rank failed) the weights each rank served
-        before (`weights_path`), reloaded where they changed (not where the reload was refused
-        before loading: core.WeightsRefused): None, or why the weights did not change. A rank
-        that cannot restore its weights raises: it must not serve a mix of two checkpoints."""
-        error, changed = None, True
-        try:
-            self.engine.reload_weights(path)
-        except Exception as e:  # the files' errors too: every rank must reach the vote below
-            changed = not isinstance(e, WeightsRefused)
-            error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-            error = error if path in error else f"{path}: {error}"
-            logger.warning("rank %d: weights from %s not loaded: %s", self.rank, path, error)
-        if min_over_ranks(int(error is None), self.cpu_group) == 1:
-            self.weights_path = path
-            return None
-        if changed:
-            self.engine.reload_weights(self.weights_path)
-        return error or "the weights failed to load on another rank (its log says why)"
-
-    def _unload(self, name: str) -> Optional[str]:
-        """Unload LoRA adapter `name` (AdapterMsg): None, or why not."""
-        if not self.adapters.remove(name):
-            return f"LoRA adapter {name!r} is not loaded"
-        logger.info("rank %d: LoRA adapter %r unloaded", self.rank, name)
-        return None
+        return error
 
     def _add(self, msg: UserMsg) -> None:
         try:

@@ -73,7 +73,7 @@ class Traces:
         if os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         else:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
                 OTLPSpanExporter)
         service = os.environ.get("OTEL_SERVICE_NAME", "minisgl")
         self._provider = TracerProvider(resource=Resource.create({"service.name": service}))
