@@ -151,9 +151,10 @@ class Changes:
         return error or "the weights failed to load on another rank (its log says why)"
 
     # --- sleep mode -----------------------------------------------------------------------
-    def sleep(self, msg: SleepMsg) -> Optional[str]:
+    def sleep(self, msg: SleepMsg, dropped: int = 0) -> Optional[str]:
         """Every rank's engine asleep at `msg.level` (the parts `msg.tags` names), or none:
-        a rank that slept where another did not wakes again."""
+        a rank that slept where another did not wakes again. `dropped`: the cached pages the
+        caller dropped first (for the log)."""
         before, start = self.engine.asleep, time.perf_counter()
         error, freed = self._attempt(lambda: self.engine.sleep(msg.level, tuple(msg.tags)),
                                      "sleep")
@@ -163,9 +164,9 @@ class Changes:
                 self.engine.wake_up(slept)
             return error or "sleep failed on another rank (its log says why)"
         self.sleep_level = msg.level
-        logger.info("rank %d: asleep (level %d; %s): %.2f GiB freed in %.2f s", self.rank,
-                    msg.level, ", ".join(sorted(self.engine.asleep)), (freed or 0) / 2**30,
-                    time.perf_counter() - start)
+        logger.info("rank %d: asleep (level %d; %s): %.2f GiB freed in %.2f s, %d cached "
+                    "pages dropped", self.rank, msg.level, ", ".join(sorted(self.engine.asleep)),
+                    (freed or 0) / 2**30, time.perf_counter() - start, dropped)
         return None
 
     def wake(self, msg: WakeMsg) -> Optional[str]:

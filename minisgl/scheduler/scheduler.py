@@ -429,9 +429,7 @@ class Scheduler:
         """The waiting sleep, with no request live (every rank at the same step): the prefix
         cache dropped (its K/V is forgotten), then every rank's engine asleep (Changes.sleep).
         Requests wait while anything is asleep (held)."""
-        dropped = self.cache.drop_unused()
-        error = self.changes.sleep(msg)
-        logger.info("rank %d: %d cached pages dropped before sleeping", self.rank, dropped)
+        error = self.changes.sleep(msg, self.cache.drop_unused())
         self._answer(msg.uid, error)
         if error is not None:
             self._take_held()
