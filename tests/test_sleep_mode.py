@@ -251,9 +251,18 @@ def test_served_sleep_and_wake_up_as_vllm_answers(checkpoints: List[Path],
         def sleeping() -> bool:
             return bool(httpx.get(f"{srv.url}/is_sleeping").json()["is_sleeping"])
 
+        def state() -> str:
+            lines = httpx.get(f"{srv.url}/metrics").text.splitlines()
+            on = [line for line in lines if line.startswith("vllm:engine_sleep_state{")
+                  and line.endswith(" 1.0")]
+            assert len(on) == 1, on
+            return on[0].split('"')[1]
+
         want = generate()
         assert want == hf_greedy(a, [prompt], 10)[0] and not sleeping()
+        assert state() == "awake"
         assert post("/sleep?level=1").status_code == 200 and sleeping()
+        assert state() == "weights_offloaded"
         got: List[List[int]] = []
         waiting = threading.Thread(target=lambda: got.append(generate()))
         waiting.start()
@@ -267,7 +276,9 @@ def test_served_sleep_and_wake_up_as_vllm_answers(checkpoints: List[Path],
             r = post(path)
             assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
         assert post("/sleep", json={"level": 2}).status_code == 200
+        assert state() == "discard_all"
         assert post("/wake_up?tags=weights").status_code == 200 and sleeping()
+        assert state() == "kv_cache_discarded"
         r = post("/update_weights_from_disk", json={"model_path": str(b)})
         assert r.json()["success"] is True, r.text
         assert post("/wake_up?tags=kv_cache").status_code == 200 and not sleeping()

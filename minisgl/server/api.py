@@ -407,9 +407,9 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     install_adapter_routes(app, loras, json_body)
     weights = Weights(streams, cfg.replicas, cfg.weights_path)  # its path follows reloads
     install_state_routes(app, streams, weights, cfg.tp, json_body)
-    if cfg.sleep_mode:
-        install_sleep_routes(app, Sleep(streams, cfg.replicas), cfg.weights_cpu_backup,
-                             json_body)
+    sleep = Sleep(streams, cfg.replicas) if cfg.sleep_mode else None
+    if sleep is not None:
+        install_sleep_routes(app, sleep, cfg.weights_cpu_backup, json_body)
     app.state.self_url = ""  # serve_forever sets it: the batches' requests go there
     batches = Batches(cfg.max_file_bytes, cfg.api_key)
     install_batch_routes(app, batches, lambda: str(app.state.self_url), json_body)
@@ -754,7 +754,9 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return PlainTextResponse(metrics.render([loras.gauge(), *batches.gauges()]),
+        sleep_state = [] if sleep is None else [sleep.gauge()]
+        return PlainTextResponse(metrics.render([loras.gauge(), *batches.gauges(),
+                                                 *sleep_state]),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

@@ -11,6 +11,9 @@
   where a replica cannot (its GPU out of memory: another process holds it), a 500 naming
   why, that replica asleep as it was.
 - GET /is_sleeping: {"is_sleeping": true} while any part of any replica sleeps.
+- /metrics: vLLM's `vllm:engine_sleep_state` state set, 1 for the service's state: "awake",
+  "weights_offloaded" (level 1), "discard_all" (level 2), or "kv_cache_discarded" (the KV
+  cache alone asleep: SGLang's partial release); the deepest of any replica's.
 
 And SGLang's (`--enable-memory-saver` is the same flag): POST /release_memory_occupation
 {"tags": [...]} (none: all) puts the parts named to sleep, at level 1 with
@@ -33,6 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
 from minisgl.message.types import SleepMsg, WakeMsg
+from minisgl.server.metrics import Gauge
 from minisgl.server.openapi import App, body as body_schema
 from minisgl.server.protocol import ApiError, Body, parse_body
 from minisgl.server.streams import RequestStreams
@@ -46,6 +50,7 @@ class Sleep:
     def __init__(self, streams: RequestStreams, replicas: int) -> None:
         self.streams = streams
         self.asleep: List[FrozenSet[str]] = [frozenset()] * replicas
+        self.levels = [0] * replicas  # each replica's last sleep's level
         self._lock = asyncio.Lock()
 
     @property
@@ -61,6 +66,7 @@ class Sleep:
             for r, error in enumerate(errors):
                 if error is None:
                     self.asleep[r] |= frozenset(tags or _TAGS)
+                    self.levels[r] = level
             _raise_first(errors, "sleep")
 
     async def wake_up(self, tags: Tuple[str, ...]) -> None:
@@ -73,6 +79,17 @@ class Sleep:
                 if error is None:
                     self.asleep[r] -= frozenset(tags or _TAGS)
             _raise_first(errors, "wake_up")
+
+
+    def gauge(self) -> Gauge:
+        """vLLM's `vllm:engine_sleep_state` for /metrics (see the module doc)."""
+        order = ["awake", "kv_cache_discarded", "weights_offloaded", "discard_all"]
+        deepest = max((0 if not parts else 1 if "weights" not in parts else 1 + level)
+                      for parts, level in zip(self.asleep, self.levels))
+        return Gauge("vllm:engine_sleep_state", "Sleep mode's state: 1 for the service's "
+                     "(the deepest of any replica's).",
+                     {state: float(i == deepest) for i, state in enumerate(order)},
+                     "sleep_state")
 
 
 def _raise_first(errors: List[Optional[str]], what: str) -> None:
