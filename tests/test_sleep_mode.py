@@ -11,6 +11,7 @@ every change gets one final reply; the KV pages balance at every step.
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Callable, List
@@ -272,6 +273,7 @@ def test_served_sleep_and_wake_up_as_vllm_answers(checkpoints: List[Path],
         waiting.join(60)
         assert got == [want]
         for path, says in (("/sleep?level=3", "sleep level must be 1"),
+                           ("/sleep?mode=keep", "sleep mode must be 'wait'"),
                            ("/wake_up?tags=cuda_graph", "unknown wake_up tag 'cuda_graph'")):
             r = post(path)
             assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
@@ -284,6 +286,26 @@ def test_served_sleep_and_wake_up_as_vllm_answers(checkpoints: List[Path],
         assert post("/wake_up?tags=kv_cache").status_code == 200 and not sleeping()
         want_b = hf_greedy(b, [prompt], 10)[0]
         assert generate() == want_b
+        # vLLM's mode=abort: a long request running ends at once, then the server sleeps
+        chunks: List[dict] = []
+        started = threading.Event()
+
+        def long() -> None:
+            body = {"input_ids": prompt, "stream": True, "sampling_params": {
+                "max_new_tokens": 460, "temperature": 0, "ignore_eos": True}}
+            with httpx.stream("POST", f"{srv.url}/generate", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunks.append(json.loads(line[6:]))
+                        started.set()
+        worker = threading.Thread(target=long)
+        worker.start()
+        assert started.wait(60)
+        assert post("/sleep?mode=abort").status_code == 200
+        worker.join(60)
+        assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert len(chunks[-1]["output_ids"]) < 460
+        assert post("/wake_up").status_code == 200 and generate() == want_b
         # SGLang's: the KV cache alone; then all, the weights forgotten (no CPU backup), so
         # the RL loop's order: the weights back, reloaded, then the KV cache
         r = post("/release_memory_occupation", json={"tags": ["kv_cache"]})

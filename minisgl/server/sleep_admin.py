@@ -4,7 +4,8 @@
   running requests finish, then hands back its device memory (level 1 keeps the weights in host
   memory, level 2 forgets them, for a reload; the KV cache and the prefix cache are forgotten at
   either). 200, empty. Requests that arrive meanwhile or while asleep wait, and run once a
-  wake-up leaves nothing asleep.
+  wake-up leaves nothing asleep. `mode=abort` (vLLM's) ends the running requests at once
+  (finish_reason "abort") instead of waiting for them (`mode=wait`, the default here).
 - POST /wake_up (?tags=weights&tags=kv_cache; none: both): the parts named take their memory
   again (the RL loop's order: wake the weights, reload them with /update_weights_from_disk,
   then wake the KV cache, so the two never hold memory at once with a trainer's). 200, empty;
@@ -170,7 +171,13 @@ def install_sleep_routes(app: App, sleep: Sleep, cpu_backup: bool,
 
     @app.post("/sleep")
     async def sleep_route(request: Request) -> Response:
-        await sleep.sleep(await _level(request))
+        level, mode = await _level(request), request.query_params.get("mode", "wait")
+        if mode not in ("wait", "abort"):
+            raise ApiError(400, f"sleep mode must be 'wait' (the running requests finish "
+                                f"first) or 'abort' (they end at once), not {mode!r}", "mode")
+        if mode == "abort":
+            sleep.streams.abort_all()
+        await sleep.sleep(level)
         return Response(status_code=200)
 
     @app.post("/wake_up")
