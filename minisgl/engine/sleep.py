@@ -20,11 +20,13 @@ seconds where copying into it takes a fraction of one.
 
 from __future__ import annotations
 
+import logging
 from typing import Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
 
+logger = logging.getLogger(__name__)
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
 TAGS = (WEIGHTS, KV_CACHE)
 LEVELS = (1, 2)
@@ -90,7 +92,7 @@ class Part:
         kept = [keep_checkpoint or not checkpoint for _, checkpoint in self.storages]
         need = sum(s.nbytes() for (s, _), k in zip(self.storages, kept) if k)
         if buffer is None or buffer.numel() < need:
-            buffer = torch.empty(need, dtype=torch.uint8, pin_memory=pin)
+            buffer = _host_buffer(need, pin)
         held, offset = [], 0
         for (storage, _), keep in zip(self.storages, kept):
             backup = None
@@ -127,6 +129,18 @@ class Part:
         if held and held[0].storage.device.type == "cuda":
             torch.cuda.synchronize(held[0].storage.device)  # the pinned copies are read
         self.held = None
+
+
+def _host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """`nbytes` of host memory, pinned with `pin` where the driver can map it (a device full
+    to the last bytes cannot: CUDA says out of memory), else pageable (slower copies)."""
+    if pin:
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as e:  # torch.AcceleratorError is one
+            logger.warning("sleep: %.2f GiB of pinned host memory not had (%s): the host copy "
+                           "is pageable", nbytes / 2**30, str(e).splitlines()[0])
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
