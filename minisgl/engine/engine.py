@@ -330,10 +330,9 @@ class Engine:
         """Hand back the device memory of the parts `tags` names (sleep.TAGS; empty: all) that
         are awake (sleep.py): level 1 keeps a host copy of the weights, level 2 forgets the
         checkpoint's (a reload fills them again); the KV cache is forgotten at either. The
-        scheduler calls
-        it with no request live and the prefix cache dropped (every rank at the same step).
-        The CUDA graphs go too (captured again by the wake-up that leaves nothing asleep). The
-        bytes freed. ValueError naming the level where it is not 1 or 2, or where level 2
+        scheduler calls it with no request live and the prefix cache dropped (every rank at
+        the same step). The CUDA graphs go too (captured again by the wake-up that leaves
+        nothing asleep). The bytes freed. ValueError naming the level where it is not 1 or 2, or where level 2
         would forget weights no reload can restore (FP8 dequantized as they loaded)."""
         level = check_level(level)
         awake = [t for t in check_tags(tags) if t not in self._asleep]

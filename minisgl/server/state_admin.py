@@ -175,33 +175,31 @@ def install_state_routes(app: App, streams: RequestStreams, weights: Weights, tp
     type)."""
     app.body_models += [UpdateWeightsBody, AbortBody, InitGroupBody, GroupWeightsBody, GroupBody]
 
-    def answer(done: str, change: Awaitable[None]) -> Callable[[], Awaitable[Response]]:
-        async def run() -> Response:
-            try:
-                await change
-            except ApiError as e:
-                return JSONResponse({"success": False, "message": e.message},
-                                    status_code=e.status)
-            return JSONResponse({"success": True, "message": done})
-        return run
+    async def answer(done: str, change: Awaitable[None]) -> Response:
+        """SGLang's answer to a change: {"success", "message"}."""
+        try:
+            await change
+        except ApiError as e:
+            return JSONResponse({"success": False, "message": e.message}, status_code=e.status)
+        return JSONResponse({"success": True, "message": done})
 
     @app.post("/init_weights_update_group", openapi_extra=body_schema(InitGroupBody))
     async def init_weights_update_group(request: Request) -> Response:
         body = parse_body(await read_body(request), InitGroupBody)
         return await answer("Succeeded to initialize the weight update group.",
-                            weights.join_group(body, tp))()
+                            weights.join_group(body, tp))
 
     @app.post("/update_weights_from_distributed", openapi_extra=body_schema(GroupWeightsBody))
     async def update_weights_from_distributed(request: Request) -> Response:
         body = parse_body(await read_body(request), GroupWeightsBody)
         return await answer("Succeeded to update the parameters from distributed.",
-                            weights.from_group(body))()
+                            weights.from_group(body))
 
     @app.post("/destroy_weights_update_group", openapi_extra=body_schema(GroupBody))
     async def destroy_weights_update_group(request: Request) -> Response:
         body = parse_body(await read_body(request), GroupBody)
         return await answer("Succeeded to destroy the weight update group.",
-                            weights.leave_group(body))()
+                            weights.leave_group(body))
 
     @app.post("/abort_request", openapi_extra=body_schema(AbortBody))
     async def abort_request(request: Request) -> Response:
