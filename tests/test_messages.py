@@ -74,6 +74,7 @@ SAMPLES: Dict[str, Any] = {
     "WakeMsg": [T.WakeMsg(8, ("weights",)), T.WakeMsg(9)],
     "GroupMsg": [T.GroupMsg(10, "g", "10.0.0.1", 29500, 1, 3, "gloo"),
                  T.GroupMsg(11, "g", leave=True)],
+    "PauseMsg": [T.PauseMsg(13), T.PauseMsg(14, wait=True), T.PauseMsg(15, resume=True)],
     "GroupWeightsMsg": [T.GroupWeightsMsg(12, "g", ("a.weight", "b"), ("bfloat16", "float32"),
                                           ((4, 8), ()))],
     "ReplicaChange": [T.ReplicaChange(1, T.AdapterMsg(9, "é", "/a b/ü")),

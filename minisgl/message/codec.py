@@ -29,7 +29,8 @@ _TYPES: Dict[str, Type[Any]] = {
                 T.DetokenizeInit, T.ReplyBatch, TokenLogprobs, T.TokenLogprobText,
                 T.TextRequest, T.ServiceDown, T.Drain, StructuredOutput, T.AccountingMsg,
                 T.AccountingReply, T.ReplicaChange, T.AdapterMsg, T.WeightsMsg,
-                T.FlushCacheMsg, T.SleepMsg, T.WakeMsg, T.GroupMsg, T.GroupWeightsMsg)
+                T.FlushCacheMsg, T.SleepMsg, T.WakeMsg, T.GroupMsg, T.GroupWeightsMsg,
+                T.PauseMsg)
 }
 
 

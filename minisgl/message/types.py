@@ -81,7 +81,7 @@ class ReplicaChange:
 
     replica: int
     change: Union["AdapterMsg", "WeightsMsg", "FlushCacheMsg", "SleepMsg", "WakeMsg",
-                  "GroupMsg", "GroupWeightsMsg"]
+                  "GroupMsg", "GroupWeightsMsg", "PauseMsg"]
 
 
 # --- tokenizer -> scheduler (the "backend" messages rank 0 forwards to other ranks) -----------
@@ -180,6 +180,20 @@ class WakeMsg:
 
     uid: int
     tags: Tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PauseMsg:
+    """Pause generation on every rank of a replica (vLLM's /pause, SGLang's
+    /pause_generation), as async RL loops do around a weight update: with `wait`, once the
+    requests already taken have finished (as a `WeightsMsg` waits); else at once, the running
+    requests kept where they are (their KV stays) and stepped again after a `PauseMsg` of
+    `resume`. While paused, no batch runs, arriving requests are held, and reloads apply at
+    once (the kept requests continue on the new weights). Answered as a `WeightsMsg`."""
+
+    uid: int
+    wait: bool = False
+    resume: bool = False
 
 
 @dataclass(frozen=True)

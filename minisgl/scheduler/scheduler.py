@@ -38,7 +38,8 @@ from minisgl.utils import offline_prefill_tokens, rows_to_device
 from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.message.types import (AccountingMsg, AccountingReply, AdapterMsg, FlushCacheMsg,
-                                   GroupMsg, GroupWeightsMsg, SleepMsg, WakeMsg, WeightsMsg)
+                                   GroupMsg, GroupWeightsMsg, PauseMsg, SleepMsg, WakeMsg,
+                                   WeightsMsg)
 from minisgl.message.pulse import Pulse
 from minisgl.scheduler.adapters import AdapterTable
 from minisgl.scheduler.cache import PageCache, PageCounts
@@ -143,7 +144,8 @@ class Scheduler:
         # A reload or a sleep waiting for the live requests to finish (WeightsMsg,
         # GroupWeightsMsg, SleepMsg), and the requests that arrived since or while asleep
         # (taken after it, or after the wake-up, in order).
-        self.at_rest: Optional[Union[WeightsMsg, SleepMsg, GroupWeightsMsg]] = None
+        self.at_rest: Optional[Union[WeightsMsg, SleepMsg, GroupWeightsMsg, PauseMsg]] = None
+        self.paused = False  # PauseMsg: no batch runs until a resume
         self.held: List[UserMsg] = []
         self.changes = Changes(engine, self.adapters, cfg.engine.lora_runtime, self.rank,
                                cfg.replica * cfg.engine.tp + self.rank, cpu_group,
@@ -157,7 +159,8 @@ class Scheduler:
     # --- the loop ------------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self.reqs) or self.inflight is not None
+        """Something to step: live requests (not while paused) or a batch in flight."""
+        return (bool(self.reqs) and not self.paused) or self.inflight is not None
 
     @property
     def _only_compiling(self) -> bool:
@@ -190,7 +193,7 @@ class Scheduler:
             self.handle(msg)
         if self.compiling and not self.stopped:
             self._queue_compiled()
-        batch = None if self.stopped else self.schedule()
+        batch = None if self.stopped or self.paused else self.schedule()
         if batch is not None and batch.phase is Phase.PREFILL and self.on_stats is not None:
             self.on_stats(self.stats())  # what a long prefill shows on rank 0's stats timer
         launched = self._launch(batch) if batch is not None else None
@@ -205,6 +208,9 @@ class Scheduler:
             change, self.at_rest = self.at_rest, None
             if isinstance(change, SleepMsg):
                 self._sleep(change)
+            elif isinstance(change, PauseMsg):
+                self.paused = True
+                self._answer(change.uid, None)
             elif isinstance(change, GroupWeightsMsg):
                 self._weights_from_group(change)
             else:
@@ -330,7 +336,8 @@ class Scheduler:
 
     # --- input ---------------------------------------------------------------------------------
     def handle(self, msg: object) -> None:
-        if isinstance(msg, UserMsg) and (self.at_rest is not None or self.engine.asleep):
+        if isinstance(msg, UserMsg) and (self.at_rest is not None or self.engine.asleep
+                                         or self.paused):
             self.held.append(msg)  # taken after the reload or the wake-up (_take_held)
         elif isinstance(msg, UserMsg):
             self.received += 1
@@ -357,6 +364,8 @@ class Scheduler:
             self._answer(msg.uid, self._wake(msg))
         elif isinstance(msg, GroupMsg):
             self._answer(msg.uid, self.changes.group(msg))
+        elif isinstance(msg, PauseMsg):
+            self._pause(msg)
         elif isinstance(msg, FlushCacheMsg):
             dropped = self.cache.drop_unused()
             logger.info("rank %d: prefix cache flushed (%d pages freed)", self.rank, dropped)
@@ -402,12 +411,40 @@ class Scheduler:
         for user in held:
             self.handle(user)
 
-    def _at_rest_refusal(self, msg: Union[WeightsMsg, SleepMsg, GroupWeightsMsg]
+    def _pause(self, msg: PauseMsg) -> None:
+        """Pause now (the in-flight batch finished first: nothing runs while paused), or once
+        the live requests finished (`wait`: queued as a sleep is), or resume (the held
+        requests taken)."""
+        if msg.resume:
+            if isinstance(self.at_rest, PauseMsg):
+                self._answer(msg.uid, "a pause is waiting for the running requests to finish")
+                return
+            self.paused = False
+            self._answer(msg.uid, None)
+            self._take_held()
+            return
+        error = self._at_rest_refusal(msg)
+        if error is not None:
+            self._answer(msg.uid, error)
+        elif msg.wait:
+            self.at_rest = msg  # paused once no request is live (iterate)
+        else:
+            self._finish_inflight()
+            self.paused = True
+            self._answer(msg.uid, None)
+
+    def _at_rest_refusal(self, msg: Union[WeightsMsg, SleepMsg, GroupWeightsMsg, PauseMsg]
                          ) -> Optional[str]:
-        """Why a reload or a sleep is not queued (None: it is)."""
+        """Why a reload, a sleep or a pause is not queued (None: it is)."""
         if self.at_rest is not None:
-            what = "a sleep" if isinstance(self.at_rest, SleepMsg) else "a weight reload"
+            what = ("a sleep" if isinstance(self.at_rest, SleepMsg) else "a pause"
+                    if isinstance(self.at_rest, PauseMsg) else "a weight reload")
             return f"{what} is already waiting for the running requests to finish"
+        if isinstance(msg, PauseMsg):
+            return None
+        if isinstance(msg, SleepMsg) and self.paused and self.reqs:
+            return (f"generation is paused with {len(self.reqs)} requests kept: resume or "
+                    f"abort them before sleeping (their KV cache would be forgotten)")
         if isinstance(msg, SleepMsg) and not self.cfg.engine.enable_sleep_mode:
             return "sleep mode is off: start the server with --enable-sleep-mode"
         if not isinstance(msg, SleepMsg) and "weights" in self.engine.asleep:

@@ -36,7 +36,7 @@ import zmq.asyncio
 
 from minisgl.message.codec import decode, encode
 from minisgl.message.types import (AbortRequest, AdapterMsg, Drain, FlushCacheMsg, GroupMsg,
-                                   GroupWeightsMsg, ReplicaChange,
+                                   GroupWeightsMsg, PauseMsg, ReplicaChange,
                                    ReplyBatch, ReplyChunk, ServiceDown, TextRequest,
                                    SleepMsg, TokenizeRequest, WakeMsg, WeightsMsg)
 from minisgl.server.admission import Queued, overloaded
@@ -46,7 +46,7 @@ from minisgl.server.tracing import SpanRecord, Traces
 
 logger = logging.getLogger("minisgl.api")
 ReplicaChangeMsg = Union[AdapterMsg, WeightsMsg, FlushCacheMsg, SleepMsg, WakeMsg, GroupMsg,
-                         GroupWeightsMsg]
+                         GroupWeightsMsg, PauseMsg]
 
 
 @dataclass(eq=False)
