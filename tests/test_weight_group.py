@@ -145,11 +145,23 @@ def test_served_weights_from_a_trainers_group(checkpoints: List[Path], tmp_path:
 
         def push(names: List[str], dtypes: List[str], shapes: List[List[int]]) -> None:
             r = post("/update_weights_from_distributed", {"names": names, "dtypes": dtypes,
-                                                          "shapes": shapes})
+                                                          "shapes": shapes,
+                                                          "weight_version": "step-1"})
             assert r.status_code == 200 and r.json()["success"] is True, r.text
 
+        def version() -> str:
+            return str(httpx.get(f"{srv.url}/get_weight_version").json()["weight_version"])
+
+        assert version() == "default"
         assert not _update(push, trainer, tensors, names).is_alive()
         assert generate() == hf_greedy(b, [prompt], 10)[0]
+        # SGLang's weight version: the update's, on each reply and /get_model_info
+        assert version() == "step-1"
+        r = post("/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}})
+        assert r.json()["meta_info"]["weight_version"] == "step-1"
+        r = post("/update_weight_version", {"new_version": "step-2"})
+        assert r.json()["success"] is True and version() == "step-2"
+        assert httpx.get(f"{srv.url}/get_model_info").json()["weight_version"] == "step-2"
         r = post("/update_weights_from_distributed", {"names": names[:1], "dtypes": ["fp4"],
                                                       "shapes": [[1]]})
         assert r.status_code == 400 and "unknown dtype 'fp4'" in r.json()["message"], r.text

@@ -114,6 +114,7 @@ class ApiConfig:
     lora_runtime: bool = False
     max_lora_rank: int = 16
     weights_path: Optional[str] = None  # the checkpoint served (None: dummy weights)
+    weight_version: str = "default"  # SGLang's version of the weights served, at start-up
     sleep_mode: bool = False  # /sleep, /wake_up, /is_sleeping served (sleep_admin.py)
     otlp_traces_endpoint: Optional[str] = None  # a span per request to it (tracing.py)
     weights_cpu_backup: bool = False  # SGLang's release keeps the weights (sleep level 1)
@@ -406,7 +407,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
                      cfg.lora_adapters, (cfg.model_name, *cfg.aliases))
     adapters = loras.paths  # changes as adapters load and unload
     install_adapter_routes(app, loras, json_body)
-    weights = Weights(streams, cfg.replicas, cfg.weights_path)  # its path follows reloads
+    # its path and version follow the updates
+    weights = Weights(streams, cfg.replicas, cfg.weights_path, cfg.weight_version)
     install_state_routes(app, streams, weights, cfg.tp, json_body)
     install_pause_routes(app, Pause(streams, cfg.replicas), json_body)
     sleep = Sleep(streams, cfg.replicas) if cfg.sleep_mode else None
@@ -653,7 +655,8 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         # must not replace it, and still names the response in the log and its header.
         job = served(job, None if body.rid is not None else request)
         return await run(request, GenerateFormatter(cfg.model_name, job,
-                                                     cfg.incremental_streaming_output))
+                                                     cfg.incremental_streaming_output,
+                                                     lambda: weights.version))
 
     async def text_endpoint(request: Request, body_type: Any, prompt_of: Callable[[Any], Prompt],
                             reply: Callable[[ReplyChunk], Dict[str, Any]]) -> Response:
@@ -752,7 +755,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         tokenizer, and whether it generates text (a sequence classifier does not)."""
         return {"model_path": weights.path or cfg.root, "tokenizer_path": cfg.tokenizer_path,
                 "is_generation": cfg.classifier is None, "preferred_sampling_params": None,
-                "weight_version": "default"}
+                "weight_version": weights.version}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

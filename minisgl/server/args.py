@@ -130,6 +130,10 @@ class ServerConfig:
                                           "the same as --no-log-stats (vLLM's name)"))
     log_stats_interval: float = setting(10.0, "seconds between log_stats' lines")
     shell: bool = setting(False, "chat with the model in this terminal")
+    weight_version: str = setting(
+        "default", "SGLang's: the served weights' version, as /generate's meta_info, "
+                   "/get_weight_version and /get_model_info name it; a weight update's "
+                   "weight_version (or /update_weight_version) changes it")
     incremental_streaming_output: bool = setting(
         False, "SGLang's: a streamed /generate chunk carries only what is new (text, "
                "output_ids, log-probabilities); by default each repeats everything so far, as "

@@ -211,9 +211,13 @@ class GenerateFormatter(Formatter):
     id_prefix = "gen"
     prompt_param = "input_ids"
 
-    def __init__(self, model: str, job: Job, incremental: bool = False) -> None:
+    def __init__(self, model: str, job: Job, incremental: bool = False,
+                 weight_version: Callable[[], str] = lambda: "default") -> None:
+        """`weight_version`: the served weights' version as a chunk is written (SGLang's
+        meta_info.weight_version: a request held behind an update names the new one)."""
         super().__init__(model, job)
         self.incremental = incremental
+        self.weight_version = weight_version
 
     @property
     def single(self) -> bool:
@@ -253,7 +257,7 @@ class GenerateFormatter(Formatter):
             "id": self._id(index, self.job.request_id or self.id),  # SGLang's rid
             "finish_reason": generate_meta.finish_reason(reason, matched, c.completion_tokens),
             "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
-            "cached_tokens": c.cached_tokens}
+            "cached_tokens": c.cached_tokens, "weight_version": self.weight_version()}
         if self.job.generate_logprobs is not None:
             meta.update(generate_meta.logprob_fields(self.job.generate_logprobs, prompt, output))
         return meta

@@ -241,6 +241,7 @@ class Service:
                             otlp_traces_endpoint=c.otlp_traces_endpoint,
                             weights_cpu_backup=c.engine.enable_weights_cpu_backup,
                             weights_path=None if c.engine.load_format == "dummy" else path,
+                            weight_version=c.weight_version,
                             tokenizer_path=str(self.tokenizer_path),
                             max_lora_rank=c.engine.max_lora_rank,
                             incremental_streaming_output=c.incremental_streaming_output,

@@ -28,6 +28,11 @@ buckets); POST /destroy_weights_update_group {"group_name"} leaves it. Each is a
 ranks, a rank that could not join, a tensor that is not a weight of the model: after which
 every rank serves the checkpoint it loaded last from disk).
 
+The weights' version (SGLang's): `--weight-version` at start-up (default "default"), the
+`weight_version` of a successful update's body, or POST /update_weight_version
+{"new_version"}; GET /get_weight_version {"weight_version"}, /get_model_info and each
+/generate reply's meta_info name it (RL loops tag each rollout with it).
+
 The prefix cache: SGLang's /flush_cache (GET or POST; 200 with a line of text) and vLLM's
 POST /reset_prefix_cache (200, empty) drop every cached page no running request holds, on
 every replica (message.FlushCacheMsg): what a benchmark does between runs, or an operator
@@ -53,6 +58,12 @@ class UpdateWeightsBody(Body):
     model_path: str
     load_format: Optional[str] = None  # SGLang's: "auto" (the directory's safetensors) only
     abort_all_requests: bool = False  # SGLang's: end the running requests instead of waiting
+    weight_version: Optional[str] = None  # SGLang's: the new weights' version, once loaded
+
+
+class WeightVersionBody(Body):
+    new_version: str
+    abort_all_requests: bool = False
 
 
 class InitGroupBody(Body):
@@ -71,7 +82,7 @@ class GroupWeightsBody(Body):
     group_name: str = "weight_update_group"
     flush_cache: bool = True  # SGLang's: the prefix cache is dropped either way
     abort_all_requests: bool = False
-    weight_version: Optional[str] = None  # SGLang's: accepted, not kept
+    weight_version: Optional[str] = None  # SGLang's: the version once every bucket loaded
 
 
 class GroupBody(Body):
@@ -84,10 +95,12 @@ class AbortBody(Body):
 
 
 class Weights:
-    """The checkpoint every replica serves (`path`; None: dummy weights) and its reloads."""
+    """The checkpoint every replica serves (`path`; None: dummy weights), the weights'
+    version (SGLang's weight_version) and their updates."""
 
-    def __init__(self, streams: RequestStreams, replicas: int, path: Optional[str]) -> None:
-        self.streams, self.replicas, self.path = streams, replicas, path
+    def __init__(self, streams: RequestStreams, replicas: int, path: Optional[str],
+                 version: str = "default") -> None:
+        self.streams, self.replicas, self.path, self.version = streams, replicas, path, version
         self._lock = asyncio.Lock()
 
     async def update(self, body: UpdateWeightsBody) -> None:
@@ -104,6 +117,7 @@ class Weights:
             errors = await self._change(path, list(range(self.replicas)))
             if not any(errors):
                 self.path = path
+                self.version = body.weight_version or self.version
                 return
             error = next(e for e in errors if e)
             done = [r for r, e in enumerate(errors) if e is None]
@@ -156,6 +170,7 @@ class Weights:
                 tuple(tuple(s) for s in body.shapes)), list(range(self.replicas)))
         if any(errors):
             raise ApiError(400, next(e for e in errors if e), "names")
+        self.version = body.weight_version or self.version
 
     async def leave_group(self, body: GroupBody) -> None:
         async with self._lock:
@@ -173,7 +188,8 @@ def install_state_routes(app: App, streams: RequestStreams, weights: Weights, tp
     /flush_cache, vLLM's /reset_prefix_cache (see the module's docstring); `tp`: each
     replica's ranks; `read_body`: a JSON body's bytes (api.json_body: 415 for another content
     type)."""
-    app.body_models += [UpdateWeightsBody, AbortBody, InitGroupBody, GroupWeightsBody, GroupBody]
+    app.body_models += [UpdateWeightsBody, AbortBody, InitGroupBody, GroupWeightsBody, GroupBody,
+                        WeightVersionBody]
 
     async def answer(done: str, change: Awaitable[None]) -> Response:
         """SGLang's answer to a change: {"success", "message"}."""
@@ -182,6 +198,19 @@ def install_state_routes(app: App, streams: RequestStreams, weights: Weights, tp
         except ApiError as e:
             return JSONResponse({"success": False, "message": e.message}, status_code=e.status)
         return JSONResponse({"success": True, "message": done})
+
+    @app.post("/update_weight_version", openapi_extra=body_schema(WeightVersionBody))
+    async def update_weight_version(request: Request) -> Response:
+        body = parse_body(await read_body(request), WeightVersionBody)
+        if body.abort_all_requests:
+            streams.abort_all()
+        weights.version = body.new_version
+        return JSONResponse({"success": True, "message": f"Weight version updated to "
+                                                         f"{body.new_version}."})
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> Response:
+        return JSONResponse({"weight_version": weights.version})
 
     @app.post("/init_weights_update_group", openapi_extra=body_schema(InitGroupBody))
     async def init_weights_update_group(request: Request) -> Response:
