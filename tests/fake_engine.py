@@ -312,5 +312,10 @@ class Harness:
         assert len(ends) == 1, f"request {uid} ended {len(ends)} times"
         return ends[0]
 
+    def reply(self, uid: int) -> str:
+        """'ok' or the error of change message `uid`'s one final TokenOut."""
+        end = self.finished(uid)
+        return "ok" if end.error is None and end.finish_reason == "stop" else str(end.error)
+
     def accounting(self) -> Accounting:
         return self.sched.accounting()

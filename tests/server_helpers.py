@@ -306,3 +306,27 @@ def check_same_as_tp1(server: Server, model_dir: Optional[Path]) -> None:
             pool.map(lambda m: _stream(client, model, m), CHATS))
     assert [g[0] for g in got] == [text for text, _ in refs]
     assert [g[1] for g in got] == [n for _, n in refs]
+
+
+def stream_generate(url: str, prompt: Sequence[int], max_new_tokens: int, chunks: List[dict],
+                    rid: Optional[str] = None) -> threading.Thread:
+    """A long greedy generation streamed from SGLang's /generate on a thread, each data
+    line's object appended to `chunks` (the output so far); returned once its first chunk
+    came, the thread still reading."""
+    import json
+    body: Dict[str, object] = {"input_ids": list(prompt), "stream": True, "sampling_params": {
+        "max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+    if rid is not None:
+        body["rid"] = rid
+    started = threading.Event()
+
+    def run() -> None:
+        with httpx.stream("POST", f"{url}/generate", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    started.set()
+    worker = threading.Thread(target=run)
+    worker.start()
+    assert started.wait(60), "no first chunk within 60 s"
+    return worker

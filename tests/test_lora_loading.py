@@ -23,12 +23,6 @@ def _cached(h: Harness, uid: int) -> int:
     return max(o.cached_tokens for o in h.outs if o.uid == uid)
 
 
-def _reply(h: Harness, uid: int) -> str:
-    """'ok' or the error of message `uid`'s one final TokenOut."""
-    end = h.finished(uid)
-    return "ok" if end.error is None and end.finish_reason == "stop" else str(end.error)
-
-
 def test_loaded_adapter_serves_its_requests_and_the_base_model_stays() -> None:
     h = Harness(max_loras=2)
     h.adapter(100, "a", "/adapters/a")
@@ -38,11 +32,11 @@ def test_loaded_adapter_serves_its_requests_and_the_base_model_stays() -> None:
     h.submit(3, PROMPT)
     h.submit(4, PROMPT, lora_name="c")
     tokens = h.run()
-    assert _reply(h, 100) == "ok" and _reply(h, 101) == "ok"
+    assert h.reply(100) == "ok" and h.reply(101) == "ok"
     assert tokens[1] == lora_reference(PROMPT, 8, "/adapters/a")
     assert tokens[2] == lora_reference(PROMPT, 8, "/adapters/b")
     assert tokens[3] == reference(PROMPT, 8)
-    assert "LoRA adapter 'c' is not loaded (loaded: a, b)" in _reply(h, 4)
+    assert "LoRA adapter 'c' is not loaded (loaded: a, b)" in h.reply(4)
     assert len({tuple(tokens[u]) for u in (1, 2, 3)}) == 3
 
 
@@ -57,15 +51,15 @@ def test_unloading_keeps_running_requests_and_frees_the_slot_after_them(overlap:
     h.adapter(102, "b", "/adapters/b")  # its one slot is still bound to request 1
     h.submit(2, PROMPT, lora_name="a")
     h.step()
-    assert _reply(h, 101) == "ok"
-    assert "every one of the 1 LoRA adapter slots is taken" in _reply(h, 102)
-    assert "LoRA adapter 'a' is not loaded (loaded: none)" in _reply(h, 2)
+    assert h.reply(101) == "ok"
+    assert "every one of the 1 LoRA adapter slots is taken" in h.reply(102)
+    assert "LoRA adapter 'a' is not loaded (loaded: none)" in h.reply(2)
     h.run()
     assert h.tokens[1] == lora_reference(PROMPT, 12, "/adapters/a")
     h.adapter(103, "b", "/adapters/b")  # request 1 is done: the slot is free
     h.submit(3, PROMPT, lora_name="b")
     h.run()
-    assert _reply(h, 103) == "ok"
+    assert h.reply(103) == "ok"
     assert h.tokens[3] == lora_reference(PROMPT, 8, "/adapters/b")
 
 
@@ -81,7 +75,7 @@ def test_a_reloaded_name_never_matches_the_former_loads_prefix() -> None:
     h.adapter(102, "a", "/adapters/a2")  # same name, other weights
     h.submit(3, PROMPT, lora_name="a")
     h.run()
-    assert [_reply(h, u) for u in (101, 102)] == ["ok", "ok"]
+    assert [h.reply(u) for u in (101, 102)] == ["ok", "ok"]
     assert _cached(h, 3) == 0
     assert h.tokens[3] == lora_reference(PROMPT, 8, "/adapters/a2")
 
@@ -94,10 +88,10 @@ def test_failed_or_refused_changes_change_nothing() -> None:
     h.adapter(103, "b", "/adapters/b2")  # already loaded
     h.submit(1, PROMPT, lora_name="b")
     h.run()
-    assert "no adapter_config.json in /adapters/bad" in _reply(h, 100)
-    assert _reply(h, 101) == "LoRA adapter 'a' is not loaded"
-    assert _reply(h, 102) == "ok"
-    assert _reply(h, 103) == "LoRA adapter 'b' is already loaded"
+    assert "no adapter_config.json in /adapters/bad" in h.reply(100)
+    assert h.reply(101) == "LoRA adapter 'a' is not loaded"
+    assert h.reply(102) == "ok"
+    assert h.reply(103) == "LoRA adapter 'b' is already loaded"
     assert h.tokens[1] == lora_reference(PROMPT, 8, "/adapters/b")
     assert h.engine.slot_codes.keys() == {0}
 
@@ -107,8 +101,8 @@ def test_an_engine_without_slots_refuses_loads_and_adapter_requests() -> None:
     h.adapter(100, "a", "/adapters/a")
     h.submit(1, PROMPT, lora_name="a")
     h.run()
-    assert "at run time needs --enable-lora (or --max-loras)" in _reply(h, 100)
-    assert "serves none (start it with --enable-lora" in _reply(h, 1)
+    assert "at run time needs --enable-lora (or --max-loras)" in h.reply(100)
+    assert "serves none (start it with --enable-lora" in h.reply(1)
 
 
 def test_a_load_another_rank_failed_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,7 +110,7 @@ def test_a_load_another_rank_failed_is_undone(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr("minisgl.scheduler.changes.min_over_ranks", lambda v, g: 0)
     h.adapter(100, "a", "/adapters/a")
     h.run()
-    assert "failed to load on another rank" in _reply(h, 100)
+    assert "failed to load on another rank" in h.reply(100)
     assert h.engine.slot_codes == {} and h.sched.adapters.loaded == {}
 
 

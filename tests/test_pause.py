@@ -12,8 +12,6 @@ step (the harness checks).
 
 from __future__ import annotations
 
-import json
-import threading
 from pathlib import Path
 from typing import Callable, List
 
@@ -25,11 +23,6 @@ from tests.fake_engine import Harness, lora_reference, reference
 PROMPT = list(range(1, 14))
 
 
-def _reply(h: Harness, uid: int) -> str:
-    end = h.finished(uid)
-    return "ok" if end.error is None and end.finish_reason == "stop" else str(end.error)
-
-
 @pytest.mark.parametrize("overlap", [False, True])
 def test_keep_freezes_the_running_requests_and_a_reload_applies_under_them(
         overlap: bool) -> None:
@@ -39,7 +32,7 @@ def test_keep_freezes_the_running_requests_and_a_reload_applies_under_them(
         h.step()
     h.io.inbox.append(PauseMsg(100))
     h.step()
-    assert _reply(h, 100) == "ok" and h.sched.paused and h.sched.inflight is None
+    assert h.reply(100) == "ok" and h.sched.paused and h.sched.inflight is None
     done = len(h.tokens[1])
     h.submit(2, PROMPT[:5])  # held while paused
     h.weights(101, "/ckpt/b")  # applies at once, request 1 kept
@@ -48,11 +41,11 @@ def test_keep_freezes_the_running_requests_and_a_reload_applies_under_them(
     for _ in range(5):
         h.step()
     assert len(h.tokens[1]) == done and 2 not in h.tokens
-    assert _reply(h, 101) == "ok" and h.engine.reloads == ["/ckpt/b"]
-    assert "resume or abort them before sleeping" in _reply(h, 102)
+    assert h.reply(101) == "ok" and h.engine.reloads == ["/ckpt/b"]
+    assert "resume or abort them before sleeping" in h.reply(102)
     h.io.inbox.append(PauseMsg(103, resume=True))
     h.run()
-    assert _reply(h, 103) == "ok" and not h.sched.paused
+    assert h.reply(103) == "ok" and not h.sched.paused
     assert len(h.tokens[1]) == 12 and h.tokens[1][:done] == reference(PROMPT, 12)[:done]
     assert h.tokens[1] != reference(PROMPT, 12)  # its later tokens: the new weights'
     assert h.tokens[2] == lora_reference(PROMPT[:5], 8, "/ckpt/b")
@@ -66,8 +59,8 @@ def test_wait_pauses_once_the_running_requests_finish() -> None:
     h.io.inbox.append(PauseMsg(101, resume=True))  # while the pause waits: refused
     h.submit(2, PROMPT[:5])
     h.run()
-    assert h.tokens[1] == reference(PROMPT, 12) and _reply(h, 100) == "ok"
-    assert "a pause is waiting" in _reply(h, 101) and 2 not in h.tokens and h.sched.paused
+    assert h.tokens[1] == reference(PROMPT, 12) and h.reply(100) == "ok"
+    assert "a pause is waiting" in h.reply(101) and 2 not in h.tokens and h.sched.paused
     h.io.inbox.append(PauseMsg(102, resume=True))
     h.run()
     assert h.tokens[2] == reference(PROMPT[:5], 8)
@@ -77,7 +70,7 @@ def test_served_pause_and_resume(tiny_model: Callable[..., Path], tmp_path: Path
     """vLLM's keep: a streamed request stops getting tokens while paused and ends whole after
     /resume; /is_paused; abort (the default) ends it; SGLang's names; a bad mode is a 400."""
     import httpx
-    from server_helpers import CPU_ARGS, serving
+    from server_helpers import CPU_ARGS, serving, stream_generate
     prompt = [1, 2, 3, 4, 5, 6]
     with serving(["--model", str(tiny_model("llama")), *CPU_ARGS], tmp_path) as srv:
         def post(path: str, **kw: object) -> httpx.Response:
@@ -86,22 +79,8 @@ def test_served_pause_and_resume(tiny_model: Callable[..., Path], tmp_path: Path
         def paused() -> bool:
             return bool(httpx.get(f"{srv.url}/is_paused").json()["is_paused"])
 
-        def stream(chunks: List[dict], started: threading.Event) -> threading.Thread:
-            def run() -> None:
-                body = {"input_ids": prompt, "stream": True, "sampling_params": {
-                    "max_new_tokens": 300, "temperature": 0, "ignore_eos": True}}
-                with httpx.stream("POST", f"{srv.url}/generate", json=body, timeout=120) as r:
-                    for line in r.iter_lines():
-                        if line.startswith("data: {"):
-                            chunks.append(json.loads(line[6:]))
-                            started.set()
-            worker = threading.Thread(target=run)
-            worker.start()
-            assert started.wait(60)
-            return worker
-
         chunks: List[dict] = []
-        worker = stream(chunks, threading.Event())
+        worker = stream_generate(srv.url, prompt, 300, chunks)
         assert post("/pause?mode=keep").status_code == 200 and paused()
         seen = len(chunks)
         worker.join(1.5)
@@ -112,7 +91,7 @@ def test_served_pause_and_resume(tiny_model: Callable[..., Path], tmp_path: Path
         assert final["meta_info"]["finish_reason"]["type"] == "length"
         assert len(final["output_ids"]) == 300
         chunks = []
-        worker = stream(chunks, threading.Event())
+        worker = stream_generate(srv.url, prompt, 300, chunks)
         r = post("/pause_generation", json={})  # SGLang's, abort by default
         assert r.status_code == 200 and r.json()["success"] is True, r.text
         worker.join(60)

@@ -11,7 +11,6 @@ every change gets one final reply; the KV pages balance at every step.
 
 from __future__ import annotations
 
-import json
 import threading
 from pathlib import Path
 from typing import Callable, List
@@ -26,11 +25,6 @@ from tests.fake_engine import Harness, lora_reference, reference
 PROMPT = list(range(1, 14))
 
 
-def _reply(h: Harness, uid: int) -> str:
-    end = h.finished(uid)
-    return "ok" if end.error is None and end.finish_reason == "stop" else str(end.error)
-
-
 # --- the scheduler --------------------------------------------------------------------------
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_sleep_waits_for_the_running_requests_and_holds_new_ones_until_woken(
@@ -42,7 +36,7 @@ def test_a_sleep_waits_for_the_running_requests_and_holds_new_ones_until_woken(
     h.sleep(100, level=1)
     h.submit(2, PROMPT)  # held: a sleep waits
     h.run()
-    assert h.tokens[1] == reference(PROMPT, 12) and _reply(h, 100) == "ok"
+    assert h.tokens[1] == reference(PROMPT, 12) and h.reply(100) == "ok"
     assert h.engine.asleep == {"weights", "kv_cache"} and h.engine.sleeps == [
         (1, ("weights", "kv_cache"))]
     assert 2 not in h.tokens and h.sched.stats().waiting == 1
@@ -52,7 +46,7 @@ def test_a_sleep_waits_for_the_running_requests_and_holds_new_ones_until_woken(
     assert 3 not in h.tokens  # still asleep: nothing launched (the fake engine asserts it)
     h.wake(101)
     h.run()
-    assert _reply(h, 101) == "ok" and not h.engine.asleep
+    assert h.reply(101) == "ok" and not h.engine.asleep
     assert h.tokens[2] == reference(PROMPT, 8) and h.tokens[3] == reference(PROMPT[:5], 8)
     assert max(o.cached_tokens for o in h.outs if o.uid == 2) == 0
     assert h.accounting().live_requests == 0
@@ -69,16 +63,16 @@ def test_level_2_wakes_the_weights_for_a_reload_then_the_kv_cache() -> None:
     h.weights(101, "/ckpt/b")
     h.adapter(102, "sql", "/adapters/sql")
     h.run()
-    assert "the weights are asleep" in _reply(h, 101) and h.engine.reloads == []
-    assert "the weights are asleep" in _reply(h, 102)
+    assert "the weights are asleep" in h.reply(101) and h.engine.reloads == []
+    assert "the weights are asleep" in h.reply(102)
     h.wake(103, "weights")
     h.weights(104, "/ckpt/b")
     h.run()
-    assert _reply(h, 103) == "ok" and _reply(h, 104) == "ok" and h.engine.reloads == ["/ckpt/b"]
+    assert h.reply(103) == "ok" and h.reply(104) == "ok" and h.engine.reloads == ["/ckpt/b"]
     assert h.engine.asleep == {"kv_cache"} and 1 not in h.tokens
     h.wake(105, "kv_cache")
     h.run()
-    assert _reply(h, 105) == "ok"
+    assert h.reply(105) == "ok"
     assert h.tokens[1] == lora_reference(PROMPT, 8, "/ckpt/b")
 
 
@@ -92,7 +86,7 @@ def test_the_kv_cache_alone_can_sleep() -> None:
     h.weights(101, "/ckpt/b")
     h.run()
     assert h.engine.sleeps == [(2, ("kv_cache",))] and h.engine.asleep == {"kv_cache"}
-    assert _reply(h, 101) == "ok" and 1 not in h.tokens
+    assert h.reply(101) == "ok" and 1 not in h.tokens
     h.wake(102, "kv_cache")
     h.run()
     assert h.tokens[1] == lora_reference(PROMPT, 8, "/ckpt/b")
@@ -106,12 +100,12 @@ def test_a_failed_wake_up_stays_asleep_and_can_be_tried_again() -> None:
     h.engine.wake_error = "CUDA out of memory. Tried to allocate 14.96 GiB"
     h.wake(101)
     h.run()
-    assert "CUDA out of memory" in _reply(h, 101) and h.engine.asleep == {"weights",
+    assert "CUDA out of memory" in h.reply(101) and h.engine.asleep == {"weights",
                                                                              "kv_cache"}
     assert 1 not in h.tokens
     h.wake(102)
     h.run()
-    assert _reply(h, 102) == "ok" and h.tokens[1] == reference(PROMPT, 8)
+    assert h.reply(102) == "ok" and h.tokens[1] == reference(PROMPT, 8)
 
 
 def test_a_sleep_or_wake_up_another_rank_failed_is_undone(
@@ -124,7 +118,7 @@ def test_a_sleep_or_wake_up_another_rank_failed_is_undone(
     h.run()
     h.submit(1, PROMPT)
     h.run()
-    assert "sleep failed on another rank" in _reply(h, 100) and not h.engine.asleep
+    assert "sleep failed on another rank" in h.reply(100) and not h.engine.asleep
     assert h.tokens[1] == reference(PROMPT, 8)
     monkeypatch.undo()
     h.sleep(101)
@@ -132,7 +126,7 @@ def test_a_sleep_or_wake_up_another_rank_failed_is_undone(
     monkeypatch.setattr("minisgl.scheduler.changes.min_over_ranks", lambda v, g: 0)
     h.wake(102, "kv_cache")
     h.run()
-    assert "wake-up failed on another rank" in _reply(h, 102)
+    assert "wake-up failed on another rank" in h.reply(102)
     assert h.engine.asleep == {"weights", "kv_cache"} and h.engine.sleeps[-1] == (
         1, ("kv_cache",))
 
@@ -147,21 +141,21 @@ def test_changes_that_cannot_run_are_refused_and_held_requests_can_be_aborted() 
     h.weights(103, "/ckpt/b")
     h.submit(2, PROMPT)
     h.step()
-    assert "a sleep is already waiting" in _reply(h, 101)
-    assert "a sleep is waiting" in _reply(h, 102)
-    assert "a sleep is already waiting" in _reply(h, 103)
+    assert "a sleep is already waiting" in h.reply(101)
+    assert "a sleep is waiting" in h.reply(102)
+    assert "a sleep is already waiting" in h.reply(103)
     h.abort(2)
     h.run()
     assert h.finished(2).finish_reason == "abort" and 2 not in h.tokens
-    assert _reply(h, 100) == "ok" and h.tokens[1] == reference(PROMPT, 12)
+    assert h.reply(100) == "ok" and h.tokens[1] == reference(PROMPT, 12)
     h.sleep(104, level=3)
     h.run()
-    assert "sleep level must be 1 or 2" in _reply(h, 104)
+    assert "sleep level must be 1 or 2" in h.reply(104)
     off = Harness(enable_sleep_mode=False)
     off.sleep(100)
     off.submit(1, PROMPT)
     off.run()
-    assert "start the server with --enable-sleep-mode" in _reply(off, 100)
+    assert "start the server with --enable-sleep-mode" in off.reply(100)
     assert off.tokens[1] == reference(PROMPT, 8)
 
 
@@ -237,7 +231,7 @@ def test_served_sleep_and_wake_up_as_vllm_answers(checkpoints: List[Path],
     /wake_up with the tokens of before; bad levels and tags are 400s naming them; level 2
     (a JSON body), the weights woken and reloaded, then the KV cache."""
     import httpx
-    from server_helpers import CPU_ARGS, serving
+    from server_helpers import CPU_ARGS, serving, stream_generate
     a, b = checkpoints
     prompt = mixed_prompts(1, seed=29, lengths=(30,))[0]
     with serving(["--model", str(a), "--enable-sleep-mode", *CPU_ARGS], tmp_path) as srv:
@@ -288,19 +282,7 @@ def test_served_sleep_and_wake_up_as_vllm_answers(checkpoints: List[Path],
         assert generate() == want_b
         # vLLM's mode=abort: a long request running ends at once, then the server sleeps
         chunks: List[dict] = []
-        started = threading.Event()
-
-        def long() -> None:
-            body = {"input_ids": prompt, "stream": True, "sampling_params": {
-                "max_new_tokens": 460, "temperature": 0, "ignore_eos": True}}
-            with httpx.stream("POST", f"{srv.url}/generate", json=body, timeout=120) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        chunks.append(json.loads(line[6:]))
-                        started.set()
-        worker = threading.Thread(target=long)
-        worker.start()
-        assert started.wait(60)
+        worker = stream_generate(srv.url, prompt, 460, chunks)
         assert post("/sleep?mode=abort").status_code == 200
         worker.join(60)
         assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"

@@ -11,7 +11,6 @@ every reply is one final TokenOut of the message's uid.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Callable, List
@@ -24,12 +23,6 @@ from minisgl import LLM, SamplingParams
 from tests.fake_engine import Harness, lora_reference, reference
 
 PROMPT = list(range(1, 14))  # 13 tokens: three full pages of 4 for the prefix cache
-
-
-def _reply(h: Harness, uid: int) -> str:
-    """'ok' or the error of message `uid`'s one final TokenOut."""
-    end = h.finished(uid)
-    return "ok" if end.error is None and end.finish_reason == "stop" else str(end.error)
 
 
 def _cached(h: Harness, uid: int) -> int:
@@ -51,7 +44,7 @@ def test_a_reload_waits_for_the_running_requests_then_serves_the_new_weights(
     assert stats.waiting == 1 and stats.waiting_tokens == len(PROMPT)
     h.run()
     assert h.tokens[1] == reference(PROMPT, 12)  # the old weights to its end
-    assert _reply(h, 100) == "ok" and h.engine.reloads == ["/ckpt/b"]
+    assert h.reply(100) == "ok" and h.engine.reloads == ["/ckpt/b"]
     assert h.tokens[2] == lora_reference(PROMPT, 8, "/ckpt/b")
     assert _cached(h, 2) == 0  # request 1's prefix came from the old weights
     reply_at = next(i for i, o in enumerate(h.outs) if o.uid == 100)
@@ -67,14 +60,14 @@ def test_a_failed_reload_restores_the_weights_served() -> None:
     h = Harness()
     h.weights(100, "/ckpt/bad")
     h.run()
-    assert "the checkpoint's hidden_size is 8" in _reply(h, 100)
+    assert "the checkpoint's hidden_size is 8" in h.reply(100)
     h.weights(101, "/ckpt/b")
     h.run()
     h.weights(102, "/ckpt/c-broken")
     h.submit(1, PROMPT)
     h.run()
-    assert _reply(h, 101) == "ok"
-    assert "OSError: /ckpt/c-broken: a truncated file" in _reply(h, 102)
+    assert h.reply(101) == "ok"
+    assert "OSError: /ckpt/c-broken: a truncated file" in h.reply(102)
     # a refusal changed nothing: no restore; a failure after changes: restored
     assert h.engine.reloads == ["/ckpt/bad", "/ckpt/b", "/ckpt/c-broken", "/ckpt/b"]
     assert h.tokens[1] == lora_reference(PROMPT, 8, "/ckpt/b")
@@ -87,7 +80,7 @@ def test_a_reload_another_rank_failed_is_undone(monkeypatch: pytest.MonkeyPatch)
     h.weights(100, "/ckpt/b")
     h.submit(1, PROMPT)
     h.run()
-    assert "failed to load on another rank" in _reply(h, 100)
+    assert "failed to load on another rank" in h.reply(100)
     assert h.engine.reloads == ["/ckpt/b", "fake"] and h.tokens[1] == reference(PROMPT, 8)
 
 
@@ -103,9 +96,9 @@ def test_held_requests_can_be_aborted_and_a_second_reload_waits_its_turn() -> No
     h.weights(101, "/ckpt/c")
     h.step()
     assert h.finished(2).finish_reason == "abort" and 2 not in h.tokens
-    assert "a weight reload is already waiting" in _reply(h, 101)
+    assert "a weight reload is already waiting" in h.reply(101)
     h.run()
-    assert _reply(h, 100) == "ok" and h.tokens[3] == lora_reference(PROMPT[:5], 8, "/ckpt/b")
+    assert h.reply(100) == "ok" and h.tokens[3] == lora_reference(PROMPT[:5], 8, "/ckpt/b")
     assert h.accounting().live_requests == 0
 
 
@@ -174,10 +167,8 @@ def test_served_reload_answers_as_sglang_does(checkpoints: List[Path], tmp_path:
     checkpoint served. The prefix cache flushed on
     its own (/flush_cache, /reset_prefix_cache); vLLM's /ping and SGLang's /health_generate
     (a one-token generation through every process)."""
-    import threading
-
     import httpx
-    from server_helpers import CPU_ARGS, serving
+    from server_helpers import CPU_ARGS, serving, stream_generate
     a, b, other = checkpoints
     prompt = mixed_prompts(1, seed=19, lengths=(40,))[0]
     with serving(["--model", str(a), *CPU_ARGS], tmp_path) as srv:
@@ -203,26 +194,9 @@ def test_served_reload_answers_as_sglang_does(checkpoints: List[Path], tmp_path:
             assert says in r.json()["message"], r.text
         assert post("/update_weights_from_disk", {}).status_code == 400
         assert generate()["output_ids"] == hf_greedy(b, [prompt], 10)[0]
-        def stream_long(chunks: List[dict], started: threading.Event) -> threading.Thread:
-            """A long streamed generation of rid "roll-1" (SGLang's data lines of the output
-            so far) on a thread; `started` once its first chunk came."""
-            body = {"input_ids": prompt, "stream": True, "rid": "roll-1", "sampling_params": {
-                "max_new_tokens": 460, "temperature": 0, "ignore_eos": True}}
-
-            def run() -> None:
-                with httpx.stream("POST", f"{srv.url}/generate", json=body, timeout=120) as r:
-                    for line in r.iter_lines():
-                        if line.startswith("data: {"):
-                            chunks.append(json.loads(line[6:]))
-                            started.set()
-            worker = threading.Thread(target=run)
-            worker.start()
-            assert started.wait(60)
-            return worker
-
         for stop in ({"model_path": str(a), "abort_all_requests": True}, {"rid": "roll-1"}):
             chunks: List[dict] = []
-            worker = stream_long(chunks, threading.Event())
+            worker = stream_generate(srv.url, prompt, 460, chunks, rid="roll-1")
             if "rid" in stop:  # SGLang's /abort_request by the request's rid
                 assert post("/abort_request", {"rid": "other"}).status_code == 200
                 r = post("/abort_request", stop)
