@@ -141,9 +141,9 @@ class Scheduler:
         self.wait_s = 0.0
         self.received = 0  # UserMsgs taken so far
         self.accounting_asked: List[AccountingMsg] = []  # check_idle answers them
-        # A reload or a sleep waiting for the live requests to finish (WeightsMsg,
-        # GroupWeightsMsg, SleepMsg), and the requests that arrived since or while asleep
-        # (taken after it, or after the wake-up, in order).
+        # A reload, a sleep or a pause waiting for the live requests to finish (WeightsMsg,
+        # GroupWeightsMsg, SleepMsg, PauseMsg with wait), and the requests that arrived since,
+        # while asleep or while paused (taken after it, the wake-up or the resume, in order).
         self.at_rest: Optional[Union[WeightsMsg, SleepMsg, GroupWeightsMsg, PauseMsg]] = None
         self.paused = False  # PauseMsg: no batch runs until a resume
         self.held: List[UserMsg] = []
