@@ -62,24 +62,14 @@ class Held(NamedTuple):
 class Part:
     """A set of storages that sleeps and wakes together (the weights, or the KV cache).
 
-    `storages`: each storage once, with whether its content is the checkpoint's (`forget` at
-    sleep then forgets it unless `keep_all`)."""
+    `storages`: each storage once, with whether its content is the checkpoint's (`sleep`
+    forgets those unless told to keep them)."""
 
     def __init__(self, storages: List[Tuple[torch.UntypedStorage, bool]]) -> None:
         self.storages = storages
         self.held: Optional[List[Held]] = None  # asleep: what waking restores
         self.buffer: Optional[torch.Tensor] = None  # the host copies (Held.backup: views)
         self.kept = True  # the last sleep kept the checkpoint's content
-
-    @property
-    def asleep(self) -> bool:
-        return self.held is not None
-
-    @property
-    def nbytes(self) -> int:
-        """The part's device bytes while awake."""
-        return sum(s.nbytes() for s, _ in self.storages) if self.held is None else sum(
-            h.nbytes for h in self.held)
 
     def sleep(self, keep_checkpoint: bool, pin: bool,
               buffer: Optional[torch.Tensor] = None) -> int:
