@@ -17,6 +17,7 @@ CPU tensors or NCCL's on the rank's GPU (`backend`).
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Iterator, List, Sequence, Tuple, cast
@@ -83,8 +84,13 @@ class WeightGroup:
             options._timeout = timeout
             backend: object = dist.ProcessGroupNCCL(keys, rank, spec.world_size, options)
             where = device
-        else:
-            backend = dist.ProcessGroupGloo(keys, rank, spec.world_size, timeout)
+        else:  # on the address that reaches the trainer (the ranks' own gloo is pinned to
+            # theirs: loopback on one host, where a trainer on another could not connect)
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(
+                hostname=_address_towards(spec.master_address, spec.master_port))]
+            backend = dist.ProcessGroupGloo(keys, rank, spec.world_size, options)
             where = torch.device("cpu")
         return cls(spec, backend, where)
 
@@ -103,6 +109,15 @@ class WeightGroup:
         all)."""
         for name, dtype, shape in specs:
             yield name, self.receive(dtype, shape)
+
+
+def _address_towards(host: str, port: int) -> str:
+    """This machine's address on the route to (host, port) (a UDP socket's connect sends
+    nothing)."""
+    family, kind, proto, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind, proto) as s:
+        s.connect(where)
+        return str(s.getsockname()[0])
 
 
 def check_dtype(name: str) -> str:
