@@ -86,7 +86,7 @@ class WeightGroup:
             where = device
         else:  # on the address that reaches the trainer (the ranks' own gloo is pinned to
             # theirs: loopback on one host, where a trainer on another could not connect)
-            options = dist.ProcessGroupGloo._Options()
+            options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             options._timeout = timeout
             options._devices = [dist.ProcessGroupGloo.create_device(
                 hostname=_address_towards(spec.master_address, spec.master_port))]
