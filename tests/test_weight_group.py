@@ -170,6 +170,40 @@ def test_served_weights_from_a_trainers_group(checkpoints: List[Path], tmp_path:
         assert r.status_code == 400 and "no weight update group" in r.json()["message"]
 
 
+def test_every_data_parallel_replica_joins_and_receives(checkpoints: List[Path],
+                                                        tmp_path: Path) -> None:
+    """--dp 2: replica d's rank joins as rank_offset + d (a wrong offset would meet another
+    rank's place and never join), both receive every broadcast, and every prompt, on either
+    replica, gets the pushed checkpoint's tokens."""
+    import httpx
+    from server_helpers import CPU_ARGS, serving
+    a, b = checkpoints
+    prompts = mixed_prompts(6, seed=47, lengths=(7, 30))
+    want = hf_greedy(b, prompts, 8)
+    tensors = load_file(str(b / "model.safetensors"))
+    with serving(["--model", str(a), "--dp", "2", *CPU_ARGS], tmp_path) as srv:
+        def post(path: str, body: dict) -> httpx.Response:
+            return httpx.post(f"{srv.url}{path}", json=body, timeout=120)
+
+        trainer = Trainer(3)
+        joining = trainer.join()
+        r = post("/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": trainer.port, "rank_offset": 1,
+            "world_size": 3, "backend": "gloo"})
+        assert r.json()["success"] is True, r.text
+        joining.join(60)
+
+        def push(names: List[str], dtypes: List[str], shapes: List[List[int]]) -> None:
+            r = post("/update_weights_from_distributed", {"names": names, "dtypes": dtypes,
+                                                          "shapes": shapes})
+            assert r.json()["success"] is True, r.text
+
+        assert not _update(push, trainer, tensors, sorted(tensors)).is_alive()
+        assert [post("/generate", {"input_ids": p, "sampling_params": {
+            "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}).json()["output_ids"]
+                for p in prompts] == want
+
+
 @pytest.mark.gpu
 def test_gpu_weights_from_a_gloo_group(checkpoints: List[Path]) -> None:
     """On CUDA (graphs captured over the weights, which change in place): the tensors received
