@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable, Dict, List
 
 import pytest
 
@@ -305,6 +305,39 @@ def test_served_sleep_and_wake_up_as_vllm_answers(checkpoints: List[Path],
                            ({"tags": ["gpu"]}, "unknown tag 'gpu'")):
             r = post("/release_memory_occupation", json=body)
             assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+
+
+def test_every_data_parallel_replica_sleeps_and_wakes(checkpoints: List[Path],
+                                                       tmp_path: Path) -> None:
+    """--dp 2: one /sleep puts both replicas to sleep, requests sent meanwhile (the router
+    spreads them) wait on either and are answered after the one /wake_up, as before."""
+    import httpx
+    from server_helpers import CPU_ARGS, serving
+    a, _ = checkpoints
+    prompts = mixed_prompts(4, seed=53, lengths=(7, 30))
+    want = hf_greedy(a, prompts, 8)
+    with serving(["--model", str(a), "--dp", "2", "--enable-sleep-mode", *CPU_ARGS],
+                 tmp_path) as srv:
+        def generate(p: List[int]) -> List[int]:
+            r = httpx.post(f"{srv.url}/generate", timeout=120, json={
+                "input_ids": p, "sampling_params": {"max_new_tokens": 8, "temperature": 0,
+                                                    "ignore_eos": True}})
+            return list(r.json()["output_ids"])
+
+        assert httpx.post(f"{srv.url}/sleep?level=1", timeout=120).status_code == 200
+        got: Dict[int, List[int]] = {}
+
+        def ask(i: int) -> None:
+            got[i] = generate(prompts[i])
+        waiting = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in waiting:
+            t.start()
+        waiting[-1].join(2)
+        assert not got  # every replica asleep: nothing answered
+        assert httpx.post(f"{srv.url}/wake_up", timeout=120).status_code == 200
+        for t in waiting:
+            t.join(60)
+        assert [got[i] for i in range(len(prompts))] == want
 
 
 # --- CUDA -----------------------------------------------------------------------------------
