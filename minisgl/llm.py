@@ -33,9 +33,9 @@ from minisgl.core import (FinishReason, Limits, LoRARequest, PoolingParams, Samp
 from minisgl.grammar import make_checker
 from minisgl.distributed import DistributedInfo, ProcessGroups
 from minisgl.distributed.comm import Communicator
-from minisgl.distributed.weight_group import GroupSpec, check_dtype
+from minisgl.distributed.weight_group import GroupSpec, check_update
 from minisgl.engine import Engine
-from minisgl.engine.sleep import TAGS as SLEEP_TAGS, check_level, check_tags
+from minisgl.engine.sleep_parts import TAGS as SLEEP_PARTS, check_level, check_tags, sglang_parts
 from minisgl.message import AbortMsg, BatchTokenOut, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.types import (AccountingMsg, AccountingReply, AdapterMsg, GroupMsg,
@@ -702,11 +702,8 @@ class LLM:
         served weights; the others stay (a trainer may send the weights in buckets). The
         prefix cache is dropped. ValueError why not (a tensor that is not a weight of the
         model: every rank then serves the checkpoint it loaded last from disk)."""
-        if not len(names) == len(dtypes) == len(shapes):
-            raise ValueError(f"names, dtypes and shapes must be as long as each other "
-                             f"({len(names)}, {len(dtypes)}, {len(shapes)})")
-        self._change(GroupWeightsMsg(next(self._uids), group_name, tuple(names),
-                                     tuple(check_dtype(d) for d in dtypes),
+        dtype_names = check_update(names, dtypes, shapes)
+        self._change(GroupWeightsMsg(next(self._uids), group_name, tuple(names), dtype_names,
                                      tuple(tuple(s) for s in shapes)))
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
@@ -721,7 +718,7 @@ class LLM:
         prefix cache are forgotten at either. ValueError naming a bad level, or sleep mode
         off."""
         self._change(SleepMsg(next(self._uids), check_level(level)))
-        self._asleep = frozenset(SLEEP_TAGS)
+        self._asleep = frozenset(SLEEP_PARTS)
 
     def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
         """Take the memory of the parts `tags` names ("weights", "kv_cache"; None: both)
@@ -736,13 +733,13 @@ class LLM:
         """SGLang's `Engine.release_memory_occupation`: the parts `tags` names ("weights",
         "kv_cache"; its "cuda_graph" beside them; None: all) asleep, the weights at level 1
         with `enable_weights_cpu_backup=True`, else forgotten (level 2)."""
-        parts = _sglang_parts(tags)
+        parts = sglang_parts(tags)
         self._change(SleepMsg(next(self._uids), 1 if self._cpu_backup else 2, parts))
         self._asleep |= frozenset(parts)
 
     def resume_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
         """SGLang's `Engine.resume_memory_occupation`: `wake_up` of the parts named."""
-        self.wake_up(_sglang_parts(tags))
+        self.wake_up(sglang_parts(tags))
 
     def is_sleeping(self) -> bool:
         """Whether any part (weights, KV cache) is asleep."""
@@ -1068,16 +1065,6 @@ class LLM:
                 if out.finish_reason is not None or out.error:
                     left.discard(out.uid)
         self._backend.drain()
-
-
-def _sglang_parts(tags: Optional[Sequence[str]]) -> Tuple[str, ...]:
-    """The parts SGLang's memory-occupation tags name (its "cuda_graph" aside; None: all);
-    ValueError naming an unknown tag, or "cuda_graph" alone."""
-    named = tuple(t for t in (tags or SLEEP_TAGS) if t != "cuda_graph")
-    if not named:
-        raise ValueError("'cuda_graph' alone: CUDA graphs sleep and wake with the weights and "
-                         "the KV cache")
-    return check_tags(named)
 
 
 def _same_dir(a: str, b: str) -> bool:

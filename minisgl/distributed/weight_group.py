@@ -129,6 +129,19 @@ def check_dtype(name: str) -> str:
     return bare
 
 
+def check_update(names: Sequence[str], dtypes: Sequence[str],
+                 shapes: Sequence[Sequence[int]]) -> Tuple[str, ...]:
+    """An update's dtypes as torch names them; ValueError where the three lists differ in
+    length, a dtype is unknown, or a size is negative (checked before anything is sent: a
+    trainer's broadcasts are received only by an update that reaches the ranks)."""
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(f"names, dtypes and shapes must be as long as each other "
+                         f"({len(names)}, {len(dtypes)}, {len(shapes)})")
+    if any(d < 0 for shape in shapes for d in shape):
+        raise ValueError("shapes must not hold negative sizes")
+    return tuple(check_dtype(d) for d in dtypes)
+
+
 def parse_dtype(name: str) -> "torch.dtype":
     """The torch dtype `check_dtype` accepts."""
     import torch

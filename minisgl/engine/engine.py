@@ -30,8 +30,8 @@ from minisgl.engine.bad_words import BadWords
 from minisgl.engine.penalties import Penalties
 from minisgl.engine.pooling import PromptPools, pooled_chunks
 from minisgl.engine.prefill_graph import PrefillGraphs, capture_prefill_graphs
-from minisgl.engine.sleep import (TAGS, WEIGHTS, Part, check_level, check_tags, tensors_part,
-                                  weights_part)
+from minisgl.engine.sleep import Part, tensors_part, weights_part
+from minisgl.engine.sleep_parts import TAGS, WEIGHTS, check_level, check_tags
 from minisgl.engine.sampler import (LogprobTensors, add_logit_bias, apply_token_bitmask,
                                     greedy, mask_to_allowed_tokens, sample_requests,
                                     suppress_early_stops)
@@ -357,7 +357,7 @@ class Engine:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         if self.device.type == "cuda":
-            logger.info("rank %d: asleep: %.2f GiB still allocated on %s (host copy %.2f GiB)",
+            logger.debug("rank %d: asleep: %.2f GiB still allocated on %s (host copy %.2f GiB)",
                         self.cfg.tp_info.rank, torch.cuda.memory_allocated(self.device) / 2**30,
                         self.device, 0 if self._host_copy is None
                         else self._host_copy.numel() / 2**30)

@@ -27,28 +27,6 @@ import torch
 from torch import nn
 
 logger = logging.getLogger(__name__)
-WEIGHTS, KV_CACHE = "weights", "kv_cache"
-TAGS = (WEIGHTS, KV_CACHE)
-LEVELS = (1, 2)
-
-
-def check_level(level: object) -> int:
-    """`level` as a sleep level; ValueError naming it where it is not 1 or 2."""
-    if isinstance(level, bool) or level not in LEVELS:
-        raise ValueError(f"sleep level must be 1 (weights kept in host memory, KV cache "
-                         f"forgotten) or 2 (both forgotten), not {level!r}")
-    return LEVELS[LEVELS.index(level)]
-
-
-def check_tags(tags: Optional[Iterable[str]]) -> Tuple[str, ...]:
-    """The parts a wake-up names (None or empty: both), in TAGS order; ValueError naming an
-    unknown one."""
-    named = list(tags or TAGS)
-    unknown = [t for t in named if t not in TAGS]
-    if unknown:
-        raise ValueError(f"unknown wake_up tag {unknown[0]!r}: tags are "
-                         f"{', '.join(repr(t) for t in TAGS)}")
-    return tuple(t for t in TAGS if t in named)
 
 
 class Held(NamedTuple):

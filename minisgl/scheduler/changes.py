@@ -95,18 +95,27 @@ class Changes:
 
     # --- weights --------------------------------------------------------------------------
     def reload(self, path: str) -> Optional[str]:
-        """Every rank's weights from `path`, or (some rank failed) the weights each served
-        before, reloaded where they changed (not where the reload was refused before loading:
-        core.WeightsRefused)."""
+        """Every rank's weights from `path`, or (some rank failed) those served before."""
+        error = self._load_or_restore(lambda: self.engine.reload_weights(path),
+                                      f"weights from {path}", path)
+        if error is None:
+            self.weights_path = path
+        return error
+
+    def _load_or_restore(self, load: Callable[[], None], what: str,
+                         path: Optional[str] = None) -> Optional[str]:
+        """`load()` on every rank, or, where some rank failed, each rank whose weights it
+        changed (not one refused before loading: core.WeightsRefused) reloads the checkpoint
+        it served from disk. None, or why the weights did not change (naming `path`)."""
         error, changed = None, True
         try:
-            self.engine.reload_weights(path)
+            load()
         except Exception as e:  # the files' errors too: every rank must reach the vote below
-            changed = not isinstance(e, WeightsRefused)
-            error = _error(e) if path in _error(e) else f"{path}: {_error(e)}"
-            logger.warning("rank %d: weights from %s not loaded: %s", self.rank, path, error)
+            changed, error = not isinstance(e, WeightsRefused), _error(e)
+            if path is not None and path not in error:
+                error = f"{path}: {error}"
+            logger.warning("rank %d: %s not loaded: %s", self.rank, what, error)
         if self._all_ranks(error):
-            self.weights_path = path
             return None
         if changed:
             self.engine.reload_weights(self.weights_path)
@@ -134,21 +143,11 @@ class Changes:
 
     def from_group(self, msg: GroupWeightsMsg) -> Optional[str]:
         """The tensors the group's trainer broadcasts into every rank's weights, or, where
-        some rank failed after weights changed, every rank's checkpoint reloaded from disk (the
-        group's earlier updates with it)."""
-        error, changed = None, True
-        try:
-            self.engine.weights_from_group(msg.group_name,
-                                           list(zip(msg.names, msg.dtypes, msg.shapes)))
-        except Exception as e:  # every rank must reach the vote below
-            changed, error = not isinstance(e, WeightsRefused), _error(e)
-            logger.warning("rank %d: weights from group %r not loaded: %s", self.rank,
-                           msg.group_name, error)
-        if self._all_ranks(error):
-            return None
-        if min_over_ranks(int(not changed), self.cpu_group) == 0:  # changed on some rank
-            self.engine.reload_weights(self.weights_path)
-        return error or "the weights failed to load on another rank (its log says why)"
+        some rank failed, the disk checkpoint again where they changed (the group's earlier
+        updates with it)."""
+        return self._load_or_restore(lambda: self.engine.weights_from_group(
+            msg.group_name, list(zip(msg.names, msg.dtypes, msg.shapes))),
+            f"weights from group {msg.group_name!r}")
 
     # --- sleep mode -----------------------------------------------------------------------
     def sleep(self, msg: SleepMsg, dropped: int = 0) -> Optional[str]:

@@ -31,18 +31,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Awaitable, Callable, FrozenSet, List, Optional, Tuple
+from typing import Awaitable, Callable, FrozenSet, List, Optional, Tuple, TypeVar
 
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
+from minisgl.engine.sleep_parts import TAGS, check_level, check_tags, sglang_parts
 from minisgl.message.types import SleepMsg, WakeMsg
 from minisgl.server.metrics import Gauge
 from minisgl.server.openapi import App, body as body_schema
 from minisgl.server.protocol import ApiError, Body, parse_body
 from minisgl.server.streams import RequestStreams
 
-_TAGS = ("weights", "kv_cache")  # engine/sleep.py's (the API server imports no torch)
+T = TypeVar("T")
 
 
 class Sleep:
@@ -66,7 +67,7 @@ class Sleep:
                                                      list(range(len(self.asleep))))
             for r, error in enumerate(errors):
                 if error is None:
-                    self.asleep[r] |= frozenset(tags or _TAGS)
+                    self.asleep[r] |= frozenset(tags or TAGS)
                     self.levels[r] = level
             _raise_first(errors, "sleep")
 
@@ -78,7 +79,7 @@ class Sleep:
                                                      list(range(len(self.asleep))))
             for r, error in enumerate(errors):
                 if error is None:
-                    self.asleep[r] -= frozenset(tags or _TAGS)
+                    self.asleep[r] -= frozenset(tags or TAGS)
             _raise_first(errors, "wake_up")
 
 
@@ -112,40 +113,26 @@ async def _level(request: Request) -> int:
         except (ValueError, AttributeError):
             raise ApiError(400, "the /sleep body must be a JSON object such as {\"level\": 1}",
                            "level") from None
-    if str(raw) not in ("1", "2"):
-        raise ApiError(400, f"sleep level must be 1 (weights kept in host memory) or 2 "
-                            f"(weights forgotten), not {raw!r}", "level")
-    return int(str(raw))
+    level = int(str(raw)) if str(raw) in ("1", "2") else raw
+    return _checked(lambda: check_level(level), "level")
+
+
+def _checked(check: Callable[[], T], param: str) -> T:
+    """`check()`'s value; its ValueError as a 400 naming `param`."""
+    try:
+        return check()
+    except ValueError as e:
+        raise ApiError(400, str(e), param) from None
 
 
 def _tags(request: Request) -> Tuple[str, ...]:
-    """The parts a /wake_up names (its `tags`, repeated); ApiError (400) naming an unknown
-    one."""
-    tags = request.query_params.getlist("tags")
-    unknown = [t for t in tags if t not in _TAGS]
-    if unknown:
-        raise ApiError(400, f"unknown wake_up tag {unknown[0]!r}: tags are 'weights' and "
-                            f"'kv_cache'", "tags")
-    return tuple(t for t in _TAGS if t in tags)
+    """The parts a /wake_up names (its `tags`, repeated; none: both); ApiError (400) naming
+    an unknown one."""
+    return _checked(lambda: check_tags(request.query_params.getlist("tags")), "tags")
 
 
 class TagsBody(Body):
     tags: Optional[List[str]] = None
-
-
-def _sglang_tags(body: TagsBody) -> Tuple[str, ...]:
-    """The parts SGLang's body names (its "cuda_graph" aside); ApiError (400) naming an
-    unknown tag, or "cuda_graph" alone."""
-    tags = body.tags or list(_TAGS)
-    unknown = [t for t in tags if t not in (*_TAGS, "cuda_graph")]
-    if unknown:
-        raise ApiError(400, f"unknown tag {unknown[0]!r}: tags are 'weights', 'kv_cache' and "
-                            f"'cuda_graph'", "tags")
-    parts = tuple(t for t in _TAGS if t in tags)
-    if not parts:
-        raise ApiError(400, "'cuda_graph' alone: minisgl's CUDA graphs sleep and wake with the "
-                            "weights and the KV cache", "tags")
-    return parts
 
 
 def install_sleep_routes(app: App, sleep: Sleep, cpu_backup: bool,
@@ -157,7 +144,8 @@ def install_sleep_routes(app: App, sleep: Sleep, cpu_backup: bool,
 
     async def tags_of(request: Request) -> Tuple[str, ...]:
         raw = await read_body(request)
-        return _sglang_tags(parse_body(raw, TagsBody) if raw.strip() else TagsBody())
+        body = parse_body(raw, TagsBody) if raw.strip() else TagsBody()
+        return _checked(lambda: sglang_parts(body.tags), "tags")
 
     @app.post("/release_memory_occupation", openapi_extra=body_schema(TagsBody))
     async def release_route(request: Request) -> Response:

@@ -47,7 +47,7 @@ from typing import Awaitable, Callable, List, Optional
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.requests import Request
 
-from minisgl.distributed.weight_group import GroupSpec, check_dtype
+from minisgl.distributed.weight_group import GroupSpec, check_update
 from minisgl.message.types import FlushCacheMsg, GroupMsg, GroupWeightsMsg, WeightsMsg
 from minisgl.server.openapi import App, body as body_schema
 from minisgl.server.protocol import ApiError, Body, parse_body
@@ -152,16 +152,10 @@ class Weights:
 
     async def from_group(self, body: GroupWeightsBody) -> None:
         """Every replica receives the tensors the trainer broadcasts; ApiError (400) why not."""
-        if not len(body.names) == len(body.dtypes) == len(body.shapes):
-            raise ApiError(400, f"names, dtypes and shapes must be as long as each other "
-                                f"({len(body.names)}, {len(body.dtypes)}, {len(body.shapes)})",
-                           "names")
         try:
-            dtypes = tuple(check_dtype(d) for d in body.dtypes)
+            dtypes = check_update(body.names, body.dtypes, body.shapes)
         except ValueError as e:
             raise ApiError(400, str(e), "dtypes") from None
-        if any(d < 0 for shape in body.shapes for d in shape):
-            raise ApiError(400, "shapes must not hold negative sizes", "shapes")
         async with self._lock:
             if body.abort_all_requests:
                 self.streams.abort_all()

@@ -205,7 +205,7 @@ class RequestStreams:
         """The stream's span ended, once: at its last final chunk, or as it is released."""
         trace, stream.trace = stream.trace, None
         if trace is not None and self.traces is not None:
-            self.traces.end(trace)
+            self.traces.end(trace, stream.created)
 
     def _refuse(self, stream: RequestStream, sent: int, status: int) -> None:
         """`submit` could not send the whole request (its answer: `status`): abort the first

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 PACKAGES = "opentelemetry-sdk opentelemetry-exporter-otlp-proto-http"
@@ -34,7 +34,6 @@ class SpanRecord:
     start_ns: int
     parent: Any  # the client's context (opentelemetry.context.Context), or None
     attributes: Dict[str, Any]
-    created: float = field(default_factory=time.perf_counter)  # for the latencies
     first_token: Optional[float] = None  # perf_counter of the first token of any choice
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -90,17 +89,17 @@ class Traces:
         return SpanRecord(time.time_ns(), parent, {"gen_ai.response.model": self.model,
                                                    **attributes})
 
-    def end(self, record: SpanRecord) -> None:
-        """The request was released: its span, ended now, to the exporter's queue."""
+    def end(self, record: SpanRecord, created: float) -> None:
+        """The request (arrived at perf_counter `created`) was released: its span, ended now,
+        to the exporter's queue."""
         from opentelemetry.trace import SpanKind, Status, StatusCode
         now = time.perf_counter()
         attributes = dict(record.attributes)
         attributes["gen_ai.usage.prompt_tokens"] = record.prompt_tokens
         attributes["gen_ai.usage.completion_tokens"] = record.completion_tokens
-        attributes["gen_ai.latency.e2e"] = now - record.created
+        attributes["gen_ai.latency.e2e"] = now - created
         if record.first_token is not None:
-            attributes["gen_ai.latency.time_to_first_token"] = (record.first_token
-                                                                - record.created)
+            attributes["gen_ai.latency.time_to_first_token"] = record.first_token - created
         span = self._tracer.start_span("llm_request", context=record.parent,
                                        kind=SpanKind.SERVER, attributes=attributes,
                                        start_time=record.start_ns)
