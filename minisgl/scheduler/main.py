@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
@@ -174,7 +173,10 @@ def run_rank(cfg: SchedulerConfig, conn: Any, pulse: Optional[Pulse] = None) -> 
     try:
         scheduler.run_forever(pulse)
     except BaseException as e:
-        sys.exit(log_failure(log, rank, e))
+        # Not sys.exit: the interpreter's teardown runs beside daemon threads (heartbeats, the
+        # peer watch, gloo's) still busy with the broken groups, and can abort the process
+        # (SIGABRT), which its launcher would then blame on this rank, not on the cause.
+        exit_now(log_failure(log, rank, e))
     if timer is not None:
         timer.close()
     io.close()
