@@ -704,6 +704,9 @@ class Req:
 class Phase(str, enum.Enum):
     PREFILL = "prefill"  # extend: new prompt tokens (possibly a chunk) after a cached prefix
     DECODE = "decode"  # one new token per request
+    # Speculative decoding: each request's newest token and its draft tokens (Batch.drafts),
+    # computed as an extend, every position sampled (scheduler/speculative.py)
+    VERIFY = "verify"
 
 
 @dataclass(eq=False)
@@ -716,6 +719,9 @@ class Batch:
     A mixed step is a prefill batch whose last `num_decode` requests are running ones decoding
     their next token (one new token each, its input on the device only, as in a decode batch;
     longest first, ties by uid): see scheduler.Scheduler.schedule.
+    A verify batch (Phase.VERIFY) extends each running request by its newest token (known on
+    the host: no overlap) and `drafts[i]`, from position `prefix_lens[i]` (its length - 1), and
+    samples every one of those `extend_lens[i] = 1 + len(drafts[i])` positions.
     """
 
     phase: Phase
@@ -735,6 +741,7 @@ class Batch:
     # Some sampled request is constrained (Req.grammar): the engine's launch runs the forward
     # only, and sampling waits for the token bitmask (StepEngine.sample).
     masked: bool = False
+    drafts: Optional[List[List[int]]] = None  # Phase.VERIFY's draft tokens, per request
 
     @property
     def size(self) -> int:
@@ -812,3 +819,6 @@ class StepResult(NamedTuple):
     # batch index -> the embedding of a request that asked (params.embed): float32 values,
     # little-endian bytes (primary rank only)
     embeddings: Optional[Dict[int, bytes]] = None
+    # A verify batch's: per request, the token sampled at each of its positions (`tokens[i]`
+    # is the first of them)
+    verified: Optional[List[List[int]]] = None

@@ -389,7 +389,8 @@ class LLM:
         if isinstance(overrides.get("lora_modules"), dict):  # {name: path}, as the flag's text
             overrides["lora_modules"] = ",".join(f"{name}={path}" for name, path
                                                  in overrides["lora_modules"].items())
-        for key in ("hf_overrides", "compilation_config", "limit_mm_per_prompt"):
+        for key in ("hf_overrides", "compilation_config", "limit_mm_per_prompt",
+                    "speculative_config"):
             if isinstance(overrides.get(key), dict):  # vLLM's dict, as the flag's JSON
                 overrides[key] = json.dumps(overrides[key])
         cfg = build(SchedulerConfig(), overrides, "LLM()")

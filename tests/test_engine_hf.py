@@ -50,6 +50,25 @@ def test_default_model_matches_hf(default_model_dir: Path, default_prompts: List
     assert all(o.finish_reason == "length" for o in outs)
 
 
+def test_speculative_decoding_matches_hf(default_model_dir: Path,
+                                        default_prompts: List[List[int]],
+                                        default_reference: List[List[int]]) -> None:
+    """N-gram speculative decoding (scheduler/speculative.py) keeps drafts only where they are
+    the tokens plain decoding gives: HF's greedy tokens, drafts kept along the way, and the
+    KV accounting balanced after the rejected drafts' slots were written and dropped."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}
+    with LLM(str(default_model_dir), device="cpu", page_size=16, max_kv_tokens=4096,
+             speculative_config=spec, show_progress=False) as llm:
+        outs = llm.generate(default_prompts, GREEDY32)
+        stats, accounting = llm.stats, llm.check_accounting()
+    assert [o.token_ids for o in outs] == default_reference
+    assert stats.verify_steps_total > 0 and 0 < stats.spec_accepted_tokens_total \
+        < stats.spec_draft_tokens_total, stats
+    assert accounting.live_requests == accounting.reserved_pages == 0
+    assert accounting.free_rows == accounting.total_rows
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_tiny_families_match_hf(tiny_model: Callable[..., Path], family: str) -> None:
     path = tiny_model(family)

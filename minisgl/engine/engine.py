@@ -228,6 +228,29 @@ def _tokens(launched: Launched) -> List[int]:
     return out
 
 
+def _verified(launched: Launched) -> List[List[int]]:
+    """Wait for a launched verify batch; per request, the tokens sampled at its positions."""
+    if launched.done is not None:
+        launched.done.synchronize()
+    flat = launched.tokens.tolist() if launched.tokens is not None else []
+    ends = list(itertools.accumulate(launched.batch.extend_lens))
+    return [flat[end - n:end] for end, n in zip(ends, launched.batch.extend_lens)]
+
+
+def verify_views(batch: Batch) -> List[Req]:
+    """A verify batch's requests as sampling sees them, one per sampled position: request i's
+    position j samples its output token number `device_len - prompt_len + j` (its noise's
+    step), the token a decode step at that length would sample. Copies: the scheduler
+    advances the lengths right after `launch`."""
+    views: List[Req] = []
+    for req, n in zip(batch.reqs, batch.extend_lens):
+        for j in range(n):
+            view = copy.copy(req)
+            view.device_len = req.device_len + j
+            views.append(view)
+    return views
+
+
 class LoadedModel(NamedTuple):
     """Engine._load_model's: the model, its checkpoint's KV cache scales, and whether
     `reload_weights` can write other weights into it (not where FP8 weights were dequantized
@@ -599,7 +622,8 @@ class Engine:
         """
         sampled = [i for i, s in enumerate(batch.sample) if s]
         fwd = self._forward(batch, sampled)
-        reqs = [batch.reqs[i] for i in sampled]
+        reqs = (verify_views(batch) if batch.phase is Phase.VERIFY
+                else [batch.reqs[i] for i in sampled])
         if batch.masked and sampled:
             return Launched(batch, sampled, None, None,
                             pending=Pending(fwd, [copy.copy(r) for r in reqs]))
@@ -645,7 +669,7 @@ class Engine:
         of the requests collecting them). The prefill graphs take no adapters."""
         lora = self.lora_slots > 0 and any(r.lora is not None for r in batch.reqs)
         batch.lora = None
-        embed = () if batch.phase is Phase.DECODE else tuple(  # embeddings end at prefill
+        embed = () if batch.phase is not Phase.PREFILL else tuple(  # they end at prefill
             i for i in sampled if batch.reqs[i].params.embed)
         chunks = pooled_chunks(batch)
         if not (embed or chunks) and self.graphs is not None and self.graphs.can_run(batch,
@@ -668,11 +692,18 @@ class Engine:
         asked for embeddings), those requests' embeddings too (their last hidden states, or
         their `pools` for a whole-prompt pooling, through CausalLM.pooled: normalized, or a
         classifier's logits); `chunks` (pooled_chunks) pooled into `pools` first."""
-        rows = to_device([batch.reqs[i].table_row for i in sampled], torch.int64, self.device)
+        ends = list(itertools.accumulate(batch.extend_lens))  # one past each request's last
+        if batch.phase is Phase.VERIFY:  # every position of every request is sampled
+            table_rows = [r.table_row for r, n in zip(batch.reqs, batch.extend_lens)
+                          for _ in range(n)]
+            positions_sampled = list(range(ends[-1]))
+        else:
+            table_rows = [batch.reqs[i].table_row for i in sampled]
+            positions_sampled = [ends[i] - 1 for i in sampled]
+        rows = to_device(table_rows, torch.int64, self.device)
         ids, positions = self._prepare_inputs(batch, rows)
         self.backend.prepare(batch)
-        ends = list(itertools.accumulate(batch.extend_lens))  # one past each request's last
-        logit_rows = to_device([ends[i] - 1 for i in sampled], torch.int64, self.device)
+        logit_rows = to_device(positions_sampled, torch.int64, self.device)
         prompt = prompt_rows(batch)
         if prompt is None and not embed and not chunks:
             logits = self.model(ids, positions, batch, self.backend, logit_rows)
@@ -739,14 +770,28 @@ class Engine:
 
     @staticmethod
     def collect(launched: Launched) -> StepResult:
-        """Wait for a launched batch: one token per request (-1 where `sample` is False) and the
-        log-probabilities it computed (see StepResult; logprobs.py)."""
+        """Wait for a launched batch: one token per request (-1 where `sample` is False), or a
+        verify batch's token at every position, and the log-probabilities it computed (see
+        StepResult; logprobs.py)."""
         batch = launched.batch
+        if batch.phase is Phase.VERIFY:
+            verified = _verified(launched)
+            return StepResult([v[0] for v in verified], [None] * batch.size, {},
+                              verified=verified)
         return StepResult(
             _tokens(launched),
             sampled_entries(batch, launched.sampled, launched.logprobs, launched.done),
             prompt_entries(batch, launched.prompt, launched.prompt_logprobs, launched.done),
             _embeddings(launched))
+
+    @torch.inference_mode()
+    def set_last_tokens(self, rows: List[int], tokens: List[int]) -> None:
+        """Make `tokens[i]` page-table row `rows[i]`'s newest token, the input of its next
+        decode step: after a verify batch, the last token each request kept (its sampling
+        wrote a token per position, not knowing which it keeps)."""
+        if rows:
+            self.last_tokens[to_device(rows, torch.int64, self.device)] = to_device(
+                tokens, torch.int64, self.device)
 
     def forward(self, batch: Batch) -> List[int]:
         """Launch and collect the tokens: the synchronous path."""
@@ -769,6 +814,9 @@ class Engine:
         for req, prefix, ext in zip(batch.reqs[:first_decode], batch.prefix_lens,
                                     batch.extend_lens):
             ids.extend(req.token_ids[prefix:prefix + ext])  # prompt tokens: known on the host
+        if batch.drafts is not None:  # VERIFY: the newest token (on the host) and its drafts
+            ids = [t for req, prefix, draft in zip(batch.reqs, batch.prefix_lens, batch.drafts)
+                   for t in (req.token_ids[prefix], *draft)]
         input_ids = to_device(ids, torch.int64, dev)
         if batch.num_decode:  # a mixed step's decode rows, sampled last: as a decode batch's
             input_ids = torch.cat([input_ids, self.last_tokens[rows[-batch.num_decode:]]])

@@ -22,8 +22,8 @@ from minisgl.utils import to_device
 
 def pooled_chunks(batch: Batch) -> List[int]:
     """Batch indices of the prompt chunks whose hidden states an embedding pools beyond its
-    last token's (none in a decode batch)."""
-    if batch.phase is Phase.DECODE:
+    last token's (none in a decode or verify batch)."""
+    if batch.phase is not Phase.PREFILL:
         return []
     return [i for i in range(batch.first_decode) if batch.reqs[i].pools_whole_prompt]
 

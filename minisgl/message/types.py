@@ -291,6 +291,15 @@ class SchedulerStats:
     waiting_adapters: Tuple[str, ...] = ()
     lora_slots: int = 0
     stats_time: float = 0.0  # time.time() when taken (lora_requests_info's value)
+    # Speculative decoding (scheduler/speculative.py): verify steps (counted in the decode
+    # steps too), the requests in them that had drafts, their draft tokens, those kept, and
+    # those kept at each draft position (vLLM's spec_decode counters)
+    spec_tokens: int = 0  # num_speculative_tokens (0: no speculation)
+    verify_steps_total: int = 0
+    spec_drafts_total: int = 0
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    spec_accepted_per_pos: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import Optional
 
 from minisgl.core import DEFAULT_MAX_LOGPROBS
 from minisgl.engine import EngineConfig
+from minisgl.scheduler.speculative import SpeculativeConfig
 from minisgl.settings import Alias, check_choices, section, setting
 
 CACHES = ("radix", "naive")
@@ -73,6 +74,13 @@ class SchedulerConfig:
         DEFAULT_MAX_LOGPROBS, "the most log-probabilities a request may ask for per token "
                               "(logprobs, top_logprobs, prompt_logprobs; vLLM's); -1: the "
                               "whole vocabulary")
+    speculative_config: Optional[str] = setting(
+        None, "vLLM's, a JSON object: speculative decoding by n-gram lookup in each request's "
+              "own tokens, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+              "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (also "
+              "disable_by_batch_size: no drafts in a step of more running requests); the tokens "
+              "are those plain decoding gives. Requests with penalties, logit bias, logprobs or "
+              "a grammar take no drafts (a step with one decodes plainly). Turns overlap off")
     check_lockstep: bool = setting(False, "every step, the ranks compare their batch uids, KV "
                                           "slots and sampled tokens and fail on a mismatch (a "
                                           "debugging aid: one collective per step)")
@@ -103,6 +111,11 @@ class SchedulerConfig:
         """The most decode rows the engine's mixed-step graphs carry (0: mixed steps off)."""
         return self.mixed_graph_rows if self.mixed else 0
 
+    @property
+    def speculative(self) -> Optional[SpeculativeConfig]:
+        """speculative_config parsed (None: no speculation)."""
+        return SpeculativeConfig.parse(self.speculative_config)
+
     def logprobs_cap(self, vocab_size: int) -> int:
         """max_logprobs resolved for a vocabulary of `vocab_size` tokens (-1: all of it)."""
         if self.max_logprobs == -1:
@@ -124,6 +137,10 @@ class SchedulerConfig:
             raise ValueError(f"mixed_graph_rows must be >= 0, got {self.mixed_graph_rows}")
         if not self.stats_interval > 0:
             raise ValueError(f"stats_interval must be > 0 seconds, got {self.stats_interval}")
+        speculative = self.speculative  # ValueError naming the key
+        if speculative is not None and self.overlap:
+            raise ValueError("speculative_config needs overlap off (a verify step reads the "
+                             "newest token on the host): leave overlap unset or false")
         if self.decode_reserve_tokens is not None and self.decode_reserve_tokens < 0:
             raise ValueError(f"decode_reserve_tokens must be >= 0, got "
                              f"{self.decode_reserve_tokens}")

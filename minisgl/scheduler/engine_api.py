@@ -17,7 +17,7 @@ with a CPU fake and no model (tests/fake_engine.py). The contract, per step:
 
 from __future__ import annotations
 
-from typing import Any, FrozenSet, Optional, Protocol, Sequence, Tuple
+from typing import Any, FrozenSet, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -77,6 +77,10 @@ class StepEngine(Protocol):
 
     def collect(self, launched: Any) -> StepResult:
         """Wait for a launched batch and return its tokens and log-probabilities."""
+
+    def set_last_tokens(self, rows: List[int], tokens: List[int]) -> None:
+        """After a verify batch: `tokens[i]` is page-table row `rows[i]`'s newest token, the
+        input of the row's next decode step."""
 
     def load_adapter(self, slot: int, name: str, path: str) -> None:
         """Load LoRA adapter `name` (PEFT directory `path`) into `slot`, which no live

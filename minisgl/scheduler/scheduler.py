@@ -48,7 +48,9 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.engine_api import StepEngine
 from minisgl.scheduler.io import SchedulerIO
+from minisgl.scheduler.ngram import Drafter
 from minisgl.scheduler.prefill import PrefillManager
+from minisgl.scheduler.speculative import SpecCounts, kept
 from minisgl.scheduler.table import TableRows
 
 logger = logging.getLogger(__name__)
@@ -128,15 +130,20 @@ class Scheduler:
             stop_ids=engine.eos_token_ids))
         self._batch_matcher: Any = None  # an xgrammar.BatchGrammarMatcher, made on first use
         self.stopped = False
-        self.overlap = cfg.overlap if cfg.overlap is not None else engine.device.type == "cuda"
+        speculative = cfg.speculative
+        self.drafter = (Drafter(speculative, page_size) if speculative is not None else None)
+        self.spec = SpecCounts()
+        # A verify step reads the newest token on the host: no overlap while speculating.
+        self.overlap = cfg.overlap if cfg.overlap is not None else (
+            engine.device.type == "cuda" and self.drafter is None)
         self.mixed = cfg.mixed
         self.inflight: Optional[InFlight] = None
         self.deferred: List[Req] = []  # finished, retired once the in-flight batch completes
         self.totals = {"prompt": 0, "generated": 0, "cached": 0, "prefilled": 0, "retracted": 0}
         # Per phase: forward passes and their busy seconds (statistics only: never scheduling
         # input, since clocks differ between ranks).
-        self.steps = {Phase.PREFILL: 0, Phase.DECODE: 0}
-        self.busy_s = {Phase.PREFILL: 0.0, Phase.DECODE: 0.0}
+        self.steps = {Phase.PREFILL: 0, Phase.DECODE: 0, Phase.VERIFY: 0}
+        self.busy_s = {Phase.PREFILL: 0.0, Phase.DECODE: 0.0, Phase.VERIFY: 0.0}
         self._last_done = 0.0
         self.wait_s = 0.0
         self.received = 0  # UserMsgs taken so far
@@ -237,7 +244,7 @@ class Scheduler:
         launch_s = time.perf_counter() - batch.launched_at
         for i, (req, ext, sample) in enumerate(zip(batch.reqs, batch.extend_lens, batch.sample)):
             req.cached_len += ext
-            if i >= first_decode:
+            if i >= first_decode or batch.phase is Phase.VERIFY:  # (`_verified` settles it)
                 req.device_len += 1
             elif sample:  # last prompt chunk: the request decodes from the next step on
                 req.device_len += 1
@@ -532,8 +539,10 @@ class Scheduler:
             batch = self.decode.schedule()
             if batch is None:
                 return None
-            for req in batch.reqs:
-                self.cache.grow(req, req.device_len)
+            if self.drafter is not None:
+                batch = self.drafter.with_drafts(batch)
+            for req, ext in zip(batch.reqs, batch.extend_lens):
+                self.cache.grow(req, req.device_len + ext - 1)  # a verify's drafts: ext - 1
         elif decoding is not None:
             batch = self._mix(batch, decoding)
         self._write_slots(batch)
@@ -653,6 +662,8 @@ class Scheduler:
 
     def process(self, batch: Batch, result: StepResult) -> List[TokenOut]:
         """Record the batch's tokens and return what goes out."""
+        if batch.phase is Phase.VERIFY:
+            return self._verified(batch, result)
         for i, entries in result.prompt_logprobs.items():  # (usually none: no per-request lookup)
             batch.reqs[i].prompt_logprobs.extend(entries)
         out: List[TokenOut] = []
@@ -683,6 +694,40 @@ class Scheduler:
                              req.uid, reason.value, req.output_len, req.prefix_hit)
                 self.decode.remove(req)
                 self._release(req)
+        return out
+
+    def _verified(self, batch: Batch, result: StepResult) -> List[TokenOut]:
+        """A verify batch's tokens: each request keeps the tokens sampled up to its first
+        rejected draft (`speculative.kept`), one after another as decode steps would have
+        given them (a stop ends it there); its lengths then count only the kept tokens (its
+        KV is valid up to its newest token), and the engine gets each running request's
+        newest token for its next decode step."""
+        out: List[TokenOut] = []
+        rows: List[int] = []
+        newest: List[int] = []
+        for req, draft, verified in zip(batch.reqs, batch.drafts or [],
+                                        result.verified or []):
+            if req.finish_reason is not None:
+                continue  # aborted meanwhile
+            start = req.device_len - 1  # its length at launch (the launch counted one token)
+            n = kept(draft, verified)
+            self.spec.add(len(draft), n)
+            for tok in verified[:n + 1]:
+                reason = req.append_token(tok)
+                self.totals["generated"] += 1
+                out.append(TokenOut(req.uid, tok, reason.value if reason else None,
+                                    req.prompt_len, req.prefix_hit))
+                if reason is not None:
+                    break
+            req.device_len = len(req.token_ids)
+            req.cached_len = min(start + n, req.device_len)
+            if req.finish_reason is not None:
+                self.decode.remove(req)
+                self._release(req)
+            else:
+                rows.append(req.table_row)
+                newest.append(req.token_ids[-1])
+        self.engine.set_last_tokens(rows, newest)
         return out
 
     def _advance_grammar(self, req: Req, tok: int) -> Optional[FinishReason]:
@@ -742,9 +787,14 @@ class Scheduler:
             retracted_requests_total=self.totals["retracted"],
             evicted_pages_total=self.cache.evicted_pages,
             prefill_steps_total=self.steps[Phase.PREFILL],
-            decode_steps_total=self.steps[Phase.DECODE],
+            decode_steps_total=self.steps[Phase.DECODE] + self.steps[Phase.VERIFY],
             prefill_seconds_total=self.busy_s[Phase.PREFILL],
-            decode_seconds_total=self.busy_s[Phase.DECODE], wait_seconds_total=self.wait_s,
+            decode_seconds_total=self.busy_s[Phase.DECODE] + self.busy_s[Phase.VERIFY],
+            wait_seconds_total=self.wait_s, verify_steps_total=self.steps[Phase.VERIFY],
+            spec_tokens=self.drafter.cfg.num_speculative_tokens if self.drafter else 0,
+            spec_drafts_total=self.spec.drafts, spec_draft_tokens_total=self.spec.draft_tokens,
+            spec_accepted_tokens_total=self.spec.accepted_tokens,
+            spec_accepted_per_pos=tuple(self.spec.accepted_per_pos),
             replica=self.cfg.replica, requests_received_total=self.received,
             seq=self._stats_seq, **self._adapter_stats())
 

@@ -54,6 +54,13 @@ _SCHEDULER_METRICS: Dict[str, Tuple[str, str, str]] = {
                              "Wall time of decode forward passes."),
     "wait_seconds_total": ("minisgl_device_wait_seconds_total", "counter",
                            "Time the scheduler waited for device results (near zero: host-bound)."),
+    "verify_steps_total": ("minisgl_verify_steps_total", "counter",
+                           "Decode forward passes that verified draft tokens (speculative "
+                           "decoding; counted in the decode passes too)."),
+    "spec_draft_tokens_total": ("minisgl_spec_draft_tokens_total", "counter",
+                                "Draft tokens proposed by n-gram lookup."),
+    "spec_accepted_tokens_total": ("minisgl_spec_accepted_tokens_total", "counter",
+                                   "Draft tokens kept (each one a decode step saved)."),
 }
 
 

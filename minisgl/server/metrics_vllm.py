@@ -76,7 +76,38 @@ def vllm_lines(model: str, stats: Sequence[SchedulerStats], finished: Mapping[st
               for reason, ours in _SUCCESS.items()]
     for name, histogram in histograms.items():
         lines += histogram.render(name, _labels(model_name=model)[1:-1])
-    return lines + _lora_lines(stats)
+    return lines + _lora_lines(stats) + _spec_lines(model, stats)
+
+
+_SPEC: Dict[str, Tuple[str, Value]] = {
+    "vllm:spec_decode_num_drafts": ("Number of spec decoding drafts.",
+                                    lambda s: s.spec_drafts_total),
+    "vllm:spec_decode_num_draft_tokens": ("Number of draft tokens.",
+                                          lambda s: s.spec_draft_tokens_total),
+    "vllm:spec_decode_num_accepted_tokens": ("Number of accepted tokens.",
+                                             lambda s: s.spec_accepted_tokens_total),
+}
+
+
+def _spec_lines(model: str, stats: Sequence[SchedulerStats]) -> List[str]:
+    """vLLM's speculative-decoding counters where the replicas speculate: drafts (a request's
+    drafts in one step), draft tokens, accepted tokens, and accepted tokens by draft position
+    (`position` 0 .. num_speculative_tokens - 1)."""
+    if not any(s.spec_tokens for s in stats):
+        return []
+    lines: List[str] = []
+    for name, (help_text, value) in _SPEC.items():
+        lines += [f"# HELP {name}_total {help_text}", f"# TYPE {name}_total counter"]
+        lines += [f"{name}_total{_labels(model_name=model, engine=str(d))} {float(value(s))}"
+                  for d, s in enumerate(stats)]
+    name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    lines += [f"# HELP {name} Accepted tokens per draft position.", f"# TYPE {name} counter"]
+    for d, s in enumerate(stats):
+        per_pos = list(s.spec_accepted_per_pos) + [0] * (s.spec_tokens
+                                                         - len(s.spec_accepted_per_pos))
+        lines += [f"{name}{_labels(model_name=model, engine=str(d), position=str(j))} "
+                  f"{float(n)}" for j, n in enumerate(per_pos)]
+    return lines
 
 
 def _lora_lines(stats: Sequence[SchedulerStats]) -> List[str]:

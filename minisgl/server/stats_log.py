@@ -3,10 +3,11 @@ works (vLLM's "Avg prompt throughput ..." line; --disable-log-stats turns it off
 schedulers' counters the API server already holds for /metrics (summed over the replicas):
 
     stats: 12 running, 3 waiting, KV 41.2% of 8,192 pages, prompt 1,523 tok/s, generation
-    3,310 tok/s, prefix cache hits 37.5%
+    3,310 tok/s, prefix cache hits 37.5%, drafts accepted 61.0% (2.8 tokens a verify)
 
 Throughputs and the hit rate are over the interval (hits: cached / prompt tokens admitted in
-it); nothing is logged for an interval with no work (nothing running or waiting, no token)."""
+it), as is speculative decoding's share of draft tokens kept and its tokens per request in a
+verify step (vLLM's mean acceptance length); nothing is logged for an interval with no work (nothing running or waiting, no token)."""
 
 from __future__ import annotations
 
@@ -30,11 +31,15 @@ class Totals(NamedTuple):
     prompt: int = 0
     generated: int = 0
     cached: int = 0
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
 
     @classmethod
     def of(cls, stats: Iterable[SchedulerStats]) -> "Totals":
         rows = [(s.running, s.waiting, s.kv_pages_used, s.kv_pages_total, s.prompt_tokens_total,
-                 s.generated_tokens_total, s.cached_tokens_total) for s in stats]
+                 s.generated_tokens_total, s.cached_tokens_total, s.spec_drafts_total,
+                 s.spec_draft_tokens_total, s.spec_accepted_tokens_total) for s in stats]
         return cls(*(sum(column) for column in zip(*rows))) if rows else cls()
 
 
@@ -49,7 +54,17 @@ def stats_line(before: Totals, now: Totals, seconds: float) -> Optional[str]:
         if prompt else ""
     return (f"stats: {now.running} running, {now.waiting} waiting, KV {kv:.1f}% of "
             f"{now.kv_total:,} pages, prompt {prompt / seconds:,.0f} tok/s, generation "
-            f"{generated / seconds:,.0f} tok/s{hits}")
+            f"{generated / seconds:,.0f} tok/s{hits}{_acceptance(before, now)}")
+
+
+def _acceptance(before: Totals, now: Totals) -> str:
+    """Speculative decoding's part of the line, where the interval had drafts."""
+    drafts, proposed = now.drafts - before.drafts, now.draft_tokens - before.draft_tokens
+    if not proposed:
+        return ""
+    accepted = now.accepted - before.accepted
+    return (f", drafts accepted {100.0 * accepted / proposed:.1f}% "
+            f"({1 + accepted / drafts:.1f} tokens a verify)")
 
 
 async def log_stats(totals: Callable[[], Totals], interval: float) -> None:

@@ -1,0 +1,146 @@
+"""Speculative decoding by n-gram lookup: the drafts, the settings, and tokens that are plain
+decoding's whatever is kept (greedy against Hugging Face: test_engine_hf's
+test_speculative_decoding_matches_hf)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, List
+
+import pytest
+
+from hf_reference import mixed_prompts
+from minisgl import LLM, SamplingParams
+from minisgl.message.types import SchedulerStats
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.ngram import propose
+from minisgl.scheduler.speculative import SpecCounts, SpeculativeConfig, kept
+from minisgl.server.metrics_vllm import vllm_lines
+from minisgl.server.stats_log import Totals, stats_line
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3}
+CHATS = [[{"role": "user", "content": "Repeat this list three times: apple, banana, cherry, "
+                                      "date, fig, grape."}],
+         [{"role": "user", "content": "Count from 1 to 40, separated by commas."}],
+         [{"role": "user", "content": "Tell me a story about a dragon."}]]
+
+
+def test_lookup_takes_the_longest_then_the_latest_match() -> None:
+    tokens = [1, 2, 3, 4, 1, 2, 3, 9, 9, 1, 2, 3]
+    assert propose(tokens, 2, 4, 3) == [9, 9, 1]  # [1, 2, 3] twice: the latest
+    assert propose(tokens, 1, 1, 2) == [9, 9]  # [3] alone: the latest too
+    longer = [1, 2, 3, 70, 9, 2, 3, 80, 1, 2, 3]
+    assert propose(longer, 2, 3, 2) == [70, 9]  # [1, 2, 3] beats the later [2, 3]
+    assert propose(longer, 2, 2, 3) == [80, 1, 2]  # [2, 3] alone: the later
+    assert propose([5, 1, 2, 3, 7, 8, 2, 3], 3, 3, 5) == []  # [8, 2, 3] never came before
+    assert propose([1, 2, 3, 4], 1, 3, 4) == []  # no earlier occurrence
+    assert propose([4, 4], 1, 2, 3) == [4]  # what follows, up to the end
+    assert propose([1, 2, 1, 2], 2, 2, 0) == []  # no room
+    assert propose([7], 1, 1, 3) == []
+
+
+def test_kept_drafts_and_their_counts() -> None:
+    assert kept([5, 6, 7], [5, 6, 8, 9]) == 2
+    assert kept([5, 6], [4, 6, 1]) == 0
+    assert kept([5, 6], [5, 6, 1]) == 2
+    counts = SpecCounts()
+    counts.add(3, 2)
+    counts.add(0, 0)  # no drafts: not a draft
+    counts.add(1, 1)
+    assert (counts.drafts, counts.draft_tokens, counts.accepted_tokens,
+            counts.accepted_per_pos) == (2, 4, 3, [2, 1, 0])
+
+
+def test_settings_take_vllms_keys_and_name_what_is_wrong() -> None:
+    cfg = SchedulerConfig(speculative_config=json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}))
+    assert cfg.speculative == SpeculativeConfig(3, 4, 4)  # vLLM: one bound sets both
+    assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2}') \
+        == SpeculativeConfig(2, 5, 5)
+    assert SchedulerConfig().speculative is None
+    bad = {
+        '{"method": "eagle", "num_speculative_tokens": 3}': "method 'eagle' is not supported",
+        '{"method": "ngram"}': "num_speculative_tokens must be an integer >= 1, got None",
+        '{"method": "ngram", "num_speculative_tokens": 65}': "must be <= 64, got 65",
+        '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, '
+        '"prompt_lookup_max": 2}': "prompt_lookup_min 5 is more than prompt_lookup_max 2",
+        '{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}': "model is not "
+                                                                          "supported",
+        '[1]': "must be a JSON object",
+    }
+    for text, message in bad.items():
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+            SchedulerConfig(speculative_config=text)
+    with pytest.raises(ValueError, match="needs overlap off"):
+        SchedulerConfig(speculative_config=json.dumps(SPEC), overlap=True)
+
+
+def test_seeded_sampling_stops_and_lengths_are_plain_decodings(default_model_dir: Path
+                                                                ) -> None:
+    """Seeded random sampling gives plain decoding's tokens (the noise is keyed by the output
+    position; a request asking for logprobs takes no drafts, so its batch decodes plainly),
+    and a stop token or max_tokens inside a verified run of drafts ends the request exactly
+    there; the KV accounting balances after."""
+    seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=60)
+    greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    with LLM(str(default_model_dir), device="cpu", page_size=4, max_kv_tokens=4096,
+             speculative_config=SPEC, show_progress=False) as llm:
+        spec = [o.outputs[0].token_ids for o in llm.chat(CHATS, seeded)]
+        verified = llm.stats.verify_steps_total
+        plain = [o.outputs[0].token_ids for o in llm.chat(CHATS, SamplingParams(
+            temperature=0.8, seed=11, max_tokens=60, logprobs=0))]
+        assert llm.stats.verify_steps_total == verified  # no drafts with logprobs asked
+        ref = [o.outputs[0].token_ids for o in llm.chat(CHATS[:2], greedy)]
+        accepted = llm.stats.spec_accepted_tokens_total
+        stop = ref[1][37]  # a token of a repetitive answer, whose drafts are mostly kept
+        stopped = llm.chat(CHATS[1:2], SamplingParams(temperature=0.0, max_tokens=60,
+                                                      ignore_eos=True, stop_token_ids=[stop]))
+        short = llm.chat(CHATS[:2], SamplingParams(temperature=0.0, max_tokens=23,
+                                                   ignore_eos=True))
+        accounting = llm.check_accounting()
+    assert spec == plain and verified > 0 and accepted > 0
+    first = ref[1].index(stop)
+    assert stopped[0].outputs[0].token_ids == ref[1][:first + 1]
+    assert stopped[0].outputs[0].finish_reason == "stop"
+    assert [o.outputs[0].token_ids for o in short] == [r[:23] for r in ref]
+    assert accounting.live_requests == accounting.reserved_pages == 0
+
+
+def test_tp2_speculates_in_lockstep(tiny_model: Callable[..., Path]) -> None:
+    """Every rank drafts the same tokens from the same requests (lockstep checked each step):
+    tp=2 with drafts gives tp=1's plain greedy tokens."""
+    path = tiny_model("qwen3")
+    prompts: List[List[int]] = [p + p[:8] for p in mixed_prompts(6, seed=5, lengths=(9, 40))]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with LLM(str(path), device="cpu", page_size=4, max_kv_tokens=2048,
+             show_progress=False) as llm:
+        ref = [o.token_ids for o in llm.generate(prompts, params)]
+    with LLM(str(path), device="cpu", tp=2, page_size=4, max_kv_tokens=2048,
+             speculative_config=SPEC, check_lockstep=True, show_progress=False) as llm:
+        tokens = [o.token_ids for o in llm.generate(prompts, params)]
+        stats = llm.stats
+    assert tokens == ref
+    assert stats.verify_steps_total > 0 and stats.spec_draft_tokens_total > 0, stats
+
+
+def test_metrics_and_the_stats_line_show_acceptance() -> None:
+    """vLLM's spec_decode counters (per replica; per draft position up to
+    num_speculative_tokens) only where the service speculates; the stats line's acceptance
+    over the interval."""
+    stats = SchedulerStats(spec_tokens=3, verify_steps_total=5, spec_drafts_total=4,
+                           spec_draft_tokens_total=10, spec_accepted_tokens_total=6,
+                           spec_accepted_per_pos=(4, 2), generated_tokens_total=16)
+    lines = vllm_lines("m", [stats], {}, {})
+    assert 'vllm:spec_decode_num_drafts_total{model_name="m",engine="0"} 4.0' in lines
+    assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m",engine="0"} 10.0' in lines
+    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m",engine="0"} 6.0' in lines
+    per_pos = [line for line in lines if line.startswith(
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total{")]
+    assert [line.rsplit(" ", 1)[1] for line in per_pos] == ["4.0", "2.0", "0.0"]
+    assert 'position="2"' in per_pos[2]
+    assert not any("spec_decode" in line for line in vllm_lines("m", [SchedulerStats()], {}, {}))
+    line = stats_line(Totals(), Totals.of([stats]), 1.0)
+    assert line is not None and line.endswith(", drafts accepted 60.0% (2.5 tokens a verify)")
+    assert "drafts" not in (stats_line(Totals(), Totals(running=1), 1.0) or "")
