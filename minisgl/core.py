@@ -820,5 +820,6 @@ class StepResult(NamedTuple):
     # little-endian bytes (primary rank only)
     embeddings: Optional[Dict[int, bytes]] = None
     # A verify batch's: per request, the token sampled at each of its positions (`tokens[i]`
-    # is the first of them)
+    # is the first of them), and their log-probabilities where it asked (else None each)
     verified: Optional[List[List[int]]] = None
+    verified_logprobs: Optional[List[List[Optional[TokenLogprobs]]]] = None

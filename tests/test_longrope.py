@@ -28,7 +28,9 @@ def _greedy(n: int = NEW) -> SamplingParams:
 
 @pytest.mark.parametrize("family,kw", [  # (the defaults: test_engine_hf's tiny families)
     ("phi3_longrope", {"max_prefill_tokens": 16, "overlap": True}),
-    ("phi4_mini", {"max_prefill_tokens": 16}), ("phi4_mini", {"mixed_steps": True})])
+    ("phi4_mini", {"max_prefill_tokens": 16}), ("phi4_mini", {"mixed_steps": True}),
+    ("phi4_mini", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
+                                          "prompt_lookup_min": 1, "prompt_lookup_max": 2}})])
 def test_longrope_matches_hf(tiny_model: Callable[..., Path], family: str, kw: dict) -> None:
     """Prompts of 12 and 20 tokens decode past 32 (one of 32 exactly, too); those of 40 and 70
     start past it."""

@@ -18,6 +18,7 @@ from minisgl.scheduler.ngram import propose
 from minisgl.scheduler.speculative import SpecCounts, SpeculativeConfig, kept
 from minisgl.server.metrics_vllm import vllm_lines
 from minisgl.server.stats_log import Totals, stats_line
+from server_helpers import CPU_ARGS, openai_client, serving
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
         "prompt_lookup_max": 3}
@@ -77,21 +78,22 @@ def test_settings_take_vllms_keys_and_name_what_is_wrong() -> None:
         SchedulerConfig(speculative_config=json.dumps(SPEC), overlap=True)
 
 
-def test_seeded_sampling_stops_and_lengths_are_plain_decodings(default_model_dir: Path
-                                                                ) -> None:
-    """Seeded random sampling gives plain decoding's tokens (the noise is keyed by the output
-    position; a request asking for logprobs takes no drafts, so its batch decodes plainly),
-    and a stop token or max_tokens inside a verified run of drafts ends the request exactly
-    there; the KV accounting balances after."""
-    seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=60)
+def test_seeded_sampling_logprobs_stops_and_lengths_are_plain_decodings(
+        default_model_dir: Path) -> None:
+    """Seeded random sampling gives plain decoding's tokens and log-probabilities (the noise
+    is keyed by the output position; a request with bad words takes no drafts, so a batch of
+    them decodes plainly), and a stop token or max_tokens inside a verified run of drafts
+    ends the request exactly there; the KV accounting balances after."""
+    seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=60, logprobs=2)
+    never = SamplingParams(temperature=0.8, seed=11, max_tokens=60, logprobs=2,
+                           bad_word_ids=[[3, 4, 5, 6]])  # no drafts, nothing else changed
     greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     with LLM(str(default_model_dir), device="cpu", page_size=4, max_kv_tokens=4096,
              speculative_config=SPEC, show_progress=False) as llm:
-        spec = [o.outputs[0].token_ids for o in llm.chat(CHATS, seeded)]
+        spec = [o.outputs[0] for o in llm.chat(CHATS, seeded)]
         verified = llm.stats.verify_steps_total
-        plain = [o.outputs[0].token_ids for o in llm.chat(CHATS, SamplingParams(
-            temperature=0.8, seed=11, max_tokens=60, logprobs=0))]
-        assert llm.stats.verify_steps_total == verified  # no drafts with logprobs asked
+        plain = [o.outputs[0] for o in llm.chat(CHATS, never)]
+        assert llm.stats.verify_steps_total == verified  # no drafts with bad words
         ref = [o.outputs[0].token_ids for o in llm.chat(CHATS[:2], greedy)]
         accepted = llm.stats.spec_accepted_tokens_total
         stop = ref[1][37]  # a token of a repetitive answer, whose drafts are mostly kept
@@ -100,7 +102,13 @@ def test_seeded_sampling_stops_and_lengths_are_plain_decodings(default_model_dir
         short = llm.chat(CHATS[:2], SamplingParams(temperature=0.0, max_tokens=23,
                                                    ignore_eos=True))
         accounting = llm.check_accounting()
-    assert spec == plain and verified > 0 and accepted > 0
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert verified > 0 and accepted > 0
+    for got, want in zip(spec, plain):
+        assert got.token_logprobs is not None and want.token_logprobs is not None
+        for a, b in zip(got.token_logprobs, want.token_logprobs):
+            assert a.top_ids == b.top_ids and a.rank == b.rank
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
     first = ref[1].index(stop)
     assert stopped[0].outputs[0].token_ids == ref[1][:first + 1]
     assert stopped[0].outputs[0].finish_reason == "stop"
@@ -144,3 +152,28 @@ def test_metrics_and_the_stats_line_show_acceptance() -> None:
     line = stats_line(Totals(), Totals.of([stats]), 1.0)
     assert line is not None and line.endswith(", drafts accepted 60.0% (2.5 tokens a verify)")
     assert "drafts" not in (stats_line(Totals(), Totals(running=1), 1.0) or "")
+
+
+def test_served_with_drafts_streams_plain_decodings_text(tmp_path: Path) -> None:
+    """`serve --speculative-config`: several tokens a step reach the client streamed as plain
+    decoding's text (the offline engine's, without drafts), a stop string inside a verified
+    run cuts there, and /metrics counts drafts under vLLM's names."""
+    chat = CHATS[1]
+    with LLM(max_kv_tokens=4096, show_progress=False) as llm:
+        ref = llm.chat([chat], SamplingParams(temperature=0, max_tokens=80))[0].text
+    with serving([*CPU_ARGS, "--speculative-config", json.dumps(SPEC)], tmp_path) as srv:
+        client = openai_client(srv)
+        model = client.models.list().data[0].id
+        chunks = client.chat.completions.create(model=model, messages=chat, temperature=0,
+                                                max_tokens=80, stream=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        stop = ref[len(ref) // 2:len(ref) // 2 + 3]
+        cut = client.chat.completions.create(model=model, messages=chat, temperature=0,
+                                             max_tokens=80, stop=[stop])
+        metrics = srv.wait_metrics(lambda m: any("spec_decode_num_accepted" in k for k in m))
+    assert streamed == ref
+    assert cut.choices[0].message.content == ref[:ref.index(stop)]
+    accepted = [v for k, v in metrics.items()
+                if k.startswith("vllm:spec_decode_num_accepted_tokens_total")]
+    assert accepted and accepted[0] > 0, metrics
+    assert metrics["minisgl_spec_accepted_tokens_total"] == accepted[0]

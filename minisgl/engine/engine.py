@@ -25,7 +25,7 @@ from minisgl.engine.config import EngineConfig
 from minisgl.engine.cuda_graph import DecodeGraphs, graph_sizes
 from minisgl.engine.lora import lora_rows
 from minisgl.engine.logprobs import (PromptRows, prompt_entries, prompt_logprobs, prompt_rows,
-                                     sampled_entries, sampled_logprobs)
+                                     sampled_entries, sampled_logprobs, verified_entries)
 from minisgl.engine.bad_words import BadWords
 from minisgl.engine.penalties import Penalties
 from minisgl.engine.pooling import PromptPools, pooled_chunks
@@ -777,7 +777,8 @@ class Engine:
         if batch.phase is Phase.VERIFY:
             verified = _verified(launched)
             return StepResult([v[0] for v in verified], [None] * batch.size, {},
-                              verified=verified)
+                              verified=verified, verified_logprobs=verified_entries(
+                                  batch, launched.logprobs, launched.done))
         return StepResult(
             _tokens(launched),
             sampled_entries(batch, launched.sampled, launched.logprobs, launched.done),

@@ -120,6 +120,25 @@ def prompt_entries(batch: Batch, prompt: Optional[PromptRows], lp: Optional[Logp
     return out
 
 
+def verified_entries(batch: Batch, lp: Optional[LogprobTensors],
+                     done: Optional[torch.cuda.Event]) -> List[List[Optional[TokenLogprobs]]]:
+    """A verify batch's (every position sampled, request by request): per request, each
+    position's token log-probabilities where the request asked for them, else None."""
+    rows = [(req.params.logprobs, n) for req, n in zip(batch.reqs, batch.extend_lens)]
+    flat: List[Optional[TokenLogprobs]] = []
+    if lp is None:
+        flat = [None] * sum(n for _, n in rows)
+    else:
+        ks = [k for k, n in rows for _ in range(n)]
+        flat = [e if k is not None else None
+                for e, k in zip(_host_entries(done, lp, ks), ks)]
+    out, start = [], 0
+    for _, n in rows:
+        out.append(flat[start:start + n])
+        start += n
+    return out
+
+
 def _host_entries(done: Optional[torch.cuda.Event], lp: LogprobTensors,
                   ks: List[Optional[int]]) -> List[TokenLogprobs]:
     """Row j of `lp` (host tensors, waited for here through `done`) as a TokenLogprobs keeping

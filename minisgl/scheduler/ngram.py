@@ -39,30 +39,40 @@ class Drafter:
     """Turns a decode batch into a verify batch (Phase.VERIFY) where its requests propose
     drafts (`with_drafts`). Reads only the requests, so every rank drafts alike."""
 
-    def __init__(self, cfg: SpeculativeConfig, page_size: int) -> None:
+    def __init__(self, cfg: SpeculativeConfig, page_size: int, long_rope_from: int = 0) -> None:
         self.cfg = cfg
         self.page_size = page_size
+        self.long_rope_from = long_rope_from  # StepEngine.long_rope_from (0: not longrope)
 
     def room(self, req: Req) -> int:
         """The most drafts `req` may take this step: num_speculative_tokens, no more than
         would pass max_tokens if every one were kept, and no KV slot beyond its own pages and
-        its reservation (drafts never take a free page from the others). The scheduler has
-        no token in flight: `req.device_len` is its length on the host too."""
+        its reservation (drafts never take a free page from the others), and, for a longrope
+        model's short sequence, no input position at or past the pretraining length (the
+        scheduler prefills it again with the long factors before it grows past that,
+        `Scheduler._restart_long_rope`). The scheduler has no token in flight:
+        `req.device_len` is its length on the host too."""
         left = req.prompt_len + req.max_tokens - req.device_len - 1
         slots = (len(req.pages) + req.reserved_pages) * self.page_size - req.device_len
-        return min(self.cfg.num_speculative_tokens, left, slots)
+        room = min(self.cfg.num_speculative_tokens, left, slots)
+        if self.long_rope_from and not req.long_rope:
+            room = min(room, self.long_rope_from - req.device_len)
+        return room
 
     def with_drafts(self, batch: Batch) -> Batch:
         """`batch` (a decode batch) as a verify batch of the same requests in the same order,
-        each extended by its drafts; `batch` itself where no request drafts, where one may
-        not (`may_speculate`: the step then decodes plainly) or where the batch is larger than
-        disable_by_batch_size."""
+        each extended by its drafts (none for a request that may not take them,
+        `may_speculate`: it verifies its newest token alone, as a decode step computes it);
+        `batch` itself where no request drafts, where the batch is larger than
+        disable_by_batch_size, or where a request is constrained (a masked batch samples one
+        row per request)."""
         limit = self.cfg.disable_by_batch_size
-        if (limit is not None and batch.size > limit) or not all(
-                may_speculate(r) for r in batch.reqs):
+        if (limit is not None and batch.size > limit) or any(
+                r.grammar is not None for r in batch.reqs):
             return batch
         lo, hi = self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max
-        drafts = [propose(r.token_ids, lo, hi, self.room(r)) for r in batch.reqs]
+        drafts = [propose(r.token_ids, lo, hi, self.room(r)) if may_speculate(r) else []
+                  for r in batch.reqs]
         if not any(drafts):
             return batch
         return Batch(Phase.VERIFY, batch.reqs, batch.prefix_lens, [1 + len(d) for d in drafts],

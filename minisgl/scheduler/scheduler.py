@@ -131,7 +131,8 @@ class Scheduler:
         self._batch_matcher: Any = None  # an xgrammar.BatchGrammarMatcher, made on first use
         self.stopped = False
         speculative = cfg.speculative
-        self.drafter = (Drafter(speculative, page_size) if speculative is not None else None)
+        self.drafter = (Drafter(speculative, page_size, engine.long_rope_from)
+                        if speculative is not None else None)
         self.spec = SpecCounts()
         # A verify step reads the newest token on the host: no overlap while speculating.
         self.overlap = cfg.overlap if cfg.overlap is not None else (
@@ -705,18 +706,19 @@ class Scheduler:
         out: List[TokenOut] = []
         rows: List[int] = []
         newest: List[int] = []
-        for req, draft, verified in zip(batch.reqs, batch.drafts or [],
-                                        result.verified or []):
+        for req, draft, verified, lps in zip(batch.reqs, batch.drafts or [],
+                                             result.verified or [],
+                                             result.verified_logprobs or []):
             if req.finish_reason is not None:
                 continue  # aborted meanwhile
             start = req.device_len - 1  # its length at launch (the launch counted one token)
             n = kept(draft, verified)
             self.spec.add(len(draft), n)
-            for tok in verified[:n + 1]:
+            for tok, lp in zip(verified[:n + 1], lps):
                 reason = req.append_token(tok)
                 self.totals["generated"] += 1
                 out.append(TokenOut(req.uid, tok, reason.value if reason else None,
-                                    req.prompt_len, req.prefix_hit))
+                                    req.prompt_len, req.prefix_hit, logprobs=lp))
                 if reason is not None:
                     break
             req.device_len = len(req.token_ids)

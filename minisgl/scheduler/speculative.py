@@ -91,10 +91,12 @@ def kept(drafts: Sequence[int], verified: Sequence[int]) -> int:
 
 
 def may_speculate(req: Req) -> bool:
-    """Whether `req` takes drafts: sampled from the raw logits (no penalties, logit bias,
-    allowed tokens, min_tokens, bad words or log-probabilities, whose state the verify step's
-    positions would have to thread) and unconstrained (no grammar bitmask per position)."""
-    return req.params.raw_sampling and req.grammar is None and not req.params.embed
+    """Whether `req` takes drafts: none with penalties or bad words (their state, the tokens
+    sampled so far, would have to count each position's earlier drafts) or a grammar (its
+    matcher would have to accept them to mask the next position). Logit bias, allowed
+    tokens, min_tokens (read per position) and log-probabilities (per position) speculate."""
+    p = req.params
+    return not (p.has_penalties or p.bad_word_ids or req.grammar is not None or p.embed)
 
 
 @dataclass
