@@ -60,12 +60,16 @@ if [ "$MODE" = s40 ]; then  # the fortieth session's (~8 min): sleep mode on CUD
   step sleep_8b 240 python3 scripts/bench_sleep.py --model configs/models/llama-3.1-8b
   step fp8_b1 200 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --batch-sizes 1,16 --steps 100 --cuda-graph-max-bs 16 --quantization fp8 --kv-cache-dtype fp8_e4m3
 fi
-if [ "$MODE" = s41 ]; then  # what the fortieth session could not run (~3 min): the sleep test as
+if [ "$MODE" = s41 ]; then  # what the fortieth session could not run (~6 min): the sleep test as
   # fixed, and how fast 15 GiB pin by default and with registered pages
   export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache
   step sleep_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_sleep_mode.py tests/test_weight_group.py
   step pin_default 60 python3 scripts/experiments/pin_speed.py --gib 15
   step pin_register 60 env PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8 python3 scripts/experiments/pin_speed.py --gib 15
+  # the forty-first session's n-gram speculative decoding on CUDA (its tests, then the default
+  # model's repetitive workload with and without drafts: eager verify steps against graphs)
+  step spec_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k speculative
+  step spec_bench 150 python3 scripts/bench_speculative.py --requests 8 --concurrency 1
 fi
 if [ "$MODE" = int4 ]; then  # packed 4-bit weights: Llama-3.1-8B's shape in bf16 and dummy AWQ
   step latency_8b_bf16 300 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --steps 50

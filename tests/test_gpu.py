@@ -38,6 +38,17 @@ def test_gpu_float32_matches_cpu(tiny_qwen3: Path, backend: str) -> None:
     assert _run(tiny_qwen3, device="cuda", dtype="float32", attention_backend=backend) == cpu
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gpu_speculative_decoding_matches_cpu(tiny_qwen3: Path, backend: str) -> None:
+    """N-gram drafts verified on CUDA (eager extend steps beside the decode graphs, whose
+    inputs the verify steps set): the CPU's float32 tokens."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2}
+    cpu = _run(tiny_qwen3, device="cpu", dtype="float32")
+    assert _run(tiny_qwen3, device="cuda", dtype="float32", attention_backend=backend,
+                speculative_config=spec) == cpu
+
+
 @pytest.mark.parametrize("family", ["qwen2_yarn", "llama_linear"])
 def test_gpu_scaled_rope_matches_cpu(family: str, tmp_path: Path) -> None:
     """YaRN's and linear scaling's tables (YaRN's attention factor in cos and sin) reach the
