@@ -14,7 +14,8 @@ from hf_reference import mixed_prompts
 from minisgl import LLM, SamplingParams
 from minisgl.message.types import SchedulerStats
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.ngram import propose
+from minisgl.core import Batch, Phase, Req
+from minisgl.scheduler.ngram import Drafter, propose
 from minisgl.scheduler.speculative import SpecCounts, SpeculativeConfig, kept
 from minisgl.server.metrics_vllm import vllm_lines
 from minisgl.server.stats_log import Totals, stats_line
@@ -177,3 +178,43 @@ def test_served_with_drafts_streams_plain_decodings_text(tmp_path: Path) -> None
                 if k.startswith("vllm:spec_decode_num_accepted_tokens_total")]
     assert accepted and accepted[0] > 0, metrics
     assert metrics["minisgl_spec_accepted_tokens_total"] == accepted[0]
+
+
+def _req(uid: int, tokens: List[int], max_tokens: int = 50, pages: int = 8, **kw: object
+         ) -> Req:
+    """A running request with `tokens` on the host (its prompt: all but the last)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
+    return Req(uid, list(tokens), len(tokens) - 1, params, (0,), device_len=len(tokens),
+               pages=list(range(pages)))
+
+
+def DecodeBatch(reqs: List[Req]) -> Batch:  # noqa: N802 (what decode.py builds)
+    return Batch(Phase.DECODE, reqs, [r.device_len - 1 for r in reqs], [1] * len(reqs),
+                 [True] * len(reqs))
+
+
+def test_drafter_caps_and_who_drafts() -> None:
+    """Drafts stop short of max_tokens, of the request's own pages and reservation, and of a
+    longrope model's pretraining length; a request with penalties rides along draftless; a
+    constrained request or a batch past disable_by_batch_size decodes plainly."""
+    loop = [1, 2, 3, 4, 5, 6] * 4  # every lookup finds what follows
+    cfg = SpeculativeConfig(4, 1, 3)
+    drafter = Drafter(cfg, page_size=4)
+    verify = drafter.with_drafts(DecodeBatch([_req(1, loop), _req(2, loop, max_tokens=3),
+                                              _req(3, loop[:22], pages=6),
+                                              _req(4, loop, presence_penalty=0.5)]))
+    assert verify.phase is Phase.VERIFY
+    assert verify.drafts == [[1, 2, 3, 4], [1], [5, 6], []]  # K; max_tokens; pages; penalty
+    assert verify.extend_lens == [5, 2, 3, 1] and verify.prefix_lens == [23, 23, 21, 23]
+    assert drafter.room(_req(5, loop, pages=6)) == 0  # 24 tokens fill its 6 pages of 4
+    assert drafter.room(_req(6, loop, max_tokens=1)) < 1  # its last token is the next one
+    assert Drafter(cfg, 4, long_rope_from=26).room(_req(7, loop)) == 2
+    plain = DecodeBatch([_req(8, loop), _req(9, loop)])
+    assert Drafter(SpeculativeConfig(4, 1, 3, disable_by_batch_size=1), 4).with_drafts(
+        plain) is plain
+    constrained = _req(10, loop)
+    constrained.grammar = object()
+    mixed = DecodeBatch([_req(11, loop), constrained])
+    assert drafter.with_drafts(mixed) is mixed
+    nothing = DecodeBatch([_req(12, [7, 8, 9])])  # no earlier occurrence
+    assert drafter.with_drafts(nothing) is nothing

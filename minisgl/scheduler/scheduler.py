@@ -14,6 +14,10 @@ on every rank, the same step everywhere. Its tokens are masked by its grammar: w
 batch the engine runs the forward at launch and samples only when the scheduler hands it the
 bitmask (`_sample_masked`), which it fills after processing the previous batch's tokens, so with
 overlap the mask for step N+1 is built on the CPU while the device runs step N+1's forward.
+
+Speculative decoding (`--speculative-config`, speculative.py): a decode batch whose requests
+find drafts in their own tokens becomes a verify batch (ngram.Drafter); `_verified` keeps each
+request's tokens up to its first rejected draft and sets its lengths to what it kept.
 """
 
 from __future__ import annotations
