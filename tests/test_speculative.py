@@ -79,11 +79,11 @@ def test_settings_take_vllms_keys_and_name_what_is_wrong() -> None:
         SchedulerConfig(speculative_config=json.dumps(SPEC), overlap=True)
 
 
-def test_seeded_sampling_logprobs_stops_and_lengths_are_plain_decodings(
+def test_seeded_sampling_logprobs_penalties_stops_and_lengths_are_plain_decodings(
         default_model_dir: Path) -> None:
     """Seeded random sampling gives plain decoding's tokens and log-probabilities (the noise
     is keyed by the output position; a request with bad words takes no drafts, so a batch of
-    them decodes plainly), and a stop token or max_tokens inside a verified run of drafts
+    them decodes plainly), penalized requests too, and a stop token or max_tokens inside a verified run of drafts
     ends the request exactly there; the KV accounting balances after."""
     seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=60, logprobs=2)
     never = SamplingParams(temperature=0.8, seed=11, max_tokens=60, logprobs=2,
@@ -102,7 +102,17 @@ def test_seeded_sampling_logprobs_stops_and_lengths_are_plain_decodings(
                                                       ignore_eos=True, stop_token_ids=[stop]))
         short = llm.chat(CHATS[:2], SamplingParams(temperature=0.0, max_tokens=23,
                                                    ignore_eos=True))
+        penalized = dict(temperature=0.0, max_tokens=40, repetition_penalty=1.1,
+                         frequency_penalty=0.2, presence_penalty=0.1)
+        before = llm.stats.spec_accepted_tokens_total
+        pen_spec = [o.outputs[0].token_ids for o in llm.chat(
+            CHATS[:2], SamplingParams(**penalized))]  # type: ignore[arg-type]
+        pen_accepted = llm.stats.spec_accepted_tokens_total - before
+        pen_plain = [o.outputs[0].token_ids for o in llm.chat(
+            CHATS[:2], SamplingParams(**penalized, bad_word_ids=[[3, 4, 5, 6]]))]
         accounting = llm.check_accounting()
+    # penalties count each position's earlier drafts as output: plain decoding's tokens
+    assert pen_spec == pen_plain and pen_accepted > 0
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert verified > 0 and accepted > 0
     for got, want in zip(spec, plain):
@@ -195,16 +205,16 @@ def DecodeBatch(reqs: List[Req]) -> Batch:  # noqa: N802 (what decode.py builds)
 
 def test_drafter_caps_and_who_drafts() -> None:
     """Drafts stop short of max_tokens, of the request's own pages and reservation, and of a
-    longrope model's pretraining length; a request with penalties rides along draftless; a
+    longrope model's pretraining length; a request with bad words rides along draftless; a
     constrained request or a batch past disable_by_batch_size decodes plainly."""
     loop = [1, 2, 3, 4, 5, 6] * 4  # every lookup finds what follows
     cfg = SpeculativeConfig(4, 1, 3)
     drafter = Drafter(cfg, page_size=4)
     verify = drafter.with_drafts(DecodeBatch([_req(1, loop), _req(2, loop, max_tokens=3),
                                               _req(3, loop[:22], pages=6),
-                                              _req(4, loop, presence_penalty=0.5)]))
+                                              _req(4, loop, bad_word_ids=[[9, 9]])]))
     assert verify.phase is Phase.VERIFY
-    assert verify.drafts == [[1, 2, 3, 4], [1], [5, 6], []]  # K; max_tokens; pages; penalty
+    assert verify.drafts == [[1, 2, 3, 4], [1], [5, 6], []]  # K; max_tokens; pages; bad words
     assert verify.extend_lens == [5, 2, 3, 1] and verify.prefix_lens == [23, 23, 21, 23]
     assert drafter.room(_req(5, loop, pages=6)) == 0  # 24 tokens fill its 6 pages of 4
     assert drafter.room(_req(6, loop, max_tokens=1)) < 1  # its last token is the next one

@@ -237,6 +237,19 @@ def _verified(launched: Launched) -> List[List[int]]:
     return [flat[end - n:end] for end, n in zip(ends, launched.batch.extend_lens)]
 
 
+def drafted_counts(batch: Batch) -> List[Tuple[int, int]]:
+    """A verify batch's (logits row, token) pairs that its penalized requests' penalties count
+    as output already: at request i's position j, drafts[:j], the tokens that position
+    follows (as a decode step after keeping them would count them)."""
+    pairs: List[Tuple[int, int]] = []
+    row = 0
+    for req, draft in zip(batch.reqs, batch.drafts or []):
+        if req.params.has_penalties:
+            pairs += [(row + j, t) for j in range(1, len(draft) + 1) for t in draft[:j]]
+        row += 1 + len(draft)
+    return pairs
+
+
 def verify_views(batch: Batch) -> List[Req]:
     """A verify batch's requests as sampling sees them, one per sampled position: request i's
     position j samples its output token number `device_len - prompt_len + j` (its noise's
@@ -622,12 +635,13 @@ class Engine:
         """
         sampled = [i for i, s in enumerate(batch.sample) if s]
         fwd = self._forward(batch, sampled)
-        reqs = (verify_views(batch) if batch.phase is Phase.VERIFY
-                else [batch.reqs[i] for i in sampled])
+        verify = batch.phase is Phase.VERIFY
+        reqs = verify_views(batch) if verify else [batch.reqs[i] for i in sampled]
         if batch.masked and sampled:
             return Launched(batch, sampled, None, None,
                             pending=Pending(fwd, [copy.copy(r) for r in reqs]))
-        return self._sample_launched(batch, sampled, fwd, reqs, None)
+        return self._sample_launched(batch, sampled, fwd, reqs, None,
+                                     drafted_counts(batch) if verify else None)
 
     @torch.inference_mode()
     def sample(self, launched: Launched, bitmask: torch.Tensor) -> Launched:
@@ -642,12 +656,14 @@ class Engine:
                                      pending.reqs, bitmask)
 
     def _sample_launched(self, batch: Batch, sampled: List[int], fwd: Forwarded,
-                         reqs: List[Req], bitmask: Optional[torch.Tensor]) -> Launched:
-        """Sample `reqs` (batch.reqs[i] for i in sampled) from the forward's logits and start
-        the copies of the tokens (and log-probabilities) to the host."""
+                         reqs: List[Req], bitmask: Optional[torch.Tensor],
+                         drafted: Optional[List[Tuple[int, int]]] = None) -> Launched:
+        """Sample `reqs` (batch.reqs[i] for i in sampled; a verify batch's `verify_views`,
+        with its `drafted_counts`) from the forward's logits and start the copies of the
+        tokens (and log-probabilities) to the host."""
         tokens = logprobs = None
         if sampled:
-            tokens, logprobs = self._sample(fwd.logits, fwd.rows, reqs, bitmask)
+            tokens, logprobs = self._sample(fwd.logits, fwd.rows, reqs, bitmask, drafted)
         if self.device.type != "cuda" or (tokens is None and fwd.prompt_logprobs is None):
             return Launched(batch, sampled, tokens, None, logprobs, fwd.prompt,
                             fwd.prompt_logprobs, embeddings=fwd.embeddings,
@@ -737,26 +753,31 @@ class Engine:
         return states
 
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor, reqs: List[Req],
-                bitmask: Optional[torch.Tensor] = None
+                bitmask: Optional[torch.Tensor] = None,
+                drafted: Optional[List[Tuple[int, int]]] = None
                 ) -> Tuple[torch.Tensor, Optional[LogprobTensors]]:
         """Tokens for `reqs` (row i of `logits`, page-table row rows[i]) after their penalties,
         logit bias, allowed tokens, min_tokens, bad words and grammar bitmask, recorded as the
-        rows' newest tokens; and their log-probabilities (of the raw logits) where asked."""
+        rows' newest tokens; and their log-probabilities (of the raw logits) where asked.
+        `drafted` (a verify batch's, `drafted_counts`): the draft tokens each row's penalties
+        count as output already; its tokens are recorded by `keep` once the scheduler knows
+        which it keeps."""
         mask = None if bitmask is None else bitmask.to(self.device, non_blocking=True)
         if all(r.params.raw_sampling for r in reqs):  # the common case: one pass to find out
             masked = logits if mask is None else apply_token_bitmask(logits, mask)
             tokens = sample_requests(masked, reqs, self.cfg.seed, self.policy)
             self.last_tokens[rows] = tokens
             return tokens, None
-        adjusted = add_logit_bias(self.penalties.apply(logits, rows, reqs), reqs)
+        adjusted = add_logit_bias(self.penalties.apply(logits, rows, reqs, drafted), reqs)
         adjusted = suppress_early_stops(mask_to_allowed_tokens(adjusted, reqs), reqs)
         adjusted = self.bad_words.apply(adjusted, rows, reqs)
         if mask is not None:
             adjusted = apply_token_bitmask(adjusted, mask)
         tokens = sample_requests(adjusted, reqs, self.cfg.seed, self.policy)
         self.last_tokens[rows] = tokens
-        self.penalties.record(rows, tokens, reqs)
-        self.bad_words.record(rows, tokens, reqs)
+        if drafted is None:
+            self.penalties.record(rows, tokens, reqs)
+            self.bad_words.record(rows, tokens, reqs)
         return tokens, sampled_logprobs(logits, tokens, reqs, self.cfg.tp_info.is_primary)
 
     def start_request(self, req: Req) -> None:
@@ -786,13 +807,23 @@ class Engine:
             _embeddings(launched))
 
     @torch.inference_mode()
-    def set_last_tokens(self, rows: List[int], tokens: List[int]) -> None:
-        """Make `tokens[i]` page-table row `rows[i]`'s newest token, the input of its next
-        decode step: after a verify batch, the last token each request kept (its sampling
-        wrote a token per position, not knowing which it keeps)."""
-        if rows:
-            self.last_tokens[to_device(rows, torch.int64, self.device)] = to_device(
-                tokens, torch.int64, self.device)
+    def keep(self, reqs: List[Req], kept: List[List[int]]) -> None:
+        """After a verify batch: `kept[i]` are the tokens running request `reqs[i]` kept, in
+        order. Its penalties and bad words count them, and the last is its row's newest token,
+        the input of its next decode step (the sampling wrote a token per position, not
+        knowing which would be kept)."""
+        if not reqs:
+            return
+        dev = self.device
+        self.last_tokens[to_device([r.table_row for r in reqs], torch.int64, dev)] = to_device(
+            [k[-1] for k in kept], torch.int64, dev)
+        each = [(r, t) for r, k in zip(reqs, kept) for t in k
+                if r.params.has_penalties or r.params.bad_word_ids]
+        if each:
+            rows = to_device([r.table_row for r, _ in each], torch.int64, dev)
+            tokens = to_device([t for _, t in each], torch.int64, dev)
+            self.penalties.record(rows, tokens, [r for r, _ in each])
+            self.bad_words.record(rows, tokens, [r for r, _ in each])
 
     def forward(self, batch: Batch) -> List[int]:
         """Launch and collect the tokens: the synchronous path."""

@@ -78,9 +78,9 @@ class StepEngine(Protocol):
     def collect(self, launched: Any) -> StepResult:
         """Wait for a launched batch and return its tokens and log-probabilities."""
 
-    def set_last_tokens(self, rows: List[int], tokens: List[int]) -> None:
-        """After a verify batch: `tokens[i]` is page-table row `rows[i]`'s newest token, the
-        input of the row's next decode step."""
+    def keep(self, reqs: List[Req], kept: List[List[int]]) -> None:
+        """After a verify batch: `kept[i]` are the tokens running request `reqs[i]` kept (its
+        penalties count them; the last is the input of its next decode step)."""
 
     def load_adapter(self, slot: int, name: str, path: str) -> None:
         """Load LoRA adapter `name` (PEFT directory `path`) into `slot`, which no live

@@ -705,11 +705,11 @@ class Scheduler:
         """A verify batch's tokens: each request keeps the tokens sampled up to its first
         rejected draft (`speculative.kept`), one after another as decode steps would have
         given them (a stop ends it there); its lengths then count only the kept tokens (its
-        KV is valid up to its newest token), and the engine gets each running request's
-        newest token for its next decode step."""
+        KV is valid up to its newest token), and the engine learns what each running request
+        kept (`StepEngine.keep`)."""
         out: List[TokenOut] = []
-        rows: List[int] = []
-        newest: List[int] = []
+        running: List[Req] = []
+        kept_tokens: List[List[int]] = []
         for req, draft, verified, lps in zip(batch.reqs, batch.drafts or [],
                                              result.verified or [],
                                              result.verified_logprobs or []):
@@ -731,9 +731,9 @@ class Scheduler:
                 self.decode.remove(req)
                 self._release(req)
             else:
-                rows.append(req.table_row)
-                newest.append(req.token_ids[-1])
-        self.engine.set_last_tokens(rows, newest)
+                running.append(req)
+                kept_tokens.append(verified[:n + 1])
+        self.engine.keep(running, kept_tokens)
         return out
 
     def _advance_grammar(self, req: Req, tok: int) -> Optional[FinishReason]:

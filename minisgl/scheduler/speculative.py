@@ -91,12 +91,13 @@ def kept(drafts: Sequence[int], verified: Sequence[int]) -> int:
 
 
 def may_speculate(req: Req) -> bool:
-    """Whether `req` takes drafts: none with penalties or bad words (their state, the tokens
-    sampled so far, would have to count each position's earlier drafts) or a grammar (its
-    matcher would have to accept them to mask the next position). Logit bias, allowed
-    tokens, min_tokens (read per position) and log-probabilities (per position) speculate."""
+    """Whether `req` takes drafts: none with bad words (their history, the last tokens
+    sampled, would have to shift in each position's earlier drafts) or a grammar (its matcher
+    would have to accept them to mask the next position). Penalties (each position counts the
+    drafts before it: engine.drafted_counts), logit bias, allowed tokens, min_tokens (read per
+    position) and log-probabilities (per position) speculate."""
     p = req.params
-    return not (p.has_penalties or p.bad_word_ids or req.grammar is not None or p.embed)
+    return not (p.bad_word_ids or req.grammar is not None or p.embed)
 
 
 @dataclass
