@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from minisgl import LLM, SamplingParams
+from minisgl.message import SchedulerStats
 
 TEXT = Path(__file__).resolve().parent / "data" / "two_cities.txt"
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace, spec: Optional[Dict[str, Any]]) -> Dict[str, A
         t0 = time.perf_counter()
         outs = llm.chat(prompts, params)
         seconds = time.perf_counter() - t0
-        stats = llm.stats
+        stats = llm.stats or SchedulerStats()  # (None only before a first step)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"speculative": spec is not None, "seconds": round(seconds, 3),
             "output_tokens": tokens, "tok_per_s": round(tokens / seconds, 1),
