@@ -5,6 +5,7 @@ test_speculative_decoding_matches_hf)."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Callable, List
 
@@ -41,6 +42,33 @@ def test_lookup_takes_the_longest_then_the_latest_match() -> None:
     assert propose([4, 4], 1, 2, 3) == [4]  # what follows, up to the end
     assert propose([1, 2, 1, 2], 2, 2, 0) == []  # no room
     assert propose([7], 1, 1, 3) == []
+
+
+def _lookup_by_hand(tokens: List[int], lo: int, hi: int, k: int) -> List[int]:
+    """propose's contract, written out: every earlier window equal to the last `lo` tokens,
+    extended leftwards while it matches, up to `hi`; the longest, then the latest."""
+    size, best = len(tokens), None
+    if k < 1 or size <= lo:
+        return []
+    for s in range(size - lo):
+        if tokens[s:s + lo] == tokens[size - lo:]:
+            n = lo
+            while n < hi and s - (n - lo) - 1 >= 0 and tokens[s - (n - lo) - 1] \
+                    == tokens[size - n - 1]:
+                n += 1
+            if best is None or n >= best[0]:
+                best = (n, s)
+    return [] if best is None else tokens[best[1] + lo:best[1] + lo + k]
+
+
+def test_lookup_agrees_with_its_contract_on_random_sequences() -> None:
+    rng = random.Random(0)
+    for _ in range(1500):
+        tokens = [rng.randrange(rng.randint(1, 5)) for _ in range(rng.randint(1, 40))]
+        lo = rng.randint(1, 4)
+        hi, k = rng.randint(lo, 6), rng.randint(0, 5)
+        assert propose(tokens, lo, hi, k) == _lookup_by_hand(tokens, lo, hi, k), (tokens, lo,
+                                                                                   hi, k)
 
 
 def test_kept_drafts_and_their_counts() -> None:

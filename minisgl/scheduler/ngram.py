@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -11,7 +11,7 @@ from minisgl.core import Batch, Phase, Req
 from minisgl.scheduler.speculative import SpeculativeConfig, may_speculate
 
 
-def propose(tokens: Sequence[int], lo: int, hi: int, k: int) -> List[int]:
+def propose(tokens: "Sequence[int] | np.ndarray", lo: int, hi: int, k: int) -> List[int]:
     """Up to `k` tokens that followed an earlier occurrence of `tokens`' last n tokens, for the
     longest n in [lo, hi] that occurs (among equal n, the latest occurrence); [] where none
     does. A pure function of its arguments."""
@@ -19,19 +19,22 @@ def propose(tokens: Sequence[int], lo: int, hi: int, k: int) -> List[int]:
     if k < 1 or size <= lo:
         return []
     arr = np.asarray(tokens, dtype=np.int64)
-    windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], lo)  # each followed by one
-    starts = np.flatnonzero((windows == arr[size - lo:]).all(axis=1))
-    if starts.size == 0:
+    # the last token of each earlier occurrence of the last `lo` tokens (followed by one more),
+    # found token by token from the end: a few vector compares of shrinking candidate sets
+    ends = np.flatnonzero(arr[lo - 1:size - 1] == arr[size - 1]) + lo - 1
+    for back in range(1, lo):
+        ends = ends[arr[ends - back] == arr[size - 1 - back]]
+    if ends.size == 0:
         return []
-    length = np.full(starts.shape, lo)
+    length = np.full(ends.shape, lo)
     for n in range(lo + 1, min(hi, size - 1) + 1):  # extend the matches leftwards
-        before = starts - (n - lo)
+        before = ends - (n - 1)
         longer = (length == n - 1) & (before >= 0)
         longer &= arr[np.maximum(before, 0)] == arr[size - n]
         if not longer.any():
             break
         length[longer] = n
-    begin = int(starts[length == length.max()][-1]) + lo
+    begin = int(ends[length == length.max()][-1]) + 1
     return arr[begin:begin + k].tolist()
 
 
@@ -43,6 +46,25 @@ class Drafter:
         self.cfg = cfg
         self.page_size = page_size
         self.long_rope_from = long_rope_from  # StepEngine.long_rope_from (0: not longrope)
+        # uid -> (buffer, tokens in it): each decoding request's tokens as an array, grown by
+        # the tokens it kept since (a list of thousands converted anew each step cost ~0.1 ms
+        # a request); only the requests of the latest batch are kept
+        self._arrays: Dict[int, Tuple[np.ndarray, int]] = {}
+
+    def _array(self, req: Req) -> np.ndarray:
+        """`req.token_ids` as an int64 array (a view of its buffer, valid until the next
+        call for the request)."""
+        n = len(req.token_ids)
+        buffer, have = self._arrays.get(req.uid, (np.empty(0, np.int64), 0))
+        if have > n:  # (tokens only grow; rebuilt should that ever change)
+            have = 0
+        if n > len(buffer):
+            grown = np.empty(max(2 * len(buffer), n + 256), np.int64)
+            grown[:have] = buffer[:have]
+            buffer = grown
+        buffer[have:n] = req.token_ids[have:n]
+        self._arrays[req.uid] = (buffer, n)
+        return buffer[:n]
 
     def room(self, req: Req) -> int:
         """The most drafts `req` may take this step: num_speculative_tokens, no more than
@@ -71,8 +93,9 @@ class Drafter:
                 r.grammar is not None for r in batch.reqs):
             return batch
         lo, hi = self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max
-        drafts = [propose(r.token_ids, lo, hi, self.room(r)) if may_speculate(r) else []
+        drafts = [propose(self._array(r), lo, hi, self.room(r)) if may_speculate(r) else []
                   for r in batch.reqs]
+        self._arrays = {r.uid: self._arrays[r.uid] for r in batch.reqs if r.uid in self._arrays}
         if not any(drafts):
             return batch
         return Batch(Phase.VERIFY, batch.reqs, batch.prefix_lens, [1 + len(d) for d in drafts],
