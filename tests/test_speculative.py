@@ -13,9 +13,9 @@ import pytest
 
 from hf_reference import mixed_prompts
 from minisgl import LLM, SamplingParams
+from minisgl.core import Batch, Phase, Req, StructuredOutput
 from minisgl.message.types import SchedulerStats
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.core import Batch, Phase, Req
 from minisgl.scheduler.ngram import Drafter, propose
 from minisgl.scheduler.speculative import SpecCounts, SpeculativeConfig, kept
 from minisgl.server.metrics_vllm import vllm_lines
@@ -138,7 +138,19 @@ def test_seeded_sampling_logprobs_penalties_stops_and_lengths_are_plain_decoding
         pen_accepted = llm.stats.spec_accepted_tokens_total - before
         pen_plain = [o.outputs[0].token_ids for o in llm.chat(
             CHATS[:2], SamplingParams(**penalized, bad_word_ids=[[3, 4, 5, 6]]))]
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}},
+                  "required": ["n"]}
+        json_params = SamplingParams(temperature=0.0, max_tokens=30, structured=StructuredOutput(
+            "json", json.dumps(schema)))
+        alone = llm.chat(CHATS[2:], json_params)[0].outputs[0].token_ids
+        before = llm.stats.spec_draft_tokens_total
+        beside = llm.chat([CHATS[2], CHATS[1]], [json_params, greedy])
+        drafted_beside = llm.stats.spec_draft_tokens_total - before
         accounting = llm.check_accounting()
+    # a constrained request decodes draftless beside the others' drafts, as it does alone
+    assert beside[0].outputs[0].token_ids == alone and drafted_beside > 0
+    assert json.loads(beside[0].outputs[0].text)["n"] is not None
+    assert beside[1].outputs[0].token_ids == ref[1]
     # penalties count each position's earlier drafts as output: plain decoding's tokens
     assert pen_spec == pen_plain and pen_accepted > 0
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
@@ -233,8 +245,8 @@ def DecodeBatch(reqs: List[Req]) -> Batch:  # noqa: N802 (what decode.py builds)
 
 def test_drafter_caps_and_who_drafts() -> None:
     """Drafts stop short of max_tokens, of the request's own pages and reservation, and of a
-    longrope model's pretraining length; a request with bad words rides along draftless; a
-    constrained request or a batch past disable_by_batch_size decodes plainly."""
+    longrope model's pretraining length; a request with bad words or a grammar rides along
+    draftless; a batch past disable_by_batch_size decodes plainly."""
     loop = [1, 2, 3, 4, 5, 6] * 4  # every lookup finds what follows
     cfg = SpeculativeConfig(4, 1, 3)
     drafter = Drafter(cfg, page_size=4)
@@ -252,7 +264,7 @@ def test_drafter_caps_and_who_drafts() -> None:
         plain) is plain
     constrained = _req(10, loop)
     constrained.grammar = object()
-    mixed = DecodeBatch([_req(11, loop), constrained])
-    assert drafter.with_drafts(mixed) is mixed
+    assert drafter.with_drafts(DecodeBatch([_req(11, loop), constrained])).drafts == [
+        [1, 2, 3, 4], []]
     nothing = DecodeBatch([_req(12, [7, 8, 9])])  # no earlier occurrence
     assert drafter.with_drafts(nothing) is nothing

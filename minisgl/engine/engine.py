@@ -652,8 +652,10 @@ class Engine:
         if launched.pending is None:
             raise ValueError("sample() takes a masked batch launch() has not sampled")
         pending = launched.pending
-        return self._sample_launched(launched.batch, launched.sampled, pending.forwarded,
-                                     pending.reqs, bitmask)
+        batch = launched.batch
+        return self._sample_launched(batch, launched.sampled, pending.forwarded, pending.reqs,
+                                     bitmask, drafted_counts(batch)
+                                     if batch.phase is Phase.VERIFY else None)
 
     def _sample_launched(self, batch: Batch, sampled: List[int], fwd: Forwarded,
                          reqs: List[Req], bitmask: Optional[torch.Tensor],

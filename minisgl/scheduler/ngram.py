@@ -85,12 +85,10 @@ class Drafter:
         """`batch` (a decode batch) as a verify batch of the same requests in the same order,
         each extended by its drafts (none for a request that may not take them,
         `may_speculate`: it verifies its newest token alone, as a decode step computes it);
-        `batch` itself where no request drafts, where the batch is larger than
-        disable_by_batch_size, or where a request is constrained (a masked batch samples one
-        row per request)."""
+        `batch` itself where no request drafts or where the batch is larger than
+        disable_by_batch_size."""
         limit = self.cfg.disable_by_batch_size
-        if (limit is not None and batch.size > limit) or any(
-                r.grammar is not None for r in batch.reqs):
+        if limit is not None and batch.size > limit:
             return batch
         lo, hi = self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max
         drafts = [propose(self._array(r), lo, hi, self.room(r)) if may_speculate(r) else []

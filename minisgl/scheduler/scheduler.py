@@ -264,6 +264,8 @@ class Scheduler:
         batch = inflight.batch
         grammars = [r.grammar if r.finish_reason is None else None
                     for r, s in zip(batch.reqs, batch.sample) if s]
+        if batch.phase is Phase.VERIFY:  # a row per position (constrained requests draft none)
+            grammars = [g for g, d in zip(grammars, batch.drafts or []) for _ in range(1 + len(d))]
         if self._batch_matcher is None:
             import xgrammar as xgr
             self._batch_matcher = xgr.BatchGrammarMatcher()
@@ -720,6 +722,8 @@ class Scheduler:
             self.spec.add(len(draft), n)
             for tok, lp in zip(verified[:n + 1], lps):
                 reason = req.append_token(tok)
+                if req.grammar is not None and reason is None:  # (draftless: one token)
+                    reason = self._advance_grammar(req, tok)
                 self.totals["generated"] += 1
                 out.append(TokenOut(req.uid, tok, reason.value if reason else None,
                                     req.prompt_len, req.prefix_hit, logprobs=lp))
