@@ -389,10 +389,6 @@ class LLM:
         if isinstance(overrides.get("lora_modules"), dict):  # {name: path}, as the flag's text
             overrides["lora_modules"] = ",".join(f"{name}={path}" for name, path
                                                  in overrides["lora_modules"].items())
-        for key in ("hf_overrides", "compilation_config", "limit_mm_per_prompt",
-                    "speculative_config"):
-            if isinstance(overrides.get(key), dict):  # vLLM's dict, as the flag's JSON
-                overrides[key] = json.dumps(overrides[key])
         cfg = build(SchedulerConfig(), overrides, "LLM()")
         # The LoRA adapters loaded (name -> directory), least recently used first
         self._adapters: "OrderedDict[str, str]" = OrderedDict(cfg.engine.lora_adapters)

@@ -38,6 +38,7 @@ _ANY_CASE = "any_case"
 _ALIAS = "alias"
 _ALSO = "also"
 _SECTION = "section"
+_JSON = "json"
 _TYPES = (bool, int, float, str)
 _METAVARS = {int: "N", float: "X"}
 
@@ -52,12 +53,13 @@ class Alias(NamedTuple):
 
 def setting(default: Any, help: str, *, choices: Optional[Sequence[str]] = None,
             any_case: bool = False, alias: Union[None, Alias, Sequence[Alias]] = None,
-            also: Sequence[str] = ()) -> Any:
+            also: Sequence[str] = (), json_value: bool = False) -> Any:
     """A user-settable field. `choices`: the allowed values, checked by `check_choices` (case
     aside where `any_case`); None passes where the default is None. `alias`: one or more flags
     (and keys) that each set a fixed value. `also`: other names of the setting (dashed), each
     a flag and a key taking its value (not for a bool that is on by default: its flag is
-    `--no-NAME`)."""
+    `--no-NAME`). `json_value`: a str setting holding a JSON object (`json_object` parses
+    it), which a TOML table or a Python dict (an `LLM()` keyword, as vLLM's) also gives."""
     if also and isinstance(default, bool) and default:
         raise TypeError(f"setting {also}: a bool on by default takes no other names")
     metadata: Dict[str, Any] = {_HELP: help}
@@ -68,6 +70,8 @@ def setting(default: Any, help: str, *, choices: Optional[Sequence[str]] = None,
         metadata[_ALIAS] = (alias,) if isinstance(alias, Alias) else tuple(alias)
     if also:
         metadata[_ALSO] = tuple(also)
+    if json_value:
+        metadata[_JSON] = True
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -107,6 +111,7 @@ class Setting(NamedTuple):
     choices: Optional[Tuple[str, ...]]
     aliases: Tuple[Alias, ...]  # flags (and keys) that each set a fixed value
     also: Tuple[str, ...]  # other names, dashed
+    json_value: bool = False  # a JSON object's text, which a mapping gives too
 
     @property
     def flag(self) -> str:
@@ -142,7 +147,7 @@ def _walk(node: Any, path: Tuple[str, ...]) -> Iterator[Setting]:
             base, optional = _value_type(hints[f.name], f.name)
             yield Setting(f.name, path, base, optional, getattr(node, f.name), f.metadata[_HELP],
                           f.metadata.get(_CHOICES), f.metadata.get(_ALIAS, ()),
-                          f.metadata.get(_ALSO, ()))
+                          f.metadata.get(_ALSO, ()), f.metadata.get(_JSON, False))
 
 
 def settings_of(root: Any) -> List[Setting]:
@@ -233,6 +238,8 @@ def from_namespace(ns: argparse.Namespace, root: Any) -> Dict[str, Any]:
 def _checked(s: Setting, key: str, value: Any) -> Any:
     if value is None and s.optional:
         return None
+    if s.json_value and isinstance(value, Mapping):  # a TOML table, a keyword's dict
+        return json.dumps(dict(value))
     if s.type is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, s.type) or (s.type is int and isinstance(value, bool)):

@@ -140,6 +140,27 @@ def test_unknown_keyword_or_key_is_named(tmp_path: Path) -> None:
         parse_args(["--config", str(f)])
 
 
+def test_a_json_setting_takes_a_table_or_a_dict_as_its_text(tmp_path: Path) -> None:
+    """A JSON object's setting (`setting(json_value=True)`) from a TOML table, an `LLM()`
+    dict (vLLM's form) or the flag's text is one value; another str setting refuses a table."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    f = tmp_path / "c.toml"
+    f.write_text('speculative_config = {method = "ngram", num_speculative_tokens = 3}\n'
+                 "[hf_overrides]\nis_matryoshka = true\n")
+    by_file = parse_args(["--config", str(f)])
+    by_keyword = build(SchedulerConfig(), {"speculative_config": spec,
+                                           "hf_overrides": {"is_matryoshka": True}}, "LLM()")
+    by_flag = parse_args(["--speculative-config", '{"method": "ngram", '
+                          '"num_speculative_tokens": 3}'])
+    assert by_file.scheduler.speculative == by_keyword.speculative \
+        == by_flag.scheduler.speculative is not None
+    assert by_file.scheduler.engine.hf_overrides == by_keyword.engine.hf_overrides \
+        == '{"is_matryoshka": true}'
+    f.write_text('model = {path = "x"}\n')
+    with pytest.raises(ValueError, match="model must be of type str"):
+        parse_args(["--config", str(f)])
+
+
 # --- the tree's shape -----------------------------------------------------------------------------
 def test_every_setting_is_a_flag_with_help() -> None:
     text = _parser(ServerConfig()).format_help()

@@ -85,7 +85,7 @@ class EngineConfig:
     hf_overrides: Optional[str] = setting(
         None, "vLLM's: a JSON object of config.json keys that replace the model's (a "
               "multimodal checkpoint's text_config's too), e.g. '{\"is_matryoshka\": true}' "
-              "or a rope_scaling with its max_position_embeddings")
+              "or a rope_scaling with its max_position_embeddings", json_value=True)
     enable_expert_parallel: bool = setting(
         False, "vLLM's: a mixture of experts' routed experts split over the tensor-parallel "
                "ranks whole, 1/tp of them each (every expert's GEMMs at full width; FP8 "
@@ -96,7 +96,7 @@ class EngineConfig:
               "\"MEAN\", \"normalize\": false}' (LAST, MEAN or CLS; normalize: L2, the "
               "default; dimensions: a Matryoshka model's embeddings cut to that length where "
               "a request names none); unset: the model's sentence-transformers Pooling "
-              "module's, else the last token's", also=("override-pooler-config",))
+              "module's, else the last token's", also=("override-pooler-config",), json_value=True)
     lora_modules: Optional[str] = setting(
         None, "LoRA adapters served beside the base model, NAME=PATH pairs separated by commas "
               "(PEFT directories: adapter_config.json, adapter_model.safetensors); a request "
@@ -175,7 +175,7 @@ class EngineConfig:
         None, "vLLM's, a JSON object of the multimodal inputs a prompt may hold by modality: "
               "0 each ('{\"image\": 0, \"video\": 0}'), as minisgl serves a multimodal "
               "checkpoint's language model alone (its vision tower is not loaded); more is "
-              "refused")
+              "refused", json_value=True)
     language_model_only: bool = setting(
         False, "vLLM's: accepted, as what minisgl always does with a multimodal checkpoint "
                "(its language model alone)")
@@ -184,7 +184,8 @@ class EngineConfig:
               "max_cudagraph_capture_size: decode graphs up to the largest size, as "
               "cuda_graph_max_bs; cudagraph_mode NONE: none); its torch.compile keys (level, "
               "mode, backend, ...) are accepted and change nothing: minisgl compiles no "
-              "graph of torch ops, its fused kernels are Triton's; another key is refused")
+              "graph of torch ops, its fused kernels are Triton's; another key is refused",
+        json_value=True)
     enforce_eager: bool = setting(False, "no CUDA graphs at all: the same as "
                                          "--cuda-graph-max-bs 0 --prefill-graph-tokens 0 "
                                          "(vLLM's --enforce-eager, SGLang's "

@@ -90,11 +90,11 @@ class ServerConfig:
     override_generation_config: Optional[str] = setting(
         None, "vLLM's: a JSON object of sampling defaults set over generation_config's "
               "('{\"temperature\": 0.6, \"max_new_tokens\": 512}': temperature, top_p, "
-              "top_k, min_p, repetition_penalty, max_new_tokens)")
+              "top_k, min_p, repetition_penalty, max_new_tokens)", json_value=True)
     default_chat_template_kwargs: Optional[str] = setting(
         None, "vLLM's: a JSON object of chat template keywords every chat request gets "
               "('{\"enable_thinking\": false}'); a request's own chat_template_kwargs (and "
-              "reasoning_effort, Anthropic's thinking) win")
+              "reasoning_effort, Anthropic's thinking) win", json_value=True)
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8000, "HTTP port (0: pick a free one; the ready line names it)")
     max_n: int = setting(8, "the largest n (choices per request) a request may ask for")
@@ -176,7 +176,7 @@ class ServerConfig:
               "from its first token, thinking included; by default it holds after the "
               "thinking), reasoning_parser (the --reasoning-parser's name, or empty), and "
               "disable_any_whitespace, disable_additional_properties, disable_fallback (taken "
-              "as given: xgrammar's JSON is compact, and has no fallback)")
+              "as given: xgrammar's JSON is compact, and has no fallback)", json_value=True)
     tool_call_parser: Optional[str] = setting(
         None, "the format chat output's tool calls are read (and, for tool_choice \"required\" "
               "or a named function, enforced) in (default: from the chat template: "
