@@ -637,6 +637,10 @@ class Req:
     # as the scheduler takes a longer prompt, or as it prefills a sequence again that grew
     # past that length.
     long_rope: bool = False
+    # Statistics only, never scheduling input (clocks differ between ranks): perf_counter when
+    # the scheduler took the request and when it was first admitted (the queue time's end)
+    arrived_s: float = 0.0
+    scheduled_s: float = 0.0
 
     @property
     def prefix_namespace(self) -> Optional[str]:

@@ -433,8 +433,18 @@ def test_models_health_metrics(client: openai.OpenAI, server: Server, model: str
     assert m["vllm:kv_cache_usage_perc" + tag] == pytest.approx(
         m["minisgl_kv_pages_used"] / m["minisgl_kv_pages_total"])
     for measure in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
-                    "request_generation_tokens"):
+                    "request_generation_tokens", "request_queue_time_seconds",
+                    "request_prefill_time_seconds", "request_decode_time_seconds",
+                    "request_inference_time_seconds"):
         assert m[f"vllm:{measure}_count{named}"] == m[f"minisgl_{measure}_count"], measure
+    # a finished request's phases (the scheduler's queue and prefill times): one per request
+    # that finished by stop or length, their sums within its end-to-end time
+    assert m["minisgl_request_queue_time_seconds_count"] == completed
+    assert 0 < m["minisgl_request_inference_time_seconds_sum"] == pytest.approx(
+        m["minisgl_request_prefill_time_seconds_sum"]
+        + m["minisgl_request_decode_time_seconds_sum"])
+    assert m["minisgl_request_inference_time_seconds_sum"] < m[
+        "minisgl_e2e_request_latency_seconds_sum"]
     assert m[f'vllm:request_success_total{{model_name="{model}",finished_reason="length"}}'] == (
         m['minisgl_requests_finished_total{reason="length"}'])
 

@@ -71,6 +71,7 @@ def test_a_span_per_request_as_a_child_of_the_clients_trace(
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export within a tenth of a second
     model = tiny_model("llama")
     with serving(["--model", str(model), "--otlp-traces-endpoint", collector.url,
+                  "--collect-detailed-traces", "model,worker",
                   "--served-model-name", "tiny", *CPU_ARGS], tmp_path) as srv:
         r = httpx.post(f"{srv.url}/v1/completions", json={
             "model": "tiny", "prompt": [1, 2, 3, 4, 5], "max_tokens": 6, "temperature": 0.5,
@@ -95,6 +96,13 @@ def test_a_span_per_request_as_a_child_of_the_clients_trace(
     assert a["gen_ai.request.temperature"] == pytest.approx(0.5)
     assert a["gen_ai.request.top_p"] == pytest.approx(0.9)
     assert 0 < a["gen_ai.latency.time_to_first_token"] <= a["gen_ai.latency.e2e"]
+    # the scheduler's phases (vLLM's detailed latencies): queue + prefill within the TTFT,
+    # prefill + decode the inference time, all within the request's end-to-end time
+    queue, prefill = a["gen_ai.latency.time_in_queue"], a["gen_ai.latency.time_in_model_prefill"]
+    assert 0 <= queue and 0 < prefill and queue + prefill <= a["gen_ai.latency.time_to_first_token"]
+    assert a["gen_ai.latency.time_in_model_inference"] == pytest.approx(
+        prefill + a["gen_ai.latency.time_in_model_decode"])
+    assert a["gen_ai.latency.time_in_model_inference"] <= a["gen_ai.latency.e2e"]
     assert traced.status.code == 0  # unset: no error
     assert aborted.trace_id.hex() != TRACE_ID and not aborted.parent_span_id
     assert aborted.status.code == 2 and "abort" in aborted.status.message  # ERROR
@@ -104,3 +112,8 @@ def test_a_span_per_request_as_a_child_of_the_clients_trace(
 def test_a_bad_endpoint_is_refused_at_start() -> None:
     with pytest.raises(ValueError, match="otlp_traces_endpoint must be an http:// or https://"):
         parse_args(["--otlp-traces-endpoint", "collector:4317"])
+    with pytest.raises(ValueError, match="collect_detailed_traces needs otlp_traces_endpoint"):
+        parse_args(["--collect-detailed-traces", "all"])
+    with pytest.raises(ValueError, match="takes model, worker, all .*got 'gpu'"):
+        parse_args(["--collect-detailed-traces", "gpu", "--otlp-traces-endpoint",
+                    "http://collector:4318/v1/traces"])

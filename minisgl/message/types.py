@@ -232,6 +232,15 @@ class GroupWeightsMsg:
 
 # --- scheduler rank 0 -> detokenizer ------------------------------------------------------------
 @dataclass(frozen=True)
+class PhaseTimes:
+    """Seconds a request spent waiting for admission (queued) and from its admission to its
+    first token (prefill), by rank 0's scheduler (vLLM's queue and prefill times)."""
+
+    queued_s: float
+    prefill_s: float
+
+
+@dataclass(frozen=True)
 class TokenOut:
     """One step's result for one request. `error` set means the request was rejected."""
 
@@ -246,6 +255,7 @@ class TokenOut:
     # prompt token after the first.
     prompt_logprobs: Optional[List[TokenLogprobs]] = None
     embedding: Optional[bytes] = None  # params.embed: float32 little-endian (StepResult)
+    times: Optional[PhaseTimes] = None  # with the first output token
 
 
 @dataclass(frozen=True)
@@ -374,6 +384,7 @@ class ReplyChunk:
     # In the request's first chunk only, where it asked (return_token_ids): the prompt's ids.
     prompt_ids: Optional[List[int]] = None
     embedding: Optional[bytes] = None  # an embedding request's (TokenOut.embedding)
+    times: Optional[PhaseTimes] = None  # with the first output token (TokenOut.times)
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,8 @@ from minisgl.utils import offline_prefill_tokens, rows_to_device
 from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.message.types import (AccountingMsg, AccountingReply, AdapterMsg, FlushCacheMsg,
-                                   GroupMsg, GroupWeightsMsg, PauseMsg, SleepMsg, WakeMsg,
-                                   WeightsMsg)
+                                   GroupMsg, GroupWeightsMsg, PauseMsg, PhaseTimes, SleepMsg,
+                                   WakeMsg, WeightsMsg)
 from minisgl.message.pulse import Pulse
 from minisgl.scheduler.adapters import AdapterTable
 from minisgl.scheduler.cache import PageCache, PageCounts
@@ -96,6 +96,12 @@ class Accounting(NamedTuple):
         counts = (reply.free_pages, reply.in_use_pages, reply.cached_pages, reply.total_pages)
         return cls(PageCounts(*counts), reply.reserved_pages, reply.free_rows, reply.total_rows,
                    reply.live_requests, reply.evicted_pages, reply.retracted_requests)
+
+
+def _phase_times(req: Req) -> PhaseTimes:
+    """A request's queue and prefill times, as its first token is processed (rank 0's clock)."""
+    scheduled = req.scheduled_s or req.arrived_s
+    return PhaseTimes(scheduled - req.arrived_s, time.perf_counter() - scheduled)
 
 
 class Scheduler:
@@ -507,7 +513,8 @@ class Scheduler:
                      msg.uid, len(msg.input_ids), params.max_tokens)
         req = Req(msg.uid, list(msg.input_ids), len(msg.input_ids), params,
                   self.engine.eos_token_ids, lora=lora,
-                  long_rope=0 < self.long_rope_from < len(msg.input_ids))
+                  long_rope=0 < self.long_rope_from < len(msg.input_ids),
+                  arrived_s=time.perf_counter())
         self.reqs[req.uid] = req
         if params.structured is not None:
             self.compiling.append((req, self.grammars.submit(params.structured)))
@@ -576,6 +583,7 @@ class Scheduler:
         engine set up the row's sampling state."""
         self._rewrite_pages(req, list(range(req.num_prefix_pages)))
         self.engine.start_request(req)
+        req.scheduled_s = req.scheduled_s or time.perf_counter()
 
     def _make_room(self) -> None:
         """Before a decode step: when the running requests' pages beyond their reservations do
@@ -684,7 +692,8 @@ class Scheduler:
             if not sample:  # a chunk of a long prompt: share its finished pages already
                 self._rewrite_pages(req, self.cache.share_prefix(req))
                 continue
-            if req.output_len == 0:
+            first = req.output_len == 0
+            if first:
                 self.totals["cached"] += req.prefix_hit
             reason = req.append_token(tok)
             if req.grammar is not None and reason is None:
@@ -695,7 +704,8 @@ class Scheduler:
                 prompt_lp, req.prompt_logprobs = req.prompt_logprobs, []
             out.append(TokenOut(req.uid, tok, reason.value if reason else None, req.prompt_len,
                                 req.prefix_hit, logprobs=lp, prompt_logprobs=prompt_lp,
-                                embedding=(result.embeddings or {}).get(i)))
+                                embedding=(result.embeddings or {}).get(i),
+                                times=_phase_times(req) if first else None))
             if reason is not None:
                 logger.debug("rank %d: request %d finished (%s, %d tokens, %d cached)", self.rank,
                              req.uid, reason.value, req.output_len, req.prefix_hit)

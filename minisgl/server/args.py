@@ -25,7 +25,7 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.hosts import is_loopback
 from minisgl.server.cors import CorsPolicy, parse_names, parse_origins
 from minisgl.server.tls import check_tls
-from minisgl.server.tracing import check_installed as check_tracing
+from minisgl.server.tracing import check_detailed_traces, check_installed as check_tracing
 from minisgl.server.topology import ClusterConfig, Wiring
 from minisgl.server.reasoning import REASONING_PARSERS
 from minisgl.tokenizer.chat_template import CONTENT_FORMATS
@@ -123,6 +123,11 @@ class ServerConfig:
               "http://collector:4318/v1/traces) that gets a span per generation request, a "
               "child of the client's W3C traceparent (server/tracing.py; needs pip install "
               "opentelemetry-sdk opentelemetry-exporter-otlp-proto-http)")
+    collect_detailed_traces: Optional[str] = setting(
+        None, "vLLM's: model, worker or all (comma-separated), accepted as what minisgl "
+              "always does: a span carries the scheduler's queue, prefill, decode and "
+              "inference times (gen_ai.latency.time_in_queue, ...); needs "
+              "otlp_traces_endpoint")
     log_stats: bool = setting(True, "an INFO line every log_stats_interval seconds while the "
                                     "service works: requests running and waiting, KV use, "
                                     "prompt and generation throughput, prefix cache hits",
@@ -283,6 +288,7 @@ class ServerConfig:
             raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
         if self.otlp_traces_endpoint is not None:
             check_tracing(self.otlp_traces_endpoint)
+        check_detailed_traces(self.collect_detailed_traces, self.otlp_traces_endpoint)
         if not self.response_role.strip():
             raise ValueError("response_role must not be empty")
         if any(not name for name in self.served_names):

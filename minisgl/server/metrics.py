@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from minisgl.message.types import SchedulerStats
+from minisgl.message.types import PhaseTimes, SchedulerStats
 from minisgl.server.metrics_vllm import vllm_lines
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -116,6 +116,20 @@ class Metrics:
     generation_tokens: Histogram = field(default_factory=lambda: Histogram(
         "minisgl_request_generation_tokens", "Generated tokens per finished request.",
         _TOKEN_BUCKETS))
+    # A finished request's phases (vLLM's): waiting for admission, admission to its first
+    # token, first token to last, admission to last
+    queue_time: Histogram = field(default_factory=lambda: Histogram(
+        "minisgl_request_queue_time_seconds",
+        "Time a finished request waited for admission (scheduler).", _E2E_BUCKETS))
+    prefill_time: Histogram = field(default_factory=lambda: Histogram(
+        "minisgl_request_prefill_time_seconds",
+        "Time from a finished request's admission to its first token.", _E2E_BUCKETS))
+    decode_time: Histogram = field(default_factory=lambda: Histogram(
+        "minisgl_request_decode_time_seconds",
+        "Time from a finished request's first token to its last.", _E2E_BUCKETS))
+    inference_time: Histogram = field(default_factory=lambda: Histogram(
+        "minisgl_request_inference_time_seconds",
+        "Time from a finished request's admission to its last token.", _E2E_BUCKETS))
     finished: Dict[str, int] = field(default_factory=dict)  # by finish reason (and "error")
     http: Dict[Tuple[str, str], int] = field(default_factory=dict)  # by (route, status)
 
@@ -146,6 +160,14 @@ class Metrics:
         self.prompt_tokens.observe(prompt_tokens)
         self.generation_tokens.observe(generated)
 
+    def observe_phases(self, times: PhaseTimes, decode_s: float) -> None:
+        """A finished request's phases: the scheduler's `times` and `decode_s` from its first
+        token to its last (the API server's clock)."""
+        self.queue_time.observe(times.queued_s)
+        self.prefill_time.observe(times.prefill_s)
+        self.decode_time.observe(decode_s)
+        self.inference_time.observe(times.prefill_s + decode_s)
+
     def render(self, gauges: Sequence["Gauge"] = ()) -> str:
         """The exposition text; `gauges`: more, the API server's own (LoRA adapters, batch
         jobs)."""
@@ -169,7 +191,8 @@ class Metrics:
         lines += [f'{name}{{path="{p}",status="{s}"}} {c}'
                   for (p, s), c in sorted(self.http.items())]
         for histogram in (self.ttft, self.itl, self.e2e, self.prompt_tokens,
-                          self.generation_tokens):
+                          self.generation_tokens, self.queue_time, self.prefill_time,
+                          self.decode_time, self.inference_time):
             lines += histogram.render()
         for gauge in gauges:
             lines += gauge.render()
@@ -179,7 +202,11 @@ class Metrics:
                                 "vllm:inter_token_latency_seconds": self.itl,
                                 "vllm:e2e_request_latency_seconds": self.e2e,
                                 "vllm:request_prompt_tokens": self.prompt_tokens,
-                                "vllm:request_generation_tokens": self.generation_tokens})
+                                "vllm:request_generation_tokens": self.generation_tokens,
+                                "vllm:request_queue_time_seconds": self.queue_time,
+                                "vllm:request_prefill_time_seconds": self.prefill_time,
+                                "vllm:request_decode_time_seconds": self.decode_time,
+                                "vllm:request_inference_time_seconds": self.inference_time})
         return "\n".join(lines) + "\n"
 
 

@@ -29,14 +29,14 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Set, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple, Union
 
 import zmq
 import zmq.asyncio
 
 from minisgl.message.codec import decode, encode
 from minisgl.message.types import (AbortRequest, AdapterMsg, Drain, FlushCacheMsg, GroupMsg,
-                                   GroupWeightsMsg, PauseMsg, ReplicaChange,
+                                   GroupWeightsMsg, PauseMsg, PhaseTimes, ReplicaChange,
                                    ReplyBatch, ReplyChunk, ServiceDown, TextRequest,
                                    SleepMsg, TokenizeRequest, WakeMsg, WeightsMsg)
 from minisgl.server.admission import Queued, overloaded
@@ -56,6 +56,8 @@ class RequestStream:
     queue: "asyncio.Queue[ReplyChunk]" = field(default_factory=asyncio.Queue)
     unfinished: Set[int] = field(default_factory=set)
     last_token_at: Dict[int, float] = field(default_factory=dict)
+    # uid -> the scheduler's queue and prefill times and when its first token arrived
+    phases: Dict[int, Tuple[PhaseTimes, float]] = field(default_factory=dict)
     measured: bool = True  # counts in the latency and finish metrics (generation does)
     request_id: Optional[str] = None  # the client's (SGLang's rid, X-Request-Id): abort_request
     # how `release` counts the uids still running: "timeout" once the request's deadline passed
@@ -293,6 +295,8 @@ class RequestStreams:
             last = stream.last_token_at.get(chunk.uid)
             if last is None:
                 self.metrics.ttft.observe(now - stream.created)
+                if chunk.times is not None:
+                    stream.phases[chunk.uid] = (chunk.times, now)
             else:
                 self.metrics.itl.observe((now - last) / len(chunk.token_ids))
             stream.last_token_at[chunk.uid] = now
@@ -308,6 +312,9 @@ class RequestStreams:
                 if chunk.finish_reason in ("stop", "length") and chunk.error is None:
                     self.metrics.observe_completed(now - stream.created, chunk.prompt_tokens,
                                                    chunk.completion_tokens)
+                    phases = stream.phases.get(chunk.uid)
+                    if phases is not None:
+                        self.metrics.observe_phases(phases[0], now - phases[1])
         stream.queue.put_nowait(chunk)
 
     def close(self) -> None:
@@ -359,7 +366,7 @@ def _trace(record: SpanRecord, chunk: ReplyChunk, now: float, counts_prompt: boo
     """What a reply chunk adds to its request's span: the first token's time, a finished
     choice's token counts (a prompt's once, by its first choice), an error or abort."""
     if chunk.token_ids and record.first_token is None:
-        record.first_token = now
+        record.first_token, record.times = now, chunk.times
     if chunk.error is not None or chunk.finish_reason is not None:
         record.prompt_tokens += chunk.prompt_tokens if counts_prompt else 0
         record.completion_tokens += chunk.completion_tokens

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
+from minisgl.message.types import PhaseTimes
+
 PACKAGES = "opentelemetry-sdk opentelemetry-exporter-otlp-proto-http"
 
 
@@ -35,9 +37,27 @@ class SpanRecord:
     parent: Any  # the client's context (opentelemetry.context.Context), or None
     attributes: Dict[str, Any]
     first_token: Optional[float] = None  # perf_counter of the first token of any choice
+    times: Optional[PhaseTimes] = None  # that choice's queue and prefill times (scheduler)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: Optional[str] = None  # an error or abort reason: the span's status
+
+
+DETAILED_TRACES = ("model", "worker", "all")
+
+
+def check_detailed_traces(modules: Optional[str], endpoint: Optional[str]) -> None:
+    """vLLM's --collect-detailed-traces: ValueError naming a module other than model, worker
+    or all, or the flag without an endpoint to send the spans to."""
+    if modules is None:
+        return
+    other = [m for m in modules.split(",") if m.strip() not in DETAILED_TRACES]
+    if other:
+        raise ValueError(f"collect_detailed_traces takes {', '.join(DETAILED_TRACES)} "
+                         f"(comma-separated), got {other[0]!r}")
+    if endpoint is None:
+        raise ValueError("collect_detailed_traces needs otlp_traces_endpoint (the collector "
+                         "that gets the spans)")
 
 
 def check_installed(endpoint: str) -> None:
@@ -100,6 +120,12 @@ class Traces:
         attributes["gen_ai.latency.e2e"] = now - created
         if record.first_token is not None:
             attributes["gen_ai.latency.time_to_first_token"] = record.first_token - created
+        if record.times is not None and record.first_token is not None:  # vLLM's names
+            decode = now - record.first_token
+            attributes["gen_ai.latency.time_in_queue"] = record.times.queued_s
+            attributes["gen_ai.latency.time_in_model_prefill"] = record.times.prefill_s
+            attributes["gen_ai.latency.time_in_model_decode"] = decode
+            attributes["gen_ai.latency.time_in_model_inference"] = record.times.prefill_s + decode
         span = self._tracer.start_span("llm_request", context=record.parent,
                                        kind=SpanKind.SERVER, attributes=attributes,
                                        start_time=record.start_ns)
