@@ -107,63 +107,64 @@ def test_settings_take_vllms_keys_and_name_what_is_wrong() -> None:
         SchedulerConfig(speculative_config=json.dumps(SPEC), overlap=True)
 
 
-def test_seeded_sampling_logprobs_penalties_stops_and_lengths_are_plain_decodings(
-        default_model_dir: Path) -> None:
-    """Seeded random sampling gives plain decoding's tokens and log-probabilities (the noise
-    is keyed by the output position; a request with bad words takes no drafts, so a batch of
-    them decodes plainly), penalized requests too, and a stop token or max_tokens inside a verified run of drafts
-    ends the request exactly there; the KV accounting balances after."""
-    seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=60, logprobs=2)
-    never = SamplingParams(temperature=0.8, seed=11, max_tokens=60, logprobs=2,
-                           bad_word_ids=[[3, 4, 5, 6]])  # no drafts, nothing else changed
-    greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+def _in_sublist(word: List[int], tokens: List[int]) -> bool:
+    return any(tokens[i:i + len(word)] == word for i in range(len(tokens)))
+
+
+def test_every_sampling_option_gives_plain_decodings_tokens(default_model_dir: Path) -> None:
+    """With drafts, each workload gives plain decoding's tokens: seeded random sampling with
+    log-probabilities (the noise keyed by the output position), penalties and bad words (each
+    position sees the drafts before it as output), a constrained request beside repetitive
+    ones (it takes no drafts, they do), a stop token and max_tokens inside a verified run of
+    drafts; drafts are kept along the way, and the KV accounting balances after."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     with LLM(str(default_model_dir), device="cpu", page_size=4, max_kv_tokens=4096,
-             speculative_config=SPEC, show_progress=False) as llm:
-        spec = [o.outputs[0] for o in llm.chat(CHATS, seeded)]
-        verified = llm.stats.verify_steps_total
-        plain = [o.outputs[0] for o in llm.chat(CHATS, never)]
-        assert llm.stats.verify_steps_total == verified  # no drafts with bad words
-        ref = [o.outputs[0].token_ids for o in llm.chat(CHATS[:2], greedy)]
-        accepted = llm.stats.spec_accepted_tokens_total
-        stop = ref[1][37]  # a token of a repetitive answer, whose drafts are mostly kept
-        stopped = llm.chat(CHATS[1:2], SamplingParams(temperature=0.0, max_tokens=60,
-                                                      ignore_eos=True, stop_token_ids=[stop]))
-        short = llm.chat(CHATS[:2], SamplingParams(temperature=0.0, max_tokens=23,
-                                                   ignore_eos=True))
-        penalized = dict(temperature=0.0, max_tokens=40, repetition_penalty=1.1,
-                         frequency_penalty=0.2, presence_penalty=0.1)
-        before = llm.stats.spec_accepted_tokens_total
-        pen_spec = [o.outputs[0].token_ids for o in llm.chat(
-            CHATS[:2], SamplingParams(**penalized))]  # type: ignore[arg-type]
-        pen_accepted = llm.stats.spec_accepted_tokens_total - before
-        pen_plain = [o.outputs[0].token_ids for o in llm.chat(
-            CHATS[:2], SamplingParams(**penalized, bad_word_ids=[[3, 4, 5, 6]]))]
-        schema = {"type": "object", "properties": {"n": {"type": "integer"}},
-                  "required": ["n"]}
+             show_progress=False) as plain_llm:
+        ref = [o.outputs[0].token_ids for o in plain_llm.chat(CHATS[:2], greedy)]
+        ban, stop = ref[1][20:22], ref[1][30]  # in a repetitive answer whose drafts are kept
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
         json_params = SamplingParams(temperature=0.0, max_tokens=30, structured=StructuredOutput(
             "json", json.dumps(schema)))
-        alone = llm.chat(CHATS[2:], json_params)[0].outputs[0].token_ids
-        before = llm.stats.spec_draft_tokens_total
-        beside = llm.chat([CHATS[2], CHATS[1]], [json_params, greedy])
-        drafted_beside = llm.stats.spec_draft_tokens_total - before
+        workloads = {
+            "seeded": (CHATS, SamplingParams(temperature=0.8, seed=11, max_tokens=40,
+                                             logprobs=2)),
+            "penalized": (CHATS[:2], SamplingParams(temperature=0.0, max_tokens=30,
+                                                    repetition_penalty=1.1,
+                                                    frequency_penalty=0.2,
+                                                    presence_penalty=0.1)),
+            "banned": (CHATS[1:2], SamplingParams(temperature=0.0, max_tokens=40,
+                                                  ignore_eos=True, bad_word_ids=[ban])),
+            "beside": ([CHATS[2], CHATS[1]], [json_params, greedy]),
+            "stopped": (CHATS[1:2], SamplingParams(temperature=0.0, max_tokens=40,
+                                                   ignore_eos=True, stop_token_ids=[stop])),
+            "short": (CHATS[:2], SamplingParams(temperature=0.0, max_tokens=23,
+                                                ignore_eos=True)),
+        }
+        plain = {k: [o.outputs[0] for o in plain_llm.chat(c, p)]  # type: ignore[arg-type]
+                 for k, (c, p) in workloads.items()}
+    kept_by: dict = {}
+    with LLM(str(default_model_dir), device="cpu", page_size=4, max_kv_tokens=4096,
+             speculative_config=SPEC, show_progress=False) as llm:
+        spec = {}
+        for k, (c, p) in workloads.items():
+            before = llm.stats.spec_accepted_tokens_total if llm.stats else 0
+            spec[k] = [o.outputs[0] for o in llm.chat(c, p)]  # type: ignore[arg-type]
+            kept_by[k] = llm.stats.spec_accepted_tokens_total - before
         accounting = llm.check_accounting()
-    # a constrained request decodes draftless beside the others' drafts, as it does alone
-    assert beside[0].outputs[0].token_ids == alone and drafted_beside > 0
-    assert json.loads(beside[0].outputs[0].text)["n"] is not None
-    assert beside[1].outputs[0].token_ids == ref[1]
-    # penalties count each position's earlier drafts as output: plain decoding's tokens
-    assert pen_spec == pen_plain and pen_accepted > 0
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert verified > 0 and accepted > 0
-    for got, want in zip(spec, plain):
+    for k in workloads:
+        assert [o.token_ids for o in spec[k]] == [o.token_ids for o in plain[k]], k
+    assert all(kept_by[k] > 0 for k in ("seeded", "penalized", "banned", "beside")), kept_by
+    for got, want in zip(spec["seeded"], plain["seeded"]):
         assert got.token_logprobs is not None and want.token_logprobs is not None
         for a, b in zip(got.token_logprobs, want.token_logprobs):
             assert a.top_ids == b.top_ids and a.rank == b.rank
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
-    first = ref[1].index(stop)
-    assert stopped[0].outputs[0].token_ids == ref[1][:first + 1]
-    assert stopped[0].outputs[0].finish_reason == "stop"
-    assert [o.outputs[0].token_ids for o in short] == [r[:23] for r in ref]
+    assert not _in_sublist(ban, spec["banned"][0].token_ids)
+    assert json.loads(spec["beside"][0].text)["n"] is not None
+    assert spec["beside"][1].token_ids == ref[1]
+    assert spec["stopped"][0].token_ids == ref[1][:ref[1].index(stop) + 1]
+    assert spec["stopped"][0].finish_reason == "stop"
+    assert [o.token_ids for o in spec["short"]] == [r[:23] for r in ref]
     assert accounting.live_requests == accounting.reserved_pages == 0
 
 
@@ -245,8 +246,8 @@ def DecodeBatch(reqs: List[Req]) -> Batch:  # noqa: N802 (what decode.py builds)
 
 def test_drafter_caps_and_who_drafts() -> None:
     """Drafts stop short of max_tokens, of the request's own pages and reservation, and of a
-    longrope model's pretraining length; a request with bad words or a grammar rides along
-    draftless; a batch past disable_by_batch_size decodes plainly."""
+    longrope model's pretraining length; a request with a grammar rides along draftless; a
+    batch past disable_by_batch_size decodes plainly."""
     loop = [1, 2, 3, 4, 5, 6] * 4  # every lookup finds what follows
     cfg = SpeculativeConfig(4, 1, 3)
     drafter = Drafter(cfg, page_size=4)
@@ -254,8 +255,8 @@ def test_drafter_caps_and_who_drafts() -> None:
                                               _req(3, loop[:22], pages=6),
                                               _req(4, loop, bad_word_ids=[[9, 9]])]))
     assert verify.phase is Phase.VERIFY
-    assert verify.drafts == [[1, 2, 3, 4], [1], [5, 6], []]  # K; max_tokens; pages; bad words
-    assert verify.extend_lens == [5, 2, 3, 1] and verify.prefix_lens == [23, 23, 21, 23]
+    assert verify.drafts == [[1, 2, 3, 4], [1], [5, 6], [1, 2, 3, 4]]  # K, max_tokens, pages
+    assert verify.extend_lens == [5, 2, 3, 5] and verify.prefix_lens == [23, 23, 21, 23]
     assert drafter.room(_req(5, loop, pages=6)) == 0  # 24 tokens fill its 6 pages of 4
     assert drafter.room(_req(6, loop, max_tokens=1)) < 1  # its last token is the next one
     assert Drafter(cfg, 4, long_rope_from=26).room(_req(7, loop)) == 2

@@ -13,7 +13,7 @@ engines that never see one pay nothing.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -40,10 +40,13 @@ class BadWords:
         self.history[row] = to_device([_NONE] * (self.width - len(tail)) + tail, torch.int64,
                                       self.device)
 
-    def apply(self, logits: torch.Tensor, rows: torch.Tensor, reqs: List[Req]) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor, reqs: List[Req],
+              drafted: Optional[Sequence[Tuple[int, ...]]] = None) -> torch.Tensor:
         """`logits` (row i is reqs[i], in page-table rows `rows`) with each bad word's last
         token at -inf where the row's outputs end with the word's other tokens: a new float32
-        tensor, or `logits` itself where no request has bad words."""
+        tensor, or `logits` itself where no request has bad words. `drafted`: per row, tokens
+        that follow its history (a verify step's drafts before each position:
+        engine.draft_prefixes)."""
         batch_rows: List[int] = []
         prefixes: List[List[int]] = []
         lasts: List[int] = []
@@ -61,12 +64,23 @@ class BadWords:
         prefix = to_device(prefixes, torch.int64, self.device)
         last = to_device(lasts, torch.int64, self.device)
         seen = self.history[rows.long()[index]]
+        if drafted is not None and any(drafted[i] for i in batch_rows):
+            seen = self._followed(seen, [drafted[i] for i in batch_rows])
         match = ((prefix == seen) | (prefix == _ANY)).all(dim=-1)
         # Words may share a last token ("Paris", "in Paris"): count the matches per cell, so
         # that one word's miss never undoes another's ban (duplicate writes race on a GPU).
         hits = torch.zeros(logits.shape, dtype=torch.int32, device=logits.device)
         hits.index_put_((index, last), match.to(torch.int32), accumulate=True)
         return logits.float().masked_fill(hits > 0, float("-inf"))
+
+    def _followed(self, seen: torch.Tensor, after: List[Tuple[int, ...]]) -> torch.Tensor:
+        """Each history row `seen[k]` with the tokens `after[k]` pushed in, newest last (the
+        last `width` of the two together)."""
+        most = max(len(a) for a in after)
+        tails = [list(a) + [_NONE] * (most - len(a)) for a in after]  # padded on the right
+        both = torch.cat([seen, to_device(tails, torch.int64, self.device)], dim=1)
+        start = to_device([len(a) for a in after], torch.int64, self.device)  # its window
+        return both.gather(1, start.unsqueeze(1) + torch.arange(self.width, device=self.device))
 
     def record(self, rows: torch.Tensor, tokens: torch.Tensor, reqs: List[Req]) -> None:
         """Push the sampled `tokens` (row i of `rows` is reqs[i]) into the history of the

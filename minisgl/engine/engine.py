@@ -237,17 +237,11 @@ def _verified(launched: Launched) -> List[List[int]]:
     return [flat[end - n:end] for end, n in zip(ends, launched.batch.extend_lens)]
 
 
-def drafted_counts(batch: Batch) -> List[Tuple[int, int]]:
-    """A verify batch's (logits row, token) pairs that its penalized requests' penalties count
-    as output already: at request i's position j, drafts[:j], the tokens that position
-    follows (as a decode step after keeping them would count them)."""
-    pairs: List[Tuple[int, int]] = []
-    row = 0
-    for req, draft in zip(batch.reqs, batch.drafts or []):
-        if req.params.has_penalties:
-            pairs += [(row + j, t) for j in range(1, len(draft) + 1) for t in draft[:j]]
-        row += 1 + len(draft)
-    return pairs
+def draft_prefixes(batch: Batch) -> List[Tuple[int, ...]]:
+    """Per logits row of a verify batch, the draft tokens its position follows: at request
+    i's position j, drafts[:j], output already as a decode step after keeping them would
+    see it (its penalties count them, its bad words match them)."""
+    return [tuple(draft[:j]) for draft in batch.drafts or [] for j in range(1 + len(draft))]
 
 
 def verify_views(batch: Batch) -> List[Req]:
@@ -641,7 +635,7 @@ class Engine:
             return Launched(batch, sampled, None, None,
                             pending=Pending(fwd, [copy.copy(r) for r in reqs]))
         return self._sample_launched(batch, sampled, fwd, reqs, None,
-                                     drafted_counts(batch) if verify else None)
+                                     draft_prefixes(batch) if verify else None)
 
     @torch.inference_mode()
     def sample(self, launched: Launched, bitmask: torch.Tensor) -> Launched:
@@ -654,14 +648,14 @@ class Engine:
         pending = launched.pending
         batch = launched.batch
         return self._sample_launched(batch, launched.sampled, pending.forwarded, pending.reqs,
-                                     bitmask, drafted_counts(batch)
+                                     bitmask, draft_prefixes(batch)
                                      if batch.phase is Phase.VERIFY else None)
 
     def _sample_launched(self, batch: Batch, sampled: List[int], fwd: Forwarded,
                          reqs: List[Req], bitmask: Optional[torch.Tensor],
-                         drafted: Optional[List[Tuple[int, int]]] = None) -> Launched:
+                         drafted: Optional[List[Tuple[int, ...]]] = None) -> Launched:
         """Sample `reqs` (batch.reqs[i] for i in sampled; a verify batch's `verify_views`,
-        with its `drafted_counts`) from the forward's logits and start the copies of the
+        with its `draft_prefixes`) from the forward's logits and start the copies of the
         tokens (and log-probabilities) to the host."""
         tokens = logprobs = None
         if sampled:
@@ -756,14 +750,14 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor, reqs: List[Req],
                 bitmask: Optional[torch.Tensor] = None,
-                drafted: Optional[List[Tuple[int, int]]] = None
+                drafted: Optional[List[Tuple[int, ...]]] = None
                 ) -> Tuple[torch.Tensor, Optional[LogprobTensors]]:
         """Tokens for `reqs` (row i of `logits`, page-table row rows[i]) after their penalties,
         logit bias, allowed tokens, min_tokens, bad words and grammar bitmask, recorded as the
         rows' newest tokens; and their log-probabilities (of the raw logits) where asked.
-        `drafted` (a verify batch's, `drafted_counts`): the draft tokens each row's penalties
-        count as output already; its tokens are recorded by `keep` once the scheduler knows
-        which it keeps."""
+        `drafted` (a verify batch's, `draft_prefixes`): the draft tokens each row follows,
+        output already to its penalties and bad words; its tokens are recorded by `keep`
+        once the scheduler knows which it keeps."""
         mask = None if bitmask is None else bitmask.to(self.device, non_blocking=True)
         if all(r.params.raw_sampling for r in reqs):  # the common case: one pass to find out
             masked = logits if mask is None else apply_token_bitmask(logits, mask)
@@ -772,7 +766,7 @@ class Engine:
             return tokens, None
         adjusted = add_logit_bias(self.penalties.apply(logits, rows, reqs, drafted), reqs)
         adjusted = suppress_early_stops(mask_to_allowed_tokens(adjusted, reqs), reqs)
-        adjusted = self.bad_words.apply(adjusted, rows, reqs)
+        adjusted = self.bad_words.apply(adjusted, rows, reqs, drafted)
         if mask is not None:
             adjusted = apply_token_bitmask(adjusted, mask)
         tokens = sample_requests(adjusted, reqs, self.cfg.seed, self.policy)

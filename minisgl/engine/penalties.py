@@ -49,11 +49,11 @@ class Penalties:
             self.output_counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
 
     def apply(self, logits: torch.Tensor, rows: torch.Tensor, reqs: List[Req],
-              drafted: Optional[Sequence[Tuple[int, int]]] = None) -> torch.Tensor:
+              drafted: Optional[Sequence[Tuple[int, ...]]] = None) -> torch.Tensor:
         """Penalized float32 logits for `reqs` (row i of `logits` is reqs[i], in page-table
         rows `rows`); the input itself is not changed. Rows without penalties pass as they are.
-        `drafted`: (logits row, token) pairs counted as output beside the row's counts (a
-        verify step's draft tokens before each position)."""
+        `drafted`: per logits row, tokens counted as output beside the row's counts (a
+        verify step's drafts before each position: engine.draft_prefixes)."""
         if not any(r.params.has_penalties for r in reqs):
             return logits
         if self.output_counts is None or self.prompt_seen is None:
@@ -67,10 +67,12 @@ class Penalties:
         pres = column([p.presence_penalty for p in ps])
         rows = rows.long()
         counts = self.output_counts[rows].float()
-        if drafted:
-            at = to_device([[i for i, _ in drafted], [t for _, t in drafted]], torch.int64,
+        pairs = [(i, t) for i, (req, before) in enumerate(zip(reqs, drafted or ()))
+                 if req.params.has_penalties for t in before]
+        if pairs:
+            at = to_device([[i for i, _ in pairs], [t for _, t in pairs]], torch.int64,
                            self.device)
-            counts.index_put_((at[0], at[1]), torch.ones(len(drafted), device=self.device),
+            counts.index_put_((at[0], at[1]), torch.ones(len(pairs), device=self.device),
                               accumulate=True)
         present = counts > 0
         out = logits.float()

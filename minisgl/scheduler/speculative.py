@@ -91,13 +91,11 @@ def kept(drafts: Sequence[int], verified: Sequence[int]) -> int:
 
 
 def may_speculate(req: Req) -> bool:
-    """Whether `req` takes drafts: none with bad words (their history, the last tokens
-    sampled, would have to shift in each position's earlier drafts) or a grammar (its matcher
-    would have to accept them to mask the next position). Penalties (each position counts the
-    drafts before it: engine.drafted_counts), logit bias, allowed tokens, min_tokens (read per
-    position) and log-probabilities (per position) speculate."""
-    p = req.params
-    return not (p.bad_word_ids or req.grammar is not None or p.embed)
+    """Whether `req` takes drafts: none with a grammar (its matcher would have to accept them
+    to mask the next position). Penalties and bad words (each position sees the drafts
+    before it as output: engine.draft_prefixes), logit bias, allowed tokens, min_tokens (read
+    per position) and log-probabilities (per position) speculate."""
+    return req.grammar is None and not req.params.embed
 
 
 @dataclass
