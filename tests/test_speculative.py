@@ -107,6 +107,52 @@ def test_settings_take_vllms_keys_and_name_what_is_wrong() -> None:
         SchedulerConfig(speculative_config=json.dumps(SPEC), overlap=True)
 
 
+LIST_CHAT = [[{"role": "user", "content": "Give these fruits as a JSON list: apple, banana, "
+                                         "cherry, date, fig, grape."}]]
+LIST_SCHEMA = {"type": "object", "properties": {"fruits": {"type": "array",
+                                                           "items": {"type": "string"}}},
+               "required": ["fruits"]}
+
+
+def test_a_grammar_masks_each_draft_position_as_after_the_drafts_before_it(
+        default_model_dir: Path) -> None:
+    """`RequestGrammar.fill_drafted`: row j is the mask after accepting drafts[:j] one by one;
+    past a draft the grammar refuses, rows stay all allowed; the matcher is left as it was."""
+    from minisgl.grammar import GrammarCache, TokenizerSource
+    from minisgl.grammar.matcher import RequestGrammar, full_bitmask
+    from minisgl.tokenizer.text import load_tokenizer
+    tok = load_tokenizer(default_model_dir)
+    cache = GrammarCache(TokenizerSource(tokenizer=tok, stop_ids=[tok.eos_token_id]))
+    compiled = cache.check(StructuredOutput("json", json.dumps(LIST_SCHEMA)))
+    text = tok.encode('{"fruits": ["apple", "banana"', add_special_tokens=False)
+    vocab = len(tok)
+    grammar, step_by_step = RequestGrammar(compiled, [tok.eos_token_id]), RequestGrammar(
+        compiled, [tok.eos_token_id])
+    for t in text[:3]:
+        assert grammar.accept(t) and step_by_step.accept(t)
+    brace, bracket = (tok.encode(c, add_special_tokens=False)[0] for c in "}]")
+    drafts = text[3:] + [brace, bracket]
+    rows = full_bitmask(len(drafts) + 1, vocab)
+    grammar.fill_drafted(rows, 0, drafts)
+    refused = len(text) - 3  # "}" cannot close the object inside its list
+    for j in range(len(drafts) + 1):
+        want = full_bitmask(1, vocab)
+        if j <= refused:
+            step_by_step.fill_row(want, 0)
+        assert bool((rows[j] == want[0]).all()), j
+        if j < refused:
+            assert step_by_step.accept(drafts[j])
+    after = full_bitmask(1, vocab)
+    grammar.fill_row(after, 0)
+    again = RequestGrammar(compiled, [tok.eos_token_id])
+    for t in text[:3]:
+        again.accept(t)
+    expected = full_bitmask(1, vocab)
+    again.fill_row(expected, 0)
+    assert bool((after == expected).all())  # rolled back
+    cache.close()
+
+
 def _in_sublist(word: List[int], tokens: List[int]) -> bool:
     return any(tokens[i:i + len(word)] == word for i in range(len(tokens)))
 
@@ -115,7 +161,8 @@ def test_every_sampling_option_gives_plain_decodings_tokens(default_model_dir: P
     """With drafts, each workload gives plain decoding's tokens: seeded random sampling with
     log-probabilities (the noise keyed by the output position), penalties and bad words (each
     position sees the drafts before it as output), a constrained request beside repetitive
-    ones (it takes no drafts, they do), a stop token and max_tokens inside a verified run of
+    ones and a constrained list (its grammar masks each position as if the drafts before it
+    were accepted), a stop token and max_tokens inside a verified run of
     drafts; drafts are kept along the way, and the KV accounting balances after."""
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     with LLM(str(default_model_dir), device="cpu", page_size=4, max_kv_tokens=4096,
@@ -135,6 +182,9 @@ def test_every_sampling_option_gives_plain_decodings_tokens(default_model_dir: P
             "banned": (CHATS[1:2], SamplingParams(temperature=0.0, max_tokens=40,
                                                   ignore_eos=True, bad_word_ids=[ban])),
             "beside": ([CHATS[2], CHATS[1]], [json_params, greedy]),
+            "listed": (LIST_CHAT, SamplingParams(temperature=0.0, max_tokens=40,
+                                                 structured=StructuredOutput(
+                                                     "json", json.dumps(LIST_SCHEMA)))),
             "stopped": (CHATS[1:2], SamplingParams(temperature=0.0, max_tokens=40,
                                                    ignore_eos=True, stop_token_ids=[stop])),
             "short": (CHATS[:2], SamplingParams(temperature=0.0, max_tokens=23,
@@ -153,7 +203,9 @@ def test_every_sampling_option_gives_plain_decodings_tokens(default_model_dir: P
         accounting = llm.check_accounting()
     for k in workloads:
         assert [o.token_ids for o in spec[k]] == [o.token_ids for o in plain[k]], k
-    assert all(kept_by[k] > 0 for k in ("seeded", "penalized", "banned", "beside")), kept_by
+    assert all(kept_by[k] > 0 for k in ("seeded", "penalized", "banned", "beside", "listed")
+               ), kept_by
+    assert json.loads(spec["listed"][0].text)["fruits"]  # drafts kept inside a grammar
     for got, want in zip(spec["seeded"], plain["seeded"]):
         assert got.token_logprobs is not None and want.token_logprobs is not None
         for a, b in zip(got.token_logprobs, want.token_logprobs):
@@ -246,8 +298,8 @@ def DecodeBatch(reqs: List[Req]) -> Batch:  # noqa: N802 (what decode.py builds)
 
 def test_drafter_caps_and_who_drafts() -> None:
     """Drafts stop short of max_tokens, of the request's own pages and reservation, and of a
-    longrope model's pretraining length; a request with a grammar rides along draftless; a
-    batch past disable_by_batch_size decodes plainly."""
+    longrope model's pretraining length; a batch past disable_by_batch_size decodes
+    plainly."""
     loop = [1, 2, 3, 4, 5, 6] * 4  # every lookup finds what follows
     cfg = SpeculativeConfig(4, 1, 3)
     drafter = Drafter(cfg, page_size=4)
@@ -263,9 +315,5 @@ def test_drafter_caps_and_who_drafts() -> None:
     plain = DecodeBatch([_req(8, loop), _req(9, loop)])
     assert Drafter(SpeculativeConfig(4, 1, 3, disable_by_batch_size=1), 4).with_drafts(
         plain) is plain
-    constrained = _req(10, loop)
-    constrained.grammar = object()
-    assert drafter.with_drafts(DecodeBatch([_req(11, loop), constrained])).drafts == [
-        [1, 2, 3, 4], []]
     nothing = DecodeBatch([_req(12, [7, 8, 9])])  # no earlier occurrence
     assert drafter.with_drafts(nothing) is nothing

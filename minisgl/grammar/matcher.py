@@ -14,7 +14,7 @@ there when it is admitted again.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -49,15 +49,56 @@ class RequestGrammar:
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False when the grammar does not allow it (the mask
         prevents that, so it means a bug, or a token sampled without the mask)."""
+        return self._step(token)[0]
+
+    def _step(self, token: int) -> Tuple[bool, bool]:
+        """Advance by `token`: (whether allowed, whether the matcher took it: not the
+        thinking's). A refused token changes nothing."""
         if self.opening:
             self.opening = False
             if token == self.gate.start:
                 self.thinking = True
-                return True
+                return True, False
         if self.thinking:
             self.thinking = token != self.gate.end
-            return True
-        return bool(self.matcher.accept_token(token))
+            return True, False
+        taken = bool(self.matcher.accept_token(token))
+        return taken, taken
+
+    def fill_row(self, bitmask: torch.Tensor, row: int) -> None:
+        """Bitmask row `row` (all allowed as it comes) restricted to the next tokens: the
+        grammar's, and the thinking's start marker too where the output may open it; left
+        all allowed while thinking or terminated."""
+        if not self.constraining:
+            return
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        self.allow_opening(bitmask, row)
+
+    def allow_opening(self, bitmask: torch.Tensor, row: int) -> None:
+        """Where the output may open its thinking (its first token), allow the start marker
+        in bitmask row `row` beside the grammar's tokens."""
+        if self.opening:
+            start = self.gate.start
+            word = int(bitmask[row, start // 32]) | (1 << (start % 32))
+            bitmask[row, start // 32] = word - (1 << 32) if word >= 1 << 31 else word
+
+    def fill_drafted(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int]) -> None:
+        """A verify step's rows `row` .. `row + len(drafts)`: row j as `fill_row` would fill it
+        after the drafts before it were accepted. Past a draft the grammar refuses, the rows
+        stay all allowed (the token sampled there differs from that draft, so none after it
+        is kept). The state is as it was after."""
+        saved, taken = (self.opening, self.thinking), 0
+        for j in range(len(drafts) + 1):
+            self.fill_row(bitmask, row + j)
+            if j == len(drafts):
+                break
+            allowed, matched = self._step(drafts[j])
+            taken += matched
+            if not allowed:
+                break
+        if taken:
+            self.matcher.rollback(taken)
+        self.opening, self.thinking = saved
 
     @property
     def constraining(self) -> bool:
@@ -80,16 +121,26 @@ def fill_bitmask(grammars: List[Optional[RequestGrammar]], vocab_size: int,
     rows = [i for i, g in enumerate(grammars) if g is not None and g.constraining]
     if not rows:
         return bitmask
-    matchers = [grammars[i].matcher for i in rows]  # type: ignore[union-attr]
+    chosen = [g for g in grammars if g is not None and g.constraining]
     if batch_matcher is not None and len(rows) > 1:
-        batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in chosen], bitmask, rows)
+        for i, grammar in zip(rows, chosen):
+            grammar.allow_opening(bitmask, i)
     else:
-        for i, m in zip(rows, matchers):
-            m.fill_next_token_bitmask(bitmask, i)
-    for i in rows:  # a first token that may open the thinking instead
-        grammar = grammars[i]
-        if grammar is not None and grammar.opening:
-            start = grammar.gate.start
-            word = int(bitmask[i, start // 32]) | (1 << (start % 32))
-            bitmask[i, start // 32] = word - (1 << 32) if word >= 1 << 31 else word
+        for i, grammar in zip(rows, chosen):
+            grammar.fill_row(bitmask, i)
+    return bitmask
+
+
+def fill_verify_bitmask(grammars: List[Optional[RequestGrammar]], drafts: List[List[int]],
+                        vocab_size: int, pin: bool = False) -> torch.Tensor:
+    """The bitmask of a verify batch: request i's rows (1 + len(drafts[i]), one per position,
+    in batch order) from grammars[i] as it will be at each position
+    (`RequestGrammar.fill_drafted`), all allowed where grammars[i] is None."""
+    bitmask = full_bitmask(sum(1 + len(d) for d in drafts), vocab_size, pin)
+    row = 0
+    for grammar, draft in zip(grammars, drafts):
+        if grammar is not None:
+            grammar.fill_drafted(bitmask, row, draft)
+        row += 1 + len(draft)
     return bitmask

@@ -79,8 +79,8 @@ class SchedulerConfig:
               "own tokens, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
               "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (also "
               "disable_by_batch_size: no drafts in a step of more running requests); the tokens "
-              "are those plain decoding gives. Requests with a grammar take no drafts (they "
-              "decode beside the others' drafts). Turns overlap off", json_value=True)
+              "are those plain decoding gives, with every sampling option and grammars. Turns "
+              "overlap off", json_value=True)
     check_lockstep: bool = setting(False, "every step, the ranks compare their batch uids, KV "
                                           "slots and sampled tokens and fail on a mismatch (a "
                                           "debugging aid: one collective per step)")

@@ -8,7 +8,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from minisgl.core import Batch, Phase, Req
-from minisgl.scheduler.speculative import SpeculativeConfig, may_speculate
+from minisgl.scheduler.speculative import SpeculativeConfig
 
 
 def propose(tokens: "Sequence[int] | np.ndarray", lo: int, hi: int, k: int) -> List[int]:
@@ -83,16 +83,14 @@ class Drafter:
 
     def with_drafts(self, batch: Batch) -> Batch:
         """`batch` (a decode batch) as a verify batch of the same requests in the same order,
-        each extended by its drafts (none for a request that may not take them,
-        `may_speculate`: it verifies its newest token alone, as a decode step computes it);
-        `batch` itself where no request drafts or where the batch is larger than
-        disable_by_batch_size."""
+        each extended by its drafts (a request without verifies its newest token alone, as a
+        decode step computes it); `batch` itself where no request drafts or where the batch is
+        larger than disable_by_batch_size."""
         limit = self.cfg.disable_by_batch_size
         if limit is not None and batch.size > limit:
             return batch
         lo, hi = self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max
-        drafts = [propose(self._array(r), lo, hi, self.room(r)) if may_speculate(r) else []
-                  for r in batch.reqs]
+        drafts = [propose(self._array(r), lo, hi, self.room(r)) for r in batch.reqs]
         self._arrays = {r.uid: self._arrays[r.uid] for r in batch.reqs if r.uid in self._arrays}
         if not any(drafts):
             return batch

@@ -36,7 +36,7 @@ from minisgl.core import (Batch, FinishReason, Limits, Phase, Req, RequestError,
                           StepResult, check_request)
 from minisgl.distributed import check_same_across_ranks, min_over_ranks, true_on_all_ranks
 from minisgl.grammar import GrammarCache, TokenizerSource
-from minisgl.grammar.matcher import RequestGrammar, fill_bitmask
+from minisgl.grammar.matcher import RequestGrammar, fill_bitmask, fill_verify_bitmask
 from minisgl.grammar.reasoning import ThinkGate
 from minisgl.utils import offline_prefill_tokens, rows_to_device
 from minisgl.kvcache import make_cache_manager
@@ -270,8 +270,11 @@ class Scheduler:
         batch = inflight.batch
         grammars = [r.grammar if r.finish_reason is None else None
                     for r, s in zip(batch.reqs, batch.sample) if s]
-        if batch.phase is Phase.VERIFY:  # a row per position (constrained requests draft none)
-            grammars = [g for g, d in zip(grammars, batch.drafts or []) for _ in range(1 + len(d))]
+        if batch.phase is Phase.VERIFY:  # a row per position, each after the drafts before it
+            bitmask = fill_verify_bitmask(grammars,  # type: ignore[arg-type]
+                                          batch.drafts or [], self.engine.vocab_size,
+                                          pin=self.engine.device.type == "cuda")
+            return inflight._replace(launched=self.engine.sample(inflight.launched, bitmask))
         if self._batch_matcher is None:
             import xgrammar as xgr
             self._batch_matcher = xgr.BatchGrammarMatcher()

@@ -22,7 +22,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from minisgl.core import Req
 from minisgl.settings import json_object
 
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
@@ -88,14 +87,6 @@ def kept(drafts: Sequence[int], verified: Sequence[int]) -> int:
     while n < len(drafts) and drafts[n] == verified[n]:
         n += 1
     return n
-
-
-def may_speculate(req: Req) -> bool:
-    """Whether `req` takes drafts: none with a grammar (its matcher would have to accept them
-    to mask the next position). Penalties and bad words (each position sees the drafts
-    before it as output: engine.draft_prefixes), logit bias, allowed tokens, min_tokens (read
-    per position) and log-probabilities (per position) speculate."""
-    return req.grammar is None and not req.params.embed
 
 
 @dataclass
