@@ -4,10 +4,11 @@ prompt lookup decoding): drafts come from the request's own tokens, no draft mod
 Each decode step, a request whose last n tokens (prompt_lookup_min <= n <= prompt_lookup_max)
 occurred earlier in its prompt or output proposes the tokens that followed that occurrence
 (the longest such n; among equals, the latest occurrence; `ngram.propose`) as up to
-num_speculative_tokens drafts. A verify step (Phase.VERIFY) computes the newest token and the drafts as one extend and
-samples every position as a decode step at that length would: the same logits and the same
-noise (the sampler's step is the output position), so every token is the one plain decoding
-gives, greedy or seeded. Draft j is kept while it equals the token sampled before it; the
+num_speculative_tokens drafts. A verify step (Phase.VERIFY) computes the newest token and the
+drafts as one extend and samples every position as a decode step at that length would: the
+same logits, the same noise (the sampler's step is the output position), penalties, bad
+words and grammar masks that see the drafts before it as output, so every token is the one
+plain decoding gives, greedy or seeded. Draft j is kept while it equals the token sampled before it; the
 first token that differs (or the one after the last draft) is the step's last, so a step yields
 1 to 1 + drafts tokens.
 

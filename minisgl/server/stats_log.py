@@ -7,7 +7,8 @@ schedulers' counters the API server already holds for /metrics (summed over the 
 
 Throughputs and the hit rate are over the interval (hits: cached / prompt tokens admitted in
 it), as is speculative decoding's share of draft tokens kept and its tokens per request in a
-verify step (vLLM's mean acceptance length); nothing is logged for an interval with no work (nothing running or waiting, no token)."""
+verify step (vLLM's mean acceptance length); nothing is logged for an interval with no work
+(nothing running or waiting, no token)."""
 
 from __future__ import annotations
 
