@@ -158,65 +158,62 @@ def _in_sublist(word: List[int], tokens: List[int]) -> bool:
 
 
 def test_every_sampling_option_gives_plain_decodings_tokens(default_model_dir: Path) -> None:
-    """With drafts, each workload gives plain decoding's tokens: seeded random sampling with
-    log-probabilities (the noise keyed by the output position), penalties and bad words (each
-    position sees the drafts before it as output), a constrained request beside repetitive
-    ones and a constrained list (its grammar masks each position as if the drafts before it
-    were accepted), a stop token and max_tokens inside a verified run of
-    drafts; drafts are kept along the way, and the KV accounting balances after."""
-    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    """One batch of requests, each with another option, verified together gives plain
+    decoding's tokens: seeded random sampling with log-probabilities (the noise keyed by the
+    output position), penalties and bad words (each position sees the drafts before it as
+    output), grammars (the mask at each position is the grammar's after the drafts before
+    it), a stop token and max_tokens inside a verified run of drafts; a constrained request
+    keeps drafts, and the KV accounting balances after."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    listed = SamplingParams(temperature=0.0, max_tokens=30, structured=StructuredOutput(
+        "json", json.dumps(LIST_SCHEMA)))
     with LLM(str(default_model_dir), device="cpu", page_size=4, max_kv_tokens=4096,
              show_progress=False) as plain_llm:
-        ref = [o.outputs[0].token_ids for o in plain_llm.chat(CHATS[:2], greedy)]
-        ban, stop = ref[1][20:22], ref[1][30]  # in a repetitive answer whose drafts are kept
+        ref = plain_llm.chat(CHATS[1:2], greedy)[0].outputs[0].token_ids
+        ban, stop = ref[12:14], ref[20]  # in a repetitive answer whose drafts are kept
         schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-        json_params = SamplingParams(temperature=0.0, max_tokens=30, structured=StructuredOutput(
-            "json", json.dumps(schema)))
         workloads = {
-            "seeded": (CHATS, SamplingParams(temperature=0.8, seed=11, max_tokens=40,
-                                             logprobs=2)),
-            "penalized": (CHATS[:2], SamplingParams(temperature=0.0, max_tokens=30,
-                                                    repetition_penalty=1.1,
-                                                    frequency_penalty=0.2,
-                                                    presence_penalty=0.1)),
-            "banned": (CHATS[1:2], SamplingParams(temperature=0.0, max_tokens=40,
-                                                  ignore_eos=True, bad_word_ids=[ban])),
-            "beside": ([CHATS[2], CHATS[1]], [json_params, greedy]),
-            "listed": (LIST_CHAT, SamplingParams(temperature=0.0, max_tokens=40,
-                                                 structured=StructuredOutput(
-                                                     "json", json.dumps(LIST_SCHEMA)))),
-            "stopped": (CHATS[1:2], SamplingParams(temperature=0.0, max_tokens=40,
-                                                   ignore_eos=True, stop_token_ids=[stop])),
-            "short": (CHATS[:2], SamplingParams(temperature=0.0, max_tokens=23,
-                                                ignore_eos=True)),
+            "seeded": (CHATS[0], SamplingParams(temperature=0.8, seed=11, max_tokens=30,
+                                                logprobs=2)),
+            "seeded_2": (CHATS[2], SamplingParams(temperature=0.8, seed=12, max_tokens=30)),
+            "penalized": (CHATS[1], SamplingParams(temperature=0.0, max_tokens=30,
+                                                   repetition_penalty=1.1,
+                                                   frequency_penalty=0.2, presence_penalty=0.1)),
+            "banned": (CHATS[1], SamplingParams(temperature=0.0, max_tokens=30,
+                                                ignore_eos=True, bad_word_ids=[ban])),
+            "json": (CHATS[2], SamplingParams(temperature=0.0, max_tokens=30,
+                                              structured=StructuredOutput("json",
+                                                                          json.dumps(schema)))),
+            "listed": (LIST_CHAT[0], listed),
+            "stopped": (CHATS[1], SamplingParams(temperature=0.0, max_tokens=30,
+                                                 ignore_eos=True, stop_token_ids=[stop])),
+            "short": (CHATS[1], SamplingParams(temperature=0.0, max_tokens=17,
+                                               ignore_eos=True)),
         }
-        plain = {k: [o.outputs[0] for o in plain_llm.chat(c, p)]  # type: ignore[arg-type]
-                 for k, (c, p) in workloads.items()}
-    kept_by: dict = {}
+        chats, params = [c for c, _ in workloads.values()], [p for _, p in workloads.values()]
+        plain = dict(zip(workloads, (o.outputs[0] for o in plain_llm.chat(chats, params))))
     with LLM(str(default_model_dir), device="cpu", page_size=4, max_kv_tokens=4096,
              speculative_config=SPEC, show_progress=False) as llm:
-        spec = {}
-        for k, (c, p) in workloads.items():
-            before = llm.stats.spec_accepted_tokens_total if llm.stats else 0
-            spec[k] = [o.outputs[0] for o in llm.chat(c, p)]  # type: ignore[arg-type]
-            kept_by[k] = llm.stats.spec_accepted_tokens_total - before
+        alone = llm.chat(LIST_CHAT, listed)[0].outputs[0]
+        kept_alone = llm.stats.spec_accepted_tokens_total
+        spec = dict(zip(workloads, (o.outputs[0] for o in llm.chat(chats, params))))
+        kept = llm.stats.spec_accepted_tokens_total - kept_alone
         accounting = llm.check_accounting()
     for k in workloads:
-        assert [o.token_ids for o in spec[k]] == [o.token_ids for o in plain[k]], k
-    assert all(kept_by[k] > 0 for k in ("seeded", "penalized", "banned", "beside", "listed")
-               ), kept_by
-    assert json.loads(spec["listed"][0].text)["fruits"]  # drafts kept inside a grammar
-    for got, want in zip(spec["seeded"], plain["seeded"]):
-        assert got.token_logprobs is not None and want.token_logprobs is not None
-        for a, b in zip(got.token_logprobs, want.token_logprobs):
-            assert a.top_ids == b.top_ids and a.rank == b.rank
-            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
-    assert not _in_sublist(ban, spec["banned"][0].token_ids)
-    assert json.loads(spec["beside"][0].text)["n"] is not None
-    assert spec["beside"][1].token_ids == ref[1]
-    assert spec["stopped"][0].token_ids == ref[1][:ref[1].index(stop) + 1]
-    assert spec["stopped"][0].finish_reason == "stop"
-    assert [o.token_ids for o in spec["short"]] == [r[:23] for r in ref]
+        assert spec[k].token_ids == plain[k].token_ids, k
+    assert kept > 0 and kept_alone > 0  # drafts kept inside a grammar too
+    assert alone.token_ids == plain["listed"].token_ids
+    got, want = spec["seeded"].token_logprobs, plain["seeded"].token_logprobs
+    assert got is not None and want is not None
+    for a, b in zip(got, want):
+        assert a.top_ids == b.top_ids and a.rank == b.rank
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert not _in_sublist(ban, spec["banned"].token_ids)
+    assert json.loads(spec["json"].text)["n"] is not None
+    assert json.loads(spec["listed"].text)["fruits"]
+    assert spec["stopped"].token_ids == ref[:ref.index(stop) + 1]
+    assert spec["stopped"].finish_reason == "stop"
+    assert spec["short"].token_ids == ref[:17]
     assert accounting.live_requests == accounting.reserved_pages == 0
 
 
@@ -264,16 +261,16 @@ def test_served_with_drafts_streams_plain_decodings_text(tmp_path: Path) -> None
     run cuts there, and /metrics counts drafts under vLLM's names."""
     chat = CHATS[1]
     with LLM(max_kv_tokens=4096, show_progress=False) as llm:
-        ref = llm.chat([chat], SamplingParams(temperature=0, max_tokens=80))[0].text
+        ref = llm.chat([chat], SamplingParams(temperature=0, max_tokens=50))[0].text
     with serving([*CPU_ARGS, "--speculative-config", json.dumps(SPEC)], tmp_path) as srv:
         client = openai_client(srv)
         model = client.models.list().data[0].id
         chunks = client.chat.completions.create(model=model, messages=chat, temperature=0,
-                                                max_tokens=80, stream=True)
+                                                max_tokens=50, stream=True)
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         stop = ref[len(ref) // 2:len(ref) // 2 + 3]
         cut = client.chat.completions.create(model=model, messages=chat, temperature=0,
-                                             max_tokens=80, stop=[stop])
+                                             max_tokens=50, stop=[stop])
         metrics = srv.wait_metrics(lambda m: any("spec_decode_num_accepted" in k for k in m))
     assert streamed == ref
     assert cut.choices[0].message.content == ref[:ref.index(stop)]
