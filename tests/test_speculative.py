@@ -314,3 +314,27 @@ def test_drafter_caps_and_who_drafts() -> None:
         plain) is plain
     nothing = DecodeBatch([_req(12, [7, 8, 9])])  # no earlier occurrence
     assert drafter.with_drafts(nothing) is nothing
+
+
+def test_lora_requests_verify_with_their_adapter(tiny_model: Callable[..., Path],
+                                                 tmp_path: Path) -> None:
+    """A verify step runs each position with its request's adapter (eager LoRA rows per
+    token): requests with and without an adapter, drafted side by side, give plain decoding's
+    tokens."""
+    from minisgl import LoRARequest
+    from tiny_models import write_lora
+    path = tiny_model("qwen3")
+    adapter = write_lora(path, tmp_path / "adapter", seed=3)
+    prompts = [p + p[:6] for p in mixed_prompts(4, seed=5, lengths=(9, 30))]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    loras = [LoRARequest("a"), None, LoRARequest("a"), None]
+    runs = []
+    for spec in (None, SPEC):
+        with LLM(str(path), device="cpu", page_size=4, max_kv_tokens=2048,
+                 lora_modules=f"a={adapter}", speculative_config=spec,
+                 show_progress=False) as llm:
+            runs.append([o.token_ids for o in llm.generate(prompts, params,
+                                                           lora_request=loras)])
+            stats = llm.stats
+    assert runs[0] == runs[1]
+    assert stats.spec_accepted_tokens_total > 0, stats
