@@ -449,6 +449,17 @@ def test_models_health_metrics(client: openai.OpenAI, server: Server, model: str
         m['minisgl_requests_finished_total{reason="length"}'])
 
 
+def test_sglang_server_info_names_the_model_and_each_replicas_state(server: Server) -> None:
+    """SGLang's /get_server_info: the model, its sizes and the version, and one internal state
+    per replica (no speculative fields where the server does not speculate)."""
+    info = httpx.get(f"{server.url}/get_server_info").json()
+    assert info["context_length"] > 0 and info["tp_size"] == 1 and info["dp_size"] == 1
+    assert info["served_model_name"] and info["version"]
+    [state] = info["internal_states"]
+    assert set(state) == {"num_running_reqs", "num_waiting_reqs", "token_usage"}
+    assert 0 <= state["token_usage"] <= 1
+
+
 def test_vllm_metric_lines_label_each_replica_and_escape_the_name() -> None:
     """metrics_vllm: one line per data-parallel replica (engine label), vLLM's finish reasons
     (a timeout counts as an abort), a model name with quotes escaped as the format requires."""

@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 from typing import Callable, List
 
+import httpx
 import pytest
 
 from hf_reference import mixed_prompts
@@ -272,6 +273,10 @@ def test_served_with_drafts_streams_plain_decodings_text(tmp_path: Path) -> None
         cut = client.chat.completions.create(model=model, messages=chat, temperature=0,
                                              max_tokens=50, stop=[stop])
         metrics = srv.wait_metrics(lambda m: any("spec_decode_num_accepted" in k for k in m))
+        info = httpx.get(f"{srv.url}/get_server_info").json()
+    # SGLang's bench_serving reads the accept length here
+    state = info["internal_states"][0]
+    assert state["speculative_num_draft_tokens"] == 4 and 1 < state["avg_spec_accept_length"] <= 5
     assert streamed == ref
     assert cut.choices[0].message.content == ref[:ref.index(stop)]
     accepted = [v for k, v in metrics.items()

@@ -81,6 +81,7 @@ from minisgl.server.pause_admin import Pause, install_pause_routes
 from minisgl.server.sleep_admin import Sleep, install_sleep_routes
 from minisgl.server.tracing import Traces
 from minisgl.server.state_admin import Weights, install_state_routes
+from minisgl.server.server_info import server_info
 from minisgl.server.streams import RequestStream, RequestStreams
 from minisgl.server.tls import server_url
 
@@ -756,6 +757,15 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         return {"model_path": weights.path or cfg.root, "tokenizer_path": cfg.tokenizer_path,
                 "is_generation": cfg.classifier is None, "preferred_sampling_params": None,
                 "weight_version": weights.version}
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> Dict[str, Any]:
+        """SGLang's (server_info.py): the model served, its sizes, each replica's state."""
+        return server_info({"model_path": weights.path or cfg.root, "served_model_name":
+                            cfg.model_name, "tokenizer_path": cfg.tokenizer_path,
+                            "context_length": cfg.max_context, "tp_size": cfg.tp,
+                            "dp_size": cfg.replicas, "weight_version": weights.version,
+                            "version": _version()}, metrics.replica_stats())
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -144,6 +144,10 @@ class Metrics:
     def _stats(self, replica: int) -> SchedulerStats:
         return self.scheduler.get(replica) or SchedulerStats()
 
+    def replica_stats(self) -> List[SchedulerStats]:
+        """Each replica's latest stats, in replica order (empty ones before the first)."""
+        return [self._stats(d) for d in range(self.replicas)]
+
     def count_finished(self, reason: str, count: int = 1) -> None:
         self.finished[reason] = self.finished.get(reason, 0) + count
 
@@ -196,7 +200,7 @@ class Metrics:
             lines += histogram.render()
         for gauge in gauges:
             lines += gauge.render()
-        lines += vllm_lines(self.model_name, [self._stats(d) for d in range(self.replicas)],
+        lines += vllm_lines(self.model_name, self.replica_stats(),
                             self.finished, {
                                 "vllm:time_to_first_token_seconds": self.ttft,
                                 "vllm:inter_token_latency_seconds": self.itl,
