@@ -147,6 +147,13 @@ class Scheduler:
         # A verify step reads the newest token on the host: no overlap while speculating.
         self.overlap = cfg.overlap if cfg.overlap is not None else (
             engine.device.type == "cuda" and self.drafter is None)
+        if speculative is not None:
+            logger.info("rank %d: speculative decoding by n-gram lookup: up to %d drafts from "
+                        "matches of %d to %d tokens%s; overlap off", self.rank,
+                        speculative.num_speculative_tokens, speculative.prompt_lookup_min,
+                        speculative.prompt_lookup_max,
+                        "" if speculative.disable_by_batch_size is None else
+                        f", none past {speculative.disable_by_batch_size} running requests")
         self.mixed = cfg.mixed
         self.inflight: Optional[InFlight] = None
         self.deferred: List[Req] = []  # finished, retired once the in-flight batch completes
