@@ -343,3 +343,27 @@ def test_lora_requests_verify_with_their_adapter(tiny_model: Callable[..., Path]
             stats = llm.stats
     assert runs[0] == runs[1]
     assert stats.spec_accepted_tokens_total > 0, stats
+
+
+def test_drafts_under_kv_pressure_and_retraction(tiny_model: Callable[..., Path]) -> None:
+    """A pool too small for every request's whole output (decode_reserve_tokens 8): requests
+    are retracted and come back while others verify drafts (drafts never take a page beyond a
+    request's own and its reservation); mixed options; plain decoding's tokens, the pool
+    balanced after."""
+    path = tiny_model("qwen3")
+    rng = random.Random(1)
+    prompts = [p + p[:rng.randint(1, 8)] for p in mixed_prompts(16, seed=9, lengths=(5, 20, 60))]
+    params = [SamplingParams(max_tokens=rng.randint(5, 50), temperature=rng.choice([0.0, 0.7]),
+                             seed=i, ignore_eos=True, logprobs=rng.choice([None, 1]),
+                             repetition_penalty=rng.choice([1.0, 1.2])) for i in range(16)]
+    runs, stats = [], []
+    for spec in (None, {**SPEC, "num_speculative_tokens": 6}):
+        with LLM(str(path), device="cpu", page_size=4, max_kv_tokens=480,
+                 max_running_requests=12, decode_reserve_tokens=8, speculative_config=spec,
+                 show_progress=False) as llm:
+            runs.append([o.token_ids for o in llm.generate(prompts, params)])
+            stats.append(llm.stats)
+            accounting = llm.check_accounting()
+            assert accounting.live_requests == accounting.reserved_pages == 0
+    assert runs[0] == runs[1]
+    assert stats[1].retracted_requests_total > 0 and stats[1].verify_steps_total > 0, stats[1]
