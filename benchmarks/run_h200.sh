@@ -60,7 +60,7 @@ if [ "$MODE" = s40 ]; then  # the fortieth session's (~8 min): sleep mode on CUD
   step sleep_8b 240 python3 scripts/bench_sleep.py --model configs/models/llama-3.1-8b
   step fp8_b1 200 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --batch-sizes 1,16 --steps 100 --cuda-graph-max-bs 16 --quantization fp8 --kv-cache-dtype fp8_e4m3
 fi
-if [ "$MODE" = s41 ]; then  # what the fortieth session could not run (~6 min): the sleep test as
+if [ "$MODE" = s41 ]; then  # what the fortieth session could not run (~9 min): the sleep test as
   # fixed, and how fast 15 GiB pin by default and with registered pages
   export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache
   step sleep_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_sleep_mode.py tests/test_weight_group.py
@@ -70,6 +70,9 @@ if [ "$MODE" = s41 ]; then  # what the fortieth session could not run (~6 min): 
   # model's repetitive workload with and without drafts: eager verify steps against graphs)
   step spec_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k speculative
   step spec_bench 150 python3 scripts/bench_speculative.py --requests 8 --concurrency 1
+  # what a verify step costs against a decode step (8B shape, bf16): the tokens a verify must
+  # keep per request for speculation to pay
+  step verify_8b 200 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --batch-sizes 1,16,64 --steps 30 --verify 4
 fi
 if [ "$MODE" = int4 ]; then  # packed 4-bit weights: Llama-3.1-8B's shape in bf16 and dummy AWQ
   step latency_8b_bf16 300 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --steps 50

@@ -75,6 +75,8 @@ class Row:
     # With --json-schema: the same steps with every request constrained by the schema.
     json_step_ms: Optional[float] = None
     json_overlap_ms: Optional[float] = None
+    # With --verify K: one speculative verify step (the newest token and K drafts a request)
+    verify_ms: Optional[float] = None
 
     @property
     def json_overhead(self) -> Optional[float]:
@@ -120,6 +122,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="the tokenizer of --json-schema's vocabulary (default: the model's, else "
                         "the bundled default model's)")
+    p.add_argument("--verify", type=int, default=0, metavar="K",
+                   help="also time a speculative verify step at each batch size: every request's "
+                        "newest token and K draft tokens, all sampled (Phase.VERIFY, eager); "
+                        "speculation pays where the tokens a verify keeps per request exceed "
+                        "verify ms / step ms")
     p.add_argument("--copy-mib", type=int, default=None,
                    help="size of the bandwidth probe (default 4096 on CUDA, 256 on CPU)")
     add_flags(p, EngineConfig(), skip=_SCRIPT_SET)
@@ -278,6 +285,26 @@ def decode_batch(engine: Engine, batch: int, spec: str, vocab: int, seed: int) -
         raise ValueError(f"a decode batch needs at least one request, got {batch}")
     b.out_slots = torch.tensor([slots[r.uid][-1] for r in b.reqs], dtype=torch.int64,
                                device=engine.device)
+    return b
+
+
+def verify_batch(engine: Engine, batch: int, spec: str, vocab: int, seed: int, k: int
+                 ) -> Batch:
+    """`batch` requests as `decode_batch` places them, each verifying its newest token and `k`
+    random drafts (the same slots every step)."""
+    rng = random.Random(seed)
+    low, high = context_range(spec)
+    contexts = [rng.randint(low, high) for _ in range(batch)]
+    reqs, slots = place_requests(engine, [c + 1 + k for c in contexts], vocab, rng, 1 << 20)
+    for req, c in zip(reqs, contexts):  # its context and newest token on the host
+        del req.token_ids[c + 1:]
+        req.device_len = c + 1
+    order = sorted(reqs, key=lambda r: (-r.device_len, r.uid))
+    drafts = [[rng.randrange(vocab) for _ in range(k)] for _ in order]
+    b = Batch(Phase.VERIFY, order, [r.device_len - 1 for r in order], [1 + k] * batch,
+              [True] * batch, drafts=drafts)
+    b.out_slots = torch.tensor([s for r in order for s in slots[r.uid][-1 - k:]],
+                               dtype=torch.int64, device=engine.device)
     return b
 
 
@@ -467,7 +494,7 @@ def time_graph(engine: Engine, batch: Batch, steps: int) -> Optional[float]:
 def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) -> None:
     """Build this rank's engine and time every batch size; rank 0 sends the rows to `out`."""
     sizes: List[int] = args.batch_sizes
-    pages_per_req = -(-(context_range(args.context)[1] + 1) // args.page_size)
+    pages_per_req = -(-(context_range(args.context)[1] + 1 + args.verify) // args.page_size)
     prefill_reqs = len(prefill_lengths(args.prefill, 0)) if args.prefill else 0
     kv_tokens = max(max(sizes) * pages_per_req * args.page_size,
                     args.prefill + prefill_reqs * args.page_size)
@@ -509,9 +536,14 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
                 json_ms = (time_constrained(c, args.steps, args.warmup) * 1e3,
                            time_constrained_overlapped(c, args.steps, args.warmup) * 1e3)
                 batch.masked = False
+            verify_ms = None
+            if args.verify:
+                vbatch = verify_batch(engine, bs, args.context, engine.model_cfg.vocab_size, bs,
+                                      args.verify)
+                verify_ms = time_steps(engine, vbatch, args.steps, args.warmup) * 1e3
             rows.append(Row(bs, args.context, step * 1e3, (weights + kv) / bandwidth * 1e3,
                             weights / 1e9, kv / 1e9, time_graph(engine, batch, args.steps),
-                            overlap * 1e3, *json_ms))
+                            overlap * 1e3, *json_ms, verify_ms))
             if args.profile and rank == 0:
                 print(f"profile of decode at batch {bs}:\n" + profile_steps(engine, batch),
                       flush=True)
@@ -544,6 +576,14 @@ def print_table(args: argparse.Namespace, bandwidth: float, rows: List[Row], dev
             overhead = r.json_overhead
             print(f"{r.batch:>6} {_ms(r.json_step_ms):>9} {_ms(r.json_overlap_ms):>16} "
                   f"{'-' if overhead is None else f'{100 * overhead:+.1f}%':>9}")
+    if args.verify:
+        print(f"speculative verify step (newest token + {args.verify} drafts a request, eager; "
+              f"speculation pays where a verify keeps more tokens a request than the ratio):")
+        print(f"{'batch':>6} {'verify ms':>10} {'step ms':>9} {'ratio':>7}")
+        for r in rows:
+            ratio = None if r.verify_ms is None else r.verify_ms / r.step_ms
+            print(f"{r.batch:>6} {_ms(r.verify_ms):>10} {r.step_ms:>9.3f} "
+                  f"{'-' if ratio is None else f'{ratio:.2f}':>7}")
     print("% roofline and tok/s use the overlapped step (the scheduler's default loop); "
           "step ms waits for each step's tokens before launching the next")
     if prefill:
@@ -556,6 +596,7 @@ def print_table(args: argparse.Namespace, bandwidth: float, rows: List[Row], dev
         "pdl": args.pdl, "tune_gemms": args.tune_gemms,
         "allreduce": args.allreduce,
         "json_schema": args.json_schema, "lora": args.lora, "max_lora_rank": args.max_lora_rank,
+        "verify_drafts": args.verify,
         "rows": [{**asdict(r), "pct_roofline": round(100 * r.efficiency, 1),
                   "json_overhead_pct": None if r.json_overhead is None
                   else round(100 * r.json_overhead, 1)} for r in rows]}))

@@ -37,7 +37,8 @@ def test_bench_offline_reports_phases(tiny_model: Callable[..., Path],
 
 def test_bench_latency_rows(tiny_model: Callable[..., Path], tmp_path: Path,
                             capsys: pytest.CaptureFixture) -> None:
-    """The rows, and with --json-schema the same steps with every request masked by it."""
+    """The rows, with --json-schema the same steps with every request masked by it, and with
+    --verify a speculative verify step of the same requests."""
     model = tiny_model("llama")
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"type": "object", "properties": {
@@ -45,9 +46,10 @@ def test_bench_latency_rows(tiny_model: Callable[..., Path], tmp_path: Path,
     script = load_script("bench_latency")
     script.main(["--model", str(model), "--device", "cpu", "--batch-sizes", "1,3", "--context",
                  "4-20", "--steps", "2", "--warmup", "1", "--copy-mib", "8", "--prefill", "300",
-                 "--json-schema", str(schema)])
+                 "--json-schema", str(schema), "--verify", "3"])
     (result,) = _result_lines(capsys.readouterr().out)
-    assert result["json_schema"] == str(schema)
+    assert result["json_schema"] == str(schema) and result["verify_drafts"] == 3
+    assert all(r["verify_ms"] > 0 for r in result["rows"])
     for r in result["rows"]:
         assert r["json_step_ms"] > 0 and r["json_overlap_ms"] > 0
         assert r["json_overhead_pct"] is not None
