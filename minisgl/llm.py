@@ -34,12 +34,14 @@ from minisgl.grammar import make_checker
 from minisgl.distributed import DistributedInfo, ProcessGroups
 from minisgl.distributed.comm import Communicator
 from minisgl.distributed.weight_group import GroupSpec, check_update
+from minisgl.distributed.tensor_payload import serialize
 from minisgl.engine import Engine
 from minisgl.engine.sleep_parts import TAGS as SLEEP_PARTS, check_level, check_tags, sglang_parts
 from minisgl.message import AbortMsg, BatchTokenOut, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.types import (AccountingMsg, AccountingReply, AdapterMsg, GroupMsg,
-                                   GroupWeightsMsg, SleepMsg, WakeMsg, WeightsMsg)
+                                   GroupWeightsMsg, SleepMsg, TensorWeightsMsg, WakeMsg,
+                                   WeightsMsg)
 from minisgl.models import ModelConfig
 from minisgl.models.classifier import Classifier, LogitActivation, pair_score_error
 from minisgl.models.generation import sampling_defaults
@@ -703,6 +705,23 @@ class LLM:
         self._change(GroupWeightsMsg(next(self._uids), group_name, tuple(names), dtype_names,
                                      tuple(tuple(s) for s in shapes)))
 
+    def update_weights_from_tensor(self, named_tensors: Sequence[Tuple[str, torch.Tensor]],
+                                   load_format: Optional[str] = None,
+                                   flush_cache: bool = True) -> None:
+        """SGLang's: load (checkpoint name, whole tensor) pairs into the served weights, on
+        every rank its shard (by reference across processes: a CUDA tensor's IPC handle, a
+        CPU one's shared memory; keep them alive until this returns); the others stay. The
+        prefix cache is dropped (`flush_cache`: either way). ValueError why not (a tensor
+        that is not a weight of the model: every rank then serves the checkpoint it loaded
+        last from disk)."""
+        if load_format not in (None, "direct"):
+            raise ValueError(f"load_format {load_format!r} is not supported (a list of (name, "
+                             f"tensor) pairs is read)")
+        named = [(str(n), t) for n, t in named_tensors]
+        # one payload a rank: each carries one reference to the memory it names
+        self._change(TensorWeightsMsg(next(self._uids), tuple(serialize(named)
+                                                              for _ in range(self._tp))))
+
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         """Leave the trainer's group `group_name`; ValueError where none of that name was
         joined."""
@@ -743,7 +762,7 @@ class LLM:
         return bool(self._asleep)
 
     def _change(self, msg: Union[AdapterMsg, WeightsMsg, SleepMsg, WakeMsg, GroupMsg,
-                                 GroupWeightsMsg]) -> None:
+                                 GroupWeightsMsg, TensorWeightsMsg]) -> None:
         """Send `msg` to the ranks and wait for rank 0's answer (between calls: no request
         is in flight); ValueError with its error."""
         self._backend.submit(msg)

@@ -53,6 +53,7 @@ SAMPLES: Dict[str, Any] = {
     "SchedulerStats": [STATS],
     "TokenLogprobs": [LOGPROBS, TokenLogprobs(-1.5)],
     "PhaseTimes": [T.PhaseTimes(0.5, 1.25)],
+    "TensorWeightsMsg": [T.TensorWeightsMsg(12, (b"\x80\x04rank0", b"rank1"))],
     "TokenLogprobText": [LOGPROB_TEXT],
     "ReplyChunk": [CHUNK, T.ReplyChunk(uid=10, token_ids=[], error="bad", error_status=404)],
     "SamplingParams": [PARAMS, SamplingParams(), SamplingParams(max_tokens=None),

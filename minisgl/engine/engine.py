@@ -13,7 +13,8 @@ import itertools
 import logging
 import time
 from pathlib import Path
-from typing import Callable, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
+from typing import (Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Sequence,
+                    Tuple)
 
 import torch
 
@@ -557,15 +558,20 @@ class Engine:
                                  f"first)")
         received = group.receive_all([(n, parse_dtype(d), tuple(shape))
                                       for n, d, shape in tensors])
-        try:
-            refusal = self.model.partial_refusal()
-            if refusal is not None:
-                raise WeightsRefused(f"weights cannot change in part: {refusal} (reload a "
-                                     f"whole checkpoint with update_weights_from_disk)")
-            self.model.load_weights(((n, TensorOf(t)) for n, t in received), complete=False)
-        finally:
-            for _ in received:  # what loading did not take
-                pass
+        self.load_some_weights(received)
+
+    @torch.no_grad()
+    def load_some_weights(self, named: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Load whole checkpoint tensors (name, tensor: on any device) into the served weights,
+        this rank's shard of each; the others stay. ValueError naming a tensor that is not a
+        weight of this model or does not fit (the weights then mixed, for the caller to
+        restore); WeightsRefused, before any weight changed, for a model whose weights cannot
+        change in part (CausalLM.partial_refusal)."""
+        refusal = self.model.partial_refusal()
+        if refusal is not None:
+            raise WeightsRefused(f"weights cannot change in part: {refusal} (reload a whole "
+                                 f"checkpoint with update_weights_from_disk)")
+        self.model.load_weights(((n, TensorOf(t)) for n, t in named), complete=False)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -75,13 +75,14 @@ class AbortRequest:
 @dataclass(frozen=True)
 class ReplicaChange:
     """API server -> tokenizer: `change` for data-parallel replica `replica`, a LoRA adapter's
-    (`AdapterMsg`), the weights' (`WeightsMsg`, `GroupMsg`, `GroupWeightsMsg`), the prefix
+    (`AdapterMsg`), the weights' (`WeightsMsg`, `GroupMsg`, `GroupWeightsMsg`,
+    `TensorWeightsMsg`), the prefix
     cache's (`FlushCacheMsg`) or sleep mode's (`SleepMsg`, `WakeMsg`); the API server sends
     one per replica, each with a uid of its own, and gathers their answers."""
 
     replica: int
     change: Union["AdapterMsg", "WeightsMsg", "FlushCacheMsg", "SleepMsg", "WakeMsg",
-                  "GroupMsg", "GroupWeightsMsg", "PauseMsg"]
+                  "GroupMsg", "GroupWeightsMsg", "PauseMsg", "TensorWeightsMsg"]
 
 
 # --- tokenizer -> scheduler (the "backend" messages rank 0 forwards to other ranks) -----------
@@ -228,6 +229,18 @@ class GroupWeightsMsg:
     names: Tuple[str, ...]
     dtypes: Tuple[str, ...]
     shapes: Tuple[Tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class TensorWeightsMsg:
+    """Load the weights a trainer on this machine hands over by reference (SGLang's
+    /update_weights_from_tensor): `payloads[r]` for tp rank r, each opened once (a payload
+    carries one reference to the memory it names; distributed/tensor_payload.py: (checkpoint
+    name, whole tensor) pairs, as CUDA IPC handles or shared-memory files), every rank keeping
+    its shard. Waits for the live requests and is answered as a `GroupWeightsMsg`."""
+
+    uid: int
+    payloads: Tuple[bytes, ...]
 
 
 # --- scheduler rank 0 -> detokenizer ------------------------------------------------------------

@@ -20,7 +20,8 @@ from torch.distributed import ProcessGroup
 from minisgl.core import LoraBinding, WeightsRefused
 from minisgl.distributed import min_over_ranks
 from minisgl.distributed.weight_group import GroupSpec
-from minisgl.message.types import GroupMsg, GroupWeightsMsg, SleepMsg, WakeMsg
+from minisgl.distributed.tensor_payload import deserialize
+from minisgl.message.types import GroupMsg, GroupWeightsMsg, SleepMsg, TensorWeightsMsg, WakeMsg
 from minisgl.models.lora_config import RUNTIME_OFF
 from minisgl.scheduler.adapters import AdapterTable
 from minisgl.scheduler.engine_api import StepEngine
@@ -148,6 +149,21 @@ class Changes:
         return self._load_or_restore(lambda: self.engine.weights_from_group(
             msg.group_name, list(zip(msg.names, msg.dtypes, msg.shapes))),
             f"weights from group {msg.group_name!r}")
+
+    def from_tensors(self, msg: TensorWeightsMsg) -> Optional[str]:
+        """The tensors a trainer on this machine handed over (this rank's payload) into every
+        rank's weights, or, where some rank failed, the disk checkpoint again where they
+        changed. A payload that does not open refuses the update before any change."""
+        def load() -> None:
+            if len(msg.payloads) <= self.rank:
+                raise WeightsRefused(f"serialized_named_tensors holds {len(msg.payloads)} "
+                                     f"payloads: one per tensor-parallel rank is needed")
+            try:
+                named = deserialize(msg.payloads[self.rank])
+            except ValueError as e:
+                raise WeightsRefused(str(e)) from None
+            self.engine.load_some_weights(named)
+        return self._load_or_restore(load, "weights from tensors")
 
     # --- sleep mode -----------------------------------------------------------------------
     def sleep(self, msg: SleepMsg, dropped: int = 0) -> Optional[str]:

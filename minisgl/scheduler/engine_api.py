@@ -17,7 +17,7 @@ with a CPU fake and no model (tests/fake_engine.py). The contract, per step:
 
 from __future__ import annotations
 
-from typing import Any, FrozenSet, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, FrozenSet, Iterable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -114,6 +114,10 @@ class StepEngine(Protocol):
 
     def leave_weight_group(self, name: str) -> None:
         """Leave group `name`; ValueError where none of that name was joined."""
+
+    def load_some_weights(self, named: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Whole checkpoint tensors into the served weights, this rank's shards; the others
+        stay. ValueError naming a tensor that does not fit; WeightsRefused before any change."""
 
     def weights_from_group(self, name: str, tensors: Sequence[Tuple[str, str, Tuple[int, ...]]]
                            ) -> None:

@@ -43,7 +43,7 @@ from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.message.types import (AccountingMsg, AccountingReply, AdapterMsg, FlushCacheMsg,
                                    GroupMsg, GroupWeightsMsg, PauseMsg, PhaseTimes, SleepMsg,
-                                   WakeMsg, WeightsMsg)
+                                   TensorWeightsMsg, WakeMsg, WeightsMsg)
 from minisgl.message.pulse import Pulse
 from minisgl.scheduler.adapters import AdapterTable
 from minisgl.scheduler.cache import PageCache, PageCounts
@@ -169,7 +169,8 @@ class Scheduler:
         # A reload, a sleep or a pause waiting for the live requests to finish (WeightsMsg,
         # GroupWeightsMsg, SleepMsg, PauseMsg with wait), and the requests that arrived since,
         # while asleep or while paused (taken after it, the wake-up or the resume, in order).
-        self.at_rest: Optional[Union[WeightsMsg, SleepMsg, GroupWeightsMsg, PauseMsg]] = None
+        self.at_rest: Optional[Union[WeightsMsg, SleepMsg, GroupWeightsMsg, TensorWeightsMsg,
+                                     PauseMsg]] = None
         self.paused = False  # PauseMsg: no batch runs until a resume
         self.held: List[UserMsg] = []
         self.changes = Changes(engine, self.adapters, cfg.engine.lora_runtime, self.rank,
@@ -236,8 +237,8 @@ class Scheduler:
             elif isinstance(change, PauseMsg):
                 self.paused = True
                 self._answer(change.uid, None)
-            elif isinstance(change, GroupWeightsMsg):
-                self._weights_from_group(change)
+            elif isinstance(change, (GroupWeightsMsg, TensorWeightsMsg)):
+                self._pushed_weights(change)
             else:
                 self._update_weights(change)
 
@@ -384,7 +385,7 @@ class Scheduler:
                      self.changes.load_adapter(msg.name, msg.path, (
                          r.lora for r in [*self.reqs.values(), *self.deferred])))
             self._answer(msg.uid, error)
-        elif isinstance(msg, (WeightsMsg, SleepMsg, GroupWeightsMsg)):
+        elif isinstance(msg, (WeightsMsg, SleepMsg, GroupWeightsMsg, TensorWeightsMsg)):
             error = self._at_rest_refusal(msg)
             if error is not None:
                 self._answer(msg.uid, error)
@@ -463,8 +464,8 @@ class Scheduler:
             self.paused = True
             self._answer(msg.uid, None)
 
-    def _at_rest_refusal(self, msg: Union[WeightsMsg, SleepMsg, GroupWeightsMsg, PauseMsg]
-                         ) -> Optional[str]:
+    def _at_rest_refusal(self, msg: Union[WeightsMsg, SleepMsg, GroupWeightsMsg,
+                                          TensorWeightsMsg, PauseMsg]) -> Optional[str]:
         """Why a reload, a sleep or a pause is not queued (None: it is)."""
         if self.at_rest is not None:
             what = ("a sleep" if isinstance(self.at_rest, SleepMsg) else "a pause"
@@ -481,13 +482,17 @@ class Scheduler:
             return WEIGHTS_ASLEEP
         return None
 
-    def _weights_from_group(self, msg: GroupWeightsMsg) -> None:
-        """The waiting update from a trainer's group, with no request live (every rank at the
-        same step: Changes.from_group); the prefix cache dropped; then the held requests."""
-        error = self.changes.from_group(msg)
+    def _pushed_weights(self, msg: Union[GroupWeightsMsg, TensorWeightsMsg]) -> None:
+        """The waiting update a trainer pushed (broadcast by its group, or handed over by
+        reference), with no request live (every rank at the same step: Changes.from_group,
+        from_tensors); the prefix cache dropped; then the held requests."""
+        if isinstance(msg, GroupWeightsMsg):
+            error, what = self.changes.from_group(msg), (f"{len(msg.names)} tensors from weight "
+                                                         f"update group {msg.group_name!r}")
+        else:
+            error, what = self.changes.from_tensors(msg), "tensors handed over"
         dropped = self.cache.drop_unused()
-        logger.info("rank %d: %d tensors from weight update group %r %s (%d cached pages "
-                    "dropped)", self.rank, len(msg.names), msg.group_name,
+        logger.info("rank %d: %s %s (%d cached pages dropped)", self.rank, what,
                     "loaded" if error is None else "not loaded", dropped)
         self._answer(msg.uid, error)
         self._take_held()

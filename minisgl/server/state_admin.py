@@ -27,6 +27,10 @@ buckets); POST /destroy_weights_update_group {"group_name"} leaves it. Each is a
 {"success", "message"}: 200, or 400 with success false and why (a group that cannot hold the
 ranks, a rank that could not join, a tensor that is not a weight of the model: after which
 every rank serves the checkpoint it loaded last from disk).
+POST /update_weights_from_tensor {"serialized_named_tensors", "load_format", "weight_version"}
+(SGLang's, for a trainer on this machine: distributed/tensor_payload.py) takes one base64
+payload per rank of every replica (rank r of replica d: d * tp + r), each opened by its rank
+alone (TensorWeightsMsg), and is answered the same way.
 
 The weights' version (SGLang's): `--weight-version` at start-up (default "default"), the
 `weight_version` of a successful update's body, or POST /update_weight_version
@@ -42,13 +46,16 @@ after a change the cache cannot see.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 from typing import Awaitable, Callable, List, Optional
 
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.requests import Request
 
 from minisgl.distributed.weight_group import GroupSpec, check_update
-from minisgl.message.types import FlushCacheMsg, GroupMsg, GroupWeightsMsg, WeightsMsg
+from minisgl.message.types import (FlushCacheMsg, GroupMsg, GroupWeightsMsg, TensorWeightsMsg,
+                                   WeightsMsg)
 from minisgl.server.openapi import App, body as body_schema
 from minisgl.server.protocol import ApiError, Body, parse_body
 from minisgl.server.streams import RequestStreams
@@ -83,6 +90,14 @@ class GroupWeightsBody(Body):
     flush_cache: bool = True  # SGLang's: the prefix cache is dropped either way
     abort_all_requests: bool = False
     weight_version: Optional[str] = None  # SGLang's: the version once every bucket loaded
+
+
+class TensorWeightsBody(Body):
+    serialized_named_tensors: List[str]  # base64, one per tp rank (of each replica, in order)
+    load_format: Optional[str] = None  # SGLang's; only its default (a list of pairs) is read
+    flush_cache: bool = True  # SGLang's: the prefix cache is dropped either way
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
 
 
 class GroupBody(Body):
@@ -166,6 +181,34 @@ class Weights:
             raise ApiError(400, next(e for e in errors if e), "names")
         self.version = body.weight_version or self.version
 
+    async def from_tensors(self, body: TensorWeightsBody, tp: int) -> None:
+        """Every replica loads the tensors a trainer on this machine handed over by reference
+        (`tensor_payload.py`); ApiError (400) why not."""
+        if body.load_format not in (None, "direct"):
+            raise ApiError(400, f"load_format {body.load_format!r} is not supported (minisgl "
+                                f"reads SGLang's default: each payload a list of (name, "
+                                f"tensor) pairs)", "load_format")
+        count, ranks = len(body.serialized_named_tensors), tp * self.replicas
+        if count != ranks:  # each rank's reference counts: a payload opened twice breaks them
+            raise ApiError(400, f"serialized_named_tensors holds {count} payloads: give one per "
+                                f"rank, {ranks} ({tp} tensor-parallel ranks x {self.replicas} "
+                                f"replicas)", "serialized_named_tensors")
+        try:
+            payloads = tuple(base64.b64decode(p, validate=True)
+                             for p in body.serialized_named_tensors)
+        except (binascii.Error, ValueError) as e:
+            raise ApiError(400, f"serialized_named_tensors must be base64: {e}",
+                           "serialized_named_tensors") from None
+        per_replica = iter([payloads[d * tp:(d + 1) * tp] for d in range(self.replicas)])
+        async with self._lock:
+            if body.abort_all_requests:
+                self.streams.abort_all()
+            errors = await self.streams.apply_change(lambda uid: TensorWeightsMsg(
+                uid, next(per_replica)), list(range(self.replicas)))  # (in replica order)
+        if any(errors):
+            raise ApiError(400, next(e for e in errors if e), "serialized_named_tensors")
+        self.version = body.weight_version or self.version
+
     async def leave_group(self, body: GroupBody) -> None:
         async with self._lock:
             errors = await self.streams.apply_change(
@@ -183,7 +226,7 @@ def install_state_routes(app: App, streams: RequestStreams, weights: Weights, tp
     replica's ranks; `read_body`: a JSON body's bytes (api.json_body: 415 for another content
     type)."""
     app.body_models += [UpdateWeightsBody, AbortBody, InitGroupBody, GroupWeightsBody, GroupBody,
-                        WeightVersionBody]
+                        WeightVersionBody, TensorWeightsBody]
 
     async def answer(done: str, change: Awaitable[None]) -> Response:
         """SGLang's answer to a change: {"success", "message"}."""
@@ -217,6 +260,12 @@ def install_state_routes(app: App, streams: RequestStreams, weights: Weights, tp
         body = parse_body(await read_body(request), GroupWeightsBody)
         return await answer("Succeeded to update the parameters from distributed.",
                             weights.from_group(body))
+
+    @app.post("/update_weights_from_tensor", openapi_extra=body_schema(TensorWeightsBody))
+    async def update_weights_from_tensor(request: Request) -> Response:
+        body = parse_body(await read_body(request), TensorWeightsBody)
+        return await answer("Succeeded to update the parameters from tensors.",
+                            weights.from_tensors(body, tp))
 
     @app.post("/destroy_weights_update_group", openapi_extra=body_schema(GroupBody))
     async def destroy_weights_update_group(request: Request) -> Response:

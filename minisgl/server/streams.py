@@ -38,7 +38,8 @@ from minisgl.message.codec import decode, encode
 from minisgl.message.types import (AbortRequest, AdapterMsg, Drain, FlushCacheMsg, GroupMsg,
                                    GroupWeightsMsg, PauseMsg, PhaseTimes, ReplicaChange,
                                    ReplyBatch, ReplyChunk, ServiceDown, TextRequest,
-                                   SleepMsg, TokenizeRequest, WakeMsg, WeightsMsg)
+                                   SleepMsg, TensorWeightsMsg, TokenizeRequest, WakeMsg,
+                                   WeightsMsg)
 from minisgl.server.admission import Queued, overloaded
 from minisgl.server.metrics import Metrics
 from minisgl.server.protocol import ApiError, Job, Prompt
@@ -46,7 +47,7 @@ from minisgl.server.tracing import SpanRecord, Traces
 
 logger = logging.getLogger("minisgl.api")
 ReplicaChangeMsg = Union[AdapterMsg, WeightsMsg, FlushCacheMsg, SleepMsg, WakeMsg, GroupMsg,
-                         GroupWeightsMsg, PauseMsg]
+                         GroupWeightsMsg, PauseMsg, TensorWeightsMsg]
 
 
 @dataclass(eq=False)

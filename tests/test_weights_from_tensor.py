@@ -1,0 +1,111 @@
+"""Weights a trainer on the same machine hands over by reference (SGLang's
+update_weights_from_tensor): offline at tp=1 and tp=2 and over HTTP, against Hugging Face's
+tokens of the checkpoint sent; the payload's unpickler builds tensors and nothing else.
+
+What must hold: each rank loads its shard of every tensor; updates in several buckets all
+land; a tensor that is not a weight of the model is an error naming it, after which every rank
+serves the checkpoint it loaded from disk; a payload that is no tensor list (or names any other
+function) is refused before anything changes."""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+from pathlib import Path
+from typing import Callable, List
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_reference import hf_greedy, mixed_prompts
+from minisgl import LLM, SamplingParams
+from minisgl.distributed.tensor_payload import deserialize, serialize
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+                ) -> List[Path]:
+    from tiny_models import build_tiny
+    return [tiny_model("llama"), build_tiny("llama", tmp_path_factory.mktemp("wt") / "b",
+                                            None, seed=5)]
+
+
+def _tokens(llm: LLM, prompts: List[List[int]]) -> List[List[int]]:
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+class _Evil:
+    def __reduce__(self) -> tuple:
+        return (os.system, ("echo pwned",))
+
+
+def test_the_payload_holds_tensors_and_nothing_else() -> None:
+    named = [("a.weight", torch.randn(3, 4)), ("b", torch.randn(4, 4).t())]
+    back = deserialize(serialize(named))
+    assert [n for n, _ in back] == ["a.weight", "b"]
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(named, back))
+    with pytest.raises(ValueError, match="names posix.system"):
+        deserialize(pickle.dumps([("x", _Evil())]))
+    with pytest.raises(ValueError, match="list of \\(name, tensor\\) pairs"):
+        deserialize(pickle.dumps({"a": 1}))
+    with pytest.raises(ValueError, match="not a tensor payload"):
+        deserialize(b"garbage")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_offline_weights_from_tensors(checkpoints: List[Path], tp: int) -> None:
+    a, b = checkpoints
+    prompts = mixed_prompts(3, seed=37, lengths=(5, 21))
+    want_a, want_b = hf_greedy(a, prompts, 10), hf_greedy(b, prompts, 10)
+    tensors = load_file(str(b / "model.safetensors"))
+    names = sorted(tensors)
+    with LLM(str(a), device="cpu", tp=tp, page_size=4, max_kv_tokens=2048,
+             show_progress=False) as llm:
+        half = len(names) // 2
+        for bucket in (names[:half], names[half:]):  # a trainer's buckets
+            llm.update_weights_from_tensor([(n, tensors[n]) for n in bucket])
+        assert _tokens(llm, prompts) == want_b
+        with pytest.raises(ValueError, match="nothing"):
+            llm.update_weights_from_tensor([(names[0], tensors[names[0]]),
+                                            ("model.layers.0.mlp.nothing.weight",
+                                             torch.zeros(2, 3))])
+        assert _tokens(llm, prompts) == want_a  # the checkpoint loaded from disk again
+        with pytest.raises(ValueError, match="load_format 'flattened_bucket'"):
+            llm.update_weights_from_tensor([], load_format="flattened_bucket")
+        assert llm.check_accounting().live_requests == 0
+
+
+def test_served_weights_from_tensors(checkpoints: List[Path], tmp_path: Path) -> None:
+    """SGLang's body and answers over HTTP (the tensors in shared memory by file name: the
+    server's ranks are no children of this process); bad bodies are 400s naming why."""
+    import httpx
+    from server_helpers import CPU_ARGS, serving
+    a, b = checkpoints
+    prompts = mixed_prompts(2, seed=38, lengths=(6, 19))
+    want_b = hf_greedy(b, prompts, 8)
+    tensors = load_file(str(b / "model.safetensors"))
+    payload = base64.b64encode(serialize(sorted(tensors.items()))).decode()
+    with serving(["--model", str(a), *CPU_ARGS], tmp_path) as srv:
+        url = f"{srv.url}/update_weights_from_tensor"
+        r = httpx.post(url, json={"serialized_named_tensors": [payload],
+                                  "weight_version": "step-1"}, timeout=60)
+        assert r.status_code == 200 and r.json()["success"], r.text
+        for prompt, want in zip(prompts, want_b):
+            out = httpx.post(f"{srv.url}/generate", json={
+                "input_ids": prompt, "sampling_params": {"max_new_tokens": 8,
+                                                         "temperature": 0, "ignore_eos": True}},
+                timeout=60).json()
+            assert out["output_ids"] == want and out["meta_info"]["weight_version"] == "step-1"
+        evil = base64.b64encode(pickle.dumps([("x", _Evil())])).decode()
+        for body, words in (({"serialized_named_tensors": [evil]}, "posix.system"),
+                            ({"serialized_named_tensors": ["%%%"]}, "base64"),
+                            ({"serialized_named_tensors": [payload, payload]}, "2 payloads"),
+                            ({"serialized_named_tensors": []}, "0 payloads"),
+                            ({"serialized_named_tensors": [payload],
+                              "load_format": "flattened_bucket"}, "load_format")):
+            r = httpx.post(url, json=body, timeout=60)
+            assert r.status_code == 400 and not r.json()["success"], r.text
+            assert words in r.json()["message"], r.text
