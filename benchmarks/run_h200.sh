@@ -69,6 +69,8 @@ if [ "$MODE" = s41 ]; then  # what the fortieth session could not run (~9 min): 
   # the forty-first session's n-gram speculative decoding on CUDA (its tests, then the default
   # model's repetitive workload with and without drafts: eager verify steps against graphs)
   step spec_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k speculative
+  # weights handed over by CUDA IPC handles (SGLang's update_weights_from_tensor)
+  step ipc_weights 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_weights_from_tensor.py
   step spec_bench 150 python3 scripts/bench_speculative.py --requests 8 --concurrency 1
   # what a verify step costs against a decode step (8B shape, bf16): the tokens a verify must
   # keep per request for speculation to pay

@@ -109,3 +109,30 @@ def test_served_weights_from_tensors(checkpoints: List[Path], tmp_path: Path) ->
             r = httpx.post(url, json=body, timeout=60)
             assert r.status_code == 400 and not r.json()["success"], r.text
             assert words in r.json()["message"], r.text
+
+
+@pytest.mark.gpu
+def test_gpu_weights_from_cuda_tensors_by_ipc(checkpoints: List[Path], tmp_path: Path) -> None:
+    """A CUDA engine served in other processes maps this process's CUDA tensors by their IPC
+    handles (float32: the CPU's tokens of the checkpoint sent)."""
+    import httpx
+    from server_helpers import serving
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    a, b = checkpoints
+    prompts = mixed_prompts(2, seed=39, lengths=(6, 19))
+    with LLM(str(b), device="cpu", page_size=4, max_kv_tokens=2048, show_progress=False) as llm:
+        want = _tokens(llm, prompts)
+    tensors = {n: t.cuda() for n, t in load_file(str(b / "model.safetensors")).items()}
+    payload = base64.b64encode(serialize(sorted(tensors.items()))).decode()
+    with serving(["--model", str(a), "--device", "cuda", "--dtype", "float32",
+                  "--max-kv-tokens", "4096", "--log-level", "warning"], tmp_path) as srv:
+        r = httpx.post(f"{srv.url}/update_weights_from_tensor",
+                       json={"serialized_named_tensors": [payload]}, timeout=120)
+        assert r.status_code == 200 and r.json()["success"], r.text
+        for prompt, expected in zip(prompts, want):
+            out = httpx.post(f"{srv.url}/generate", json={
+                "input_ids": prompt, "sampling_params": {"max_new_tokens": 10,
+                                                         "temperature": 0, "ignore_eos": True}},
+                timeout=60).json()
+            assert out["output_ids"] == expected
