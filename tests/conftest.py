@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, List
 
 import pytest
 import torch
@@ -49,3 +49,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path
 def tiny_qwen3(tiny_model: Callable[..., Path]) -> Path:
     """The random tiny Qwen3 the server tests serve (a module may override it)."""
     return tiny_model("qwen3")
+
+
+@pytest.fixture(scope="session")
+def two_llamas(tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+               ) -> List[Path]:
+    """Two tiny Llama checkpoints of one shape and other weights: one served, one pushed into
+    it (tests/pushed_weights.py)."""
+    from tiny_models import build_tiny
+    return [tiny_model("llama"), build_tiny("llama", tmp_path_factory.mktemp("pushed") / "b",
+                                            None, seed=5)]
+

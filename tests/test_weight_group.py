@@ -23,8 +23,9 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from hf_reference import hf_greedy, mixed_prompts
-from minisgl import LLM, SamplingParams
+from minisgl import LLM
 from minisgl.distributed.bind import free_port
+from pushed_weights import greedy_tokens, push_case
 
 GROUP = "weight_update_group"
 
@@ -60,14 +61,6 @@ class Trainer:
         return self._run(work)
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
-                ) -> List[Path]:
-    from tiny_models import build_tiny
-    return [tiny_model("llama"), build_tiny("llama", tmp_path_factory.mktemp("wg") / "b",
-                                            None, seed=5)]
-
-
 def _update(push: Callable[[List[str], List[str], List[List[int]]], None], trainer: Trainer,
             tensors: Dict[str, torch.Tensor], names: List[str]) -> threading.Thread:
     """Send `names` of `tensors` as one update: the trainer broadcasting while `push` asks
@@ -79,19 +72,12 @@ def _update(push: Callable[[List[str], List[str], List[List[int]]], None], train
     return sending
 
 
-def _tokens(llm: LLM, prompts: List[List[int]]) -> List[List[int]]:
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    return [o.token_ids for o in llm.generate(prompts, params)]
-
-
 @pytest.mark.parametrize("tp", [1, 2])
-def test_offline_weights_from_a_trainers_group(checkpoints: List[Path], tp: int) -> None:
-    a, b = checkpoints
-    prompts = mixed_prompts(3, seed=37, lengths=(5, 21))
-    want_a, want_b = hf_greedy(a, prompts, 10), hf_greedy(b, prompts, 10)
-    tensors = load_file(str(b / "model.safetensors"))
-    names = sorted(tensors)
-    with LLM(str(a), device="cpu", tp=tp, page_size=4, max_kv_tokens=2048,
+def test_offline_weights_from_a_trainers_group(two_llamas: List[Path], tp: int) -> None:
+    case = push_case(two_llamas)
+    prompts, tensors, names = case.prompts, case.tensors, case.names
+    want_a, want_b = case.want_served, case.want_pushed
+    with LLM(str(case.served), device="cpu", tp=tp, page_size=4, max_kv_tokens=2048,
              show_progress=False) as llm:
         with pytest.raises(ValueError, match="cannot hold this service's"):
             llm.init_weights_update_group("127.0.0.1", 1, 1, tp, backend="gloo")
@@ -103,22 +89,22 @@ def test_offline_weights_from_a_trainers_group(checkpoints: List[Path], tp: int)
         half = len(names) // 2
         for bucket in (names[:half], names[half:]):  # a trainer's buckets
             assert not _update(push, trainer, tensors, bucket).is_alive()
-        assert _tokens(llm, prompts) == want_b
+        assert greedy_tokens(llm, prompts) == want_b
         bad = dict(tensors, **{"model.layers.0.mlp.nothing.weight": torch.zeros(2, 3)})
         with pytest.raises(ValueError, match="nothing"):
             _update(push, trainer, bad, ["model.layers.0.mlp.nothing.weight", names[0]])
-        assert _tokens(llm, prompts) == want_a  # the checkpoint loaded from disk again
+        assert greedy_tokens(llm, prompts) == want_a  # the checkpoint loaded from disk again
         llm.destroy_weights_update_group()
         with pytest.raises(ValueError, match="no weight update group"):
             llm.destroy_weights_update_group()
         assert llm.check_accounting().live_requests == 0
 
 
-def test_served_weights_from_a_trainers_group(checkpoints: List[Path], tmp_path: Path) -> None:
+def test_served_weights_from_a_trainers_group(two_llamas: List[Path], tmp_path: Path) -> None:
     """The HTTP endpoints, SGLang's bodies and answers; bad bodies are 400s naming why."""
     import httpx
     from server_helpers import CPU_ARGS, serving
-    a, b = checkpoints
+    a, b = two_llamas
     prompt = mixed_prompts(1, seed=41, lengths=(30,))[0]
     tensors = load_file(str(b / "model.safetensors"))
     names = sorted(tensors)
@@ -170,14 +156,14 @@ def test_served_weights_from_a_trainers_group(checkpoints: List[Path], tmp_path:
         assert r.status_code == 400 and "no weight update group" in r.json()["message"]
 
 
-def test_every_data_parallel_replica_joins_and_receives(checkpoints: List[Path],
+def test_every_data_parallel_replica_joins_and_receives(two_llamas: List[Path],
                                                         tmp_path: Path) -> None:
     """--dp 2: replica d's rank joins as rank_offset + d (a wrong offset would meet another
     rank's place and never join), both receive every broadcast, and every prompt, on either
     replica, gets the pushed checkpoint's tokens."""
     import httpx
     from server_helpers import CPU_ARGS, serving
-    a, b = checkpoints
+    a, b = two_llamas
     prompts = mixed_prompts(6, seed=47, lengths=(7, 30))
     want = hf_greedy(b, prompts, 8)
     tensors = load_file(str(b / "model.safetensors"))
@@ -205,14 +191,14 @@ def test_every_data_parallel_replica_joins_and_receives(checkpoints: List[Path],
 
 
 @pytest.mark.gpu
-def test_gpu_weights_from_a_gloo_group(checkpoints: List[Path]) -> None:
+def test_gpu_weights_from_a_gloo_group(two_llamas: List[Path]) -> None:
     """On CUDA (graphs captured over the weights, which change in place): the tensors received
     on the host through gloo give the tokens of an engine that loaded that checkpoint."""
-    a, b = checkpoints
+    a, b = two_llamas
     prompts = mixed_prompts(4, seed=43)
     tensors = load_file(str(b / "model.safetensors"))
     with LLM(str(b), show_progress=False) as fresh:
-        want = _tokens(fresh, prompts)
+        want = greedy_tokens(fresh, prompts)
     with LLM(str(a), show_progress=False) as llm:
         trainer = Trainer(2)
         joining = trainer.join()
@@ -220,4 +206,4 @@ def test_gpu_weights_from_a_gloo_group(checkpoints: List[Path]) -> None:
         joining.join(60)
         assert not _update(llm.update_weights_from_distributed, trainer, tensors,
                            sorted(tensors)).is_alive()
-        assert _tokens(llm, prompts) == want
+        assert greedy_tokens(llm, prompts) == want

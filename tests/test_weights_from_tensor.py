@@ -13,28 +13,16 @@ import base64
 import os
 import pickle
 from pathlib import Path
-from typing import Callable, List
+from typing import List
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from hf_reference import hf_greedy, mixed_prompts
-from minisgl import LLM, SamplingParams
+from minisgl import LLM
 from minisgl.distributed.tensor_payload import deserialize, serialize
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
-                ) -> List[Path]:
-    from tiny_models import build_tiny
-    return [tiny_model("llama"), build_tiny("llama", tmp_path_factory.mktemp("wt") / "b",
-                                            None, seed=5)]
-
-
-def _tokens(llm: LLM, prompts: List[List[int]]) -> List[List[int]]:
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    return [o.token_ids for o in llm.generate(prompts, params)]
+from pushed_weights import greedy_tokens, push_case
 
 
 class _Evil:
@@ -56,34 +44,31 @@ def test_the_payload_holds_tensors_and_nothing_else() -> None:
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_offline_weights_from_tensors(checkpoints: List[Path], tp: int) -> None:
-    a, b = checkpoints
-    prompts = mixed_prompts(3, seed=37, lengths=(5, 21))
-    want_a, want_b = hf_greedy(a, prompts, 10), hf_greedy(b, prompts, 10)
-    tensors = load_file(str(b / "model.safetensors"))
-    names = sorted(tensors)
-    with LLM(str(a), device="cpu", tp=tp, page_size=4, max_kv_tokens=2048,
+def test_offline_weights_from_tensors(two_llamas: List[Path], tp: int) -> None:
+    case = push_case(two_llamas)
+    tensors, names = case.tensors, case.names
+    with LLM(str(case.served), device="cpu", tp=tp, page_size=4, max_kv_tokens=2048,
              show_progress=False) as llm:
         half = len(names) // 2
         for bucket in (names[:half], names[half:]):  # a trainer's buckets
             llm.update_weights_from_tensor([(n, tensors[n]) for n in bucket])
-        assert _tokens(llm, prompts) == want_b
+        assert greedy_tokens(llm, case.prompts) == case.want_pushed
         with pytest.raises(ValueError, match="nothing"):
             llm.update_weights_from_tensor([(names[0], tensors[names[0]]),
                                             ("model.layers.0.mlp.nothing.weight",
                                              torch.zeros(2, 3))])
-        assert _tokens(llm, prompts) == want_a  # the checkpoint loaded from disk again
+        assert greedy_tokens(llm, case.prompts) == case.want_served  # from disk again
         with pytest.raises(ValueError, match="load_format 'flattened_bucket'"):
             llm.update_weights_from_tensor([], load_format="flattened_bucket")
         assert llm.check_accounting().live_requests == 0
 
 
-def test_served_weights_from_tensors(checkpoints: List[Path], tmp_path: Path) -> None:
+def test_served_weights_from_tensors(two_llamas: List[Path], tmp_path: Path) -> None:
     """SGLang's body and answers over HTTP (the tensors in shared memory by file name: the
     server's ranks are no children of this process); bad bodies are 400s naming why."""
     import httpx
     from server_helpers import CPU_ARGS, serving
-    a, b = checkpoints
+    a, b = two_llamas
     prompts = mixed_prompts(2, seed=38, lengths=(6, 19))
     want_b = hf_greedy(b, prompts, 8)
     tensors = load_file(str(b / "model.safetensors"))
@@ -112,17 +97,17 @@ def test_served_weights_from_tensors(checkpoints: List[Path], tmp_path: Path) ->
 
 
 @pytest.mark.gpu
-def test_gpu_weights_from_cuda_tensors_by_ipc(checkpoints: List[Path], tmp_path: Path) -> None:
+def test_gpu_weights_from_cuda_tensors_by_ipc(two_llamas: List[Path], tmp_path: Path) -> None:
     """A CUDA engine served in other processes maps this process's CUDA tensors by their IPC
     handles (float32: the CPU's tokens of the checkpoint sent)."""
     import httpx
     from server_helpers import serving
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    a, b = checkpoints
+    a, b = two_llamas
     prompts = mixed_prompts(2, seed=39, lengths=(6, 19))
     with LLM(str(b), device="cpu", page_size=4, max_kv_tokens=2048, show_progress=False) as llm:
-        want = _tokens(llm, prompts)
+        want = greedy_tokens(llm, prompts)
     tensors = {n: t.cuda() for n, t in load_file(str(b / "model.safetensors")).items()}
     payload = base64.b64encode(serialize(sorted(tensors.items()))).decode()
     with serving(["--model", str(a), "--device", "cuda", "--dtype", "float32",
