@@ -63,6 +63,20 @@ def test_offline_weights_from_tensors(two_llamas: List[Path], tp: int) -> None:
         assert llm.check_accounting().live_requests == 0
 
 
+def _push_then_generate(url: str, payload: str, prompts: List[List[int]], new_tokens: int,
+                        **body: object) -> List[dict]:
+    """POST the payload to /update_weights_from_tensor (it must succeed), then each prompt's
+    greedy /generate reply."""
+    import httpx
+    r = httpx.post(f"{url}/update_weights_from_tensor",
+                   json={"serialized_named_tensors": [payload], **body}, timeout=120)
+    assert r.status_code == 200 and r.json()["success"], r.text
+    return [httpx.post(f"{url}/generate", json={
+        "input_ids": prompt, "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0,
+                                                 "ignore_eos": True}}, timeout=60).json()
+            for prompt in prompts]
+
+
 def test_served_weights_from_tensors(two_llamas: List[Path], tmp_path: Path) -> None:
     """SGLang's body and answers over HTTP (the tensors in shared memory by file name: the
     server's ranks are no children of this process); bad bodies are 400s naming why."""
@@ -75,15 +89,9 @@ def test_served_weights_from_tensors(two_llamas: List[Path], tmp_path: Path) -> 
     payload = base64.b64encode(serialize(sorted(tensors.items()))).decode()
     with serving(["--model", str(a), *CPU_ARGS], tmp_path) as srv:
         url = f"{srv.url}/update_weights_from_tensor"
-        r = httpx.post(url, json={"serialized_named_tensors": [payload],
-                                  "weight_version": "step-1"}, timeout=60)
-        assert r.status_code == 200 and r.json()["success"], r.text
-        for prompt, want in zip(prompts, want_b):
-            out = httpx.post(f"{srv.url}/generate", json={
-                "input_ids": prompt, "sampling_params": {"max_new_tokens": 8,
-                                                         "temperature": 0, "ignore_eos": True}},
-                timeout=60).json()
-            assert out["output_ids"] == want and out["meta_info"]["weight_version"] == "step-1"
+        outs = _push_then_generate(srv.url, payload, prompts, 8, weight_version="step-1")
+        assert [o["output_ids"] for o in outs] == want_b
+        assert all(o["meta_info"]["weight_version"] == "step-1" for o in outs)
         evil = base64.b64encode(pickle.dumps([("x", _Evil())])).decode()
         for body, words in (({"serialized_named_tensors": [evil]}, "posix.system"),
                             ({"serialized_named_tensors": ["%%%"]}, "base64"),
@@ -100,7 +108,6 @@ def test_served_weights_from_tensors(two_llamas: List[Path], tmp_path: Path) -> 
 def test_gpu_weights_from_cuda_tensors_by_ipc(two_llamas: List[Path], tmp_path: Path) -> None:
     """A CUDA engine served in other processes maps this process's CUDA tensors by their IPC
     handles (float32: the CPU's tokens of the checkpoint sent)."""
-    import httpx
     from server_helpers import serving
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -112,12 +119,5 @@ def test_gpu_weights_from_cuda_tensors_by_ipc(two_llamas: List[Path], tmp_path: 
     payload = base64.b64encode(serialize(sorted(tensors.items()))).decode()
     with serving(["--model", str(a), "--device", "cuda", "--dtype", "float32",
                   "--max-kv-tokens", "4096", "--log-level", "warning"], tmp_path) as srv:
-        r = httpx.post(f"{srv.url}/update_weights_from_tensor",
-                       json={"serialized_named_tensors": [payload]}, timeout=120)
-        assert r.status_code == 200 and r.json()["success"], r.text
-        for prompt, expected in zip(prompts, want):
-            out = httpx.post(f"{srv.url}/generate", json={
-                "input_ids": prompt, "sampling_params": {"max_new_tokens": 10,
-                                                         "temperature": 0, "ignore_eos": True}},
-                timeout=60).json()
-            assert out["output_ids"] == expected
+        outs = _push_then_generate(srv.url, payload, prompts, 10)
+    assert [o["output_ids"] for o in outs] == want
