@@ -229,7 +229,7 @@ def _tokens(launched: Launched) -> List[int]:
     return out
 
 
-def _verified(launched: Launched) -> List[List[int]]:
+def _verified_tokens(launched: Launched) -> List[List[int]]:
     """Wait for a launched verify batch; per request, the tokens sampled at its positions."""
     if launched.done is not None:
         launched.done.synchronize()
@@ -363,8 +363,9 @@ class Engine:
         checkpoint's (a reload fills them again); the KV cache is forgotten at either. The
         scheduler calls it with no request live and the prefix cache dropped (every rank at
         the same step). The CUDA graphs go too (captured again by the wake-up that leaves
-        nothing asleep). The bytes freed. ValueError naming the level where it is not 1 or 2, or where level 2
-        would forget weights no reload can restore (FP8 dequantized as they loaded)."""
+        nothing asleep). The bytes freed. ValueError naming the level where it is not 1 or 2,
+        or where level 2 would forget weights no reload can restore (FP8 dequantized as they
+        loaded)."""
         level = check_level(level)
         awake = [t for t in check_tags(tags) if t not in self._asleep]
         if level == 2 and WEIGHTS in awake and not self._reloadable:
@@ -635,13 +636,12 @@ class Engine:
         """
         sampled = [i for i, s in enumerate(batch.sample) if s]
         fwd = self._forward(batch, sampled)
-        verify = batch.phase is Phase.VERIFY
-        reqs = verify_views(batch) if verify else [batch.reqs[i] for i in sampled]
+        reqs = (verify_views(batch) if batch.phase is Phase.VERIFY
+                else [batch.reqs[i] for i in sampled])
         if batch.masked and sampled:
             return Launched(batch, sampled, None, None,
                             pending=Pending(fwd, [copy.copy(r) for r in reqs]))
-        return self._sample_launched(batch, sampled, fwd, reqs, None,
-                                     draft_prefixes(batch) if verify else None)
+        return self._sample_launched(batch, sampled, fwd, reqs, None)
 
     @torch.inference_mode()
     def sample(self, launched: Launched, bitmask: torch.Tensor) -> Launched:
@@ -652,19 +652,17 @@ class Engine:
         if launched.pending is None:
             raise ValueError("sample() takes a masked batch launch() has not sampled")
         pending = launched.pending
-        batch = launched.batch
-        return self._sample_launched(batch, launched.sampled, pending.forwarded, pending.reqs,
-                                     bitmask, draft_prefixes(batch)
-                                     if batch.phase is Phase.VERIFY else None)
+        return self._sample_launched(launched.batch, launched.sampled, pending.forwarded,
+                                     pending.reqs, bitmask)
 
     def _sample_launched(self, batch: Batch, sampled: List[int], fwd: Forwarded,
-                         reqs: List[Req], bitmask: Optional[torch.Tensor],
-                         drafted: Optional[List[Tuple[int, ...]]] = None) -> Launched:
+                         reqs: List[Req], bitmask: Optional[torch.Tensor]) -> Launched:
         """Sample `reqs` (batch.reqs[i] for i in sampled; a verify batch's `verify_views`,
         with its `draft_prefixes`) from the forward's logits and start the copies of the
         tokens (and log-probabilities) to the host."""
         tokens = logprobs = None
         if sampled:
+            drafted = draft_prefixes(batch) if batch.phase is Phase.VERIFY else None
             tokens, logprobs = self._sample(fwd.logits, fwd.rows, reqs, bitmask, drafted)
         if self.device.type != "cuda" or (tokens is None and fwd.prompt_logprobs is None):
             return Launched(batch, sampled, tokens, None, logprobs, fwd.prompt,
@@ -798,7 +796,7 @@ class Engine:
         StepResult; logprobs.py)."""
         batch = launched.batch
         if batch.phase is Phase.VERIFY:
-            verified = _verified(launched)
+            verified = _verified_tokens(launched)
             return StepResult([v[0] for v in verified], [None] * batch.size, {},
                               verified=verified, verified_logprobs=verified_entries(
                                   batch, launched.logprobs, launched.done))

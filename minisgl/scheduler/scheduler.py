@@ -710,10 +710,7 @@ class Scheduler:
             first = req.output_len == 0
             if first:
                 self.totals["cached"] += req.prefix_hit
-            reason = req.append_token(tok)
-            if req.grammar is not None and reason is None:
-                reason = self._advance_grammar(req, tok)
-            self.totals["generated"] += 1
+            reason = self._take_token(req, tok)
             prompt_lp = None
             if req.output_len == 1 and req.params.prompt_logprobs is not None:
                 prompt_lp, req.prompt_logprobs = req.prompt_logprobs, []
@@ -722,11 +719,23 @@ class Scheduler:
                                 embedding=(result.embeddings or {}).get(i),
                                 times=_phase_times(req) if first else None))
             if reason is not None:
-                logger.debug("rank %d: request %d finished (%s, %d tokens, %d cached)", self.rank,
-                             req.uid, reason.value, req.output_len, req.prefix_hit)
-                self.decode.remove(req)
-                self._release(req)
+                self._finished(req, reason)
         return out
+
+    def _take_token(self, req: Req, tok: int) -> Optional[FinishReason]:
+        """Record one new token of `req` (its grammar advanced by it); why it finished, if
+        it did."""
+        reason = req.append_token(tok)
+        if req.grammar is not None and reason is None:
+            reason = self._advance_grammar(req, tok)
+        self.totals["generated"] += 1
+        return reason
+
+    def _finished(self, req: Req, reason: FinishReason) -> None:
+        logger.debug("rank %d: request %d finished (%s, %d tokens, %d cached)", self.rank,
+                     req.uid, reason.value, req.output_len, req.prefix_hit)
+        self.decode.remove(req)
+        self._release(req)
 
     def _verified(self, batch: Batch, result: StepResult) -> List[TokenOut]:
         """A verify batch's tokens: each request keeps the tokens sampled up to its first
@@ -745,20 +754,17 @@ class Scheduler:
             start = req.device_len - 1  # its length at launch (the launch counted one token)
             n = kept(draft, verified)
             self.spec.add(len(draft), n)
+            reason = None
             for tok, lp in zip(verified[:n + 1], lps):
-                reason = req.append_token(tok)
-                if req.grammar is not None and reason is None:  # (draftless: one token)
-                    reason = self._advance_grammar(req, tok)
-                self.totals["generated"] += 1
+                reason = self._take_token(req, tok)
                 out.append(TokenOut(req.uid, tok, reason.value if reason else None,
                                     req.prompt_len, req.prefix_hit, logprobs=lp))
                 if reason is not None:
                     break
             req.device_len = len(req.token_ids)
             req.cached_len = min(start + n, req.device_len)
-            if req.finish_reason is not None:
-                self.decode.remove(req)
-                self._release(req)
+            if reason is not None:
+                self._finished(req, reason)
             else:
                 running.append(req)
                 kept_tokens.append(verified[:n + 1])
