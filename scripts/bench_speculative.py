@@ -21,9 +21,6 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from minisgl import LLM, SamplingParams
-from minisgl.message import SchedulerStats
-
 TEXT = Path(__file__).resolve().parent / "data" / "two_cities.txt"
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
         "prompt_lookup_max": 4}
@@ -41,8 +38,14 @@ def chats(n: int, words: int) -> List[List[Dict[str, str]]]:
 
 
 def run(args: argparse.Namespace, spec: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    # imported here so that vLLM's side (scripts/experiments/spec_peer_vllm.py) can take
+    # `chats` without minisgl's packages
+    from minisgl import LLM, SamplingParams
+    from minisgl.message import SchedulerStats
+
     kw: Dict[str, Any] = {"speculative_config": spec} if spec is not None else {}
-    with LLM(args.model, device=args.device, max_running_requests=args.concurrency,
+    kw.update({k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v})
+    with LLM(args.model, max_running_requests=args.concurrency,
              show_progress=False, **kw) as llm:
         prompts = chats(args.requests, args.words)
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -64,6 +67,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: the bundled default model")
     p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None, help="default: the model's (float32 on CPU)")
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--words", type=int, default=120)
