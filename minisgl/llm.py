@@ -99,7 +99,7 @@ class _InProcess:
         if cfg.engine.cpu_threads is not None:  # this is the caller's process: only when asked
             set_cpu_threads(cfg.engine, 1, logger)  # the only rank on this host
         self.engine = Engine(cfg.engine, ProcessGroups(Communicator(info), None),
-                             mixed_rows=cfg.mixed_rows)
+                             mixed_rows=cfg.mixed_rows, verify_tokens=cfg.verify_tokens)
         self.io = LocalIO()
         self.scheduler = Scheduler(cfg, self.engine, self.io)
         self.limits: Limits = self.scheduler.limits

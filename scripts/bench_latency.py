@@ -504,7 +504,7 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
     groups = init_process_groups(cfg.tp_info, cfg.torch_device, init_method, cfg.dist_timeout_s,
                                  cfg.allreduce)
     try:
-        engine = Engine(cfg, groups)
+        engine = Engine(cfg, groups, verify_tokens=1 + args.verify if args.verify else 0)
         if args.tune_gemms and rank == 0:
             print(f"tuned GEMMs, cuBLASLt chosen for: {blas.describe(engine.model)}", flush=True)
         engine.pool.fill_normal_()  # random K/V: never time on zeros
@@ -577,8 +577,9 @@ def print_table(args: argparse.Namespace, bandwidth: float, rows: List[Row], dev
             print(f"{r.batch:>6} {_ms(r.json_step_ms):>9} {_ms(r.json_overlap_ms):>16} "
                   f"{'-' if overhead is None else f'{100 * overhead:+.1f}%':>9}")
     if args.verify:
-        print(f"speculative verify step (newest token + {args.verify} drafts a request, eager; "
-              f"speculation pays where a verify keeps more tokens a request than the ratio):")
+        print(f"speculative verify step (newest token + {args.verify} drafts a request, a verify "
+              f"graph where one fits; speculation pays where a verify keeps more tokens a "
+              f"request than the ratio):")
         print(f"{'batch':>6} {'verify ms':>10} {'step ms':>9} {'ratio':>7}")
         for r in rows:
             ratio = None if r.verify_ms is None else r.verify_ms / r.step_ms

@@ -39,14 +39,34 @@ def test_gpu_float32_matches_cpu(tiny_qwen3: Path, backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_gpu_speculative_decoding_matches_cpu(tiny_qwen3: Path, backend: str) -> None:
-    """N-gram drafts verified on CUDA (eager extend steps beside the decode graphs, whose
-    inputs the verify steps set): the CPU's float32 tokens."""
+def test_gpu_speculative_decoding_matches_cpu(tiny_qwen3: Path, backend: str,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """N-gram drafts verified on CUDA (with the Triton backend through verify graphs beside
+    the decode graphs; the torch backend's verify steps run eagerly): the CPU's float32
+    tokens."""
+    import logging
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
             "prompt_lookup_max": 2}
     cpu = _run(tiny_qwen3, device="cpu", dtype="float32")
-    assert _run(tiny_qwen3, device="cuda", dtype="float32", attention_backend=backend,
-                speculative_config=spec) == cpu
+    with caplog.at_level(logging.INFO, logger="minisgl.engine.verify_graph"):
+        assert _run(tiny_qwen3, device="cuda", dtype="float32", attention_backend=backend,
+                    speculative_config=spec) == cpu
+    assert ("verify CUDA graphs (batch sizes 1.." in caplog.text) == (backend == "triton")
+
+
+def test_gpu_verify_graphs_match_eager_verify_steps(tiny_qwen3: Path) -> None:
+    """Seeded sampling through verify graphs (one request and eight
+    at once, drafts of every length) and through eager verify steps: the same tokens."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2}
+    params = SamplingParams(max_tokens=24, temperature=0.9, seed=5)
+
+    def run(graphs: int) -> list:
+        with LLM(str(tiny_qwen3), device="cuda", dtype="float32", speculative_config=spec,
+                 cuda_graph_max_bs=graphs, show_progress=False) as llm:  # type: ignore[arg-type]
+            prompts = mixed_prompts(8, seed=9)
+            return [[o.token_ids for o in llm.generate(p, params)] for p in (prompts[:1], prompts)]
+    assert run(8) == run(0)
 
 
 @pytest.mark.parametrize("family", ["qwen2_yarn", "llama_linear"])

@@ -190,16 +190,20 @@ class TritonBackend(AttentionBackend):
                           self._graph_starts[:bs], 1, o_part, lse_part, arrivals=arrivals)
 
     def prefill_graph_meta(self, meta: torch.Tensor, max_extend: int,
-                           decode: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-                           ) -> TritonMeta:
-        """Metadata for a prefill CUDA graph (engine/prefill_graph.py) over the static int32
-        block `meta` [5, 4]: rows, prefix lens, extend lens, seq lens and query starts in
-        column 0, one request, at most `max_extend` new tokens (it sizes the grid). `decode`:
-        the page-table rows and sequence lengths of decode rows after q's first `max_extend`
-        rows (a mixed step), attended unsplit as an eager mixed step's are."""
+                           decode: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                           requests: int = 1) -> TritonMeta:
+        """Metadata for a prefill or verify CUDA graph (engine/prefill_graph.py,
+        verify_graph.py) over the static int32 block `meta` [5, >= requests]: rows, prefix
+        lens, extend lens, seq lens and query starts of `requests` requests, each of at most
+        `max_extend` new tokens (it sizes the grid). `decode` (one request only): the
+        page-table rows and sequence lengths of decode rows after q's first `max_extend` rows
+        (a mixed step), attended unsplit as an eager mixed step's are."""
+        if decode is not None and requests != 1:
+            raise ValueError(f"a mixed step's graph has one prefill request, not {requests}")
         part = None if decode is None else self._decode_meta(*decode, 1, splits=1)
-        return TritonMeta(False, meta[0, :1], meta[1, :1], meta[2, :1], meta[3, :1],
-                          meta[4, :1], max_extend, None, None, decode_part=part,
+        n = requests
+        return TritonMeta(False, meta[0, :n], meta[1, :n], meta[2, :n], meta[3, :n],
+                          meta[4, :n], max_extend, None, None, decode_part=part,
                           decode_from=max_extend)
 
     def kv_target(self, layer: int, batch: Batch) -> Optional[KVTarget]:

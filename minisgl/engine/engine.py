@@ -31,6 +31,7 @@ from minisgl.engine.bad_words import BadWords
 from minisgl.engine.penalties import Penalties
 from minisgl.engine.pooling import PromptPools, pooled_chunks
 from minisgl.engine.prefill_graph import PrefillGraphs, capture_prefill_graphs
+from minisgl.engine.verify_graph import VerifyGraphs, capture_verify_graphs
 from minisgl.engine.sleep import Part, tensors_part, weights_part
 from minisgl.engine.sleep_parts import TAGS, WEIGHTS, check_level, check_tags
 from minisgl.engine.sampler import (LogprobTensors, add_logit_bias, apply_token_bitmask,
@@ -272,10 +273,12 @@ class LoadedModel(NamedTuple):
 class Engine:
     def __init__(self, cfg: EngineConfig, groups: ProcessGroups,
                  on_progress: Callable[[str], None] = lambda text: None,
-                 mixed_rows: int = 0) -> None:
+                 mixed_rows: int = 0, verify_tokens: int = 0) -> None:
         """`on_progress` hears each start-up step as it ends (weights loaded, KV pages sized,
         decode graphs captured), for a launcher to show. `mixed_rows`: the most decode rows a
-        mixed step's prefill graph carries (the scheduler's, where it mixes; 0: none)."""
+        mixed step's prefill graph carries (the scheduler's, where it mixes; 0: none).
+        `verify_tokens`: the most new tokens a verify step gives a request (the scheduler's,
+        where it speculates; 0: none), for the verify graphs."""
         self.cfg = cfg
         start = time.perf_counter()
         self.device = cfg.torch_device
@@ -316,7 +319,9 @@ class Engine:
             **({"policy": self.policy} if cfg.backend_name == "triton" else {}))
         self.graphs: Optional[DecodeGraphs] = None
         self.prefill_graphs: Optional[PrefillGraphs] = None
+        self.verify_graphs: Optional[VerifyGraphs] = None
         self._mixed_rows = min(mixed_rows, cfg.max_running_requests)
+        self._verify_tokens = verify_tokens
         if cfg.tune_gemms:  # before the capture, which records the kernels chosen
             self._tune_gemms(graph_sizes(self._graph_bs))
         self._capture_graphs(on_progress)
@@ -350,6 +355,10 @@ class Engine:
             self.prefill_graphs = capture_prefill_graphs(
                 self.model, self.backend, cfg.prefill_graph_max_tokens, self.page_table,
                 self.pool.scratch_slot, self.last_tokens, self._mixed_rows)
+        if self.device.type == "cuda" and cfg.decode_graph_max_bs > 0 and self._verify_tokens:
+            self.verify_graphs = capture_verify_graphs(
+                self.model, self.backend, self._graph_bs, self._verify_tokens, self.page_table,
+                cfg.max_running_requests, self.pool.scratch_slot)
 
     @property
     def asleep(self) -> FrozenSet[str]:
@@ -372,7 +381,7 @@ class Engine:
             raise ValueError("sleep level 2 would forget weights no reload can restore: this "
                              "model's FP8 weights were dequantized as they loaded (weight-only "
                              "FP8, the CPU's); use level 1")
-        self.graphs = self.prefill_graphs = None
+        self.graphs = self.prefill_graphs = self.verify_graphs = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         freed = 0
@@ -412,7 +421,7 @@ class Engine:
             if not self._asleep:
                 self._capture_graphs(lambda text: None)
         except Exception:
-            self.graphs = self.prefill_graphs = None
+            self.graphs = self.prefill_graphs = self.verify_graphs = None
             for tag, part in woken:
                 part.sleep(part.kept, pin=self.device.type == "cuda", buffer=part.buffer)
                 self._asleep[tag] = part
@@ -699,6 +708,9 @@ class Engine:
         if (self.prefill_graphs is not None and self.prefill_graphs.can_run(batch)
                 and prompt_rows(batch) is None):
             logits, rows = self.prefill_graphs.replay(batch)
+            return Forwarded(logits, rows, None, None)
+        if self.verify_graphs is not None and self.verify_graphs.can_run(batch):
+            logits, rows = self.verify_graphs.replay(batch)
             return Forwarded(logits, rows, None, None)
         return self._forward_eager(batch, sampled)
 

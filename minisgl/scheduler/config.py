@@ -116,6 +116,13 @@ class SchedulerConfig:
         """speculative_config parsed (None: no speculation)."""
         return SpeculativeConfig.parse(self.speculative_config)
 
+    @property
+    def verify_tokens(self) -> int:
+        """The most new tokens a verify step gives a request (its newest and the drafts; 0: no
+        speculation): what the engine's verify graphs hold."""
+        spec = self.speculative
+        return 0 if spec is None else 1 + spec.num_speculative_tokens
+
     def logprobs_cap(self, vocab_size: int) -> int:
         """max_logprobs resolved for a vocabulary of `vocab_size` tokens (-1: all of it)."""
         if self.max_logprobs == -1:
