@@ -50,9 +50,12 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     tok = AutoTokenizer.from_pretrained(args.model)
-    prompts = [TokensPrompt(prompt_token_ids=tok.apply_chat_template(c, add_generation_prompt=True,
-                                                                     tokenize=True))
-               for c in bench.chats(args.requests, args.words)]
+    texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+             for c in bench.chats(args.requests, args.words)]
+    prompts = [TokensPrompt(prompt_token_ids=tok.encode(t, add_special_tokens=False))
+               for t in texts]
+    print(f"[vllm] {len(prompts)} prompts, {sum(len(p['prompt_token_ids']) for p in prompts)} "
+          f"tokens")
     kw = {"speculative_config": spec} if args.one == "ngram" else {}
     llm = LLM(model=args.model, dtype="bfloat16", max_num_seqs=args.concurrency, seed=0,
               gpu_memory_utilization=0.5, max_model_len=2048, generation_config="vllm", **kw)
