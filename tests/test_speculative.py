@@ -108,6 +108,35 @@ def test_settings_take_vllms_keys_and_name_what_is_wrong() -> None:
         SchedulerConfig(speculative_config=json.dumps(SPEC), overlap=True)
 
 
+def test_sglangs_ngram_flags_speculate_as_vllms_config() -> None:
+    """SGLang's --speculative-algorithm NGRAM with its draft-token count (the newest token
+    among them) and match windows; its other algorithms, a count without the algorithm, and
+    both vLLM's and SGLang's settings at once are refused by name."""
+    from minisgl.server.args import parse_args
+    args = parse_args(["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5",
+                       "--speculative-ngram-max-match-window-size", "4"])
+    assert args.scheduler.speculative == SpeculativeConfig(4, 1, 4)  # SGLang's min: 1
+    assert SchedulerConfig(speculative_algorithm="ngram", speculative_num_draft_tokens=3
+                           ).speculative == SpeculativeConfig(2, 1, 12)
+    assert SchedulerConfig(speculative_algorithm="NGRAM",
+                           speculative_num_draft_tokens=3).verify_tokens == 3
+    bad = [({"speculative_algorithm": "EAGLE3", "speculative_num_draft_tokens": 4},
+            "speculative_algorithm 'EAGLE3' is not supported"),
+           ({"speculative_num_draft_tokens": 4}, "needs speculative_algorithm NGRAM"),
+           ({"speculative_algorithm": "NGRAM"}, "speculative_num_draft_tokens must be an "
+                                                "integer >= 2"),
+           ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1},
+            "got 1"),
+           ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4,
+             "speculative_ngram_min_match_window_size": 6,
+             "speculative_ngram_max_match_window_size": 3}, "prompt_lookup_min 6 is more"),
+           ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4,
+             "speculative_config": json.dumps(SPEC)}, "not both")]
+    for kw, message in bad:
+        with pytest.raises(ValueError, match=message):
+            SchedulerConfig(**kw)  # type: ignore[arg-type]
+
+
 LIST_CHAT = [[{"role": "user", "content": "Give these fruits as a JSON list: apple, banana, "
                                          "cherry, date, fig, grape."}]]
 LIST_SCHEMA = {"type": "object", "properties": {"fruits": {"type": "array",

@@ -81,6 +81,19 @@ class SchedulerConfig:
               "disable_by_batch_size: no drafts in a step of more running requests); the tokens "
               "are those plain decoding gives, with every sampling option and grammars. Turns "
               "overlap off", json_value=True)
+    speculative_algorithm: Optional[str] = setting(
+        None, "SGLang's: NGRAM speculates as speculative_config's ngram does, with "
+              "speculative_num_draft_tokens and the match window sizes (other algorithms are "
+              "refused by name); set this or speculative_config")
+    speculative_num_draft_tokens: Optional[int] = setting(
+        None, "SGLang's, with speculative_algorithm NGRAM: the tokens a verify step gives a "
+              "request, its newest and up to N - 1 drafts")
+    speculative_ngram_min_match_window_size: Optional[int] = setting(
+        None, "SGLang's: the shortest match an n-gram draft follows (prompt_lookup_min; "
+              "default 1)")
+    speculative_ngram_max_match_window_size: Optional[int] = setting(
+        None, "SGLang's: the longest match an n-gram draft follows (prompt_lookup_max; "
+              "default 12)")
     check_lockstep: bool = setting(False, "every step, the ranks compare their batch uids, KV "
                                           "slots and sampled tokens and fail on a mismatch (a "
                                           "debugging aid: one collective per step)")
@@ -113,8 +126,16 @@ class SchedulerConfig:
 
     @property
     def speculative(self) -> Optional[SpeculativeConfig]:
-        """speculative_config parsed (None: no speculation)."""
-        return SpeculativeConfig.parse(self.speculative_config)
+        """speculative_config parsed, or SGLang's speculative_* flags (None: no
+        speculation); ValueError where both are set."""
+        sglang = SpeculativeConfig.from_sglang(
+            self.speculative_algorithm, self.speculative_num_draft_tokens,
+            self.speculative_ngram_min_match_window_size,
+            self.speculative_ngram_max_match_window_size)
+        if sglang is not None and self.speculative_config is not None:
+            raise ValueError("set speculative_config (vLLM's) or speculative_algorithm "
+                             "(SGLang's), not both")
+        return sglang or SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def verify_tokens(self) -> int:
@@ -146,7 +167,7 @@ class SchedulerConfig:
             raise ValueError(f"stats_interval must be > 0 seconds, got {self.stats_interval}")
         speculative = self.speculative  # ValueError naming the key
         if speculative is not None and self.overlap:
-            raise ValueError("speculative_config needs overlap off (a verify step reads the "
+            raise ValueError("speculative decoding needs overlap off (a verify step reads the "
                              "newest token on the host): leave overlap unset or false")
         if self.decode_reserve_tokens is not None and self.decode_reserve_tokens < 0:
             raise ValueError(f"decode_reserve_tokens must be >= 0, got "

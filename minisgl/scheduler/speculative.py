@@ -64,6 +64,38 @@ class SpeculativeConfig:
         cfg.check()
         return cfg
 
+    @classmethod
+    def from_sglang(cls, algorithm: Optional[str], num_draft_tokens: Optional[int],
+                    min_window: Optional[int], max_window: Optional[int]
+                    ) -> Optional["SpeculativeConfig"]:
+        """SGLang's flags (--speculative-algorithm NGRAM, --speculative-num-draft-tokens: the
+        tokens a verify step gives a request, its newest among them, so one more than the
+        drafts; --speculative-ngram-min/max-match-window-size: the lookup bounds), None where
+        no algorithm is set; ValueError naming the flag where a value is wrong, one is set
+        without the algorithm, or the algorithm is another (SGLang's n-gram drafts a tree of
+        branches; minisgl's drafts one chain, the longest match's)."""
+        if algorithm is None:
+            given = [f for f, v in (("speculative_num_draft_tokens", num_draft_tokens),
+                                    ("speculative_ngram_min_match_window_size", min_window),
+                                    ("speculative_ngram_max_match_window_size", max_window))
+                     if v is not None]
+            if given:
+                raise ValueError(f"{given[0]} needs speculative_algorithm NGRAM")
+            return None
+        if algorithm.upper() != "NGRAM":
+            raise ValueError(f"speculative_algorithm {algorithm!r} is not supported: minisgl "
+                             f"speculates by n-gram lookup only (NGRAM); draft models, EAGLE "
+                             f"and MTP heads are not implemented")
+        if num_draft_tokens is None or isinstance(num_draft_tokens, bool) or num_draft_tokens < 2:
+            raise ValueError(f"speculative_num_draft_tokens must be an integer >= 2 with "
+                             f"speculative_algorithm NGRAM (the newest token and at least one "
+                             f"draft), got {num_draft_tokens!r}")
+        lo = min_window if min_window is not None else 1  # SGLang's defaults
+        hi = max_window if max_window is not None else 12
+        cfg = cls(num_draft_tokens - 1, lo, hi)
+        cfg.check()
+        return cfg
+
     def check(self) -> None:
         """ValueError naming the first field out of range."""
         for f in dataclasses.fields(self):
