@@ -16,6 +16,7 @@ import json
 import logging
 import shutil
 import tempfile
+import time
 import weakref
 from array import array
 from collections import OrderedDict
@@ -51,8 +52,8 @@ from minisgl.models.pooling import (check_pooler_dimensions, dimensions_error, m
                                     paired_texts, shortened)
 from minisgl.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput,
                              EmbeddingOutput, EmbeddingRequestOutput, GenerateOutput,
-                             PoolingOutput, PoolingRequestOutput, ScoringOutput,
-                             ScoringRequestOutput)
+                             PoolingOutput, PoolingRequestOutput, RequestStateStats,
+                             ScoringOutput, ScoringRequestOutput)
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.io import LocalIO
 from minisgl.scheduler.main import run_rank, set_cpu_threads
@@ -89,6 +90,32 @@ class _Collected(NamedTuple):
     finals: List[TokenOut]
     stops: List[Optional["_StopWatch"]]
     request_ids: Dict[int, str]
+    clocks: List["_Clock"]
+
+
+@dataclasses.dataclass
+class _Clock:
+    """One request's times as `_collect` sees them (RequestStateStats' sources): submitted
+    (wall and monotonic), its first and last token's arrival, its scheduler queue time."""
+
+    wall: float = dataclasses.field(default_factory=time.time)
+    queued: float = dataclasses.field(default_factory=time.monotonic)
+    first: Optional[float] = None
+    last: Optional[float] = None
+    queued_s: float = 0.0
+
+    def saw(self, out: TokenOut) -> None:
+        now = time.monotonic()
+        if out.times is not None:
+            self.queued_s = out.times.queued_s
+        if out.token >= 0:
+            self.first = now if self.first is None else self.first
+            self.last = now
+
+    def stats(self, tokens: int) -> RequestStateStats:
+        first = self.first if self.first is not None else self.queued
+        return RequestStateStats(self.wall, self.queued, self.queued + self.queued_s, first,
+                                 self.last if self.last is not None else first, tokens)
 
 
 class _InProcess:
@@ -834,7 +861,8 @@ class LLM:
             outputs.append(GenerateOutput(
                 choices[i], first.prompt_tokens, first.cached_tokens, prompts[k],
                 collected.request_ids[i], texts[i], plp,
-                self._decoded_tokens(prompts[k][1:], plp) if params[k].detokenize else {}))
+                self._decoded_tokens(prompts[k][1:], plp) if params[k].detokenize else {},
+                collected.clocks[k].stats(len(tokens[k]))))
         return outputs
 
     def embed(self, prompts: Union[Prompt, Sequence[Prompt]], *,
@@ -985,16 +1013,18 @@ class LLM:
         logprobs: List[List[TokenLogprobs]] = [[] for _ in prompts]
         prompt_logprobs: List[Optional[List[TokenLogprobs]]] = [None] * len(prompts)
         done: List[Optional[TokenOut]] = [None] * len(prompts)
+        clocks = [_Clock() for _ in prompts]
         stops = [_StopWatch(self.tokenizer, p.stop, p.min_tokens, p.include_stop_str_in_output,
                             p.skip_special_tokens) if p.stop else None for p in params]
         show = self.show_progress and len(prompts) >= 8 if use_tqdm is None else use_tqdm
         bar = tqdm(total=len(prompts), desc="generating", unit="req", disable=not show)
         submitted = 0
         try:
-            for uid, ids, p in zip(uids, prompts, params):
+            for uid, ids, p, clock in zip(uids, prompts, params, clocks):
+                clock.wall, clock.queued = time.time(), time.monotonic()
                 self._backend.submit(UserMsg(uid, ids, p.for_engine()))
                 submitted += 1
-            self._collect(slot, tokens, logprobs, prompt_logprobs, done, stops, bar)
+            self._collect(slot, tokens, logprobs, prompt_logprobs, done, stops, bar, clocks)
         except BaseException:  # KeyboardInterrupt too: leave no request behind
             self._cancel([uid for uid in uids[:submitted] if done[slot[uid]] is None])
             raise
@@ -1002,7 +1032,7 @@ class LLM:
             bar.close()
         self._backend.drain()
         return _Collected(origin, prompts, params, tokens, logprobs, prompt_logprobs,
-                          _finals(done, [i for i, _ in origin]), stops, request_ids)
+                          _finals(done, [i for i, _ in origin]), stops, request_ids, clocks)
 
     def _completion(self, index: int, tokens: List[int], logprobs: List[TokenLogprobs],
                     final: TokenOut, p: SamplingParams, watch: Optional["_StopWatch"]
@@ -1045,13 +1075,14 @@ class LLM:
                  logprobs: List[List[TokenLogprobs]],
                  prompt_logprobs: List[Optional[List[TokenLogprobs]]],
                  done: List[Optional[TokenOut]], stops: List[Optional["_StopWatch"]],
-                 bar: Any) -> None:
+                 bar: Any, clocks: List[_Clock]) -> None:
         """Poll until every request in `slot` (uid -> index) has its final out, filling the
-        lists at each index; a request whose stop string matched is aborted."""
+        lists (and clocks) at each index; a request whose stop string matched is aborted."""
         left = sum(d is None for d in done)
         while left:
             for out in self._backend.poll():
                 i = slot[out.uid]
+                clocks[i].saw(out)
                 final = out.finish_reason is not None or bool(out.error)
                 watch = stops[i]
                 if watch is None or not watch.stopped:

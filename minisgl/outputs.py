@@ -65,13 +65,34 @@ class CompletionOutput:
 
 
 @dataclass(frozen=True)
+class RequestStateStats:
+    """vLLM's `RequestOutput.metrics`: when a request arrived, was admitted and got its first
+    and last tokens. `arrival_time` is the wall clock (time.time()) at submission; the `_ts`
+    times are on the monotonic clock (time.monotonic()): queued at submission, scheduled at
+    admission (queued plus the queue time rank 0's scheduler measured), first and last token
+    as they reached the caller's process. `num_generation_tokens`: the output tokens."""
+
+    arrival_time: float
+    queued_ts: float
+    scheduled_ts: float
+    first_token_ts: float
+    last_token_ts: float
+    num_generation_tokens: int
+
+    @property
+    def first_token_latency(self) -> float:
+        """Seconds from submission to the first token (vLLM's time to first token)."""
+        return self.first_token_ts - self.queued_ts
+
+
+@dataclass(frozen=True)
 class GenerateOutput:
     """One prompt's request (vLLM's `RequestOutput`): its choices in `outputs` (n of them,
     `index` 0..n-1), the prompt's ids and text (`prompt`: None where it was given as ids, or
     as a chat), and what its first choice's prefill found: `prompt_tokens`, `cached_tokens`
     (prompt tokens whose KV came from the prefix cache) and, where params.prompt_logprobs was
     set, `prompt_token_logprobs` (one per prompt token after the first; `prompt_logprobs`
-    gives them in vLLM's shape)."""
+    gives them in vLLM's shape); `metrics`: the first choice's times (RequestStateStats)."""
     outputs: List[CompletionOutput]
     prompt_tokens: int
     cached_tokens: int
@@ -80,6 +101,7 @@ class GenerateOutput:
     prompt: Optional[str] = None
     prompt_token_logprobs: Optional[List[TokenLogprobs]] = None
     decoded_tokens: Dict[int, str] = dataclasses.field(default_factory=dict, repr=False)
+    metrics: Optional[RequestStateStats] = None
 
     @property
     def text(self) -> str:

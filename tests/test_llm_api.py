@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -374,6 +375,11 @@ def test_vllm_request_output_names(llm: LLM) -> None:
     for token, step, lp in zip(choice.token_ids, choice.logprobs, text.logprobs):
         assert step[token].logprob == lp.logprob and step[token].rank == lp.rank
         assert set(lp.top_ids) <= set(step) and len(step) <= 3
+    m = text.metrics  # vLLM's RequestStateStats: submitted <= admitted <= first <= last token
+    assert m is not None and m.num_generation_tokens == 4
+    assert abs(m.arrival_time - time.time()) < 60
+    assert m.queued_ts <= m.scheduled_ts <= m.first_token_ts <= m.last_token_ts <= time.monotonic()
+    assert m.first_token_latency == m.first_token_ts - m.queued_ts > 0
     for step in choice.logprobs:
         assert all(v.decoded_token == llm.tokenizer.decode([t]) for t, v in step.items())
     assert llm.generate("a", SamplingParams(max_tokens=2))[0].outputs[0].cumulative_logprob \
