@@ -16,7 +16,7 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
@@ -26,6 +26,8 @@ if not HAS_CUDA:
     # Must be set before the kernels are decorated (first import of minisgl.kernels.attention).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
+if TYPE_CHECKING:
+    from minisgl.engine import Engine
 
 from minisgl.attention import TorchBackend  # noqa: E402
 from minisgl.attention.triton_backend import TritonBackend  # noqa: E402
@@ -730,6 +732,20 @@ def test_store_kv_from_qkv_views() -> None:
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
+def _eager_triton_engine(model: Path, device: str) -> Engine:
+    """A float32 engine on the Triton backend with no graphs, fused kernels or PDL (a graph's
+    body runs eagerly beside it), four requests over 1,024 one-token pages."""
+    from minisgl.distributed import DistributedInfo, ProcessGroups
+    from minisgl.distributed.comm import Communicator
+    from minisgl.engine import Engine, EngineConfig
+    info = DistributedInfo(0, 1)
+    return Engine(EngineConfig(model_path=str(model), tp_info=info, device=device,
+                               dtype="float32", attention_backend="triton", max_kv_tokens=1024,
+                               page_size=1, max_running_requests=4, cuda_graph_max_bs=0,
+                               prefill_graph_tokens=0, pdl="off", fused_ops=False),
+                  ProcessGroups(Communicator(info), None))
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_mixed_prefill_graph_body_matches_the_eager_mixed_step(
         tiny_model: Callable[..., Path], family: str) -> None:
@@ -737,18 +753,9 @@ def test_mixed_prefill_graph_body_matches_the_eager_mixed_step(
     `fill` writes: a prompt chunk after a cached prefix, padded to its bucket, and two decode
     rows padded to eight), run eagerly here: its logits are the eager mixed step's, and its
     padding writes only the scratch slot. On CUDA the graphs themselves: tests/test_gpu.py."""
-    from minisgl.distributed import DistributedInfo, ProcessGroups
-    from minisgl.distributed.comm import Communicator
-    from minisgl.engine import Engine, EngineConfig
     from minisgl.engine.prefill_graph import PrefillGraphs
-    info = DistributedInfo(0, 1)
     device = "cuda" if HAS_CUDA else "cpu"
-    engine = Engine(EngineConfig(model_path=str(tiny_model(family)), tp_info=info,
-                                 device=device, dtype="float32", attention_backend="triton",
-                                 max_kv_tokens=1024, page_size=1, max_running_requests=4,
-                                 cuda_graph_max_bs=0, prefill_graph_tokens=0, pdl="off",
-                                 fused_ops=False),
-                    ProcessGroups(Communicator(info), None))
+    engine = _eager_triton_engine(tiny_model(family), device)
     rng = random.Random(7)
     greedy = SamplingParams(max_tokens=4, temperature=0.0)
     lens = {0: 70, 1: 20, 2: 33}  # row: known tokens
@@ -806,18 +813,9 @@ def test_verify_graph_body_matches_the_eager_verify_step(
     requests of five tokens), run eagerly here: its logits are the eager verify step's, row
     for row, with the same page-table rows, and its padding writes only the scratch slot. On
     CUDA the graphs themselves: tests/test_gpu.py."""
-    from minisgl.distributed import DistributedInfo, ProcessGroups
-    from minisgl.distributed.comm import Communicator
-    from minisgl.engine import Engine, EngineConfig
     from minisgl.engine.verify_graph import VerifyGraphs, verify_graph_bs
-    info = DistributedInfo(0, 1)
     device = "cuda" if HAS_CUDA else "cpu"
-    engine = Engine(EngineConfig(model_path=str(tiny_model("qwen3")), tp_info=info,
-                                 device=device, dtype="float32", attention_backend="triton",
-                                 max_kv_tokens=1024, page_size=1, max_running_requests=4,
-                                 cuda_graph_max_bs=0, prefill_graph_tokens=0, pdl="off",
-                                 fused_ops=False),
-                    ProcessGroups(Communicator(info), None))
+    engine = _eager_triton_engine(tiny_model("qwen3"), device)
     rng = random.Random(11)
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
     lens = {0: 30, 1: 9, 2: 21}  # row: known tokens (the newest not yet in the cache)
