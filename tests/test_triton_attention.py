@@ -732,15 +732,15 @@ def test_store_kv_from_qkv_views() -> None:
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
-def _eager_triton_engine(model: Path, device: str) -> Engine:
-    """A float32 engine on the Triton backend with no graphs, fused kernels or PDL (a graph's
-    body runs eagerly beside it), four requests over 1,024 one-token pages."""
+def _eager_triton_engine(model: Path, device: str, backend: str = "triton") -> Engine:
+    """A float32 engine on the Triton backend (or `backend`) with no graphs, fused kernels or
+    PDL (a graph's body runs eagerly beside it), four requests over 1,024 one-token pages."""
     from minisgl.distributed import DistributedInfo, ProcessGroups
     from minisgl.distributed.comm import Communicator
     from minisgl.engine import Engine, EngineConfig
     info = DistributedInfo(0, 1)
     return Engine(EngineConfig(model_path=str(model), tp_info=info, device=device,
-                               dtype="float32", attention_backend="triton", max_kv_tokens=1024,
+                               dtype="float32", attention_backend=backend, max_kv_tokens=1024,
                                page_size=1, max_running_requests=4, cuda_graph_max_bs=0,
                                prefill_graph_tokens=0, pdl="off", fused_ops=False),
                   ProcessGroups(Communicator(info), None))
@@ -810,36 +810,43 @@ def test_verify_graph_body_matches_the_eager_verify_step(
         tiny_model: Callable[..., Path]) -> None:
     """What a verify graph holds (engine/verify_graph.VerifyGraphs.run over the block `fill`
     writes: three requests with 0, 2 and 4 drafts after cached prefixes, padded to four
-    requests of five tokens), run eagerly here: its logits are the eager verify step's, row
-    for row, with the same page-table rows, and its padding writes only the scratch slot. On
-    CUDA the graphs themselves: tests/test_gpu.py."""
+    requests of five tokens), run eagerly here: its logits are the eager verify step's, whose
+    tokens attend as decode rows (TritonBackend.verify_meta), and both are the torch backend's
+    (an extend), row for row, with the same page-table rows; its padding writes only the
+    scratch slot. On CUDA the graphs themselves: tests/test_gpu.py."""
     from minisgl.engine.verify_graph import VerifyGraphs, verify_graph_bs
     device = "cuda" if HAS_CUDA else "cpu"
-    engine = _eager_triton_engine(tiny_model("qwen3"), device)
-    rng = random.Random(11)
-    greedy = SamplingParams(max_tokens=8, temperature=0.0)
     lens = {0: 30, 1: 9, 2: 21}  # row: known tokens (the newest not yet in the cache)
     drafts = {0: [], 1: [5, 6], 2: [7, 8, 9, 10]}
-    reqs = {row: Req(row, [rng.randrange(3, 200) for _ in range(n)], n - 1, greedy, (),
-                     table_row=row) for row, n in lens.items()}
-    for row, n in lens.items():  # slot = 128 * row + position
-        engine.page_table[row, :n + 4] = torch.arange(128 * row, 128 * row + n + 4)
-    for row, n in lens.items():  # each request's cache: all its tokens but the newest
-        batch = Batch(Phase.PREFILL, [reqs[row]], [0], [n - 1], [True])
-        batch.out_slots = torch.arange(128 * row, 128 * row + n - 1, device=device)
-        engine.forward(batch)
     order = [2, 1, 0]
-    verify = Batch(Phase.VERIFY, [reqs[r] for r in order], [lens[r] - 1 for r in order],
-                   [1 + len(drafts[r]) for r in order], [True] * 3,
-                   drafts=[drafts[r] for r in order])
-    verify.out_slots = torch.tensor([128 * r + lens[r] - 1 + j for r in order
-                                     for j in range(1 + len(drafts[r]))], device=device)
-    eager = engine._forward(verify, [0, 1, 2])
-    eager_logits, eager_rows = eager.logits.clone(), eager.rows.clone()
+
+    def verified(backend: str) -> Tuple[Engine, Batch, torch.Tensor, torch.Tensor]:
+        engine = _eager_triton_engine(tiny_model("qwen3"), device, backend)
+        rng = random.Random(11)
+        greedy = SamplingParams(max_tokens=8, temperature=0.0)
+        reqs = {row: Req(row, [rng.randrange(3, 200) for _ in range(n)], n - 1, greedy, (),
+                         table_row=row) for row, n in lens.items()}
+        for row, n in lens.items():  # slot = 128 * row + position
+            engine.page_table[row, :n + 4] = torch.arange(128 * row, 128 * row + n + 4)
+        for row, n in lens.items():  # each request's cache: all its tokens but the newest
+            batch = Batch(Phase.PREFILL, [reqs[row]], [0], [n - 1], [True])
+            batch.out_slots = torch.arange(128 * row, 128 * row + n - 1, device=device)
+            engine.forward(batch)
+        verify = Batch(Phase.VERIFY, [reqs[r] for r in order], [lens[r] - 1 for r in order],
+                       [1 + len(drafts[r]) for r in order], [True] * 3,
+                       drafts=[drafts[r] for r in order])
+        verify.out_slots = torch.tensor([128 * r + lens[r] - 1 + j for r in order
+                                         for j in range(1 + len(drafts[r]))], device=device)
+        eager = engine._forward(verify, [0, 1, 2])
+        return engine, verify, eager.logits.clone(), eager.rows.clone()
+    engine, verify, eager_logits, eager_rows = verified("triton")
+    _, _, torch_logits, _ = verified("torch")
+    torch.testing.assert_close(eager_logits, torch_logits, rtol=1e-5, atol=1e-5)
     scratch = engine.pool.scratch_slot
     engine.pool.k[:, scratch].zero_()
     before = engine.pool.k.clone()
-    assert verify_graph_bs(256, 5) == 102 and verify_graph_bs(8, 5) == 8
+    assert verify_graph_bs(256, 5) == 51 and verify_graph_bs(4096, 5) == 102
+    engine.backend.init_graph_buffers(20)  # type: ignore[attr-defined]  (the decode graphs')
     graphs = VerifyGraphs(engine.model, engine.backend, 4, 5,  # type: ignore[arg-type]
                           engine.page_table, 4, scratch, capture=lambda keys, run, dev: ({}, {}))
     assert graphs.sizes == [1, 2, 4] and graphs.can_run(verify)

@@ -101,6 +101,9 @@ class TritonBackend(AttentionBackend):
         seq_lens = batch.seq_lens
         first = batch.first_decode
         decode = batch.phase is Phase.DECODE
+        if batch.phase is Phase.VERIFY:
+            batch.attn_meta = self.verify_meta(batch)
+            return
         if not decode and batch.num_decode:  # a mixed step: its prefill part, its decode part
             n, d = max(first, batch.num_decode), batch.num_decode
             pad = lambda xs: [*xs, *[0] * (n - len(xs))]  # noqa: E731 (one copy: equal rows)
@@ -132,6 +135,18 @@ class TritonBackend(AttentionBackend):
                  and self.device.type == "cuda")
         batch.attn_meta = TritonMeta(False, dev[0], dev[1], dev[2], dev[3], dev[4],
                                      max(batch.extend_lens, default=0), None, None, dense=dense)
+
+    def verify_meta(self, batch: Batch) -> TritonMeta:
+        """A verify batch as decode rows: request i's j-th new token is one row over its
+        page-table row whose sequence ends at that token (prefix + j + 1 keys, the new tokens'
+        K/V stored first), so the decode kernels attend it causally, one K/V read per KV head
+        (the extend kernel reads K/V once per query head) and split over the context as a
+        decode step's (a batch-1 verify otherwise leaves most multiprocessors idle)."""
+        rows = [r.table_row for r, n in zip(batch.reqs, batch.extend_lens) for _ in range(n)]
+        ends = [p + j + 1 for p, n in zip(batch.prefix_lens, batch.extend_lens)
+                for j in range(n)]
+        dev = rows_to_device([rows, ends], torch.int32, self.device)
+        return self._decode_meta(dev[0], dev[1], max(ends))
 
     def _decode_meta(self, rows: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                      prefix_lens: Optional[torch.Tensor] = None,
@@ -190,20 +205,16 @@ class TritonBackend(AttentionBackend):
                           self._graph_starts[:bs], 1, o_part, lse_part, arrivals=arrivals)
 
     def prefill_graph_meta(self, meta: torch.Tensor, max_extend: int,
-                           decode: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-                           requests: int = 1) -> TritonMeta:
-        """Metadata for a prefill or verify CUDA graph (engine/prefill_graph.py,
-        verify_graph.py) over the static int32 block `meta` [5, >= requests]: rows, prefix
-        lens, extend lens, seq lens and query starts of `requests` requests, each of at most
-        `max_extend` new tokens (it sizes the grid). `decode` (one request only): the
-        page-table rows and sequence lengths of decode rows after q's first `max_extend` rows
-        (a mixed step), attended unsplit as an eager mixed step's are."""
-        if decode is not None and requests != 1:
-            raise ValueError(f"a mixed step's graph has one prefill request, not {requests}")
+                           decode: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+                           ) -> TritonMeta:
+        """Metadata for a prefill CUDA graph (engine/prefill_graph.py) over the static int32
+        block `meta` [5, 4]: rows, prefix lens, extend lens, seq lens and query starts in
+        column 0, one request, at most `max_extend` new tokens (it sizes the grid). `decode`:
+        the page-table rows and sequence lengths of decode rows after q's first `max_extend`
+        rows (a mixed step), attended unsplit as an eager mixed step's are."""
         part = None if decode is None else self._decode_meta(*decode, 1, splits=1)
-        n = requests
-        return TritonMeta(False, meta[0, :n], meta[1, :n], meta[2, :n], meta[3, :n],
-                          meta[4, :n], max_extend, None, None, decode_part=part,
+        return TritonMeta(False, meta[0, :1], meta[1, :1], meta[2, :1], meta[3, :1],
+                          meta[4, :1], max_extend, None, None, decode_part=part,
                           decode_from=max_extend)
 
     def kv_target(self, layer: int, batch: Batch) -> Optional[KVTarget]:

@@ -58,8 +58,8 @@ Capture = Callable[[List[Key], Callable[[Key], torch.Tensor], torch.device],
 
 class PrefillGraphBackend(Protocol):
     def prefill_graph_meta(self, meta: torch.Tensor, max_extend: int,
-                           decode: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-                           requests: int = 1) -> object: ...
+                           decode: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+                           ) -> object: ...
 
 
 class PrefillReplayed(NamedTuple):

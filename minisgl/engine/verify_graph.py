@@ -11,13 +11,14 @@ the requests' new tokens (request i's at [i * tokens, i * tokens + count_i), pad
 the logits rows to compute, compacted (request i's j-th new token is row i * tokens + j),
 padded with row 0; the page-table row of each logits row (padding: the spare row); and per
 request its page-table row, cached length (prefix) and new-token count. Padding requests sit
-on the spare row at position 0 with one token, as a decode graph's padding does. The graph
-derives positions (prefix + j, 0 for padding tokens), the K/V slots (`page_table[row,
-position]`, written by the scheduler before the launch; the pool's scratch slot for padding,
-so padding never touches a live request's cache) and the attention metadata (an extend batch
-whose request i's queries start at i * tokens; the backend's `prefill_graph_meta`). Padding
-tokens compute junk that no real row reads: every op but attention is row-wise, and attention
-attends only each request's first count_i queries.
+on the spare row with one token, as a decode graph's padding does. The graph derives each
+token's position (prefix + j), K/V slot (`page_table[row, position]`, written by the scheduler
+before the launch) and attention metadata: every token is a decode row over its request's
+page-table row whose sequence ends at that token (the backend's decode `graph_meta`; the
+new tokens' K/V are stored before attention reads them), as the Triton backend's eager verify
+step attends (`TritonBackend.verify_meta`). Padding tokens are decode rows on the spare row at
+position 0, whose slot is the pool's scratch slot, so padding never touches a live request's
+cache, and compute junk that no real row reads.
 
 The logits come back in the eager verify step's order (request by request, position by
 position), so sampling (engine.verify_views, draft_prefixes) reads them as it reads eager ones.
@@ -32,8 +33,8 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from minisgl.core import Batch, Phase
-from minisgl.engine.cuda_graph import capture_graphs, graph_sizes, logits_buffer
-from minisgl.engine.prefill_graph import PrefillGraphBackend
+from minisgl.engine.cuda_graph import (GraphableBackend, capture_graphs, graph_sizes,
+                                       logits_buffer)
 from minisgl.models import CausalLM
 from minisgl.utils import aligned_width, copy_from_host
 
@@ -98,11 +99,13 @@ class VerifyGraphs:
     for the verify batches `can_run` accepts. Every rank takes the same path for the same
     batch (the choice reads only the batch), so tp ranks stay in lockstep."""
 
-    def __init__(self, model: CausalLM, backend: PrefillGraphBackend, max_bs: int, tokens: int,
+    def __init__(self, model: CausalLM, backend: GraphableBackend, max_bs: int, tokens: int,
                  page_table: torch.Tensor, pad_row: int, scratch_slot: int,
                  capture: Capture = capture_graphs) -> None:
         """`tokens`: the most new tokens a request brings (1 + the drafts' K); `pad_row`: the
-        spare page-table row, whose position 0 maps to `scratch_slot`. `capture(keys, run,
+        spare page-table row, whose position 0 maps to `scratch_slot`; the backend's graph
+        buffers (`init_graph_buffers`, the decode graphs') hold at least max_bs * tokens
+        rows. `capture(keys, run,
         device)` records `run(key)` for each key (a test may pass one that records nothing, to
         run the graphs' bodies eagerly on the CPU)."""
         if tokens < 1 or max_bs < 1:
@@ -142,16 +145,17 @@ class VerifyGraphs:
         j = torch.arange(self.tokens, device=block.device)
         real = j[None, :] < count[:, None]  # [bs, tokens]
         positions = torch.where(real, prefix[:, None] + j[None, :], 0)
-        slots = torch.where(real, self.page_table[rows[:, None], positions].to(torch.int64),
-                            self.scratch_slot)
-        starts = torch.arange(bs, device=block.device) * self.tokens
-        # rows, prefix lens, extend lens, seq lens, query starts: one 16-byte aligned row each
-        meta = torch.zeros((5, aligned_width(bs, torch.int32)), dtype=torch.int32,
+        # padding tokens attend as a padding decode row does: the spare row's scratch slot
+        token_rows = torch.where(real, rows[:, None], self.pad_row).flatten()
+        slots = self.page_table[token_rows, positions.flatten()].to(torch.int64)
+        # rows, positions, sequence lengths: one 16-byte aligned int32 row each
+        meta = torch.zeros((3, aligned_width(lay.width, torch.int32)), dtype=torch.int32,
                            device=block.device)
-        meta[:, :bs] = torch.stack([rows, prefix, count, prefix + count, starts])
+        meta[:, :lay.width] = torch.stack([token_rows, positions.flatten(),
+                                           positions.flatten() + 1])
         batch = Batch(Phase.VERIFY, [], [0] * bs, [self.tokens] * bs, [True] * bs)
-        batch.out_slots = slots.flatten()
-        batch.attn_meta = self.backend.prefill_graph_meta(meta, self.tokens, requests=bs)
+        batch.out_slots = slots
+        batch.attn_meta = self.backend.graph_meta(*meta[:, :lay.width])
         return self.model(block[lay.ids], self.model.rope_index.of_positions(positions.flatten()),
                           batch, self.backend, block[lay.logit_index],
                           out=self.out[:lay.width])
@@ -197,22 +201,24 @@ class VerifyGraphs:
         return VerifyReplayed(self.logits[bs][:n], self.blocks[bs][lay.logit_rows][:n])
 
 
-def verify_graph_bs(max_bs: int, tokens: int) -> int:
-    """The largest verify graph's batch size: at most `max_bs` (the decode graphs'), and at
-    most MAX_GRAPH_TOKENS tokens; 0: none."""
-    return max(0, min(max_bs, MAX_GRAPH_TOKENS // max(tokens, 1)))
+def verify_graph_bs(max_rows: int, tokens: int) -> int:
+    """The largest verify graph's batch size: at most `max_rows` tokens (the decode graphs'
+    batch size, for which the backend's graph buffers were made) and MAX_GRAPH_TOKENS; 0:
+    none."""
+    return min(max_rows, MAX_GRAPH_TOKENS) // max(tokens, 1)
 
 
 def capture_verify_graphs(model: CausalLM, backend: object, max_bs: int, tokens: int,
                           page_table: torch.Tensor, pad_row: int, scratch_slot: int
                           ) -> Optional[VerifyGraphs]:
-    """The verify graphs, or None (logged) where none apply: no batch size, a backend without
-    the contract, or a model whose forward cannot be captured."""
+    """The verify graphs (after the decode graphs, whose `max_bs` rows the backend's graph
+    buffers hold), or None (logged) where none apply: no batch size, a backend without the
+    contract, or a model whose forward cannot be captured."""
     bs = verify_graph_bs(max_bs, tokens)
-    if not bs or not hasattr(backend, "prefill_graph_meta"):
+    if not bs or not hasattr(backend, "graph_meta"):
         return None
     try:
-        return VerifyGraphs(model, backend, bs, tokens,
+        return VerifyGraphs(model, backend, bs, tokens,  # type: ignore[arg-type]
                             page_table, pad_row, scratch_slot)
     except RuntimeError as e:  # e.g. a host sync inside the forward: eager verify still works
         logger.warning("verify CUDA graphs not captured, verify steps run eagerly: %s", e)
