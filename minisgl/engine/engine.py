@@ -691,7 +691,7 @@ class Engine:
     def _forward(self, batch: Batch, sampled: List[int]) -> Forwarded:
         """The model on `batch`: a decode graph's replay where one fits (the LoRA family's
         where some request runs with an adapter), else eager (with the prompt log-probabilities
-        of the requests collecting them). The prefill graphs take no adapters."""
+        of the requests collecting them). The prefill and verify graphs take no adapters."""
         lora = self.lora_slots > 0 and any(r.lora is not None for r in batch.reqs)
         batch.lora = None
         embed = () if batch.phase is not Phase.PREFILL else tuple(  # they end at prefill

@@ -105,9 +105,8 @@ class VerifyGraphs:
         """`tokens`: the most new tokens a request brings (1 + the drafts' K); `pad_row`: the
         spare page-table row, whose position 0 maps to `scratch_slot`; the backend's graph
         buffers (`init_graph_buffers`, the decode graphs') hold at least max_bs * tokens
-        rows. `capture(keys, run,
-        device)` records `run(key)` for each key (a test may pass one that records nothing, to
-        run the graphs' bodies eagerly on the CPU)."""
+        rows. `capture(keys, run, device)` records `run(key)` for each key (a test may pass
+        one that records nothing, to run the graphs' bodies eagerly on the CPU)."""
         if tokens < 1 or max_bs < 1:
             raise ValueError(f"verify graphs need at least one request of one token, got "
                              f"max_bs {max_bs}, tokens {tokens}")
