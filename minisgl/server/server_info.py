@@ -12,14 +12,15 @@ from minisgl.message.types import SchedulerStats
 def internal_state(s: SchedulerStats) -> Dict[str, Any]:
     """One replica's state from its latest stats: requests running and waiting, the share of
     KV pages live requests hold, and, where it speculates, the tokens a request gained per
-    verify step with drafts (1 + drafts kept per draft run; None before any)."""
+    verify step with drafts (1 + drafts kept per draft run; None before any) and SGLang's
+    draft-token count (its --speculative-num-draft-tokens: the drafts and the newest token)."""
     state: Dict[str, Any] = {
         "num_running_reqs": s.running, "num_waiting_reqs": s.waiting,
         "token_usage": s.kv_pages_used / s.kv_pages_total if s.kv_pages_total else 0.0}
     if s.spec_tokens:
         state["avg_spec_accept_length"] = (1 + s.spec_accepted_tokens_total / s.spec_drafts_total
                                            if s.spec_drafts_total else None)
-        state["speculative_num_draft_tokens"] = s.spec_tokens
+        state["speculative_num_draft_tokens"] = s.spec_tokens + 1
     return state
 
 
