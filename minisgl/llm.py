@@ -732,21 +732,23 @@ class LLM:
         self._change(GroupWeightsMsg(next(self._uids), group_name, tuple(names), dtype_names,
                                      tuple(tuple(s) for s in shapes)))
 
-    def update_weights_from_tensor(self, named_tensors: Sequence[Tuple[str, torch.Tensor]],
+    def update_weights_from_tensor(self, named_tensors: Any,
                                    load_format: Optional[str] = None,
                                    flush_cache: bool = True) -> None:
         """SGLang's: load (checkpoint name, whole tensor) pairs into the served weights, on
         every rank its shard (by reference across processes: a CUDA tensor's IPC handle, a
-        CPU one's shared memory; keep them alive until this returns); the others stay. The
-        prefix cache is dropped (`flush_cache`: either way). ValueError why not (a tensor
-        that is not a weight of the model: every rank then serves the checkpoint it loaded
-        last from disk)."""
-        if load_format not in (None, "direct"):
-            raise ValueError(f"load_format {load_format!r} is not supported (a list of (name, "
-                             f"tensor) pairs is read)")
-        named = [(str(n), t) for n, t in named_tensors]
+        CPU one's shared memory; keep them alive until this returns); the others stay. With
+        `load_format="flattened_bucket"`, `named_tensors` is SGLang's flattened bucket
+        ({"flattened_tensor", "metadata"}: tensor_payload.py). The prefix cache is dropped
+        (`flush_cache`: either way). ValueError why not (a tensor that is not a weight of the
+        model: every rank then serves the checkpoint it loaded last from disk)."""
+        if load_format not in (None, "direct", "flattened_bucket"):
+            raise ValueError(f"load_format {load_format!r} is not supported (direct: a list of "
+                             f"(name, tensor) pairs; flattened_bucket: SGLang's bucket)")
+        payload: Any = ([(str(n), t) for n, t in named_tensors] if load_format != "flattened_bucket"
+                        else dict(named_tensors))
         # one payload a rank: each carries one reference to the memory it names
-        self._change(TensorWeightsMsg(next(self._uids), tuple(serialize(named)
+        self._change(TensorWeightsMsg(next(self._uids), tuple(serialize(payload)
                                                               for _ in range(self._tp))))
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:

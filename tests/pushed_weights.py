@@ -4,9 +4,11 @@ Face's greedy tokens of each, and the tensors pushed."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Sequence
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -37,3 +39,38 @@ def push_case(checkpoints: Sequence[Path]) -> PushCase:
 def greedy_tokens(llm: LLM, prompts: List[List[int]]) -> List[List[int]]:
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def sglang_bucket(named: Sequence[tuple], monkeypatch: pytest.MonkeyPatch) -> dict:
+    """SGLang's flattened bucket of (name, tensor) pairs, as its FlattenedTensorBucket builds
+    it: the tensors' bytes end to end (uint8) and one FlattenedTensorMetadata each, whose
+    class pickles under SGLang's module path (a stand-in module put in sys.modules for the
+    test's length)."""
+    import dataclasses
+    import types
+    path = "sglang.srt.weight_sync.tensor_bucket"
+
+    @dataclasses.dataclass
+    class FlattenedTensorMetadata:
+        name: str
+        shape: torch.Size
+        dtype: torch.dtype
+        start_idx: int
+        end_idx: int
+        numel: int
+    FlattenedTensorMetadata.__module__ = path
+    FlattenedTensorMetadata.__qualname__ = "FlattenedTensorMetadata"
+    parts = path.split(".")
+    for i in range(1, len(parts) + 1):
+        module = types.ModuleType(".".join(parts[:i]))
+        if i == len(parts):
+            module.FlattenedTensorMetadata = FlattenedTensorMetadata  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    flats, metadata, at = [], [], 0
+    for name, tensor in named:
+        flat = tensor.contiguous().flatten().view(torch.uint8)
+        metadata.append(FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, at,
+                                                at + flat.numel(), flat.numel()))
+        flats.append(flat)
+        at += flat.numel()
+    return {"flattened_tensor": torch.cat(flats), "metadata": metadata}

@@ -94,7 +94,7 @@ class GroupWeightsBody(Body):
 
 class TensorWeightsBody(Body):
     serialized_named_tensors: List[str]  # base64, one per tp rank (of each replica, in order)
-    load_format: Optional[str] = None  # SGLang's; only its default (a list of pairs) is read
+    load_format: Optional[str] = None  # SGLang's: direct (pairs) or flattened_bucket
     flush_cache: bool = True  # SGLang's: the prefix cache is dropped either way
     abort_all_requests: bool = False
     weight_version: Optional[str] = None
@@ -184,10 +184,10 @@ class Weights:
     async def from_tensors(self, body: TensorWeightsBody, tp: int) -> None:
         """Every replica loads the tensors a trainer on this machine handed over by reference
         (`tensor_payload.py`); ApiError (400) why not."""
-        if body.load_format not in (None, "direct"):
-            raise ApiError(400, f"load_format {body.load_format!r} is not supported (minisgl "
-                                f"reads SGLang's default: each payload a list of (name, "
-                                f"tensor) pairs)", "load_format")
+        if body.load_format not in (None, "direct", "flattened_bucket"):
+            raise ApiError(400, f"load_format {body.load_format!r} is not supported (direct: "
+                                f"each payload a list of (name, tensor) pairs; "
+                                f"flattened_bucket: SGLang's bucket)", "load_format")
         count, ranks = len(body.serialized_named_tensors), tp * self.replicas
         if count != ranks:  # each rank's reference counts: a payload opened twice breaks them
             raise ApiError(400, f"serialized_named_tensors holds {count} payloads: give one per "
