@@ -12,7 +12,7 @@ One `Metrics` object per app (built in the app factory); not thread-safe (event-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from minisgl.message.types import PhaseTimes, SchedulerStats
 from minisgl.server.metrics_vllm import vllm_lines
@@ -96,40 +96,45 @@ class Histogram:
         return lines
 
 
+def _histogram(name: str, help: str, buckets: Sequence[float]) -> Any:
+    """A Metrics field holding a fresh Histogram of this name, help and buckets."""
+    return field(default_factory=lambda: Histogram(name, help, buckets))
+
+
 @dataclass
 class Metrics:
     replicas: int = 1
     model_name: str = ""  # the served name: vLLM's lines carry it (metrics_vllm.py)
     scheduler: Dict[int, SchedulerStats] = field(default_factory=dict)  # by replica
-    ttft: Histogram = field(default_factory=lambda: Histogram(
+    ttft: Histogram = _histogram(
         "minisgl_time_to_first_token_seconds",
-        "Time from a request's arrival to its first output token.", _TTFT_BUCKETS))
-    itl: Histogram = field(default_factory=lambda: Histogram(
+        "Time from a request's arrival to its first output token.", _TTFT_BUCKETS)
+    itl: Histogram = _histogram(
         "minisgl_inter_token_latency_seconds",
-        "Time between consecutive output tokens of a request.", _ITL_BUCKETS))
-    e2e: Histogram = field(default_factory=lambda: Histogram(
+        "Time between consecutive output tokens of a request.", _ITL_BUCKETS)
+    e2e: Histogram = _histogram(
         "minisgl_e2e_request_latency_seconds",
         "Time from a request's arrival to its last token, of requests that finished by stop "
-        "or length.", _E2E_BUCKETS))
-    prompt_tokens: Histogram = field(default_factory=lambda: Histogram(
-        "minisgl_request_prompt_tokens", "Prompt tokens per finished request.", _TOKEN_BUCKETS))
-    generation_tokens: Histogram = field(default_factory=lambda: Histogram(
+        "or length.", _E2E_BUCKETS)
+    prompt_tokens: Histogram = _histogram(
+        "minisgl_request_prompt_tokens", "Prompt tokens per finished request.", _TOKEN_BUCKETS)
+    generation_tokens: Histogram = _histogram(
         "minisgl_request_generation_tokens", "Generated tokens per finished request.",
-        _TOKEN_BUCKETS))
+        _TOKEN_BUCKETS)
     # A finished request's phases (vLLM's): waiting for admission, admission to its first
     # token, first token to last, admission to last
-    queue_time: Histogram = field(default_factory=lambda: Histogram(
+    queue_time: Histogram = _histogram(
         "minisgl_request_queue_time_seconds",
-        "Time a finished request waited for admission (scheduler).", _E2E_BUCKETS))
-    prefill_time: Histogram = field(default_factory=lambda: Histogram(
+        "Time a finished request waited for admission (scheduler).", _E2E_BUCKETS)
+    prefill_time: Histogram = _histogram(
         "minisgl_request_prefill_time_seconds",
-        "Time from a finished request's admission to its first token.", _E2E_BUCKETS))
-    decode_time: Histogram = field(default_factory=lambda: Histogram(
+        "Time from a finished request's admission to its first token.", _E2E_BUCKETS)
+    decode_time: Histogram = _histogram(
         "minisgl_request_decode_time_seconds",
-        "Time from a finished request's first token to its last.", _E2E_BUCKETS))
-    inference_time: Histogram = field(default_factory=lambda: Histogram(
+        "Time from a finished request's first token to its last.", _E2E_BUCKETS)
+    inference_time: Histogram = _histogram(
         "minisgl_request_inference_time_seconds",
-        "Time from a finished request's admission to its last token.", _E2E_BUCKETS))
+        "Time from a finished request's admission to its last token.", _E2E_BUCKETS)
     finished: Dict[str, int] = field(default_factory=dict)  # by finish reason (and "error")
     http: Dict[Tuple[str, str], int] = field(default_factory=dict)  # by (route, status)
 
