@@ -35,6 +35,7 @@ from minisgl.grammar import make_checker
 from minisgl.distributed import DistributedInfo, ProcessGroups
 from minisgl.distributed.comm import Communicator
 from minisgl.distributed.weight_group import GroupSpec, check_update
+from minisgl.distributed.load_formats import DISK_FORMATS, TENSOR_FORMATS, check_load_format
 from minisgl.distributed.tensor_payload import serialize
 from minisgl.engine import Engine
 from minisgl.engine.sleep_parts import TAGS as SLEEP_PARTS, check_level, check_tags, sglang_parts
@@ -126,7 +127,8 @@ class _InProcess:
         if cfg.engine.cpu_threads is not None:  # this is the caller's process: only when asked
             set_cpu_threads(cfg.engine, 1, logger)  # the only rank on this host
         self.engine = Engine(cfg.engine, ProcessGroups(Communicator(info), None),
-                             mixed_rows=cfg.mixed_rows, verify_tokens=cfg.verify_tokens)
+                             mixed_rows=cfg.mixed_rows, verify_tokens=cfg.verify_tokens,
+                             verify_requests=cfg.verify_requests)
         self.io = LocalIO()
         self.scheduler = Scheduler(cfg, self.engine, self.io)
         self.limits: Limits = self.scheduler.limits
@@ -697,12 +699,14 @@ class LLM:
         """The names of the adapters loaded, least recently used first."""
         return list(self._adapters)
 
-    def update_weights_from_disk(self, model_path: str) -> None:
+    def update_weights_from_disk(self, model_path: str,
+                                 load_format: Optional[str] = None) -> None:
         """Reload every rank's weights from checkpoint directory `model_path` (SGLang's
         `Engine.update_weights_from_disk`: a checkpoint of the served model's architecture and
         shapes, e.g. a training step's); the prefix cache is dropped. ValueError why not (a
         checkpoint of another shape, files that do not load), with the weights served
-        unchanged on every rank."""
+        unchanged on every rank; `load_format`: "auto" (the default) only."""
+        check_load_format(load_format, DISK_FORMATS)
         self._change(WeightsMsg(next(self._uids), str(model_path)))
 
     def init_weights_update_group(self, master_address: str, master_port: int,
@@ -742,9 +746,7 @@ class LLM:
         ({"flattened_tensor", "metadata"}: tensor_payload.py). The prefix cache is dropped
         (`flush_cache`: either way). ValueError why not (a tensor that is not a weight of the
         model: every rank then serves the checkpoint it loaded last from disk)."""
-        if load_format not in (None, "direct", "flattened_bucket"):
-            raise ValueError(f"load_format {load_format!r} is not supported (direct: a list of "
-                             f"(name, tensor) pairs; flattened_bucket: SGLang's bucket)")
+        check_load_format(load_format, TENSOR_FORMATS)
         payload: Any = ([(str(n), t) for n, t in named_tensors] if load_format != "flattened_bucket"
                         else dict(named_tensors))
         # one payload a rank: each carries one reference to the memory it names

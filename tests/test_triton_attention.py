@@ -846,6 +846,7 @@ def test_verify_graph_body_matches_the_eager_verify_step(
     engine.pool.k[:, scratch].zero_()
     before = engine.pool.k.clone()
     assert verify_graph_bs(256, 5) == 51 and verify_graph_bs(4096, 5) == 102
+    assert verify_graph_bs(256, 5, 8) == 8 and verify_graph_bs(16, 5, 8) == 3
     engine.backend.init_graph_buffers(20)  # type: ignore[attr-defined]  (the decode graphs')
     graphs = VerifyGraphs(engine.model, engine.backend, 4, 5,  # type: ignore[arg-type]
                           engine.page_table, 4, scratch, capture=lambda keys, run, dev: ({}, {}))

@@ -152,6 +152,8 @@ def test_offline_reload_gives_each_checkpoints_tokens(checkpoints: List[Path], t
             llm.update_weights_from_disk(str(broken))
         with pytest.raises(ValueError, match="missing 1 weights"):
             llm.update_weights_from_disk(str(partial))
+        with pytest.raises(ValueError, match="load_format 'gguf' is not supported .auto: "):
+            llm.update_weights_from_disk(str(a), load_format="gguf")
         assert _tokens(llm, prompts) == want_b
         llm.update_weights_from_disk(str(a))
         assert _tokens(llm, prompts) == want_a

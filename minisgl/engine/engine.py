@@ -273,12 +273,14 @@ class LoadedModel(NamedTuple):
 class Engine:
     def __init__(self, cfg: EngineConfig, groups: ProcessGroups,
                  on_progress: Callable[[str], None] = lambda text: None,
-                 mixed_rows: int = 0, verify_tokens: int = 0) -> None:
+                 mixed_rows: int = 0, verify_tokens: int = 0,
+                 verify_requests: Optional[int] = None) -> None:
         """`on_progress` hears each start-up step as it ends (weights loaded, KV pages sized,
         decode graphs captured), for a launcher to show. `mixed_rows`: the most decode rows a
         mixed step's prefill graph carries (the scheduler's, where it mixes; 0: none).
         `verify_tokens`: the most new tokens a verify step gives a request (the scheduler's,
-        where it speculates; 0: none), for the verify graphs."""
+        where it speculates; 0: none), for the verify graphs, which hold at most
+        `verify_requests` requests (the scheduler's disable_by_batch_size; None: no limit)."""
         self.cfg = cfg
         start = time.perf_counter()
         self.device = cfg.torch_device
@@ -321,7 +323,7 @@ class Engine:
         self.prefill_graphs: Optional[PrefillGraphs] = None
         self.verify_graphs: Optional[VerifyGraphs] = None
         self._mixed_rows = min(mixed_rows, cfg.max_running_requests)
-        self._verify_tokens = verify_tokens
+        self._verify_tokens, self._verify_requests = verify_tokens, verify_requests
         if cfg.tune_gemms:  # before the capture, which records the kernels chosen
             self._tune_gemms(graph_sizes(self._graph_bs))
         self._capture_graphs(on_progress)
@@ -358,7 +360,7 @@ class Engine:
         if self.device.type == "cuda" and cfg.decode_graph_max_bs > 0 and self._verify_tokens:
             self.verify_graphs = capture_verify_graphs(
                 self.model, self.backend, self._graph_bs, self._verify_tokens, self.page_table,
-                cfg.max_running_requests, self.pool.scratch_slot)
+                cfg.max_running_requests, self.pool.scratch_slot, self._verify_requests)
 
     @property
     def asleep(self) -> FrozenSet[str]:

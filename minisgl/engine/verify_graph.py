@@ -200,20 +200,21 @@ class VerifyGraphs:
         return VerifyReplayed(self.logits[bs][:n], self.blocks[bs][lay.logit_rows][:n])
 
 
-def verify_graph_bs(max_rows: int, tokens: int) -> int:
+def verify_graph_bs(max_rows: int, tokens: int, max_requests: Optional[int] = None) -> int:
     """The largest verify graph's batch size: at most `max_rows` tokens (the decode graphs'
-    batch size, for which the backend's graph buffers were made) and MAX_GRAPH_TOKENS; 0:
-    none."""
-    return min(max_rows, MAX_GRAPH_TOKENS) // max(tokens, 1)
+    batch size, for which the backend's graph buffers were made) and MAX_GRAPH_TOKENS, and at
+    most `max_requests` requests (past which no step drafts; None: no limit); 0: none."""
+    by_rows = min(max_rows, MAX_GRAPH_TOKENS) // max(tokens, 1)
+    return by_rows if max_requests is None else min(by_rows, max_requests)
 
 
 def capture_verify_graphs(model: CausalLM, backend: object, max_bs: int, tokens: int,
-                          page_table: torch.Tensor, pad_row: int, scratch_slot: int
-                          ) -> Optional[VerifyGraphs]:
+                          page_table: torch.Tensor, pad_row: int, scratch_slot: int,
+                          max_requests: Optional[int] = None) -> Optional[VerifyGraphs]:
     """The verify graphs (after the decode graphs, whose `max_bs` rows the backend's graph
     buffers hold), or None (logged) where none apply: no batch size, a backend without the
     contract, or a model whose forward cannot be captured."""
-    bs = verify_graph_bs(max_bs, tokens)
+    bs = verify_graph_bs(max_bs, tokens, max_requests)
     if not bs or not hasattr(backend, "graph_meta"):
         return None
     try:

@@ -144,6 +144,13 @@ class SchedulerConfig:
         spec = self.speculative
         return 0 if spec is None else 1 + spec.num_speculative_tokens
 
+    @property
+    def verify_requests(self) -> Optional[int]:
+        """The most requests a verify step holds (None: no limit): past disable_by_batch_size
+        running requests no step drafts."""
+        spec = self.speculative
+        return None if spec is None else spec.disable_by_batch_size
+
     def logprobs_cap(self, vocab_size: int) -> int:
         """max_logprobs resolved for a vocabulary of `vocab_size` tokens (-1: all of it)."""
         if self.max_logprobs == -1:

@@ -48,11 +48,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-from typing import Awaitable, Callable, List, Optional
+from typing import Awaitable, Callable, List, Mapping, Optional
 
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.requests import Request
 
+from minisgl.distributed.load_formats import DISK_FORMATS, TENSOR_FORMATS, check_load_format
 from minisgl.distributed.weight_group import GroupSpec, check_update
 from minisgl.message.types import (FlushCacheMsg, GroupMsg, GroupWeightsMsg, TensorWeightsMsg,
                                    WeightsMsg)
@@ -109,6 +110,13 @@ class AbortBody(Body):
     abort_all: bool = False
 
 
+def _check_format(load_format: Optional[str], formats: Mapping[str, str]) -> None:
+    try:
+        check_load_format(load_format, formats)
+    except ValueError as e:
+        raise ApiError(400, str(e), "load_format") from None
+
+
 class Weights:
     """The checkpoint every replica serves (`path`; None: dummy weights), the weights'
     version (SGLang's weight_version) and their updates."""
@@ -122,9 +130,7 @@ class Weights:
         """Reload every replica from `body.model_path`; ApiError (400) why not, after which
         every replica serves the weights it did (500 where one that reloaded cannot go back:
         then the message names what each serves)."""
-        if body.load_format not in (None, "auto"):
-            raise ApiError(400, f"load_format {body.load_format!r} is not supported (auto: the "
-                                f"checkpoint directory's safetensors)", "load_format")
+        _check_format(body.load_format, DISK_FORMATS)
         path = body.model_path
         async with self._lock:
             if body.abort_all_requests:
@@ -184,10 +190,7 @@ class Weights:
     async def from_tensors(self, body: TensorWeightsBody, tp: int) -> None:
         """Every replica loads the tensors a trainer on this machine handed over by reference
         (`tensor_payload.py`); ApiError (400) why not."""
-        if body.load_format not in (None, "direct", "flattened_bucket"):
-            raise ApiError(400, f"load_format {body.load_format!r} is not supported (direct: "
-                                f"each payload a list of (name, tensor) pairs; "
-                                f"flattened_bucket: SGLang's bucket)", "load_format")
+        _check_format(body.load_format, TENSOR_FORMATS)
         count, ranks = len(body.serialized_named_tensors), tp * self.replicas
         if count != ranks:  # each rank's reference counts: a payload opened twice breaks them
             raise ApiError(400, f"serialized_named_tensors holds {count} payloads: give one per "
