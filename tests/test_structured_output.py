@@ -216,7 +216,7 @@ def test_bad_constraints_are_400_naming_the_field(server: Server, client: openai
 
 
 # --- offline: tp=3 against tp=1, lockstep at tp=2, mixed batches, bad input ----------------------
-TP3_SCHEMAS = [SCHEMAS[i] for i in (0, 11, 19)]
+TP3_SCHEMAS = [SCHEMAS[i] for i in (0, 14, 18)]  # short answers: a tp=3 step is slow on 2 cores
 
 
 def test_tp3_equals_tp1_and_hf(schema_answers: Dict[Tuple[str, bool], str],
