@@ -3,19 +3,15 @@
 
 With tp=1 the scheduler and engine run in this process behind in-process queues; with tp>1 one
 process per rank is spawned and this process plays tokenizer and detokenizer over ZMQ, exactly as
-the service does. Bad input raises ValueError naming the values before anything is submitted.
+the service does (llm_ranks.py). Bad input raises ValueError naming the values before anything is submitted.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import itertools
 import json
 import logging
-import shutil
-import tempfile
 import time
 import weakref
 from array import array
@@ -25,25 +21,19 @@ from typing import (Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, 
                     Tuple, Union, cast)
 
 import torch
-import zmq
 from tqdm import tqdm
 
 from minisgl.core import (FinishReason, Limits, LoRARequest, PoolingParams, SamplingParams,
                           StructuredOutput, StructuredOutputsParams, TokenLogprobs,
                           check_request, truncate_prompt)
 from minisgl.grammar import make_checker
-from minisgl.distributed import DistributedInfo, ProcessGroups
-from minisgl.distributed.comm import Communicator
 from minisgl.distributed.weight_group import GroupSpec, check_update
 from minisgl.distributed.load_formats import DISK_FORMATS, TENSOR_FORMATS, check_load_format
 from minisgl.distributed.tensor_payload import serialize
-from minisgl.engine import Engine
 from minisgl.engine.sleep_parts import TAGS as SLEEP_PARTS, check_level, check_tags, sglang_parts
-from minisgl.message import AbortMsg, BatchTokenOut, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
-from minisgl.message.queue import PullQueue, PushQueue
-from minisgl.message.types import (AccountingMsg, AccountingReply, AdapterMsg, GroupMsg,
-                                   GroupWeightsMsg, SleepMsg, TensorWeightsMsg, WakeMsg,
-                                   WeightsMsg)
+from minisgl.message import AbortMsg, SchedulerStats, TokenOut, UserMsg
+from minisgl.message.types import (AdapterMsg, GroupMsg, GroupWeightsMsg, SleepMsg,
+                                   TensorWeightsMsg, WakeMsg, WeightsMsg)
 from minisgl.models import ModelConfig
 from minisgl.models.classifier import Classifier, LogitActivation, pair_score_error
 from minisgl.models.generation import sampling_defaults
@@ -55,12 +45,9 @@ from minisgl.outputs import (ClassificationOutput, ClassificationRequestOutput, 
                              EmbeddingOutput, EmbeddingRequestOutput, GenerateOutput,
                              PoolingOutput, PoolingRequestOutput, RequestStateStats,
                              ScoringOutput, ScoringRequestOutput)
+from minisgl.llm_ranks import InProcessRank, RankProcesses
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.io import LocalIO
-from minisgl.scheduler.main import run_rank, set_cpu_threads
-from minisgl.scheduler.scheduler import Accounting, Scheduler
-from minisgl.server.proc import (Child, ChildStartupError, first_dead, spawn, stop_children,
-                                 wait_ready)
+from minisgl.scheduler.scheduler import Accounting
 from minisgl.server.structured import FieldError, constraint
 from minisgl.server.tools import assistant_tool_calls
 from minisgl.tokenizer.bad_words import with_bad_word_ids
@@ -69,7 +56,6 @@ from minisgl.tokenizer.incremental import IncrementalDecoder, StopMatcher
 from minisgl.tokenizer.text import (check_tokenizer_mode, load_tokenizer,
                                     resolve_tokenizer_path)
 from minisgl.settings import build
-from minisgl.distributed.bind import free_port
 
 logger = logging.getLogger(__name__)
 # Text, token ids, or vLLM's TextPrompt / TokensPrompt: {"prompt": text} / {"prompt_token_ids": ids}
@@ -117,174 +103,6 @@ class _Clock:
         first = self.first if self.first is not None else self.queued
         return RequestStateStats(self.wall, self.queued, self.queued + self.queued_s, first,
                                  self.last if self.last is not None else first, tokens)
-
-
-class _InProcess:
-    """tp=1: drive the scheduler directly, one step per poll."""
-
-    def __init__(self, cfg: SchedulerConfig) -> None:
-        info = cfg.engine.tp_info
-        if cfg.engine.cpu_threads is not None:  # this is the caller's process: only when asked
-            set_cpu_threads(cfg.engine, 1, logger)  # the only rank on this host
-        self.engine = Engine(cfg.engine, ProcessGroups(Communicator(info), None),
-                             mixed_rows=cfg.mixed_rows, verify_tokens=cfg.verify_tokens,
-                             verify_requests=cfg.verify_requests)
-        self.io = LocalIO()
-        self.scheduler = Scheduler(cfg, self.engine, self.io)
-        self.limits: Limits = self.scheduler.limits
-        self.closed = False
-
-    def submit(self, msg: Any) -> None:
-        self._check_open()
-        self.io.inbox.append(msg)
-
-    def poll(self) -> List[TokenOut]:
-        self._check_open()
-        s = self.scheduler
-        s.iterate(s.io.receive(blocking=False, on_idle=s.check_idle))
-        if not s.has_work:
-            s.check_idle()
-        outs, self.io.outbox = self.io.outbox, []
-        return outs
-
-    def drain(self) -> None:
-        """Finish the in-flight batch (overlap keeps one) so the scheduler rests idle."""
-        while self.scheduler.has_work:
-            self.poll()
-
-    @property
-    def stats(self) -> Optional[SchedulerStats]:
-        return self.io.stats
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise RuntimeError("this LLM is closed")
-
-    def close(self) -> None:
-        """Release the engine (weights, KV pool, CUDA graphs): a closed LLM holds no device
-        memory, so that the next one in this process sizes its KV pool from all of it (it
-        got a fifth less with the first's pool still held). Later calls raise RuntimeError."""
-        if self.closed:
-            return
-        self.closed = True
-        on_cuda = self.engine.device.type == "cuda"
-        del self.scheduler, self.engine
-        gc.collect()  # the engine's tensors sit in reference cycles (modules, graphs)
-        if on_cuda:
-            torch.cuda.empty_cache()
-
-
-class _RankProcesses:
-    """tp>1: one process per rank, spawned, awaited and stopped by `server.proc` as the
-    launcher's are; rank 0 talks to us over ZMQ. A rank that fails to start, or dies later,
-    raises RuntimeError naming it once the other ranks are stopped."""
-
-    def __init__(self, cfg: SchedulerConfig, tp: int, log_level: str) -> None:
-        self.run_dir = tempfile.mkdtemp(prefix="minisgl-llm-")
-        addr = lambda name: f"ipc://{self.run_dir}/{name}"  # noqa: E731
-        port = free_port()
-        self.ctx = zmq.Context()
-        self.results = PullQueue(self.ctx, addr("detokenizer"), bind=True)
-        self.children: List[Child] = []
-        for rank in range(tp):
-            engine = dataclasses.replace(cfg.engine, tp_info=DistributedInfo(rank, tp),
-                                         dist_init_method=f"tcp://127.0.0.1:{port}")
-            rank_cfg = dataclasses.replace(
-                cfg, engine=engine, backend_addr=addr("backend"),
-                detokenizer_addr=addr("detokenizer"), broadcast_addr=addr("broadcast"))
-            self.children.append(spawn(f"rank{rank}", run_rank, (rank_cfg,), log_level,
-                                       self.run_dir))
-        self.requests = PushQueue(self.ctx, addr("backend"), bind=False)
-        self.stats: Optional[SchedulerStats] = None  # rank 0's latest
-        self.accounting_seq = 0  # AccountingMsg numbers, so a reply meets its request
-        self.closed = False
-        try:
-            wait_ready(self.children, should_stop=lambda: False)
-        except ChildStartupError as e:
-            rank = self.children.index(e.child)
-            self.close(graceful=False)
-            raise RuntimeError(f"scheduler rank {rank} failed to start: {e.reason}") from None
-        except BaseException:  # interrupted: leave no rank behind
-            self.close(graceful=False)
-            raise
-        self.limits: Limits = (self.children[0].info or {})["limits"]
-
-    @property
-    def torch_threads(self) -> List[int]:
-        """Each rank's torch thread count, as it reported it when ready."""
-        return [(c.info or {})["torch_threads"] for c in self.children]
-
-    @property
-    def procs(self) -> List[Any]:
-        """The rank processes (multiprocessing.Process), rank r at index r."""
-        return [c.process for c in self.children]
-
-    def check_alive(self) -> None:
-        dead = first_dead(self.children)
-        if dead is not None:
-            self.close(graceful=False)
-            raise RuntimeError(f"scheduler rank process {dead.process.name} died "
-                               f"(exit code {dead.process.exitcode}); stopped the other ranks")
-
-    def submit(self, msg: Any) -> None:
-        self._check_open()
-        self.requests.put(msg)
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise RuntimeError("this LLM is closed")
-
-    def drain(self) -> None:
-        """Nothing to wait for: the rank processes finish their in-flight batch by themselves."""
-
-    def _receive(self) -> object:
-        """Rank 0's next message within half a second (None: none came, and every rank is
-        alive); a BatchTokenOut's stats are kept."""
-        try:
-            msg = self.results.get(timeout_ms=500)
-        except TimeoutError:
-            self.check_alive()
-            return None
-        if isinstance(msg, BatchTokenOut) and msg.stats is not None and (
-                self.stats is None or msg.stats.seq > self.stats.seq):
-            self.stats = msg.stats  # the newest: rank 0's timer sends them too
-        return msg
-
-    def poll(self) -> List[TokenOut]:
-        msg = self._receive()
-        return list(msg.items) if isinstance(msg, BatchTokenOut) else []
-
-    def accounting(self, reset_prefix_cache: bool = False) -> Accounting:
-        """Every rank checks its KV pages at its next rest (a rank whose pages do not balance
-        raises, ends, and the others are stopped: RuntimeError here), having first dropped its
-        prefix cache where `reset_prefix_cache`; rank 0's numbers."""
-        self.accounting_seq += 1
-        self.requests.put(AccountingMsg(self.accounting_seq, reset_prefix_cache))
-        while True:
-            msg = self._receive()
-            if isinstance(msg, AccountingReply) and msg.seq == self.accounting_seq:
-                return Accounting.of_reply(msg)
-            if isinstance(msg, BatchTokenOut) and msg.items:
-                raise RuntimeError(f"check_accounting runs between generate calls; rank 0 "
-                                   f"sent {len(msg.items)} token outputs meanwhile")
-
-    def close(self, graceful: bool = True) -> None:
-        """Stop the ranks (gracefully: a ShutdownMsg ends them all at the same step) and remove
-        the runtime directory. Idempotent."""
-        if self.closed:
-            return
-        self.closed = True
-        if graceful and self.children[0].alive:
-            with contextlib.suppress(zmq.ZMQError):
-                self.requests.put(ShutdownMsg())
-        if graceful:
-            stop_children(self.children, 10.0, 5.0)
-        else:  # a rank died: the others may be stuck in a collective with it
-            stop_children(self.children, 0.0, 1.0)
-        self.results.close()
-        self.requests.close()
-        self.ctx.term()
-        shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 def _chat_message(i: int, message: Any) -> Dict[str, Any]:
@@ -447,7 +265,7 @@ class LLM:
                                      show_progress=show_progress)
         cfg = dataclasses.replace(cfg, engine=engine, tokenizer_path=str(tokenizer_path))
         self.show_progress = show_progress
-        self._backend = _InProcess(cfg) if tp == 1 else _RankProcesses(cfg, tp, log_level)
+        self._backend = InProcessRank(cfg) if tp == 1 else RankProcesses(cfg, tp, log_level)
         self._uids = itertools.count()
         self._token_texts: Dict[int, str] = {}  # token id -> decoded alone (Logprob's)
         self._asleep: FrozenSet[str] = frozenset()  # sleep mode's parts asleep
@@ -473,7 +291,7 @@ class LLM:
     def rank_processes(self) -> Tuple[Any, ...]:
         """The rank processes (multiprocessing.Process, in rank order) with tp>1; empty with tp=1,
         where the scheduler runs in this process."""
-        if isinstance(self._backend, _RankProcesses):
+        if isinstance(self._backend, RankProcesses):
             return tuple(self._backend.procs)
         return ()
 
@@ -485,7 +303,7 @@ class LLM:
         numbers come back; ranks agree, as they schedule alike), and a rank whose pages do not
         balance ends: RuntimeError naming it, the other ranks stopped."""
         self._backend._check_open()
-        if isinstance(self._backend, _RankProcesses):
+        if isinstance(self._backend, RankProcesses):
             return self._backend.accounting()
         return self._backend.scheduler.accounting()
 
@@ -493,7 +311,7 @@ class LLM:
         """Drop every cached prefix (vLLM's method: cold-cache benchmarks, or after the prompts
         of one tenant), on every rank, between calls of `generate` / `chat`; True when done."""
         self._backend._check_open()
-        if isinstance(self._backend, _RankProcesses):
+        if isinstance(self._backend, RankProcesses):
             self._backend.accounting(reset_prefix_cache=True)
         else:
             self._backend.scheduler.cache.drop_unused()
@@ -503,7 +321,7 @@ class LLM:
     def torch_threads(self) -> Tuple[int, ...]:
         """The torch thread count of each rank (`cpu_threads` setting): this process's own with
         tp=1."""
-        if isinstance(self._backend, _RankProcesses):
+        if isinstance(self._backend, RankProcesses):
             return tuple(self._backend.torch_threads)
         return (torch.get_num_threads(),)
 
