@@ -5,13 +5,14 @@
 
 from typing import TYPE_CHECKING
 
+from minisgl.beam_search import BeamSearchParams
 from minisgl.core import (LoRARequest, PoolingParams, SamplingParams, StructuredOutput,
                           StructuredOutputsParams, TokenLogprobs)
 
 if TYPE_CHECKING:  # type checkers see the class; at run time `__getattr__` imports it late
     from minisgl.llm import LLM
 
-__all__ = ["LLM", "LoRARequest", "PoolingParams", "SamplingParams", "StructuredOutput",
+__all__ = ["BeamSearchParams", "LLM", "LoRARequest", "PoolingParams", "SamplingParams", "StructuredOutput",
            "StructuredOutputsParams", "TokenLogprobs"]
 
 

@@ -23,6 +23,7 @@ from typing import (Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, 
 import torch
 from tqdm import tqdm
 
+from minisgl.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from minisgl.core import (FinishReason, Limits, LoRARequest, PoolingParams, SamplingParams,
                           StructuredOutput, StructuredOutputsParams, TokenLogprobs,
                           check_request, truncate_prompt)
@@ -373,6 +374,50 @@ class LLM:
                                  f"{priority!r:.80}")
             params = [dataclasses.replace(p, priority=v) for p, v in zip(params, priority)]
         return self._run(ids, self._with_lora(params, lora_request), use_tqdm, texts)
+
+    def beam_search(self, prompts: Union[Prompt, Sequence[Prompt]], params: BeamSearchParams,
+                    *, use_tqdm: bool = False, lora_request: LoraRequests = None
+                    ) -> List[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: each prompt's `params.beam_width` best beams, best first
+        (beam_search.py: the search and how beams rank). One engine call a step for every
+        live beam of every prompt; `use_tqdm`: a progress bar over the steps. ValueError
+        naming bad params, or a prompt whose beams would outgrow the context."""
+        params.check(self.limits.max_logprobs)
+        batch = _prompt_list(prompts)
+        ids = [self._encode(p) for p in batch]
+        for i, prompt in enumerate(ids):
+            if len(prompt) + params.max_tokens > self.max_context:
+                raise ValueError(f"prompt {i}: {len(prompt)} tokens + max_tokens "
+                                 f"{params.max_tokens} exceed the context of "
+                                 f"{self.max_context} tokens")
+        eos = tuple(self.model_config.eos_token_ids)
+        searches = [BeamSearch(prompt, params, eos) for prompt in ids]
+        step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                              logprobs=2 * params.beam_width, detokenize=False)
+        if lora_request is not None and not isinstance(lora_request, LoRARequest) and (
+                len(lora_request) != len(ids)):
+            raise ValueError(f"lora_request must give one value per prompt ({len(ids)}), got "
+                             f"{len(lora_request)}")
+        for _ in tqdm(range(params.max_tokens), desc="beam search", unit="step",
+                      disable=not use_tqdm):
+            beams = [b.tokens for s in searches for b in s.live]
+            if not beams:
+                break
+            lora = (lora_request if lora_request is None or isinstance(lora_request, LoRARequest)
+                    else [r for s, r in zip(searches, lora_request) for _ in s.live])
+            outs = self.generate(beams, step, use_tqdm=False, lora_request=lora)
+            offered = [_step_candidates(o) for o in outs]
+            for search in searches:
+                n = len(search.live)
+                search.step(offered[:n])
+                offered = offered[n:]
+        results = []
+        for search in searches:
+            best = search.best()
+            for beam in best:
+                beam.text = self._need_tokenizer().decode(beam.tokens)
+            results.append(BeamSearchOutput(best))
+        return results
 
     def chat(self, messages: Union[List[Dict[str, Any]], List[List[Dict[str, Any]]]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
@@ -934,6 +979,15 @@ class LLM:
                 if out.finish_reason is not None or out.error:
                     left.discard(out.uid)
         self._backend.drain()
+
+
+def _step_candidates(out: GenerateOutput) -> Tuple[Tuple[int, ...], Tuple[float, ...]]:
+    """A beam search step's one token output: the next tokens it offers, most likely first."""
+    logprobs = out.outputs[0].token_logprobs
+    if not logprobs:
+        raise RuntimeError(f"a beam search step came back without log-probabilities "
+                           f"(finish reason {out.outputs[0].finish_reason})")
+    return logprobs[0].top_ids, logprobs[0].top_logprobs
 
 
 def _same_dir(a: str, b: str) -> bool:
