@@ -125,6 +125,7 @@ class FakeEngine:
         self.reloads: List[Optional[str]] = []  # every reload_weights path, in order
         self.asleep: FrozenSet[str] = frozenset()  # sleep mode's parts asleep
         self.sleeps: List[Tuple[int, Tuple[str, ...]]] = []  # every sleep's (level, parts)
+        self.levels: Dict[str, int] = {}  # each part asleep: the level it sleeps at
         self.wake_error: Optional[str] = None  # what the next wake_up raises (once)
 
     def sleep(self, level: int, tags: Tuple[str, ...] = ()) -> int:
@@ -132,6 +133,7 @@ class FakeEngine:
             raise ValueError(f"sleep level must be 1 or 2, not {level}")
         awake = tuple(t for t in tags or ("weights", "kv_cache") if t not in self.asleep)
         self.asleep |= frozenset(awake)
+        self.levels.update({t: level for t in awake})
         self.sleeps.append((level, awake))
         if level == 2 and "weights" in awake:
             self.weights_code = -1  # forgotten: a reload must come before serving again
@@ -142,6 +144,9 @@ class FakeEngine:
             error, self.wake_error = self.wake_error, None
             raise RuntimeError(error)
         self.asleep -= frozenset(tags or ("weights", "kv_cache"))
+
+    def sleep_level(self, tag: str) -> int:
+        return self.levels.get(tag, 0) if tag in self.asleep else 0
 
     def load_adapter(self, slot: int, name: str, path: str) -> None:
         if path.endswith("bad"):
@@ -279,8 +284,8 @@ class Harness:
         """Reload the weights from `path`, as message `uid`."""
         self.io.inbox.append(WeightsMsg(uid, path))
 
-    def sleep(self, uid: int, level: int = 1) -> None:
-        self.io.inbox.append(SleepMsg(uid, level))
+    def sleep(self, uid: int, level: int = 1, *tags: str) -> None:
+        self.io.inbox.append(SleepMsg(uid, level, tags))
 
     def wake(self, uid: int, *tags: str) -> None:
         self.io.inbox.append(WakeMsg(uid, tags))

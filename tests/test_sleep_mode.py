@@ -129,6 +129,18 @@ def test_a_sleep_or_wake_up_another_rank_failed_is_undone(
     assert "wake-up failed on another rank" in h.reply(102)
     assert h.engine.asleep == {"weights", "kv_cache"} and h.engine.sleeps[-1] == (
         1, ("kv_cache",))
+    # parts asleep at different levels each go back to sleep at their own
+    monkeypatch.undo()
+    for change in (lambda: h.wake(103), lambda: h.sleep(104, 1, "weights"),
+                   lambda: h.sleep(105, 2, "kv_cache")):
+        change()
+        h.run()
+    assert [h.reply(u) for u in (103, 104, 105)] == ["ok"] * 3
+    monkeypatch.setattr("minisgl.scheduler.changes.min_over_ranks", lambda v, g: 0)
+    h.wake(106)
+    h.run()
+    assert "wake-up failed on another rank" in h.reply(106)
+    assert sorted(h.engine.sleeps[-2:]) == [(1, ("weights",)), (2, ("kv_cache",))]
 
 
 def test_changes_that_cannot_run_are_refused_and_held_requests_can_be_aborted() -> None:
@@ -199,6 +211,8 @@ def test_offline_sleep_and_wake_give_hugging_faces_tokens(checkpoints: List[Path
         assert llm.is_sleeping()
         if tp == 1:
             assert held > 0 and _device_bytes(llm) == 0
+            engine = llm._backend.engine  # type: ignore[attr-defined]
+            assert [engine.sleep_level(t) for t in ("weights", "kv_cache")] == [1, 1]
         with pytest.raises(RuntimeError, match="asleep"):
             llm.generate([[1, 2, 3]])
         llm.wake_up()
@@ -206,7 +220,11 @@ def test_offline_sleep_and_wake_give_hugging_faces_tokens(checkpoints: List[Path
         if tp == 1:
             assert _device_bytes(llm) == held
         llm.sleep(2)
+        if tp == 1:
+            assert engine.sleep_level("weights") == 2
         llm.wake_up(tags=["weights"])
+        if tp == 1:
+            assert engine.sleep_level("weights") == 0 and engine.sleep_level("kv_cache") == 2
         assert llm.is_sleeping()
         llm.update_weights_from_disk(str(b))
         llm.wake_up(tags=["kv_cache"])

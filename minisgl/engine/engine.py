@@ -367,6 +367,11 @@ class Engine:
         """The parts asleep (sleep.TAGS: "weights", "kv_cache"); empty while serving."""
         return frozenset(self._asleep)
 
+    def sleep_level(self, tag: str) -> int:
+        """The level part `tag` sleeps at (1: kept in host memory, 2: forgotten); 0: awake."""
+        part = self._asleep.get(tag)
+        return 0 if part is None else 1 if part.kept else 2
+
     @torch.inference_mode()
     def sleep(self, level: int, tags: Tuple[str, ...] = ()) -> int:
         """Hand back the device memory of the parts `tags` names (sleep.TAGS; empty: all) that

@@ -48,7 +48,6 @@ class Changes:
         self.engine, self.adapters, self.lora_runtime = engine, adapters, lora_runtime
         self.rank, self.global_rank, self.cpu_group = rank, global_rank, cpu_group
         self.weights_path = weights_path
-        self.sleep_level = 0  # what the parts asleep slept at (Engine.asleep says which)
 
     def _all_ranks(self, error: Optional[str]) -> bool:
         """Whether every rank made the change (a vote every rank must reach)."""
@@ -178,7 +177,6 @@ class Changes:
             if slept:
                 self.engine.wake_up(slept)
             return error or "sleep failed on another rank (its log says why)"
-        self.sleep_level = msg.level
         logger.info("rank %d: asleep (level %d; %s): %.2f GiB freed in %.2f s, %d cached "
                     "pages dropped", self.rank, msg.level, ", ".join(sorted(self.engine.asleep)),
                     (freed or 0) / 2**30, time.perf_counter() - start, dropped)
@@ -186,13 +184,13 @@ class Changes:
 
     def wake(self, msg: WakeMsg) -> Optional[str]:
         """The parts `msg.tags` names awake on every rank, or on none: a rank that woke where
-        another did not goes back to sleep."""
+        another did not goes back to sleep, each part at the level it slept at."""
         before, start = self.engine.asleep, time.perf_counter()
+        levels = {tag: self.engine.sleep_level(tag) for tag in before}
         error, _ = self._attempt(lambda: self.engine.wake_up(tuple(msg.tags)), "wake-up")
         if not self._all_ranks(error):
-            woke: Tuple[str, ...] = tuple(t for t in before if t not in self.engine.asleep)
-            if woke:
-                self.engine.sleep(self.sleep_level, woke)
+            for tag in (t for t in before if t not in self.engine.asleep):
+                self.engine.sleep(levels[tag], (tag,))
             return error or "wake-up failed on another rank (its log says why)"
         logger.info("rank %d: %s in %.2f s", self.rank, "awake" if not self.engine.asleep else
                     "woke " + ", ".join(t for t in before if t not in self.engine.asleep),

@@ -98,6 +98,10 @@ class StepEngine(Protocol):
     def asleep(self) -> FrozenSet[str]:
         """Sleep mode: the parts asleep ("weights", "kv_cache"); empty while serving."""
 
+    def sleep_level(self, tag: str) -> int:
+        """The level part `tag` sleeps at (1: the weights kept in host memory, 2: forgotten);
+        0 where it is awake."""
+
     def sleep(self, level: int, tags: Tuple[str, ...] = ()) -> int:
         """Hand back the memory of the awake parts `tags` names (empty: all) at sleep `level`
         (1: the weights kept in host memory; 2: forgotten), with no request live and the
