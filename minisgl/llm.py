@@ -3,7 +3,8 @@
 
 With tp=1 the scheduler and engine run in this process behind in-process queues; with tp>1 one
 process per rank is spawned and this process plays tokenizer and detokenizer over ZMQ, exactly as
-the service does (llm_ranks.py). Bad input raises ValueError naming the values before anything is submitted.
+the service does (llm_ranks.py). Bad input raises ValueError naming the values before anything
+is submitted.
 """
 
 from __future__ import annotations
