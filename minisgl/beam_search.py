@@ -22,8 +22,9 @@ from minisgl.outputs import Logprob
 
 @dataclasses.dataclass(frozen=True)
 class BeamSearchParams:
-    """vLLM's `BeamSearchParams`. `temperature` is taken for vLLM's callers and has no effect:
-    beams are ranked by the model's raw log-probabilities, as vLLM ranks them."""
+    """vLLM's `BeamSearchParams`. `temperature` and `include_stop_str_in_output` are taken for
+    vLLM's callers and change nothing: beams are ranked by the model's raw log-probabilities,
+    as vLLM ranks them, and a beam search has no stop strings."""
 
     beam_width: int
     max_tokens: int
@@ -55,7 +56,8 @@ class BeamSearchParams:
 class BeamSearchSequence:
     """vLLM's: one beam. `tokens` include the prompt's; `logprobs` hold, per generated token,
     the candidates its step offered (token id -> Logprob, most likely first); `text` is
-    `tokens` decoded (the prompt's text included, as vLLM's offline beam search gives it);
+    `tokens` decoded (the prompt's text included, as vLLM's offline beam search gives it; ""
+    for a model without a tokenizer);
     `finish_reason` "stop" (an EOS id ended it) or "length"."""
 
     tokens: List[int]

@@ -384,40 +384,35 @@ class LLM:
         live beam of every prompt; `use_tqdm`: a progress bar over the steps. ValueError
         naming bad params, or a prompt whose beams would outgrow the context."""
         params.check(self.limits.max_logprobs)
-        batch = _prompt_list(prompts)
-        ids = [self._encode(p) for p in batch]
+        ids = [self._encode(p) for p in _prompt_list(prompts)]
         for i, prompt in enumerate(ids):
             if len(prompt) + params.max_tokens > self.max_context:
                 raise ValueError(f"prompt {i}: {len(prompt)} tokens + max_tokens "
                                  f"{params.max_tokens} exceed the context of "
                                  f"{self.max_context} tokens")
-        eos = tuple(self.model_config.eos_token_ids)
-        searches = [BeamSearch(prompt, params, eos) for prompt in ids]
-        step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
-                              logprobs=2 * params.beam_width, detokenize=False)
-        if lora_request is not None and not isinstance(lora_request, LoRARequest) and (
-                len(lora_request) != len(ids)):
+        if not (lora_request is None or isinstance(lora_request, LoRARequest)
+                or len(lora_request) == len(ids)):
             raise ValueError(f"lora_request must give one value per prompt ({len(ids)}), got "
                              f"{len(lora_request)}")
+        searches = [BeamSearch(prompt, params, self.model_config.eos_token_ids)
+                    for prompt in ids]
+        step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                              logprobs=2 * params.beam_width, detokenize=False)
         for _ in tqdm(range(params.max_tokens), desc="beam search", unit="step",
                       disable=not use_tqdm):
-            beams = [b.tokens for s in searches for b in s.live]
-            if not beams:
+            live = [(b.tokens, k) for k, s in enumerate(searches) for b in s.live]
+            if not live:
                 break
             lora = (lora_request if lora_request is None or isinstance(lora_request, LoRARequest)
-                    else [r for s, r in zip(searches, lora_request) for _ in s.live])
-            outs = self.generate(beams, step, use_tqdm=False, lora_request=lora)
-            offered = [_step_candidates(o) for o in outs]
-            for search in searches:
-                n = len(search.live)
-                search.step(offered[:n])
-                offered = offered[n:]
-        results = []
-        for search in searches:
-            best = search.best()
-            for beam in best:
-                beam.text = self._need_tokenizer().decode(beam.tokens)
-            results.append(BeamSearchOutput(best))
+                    else [lora_request[k] for _, k in live])
+            outs = self.generate([tokens for tokens, _ in live], step, use_tqdm=False,
+                                 lora_request=lora)
+            offered = iter([_step_candidates(o) for o in outs])
+            for search in searches:  # each takes its live beams' outputs, in order
+                search.step([next(offered) for _ in search.live])
+        results = [BeamSearchOutput(s.best()) for s in searches]
+        for beam in (b for r in results for b in r.sequences):
+            beam.text = "" if self.tokenizer is None else self.tokenizer.decode(beam.tokens)
         return results
 
     def chat(self, messages: Union[List[Dict[str, Any]], List[List[Dict[str, Any]]]],

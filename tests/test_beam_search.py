@@ -92,6 +92,9 @@ def test_bad_params_are_refused_by_name_and_nothing_is_held(default_model_dir: P
         with pytest.raises(ValueError, match="prompt 0: 60 tokens \\+ max_tokens 8 exceed the "
                                              "context of 64"):
             llm.beam_search([[5] * 60], BeamSearchParams(beam_width=2, max_tokens=8))
+        with pytest.raises(ValueError, match="one value per prompt \\(1\\), got 2"):
+            llm.beam_search(["Hi"], BeamSearchParams(beam_width=2, max_tokens=2),
+                            lora_request=[None, None])
         out = llm.beam_search(["The capital of France is"],
                               BeamSearchParams(beam_width=3, max_tokens=4))[0]
         assert len(out.sequences) == 3
