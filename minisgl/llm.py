@@ -34,8 +34,8 @@ from minisgl.distributed.load_formats import DISK_FORMATS, TENSOR_FORMATS, check
 from minisgl.distributed.tensor_payload import serialize
 from minisgl.engine.sleep_parts import TAGS as SLEEP_PARTS, check_level, check_tags, sglang_parts
 from minisgl.message import AbortMsg, SchedulerStats, TokenOut, UserMsg
-from minisgl.message.types import (AdapterMsg, GroupMsg, GroupWeightsMsg, SleepMsg,
-                                   TensorWeightsMsg, WakeMsg, WeightsMsg)
+from minisgl.message.types import (AdapterMsg, GroupMsg, GroupWeightsMsg, ProfileMsg,
+                                   SleepMsg, TensorWeightsMsg, WakeMsg, WeightsMsg)
 from minisgl.models import ModelConfig
 from minisgl.models.classifier import Classifier, LogitActivation, pair_score_error
 from minisgl.models.generation import sampling_defaults
@@ -651,8 +651,22 @@ class LLM:
         """Whether any part (weights, KV cache) is asleep."""
         return bool(self._asleep)
 
+    def start_profile(self, profile_prefix: Optional[str] = None) -> None:
+        """vLLM's: every rank starts torch.profiler (scheduler/profiler.py) until
+        `stop_profile`, which writes each rank's trace to profile_dir (the setting, else
+        VLLM_TORCH_PROFILER_DIR / SGLANG_TORCH_PROFILER_DIR) as
+        `{profile_prefix}-{time}-rank{r}.trace.json.gz`. ValueError where profiling is off or
+        already running."""
+        name = f"{profile_prefix or 'minisgl'}-{time.strftime('%Y%m%d-%H%M%S')}"
+        self._change(ProfileMsg(next(self._uids), True, name))
+
+    def stop_profile(self) -> None:
+        """vLLM's: stop the profiler and write every rank's trace; ValueError where it is not
+        running."""
+        self._change(ProfileMsg(next(self._uids), False))
+
     def _change(self, msg: Union[AdapterMsg, WeightsMsg, SleepMsg, WakeMsg, GroupMsg,
-                                 GroupWeightsMsg, TensorWeightsMsg]) -> None:
+                                 GroupWeightsMsg, TensorWeightsMsg, ProfileMsg]) -> None:
         """Send `msg` to the ranks and wait for rank 0's answer (between calls: no request
         is in flight); ValueError with its error."""
         self._backend.submit(msg)

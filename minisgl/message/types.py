@@ -82,7 +82,7 @@ class ReplicaChange:
 
     replica: int
     change: Union["AdapterMsg", "WeightsMsg", "FlushCacheMsg", "SleepMsg", "WakeMsg",
-                  "GroupMsg", "GroupWeightsMsg", "PauseMsg", "TensorWeightsMsg"]
+                  "GroupMsg", "GroupWeightsMsg", "PauseMsg", "TensorWeightsMsg", "ProfileMsg"]
 
 
 # --- tokenizer -> scheduler (the "backend" messages rank 0 forwards to other ranks) -----------
@@ -155,6 +155,17 @@ class FlushCacheMsg:
     "stop"; before, the tokenizer sends the detokenizer a `DetokenizeInit` of the uid."""
 
     uid: int
+
+
+@dataclass(frozen=True)
+class ProfileMsg:
+    """Start (`start`) or stop torch.profiler on every rank of a replica at the same step
+    (scheduler/profiler.py); the traces are named `name`. Rank 0 answers with one final
+    `TokenOut` of `uid`, as for a `FlushCacheMsg`."""
+
+    uid: int
+    start: bool
+    name: str = "minisgl"
 
 
 @dataclass(frozen=True)

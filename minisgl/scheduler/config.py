@@ -6,6 +6,7 @@ values the launcher fills in per rank.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -94,6 +95,11 @@ class SchedulerConfig:
     speculative_ngram_max_match_window_size: Optional[int] = setting(
         None, "SGLang's: the longest match an n-gram draft follows (prompt_lookup_max; "
               "default 12)")
+    profile_dir: Optional[str] = setting(
+        None, "where torch.profiler traces go (one per rank a start and stop: /start_profile "
+              "and /stop_profile over HTTP, LLM.start_profile / stop_profile); unset: "
+              "VLLM_TORCH_PROFILER_DIR or SGLANG_TORCH_PROFILER_DIR from the environment, "
+              "else profiling is off")
     check_lockstep: bool = setting(False, "every step, the ranks compare their batch uids, KV "
                                           "slots and sampled tokens and fail on a mismatch (a "
                                           "debugging aid: one collective per step)")
@@ -136,6 +142,12 @@ class SchedulerConfig:
             raise ValueError("set speculative_config (vLLM's) or speculative_algorithm "
                              "(SGLang's), not both")
         return sglang or SpeculativeConfig.parse(self.speculative_config)
+
+    @property
+    def resolved_profile_dir(self) -> Optional[str]:
+        """profile_dir, else the environment's (vLLM's, then SGLang's variable); None: off."""
+        return (self.profile_dir or os.environ.get("VLLM_TORCH_PROFILER_DIR")
+                or os.environ.get("SGLANG_TORCH_PROFILER_DIR") or None)
 
     @property
     def verify_tokens(self) -> int:

@@ -42,12 +42,13 @@ from minisgl.utils import offline_prefill_tokens, rows_to_device
 from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.message.types import (AccountingMsg, AccountingReply, AdapterMsg, FlushCacheMsg,
-                                   GroupMsg, GroupWeightsMsg, PauseMsg, PhaseTimes, SleepMsg,
-                                   TensorWeightsMsg, WakeMsg, WeightsMsg)
+                                   GroupMsg, GroupWeightsMsg, PauseMsg, PhaseTimes, ProfileMsg,
+                                   SleepMsg, TensorWeightsMsg, WakeMsg, WeightsMsg)
 from minisgl.message.pulse import Pulse
 from minisgl.scheduler.adapters import AdapterTable
 from minisgl.scheduler.cache import PageCache, PageCounts
 from minisgl.scheduler.changes import WEIGHTS_ASLEEP, Changes
+from minisgl.scheduler.profiler import RankProfiler
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.engine_api import StepEngine
@@ -177,6 +178,8 @@ class Scheduler:
                                cfg.replica * cfg.engine.tp + self.rank, cpu_group,
                                None if cfg.engine.load_format == "dummy"
                                else cfg.engine.model_path)
+        self.profiler = RankProfiler(self.rank, cfg.replica * cfg.engine.tp + self.rank,
+                                     cfg.resolved_profile_dir, cpu_group)
         self._stats_seq = 0
         self.on_stats = on_stats
         if on_stats is not None:
@@ -397,6 +400,9 @@ class Scheduler:
             self._answer(msg.uid, self.changes.group(msg))
         elif isinstance(msg, PauseMsg):
             self._pause(msg)
+        elif isinstance(msg, ProfileMsg):
+            self._answer(msg.uid, self.profiler.start(msg.name) if msg.start
+                         else self.profiler.stop())
         elif isinstance(msg, FlushCacheMsg):
             dropped = self.cache.drop_unused()
             logger.info("rank %d: prefix cache flushed (%d pages freed)", self.rank, dropped)

@@ -36,7 +36,8 @@ import zmq.asyncio
 
 from minisgl.message.codec import decode, encode
 from minisgl.message.types import (AbortRequest, AdapterMsg, Drain, FlushCacheMsg, GroupMsg,
-                                   GroupWeightsMsg, PauseMsg, PhaseTimes, ReplicaChange,
+                                   GroupWeightsMsg, PauseMsg, PhaseTimes, ProfileMsg,
+                                   ReplicaChange,
                                    ReplyBatch, ReplyChunk, ServiceDown, TextRequest,
                                    SleepMsg, TensorWeightsMsg, TokenizeRequest, WakeMsg,
                                    WeightsMsg)
@@ -47,7 +48,7 @@ from minisgl.server.tracing import SpanRecord, Traces
 
 logger = logging.getLogger("minisgl.api")
 ReplicaChangeMsg = Union[AdapterMsg, WeightsMsg, FlushCacheMsg, SleepMsg, WakeMsg, GroupMsg,
-                         GroupWeightsMsg, PauseMsg, TensorWeightsMsg]
+                         GroupWeightsMsg, PauseMsg, TensorWeightsMsg, ProfileMsg]
 
 
 @dataclass(eq=False)

@@ -1,0 +1,68 @@
+"""Profiling (vLLM's LLM.start_profile / stop_profile, /start_profile and /stop_profile over
+HTTP; scheduler/profiler.py): every rank writes a torch.profiler trace of the steps between a
+start and a stop; a start or stop out of turn, or with profiling off, is refused by name."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import pytest
+
+from minisgl import LLM, SamplingParams
+from server_helpers import serving
+
+
+def _trace_names(path: Path) -> set:
+    with gzip.open(path, "rt") as f:
+        return {e.get("name", "") for e in json.load(f)["traceEvents"]}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_every_rank_writes_a_trace_of_the_steps_between(tiny_model: Callable[..., Path],
+                                                        tmp_path: Path, tp: int,
+                                                        monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
+    monkeypatch.delenv("SGLANG_TORCH_PROFILER_DIR", raising=False)
+    out = tmp_path / "traces"
+    with LLM(str(tiny_model("llama")), device="cpu", tp=tp, max_kv_tokens=1024,
+             profile_dir=str(out), show_progress=False) as llm:
+        with pytest.raises(ValueError, match="the profiler is not running"):
+            llm.stop_profile()
+        llm.start_profile("run")
+        with pytest.raises(ValueError, match="already running"):
+            llm.start_profile()
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0))
+        llm.stop_profile()
+        traces = sorted(out.glob("run-*.trace.json.gz"))
+        assert [p.name.rsplit("-", 1)[1] for p in traces] == [
+            f"rank{r}.trace.json.gz" for r in range(tp)]
+        for path in traces:  # the forward's matmuls were recorded on every rank
+            assert any(n.startswith("aten::") for n in _trace_names(path)), path
+        assert llm.check_accounting().live_requests == 0
+    with LLM(str(tiny_model("llama")), device="cpu", max_kv_tokens=1024,
+             show_progress=False) as llm:
+        with pytest.raises(ValueError, match="profiling is off: set profile_dir"):
+            llm.start_profile()
+        assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=2))[0].outputs) == 1
+
+
+def test_served_start_and_stop_profile(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """POST /start_profile and /stop_profile (vLLM's and SGLang's routes): 200 and a trace;
+    out of turn, a 400 naming why; without --profile-dir, a 400 saying profiling is off."""
+    out = tmp_path / "traces"
+    with serving(["--model", str(tiny_qwen3), "--profile-dir", str(out)], tmp_path) as srv:
+        url = srv.url
+        assert httpx.post(f"{url}/stop_profile", timeout=30).status_code == 400
+        r = httpx.post(f"{url}/start_profile", timeout=30)
+        assert r.status_code == 200, r.text
+        bad = httpx.post(f"{url}/start_profile", timeout=30)
+        assert bad.status_code == 400 and "already running" in bad.json()["error"]["message"]
+        httpx.post(f"{url}/v1/completions", json={"model": str(tiny_qwen3), "prompt": "Hi",
+                                                  "max_tokens": 3}, timeout=60)
+        assert httpx.post(f"{url}/stop_profile", timeout=60).status_code == 200
+        assert len(list(out.glob("*-rank0.trace.json.gz"))) == 1
