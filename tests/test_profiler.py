@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from minisgl import LLM, SamplingParams
+from minisgl.scheduler.profiler import RankProfiler
 from server_helpers import serving
 
 
@@ -44,11 +45,17 @@ def test_every_rank_writes_a_trace_of_the_steps_between(tiny_model: Callable[...
         for path in traces:  # the forward's matmuls were recorded on every rank
             assert any(n.startswith("aten::") for n in _trace_names(path)), path
         assert llm.check_accounting().live_requests == 0
-    with LLM(str(tiny_model("llama")), device="cpu", max_kv_tokens=1024,
-             show_progress=False) as llm:
-        with pytest.raises(ValueError, match="profiling is off: set profile_dir"):
-            llm.start_profile()
-        assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=2))[0].outputs) == 1
+
+
+def test_profiling_off_or_out_of_turn_is_refused_by_name(tmp_path: Path) -> None:
+    """Without a directory every start is refused; a directory that cannot be made is named."""
+    off = RankProfiler(0, 0, None, None)
+    assert "profiling is off: set profile_dir" in (off.start("x") or "")
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    bad = RankProfiler(0, 0, str(blocked / "traces"), None)
+    assert f"cannot create profile_dir {blocked / 'traces'}" in (bad.start("x") or "")
+    assert "not running" in (bad.stop() or "")
 
 
 def test_served_start_and_stop_profile(tiny_qwen3: Path, tmp_path: Path) -> None:
