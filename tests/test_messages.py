@@ -78,11 +78,13 @@ SAMPLES: Dict[str, Any] = {
     "GroupMsg": [T.GroupMsg(10, "g", "10.0.0.1", 29500, 1, 3, "gloo"),
                  T.GroupMsg(11, "g", leave=True)],
     "PauseMsg": [T.PauseMsg(13), T.PauseMsg(14, wait=True), T.PauseMsg(15, resume=True)],
+    "ProfileMsg": [T.ProfileMsg(16, True, "run-20261207-013700"), T.ProfileMsg(17, False)],
     "GroupWeightsMsg": [T.GroupWeightsMsg(12, "g", ("a.weight", "b"), ("bfloat16", "float32"),
                                           ((4, 8), ()))],
     "ReplicaChange": [T.ReplicaChange(1, T.AdapterMsg(9, "é", "/a b/ü")),
                       T.ReplicaChange(0, T.WeightsMsg(3, "/w/ü")),
-                      T.ReplicaChange(1, T.WakeMsg(4, ("kv_cache",)))],
+                      T.ReplicaChange(1, T.WakeMsg(4, ("kv_cache",))),
+                      T.ReplicaChange(0, T.ProfileMsg(5, True, "é"))],
 }
 
 
