@@ -16,19 +16,22 @@ from minisgl.beam_search import BeamSearch, BeamSearchSequence, beam_score
 PROMPTS = [[15, 300, 2000, 7], [42, 4242, 99, 1000, 5, 6, 7]]
 
 
-def _hf_beams(model_dir: Path, prompt: List[int], width: int, new_tokens: int,
-              length_penalty: float) -> List[List[int]]:
-    """HF's beam search with no EOS (every beam runs to `new_tokens`), best first."""
+def _hf_beams(model_dir: Path, prompts: List[List[int]], width: int, new_tokens: int
+              ) -> List[List[List[int]]]:
+    """HF's beam search with no EOS (every beam runs to `new_tokens`), best first, per
+    prompt."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
+    beams = []
     with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([prompt]), num_beams=width,
-                             num_return_sequences=width, max_new_tokens=new_tokens,
-                             do_sample=False, top_k=None, top_p=None, temperature=None,
-                             length_penalty=length_penalty, early_stopping=False,
-                             pad_token_id=0)
-    return [row.tolist() for row in out]
+        for prompt in prompts:
+            out = model.generate(input_ids=torch.tensor([prompt]), num_beams=width,
+                                 num_return_sequences=width, max_new_tokens=new_tokens,
+                                 do_sample=False, top_k=None, top_p=None, temperature=None,
+                                 early_stopping=False, pad_token_id=0)
+            beams.append([row.tolist() for row in out])
+    return beams
 
 
 def test_beams_are_hugging_faces(tiny_model: Callable[..., Path]) -> None:
@@ -41,8 +44,8 @@ def test_beams_are_hugging_faces(tiny_model: Callable[..., Path]) -> None:
              show_progress=False) as llm:
         outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
         assert llm.check_accounting().live_requests == 0
-    for prompt, out in zip(PROMPTS, outs):
-        assert [s.tokens for s in out.sequences] == _hf_beams(model, prompt, 3, 5, 1.0)
+    for prompt, out, hf in zip(PROMPTS, outs, _hf_beams(model, PROMPTS, 3, 5)):
+        assert [s.tokens for s in out.sequences] == hf
         for seq in out.sequences:
             assert len(seq.logprobs) == 5 and seq.finish_reason == "length"
             chosen = [step[t].logprob for step, t in zip(seq.logprobs, seq.tokens[len(prompt):])]
