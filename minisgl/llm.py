@@ -390,23 +390,18 @@ class LLM:
                 raise ValueError(f"prompt {i}: {len(prompt)} tokens + max_tokens "
                                  f"{params.max_tokens} exceed the context of "
                                  f"{self.max_context} tokens")
-        if not (lora_request is None or isinstance(lora_request, LoRARequest)
-                or len(lora_request) == len(ids)):
-            raise ValueError(f"lora_request must give one value per prompt ({len(ids)}), got "
-                             f"{len(lora_request)}")
-        searches = [BeamSearch(prompt, params, self.model_config.eos_token_ids)
-                    for prompt in ids]
         step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
                               logprobs=2 * params.beam_width, detokenize=False)
+        steps = self._with_lora([step] * len(ids), lora_request)  # each prompt's adapter
+        searches = [BeamSearch(prompt, params, self.model_config.eos_token_ids)
+                    for prompt in ids]
         for _ in tqdm(range(params.max_tokens), desc="beam search", unit="step",
                       disable=not use_tqdm):
             live = [(b.tokens, k) for k, s in enumerate(searches) for b in s.live]
             if not live:
                 break
-            lora = (lora_request if lora_request is None or isinstance(lora_request, LoRARequest)
-                    else [lora_request[k] for _, k in live])
-            outs = self.generate([tokens for tokens, _ in live], step, use_tqdm=False,
-                                 lora_request=lora)
+            outs = self.generate([tokens for tokens, _ in live], [steps[k] for _, k in live],
+                                 use_tqdm=False)
             offered = iter([_step_candidates(o) for o in outs])
             for search in searches:  # each takes its live beams' outputs, in order
                 search.step([next(offered) for _ in search.live])
@@ -493,8 +488,8 @@ class LLM:
             return params
         per_prompt = [requests] * len(params) if isinstance(requests, LoRARequest) else requests
         if len(per_prompt) != len(params):
-            raise ValueError(f"lora_request must be one LoRARequest or one per prompt "
-                             f"({len(params)}), got {len(per_prompt)}")
+            raise ValueError(f"lora_request must be one LoRARequest or give one value per "
+                             f"prompt ({len(params)}), got {len(per_prompt)}")
         wanted = {r.lora_name for r in per_prompt if r is not None}
         for req in dict.fromkeys(r for r in per_prompt if r is not None):
             self._ensure_loaded(req, wanted)

@@ -4,9 +4,9 @@
 Every rank of a replica starts and stops at the same step (a `ProfileMsg` reaches each as
 any change does) and writes its own trace, `{dir}/{name}-rank{r}.trace.json.gz`, r its rank
 among every replica's (replica x tp + rank), in Chrome's trace format (Perfetto and
-chrome://tracing open it): CPU activity everywhere, CUDA's where there is a GPU. A start or stop that fails on one rank (a directory it cannot write)
-fails on all: the ranks vote (gloo), and a rank that started where another failed stops and
-writes nothing.
+chrome://tracing open it): CPU activity everywhere, CUDA's where there is a GPU. A start or
+stop that fails on one rank (a directory it cannot write) fails on all: the ranks vote (gloo),
+and a rank that started where another failed stops and writes nothing.
 """
 
 from __future__ import annotations

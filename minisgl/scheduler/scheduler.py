@@ -48,13 +48,13 @@ from minisgl.message.pulse import Pulse
 from minisgl.scheduler.adapters import AdapterTable
 from minisgl.scheduler.cache import PageCache, PageCounts
 from minisgl.scheduler.changes import WEIGHTS_ASLEEP, Changes
-from minisgl.scheduler.profiler import RankProfiler
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.engine_api import StepEngine
 from minisgl.scheduler.io import SchedulerIO
 from minisgl.scheduler.ngram import Drafter
 from minisgl.scheduler.prefill import PrefillManager
+from minisgl.scheduler.profiler import RankProfiler
 from minisgl.scheduler.speculative import SpecCounts, kept
 from minisgl.scheduler.table import TableRows
 
@@ -174,12 +174,13 @@ class Scheduler:
                                      PauseMsg]] = None
         self.paused = False  # PauseMsg: no batch runs until a resume
         self.held: List[UserMsg] = []
+        global_rank = cfg.replica * cfg.engine.tp + self.rank  # among every replica's
         self.changes = Changes(engine, self.adapters, cfg.engine.lora_runtime, self.rank,
-                               cfg.replica * cfg.engine.tp + self.rank, cpu_group,
+                               global_rank, cpu_group,
                                None if cfg.engine.load_format == "dummy"
                                else cfg.engine.model_path)
-        self.profiler = RankProfiler(self.rank, cfg.replica * cfg.engine.tp + self.rank,
-                                     cfg.resolved_profile_dir, cpu_group)
+        self.profiler = RankProfiler(self.rank, global_rank, cfg.resolved_profile_dir,
+                                     cpu_group)
         self._stats_seq = 0
         self.on_stats = on_stats
         if on_stats is not None:

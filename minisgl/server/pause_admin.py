@@ -25,7 +25,7 @@ from starlette.requests import Request
 from minisgl.message.types import PauseMsg
 from minisgl.server.openapi import App, body as body_schema
 from minisgl.server.protocol import ApiError, Body, parse_body
-from minisgl.server.streams import RequestStreams
+from minisgl.server.streams import RequestStreams, first_replica_error
 
 MODES = ("abort", "wait", "keep")
 _SGLANG_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep"}
@@ -55,10 +55,9 @@ class Pause:
     async def _change(self, change: Callable[[int], PauseMsg]) -> None:
         errors: List[Optional[str]] = await self.streams.apply_change(
             change, list(range(self.replicas)))
-        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-        if failed:
-            where = f"replica {failed[0][0]}: " if self.replicas > 1 else ""
-            raise ApiError(409, f"{where}{failed[0][1]}", kind="invalid_request_error")
+        error = first_replica_error(errors)
+        if error is not None:
+            raise ApiError(409, error, kind="invalid_request_error")
 
 
 class PauseBody(Body):

@@ -16,7 +16,7 @@ from fastapi.responses import PlainTextResponse, Response
 from minisgl.message.types import ProfileMsg
 from minisgl.server.openapi import App
 from minisgl.server.protocol import ApiError
-from minisgl.server.streams import RequestStreams
+from minisgl.server.streams import RequestStreams, first_replica_error
 
 
 def install_profile_routes(app: App, streams: RequestStreams, replicas: int) -> None:
@@ -27,10 +27,9 @@ def install_profile_routes(app: App, streams: RequestStreams, replicas: int) -> 
         async with lock:
             errors: List[Optional[str]] = await streams.apply_change(
                 lambda uid: ProfileMsg(uid, start, name), list(range(replicas)))
-        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-        if failed:
-            where = f"replica {failed[0][0]}: " if replicas > 1 else ""
-            raise ApiError(400, f"{where}{failed[0][1]}", kind="invalid_request_error")
+        error = first_replica_error(errors)
+        if error is not None:
+            raise ApiError(400, error, kind="invalid_request_error")
 
     @app.post("/start_profile")
     async def start_profile() -> Response:

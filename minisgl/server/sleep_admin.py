@@ -41,7 +41,7 @@ from minisgl.message.types import SleepMsg, WakeMsg
 from minisgl.server.metrics import Gauge
 from minisgl.server.openapi import App, body as body_schema
 from minisgl.server.protocol import ApiError, Body, parse_body
-from minisgl.server.streams import RequestStreams
+from minisgl.server.streams import RequestStreams, first_replica_error
 
 T = TypeVar("T")
 
@@ -95,11 +95,9 @@ class Sleep:
 
 
 def _raise_first(errors: List[Optional[str]], what: str) -> None:
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        r, error = failed[0]
-        where = f"replica {r}: " if len(errors) > 1 else ""
-        raise ApiError(500, f"{what} failed on {where}{error}", kind="server_error")
+    error = first_replica_error(errors)
+    if error is not None:
+        raise ApiError(500, f"{what} failed on {error}", kind="server_error")
 
 
 async def _level(request: Request) -> int:

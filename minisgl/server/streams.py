@@ -326,6 +326,16 @@ class RequestStreams:
         self._actx.term()
 
 
+def first_replica_error(errors: List[Optional[str]]) -> Optional[str]:
+    """The first replica's error of `apply_change`'s answers, naming that replica where there
+    are several ("replica 1: ..."); None where every replica made the change."""
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if not failed:
+        return None
+    r, error = failed[0]
+    return f"replica {r}: {error}" if len(errors) > 1 else error
+
+
 def _reason(chunk: ReplyChunk) -> str:
     """How a request ended, for /metrics: its finish reason, or for an error whether the
     service refused it for load (rejected: 429), for what it asked (invalid: another 4xx), or
