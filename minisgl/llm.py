@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import time
 import weakref
 from array import array
@@ -50,6 +51,7 @@ from minisgl.outputs import (ClassificationOutput, ClassificationRequestOutput, 
 from minisgl.llm_ranks import InProcessRank, RankProcesses
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Accounting
+from minisgl.server.proc import prestart
 from minisgl.server.structured import FieldError, constraint
 from minisgl.server.tools import assistant_tool_calls
 from minisgl.tokenizer.bad_words import with_bad_word_ids
@@ -247,6 +249,8 @@ class LLM:
         self._cpu_backup = cfg.engine.enable_weights_cpu_backup
         self._lora_runtime, self._max_lora_rank = cfg.engine.lora_runtime, cfg.engine.max_lora_rank
         tp = self._tp = cfg.engine.tp
+        if tp > 1:
+            prestart(os.environ)  # its imports overlap the tokenizer's loading below
         self.model_path = resolve_model_path(model, cfg.engine.revision,
                                              cfg.engine.download_dir, hf_token)
         tokenizer_path = resolve_tokenizer_path(tokenizer, self.model_path,

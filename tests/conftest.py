@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Callable, List
@@ -10,6 +11,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+# Children forked from a fork server that imported torch once: on two cores the suite's hundreds
+# of rank and server starts cost about half as much (tests/test_start_method.py runs both ways).
+os.environ.setdefault("MINISGL_START_METHOD", "forkserver")
 
 from tiny_models import build_tiny  # noqa: E402
 

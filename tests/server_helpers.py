@@ -62,9 +62,9 @@ class Exit(NamedTuple):
     seconds: float
 
 
-def child_pids(pid: int) -> List[int]:
-    """Direct children of `pid` (from /proc)."""
-    out = []
+def _parents() -> Dict[int, int]:
+    """Every process's parent pid (from /proc)."""
+    out = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -72,10 +72,21 @@ def child_pids(pid: int) -> List[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[1]) == pid:
-            out.append(int(entry.name))
+        out[int(entry.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
     return out
+
+
+def descendant_pids(pid: int) -> List[int]:
+    """Every process below `pid`: its children and theirs (children forked by a fork server
+    are the launcher's grandchildren)."""
+    parents = _parents()
+    found: List[int] = []
+    frontier = [pid]
+    while frontier:
+        kids = [p for p, parent in parents.items() if parent in frontier]
+        found += kids
+        frontier = kids
+    return found
 
 
 def error_line(stderr: str) -> str:
@@ -118,7 +129,7 @@ class Server:
     url: str
     tmp_dir: Path
     stderr_path: Path
-    children: List[int]
+    children: List[int]  # every process below the launcher once ready (descendant_pids)
     ready_line: str = ""
 
     @classmethod
@@ -207,7 +218,7 @@ class Starting:
             if m:
                 url = m.group(1) if m.groups() else ""
                 return Server(self.proc, url, self.tmp_dir, self.err_path,
-                              child_pids(self.proc.pid), line.strip())
+                              descendant_pids(self.proc.pid), line.strip())
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from server_helpers import CPU_ARGS, Server, child_pids, comm
+from server_helpers import CPU_ARGS, Server, comm, descendant_pids
 
 KEY = "sk-test-front-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -451,7 +451,7 @@ def test_prompt_longer_than_any_context_refused_without_tokenizing(server: Serve
 def test_short_request_not_held_up_behind_a_long_prompt(server: Server) -> None:
     """A long prompt is tokenized beside the loop: a short /tokenize sent just after it
     answers long before it, and the tokenizer's memory goes back down afterwards."""
-    tokenizer = next(p for p in child_pids(server.proc.pid) if comm(p) == "minisgl-tokeniz")
+    tokenizer = next(p for p in descendant_pids(server.proc.pid) if comm(p) == "minisgl-tokeniz")
     rss_before = _rss_kb(tokenizer)
     text = "The quick brown fox jumps over the lazy dog. " * (MAX_PROMPT_CHARS // 46)
     done: Dict[str, float] = {}

@@ -11,6 +11,14 @@ end of a duplex pipe to the parent) as its last argument and sends exactly one o
 after any number of `("progress", name, text)` (start-up steps, for the parent to show);
 the parent may send it start-up data on the same pipe afterwards (the tokenizer gets the KV
 capacity the ranks reported). This module imports nothing heavy (no torch, no HTTP stack).
+
+Children start by `spawn` (a fresh interpreter each, which imports torch anew), or, with
+MINISGL_START_METHOD=forkserver, are forked from a fork server that imported torch and the entry
+modules once (a start costs a fork; the server never touches a device, so a child may). Either
+way a child gets the parent's environment as it was at `spawn` (a forked child would otherwise
+have the fork server's), and watches a lifeline pipe, not its parent pid (a forked child's
+parent is the fork server): the parent holds the pipe's write end, never writes, and closes it
+only once the child has ended; the end closes with the parent however it dies.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
+import multiprocessing.forkserver as mp_forkserver
 import os
 import shutil
 import signal
@@ -26,13 +35,47 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from minisgl.log import setup_logging
 from minisgl.message.pulse import BEAT_INTERVAL_S, Pulse
 
 logger = logging.getLogger("minisgl.launcher")
 _SPAWN = mp.get_context("spawn")
+START_METHOD_ENV = "MINISGL_START_METHOD"
+START_METHODS = ("spawn", "forkserver")
+# What a fork server imports once, for every child it forks: torch and the ranks' entry module
+# (named, not imported, here). Not transformers or huggingface_hub: they read HF_* variables
+# when imported, and a child must see the environment of its own start.
+_FORKSERVER_PRELOAD = ["torch", "minisgl.scheduler.main"]
+
+
+def start_method(env: Mapping[str, str]) -> str:
+    """How children start: `env[START_METHOD_ENV]`, "spawn" when unset. ValueError naming the
+    value and the methods taken otherwise."""
+    method = env.get(START_METHOD_ENV, "spawn")
+    if method not in START_METHODS:
+        raise ValueError(f"{START_METHOD_ENV}={method!r}: expected one of "
+                         f"{', '.join(START_METHODS)}")
+    return method
+
+
+def prestart(env: Mapping[str, str]) -> None:
+    """Start the fork server now when children start from one (a no-op under spawn), so that
+    its imports run while the caller prepares (the launcher reads the model, an `LLM` loads its
+    tokenizer). ValueError for a method not taken (`start_method`)."""
+    if start_method(env) == "forkserver":
+        _context(env)
+        with _main_left_alone():
+            mp_forkserver.ensure_running()
+
+
+def _context(env: Mapping[str, str]) -> Any:
+    method = start_method(env)
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)  # read when the server first starts
+    return ctx
 
 
 class StartupError(Exception):
@@ -48,15 +91,15 @@ class ChildStartupError(StartupError):
         self.child, self.reason = child, reason
 
 
-def _watch_parent(parent_pid: int, run_dir: str, pulse: Pulse) -> None:
-    """Beat `pulse` every BEAT_INTERVAL_S; once the parent is gone (killed with SIGKILL), remove
-    its runtime directory and exit."""
+def _watch_parent(lifeline: Any, run_dir: str, pulse: Pulse) -> None:
+    """Beat `pulse` every BEAT_INTERVAL_S; once the parent is gone (killed with SIGKILL: the
+    `lifeline`, a read end of a pipe only the parent writes to, reads EOF), remove its runtime
+    directory and exit."""
     while True:
-        if os.getppid() != parent_pid:
+        pulse.beat()
+        if lifeline.poll(BEAT_INTERVAL_S):
             shutil.rmtree(run_dir, ignore_errors=True)
             os._exit(3)
-        pulse.beat()
-        time.sleep(BEAT_INTERVAL_S)
 
 
 def _set_process_name(name: str) -> None:
@@ -68,12 +111,15 @@ def _set_process_name(name: str) -> None:
         pass
 
 
-def child_main(name: str, log_level: str, parent_pid: int, run_dir: str, pulse: Pulse,
-               target: Callable[..., None], args: Tuple[Any, ...]) -> None:
+def child_main(name: str, log_level: str, env: Dict[str, str], lifeline: Any, run_dir: str,
+               pulse: Pulse, target: Callable[..., None], args: Tuple[Any, ...]) -> None:
+    """A child's first and only frame: the parent's `env`, then `target(*args)` (module doc)."""
+    os.environ.clear()
+    os.environ.update(env)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _set_process_name(f"minisgl-{name}")
     setup_logging(name, log_level)
-    threading.Thread(target=_watch_parent, args=(parent_pid, run_dir, pulse),
+    threading.Thread(target=_watch_parent, args=(lifeline, run_dir, pulse),
                      daemon=True).start()
     target(*args)
 
@@ -84,6 +130,7 @@ class Child:
     process: Any  # multiprocessing.Process
     conn: Any  # the parent's end of the pipe to the child
     pulse: Pulse  # its signs of life (message/pulse.py)
+    lifeline: Any = None  # the parent's end of the child's lifeline (None: not watched)
     info: Optional[Dict[str, Any]] = None  # set once the child reported ready
 
     @property
@@ -132,18 +179,21 @@ def new_pulse() -> Pulse:
 
 def spawn(name: str, target: Callable[..., None], args: Sequence[Any], log_level: str,
           run_dir: str, pulse: Optional[Pulse] = None) -> Child:
-    """Start `target(*args, conn)` in a fresh (spawned) process named `name`; `run_dir` is the
+    """Start `target(*args, conn)` in a new process named `name` (module doc); `run_dir` is the
     parent's runtime directory (removed by the child if the parent dies without cleaning).
     The child beats `pulse` (a new one if None) while it runs."""
     pulse = pulse if pulse is not None else new_pulse()
-    ours, theirs = _SPAWN.Pipe(duplex=True)
-    proc = _SPAWN.Process(target=child_main, name=f"minisgl-{name}", daemon=True,
-                          args=(name, log_level, os.getpid(), run_dir, pulse, target,
-                                (*args, theirs)))
+    ctx = _context(os.environ)
+    ours, theirs = ctx.Pipe(duplex=True)
+    life_r, life_w = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=child_main, name=f"minisgl-{name}", daemon=True,
+                       args=(name, log_level, dict(os.environ), life_r, run_dir, pulse, target,
+                             (*args, theirs)))
     with _main_left_alone():
         proc.start()
     theirs.close()
-    return Child(name, proc, ours, pulse)
+    life_r.close()
+    return Child(name, proc, ours, pulse, life_w)
 
 
 def _log_step(child: "Child", text: str) -> None:
@@ -214,6 +264,8 @@ def stop_children(children: List[Child], first_wait_s: float, term_wait_s: float
     _join_all(children, 2.0)
     for c in children:
         c.conn.close()
+        if c.lifeline is not None:
+            c.lifeline.close()
 
 
 def _join_all(children: List[Child], timeout_s: float) -> None:
