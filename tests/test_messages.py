@@ -38,7 +38,7 @@ SAMPLES: Dict[str, Any] = {
         T.TokenizeRequest(uid=16, params=SamplingParams(max_tokens=None), text="as many as fit"),
     ],
     "AbortRequest": [T.AbortRequest(uid=4)],
-    "TextRequest": [T.TextRequest(uid=13, text="hi"), T.TextRequest(uid=14, input_ids=[1, 2]),
+    "TextRequest": [T.TextRequest(uid=13, text="hi"), T.TextRequest(uid=14, input_ids=[1, 2], skip_special_tokens=True),
                     T.TextRequest(uid=15, messages=[{"role": "user", "content": "x"}])],
     "UserMsg": [T.UserMsg(uid=5, input_ids=list(range(1000)), params=PARAMS)],
     "AbortMsg": [T.AbortMsg(uid=6)],

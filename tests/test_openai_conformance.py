@@ -174,7 +174,7 @@ def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI) -> None:
 
 # --- defect 4: refusals name the field -------------------------------------------------------------
 REFUSED = [
-    ("use_beam_search", True), ("length_penalty", 2.0),
+    ("length_penalty", 2.0),  # without use_beam_search
     ("guided_whitespace_pattern", " *"), ("guided_decoding_backend", "outlines"),
     ("stop_regex", ["a+"]),
     ("spaces_between_special_tokens", False), ("echo", True), ("chat_template", "{{ 1 }}"),

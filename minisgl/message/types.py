@@ -65,6 +65,7 @@ class TextRequest:
     add_special_tokens: bool = False  # as in TokenizeRequest
     # Nothing to tokenize: the reply's `text` is the tokenizer's description as a JSON object.
     info: bool = False
+    skip_special_tokens: bool = False  # detokenize: special tokens left out of the text
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from minisgl.server.admission import Deadline, overloaded
 from minisgl.server.anthropic_api import (CountTokensRequest, MessagesFormatter, MessagesRequest,
                                           count_tokens_prompt, messages_job)
 from minisgl.server.auth import AccessCheck
+from minisgl.server.beam_search_api import BeamLimits, BeamServer, beam_search
 from minisgl.server.cors import CorsPolicy
 from minisgl.server.error_shapes import COUNT_TOKENS_PATH, MESSAGES_PATH, error_body
 from minisgl.server.limits import BodyLimits, route_path
@@ -154,6 +155,8 @@ class ApiConfig:
     force_include_usage: bool = False  # every stream ends with its usage (vLLM's flag)
     log_stats_interval: Optional[float] = None  # seconds between stats lines (stats_log.py)
     return_tokens_as_token_ids: bool = False  # vLLM's: where a request leaves it unset
+    eos_token_ids: Tuple[int, ...] = ()  # the model's: a beam search's beams end at one
+    max_logprobs: int = 20  # the engine's cap (SchedulerConfig.logprobs_cap)
 
 
 class ClientGone(Exception):
@@ -234,10 +237,11 @@ async def json_body(request: Request) -> bytes:
 
 
 async def run_text(request: Request, streams: RequestStreams, prompt: Optional[Prompt],
-                   return_token_strs: bool = False, prompt_param: str = "prompt") -> ReplyChunk:
+                   return_token_strs: bool = False, prompt_param: str = "prompt",
+                   skip_special_tokens: bool = False) -> ReplyChunk:
     """A tokenize / detokenize / info round trip through the tokenizer process: its one
     reply (an error about the prompt names `prompt_param`)."""
-    stream = streams.submit_text(prompt, return_token_strs)
+    stream = streams.submit_text(prompt, return_token_strs, skip_special_tokens)
     try:
         chunk = await Waiter(stream, request).next()
     finally:
@@ -281,10 +285,7 @@ async def run_job(request: Request, streams: RequestStreams, fmt: Formatter,
                 _check(first[-1], fmt.prompt_param, fmt.job)
             return SSEResponse(_events(stream, fmt, choices, first, deadline, ended),
                                on_close=lambda: streams.release(stream))
-        while stream.unfinished or not stream.queue.empty():
-            chunk = await waiter.next()
-            _check(chunk, fmt.prompt_param, fmt.job)
-            choices[stream.index[chunk.uid]].add(chunk)
+        await _gather(stream, waiter, choices, fmt.prompt_param, fmt.job)
         if ended is not None:
             ended()
         return JSONResponse(fmt.full(choices))
@@ -294,6 +295,69 @@ async def run_job(request: Request, streams: RequestStreams, fmt: Formatter,
     except BaseException:
         streams.release(stream)
         raise
+
+
+async def _gather(stream: RequestStream, waiter: Waiter, choices: List[Choice],
+                  prompt_param: str, job: Job) -> None:
+    """Every chunk of `stream` into its choice, until all ended; ApiError for an error reply
+    (naming `job`'s field), ClientGone or the deadline's error as `waiter` raises them."""
+    while stream.unfinished or not stream.queue.empty():
+        chunk = await waiter.next()
+        _check(chunk, prompt_param, job)
+        choices[stream.index[chunk.uid]].add(chunk)
+
+
+async def run_beam_search(request: Request, streams: RequestStreams, fmt: Formatter,
+                          limits: BeamLimits, request_timeout: Optional[float] = None,
+                          on_end: Optional[OnEnd] = None) -> Response:
+    """Answer a use_beam_search job (beam_search_api.py): the search through the tokenizer and
+    one job a step, then the choices as the formatter shapes them (a stream: each whole)."""
+    deadline = Deadline.of(request.headers, request_timeout, False)
+
+    async def encode(prompt: Prompt) -> List[int]:
+        return (await run_text(request, streams, prompt, prompt_param=fmt.prompt_param)
+                ).token_ids
+
+    async def run(job: Job) -> List[ReplyChunk]:
+        stream = streams.submit(job)
+        choices = [Choice() for _ in stream.uids]
+        try:
+            await _gather(stream, Waiter(stream, request, deadline), choices, fmt.prompt_param,
+                          job)
+        finally:
+            streams.release(stream)
+        return [ReplyChunk(0, logprobs=c.logprobs) for c in choices]
+
+    async def decode(ids: List[int], skip_special_tokens: bool) -> str:
+        chunk = await run_text(request, streams, Prompt(input_ids=ids),
+                               skip_special_tokens=skip_special_tokens)
+        return chunk.text
+
+    try:
+        chunks = await beam_search(fmt.job, BeamServer(encode, run, decode), limits)
+    except ClientGone:
+        return Response(status_code=499)
+    choices = [Choice() for _ in chunks]
+    for choice, chunk in zip(choices, chunks):
+        choice.add(chunk)
+    if on_end is not None:
+        on_end(getattr(request.state, "request_id", "-"), choices)
+    if not fmt.job.stream:
+        return JSONResponse(fmt.full(choices))
+    return SSEResponse(_whole_events(fmt, chunks, choices), on_close=lambda: None)
+
+
+async def _whole_events(fmt: Formatter, chunks: List[ReplyChunk], choices: List[Choice]
+                        ) -> AsyncIterator[str]:
+    """A stream of finished choices: each opened, then each whole in one delta, then closed."""
+    for i, chunk in enumerate(chunks):
+        for line in fmt.opening(i, Choice(prompt_tokens=chunk.prompt_tokens)):
+            yield line
+    for i, chunk in enumerate(chunks):
+        for line in fmt.delta(i, chunk, choices[i]):
+            yield line
+    for line in fmt.closing(choices):
+        yield line
 
 
 async def _events(stream: RequestStream, fmt: Formatter, choices: List[Choice],
@@ -449,7 +513,12 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         return job if lora is None else dataclasses.replace(
             job, params=dataclasses.replace(job.params, lora_name=lora))
 
+    beam_limits = BeamLimits(cfg.eos_token_ids, cfg.max_context, cfg.max_logprobs)
+
     async def run(request: Request, fmt: Formatter) -> Response:
+        if fmt.job.beam_search:  # chat and completions only (protocol.py reads it there)
+            return await run_beam_search(request, streams, fmt, beam_limits,
+                                         cfg.request_timeout, on_end)
         return await run_job(request, streams, fmt, cfg.request_timeout, on_end)
 
     def served(job: Job, request: Optional[Request]) -> Job:

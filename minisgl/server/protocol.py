@@ -3,9 +3,9 @@
 Every invalid request raises `ApiError` with an HTTP status and an OpenAI-style error body
 (`{"error": {"message", "type", "param", "code"}}`); nothing here touches the request streams.
 Unknown fields (user, metadata, ...) are accepted and ignored; OpenAI, vLLM and SGLang features
-this server does not implement (tools outside chat, use_beam_search, ...) are rejected with a 400
+this server does not implement (tools outside chat, best_of, ...) are rejected with a 400
 naming the field rather than silently dropped, unless the value asks for nothing (an empty
-`functions` list, use_beam_search false). The structured-output fields (response_format,
+`functions` list, best_of 1). The structured-output fields (response_format,
 structured_outputs, guided_*, regex, ebnf, choice) are read by structured.py, chat's tools by
 tools.py. The README's table lists every field.
 """
@@ -51,8 +51,6 @@ _UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
     "prediction": lambda v: v is None,
     "web_search_options": lambda v: v is None,
     # vLLM and SGLang extensions
-    "use_beam_search": lambda v: v in (None, False),
-    "length_penalty": lambda v: v in (None, 1, 1.0),
     "guided_decoding_backend": lambda v: v in (None, "auto", "xgrammar"),
     "guided_whitespace_pattern": lambda v: v is None,
     "stop_regex": lambda v: not v,
@@ -334,6 +332,10 @@ class Job:
     # (add_generation_prompt false: that message's role, as vLLM); None: the server's
     # response_role
     role: Optional[str] = None
+    # vLLM's use_beam_search: n is the beam width (beam_search_api.py), beams ranked by their
+    # cumulative log-probability over length ** length_penalty
+    beam_search: bool = False
+    length_penalty: float = 1.0
 
     def field(self, param: str) -> str:
         """The request field that an engine-side error's `param` (a SamplingParams field)
@@ -562,13 +564,59 @@ def _job(body: _OpenAI, prompts: List[Prompt], max_n: int, defaults: SamplingDef
                          cache_salt=body.cache_salt, priority=body.priority,
                          bad_words=tuple(body.bad_words or ())))
     job = shaped_job(shape, prompts, defaults)
+    beam_search, length_penalty = _beam_fields(body.model_extra or {})
+    if beam_search:
+        _refuse_with_beam_search(body, job)
     return dataclasses.replace(
         job, params=dataclasses.replace(job.params, prompt_logprobs=prompt_logprobs),
+        beam_search=beam_search, length_penalty=length_penalty,
         continuous_usage=bool(options and options.continuous_usage_stats),
         prompt_logprobs=prompt_logprobs, tokens_as_ids=body.return_tokens_as_token_ids,
         logprobs_param="top_logprobs" if isinstance(body, ChatRequest) else "logprobs",
         return_token_ids=bool(body.return_token_ids),
         request_id=checked_id(body.request_id, "request_id"))
+
+
+def _beam_fields(extra: Dict[str, Any]) -> Tuple[bool, float]:
+    """vLLM's use_beam_search (true, false or null) and length_penalty (a number; only with
+    beam search, where it ranks the beams); ApiError(400) naming the field otherwise."""
+    beam, penalty = extra.get("use_beam_search"), extra.get("length_penalty")
+    if beam is not None and not isinstance(beam, bool):
+        raise ApiError(400, f"use_beam_search must be true or false, got {json.dumps(beam)}",
+                       "use_beam_search")
+    if penalty is None:
+        return bool(beam), 1.0
+    if isinstance(penalty, bool) or not isinstance(penalty, (int, float)):
+        raise ApiError(400, f"length_penalty must be a number, got {json.dumps(penalty)}",
+                       "length_penalty")
+    if not beam and penalty != 1:
+        raise ApiError(400, "length_penalty ranks beams: it needs use_beam_search true",
+                       "length_penalty")
+    return bool(beam), float(penalty)
+
+
+def _refuse_with_beam_search(body: _OpenAI, job: Job) -> None:
+    """ApiError(400) naming the first field a beam search does not take that the request sets:
+    beams grow by the model's raw log-probabilities, a token at a time, so nothing that
+    changes or cuts the sampling (penalties, biases, stop strings, constraints, tool calls)
+    and no log-probabilities or echo in the reply. Sampling fields the server's defaults set
+    (a model's repetition_penalty) do not count: a beam search ignores them."""
+    p = job.params
+    asked = [(body.logprobs not in (None, False), job.logprobs_param),
+             (body.prompt_logprobs is not None, "prompt_logprobs"),
+             (bool(getattr(body, "echo", None)), "echo"), (bool(job.stop), "stop"),
+             (bool(body.stop_token_ids), "stop_token_ids"),
+             (p.structured is not None, job.structured_param or "response_format"),
+             (bool(getattr(body, "tools", None)), "tools"),
+             (bool(body.logit_bias), "logit_bias"),
+             (body.allowed_token_ids is not None, "allowed_token_ids"),
+             (bool(body.bad_words), "bad_words"), (body.min_tokens > 0, "min_tokens"),
+             (body.presence_penalty not in (None, 0), "presence_penalty"),
+             (body.frequency_penalty not in (None, 0), "frequency_penalty"),
+             (body.repetition_penalty not in (None, 1), "repetition_penalty")]
+    field = next((name for given, name in asked if given), None)
+    if field is not None:
+        raise ApiError(400, f"{field} cannot be combined with use_beam_search", field)
 
 
 def _message_text(i: int, msg: ChatMessage) -> str:

@@ -255,7 +255,9 @@ class Service:
                             auto_tool_choice=c.auto_tool_choice,
                             return_tokens_as_token_ids=c.return_tokens_as_token_ids,
                             log_stats_interval=c.log_stats_interval if c.log_stats else None,
-                            force_include_usage=c.enable_force_include_usage)
+                            force_include_usage=c.enable_force_include_usage,
+                            eos_token_ids=tuple(shape.eos_token_ids),
+                            max_logprobs=c.scheduler.logprobs_cap(shape.vocab_size))
         tok_cfg = TokenizerConfig(str(self.tokenizer_path), a.tokenizer, a.backends, a.detokenizer,
                                   a.api, template,
                                   c.max_queued_tokens, c.tokenizer_threads,

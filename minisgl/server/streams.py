@@ -144,8 +144,8 @@ class RequestStreams:
             raise
         return stream
 
-    def submit_text(self, prompt: Optional[Prompt], return_token_strs: bool = False
-                    ) -> RequestStream:
+    def submit_text(self, prompt: Optional[Prompt], return_token_strs: bool = False,
+                    skip_special_tokens: bool = False) -> RequestStream:
         """A tokenize / detokenize request (message.TextRequest), or with no prompt the
         tokenizer's description: one final reply, outside the generation metrics."""
         stream = RequestStream([next(self._uids)], measured=False)
@@ -157,7 +157,8 @@ class RequestStreams:
                                    p.template.continue_final_message,
                                    _kwargs_json(p.template.kwargs), p.tools_json,
                                    return_token_strs, p.add_special_tokens,
-                                   info=prompt is None))
+                                   info=prompt is None,
+                                   skip_special_tokens=skip_special_tokens))
         except ApiError:
             self.release(stream)
             raise

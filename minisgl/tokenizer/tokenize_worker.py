@@ -209,7 +209,8 @@ class Tokenizer:
         if req.input_ids is None:
             strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
             return ReplyChunk(req.uid, "", ids, "stop", prompt_tokens=len(ids), token_strs=strs)
-        return ReplyChunk(req.uid, self.tokenizer.decode(ids), ids, "stop")
+        return ReplyChunk(req.uid, self.tokenizer.decode(
+            ids, skip_special_tokens=req.skip_special_tokens), ids, "stop")
 
     def prepare(self, req: TokenizeRequest) -> Prepared:
         """The ids and final params (max_tokens resolved) of a request, or why it is rejected:
