@@ -158,15 +158,27 @@ class FlushCacheMsg:
     uid: int
 
 
+PROFILE_ACTIVITIES = ("CPU", "GPU", "MEM")  # SGLang's names (MEM: tensor allocations too)
+
+
 @dataclass(frozen=True)
 class ProfileMsg:
     """Start (`start`) or stop torch.profiler on every rank of a replica at the same step
-    (scheduler/profiler.py); the traces are named `name`. Rank 0 answers with one final
-    `TokenOut` of `uid`, as for a `FlushCacheMsg`."""
+    (scheduler/profiler.py); the traces are named `name`. A start's options are SGLang's
+    /start_profile body's: stop by itself after `num_steps` steps (None: at a stop), record
+    `activities` (of PROFILE_ACTIVITIES; GPU only where there is one), each op's Python stack
+    and input shapes, write into `output_dir` (a directory inside the server's profile_dir;
+    None: profile_dir itself). Rank 0 answers with one final `TokenOut` of `uid`, as for a
+    `FlushCacheMsg`."""
 
     uid: int
     start: bool
     name: str = "minisgl"
+    num_steps: Optional[int] = None
+    activities: Tuple[str, ...] = ("CPU", "GPU")
+    with_stack: bool = False
+    record_shapes: bool = False
+    output_dir: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -6,19 +6,22 @@ any change does) and writes its own trace, `{dir}/{name}-rank{r}.trace.json.gz`,
 among every replica's (replica x tp + rank), in Chrome's trace format (Perfetto and
 chrome://tracing open it): CPU activity everywhere, CUDA's where there is a GPU. A start or
 stop that fails on one rank (a directory it cannot write) fails on all: the ranks vote (gloo),
-and a rank that started where another failed stops and writes nothing.
+and a rank that started where another failed stops and writes nothing. A start may ask for a
+number of steps (SGLang's num_steps): every rank counts the batches it launches, the same on
+all, and stops and writes its trace after that many (a failure to write is logged; no vote).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch.distributed import ProcessGroup
 
 from minisgl.distributed import min_over_ranks
+from minisgl.message.types import ProfileMsg
 
 logger = logging.getLogger(__name__)
 
@@ -34,38 +37,56 @@ class RankProfiler:
         self.rank, self.global_rank = rank, global_rank
         self.output_dir, self.cpu_group = output_dir, cpu_group
         self._profile: Optional[torch.profiler.profile] = None
-        self._name = ""
+        self._path = ""  # the running profile's trace, once written
+        self._steps_left: Optional[int] = None  # a start's num_steps still to record
 
     def _agreed(self, error: Optional[str], what: str) -> Optional[str]:
         ok = min_over_ranks(int(error is None), self.cpu_group) == 1
         return None if ok else error or f"{what} failed on another rank (its log says why)"
 
-    def start(self, name: str) -> Optional[str]:
-        """Start recording; the traces will be named `name`."""
-        error = self._start(name)
+    def start(self, msg: ProfileMsg) -> Optional[str]:
+        """Start recording as `msg` asks (its name, options)."""
+        error = self._start(msg)
         agreed = self._agreed(error, "starting the profiler")
         if agreed is not None and error is None and self._profile is not None:
             self._profile.stop()  # another rank failed: this one records nothing
             self._profile = None
         return agreed
 
-    def _start(self, name: str) -> Optional[str]:
+    def _directory(self, msg: ProfileMsg) -> str:
+        """Where `msg`'s trace goes; ValueError where profiling is off or its output_dir lies
+        outside profile_dir."""
         if self.output_dir is None:
-            return ("profiling is off: set profile_dir (--profile-dir, or "
-                    "VLLM_TORCH_PROFILER_DIR / SGLANG_TORCH_PROFILER_DIR)")
+            raise ValueError("profiling is off: set profile_dir (--profile-dir, or "
+                             "VLLM_TORCH_PROFILER_DIR / SGLANG_TORCH_PROFILER_DIR)")
+        root = os.path.realpath(self.output_dir)
+        if msg.output_dir is None:
+            return root
+        wanted = os.path.realpath(os.path.join(root, msg.output_dir))
+        if os.path.commonpath([root, wanted]) != root:
+            raise ValueError(f"output_dir {msg.output_dir} is outside the server's profile_dir "
+                             f"{root}: traces are written there or below")
+        return wanted
+
+    def _start(self, msg: ProfileMsg) -> Optional[str]:
         if self._profile is not None:
             return "the profiler is already running: stop it first"
         try:
-            os.makedirs(self.output_dir, exist_ok=True)
+            directory = self._directory(msg)
+        except ValueError as e:
+            return str(e)
+        try:
+            os.makedirs(directory, exist_ok=True)
         except OSError as e:
-            return f"cannot create profile_dir {self.output_dir}: {e}"
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self._profile = torch.profiler.profile(activities=activities)
+            return f"cannot create the profile directory {directory}: {e.strerror}"
+        self._profile = torch.profiler.profile(
+            activities=_activities(msg.activities), with_stack=msg.with_stack,
+            record_shapes=msg.record_shapes, profile_memory="MEM" in msg.activities)
         self._profile.start()
-        self._name = name
-        logger.info("rank %d: profiler started", self.rank)
+        self._path = os.path.join(directory, f"{msg.name}-rank{self.global_rank}.trace.json.gz")
+        self._steps_left = msg.num_steps
+        logger.info("rank %d: profiler started%s", self.rank, "" if msg.num_steps is None
+                    else f" for {msg.num_steps} steps")
         return None
 
     def stop(self) -> Optional[str]:
@@ -73,16 +94,36 @@ class RankProfiler:
         error = self._stop()
         return self._agreed(error, "stopping the profiler")
 
+    def stepped(self) -> None:
+        """A batch was launched: where a start asked for a number of steps and they have all
+        run, stop and write the trace (every rank at the same step)."""
+        if self._profile is None or self._steps_left is None:
+            return
+        self._steps_left -= 1
+        if self._steps_left <= 0:
+            error = self._stop()
+            if error is not None:
+                logger.warning("rank %d: %s", self.rank, error)
+
     def _stop(self) -> Optional[str]:
         profile, self._profile = self._profile, None
         if profile is None:
             return "the profiler is not running: start it first"
         profile.stop()
-        path = os.path.join(self.output_dir or ".",
-                            f"{self._name}-rank{self.global_rank}.trace.json.gz")
         try:
-            profile.export_chrome_trace(path)
+            profile.export_chrome_trace(self._path)
         except OSError as e:
-            return f"cannot write the trace {path}: {e}"
-        logger.info("rank %d: profiler stopped, trace written to %s", self.rank, path)
+            return f"cannot write the trace {self._path}: {e}"
+        logger.info("rank %d: profiler stopped, trace written to %s", self.rank, self._path)
         return None
+
+
+def _activities(names: Tuple[str, ...]) -> List[torch.profiler.ProfilerActivity]:
+    """torch's activities for SGLang's names: CPU, and GPU (CUDA) where there is one; MEM is
+    an option of the profile, not an activity."""
+    out = []
+    if "CPU" in names:
+        out.append(torch.profiler.ProfilerActivity.CPU)
+    if "GPU" in names and torch.cuda.is_available():
+        out.append(torch.profiler.ProfilerActivity.CUDA)
+    return out or [torch.profiler.ProfilerActivity.CPU]

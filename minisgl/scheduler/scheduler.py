@@ -234,6 +234,8 @@ class Scheduler:
             self.inflight = self._sample_masked(self.inflight)
         if not self.overlap or self.stopped:
             self._finish_inflight()
+        if launched is not None:
+            self.profiler.stepped()
         if self.at_rest is not None and not self.has_work and not self.stopped:
             change, self.at_rest = self.at_rest, None
             if isinstance(change, SleepMsg):
@@ -402,7 +404,7 @@ class Scheduler:
         elif isinstance(msg, PauseMsg):
             self._pause(msg)
         elif isinstance(msg, ProfileMsg):
-            self._answer(msg.uid, self.profiler.start(msg.name) if msg.start
+            self._answer(msg.uid, self.profiler.start(msg) if msg.start
                          else self.profiler.stop())
         elif isinstance(msg, FlushCacheMsg):
             dropped = self.cache.drop_unused()

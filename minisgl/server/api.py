@@ -477,7 +477,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     weights = Weights(streams, cfg.replicas, cfg.weights_path, cfg.weight_version)
     install_state_routes(app, streams, weights, cfg.tp, json_body)
     install_pause_routes(app, Pause(streams, cfg.replicas), json_body)
-    install_profile_routes(app, streams, cfg.replicas)
+    install_profile_routes(app, streams, cfg.replicas, json_body)
     sleep = Sleep(streams, cfg.replicas) if cfg.sleep_mode else None
     if sleep is not None:
         install_sleep_routes(app, sleep, cfg.weights_cpu_backup, json_body)
