@@ -12,25 +12,16 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Iterator, List
+from typing import Iterator, List
 
 import pytest
 
 from minisgl.server.proc import (START_METHOD_ENV, Child, spawn, start_method, stop_children,
                                  wait_ready)
+from proc_probe import report_env
 from server_helpers import CPU_ARGS, Server, comm, gone, run_serve, runtime_dirs
 
 METHODS = ["spawn", "forkserver"]
-
-
-def _report_env(key: str, conn: Any) -> None:
-    """A child's entry: ready, with the value of `key` in its environment; then wait for the
-    parent to close the pipe."""
-    conn.send(("ready", "probe", {"value": os.environ.get(key), "pid": os.getpid()}))
-    try:
-        conn.recv()
-    except EOFError:
-        pass
 
 
 @pytest.fixture(params=METHODS)
@@ -39,8 +30,8 @@ def method(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
     yield request.param
 
 
-def _probe(run_dir: Path, key: str) -> Child:
-    child = spawn("probe", _report_env, (key,), "warning", str(run_dir))
+def _probe(run_dir: Path, *keys: str) -> Child:
+    child = spawn("probe", report_env, (list(keys),), "warning", str(run_dir))
     wait_ready([child], should_stop=lambda: False)
     return child
 
@@ -55,19 +46,20 @@ def test_start_method_values(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_child_sees_the_environment_of_its_own_start(method: str, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The second child starts after the fork server (if any) is running and after the variable
-    changed: it sees the new value, and one removed is gone for it."""
+    """The second child starts after the fork server (if any) is running and after the
+    variables changed: it sees the new value, and the one removed is gone for it."""
     children: List[Child] = []
+    keys = ("MINISGL_PROBE", "MINISGL_PROBE_GONE")
     try:
-        monkeypatch.setenv("MINISGL_PROBE", "first")
-        children.append(_probe(tmp_path, "MINISGL_PROBE"))
+        monkeypatch.setenv(keys[0], "first")
+        monkeypatch.setenv(keys[1], "here")
+        children.append(_probe(tmp_path, *keys))
         second = f"second-{time.monotonic_ns()}"
-        monkeypatch.setenv("MINISGL_PROBE", second)
-        children.append(_probe(tmp_path, "MINISGL_PROBE"))
-        monkeypatch.delenv("MINISGL_PROBE")
-        children.append(_probe(tmp_path, "MINISGL_PROBE"))
-        values = [(c.info or {})["value"] for c in children]
-        assert values == ["first", second, None]
+        monkeypatch.setenv(keys[0], second)
+        monkeypatch.delenv(keys[1])
+        children.append(_probe(tmp_path, *keys))
+        values = [(c.info or {})["values"] for c in children]
+        assert values == [["first", "here"], [second, None]]
         assert all(comm((c.info or {})["pid"]) == "minisgl-probe" for c in children)
     finally:
         stop_children(children, 0.0, 2.0)
@@ -79,7 +71,7 @@ def test_a_closed_lifeline_ends_the_child_and_removes_the_runtime_dir(
     child's watch reads EOF on its lifeline, removes `run_dir` and exits with code 3."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    child = _probe(run_dir, "HOME")
+    child = _probe(run_dir)
     try:
         child.lifeline.close()
         child.process.join(10.0)
@@ -123,10 +115,12 @@ def test_llm_tp2_gives_the_same_tokens_both_ways(method: str, tiny_qwen3: Path) 
         reference.close()
 
 
-def test_kill_9_of_the_launcher_ends_every_child(method: str, tmp_path: Path,
-                                                 tiny_qwen3: Path) -> None:
-    """No orphans either way: under a fork server the ranks are the launcher's grandchildren
-    and follow it by their lifelines; the runtime directory goes with them."""
+def test_kill_9_of_the_launcher_ends_every_child(tmp_path: Path, tiny_qwen3: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """No orphans under a fork server either, where the ranks are the launcher's grandchildren:
+    they follow it by their lifelines (spawn's children by the same watch: the lifeline test
+    above), and the runtime directory goes with them."""
+    monkeypatch.setenv(START_METHOD_ENV, "forkserver")
     srv = Server.start(["--model", str(tiny_qwen3), *CPU_ARGS], tmp_path)
     try:
         names = {comm(p) for p in srv.children}
