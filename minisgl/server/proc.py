@@ -91,7 +91,7 @@ class ChildStartupError(StartupError):
         self.child, self.reason = child, reason
 
 
-def _watch_parent(lifeline: Any, run_dir: str, pulse: Pulse) -> None:
+def _watch_parent(lifeline: mpc.Connection, run_dir: str, pulse: Pulse) -> None:
     """Beat `pulse` every BEAT_INTERVAL_S; once the parent is gone (killed with SIGKILL: the
     `lifeline`, a read end of a pipe only the parent writes to, reads EOF), remove its runtime
     directory and exit."""
@@ -111,8 +111,9 @@ def _set_process_name(name: str) -> None:
         pass
 
 
-def child_main(name: str, log_level: str, env: Dict[str, str], lifeline: Any, run_dir: str,
-               pulse: Pulse, target: Callable[..., None], args: Tuple[Any, ...]) -> None:
+def child_main(name: str, log_level: str, env: Dict[str, str], lifeline: mpc.Connection,
+               run_dir: str, pulse: Pulse, target: Callable[..., None],
+               args: Tuple[Any, ...]) -> None:
     """A child's first and only frame: the parent's `env`, then `target(*args)` (module doc)."""
     os.environ.clear()
     os.environ.update(env)
@@ -130,7 +131,8 @@ class Child:
     process: Any  # multiprocessing.Process
     conn: Any  # the parent's end of the pipe to the child
     pulse: Pulse  # its signs of life (message/pulse.py)
-    lifeline: Any = None  # the parent's end of the child's lifeline (None: not watched)
+    # the parent's end of the child's lifeline (None: not watched)
+    lifeline: Optional[mpc.Connection] = None
     info: Optional[Dict[str, Any]] = None  # set once the child reported ready
 
     @property
