@@ -44,16 +44,20 @@ class BeamServer(NamedTuple):
     decode: Callable[[List[int], bool], Awaitable[str]]  # (ids, skip_special_tokens) -> text
 
 
-def _params(job: Job, prompt_len: int, limits: BeamLimits, index: int) -> BeamSearchParams:
-    """Prompt `index`'s search parameters; ApiError(400) with the numbers where the prompt
-    and max_tokens outgrow the context, or the width asks more log-probabilities than the
-    engine returns."""
-    where = f"prompt {index}: " if len(job.prompts) > 1 else ""
-    max_context, max_logprobs = limits.max_context, limits.max_logprobs
-    if 2 * job.n > max_logprobs:
+def _check_width(job: Job, limits: BeamLimits) -> None:
+    """ApiError(400) with the numbers where the width asks each step for more
+    log-probabilities than the engine returns."""
+    if 2 * job.n > limits.max_logprobs:
         raise ApiError(400, f"n {job.n}: a beam search asks each step for the 2 x n = "
                             f"{2 * job.n} most likely tokens, more than this server returns "
-                            f"(max_logprobs {max_logprobs})", BEAM_WIDTH_PARAM)
+                            f"(max_logprobs {limits.max_logprobs})", BEAM_WIDTH_PARAM)
+
+
+def _params(job: Job, prompt_len: int, limits: BeamLimits, index: int) -> BeamSearchParams:
+    """Prompt `index`'s search parameters; ApiError(400) with the numbers where the prompt
+    and max_tokens outgrow the context."""
+    where = f"prompt {index}: " if len(job.prompts) > 1 else ""
+    max_context = limits.max_context
     max_tokens = job.params.max_tokens
     if max_tokens is None:
         max_tokens = max_context - prompt_len
@@ -87,6 +91,7 @@ async def beam_search(job: Job, server: BeamServer, limits: BeamLimits) -> List[
     """Each prompt's n best beams, best first, as one final chunk each (choice i of prompt p
     at p * n + i, uid its index); a final EOS stays in the text where the request keeps stop
     strings (include_stop_str_in_output: `job.no_stop_trim`)."""
+    _check_width(job, limits)
     prompts = [await server.encode(p) for p in job.prompts]
     searches = [BeamSearch(ids, _params(job, len(ids), limits, i), limits.eos_ids)
                 for i, ids in enumerate(prompts)]
