@@ -192,6 +192,19 @@ def test_unimplemented_fields_are_refused_by_name(server: Server, field: str,
         assert r.status_code == 400 and r.json()["error"]["param"] == field
 
 
+def test_request_chat_templates_are_refused_unless_trusted(server: Server) -> None:
+    """Without --trust-request-chat-template a template in a request (a template is code the
+    tokenizer runs) is a 400 naming the field it came in, on chat and /tokenize."""
+    for fields, param in [({"chat_template": "{{ 1 }}"}, "chat_template"),
+                          ({"chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
+                           "chat_template_kwargs")]:
+        for path, body in [("/v1/chat/completions", {"messages": PARIS, "max_tokens": 2}),
+                           ("/tokenize", {"messages": PARIS})]:
+            r = _post(server, path, {**body, **fields})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert "--trust-request-chat-template" in r.json()["error"]["message"]
+
+
 def test_values_that_ask_for_nothing_are_accepted(server: Server) -> None:
     r = _post(server, "/v1/chat/completions", {
         "messages": PARIS, "max_tokens": 2, "use_beam_search": False, "regex": None,

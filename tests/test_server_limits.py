@@ -49,7 +49,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) ->
                         "--no-auto-tool-choice", "--enable-force-include-usage",
                         "--return-tokens-as-token-ids", "--max-logprobs", str(MAX_LOGPROBS),
                         "--uvicorn-log-level", "warning", "--no-prompt-tokens-details",
-                        "--response-role", "bot",
+                        "--response-role", "bot", "--trust-request-chat-template",
                         "--stats-interval", "0.2"], tmp_path_factory.mktemp("limits"))
     yield srv
     srv.stop()
@@ -519,6 +519,19 @@ def test_root_path_behind_a_proxy(server: Server) -> None:
     assert route_path({"path": "/minisgl/v1/models", "root_path": ROOT}) == "/v1/models"
     assert route_path({"path": "/minisglx/v1", "root_path": ROOT}) == "/minisglx/v1"
     assert route_path({"path": "/health"}) == "/health"
+
+
+def test_trusted_request_chat_templates_replace_the_models(server: Server) -> None:
+    """--trust-request-chat-template: a chat or /tokenize request's own template (the
+    `chat_template` field, or chat_template_kwargs' chat_template) renders its messages."""
+    template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    for fields in ({"chat_template": template},
+                   {"chat_template_kwargs": {"chat_template": template}}):
+        ids = _post(server, "/tokenize", {"messages": SHORT, **fields}).json()["tokens"]
+        text = _post(server, "/detokenize", {"tokens": ids}).json()["prompt"]
+        assert text == "".join(f"<<{m['content']}>>" for m in SHORT)
+        r = _post(server, "/v1/chat/completions", _chat(**fields))
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids), r.text
 
 
 def test_tool_choice_auto_off_usage_forced_tokens_as_ids(server: Server) -> None:

@@ -64,8 +64,8 @@ from minisgl.server.scores import (RERANK_PATHS, SCORE_PATHS, RerankFormatter, R
                                    ScoreFormatter, ScoreRequest, rerank_pairs, score_pairs)
 from minisgl.server.protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeBody,
                                      Job, Prompt, TokenizeBody, chat_job, completion_job,
-                                     constrained_from_the_start,
-                                     detokenize_prompt, parse_body, tokenize_prompt)
+                                     constrained_from_the_start, detokenize_prompt, parse_body,
+                                     refuse_untrusted_template, tokenize_prompt)
 from minisgl.server.responses import (ChatFormatter, Choice, CompletionFormatter, Formatter,
                                       GenerateFormatter, SSEResponse)
 from minisgl.server.responses_api import (ResponsesRequest, ResponseStore, items_page,
@@ -155,6 +155,7 @@ class ApiConfig:
     force_include_usage: bool = False  # every stream ends with its usage (vLLM's flag)
     log_stats_interval: Optional[float] = None  # seconds between stats lines (stats_log.py)
     return_tokens_as_token_ids: bool = False  # vLLM's: where a request leaves it unset
+    trust_request_chat_template: bool = False  # requests may bring their own chat template
     eos_token_ids: Tuple[int, ...] = ()  # the model's: a beam search's beams end at one
     max_logprobs: int = 20  # the engine's cap (SchedulerConfig.logprobs_cap)
 
@@ -558,6 +559,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatRequest))
     async def chat(request: Request) -> Response:
         body = parse_body(await json_body(request), ChatRequest)
+        refuse_untrusted_template(body, cfg.trust_request_chat_template)
         lora = adapter_of(body.model, (body.model_extra or {}).get("lora_path"))
         job = served(with_lora(chat_job(body, cfg.max_n, cfg.tool_call_parser,
                                         cfg.sampling_defaults, cfg.reasoning_parser), lora),
@@ -751,7 +753,11 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
 
     @app.post("/tokenize", openapi_extra=body_schema(TokenizeBody))
     async def tokenize(request: Request) -> Response:
-        return await text_endpoint(request, TokenizeBody, tokenize_prompt, tokenized)
+        def prompt_of(body: TokenizeBody) -> Prompt:
+            refuse_untrusted_template(body, cfg.trust_request_chat_template)
+            return tokenize_prompt(body)
+
+        return await text_endpoint(request, TokenizeBody, prompt_of, tokenized)
 
     @app.post("/detokenize", openapi_extra=body_schema(DetokenizeBody))
     async def detokenize(request: Request) -> Response:

@@ -172,6 +172,10 @@ class ServerConfig:
         False, "vLLM's: log-probability tokens rendered as \"token_id:N\" in chat, "
                "completion and Responses replies whose request leaves "
                "return_tokens_as_token_ids unset")
+    trust_request_chat_template: bool = setting(
+        False, "vLLM's: chat and /tokenize requests may bring their own chat template "
+               "(chat_template, or chat_template_kwargs' chat_template); off, a 400: a template "
+               "is code the tokenizer runs")
     enable_force_include_usage: bool = setting(
         False, "vLLM's: every streamed chat, completion and Responses reply ends with its "
                "usage, as if the request had asked (stream_options.include_usage)")

@@ -58,7 +58,7 @@ _UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
     "return_hidden_states": lambda v: v in (None, False),
     "mm_processor_kwargs": lambda v: not v,
     "documents": lambda v: not v,
-    "chat_template": lambda v: v is None,
+    "chat_template": lambda v: v is None,  # completions (chat requests take it: trusted only)
     "echo": lambda v: not v,  # in a chat request (completions take it)
 }
 # SGLang's and vLLM's flag for keeping special tokens' spaces is HF's decode option, which
@@ -198,6 +198,23 @@ class _ChatTemplate(Body):
     continue_final_message: bool = False
     chat_template_kwargs: Optional[Dict[str, Any]] = None
     reasoning_effort: Optional[str] = None
+    chat_template: Optional[str] = None  # vLLM's: Jinja text in the model's template's place
+
+
+def refuse_untrusted_template(body: _ChatTemplate, trusted: bool) -> None:
+    """ApiError(400) naming the field where a request brings its own chat template
+    (`chat_template`, or `chat_template_kwargs`' chat_template) and the server does not take
+    them (vLLM's --trust-request-chat-template off): a template is code the tokenizer runs."""
+    if trusted:
+        return
+    if body.chat_template is not None:
+        field = "chat_template"
+    elif "chat_template" in (body.chat_template_kwargs or {}):
+        field = "chat_template_kwargs"
+    else:
+        return
+    raise ApiError(400, f"{field}: this server does not take chat templates in requests (start "
+                        f"it with --trust-request-chat-template to allow them)", field)
 
 
 def template_kwargs(kwargs: Optional[Dict[str, Any]], reasoning_effort: Optional[str]
@@ -680,9 +697,11 @@ def _chat_prompt(body: Union[ChatRequest, TokenizeBody], messages: List[ChatMess
         raise ApiError(400, "continue_final_message needs an assistant message last, got "
                             f"{messages[-1].role!r}", "continue_final_message")
     texts = [_message(i, m) for i, m in enumerate(messages)]
+    kwargs = template_kwargs(body.chat_template_kwargs, body.reasoning_effort)
+    if body.chat_template is not None:
+        kwargs = {**(kwargs or {}), "chat_template": body.chat_template}
     return Prompt(messages=texts, template=Template(
-        body.add_generation_prompt, body.continue_final_message,
-        template_kwargs(body.chat_template_kwargs, body.reasoning_effort)),
+        body.add_generation_prompt, body.continue_final_message, kwargs),
         tools_json=tools.template_json() if tools is not None else None,
         add_special_tokens=bool(body.add_special_tokens))
 

@@ -257,6 +257,7 @@ class Service:
                             log_stats_interval=c.log_stats_interval if c.log_stats else None,
                             force_include_usage=c.enable_force_include_usage,
                             eos_token_ids=tuple(shape.eos_token_ids),
+                            trust_request_chat_template=c.trust_request_chat_template,
                             max_logprobs=c.scheduler.logprobs_cap(shape.vocab_size))
         tok_cfg = TokenizerConfig(str(self.tokenizer_path), a.tokenizer, a.backends, a.detokenizer,
                                   a.api, template,
