@@ -532,6 +532,13 @@ def test_trusted_request_chat_templates_replace_the_models(server: Server) -> No
         assert text == "".join(f"<<{m['content']}>>" for m in SHORT)
         r = _post(server, "/v1/chat/completions", _chat(**fields))
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids), r.text
+    # vLLM's documents reach the template (a RAG template shows them)
+    rag = "{% for d in documents %}[{{ d['title'] }}: {{ d['text'] }}]{% endfor %}"
+    ids = _post(server, "/tokenize", {"messages": SHORT, "chat_template": rag, "documents": [
+        {"title": "A", "text": "one"}, {"title": "B", "text": "two"}]}).json()["tokens"]
+    assert _post(server, "/detokenize", {"tokens": ids}).json()["prompt"] == "[A: one][B: two]"
+    bad = _post(server, "/tokenize", {"messages": SHORT, "documents": [{"title": 1}]})
+    assert bad.status_code == 400 and "documents" in bad.text
 
 
 def test_tool_choice_auto_off_usage_forced_tokens_as_ids(server: Server) -> None:

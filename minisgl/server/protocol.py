@@ -57,7 +57,7 @@ _UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
     "lora_request": lambda v: v is None,
     "return_hidden_states": lambda v: v in (None, False),
     "mm_processor_kwargs": lambda v: not v,
-    "documents": lambda v: not v,
+    "documents": lambda v: not v,  # completions (chat requests take them)
     "chat_template": lambda v: v is None,  # completions (chat requests take it: trusted only)
     "echo": lambda v: not v,  # in a chat request (completions take it)
 }
@@ -199,6 +199,7 @@ class _ChatTemplate(Body):
     chat_template_kwargs: Optional[Dict[str, Any]] = None
     reasoning_effort: Optional[str] = None
     chat_template: Optional[str] = None  # vLLM's: Jinja text in the model's template's place
+    documents: Optional[List[Dict[str, str]]] = None  # vLLM's: for a RAG template to show
 
 
 def refuse_untrusted_template(body: _ChatTemplate, trusted: bool) -> None:
@@ -698,8 +699,9 @@ def _chat_prompt(body: Union[ChatRequest, TokenizeBody], messages: List[ChatMess
                             f"{messages[-1].role!r}", "continue_final_message")
     texts = [_message(i, m) for i, m in enumerate(messages)]
     kwargs = template_kwargs(body.chat_template_kwargs, body.reasoning_effort)
-    if body.chat_template is not None:
-        kwargs = {**(kwargs or {}), "chat_template": body.chat_template}
+    for name in ("chat_template", "documents"):  # vLLM passes them on as the template's
+        if getattr(body, name) is not None:
+            kwargs = {**(kwargs or {}), name: getattr(body, name)}
     return Prompt(messages=texts, template=Template(
         body.add_generation_prompt, body.continue_final_message, kwargs),
         tools_json=tools.template_json() if tools is not None else None,
