@@ -766,3 +766,34 @@ def test_return_token_ids(client: openai.OpenAI, server: Server, tokenizer: Any)
     assert firsts[0] == text_ids and not any(firsts[1:])
     assert [t for c in streamed for t in c.choices[0].model_extra["token_ids"]] == \
         done.choices[0].model_extra["token_ids"]
+
+
+# --- SageMaker's /invocations (vLLM's): the body's fields pick the endpoint -----------------------
+def test_invocations_route_by_the_bodys_fields(server: Server) -> None:
+    chat = {"messages": PARIS, "max_tokens": 4, "temperature": 0}
+    completion = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+        direct, routed = _post(server, path, body).json(), _post(server, "/invocations", body)
+        assert routed.status_code == 200, routed.text
+        assert routed.json()["object"] == direct["object"]
+        assert routed.json()["choices"][0] == direct["choices"][0]
+    bad = _post(server, "/invocations", {"messages": []})  # the endpoint's own refusal
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    r = _post(server, "/invocations", {"model": "x"})
+    assert r.status_code == 400 and "messages (chat)" in r.json()["error"]["message"]
+    r = _post(server, "/invocations", [1, 2])
+    assert r.status_code == 400 and "a JSON object" in r.json()["error"]["message"]
+
+
+def test_invocation_routes() -> None:
+    from minisgl.server.invocations import invocation_route
+    from minisgl.server.protocol import ApiError
+    cases = [({"messages": []}, False, "chat"), ({"prompt": "a"}, False, "completions"),
+             ({"input": "a"}, False, "embeddings"), ({"input": "a"}, True, "classify"),
+             ({"query": "q", "documents": []}, False, "rerank"),
+             ({"text_1": "a", "text_2": "b"}, False, "score")]
+    for body, classifier, route in cases:
+        assert invocation_route(json.dumps(body).encode(), classifier) == route
+    for raw in (b"", b"[1]", b"{not json", b'{"model": "m"}'):
+        with pytest.raises(ApiError):
+            invocation_route(raw, False)

@@ -50,6 +50,7 @@ from minisgl.server.auth import AccessCheck
 from minisgl.server.beam_search_api import BeamLimits, BeamServer, beam_search
 from minisgl.server.cors import CorsPolicy
 from minisgl.server.error_shapes import COUNT_TOKENS_PATH, MESSAGES_PATH, error_body
+from minisgl.server.invocations import invocation_route
 from minisgl.server.limits import BodyLimits, route_path
 from minisgl.server.request_log import REQUEST_ID_HEADER, RequestLog
 from minisgl.server.health import HealthFile
@@ -652,6 +653,14 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
         app.post(path, openapi_extra=body_schema(ScoreRequest))(score)
     for path in RERANK_PATHS:
         app.post(path, openapi_extra=body_schema(RerankRequest))(rerank)
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """SageMaker's single route (vLLM's): the body's fields pick the endpoint."""
+        routes = {"chat": chat, "completions": completions, "embeddings": embeddings,
+                  "classify": classify, "rerank": rerank, "score": score}
+        route = invocation_route(await json_body(request), cfg.classifier is not None)
+        return await routes[route](request)
 
     @app.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest))
     async def responses(request: Request) -> Response:
