@@ -177,7 +177,7 @@ REFUSED = [
     ("length_penalty", 2.0),  # without use_beam_search
     ("guided_whitespace_pattern", " *"), ("guided_decoding_backend", "outlines"),
     ("stop_regex", ["a+"]),
-    ("spaces_between_special_tokens", False), ("echo", True), ("chat_template", "{{ 1 }}"),
+    ("spaces_between_special_tokens", False), ("chat_template", "{{ 1 }}"),
 ]
 
 
@@ -187,9 +187,8 @@ def test_unimplemented_fields_are_refused_by_name(server: Server, field: str,
     r = _post(server, "/v1/chat/completions", {"messages": PARIS, "max_tokens": 2, field: value})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
-    if field != "echo":  # completions take echo
-        r = _post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2, field: value})
-        assert r.status_code == 400 and r.json()["error"]["param"] == field
+    r = _post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
 
 
 def test_request_chat_templates_are_refused_unless_trusted(server: Server) -> None:
@@ -797,3 +796,25 @@ def test_invocation_routes() -> None:
     for raw in (b"", b"[1]", b"{not json", b'{"model": "m"}'):
         with pytest.raises(ApiError):
             invocation_route(raw, False)
+
+
+def test_chat_echo_starts_with_a_continued_message(server: Server) -> None:
+    """vLLM's chat echo: where the last message has the reply's role (a continued assistant
+    message), every choice's content starts with it, streamed in the role chunk; otherwise
+    echo changes nothing."""
+    prefix = "The capital of France is"
+    body = {"messages": [*PARIS, {"role": "assistant", "content": prefix}], "max_tokens": 4,
+            "temperature": 0, "add_generation_prompt": False, "continue_final_message": True}
+    plain = _post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    echoed = _post(server, "/v1/chat/completions", {**body, "echo": True}).json()
+    assert echoed["choices"][0]["message"]["content"] == prefix + plain["content"]
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60,
+                      json={**body, "echo": True, "stream": True}) as r:
+        events = [json.loads(ln[6:]) for ln in r.iter_lines()
+                  if ln.startswith("data: ") and ln != "data: [DONE]"]
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    assert deltas[0]["content"] == prefix
+    assert "".join(d.get("content") or "" for d in deltas) == prefix + plain["content"]
+    asked = {"messages": PARIS, "max_tokens": 4, "temperature": 0}
+    assert (_post(server, "/v1/chat/completions", {**asked, "echo": True}).json()["choices"][0]
+            == _post(server, "/v1/chat/completions", asked).json()["choices"][0])

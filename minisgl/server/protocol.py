@@ -59,7 +59,6 @@ _UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
     "mm_processor_kwargs": lambda v: not v,
     "documents": lambda v: not v,  # completions (chat requests take them)
     "chat_template": lambda v: v is None,  # completions (chat requests take it: trusted only)
-    "echo": lambda v: not v,  # in a chat request (completions take it)
 }
 # SGLang's and vLLM's flag for keeping special tokens' spaces is HF's decode option, which
 # the fast tokenizers this server loads do not implement: only its default is served.
@@ -245,6 +244,9 @@ class _Tools(Body):
 class ChatRequest(_OpenAI, _ChatTemplate, _Tools):
     messages: List[ChatMessage]
     top_logprobs: Optional[int] = None
+    # vLLM's: the reply starts with the last message's text where that message has the reply's
+    # role (a continued assistant message, say)
+    echo: Optional[bool] = None
     # vLLM's: special tokens (BOS) added to the templated text too; the template writes its own
     add_special_tokens: bool = False
 
@@ -350,6 +352,9 @@ class Job:
     # (add_generation_prompt false: that message's role, as vLLM); None: the server's
     # response_role
     role: Optional[str] = None
+    # chat echo (vLLM's): the last message's (role, text), which starts every choice's content
+    # where its role is the reply's
+    echo_message: Optional[Tuple[str, str]] = None
     # vLLM's use_beam_search: n is the beam width (beam_search_api.py), beams ranked by their
     # cumulative log-probability over length ** length_penalty
     beam_search: bool = False
@@ -746,6 +751,10 @@ def _chat_job(body: ChatRequest, max_n: int, tool_parser: Optional[str],
     job = _job(body, [_chat_prompt(body, body.messages, tools)], max_n, defaults)
     if not body.add_generation_prompt:
         job = dataclasses.replace(job, role=body.messages[-1].role)
+    if body.echo:
+        last = body.messages[-1]
+        job = dataclasses.replace(job, echo_message=(last.role, _message_text(
+            len(body.messages) - 1, last)))
     fmt = tool_call_format(tool_parser or "hermes")
     # Mistral's [TOOL_CALLS] is a special token: kept in the text (as vLLM does), calls after
     # content are found by it (the parser reads calls without it only at the start)

@@ -382,6 +382,8 @@ class ChatFormatter(_OpenAIFormatter):
                  tool_parser: Optional[str] = None, role: str = "assistant") -> None:
         super().__init__(model, job)
         self.role = job.role or role
+        echo = job.echo_message
+        self.echo = echo[1] if echo is not None and echo[0] == self.role else ""
         self.reasoning_parser = reasoning_parser
         self.splitters: Dict[int, ReasoningSplitter] = {}
         tools = job.tools
@@ -425,6 +427,8 @@ class ChatFormatter(_OpenAIFormatter):
                 message["tool_calls"] = [call_dict(c, self.tool_format.new_id())
                                          for c in parsed.calls]
                 reason = self._called(reason)
+        if self.echo:
+            message["content"] = self.echo + (message["content"] or "")
         return {"index": index, "message": message,
                 "logprobs": self._choice_logprobs(choice), "finish_reason": reason}
 
@@ -432,7 +436,7 @@ class ChatFormatter(_OpenAIFormatter):
         """The role chunk of each choice; the stream's first also carries the prompt's
         log-probabilities where asked (as a chat response does, at the top)."""
         yield self._chunk(index, choice, {
-            "index": index, "delta": {"role": self.role, "content": ""},
+            "index": index, "delta": {"role": self.role, "content": self.echo},
             "logprobs": None, "finish_reason": None},
             {**self._prompt_logprobs(choice), **self._prompt_token_ids(choice.prompt_ids)}
             if index == 0 else {})
