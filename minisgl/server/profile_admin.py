@@ -72,8 +72,6 @@ def install_profile_routes(app: App, streams: RequestStreams, replicas: int,
             param = "output_dir" if error.startswith("output_dir ") else None
             raise ApiError(400, error, param, kind="invalid_request_error")
 
-    @app.api_route("/start_profile", methods=["POST", "GET"],
-                   openapi_extra=body_schema(ProfileBody))
     async def start_profile(request: Request) -> Response:
         raw = await read_body(request) if request.method == "POST" else b""
         body = parse_body(raw, ProfileBody) if raw.strip() else ProfileBody()
@@ -83,7 +81,11 @@ def install_profile_routes(app: App, streams: RequestStreams, replicas: int,
         steps = "" if body.num_steps is None else f" for {body.num_steps} steps"
         return PlainTextResponse(f"Start profiling{steps}.\n")
 
-    @app.api_route("/stop_profile", methods=["POST", "GET"])
+    # one route a method: one of several methods would document them under one operation id
+    app.post("/start_profile", openapi_extra=body_schema(ProfileBody))(start_profile)
+    app.get("/start_profile")(start_profile)
+
+    @app.each_method("/stop_profile", ["POST", "GET"])
     async def stop_profile() -> Response:
         await change(lambda uid: ProfileMsg(uid, False))
         return PlainTextResponse("Stop profiling. The traces are in the server's "
