@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from typing import (Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple,
-                    TypeVar)
+                    TypeVar, runtime_checkable)
 
 import torch
 
@@ -41,6 +41,7 @@ from minisgl.utils import aligned_width, copy_from_host
 logger = logging.getLogger(__name__)
 
 
+@runtime_checkable
 class GraphableBackend(Protocol):
     def init_graph_buffers(self, max_bs: int) -> None: ...
 

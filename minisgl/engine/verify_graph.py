@@ -215,11 +215,10 @@ def capture_verify_graphs(model: CausalLM, backend: object, max_bs: int, tokens:
     buffers hold), or None (logged) where none apply: no batch size, a backend without the
     contract, or a model whose forward cannot be captured."""
     bs = verify_graph_bs(max_bs, tokens, max_requests)
-    if not bs or not hasattr(backend, "graph_meta"):
+    if not bs or not isinstance(backend, GraphableBackend):
         return None
     try:
-        return VerifyGraphs(model, backend, bs, tokens,  # type: ignore[arg-type]
-                            page_table, pad_row, scratch_slot)
+        return VerifyGraphs(model, backend, bs, tokens, page_table, pad_row, scratch_slot)
     except RuntimeError as e:  # e.g. a host sync inside the forward: eager verify still works
         logger.warning("verify CUDA graphs not captured, verify steps run eagerly: %s", e)
         torch.cuda.synchronize(page_table.device)
