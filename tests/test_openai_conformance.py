@@ -818,3 +818,24 @@ def test_chat_echo_starts_with_a_continued_message(server: Server) -> None:
     asked = {"messages": PARIS, "max_tokens": 4, "temperature": 0}
     assert (_post(server, "/v1/chat/completions", {**asked, "echo": True}).json()["choices"][0]
             == _post(server, "/v1/chat/completions", asked).json()["choices"][0])
+
+
+def test_load_counts_the_requests_in_flight(server: Server) -> None:
+    """vLLM's GET /load: 0 at rest, 1 while a stream runs, 0 once it ended; its flags
+    (--enable-server-load-tracking, --disable-uvicorn-access-log) are what is done by default."""
+    from minisgl.server.args import parse_args
+    assert httpx.get(f"{server.url}/load", timeout=10).json() == {"server_load": 0}
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60, json={
+            "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True,
+            "stream": True}) as r:
+        lines = r.iter_lines()  # held: a dropped line iterator closes the response
+        next(line for line in lines if line.startswith("data: "))
+        assert httpx.get(f"{server.url}/load", timeout=10).json() == {"server_load": 1}
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{server.url}/load", timeout=10).json()["server_load"] and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(f"{server.url}/load", timeout=10).json() == {"server_load": 0}
+    cfg = parse_args(["--enable-server-load-tracking", "--disable-uvicorn-access-log"])
+    assert cfg.server_load_tracking and not cfg.uvicorn_access_log
+    assert not parse_args(["--no-server-load-tracking"]).server_load_tracking

@@ -157,6 +157,8 @@ class ApiConfig:
     log_stats_interval: Optional[float] = None  # seconds between stats lines (stats_log.py)
     return_tokens_as_token_ids: bool = False  # vLLM's: where a request leaves it unset
     trust_request_chat_template: bool = False  # requests may bring their own chat template
+    uvicorn_access_log: bool = False  # uvicorn's own access lines, besides RequestLog's
+    server_load_tracking: bool = True  # GET /load served (vLLM's)
     eos_token_ids: Tuple[int, ...] = ()  # the model's: a beam search's beams end at one
     max_logprobs: int = 20  # the engine's cap (SchedulerConfig.logprobs_cap)
 
@@ -820,6 +822,13 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable"}, status_code=503)
 
+    if cfg.server_load_tracking:
+        @app.get("/load")
+        async def load() -> Dict[str, Any]:
+            """vLLM's: the generation requests in flight (each HTTP request once, streams
+            until they end)."""
+            return {"server_load": streams.in_flight}
+
     @app.get("/health_generate")
     async def health_generate(request: Request) -> Response:
         """SGLang's deep probe: healthy where a one-token generation goes through the whole
@@ -894,7 +903,7 @@ def serve_forever(cfg: ApiConfig, sock: Any, is_healthy: Callable[[], bool],
     app = create_app(cfg, is_healthy)
     app.state.self_url = _loopback_url(sock.getsockname(), cfg.tls is not None)
     keyfile, certfile = cfg.tls or (None, None)
-    config = uvicorn.Config(app, log_config=None, access_log=False,
+    config = uvicorn.Config(app, log_config=None, access_log=cfg.uvicorn_access_log,
                             lifespan="on",
                             log_level=(cfg.uvicorn_log_level or log_level).lower(),
                             timeout_graceful_shutdown=1, ssl_keyfile=keyfile,

@@ -219,6 +219,12 @@ class ServerConfig:
         True, "chat and completion usage carries prompt_tokens_details (cached_tokens: the "
               "prompt tokens the prefix cache held)",
         alias=Alias("enable-prompt-tokens-details", True, "on, as by default (vLLM's flag)"))
+    uvicorn_access_log: bool = setting(
+        False, "uvicorn's own access line per request, besides minisgl's (log_requests)",
+        alias=Alias("disable-uvicorn-access-log", False, "off, as by default (vLLM's flag)"))
+    server_load_tracking: bool = setting(
+        True, "GET /load answers how many generation requests are in flight (vLLM's /load)",
+        alias=Alias("enable-server-load-tracking", True, "on, as by default (vLLM's flag)"))
     request_id_headers: bool = setting(
         True, "every response carries its request's X-Request-Id header (the client's, else a "
               "new id)",

@@ -258,6 +258,8 @@ class Service:
                             force_include_usage=c.enable_force_include_usage,
                             eos_token_ids=tuple(shape.eos_token_ids),
                             trust_request_chat_template=c.trust_request_chat_template,
+                            uvicorn_access_log=c.uvicorn_access_log,
+                            server_load_tracking=c.server_load_tracking,
                             max_logprobs=c.scheduler.logprobs_cap(shape.vocab_size))
         tok_cfg = TokenizerConfig(str(self.tokenizer_path), a.tokenizer, a.backends, a.detokenizer,
                                   a.api, template,

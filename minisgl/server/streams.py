@@ -144,6 +144,11 @@ class RequestStreams:
             raise
         return stream
 
+    @property
+    def in_flight(self) -> int:
+        """The generation jobs not yet released (each HTTP request's job once)."""
+        return len({id(s) for s in self._streams.values() if s.measured})
+
     def submit_text(self, prompt: Optional[Prompt], return_token_strs: bool = False,
                     skip_special_tokens: bool = False) -> RequestStream:
         """A tokenize / detokenize request (message.TextRequest), or with no prompt the
