@@ -5,7 +5,8 @@ Routes: POST /v1/chat/completions, POST /v1/completions, POST /generate (token i
 /v1/messages/count_tokens (Anthropic's Messages API, whose errors take Anthropic's shape:
 error_shapes.py), POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /v1/models, GET
 /v1/models/{id}, GET /version, GET /health (200 only while the launcher reports every process
-up), GET /metrics.
+up), GET /metrics, GET /load, POST /invocations (SageMaker's: invocations.py). A chat or
+completion with use_beam_search runs as a beam search (beam_search_api.py).
 A POST body must be JSON: another declared content type gets a 415.
 In front of the routes: the API key and Host checks (auth.py), then the body's size and read
 deadline (limits.py); admission (429) and deadlines (408) are admission.py's.
