@@ -12,8 +12,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 # Children forked from a fork server that imported torch once: an LLM(tp=2) starts in 0.4 s
-# instead of 1.8 s on two cores (tests/test_start_method.py runs both ways).
-os.environ.setdefault("MINISGL_START_METHOD", "forkserver")
+# instead of 1.8 s on two cores (tests/test_start_method.py runs both ways). On a GPU machine the
+# children start as users' do (spawn) until a GPU run has tried the fork server there.
+if not torch.cuda.is_available():
+    os.environ.setdefault("MINISGL_START_METHOD", "forkserver")
 
 import type_check  # noqa: E402
 from tiny_models import build_tiny  # noqa: E402
