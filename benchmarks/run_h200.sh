@@ -96,9 +96,10 @@ if [ "$MODE" = s42-lite ]; then  # s42-tests without the default model's weights
   step ipc_weights 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_weights_from_tensor.py
 fi
 if [ "$MODE" = s44-fork ]; then  # children from a fork server on a GPU (forty-fourth session's
-  # MINISGL_START_METHOD=forkserver, untried there): the GPU tests whose services spawn ranks,
-  # then the start-method tests, every child forked; ~6 min, carry .gpucache/mcache
-  export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache MINISGL_START_METHOD=forkserver
+  # MINISGL_START_METHOD=forkserver, untried there), after s42-tests on the same machine (the
+  # default model staged in /tmp/mcache): the GPU tests, whose services spawn their ranks, then
+  # the start-method tests, every child forked; ~6 min
+  export MINISGL_CACHE_DIR=/tmp/mcache MINISGL_START_METHOD=forkserver
   step fork_gpu_tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
   step fork_start_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_start_method.py
 fi
