@@ -45,7 +45,7 @@ from minisgl.models.config import ModelConfig
 from minisgl.models.generation import sampling_defaults
 from minisgl.models.pooling import model_pooling
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.server.api import ApiConfig, run_api
+from minisgl.server.api_config import ApiConfig
 from minisgl.server.args import ServerConfig
 from minisgl.server.cluster import Cluster
 from minisgl.server.health import HealthFile
@@ -102,6 +102,12 @@ class Addresses(NamedTuple):
 def _rank_entry(cfg: SchedulerConfig, pulse: Any, conn: Any) -> None:
     from minisgl.scheduler.main import run_rank
     run_rank(cfg, conn, pulse)
+
+
+def _api_entry(cfg: ApiConfig, sock: Any, log_level: str, conn: Any) -> None:
+    """The API server process's entry: the HTTP stack is imported there, not in the launcher."""
+    from minisgl.server.api import run_api
+    run_api(cfg, sock, log_level, conn)
 
 
 def _push_once(addr: str, msg: Any) -> None:
@@ -274,7 +280,7 @@ class Service:
                   (DetokenizerConfig(str(self.tokenizer_path), a.detokenizer, a.backends,
                                      a.api, stats_to),),
                   level, self.run_dir),
-            spawn("api", run_api, (api_cfg, self.sock, level), level, self.run_dir),
+            spawn("api", _api_entry, (api_cfg, self.sock, level), level, self.run_dir),
         ]
         self._limits_sent = False
 
