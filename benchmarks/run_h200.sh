@@ -95,13 +95,9 @@ if [ "$MODE" = s42-lite ]; then  # s42-tests without the default model's weights
   step verify_8b 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --batch-sizes 1,16,64 --steps 30 --verify 4
   step ipc_weights 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_weights_from_tensor.py
 fi
-if [ "$MODE" = s44-fork ]; then  # children from a fork server on a GPU (forty-fourth session's
-  # MINISGL_START_METHOD=forkserver, untried there), after s42-tests on the same machine (the
-  # default model staged in /tmp/mcache): the GPU tests, whose services spawn their ranks, then
-  # the start-method tests, every child forked; ~6 min
-  export MINISGL_CACHE_DIR=/tmp/mcache MINISGL_START_METHOD=forkserver
-  step fork_gpu_tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
-  step fork_start_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_start_method.py
+if [ "$MODE" = s44-fork ]; then  # LLM(tp>1)'s ranks from a fork server on a GPU (forty-fourth
+  # session's MINISGL_START_METHOD=forkserver, untried there; ~1 min): a forked child's CUDA
+  step fork_cuda 60 python3 scripts/experiments/fork_cuda_probe.py
 fi
 if [ "$MODE" = s42-spec ]; then  # after s42-tests on the same machine (~8 min): n-gram speculative
   # decoding against plain decoding on the default model (bf16), minisgl then vLLM 0.26, the

@@ -249,8 +249,9 @@ class LLM:
         self._cpu_backup = cfg.engine.enable_weights_cpu_backup
         self._lora_runtime, self._max_lora_rank = cfg.engine.lora_runtime, cfg.engine.max_lora_rank
         tp = self._tp = cfg.engine.tp
-        if tp > 1:
-            prestart(os.environ)  # its imports overlap the tokenizer's loading below
+        # the ranks' start method, checked first; a fork server's imports overlap the loading
+        # of the tokenizer below
+        forkserver = tp > 1 and prestart(os.environ)
         self.model_path = resolve_model_path(model, cfg.engine.revision,
                                              cfg.engine.download_dir, hf_token)
         tokenizer_path = resolve_tokenizer_path(tokenizer, self.model_path,
@@ -271,7 +272,7 @@ class LLM:
                                      show_progress=show_progress)
         cfg = dataclasses.replace(cfg, engine=engine, tokenizer_path=str(tokenizer_path))
         self.show_progress = show_progress
-        self._backend = InProcessRank(cfg) if tp == 1 else RankProcesses(cfg, tp, log_level)
+        self._backend = InProcessRank(cfg) if tp == 1 else RankProcesses(cfg, tp, log_level, forkserver)
         self._uids = itertools.count()
         self._token_texts: Dict[int, str] = {}  # token id -> decoded alone (Logprob's)
         self._asleep: FrozenSet[str] = frozenset()  # sleep mode's parts asleep

@@ -95,7 +95,9 @@ class RankProcesses:
     launcher's are; rank 0 talks to us over ZMQ. A rank that fails to start, or dies later,
     raises RuntimeError naming it once the other ranks are stopped."""
 
-    def __init__(self, cfg: SchedulerConfig, tp: int, log_level: str) -> None:
+    def __init__(self, cfg: SchedulerConfig, tp: int, log_level: str,
+                 forkserver: bool = False) -> None:
+        """`forkserver`: the ranks fork from this process's fork server (proc.prestart)."""
         self.run_dir = tempfile.mkdtemp(prefix="minisgl-llm-")
         addr = lambda name: f"ipc://{self.run_dir}/{name}"  # noqa: E731
         port = free_port()
@@ -109,7 +111,7 @@ class RankProcesses:
                 cfg, engine=engine, backend_addr=addr("backend"),
                 detokenizer_addr=addr("detokenizer"), broadcast_addr=addr("broadcast"))
             self.children.append(spawn(f"rank{rank}", run_rank, (rank_cfg,), log_level,
-                                       self.run_dir))
+                                       self.run_dir, forkserver=forkserver))
         self.requests = PushQueue(self.ctx, addr("backend"), bind=False)
         self.stats: Optional[SchedulerStats] = None  # rank 0's latest
         self.accounting_seq = 0  # AccountingMsg numbers, so a reply meets its request

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-# Children forked from a fork server that imported torch once: an LLM(tp=2) starts in 0.4 s
-# instead of 1.8 s on two cores (tests/test_start_method.py runs both ways). On a GPU machine the
-# children start as users' do (spawn) until a GPU run has tried the fork server there.
+# LLM(tp>1)'s ranks forked from a fork server that imported torch once: an LLM(tp=2) starts in
+# 0.4 s instead of 1.8 s on two cores (tests/test_start_method.py runs both ways). On a GPU
+# machine they start as users' do (spawn) until a GPU run has tried the fork server there.
 if not torch.cuda.is_available():
     os.environ.setdefault("MINISGL_START_METHOD", "forkserver")
 

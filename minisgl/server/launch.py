@@ -46,7 +46,7 @@ from minisgl.models.pooling import check_pooler_dimensions
 from minisgl.server.args import ServerConfig, describe, parse_args
 from minisgl.server.batch_file import check_paths
 from minisgl.server.cluster import Cluster, fingerprint
-from minisgl.server.proc import StartupError, prestart
+from minisgl.server.proc import StartupError
 from minisgl.server.service import Service
 from minisgl.settings import values as setting_values
 from minisgl.tokenizer.text import has_tokenizer, read_chat_template, resolve_tokenizer_path
@@ -148,9 +148,7 @@ def _prepare(cfg: ServerConfig) -> Prepared:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run this node's part of the service until a signal or node 0's stop (exit 0), a failure
     here or on another node, or a start-up failure (exit 1), or a bad setting (exit 2)."""
-    _quiet_resource_tracker()  # before prestart, which starts the tracker
     try:
-        prestart(os.environ)
         cfg = parse_args(argv)
         if cfg.batch_input is not None:  # the batch's own API: private, on a free port
             cfg = replace(cfg, host="127.0.0.1", port=0)
@@ -158,6 +156,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         return _fail(str(e)) + 1  # 2, like argparse's own usage errors
     setup_logging("launcher", cfg.effective_log_level)
+    _quiet_resource_tracker()
     for line in describe(cfg):
         logger.debug("config: %s", line)
     try:

@@ -12,13 +12,16 @@ after any number of `("progress", name, text)` (start-up steps, for the parent t
 the parent may send it start-up data on the same pipe afterwards (the tokenizer gets the KV
 capacity the ranks reported). This module imports nothing heavy (no torch, no HTTP stack).
 
-Children start by `spawn` (a fresh interpreter each, which imports torch anew), or, with
-MINISGL_START_METHOD=forkserver, are forked from a fork server that imported torch and the entry
-modules once (a start costs a fork; the server never touches a device, so a child may). Either
-way a child gets the parent's environment as it was at `spawn` (a forked child would otherwise
-have the fork server's), and watches a lifeline pipe, not its parent pid (a forked child's
-parent is the fork server): the parent holds the pipe's write end, never writes, and closes it
-only once the child has ended; the end closes with the parent however it dies.
+Children start by `spawn` (a fresh interpreter each, which imports torch anew), or, where the
+caller asks (`LLM(tp>1)`'s ranks under MINISGL_START_METHOD=forkserver), are forked from this
+process's fork server, which imported torch and the ranks' entry module once: a parent that
+starts ranks again and again (a notebook, a test run) pays those imports once. The launcher
+always spawns: it starts its children once, in parallel, and a fork server's imports would only
+delay them. Either way a child gets the parent's environment as it was at `spawn` (a forked
+child would otherwise have the fork server's), and watches a lifeline pipe, not its parent pid
+(a forked child's parent is the fork server): the parent holds the pipe's write end, never
+writes, and closes it only once the child has ended; the end closes with the parent however
+it dies.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from minisgl.message.pulse import BEAT_INTERVAL_S, Pulse
 
 logger = logging.getLogger("minisgl.launcher")
 _SPAWN = mp.get_context("spawn")
+_FORKSERVER = mp.get_context("forkserver")
 START_METHOD_ENV = "MINISGL_START_METHOD"
 START_METHODS = ("spawn", "forkserver")
 # What a fork server imports once, for every child it forks: torch and the ranks' entry module
@@ -60,22 +64,16 @@ def start_method(env: Mapping[str, str]) -> str:
     return method
 
 
-def prestart(env: Mapping[str, str]) -> None:
-    """Start the fork server now when children start from one (a no-op under spawn), so that
-    its imports run while the caller prepares (the launcher reads the model, an `LLM` loads its
-    tokenizer). ValueError for a method not taken (`start_method`)."""
-    if start_method(env) == "forkserver":
-        _context(env)
-        with _main_left_alone():
-            mp_forkserver.ensure_running()
-
-
-def _context(env: Mapping[str, str]) -> Any:
-    method = start_method(env)
-    ctx = mp.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)  # read when the server first starts
-    return ctx
+def prestart(env: Mapping[str, str]) -> bool:
+    """Whether ranks start from the fork server (`start_method`), which this starts now if so,
+    so that its imports run while the caller prepares (an `LLM` loads its tokenizer).
+    ValueError for a method not taken."""
+    if start_method(env) != "forkserver":
+        return False
+    _FORKSERVER.set_forkserver_preload(_FORKSERVER_PRELOAD)  # read as the server starts
+    with _main_left_alone():
+        mp_forkserver.ensure_running()
+    return True
 
 
 class StartupError(Exception):
@@ -180,12 +178,15 @@ def new_pulse() -> Pulse:
 
 
 def spawn(name: str, target: Callable[..., None], args: Sequence[Any], log_level: str,
-          run_dir: str, pulse: Optional[Pulse] = None) -> Child:
+          run_dir: str, pulse: Optional[Pulse] = None, forkserver: bool = False) -> Child:
     """Start `target(*args, conn)` in a new process named `name` (module doc); `run_dir` is the
     parent's runtime directory (removed by the child if the parent dies without cleaning).
-    The child beats `pulse` (a new one if None) while it runs."""
+    The child beats `pulse` (a new one if None) while it runs. `forkserver`: forked from this
+    process's fork server (`prestart`) instead of spawned."""
     pulse = pulse if pulse is not None else new_pulse()
-    ctx = _context(os.environ)
+    if forkserver:
+        _FORKSERVER.set_forkserver_preload(_FORKSERVER_PRELOAD)  # (started by now, usually)
+    ctx = _FORKSERVER if forkserver else _SPAWN
     ours, theirs = ctx.Pipe(duplex=True)
     life_r, life_w = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=child_main, name=f"minisgl-{name}", daemon=True,
