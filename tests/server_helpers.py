@@ -313,9 +313,7 @@ def _tp1_answers(model_dir: Optional[Path]) -> Tuple[Tuple[str, int], ...]:
 
 def check_same_as_tp1(server: Server, model_dir: Optional[Path]) -> None:
     refs = _tp1_answers(model_dir)
-    import openai
-    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
-                           timeout=300)
+    client = openai_client(server).with_options(timeout=300)
     model = client.models.list().data[0].id
     with ThreadPoolExecutor(len(CHATS)) as pool:
         got: List[Tuple[str, Optional[int]]] = list(

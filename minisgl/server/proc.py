@@ -184,8 +184,6 @@ def spawn(name: str, target: Callable[..., None], args: Sequence[Any], log_level
     The child beats `pulse` (a new one if None) while it runs. `forkserver`: forked from this
     process's fork server (`prestart`) instead of spawned."""
     pulse = pulse if pulse is not None else new_pulse()
-    if forkserver:
-        _FORKSERVER.set_forkserver_preload(_FORKSERVER_PRELOAD)  # (started by now, usually)
     ctx = _FORKSERVER if forkserver else _SPAWN
     ours, theirs = ctx.Pipe(duplex=True)
     life_r, life_w = ctx.Pipe(duplex=False)
