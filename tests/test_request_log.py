@@ -8,7 +8,6 @@ import asyncio
 import logging
 import re
 import time
-from pathlib import Path
 from typing import Dict, Iterator, List, Tuple, Union
 
 import httpx

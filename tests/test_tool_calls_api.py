@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Dict, Iterator, List, Tuple
 
 import httpx

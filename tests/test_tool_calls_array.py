@@ -45,7 +45,7 @@ CASES: List[Tuple[str, Optional[str], List[Tuple[str, str]]]] = [
     (f' \n[ {PARIS},{{"name": "now"}} ]', None,
      [("get_weather", '{"city": "Paris", "unit": "c"}'), ("now", "{}")]),
     # content before the marker; text after the array; an "id" key (as the templates write)
-    (f'Let me check.\n[TOOL_CALLS] [{{"name": "now", "arguments": {{}}, "id": "a1b2c3d4e"}}]'
+    ('Let me check.\n[TOOL_CALLS] [{"name": "now", "arguments": {}, "id": "a1b2c3d4e"}]'
      " Done.", "Let me check.\n Done.", [("now", "{}")]),
     # the v11 form: one marker per call, [ARGS] (and [CALL_ID]) written out
     ('[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]now[CALL_ID]ab12CD34e[ARGS]{}',

@@ -22,7 +22,7 @@ until it is known, so the concatenation of the parts equals splitting the whole 
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional
 
 from minisgl.grammar.reasoning import (FORMATS, REASONING_PARSERS, THINK_END, THINK_START,
                                       Markers)

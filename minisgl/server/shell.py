@@ -8,6 +8,7 @@ Standard library only (urllib), so the shell works wherever the server does.
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import urllib.error
@@ -107,7 +108,7 @@ def run_shell(url: str, model: str, read: Callable[[str], str] = input,
               write: Callable[[str], None] = _write_stdout) -> None:
     """The read-eval loop; returns on /exit, end of input, or Ctrl-C at the prompt."""
     try:
-        import readline  # noqa: F401  (line editing and input history for input())
+        importlib.import_module("readline")  # line editing and input history for input()
     except ImportError:  # pragma: no cover
         pass
     shell = Shell(url, model, write)

@@ -4,7 +4,6 @@ out of the loop) won and is now the tree's `int_mm._one_row_kernel`, timed here 
 `int_mm` at each of VARIANTS' tiles, with the split-sum kernel and with the layer's counters
 (`arrivals`: the last program sums); v3, kept below, is the same value by value with one FFMA
 each, which lost. Prints us per product (weights rotated through > 256 MB, CUDA graph)."""
-import sys
 import torch, triton, triton.language as tl
 from minisgl.kernels import int_mm as im
 
