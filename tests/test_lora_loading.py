@@ -107,10 +107,10 @@ def test_an_engine_without_slots_refuses_loads_and_adapter_requests() -> None:
 
 def test_a_load_another_rank_failed_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:
     h = Harness(max_loras=1)
-    monkeypatch.setattr("minisgl.scheduler.changes.min_over_ranks", lambda v, g: 0)
+    monkeypatch.setattr("minisgl.distributed.comm.min_over_ranks", lambda v, g: 0)
     h.adapter(100, "a", "/adapters/a")
     h.run()
-    assert "failed to load on another rank" in h.reply(100)
+    assert "loading LoRA adapter 'a' failed on another rank" in h.reply(100)
     assert h.engine.slot_codes == {} and h.sched.adapters.loaded == {}
 
 

@@ -113,7 +113,7 @@ def test_a_sleep_or_wake_up_another_rank_failed_is_undone(
     """The vote: where another rank failed, this one wakes what it put to sleep (and takes
     the held requests), or puts back to sleep what it woke."""
     h = Harness()
-    monkeypatch.setattr("minisgl.scheduler.changes.min_over_ranks", lambda v, g: 0)
+    monkeypatch.setattr("minisgl.distributed.comm.min_over_ranks", lambda v, g: 0)
     h.sleep(100)
     h.run()
     h.submit(1, PROMPT)
@@ -123,7 +123,7 @@ def test_a_sleep_or_wake_up_another_rank_failed_is_undone(
     monkeypatch.undo()
     h.sleep(101)
     h.run()
-    monkeypatch.setattr("minisgl.scheduler.changes.min_over_ranks", lambda v, g: 0)
+    monkeypatch.setattr("minisgl.distributed.comm.min_over_ranks", lambda v, g: 0)
     h.wake(102, "kv_cache")
     h.run()
     assert "wake-up failed on another rank" in h.reply(102)
@@ -136,7 +136,7 @@ def test_a_sleep_or_wake_up_another_rank_failed_is_undone(
         change()
         h.run()
     assert [h.reply(u) for u in (103, 104, 105)] == ["ok"] * 3
-    monkeypatch.setattr("minisgl.scheduler.changes.min_over_ranks", lambda v, g: 0)
+    monkeypatch.setattr("minisgl.distributed.comm.min_over_ranks", lambda v, g: 0)
     h.wake(106)
     h.run()
     assert "wake-up failed on another rank" in h.reply(106)

@@ -76,11 +76,11 @@ def test_a_failed_reload_restores_the_weights_served() -> None:
 
 def test_a_reload_another_rank_failed_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:
     h = Harness()
-    monkeypatch.setattr("minisgl.scheduler.changes.min_over_ranks", lambda v, g: 0)
+    monkeypatch.setattr("minisgl.distributed.comm.min_over_ranks", lambda v, g: 0)
     h.weights(100, "/ckpt/b")
     h.submit(1, PROMPT)
     h.run()
-    assert "failed to load on another rank" in h.reply(100)
+    assert "loading the weights failed on another rank" in h.reply(100)
     assert h.engine.reloads == ["/ckpt/b", "fake"] and h.tokens[1] == reference(PROMPT, 8)
 
 

@@ -11,15 +11,16 @@ import importlib
 from typing import TYPE_CHECKING, Any, Dict
 
 if TYPE_CHECKING:
-    from minisgl.distributed.comm import (Communicator, ProcessGroups, check_same_across_ranks,
-                                          destroy_process_groups, init_process_groups,
-                                          min_over_ranks, true_on_all_ranks)
+    from minisgl.distributed.comm import (Communicator, ProcessGroups, agreed_error,
+                                          check_same_across_ranks, destroy_process_groups,
+                                          init_process_groups, min_over_ranks,
+                                          true_on_all_ranks)
     from minisgl.distributed.info import DistributedInfo, Shard, check_head_split
     from minisgl.distributed.modes import ALLREDUCE_MODES, SYMM_MODES, check_allreduce_mode
     from minisgl.distributed.symm_allreduce import DEFAULT_SYMM_MAX_BYTES, SymmMemAllReduce
 
 _MODULE_OF: Dict[str, str] = {
-    **dict.fromkeys(["Communicator", "ProcessGroups", "check_same_across_ranks",
+    **dict.fromkeys(["Communicator", "ProcessGroups", "agreed_error", "check_same_across_ranks",
                      "destroy_process_groups", "init_process_groups", "min_over_ranks",
                      "true_on_all_ranks"], "comm"),
     **dict.fromkeys(["DistributedInfo", "Shard", "check_head_split"], "info"),
@@ -27,7 +28,8 @@ _MODULE_OF: Dict[str, str] = {
     **dict.fromkeys(["DEFAULT_SYMM_MAX_BYTES", "SymmMemAllReduce"], "symm_allreduce"),
 }
 __all__ = ["ALLREDUCE_MODES", "Communicator", "DEFAULT_SYMM_MAX_BYTES", "DistributedInfo",
-           "ProcessGroups", "SYMM_MODES", "Shard", "SymmMemAllReduce", "check_allreduce_mode",
+           "ProcessGroups", "SYMM_MODES", "Shard", "SymmMemAllReduce", "agreed_error",
+           "check_allreduce_mode",
            "check_head_split", "check_same_across_ranks", "destroy_process_groups",
            "init_process_groups", "min_over_ranks", "true_on_all_ranks"]
 

@@ -186,6 +186,16 @@ def min_over_ranks(value: int, cpu_group: Optional[dist.ProcessGroup]) -> int:
     return int(t.item())
 
 
+def agreed_error(error: Optional[str], cpu_group: Optional[dist.ProcessGroup], what: str
+                 ) -> Optional[str]:
+    """The vote on a change every rank tried (every rank must call it): None where no rank
+    failed; otherwise this rank's `error`, or, on a rank that succeeded, that `what` failed on
+    another rank. Where the answer is not None, each rank that made the change undoes it."""
+    if min_over_ranks(int(error is None), cpu_group) == 1:
+        return None
+    return error or f"{what} failed on another rank (its log says why)"
+
+
 def true_on_all_ranks(flags: Sequence[bool], cpu_group: Optional[dist.ProcessGroup]
                       ) -> List[bool]:
     """Flag i is True where it is True on every rank (every rank must call it, with as many

@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Optional, Tuple, TypeVar
 from torch.distributed import ProcessGroup
 
 from minisgl.core import LoraBinding, WeightsRefused
-from minisgl.distributed import min_over_ranks
+from minisgl.distributed import agreed_error
 from minisgl.distributed.weight_group import GroupSpec
 from minisgl.distributed.tensor_payload import deserialize
 from minisgl.message.types import GroupMsg, GroupWeightsMsg, SleepMsg, TensorWeightsMsg, WakeMsg
@@ -49,10 +49,6 @@ class Changes:
         self.rank, self.global_rank, self.cpu_group = rank, global_rank, cpu_group
         self.weights_path = weights_path
 
-    def _all_ranks(self, error: Optional[str]) -> bool:
-        """Whether every rank made the change (a vote every rank must reach)."""
-        return min_over_ranks(int(error is None), self.cpu_group) == 1
-
     def _attempt(self, run: Callable[[], T], what: str) -> Tuple[Optional[str], Optional[T]]:
         """(None, what `run()` returned), or (its error, None), the error logged as `what`
         failing on this rank."""
@@ -78,10 +74,10 @@ class Changes:
             return self.adapters.full_error()
         error, _ = self._attempt(lambda: self.engine.load_adapter(slot, name, path),
                                  f"LoRA adapter {name!r} from {path}")
-        if not self._all_ranks(error):
+        agreed = agreed_error(error, self.cpu_group, f"loading LoRA adapter {name!r}")
+        if agreed is not None:
             self.engine.clear_adapter(slot)
-            return error or (f"LoRA adapter {name!r} failed to load on another rank (its "
-                             f"log says why)")
+            return agreed
         self.adapters.add(name, slot)
         logger.info("rank %d: LoRA adapter %r loaded from %s into slot %d", self.rank, name,
                     path, slot)
@@ -115,11 +111,10 @@ class Changes:
             if path is not None and path not in error:
                 error = f"{path}: {error}"
             logger.warning("rank %d: %s not loaded: %s", self.rank, what, error)
-        if self._all_ranks(error):
-            return None
-        if changed:
+        agreed = agreed_error(error, self.cpu_group, "loading the weights")
+        if agreed is not None and changed:
             self.engine.reload_weights(self.weights_path)
-        return error or "the weights failed to load on another rank (its log says why)"
+        return agreed
 
     def group(self, msg: GroupMsg) -> Optional[str]:
         """Join (or leave) a trainer's weight update group; a join some rank failed is left
@@ -135,11 +130,10 @@ class Changes:
                          msg.group_name, msg.backend)
         error, _ = self._attempt(lambda: self.engine.join_weight_group(
             spec, msg.rank_offset + self.global_rank), f"joining group {msg.group_name!r}")
-        if not self._all_ranks(error):
-            if error is None:
-                self.engine.leave_weight_group(msg.group_name)
-            return error or "joining the group failed on another rank (its log says why)"
-        return None
+        agreed = agreed_error(error, self.cpu_group, "joining the group")
+        if agreed is not None and error is None:
+            self.engine.leave_weight_group(msg.group_name)
+        return agreed
 
     def from_group(self, msg: GroupWeightsMsg) -> Optional[str]:
         """The tensors the group's trainer broadcasts into every rank's weights, or, where
@@ -172,11 +166,12 @@ class Changes:
         before, start = self.engine.asleep, time.perf_counter()
         error, freed = self._attempt(lambda: self.engine.sleep(msg.level, tuple(msg.tags)),
                                      "sleep")
-        if not self._all_ranks(error):
+        agreed = agreed_error(error, self.cpu_group, "sleep")
+        if agreed is not None:
             slept = tuple(t for t in self.engine.asleep if t not in before)
             if slept:
                 self.engine.wake_up(slept)
-            return error or "sleep failed on another rank (its log says why)"
+            return agreed
         logger.info("rank %d: asleep (level %d; %s): %.2f GiB freed in %.2f s, %d cached "
                     "pages dropped", self.rank, msg.level, ", ".join(sorted(self.engine.asleep)),
                     (freed or 0) / 2**30, time.perf_counter() - start, dropped)
@@ -188,10 +183,11 @@ class Changes:
         before, start = self.engine.asleep, time.perf_counter()
         levels = {tag: self.engine.sleep_level(tag) for tag in before}
         error, _ = self._attempt(lambda: self.engine.wake_up(tuple(msg.tags)), "wake-up")
-        if not self._all_ranks(error):
+        agreed = agreed_error(error, self.cpu_group, "wake-up")
+        if agreed is not None:
             for tag in (t for t in before if t not in self.engine.asleep):
                 self.engine.sleep(levels[tag], (tag,))
-            return error or "wake-up failed on another rank (its log says why)"
+            return agreed
         logger.info("rank %d: %s in %.2f s", self.rank, "awake" if not self.engine.asleep else
                     "woke " + ", ".join(t for t in before if t not in self.engine.asleep),
                     time.perf_counter() - start)

@@ -20,7 +20,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch.distributed import ProcessGroup
 
-from minisgl.distributed import min_over_ranks
+from minisgl.distributed import agreed_error
 from minisgl.message.types import ProfileMsg
 
 logger = logging.getLogger(__name__)
@@ -40,14 +40,10 @@ class RankProfiler:
         self._path = ""  # the running profile's trace, once written
         self._steps_left: Optional[int] = None  # a start's num_steps still to record
 
-    def _agreed(self, error: Optional[str], what: str) -> Optional[str]:
-        ok = min_over_ranks(int(error is None), self.cpu_group) == 1
-        return None if ok else error or f"{what} failed on another rank (its log says why)"
-
     def start(self, msg: ProfileMsg) -> Optional[str]:
         """Start recording as `msg` asks (its name, options)."""
         error = self._start(msg)
-        agreed = self._agreed(error, "starting the profiler")
+        agreed = agreed_error(error, self.cpu_group, "starting the profiler")
         if agreed is not None and error is None and self._profile is not None:
             self._profile.stop()  # another rank failed: this one records nothing
             self._profile = None
@@ -92,7 +88,7 @@ class RankProfiler:
     def stop(self) -> Optional[str]:
         """Stop recording and write this rank's trace."""
         error = self._stop()
-        return self._agreed(error, "stopping the profiler")
+        return agreed_error(error, self.cpu_group, "stopping the profiler")
 
     def stepped(self) -> None:
         """A batch was launched: where a start asked for a number of steps and they have all
