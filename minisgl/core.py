@@ -31,6 +31,8 @@ POOLINGS = ("last", "mean", "cls")
 MAX_BAD_WORDS = 128  # bad_words per request (each costs a comparison per decode step)
 MAX_BAD_WORD_TOKENS = 16  # tokens in one bad word (the engine keeps that much history a row)
 MAX_LOGIT_BIAS = 1024  # token entries in one request's logit_bias
+MAX_STOP_REGEX = 16  # stop_regex patterns per request (each searched at every step)
+MAX_STOP_REGEX_CHARS = 1000  # one pattern's length
 
 StructuredKind = Literal["json", "json_object", "regex", "grammar", "choice", "structural_tag"]
 STRUCTURED_KINDS: Tuple[str, ...] = get_args(StructuredKind)
@@ -175,6 +177,9 @@ class SamplingParams:
     structured_outputs: Union[None, StructuredOutputsParams, Dict[str, Any]] = None
     # Offline only (`LLM`): the server takes them per HTTP request, outside the params.
     stop: Tuple[str, ...] = ()
+    # SGLang's: regular expressions (the `regex` module's syntax) that end the output where
+    # the text first matches one, the match left out as a stop string is
+    stop_regex: Tuple[str, ...] = ()
     n: int = 1
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -186,13 +191,15 @@ class SamplingParams:
         `validate` to name."""
         def store(name: str, value: object) -> None:
             object.__setattr__(self, name, value)
-        if self.stop is None or isinstance(self.stop, str):
-            store("stop", () if self.stop is None else (self.stop,))
+        for name in ("stop", "stop_regex"):
+            value = getattr(self, name)
+            if value is None or isinstance(value, str):
+                store(name, () if value is None else (value,))
         if self.stop_token_ids is None:
             store("stop_token_ids", ())
         if self.bad_words is None:
             store("bad_words", ())
-        for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
+        for name in ("stop", "stop_regex", "stop_token_ids", "allowed_token_ids", "bad_words"):
             value = getattr(self, name)
             if isinstance(value, list):
                 store(name, tuple(value))
@@ -267,6 +274,7 @@ class SamplingParams:
                                                    for x in self.stop):
             raise ValueError(f"stop must be a string or a list of non-empty strings, got "
                              f"{self.stop!r}")
+        check_stop_regex(self.stop_regex)
         for name in ("cache_salt", "lora_name"):  # names: keys, not documents
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not 0 < len(value)
@@ -296,9 +304,9 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.stop and not self.detokenize:
-            raise ValueError(f"stop strings need detokenize=True, got stop={list(self.stop)!r} "
-                             f"with detokenize=False")
+        if (self.stop or self.stop_regex) and not self.detokenize:
+            raise ValueError(f"stop strings need detokenize=True, got stop={list(self.stop)!r}, "
+                             f"stop_regex={list(self.stop_regex)!r} with detokenize=False")
 
     @property
     def prefix_namespace(self) -> Optional[str]:
@@ -319,7 +327,8 @@ class SamplingParams:
         include_stop_str_in_output, skip_special_tokens, detokenize, truncate_prompt_tokens,
         bad_words, whose ids travel) at their defaults, so that they cost nothing on the wire
         (message.codec leaves defaults out)."""
-        return dataclasses.replace(self, stop=(), n=1, include_stop_str_in_output=False,
+        return dataclasses.replace(self, stop=(), stop_regex=(), n=1,
+                                   include_stop_str_in_output=False,
                                    skip_special_tokens=True, detokenize=True,
                                    truncate_prompt_tokens=None, bad_words=(),
                                    structured_outputs=None)
@@ -392,6 +401,37 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def compile_stop_regex(pattern: str) -> Any:
+    """`pattern` compiled for a stop matcher (the `regex` module, which matches partially and
+    times out: tokenizer/incremental.py); ValueError naming it where it does not compile, is
+    longer than MAX_STOP_REGEX_CHARS or matches the empty text (it would end every output
+    before its first token)."""
+    import regex  # transformers' own dependency; imported only where a request has patterns
+    if not isinstance(pattern, str) or not 0 < len(pattern) <= MAX_STOP_REGEX_CHARS:
+        raise ValueError(f"stop_regex patterns are strings of 1 to {MAX_STOP_REGEX_CHARS} "
+                         f"characters, got {pattern!r:.60}")
+    try:
+        compiled = regex.compile(pattern)
+    except regex.error as e:
+        raise ValueError(f"stop_regex {pattern!r:.60} does not compile: {e}") from None
+    if compiled.fullmatch("") is not None:
+        raise ValueError(f"stop_regex {pattern!r:.60} matches the empty text: it would end "
+                         f"every output at once")
+    return compiled
+
+
+def check_stop_regex(patterns: object) -> None:
+    """ValueError naming what is wrong with a request's stop_regex (a tuple of patterns)."""
+    if not isinstance(patterns, tuple):
+        raise ValueError(f"stop_regex must be a string or a list of strings, got "
+                         f"{patterns!r:.60}")
+    if len(patterns) > MAX_STOP_REGEX:
+        raise ValueError(f"stop_regex takes at most {MAX_STOP_REGEX} patterns, got "
+                         f"{len(patterns)}")
+    for pattern in patterns:
+        compile_stop_regex(pattern)
 
 
 def _min_tokens_error(min_tokens: object, max_tokens: Optional[int]) -> Optional[str]:

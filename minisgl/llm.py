@@ -184,21 +184,20 @@ class _Checked(NamedTuple):
 
 
 class _StopWatch:
-    """One request's stop strings, matched on its text as it grows (as the detokenizer does
-    for the server): once one appears, `text` is the output before it (through it, `keep`:
-    vLLM's include_stop_str_in_output) and `stopped` is set."""
+    """One request's stop strings and stop_regex patterns, matched on its text as it grows
+    (as the detokenizer does for the server): once one matches, `text` is the output before
+    it (through it, `keep`: vLLM's include_stop_str_in_output) and `stopped` is set."""
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str], min_tokens: int = 0,
-                 keep: bool = False, skip_special_tokens: bool = True) -> None:
-        self.decoder = IncrementalDecoder(tokenizer, (), skip_special_tokens)
-        self.matcher = StopMatcher(stop, keep)
-        self.min_tokens = min_tokens  # stop strings count only after more tokens than this
+    def __init__(self, tokenizer: Any, p: SamplingParams) -> None:
+        self.decoder = IncrementalDecoder(tokenizer, (), p.skip_special_tokens)
+        self.matcher = StopMatcher(p.stop, p.include_stop_str_in_output, p.stop_regex)
+        self.min_tokens = p.min_tokens  # stops count only after more tokens than this
         self.tokens = 0
         self.text = ""
         self.stopped = False
 
     def push(self, out: TokenOut, final: bool) -> bool:
-        """Take a token out; True when a stop string has just ended the request."""
+        """Take a token out; True when a stop has just ended the request."""
         text = ""
         if out.token >= 0:
             self.tokens += 1
@@ -206,7 +205,12 @@ class _StopWatch:
             text = self.decoder.push(out.token)  # a stop token is not rendered
         if final:
             text += self.decoder.flush()
-        result = self.matcher.feed(text, self.tokens > self.min_tokens)
+        try:
+            result = self.matcher.feed(text, self.tokens > self.min_tokens)
+        except TimeoutError:
+            patterns = [c.pattern for c in self.matcher.patterns]
+            raise ValueError(f"a stop_regex pattern of {patterns!r:.200} took over {self.matcher.SEARCH_TIMEOUT_S * 1000:.0f} ms to search "
+                             f"the output ({len(self.text)} characters): simplify it") from None
         self.text += result.text
         self.stopped = result.stopped
         if final and not self.stopped:
@@ -694,8 +698,9 @@ class LLM:
         served."""
         try:
             p.validate()
-            if p.stop and self.tokenizer is None:
-                raise ValueError(f"{self.model_path} has no tokenizer: stop strings need one")
+            if (p.stop or p.stop_regex) and self.tokenizer is None:
+                raise ValueError(f"{self.model_path} has no tokenizer: stop strings and "
+                                 f"stop_regex need one")
             p = _read_structured_outputs(p)
             if p.structured is not None:
                 self._check_structured(p.structured)
@@ -891,8 +896,8 @@ class LLM:
         prompt_logprobs: List[Optional[List[TokenLogprobs]]] = [None] * len(prompts)
         done: List[Optional[TokenOut]] = [None] * len(prompts)
         clocks = [_Clock() for _ in prompts]
-        stops = [_StopWatch(self.tokenizer, p.stop, p.min_tokens, p.include_stop_str_in_output,
-                            p.skip_special_tokens) if p.stop else None for p in params]
+        stops = [_StopWatch(self.tokenizer, p) if p.stop or p.stop_regex else None
+                 for p in params]
         show = self.show_progress and len(prompts) >= 8 if use_tqdm is None else use_tqdm
         bar = tqdm(total=len(prompts), desc="generating", unit="req", disable=not show)
         submitted = 0

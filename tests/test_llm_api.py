@@ -427,6 +427,23 @@ def test_include_stop_str_in_output(llm: LLM) -> None:
     _pages_balanced(llm)
 
 
+def test_stop_regex_offline(llm: LLM) -> None:
+    """SGLang's stop_regex in LLM.generate: the output cut before the pattern's first match
+    (kept with include_stop_str_in_output), `stop_reason` the pattern, the request's pages
+    freed; a bad pattern is a ValueError naming it, before anything runs."""
+    greedy = dict(max_tokens=12, temperature=0, ignore_eos=True)
+    full = llm.generate("Count: 1, 2, 3,", SamplingParams(**greedy))[0].text
+    cut = llm.generate("Count: 1, 2, 3,", SamplingParams(**greedy, stop_regex=r"\d,"))[0]
+    at = next(i for i in range(len(full) - 1) if full[i].isdigit() and full[i + 1] == ",")
+    assert (cut.text, cut.finish_reason, cut.stop_reason) == (full[:at], "stop", r"\d,")
+    kept = llm.generate("Count: 1, 2, 3,", SamplingParams(
+        **greedy, stop_regex=[r"\d,"], include_stop_str_in_output=True))[0]
+    assert kept.text == full[:at + 2]
+    with pytest.raises(ValueError, match="does not compile"):
+        llm.generate("hi", SamplingParams(stop_regex="("))
+    _pages_balanced(llm)
+
+
 def test_skip_special_tokens_false_renders_them(llm: LLM) -> None:
     """vLLM's skip_special_tokens=False keeps special tokens in the text (before, SamplingParams
     refused the keyword: TypeError), with or without stop strings; True (the default) drops

@@ -172,11 +172,49 @@ def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI) -> None:
     assert resp.choices[0].finish_reason in ("length", "stop")
 
 
+# --- stop_regex (SGLang's): served on completions, chat and /generate -------------------------------
+def test_stop_regex_cuts_the_output_where_the_text_first_matches(client: openai.OpenAI,
+                                                                 server: Server) -> None:
+    """The greedy output with a pattern is the output without it cut before the pattern's
+    first match (the same text streamed; `matched_stop` the pattern; /generate's finish
+    reason SGLang's); the KV pages of the request ended early are freed (the server goes on)."""
+    prompt, greedy = "Once upon a time", dict(max_tokens=40, temperature=0)
+    whole = client.completions.create(model=MODEL, prompt=prompt, **greedy,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    mid = len(whole) // 2
+    pattern = re.escape(whole[mid]) + r"\S*\s"  # from the middle's character to a space
+    expected = whole[:re.search(pattern, whole).start()]
+    asked = dict(greedy, extra_body={"ignore_eos": True, "stop_regex": [pattern]})
+    cut = client.completions.create(model=MODEL, prompt=prompt, **asked).choices[0]
+    assert (cut.text, cut.finish_reason) == (expected, "stop") and len(expected) < len(whole)
+    assert cut.model_extra["matched_stop"] == pattern
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, stream=True, **asked))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    r = _post(server, "/generate", {"text": prompt, "sampling_params": {
+        "max_new_tokens": 40, "temperature": 0, "ignore_eos": True, "stop_regex": pattern}})
+    assert r.json()["text"] == expected
+    assert r.json()["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    chat = client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=20,
+                                          temperature=0, extra_body={"stop_regex": r"[Pp]aris"})
+    assert "aris" not in chat.choices[0].message.content
+    assert chat.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("value,words", [("x*", "matches the empty text"),
+                                         (["("], "does not compile"), (5, "")])
+def test_bad_stop_regex_is_a_400_naming_it(server: Server, value: object, words: str) -> None:
+    for path, body in [("/v1/completions", {"prompt": "a", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": PARIS, "max_tokens": 2})]:
+        r = _post(server, path, {**body, "stop_regex": value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop_regex", r.text
+        assert words in r.json()["error"]["message"]
+
+
 # --- defect 4: refusals name the field -------------------------------------------------------------
 REFUSED = [
     ("length_penalty", 2.0),  # without use_beam_search
     ("guided_whitespace_pattern", " *"), ("guided_decoding_backend", "outlines"),
-    ("stop_regex", ["a+"]),
     ("spaces_between_special_tokens", False), ("chat_template", "{{ 1 }}"),
 ]
 

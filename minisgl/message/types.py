@@ -45,6 +45,7 @@ class TokenizeRequest:
     # a second text encoded with `text` as the tokenizer pairs two (a cross-encoder's pair)
     text_pair: Optional[str] = None
     drop_oldest: bool = False  # messages: the oldest turns dropped until the prompt fits
+    stop_regex: Tuple[str, ...] = ()  # stop_regex patterns, matched by the detokenizer
 
 
 @dataclass(frozen=True)
@@ -466,6 +467,7 @@ class DetokenizeInit:
     # rendered "token_id:N", as for a model without a tokenizer
     tokens_as_ids: bool = False
     return_prompt_ids: bool = False  # the first chunk carries `prompt_ids` (return_token_ids)
+    stop_regex: Tuple[str, ...] = ()  # patterns that end the request as `stop` strings do
 
 
 @dataclass(frozen=True)

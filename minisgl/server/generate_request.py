@@ -56,7 +56,6 @@ _SGLANG_SAMPLING_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min
 _SGLANG_SAMPLING_UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
     "logit_bias": lambda v: not v,
     "custom_params": lambda v: not v,
-    "stop_regex": lambda v: not v,
     "stream_interval": lambda v: v is None,
 }
 

@@ -20,7 +20,7 @@ from typing import (Any, Callable, Dict, List, NamedTuple, Optional, Sequence, T
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from minisgl.core import SamplingParams
+from minisgl.core import SamplingParams, check_stop_regex
 from minisgl.models.generation import SamplingDefaults
 from minisgl.server.reasoning import keeps_special_tokens
 from minisgl.server.tool_calls import tool_call_format
@@ -53,7 +53,6 @@ _UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
     # vLLM and SGLang extensions
     "guided_decoding_backend": lambda v: v in (None, "auto", "xgrammar"),
     "guided_whitespace_pattern": lambda v: v is None,
-    "stop_regex": lambda v: not v,
     "lora_request": lambda v: v is None,
     "return_hidden_states": lambda v: v in (None, False),
     "mm_processor_kwargs": lambda v: not v,
@@ -141,6 +140,7 @@ class SamplingBody(Body):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop: Union[None, str, List[str]] = None
+    stop_regex: Union[None, str, List[str]] = None  # SGLang's (core.SamplingParams)
     stop_token_ids: Optional[List[int]] = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False  # SGLang's: the matched stop string stays in the text
@@ -330,6 +330,7 @@ class Job:
     continuous_usage: bool = False  # usage on every streamed chunk
     no_stop_trim: bool = False
     tools: Optional[Tools] = None  # chat: the tools, and whether the output is read for calls
+    stop_regex: Tuple[str, ...] = ()  # SGLang's: patterns that end the output as `stop` does
     # The request field params.structured came from: an error about it names that field.
     structured_param: Optional[str] = None
     # The request field params.logprobs came from (chat's top_logprobs, /generate's
@@ -424,6 +425,15 @@ def _stop_strings(stop: Union[None, str, List[str]]) -> Tuple[str, ...]:
     if any(not s for s in stops):
         raise ApiError(400, "stop: stop strings must not be empty", "stop")
     return tuple(stops)
+
+
+def _stop_patterns(stop_regex: Union[None, str, List[str]]) -> Tuple[str, ...]:
+    patterns = (stop_regex,) if isinstance(stop_regex, str) else tuple(stop_regex or ())
+    try:
+        check_stop_regex(patterns)
+    except ValueError as e:
+        raise ApiError(400, str(e), "stop_regex") from None
+    return patterns
 
 
 def _check_int(name: str, value: Optional[int], limit: int = _INT64) -> None:
@@ -563,7 +573,8 @@ def shaped_job(shape: JobShape, prompts: List[Prompt], defaults: SamplingDefault
     return Job(prompts, params, shape.n, _stop_strings(sampling.stop),
                sampling.skip_special_tokens, shape.stream, shape.include_usage,
                no_stop_trim=sampling.no_stop_trim or sampling.include_stop_str_in_output,
-               structured_param=found.param if found is not None else None)
+               structured_param=found.param if found is not None else None,
+               stop_regex=_stop_patterns(sampling.stop_regex))
 
 
 def _job(body: _OpenAI, prompts: List[Prompt], max_n: int, defaults: SamplingDefaults) -> Job:
@@ -628,6 +639,7 @@ def _refuse_with_beam_search(body: _OpenAI, job: Job) -> None:
     asked = [(body.logprobs not in (None, False), job.logprobs_param),
              (body.prompt_logprobs is not None, "prompt_logprobs"),
              (bool(getattr(body, "echo", None)), "echo"), (bool(job.stop), "stop"),
+             (bool(job.stop_regex), "stop_regex"),
              (bool(body.stop_token_ids), "stop_token_ids"),
              (p.structured is not None, job.structured_param or "response_format"),
              (bool(getattr(body, "tools", None)), "tools"),

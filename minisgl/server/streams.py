@@ -137,7 +137,7 @@ class RequestStreams:
                                            _kwargs_json(t.kwargs), p.tools_json,
                                            p.add_special_tokens, bool(job.tokens_as_ids),
                                            job.return_token_ids, p.text_pair,
-                                           p.drop_oldest))
+                                           p.drop_oldest, job.stop_regex))
                 sent += 1
         except BaseException as e:  # a request that cannot be sent must not hold its place
             self._refuse(stream, sent, e.status if isinstance(e, ApiError) else 500)

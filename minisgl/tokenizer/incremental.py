@@ -10,13 +10,16 @@ decoding all of them at once (in the left context of the prompt's last tokens):
   together with them, so tokenizers that drop a leading space when decoding a lone token
   (SentencePiece's "▁word") still get it right: delta = decode(prefix + new) - decode(prefix).
 
-`StopMatcher` finds stop strings across delta boundaries: it holds back the longest tail that could
-still be the start of a stop string, and on a match releases only the text before it.
+`StopMatcher` finds stop strings and stop_regex patterns across delta boundaries: it holds back the
+longest tail that could still begin a stop string or match a pattern, and on a match releases only
+the text before it.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, NamedTuple, Optional, Sequence
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
+
+from minisgl.core import compile_stop_regex
 
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the output, for the first token's spacing
 _REPLACEMENT = "\ufffd"
@@ -79,36 +82,79 @@ class StopResult(NamedTuple):
 
 
 class StopMatcher:
-    """`keep` (SGLang's no_stop_trim): the matched stop string stays at the end of the text.
-    After a match, `matched` is the stop string that matched."""
+    """`stops`: stop strings; `patterns`: stop_regex patterns (SGLang's; compiled by
+    core.compile_stop_regex). `keep` (SGLang's no_stop_trim): the match stays at the end of
+    the text. After a match, `matched` is the stop string, or the pattern, that matched.
 
-    def __init__(self, stops: Sequence[str], keep: bool = False) -> None:
+    Held back: the longest tail that may begin a stop string, and the text from the first
+    place where a pattern matches partially (it may match once more text comes: the `regex`
+    module's partial matches). So the text released never holds a match, and a match
+    (which starts in held text) is cut exactly, streamed or not. A pattern that can match
+    long text (`.*` and the like) holds back as much. Patterns see every released text before
+    them (lookbehinds, anchors), and each search runs under SEARCH_TIMEOUT_S: a pattern that
+    backtracks past it raises TimeoutError (the caller ends the request)."""
+
+    SEARCH_TIMEOUT_S = 0.1
+
+    def __init__(self, stops: Sequence[str], keep: bool = False,
+                 patterns: Sequence[str] = ()) -> None:
         self.stops = tuple(s for s in stops if s)
+        self.patterns = tuple(compile_stop_regex(p) for p in patterns)
         self.keep = keep
         self.held = ""
+        self.released = ""  # the text out so far: the patterns' context (kept with patterns)
         self.matched: Optional[str] = None
 
     def feed(self, text: str, armed: bool = True) -> StopResult:
         """The text that is out, given the next `text`. Not `armed` (vLLM's min_tokens: fewer
-        tokens out than that), no stop string ends the output yet, though the tail that may
-        begin one is still held, so that one completed once armed ends it."""
+        tokens out than that), no stop ends the output yet, though the tail that may begin
+        one is still held, so that one completed once armed ends it."""
         buf = self.held + text
-        if not self.stops:
+        if not self.stops and not self.patterns:
             self.held = ""
             return StopResult(buf, False)
-        hits = [(i, -len(s), s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
-        if hits and armed:
+        found = self._first_match(buf) if armed else None
+        if found is not None:
             self.held = ""
-            at, _, self.matched = min(hits)  # the earliest; of those there, the longest
-            return StopResult(buf[:at + len(self.matched) if self.keep else at], True)
-        keep = self._partial_tail(buf)
-        self.held = buf[len(buf) - keep:] if keep else ""
-        return StopResult(buf[:len(buf) - keep], False)
+            at, end, self.matched = found
+            return StopResult(buf[:end if self.keep else at], True)
+        hold = min([len(buf) - self._partial_tail(buf)]
+                   + [self._partial_start(p, buf, armed) for p in self.patterns])
+        self.held, out = buf[hold:], buf[:hold]
+        if self.patterns:
+            self.released += out
+        return StopResult(out, False)
 
     def flush(self) -> str:
-        """Held-back text, released at the end of the request (no stop string completed it)."""
+        """Held-back text, released at the end of the request (no stop completed it)."""
         out, self.held = self.held, ""
         return out
+
+    def _first_match(self, buf: str) -> Optional[Tuple[int, int, str]]:
+        """(start, end, what) in `buf` of the earliest stop (of those there, the longest)."""
+        hits = [(i, i + len(s), s) for i, s in ((buf.find(s), s) for s in self.stops)
+                if i >= 0]
+        base = len(self.released)
+        for pattern in self.patterns:
+            m = pattern.search(self.released + buf, base, timeout=self.SEARCH_TIMEOUT_S)
+            if m is not None:
+                hits.append((m.start() - base, m.end() - base, pattern.pattern))
+        return min(hits, key=lambda h: (h[0], -h[1])) if hits else None
+
+    def _partial_start(self, pattern: Any, buf: str, armed: bool) -> int:
+        """Where in `buf` the first partial match of `pattern` (one that more text may
+        complete) starts; len(buf) where none. Armed, `buf` holds no whole match (the caller
+        looked first); not armed, whole matches are passed over."""
+        text, base = self.released + buf, len(self.released)
+        pos = base
+        while pos <= len(text):
+            m = pattern.search(text, pos, partial=True, timeout=self.SEARCH_TIMEOUT_S)
+            if m is None:
+                break
+            if m.partial:
+                return m.start() - base
+            pos = m.start() + 1  # a whole match while not armed: it does not stop the output
+        return len(buf)
 
     def _partial_tail(self, buf: str) -> int:
         """Length of the longest suffix of `buf` that is a proper prefix of some stop string."""

@@ -79,7 +79,7 @@ class TokenizerConfig:
 
 class _NoTokenizer(Exception):
     message = ("this model has no tokenizer: send token ids (/generate with input_ids, or "
-               "/v1/completions with a prompt of token ids) and no stop strings")
+               "/v1/completions with a prompt of token ids) and no stop strings or stop_regex")
 
 
 class Prepared(NamedTuple):
@@ -216,7 +216,7 @@ class Tokenizer:
         """The ids and final params (max_tokens resolved) of a request, or why it is rejected:
         `core.check_request`'s verdict, a length error worded as this API always has (OpenAI's
         words for the context: clients match them)."""
-        if self.tokenizer is None and req.stop:
+        if self.tokenizer is None and (req.stop or req.stop_regex):
             return Prepared([], None, _NoTokenizer.message)
         # A prompt to truncate may be any length: only the body limit bounds its tokenizing.
         asks_truncation = req.params.truncate_prompt_tokens is not None or req.drop_oldest
@@ -378,7 +378,8 @@ class Serving:
         self.to_detok.put(DetokenizeInit(msg.uid, ids[-PROMPT_CONTEXT_TOKENS:], tuple(msg.stop),
                                          msg.skip_special_tokens, ids if whole else None,
                                          msg.no_stop_trim, msg.echo, params.min_tokens,
-                                         msg.tokens_as_ids, msg.return_token_ids))
+                                         msg.tokens_as_ids, msg.return_token_ids,
+                                         msg.stop_regex))
         self.to_backends[replica].put(UserMsg(msg.uid, ids, params))
         self.queued.sent(replica, len(ids))
 
