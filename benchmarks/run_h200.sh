@@ -99,17 +99,6 @@ if [ "$MODE" = s44-fork ]; then  # LLM(tp>1)'s ranks from a fork server on a GPU
   # session's MINISGL_START_METHOD=forkserver, untried there; ~1 min): a forked child's CUDA
   step fork_cuda 60 python3 scripts/experiments/fork_cuda_probe.py
 fi
-if [ "$MODE" = s45-fp8 ]; then  # the forty-fifth session's batch-1 FP8 step (~7 min): the decode
-  # attention reading each tile's page-table slots ahead (the first before the PDL wait) against
-  # the committed kernel (scripts/experiments/pt_ahead.patch, applied to a copy in /tmp/new)
-  rm -rf /tmp/new && mkdir -p /tmp/new && cp -r minisgl tests pyproject.toml /tmp/new/ && patch -d /tmp/new -p1 < scripts/experiments/pt_ahead.patch
-  ( cd /tmp/new && step attn_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py -k "decode or split" )
-  FP8="scripts/bench_latency.py --model configs/models/llama-3.1-8b --batch-sizes 1,16 --steps 100 --cuda-graph-max-bs 16 --quantization fp8 --kv-cache-dtype fp8_e4m3"
-  for r in 1 2; do
-    step fp8_base_$r 130 python3 $FP8
-    step fp8_new_$r 130 env PYTHONPATH=/tmp/new:$PYTHONPATH python3 $FP8
-  done
-fi
 if [ "$MODE" = s42-spec ]; then  # after s42-tests on the same machine (~8 min): n-gram speculative
   # decoding against plain decoding on the default model (bf16), minisgl then vLLM 0.26, the
   # same requests (bench_speculative's); vLLM's site dir unpacked from /tmp/vllm_parts
