@@ -36,7 +36,8 @@ from minisgl.distributed.tensor_payload import serialize
 from minisgl.engine.sleep_parts import TAGS as SLEEP_PARTS, check_level, check_tags, sglang_parts
 from minisgl.message import AbortMsg, SchedulerStats, TokenOut, UserMsg
 from minisgl.message.types import (AdapterMsg, GroupMsg, GroupWeightsMsg, ProfileMsg,
-                                   SleepMsg, TensorWeightsMsg, WakeMsg, WeightsMsg)
+                                   SleepMsg, TensorWeightsMsg, WakeMsg, WeightReadMsg,
+                                   WeightsMsg)
 from minisgl.models import ModelConfig
 from minisgl.models.classifier import Classifier, LogitActivation, pair_score_error
 from minisgl.models.generation import sampling_defaults
@@ -669,8 +670,20 @@ class LLM:
         running."""
         self._change(ProfileMsg(next(self._uids), False))
 
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
+        """SGLang's `Engine.get_weights_by_name`: the first `truncate_size` rows of checkpoint
+        tensor `name` (Hugging Face's names: "model.layers.0.self_attn.q_proj.weight") as
+        every rank serves it, put together, as nested lists of floats (what an RL loop
+        compares with its trainer's tensor after an update; layers/readback.py). ValueError
+        naming a tensor the model does not hold or keeps quantized."""
+        out = self._change(WeightReadMsg(next(self._uids), name, truncate_size))
+        if out.tensor is None:
+            raise RuntimeError(f"rank 0 answered the read of {name} without values")
+        return out.tensor.tolist()
+
     def _change(self, msg: Union[AdapterMsg, WeightsMsg, SleepMsg, WakeMsg, GroupMsg,
-                                 GroupWeightsMsg, TensorWeightsMsg, ProfileMsg]) -> None:
+                                 GroupWeightsMsg, TensorWeightsMsg, ProfileMsg, WeightReadMsg]
+                ) -> TokenOut:
         """Send `msg` to the ranks and wait for rank 0's answer (between calls: no request
         is in flight); ValueError with its error."""
         self._backend.submit(msg)
@@ -680,7 +693,7 @@ class LLM:
                     self._backend.drain()
                     if out.error is not None:
                         raise ValueError(out.error)
-                    return
+                    return out
 
     def _per_prompt(self, params: Union[None, SamplingParams, Sequence[SamplingParams]], n: int
                     ) -> List[SamplingParams]:

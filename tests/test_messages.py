@@ -28,6 +28,8 @@ CHUNK = T.ReplyChunk(uid=9, text="héllo 🙂", token_ids=[1, 2, 70000], finish_
                      error_status=400, logprobs=[LOGPROB_TEXT] * 3, prompt_text="héllo",
                      prompt_logprobs=[T.TokenLogprobText("h", None), LOGPROB_TEXT])
 
+WIRE = T.WireTensor((2, 3), bytes(range(24)))
+
 # One sample per registered type, with non-default values wherever a field has a default.
 SAMPLES: Dict[str, Any] = {
     "TokenizeRequest": [
@@ -47,15 +49,19 @@ SAMPLES: Dict[str, Any] = {
                             cached_tokens=1, error=None, logprobs=LOGPROBS,
                             prompt_logprobs=[LOGPROBS, TokenLogprobs(-3.0)]),
                  T.TokenOut(uid=8, error="too long"),
-                 T.TokenOut(uid=9, token=5, times=T.PhaseTimes(0.25, 0.0625))],
+                 T.TokenOut(uid=9, token=5, times=T.PhaseTimes(0.25, 0.0625)),
+                 T.TokenOut(uid=10, finish_reason="stop", tensor=WIRE)],
     "BatchTokenOut": [T.BatchTokenOut(items=[T.TokenOut(uid=1, token=2)], stats=STATS),
                       T.BatchTokenOut(items=[])],
     "SchedulerStats": [STATS],
     "TokenLogprobs": [LOGPROBS, TokenLogprobs(-1.5)],
     "PhaseTimes": [T.PhaseTimes(0.5, 1.25)],
+    "WireTensor": [WIRE, T.WireTensor((), b"\x00\x00\x80?")],
+    "WeightReadMsg": [T.WeightReadMsg(19, "model.norm.weight"), T.WeightReadMsg(20, "é", 3)],
     "TensorWeightsMsg": [T.TensorWeightsMsg(12, (b"\x80\x04rank0", b"rank1"))],
     "TokenLogprobText": [LOGPROB_TEXT],
-    "ReplyChunk": [CHUNK, T.ReplyChunk(uid=10, token_ids=[], error="bad", error_status=404)],
+    "ReplyChunk": [CHUNK, T.ReplyChunk(uid=10, token_ids=[], error="bad", error_status=404),
+                   T.ReplyChunk(uid=11, finish_reason="stop", tensor=WIRE)],
     "SamplingParams": [PARAMS, SamplingParams(), SamplingParams(max_tokens=None),
                        SamplingParams(structured=StructuredOutput("json", '{"type": "object"}')),
                        SamplingParams(bad_words=("Paris",), bad_word_ids=((7042,), (38634, 5)),
@@ -86,7 +92,8 @@ SAMPLES: Dict[str, Any] = {
     "ReplicaChange": [T.ReplicaChange(1, T.AdapterMsg(9, "é", "/a b/ü")),
                       T.ReplicaChange(0, T.WeightsMsg(3, "/w/ü")),
                       T.ReplicaChange(1, T.WakeMsg(4, ("kv_cache",))),
-                      T.ReplicaChange(0, T.ProfileMsg(5, True, "é"))],
+                      T.ReplicaChange(0, T.ProfileMsg(5, True, "é")),
+                      T.ReplicaChange(1, T.WeightReadMsg(6, "lm_head.weight", 1))],
 }
 
 

@@ -259,6 +259,42 @@ def test_generate_speaks_sglangs_fields(server: Server, llm: LLM) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_generate_takes_sglangs_logit_bias(server: Server) -> None:
+    """sampling_params.logit_bias (SGLang's: token ids as strings, as OpenAI's) biases the
+    sampling as on the OpenAI routes (before: a 400 naming it); a bad one is a 400 naming it."""
+    r = _post(server, "/generate", {"text": "Hello", "sampling_params": {
+        "max_new_tokens": 4, "temperature": 0, "ignore_eos": True, "logit_bias": {"28": 100}}})
+    assert r.status_code == 200 and r.json()["output_ids"] == [28] * 4, r.text
+    for bias in ({"x": 5}, {"28": "high"}, {"28": 101}, [28]):
+        r = _post(server, "/generate", {"text": "Hello", "sampling_params": {
+            "max_new_tokens": 1, "logit_bias": bias}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+
+
+def test_get_weights_by_name_as_sglang_serves_it(server: Server, default_model_dir: Path
+                                                 ) -> None:
+    """SGLang's /get_weights_by_name (GET with a JSON body, as its tests send it; POST; GET
+    with a query): a tensor's first rows as the server holds them, the checkpoint's values;
+    a name the model does not hold is a 400 naming it, and the server goes on."""
+    from safetensors.torch import load_file
+    want = load_file(str(default_model_dir / "model.safetensors"))
+    name = "model.layers.2.self_attn.q_proj.weight"
+    got = httpx.request("GET", f"{server.url}/get_weights_by_name", timeout=60,
+                        json={"name": name, "truncate_size": 3}).json()
+    assert torch.equal(torch.tensor(got), want[name].float()[:3])
+    posted = _post(server, "/get_weights_by_name", {"name": "model.norm.weight"}).json()
+    assert torch.equal(torch.tensor(posted), want["model.norm.weight"].float()[:100])  # default
+    queried = httpx.get(f"{server.url}/get_weights_by_name", timeout=60, params={
+        "name": "lm_head.weight", "truncate_size": 2}).json()  # tied: the embedding's rows
+    assert torch.equal(torch.tensor(queried), want["model.embed_tokens.weight"].float()[:2])
+    for body, param in (({"name": "model.layers.99.mlp.up_proj.weight"}, "name"),
+                        ({"name": "model.norm.weight", "truncate_size": 0}, "truncate_size"),
+                        ({"truncate_size": 3}, "name")):
+        r = _post(server, "/get_weights_by_name", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+
+
 def test_generate_takes_sglangs_batches_and_n(server: Server, llm: LLM) -> None:
     """A list of texts or of id lists, and sampling_params.n: a list of results, prompt-major
     (as SGLang), each with its index; the same tokens as the offline API, streamed or not."""

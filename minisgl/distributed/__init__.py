@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Dict
 if TYPE_CHECKING:
     from minisgl.distributed.comm import (Communicator, ProcessGroups, agreed_error,
                                           check_same_across_ranks, destroy_process_groups,
-                                          init_process_groups, min_over_ranks,
+                                          every_ranks, init_process_groups, min_over_ranks,
                                           true_on_all_ranks)
     from minisgl.distributed.info import DistributedInfo, Shard, check_head_split
     from minisgl.distributed.modes import ALLREDUCE_MODES, SYMM_MODES, check_allreduce_mode
@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 _MODULE_OF: Dict[str, str] = {
     **dict.fromkeys(["Communicator", "ProcessGroups", "agreed_error", "check_same_across_ranks",
-                     "destroy_process_groups", "init_process_groups", "min_over_ranks",
-                     "true_on_all_ranks"], "comm"),
+                     "destroy_process_groups", "every_ranks", "init_process_groups",
+                     "min_over_ranks", "true_on_all_ranks"], "comm"),
     **dict.fromkeys(["DistributedInfo", "Shard", "check_head_split"], "info"),
     **dict.fromkeys(["ALLREDUCE_MODES", "SYMM_MODES", "check_allreduce_mode"], "modes"),
     **dict.fromkeys(["DEFAULT_SYMM_MAX_BYTES", "SymmMemAllReduce"], "symm_allreduce"),
@@ -31,7 +31,7 @@ __all__ = ["ALLREDUCE_MODES", "Communicator", "DEFAULT_SYMM_MAX_BYTES", "Distrib
            "ProcessGroups", "SYMM_MODES", "Shard", "SymmMemAllReduce", "agreed_error",
            "check_allreduce_mode",
            "check_head_split", "check_same_across_ranks", "destroy_process_groups",
-           "init_process_groups", "min_over_ranks", "true_on_all_ranks"]
+           "every_ranks", "init_process_groups", "min_over_ranks", "true_on_all_ranks"]
 
 
 def __getattr__(name: str) -> Any:

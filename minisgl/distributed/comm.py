@@ -17,7 +17,7 @@ import datetime
 import logging
 import zlib
 from array import array
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from minisgl.kernels.policy import KernelPolicy
 from minisgl.utils import checked_out
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Communicator:
@@ -194,6 +195,16 @@ def agreed_error(error: Optional[str], cpu_group: Optional[dist.ProcessGroup], w
     if min_over_ranks(int(error is None), cpu_group) == 1:
         return None
     return error or f"{what} failed on another rank (its log says why)"
+
+
+def every_ranks(obj: T, cpu_group: Optional[dist.ProcessGroup]) -> List[T]:
+    """Every rank's `obj` (picklable; every rank must call it), in rank order: small
+    answers each rank computes alone, put together (gloo)."""
+    if cpu_group is None:
+        return [obj]
+    out: List[Any] = [None] * dist.get_world_size(cpu_group)
+    dist.all_gather_object(out, obj, group=cpu_group)
+    return out
 
 
 def true_on_all_ranks(flags: Sequence[bool], cpu_group: Optional[dist.ProcessGroup]

@@ -43,6 +43,7 @@ from minisgl.kvcache import KVPool
 from minisgl.kvcache.pool import FP8_KV_DTYPE, KVScales
 from minisgl.layers import blas
 from minisgl.layers.lora import LoraShape
+from minisgl.layers.readback import Piece
 from minisgl.layers.source import TensorOf
 from minisgl.models import CausalLM, ModelConfig, model_class
 from minisgl.models.int_plan import IntPlan, int_plan
@@ -591,6 +592,12 @@ class Engine:
         self.model.load_weights(((n, TensorOf(t)) for n, t in named), complete=False)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    @torch.no_grad()
+    def read_back(self, name: str, rows: int, max_values: int) -> List[Piece]:
+        """This rank's pieces of the first `rows` rows of checkpoint tensor `name` as served
+        (CausalLM.read_back); ValueError why not."""
+        return self.model.read_back(name, rows, max_values)
 
     def _int_plan(self) -> Optional[IntPlan]:
         """The projections that keep an AWQ / GPTQ checkpoint's integers packed: on CUDA with

@@ -16,6 +16,7 @@ from torch import nn
 from minisgl.distributed import Communicator, DistributedInfo
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.layers.linear import project
+from minisgl.layers.readback import Piece
 from minisgl.layers.source import TensorSource, copy_into
 
 
@@ -44,6 +45,12 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.data.zero_()
         if stop > start:
             copy_into(self.weight.data[: stop - start], src.read(0, start, stop), "embedding")
+
+    def piece(self, param: str, shard_id: int = 0) -> Piece:
+        """The vocabulary rows this rank holds (none of its padding)."""
+        start, stop = self.shard.start, min(self.shard.stop, self.vocab_size)
+        return Piece(self.weight[:max(stop - start, 0)], 0, min(start, self.vocab_size),
+                     self.vocab_size)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -35,6 +35,7 @@ from minisgl.kernels.types import FP8, ExpertScales, PackedGemm
 from minisgl.layers import fp8, packed
 from minisgl.layers.fp8 import Fp8Spec, Part
 from minisgl.layers.packed import PackedSpec
+from minisgl.layers.readback import Piece, not_readable
 from minisgl.layers.source import TensorSource, copy_into
 from minisgl.layers.weight_format import WeightFormat
 
@@ -268,6 +269,25 @@ class Experts(nn.Module):
             fp8.load_input_scale(getattr(self, param).data, src, what)
         else:
             raise ValueError(f"{what}: FP8 experts ({spec}) have no such tensor to load")
+
+    def piece(self, param: str, shard_id: int = 0) -> Piece:
+        """Expert `shard_id`'s gate or up rows (w13, numbered as `load` numbers them) or its
+        down columns (w2) this rank holds: none of an expert another rank owns (expert
+        parallelism)."""
+        kept = self.packed if self.packed is not None else self.fp8
+        if kept is not None or param not in ("w13", "w2"):
+            raise not_readable(f"experts' {param}", f"kept quantized ({kept})" if kept
+                               else "no such parameter")
+        expert, half = divmod(shard_id, 2) if param == "w13" else (shard_id, 0)
+        s, full = self.shard, self.intermediate
+        if not self.owned.start <= expert < self.owned.stop:
+            return (Piece(self.w13.new_empty(0, self.w13.shape[-1]), 0, 0, full)
+                    if param == "w13" else Piece(self.w2.new_empty(self.w2.shape[1], 0), 1, 0,
+                                                 full))
+        local = expert - self.owned.start
+        if param == "w13":
+            return Piece(self.w13[local, half * s.size:(half + 1) * s.size], 0, s.start, full)
+        return Piece(self.w2[local], 1, s.start, full)
 
     def _row_scales(self, param: str, expert: int, half: int) -> Optional[torch.Tensor]:
         """Where online quantization writes a slice's per-row scales (None with blocks)."""

@@ -39,6 +39,7 @@ from minisgl.layers import packed as packed_weights
 from minisgl.layers.fp8 import Fp8Spec, Fp8Weight
 from minisgl.layers.packed import PackedSpec, PackedWeight
 from minisgl.layers.lora import LoraShape, LoraSlots
+from minisgl.layers.readback import Piece, not_readable
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.layers.source import TensorSource, copy_into
@@ -93,6 +94,16 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] 
 
 def _row_scale(quant: Optional[Fp8Weight]) -> Optional[torch.Tensor]:
     return None if quant is None else quant.scale
+
+
+def _dense_param(layer: "_QuantizableLayer", param: str) -> torch.Tensor:
+    """`param` of a layer that keeps the checkpoint's values (not FP8, not packed)."""
+    kept = layer.packed if layer.packed is not None else layer.fp8
+    if kept is not None and param != "bias":
+        raise not_readable(f"{type(layer).__name__}.{param}", f"kept quantized ({kept})")
+    if param not in ("weight", "bias") or getattr(layer, param) is None:
+        raise not_readable(f"{type(layer).__name__}.{param}", "no such parameter")
+    return getattr(layer, param)
 
 
 def _loaded_bias(layer: "_QuantizableLayer") -> torch.Tensor:
@@ -432,6 +443,12 @@ class ColumnParallelLinear(_QuantizableLayer):
         else:
             raise ValueError(f"{what}: an FP8 layer ({self.fp8}) has no such tensor to load")
 
+    def piece(self, param: str, shard_id: int = 0) -> Piece:
+        """The rows of checkpoint tensor `param` of output `shard_id` this rank holds."""
+        dense = _dense_param(self, param)
+        shard, off = self.shards[shard_id], self.offsets[shard_id]
+        return Piece(dense[off:off + shard.size], 0, shard.start, self.full_sizes[shard_id])
+
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused Q, K, V projections. Q heads are split over ranks; KV heads are split when tp divides
@@ -490,6 +507,7 @@ class RowParallelLinear(_QuantizableLayer):
         self.policy = policy  # see project()
         self.blas_by_rows = {}  # see project(); filled by blas.tune
         self.shard = info.shard(in_features, "linear input features")
+        self.in_features = in_features
         self.comm = comm
         self.tp = info.size
         self.fp8 = fp8 = fmt.fp8
@@ -578,6 +596,13 @@ class RowParallelLinear(_QuantizableLayer):
         else:
             raise ValueError(f"{param}: an FP8 layer ({self.fp8}) has no such tensor to load")
 
+    def piece(self, param: str, shard_id: int = 0) -> Piece:
+        """The weight's columns this rank holds; the bias whole (every rank adds it)."""
+        dense = _dense_param(self, param)
+        if param == "bias":
+            return Piece(dense)
+        return Piece(dense, 1, self.shard.start, self.in_features)
+
 
 class ReplicatedLinear(nn.Module):
     """A whole (unsplit) linear layer on every rank."""
@@ -592,3 +617,6 @@ class ReplicatedLinear(nn.Module):
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
         copy_into(getattr(self, param).data, src.read(), param)
+
+    def piece(self, param: str, shard_id: int = 0) -> Piece:
+        return Piece(getattr(self, param))

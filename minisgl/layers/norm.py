@@ -10,6 +10,7 @@ from torch import nn
 
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kernels.types import Normed, ProductScales
+from minisgl.layers.readback import Piece
 from minisgl.layers.source import TensorSource, copy_into
 
 if TYPE_CHECKING:  # kernels/fp8.py imports triton: only CUDA paths load it
@@ -72,3 +73,7 @@ class RMSNorm(nn.Module):
         weight = src.read()
         copy_into(self.weight.data, weight.float() + self.offset if self.offset else weight,
                   "norm weight")
+
+    def piece(self, param: str, shard_id: int = 0) -> Piece:
+        """The weight as the checkpoint holds it (the offset taken off again)."""
+        return Piece(self.weight.float() - self.offset if self.offset else self.weight)

@@ -30,7 +30,8 @@ _TYPES: Dict[str, Type[Any]] = {
                 T.TextRequest, T.ServiceDown, T.Drain, StructuredOutput, T.AccountingMsg,
                 T.AccountingReply, T.ReplicaChange, T.AdapterMsg, T.WeightsMsg,
                 T.FlushCacheMsg, T.SleepMsg, T.WakeMsg, T.GroupMsg, T.GroupWeightsMsg,
-                T.PauseMsg, T.PhaseTimes, T.TensorWeightsMsg, T.ProfileMsg)
+                T.PauseMsg, T.PhaseTimes, T.TensorWeightsMsg, T.ProfileMsg, T.WeightReadMsg,
+                T.WireTensor)
 }
 
 

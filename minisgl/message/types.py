@@ -10,8 +10,10 @@ message must decode to the same object on every rank (no process-local state ins
 
 from __future__ import annotations
 
+import sys
+from array import array
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 from minisgl.core import SamplingParams, TokenLogprobs
 
@@ -84,7 +86,8 @@ class ReplicaChange:
 
     replica: int
     change: Union["AdapterMsg", "WeightsMsg", "FlushCacheMsg", "SleepMsg", "WakeMsg",
-                  "GroupMsg", "GroupWeightsMsg", "PauseMsg", "TensorWeightsMsg", "ProfileMsg"]
+                  "GroupMsg", "GroupWeightsMsg", "PauseMsg", "TensorWeightsMsg", "ProfileMsg",
+                  "WeightReadMsg"]
 
 
 # --- tokenizer -> scheduler (the "backend" messages rank 0 forwards to other ranks) -----------
@@ -270,6 +273,49 @@ class TensorWeightsMsg:
 
 # --- scheduler rank 0 -> detokenizer ------------------------------------------------------------
 @dataclass(frozen=True)
+class WeightReadMsg:
+    """Read checkpoint tensor `name` back as every rank of a replica serves it (SGLang's
+    get_weights_by_name): its first `truncate_size` rows, each rank's shard put together
+    (gloo) at the same step; nothing changes. Rank 0 answers with one final `TokenOut` of
+    `uid`: `tensor` the values, or `error` (a name the model does not hold, a layer kept
+    quantized, more than MAX_READ_VALUES values). Before, the tokenizer sends the detokenizer a
+    `DetokenizeInit` of the uid, as for a prompt."""
+
+    uid: int
+    name: str
+    truncate_size: int = 100
+
+
+MAX_READ_VALUES = 1 << 24  # values one WeightReadMsg answers with at most (64 MiB as float32)
+
+
+@dataclass(frozen=True)
+class WireTensor:
+    """A tensor's values in a message: `data` holds float32 little-endian, row-major,
+    `shape` says how many."""
+
+    shape: Tuple[int, ...]
+    data: bytes
+
+    def tolist(self) -> Any:
+        """The values as nested lists of floats (a number for shape ())."""
+        flat = array("f")
+        flat.frombytes(self.data)
+        if sys.byteorder != "little":
+            flat.byteswap()
+        return _nest(flat.tolist(), self.shape)
+
+
+def _nest(flat: List[float], shape: Tuple[int, ...]) -> Any:
+    if not shape:
+        return flat[0]
+    if len(shape) == 1:
+        return flat
+    step = len(flat) // shape[0] if shape[0] else 0
+    return [_nest(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
+@dataclass(frozen=True)
 class PhaseTimes:
     """Seconds a request spent waiting for admission (queued) and from its admission to its
     first token (prefill), by rank 0's scheduler (vLLM's queue and prefill times)."""
@@ -294,6 +340,7 @@ class TokenOut:
     prompt_logprobs: Optional[List[TokenLogprobs]] = None
     embedding: Optional[bytes] = None  # params.embed: float32 little-endian (StepResult)
     times: Optional[PhaseTimes] = None  # with the first output token
+    tensor: Optional[WireTensor] = None  # a WeightReadMsg's answer
 
 
 @dataclass(frozen=True)
@@ -423,6 +470,7 @@ class ReplyChunk:
     prompt_ids: Optional[List[int]] = None
     embedding: Optional[bytes] = None  # an embedding request's (TokenOut.embedding)
     times: Optional[PhaseTimes] = None  # with the first output token (TokenOut.times)
+    tensor: Optional[WireTensor] = None  # a weight read's values (TokenOut.tensor)
 
 
 @dataclass(frozen=True)

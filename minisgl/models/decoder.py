@@ -47,6 +47,7 @@ from minisgl.layers.linear import (ColumnParallelLinear, QKVParallelLinear, Repl
 from minisgl.layers.lora import LoraShape
 from minisgl.layers.moe import MoEQuant, MoEShape, RouterSpec, SparseMoE
 from minisgl.layers.norm import RMSNorm
+from minisgl.layers.readback import Piece, Readable, first_rows, not_readable
 from minisgl.layers.packed import PackedSpec
 from minisgl.layers.rotary import RopeIndex, RotaryEmbedding
 from minisgl.layers.source import RowsOf, TensorSource, copy_into
@@ -602,6 +603,36 @@ class CausalLM(nn.Module):
             found.append((target[0], target[2], rows))
             start += size
         return found
+
+    def read_back(self, name: str, rows: int, max_values: int) -> List[Piece]:
+        """This rank's pieces (layers/readback.first_rows) of the first `rows` rows of
+        checkpoint tensor `name` as served: one, or one per projection where the checkpoint
+        fuses several (Phi-3's qkv_proj), each cut to the rows it covers of the fused tensor.
+        ValueError naming a tensor this model does not hold or cannot give back, or one of
+        more than `max_values` values."""
+        own = self._own_name(name)
+        if own is None:
+            raise not_readable(name, "minisgl does not load it")
+        *path, param = own.split(".")
+        fused = self.checkpoint_fused.get(path[-1]) if path else None
+        parts = [(own, 0)] if fused is None else [
+            (".".join([*path[:-1], part, param]), offset) for part, offset in
+            zip(fused, itertools.accumulate([0, *map(self._rows_of, fused)]))]
+        pieces = []
+        for part, offset in parts:
+            target = (("lm_head", "weight", 0) if part == "lm_head.weight"
+                      and self._lm_head_tied else self._target(part))
+            if target is None:
+                raise not_readable(name, "minisgl does not keep it")
+            module_name, param_name, shard = target
+            module = self._module_for(part, module_name)
+            if not isinstance(module, Readable):
+                raise not_readable(name, f"{type(module).__name__} weights are not kept "
+                                         f"as the checkpoint's tensors")
+            _check_has_tensor(part, module_name, module, param_name)
+            pieces.append(first_rows(module.piece(param_name, shard), max(0, rows - offset),
+                                     name, max_values))
+        return pieces
 
     def serves(self, name: str) -> bool:
         """Whether checkpoint tensor `name` is one this model loads (not one of a part it

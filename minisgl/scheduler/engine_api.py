@@ -23,6 +23,7 @@ import torch
 
 from minisgl.core import Batch, Req, StepResult
 from minisgl.distributed.weight_group import GroupSpec
+from minisgl.layers.readback import Piece
 
 
 class StepEngine(Protocol):
@@ -122,6 +123,10 @@ class StepEngine(Protocol):
     def load_some_weights(self, named: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """Whole checkpoint tensors into the served weights, this rank's shards; the others
         stay. ValueError naming a tensor that does not fit; WeightsRefused before any change."""
+
+    def read_back(self, name: str, rows: int, max_values: int) -> List[Piece]:
+        """This rank's pieces of the first `rows` rows of checkpoint tensor `name` as served
+        (models/decoder.read_back); ValueError why not."""
 
     def weights_from_group(self, name: str, tensors: Sequence[Tuple[str, str, Tuple[int, ...]]]
                            ) -> None:

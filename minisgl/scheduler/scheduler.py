@@ -43,7 +43,8 @@ from minisgl.kvcache import make_cache_manager
 from minisgl.message import AbortMsg, SchedulerStats, ShutdownMsg, TokenOut, UserMsg
 from minisgl.message.types import (AccountingMsg, AccountingReply, AdapterMsg, FlushCacheMsg,
                                    GroupMsg, GroupWeightsMsg, PauseMsg, PhaseTimes, ProfileMsg,
-                                   SleepMsg, TensorWeightsMsg, WakeMsg, WeightsMsg)
+                                   SleepMsg, TensorWeightsMsg, WakeMsg, WeightReadMsg, WeightsMsg,
+                                   WireTensor)
 from minisgl.message.pulse import Pulse
 from minisgl.scheduler.adapters import AdapterTable
 from minisgl.scheduler.cache import PageCache, PageCounts
@@ -54,6 +55,7 @@ from minisgl.scheduler.engine_api import StepEngine
 from minisgl.scheduler.io import SchedulerIO
 from minisgl.scheduler.ngram import Drafter
 from minisgl.scheduler.prefill import PrefillManager
+from minisgl.scheduler.weight_read import read_weight
 from minisgl.scheduler.profiler import RankProfiler
 from minisgl.scheduler.speculative import SpecCounts, kept
 from minisgl.scheduler.table import TableRows
@@ -406,6 +408,9 @@ class Scheduler:
         elif isinstance(msg, ProfileMsg):
             self._answer(msg.uid, self.profiler.start(msg) if msg.start
                          else self.profiler.stop())
+        elif isinstance(msg, WeightReadMsg):
+            read = read_weight(self.engine, msg, self.rank, self.cpu_group)
+            self._answer(msg.uid, read.error, read.tensor)
         elif isinstance(msg, FlushCacheMsg):
             dropped = self.cache.drop_unused()
             logger.info("rank %d: prefix cache flushed (%d pages freed)", self.rank, dropped)
@@ -420,11 +425,12 @@ class Scheduler:
             raise RequestError(f"duplicate request id {msg.uid}")
         return check_request(msg.input_ids, msg.params, self.limits)
 
-    def _answer(self, uid: int, error: Optional[str]) -> None:
-        """The one final reply to a change (AdapterMsg, WeightsMsg, FlushCacheMsg): done, or
-        why not; with the stats, which a dropped cache changed."""
-        self.io.send([TokenOut(uid, finish_reason=FinishReason.STOP.value) if error is None
-                      else TokenOut(uid, error=error)], self._posted_stats())
+    def _answer(self, uid: int, error: Optional[str], tensor: Optional[WireTensor] = None
+                ) -> None:
+        """The one final reply to a change (AdapterMsg, WeightsMsg, FlushCacheMsg) or a weight
+        read (its `tensor`): done, or why not; with the stats, which a dropped cache changed."""
+        self.io.send([TokenOut(uid, finish_reason=FinishReason.STOP.value, tensor=tensor)
+                      if error is None else TokenOut(uid, error=error)], self._posted_stats())
 
     def _abort_held(self, uid: int) -> None:
         """A request held behind a weight reload is aborted before it was taken."""

@@ -79,6 +79,7 @@ from minisgl.server.conversations import (ConversationLink, ConversationStore, c
 from minisgl.server.lora_admin import Adapters, install_adapter_routes
 from minisgl.server.pause_admin import Pause, install_pause_routes
 from minisgl.server.profile_admin import install_profile_routes
+from minisgl.server.weight_read_api import install_weight_read_route
 from minisgl.server.sleep_admin import Sleep, install_sleep_routes
 from minisgl.server.tracing import Traces
 from minisgl.server.state_admin import Weights, install_state_routes
@@ -414,6 +415,7 @@ def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     install_state_routes(app, streams, weights, cfg.tp, json_body)
     install_pause_routes(app, Pause(streams, cfg.replicas), json_body)
     install_profile_routes(app, streams, cfg.replicas, json_body)
+    install_weight_read_route(app, streams, cfg.replicas, json_body)
     sleep = Sleep(streams, cfg.replicas) if cfg.sleep_mode else None
     if sleep is not None:
         install_sleep_routes(app, sleep, cfg.weights_cpu_backup, json_body)

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from minisgl.models.generation import SamplingDefaults
 from minisgl.server.protocol import (MAX_PROMPTS, ApiError, Body, GenerateLogprobs, Job,
                                      JobShape, Prompt, SamplingBody, check_ids, checked_id,
-                                     refuse_unsupported, shaped_job)
+                                     logit_bias_ids, refuse_unsupported, shaped_job)
 
 
 class GenerateRequest(Body):
@@ -54,7 +54,6 @@ _SGLANG_SAMPLING_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min
                           "sampling_seed": "seed"}
 # SGLang sampling_params this server does not serve, with the values that ask for nothing.
 _SGLANG_SAMPLING_UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
-    "logit_bias": lambda v: not v,
     "custom_params": lambda v: not v,
     "stream_interval": lambda v: v is None,
 }
@@ -125,8 +124,9 @@ def generate_job(body: GenerateRequest, defaults: SamplingDefaults = SamplingDef
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_n:
         raise ApiError(400, f"n must be between 1 and {max_n}, got {n!r}", "n")
     try:
-        job = shaped_job(JobShape(sampling, n, body.stream, False, sampling.max_tokens),
-                         prompts, defaults)
+        bias = logit_bias_ids((sampling.model_extra or {}).get("logit_bias"))
+        job = shaped_job(JobShape(sampling, n, body.stream, False, sampling.max_tokens,
+                                  logit_bias=bias), prompts, defaults)
     except ApiError as e:  # an error about fields the request named otherwise names them so
         theirs = renamed.get(e.param or "")
         if theirs is None:

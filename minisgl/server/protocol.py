@@ -518,21 +518,26 @@ def _prompt_logprobs(body: _OpenAI) -> Optional[int]:
     return k
 
 
-def _logit_bias(body: _OpenAI) -> Optional[Dict[int, float]]:
-    """OpenAI's logit_bias (token ids written as strings) with int keys, or None when empty."""
-    if not body.logit_bias:
+def logit_bias_ids(bias: object) -> Optional[Dict[int, float]]:
+    """OpenAI's logit_bias (SGLang's too: token ids written as strings, each mapped to a
+    number) with int keys, or None when empty; ApiError(400) naming logit_bias otherwise."""
+    if not bias:
         return None
+    if not isinstance(bias, dict) or any(isinstance(v, bool) or not isinstance(v, (int, float))
+                                         for v in bias.values()):
+        raise ApiError(400, f"logit_bias must map token ids to numbers, got {bias!r:.80}",
+                       "logit_bias")
     # ASCII digits only: str.isdigit also takes "²" and "١٢", which int() reads or refuses
-    bad = [k for k in body.logit_bias if not (k.isascii() and k.isdigit()) or len(k) > 10]
+    bad = [k for k in bias if not (k.isascii() and k.isdigit()) or len(k) > 10]
     if bad:
         raise ApiError(400, f"logit_bias: keys must be token ids (ASCII digits), got "
                             f"{', '.join(repr(k) for k in bad)}", "logit_bias")
-    out_of_range = [k for k, v in body.logit_bias.items() if not -100.0 <= v <= 100.0]
+    out_of_range = [k for k, v in bias.items() if not -100.0 <= v <= 100.0]
     if out_of_range:
         raise ApiError(400, f"logit_bias values must be numbers in [-100, 100], got "
-                            f"{', '.join(f'{body.logit_bias[k]} for {k}' for k in out_of_range)}",
+                            f"{', '.join(f'{bias[k]} for {k}' for k in out_of_range)}",
                        "logit_bias")
-    return {int(k): v for k, v in body.logit_bias.items()}
+    return {int(k): float(v) for k, v in bias.items()}
 
 
 class JobShape(NamedTuple):
@@ -587,7 +592,7 @@ def _job(body: _OpenAI, prompts: List[Prompt], max_n: int, defaults: SamplingDef
     max_tokens, max_name = body.max_tokens, "max_tokens"
     if body.max_completion_tokens is not None:  # OpenAI's newer name wins; errors use it
         max_tokens, max_name = body.max_completion_tokens, "max_completion_tokens"
-    logprobs, logit_bias = _logprobs(body), _logit_bias(body)
+    logprobs, logit_bias = _logprobs(body), logit_bias_ids(body.logit_bias)
     prompt_logprobs = _prompt_logprobs(body)
     refuse_unsupported(body.model_extra or {}, _UNSUPPORTED)
     if not 1 <= n <= max_n:

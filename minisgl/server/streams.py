@@ -37,10 +37,9 @@ import zmq.asyncio
 from minisgl.message.codec import decode, encode
 from minisgl.message.types import (AbortRequest, AdapterMsg, Drain, FlushCacheMsg, GroupMsg,
                                    GroupWeightsMsg, PauseMsg, PhaseTimes, ProfileMsg,
-                                   ReplicaChange,
-                                   ReplyBatch, ReplyChunk, ServiceDown, TextRequest,
-                                   SleepMsg, TensorWeightsMsg, TokenizeRequest, WakeMsg,
-                                   WeightsMsg)
+                                   ReplicaChange, ReplyBatch, ReplyChunk, ServiceDown,
+                                   SleepMsg, TensorWeightsMsg, TextRequest, TokenizeRequest,
+                                   WakeMsg, WeightReadMsg, WeightsMsg)
 from minisgl.server.admission import Queued, overloaded
 from minisgl.server.metrics import Metrics
 from minisgl.server.protocol import ApiError, Job, Prompt
@@ -48,7 +47,7 @@ from minisgl.server.tracing import SpanRecord, Traces
 
 logger = logging.getLogger("minisgl.api")
 ReplicaChangeMsg = Union[AdapterMsg, WeightsMsg, FlushCacheMsg, SleepMsg, WakeMsg, GroupMsg,
-                         GroupWeightsMsg, PauseMsg, TensorWeightsMsg, ProfileMsg]
+                         GroupWeightsMsg, PauseMsg, TensorWeightsMsg, ProfileMsg, WeightReadMsg]
 
 
 @dataclass(eq=False)
@@ -172,23 +171,28 @@ class RequestStreams:
     async def apply_change(self, change: Callable[[int], ReplicaChangeMsg],
                            replicas: List[int]) -> List[Optional[str]]:
         """`change(uid)` (a LoRA adapter's, the weights' or the prefix cache's:
-        message.ReplicaChange) sent to each
-        of `replicas`, a uid each, in that order, outside the generation metrics; each
-        replica's answer once all came: its error, or None where it made the change."""
+        message.ReplicaChange) sent to each of `replicas` (`ask_replicas`); each replica's
+        error, or None where it made the change."""
+        return [chunk.error for chunk in await self.ask_replicas(change, replicas)]
+
+    async def ask_replicas(self, change: Callable[[int], ReplicaChangeMsg],
+                           replicas: List[int]) -> List[ReplyChunk]:
+        """`change(uid)` sent to each of `replicas`, a uid each, in that order, outside the
+        generation metrics; each replica's final chunk once all came."""
         stream = RequestStream([next(self._uids) for _ in replicas], measured=False)
         for uid in stream.uids:
             self._streams[uid] = stream
-        errors: Dict[int, Optional[str]] = {}
+        answers: Dict[int, ReplyChunk] = {}
         try:
             for replica, uid in zip(replicas, stream.uids):
                 self._send(ReplicaChange(replica, change(uid)))
-            while len(errors) < len(replicas):
+            while len(answers) < len(replicas):
                 chunk = await stream.get()
                 if chunk is not None:
-                    errors[stream.index[chunk.uid]] = chunk.error
+                    answers[stream.index[chunk.uid]] = chunk
         finally:
             self.release(stream)
-        return [errors[i] for i in range(len(replicas))]
+        return [answers[i] for i in range(len(replicas))]
 
     def abort_all(self, request_id: Optional[str] = None) -> int:
         """Abort every running generation request, or (`request_id`) those of the client's

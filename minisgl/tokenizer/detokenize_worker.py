@@ -146,7 +146,7 @@ class Detokenizer:
                 stop = out.token  # an EOS or stop token id ended it
         chunk = ReplyChunk(out.uid, text, ids, reason, out.prompt_tokens, req.completion_tokens,
                            req.cached_tokens, logprobs=logprobs, matched_stop=stop,
-                           embedding=out.embedding, times=out.times)
+                           embedding=out.embedding, times=out.times, tensor=out.tensor)
         if req.prompt_ids is not None:
             chunk = self._with_prompt(chunk, req, out)
         return chunk, stopped and out.finish_reason is None
