@@ -304,9 +304,12 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if (self.stop or self.stop_regex) and not self.detokenize:
-            raise ValueError(f"stop strings need detokenize=True, got stop={list(self.stop)!r}, "
-                             f"stop_regex={list(self.stop_regex)!r} with detokenize=False")
+        if self.stop and not self.detokenize:
+            raise ValueError(f"stop strings need detokenize=True, got stop={list(self.stop)!r} "
+                             f"with detokenize=False")
+        if self.stop_regex and not self.detokenize:
+            raise ValueError(f"stop_regex needs detokenize=True, got stop_regex="
+                             f"{list(self.stop_regex)!r} with detokenize=False")
 
     @property
     def prefix_namespace(self) -> Optional[str]:

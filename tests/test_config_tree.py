@@ -241,3 +241,10 @@ def test_rank_config_resolves_the_device_and_fills_the_runtime_values() -> None:
     assert rank.engine.dist_init_method == "tcp://127.0.0.1:9" and not rank.engine.show_progress
     assert values(rank) == {**values(cfg.scheduler), "device": rank.engine.device}
 
+
+
+def test_stream_interval_is_a_positive_count() -> None:
+    """--stream-interval (vLLM's and SGLang's) paces streams; 0 would send nothing."""
+    assert parse_args(["--stream-interval", "8"]).stream_interval == 8
+    with pytest.raises(ValueError, match="stream_interval must be >= 1, got 0"):
+        parse_args(["--stream-interval", "0"])

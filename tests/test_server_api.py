@@ -211,6 +211,24 @@ def test_generate_stream_returns_token_ids(server: Server, llm: LLM) -> None:
     assert events[-1]["text"] == ref.text
 
 
+def test_generate_stream_interval(server: Server) -> None:
+    """SGLang's sampling_params.stream_interval: after the first chunk (at once), one chunk a
+    5 tokens, the last with the finish; the same output as one chunk a token. A bad value is
+    a 400 naming it."""
+    def events(interval: int) -> list:
+        body = {"text": "Hello, my name is", "stream": True, "sampling_params": {
+            "temperature": 0, "max_new_tokens": 12, "ignore_eos": True,
+            "stream_interval": interval}}
+        with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as r:
+            return [json.loads(line[6:]) for line in r.iter_lines()
+                    if line.startswith("data: ") and line != "data: [DONE]"]
+    every, paced = events(1), events(5)
+    assert [len(e["output_ids"]) for e in paced] == [1, 6, 11, 12]
+    assert len(every) == 12 and paced[-1]["text"] == every[-1]["text"]
+    r = _post(server, "/generate", {"text": "a", "sampling_params": {"stream_interval": 0}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_interval", r.text
+
+
 def test_generate_speaks_sglangs_fields(server: Server, llm: LLM) -> None:
     """SGLang's /generate as RL frameworks call it: max_new_tokens and min_new_tokens in
     sampling_params, `rid`, and `return_logprob` with `top_logprobs_num`,

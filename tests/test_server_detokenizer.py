@@ -10,7 +10,7 @@ import pytest
 
 from bos_tokenizer import with_bos
 
-from minisgl.core import Limits, SamplingParams
+from minisgl.core import Limits, SamplingParams, TokenLogprobs
 from minisgl.message.types import DetokenizeInit, TokenizeRequest, TokenOut
 from minisgl.tokenizer.detokenize_worker import Detokenizer
 from minisgl.tokenizer.incremental import IncrementalDecoder, StopMatcher
@@ -117,6 +117,29 @@ def _outs(uid: int, tokens: List[int], last_reason: str) -> List[TokenOut]:
     outs = [TokenOut(uid, t, None, 3) for t in tokens]
     outs[-1] = TokenOut(uid, tokens[-1], last_reason, 3, 1)
     return outs
+
+
+@pytest.mark.parametrize("interval,sizes", [(1, [1] * 11), (4, [1, 4, 4, 1, 1]),
+                                             (0, [1, 9, 1]), (20, [1, 9, 1])])
+def test_chunks_carry_stream_interval_tokens(bpe: Any, interval: int, sizes: List[int]
+                                              ) -> None:
+    """--stream-interval (0: a reply the client waits for whole): the first chunk goes at
+    once, then one a `interval` tokens, the finishing one on its own after what waits; text,
+    ids and log-probabilities are those of one chunk a token, joined."""
+    ids = bpe.encode(" The capital of France is Paris, a city on the Seine.",
+                     add_special_tokens=False)[:11]
+    assert len(ids) == 11
+    lp = TokenLogprobs(-0.5, (7,), (-0.5,))
+    outs = [TokenOut(1, t, None, 3, logprobs=lp) for t in ids]
+    outs[-1] = TokenOut(1, ids[-1], "length", 3, logprobs=lp)
+    d = Detokenizer(bpe)
+    d.init(DetokenizeInit(1, [5], stream_interval=interval))
+    chunks = d.render(outs).chunks
+    assert [len(c.token_ids) for c in chunks] == sizes
+    assert [len(c.logprobs) for c in chunks] == sizes
+    assert "".join(c.text for c in chunks) == bpe.decode(ids)
+    assert [c.token_ids for c in chunks][0] == ids[:1] and chunks[-1].finish_reason == "length"
+    assert [t for c in chunks for t in c.token_ids] == ids
 
 
 def test_detokenizer_state_lifecycle(bpe: Any) -> None:

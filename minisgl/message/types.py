@@ -48,6 +48,7 @@ class TokenizeRequest:
     text_pair: Optional[str] = None
     drop_oldest: bool = False  # messages: the oldest turns dropped until the prompt fits
     stop_regex: Tuple[str, ...] = ()  # stop_regex patterns, matched by the detokenizer
+    stream_interval: int = 1  # DetokenizeInit's
 
 
 @dataclass(frozen=True)
@@ -516,6 +517,10 @@ class DetokenizeInit:
     tokens_as_ids: bool = False
     return_prompt_ids: bool = False  # the first chunk carries `prompt_ids` (return_token_ids)
     stop_regex: Tuple[str, ...] = ()  # patterns that end the request as `stop` strings do
+    # After the first chunk, one chunk per this many tokens (0: none until the last), each
+    # holding what came since: a stream's pace (--stream-interval), or 0 where the client
+    # waits for the whole reply (fewer messages to the API server).
+    stream_interval: int = 1
 
 
 @dataclass(frozen=True)

@@ -364,7 +364,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 def create_app(cfg: ApiConfig, is_healthy: Callable[[], bool]) -> App:
     """The app and all its state. `is_healthy` says whether every process of the service is up."""
     metrics = Metrics(cfg.replicas, cfg.model_name)
-    streams = RequestStreams(cfg.tokenizer_addr, cfg.api_addr, metrics, cfg.max_queued_requests)
+    streams = RequestStreams(cfg.tokenizer_addr, cfg.api_addr, metrics, cfg.max_queued_requests,
+                             cfg.stream_interval)
     if cfg.otlp_traces_endpoint is not None:
         streams.traces = Traces(cfg.otlp_traces_endpoint, cfg.model_name)
     started = int(time.time())

@@ -76,3 +76,4 @@ class ApiConfig:
     server_load_tracking: bool = True  # GET /load served (vLLM's)
     eos_token_ids: Tuple[int, ...] = ()  # the model's: a beam search's beams end at one
     max_logprobs: int = 20  # the engine's cap (SchedulerConfig.logprobs_cap)
+    stream_interval: int = 1  # a streamed chunk's tokens after the first (--stream-interval)

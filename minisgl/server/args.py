@@ -222,6 +222,11 @@ class ServerConfig:
     uvicorn_access_log: bool = setting(
         False, "uvicorn's own access line per request, besides minisgl's (log_requests)",
         alias=Alias("disable-uvicorn-access-log", False, "off, as by default (vLLM's flag)"))
+    stream_interval: int = setting(
+        1, "tokens a streamed chunk carries after the first (which goes at once; the last "
+           "goes with the finish): fewer, larger chunks to pace many streams (vLLM's and "
+           "SGLang's --stream-interval; a /generate request's sampling_params.stream_interval "
+           "sets its own)")
     server_load_tracking: bool = setting(
         True, "GET /load answers how many generation requests are in flight (vLLM's /load)",
         alias=Alias("enable-server-load-tracking", True, "on, as by default (vLLM's flag)"))
@@ -273,7 +278,7 @@ class ServerConfig:
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         for name in ("max_queued_requests", "max_queued_tokens", "max_request_bytes",
-                     "tokenizer_threads"):
+                     "tokenizer_threads", "stream_interval"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

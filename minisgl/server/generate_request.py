@@ -55,7 +55,6 @@ _SGLANG_SAMPLING_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min
 # SGLang sampling_params this server does not serve, with the values that ask for nothing.
 _SGLANG_SAMPLING_UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
     "custom_params": lambda v: not v,
-    "stream_interval": lambda v: v is None,
 }
 
 
@@ -135,6 +134,13 @@ def generate_job(body: GenerateRequest, defaults: SamplingDefaults = SamplingDef
         for ours, name in renamed.items():
             message = re.sub(rf"\b{ours}\b", name, message)
         raise ApiError(e.status, message, theirs) from None
+    interval = (sampling.model_extra or {}).get("stream_interval")
+    if interval is not None:
+        if (not isinstance(interval, int) or isinstance(interval, bool)
+                or not 1 <= interval < 2 ** 31):
+            raise ApiError(400, f"stream_interval must be a positive integer, got "
+                                f"{interval!r:.40}", "stream_interval")
+        job = dataclasses.replace(job, stream_interval=interval)
     if checked_id(body.rid, "rid") is not None:
         job = dataclasses.replace(job, request_id=body.rid)
     if not body.return_logprob:

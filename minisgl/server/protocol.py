@@ -331,6 +331,7 @@ class Job:
     no_stop_trim: bool = False
     tools: Optional[Tools] = None  # chat: the tools, and whether the output is read for calls
     stop_regex: Tuple[str, ...] = ()  # SGLang's: patterns that end the output as `stop` does
+    stream_interval: Optional[int] = None  # SGLang's: tokens a streamed chunk (None: the server's)
     # The request field params.structured came from: an error about it names that field.
     structured_param: Optional[str] = None
     # The request field params.logprobs came from (chat's top_logprobs, /generate's

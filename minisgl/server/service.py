@@ -266,6 +266,7 @@ class Service:
                             trust_request_chat_template=c.trust_request_chat_template,
                             uvicorn_access_log=c.uvicorn_access_log,
                             server_load_tracking=c.server_load_tracking,
+                            stream_interval=c.stream_interval,
                             max_logprobs=c.scheduler.logprobs_cap(shape.vocab_size))
         tok_cfg = TokenizerConfig(str(self.tokenizer_path), a.tokenizer, a.backends, a.detokenizer,
                                   a.api, template,

@@ -82,8 +82,11 @@ class RequestStream:
 
 class RequestStreams:
     def __init__(self, tokenizer_addr: str, api_addr: str, metrics: Metrics,
-                 max_queued: Optional[int] = None) -> None:
+                 max_queued: Optional[int] = None, stream_interval: int = 1) -> None:
+        """`stream_interval`: a streamed reply's tokens a chunk (after the first), where its
+        request sets none (--stream-interval)."""
         self.metrics = metrics
+        self.stream_interval = stream_interval
         self.queued = Queued(max_queued)
         self._ctx = zmq.Context()
         self._push = self._ctx.socket(zmq.PUSH)
@@ -111,6 +114,13 @@ class RequestStreams:
         except zmq.Again:
             raise overloaded("the tokenizer's queue is full") from None
 
+    def _pace(self, job: Job) -> int:
+        """DetokenizeInit.stream_interval for `job`: its own or the server's when streamed;
+        0 (the first chunk and the last) when the client waits for the whole reply."""
+        if not job.stream:
+            return 0
+        return job.stream_interval or self.stream_interval
+
     def submit(self, job: Job) -> RequestStream:
         stream = RequestStream([next(self._uids) for _ in range(len(job.prompts) * job.n)],
                                request_id=job.request_id, choices=job.n)
@@ -136,7 +146,8 @@ class RequestStreams:
                                            _kwargs_json(t.kwargs), p.tools_json,
                                            p.add_special_tokens, bool(job.tokens_as_ids),
                                            job.return_token_ids, p.text_pair,
-                                           p.drop_oldest, job.stop_regex))
+                                           p.drop_oldest, job.stop_regex,
+                                           self._pace(job)))
                 sent += 1
         except BaseException as e:  # a request that cannot be sent must not hold its place
             self._refuse(stream, sent, e.status if isinstance(e, ApiError) else 500)

@@ -61,6 +61,28 @@ class _Request:
     min_tokens: int = 0  # stop strings count only after more tokens than this
     tokens_as_ids: bool = False  # log-probability tokens rendered "token_id:N"
     return_prompt_ids: bool = False  # the first chunk carries the prompt's ids
+    interval: int = 1  # DetokenizeInit.stream_interval
+    sent: bool = False  # the first chunk went out
+    waiting: Optional[ReplyChunk] = None  # what goes out with the next chunk sent
+
+    def paced(self, chunk: ReplyChunk) -> List[ReplyChunk]:
+        """The chunks to send now: the first chunk at once (the first token's latency), then
+        one every `interval` tokens holding what came since (0: none until the last); a final
+        or an error chunk goes as it is, after what waits (so that a stop token's text-less
+        chunk stays one of its own, as every reply's end has it)."""
+        if chunk.finish_reason is not None or chunk.error is not None:
+            waiting, self.waiting = self.waiting, None
+            return [chunk] if waiting is None else [waiting, chunk]
+        if self.waiting is not None:
+            chunk = dataclasses.replace(chunk, text=self.waiting.text + chunk.text,
+                                        token_ids=self.waiting.token_ids + chunk.token_ids,
+                                        logprobs=self.waiting.logprobs + chunk.logprobs)
+            self.waiting = None
+        if self.interval == 1 or not self.sent or 0 < self.interval <= len(chunk.token_ids):
+            self.sent = True
+            return [chunk]
+        self.waiting = chunk
+        return []
 
 
 def _slow_pattern(matcher: StopMatcher) -> str:
@@ -90,7 +112,8 @@ class Detokenizer:
             IncrementalDecoder(self.tokenizer, msg.prompt_tail, msg.skip_special_tokens),
             StopMatcher(msg.stop, msg.no_stop_trim, msg.stop_regex), prompt_ids=msg.prompt_ids, echo=msg.echo,
             skip_special_tokens=msg.skip_special_tokens, min_tokens=msg.min_tokens,
-            tokens_as_ids=msg.tokens_as_ids, return_prompt_ids=msg.return_prompt_ids)
+            tokens_as_ids=msg.tokens_as_ids, return_prompt_ids=msg.return_prompt_ids,
+            interval=msg.stream_interval)
         return self.render(self.pending.pop(msg.uid, []))
 
     def render(self, outs: List[TokenOut]) -> Rendered:
@@ -100,23 +123,24 @@ class Detokenizer:
             if out.uid not in self.requests:
                 self.pending.setdefault(out.uid, []).append(out)
                 continue
-            chunk, abort = self._one(out)
-            if chunk is not None:
-                chunks.append(chunk)
+            sent, abort = self._one(out)
+            chunks += sent
             if abort:
                 aborts.append(out.uid)
         return Rendered(chunks, aborts)
 
-    def _one(self, out: TokenOut) -> Tuple[Optional[ReplyChunk], bool]:
+    def _one(self, out: TokenOut) -> Tuple[List[ReplyChunk], bool]:
+        """The chunks `out` sends now (Request.paced), and whether rank 0 must stop the
+        request (a stop string ended it here)."""
         if out.error is not None:  # rejected by the scheduler: nothing was generated
             del self.requests[out.uid]
-            return ReplyChunk(out.uid, error=out.error, error_status=400,
-                              prompt_tokens=out.prompt_tokens), False
+            return [ReplyChunk(out.uid, error=out.error, error_status=400,
+                               prompt_tokens=out.prompt_tokens)], False
         req = self.requests[out.uid]
         if out.finish_reason is not None:
             del self.requests[out.uid]  # rank 0 is done with it: free the state
         if req.stopped:
-            return None, False
+            return [], False
         req.cached_tokens = max(req.cached_tokens, out.cached_tokens)
         text, ids, logprobs = "", [], []
         if out.token >= 0:
@@ -132,10 +156,10 @@ class Detokenizer:
             text, stopped = req.matcher.feed(text, req.completion_tokens > req.min_tokens)
         except TimeoutError:  # a stop_regex that backtracks: end the request, not the worker
             req.stopped = True
-            return ReplyChunk(out.uid, error=_slow_pattern(req.matcher), error_status=400,
-                              prompt_tokens=out.prompt_tokens,
-                              completion_tokens=req.completion_tokens,
-                              error_param="stop_regex"), out.finish_reason is None
+            return [ReplyChunk(out.uid, error=_slow_pattern(req.matcher), error_status=400,
+                               prompt_tokens=out.prompt_tokens,
+                               completion_tokens=req.completion_tokens,
+                               error_param="stop_regex")], out.finish_reason is None
         reason = out.finish_reason
         stop: Union[None, int, str] = req.matcher.matched
         if stopped:
@@ -149,7 +173,7 @@ class Detokenizer:
                            embedding=out.embedding, times=out.times, tensor=out.tensor)
         if req.prompt_ids is not None:
             chunk = self._with_prompt(chunk, req, out)
-        return chunk, stopped and out.finish_reason is None
+        return req.paced(chunk), stopped and out.finish_reason is None
 
     def _with_prompt(self, chunk: ReplyChunk, req: _Request, out: TokenOut) -> ReplyChunk:
         """`chunk` with the prompt (the request's first chunk only): its text when echoed, and

@@ -379,7 +379,7 @@ class Serving:
                                          msg.skip_special_tokens, ids if whole else None,
                                          msg.no_stop_trim, msg.echo, params.min_tokens,
                                          msg.tokens_as_ids, msg.return_token_ids,
-                                         msg.stop_regex))
+                                         msg.stop_regex, msg.stream_interval))
         self.to_backends[replica].put(UserMsg(msg.uid, ids, params))
         self.queued.sent(replica, len(ids))
 
