@@ -146,11 +146,13 @@ def test_soak_with_disconnects(server: Server) -> None:
     assert kinds["finished"] + 1 <= ended["length"] <= kinds["finished"] + 1 + kinds["left"]
     assert sum(ended.values()) <= REQUESTS + 1, ended
 
-    # Memory (MiB): a leak grows at every sample; the allocators' pools grow with the largest
-    # batch seen so far, which may come late, and then stay (hence the margin).
+    # Memory (MiB): a leak grows at every sample and lifts the late samples' floor; the
+    # allocators' pools grow with the largest batch seen so far, which may come late, and
+    # then stay (hence the margin), and one sample may catch a batch's transient peak (a
+    # full suite's run saw rank 0 at 303, 294, 298, 333, 314, 369: hence the floor).
     for name in children:
         series = [sample[name] for sample in samples]
         assert not all(b - a >= 2 for a, b in zip(series, series[1:])), (name, series)
-        assert series[-1] - max(series[:SAMPLES // 2]) < 48, (name, series)
+        assert min(series[SAMPLES // 2:]) - max(series[:SAMPLES // 2]) < 48, (name, series)
     grown = {name: samples[-1][name] - samples[0][name] for name in children}
     print(f"soak: {REQUESTS} requests in {elapsed:.1f} s, {kinds}, RSS growth MiB {grown}")

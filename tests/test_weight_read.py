@@ -74,7 +74,7 @@ def test_a_pushed_update_reads_back(two_llamas: List[Path]) -> None:
 def test_refusals_name_the_tensor_and_the_engine_goes_on(tiny_model: Callable[..., Path]
                                                          ) -> None:
     with LLM(str(tiny_model("llama3")), dtype="float32", max_kv_tokens=256,
-             show_progress=False) as llm:
+             enable_sleep_mode=True, show_progress=False) as llm:
         with pytest.raises(ValueError, match="model.layers.9.mlp.up_proj.weight has no place"):
             llm.get_weights_by_name("model.layers.9.mlp.up_proj.weight")
         with pytest.raises(ValueError, match="has no 'bias'"):
@@ -83,5 +83,10 @@ def test_refusals_name_the_tensor_and_the_engine_goes_on(tiny_model: Callable[..
             llm.get_weights_by_name("model.norm.weight", 0)
         with pytest.raises(ValueError, match="does not keep it"):
             llm.get_weights_by_name("model.layers.0.self_attn.rotary_emb.inv_freq")
+        llm.sleep(level=1)
+        with pytest.raises(ValueError, match="the weights are asleep"):
+            llm.get_weights_by_name("model.norm.weight")
+        llm.wake_up()
+        assert len(llm.get_weights_by_name("model.norm.weight", 5)) == 5
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
         assert len(out[0].token_ids) == 3
