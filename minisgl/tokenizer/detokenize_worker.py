@@ -87,7 +87,7 @@ class _Request:
 
 def _slow_pattern(matcher: StopMatcher) -> str:
     return (f"a stop_regex pattern took over {matcher.SEARCH_TIMEOUT_S * 1000:.0f} ms to search "
-            f"the output ({len(matcher.released) + len(matcher.held)} characters); the request "
+            f"the output ({len(matcher.text)} characters); the request "
             f"was ended: simplify the pattern")
 
 

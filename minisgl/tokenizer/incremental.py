@@ -90,9 +90,10 @@ class StopMatcher:
     place where a pattern matches partially (it may match once more text comes: the `regex`
     module's partial matches). So the text released never holds a match, and a match
     (which starts in held text) is cut exactly, streamed or not. A pattern that can match
-    long text (`.*` and the like) holds back as much. Patterns see every released text before
-    them (lookbehinds, anchors), and each search runs under SEARCH_TIMEOUT_S: a pattern that
-    backtracks past it raises TimeoutError (the caller ends the request)."""
+    long text (`.*` and the like) holds back as much. Patterns see all the text before them
+    (lookbehinds, anchors: the whole output is kept where there are patterns, appended in
+    place), and each search runs under SEARCH_TIMEOUT_S: a pattern that backtracks past it
+    raises TimeoutError (the caller ends the request)."""
 
     SEARCH_TIMEOUT_S = 0.1
 
@@ -101,60 +102,67 @@ class StopMatcher:
         self.stops = tuple(s for s in stops if s)
         self.patterns = tuple(compile_stop_regex(p) for p in patterns)
         self.keep = keep
-        self.held = ""
-        self.released = ""  # the text out so far: the patterns' context (kept with patterns)
+        self.text = ""  # the output fed so far (without patterns: only what is held)
+        self.out = 0  # where in `text` the held text begins: all before it is released
         self.matched: Optional[str] = None
+
+    @property
+    def held(self) -> str:
+        return self.text[self.out:]
 
     def feed(self, text: str, armed: bool = True) -> StopResult:
         """The text that is out, given the next `text`. Not `armed` (vLLM's min_tokens: fewer
         tokens out than that), no stop ends the output yet, though the tail that may begin
         one is still held, so that one completed once armed ends it."""
-        buf = self.held + text
         if not self.stops and not self.patterns:
-            self.held = ""
-            return StopResult(buf, False)
+            return StopResult(text, False)
+        whole, self.text = self.text, ""
+        whole += text  # its only reference: CPython appends in place (no copy of the output)
+        self.text = whole
+        buf = whole[self.out:]
         found = self._first_match(buf) if armed else None
         if found is not None:
-            self.held = ""
             at, end, self.matched = found
+            self.out = len(whole)
             return StopResult(buf[:end if self.keep else at], True)
         hold = min([len(buf) - self._partial_tail(buf)]
-                   + [self._partial_start(p, buf, armed) for p in self.patterns])
-        self.held, out = buf[hold:], buf[:hold]
-        if self.patterns:
-            self.released += out
-        return StopResult(out, False)
+                   + [self._partial_start(p, armed) for p in self.patterns])
+        released = buf[:hold]
+        self.out += hold
+        if not self.patterns:  # nothing looks back: keep the held text alone
+            self.text, self.out = self.text[self.out:], 0
+        return StopResult(released, False)
 
     def flush(self) -> str:
         """Held-back text, released at the end of the request (no stop completed it)."""
-        out, self.held = self.held, ""
+        out = self.held
+        self.out = len(self.text)
         return out
 
     def _first_match(self, buf: str) -> Optional[Tuple[int, int, str]]:
-        """(start, end, what) in `buf` of the earliest stop (of those there, the longest)."""
+        """(start, end, what) in `buf` (the held text) of the earliest stop (of those there,
+        the longest)."""
         hits = [(i, i + len(s), s) for i, s in ((buf.find(s), s) for s in self.stops)
                 if i >= 0]
-        base = len(self.released)
         for pattern in self.patterns:
-            m = pattern.search(self.released + buf, base, timeout=self.SEARCH_TIMEOUT_S)
+            m = pattern.search(self.text, self.out, timeout=self.SEARCH_TIMEOUT_S)
             if m is not None:
-                hits.append((m.start() - base, m.end() - base, pattern.pattern))
+                hits.append((m.start() - self.out, m.end() - self.out, pattern.pattern))
         return min(hits, key=lambda h: (h[0], -h[1])) if hits else None
 
-    def _partial_start(self, pattern: Any, buf: str, armed: bool) -> int:
-        """Where in `buf` the first partial match of `pattern` (one that more text may
-        complete) starts; len(buf) where none. Armed, `buf` holds no whole match (the caller
-        looked first); not armed, whole matches are passed over."""
-        text, base = self.released + buf, len(self.released)
-        pos = base
-        while pos <= len(text):
-            m = pattern.search(text, pos, partial=True, timeout=self.SEARCH_TIMEOUT_S)
+    def _partial_start(self, pattern: Any, armed: bool) -> int:
+        """Where in the held text the first partial match of `pattern` (one that more text
+        may complete) starts; the held text's length where none. Armed, it holds no whole
+        match (the caller looked first); not armed, whole matches are passed over."""
+        pos = self.out
+        while pos <= len(self.text):
+            m = pattern.search(self.text, pos, partial=True, timeout=self.SEARCH_TIMEOUT_S)
             if m is None:
                 break
             if m.partial:
-                return m.start() - base
+                return m.start() - self.out
             pos = m.start() + 1  # a whole match while not armed: it does not stop the output
-        return len(buf)
+        return len(self.text) - self.out
 
     def _partial_tail(self, buf: str) -> int:
         """Length of the longest suffix of `buf` that is a proper prefix of some stop string."""
