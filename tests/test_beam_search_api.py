@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Callable, Iterator, List
+from typing import Callable, Dict, Iterator, List
 
 import httpx
 import pytest
@@ -65,6 +65,31 @@ def test_completions_give_the_offline_beams(server: Server,
         assert d == text
     usage = r.json()["usage"]
     assert usage["completion_tokens"] == 2 * WIDTH * TOKENS
+
+
+def _finished(server: Server) -> Dict[str, float]:
+    """/metrics' finished requests by reason, and the first-token histogram's count."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(("minisgl_requests_finished_total", "minisgl_time_to_first_token")):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_a_search_counts_once_in_the_metrics(server: Server) -> None:
+    """A beam search of n beams counts as n finished requests (as n sampled choices do), not
+    as its steps' jobs; its steps add no first-token latencies."""
+    before = _finished(server)
+    r = _post(server, "completions", {"prompt": PROMPTS[0], "max_tokens": TOKENS, "n": WIDTH,
+                                      "use_beam_search": True})
+    assert r.status_code == 200, r.text
+    after = _finished(server)
+    key = 'minisgl_requests_finished_total{reason="length"}'
+    assert after[key] - before.get(key, 0) == WIDTH
+    ttft = "minisgl_time_to_first_token_seconds_count"
+    assert after.get(ttft) == before.get(ttft)
 
 
 def test_a_stream_carries_each_beam_whole(server: Server) -> None:

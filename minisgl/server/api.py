@@ -84,7 +84,7 @@ from minisgl.server.sleep_admin import Sleep, install_sleep_routes
 from minisgl.server.tracing import Traces
 from minisgl.server.state_admin import Weights, install_state_routes
 from minisgl.server.server_info import server_info
-from minisgl.server.streams import RequestStream, RequestStreams
+from minisgl.server.streams import RequestStream, RequestStreams, status_reason
 from minisgl.server.tls import server_url
 
 logger = logging.getLogger("minisgl.api")
@@ -256,7 +256,7 @@ async def run_beam_search(request: Request, streams: RequestStreams, fmt: Format
                 ).token_ids
 
     async def run(job: Job) -> List[ReplyChunk]:
-        stream = streams.submit(job)
+        stream = streams.submit(job, counted=False)  # the search counts once, below
         choices = [Choice() for _ in stream.uids]
         try:
             await _gather(stream, Waiter(stream, request, deadline), choices, fmt.prompt_param,
@@ -270,10 +270,19 @@ async def run_beam_search(request: Request, streams: RequestStreams, fmt: Format
                                skip_special_tokens=skip_special_tokens)
         return chunk.text
 
+    started, width = time.perf_counter(), len(fmt.job.prompts) * fmt.job.n
     try:
         chunks = await beam_search(fmt.job, BeamServer(encode, run, decode), limits)
     except ClientGone:
+        streams.metrics.count_finished("abort", width)
         return Response(status_code=499)
+    except ApiError as e:
+        streams.metrics.count_finished(status_reason(e.status), width)
+        raise
+    for chunk in chunks:  # as many requests as choices, as a sampled request counts
+        streams.metrics.count_finished(chunk.finish_reason or "")
+        streams.metrics.observe_completed(time.perf_counter() - started, chunk.prompt_tokens,
+                                          chunk.completion_tokens)
     choices = [Choice() for _ in chunks]
     for choice, chunk in zip(choices, chunks):
         choice.add(chunk)

@@ -59,7 +59,10 @@ class RequestStream:
     last_token_at: Dict[int, float] = field(default_factory=dict)
     # uid -> the scheduler's queue and prefill times and when its first token arrived
     phases: Dict[int, Tuple[PhaseTimes, float]] = field(default_factory=dict)
-    measured: bool = True  # counts in the latency and finish metrics (generation does)
+    measured: bool = True  # generation (abortable, in /load), not a text or a change round trip
+    # counts in the latency and finish metrics (a measured stream's; a beam search's steps do
+    # not: the search counts once, as its request: api.run_beam_search)
+    counted: bool = True
     request_id: Optional[str] = None  # the client's (SGLang's rid, X-Request-Id): abort_request
     # how `release` counts the uids still running: "timeout" once the request's deadline passed
     abort_reason: str = "abort"
@@ -121,9 +124,10 @@ class RequestStreams:
             return 0
         return job.stream_interval or self.stream_interval
 
-    def submit(self, job: Job) -> RequestStream:
+    def submit(self, job: Job, counted: bool = True) -> RequestStream:
+        """`job` sent, a uid a choice; `counted`: in the metrics (RequestStream.counted)."""
         stream = RequestStream([next(self._uids) for _ in range(len(job.prompts) * job.n)],
-                               request_id=job.request_id, choices=job.n)
+                               request_id=job.request_id, choices=job.n, counted=counted)
         if self.traces is not None:
             stream.trace = self.traces.begin(dict(job.trace_headers), _span_attributes(job))
         try:
@@ -219,8 +223,8 @@ class RequestStreams:
         `abort_reason`) and forget the stream (idempotent)."""
         unfinished = sorted(stream.unfinished if stream.measured else ())  # text: nothing runs
         self._abort(unfinished)
-        for _ in unfinished:
-            self.metrics.count_finished(stream.abort_reason)
+        if unfinished and stream.counted:
+            self.metrics.count_finished(stream.abort_reason, len(unfinished))
         self._forget(stream)
         if unfinished and stream.trace is not None and stream.trace.error is None:
             stream.trace.error = stream.abort_reason
@@ -234,11 +238,11 @@ class RequestStreams:
 
     def _refuse(self, stream: RequestStream, sent: int, status: int) -> None:
         """`submit` could not send the whole request (its answer: `status`): abort the first
-        `sent` uids, which went out, count every uid once as that refusal (`_status_reason`:
+        `sent` uids, which went out, count every uid once as that refusal (`status_reason`:
         not an abort, nothing was served) and forget the stream."""
         self._abort(stream.uids[:sent])
-        if stream.measured:
-            self.metrics.count_finished(_status_reason(status), len(stream.uids))
+        if stream.measured and stream.counted:
+            self.metrics.count_finished(status_reason(status), len(stream.uids))
         self._forget(stream)
 
     def _abort(self, uids: List[int]) -> None:
@@ -314,7 +318,7 @@ class RequestStreams:
         if stream is None:
             return  # released already (client gone): drop
         self.queued.started(chunk.uid)
-        if chunk.token_ids and stream.measured:
+        if chunk.token_ids and stream.measured and stream.counted:
             last = stream.last_token_at.get(chunk.uid)
             if last is None:
                 self.metrics.ttft.observe(now - stream.created)
@@ -330,7 +334,7 @@ class RequestStreams:
             del self._streams[chunk.uid]
             if not stream.unfinished:
                 self._end_trace(stream)
-            if stream.measured:
+            if stream.measured and stream.counted:
                 self.metrics.count_finished(_reason(chunk))
                 if chunk.finish_reason in ("stop", "length") and chunk.error is None:
                     self.metrics.observe_completed(now - stream.created, chunk.prompt_tokens,
@@ -363,10 +367,10 @@ def _reason(chunk: ReplyChunk) -> str:
     failed it (error)."""
     if chunk.error is None:
         return chunk.finish_reason or ""
-    return _status_reason(chunk.error_status)
+    return status_reason(chunk.error_status)
 
 
-def _status_reason(status: int) -> str:
+def status_reason(status: int) -> str:
     """How a request answered with error `status` ended, for /metrics: rejected for load (429),
     invalid input (another 4xx) or error."""
     if status == 429:
