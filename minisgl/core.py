@@ -32,6 +32,7 @@ MAX_BAD_WORDS = 128  # bad_words per request (each costs a comparison per decode
 MAX_BAD_WORD_TOKENS = 16  # tokens in one bad word (the engine keeps that much history a row)
 MAX_LOGIT_BIAS = 1024  # token entries in one request's logit_bias
 MAX_STOP_REGEX = 16  # stop_regex patterns per request (each searched at every step)
+MAX_TOKEN_IDS_LOGPROB = 256  # token_ids_logprob entries (each gathered at every position)
 MAX_STOP_REGEX_CHARS = 1000  # one pattern's length
 
 StructuredKind = Literal["json", "json_object", "regex", "grammar", "choice", "structural_tag"]
@@ -156,6 +157,9 @@ class SamplingParams:
     min_tokens: int = 0
     structured: Optional[StructuredOutput] = None
     allowed_token_ids: Optional[Tuple[int, ...]] = None
+    # SGLang's: the log-probabilities of these tokens too, wherever log-probabilities are
+    # computed (TokenLogprobs.ids_logprobs; needs `logprobs`)
+    token_ids_logprob: Tuple[int, ...] = ()
     # vLLM's bad_words as token sequences (tokenizer/bad_words.py fills them from `bad_words`
     # where the prompt is tokenized): a sequence's last token is banned right after the rest
     # of it was generated (a one-token word: always).
@@ -199,7 +203,8 @@ class SamplingParams:
             store("stop_token_ids", ())
         if self.bad_words is None:
             store("bad_words", ())
-        for name in ("stop", "stop_regex", "stop_token_ids", "allowed_token_ids", "bad_words"):
+        for name in ("stop", "stop_regex", "stop_token_ids", "allowed_token_ids", "bad_words",
+                     "token_ids_logprob"):
             value = getattr(self, name)
             if isinstance(value, list):
                 store(name, tuple(value))
@@ -262,6 +267,7 @@ class SamplingParams:
         if error is not None:
             raise ValueError(error)
         self._validate_allowed_token_ids()
+        self._validate_token_ids_logprob()
         self._validate_bad_words()
         so = self.structured_outputs
         if so is not None and not isinstance(so, (StructuredOutputsParams, dict)):
@@ -367,6 +373,18 @@ class SamplingParams:
         if bad:
             raise ValueError(f"allowed_token_ids must be non-negative token ids, got "
                              f"{', '.join(repr(t) for t in bad[:8])}")
+
+    def _validate_token_ids_logprob(self) -> None:
+        ids = self.token_ids_logprob
+        if not isinstance(ids, tuple) or any(not isinstance(t, int) or isinstance(t, bool)
+                                             or t < 0 for t in ids):
+            raise ValueError(f"token_ids_logprob must be a list of token ids, got {ids!r:.80}")
+        if len(ids) > MAX_TOKEN_IDS_LOGPROB:
+            raise ValueError(f"token_ids_logprob takes at most {MAX_TOKEN_IDS_LOGPROB} token "
+                             f"ids, got {len(ids)}")
+        if ids and self.logprobs is None:
+            raise ValueError("token_ids_logprob needs logprobs (0 or more alternatives): the "
+                             "ids' log-probabilities come with the sampled token's")
 
     def _validate_bad_words(self) -> None:
         words = self.bad_words
@@ -580,6 +598,7 @@ def check_request(ids: Sequence[int], params: SamplingParams, limits: Limits) ->
     for name, tokens in (("logit_bias", params.logit_bias or {}),
                          ("stop_token_ids", params.stop_token_ids),
                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                         ("token_ids_logprob", params.token_ids_logprob),
                          ("bad_words", [t for w in params.bad_word_ids for t in w])):
         outside = list(dict.fromkeys(str(t) for t in tokens if t >= limits.vocab_size))
         if outside:
@@ -628,6 +647,8 @@ class TokenLogprobs:
     top_ids: Tuple[int, ...] = ()
     top_logprobs: Tuple[float, ...] = ()
     rank: Optional[int] = None
+    # params.token_ids_logprob's log-probabilities there, in that order (SGLang's)
+    ids_logprobs: Tuple[float, ...] = ()
 
 
 class FinishReason(str, enum.Enum):

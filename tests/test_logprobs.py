@@ -186,3 +186,47 @@ def test_prompt_logprobs_survive_retraction(tiny_model: Callable[..., Path]) -> 
         assert again is not None and once is not None and len(again) == len(prompt) - 1
         assert [lp.logprob for lp in again] == pytest.approx([lp.logprob for lp in once],
                                                              abs=TOL)
+
+
+ASKED = (5, 17, 300, 5, 1023)  # SGLang's token_ids_logprob: any ids, repeats too
+
+
+def test_token_ids_logprob_equal_hf(tiny_model: Callable[..., Path]) -> None:
+    """SGLang's token_ids_logprob: at every output position, and at every prompt position
+    where prompt log-probabilities are asked, those ids' log-probabilities as HF computes
+    them, in the order asked; prefill chunks of 7, overlap on, beside requests asking other
+    ids or none."""
+    path = tiny_model("llama")
+    prompts = mixed_prompts(3, seed=11, lengths=(9, 30, 17))
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0,
+                             prompt_logprobs=0, token_ids_logprob=list(ASKED)),
+              SamplingParams(max_tokens=6, temperature=0.7, seed=3, ignore_eos=True,
+                             logprobs=2, token_ids_logprob=[9]),
+              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)]
+    with LLM(str(path), device="cpu", page_size=4, max_prefill_tokens=7, max_kv_tokens=4096,
+             overlap=True, show_progress=False) as llm:
+        outs = llm.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, outs):
+        assert out.logprobs is not None
+        ref = hf_logprobs(path, prompt, out.token_ids)[:, list(p.token_ids_logprob)]
+        assert [list(lp.ids_logprobs) for lp in out.logprobs] == [
+            pytest.approx(row, abs=TOL) for row in ref.tolist()]
+    lps = outs[0].prompt_token_logprobs
+    assert lps is not None
+    ref = hf_logprobs(path, prompts[0][:1], prompts[0][1:])[:, list(ASKED)]
+    assert [list(lp.ids_logprobs) for lp in lps] == [pytest.approx(row, abs=TOL)
+                                                      for row in ref.tolist()]
+
+
+def test_token_ids_logprob_refusals(tiny_model: Callable[..., Path]) -> None:
+    with pytest.raises(ValueError, match="token_ids_logprob needs logprobs"):
+        SamplingParams(token_ids_logprob=[3]).validate()
+    with pytest.raises(ValueError, match="at most 256 token ids, got 257"):
+        SamplingParams(logprobs=0, token_ids_logprob=list(range(257))).validate()
+    with pytest.raises(ValueError, match="token_ids_logprob must be a list of token ids"):
+        SamplingParams(logprobs=0, token_ids_logprob=[-1]).validate()
+    with LLM(str(tiny_model("llama")), device="cpu", max_kv_tokens=1024,
+             show_progress=False) as llm:
+        with pytest.raises(ValueError, match="token_ids_logprob token id 99999 is outside "
+                                             "the vocabulary"):
+            llm.generate([[1, 2]], SamplingParams(logprobs=0, token_ids_logprob=[99999]))

@@ -313,6 +313,38 @@ def test_get_weights_by_name_as_sglang_serves_it(server: Server, default_model_d
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
 
 
+def test_generate_token_ids_logprob(server: Server, llm: LLM) -> None:
+    """SGLang's token_ids_logprob: meta_info's output_token_ids_logprobs (and, from
+    logprob_start_len, input_token_ids_logprobs) hold those ids' (logprob, id, text) at each
+    position, in the order asked, the offline API's numbers; asked without return_logprob, a
+    batch's differing lists or an id past the vocabulary: a 400 naming it."""
+    ids = llm.tokenizer.encode("The capital of France is", add_special_tokens=True)
+    asked = [12, 7042, 12]
+    ref = llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                             logprobs=0, prompt_logprobs=0,
+                                             token_ids_logprob=asked))[0]
+    r = _post(server, "/generate", {
+        "input_ids": ids, "return_logprob": True, "logprob_start_len": 1,
+        "return_text_in_logprobs": True, "token_ids_logprob": asked,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    texts = [llm.tokenizer.decode([t]) for t in asked]
+    out = meta["output_token_ids_logprobs"]
+    assert [[(t, s) for _, t, s in pos] for pos in out] == [list(zip(asked, texts))] * 4
+    assert [[v for v, _, _ in pos] for pos in out] == [
+        pytest.approx(list(lp.ids_logprobs), abs=1e-4) for lp in ref.logprobs or []]
+    prompt = meta["input_token_ids_logprobs"]
+    assert len(prompt) == len(ids) - 1 and [[v for v, _, _ in pos] for pos in prompt] == [
+        pytest.approx(list(lp.ids_logprobs), abs=1e-4) for lp in ref.prompt_token_logprobs or []]
+    for body in ({"token_ids_logprob": [1]},
+                 {"return_logprob": True, "token_ids_logprob": [[1], [2]],
+                  "input_ids": [ids, ids]},
+                 {"return_logprob": True, "token_ids_logprob": [10 ** 6]}):
+        r = _post(server, "/generate", {"input_ids": ids, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "token_ids_logprob", r.text
+
+
 def test_generate_takes_sglangs_batches_and_n(server: Server, llm: LLM) -> None:
     """A list of texts or of id lists, and sampling_params.n: a list of results, prompt-major
     (as SGLang), each with its index; the same tokens as the offline API, streamed or not."""

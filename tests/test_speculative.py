@@ -206,7 +206,7 @@ def test_every_sampling_option_gives_plain_decodings_tokens(default_model_dir: P
         schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
         workloads = {
             "seeded": (CHATS[0], SamplingParams(temperature=0.8, seed=11, max_tokens=30,
-                                                logprobs=2)),
+                                                logprobs=2, token_ids_logprob=[13, 7, 13])),
             "seeded_2": (CHATS[2], SamplingParams(temperature=0.8, seed=12, max_tokens=30)),
             "penalized": (CHATS[1], SamplingParams(temperature=0.0, max_tokens=30,
                                                    repetition_penalty=1.1,
@@ -240,6 +240,8 @@ def test_every_sampling_option_gives_plain_decodings_tokens(default_model_dir: P
     for a, b in zip(got, want):
         assert a.top_ids == b.top_ids and a.rank == b.rank
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert a.ids_logprobs == pytest.approx(b.ids_logprobs, abs=1e-4)  # verified alike
+        assert len(a.ids_logprobs) == 3
     assert not _in_sublist(ban, spec["banned"].token_ids)
     assert json.loads(spec["json"].text)["n"] is not None
     assert json.loads(spec["listed"].text)["fruits"]

@@ -10,7 +10,7 @@ memory at launch; the `*_entries` functions wait for the launch's event before r
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -33,6 +33,7 @@ class PromptRows(NamedTuple):
     rows: List[int]
     targets: List[int]
     k: int  # alternatives: the largest params.prompt_logprobs asked
+    asked: List[Tuple[int, ...]]  # per row: its owner's params.token_ids_logprob
 
 
 def prompt_rows(batch: Batch) -> Optional[PromptRows]:
@@ -46,6 +47,7 @@ def prompt_rows(batch: Batch) -> Optional[PromptRows]:
     rows: List[int] = []
     targets: List[int] = []
     ks: List[int] = []
+    asked: List[Tuple[int, ...]] = []
     start = 0
     for i, (req, prefix, ext) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens)):
         end = min(prefix + ext, req.prompt_len - 1)
@@ -55,8 +57,18 @@ def prompt_rows(batch: Batch) -> Optional[PromptRows]:
             rows.extend(range(start, start + end - prefix))
             targets.extend(req.token_ids[prefix + 1:end + 1])
             ks.append(req.params.prompt_logprobs or 0)
+            asked += [req.params.token_ids_logprob] * (end - prefix)
         start += ext
-    return PromptRows(owners, counts, rows, targets, max(ks)) if owners else None
+    return PromptRows(owners, counts, rows, targets, max(ks), asked) if owners else None
+
+
+def _asked_ids(asked: List[Tuple[int, ...]], device: torch.device) -> Optional[torch.Tensor]:
+    """[rows, most asked] int64: each row's asked token ids, padded with token 0 (whose
+    log-probability the host drops: `_host_entries`); None where no row asked."""
+    width = max((len(a) for a in asked), default=0)
+    if not width:
+        return None
+    return to_device([list(a) + [0] * (width - len(a)) for a in asked], torch.int64, device)
 
 
 def prompt_logprobs(lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
@@ -66,12 +78,14 @@ def prompt_logprobs(lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: tor
     `keep`s the result (the primary) computes the log-probabilities; others get None."""
     rows = to_device(prompt.rows, torch.int64, hidden.device)
     targets = to_device(prompt.targets, torch.int64, hidden.device)
+    asked = _asked_ids(prompt.asked, hidden.device) if keep else None
     parts: List[LogprobTensors] = []
     for start in range(0, len(prompt.rows), PROMPT_LOGIT_ROWS):
         part = slice(start, start + PROMPT_LOGIT_ROWS)
         logits = lm_head(hidden[rows[part]])
         if keep:
-            parts.append(token_logprobs(logits, targets[part], prompt.k))
+            parts.append(token_logprobs(logits, targets[part], prompt.k,
+                                        None if asked is None else asked[part]))
     if not parts:
         return None
     return LogprobTensors(*(torch.cat(t) for t in zip(*parts)))
@@ -81,10 +95,11 @@ def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, reqs: List[Req]
                      ) -> Optional[LogprobTensors]:
     """The sampled rows' log-probabilities (up to the largest top-k asked), on a rank that
     `keep`s them (the primary: it alone replies), and only if a request asked."""
-    asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
-    if not asked or not keep:
+    ks = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
+    if not ks or not keep:
         return None
-    return token_logprobs(logits, tokens, max(asked))
+    return token_logprobs(logits, tokens, max(ks),
+                          _asked_ids([r.params.token_ids_logprob for r in reqs], logits.device))
 
 
 def sampled_entries(batch: Batch, sampled: List[int], lp: Optional[LogprobTensors],
@@ -96,7 +111,8 @@ def sampled_entries(batch: Batch, sampled: List[int], lp: Optional[LogprobTensor
     if lp is None:
         return out
     ks = [batch.reqs[i].params.logprobs for i in sampled]
-    for i, k, entry in zip(sampled, ks, _host_entries(done, lp, ks)):
+    asked = [len(batch.reqs[i].params.token_ids_logprob) for i in sampled]
+    for i, k, entry in zip(sampled, ks, _host_entries(done, lp, ks, asked)):
         if k is not None:
             out[i] = entry
     return out
@@ -111,7 +127,7 @@ def prompt_entries(batch: Batch, prompt: Optional[PromptRows], lp: Optional[Logp
     reqs = batch.reqs
     ks = [reqs[owner].params.prompt_logprobs for owner, n in zip(prompt.owners, prompt.counts)
           for _ in range(n)]
-    entries = _host_entries(done, lp, ks)
+    entries = _host_entries(done, lp, ks, [len(a) for a in prompt.asked])
     out: Dict[int, List[TokenLogprobs]] = {}
     start = 0
     for owner, n in zip(prompt.owners, prompt.counts):
@@ -130,8 +146,10 @@ def verified_entries(batch: Batch, lp: Optional[LogprobTensors],
         flat = [None] * sum(n for _, n in rows)
     else:
         ks = [k for k, n in rows for _ in range(n)]
+        asked = [len(req.params.token_ids_logprob) for req, n in
+                 zip(batch.reqs, batch.extend_lens) for _ in range(n)]
         flat = [e if k is not None else None
-                for e, k in zip(_host_entries(done, lp, ks), ks)]
+                for e, k in zip(_host_entries(done, lp, ks, asked), ks)]
     out, start = [], 0
     for _, n in rows:
         out.append(flat[start:start + n])
@@ -140,11 +158,13 @@ def verified_entries(batch: Batch, lp: Optional[LogprobTensors],
 
 
 def _host_entries(done: Optional[torch.cuda.Event], lp: LogprobTensors,
-                  ks: List[Optional[int]]) -> List[TokenLogprobs]:
+                  ks: List[Optional[int]], asked: List[int]) -> List[TokenLogprobs]:
     """Row j of `lp` (host tensors, waited for here through `done`) as a TokenLogprobs keeping
-    its ks[j] most likely alternatives (None: none)."""
+    its ks[j] most likely alternatives (None: none) and its asked[j] asked ids' values."""
     if done is not None:
         done.synchronize()
     chosen, ids, values = lp.chosen.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
-    return [TokenLogprobs(c, tuple(i[:k or 0]), tuple(v[:k or 0]), r)
-            for c, i, v, k, r in zip(chosen, ids, values, ks, lp.rank.tolist())]
+    extra = lp.asked.tolist()
+    return [TokenLogprobs(c, tuple(i[:k or 0]), tuple(v[:k or 0]), r, tuple(x[:m]))
+            for c, i, v, k, r, x, m in zip(chosen, ids, values, ks, lp.rank.tolist(), extra,
+                                           asked)]

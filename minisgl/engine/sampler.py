@@ -11,7 +11,7 @@ seed.
 
 from __future__ import annotations
 
-from typing import List, NamedTuple
+from typing import List, NamedTuple, Optional
 
 import torch
 
@@ -215,16 +215,22 @@ class LogprobTensors(NamedTuple):
     top_ids: torch.Tensor  # [B, k] int64, most likely first
     top_logprobs: torch.Tensor  # [B, k] float32
     rank: torch.Tensor  # [B] int64: tokens at least as likely as the sampled one (1: the top)
+    # [B, m] float32: the log-probabilities of each row's asked token ids (params.
+    # token_ids_logprob; padded to the most any row asked, m = 0 where none did)
+    asked: torch.Tensor
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> LogprobTensors:
-    """The sampled `tokens`' log-probabilities and ranks and each row's `k` most likely tokens,
-    from the raw logits [B, vocab] (log_softmax in float32)."""
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int,
+                   asked_ids: Optional[torch.Tensor] = None) -> LogprobTensors:
+    """The sampled `tokens`' log-probabilities and ranks, each row's `k` most likely tokens,
+    and the log-probabilities of the token ids in its row of `asked_ids` [B, m] (int64,
+    padded), from the raw logits [B, vocab] (log_softmax in float32)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen = lp.gather(1, tokens.view(-1, 1)).squeeze(1)
     top_logprobs, top_ids = lp.topk(k, dim=-1)
     rank = (lp >= chosen.unsqueeze(1)).sum(dim=-1)
-    return LogprobTensors(chosen, top_ids, top_logprobs, rank)
+    asked = lp.new_empty(lp.shape[0], 0) if asked_ids is None else lp.gather(1, asked_ids)
+    return LogprobTensors(chosen, top_ids, top_logprobs, rank, asked)
 
 
 def sample_requests(logits: torch.Tensor, reqs: List[Req], engine_seed: int,

@@ -441,6 +441,10 @@ class TokenLogprobText:
     token_id: int = -1
     top_ids: Tuple[int, ...] = ()
     rank: Optional[int] = None
+    # params.token_ids_logprob's log-probabilities there (core.TokenLogprobs.ids_logprobs),
+    # with those tokens' texts
+    ids_logprobs: Tuple[float, ...] = ()
+    ids_tokens: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -521,6 +525,7 @@ class DetokenizeInit:
     # holding what came since: a stream's pace (--stream-interval), or 0 where the client
     # waits for the whole reply (fewer messages to the API server).
     stream_interval: int = 1
+    token_ids_logprob: Tuple[int, ...] = ()  # params'; their texts go with their logprobs
 
 
 @dataclass(frozen=True)

@@ -32,18 +32,28 @@ def logprob_fields(options: GenerateLogprobs, prompt: Sequence[TokenLogprobText]
     the first one's logprob null; empty where none were asked) and `output` (one entry per
     output token): the prompt's from `options.start` on."""
     shown = list(prompt[options.start:]) if options.start >= 0 else []
-    return {"input_token_logprobs": [_triple(e.logprob, e.token_id, e.token, options)
+    fields = {"input_token_logprobs": [_triple(e.logprob, e.token_id, e.token, options)
+                                       for e in shown],
+              "input_top_logprobs": [_tops(e, options) if e.logprob is not None else None
                                      for e in shown],
-            "input_top_logprobs": [_tops(e, options) if e.logprob is not None else None
-                                   for e in shown],
-            "output_token_logprobs": [_triple(e.logprob, e.token_id, e.token, options)
-                                      for e in output],
-            "output_top_logprobs": [_tops(e, options) for e in output]}
+              "output_token_logprobs": [_triple(e.logprob, e.token_id, e.token, options)
+                                        for e in output],
+              "output_top_logprobs": [_tops(e, options) for e in output]}
+    if options.ids:  # token_ids_logprob, as SGLang names them
+        fields["input_token_ids_logprobs"] = [_asked(e, options) if e.logprob is not None
+                                              else None for e in shown]
+        fields["output_token_ids_logprobs"] = [_asked(e, options) for e in output]
+    return fields
 
 
 def _triple(logprob: Optional[float], token_id: int, text: str,
             options: GenerateLogprobs) -> Triple:
     return [logprob, token_id, text if options.text else None]
+
+
+def _asked(e: TokenLogprobText, options: GenerateLogprobs) -> List[Triple]:
+    return [_triple(v, t, s, options) for v, t, s in
+            zip(e.ids_logprobs, options.ids, e.ids_tokens)]
 
 
 def _tops(e: TokenLogprobText, options: GenerateLogprobs) -> List[Triple]:

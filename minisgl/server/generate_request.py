@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from pydantic import ValidationError
 
@@ -30,12 +30,14 @@ class GenerateRequest(Body):
     logprob_start_len: int = -1  # -1: the output's only; k: prompt tokens from k on too
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+    # SGLang's: these tokens' log-probabilities at every position logprobs cover (one list,
+    # or one a prompt of a batch: the same list)
+    token_ids_logprob: Union[None, List[int], List[List[int]]] = None
     lora_path: Optional[str] = None  # SGLang's: the name of a loaded LoRA adapter
 
 
 # SGLang's /generate fields this server does not serve, with the values that ask for nothing.
 _GENERATE_UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
-    "token_ids_logprob": lambda v: not v,
     "return_hidden_states": lambda v: v in (None, False),
     "lora_id": lambda v: v is None,
     "image_data": lambda v: not v,
@@ -104,6 +106,19 @@ def _generate_prompts(body: GenerateRequest) -> List[Prompt]:
     return [Prompt(input_ids=list(p)) for p in batch]
 
 
+def _asked_ids(body: GenerateRequest, prompts: int) -> Tuple[int, ...]:
+    """token_ids_logprob as one list: a batch's list of lists must give each prompt the same
+    (a job samples every prompt alike); ApiError(400) naming it otherwise."""
+    asked = body.token_ids_logprob or []
+    if not asked or isinstance(asked[0], int):
+        return tuple(asked)
+    if len(asked) != prompts or any(a != asked[0] for a in asked):
+        raise ApiError(400, f"token_ids_logprob as a list of lists gives each of the "
+                            f"{prompts} prompts its list, and this server asks the same of "
+                            f"every prompt of a batch", "token_ids_logprob")
+    return tuple(asked[0])
+
+
 def generate_job(body: GenerateRequest, defaults: SamplingDefaults = SamplingDefaults(),
                  max_n: int = 1) -> Job:
     """SGLang's /generate request's job: its prompt, or its batch of them (each with n
@@ -144,6 +159,8 @@ def generate_job(body: GenerateRequest, defaults: SamplingDefaults = SamplingDef
     if checked_id(body.rid, "rid") is not None:
         job = dataclasses.replace(job, request_id=body.rid)
     if not body.return_logprob:
+        if body.token_ids_logprob:
+            raise ApiError(400, "token_ids_logprob needs return_logprob", "token_ids_logprob")
         return job
     if body.logprob_start_len < -1:
         raise ApiError(400, f"logprob_start_len must be -1 (the output only) or a prompt "
@@ -151,9 +168,13 @@ def generate_job(body: GenerateRequest, defaults: SamplingDefaults = SamplingDef
     if body.top_logprobs_num < 0:
         raise ApiError(400, f"top_logprobs_num must be >= 0, got "
                             f"{body.top_logprobs_num}", "top_logprobs_num")
-    k = body.top_logprobs_num
-    params = dataclasses.replace(job.params, logprobs=k,
+    k, ids = body.top_logprobs_num, _asked_ids(body, len(job.prompts))
+    params = dataclasses.replace(job.params, logprobs=k, token_ids_logprob=ids,
                                  prompt_logprobs=k if body.logprob_start_len >= 0 else None)
-    shape = GenerateLogprobs(body.logprob_start_len, k, body.return_text_in_logprobs)
+    try:
+        params.validate()
+    except ValueError as e:
+        raise ApiError(400, str(e), "token_ids_logprob") from None
+    shape = GenerateLogprobs(body.logprob_start_len, k, body.return_text_in_logprobs, ids)
     return dataclasses.replace(job, params=params, logprobs_param="top_logprobs_num",
                                generate_logprobs=shape)

@@ -283,6 +283,7 @@ class GenerateLogprobs:
     start: int
     top: int
     text: bool
+    ids: Tuple[int, ...] = ()  # token_ids_logprob: these ids' log-probabilities at each one
 
 
 # --- the parsed job -----------------------------------------------------------------------------

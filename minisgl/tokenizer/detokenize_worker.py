@@ -62,6 +62,7 @@ class _Request:
     tokens_as_ids: bool = False  # log-probability tokens rendered "token_id:N"
     return_prompt_ids: bool = False  # the first chunk carries the prompt's ids
     interval: int = 1  # DetokenizeInit.stream_interval
+    asked_ids: Tuple[int, ...] = ()  # DetokenizeInit.token_ids_logprob
     sent: bool = False  # the first chunk went out
     waiting: Optional[ReplyChunk] = None  # what goes out with the next chunk sent
 
@@ -113,7 +114,7 @@ class Detokenizer:
             StopMatcher(msg.stop, msg.no_stop_trim, msg.stop_regex), prompt_ids=msg.prompt_ids, echo=msg.echo,
             skip_special_tokens=msg.skip_special_tokens, min_tokens=msg.min_tokens,
             tokens_as_ids=msg.tokens_as_ids, return_prompt_ids=msg.return_prompt_ids,
-            interval=msg.stream_interval)
+            interval=msg.stream_interval, asked_ids=msg.token_ids_logprob)
         return self.render(self.pending.pop(msg.uid, []))
 
     def render(self, outs: List[TokenOut]) -> Rendered:
@@ -147,7 +148,8 @@ class Detokenizer:
             req.completion_tokens += 1
             ids = [out.token]
             if out.logprobs is not None:
-                logprobs = [self._logprob_text(out.token, out.logprobs, req.tokens_as_ids)]
+                logprobs = [self._logprob_text(out.token, out.logprobs, req.tokens_as_ids,
+                                               req.asked_ids)]
             if out.finish_reason != FinishReason.STOP.value:  # a stop token is not rendered
                 text = req.decoder.push(out.token)
         if out.finish_reason is not None:
@@ -189,17 +191,19 @@ class Detokenizer:
         if out.prompt_logprobs is not None and ids:
             first, raw = self._token_text(ids[0], req.tokens_as_ids)
             entries.append(TokenLogprobText(first, None, token_bytes=raw, token_id=ids[0]))
-            entries += [self._logprob_text(t, lp, req.tokens_as_ids)
+            entries += [self._logprob_text(t, lp, req.tokens_as_ids, req.asked_ids)
                         for t, lp in zip(ids[1:], out.prompt_logprobs)]
         return dataclasses.replace(chunk, prompt_text=text, prompt_logprobs=entries,
                                    prompt_ids=ids if req.return_prompt_ids else None)
 
-    def _logprob_text(self, token: int, lp: TokenLogprobs, as_ids: bool = False
-                      ) -> TokenLogprobText:
+    def _logprob_text(self, token: int, lp: TokenLogprobs, as_ids: bool = False,
+                      asked_ids: Tuple[int, ...] = ()) -> TokenLogprobText:
         text, raw = self._token_text(token, as_ids)
         tops = [self._token_text(t, as_ids) for t in lp.top_ids]
+        asked = tuple(self._token_text(t, as_ids)[0] for t in asked_ids[:len(lp.ids_logprobs)])
         return TokenLogprobText(text, lp.logprob, tuple(t for t, _ in tops), lp.top_logprobs,
-                                raw, tuple(b for _, b in tops), token, lp.top_ids, lp.rank)
+                                raw, tuple(b for _, b in tops), token, lp.top_ids, lp.rank,
+                                lp.ids_logprobs, asked)
 
     def _token_text(self, token: int, as_id: bool = False) -> Tuple[str, Optional[bytes]]:
         """One token decoded on its own, special tokens included, and its bytes where the text

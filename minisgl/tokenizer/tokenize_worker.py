@@ -379,7 +379,8 @@ class Serving:
                                          msg.skip_special_tokens, ids if whole else None,
                                          msg.no_stop_trim, msg.echo, params.min_tokens,
                                          msg.tokens_as_ids, msg.return_token_ids,
-                                         msg.stop_regex, msg.stream_interval))
+                                         msg.stop_regex, msg.stream_interval,
+                                         params.token_ids_logprob))
         self.to_backends[replica].put(UserMsg(msg.uid, ids, params))
         self.queued.sent(replica, len(ids))
 
