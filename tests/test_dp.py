@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import List, Optional
 
 import httpx
+from safetensors.torch import load_file
 
 from server_helpers import CPU_ARGS, check_same_as_tp1, serving
 
@@ -113,3 +114,10 @@ def test_dp2_tp2(tmp_path: Path, tiny_qwen3: Path) -> None:
         check_same_as_tp1(srv, tiny_qwen3)
         m = srv.metrics()
         assert all(m[f'minisgl_generation_tokens_total{{replica="{d}"}}'] > 0 for d in (0, 1))
+        # get_weights_by_name answers each replica's (SGLang's list a replica), each put
+        # together from its two ranks' shards
+        name = "model.layers.1.self_attn.q_proj.weight"
+        want = load_file(str(tiny_qwen3 / "model.safetensors"))[name].float()[:5].tolist()
+        got = httpx.post(f"{srv.url}/get_weights_by_name", timeout=60,
+                         json={"name": name, "truncate_size": 5}).json()
+        assert got == [want, want]
