@@ -160,6 +160,10 @@ class SamplingParams:
     # SGLang's: the log-probabilities of these tokens too, wherever log-probabilities are
     # computed (TokenLogprobs.ids_logprobs; needs `logprobs`)
     token_ids_logprob: Tuple[int, ...] = ()
+    # SGLang's: each output token comes with the final hidden state it was sampled from (the
+    # first also with the prompt's: message.TokenOut.tensor); no cached prefix is reused and
+    # batches holding such a request run eagerly (no CUDA graph)
+    return_hidden_states: bool = False
     # vLLM's bad_words as token sequences (tokenizer/bad_words.py fills them from `bad_words`
     # where the prompt is tokenized): a sequence's last token is banned right after the rest
     # of it was generated (a one-token word: always).
@@ -307,7 +311,8 @@ class SamplingParams:
                              f"integer from 1 to 2**31 - 1, got {k!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        for name in ("include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "detokenize",
+                     "return_hidden_states"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.stop and not self.detokenize:
@@ -690,6 +695,9 @@ class Req:
     # With params.prompt_logprobs: those of prompt tokens 1.. computed so far (chunk by chunk),
     # sent with the first output token.
     prompt_logprobs: List[TokenLogprobs] = field(default_factory=list)
+    # With params.return_hidden_states: those of the prompt's chunks run so far (CPU float32
+    # [positions, hidden] each), sent with the first output token
+    prompt_hidden: List["torch.Tensor"] = field(default_factory=list)
     # With params.structured: its matcher (a minisgl.grammar.RequestGrammar), set when its
     # grammar has compiled, before it is queued for admission.
     grammar: object = None
@@ -736,6 +744,12 @@ class Req:
         """An embedding that pools every prompt token's hidden state (not the last token's
         alone): computed from the first token, no cached prefix reused."""
         return self.params.embed and self.params.pooling != "last"
+
+    @property
+    def wants_prompt_hidden(self) -> bool:
+        """Its prompt's hidden states are still to be computed (params.return_hidden_states,
+        before its first token): every prompt token runs, none from the prefix cache."""
+        return self.params.return_hidden_states and self.output_len == 0
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -891,3 +905,6 @@ class StepResult(NamedTuple):
     # is the first of them), and their log-probabilities where it asked (else None each)
     verified: Optional[List[List[int]]] = None
     verified_logprobs: Optional[List[List[Optional[TokenLogprobs]]]] = None
+    # batch index -> [positions it ran, hidden] float32 on the CPU: the final hidden states of
+    # a request that asked (params.return_hidden_states; primary rank only)
+    hidden_states: Optional[Dict[int, "torch.Tensor"]] = None

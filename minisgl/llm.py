@@ -711,6 +711,9 @@ class LLM:
         served."""
         try:
             p.validate()
+            if p.return_hidden_states:
+                raise ValueError("return_hidden_states is served by SGLang's /generate "
+                                 "(meta_info.hidden_states); LLM.generate returns none")
             if (p.stop or p.stop_regex) and self.tokenizer is None:
                 raise ValueError(f"{self.model_path} has no tokenizer: stop strings and "
                                  f"stop_regex need one")

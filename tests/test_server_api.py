@@ -345,6 +345,41 @@ def test_generate_token_ids_logprob(server: Server, llm: LLM) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "token_ids_logprob", r.text
 
 
+def test_generate_return_hidden_states_as_hf_computes_them(server: Server,
+                                                         default_model_dir: Path) -> None:
+    """SGLang's return_hidden_states: meta_info.hidden_states is the prompt positions' final
+    hidden states, then one for each later token's position, as HF's last hidden states over
+    the prompt and the output but its last token; streamed, on the last event; a batch's
+    prompts apart. A request that does not ask has none."""
+    from transformers import AutoModelForCausalLM
+    prompts = [[1, 504, 3458, 282], [1, 2683, 314, 260, 1233, 284, 1134]]
+    body = {"input_ids": prompts, "return_hidden_states": True, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 5, "ignore_eos": True}}
+    r = _post(server, "/generate", body)
+    assert r.status_code == 200, r.text
+    hf = AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=torch.float32)
+    for prompt, out in zip(prompts, r.json()):
+        states = out["meta_info"]["hidden_states"]
+        assert len(states) == 5 and len(states[0]) == len(prompt)
+        got = torch.tensor(states[0] + states[1:])
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt + out["output_ids"][:-1]]),
+                      output_hidden_states=True).hidden_states[-1][0]
+        assert got.shape == want.shape and torch.allclose(got, want, atol=2e-3, rtol=1e-3)
+    with httpx.stream("POST", f"{server.url}/generate", timeout=60,
+                      json={**body, "input_ids": prompts[0], "stream": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert "hidden_states" not in events[0]["meta_info"]
+    streamed, whole = (events[-1]["meta_info"]["hidden_states"],
+                       r.json()[0]["meta_info"]["hidden_states"])  # alone, or in a batch
+    assert torch.allclose(torch.tensor(streamed[0] + streamed[1:]),
+                          torch.tensor(whole[0] + whole[1:]), atol=1e-4)
+    plain = _post(server, "/generate", {"input_ids": prompts[0],
+                                        "sampling_params": {"max_new_tokens": 2}}).json()
+    assert "hidden_states" not in plain["meta_info"]
+
+
 def test_generate_takes_sglangs_batches_and_n(server: Server, llm: LLM) -> None:
     """A list of texts or of id lists, and sampling_params.n: a list of results, prompt-major
     (as SGLang), each with its index; the same tokens as the offline API, streamed or not."""

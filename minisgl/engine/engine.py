@@ -77,6 +77,10 @@ class Forwarded(NamedTuple):
     # (params.embed) at these batch indices (primary rank only)
     embeddings: Optional[torch.Tensor] = None
     embed_rows: Tuple[int, ...] = ()
+    # params.return_hidden_states: the final hidden states of every position these requests
+    # ran (batch index, positions), in that order, float32 (primary rank only)
+    hidden: Optional[torch.Tensor] = None
+    hidden_spans: Tuple[Tuple[int, int], ...] = ()
 
 
 class Pending(NamedTuple):
@@ -106,6 +110,8 @@ class Launched(NamedTuple):
     # Forwarded's embeddings, on the host like `tokens` (primary rank only)
     embeddings: Optional[torch.Tensor] = None
     embed_rows: Tuple[int, ...] = ()
+    hidden: Optional[torch.Tensor] = None  # Forwarded's, on the host like `tokens`
+    hidden_spans: Tuple[Tuple[int, int], ...] = ()
 
 
 def use_pdl(cfg: EngineConfig, device: torch.device) -> bool:
@@ -217,6 +223,18 @@ def _embeddings(launched: Launched) -> Optional[Dict[int, bytes]]:
         launched.done.synchronize()
     vectors = launched.embeddings.cpu().numpy().astype("<f4")
     return {i: vectors[j].tobytes() for j, i in enumerate(launched.embed_rows)}
+
+
+def _hidden_states(launched: Launched) -> Optional[Dict[int, torch.Tensor]]:
+    """Batch index -> [positions, hidden] float32 CPU: the final hidden states of the
+    positions each request that asked ran in the batch (after `done`, as the tokens)."""
+    if launched.hidden is None:
+        return None
+    if launched.done is not None:
+        launched.done.synchronize()
+    states = launched.hidden.cpu()
+    starts = itertools.accumulate([0, *(n for _, n in launched.hidden_spans)])
+    return {i: states[s:s + n] for (i, n), s in zip(launched.hidden_spans, starts)}
 
 
 def _tokens(launched: Launched) -> List[int]:
@@ -687,18 +705,22 @@ class Engine:
         if sampled:
             drafted = draft_prefixes(batch) if batch.phase is Phase.VERIFY else None
             tokens, logprobs = self._sample(fwd.logits, fwd.rows, reqs, bitmask, drafted)
-        if self.device.type != "cuda" or (tokens is None and fwd.prompt_logprobs is None):
+        if self.device.type != "cuda" or (tokens is None and fwd.prompt_logprobs is None
+                                          and fwd.hidden is None):
             return Launched(batch, sampled, tokens, None, logprobs, fwd.prompt,
                             fwd.prompt_logprobs, embeddings=fwd.embeddings,
-                            embed_rows=fwd.embed_rows)
+                            embed_rows=fwd.embed_rows, hidden=fwd.hidden,
+                            hidden_spans=fwd.hidden_spans)
         pinned = lambda t: None if t is None else LogprobTensors(  # noqa: E731
             *(_to_pinned(x) for x in t))
         host = None if tokens is None else _to_pinned(tokens)
         embeddings = None if fwd.embeddings is None else _to_pinned(fwd.embeddings)
+        hidden = None if fwd.hidden is None else _to_pinned(fwd.hidden)
         done = torch.cuda.Event()
         launched = Launched(batch, sampled, host, done, pinned(logprobs), fwd.prompt,
                             pinned(fwd.prompt_logprobs), embeddings=embeddings,
-                            embed_rows=fwd.embed_rows)
+                            embed_rows=fwd.embed_rows, hidden=hidden,
+                            hidden_spans=fwd.hidden_spans)
         done.record()  # after every copy above
         return launched
 
@@ -711,14 +733,15 @@ class Engine:
         embed = () if batch.phase is not Phase.PREFILL else tuple(  # they end at prefill
             i for i in sampled if batch.reqs[i].params.embed)
         chunks = pooled_chunks(batch)
-        if not (embed or chunks) and self.graphs is not None and self.graphs.can_run(batch,
-                                                                                     lora):
+        states = tuple(i for i, r in enumerate(batch.reqs) if r.params.return_hidden_states)
+        if not (embed or chunks or states) and self.graphs is not None and self.graphs.can_run(
+                batch, lora):
             logits, rows = self.graphs.replay(batch, lora)  # decode: every request is sampled
             return Forwarded(logits, rows, None, None)
         if lora:
             batch.lora = lora_rows(batch, self.device, self.cfg.torch_dtype)
-        if lora or embed or chunks:
-            return self._forward_eager(batch, sampled, embed, chunks)
+        if lora or embed or chunks or states:
+            return self._forward_eager(batch, sampled, embed, chunks, states)
         if (self.prefill_graphs is not None and self.prefill_graphs.can_run(batch)
                 and prompt_rows(batch) is None):
             logits, rows = self.prefill_graphs.replay(batch)
@@ -729,11 +752,13 @@ class Engine:
         return self._forward_eager(batch, sampled)
 
     def _forward_eager(self, batch: Batch, sampled: List[int], embed: Tuple[int, ...] = (),
-                       chunks: Sequence[int] = ()) -> Forwarded:
+                       chunks: Sequence[int] = (), states: Tuple[int, ...] = ()) -> Forwarded:
         """The model on `batch`, eager; with `embed` (batch indices of sampled requests that
         asked for embeddings), those requests' embeddings too (their last hidden states, or
         their `pools` for a whole-prompt pooling, through CausalLM.pooled: normalized, or a
-        classifier's logits); `chunks` (pooled_chunks) pooled into `pools` first."""
+        classifier's logits); `chunks` (pooled_chunks) pooled into `pools` first; `states`
+        (batch indices of requests that asked for hidden states): the final hidden state of
+        every position they run here."""
         ends = list(itertools.accumulate(batch.extend_lens))  # one past each request's last
         if batch.phase is Phase.VERIFY:  # every position of every request is sampled
             table_rows = [r.table_row for r, n in zip(batch.reqs, batch.extend_lens)
@@ -747,11 +772,16 @@ class Engine:
         self.backend.prepare(batch)
         logit_rows = to_device(positions_sampled, torch.int64, self.device)
         prompt = prompt_rows(batch)
-        if prompt is None and not embed and not chunks:
+        if prompt is None and not embed and not chunks and not states:
             logits = self.model(ids, positions, batch, self.backend, logit_rows)
             return Forwarded(logits, rows, None, None)
         hidden = self.model.hidden(ids, positions, batch, self.backend)
         last = hidden[logit_rows]
+        kept: Optional[torch.Tensor] = None
+        spans: Tuple[Tuple[int, int], ...] = ()
+        if states and self.cfg.tp_info.is_primary:  # the hidden state is whole on every rank
+            spans = tuple((i, batch.extend_lens[i]) for i in states)
+            kept = torch.cat([hidden[ends[i] - n:ends[i]] for i, n in spans]).float()
         embeddings = None
         if self.cfg.tp_info.is_primary:  # the hidden state is whole on every rank
             self.pools.add(batch, hidden, chunks)
@@ -763,7 +793,8 @@ class Engine:
                                            normalize)
         plp = None if prompt is None else prompt_logprobs(self.model.lm_head, hidden, prompt,
                                                           self.cfg.tp_info.is_primary)
-        return Forwarded(self.model.lm_head(last), rows, prompt, plp, embeddings, embed)
+        return Forwarded(self.model.lm_head(last), rows, prompt, plp, embeddings, embed, kept,
+                         spans)
 
     def _embedding_states(self, batch: Batch, last: torch.Tensor, embed: Tuple[int, ...]
                           ) -> torch.Tensor:
@@ -825,12 +856,13 @@ class Engine:
             verified = _verified_tokens(launched)
             return StepResult([v[0] for v in verified], [None] * batch.size, {},
                               verified=verified, verified_logprobs=verified_entries(
-                                  batch, launched.logprobs, launched.done))
+                                  batch, launched.logprobs, launched.done),
+                              hidden_states=_hidden_states(launched))
         return StepResult(
             _tokens(launched),
             sampled_entries(batch, launched.sampled, launched.logprobs, launched.done),
             prompt_entries(batch, launched.prompt, launched.prompt_logprobs, launched.done),
-            _embeddings(launched))
+            _embeddings(launched), hidden_states=_hidden_states(launched))
 
     @torch.inference_mode()
     def keep(self, reqs: List[Req], kept: List[List[int]]) -> None:

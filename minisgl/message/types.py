@@ -298,6 +298,14 @@ class WireTensor:
     shape: Tuple[int, ...]
     data: bytes
 
+    def then(self, more: Optional["WireTensor"]) -> "WireTensor":
+        """These rows followed by `more`'s (the same row shape: [n, ...] each)."""
+        if more is None:
+            return self
+        if self.shape[1:] != more.shape[1:]:
+            raise ValueError(f"rows of shape {self.shape[1:]} and {more.shape[1:]} do not stack")
+        return WireTensor((self.shape[0] + more.shape[0], *self.shape[1:]), self.data + more.data)
+
     def tolist(self) -> Any:
         """The values as nested lists of floats (a number for shape ())."""
         flat = array("f")
@@ -341,7 +349,10 @@ class TokenOut:
     prompt_logprobs: Optional[List[TokenLogprobs]] = None
     embedding: Optional[bytes] = None  # params.embed: float32 little-endian (StepResult)
     times: Optional[PhaseTimes] = None  # with the first output token
-    tensor: Optional[WireTensor] = None  # a WeightReadMsg's answer
+    # a WeightReadMsg's answer; or the final hidden states behind this token (params.
+    # return_hidden_states): the first token's, every prompt position's; a later one's, one
+    # row (the position it was sampled from)
+    tensor: Optional[WireTensor] = None
 
 
 @dataclass(frozen=True)
@@ -475,7 +486,9 @@ class ReplyChunk:
     prompt_ids: Optional[List[int]] = None
     embedding: Optional[bytes] = None  # an embedding request's (TokenOut.embedding)
     times: Optional[PhaseTimes] = None  # with the first output token (TokenOut.times)
-    tensor: Optional[WireTensor] = None  # a weight read's values (TokenOut.tensor)
+    # a weight read's values, or the hidden states behind the chunk's tokens (TokenOut.tensor:
+    # the rows of chunks joined follow each other)
+    tensor: Optional[WireTensor] = None
 
 
 @dataclass(frozen=True)

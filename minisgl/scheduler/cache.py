@@ -59,9 +59,10 @@ class PageCache:
         """The cached prefix of `req`'s tokens in its namespace (its cache_salt and LoRA
         adapter load: Req.prefix_namespace): none where it asks for prompt
         log-probabilities (they need every prompt token's logits) or pools every prompt
-        token's hidden state (an embedding: Req.pools_whole_prompt), and never the last token
-        (computing it gives the logits of the first output token)."""
-        if req.wants_prompt_logprobs or req.pools_whole_prompt:
+        token's hidden state (an embedding: Req.pools_whole_prompt, or hidden states asked:
+        Req.wants_prompt_hidden), and never the last token (computing it gives the logits of
+        the first output token)."""
+        if req.wants_prompt_logprobs or req.pools_whole_prompt or req.wants_prompt_hidden:
             return PrefixMatch(None, [])
         tokens = req.token_ids
         return self.manager.match_prefix(tokens[: len(tokens) - 1], req.prefix_namespace)

@@ -101,6 +101,25 @@ class Accounting(NamedTuple):
                    reply.live_requests, reply.evicted_pages, reply.retracted_requests)
 
 
+def _wire(rows: torch.Tensor) -> WireTensor:
+    """CPU float32 rows as a message carries them."""
+    return WireTensor(tuple(rows.shape), rows.contiguous().numpy().astype("<f4",
+                                                                        copy=False).tobytes())
+
+
+def _hidden_out(req: Req, first: bool, rows: Optional[torch.Tensor]) -> Optional[WireTensor]:
+    """The hidden states a token of `req` goes out with (params.return_hidden_states): the
+    first token, every prompt position's (gathered chunk by chunk: Req.prompt_hidden); a
+    later one, the state of the position it was sampled from (a request prefilled again after
+    a retraction ran more). None where none were asked or this rank computed none."""
+    if not req.params.return_hidden_states or rows is None:
+        return None
+    if first:
+        whole, req.prompt_hidden = torch.cat(req.prompt_hidden), []
+        return _wire(whole)
+    return _wire(rows[-1:])
+
+
 def _phase_times(req: Req) -> PhaseTimes:
     """A request's queue and prefill times, as its first token is processed (rank 0's clock)."""
     scheduled = req.scheduled_s or req.arrived_s
@@ -647,6 +666,7 @@ class Scheduler:
         if not self.decode.remove(req):
             self.prefill.prefilling.remove(req)
         self._free_admitted(req)
+        req.prompt_hidden = []  # a prompt computed again is sent again whole
         req.cached_len = 0
         req.device_len = len(req.token_ids)
         self.prefill.requeue(req)
@@ -713,12 +733,15 @@ class Scheduler:
             batch.reqs[i].prompt_logprobs.extend(entries)
         out: List[TokenOut] = []
         first_decode = batch.first_decode
+        states = result.hidden_states or {}
         for i, (req, ext, sample, tok, lp) in enumerate(zip(
                 batch.reqs, batch.extend_lens, batch.sample, result.tokens, result.logprobs)):
             if req.finish_reason is not None:
                 continue  # finished or aborted while this batch was in flight
             if i < first_decode:
                 self.totals["prefilled"] += ext
+            if req.wants_prompt_hidden and i in states:
+                req.prompt_hidden.append(states[i])
             if not sample:  # a chunk of a long prompt: share its finished pages already
                 self._rewrite_pages(req, self.cache.share_prefix(req))
                 continue
@@ -732,7 +755,8 @@ class Scheduler:
             out.append(TokenOut(req.uid, tok, reason.value if reason else None, req.prompt_len,
                                 req.prefix_hit, logprobs=lp, prompt_logprobs=prompt_lp,
                                 embedding=(result.embeddings or {}).get(i),
-                                times=_phase_times(req) if first else None))
+                                times=_phase_times(req) if first else None,
+                                tensor=_hidden_out(req, first, states.get(i))))
             if reason is not None:
                 self._finished(req, reason)
         return out
@@ -761,19 +785,22 @@ class Scheduler:
         out: List[TokenOut] = []
         running: List[Req] = []
         kept_tokens: List[List[int]] = []
-        for req, draft, verified, lps in zip(batch.reqs, batch.drafts or [],
-                                             result.verified or [],
-                                             result.verified_logprobs or []):
+        states = result.hidden_states or {}
+        for i, (req, draft, verified, lps) in enumerate(zip(batch.reqs, batch.drafts or [],
+                                                            result.verified or [],
+                                                            result.verified_logprobs or [])):
             if req.finish_reason is not None:
                 continue  # aborted meanwhile
             start = req.device_len - 1  # its length at launch (the launch counted one token)
             n = kept(draft, verified)
             self.spec.add(len(draft), n)
             reason = None
-            for tok, lp in zip(verified[:n + 1], lps):
+            rows = states.get(i)  # position j's state: token j's
+            for j, (tok, lp) in enumerate(zip(verified[:n + 1], lps)):
                 reason = self._take_token(req, tok)
                 out.append(TokenOut(req.uid, tok, reason.value if reason else None,
-                                    req.prompt_len, req.prefix_hit, logprobs=lp))
+                                    req.prompt_len, req.prefix_hit, logprobs=lp,
+                                    tensor=None if rows is None else _wire(rows[j:j + 1])))
                 if reason is not None:
                     break
             req.device_len = len(req.token_ids)

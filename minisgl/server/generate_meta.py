@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-from minisgl.message.types import TokenLogprobText
+from minisgl.message.types import TokenLogprobText, WireTensor
 from minisgl.server.protocol import GenerateLogprobs
 
 Triple = List[Any]  # [logprob or None, token id, text or None]
@@ -44,6 +44,16 @@ def logprob_fields(options: GenerateLogprobs, prompt: Sequence[TokenLogprobText]
                                               else None for e in shown]
         fields["output_token_ids_logprobs"] = [_asked(e, options) for e in output]
     return fields
+
+
+def hidden_states(rows: Optional[WireTensor], prompt_tokens: int) -> List[Any]:
+    """SGLang's meta_info.hidden_states: the prompt positions' final hidden states (a list
+    of rows; the last gave the first token), then one row for each later token's position
+    (each gave the next token): prompt_tokens + completion_tokens - 1 rows in all."""
+    if rows is None:
+        return []
+    values = rows.tolist()
+    return [values[:prompt_tokens], *values[prompt_tokens:]]
 
 
 def _triple(logprob: Optional[float], token_id: int, text: str,

@@ -34,11 +34,12 @@ class GenerateRequest(Body):
     # or one a prompt of a batch: the same list)
     token_ids_logprob: Union[None, List[int], List[List[int]]] = None
     lora_path: Optional[str] = None  # SGLang's: the name of a loaded LoRA adapter
+    # SGLang's: meta_info.hidden_states, each position's final hidden state (generate_meta)
+    return_hidden_states: bool = False
 
 
 # SGLang's /generate fields this server does not serve, with the values that ask for nothing.
 _GENERATE_UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
-    "return_hidden_states": lambda v: v in (None, False),
     "lora_id": lambda v: v is None,
     "image_data": lambda v: not v,
     "video_data": lambda v: not v,
@@ -156,6 +157,9 @@ def generate_job(body: GenerateRequest, defaults: SamplingDefaults = SamplingDef
             raise ApiError(400, f"stream_interval must be a positive integer, got "
                                 f"{interval!r:.40}", "stream_interval")
         job = dataclasses.replace(job, stream_interval=interval)
+    if body.return_hidden_states:
+        job = dataclasses.replace(job, params=dataclasses.replace(job.params,
+                                                                  return_hidden_states=True))
     if checked_id(body.rid, "rid") is not None:
         job = dataclasses.replace(job, request_id=body.rid)
     if not body.return_logprob:

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional,
 import anyio
 from fastapi.responses import StreamingResponse
 
-from minisgl.message.types import ReplyChunk, TokenLogprobText
+from minisgl.message.types import ReplyChunk, TokenLogprobText, WireTensor
 from minisgl.server import generate_meta
 from minisgl.server.protocol import ApiError, Job
 from minisgl.server.reasoning import ReasoningSplitter, split_reasoning
@@ -38,11 +38,14 @@ class Choice:
     prompt_logprobs: List[TokenLogprobText] = field(default_factory=list)  # one per prompt token
     prompt_ids: Optional[List[int]] = None  # where the request asked (return_token_ids)
     embedding: Optional[bytes] = None  # an embedding request's (float32 little-endian)
+    hidden: Optional[WireTensor] = None  # the hidden states' rows so far (return_hidden_states)
 
     def add(self, chunk: ReplyChunk) -> None:
         """Accumulate a chunk; an echoed prompt goes first, into text and logprobs alike."""
         if chunk.embedding is not None:
             self.embedding = chunk.embedding
+        if chunk.tensor is not None:
+            self.hidden = chunk.tensor if self.hidden is None else self.hidden.then(chunk.tensor)
         if chunk.prompt_logprobs:
             self.prompt_logprobs = list(chunk.prompt_logprobs)
         if chunk.prompt_ids is not None:
@@ -260,6 +263,8 @@ class GenerateFormatter(Formatter):
             "cached_tokens": c.cached_tokens, "weight_version": self.weight_version()}
         if self.job.generate_logprobs is not None:
             meta.update(generate_meta.logprob_fields(self.job.generate_logprobs, prompt, output))
+        if self.job.params.return_hidden_states and reason is not None:
+            meta["hidden_states"] = generate_meta.hidden_states(c.hidden, c.prompt_tokens)
         return meta
 
     def closing(self, choices: List[Choice]) -> Iterator[str]:

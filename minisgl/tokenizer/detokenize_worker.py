@@ -75,9 +75,11 @@ class _Request:
             waiting, self.waiting = self.waiting, None
             return [chunk] if waiting is None else [waiting, chunk]
         if self.waiting is not None:
-            chunk = dataclasses.replace(chunk, text=self.waiting.text + chunk.text,
-                                        token_ids=self.waiting.token_ids + chunk.token_ids,
-                                        logprobs=self.waiting.logprobs + chunk.logprobs)
+            w = self.waiting
+            chunk = dataclasses.replace(
+                chunk, text=w.text + chunk.text, token_ids=w.token_ids + chunk.token_ids,
+                logprobs=w.logprobs + chunk.logprobs,
+                tensor=chunk.tensor if w.tensor is None else w.tensor.then(chunk.tensor))
             self.waiting = None
         if self.interval == 1 or not self.sent or 0 < self.interval <= len(chunk.token_ids):
             self.sent = True
