@@ -36,11 +36,14 @@ VALID: Dict[str, List[Any]] = {
     "echo": [True], "response_format": [{"type": "json_object"}],
     "structured_outputs": [{"regex": "[0-9]+"}], "guided_choice": [["yes", "no"]],
     "add_special_tokens": [True], "priority": [0], "user": ["u"],
-    "stream_options": [{"include_usage": True, "continuous_usage_stats": True}]}
+    "stream_options": [{"include_usage": True, "continuous_usage_stats": True}],
+    "stop_regex": [[r"\d", "Par+is"], "x*y"]}
 GENERATE_FIELDS = ["rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-                   "return_text_in_logprobs", "stream", "lora_path", "token_ids_logprob"]
+                   "return_text_in_logprobs", "stream", "lora_path", "token_ids_logprob",
+                   "return_hidden_states"]
 SAMPLING_FIELDS = ["max_new_tokens", "min_new_tokens", "sampling_seed", "max_tokens",
-                   "temperature", "n", "stop", "regex", "json_schema", "logit_bias", "top_k"]
+                   "temperature", "n", "stop", "regex", "json_schema", "logit_bias", "top_k",
+                   "stop_regex", "stream_interval"]
 CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
          [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
          [{"role": "assistant", "content": "x", "tool_calls": [
