@@ -33,6 +33,9 @@ MAX_BAD_WORD_TOKENS = 16  # tokens in one bad word (the engine keeps that much h
 MAX_LOGIT_BIAS = 1024  # token entries in one request's logit_bias
 MAX_STOP_REGEX = 16  # stop_regex patterns per request (each searched at every step)
 MAX_TOKEN_IDS_LOGPROB = 256  # token_ids_logprob entries (each gathered at every position)
+# return_hidden_states: values a request's hidden states may hold at most (64 MiB as float32;
+# a prompt's go in one message with its first token)
+MAX_HIDDEN_STATE_VALUES = 1 << 24
 MAX_STOP_REGEX_CHARS = 1000  # one pattern's length
 
 StructuredKind = Literal["json", "json_object", "regex", "grammar", "choice", "structural_tag"]
@@ -503,6 +506,7 @@ class Limits(NamedTuple):
     # The most log-probabilities a request may ask for per token (logprobs, prompt_logprobs):
     # SchedulerConfig.max_logprobs resolved, never more than the vocabulary.
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    hidden_size: int = 0  # the model's hidden state (return_hidden_states' row; 0: unknown)
 
     @property
     def kv_capacity(self) -> int:
@@ -636,6 +640,11 @@ def check_request(ids: Sequence[int], params: SamplingParams, limits: Limits) ->
         raise TooLong(n, m, limits, in_pool=False)
     if n + m > limits.kv_capacity:  # more tokens than the pages hold: more pages than there are
         raise TooLong(n, m, limits, in_pool=True)
+    if params.return_hidden_states and (n + m) * limits.hidden_size > MAX_HIDDEN_STATE_VALUES:
+        raise RequestError(f"return_hidden_states over {n} prompt tokens + max_tokens {m} would "
+                           f"send {(n + m) * limits.hidden_size} values of hidden state, more "
+                           f"than {MAX_HIDDEN_STATE_VALUES}: ask for fewer tokens",
+                           "return_hidden_states")
     return params
 
 

@@ -110,6 +110,7 @@ class FakeEngine:
         self.page_size = page_size
         self.max_context = max_context
         self.vocab_size = VOCAB
+        self.hidden_size = 8
         self.eos_token_ids: Tuple[int, ...] = ()
         self.long_rope_from = 0
         rows = max_running_requests + 1

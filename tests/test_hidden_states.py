@@ -106,3 +106,17 @@ def test_the_offline_api_refuses_it(tiny_model: Callable[..., Path]) -> None:
              show_progress=False) as llm:
         with pytest.raises(ValueError, match="return_hidden_states is served by"):
             llm.generate([[1, 2, 3]], ASK)
+
+
+def test_too_many_values_are_refused_before_anything_runs() -> None:
+    """A prompt's hidden states go out in one message: (prompt + max_tokens) x hidden values
+    past 2^24 are refused with the numbers, naming the field."""
+    from minisgl.core import Limits, RequestError, check_request
+    limits = Limits(100_000, 1000, 10_000, 16, 8192, hidden_size=4096)
+    check_request([1] * 3000, SamplingParams(max_tokens=1000, return_hidden_states=True), limits)
+    with pytest.raises(RequestError, match="4000 prompt tokens \\+ max_tokens 200 would send "
+                                           "17203200 values") as e:
+        check_request([1] * 4000, SamplingParams(max_tokens=200, return_hidden_states=True),
+                      limits)
+    assert e.value.param == "return_hidden_states"
+    check_request([1] * 4000, SamplingParams(max_tokens=200), limits)  # not asked: no limit

@@ -648,6 +648,10 @@ class Engine:
         return self.model_cfg.vocab_size
 
     @property
+    def hidden_size(self) -> int:
+        return self.model_cfg.hidden_size
+
+    @property
     def long_rope_from(self) -> int:
         return self.model_cfg.long_rope_from
 

@@ -49,6 +49,10 @@ class StepEngine(Protocol):
     def vocab_size(self) -> int: ...
 
     @property
+    def hidden_size(self) -> int:
+        """The model's final hidden state width (return_hidden_states' rows)."""
+
+    @property
     def long_rope_from(self) -> int:
         """Longrope's pretraining length k (0: none): every token of a sequence longer than k
         rotates otherwise than a shorter one's (`Req.long_rope`): the scheduler keeps their

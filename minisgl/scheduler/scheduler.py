@@ -147,7 +147,7 @@ class Scheduler:
         by_priority = cfg.scheduling_policy == "priority"
         self.limits = Limits(engine.max_context, engine.vocab_size, engine.num_pages, page_size,
                              chunk, by_priority, cfg.engine.lora_slots,
-                             cfg.logprobs_cap(engine.vocab_size))
+                             cfg.logprobs_cap(engine.vocab_size), engine.hidden_size)
         self.adapters = AdapterTable(cfg.engine.lora_slots,
                                      [name for name, _ in cfg.engine.lora_adapters])
         self.long_rope_from = engine.long_rope_from  # 0: no longrope (_restart_long_rope)
