@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import (Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Set,
                     Tuple, Union, cast)
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -37,7 +38,7 @@ from minisgl.engine.sleep_parts import TAGS as SLEEP_PARTS, check_level, check_t
 from minisgl.message import AbortMsg, SchedulerStats, TokenOut, UserMsg
 from minisgl.message.types import (AdapterMsg, GroupMsg, GroupWeightsMsg, ProfileMsg,
                                    SleepMsg, TensorWeightsMsg, WakeMsg, WeightReadMsg,
-                                   WeightsMsg)
+                                   WeightsMsg, WireTensor)
 from minisgl.models import ModelConfig
 from minisgl.models.classifier import Classifier, LogitActivation, pair_score_error
 from minisgl.models.generation import sampling_defaults
@@ -83,6 +84,7 @@ class _Collected(NamedTuple):
     stops: List[Optional["_StopWatch"]]
     request_ids: Dict[int, str]
     clocks: List["_Clock"]
+    hidden: List[Optional[WireTensor]]  # params.return_hidden_states' rows, joined
 
 
 @dataclasses.dataclass
@@ -711,9 +713,6 @@ class LLM:
         served."""
         try:
             p.validate()
-            if p.return_hidden_states:
-                raise ValueError("return_hidden_states is served by SGLang's /generate "
-                                 "(meta_info.hidden_states); LLM.generate returns none")
             if (p.stop or p.stop_regex) and self.tokenizer is None:
                 raise ValueError(f"{self.model_path} has no tokenizer: stop strings and "
                                  f"stop_regex need one")
@@ -748,9 +747,9 @@ class LLM:
         origin, prompts, params = collected.origin, collected.prompts, collected.params
         tokens, logprobs, finals = collected.tokens, collected.logprobs, collected.finals
         choices: List[List[CompletionOutput]] = [[] for _ in texts]
-        for t, lp, d, p, w, (i, j) in zip(tokens, logprobs, finals, params, collected.stops,
-                                          origin):
-            choices[i].append(self._completion(j, t, lp, d, p, w))
+        for t, lp, d, p, w, h, (i, j) in zip(tokens, logprobs, finals, params, collected.stops,
+                                             collected.hidden, origin):
+            choices[i].append(self._completion(j, t, lp, d, p, w, h))
         outputs = []
         for k, (i, j) in enumerate(origin):
             if j > 0:
@@ -912,6 +911,7 @@ class LLM:
         prompt_logprobs: List[Optional[List[TokenLogprobs]]] = [None] * len(prompts)
         done: List[Optional[TokenOut]] = [None] * len(prompts)
         clocks = [_Clock() for _ in prompts]
+        hidden: List[Optional[WireTensor]] = [None] * len(prompts)
         stops = [_StopWatch(self.tokenizer, p) if p.stop or p.stop_regex else None
                  for p in params]
         show = self.show_progress and len(prompts) >= 8 if use_tqdm is None else use_tqdm
@@ -922,7 +922,8 @@ class LLM:
                 clock.wall, clock.queued = time.time(), time.monotonic()
                 self._backend.submit(UserMsg(uid, ids, p.for_engine()))
                 submitted += 1
-            self._collect(slot, tokens, logprobs, prompt_logprobs, done, stops, bar, clocks)
+            self._collect(slot, tokens, logprobs, prompt_logprobs, done, stops, bar, clocks,
+                          hidden)
         except BaseException:  # KeyboardInterrupt too: leave no request behind
             self._cancel([uid for uid in uids[:submitted] if done[slot[uid]] is None])
             raise
@@ -930,11 +931,12 @@ class LLM:
             bar.close()
         self._backend.drain()
         return _Collected(origin, prompts, params, tokens, logprobs, prompt_logprobs,
-                          _finals(done, [i for i, _ in origin]), stops, request_ids, clocks)
+                          _finals(done, [i for i, _ in origin]), stops, request_ids, clocks,
+                          hidden)
 
     def _completion(self, index: int, tokens: List[int], logprobs: List[TokenLogprobs],
-                    final: TokenOut, p: SamplingParams, watch: Optional["_StopWatch"]
-                    ) -> CompletionOutput:
+                    final: TokenOut, p: SamplingParams, watch: Optional["_StopWatch"],
+                    hidden: Optional[WireTensor] = None) -> CompletionOutput:
         """One finished choice: its text as the server renders it (a stop token, EOS or one
         of stop_token_ids, left out; cut at a matched stop string) and what ended it."""
         stopped = watch is not None and watch.stopped
@@ -950,9 +952,11 @@ class LLM:
             text = (self.tokenizer.decode(shown, skip_special_tokens=p.skip_special_tokens)
                     if p.detokenize and self.tokenizer is not None else "")
         own = logprobs if p.logprobs is not None else None
+        states = None if hidden is None else torch.from_numpy(
+            np.frombuffer(hidden.data, "<f4").reshape(hidden.shape).copy())
         return CompletionOutput(
             index, text, tokens, FinishReason.STOP.value if stopped else final.finish_reason or "",
-            reason, own, self._decoded_tokens(tokens, own) if p.detokenize else {})
+            reason, own, self._decoded_tokens(tokens, own) if p.detokenize else {}, states)
 
     def _decoded_tokens(self, tokens: List[int], logprobs: Optional[List[TokenLogprobs]]
                         ) -> Dict[int, str]:
@@ -973,7 +977,7 @@ class LLM:
                  logprobs: List[List[TokenLogprobs]],
                  prompt_logprobs: List[Optional[List[TokenLogprobs]]],
                  done: List[Optional[TokenOut]], stops: List[Optional["_StopWatch"]],
-                 bar: Any, clocks: List[_Clock]) -> None:
+                 bar: Any, clocks: List[_Clock], hidden: List[Optional[WireTensor]]) -> None:
         """Poll until every request in `slot` (uid -> index) has its final out, filling the
         lists (and clocks) at each index; a request whose stop string matched is aborted."""
         left = sum(d is None for d in done)
@@ -990,6 +994,9 @@ class LLM:
                         logprobs[i].append(out.logprobs)
                     if out.prompt_logprobs is not None:
                         prompt_logprobs[i] = out.prompt_logprobs
+                    if out.tensor is not None:
+                        rows = hidden[i]
+                        hidden[i] = out.tensor if rows is None else rows.then(out.tensor)
                     if watch is not None and watch.push(out, final) and not final:
                         self._backend.submit(AbortMsg(out.uid))  # its final out ends it
                 if final:

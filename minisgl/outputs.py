@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Generic, List, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Dict, Generic, List, Optional, TypeVar, Union
 
 from minisgl.core import TokenLogprobs
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,10 @@ class CompletionOutput:
     token_logprobs: Optional[List[TokenLogprobs]] = None
     # Each token id in the log-probabilities decoded on its own (Logprob.decoded_token).
     decoded_tokens: Dict[int, str] = dataclasses.field(default_factory=dict, repr=False)
+    # With params.return_hidden_states (SGLang's): [prompt + output tokens - 1, hidden] float32,
+    # the final hidden state of every position that gave a token (the prompt's, then each
+    # output token's but the last); None otherwise
+    hidden_states: Optional["torch.Tensor"] = dataclasses.field(default=None, repr=False)
 
     @property
     def cumulative_logprob(self) -> Optional[float]:

@@ -2,8 +2,8 @@
 TokenOut carries the final hidden states it was sampled from (the first token, every prompt
 position's), equal to Hugging Face's last hidden states over the prompt and the output but its
 last token: with prompts in prefill chunks, overlap scheduling, beside requests that do not
-ask, at tp=2, through n-gram verification and through a retraction. The ranks are driven as
-`LLM` drives them (its backend's submit and poll), since the offline API refuses the option;
+ask, at tp=2, through n-gram verification and through a retraction (the ranks driven as `LLM`
+drives them: its backend's submit and poll); `LLM.generate`'s CompletionOutput.hidden_states;
 the HTTP shape: test_server_api.py."""
 
 from __future__ import annotations
@@ -101,11 +101,15 @@ def test_hidden_states_through_verification_and_retraction(tiny_model: Callable[
     _check(path, prompts, params, outs)
 
 
-def test_the_offline_api_refuses_it(tiny_model: Callable[..., Path]) -> None:
-    with LLM(str(tiny_model("llama3")), device="cpu", max_kv_tokens=256,
-             show_progress=False) as llm:
-        with pytest.raises(ValueError, match="return_hidden_states is served by"):
-            llm.generate([[1, 2, 3]], ASK)
+def test_the_offline_api_gives_them_per_choice(tiny_model: Callable[..., Path]) -> None:
+    """CompletionOutput.hidden_states: [prompt + output - 1, hidden], HF's; none unasked."""
+    path = tiny_model("llama3")
+    prompt = mixed_prompts(1, seed=8, lengths=(12,))[0]
+    with LLM(str(path), device="cpu", max_kv_tokens=256, show_progress=False) as llm:
+        asked, plain = (llm.generate([prompt], p)[0].outputs[0] for p in (ASK, PLAIN))
+    assert plain.hidden_states is None and asked.hidden_states is not None
+    want = _hf_states(path, prompt + asked.token_ids[:-1])
+    assert torch.allclose(asked.hidden_states, want, atol=1e-3, rtol=1e-3)
 
 
 def test_too_many_values_are_refused_before_anything_runs() -> None:
