@@ -54,7 +54,6 @@ _UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
     "guided_decoding_backend": lambda v: v in (None, "auto", "xgrammar"),
     "guided_whitespace_pattern": lambda v: v is None,
     "lora_request": lambda v: v is None,
-    "return_hidden_states": lambda v: v in (None, False),
     "mm_processor_kwargs": lambda v: not v,
     "documents": lambda v: not v,  # completions (chat requests take them)
     "chat_template": lambda v: v is None,  # completions (chat requests take it: trusted only)
@@ -161,6 +160,8 @@ class _OpenAI(SamplingBody):
     cache_salt: Optional[str] = None  # vLLM's: the prefix cache's namespace for this request
     priority: int = 0  # vLLM's: lower first, under --scheduling-policy priority
     bad_words: Optional[List[str]] = None  # vLLM's: words the output never writes
+    # SGLang's: each choice's `hidden_states`, the last token's position's (not streamed)
+    return_hidden_states: Optional[bool] = None
     # vLLM's: log-probability tokens as "token_id:N"
     return_tokens_as_token_ids: Optional[bool] = None
     # vLLM's: the prompt's and each choice's token ids beside the text
@@ -605,11 +606,15 @@ def _job(body: _OpenAI, prompts: List[Prompt], max_n: int, defaults: SamplingDef
                          cache_salt=body.cache_salt, priority=body.priority,
                          bad_words=tuple(body.bad_words or ())))
     job = shaped_job(shape, prompts, defaults)
+    if body.return_hidden_states and stream:
+        raise ApiError(400, "return_hidden_states is answered in a whole reply only (ask "
+                            "without stream)", "return_hidden_states")
     beam_search, length_penalty = _beam_fields(body.model_extra or {})
     if beam_search:
         _refuse_with_beam_search(body, job)
     return dataclasses.replace(
-        job, params=dataclasses.replace(job.params, prompt_logprobs=prompt_logprobs),
+        job, params=dataclasses.replace(job.params, prompt_logprobs=prompt_logprobs,
+                                        return_hidden_states=bool(body.return_hidden_states)),
         beam_search=beam_search, length_penalty=length_penalty,
         continuous_usage=bool(options and options.continuous_usage_stats),
         prompt_logprobs=prompt_logprobs, tokens_as_ids=body.return_tokens_as_token_ids,
@@ -653,6 +658,7 @@ def _refuse_with_beam_search(body: _OpenAI, job: Job) -> None:
              (bool(body.logit_bias), "logit_bias"),
              (body.allowed_token_ids is not None, "allowed_token_ids"),
              (bool(body.bad_words), "bad_words"), (body.min_tokens > 0, "min_tokens"),
+             (bool(body.return_hidden_states), "return_hidden_states"),
              (body.presence_penalty not in (None, 0), "presence_penalty"),
              (body.frequency_penalty not in (None, 0), "frequency_penalty"),
              (body.repetition_penalty not in (None, 1), "repetition_penalty")]

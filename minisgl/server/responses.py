@@ -312,9 +312,18 @@ class _OpenAIFormatter(Formatter):
 
     def full(self, choices: List[Choice]) -> Dict[str, Any]:
         items = [{**self._item(i, c), "matched_stop": c.matched_stop,
-                  **self._token_ids(c.token_ids)} for i, c in enumerate(choices)]
+                  **self._token_ids(c.token_ids), **self._hidden(c)}
+                 for i, c in enumerate(choices)]
         return {**self._envelope(self.full_object, items),
                 "usage": usage(choices, self.job.n, self.job.prompt_tokens_details)}
+
+    def _hidden(self, choice: Choice) -> Dict[str, Any]:
+        """SGLang's choice `hidden_states` (return_hidden_states): the final hidden state of
+        the position that gave the last token ([] for a one-token reply, as SGLang's)."""
+        if not self.job.params.return_hidden_states:
+            return {}
+        rows = generate_meta.hidden_states(choice.hidden, choice.prompt_tokens)
+        return {"hidden_states": rows[-1] if len(rows) > 1 else []}
 
     def _token_ids(self, ids: Sequence[int]) -> Dict[str, Any]:
         """A choice item's `token_ids` (vLLM's return_token_ids): all of them, or a chunk's."""
