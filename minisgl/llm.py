@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import (Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Set,
                     Tuple, Union, cast)
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -36,6 +35,7 @@ from minisgl.distributed.load_formats import DISK_FORMATS, TENSOR_FORMATS, check
 from minisgl.distributed.tensor_payload import serialize
 from minisgl.engine.sleep_parts import TAGS as SLEEP_PARTS, check_level, check_tags, sglang_parts
 from minisgl.message import AbortMsg, SchedulerStats, TokenOut, UserMsg
+from minisgl.message.tensors import from_wire
 from minisgl.message.types import (AdapterMsg, GroupMsg, GroupWeightsMsg, ProfileMsg,
                                    SleepMsg, TensorWeightsMsg, WakeMsg, WeightReadMsg,
                                    WeightsMsg, WireTensor)
@@ -211,9 +211,7 @@ class _StopWatch:
         try:
             result = self.matcher.feed(text, self.tokens > self.min_tokens)
         except TimeoutError:
-            patterns = [c.pattern for c in self.matcher.patterns]
-            raise ValueError(f"a stop_regex pattern of {patterns!r:.200} took over {self.matcher.SEARCH_TIMEOUT_S * 1000:.0f} ms to search "
-                             f"the output ({len(self.text)} characters): simplify it") from None
+            raise ValueError(self.matcher.too_slow()) from None
         self.text += result.text
         self.stopped = result.stopped
         if final and not self.stopped:
@@ -279,7 +277,8 @@ class LLM:
                                      show_progress=show_progress)
         cfg = dataclasses.replace(cfg, engine=engine, tokenizer_path=str(tokenizer_path))
         self.show_progress = show_progress
-        self._backend = InProcessRank(cfg) if tp == 1 else RankProcesses(cfg, tp, log_level, forkserver)
+        self._backend = (InProcessRank(cfg) if tp == 1
+                         else RankProcesses(cfg, tp, log_level, forkserver))
         self._uids = itertools.count()
         self._token_texts: Dict[int, str] = {}  # token id -> decoded alone (Logprob's)
         self._asleep: FrozenSet[str] = frozenset()  # sleep mode's parts asleep
@@ -952,8 +951,7 @@ class LLM:
             text = (self.tokenizer.decode(shown, skip_special_tokens=p.skip_special_tokens)
                     if p.detokenize and self.tokenizer is not None else "")
         own = logprobs if p.logprobs is not None else None
-        states = None if hidden is None else torch.from_numpy(
-            np.frombuffer(hidden.data, "<f4").reshape(hidden.shape).copy())
+        states = None if hidden is None else from_wire(hidden)
         return CompletionOutput(
             index, text, tokens, FinishReason.STOP.value if stopped else final.finish_reason or "",
             reason, own, self._decoded_tokens(tokens, own) if p.detokenize else {}, states)

@@ -12,13 +12,13 @@ import itertools
 from pathlib import Path
 from typing import Callable, Dict, List
 
-import numpy as np
 import pytest
 import torch
 
 from hf_reference import mixed_prompts
 from minisgl import LLM, SamplingParams
 from minisgl.message import TokenOut, UserMsg
+from minisgl.message.tensors import from_wire
 
 ASK = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, return_hidden_states=True)
 PLAIN = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -43,8 +43,7 @@ def _run(llm: LLM, prompts: List[List[int]], params: List[SamplingParams]
 
 
 def _rows(outs: List[TokenOut]) -> torch.Tensor:
-    return torch.cat([torch.from_numpy(np.frombuffer(o.tensor.data, "<f4").reshape(
-        o.tensor.shape).copy()) for o in outs if o.tensor is not None])
+    return torch.cat([from_wire(o.tensor) for o in outs if o.tensor is not None])
 
 
 def _hf_states(path: Path, ids: List[int]) -> torch.Tensor:

@@ -172,7 +172,7 @@ def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI) -> None:
     assert resp.choices[0].finish_reason in ("length", "stop")
 
 
-# --- stop_regex (SGLang's): served on completions, chat and /generate -------------------------------
+# --- stop_regex (SGLang's): served on completions, chat and /generate ---------------------------
 def test_stop_regex_cuts_the_output_where_the_text_first_matches(client: openai.OpenAI,
                                                                  server: Server) -> None:
     """The greedy output with a pattern is the output without it cut before the pattern's

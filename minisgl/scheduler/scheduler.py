@@ -46,6 +46,7 @@ from minisgl.message.types import (AccountingMsg, AccountingReply, AdapterMsg, F
                                    SleepMsg, TensorWeightsMsg, WakeMsg, WeightReadMsg, WeightsMsg,
                                    WireTensor)
 from minisgl.message.pulse import Pulse
+from minisgl.message.tensors import to_wire
 from minisgl.scheduler.adapters import AdapterTable
 from minisgl.scheduler.cache import PageCache, PageCounts
 from minisgl.scheduler.changes import WEIGHTS_ASLEEP, Changes
@@ -101,12 +102,6 @@ class Accounting(NamedTuple):
                    reply.live_requests, reply.evicted_pages, reply.retracted_requests)
 
 
-def _wire(rows: torch.Tensor) -> WireTensor:
-    """CPU float32 rows as a message carries them."""
-    return WireTensor(tuple(rows.shape), rows.contiguous().numpy().astype("<f4",
-                                                                        copy=False).tobytes())
-
-
 def _hidden_out(req: Req, first: bool, rows: Optional[torch.Tensor]) -> Optional[WireTensor]:
     """The hidden states a token of `req` goes out with (params.return_hidden_states): the
     first token, every prompt position's (gathered chunk by chunk: Req.prompt_hidden); a
@@ -116,8 +111,8 @@ def _hidden_out(req: Req, first: bool, rows: Optional[torch.Tensor]) -> Optional
         return None
     if first:
         whole, req.prompt_hidden = torch.cat(req.prompt_hidden), []
-        return _wire(whole)
-    return _wire(rows[-1:])
+        return to_wire(whole)
+    return to_wire(rows[-1:])
 
 
 def _phase_times(req: Req) -> PhaseTimes:
@@ -800,7 +795,7 @@ class Scheduler:
                 reason = self._take_token(req, tok)
                 out.append(TokenOut(req.uid, tok, reason.value if reason else None,
                                     req.prompt_len, req.prefix_hit, logprobs=lp,
-                                    tensor=None if rows is None else _wire(rows[j:j + 1])))
+                                    tensor=None if rows is None else to_wire(rows[j:j + 1])))
                 if reason is not None:
                     break
             req.device_len = len(req.token_ids)

@@ -16,6 +16,7 @@ from torch.distributed import ProcessGroup
 
 from minisgl.distributed import every_ranks
 from minisgl.layers.readback import Piece, assemble, concat_rows, too_many
+from minisgl.message.tensors import to_wire
 from minisgl.message.types import MAX_READ_VALUES, WeightReadMsg, WireTensor
 from minisgl.scheduler.changes import WEIGHTS_ASLEEP
 from minisgl.scheduler.engine_api import StepEngine
@@ -56,6 +57,5 @@ def read_weight(engine: StepEngine, msg: WeightReadMsg, rank: int,
         return WeightRead(None, str(e))
     if values.numel() > MAX_READ_VALUES:
         return WeightRead(None, too_many(msg.name, values.numel(), msg.truncate_size))
-    data = values.contiguous().numpy().astype("<f4", copy=False).tobytes()
-    return WeightRead(WireTensor(tuple(values.shape), data), None)
+    return WeightRead(to_wire(values), None)
 

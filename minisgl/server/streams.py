@@ -63,6 +63,10 @@ class RequestStream:
     # counts in the latency and finish metrics (a measured stream's; a beam search's steps do
     # not: the search counts once, as its request: api.run_beam_search)
     counted: bool = True
+
+    @property
+    def in_metrics(self) -> bool:
+        return self.measured and self.counted
     request_id: Optional[str] = None  # the client's (SGLang's rid, X-Request-Id): abort_request
     # how `release` counts the uids still running: "timeout" once the request's deadline passed
     abort_reason: str = "abort"
@@ -241,7 +245,7 @@ class RequestStreams:
         `sent` uids, which went out, count every uid once as that refusal (`status_reason`:
         not an abort, nothing was served) and forget the stream."""
         self._abort(stream.uids[:sent])
-        if stream.measured and stream.counted:
+        if stream.in_metrics:
             self.metrics.count_finished(status_reason(status), len(stream.uids))
         self._forget(stream)
 
@@ -318,7 +322,7 @@ class RequestStreams:
         if stream is None:
             return  # released already (client gone): drop
         self.queued.started(chunk.uid)
-        if chunk.token_ids and stream.measured and stream.counted:
+        if chunk.token_ids and stream.in_metrics:
             last = stream.last_token_at.get(chunk.uid)
             if last is None:
                 self.metrics.ttft.observe(now - stream.created)
@@ -334,7 +338,7 @@ class RequestStreams:
             del self._streams[chunk.uid]
             if not stream.unfinished:
                 self._end_trace(stream)
-            if stream.measured and stream.counted:
+            if stream.in_metrics:
                 self.metrics.count_finished(_reason(chunk))
                 if chunk.finish_reason in ("stop", "length") and chunk.error is None:
                     self.metrics.observe_completed(now - stream.created, chunk.prompt_tokens,

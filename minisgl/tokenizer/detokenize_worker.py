@@ -88,12 +88,6 @@ class _Request:
         return []
 
 
-def _slow_pattern(matcher: StopMatcher) -> str:
-    return (f"a stop_regex pattern took over {matcher.SEARCH_TIMEOUT_S * 1000:.0f} ms to search "
-            f"the output ({len(matcher.text)} characters); the request "
-            f"was ended: simplify the pattern")
-
-
 class Rendered(NamedTuple):
     chunks: List[ReplyChunk]
     aborts: List[int]  # uids rank 0 must stop (ended here by a stop string)
@@ -113,7 +107,8 @@ class Detokenizer:
     def init(self, msg: DetokenizeInit) -> Rendered:
         self.requests[msg.uid] = _Request(
             IncrementalDecoder(self.tokenizer, msg.prompt_tail, msg.skip_special_tokens),
-            StopMatcher(msg.stop, msg.no_stop_trim, msg.stop_regex), prompt_ids=msg.prompt_ids, echo=msg.echo,
+            StopMatcher(msg.stop, msg.no_stop_trim, msg.stop_regex), prompt_ids=msg.prompt_ids,
+            echo=msg.echo,
             skip_special_tokens=msg.skip_special_tokens, min_tokens=msg.min_tokens,
             tokens_as_ids=msg.tokens_as_ids, return_prompt_ids=msg.return_prompt_ids,
             interval=msg.stream_interval, asked_ids=msg.token_ids_logprob)
@@ -160,7 +155,7 @@ class Detokenizer:
             text, stopped = req.matcher.feed(text, req.completion_tokens > req.min_tokens)
         except TimeoutError:  # a stop_regex that backtracks: end the request, not the worker
             req.stopped = True
-            return [ReplyChunk(out.uid, error=_slow_pattern(req.matcher), error_status=400,
+            return [ReplyChunk(out.uid, error=req.matcher.too_slow(), error_status=400,
                                prompt_tokens=out.prompt_tokens,
                                completion_tokens=req.completion_tokens,
                                error_param="stop_regex")], out.finish_reason is None

@@ -110,6 +110,12 @@ class StopMatcher:
     def held(self) -> str:
         return self.text[self.out:]
 
+    def too_slow(self) -> str:
+        """Why a feed raised TimeoutError, with the numbers (the caller ends the request)."""
+        return (f"a stop_regex pattern of {[p.pattern for p in self.patterns]!r:.200} took "
+                f"over {self.SEARCH_TIMEOUT_S * 1000:.0f} ms to search the output "
+                f"({len(self.text)} characters): simplify it")
+
     def feed(self, text: str, armed: bool = True) -> StopResult:
         """The text that is out, given the next `text`. Not `armed` (vLLM's min_tokens: fewer
         tokens out than that), no stop ends the output yet, though the tail that may begin
