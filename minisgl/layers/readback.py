@@ -5,13 +5,13 @@ and copies just those to the CPU; `assemble` (rank 0) puts every rank's pieces t
 
 Values are the served ones: in the served dtype, and after what loading did to them (a norm's
 offset is undone; folded multipliers and online quantization are not). Quantized layers (FP8,
-packed integers, as kept on a GPU) have no checkpoint values to give back: their `piece`
-raises ValueError, as experts' does.
+packed integers, as kept on a GPU; experts too) have no checkpoint values to give back: their
+`piece` raises ValueError.
 """
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
+from typing import NamedTuple, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -79,9 +79,3 @@ def assemble(pieces: Sequence[Piece], name: str) -> torch.Tensor:
     if not bool(covered.all()):
         raise ValueError(f"{name}: the ranks' pieces leave part of it uncovered")
     return out
-
-
-def concat_rows(parts: List[torch.Tensor]) -> torch.Tensor:
-    """The projections a checkpoint fuses along its rows (Phi-3's qkv_proj), each already
-    assembled, as the fused tensor."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import List, NamedTuple, Optional, Tuple
 
+import torch
 from torch.distributed import ProcessGroup
 
 from minisgl.distributed import every_ranks
-from minisgl.layers.readback import Piece, assemble, concat_rows, too_many
+from minisgl.layers.readback import Piece, assemble, too_many
 from minisgl.message.tensors import to_wire
 from minisgl.message.types import MAX_READ_VALUES, WeightReadMsg, WireTensor
 from minisgl.scheduler.changes import WEIGHTS_ASLEEP
@@ -51,8 +52,9 @@ def read_weight(engine: StepEngine, msg: WeightReadMsg, rank: int,
     if rank != 0:
         return WeightRead(None, None)
     try:
-        values = concat_rows([assemble([pieces[i] for _, pieces in answers], msg.name)
-                              for i in range(len(answers[0][1]))])
+        # one part a projection the checkpoint fuses along its rows (Phi-3's qkv_proj)
+        values = torch.cat([assemble([pieces[i] for _, pieces in answers], msg.name)
+                            for i in range(len(answers[0][1]))])
     except ValueError as e:  # the pieces do not fit: answer so, and go on serving
         return WeightRead(None, str(e))
     if values.numel() > MAX_READ_VALUES:
