@@ -99,23 +99,6 @@ if [ "$MODE" = s44-fork ]; then  # LLM(tp>1)'s ranks from a fork server on a GPU
   # session's MINISGL_START_METHOD=forkserver, untried there; ~1 min): a forked child's CUDA
   step fork_cuda 60 python3 scripts/experiments/fork_cuda_probe.py
 fi
-if [ "$MODE" = s45-stage ]; then  # after vllm-stage, carrying .gpucache/gguf/part0 and
-  # .peer/part02: the second halves' first parts, kept in /tmp for s45-spec (~1 s)
-  mkdir -p /tmp/gguf /tmp/vllm_parts && cp .gpucache/gguf/part0 /tmp/gguf/ && cp .peer/part02 /tmp/vllm_parts/ && echo "gguf part0, vllm part02 staged"
-fi
-if [ "$MODE" = s45-spec ]; then  # after vllm-stage and s45-stage, carrying .gpucache/gguf/part1,
-  # .whl and .peer's small files (~9 min): n-gram speculation against plain decoding on the
-  # default model (bf16), minisgl then vLLM 0.26 on the same requests (bench_speculative's)
-  default_model_gguf
-  vllm_unpack || exit 2
-  export MINISGL_CACHE_DIR=/tmp/mcache NCCL_NVLS_ENABLE=0
-  step spec_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "speculative"
-  step spec_bench 200 python3 scripts/bench_speculative.py --device cuda --dtype bfloat16 --requests 16 --concurrency 1
-  M=/tmp/mcache/models/SmolLM2-135M-Instruct
-  for run in plain ngram; do
-    step vllm_$run 170 env PYTHONPATH=/tmp/vsite HF_HUB_OFFLINE=1 VLLM_USE_DEEP_GEMM=0 VLLM_NO_USAGE_STATS=1 VLLM_CACHE_ROOT=/tmp/vllm_cache TOKENIZERS_PARALLELISM=false python3 scripts/experiments/spec_peer_vllm.py --model $M --one $run --requests 16 --concurrency 1
-  done
-fi
 if [ "$MODE" = s42-spec ]; then  # after s42-tests on the same machine (~8 min): n-gram speculative
   # decoding against plain decoding on the default model (bf16), minisgl then vLLM 0.26, the
   # same requests (bench_speculative's); vLLM's site dir unpacked from /tmp/vllm_parts
@@ -322,6 +305,30 @@ up() {  # up PORT PID: wait for /health, at most 300 s
   done; return 1
 }
 gpu_free() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader); do kill -9 "$p"; done; sleep 3; }
+if [ "$MODE" = s45-stage ]; then  # after vllm-stage, carrying .gpucache/gguf/part0 and
+  # .peer/part02: the second halves' first parts, kept in /tmp for s45-spec (~1 s)
+  mkdir -p /tmp/gguf /tmp/vllm_parts && cp .gpucache/gguf/part0 /tmp/gguf/ && cp .peer/part02 /tmp/vllm_parts/ && echo "gguf part0, vllm part02 staged"
+fi
+if [ "$MODE" = s45-spec ]; then  # after vllm-stage and s45-stage, carrying .gpucache/gguf/part1,
+  # .whl and .peer's small files (~9 min): n-gram speculation against plain decoding on the
+  # default model (bf16), minisgl then vLLM 0.26 on the same requests (bench_speculative's)
+  default_model_gguf
+  vllm_unpack || exit 2
+  export MINISGL_CACHE_DIR=/tmp/mcache NCCL_NVLS_ENABLE=0
+  step spec_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "speculative or verify"
+  step spec_bench 200 python3 scripts/bench_speculative.py --device cuda --dtype bfloat16 --requests 16 --concurrency 1
+  M=/tmp/mcache/models/SmolLM2-135M-Instruct
+  for run in plain ngram; do
+    gpu_free  # a vLLM run's engine process can outlive its os._exit
+    step vllm_$run 170 env PYTHONPATH=/tmp/vsite HF_HUB_OFFLINE=1 VLLM_USE_DEEP_GEMM=0 VLLM_NO_USAGE_STATS=1 VLLM_CACHE_ROOT=/tmp/vllm_cache TOKENIZERS_PARALLELISM=false python3 scripts/experiments/spec_peer_vllm.py --model $M --one $run --requests 16 --concurrency 1
+  done
+fi
+if [ "$MODE" = s46-probe ]; then  # after gguf-stage, carrying .gpucache/gguf/part1 and .whl: where
+  # the n-gram run's time goes on CUDA (s45-spec measured it at 0.09x plain decoding)
+  default_model_gguf
+  export MINISGL_CACHE_DIR=/tmp/mcache
+  step spec_probe 500 python3 scripts/experiments/spec_probe.py
+fi
 if [ "$MODE" = fp8probe ]; then  # FP8: kernel tests, the KV decode tiles, the projections, profiles
   step fp8_attn_tests 240 python3 -m pytest -q tests/test_triton_attention.py -k "fp8"
   step fp8_decode_tiles 150 python3 scripts/bench_kernels.py --what decode --kv-dtype fp8 --batch-sizes 64,256

@@ -69,6 +69,22 @@ def test_gpu_verify_graphs_match_eager_verify_steps(tiny_qwen3: Path) -> None:
     assert run(32) == run(0)  # verify graphs up to 8 requests of 4 tokens
 
 
+def test_gpu_verify_graphs_at_batch_one(tiny_qwen3: Path,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    """One running request (the case speculation is for): the verify graph of one request of
+    five tokens is captured (the graph buffers hold its five rows where the decode graph needs
+    one; a forty-fifth-session run verified eagerly at 0.09x plain decoding) and gives the
+    CPU's float32 tokens."""
+    import logging
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2}
+    cpu = _run(tiny_qwen3, device="cpu", dtype="float32", max_running_requests=1)
+    with caplog.at_level(logging.INFO, logger="minisgl.engine.verify_graph"):
+        assert _run(tiny_qwen3, device="cuda", dtype="float32", max_running_requests=1,
+                    speculative_config=spec) == cpu
+    assert "verify CUDA graphs (batch sizes 1..1, up to 5 tokens" in caplog.text
+
+
 @pytest.mark.parametrize("family", ["qwen2_yarn", "llama_linear"])
 def test_gpu_scaled_rope_matches_cpu(family: str, tmp_path: Path) -> None:
     """YaRN's and linear scaling's tables (YaRN's attention factor in cos and sin) reach the

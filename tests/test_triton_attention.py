@@ -814,7 +814,7 @@ def test_verify_graph_body_matches_the_eager_verify_step(
     tokens attend as decode rows (TritonBackend.verify_meta), and both are the torch backend's
     (an extend), row for row, with the same page-table rows; its padding writes only the
     scratch slot. On CUDA the graphs themselves: tests/test_gpu.py."""
-    from minisgl.engine.verify_graph import VerifyGraphs, verify_graph_bs
+    from minisgl.engine.verify_graph import VerifyGraphs, graph_buffer_rows, verify_graph_bs
     device = "cuda" if HAS_CUDA else "cpu"
     lens = {0: 30, 1: 9, 2: 21}  # row: known tokens (the newest not yet in the cache)
     drafts = {0: [], 1: [5, 6], 2: [7, 8, 9, 10]}
@@ -845,8 +845,11 @@ def test_verify_graph_body_matches_the_eager_verify_step(
     scratch = engine.pool.scratch_slot
     engine.pool.k[:, scratch].zero_()
     before = engine.pool.k.clone()
-    assert verify_graph_bs(256, 5) == 51 and verify_graph_bs(4096, 5) == 102
-    assert verify_graph_bs(256, 5, 8) == 8 and verify_graph_bs(16, 5, 8) == 3
+    # requests as the decode graphs', at most 512 tokens; at batch 1 the buffers hold 5 rows
+    assert verify_graph_bs(256, 5) == 102 and verify_graph_bs(16, 5) == 16
+    assert verify_graph_bs(1, 5) == 1 and graph_buffer_rows(1, 5) == 5
+    assert verify_graph_bs(256, 5, 8) == 8 and verify_graph_bs(2, 5, 8) == 2
+    assert graph_buffer_rows(256, 5) == 510 and graph_buffer_rows(4, 0) == 4
     engine.backend.init_graph_buffers(20)  # type: ignore[attr-defined]  (the decode graphs')
     graphs = VerifyGraphs(engine.model, engine.backend, 4, 5,  # type: ignore[arg-type]
                           engine.page_table, 4, scratch, capture=lambda keys, run, dev: ({}, {}))

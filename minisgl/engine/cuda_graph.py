@@ -148,8 +148,9 @@ class DecodeGraphs:
     def __init__(self, model: CausalLM, backend: GraphableBackend, max_bs: int,
                  page_table: torch.Tensor, pad_row: int, scratch_slot: int,
                  last_tokens: torch.Tensor, lora_slots: int = 0,
-                 dtype: torch.dtype = torch.bfloat16) -> None:
-        """`dtype`: the activations' (the LoRA family's masks are in it)."""
+                 dtype: torch.dtype = torch.bfloat16, buffer_rows: int = 0) -> None:
+        """`dtype`: the activations' (the LoRA family's masks are in it); `buffer_rows`: the
+        rows the backend's graph buffers hold if more than `max_bs` (the verify graphs')."""
         self.model = model
         self.backend = backend
         self.page_table = page_table
@@ -163,7 +164,7 @@ class DecodeGraphs:
         device = page_table.device
         self.blocks = static_input_blocks(self.sizes, pad_row, device, lora=lora_slots > 0)
         self.inputs = {bs: block[:, :bs] for bs, block in self.blocks.items()}
-        backend.init_graph_buffers(self.max_bs)
+        backend.init_graph_buffers(max(self.max_bs, buffer_rows))
         self.out = logits_buffer(model, self.max_bs, device)
         self.graphs: Dict[Tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: Dict[Tuple[int, int], torch.Tensor] = {}

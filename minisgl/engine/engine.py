@@ -31,7 +31,8 @@ from minisgl.engine.bad_words import BadWords
 from minisgl.engine.penalties import Penalties
 from minisgl.engine.pooling import PromptPools, pooled_chunks
 from minisgl.engine.prefill_graph import PrefillGraphs, capture_prefill_graphs
-from minisgl.engine.verify_graph import VerifyGraphs, capture_verify_graphs
+from minisgl.engine.verify_graph import (VerifyGraphs, capture_verify_graphs,
+                                         graph_buffer_rows, verify_graph_bs)
 from minisgl.engine.sleep import Part, tensors_part, weights_part
 from minisgl.engine.sleep_parts import TAGS, WEIGHTS, check_level, check_tags
 from minisgl.engine.sampler import (LogprobTensors, add_logit_bias, apply_token_bitmask,
@@ -370,7 +371,9 @@ class Engine:
                 self.model, self.backend,  # type: ignore[arg-type]
                 self._graph_bs, self.page_table,
                 pad_row=cfg.max_running_requests, scratch_slot=self.pool.scratch_slot,
-                last_tokens=self.last_tokens, lora_slots=self.lora_slots, dtype=cfg.torch_dtype)
+                last_tokens=self.last_tokens, lora_slots=self.lora_slots, dtype=cfg.torch_dtype,
+                buffer_rows=graph_buffer_rows(self._graph_bs, self._verify_tokens,
+                                              self._verify_requests))
             on_progress(f"decode CUDA graphs captured for batch sizes up to {self._graph_bs}")
         if self.device.type == "cuda" and cfg.prefill_graph_max_tokens > 0:
             self.prefill_graphs = capture_prefill_graphs(
@@ -378,8 +381,10 @@ class Engine:
                 self.pool.scratch_slot, self.last_tokens, self._mixed_rows)
         if self.device.type == "cuda" and cfg.decode_graph_max_bs > 0 and self._verify_tokens:
             self.verify_graphs = capture_verify_graphs(
-                self.model, self.backend, self._graph_bs, self._verify_tokens, self.page_table,
-                cfg.max_running_requests, self.pool.scratch_slot, self._verify_requests)
+                self.model, self.backend,
+                verify_graph_bs(self._graph_bs, self._verify_tokens, self._verify_requests),
+                self._verify_tokens, self.page_table, cfg.max_running_requests,
+                self.pool.scratch_slot)
 
     @property
     def asleep(self) -> FrozenSet[str]:

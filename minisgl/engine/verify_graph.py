@@ -200,25 +200,35 @@ class VerifyGraphs:
         return VerifyReplayed(self.logits[bs][:n], self.blocks[bs][lay.logit_rows][:n])
 
 
-def verify_graph_bs(max_rows: int, tokens: int, max_requests: Optional[int] = None) -> int:
-    """The largest verify graph's batch size: at most `max_rows` tokens (the decode graphs'
-    batch size, for which the backend's graph buffers were made) and MAX_GRAPH_TOKENS, and at
-    most `max_requests` requests (past which no step drafts; None: no limit); 0: none."""
-    by_rows = min(max_rows, MAX_GRAPH_TOKENS) // max(tokens, 1)
-    return by_rows if max_requests is None else min(by_rows, max_requests)
+def verify_graph_bs(graph_bs: int, tokens: int, max_requests: Optional[int] = None) -> int:
+    """The largest verify graph's batch size: at most `graph_bs` requests (the decode graphs'),
+    MAX_GRAPH_TOKENS tokens in all, and `max_requests` requests (past which no step drafts;
+    None: no limit); 0: none. The backend's graph buffers must hold its rows
+    (`graph_buffer_rows`)."""
+    bs = min(graph_bs, MAX_GRAPH_TOKENS // max(tokens, 1))
+    return bs if max_requests is None else min(bs, max_requests)
+
+
+def graph_buffer_rows(graph_bs: int, tokens: int, max_requests: Optional[int] = None) -> int:
+    """The rows the backend's graph buffers need for decode graphs of `graph_bs` requests and,
+    with `tokens` (> 0: speculation), verify graphs of `verify_graph_bs` requests of `tokens`
+    rows each: at batch 1 the verify graph needs `tokens` rows where the decode graph needs one."""
+    if tokens <= 0:
+        return graph_bs
+    return max(graph_bs, verify_graph_bs(graph_bs, tokens, max_requests) * tokens)
 
 
 def capture_verify_graphs(model: CausalLM, backend: object, max_bs: int, tokens: int,
-                          page_table: torch.Tensor, pad_row: int, scratch_slot: int,
-                          max_requests: Optional[int] = None) -> Optional[VerifyGraphs]:
-    """The verify graphs (after the decode graphs, whose `max_bs` rows the backend's graph
-    buffers hold), or None (logged) where none apply: no batch size, a backend without the
-    contract, or a model whose forward cannot be captured."""
-    bs = verify_graph_bs(max_bs, tokens, max_requests)
-    if not bs or not isinstance(backend, GraphableBackend):
+                          page_table: torch.Tensor, pad_row: int,
+                          scratch_slot: int) -> Optional[VerifyGraphs]:
+    """The verify graphs of up to `max_bs` requests (`verify_graph_bs`; after the decode
+    graphs, whose backend buffers hold `graph_buffer_rows` rows), or None (logged) where none
+    apply: no batch size, a backend without the contract, or a model whose forward cannot be
+    captured."""
+    if not max_bs or not isinstance(backend, GraphableBackend):
         return None
     try:
-        return VerifyGraphs(model, backend, bs, tokens, page_table, pad_row, scratch_slot)
+        return VerifyGraphs(model, backend, max_bs, tokens, page_table, pad_row, scratch_slot)
     except RuntimeError as e:  # e.g. a host sync inside the forward: eager verify still works
         logger.warning("verify CUDA graphs not captured, verify steps run eagerly: %s", e)
         torch.cuda.synchronize(page_table.device)

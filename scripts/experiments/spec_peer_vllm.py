@@ -60,7 +60,7 @@ def main() -> None:
     llm = LLM(model=args.model, dtype="bfloat16", max_num_seqs=args.concurrency, seed=0,
               gpu_memory_utilization=0.5, max_model_len=2048, generation_config="vllm", **kw)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up: a whole request
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
