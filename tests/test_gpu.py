@@ -85,6 +85,25 @@ def test_gpu_verify_graphs_at_batch_one(tiny_qwen3: Path,
     assert "verify CUDA graphs (batch sizes 1..1, up to 5 tokens" in caplog.text
 
 
+def test_gpu_hidden_states_match_cpu(tiny_qwen3: Path) -> None:
+    """return_hidden_states on CUDA (batches holding an asking request run eagerly, the others
+    through the decode graphs): the CPU's float32 states and tokens, asking or not."""
+    ask = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                         return_hidden_states=True)
+    prompts = mixed_prompts(4, seed=3)
+
+    def run(device: str) -> list:
+        with LLM(str(tiny_qwen3), device=device, dtype="float32",
+                 show_progress=False) as llm:  # type: ignore[arg-type]
+            return [o.outputs[0] for o in llm.generate(prompts, [ask, GREEDY, ask, GREEDY])]
+    cpu, gpu = run("cpu"), run("cuda")
+    assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
+    for c, g in zip(cpu, gpu):
+        assert (c.hidden_states is None) == (g.hidden_states is None)
+        if c.hidden_states is not None:
+            torch.testing.assert_close(g.hidden_states, c.hidden_states, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("family", ["qwen2_yarn", "llama_linear"])
 def test_gpu_scaled_rope_matches_cpu(family: str, tmp_path: Path) -> None:
     """YaRN's and linear scaling's tables (YaRN's attention factor in cos and sin) reach the
