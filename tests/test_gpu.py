@@ -104,6 +104,30 @@ def test_gpu_hidden_states_match_cpu(tiny_qwen3: Path) -> None:
             torch.testing.assert_close(g.hidden_states, c.hidden_states, rtol=1e-4, atol=1e-4)
 
 
+def test_gpu_deterministic_inference_in_bf16(tiny_qwen3: Path) -> None:
+    """enable_deterministic_inference on CUDA in bfloat16 (the fixed-tile GEMM, every token
+    through the extend kernel, decode and verify graphs): a request's tokens and
+    log-probabilities are the same bits alone, beside five others with its prompt in chunks,
+    and through n-gram verification; without the setting they are not (the control)."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
+    target = mixed_prompts(1, seed=31, lengths=(37,))[0]
+    others = mixed_prompts(5, seed=32, lengths=(5, 60))
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2}
+
+    def run(invariant: bool, prompts: list, **kw: object) -> list:
+        with LLM(str(tiny_qwen3), device="cuda", dtype="bfloat16", show_progress=False,
+                 enable_deterministic_inference=invariant, **kw) as llm:  # type: ignore[arg-type]
+            outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        return [(o.token_ids, [sorted((t, p.logprob) for t, p in d.items())
+                               for d in o.logprobs]) for o in outs]
+    batch = [*others[:2], target, *others[2:]]
+    alone = run(True, [target])[0]
+    assert run(True, batch, max_prefill_tokens=16)[2] == alone
+    assert run(True, batch, speculative_config=spec)[2] == alone
+    assert run(False, batch, max_prefill_tokens=16)[2][1] != run(False, [target])[0][1]
+
+
 @pytest.mark.parametrize("family", ["qwen2_yarn", "llama_linear"])
 def test_gpu_scaled_rope_matches_cpu(family: str, tmp_path: Path) -> None:
     """YaRN's and linear scaling's tables (YaRN's attention factor in cos and sin) reach the

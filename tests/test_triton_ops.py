@@ -484,3 +484,29 @@ def test_lora_expand_adds_each_tokens_own_adapters_delta(dtype: torch.dtype, tok
     plain.a.copy_(layer.a)
     plain.b.copy_(layer.b)
     _close(fused, plain.add_delta(y, x, LoraRows(mask)), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_invariant_linear_rows_do_not_depend_on_their_company(dtype: torch.dtype) -> None:
+    """kernels/invariant_mm.py (deterministic inference): the product's rows are the same bits
+    whichever rows come with them and wherever they sit in a tile (N and K not multiples of
+    the tiles; with a bias), and they are x W^T + b. The interpreter's dot is numpy's, whose
+    BLAS rounds a row by its place in a micro-tile: there, rows keep their place in a tile
+    (the tensor cores' rows do not depend on it: the whole check runs on CUDA)."""
+    from minisgl.kernels.invariant_mm import invariant_linear
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(80, 96, generator=g), torch.randn(80, generator=g)
+    x = torch.randn(70, 96, generator=g)
+    w, b, x = (t.to(DEV, dtype) for t in (w, b, x))
+    full = invariant_linear(x, w, b)
+    _close(full, F.linear(x.float(), w.float(), b.float()), dtype)
+    tile = 32 if dtype == torch.float32 else 64  # invariant_tiles(dtype).block_m
+    same_place = [list(range(tile, 70)), list(range(tile)), list(range(5))]
+    anywhere = [[5], [5, 6, 7], list(range(3, 70, 2)), [69, 1]]
+    for rows in same_place + (anywhere if DEV == "cuda" else []):
+        assert torch.equal(invariant_linear(x[rows], w, b), full[rows]), rows
+    out = torch.empty(3, 80, dtype=dtype, device=DEV)
+    assert invariant_linear(x[:3], w, b, out=out).data_ptr() == out.data_ptr()
+    assert torch.equal(out, full[:3])
+    with pytest.raises(ValueError, match="do not fit"):
+        invariant_linear(x[:, :64], w)

@@ -24,13 +24,14 @@ batch for each window the layers use.
 
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from minisgl.attention.base import AttentionBackend
 from minisgl.core import Batch
+from minisgl.kvcache import KVPool
 
 
 class Attend(NamedTuple):
@@ -45,21 +46,37 @@ class Attend(NamedTuple):
 
 
 class TorchMeta(NamedTuple):
-    q_starts: List[int]
-    plans: Dict[int, List[Attend]]  # per window the layers use (0: full), one per request
+    q_starts: List[int]  # first row in q of each call's queries
+    lens: List[int]  # each call's queries
+    plans: Dict[int, List[Attend]]  # per window the layers use (0: full), one per call
 
 
 class TorchBackend(AttentionBackend):
+    def __init__(self, pool: KVPool, page_table: torch.Tensor, num_heads: int,
+                 num_kv_heads: int, head_dim: int, scale: float, windows: Sequence[int] = (),
+                 softcap: float = 0.0, batch_invariant: bool = False) -> None:
+        """`batch_invariant` (deterministic inference): every new token attends in a call of
+        its own, one query over its keys as a decode step's token does, so that its bits are
+        the same in a prefill chunk, a verify step or a decode step of any batch (a prompt's
+        attention then takes one call a token). Other arguments: AttentionBackend's."""
+        super().__init__(pool, page_table, num_heads, num_kv_heads, head_dim, scale, windows,
+                         softcap)
+        self.batch_invariant = batch_invariant
+
     def prepare(self, batch: Batch) -> None:
+        # One call per request (row, cached prefix, new tokens), or per token where invariant.
+        calls = list(zip([r.table_row for r in batch.reqs], batch.prefix_lens,
+                         batch.extend_lens))
+        if self.batch_invariant:
+            calls = [(row, prefix + j, 1) for row, prefix, ext in calls for j in range(ext)]
         starts = [0]
-        for ext in batch.extend_lens[:-1]:
+        for _, _, ext in calls[:-1]:
             starts.append(starts[-1] + ext)
         plans: Dict[int, List[Attend]] = {}
         for window in sorted(set(self.windows) | {0}):
-            plans[window] = [self._attend(row, prefix, ext, window) for row, prefix, ext in
-                             zip([r.table_row for r in batch.reqs], batch.prefix_lens,
-                                 batch.extend_lens)]
-        batch.attn_meta = TorchMeta(starts, plans)
+            plans[window] = [self._attend(row, prefix, ext, window)
+                             for row, prefix, ext in calls]
+        batch.attn_meta = TorchMeta(starts, [ext for _, _, ext in calls], plans)
 
     def _attend(self, row: int, prefix: int, ext: int, window: int) -> Attend:
         """The call for `ext` new tokens after `prefix` cached ones, within `window` (0:
@@ -92,7 +109,7 @@ class TorchBackend(AttentionBackend):
         scale, v_scale = self.scale, None
         if self.pool.quantized:
             scale, v_scale = scale * self.pool.scales.k[layer], self.pool.scales.v[layer]
-        for s, ext, plan in zip(meta.q_starts, batch.extend_lens, meta.plans[self.window(layer)]):
+        for s, ext, plan in zip(meta.q_starts, meta.lens, meta.plans[self.window(layer)]):
             pad = plan.causal_pad
             qi = q[s:s + ext]
             if pad:

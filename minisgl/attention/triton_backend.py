@@ -17,7 +17,8 @@ import torch
 
 from minisgl.attention.base import AttentionBackend
 from minisgl.core import Batch, Phase
-from minisgl.kernels.attention import decode_attention, extend_attention, store_kv
+from minisgl.kernels.attention import (decode_attention, extend_attention, extend_tiles,
+                                      store_kv)
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kernels.types import KVTarget
 from minisgl.kvcache import KVPool
@@ -104,7 +105,8 @@ class TritonBackend(AttentionBackend):
         if batch.phase is Phase.VERIFY:
             batch.attn_meta = self.verify_meta(batch)
             return
-        if not decode and batch.num_decode:  # a mixed step: its prefill part, its decode part
+        invariant = self.policy.batch_invariant
+        if not decode and batch.num_decode and not invariant:  # a mixed step: its two parts
             n, d = max(first, batch.num_decode), batch.num_decode
             pad = lambda xs: [*xs, *[0] * (n - len(xs))]  # noqa: E731 (one copy: equal rows)
             dev = rows_to_device([pad(rows[:first]), pad(batch.prefix_lens[:first]),
@@ -129,7 +131,8 @@ class TritonBackend(AttentionBackend):
             return
         # Torch's causal kernel has no window and no softcap: a prompt longer than some
         # layer's window, or any of a softcapped model, runs paged.
-        dense = (batch.size == 1 and batch.prefix_lens[0] == 0 and not self.softcap
+        dense = (not invariant and batch.size == 1 and batch.prefix_lens[0] == 0
+                 and not self.softcap
                  and self.dense_prefill_tokens <= batch.extend_lens[0]
                  <= min((w for w in self.windows if w), default=batch.extend_lens[0])
                  and self.device.type == "cuda")
@@ -145,8 +148,13 @@ class TritonBackend(AttentionBackend):
         rows = [r.table_row for r, n in zip(batch.reqs, batch.extend_lens) for _ in range(n)]
         ends = [p + j + 1 for p, n in zip(batch.prefix_lens, batch.extend_lens)
                 for j in range(n)]
-        dev = rows_to_device([rows, ends], torch.int32, self.device)
-        return self._decode_meta(dev[0], dev[1], max(ends))
+        if not self.policy.batch_invariant:
+            dev = rows_to_device([rows, ends], torch.int32, self.device)
+            return self._decode_meta(dev[0], dev[1], max(ends))
+        # as one-token extends (the batch-invariant path reads these fields too)
+        dev = rows_to_device([rows, ends, [e - 1 for e in ends], [1] * len(rows),
+                              list(range(len(rows)))], torch.int32, self.device)
+        return self._decode_meta(dev[0], dev[1], max(ends), dev[2], dev[3], dev[4])
 
     def _decode_meta(self, rows: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                      prefix_lens: Optional[torch.Tensor] = None,
@@ -238,7 +246,9 @@ class TritonBackend(AttentionBackend):
         if q.stride(-1) != 1:
             q = q.contiguous()  # the kernels index the head dimension densely
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if meta.decode:
+        if self.policy.batch_invariant:
+            self._invariant(q, k_cache, v_cache, meta, out, k_scale, v_scale, layer)
+        elif meta.decode:
             self._decode(q, k_cache, v_cache, meta, out, pdl, k_scale, v_scale, layer)
         elif meta.dense and k_cache.dtype == q.dtype:
             return self.dense_prefill(q, k_cache, v_cache, batch)
@@ -252,6 +262,19 @@ class TritonBackend(AttentionBackend):
                 self._decode(q[n:], k_cache, v_cache, meta.decode_part, out[n:],
                              self.policy.pdl, k_scale, v_scale, layer)
         return out.reshape(q.shape[0], -1)
+
+    def _invariant(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   meta: TritonMeta, out: torch.Tensor, k_scale: float, v_scale: float,
+                   layer: int) -> None:
+        """Every phase's tokens (a decode or verify row as a one-token extend after its
+        prefix) through the extend kernel at one tiling: a token's keys fold in tiles aligned
+        at position 0 in one order, and the tiles past it that its block reads are wholly
+        masked for it (they change none of its bits), so its output is the same in any batch,
+        chunk or step (policy.batch_invariant; no split-K over the context)."""
+        extend_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.prefix_lens,
+                         meta.extend_lens, meta.q_starts, meta.max_extend, out, self.scale,
+                         tiles=extend_tiles(q.dtype, q.shape[2]), k_scale=k_scale,
+                         v_scale=v_scale, window=self.window(layer), softcap=self.softcap)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: TritonMeta, out: torch.Tensor, pdl: bool, k_scale: float,

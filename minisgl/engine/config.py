@@ -186,6 +186,15 @@ class EngineConfig:
               "mode, backend, ...) are accepted and change nothing: minisgl compiles no "
               "graph of torch ops, its fused kernels are Triton's; another key is refused",
         json_value=True)
+    enable_deterministic_inference: bool = setting(
+        False, "SGLang's (vLLM's VLLM_BATCH_INVARIANT=1): batch-invariant kernels, so that a "
+               "request's tokens and log-probabilities do not depend on the requests batched "
+               "with it, on how its prompt is chunked or cached, or on speculation: every "
+               "projection takes one fixed-tile GEMM (no GEMV, no cuBLAS choice by row count) "
+               "and every token attends through one kernel at one tiling (no split of the "
+               "context); on CPU, one product and one attention call per token. Slower, most "
+               "at small batches; dense 16- or 32-bit weights at tp 1, without LoRA",
+        also=("batch-invariant",))
     enforce_eager: bool = setting(False, "no CUDA graphs at all: the same as "
                                          "--cuda-graph-max-bs 0 --prefill-graph-tokens 0 "
                                          "(vLLM's --enforce-eager, SGLang's "
@@ -288,6 +297,8 @@ class EngineConfig:
         if self.lora_dtype != "auto" and dtype_name(self.lora_dtype, self.device) != model_dtype:
             raise ValueError(f"lora_dtype {self.lora_dtype!r}: adapters are held in the "
                              f"model's dtype ({model_dtype} here); pass auto or {model_dtype}")
+        if self.enable_deterministic_inference:
+            self._check_batch_invariant()
         if self.pdl == "on" and (self.device != "cuda" or not self.fused_ops):
             raise ValueError(f"pdl 'on' needs device 'cuda' and fused_ops (got device "
                              f"{self.device!r}, fused_ops {self.fused_ops}); use 'auto' or 'off'")
@@ -304,6 +315,21 @@ class EngineConfig:
                              f"backend (got device {self.device!r}, cuda_graph_max_bs "
                              f"{self.cuda_graph_max_bs}, attention backend "
                              f"{self.backend_name!r})")
+
+    def _check_batch_invariant(self) -> None:
+        """The settings enable_deterministic_inference cannot hold with (the model's own
+        conflicts, experts and quantized weights, are the engine's: check_batch_invariant)."""
+        conflicts = [what for what, bad in (
+            (f"tp {self.tp} (the all-reduce's order over ranks is not made invariant)",
+             self.tp > 1),
+            ("pdl 'on' (its one-row GEMV rounds otherwise than a batch's rows)",
+             self.pdl == "on"),
+            ("LoRA adapters (their products are not made invariant)", self.lora_slots > 0),
+            (f"quantization {self.quantization!r}", self.quantization is not None))
+            if bad]
+        if conflicts:
+            raise ValueError("enable_deterministic_inference cannot hold with "
+                             + "; ".join(conflicts))
 
     def for_rank(self, model_path: str, rank: int,
                  dist_init_method: Optional[str] = None) -> "EngineConfig":

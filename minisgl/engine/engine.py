@@ -147,7 +147,24 @@ def kernel_policy(cfg: EngineConfig, device: torch.device) -> KernelPolicy:
     start-up: the fused Triton kernels where cfg.fused_ops asks for them on CUDA, PDL where
     `use_pdl` allows it (and raises as it does). Depends only on the config and the GPU model,
     so ranks of one machine agree."""
-    return KernelPolicy(fused=cfg.fused_ops and device.type == "cuda", pdl=use_pdl(cfg, device))
+    invariant = cfg.enable_deterministic_inference
+    return KernelPolicy(fused=cfg.fused_ops and device.type == "cuda",
+                        pdl=use_pdl(cfg, device) and not invariant, batch_invariant=invariant)
+
+
+def check_batch_invariant(cfg: EngineConfig, model_cfg: ModelConfig, quantized: bool) -> None:
+    """Raise, naming the model's, where enable_deterministic_inference cannot hold with it: a
+    mixture of experts (the fused experts' tiles follow the token count) or quantized weights
+    (FP8, packed integers: their GEMMs are not made invariant)."""
+    if not cfg.enable_deterministic_inference:
+        return
+    conflicts = [what for what, bad in (
+        (f"a mixture-of-experts model ({model_cfg.num_experts} experts)",
+         model_cfg.num_experts > 0),
+        ("quantized weights (FP8 or packed integers)", quantized)) if bad]
+    if conflicts:
+        raise ValueError(f"enable_deterministic_inference cannot hold with {model_cfg.architecture}: "
+                         + "; ".join(conflicts))
 
 
 def pages_that_fit(cfg: EngineConfig, model_cfg: ModelConfig, kv_heads: int,
@@ -338,11 +355,15 @@ class Engine:
             num_kv_heads=local_kv_heads, head_dim=self.model_cfg.head_dim,
             scale=self.model_cfg.attention_scale, windows=self.model_cfg.layer_windows,
             softcap=self.model_cfg.attn_logit_softcapping or 0.0,
-            **({"policy": self.policy} if cfg.backend_name == "triton" else {}))
+            **({"policy": self.policy} if cfg.backend_name == "triton"
+               else {"batch_invariant": self.policy.batch_invariant}))
         self.graphs: Optional[DecodeGraphs] = None
         self.prefill_graphs: Optional[PrefillGraphs] = None
         self.verify_graphs: Optional[VerifyGraphs] = None
-        self._mixed_rows = min(mixed_rows, cfg.max_running_requests)
+        # batch-invariant steps attend decode rows as extends, not as a prefill graph's
+        # decode part (TritonBackend._invariant)
+        self._mixed_rows = 0 if self.policy.batch_invariant else min(
+            mixed_rows, cfg.max_running_requests)
         self._verify_tokens, self._verify_requests = verify_tokens, verify_requests
         if cfg.tune_gemms:  # before the capture, which records the kernels chosen
             self._tune_gemms(graph_sizes(self._graph_bs))
@@ -504,6 +525,8 @@ class Engine:
         self.model_cfg.check_quantization(self.cfg.quantization)
         quant = quant_plan(self.model_cfg.quantization, self.cfg.quantization, self.device,
                            self.cfg.torch_dtype)
+        check_batch_invariant(self.cfg, self.model_cfg,
+                              quant is not None or self.model_cfg.int_quant is not None)
         dtype = temporarily(torch.get_default_dtype, torch.set_default_dtype, self.cfg.torch_dtype)
         adapters = [read_adapter(name, path, self.cfg.max_lora_rank)
                     for name, path in self.cfg.lora_adapters]

@@ -16,15 +16,23 @@ class KernelPolicy:
     torch ops. `pdl`: the decode path's Triton kernels launch with programmatic dependent launch
     (kernels/pdl.py), and one-token projections take the Triton GEMV (`gemv`). PDL needs `fused`
     (the kernels it launches are the fused ones) and a GPU of compute capability 9.0 or newer,
-    which the engine checks. The default policy is torch ops everywhere."""
+    which the engine checks. `batch_invariant` (deterministic inference): every projection
+    takes the fixed-tile GEMM (layers/blas.invariant_linear, on CPU too) and the Triton
+    attention runs every token through the extend kernel's fixed tiles, so that a row's bits
+    do not depend on the rows beside it; it excludes PDL, whose GEMV serves one row only. The
+    default policy is torch ops everywhere."""
 
     fused: bool = False
     pdl: bool = False
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.pdl and not self.fused:
             raise ValueError(f"KernelPolicy(pdl={self.pdl}) needs fused=True (got "
                              f"fused={self.fused}): PDL launches the fused kernels")
+        if self.pdl and self.batch_invariant:
+            raise ValueError("KernelPolicy(batch_invariant=True) excludes pdl: its one-row "
+                             "GEMV rounds otherwise than the rows of a larger batch")
 
     @property
     def gemv(self) -> bool:

@@ -71,6 +71,22 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     return out
 
 
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) whose every row's bits are independent of the other rows
+    (deterministic inference): on CUDA the fixed-tile Triton GEMM (kernels/invariant_mm.py);
+    elsewhere one row at a time, as a CPU BLAS also picks its kernel by the row count (a
+    prompt's projections take one call a token: slow, and exact). `out` as for `linear`."""
+    if x.is_cuda:
+        from minisgl.kernels.invariant_mm import invariant_linear as triton_linear
+        return triton_linear(x, weight, bias, out)
+    out = checked_out(out, (*x.shape[:-1], weight.shape[0]), x)
+    rows, into = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+    for i in range(rows.shape[0]):
+        _linear(rows[i:i + 1], weight, bias, into[i:i + 1])
+    return out
+
+
 def pick(us: Dict[str, float]) -> str:
     """The library for one (shape, rows): cuBLASLt only where it is faster by more than MARGIN."""
     lt, default = us["cublaslt"], us[DEFAULT]

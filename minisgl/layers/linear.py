@@ -79,7 +79,10 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] 
     layers/fp8.linear; anything else F.linear, by the BLAS library `blas_by_rows` names for
     x's row count (layers/blas.py; cuBLAS where it names none). `out`: where given, the
     product lands there (utils.checked_out) instead of in a new tensor, for the GEMV and the
-    BLAS GEMM (the LM head's paths); the W8A8 GEMM takes none."""
+    BLAS GEMM (the LM head's paths); the W8A8 GEMM takes none. With `policy.batch_invariant`,
+    dense weights take blas.invariant_linear (the engine refuses quantized ones then)."""
+    if policy.batch_invariant and quant is None:
+        return blas.invariant_linear(x, weight, bias, out)
     if takes_gemv(x, policy) and gemv_reads(quant):
         from minisgl.kernels import gemv
         return gemv.gemv(x, weight, bias, pdl=policy.pdl, weight_scale=_row_scale(quant),

@@ -1,0 +1,98 @@
+"""A batch-invariant product out = x W^T + b (deterministic inference, SGLang's
+--enable-deterministic-inference; vLLM's VLLM_BATCH_INVARIANT): each output row's bits depend
+on its own input row and the weights only, never on how many rows come with it.
+
+cuBLAS picks its kernel, its tiles and any split of K by the row count, so one token's product
+rounds one way at a decode step of one row and another inside a prefill chunk or a verify
+step of five. Here the tiles (`invariant_tiles`) depend on the dtype alone, K is walked in one
+order by one program per output tile (no split-K), and the row count is not specialized on
+(`do_not_specialize`), so every row runs the same instructions in the same order wherever it
+sits. The price is speed where few rows leave most of the GPU idle (a decode step of a few
+requests: no split-K to fill it); the decode steps still run in CUDA graphs.
+
+This module imports triton: only GPU paths (and the CPU interpreter tests) import it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.kernels.dot import dot, f32_dot
+from minisgl.utils import checked_out
+
+
+class InvariantTiles(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def invariant_tiles(dtype: torch.dtype) -> InvariantTiles:
+    """The one tiling of a dtype (never of the row count: that is the invariance). Half types:
+    64 x 64 output tiles over 64-deep steps of K (tensor cores); float32 (IEEE dots on the
+    FMA units): smaller, to compile without spills."""
+    if dtype == torch.float32:
+        return InvariantTiles(32, 32, 32, 4, 2)
+    return InvariantTiles(64, 64, 64, 4, 3)
+
+
+@triton.jit(do_not_specialize=["m"])
+def _invariant_mm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, m, n, k, stride_xm, stride_wn,
+                         stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr):
+    """Program (column block, row block): out[rows, cols] = x[rows] W[cols]^T (+ b[cols]),
+    accumulated in float32 over K in increasing order, rounded once to out's dtype."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < m
+    mask_n = offs_n < n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        kk = k0 + offs_k
+        mask_k = kk < k
+        a = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + kk[:, None],
+                    mask=mask_n[None, :] & mask_k[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
+        acc += dot(a, w, F32_DOT)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) in x's dtype, batch-invariant (module doc).
+    `out`: where given, the product lands there (utils.checked_out)."""
+    n, k = weight.shape
+    if x.shape[-1] != k or x.dtype != weight.dtype or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"invariant_linear: x {tuple(x.shape)} {x.dtype}, weight "
+                         f"{tuple(weight.shape)} {weight.dtype}, bias "
+                         f"{None if bias is None else tuple(bias.shape)} do not fit")
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    shape = (*x.shape[:-1], n)
+    result = checked_out(out, shape, x)
+    into = result.view(-1, n)
+    m = rows.shape[0]
+    if m == 0:
+        return result
+    t = invariant_tiles(x.dtype)
+    grid = (triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m))
+    _invariant_mm_kernel[grid](
+        rows, w, w if bias is None else bias, into, m, n, k, rows.stride(0), w.stride(0),
+        into.stride(0), HAS_BIAS=bias is not None, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k, F32_DOT=f32_dot(x), num_warps=t.num_warps, num_stages=t.num_stages)
+    return result

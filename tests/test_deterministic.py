@@ -1,0 +1,92 @@
+"""Deterministic inference (enable_deterministic_inference, SGLang's; vLLM's batch invariance):
+a request's tokens and log-probabilities are the same bits alone and beside other requests,
+with its prompt chunked otherwise, after its prefix was cached, and through n-gram
+verification; greedy and seeded sampling. Without the setting the same comparison differs
+(the control: the CPU BLAS rounds a row by the row count). On CPU (the per-row products and
+per-token attention); the Triton paths: tests/test_triton_ops.py (the GEMM) and
+tests/test_gpu.py (the engine on CUDA)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, List, Tuple
+
+import pytest
+
+from hf_reference import mixed_prompts
+from minisgl import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
+SEEDED = SamplingParams(max_tokens=10, temperature=0.9, seed=7, ignore_eos=True, logprobs=3)
+Result = Tuple[List[int], list]
+
+
+def _run(path: Path, prompts: List[List[int]], params: SamplingParams, invariant: bool,
+         **kw: object) -> List[Result]:
+    with LLM(str(path), device="cpu", enable_deterministic_inference=invariant,
+             max_kv_tokens=4096, show_progress=False, **kw) as llm:  # type: ignore[arg-type]
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+    return [(o.token_ids, [sorted((t, p.logprob) for t, p in d.items()) for d in o.logprobs])
+            for o in outs]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_request_alone_and_in_any_batch_gives_the_same_bits(
+        tiny_model: Callable[..., Path], params: SamplingParams) -> None:
+    path = tiny_model("llama3")
+    target = mixed_prompts(1, seed=31, lengths=(37,))[0]
+    others = mixed_prompts(5, seed=32, lengths=(5, 60))
+    alone = _run(path, [target], params, True)[0]
+    # beside five others, its prompt cut in chunks of 16 (mixed steps, decode batches of 6)
+    batched = _run(path, [*others[:2], target, *others[2:]], params, True,
+                   max_prefill_tokens=16)
+    assert batched[2] == alone
+    # after a request sharing its first 24 tokens cached them (a prefix-cache hit)
+    shared = [target[:24] + [7, 8, 9]]
+    with LLM(str(path), device="cpu", enable_deterministic_inference=True, max_kv_tokens=4096,
+             page_size=4, show_progress=False) as llm:  # type: ignore[arg-type]
+        llm.generate(shared, params)
+        cached = llm.generate([target], params)[0].outputs[0]
+        assert llm.stats is not None and llm.stats.cached_tokens_total >= 24
+    assert (cached.token_ids, [sorted((t, p.logprob) for t, p in d.items())
+                               for d in cached.logprobs]) == alone
+    if params is GREEDY:  # the control: the default kernels round a row by its company
+        plain_alone = _run(path, [target], params, False)[0]
+        plain_batched = _run(path, [*others[:2], target, *others[2:]], params, False,
+                             max_prefill_tokens=16)[2]
+        assert plain_batched[1] != plain_alone[1]
+
+
+def test_speculation_gives_plain_decodings_bits(tiny_model: Callable[..., Path]) -> None:
+    """n-gram drafts verified five tokens a step: the tokens and log-probabilities of plain
+    decoding, bit for bit (without the setting a verify step's rows may round otherwise)."""
+    path = tiny_model("llama3")
+    loop = [11, 12, 13, 14, 15] * 6  # a repetitive prompt: drafts are found and kept
+    prompts = [loop, *mixed_prompts(2, seed=33, lengths=(20, 30))]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+            "prompt_lookup_max": 3}
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    plain = _run(path, prompts, params, True)
+    with LLM(str(path), device="cpu", enable_deterministic_inference=True, max_kv_tokens=4096,
+             speculative_config=spec, show_progress=False) as llm:
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        accepted = llm.stats.spec_accepted_tokens_total if llm.stats else 0
+    assert accepted > 0
+    assert [(o.token_ids, [sorted((t, p.logprob) for t, p in d.items()) for d in o.logprobs])
+            for o in outs] == plain
+
+
+@pytest.mark.parametrize("kw,named", [
+    ({"tp": 2}, "tp 2"), ({"quantization": "fp8"}, "quantization 'fp8'"),
+    ({"enable_lora": True}, "LoRA adapters")])
+def test_what_it_cannot_hold_with_is_refused_by_name(tiny_model: Callable[..., Path],
+                                                     kw: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=f"enable_deterministic_inference cannot hold with.*{named}"):
+        LLM(str(tiny_model("llama3")), device="cpu", enable_deterministic_inference=True,
+            show_progress=False, **kw)
+
+
+def test_a_mixture_of_experts_is_refused_by_name(tiny_model: Callable[..., Path]) -> None:
+    with pytest.raises(ValueError, match="mixture-of-experts model \\(8 experts\\)"):
+        LLM(str(tiny_model("qwen3_moe")), device="cpu", enable_deterministic_inference=True,
+            show_progress=False)
