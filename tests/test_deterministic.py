@@ -81,7 +81,8 @@ def test_speculation_gives_plain_decodings_bits(tiny_model: Callable[..., Path])
     ({"enable_lora": True}, "LoRA adapters")])
 def test_what_it_cannot_hold_with_is_refused_by_name(tiny_model: Callable[..., Path],
                                                      kw: dict, named: str) -> None:
-    with pytest.raises(ValueError, match=f"enable_deterministic_inference cannot hold with.*{named}"):
+    with pytest.raises(ValueError,
+                       match=f"enable_deterministic_inference cannot hold with.*{named}"):
         LLM(str(tiny_model("llama3")), device="cpu", enable_deterministic_inference=True,
             show_progress=False, **kw)
 

@@ -187,9 +187,10 @@ class EngineConfig:
               "graph of torch ops, its fused kernels are Triton's; another key is refused",
         json_value=True)
     enable_deterministic_inference: bool = setting(
-        False, "SGLang's (vLLM's VLLM_BATCH_INVARIANT=1): batch-invariant kernels, so that a "
-               "request's tokens and log-probabilities do not depend on the requests batched "
-               "with it, on how its prompt is chunked or cached, or on speculation: every "
+        False, "SGLang's (what vLLM's VLLM_BATCH_INVARIANT=1 does): batch-invariant kernels, "
+               "so that a request's tokens and log-probabilities do not depend on the "
+               "requests batched with it, on how its prompt is chunked or cached, or on "
+               "speculation: every "
                "projection takes one fixed-tile GEMM (no GEMV, no cuBLAS choice by row count) "
                "and every token attends through one kernel at one tiling (no split of the "
                "context); on CPU, one product and one attention call per token. Slower, most "

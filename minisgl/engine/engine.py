@@ -163,8 +163,8 @@ def check_batch_invariant(cfg: EngineConfig, model_cfg: ModelConfig, quantized: 
          model_cfg.num_experts > 0),
         ("quantized weights (FP8 or packed integers)", quantized)) if bad]
     if conflicts:
-        raise ValueError(f"enable_deterministic_inference cannot hold with {model_cfg.architecture}: "
-                         + "; ".join(conflicts))
+        raise ValueError(f"enable_deterministic_inference cannot hold with "
+                         f"{model_cfg.architecture}: " + "; ".join(conflicts))
 
 
 def pages_that_fit(cfg: EngineConfig, model_cfg: ModelConfig, kv_heads: int,
