@@ -869,3 +869,14 @@ def test_verify_graph_body_matches_the_eager_verify_step(
     untouched[[*written, scratch]] = False
     assert torch.equal(engine.pool.k[:, untouched], before[:, untouched])
     assert bool(engine.pool.k[:, scratch].ne(0).any())  # the padding tokens' K went there
+
+
+def test_extend_tiles_keep_one_key_width_at_every_chunk() -> None:
+    """Deterministic inference lets the extend kernel's query blocks follow the chunk on sm_90
+    (TritonBackend._invariant): a token's keys must fold in tiles of one width whatever the
+    chunk, or its bits would change with it."""
+    from minisgl.kernels.attention import extend_tiles
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for head_dim in (64, 128, 256):
+            widths = {extend_tiles(dtype, head_dim, n).block_n for n in (0, 1, 1023, 1024, 8192)}
+            assert len(widths) == 1, (dtype, head_dim, widths)

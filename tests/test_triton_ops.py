@@ -490,19 +490,24 @@ def test_lora_expand_adds_each_tokens_own_adapters_delta(dtype: torch.dtype, tok
 def test_invariant_linear_rows_do_not_depend_on_their_company(dtype: torch.dtype) -> None:
     """kernels/invariant_mm.py (deterministic inference): the product's rows are the same bits
     whichever rows come with them and wherever they sit in a tile (N and K not multiples of
-    the tiles; with a bias), and they are x W^T + b. The interpreter's dot is numpy's, whose
-    BLAS rounds a row by its place in a micro-tile: there, rows keep their place in a tile
-    (the tensor cores' rows do not depend on it: the whole check runs on CUDA)."""
-    from minisgl.kernels.invariant_mm import invariant_linear
+    the tiles; with a bias), at the small tiles of a few rows and, on sm_90, the large tiles
+    of LARGE_TILE_ROWS or more; and they are x W^T + b. The interpreter's dot is numpy's,
+    whose BLAS rounds a row by its place in a micro-tile: there, rows keep their place in a
+    tile (the tensor cores' rows do not depend on it: the whole check runs on CUDA)."""
+    from minisgl.kernels.invariant_mm import LARGE_TILE_ROWS, invariant_linear, invariant_tiles
+    for cap in ((8, 0), (9, 0)):  # each element's order of sums: one depth of K at any size
+        assert len({invariant_tiles(dtype, rows, cap).block_k for rows in (1, 4096)}) == 1
     g = torch.Generator().manual_seed(3)
+    m = LARGE_TILE_ROWS + 44
     w, b = torch.randn(80, 96, generator=g), torch.randn(80, generator=g)
-    x = torch.randn(70, 96, generator=g)
+    x = torch.randn(m, 96, generator=g)
     w, b, x = (t.to(DEV, dtype) for t in (w, b, x))
     full = invariant_linear(x, w, b)
     _close(full, F.linear(x.float(), w.float(), b.float()), dtype)
-    tile = 32 if dtype == torch.float32 else 64  # invariant_tiles(dtype).block_m
+    tile = 32 if dtype == torch.float32 else 64  # the small tiles' block_m
     same_place = [list(range(tile, 70)), list(range(tile)), list(range(5))]
-    anywhere = [[5], [5, 6, 7], list(range(3, 70, 2)), [69, 1]]
+    anywhere = [[5], [5, 6, 7], list(range(3, 70, 2)), [69, 1], [m - 1],
+                list(range(LARGE_TILE_ROWS - 1, m))]
     for rows in same_place + (anywhere if DEV == "cuda" else []):
         assert torch.equal(invariant_linear(x[rows], w, b), full[rows]), rows
     out = torch.empty(3, 80, dtype=dtype, device=DEV)

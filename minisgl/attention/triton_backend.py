@@ -84,6 +84,10 @@ class TritonBackend(AttentionBackend):
         # Read once: the decode split count aims to fill the GPU's multiprocessors.
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 8)
+        # Batch-invariant steps may size the extend kernel's query blocks by the chunk where a
+        # token's bits were measured not to depend on them: sm_90 (see _invariant).
+        self._sm90 = (self.device.type == "cuda"
+                      and torch.cuda.get_device_capability(self.device)[0] == 9)
 
     def num_splits(self, batch_size: int, max_seq_len: int) -> int:
         """KV splits per (request, KV head): about two waves of programs, none too short."""
@@ -267,14 +271,18 @@ class TritonBackend(AttentionBackend):
                    meta: TritonMeta, out: torch.Tensor, k_scale: float, v_scale: float,
                    layer: int) -> None:
         """Every phase's tokens (a decode or verify row as a one-token extend after its
-        prefix) through the extend kernel at one tiling: a token's keys fold in tiles aligned
-        at position 0 in one order, and the tiles past it that its block reads are wholly
-        masked for it (they change none of its bits), so its output is the same in any batch,
-        chunk or step (policy.batch_invariant; no split-K over the context)."""
+        prefix) through the extend kernel, its keys in tiles of one width (BLOCK_N) aligned at
+        position 0 and folded in one order; the tiles past a token that its block reads are
+        wholly masked for it (they change none of its bits), so its output is the same in any
+        batch, chunk or step (policy.batch_invariant; no split of the context). On sm_90 the
+        query blocks follow the chunk (extend_tiles: 128 rows from 1,024 new tokens): a
+        token's bits were measured the same at 32, 64 and 128 rows and 4 or 8 warps
+        (RESULTS.md, forty-sixth session); elsewhere one tiling serves every step."""
+        tiles = extend_tiles(q.dtype, q.shape[2], meta.max_extend if self._sm90 else 0)
         extend_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.prefix_lens,
                          meta.extend_lens, meta.q_starts, meta.max_extend, out, self.scale,
-                         tiles=extend_tiles(q.dtype, q.shape[2]), k_scale=k_scale,
-                         v_scale=v_scale, window=self.window(layer), softcap=self.softcap)
+                         tiles=tiles, k_scale=k_scale, v_scale=v_scale,
+                         window=self.window(layer), softcap=self.softcap)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: TritonMeta, out: torch.Tensor, pdl: bool, k_scale: float,

@@ -4,10 +4,14 @@ on its own input row and the weights only, never on how many rows come with it.
 
 cuBLAS picks its kernel, its tiles and any split of K by the row count, so one token's product
 rounds one way at a decode step of one row and another inside a prefill chunk or a verify
-step of five. Here the tiles (`invariant_tiles`) depend on the dtype alone, K is walked in one
-order by one program per output tile (no split-K), and the row count is not specialized on
-(`do_not_specialize`), so every row runs the same instructions in the same order wherever it
-sits. The price is speed where few rows leave most of the GPU idle (a decode step of a few
+step of five. Here K is walked in one order, in steps of one depth (BLOCK_K), by one program
+per output tile (no split-K), and the row count is not specialized on (`do_not_specialize`),
+so every output element sums the same products in the same order wherever its row sits. The
+output tile itself may follow the row count on sm_90 (`invariant_tiles`): there a row's bits
+were measured the same at every tile from 64 x 64 to 128 x 256 and 4 or 8 warps (the tensor
+cores sum each element's 16-deep chunks alike; RESULTS.md, forty-sixth session), and large
+tiles make a prefill's products 1.5-2.4x faster; elsewhere one tile serves every row count.
+The price is speed where few rows leave most of the GPU idle (a decode step of a few
 requests: no split-K to fill it); the decode steps still run in CUDA graphs.
 
 This module imports triton: only GPU paths (and the CPU interpreter tests) import it.
@@ -15,7 +19,7 @@ This module imports triton: only GPU paths (and the CPU interpreter tests) impor
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -33,12 +37,20 @@ class InvariantTiles(NamedTuple):
     num_stages: int
 
 
-def invariant_tiles(dtype: torch.dtype) -> InvariantTiles:
-    """The one tiling of a dtype (never of the row count: that is the invariance). Half types:
-    64 x 64 output tiles over 64-deep steps of K (tensor cores); float32 (IEEE dots on the
-    FMA units): smaller, to compile without spills."""
+# From this many rows (a prefill chunk) sm_90 takes the large output tile.
+LARGE_TILE_ROWS = 256
+
+
+def invariant_tiles(dtype: torch.dtype, rows: int, capability: Tuple[int, int]) -> InvariantTiles:
+    """The tiling of `rows` rows of a dtype on a GPU of `capability`: BLOCK_K (and so each
+    element's order of sums) is the dtype's alone. Half types: 64-deep steps of K on the
+    tensor cores, 64 x 64 output tiles, and on sm_90 128 x 128 with 8 warps from
+    LARGE_TILE_ROWS rows (module doc); float32 (IEEE dots on the FMA units): one small tile
+    that compiles without spills."""
     if dtype == torch.float32:
         return InvariantTiles(32, 32, 32, 4, 2)
+    if rows >= LARGE_TILE_ROWS and capability[0] == 9:
+        return InvariantTiles(128, 128, 64, 8, 3)
     return InvariantTiles(64, 64, 64, 4, 3)
 
 
@@ -89,7 +101,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     m = rows.shape[0]
     if m == 0:
         return result
-    t = invariant_tiles(x.dtype)
+    capability = (torch.cuda.get_device_capability(x.device) if x.is_cuda else (0, 0))
+    t = invariant_tiles(x.dtype, m, capability)
     grid = (triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m))
     _invariant_mm_kernel[grid](
         rows, w, w if bias is None else bias, into, m, n, k, rows.stride(0), w.stride(0),
