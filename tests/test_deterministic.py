@@ -1,7 +1,7 @@
 """Deterministic inference (enable_deterministic_inference, SGLang's; vLLM's batch invariance):
 a request's tokens and log-probabilities are the same bits alone and beside other requests,
-with its prompt chunked otherwise, after its prefix was cached, and through n-gram
-verification; greedy and seeded sampling. Without the setting the same comparison differs
+with its prompt chunked otherwise, after its prefix was cached, through n-gram verification
+and at tp=2; greedy and seeded sampling. Without the setting the same comparison differs
 (the control: the CPU BLAS rounds a row by the row count). On CPU (the per-row products and
 per-token attention); the Triton paths: tests/test_triton_ops.py (the GEMM) and
 tests/test_gpu.py (the engine on CUDA)."""
@@ -76,8 +76,20 @@ def test_speculation_gives_plain_decodings_bits(tiny_model: Callable[..., Path])
             for o in outs] == plain
 
 
+def test_two_ranks_keep_the_bits(tiny_model: Callable[..., Path]) -> None:
+    """At tp=2 each all-reduce adds two partials, one rounding in either order: a request's
+    bits alone and in a chunked batch are the same (gloo here; NCCL alone on a GPU, where
+    "auto" would take the one-shot for small tensors: EngineConfig.allreduce_mode)."""
+    path = tiny_model("llama3")
+    target = mixed_prompts(1, seed=34, lengths=(29,))[0]
+    others = mixed_prompts(3, seed=35, lengths=(7, 40))
+    alone = _run(path, [target], GREEDY, True, tp=2)[0]
+    assert _run(path, [others[0], target, *others[1:]], GREEDY, True, tp=2,
+                max_prefill_tokens=16)[1] == alone
+
+
 @pytest.mark.parametrize("kw,named", [
-    ({"tp": 2}, "tp 2"), ({"quantization": "fp8"}, "quantization 'fp8'"),
+    ({"tp": 3}, "tp 3"), ({"quantization": "fp8"}, "quantization 'fp8'"),
     ({"enable_lora": True}, "LoRA adapters")])
 def test_what_it_cannot_hold_with_is_refused_by_name(tiny_model: Callable[..., Path],
                                                      kw: dict, named: str) -> None:

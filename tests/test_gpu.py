@@ -135,6 +135,26 @@ def test_gpu_deterministic_inference_in_bf16(tmp_path: Path) -> None:
     assert run(False, batch, max_prefill_tokens=16)[2][1] != run(False, [target])[0][1]
 
 
+@pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
+def test_gpu_deterministic_inference_at_tp2(tmp_path: Path) -> None:
+    """enable_deterministic_inference at tp=2 on two GPUs (NCCL alone: two partials add in one
+    rounding): a request's bf16 tokens and log-probabilities alone and in a chunked batch."""
+    model = build_tiny("qwen3", tmp_path / "wide", None, hidden_size=1024,
+                       intermediate_size=4096, num_attention_heads=8, num_key_value_heads=2,
+                       head_dim=128)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
+    target = mixed_prompts(1, seed=31, lengths=(300,))[0]
+    others = mixed_prompts(3, seed=32, lengths=(5, 60))
+
+    def run(prompts: list, **kw: object) -> list:
+        with LLM(str(model), device="cuda", dtype="bfloat16", tp=2, show_progress=False,
+                 enable_deterministic_inference=True, **kw) as llm:  # type: ignore[arg-type]
+            outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        return [(o.token_ids, [sorted((t, p.logprob) for t, p in d.items())
+                               for d in o.logprobs]) for o in outs]
+    assert run([others[0], target, *others[1:]], max_prefill_tokens=16)[1] == run([target])[0]
+
+
 @pytest.mark.parametrize("family", ["qwen2_yarn", "llama_linear"])
 def test_gpu_scaled_rope_matches_cpu(family: str, tmp_path: Path) -> None:
     """YaRN's and linear scaling's tables (YaRN's attention factor in cos and sin) reach the

@@ -194,7 +194,7 @@ class EngineConfig:
                "projection takes one fixed-tile GEMM (no GEMV, no cuBLAS choice by row count) "
                "and every token attends through one kernel at one tiling (no split of the "
                "context); on CPU, one product and one attention call per token. Slower, most "
-               "at small batches; dense 16- or 32-bit weights at tp 1, without LoRA",
+               "at small batches; dense 16- or 32-bit weights at tp 1 or 2, without LoRA",
         also=("batch-invariant",))
     enforce_eager: bool = setting(False, "no CUDA graphs at all: the same as "
                                          "--cuda-graph-max-bs 0 --prefill-graph-tokens 0 "
@@ -321,8 +321,11 @@ class EngineConfig:
         """The settings enable_deterministic_inference cannot hold with (the model's own
         conflicts, experts and quantized weights, are the engine's: check_batch_invariant)."""
         conflicts = [what for what, bad in (
-            (f"tp {self.tp} (the all-reduce's order over ranks is not made invariant)",
-             self.tp > 1),
+            (f"tp {self.tp} (past two ranks a sum of partials depends on its order, which "
+             f"the all-reduce's algorithm picks by size)", self.tp > 2),
+            (f"allreduce {self.allreduce!r} (the one-shot sums small tensors in float32 and "
+             f"rounds twice, where NCCL's large ones round once)",
+             self.allreduce in ("symm", "symm-fused")),
             ("pdl 'on' (its one-row GEMV rounds otherwise than a batch's rows)",
              self.pdl == "on"),
             ("LoRA adapters (their products are not made invariant)", self.lora_slots > 0),
@@ -331,6 +334,15 @@ class EngineConfig:
         if conflicts:
             raise ValueError("enable_deterministic_inference cannot hold with "
                              + "; ".join(conflicts))
+
+    @property
+    def allreduce_mode(self) -> str:
+        """The all-reduce the ranks join with: `allreduce`, but NCCL / gloo alone ("nccl")
+        where "auto" meets enable_deterministic_inference (two ranks' partials then add in one
+        rounding whatever the tensor's size)."""
+        if self.enable_deterministic_inference and self.allreduce == "auto":
+            return "nccl"
+        return self.allreduce
 
     def for_rank(self, model_path: str, rank: int,
                  dist_init_method: Optional[str] = None) -> "EngineConfig":

@@ -148,7 +148,7 @@ def run_rank(cfg: SchedulerConfig, conn: Any, pulse: Optional[Pulse] = None) -> 
     with report_startup(conn, name, log, logging.ERROR):
         info = cfg.engine.tp_info
         groups = init_process_groups(info, cfg.engine.torch_device, cfg.engine.dist_init_method,
-                                     cfg.engine.dist_timeout_s, cfg.engine.allreduce,
+                                     cfg.engine.dist_timeout_s, cfg.engine.allreduce_mode,
                                      store_prefix=cfg.engine.dist_store_prefix)
         if cfg.engine.dist_store_prefix is not None:
             _beat(cfg, log)
