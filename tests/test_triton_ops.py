@@ -486,21 +486,29 @@ def test_lora_expand_adds_each_tokens_own_adapters_delta(dtype: torch.dtype, tok
     _close(fused, plain.add_delta(y, x, LoraRows(mask)), dtype)
 
 
+@pytest.mark.parametrize("k", [96, 1200])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_invariant_linear_rows_do_not_depend_on_their_company(dtype: torch.dtype) -> None:
+def test_invariant_linear_rows_do_not_depend_on_their_company(dtype: torch.dtype,
+                                                              k: int) -> None:
     """kernels/invariant_mm.py (deterministic inference): the product's rows are the same bits
     whichever rows come with them and wherever they sit in a tile (N and K not multiples of
     the tiles; with a bias), at the small tiles of a few rows and, on sm_90, the large tiles
-    of LARGE_TILE_ROWS or more; and they are x W^T + b. The interpreter's dot is numpy's,
+    of LARGE_TILE_ROWS or more, and with K in ranges (k 1,200: a few rows' ranges summed by
+    programs of their own, many rows' by one program in turn); and they are x W^T + b. The
+    interpreter's dot is numpy's,
     whose BLAS rounds a row by its place in a micro-tile: there, rows keep their place in a
     tile (the tensor cores' rows do not depend on it: the whole check runs on CUDA)."""
-    from minisgl.kernels.invariant_mm import LARGE_TILE_ROWS, invariant_linear, invariant_tiles
+    from minisgl.kernels.invariant_mm import (LARGE_TILE_ROWS, invariant_linear,
+                                              invariant_tiles, k_splits)
     for cap in ((8, 0), (9, 0)):  # each element's order of sums: one depth of K at any size
         assert len({invariant_tiles(dtype, rows, cap).block_k for rows in (1, 4096)}) == 1
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 8
+    splits = k_splits(80, k, invariant_tiles(dtype, 1, (0, 0)).block_k, sms)
+    assert (splits > 1) == (k > 96), splits
     g = torch.Generator().manual_seed(3)
     m = LARGE_TILE_ROWS + 44
-    w, b = torch.randn(80, 96, generator=g), torch.randn(80, generator=g)
-    x = torch.randn(m, 96, generator=g)
+    w, b = torch.randn(80, k, generator=g), torch.randn(80, generator=g)
+    x = torch.randn(m, k, generator=g)
     w, b, x = (t.to(DEV, dtype) for t in (w, b, x))
     full = invariant_linear(x, w, b)
     _close(full, F.linear(x.float(), w.float(), b.float()), dtype)
@@ -514,4 +522,4 @@ def test_invariant_linear_rows_do_not_depend_on_their_company(dtype: torch.dtype
     assert invariant_linear(x[:3], w, b, out=out).data_ptr() == out.data_ptr()
     assert torch.equal(out, full[:3])
     with pytest.raises(ValueError, match="do not fit"):
-        invariant_linear(x[:, :64], w)
+        invariant_linear(x[:, :k - 1], w)
