@@ -104,55 +104,54 @@ def test_gpu_hidden_states_match_cpu(tiny_qwen3: Path) -> None:
             torch.testing.assert_close(g.hidden_states, c.hidden_states, rtol=1e-4, atol=1e-4)
 
 
+BITS = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
+
+
+def _wide_qwen3(out: Path) -> Path:
+    """Wide enough projections that the batch-1 GEMV and cuBLAS round apart (at the tiny
+    models' 64 features they happened to agree: the deterministic tests' control)."""
+    return build_tiny("qwen3", out, None, hidden_size=1024, intermediate_size=4096,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+
+
+def _bits(model: Path, prompts: list, invariant: bool = True, **kw: object) -> list:
+    """Each prompt's bf16 tokens and top-3 log-probabilities on CUDA (BITS)."""
+    with LLM(str(model), device="cuda", dtype="bfloat16", show_progress=False,
+             enable_deterministic_inference=invariant, **kw) as llm:  # type: ignore[arg-type]
+        outs = [o.outputs[0] for o in llm.generate(prompts, BITS)]
+    return [(o.token_ids, [sorted((t, p.logprob) for t, p in d.items()) for d in o.logprobs])
+            for o in outs]
+
+
 def test_gpu_deterministic_inference_in_bf16(tmp_path: Path) -> None:
-    """enable_deterministic_inference on CUDA in bfloat16 (the fixed-tile GEMM, every token
+    """enable_deterministic_inference on CUDA in bfloat16 (the invariant GEMM, every token
     through the extend kernel, decode and verify graphs): a request's tokens and
     log-probabilities are the same bits alone, beside five others with its prompt in chunks,
-    and through n-gram verification; without the setting they are not (the control: wide
-    enough projections that the batch-1 GEMV and cuBLAS round apart; at the tiny models'
-    64 features they happened to agree)."""
-    model = build_tiny("qwen3", tmp_path / "wide", None, hidden_size=1024,
-                       intermediate_size=4096, num_attention_heads=8, num_key_value_heads=2,
-                       head_dim=128)
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
+    and through n-gram verification; without the setting they are not (the control)."""
+    model = _wide_qwen3(tmp_path / "wide")
     # long enough that its whole prefill takes the GEMM's large tiles on sm_90 (invariant_mm
     # LARGE_TILE_ROWS), where its 16-token chunks and its decode steps take the small ones
     target = mixed_prompts(1, seed=31, lengths=(300,))[0]
     others = mixed_prompts(5, seed=32, lengths=(5, 60))
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
             "prompt_lookup_max": 2}
-
-    def run(invariant: bool, prompts: list, **kw: object) -> list:
-        with LLM(str(model), device="cuda", dtype="bfloat16", show_progress=False,
-                 enable_deterministic_inference=invariant, **kw) as llm:  # type: ignore[arg-type]
-            outs = [o.outputs[0] for o in llm.generate(prompts, params)]
-        return [(o.token_ids, [sorted((t, p.logprob) for t, p in d.items())
-                               for d in o.logprobs]) for o in outs]
     batch = [*others[:2], target, *others[2:]]
-    alone = run(True, [target])[0]
-    assert run(True, batch, max_prefill_tokens=16)[2] == alone
-    assert run(True, batch, speculative_config=spec)[2] == alone
-    assert run(False, batch, max_prefill_tokens=16)[2][1] != run(False, [target])[0][1]
+    alone = _bits(model, [target])[0]
+    assert _bits(model, batch, max_prefill_tokens=16)[2] == alone
+    assert _bits(model, batch, speculative_config=spec)[2] == alone
+    control = _bits(model, batch, False, max_prefill_tokens=16)[2]
+    assert control[1] != _bits(model, [target], False)[0][1]
 
 
 @pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
 def test_gpu_deterministic_inference_at_tp2(tmp_path: Path) -> None:
     """enable_deterministic_inference at tp=2 on two GPUs (NCCL alone: two partials add in one
     rounding): a request's bf16 tokens and log-probabilities alone and in a chunked batch."""
-    model = build_tiny("qwen3", tmp_path / "wide", None, hidden_size=1024,
-                       intermediate_size=4096, num_attention_heads=8, num_key_value_heads=2,
-                       head_dim=128)
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
+    model = _wide_qwen3(tmp_path / "wide")
     target = mixed_prompts(1, seed=31, lengths=(300,))[0]
     others = mixed_prompts(3, seed=32, lengths=(5, 60))
-
-    def run(prompts: list, **kw: object) -> list:
-        with LLM(str(model), device="cuda", dtype="bfloat16", tp=2, show_progress=False,
-                 enable_deterministic_inference=True, **kw) as llm:  # type: ignore[arg-type]
-            outs = [o.outputs[0] for o in llm.generate(prompts, params)]
-        return [(o.token_ids, [sorted((t, p.logprob) for t, p in d.items())
-                               for d in o.logprobs]) for o in outs]
-    assert run([others[0], target, *others[1:]], max_prefill_tokens=16)[1] == run([target])[0]
+    batched = _bits(model, [others[0], target, *others[1:]], tp=2, max_prefill_tokens=16)
+    assert batched[1] == _bits(model, [target], tp=2)[0]
 
 
 @pytest.mark.parametrize("family", ["qwen2_yarn", "llama_linear"])

@@ -131,6 +131,8 @@ def _sum_ranges(part_ptr, b_ptr, out_ptr, m, n, splits, stride_om, HAS_BIAS: tl.
     tile = offs_m[:, None].to(tl.int64) * n + offs_n[None, :]
     total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for r in range(0, splits):
+        # int32 is enough: ranges split only weights of at most 64 x (2 x SMs) outputs
+        # (k_splits), over fewer than LARGE_TILE_ROWS rows
         total += tl.load(part_ptr + r * m * n + tile, mask=mask, other=0.0)
     if HAS_BIAS:
         total += tl.load(b_ptr + offs_n, mask=offs_n < n, other=0.0).to(tl.float32)[None, :]
@@ -176,6 +178,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
         BLOCK_N=t.block_n, BLOCK_K=t.block_k, F32_DOT=f32_dot(x), num_warps=t.num_warps,
         num_stages=t.num_stages)
     if parallel:
-        _sum_ranges[grid[:2]](part, b, into, m, n, splits, into.stride(0),
-                              HAS_BIAS=bias is not None, BLOCK_M=64, BLOCK_N=64)
+        _sum_ranges[(triton.cdiv(n, 64), triton.cdiv(m, 64))](
+            part, b, into, m, n, splits, into.stride(0), HAS_BIAS=bias is not None,
+            BLOCK_M=64, BLOCK_N=64)
     return result
