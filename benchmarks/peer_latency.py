@@ -38,6 +38,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--quantization", default=None, help="both engines' weight quantization")
     p.add_argument("--kv-cache-dtype", default=None, help="both engines' KV cache dtype")
+    p.add_argument("--deterministic", action="store_true",
+                   help="both engines batch-invariant: vLLM's VLLM_BATCH_INVARIANT=1, "
+                        "minisgl's enable_deterministic_inference")
     return p.parse_args()
 
 
@@ -49,6 +52,8 @@ def vllm_engine(args: argparse.Namespace, max_len: int) -> Generate:
     import run_vllm_peer as rp
     for k, v in rp.ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
+    if args.deterministic:  # read by vLLM as it imports
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
     rp._shim_llguidance_if_unloadable()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -77,6 +82,8 @@ def minisgl_engine(args: argparse.Namespace, max_len: int, model: str) -> Genera
         extra["quantization"] = args.quantization
     if args.kv_cache_dtype:
         extra["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.deterministic:
+        extra["enable_deterministic_inference"] = True
     llm = LLM(model=model, load_format="dummy", dtype="bfloat16", show_progress=False, **extra)
 
     def gen(prompts: List[List[int]], n: int) -> int:
@@ -129,7 +136,8 @@ def main() -> None:
         print(f"[{args.engine}] decode step at batch {bs}: {best:.3f} ms", flush=True)
     print("RESULT " + json.dumps({"engine": args.engine, "ttft_ms": ttft, "step_ms": steps,
                                   "quantization": args.quantization,
-                                  "kv_cache_dtype": args.kv_cache_dtype}), flush=True)
+                                  "kv_cache_dtype": args.kv_cache_dtype,
+                                  "deterministic": args.deterministic}), flush=True)
     os._exit(0)  # vLLM's workers and threads: no slow teardown inside the time limit
 
 

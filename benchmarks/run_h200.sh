@@ -497,6 +497,18 @@ if [ "$MODE" = vllm-latency ]; then  # first token at 512/2048/8192, decode step
   gpu_free
   step minisgl_latency 200 python3 benchmarks/peer_latency.py --engine minisgl --main "$PWD" ${PEER_FLAGS:-}
 fi
+if [ "$MODE" = vllm-deterministic ]; then  # after vllm-stage, carrying what vllm-latency does
+  # (~6 min): batch-invariant modes
+  # side by side (vLLM's VLLM_BATCH_INVARIANT=1, minisgl's --enable-deterministic-inference),
+  # then minisgl's default for the cost; first token at 512/2048, decode at 1/16/64
+  vllm_unpack || exit 2
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  L="--lengths 512,2048 --batches 1,16,64 --repeats 3"
+  step vllm_deterministic 240 env PYTHONPATH=/tmp/vsite VLLM_CACHE_ROOT=/tmp/vllm_cache python3 benchmarks/peer_latency.py --engine vllm --main "$PWD" --peer-dir .peer --deterministic $L
+  gpu_free
+  step minisgl_deterministic 120 python3 benchmarks/peer_latency.py --engine minisgl --main "$PWD" --deterministic $L
+  step minisgl_default 100 python3 benchmarks/peer_latency.py --engine minisgl --main "$PWD" $L
+fi
 if [ "$MODE" = vllm-offline ]; then  # the standard offline workload, Llama-3.1-8B and Qwen3-8B shapes
   vllm_unpack || exit 2
   step vllm_offline_llama 420 bash .peer/peer.sh offline ${PEER_FLAGS:-}
