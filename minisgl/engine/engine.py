@@ -374,9 +374,11 @@ class Engine:
         if self.device.type == "cuda":
             self._warm_up_eager()
             self._warm_up_sampler()
-        logger.info("rank %d: engine ready: %d KV pages of %d tokens (%s), backend %s, pdl %s",
+        logger.info("rank %d: engine ready: %d KV pages of %d tokens (%s), backend %s, pdl %s%s",
                     cfg.tp_info.rank, self.num_pages, cfg.page_size, kv_dtype, cfg.backend_name,
-                    "on" if self.policy.pdl else "off")
+                    "on" if self.policy.pdl else "off",
+                    ", batch-invariant kernels (deterministic inference)"
+                    if self.policy.batch_invariant else "")
 
     @property
     def _graph_bs(self) -> int:
