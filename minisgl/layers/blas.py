@@ -74,7 +74,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear(x, weight, bias) whose every row's bits are independent of the other rows
-    (deterministic inference): on CUDA the fixed-tile Triton GEMM (kernels/invariant_mm.py);
+    (deterministic inference): on CUDA the order-fixed Triton GEMM (kernels/invariant_mm.py);
     elsewhere one row at a time, as a CPU BLAS also picks its kernel by the row count (a
     prompt's projections take one call a token: slow, and exact). `out` as for `linear`."""
     if x.is_cuda:
