@@ -15,19 +15,23 @@ import pytest
 
 from hf_reference import mixed_prompts
 from minisgl import LLM, SamplingParams
+from minisgl.outputs import CompletionOutput
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
 SEEDED = SamplingParams(max_tokens=10, temperature=0.9, seed=7, ignore_eos=True, logprobs=3)
 Result = Tuple[List[int], list]
 
 
+def _bits(out: CompletionOutput) -> Result:
+    """A choice's tokens and log-probabilities, as compared bit for bit."""
+    return out.token_ids, [sorted((t, p.logprob) for t, p in d.items()) for d in out.logprobs]
+
+
 def _run(path: Path, prompts: List[List[int]], params: SamplingParams, invariant: bool,
          **kw: object) -> List[Result]:
     with LLM(str(path), device="cpu", enable_deterministic_inference=invariant,
              max_kv_tokens=4096, show_progress=False, **kw) as llm:  # type: ignore[arg-type]
-        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
-    return [(o.token_ids, [sorted((t, p.logprob) for t, p in d.items()) for d in o.logprobs])
-            for o in outs]
+        return [_bits(o.outputs[0]) for o in llm.generate(prompts, params)]
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -48,8 +52,7 @@ def test_a_request_alone_and_in_any_batch_gives_the_same_bits(
         llm.generate(shared, params)
         cached = llm.generate([target], params)[0].outputs[0]
         assert llm.stats is not None and llm.stats.cached_tokens_total >= 24
-    assert (cached.token_ids, [sorted((t, p.logprob) for t, p in d.items())
-                               for d in cached.logprobs]) == alone
+    assert _bits(cached) == alone
     if params is GREEDY:  # the control: the default kernels round a row by its company
         plain_alone = _run(path, [target], params, False)[0]
         plain_batched = _run(path, [*others[:2], target, *others[2:]], params, False,
@@ -72,8 +75,7 @@ def test_speculation_gives_plain_decodings_bits(tiny_model: Callable[..., Path])
         outs = [o.outputs[0] for o in llm.generate(prompts, params)]
         accepted = llm.stats.spec_accepted_tokens_total if llm.stats else 0
     assert accepted > 0
-    assert [(o.token_ids, [sorted((t, p.logprob) for t, p in d.items()) for d in o.logprobs])
-            for o in outs] == plain
+    assert [_bits(o) for o in outs] == plain
 
 
 def test_two_ranks_keep_the_bits(tiny_model: Callable[..., Path]) -> None:
