@@ -84,7 +84,7 @@ class _Collected(NamedTuple):
     stops: List[Optional["_StopWatch"]]
     request_ids: Dict[int, str]
     clocks: List["_Clock"]
-    hidden: List[Optional[WireTensor]]  # params.return_hidden_states' rows, joined
+    hidden: List[List[WireTensor]]  # params.return_hidden_states' rows, a part a token
 
 
 @dataclasses.dataclass
@@ -910,7 +910,7 @@ class LLM:
         prompt_logprobs: List[Optional[List[TokenLogprobs]]] = [None] * len(prompts)
         done: List[Optional[TokenOut]] = [None] * len(prompts)
         clocks = [_Clock() for _ in prompts]
-        hidden: List[Optional[WireTensor]] = [None] * len(prompts)
+        hidden: List[List[WireTensor]] = [[] for _ in prompts]
         stops = [_StopWatch(self.tokenizer, p) if p.stop or p.stop_regex else None
                  for p in params]
         show = self.show_progress and len(prompts) >= 8 if use_tqdm is None else use_tqdm
@@ -935,7 +935,7 @@ class LLM:
 
     def _completion(self, index: int, tokens: List[int], logprobs: List[TokenLogprobs],
                     final: TokenOut, p: SamplingParams, watch: Optional["_StopWatch"],
-                    hidden: Optional[WireTensor] = None) -> CompletionOutput:
+                    hidden: Sequence[WireTensor] = ()) -> CompletionOutput:
         """One finished choice: its text as the server renders it (a stop token, EOS or one
         of stop_token_ids, left out; cut at a matched stop string) and what ended it."""
         stopped = watch is not None and watch.stopped
@@ -951,7 +951,8 @@ class LLM:
             text = (self.tokenizer.decode(shown, skip_special_tokens=p.skip_special_tokens)
                     if p.detokenize and self.tokenizer is not None else "")
         own = logprobs if p.logprobs is not None else None
-        states = None if hidden is None else from_wire(hidden)
+        rows = WireTensor.joined(hidden)
+        states = None if rows is None else from_wire(rows)
         return CompletionOutput(
             index, text, tokens, FinishReason.STOP.value if stopped else final.finish_reason or "",
             reason, own, self._decoded_tokens(tokens, own) if p.detokenize else {}, states)
@@ -975,7 +976,7 @@ class LLM:
                  logprobs: List[List[TokenLogprobs]],
                  prompt_logprobs: List[Optional[List[TokenLogprobs]]],
                  done: List[Optional[TokenOut]], stops: List[Optional["_StopWatch"]],
-                 bar: Any, clocks: List[_Clock], hidden: List[Optional[WireTensor]]) -> None:
+                 bar: Any, clocks: List[_Clock], hidden: List[List[WireTensor]]) -> None:
         """Poll until every request in `slot` (uid -> index) has its final out, filling the
         lists (and clocks) at each index; a request whose stop string matched is aborted."""
         left = sum(d is None for d in done)
@@ -993,8 +994,7 @@ class LLM:
                     if out.prompt_logprobs is not None:
                         prompt_logprobs[i] = out.prompt_logprobs
                     if out.tensor is not None:
-                        rows = hidden[i]
-                        hidden[i] = out.tensor if rows is None else rows.then(out.tensor)
+                        hidden[i].append(out.tensor)
                     if watch is not None and watch.push(out, final) and not final:
                         self._backend.submit(AbortMsg(out.uid))  # its final out ends it
                 if final:

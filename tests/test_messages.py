@@ -133,3 +133,18 @@ def test_unknown_type_is_rejected() -> None:
     import msgpack
     with pytest.raises(ValueError, match="unknown message type"):
         codec.decode(msgpack.packb({"t": "Nope", "f": {}}))
+
+
+def test_wire_tensors_join_rows_once() -> None:
+    """WireTensor.joined: the parts' rows in order (None parts skipped), one part as itself,
+    none as None; rows of different shapes refused."""
+    import torch
+    from minisgl.message.tensors import from_wire, to_wire
+    WireTensor = T.WireTensor
+    parts = [torch.arange(6.0).view(2, 3), torch.arange(3.0).view(1, 3) + 10]
+    joined = WireTensor.joined([to_wire(parts[0]), None, to_wire(parts[1])])
+    assert joined is not None and torch.equal(from_wire(joined), torch.cat(parts))
+    one = to_wire(parts[0])
+    assert WireTensor.joined([None, one]) is one and WireTensor.joined([]) is None
+    with pytest.raises(ValueError, match="do not stack"):
+        WireTensor.joined([one, to_wire(torch.zeros(1, 4))])

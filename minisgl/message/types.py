@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from minisgl.core import SamplingParams, TokenLogprobs
 
@@ -298,13 +298,20 @@ class WireTensor:
     shape: Tuple[int, ...]
     data: bytes
 
-    def then(self, more: Optional["WireTensor"]) -> "WireTensor":
-        """These rows followed by `more`'s (the same row shape: [n, ...] each)."""
-        if more is None:
-            return self
-        if self.shape[1:] != more.shape[1:]:
-            raise ValueError(f"rows of shape {self.shape[1:]} and {more.shape[1:]} do not stack")
-        return WireTensor((self.shape[0] + more.shape[0], *self.shape[1:]), self.data + more.data)
+    @staticmethod
+    def joined(parts: Sequence[Optional["WireTensor"]]) -> Optional["WireTensor"]:
+        """The parts' rows one after another ([n, ...] each, the same row shape; None parts
+        skipped), in one join however many there are: a reply's hidden states are gathered
+        token by token and joined once at its end. None where no part is given."""
+        given = [t for t in parts if t is not None]
+        if len(given) <= 1:
+            return given[0] if given else None
+        row = given[0].shape[1:]
+        if any(t.shape[1:] != row for t in given):
+            raise ValueError(f"rows of shapes {sorted({t.shape[1:] for t in given})} do not "
+                             f"stack")
+        return WireTensor((sum(t.shape[0] for t in given), *row),
+                          b"".join(t.data for t in given))
 
     def tolist(self) -> Any:
         """The values as nested lists of floats (a number for shape ())."""

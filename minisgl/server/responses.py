@@ -38,14 +38,20 @@ class Choice:
     prompt_logprobs: List[TokenLogprobText] = field(default_factory=list)  # one per prompt token
     prompt_ids: Optional[List[int]] = None  # where the request asked (return_token_ids)
     embedding: Optional[bytes] = None  # an embedding request's (float32 little-endian)
-    hidden: Optional[WireTensor] = None  # the hidden states' rows so far (return_hidden_states)
+    # the hidden states' rows so far, a part a chunk (return_hidden_states; `hidden` joins them)
+    hidden_parts: List[WireTensor] = field(default_factory=list)
+
+    @property
+    def hidden(self) -> Optional[WireTensor]:
+        """The hidden states' rows so far, joined (None: none came)."""
+        return WireTensor.joined(self.hidden_parts)
 
     def add(self, chunk: ReplyChunk) -> None:
         """Accumulate a chunk; an echoed prompt goes first, into text and logprobs alike."""
         if chunk.embedding is not None:
             self.embedding = chunk.embedding
         if chunk.tensor is not None:
-            self.hidden = chunk.tensor if self.hidden is None else self.hidden.then(chunk.tensor)
+            self.hidden_parts.append(chunk.tensor)
         if chunk.prompt_logprobs:
             self.prompt_logprobs = list(chunk.prompt_logprobs)
         if chunk.prompt_ids is not None:

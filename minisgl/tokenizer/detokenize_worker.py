@@ -30,7 +30,7 @@ from minisgl.gc_heap import freeze_startup_heap
 from minisgl.message.queue import PullQueue, PushQueue
 from minisgl.message.startup import report_startup
 from minisgl.message.types import (AbortMsg, BatchTokenOut, DetokenizeInit, ReplyBatch,
-                                   ReplyChunk, TokenLogprobText, TokenOut)
+                                   ReplyChunk, TokenLogprobText, TokenOut, WireTensor)
 from minisgl.tokenizer.incremental import IncrementalDecoder, StopMatcher
 from minisgl.tokenizer.text import load_tokenizer
 from minisgl.tokenizer.token_bytes import token_bytes
@@ -79,7 +79,7 @@ class _Request:
             chunk = dataclasses.replace(
                 chunk, text=w.text + chunk.text, token_ids=w.token_ids + chunk.token_ids,
                 logprobs=w.logprobs + chunk.logprobs,
-                tensor=chunk.tensor if w.tensor is None else w.tensor.then(chunk.tensor))
+                tensor=WireTensor.joined([w.tensor, chunk.tensor]))
             self.waiting = None
         if self.interval == 1 or not self.sent or 0 < self.interval <= len(chunk.token_ids):
             self.sent = True
