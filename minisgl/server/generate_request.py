@@ -177,8 +177,8 @@ def generate_job(body: GenerateRequest, defaults: SamplingDefaults = SamplingDef
                                  prompt_logprobs=k if body.logprob_start_len >= 0 else None)
     try:
         params.validate()
-    except ValueError as e:
-        raise ApiError(400, str(e), "token_ids_logprob") from None
+    except ValueError as e:  # the message starts with the field it names, as protocol's
+        raise ApiError(400, str(e), str(e).split(" ", 1)[0]) from None
     shape = GenerateLogprobs(body.logprob_start_len, k, body.return_text_in_logprobs, ids)
     return dataclasses.replace(job, params=params, logprobs_param="top_logprobs_num",
                                generate_logprobs=shape)
