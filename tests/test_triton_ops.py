@@ -501,9 +501,10 @@ def test_invariant_linear_rows_do_not_depend_on_their_company(dtype: torch.dtype
     from minisgl.kernels.invariant_mm import (LARGE_TILE_ROWS, invariant_linear,
                                               invariant_tiles, k_splits)
     for cap in ((8, 0), (9, 0)):  # each element's order of sums: one depth of K at any size
-        assert len({invariant_tiles(dtype, rows, cap).block_k for rows in (1, 4096)}) == 1
+        assert len({invariant_tiles(dtype, rows, n, cap).block_k for rows in (1, 4096)
+                    for n in (80, 28672)}) == 1
     sms = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 8
-    splits = k_splits(80, k, invariant_tiles(dtype, 1, (0, 0)).block_k, sms)
+    splits = k_splits(80, k, invariant_tiles(dtype, 1, 80, (0, 0)).block_k, sms)
     assert (splits > 1) == (k > 96), splits
     g = torch.Generator().manual_seed(3)
     m = LARGE_TILE_ROWS + 44
