@@ -73,6 +73,10 @@ def test_engine_config_allreduce_modes() -> None:
         EngineConfig("m", info, device="cpu", allreduce="symm-fused")
     with pytest.raises(ValueError, match="'symm-fused' .* needs fused_ops"):
         EngineConfig("m", info, device="cuda", allreduce="symm-fused", fused_ops=False)
+    assert EngineConfig("m", info, device="cpu", allreduce="ordered").allreduce_mode == "ordered"
+    assert EngineConfig("m", info, device="cpu").allreduce_mode == "auto"
+    assert EngineConfig("m", info, device="cpu",
+                        enable_deterministic_inference=True).allreduce_mode == "ordered"
 
 
 def test_communicator_fuses_only_when_asked() -> None:
@@ -163,6 +167,28 @@ def test_gather_at_tp1_takes_no_out() -> None:
 
 def test_auto_on_cpu_is_gloo() -> None:
     _assert_ranks_ok(_gloo_rank, timeout_s=90)
+
+
+def _ordered_rank(rank: int, port: int, out: Any) -> None:
+    def body() -> None:
+        groups = init_process_groups(DistributedInfo(rank, 3), torch.device("cpu"),
+                                     f"tcp://127.0.0.1:{port}", 30.0, allreduce="ordered")
+        assert groups.comm.ordered and groups.comm.symm is None
+        partials = [torch.randn(40, 24, generator=torch.Generator().manual_seed(r)
+                                ).to(torch.bfloat16) for r in range(3)]
+        want = (partials[0].float() + partials[1] + partials[2]).to(torch.bfloat16)
+        whole = groups.comm.all_reduce(partials[rank].clone())
+        assert torch.equal(whole, want)
+        for rows in (slice(0, 1), slice(7, 12), slice(39, 40)):  # its rows alone: the same bits
+            assert torch.equal(groups.comm.all_reduce(partials[rank][rows].clone()), want[rows])
+    _report(rank, out, body)
+
+
+def test_ordered_adds_partials_in_rank_order() -> None:
+    """allreduce "ordered" (deterministic inference past two ranks): three ranks' bf16
+    partials added in rank order in float32 and rounded once, a row's bits the same reduced
+    alone as among 40."""
+    _assert_ranks_ok(_ordered_rank, timeout_s=90, world=3)
 
 
 def test_fits_is_decided_by_shape_dtype_and_layout() -> None:

@@ -1,7 +1,7 @@
 """Deterministic inference (enable_deterministic_inference, SGLang's; vLLM's batch invariance):
 a request's tokens and log-probabilities are the same bits alone and beside other requests,
 with its prompt chunked otherwise, after its prefix was cached, through n-gram verification
-and at tp=2; greedy and seeded sampling. Without the setting the same comparison differs
+and at tp=4; greedy and seeded sampling. Without the setting the same comparison differs
 (the control: the CPU BLAS rounds a row by the row count). On CPU (the per-row products and
 per-token attention); the Triton paths: tests/test_triton_ops.py (the GEMM) and
 tests/test_gpu.py (the engine on CUDA)."""
@@ -78,20 +78,23 @@ def test_speculation_gives_plain_decodings_bits(tiny_model: Callable[..., Path])
     assert [_bits(o) for o in outs] == plain
 
 
-def test_two_ranks_keep_the_bits(tiny_model: Callable[..., Path]) -> None:
-    """At tp=2 each all-reduce adds two partials, one rounding in either order: a request's
-    bits alone and in a chunked batch are the same (gloo here; NCCL alone on a GPU, where
-    "auto" would take the one-shot for small tensors: EngineConfig.allreduce_mode)."""
-    path = tiny_model("llama3")
+def test_four_ranks_keep_the_bits(tiny_model: Callable[..., Path]) -> None:
+    """At tp=4 the ranks' partials are gathered and added in rank order ("auto" takes the
+    ordered all-reduce: EngineConfig.allreduce_mode; NCCL's or gloo's order follows the
+    tensor's size): a request's bits alone and in a batch, its prompt chunked otherwise, are
+    the same (gloo here; the two-GPU test: tests/test_gpu.py)."""
+    path = tiny_model("llama3")  # 2 KV heads: replicated over 4 ranks
     target = mixed_prompts(1, seed=34, lengths=(29,))[0]
     others = mixed_prompts(3, seed=35, lengths=(7, 40))
-    alone = _run(path, [target], GREEDY, True, tp=2)[0]
-    assert _run(path, [others[0], target, *others[1:]], GREEDY, True, tp=2,
-                max_prefill_tokens=16)[1] == alone
+    with LLM(str(path), device="cpu", enable_deterministic_inference=True, tp=4,
+             max_kv_tokens=4096, max_prefill_tokens=16, show_progress=False) as llm:
+        alone = _bits(llm.generate([target], GREEDY)[0].outputs[0])
+        batched = llm.generate([others[0], target, *others[1:]], GREEDY)[1].outputs[0]
+    assert _bits(batched) == alone
 
 
 @pytest.mark.parametrize("kw,named", [
-    ({"tp": 3}, "tp 3"), ({"quantization": "fp8"}, "quantization 'fp8'"),
+    ({"tp": 4, "allreduce": "nccl"}, "allreduce 'nccl' at tp 4"), ({"quantization": "fp8"}, "quantization 'fp8'"),
     ({"enable_lora": True}, "LoRA adapters")])
 def test_what_it_cannot_hold_with_is_refused_by_name(tiny_model: Callable[..., Path],
                                                      kw: dict, named: str) -> None:

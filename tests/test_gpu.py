@@ -145,8 +145,9 @@ def test_gpu_deterministic_inference_in_bf16(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
 def test_gpu_deterministic_inference_at_tp2(tmp_path: Path) -> None:
-    """enable_deterministic_inference at tp=2 on two GPUs (NCCL alone: two partials add in one
-    rounding): a request's bf16 tokens and log-probabilities alone and in a chunked batch."""
+    """enable_deterministic_inference at tp=2 on two GPUs (the ordered all-reduce over NCCL's
+    all-gather, in CUDA graphs too): a request's bf16 tokens and log-probabilities alone and
+    in a chunked batch."""
     model = _wide_qwen3(tmp_path / "wide")
     target = mixed_prompts(1, seed=31, lengths=(300,))[0]
     others = mixed_prompts(3, seed=32, lengths=(5, 60))

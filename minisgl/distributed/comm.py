@@ -8,7 +8,8 @@ NCCL; the `allreduce` mode picks: "auto" (symmetric memory where available, else
 log line saying why), "nccl" (the process group's own all-reduce: NCCL, or gloo on CPU),
 "symm" (symmetric memory required: start-up fails with the reason if it is unavailable) or
 "symm-fused" ("symm", plus `Communicator.all_reduce_rmsnorm`: the all-reduce, the residual add
-and the RMSNorm after it in one kernel).
+and the RMSNorm after it in one kernel) or "ordered" (an all-gather, then the partials added in
+rank order: batch-invariant at any tp, for deterministic inference).
 """
 
 from __future__ import annotations
@@ -40,14 +41,18 @@ class Communicator:
     `symm`, when given, is the symmetric-memory all-reduce of the same ranks; tensors it takes
     (small, contiguous, bfloat16 / float32) go through it, everything else through `group`.
     `fuse_norm`: `all_reduce_rmsnorm` uses symm's fused kernel (which symm must have been
-    created with)."""
+    created with). `ordered`: every all-reduce is `ordered_sum` (symm must be None)."""
 
     def __init__(self, info: DistributedInfo, group: Optional[dist.ProcessGroup] = None,
-                 symm: Optional[SymmMemAllReduce] = None, fuse_norm: bool = False) -> None:
+                 symm: Optional[SymmMemAllReduce] = None, fuse_norm: bool = False,
+                 ordered: bool = False) -> None:
+        if ordered and symm is not None:
+            raise ValueError("the ordered all-reduce takes no symmetric-memory one")
         self.info = info
         self.group = group
         self.symm = symm
         self.fuse_norm = fuse_norm
+        self.ordered = ordered
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over ranks (collective: every rank calls it in the same order with the
@@ -55,12 +60,26 @@ class Communicator:
         return it, the symmetric-memory path returns a new tensor and leaves `x` unchanged."""
         if self.info.size == 1:
             return x
+        if self.ordered:
+            return self.ordered_sum(x)
         if self.symm is not None:
             out = self.symm.all_reduce(x)
             if out is not None:
                 return out
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
         return x
+
+    def ordered_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of `x` over ranks as rank 0's partial plus rank 1's, and so on, in float32,
+        rounded once to x's dtype: each element's bits depend on the partials alone (an
+        all-gather moves them unchanged), never on the tensor's size. Collective like
+        `all_reduce`; returns a new tensor."""
+        parts = [torch.empty_like(x) for _ in range(self.info.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        total = parts[0].to(torch.float32, copy=True)
+        for part in parts[1:]:
+            total += part
+        return total.to(x.dtype)
 
     def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor,
                            norm_weight: torch.Tensor, eps: float,
@@ -133,7 +152,10 @@ def init_process_groups(info: DistributedInfo, device: torch.device, init_method
     cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     symm = _symm_all_reduce(allreduce, info, device, cpu_group, symm_max_bytes)
     fuse_norm = symm is not None and allreduce == "symm-fused"
-    return ProcessGroups(Communicator(info, dist.group.WORLD, symm, fuse_norm), cpu_group)
+    if allreduce == "ordered" and info.is_primary:
+        logger.info("all-reduce: ordered (an all-gather, the partials added in rank order)")
+    return ProcessGroups(Communicator(info, dist.group.WORLD, symm, fuse_norm,
+                                      ordered=allreduce == "ordered"), cpu_group)
 
 
 def _rendezvous(host: str, port: int, info: DistributedInfo, timeout_s: float) -> dist.Store:
@@ -155,7 +177,7 @@ def _rendezvous(host: str, port: int, info: DistributedInfo, timeout_s: float) -
 def _symm_all_reduce(mode: str, info: DistributedInfo, device: torch.device,
                      cpu_group: dist.ProcessGroup, max_bytes: int) -> Optional[SymmMemAllReduce]:
     """The symmetric-memory all-reduce the mode asks for, or None (same answer on every rank)."""
-    if mode == "nccl" or device.type != "cuda":  # on CPU "auto" is plain gloo, nothing to log
+    if mode in ("nccl", "ordered") or device.type != "cuda":  # on CPU "auto" is plain gloo
         return None
     world = dist.group.WORLD
     if world is None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 # "symm-fused": "symm", plus the all-reduce fused with the residual add and RMSNorm that follow
 # it (SymmMemAllReduce.all_reduce_rmsnorm). Opt-in until measured; "auto" never fuses.
-ALLREDUCE_MODES = ("auto", "nccl", "symm", "symm-fused")
+# "ordered": every rank gathers the partials and adds them in rank order in float32, rounded
+# once: each element's bits depend on the ranks' partials alone, never on the tensor's size
+# (deterministic inference past two ranks; NCCL's algorithm, and so its order, follows size).
+ALLREDUCE_MODES = ("auto", "nccl", "symm", "symm-fused", "ordered")
 SYMM_MODES = ("symm", "symm-fused")  # symmetric memory required: start-up fails without it
 
 

@@ -208,7 +208,10 @@ class EngineConfig:
                                      "(required: start-up fails where it is unavailable; CUDA "
                                      "only) or symm-fused (symm, with each all-reduce before an "
                                      "RMSNorm fused with the residual add and the norm into one "
-                                     "Triton kernel; needs fused_ops; bit-identical to symm)",
+                                     "Triton kernel; needs fused_ops; bit-identical to symm) "
+                                     "or ordered (an all-gather, the partials added in rank "
+                                     "order: batch-invariant at any tp; auto's choice under "
+                                     "enable_deterministic_inference)",
                              choices=ALLREDUCE_MODES,
                              alias=Alias("disable-custom-all-reduce", "nccl",
                                          "vLLM's: NCCL's all-reduce only (--allreduce nccl)"))
@@ -322,8 +325,9 @@ class EngineConfig:
         """The settings enable_deterministic_inference cannot hold with (the model's own
         conflicts, experts and quantized weights, are the engine's: check_batch_invariant)."""
         conflicts = [what for what, bad in (
-            (f"tp {self.tp} (past two ranks a sum of partials depends on its order, which "
-             f"the all-reduce's algorithm picks by size)", self.tp > 2),
+            (f"allreduce 'nccl' at tp {self.tp} (past two ranks NCCL's order of sums "
+             f"follows the tensor's size; 'auto' takes the ordered all-reduce)",
+             self.allreduce == "nccl" and self.tp > 2),
             (f"allreduce {self.allreduce!r} (the one-shot sums small tensors in float32 and "
              f"rounds twice, where NCCL's large ones round once)",
              self.allreduce in ("symm", "symm-fused")),
@@ -340,11 +344,11 @@ class EngineConfig:
 
     @property
     def allreduce_mode(self) -> str:
-        """The all-reduce the ranks join with: `allreduce`, but NCCL / gloo alone ("nccl")
-        where "auto" meets enable_deterministic_inference (two ranks' partials then add in one
-        rounding whatever the tensor's size)."""
+        """The all-reduce the ranks join with: `allreduce`, but where "auto" meets
+        enable_deterministic_inference, "ordered" (partials added in rank order whatever the
+        tensor's size; distributed/modes.py)."""
         if self.enable_deterministic_inference and self.allreduce == "auto":
-            return "nccl"
+            return "ordered"
         return self.allreduce
 
     def for_rank(self, model_path: str, rank: int,
