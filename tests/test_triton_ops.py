@@ -524,3 +524,26 @@ def test_invariant_linear_rows_do_not_depend_on_their_company(dtype: torch.dtype
     assert torch.equal(out, full[:3])
     with pytest.raises(ValueError, match="do not fit"):
         invariant_linear(x[:, :k - 1], w)
+
+
+def test_invariant_linear_tma_loads_give_the_pointer_loads_bits() -> None:
+    """kernels/invariant_mm.py: the TMA kernel (sm_90's prefill tiles) sums what the pointer
+    kernel sums in its order, so at the same tiles it gives its bits: K in uneven ranges, rows
+    and columns past the tiles' edges, a bias, an output whose rows are strided. Float32 on
+    the interpreter (which reads TMA descriptors), bf16 on an sm_90 GPU."""
+    import minisgl.kernels.invariant_mm as mm
+    on_sm90 = DEV == "cuda" and torch.cuda.get_device_capability()[0] == 9
+    if DEV == "cuda" and not on_sm90:
+        pytest.skip("TMA needs sm_90")
+    dtype, tiles = ((torch.bfloat16, (128, 256, 64, 8, 3)) if on_sm90
+                    else (torch.float32, (32, 32, 32, 4, 2)))
+    m, n, k = 300, 80, 1200
+    g = torch.Generator().manual_seed(4)
+    x, w, b = (torch.randn(*shape, generator=g).to(DEV, dtype)
+               for shape in ((m, k), (n, k), (n,)))
+    span = 320  # four ranges, the last of 240
+    got, want = (torch.zeros(m, n + 16, dtype=dtype, device=DEV)[:, :n] for _ in range(2))
+    mm._launch_tma(x, w, b, got, mm.InvariantTiles(*tiles, True), mm.Ranges(4, span))
+    mm._launch(x, w, b, want, mm.InvariantTiles(*tiles, False), mm.Ranges(4, span))
+    assert torch.equal(got, want)
+    _close(got, F.linear(x.float(), w.float(), b.float()), dtype)
