@@ -36,6 +36,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lengths", default="512,2048,8192")
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="both engines' (default: the longest of --lengths, at least 8,192, "
+                        "+ 16, so that a length's first token is timed under one engine "
+                        "setting whichever other lengths run)")
     p.add_argument("--quantization", default=None, help="both engines' weight quantization")
     p.add_argument("--kv-cache-dtype", default=None, help="both engines' KV cache dtype")
     p.add_argument("--deterministic", action="store_true",
@@ -99,7 +103,7 @@ def main() -> None:
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
     lengths = [int(x) for x in args.lengths.split(",")]
     batches = [int(x) for x in args.batches.split(",") if x]
-    max_len = max(lengths + [512 + 257]) + 16
+    max_len = args.max_model_len or max(lengths + [8192]) + 16
     gen = (vllm_engine(args, max_len) if args.engine == "vllm"
            else minisgl_engine(args, max_len, model))
     rng = random.Random(0)
