@@ -500,14 +500,28 @@ fi
 if [ "$MODE" = vllm-deterministic ]; then  # after vllm-stage, carrying what vllm-latency does
   # (~6 min): batch-invariant modes
   # side by side (vLLM's VLLM_BATCH_INVARIANT=1, minisgl's --enable-deterministic-inference),
-  # then minisgl's default for the cost; first token at 512/2048, decode at 1/16/64
+  # then minisgl's default for the cost; first token at 512/2048/8192, decode at 1/16/64
   vllm_unpack || exit 2
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-  L="--lengths 512,2048 --batches 1,16,64 --repeats 3"
+  L="--lengths 512,2048,8192 --batches 1,16,64 --repeats 3"
   step vllm_deterministic 240 env PYTHONPATH=/tmp/vsite VLLM_CACHE_ROOT=/tmp/vllm_cache python3 benchmarks/peer_latency.py --engine vllm --main "$PWD" --peer-dir .peer --deterministic $L
   gpu_free
   step minisgl_deterministic 120 python3 benchmarks/peer_latency.py --engine minisgl --main "$PWD" --deterministic $L
   step minisgl_default 100 python3 benchmarks/peer_latency.py --engine minisgl --main "$PWD" $L
+fi
+if [ "$MODE" = s47-ab ]; then  # carrying .whl and .gpucache/no_tma.patch (~6 min): the
+  # deterministic first token with the invariant GEMM's prefill tiles loaded by TMA (this tree)
+  # against pointer loads at 128 x 128 (the patch), one engine setting, then the default's
+  rm -rf /tmp/base && cp -r "$PWD" /tmp/base && (cd /tmp/base && patch -s -p1 < .gpucache/no_tma.patch)
+  L="--lengths 512,2048,8192 --batches 1,64 --repeats 5"
+  step det_pointer 170 env PYTHONPATH=/tmp/site:/tmp/base python3 /tmp/base/benchmarks/peer_latency.py --engine minisgl --main /tmp/base --deterministic $L
+  step det_tma 170 python3 benchmarks/peer_latency.py --engine minisgl --main "$PWD" --deterministic $L
+  step default 150 python3 benchmarks/peer_latency.py --engine minisgl --main "$PWD" $L
+fi
+if [ "$MODE" = s47-tp2 ]; then  # two GPUs (nvidia-h100-x2), carrying .whl and .gpucache/mcache:
+  # deterministic inference at tp=2 through the ordered all-reduce (NCCL all-gather, CUDA graphs)
+  export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  step det_tp2 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "deterministic"
 fi
 if [ "$MODE" = vllm-offline ]; then  # the standard offline workload, Llama-3.1-8B and Qwen3-8B shapes
   vllm_unpack || exit 2
