@@ -155,7 +155,8 @@ def _invariant_mm_tma_kernel(x_desc, w_desc, b_ptr, out_ptr, m, n, k, splits, sp
     """`_invariant_mm_kernel`'s serial arithmetic (every range in turn, each from zero in
     steps of BLOCK_K, added in order), the tiles loaded by TMA descriptors: x_desc's blocks
     [BLOCK_M, BLOCK_K], w_desc's [BLOCK_N, BLOCK_K]; past the tensors' edges they read zeros,
-    and no step crosses a range's end (span is a whole number of steps)."""
+    and no step crosses a range's end (span is a whole number of steps). Half types only
+    (`invariant_tiles`): tl.dot's default precision would take float32 as tf32."""
     pid_m, pid_n = swizzled_tile(tl.program_id(0), m, n, BLOCK_M, BLOCK_N, SWIZZLE)
     total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for r in range(0, splits):
