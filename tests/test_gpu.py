@@ -143,6 +143,18 @@ def test_gpu_deterministic_inference_in_bf16(tmp_path: Path) -> None:
     assert control[1] != _bits(model, [target], False)[0][1]
 
 
+def test_gpu_deterministic_inference_with_experts(tmp_path: Path) -> None:
+    """enable_deterministic_inference on a mixture of experts on CUDA in bf16 (the experts in
+    the torch path, every expert on every token through the invariant GEMM, added in expert
+    order; the fused experts' tiles would follow the token count): a request's bits alone and
+    in a chunked batch."""
+    model = build_tiny("qwen3_moe", tmp_path / "moe", None)
+    target = mixed_prompts(1, seed=33, lengths=(300,))[0]
+    others = mixed_prompts(3, seed=34, lengths=(5, 60))
+    batched = _bits(model, [others[0], target, *others[1:]], max_prefill_tokens=16)
+    assert batched[1] == _bits(model, [target])[0]
+
+
 @pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
 def test_gpu_deterministic_inference_at_tp2(tmp_path: Path) -> None:
     """enable_deterministic_inference at tp=2 on two GPUs (the ordered all-reduce over NCCL's

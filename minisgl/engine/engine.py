@@ -153,18 +153,13 @@ def kernel_policy(cfg: EngineConfig, device: torch.device) -> KernelPolicy:
 
 
 def check_batch_invariant(cfg: EngineConfig, model_cfg: ModelConfig, quantized: bool) -> None:
-    """Raise, naming the model's, where enable_deterministic_inference cannot hold with it: a
-    mixture of experts (the fused experts' tiles follow the token count) or quantized weights
-    (FP8, packed integers: their GEMMs are not made invariant)."""
-    if not cfg.enable_deterministic_inference:
-        return
-    conflicts = [what for what, bad in (
-        (f"a mixture-of-experts model ({model_cfg.num_experts} experts)",
-         model_cfg.num_experts > 0),
-        ("quantized weights (FP8 or packed integers)", quantized)) if bad]
-    if conflicts:
+    """Raise, naming the model's, where enable_deterministic_inference cannot hold with it:
+    quantized weights (FP8, packed integers: their GEMMs are not made invariant). Experts
+    hold (layers/moe.py: the invariant products, in the torch path, not the fused kernels)."""
+    if cfg.enable_deterministic_inference and quantized:
         raise ValueError(f"enable_deterministic_inference cannot hold with "
-                         f"{model_cfg.architecture}: " + "; ".join(conflicts))
+                         f"{model_cfg.architecture}: quantized weights (FP8 or packed "
+                         f"integers)")
 
 
 def pages_that_fit(cfg: EngineConfig, model_cfg: ModelConfig, kv_heads: int,

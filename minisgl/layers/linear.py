@@ -608,15 +608,25 @@ class RowParallelLinear(_QuantizableLayer):
 
 
 class ReplicatedLinear(nn.Module):
-    """A whole (unsplit) linear layer on every rank."""
+    """A whole (unsplit) linear layer on every rank (small ones: routers, gates, a classifier's
+    head). `policy.batch_invariant`: its product is blas.invariant_linear's."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 policy: KernelPolicy = KernelPolicy()) -> None:
         super().__init__()
         self.weight = _empty(out_features, in_features)
         self.bias: Optional[nn.Parameter] = _empty(out_features) if bias else None
+        self.invariant = policy.batch_invariant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.product(x, self.weight, self.bias)
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor,
+                bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """x weight^T + bias, batch-invariant where the policy asked."""
+        if self.invariant:
+            return blas.invariant_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
         copy_into(getattr(self, param).data, src.read(), param)

@@ -30,6 +30,7 @@ from minisgl.core import LoraRows
 from minisgl.distributed import Communicator, DistributedInfo, Shard
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kernels.types import SILU, Normed
+from minisgl.layers import blas
 from minisgl.layers.activation import act_and_mul
 from minisgl.layers.experts import Experts, ExpertsShape
 from minisgl.layers.linear import (ColumnParallelLinear, ReplicatedLinear, ResidualStream,
@@ -133,8 +134,14 @@ def _weights(weights_of: ExpertWeights, expert: int, x: torch.Tensor
     return w13.to(x.dtype), w2.to(x.dtype)
 
 
-def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    return F.linear(act_and_mul(F.linear(x, w13)), w2)
+def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, invariant: bool
+            ) -> torch.Tensor:
+    linear = _invariant_linear if invariant else F.linear
+    return linear(act_and_mul(linear(x, w13)), w2)
+
+
+def _invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return blas.invariant_linear(x, weight, None)
 
 
 def experts_torch(x: torch.Tensor, topk: TopK, w13: torch.Tensor, w2: torch.Tensor
@@ -145,23 +152,26 @@ def experts_torch(x: torch.Tensor, topk: TopK, w13: torch.Tensor, w2: torch.Tens
 
 
 def experts_torch_by(x: torch.Tensor, topk: TopK, weights_of: ExpertWeights,
-                     num_experts: int) -> torch.Tensor:
+                     num_experts: int, invariant: bool = False) -> torch.Tensor:
     """The experts' weighted sum with each expert's weights from `weights_of` (FP8 experts
     dequantize one expert at a time). On the CPU only the experts that received tokens run, on
     those tokens, accumulated expert by expert (as Hugging Face does); on CUDA every expert runs
     on every token with the weight of the tokens that did not choose it zero, so that no step
-    waits for the device (decode CUDA graphs capture it)."""
+    waits for the device (decode CUDA graphs capture it). Either way a token's experts add in
+    increasing expert order; `invariant`: their products are blas.invariant_linear's, so a
+    token's bits do not depend on the other tokens (deterministic inference)."""
     out = torch.zeros_like(x)
     if x.is_cuda:  # ids past num_experts (another rank's experts) match no e
         for e in range(num_experts):
             weight = (topk.weights * (topk.ids == e)).sum(dim=-1, keepdim=True)
-            out += (_expert(x, *_weights(weights_of, e, x)).float() * weight).to(x.dtype)
+            out += (_expert(x, *_weights(weights_of, e, x), invariant).float()
+                    * weight).to(x.dtype)
         return out
     for e in torch.unique(topk.ids).tolist():
         if e >= num_experts:  # another rank's experts (expert parallelism: owned_topk)
             continue
         token, choice = torch.where(topk.ids == e)
-        y = (_expert(x[token], *_weights(weights_of, e, x)).float()
+        y = (_expert(x[token], *_weights(weights_of, e, x), invariant).float()
              * topk.weights[token, choice, None])
         out.index_add_(0, token, y.to(x.dtype))
     return out
@@ -196,8 +206,9 @@ class Router(ReplicatedLinear):
     logits in float32, as Hugging Face's GLM-4.5 does: the choice turns on small differences
     of the scores, which bf16 logits would blur."""
 
-    def __init__(self, hidden: int, num_experts: int, sigmoid: bool) -> None:
-        super().__init__(hidden, num_experts, False)
+    def __init__(self, hidden: int, num_experts: int, sigmoid: bool,
+                 policy: KernelPolicy = KernelPolicy()) -> None:
+        super().__init__(hidden, num_experts, False, policy)
         self.e_score_correction_bias: Optional[nn.Parameter] = None
         if sigmoid:  # float32 whatever the model's dtype (the checkpoint keeps it so)
             self.e_score_correction_bias = nn.Parameter(
@@ -206,7 +217,7 @@ class Router(ReplicatedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.e_score_correction_bias is None:
             return super().forward(x)
-        return F.linear(x.float(), self.weight.float())
+        return self.product(x.float(), self.weight.float(), None)
 
 
 class SparseMoE(nn.Module):
@@ -226,7 +237,8 @@ class SparseMoE(nn.Module):
         self.shape = shape
         self.policy = policy
         self.comm = comm
-        self.gate = Router(shape.hidden, shape.num_experts, shape.router.scoring == "sigmoid")
+        self.gate = Router(shape.hidden, shape.num_experts, shape.router.scoring == "sigmoid",
+                           policy)
         self.experts = Experts(ExpertsShape(shape.num_experts, shape.hidden, shape.intermediate),
                                info, quant.experts, expert_parallel)
         self.shared_expert: Optional[SharedExpert] = None
@@ -235,7 +247,7 @@ class SparseMoE(nn.Module):
             self.shared_expert = SharedExpert(shape.hidden, shape.shared_intermediate, info,
                                               comm, policy, quant, lora)
         if shape.shared_intermediate and shape.shared_gated:
-            self.shared_expert_gate = ReplicatedLinear(shape.hidden, 1, False)
+            self.shared_expert_gate = ReplicatedLinear(shape.hidden, 1, False, policy)
 
     def forward(self, stream: ResidualStream, norm: RMSNorm,
                 lora: Optional[LoraRows] = None) -> ResidualStream:
@@ -249,7 +261,7 @@ class SparseMoE(nn.Module):
         experts, top_k, renorm = self.experts, self.shape.top_k, self.shape.renormalize
         owned = experts.owned
         grouped = self.gate.e_score_correction_bias is not None
-        if self.policy.fused and x.is_cuda:
+        if self.policy.fused and x.is_cuda and not self.policy.batch_invariant:
             from minisgl.kernels import moe
             if grouped:
                 chosen = self._grouped(logits)
@@ -266,7 +278,8 @@ class SparseMoE(nn.Module):
                                           experts.scales()))
         else:
             chosen = self._grouped(logits) if grouped else route(logits, top_k, renorm)
-            out = experts_torch_by(x, owned_topk(chosen, owned), experts.dense, owned.size)
+            out = experts_torch_by(x, owned_topk(chosen, owned), experts.dense, owned.size,
+                                   self.policy.batch_invariant)
         if self.shared_expert is None:
             return out
         shared = self.shared_expert(x, lora)

@@ -428,7 +428,8 @@ class CausalLM(nn.Module):
                                       divisor=cfg.logits_scaling)
         # a sequence classifier's head (models/classifier.py), on every rank
         self.score = (None if cfg.classifier is None else
-                      ReplicatedLinear(cfg.hidden_size, cfg.classifier.num_labels, False))
+                      ReplicatedLinear(cfg.hidden_size, cfg.classifier.num_labels, False,
+                                       policy))
 
     @property
     def _lm_head_tied(self) -> bool:
