@@ -94,8 +94,8 @@ def test_four_ranks_keep_the_bits(tiny_model: Callable[..., Path]) -> None:
 
 
 @pytest.mark.parametrize("kw,named", [
-    ({"tp": 4, "allreduce": "nccl"}, "allreduce 'nccl' at tp 4"), ({"quantization": "fp8"}, "quantization 'fp8'"),
-    ({"enable_lora": True}, "LoRA adapters")])
+    ({"tp": 4, "allreduce": "nccl"}, "allreduce 'nccl' at tp 4"),
+    ({"quantization": "fp8"}, "quantization 'fp8'")])
 def test_what_it_cannot_hold_with_is_refused_by_name(tiny_model: Callable[..., Path],
                                                      kw: dict, named: str) -> None:
     with pytest.raises(ValueError,
@@ -117,3 +117,26 @@ def test_a_mixture_of_experts_keeps_the_bits(tiny_model: Callable[..., Path],
         alone = _bits(llm.generate([target], GREEDY)[0].outputs[0])
         batched = llm.generate([*others[:2], target, others[2]], GREEDY)[2].outputs[0]
     assert _bits(batched) == alone
+
+
+def test_lora_adapters_keep_the_bits(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    """LoRA: a request's bits under its adapter alone and in a chunked batch beside a base
+    request and another adapter's are the same, and the base request's as alone (each delta's
+    products invariant, summed over every slot's columns: layers/lora.py)."""
+    from tiny_models import build_tiny_lora
+    base = tiny_model("llama")
+    modules = (f"a={build_tiny_lora(base, tmp_path / 'a', 1)},"
+               f"b={build_tiny_lora(base, tmp_path / 'b', 2, rank=4)}")
+    target, plain, other = mixed_prompts(3, seed=38, lengths=(9, 40))
+
+    def params(name: object) -> SamplingParams:
+        return SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3,
+                              lora_name=name)  # type: ignore[arg-type]
+
+    with LLM(str(base), device="cpu", enable_deterministic_inference=True, max_kv_tokens=4096,
+             max_prefill_tokens=16, lora_modules=modules, show_progress=False) as llm:
+        alone = _bits(llm.generate([target], params("a"))[0].outputs[0])
+        plain_alone = _bits(llm.generate([plain], params(None))[0].outputs[0])
+        outs = llm.generate([plain, target, other], [params(None), params("a"), params("b")])
+    assert _bits(outs[1].outputs[0]) == alone
+    assert _bits(outs[0].outputs[0]) == plain_alone

@@ -155,6 +155,29 @@ def test_gpu_deterministic_inference_with_experts(tmp_path: Path) -> None:
     assert batched[1] == _bits(model, [target])[0]
 
 
+def test_gpu_deterministic_inference_with_lora(tmp_path: Path) -> None:
+    """enable_deterministic_inference with LoRA on CUDA in bf16 (each delta's products through
+    the invariant GEMM over every slot, in the LoRA decode graphs too): a request's bits under
+    its adapter alone and in a chunked batch beside a base request and another adapter's."""
+    from tiny_models import write_lora
+    path = build_tiny("llama", tmp_path / "llama", None)
+    a1, a2 = (str(write_lora(path, tmp_path / f"a{i}", i)) for i in (1, 2))
+    target, plain, other = mixed_prompts(3, seed=39, lengths=(300,))
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3,
+                             lora_name=name) for name in (None, "a1", "a2")]
+
+    def bits(prompts: list, chosen: list, **kw: object) -> list:
+        with LLM(str(path), device="cuda", dtype="bfloat16", show_progress=False,
+                 enable_deterministic_inference=True, lora_modules=f"a1={a1},a2={a2}",
+                 **kw) as llm:  # type: ignore[arg-type]
+            outs = [o.outputs[0] for o in llm.generate(prompts, chosen)]
+        return [(o.token_ids, [sorted((t, p.logprob) for t, p in d.items())
+                               for d in o.logprobs]) for o in outs]
+
+    batched = bits([plain, target, other], params, max_prefill_tokens=16)
+    assert batched[1] == bits([target], [params[1]])[0]
+
+
 @pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
 def test_gpu_deterministic_inference_at_tp2(tmp_path: Path) -> None:
     """enable_deterministic_inference at tp=2 on two GPUs (the ordered all-reduce over NCCL's

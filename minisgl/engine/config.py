@@ -333,7 +333,6 @@ class EngineConfig:
              self.allreduce in ("symm", "symm-fused")),
             ("pdl 'on' (its one-row GEMV rounds otherwise than a batch's rows)",
              self.pdl == "on"),
-            ("LoRA adapters (their products are not made invariant)", self.lora_slots > 0),
             ("fused_ops off on CUDA (torch's row reductions, the norms', pick their split by "
              "the row count)", not self.fused_ops and self.device == "cuda"),
             (f"quantization {self.quantization!r}", self.quantization is not None))

@@ -768,7 +768,8 @@ class Engine:
             logits, rows = self.graphs.replay(batch, lora)  # decode: every request is sampled
             return Forwarded(logits, rows, None, None)
         if lora:
-            batch.lora = lora_rows(batch, self.device, self.cfg.torch_dtype)
+            batch.lora = lora_rows(batch, self.device, self.cfg.torch_dtype,
+                                   self.lora_slots if self.policy.batch_invariant else 0)
         if lora or embed or chunks or states:
             return self._forward_eager(batch, sampled, embed, chunks, states)
         if (self.prefill_graphs is not None and self.prefill_graphs.can_run(batch)

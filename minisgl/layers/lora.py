@@ -33,6 +33,7 @@ from torch import nn
 from minisgl.core import LoraRows
 from minisgl.distributed import Shard
 from minisgl.kernels.policy import KernelPolicy
+from minisgl.layers import blas
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,11 @@ class LoraSlots(nn.Module):
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, rows: LoraRows) -> torch.Tensor:
         """y (the projection of x, [T, out_local]) plus each token's delta under its adapter
-        (`rows`; x [T, in_local]): a new tensor, y left as it was."""
+        (`rows`; x [T, in_local]): a new tensor, y left as it was. `policy.batch_invariant`:
+        both products are blas.invariant_linear's over every slot (rows.picks must be None),
+        so a token's delta does not depend on the batch."""
+        if self.policy.batch_invariant:
+            return self._invariant_delta(y, x, rows)
         a, b = self.a, self.b
         if rows.picks is not None:
             a, b = a.index_select(0, rows.picks), b.index_select(1, rows.picks)
@@ -113,3 +118,14 @@ class LoraSlots(nn.Module):
         if y.dtype != low.dtype:
             return y + (low @ b.t()).to(y.dtype)
         return torch.addmm(y, low, b.t())  # one kernel: the product and the sum
+
+    def _invariant_delta(self, y: torch.Tensor, x: torch.Tensor, rows: LoraRows
+                         ) -> torch.Tensor:
+        if rows.picks is not None:
+            raise ValueError("a batch-invariant LoRA delta spans every slot: rows.picks must "
+                             "be None (engine/lora.py lora_rows' every_slot)")
+        slots, cols = self.a.shape[0], self.a.shape[1]
+        low = blas.invariant_linear(x, self.a.reshape(-1, self.a.shape[2]), None)
+        low = (low.view(x.shape[0], slots, cols) * rows.mask.unsqueeze(2)).flatten(1)
+        delta = blas.invariant_linear(low, self.b.reshape(self.b.shape[0], -1), None)
+        return y + delta.to(y.dtype)
