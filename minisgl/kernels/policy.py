@@ -17,10 +17,11 @@ class KernelPolicy:
     (kernels/pdl.py), and one-token projections take the Triton GEMV (`gemv`). PDL needs `fused`
     (the kernels it launches are the fused ones) and a GPU of compute capability 9.0 or newer,
     which the engine checks. `batch_invariant` (deterministic inference): every projection
-    takes the order-fixed GEMM (layers/blas.invariant_linear, on CPU too) and the Triton
-    attention runs every token through the extend kernel (keys in one tiling), so that a row's bits
-    do not depend on the rows beside it; it excludes PDL, whose GEMV serves one row only. The
-    default policy is torch ops everywhere."""
+    takes the order-fixed GEMM (layers/blas.invariant_linear, on CPU too: routers, experts and
+    LoRA deltas as well, the experts through the torch path) and the Triton attention runs
+    every token through the extend kernel (keys in one tiling), so that a row's bits do not
+    depend on the rows beside it; it excludes PDL, whose GEMV serves one row only. The default
+    policy is torch ops everywhere."""
 
     fused: bool = False
     pdl: bool = False
