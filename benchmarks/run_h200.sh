@@ -521,7 +521,7 @@ fi
 if [ "$MODE" = s47-tp2 ]; then  # two GPUs (nvidia-h100-x2), carrying .whl and .gpucache/mcache:
   # deterministic inference at tp=2 through the ordered all-reduce (NCCL all-gather, CUDA graphs)
   export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-  step det_tp2 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "deterministic"
+  step det_tp2 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_allreduce.py -k "deterministic or ordered"
 fi
 if [ "$MODE" = vllm-offline ]; then  # the standard offline workload, Llama-3.1-8B and Qwen3-8B shapes
   vllm_unpack || exit 2

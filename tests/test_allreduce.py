@@ -479,6 +479,38 @@ def _check_fused_graph(comm: Any, rank: int, device: torch.device, dtype: torch.
         _check_fused(comm, xs, ress, w, outs, f"graph replay {replay} {dtype}")
 
 
+def _ordered_cuda_rank(rank: int, port: int, out: Any) -> None:
+    def body() -> None:
+        device, comm = _symm_rank_comm(rank, port, "ordered")
+        assert comm.ordered and comm.symm is None
+        x = torch.zeros(64, 4096, dtype=torch.bfloat16, device=device)
+        comm.all_reduce(x)  # warm up (NCCL's communicator) outside the capture
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            summed = comm.all_reduce(x)
+        for step in range(20):  # each rank's partials from the shared seed, then replayed
+            gen = torch.Generator(device=device).manual_seed(step)
+            parts = [torch.randn(64, 4096, device=device, generator=gen).to(torch.bfloat16)
+                     for _ in range(2)]
+            x.copy_(parts[rank])
+            graph.replay()
+            want = (parts[0].float() + parts[1]).to(torch.bfloat16)
+            assert torch.equal(summed, want), step
+            assert torch.equal(comm.all_reduce(parts[rank][3:5].clone()), want[3:5]), step
+        torch.cuda.synchronize(device)
+    _report(rank, out, body)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs")
+def test_ordered_over_nccl_in_a_cuda_graph() -> None:
+    """allreduce "ordered" on two GPUs: NCCL's all-gather and the rank-order sum captured in a
+    CUDA graph give the float32 sum rounded once, each replay on new partials, and rows
+    reduced alone the same bits."""
+    _assert_ranks_ok(_ordered_cuda_rank, timeout_s=240)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs")
 def test_symm_fused_matches_two_step_tp2() -> None:
