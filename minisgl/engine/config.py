@@ -194,8 +194,9 @@ class EngineConfig:
                "projection takes a GEMM that sums in one order at any row count (no GEMV, "
                "no cuBLAS choice by row count) and every token attends through one kernel, "
                "its keys in one tiling (no split of the context); on CPU, one product and one "
-               "attention call per token. Slower (decode 1.15-1.5x, prefill 1.7x on an "
-               "H100); dense 16- or 32-bit weights at tp 1 or 2, without LoRA",
+               "attention call per token; tensor parallelism through the ordered all-reduce; "
+               "experts through the torch path. Slower (decode 1.15-1.5x, prefill 1.7x on an "
+               "H100; experts far more); 16- or 32-bit weights, not quantized ones",
         also=("batch-invariant",))
     enforce_eager: bool = setting(False, "no CUDA graphs at all: the same as "
                                          "--cuda-graph-max-bs 0 --prefill-graph-tokens 0 "
