@@ -104,16 +104,21 @@ def test_what_it_cannot_hold_with_is_refused_by_name(tiny_model: Callable[..., P
             show_progress=False, **kw)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "glm4_moe"])
-def test_a_mixture_of_experts_keeps_the_bits(tiny_model: Callable[..., Path],
-                                             family: str) -> None:
-    """Experts (softmax top-k; a gated shared expert; sigmoid routing in groups): a request's
-    bits alone and in a chunked batch are the same, the routers' and experts' products
-    invariant and each token's experts added in expert order (layers/moe.py)."""
+@pytest.mark.parametrize("family,kw", [
+    ("qwen3_moe", {}), ("qwen2_moe", {}), ("glm4_moe", {}),
+    ("qwen3_moe", {"tp": 2, "enable_expert_parallel": True})],
+    ids=["qwen3_moe", "qwen2_moe", "glm4_moe", "qwen3_moe-ep2"])
+def test_a_mixture_of_experts_keeps_the_bits(tiny_model: Callable[..., Path], family: str,
+                                             kw: dict) -> None:
+    """Experts (softmax top-k; a gated shared expert; sigmoid routing in groups; each of two
+    ranks holding half the experts, their partials added by the ordered all-reduce): a
+    request's bits alone and in a chunked batch are the same, the routers' and experts'
+    products invariant and each token's experts added in expert order (layers/moe.py)."""
     target = mixed_prompts(1, seed=36, lengths=(33,))[0]
     others = mixed_prompts(3, seed=37, lengths=(6, 50))
     with LLM(str(tiny_model(family)), device="cpu", enable_deterministic_inference=True,
-             max_kv_tokens=4096, max_prefill_tokens=16, show_progress=False) as llm:
+             max_kv_tokens=4096, max_prefill_tokens=16, show_progress=False,
+             **kw) as llm:  # type: ignore[arg-type]
         alone = _bits(llm.generate([target], GREEDY)[0].outputs[0])
         batched = llm.generate([*others[:2], target, others[2]], GREEDY)[2].outputs[0]
     assert _bits(batched) == alone
