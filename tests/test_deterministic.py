@@ -8,8 +8,9 @@ tests/test_gpu.py (the engine on CUDA)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import pytest
 
@@ -134,9 +135,8 @@ def test_lora_adapters_keep_the_bits(tiny_model: Callable[..., Path], tmp_path: 
                f"b={build_tiny_lora(base, tmp_path / 'b', 2, rank=4)}")
     target, plain, other = mixed_prompts(3, seed=38, lengths=(9, 40))
 
-    def params(name: object) -> SamplingParams:
-        return SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3,
-                              lora_name=name)  # type: ignore[arg-type]
+    def params(name: Optional[str]) -> SamplingParams:
+        return dataclasses.replace(GREEDY, lora_name=name)
 
     with LLM(str(base), device="cpu", enable_deterministic_inference=True, max_kv_tokens=4096,
              max_prefill_tokens=16, lora_modules=modules, show_progress=False) as llm:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import List
 
@@ -114,11 +115,13 @@ def _wide_qwen3(out: Path) -> Path:
                       num_attention_heads=8, num_key_value_heads=2, head_dim=128)
 
 
-def _bits(model: Path, prompts: list, invariant: bool = True, **kw: object) -> list:
-    """Each prompt's bf16 tokens and top-3 log-probabilities on CUDA (BITS)."""
+def _bits(model: Path, prompts: list, invariant: bool = True, params: object = BITS,
+          **kw: object) -> list:
+    """Each prompt's bf16 tokens and top-3 log-probabilities on CUDA (`params`: BITS, or one
+    per prompt)."""
     with LLM(str(model), device="cuda", dtype="bfloat16", show_progress=False,
              enable_deterministic_inference=invariant, **kw) as llm:  # type: ignore[arg-type]
-        outs = [o.outputs[0] for o in llm.generate(prompts, BITS)]
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]  # type: ignore[arg-type]
     return [(o.token_ids, [sorted((t, p.logprob) for t, p in d.items()) for d in o.logprobs])
             for o in outs]
 
@@ -163,19 +166,11 @@ def test_gpu_deterministic_inference_with_lora(tmp_path: Path) -> None:
     path = build_tiny("llama", tmp_path / "llama", None)
     a1, a2 = (str(write_lora(path, tmp_path / f"a{i}", i)) for i in (1, 2))
     target, plain, other = mixed_prompts(3, seed=39, lengths=(300,))
-    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3,
-                             lora_name=name) for name in (None, "a1", "a2")]
-
-    def bits(prompts: list, chosen: list, **kw: object) -> list:
-        with LLM(str(path), device="cuda", dtype="bfloat16", show_progress=False,
-                 enable_deterministic_inference=True, lora_modules=f"a1={a1},a2={a2}",
-                 **kw) as llm:  # type: ignore[arg-type]
-            outs = [o.outputs[0] for o in llm.generate(prompts, chosen)]
-        return [(o.token_ids, [sorted((t, p.logprob) for t, p in d.items())
-                               for d in o.logprobs]) for o in outs]
-
-    batched = bits([plain, target, other], params, max_prefill_tokens=16)
-    assert batched[1] == bits([target], [params[1]])[0]
+    params = [dataclasses.replace(BITS, lora_name=name) for name in (None, "a1", "a2")]
+    modules = f"a1={a1},a2={a2}"
+    batched = _bits(path, [plain, target, other], params=params, lora_modules=modules,
+                    max_prefill_tokens=16)
+    assert batched[1] == _bits(path, [target], params=[params[1]], lora_modules=modules)[0]
 
 
 @pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")

@@ -74,8 +74,7 @@ class Communicator:
         rounded once to x's dtype: each element's bits depend on the partials alone (an
         all-gather moves them unchanged), never on the tensor's size. Collective like
         `all_reduce`; returns a new tensor."""
-        parts = [torch.empty_like(x) for _ in range(self.info.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        parts = self._gathered(x)
         total = parts[0].to(torch.float32, copy=True)
         for part in parts[1:]:
             total += part
@@ -106,12 +105,17 @@ class Communicator:
                 raise ValueError("at tp = 1 the gather returns its input; write it into `out` "
                                  "where it is computed")
             return x
-        parts = [torch.empty_like(x) for _ in range(self.info.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        parts = self._gathered(x)
         if out is None:
             return torch.cat(parts, dim=-1)
         shape = (*x.shape[:-1], self.info.size * x.shape[-1])
         return torch.cat(parts, dim=-1, out=checked_out(out, shape, x))
+
+    def _gathered(self, x: torch.Tensor) -> List[torch.Tensor]:
+        """Every rank's `x`, in rank order (collective)."""
+        parts = [torch.empty_like(x) for _ in range(self.info.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return parts
 
 
 class ProcessGroups(NamedTuple):

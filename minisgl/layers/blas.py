@@ -87,6 +87,13 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     return out
 
 
+def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 invariant: bool = False) -> torch.Tensor:
+    """F.linear, or `invariant_linear` where `invariant` (deterministic inference): the small
+    replicated layers' and the torch experts' product, which take no library choice."""
+    return invariant_linear(x, weight, bias) if invariant else F.linear(x, weight, bias)
+
+
 def pick(us: Dict[str, float]) -> str:
     """The library for one (shape, rows): cuBLASLt only where it is faster by more than MARGIN."""
     lt, default = us["cublaslt"], us[DEFAULT]

@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minisgl.core import LoraRows
@@ -619,14 +618,7 @@ class ReplicatedLinear(nn.Module):
         self.invariant = policy.batch_invariant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.product(x, self.weight, self.bias)
-
-    def product(self, x: torch.Tensor, weight: torch.Tensor,
-                bias: Optional[torch.Tensor]) -> torch.Tensor:
-        """x weight^T + bias, batch-invariant where the policy asked."""
-        if self.invariant:
-            return blas.invariant_linear(x, weight, bias)
-        return F.linear(x, weight, bias)
+        return blas.plain_linear(x, self.weight, self.bias, self.invariant)
 
     def load(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
         copy_into(getattr(self, param).data, src.read(), param)

@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minisgl.core import LoraRows
@@ -136,12 +135,8 @@ def _weights(weights_of: ExpertWeights, expert: int, x: torch.Tensor
 
 def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, invariant: bool
             ) -> torch.Tensor:
-    linear = _invariant_linear if invariant else F.linear
-    return linear(act_and_mul(linear(x, w13)), w2)
-
-
-def _invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return blas.invariant_linear(x, weight, None)
+    hidden = act_and_mul(blas.plain_linear(x, w13, invariant=invariant))
+    return blas.plain_linear(hidden, w2, invariant=invariant)
 
 
 def experts_torch(x: torch.Tensor, topk: TopK, w13: torch.Tensor, w2: torch.Tensor
@@ -217,7 +212,7 @@ class Router(ReplicatedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.e_score_correction_bias is None:
             return super().forward(x)
-        return self.product(x.float(), self.weight.float(), None)
+        return blas.plain_linear(x.float(), self.weight.float(), invariant=self.invariant)
 
 
 class SparseMoE(nn.Module):
