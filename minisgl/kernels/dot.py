@@ -1,14 +1,37 @@
 """The matrix-product helpers the tiled Triton kernels (attention, fused MoE, the FP8 and packed
-integer GEMMs) share: which operands a `tl.dot` takes, the dot itself, and the order of the
-output tiles. This module imports triton: only GPU kernel
+integer GEMMs) share: which operands a `tl.dot` takes, the dot itself, the order of the
+output tiles, and the GPU facts their tilings turn on. This module imports triton: only GPU kernel
 modules (and the CPU interpreter tests) import it.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple, Optional, Tuple
+
 import torch
 import triton
 import triton.language as tl
+
+
+class GpuFacts(NamedTuple):
+    capability: Tuple[int, int]
+    sms: int  # multiprocessors
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_facts(index: Optional[int]) -> GpuFacts:
+    """The compute capability and multiprocessors of CUDA device `index`; ((0, 0), 8) for None
+    (a CPU tensor: the interpreter). Read once a device: every projection of a step asks."""
+    if index is None:
+        return GpuFacts((0, 0), 8)
+    props = torch.cuda.get_device_properties(index)
+    return GpuFacts((props.major, props.minor), props.multi_processor_count)
+
+
+def tensor_gpu(t: torch.Tensor) -> GpuFacts:
+    """`gpu_facts` of the device `t` is on."""
+    return gpu_facts(t.device.index if t.is_cuda else None)
 
 
 def f32_dot(t: torch.Tensor) -> bool:

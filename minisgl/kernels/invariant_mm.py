@@ -25,7 +25,6 @@ This module imports triton: only GPU paths (and the CPU interpreter tests) impor
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -33,7 +32,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from minisgl.kernels.dot import dot, f32_dot, swizzled_tile
+from minisgl.kernels.dot import dot, f32_dot, swizzled_tile, tensor_gpu
 from minisgl.utils import checked_out
 
 
@@ -195,16 +194,6 @@ def _sum_ranges(part_ptr, b_ptr, out_ptr, m, n, splits, stride_om, HAS_BIAS: tl.
              total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.lru_cache(maxsize=None)
-def _gpu(index: Optional[int]) -> Tuple[Tuple[int, int], int]:
-    """(compute capability, multiprocessors) of CUDA device `index`; ((0, 0), 8) for None
-    (a CPU tensor: the interpreter). Read once a device: every projection of a step asks."""
-    if index is None:
-        return (0, 0), 8
-    props = torch.cuda.get_device_properties(index)
-    return (props.major, props.minor), props.multi_processor_count
-
-
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) in x's dtype, batch-invariant (module doc).
@@ -224,7 +213,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     m = rows.shape[0]
     if m == 0:
         return result
-    capability, sms = _gpu(x.device.index if x.is_cuda else None)
+    capability, sms = tensor_gpu(x)
     t = invariant_tiles(x.dtype, m, n, capability)
     splits = k_splits(n, k, t.block_k, sms)
     span = triton.cdiv(triton.cdiv(k, splits), t.block_k) * t.block_k
