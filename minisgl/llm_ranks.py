@@ -44,7 +44,8 @@ class InProcessRank:
             set_cpu_threads(cfg.engine, 1, logger)  # the only rank on this host
         self.engine = Engine(cfg.engine, ProcessGroups(Communicator(info), None),
                              mixed_rows=cfg.mixed_rows, verify_tokens=cfg.verify_tokens,
-                             verify_requests=cfg.verify_requests)
+                             verify_requests=cfg.verify_requests,
+                             draft_path=cfg.draft_model_path)
         self.io = LocalIO()
         self.scheduler = Scheduler(cfg, self.engine, self.io)
         self.limits: Limits = self.scheduler.limits

@@ -97,8 +97,10 @@ def test_settings_take_vllms_keys_and_name_what_is_wrong() -> None:
         '{"method": "ngram", "num_speculative_tokens": 65}': "must be <= 64, got 65",
         '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, '
         '"prompt_lookup_max": 2}': "prompt_lookup_min 5 is more than prompt_lookup_max 2",
-        '{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}': "model is not "
-                                                                          "supported",
+        '{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}': "method 'ngram' "
+                                                                          "takes no draft model",
+        '{"method": "ngram", "num_speculative_tokens": 2, "draft": 1}': "draft is not "
+                                                                        "supported",
         '[1]': "must be a JSON object",
     }
     for text, message in bad.items():

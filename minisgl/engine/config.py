@@ -324,7 +324,7 @@ class EngineConfig:
 
     def _check_batch_invariant(self) -> None:
         """The settings enable_deterministic_inference cannot hold with (the model's own
-        conflicts, experts and quantized weights, are the engine's: check_batch_invariant)."""
+        conflict, quantized weights, is the engine's: check_batch_invariant)."""
         conflicts = [what for what, bad in (
             (f"allreduce 'nccl' at tp {self.tp} (past two ranks NCCL's order of sums "
              f"follows the tensor's size; 'auto' takes the ordered all-reduce)",

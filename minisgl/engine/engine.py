@@ -18,13 +18,15 @@ from typing import (Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optio
 
 import torch
 
-from minisgl.attention import AttentionBackend, make_backend
+from minisgl.attention import AttentionBackend
 from minisgl.core import Batch, Phase, Req, StepResult, WeightsRefused
 from minisgl.distributed import ProcessGroups, min_over_ranks
 from minisgl.distributed.weight_group import GroupSpec, WeightGroup, parse_dtype
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.cuda_graph import DecodeGraphs, graph_sizes
+from minisgl.engine.draft import DraftModel, load_draft
 from minisgl.engine.lora import lora_rows
+from minisgl.engine.build import attention_backend, fill_weights
 from minisgl.engine.logprobs import (PromptRows, prompt_entries, prompt_logprobs, prompt_rows,
                                      sampled_entries, sampled_logprobs, verified_entries)
 from minisgl.engine.bad_words import BadWords
@@ -48,12 +50,10 @@ from minisgl.layers.readback import Piece
 from minisgl.layers.source import TensorOf
 from minisgl.models import CausalLM, ModelConfig, model_class
 from minisgl.models.int_plan import IntPlan, int_plan
-from minisgl.models.int_weights import dense_int_weights
 from minisgl.models.lora import clear_slot, load_adapter, load_adapters
 from minisgl.models.lora_config import read_adapter
 from minisgl.models.quantization import quant_plan
 from minisgl.models.kv_scales import KVScaleCollector
-from minisgl.models.weights import init_dummy, iter_checkpoint
 from minisgl.utils import temporarily, to_device
 
 logger = logging.getLogger(__name__)
@@ -155,7 +155,8 @@ def kernel_policy(cfg: EngineConfig, device: torch.device) -> KernelPolicy:
 def check_batch_invariant(cfg: EngineConfig, model_cfg: ModelConfig, quantized: bool) -> None:
     """Raise, naming the model's, where enable_deterministic_inference cannot hold with it:
     quantized weights (FP8, packed integers: their GEMMs are not made invariant). Experts
-    hold (layers/moe.py: the invariant products, in the torch path, not the fused kernels)."""
+    hold (layers/moe.py: the fused kernels' invariant tiles on CUDA, the torch path's
+    invariant products on CPU)."""
     if cfg.enable_deterministic_inference and quantized:
         raise ValueError(f"enable_deterministic_inference cannot hold with "
                          f"{model_cfg.architecture}: quantized weights (FP8 or packed "
@@ -163,18 +164,20 @@ def check_batch_invariant(cfg: EngineConfig, model_cfg: ModelConfig, quantized: 
 
 
 def pages_that_fit(cfg: EngineConfig, model_cfg: ModelConfig, kv_heads: int,
-                   device: torch.device) -> int:
+                   device: torch.device, extra_page_bytes: int = 0) -> int:
     """This rank's KV page budget (ranks then agree on the minimum): `max_kv_tokens` where set,
     else a memory budget in bytes divided by the bytes of a page in the KV dtype, so that an
     FP8 cache holds twice the pages of a 16-bit one. The budget is `kv_cache_memory` where set;
     else, on a GPU, `mem_fraction` of the memory free now (after the weights), within
     `gpu_memory_utilization` where set (gpu_kv_budget); elsewhere the memory of the default
-    token count in the model's dtype."""
+    token count in the model's dtype. `extra_page_bytes`: what each page also costs elsewhere
+    (a draft model's pool of as many pages: engine/draft.py), shared out of the same budget."""
     if cfg.max_kv_tokens is not None:
         return -(-cfg.max_kv_tokens // cfg.page_size)
     shape = (model_cfg.num_layers, cfg.page_size, kv_heads, model_cfg.head_dim)
     if cfg.kv_cache_memory is not None:
-        return _pages_of_bytes(cfg.kv_cache_memory, shape, cfg.kv_torch_dtype, device)
+        return _pages_of_bytes(cfg.kv_cache_memory, shape, cfg.kv_torch_dtype, device,
+                               extra_page_bytes)
     if device.type != "cuda":
         budget = KVPool.bytes_per_page(*shape, cfg.torch_dtype) * (
             _CPU_DEFAULT_KV_TOKENS // cfg.page_size)
@@ -182,15 +185,15 @@ def pages_that_fit(cfg: EngineConfig, model_cfg: ModelConfig, kv_heads: int,
         free, total = torch.cuda.mem_get_info(device)
         held = torch.cuda.memory_reserved(device) if cfg.gpu_memory_utilization else 0
         budget = gpu_kv_budget(free, total, held, cfg.mem_fraction, cfg.gpu_memory_utilization)
-    return KVPool.pages_in(budget, *shape, cfg.kv_torch_dtype)
+    return budget // (KVPool.bytes_per_page(*shape, cfg.kv_torch_dtype) + extra_page_bytes)
 
 
 def _pages_of_bytes(budget: int, shape: Tuple[int, int, int, int], dtype: torch.dtype,
-                    device: torch.device) -> int:
-    """The pages of `shape` (layers, page size, KV heads, head dim) in `budget` bytes (vLLM's
-    kv_cache_memory); ValueError naming the numbers where that is not one page, or more than
-    the GPU's free memory."""
-    page = KVPool.bytes_per_page(*shape, dtype)
+                    device: torch.device, extra_page_bytes: int = 0) -> int:
+    """The pages of `shape` (layers, page size, KV heads, head dim), each costing
+    `extra_page_bytes` more, in `budget` bytes (vLLM's kv_cache_memory); ValueError naming the
+    numbers where that is not one page, or more than the GPU's free memory."""
+    page = KVPool.bytes_per_page(*shape, dtype) + extra_page_bytes
     if budget < page:
         raise ValueError(f"kv_cache_memory {budget} bytes is less than one KV page "
                          f"({page} bytes: {shape[1]} tokens of {shape[0]} layers)")
@@ -306,13 +309,16 @@ class Engine:
     def __init__(self, cfg: EngineConfig, groups: ProcessGroups,
                  on_progress: Callable[[str], None] = lambda text: None,
                  mixed_rows: int = 0, verify_tokens: int = 0,
-                 verify_requests: Optional[int] = None) -> None:
+                 verify_requests: Optional[int] = None, draft_path: Optional[str] = None
+                 ) -> None:
         """`on_progress` hears each start-up step as it ends (weights loaded, KV pages sized,
         decode graphs captured), for a launcher to show. `mixed_rows`: the most decode rows a
         mixed step's prefill graph carries (the scheduler's, where it mixes; 0: none).
         `verify_tokens`: the most new tokens a verify step gives a request (the scheduler's,
         where it speculates; 0: none), for the verify graphs, which hold at most
-        `verify_requests` requests (the scheduler's disable_by_batch_size; None: no limit)."""
+        `verify_requests` requests (the scheduler's disable_by_batch_size; None: no limit).
+        `draft_path`: the draft model that proposes a verify step's drafts (engine/draft.py;
+        None: the scheduler's n-gram lookup proposes them, if anything does)."""
         self.cfg = cfg
         start = time.perf_counter()
         self.device = cfg.torch_device
@@ -323,11 +329,18 @@ class Engine:
         self.model_cfg = ModelConfig.from_dir(Path(cfg.model_path), cfg.hf_override_dict)
         self.lora_slots = cfg.lora_slots  # 0: no LoRA (and no adapter scan per forward)
         self.model, kv_scales, self._reloadable = self._load_model(groups)
+        drafter = None
+        if draft_path is not None:
+            if cfg.enable_sleep_mode:
+                raise ValueError("enable_sleep_mode with a draft model: the draft's weights "
+                                 "and KV pool would stay awake (not supported)")
+            drafter = load_draft(draft_path, cfg, groups.comm, self.policy, self.model_cfg)
         on_progress(f"weights loaded in {time.perf_counter() - start:.1f} s")
         self.max_context = cfg.context_length(self.model_cfg.max_context)
-        local_kv_heads, local_heads = self.model.model.local_heads
+        local_kv_heads = self.model.model.local_heads.kv_heads
         self.num_pages = min_over_ranks(
-            pages_that_fit(cfg, self.model_cfg, local_kv_heads, self.device), groups.cpu_group)
+            pages_that_fit(cfg, self.model_cfg, local_kv_heads, self.device,
+                           drafter.page_bytes if drafter is not None else 0), groups.cpu_group)
         kv_dtype = cfg.kv_torch_dtype
         self.pool = KVPool(self.model_cfg.num_layers, self.num_pages, cfg.page_size,
                            local_kv_heads, self.model_cfg.head_dim, kv_dtype, self.device,
@@ -345,13 +358,10 @@ class Engine:
         self.bad_words = BadWords(cfg.max_running_requests + 1, self.device)
         self.pools = PromptPools(cfg.max_running_requests + 1, self.model_cfg.hidden_size,
                                  self.device)
-        self.backend: AttentionBackend = make_backend(
-            cfg.backend_name, pool=self.pool, page_table=self.page_table, num_heads=local_heads,
-            num_kv_heads=local_kv_heads, head_dim=self.model_cfg.head_dim,
-            scale=self.model_cfg.attention_scale, windows=self.model_cfg.layer_windows,
-            softcap=self.model_cfg.attn_logit_softcapping or 0.0,
-            **({"policy": self.policy} if cfg.backend_name == "triton"
-               else {"batch_invariant": self.policy.batch_invariant}))
+        self.backend: AttentionBackend = attention_backend(cfg, self.policy, self.model,
+                                                           self.pool, self.page_table)
+        self.draft = (None if drafter is None else DraftModel(
+            drafter, cfg, self.policy, self.num_pages, self.page_table, self.vocab_size))
         self.graphs: Optional[DecodeGraphs] = None
         self.prefill_graphs: Optional[PrefillGraphs] = None
         self.verify_graphs: Optional[VerifyGraphs] = None
@@ -546,13 +556,8 @@ class Engine:
                       show: bool = False) -> None:
         """`model`'s weights from checkpoint directory `path` (its KV cache scales into
         `scales`), or random ones (`path` None: dummy weights, this engine's seed)."""
-        if path is None:
-            init_dummy(model, self.cfg.seed)
-            return
-        tensors = iter_checkpoint(Path(path), show and self.cfg.tp_info.is_primary)
-        if self.model_cfg.int_quant is not None:  # AWQ / GPTQ: dense as they load
-            tensors = dense_int_weights(tensors, self.model_cfg.int_quant)
-        model.load_weights(scales.filter(tensors))
+        fill_weights(model, self.model_cfg, path, self.cfg.seed, scales,
+                     show and self.cfg.tp_info.is_primary)
 
     @torch.no_grad()
     def reload_weights(self, path: Optional[str]) -> None:
@@ -705,6 +710,8 @@ class Engine:
         A `batch.masked` batch runs the forward only: `sample` finishes it with the bitmask.
         """
         sampled = [i for i, s in enumerate(batch.sample) if s]
+        if self.draft is not None:
+            self._draft(batch)
         fwd = self._forward(batch, sampled)
         reqs = (verify_views(batch) if batch.phase is Phase.VERIFY
                 else [batch.reqs[i] for i in sampled])
@@ -712,6 +719,18 @@ class Engine:
             return Launched(batch, sampled, None, None,
                             pending=Pending(fwd, [copy.copy(r) for r in reqs]))
         return self._sample_launched(batch, sampled, fwd, reqs, None)
+
+    def _draft(self, batch: Batch) -> None:
+        """The draft model's part of a step, before the target's (engine/draft.py): a verify
+        batch's drafts proposed into `batch.drafts`; any other batch's tokens shadowed (their
+        decode inputs read from `last_tokens` before this step's sampling overwrites them)."""
+        assert self.draft is not None
+        if batch.phase is Phase.VERIFY:
+            batch.drafts = self.draft.propose(batch, [r.token_ids[p] for r, p in
+                                                      zip(batch.reqs, batch.prefix_lens)])
+            return
+        rows = to_device([r.table_row for r in batch.reqs], torch.int64, self.device)
+        self.draft.shadow(batch, self._prepare_inputs(batch, rows).ids)
 
     @torch.inference_mode()
     def sample(self, launched: Launched, bitmask: torch.Tensor) -> Launched:

@@ -116,12 +116,3 @@ class KVPool:
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype) -> int:
         return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype_bytes(dtype)
-
-    @staticmethod
-    def pages_in(budget_bytes: int, num_layers: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype) -> int:
-        """Whole pages of this shape and dtype in `budget_bytes` (an FP8 pool: twice the pages
-        of a 16-bit one)."""
-        return budget_bytes // KVPool.bytes_per_page(num_layers, page_size, num_kv_heads,
-                                                     head_dim, dtype)
-

@@ -1,5 +1,5 @@
 """N-gram lookup in a request's own tokens, the drafts of speculative decoding
-(`speculative.py`), and the verify batches made of them."""
+(`speculative.py`), and the verify batches made of them (a draft model's too: `ModelDrafter`)."""
 
 from __future__ import annotations
 
@@ -96,3 +96,20 @@ class Drafter:
             return batch
         return Batch(Phase.VERIFY, batch.reqs, batch.prefix_lens, [1 + len(d) for d in drafts],
                      batch.sample, drafts=drafts)
+
+
+class ModelDrafter(Drafter):
+    """A draft model's verify batches: each request extends by as many drafts as it has room
+    for (`room`); the engine's draft model proposes them when the batch launches
+    (engine/draft.py fills `batch.drafts`). A decode batch stays one where no request has
+    room, or past disable_by_batch_size requests (the engine's draft still shadows it)."""
+
+    def with_drafts(self, batch: Batch) -> Batch:
+        limit = self.cfg.disable_by_batch_size
+        if limit is not None and batch.size > limit:
+            return batch
+        rooms = [max(0, self.room(r)) for r in batch.reqs]
+        if not any(rooms):
+            return batch
+        return Batch(Phase.VERIFY, batch.reqs, batch.prefix_lens, [1 + n for n in rooms],
+                     batch.sample)

@@ -54,7 +54,7 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.engine_api import StepEngine
 from minisgl.scheduler.io import SchedulerIO
-from minisgl.scheduler.ngram import Drafter
+from minisgl.scheduler.ngram import Drafter, ModelDrafter
 from minisgl.scheduler.prefill import PrefillManager
 from minisgl.scheduler.weight_read import read_weight
 from minisgl.scheduler.profiler import RankProfiler
@@ -158,17 +158,19 @@ class Scheduler:
         self._batch_matcher: Any = None  # an xgrammar.BatchGrammarMatcher, made on first use
         self.stopped = False
         speculative = cfg.speculative
-        self.drafter = (Drafter(speculative, page_size, engine.long_rope_from)
+        drafter = Drafter if speculative is None or speculative.model is None else ModelDrafter
+        self.drafter = (drafter(speculative, page_size, engine.long_rope_from)
                         if speculative is not None else None)
         self.spec = SpecCounts()
         # A verify step reads the newest token on the host: no overlap while speculating.
         self.overlap = cfg.overlap if cfg.overlap is not None else (
             engine.device.type == "cuda" and self.drafter is None)
         if speculative is not None:
-            logger.info("rank %d: speculative decoding by n-gram lookup: up to %d drafts from "
-                        "matches of %d to %d tokens%s; overlap off", self.rank,
-                        speculative.num_speculative_tokens, speculative.prompt_lookup_min,
-                        speculative.prompt_lookup_max,
+            logger.info("rank %d: speculative decoding by %s: up to %d drafts%s; overlap off",
+                        self.rank, f"draft model {speculative.model}" if speculative.model else
+                        f"n-gram lookup (matches of {speculative.prompt_lookup_min} to "
+                        f"{speculative.prompt_lookup_max} tokens)",
+                        speculative.num_speculative_tokens,
                         "" if speculative.disable_by_batch_size is None else
                         f", none past {speculative.disable_by_batch_size} running requests")
         self.mixed = cfg.mixed

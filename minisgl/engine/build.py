@@ -1,0 +1,47 @@
+"""What the engine's model and a draft model (engine/draft.py) are built with alike: their
+parameters filled from a checkpoint directory or at random (dummy weights), and the attention
+backend over their KV pool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from minisgl.attention import AttentionBackend, make_backend
+from minisgl.engine.config import EngineConfig
+from minisgl.kernels.policy import KernelPolicy
+from minisgl.kvcache import KVPool
+from minisgl.models import CausalLM, ModelConfig
+from minisgl.models.int_weights import dense_int_weights
+from minisgl.models.kv_scales import KVScaleCollector
+from minisgl.models.weights import init_dummy, iter_checkpoint
+
+
+def fill_weights(model: CausalLM, model_cfg: ModelConfig, path: Optional[str], seed: int,
+                 scales: KVScaleCollector, show: bool = False) -> None:
+    """`model`'s weights from checkpoint directory `path` (its KV cache scales into `scales`),
+    or random ones (`path` None: dummy weights from `seed`).
+    AWQ / GPTQ tensors become dense as they load (a plan that keeps some packed was given to
+    the model's constructor); `show`: a progress bar."""
+    if path is None:
+        init_dummy(model, seed)
+        return
+    tensors = iter_checkpoint(Path(path), show)
+    if model_cfg.int_quant is not None:
+        tensors = dense_int_weights(tensors, model_cfg.int_quant)
+    model.load_weights(scales.filter(tensors))
+
+
+def attention_backend(cfg: EngineConfig, policy: KernelPolicy, model: CausalLM, pool: KVPool,
+                      page_table: torch.Tensor) -> AttentionBackend:
+    """cfg's attention backend for `model`'s layers over `pool`, slots from `page_table`."""
+    kv_heads, heads = model.model.local_heads
+    model_cfg = model.cfg
+    return make_backend(
+        cfg.backend_name, pool=pool, page_table=page_table, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=model_cfg.head_dim, scale=model_cfg.attention_scale,
+        windows=model_cfg.layer_windows, softcap=model_cfg.attn_logit_softcapping or 0.0,
+        **({"policy": policy} if cfg.backend_name == "triton"
+           else {"batch_invariant": policy.batch_invariant}))

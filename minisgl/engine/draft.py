@@ -1,0 +1,147 @@
+"""A draft model for speculative decoding (vLLM's speculative_config `{"model": ...}`, SGLang's
+STANDALONE): a smaller model of the same tokenizer proposes each request's next tokens, and the
+target verifies them as it verifies n-gram drafts (scheduler/speculative.py), so the tokens are
+the target's whatever the draft proposes; a better draft only keeps more of them.
+
+The draft keeps its own KV pool with as many pages as the target's, indexed by the target's
+page table: slot s holds the draft's K/V of the token whose target K/V is in slot s. The
+invariant: wherever the target has K/V, the draft has its own. A prefill (with a mixed step's
+decode rows) and a decode step run the draft over the same tokens first (`shadow`); a verify
+step's draft steps (`propose`) write the newest token's K/V and every draft's, at the positions
+the verify then computes. So the prefix cache, retraction and the slots freed behind rejected
+drafts need no bookkeeping of the draft's: its slots live and die with the target's.
+
+Draft steps run eager and greedy (argmax over the tokens both vocabularies hold). Every rank
+runs them alike (the draft is split over the ranks as the target is, its logits gathered), so
+every rank proposes the same drafts: the lockstep invariant holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from typing import List, NamedTuple
+
+import torch
+
+from minisgl.core import Batch, Phase
+from minisgl.distributed import Communicator
+from minisgl.engine.build import attention_backend, fill_weights
+from minisgl.engine.config import EngineConfig
+from minisgl.kernels.policy import KernelPolicy
+from minisgl.kvcache import KVPool
+from minisgl.models import CausalLM, ModelConfig, model_class
+from minisgl.models.kv_scales import KVScaleCollector
+from minisgl.models.path import resolve_model_path
+from minisgl.models.quantization import quant_plan
+from minisgl.utils import temporarily, to_device
+
+logger = logging.getLogger(__name__)
+
+
+class LoadedDraft(NamedTuple):
+    """`load_draft`'s: the draft model with its weights, and what one KV page of it costs."""
+
+    model: CausalLM
+    page_bytes: int
+
+
+def load_draft(path: str, cfg: EngineConfig, comm: Communicator, policy: KernelPolicy,
+               target: ModelConfig) -> LoadedDraft:
+    """The draft model of checkpoint `path` (a directory or a hub id) on this rank, split over
+    the ranks as the target is, in the target's dtype (FP8 checkpoints as they are; random
+    weights under load_format dummy, from the engine's seed). ValueError naming the draft where
+    it cannot serve: a classifier, longrope (its rope indices follow the target's requests'
+    lengths), or, under deterministic inference, quantized weights."""
+    local = resolve_model_path(path, download_dir=cfg.download_dir)
+    model_cfg = ModelConfig.from_dir(local)
+    name = f"draft model {path!r} ({model_cfg.architecture})"
+    if model_cfg.classifier is not None:
+        raise ValueError(f"{name} is a classifier, not a causal language model")
+    if model_cfg.long_rope_from:
+        raise ValueError(f"{name} scales its rope by the sequence's length (longrope): "
+                         f"not supported as a draft")
+    if model_cfg.vocab_size > target.vocab_size:
+        logger.info("rank %d: the %s knows %d tokens, the target %d: it drafts among the "
+                    "target's", cfg.tp_info.rank, name, model_cfg.vocab_size, target.vocab_size)
+    quant = quant_plan(model_cfg.quantization, None, cfg.torch_device, cfg.torch_dtype)
+    if cfg.enable_deterministic_inference and (quant is not None or model_cfg.int_quant):
+        raise ValueError(f"enable_deterministic_inference cannot hold with the {name}: "
+                         f"quantized weights")
+    dtype = temporarily(torch.get_default_dtype, torch.set_default_dtype, cfg.torch_dtype)
+    with torch.device(cfg.torch_device), dtype:
+        model = model_class(model_cfg.architecture)(model_cfg, cfg.tp_info, comm, policy, quant)
+    fill_weights(model, model_cfg, None if cfg.load_format == "dummy" else str(local),
+                 cfg.seed, KVScaleCollector(model_cfg.num_layers),
+                 cfg.show_progress and cfg.tp_info.is_primary)
+    kv_heads = model.model.local_heads.kv_heads
+    page = KVPool.bytes_per_page(model_cfg.num_layers, cfg.page_size, kv_heads,
+                                 model_cfg.head_dim, cfg.torch_dtype)
+    return LoadedDraft(model.eval(), page)
+
+
+class DraftModel:
+    """The draft model's forward passes over the target's batches (module doc). Built once
+    the target's pool is sized: `num_pages` as many as the target's, `page_table` the
+    target's (the scheduler writes every slot both use). Its K/V are in the model's dtype
+    (an FP8 target pool's scales are the target's layers')."""
+
+    def __init__(self, loaded: LoadedDraft, cfg: EngineConfig, policy: KernelPolicy,
+                 num_pages: int, page_table: torch.Tensor, target_vocab: int) -> None:
+        self.model = loaded.model
+        model_cfg: ModelConfig = self.model.cfg
+        self.device = cfg.torch_device
+        self.pool = KVPool(model_cfg.num_layers, num_pages, cfg.page_size,
+                           self.model.model.local_heads.kv_heads, model_cfg.head_dim,
+                           cfg.torch_dtype, self.device)
+        self.backend = attention_backend(cfg, policy, self.model, self.pool, page_table)
+        self.vocab = min(model_cfg.vocab_size, target_vocab)  # drafts the target can take
+
+    def _positions(self, batch: Batch) -> torch.Tensor:
+        rope = self.model.rope_index
+        return to_device([p for prefix, ext in zip(batch.prefix_lens, batch.extend_lens)
+                          for p in rope.host(prefix, ext, False)], torch.int64, self.device)
+
+    @torch.inference_mode()
+    def shadow(self, batch: Batch, ids: torch.Tensor) -> None:
+        """The draft over a prefill or decode batch's new tokens (`ids`, the target's inputs,
+        before it samples), writing their K/V at the batch's slots."""
+        view = dataclasses.replace(batch, attn_meta=None, lora=None)
+        self.backend.prepare(view)
+        self.model.hidden(ids, self._positions(view), view, self.backend)
+
+    @torch.inference_mode()
+    def propose(self, batch: Batch, newest: List[int]) -> List[List[int]]:
+        """Drafts for a verify batch whose request i extends by its newest token `newest[i]`
+        and `extend_lens[i] - 1` drafts: that many greedy steps of the draft from the newest
+        token, then one more that only writes the last draft's K/V, each step a decode batch of
+        the requests still drafting at the verify's slots (`batch.out_slots`) for those
+        positions. Waits for the device once, at the end."""
+        rooms = [ext - 1 for ext in batch.extend_lens]
+        starts = list(itertools.accumulate(batch.extend_lens, initial=0))
+        slots = batch.out_slots
+        assert slots is not None  # the scheduler's, written before any launch
+        latest = to_device(newest, torch.int64, self.device)  # each request's newest token
+        drafts = torch.zeros((batch.size, max(rooms)), dtype=torch.int64, device=self.device)
+        for j in range(max(rooms) + 1):
+            active = [i for i, room in enumerate(rooms) if room >= j]
+            step = Batch(Phase.DECODE, [batch.reqs[i] for i in active],
+                         [batch.prefix_lens[i] + j for i in active], [1] * len(active),
+                         [True] * len(active))
+            rows = to_device(active, torch.int64, self.device)
+            step.out_slots = slots[to_device([starts[i] + j for i in active], torch.int64,
+                                             self.device)]
+            self.backend.prepare(step)
+            drafting = [k for k, i in enumerate(active) if rooms[i] > j]
+            ids, positions = latest[rows], self._positions(step)
+            if not drafting:  # the last drafts' K/V only
+                self.model.hidden(ids, positions, step, self.backend)
+                break
+            picked = to_device(drafting, torch.int64, self.device)
+            logits = self.model(ids, positions, step, self.backend, picked)
+            tokens = logits[:, :self.vocab].argmax(dim=-1)
+            into = rows[picked]
+            latest[into] = tokens
+            drafts[into, j] = tokens
+        return [row[:room] for row, room in zip(drafts.tolist(), rooms)]

@@ -1,0 +1,146 @@
+"""Speculative decoding with a draft model (engine/draft.py; vLLM's speculative_config
+{"model": ...}, SGLang's STANDALONE): the tokens are plain decoding's whatever the draft
+proposes, and the draft's K/V follow the target's through chunked prefills, the prefix cache
+and retraction (a draft that is the target itself keeps nearly every draft only if its K/V are
+there wherever the target's are)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Callable, List
+
+import pytest
+
+from hf_reference import hf_greedy, mixed_prompts
+from minisgl import LLM, SamplingParams
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.speculative import SpeculativeConfig
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def _spec(draft: Path, k: int = 3) -> dict:
+    return {"model": str(draft), "num_speculative_tokens": k}
+
+
+def _kept_share(llm: LLM) -> float:
+    stats = llm.stats
+    assert stats.verify_steps_total > 0 and stats.spec_draft_tokens_total > 0, stats
+    return stats.spec_accepted_tokens_total / stats.spec_draft_tokens_total
+
+
+@pytest.mark.parametrize("draft", ["itself", "another"])
+def test_draft_model_gives_hf_greedy_tokens(tiny_model: Callable[..., Path], draft: str) -> None:
+    """A tiny Llama drafted for by itself (nearly every draft kept) and by a Qwen3 of the same
+    tokenizer (random weights: few kept): Hugging Face's greedy tokens either way, the pool
+    balanced after the rejected drafts' slots were written and dropped."""
+    path = tiny_model("llama")
+    prompts = mixed_prompts(4, seed=1)
+    with LLM(str(path), device="cpu", page_size=4, max_kv_tokens=2048, show_progress=False,
+             speculative_config=_spec(path if draft == "itself" else tiny_model("qwen3"))
+             ) as llm:
+        tokens = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        kept = _kept_share(llm)
+        accounting = llm.check_accounting()
+    assert tokens == hf_greedy(path, prompts, 24)
+    assert kept > 0.9 if draft == "itself" else kept < 0.5, kept
+    assert accounting.live_requests == accounting.reserved_pages == 0
+    assert accounting.free_rows == accounting.total_rows
+
+
+def test_draft_kv_follows_chunks_the_prefix_cache_and_retraction(
+        tiny_model: Callable[..., Path]) -> None:
+    """Prompts prefilled in 16-token chunks, then again with variants sharing their prefixes
+    (prefix cache hits), in a pool small enough that requests are retracted and come back:
+    plain decoding's greedy tokens, and a self-draft still keeps nearly every draft (its K/V
+    were there for the cached prefixes, the chunks and the requests prefilled again)."""
+    path = tiny_model("llama")
+    rng = random.Random(3)
+    base = mixed_prompts(8, seed=7, lengths=(20, 50))
+    again = base + [p[:rng.randint(10, len(p))] + p[:5] for p in base]
+    params = [SamplingParams(max_tokens=rng.randint(30, 40), temperature=0.0, ignore_eos=True)
+              for _ in again]
+    runs: List[List[List[int]]] = []
+    for spec in (None, _spec(path, 4)):
+        with LLM(str(path), device="cpu", page_size=4, max_kv_tokens=320,
+                 max_running_requests=16, decode_reserve_tokens=4, max_prefill_tokens=16,
+                 speculative_config=spec, show_progress=False) as llm:
+            runs.append([o.token_ids for o in llm.generate(base, params[:8])]
+                        + [o.token_ids for o in llm.generate(again, params)])
+            stats = llm.stats
+            accounting = llm.check_accounting()
+            if spec is not None:
+                kept = _kept_share(llm)
+                assert stats.retracted_requests_total > 0 and stats.cached_tokens_total > 0, \
+                    stats
+        assert accounting.live_requests == accounting.reserved_pages == 0
+    assert runs[0] == runs[1]
+    assert kept > 0.9, kept
+
+
+def test_seeded_sampling_and_penalties_give_plain_decodings_tokens(
+        tiny_model: Callable[..., Path]) -> None:
+    """Random sampling (seeded), top-p, penalties and log-probabilities under a draft that
+    is greedy: the tokens plain decoding gives."""
+    path = tiny_model("llama")
+    prompts = mixed_prompts(6, seed=11, lengths=(8, 30))
+    params = [SamplingParams(max_tokens=20, temperature=t, top_p=0.9, seed=i, logprobs=2,
+                             ignore_eos=True, frequency_penalty=f)
+              for i, (t, f) in enumerate([(0.7, 0.0), (1.0, 0.5), (0.0, 0.3)] * 2)]
+    runs = []
+    for spec in (None, _spec(path, 3)):
+        with LLM(str(path), device="cpu", page_size=4, max_kv_tokens=1024,
+                 speculative_config=spec, show_progress=False) as llm:
+            outs = llm.generate(prompts, params)
+            runs.append([o.token_ids for o in outs])
+            assert all(o.logprobs is not None for o in outs)
+    assert runs[0] == runs[1]
+
+
+def test_tp2_drafts_in_lockstep(tiny_model: Callable[..., Path]) -> None:
+    """The draft split over two ranks as the target is: every rank proposes the same drafts
+    (lockstep checked each step), and tp=2 gives tp=1's greedy tokens."""
+    path = tiny_model("qwen3")
+    prompts = mixed_prompts(3, seed=5, lengths=(9, 30))
+    with LLM(str(path), device="cpu", tp=2, page_size=4, max_kv_tokens=1024,
+             speculative_config=_spec(path), check_lockstep=True, show_progress=False) as llm:
+        tokens = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert tokens == hf_greedy(path, prompts, 24)
+
+
+def test_draft_model_settings_name_what_is_wrong(tiny_model: Callable[..., Path]) -> None:
+    """vLLM's {"model": ...} (method draft_model implied) and SGLang's STANDALONE with its
+    draft path; what does not fit is refused by name, at the settings or at start-up."""
+    assert SpeculativeConfig.parse('{"model": "d", "num_speculative_tokens": 3}') \
+        == SpeculativeConfig(3, model="d")
+    cfg = SchedulerConfig(speculative_config=json.dumps(
+        {"method": "draft_model", "model": "d", "num_speculative_tokens": 2}))
+    assert cfg.draft_model_path == "d" and cfg.verify_tokens == 3
+    standalone = SchedulerConfig(speculative_algorithm="STANDALONE",
+                                 speculative_draft_model_path="d",
+                                 speculative_num_draft_tokens=4)
+    assert standalone.speculative == SpeculativeConfig(3, model="d")
+    assert SchedulerConfig(speculative_config=json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 2})).draft_model_path is None
+    bad = [({"speculative_config": '{"method": "draft_model", "num_speculative_tokens": 2}'},
+            "draft_model needs \"model\""),
+           ({"speculative_config": '{"model": "d", "num_speculative_tokens": 2, '
+                                   '"prompt_lookup_min": 2}'}, "prompt_lookup_min is n-gram"),
+           ({"speculative_config": '{"model": "d"}'}, "num_speculative_tokens must be"),
+           ({"speculative_algorithm": "STANDALONE", "speculative_num_draft_tokens": 3},
+            "STANDALONE needs speculative_draft_model_path"),
+           ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 3,
+             "speculative_draft_model_path": "d"}, "needs speculative_algorithm STANDALONE"),
+           ({"speculative_draft_model_path": "d"}, "needs speculative_algorithm")]
+    for kw, message in bad:
+        with pytest.raises(ValueError, match=message):
+            SchedulerConfig(**kw)  # type: ignore[arg-type]
+    path = tiny_model("llama")
+    with pytest.raises(ValueError, match="enable_sleep_mode with a draft model"):
+        LLM(str(path), device="cpu", max_kv_tokens=256, enable_sleep_mode=True,
+            speculative_config=_spec(path), show_progress=False)
+    with pytest.raises(FileNotFoundError, match="not a directory with a config.json"):
+        LLM(str(path), device="cpu", max_kv_tokens=256, show_progress=False,
+            speculative_config=_spec(path / "nowhere"))
