@@ -33,14 +33,15 @@ def _kept_share(llm: LLM) -> float:
 
 @pytest.mark.parametrize("draft", ["itself", "another"])
 def test_draft_model_gives_hf_greedy_tokens(tiny_model: Callable[..., Path], draft: str) -> None:
-    """A tiny Llama drafted for by itself (nearly every draft kept) and by a Qwen3 of the same
-    tokenizer (random weights: few kept): Hugging Face's greedy tokens either way, the pool
-    balanced after the rejected drafts' slots were written and dropped."""
+    """A tiny Llama drafted for by itself (nearly every draft kept) and by a Qwen3 of a
+    smaller vocabulary (random weights: few kept; prompt tokens past its vocabulary read as its
+    last): Hugging Face's greedy tokens either way, the pool balanced after the rejected
+    drafts' slots were written and dropped."""
     path = tiny_model("llama")
-    prompts = mixed_prompts(4, seed=1)
+    prompts = mixed_prompts(4, seed=1)  # token ids up to 40,000
+    other = tiny_model("qwen3", vocab_size=20000)
     with LLM(str(path), device="cpu", page_size=4, max_kv_tokens=2048, show_progress=False,
-             speculative_config=_spec(path if draft == "itself" else tiny_model("qwen3"))
-             ) as llm:
+             speculative_config=_spec(path if draft == "itself" else other)) as llm:
         tokens = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         kept = _kept_share(llm)
         accounting = llm.check_accounting()

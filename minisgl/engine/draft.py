@@ -97,6 +97,12 @@ class DraftModel:
                            cfg.torch_dtype, self.device)
         self.backend = attention_backend(cfg, policy, self.model, self.pool, page_table)
         self.vocab = min(model_cfg.vocab_size, target_vocab)  # drafts the target can take
+        # Target tokens past the draft's vocabulary are read as its last token (a wrong input
+        # costs kept drafts, never a token); None where the draft knows every target token.
+        self.last_id = model_cfg.vocab_size - 1 if model_cfg.vocab_size < target_vocab else None
+
+    def _inputs(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self.last_id is None else ids.clamp_max(self.last_id)
 
     def _positions(self, batch: Batch) -> torch.Tensor:
         rope = self.model.rope_index
@@ -109,7 +115,7 @@ class DraftModel:
         before it samples), writing their K/V at the batch's slots."""
         view = dataclasses.replace(batch, attn_meta=None, lora=None)
         self.backend.prepare(view)
-        self.model.hidden(ids, self._positions(view), view, self.backend)
+        self.model.hidden(self._inputs(ids), self._positions(view), view, self.backend)
 
     @torch.inference_mode()
     def propose(self, batch: Batch, newest: List[int]) -> List[List[int]]:
@@ -122,7 +128,7 @@ class DraftModel:
         starts = list(itertools.accumulate(batch.extend_lens, initial=0))
         slots = batch.out_slots
         assert slots is not None  # the scheduler's, written before any launch
-        latest = to_device(newest, torch.int64, self.device)  # each request's newest token
+        latest = self._inputs(to_device(newest, torch.int64, self.device))  # the next inputs
         drafts = torch.zeros((batch.size, max(rooms)), dtype=torch.int64, device=self.device)
         for j in range(max(rooms) + 1):
             active = [i for i, room in enumerate(rooms) if room >= j]
