@@ -523,13 +523,15 @@ if [ "$MODE" = s47-tp2 ]; then  # two GPUs (nvidia-h100-x2), carrying .whl and .
   export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   step det_tp2 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_allreduce.py -k "deterministic or ordered"
 fi
-if [ "$MODE" = s48-tests ]; then  # carrying .whl and .gpucache/mcache (~6 min): deterministic
+if [ "$MODE" = s48-tests ]; then  # carrying .whl and .gpucache/mcache (~8 min): deterministic
   # MoE through the fused kernels' invariant tiles (kernel bits, then the engine), the rest of
   # the deterministic engine tests and the invariant GEMM's
   export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache
   step moe_invariant 150 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py -k invariant
   step det_engine 280 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k deterministic
   step invariant_mm 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_ops.py -k invariant
+  # the forty-eighth session's draft model on CUDA (both backends; CPU float32 tokens)
+  step draft_model 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k draft_model
 fi
 if [ "$MODE" = s48-moe ]; then  # carrying .whl (~5 min): what deterministic inference costs a MoE
   # (Qwen3-30B-A3B, dummy weights): decode steps and a 2,048-token prefill, default then deterministic

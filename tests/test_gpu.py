@@ -55,6 +55,21 @@ def test_gpu_speculative_decoding_matches_cpu(tiny_qwen3: Path, backend: str,
     assert ("verify CUDA graphs (batch sizes 1.." in caplog.text) == (backend == "triton")
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gpu_draft_model_matches_cpu(tiny_qwen3: Path, backend: str) -> None:
+    """A draft model on CUDA (the target itself: its K/V shadowed through prefills, mixed
+    steps where the backend mixes, and decode steps; its drafts proposed eagerly before the
+    verify graphs): the CPU's float32 tokens, nearly every draft kept."""
+    spec = {"model": str(tiny_qwen3), "num_speculative_tokens": 3}
+    cpu = _run(tiny_qwen3, device="cpu", dtype="float32")
+    with LLM(str(tiny_qwen3), device="cuda", dtype="float32", attention_backend=backend,
+             speculative_config=spec, show_progress=False) as llm:
+        outs = llm.generate(mixed_prompts(8, seed=6), GREEDY)
+        stats = llm.stats
+    assert [o.token_ids for o in outs] == cpu
+    assert stats.spec_accepted_tokens_total > 0.9 * stats.spec_draft_tokens_total > 0, stats
+
+
 def test_gpu_verify_graphs_match_eager_verify_steps(tiny_qwen3: Path) -> None:
     """Seeded sampling through verify graphs (one request and eight
     at once, drafts of every length) and through eager verify steps: the same tokens."""
