@@ -11,7 +11,9 @@ step's draft steps (`propose`) write the newest token's K/V and every draft's, a
 the verify then computes. So the prefix cache, retraction and the slots freed behind rejected
 drafts need no bookkeeping of the draft's: its slots live and die with the target's.
 
-Draft steps run eager and greedy (argmax over the tokens both vocabularies hold). Every rank
+Draft steps are greedy (argmax over the tokens both vocabularies hold); on CUDA its decode
+steps replay CUDA graphs of their own (engine/cuda_graph.py's, reading each row's input from the
+draft's `inputs` buffer), prefills run eager. Every rank
 runs them alike (the draft is split over the ranks as the target is, its logits gathered), so
 every rank proposes the same drafts: the lockstep invariant holds.
 """
@@ -21,13 +23,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from typing import List, NamedTuple
+from typing import List, NamedTuple, Optional
 
 import torch
 
 from minisgl.core import Batch, Phase
 from minisgl.distributed import Communicator
 from minisgl.engine.build import attention_backend, fill_weights
+from minisgl.engine.cuda_graph import DecodeGraphs
 from minisgl.engine.config import EngineConfig
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
@@ -96,6 +99,10 @@ class DraftModel:
                            self.model.model.local_heads.kv_heads, model_cfg.head_dim,
                            cfg.torch_dtype, self.device)
         self.backend = attention_backend(cfg, policy, self.model, self.pool, page_table)
+        self.page_table = page_table
+        # Each page-table row's input token for the decode graphs (`capture_graphs`).
+        self.inputs = torch.zeros(page_table.shape[0], dtype=torch.int64, device=self.device)
+        self.graphs: Optional[DecodeGraphs] = None
         self.vocab = min(model_cfg.vocab_size, target_vocab)  # drafts the target can take
         # Target tokens past the draft's vocabulary are read as its last token (a wrong input
         # costs kept drafts, never a token); None where the draft knows every target token.
@@ -103,6 +110,29 @@ class DraftModel:
 
     def _inputs(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.last_id is None else ids.clamp_max(self.last_id)
+
+    def capture_graphs(self, max_bs: int, pad_row: int, scratch_slot: int,
+                       dtype: torch.dtype) -> None:
+        """Decode graphs of up to `max_bs` requests over this draft (the target's sizes, its
+        padding row and scratch slot): its decode steps replay them from then on."""
+        self.graphs = DecodeGraphs(self.model, self.backend,  # type: ignore[arg-type]
+                                   max_bs, self.page_table, pad_row, scratch_slot,
+                                   self.inputs, dtype=dtype)
+
+    def _decode(self, step: Batch, ids: torch.Tensor, rows: torch.Tensor,
+                logit_rows: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """A decode batch of the draft on input `ids` (the requests' page-table `rows`): the
+        logits of `logit_rows` (None: none wanted), by a graph's replay where one fits."""
+        if self.graphs is not None and self.graphs.can_run(step):
+            self.inputs[rows] = ids
+            logits = self.graphs.replay(step).logits
+            return None if logit_rows is None else logits[logit_rows]
+        self.backend.prepare(step)
+        positions = self._positions(step)
+        if logit_rows is None:
+            self.model.hidden(ids, positions, step, self.backend)
+            return None
+        return self.model(ids, positions, step, self.backend, logit_rows)
 
     def _positions(self, batch: Batch) -> torch.Tensor:
         rope = self.model.rope_index
@@ -114,6 +144,10 @@ class DraftModel:
         """The draft over a prefill or decode batch's new tokens (`ids`, the target's inputs,
         before it samples), writing their K/V at the batch's slots."""
         view = dataclasses.replace(batch, attn_meta=None, lora=None)
+        if batch.phase is Phase.DECODE:
+            rows = to_device([r.table_row for r in batch.reqs], torch.int64, self.device)
+            self._decode(view, self._inputs(ids), rows, None)
+            return
         self.backend.prepare(view)
         self.model.hidden(self._inputs(ids), self._positions(view), view, self.backend)
 
@@ -135,19 +169,17 @@ class DraftModel:
             step = Batch(Phase.DECODE, [batch.reqs[i] for i in active],
                          [batch.prefix_lens[i] + j for i in active], [1] * len(active),
                          [True] * len(active))
-            rows = to_device(active, torch.int64, self.device)
+            index = to_device(active, torch.int64, self.device)
             step.out_slots = slots[to_device([starts[i] + j for i in active], torch.int64,
                                              self.device)]
-            self.backend.prepare(step)
+            table_rows = to_device([r.table_row for r in step.reqs], torch.int64, self.device)
             drafting = [k for k, i in enumerate(active) if rooms[i] > j]
-            ids, positions = latest[rows], self._positions(step)
-            if not drafting:  # the last drafts' K/V only
-                self.model.hidden(ids, positions, step, self.backend)
+            picked = to_device(drafting, torch.int64, self.device) if drafting else None
+            logits = self._decode(step, latest[index], table_rows, picked)
+            if logits is None:  # the last drafts' K/V only
                 break
-            picked = to_device(drafting, torch.int64, self.device)
-            logits = self.model(ids, positions, step, self.backend, picked)
             tokens = logits[:, :self.vocab].argmax(dim=-1)
-            into = rows[picked]
+            into = index[picked]
             latest[into] = tokens
             drafts[into, j] = tokens
         return [row[:room] for row, room in zip(drafts.tolist(), rooms)]

@@ -402,6 +402,9 @@ class Engine:
                 last_tokens=self.last_tokens, lora_slots=self.lora_slots, dtype=cfg.torch_dtype,
                 buffer_rows=graph_buffer_rows(self._graph_bs, self._verify_tokens,
                                               self._verify_requests))
+            if self.draft is not None:
+                self.draft.capture_graphs(self._graph_bs, cfg.max_running_requests,
+                                          self.pool.scratch_slot, cfg.torch_dtype)
             on_progress(f"decode CUDA graphs captured for batch sizes up to {self._graph_bs}")
         if self.device.type == "cuda" and cfg.prefill_graph_max_tokens > 0:
             self.prefill_graphs = capture_prefill_graphs(
