@@ -139,6 +139,12 @@ def test_draft_model_settings_name_what_is_wrong(tiny_model: Callable[..., Path]
         with pytest.raises(ValueError, match=message):
             SchedulerConfig(**kw)  # type: ignore[arg-type]
     path = tiny_model("llama")
+    pages = []
+    for spec in (None, _spec(path)):  # the draft's pool takes its share of the same budget
+        with LLM(str(path), device="cpu", page_size=4, kv_cache_memory=409600,
+                 speculative_config=spec, show_progress=False) as llm:
+            pages.append(llm.check_accounting().pages.total)
+    assert pages == [200, 100]  # 2,048 bytes a page of the tiny Llama's K/V, twice with itself
     with pytest.raises(ValueError, match="enable_sleep_mode with a draft model"):
         LLM(str(path), device="cpu", max_kv_tokens=256, enable_sleep_mode=True,
             speculative_config=_spec(path), show_progress=False)
