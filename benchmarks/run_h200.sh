@@ -533,6 +533,12 @@ if [ "$MODE" = s48-tests ]; then  # carrying .whl and .gpucache/mcache (~8 min):
   # the forty-eighth session's draft model on CUDA (both backends; CPU float32 tokens)
   step draft_model 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k draft_model
 fi
+if [ "$MODE" = s48-draft ]; then  # carrying .whl (~5 min): a draft model's cost (dummy weights:
+  # Qwen3-0.6B drafting for Qwen3-8B, 4 drafts): plain and verify steps without a draft, then with
+  Q=configs/models/qwen3-8b
+  step verify_ngram 150 python3 scripts/bench_latency.py --model $Q --batch-sizes 1,16 --steps 30 --verify 4
+  step verify_draft 170 python3 scripts/bench_latency.py --model $Q --batch-sizes 1,16 --steps 30 --verify 4 --draft configs/models/qwen3-0.6b
+fi
 if [ "$MODE" = s48-moe ]; then  # carrying .whl (~5 min): what deterministic inference costs a MoE
   # (Qwen3-30B-A3B, dummy weights): decode steps and a 2,048-token prefill, default then deterministic
   Q=configs/models/qwen3-30b-a3b

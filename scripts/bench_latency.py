@@ -127,6 +127,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "newest token and K draft tokens, all sampled (Phase.VERIFY, eager); "
                         "speculation pays where the tokens a verify keeps per request exceed "
                         "verify ms / step ms")
+    p.add_argument("--draft", default=None, metavar="DIR",
+                   help="with --verify: a draft model (dummy weights too) proposes the verify "
+                        "step's drafts, timed with it; every step also runs the draft over "
+                        "its tokens, as serving does (engine/draft.py)")
     p.add_argument("--copy-mib", type=int, default=None,
                    help="size of the bandwidth probe (default 4096 on CUDA, 256 on CPU)")
     add_flags(p, EngineConfig(), skip=_SCRIPT_SET)
@@ -137,6 +141,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(str(e))
     if args.lora and not cfg.lora_slots:
         p.error("--lora needs adapter slots: --enable-lora (and --max-lora-rank R)")
+    if args.draft and not args.verify:
+        p.error("--draft needs --verify K (the drafts a verify step proposes)")
     return args
 
 
@@ -504,7 +510,8 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
     groups = init_process_groups(cfg.tp_info, cfg.torch_device, init_method, cfg.dist_timeout_s,
                                  cfg.allreduce)
     try:
-        engine = Engine(cfg, groups, verify_tokens=1 + args.verify if args.verify else 0)
+        engine = Engine(cfg, groups, verify_tokens=1 + args.verify if args.verify else 0,
+                        draft_path=args.draft)
         if args.tune_gemms and rank == 0:
             print(f"tuned GEMMs, cuBLASLt chosen for: {blas.describe(engine.model)}", flush=True)
         engine.pool.fill_normal_()  # random K/V: never time on zeros
@@ -597,7 +604,7 @@ def print_table(args: argparse.Namespace, bandwidth: float, rows: List[Row], dev
         "pdl": args.pdl, "tune_gemms": args.tune_gemms,
         "allreduce": args.allreduce,
         "json_schema": args.json_schema, "lora": args.lora, "max_lora_rank": args.max_lora_rank,
-        "verify_drafts": args.verify,
+        "verify_drafts": args.verify, "draft": args.draft,
         "rows": [{**asdict(r), "pct_roofline": round(100 * r.efficiency, 1),
                   "json_overhead_pct": None if r.json_overhead is None
                   else round(100 * r.json_overhead, 1)} for r in rows]}))
