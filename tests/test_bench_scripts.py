@@ -38,7 +38,8 @@ def test_bench_offline_reports_phases(tiny_model: Callable[..., Path],
 def test_bench_latency_rows(tiny_model: Callable[..., Path], tmp_path: Path,
                             capsys: pytest.CaptureFixture) -> None:
     """The rows, with --json-schema the same steps with every request masked by it, and with
-    --verify a speculative verify step of the same requests."""
+    --verify a speculative verify step of the same requests (its drafts proposed by --draft's
+    model; without --verify --draft is refused)."""
     model = tiny_model("llama")
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"type": "object", "properties": {
@@ -46,9 +47,10 @@ def test_bench_latency_rows(tiny_model: Callable[..., Path], tmp_path: Path,
     script = load_script("bench_latency")
     script.main(["--model", str(model), "--device", "cpu", "--batch-sizes", "1,3", "--context",
                  "4-20", "--steps", "2", "--warmup", "1", "--copy-mib", "8", "--prefill", "300",
-                 "--json-schema", str(schema), "--verify", "3"])
+                 "--json-schema", str(schema), "--verify", "3", "--draft", str(model)])
     (result,) = _result_lines(capsys.readouterr().out)
     assert result["json_schema"] == str(schema) and result["verify_drafts"] == 3
+    assert result["draft"] == str(model)
     assert all(r["verify_ms"] > 0 for r in result["rows"])
     for r in result["rows"]:
         assert r["json_step_ms"] > 0 and r["json_overlap_ms"] > 0
@@ -63,9 +65,10 @@ def test_bench_latency_rows(tiny_model: Callable[..., Path], tmp_path: Path,
     with pytest.raises(ValueError, match="LO-HI"):
         script.context_range("30-10")
     assert script.parse_args(["--batch-sizes", "1,137"]).batch_sizes == [1, 137]
-    for bad in ("0,3", "1,,2", "x"):
+    for bad in (["--batch-sizes", "0,3"], ["--batch-sizes", "1,,2"], ["--batch-sizes", "x"],
+                ["--draft", str(model)]):
         with pytest.raises(SystemExit):
-            script.parse_args(["--batch-sizes", bad])
+            script.parse_args(bad)
 
 
 def test_bench_latency_with_an_adapter_on_every_request(tiny_model: Callable[..., Path],
