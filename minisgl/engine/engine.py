@@ -22,11 +22,11 @@ from minisgl.attention import AttentionBackend
 from minisgl.core import Batch, Phase, Req, StepResult, WeightsRefused
 from minisgl.distributed import ProcessGroups, min_over_ranks
 from minisgl.distributed.weight_group import GroupSpec, WeightGroup, parse_dtype
+from minisgl.engine.build import attention_backend, fill_weights
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.cuda_graph import DecodeGraphs, graph_sizes
 from minisgl.engine.draft import DraftModel, load_draft
 from minisgl.engine.lora import lora_rows
-from minisgl.engine.build import attention_backend, fill_weights
 from minisgl.engine.logprobs import (PromptRows, prompt_entries, prompt_logprobs, prompt_rows,
                                      sampled_entries, sampled_logprobs, verified_entries)
 from minisgl.engine.bad_words import BadWords
@@ -329,18 +329,18 @@ class Engine:
         self.model_cfg = ModelConfig.from_dir(Path(cfg.model_path), cfg.hf_override_dict)
         self.lora_slots = cfg.lora_slots  # 0: no LoRA (and no adapter scan per forward)
         self.model, kv_scales, self._reloadable = self._load_model(groups)
-        drafter = None
+        draft = None
         if draft_path is not None:
             if cfg.enable_sleep_mode:
                 raise ValueError("enable_sleep_mode with a draft model: the draft's weights "
                                  "and KV pool would stay awake (not supported)")
-            drafter = load_draft(draft_path, cfg, groups.comm, self.policy, self.model_cfg)
+            draft = load_draft(draft_path, cfg, groups.comm, self.policy, self.model_cfg)
         on_progress(f"weights loaded in {time.perf_counter() - start:.1f} s")
         self.max_context = cfg.context_length(self.model_cfg.max_context)
         local_kv_heads = self.model.model.local_heads.kv_heads
         self.num_pages = min_over_ranks(
             pages_that_fit(cfg, self.model_cfg, local_kv_heads, self.device,
-                           drafter.page_bytes if drafter is not None else 0), groups.cpu_group)
+                           draft.page_bytes if draft is not None else 0), groups.cpu_group)
         kv_dtype = cfg.kv_torch_dtype
         self.pool = KVPool(self.model_cfg.num_layers, self.num_pages, cfg.page_size,
                            local_kv_heads, self.model_cfg.head_dim, kv_dtype, self.device,
@@ -360,8 +360,8 @@ class Engine:
                                  self.device)
         self.backend: AttentionBackend = attention_backend(cfg, self.policy, self.model,
                                                            self.pool, self.page_table)
-        self.draft = (None if drafter is None else DraftModel(
-            drafter, cfg, self.policy, self.num_pages, self.page_table, self.vocab_size))
+        self.draft = (None if draft is None else DraftModel(
+            draft, cfg, self.policy, self.num_pages, self.page_table, self.vocab_size))
         self.graphs: Optional[DecodeGraphs] = None
         self.prefill_graphs: Optional[PrefillGraphs] = None
         self.verify_graphs: Optional[VerifyGraphs] = None
