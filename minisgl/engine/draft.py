@@ -163,6 +163,7 @@ class DraftModel:
         slots = batch.out_slots
         assert slots is not None  # the scheduler's, written before any launch
         latest = self._inputs(to_device(newest, torch.int64, self.device))  # the next inputs
+        table_rows = to_device([r.table_row for r in batch.reqs], torch.int64, self.device)
         drafts = torch.zeros((batch.size, max(rooms)), dtype=torch.int64, device=self.device)
         for j in range(max(rooms) + 1):
             active = [i for i, room in enumerate(rooms) if room >= j]
@@ -170,12 +171,12 @@ class DraftModel:
                          [batch.prefix_lens[i] + j for i in active], [1] * len(active),
                          [True] * len(active))
             index = to_device(active, torch.int64, self.device)
-            step.out_slots = slots[to_device([starts[i] + j for i in active], torch.int64,
-                                             self.device)]
-            table_rows = to_device([r.table_row for r in step.reqs], torch.int64, self.device)
+            if self.graphs is None or not self.graphs.can_run(step):  # (graphs find their own)
+                step.out_slots = slots[to_device([starts[i] + j for i in active],
+                                                 torch.int64, self.device)]
             drafting = [k for k, i in enumerate(active) if rooms[i] > j]
             picked = to_device(drafting, torch.int64, self.device) if drafting else None
-            logits = self._decode(step, latest[index], table_rows, picked)
+            logits = self._decode(step, latest[index], table_rows[index], picked)
             if logits is None:  # the last drafts' K/V only
                 break
             tokens = logits[:, :self.vocab].argmax(dim=-1)
