@@ -119,6 +119,9 @@ def test_draft_model_settings_name_what_is_wrong(tiny_model: Callable[..., Path]
     cfg = SchedulerConfig(speculative_config=json.dumps(
         {"method": "draft_model", "model": "d", "num_speculative_tokens": 2}))
     assert cfg.draft_model_path == "d" and cfg.verify_tokens == 3
+    assert SchedulerConfig(speculative_config=json.dumps(  # vLLM's key, at the target's tp
+        {"model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1})
+    ).speculative == SpeculativeConfig(2, model="d", draft_tensor_parallel_size=1)
     standalone = SchedulerConfig(speculative_algorithm="STANDALONE",
                                  speculative_draft_model_path="d",
                                  speculative_num_draft_tokens=4)
@@ -134,7 +137,13 @@ def test_draft_model_settings_name_what_is_wrong(tiny_model: Callable[..., Path]
             "STANDALONE needs speculative_draft_model_path"),
            ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 3,
              "speculative_draft_model_path": "d"}, "needs speculative_algorithm STANDALONE"),
-           ({"speculative_draft_model_path": "d"}, "needs speculative_algorithm")]
+           ({"speculative_draft_model_path": "d"}, "needs speculative_algorithm"),
+           ({"speculative_config": '{"model": "d", "num_speculative_tokens": 2, '
+                                   '"draft_tensor_parallel_size": 2}'},
+            "draft_tensor_parallel_size 2: the draft model is split over the target's 1"),
+           ({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2, '
+                                   '"draft_tensor_parallel_size": 1}'},
+            "draft_tensor_parallel_size is a draft model's")]
     for kw, message in bad:
         with pytest.raises(ValueError, match=message):
             SchedulerConfig(**kw)  # type: ignore[arg-type]

@@ -196,6 +196,11 @@ class SchedulerConfig:
         if not self.stats_interval > 0:
             raise ValueError(f"stats_interval must be > 0 seconds, got {self.stats_interval}")
         speculative = self.speculative  # ValueError naming the key
+        draft_tp = None if speculative is None else speculative.draft_tensor_parallel_size
+        if draft_tp is not None and draft_tp != self.engine.tp:
+            raise ValueError(f"speculative_config: draft_tensor_parallel_size {draft_tp}: the "
+                             f"draft model is split over the target's {self.engine.tp} "
+                             f"tensor-parallel ranks (give {self.engine.tp} or leave it out)")
         if speculative is not None and self.overlap:
             raise ValueError("speculative decoding needs overlap off (a verify step reads the "
                              "newest token on the host): leave overlap unset or false")

@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from minisgl.settings import json_object
 
 KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-        "disable_by_batch_size")
+        "disable_by_batch_size", "draft_tensor_parallel_size")
 DRAFT_METHODS = ("draft_model", "[draft_model]")  # vLLM's names; "model" alone says it too
 _DEFAULT_LOOKUP = 5  # vLLM's, where neither bound is given
 MAX_SPECULATIVE_TOKENS = 64
@@ -48,6 +48,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = _DEFAULT_LOOKUP
     disable_by_batch_size: Optional[int] = None
     model: Optional[str] = None  # the draft model (a directory or a hub id); None: n-gram
+    # vLLM's: the ranks the draft is split over (None: the target's, the only choice here)
+    draft_tensor_parallel_size: Optional[int] = None
 
     @classmethod
     def parse(cls, text: Optional[str]) -> Optional["SpeculativeConfig"]:
@@ -66,6 +68,9 @@ class SpeculativeConfig:
                              f"speculates by n-gram lookup ({{\"method\": \"ngram\"}}) or a "
                              f"draft model ({{\"model\": PATH}}); EAGLE and MTP heads are not "
                              f"implemented")
+        if "draft_tensor_parallel_size" in value:
+            raise ValueError("speculative_config: draft_tensor_parallel_size is a draft "
+                             "model's; n-gram lookup runs none")
         k = value.get("num_speculative_tokens")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         lo, hi = (lo if lo is not None else hi), (hi if hi is not None else lo)
@@ -89,7 +94,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: {lookup[0]} is n-gram lookup's; a draft "
                              f"model takes none")
         cfg = cls(value.get("num_speculative_tokens"),  # type: ignore[arg-type]
-                  disable_by_batch_size=value.get("disable_by_batch_size"), model=model)
+                  disable_by_batch_size=value.get("disable_by_batch_size"), model=model,
+                  draft_tensor_parallel_size=value.get("draft_tensor_parallel_size"))
         cfg.check()
         return cfg
 
@@ -142,7 +148,8 @@ class SpeculativeConfig:
         """ValueError naming the first field out of range."""
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name == "model" or (v is None and f.name == "disable_by_batch_size"):
+            if f.name == "model" or (v is None and f.name in ("disable_by_batch_size",
+                                                               "draft_tensor_parallel_size")):
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"speculative_config: {f.name} must be an integer >= 1, got "
