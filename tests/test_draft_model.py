@@ -100,6 +100,24 @@ def test_seeded_sampling_and_penalties_give_plain_decodings_tokens(
     assert runs[0] == runs[1]
 
 
+def test_steps_past_disable_by_batch_size_keep_the_draft_kv(
+        tiny_model: Callable[..., Path]) -> None:
+    """Past disable_by_batch_size running requests no step drafts, but the draft still runs
+    over every decode step: once the batch has shrunk, a self-draft keeps nearly every draft
+    (its K/V of the tokens decoded meanwhile are there), and the tokens are plain decoding's."""
+    path = tiny_model("llama")
+    prompts = mixed_prompts(4, seed=13, lengths=(6, 20))
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in (6, 8, 10, 40)]
+    spec = {**_spec(path, 3), "disable_by_batch_size": 1}
+    with LLM(str(path), device="cpu", page_size=4, max_kv_tokens=1024, speculative_config=spec,
+             show_progress=False) as llm:
+        tokens = [o.token_ids for o in llm.generate(prompts, params)]
+        kept = _kept_share(llm)
+    assert tokens == [t[:n] for t, n in zip(hf_greedy(path, prompts, 40), (6, 8, 10, 40))]
+    assert kept > 0.9, kept
+
+
 def test_tp2_drafts_in_lockstep(tiny_model: Callable[..., Path]) -> None:
     """The draft split over two ranks as the target is: every rank proposes the same drafts
     (lockstep checked each step), and tp=2 gives tp=1's greedy tokens."""
