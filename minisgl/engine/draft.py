@@ -11,7 +11,12 @@ step's draft steps (`propose`) write the newest token's K/V and every draft's, a
 the verify then computes. So the prefix cache, retraction and the slots freed behind rejected
 drafts need no bookkeeping of the draft's: its slots live and die with the target's.
 
-Draft steps are greedy (argmax over the tokens both vocabularies hold); on CUDA its decode
+A draft token is sampled as the target will sample its position: greedy requests take the
+argmax, the others the request's temperature and filters with the very noise the verify step
+will use there (engine/sampler.py: a function of the seed, the output position and the token),
+so a draft that agrees with the target's distribution proposes the token the target then
+samples, random sampling included (penalties, biases and grammars are the target's alone);
+only tokens both vocabularies hold are proposed. On CUDA its decode
 steps replay CUDA graphs of their own (engine/cuda_graph.py's, reading each row's input from the
 draft's `inputs` buffer), prefills run eager. Every rank
 runs them alike (the draft is split over the ranks as the target is, its logits gathered), so
@@ -20,6 +25,7 @@ every rank proposes the same drafts: the lockstep invariant holds.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import logging
@@ -27,10 +33,11 @@ from typing import List, NamedTuple, Optional
 
 import torch
 
-from minisgl.core import Batch, Phase
+from minisgl.core import Batch, Phase, Req
 from minisgl.distributed import Communicator
 from minisgl.engine.build import attention_backend, fill_weights
 from minisgl.engine.cuda_graph import DecodeGraphs
+from minisgl.engine.sampler import sample_requests
 from minisgl.engine.config import EngineConfig
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
@@ -95,6 +102,7 @@ class DraftModel:
         self.model = loaded.model
         model_cfg: ModelConfig = self.model.cfg
         self.device = cfg.torch_device
+        self.seed, self.policy = cfg.seed, policy  # the target sampler's: its noise
         self.pool = KVPool(model_cfg.num_layers, num_pages, cfg.page_size,
                            self.model.model.local_heads.kv_heads, model_cfg.head_dim,
                            cfg.torch_dtype, self.device)
@@ -151,13 +159,26 @@ class DraftModel:
         self.backend.prepare(view)
         self.model.hidden(self._inputs(ids), self._positions(view), view, self.backend)
 
+    def _sample(self, logits: torch.Tensor, reqs: List[Req], j: int) -> torch.Tensor:
+        """Draft j of each of `reqs` from its logits, sampled as the verify samples that
+        position (engine.verify_views: the output number its length + j), over the tokens
+        the target takes."""
+        views = []
+        for req in reqs:
+            view = copy.copy(req)
+            view.device_len = req.device_len + j
+            views.append(view)
+        return sample_requests(logits[:, :self.vocab], views, self.seed, self.policy)
+
     @torch.inference_mode()
     def propose(self, batch: Batch, newest: List[int]) -> List[List[int]]:
         """Drafts for a verify batch whose request i extends by its newest token `newest[i]`
-        and `extend_lens[i] - 1` drafts: that many greedy steps of the draft from the newest
-        token, then one more that only writes the last draft's K/V, each step a decode batch of
-        the requests still drafting at the verify's slots (`batch.out_slots`) for those
-        positions. Waits for the device once, at the end."""
+        and `extend_lens[i] - 1` drafts: that many steps of the draft from the newest token
+        (each draft sampled as the verify will sample its position: the module doc), then one
+        more that only writes the last draft's K/V, each step a decode batch of the requests
+        still drafting at the verify's slots (`batch.out_slots`) for those positions. Called
+        before the scheduler advances the requests' lengths. Waits for the device once, at the
+        end."""
         rooms = [ext - 1 for ext in batch.extend_lens]
         starts = list(itertools.accumulate(batch.extend_lens, initial=0))
         slots = batch.out_slots
@@ -179,7 +200,7 @@ class DraftModel:
             logits = self._decode(step, latest[index], table_rows[index], picked)
             if logits is None:  # the last drafts' K/V only
                 break
-            tokens = logits[:, :self.vocab].argmax(dim=-1)
+            tokens = self._sample(logits, [step.reqs[k] for k in drafting], j)
             into = index[picked]
             latest[into] = tokens
             drafts[into, j] = tokens
