@@ -16,11 +16,11 @@ argmax, the others the request's temperature and filters with the very noise the
 will use there (engine/sampler.py: a function of the seed, the output position and the token),
 so a draft that agrees with the target's distribution proposes the token the target then
 samples, random sampling included (penalties, biases and grammars are the target's alone);
-only tokens both vocabularies hold are proposed. On CUDA its decode
-steps replay CUDA graphs of their own (engine/cuda_graph.py's, reading each row's input from the
-draft's `inputs` buffer), prefills run eager. Every rank
-runs them alike (the draft is split over the ranks as the target is, its logits gathered), so
-every rank proposes the same drafts: the lockstep invariant holds.
+only tokens both vocabularies hold are proposed. On CUDA its decode steps replay CUDA graphs of
+their own (engine/cuda_graph.py's, reading each row's input from the draft's `inputs` buffer);
+prefills run eager. Every rank runs them alike (the draft is split over the ranks as the target
+is, its logits gathered, the noise a function of the request), so every rank proposes the same
+drafts: the lockstep invariant holds.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ import torch
 from minisgl.core import Batch, Phase, Req
 from minisgl.distributed import Communicator
 from minisgl.engine.build import attention_backend, fill_weights
+from minisgl.engine.config import EngineConfig
 from minisgl.engine.cuda_graph import DecodeGraphs
 from minisgl.engine.sampler import sample_requests
-from minisgl.engine.config import EngineConfig
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
 from minisgl.models import CausalLM, ModelConfig, model_class
