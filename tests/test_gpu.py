@@ -28,9 +28,9 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny("qwen3", tmp_path_factory.mktemp("gpu-qwen3"), None)
 
 
-def _run(path: Path, **kw: object) -> list:
+def _run(path: Path, params: SamplingParams = GREEDY, **kw: object) -> list:
     with LLM(str(path), show_progress=False, **kw) as llm:  # type: ignore[arg-type]
-        return [o.token_ids for o in llm.generate(mixed_prompts(8, seed=6), GREEDY)]
+        return [o.token_ids for o in llm.generate(mixed_prompts(8, seed=6), params)]
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -58,8 +58,9 @@ def test_gpu_speculative_decoding_matches_cpu(tiny_qwen3: Path, backend: str,
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_gpu_draft_model_matches_cpu(tiny_qwen3: Path, backend: str) -> None:
     """A draft model on CUDA (the target itself: its K/V shadowed through prefills, mixed
-    steps where the backend mixes, and decode steps; its drafts proposed eagerly before the
-    verify graphs): the CPU's float32 tokens, nearly every draft kept."""
+    steps where the backend mixes, and decode steps; its drafts proposed through its own decode
+    graphs before the verify graphs): the CPU's float32 greedy tokens, nearly every draft kept;
+    seeded sampling gives the tokens it gives without speculation."""
     spec = {"model": str(tiny_qwen3), "num_speculative_tokens": 3}
     cpu = _run(tiny_qwen3, device="cpu", dtype="float32")
     with LLM(str(tiny_qwen3), device="cuda", dtype="float32", attention_backend=backend,
@@ -68,6 +69,11 @@ def test_gpu_draft_model_matches_cpu(tiny_qwen3: Path, backend: str) -> None:
         stats = llm.stats
     assert [o.token_ids for o in outs] == cpu
     assert stats.spec_accepted_tokens_total > 0.9 * stats.spec_draft_tokens_total > 0, stats
+    seeded = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
+    plain = _run(tiny_qwen3, device="cuda", dtype="float32", attention_backend=backend,
+                 params=seeded)
+    assert _run(tiny_qwen3, device="cuda", dtype="float32", attention_backend=backend,
+                params=seeded, speculative_config=spec) == plain
 
 
 def test_gpu_verify_graphs_match_eager_verify_steps(tiny_qwen3: Path) -> None:
