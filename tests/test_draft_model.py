@@ -181,6 +181,11 @@ def test_draft_model_settings_name_what_is_wrong(tiny_model: Callable[..., Path]
     with pytest.raises(ValueError, match="enable_sleep_mode with a draft model"):
         LLM(str(path), device="cpu", max_kv_tokens=256, enable_sleep_mode=True,
             speculative_config=_spec(path), show_progress=False)
+    odd = tiny_model("llama", num_attention_heads=3, num_key_value_heads=3, hidden_size=48)
+    with pytest.raises(RuntimeError, match=r"draft model .*cannot split 3 attention heads "
+                                           r"over tp=2"):
+        LLM(str(path), device="cpu", tp=2, max_kv_tokens=256, speculative_config=_spec(odd),
+            show_progress=False)
     with pytest.raises(FileNotFoundError, match="not a directory with a config.json"):
         LLM(str(path), device="cpu", max_kv_tokens=256, show_progress=False,
             speculative_config=_spec(path / "nowhere"))

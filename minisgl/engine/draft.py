@@ -80,8 +80,12 @@ def load_draft(path: str, cfg: EngineConfig, comm: Communicator, policy: KernelP
         raise ValueError(f"enable_deterministic_inference cannot hold with the {name}: "
                          f"quantized weights")
     dtype = temporarily(torch.get_default_dtype, torch.set_default_dtype, cfg.torch_dtype)
-    with torch.device(cfg.torch_device), dtype:
-        model = model_class(model_cfg.architecture)(model_cfg, cfg.tp_info, comm, policy, quant)
+    try:
+        with torch.device(cfg.torch_device), dtype:
+            model = model_class(model_cfg.architecture)(model_cfg, cfg.tp_info, comm, policy,
+                                                        quant)
+    except ValueError as e:  # e.g. a tp its heads do not split by: say which model it is
+        raise ValueError(f"{name}: {e}") from None
     fill_weights(model, model_cfg, None if cfg.load_format == "dummy" else str(local),
                  cfg.seed, KVScaleCollector(model_cfg.num_layers),
                  cfg.show_progress and cfg.tp_info.is_primary)
