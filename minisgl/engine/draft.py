@@ -15,8 +15,9 @@ A draft token is sampled as the target will sample its position: greedy requests
 argmax, the others the request's temperature and filters with the very noise the verify step
 will use there (engine/sampler.py: a function of the seed, the output position and the token),
 so a draft that agrees with the target's distribution proposes the token the target then
-samples, random sampling included (penalties, biases and grammars are the target's alone);
-only tokens both vocabularies hold are proposed. On CUDA its decode steps replay CUDA graphs of
+samples, random sampling included. The target's penalties, logit bias, allowed tokens,
+min_tokens and bad words apply to the draft's logits as well (its grammars do not: a draft a
+grammar refuses ends the run there); only tokens both vocabularies hold are proposed. On CUDA its decode steps replay CUDA graphs of
 their own (engine/cuda_graph.py's, reading each row's input from the draft's `inputs` buffer);
 prefills run eager. Every rank runs them alike (the draft is split over the ranks as the target
 is, its logits gathered, the noise a function of the request), so every rank proposes the same
@@ -29,7 +30,7 @@ import copy
 import dataclasses
 import itertools
 import logging
-from typing import List, NamedTuple, Optional
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -48,6 +49,11 @@ from minisgl.models.quantization import quant_plan
 from minisgl.utils import temporarily, to_device
 
 logger = logging.getLogger(__name__)
+
+# The target's logit edits (Engine._adjusted): (logits over its vocabulary, page-table rows,
+# requests as sampling sees them, the drafts each row follows) -> the logits sampling reads.
+Adjust = Callable[[torch.Tensor, torch.Tensor, List[Req], Sequence[Tuple[int, ...]]],
+                  torch.Tensor]
 
 
 class LoadedDraft(NamedTuple):
@@ -116,6 +122,7 @@ class DraftModel:
         self.inputs = torch.zeros(page_table.shape[0], dtype=torch.int64, device=self.device)
         self.graphs: Optional[DecodeGraphs] = None
         self.vocab = min(model_cfg.vocab_size, target_vocab)  # drafts the target can take
+        self.target_vocab = target_vocab
         # Target tokens past the draft's vocabulary are read as its last token (a wrong input
         # costs kept drafts, never a token); None where the draft knows every target token.
         self.last_id = model_cfg.vocab_size - 1 if model_cfg.vocab_size < target_vocab else None
@@ -163,26 +170,36 @@ class DraftModel:
         self.backend.prepare(view)
         self.model.hidden(self._inputs(ids), self._positions(view), view, self.backend)
 
-    def _sample(self, logits: torch.Tensor, reqs: List[Req], j: int) -> torch.Tensor:
-        """Draft j of each of `reqs` from its logits, sampled as the verify samples that
-        position (engine.verify_views: the output number its length + j), over the tokens
-        the target takes."""
+    def _sample(self, logits: torch.Tensor, reqs: List[Req], rows: torch.Tensor, j: int,
+                before: torch.Tensor, adjust: Adjust) -> torch.Tensor:
+        """Draft j of each of `reqs` (page-table `rows`) from its logits, sampled as the
+        verify samples that position (engine.verify_views: the output number its length + j),
+        over the tokens the target takes, after the target's logit edits where a request has
+        any (`adjust`; `before`: each one's drafts so far, read to the host only then)."""
         views = []
         for req in reqs:
             view = copy.copy(req)
             view.device_len = req.device_len + j
             views.append(view)
-        return sample_requests(logits[:, :self.vocab], views, self.seed, self.policy)
+        logits = logits[:, :self.vocab]
+        if all(r.params.raw_sampling for r in reqs):
+            return sample_requests(logits, views, self.seed, self.policy)
+        if self.vocab < self.target_vocab:  # the edits index the target's vocabulary
+            logits = torch.nn.functional.pad(logits.float(), (0, self.target_vocab - self.vocab),
+                                             value=float("-inf"))
+        drafted = [tuple(d) for d in before.tolist()]
+        return sample_requests(adjust(logits, rows, views, drafted), views, self.seed,
+                               self.policy)
 
     @torch.inference_mode()
-    def propose(self, batch: Batch, newest: List[int]) -> List[List[int]]:
+    def propose(self, batch: Batch, newest: List[int], adjust: Adjust) -> List[List[int]]:
         """Drafts for a verify batch whose request i extends by its newest token `newest[i]`
         and `extend_lens[i] - 1` drafts: that many steps of the draft from the newest token
         (each draft sampled as the verify will sample its position: the module doc), then one
         more that only writes the last draft's K/V, each step a decode batch of the requests
         still drafting at the verify's slots (`batch.out_slots`) for those positions. Called
         before the scheduler advances the requests' lengths. Waits for the device once, at the
-        end."""
+        end (and once a step where a request's logits take the target's edits, `adjust`)."""
         rooms = [ext - 1 for ext in batch.extend_lens]
         starts = list(itertools.accumulate(batch.extend_lens, initial=0))
         slots = batch.out_slots
@@ -204,8 +221,9 @@ class DraftModel:
             logits = self._decode(step, latest[index], table_rows[index], picked)
             if logits is None:  # the last drafts' K/V only
                 break
-            tokens = self._sample(logits, [step.reqs[k] for k in drafting], j)
             into = index[picked]
+            tokens = self._sample(logits, [step.reqs[k] for k in drafting], table_rows[into], j,
+                                  drafts[into, :j], adjust)
             latest[into] = tokens
             drafts[into, j] = tokens
         return [row[:room] for row, room in zip(drafts.tolist(), rooms)]

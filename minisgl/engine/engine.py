@@ -730,7 +730,8 @@ class Engine:
         assert self.draft is not None
         if batch.phase is Phase.VERIFY:
             batch.drafts = self.draft.propose(batch, [r.token_ids[p] for r, p in
-                                                      zip(batch.reqs, batch.prefix_lens)])
+                                                      zip(batch.reqs, batch.prefix_lens)],
+                                              self._adjusted)
             return
         rows = to_device([r.table_row for r in batch.reqs], torch.int64, self.device)
         self.draft.shadow(batch, self._prepare_inputs(batch, rows).ids)
@@ -877,9 +878,7 @@ class Engine:
             tokens = sample_requests(masked, reqs, self.cfg.seed, self.policy)
             self.last_tokens[rows] = tokens
             return tokens, None
-        adjusted = add_logit_bias(self.penalties.apply(logits, rows, reqs, drafted), reqs)
-        adjusted = suppress_early_stops(mask_to_allowed_tokens(adjusted, reqs), reqs)
-        adjusted = self.bad_words.apply(adjusted, rows, reqs, drafted)
+        adjusted = self._adjusted(logits, rows, reqs, drafted)
         if mask is not None:
             adjusted = apply_token_bitmask(adjusted, mask)
         tokens = sample_requests(adjusted, reqs, self.cfg.seed, self.policy)
@@ -888,6 +887,15 @@ class Engine:
             self.penalties.record(rows, tokens, reqs)
             self.bad_words.record(rows, tokens, reqs)
         return tokens, sampled_logprobs(logits, tokens, reqs, self.cfg.tp_info.is_primary)
+
+    def _adjusted(self, logits: torch.Tensor, rows: torch.Tensor, reqs: List[Req],
+                  drafted: Optional[Sequence[Tuple[int, ...]]] = None) -> torch.Tensor:
+        """Row i of `logits` (request reqs[i], page-table row rows[i]) as sampling reads it:
+        after its penalties, logit bias, allowed tokens, min_tokens and bad words (a grammar's
+        mask comes after); `drafted` as for `_sample`. The draft model's drafts take it too."""
+        adjusted = add_logit_bias(self.penalties.apply(logits, rows, reqs, drafted), reqs)
+        adjusted = suppress_early_stops(mask_to_allowed_tokens(adjusted, reqs), reqs)
+        return self.bad_words.apply(adjusted, rows, reqs, drafted)
 
     def start_request(self, req: Req) -> None:
         """The scheduler admitted `req` into page-table row `req.table_row` (before any batch
