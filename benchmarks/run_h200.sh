@@ -523,11 +523,11 @@ if [ "$MODE" = s47-tp2 ]; then  # two GPUs (nvidia-h100-x2), carrying .whl and .
   export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   step det_tp2 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_allreduce.py -k "deterministic or ordered"
 fi
-if [ "$MODE" = s48-tests ]; then  # carrying .whl and .gpucache/mcache (~8 min): deterministic
-  # MoE through the fused kernels' invariant tiles (kernel bits, then the engine), the rest of
-  # the deterministic engine tests and the invariant GEMM's
+if [ "$MODE" = s48-tests ]; then  # carrying .whl and .gpucache/mcache (~8 min): which rows of a
+  # fixed-tile fused MoE lose their bits (the probe), the deterministic engine tests, the
+  # invariant GEMM's
   export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache
-  step moe_invariant 150 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py -k invariant
+  step moe_probe 150 python3 scripts/experiments/moe_invariant_probe.py
   step det_engine 280 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k deterministic
   step invariant_mm 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_ops.py -k invariant
   # the forty-eighth session's draft model on CUDA (both backends; CPU float32 tokens)

@@ -168,9 +168,10 @@ def test_gpu_deterministic_inference_in_bf16(tmp_path: Path) -> None:
 
 
 def test_gpu_deterministic_inference_with_experts(tmp_path: Path) -> None:
-    """enable_deterministic_inference on a mixture of experts on CUDA in bf16 (the fused
-    experts with kernels/moe.py's invariant tiles, a token's choices added in order; the
-    router through the invariant GEMM): a request's bits alone and in a chunked batch."""
+    """enable_deterministic_inference on a mixture of experts on CUDA in bf16 (the experts in
+    the torch path, every expert on every token through the invariant GEMM, added in expert
+    order; the fused experts' tiles would follow the token count): a request's bits alone and
+    in a chunked batch."""
     model = build_tiny("qwen3_moe", tmp_path / "moe", None)
     target = mixed_prompts(1, seed=33, lengths=(300,))[0]
     others = mixed_prompts(3, seed=34, lengths=(5, 60))

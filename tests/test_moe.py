@@ -24,8 +24,7 @@ from hf_reference import hf_greedy, mixed_prompts  # noqa: E402
 from minisgl import LLM, SamplingParams  # noqa: E402
 from minisgl.distributed import Communicator, DistributedInfo, Shard  # noqa: E402
 from minisgl.layers.experts import expert_param  # noqa: E402
-from minisgl.kernels.types import MoETiles  # noqa: E402
-from minisgl.layers.moe import TopK, experts_torch, owned_topk, route  # noqa: E402
+from minisgl.layers.moe import experts_torch, owned_topk, route  # noqa: E402
 from minisgl.models import ModelConfig, model_class  # noqa: E402
 from minisgl.models.weights import iter_checkpoint  # noqa: E402
 
@@ -349,73 +348,6 @@ def test_tiles_grow_with_rows_per_expert() -> None:
     sizes = [moe.moe_tiles(m, 8, 128).block_m for m in (1, 64, 256, 1024, 8192)]
     assert sizes == sorted(sizes) and sizes[0] == 16 and sizes[-1] == 128
     assert moe.padded_capacity(8, 128, 16) == 128  # 8 pairs: at most 8 experts, 16 rows each
-
-
-def _rows_alone_and_together(t: Dict[str, torch.Tensor], topk: TopK, rows: List[int],
-                             tiles_for: Callable[[int], MoETiles], ordered: bool
-                             ) -> List[bool]:
-    """Whether each of `rows` has the same bits through the fused experts alone as inside the
-    whole batch, each call taking `tiles_for(its row count)`."""
-    from minisgl.kernels import moe
-    experts = t["w13"].shape[0]
-
-    def run(idx: List[int]) -> torch.Tensor:
-        routing = moe.routing_of(topk.weights[idx], topk.ids[idx], experts)
-        return moe.fused_experts(t["x"][idx], routing, t["w13"], t["w2"],
-                                 tiles_for(len(idx)), ordered=ordered)
-    together = run(list(range(t["x"].shape[0])))
-    return [torch.equal(run([r])[0], together[r]) for r in rows]
-
-
-@pytest.mark.parametrize("capability", [(0, 0), (8, 0), (9, 0)])
-def test_invariant_tiles_do_not_follow_the_rows(capability: tuple) -> None:
-    """Deterministic inference's tiles (invariant_moe_tiles) keep each element's order of sums
-    at every row count: one K tile depth (halved alike for float32 operands), blocks of 64 or
-    more rows (warpgroup products on sm_90), the large blocks only on sm_90. The bits
-    themselves are checked on a GPU (test_invariant_fused_moe_on_gpu): the interpreter's numpy
-    product rounds a row by where it sits in its block."""
-    from minisgl.kernels import moe
-    tiles = [moe.invariant_moe_tiles(m, 8, 128, capability) for m in (1, 16, 64, 300, 8192)]
-    gemms = [g for t in tiles for g in (t.gate_up, t.down)]
-    for dtype in (torch.bfloat16, torch.float32):
-        assert len({moe.fit_shared_memory(g, dtype).block_k for g in gemms}) == 1
-    assert min(t.block_m for t in tiles) >= 64
-    assert (max(t.block_m for t in tiles) > 64) == (capability[0] == 9)
-
-
-@pytest.mark.parametrize("tokens", [5, 200])
-def test_invariant_fused_experts_match_torch(tokens: int) -> None:
-    """The invariant tiles with the choices summed in order compute the experts' sum (float32
-    on the interpreter, both block sizes)."""
-    from minisgl.kernels import moe
-    t = _layer(tokens, 64, 32, 4, torch.float32)
-    topk = route(t["logits"], 2, True)
-    tiles = moe.invariant_moe_tiles(tokens, 2, 4, (9, 0))
-    got = moe.fused_experts(t["x"], moe.routing_of(*topk, 4), t["w13"], t["w2"], tiles,
-                            ordered=True)
-    torch.testing.assert_close(got, experts_torch(t["x"], topk, t["w13"], t["w2"]),
-                               rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [64, 300, 2048])
-def test_invariant_fused_moe_on_gpu(tokens: int) -> None:
-    """A Qwen3-30B-A3B layer in bf16 on CUDA with deterministic inference's tiles (at 2,048
-    tokens sm_90's large blocks): rows alone and in the batch are the same bits; the default
-    tiles (their K tile follows the rows an expert receives) are the control."""
-    from minisgl.kernels import moe
-    from minisgl.kernels.dot import tensor_gpu
-    t = _layer(tokens, 2048, 768, 128, torch.bfloat16)
-    topk = route(t["logits"].float(), 8, True)
-    capability = tensor_gpu(t["x"]).capability
-    same = _rows_alone_and_together(
-        t, topk, [0, tokens // 2, tokens - 1],
-        lambda m: moe.invariant_moe_tiles(m, 8, 128, capability), True)
-    assert all(same), same
-    if tokens == 2048:
-        control = _rows_alone_and_together(t, topk, list(range(0, tokens, 97)),
-                                           lambda m: moe.moe_tiles(m, 8, 128), False)
-        assert not all(control)
 
 
 @pytest.mark.gpu

@@ -155,8 +155,7 @@ def kernel_policy(cfg: EngineConfig, device: torch.device) -> KernelPolicy:
 def check_batch_invariant(cfg: EngineConfig, model_cfg: ModelConfig, quantized: bool) -> None:
     """Raise, naming the model's, where enable_deterministic_inference cannot hold with it:
     quantized weights (FP8, packed integers: their GEMMs are not made invariant). Experts
-    hold (layers/moe.py: the fused kernels' invariant tiles on CUDA, the torch path's
-    invariant products on CPU)."""
+    hold (layers/moe.py: the invariant products, in the torch path, not the fused kernels)."""
     if cfg.enable_deterministic_inference and quantized:
         raise ValueError(f"enable_deterministic_inference cannot hold with "
                          f"{model_cfg.architecture}: quantized weights (FP8 or packed "

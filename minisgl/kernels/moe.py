@@ -67,40 +67,6 @@ def moe_tiles(rows: int, top_k: int, num_experts: int) -> MoETiles:
     return next(tiles for bound, tiles in _TILES if per_expert <= bound)
 
 
-# Deterministic inference's tiles: every K tile 64 deep, so each output element sums the same
-# 64-wide products in the same order whatever the row count. Rows sit 64 or 128 to a block:
-# the tensor cores then take the same warpgroup products (wgmma) at every row count, whose
-# bits the invariant GEMM measured equal from 64 x 64 to 128 x 256 tiles on sm_90
-# (kernels/invariant_mm.py); elsewhere the small tiles serve every row count.
-_INVARIANT_SMALL = MoETiles(64, GemmTiles(64, 64, 4, 3), GemmTiles(64, 64, 4, 3))
-_INVARIANT_LARGE = MoETiles(128, GemmTiles(128, 64, 8, 3), GemmTiles(128, 64, 8, 3))
-
-
-def invariant_moe_tiles(rows: int, top_k: int, num_experts: int,
-                        capability: Tuple[int, int]) -> MoETiles:
-    """Batch-invariant tiles (deterministic inference) for `rows` token rows on a GPU of
-    `capability`: a token's bits through `fused_experts(..., ordered=True)` do not depend on
-    the other rows. sm_90 takes the large blocks where experts average over 96 rows (a long
-    prefill chunk), as `moe_tiles` does."""
-    if capability[0] == 9 and rows * top_k / num_experts > _TILES[-2][0]:
-        return _INVARIANT_LARGE
-    return _INVARIANT_SMALL
-
-
-def sum_choices(out: torch.Tensor, top_k: int, ordered: bool) -> torch.Tensor:
-    """[M, H] from the pairs' weighted outputs [M * top_k, H]: each row's k choices summed.
-    `ordered` (deterministic inference): in float32, choice by choice in the routing's order
-    (descending weight), rounded once, so no reduction kernel picks an order by the row
-    count; else one sum."""
-    per_row = out.view(-1, top_k, out.shape[-1])
-    if not ordered:
-        return per_row.sum(dim=1)
-    total = per_row[:, 0].float()
-    for j in range(1, top_k):
-        total += per_row[:, j]
-    return total.to(out.dtype)
-
-
 class Routing(NamedTuple):
     """Each row's chosen experts and weights, and what `align` sorts them by. `owned`: the
     experts that run here are 0 .. owned - 1, and expert `owned` stands for every other
@@ -538,7 +504,7 @@ def fused_packed_experts(x: torch.Tensor, routing: Routing, w13: PackedGemm, w2:
     act = grouped_int_gemm(x, w13, aligned, pairs, top_k, tiles.gate_up, gated=True)
     out = grouped_int_gemm(act, w2, aligned, pairs, 1, tiles.down, gated=False,
                            weights=routing.weights)
-    return sum_choices(out, top_k, False)
+    return out.view(m, top_k, -1).sum(dim=1)
 
 
 def _quantize(x: torch.Tensor, block: Optional[Tuple[int, int]],
@@ -551,12 +517,10 @@ def _quantize(x: torch.Tensor, block: Optional[Tuple[int, int]],
 
 def fused_experts(x: torch.Tensor, routing: Routing, w13: torch.Tensor, w2: torch.Tensor,
                   tiles: Optional[MoETiles] = None,
-                  scales: Optional[ExpertScales] = None, ordered: bool = False) -> torch.Tensor:
+                  scales: Optional[ExpertScales] = None) -> torch.Tensor:
     """sum over j of weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, j]:
     x [M, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I] -> [M, H] in x's dtype.
-    FP8 experts take their `scales`; each GEMM's input is then quantized (W8A8). `ordered`:
-    the choices sum as `sum_choices` orders them (with `invariant_moe_tiles`, deterministic
-    inference: a row's bits are its own)."""
+    FP8 experts take their `scales`; each GEMM's input is then quantized (W8A8)."""
     m, top_k = routing.ids.shape
     tiles = tiles or moe_tiles(m, top_k, w13.shape[0])
     aligned = align(routing, tiles.block_m)
@@ -565,14 +529,14 @@ def fused_experts(x: torch.Tensor, routing: Routing, w13: torch.Tensor, w2: torc
         act = grouped_gemm(x, w13, aligned, pairs, top_k, tiles.gate_up, gated=True)
         out = grouped_gemm(act, w2, aligned, pairs, 1, tiles.down, gated=False,
                            weights=routing.weights)
-        return sum_choices(out, top_k, ordered)
+        return out.view(m, top_k, -1).sum(dim=1)
     act = grouped_gemm(_quantize(x, scales.block, scales.w13_input), w13, aligned, pairs,
                        top_k, tiles.gate_up, gated=True,
                        w_scales=WeightScales(scales.w13, scales.block), out_dtype=x.dtype)
     out = grouped_gemm(_quantize(act, scales.block, scales.w2_input), w2, aligned, pairs, 1,
                        tiles.down, gated=False, weights=routing.weights,
                        w_scales=WeightScales(scales.w2, scales.block), out_dtype=x.dtype)
-    return sum_choices(out, top_k, ordered)
+    return out.view(m, top_k, -1).sum(dim=1)
 
 
 def fused_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -15,9 +15,7 @@ expert's partial sum joins the same all-reduce.
 Experts (layers/experts.py: their weights, dense, FP8 or packed) run as the fused Triton kernels of
 kernels/moe.py on CUDA tensors with `policy.fused`, else as the torch path here, which is the
 reference (float32 on CPU: Hugging Face's loop over the experts that received tokens; FP8
-and packed experts dequantized one at a time). Under deterministic inference
-(`policy.batch_invariant`) the fused kernels take tiles that do not follow the token count and
-add a token's choices in order (kernels/moe.py `invariant_moe_tiles`, `sum_choices`).
+and packed experts dequantized one at a time).
 """
 
 from __future__ import annotations
@@ -154,10 +152,9 @@ def experts_torch_by(x: torch.Tensor, topk: TopK, weights_of: ExpertWeights,
     dequantize one expert at a time). On the CPU only the experts that received tokens run, on
     those tokens, accumulated expert by expert (as Hugging Face does); on CUDA every expert runs
     on every token with the weight of the tokens that did not choose it zero, so that no step
-    waits for the device (decode CUDA graphs capture it; the fused kernels serve CUDA unless
-    fused_ops is off). Either way a token's experts add in increasing expert order;
-    `invariant`: their products are blas.invariant_linear's, so a token's bits do not depend
-    on the other tokens (deterministic inference on the CPU)."""
+    waits for the device (decode CUDA graphs capture it). Either way a token's experts add in
+    increasing expert order; `invariant`: their products are blas.invariant_linear's, so a
+    token's bits do not depend on the other tokens (deterministic inference)."""
     out = torch.zeros_like(x)
     if x.is_cuda:  # ids past num_experts (another rank's experts) match no e
         for e in range(num_experts):
@@ -259,10 +256,8 @@ class SparseMoE(nn.Module):
         experts, top_k, renorm = self.experts, self.shape.top_k, self.shape.renormalize
         owned = experts.owned
         grouped = self.gate.e_score_correction_bias is not None
-        invariant = self.policy.batch_invariant
-        if self.policy.fused and x.is_cuda:
+        if self.policy.fused and x.is_cuda and not self.policy.batch_invariant:
             from minisgl.kernels import moe
-            from minisgl.kernels.dot import tensor_gpu
             if grouped:
                 chosen = self._grouped(logits)
                 routing = moe.routing_of(chosen.weights, chosen.ids, self.shape.num_experts)
@@ -271,17 +266,15 @@ class SparseMoE(nn.Module):
             if owned.size != self.shape.num_experts:
                 mine = owned_topk(TopK(routing.weights, routing.ids), owned)
                 routing = moe.routing_of(mine.weights, mine.ids, owned.size + 1, owned.size)
-            tiles = (moe.invariant_moe_tiles(x.shape[0], top_k, self.shape.num_experts,
-                                             tensor_gpu(x).capability) if invariant
-                     else moe.moe_tiles(x.shape[0], top_k, self.shape.num_experts))
-            gemms = experts.packed_gemms()  # None under invariant (quantized: refused)
+            tiles = moe.moe_tiles(x.shape[0], top_k, self.shape.num_experts)
+            gemms = experts.packed_gemms()
             out = (moe.fused_packed_experts(x, routing, *gemms, tiles) if gemms is not None
                    else moe.fused_experts(x, routing, experts.w13, experts.w2, tiles,
-                                          experts.scales(), ordered=invariant))
+                                          experts.scales()))
         else:
             chosen = self._grouped(logits) if grouped else route(logits, top_k, renorm)
             out = experts_torch_by(x, owned_topk(chosen, owned), experts.dense, owned.size,
-                                   invariant)
+                                   self.policy.batch_invariant)
         if self.shared_expert is None:
             return out
         shared = self.shared_expert(x, lora)
