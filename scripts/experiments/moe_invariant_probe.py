@@ -8,7 +8,11 @@ bf16 bits; so did the default tiles), yet the engine test (tests/test_gpu.py
 test_gpu_deterministic_inference_with_experts, the tiny Qwen3-MoE: hidden 64, intermediate 32,
 8 experts, top 2) failed, and passed with the torch path: the engine keeps the torch path.
 This probe checks every row of both shapes, for the routing kernel and for the grouped GEMMs,
-alone, in 16-row chunks and in the whole batch; it prints the rows that differ.
+alone, in 16-row chunks and in the whole batch; it prints the rows that differ. On the H100
+none did (RESULTS.md, forty-eighth session, command 3): the engine's use of the kernels is what
+to bisect next, with scripts/experiments/fused_invariant_moe.patch applied (the withdrawn
+wiring) and the engine test run with cuda_graph_max_bs 0, prefill_graph_max_tokens 0 and
+mixed_steps off, one at a time.
 
     PYTHONPATH=. python3 scripts/experiments/moe_invariant_probe.py
 """
