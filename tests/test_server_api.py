@@ -378,15 +378,22 @@ def test_generate_return_hidden_states_as_hf_computes_them(server: Server,
     plain = _post(server, "/generate", {"input_ids": prompts[0],
                                         "sampling_params": {"max_new_tokens": 2}}).json()
     assert "hidden_states" not in plain["meta_info"]
-    # OpenAI's routes (SGLang's shape): the last token's position's state, whole replies only
-    c = _post(server, "/v1/completions", {"prompt": prompts[0], "max_tokens": 5, "temperature": 0,
-                                          "ignore_eos": True, "return_hidden_states": True})
+    # OpenAI's routes (SGLang's shape): the last token's position's state, on a whole reply's
+    # choice and on a streamed choice's last chunk
+    ask = {"prompt": prompts[0], "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+           "return_hidden_states": True}
+    c = _post(server, "/v1/completions", ask)
     assert c.status_code == 200, c.text
     assert torch.allclose(torch.tensor(c.json()["choices"][0]["hidden_states"]),
                           torch.tensor(whole[-1]), atol=1e-4)
-    r = _post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2, "stream": True,
-                                          "return_hidden_states": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "return_hidden_states"
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**ask, "stream": True},
+                      timeout=60) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert [("hidden_states" in ch["choices"][0]) for ch in chunks] \
+        == [False] * (len(chunks) - 1) + [True]
+    assert torch.allclose(torch.tensor(chunks[-1]["choices"][0]["hidden_states"]),
+                          torch.tensor(whole[-1]), atol=1e-4)
 
 
 def test_generate_takes_sglangs_batches_and_n(server: Server, llm: LLM) -> None:

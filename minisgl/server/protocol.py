@@ -160,7 +160,8 @@ class _OpenAI(SamplingBody):
     cache_salt: Optional[str] = None  # vLLM's: the prefix cache's namespace for this request
     priority: int = 0  # vLLM's: lower first, under --scheduling-policy priority
     bad_words: Optional[List[str]] = None  # vLLM's: words the output never writes
-    # SGLang's: each choice's `hidden_states`, the last token's position's (not streamed)
+    # SGLang's: each choice's `hidden_states`, the last token's position's (streamed: on the
+    # choice's last chunk)
     return_hidden_states: Optional[bool] = None
     # vLLM's: log-probability tokens as "token_id:N"
     return_tokens_as_token_ids: Optional[bool] = None
@@ -606,9 +607,6 @@ def _job(body: _OpenAI, prompts: List[Prompt], max_n: int, defaults: SamplingDef
                          cache_salt=body.cache_salt, priority=body.priority,
                          bad_words=tuple(body.bad_words or ())))
     job = shaped_job(shape, prompts, defaults)
-    if body.return_hidden_states and stream:
-        raise ApiError(400, "return_hidden_states is answered in a whole reply only (ask "
-                            "without stream)", "return_hidden_states")
     beam_search, length_penalty = _beam_fields(body.model_extra or {})
     if beam_search:
         _refuse_with_beam_search(body, job)

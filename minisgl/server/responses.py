@@ -325,7 +325,8 @@ class _OpenAIFormatter(Formatter):
 
     def _hidden(self, choice: Choice) -> Dict[str, Any]:
         """SGLang's choice `hidden_states` (return_hidden_states): the final hidden state of
-        the position that gave the last token ([] for a one-token reply, as SGLang's)."""
+        the position that gave the last token ([] for a one-token reply, as SGLang's); a
+        stream's choice carries it on its last chunk."""
         if not self.job.params.return_hidden_states:
             return {}
         rows = generate_meta.hidden_states(choice.hidden, choice.prompt_tokens)
@@ -366,8 +367,8 @@ class _OpenAIFormatter(Formatter):
                 **self._token_ids(chunk.token_ids)}
         ids = self.job.return_token_ids and bool(chunk.token_ids)  # ids of held-back text too
         if self._has_text(item) or logprobs is not None or reason is not None or prompt or ids:
-            if reason is not None:
-                item["matched_stop"] = chunk.matched_stop
+            if reason is not None:  # the choice's last chunk: what a whole reply adds
+                item.update(matched_stop=chunk.matched_stop, **self._hidden(choice))
             yield self._chunk(index, choice, item)
 
     def _chunk_prompt_logprobs(self, chunk: ReplyChunk) -> Dict[str, Any]:
