@@ -185,6 +185,14 @@ def test_draft_model_settings_name_what_is_wrong(tiny_model: Callable[..., Path]
     with pytest.raises(ValueError, match="enable_sleep_mode with a draft model"):
         LLM(str(path), device="cpu", max_kv_tokens=256, enable_sleep_mode=True,
             speculative_config=_spec(path), show_progress=False)
+    short = tiny_model("llama", max_position_embeddings=256)  # the target's: 512
+    with pytest.raises(ValueError, match="context length of 256 tokens, below the served 512: "
+                                         "give max_model_len 256 or less"):
+        LLM(str(path), device="cpu", max_kv_tokens=256, speculative_config=_spec(short),
+            show_progress=False)
+    with LLM(str(path), device="cpu", max_kv_tokens=256, max_model_len=256,
+             speculative_config=_spec(short), show_progress=False) as llm:
+        assert len(llm.generate([[5, 6, 7]], GREEDY)[0].token_ids) == 24
     odd = tiny_model("llama", num_attention_heads=3, num_key_value_heads=3, hidden_size=48)
     with pytest.raises(RuntimeError, match=r"draft model .*cannot split 3 attention heads "
                                            r"over tp=2"):

@@ -64,17 +64,22 @@ class LoadedDraft(NamedTuple):
 
 
 def load_draft(path: str, cfg: EngineConfig, comm: Communicator, policy: KernelPolicy,
-               target: ModelConfig) -> LoadedDraft:
+               target: ModelConfig, context: int) -> LoadedDraft:
     """The draft model of checkpoint `path` (a directory or a hub id) on this rank, split over
     the ranks as the target is, in the target's dtype (FP8 checkpoints as they are; random
     weights under load_format dummy, from the engine's seed). ValueError naming the draft where
-    it cannot serve: a classifier, longrope (its rope indices follow the target's requests'
-    lengths), or, under deterministic inference, quantized weights."""
+    it cannot serve: a classifier, a context length below the served `context` (its rope
+    tables end there), longrope (its rope indices follow the target's requests' lengths), or,
+    under deterministic inference, quantized weights."""
     local = resolve_model_path(path, download_dir=cfg.download_dir)
     model_cfg = ModelConfig.from_dir(local)
     name = f"draft model {path!r} ({model_cfg.architecture})"
     if model_cfg.classifier is not None:
         raise ValueError(f"{name} is a classifier, not a causal language model")
+    if model_cfg.max_context < context:
+        raise ValueError(f"{name} has a context length of {model_cfg.max_context} tokens, "
+                         f"below the served {context}: give max_model_len {model_cfg.max_context}"
+                         f" or less, or a draft of a longer context")
     if model_cfg.long_rope_from:
         raise ValueError(f"{name} scales its rope by the sequence's length (longrope): "
                          f"not supported as a draft")

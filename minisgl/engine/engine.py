@@ -328,14 +328,15 @@ class Engine:
         self.model_cfg = ModelConfig.from_dir(Path(cfg.model_path), cfg.hf_override_dict)
         self.lora_slots = cfg.lora_slots  # 0: no LoRA (and no adapter scan per forward)
         self.model, kv_scales, self._reloadable = self._load_model(groups)
+        self.max_context = cfg.context_length(self.model_cfg.max_context)
         draft = None
         if draft_path is not None:
             if cfg.enable_sleep_mode:
                 raise ValueError("enable_sleep_mode with a draft model: the draft's weights "
                                  "and KV pool would stay awake (not supported)")
-            draft = load_draft(draft_path, cfg, groups.comm, self.policy, self.model_cfg)
+            draft = load_draft(draft_path, cfg, groups.comm, self.policy, self.model_cfg,
+                               self.max_context)
         on_progress(f"weights loaded in {time.perf_counter() - start:.1f} s")
-        self.max_context = cfg.context_length(self.model_cfg.max_context)
         local_kv_heads = self.model.model.local_heads.kv_heads
         self.num_pages = min_over_ranks(
             pages_that_fit(cfg, self.model_cfg, local_kv_heads, self.device,
