@@ -164,12 +164,12 @@ class DraftModel:
                           for p in rope.host(prefix, ext, False)], torch.int64, self.device)
 
     @torch.inference_mode()
-    def shadow(self, batch: Batch, ids: torch.Tensor) -> None:
+    def shadow(self, batch: Batch, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """The draft over a prefill or decode batch's new tokens (`ids`, the target's inputs,
-        before it samples), writing their K/V at the batch's slots."""
+        before it samples; `rows`: the requests' page-table rows on the device), writing their
+        K/V at the batch's slots."""
         view = dataclasses.replace(batch, attn_meta=None, lora=None)
         if batch.phase is Phase.DECODE:
-            rows = to_device([r.table_row for r in batch.reqs], torch.int64, self.device)
             self._decode(view, self._inputs(ids), rows, None)
             return
         self.backend.prepare(view)

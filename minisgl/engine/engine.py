@@ -734,7 +734,7 @@ class Engine:
                                               self._adjusted)
             return
         rows = to_device([r.table_row for r in batch.reqs], torch.int64, self.device)
-        self.draft.shadow(batch, self._prepare_inputs(batch, rows).ids)
+        self.draft.shadow(batch, self._prepare_inputs(batch, rows).ids, rows)
 
     @torch.inference_mode()
     def sample(self, launched: Launched, bitmask: torch.Tensor) -> Launched:

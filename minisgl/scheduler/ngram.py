@@ -66,6 +66,11 @@ class Drafter:
         self._arrays[req.uid] = (buffer, n)
         return buffer[:n]
 
+    def _disabled(self, batch: Batch) -> bool:
+        """Whether `batch` has more requests than disable_by_batch_size allows to draft."""
+        limit = self.cfg.disable_by_batch_size
+        return limit is not None and batch.size > limit
+
     def room(self, req: Req) -> int:
         """The most drafts `req` may take this step: num_speculative_tokens, no more than
         would pass max_tokens if every one were kept, and no KV slot beyond its own pages and
@@ -86,8 +91,7 @@ class Drafter:
         each extended by its drafts (a request without verifies its newest token alone, as a
         decode step computes it); `batch` itself where no request drafts or where the batch is
         larger than disable_by_batch_size."""
-        limit = self.cfg.disable_by_batch_size
-        if limit is not None and batch.size > limit:
+        if self._disabled(batch):
             return batch
         lo, hi = self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max
         drafts = [propose(self._array(r), lo, hi, self.room(r)) for r in batch.reqs]
@@ -105,8 +109,7 @@ class ModelDrafter(Drafter):
     room, or past disable_by_batch_size requests (the engine's draft still shadows it)."""
 
     def with_drafts(self, batch: Batch) -> Batch:
-        limit = self.cfg.disable_by_batch_size
-        if limit is not None and batch.size > limit:
+        if self._disabled(batch):
             return batch
         rooms = [max(0, self.room(r)) for r in batch.reqs]
         if not any(rooms):
