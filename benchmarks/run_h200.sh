@@ -545,6 +545,22 @@ if [ "$MODE" = s48-moe ]; then  # carrying .whl (~5 min): what deterministic inf
   step moe_default 140 python3 scripts/bench_latency.py --model $Q --batch-sizes 1,16,64 --steps 20 --prefill 2048
   step moe_det 160 python3 scripts/bench_latency.py --model $Q --batch-sizes 1,16,64 --steps 20 --prefill 2048 --enable-deterministic-inference
 fi
+if [ "$MODE" = s49 ]; then  # carrying .whl and .gpucache/mcache (~9 min): the batch-1 FP8 step;
+  # the fused deterministic MoE (scripts/experiments/fused_invariant_moe.patch) as withdrawn
+  # ("large": 128-row tiles past 96 rows an expert) and with the 64-row tiles at every count
+  export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache
+  step fp8_b1 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --batch-sizes 1,16 --steps 100 --cuda-graph-max-bs 16 --quantization fp8 --kv-cache-dtype fp8_e4m3
+  step moe_probe 100 python3 scripts/experiments/moe_invariant_probe.py
+  for v in large small; do
+    rm -rf /tmp/$v && cp -r "$PWD" /tmp/$v && (cd /tmp/$v && patch -s -p1 < scripts/experiments/fused_invariant_moe.patch)
+  done
+  sed -i 's/if capability\[0\] == 9 and rows \* top_k/if False and rows * top_k/' /tmp/small/minisgl/kernels/moe.py
+  grep -n "if False and" /tmp/small/minisgl/kernels/moe.py | tee -a "$OUT/summary.txt"
+  for v in large small; do
+    step det_moe_$v 150 env PYTHONPATH=/tmp/site:/tmp/$v bash -c "cd /tmp/$v && python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k deterministic_inference_with_experts"
+  done
+  step moe_det_small 200 env PYTHONPATH=/tmp/site:/tmp/small bash -c "cd /tmp/small && python3 scripts/bench_latency.py --model configs/models/qwen3-30b-a3b --batch-sizes 1,16,64 --steps 20 --prefill 2048 --enable-deterministic-inference"
+fi
 if [ "$MODE" = vllm-offline ]; then  # the standard offline workload, Llama-3.1-8B and Qwen3-8B shapes
   vllm_unpack || exit 2
   step vllm_offline_llama 420 bash .peer/peer.sh offline ${PEER_FLAGS:-}

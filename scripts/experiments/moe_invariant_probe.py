@@ -81,4 +81,7 @@ def probe(hidden: int, inter: int, experts: int, top_k: int, tokens: int) -> Non
 
 if __name__ == "__main__":
     probe(64, 32, 8, 2, 300)
+    # 600 tokens: 150 rows an expert, so the whole batch takes the 128-row tiles on sm_90
+    # where its 16-row chunks take the 64-row ones (the engine's padded prefill graphs do so)
+    probe(64, 32, 8, 2, 600)
     probe(2048, 768, 128, 8, 64)
