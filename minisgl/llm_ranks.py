@@ -45,7 +45,7 @@ class InProcessRank:
         self.engine = Engine(cfg.engine, ProcessGroups(Communicator(info), None),
                              mixed_rows=cfg.mixed_rows, verify_tokens=cfg.verify_tokens,
                              verify_requests=cfg.verify_requests,
-                             draft_path=cfg.draft_model_path)
+                             draft_path=cfg.draft_model_path, draft_method=cfg.draft_method)
         self.io = LocalIO()
         self.scheduler = Scheduler(cfg, self.engine, self.io)
         self.limits: Limits = self.scheduler.limits

@@ -1,6 +1,6 @@
-"""What the engine's model and a draft model (engine/draft.py) are built with alike: their
-parameters filled from a checkpoint directory or at random (dummy weights), and the attention
-backend over their KV pool."""
+"""What the engine's model and its drafters (engine/draft.py, engine/eagle.py) are built with
+alike: a drafter's model constructed on this rank, parameters filled from a checkpoint directory
+or at random (dummy weights), and the attention backend over their KV pool."""
 
 from __future__ import annotations
 
@@ -13,10 +13,27 @@ from minisgl.attention import AttentionBackend, make_backend
 from minisgl.engine.config import EngineConfig
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
-from minisgl.models import CausalLM, ModelConfig
+from minisgl.models import CausalLM, ModelConfig, model_class
 from minisgl.models.int_weights import dense_int_weights
+from minisgl.distributed import Communicator
 from minisgl.models.kv_scales import KVScaleCollector
+from minisgl.models.quantization import QuantPlan
 from minisgl.models.weights import init_dummy, iter_checkpoint
+from minisgl.utils import temporarily
+
+
+def construct(model_cfg: ModelConfig, cfg: EngineConfig, comm: Communicator,
+              policy: KernelPolicy, quant: Optional[QuantPlan], name: str) -> CausalLM:
+    """A drafter's model of `model_cfg` on this rank, split over the ranks as the target is,
+    its parameters uninitialized in cfg's dtype on cfg's device; a ValueError it raises (e.g.
+    a tp its heads do not split by) names it (`name`)."""
+    dtype = temporarily(torch.get_default_dtype, torch.set_default_dtype, cfg.torch_dtype)
+    try:
+        with torch.device(cfg.torch_device), dtype:
+            return model_class(model_cfg.architecture)(model_cfg, cfg.tp_info, comm, policy,
+                                                       quant)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 def fill_weights(model: CausalLM, model_cfg: ModelConfig, path: Optional[str], seed: int,

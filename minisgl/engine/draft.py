@@ -36,17 +36,17 @@ import torch
 
 from minisgl.core import Batch, Phase, Req
 from minisgl.distributed import Communicator
-from minisgl.engine.build import attention_backend, fill_weights
+from minisgl.engine.build import attention_backend, construct, fill_weights
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.cuda_graph import DecodeGraphs
 from minisgl.engine.sampler import sample_requests
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
-from minisgl.models import CausalLM, ModelConfig, model_class
+from minisgl.models import CausalLM, ModelConfig
 from minisgl.models.kv_scales import KVScaleCollector
 from minisgl.models.path import resolve_model_path
 from minisgl.models.quantization import quant_plan
-from minisgl.utils import temporarily, to_device
+from minisgl.utils import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,42 @@ logger = logging.getLogger(__name__)
 # requests as sampling sees them, the drafts each row follows) -> the logits sampling reads.
 Adjust = Callable[[torch.Tensor, torch.Tensor, List[Req], Sequence[Tuple[int, ...]]],
                   torch.Tensor]
+
+
+class DraftSampling(NamedTuple):
+    """Draft j of each of `reqs` (page-table `rows`; `before`: their drafts so far) as the
+    verify samples that position, through the target's sampler (its `seed` and `policy`) and
+    logit edits (`adjust`) over its `target_vocab` tokens."""
+
+    reqs: List[Req]
+    rows: torch.Tensor
+    j: int
+    before: torch.Tensor
+    adjust: Adjust
+    seed: int
+    policy: KernelPolicy
+    target_vocab: int
+
+
+def sample_drafts(logits: torch.Tensor, how: DraftSampling) -> torch.Tensor:
+    """The drafts `how` asks for from their `logits` over the first tokens of the target's
+    vocabulary (all of them, or a smaller draft's first ones: the rest cannot be drafted):
+    each sampled at the output number its request's length + j (engine.verify_views), after
+    the target's logit edits where a request has any (the drafts so far read to the host only
+    then)."""
+    views = []
+    for req in how.reqs:
+        view = copy.copy(req)
+        view.device_len = req.device_len + how.j
+        views.append(view)
+    if all(r.params.raw_sampling for r in how.reqs):
+        return sample_requests(logits, views, how.seed, how.policy)
+    if logits.shape[1] < how.target_vocab:  # the edits index the target's vocabulary
+        logits = torch.nn.functional.pad(logits.float(), (0, how.target_vocab - logits.shape[1]),
+                                         value=float("-inf"))
+    drafted = [tuple(d) for d in how.before.tolist()]
+    return sample_requests(how.adjust(logits, how.rows, views, drafted), views, how.seed,
+                           how.policy)
 
 
 class LoadedDraft(NamedTuple):
@@ -76,6 +112,9 @@ def load_draft(path: str, cfg: EngineConfig, comm: Communicator, policy: KernelP
     name = f"draft model {path!r} ({model_cfg.architecture})"
     if model_cfg.classifier is not None:
         raise ValueError(f"{name} is a classifier, not a causal language model")
+    if model_cfg.eagle is not None:
+        raise ValueError(f"{name} is an EAGLE-3 head, not a model: give speculative_config "
+                         f"method \"eagle3\" (SGLang: --speculative-algorithm EAGLE3)")
     if model_cfg.max_context < context:
         raise ValueError(f"{name} has a context length of {model_cfg.max_context} tokens, "
                          f"below the served {context}: give max_model_len {model_cfg.max_context}"
@@ -90,13 +129,7 @@ def load_draft(path: str, cfg: EngineConfig, comm: Communicator, policy: KernelP
     if cfg.enable_deterministic_inference and (quant is not None or model_cfg.int_quant):
         raise ValueError(f"enable_deterministic_inference cannot hold with the {name}: "
                          f"quantized weights")
-    dtype = temporarily(torch.get_default_dtype, torch.set_default_dtype, cfg.torch_dtype)
-    try:
-        with torch.device(cfg.torch_device), dtype:
-            model = model_class(model_cfg.architecture)(model_cfg, cfg.tp_info, comm, policy,
-                                                        quant)
-    except ValueError as e:  # e.g. a tp its heads do not split by: say which model it is
-        raise ValueError(f"{name}: {e}") from None
+    model = construct(model_cfg, cfg, comm, policy, quant, name)
     fill_weights(model, model_cfg, None if cfg.load_format == "dummy" else str(local),
                  cfg.seed, KVScaleCollector(model_cfg.num_layers),
                  cfg.show_progress and cfg.tp_info.is_primary)
@@ -177,24 +210,8 @@ class DraftModel:
 
     def _sample(self, logits: torch.Tensor, reqs: List[Req], rows: torch.Tensor, j: int,
                 before: torch.Tensor, adjust: Adjust) -> torch.Tensor:
-        """Draft j of each of `reqs` (page-table `rows`) from its logits, sampled as the
-        verify samples that position (engine.verify_views: the output number its length + j),
-        over the tokens the target takes, after the target's logit edits where a request has
-        any (`adjust`; `before`: each one's drafts so far, read to the host only then)."""
-        views = []
-        for req in reqs:
-            view = copy.copy(req)
-            view.device_len = req.device_len + j
-            views.append(view)
-        logits = logits[:, :self.vocab]
-        if all(r.params.raw_sampling for r in reqs):
-            return sample_requests(logits, views, self.seed, self.policy)
-        if self.vocab < self.target_vocab:  # the edits index the target's vocabulary
-            logits = torch.nn.functional.pad(logits.float(), (0, self.target_vocab - self.vocab),
-                                             value=float("-inf"))
-        drafted = [tuple(d) for d in before.tolist()]
-        return sample_requests(adjust(logits, rows, views, drafted), views, self.seed,
-                               self.policy)
+        return sample_drafts(logits[:, :self.vocab], DraftSampling(
+            reqs, rows, j, before, adjust, self.seed, self.policy, self.target_vocab))
 
     @torch.inference_mode()
     def propose(self, batch: Batch, newest: List[int], adjust: Adjust) -> List[List[int]]:

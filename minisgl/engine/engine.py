@@ -26,6 +26,7 @@ from minisgl.engine.build import attention_backend, fill_weights
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.cuda_graph import DecodeGraphs, graph_sizes
 from minisgl.engine.draft import DraftModel, load_draft
+from minisgl.engine.eagle import EagleDraft, load_eagle
 from minisgl.engine.lora import lora_rows
 from minisgl.engine.logprobs import (PromptRows, prompt_entries, prompt_logprobs, prompt_rows,
                                      sampled_entries, sampled_logprobs, verified_entries)
@@ -308,16 +309,17 @@ class Engine:
     def __init__(self, cfg: EngineConfig, groups: ProcessGroups,
                  on_progress: Callable[[str], None] = lambda text: None,
                  mixed_rows: int = 0, verify_tokens: int = 0,
-                 verify_requests: Optional[int] = None, draft_path: Optional[str] = None
-                 ) -> None:
+                 verify_requests: Optional[int] = None, draft_path: Optional[str] = None,
+                 draft_method: str = "draft_model") -> None:
         """`on_progress` hears each start-up step as it ends (weights loaded, KV pages sized,
         decode graphs captured), for a launcher to show. `mixed_rows`: the most decode rows a
         mixed step's prefill graph carries (the scheduler's, where it mixes; 0: none).
         `verify_tokens`: the most new tokens a verify step gives a request (the scheduler's,
         where it speculates; 0: none), for the verify graphs, which hold at most
         `verify_requests` requests (the scheduler's disable_by_batch_size; None: no limit).
-        `draft_path`: the draft model that proposes a verify step's drafts (engine/draft.py;
-        None: the scheduler's n-gram lookup proposes them, if anything does)."""
+        `draft_path`: the draft model that proposes a verify step's drafts (engine/draft.py), or
+        with `draft_method` "eagle3" the EAGLE-3 head (engine/eagle.py); None: the scheduler's
+        n-gram lookup proposes them, if anything does."""
         self.cfg = cfg
         start = time.perf_counter()
         self.device = cfg.torch_device
@@ -326,21 +328,36 @@ class Engine:
         self.policy = kernel_policy(cfg, self.device)
         check_kv_cache_dtype(cfg, self.device)
         self.model_cfg = ModelConfig.from_dir(Path(cfg.model_path), cfg.hf_override_dict)
+        if self.model_cfg.eagle is not None:
+            raise ValueError(f"{cfg.model_path} is an EAGLE-3 draft head, not a model to serve: "
+                             f"serve its target with speculative_config {{\"method\": "
+                             f"\"eagle3\", \"model\": \"{cfg.model_path}\"}}")
         self.lora_slots = cfg.lora_slots  # 0: no LoRA (and no adapter scan per forward)
         self.model, kv_scales, self._reloadable = self._load_model(groups)
         self.max_context = cfg.context_length(self.model_cfg.max_context)
-        draft = None
+        # batch-invariant steps attend decode rows as extends, not as a prefill graph's
+        # decode part (TritonBackend._invariant)
+        self._mixed_rows = 0 if self.policy.batch_invariant else min(
+            mixed_rows, cfg.max_running_requests)
+        self._verify_tokens, self._verify_requests = verify_tokens, verify_requests
+        draft = eagle = None
         if draft_path is not None:
             if cfg.enable_sleep_mode:
                 raise ValueError("enable_sleep_mode with a draft model: the draft's weights "
                                  "and KV pool would stay awake (not supported)")
-            draft = load_draft(draft_path, cfg, groups.comm, self.policy, self.model_cfg,
-                               self.max_context)
+            if draft_method == "eagle3":
+                eagle = load_eagle(draft_path, cfg, groups.comm, self.policy, self.model,
+                                   self.max_context)
+                self.model.model.keep_aux(eagle.aux_layers, self._graph_tokens)
+            else:
+                draft = load_draft(draft_path, cfg, groups.comm, self.policy, self.model_cfg,
+                                   self.max_context)
         on_progress(f"weights loaded in {time.perf_counter() - start:.1f} s")
         local_kv_heads = self.model.model.local_heads.kv_heads
+        drafter = draft or eagle
         self.num_pages = min_over_ranks(
             pages_that_fit(cfg, self.model_cfg, local_kv_heads, self.device,
-                           draft.page_bytes if draft is not None else 0), groups.cpu_group)
+                           drafter.page_bytes if drafter is not None else 0), groups.cpu_group)
         kv_dtype = cfg.kv_torch_dtype
         self.pool = KVPool(self.model_cfg.num_layers, self.num_pages, cfg.page_size,
                            local_kv_heads, self.model_cfg.head_dim, kv_dtype, self.device,
@@ -362,14 +379,11 @@ class Engine:
                                                            self.pool, self.page_table)
         self.draft = (None if draft is None else DraftModel(
             draft, cfg, self.policy, self.num_pages, self.page_table, self.vocab_size))
+        self.eagle = (None if eagle is None else EagleDraft(
+            eagle, cfg, self.policy, self.num_pages, self.page_table, self.vocab_size))
         self.graphs: Optional[DecodeGraphs] = None
         self.prefill_graphs: Optional[PrefillGraphs] = None
         self.verify_graphs: Optional[VerifyGraphs] = None
-        # batch-invariant steps attend decode rows as extends, not as a prefill graph's
-        # decode part (TritonBackend._invariant)
-        self._mixed_rows = 0 if self.policy.batch_invariant else min(
-            mixed_rows, cfg.max_running_requests)
-        self._verify_tokens, self._verify_requests = verify_tokens, verify_requests
         if cfg.tune_gemms:  # before the capture, which records the kernels chosen
             self._tune_gemms(graph_sizes(self._graph_bs))
         self._capture_graphs(on_progress)
@@ -388,6 +402,18 @@ class Engine:
     @property
     def _graph_bs(self) -> int:
         return min(self.cfg.decode_graph_max_bs, self.cfg.max_running_requests)
+
+    @property
+    def _graph_tokens(self) -> int:
+        """The most tokens a CUDA graph of this engine's runs (0: no graphs)."""
+        cfg = self.cfg
+        if self.device.type != "cuda":
+            return 0
+        decode = (graph_buffer_rows(self._graph_bs, self._verify_tokens, self._verify_requests)
+                  if cfg.decode_graph_max_bs > 0 else 0)
+        prefill = (cfg.prefill_graph_max_tokens + self._mixed_rows
+                   if cfg.prefill_graph_max_tokens > 0 else 0)
+        return max(decode, prefill)
 
     def _capture_graphs(self, on_progress: Callable[[str], None]) -> None:
         """Capture the decode and prefill CUDA graphs the config asks for (on CUDA), over the
@@ -715,6 +741,8 @@ class Engine:
         sampled = [i for i, s in enumerate(batch.sample) if s]
         if self.draft is not None:
             self._draft(batch)
+        elif self.eagle is not None and batch.phase is Phase.VERIFY:
+            batch.drafts = self.eagle.propose(batch, self._adjusted)
         fwd = self._forward(batch, sampled)
         reqs = (verify_views(batch) if batch.phase is Phase.VERIFY
                 else [batch.reqs[i] for i in sampled])
@@ -757,6 +785,9 @@ class Engine:
         if sampled:
             drafted = draft_prefixes(batch) if batch.phase is Phase.VERIFY else None
             tokens, logprobs = self._sample(fwd.logits, fwd.rows, reqs, bitmask, drafted)
+        if self.eagle is not None:  # the head's step after the target's (engine/eagle.py)
+            self.eagle.shadow(batch, self.model.model.aux_states(sum(batch.extend_lens)),
+                              sampled, tokens)
         if self.device.type != "cuda" or (tokens is None and fwd.prompt_logprobs is None
                                           and fwd.hidden is None):
             return Launched(batch, sampled, tokens, None, logprobs, fwd.prompt,

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 # Architecture name (config.json's) -> the module under minisgl.models defining that class.
 _MODULE_OF: Dict[str, str] = {
     "Dots1ForCausalLM": "dots1",
+    "Eagle3LlamaForCausalLM": "eagle3",
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
     "Gemma3ForConditionalGeneration": "gemma",
@@ -25,6 +26,7 @@ _MODULE_OF: Dict[str, str] = {
     "Glm4MoeForCausalLM": "glm4",
     "GraniteForCausalLM": "llama",
     "LlamaForCausalLM": "llama",
+    "LlamaForCausalLMEagle3": "eagle3",
     "MistralForCausalLM": "llama",
     "Mistral3ForConditionalGeneration": "llama",
     "MixtralForCausalLM": "llama",

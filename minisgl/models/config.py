@@ -70,6 +70,9 @@ GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 # (Gemma 3's is read by `_gemma`)
 _TEXT_FAMILY = {"Mistral3ForConditionalGeneration": "MistralForCausalLM"}
 GEMMA = ("Gemma2ForCausalLM", *GEMMA3)
+# EAGLE-3 draft heads (EAGLE's own checkpoints and SpecForge's name; vLLM's): one Llama layer
+# over the target's hidden states (models/eagle3.py), read as Llama's fields
+EAGLE3 = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 _FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
     "MistralForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096,
                            "num_key_value_heads": 8},
@@ -127,6 +130,25 @@ _LAYER_TYPED = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
                 "SmolLM3ForCausalLM", "Dots1ForCausalLM", *GEMMA)
 _SWITCHED = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
              "SmolLM3ForCausalLM")
+
+@dataclass(frozen=True)
+class Eagle3Shape:
+    """What an EAGLE-3 head takes beyond its Llama layer: it scores `draft_vocab` tokens (its
+    d2t tensor maps them to the target's), and reads the target's hidden states at the input
+    of layers `aux_layers` (() : the target's default three, engine/eagle.py), each of
+    `target_hidden` features, through its `fc`. `shares_embeddings`: its checkpoint has no
+    embeddings, so it embeds with the target's (the engine sets it: config.json does not say)."""
+
+    draft_vocab: int
+    aux_layers: Tuple[int, ...]
+    target_hidden: int
+    shares_embeddings: bool = False
+
+    @property
+    def features(self) -> int:
+        """How many of the target's hidden states `fc` fuses."""
+        return len(self.aux_layers) or 3
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -204,6 +226,8 @@ class ModelConfig:
     logits_scaling: float = 1.0
     # A sequence classification head (models/classifier.py; None: a causal LM)
     classifier: Optional[Classifier] = None
+    # An EAGLE-3 draft head's shape (models/eagle3.py; None: not one)
+    eagle: Optional[Eagle3Shape] = None
 
     def __post_init__(self) -> None:
         if self.hidden_act not in HIDDEN_ACTS:
@@ -319,6 +343,11 @@ class ModelConfig:
         return length
 
     @property
+    def lm_head_rows(self) -> int:
+        """The tokens the LM head scores: an EAGLE-3 head's draft vocabulary, else all."""
+        return self.eagle.draft_vocab if self.eagle is not None else self.vocab_size
+
+    @property
     def attention_scale(self) -> float:
         """What the attention multiplies q.k by."""
         if self.attention_multiplier is not None:
@@ -389,6 +418,7 @@ class ModelConfig:
         declared = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         # the family a decoder's fields follow
         arch = _TEXT_FAMILY.get(declared) or CLASSIFIER_BASES.get(declared) or declared
+        arch = "LlamaForCausalLM" if arch in EAGLE3 else arch
         if declared in _TEXT_FAMILY:
             cfg = _text_decoder(cfg)
         cfg = {**_FAMILY_DEFAULTS.get(arch, {}), **cfg}
@@ -442,6 +472,7 @@ class ModelConfig:
             **_granite_fields(cfg, arch),
             **_moe_fields(cfg, arch),
             classifier=parse_classifier(cfg, declared),
+            eagle=_eagle3_shape(cfg) if declared in EAGLE3 else None,
         )
 
     @classmethod
@@ -510,6 +541,19 @@ def _text_decoder(cfg: Dict[str, Any],
         if key in cfg:
             text[key] = cfg[key]
     return text
+
+
+def _eagle3_shape(cfg: Dict[str, Any]) -> Eagle3Shape:
+    """An EAGLE-3 head's config.json fields: `draft_vocab_size` (default: the vocabulary),
+    `eagle_aux_hidden_state_layer_ids` (top level, or in `eagle_config`, as vLLM reads them;
+    default: none given, the target's (2, L // 2, L - 3)), `target_hidden_size` (default: the
+    head's own hidden size)."""
+    nested = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    layers = cfg.get("eagle_aux_hidden_state_layer_ids") or nested.get(
+        "eagle_aux_hidden_state_layer_ids") or ()
+    return Eagle3Shape(int(cfg.get("draft_vocab_size") or cfg["vocab_size"]),
+                       tuple(int(i) for i in layers),
+                       int(cfg.get("target_hidden_size") or cfg["hidden_size"]))
 
 
 def _granite_fields(cfg: Dict[str, Any], arch: str) -> Dict[str, Any]:

@@ -26,8 +26,8 @@ from __future__ import annotations
 import itertools
 import math
 from types import MappingProxyType
-from typing import (ClassVar, Iterable, List, Mapping, NamedTuple, Optional, Set, Tuple, Union,
-                    cast)
+from typing import (Any, ClassVar, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Set,
+                    Tuple, Union, cast)
 
 import torch
 from torch import nn
@@ -151,12 +151,15 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int, traits: "Traits",
                  rotary: Optional[RotaryEmbedding], info: DistributedInfo,
-                 comm: Communicator) -> None:
-        """`rotary`: None for a layer that rotates nothing (SmolLM3's NoPE layers)."""
+                 comm: Communicator, in_features: int = 0) -> None:
+        """`rotary`: None for a layer that rotates nothing (SmolLM3's NoPE layers);
+        `in_features`: what q, k and v project from (0: the hidden size; an EAGLE-3 layer's
+        is twice that)."""
         super().__init__()
         self.layer = layer
         prefix = f"model.layers.{layer}.self_attn"
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+        self.qkv_proj = QKVParallelLinear(in_features or cfg.hidden_size, cfg.head_dim,
+                                          cfg.num_heads,
                                           cfg.num_kv_heads, traits.qkv_bias, info,
                                           traits.policy,
                                           traits.weight_format(prefix, "q_proj", "k_proj",
@@ -176,6 +179,15 @@ class Attention(nn.Module):
                else self._qkv_lora(stream, norm, positions, batch.lora))
         out = backend.forward(qkv.q, qkv.k, qkv.v, self.layer, batch, kv_stored=qkv.stored)
         return self.o_proj.forward_stream(out, qkv.residual, batch.lora)
+
+    def forward_input(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
+                      batch: Batch, backend: AttentionBackend) -> ResidualStream:
+        """Attention on an input `x` its caller normed (an EAGLE-3 layer's two normed halves),
+        in torch ops and the backend's attention (which stores K/V); the stream after o_proj
+        over `residual`."""
+        qkv = self._rotated(self.qkv_proj(x), residual, positions)
+        out = backend.forward(qkv.q, qkv.k, qkv.v, self.layer, batch, kv_stored=False)
+        return self.o_proj.forward_stream(out, residual)
 
     def _qkv_lora(self, stream: ResidualStream, norm: RMSNorm, positions: torch.Tensor,
                   rows: LoraRows) -> AttentionInput:
@@ -301,10 +313,15 @@ class DecoderLayer(nn.Module):
             else MLP(cfg, info, comm, traits, f"model.layers.{layer}.mlp"))
 
     def forward(self, stream: ResidualStream, positions: torch.Tensor, batch: Batch,
-                backend: AttentionBackend) -> ResidualStream:
+                backend: AttentionBackend, keep: Tuple[torch.Tensor, ...] = ()
+                ) -> ResidualStream:
         """The stream after the previous layer (or the embeddings) -> the stream after this
-        one; each sublayer applies its own norm to the stream it takes."""
+        one; each sublayer applies its own norm to the stream it takes. `keep` ([T, hidden]
+        each): the layer's input hidden state is copied there (an EAGLE-3 head reads it:
+        DecoderModel.keep_aux)."""
         stream = self.self_attn(stream, self.input_layernorm, positions, batch, backend)
+        for out in keep:  # the input norm's residual out: the layer's input, reduced
+            out.copy_(cast(torch.Tensor, stream.residual))
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
             return self._mlp(stream, self.post_attention_layernorm, batch)
         stream = _normed_output(stream, self.post_attention_layernorm)
@@ -369,6 +386,36 @@ class DecoderModel(nn.Module):
         self.local_heads = LocalHeads(qkv.num_local_kv_heads, qkv.num_local_heads)
         self.layers = nn.ModuleList(layers)
         self.norm = traits.norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.aux_layers: Tuple[int, ...] = ()  # keep_aux's
+        self._no_aux: Tuple[Tuple[torch.Tensor, ...], ...] = ((),) * len(layers)
+        self._aux = torch.empty(0, 0)
+        self._aux_beyond = torch.empty(0, 0)
+
+    def keep_aux(self, layers: Tuple[int, ...], rows: int) -> None:
+        """From now on every forward keeps the input hidden states of `layers` (an EAGLE-3
+        head's features: engine/eagle.py), read by `aux_states`. Forwards of up to `rows`
+        tokens write them into one buffer allocated here, so CUDA graphs captured after this
+        call write them too; longer (eager) forwards into a tensor of their own. A layer may
+        be named twice (a small target's default layers): its state is then kept twice."""
+        hidden = self.norm.weight.shape[0]
+        self.aux_layers = layers
+        self._aux = torch.empty(rows, len(layers) * hidden, dtype=self.norm.weight.dtype,
+                                device=self.norm.weight.device)
+
+    def aux_states(self, tokens: int) -> torch.Tensor:
+        """[tokens, len(aux_layers) * hidden]: the kept hidden states of the last forward of
+        `tokens` tokens (a graph's replay of that size included), layer after layer."""
+        return self._aux[:tokens] if tokens <= self._aux.shape[0] else self._aux_beyond
+
+    def _aux_out(self, tokens: int) -> Sequence[Tuple[torch.Tensor, ...]]:
+        """Per layer, where its input hidden state goes this forward (nowhere: ())."""
+        if not self.aux_layers:
+            return self._no_aux
+        if tokens > self._aux.shape[0]:
+            self._aux_beyond = self._aux.new_empty(tokens, self._aux.shape[1])
+        chunks = self.aux_states(tokens).chunk(len(self.aux_layers), dim=1)
+        return [tuple(c for c, at in zip(chunks, self.aux_layers) if at == i)
+                for i in range(len(self.layers))]
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
                 backend: AttentionBackend) -> torch.Tensor:
@@ -378,8 +425,8 @@ class DecoderModel(nn.Module):
             h = h * (torch.tensor(scale, dtype=h.dtype).item() if self.embed_scale_rounded
                      else scale)
         stream = ResidualStream(h, None, None)
-        for layer in self.layers:
-            stream = layer(stream, positions, batch, backend)
+        for layer, keep in zip(self.layers, self._aux_out(ids.shape[0])):
+            stream = layer(stream, positions, batch, backend, keep)
         return stream.normed(self.norm)[0]
 
 
@@ -420,16 +467,21 @@ class CausalLM(nn.Module):
             policy=policy, quant=quant, fused_names=fused_names, lora=lora, ints=ints,
             expert_parallel=expert_parallel,
             checkpoint_names={ours: theirs for theirs, ours in self.checkpoint_renames.items()})
-        self.model = DecoderModel(cfg, traits,
-                                  info, comm)
+        self.model = self._decoder(cfg, traits, info, comm)
         tied = self.model.embed_tokens if self._lm_head_tied else None
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, info, comm, tied_to=tied,
+        self.lm_head = ParallelLMHead(cfg.lm_head_rows, cfg.hidden_size, info, comm, tied_to=tied,
                                       policy=policy, softcap=cfg.final_logit_softcapping,
                                       divisor=cfg.logits_scaling)
         # a sequence classifier's head (models/classifier.py), on every rank
         self.score = (None if cfg.classifier is None else
                       ReplicatedLinear(cfg.hidden_size, cfg.classifier.num_labels, False,
                                        policy))
+
+    @classmethod
+    def _decoder(cls, cfg: ModelConfig, traits: "Traits", info: DistributedInfo,
+                 comm: Communicator) -> Any:
+        """The decoder under the LM head: a DecoderModel (an EAGLE-3 head's: its one layer)."""
+        return DecoderModel(cfg, traits, info, comm)
 
     @property
     def _lm_head_tied(self) -> bool:

@@ -54,6 +54,15 @@ def checkpoint_files(model_dir: Path) -> List[Path]:
     return files
 
 
+def checkpoint_names(model_dir: Path) -> List[str]:
+    """The names of the tensors in the checkpoint's *.safetensors files (none read)."""
+    names: List[str] = []
+    for f in checkpoint_files(model_dir):
+        with safe_open(str(f), framework="pt", device="cpu") as handle:
+            names.extend(handle.keys())
+    return names
+
+
 def iter_checkpoint(model_dir: Path, show_progress: bool) -> Iterator[Tuple[str, TensorSource]]:
     """(name, source) for every tensor of every *.safetensors file, with a progress bar."""
     files = checkpoint_files(model_dir)

@@ -79,21 +79,27 @@ class SchedulerConfig:
         None, "vLLM's, a JSON object: speculative decoding by n-gram lookup in each request's "
               "own tokens, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
               "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}', or by a draft model of "
-              "the same tokenizer, '{\"model\": PATH, \"num_speculative_tokens\": 4}' (also "
+              "the same tokenizer, '{\"model\": PATH, \"num_speculative_tokens\": 4}', or by "
+              "an EAGLE-3 head, '{\"method\": \"eagle3\", \"model\": PATH, ...}' (also "
               "disable_by_batch_size: no drafts in a step of more running requests); the tokens "
               "are those plain decoding gives, with every sampling option and grammars. Turns "
               "overlap off", json_value=True)
     speculative_algorithm: Optional[str] = setting(
         None, "SGLang's: NGRAM speculates as speculative_config's ngram does, with "
               "speculative_num_draft_tokens and the match window sizes; STANDALONE with "
-              "speculative_draft_model_path's draft model (other algorithms are refused by "
-              "name); set this or speculative_config")
+              "speculative_draft_model_path's draft model, EAGLE3 with its EAGLE-3 head "
+              "(other algorithms are refused by name); set this or speculative_config")
     speculative_num_draft_tokens: Optional[int] = setting(
-        None, "SGLang's, with speculative_algorithm NGRAM or STANDALONE: the tokens a verify "
-              "step gives a request, its newest and up to N - 1 drafts")
+        None, "SGLang's, with speculative_algorithm NGRAM, STANDALONE or EAGLE3: the tokens a "
+              "verify step gives a request, its newest and up to N - 1 drafts")
+    speculative_num_steps: Optional[int] = setting(
+        None, "SGLang's, with speculative_algorithm STANDALONE or EAGLE3: the drafts per "
+              "request (with speculative_num_draft_tokens, that minus 1)")
+    speculative_eagle_topk: Optional[int] = setting(
+        None, "SGLang's: 1, a chain of drafts (a tree, topk > 1, is refused)")
     speculative_draft_model_path: Optional[str] = setting(
-        None, "SGLang's, with speculative_algorithm STANDALONE: the draft model (a directory "
-              "or a hub id)")
+        None, "SGLang's, with speculative_algorithm STANDALONE: the draft model, with EAGLE3: "
+              "the EAGLE-3 head (a directory or a hub id)")
     speculative_ngram_min_match_window_size: Optional[int] = setting(
         None, "SGLang's: the shortest match an n-gram draft follows (prompt_lookup_min; "
               "default 1)")
@@ -142,7 +148,8 @@ class SchedulerConfig:
         sglang = SpeculativeConfig.from_sglang(
             self.speculative_algorithm, self.speculative_num_draft_tokens,
             self.speculative_ngram_min_match_window_size,
-            self.speculative_ngram_max_match_window_size, self.speculative_draft_model_path)
+            self.speculative_ngram_max_match_window_size, self.speculative_draft_model_path,
+            self.speculative_num_steps, self.speculative_eagle_topk)
         if sglang is not None and self.speculative_config is not None:
             raise ValueError("set speculative_config (vLLM's) or speculative_algorithm "
                              "(SGLang's), not both")
@@ -166,6 +173,12 @@ class SchedulerConfig:
         """The draft model speculation runs (None: none; n-gram lookup, if speculating)."""
         spec = self.speculative
         return None if spec is None else spec.model
+
+    @property
+    def draft_method(self) -> str:
+        """What `draft_model_path` holds: "eagle3" (an EAGLE-3 head) or "draft_model"."""
+        spec = self.speculative
+        return "eagle3" if spec is not None and spec.eagle else "draft_model"
 
     @property
     def verify_requests(self) -> Optional[int]:

@@ -159,7 +159,7 @@ def run_rank(cfg: SchedulerConfig, conn: Any, pulse: Optional[Pulse] = None) -> 
         engine = Engine(cfg.engine, groups, _progress(conn, name) if info.rank == 0
                         else lambda text: None, mixed_rows=cfg.mixed_rows,
                         verify_tokens=cfg.verify_tokens, verify_requests=cfg.verify_requests,
-                        draft_path=cfg.draft_model_path)
+                        draft_path=cfg.draft_model_path, draft_method=cfg.draft_method)
         io = ZmqIO(cfg.engine.tp_info, cfg.backend_addr or "", cfg.detokenizer_addr or "",
                    cfg.broadcast_addr, groups.cpu_group, cfg.subscriber_timeout_s,
                    cfg.broadcast_remote_addr)

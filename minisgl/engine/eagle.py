@@ -1,0 +1,259 @@
+"""EAGLE-3 speculative decoding (vLLM's speculative_config `{"method": "eagle3", "model":
+PATH}`, SGLang's EAGLE3): the head of models/eagle3.py drafts each request's next tokens from
+the target's own hidden states, and the target verifies them as any drafts
+(scheduler/speculative.py), so the tokens are the target's whatever it proposes.
+
+The head's sequence is the target's shifted by one token: at position i it reads the target's
+hidden states at i (kept by the target's forward: DecoderModel.keep_aux) and the token after
+i. So it runs after the target's forward and sampling, in the same launch (`shadow`), over
+every position the target just computed, each with the token that follows it: the next prompt
+token, or the token just sampled; in a verify step the token sampled at each position, which is
+the one kept wherever a draft was kept. It writes its K/V (one layer, a pool of its own with as
+many pages as the target's, on the target's page table) at the target's slots, and keeps its
+state before the final norm at each request's last position whose target K/V now stand (the
+last prompt token or decode row; a verify step's last kept position, found on the device as the
+scheduler finds it on the host) in `states`, by page-table row.
+
+The invariant: wherever the target has K/V at positions < n, the head has its own, and
+states[row] is its state at n - 1. One exception, as in vLLM: a prefix-cache hit's last cached
+position keeps the K/V the head wrote with the token that followed it when it was computed (a
+stale input costs kept drafts, never a token).
+
+A verify step's drafts (`propose`, before the target's forward): the first from the LM head on
+states[row]; each next one from a step of the head at position n + j over the draft before it
+and the previous step's state, writing K/V at the verify's slot for that position (the verify's
+shadow overwrites them with the target's). Each is sampled as the verify samples its position
+(engine/draft.py `sample_drafts`). Every rank runs the same steps on the same inputs (the head
+split as the target is, its logits gathered): every rank proposes the same drafts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from minisgl.core import Batch, Phase
+from minisgl.distributed import Communicator
+from minisgl.engine.build import attention_backend, construct, fill_weights
+from minisgl.engine.config import EngineConfig
+from minisgl.engine.draft import Adjust, DraftSampling, sample_drafts
+from minisgl.kernels.policy import KernelPolicy
+from minisgl.kvcache import KVPool
+from minisgl.models import CausalLM, ModelConfig
+from minisgl.models.config import EAGLE3
+from minisgl.models.eagle3 import LlamaForCausalLMEagle3, check_draft_vocab, eagle_shape
+from minisgl.models.kv_scales import KVScaleCollector
+from minisgl.models.path import resolve_model_path
+from minisgl.models.weights import checkpoint_names
+from minisgl.utils import to_device
+
+
+def default_aux_layers(num_layers: int) -> Tuple[int, int, int]:
+    """The target layers whose inputs an EAGLE-3 head reads where its config names none
+    (vLLM's and EAGLE's: an early, the middle and a late one)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+class LoadedEagle(NamedTuple):
+    """`load_eagle`'s: the head with its weights, the target layers it reads, and what one
+    KV page of it costs."""
+
+    model: LlamaForCausalLMEagle3
+    aux_layers: Tuple[int, ...]
+    page_bytes: int
+
+
+def _head_config(path: str, local: Path, cfg: EngineConfig, target: ModelConfig,
+                 context: int) -> ModelConfig:
+    """The head's config as it serves `target`: the layers it reads resolved, its embeddings
+    shared where its checkpoint has none, its rope tables as long as the served `context`
+    (vLLM's: a head's config says 2,048 where its target serves 128K). ValueError naming what
+    does not fit."""
+    model_cfg = ModelConfig.from_dir(local)
+    name = f"EAGLE-3 head {path!r}"
+    if model_cfg.eagle is None:
+        raise ValueError(f"speculative method eagle3 needs an EAGLE-3 head (architectures "
+                         f"{', '.join(EAGLE3)}); {path!r} is a {model_cfg.architecture}")
+    shape = model_cfg.eagle
+    layers = shape.aux_layers or default_aux_layers(target.num_layers)
+    if min(layers) < 0 or max(layers) >= target.num_layers:
+        raise ValueError(f"{name} reads the target's layers {list(layers)}, but the target has "
+                         f"{target.num_layers} (0 to {target.num_layers - 1})")
+    if shape.target_hidden != target.hidden_size:
+        raise ValueError(f"{name} reads hidden states of {shape.target_hidden} features; the "
+                         f"target's have {target.hidden_size}")
+    if model_cfg.vocab_size != target.vocab_size:
+        raise ValueError(f"{name} knows {model_cfg.vocab_size} tokens, the target "
+                         f"{target.vocab_size}: not a head of this target")
+    shares = cfg.load_format == "dummy" or not any(
+        n.endswith("embed_tokens.weight") for n in checkpoint_names(local))
+    if shares and model_cfg.hidden_size != target.hidden_size:
+        raise ValueError(f"{name} has no embeddings of its own and a hidden size of "
+                         f"{model_cfg.hidden_size}, so it cannot take the target's "
+                         f"({target.hidden_size})")
+    return dataclasses.replace(
+        model_cfg, max_position_embeddings=max(model_cfg.max_position_embeddings, context),
+        eagle=dataclasses.replace(shape, aux_layers=tuple(layers), shares_embeddings=shares))
+
+
+def load_eagle(path: str, cfg: EngineConfig, comm: Communicator, policy: KernelPolicy,
+               target: CausalLM, context: int) -> LoadedEagle:
+    """The EAGLE-3 head of checkpoint `path` (a directory or a hub id) for `target` on this
+    rank, split over the ranks as the target is, unquantized in the target's dtype (random
+    weights under load_format dummy). ValueError naming the head where it does not fit the
+    target (`_head_config`, its d2t) or the tp."""
+    local = resolve_model_path(path, download_dir=cfg.download_dir)
+    model_cfg = _head_config(path, local, cfg, target.cfg, context)
+    name = f"EAGLE-3 head {path!r}"
+    model = construct(model_cfg, cfg, comm, policy, None, name)
+    assert isinstance(model, LlamaForCausalLMEagle3)  # an EAGLE3 architecture's class
+    if eagle_shape(model_cfg).shares_embeddings:
+        model.share_embeddings(target.model.embed_tokens)
+    fill_weights(model, model_cfg, None if cfg.load_format == "dummy" else str(local),
+                 cfg.seed, KVScaleCollector(1), cfg.show_progress and cfg.tp_info.is_primary)
+    wrong = check_draft_vocab(model, target.cfg.vocab_size, name)
+    if wrong is not None:
+        raise ValueError(wrong)
+    kv_heads = model.model.local_heads.kv_heads
+    page = KVPool.bytes_per_page(1, cfg.page_size, kv_heads, model_cfg.head_dim,
+                                 cfg.torch_dtype)
+    return LoadedEagle(model.eval(), eagle_shape(model_cfg).aux_layers, page)
+
+
+class ShadowPlan(NamedTuple):
+    """A batch's shadow inputs as the host knows them: each position's next token (0 where
+    it is sampled this step), where the sampled tokens go, and each request's index range."""
+
+    ids: List[int]
+    sampled_at: List[int]
+    starts: List[int]
+    ends: List[int]
+
+
+def shadow_plan(batch: Batch, sampled: Sequence[int]) -> ShadowPlan:
+    """Per position of `batch`, the token after it (module doc): a prompt's next token where
+    the host has it, else the one sampled there (`sampled`: the batch indices sampled; a
+    verify batch samples every position)."""
+    ends = list(itertools.accumulate(batch.extend_lens))
+    starts = [end - n for end, n in zip(ends, batch.extend_lens)]
+    if batch.phase is Phase.VERIFY:
+        return ShadowPlan([0] * ends[-1], list(range(ends[-1])), starts, ends)
+    ids: List[int] = []
+    for i, (req, prefix, ext) in enumerate(zip(batch.reqs, batch.prefix_lens,
+                                               batch.extend_lens)):
+        if i < batch.first_decode:
+            ids.extend(req.token_ids[prefix + 1:prefix + ext])
+            nxt = prefix + ext
+            ids.append(req.token_ids[nxt] if nxt < len(req.token_ids) else 0)
+        else:
+            ids.append(0)
+    return ShadowPlan(ids, [ends[i] - 1 for i in sampled], starts, ends)
+
+
+def kept_on_device(drafts: Sequence[List[int]], tokens: torch.Tensor, starts: Sequence[int]
+                   ) -> torch.Tensor:
+    """[requests] int64 on tokens' device: how many of request i's `drafts[i]` a verify step
+    keeps, given its sampled `tokens` (one per position; request i's from `starts[i]`): those
+    equal to the token sampled before them, as the scheduler finds on the host
+    (scheduler/speculative.py `kept`), without waiting for the device."""
+    most = max((len(d) for d in drafts), default=0)
+    if most == 0:
+        return torch.zeros(len(drafts), dtype=torch.int64, device=tokens.device)
+    padded = to_device([list(d) + [-1] * (most - len(d)) for d in drafts], torch.int64,
+                       tokens.device)
+    at = to_device([[min(s + j, len(tokens) - 1) for j in range(most)] for s in starts],
+                   torch.int64, tokens.device)
+    return (tokens[at] == padded).long().cumprod(dim=1).sum(dim=1)
+
+
+class EagleDraft:
+    """The head's forward passes beside the target's (module doc). Built once the target's
+    pool is sized: `num_pages` as many as the target's, `page_table` the target's."""
+
+    def __init__(self, loaded: LoadedEagle, cfg: EngineConfig, policy: KernelPolicy,
+                 num_pages: int, page_table: torch.Tensor, target_vocab: int) -> None:
+        self.model = loaded.model
+        model_cfg: ModelConfig = self.model.cfg
+        self.device = cfg.torch_device
+        self.seed, self.policy = cfg.seed, policy  # the target sampler's: its noise
+        self.pool = KVPool(1, num_pages, cfg.page_size, self.model.model.local_heads.kv_heads,
+                           model_cfg.head_dim, cfg.torch_dtype, self.device)
+        self.backend = attention_backend(cfg, policy, self.model, self.pool, page_table)
+        # Each page-table row's state before the final norm at its last position (see doc)
+        self.states = torch.zeros(page_table.shape[0], model_cfg.hidden_size,
+                                  dtype=cfg.torch_dtype, device=self.device)
+        self.target_vocab = target_vocab
+
+    def _positions(self, batch: Batch) -> torch.Tensor:
+        rope = self.model.rope_index
+        return to_device([p for prefix, ext in zip(batch.prefix_lens, batch.extend_lens)
+                          for p in rope.host(prefix, ext, False)], torch.int64, self.device)
+
+    @torch.inference_mode()
+    def shadow(self, batch: Batch, aux: torch.Tensor, sampled: Sequence[int],
+               tokens: Optional[torch.Tensor]) -> None:
+        """The head over the positions `batch` just ran through the target (`aux`: their
+        kept hidden states), after its sampling (`tokens`: the sampled batch indices'
+        tokens, or a verify's token at every position; None where nothing was sampled)."""
+        plan = shadow_plan(batch, sampled)
+        ids = to_device(plan.ids, torch.int64, self.device)
+        if tokens is not None and plan.sampled_at:
+            ids[to_device(plan.sampled_at, torch.int64, self.device)] = tokens
+        view = dataclasses.replace(batch, attn_meta=None, lora=None)
+        self.backend.prepare(view)
+        _, state = self.model.step(ids, self.model.fuse(aux), self._positions(view), view,
+                                   self.backend)
+        last = to_device([end - 1 for end in plan.ends], torch.int64, self.device)
+        if batch.phase is Phase.VERIFY and tokens is not None:
+            last = to_device(plan.starts, torch.int64, self.device) + kept_on_device(
+                batch.drafts or [[] for _ in batch.reqs], tokens, plan.starts)
+        rows = to_device([r.table_row for r in batch.reqs], torch.int64, self.device)
+        self.states[rows] = state[last]
+
+    @torch.inference_mode()
+    def propose(self, batch: Batch, adjust: Adjust) -> List[List[int]]:
+        """Drafts for a verify batch whose request i extends by its newest token and
+        `extend_lens[i] - 1` drafts (module doc), each step a decode batch of the requests
+        still drafting at the verify's slots (`batch.out_slots`). Called before the scheduler
+        advances the requests' lengths; waits for the device once, at the end (and once a
+        step where a request's logits take the target's edits, `adjust`)."""
+        rooms = [ext - 1 for ext in batch.extend_lens]
+        starts = list(itertools.accumulate(batch.extend_lens, initial=0))
+        slots = batch.out_slots
+        assert slots is not None  # the scheduler's, written before any launch
+        table_rows = to_device([r.table_row for r in batch.reqs], torch.int64, self.device)
+        states = self.states[table_rows]
+        drafts = torch.zeros((batch.size, max(rooms)), dtype=torch.int64, device=self.device)
+        for j in range(max(rooms)):
+            active = [i for i, room in enumerate(rooms) if room > j]
+            index = to_device(active, torch.int64, self.device)
+            logits = self.model.target_logits(self.model.model.norm(states[index]),
+                                              self.target_vocab)
+            drafts[index, j] = sample_drafts(logits, DraftSampling(
+                [batch.reqs[i] for i in active], table_rows[index], j, drafts[index, :j],
+                adjust, self.seed, self.policy, self.target_vocab))
+            going = [i for i in active if rooms[i] > j + 1]
+            if going:
+                states[to_device(going, torch.int64, self.device)] = self._step(
+                    batch, going, j, drafts, states, slots, starts)
+        return [row[:room] for row, room in zip(drafts.tolist(), rooms)]
+
+    def _step(self, batch: Batch, going: List[int], j: int, drafts: torch.Tensor,
+              states: torch.Tensor, slots: torch.Tensor, starts: List[int]) -> torch.Tensor:
+        """One step of the head at position prefix + j of the requests `going` (batch
+        indices), over their draft j and states: their next states; K/V at the verify's
+        slots for that position."""
+        step = Batch(Phase.DECODE, [batch.reqs[i] for i in going],
+                     [batch.prefix_lens[i] + j for i in going], [1] * len(going),
+                     [True] * len(going))
+        step.out_slots = slots[to_device([starts[i] + j for i in going], torch.int64,
+                                         self.device)]
+        index = to_device(going, torch.int64, self.device)
+        self.backend.prepare(step)
+        _, state = self.model.step(drafts[index, j], states[index], self._positions(step), step,
+                                   self.backend)
+        return state
