@@ -164,7 +164,7 @@ def test_draft_model_settings_name_what_is_wrong(tiny_model: Callable[..., Path]
            ({"speculative_algorithm": "STANDALONE", "speculative_num_draft_tokens": 3},
             "STANDALONE needs speculative_draft_model_path"),
            ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 3,
-             "speculative_draft_model_path": "d"}, "needs speculative_algorithm STANDALONE"),
+             "speculative_draft_model_path": "d"}, "is a draft model's or head's"),
            ({"speculative_draft_model_path": "d"}, "needs speculative_algorithm"),
            ({"speculative_config": '{"model": "d", "num_speculative_tokens": 2, '
                                    '"draft_tensor_parallel_size": 2}'},

@@ -124,8 +124,8 @@ def test_sglangs_ngram_flags_speculate_as_vllms_config() -> None:
                            speculative_num_draft_tokens=3).verify_tokens == 3
     capped = SchedulerConfig(speculative_config=json.dumps({**SPEC, "disable_by_batch_size": 6}))
     assert capped.verify_requests == 6 and SchedulerConfig().verify_requests is None
-    bad = [({"speculative_algorithm": "EAGLE3", "speculative_num_draft_tokens": 4},
-            "speculative_algorithm 'EAGLE3' is not supported"),
+    bad = [({"speculative_algorithm": "EAGLE", "speculative_num_draft_tokens": 4},
+            "speculative_algorithm 'EAGLE' is not supported"),
            ({"speculative_num_draft_tokens": 4}, "needs speculative_algorithm NGRAM"),
            ({"speculative_algorithm": "NGRAM"}, "speculative_num_draft_tokens must be an "
                                                 "integer >= 2"),
