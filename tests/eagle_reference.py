@@ -243,3 +243,29 @@ def eagle3_drafts(target: Path, head: Path, tokens: Sequence[int], k: int) -> Li
                 return drafts
             hidden = torch.cat([hidden, prenorm[-1:]], dim=0)
             inputs.append(drafts[-1])
+
+
+Proposal = Tuple[List[int], List[int]]  # (a request's tokens when it drafted, its drafts)
+
+
+def record_proposals(monkeypatch: Any) -> List[Proposal]:
+    """Every proposal the in-process engine's EAGLE-3 head makes from now on (pytest's
+    `monkeypatch` wraps EagleDraft.propose), with the request's tokens it drafted after."""
+    from minisgl.engine.eagle import EagleDraft
+    seen: List[Proposal] = []
+    propose = EagleDraft.propose
+
+    def recorded(self: EagleDraft, batch: Any, adjust: Any) -> List[List[int]]:
+        drafts = propose(self, batch, adjust)
+        seen.extend((list(r.token_ids[:p + 1]), d)
+                    for r, p, d in zip(batch.reqs, batch.prefix_lens, drafts))
+        return drafts
+
+    monkeypatch.setattr(EagleDraft, "propose", recorded)
+    return seen
+
+
+def reference_drafts(target: Path, head: Path, seen: Sequence[Proposal]) -> List[List[int]]:
+    """`eagle3_drafts` for each recorded proposal's tokens and length."""
+    return [eagle3_drafts(target, head, ctx, len(d)) for ctx, d in seen]
+

@@ -8,21 +8,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle_reference import eagle3_drafts, write_eagle3
+from eagle_reference import Proposal, record_proposals, reference_drafts, write_eagle3
 from hf_reference import hf_greedy, mixed_prompts
 from minisgl import LLM, SamplingParams
-from minisgl.engine.eagle import EagleDraft, kept_on_device
+from minisgl.engine.eagle import kept_on_device
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.speculative import SpeculativeConfig
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-Proposal = Tuple[List[int], List[int]]  # (the request's tokens when it drafted, its drafts)
 
 
 def _spec(head: Path, k: int = 3) -> dict:
@@ -30,19 +29,9 @@ def _spec(head: Path, k: int = 3) -> dict:
 
 
 @pytest.fixture
-def proposals(monkeypatch: pytest.MonkeyPatch) -> Iterator[List[Proposal]]:
+def proposals(monkeypatch: pytest.MonkeyPatch) -> List[Proposal]:
     """Every proposal the in-process engine's head makes, with the tokens it drafted after."""
-    seen: List[Proposal] = []
-    propose = EagleDraft.propose
-
-    def recorded(self: EagleDraft, batch, adjust):  # type: ignore[no-untyped-def]
-        drafts = propose(self, batch, adjust)
-        seen.extend((list(r.token_ids[:p + 1]), d)
-                    for r, p, d in zip(batch.reqs, batch.prefix_lens, drafts))
-        return drafts
-
-    monkeypatch.setattr(EagleDraft, "propose", recorded)
-    yield seen
+    return record_proposals(monkeypatch)
 
 
 def _kept_share(llm: LLM) -> float:
@@ -70,8 +59,7 @@ def test_drafts_are_the_references_and_tokens_hf_greedy(
         accounting = llm.check_accounting()
     assert tokens == hf_greedy(target, prompts, GREEDY.max_tokens)
     assert len(proposals) >= 3 * 5
-    assert [d for _, d in proposals] == [eagle3_drafts(target, head, ctx, len(d))
-                                         for ctx, d in proposals]
+    assert [d for _, d in proposals] == reference_drafts(target, head, proposals)
     assert accounting.live_requests == accounting.reserved_pages == 0
 
 
@@ -133,8 +121,7 @@ def test_a_head_that_knows_the_target_keeps_every_draft(
     expected = hf_greedy(target, prompts, params.max_tokens)
     assert tokens == expected and all(len(set(t)) > 3 for t in expected)  # not one token
     assert kept == 1.0
-    assert [d for _, d in proposals] == [eagle3_drafts(target, head, ctx, len(d))
-                                         for ctx, d in proposals]
+    assert [d for _, d in proposals] == reference_drafts(target, head, proposals)
 
 
 def test_kept_drafts_on_the_device() -> None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import List
+from typing import Callable, List
 
 import pytest
 import torch
 
-from hf_reference import mixed_prompts
+from hf_reference import hf_greedy, mixed_prompts
 from minisgl import LLM, LoRARequest, SamplingParams
 from minisgl.core import Batch, Phase, Req
 from tiny_models import build_tiny
@@ -74,6 +74,36 @@ def test_gpu_draft_model_matches_cpu(tiny_qwen3: Path, backend: str) -> None:
                  params=seeded)
     assert _run(tiny_qwen3, device="cuda", dtype="float32", attention_backend=backend,
                 params=seeded, speculative_config=spec) == plain
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gpu_eagle3_proposes_the_reference(tiny_model: Callable[..., Path], tmp_path: Path,
+                                           backend: str, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    """An EAGLE-3 head on CUDA in float32 (the target's layer inputs kept inside its decode,
+    prefill and verify graphs; the head's steps eager): every proposal the CPU reference's,
+    Hugging Face's greedy tokens; then the oracle head of tests/test_eagle.py keeps every
+    draft through the graphs."""
+    from eagle_reference import record_proposals, reference_drafts, write_eagle3
+    from test_eagle import _identity_target, _oracle_head
+    target = tiny_model("llama", num_hidden_layers=4)
+    head = write_eagle3(target, tmp_path / "head", seed=3, draft_vocab=1000, scale=0.2)
+    seen = record_proposals(monkeypatch)
+    prompts = mixed_prompts(6, seed=6)
+    with LLM(str(target), device="cuda", dtype="float32", attention_backend=backend,
+             show_progress=False, speculative_config={
+                 "method": "eagle3", "model": str(head), "num_speculative_tokens": 3}) as llm:
+        tokens = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert tokens == hf_greedy(target, prompts, GREEDY.max_tokens)
+    assert len(seen) > 6 and [d for _, d in seen] == reference_drafts(target, head, seen)
+    oracle_target = _identity_target(tiny_model, tmp_path / "identity")
+    oracle = _oracle_head(oracle_target, tmp_path / "oracle")
+    with LLM(str(oracle_target), device="cuda", dtype="float32", attention_backend=backend,
+             show_progress=False, speculative_config={
+                 "method": "eagle3", "model": str(oracle), "num_speculative_tokens": 1}) as llm:
+        llm.generate(prompts, GREEDY)
+        stats = llm.stats
+    assert stats.spec_accepted_tokens_total == stats.spec_draft_tokens_total > 0, stats
 
 
 def test_gpu_verify_graphs_match_eager_verify_steps(tiny_qwen3: Path) -> None:

@@ -194,8 +194,10 @@ def _sglang_drafts(name: str, num_draft_tokens: Optional[int], steps: Optional[i
     if steps is not None:
         return steps
     if num_draft_tokens is None:
-        raise ValueError(f"speculative_algorithm {name} needs speculative_num_draft_tokens (the "
-                         f"newest token and at least one draft) or speculative_num_steps")
+        steps_too = "" if name == "NGRAM" else " (or speculative_num_steps, the drafts)"
+        raise ValueError(f"speculative_num_draft_tokens must be an integer >= 2 with "
+                         f"speculative_algorithm {name} (the newest token and at least one "
+                         f"draft){steps_too}, got None")
     return num_draft_tokens - 1
 
 
