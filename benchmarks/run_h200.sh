@@ -545,11 +545,20 @@ if [ "$MODE" = s48-moe ]; then  # carrying .whl (~5 min): what deterministic inf
   step moe_default 140 python3 scripts/bench_latency.py --model $Q --batch-sizes 1,16,64 --steps 20 --prefill 2048
   step moe_det 160 python3 scripts/bench_latency.py --model $Q --batch-sizes 1,16,64 --steps 20 --prefill 2048 --enable-deterministic-inference
 fi
-if [ "$MODE" = s49 ]; then  # carrying .whl and .gpucache/mcache (~9 min): the batch-1 FP8 step;
-  # the fused deterministic MoE (scripts/experiments/fused_invariant_moe.patch) as withdrawn
-  # ("large": 128-row tiles past 96 rows an expert) and with the 64-row tiles at every count
+if [ "$MODE" = s49 ]; then  # carrying .whl and .gpucache/mcache (~8 min): EAGLE-3 on CUDA (the
+  # reference's drafts through the target's graphs), its cost at Llama-3.1-8B's shape (dummy
+  # weights: a verify step with 3 drafts, the head's shadow in every step), the batch-1 FP8 step
   export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache
-  step fp8_b1 150 python3 scripts/bench_latency.py --model configs/models/llama-3.1-8b --batch-sizes 1,16 --steps 100 --cuda-graph-max-bs 16 --quantization fp8 --kv-cache-dtype fp8_e4m3
+  L8=configs/models/llama-3.1-8b
+  step eagle_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "eagle3 or draft_model"
+  step verify_plain 120 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,16 --steps 30 --verify 3
+  step verify_eagle 140 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,16 --steps 30 --verify 3 --draft configs/models/eagle3-llama-3.1-8b
+  step fp8_b1 120 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,16 --steps 100 --cuda-graph-max-bs 16 --quantization fp8 --kv-cache-dtype fp8_e4m3
+fi
+if [ "$MODE" = s49-moe ]; then  # carrying .whl and .gpucache/mcache (~8 min): the fused
+  # deterministic MoE (scripts/experiments/fused_invariant_moe.patch) as withdrawn ("large":
+  # 128-row tiles past 96 rows an expert) and with the 64-row tiles at every count
+  export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache
   step moe_probe 100 python3 scripts/experiments/moe_invariant_probe.py
   for v in large small; do
     rm -rf /tmp/$v && cp -r "$PWD" /tmp/$v && (cd /tmp/$v && patch -s -p1 < scripts/experiments/fused_invariant_moe.patch)

@@ -52,6 +52,7 @@ from minisgl.grammar.matcher import RequestGrammar, fill_bitmask
 from minisgl.layers import blas
 from minisgl.layers.experts import Experts
 from minisgl.layers.lora import LoraSlots
+from minisgl.models import ModelConfig
 from minisgl.models.default_model import default_model_path
 from minisgl.tokenizer.text import has_tokenizer
 from minisgl.scheduler.decode import DecodeManager
@@ -128,9 +129,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "speculation pays where the tokens a verify keeps per request exceed "
                         "verify ms / step ms")
     p.add_argument("--draft", default=None, metavar="DIR",
-                   help="with --verify: a draft model (dummy weights too) proposes the verify "
-                        "step's drafts, timed with it; every step also runs the draft over "
-                        "its tokens, as serving does (engine/draft.py)")
+                   help="with --verify: a draft model or an EAGLE-3 head (its config says "
+                        "which; dummy weights too) proposes the verify step's drafts, timed "
+                        "with it; every step also runs it over its tokens, as serving does "
+                        "(engine/draft.py, engine/eagle.py)")
     p.add_argument("--copy-mib", type=int, default=None,
                    help="size of the bandwidth probe (default 4096 on CUDA, 256 on CPU)")
     add_flags(p, EngineConfig(), skip=_SCRIPT_SET)
@@ -510,8 +512,9 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
     groups = init_process_groups(cfg.tp_info, cfg.torch_device, init_method, cfg.dist_timeout_s,
                                  cfg.allreduce)
     try:
+        eagle = args.draft and ModelConfig.from_dir(Path(args.draft)).eagle is not None
         engine = Engine(cfg, groups, verify_tokens=1 + args.verify if args.verify else 0,
-                        draft_path=args.draft)
+                        draft_path=args.draft, draft_method="eagle3" if eagle else "draft_model")
         if args.tune_gemms and rank == 0:
             print(f"tuned GEMMs, cuBLASLt chosen for: {blas.describe(engine.model)}", flush=True)
         engine.pool.fill_normal_()  # random K/V: never time on zeros

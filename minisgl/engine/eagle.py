@@ -115,7 +115,7 @@ def load_eagle(path: str, cfg: EngineConfig, comm: Communicator, policy: KernelP
         model.share_embeddings(target.model.embed_tokens)
     fill_weights(model, model_cfg, None if cfg.load_format == "dummy" else str(local),
                  cfg.seed, KVScaleCollector(1), cfg.show_progress and cfg.tp_info.is_primary)
-    wrong = check_draft_vocab(model, target.cfg.vocab_size, name)
+    wrong = check_draft_vocab(model, target.cfg.vocab_size, name, cfg.load_format == "dummy")
     if wrong is not None:
         raise ValueError(wrong)
     kv_heads = model.model.local_heads.kv_heads

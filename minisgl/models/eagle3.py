@@ -161,14 +161,14 @@ class Eagle3LlamaForCausalLM(LlamaForCausalLMEagle3):
     """vLLM's name for the same head."""
 
 
-def check_draft_vocab(model: LlamaForCausalLMEagle3, target_vocab: int,
-                      name: str) -> Optional[str]:
+def check_draft_vocab(model: LlamaForCausalLMEagle3, target_vocab: int, name: str,
+                      dummy: bool = False) -> Optional[str]:
     """Why `model`'s draft vocabulary cannot map onto a target of `target_vocab` tokens
-    (ValueError's text; None: it can)."""
+    (ValueError's text; None: it can). `dummy`: random weights, whose d2t is zeros."""
     draft = model.cfg.lm_head_rows
     if draft > target_vocab:
         return f"{name} drafts {draft} tokens, more than the target's {target_vocab}"
-    if draft < target_vocab and not model.draft_vocab.loaded:
+    if draft < target_vocab and not model.draft_vocab.loaded and not dummy:
         return (f"{name} drafts {draft} of the target's {target_vocab} tokens but its "
                 f"checkpoint has no d2t (which says which)")
     ids = model.draft_vocab.target_ids()
