@@ -548,7 +548,9 @@ def _eagle3_shape(cfg: Dict[str, Any]) -> Eagle3Shape:
     `eagle_aux_hidden_state_layer_ids` (top level, or in `eagle_config`, as vLLM reads them;
     default: none given, the target's (2, L // 2, L - 3)), `target_hidden_size` (default: the
     head's own hidden size)."""
-    nested = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    nested: Dict[str, Any] = cfg.get("eagle_config") or {}
+    if not isinstance(nested, dict):
+        nested = {}
     layers = cfg.get("eagle_aux_hidden_state_layer_ids") or nested.get(
         "eagle_aux_hidden_state_layer_ids") or ()
     return Eagle3Shape(int(cfg.get("draft_vocab_size") or cfg["vocab_size"]),

@@ -97,8 +97,9 @@ class Eagle3Decoder(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.rope_theta, cfg.rope_scaling,
                                  traits.policy, cfg.max_position_embeddings, cfg.rotary_dims)
         self.rope_index = rotary.index
-        self.layers = nn.ModuleList([Eagle3Layer(cfg, traits, rotary, info, comm)])
-        qkv = self.layers[0].self_attn.qkv_proj
+        layer = Eagle3Layer(cfg, traits, rotary, info, comm)
+        self.layers = nn.ModuleList([layer])
+        qkv = layer.self_attn.qkv_proj
         self.local_heads = LocalHeads(qkv.num_local_kv_heads, qkv.num_local_heads)
         self.norm = traits.norm(cfg.hidden_size, cfg.rms_norm_eps)
 
