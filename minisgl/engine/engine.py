@@ -83,6 +83,9 @@ class Forwarded(NamedTuple):
     # ran (batch index, positions), in that order, float32 (primary rank only)
     hidden: Optional[torch.Tensor] = None
     hidden_spans: Tuple[Tuple[int, int], ...] = ()
+    # With an EAGLE-3 head: where a prefill or verify graph's replay computed the batch's
+    # tokens (None: rows 0 .. T - 1, as eager forwards and decode graphs do)
+    token_rows: Optional[List[int]] = None
 
 
 class Pending(NamedTuple):
@@ -786,8 +789,8 @@ class Engine:
             drafted = draft_prefixes(batch) if batch.phase is Phase.VERIFY else None
             tokens, logprobs = self._sample(fwd.logits, fwd.rows, reqs, bitmask, drafted)
         if self.eagle is not None:  # the head's step after the target's (engine/eagle.py)
-            self.eagle.shadow(batch, self.model.model.aux_states(sum(batch.extend_lens)),
-                              sampled, tokens)
+            self.eagle.shadow(batch, self.model.model.aux_states(
+                sum(batch.extend_lens), fwd.token_rows), sampled, tokens)
         if self.device.type != "cuda" or (tokens is None and fwd.prompt_logprobs is None
                                           and fwd.hidden is None):
             return Launched(batch, sampled, tokens, None, logprobs, fwd.prompt,
@@ -829,10 +832,12 @@ class Engine:
         if (self.prefill_graphs is not None and self.prefill_graphs.can_run(batch)
                 and prompt_rows(batch) is None):
             logits, rows = self.prefill_graphs.replay(batch)
-            return Forwarded(logits, rows, None, None)
+            return Forwarded(logits, rows, None, None, token_rows=None if self.eagle is None
+                             else self.prefill_graphs.token_rows(batch))
         if self.verify_graphs is not None and self.verify_graphs.can_run(batch):
             logits, rows = self.verify_graphs.replay(batch)
-            return Forwarded(logits, rows, None, None)
+            return Forwarded(logits, rows, None, None, token_rows=None if self.eagle is None
+                             else self.verify_graphs.token_rows(batch))
         return self._forward_eager(batch, sampled)
 
     def _forward_eager(self, batch: Batch, sampled: List[int], embed: Tuple[int, ...] = (),

@@ -208,6 +208,12 @@ class PrefillGraphs:
             batch.prefix_lens[1:]))
         return key
 
+    def token_rows(self, batch: Batch) -> List[int]:
+        """Where a replay of `batch` computes its tokens, in the batch's order: the prompt's
+        from row 0, its decode rows after the prompt's bucket (its hidden states' rows)."""
+        n = next(s for s in self.sizes if s >= batch.extend_lens[0])
+        return [*range(batch.extend_lens[0]), *range(n, n + batch.num_decode)]
+
     def replay(self, batch: Batch) -> PrefillReplayed:
         n, d = key = self.fill(batch)
         self.graphs[key].replay()

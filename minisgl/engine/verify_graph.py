@@ -192,6 +192,11 @@ class VerifyGraphs:
             bs, ids, [r.table_row for r in batch.reqs], batch.prefix_lens, logit_rows))
         return bs
 
+    def token_rows(self, batch: Batch) -> List[int]:
+        """Where a replay of `batch` computes its tokens, in the batch's order (request i's
+        from row i * tokens: its hidden states' rows)."""
+        return [i * self.tokens + j for i, n in enumerate(batch.extend_lens) for j in range(n)]
+
     def replay(self, batch: Batch) -> VerifyReplayed:
         bs = self.fill(batch)
         self.graphs[bs].replay()

@@ -55,6 +55,7 @@ from minisgl.layers.weight_format import WeightFormat
 from minisgl.models.config import SILU_ACTS, ModelConfig
 from minisgl.models.int_plan import IntPlan
 from minisgl.models.quantization import QuantPlan
+from minisgl.utils import to_device
 
 class Traits(NamedTuple):
     """What differs between families, plus the kernels every layer launches (`policy`) and
@@ -402,9 +403,12 @@ class DecoderModel(nn.Module):
         self._aux = torch.empty(rows, len(layers) * hidden, dtype=self.norm.weight.dtype,
                                 device=self.norm.weight.device)
 
-    def aux_states(self, tokens: int) -> torch.Tensor:
-        """[tokens, len(aux_layers) * hidden]: the kept hidden states of the last forward of
-        `tokens` tokens (a graph's replay of that size included), layer after layer."""
+    def aux_states(self, tokens: int, rows: Optional[List[int]] = None) -> torch.Tensor:
+        """[tokens, len(aux_layers) * hidden]: the kept hidden states of the last forward's
+        `tokens` tokens, layer after layer: its rows 0 .. tokens - 1, or `rows` (a CUDA graph's
+        replay that lays them out otherwise, in the buffer)."""
+        if rows is not None:
+            return self._aux[to_device(rows, torch.int64, self._aux.device)]
         return self._aux[:tokens] if tokens <= self._aux.shape[0] else self._aux_beyond
 
     def _aux_out(self, tokens: int) -> Sequence[Tuple[torch.Tensor, ...]]:
