@@ -266,6 +266,6 @@ def record_proposals(monkeypatch: Any) -> List[Proposal]:
 
 
 def reference_drafts(target: Path, head: Path, seen: Sequence[Proposal]) -> List[List[int]]:
-    """`eagle3_drafts` for each recorded proposal's tokens and length."""
-    return [eagle3_drafts(target, head, ctx, len(d)) for ctx, d in seen]
+    """`eagle3_drafts` for each recorded proposal's tokens and length (none: [])."""
+    return [eagle3_drafts(target, head, ctx, len(d)) if d else [] for ctx, d in seen]
 

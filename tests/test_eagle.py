@@ -63,6 +63,28 @@ def test_drafts_are_the_references_and_tokens_hf_greedy(
     assert accounting.live_requests == accounting.reserved_pages == 0
 
 
+def test_mixed_steps_and_steps_past_disable_by_batch_size_keep_the_reference(
+        tiny_model: Callable[..., Path], tmp_path: Path, proposals: List[Proposal]) -> None:
+    """Requests admitted while others decode (mixed steps: prompt chunks and decode rows in
+    one forward) and decode steps past disable_by_batch_size (no drafts, the head still runs
+    over their tokens): every later proposal is still the reference's."""
+    target = tiny_model("llama", num_hidden_layers=4)
+    head = write_eagle3(target, tmp_path / "head", seed=5, scale=0.2)
+    prompts = mixed_prompts(6, seed=4, lengths=(10, 30))
+    params = [SamplingParams(max_tokens=8 + 4 * i, temperature=0.0, ignore_eos=True)
+              for i in range(len(prompts))]
+    spec = {**_spec(head), "disable_by_batch_size": 2}
+    with LLM(str(target), device="cpu", page_size=4, max_kv_tokens=2048, show_progress=False,
+             max_running_requests=3, speculative_config=spec) as llm:
+        tokens = [o.token_ids for o in llm.generate(prompts, params)]
+        stats = llm.stats
+    assert stats.verify_steps_total > 0 and stats.decode_steps_total > 0, stats
+    assert tokens == [hf_greedy(target, [p], n.max_tokens or 0)[0]
+                      for p, n in zip(prompts, params)]
+    assert len(proposals) > 5
+    assert [d for _, d in proposals] == reference_drafts(target, head, proposals)
+
+
 def _identity_target(tiny_model: Callable[..., Path], out: Path) -> Path:
     """A 4-layer tiny Llama whose layers add nothing (o_proj and down_proj zero): its next
     token is a function of the current one, f(t) = argmax lm_head(norm(embed(t)))."""
