@@ -81,7 +81,8 @@ def test_gpu_eagle3_proposes_the_reference(tiny_model: Callable[..., Path], tmp_
                                            backend: str, monkeypatch: pytest.MonkeyPatch
                                            ) -> None:
     """An EAGLE-3 head on CUDA in float32 (the target's layer inputs kept inside its decode,
-    prefill and verify graphs; the head's steps eager): every proposal the CPU reference's,
+    prefill and verify graphs; the head's steps through its own graphs with the Triton
+    backend, engine/eagle_graph.py, eager with torch's): every proposal the CPU reference's,
     Hugging Face's greedy tokens; then the oracle head of tests/test_eagle.py keeps every
     draft through the graphs."""
     from eagle_reference import record_proposals, reference_drafts, write_eagle3

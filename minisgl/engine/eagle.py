@@ -41,6 +41,7 @@ from minisgl.distributed import Communicator
 from minisgl.engine.build import attention_backend, construct, fill_weights
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.draft import Adjust, DraftSampling, sample_drafts
+from minisgl.engine.eagle_graph import EagleGraphs
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
 from minisgl.models import CausalLM, ModelConfig
@@ -78,6 +79,9 @@ def _head_config(path: str, local: Path, cfg: EngineConfig, target: ModelConfig,
     if model_cfg.eagle is None:
         raise ValueError(f"speculative method eagle3 needs an EAGLE-3 head (architectures "
                          f"{', '.join(EAGLE3)}); {path!r} is a {model_cfg.architecture}")
+    if model_cfg.long_rope_from:
+        raise ValueError(f"{name} scales its rope by the sequence's length (longrope): not "
+                         f"supported")
     shape = model_cfg.eagle
     layers = shape.aux_layers or default_aux_layers(target.num_layers)
     if min(layers) < 0 or max(layers) >= target.num_layers:
@@ -183,10 +187,19 @@ class EagleDraft:
         self.pool = KVPool(1, num_pages, cfg.page_size, self.model.model.local_heads.kv_heads,
                            model_cfg.head_dim, cfg.torch_dtype, self.device)
         self.backend = attention_backend(cfg, policy, self.model, self.pool, page_table)
+        self.page_table = page_table
         # Each page-table row's state before the final norm at its last position (see doc)
         self.states = torch.zeros(page_table.shape[0], model_cfg.hidden_size,
                                   dtype=cfg.torch_dtype, device=self.device)
         self.target_vocab = target_vocab
+        self.graphs: Optional[EagleGraphs] = None
+
+    def capture_graphs(self, max_rows: int, pad_row: int, scratch_slot: int) -> None:
+        """CUDA graphs of the head's step over up to `max_rows` rows (the target's graph
+        buffers' rows, its padding row and scratch slot; engine/eagle_graph.py): its draft steps
+        and its passes over decode and verify batches replay them from then on."""
+        self.graphs = EagleGraphs(self.model, self.backend,  # type: ignore[arg-type]
+                                  max_rows, self.page_table, pad_row, scratch_slot)
 
     def _positions(self, batch: Batch) -> torch.Tensor:
         rope = self.model.rope_index
@@ -203,16 +216,28 @@ class EagleDraft:
         ids = to_device(plan.ids, torch.int64, self.device)
         if tokens is not None and plan.sampled_at:
             ids[to_device(plan.sampled_at, torch.int64, self.device)] = tokens
-        view = dataclasses.replace(batch, attn_meta=None, lora=None)
-        self.backend.prepare(view)
-        _, state = self.model.step(ids, self.model.fuse(aux), self._positions(view), view,
-                                   self.backend)
+        state = self._run(batch, ids, self.model.fuse(aux))
         last = to_device([end - 1 for end in plan.ends], torch.int64, self.device)
         if batch.phase is Phase.VERIFY and tokens is not None:
             last = to_device(plan.starts, torch.int64, self.device) + kept_on_device(
                 batch.drafts or [[] for _ in batch.reqs], tokens, plan.starts)
         rows = to_device([r.table_row for r in batch.reqs], torch.int64, self.device)
         self.states[rows] = state[last]
+
+    def _run(self, batch: Batch, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The head's states over `batch`'s tokens: a graph's replay where every token can be
+        a decode row (a decode or verify batch of few enough tokens), else eager."""
+        tokens = sum(batch.extend_lens)
+        if (self.graphs is not None and batch.phase in (Phase.DECODE, Phase.VERIFY)
+                and tokens <= self.graphs.max_rows):
+            rows = [r.table_row for r, n in zip(batch.reqs, batch.extend_lens) for _ in range(n)]
+            positions = [p for prefix, n in zip(batch.prefix_lens, batch.extend_lens)
+                         for p in range(prefix, prefix + n)]
+            return self.graphs.replay(rows, positions, ids, features)
+        view = dataclasses.replace(batch, attn_meta=None, lora=None)
+        self.backend.prepare(view)
+        return self.model.step(ids, features, self._positions(view), view,
+                               self.backend).residual
 
     @torch.inference_mode()
     def propose(self, batch: Batch, adjust: Adjust) -> List[List[int]]:
@@ -253,7 +278,4 @@ class EagleDraft:
         step.out_slots = slots[to_device([starts[i] + j for i in going], torch.int64,
                                          self.device)]
         index = to_device(going, torch.int64, self.device)
-        self.backend.prepare(step)
-        _, state = self.model.step(drafts[index, j], states[index], self._positions(step), step,
-                                   self.backend)
-        return state
+        return self._run(step, drafts[index, j], states[index])
