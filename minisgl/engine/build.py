@@ -5,7 +5,7 @@ or at random (dummy weights), and the attention backend over their KV pool."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -62,3 +62,21 @@ def attention_backend(cfg: EngineConfig, policy: KernelPolicy, model: CausalLM, 
         windows=model_cfg.layer_windows, softcap=model_cfg.attn_logit_softcapping or 0.0,
         **({"policy": policy} if cfg.backend_name == "triton"
            else {"batch_invariant": policy.batch_invariant}))
+
+
+class DrafterKV(NamedTuple):
+    """A drafter's own KV pool and the attention backend over it."""
+
+    pool: KVPool
+    backend: AttentionBackend
+
+
+def drafter_kv(model: CausalLM, layers: int, cfg: EngineConfig, policy: KernelPolicy,
+               num_pages: int, page_table: torch.Tensor) -> DrafterKV:
+    """A drafter's pool of `layers` layers and `num_pages` pages (as many as the target's) in
+    the model's dtype, and its backend on the target's `page_table` (the scheduler writes
+    every slot both use)."""
+    pool = KVPool(layers, num_pages, cfg.page_size, model.model.local_heads.kv_heads,
+                  model.cfg.head_dim, cfg.torch_dtype, cfg.torch_device)
+    return DrafterKV(pool, attention_backend(cfg, policy, model, pool, page_table))
+

@@ -36,7 +36,7 @@ import torch
 
 from minisgl.core import Batch, Phase, Req
 from minisgl.distributed import Communicator
-from minisgl.engine.build import attention_backend, construct, fill_weights
+from minisgl.engine.build import construct, drafter_kv, fill_weights
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.cuda_graph import DecodeGraphs
 from minisgl.engine.sampler import sample_requests
@@ -151,10 +151,8 @@ class DraftModel:
         model_cfg: ModelConfig = self.model.cfg
         self.device = cfg.torch_device
         self.seed, self.policy = cfg.seed, policy  # the target sampler's: its noise
-        self.pool = KVPool(model_cfg.num_layers, num_pages, cfg.page_size,
-                           self.model.model.local_heads.kv_heads, model_cfg.head_dim,
-                           cfg.torch_dtype, self.device)
-        self.backend = attention_backend(cfg, policy, self.model, self.pool, page_table)
+        self.pool, self.backend = drafter_kv(self.model, model_cfg.num_layers, cfg, policy,
+                                             num_pages, page_table)
         self.page_table = page_table
         # Each page-table row's input token for the decode graphs (`capture_graphs`).
         self.inputs = torch.zeros(page_table.shape[0], dtype=torch.int64, device=self.device)

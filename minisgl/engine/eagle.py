@@ -38,7 +38,7 @@ import torch
 
 from minisgl.core import Batch, Phase
 from minisgl.distributed import Communicator
-from minisgl.engine.build import attention_backend, construct, fill_weights
+from minisgl.engine.build import construct, drafter_kv, fill_weights
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.draft import Adjust, DraftSampling, sample_drafts
 from minisgl.engine.eagle_graph import EagleGraphs
@@ -184,9 +184,7 @@ class EagleDraft:
         model_cfg: ModelConfig = self.model.cfg
         self.device = cfg.torch_device
         self.seed, self.policy = cfg.seed, policy  # the target sampler's: its noise
-        self.pool = KVPool(1, num_pages, cfg.page_size, self.model.model.local_heads.kv_heads,
-                           model_cfg.head_dim, cfg.torch_dtype, self.device)
-        self.backend = attention_backend(cfg, policy, self.model, self.pool, page_table)
+        self.pool, self.backend = drafter_kv(self.model, 1, cfg, policy, num_pages, page_table)
         self.page_table = page_table
         # Each page-table row's state before the final norm at its last position (see doc)
         self.states = torch.zeros(page_table.shape[0], model_cfg.hidden_size,
