@@ -551,6 +551,9 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str, out: Any) ->
                 vbatch = verify_batch(engine, bs, args.context, engine.model_cfg.vocab_size, bs,
                                       args.verify)
                 verify_ms = time_steps(engine, vbatch, args.steps, args.warmup) * 1e3
+                if args.profile and rank == 0:
+                    print(f"profile of a verify step at batch {bs}:\n"
+                          + profile_steps(engine, vbatch, rows=40), flush=True)
             rows.append(Row(bs, args.context, step * 1e3, (weights + kv) / bandwidth * 1e3,
                             weights / 1e9, kv / 1e9, time_graph(engine, batch, args.steps),
                             overlap * 1e3, *json_ms, verify_ms))
