@@ -32,16 +32,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from pathlib import Path
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, cast
 
 import torch
 
-from minisgl.core import Batch, Phase
+from minisgl.core import Batch, Phase, Req
 from minisgl.distributed import Communicator
 from minisgl.engine.build import construct, drafter_kv, fill_weights
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.draft import Adjust, DraftSampling, sample_drafts
 from minisgl.engine.eagle_graph import EagleGraphs
+from minisgl.engine.sampler import greedy
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
 from minisgl.models import CausalLM, ModelConfig
@@ -190,6 +191,7 @@ class EagleDraft:
         self.states = torch.zeros(page_table.shape[0], model_cfg.hidden_size,
                                   dtype=cfg.torch_dtype, device=self.device)
         self.target_vocab = target_vocab
+        self.target_ids = self.model.draft_vocab.target_ids()  # each draft token's target's
         self.graphs: Optional[EagleGraphs] = None
 
     def capture_graphs(self, max_rows: int, pad_row: int, scratch_slot: int) -> None:
@@ -222,12 +224,16 @@ class EagleDraft:
         rows = to_device([r.table_row for r in batch.reqs], torch.int64, self.device)
         self.states[rows] = state[last]
 
+    def _graphed(self, batch: Batch) -> bool:
+        """Whether `_run` replays a graph for `batch`: every token a decode row (a decode or
+        verify batch) and few enough of them."""
+        return (self.graphs is not None and batch.phase in (Phase.DECODE, Phase.VERIFY)
+                and sum(batch.extend_lens) <= self.graphs.max_rows)
+
     def _run(self, batch: Batch, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """The head's states over `batch`'s tokens: a graph's replay where every token can be
-        a decode row (a decode or verify batch of few enough tokens), else eager."""
-        tokens = sum(batch.extend_lens)
-        if (self.graphs is not None and batch.phase in (Phase.DECODE, Phase.VERIFY)
-                and tokens <= self.graphs.max_rows):
+        """The head's states over `batch`'s tokens: a graph's replay where `_graphed`, else
+        eager."""
+        if self.graphs is not None and self._graphed(batch):
             rows = [r.table_row for r, n in zip(batch.reqs, batch.extend_lens) for _ in range(n)]
             positions = [p for prefix, n in zip(batch.prefix_lens, batch.extend_lens)
                          for p in range(prefix, prefix + n)]
@@ -245,35 +251,48 @@ class EagleDraft:
         advances the requests' lengths; waits for the device once, at the end (and once a
         step where a request's logits take the target's edits, `adjust`)."""
         rooms = [ext - 1 for ext in batch.extend_lens]
-        starts = list(itertools.accumulate(batch.extend_lens, initial=0))
-        slots = batch.out_slots
-        assert slots is not None  # the scheduler's, written before any launch
         table_rows = to_device([r.table_row for r in batch.reqs], torch.int64, self.device)
         states = self.states[table_rows]
         drafts = torch.zeros((batch.size, max(rooms)), dtype=torch.int64, device=self.device)
         for j in range(max(rooms)):
             active = [i for i, room in enumerate(rooms) if room > j]
-            index = to_device(active, torch.int64, self.device)
-            logits = self.model.target_logits(self.model.model.norm(states[index]),
-                                              self.target_vocab)
-            drafts[index, j] = sample_drafts(logits, DraftSampling(
-                [batch.reqs[i] for i in active], table_rows[index], j, drafts[index, :j],
-                adjust, self.seed, self.policy, self.target_vocab))
+            # every request drafting (the common case): whole tensors, no index copies
+            at: Any = slice(None) if len(active) == batch.size else to_device(
+                active, torch.int64, self.device)
+            drafts[at, j] = self._draft(states[at], [batch.reqs[i] for i in active],
+                                        DraftSampling([], table_rows[at], j, drafts[at, :j],
+                                                      adjust, self.seed, self.policy,
+                                                      self.target_vocab))
             going = [i for i in active if rooms[i] > j + 1]
             if going:
-                states[to_device(going, torch.int64, self.device)] = self._step(
-                    batch, going, j, drafts, states, slots, starts)
+                at = slice(None) if len(going) == batch.size else to_device(
+                    going, torch.int64, self.device)
+                states[at] = self._step(batch, going, j, drafts[at, j], states[at])
         return [row[:room] for row, room in zip(drafts.tolist(), rooms)]
 
-    def _step(self, batch: Batch, going: List[int], j: int, drafts: torch.Tensor,
-              states: torch.Tensor, slots: torch.Tensor, starts: List[int]) -> torch.Tensor:
+    def _draft(self, states: torch.Tensor, reqs: List[Req], how: DraftSampling
+               ) -> torch.Tensor:
+        """The next draft of `reqs` from their states: the argmax of the draft vocabulary
+        mapped to the target's where every one samples greedily, as given (the target's
+        sampler takes the first largest, and d2t keeps the tokens' order), else sampled as
+        the verify samples (`sample_drafts`) from the logits over the target's vocabulary."""
+        normed = cast(torch.Tensor, self.model.model.norm(states))
+        if all(r.params.raw_sampling and r.params.is_greedy for r in reqs):
+            return self.target_ids[greedy(self.model.lm_head(normed), self.policy)]
+        logits = self.model.target_logits(normed, self.target_ids, self.target_vocab)
+        return sample_drafts(logits, how._replace(reqs=reqs))
+
+    def _step(self, batch: Batch, going: List[int], j: int, ids: torch.Tensor,
+              states: torch.Tensor) -> torch.Tensor:
         """One step of the head at position prefix + j of the requests `going` (batch
-        indices), over their draft j and states: their next states; K/V at the verify's
-        slots for that position."""
+        indices), over their draft j (`ids`) and `states`: their next states; K/V at the
+        verify's slots for that position (`batch.out_slots`)."""
         step = Batch(Phase.DECODE, [batch.reqs[i] for i in going],
                      [batch.prefix_lens[i] + j for i in going], [1] * len(going),
                      [True] * len(going))
-        step.out_slots = slots[to_device([starts[i] + j for i in going], torch.int64,
-                                         self.device)]
-        index = to_device(going, torch.int64, self.device)
-        return self._run(step, drafts[index, j], states[index])
+        if not self._graphed(step):  # eager: the slots as a tensor (a graph reads the table)
+            starts = list(itertools.accumulate(batch.extend_lens, initial=0))
+            slots = cast(torch.Tensor, batch.out_slots)  # the scheduler's, before any launch
+            step.out_slots = slots[to_device([starts[i] + j for i in going], torch.int64,
+                                             self.device)]
+        return self._run(step, ids, states)

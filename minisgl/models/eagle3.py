@@ -143,12 +143,14 @@ class LlamaForCausalLMEagle3(CausalLM):
                                       backend)
         return stream.normed(self.model.norm)
 
-    def target_logits(self, normed: torch.Tensor, target_vocab: int) -> torch.Tensor:
+    def target_logits(self, normed: torch.Tensor, target_ids: torch.Tensor,
+                      target_vocab: int) -> torch.Tensor:
         """float32 [rows, target_vocab] logits: the draft vocabulary's at their target
-        tokens, -inf at the others (so the target's sampling reads them)."""
+        tokens (`target_ids`: DraftVocab.target_ids), -inf at the others (so the target's
+        sampling reads them)."""
         draft = self.lm_head(normed).float()
         out = draft.new_full((draft.shape[0], target_vocab), float("-inf"))
-        out[:, self.draft_vocab.target_ids()] = draft
+        out[:, target_ids] = draft
         return out
 
     def hidden(self, *args: Any, **kw: Any) -> torch.Tensor:
