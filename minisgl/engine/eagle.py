@@ -130,23 +130,20 @@ def load_eagle(path: str, cfg: EngineConfig, comm: Communicator, policy: KernelP
 
 
 class ShadowPlan(NamedTuple):
-    """A batch's shadow inputs as the host knows them: each position's next token (0 where
-    it is sampled this step), where the sampled tokens go, and each request's index range."""
+    """A prefill batch's shadow inputs as the host knows them: each position's next token (0
+    where it is sampled this step), where the sampled tokens go, and where each request's
+    positions end (one past its last)."""
 
     ids: List[int]
     sampled_at: List[int]
-    starts: List[int]
     ends: List[int]
 
 
 def shadow_plan(batch: Batch, sampled: Sequence[int]) -> ShadowPlan:
-    """Per position of `batch`, the token after it (module doc): a prompt's next token where
-    the host has it, else the one sampled there (`sampled`: the batch indices sampled; a
-    verify batch samples every position)."""
+    """Per position of a prefill `batch` (and its decode rows), the token after it (module
+    doc): the prompt's next token where the host has it, else the one sampled there
+    (`sampled`: the batch indices sampled)."""
     ends = list(itertools.accumulate(batch.extend_lens))
-    starts = [end - n for end, n in zip(ends, batch.extend_lens)]
-    if batch.phase is Phase.VERIFY:
-        return ShadowPlan([0] * ends[-1], list(range(ends[-1])), starts, ends)
     ids: List[int] = []
     for i, (req, prefix, ext) in enumerate(zip(batch.reqs, batch.prefix_lens,
                                                batch.extend_lens)):
@@ -156,23 +153,7 @@ def shadow_plan(batch: Batch, sampled: Sequence[int]) -> ShadowPlan:
             ids.append(req.token_ids[nxt] if nxt < len(req.token_ids) else 0)
         else:
             ids.append(0)
-    return ShadowPlan(ids, [ends[i] - 1 for i in sampled], starts, ends)
-
-
-def kept_on_device(drafts: Sequence[List[int]], tokens: torch.Tensor, starts: Sequence[int]
-                   ) -> torch.Tensor:
-    """[requests] int64 on tokens' device: how many of request i's `drafts[i]` a verify step
-    keeps, given its sampled `tokens` (one per position; request i's from `starts[i]`): those
-    equal to the token sampled before them, as the scheduler finds on the host
-    (scheduler/speculative.py `kept`), without waiting for the device."""
-    most = max((len(d) for d in drafts), default=0)
-    if most == 0:
-        return torch.zeros(len(drafts), dtype=torch.int64, device=tokens.device)
-    padded = to_device([list(d) + [-1] * (most - len(d)) for d in drafts], torch.int64,
-                       tokens.device)
-    at = to_device([[min(s + j, len(tokens) - 1) for j in range(most)] for s in starts],
-                   torch.int64, tokens.device)
-    return (tokens[at] == padded).long().cumprod(dim=1).sum(dim=1)
+    return ShadowPlan(ids, [ends[i] - 1 for i in sampled], ends)
 
 
 class EagleDraft:
@@ -212,17 +193,25 @@ class EagleDraft:
         """The head over the positions `batch` just ran through the target (`aux`: their
         kept hidden states), after its sampling (`tokens`: the sampled batch indices'
         tokens, or a verify's token at every position; None where nothing was sampled)."""
+        rows = to_device([r.table_row for r in batch.reqs], torch.int64, self.device)
+        if batch.phase in (Phase.DECODE, Phase.VERIFY) and tokens is not None:
+            # every position sampled: the tokens after them are the sampled ones
+            state = self._run(batch, tokens, self.model.fuse(aux))
+            if batch.phase is Phase.DECODE:  # one position a request
+                self.states[rows] = state
+                return
+            starts = list(itertools.accumulate(batch.extend_lens[:-1], initial=0))
+            last = to_device(starts, torch.int64, self.device) + kept_on_device(
+                batch.drafts or [[] for _ in batch.reqs], tokens, starts)
+            self.states[rows] = state[last]
+            return
         plan = shadow_plan(batch, sampled)
         ids = to_device(plan.ids, torch.int64, self.device)
         if tokens is not None and plan.sampled_at:
             ids[to_device(plan.sampled_at, torch.int64, self.device)] = tokens
         state = self._run(batch, ids, self.model.fuse(aux))
-        last = to_device([end - 1 for end in plan.ends], torch.int64, self.device)
-        if batch.phase is Phase.VERIFY and tokens is not None:
-            last = to_device(plan.starts, torch.int64, self.device) + kept_on_device(
-                batch.drafts or [[] for _ in batch.reqs], tokens, plan.starts)
-        rows = to_device([r.table_row for r in batch.reqs], torch.int64, self.device)
-        self.states[rows] = state[last]
+        self.states[rows] = state[to_device([end - 1 for end in plan.ends], torch.int64,
+                                            self.device)]
 
     def _graphed(self, batch: Batch) -> bool:
         """Whether `_run` replays a graph for `batch`: every token a decode row (a decode or
