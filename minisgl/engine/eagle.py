@@ -156,6 +156,22 @@ def shadow_plan(batch: Batch, sampled: Sequence[int]) -> ShadowPlan:
     return ShadowPlan(ids, [ends[i] - 1 for i in sampled], ends)
 
 
+def kept_on_device(drafts: Sequence[List[int]], tokens: torch.Tensor, starts: Sequence[int]
+                   ) -> torch.Tensor:
+    """[requests] int64 on tokens' device: how many of request i's `drafts[i]` a verify step
+    keeps, given its sampled `tokens` (one per position; request i's from `starts[i]`): those
+    equal to the token sampled before them, as the scheduler finds on the host
+    (scheduler/speculative.py `kept`), without waiting for the device."""
+    most = max((len(d) for d in drafts), default=0)
+    if most == 0:
+        return torch.zeros(len(drafts), dtype=torch.int64, device=tokens.device)
+    padded = to_device([list(d) + [-1] * (most - len(d)) for d in drafts], torch.int64,
+                       tokens.device)
+    at = to_device([[min(s + j, len(tokens) - 1) for j in range(most)] for s in starts],
+                   torch.int64, tokens.device)
+    return (tokens[at] == padded).long().cumprod(dim=1).sum(dim=1)
+
+
 class EagleDraft:
     """The head's forward passes beside the target's (module doc). Built once the target's
     pool is sized: `num_pages` as many as the target's, `page_table` the target's."""
