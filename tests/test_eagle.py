@@ -182,6 +182,28 @@ def test_seeded_sampling_and_a_prefix_cache_give_plain_decodings_tokens(
     assert stats.cached_tokens_total > 0 and stats.verify_steps_total > 0, stats
 
 
+def test_json_schema_requests_give_plain_decodings_tokens(tiny_model: Callable[..., Path],
+                                                          tmp_path: Path) -> None:
+    """Requests held to a JSON schema (their batches sampled after the grammar's mask, the
+    head's pass after that sampling), greedy and seeded: plain decoding's tokens."""
+    from minisgl.core import StructuredOutputsParams
+    target = tiny_model("llama", num_hidden_layers=4)
+    head = write_eagle3(target, tmp_path / "head", seed=6, scale=0.2)
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"},
+                                                          "b": {"type": "string"}},
+                         "required": ["a", "b"]})
+    params = [SamplingParams(max_tokens=24, temperature=t, seed=1, structured_outputs=(
+        StructuredOutputsParams(json=schema))) for t in (0.0, 0.9)]
+    prompts = mixed_prompts(2, seed=8, lengths=(5, 12))
+    runs = []
+    for spec in (None, _spec(head)):
+        with LLM(str(target), device="cpu", page_size=4, max_kv_tokens=1024,
+                 show_progress=False, speculative_config=spec) as llm:
+            runs.append([o.token_ids for o in llm.generate(prompts, params)])
+            verified = llm.stats.verify_steps_total
+    assert runs[0] == runs[1] and verified > 0
+
+
 def test_tp2_proposes_in_lockstep(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
     """At tp=2 (the head's heads, MLP and LM head split as the target's): HF's tokens."""
     target = tiny_model("llama", num_hidden_layers=4)
