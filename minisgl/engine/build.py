@@ -13,13 +13,14 @@ from minisgl.attention import AttentionBackend, make_backend
 from minisgl.engine.config import EngineConfig
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
+from minisgl.core import Batch
+from minisgl.distributed import Communicator
 from minisgl.models import CausalLM, ModelConfig, model_class
 from minisgl.models.int_weights import dense_int_weights
-from minisgl.distributed import Communicator
 from minisgl.models.kv_scales import KVScaleCollector
 from minisgl.models.quantization import QuantPlan
 from minisgl.models.weights import init_dummy, iter_checkpoint
-from minisgl.utils import temporarily
+from minisgl.utils import temporarily, to_device
 
 
 def construct(model_cfg: ModelConfig, cfg: EngineConfig, comm: Communicator,
@@ -80,3 +81,10 @@ def drafter_kv(model: CausalLM, layers: int, cfg: EngineConfig, policy: KernelPo
                   model.cfg.head_dim, cfg.torch_dtype, cfg.torch_device)
     return DrafterKV(pool, attention_backend(cfg, policy, model, pool, page_table))
 
+
+def drafter_positions(model: CausalLM, batch: Batch, device: torch.device) -> torch.Tensor:
+    """A drafter's rope indices for `batch`'s new tokens on `device` (positions: drafters
+    refuse longrope, whose indices follow the target's requests)."""
+    rope = model.rope_index
+    return to_device([p for prefix, ext in zip(batch.prefix_lens, batch.extend_lens)
+                      for p in rope.host(prefix, ext, False)], torch.int64, device)

@@ -17,11 +17,11 @@ will use there (engine/sampler.py: a function of the seed, the output position a
 so a draft that agrees with the target's distribution proposes the token the target then
 samples, random sampling included. The target's penalties, logit bias, allowed tokens,
 min_tokens and bad words apply to the draft's logits as well (its grammars do not: a draft a
-grammar refuses ends the run there); only tokens both vocabularies hold are proposed. On CUDA its decode steps replay CUDA graphs of
-their own (engine/cuda_graph.py's, reading each row's input from the draft's `inputs` buffer);
-prefills run eager. Every rank runs them alike (the draft is split over the ranks as the target
-is, its logits gathered, the noise a function of the request), so every rank proposes the same
-drafts: the lockstep invariant holds.
+grammar refuses ends the run there); only tokens both vocabularies hold are proposed. On CUDA
+its decode steps replay CUDA graphs of their own (engine/cuda_graph.py's, reading each row's
+input from the draft's `inputs` buffer); prefills run eager. Every rank runs them alike (the
+draft is split over the ranks as the target is, its logits gathered, the noise a function of
+the request), so every rank proposes the same drafts: the lockstep invariant holds.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 
 from minisgl.core import Batch, Phase, Req
 from minisgl.distributed import Communicator
-from minisgl.engine.build import construct, drafter_kv, fill_weights
+from minisgl.engine.build import construct, drafter_kv, drafter_positions, fill_weights
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.cuda_graph import DecodeGraphs
 from minisgl.engine.sampler import sample_requests
@@ -183,16 +183,11 @@ class DraftModel:
             logits = self.graphs.replay(step).logits
             return None if logit_rows is None else logits[logit_rows]
         self.backend.prepare(step)
-        positions = self._positions(step)
+        positions = drafter_positions(self.model, step, self.device)
         if logit_rows is None:
             self.model.hidden(ids, positions, step, self.backend)
             return None
         return self.model(ids, positions, step, self.backend, logit_rows)
-
-    def _positions(self, batch: Batch) -> torch.Tensor:
-        rope = self.model.rope_index
-        return to_device([p for prefix, ext in zip(batch.prefix_lens, batch.extend_lens)
-                          for p in rope.host(prefix, ext, False)], torch.int64, self.device)
 
     @torch.inference_mode()
     def shadow(self, batch: Batch, ids: torch.Tensor, rows: torch.Tensor) -> None:
@@ -204,7 +199,8 @@ class DraftModel:
             self._decode(view, self._inputs(ids), rows, None)
             return
         self.backend.prepare(view)
-        self.model.hidden(self._inputs(ids), self._positions(view), view, self.backend)
+        self.model.hidden(self._inputs(ids), drafter_positions(self.model, view, self.device),
+                          view, self.backend)
 
     def _sample(self, logits: torch.Tensor, reqs: List[Req], rows: torch.Tensor, j: int,
                 before: torch.Tensor, adjust: Adjust) -> torch.Tensor:

@@ -38,7 +38,7 @@ import torch
 
 from minisgl.core import Batch, Phase, Req
 from minisgl.distributed import Communicator
-from minisgl.engine.build import construct, drafter_kv, fill_weights
+from minisgl.engine.build import construct, drafter_kv, drafter_positions, fill_weights
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.draft import Adjust, DraftSampling, sample_drafts
 from minisgl.engine.eagle_graph import EagleGraphs
@@ -198,11 +198,6 @@ class EagleDraft:
         self.graphs = EagleGraphs(self.model, self.backend,  # type: ignore[arg-type]
                                   max_rows, self.page_table, pad_row, scratch_slot)
 
-    def _positions(self, batch: Batch) -> torch.Tensor:
-        rope = self.model.rope_index
-        return to_device([p for prefix, ext in zip(batch.prefix_lens, batch.extend_lens)
-                          for p in rope.host(prefix, ext, False)], torch.int64, self.device)
-
     @torch.inference_mode()
     def shadow(self, batch: Batch, aux: torch.Tensor, sampled: Sequence[int],
                tokens: Optional[torch.Tensor]) -> None:
@@ -245,8 +240,8 @@ class EagleDraft:
             return self.graphs.replay(rows, positions, ids, features)
         view = dataclasses.replace(batch, attn_meta=None, lora=None)
         self.backend.prepare(view)
-        return self.model.step(ids, features, self._positions(view), view,
-                               self.backend).residual
+        rope = drafter_positions(self.model, view, self.device)
+        return self.model.step(ids, features, rope, view, self.backend).residual
 
     @torch.inference_mode()
     def propose(self, batch: Batch, adjust: Adjust) -> List[List[int]]:

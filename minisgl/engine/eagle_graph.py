@@ -15,7 +15,7 @@ The output is the head's state before its final norm, one row per input row.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import List
 
 import torch
 
@@ -43,8 +43,6 @@ class EagleGraphs:
         self.ids = torch.zeros(self.max_rows, dtype=torch.int64, device=device)
         self.features = torch.zeros(self.max_rows, model.cfg.hidden_size,
                                     dtype=model.lm_head.weight.dtype, device=device)
-        self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
-        self.states: Dict[int, torch.Tensor] = {}
         self.graphs, self.states = capture_graphs(self.sizes, self._run, device)
 
     def _run(self, n: int) -> torch.Tensor:

@@ -13,9 +13,9 @@ step (Phase.VERIFY) computes the newest token and the
 drafts as one extend and samples every position as a decode step at that length would: the
 same logits, the same noise (the sampler's step is the output position), penalties, bad
 words and grammar masks that see the drafts before it as output, so every token is the one
-plain decoding gives, greedy or seeded. Draft j is kept while it equals the token sampled before it; the
-first token that differs (or the one after the last draft) is the step's last, so a step yields
-1 to 1 + drafts tokens.
+plain decoding gives, greedy or seeded. Draft j is kept while it equals the token sampled
+before it; the first token that differs (or the one after the last draft) is the step's last,
+so a step yields 1 to 1 + drafts tokens.
 
 Drafts are a function of each request's tokens and lengths only (n-gram), or of those and the
 draft model, which every rank runs alike: every rank proposes the same ones (the lockstep
