@@ -570,6 +570,16 @@ if [ "$MODE" = s49-moe ]; then  # carrying .whl and .gpucache/mcache (~8 min): t
   done
   step moe_det_small 200 env PYTHONPATH=/tmp/site:/tmp/small bash -c "cd /tmp/small && python3 scripts/bench_latency.py --model configs/models/qwen3-30b-a3b --batch-sizes 1,16,64 --steps 20 --prefill 2048 --enable-deterministic-inference"
 fi
+if [ "$MODE" = s50 ]; then  # carrying .whl and .gpucache/mcache (~8 min): EAGLE-3 after the
+  # forty-ninth session's host-op cuts (GPU test, verify step with and without the head), the
+  # batch-1 FP8 step (issue 22's criterion on an H200)
+  export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache
+  L8=configs/models/llama-3.1-8b
+  step fp8_b1 120 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,16 --steps 100 --cuda-graph-max-bs 16 --quantization fp8 --kv-cache-dtype fp8_e4m3
+  step eagle_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "eagle3 or draft_model"
+  step verify_plain 120 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,16 --steps 30 --verify 3
+  step verify_eagle 140 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,16 --steps 30 --verify 3 --draft configs/models/eagle3-llama-3.1-8b
+fi
 if [ "$MODE" = vllm-offline ]; then  # the standard offline workload, Llama-3.1-8B and Qwen3-8B shapes
   vllm_unpack || exit 2
   step vllm_offline_llama 420 bash .peer/peer.sh offline ${PEER_FLAGS:-}
