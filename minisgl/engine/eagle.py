@@ -41,7 +41,7 @@ from minisgl.distributed import Communicator
 from minisgl.engine.build import construct, drafter_kv, drafter_positions, fill_weights
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.draft import Adjust, DraftSampling, sample_drafts
-from minisgl.engine.eagle_graph import EagleGraphs
+from minisgl.engine.eagle_graph import EagleGraphs, greedy_drafts
 from minisgl.engine.sampler import greedy
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
@@ -172,6 +172,11 @@ def kept_on_device(drafts: Sequence[List[int]], tokens: torch.Tensor, starts: Se
     return (tokens[at] == padded).long().cumprod(dim=1).sum(dim=1)
 
 
+def _greedy(req: Req) -> bool:
+    """Whether `req`'s tokens are its logits' first argmax (no edits, no sampling)."""
+    return req.params.raw_sampling and req.params.is_greedy
+
+
 class EagleDraft:
     """The head's forward passes beside the target's (module doc). Built once the target's
     pool is sized: `num_pages` as many as the target's, `page_table` the target's."""
@@ -191,12 +196,18 @@ class EagleDraft:
         self.target_ids = self.model.draft_vocab.target_ids()  # each draft token's target's
         self.graphs: Optional[EagleGraphs] = None
 
-    def capture_graphs(self, max_rows: int, pad_row: int, scratch_slot: int) -> None:
+    def capture_graphs(self, max_rows: int, pad_row: int, scratch_slot: int,
+                       verify_requests: int, drafts: int) -> None:
         """CUDA graphs of the head's step over up to `max_rows` rows (the target's graph
         buffers' rows, its padding row and scratch slot; engine/eagle_graph.py): its draft steps
-        and its passes over decode and verify batches replay them from then on."""
+        and its passes over decode and verify batches replay them from then on; and of whole
+        greedy proposals of `drafts` drafts for up to `verify_requests` requests (the verify
+        graphs' batch sizes; none where either is 0)."""
         self.graphs = EagleGraphs(self.model, self.backend,  # type: ignore[arg-type]
                                   max_rows, self.page_table, pad_row, scratch_slot)
+        if verify_requests > 0 and drafts > 0:
+            self.graphs.capture_proposals(verify_requests, drafts, self.states, self.target_ids,
+                                          self.policy)
 
     @torch.inference_mode()
     def shadow(self, batch: Batch, aux: torch.Tensor, sampled: Sequence[int],
@@ -251,6 +262,8 @@ class EagleDraft:
         advances the requests' lengths; waits for the device once, at the end (and once a
         step where a request's logits take the target's edits, `adjust`)."""
         rooms = [ext - 1 for ext in batch.extend_lens]
+        if len(set(rooms)) == 1 and rooms[0] > 0 and all(_greedy(r) for r in batch.reqs):
+            return self._greedy_proposal(batch, rooms[0]).tolist()
         table_rows = to_device([r.table_row for r in batch.reqs], torch.int64, self.device)
         states = self.states[table_rows]
         drafts = torch.zeros((batch.size, max(rooms)), dtype=torch.int64, device=self.device)
@@ -270,14 +283,27 @@ class EagleDraft:
                 states[at] = self._step(batch, going, j, drafts[at, j], states[at])
         return [row[:room] for row, room in zip(drafts.tolist(), rooms)]
 
+    def _greedy_proposal(self, batch: Batch, count: int) -> torch.Tensor:
+        """int64 [requests, count] on the device: the drafts of a verify batch whose requests
+        all sample greedily and draft `count` each: one replay of a proposal graph where one
+        fits, else `greedy_drafts` eagerly (the same steps)."""
+        table_rows = [r.table_row for r in batch.reqs]
+        if self.graphs is not None and self.graphs.can_propose(batch.size, count):
+            return self.graphs.propose(table_rows, batch.prefix_lens)
+        everyone = list(range(batch.size))
+        return greedy_drafts(
+            self.model, self.policy, self.target_ids,
+            self.states[to_device(table_rows, torch.int64, self.device)], count,
+            lambda j, ids, states: self._step(batch, everyone, j, ids, states))
+
     def _draft(self, states: torch.Tensor, reqs: List[Req], how: DraftSampling
                ) -> torch.Tensor:
-        """The next draft of `reqs` from their states: the argmax of the draft vocabulary
-        mapped to the target's where every one samples greedily, as given (the target's
-        sampler takes the first largest, and d2t keeps the tokens' order), else sampled as
-        the verify samples (`sample_drafts`) from the logits over the target's vocabulary."""
+        """The next draft of `reqs` from their states: the draft vocabulary's first argmax
+        mapped to the target's where every one samples greedily (as `greedy_drafts`), else
+        sampled as the verify samples (`sample_drafts`) from the logits over the target's
+        vocabulary."""
         normed = cast(torch.Tensor, self.model.model.norm(states))
-        if all(r.params.raw_sampling and r.params.is_greedy for r in reqs):
+        if all(_greedy(r) for r in reqs):
             return self.target_ids[greedy(self.model.lm_head(normed), self.policy)]
         logits = self.model.target_logits(normed, self.target_ids, self.target_vocab)
         return sample_drafts(logits, how._replace(reqs=reqs))

@@ -11,19 +11,48 @@ positions and lengths in one static int32 block (one host-to-device copy,
 cuda_graph.input_rows; padding rows on the spare row at position 0, whose slot is the pool's
 scratch slot), and their input tokens and features copied on the device into static buffers.
 The output is the head's state before its final norm, one row per input row.
+
+A second family (`proposals`) holds a verify step's whole greedy proposal for requests that
+each draft the same count: from each request's kept state, the LM head, the draft
+vocabulary's argmax mapped to the target's tokens and, for every draft but the last, a step of
+the head at the next position (`greedy_drafts`, which the eager path runs too). Its input
+block holds each request's page-table row and the verify's first position; a padding row stays
+at position 0 on the spare row through every step. Eagerly that proposal is a few hundred
+launches and copies; replayed it is one copy in and one graph.
 """
 
 from __future__ import annotations
 
-from typing import List
+from typing import Callable, Dict, List, Sequence
 
 import torch
 
 from minisgl.core import Batch, Phase
 from minisgl.engine.cuda_graph import (GraphableBackend, capture_graphs, graph_sizes,
                                        input_rows, static_input_blocks)
+from minisgl.engine.sampler import greedy
+from minisgl.kernels.policy import KernelPolicy
 from minisgl.models.eagle3 import LlamaForCausalLMEagle3
 from minisgl.utils import copy_from_host
+
+
+Step = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def greedy_drafts(model: LlamaForCausalLMEagle3, policy: KernelPolicy, target_ids: torch.Tensor,
+                  states: torch.Tensor, count: int, step: Step) -> torch.Tensor:
+    """int64 [rows, count]: `count` greedy drafts of each row from its head state `states`
+    (before the final norm): each the draft vocabulary's first argmax mapped through
+    `target_ids` (the target's sampler takes the first largest, and d2t keeps the tokens'
+    order), each but the last followed by `step(j, draft j, states)`, the head's next states
+    (its step at the verify's position + j, writing that position's K/V)."""
+    drafts: List[torch.Tensor] = []
+    for j in range(count):
+        normed = model.model.norm(states)
+        drafts.append(target_ids[greedy(model.lm_head(normed), policy)])
+        if j + 1 < count:
+            states = step(j, drafts[-1], states)
+    return torch.stack(drafts, dim=1)
 
 
 class EagleGraphs:
@@ -44,15 +73,61 @@ class EagleGraphs:
         self.features = torch.zeros(self.max_rows, model.cfg.hidden_size,
                                     dtype=model.lm_head.weight.dtype, device=device)
         self.graphs, self.states = capture_graphs(self.sizes, self._run, device)
+        self.proposals: Dict[int, torch.cuda.CUDAGraph] = {}
+        self.proposal_blocks: Dict[int, torch.Tensor] = {}
+        self.drafts: Dict[int, torch.Tensor] = {}
+        self.draft_count = 0
+
+    def capture_proposals(self, max_requests: int, count: int, states: torch.Tensor,
+                          target_ids: torch.Tensor, policy: KernelPolicy) -> None:
+        """Capture the greedy proposals of `count` drafts (>= 1) for up to `max_requests`
+        requests (at most max_rows) from the head's kept `states` (by page-table row; read at
+        replay, as the scheduler left them), mapping draft tokens through `target_ids`."""
+        sizes = graph_sizes(min(max_requests, self.max_rows))
+        blocks = static_input_blocks(sizes, self.pad_row, self.page_table.device)
+
+        def run(n: int) -> torch.Tensor:
+            rows, first, _ = blocks[n][:, :n]
+            real = (rows != self.pad_row).to(first.dtype)  # padding stays at position 0
+
+            def step(j: int, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+                positions = first + j * real
+                return self._step(rows, positions, positions + 1, ids, features)
+            return greedy_drafts(self.model, policy, target_ids, states[rows], count, step)
+
+        self.proposal_blocks = blocks
+        self.proposals, self.drafts = capture_graphs(sizes, run, self.page_table.device)
+        self.draft_count = count
+
+    def can_propose(self, requests: int, count: int) -> bool:
+        """Whether `propose` replays for `requests` requests drafting `count` each."""
+        return count == self.draft_count and bool(self.proposals) and requests <= max(
+            self.proposals)
+
+    def propose(self, table_rows: Sequence[int], first: Sequence[int]) -> torch.Tensor:
+        """int64 [requests, draft_count] on the device (valid until the next proposal): the
+        greedy drafts of requests at `table_rows` whose verify starts at positions `first`
+        (`can_propose`); their K/V at the slots the page table gives."""
+        n = len(table_rows)
+        size = next(s for s in sorted(self.proposals) if s >= n)
+        block = self.proposal_blocks[size]
+        copy_from_host(block, input_rows(table_rows, first, self.pad_row, block.shape[1]))
+        self.proposals[size].replay()
+        return self.drafts[size][:n]
 
     def _run(self, n: int) -> torch.Tensor:
         rows, positions, seq_lens = self.blocks[n][:, :n]
+        return self._step(rows, positions, seq_lens, self.ids[:n], self.features[:n])
+
+    def _step(self, rows: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
+              ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The head's step (captured) over decode rows in static int32 tensors."""
+        n = rows.shape[0]
         batch = Batch(Phase.DECODE, [], [0] * n, [1] * n, [True] * n)
         batch.out_slots = self.page_table[rows, positions]
         batch.attn_meta = self.backend.graph_meta(rows, positions, seq_lens)
-        return self.model.step(self.ids[:n], self.features[:n],
-                               self.model.rope_index.of_positions(positions), batch,
-                               self.backend).residual  # type: ignore[arg-type]
+        return self.model.step(ids, features, self.model.rope_index.of_positions(positions),
+                               batch, self.backend).residual  # type: ignore[arg-type]
 
     def replay(self, table_rows: List[int], positions: List[int], ids: torch.Tensor,
                features: torch.Tensor) -> torch.Tensor:

@@ -435,9 +435,12 @@ class Engine:
                 self.draft.capture_graphs(self._graph_bs, cfg.max_running_requests,
                                           self.pool.scratch_slot, cfg.torch_dtype)
             if self.eagle is not None:
-                self.eagle.capture_graphs(graph_buffer_rows(self._graph_bs, self._verify_tokens,
-                                                            self._verify_requests),
-                                          cfg.max_running_requests, self.pool.scratch_slot)
+                self.eagle.capture_graphs(
+                    graph_buffer_rows(self._graph_bs, self._verify_tokens,
+                                      self._verify_requests),
+                    cfg.max_running_requests, self.pool.scratch_slot,
+                    verify_graph_bs(self._graph_bs, self._verify_tokens, self._verify_requests),
+                    self._verify_tokens - 1)
             on_progress(f"decode CUDA graphs captured for batch sizes up to {self._graph_bs}")
         if self.device.type == "cuda" and cfg.prefill_graph_max_tokens > 0:
             self.prefill_graphs = capture_prefill_graphs(
