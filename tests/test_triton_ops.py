@@ -529,8 +529,12 @@ def test_invariant_linear_rows_do_not_depend_on_their_company(dtype: torch.dtype
 def test_invariant_linear_tma_loads_give_the_pointer_loads_bits() -> None:
     """kernels/invariant_mm.py: the TMA kernel (sm_90's prefill tiles) sums what the pointer
     kernel sums in its order, so at the same tiles it gives its bits: K in uneven ranges, rows
-    and columns past the tiles' edges, a bias, an output whose rows are strided. Float32 on
-    the interpreter (which reads TMA descriptors), bf16 on an sm_90 GPU."""
+    and columns past the tiles' edges, a bias, an output whose rows are strided. Bf16 on an
+    sm_90 GPU, bit for bit. Float32 on the interpreter (which reads TMA descriptors) to
+    float32 rounding only: there each tl.dot is numpy's matmul, and OpenBLAS sums a tile
+    product in an order that follows its operands' memory layout (the TMA path's `w.T` is a
+    transposed view, the pointer path's tile a gathered array) on some processors (an AMD
+    EPYC's), not on others."""
     import minisgl.kernels.invariant_mm as mm
     on_sm90 = DEV == "cuda" and torch.cuda.get_device_capability()[0] == 9
     if DEV == "cuda" and not on_sm90:
@@ -545,5 +549,8 @@ def test_invariant_linear_tma_loads_give_the_pointer_loads_bits() -> None:
     got, want = (torch.zeros(m, n + 16, dtype=dtype, device=DEV)[:, :n] for _ in range(2))
     mm._launch_tma(x, w, b, got, mm.InvariantTiles(*tiles, True), mm.Ranges(4, span))
     mm._launch(x, w, b, want, mm.InvariantTiles(*tiles, False), mm.Ranges(4, span))
-    assert torch.equal(got, want)
+    if on_sm90:
+        assert torch.equal(got, want)
+    else:  # a wrong tile, range or edge errs by O(1) here
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     _close(got, F.linear(x.float(), w.float(), b.float()), dtype)
