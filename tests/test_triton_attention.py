@@ -732,9 +732,11 @@ def test_store_kv_from_qkv_views() -> None:
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
-def _eager_triton_engine(model: Path, device: str, backend: str = "triton") -> Engine:
+def _eager_triton_engine(model: Path, device: str, backend: str = "triton",
+                         **engine_kw: object) -> Engine:
     """A float32 engine on the Triton backend (or `backend`) with no graphs, fused kernels or
-    PDL (a graph's body runs eagerly beside it), four requests over 1,024 one-token pages."""
+    PDL (a graph's body runs eagerly beside it), four requests over 1,024 one-token pages
+    (`engine_kw`: Engine's other arguments, e.g. a drafter)."""
     from minisgl.distributed import DistributedInfo, ProcessGroups
     from minisgl.distributed.comm import Communicator
     from minisgl.engine import Engine, EngineConfig
@@ -743,7 +745,7 @@ def _eager_triton_engine(model: Path, device: str, backend: str = "triton") -> E
                                dtype="float32", attention_backend=backend, max_kv_tokens=1024,
                                page_size=1, max_running_requests=4, cuda_graph_max_bs=0,
                                prefill_graph_tokens=0, pdl="off", fused_ops=False),
-                  ProcessGroups(Communicator(info), None))
+                  ProcessGroups(Communicator(info), None), **engine_kw)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -869,6 +871,60 @@ def test_verify_graph_body_matches_the_eager_verify_step(
     untouched[[*written, scratch]] = False
     assert torch.equal(engine.pool.k[:, untouched], before[:, untouched])
     assert bool(engine.pool.k[:, scratch].ne(0).any())  # the padding tokens' K went there
+
+
+def test_eagle_proposal_graph_body_matches_the_eager_proposal(
+        tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    """What an EAGLE-3 proposal graph holds (engine/eagle_graph.EagleGraphs.proposal over the
+    block `fill_proposal` writes: three greedy requests of three drafts after cached prefixes,
+    padded to four), run eagerly here: the eager proposal's drafts (engine/eagle.py's steps,
+    eager metadata) and its head K/V at the verify's slots; its padding writes only the
+    scratch slot. On CUDA the graphs themselves: tests/test_gpu.py."""
+    from eagle_reference import write_eagle3
+    from minisgl.engine.eagle_graph import EagleGraphs, Proposing
+    device = "cuda" if HAS_CUDA else "cpu"
+    target = tiny_model("llama", num_hidden_layers=4)
+    head = write_eagle3(target, tmp_path / "head", seed=3, draft_vocab=1000, scale=0.2)
+    engine = _eager_triton_engine(target, device, verify_tokens=4, draft_path=str(head),
+                                  draft_method="eagle3")
+    eagle = engine.eagle
+    assert eagle is not None and eagle.graphs is None
+    rng = random.Random(5)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    lens = {0: 30, 1: 9, 2: 21}  # row: known tokens (the newest not yet in the cache)
+    reqs = {row: Req(row, [rng.randrange(3, 200) for _ in range(n)], n - 1, greedy, (),
+                     table_row=row) for row, n in lens.items()}
+    for row, n in lens.items():  # slot = 128 * row + position
+        engine.page_table[row, :n + 4] = torch.arange(128 * row, 128 * row + n + 4)
+        batch = Batch(Phase.PREFILL, [reqs[row]], [0], [n - 1], [True])
+        batch.out_slots = torch.arange(128 * row, 128 * row + n - 1, device=device)
+        engine.forward(batch)  # the head's shadow keeps each row's state
+    order = [2, 0, 1]
+    verify = Batch(Phase.VERIFY, [reqs[r] for r in order], [lens[r] - 1 for r in order],
+                   [4] * 3, [True] * 3)
+    verify.out_slots = torch.tensor([128 * r + lens[r] - 1 + j for r in order
+                                     for j in range(4)], device=device)
+    eager = eagle._greedy_proposal(verify, 3).clone()
+    # the two steps after the first draft write the head's K/V at the verify's first two slots
+    written = [128 * r + lens[r] - 1 + j for r in order for j in range(2)]
+    scratch = engine.pool.scratch_slot
+    eager_k = eagle.pool.k[:, written].clone()
+    eagle.pool.k[:, [*written, scratch]] = 0
+    before = eagle.pool.k.clone()
+    graphs = EagleGraphs(eagle.model, eagle.backend, 16,  # type: ignore[arg-type]
+                         engine.page_table, 4, scratch, capture=lambda sizes, run, dev: ({}, {}))
+    graphs.capture_proposals(4, Proposing(3, eagle.states, eagle.target_ids, eagle.policy))
+    assert graphs.proposal_sizes == [1, 2, 4] and graphs.can_propose(3, 3)
+    assert not graphs.can_propose(3, 2) and not graphs.can_propose(5, 3)
+    size = graphs.fill_proposal([r.table_row for r in verify.reqs], verify.prefix_lens)
+    assert size == 4
+    body = graphs.proposal(size)
+    assert body.shape == (4, 3) and torch.equal(body[:3], eager)
+    torch.testing.assert_close(eagle.pool.k[:, written], eager_k, rtol=1e-5, atol=1e-5)
+    untouched = torch.ones(before.shape[1], dtype=torch.bool)
+    untouched[[*written, scratch]] = False
+    assert torch.equal(eagle.pool.k[:, untouched], before[:, untouched])
+    assert bool(eagle.pool.k[:, scratch].ne(0).any())  # the padding row's K went there
 
 
 def test_extend_tiles_keep_one_key_width_at_every_chunk() -> None:

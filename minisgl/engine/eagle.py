@@ -41,7 +41,7 @@ from minisgl.distributed import Communicator
 from minisgl.engine.build import construct, drafter_kv, drafter_positions, fill_weights
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.draft import Adjust, DraftSampling, sample_drafts
-from minisgl.engine.eagle_graph import EagleGraphs, greedy_drafts
+from minisgl.engine.eagle_graph import EagleGraphs, Proposing, greedy_drafts
 from minisgl.engine.sampler import greedy
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
@@ -206,8 +206,8 @@ class EagleDraft:
         self.graphs = EagleGraphs(self.model, self.backend,  # type: ignore[arg-type]
                                   max_rows, self.page_table, pad_row, scratch_slot)
         if verify_requests > 0 and drafts > 0:
-            self.graphs.capture_proposals(verify_requests, drafts, self.states, self.target_ids,
-                                          self.policy)
+            self.graphs.capture_proposals(verify_requests, Proposing(
+                drafts, self.states, self.target_ids, self.policy))
 
     @torch.inference_mode()
     def shadow(self, batch: Batch, aux: torch.Tensor, sampled: Sequence[int],

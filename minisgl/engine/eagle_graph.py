@@ -23,7 +23,7 @@ launches and copies; replayed it is one copy in and one graph.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -31,6 +31,7 @@ from minisgl.core import Batch, Phase
 from minisgl.engine.cuda_graph import (GraphableBackend, capture_graphs, graph_sizes,
                                        input_rows, static_input_blocks)
 from minisgl.engine.sampler import greedy
+from minisgl.engine.verify_graph import Capture
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.models.eagle3 import LlamaForCausalLMEagle3
 from minisgl.utils import copy_from_host
@@ -55,12 +56,26 @@ def greedy_drafts(model: LlamaForCausalLMEagle3, policy: KernelPolicy, target_id
     return torch.stack(drafts, dim=1)
 
 
+class Proposing(NamedTuple):
+    """What the proposal graphs read besides their block: `draft_count` drafts a request, from the
+    head's kept `states` (by page-table row, read at replay), draft tokens mapped through
+    `target_ids`, argmax by `policy`."""
+
+    draft_count: int
+    states: torch.Tensor
+    target_ids: torch.Tensor
+    policy: KernelPolicy
+
+
 class EagleGraphs:
     """Captures at construction (the head, its pool and the page table ready); `replay` runs
-    the head's step over at most `max_rows` rows whose slots are in the page table."""
+    the head's step over at most `max_rows` rows whose slots are in the page table.
+    `capture(sizes, run, device)` records `run(n)` for each size (a test may pass one that
+    records nothing and call the bodies, `_run` and `proposal`, eagerly)."""
 
     def __init__(self, model: LlamaForCausalLMEagle3, backend: GraphableBackend, max_rows: int,
-                 page_table: torch.Tensor, pad_row: int, scratch_slot: int) -> None:
+                 page_table: torch.Tensor, pad_row: int, scratch_slot: int,
+                 capture: Capture = capture_graphs) -> None:
         self.model, self.backend, self.page_table = model, backend, page_table
         self.sizes = graph_sizes(max_rows)
         self.max_rows = self.sizes[-1]
@@ -72,48 +87,58 @@ class EagleGraphs:
         self.ids = torch.zeros(self.max_rows, dtype=torch.int64, device=device)
         self.features = torch.zeros(self.max_rows, model.cfg.hidden_size,
                                     dtype=model.lm_head.weight.dtype, device=device)
-        self.graphs, self.states = capture_graphs(self.sizes, self._run, device)
-        self.proposals: Dict[int, torch.cuda.CUDAGraph] = {}
+        self._capture = capture
+        self.graphs, self.states = capture(self.sizes, self._run, device)
+        self.proposing: Optional[Proposing] = None
+        self.proposal_sizes: List[int] = []
         self.proposal_blocks: Dict[int, torch.Tensor] = {}
+        self.proposals: Dict[int, torch.cuda.CUDAGraph] = {}
         self.drafts: Dict[int, torch.Tensor] = {}
-        self.draft_count = 0
 
-    def capture_proposals(self, max_requests: int, count: int, states: torch.Tensor,
-                          target_ids: torch.Tensor, policy: KernelPolicy) -> None:
-        """Capture the greedy proposals of `count` drafts (>= 1) for up to `max_requests`
-        requests (at most max_rows) from the head's kept `states` (by page-table row; read at
-        replay, as the scheduler left them), mapping draft tokens through `target_ids`."""
-        sizes = graph_sizes(min(max_requests, self.max_rows))
-        blocks = static_input_blocks(sizes, self.pad_row, self.page_table.device)
-
-        def run(n: int) -> torch.Tensor:
-            rows, first, _ = blocks[n][:, :n]
-            real = (rows != self.pad_row).to(first.dtype)  # padding stays at position 0
-
-            def step(j: int, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-                positions = first + j * real
-                return self._step(rows, positions, positions + 1, ids, features)
-            return greedy_drafts(self.model, policy, target_ids, states[rows], count, step)
-
-        self.proposal_blocks = blocks
-        self.proposals, self.drafts = capture_graphs(sizes, run, self.page_table.device)
-        self.draft_count = count
+    def capture_proposals(self, max_requests: int, proposing: Proposing) -> None:
+        """Capture the greedy proposals of `proposing.draft_count` drafts (>= 1) for up to
+        `max_requests` requests (at most max_rows)."""
+        self.proposing = proposing
+        self.proposal_sizes = graph_sizes(min(max_requests, self.max_rows))
+        self.proposal_blocks = static_input_blocks(self.proposal_sizes, self.pad_row,
+                                                   self.page_table.device)
+        self.proposals, self.drafts = self._capture(self.proposal_sizes, self.proposal,
+                                                    self.page_table.device)
 
     def can_propose(self, requests: int, count: int) -> bool:
         """Whether `propose` replays for `requests` requests drafting `count` each."""
-        return count == self.draft_count and bool(self.proposals) and requests <= max(
-            self.proposals)
+        return (self.proposing is not None and count == self.proposing.draft_count
+                and requests <= self.proposal_sizes[-1])
 
-    def propose(self, table_rows: Sequence[int], first: Sequence[int]) -> torch.Tensor:
-        """int64 [requests, draft_count] on the device (valid until the next proposal): the
-        greedy drafts of requests at `table_rows` whose verify starts at positions `first`
-        (`can_propose`); their K/V at the slots the page table gives."""
-        n = len(table_rows)
-        size = next(s for s in sorted(self.proposals) if s >= n)
+    def fill_proposal(self, table_rows: Sequence[int], first: Sequence[int]) -> int:
+        """Write the proposal block of the smallest size that holds requests at `table_rows`
+        whose verify starts at positions `first`; that size."""
+        size = next(s for s in self.proposal_sizes if s >= len(table_rows))
         block = self.proposal_blocks[size]
         copy_from_host(block, input_rows(table_rows, first, self.pad_row, block.shape[1]))
+        return size
+
+    def propose(self, table_rows: Sequence[int], first: Sequence[int]) -> torch.Tensor:
+        """int64 [requests, count] on the device (valid until the next proposal): the greedy
+        drafts of requests at `table_rows` whose verify starts at positions `first`
+        (`can_propose`); the head's K/V at the slots the page table gives them."""
+        size = self.fill_proposal(table_rows, first)
         self.proposals[size].replay()
-        return self.drafts[size][:n]
+        return self.drafts[size][:len(table_rows)]
+
+    def proposal(self, n: int) -> torch.Tensor:
+        """The body of the proposal graph of `n` requests (its block as `fill_proposal` wrote
+        it): `greedy_drafts` with each step at the verify's position + j, a padding row
+        staying at position 0 on the spare row."""
+        assert self.proposing is not None  # capture_proposals set it
+        count, states, target_ids, policy = self.proposing
+        rows, first, _ = self.proposal_blocks[n][:, :n]
+        real = (rows != self.pad_row).to(first.dtype)
+
+        def step(j: int, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+            positions = first + j * real
+            return self._step(rows, positions, positions + 1, ids, features)
+        return greedy_drafts(self.model, policy, target_ids, states[rows], count, step)
 
     def _run(self, n: int) -> torch.Tensor:
         rows, positions, seq_lens = self.blocks[n][:, :n]
