@@ -33,6 +33,7 @@ from minisgl.grammar import make_checker
 from minisgl.distributed.weight_group import GroupSpec, check_update
 from minisgl.distributed.load_formats import DISK_FORMATS, TENSOR_FORMATS, check_load_format
 from minisgl.distributed.tensor_payload import serialize
+from minisgl.engine.config import environment_settings
 from minisgl.engine.sleep_parts import TAGS as SLEEP_PARTS, check_level, check_tags, sglang_parts
 from minisgl.message import AbortMsg, SchedulerStats, TokenOut, UserMsg
 from minisgl.message.tensors import from_wire
@@ -247,7 +248,8 @@ class LLM:
         if isinstance(overrides.get("lora_modules"), dict):  # {name: path}, as the flag's text
             overrides["lora_modules"] = ",".join(f"{name}={path}" for name, path
                                                  in overrides["lora_modules"].items())
-        cfg = build(SchedulerConfig(), overrides, "LLM()")
+        cfg = build(SchedulerConfig(), {**environment_settings(os.environ), **overrides},
+                    "LLM()")
         # The LoRA adapters loaded (name -> directory), least recently used first
         self._adapters: "OrderedDict[str, str]" = OrderedDict(cfg.engine.lora_adapters)
         self._lora_slots = cfg.engine.lora_slots

@@ -145,3 +145,26 @@ def test_lora_adapters_keep_the_bits(tiny_model: Callable[..., Path], tmp_path: 
         outs = llm.generate([plain, target, other], [params(None), params("a"), params("b")])
     assert _bits(outs[1].outputs[0]) == alone
     assert _bits(outs[0].outputs[0]) == plain_alone
+
+
+def test_vllms_environment_variable_turns_it_on_under_the_settings(
+        tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    """VLLM_BATCH_INVARIANT=1 (vLLM's switch) is enable_deterministic_inference for `serve`
+    and LLM() where no setting says otherwise (resolved at the launcher: the nodes'
+    fingerprints compare it); 0 is off; a setting wins; a non-integer is named."""
+    from minisgl.server.args import parse_args
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert parse_args(["--model", "m"]).engine.enable_deterministic_inference
+    config = tmp_path / "off.toml"
+    config.write_text("enable_deterministic_inference = false\n")
+    assert not parse_args(["--model", "m", "--config", str(config)]).engine \
+        .enable_deterministic_inference
+    with pytest.raises(ValueError, match="enable_deterministic_inference cannot hold with"
+                                         ".*quantization 'fp8'"):
+        LLM(str(tiny_model("llama3")), device="cpu", quantization="fp8", show_progress=False)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    assert not parse_args(["--model", "m"]).engine.enable_deterministic_inference
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "yes")
+    with pytest.raises(ValueError, match="VLLM_BATCH_INVARIANT must be an integer.*'yes'"):
+        parse_args(["--model", "m"])

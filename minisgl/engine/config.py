@@ -11,7 +11,7 @@ import json
 import os
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 
 from minisgl.devices import DTYPE_NAMES, KV_CACHE_DTYPES, dtype_name, resolve_device
 from minisgl.distributed.info import DistributedInfo
@@ -187,7 +187,8 @@ class EngineConfig:
               "graph of torch ops, its fused kernels are Triton's; another key is refused",
         json_value=True)
     enable_deterministic_inference: bool = setting(
-        False, "SGLang's (what vLLM's VLLM_BATCH_INVARIANT=1 does): batch-invariant kernels, "
+        False, "SGLang's (vLLM's VLLM_BATCH_INVARIANT=1 in the environment turns it on too, "
+               "where no setting says otherwise): batch-invariant kernels, "
                "so that a request's tokens and log-probabilities do not depend on the "
                "requests batched with it, on how its prompt is chunked or cached, or on "
                "speculation: every "
@@ -451,6 +452,25 @@ class EngineConfig:
         if self.attention_backend != "auto":
             return self.attention_backend
         return "triton" if self.device == "cuda" else "torch"
+
+
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+
+
+def environment_settings(env: Mapping[str, str]) -> Dict[str, Any]:
+    """The settings the environment `env` gives, for a launcher or LLM() to lay under its own
+    (so that every rank and node reads one value, which the nodes' fingerprints compare):
+    vLLM's VLLM_BATCH_INVARIANT, an integer as vLLM reads it (0: off), is
+    enable_deterministic_inference. ValueError naming a value that is not an integer."""
+    raw = env.get(BATCH_INVARIANT_ENV, "").strip()
+    if not raw:
+        return {}
+    try:
+        on = int(raw) != 0
+    except ValueError:
+        raise ValueError(f"{BATCH_INVARIANT_ENV} must be an integer (1: batch-invariant "
+                         f"kernels, 0: off), got {raw!r:.40}") from None
+    return {"enable_deterministic_inference": on}
 
 
 def _json_modules(text: str) -> List[Tuple[str, str]]:

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from minisgl.devices import resolve_device
 from minisgl.engine import EngineConfig
+from minisgl.engine.config import environment_settings
 from minisgl.models.generation import check_generation_overrides
 from minisgl.models.path import model_name
 from minisgl.scheduler.config import SchedulerConfig
@@ -504,7 +505,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> ServerConfig:
             raise ValueError(f"the model is given twice: {given['model_arg']!r} and --model "
                              f"{given['model']!r}")
         given["model"] = given.pop("model_arg")
-    settings: Dict[str, Any] = {}
+    settings: Dict[str, Any] = environment_settings(os.environ)  # under the file and flags
     path = given.pop("config", None)
     if path is not None:
         settings.update(load_file(path))
