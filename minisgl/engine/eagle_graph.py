@@ -23,6 +23,7 @@ launches and copies; replayed it is one copy in and one graph.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
@@ -35,6 +36,8 @@ from minisgl.engine.verify_graph import Capture
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.models.eagle3 import LlamaForCausalLMEagle3
 from minisgl.utils import copy_from_host
+
+logger = logging.getLogger(__name__)
 
 
 Step = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -104,6 +107,9 @@ class EagleGraphs:
                                                    self.page_table.device)
         self.proposals, self.drafts = self._capture(self.proposal_sizes, self.proposal,
                                                     self.page_table.device)
+        logger.info("captured %d EAGLE-3 proposal CUDA graphs (%d..%d requests, %d greedy "
+                    "drafts each)", len(self.proposals), self.proposal_sizes[0],
+                    self.proposal_sizes[-1], proposing.draft_count)
 
     def can_propose(self, requests: int, count: int) -> bool:
         """Whether `propose` replays for `requests` requests drafting `count` each."""
