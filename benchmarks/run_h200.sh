@@ -570,7 +570,9 @@ if [ "$MODE" = s49-moe ]; then  # carrying .whl and .gpucache/mcache (~8 min): t
   done
   step moe_det_small 200 env PYTHONPATH=/tmp/site:/tmp/small bash -c "cd /tmp/small && python3 scripts/bench_latency.py --model configs/models/qwen3-30b-a3b --batch-sizes 1,16,64 --steps 20 --prefill 2048 --enable-deterministic-inference"
 fi
-if [ "$MODE" = s50 ]; then  # carrying .whl and .gpucache/mcache (~8 min): EAGLE-3 after the
+if [ "$MODE" = s50 ]; then  # carrying .whl (with jsonschema's wheels: `bash
+  # ../shared/device/wheels.sh jsonschema jsonschema-specifications referencing rpds-py attrs`)
+  # and .gpucache/mcache (~8 min): EAGLE-3 after the
   # forty-ninth session's host-op cuts (GPU test, verify step with and without the head), the
   # batch-1 FP8 step (issue 22's criterion on an H200)
   export MINISGL_CACHE_DIR=$PWD/.gpucache/mcache
