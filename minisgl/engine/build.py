@@ -10,11 +10,11 @@ from typing import NamedTuple, Optional
 import torch
 
 from minisgl.attention import AttentionBackend, make_backend
+from minisgl.core import Batch
+from minisgl.distributed import Communicator
 from minisgl.engine.config import EngineConfig
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
-from minisgl.core import Batch
-from minisgl.distributed import Communicator
 from minisgl.models import CausalLM, ModelConfig, model_class
 from minisgl.models.int_weights import dense_int_weights
 from minisgl.models.kv_scales import KVScaleCollector

@@ -114,6 +114,12 @@ def logits_buffer(model: CausalLM, rows: int, device: torch.device) -> torch.Ten
 K = TypeVar("K", int, Tuple[int, int])
 
 
+# A capture of graphs keyed by batch size (`capture_graphs`'s; a test may pass one that records
+# nothing and run the bodies eagerly)
+Capture = Callable[[List[int], Callable[[int], torch.Tensor], torch.device],
+                   Tuple[Dict[int, torch.cuda.CUDAGraph], Dict[int, torch.Tensor]]]
+
+
 @torch.inference_mode()
 def capture_graphs(sizes: Sequence[K], run: Callable[[K], torch.Tensor], device: torch.device
                    ) -> Tuple[Dict[K, torch.cuda.CUDAGraph], Dict[K, torch.Tensor]]:

@@ -41,8 +41,7 @@ from minisgl.distributed import Communicator
 from minisgl.engine.build import construct, drafter_kv, drafter_positions, fill_weights
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.draft import Adjust, DraftSampling, sample_drafts
-from minisgl.engine.eagle_graph import EagleGraphs, Proposing, greedy_drafts
-from minisgl.engine.sampler import greedy
+from minisgl.engine.eagle_graph import EagleGraphs, Proposing, greedy_draft, greedy_drafts
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.kvcache import KVPool
 from minisgl.models import CausalLM, ModelConfig
@@ -302,9 +301,9 @@ class EagleDraft:
         mapped to the target's where every one samples greedily (as `greedy_drafts`), else
         sampled as the verify samples (`sample_drafts`) from the logits over the target's
         vocabulary."""
-        normed = cast(torch.Tensor, self.model.model.norm(states))
         if all(_greedy(r) for r in reqs):
-            return self.target_ids[greedy(self.model.lm_head(normed), self.policy)]
+            return greedy_draft(self.model, self.policy, self.target_ids, states)
+        normed = cast(torch.Tensor, self.model.model.norm(states))
         logits = self.model.target_logits(normed, self.target_ids, self.target_vocab)
         return sample_drafts(logits, how._replace(reqs=reqs))
 

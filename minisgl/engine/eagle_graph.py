@@ -29,10 +29,9 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 import torch
 
 from minisgl.core import Batch, Phase
-from minisgl.engine.cuda_graph import (GraphableBackend, capture_graphs, graph_sizes,
+from minisgl.engine.cuda_graph import (Capture, GraphableBackend, capture_graphs, graph_sizes,
                                        input_rows, static_input_blocks)
 from minisgl.engine.sampler import greedy
-from minisgl.engine.verify_graph import Capture
 from minisgl.kernels.policy import KernelPolicy
 from minisgl.models.eagle3 import LlamaForCausalLMEagle3
 from minisgl.utils import copy_from_host
@@ -43,17 +42,22 @@ logger = logging.getLogger(__name__)
 Step = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def greedy_draft(model: LlamaForCausalLMEagle3, policy: KernelPolicy, target_ids: torch.Tensor,
+                 states: torch.Tensor) -> torch.Tensor:
+    """int64 [rows]: each row's greedy draft from its head state (before the final norm): the
+    draft vocabulary's first argmax mapped through `target_ids` (the target's sampler takes
+    the first largest, and d2t keeps the tokens' order)."""
+    return target_ids[greedy(model.lm_head(model.model.norm(states)), policy)]
+
+
 def greedy_drafts(model: LlamaForCausalLMEagle3, policy: KernelPolicy, target_ids: torch.Tensor,
                   states: torch.Tensor, count: int, step: Step) -> torch.Tensor:
-    """int64 [rows, count]: `count` greedy drafts of each row from its head state `states`
-    (before the final norm): each the draft vocabulary's first argmax mapped through
-    `target_ids` (the target's sampler takes the first largest, and d2t keeps the tokens'
-    order), each but the last followed by `step(j, draft j, states)`, the head's next states
-    (its step at the verify's position + j, writing that position's K/V)."""
+    """int64 [rows, count]: `count` greedy drafts (`greedy_draft`) of each row from its head
+    state `states`, each but the last followed by `step(j, draft j, states)`, the head's next
+    states (its step at the verify's position + j, writing that position's K/V)."""
     drafts: List[torch.Tensor] = []
     for j in range(count):
-        normed = model.model.norm(states)
-        drafts.append(target_ids[greedy(model.lm_head(normed), policy)])
+        drafts.append(greedy_draft(model, policy, target_ids, states))
         if j + 1 < count:
             states = step(j, drafts[-1], states)
     return torch.stack(drafts, dim=1)

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
 from minisgl.core import Batch, Phase
-from minisgl.engine.cuda_graph import (GraphableBackend, capture_graphs, graph_sizes,
+from minisgl.engine.cuda_graph import (Capture, GraphableBackend, capture_graphs, graph_sizes,
                                        logits_buffer)
 from minisgl.models import CausalLM
 from minisgl.utils import aligned_width, copy_from_host
@@ -44,10 +44,6 @@ logger = logging.getLogger(__name__)
 # 512 tokens by default. Larger verify batches run eagerly, where the step is compute-bound
 # anyway.
 MAX_GRAPH_TOKENS = 512
-
-Capture = Callable[[List[int], Callable[[int], torch.Tensor], torch.device],
-                   Tuple[Dict[int, torch.cuda.CUDAGraph], Dict[int, torch.Tensor]]]
-
 
 class VerifyReplayed(NamedTuple):
     logits: torch.Tensor  # [new tokens of the batch, vocab], valid until the next replay
