@@ -586,6 +586,13 @@ if [ "$MODE" = s50 ]; then  # carrying .whl (with jsonschema's wheels: `bash
   # issue 22 is judged on an H200 only
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && step fp8_b1 120 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,16 --steps 100 --cuda-graph-max-bs 16 --quantization fp8 --kv-cache-dtype fp8_e4m3
 fi
+if [ "$MODE" = s51 ]; then  # carrying .whl and .gpucache/mcache (~4 min): issue 22's batch-1
+  # FP8 step on an H200 at this tree (last measured in the twenty-ninth session), then its kernels
+  L8=configs/models/llama-3.1-8b; FP8="--quantization fp8 --kv-cache-dtype fp8_e4m3"
+  step fp8_b1 120 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,16 --steps 100 --cuda-graph-max-bs 16 $FP8
+  step fp8_b1_profile 120 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1 --steps 30 --cuda-graph-max-bs 16 $FP8 --profile
+  step bf16_b1 120 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,16 --steps 100 --cuda-graph-max-bs 16
+fi
 if [ "$MODE" = vllm-offline ]; then  # the standard offline workload, Llama-3.1-8B and Qwen3-8B shapes
   vllm_unpack || exit 2
   step vllm_offline_llama 420 bash .peer/peer.sh offline ${PEER_FLAGS:-}
