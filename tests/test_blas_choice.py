@@ -101,24 +101,30 @@ def test_serve_flag() -> None:
         parse_args(["--tune-gemms", "--device", "cpu"])
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7])
-def test_cpu_rows_padded_or_not_give_f_linear_with_and_without_out(rows: int, bias: bool) -> None:
-    """2 to 4 rows run padded to blas.CPU_PAD_ROWS on CPU: the product is F.linear's (to float
-    rounding: another row count may take another BLAS kernel), in x's leading shape, written
-    into `out` where given; each row's product does not change with the padding's or the other
-    rows' values."""
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 64, blas.CPU_SPLIT_MAX_ROWS + 1])
+def test_cpu_products_split_over_threads_give_f_linear(rows: int, bias: bool,
+                                                       threads: int) -> None:
+    """On CPU up to CPU_SPLIT_MAX_ROWS rows run as one batched GEMM, a slice of the weight's
+    rows per torch thread (48 rows: 3 threads split them; 2 too): the product is F.linear's
+    (to float rounding; most row counts to the bit), in x's leading shape, written into `out`
+    where given, for a weight whose rows the threads cannot share (47) and one that is not
+    contiguous as well."""
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(48, 24, generator=g)
-    b = torch.randn(48, generator=g) if bias else None
-    x = torch.randn(1, rows, 24, generator=g)
-    want = torch.nn.functional.linear(x, w, b)
-    got = blas.linear(x, w, b, None)
-    assert got.shape == want.shape and got.is_contiguous()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    out = torch.full_like(want, float("nan"))
-    assert blas.linear(x, w, b, None, out=out) is out
-    assert torch.equal(out, got)
-    other = x.clone()
-    other[0, 1:] = 1e3  # the other rows' values leave row 0's bits alone
-    assert torch.equal(blas.linear(other, w, b, None)[0, 0], got[0, 0])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for w in (torch.randn(48, 24, generator=g), torch.randn(47, 24, generator=g),
+                  torch.randn(24, 96, generator=g).t()[:48]):
+            b = torch.randn(w.shape[0], generator=g) if bias else None
+            x = torch.randn(1, rows, 24, generator=g)
+            want = torch.nn.functional.linear(x, w, b)
+            got = blas.linear(x, w, b, None)
+            assert got.shape == want.shape and got.is_contiguous()
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            out = torch.full_like(want, float("nan"))
+            assert blas.linear(x, w, b, None, out=out) is out
+            assert torch.equal(out, got)
+    finally:
+        torch.set_num_threads(before)

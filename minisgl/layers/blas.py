@@ -45,12 +45,12 @@ def preferred_library(library: str) -> ContextManager[None]:
     return temporarily(prefer, prefer, library)  # type: ignore[arg-type]
 
 
-# A CPU BLAS's GEMM of 2 to 4 rows can cost more than one of 5: on an AMD EPYC, torch's MKL ran
-# the default model's projections (weights from DRAM) at 2, 3, 4 rows in 86, 104, 70 ms a step
-# against 57 ms at 5 (one core each), and padding took its decode step at batch 2 / 3 from
-# ~96 / ~122 to ~79 / ~78 ms. A row's product does not depend on the others' values.
-SLOW_CPU_ROWS = (2, 3, 4)
-CPU_PAD_ROWS = 5
+# Up to this many rows, a CPU product splits the weight's rows into one part per torch thread,
+# run as one batched GEMM (torch spreads a batch over its threads; MKL runs a GEMV or a GEMM of
+# a few rows on one core). On an AMD EPYC (2 threads) the default model's projections, weights
+# read from DRAM, took 25 / 41 / 50 / 42 ms a step at 1 / 2 / 3 / 8 rows against F.linear's 48 /
+# 78 / 97 / 56, bit for bit the same but at 5 rows; its LM head at 512 rows lost (233 / 193 ms).
+CPU_SPLIT_MAX_ROWS = 128
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -59,8 +59,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     torch's current preference, cuBLAS unless the user changed it; off CUDA there is no BLAS
     choice to make, and a CPU build of torch refuses to prefer cuBLASLt). `out`: where given,
     the result is written there and returned (utils.checked_out), by the same GEMM F.linear
-    runs (mm, or addmm with a bias, over x's rows). On CPU, 2 to 4 rows are multiplied padded
-    with zero rows to CPU_PAD_ROWS (the padding's products are dropped)."""
+    runs (mm, or addmm with a bias, over x's rows). On CPU, up to CPU_SPLIT_MAX_ROWS rows run as
+    one batched GEMM over torch's threads (`_cpu_split`), the same products to float rounding
+    (mostly to the bit)."""
     if library is None or not x.is_cuda:
         return _linear(x, weight, bias, out)
     with preferred_library(library):
@@ -70,12 +71,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             out: Optional[torch.Tensor]) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
-    if not x.is_cuda and rows.shape[0] in SLOW_CPU_ROWS:
-        product = F.linear(_padded(rows, CPU_PAD_ROWS), weight, bias)[:rows.shape[0]]
+    split = None if x.is_cuda else _cpu_split(rows, weight, bias)
+    if split is not None:
         if out is None:
-            return product.reshape(*x.shape[:-1], weight.shape[0])
-        return checked_out(out, (*x.shape[:-1], weight.shape[0]), x).copy_(
-            product.view(out.shape))
+            return split.view(*x.shape[:-1], weight.shape[0])
+        return checked_out(out, (*x.shape[:-1], weight.shape[0]), x).copy_(split.view(out.shape))
     if out is None:
         return F.linear(x, weight, bias)
     out = checked_out(out, (*x.shape[:-1], weight.shape[0]), x)
@@ -87,9 +87,20 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     return out
 
 
-def _padded(rows: torch.Tensor, count: int) -> torch.Tensor:
-    """`rows` with zero rows below, `count` in all."""
-    return torch.cat([rows, rows.new_zeros(count - rows.shape[0], rows.shape[1])])
+def _cpu_split(rows: torch.Tensor, weight: torch.Tensor,
+               bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """rows W^T + b as one batched GEMM over torch's threads, each thread a slice of W's rows
+    (CPU_SPLIT_MAX_ROWS); None where it does not apply: one thread, more rows, W not contiguous
+    or its rows not divisible among the threads."""
+    parts = torch.get_num_threads()
+    if (parts < 2 or rows.shape[0] > CPU_SPLIT_MAX_ROWS or weight.shape[0] % parts
+            or not weight.is_contiguous()):
+        return None
+    slices = weight.view(parts, -1, weight.shape[1]).transpose(1, 2)
+    each = rows.unsqueeze(0).expand(parts, -1, -1)
+    product = (torch.bmm(each, slices) if bias is None
+               else torch.baddbmm(bias.view(parts, 1, -1), each, slices))
+    return product.transpose(0, 1).reshape(rows.shape[0], weight.shape[0])
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
