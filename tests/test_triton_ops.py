@@ -20,6 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 from minisgl.kernels.policy import KernelPolicy  # noqa: E402
 from minisgl.kernels.types import HeadNorms, KVStore, KVTarget, QKVRope  # noqa: E402
 from minisgl.kernels.types import GELU_TANH, SILU  # noqa: E402
+from minisgl.layers import blas  # noqa: E402
 from minisgl.layers.activation import act_and_mul  # noqa: E402
 from minisgl.distributed import DistributedInfo  # noqa: E402
 from minisgl.layers.linear import ColumnParallelLinear, ResidualStream, project  # noqa: E402
@@ -381,9 +382,10 @@ def test_argmax_rows_of_nan_rows_stay_inside_the_row(dtype: torch.dtype) -> None
 
 
 def test_project_takes_gemv_only_with_pdl_for_one_half_precision_cuda_row() -> None:
-    """The layers' dispatch: CPU, float32, multi-row inputs and pdl off stay on F.linear."""
+    """The layers' dispatch: CPU, float32, multi-row inputs and pdl off stay on the BLAS (on
+    CPU its rows split over torch's threads: layers/blas.py)."""
     w, x = torch.randn(6, 32, device=DEV), torch.randn(1, 32, device=DEV)
-    assert torch.equal(project(x, w, policy=GEMV), F.linear(x, w))
+    assert torch.equal(project(x, w, policy=GEMV), blas.linear(x, w, None, None))
     if DEV == "cuda" and True in PDL:
         wh, xh = w.bfloat16(), x.bfloat16()
         assert torch.equal(project(xh, wh, policy=GEMV), gemv.gemv(xh, wh))
