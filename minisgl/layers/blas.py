@@ -70,8 +70,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             out: Optional[torch.Tensor]) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    split = None if x.is_cuda else _cpu_split(rows, weight, bias)
+    split = None if x.is_cuda else _cpu_split(x.reshape(-1, x.shape[-1]), weight, bias)
     if split is not None:
         if out is None:
             return split.view(*x.shape[:-1], weight.shape[0])
@@ -79,7 +78,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     if out is None:
         return F.linear(x, weight, bias)
     out = checked_out(out, (*x.shape[:-1], weight.shape[0]), x)
-    into = out.view(-1, out.shape[-1])
+    rows, into = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
     if bias is None:
         torch.mm(rows, weight.t(), out=into)
     else:
