@@ -301,7 +301,8 @@ def test_act_and_mul_quantized_splits_decode_batches(monkeypatch: pytest.MonkeyP
     assert [a[0].shape[0] for a in calls] == [3]
 
 
-@pytest.mark.parametrize("n,k,bias", [(10, 64, False), (7, 300, True), (9, 4096, True)])
+@pytest.mark.parametrize("n,k,bias", [(10, 64, False), (7, 300, True), (9, 4096, True),
+                                    (13, 8292, True)])  # down's tiles: 8 rows a program
 def test_fp8_gemv_equals_gemv_on_the_dequantized_weight(n: int, k: int, bias: bool) -> None:
     dtype = DTYPES[-1]
     w, ws = _fp8_weight(n, k)
