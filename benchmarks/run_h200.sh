@@ -596,7 +596,7 @@ fi
 if [ "$MODE" = s51-gemv ]; then  # carrying .gpucache (xp_gemv.patch: XP_GEMV="rows_small,
   # rows_big,stages_big,warps_big" sets the FP8 plain GEMV's tiles, big: K >= 8192, i.e. down)
   rm -rf /tmp/xp && cp -r "$PWD" /tmp/xp && (cd /tmp/xp && patch -s -p1 < .gpucache/xp_gemv.patch)
-  L8=configs/models/llama-3.1-8b; FP8="--quantization fp8 --kv-cache-dtype fp8_e4m3"
+  L8=configs/models/llama-3.1-8b; FP8=${XP_FLAGS:-"--quantization fp8 --kv-cache-dtype fp8_e4m3"}  # " ": bf16
   for v in ${VARIANTS:-base 4,8,2,4 8,8,2,4 4,4,3,4 2,2,2,4 4,8,2,8 base}; do
     step "gemv_${v//,/_}" 100 env XP_GEMV=$([ $v = base ] || echo $v) PYTHONPATH=/tmp/site:/tmp/xp bash -c "cd /tmp/xp && python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,16 --steps 100 --cuda-graph-max-bs 16 $FP8"
   done
