@@ -185,7 +185,7 @@ PDL = [False] + ([True] if DEV == "cuda" and torch.cuda.get_device_capability()[
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("pdl", PDL)
 @pytest.mark.parametrize("n,k,bias", [(10, 64, False), (7, 300, True), (9, 4096, False),
-                                      (5, 6144, True)])
+                                      (5, 6144, True), (13, 8292, True)])  # 8292: down's tiles
 def test_gemv_matches_linear(dtype: torch.dtype, pdl: bool, n: int, k: int, bias: bool) -> None:
     """Both tile paths (K a multiple of 4096, and not: a prefetched first tile plus a loop), N not
     a multiple of the row stripe, bias; with PDL (GPU) bit-identical to without."""

@@ -54,13 +54,13 @@ def gemv_tiles(k: int, fp8: bool = False) -> GemvTiles:
     """bf16 weights: all of K in one 4096-wide load when it divides; otherwise 2048-wide,
     double-buffered. FP8 weights (half the bytes a load): 2048-wide, double-buffered, at every
     K (at K = 4,096: 5.94 us against 6.74 for the one 4096-wide load on o_proj, 9.02 against
-    9.66 on QKV; RESULTS.md, thirteenth session). FP8 at K >= 8,192 (down's): 8 rows a
-    program and 8 warps (Llama-3.1-8B's batch-1 FP8 step on an H100 3.111 ms against 3.128
-    with down at 4 rows and 4 warps; 4 rows with 8 warps 3.193: RESULTS.md, fifty-first
-    session)."""
+    9.66 on QKV; RESULTS.md, thirteenth session). At K >= 8,192 otherwise (Llama's down,
+    14,336): 8 rows a program and 8 warps (Llama-3.1-8B's batch-1 step on an H100: FP8 3.111
+    ms against 3.128 with 4 rows and 4 warps, bf16 5.257 against 5.453; 4 rows with 8 warps
+    3.193: RESULTS.md, fifty-first session)."""
     if k % 4096 == 0 and not fp8:
         return GemvTiles(4096, 8, 1)
-    if fp8 and k >= 8192:
+    if k >= 8192:
         return GemvTiles(2048, 8, 2, 8)
     return GemvTiles(min(2048, triton.next_power_of_2(k)), 4, 2)
 
