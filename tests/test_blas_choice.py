@@ -126,5 +126,7 @@ def test_cpu_products_split_over_threads_give_f_linear(rows: int, bias: bool,
             out = torch.full_like(want, float("nan"))
             assert blas.linear(x, w, b, None, out=out) is out
             assert torch.equal(out, got)
+        half = (x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16())
+        assert torch.equal(blas.linear(*half, None), torch.nn.functional.linear(*half))
     finally:
         torch.set_num_threads(before)

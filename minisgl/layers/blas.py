@@ -45,9 +45,9 @@ def preferred_library(library: str) -> ContextManager[None]:
     return temporarily(prefer, prefer, library)  # type: ignore[arg-type]
 
 
-# Up to this many rows, a CPU product splits the weight's rows into one part per torch thread,
-# run as one batched GEMM (torch spreads a batch over its threads; MKL runs a GEMV or a GEMM of
-# a few rows on one core). On an AMD EPYC (2 threads) the default model's projections, weights
+# Up to this many rows, a float32 CPU product splits the weight's rows into one part per torch
+# thread, run as one batched GEMM (torch spreads a batch over its threads; MKL runs a GEMV or a
+# GEMM of a few rows on one core). On an AMD EPYC (2 threads) the default model's projections, weights
 # read from DRAM, took 25 / 41 / 50 / 42 ms a step at 1 / 2 / 3 / 8 rows against F.linear's 48 /
 # 78 / 97 / 56, bit for bit the same but at 5 rows; its LM head at 512 rows lost (233 / 193 ms).
 CPU_SPLIT_MAX_ROWS = 128
@@ -90,10 +90,11 @@ def _cpu_split(rows: torch.Tensor, weight: torch.Tensor,
                bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """rows W^T + b as one batched GEMM over torch's threads, each thread a slice of W's rows
     (CPU_SPLIT_MAX_ROWS); None where it does not apply: one thread, more rows, W not contiguous
-    or its rows not divisible among the threads."""
+    or its rows not divisible among the threads, or not float32 (bf16 / fp16 products run in
+    oneDNN, which uses every thread already: the split cost 5-20% there)."""
     parts = torch.get_num_threads()
-    if (parts < 2 or rows.shape[0] > CPU_SPLIT_MAX_ROWS or weight.shape[0] % parts
-            or not weight.is_contiguous()):
+    if (parts < 2 or rows.dtype != torch.float32 or rows.shape[0] > CPU_SPLIT_MAX_ROWS
+            or weight.shape[0] % parts or not weight.is_contiguous()):
         return None
     slices = weight.view(parts, -1, weight.shape[1]).transpose(1, 2)
     each = rows.unsqueeze(0).expand(parts, -1, -1)
