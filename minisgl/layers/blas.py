@@ -47,9 +47,10 @@ def preferred_library(library: str) -> ContextManager[None]:
 
 # Up to this many rows, a float32 CPU product splits the weight's rows into one part per torch
 # thread, run as one batched GEMM (torch spreads a batch over its threads; MKL runs a GEMV or a
-# GEMM of a few rows on one core). On an AMD EPYC (2 threads) the default model's projections, weights
-# read from DRAM, took 25 / 41 / 50 / 42 ms a step at 1 / 2 / 3 / 8 rows against F.linear's 48 /
-# 78 / 97 / 56, bit for bit the same but at 5 rows; its LM head at 512 rows lost (233 / 193 ms).
+# GEMM of a few rows on one core). On an AMD EPYC (2 threads) the default model's projections,
+# weights read from DRAM, took 25 / 41 / 50 / 42 ms a step at 1 / 2 / 3 / 8 rows against
+# F.linear's 48 / 78 / 97 / 56, bit for bit the same but at 5 rows; its LM head at 512 rows
+# lost (233 / 193 ms).
 CPU_SPLIT_MAX_ROWS = 128
 
 
