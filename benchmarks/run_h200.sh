@@ -593,8 +593,9 @@ if [ "$MODE" = s51 ]; then  # carrying .whl and .gpucache/mcache (~4 min): issue
   step fp8_b1_profile 120 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1 --steps 30 --cuda-graph-max-bs 16 $FP8 --profile
   step bf16_b1 120 python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,16 --steps 100 --cuda-graph-max-bs 16
 fi
-if [ "$MODE" = s51-gemv ]; then  # carrying .gpucache (xp_gemv.patch: XP_GEMV="rows_small,
-  # rows_big,stages_big,warps_big" sets the FP8 plain GEMV's tiles, big: K >= 8192, i.e. down)
+if [ "$MODE" = s51-gemv ]; then  # carrying .gpucache (xp_gemv.patch, throwaway: XP_GEMV=
+  # "rows_small,rows_big,stages_big,warps_big" sets the plain GEMV's tiles of FP8 weights and of
+  # bf16 ones whose K does not divide 4,096; big: K >= 8192, i.e. down); XP_FLAGS=" ": bf16
   rm -rf /tmp/xp && cp -r "$PWD" /tmp/xp && (cd /tmp/xp && patch -s -p1 < .gpucache/xp_gemv.patch)
   L8=configs/models/llama-3.1-8b; FP8=${XP_FLAGS:-"--quantization fp8 --kv-cache-dtype fp8_e4m3"}  # " ": bf16
   for v in ${VARIANTS:-base 4,8,2,4 8,8,2,4 4,4,3,4 2,2,2,4 4,8,2,8 base}; do

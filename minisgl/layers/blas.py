@@ -1,4 +1,6 @@
-"""Which BLAS library runs a projection's GEMM at a given row count, chosen by timing both.
+"""How a projection's GEMM reaches the BLAS: on CUDA, which library runs it at a given row
+count, chosen by timing both; on CPU, small float32 products split over torch's threads
+(`_cpu_split`: MKL runs a GEMV on one core).
 
 For the same decode-sized GEMM, cuBLAS and cuBLASLt pick different kernels, and neither library
 wins for every projection. Timed per projection with the weights streamed from memory, as in a
