@@ -281,15 +281,19 @@ if [ "$MODE" = moesweep ]; then  # every tile of the grouped GEMMs at each block
   step moe_sweep_mixtral 600 python3 scripts/bench_kernels.py --model configs/models/mixtral-8x7b --what moe --moe-sweep --moe-rows 1,64,256,8192
 fi
 # --- vLLM 0.26 side by side (the peer bundle of ../shared/peers/vllm, copied to .peer/) ----------
-# Two GPU commands, the second within 30 s of the first (the machine keeps /tmp while warm):
-#   1. `bash benchmarks/run_h200.sh vllm-stage`, carrying .peer/part01
-#   2. `bash benchmarks/run_h200.sh vllm-latency` (or vllm-offline), carrying .peer/part02,
-#      .peer/SHA256SUMS, .peer/extra-ct.tar.xz, .peer/peer.sh, .peer/run_vllm_peer.py,
-#      .peer/lat_peer.py and .whl. PEER_FLAGS go to both engines (e.g. "--quantization fp8").
+# Two GPU commands, the second within 30 s of the first (the machine keeps /tmp while warm).
+# The tree (~4 MiB) and part01 (60 MiB) no longer fit one call's 64 MiB, so part01 goes in two
+# pieces, made once here: `mkdir -p .peer/split && split -b 36M .peer/part01 .peer/split/p1_`.
+#   1. `bash benchmarks/run_h200.sh vllm-stage`, carrying .peer/split/p1_aa
+#   2. `bash benchmarks/run_h200.sh vllm-latency` (or vllm-offline), carrying .peer/split/p1_ab,
+#      .peer/part02, .peer/SHA256SUMS, .peer/extra-ct.tar.xz, .peer/peer.sh,
+#      .peer/run_vllm_peer.py, .peer/lat_peer.py and .whl. PEER_FLAGS go to both engines (e.g.
+#      "--quantization fp8").
 # The ratios go to the table at the top of benchmarks/RESULTS.md.
 vllm_unpack() {
   [ -f /tmp/vsite/.complete ] && return 0
-  cp -f .peer/part[0-9][0-9] /tmp/vllm_parts/ 2>/dev/null
+  cp -f .peer/part[0-9][0-9] .peer/split/p1_* /tmp/vllm_parts/ 2>/dev/null
+  [ -f /tmp/vllm_parts/part01 ] || cat /tmp/vllm_parts/p1_* > /tmp/vllm_parts/part01
   ( cd /tmp/vllm_parts && sha256sum -c "$OLDPWD/.peer/SHA256SUMS" ) > "$OUT/vllm_setup.log" 2>&1 \
     || { echo "vLLM parts missing: run vllm-stage first" | tee -a "$OUT/summary.txt"; return 1; }
   cat /tmp/vllm_parts/part01 /tmp/vllm_parts/part02 | tar -xJf - -C /tmp && touch /tmp/vsite/.complete
@@ -488,7 +492,7 @@ if [ "$MODE" = hostprof ]; then  # a served prefill: eager against graphed, host
   done
 fi
 if [ "$MODE" = vllm-stage ]; then
-  mkdir -p /tmp/vllm_parts && cp .peer/part01 /tmp/vllm_parts/ && echo "part01 staged"
+  mkdir -p /tmp/vllm_parts && cp .peer/split/p1_aa /tmp/vllm_parts/ && echo "part01's first piece staged"
 fi
 if [ "$MODE" = vllm-latency ]; then  # first token at 512/2048/8192, decode steps at 1/64/256
   vllm_unpack || exit 2

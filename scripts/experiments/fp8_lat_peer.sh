@@ -1,10 +1,10 @@
 # Issue 22, one GPU command (one H200): vLLM 0.26's and minisgl's FP8 decode steps at batch 1
 # and 16 by the same method (fp8_lat_peer.py), then minisgl's bench_latency numbers (the
-# overlapped step the roofline criterion is judged on). Needs /tmp/vllm_parts/part01 stored by
-# the call before (as for .peer/peer.sh):
-# run(command="bash scripts/experiments/fp8_lat_peer.sh", carry=[".peer/part02",
-#     ".peer/extra-ct.tar.xz", ".peer/SHA256SUMS", ".peer/run_vllm_peer.py", ".whl",
-#     ".gpucache/mcache"])
+# overlapped step the roofline criterion is judged on). Needs part01's first piece in
+# /tmp/vllm_parts, stored by the call before (`run_h200.sh vllm-stage`; its vLLM comment):
+# run(command="bash scripts/experiments/fp8_lat_peer.sh", carry=[".peer/split/p1_ab",
+#     ".peer/part02", ".peer/extra-ct.tar.xz", ".peer/SHA256SUMS", ".peer/run_vllm_peer.py",
+#     ".whl", ".gpucache/mcache"])
 set -u
 . scripts/experiments/vllm_site.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

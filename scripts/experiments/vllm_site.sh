@@ -1,9 +1,11 @@
 # Sourced by the experiments that run vLLM 0.26 beside minisgl on the GPU machine: unpacks the
-# peer bundle (.peer/, as .peer/peer.sh does; part01 stored in /tmp/vllm_parts by the call
-# before) into /tmp/vsite once a machine, and defines gpu_free (kill what holds the GPU).
+# peer bundle (.peer/, as .peer/peer.sh does; part01, or its first piece, stored in
+# /tmp/vllm_parts by the call before) into /tmp/vsite once a machine, and defines gpu_free (kill what holds the GPU).
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; V=$PWD/.peer
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-cp -f "$V"/part[0-9][0-9] /tmp/vllm_parts/ 2>/dev/null
+cp -f "$V"/part[0-9][0-9] "$V"/split/p1_* /tmp/vllm_parts/ 2>/dev/null
+# part01 may come in two pieces (benchmarks/run_h200.sh's vLLM comment says why and how)
+[ -f /tmp/vllm_parts/part01 ] || cat /tmp/vllm_parts/p1_* > /tmp/vllm_parts/part01 2>/dev/null
 if ! [ -f /tmp/vsite/.complete ]; then
   ( cd /tmp/vllm_parts && sha256sum -c "$V/SHA256SUMS" ) || { echo "vLLM parts missing"; exit 2; }
   cat $(awk '{print "/tmp/vllm_parts/"$2}' "$V/SHA256SUMS") | tar -xJf - -C /tmp && touch /tmp/vsite/.complete
