@@ -492,7 +492,8 @@ if [ "$MODE" = hostprof ]; then  # a served prefill: eager against graphed, host
   done
 fi
 if [ "$MODE" = vllm-stage ]; then
-  mkdir -p /tmp/vllm_parts && cp .peer/split/p1_aa /tmp/vllm_parts/ && echo "part01's first piece staged"
+  mkdir -p /tmp/vllm_parts && cp .peer/split/p1_aa /tmp/vllm_parts/ \
+    && echo "part01's first piece staged"
 fi
 if [ "$MODE" = vllm-latency ]; then  # first token at 512/2048/8192, decode steps at 1/64/256
   vllm_unpack || exit 2

@@ -1,6 +1,7 @@
 # Sourced by the experiments that run vLLM 0.26 beside minisgl on the GPU machine: unpacks the
 # peer bundle (.peer/, as .peer/peer.sh does; part01, or its first piece, stored in
-# /tmp/vllm_parts by the call before) into /tmp/vsite once a machine, and defines gpu_free (kill what holds the GPU).
+# /tmp/vllm_parts by the call before) into /tmp/vsite once a machine, and defines gpu_free
+# (kill what holds the GPU).
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; V=$PWD/.peer
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 cp -f "$V"/part[0-9][0-9] "$V"/split/p1_* /tmp/vllm_parts/ 2>/dev/null
