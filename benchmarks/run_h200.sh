@@ -607,6 +607,19 @@ if [ "$MODE" = s51-gemv ]; then  # carrying .gpucache (xp_gemv.patch, throwaway:
     step "gemv_${v//,/_}" 100 env XP_GEMV=$([ $v = base ] || echo $v) PYTHONPATH=/tmp/site:/tmp/xp bash -c "cd /tmp/xp && python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,16 --steps 100 --cuda-graph-max-bs 16 $FP8"
   done
 fi
+if [ "$MODE" = xp-norm ]; then  # carrying .whl, .gpucache/mcache (~5 min): the fused norm kernels'
+  # tiles in the model (issue 22's batch-1 step), never swept there beyond 2 / 4 pairs at 4 warps:
+  # scripts/experiments/xp_norm_tiles.patch (throwaway) reads XP_GU / XP_QKV = "pairs,warps" for
+  # norm + gate/up + SiLU and norm + QKV + rotary; VARIANTS "gu:P,W" / "qkv:P,W" / base;
+  # XP_FLAGS=" ": bf16
+  rm -rf /tmp/xp && cp -r "$PWD" /tmp/xp \
+    && (cd /tmp/xp && patch -s -p1 < scripts/experiments/xp_norm_tiles.patch)
+  L8=configs/models/llama-3.1-8b; FP8=${XP_FLAGS:-"--quantization fp8 --kv-cache-dtype fp8_e4m3"}
+  for v in ${VARIANTS:-base gu:4,8 gu:8,4 gu:8,8 gu:2,4 qkv:2,4 qkv:8,4 qkv:4,8 base}; do
+    xp=""; case $v in gu:*) xp="XP_GU=${v#gu:}";; qkv:*) xp="XP_QKV=${v#qkv:}";; esac
+    step "norm_${v//[:,]/_}" 100 env $xp PYTHONPATH=/tmp/site:/tmp/xp bash -c "cd /tmp/xp && python3 scripts/bench_latency.py --model $L8 --batch-sizes 1,16 --steps 100 --cuda-graph-max-bs 16 $FP8"
+  done
+fi
 if [ "$MODE" = vllm-offline ]; then  # the standard offline workload, Llama-3.1-8B and Qwen3-8B shapes
   vllm_unpack || exit 2
   step vllm_offline_llama 420 bash .peer/peer.sh offline ${PEER_FLAGS:-}
