@@ -10,20 +10,23 @@ from typing import Callable, List, MutableMapping
 import pytest
 import torch
 
+from minisgl.cpu_threads import available_cores
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 
 def share_cores(env: MutableMapping[str, str]) -> int:
-    """Under pytest-xdist, each worker's share of this machine's cores as its torch thread count
-    (in this process, and through OMP_NUM_THREADS in the servers and ranks its tests start);
-    0 (nothing set) outside xdist or where the user set OMP_NUM_THREADS. On two cores, two
-    workers of two threads each ran a sample of the suite 18% slower than one process (OpenMP's
-    spinning threads crowd each other out); one thread each ran the whole suite in 12 min 20 s
-    against 19 min 5 s."""
+    """Under pytest-xdist, each worker's share of the cores this process may use
+    (cpu_threads.available_cores: affinity and cgroup quota) as its torch thread count, in this
+    process and, through OMP_NUM_THREADS, in the servers and ranks its tests start; 0 (nothing
+    set) outside xdist or where the user set OMP_NUM_THREADS. On two cores, two workers of two
+    threads each ran a sample of the suite 18% slower than one process (OpenMP's spinning
+    threads crowd each other out); one thread each ran the whole suite in 12 min 20 s against
+    19 min 5 s."""
     workers = env.get("PYTEST_XDIST_WORKER_COUNT")
     if workers is None or "OMP_NUM_THREADS" in env:
         return 0
-    threads = max(1, len(os.sched_getaffinity(0)) // int(workers))
+    threads = max(1, available_cores() // int(workers))
     env["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     return threads

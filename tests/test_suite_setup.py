@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import os
 from typing import Dict
 
 import torch
 
 from conftest import share_cores
+from minisgl.cpu_threads import available_cores
 
 
 def test_xdist_workers_split_the_cores_and_leave_a_users_choice() -> None:
     before = torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0))
+    cores = available_cores()
     try:
         env: Dict[str, str] = {"PYTEST_XDIST_WORKER_COUNT": "2"}
         assert share_cores(env) == max(1, cores // 2)
