@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import pytest
 import torch
@@ -39,6 +39,8 @@ class Trainer:
         self.port = free_port()
         self.world_size = world_size
         self.group: object = None
+        self.sent = 0  # the last broadcast's tensors the ranks took
+        self.error: Optional[RuntimeError] = None  # why the last broadcast stopped early
 
     def _run(self, work: Callable[[], None]) -> threading.Thread:
         thread = threading.Thread(target=work, daemon=True)
@@ -55,9 +57,17 @@ class Trainer:
         return self._run(work)
 
     def broadcast(self, tensors: List[torch.Tensor]) -> threading.Thread:
+        """Each tensor in turn (`sent`, `error`: how it went)."""
+        self.sent, self.error = 0, None
+
         def work() -> None:
-            for t in tensors:
-                self.group.broadcast([t.contiguous()], dist.BroadcastOptions()).wait()  # type: ignore
+            group: dist.ProcessGroup = self.group  # type: ignore[assignment]
+            try:
+                for t in tensors:
+                    group.broadcast([t.contiguous()], dist.BroadcastOptions()).wait()
+                    self.sent += 1
+            except RuntimeError as e:  # the ranks left the group before taking every tensor
+                self.error = e
         return self._run(work)
 
 
@@ -91,9 +101,16 @@ def test_offline_weights_from_a_trainers_group(two_llamas: List[Path], tp: int) 
             assert not _update(push, trainer, tensors, bucket).is_alive()
         assert greedy_tokens(llm, prompts) == want_b
         bad = dict(tensors, **{"model.layers.0.mlp.nothing.weight": torch.zeros(2, 3)})
+        sending = trainer.broadcast([bad["model.layers.0.mlp.nothing.weight"],
+                                     *(tensors[n] for n in names[:3])])
         with pytest.raises(ValueError, match="nothing"):
-            _update(push, trainer, bad, ["model.layers.0.mlp.nothing.weight", names[0]])
+            push(["model.layers.0.mlp.nothing.weight", *names[:3]], ["float32"] * 4,
+                 [[2, 3], *(list(tensors[n].shape) for n in names[:3])])
+        sending.join(60)  # the ranks took every tensor the trainer sent, the bad one's too
+        assert not sending.is_alive() and trainer.error is None and trainer.sent == 4
         assert greedy_tokens(llm, prompts) == want_a  # the checkpoint loaded from disk again
+        assert not _update(push, trainer, tensors, names).is_alive()  # no tensor left behind
+        assert trainer.error is None and greedy_tokens(llm, prompts) == want_b
         llm.destroy_weights_update_group()
         with pytest.raises(ValueError, match="no weight update group"):
             llm.destroy_weights_update_group()

@@ -663,7 +663,14 @@ class Engine:
                                  f"first)")
         received = group.receive_all([(n, parse_dtype(d), tuple(shape))
                                       for n, d, shape in tensors])
-        self.load_some_weights(received)
+        try:
+            self.load_some_weights(received)
+        finally:
+            # The trainer sends every tensor whatever happens here: those a failed load left
+            # unread are taken now, or the trainer would wait on them and the next update
+            # would read them as its own.
+            for _ in received:
+                pass
 
     @torch.no_grad()
     def load_some_weights(self, named: Iterable[Tuple[str, torch.Tensor]]) -> None:
